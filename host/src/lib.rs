@@ -1,0 +1,19 @@
+//! Stowage host runtime: the host owns every byte, policies only decide.
+//!
+//! | module | what it holds |
+//! |---|---|
+//! | [`tensor`] | `Tensor`: immutable bytes + dtype/shape, zero-copy rows and strided views |
+//! | [`batch`] | `Field` (regular, nested, values), `Value`, `Cell` |
+//! | [`plan`] | selection and frame plans: validation and execution |
+//! | [`policy`] | the `Policy` trait, the built-in, the Wasm runtime, chains, the registry |
+//!
+//! The policy path: a [`policy::chain::Chain`] asks its policies for a
+//! [`plan::SelectionPlan`], validates it with [`plan::validate_selection`],
+//! falls back to [`policy::builtin::Builtin`] on any fault, and the caller
+//! runs [`plan::execute_selection`], which slices views out of the original
+//! buffer and allocates only for gathers and concatenations.
+
+pub mod batch;
+pub mod plan;
+pub mod policy;
+pub mod tensor;

@@ -1,0 +1,107 @@
+//! Policies: who decides how rows are selected and packed.
+//!
+//! The rest of the host sees every policy through the [`Policy`] trait. Two
+//! implementations exist: [`builtin::Builtin`], native and always correct,
+//! and [`wasm::WasmPolicy`], a sandboxed component loaded from a `.wasm`
+//! file. [`chain::Chain`] asks policies in order, validates what they answer
+//! and falls back to the built-in on any fault; [`registry::Registry`] loads
+//! a plugin directory and builds chains per field-name pattern.
+
+pub mod builtin;
+pub mod chain;
+pub mod registry;
+pub mod wasm;
+
+use crate::batch::Field;
+use crate::plan::{FramePlan, PackLimits, PieceInfo, SelectionPlan};
+
+/// What a policy can do.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Capability {
+    Selection,
+    Packing,
+}
+
+/// Field kinds, as in the WIT `field-kind`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FieldKind {
+    Regular,
+    Nested,
+    Values,
+}
+
+/// Identity of a policy, from its `describe()`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Description {
+    pub name: String,
+    pub version: String,
+    pub summary: String,
+    pub capabilities: Vec<Capability>,
+    pub kinds: Vec<FieldKind>,
+}
+
+/// Why a call into a policy produced no plan.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum PolicyError {
+    /// The policy does not handle this input; ask the next one.
+    #[error("not applicable")]
+    NotApplicable,
+    /// The policy says the input is not something it can plan for.
+    #[error("invalid input: {0}")]
+    InvalidInput(String),
+    /// The policy reported its own failure.
+    #[error("policy failed: {0}")]
+    Failed(String),
+    /// The sandbox stopped the call (trap, timeout, memory cap, bad handle).
+    #[error("{0}")]
+    Fault(Fault),
+}
+
+/// A fault raised by the sandbox, as opposed to an error the policy chose.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Fault {
+    #[error("trap: {0}")]
+    Trap(String),
+    #[error("ran out of fuel (deadline)")]
+    Timeout,
+    #[error("memory cap reached: {0}")]
+    MemoryCap(String),
+    #[error("could not instantiate: {0}")]
+    Instantiate(String),
+}
+
+impl Fault {
+    /// Label used in counters and logs.
+    pub fn label(&self) -> &'static str {
+        match self {
+            Fault::Trap(_) => "trap",
+            Fault::Timeout => "timeout",
+            Fault::MemoryCap(_) => "memory",
+            Fault::Instantiate(_) => "instantiate",
+        }
+    }
+}
+
+/// A selection and packing policy.
+///
+/// Implementations must be cheap to call concurrently; they never see or
+/// return bytes, only layouts and plans. Callers validate every plan.
+pub trait Policy: Send + Sync {
+    /// Name, version and capabilities.
+    fn describe(&self) -> &Description;
+
+    /// Plans the rows at `positions` of `field`.
+    fn select(&self, field: &Field, positions: &[u64]) -> Result<SelectionPlan, PolicyError>;
+
+    /// Groups pieces into frames.
+    fn pack(&self, pieces: &[PieceInfo], limits: &PackLimits) -> Result<FramePlan, PolicyError>;
+}
+
+impl std::fmt::Debug for dyn Policy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let d = self.describe();
+        write!(f, "Policy({} {})", d.name, d.version)
+    }
+}

@@ -1,0 +1,355 @@
+//! Immutable tensors over shared bytes.
+//!
+//! A [`Tensor`] is a [`Bytes`] buffer (a slice of a received frame, of a
+//! shared-memory mapping, or of a gathered copy) plus a [`Layout`]. Rows live
+//! on axis 0. Only axis 0 may be strided: every row is itself C-contiguous, so
+//! a row is always one byte range and can be handed out as a `Bytes` slice.
+//! Cloning a tensor, taking a row or a strided view of rows never copies.
+
+use bytes::{Bytes, BytesMut};
+
+/// Element type of a tensor. Names follow torch (`float32`, `bfloat16`, ...).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum DType {
+    Bool,
+    U8,
+    I8,
+    I16,
+    U16,
+    I32,
+    U32,
+    I64,
+    U64,
+    F16,
+    BF16,
+    F32,
+    F64,
+    Complex64,
+    Complex128,
+}
+
+impl DType {
+    /// Every dtype, in a stable order (used by tests and the WIT mapping).
+    pub const ALL: [DType; 15] = [
+        DType::Bool,
+        DType::U8,
+        DType::I8,
+        DType::I16,
+        DType::U16,
+        DType::I32,
+        DType::U32,
+        DType::I64,
+        DType::U64,
+        DType::F16,
+        DType::BF16,
+        DType::F32,
+        DType::F64,
+        DType::Complex64,
+        DType::Complex128,
+    ];
+
+    /// Size of one element in bytes.
+    pub const fn itemsize(self) -> usize {
+        match self {
+            DType::Bool | DType::U8 | DType::I8 => 1,
+            DType::I16 | DType::U16 | DType::F16 | DType::BF16 => 2,
+            DType::I32 | DType::U32 | DType::F32 => 4,
+            DType::I64 | DType::U64 | DType::F64 | DType::Complex64 => 8,
+            DType::Complex128 => 16,
+        }
+    }
+
+    /// The torch name without the `torch.` prefix, as TransferQueue writes it.
+    pub const fn name(self) -> &'static str {
+        match self {
+            DType::Bool => "bool",
+            DType::U8 => "uint8",
+            DType::I8 => "int8",
+            DType::I16 => "int16",
+            DType::U16 => "uint16",
+            DType::I32 => "int32",
+            DType::U32 => "uint32",
+            DType::I64 => "int64",
+            DType::U64 => "uint64",
+            DType::F16 => "float16",
+            DType::BF16 => "bfloat16",
+            DType::F32 => "float32",
+            DType::F64 => "float64",
+            DType::Complex64 => "complex64",
+            DType::Complex128 => "complex128",
+        }
+    }
+
+    /// Parses a torch dtype name (`float32`, also `torch.float32` and the
+    /// aliases `float`, `half`, `double`, `long`, `int`, `short`).
+    pub fn from_name(name: &str) -> Option<DType> {
+        let name = name.strip_prefix("torch.").unwrap_or(name);
+        let alias = match name {
+            "float" => "float32",
+            "half" => "float16",
+            "double" => "float64",
+            "long" => "int64",
+            "int" => "int32",
+            "short" => "int16",
+            other => other,
+        };
+        DType::ALL.into_iter().find(|d| d.name() == alias)
+    }
+}
+
+impl std::fmt::Display for DType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Why a tensor could not be built from bytes and a declared layout.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum TensorError {
+    #[error("shape {shape:?} of {dtype} needs {expected} bytes, the buffer has {actual}")]
+    LengthMismatch { dtype: DType, shape: Vec<u64>, expected: u128, actual: usize },
+    #[error("shape {0:?} overflows the addressable size")]
+    Overflow(Vec<u64>),
+    #[error("tensor has no row axis (shape is empty)")]
+    NoRows,
+    #[error("row {row} out of range for a tensor of {rows} rows")]
+    RowOutOfRange { row: u64, rows: u64 },
+    #[error("rows view start={start} step={step} count={count} leaves a tensor of {rows} rows")]
+    ViewOutOfRange { start: u64, step: u64, count: u64, rows: u64 },
+}
+
+/// Number of bytes a C-contiguous tensor of `shape` needs, checked.
+pub fn contiguous_len(dtype: DType, shape: &[u64]) -> Result<usize, TensorError> {
+    let mut n: u128 = dtype.itemsize() as u128;
+    for &d in shape {
+        n = n.checked_mul(d as u128).ok_or_else(|| TensorError::Overflow(shape.to_vec()))?;
+        if n > isize::MAX as u128 {
+            return Err(TensorError::Overflow(shape.to_vec()));
+        }
+    }
+    Ok(n as usize)
+}
+
+/// An immutable, possibly row-strided tensor over shared bytes.
+///
+/// Ownership: the tensor holds a reference count on the allocation behind
+/// `bytes`; the allocation is freed when the last tensor, row or frame that
+/// points into it is dropped.
+#[derive(Clone, PartialEq)]
+pub struct Tensor {
+    bytes: Bytes,
+    dtype: DType,
+    shape: Vec<u64>,
+    /// Distance between consecutive rows, in bytes.
+    row_stride: usize,
+}
+
+impl std::fmt::Debug for Tensor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tensor")
+            .field("dtype", &self.dtype)
+            .field("shape", &self.shape)
+            .field("row_stride", &self.row_stride)
+            .field("byte_len", &self.bytes.len())
+            .finish()
+    }
+}
+
+impl Tensor {
+    /// A C-contiguous tensor over `bytes`; the length must match exactly.
+    pub fn contiguous(bytes: Bytes, dtype: DType, shape: Vec<u64>) -> Result<Tensor, TensorError> {
+        let expected = contiguous_len(dtype, &shape)?;
+        if expected != bytes.len() {
+            return Err(TensorError::LengthMismatch {
+                dtype,
+                shape,
+                expected: expected as u128,
+                actual: bytes.len(),
+            });
+        }
+        let row_stride = if shape.is_empty() { 0 } else { contiguous_len(dtype, &shape[1..])? };
+        Ok(Tensor { bytes, dtype, shape, row_stride })
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    pub fn shape(&self) -> &[u64] {
+        &self.shape
+    }
+
+    /// Number of rows (the size of axis 0); 1 for a scalar.
+    pub fn rows(&self) -> u64 {
+        self.shape.first().copied().unwrap_or(1)
+    }
+
+    /// Shape of one row.
+    pub fn row_shape(&self) -> &[u64] {
+        self.shape.get(1..).unwrap_or(&[])
+    }
+
+    /// Bytes in one row.
+    pub fn row_bytes(&self) -> usize {
+        if self.shape.is_empty() { self.bytes.len() } else { contiguous_len(self.dtype, self.row_shape()).unwrap_or(0) }
+    }
+
+    /// Strides in elements, as torch reports them.
+    pub fn strides(&self) -> Vec<i64> {
+        let item = self.dtype.itemsize() as i64;
+        let mut out = vec![0i64; self.shape.len()];
+        let mut acc = 1i64;
+        for i in (0..self.shape.len()).rev() {
+            out[i] = acc;
+            acc = acc.saturating_mul(self.shape[i].max(1) as i64);
+        }
+        if let Some(first) = out.first_mut() {
+            *first = self.row_stride as i64 / item;
+        }
+        out
+    }
+
+    /// Bytes spanned by this tensor in its buffer (gaps included).
+    pub fn byte_len(&self) -> usize {
+        self.bytes.len()
+    }
+
+    /// Bytes of the elements themselves (gaps excluded).
+    pub fn payload_len(&self) -> usize {
+        self.row_bytes() * self.rows() as usize
+    }
+
+    /// True if the rows follow each other without gaps.
+    pub fn is_contiguous(&self) -> bool {
+        self.shape.is_empty() || self.rows() <= 1 || self.row_stride == self.row_bytes()
+    }
+
+    /// The underlying buffer (for a strided view: from the first byte of the
+    /// first row to the last byte of the last row).
+    pub fn buffer(&self) -> &Bytes {
+        &self.bytes
+    }
+
+    /// Row `i` as a zero-copy slice.
+    pub fn row(&self, i: u64) -> Result<Bytes, TensorError> {
+        if self.shape.is_empty() || i >= self.rows() {
+            return Err(TensorError::RowOutOfRange { row: i, rows: self.rows() });
+        }
+        let start = i as usize * self.row_stride;
+        Ok(self.bytes.slice(start..start + self.row_bytes()))
+    }
+
+    /// Row `i` as a tensor of the row's shape (zero copy).
+    pub fn row_tensor(&self, i: u64) -> Result<Tensor, TensorError> {
+        let bytes = self.row(i)?;
+        Tensor::contiguous(bytes, self.dtype, self.row_shape().to_vec())
+    }
+
+    /// Rows `start, start+step, ...` (`count` of them) as a zero-copy view.
+    pub fn rows_view(&self, start: u64, step: u64, count: u64) -> Result<Tensor, TensorError> {
+        let rows = self.rows();
+        let bad = || TensorError::ViewOutOfRange { start, step, count, rows };
+        if self.shape.is_empty() || step == 0 {
+            return Err(bad());
+        }
+        let mut shape = self.shape.clone();
+        shape[0] = count;
+        if count == 0 {
+            return Ok(Tensor { bytes: Bytes::new(), dtype: self.dtype, shape, row_stride: self.row_bytes() });
+        }
+        let last = (count - 1).checked_mul(step).and_then(|x| x.checked_add(start)).ok_or_else(bad)?;
+        if last >= rows {
+            return Err(bad());
+        }
+        let begin = start as usize * self.row_stride;
+        let end = last as usize * self.row_stride + self.row_bytes();
+        let row_stride = if count == 1 { self.row_bytes() } else { self.row_stride * step as usize };
+        Ok(Tensor { bytes: self.bytes.slice(begin..end), dtype: self.dtype, shape, row_stride })
+    }
+
+    /// Copies `positions` (in order, repeats allowed) into one new contiguous
+    /// tensor: exactly one allocation of the selected bytes.
+    pub fn gather(&self, positions: &[u64]) -> Result<Tensor, TensorError> {
+        let row_bytes = self.row_bytes();
+        for &p in positions {
+            if self.shape.is_empty() || p >= self.rows() {
+                return Err(TensorError::RowOutOfRange { row: p, rows: self.rows() });
+            }
+        }
+        let mut out = BytesMut::with_capacity(row_bytes * positions.len());
+        for &p in positions {
+            let start = p as usize * self.row_stride;
+            out.extend_from_slice(&self.bytes[start..start + row_bytes]);
+        }
+        let mut shape = self.shape.clone();
+        shape[0] = positions.len() as u64;
+        Tensor::contiguous(out.freeze(), self.dtype, shape)
+    }
+
+    /// The elements as one contiguous buffer: zero copy when already
+    /// contiguous, one copy otherwise.
+    pub fn contiguous_bytes(&self) -> Bytes {
+        if self.is_contiguous() {
+            return self.bytes.clone();
+        }
+        let all: Vec<u64> = (0..self.rows()).collect();
+        self.gather(&all).map(|t| t.bytes).unwrap_or_default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn arange(rows: u64, cols: u64) -> Tensor {
+        let data: Vec<u8> = (0..rows * cols).flat_map(|v| (v as f32).to_le_bytes()).collect();
+        Tensor::contiguous(Bytes::from(data), DType::F32, vec![rows, cols]).unwrap()
+    }
+
+    fn floats(b: &[u8]) -> Vec<f32> {
+        b.chunks(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()
+    }
+
+    #[test]
+    fn strided_view_shares_the_buffer() {
+        let t = arange(8, 2);
+        let v = t.rows_view(1, 3, 3).unwrap();
+        assert_eq!(v.shape(), &[3, 2]);
+        assert_eq!(v.strides(), vec![6, 1]);
+        assert!(!v.is_contiguous());
+        assert_eq!(floats(&v.row(2).unwrap()), vec![14.0, 15.0]);
+        let base = t.buffer().as_ptr() as usize;
+        let p = v.buffer().as_ptr() as usize;
+        assert!(p >= base && p + v.byte_len() <= base + t.byte_len());
+        assert_eq!(floats(&v.contiguous_bytes()), vec![2.0, 3.0, 8.0, 9.0, 14.0, 15.0]);
+    }
+
+    #[test]
+    fn views_out_of_range_are_refused() {
+        let t = arange(4, 2);
+        assert!(t.rows_view(0, 2, 3).is_err());
+        assert!(t.rows_view(0, 0, 1).is_err());
+        assert!(t.rows_view(u64::MAX, u64::MAX, 2).is_err());
+        assert!(t.row(4).is_err());
+        assert!(t.gather(&[0, 9]).is_err());
+    }
+
+    #[test]
+    fn length_must_match_shape() {
+        let err = Tensor::contiguous(Bytes::from(vec![0u8; 7]), DType::F32, vec![2]).unwrap_err();
+        assert!(matches!(err, TensorError::LengthMismatch { .. }));
+        assert!(Tensor::contiguous(Bytes::new(), DType::F32, vec![u64::MAX, u64::MAX]).is_err());
+        assert!(Tensor::contiguous(Bytes::new(), DType::F32, vec![0, 5]).is_ok());
+    }
+
+    #[test]
+    fn dtype_names_round_trip() {
+        for d in DType::ALL {
+            assert_eq!(DType::from_name(d.name()), Some(d));
+        }
+        assert_eq!(DType::from_name("torch.float"), Some(DType::F32));
+        assert_eq!(DType::from_name("float8"), None);
+    }
+}
