@@ -6,6 +6,7 @@
 //! | [`batch`] | `Field` (regular, nested, values), `Value`, `Cell` |
 //! | [`plan`] | selection and frame plans: validation and execution |
 //! | [`policy`] | the `Policy` trait, the built-in, the Wasm runtime, chains, the registry |
+//! | [`store`] | storage units: one cell per (global index, field), capacity in bytes |
 //!
 //! The policy path: a [`policy::chain::Chain`] asks its policies for a
 //! [`plan::SelectionPlan`], validates it with [`plan::validate_selection`],
@@ -16,4 +17,5 @@
 pub mod batch;
 pub mod plan;
 pub mod policy;
+pub mod store;
 pub mod tensor;

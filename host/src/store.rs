@@ -1,0 +1,268 @@
+//! Storage units: one value per (global index, field).
+//!
+//! A stored row of a regular tensor is a zero-copy slice of the frame it
+//! arrived in ([`Cell::Tensor`] over shared `Bytes`); the frame's memory is
+//! freed when the last row pointing into it is cleared or overwritten.
+//! Capacity is counted in bytes of the stored rows. A put is all-or-nothing:
+//! it is checked completely (lengths, duplicates, capacity) before the first
+//! row is written, under the unit's lock.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use crate::batch::Cell;
+
+/// Why a unit refused a request. Nothing was changed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum StoreError {
+    #[error("[TQKeyNotFound] key (global_index={index}, field={field}) not found in unit {unit}")]
+    KeyNotFound { unit: String, index: u64, field: String },
+    #[error("unit {unit} is full: the put needs {needed} more bytes, {free} of {capacity} are free")]
+    Capacity { unit: String, needed: u64, free: u64, capacity: u64 },
+    #[error("global index {0} appears more than once in one put")]
+    DuplicateIndex(u64),
+    #[error("field {field} has {rows} rows for {indexes} global indexes")]
+    RowCount { field: String, rows: usize, indexes: usize },
+    #[error("empty batch: no global indexes")]
+    Empty,
+}
+
+/// Counters of one unit (monotonic, for metrics).
+#[derive(Debug, Default)]
+pub struct UnitCounters {
+    pub puts: AtomicU64,
+    pub gets: AtomicU64,
+    pub clears: AtomicU64,
+    pub metrics: AtomicU64,
+}
+
+#[derive(Default)]
+struct Inner {
+    rows: HashMap<u64, Vec<(Arc<str>, Cell)>>,
+    bytes: u64,
+    keys: u64,
+}
+
+/// One storage unit.
+pub struct Unit {
+    id: String,
+    capacity: Option<u64>,
+    inner: Mutex<Inner>,
+    pub counters: UnitCounters,
+}
+
+impl std::fmt::Debug for Unit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Unit").field("id", &self.id).field("capacity", &self.capacity).finish()
+    }
+}
+
+/// A snapshot of a unit's size.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct UnitStats {
+    pub keys: u64,
+    pub rows: u64,
+    pub bytes: u64,
+    pub capacity: Option<u64>,
+}
+
+impl Unit {
+    /// A unit with an optional capacity in bytes.
+    pub fn new(id: impl Into<String>, capacity: Option<u64>) -> Unit {
+        Unit { id: id.into(), capacity, inner: Mutex::new(Inner::default()), counters: UnitCounters::default() }
+    }
+
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Stores `fields[f].1[i]` under `(global_indexes[i], fields[f].0)`.
+    /// Existing keys are overwritten. All or nothing.
+    pub fn put(&self, global_indexes: &[u64], fields: Vec<(String, Vec<Cell>)>) -> Result<(), StoreError> {
+        self.counters.puts.fetch_add(1, Ordering::Relaxed);
+        if global_indexes.is_empty() {
+            return Err(StoreError::Empty);
+        }
+        let mut seen = std::collections::HashSet::with_capacity(global_indexes.len());
+        for &g in global_indexes {
+            if !seen.insert(g) {
+                return Err(StoreError::DuplicateIndex(g));
+            }
+        }
+        for (name, cells) in &fields {
+            if cells.len() != global_indexes.len() {
+                return Err(StoreError::RowCount { field: name.clone(), rows: cells.len(), indexes: global_indexes.len() });
+            }
+        }
+        let mut inner = self.lock();
+        // Capacity: bytes after the put, counting overwritten cells as freed.
+        let added: u64 = fields.iter().flat_map(|(_, c)| c.iter()).map(|c| c.byte_len() as u64).sum();
+        let mut freed = 0u64;
+        for (name, _) in &fields {
+            for g in global_indexes {
+                if let Some(row) = inner.rows.get(g)
+                    && let Some((_, cell)) = row.iter().find(|(n, _)| **n == **name)
+                {
+                    freed += cell.byte_len() as u64;
+                }
+            }
+        }
+        if let Some(capacity) = self.capacity {
+            let after = inner.bytes - freed + added;
+            if after > capacity {
+                return Err(StoreError::Capacity {
+                    unit: self.id.clone(),
+                    needed: added.saturating_sub(freed),
+                    free: capacity.saturating_sub(inner.bytes),
+                    capacity,
+                });
+            }
+        }
+        for (name, cells) in fields {
+            let name: Arc<str> = Arc::from(name.as_str());
+            for (g, cell) in global_indexes.iter().zip(cells) {
+                let row = inner.rows.entry(*g).or_default();
+                match row.iter_mut().find(|(n, _)| *n == name) {
+                    Some(slot) => slot.1 = cell,
+                    None => {
+                        row.push((name.clone(), cell));
+                        inner.keys += 1;
+                    }
+                }
+            }
+        }
+        inner.bytes = inner.bytes - freed + added;
+        Ok(())
+    }
+
+    /// The cells of `fields` at `global_indexes`, field by field, in request
+    /// order. Any missing key fails the whole request.
+    pub fn get(&self, global_indexes: &[u64], fields: &[String]) -> Result<Vec<Vec<Cell>>, StoreError> {
+        self.counters.gets.fetch_add(1, Ordering::Relaxed);
+        let inner = self.lock();
+        fields
+            .iter()
+            .map(|field| {
+                global_indexes
+                    .iter()
+                    .map(|g| {
+                        inner
+                            .rows
+                            .get(g)
+                            .and_then(|row| row.iter().find(|(n, _)| **n == **field))
+                            .map(|(_, c)| c.clone())
+                            .ok_or_else(|| StoreError::KeyNotFound { unit: self.id.clone(), index: *g, field: field.clone() })
+                    })
+                    .collect()
+            })
+            .collect()
+    }
+
+    /// Removes every field of the given indexes (or only `fields`); returns
+    /// the number of keys removed. Unknown indexes are ignored.
+    pub fn clear(&self, global_indexes: &[u64], fields: Option<&[String]>) -> u64 {
+        self.counters.clears.fetch_add(1, Ordering::Relaxed);
+        let mut inner = self.lock();
+        let (mut keys, mut bytes) = (0u64, 0u64);
+        for g in global_indexes {
+            match fields {
+                None => {
+                    if let Some(row) = inner.rows.remove(g) {
+                        keys += row.len() as u64;
+                        bytes += row.iter().map(|(_, c)| c.byte_len() as u64).sum::<u64>();
+                    }
+                }
+                Some(fields) => {
+                    if let Some(row) = inner.rows.get_mut(g) {
+                        row.retain(|(n, c)| {
+                            let drop = fields.iter().any(|f| **f == **n);
+                            if drop {
+                                keys += 1;
+                                bytes += c.byte_len() as u64;
+                            }
+                            !drop
+                        });
+                        if row.is_empty() {
+                            inner.rows.remove(g);
+                        }
+                    }
+                }
+            }
+        }
+        inner.keys -= keys;
+        inner.bytes -= bytes;
+        keys
+    }
+
+    /// Current size.
+    pub fn stats(&self) -> UnitStats {
+        let inner = self.lock();
+        UnitStats { keys: inner.keys, rows: inner.rows.len() as u64, bytes: inner.bytes, capacity: self.capacity }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::batch::Value;
+    use crate::tensor::{DType, Tensor};
+    use bytes::Bytes;
+
+    fn s(v: &str) -> Cell {
+        Cell::Value(Value::Str(v.into()))
+    }
+
+    #[test]
+    fn put_get_overwrite_clear() {
+        let unit = Unit::new("u0", None);
+        unit.put(&[1, 2], vec![("a".into(), vec![s("x"), s("yy")])]).unwrap();
+        assert_eq!(unit.stats().bytes, 3);
+        unit.put(&[2], vec![("a".into(), vec![s("zzzz")])]).unwrap();
+        assert_eq!(unit.stats(), UnitStats { keys: 2, rows: 2, bytes: 5, capacity: None });
+        assert_eq!(unit.get(&[2, 1], &["a".into()]).unwrap(), vec![vec![s("zzzz"), s("x")]]);
+        let err = unit.get(&[1, 9], &["a".into()]).unwrap_err();
+        assert!(err.to_string().starts_with("[TQKeyNotFound] "));
+        assert_eq!(unit.clear(&[1, 7], None), 1);
+        assert_eq!(unit.stats().bytes, 4);
+    }
+
+    #[test]
+    fn puts_are_all_or_nothing() {
+        let unit = Unit::new("u0", Some(10));
+        unit.put(&[1], vec![("a".into(), vec![s("12345")])]).unwrap();
+        let before = unit.stats();
+        assert!(matches!(unit.put(&[2, 2], vec![("a".into(), vec![s("1"), s("2")])]), Err(StoreError::DuplicateIndex(2))));
+        assert!(matches!(
+            unit.put(&[2, 3], vec![("a".into(), vec![s("1"), s("2")]), ("b".into(), vec![s("1")])]),
+            Err(StoreError::RowCount { .. })
+        ));
+        assert!(matches!(unit.put(&[2], vec![("a".into(), vec![s("123456")])]), Err(StoreError::Capacity { .. })));
+        assert_eq!(unit.stats(), before);
+        assert!(unit.get(&[2], &["a".into()]).is_err());
+        // Overwriting frees the old bytes first.
+        unit.put(&[1], vec![("a".into(), vec![s("1234567890")])]).unwrap();
+        assert_eq!(unit.stats().bytes, 10);
+    }
+
+    #[test]
+    fn clearing_the_last_row_frees_the_frame() {
+        let frame = Bytes::from(vec![0u8; 64]);
+        let t = Tensor::contiguous(frame.clone(), DType::F32, vec![4, 4]).unwrap();
+        let unit = Unit::new("u0", None);
+        let cells = (0..4).map(|i| Cell::Tensor(t.row_tensor(i).unwrap())).collect();
+        unit.put(&[0, 1, 2, 3], vec![("t".into(), cells)]).unwrap();
+        drop(t);
+        assert!(!frame.is_unique());
+        unit.clear(&[0, 1, 2], None);
+        assert!(!frame.is_unique());
+        unit.clear(&[3], None);
+        assert!(frame.is_unique(), "the frame is still pinned after the last clear");
+    }
+}
