@@ -15,7 +15,9 @@
 //! buffer and allocates only for gathers and concatenations.
 
 pub mod batch;
+pub mod config;
 pub mod plan;
 pub mod policy;
 pub mod store;
 pub mod tensor;
+pub mod transport;

@@ -1,0 +1,285 @@
+//! `stowd` configuration: one TOML file, every key optional.
+//!
+//! With no file at all `stowd` runs on [`Config::default`]: it binds
+//! 127.0.0.1 on ports the OS picks, serves two local units, a router
+//! endpoint over them and the native endpoint, loads the bundled plugins and
+//! uses [`registry::default_chains`]. `stowd.example.toml` at the repository
+//! root lists every key with its default.
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::plan::PackLimits;
+use crate::policy::registry::{self, ChainConfig};
+use crate::policy::wasm::SandboxLimits;
+
+/// The whole configuration.
+#[derive(Clone, Debug, PartialEq, Deserialize, Serialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Config {
+    pub server: ServerConfig,
+    pub units: UnitsConfig,
+    pub router: RouterConfig,
+    pub plugins: PluginsConfig,
+    pub limits: LimitsConfig,
+    /// Policy chains by field-name pattern, first match wins.
+    #[serde(rename = "chain")]
+    pub chains: Vec<ChainConfig>,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            server: ServerConfig::default(),
+            units: UnitsConfig::default(),
+            router: RouterConfig::default(),
+            plugins: PluginsConfig::default(),
+            limits: LimitsConfig::default(),
+            chains: registry::default_chains(),
+        }
+    }
+}
+
+/// Where `stowd` listens.
+#[derive(Clone, Debug, PartialEq, Deserialize, Serialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ServerConfig {
+    /// Address every socket binds to.
+    pub host: String,
+    /// Port of the native `stowage/1` endpoint (0: the OS picks).
+    pub native_port: u16,
+    /// Id this process reports as the sender of TransferQueue replies.
+    pub name: String,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig { host: "127.0.0.1".into(), native_port: 0, name: "stowd".into() }
+    }
+}
+
+/// Local storage units.
+#[derive(Clone, Debug, PartialEq, Deserialize, Serialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct UnitsConfig {
+    /// Number of in-process units, each with its own TransferQueue endpoint.
+    pub local: u32,
+    /// First port of the units' endpoints; unit i binds `port_base + i`
+    /// (0: the OS picks every port).
+    pub port_base: u16,
+    /// Capacity of each unit in bytes (0: unlimited).
+    pub capacity_bytes: u64,
+}
+
+impl Default for UnitsConfig {
+    fn default() -> Self {
+        UnitsConfig { local: 2, port_base: 0, capacity_bytes: 0 }
+    }
+}
+
+/// Router mode: one TransferQueue endpoint fanning out to units.
+#[derive(Clone, Debug, PartialEq, Deserialize, Serialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RouterConfig {
+    /// Serve the router endpoint.
+    pub enabled: bool,
+    /// Its port (0: the OS picks).
+    pub port: u16,
+    /// Units to route to, in order (`g % N` picks one): `local:<i>` for an
+    /// in-process unit, `tcp://host:port` for a remote TransferQueue unit
+    /// (another `stowd` or TransferQueue's own). Empty: every local unit.
+    pub units: Vec<String>,
+    /// Seconds to wait for a remote unit's reply.
+    pub timeout_secs: u64,
+}
+
+impl Default for RouterConfig {
+    fn default() -> Self {
+        RouterConfig { enabled: true, port: 0, units: vec![], timeout_secs: 30 }
+    }
+}
+
+/// Policy plugins and their sandbox.
+#[derive(Clone, Debug, PartialEq, Deserialize, Serialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PluginsConfig {
+    /// Directory of `.wasm` policies. Unset: the bundled plugins (the
+    /// `plugins` folder next to the binary's folder, e.g. `target/plugins`
+    /// for `target/debug/stowd`), or `$STOWD_PLUGIN_DIR`.
+    pub dir: Option<PathBuf>,
+    /// Compile cache. Unset: `<dir>/.cache`.
+    pub cache_dir: Option<PathBuf>,
+    /// Fuel per policy call.
+    pub fuel: u64,
+    /// Linear-memory cap per plugin instance, bytes.
+    pub memory_bytes: usize,
+    /// Largest single `read` a plugin may make, bytes.
+    pub read_cap: u64,
+}
+
+impl Default for PluginsConfig {
+    fn default() -> Self {
+        let s = SandboxLimits::default();
+        PluginsConfig { dir: None, cache_dir: None, fuel: s.fuel, memory_bytes: s.memory_bytes, read_cap: s.read_cap }
+    }
+}
+
+impl PluginsConfig {
+    pub fn sandbox(&self) -> SandboxLimits {
+        SandboxLimits { fuel: self.fuel, memory_bytes: self.memory_bytes, read_cap: self.read_cap }
+    }
+
+    /// The plugin directory to load, if any exists.
+    pub fn resolve_dir(&self) -> Option<PathBuf> {
+        if let Some(d) = &self.dir {
+            return Some(d.clone());
+        }
+        if let Some(d) = std::env::var_os("STOWD_PLUGIN_DIR") {
+            return Some(PathBuf::from(d));
+        }
+        let exe = std::env::current_exe().ok()?;
+        let bundled = exe.parent()?.parent()?.join("plugins");
+        bundled.is_dir().then_some(bundled)
+    }
+}
+
+/// Request and message limits.
+#[derive(Clone, Debug, PartialEq, Deserialize, Serialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct LimitsConfig {
+    /// Most frames one outgoing message may have.
+    pub max_frames: u32,
+    /// Largest outgoing message to a remote unit, bytes; larger puts are
+    /// split into several messages.
+    pub max_message_bytes: u64,
+    /// Pieces below this size are "small" for the packing policy.
+    pub small_piece_bytes: u64,
+    /// Most rows (global indexes) in one request.
+    pub max_rows: u64,
+    /// Most fields in one request.
+    pub max_fields: u64,
+}
+
+impl Default for LimitsConfig {
+    fn default() -> Self {
+        LimitsConfig {
+            max_frames: 1000,
+            max_message_bytes: 64 << 20,
+            small_piece_bytes: 64 << 10,
+            max_rows: 1 << 24,
+            max_fields: 1024,
+        }
+    }
+}
+
+impl LimitsConfig {
+    pub fn pack_limits(&self) -> PackLimits {
+        PackLimits {
+            max_frames: self.max_frames,
+            max_frame_bytes: self.max_message_bytes,
+            small_threshold: self.small_piece_bytes,
+        }
+    }
+}
+
+/// A configuration file that could not be used.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read {path}: {source}")]
+    Read { path: String, source: std::io::Error },
+    #[error("{path}:{line}:{column}: {message}")]
+    Parse { path: String, line: usize, column: usize, message: String },
+    #[error("{path}: {message}")]
+    Invalid { path: String, message: String },
+}
+
+impl Config {
+    /// Reads and checks a TOML file; errors name the line and the reason.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let shown = path.display().to_string();
+        let text =
+            std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: shown.clone(), source })?;
+        Config::parse(&text, &shown)
+    }
+
+    /// Parses TOML text (`origin` names it in errors).
+    pub fn parse(text: &str, origin: &str) -> Result<Config, ConfigError> {
+        let config: Config = toml::from_str(text).map_err(|e| {
+            let (line, column) = e
+                .span()
+                .map(|s| {
+                    let before = &text[..s.start.min(text.len())];
+                    let line = before.matches('\n').count() + 1;
+                    let column = before.rsplit('\n').next().map(|l| l.chars().count() + 1).unwrap_or(1);
+                    (line, column)
+                })
+                .unwrap_or((0, 0));
+            ConfigError::Parse { path: origin.into(), line, column, message: e.message().to_string() }
+        })?;
+        config.check().map_err(|message| ConfigError::Invalid { path: origin.into(), message })?;
+        Ok(config)
+    }
+
+    fn check(&self) -> Result<(), String> {
+        if self.units.local == 0 && self.router.units.is_empty() {
+            return Err("no units: set units.local > 0 or router.units".into());
+        }
+        for u in &self.router.units {
+            match u.strip_prefix("local:") {
+                Some(i) => {
+                    let i: u32 = i.parse().map_err(|_| format!("router.units: bad local unit {u:?}"))?;
+                    if i >= self.units.local {
+                        return Err(format!("router.units: {u} but units.local is {}", self.units.local));
+                    }
+                }
+                None if u.starts_with("tcp://") => {}
+                None => return Err(format!("router.units: {u:?} is neither local:<i> nor tcp://host:port")),
+            }
+        }
+        if self.limits.max_frames < 2 {
+            return Err("limits.max_frames must be at least 2".into());
+        }
+        if self.limits.max_message_bytes < 4096 {
+            return Err("limits.max_message_bytes must be at least 4096".into());
+        }
+        if self.plugins.memory_bytes < (1 << 20) {
+            return Err("plugins.memory_bytes must be at least 1 MiB".into());
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn empty_file_is_the_default() {
+        assert_eq!(Config::parse("", "x").unwrap(), Config::default());
+    }
+
+    #[test]
+    fn errors_name_the_line() {
+        let err = Config::parse("[units]\nlocal = 2\ncapacity = 5\n", "stowd.toml").unwrap_err();
+        let text = err.to_string();
+        assert!(text.starts_with("stowd.toml:3:"), "{text}");
+        assert!(text.contains("capacity"), "{text}");
+        let err = Config::parse("[units]\nlocal = \"two\"\n", "c.toml").unwrap_err().to_string();
+        assert!(err.starts_with("c.toml:2:"), "{err}");
+        let err = Config::parse("[router]\nunits = [\"local:5\"]\n", "c.toml").unwrap_err().to_string();
+        assert!(err.contains("local:5"), "{err}");
+    }
+
+    #[test]
+    fn chains_parse() {
+        let c = Config::parse(
+            "[[chain]]\npattern = \"resp*\"\nselect = [\"runs\", \"gather\"]\nfail = \"reject\"\n",
+            "c.toml",
+        )
+        .unwrap();
+        assert_eq!(c.chains.len(), 1);
+        assert_eq!(c.chains[0].fail, crate::policy::chain::FailStrategy::Reject);
+        assert_eq!(c.chains[0].max_faults, 10);
+    }
+}
