@@ -21,3 +21,4 @@ pub mod policy;
 pub mod store;
 pub mod tensor;
 pub mod transport;
+pub mod wire;

@@ -133,13 +133,19 @@ impl Registry {
         let key = format!("{:x}-{:016x}.cwasm", Sha256::digest(bytes), self.engine_hash());
         let cached = self.cache_dir.as_ref().map(|d| d.join(key));
         if let Some(file) = cached.as_ref().filter(|f| f.exists()) {
-            // SAFETY: the file was written by `Component::serialize` of an
-            // engine with the same compatibility hash (it is in the name),
-            // into a cache directory this host owns. A file that does not
-            // deserialize is recompiled below.
-            match unsafe { Component::deserialize_file(&self.engine, file) } {
-                Ok(c) => return Ok((c, true)),
-                Err(e) => tracing::warn!(path, error = %e, "cached component unusable, recompiling"),
+            // Read into memory rather than map the file: a cache file changed
+            // under a live mapping would crash the process (SIGBUS).
+            match std::fs::read(file) {
+                // SAFETY: the bytes come from `Component::serialize` of an
+                // engine with the same compatibility hash (it is in the file
+                // name), in a cache directory this host owns; wasmtime also
+                // checks the header and refuses artifacts of another engine.
+                // Bytes that do not deserialize are recompiled below.
+                Ok(data) => match unsafe { Component::deserialize(&self.engine, &data) } {
+                    Ok(c) => return Ok((c, true)),
+                    Err(e) => tracing::warn!(path, error = %e, "cached component unusable, recompiling"),
+                },
+                Err(e) => tracing::warn!(path, error = %e, "cached component unreadable, recompiling"),
             }
         }
         let component = Component::new(&self.engine, bytes)
@@ -148,7 +154,9 @@ impl Registry {
             let write = || -> std::io::Result<()> {
                 std::fs::create_dir_all(file.parent().expect("cache file has a parent"))?;
                 let data = component.serialize().map_err(std::io::Error::other)?;
-                let tmp = file.with_extension(format!("tmp{}", std::process::id()));
+                static TMP: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+                let n = TMP.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let tmp = file.with_extension(format!("tmp{}-{n}", std::process::id()));
                 std::fs::write(&tmp, data)?;
                 std::fs::rename(&tmp, &file)
             };

@@ -1,0 +1,19 @@
+//! Wire formats spoken by `stowd`.
+//!
+//! - [`tq`]: the TransferQueue 0.1.11 storage-unit protocol (msgpack
+//!   envelope plus raw data frames), both directions: a unit decodes
+//!   requests and encodes replies, the router as a client encodes requests
+//!   and decodes replies.
+//! - [`pickle`]: the tiny pickle subset inside TransferQueue's tensor
+//!   extension types.
+//!
+//! Everything here is pure: bytes in, values out, and back. No sockets, no
+//! I/O, no threads.
+
+pub mod msgpack;
+pub mod native;
+pub mod pickle;
+pub mod tq;
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,389 @@
+//! `stowage/1`, the native protocol of `stowd`: pure encode and decode of
+//! multipart messages, no I/O.
+//!
+//! The specification is the protocol page (`protocol-stowage1.md`); this
+//! module is its reference implementation. A message is a list of ZeroMQ
+//! frames: frame 0 is a msgpack envelope
+//! `{"proto": "stowage/1", "op", "id", "body"}`, frames 1..n carry tensor
+//! bytes that the body's field descriptors point into by (frame, offset,
+//! len), so several tensors may share one frame.
+//!
+//! | side | decode | encode |
+//! |---|---|---|
+//! | server (`stowd`) | [`decode_request`] (+ [`request_id`] for error replies) | [`encode_reply`], [`encode_reply_with`] |
+//! | Rust client (tests, the router) | [`decode_reply`] | [`encode_request`], [`encode_request_with`] |
+//!
+//! Fields travel as a [`WireField`]: a regular tensor as [`RegularParts`]
+//! (its rows in one or more contiguous byte ranges), a nested tensor as one
+//! tensor per row, plain values inline in frame 0. Where the rows of a
+//! field go in the data frames is a [`FrameLayout`]: the default puts every
+//! part or nested row in its own frame with no copy; a packing policy's plan
+//! can coalesce small rows into shared frames instead.
+//!
+//! Zero copy, both ways: decoded tensors and `bin` values are `Bytes` slices
+//! of the received frames; an encoded data frame that holds exactly one
+//! contiguous range *is* that range (a slice of the stored buffer), and only
+//! frames that concatenate several ranges are copied.
+//!
+//! Hostile input: decoding never panics, never allocates from a declared
+//! size before checking it against the bytes that remain and the
+//! [`Limits`], and rejects everything the protocol page calls invalid.
+//! Encoders check only what they need to write a well-formed message with a
+//! consistent layout; the receiver enforces the rest (row counts, empty
+//! batches, duplicate indexes).
+
+use bytes::Bytes;
+
+use crate::tensor::{DType, TensorError};
+
+mod decode;
+mod encode;
+mod field;
+mod msgpack;
+#[cfg(test)]
+mod tests;
+
+pub use field::{RegularParts, WireField};
+
+/// The value of the envelope's `proto` key.
+pub const PROTO: &str = "stowage/1";
+
+/// Most dimensions a shape may have.
+pub const MAX_DIMS: usize = 64;
+
+/// The error codes of an `error` reply.
+pub mod code {
+    /// Undecodable or inconsistent request.
+    pub const BAD_REQUEST: &str = "bad_request";
+    /// A requested (global index, field) is not stored.
+    pub const KEY_NOT_FOUND: &str = "key_not_found";
+    /// The put would exceed the unit's capacity.
+    pub const CAPACITY: &str = "capacity";
+    /// The message exceeds a receiver limit.
+    pub const TOO_LARGE: &str = "too_large";
+    /// A policy chain with the `reject` fail strategy refused the request.
+    pub const REJECTED: &str = "rejected";
+    /// Unknown `proto` or `op`, or a get of rows that one descriptor cannot
+    /// carry (one field mixing tensors and values, or dtypes).
+    pub const UNSUPPORTED: &str = "unsupported";
+    /// A bug or an unexpected failure on the replying side.
+    pub const INTERNAL: &str = "internal";
+    /// Every code, in the order of the protocol page.
+    pub const ALL: [&str; 7] = [BAD_REQUEST, KEY_NOT_FOUND, CAPACITY, TOO_LARGE, REJECTED, UNSUPPORTED, INTERNAL];
+}
+
+/// Receiver limits, checked before anything is allocated from a declared
+/// size. A violation is an [`Error::TooLarge`] (`too_large`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Limits {
+    /// Most global indexes in a request, and rows, parts or values in a field.
+    pub max_rows: u64,
+    /// Most fields in a put, get or get_ok (and entries in a stats map).
+    pub max_fields: u64,
+    /// Most frames in a message, frame 0 included.
+    pub max_frames: u64,
+    /// Most bytes in a message, all frames together.
+    pub max_message_bytes: u64,
+}
+
+impl Limits {
+    /// The defaults: 2^20 rows, 1,024 fields, 2^20 frames, 8 GiB.
+    pub const DEFAULT: Limits =
+        Limits { max_rows: 1 << 20, max_fields: 1024, max_frames: 1 << 20, max_message_bytes: 8 << 30 };
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits::DEFAULT
+    }
+}
+
+/// Why a message could not be decoded or encoded. [`Error::code`] gives the
+/// code of the `error` reply; [`Reply::from_error`] builds that reply.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The message is empty (not even frame 0).
+    #[error("message has no frames")]
+    NoFrames,
+    /// Frame 0 is not well-formed msgpack: truncated, reserved marker, bad
+    /// UTF-8, a count larger than the bytes left, nesting deeper than 32,
+    /// trailing bytes.
+    #[error("malformed msgpack at byte {offset} of frame 0: {reason}")]
+    Malformed { offset: usize, reason: &'static str },
+    /// A required key is missing.
+    #[error("{map} has no key {key:?}")]
+    MissingKey { map: &'static str, key: &'static str },
+    /// A key that this map (or this descriptor kind) does not have.
+    #[error("{map} has an unexpected key {key:?}")]
+    UnknownKey { map: &'static str, key: String },
+    /// A key appears twice in one map.
+    #[error("{map} has the key {key:?} twice")]
+    DuplicateKey { map: &'static str, key: String },
+    /// A value has the wrong msgpack type (a negative integer where a count is expected, too).
+    #[error("{key} must be {expected}")]
+    WrongType { key: &'static str, expected: &'static str },
+    /// The envelope's `proto` is not `stowage/1`.
+    #[error("unsupported protocol {0:?}; this end speaks stowage/1")]
+    UnsupportedProto(String),
+    /// The `op` is not one this side decodes.
+    #[error("unsupported op {0:?}")]
+    UnknownOp(String),
+    /// A descriptor `kind` other than regular, nested, values.
+    #[error("unknown descriptor kind {0:?} (regular, nested or values)")]
+    UnknownKind(String),
+    /// A dtype name [`DType::from_name`] does not know.
+    #[error("unknown dtype {0:?}")]
+    UnknownDType(String),
+    /// A shape with more than [`MAX_DIMS`] dimensions.
+    #[error("shape has {0} dimensions, at most 64 are allowed")]
+    TooManyDims(usize),
+    /// A shape without a row axis (regular), or whose byte size overflows.
+    #[error("bad shape {shape:?}: {reason}")]
+    BadShape { shape: Vec<u64>, reason: &'static str },
+    /// A descriptor names frame 0 or a frame past the last one.
+    #[error("frame {frame} does not exist (the message has {data_frames} data frames, numbered from 1)")]
+    FrameOutOfRange { frame: u64, data_frames: usize },
+    /// A byte range does not fit inside its frame.
+    #[error("bytes {offset}..+{len} lie outside frame {frame} ({frame_len} bytes)")]
+    RangeOutsideFrame { frame: u64, offset: u64, len: u64, frame_len: usize },
+    /// A range's `len` is not what its rows and shape need.
+    #[error("range of {len} bytes, the shape needs {expected}")]
+    LengthMismatch { len: u64, expected: u128 },
+    /// A regular part with 0 rows.
+    #[error("a part has 0 rows")]
+    EmptyPart,
+    /// The parts' rows do not add up to `shape[0]`.
+    #[error("parts hold {parts} rows or more, the shape says {rows}")]
+    RowSum { parts: u64, rows: u64 },
+    /// A field's row count differs from the number of global indexes (in a
+    /// get_ok: from the other fields).
+    #[error("field has {rows} rows, the batch has {expected}")]
+    RowCount { rows: u64, expected: u64 },
+    /// A put names one global index twice.
+    #[error("global index {0} appears twice in a put")]
+    DuplicateIndex(u64),
+    /// A field name appears twice (put, get, clear or get_ok).
+    #[error("field {0:?} is named twice")]
+    DuplicateField(String),
+    /// A data frame that no descriptor points into.
+    #[error("data frame {0} is not referenced by any descriptor")]
+    UnusedFrame(usize),
+    /// A put or get without global indexes or without fields.
+    #[error("empty batch: {0}")]
+    EmptyBatch(&'static str),
+    /// A count or size above a [`Limits`] bound.
+    #[error("{what} is {value}, the limit is {limit}")]
+    TooLarge { what: &'static str, value: u64, limit: u64 },
+    /// An error inside the descriptor of one field.
+    #[error("field {field:?}: {inner}")]
+    InField { field: String, inner: Box<Error> },
+    /// Encoder side: the rows of one field mix tensors and values, or
+    /// dtypes, so no single descriptor can carry them (`unsupported`).
+    #[error("cannot send field: {0}")]
+    MixedField(String),
+    /// Encoder side: the data cannot be written (mixed dtypes, invalid
+    /// opaque msgpack, lengths above 2^32-1).
+    #[error("cannot encode: {0}")]
+    Unencodable(String),
+    /// Encoder side: a [`FrameLayout`] that misses, repeats or misnames rows.
+    #[error("invalid frame layout: {0}")]
+    Layout(String),
+    /// A tensor could not be built (a bug: lengths are checked before).
+    #[error(transparent)]
+    Tensor(#[from] TensorError),
+}
+
+impl Error {
+    /// The error code of the `error` reply for this error (see [`code`]).
+    pub fn code(&self) -> &'static str {
+        match self {
+            Error::UnsupportedProto(_) | Error::UnknownOp(_) | Error::MixedField(_) => code::UNSUPPORTED,
+            Error::TooLarge { .. } => code::TOO_LARGE,
+            Error::Unencodable(_) | Error::Layout(_) | Error::Tensor(_) => code::INTERNAL,
+            Error::InField { inner, .. } => inner.code(),
+            _ => code::BAD_REQUEST,
+        }
+    }
+
+    /// The error itself, without the field it was found in.
+    pub fn root(&self) -> &Error {
+        match self {
+            Error::InField { inner, .. } => inner.root(),
+            other => other,
+        }
+    }
+
+    fn in_field(self, field: &str) -> Error {
+        Error::InField { field: field.to_owned(), inner: Box::new(self) }
+    }
+}
+
+/// A decoded request: the client's id (echoed in the reply) and the op.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Request {
+    /// Chosen by the client; the reply carries the same id. Clients number
+    /// from 1: id 0 answers a request whose id could not be read.
+    pub id: u64,
+    pub op: Op,
+}
+
+/// A request's operation and body.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Op {
+    /// Store one row per global index for each field (overwriting).
+    Put { global_indexes: Vec<u64>, fields: Vec<(String, WireField)> },
+    /// Fetch the rows of `fields` for `global_indexes`, in that order.
+    Get { global_indexes: Vec<u64>, fields: Vec<String> },
+    /// Drop the rows of `global_indexes` (only of `fields`, if given).
+    Clear { global_indexes: Vec<u64>, fields: Option<Vec<String>> },
+    /// Report the unit's counters.
+    Stats,
+}
+
+impl Op {
+    /// The `op` string of this request.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Op::Put { .. } => "put",
+            Op::Get { .. } => "get",
+            Op::Clear { .. } => "clear",
+            Op::Stats => "stats",
+        }
+    }
+}
+
+/// One value of a `stats_ok` map.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Stat {
+    Int(i64),
+    Float(f64),
+    Str(String),
+}
+
+/// A reply (the id travels beside it: see [`encode_reply`], [`decode_reply`]).
+#[derive(Clone, Debug, PartialEq)]
+pub enum Reply {
+    /// The put stored `rows` rows (per field).
+    PutOk { rows: u64 },
+    /// The requested fields, each with one row per requested index, in
+    /// request order. A server builds each field with
+    /// [`WireField::from_cells`] from the stored cells.
+    GetOk { fields: Vec<(String, WireField)> },
+    /// `cleared` (global index, field) values were dropped.
+    ClearOk { cleared: u64 },
+    /// Counters, in the order the server lists them.
+    StatsOk(Vec<(String, Stat)>),
+    /// The request failed; `code` is one of [`code::ALL`] (a client treats
+    /// any other code as `internal`).
+    Error { code: String, message: String },
+}
+
+impl Reply {
+    /// The `op` string of this reply.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Reply::PutOk { .. } => "put_ok",
+            Reply::GetOk { .. } => "get_ok",
+            Reply::ClearOk { .. } => "clear_ok",
+            Reply::StatsOk(_) => "stats_ok",
+            Reply::Error { .. } => "error",
+        }
+    }
+
+    /// The `error` reply for a decode (or encode) error.
+    pub fn from_error(err: &Error) -> Reply {
+        Reply::Error { code: err.code().to_owned(), message: err.to_string() }
+    }
+}
+
+/// Rows `start..end` of the field at index `field` of the message's field
+/// list (the put's `fields`, or the get_ok's).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RowSlice {
+    pub field: usize,
+    pub start: u64,
+    pub end: u64,
+}
+
+/// Where tensor rows go: data frame `k` (numbered from 1) is the
+/// concatenation, in order, of the rows named by `frames[k - 1]`.
+///
+/// Every row of every tensor field must appear exactly once; value fields
+/// never appear (they travel in frame 0). A frame made of one slice that
+/// lies inside one stored byte range is sent without a copy; any other frame
+/// is one allocation and one copy, with each range padded (zeros) to start
+/// at a multiple of its dtype's itemsize. Rows of a regular field that end
+/// up adjacent, in order, in one frame are described as a single part.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct FrameLayout {
+    pub frames: Vec<Vec<RowSlice>>,
+}
+
+impl FrameLayout {
+    /// The zero-copy layout: one frame per part of each regular field and
+    /// one per row of each nested field. For a get_ok built from stored
+    /// cells that is one frame per tensor row.
+    pub fn one_per_piece(fields: &[(String, WireField)]) -> FrameLayout {
+        let mut frames = Vec::new();
+        for (i, (_, field)) in fields.iter().enumerate() {
+            let mut push = |start: u64, end: u64| frames.push(vec![RowSlice { field: i, start, end }]);
+            match field {
+                WireField::Regular(p) => {
+                    let mut start = 0;
+                    for &(_, rows) in p.parts() {
+                        push(start, start + rows);
+                        start += rows;
+                    }
+                }
+                WireField::Nested(rows) => (0..rows.len() as u64).for_each(|r| push(r, r + 1)),
+                WireField::Values(_) => {}
+            }
+        }
+        FrameLayout { frames }
+    }
+}
+
+/// Decodes a request (server side). On error, reply with
+/// [`Reply::from_error`] under the id from [`request_id`] (0 if none).
+pub fn decode_request(frames: &[Bytes], limits: &Limits) -> Result<Request, Error> {
+    decode::request(frames, limits)
+}
+
+/// Decodes a reply (client side): the echoed request id and the reply.
+pub fn decode_reply(frames: &[Bytes], limits: &Limits) -> Result<(u64, Reply), Error> {
+    decode::reply(frames, limits)
+}
+
+/// The envelope's `id`, if it can be read, even from a message that
+/// [`decode_request`] refuses.
+pub fn request_id(frames: &[Bytes]) -> Option<u64> {
+    decode::id(frames.first()?)
+}
+
+/// Encodes a request with [`FrameLayout::one_per_piece`].
+pub fn encode_request(request: &Request) -> Result<Vec<Bytes>, Error> {
+    encode::request(request, None)
+}
+
+/// Encodes a request with a caller-supplied layout of the put's fields
+/// (an op without fields takes an empty layout).
+pub fn encode_request_with(request: &Request, layout: &FrameLayout) -> Result<Vec<Bytes>, Error> {
+    encode::request(request, Some(layout))
+}
+
+/// Encodes a reply with [`FrameLayout::one_per_piece`].
+pub fn encode_reply(id: u64, reply: &Reply) -> Result<Vec<Bytes>, Error> {
+    encode::reply(id, reply, None)
+}
+
+/// Encodes a reply with a caller-supplied layout of the get_ok's fields (for
+/// example a packing policy's plan that coalesces small rows).
+pub fn encode_reply_with(id: u64, reply: &Reply, layout: &FrameLayout) -> Result<Vec<Bytes>, Error> {
+    encode::reply(id, reply, Some(layout))
+}
+
+/// Parses a dtype name as the protocol allows (see [`DType::from_name`]).
+fn dtype_from_name(name: &str) -> Result<DType, Error> {
+    DType::from_name(name).ok_or_else(|| Error::UnknownDType(name.to_owned()))
+}

@@ -1,0 +1,511 @@
+//! Decoding: frames in, requests and replies out, tensors as zero-copy
+//! slices of the frames. Every count is checked against the bytes left in
+//! frame 0 (by the reader) and against the [`Limits`] before anything is
+//! sized from it.
+
+use std::collections::HashSet;
+
+use bytes::Bytes;
+
+use super::msgpack::{MAX_DEPTH, Reader};
+use super::{Error, Limits, MAX_DIMS, Op, PROTO, RegularParts, Reply, Request, Stat, WireField, dtype_from_name};
+use crate::batch::Value;
+use crate::tensor::{DType, Tensor, contiguous_len};
+
+/// Envelope and body nest this much deeper than an opaque value may.
+const ENVELOPE_DEPTH: usize = MAX_DEPTH + 8;
+
+pub(super) fn request(frames: &[Bytes], limits: &Limits) -> Result<Request, Error> {
+    let (id, op, mut r) = envelope(frames, limits)?;
+    let mut data = Frames::new(frames);
+    let op = match op {
+        "put" => put(&mut r, &mut data, limits)?,
+        "get" => {
+            let (global_indexes, fields) = selection(&mut r, limits)?;
+            let fields = fields.ok_or(Error::MissingKey { map: "a get body", key: "fields" })?;
+            if global_indexes.is_empty() {
+                return Err(Error::EmptyBatch("a get needs at least one global index"));
+            }
+            if fields.is_empty() {
+                return Err(Error::EmptyBatch("a get needs at least one field"));
+            }
+            Op::Get { global_indexes, fields }
+        }
+        "clear" => {
+            let (global_indexes, fields) = selection(&mut r, limits)?;
+            Op::Clear { global_indexes, fields }
+        }
+        "stats" => {
+            if r.map_len("the stats body")? != 0 {
+                return Err(Error::UnknownKey { map: "the stats body", key: r.str("a key")?.to_owned() });
+            }
+            Op::Stats
+        }
+        other => return Err(Error::UnknownOp(other.to_owned())),
+    };
+    data.all_used()?;
+    Ok(Request { id, op })
+}
+
+pub(super) fn reply(frames: &[Bytes], limits: &Limits) -> Result<(u64, Reply), Error> {
+    let (id, op, mut r) = envelope(frames, limits)?;
+    let mut data = Frames::new(frames);
+    let reply = match op {
+        "put_ok" => Reply::PutOk { rows: single_uint(&mut r, "a put_ok body", "rows")? },
+        "clear_ok" => Reply::ClearOk { cleared: single_uint(&mut r, "a clear_ok body", "cleared")? },
+        "get_ok" => {
+            const MAP: &str = "a get_ok body";
+            let mut fields = None;
+            keyed(&mut r, MAP, ["fields"], |_, r| field_map(r, &mut data, limits).map(|f| fields = Some(f)))?;
+            let fields = need(fields, MAP, "fields")?;
+            if let Some((_, first)) = fields.first() {
+                let expected = first.rows();
+                if let Some((name, f)) = fields.iter().find(|(_, f)| f.rows() != expected) {
+                    return Err(Error::RowCount { rows: f.rows(), expected }.in_field(name));
+                }
+            }
+            Reply::GetOk { fields }
+        }
+        "stats_ok" => {
+            const MAP: &str = "a stats_ok body";
+            let n = r.map_len(MAP)?;
+            limit("stats", n, limits.max_fields)?;
+            let (mut seen, mut stats) = (HashSet::with_capacity(n), Vec::with_capacity(n));
+            for _ in 0..n {
+                let key = r.str("a stats key")?;
+                if !seen.insert(key) {
+                    return Err(Error::DuplicateKey { map: MAP, key: key.to_owned() });
+                }
+                let value = match r.int_or_float("a stats value")? {
+                    Some(Ok(i)) => Stat::Int(i),
+                    Some(Err(f)) => Stat::Float(f),
+                    None => Stat::Str(
+                        r.str("a stats value")
+                            .map_err(|_| Error::WrongType {
+                                key: "a stats value",
+                                expected: "an integer, a float or a str",
+                            })?
+                            .to_owned(),
+                    ),
+                };
+                stats.push((key.to_owned(), value));
+            }
+            Reply::StatsOk(stats)
+        }
+        "error" => {
+            const MAP: &str = "an error body";
+            const KEYS: [&str; 2] = ["code", "message"];
+            let mut v = [None; 2];
+            keyed(&mut r, MAP, KEYS, |i, r| r.str(KEYS[i]).map(|s| v[i] = Some(s)))?;
+            let [code, message] = v;
+            Reply::Error {
+                code: need(code, MAP, "code")?.to_owned(),
+                message: need(message, MAP, "message")?.to_owned(),
+            }
+        }
+        other => return Err(Error::UnknownOp(other.to_owned())),
+    };
+    data.all_used()?;
+    Ok((id, reply))
+}
+
+/// The `id` key of an envelope, if it can be read.
+pub(super) fn id(frame0: &[u8]) -> Option<u64> {
+    let mut r = Reader::new(frame0, 0);
+    for _ in 0..r.map_len("the envelope").ok()? {
+        if r.str("a key").ok()? == "id" {
+            return r.uint("id").ok();
+        }
+        r.skip(ENVELOPE_DEPTH).ok()?;
+    }
+    None
+}
+
+/// Checks the message against the limits, reads the envelope (keys in any
+/// order), and returns the id, the op and a reader positioned at the body.
+fn envelope<'a>(frames: &'a [Bytes], limits: &Limits) -> Result<(u64, &'a str, Reader<'a>), Error> {
+    const MAP: &str = "the envelope";
+    let frame0 = frames.first().ok_or(Error::NoFrames)?;
+    if frames.len() as u64 > limits.max_frames {
+        return Err(Error::TooLarge { what: "frames", value: frames.len() as u64, limit: limits.max_frames });
+    }
+    let total = frames.iter().fold(0u64, |sum, f| sum.saturating_add(f.len() as u64));
+    if total > limits.max_message_bytes {
+        return Err(Error::TooLarge { what: "message bytes", value: total, limit: limits.max_message_bytes });
+    }
+    let mut r = Reader::new(frame0, 0);
+    let (mut proto, mut op, mut id, mut body, mut stray) = (None, None, None, None, None);
+    for _ in 0..r.map_len(MAP)? {
+        let key = r.str("an envelope key")?;
+        let dup = match key {
+            "proto" => proto.replace(r.str("proto")?).is_some(),
+            "op" => op.replace(r.str("op")?).is_some(),
+            "id" => id.replace(r.uint("id")?).is_some(),
+            "body" => body.replace(r.skip(ENVELOPE_DEPTH)?.start).is_some(),
+            other => {
+                stray.get_or_insert(other);
+                r.skip(ENVELOPE_DEPTH).map(|_| false)?
+            }
+        };
+        if dup {
+            return Err(Error::DuplicateKey { map: MAP, key: key.to_owned() });
+        }
+    }
+    if r.remaining() > 0 {
+        return Err(r.malformed("trailing bytes after the envelope"));
+    }
+    match need(proto, MAP, "proto")? {
+        PROTO => {}
+        other => return Err(Error::UnsupportedProto(other.to_owned())),
+    }
+    if let Some(key) = stray {
+        return Err(unknown(MAP, key));
+    }
+    let (op, id, body) = (need(op, MAP, "op")?, need(id, MAP, "id")?, need(body, MAP, "body")?);
+    Ok((id, op, Reader::new(frame0, body)))
+}
+
+fn put(r: &mut Reader<'_>, data: &mut Frames<'_>, limits: &Limits) -> Result<Op, Error> {
+    const MAP: &str = "a put body";
+    let (mut global_indexes, mut fields) = (None, None);
+    keyed(r, MAP, ["global_indexes", "fields"], |i, r| match i {
+        0 => indexes(r, limits).map(|v| global_indexes = Some(v)),
+        _ => field_map(r, data, limits).map(|v| fields = Some(v)),
+    })?;
+    let global_indexes: Vec<u64> = need(global_indexes, MAP, "global_indexes")?;
+    let fields: Vec<(String, WireField)> = need(fields, MAP, "fields")?;
+    if global_indexes.is_empty() {
+        return Err(Error::EmptyBatch("a put needs at least one global index"));
+    }
+    if fields.is_empty() {
+        return Err(Error::EmptyBatch("a put needs at least one field"));
+    }
+    let expected = global_indexes.len() as u64;
+    if let Some((name, f)) = fields.iter().find(|(_, f)| f.rows() != expected) {
+        return Err(Error::RowCount { rows: f.rows(), expected }.in_field(name));
+    }
+    if !global_indexes.windows(2).all(|w| w[0] < w[1]) {
+        let mut sorted = global_indexes.clone();
+        sorted.sort_unstable();
+        if let Some(w) = sorted.windows(2).find(|w| w[0] == w[1]) {
+            return Err(Error::DuplicateIndex(w[0]));
+        }
+    }
+    Ok(Op::Put { global_indexes, fields })
+}
+
+/// The body of a get or clear: `global_indexes` (required) and `fields`.
+fn selection(r: &mut Reader<'_>, limits: &Limits) -> Result<(Vec<u64>, Option<Vec<String>>), Error> {
+    const MAP: &str = "a get or clear body";
+    let (mut global_indexes, mut fields) = (None, None);
+    keyed(r, MAP, ["global_indexes", "fields"], |i, r| match i {
+        0 => indexes(r, limits).map(|v| global_indexes = Some(v)),
+        _ => names(r, limits).map(|v| fields = Some(v)),
+    })?;
+    Ok((need(global_indexes, MAP, "global_indexes")?, fields))
+}
+
+fn indexes(r: &mut Reader<'_>, limits: &Limits) -> Result<Vec<u64>, Error> {
+    let n = r.array_len("global_indexes")?;
+    limit("global indexes", n, limits.max_rows)?;
+    let mut out = Vec::with_capacity(n);
+    for _ in 0..n {
+        out.push(r.uint("a global index")?);
+    }
+    Ok(out)
+}
+
+fn names(r: &mut Reader<'_>, limits: &Limits) -> Result<Vec<String>, Error> {
+    let n = r.array_len("fields")?;
+    limit("fields", n, limits.max_fields)?;
+    let mut seen = HashSet::with_capacity(n);
+    let mut out = Vec::with_capacity(n);
+    for _ in 0..n {
+        let name = r.str("a field name")?;
+        if !seen.insert(name) {
+            return Err(Error::DuplicateField(name.to_owned()));
+        }
+        out.push(name.to_owned());
+    }
+    Ok(out)
+}
+
+/// A `{name: descriptor}` map (put and get_ok).
+fn field_map(r: &mut Reader<'_>, data: &mut Frames<'_>, limits: &Limits) -> Result<Vec<(String, WireField)>, Error> {
+    let n = r.map_len("fields")?;
+    limit("fields", n, limits.max_fields)?;
+    let mut seen = HashSet::with_capacity(n);
+    let mut out = Vec::with_capacity(n);
+    for _ in 0..n {
+        let name = r.str("a field name")?;
+        if !seen.insert(name) {
+            return Err(Error::DuplicateField(name.to_owned()));
+        }
+        let field = descriptor(r, data, limits).map_err(|e| e.in_field(name))?;
+        out.push((name.to_owned(), field));
+    }
+    Ok(out)
+}
+
+/// One `parts` entry of a regular descriptor, not yet checked.
+struct PartDesc {
+    frame: u64,
+    offset: u64,
+    len: u64,
+    rows: u64,
+}
+
+/// One `rows` entry of a nested descriptor, not yet checked.
+struct RowDesc {
+    shape: Vec<u64>,
+    frame: u64,
+    offset: u64,
+    len: u64,
+}
+
+fn descriptor(r: &mut Reader<'_>, data: &mut Frames<'_>, limits: &Limits) -> Result<WireField, Error> {
+    const MAP: &str = "a descriptor";
+    let (mut kind, mut dtype, mut shape, mut parts, mut rows, mut values) = (None, None, None, None, None, None);
+    let frame0 = data.frame0();
+    keyed(r, MAP, ["kind", "dtype", "shape", "parts", "rows", "values"], |i, r| match i {
+        0 => r.str("kind").map(|v| kind = Some(v)),
+        1 => r.str("dtype").and_then(dtype_from_name).map(|v| dtype = Some(v)),
+        2 => read_shape(r).map(|v| shape = Some(v)),
+        3 => part_list(r, limits).map(|v| parts = Some(v)),
+        4 => row_list(r, limits).map(|v| rows = Some(v)),
+        _ => value_list(r, frame0, limits).map(|v| values = Some(v)),
+    })?;
+    let kind = need(kind, MAP, "kind")?;
+    let allowed: &[&str] = match kind {
+        "regular" => &["dtype", "shape", "parts"],
+        "nested" => &["dtype", "rows"],
+        "values" => &["values"],
+        other => return Err(Error::UnknownKind(other.to_owned())),
+    };
+    let present = [
+        (dtype.is_some(), "dtype"),
+        (shape.is_some(), "shape"),
+        (parts.is_some(), "parts"),
+        (rows.is_some(), "rows"),
+        (values.is_some(), "values"),
+    ];
+    if let Some((_, key)) = present.iter().find(|(p, key)| *p && !allowed.contains(key)) {
+        return Err(unknown(MAP, key));
+    }
+    match kind {
+        "regular" => {
+            let (dtype, shape, parts) =
+                (need(dtype, MAP, "dtype")?, need(shape, MAP, "shape")?, need(parts, MAP, "parts")?);
+            regular(dtype, shape, parts, data, limits)
+        }
+        "nested" => nested(need(dtype, MAP, "dtype")?, need(rows, MAP, "rows")?, data),
+        _ => Ok(WireField::Values(need(values, MAP, "values")?)),
+    }
+}
+
+fn regular(
+    dtype: DType,
+    shape: Vec<u64>,
+    parts: Vec<PartDesc>,
+    data: &mut Frames<'_>,
+    limits: &Limits,
+) -> Result<WireField, Error> {
+    let Some((&n, row_shape)) = shape.split_first() else {
+        return Err(Error::BadShape { shape, reason: "a regular field needs a row axis" });
+    };
+    if n > limits.max_rows {
+        return Err(Error::TooLarge { what: "rows", value: n, limit: limits.max_rows });
+    }
+    let row_bytes = contiguous_len(dtype, row_shape)
+        .map_err(|_| Error::BadShape { shape: shape.clone(), reason: "a row overflows the address space" })?;
+    let mut out: Vec<(Bytes, u64)> = Vec::with_capacity(parts.len());
+    // (frame, start offset, end offset) of the last part kept, to merge the
+    // next one into it when it follows on directly.
+    let mut last: Option<(u64, u64, u64)> = None;
+    let mut sum = 0u64;
+    for p in &parts {
+        if p.rows == 0 {
+            return Err(Error::EmptyPart);
+        }
+        let expected = u128::from(p.rows) * row_bytes as u128;
+        if expected != u128::from(p.len) {
+            return Err(Error::LengthMismatch { len: p.len, expected });
+        }
+        sum = match sum.checked_add(p.rows) {
+            Some(s) if s <= n => s,
+            _ => return Err(Error::RowSum { parts: sum.saturating_add(p.rows), rows: n }),
+        };
+        let bytes = data.slice(p.frame, p.offset, p.len)?;
+        match (last, out.last_mut()) {
+            (Some((frame, start, end)), Some(prev)) if frame == p.frame && end == p.offset => {
+                let end = p.offset + p.len;
+                *prev = (data.slice(frame, start, end - start)?, prev.1 + p.rows);
+                last = Some((frame, start, end));
+            }
+            _ => {
+                out.push((bytes, p.rows));
+                last = Some((p.frame, p.offset, p.offset + p.len));
+            }
+        }
+    }
+    if sum != n {
+        return Err(Error::RowSum { parts: sum, rows: n });
+    }
+    Ok(WireField::Regular(RegularParts::new(dtype, row_shape.to_vec(), out)?))
+}
+
+fn nested(dtype: DType, rows: Vec<RowDesc>, data: &mut Frames<'_>) -> Result<WireField, Error> {
+    let mut out = Vec::with_capacity(rows.len());
+    for row in rows {
+        let expected = contiguous_len(dtype, &row.shape)
+            .map_err(|_| Error::BadShape { shape: row.shape.clone(), reason: "overflows the address space" })?;
+        if expected as u64 != row.len {
+            return Err(Error::LengthMismatch { len: row.len, expected: expected as u128 });
+        }
+        let bytes = data.slice(row.frame, row.offset, row.len)?;
+        out.push(Tensor::contiguous(bytes, dtype, row.shape)?);
+    }
+    Ok(WireField::Nested(out))
+}
+
+fn read_shape(r: &mut Reader<'_>) -> Result<Vec<u64>, Error> {
+    let n = r.array_len("shape")?;
+    if n > MAX_DIMS {
+        return Err(Error::TooManyDims(n));
+    }
+    (0..n).map(|_| r.uint("a dimension")).collect()
+}
+
+fn part_list(r: &mut Reader<'_>, limits: &Limits) -> Result<Vec<PartDesc>, Error> {
+    const MAP: &str = "a part";
+    let n = r.array_len("parts")?;
+    limit("parts", n, limits.max_rows)?;
+    let mut out = Vec::with_capacity(n);
+    for _ in 0..n {
+        const KEYS: [&str; 4] = ["frame", "offset", "len", "rows"];
+        let mut v = [None; 4];
+        keyed(r, MAP, KEYS, |i, r| r.uint(KEYS[i]).map(|u| v[i] = Some(u)))?;
+        let [frame, offset, len, rows] = v;
+        let (frame, offset) = (need(frame, MAP, "frame")?, need(offset, MAP, "offset")?);
+        out.push(PartDesc { frame, offset, len: need(len, MAP, "len")?, rows: need(rows, MAP, "rows")? });
+    }
+    Ok(out)
+}
+
+fn row_list(r: &mut Reader<'_>, limits: &Limits) -> Result<Vec<RowDesc>, Error> {
+    const MAP: &str = "a nested row";
+    let n = r.array_len("rows")?;
+    limit("rows", n, limits.max_rows)?;
+    let mut out = Vec::with_capacity(n);
+    for _ in 0..n {
+        const KEYS: [&str; 4] = ["shape", "frame", "offset", "len"];
+        let (mut shape, mut v) = (None, [None; 4]);
+        keyed(r, MAP, KEYS, |i, r| match i {
+            0 => read_shape(r).map(|s| shape = Some(s)),
+            _ => r.uint(KEYS[i]).map(|u| v[i] = Some(u)),
+        })?;
+        let [_, frame, offset, len] = v;
+        let shape = need(shape, MAP, "shape")?;
+        let (frame, offset, len) = (need(frame, MAP, "frame")?, need(offset, MAP, "offset")?, need(len, MAP, "len")?);
+        out.push(RowDesc { shape, frame, offset, len });
+    }
+    Ok(out)
+}
+
+/// `str` -> `Value::Str`, `bin` -> `Value::Bytes` (a slice of frame 0),
+/// anything else -> `Value::Msgpack` (its exact encoding, a slice).
+fn value_list(r: &mut Reader<'_>, frame0: &Bytes, limits: &Limits) -> Result<Vec<Value>, Error> {
+    let n = r.array_len("values")?;
+    limit("values", n, limits.max_rows)?;
+    let mut out = Vec::with_capacity(n);
+    for _ in 0..n {
+        let start = r.pos();
+        out.push(match r.str_or_bin()? {
+            Some((true, range)) => Value::Str(
+                String::from_utf8(frame0[range].to_vec())
+                    .map_err(|_| Error::Malformed { offset: start, reason: "invalid UTF-8 in a str" })?,
+            ),
+            Some((false, range)) => Value::Bytes(frame0.slice(range)),
+            None => Value::Msgpack(frame0.slice(r.skip(MAX_DEPTH)?)),
+        });
+    }
+    Ok(out)
+}
+
+/// A body that is a map with exactly one uint key.
+fn single_uint(r: &mut Reader<'_>, map: &'static str, key: &'static str) -> Result<u64, Error> {
+    let mut value = None;
+    keyed(r, map, [key], |_, r| r.uint(key).map(|u| value = Some(u)))?;
+    need(value, map, key)
+}
+
+/// The data frames of a message and which of them a descriptor used.
+struct Frames<'f> {
+    frames: &'f [Bytes],
+    used: Vec<bool>,
+}
+
+impl<'f> Frames<'f> {
+    fn new(frames: &'f [Bytes]) -> Self {
+        Frames { frames, used: vec![false; frames.len()] }
+    }
+
+    fn frame0(&self) -> &'f Bytes {
+        &self.frames[0]
+    }
+
+    /// Bytes `offset..offset + len` of data frame `frame` (zero copy).
+    fn slice(&mut self, frame: u64, offset: u64, len: u64) -> Result<Bytes, Error> {
+        let data_frames = self.frames.len() - 1;
+        if frame == 0 || frame > data_frames as u64 {
+            return Err(Error::FrameOutOfRange { frame, data_frames });
+        }
+        let f = &self.frames[frame as usize];
+        match offset.checked_add(len) {
+            Some(end) if end <= f.len() as u64 => {
+                self.used[frame as usize] = true;
+                Ok(f.slice(offset as usize..end as usize))
+            }
+            _ => Err(Error::RangeOutsideFrame { frame, offset, len, frame_len: f.len() }),
+        }
+    }
+
+    fn all_used(&self) -> Result<(), Error> {
+        match self.used.iter().skip(1).position(|u| !u) {
+            Some(i) => Err(Error::UnusedFrame(i + 1)),
+            None => Ok(()),
+        }
+    }
+}
+
+/// Reads a map whose keys must be among `keys`, each at most once, in any
+/// order: `read(i, r)` reads the value of `keys[i]`.
+fn keyed<'a, const N: usize>(
+    r: &mut Reader<'a>,
+    map: &'static str,
+    keys: [&'static str; N],
+    mut read: impl FnMut(usize, &mut Reader<'a>) -> Result<(), Error>,
+) -> Result<(), Error> {
+    let mut seen = [false; N];
+    for _ in 0..r.map_len(map)? {
+        let key = r.str("a key")?;
+        let Some(i) = keys.iter().position(|k| *k == key) else { return Err(unknown(map, key)) };
+        if std::mem::replace(&mut seen[i], true) {
+            return Err(Error::DuplicateKey { map, key: key.to_owned() });
+        }
+        read(i, r)?;
+    }
+    Ok(())
+}
+
+fn need<T>(slot: Option<T>, map: &'static str, key: &'static str) -> Result<T, Error> {
+    slot.ok_or(Error::MissingKey { map, key })
+}
+
+fn unknown(map: &'static str, key: &str) -> Error {
+    Error::UnknownKey { map, key: key.to_owned() }
+}
+
+fn limit(what: &'static str, n: usize, max: u64) -> Result<(), Error> {
+    if n as u64 > max { Err(Error::TooLarge { what, value: n as u64, limit: max }) } else { Ok(()) }
+}

@@ -1,0 +1,308 @@
+//! Encoding: frame placement (a [`FrameLayout`] carried out over the
+//! fields' buffers) and the msgpack envelope that describes it.
+
+use bytes::{Bytes, BytesMut};
+
+use super::msgpack::{MAX_DEPTH, Reader, Writer};
+use super::{Error, FrameLayout, Op, PROTO, Reply, Request, Stat, WireField};
+use crate::batch::Value;
+
+pub(super) fn request(req: &Request, layout: Option<&FrameLayout>) -> Result<Vec<Bytes>, Error> {
+    let mut w = envelope(req.op.name(), req.id);
+    let no_fields: &[(String, WireField)] = &[];
+    let placed = place(if let Op::Put { fields, .. } = &req.op { fields } else { no_fields }, layout)?;
+    match &req.op {
+        Op::Put { global_indexes, fields } => {
+            w.map(2);
+            w.str("global_indexes");
+            uints(&mut w, global_indexes);
+            w.str("fields");
+            field_map(&mut w, fields, &placed.locs)?;
+        }
+        Op::Get { global_indexes, fields } => {
+            w.map(2);
+            w.str("global_indexes");
+            uints(&mut w, global_indexes);
+            w.str("fields");
+            strs(&mut w, fields);
+        }
+        Op::Clear { global_indexes, fields } => {
+            w.map(1 + usize::from(fields.is_some()));
+            w.str("global_indexes");
+            uints(&mut w, global_indexes);
+            if let Some(fields) = fields {
+                w.str("fields");
+                strs(&mut w, fields);
+            }
+        }
+        Op::Stats => w.map(0),
+    }
+    finish(w, placed.frames)
+}
+
+pub(super) fn reply(id: u64, reply: &Reply, layout: Option<&FrameLayout>) -> Result<Vec<Bytes>, Error> {
+    let mut w = envelope(reply.name(), id);
+    let no_fields: &[(String, WireField)] = &[];
+    let placed = place(if let Reply::GetOk { fields } = reply { fields } else { no_fields }, layout)?;
+    match reply {
+        Reply::PutOk { rows } => {
+            w.map(1);
+            w.kv_uint("rows", *rows);
+        }
+        Reply::GetOk { fields } => {
+            w.map(1);
+            w.str("fields");
+            field_map(&mut w, fields, &placed.locs)?;
+        }
+        Reply::ClearOk { cleared } => {
+            w.map(1);
+            w.kv_uint("cleared", *cleared);
+        }
+        Reply::StatsOk(stats) => {
+            w.map(stats.len());
+            for (key, value) in stats {
+                w.str(key);
+                match value {
+                    Stat::Int(i) => w.sint(*i),
+                    Stat::Float(f) => w.f64(*f),
+                    Stat::Str(s) => w.str(s),
+                }
+            }
+        }
+        Reply::Error { code, message } => {
+            w.map(2);
+            w.kv_str("code", code);
+            w.kv_str("message", message);
+        }
+    }
+    finish(w, placed.frames)
+}
+
+/// Starts an envelope; the caller writes the body map next.
+fn envelope(op: &str, id: u64) -> Writer {
+    let mut w = Writer::new();
+    w.map(4);
+    w.kv_str("proto", PROTO);
+    w.kv_str("op", op);
+    w.kv_uint("id", id);
+    w.str("body");
+    w
+}
+
+fn finish(w: Writer, data: Vec<Bytes>) -> Result<Vec<Bytes>, Error> {
+    let mut frames = Vec::with_capacity(data.len() + 1);
+    frames.push(Bytes::from(w.finish()?));
+    frames.extend(data);
+    Ok(frames)
+}
+
+fn uints(w: &mut Writer, values: &[u64]) {
+    w.array(values.len());
+    values.iter().for_each(|&v| w.uint(v));
+}
+
+fn strs(w: &mut Writer, values: &[String]) {
+    w.array(values.len());
+    values.iter().for_each(|v| w.str(v));
+}
+
+/// Where a run of rows of one field landed.
+#[derive(Clone, Copy, Debug)]
+struct Loc {
+    row: u64,
+    rows: u64,
+    frame: u64,
+    offset: u64,
+    len: u64,
+}
+
+/// The data frames of a message, and per field where its rows are: sorted
+/// by row, covering every row once, adjacent runs of a regular field merged.
+struct Placed {
+    frames: Vec<Bytes>,
+    locs: Vec<Vec<Loc>>,
+}
+
+/// Padding source: no dtype is wider than 16 bytes.
+static ZEROS: [u8; 16] = [0; 16];
+
+/// Carries out a layout (`None`: [`FrameLayout::one_per_piece`]).
+fn place(fields: &[(String, WireField)], layout: Option<&FrameLayout>) -> Result<Placed, Error> {
+    let default;
+    let layout = match layout {
+        Some(layout) => layout,
+        None => {
+            default = FrameLayout::one_per_piece(fields);
+            &default
+        }
+    };
+    // First row of each part of each regular field.
+    let starts: Vec<Vec<u64>> = fields
+        .iter()
+        .map(|(_, f)| match f {
+            WireField::Regular(p) => {
+                p.parts().iter().scan(0, |row, (_, n)| Some(std::mem::replace(row, *row + n))).collect()
+            }
+            _ => Vec::new(),
+        })
+        .collect();
+    let mut locs: Vec<Vec<Loc>> = vec![Vec::new(); fields.len()];
+    let mut frames = Vec::with_capacity(layout.frames.len());
+    for (k, slices) in layout.frames.iter().enumerate() {
+        let frame = k as u64 + 1;
+        let mut chunks: Vec<Bytes> = Vec::with_capacity(slices.len());
+        let mut offset = 0u64;
+        // Appends a range, first padding the frame to the dtype's itemsize.
+        let mut put = |loc: &mut Vec<Loc>, align: usize, row: u64, rows: u64, chunk: Bytes| {
+            let pad = offset.next_multiple_of(align as u64) - offset;
+            if pad > 0 {
+                chunks.push(Bytes::from_static(&ZEROS[..pad as usize]));
+                offset += pad;
+            }
+            let len = chunk.len() as u64;
+            loc.push(Loc { row, rows, frame, offset, len });
+            offset += len;
+            chunks.push(chunk);
+        };
+        for s in slices {
+            let Some((name, field)) = fields.get(s.field) else {
+                return Err(Error::Layout(format!("frame {frame} names field #{} of {}", s.field, fields.len())));
+            };
+            if s.start >= s.end || s.end > field.rows() {
+                let (start, end, rows) = (s.start, s.end, field.rows());
+                return Err(Error::Layout(format!(
+                    "frame {frame} names rows {start}..{end} of {name:?}, which has {rows}"
+                )));
+            }
+            match field {
+                WireField::Regular(p) => {
+                    let rb = p.row_bytes() as u64;
+                    let st = &starts[s.field];
+                    let mut i = st.partition_point(|&first| first <= s.start).saturating_sub(1);
+                    let mut row = s.start;
+                    while row < s.end {
+                        let (bytes, n) = &p.parts()[i];
+                        let to = s.end.min(st[i] + n);
+                        let range = ((row - st[i]) * rb) as usize..((to - st[i]) * rb) as usize;
+                        put(&mut locs[s.field], p.dtype().itemsize(), row, to - row, bytes.slice(range));
+                        (row, i) = (to, i + 1);
+                    }
+                }
+                WireField::Nested(rows) => {
+                    for row in s.start..s.end {
+                        let t = &rows[row as usize];
+                        put(&mut locs[s.field], t.dtype().itemsize(), row, 1, t.contiguous_bytes());
+                    }
+                }
+                WireField::Values(_) => {
+                    return Err(Error::Layout(format!("frame {frame} names {name:?}, whose values travel in frame 0")));
+                }
+            }
+        }
+        frames.push(match chunks.len() {
+            0 => return Err(Error::Layout(format!("frame {frame} is empty"))),
+            1 => chunks.swap_remove(0),
+            _ => {
+                let mut buf = BytesMut::with_capacity(chunks.iter().map(Bytes::len).sum());
+                chunks.iter().for_each(|c| buf.extend_from_slice(c));
+                buf.freeze()
+            }
+        });
+    }
+    for ((name, field), locs) in fields.iter().zip(&mut locs) {
+        locs.sort_by_key(|l| l.row);
+        let mut next = 0;
+        for l in locs.iter() {
+            if l.row != next {
+                return Err(Error::Layout(format!(
+                    "row {} of {name:?} is placed twice or not at all",
+                    next.min(l.row)
+                )));
+            }
+            next += l.rows;
+        }
+        if !matches!(field, WireField::Values(_)) && next != field.rows() {
+            return Err(Error::Layout(format!("row {next} of {name:?} is placed nowhere")));
+        }
+        if let WireField::Regular(_) = field {
+            locs.dedup_by(|l, prev| {
+                let adjacent = l.frame == prev.frame && prev.offset + prev.len == l.offset;
+                if adjacent {
+                    (prev.rows, prev.len) = (prev.rows + l.rows, prev.len + l.len);
+                }
+                adjacent
+            });
+        }
+    }
+    Ok(Placed { frames, locs })
+}
+
+fn field_map(w: &mut Writer, fields: &[(String, WireField)], locs: &[Vec<Loc>]) -> Result<(), Error> {
+    w.map(fields.len());
+    for ((name, field), locs) in fields.iter().zip(locs) {
+        w.str(name);
+        descriptor(w, field, locs).map_err(|e| e.in_field(name))?;
+    }
+    Ok(())
+}
+
+fn descriptor(w: &mut Writer, field: &WireField, locs: &[Loc]) -> Result<(), Error> {
+    match field {
+        WireField::Regular(p) => {
+            w.map(4);
+            w.kv_str("kind", "regular");
+            w.kv_str("dtype", p.dtype().name());
+            w.str("shape");
+            uints(w, &p.shape());
+            w.str("parts");
+            w.array(locs.len());
+            for l in locs {
+                w.map(4);
+                w.kv_uint("frame", l.frame);
+                w.kv_uint("offset", l.offset);
+                w.kv_uint("len", l.len);
+                w.kv_uint("rows", l.rows);
+            }
+        }
+        WireField::Nested(rows) => {
+            let dtype = rows.first().map(|t| t.dtype());
+            let dtype = dtype.ok_or_else(|| Error::Unencodable("a nested field with no rows has no dtype".into()))?;
+            if let Some(t) = rows.iter().find(|t| t.dtype() != dtype) {
+                return Err(Error::MixedField(format!("its rows mix dtypes {dtype} and {}", t.dtype())));
+            }
+            w.map(3);
+            w.kv_str("kind", "nested");
+            w.kv_str("dtype", dtype.name());
+            w.str("rows");
+            w.array(rows.len());
+            for (t, l) in rows.iter().zip(locs) {
+                w.map(4);
+                w.str("shape");
+                uints(w, t.shape());
+                w.kv_uint("frame", l.frame);
+                w.kv_uint("offset", l.offset);
+                w.kv_uint("len", l.len);
+            }
+        }
+        WireField::Values(values) => {
+            w.map(2);
+            w.kv_str("kind", "values");
+            w.str("values");
+            w.array(values.len());
+            for v in values {
+                match v {
+                    Value::Str(s) => w.str(s),
+                    Value::Bytes(b) => w.bin(b),
+                    Value::Msgpack(raw) => {
+                        let mut r = Reader::new(raw, 0);
+                        if r.skip(MAX_DEPTH).is_err() || r.remaining() != 0 {
+                            return Err(Error::Unencodable("a msgpack value is not exactly one msgpack value".into()));
+                        }
+                        w.raw(raw);
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,519 @@
+//! Decoding of storage-unit requests (unit side) and replies (client side).
+//!
+//! Decoding runs in two passes over frame 0, like the Python unit: first the
+//! whole envelope is parsed and every ext 3/4/5 anywhere in it is checked
+//! against the data frames (undecodable errors); then the body is read for
+//! its operation (errors answered with that operation's reply type).
+
+use std::collections::HashSet;
+
+use bytes::Bytes;
+
+use super::{
+    Envelope, Error, ErrorReply, Message, Metrics, Op, PICKLE_FALLBACK_SENTINEL, Reply, Request, request_type_name,
+};
+use crate::batch::{Cell, Field, Value};
+use crate::tensor::{DType, Tensor, TensorError};
+use crate::wire::msgpack::{Item, MsgpackError, Reader};
+use crate::wire::pickle::{self, PValue};
+
+/// Most dimensions a tensor shape may have.
+const MAX_RANK: usize = 64;
+
+impl From<MsgpackError> for Error {
+    fn from(e: MsgpackError) -> Self {
+        Error::Msgpack { offset: e.offset, reason: e.reason }
+    }
+}
+
+/// The frames of one message and which data frames the body referenced.
+struct Ctx<'f> {
+    frames: &'f [Bytes],
+    used: Vec<bool>,
+}
+
+fn pickle_of(code: i8, offset: usize, data: &[u8]) -> Result<PValue, Error> {
+    pickle::loads(data).map_err(|source| Error::Pickle { code, offset, source })
+}
+
+fn shape_of(v: &PValue, code: i8, offset: usize) -> Result<Vec<u64>, Error> {
+    let dims = v.as_seq().ok_or(Error::BadExt { code, offset, reason: "shape is not a tuple" })?;
+    let ints: Vec<i128> = dims
+        .iter()
+        .map(|d| d.as_int().ok_or(Error::BadExt { code, offset, reason: "shape has a non-int dimension" }))
+        .collect::<Result<_, _>>()?;
+    if ints.len() > MAX_RANK {
+        return Err(Error::BadShape { shape: ints, reason: "too many dimensions" });
+    }
+    if ints.iter().any(|&d| d < 0) {
+        return Err(Error::BadShape { shape: ints, reason: "negative dimension" });
+    }
+    if ints.iter().any(|&d| d > i128::from(i64::MAX)) {
+        return Err(Error::BadShape { shape: ints, reason: "dimension too large" });
+    }
+    Ok(ints.iter().map(|&d| d as u64).collect())
+}
+
+/// Splits a `(dtype, shape, frame_index)` meta.
+fn meta_of(v: &PValue, code: i8, offset: usize) -> Result<(&str, Vec<u64>, i128), Error> {
+    let bad = |reason| Error::BadExt { code, offset, reason };
+    let [dtype, shape, index] = v.as_seq().ok_or(bad("expected (dtype, shape, frame_index)"))? else {
+        return Err(bad("expected (dtype, shape, frame_index)"));
+    };
+    let dtype = dtype.as_str().ok_or(bad("dtype is not a str"))?;
+    let index = index.as_int().ok_or(bad("frame_index is not an int"))?;
+    Ok((dtype, shape_of(shape, code, offset)?, index))
+}
+
+impl<'f> Ctx<'f> {
+    fn new(frames: &'f [Bytes]) -> Self {
+        Ctx { frames, used: vec![false; frames.len().saturating_sub(1)] }
+    }
+
+    /// Validates an absolute frame index and marks the frame as used.
+    fn frame(&mut self, index: i128) -> Result<usize, Error> {
+        let data_frames = self.used.len();
+        match usize::try_from(index) {
+            Ok(i) if (1..=data_frames).contains(&i) => {
+                self.used[i - 1] = true;
+                Ok(i)
+            }
+            _ => Err(Error::FrameIndex { index, data_frames }),
+        }
+    }
+
+    /// A tensor over its frame (zero copy) from a `(dtype, shape, index)` meta.
+    fn tensor(&mut self, v: &PValue, code: i8, offset: usize) -> Result<Tensor, Error> {
+        let (name, shape, index) = meta_of(v, code, offset)?;
+        let dtype = DType::from_name(name).ok_or_else(|| Error::UnknownDtype(name.to_owned()))?;
+        let frame = self.frame(index)?;
+        Tensor::contiguous(self.frames[frame].clone(), dtype, shape).map_err(|e| match e {
+            TensorError::Overflow(s) => Error::BadShape {
+                shape: s.iter().map(|&d| d.into()).collect(),
+                reason: "overflows the addressable size",
+            },
+            source => Error::FrameLength { frame, source },
+        })
+    }
+
+    /// Ext 3: one tensor.
+    fn ext3(&mut self, data: &[u8], offset: usize) -> Result<Tensor, Error> {
+        let v = pickle_of(3, offset, data)?;
+        self.tensor(&v, 3, offset)
+    }
+
+    /// Ext 4: `{"layout": "jagged"|"strided", "tensors": [meta, ...]}`, one
+    /// tensor per component (what iterating the nested tensor yields).
+    fn ext4(&mut self, data: &[u8], offset: usize) -> Result<Vec<Tensor>, Error> {
+        let v = pickle_of(4, offset, data)?;
+        let bad = |reason| Error::BadExt { code: 4, offset, reason };
+        match v.get("layout").and_then(PValue::as_str) {
+            Some("jagged" | "strided") => {}
+            _ => return Err(bad("layout is not \"jagged\" or \"strided\"")),
+        }
+        let metas = v.get("tensors").and_then(PValue::as_seq).ok_or(bad("tensors is not a list"))?;
+        metas.iter().map(|m| self.tensor(m, 4, offset)).collect()
+    }
+
+    /// Ext 5: `(numpy dtype str, shape, frame_index)`. Structure and frame
+    /// index are checked; the byte length is not (numpy itemsizes are not
+    /// modelled, and stowd does not store ext 5 yet).
+    fn ext5(&mut self, data: &[u8], offset: usize) -> Result<(), Error> {
+        let v = pickle_of(5, offset, data)?;
+        let (dtype, _, index) = meta_of(&v, 5, offset)?;
+        if dtype.is_empty() {
+            return Err(Error::BadExt { code: 5, offset, reason: "empty numpy dtype" });
+        }
+        self.frame(index).map(drop)
+    }
+
+    /// First-pass check of any ext value.
+    fn check_ext(&mut self, code: i8, data: &[u8], offset: usize) -> Result<(), Error> {
+        match code {
+            // pickle, cloudpickle, msgpack timestamp: opaque, never unpickled.
+            1 | 2 | -1 => Ok(()),
+            3 => self.ext3(data, offset).map(drop),
+            4 => self.ext4(data, offset).map(drop),
+            5 => self.ext5(data, offset),
+            _ => Err(Error::UnknownExt { code, offset }),
+        }
+    }
+}
+
+fn envelope_str(r: &mut Reader<'_>, key: &str) -> Result<String, Error> {
+    match r.item()? {
+        Item::Str { s, .. } => Ok(s.to_owned()),
+        _ => Err(Error::Envelope(format!("'{key}' is not a str"))),
+    }
+}
+
+/// Pass 1: the envelope, the body's offset, and the frame checks.
+fn open(frames: &[Bytes]) -> Result<(Envelope, usize, Ctx<'_>), Error> {
+    let first = frames.first().ok_or(Error::NoFrames)?;
+    if frames.len() >= 2 && first.as_ref() == PICKLE_FALLBACK_SENTINEL {
+        return Err(Error::PickleFallback);
+    }
+    if first.is_empty() {
+        return Err(Error::EmptyEnvelope(frames.len()));
+    }
+    let mut ctx = Ctx::new(frames);
+    let mut r = Reader::new(first, 0);
+    let Item::Map(n) = r.item()? else {
+        return Err(Error::Envelope("frame 0 is not a map".into()));
+    };
+    let (mut request_type, mut sender_id, mut receiver_id, mut request_id, mut timestamp, mut body) =
+        (None, None, None, None, None, None);
+    for _ in 0..n {
+        let Item::Str { s: key, .. } = r.item()? else {
+            return Err(Error::Envelope("a key is not a str".into()));
+        };
+        let dup = match key {
+            "request_type" => request_type.replace(envelope_str(&mut r, key)?).is_some(),
+            "sender_id" => sender_id.replace(envelope_str(&mut r, key)?).is_some(),
+            "request_id" => request_id.replace(envelope_str(&mut r, key)?).is_some(),
+            "receiver_id" => {
+                let v = match r.item()? {
+                    Item::Nil => None,
+                    Item::Str { s, .. } => Some(s.to_owned()),
+                    _ => return Err(Error::Envelope("'receiver_id' is not a str or nil".into())),
+                };
+                receiver_id.replace(v).is_some()
+            }
+            "timestamp" => {
+                let t = match r.item()? {
+                    Item::Float(f) => f,
+                    Item::UInt(u) => u as f64,
+                    Item::Int(i) => i as f64,
+                    _ => return Err(Error::Envelope("'timestamp' is not a number".into())),
+                };
+                timestamp.replace(t).is_some()
+            }
+            other => {
+                let at = r.pos();
+                r.skip(0, &mut |code, data, offset| ctx.check_ext(code, data, offset))?;
+                other == "body" && body.replace(at).is_some()
+            }
+        };
+        if dup {
+            return Err(Error::Envelope(format!("duplicate key '{key}'")));
+        }
+    }
+    if !r.at_end() {
+        return Err(Error::Msgpack { offset: r.pos(), reason: "trailing bytes after the envelope" });
+    }
+    let missing = |k: &str| Error::Envelope(format!("missing key '{k}'"));
+    let envelope = Envelope {
+        request_type: request_type.ok_or_else(|| missing("request_type"))?,
+        sender_id: sender_id.ok_or_else(|| missing("sender_id"))?,
+        receiver_id: receiver_id.ok_or_else(|| missing("receiver_id"))?,
+        request_id: request_id.ok_or_else(|| missing("request_id"))?,
+        timestamp: timestamp.ok_or_else(|| missing("timestamp"))?,
+    };
+    let body = body.ok_or_else(|| missing("body"))?;
+    if request_type_name(&envelope.request_type).is_none() {
+        return Err(Error::UnknownRequestType(envelope.request_type));
+    }
+    if let Some(i) = ctx.used.iter().position(|u| !u) {
+        return Err(Error::UnusedFrame(i + 1));
+    }
+    Ok((envelope, body, ctx))
+}
+
+/// The body's str keys with the byte range of each value.
+fn body_entries(buf: &Bytes, pos: usize, op: Op) -> Result<Vec<(&str, usize, usize)>, Error> {
+    let mut r = Reader::new(buf, pos);
+    let Item::Map(n) = r.item()? else {
+        return Err(Error::Body { op, detail: "body is not a map".into() });
+    };
+    let mut out: Vec<(&str, usize, usize)> = Vec::with_capacity(n);
+    let skip = |r: &mut Reader<'_>| r.skip(0, &mut |_, _, _| Ok::<(), Error>(()));
+    for _ in 0..n {
+        let key_start = r.pos();
+        let key = r.item()?;
+        if !matches!(key, Item::Str { .. }) {
+            // Not a str: skip the whole key (it may be a container).
+            r.set_pos(key_start);
+            skip(&mut r)?;
+        }
+        let start = r.pos();
+        skip(&mut r)?;
+        if let Item::Str { s, .. } = key {
+            if out.iter().any(|(k, _, _)| *k == s) {
+                return Err(Error::Body { op, detail: format!("duplicate key '{s}' in body") });
+            }
+            out.push((s, start, r.pos()));
+        }
+    }
+    Ok(out)
+}
+
+fn find(entries: &[(&str, usize, usize)], key: &str, op: Op) -> Result<usize, Error> {
+    entries
+        .iter()
+        .find(|(k, _, _)| *k == key)
+        .map(|(_, start, _)| *start)
+        .ok_or_else(|| Error::Body { op, detail: format!("missing key '{key}' in body") })
+}
+
+fn u64_list(buf: &Bytes, pos: usize, op: Op, key: &str) -> Result<Vec<u64>, Error> {
+    let bad = || Error::Body { op, detail: format!("'{key}' must be a list of non-negative ints") };
+    let mut r = Reader::new(buf, pos);
+    let Item::Array(n) = r.item()? else { return Err(bad()) };
+    let mut out = Vec::with_capacity(n);
+    for _ in 0..n {
+        match r.item()? {
+            Item::UInt(v) => out.push(v),
+            _ => return Err(bad()),
+        }
+    }
+    Ok(out)
+}
+
+fn str_list(buf: &Bytes, pos: usize, op: Op, key: &str) -> Result<Vec<String>, Error> {
+    let bad = || Error::Body { op, detail: format!("'{key}' must be a list of str") };
+    let mut r = Reader::new(buf, pos);
+    let Item::Array(n) = r.item()? else { return Err(bad()) };
+    let mut out = Vec::with_capacity(n);
+    for _ in 0..n {
+        match r.item()? {
+            Item::Str { s, .. } => out.push(s.to_owned()),
+            _ => return Err(bad()),
+        }
+    }
+    Ok(out)
+}
+
+/// One element of a per-row list.
+enum Element<'a> {
+    /// An ext 3 payload and its offset.
+    Tensor(&'a [u8], usize),
+    /// A plain value (no frames inside).
+    Plain(Value),
+}
+
+/// Reads one element of a per-row list. A plain value is kept as a `Str` or
+/// `Bytes` when writing it again gives the same bytes, else as its exact
+/// msgpack; it must not carry frames (ext 3/4/5) inside.
+fn element<'a>(r: &mut Reader<'a>, op: Op, field: &str) -> Result<Element<'a>, Error> {
+    let start = r.pos();
+    let head = r.item()?;
+    if let Item::Ext { code: 3, data, start: at } = head {
+        return Ok(Element::Tensor(data, at));
+    }
+    r.set_pos(start);
+    let mut framed = false;
+    r.skip(0, &mut |code, _, _| {
+        framed |= matches!(code, 3..=5);
+        Ok::<(), Error>(())
+    })?;
+    if framed {
+        let what = "a tensor or numpy array inside a list of plain values".into();
+        return Err(Error::Unsupported { op, field: field.to_owned(), what });
+    }
+    Ok(Element::Plain(match head {
+        Item::Str { s, canonical: true } => Value::Str(s.to_owned()),
+        Item::Bin { data, start: at, canonical: true } => Value::Bytes(r.slice(at, at + data.len())),
+        _ => Value::Msgpack(r.slice(start, r.pos())),
+    }))
+}
+
+/// A list of one value per row: all ext 3 (nested tensor rows) or all plain.
+fn row_list(r: &mut Reader<'_>, ctx: &mut Ctx<'_>, n: usize, op: Op, field: &str) -> Result<Field, Error> {
+    let (mut tensors, mut values) = (Vec::new(), Vec::new());
+    for _ in 0..n {
+        match element(r, op, field)? {
+            Element::Plain(v) => values.push(v),
+            Element::Tensor(data, at) => tensors.push(ctx.ext3(data, at)?),
+        }
+        if !tensors.is_empty() && !values.is_empty() {
+            let what = "a list mixing tensors and other values".into();
+            return Err(Error::Unsupported { op, field: field.to_owned(), what });
+        }
+    }
+    Ok(if tensors.is_empty() { Field::Values(values) } else { Field::Nested(tensors) })
+}
+
+/// One field of a PUT.
+fn put_field(r: &mut Reader<'_>, ctx: &mut Ctx<'_>, field: &str, n: usize) -> Result<Field, Error> {
+    let unsupported = |what: String| Error::Unsupported { op: Op::Put, field: field.to_owned(), what };
+    let count = |rows: u64| Error::RowCount { field: field.to_owned(), rows, indexes: n };
+    let value = match r.item()? {
+        Item::Ext { code: 3, data, start } => {
+            let t = ctx.ext3(data, start)?;
+            if t.shape().is_empty() {
+                let detail = format!("field '{field}' is a 0-d tensor: len() of a 0-d tensor");
+                return Err(Error::Body { op: Op::Put, detail });
+            }
+            Field::Regular(t)
+        }
+        Item::Ext { code: 4, data, start } => Field::Nested(ctx.ext4(data, start)?),
+        Item::Ext { code: 5, .. } => return Err(unsupported("a numpy array (ext 5)".into())),
+        Item::Ext { code: 1, .. } => return Err(unsupported("a pickled object (ext 1) as a whole field".into())),
+        Item::Ext { code, .. } => return Err(unsupported(format!("an ext {code} value as a whole field"))),
+        Item::Array(m) if m != n => return Err(count(m as u64)),
+        Item::Array(m) => row_list(r, ctx, m, Op::Put, field)?,
+        Item::Map(_) => return Err(unsupported("a map (e.g. a nested TensorDict) as a field".into())),
+        _ => return Err(unsupported("a scalar where a list or a tensor was expected".into())),
+    };
+    if value.rows() != n as u64 {
+        return Err(count(value.rows()));
+    }
+    Ok(value)
+}
+
+fn put(buf: &Bytes, body: usize, ctx: &mut Ctx<'_>) -> Result<Request, Error> {
+    let entries = body_entries(buf, body, Op::Put)?;
+    let gi = find(&entries, "global_indexes", Op::Put)?;
+    let data = find(&entries, "data", Op::Put)?;
+    if let Ok(pos) = find(&entries, "data_parser", Op::Put)
+        && Reader::new(buf, pos).item()? != Item::Nil
+    {
+        return Err(Error::DataParser);
+    }
+    let global_indexes = u64_list(buf, gi, Op::Put, "global_indexes")?;
+    let mut seen = HashSet::with_capacity(global_indexes.len());
+    if let Some(&dup) = global_indexes.iter().find(|&&g| !seen.insert(g)) {
+        return Err(Error::DuplicateIndex(dup));
+    }
+    let mut r = Reader::new(buf, data);
+    let Item::Map(n) = r.item()? else {
+        return Err(Error::Body { op: Op::Put, detail: "'data' is not a map".into() });
+    };
+    let mut fields: Vec<(String, Field)> = Vec::with_capacity(n);
+    for _ in 0..n {
+        let Item::Str { s: name, .. } = r.item()? else {
+            return Err(Error::Body { op: Op::Put, detail: "a field name is not a str".into() });
+        };
+        if fields.iter().any(|(f, _)| f == name) {
+            return Err(Error::Body { op: Op::Put, detail: format!("duplicate field '{name}'") });
+        }
+        let field = put_field(&mut r, ctx, name, global_indexes.len())?;
+        fields.push((name.to_owned(), field));
+    }
+    Ok(Request::Put { global_indexes, fields })
+}
+
+/// Decodes a request arriving at a storage unit: `frames[0]` is the envelope
+/// (the ZMQ identity already removed), `frames[1..]` the data frames.
+pub fn decode_message(frames: &[Bytes]) -> Result<Message, Error> {
+    let (envelope, body, mut ctx) = open(frames)?;
+    let buf = &frames[0];
+    let request = match envelope.request_type.as_str() {
+        "PUT" => put(buf, body, &mut ctx)?,
+        "GET" => {
+            let entries = body_entries(buf, body, Op::Get)?;
+            let fields = str_list(buf, find(&entries, "fields", Op::Get)?, Op::Get, "fields")?;
+            let gi = find(&entries, "global_indexes", Op::Get)?;
+            Request::Get { global_indexes: u64_list(buf, gi, Op::Get, "global_indexes")?, fields }
+        }
+        "CLEAR_DATA" => {
+            let entries = body_entries(buf, body, Op::Clear)?;
+            let gi = find(&entries, "global_indexes", Op::Clear)?;
+            Request::Clear { global_indexes: u64_list(buf, gi, Op::Clear, "global_indexes")? }
+        }
+        "GET_METRICS" => Request::GetMetrics,
+        other => Request::Other(other.to_owned()),
+    };
+    Ok(Message { envelope, request })
+}
+
+/// [`decode_message`] without the envelope.
+pub fn decode_request(frames: &[Bytes]) -> Result<Request, Error> {
+    decode_message(frames).map(|m| m.request)
+}
+
+fn reply_err(detail: impl Into<String>) -> Error {
+    Error::Body { op: Op::Reply, detail: detail.into() }
+}
+
+fn reply_message(buf: &Bytes, entries: &[(&str, usize, usize)], default: &str) -> Result<String, Error> {
+    match find(entries, "message", Op::Reply) {
+        Err(_) => Ok(default.to_owned()),
+        Ok(pos) => match Reader::new(buf, pos).item()? {
+            Item::Str { s, .. } => Ok(s.to_owned()),
+            _ => Err(reply_err("'message' is not a str")),
+        },
+    }
+}
+
+fn get_data(buf: &Bytes, body: usize, ctx: &mut Ctx<'_>) -> Result<Reply, Error> {
+    let entries = body_entries(buf, body, Op::Reply)?;
+    let mut r = Reader::new(buf, find(&entries, "data", Op::Reply)?);
+    let Item::Map(n) = r.item()? else { return Err(reply_err("'data' is not a map")) };
+    let mut fields = Vec::with_capacity(n);
+    for _ in 0..n {
+        let Item::Str { s: name, .. } = r.item()? else { return Err(reply_err("a field name is not a str")) };
+        let Item::Array(m) = r.item()? else { return Err(reply_err(format!("field '{name}' is not a list"))) };
+        let mut cells = Vec::with_capacity(m);
+        for _ in 0..m {
+            cells.push(match element(&mut r, Op::Reply, name)? {
+                Element::Plain(v) => Cell::Value(v),
+                Element::Tensor(data, at) => Cell::Tensor(ctx.ext3(data, at)?),
+            });
+        }
+        fields.push((name.to_owned(), cells));
+    }
+    Ok(Reply::GetData { fields })
+}
+
+fn metrics(buf: &Bytes, body: usize) -> Result<Metrics, Error> {
+    let mut m = Metrics::default();
+    for (key, start, end) in body_entries(buf, body, Op::Reply)? {
+        let mut r = Reader::new(buf, start);
+        let item = r.item()?;
+        let uint = |item: &Item<'_>| match item {
+            Item::UInt(v) => Ok(*v),
+            Item::Bool(b) => Ok(u64::from(*b)),
+            _ => Err(reply_err(format!("metrics '{key}' is not a non-negative int"))),
+        };
+        match key {
+            "storage_unit_id" => match item {
+                Item::Str { s, .. } => m.storage_unit_id = s.to_owned(),
+                _ => return Err(reply_err("metrics 'storage_unit_id' is not a str")),
+            },
+            "capacity" => m.capacity = if item == Item::Nil { None } else { Some(uint(&item)?) },
+            "active_keys" => m.active_keys = uint(&item)?,
+            "process_rss_bytes" => m.process_rss_bytes = uint(&item)?,
+            "ssd_offload_enabled" => m.ssd_offload_enabled = uint(&item)? != 0,
+            "ssd_active_values" => m.ssd_active_values = uint(&item)?,
+            "ssd_active_bytes" => m.ssd_active_bytes = uint(&item)?,
+            "ssd_fallback_values_total" => m.ssd_fallback_values_total = uint(&item)?,
+            "requests_arrived" => m.requests_arrived = uint(&item)?,
+            "arrivals_by_op" => {
+                let Item::Map(n) = item else { return Err(reply_err("'arrivals_by_op' is not a map")) };
+                for _ in 0..n {
+                    let Item::Str { s: op, .. } = r.item()? else { return Err(reply_err("op name is not a str")) };
+                    let count = uint(&r.item()?)?;
+                    m.arrivals_by_op.push((op.to_owned(), count));
+                }
+            }
+            other => m.extra.push((other.to_owned(), buf.slice(start..end))),
+        }
+    }
+    Ok(m)
+}
+
+/// Decodes a storage unit's reply (client side, e.g. the router talking to
+/// remote units). Tensor cells of `GET_DATA_RESPONSE` are zero-copy views of
+/// the received frames.
+pub fn decode_reply(frames: &[Bytes]) -> Result<(Envelope, Reply), Error> {
+    let (envelope, body, mut ctx) = open(frames)?;
+    let buf = &frames[0];
+    let reply = match envelope.request_type.as_str() {
+        "PUT_DATA_RESPONSE" => Reply::PutData,
+        "GET_DATA_RESPONSE" => get_data(buf, body, &mut ctx)?,
+        "CLEAR_DATA_RESPONSE" => {
+            let entries = body_entries(buf, body, Op::Reply)?;
+            Reply::ClearData { message: reply_message(buf, &entries, "")? }
+        }
+        "METRICS_RESPONSE" => Reply::Metrics(metrics(buf, body)?),
+        other => match ErrorReply::from_wire(other) {
+            Some(kind) => {
+                let entries = body_entries(buf, body, Op::Reply)?;
+                Reply::Error { kind, message: reply_message(buf, &entries, "Unknown error")? }
+            }
+            None => return Err(reply_err(format!("{other} is not a storage-unit reply"))),
+        },
+    };
+    Ok((envelope, reply))
+}
