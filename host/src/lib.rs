@@ -16,6 +16,7 @@
 
 pub mod batch;
 pub mod config;
+pub mod manager;
 pub mod plan;
 pub mod policy;
 pub mod store;

@@ -1,0 +1,450 @@
+//! The manager: routes a batch to units and back.
+//!
+//! Global index `g` goes to unit `g % N` (units in configuration order), the
+//! rule TransferQueue's client uses. For each (field, unit) the field's
+//! selection chain plans which rows go there; the plan is validated and
+//! executed, so rows going to a unit are zero-copy views where the plan
+//! allows. A local unit stores those rows directly. A remote unit (a
+//! TransferQueue storage-unit endpoint: another `stowd` or TransferQueue's
+//! own) receives them as `PUT` messages of at most `max_message_bytes`; per
+//! field and message the packing chain decides between one frame per row
+//! (zero copy) and one coalesced frame (one copy), the two layouts the
+//! TransferQueue wire format allows.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+
+use crate::batch::{Cell, Field};
+use crate::config::LimitsConfig;
+use crate::plan::{self, Frame, PieceInfo, Selected};
+use crate::policy::chain::{ChainError, DecidedBy};
+use crate::policy::registry::Registry;
+use crate::store::{StoreError, Unit};
+use crate::tensor::Tensor;
+use crate::transport::{Peer, TransportError};
+use crate::wire::tq;
+
+/// Where a unit lives.
+#[derive(Clone, Debug)]
+pub enum Target {
+    /// An in-process unit.
+    Local(Arc<Unit>),
+    /// A remote TransferQueue storage-unit endpoint.
+    Remote(Arc<Peer>),
+}
+
+impl Target {
+    /// Name for errors and logs.
+    pub fn name(&self) -> String {
+        match self {
+            Target::Local(u) => u.id().to_string(),
+            Target::Remote(p) => p.endpoint().to_string(),
+        }
+    }
+}
+
+/// Why a routed request failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ManagerError {
+    #[error("bad request: {0}")]
+    BadRequest(String),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error(transparent)]
+    Policy(#[from] ChainError),
+    #[error("unit {unit}: {message}")]
+    Remote { unit: String, message: String, key_not_found: bool },
+    #[error("unit {unit}: {source}")]
+    Transport { unit: String, source: TransportError },
+    #[error("internal: {0}")]
+    Internal(String),
+}
+
+impl ManagerError {
+    /// True for a missing (index, field).
+    pub fn is_key_not_found(&self) -> bool {
+        matches!(self, ManagerError::Store(StoreError::KeyNotFound { .. }))
+            || matches!(self, ManagerError::Remote { key_not_found: true, .. })
+    }
+}
+
+/// Data-path counters (for metrics).
+#[derive(Debug, Default)]
+pub struct DataCounters {
+    /// Row bytes handed to units as views of the received frames.
+    pub zero_copy_bytes: AtomicU64,
+    /// Row bytes copied (gathers, concatenations, coalesced frames).
+    pub copied_bytes: AtomicU64,
+    /// Frames sent to remote units.
+    pub frames_sent: AtomicU64,
+    /// Messages sent to remote units.
+    pub messages_sent: AtomicU64,
+    /// Selection decisions taken by plugins.
+    pub plugin_decisions: AtomicU64,
+    /// Selection decisions answered by the built-in (no plugin applied).
+    pub builtin_decisions: AtomicU64,
+    /// Built-in answers after a plugin fault.
+    pub fallbacks: AtomicU64,
+}
+
+/// Routes batches over a fixed list of units.
+pub struct Manager {
+    targets: Vec<Target>,
+    registry: Arc<Registry>,
+    limits: LimitsConfig,
+    timeout: Duration,
+    sender_id: String,
+    pub counters: DataCounters,
+}
+
+impl std::fmt::Debug for Manager {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Manager").field("targets", &self.targets).finish()
+    }
+}
+
+/// Positions (into the batch) and global indexes that go to one unit.
+struct Route {
+    positions: Vec<u64>,
+    indexes: Vec<u64>,
+}
+
+impl Manager {
+    pub fn new(
+        targets: Vec<Target>,
+        registry: Arc<Registry>,
+        limits: LimitsConfig,
+        timeout: Duration,
+        sender_id: String,
+    ) -> Manager {
+        Manager { targets, registry, limits, timeout, sender_id, counters: DataCounters::default() }
+    }
+
+    pub fn targets(&self) -> &[Target] {
+        &self.targets
+    }
+
+    pub fn registry(&self) -> &Arc<Registry> {
+        &self.registry
+    }
+
+    fn routes(&self, global_indexes: &[u64]) -> Vec<Route> {
+        let n = self.targets.len() as u64;
+        let mut routes: Vec<Route> = (0..n).map(|_| Route { positions: vec![], indexes: vec![] }).collect();
+        for (pos, &g) in global_indexes.iter().enumerate() {
+            let r = &mut routes[(g % n) as usize];
+            r.positions.push(pos as u64);
+            r.indexes.push(g);
+        }
+        routes
+    }
+
+    fn check_size(&self, global_indexes: &[u64], fields: usize) -> Result<(), ManagerError> {
+        if global_indexes.is_empty() {
+            return Err(ManagerError::BadRequest("empty batch: no global indexes".into()));
+        }
+        if global_indexes.len() as u64 > self.limits.max_rows {
+            return Err(ManagerError::BadRequest(format!(
+                "{} rows in one request, the limit is {}",
+                global_indexes.len(),
+                self.limits.max_rows
+            )));
+        }
+        if fields as u64 > self.limits.max_fields {
+            return Err(ManagerError::BadRequest(format!(
+                "{fields} fields in one request, the limit is {}",
+                self.limits.max_fields
+            )));
+        }
+        Ok(())
+    }
+
+    /// Selects the rows of `field` at `positions` through the field's chain
+    /// and returns one cell per position.
+    fn select(&self, name: &str, field: &Field, positions: &[u64]) -> Result<Vec<Cell>, ManagerError> {
+        let decision = self.registry.select_chain(name).select(field, positions)?;
+        let c = &self.counters;
+        match &decision.by {
+            DecidedBy::Plugin(_) => c.plugin_decisions.fetch_add(1, Ordering::Relaxed),
+            DecidedBy::Builtin => c.builtin_decisions.fetch_add(1, Ordering::Relaxed),
+            DecidedBy::Fallback { .. } => c.fallbacks.fetch_add(1, Ordering::Relaxed),
+        };
+        let selected =
+            plan::execute_selection(field, &decision.plan).map_err(|e| ManagerError::Internal(e.to_string()))?;
+        let mut cells = Vec::with_capacity(positions.len());
+        for piece in selected {
+            match piece {
+                Selected::Rows(t) => {
+                    let view = t.buffer().as_ptr() as usize;
+                    let zero_copy = matches!(field, Field::Regular(src) if {
+                        let base = src.buffer().as_ptr() as usize;
+                        view >= base && view < base + src.byte_len().max(1)
+                    });
+                    let counter = if zero_copy { &c.zero_copy_bytes } else { &c.copied_bytes };
+                    counter.fetch_add(t.payload_len() as u64, Ordering::Relaxed);
+                    for i in 0..t.rows() {
+                        cells.push(Cell::Tensor(t.row_tensor(i).map_err(|e| ManagerError::Internal(e.to_string()))?));
+                    }
+                }
+                Selected::NestedRows(rows) => {
+                    let bytes: usize = rows.iter().map(Tensor::payload_len).sum();
+                    c.zero_copy_bytes.fetch_add(bytes as u64, Ordering::Relaxed);
+                    cells.extend(rows.into_iter().map(Cell::Tensor));
+                }
+                Selected::Packed { buffer, rows } => {
+                    c.copied_bytes.fetch_add(buffer.len() as u64, Ordering::Relaxed);
+                    cells.extend(rows.into_iter().map(Cell::Tensor));
+                }
+                Selected::Values(v) => cells.extend(v.into_iter().map(Cell::Value)),
+            }
+        }
+        Ok(cells)
+    }
+
+    /// Stores a batch: each global index on its unit, each field's rows
+    /// chosen by its selection chain. Units are written one after the other;
+    /// each unit's part is all-or-nothing.
+    pub async fn put(&self, global_indexes: &[u64], fields: Vec<(String, Field)>) -> Result<(), ManagerError> {
+        self.check_size(global_indexes, fields.len())?;
+        for (name, field) in &fields {
+            if field.rows() != global_indexes.len() as u64 {
+                return Err(ManagerError::BadRequest(format!(
+                    "field {name} has {} rows for {} global indexes",
+                    field.rows(),
+                    global_indexes.len()
+                )));
+            }
+        }
+        let mut seen = std::collections::HashSet::with_capacity(global_indexes.len());
+        if let Some(g) = global_indexes.iter().find(|g| !seen.insert(**g)) {
+            return Err(ManagerError::Store(StoreError::DuplicateIndex(*g)));
+        }
+        // Plan and execute every selection before storing anything, so a
+        // policy rejection leaves every unit untouched.
+        let mut per_unit = Vec::with_capacity(self.targets.len());
+        for route in self.routes(global_indexes) {
+            if route.positions.is_empty() {
+                per_unit.push(None);
+                continue;
+            }
+            let mut unit_fields = Vec::with_capacity(fields.len());
+            for (name, field) in &fields {
+                unit_fields.push((name.clone(), self.select(name, field, &route.positions)?));
+            }
+            per_unit.push(Some((route.indexes, unit_fields)));
+        }
+        for (target, part) in self.targets.iter().zip(per_unit) {
+            let Some((indexes, unit_fields)) = part else { continue };
+            match target {
+                Target::Local(unit) => unit.put(&indexes, unit_fields)?,
+                Target::Remote(peer) => self.put_remote(peer, &indexes, unit_fields).await?,
+            }
+        }
+        Ok(())
+    }
+
+    /// Sends one unit's rows to a remote unit in messages of bounded size.
+    async fn put_remote(&self, peer: &Peer, indexes: &[u64], fields: Vec<(String, Vec<Cell>)>) -> Result<(), ManagerError> {
+        let row_bytes: Vec<u64> =
+            (0..indexes.len()).map(|i| fields.iter().map(|(_, c)| c[i].byte_len() as u64).sum()).collect();
+        let tensor_fields = fields.iter().filter(|(_, c)| matches!(c.first(), Some(Cell::Tensor(_)))).count().max(1);
+        let frame_budget = (self.limits.max_frames as usize).saturating_sub(1) / tensor_fields;
+        let mut start = 0usize;
+        while start < indexes.len() {
+            // Rows [start, end): at most max_message_bytes (at least one row).
+            let mut end = start;
+            let mut bytes = 0u64;
+            while end < indexes.len() && (end == start || bytes + row_bytes[end] <= self.limits.max_message_bytes) {
+                bytes += row_bytes[end];
+                end += 1;
+            }
+            let mut body = Vec::with_capacity(fields.len());
+            for (name, cells) in &fields {
+                body.push((name.clone(), self.pack_for_tq(name, &cells[start..end], frame_budget.max(1))?));
+            }
+            let request = tq::Request::Put { global_indexes: indexes[start..end].to_vec(), fields: body };
+            self.exchange(peer, &request).await?;
+            start = end;
+        }
+        Ok(())
+    }
+
+    /// Builds the TransferQueue value of one field for one message: one
+    /// frame per row (zero copy) if the packing plan sends every row alone,
+    /// otherwise one coalesced frame (one copy).
+    fn pack_for_tq(&self, name: &str, cells: &[Cell], frame_budget: usize) -> Result<Field, ManagerError> {
+        let tensors: Vec<&Tensor> = cells
+            .iter()
+            .filter_map(|c| match c {
+                Cell::Tensor(t) => Some(t),
+                Cell::Value(_) => None,
+            })
+            .collect();
+        if tensors.len() != cells.len() {
+            if !tensors.is_empty() {
+                return Err(ManagerError::BadRequest(format!("field {name} mixes tensors and plain values")));
+            }
+            let values = cells.iter().filter_map(|c| if let Cell::Value(v) = c { Some(v.clone()) } else { None });
+            return Ok(Field::Values(values.collect()));
+        }
+        let pieces: Vec<PieceInfo> =
+            tensors.iter().map(|t| PieceInfo { byte_len: t.payload_len() as u64, contiguous: t.is_contiguous() }).collect();
+        let mut limits = self.limits.pack_limits();
+        limits.max_frames = frame_budget.min(u32::MAX as usize) as u32;
+        let decision = self.registry.pack_chain(name).pack(&pieces, &limits);
+        let all_single = matches!(&decision, Ok(d) if d.plan.frames.iter().all(|f| matches!(f, Frame::Single(_))));
+        let uniform = tensors.windows(2).all(|w| w[0].dtype() == w[1].dtype() && w[0].shape() == w[1].shape());
+        let c = &self.counters;
+        if all_single || !uniform {
+            let bytes: usize = tensors.iter().map(|t| t.payload_len()).sum();
+            c.zero_copy_bytes.fetch_add(bytes as u64, Ordering::Relaxed);
+            return Ok(Field::Nested(tensors.into_iter().cloned().collect()));
+        }
+        // One coalesced frame: the rows back to back, shape [k, ...row].
+        let first = tensors[0];
+        let total: usize = tensors.iter().map(|t| t.payload_len()).sum();
+        let mut buf = bytes::BytesMut::with_capacity(total);
+        for t in &tensors {
+            buf.extend_from_slice(&t.contiguous_bytes());
+        }
+        c.copied_bytes.fetch_add(total as u64, Ordering::Relaxed);
+        let mut shape = vec![tensors.len() as u64];
+        shape.extend_from_slice(first.shape());
+        let t = Tensor::contiguous(buf.freeze(), first.dtype(), shape).map_err(|e| ManagerError::Internal(e.to_string()))?;
+        Ok(Field::Regular(t))
+    }
+
+    /// One request/reply with a remote unit; error replies become errors.
+    async fn exchange(&self, peer: &Peer, request: &tq::Request) -> Result<tq::Reply, ManagerError> {
+        let frames = tq::encode_request(&self.sender_id, None, request)
+            .map_err(|e| ManagerError::Internal(format!("encoding a request for {}: {e}", peer.endpoint())))?;
+        self.counters.messages_sent.fetch_add(1, Ordering::Relaxed);
+        self.counters.frames_sent.fetch_add(frames.len() as u64, Ordering::Relaxed);
+        let unit = peer.endpoint().to_string();
+        let reply = peer
+            .request(frames, self.timeout)
+            .await
+            .map_err(|source| ManagerError::Transport { unit: unit.clone(), source })?;
+        let (_, reply) = tq::decode_reply(&reply)
+            .map_err(|e| ManagerError::Remote { unit: unit.clone(), message: format!("undecodable reply: {e}"), key_not_found: false })?;
+        match reply {
+            tq::Reply::Error { message, .. } => {
+                let key_not_found = message.starts_with(&format!("[{}]", tq::KEY_NOT_FOUND_MARKER));
+                Err(ManagerError::Remote { unit, message, key_not_found })
+            }
+            ok => Ok(ok),
+        }
+    }
+
+    /// The cells of `fields` at `global_indexes`, in request order.
+    pub async fn get(&self, global_indexes: &[u64], fields: &[String]) -> Result<Vec<(String, Vec<Cell>)>, ManagerError> {
+        self.check_size(global_indexes, fields.len())?;
+        if fields.is_empty() {
+            return Err(ManagerError::BadRequest("no fields requested".into()));
+        }
+        let n = global_indexes.len();
+        let mut out: Vec<Vec<Option<Cell>>> = fields.iter().map(|_| vec![None; n]).collect();
+        for (target, route) in self.targets.iter().zip(self.routes(global_indexes)) {
+            if route.positions.is_empty() {
+                continue;
+            }
+            let got: Vec<Vec<Cell>> = match target {
+                Target::Local(unit) => unit.get(&route.indexes, fields)?,
+                Target::Remote(peer) => {
+                    let request = tq::Request::Get { global_indexes: route.indexes.clone(), fields: fields.to_vec() };
+                    match self.exchange(peer, &request).await? {
+                        tq::Reply::GetData { fields: got } => reorder_fields(fields, got, peer.endpoint())?,
+                        other => {
+                            return Err(ManagerError::Remote {
+                                unit: peer.endpoint().into(),
+                                message: format!("unexpected reply {}", other.request_type()),
+                                key_not_found: false,
+                            });
+                        }
+                    }
+                }
+            };
+            for (f, cells) in got.into_iter().enumerate() {
+                if cells.len() != route.positions.len() {
+                    return Err(ManagerError::Remote {
+                        unit: target.name(),
+                        message: format!("returned {} rows for {} indexes", cells.len(), route.positions.len()),
+                        key_not_found: false,
+                    });
+                }
+                for (pos, cell) in route.positions.iter().zip(cells) {
+                    out[f][*pos as usize] = Some(cell);
+                }
+            }
+        }
+        Ok(fields
+            .iter()
+            .cloned()
+            .zip(out)
+            .map(|(name, cells)| (name, cells.into_iter().map(|c| c.expect("every position routed")).collect()))
+            .collect())
+    }
+
+    /// Drops the given indexes (only `fields`, if given) on every unit that
+    /// holds them; returns the number of keys removed on local units.
+    pub async fn clear(&self, global_indexes: &[u64], fields: Option<&[String]>) -> Result<u64, ManagerError> {
+        let mut cleared = 0;
+        for (target, route) in self.targets.iter().zip(self.routes(global_indexes)) {
+            if route.indexes.is_empty() {
+                continue;
+            }
+            match target {
+                Target::Local(unit) => cleared += unit.clear(&route.indexes, fields),
+                Target::Remote(peer) => {
+                    if fields.is_some() {
+                        return Err(ManagerError::BadRequest(
+                            "clearing single fields is not possible on a TransferQueue unit".into(),
+                        ));
+                    }
+                    self.exchange(peer, &tq::Request::Clear { global_indexes: route.indexes.clone() }).await?;
+                    cleared += route.indexes.len() as u64;
+                }
+            }
+        }
+        Ok(cleared)
+    }
+}
+
+/// Puts a remote GET reply's fields in the order we asked for them.
+fn reorder_fields(asked: &[String], got: Vec<(String, Vec<Cell>)>, unit: &str) -> Result<Vec<Vec<Cell>>, ManagerError> {
+    let mut got: Vec<Option<(String, Vec<Cell>)>> = got.into_iter().map(Some).collect();
+    asked
+        .iter()
+        .map(|name| {
+            got.iter_mut()
+                .find(|g| g.as_ref().is_some_and(|(n, _)| n == name))
+                .and_then(Option::take)
+                .map(|(_, cells)| cells)
+                .ok_or_else(|| ManagerError::Remote {
+                    unit: unit.into(),
+                    message: format!("reply lacks field {name}"),
+                    key_not_found: false,
+                })
+        })
+        .collect()
+}
+
+/// Resident set size of this process in bytes (Linux), 0 if unknown.
+pub fn process_rss_bytes() -> u64 {
+    let statm = std::fs::read_to_string("/proc/self/statm").unwrap_or_default();
+    let pages: u64 = statm.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
+    pages * 4096
+}
+
+/// Bytes helper: the payload of a cell (for tests and diagnostics).
+pub fn cell_bytes(cell: &Cell) -> Bytes {
+    match cell {
+        Cell::Tensor(t) => t.contiguous_bytes(),
+        Cell::Value(crate::batch::Value::Str(s)) => Bytes::copy_from_slice(s.as_bytes()),
+        Cell::Value(crate::batch::Value::Bytes(b) | crate::batch::Value::Msgpack(b)) => b.clone(),
+    }
+}

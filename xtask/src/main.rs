@@ -1,0 +1,237 @@
+//! Stowage build tasks, run as `cargo xtask <command>` (alias in
+//! `.cargo/config.toml`). Only std, so it builds in a second.
+//!
+//! Commands:
+//! - `plugins [--out DIR] [--hostile]`: builds every crate under `plugins/`
+//!   (and with `--hostile` every crate under `tests/hostile/`) as a
+//!   `wasm32-wasip2` component with the `plugin` profile, copies each to
+//!   `DIR/<dir-name>.wasm` (hostile ones to `DIR/hostile/<dir-name>.wasm`;
+//!   default `DIR` is `<workspace>/target/plugins`), checks that each is a
+//!   component exporting the `stowage:policy@0.1.0` interfaces, and prints
+//!   its name and size.
+//!
+//! To add a command: write `fn name(args: &[String]) -> Result<()>` and add
+//! a line to [`COMMANDS`].
+
+use std::env;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode};
+
+type Result<T> = std::result::Result<T, Box<dyn std::error::Error>>;
+
+/// A command: name, usage line, entry point.
+type Cmd = (&'static str, &'static str, fn(&[String]) -> Result<()>);
+
+/// Every command, in the order `help` lists them.
+const COMMANDS: &[Cmd] = &[(
+    "plugins",
+    "plugins [--out DIR] [--hostile]   build plugins/* (and tests/hostile/*) to DIR/<name>.wasm",
+    plugins,
+)];
+
+const TARGET: &str = "wasm32-wasip2";
+const PROFILE: &str = "plugin";
+/// Interfaces every policy component must export.
+const EXPORTS: &[&str] = &[
+    "stowage:policy/meta@0.1.0",
+    "stowage:policy/selection@0.1.0",
+    "stowage:policy/packing@0.1.0",
+];
+
+fn main() -> ExitCode {
+    let args: Vec<String> = env::args().skip(1).collect();
+    let Some(name) = args.first() else {
+        usage();
+        return ExitCode::FAILURE;
+    };
+    if matches!(name.as_str(), "help" | "-h" | "--help") {
+        usage();
+        return ExitCode::SUCCESS;
+    }
+    let Some((_, _, run)) = COMMANDS.iter().find(|(n, _, _)| n == name) else {
+        eprintln!("xtask: unknown command `{name}`");
+        usage();
+        return ExitCode::FAILURE;
+    };
+    match run(&args[1..]) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("xtask {name}: error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn usage() {
+    eprintln!("usage: cargo xtask <command>\n\ncommands:");
+    for (_, line, _) in COMMANDS {
+        eprintln!("  {line}");
+    }
+}
+
+/// The workspace root (the parent of this crate).
+fn workspace_root() -> PathBuf {
+    let manifest = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    manifest.parent().map(Path::to_path_buf).unwrap_or(manifest)
+}
+
+/// The cargo target directory.
+fn target_dir(root: &Path) -> PathBuf {
+    match env::var_os("CARGO_TARGET_DIR") {
+        Some(dir) => root.join(dir),
+        None => root.join("target"),
+    }
+}
+
+/// A plugin crate found on disk.
+struct Crate {
+    /// Directory name: the artifact is `<dir_name>.wasm`.
+    dir_name: String,
+    /// Cargo package name (for `-p`).
+    package: String,
+    /// Library target name: cargo writes `<lib_name>.wasm`.
+    lib_name: String,
+    /// Where the artifact goes.
+    out: PathBuf,
+}
+
+fn plugins(args: &[String]) -> Result<()> {
+    let root = workspace_root();
+    let mut out_dir = target_dir(&root).join("plugins");
+    let mut hostile = false;
+    let mut it = args.iter();
+    while let Some(arg) = it.next() {
+        match arg.as_str() {
+            "--hostile" => hostile = true,
+            "--out" => out_dir = PathBuf::from(it.next().ok_or("--out needs a directory")?),
+            s if s.starts_with("--out=") => out_dir = PathBuf::from(&s["--out=".len()..]),
+            other => return Err(format!("unknown argument `{other}`").into()),
+        }
+    }
+
+    let mut crates = discover(&root.join("plugins"), &out_dir)?;
+    if hostile {
+        crates.extend(discover(
+            &root.join("tests").join("hostile"),
+            &out_dir.join("hostile"),
+        )?);
+    }
+    if crates.is_empty() {
+        return Err("no plugin crates found".into());
+    }
+
+    let cargo = env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let mut build = Command::new(cargo);
+    build
+        .current_dir(&root)
+        .args(["build", "--target", TARGET, "--profile", PROFILE]);
+    for c in &crates {
+        build.args(["-p", &c.package]);
+    }
+    let status = build
+        .status()
+        .map_err(|e| format!("cannot run cargo: {e}"))?;
+    if !status.success() {
+        return Err(format!("cargo build failed ({status})").into());
+    }
+
+    let built = target_dir(&root).join(TARGET).join(PROFILE);
+    let width = crates
+        .iter()
+        .map(|c| c.dir_name.len() + 8)
+        .max()
+        .unwrap_or(0);
+    for c in &crates {
+        let from = built.join(format!("{}.wasm", c.lib_name));
+        let bytes = fs::read(&from).map_err(|e| format!("{}: {e}", from.display()))?;
+        check_component(&bytes).map_err(|e| format!("{}: {e}", from.display()))?;
+        if let Some(parent) = c.out.parent() {
+            fs::create_dir_all(parent)?;
+        }
+        fs::write(&c.out, &bytes).map_err(|e| format!("{}: {e}", c.out.display()))?;
+        let label = if c.out.parent().is_some_and(|p| p.ends_with("hostile")) {
+            format!("hostile/{}", c.dir_name)
+        } else {
+            c.dir_name.clone()
+        };
+        println!(
+            "{label:<width$} {:>8} bytes  {}",
+            bytes.len(),
+            c.out.display()
+        );
+    }
+    Ok(())
+}
+
+/// Every directory under `dir` holding a `Cargo.toml`, sorted by name.
+fn discover(dir: &Path, out_dir: &Path) -> Result<Vec<Crate>> {
+    let mut crates = Vec::new();
+    let entries = fs::read_dir(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    for entry in entries {
+        let path = entry?.path();
+        let manifest = path.join("Cargo.toml");
+        if !manifest.is_file() {
+            continue;
+        }
+        let text = fs::read_to_string(&manifest)?;
+        let package = toml_value(&text, "package", "name")
+            .ok_or_else(|| format!("{}: no [package] name", manifest.display()))?;
+        let lib_name =
+            toml_value(&text, "lib", "name").unwrap_or_else(|| package.replace('-', "_"));
+        let dir_name = path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .ok_or("bad directory name")?
+            .to_string();
+        let out = out_dir.join(format!("{dir_name}.wasm"));
+        crates.push(Crate {
+            dir_name,
+            package,
+            lib_name,
+            out,
+        });
+    }
+    crates.sort_by(|a, b| a.dir_name.cmp(&b.dir_name));
+    Ok(crates)
+}
+
+/// The string value of `key` in `[section]` of a simple TOML file.
+fn toml_value(text: &str, section: &str, key: &str) -> Option<String> {
+    let mut current = "";
+    for line in text.lines() {
+        let line = line.trim();
+        if let Some(name) = line.strip_prefix('[').and_then(|l| l.strip_suffix(']')) {
+            current = name.trim();
+            continue;
+        }
+        if current != section {
+            continue;
+        }
+        let Some((k, v)) = line.split_once('=') else {
+            continue;
+        };
+        if k.trim() == key {
+            let v = v.trim();
+            return v
+                .strip_prefix('"')
+                .and_then(|v| v.split('"').next())
+                .map(str::to_string);
+        }
+    }
+    None
+}
+
+/// A component (not a core module) that names every policy export.
+fn check_component(bytes: &[u8]) -> Result<()> {
+    // Magic, then version 0x0d and layer 1 for components (core modules: 1, 0).
+    if bytes.get(..8) != Some(b"\0asm\x0d\0\x01\0") {
+        return Err("not a WebAssembly component".into());
+    }
+    for name in EXPORTS {
+        if !bytes.windows(name.len()).any(|w| w == name.as_bytes()) {
+            return Err(format!("does not mention the export `{name}`").into());
+        }
+    }
+    Ok(())
+}
