@@ -18,6 +18,7 @@ pub mod batch;
 pub mod config;
 pub mod manager;
 pub mod plan;
+pub mod server;
 pub mod policy;
 pub mod store;
 pub mod tensor;

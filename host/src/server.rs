@@ -1,0 +1,450 @@
+//! The `stowd` sidecar: units, the router endpoint and the native endpoint
+//! on ZeroMQ sockets.
+//!
+//! [`start`] builds everything from a [`Config`]: loads the plugins, makes
+//! the local units, binds one TransferQueue ROUTER per unit, one router-mode
+//! TransferQueue endpoint fanning out to the configured units, and the
+//! native `stowage/1` endpoint. It returns a [`Running`] handle with the
+//! resolved endpoints and a shutdown method.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::Mutex;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use bytes::Bytes;
+use serde::Serialize;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use crate::batch::{Cell, Field};
+use crate::config::Config;
+use crate::manager::{Manager, ManagerError, Target, process_rss_bytes};
+use crate::policy::registry::Registry;
+use crate::store::{StoreError, Unit};
+use crate::transport::{self, BoxFuture, Peer, Service};
+use crate::wire::native;
+use crate::wire::tq;
+
+/// Identities a TransferQueue unit answers; others are dropped silently,
+/// as the real unit does.
+pub const TQ_IDENTITY_PREFIXES: [&[u8]; 2] = [b"TQ_STORAGE_", b"metrics_collector_"];
+
+/// One served unit in the endpoints file.
+#[derive(Clone, Debug, Serialize, serde::Deserialize, PartialEq, Eq)]
+pub struct UnitEndpoint {
+    pub id: String,
+    pub endpoint: String,
+}
+
+/// Everything `stowd` serves, as written to `--endpoints-file`.
+#[derive(Clone, Debug, Serialize, serde::Deserialize, PartialEq, Eq)]
+pub struct Endpoints {
+    /// Process id of the server.
+    pub pid: u32,
+    /// Local units, each a TransferQueue storage-unit endpoint.
+    pub units: Vec<UnitEndpoint>,
+    /// The router-mode TransferQueue endpoint, if enabled.
+    pub router: Option<UnitEndpoint>,
+    /// The native `stowage/1` endpoint.
+    pub native: String,
+    /// Loaded policy plugins (`name@version`).
+    pub plugins: Vec<String>,
+}
+
+impl Endpoints {
+    /// Writes the file atomically (temp file + rename).
+    pub fn write(&self, path: &Path) -> std::io::Result<()> {
+        let tmp = path.with_extension("tmp");
+        std::fs::write(&tmp, serde_json::to_vec_pretty(self).map_err(std::io::Error::other)?)?;
+        std::fs::rename(tmp, path)
+    }
+}
+
+/// A running server.
+pub struct Running {
+    pub endpoints: Endpoints,
+    shutdown: watch::Sender<bool>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl Running {
+    /// Stops every socket loop and waits for them.
+    pub async fn shutdown_and_wait(self) {
+        let _ = self.shutdown.send(true);
+        for t in self.tasks {
+            let _ = t.await;
+        }
+    }
+}
+
+/// Request arrivals by op, in first-arrival order (TransferQueue's
+/// `arrivals_by_op`).
+#[derive(Debug, Default)]
+struct Arrivals(Mutex<Vec<(String, u64)>>);
+
+impl Arrivals {
+    fn note(&self, op: &str) {
+        let mut v = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        match v.iter_mut().find(|(n, _)| n == op) {
+            Some((_, c)) => *c += 1,
+            None => v.push((op.to_string(), 1)),
+        }
+    }
+    fn snapshot(&self) -> (u64, Vec<(String, u64)>) {
+        let v = self.0.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        (v.iter().map(|(_, c)| c).sum(), v)
+    }
+}
+
+fn tq_identity_allowed(identity: &[u8]) -> bool {
+    TQ_IDENTITY_PREFIXES.iter().any(|p| identity.starts_with(p))
+}
+
+/// Cells of a decoded field, one per row, without copying.
+fn field_cells(field: Field) -> Result<Vec<Cell>, String> {
+    Ok(match field {
+        Field::Regular(t) => (0..t.rows()).map(|i| t.row_tensor(i).map(Cell::Tensor)).collect::<Result<_, _>>().map_err(|e| e.to_string())?,
+        Field::Nested(rows) => rows.into_iter().map(Cell::Tensor).collect(),
+        Field::Values(v) => v.into_iter().map(Cell::Value).collect(),
+    })
+}
+
+/// A local unit behind its own TransferQueue endpoint.
+struct UnitService {
+    unit: Arc<Unit>,
+    arrivals: Arrivals,
+}
+
+impl UnitService {
+    fn answer(&self, frames: &[Bytes]) -> tq::Reply {
+        let id = self.unit.id();
+        let request = match tq::decode_request(frames) {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::debug!(unit = id, error = %e, "refused request");
+                return e.to_reply(id);
+            }
+        };
+        self.arrivals.note(request.op_name());
+        match request {
+            tq::Request::Put { global_indexes, fields } => {
+                let mut cells = Vec::with_capacity(fields.len());
+                for (name, field) in fields {
+                    match field_cells(field) {
+                        Ok(c) => cells.push((name, c)),
+                        Err(e) => return tq::Reply::put_failed(id, &e),
+                    }
+                }
+                match self.unit.put(&global_indexes, cells) {
+                    Ok(()) => tq::Reply::PutData,
+                    Err(e) => tq::Reply::put_failed(id, &e.to_string()),
+                }
+            }
+            tq::Request::Get { global_indexes, fields } => match self.unit.get(&global_indexes, &fields) {
+                Ok(cells) => tq::Reply::GetData { fields: fields.into_iter().zip(cells).collect() },
+                Err(StoreError::KeyNotFound { index, field, .. }) => tq::Reply::key_not_found(id, index, &field),
+                Err(e) => tq::Reply::get_failed(id, &e.to_string()),
+            },
+            tq::Request::Clear { global_indexes } => {
+                self.unit.clear(&global_indexes, None);
+                tq::Reply::clear_ok(id)
+            }
+            tq::Request::GetMetrics => {
+                let stats = self.unit.stats();
+                let (requests_arrived, arrivals_by_op) = self.arrivals.snapshot();
+                tq::Reply::Metrics(tq::Metrics {
+                    storage_unit_id: id.to_string(),
+                    capacity: stats.capacity,
+                    active_keys: stats.keys,
+                    process_rss_bytes: process_rss_bytes(),
+                    ssd_offload_enabled: false,
+                    ssd_active_values: 0,
+                    ssd_active_bytes: 0,
+                    ssd_fallback_values_total: 0,
+                    requests_arrived,
+                    arrivals_by_op,
+                    extra: vec![],
+                })
+            }
+            tq::Request::Other(t) => tq::Reply::invalid_operation(id, &t),
+        }
+    }
+}
+
+impl Service for UnitService {
+    fn handle(self: Arc<Self>, identity: Bytes, frames: Vec<Bytes>) -> BoxFuture<'static, Option<Vec<Bytes>>> {
+        Box::pin(async move {
+            if !tq_identity_allowed(&identity) {
+                tracing::debug!(identity = %String::from_utf8_lossy(&identity), "request from an unrecognised identity dropped");
+                return None;
+            }
+            let reply = self.answer(&frames);
+            Some(tq::encode_reply(self.unit.id(), &reply))
+        })
+    }
+}
+
+/// The router-mode TransferQueue endpoint.
+struct RouterService {
+    id: String,
+    manager: Arc<Manager>,
+    arrivals: Arrivals,
+}
+
+impl RouterService {
+    async fn answer(&self, frames: &[Bytes]) -> tq::Reply {
+        let id = self.id.as_str();
+        let request = match tq::decode_request(frames) {
+            Ok(r) => r,
+            Err(e) => return e.to_reply(id),
+        };
+        self.arrivals.note(request.op_name());
+        match request {
+            tq::Request::Put { global_indexes, fields } => match self.manager.put(&global_indexes, fields).await {
+                Ok(()) => tq::Reply::PutData,
+                Err(e) => tq::Reply::put_failed(id, &e.to_string()),
+            },
+            tq::Request::Get { global_indexes, fields } => match self.manager.get(&global_indexes, &fields).await {
+                Ok(cells) => tq::Reply::GetData { fields: cells },
+                Err(ManagerError::Store(StoreError::KeyNotFound { index, field, .. })) => {
+                    tq::Reply::key_not_found(id, index, &field)
+                }
+                Err(ManagerError::Remote { message, key_not_found: true, .. }) => {
+                    tq::Reply::Error { kind: tq::ErrorReply::Get, message }
+                }
+                Err(e) => tq::Reply::get_failed(id, &e.to_string()),
+            },
+            tq::Request::Clear { global_indexes } => match self.manager.clear(&global_indexes, None).await {
+                Ok(_) => tq::Reply::clear_ok(id),
+                Err(e) => tq::Reply::clear_failed(id, &e.to_string()),
+            },
+            tq::Request::GetMetrics => {
+                let (mut keys, mut capacity) = (0, Some(0u64));
+                for t in self.manager.targets() {
+                    if let Target::Local(u) = t {
+                        let s = u.stats();
+                        keys += s.keys;
+                        capacity = capacity.zip(s.capacity).map(|(a, b)| a + b);
+                    }
+                }
+                let (requests_arrived, arrivals_by_op) = self.arrivals.snapshot();
+                tq::Reply::Metrics(tq::Metrics {
+                    storage_unit_id: id.to_string(),
+                    capacity,
+                    active_keys: keys,
+                    process_rss_bytes: process_rss_bytes(),
+                    ssd_offload_enabled: false,
+                    ssd_active_values: 0,
+                    ssd_active_bytes: 0,
+                    ssd_fallback_values_total: 0,
+                    requests_arrived,
+                    arrivals_by_op,
+                    extra: vec![],
+                })
+            }
+            tq::Request::Other(t) => tq::Reply::invalid_operation(id, &t),
+        }
+    }
+}
+
+impl Service for RouterService {
+    fn handle(self: Arc<Self>, identity: Bytes, frames: Vec<Bytes>) -> BoxFuture<'static, Option<Vec<Bytes>>> {
+        Box::pin(async move {
+            if !tq_identity_allowed(&identity) {
+                return None;
+            }
+            let reply = self.answer(&frames).await;
+            Some(tq::encode_reply(&self.id, &reply))
+        })
+    }
+}
+
+/// The native `stowage/1` endpoint.
+struct NativeService {
+    manager: Arc<Manager>,
+    limits: native::Limits,
+}
+
+fn native_error(e: &ManagerError) -> native::Reply {
+    let code = match e {
+        _ if e.is_key_not_found() => native::code::KEY_NOT_FOUND,
+        ManagerError::Store(StoreError::Capacity { .. }) => native::code::CAPACITY,
+        ManagerError::Store(_) | ManagerError::BadRequest(_) => native::code::BAD_REQUEST,
+        ManagerError::Policy(crate::policy::chain::ChainError::Rejected { .. }) => native::code::REJECTED,
+        ManagerError::Policy(crate::policy::chain::ChainError::EmptyPositions) => native::code::BAD_REQUEST,
+        _ => native::code::INTERNAL,
+    };
+    native::Reply::Error { code: code.into(), message: e.to_string() }
+}
+
+impl NativeService {
+    async fn answer(&self, op: native::Op) -> native::Reply {
+        let m = &self.manager;
+        match op {
+            native::Op::Put { global_indexes, fields } => {
+                let mut decoded = Vec::with_capacity(fields.len());
+                for (name, f) in fields {
+                    match f.into_field() {
+                        Ok(field) => decoded.push((name, field)),
+                        Err(e) => return native::Reply::from_error(&e),
+                    }
+                }
+                match m.put(&global_indexes, decoded).await {
+                    Ok(()) => native::Reply::PutOk { rows: global_indexes.len() as u64 },
+                    Err(e) => native_error(&e),
+                }
+            }
+            native::Op::Get { global_indexes, fields } => match m.get(&global_indexes, &fields).await {
+                Ok(cells) => {
+                    let mut out = Vec::with_capacity(cells.len());
+                    for (name, c) in cells {
+                        match native::WireField::from_cells(c) {
+                            Ok(w) => out.push((name, w)),
+                            Err(e) => return native::Reply::from_error(&e),
+                        }
+                    }
+                    native::Reply::GetOk { fields: out }
+                }
+                Err(e) => native_error(&e),
+            },
+            native::Op::Clear { global_indexes, fields } => match m.clear(&global_indexes, fields.as_deref()).await {
+                Ok(cleared) => native::Reply::ClearOk { cleared },
+                Err(e) => native_error(&e),
+            },
+            native::Op::Stats => {
+                let c = &m.counters;
+                let mut stats = vec![("units".to_string(), native::Stat::Int(m.targets().len() as i64))];
+                let (mut keys, mut bytes) = (0u64, 0u64);
+                for t in m.targets() {
+                    if let Target::Local(u) = t {
+                        let s = u.stats();
+                        keys += s.keys;
+                        bytes += s.bytes;
+                    }
+                }
+                let int = |v: u64| native::Stat::Int(v.min(i64::MAX as u64) as i64);
+                stats.push(("keys".into(), int(keys)));
+                stats.push(("bytes".into(), int(bytes)));
+                stats.push(("zero_copy_bytes".into(), int(c.zero_copy_bytes.load(Ordering::Relaxed))));
+                stats.push(("copied_bytes".into(), int(c.copied_bytes.load(Ordering::Relaxed))));
+                stats.push(("plugin_decisions".into(), int(c.plugin_decisions.load(Ordering::Relaxed))));
+                stats.push(("builtin_decisions".into(), int(c.builtin_decisions.load(Ordering::Relaxed))));
+                stats.push(("fallbacks".into(), int(c.fallbacks.load(Ordering::Relaxed))));
+                stats.push(("process_rss_bytes".into(), int(process_rss_bytes())));
+                native::Reply::StatsOk(stats)
+            }
+        }
+    }
+}
+
+impl Service for NativeService {
+    fn handle(self: Arc<Self>, _identity: Bytes, frames: Vec<Bytes>) -> BoxFuture<'static, Option<Vec<Bytes>>> {
+        Box::pin(async move {
+            let (id, reply) = match native::decode_request(&frames, &self.limits) {
+                Ok(req) => (req.id, self.answer(req.op).await),
+                Err(e) => (native::request_id(&frames).unwrap_or(0), native::Reply::from_error(&e)),
+            };
+            let encoded = native::encode_reply(id, &reply).or_else(|e| {
+                native::encode_reply(id, &native::Reply::Error { code: native::code::INTERNAL.into(), message: e.to_string() })
+            });
+            encoded.ok()
+        })
+    }
+}
+
+/// Loads the plugins and configures the chains.
+pub fn build_registry(config: &Config) -> anyhow::Result<Registry> {
+    let dir = config.plugins.resolve_dir();
+    let cache = config.plugins.cache_dir.clone().or_else(|| dir.as_ref().map(|d| d.join(".cache")));
+    let mut registry = Registry::new(cache, config.plugins.sandbox())?;
+    match &dir {
+        Some(d) => {
+            let reports = registry
+                .load_dir(d)
+                .map_err(|e| anyhow::anyhow!("cannot read plugin directory {}: {e}", d.display()))?;
+            let loaded = reports.iter().filter(|r| r.result.is_ok()).count();
+            tracing::info!(dir = %d.display(), loaded, refused = reports.len() - loaded, "plugins");
+        }
+        None => tracing::warn!("no plugin directory found: only the built-in policy answers"),
+    }
+    registry.configure(&config.chains);
+    Ok(registry)
+}
+
+/// Starts every socket of `config`.
+pub async fn start(config: Config) -> anyhow::Result<Running> {
+    let registry = Arc::new(build_registry(&config)?);
+    let plugins: Vec<String> = registry
+        .names()
+        .iter()
+        .filter_map(|n| registry.get(n).map(|l| format!("{}@{}", n, l.policy.describe().version)))
+        .collect();
+    let (shutdown, rx) = watch::channel(false);
+    let mut tasks = Vec::new();
+    let host = &config.server.host;
+    let pid = std::process::id();
+    let capacity = (config.units.capacity_bytes > 0).then_some(config.units.capacity_bytes);
+
+    let mut units = Vec::new();
+    let mut unit_endpoints = Vec::new();
+    for i in 0..config.units.local {
+        let id = format!("TQ_STORAGE_UNIT_{:08x}", (pid << 8) ^ i);
+        let unit = Arc::new(Unit::new(id.clone(), capacity));
+        let port = if config.units.port_base == 0 { 0 } else { config.units.port_base as u32 + i };
+        let (socket, endpoint) = transport::bind(&format!("tcp://{host}:{port}")).await?;
+        let service = Arc::new(UnitService { unit: unit.clone(), arrivals: Arrivals::default() });
+        tasks.push(tokio::spawn(transport::serve(socket, service, rx.clone())));
+        tracing::info!(unit = %id, %endpoint, "unit listening");
+        unit_endpoints.push(UnitEndpoint { id, endpoint });
+        units.push(unit);
+    }
+
+    let sender = format!("TQ_STORAGE_{pid:08x}_{:08x}", std::time::UNIX_EPOCH.elapsed().map(|d| d.subsec_nanos()).unwrap_or(0));
+    let targets: Vec<Target> = if config.router.units.is_empty() {
+        units.iter().cloned().map(Target::Local).collect()
+    } else {
+        config
+            .router
+            .units
+            .iter()
+            .enumerate()
+            .map(|(i, u)| match u.strip_prefix("local:") {
+                Some(n) => Target::Local(units[n.parse::<usize>().expect("checked by config")].clone()),
+                None => Target::Remote(Arc::new(Peer::new(u.clone(), format!("{sender}_to_unit{i}")))),
+            })
+            .collect()
+    };
+    let manager = Arc::new(Manager::new(
+        targets,
+        registry.clone(),
+        config.limits.clone(),
+        Duration::from_secs(config.router.timeout_secs),
+        sender,
+    ));
+
+    let router = if config.router.enabled {
+        let id = format!("TQ_STORAGE_UNIT_{:08x}", (pid << 8) ^ 0xff);
+        let (socket, endpoint) = transport::bind(&format!("tcp://{host}:{}", config.router.port)).await?;
+        let service = Arc::new(RouterService { id: id.clone(), manager: manager.clone(), arrivals: Arrivals::default() });
+        tasks.push(tokio::spawn(transport::serve(socket, service, rx.clone())));
+        tracing::info!(%endpoint, units = manager.targets().len(), "router listening");
+        Some(UnitEndpoint { id, endpoint })
+    } else {
+        None
+    };
+
+    let native_limits = native::Limits {
+        max_rows: config.limits.max_rows,
+        max_fields: config.limits.max_fields,
+        ..native::Limits::default()
+    };
+    let (socket, native_endpoint) = transport::bind(&format!("tcp://{host}:{}", config.server.native_port)).await?;
+    let service = Arc::new(NativeService { manager, limits: native_limits });
+    tasks.push(tokio::spawn(transport::serve(socket, service, rx.clone())));
+    tracing::info!(endpoint = %native_endpoint, "native endpoint listening");
+
+    let endpoints = Endpoints { pid, units: unit_endpoints, router, native: native_endpoint, plugins };
+    Ok(Running { endpoints, shutdown, tasks })
+}
