@@ -10,6 +10,13 @@
 //!   component exporting the `stowage:policy@0.1.0` interfaces, and prints
 //!   its name and size.
 //!
+//! - `run [-- ARGS]`: installs the wasm target if missing, builds the
+//!   plugins into `target/plugins` (where `stowd` finds them: the bundled
+//!   plugins) and runs `stowd serve ARGS`.
+//! - `test`: installs what is missing (wasm target, Python packages), builds
+//!   the plugins (hostile ones too) and `stowd`, runs `cargo test
+//!   --workspace`, then the Python suite with pytest.
+//!
 //! To add a command: write `fn name(args: &[String]) -> Result<()>` and add
 //! a line to [`COMMANDS`].
 
@@ -24,11 +31,23 @@ type Result<T> = std::result::Result<T, Box<dyn std::error::Error>>;
 type Cmd = (&'static str, &'static str, fn(&[String]) -> Result<()>);
 
 /// Every command, in the order `help` lists them.
-const COMMANDS: &[Cmd] = &[(
-    "plugins",
-    "plugins [--out DIR] [--hostile]   build plugins/* (and tests/hostile/*) to DIR/<name>.wasm",
-    plugins,
-)];
+const COMMANDS: &[Cmd] = &[
+    (
+        "plugins",
+        "plugins [--out DIR] [--hostile]   build plugins/* (and tests/hostile/*) to DIR/<name>.wasm",
+        plugins,
+    ),
+    (
+        "run",
+        "run [-- STOWD ARGS]               set up, build the plugins and stowd, run `stowd serve` on its defaults",
+        run,
+    ),
+    (
+        "test",
+        "test                              set up, build everything, run every Rust and Python test",
+        test,
+    ),
+];
 
 const TARGET: &str = "wasm32-wasip2";
 const PROFILE: &str = "plugin";
@@ -234,4 +253,79 @@ fn check_component(bytes: &[u8]) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// Runs a command in the workspace root; fails on a non-zero exit.
+fn sh(program: &str, args: &[&str], envs: &[(&str, &std::ffi::OsStr)]) -> Result<()> {
+    let root = workspace_root();
+    eprintln!("xtask: {program} {}", args.join(" "));
+    let status = Command::new(program)
+        .current_dir(&root)
+        .args(args)
+        .envs(envs.iter().map(|(k, v)| (*k, *v)))
+        .status()
+        .map_err(|e| format!("cannot run {program}: {e}"))?;
+    if !status.success() {
+        return Err(format!("`{program} {}` failed ({status})", args.join(" ")).into());
+    }
+    Ok(())
+}
+
+/// Installs the wasm32-wasip2 target when rustup lacks it.
+fn ensure_wasm_target() -> Result<()> {
+    let listed = Command::new("rustup").args(["target", "list", "--installed"]).output();
+    match listed {
+        Ok(out) if String::from_utf8_lossy(&out.stdout).lines().any(|l| l.trim() == TARGET) => Ok(()),
+        Ok(_) => sh("rustup", &["target", "add", TARGET], &[]),
+        Err(_) => {
+            eprintln!("xtask: rustup not found; assuming the {TARGET} target is installed");
+            Ok(())
+        }
+    }
+}
+
+/// The Python interpreter for the test suite.
+fn python() -> String {
+    env::var("PYTHON").unwrap_or_else(|_| "python3".into())
+}
+
+/// Installs the Python test dependencies when one is missing.
+fn ensure_python_deps() -> Result<()> {
+    let py = python();
+    let probe = Command::new(&py).args(["-c", "import zmq, msgpack, numpy, pytest"]).output();
+    match probe {
+        Ok(out) if out.status.success() => Ok(()),
+        Ok(_) => sh(&py, &["-m", "pip", "install", "-q", "pyzmq", "msgpack", "numpy", "pytest"], &[]),
+        Err(e) => Err(format!("cannot run {py}: {e}").into()),
+    }
+}
+
+fn cargo() -> String {
+    env::var("CARGO").unwrap_or_else(|_| "cargo".into())
+}
+
+fn run(args: &[String]) -> Result<()> {
+    ensure_wasm_target()?;
+    plugins(&[])?;
+    let mut cmd = vec!["run", "-q", "-p", "stowage-host", "--bin", "stowd", "--", "serve"];
+    let extra: Vec<&str> = args.iter().map(String::as_str).filter(|a| *a != "--").collect();
+    cmd.extend(extra);
+    sh(&cargo(), &cmd, &[])
+}
+
+fn test(args: &[String]) -> Result<()> {
+    if let Some(a) = args.first() {
+        return Err(format!("unknown argument `{a}`").into());
+    }
+    ensure_wasm_target()?;
+    ensure_python_deps()?;
+    plugins(&["--hostile".to_string()])?;
+    let root = workspace_root();
+    let plugin_dir = target_dir(&root).join("plugins");
+    let stowd = target_dir(&root).join("debug").join("stowd");
+    let envs: [(&str, &std::ffi::OsStr); 2] =
+        [("STOWAGE_PLUGIN_DIR", plugin_dir.as_os_str()), ("STOWD_BIN", stowd.as_os_str())];
+    sh(&cargo(), &["build", "-p", "stowage-host", "--bin", "stowd"], &envs)?;
+    sh(&cargo(), &["test", "--workspace"], &envs)?;
+    sh(&python(), &["-m", "pytest", "tests/python", "-q"], &envs)
 }
