@@ -49,13 +49,11 @@ pub struct ServerConfig {
     pub host: String,
     /// Port of the native `stowage/1` endpoint (0: the OS picks).
     pub native_port: u16,
-    /// Id this process reports as the sender of TransferQueue replies.
-    pub name: String,
 }
 
 impl Default for ServerConfig {
     fn default() -> Self {
-        ServerConfig { host: "127.0.0.1".into(), native_port: 0, name: "stowd".into() }
+        ServerConfig { host: "127.0.0.1".into(), native_port: 0 }
     }
 }
 
@@ -269,6 +267,12 @@ mod tests {
         assert!(err.starts_with("c.toml:2:"), "{err}");
         let err = Config::parse("[router]\nunits = [\"local:5\"]\n", "c.toml").unwrap_err().to_string();
         assert!(err.contains("local:5"), "{err}");
+    }
+
+    #[test]
+    fn the_example_file_is_the_default() {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../stowd.example.toml");
+        assert_eq!(Config::load(&path).unwrap(), Config::default());
     }
 
     #[test]
