@@ -354,19 +354,7 @@ impl Manager {
             }
             let got: Vec<Vec<Cell>> = match target {
                 Target::Local(unit) => unit.get(&route.indexes, fields)?,
-                Target::Remote(peer) => {
-                    let request = tq::Request::Get { global_indexes: route.indexes.clone(), fields: fields.to_vec() };
-                    match self.exchange(peer, &request).await? {
-                        tq::Reply::GetData { fields: got } => reorder_fields(fields, got, peer.endpoint())?,
-                        other => {
-                            return Err(ManagerError::Remote {
-                                unit: peer.endpoint().into(),
-                                message: format!("unexpected reply {}", other.request_type()),
-                                key_not_found: false,
-                            });
-                        }
-                    }
-                }
+                Target::Remote(peer) => self.get_remote(peer, &route.indexes, fields).await?,
             };
             for (f, cells) in got.into_iter().enumerate() {
                 if cells.len() != route.positions.len() {
@@ -387,6 +375,31 @@ impl Manager {
             .zip(out)
             .map(|(name, cells)| (name, cells.into_iter().map(|c| c.expect("every position routed")).collect()))
             .collect())
+    }
+
+    /// Gets rows from a remote unit in messages of at most `max_frames`
+    /// frames (the reply carries one frame per tensor row).
+    async fn get_remote(&self, peer: &Peer, indexes: &[u64], fields: &[String]) -> Result<Vec<Vec<Cell>>, ManagerError> {
+        let per_message = ((self.limits.max_frames as usize).saturating_sub(1) / fields.len().max(1)).max(1);
+        let mut out: Vec<Vec<Cell>> = fields.iter().map(|_| Vec::with_capacity(indexes.len())).collect();
+        for chunk in indexes.chunks(per_message) {
+            let request = tq::Request::Get { global_indexes: chunk.to_vec(), fields: fields.to_vec() };
+            match self.exchange(peer, &request).await? {
+                tq::Reply::GetData { fields: got } => {
+                    for (f, cells) in reorder_fields(fields, got, peer.endpoint())?.into_iter().enumerate() {
+                        out[f].extend(cells);
+                    }
+                }
+                other => {
+                    return Err(ManagerError::Remote {
+                        unit: peer.endpoint().into(),
+                        message: format!("unexpected reply {}", other.request_type()),
+                        key_not_found: false,
+                    });
+                }
+            }
+        }
+        Ok(out)
     }
 
     /// Drops the given indexes (only `fields`, if given) on every unit that

@@ -21,6 +21,7 @@ use tokio::task::JoinHandle;
 use crate::batch::{Cell, Field};
 use crate::config::Config;
 use crate::manager::{Manager, ManagerError, Target, process_rss_bytes};
+use crate::plan::{Frame, PackLimits, PieceInfo};
 use crate::policy::registry::Registry;
 use crate::store::{StoreError, Unit};
 use crate::transport::{self, BoxFuture, Peer, Service};
@@ -265,6 +266,7 @@ impl Service for RouterService {
 struct NativeService {
     manager: Arc<Manager>,
     limits: native::Limits,
+    pack_limits: PackLimits,
 }
 
 fn native_error(e: &ManagerError) -> native::Reply {
@@ -280,6 +282,54 @@ fn native_error(e: &ManagerError) -> native::Reply {
 }
 
 impl NativeService {
+    /// The frame layout of a get_ok: per field, the packing chain groups the
+    /// field's pieces (the parts of a regular field, the rows of a nested
+    /// one) into frames; frames never mix fields.
+    fn layout(&self, fields: &[(String, native::WireField)]) -> native::FrameLayout {
+        let mut frames = Vec::new();
+        let tensor_fields = fields.iter().filter(|(_, f)| !matches!(f, native::WireField::Values(_))).count().max(1);
+        let mut limits = self.pack_limits;
+        limits.max_frames = (limits.max_frames / tensor_fields as u32).max(1);
+        for (i, (name, field)) in fields.iter().enumerate() {
+            let slices: Vec<native::RowSlice> = match field {
+                native::WireField::Regular(p) => {
+                    let mut start = 0;
+                    p.parts()
+                        .iter()
+                        .map(|(_, rows)| {
+                            let s = native::RowSlice { field: i, start, end: start + rows };
+                            start += rows;
+                            s
+                        })
+                        .collect()
+                }
+                native::WireField::Nested(rows) => {
+                    (0..rows.len() as u64).map(|r| native::RowSlice { field: i, start: r, end: r + 1 }).collect()
+                }
+                native::WireField::Values(_) => continue,
+            };
+            let pieces: Vec<PieceInfo> = match field {
+                native::WireField::Regular(p) => {
+                    p.parts().iter().map(|(b, _)| PieceInfo { byte_len: b.len() as u64, contiguous: true }).collect()
+                }
+                native::WireField::Nested(rows) => rows
+                    .iter()
+                    .map(|t| PieceInfo { byte_len: t.payload_len() as u64, contiguous: t.is_contiguous() })
+                    .collect(),
+                native::WireField::Values(_) => continue,
+            };
+            match self.manager.registry().pack_chain(name).pack(&pieces, &limits) {
+                Ok(d) => frames.extend(d.plan.frames.iter().map(|f| match f {
+                    Frame::Single(k) => vec![slices[*k as usize]],
+                    Frame::Coalesced(ks) => ks.iter().map(|k| slices[*k as usize]).collect(),
+                })),
+                // No plan within the budget: one frame per piece.
+                Err(_) => frames.extend(slices.into_iter().map(|s| vec![s])),
+            }
+        }
+        native::FrameLayout { frames }
+    }
+
     async fn answer(&self, op: native::Op) -> native::Reply {
         let m = &self.manager;
         match op {
@@ -305,7 +355,7 @@ impl NativeService {
                             Err(e) => return native::Reply::from_error(&e),
                         }
                     }
-                    native::Reply::GetOk { fields: out }
+                    return native::Reply::GetOk { fields: out };
                 }
                 Err(e) => native_error(&e),
             },
@@ -346,7 +396,11 @@ impl Service for NativeService {
                 Ok(req) => (req.id, self.answer(req.op).await),
                 Err(e) => (native::request_id(&frames).unwrap_or(0), native::Reply::from_error(&e)),
             };
-            let encoded = native::encode_reply(id, &reply).or_else(|e| {
+            let encoded = match &reply {
+                native::Reply::GetOk { fields } => native::encode_reply_with(id, &reply, &self.layout(fields)),
+                _ => native::encode_reply(id, &reply),
+            };
+            let encoded = encoded.or_else(|e| {
                 native::encode_reply(id, &native::Reply::Error { code: native::code::INTERNAL.into(), message: e.to_string() })
             });
             encoded.ok()
@@ -441,7 +495,7 @@ pub async fn start(config: Config) -> anyhow::Result<Running> {
         ..native::Limits::default()
     };
     let (socket, native_endpoint) = transport::bind(&format!("tcp://{host}:{}", config.server.native_port)).await?;
-    let service = Arc::new(NativeService { manager, limits: native_limits });
+    let service = Arc::new(NativeService { manager, limits: native_limits, pack_limits: config.limits.pack_limits() });
     tasks.push(tokio::spawn(transport::serve(socket, service, rx.clone())));
     tracing::info!(endpoint = %native_endpoint, "native endpoint listening");
 
