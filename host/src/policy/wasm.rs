@@ -534,3 +534,41 @@ impl Policy for WasmPolicy {
             .map_err(policy_error)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tensor::{DType, Tensor};
+    use bytes::Bytes;
+
+    fn lent(field: Field, read_cap: u64) -> LentField {
+        LentField { field, read_cap }
+    }
+
+    #[test]
+    fn read_walks_the_logical_byte_stream() {
+        let t = Tensor::contiguous(Bytes::from((0u8..32).collect::<Vec<_>>()), DType::U8, vec![8, 4]).unwrap();
+        // A strided view: rows 1, 3, 5 -> bytes 4..8, 12..16, 20..24 without gaps.
+        let view = t.rows_view(1, 2, 3).unwrap();
+        let l = lent(Field::Regular(view), 16);
+        assert_eq!(l.read(2, 4).unwrap(), vec![6, 7, 12, 13]);
+        assert_eq!(l.read(0, 12).unwrap(), vec![4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23]);
+        assert!(matches!(l.read(10, 3), Err(wtypes::ReadError::OutOfRange)));
+        assert!(matches!(l.read(0, 17), Err(wtypes::ReadError::OverCap(16))));
+        assert!(matches!(l.read(u64::MAX, 2), Err(wtypes::ReadError::OutOfRange)));
+        let rows = vec![
+            Tensor::contiguous(Bytes::from(vec![1u8, 2]), DType::U8, vec![2]).unwrap(),
+            Tensor::contiguous(Bytes::new(), DType::U8, vec![0]).unwrap(),
+            Tensor::contiguous(Bytes::from(vec![3u8]), DType::U8, vec![1]).unwrap(),
+        ];
+        let l = lent(Field::Nested(rows), 16);
+        assert_eq!(l.read(1, 2).unwrap(), vec![2, 3]);
+        assert_eq!(l.row_byte_lens(), vec![2, 0, 1]);
+    }
+
+    #[test]
+    fn contract_check_refuses_non_components() {
+        assert!(check_contract(b"not wasm").is_err());
+        assert!(check_contract(b"\0asm\x01\0\0\0").unwrap_err().contains("core Wasm module"));
+    }
+}
