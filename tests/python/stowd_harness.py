@@ -1,0 +1,183 @@
+"""Starting and stopping a real `stowd` process for the Python tests.
+
+`run_stowd(workdir, config=...)` is a context manager: it starts
+`stowd serve --endpoints-file <workdir>/endpoints.json [--config ...]`, waits
+for the endpoints file, yields a `Stowd` (the parsed endpoints file, a dict,
+plus the process and its log), and on exit sends SIGTERM, waits and asserts a
+clean exit (status 0). A server that hangs on shutdown is killed and the test
+fails.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+START_TIMEOUT_S = 120.0  # the first start may compile the plugins
+STOP_TIMEOUT_S = 20.0
+
+
+def stowd_binary() -> Path:
+    """The binary under test: $STOWD_BIN, else <repo>/target/debug/stowd."""
+    env = os.environ.get("STOWD_BIN")
+    path = Path(env) if env else REPO / "target" / "debug" / "stowd"
+    if not path.is_file() or not os.access(path, os.X_OK):
+        pytest.fail(
+            f"stowd binary not found or not executable at {path}. Build it with "
+            "`cargo build -p stowage-host` (and the plugins with `cargo xtask plugins --hostile`), "
+            "or point STOWD_BIN at a binary.",
+            pytrace=False,
+        )
+    return path
+
+
+def fixtures_dir() -> Path:
+    """The TransferQueue 0.1.11 golden frames: $STOWAGE_FIXTURES, else <repo>/../shared/fixtures/..."""
+    env = os.environ.get("STOWAGE_FIXTURES")
+    path = Path(env) if env else REPO.parent / "shared" / "fixtures" / "transferqueue-0.1.11"
+    if not (path / "put_req.frame0.bin").is_file():
+        pytest.fail(
+            f"TransferQueue fixtures not found in {path} (set STOWAGE_FIXTURES to the directory "
+            "holding put_req.frame0.bin ...)",
+            pytrace=False,
+        )
+    return path
+
+
+class Stowd(dict):
+    """The parsed endpoints file (keys pid, units, router, native, plugins),
+    with the process, its log and a few conveniences as attributes."""
+
+    proc: subprocess.Popen
+    log_path: Path
+    endpoints_path: Path
+
+    @property
+    def unit_endpoints(self) -> list[str]:
+        return [u["endpoint"] for u in self["units"]]
+
+    @property
+    def unit_ids(self) -> list[str]:
+        return [u["id"] for u in self["units"]]
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return "(no log)"
+        return "\n".join(lines[-n:])
+
+
+def _tail(path: Path, n: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return "(no log)"
+
+
+@contextlib.contextmanager
+def run_stowd(workdir: Path, config: str | None = None, name: str = "stowd"):
+    """Runs one stowd in `workdir` (created if needed); see the module doc."""
+    binary = stowd_binary()
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    endpoints_path = workdir / f"{name}.endpoints.json"
+    log_path = workdir / f"{name}.log"
+    args = [str(binary), "serve", "--endpoints-file", str(endpoints_path)]
+    if config is not None:
+        config_path = workdir / f"{name}.toml"
+        config_path.write_text(config)
+        args += ["--config", str(config_path)]
+    env = dict(os.environ)
+    env.setdefault("RUST_LOG", "info")
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        endpoints = None
+        while time.monotonic() < deadline:
+            if endpoints_path.is_file():
+                try:
+                    endpoints = json.loads(endpoints_path.read_text())
+                    break
+                except (json.JSONDecodeError, OSError):
+                    pass  # written atomically, but be tolerant
+            if proc.poll() is not None:
+                pytest.fail(
+                    f"{name} exited with status {proc.returncode} before writing {endpoints_path}:\n"
+                    f"{_tail(log_path)}",
+                    pytrace=False,
+                )
+            time.sleep(0.02)
+        if endpoints is None:
+            pytest.fail(
+                f"{name} did not write {endpoints_path} within {START_TIMEOUT_S:.0f} s:\n{_tail(log_path)}",
+                pytrace=False,
+            )
+        server = Stowd(endpoints)
+        server.proc = proc
+        server.log_path = log_path
+        server.endpoints_path = endpoints_path
+        assert server["pid"] == proc.pid, f"endpoints file pid {server['pid']} != process pid {proc.pid}"
+    except BaseException:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=STOP_TIMEOUT_S)
+        raise
+
+    try:
+        yield server
+    finally:
+        _stop(proc, name, log_path, endpoints_path)
+
+
+def _stop(proc: subprocess.Popen, name: str, log_path: Path, endpoints_path: Path) -> None:
+    if proc.poll() is not None:
+        # It died during the tests: that is a failure in itself.
+        pytest.fail(
+            f"{name} (pid {proc.pid}) died during the tests with status {proc.returncode}:\n{_tail(log_path)}",
+            pytrace=False,
+        )
+    proc.send_signal(signal.SIGTERM)
+    try:
+        rc = proc.wait(timeout=STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=STOP_TIMEOUT_S)
+        pytest.fail(
+            f"{name} (pid {proc.pid}) did not exit within {STOP_TIMEOUT_S:.0f} s of SIGTERM (killed):\n"
+            f"{_tail(log_path)}",
+            pytrace=False,
+        )
+    assert rc == 0, f"{name} exited with status {rc} after SIGTERM (expected a clean 0):\n{_tail(log_path)}"
+    log = log_path.read_text(errors="replace")
+    assert "panicked" not in log, f"{name} logged a panic:\n" + "\n".join(
+        line for line in log.splitlines() if "panicked" in line
+    )
+    assert not endpoints_path.exists(), f"{name} left its endpoints file {endpoints_path} behind after a clean stop"
+
+
+# Global indexes for tests sharing a server: blocks of 100 starting at 1000,
+# so every block starts at an even number (g % 2 == position % 2) and tests
+# never collide. Indexes below 1000 are left for tests that need fixed ones.
+_blocks = itertools.count(10)
+
+
+def fresh_indexes(n: int) -> list[int]:
+    """n consecutive global indexes nobody else uses (n <= 100 per call)."""
+    assert 0 < n <= 100
+    base = next(_blocks) * 100
+    return list(range(base, base + n))
