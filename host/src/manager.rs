@@ -206,8 +206,11 @@ impl Manager {
     }
 
     /// Stores a batch: each global index on its unit, each field's rows
-    /// chosen by its selection chain. Units are written one after the other;
-    /// each unit's part is all-or-nothing.
+    /// chosen by its selection chain. Every local unit's part is checked
+    /// (capacity included) before any unit is written, so a refused put
+    /// leaves the local units untouched (barring a concurrent put racing
+    /// between check and write); then units are written one after the other,
+    /// each unit's part all-or-nothing.
     pub async fn put(&self, global_indexes: &[u64], fields: Vec<(String, Field)>) -> Result<(), ManagerError> {
         self.check_size(global_indexes, fields.len())?;
         for (name, field) in &fields {
@@ -236,6 +239,11 @@ impl Manager {
                 unit_fields.push((name.clone(), self.select(name, field, &route.positions)?));
             }
             per_unit.push(Some((route.indexes, unit_fields)));
+        }
+        for (target, part) in self.targets.iter().zip(&per_unit) {
+            if let (Target::Local(unit), Some((indexes, unit_fields))) = (target, part) {
+                unit.check_put(indexes, unit_fields)?;
+            }
         }
         for (target, part) in self.targets.iter().zip(per_unit) {
             let Some((indexes, unit_fields)) = part else { continue };

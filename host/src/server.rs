@@ -158,7 +158,8 @@ impl UnitService {
                 tq::Reply::Metrics(tq::Metrics {
                     storage_unit_id: id.to_string(),
                     capacity: stats.capacity,
-                    active_keys: stats.keys,
+                    // TransferQueue counts samples (global indexes), not values.
+                    active_keys: stats.rows,
                     process_rss_bytes: process_rss_bytes(),
                     ssd_offload_enabled: false,
                     ssd_active_values: 0,
@@ -224,10 +225,14 @@ impl RouterService {
             tq::Request::GetMetrics => {
                 let (mut keys, mut capacity) = (0, Some(0u64));
                 for t in self.manager.targets() {
-                    if let Target::Local(u) = t {
-                        let s = u.stats();
-                        keys += s.keys;
-                        capacity = capacity.zip(s.capacity).map(|(a, b)| a + b);
+                    match t {
+                        Target::Local(u) => {
+                            let s = u.stats();
+                            keys += s.rows;
+                            capacity = capacity.zip(s.capacity).map(|(a, b)| a + b);
+                        }
+                        // A remote unit's capacity is not known here.
+                        Target::Remote(_) => capacity = None,
                     }
                 }
                 let (requests_arrived, arrivals_by_op) = self.arrivals.snapshot();
@@ -366,17 +371,26 @@ impl NativeService {
             native::Op::Stats => {
                 let c = &m.counters;
                 let mut stats = vec![("units".to_string(), native::Stat::Int(m.targets().len() as i64))];
-                let (mut keys, mut bytes) = (0u64, 0u64);
+                let (mut keys, mut rows, mut bytes, mut capacity) = (0u64, 0u64, 0u64, Some(0u64));
                 for t in m.targets() {
-                    if let Target::Local(u) = t {
-                        let s = u.stats();
-                        keys += s.keys;
-                        bytes += s.bytes;
+                    match t {
+                        Target::Local(u) => {
+                            let s = u.stats();
+                            keys += s.keys;
+                            rows += s.rows;
+                            bytes += s.bytes;
+                            capacity = capacity.zip(s.capacity).map(|(a, b)| a.saturating_add(b));
+                        }
+                        Target::Remote(_) => capacity = None,
                     }
                 }
                 let int = |v: u64| native::Stat::Int(v.min(i64::MAX as u64) as i64);
                 stats.push(("keys".into(), int(keys)));
+                stats.push(("rows".into(), int(rows)));
                 stats.push(("bytes".into(), int(bytes)));
+                if let Some(c) = capacity {
+                    stats.push(("capacity".into(), int(c)));
+                }
                 stats.push(("zero_copy_bytes".into(), int(c.zero_copy_bytes.load(Ordering::Relaxed))));
                 stats.push(("copied_bytes".into(), int(c.copied_bytes.load(Ordering::Relaxed))));
                 stats.push(("plugin_decisions".into(), int(c.plugin_decisions.load(Ordering::Relaxed))));

@@ -87,25 +87,44 @@ impl Unit {
     /// Existing keys are overwritten. All or nothing.
     pub fn put(&self, global_indexes: &[u64], fields: Vec<(String, Vec<Cell>)>) -> Result<(), StoreError> {
         self.counters.puts.fetch_add(1, Ordering::Relaxed);
-        if global_indexes.is_empty() {
-            return Err(StoreError::Empty);
-        }
-        let mut seen = std::collections::HashSet::with_capacity(global_indexes.len());
-        for &g in global_indexes {
-            if !seen.insert(g) {
-                return Err(StoreError::DuplicateIndex(g));
-            }
-        }
-        for (name, cells) in &fields {
-            if cells.len() != global_indexes.len() {
-                return Err(StoreError::RowCount { field: name.clone(), rows: cells.len(), indexes: global_indexes.len() });
-            }
-        }
+        check_shape(global_indexes, &fields)?;
         let mut inner = self.lock();
-        // Capacity: bytes after the put, counting overwritten cells as freed.
+        let (added, freed) = self.check_capacity(&inner, global_indexes, &fields)?;
+        for (name, cells) in fields {
+            let name: Arc<str> = Arc::from(name.as_str());
+            for (g, cell) in global_indexes.iter().zip(cells) {
+                let row = inner.rows.entry(*g).or_default();
+                match row.iter_mut().find(|(n, _)| *n == name) {
+                    Some(slot) => slot.1 = cell,
+                    None => {
+                        row.push((name.clone(), cell));
+                        inner.keys += 1;
+                    }
+                }
+            }
+        }
+        inner.bytes = inner.bytes - freed + added;
+        Ok(())
+    }
+
+    /// Checks, without storing anything, that [`Unit::put`] of these cells
+    /// would succeed now (a put over several units checks every unit first).
+    pub fn check_put(&self, global_indexes: &[u64], fields: &[(String, Vec<Cell>)]) -> Result<(), StoreError> {
+        check_shape(global_indexes, fields)?;
+        self.check_capacity(&self.lock(), global_indexes, fields).map(drop)
+    }
+
+    /// Capacity: bytes after the put, counting overwritten cells as freed.
+    /// Returns (bytes added, bytes freed).
+    fn check_capacity(
+        &self,
+        inner: &Inner,
+        global_indexes: &[u64],
+        fields: &[(String, Vec<Cell>)],
+    ) -> Result<(u64, u64), StoreError> {
         let added: u64 = fields.iter().flat_map(|(_, c)| c.iter()).map(|c| c.byte_len() as u64).sum();
         let mut freed = 0u64;
-        for (name, _) in &fields {
+        for (name, _) in fields {
             for g in global_indexes {
                 if let Some(row) = inner.rows.get(g)
                     && let Some((_, cell)) = row.iter().find(|(n, _)| **n == **name)
@@ -125,21 +144,7 @@ impl Unit {
                 });
             }
         }
-        for (name, cells) in fields {
-            let name: Arc<str> = Arc::from(name.as_str());
-            for (g, cell) in global_indexes.iter().zip(cells) {
-                let row = inner.rows.entry(*g).or_default();
-                match row.iter_mut().find(|(n, _)| *n == name) {
-                    Some(slot) => slot.1 = cell,
-                    None => {
-                        row.push((name.clone(), cell));
-                        inner.keys += 1;
-                    }
-                }
-            }
-        }
-        inner.bytes = inner.bytes - freed + added;
-        Ok(())
+        Ok((added, freed))
     }
 
     /// The cells of `fields` at `global_indexes`, field by field, in request
@@ -208,6 +213,25 @@ impl Unit {
     }
 }
 
+/// Checks a put's indexes (at least one, distinct) and row counts.
+fn check_shape(global_indexes: &[u64], fields: &[(String, Vec<Cell>)]) -> Result<(), StoreError> {
+    if global_indexes.is_empty() {
+        return Err(StoreError::Empty);
+    }
+    let mut seen = std::collections::HashSet::with_capacity(global_indexes.len());
+    for &g in global_indexes {
+        if !seen.insert(g) {
+            return Err(StoreError::DuplicateIndex(g));
+        }
+    }
+    for (name, cells) in fields {
+        if cells.len() != global_indexes.len() {
+            return Err(StoreError::RowCount { field: name.clone(), rows: cells.len(), indexes: global_indexes.len() });
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -249,6 +273,18 @@ mod tests {
         // Overwriting frees the old bytes first.
         unit.put(&[1], vec![("a".into(), vec![s("1234567890")])]).unwrap();
         assert_eq!(unit.stats().bytes, 10);
+    }
+
+    #[test]
+    fn check_put_stores_nothing() {
+        let unit = Unit::new("u0", Some(4));
+        unit.put(&[1], vec![("a".into(), vec![s("12")])]).unwrap();
+        let too_big = [("a".to_string(), vec![s("123")])];
+        assert!(matches!(unit.check_put(&[2], &too_big), Err(StoreError::Capacity { .. })));
+        // Overwriting index 1 frees its 2 bytes first.
+        unit.check_put(&[1], &too_big).unwrap();
+        assert!(matches!(unit.check_put(&[2, 2], &[]), Err(StoreError::DuplicateIndex(2))));
+        assert_eq!(unit.stats(), UnitStats { keys: 1, rows: 1, bytes: 2, capacity: Some(4) });
     }
 
     #[test]

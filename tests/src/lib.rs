@@ -3,8 +3,21 @@
 //! The tests use real `.wasm` components built from `plugins/` (and the
 //! hostile ones from `tests/hostile/`) by `cargo xtask plugins --hostile`,
 //! found in `$STOWAGE_PLUGIN_DIR` or `<workspace>/target/plugins`.
+//!
+//! | module | what |
+//! |---|---|
+//! | [`process`] | the real `stowd` binary as a child process ([`Stowd`]) |
+//! | [`client`] | TransferQueue and `stowage/1` clients over real ZeroMQ sockets |
+//! | [`data`] | deterministic test batches and their expected rows |
 
 use std::path::PathBuf;
+
+pub mod client;
+pub mod data;
+pub mod process;
+
+pub use client::{NativeClient, NativePipeline, TqClient};
+pub use process::Stowd;
 
 /// The workspace root.
 pub fn workspace_root() -> PathBuf {
