@@ -245,11 +245,30 @@ impl Manager {
                 unit.check_put(indexes, unit_fields)?;
             }
         }
+        // Remote units first: they are the ones that can fail now (network,
+        // their own capacity). If one fails, the rows already sent to other
+        // remote units in this put are cleared again (best effort), and no
+        // local unit has been written: the put's keys end up absent, never
+        // half new. Local units were checked above and are written last.
+        let mut written: Vec<(&Peer, Vec<u64>)> = Vec::new();
+        for (target, part) in self.targets.iter().zip(per_unit.iter_mut()) {
+            let (Target::Remote(peer), Some((indexes, unit_fields))) = (target, part.as_mut()) else { continue };
+            match self.put_remote(peer, indexes, std::mem::take(unit_fields)).await {
+                Ok(()) => written.push((peer.as_ref(), std::mem::take(indexes))),
+                Err(e) => {
+                    for (peer, indexes) in written {
+                        let clear = tq::Request::Clear { global_indexes: indexes };
+                        if let Err(undo) = self.exchange(peer, &clear).await {
+                            tracing::error!(unit = peer.endpoint(), error = %undo, "could not undo a failed put");
+                        }
+                    }
+                    return Err(e);
+                }
+            }
+        }
         for (target, part) in self.targets.iter().zip(per_unit) {
-            let Some((indexes, unit_fields)) = part else { continue };
-            match target {
-                Target::Local(unit) => unit.put(&indexes, unit_fields)?,
-                Target::Remote(peer) => self.put_remote(peer, &indexes, unit_fields).await?,
+            if let (Target::Local(unit), Some((indexes, unit_fields))) = (target, part) {
+                unit.put(&indexes, unit_fields)?;
             }
         }
         Ok(())
@@ -411,7 +430,9 @@ impl Manager {
     }
 
     /// Drops the given indexes (only `fields`, if given) on every unit that
-    /// holds them; returns the number of keys removed on local units.
+    /// holds them. Returns the (index, field) values removed from local
+    /// units plus, for remote units (which do not report it), the number of
+    /// indexes sent to them.
     pub async fn clear(&self, global_indexes: &[u64], fields: Option<&[String]>) -> Result<u64, ManagerError> {
         let mut cleared = 0;
         for (target, route) in self.targets.iter().zip(self.routes(global_indexes)) {
