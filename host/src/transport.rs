@@ -202,3 +202,42 @@ impl Peer {
         result
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    struct Echo;
+
+    impl Service for Echo {
+        fn handle(self: Arc<Self>, _identity: Bytes, frames: Vec<Bytes>) -> BoxFuture<'static, Option<Vec<Bytes>>> {
+            Box::pin(async move { Some(frames) })
+        }
+    }
+
+    #[tokio::test]
+    async fn ipc_bind_survives_a_stale_socket_file_and_peers_reconnect() {
+        let dir = std::env::temp_dir().join(format!("stowage-ipc-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("unit.sock");
+        // A file left behind by a dead process.
+        std::fs::write(&path, b"stale").unwrap();
+        let endpoint = format!("ipc://{}", path.display());
+        let (socket, bound) = bind(&endpoint).await.unwrap();
+        assert!(bound.starts_with("ipc://"), "{bound}");
+        let (tx, rx) = watch::channel(false);
+        let server = tokio::spawn(serve(socket, Arc::new(Echo), rx));
+        let peer = Peer::new(endpoint.clone(), "TQ_STORAGE_test");
+        let t = Duration::from_secs(5);
+        for i in 0..3u8 {
+            let reply = peer.request(vec![Bytes::from(vec![i; 3]), Bytes::from_static(b"x")], t).await.unwrap();
+            assert_eq!(reply, vec![Bytes::from(vec![i; 3]), Bytes::from_static(b"x")]);
+        }
+        tx.send(true).unwrap();
+        server.await.unwrap();
+        // A peer whose unit is gone fails within its timeout, it does not hang.
+        let gone = Peer::new("tcp://127.0.0.1:1", "TQ_STORAGE_test");
+        assert!(gone.request(vec![Bytes::from_static(b"x")], Duration::from_millis(500)).await.is_err());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
