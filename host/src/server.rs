@@ -93,9 +93,22 @@ impl Arrivals {
             None => v.push((op.to_string(), 1)),
         }
     }
-    fn snapshot(&self) -> (u64, Vec<(String, u64)>) {
-        let v = self.0.lock().unwrap_or_else(|p| p.into_inner()).clone();
-        (v.iter().map(|(_, c)| c).sum(), v)
+    /// A `METRICS_RESPONSE` with these arrivals (no SSD offload here).
+    fn metrics(&self, unit_id: &str, capacity: Option<u64>, active_keys: u64) -> tq::Reply {
+        let arrivals_by_op = self.0.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        tq::Reply::Metrics(tq::Metrics {
+            storage_unit_id: unit_id.to_string(),
+            capacity,
+            active_keys,
+            process_rss_bytes: process_rss_bytes(),
+            ssd_offload_enabled: false,
+            ssd_active_values: 0,
+            ssd_active_bytes: 0,
+            ssd_fallback_values_total: 0,
+            requests_arrived: arrivals_by_op.iter().map(|(_, c)| c).sum(),
+            arrivals_by_op,
+            extra: vec![],
+        })
     }
 }
 
@@ -154,21 +167,8 @@ impl UnitService {
             }
             tq::Request::GetMetrics => {
                 let stats = self.unit.stats();
-                let (requests_arrived, arrivals_by_op) = self.arrivals.snapshot();
-                tq::Reply::Metrics(tq::Metrics {
-                    storage_unit_id: id.to_string(),
-                    capacity: stats.capacity,
-                    // TransferQueue counts samples (global indexes), not values.
-                    active_keys: stats.rows,
-                    process_rss_bytes: process_rss_bytes(),
-                    ssd_offload_enabled: false,
-                    ssd_active_values: 0,
-                    ssd_active_bytes: 0,
-                    ssd_fallback_values_total: 0,
-                    requests_arrived,
-                    arrivals_by_op,
-                    extra: vec![],
-                })
+                // TransferQueue counts samples (global indexes), not values.
+                self.arrivals.metrics(id, stats.capacity, stats.rows)
             }
             tq::Request::Other(t) => tq::Reply::invalid_operation(id, &t),
         }
@@ -235,20 +235,7 @@ impl RouterService {
                         Target::Remote(_) => capacity = None,
                     }
                 }
-                let (requests_arrived, arrivals_by_op) = self.arrivals.snapshot();
-                tq::Reply::Metrics(tq::Metrics {
-                    storage_unit_id: id.to_string(),
-                    capacity,
-                    active_keys: keys,
-                    process_rss_bytes: process_rss_bytes(),
-                    ssd_offload_enabled: false,
-                    ssd_active_values: 0,
-                    ssd_active_bytes: 0,
-                    ssd_fallback_values_total: 0,
-                    requests_arrived,
-                    arrivals_by_op,
-                    extra: vec![],
-                })
+                self.arrivals.metrics(id, capacity, keys)
             }
             tq::Request::Other(t) => tq::Reply::invalid_operation(id, &t),
         }
