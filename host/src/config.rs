@@ -23,6 +23,7 @@ pub struct Config {
     pub router: RouterConfig,
     pub plugins: PluginsConfig,
     pub limits: LimitsConfig,
+    pub shm: ShmConfig,
     /// Policy chains by field-name pattern, first match wins.
     #[serde(rename = "chain")]
     pub chains: Vec<ChainConfig>,
@@ -36,6 +37,7 @@ impl Default for Config {
             router: RouterConfig::default(),
             plugins: PluginsConfig::default(),
             limits: LimitsConfig::default(),
+            shm: ShmConfig::default(),
             chains: registry::default_chains(),
         }
     }
@@ -178,6 +180,26 @@ impl LimitsConfig {
             max_frame_bytes: self.max_message_bytes,
             small_threshold: self.small_piece_bytes,
         }
+    }
+}
+
+/// Same-node shared memory.
+#[derive(Clone, Debug, PartialEq, Deserialize, Serialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ShmConfig {
+    /// Serve same-node clients through shared-memory segments.
+    pub enabled: bool,
+    /// Directory of the segments (a tmpfs).
+    pub dir: PathBuf,
+    /// Seconds a leased segment may stay unused before it is removed.
+    pub lease_secs: u64,
+    /// Largest single lease, bytes.
+    pub max_lease_bytes: u64,
+}
+
+impl Default for ShmConfig {
+    fn default() -> Self {
+        ShmConfig { enabled: true, dir: PathBuf::from("/dev/shm"), lease_secs: 30, max_lease_bytes: 16 << 30 }
     }
 }
 

@@ -19,6 +19,7 @@ pub mod config;
 pub mod manager;
 pub mod plan;
 pub mod server;
+pub mod shm;
 pub mod policy;
 pub mod store;
 pub mod tensor;

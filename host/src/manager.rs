@@ -128,6 +128,14 @@ impl Manager {
         &self.targets
     }
 
+    /// The local unit that holds `global_index`, if it is local.
+    pub fn local_unit(&self, global_index: u64) -> Option<&Arc<Unit>> {
+        match &self.targets[(global_index % self.targets.len() as u64) as usize] {
+            Target::Local(u) => Some(u),
+            Target::Remote(_) => None,
+        }
+    }
+
     pub fn registry(&self) -> &Arc<Registry> {
         &self.registry
     }

@@ -22,6 +22,8 @@ use crate::batch::{Cell, Field};
 use crate::config::Config;
 use crate::manager::{Manager, ManagerError, Target, process_rss_bytes};
 use crate::plan::{Frame, PackLimits, PieceInfo};
+use crate::shm::{SegmentStore, ShmError};
+use crate::tensor::Tensor;
 use crate::policy::registry::Registry;
 use crate::store::{StoreError, Unit};
 use crate::transport::{self, BoxFuture, Peer, Service};
@@ -52,6 +54,8 @@ pub struct Endpoints {
     pub native: String,
     /// Loaded policy plugins (`name@version`).
     pub plugins: Vec<String>,
+    /// Shared-memory directory for same-node clients, if enabled.
+    pub shm_dir: Option<String>,
 }
 
 impl Endpoints {
@@ -259,6 +263,18 @@ struct NativeService {
     manager: Arc<Manager>,
     limits: native::Limits,
     pack_limits: PackLimits,
+    /// Same-node shared memory, if enabled.
+    shm: Option<Arc<SegmentStore>>,
+}
+
+fn shm_error(e: &ShmError) -> native::Reply {
+    let code = match e {
+        ShmError::Disabled => native::code::UNSUPPORTED,
+        ShmError::TooLarge { .. } => native::code::TOO_LARGE,
+        ShmError::Io { .. } => native::code::INTERNAL,
+        _ => native::code::BAD_REQUEST,
+    };
+    native::Reply::Error { code: code.into(), message: e.to_string() }
 }
 
 fn native_error(e: &ManagerError) -> native::Reply {
@@ -322,7 +338,56 @@ impl NativeService {
         native::FrameLayout { frames }
     }
 
-    async fn answer(&self, op: native::Op) -> native::Reply {
+    /// Moves every tensor cell that is not yet in shared memory into one new
+    /// segment (one copy, once) and points the local units' stored cells
+    /// there, so later same-node gets of these rows are zero-copy and share
+    /// pages.
+    fn move_to_shm(
+        &self,
+        shm: &SegmentStore,
+        global_indexes: &[u64],
+        cells: &mut [(String, Vec<Cell>)],
+    ) -> Result<(), ShmError> {
+        let mut pending: Vec<(usize, usize)> = Vec::new();
+        let mut seen: std::collections::HashMap<(usize, usize), usize> = std::collections::HashMap::new();
+        let mut unique: Vec<Bytes> = Vec::new();
+        let mut slot_of: Vec<usize> = Vec::new();
+        for (f, (_, field_cells)) in cells.iter().enumerate() {
+            for (j, cell) in field_cells.iter().enumerate() {
+                if let Cell::Tensor(t) = cell
+                    && !t.buffer().is_empty()
+                    && shm.locate(t.buffer()).is_none()
+                {
+                    let key = (t.buffer().as_ptr() as usize, t.buffer().len());
+                    let slot = *seen.entry(key).or_insert_with(|| {
+                        unique.push(t.contiguous_bytes());
+                        unique.len() - 1
+                    });
+                    pending.push((f, j));
+                    slot_of.push(slot);
+                }
+            }
+        }
+        if pending.is_empty() {
+            return Ok(());
+        }
+        let parts: Vec<&[u8]> = unique.iter().map(|b| b.as_ref()).collect();
+        let moved = shm.export(&parts)?;
+        for ((f, j), slot) in pending.into_iter().zip(slot_of) {
+            let (name, field_cells) = &mut cells[f];
+            let Cell::Tensor(old) = &field_cells[j] else { continue };
+            let Ok(fresh) = Tensor::contiguous(moved[slot].clone(), old.dtype(), old.shape().to_vec()) else { continue };
+            let fresh = Cell::Tensor(fresh);
+            let g = global_indexes[j];
+            if let Some(unit) = self.manager.local_unit(g) {
+                unit.swap(g, name, &field_cells[j], fresh.clone());
+            }
+            field_cells[j] = fresh;
+        }
+        Ok(())
+    }
+
+    async fn answer(&self, op: native::Op, same_node: bool) -> native::Reply {
         let m = &self.manager;
         match op {
             native::Op::Put { global_indexes, fields } => {
@@ -339,7 +404,13 @@ impl NativeService {
                 }
             }
             native::Op::Get { global_indexes, fields } => match m.get(&global_indexes, &fields).await {
-                Ok(cells) => {
+                Ok(mut cells) => {
+                    if same_node {
+                        let Some(shm) = &self.shm else { return shm_error(&ShmError::Disabled) };
+                        if let Err(e) = self.move_to_shm(shm, &global_indexes, &mut cells) {
+                            return shm_error(&e);
+                        }
+                    }
                     let mut out = Vec::with_capacity(cells.len());
                     for (name, c) in cells {
                         match native::WireField::from_cells(c) {
@@ -347,9 +418,19 @@ impl NativeService {
                             Err(e) => return native::Reply::from_error(&e),
                         }
                     }
+                    if same_node && let Some(shm) = &self.shm {
+                        out = out.into_iter().map(|(n, w)| (n, merge_runs(shm, w))).collect();
+                    }
                     return native::Reply::GetOk { fields: out };
                 }
                 Err(e) => native_error(&e),
+            },
+            native::Op::Lease { bytes } => match &self.shm {
+                None => shm_error(&ShmError::Disabled),
+                Some(shm) => match shm.lease(bytes) {
+                    Ok((segment, ttl)) => native::Reply::LeaseOk { segment, bytes, ttl_ms: ttl.as_millis() as u64 },
+                    Err(e) => shm_error(&e),
+                },
             },
             native::Op::Clear { global_indexes, fields } => match m.clear(&global_indexes, fields.as_deref()).await {
                 Ok(cleared) => native::Reply::ClearOk { cleared },
@@ -390,22 +471,125 @@ impl NativeService {
     }
 }
 
+impl NativeService {
+    /// The data frames a put names by segment (the `segments` envelope
+    /// key), adopted from their leases without a copy, after frame 0.
+    fn resolve_segments(&self, frames: Vec<Bytes>, extras: &native::Extras) -> Result<Vec<Bytes>, native::Reply> {
+        let Some(segments) = &extras.segments else { return Ok(frames) };
+        let Some(shm) = &self.shm else { return Err(shm_error(&ShmError::Disabled)) };
+        if frames.len() != 1 {
+            let message = "a message with `segments` carries no data frames over the socket".to_string();
+            return Err(native::Reply::Error { code: native::code::BAD_REQUEST.into(), message });
+        }
+        let mut adopted: std::collections::HashMap<&str, Bytes> = std::collections::HashMap::new();
+        let mut out = frames;
+        for (name, offset, len) in segments {
+            let whole = match adopted.get(name.as_str()) {
+                Some(b) => b.clone(),
+                None => {
+                    let b = shm.adopt(name).map_err(|e| shm_error(&e))?;
+                    adopted.insert(name, b.clone());
+                    b
+                }
+            };
+            match offset.checked_add(*len) {
+                Some(end) if end <= whole.len() as u64 => out.push(whole.slice(*offset as usize..end as usize)),
+                _ => {
+                    let e = ShmError::OutOfRange { name: name.clone(), offset: *offset, len: *len, size: whole.len() as u64 };
+                    return Err(shm_error(&e));
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Replaces the data frames of an encoded reply by a `segments` key.
+    fn as_segments(shm: &SegmentStore, frames: Vec<Bytes>) -> Result<Vec<Bytes>, String> {
+        let mut segments = Vec::with_capacity(frames.len().saturating_sub(1));
+        for f in &frames[1..] {
+            if f.is_empty() {
+                segments.push((String::new(), 0, 0));
+                continue;
+            }
+            let loc = shm.locate(f).ok_or("a reply frame is not in shared memory")?;
+            segments.push((loc.segment, loc.offset, loc.len));
+        }
+        let frame0 = native::with_segments(&frames[0], &segments).map_err(|e| e.to_string())?;
+        Ok(vec![frame0])
+    }
+
+    async fn serve_one(&self, frames: Vec<Bytes>) -> Vec<Bytes> {
+        let fallback_id = native::request_id(&frames).unwrap_or(0);
+        let extras = match frames.first() {
+            Some(f0) => native::decode_extras(f0, &self.limits),
+            None => Ok(native::Extras::default()),
+        };
+        let (id, reply, same_node) = match extras {
+            Err(e) => (fallback_id, native::Reply::from_error(&e), false),
+            Ok(extras) => match self.resolve_segments(frames, &extras) {
+                Err(reply) => (fallback_id, reply, false),
+                Ok(frames) => match native::decode_request(&frames, &self.limits) {
+                    Ok(req) => (req.id, self.answer(req.op, extras.same_node).await, extras.same_node),
+                    Err(e) => (fallback_id, native::Reply::from_error(&e), false),
+                },
+            },
+        };
+        let encoded = match &reply {
+            native::Reply::GetOk { .. } if same_node => native::encode_reply(id, &reply)
+                .map_err(|e| e.to_string())
+                .and_then(|f| Self::as_segments(self.shm.as_ref().expect("same_node get needs shm"), f)),
+            native::Reply::GetOk { fields } => {
+                native::encode_reply_with(id, &reply, &self.layout(fields)).map_err(|e| e.to_string())
+            }
+            _ => native::encode_reply(id, &reply).map_err(|e| e.to_string()),
+        };
+        encoded.unwrap_or_else(|message| {
+            let error = native::Reply::Error { code: native::code::INTERNAL.into(), message };
+            native::encode_reply(id, &error).unwrap_or_default()
+        })
+    }
+}
+
+/// A regular field whose rows lie back to back in one segment becomes one
+/// part per run (the client maps it as one array, no copy).
+fn merge_runs(shm: &SegmentStore, field: native::WireField) -> native::WireField {
+    let native::WireField::Regular(p) = &field else { return field };
+    let mut runs: Vec<(String, u64, u64, u64)> = Vec::new(); // segment, offset, len, rows
+    for (bytes, rows) in p.parts() {
+        let Some(loc) = shm.locate(bytes) else { return field };
+        match runs.last_mut() {
+            Some((seg, off, len, r)) if *seg == loc.segment && *off + *len == loc.offset => {
+                *len += loc.len;
+                *r += rows;
+            }
+            _ => runs.push((loc.segment, loc.offset, loc.len, *rows)),
+        }
+    }
+    let mut parts = Vec::with_capacity(runs.len());
+    for (seg, off, len, rows) in runs {
+        let Some(b) = shm.span(&seg, off, len) else { return field };
+        parts.push((b, rows));
+    }
+    match native::RegularParts::new(p.dtype(), p.row_shape().to_vec(), parts) {
+        Ok(merged) => native::WireField::Regular(merged),
+        Err(_) => field,
+    }
+}
+
 impl Service for NativeService {
     fn handle(self: Arc<Self>, _identity: Bytes, frames: Vec<Bytes>) -> BoxFuture<'static, Option<Vec<Bytes>>> {
-        Box::pin(async move {
-            let (id, reply) = match native::decode_request(&frames, &self.limits) {
-                Ok(req) => (req.id, self.answer(req.op).await),
-                Err(e) => (native::request_id(&frames).unwrap_or(0), native::Reply::from_error(&e)),
-            };
-            let encoded = match &reply {
-                native::Reply::GetOk { fields } => native::encode_reply_with(id, &reply, &self.layout(fields)),
-                _ => native::encode_reply(id, &reply),
-            };
-            let encoded = encoded.or_else(|e| {
-                native::encode_reply(id, &native::Reply::Error { code: native::code::INTERNAL.into(), message: e.to_string() })
-            });
-            encoded.ok()
-        })
+        Box::pin(async move { Some(self.serve_one(frames).await).filter(|f| !f.is_empty()) })
+    }
+}
+
+/// Removes expired leases once a second until shutdown.
+async fn sweep_leases(store: Arc<SegmentStore>, mut shutdown: watch::Receiver<bool>) {
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    loop {
+        tokio::select! {
+            _ = tick.tick() => { store.sweep(); }
+            _ = shutdown.changed() => break,
+        }
     }
 }
 
@@ -496,10 +680,25 @@ pub async fn start(config: Config) -> anyhow::Result<Running> {
         ..native::Limits::default()
     };
     let (socket, native_endpoint) = transport::bind(&format!("tcp://{host}:{}", config.server.native_port)).await?;
-    let service = Arc::new(NativeService { manager, limits: native_limits, pack_limits: config.limits.pack_limits() });
+    let shm = if config.shm.enabled {
+        let store = SegmentStore::new(
+            &config.shm.dir,
+            Duration::from_secs(config.shm.lease_secs),
+            config.shm.max_lease_bytes,
+        )?;
+        let store = Arc::new(store);
+        tasks.push(tokio::spawn(sweep_leases(store.clone(), rx.clone())));
+        tracing::info!(dir = %config.shm.dir.display(), "same-node shared memory enabled");
+        Some(store)
+    } else {
+        None
+    };
+    let pack_limits = config.limits.pack_limits();
+    let service = Arc::new(NativeService { manager, limits: native_limits, pack_limits, shm: shm.clone() });
     tasks.push(tokio::spawn(transport::serve(socket, service, rx.clone())));
     tracing::info!(endpoint = %native_endpoint, "native endpoint listening");
 
-    let endpoints = Endpoints { pid, units: unit_endpoints, router, native: native_endpoint, plugins };
+    let shm_dir = shm.as_ref().map(|s| s.dir().display().to_string());
+    let endpoints = Endpoints { pid, units: unit_endpoints, router, native: native_endpoint, plugins, shm_dir };
     Ok(Running { endpoints, shutdown, tasks })
 }

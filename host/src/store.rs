@@ -206,6 +206,26 @@ impl Unit {
         keys
     }
 
+    /// Replaces the stored cell of `(index, field)` by `new` if it still
+    /// holds exactly the bytes of `old` (same address and length): used to
+    /// move a row into shared memory once. Returns whether it replaced.
+    /// The byte count is unchanged (same length).
+    pub fn swap(&self, index: u64, field: &str, old: &Cell, new: Cell) -> bool {
+        let (Cell::Tensor(old), Cell::Tensor(fresh)) = (old, &new) else { return false };
+        if old.byte_len() != fresh.byte_len() {
+            return false;
+        }
+        let mut inner = self.lock();
+        let Some(row) = inner.rows.get_mut(&index) else { return false };
+        let Some((_, slot)) = row.iter_mut().find(|(n, _)| **n == *field) else { return false };
+        let same = matches!(&*slot, Cell::Tensor(t)
+            if t.buffer().as_ptr() == old.buffer().as_ptr() && t.byte_len() == old.byte_len());
+        if same {
+            *slot = new;
+        }
+        same
+    }
+
     /// Current size.
     pub fn stats(&self) -> UnitStats {
         let inner = self.lock();

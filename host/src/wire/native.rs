@@ -239,6 +239,9 @@ pub enum Op {
     Clear { global_indexes: Vec<u64>, fields: Option<Vec<String>> },
     /// Report the unit's counters.
     Stats,
+    /// Same node only: create a shared-memory segment of `bytes` bytes for
+    /// the client to fill and name in a put's `segments`.
+    Lease { bytes: u64 },
 }
 
 impl Op {
@@ -249,6 +252,7 @@ impl Op {
             Op::Get { .. } => "get",
             Op::Clear { .. } => "clear",
             Op::Stats => "stats",
+            Op::Lease { .. } => "lease",
         }
     }
 }
@@ -274,6 +278,9 @@ pub enum Reply {
     ClearOk { cleared: u64 },
     /// Counters, in the order the server lists them.
     StatsOk(Vec<(String, Stat)>),
+    /// A leased segment: its name in the shared-memory directory, its size,
+    /// and how long the lease lasts before an unused segment is removed.
+    LeaseOk { segment: String, bytes: u64, ttl_ms: u64 },
     /// The request failed; `code` is one of [`code::ALL`] (a client treats
     /// any other code as `internal`).
     Error { code: String, message: String },
@@ -287,6 +294,7 @@ impl Reply {
             Reply::GetOk { .. } => "get_ok",
             Reply::ClearOk { .. } => "clear_ok",
             Reply::StatsOk(_) => "stats_ok",
+            Reply::LeaseOk { .. } => "lease_ok",
             Reply::Error { .. } => "error",
         }
     }
@@ -386,4 +394,27 @@ pub fn encode_reply_with(id: u64, reply: &Reply, layout: &FrameLayout) -> Result
 /// Parses a dtype name as the protocol allows (see [`DType::from_name`]).
 fn dtype_from_name(name: &str) -> Result<DType, Error> {
     DType::from_name(name).ok_or_else(|| Error::UnknownDType(name.to_owned()))
+}
+
+/// Shared-memory keys an envelope may carry besides `proto`, `op`, `id` and
+/// `body` (same-node clients only; see the protocol page).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Extras {
+    /// `segments`: data frame `k` (from 1) is not sent over the socket; it
+    /// is bytes `offset..offset + len` of the named segment.
+    pub segments: Option<Vec<(String, u64, u64)>>,
+    /// `same_node`: the client asks for the reply's data as segments.
+    pub same_node: bool,
+}
+
+/// Reads the shared-memory keys of an envelope (frame 0). Other keys are
+/// left to [`decode_request`] / [`decode_reply`].
+pub fn decode_extras(frame0: &[u8], limits: &Limits) -> Result<Extras, Error> {
+    decode::extras(frame0, limits)
+}
+
+/// Frame 0 with a `segments` key added: a copy of `frame0` whose envelope
+/// map has one more entry. `frame0` must come from [`encode_reply`].
+pub fn with_segments(frame0: &[u8], segments: &[(String, u64, u64)]) -> Result<Bytes, Error> {
+    encode::with_segments(frame0, segments)
 }

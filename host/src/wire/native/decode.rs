@@ -8,7 +8,7 @@ use std::collections::HashSet;
 use bytes::Bytes;
 
 use super::msgpack::{MAX_DEPTH, Reader};
-use super::{Error, Limits, MAX_DIMS, Op, PROTO, RegularParts, Reply, Request, Stat, WireField, dtype_from_name};
+use super::{Extras, Error, Limits, MAX_DIMS, Op, PROTO, RegularParts, Reply, Request, Stat, WireField, dtype_from_name};
 use crate::batch::Value;
 use crate::tensor::{DType, Tensor, contiguous_len};
 
@@ -35,6 +35,7 @@ pub(super) fn request(frames: &[Bytes], limits: &Limits) -> Result<Request, Erro
             let (global_indexes, fields) = selection(&mut r, limits)?;
             Op::Clear { global_indexes, fields }
         }
+        "lease" => Op::Lease { bytes: single_uint(&mut r, "a lease body", "bytes")? },
         "stats" => {
             if r.map_len("the stats body")? != 0 {
                 return Err(Error::UnknownKey { map: "the stats body", key: r.str("a key")?.to_owned() });
@@ -53,6 +54,23 @@ pub(super) fn reply(frames: &[Bytes], limits: &Limits) -> Result<(u64, Reply), E
     let reply = match op {
         "put_ok" => Reply::PutOk { rows: single_uint(&mut r, "a put_ok body", "rows")? },
         "clear_ok" => Reply::ClearOk { cleared: single_uint(&mut r, "a clear_ok body", "cleared")? },
+        "lease_ok" => {
+            const MAP: &str = "a lease_ok body";
+            let (mut segment, mut bytes, mut ttl_ms) = (None, None, None);
+            keyed(&mut r, MAP, ["segment", "bytes", "ttl_ms"], |i, r| {
+                match i {
+                    0 => segment = Some(r.str("segment")?.to_owned()),
+                    1 => bytes = Some(r.uint("bytes")?),
+                    _ => ttl_ms = Some(r.uint("ttl_ms")?),
+                }
+                Ok(())
+            })?;
+            Reply::LeaseOk {
+                segment: need(segment, MAP, "segment")?,
+                bytes: need(bytes, MAP, "bytes")?,
+                ttl_ms: need(ttl_ms, MAP, "ttl_ms")?,
+            }
+        }
         "get_ok" => {
             const MAP: &str = "a get_ok body";
             let mut fields = None;
@@ -142,6 +160,8 @@ fn envelope<'a>(frames: &'a [Bytes], limits: &Limits) -> Result<(u64, &'a str, R
             "op" => op.replace(r.str("op")?).is_some(),
             "id" => id.replace(r.uint("id")?).is_some(),
             "body" => body.replace(r.skip(ENVELOPE_DEPTH)?.start).is_some(),
+            // Shared-memory keys: read by `extras`.
+            "segments" | "same_node" => r.skip(ENVELOPE_DEPTH).map(|_| false)?,
             other => {
                 stray.get_or_insert(other);
                 r.skip(ENVELOPE_DEPTH).map(|_| false)?
@@ -508,4 +528,38 @@ fn unknown(map: &'static str, key: &str) -> Error {
 
 fn limit(what: &'static str, n: usize, max: u64) -> Result<(), Error> {
     if n as u64 > max { Err(Error::TooLarge { what, value: n as u64, limit: max }) } else { Ok(()) }
+}
+
+/// The shared-memory keys of an envelope.
+pub(super) fn extras(frame0: &[u8], limits: &Limits) -> Result<Extras, Error> {
+    const MAP: &str = "the envelope";
+    let mut r = Reader::new(frame0, 0);
+    let mut out = Extras::default();
+    for _ in 0..r.map_len(MAP)? {
+        match r.str("an envelope key")? {
+            "segments" => {
+                let n = r.array_len("segments")?;
+                limit("segments", n, limits.max_frames)?;
+                let mut segs = Vec::with_capacity(n);
+                for _ in 0..n {
+                    if r.array_len("a segment")? != 3 {
+                        return Err(Error::WrongType { key: "a segment", expected: "[name, offset, len]" });
+                    }
+                    let name = r.str("a segment name")?.to_owned();
+                    segs.push((name, r.uint("a segment offset")?, r.uint("a segment len")?));
+                }
+                out.segments = Some(segs);
+            }
+            "same_node" => {
+                out.same_node = match r.bool_value()? {
+                    Some(b) => b,
+                    None => return Err(Error::WrongType { key: "same_node", expected: "a bool" }),
+                }
+            }
+            _ => {
+                r.skip(ENVELOPE_DEPTH)?;
+            }
+        }
+    }
+    Ok(out)
 }

@@ -36,6 +36,10 @@ pub(super) fn request(req: &Request, layout: Option<&FrameLayout>) -> Result<Vec
             }
         }
         Op::Stats => w.map(0),
+        Op::Lease { bytes } => {
+            w.map(1);
+            w.kv_uint("bytes", *bytes);
+        }
     }
     finish(w, placed.frames)
 }
@@ -68,6 +72,12 @@ pub(super) fn reply(id: u64, reply: &Reply, layout: Option<&FrameLayout>) -> Res
                     Stat::Str(s) => w.str(s),
                 }
             }
+        }
+        Reply::LeaseOk { segment, bytes, ttl_ms } => {
+            w.map(3);
+            w.kv_str("segment", segment);
+            w.kv_uint("bytes", *bytes);
+            w.kv_uint("ttl_ms", *ttl_ms);
         }
         Reply::Error { code, message } => {
             w.map(2);
@@ -305,4 +315,27 @@ fn descriptor(w: &mut Writer, field: &WireField, locs: &[Loc]) -> Result<(), Err
         }
     }
     Ok(())
+}
+
+/// Frame 0 plus a `segments` entry in its envelope map (4 -> 5 entries).
+pub(super) fn with_segments(frame0: &[u8], segments: &[(String, u64, u64)]) -> Result<Bytes, Error> {
+    // `envelope` always writes a fixmap of 4 entries first.
+    if frame0.first() != Some(&0x84) {
+        return Err(Error::Layout("frame 0 is not an envelope written by this encoder".into()));
+    }
+    let mut w = Writer::new();
+    w.str("segments");
+    w.array(segments.len());
+    for (name, offset, len) in segments {
+        w.array(3);
+        w.str(name);
+        w.uint(*offset);
+        w.uint(*len);
+    }
+    let tail = w.finish()?;
+    let mut out = Vec::with_capacity(frame0.len() + tail.len());
+    out.push(0x85);
+    out.extend_from_slice(&frame0[1..]);
+    out.extend_from_slice(&tail);
+    Ok(Bytes::from(out))
 }

@@ -156,6 +156,21 @@ impl<'a> Reader<'a> {
         })
     }
 
+    /// A bool (`Some`), or `None` (nothing consumed) for anything else.
+    pub(super) fn bool_value(&mut self) -> Result<Option<bool>, Error> {
+        Ok(match self.peek()? {
+            Marker::True => {
+                self.pos += 1;
+                Some(true)
+            }
+            Marker::False => {
+                self.pos += 1;
+                Some(false)
+            }
+            _ => None,
+        })
+    }
+
     /// A non-negative integer in any msgpack integer format.
     pub(super) fn uint(&mut self, what: &'static str) -> Result<u64, Error> {
         const EXPECTED: &str = "a non-negative integer";
