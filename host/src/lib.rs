@@ -16,6 +16,7 @@
 
 pub mod batch;
 pub mod config;
+pub mod conformance;
 pub mod manager;
 pub mod plan;
 pub mod server;

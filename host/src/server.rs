@@ -465,6 +465,23 @@ impl NativeService {
                 stats.push(("builtin_decisions".into(), int(c.builtin_decisions.load(Ordering::Relaxed))));
                 stats.push(("fallbacks".into(), int(c.fallbacks.load(Ordering::Relaxed))));
                 stats.push(("process_rss_bytes".into(), int(process_rss_bytes())));
+                let registry = m.registry();
+                for name in registry.names() {
+                    let Some(l) = registry.get(&name) else { continue };
+                    let st = &l.stats;
+                    let line = format!(
+                        "version {} calls {} faults {} invalid_plans {} disabled {}",
+                        l.policy.describe().version,
+                        st.calls.load(Ordering::Relaxed),
+                        st.faults.load(Ordering::Relaxed),
+                        st.invalid_plans.load(Ordering::Relaxed),
+                        st.disabled.load(Ordering::Relaxed)
+                    );
+                    stats.push((format!("plugin.{name}"), native::Stat::Str(line)));
+                }
+                for (pattern, line) in registry.chain_summaries() {
+                    stats.push((format!("chain.{pattern}"), native::Stat::Str(line)));
+                }
                 native::Reply::StatsOk(stats)
             }
         }

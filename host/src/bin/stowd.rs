@@ -30,6 +30,124 @@ enum Command {
         #[arg(long)]
         config: Option<PathBuf>,
     },
+    /// Check, benchmark or list policy plugins.
+    #[command(subcommand)]
+    Plugin(PluginCommand),
+}
+
+#[derive(Subcommand)]
+enum PluginCommand {
+    /// Run the conformance suite: the plugin against the built-in on many
+    /// layouts and position patterns. Exits non-zero on any failure.
+    Check {
+        /// The plugin component.
+        file: PathBuf,
+        /// Print every case, not only failures.
+        #[arg(long)]
+        verbose: bool,
+        /// Fuel per call (the deadline); default: stowd's default.
+        #[arg(long)]
+        fuel: Option<u64>,
+    },
+    /// Decision time per call of the plugin next to the built-in's.
+    Bench {
+        file: PathBuf,
+        /// Rounds over the suite.
+        #[arg(long, default_value_t = 20)]
+        rounds: u32,
+    },
+    /// Plugins, versions, chains and fault counts of a running stowd.
+    List {
+        /// The running stowd's native endpoint (from its endpoints file).
+        #[arg(long)]
+        endpoint: String,
+    },
+}
+
+fn load_plugin(file: &std::path::Path, fuel: Option<u64>) -> anyhow::Result<stowage_host::policy::wasm::WasmPolicy> {
+    let mut limits = stowage_host::policy::wasm::SandboxLimits::default();
+    if let Some(f) = fuel {
+        limits.fuel = f;
+    }
+    let registry = stowage_host::policy::registry::Registry::new(None, limits)?;
+    let (policy, _) = registry.load_file(file)?;
+    Ok(policy)
+}
+
+fn plugin_check(file: &std::path::Path, verbose: bool, fuel: Option<u64>) -> anyhow::Result<bool> {
+    use stowage_host::conformance::{self, Outcome};
+    use stowage_host::policy::Policy;
+    let policy = load_plugin(file, fuel)?;
+    let d = policy.describe().clone();
+    println!("plugin {} {} ({}): {}", d.name, d.version, file.display(), d.summary);
+    let report = conformance::run(&policy);
+    for (name, outcome) in &report.results {
+        match outcome {
+            Outcome::Failed(why) => println!("FAIL  {name}: {}", why.lines().next().unwrap_or_default()),
+            other if verbose => println!("{:<5} {name}", if *other == Outcome::Same { "ok" } else { "skip" }),
+            _ => {}
+        }
+    }
+    let failed = report.failures().len();
+    println!(
+        "\n{} cases: {} same as the built-in, {} declined, {} failed",
+        report.results.len(),
+        report.count(&Outcome::Same),
+        report.count(&Outcome::Declined),
+        failed
+    );
+    println!(
+        "decision time per call: plugin p50 {:.1} us, p99 {:.1} us, max {:.1} us; built-in p50 {:.2} us",
+        conformance::percentile_us(&report.plugin_times, 0.5),
+        conformance::percentile_us(&report.plugin_times, 0.99),
+        conformance::percentile_us(&report.plugin_times, 1.0),
+        conformance::percentile_us(&report.builtin_times, 0.5),
+    );
+    Ok(failed == 0)
+}
+
+fn plugin_bench(file: &std::path::Path, rounds: u32) -> anyhow::Result<()> {
+    use stowage_host::conformance;
+    let policy = load_plugin(file, None)?;
+    let mut plugin = Vec::new();
+    let mut builtin = Vec::new();
+    for _ in 0..rounds.max(1) {
+        let r = conformance::run(&policy);
+        plugin.extend(r.plugin_times);
+        builtin.extend(r.builtin_times);
+    }
+    println!("{} calls over {} rounds of the conformance suite\n", plugin.len(), rounds.max(1));
+    println!("| decision time (us) | p50 | p90 | p99 | max |");
+    println!("|---|---:|---:|---:|---:|");
+    for (name, t) in [("plugin", &plugin), ("built-in", &builtin)] {
+        let p = |q| conformance::percentile_us(t, q);
+        println!("| {name} | {:.2} | {:.2} | {:.2} | {:.2} |", p(0.5), p(0.9), p(0.99), p(1.0));
+    }
+    Ok(())
+}
+
+fn plugin_list(endpoint: &str) -> anyhow::Result<()> {
+    use stowage_host::wire::native;
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let frames = native::encode_request(&native::Request { id: 1, op: native::Op::Stats })?;
+    let peer = stowage_host::transport::Peer::new(endpoint, "stowd-plugin-list");
+    let reply = rt.block_on(peer.request(frames, std::time::Duration::from_secs(10)))?;
+    let (_, reply) = native::decode_reply(&reply, &native::Limits::default())?;
+    let native::Reply::StatsOk(stats) = reply else { anyhow::bail!("unexpected reply {}", reply.name()) };
+    let mut any = false;
+    for (key, value) in stats {
+        if let (Some(rest), native::Stat::Str(v)) = (key.strip_prefix("plugin."), &value) {
+            println!("{rest}: {v}");
+            any = true;
+        } else if let (Some(rest), native::Stat::Str(v)) = (key.strip_prefix("chain."), &value) {
+            println!("chain {rest}: {v}");
+            any = true;
+        }
+    }
+    if !any {
+        println!("no plugins loaded");
+    }
+    Ok(())
 }
 
 fn load(path: Option<&PathBuf>) -> anyhow::Result<Config> {
@@ -73,6 +191,13 @@ fn main() -> std::process::ExitCode {
         Command::Config { config } => {
             load(config.as_ref()).and_then(|c| Ok(print!("{}", toml::to_string_pretty(&c)?)))
         }
+        Command::Plugin(PluginCommand::Check { file, verbose, fuel }) => match plugin_check(&file, verbose, fuel) {
+            Ok(true) => Ok(()),
+            Ok(false) => return std::process::ExitCode::FAILURE,
+            Err(e) => Err(e),
+        },
+        Command::Plugin(PluginCommand::Bench { file, rounds }) => plugin_bench(&file, rounds),
+        Command::Plugin(PluginCommand::List { endpoint }) => plugin_list(&endpoint),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

@@ -221,6 +221,25 @@ impl Registry {
         self.plugins.keys().cloned().collect()
     }
 
+    /// One line per chain: pattern, selection names, packing names and
+    /// fail strategy.
+    pub fn chain_summaries(&self) -> Vec<(String, String)> {
+        self.select_chains
+            .iter()
+            .zip(&self.pack_chains)
+            .map(|((pattern, sel), (_, pack))| {
+                let line = format!(
+                    "select [{}] pack [{}] fail {:?} max_faults {}",
+                    sel.names().join(", "),
+                    pack.names().join(", "),
+                    sel.fail,
+                    sel.max_faults
+                );
+                (pattern.clone(), line)
+            })
+            .collect()
+    }
+
     /// Builds the chains. Names that are not loaded are skipped with a
     /// warning (the built-in still answers); a name loaded without the
     /// needed capability is skipped too.

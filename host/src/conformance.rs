@@ -1,0 +1,267 @@
+//! `stowd plugin check` and `stowd plugin bench`: a plugin against the
+//! built-in, on many layouts and position patterns.
+//!
+//! Every case runs through the plugin and through [`Builtin`]. A plugin may
+//! decline (`not-applicable`, `invalid-input`); a plan it answers must pass
+//! validation and select exactly the built-in's rows, byte for byte. A
+//! trap, timeout, memory cap or `failed` is a failure. Packing plans must
+//! pass frame validation. Decision times are measured per call.
+
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+
+use crate::batch::{Field, Value};
+use crate::plan::{self, PackLimits, PieceInfo, Selected};
+use crate::policy::builtin::Builtin;
+use crate::policy::{Capability, Policy, PolicyError};
+use crate::tensor::{DType, Tensor};
+
+/// One input of the suite.
+pub struct Case {
+    pub name: String,
+    pub field: Field,
+    pub positions: Vec<u64>,
+}
+
+/// What happened to one case.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    /// The plugin's plan selected the built-in's rows.
+    Same,
+    /// The plugin declined.
+    Declined,
+    /// Anything else: the reason.
+    Failed(String),
+}
+
+/// The result of a whole run.
+#[derive(Debug, Default)]
+pub struct Report {
+    pub results: Vec<(String, Outcome)>,
+    pub plugin_times: Vec<Duration>,
+    pub builtin_times: Vec<Duration>,
+}
+
+impl Report {
+    pub fn failures(&self) -> Vec<&(String, Outcome)> {
+        self.results.iter().filter(|(_, o)| matches!(o, Outcome::Failed(_))).collect()
+    }
+
+    pub fn count(&self, want: &Outcome) -> usize {
+        self.results.iter().filter(|(_, o)| std::mem::discriminant(o) == std::mem::discriminant(want)).count()
+    }
+}
+
+/// A deterministic pseudo-random sequence (no dependency, same every run).
+struct Lcg(u64);
+
+impl Lcg {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        self.0 >> 33
+    }
+}
+
+fn regular(dtype: DType, rows: u64, cols: u64) -> Field {
+    let len = (rows * cols) as usize * dtype.itemsize();
+    let data: Vec<u8> = (0..len).map(|i| (i * 7 % 251) as u8).collect();
+    Field::Regular(Tensor::contiguous(Bytes::from(data), dtype, vec![rows, cols]).expect("valid layout"))
+}
+
+fn nested(rows: u64) -> Field {
+    Field::Nested(
+        (0..rows)
+            .map(|i| {
+                let n = i % 5; // rows of length 0..4, some empty
+                let data: Vec<u8> = (0..n * 8).map(|b| (b + i) as u8).collect();
+                Tensor::contiguous(Bytes::from(data), DType::I64, vec![n]).expect("valid layout")
+            })
+            .collect(),
+    )
+}
+
+fn values(rows: u64) -> Field {
+    Field::Values((0..rows).map(|i| Value::Str(format!("v{i}-é"))).collect())
+}
+
+/// Position patterns over `rows` rows.
+fn patterns(rows: u64, rng: &mut Lcg) -> Vec<(&'static str, Vec<u64>)> {
+    let mut out: Vec<(&'static str, Vec<u64>)> = vec![("empty", vec![])];
+    if rows == 0 {
+        return out;
+    }
+    out.push(("single-first", vec![0]));
+    out.push(("single-last", vec![rows - 1]));
+    out.push(("all", (0..rows).collect()));
+    for step in [2u64, 3, 4, 7] {
+        if rows > step {
+            out.push(("strided", (0..rows).step_by(step as usize).collect()));
+            out.push(("strided-offset", (1..rows).step_by(step as usize).collect()));
+        }
+    }
+    out.push(("negative-stride", (0..rows).rev().collect()));
+    if rows >= 4 {
+        out.push(("zero-stride", vec![1, 1, 1]));
+        let half = rows / 2;
+        out.push(("runs", (0..half / 2).chain(half..half + half / 2).collect()));
+        out.push(("irregular", vec![0, 2, 3]));
+        out.push(("reversed-irregular", vec![3, 1, 0]));
+    }
+    for _ in 0..3 {
+        let n = 1 + rng.next() % rows.min(64);
+        out.push(("random", (0..n).map(|_| rng.next() % rows).collect()));
+        let mut sorted: Vec<u64> = (0..n).map(|_| rng.next() % rows).collect();
+        sorted.sort_unstable();
+        sorted.dedup();
+        out.push(("random-sorted", sorted));
+    }
+    out
+}
+
+/// The selection cases of the suite.
+pub fn selection_cases() -> Vec<Case> {
+    let mut rng = Lcg(0x5eed);
+    let mut fields: Vec<(String, Field)> = Vec::new();
+    for dtype in [DType::F32, DType::F16, DType::BF16, DType::I64, DType::I8, DType::U8, DType::Bool] {
+        for (rows, cols) in [(1u64, 4u64), (8, 2), (100, 3), (1000, 1)] {
+            fields.push((format!("regular {dtype} [{rows}, {cols}]"), regular(dtype, rows, cols)));
+        }
+    }
+    fields.push(("regular float32 [0, 4]".into(), regular(DType::F32, 0, 4)));
+    for rows in [1u64, 7, 50] {
+        fields.push((format!("nested int64 x{rows} (empty rows)"), nested(rows)));
+        fields.push((format!("values x{rows}"), values(rows)));
+    }
+    let mut cases = Vec::new();
+    for (fname, field) in fields {
+        for (pname, positions) in patterns(field.rows(), &mut rng) {
+            cases.push(Case { name: format!("{fname} / {pname} ({} positions)", positions.len()), field: field.clone(), positions });
+        }
+    }
+    cases
+}
+
+/// The packing cases: (name, pieces, limits).
+pub fn packing_cases() -> Vec<(String, Vec<PieceInfo>, PackLimits)> {
+    let small = |n: usize| vec![PieceInfo { byte_len: 512, contiguous: true }; n];
+    let large = |n: usize| vec![PieceInfo { byte_len: 4 << 20, contiguous: true }; n];
+    let roomy = PackLimits { max_frames: 1000, max_frame_bytes: 64 << 20, small_threshold: 64 << 10 };
+    let tight = PackLimits { max_frames: 4, max_frame_bytes: 64 << 20, small_threshold: 64 << 10 };
+    let mut mixed = small(100);
+    mixed.extend(large(3));
+    mixed.push(PieceInfo { byte_len: 4096, contiguous: false });
+    vec![
+        ("no pieces".into(), vec![], roomy),
+        ("one small".into(), small(1), roomy),
+        ("10,000 small".into(), small(10_000), roomy),
+        ("10,000 small, 4 frames".into(), small(10_000), tight),
+        ("5 large".into(), large(5), roomy),
+        ("mixed".into(), mixed.clone(), roomy),
+        ("mixed, 4 frames".into(), mixed, tight),
+    ]
+}
+
+fn rows_of(selected: &[Selected]) -> Vec<Bytes> {
+    let mut out = Vec::new();
+    for s in selected {
+        match s {
+            Selected::Rows(t) => out.extend((0..t.rows()).filter_map(|i| t.row(i).ok())),
+            Selected::NestedRows(r) | Selected::Packed { rows: r, .. } => out.extend(r.iter().map(Tensor::contiguous_bytes)),
+            Selected::Values(v) => out.extend(v.iter().map(|v| match v {
+                Value::Str(s) => Bytes::copy_from_slice(s.as_bytes()),
+                Value::Bytes(b) | Value::Msgpack(b) => b.clone(),
+            })),
+        }
+    }
+    out
+}
+
+fn check_selection(policy: &dyn Policy, case: &Case, report: &mut Report) -> Outcome {
+    let t = Instant::now();
+    let answer = policy.select(&case.field, &case.positions);
+    report.plugin_times.push(t.elapsed());
+    let t = Instant::now();
+    let expected = Builtin::plan(&case.field, &case.positions);
+    report.builtin_times.push(t.elapsed());
+    match answer {
+        Err(PolicyError::NotApplicable | PolicyError::InvalidInput(_)) => Outcome::Declined,
+        Err(e) => Outcome::Failed(e.to_string()),
+        Ok(plan) if case.positions.is_empty() => {
+            if plan.pieces.is_empty() {
+                Outcome::Same
+            } else {
+                Outcome::Failed(format!("a plan of {} pieces for no positions", plan.pieces.len()))
+            }
+        }
+        Ok(plan) => {
+            if let Err(e) = plan::validate_selection(&case.field, &case.positions, &plan) {
+                return Outcome::Failed(format!("invalid plan: {e}"));
+            }
+            let Ok(expected) = expected else { return Outcome::Failed("the built-in refused the case".into()) };
+            let got = plan::execute_selection(&case.field, &plan).map(|s| rows_of(&s));
+            let want = plan::execute_selection(&case.field, &expected).map(|s| rows_of(&s));
+            match (got, want) {
+                (Ok(g), Ok(w)) if g == w => Outcome::Same,
+                (Ok(_), Ok(_)) => Outcome::Failed("selected rows differ from the built-in's".into()),
+                (Err(e), _) | (_, Err(e)) => Outcome::Failed(format!("execution failed: {e}")),
+            }
+        }
+    }
+}
+
+/// Runs the whole suite against `policy`.
+pub fn run(policy: &dyn Policy) -> Report {
+    let mut report = Report::default();
+    let caps = &policy.describe().capabilities;
+    if caps.contains(&Capability::Selection) {
+        for case in selection_cases() {
+            let outcome = check_selection(policy, &case, &mut report);
+            report.results.push((format!("select: {}", case.name), outcome));
+        }
+    }
+    if caps.contains(&Capability::Packing) {
+        for (name, pieces, limits) in packing_cases() {
+            let t = Instant::now();
+            let answer = policy.pack(&pieces, &limits);
+            report.plugin_times.push(t.elapsed());
+            let t = Instant::now();
+            let _ = Builtin::frames(&pieces, &limits);
+            report.builtin_times.push(t.elapsed());
+            let outcome = match answer {
+                Err(PolicyError::NotApplicable | PolicyError::InvalidInput(_)) => Outcome::Declined,
+                Err(e) => Outcome::Failed(e.to_string()),
+                Ok(plan) => match plan::validate_frames(&pieces, &limits, &plan) {
+                    Ok(()) => Outcome::Same,
+                    Err(e) => Outcome::Failed(format!("invalid frame plan: {e}")),
+                },
+            };
+            report.results.push((format!("pack: {name}"), outcome));
+        }
+    }
+    report
+}
+
+/// Percentile of a set of durations, in microseconds.
+pub fn percentile_us(times: &[Duration], p: f64) -> f64 {
+    if times.is_empty() {
+        return 0.0;
+    }
+    let mut v: Vec<f64> = times.iter().map(|d| d.as_secs_f64() * 1e6).collect();
+    v.sort_by(|a, b| a.total_cmp(b));
+    let i = ((v.len() - 1) as f64 * p).round() as usize;
+    v[i]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_builtin_passes_its_own_suite() {
+        let report = run(&Builtin::default());
+        assert!(report.failures().is_empty(), "{:?}", report.failures());
+        assert!(report.results.len() > 200, "{} cases", report.results.len());
+        assert_eq!(report.count(&Outcome::Declined), report.results.iter().filter(|(n, _)| n.contains("/ empty")).count());
+    }
+}
