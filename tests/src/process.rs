@@ -87,12 +87,17 @@ impl Stowd {
     /// process log, if the endpoints file does not appear within
     /// [`START_TIMEOUT`] or the process exits first.
     pub fn start(config: &str) -> Stowd {
+        Stowd::start_with_plugins(&plugin_dir(), config)
+    }
+
+    /// Like [`Stowd::start`], loading the plugins of `plugins` instead.
+    pub fn start_with_plugins(plugins: &Path, config: &str) -> Stowd {
         let bin = stowd_bin();
         let dir = temp_dir("stowd");
         let config_path = dir.join("stowd.toml");
         let text = format!(
             "[plugins]\ndir = {}\ncache_dir = {}\n\n{config}\n",
-            toml_path(&plugin_dir()),
+            toml_path(plugins),
             toml_path(&shared_cache())
         );
         std::fs::write(&config_path, text).expect("write the config");

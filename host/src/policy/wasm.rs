@@ -442,7 +442,11 @@ impl WasmPolicy {
 
     /// Runs `f` on the (possibly new) instance with a fresh fuel budget; a
     /// fault discards the instance.
-    fn call<R>(&self, f: impl FnOnce(&mut Instance) -> wasmtime::Result<R>) -> Result<R, Fault> {
+    fn call<R: Send>(&self, f: impl FnOnce(&mut Instance) -> wasmtime::Result<R> + Send) -> Result<R, Fault> {
+        off_runtime(|| self.call_here(f))
+    }
+
+    fn call_here<R>(&self, f: impl FnOnce(&mut Instance) -> wasmtime::Result<R>) -> Result<R, Fault> {
         let mut slot = self.instance.lock().unwrap_or_else(|p| p.into_inner());
         if slot.is_none() {
             *slot = Some(self.instantiate()?);
@@ -464,6 +468,19 @@ impl WasmPolicy {
             }
         }
     }
+}
+
+/// Runs `f` where WASI's synchronous host calls may run their own tokio
+/// runtime: on this thread when it is outside tokio, on a scoped helper
+/// thread when called from a tokio task. (wasmtime-wasi's sync bindings
+/// block on tokio internally, e.g. when a guest writes its panic message to
+/// stderr; inside a tokio worker that panics with "Cannot start a runtime
+/// from within a runtime".)
+fn off_runtime<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    if tokio::runtime::Handle::try_current().is_err() {
+        return f();
+    }
+    std::thread::scope(|s| s.spawn(f).join()).unwrap_or_else(|panic| std::panic::resume_unwind(panic))
 }
 
 fn policy_error(e: wtypes::PolicyError) -> PolicyError {
