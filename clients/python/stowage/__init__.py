@@ -1,0 +1,53 @@
+"""Stowage: the Python client of the `stowd` tensor storage sidecar
+(native protocol stowage/1, docs/protocol-stowage1.md).
+
+    import numpy as np, stowage
+
+    with stowage.Client("tcp://127.0.0.1:5555") as c:
+        c.put([0, 1], {"x": np.ones((2, 4), np.float32), "tag": ["a", "b"]})
+        got = c.get([1, 0], ["x", "tag"])      # {"x": ndarray [2, 4], "tag": ["b", "a"]}
+
+`AsyncClient` has the same calls as coroutines. numpy is required; torch is
+optional and used only when a torch tensor is passed in or asked for.
+"""
+
+from ._codec import WIRE_DTYPES, BFloat16Bits, FrameSource
+from .aio import AsyncClient
+from .client import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TIMEOUT, Client
+from .errors import (
+    BadRequest,
+    CapacityError,
+    InternalError,
+    KeyNotFound,
+    ProtocolError,
+    Rejected,
+    StowageError,
+    StowageTimeout,
+    TooLarge,
+    Unsupported,
+)
+
+__version__ = "0.1.0"
+
+DTYPES = tuple(WIRE_DTYPES)
+"""The dtype names stowage/1 carries."""
+
+__all__ = [
+    "AsyncClient",
+    "BFloat16Bits",
+    "BadRequest",
+    "CapacityError",
+    "Client",
+    "DEFAULT_MAX_MESSAGE_BYTES",
+    "DEFAULT_TIMEOUT",
+    "DTYPES",
+    "FrameSource",
+    "InternalError",
+    "KeyNotFound",
+    "ProtocolError",
+    "Rejected",
+    "StowageError",
+    "StowageTimeout",
+    "TooLarge",
+    "Unsupported",
+]

@@ -1,0 +1,577 @@
+"""stowage/1 encoding and decoding (docs/protocol-stowage1.md).
+
+Pure functions and small classes; no sockets. The client modules build
+requests with `put_messages`, `get_body`, ... and turn replies into results
+with `decode_envelope`, `decode_get_fields` and `Part` / `FieldReply`.
+
+Where a reply's bytes come from is pluggable: descriptors name bytes as
+(data frame k, offset, len), and `decode_get_fields` resolves them through a
+`FrameSource`, built from the socket's frames today, or (same-node mode)
+from read-only mappings of the shared-memory segments a reply's envelope
+lists instead of frames.
+"""
+
+from __future__ import annotations
+
+import operator
+import sys
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator, Mapping, Sequence
+
+import msgpack
+import numpy as np
+
+from . import _torch
+from .errors import ProtocolError
+
+PROTO = "stowage/1"
+
+# ---------------------------------------------------------------- dtypes
+
+# stowage/1 dtype name -> numpy dtype of its bytes (little-endian). numpy has
+# no bfloat16: its 16-bit patterns are held as uint16 ("raw bits").
+WIRE_DTYPES: dict[str, np.dtype] = {
+    name: np.dtype(code)
+    for name, code in {
+        "bool": "|b1", "uint8": "|u1", "int8": "|i1",
+        "int16": "<i2", "uint16": "<u2", "int32": "<i4", "uint32": "<u4",
+        "int64": "<i8", "uint64": "<u8",
+        "float16": "<f2", "bfloat16": "<u2", "float32": "<f4", "float64": "<f8",
+        "complex64": "<c8", "complex128": "<c16",
+    }.items()
+}
+# Names a decoder also accepts (besides a "torch." prefix).
+DTYPE_ALIASES = {"float": "float32", "half": "float16", "double": "float64",
+                 "long": "int64", "int": "int32", "short": "int16"}
+
+
+def canonical_dtype(name: Any) -> str:
+    """A dtype name from a reply -> its canonical stowage/1 name."""
+    if not isinstance(name, str):
+        raise ProtocolError(f"dtype is not a string: {name!r}")
+    n = name[6:] if name.startswith("torch.") else name
+    n = DTYPE_ALIASES.get(n, n)
+    if n not in WIRE_DTYPES:
+        raise ProtocolError(f"unknown dtype {name!r}")
+    return n
+
+
+_NAME_OF: dict = {}  # numpy dtype -> stowage/1 name (dtype.name is slow per row)
+
+
+def wire_dtype_of(dt: np.dtype, what: str) -> str:
+    """numpy dtype -> stowage/1 name (TypeError for dtypes stowage/1 cannot carry)."""
+    name = _NAME_OF.get(dt)
+    if name is not None:
+        return name
+    name = dt.name
+    if name in WIRE_DTYPES and name != "bfloat16" and dt.kind in "biufc":
+        _NAME_OF[dt] = name
+        return name
+    raise TypeError(
+        f"{what}: numpy dtype {dt} has no stowage/1 equivalent (supported: "
+        + ", ".join(n for n in WIRE_DTYPES if n != "bfloat16")
+        + "; bfloat16 through torch or stowage.BFloat16Bits)"
+    )
+
+
+class BFloat16Bits:
+    """Marks uint16 (or int16) numpy data as bfloat16 bit patterns, so it is
+    sent with dtype `bfloat16`: `BFloat16Bits(array)` for a regular field, or
+    `BFloat16Bits([row, ...])` for a nested one. This is the form a get
+    returns bfloat16 in when torch is not used, so it round-trips."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data):
+        self.data = data
+
+    def __repr__(self) -> str:
+        return f"BFloat16Bits({self.data!r})"
+
+
+# ---------------------------------------------------------------- put input
+
+
+@dataclass
+class Regular:
+    dtype: str
+    array: np.ndarray  # C-contiguous, little-endian, rows on axis 0
+
+    @property
+    def row_bytes(self) -> int:
+        return self.array.nbytes // self.array.shape[0] if self.array.shape[0] else 0
+
+
+@dataclass
+class Nested:
+    dtype: str
+    rows: list  # of C-contiguous little-endian ndarrays
+
+
+@dataclass
+class Values:
+    values: list
+
+
+def _little_contiguous(a: np.ndarray) -> np.ndarray:
+    dt = a.dtype
+    if dt.byteorder == ">" or (dt.byteorder == "=" and sys.byteorder == "big"):
+        return a.astype(dt.newbyteorder("<"), order="C")
+    # (not np.ascontiguousarray: it turns a 0-d array into a 1-d one)
+    return a if a.flags.c_contiguous else a.copy(order="C")
+
+
+def _tensor_like(x) -> bool:
+    if isinstance(x, (str, bytes)):  # incl. numpy.str_ / numpy.bytes_
+        return False
+    return isinstance(x, (np.ndarray, np.generic, BFloat16Bits)) or _torch.is_tensor(x)
+
+
+def _to_wire_array(x, what: str) -> tuple[str, np.ndarray]:
+    """An ndarray, torch tensor or BFloat16Bits -> (dtype name, little-endian C-contiguous ndarray)."""
+    if isinstance(x, BFloat16Bits):
+        a = x.data
+        if not isinstance(a, np.ndarray) or a.dtype.kind not in "iu" or a.dtype.itemsize != 2:
+            raise TypeError(f"{what}: BFloat16Bits needs a uint16 or int16 numpy array, got {_describe(a)}")
+        return "bfloat16", _little_contiguous(a).view(np.dtype("<u2"))
+    if isinstance(x, (np.ndarray, np.generic)):  # a numpy scalar is a 0-d row
+        x = np.asarray(x)
+        return wire_dtype_of(x.dtype, what), _little_contiguous(x)
+    name, a = _torch.to_numpy(x, what)
+    return name, _little_contiguous(a)
+
+
+def _describe(x) -> str:
+    if isinstance(x, np.ndarray):
+        return f"ndarray {x.dtype}{list(x.shape)}"
+    return type(x).__name__
+
+
+_PLAIN = (str, bytes, int, float, bool, type(None))
+
+
+def normalize_field(name: Any, value: Any, n: int) -> Regular | Nested | Values:
+    """One field of a put -> its wire form; TypeError/ValueError with the
+    field's name for anything stowage/1 cannot carry."""
+    if not isinstance(name, str):
+        raise TypeError(f"field names must be str, got {name!r}")
+    what = f"field {name!r}"
+    if isinstance(value, BFloat16Bits) and isinstance(value.data, (list, tuple)):
+        value = [BFloat16Bits(r) for r in value.data]
+    elif _torch.is_tensor(value) and _torch.is_nested(value):
+        value = _torch.unbind(value)
+    if isinstance(value, (np.ndarray, BFloat16Bits)) or _torch.is_tensor(value):
+        dtype, a = _to_wire_array(value, what)
+        if a.ndim == 0:
+            raise ValueError(f"{what}: a regular field needs a row axis, got a 0-d array")
+        if a.shape[0] != n:
+            raise ValueError(f"{what} has {a.shape[0]} rows but {n} global indexes were given")
+        return Regular(dtype, a)
+    if isinstance(value, (list, tuple)):
+        if len(value) != n:
+            raise ValueError(f"{what} has {len(value)} rows but {n} global indexes were given")
+        kinds = {_tensor_like(v) for v in value}
+        if kinds == {True}:
+            rows, dtypes = [], set()
+            for i, v in enumerate(value):
+                d, a = _to_wire_array(v, f"{what} row {i}")
+                dtypes.add(d)
+                rows.append(a)
+            if len(dtypes) > 1:
+                raise ValueError(f"{what}: nested rows must share one dtype, got {sorted(dtypes)}")
+            return Nested(dtypes.pop(), rows)
+        if kinds == {True, False}:
+            raise TypeError(f"{what} mixes arrays/tensors and plain values; a field is one or the other")
+        vals = []
+        for i, v in enumerate(value):
+            if isinstance(v, (bytearray, memoryview)):
+                v = bytes(v)
+            elif not isinstance(v, _PLAIN):
+                try:
+                    msgpack.packb(v)
+                except Exception as e:  # noqa: BLE001 - msgpack raises TypeError/ValueError/OverflowError
+                    raise TypeError(f"{what} row {i}: cannot send {type(v).__name__} as a value ({e})") from None
+            vals.append(v)
+        return Values(vals)
+    raise TypeError(
+        f"{what}: expected a numpy array or torch tensor [n, ...], a list of n arrays/tensors (nested), "
+        f"a nested torch tensor, or a list of n str/bytes values; got {type(value).__name__}"
+    )
+
+
+def check_indexes(global_indexes: Any, what: str, *, unique: bool, allow_empty: bool = False) -> list[int]:
+    """global indexes -> a list of Python ints (ValueError/TypeError with a clear message)."""
+    if isinstance(global_indexes, (str, bytes)) or not isinstance(global_indexes, Iterable):
+        raise TypeError(f"{what}: global_indexes must be a sequence of non-negative ints, got "
+                        f"{type(global_indexes).__name__}")
+    if isinstance(global_indexes, np.ndarray):
+        if global_indexes.ndim != 1 or (global_indexes.size and global_indexes.dtype.kind not in "iu"):
+            raise TypeError(f"{what}: global_indexes must be a 1-d integer array, got {_describe(global_indexes)}")
+        idx = global_indexes.tolist()
+    else:
+        try:
+            idx = [operator.index(g) for g in global_indexes]
+        except TypeError:
+            bad = next(g for g in global_indexes if not hasattr(g, "__index__"))
+            raise TypeError(f"{what}: global indexes must be ints, got {bad!r}") from None
+    if not idx and not allow_empty:
+        raise ValueError(f"{what}: empty batch: global_indexes is empty (a {what} needs at least one index)")
+    if idx and (min(idx) < 0 or max(idx) >= 1 << 64):
+        bad = next(g for g in idx if g < 0 or g >= 1 << 64)
+        raise ValueError(f"{what}: global index {bad} is out of range (0 .. 2**64-1)")
+    if unique and len(set(idx)) != len(idx):
+        seen: set[int] = set()
+        dup = next(g for g in idx if g in seen or seen.add(g))
+        raise ValueError(f"{what}: duplicate global index {dup} (each index may appear once in a put)")
+    return idx
+
+
+def check_field_names(fields: Any, what: str) -> list[str]:
+    if isinstance(fields, str):
+        fields = [fields]
+    fields = list(fields)
+    if not fields:
+        raise ValueError(f"{what}: empty batch: no fields requested")
+    for f in fields:
+        if not isinstance(f, str):
+            raise TypeError(f"{what}: field names must be str, got {f!r}")
+    if len(set(fields)) != len(fields):
+        raise ValueError(f"{what}: a field is named twice in {fields}")
+    return fields
+
+
+# ---------------------------------------------------------------- put encoding
+
+SMALL_PIECE_BYTES = 64 << 10  # pieces below this share a copied frame
+COALESCED_FRAME_BYTES = 1 << 20  # most bytes in one shared frame
+
+
+class _Frames:
+    """Data frames of one message: big pieces go out as their own frame (no
+    copy); small ones are copied into shared frames of at most 1 MiB, each
+    starting at a multiple of its itemsize."""
+
+    def __init__(self) -> None:
+        self.frames: list = []
+        self._shared: bytearray | None = None
+        self._shared_no = 0
+
+    def add(self, a: np.ndarray) -> tuple[int, int]:
+        """Adds the bytes of C-contiguous `a`; returns (frame number, offset)."""
+        nbytes = a.nbytes
+        if nbytes >= SMALL_PIECE_BYTES:
+            self.frames.append(a.reshape(-1).view(np.uint8))
+            return len(self.frames), 0
+        align = max(1, min(a.dtype.itemsize, 16))
+        buf = self._shared
+        if buf is None or len(buf) + align + nbytes > COALESCED_FRAME_BYTES:
+            buf = self._shared = bytearray()
+            self.frames.append(buf)
+            self._shared_no = len(self.frames)
+        buf.extend(bytes((-len(buf)) % align))
+        offset = len(buf)
+        if nbytes:
+            buf.extend(a.reshape(-1).view(np.uint8).data)
+        return self._shared_no, offset
+
+
+def _row_costs(fields: Mapping[str, Regular | Nested | Values], n: int) -> np.ndarray:
+    """Approximate bytes each row adds to a put message."""
+    cost = np.full(n, 16 * (1 + len(fields)), dtype=np.int64)
+    for f in fields.values():
+        if isinstance(f, Regular):
+            cost += f.row_bytes
+        elif isinstance(f, Nested):
+            cost += np.fromiter((r.nbytes for r in f.rows), dtype=np.int64, count=n)
+        else:
+            cost += np.fromiter(
+                (len(v) if isinstance(v, bytes) or (isinstance(v, str) and v.isascii())
+                 else 4 * len(v) if isinstance(v, str) else 64 for v in f.values),
+                dtype=np.int64, count=n,
+            )
+    return cost
+
+
+def split_rows(fields: Mapping[str, Regular | Nested | Values], n: int, max_bytes: int) -> list[tuple[int, int]]:
+    """Row ranges [a, b) whose messages each stay under max_bytes (a row
+    bigger than that goes alone)."""
+    cum = np.cumsum(_row_costs(fields, n))
+    if n == 0 or cum[-1] <= max_bytes:
+        return [(0, n)]
+    ranges = []
+    a = 0
+    while a < n:
+        base = cum[a - 1] if a else 0
+        b = int(np.searchsorted(cum, base + max_bytes, side="right"))
+        b = max(b, a + 1)
+        ranges.append((a, b))
+        a = b
+    return ranges
+
+
+def _descriptor(f: Regular | Nested | Values, a: int, b: int, frames: _Frames) -> dict:
+    if isinstance(f, Values):
+        return {"kind": "values", "values": f.values[a:b]}
+    if isinstance(f, Regular):
+        piece = f.array[a:b]
+        frame, offset = frames.add(piece)
+        return {"kind": "regular", "dtype": f.dtype, "shape": list(piece.shape),
+                "parts": [{"frame": frame, "offset": offset, "len": piece.nbytes, "rows": b - a}]}
+    rows = []
+    for r in f.rows[a:b]:
+        frame, offset = frames.add(r)
+        rows.append({"shape": list(r.shape), "frame": frame, "offset": offset, "len": r.nbytes})
+    return {"kind": "nested", "dtype": f.dtype, "rows": rows}
+
+
+@dataclass
+class PutMessage:
+    body: dict
+    frames: list  # data frames (buffers), numbered from 1
+    rows: tuple[int, int]  # the rows [a, b) of the put it carries
+
+
+def put_messages(indexes: list[int], fields: Mapping[str, Regular | Nested | Values],
+                 max_bytes: int) -> Iterator[PutMessage]:
+    """The put split by rows into messages of at most ~max_bytes each (lazy)."""
+    for a, b in split_rows(fields, len(indexes), max_bytes):
+        frames = _Frames()
+        desc = {name: _descriptor(f, a, b, frames) for name, f in fields.items()}
+        yield PutMessage({"global_indexes": indexes[a:b], "fields": desc}, frames.frames, (a, b))
+
+
+# ---------------------------------------------------------------- envelopes
+
+ENVELOPE_KEYS = ("proto", "op", "id", "body")
+# Optional envelope keys of the same-node mode (protocol page, "Same-node shared memory").
+SAME_NODE_KEYS = ("segments", "same_node")
+
+
+def envelope(op: str, req_id: int, body: dict) -> bytes:
+    return msgpack.packb({"proto": PROTO, "op": op, "id": req_id, "body": body}, use_bin_type=True)
+
+
+def decode_envelope(frame0) -> dict:
+    """Frame 0 of a reply -> {"proto", "op", "id", "body"[, "segments", "same_node"]}
+    (ProtocolError if malformed)."""
+    try:
+        env = msgpack.unpackb(frame0, raw=False, strict_map_key=True)
+    except Exception as e:  # noqa: BLE001 - msgpack raises several types
+        raise ProtocolError(f"reply frame 0 is not msgpack: {e}") from None
+    if not isinstance(env, dict) or not set(ENVELOPE_KEYS) <= set(env) <= {*ENVELOPE_KEYS, *SAME_NODE_KEYS}:
+        raise ProtocolError(f"reply envelope is not a stowage/1 envelope: {env!r:.200}")
+    if env["proto"] != PROTO:
+        raise ProtocolError(f"reply proto is {env['proto']!r}, expected {PROTO!r}")
+    if not isinstance(env["id"], int) or not isinstance(env["body"], dict) or not isinstance(env["op"], str):
+        raise ProtocolError(f"reply envelope has wrong types: {env!r:.200}")
+    return env
+
+
+# ---------------------------------------------------------------- get replies
+
+
+class FrameSource:
+    """The data frames 1..n of one reply, as read-only memoryviews.
+
+    This is the seam for where reply bytes come from. Descriptors always name
+    bytes as (data frame k, offset, len); what "data frame k" is depends on
+    the reply: `FrameSource.from_socket` for frames received on the socket
+    (zmq.Frame with copy=False, or bytes; views share their memory). In the
+    same-node mode a reply's envelope has `segments` = [[name, offset, len],
+    ...] and no frames on the socket: data frame k is then bytes offset..
+    offset+len of the file shm_dir/name, so that mode builds a FrameSource
+    from read-only mappings of those files, and the decoder, `get`,
+    `get_into` and the torch bridging stay as they are.
+    """
+
+    def __init__(self, views: Sequence[memoryview]) -> None:
+        self._views = [None, *views]  # numbered from 1
+        self._used: set[int] = set()
+
+    @classmethod
+    def from_socket(cls, frames: Sequence) -> "FrameSource":
+        """frames[0] is the envelope; frames[1:] the data frames."""
+        return cls([_readonly(f) for f in frames[1:]])
+
+    def view(self, k: Any, offset: int, length: int) -> memoryview:
+        """Read-only bytes offset..offset+length of data frame k (ProtocolError if outside)."""
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k < len(self._views):
+            raise ProtocolError(f"frame {k!r} does not exist (the reply has {len(self._views) - 1} data frames)")
+        v = self._views[k]
+        if offset + length > len(v):
+            raise ProtocolError(f"range {offset}+{length} lies outside frame {k} ({len(v)} bytes)")
+        self._used.add(k)
+        return v[offset:offset + length]
+
+    def finish(self) -> None:
+        """Every data frame must be referenced by some descriptor."""
+        if len(self._used) != len(self._views) - 1:
+            unused = sorted(set(range(1, len(self._views))) - self._used)
+            raise ProtocolError(f"reply data frames {unused[:10]} are referenced by no descriptor")
+
+
+def _readonly(frame) -> memoryview:
+    # pyzmq hands out *writable* memoryviews of frames received with copy=False:
+    # make them read-only (no copy) so results cannot be written.
+    buf = frame.buffer if hasattr(frame, "buffer") else frame
+    mv = memoryview(buf)
+    if mv.format != "B" or mv.ndim != 1:
+        mv = mv.cast("B")
+    return mv.toreadonly()
+
+
+@dataclass
+class Part:
+    """`rows` rows of a field starting at row `start`; `data` their bytes (read-only)."""
+
+    start: int
+    rows: int
+    data: memoryview
+
+
+@dataclass
+class FieldReply:
+    """One field of a get_ok, resolved to byte views."""
+
+    kind: str  # "regular", "nested", "values"
+    dtype: str | None = None  # canonical stowage/1 name
+    shape: tuple | None = None  # regular
+    parts: list | None = None  # regular: [Part]
+    rows: list | None = None  # nested: [(shape, memoryview)]
+    values: list | None = None  # values
+
+    @property
+    def np_dtype(self) -> np.dtype:
+        return WIRE_DTYPES[self.dtype]
+
+
+def _uint(v: Any, what: str) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+        raise ProtocolError(f"{what} is not an unsigned integer: {v!r}")
+    return v
+
+
+def _shape(v: Any, what: str) -> tuple:
+    if not isinstance(v, list) or len(v) > 64:
+        raise ProtocolError(f"{what}: bad shape {v!r}")
+    return tuple(_uint(d, what) for d in v)
+
+
+def _keys(d: Any, keys: set, what: str) -> dict:
+    if not isinstance(d, dict) or set(d) != keys:
+        got = sorted(d) if isinstance(d, dict) else type(d).__name__
+        raise ProtocolError(f"{what}: expected keys {sorted(keys)}, got {got}")
+    return d
+
+
+_PART_KEYS = {"frame", "offset", "len", "rows"}
+_ROW_KEYS = {"shape", "frame", "offset", "len"}
+
+
+def _decode_field(name: str, d: Any, n: int, frames: FrameSource) -> FieldReply:
+    what = f"field {name!r}"
+    kind = d.get("kind") if isinstance(d, dict) else None
+    if kind == "values":
+        _keys(d, {"kind", "values"}, what)
+        if not isinstance(d["values"], list) or len(d["values"]) != n:
+            raise ProtocolError(f"{what}: values descriptor without {n} values")
+        return FieldReply("values", values=d["values"])
+    if kind == "regular":
+        _keys(d, {"kind", "dtype", "shape", "parts"}, what)
+        dtype = canonical_dtype(d["dtype"])
+        shape = _shape(d["shape"], what)
+        if not shape or shape[0] != n:
+            raise ProtocolError(f"{what}: shape {list(shape)} does not have {n} rows")
+        if not isinstance(d["parts"], list):
+            raise ProtocolError(f"{what}: parts is not an array")
+        row_bytes = WIRE_DTYPES[dtype].itemsize * int(np.prod(shape[1:], dtype=np.int64))
+        parts: list[Part] = []
+        start = 0
+        end = None  # (frame, end offset) of the previous part, to merge parts that follow on directly
+        for p in d["parts"]:
+            _keys(p, _PART_KEYS, what)
+            k, off, ln, rows = p["frame"], _uint(p["offset"], what), _uint(p["len"], what), _uint(p["rows"], what)
+            if rows == 0 or ln != rows * row_bytes:
+                raise ProtocolError(f"{what}: part of {rows} rows has len {ln}, expected {rows * row_bytes}")
+            if end == (k, off):  # the same bytes as one merged part
+                prev = parts[-1]
+                parts[-1] = Part(prev.start, prev.rows + rows, frames.view(k, off - len(prev.data), len(prev.data) + ln))
+            else:
+                parts.append(Part(start, rows, frames.view(k, off, ln)))
+            end = (k, off + ln)
+            start += rows
+        if start != n:
+            raise ProtocolError(f"{what}: parts hold {start} rows, expected {n}")
+        return FieldReply("regular", dtype=dtype, shape=shape, parts=parts)
+    if kind == "nested":
+        _keys(d, {"kind", "dtype", "rows"}, what)
+        if not isinstance(d["rows"], list) or len(d["rows"]) != n:
+            raise ProtocolError(f"{what}: nested descriptor without {n} rows")
+        dtype = canonical_dtype(d["dtype"])
+        itemsize = WIRE_DTYPES[dtype].itemsize
+        rows = []
+        for r in d["rows"]:
+            _keys(r, _ROW_KEYS, what)
+            shape = _shape(r["shape"], what)
+            off, ln = _uint(r["offset"], what), _uint(r["len"], what)
+            if ln != itemsize * int(np.prod(shape, dtype=np.int64)):
+                raise ProtocolError(f"{what}: row of shape {list(shape)} has len {ln}")
+            rows.append((shape, frames.view(r["frame"], off, ln)))
+        return FieldReply("nested", dtype=dtype, rows=rows)
+    raise ProtocolError(f"{what}: unknown kind {kind!r}")
+
+
+def decode_get_fields(body: dict, requested: list[str], n: int, frames: FrameSource) -> dict:
+    """A get_ok body -> {field: FieldReply}, in request order, every byte range
+    resolved to a read-only view of `frames`."""
+    if set(body) != {"fields"} or not isinstance(body["fields"], dict):
+        raise ProtocolError(f"get_ok body has keys {sorted(body)}, expected ['fields']")
+    descs = body["fields"]
+    if list(descs) != requested:
+        raise ProtocolError(f"get_ok has fields {list(descs)}, requested {requested}")
+    out = {name: _decode_field(name, descs[name], n, frames) for name in requested}
+    frames.finish()
+    return out
+
+
+# ---------------------------------------------------------------- results
+
+
+def _frombuffer(data: memoryview, dt: np.dtype, shape: tuple) -> np.ndarray:
+    if len(data) == 0:
+        a = np.empty(shape, dt)
+        a.flags.writeable = False
+        return a
+    return np.frombuffer(data, dtype=dt).reshape(shape)  # read-only: data is
+
+
+def to_numpy(f: FieldReply):
+    """Regular -> one read-only ndarray (a view of the received bytes if the
+    field is one part, else one concatenating copy); nested -> a list of
+    read-only views; values -> the list of values."""
+    if f.kind == "values":
+        return f.values
+    dt = f.np_dtype
+    if f.kind == "nested":
+        return [_frombuffer(data, dt, shape) for shape, data in f.rows]
+    row_shape = f.shape[1:]
+    if len(f.parts) == 1:
+        return _frombuffer(f.parts[0].data, dt, f.shape)
+    out = np.empty(f.shape, dt)
+    for p in f.parts:
+        out[p.start:p.start + p.rows] = _frombuffer(p.data, dt, (p.rows, *row_shape))
+    out.flags.writeable = False
+    return out
+
+
+def copy_into(f: FieldReply, out: np.ndarray) -> None:
+    """Copies a regular field's bytes straight into `out` (already validated):
+    one copy per byte, no intermediate buffer."""
+    dt = f.np_dtype
+    row_shape = f.shape[1:]
+    for p in f.parts:
+        if p.rows and len(p.data):
+            np.copyto(out[p.start:p.start + p.rows], np.frombuffer(p.data, dtype=dt).reshape(p.rows, *row_shape),
+                      casting="no")
+

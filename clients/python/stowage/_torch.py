@@ -1,0 +1,108 @@
+"""Optional torch bridging. torch is never imported to *inspect* an argument
+(a torch tensor can only exist if the caller imported torch), and only
+imported to *build* tensors when a get asks for them (`as_torch=True`, or
+bfloat16 fields with `as_torch=None`).
+
+Every tensor <-> ndarray conversion here shares memory (no copy), except
+`.cpu()` of a tensor on another device and `.contiguous()` of a
+non-contiguous one.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import warnings
+
+import numpy as np
+
+_available: bool | None = None
+
+
+def _loaded():
+    return sys.modules.get("torch")
+
+
+def is_tensor(x) -> bool:
+    torch = _loaded()
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def available() -> bool:
+    """Is torch installed? (Checked once, without importing it.)"""
+    global _available
+    if _available is None:
+        _available = _loaded() is not None or importlib.util.find_spec("torch") is not None
+    return _available
+
+
+def require(what: str):
+    if not available():
+        raise ImportError(f"{what} needs torch, which is not installed (pip install torch)")
+    import torch
+
+    return torch
+
+
+def is_nested(t) -> bool:
+    return bool(getattr(t, "is_nested", False))
+
+
+def unbind(t) -> list:
+    """A nested (jagged or strided) tensor -> its rows, as tensors (views)."""
+    return list(t.unbind())
+
+
+def _name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def to_numpy(t, what: str) -> tuple[str, np.ndarray]:
+    """A tensor -> (stowage/1 dtype name, ndarray sharing its memory). bfloat16
+    becomes its uint16 bit patterns."""
+    torch = _loaded()
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.resolve_conj().resolve_neg().contiguous()
+    if t.dtype == torch.bfloat16:
+        return "bfloat16", t.view(torch.int16).numpy().view(np.uint16)
+    from ._codec import wire_dtype_of  # noqa: PLC0415 - avoid an import cycle
+
+    try:
+        a = t.numpy()
+    except TypeError as e:
+        raise TypeError(f"{what}: torch dtype {_name(t.dtype)} has no stowage/1 equivalent ({e})") from None
+    return wire_dtype_of(a.dtype, what), a
+
+
+def from_numpy(a: np.ndarray, dtype: str):
+    """A (read-only) ndarray of stowage/1 dtype `dtype` -> a tensor sharing its
+    memory. torch has no read-only tensors: writing to one writes the
+    client's own received buffer (never the server's data)."""
+    import torch
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "The given NumPy array is not writable"
+        if dtype == "bfloat16":
+            return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+        return torch.from_numpy(a)
+
+
+def out_view(t, what: str) -> tuple[str, np.ndarray]:
+    """A preallocated CPU tensor (pinned or not) -> (dtype name, writable ndarray sharing its memory)."""
+    torch = _loaded()
+    if t.device.type != "cpu":
+        raise TypeError(f"{what}: get_into fills CPU tensors (pinned or not); got a tensor on {t.device}")
+    if is_nested(t):
+        raise TypeError(f"{what}: get_into cannot fill a nested tensor")
+    t = t.detach()
+    if t.dtype == torch.bfloat16:
+        return "bfloat16", t.view(torch.int16).numpy().view(np.uint16)
+    from ._codec import wire_dtype_of  # noqa: PLC0415
+
+    try:
+        a = t.numpy()
+    except TypeError as e:
+        raise TypeError(f"{what}: torch dtype {_name(t.dtype)} has no stowage/1 equivalent ({e})") from None
+    return wire_dtype_of(a.dtype, what), a

@@ -1,0 +1,181 @@
+"""The asyncio client (`zmq.asyncio`): the same calls as `Client`, as coroutines.
+
+Requests from concurrent tasks are pipelined on one DEALER socket; one reader
+task hands each reply to its request by `id`. A timeout closes the socket and
+opens a new one (lazily, on the next call); the other requests in flight on
+the old socket then fail with `StowageTimeout` as well, since their replies
+can no longer arrive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any, Callable, Mapping
+
+import zmq
+import zmq.asyncio
+
+from . import _codec
+from .client import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TIMEOUT, _Ops
+from .errors import ProtocolError, StowageError, StowageTimeout, error_from_reply
+
+
+class AsyncClient(_Ops):
+    """`async with AsyncClient(endpoint) as c: await c.put(...)`. Use it from one
+    event loop at a time (moving to another loop reconnects)."""
+
+    def __init__(self, endpoint: str, timeout: float = DEFAULT_TIMEOUT, *,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                 context: zmq.asyncio.Context | None = None) -> None:
+        super().__init__(endpoint, timeout, max_message_bytes)
+        self._ctx = context or zmq.asyncio.Context.instance()
+        self._sock: zmq.asyncio.Socket | None = None
+        self._reader: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._pending: dict[int, asyncio.Future] = {}
+        self._closed = False
+
+    # -- connection
+    def _socket(self) -> zmq.asyncio.Socket:
+        if self._closed:
+            raise StowageError("the client is closed")
+        loop = asyncio.get_running_loop()
+        if self._sock is not None and self._loop is not loop:
+            self._drop(lambda rid: StowageError("the client moved to another event loop", request_id=rid))
+        if self._sock is None:
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(self.endpoint)
+            self._sock, self._loop = sock, loop
+            self._reader = loop.create_task(self._read(sock))
+        return self._sock
+
+    async def _read(self, sock: zmq.asyncio.Socket) -> None:
+        while True:
+            try:
+                frames = await sock.recv_multipart(copy=False)
+            except zmq.ZMQError:
+                return  # the socket was closed
+            try:
+                env = _codec.decode_envelope(frames[0].bytes)
+            except ProtocolError as e:
+                text = str(e)
+                self._fail_pending(lambda rid: ProtocolError(text, request_id=rid))
+                continue
+            fut = self._pending.pop(env["id"], None)
+            if fut is None and env["id"] == 0 and env["op"] == "error":
+                # An error reply to a request the server could not read: ours, if only one is in flight.
+                if len(self._pending) == 1:
+                    fut = self._pending.popitem()[1]
+                else:
+                    b = env["body"]
+                    self._fail_pending(lambda rid: error_from_reply(str(b.get("code")), str(b.get("message")), rid))
+                    continue
+            if fut is not None and not fut.done():
+                fut.set_result((env, frames))
+            # else: a reply to a request that was cancelled or timed out: dropped
+
+    def _fail_pending(self, exc: Callable[[int], BaseException]) -> None:
+        pending, self._pending = self._pending, {}
+        for rid, fut in pending.items():
+            if not fut.done():
+                fut.set_exception(exc(rid))
+
+    def _drop(self, exc: Callable[[int], BaseException]) -> asyncio.Task | None:
+        """Closes the socket, stops its reader and fails the requests in flight."""
+        reader, self._reader = self._reader, None
+        if reader is not None:
+            reader.cancel()
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+        self._fail_pending(exc)
+        return reader
+
+    def close(self) -> None:
+        """Closes the socket; requests in flight fail. Idempotent."""
+        self._closed = True
+        self._drop(lambda rid: StowageError("the client was closed", request_id=rid))
+
+    async def aclose(self) -> None:
+        self._closed = True
+        reader = self._drop(lambda rid: StowageError("the client was closed", request_id=rid))
+        if reader is not None and reader.get_loop() is asyncio.get_running_loop():
+            with contextlib.suppress(asyncio.CancelledError):
+                await reader
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
+
+    async def _call(self, op: str, body: dict, data_frames, timeout, expect: str) -> tuple[dict, _codec.FrameSource]:
+        timeout = self._call_timeout(timeout)
+        sock = self._socket()
+        loop = self._loop
+        rid = next(self._ids)
+        fut = loop.create_future()
+        self._pending[rid] = fut
+        msg = [_codec.envelope(op, rid, body), *data_frames]
+        deadline = loop.time() + timeout
+        try:
+            await asyncio.wait_for(sock.send_multipart(msg, copy=False), timeout)
+            del msg
+            env, frames = await asyncio.wait_for(asyncio.shield(fut), max(0.0, deadline - loop.time()))
+        except StowageError:
+            raise  # failed by someone else (a reset, close): not our timeout
+        except asyncio.TimeoutError:
+            if self._sock is sock:
+                self._drop(lambda r: StowageTimeout(
+                    f"request {r}: the connection to {self.endpoint} was reset because request {rid} timed out",
+                    request_id=r))
+            raise StowageTimeout(f"{op} (id {rid}): no reply from {self.endpoint} within {timeout:g} s; "
+                                 "the connection was reset", request_id=rid) from None
+        finally:
+            self._pending.pop(rid, None)
+        return self._reply_body(env, expect, rid), self._reply_frames(env, frames)
+
+    # -- the calls (see Client for their documentation)
+    async def put(self, global_indexes, data: Mapping[str, Any], *, timeout: float | None = None) -> int:
+        """See `Client.put` (a split put sends its messages one after another)."""
+        n, messages = self._put_plan(global_indexes, data)
+        stored = 0
+        for m in messages:
+            try:
+                body, _ = await self._call("put", m.body, m.frames, timeout, "put_ok")
+                stored += self._put_done(body, m)
+            except StowageError as e:
+                e.rows_stored = stored
+                raise
+        return n
+
+    async def get(self, global_indexes, fields, *, as_torch: bool | None = None,
+                  timeout: float | None = None) -> dict:
+        """See `Client.get`."""
+        idx, names, body = self._get_request(global_indexes, fields, as_torch)
+        reply, frames = await self._call("get", body, (), timeout, "get_ok")
+        return self._get_result(reply, frames, names, len(idx), as_torch)
+
+    async def get_into(self, global_indexes, out: Mapping[str, Any], *,
+                       timeout: float | None = None) -> Mapping[str, Any]:
+        """See `Client.get_into`."""
+        idx, targets, body = self._get_into_request(global_indexes, out)
+        reply, frames = await self._call("get", body, (), timeout, "get_ok")
+        self._get_into_result(reply, frames, targets, len(idx))
+        return out
+
+    async def clear(self, global_indexes, fields=None, *, timeout: float | None = None) -> int:
+        """See `Client.clear`."""
+        body, _ = await self._call("clear", self._clear_request(global_indexes, fields), (), timeout, "clear_ok")
+        return self._cleared(body)
+
+    async def stats(self, *, timeout: float | None = None) -> dict:
+        """See `Client.stats`."""
+        body, _ = await self._call("stats", {}, (), timeout, "stats_ok")
+        return body

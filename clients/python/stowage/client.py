@@ -1,0 +1,300 @@
+"""The synchronous client, and what it shares with the asyncio one (`_Ops`)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import sys
+import threading
+import time
+from typing import Any, Mapping
+
+import numpy as np
+import zmq
+
+from . import _codec, _torch
+from .errors import ProtocolError, StowageError, StowageTimeout, error_from_reply
+
+DEFAULT_TIMEOUT = 30.0
+DEFAULT_MAX_MESSAGE_BYTES = 256 << 20
+
+
+class _Ops:
+    """Request building and reply reading, shared by `Client` and `AsyncClient`."""
+
+    def __init__(self, endpoint: str, timeout: float, max_message_bytes: int) -> None:
+        if not isinstance(endpoint, str) or "://" not in endpoint:
+            raise ValueError(f"endpoint must be a ZeroMQ address like 'tcp://127.0.0.1:5555', got {endpoint!r}")
+        self.endpoint = endpoint
+        self.timeout = self._check_timeout(timeout)
+        if not isinstance(max_message_bytes, int) or max_message_bytes <= 0:
+            raise ValueError(f"max_message_bytes must be a positive int, got {max_message_bytes!r}")
+        self.max_message_bytes = max_message_bytes
+        self._ids = itertools.count(1)  # id 0 is reserved for replies to unreadable requests
+
+    @staticmethod
+    def _check_timeout(t) -> float:
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0 or math.isinf(t):
+            raise ValueError(f"timeout must be a positive finite number of seconds, got {t!r}")
+        return float(t)
+
+    def _call_timeout(self, t) -> float:
+        return self.timeout if t is None else self._check_timeout(t)
+
+    @staticmethod
+    def _reply_frames(env: dict, frames: list) -> _codec.FrameSource:
+        """The data frames of a reply. The same-node mode hooks in here: a reply
+        whose envelope lists `segments` carries its data frames as shared-memory
+        ranges (mapped read-only) instead of socket frames."""
+        if "segments" in env:
+            raise ProtocolError("the reply carries shared-memory segments, but this client did not ask for "
+                                "same-node replies", request_id=env["id"])
+        return _codec.FrameSource.from_socket(frames)
+
+    @staticmethod
+    def _reply_body(env: dict, expect: str, req_id: int) -> dict:
+        if env["op"] == "error":
+            b = env["body"]
+            if set(b) != {"code", "message"}:
+                raise ProtocolError(f"malformed error reply: {b!r:.200}", request_id=req_id)
+            raise error_from_reply(str(b["code"]), str(b["message"]), req_id)
+        if env["op"] != expect:
+            raise ProtocolError(f"expected a {expect} reply to request {req_id}, got {env['op']!r}", request_id=req_id)
+        return env["body"]
+
+    # -- put
+    def _put_plan(self, global_indexes, data) -> tuple[int, Any]:
+        idx = _codec.check_indexes(global_indexes, "put", unique=True)
+        if not isinstance(data, Mapping):
+            raise TypeError(f"put: data must map field names to values, got {type(data).__name__}")
+        if not data:
+            raise ValueError("put: empty batch: data has no fields")
+        fields = {name: _codec.normalize_field(name, v, len(idx)) for name, v in data.items()}
+        return len(idx), _codec.put_messages(idx, fields, self.max_message_bytes)
+
+    @staticmethod
+    def _put_done(body: dict, msg: _codec.PutMessage) -> int:
+        a, b = msg.rows
+        if body != {"rows": b - a}:
+            raise ProtocolError(f"put_ok {body!r} for a message of {b - a} rows")
+        return b - a
+
+    # -- get
+    @staticmethod
+    def _get_request(global_indexes, fields, as_torch) -> tuple[list, list, dict]:
+        if as_torch not in (None, True, False):
+            raise TypeError(f"get: as_torch must be None, True or False, got {as_torch!r}")
+        if as_torch:
+            _torch.require("get(as_torch=True)")
+        idx = _codec.check_indexes(global_indexes, "get", unique=False)
+        names = _codec.check_field_names(fields, "get")
+        return idx, names, {"global_indexes": idx, "fields": names}
+
+    @staticmethod
+    def _get_result(body: dict, frames, names: list, n: int, as_torch) -> dict:
+        replies = _codec.decode_get_fields(body, names, n, frames)
+        out = {}
+        for name, f in replies.items():
+            v = _codec.to_numpy(f)
+            want = as_torch if as_torch is not None else (f.dtype == "bfloat16" and _torch.available())
+            if want and f.kind != "values":
+                v = [_torch.from_numpy(a, f.dtype) for a in v] if f.kind == "nested" else _torch.from_numpy(v, f.dtype)
+            out[name] = v
+        return out
+
+    # -- get_into
+    @staticmethod
+    def _get_into_request(global_indexes, out) -> tuple[list, dict, dict]:
+        idx = _codec.check_indexes(global_indexes, "get_into", unique=False)
+        if not isinstance(out, Mapping):
+            raise TypeError(f"get_into: out must map field names to arrays, got {type(out).__name__}")
+        names = _codec.check_field_names(list(out), "get_into")
+        targets = {}
+        for name in names:
+            o = out[name]
+            what = f"get_into: out[{name!r}]"
+            if isinstance(o, np.ndarray):
+                dtype = _codec.wire_dtype_of(o.dtype, what)
+                if o.dtype.byteorder == ">" or (o.dtype.byteorder == "=" and sys.byteorder == "big"):
+                    raise ValueError(f"{what} is big-endian ({o.dtype.str}); get_into fills little-endian arrays")
+                a = o
+            elif _torch.is_tensor(o):
+                dtype, a = _torch.out_view(o, what)
+            else:
+                raise TypeError(f"{what} must be a numpy array or a torch tensor, got {type(o).__name__}")
+            if not a.flags.writeable:
+                raise ValueError(f"{what} is read-only")
+            if a.ndim == 0 or a.shape[0] != len(idx):
+                raise ValueError(f"{what} has shape {list(a.shape)}, but {len(idx)} rows were requested")
+            targets[name] = (dtype, a)
+        return idx, targets, {"global_indexes": idx, "fields": names}
+
+    @staticmethod
+    def _get_into_result(body: dict, frames, targets: dict, n: int) -> None:
+        replies = _codec.decode_get_fields(body, list(targets), n, frames)
+        # Check every field before writing any.
+        for name, f in replies.items():
+            dtype, a = targets[name]
+            what = f"get_into: out[{name!r}]"
+            if f.kind == "values":
+                raise TypeError(f"{what}: field {name!r} holds plain values, not tensors; use get()")
+            if f.kind == "nested":
+                shapes = sorted({tuple(s) for s, _ in f.rows})[:3]
+                raise ValueError(f"{what}: the requested rows of {name!r} have different shapes "
+                                 f"(e.g. {[list(s) for s in shapes]}), so they do not fit one array; use get()")
+            want_ok = dtype == f.dtype or (f.dtype == "bfloat16" and dtype in ("uint16", "int16"))
+            if not want_ok:
+                raise ValueError(f"{what} has dtype {dtype}, but field {name!r} is {f.dtype}")
+            if tuple(a.shape) != tuple(f.shape):
+                raise ValueError(f"{what} has shape {list(a.shape)}, but field {name!r} is {list(f.shape)}")
+        for name, f in replies.items():
+            a = targets[name][1]
+            _codec.copy_into(f, a.view(f.np_dtype) if a.dtype != f.np_dtype else a)
+
+    # -- clear, stats
+    @staticmethod
+    def _clear_request(global_indexes, fields) -> dict:
+        idx = _codec.check_indexes(global_indexes, "clear", unique=False, allow_empty=True)
+        body: dict = {"global_indexes": idx}
+        if fields is not None:
+            names = list([fields] if isinstance(fields, str) else fields)
+            if not names:
+                raise ValueError("clear: fields is empty (pass None to clear every field)")
+            body["fields"] = _codec.check_field_names(names, "clear")
+        return body
+
+    @staticmethod
+    def _cleared(body: dict) -> int:
+        if set(body) != {"cleared"} or not isinstance(body["cleared"], int):
+            raise ProtocolError(f"malformed clear_ok body {body!r:.200}")
+        return body["cleared"]
+
+
+def _ms_left(deadline: float) -> int:
+    return max(0, math.ceil((deadline - time.monotonic()) * 1000))
+
+
+class Client(_Ops):
+    """A synchronous stowage/1 client: one ZeroMQ DEALER connected to `stowd`'s
+    native endpoint. Calls are serialized by a lock, so one client may be
+    shared by threads (one request at a time).
+
+    Every call waits at most `timeout` seconds (or its own `timeout=`) for
+    its reply; then it raises `StowageTimeout` after closing the socket and
+    opening a new one, which drops anything still queued and ensures a late
+    reply is never taken for the answer to a later request.
+    """
+
+    def __init__(self, endpoint: str, timeout: float = DEFAULT_TIMEOUT, *,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, context: zmq.Context | None = None) -> None:
+        super().__init__(endpoint, timeout, max_message_bytes)
+        self._ctx = context or zmq.Context.instance()
+        self._lock = threading.Lock()
+        self._sock: zmq.Socket | None = self._connect()
+
+    def _connect(self) -> zmq.Socket:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.endpoint)
+        return sock
+
+    def _reset(self) -> None:
+        self._sock.close(linger=0)
+        self._sock = self._connect()
+
+    def close(self) -> None:
+        """Closes the socket (pending messages are dropped). Idempotent."""
+        with self._lock:
+            if self._sock is not None:
+                self._sock.close(linger=0)
+                self._sock = None
+
+    @property
+    def closed(self) -> bool:
+        return self._sock is None
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _call(self, op: str, body: dict, data_frames, timeout, expect: str) -> tuple[dict, _codec.FrameSource]:
+        timeout = self._call_timeout(timeout)
+        rid = next(self._ids)
+        msg = [_codec.envelope(op, rid, body), *data_frames]
+        with self._lock:
+            if self._sock is None:
+                raise StowageError("the client is closed")
+            deadline = time.monotonic() + timeout
+            if not self._sock.poll(_ms_left(deadline), zmq.POLLOUT):
+                self._reset()
+                raise StowageTimeout(f"{op} (id {rid}): could not send to {self.endpoint} within {timeout:g} s; "
+                                     "the connection was reset", request_id=rid)
+            self._sock.send_multipart(msg, copy=False)
+            del msg
+            while True:
+                if not self._sock.poll(_ms_left(deadline), zmq.POLLIN):
+                    self._reset()
+                    raise StowageTimeout(f"{op} (id {rid}): no reply from {self.endpoint} within {timeout:g} s; "
+                                         "the connection was reset", request_id=rid)
+                frames = self._sock.recv_multipart(copy=False)
+                env = _codec.decode_envelope(frames[0].bytes)
+                # id 0: an error reply to a request the server could not read; with one
+                # request in flight it can only be ours. Any other id is a stale reply: dropped.
+                if env["id"] == rid or (env["id"] == 0 and env["op"] == "error"):
+                    return self._reply_body(env, expect, rid), self._reply_frames(env, frames)
+
+    def put(self, global_indexes, data: Mapping[str, Any], *, timeout: float | None = None) -> int:
+        """Stores rows. `data` maps field name -> a numpy array or torch tensor
+        `[n, ...]` (regular), a list of n arrays/tensors of any shapes, one
+        dtype (nested), a nested torch tensor (nested), or a list of n
+        str/bytes (values). Returns the number of rows stored (n).
+
+        A put whose payload exceeds `max_message_bytes` is sent as several
+        put requests, each a contiguous range of rows with all fields. Each
+        message is all-or-nothing, the whole put is NOT: if a later message
+        fails, earlier ones stay stored; the exception's `rows_stored` says
+        how many leading rows were."""
+        n, messages = self._put_plan(global_indexes, data)
+        stored = 0
+        for m in messages:
+            try:
+                body, _ = self._call("put", m.body, m.frames, timeout, "put_ok")
+                stored += self._put_done(body, m)
+            except StowageError as e:
+                e.rows_stored = stored
+                raise
+        return n
+
+    def get(self, global_indexes, fields, *, as_torch: bool | None = None, timeout: float | None = None) -> dict:
+        """Reads rows: a dict field -> a read-only numpy array `[n, ...]`
+        (regular), a list of n read-only arrays (nested), or a list of n
+        values, in the order of `global_indexes` (repeats allowed).
+        `as_torch=True` gives torch tensors; `None` gives numpy except for
+        bfloat16 fields, which are torch bfloat16 tensors if torch is
+        installed and uint16 bit patterns otherwise; `False` is numpy only."""
+        idx, names, body = self._get_request(global_indexes, fields, as_torch)
+        reply, frames = self._call("get", body, (), timeout, "get_ok")
+        return self._get_result(reply, frames, names, len(idx), as_torch)
+
+    def get_into(self, global_indexes, out: Mapping[str, Any], *, timeout: float | None = None) -> Mapping[str, Any]:
+        """Reads regular fields into preallocated arrays or CPU tensors (e.g.
+        pinned): out[field] must have shape `[n, ...]` and the field's dtype
+        (bfloat16 also fills uint16/int16 arrays). Every byte is copied once,
+        from the received frames straight into `out`. Returns `out`."""
+        idx, targets, body = self._get_into_request(global_indexes, out)
+        reply, frames = self._call("get", body, (), timeout, "get_ok")
+        self._get_into_result(reply, frames, targets, len(idx))
+        return out
+
+    def clear(self, global_indexes, fields=None, *, timeout: float | None = None) -> int:
+        """Drops the given fields (all fields if None) of the given indexes;
+        returns how many (index, field) values were dropped."""
+        body, _ = self._call("clear", self._clear_request(global_indexes, fields), (), timeout, "clear_ok")
+        return self._cleared(body)
+
+    def stats(self, *, timeout: float | None = None) -> dict:
+        """The server's counters (at least units, keys, rows, bytes; capacity if bounded)."""
+        body, _ = self._call("stats", {}, (), timeout, "stats_ok")
+        return body

@@ -1,0 +1,91 @@
+"""The codec on its own: the FrameSource seam (reply bytes from any buffer,
+e.g. a read-only mapping of a shared-memory file), put splitting, dtype names."""
+
+from __future__ import annotations
+
+import mmap
+
+import numpy as np
+import pytest
+
+import stowage
+from stowage import _codec
+
+
+def test_frames_from_a_read_only_file_mapping(tmp_path):
+    """What the same-node mode will do: data frame k is a range of a mapped file
+    (the envelope's `segments`); the decoder reads it like a socket frame, and
+    the arrays are zero-copy views that cannot be written."""
+    x = np.arange(12, dtype=np.float32).reshape(3, 4)
+    seg = tmp_path / "stowd-1-0"
+    seg.write_bytes(b"\0" * 8 + x.tobytes() + np.arange(3, dtype=np.int16).tobytes())
+    with open(seg, "rb") as f:
+        mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    segments = [["stowd-1-0", 8, x.nbytes], ["stowd-1-0", 8 + x.nbytes, 6], ["", 0, 0]]
+    views = [memoryview(mapping)[o:o + n] if name else memoryview(b"") for name, o, n in segments]
+    body = {"fields": {
+        "x": {"kind": "regular", "dtype": "float32", "shape": [3, 4],
+              "parts": [{"frame": 1, "offset": 0, "len": 16, "rows": 1},
+                        {"frame": 1, "offset": 16, "len": 32, "rows": 2}]},  # follow on: merged
+        "n": {"kind": "nested", "dtype": "int16", "rows": [{"shape": [3], "frame": 2, "offset": 0, "len": 6},
+                                                            {"shape": [0], "frame": 3, "offset": 0, "len": 0},
+                                                            {"shape": [], "frame": 2, "offset": 0, "len": 2}]},
+    }}
+    got = _codec.decode_get_fields(body, ["x", "n"], 3, _codec.FrameSource(views))
+    assert len(got["x"].parts) == 1, "parts that follow on directly are one part"
+    a = _codec.to_numpy(got["x"])
+    assert np.array_equal(a, x) and not a.flags.writeable
+    assert np.shares_memory(a, np.frombuffer(mapping, np.uint8)), "copied instead of mapped"
+    n = _codec.to_numpy(got["n"])
+    assert [r.tolist() for r in n] == [[0, 1, 2], [], 0]
+    with pytest.raises(ValueError):
+        a[0, 0] = 1
+    out = np.zeros_like(x)
+    _codec.copy_into(got["x"], out)
+    assert np.array_equal(out, x)
+    del a, n, got, views
+    mapping.close()
+
+
+def test_frame_source_checks_ranges():
+    frames = _codec.FrameSource([memoryview(b"abcd")])
+    assert bytes(frames.view(1, 1, 2)) == b"bc"
+    for k, off, ln, msg in ((0, 0, 1, "frame 0 does not exist"), (2, 0, 1, "frame 2 does not exist"),
+                            (True, 0, 1, "frame True"), (1, 3, 2, "outside frame 1")):
+        with pytest.raises(stowage.ProtocolError, match=msg):
+            frames.view(k, off, ln)
+    _codec.FrameSource([memoryview(b"x")]).view(1, 0, 1)
+    with pytest.raises(stowage.ProtocolError, match=r"data frames \[2\] are referenced by no descriptor"):
+        s = _codec.FrameSource([memoryview(b"x"), memoryview(b"y")])
+        s.view(1, 0, 1)
+        s.finish()
+
+
+def test_split_rows():
+    fields = {"x": _codec.normalize_field("x", np.zeros((10, 100), np.uint8), 10)}
+    # Each row costs 100 bytes + 32 of overhead.
+    assert _codec.split_rows(fields, 10, 10_000) == [(0, 10)]
+    assert _codec.split_rows(fields, 10, 400) == [(0, 3), (3, 6), (6, 9), (9, 10)]
+    assert _codec.split_rows(fields, 10, 1) == [(i, i + 1) for i in range(10)]  # a row too big goes alone
+    msgs = list(_codec.put_messages(list(range(100, 110)), fields, 400))
+    assert [m.body["global_indexes"] for m in msgs][-1] == [109]
+    assert [m.body["fields"]["x"]["shape"] for m in msgs] == [[3, 100], [3, 100], [3, 100], [1, 100]]
+
+
+def test_small_pieces_share_frames_and_big_ones_go_alone():
+    rows = [np.full(3, 1, np.float64), np.full(70_000, 2, np.uint8), np.full(1, 3, np.float64)]
+    f = {"n": _codec.Nested("float64", [rows[0], rows[2]]), "b": _codec.Nested("uint8", [rows[1], rows[1][:5]])}
+    (m,) = _codec.put_messages([1, 2], f, 1 << 30)
+    desc = m.body["fields"]
+    assert len(m.frames) == 2  # one shared frame for the small pieces, one for the 70,000-byte row
+    n0, n1 = desc["n"]["rows"]
+    assert n0["frame"] == n1["frame"] and n1["offset"] % 8 == 0  # aligned to the itemsize
+    assert desc["b"]["rows"][0]["frame"] != n0["frame"] and desc["b"]["rows"][0]["offset"] == 0
+
+
+def test_dtype_names():
+    assert stowage.DTYPES == tuple(_codec.WIRE_DTYPES)
+    assert _codec.canonical_dtype("torch.half") == "float16" and _codec.canonical_dtype("long") == "int64"
+    with pytest.raises(stowage.ProtocolError, match="unknown dtype 'float8'"):
+        _codec.canonical_dtype("float8")
+    assert _codec.WIRE_DTYPES["bfloat16"] == np.dtype("<u2")
