@@ -327,5 +327,5 @@ fn test(args: &[String]) -> Result<()> {
         [("STOWAGE_PLUGIN_DIR", plugin_dir.as_os_str()), ("STOWD_BIN", stowd.as_os_str())];
     sh(&cargo(), &["build", "-p", "stowage-host", "--bin", "stowd"], &envs)?;
     sh(&cargo(), &["test", "--workspace"], &envs)?;
-    sh(&python(), &["-m", "pytest", "tests/python", "-q"], &envs)
+    sh(&python(), &["-m", "pytest", "tests/python", "clients/python/tests", "-q"], &envs)
 }
