@@ -6,12 +6,13 @@
 //! uses [`registry::default_chains`]. `stowd.example.toml` at the repository
 //! root lists every key with its default.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
 use crate::plan::PackLimits;
-use crate::policy::registry::{self, ChainConfig};
+use crate::policy::registry::{self, ChainConfig, LimitsOverride};
 use crate::policy::wasm::SandboxLimits;
 
 /// The whole configuration.
@@ -24,6 +25,7 @@ pub struct Config {
     pub plugins: PluginsConfig,
     pub limits: LimitsConfig,
     pub shm: ShmConfig,
+    pub metrics: MetricsConfig,
     /// Policy chains by field-name pattern, first match wins.
     #[serde(rename = "chain")]
     pub chains: Vec<ChainConfig>,
@@ -38,6 +40,7 @@ impl Default for Config {
             plugins: PluginsConfig::default(),
             limits: LimitsConfig::default(),
             shm: ShmConfig::default(),
+            metrics: MetricsConfig::default(),
             chains: registry::default_chains(),
         }
     }
@@ -116,12 +119,29 @@ pub struct PluginsConfig {
     pub memory_bytes: usize,
     /// Largest single `read` a plugin may make, bytes.
     pub read_cap: u64,
+    /// Watch the directory: a new or changed `.wasm` is checked (the
+    /// conformance suite), compiled and swapped in; a removed one unloads.
+    pub watch: bool,
+    /// Run the conformance suite on the plugins found at start too (plugins
+    /// that arrive while running are always checked).
+    pub check_at_start: bool,
+    /// Sandbox limits of single plugins, by plugin name.
+    pub overrides: BTreeMap<String, LimitsOverride>,
 }
 
 impl Default for PluginsConfig {
     fn default() -> Self {
         let s = SandboxLimits::default();
-        PluginsConfig { dir: None, cache_dir: None, fuel: s.fuel, memory_bytes: s.memory_bytes, read_cap: s.read_cap }
+        PluginsConfig {
+            dir: None,
+            cache_dir: None,
+            fuel: s.fuel,
+            memory_bytes: s.memory_bytes,
+            read_cap: s.read_cap,
+            watch: true,
+            check_at_start: false,
+            overrides: BTreeMap::new(),
+        }
     }
 }
 
@@ -203,6 +223,25 @@ impl Default for ShmConfig {
     }
 }
 
+/// The Prometheus endpoint.
+#[derive(Clone, Debug, PartialEq, Deserialize, Serialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct MetricsConfig {
+    /// Address of the HTTP endpoint.
+    pub host: String,
+    /// Its port; 0: no metrics endpoint.
+    pub port: u16,
+    /// Add a `stowage` map of these figures to TransferQueue
+    /// `METRICS_RESPONSE` bodies (off: exactly TransferQueue 0.1.11's keys).
+    pub tq_extra: bool,
+}
+
+impl Default for MetricsConfig {
+    fn default() -> Self {
+        MetricsConfig { host: "127.0.0.1".into(), port: 0, tq_extra: false }
+    }
+}
+
 /// A configuration file that could not be used.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -266,6 +305,16 @@ impl Config {
         if self.plugins.memory_bytes < (1 << 20) {
             return Err("plugins.memory_bytes must be at least 1 MiB".into());
         }
+        for (name, o) in &self.plugins.overrides {
+            if o.memory_bytes.is_some_and(|m| m < (1 << 20)) {
+                return Err(format!("plugins.overrides.{name}.memory_bytes must be at least 1 MiB"));
+            }
+        }
+        for c in &self.chains {
+            if c.backoff_ms > 0 && c.backoff_max_ms < c.backoff_ms {
+                return Err(format!("chain {:?}: backoff_max_ms is below backoff_ms", c.pattern));
+            }
+        }
         Ok(())
     }
 }
@@ -307,5 +356,23 @@ mod tests {
         assert_eq!(c.chains.len(), 1);
         assert_eq!(c.chains[0].fail, crate::policy::chain::FailStrategy::Reject);
         assert_eq!(c.chains[0].max_faults, 10);
+        assert_eq!(c.chains[0].backoff_ms, 1000);
+    }
+
+    #[test]
+    fn overrides_and_metrics_parse() {
+        let c = Config::parse(
+            "[plugins.overrides.runs]\nfuel = 5000\n\n[metrics]\nport = 9464\n",
+            "c.toml",
+        )
+        .unwrap();
+        let o = &c.plugins.overrides["runs"];
+        assert_eq!((o.fuel, o.memory_bytes), (Some(5000), None));
+        assert_eq!(o.apply(c.plugins.sandbox()).fuel, 5000);
+        assert_eq!(c.metrics.port, 9464);
+        let err = Config::parse("[plugins.overrides.runs]\nfule = 5\n", "c.toml").unwrap_err().to_string();
+        assert!(err.starts_with("c.toml:2:"), "{err}");
+        let err = Config::parse("[plugins.overrides.x]\nmemory_bytes = 10\n", "c.toml").unwrap_err().to_string();
+        assert!(err.contains("plugins.overrides.x.memory_bytes"), "{err}");
     }
 }

@@ -212,12 +212,41 @@ fn check_selection(policy: &dyn Policy, case: &Case, report: &mut Report) -> Out
 
 /// Runs the whole suite against `policy`.
 pub fn run(policy: &dyn Policy) -> Report {
+    run_until(policy, false)
+}
+
+/// Runs the suite until the first failure: `Ok(cases run)` if no case
+/// failed (declining is fine), else the failing case and why. This is what
+/// a plugin must pass before hot reload makes it live.
+pub fn verify(policy: &dyn Policy) -> Result<usize, String> {
+    let report = run_until(policy, true);
+    match report.failures().first() {
+        None => Ok(report.results.len()),
+        Some((name, Outcome::Failed(why))) => {
+            // One line: a trap's text spans a backtrace and a cause.
+            let mut line = why.split_whitespace().collect::<Vec<_>>().join(" ");
+            if line.len() > 400 {
+                let cut = (0..=400).rev().find(|i| line.is_char_boundary(*i)).unwrap_or(0);
+                line.truncate(cut);
+                line.push_str("...");
+            }
+            Err(format!("{name}: {line}"))
+        }
+        Some((name, _)) => Err(name.clone()),
+    }
+}
+
+fn run_until(policy: &dyn Policy, stop_at_failure: bool) -> Report {
     let mut report = Report::default();
     let caps = &policy.describe().capabilities;
+    let failed = |r: &Report| stop_at_failure && matches!(r.results.last(), Some((_, Outcome::Failed(_))));
     if caps.contains(&Capability::Selection) {
         for case in selection_cases() {
             let outcome = check_selection(policy, &case, &mut report);
             report.results.push((format!("select: {}", case.name), outcome));
+            if failed(&report) {
+                return report;
+            }
         }
     }
     if caps.contains(&Capability::Packing) {
@@ -237,6 +266,9 @@ pub fn run(policy: &dyn Policy) -> Report {
                 },
             };
             report.results.push((format!("pack: {name}"), outcome));
+            if failed(&report) {
+                return report;
+            }
         }
     }
     report

@@ -7,6 +7,13 @@
 //! | [`plan`] | selection and frame plans: validation and execution |
 //! | [`policy`] | the `Policy` trait, the built-in, the Wasm runtime, chains, the registry |
 //! | [`store`] | storage units: one cell per (global index, field), capacity in bytes |
+//! | [`manager`] | routing `g % N`, selection per (field, unit), remote units, the live registry |
+//! | [`server`] | `stowd`'s services and start-up |
+//! | [`reload`] | hot reload: the plugin directory watched, plugins checked and swapped in |
+//! | [`metrics`] | request counters, latency histograms, the Prometheus `/metrics` endpoint |
+//! | [`config`] | the TOML configuration |
+//! | [`conformance`] | a plugin against the built-in (`stowd plugin check`, hot reload) |
+//! | [`wire`], [`transport`], [`shm`] | codecs, ZeroMQ sockets, same-node shared memory |
 //!
 //! The policy path: a [`policy::chain::Chain`] asks its policies for a
 //! [`plan::SelectionPlan`], validates it with [`plan::validate_selection`],
@@ -18,10 +25,12 @@ pub mod batch;
 pub mod config;
 pub mod conformance;
 pub mod manager;
+pub mod metrics;
 pub mod plan;
 pub mod server;
 pub mod shm;
 pub mod policy;
+pub mod reload;
 pub mod store;
 pub mod tensor;
 pub mod transport;

@@ -15,6 +15,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use arc_swap::ArcSwap;
 use bytes::Bytes;
 
 use crate::batch::{Cell, Field};
@@ -92,9 +93,14 @@ pub struct DataCounters {
 }
 
 /// Routes batches over a fixed list of units.
+///
+/// The policy registry is swapped atomically by hot reload
+/// ([`Manager::swap_registry`]); a request loads the registry once when it
+/// starts and finishes on that snapshot, so a request in flight never mixes
+/// two versions of a plugin.
 pub struct Manager {
     targets: Vec<Target>,
-    registry: Arc<Registry>,
+    registry: ArcSwap<Registry>,
     limits: LimitsConfig,
     timeout: Duration,
     sender_id: String,
@@ -121,7 +127,14 @@ impl Manager {
         timeout: Duration,
         sender_id: String,
     ) -> Manager {
-        Manager { targets, registry, limits, timeout, sender_id, counters: DataCounters::default() }
+        Manager {
+            targets,
+            registry: ArcSwap::new(registry),
+            limits,
+            timeout,
+            sender_id,
+            counters: DataCounters::default(),
+        }
     }
 
     pub fn targets(&self) -> &[Target] {
@@ -136,8 +149,15 @@ impl Manager {
         }
     }
 
-    pub fn registry(&self) -> &Arc<Registry> {
-        &self.registry
+    /// The live registry (a snapshot: it stays valid after a swap).
+    pub fn registry(&self) -> Arc<Registry> {
+        self.registry.load_full()
+    }
+
+    /// Makes `next` the live registry; returns the previous one. Requests
+    /// already running keep the snapshot they loaded.
+    pub fn swap_registry(&self, next: Arc<Registry>) -> Arc<Registry> {
+        self.registry.swap(next)
     }
 
     fn routes(&self, global_indexes: &[u64]) -> Vec<Route> {
@@ -173,8 +193,8 @@ impl Manager {
 
     /// Selects the rows of `field` at `positions` through the field's chain
     /// and returns one cell per position.
-    fn select(&self, name: &str, field: &Field, positions: &[u64]) -> Result<Vec<Cell>, ManagerError> {
-        let decision = self.registry.select_chain(name).select(field, positions)?;
+    fn select(&self, registry: &Registry, name: &str, field: &Field, positions: &[u64]) -> Result<Vec<Cell>, ManagerError> {
+        let decision = registry.select_chain(name).select(field, positions)?;
         let c = &self.counters;
         match &decision.by {
             DecidedBy::Plugin(_) => c.plugin_decisions.fetch_add(1, Ordering::Relaxed),
@@ -235,7 +255,9 @@ impl Manager {
             return Err(ManagerError::Store(StoreError::DuplicateIndex(*g)));
         }
         // Plan and execute every selection before storing anything, so a
-        // policy rejection leaves every unit untouched.
+        // policy rejection leaves every unit untouched. One registry
+        // snapshot for the whole request.
+        let registry = self.registry.load_full();
         let mut per_unit = Vec::with_capacity(self.targets.len());
         for route in self.routes(global_indexes) {
             if route.positions.is_empty() {
@@ -244,7 +266,7 @@ impl Manager {
             }
             let mut unit_fields = Vec::with_capacity(fields.len());
             for (name, field) in &fields {
-                unit_fields.push((name.clone(), self.select(name, field, &route.positions)?));
+                unit_fields.push((name.clone(), self.select(&registry, name, field, &route.positions)?));
             }
             per_unit.push(Some((route.indexes, unit_fields)));
         }
@@ -261,7 +283,7 @@ impl Manager {
         let mut written: Vec<(&Peer, Vec<u64>)> = Vec::new();
         for (target, part) in self.targets.iter().zip(per_unit.iter_mut()) {
             let (Target::Remote(peer), Some((indexes, unit_fields))) = (target, part.as_mut()) else { continue };
-            match self.put_remote(peer, indexes, std::mem::take(unit_fields)).await {
+            match self.put_remote(&registry, peer, indexes, std::mem::take(unit_fields)).await {
                 Ok(()) => written.push((peer.as_ref(), std::mem::take(indexes))),
                 Err(e) => {
                     for (peer, indexes) in written {
@@ -283,7 +305,13 @@ impl Manager {
     }
 
     /// Sends one unit's rows to a remote unit in messages of bounded size.
-    async fn put_remote(&self, peer: &Peer, indexes: &[u64], fields: Vec<(String, Vec<Cell>)>) -> Result<(), ManagerError> {
+    async fn put_remote(
+        &self,
+        registry: &Registry,
+        peer: &Peer,
+        indexes: &[u64],
+        fields: Vec<(String, Vec<Cell>)>,
+    ) -> Result<(), ManagerError> {
         let row_bytes: Vec<u64> =
             (0..indexes.len()).map(|i| fields.iter().map(|(_, c)| c[i].byte_len() as u64).sum()).collect();
         let tensor_fields = fields.iter().filter(|(_, c)| matches!(c.first(), Some(Cell::Tensor(_)))).count().max(1);
@@ -299,7 +327,7 @@ impl Manager {
             }
             let mut body = Vec::with_capacity(fields.len());
             for (name, cells) in &fields {
-                body.push((name.clone(), self.pack_for_tq(name, &cells[start..end], frame_budget.max(1))?));
+                body.push((name.clone(), self.pack_for_tq(registry, name, &cells[start..end], frame_budget.max(1))?));
             }
             let request = tq::Request::Put { global_indexes: indexes[start..end].to_vec(), fields: body };
             self.exchange(peer, &request).await?;
@@ -311,7 +339,7 @@ impl Manager {
     /// Builds the TransferQueue value of one field for one message: one
     /// frame per row (zero copy) if the packing plan sends every row alone,
     /// otherwise one coalesced frame (one copy).
-    fn pack_for_tq(&self, name: &str, cells: &[Cell], frame_budget: usize) -> Result<Field, ManagerError> {
+    fn pack_for_tq(&self, registry: &Registry, name: &str, cells: &[Cell], frame_budget: usize) -> Result<Field, ManagerError> {
         let tensors: Vec<&Tensor> = cells
             .iter()
             .filter_map(|c| match c {
@@ -330,7 +358,7 @@ impl Manager {
             tensors.iter().map(|t| PieceInfo { byte_len: t.payload_len() as u64, contiguous: t.is_contiguous() }).collect();
         let mut limits = self.limits.pack_limits();
         limits.max_frames = frame_budget.min(u32::MAX as usize) as u32;
-        let decision = self.registry.pack_chain(name).pack(&pieces, &limits);
+        let decision = registry.pack_chain(name).pack(&pieces, &limits);
         let all_single = matches!(&decision, Ok(d) if d.plan.frames.iter().all(|f| matches!(f, Frame::Single(_))));
         let uniform = tensors.windows(2).all(|w| w[0].dtype() == w[1].dtype() && w[0].shape() == w[1].shape());
         let c = &self.counters;

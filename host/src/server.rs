@@ -4,14 +4,16 @@
 //! [`start`] builds everything from a [`Config`]: loads the plugins, makes
 //! the local units, binds one TransferQueue ROUTER per unit, one router-mode
 //! TransferQueue endpoint fanning out to the configured units, and the
-//! native `stowage/1` endpoint. It returns a [`Running`] handle with the
-//! resolved endpoints and a shutdown method.
+//! native `stowage/1` endpoint, watches the plugin directory (hot reload,
+//! [`crate::reload`]) and serves `/metrics` if configured
+//! ([`crate::metrics`]). It returns a [`Running`] handle with the resolved
+//! endpoints and a shutdown method.
 
 use std::path::Path;
 use std::sync::Arc;
 use std::sync::Mutex;
 use std::sync::atomic::Ordering;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use serde::Serialize;
@@ -21,6 +23,7 @@ use tokio::task::JoinHandle;
 use crate::batch::{Cell, Field};
 use crate::config::Config;
 use crate::manager::{Manager, ManagerError, Target, process_rss_bytes};
+use crate::metrics::{Metrics, Outcome, Protocol};
 use crate::plan::{Frame, PackLimits, PieceInfo};
 use crate::shm::{SegmentStore, ShmError};
 use crate::tensor::Tensor;
@@ -56,6 +59,9 @@ pub struct Endpoints {
     pub plugins: Vec<String>,
     /// Shared-memory directory for same-node clients, if enabled.
     pub shm_dir: Option<String>,
+    /// The Prometheus endpoint (`http://host:port/metrics`), if enabled.
+    #[serde(default)]
+    pub metrics: Option<String>,
 }
 
 impl Endpoints {
@@ -97,8 +103,9 @@ impl Arrivals {
             None => v.push((op.to_string(), 1)),
         }
     }
-    /// A `METRICS_RESPONSE` with these arrivals (no SSD offload here).
-    fn metrics(&self, unit_id: &str, capacity: Option<u64>, active_keys: u64) -> tq::Reply {
+    /// A `METRICS_RESPONSE` with these arrivals (no SSD offload here) and
+    /// `extra` keys after TransferQueue's.
+    fn metrics(&self, unit_id: &str, capacity: Option<u64>, active_keys: u64, extra: Vec<(String, Bytes)>) -> tq::Reply {
         let arrivals_by_op = self.0.lock().unwrap_or_else(|p| p.into_inner()).clone();
         tq::Reply::Metrics(tq::Metrics {
             storage_unit_id: unit_id.to_string(),
@@ -111,7 +118,7 @@ impl Arrivals {
             ssd_fallback_values_total: 0,
             requests_arrived: arrivals_by_op.iter().map(|(_, c)| c).sum(),
             arrivals_by_op,
-            extra: vec![],
+            extra,
         })
     }
 }
@@ -129,30 +136,80 @@ fn field_cells(field: Field) -> Result<Vec<Cell>, String> {
     })
 }
 
+/// The op label of a TransferQueue request, for metrics.
+fn tq_op(request: &tq::Request) -> &'static str {
+    match request {
+        tq::Request::Put { .. } => "put",
+        tq::Request::Get { .. } => "get",
+        tq::Request::Clear { .. } => "clear",
+        tq::Request::GetMetrics => "metrics",
+        tq::Request::Other(_) => "other",
+    }
+}
+
+fn tq_outcome(reply: &tq::Reply) -> Outcome {
+    if matches!(reply, tq::Reply::Error { .. }) { Outcome::Error } else { Outcome::Ok }
+}
+
+/// The `stowage` key of a TransferQueue `METRICS_RESPONSE` (when
+/// `[metrics] tq_extra` is on): a msgpack map of stowd's own figures.
+fn tq_extra(manager: Option<&Manager>, units: &[&Unit]) -> Vec<(String, Bytes)> {
+    let mut pairs: Vec<(&str, u64)> = vec![
+        ("stored_bytes", units.iter().map(|u| u.stats().bytes).sum()),
+        ("stored_rows", units.iter().map(|u| u.stats().rows).sum()),
+        ("stored_values", units.iter().map(|u| u.stats().keys).sum()),
+    ];
+    if let Some(m) = manager {
+        let c = &m.counters;
+        let get = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+        pairs.extend([
+            ("zero_copy_bytes", get(&c.zero_copy_bytes)),
+            ("copied_bytes", get(&c.copied_bytes)),
+            ("frames_sent", get(&c.frames_sent)),
+            ("plugin_decisions", get(&c.plugin_decisions)),
+            ("builtin_decisions", get(&c.builtin_decisions)),
+            ("fallbacks", get(&c.fallbacks)),
+        ]);
+        let versions = m.registry().version_stats();
+        pairs.push(("plugin_faults", versions.iter().map(|v| v.stats.faults.load(Ordering::Relaxed)).sum()));
+    }
+    let mut buf = Vec::new();
+    rmp::encode::write_map_len(&mut buf, pairs.len() as u32).expect("vec write");
+    for (k, v) in pairs {
+        rmp::encode::write_str(&mut buf, k).expect("vec write");
+        rmp::encode::write_uint(&mut buf, v).expect("vec write");
+    }
+    vec![("stowage".to_string(), Bytes::from(buf))]
+}
+
 /// A local unit behind its own TransferQueue endpoint.
 struct UnitService {
     unit: Arc<Unit>,
     arrivals: Arrivals,
+    metrics: Arc<Metrics>,
+    /// Add the `stowage` key to `METRICS_RESPONSE`.
+    tq_extra: bool,
 }
 
 impl UnitService {
-    fn answer(&self, frames: &[Bytes]) -> tq::Reply {
+    fn answer(&self, frames: &[Bytes]) -> (&'static str, tq::Reply) {
         let id = self.unit.id();
         let request = match tq::decode_request(frames) {
             Ok(r) => r,
             Err(e) => {
                 tracing::debug!(unit = id, error = %e, "refused request");
-                return e.to_reply(id);
+                return ("undecodable", e.to_reply(id));
             }
         };
         self.arrivals.note(request.op_name());
-        match request {
+        let op = tq_op(&request);
+        let reply = match request {
             tq::Request::Put { global_indexes, fields } => {
                 let mut cells = Vec::with_capacity(fields.len());
                 for (name, field) in fields {
                     match field_cells(field) {
                         Ok(c) => cells.push((name, c)),
-                        Err(e) => return tq::Reply::put_failed(id, &e),
+                        Err(e) => return (op, tq::Reply::put_failed(id, &e)),
                     }
                 }
                 match self.unit.put(&global_indexes, cells) {
@@ -171,11 +228,13 @@ impl UnitService {
             }
             tq::Request::GetMetrics => {
                 let stats = self.unit.stats();
+                let extra = if self.tq_extra { tq_extra(None, &[&self.unit]) } else { vec![] };
                 // TransferQueue counts samples (global indexes), not values.
-                self.arrivals.metrics(id, stats.capacity, stats.rows)
+                self.arrivals.metrics(id, stats.capacity, stats.rows, extra)
             }
             tq::Request::Other(t) => tq::Reply::invalid_operation(id, &t),
-        }
+        };
+        (op, reply)
     }
 }
 
@@ -186,8 +245,11 @@ impl Service for UnitService {
                 tracing::debug!(identity = %String::from_utf8_lossy(&identity), "request from an unrecognised identity dropped");
                 return None;
             }
-            let reply = self.answer(&frames);
-            Some(tq::encode_reply(self.unit.id(), &reply))
+            let started = Instant::now();
+            let (op, reply) = self.answer(&frames);
+            let frames = tq::encode_reply(self.unit.id(), &reply);
+            self.metrics.observe(Protocol::Tq, op, tq_outcome(&reply), started.elapsed(), frames.len());
+            Some(frames)
         })
     }
 }
@@ -197,17 +259,20 @@ struct RouterService {
     id: String,
     manager: Arc<Manager>,
     arrivals: Arrivals,
+    metrics: Arc<Metrics>,
+    tq_extra: bool,
 }
 
 impl RouterService {
-    async fn answer(&self, frames: &[Bytes]) -> tq::Reply {
+    async fn answer(&self, frames: &[Bytes]) -> (&'static str, tq::Reply) {
         let id = self.id.as_str();
         let request = match tq::decode_request(frames) {
             Ok(r) => r,
-            Err(e) => return e.to_reply(id),
+            Err(e) => return ("undecodable", e.to_reply(id)),
         };
         self.arrivals.note(request.op_name());
-        match request {
+        let op = tq_op(&request);
+        let reply = match request {
             tq::Request::Put { global_indexes, fields } => match self.manager.put(&global_indexes, fields).await {
                 Ok(()) => tq::Reply::PutData,
                 Err(e) => tq::Reply::put_failed(id, &e.to_string()),
@@ -239,10 +304,22 @@ impl RouterService {
                         Target::Remote(_) => capacity = None,
                     }
                 }
-                self.arrivals.metrics(id, capacity, keys)
+                let extra = if self.tq_extra {
+                    let locals: Vec<&Unit> = self
+                        .manager
+                        .targets()
+                        .iter()
+                        .filter_map(|t| if let Target::Local(u) = t { Some(u.as_ref()) } else { None })
+                        .collect();
+                    tq_extra(Some(&self.manager), &locals)
+                } else {
+                    vec![]
+                };
+                self.arrivals.metrics(id, capacity, keys, extra)
             }
             tq::Request::Other(t) => tq::Reply::invalid_operation(id, &t),
-        }
+        };
+        (op, reply)
     }
 }
 
@@ -252,8 +329,11 @@ impl Service for RouterService {
             if !tq_identity_allowed(&identity) {
                 return None;
             }
-            let reply = self.answer(&frames).await;
-            Some(tq::encode_reply(&self.id, &reply))
+            let started = Instant::now();
+            let (op, reply) = self.answer(&frames).await;
+            let frames = tq::encode_reply(&self.id, &reply);
+            self.metrics.observe(Protocol::TqRouter, op, tq_outcome(&reply), started.elapsed(), frames.len());
+            Some(frames)
         })
     }
 }
@@ -265,6 +345,7 @@ struct NativeService {
     pack_limits: PackLimits,
     /// Same-node shared memory, if enabled.
     shm: Option<Arc<SegmentStore>>,
+    metrics: Arc<Metrics>,
 }
 
 fn shm_error(e: &ShmError) -> native::Reply {
@@ -298,6 +379,7 @@ impl NativeService {
         let tensor_fields = fields.iter().filter(|(_, f)| !matches!(f, native::WireField::Values(_))).count().max(1);
         let mut limits = self.pack_limits;
         limits.max_frames = (limits.max_frames / tensor_fields as u32).max(1);
+        let registry = self.manager.registry();
         for (i, (name, field)) in fields.iter().enumerate() {
             let slices: Vec<native::RowSlice> = match field {
                 native::WireField::Regular(p) => {
@@ -326,7 +408,7 @@ impl NativeService {
                     .collect(),
                 native::WireField::Values(_) => continue,
             };
-            match self.manager.registry().pack_chain(name).pack(&pieces, &limits) {
+            match registry.pack_chain(name).pack(&pieces, &limits) {
                 Ok(d) => frames.extend(d.plan.frames.iter().map(|f| match f {
                     Frame::Single(k) => vec![slices[*k as usize]],
                     Frame::Coalesced(ks) => ks.iter().map(|k| slices[*k as usize]).collect(),
@@ -465,18 +547,29 @@ impl NativeService {
                 stats.push(("builtin_decisions".into(), int(c.builtin_decisions.load(Ordering::Relaxed))));
                 stats.push(("fallbacks".into(), int(c.fallbacks.load(Ordering::Relaxed))));
                 stats.push(("process_rss_bytes".into(), int(process_rss_bytes())));
+                let r = &self.metrics.reloads;
+                stats.push(("plugin_swaps".into(), int(r.swapped.load(Ordering::Relaxed))));
+                stats.push(("plugin_refusals".into(), int(r.refused.load(Ordering::Relaxed))));
+                stats.push(("plugin_removals".into(), int(r.removed.load(Ordering::Relaxed))));
                 let registry = m.registry();
                 for name in registry.names() {
                     let Some(l) = registry.get(&name) else { continue };
                     let st = &l.stats;
-                    let line = format!(
-                        "version {} calls {} faults {} invalid_plans {} disabled {}",
+                    let mut line = format!(
+                        "version {} calls {} faults {} invalid_plans {} disabled {} plans {} fallbacks {} rejections {} reenables {}",
                         l.policy.describe().version,
                         st.calls.load(Ordering::Relaxed),
                         st.faults.load(Ordering::Relaxed),
                         st.invalid_plans.load(Ordering::Relaxed),
-                        st.disabled.load(Ordering::Relaxed)
+                        st.disabled.load(Ordering::Relaxed),
+                        st.plans.load(Ordering::Relaxed),
+                        st.fallbacks.load(Ordering::Relaxed),
+                        st.rejections.load(Ordering::Relaxed),
+                        st.reenables.load(Ordering::Relaxed),
                     );
+                    if let Some(left) = st.reenable_in() {
+                        line.push_str(&format!(" reenable_in_ms {}", left.as_millis()));
+                    }
                     stats.push((format!("plugin.{name}"), native::Stat::Str(line)));
                 }
                 for (pattern, line) in registry.chain_summaries() {
@@ -536,6 +629,8 @@ impl NativeService {
     }
 
     async fn serve_one(&self, frames: Vec<Bytes>) -> Vec<Bytes> {
+        let started = Instant::now();
+        let mut op = "undecodable";
         let fallback_id = native::request_id(&frames).unwrap_or(0);
         let extras = match frames.first() {
             Some(f0) => native::decode_extras(f0, &self.limits),
@@ -546,7 +641,10 @@ impl NativeService {
             Ok(extras) => match self.resolve_segments(frames, &extras) {
                 Err(reply) => (fallback_id, reply, false),
                 Ok(frames) => match native::decode_request(&frames, &self.limits) {
-                    Ok(req) => (req.id, self.answer(req.op, extras.same_node).await, extras.same_node),
+                    Ok(req) => {
+                        op = req.op.name();
+                        (req.id, self.answer(req.op, extras.same_node).await, extras.same_node)
+                    }
                     Err(e) => (fallback_id, native::Reply::from_error(&e), false),
                 },
             },
@@ -560,10 +658,16 @@ impl NativeService {
             }
             _ => native::encode_reply(id, &reply).map_err(|e| e.to_string()),
         };
-        encoded.unwrap_or_else(|message| {
-            let error = native::Reply::Error { code: native::code::INTERNAL.into(), message };
-            native::encode_reply(id, &error).unwrap_or_default()
-        })
+        let outcome = if matches!(reply, native::Reply::Error { .. }) { Outcome::Error } else { Outcome::Ok };
+        let (frames, outcome) = match encoded {
+            Ok(f) => (f, outcome),
+            Err(message) => {
+                let error = native::Reply::Error { code: native::code::INTERNAL.into(), message };
+                (native::encode_reply(id, &error).unwrap_or_default(), Outcome::Error)
+            }
+        };
+        self.metrics.observe(Protocol::Native, op, outcome, started.elapsed(), frames.len());
+        frames
     }
 }
 
@@ -610,15 +714,22 @@ async fn sweep_leases(store: Arc<SegmentStore>, mut shutdown: watch::Receiver<bo
     }
 }
 
+/// The plugin directory of `config`, made absolute (hot reload matches
+/// the watcher's paths against the loaded files' paths).
+pub fn plugin_dir(config: &Config) -> Option<std::path::PathBuf> {
+    config.plugins.resolve_dir().map(|d| d.canonicalize().unwrap_or(d))
+}
+
 /// Loads the plugins and configures the chains.
 pub fn build_registry(config: &Config) -> anyhow::Result<Registry> {
-    let dir = config.plugins.resolve_dir();
+    let dir = plugin_dir(config);
     let cache = config.plugins.cache_dir.clone().or_else(|| dir.as_ref().map(|d| d.join(".cache")));
-    let mut registry = Registry::new(cache, config.plugins.sandbox())?;
+    let mut registry = Registry::new(cache, config.plugins.sandbox())?.with_overrides(config.plugins.overrides.clone());
     match &dir {
         Some(d) => {
+            let check_at_start = config.plugins.check_at_start;
             let reports = registry
-                .load_dir(d)
+                .load_dir_checked(d, |p| if check_at_start { crate::conformance::verify(p).map(|_| ()) } else { Ok(()) })
                 .map_err(|e| anyhow::anyhow!("cannot read plugin directory {}: {e}", d.display()))?;
             let loaded = reports.iter().filter(|r| r.result.is_ok()).count();
             tracing::info!(dir = %d.display(), loaded, refused = reports.len() - loaded, "plugins");
@@ -639,6 +750,8 @@ pub async fn start(config: Config) -> anyhow::Result<Running> {
         .collect();
     let (shutdown, rx) = watch::channel(false);
     let mut tasks = Vec::new();
+    let metrics = Arc::new(Metrics::default());
+    let tq_extra_on = config.metrics.tq_extra;
     let host = &config.server.host;
     let pid = std::process::id();
     let capacity = (config.units.capacity_bytes > 0).then_some(config.units.capacity_bytes);
@@ -650,7 +763,12 @@ pub async fn start(config: Config) -> anyhow::Result<Running> {
         let unit = Arc::new(Unit::new(id.clone(), capacity));
         let port = if config.units.port_base == 0 { 0 } else { config.units.port_base as u32 + i };
         let (socket, endpoint) = transport::bind(&format!("tcp://{host}:{port}")).await?;
-        let service = Arc::new(UnitService { unit: unit.clone(), arrivals: Arrivals::default() });
+        let service = Arc::new(UnitService {
+            unit: unit.clone(),
+            arrivals: Arrivals::default(),
+            metrics: metrics.clone(),
+            tq_extra: tq_extra_on,
+        });
         tasks.push(tokio::spawn(transport::serve(socket, service, rx.clone())));
         tracing::info!(unit = %id, %endpoint, "unit listening");
         unit_endpoints.push(UnitEndpoint { id, endpoint });
@@ -683,7 +801,13 @@ pub async fn start(config: Config) -> anyhow::Result<Running> {
     let router = if config.router.enabled {
         let id = format!("TQ_STORAGE_UNIT_{:08x}", (pid << 8) ^ 0xff);
         let (socket, endpoint) = transport::bind(&format!("tcp://{host}:{}", config.router.port)).await?;
-        let service = Arc::new(RouterService { id: id.clone(), manager: manager.clone(), arrivals: Arrivals::default() });
+        let service = Arc::new(RouterService {
+            id: id.clone(),
+            manager: manager.clone(),
+            arrivals: Arrivals::default(),
+            metrics: metrics.clone(),
+            tq_extra: tq_extra_on,
+        });
         tasks.push(tokio::spawn(transport::serve(socket, service, rx.clone())));
         tracing::info!(%endpoint, units = manager.targets().len(), "router listening");
         Some(UnitEndpoint { id, endpoint })
@@ -711,11 +835,50 @@ pub async fn start(config: Config) -> anyhow::Result<Running> {
         None
     };
     let pack_limits = config.limits.pack_limits();
-    let service = Arc::new(NativeService { manager, limits: native_limits, pack_limits, shm: shm.clone() });
+    let service = Arc::new(NativeService {
+        manager: manager.clone(),
+        limits: native_limits,
+        pack_limits,
+        shm: shm.clone(),
+        metrics: metrics.clone(),
+    });
     tasks.push(tokio::spawn(transport::serve(socket, service, rx.clone())));
     tracing::info!(endpoint = %native_endpoint, "native endpoint listening");
 
+    let metrics_endpoint = if config.metrics.port != 0 {
+        let addr = format!("{}:{}", config.metrics.host, config.metrics.port);
+        let listener = tokio::net::TcpListener::bind(&addr)
+            .await
+            .map_err(|e| anyhow::anyhow!("cannot bind the metrics endpoint {addr}: {e}"))?;
+        let local = listener.local_addr()?;
+        let (m, mg, us) = (metrics.clone(), manager.clone(), units.clone());
+        let exposition: Arc<dyn crate::metrics::Exposition> = Arc::new(move || m.render(&mg, &us));
+        tasks.push(tokio::spawn(crate::metrics::serve_http(listener, exposition, rx.clone())));
+        let url = format!("http://{local}/metrics");
+        tracing::info!(endpoint = %url, "metrics endpoint listening");
+        Some(url)
+    } else {
+        None
+    };
+
+    if config.plugins.watch {
+        match plugin_dir(&config) {
+            Some(dir) if dir.is_dir() => {
+                tasks.push(tokio::spawn(crate::reload::run(dir, manager.clone(), metrics.clone(), rx.clone())));
+            }
+            _ => tracing::info!("no plugin directory to watch: hot reload is off"),
+        }
+    }
+
     let shm_dir = shm.as_ref().map(|s| s.dir().display().to_string());
-    let endpoints = Endpoints { pid, units: unit_endpoints, router, native: native_endpoint, plugins, shm_dir };
+    let endpoints = Endpoints {
+        pid,
+        units: unit_endpoints,
+        router,
+        native: native_endpoint,
+        plugins,
+        shm_dir,
+        metrics: metrics_endpoint,
+    };
     Ok(Running { endpoints, shutdown, tasks })
 }

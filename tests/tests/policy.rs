@@ -435,6 +435,7 @@ fn chains_are_chosen_by_field_pattern() {
             pack: vec![],
             fail: FailStrategy::Reject,
             max_faults: 0,
+            ..ChainConfig::default()
         },
         ChainConfig {
             pattern: "*".into(),
@@ -442,6 +443,7 @@ fn chains_are_chosen_by_field_pattern() {
             pack: vec!["coalesce".into()],
             fail: FailStrategy::Fallback,
             max_faults: 5,
+            ..ChainConfig::default()
         },
     ]);
     let f = regular(8, 2);

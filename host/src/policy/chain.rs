@@ -6,12 +6,15 @@
 //! `failed` error, or a plan that fails validation) is counted against the
 //! plugin and logged with its name and version; then the chain's
 //! [`FailStrategy`] decides: `fallback` answers the built-in plan, `reject`
-//! fails the request. A plugin that reached `max_faults` is no longer called.
-//! If no policy applies, the built-in answers. Data is never touched here:
-//! only plans are.
+//! fails the request. A plugin that reached `max_faults` faults is disabled;
+//! with a [`Backoff`] it is re-enabled (on a fresh instance) after a delay
+//! that doubles at each further disable up to a cap, without one it stays
+//! disabled until its file is reloaded. If no policy applies, the built-in
+//! answers. Data is never touched here: only plans are.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use super::builtin::Builtin;
 use super::{Policy, PolicyError};
@@ -29,14 +32,89 @@ pub enum FailStrategy {
     Reject,
 }
 
-/// Fault and call counters of one loaded plugin, shared by every chain that
-/// uses it.
+/// Re-enabling a disabled plugin: after `initial`, then twice as long at
+/// each further disable, never longer than `max`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Backoff {
+    pub initial: Duration,
+    pub max: Duration,
+}
+
+impl Backoff {
+    /// The delay before the `n`-th re-enable (0-based).
+    pub fn delay(&self, n: u64) -> Duration {
+        let factor = 1u32.checked_shl(n.min(31) as u32).unwrap_or(u32::MAX);
+        self.initial.checked_mul(factor).unwrap_or(self.max).min(self.max)
+    }
+}
+
+/// Call and fault counters of one plugin version (name and version), shared
+/// by every chain that uses it and kept across hot reloads: the counters of
+/// a version only ever grow, while it is loaded or not.
 #[derive(Debug, Default)]
 pub struct PluginStats {
+    /// Calls into the plugin.
     pub calls: AtomicU64,
+    /// Valid plans it answered (the decisions it took).
+    pub plans: AtomicU64,
+    /// Faults (trap, timeout, memory cap, bad handle, `failed`, invalid plan).
     pub faults: AtomicU64,
+    /// Plans that failed validation (also counted in `faults`).
     pub invalid_plans: AtomicU64,
+    /// Faults answered by the built-in (`fallback` strategy).
+    pub fallbacks: AtomicU64,
+    /// Faults that failed the request (`reject` strategy).
+    pub rejections: AtomicU64,
+    /// True while the plugin is not called (after `max_faults`).
     pub disabled: AtomicBool,
+    /// Times the plugin was disabled since it was last loaded.
+    pub disables: AtomicU64,
+    /// Times it was re-enabled after a backoff.
+    pub reenables: AtomicU64,
+    /// Faults since it was last enabled (compared with `max_faults`).
+    pub recent_faults: AtomicU64,
+    /// When a disabled plugin may be called again (None: not before reload).
+    reenable_at: Mutex<Option<Instant>>,
+}
+
+impl PluginStats {
+    /// A fresh start after a reload: enabled, backoff and recent faults
+    /// reset; the totals keep counting.
+    pub fn reset_on_load(&self) {
+        *self.reenable_at.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        self.recent_faults.store(0, Ordering::Relaxed);
+        self.disables.store(0, Ordering::Relaxed);
+        self.disabled.store(false, Ordering::Relaxed);
+    }
+
+    /// Time left before a disabled plugin is re-enabled (None: enabled, or
+    /// disabled until its file changes).
+    pub fn reenable_in(&self) -> Option<Duration> {
+        if !self.disabled.load(Ordering::Relaxed) {
+            return None;
+        }
+        let at = *self.reenable_at.lock().unwrap_or_else(|p| p.into_inner());
+        at.map(|t| t.saturating_duration_since(Instant::now()))
+    }
+
+    /// `Some(re-enabled now)` if the plugin may be called now; re-enables a
+    /// disabled plugin whose backoff has passed.
+    fn callable(&self) -> Option<bool> {
+        if !self.disabled.load(Ordering::Relaxed) {
+            return Some(false);
+        }
+        let mut at = self.reenable_at.lock().unwrap_or_else(|p| p.into_inner());
+        match *at {
+            Some(t) if Instant::now() >= t => {
+                *at = None;
+                self.recent_faults.store(0, Ordering::Relaxed);
+                self.reenables.fetch_add(1, Ordering::Relaxed);
+                self.disabled.store(false, Ordering::Relaxed);
+                Some(true)
+            }
+            _ => None,
+        }
+    }
 }
 
 /// A policy plus its counters.
@@ -87,8 +165,10 @@ pub struct Decision<P> {
 pub struct Chain {
     pub policies: Vec<Loaded>,
     pub fail: FailStrategy,
-    /// Faults after which a plugin is no longer called (0 = never stop).
+    /// Faults after which a plugin is disabled (0 = never).
     pub max_faults: u64,
+    /// When a disabled plugin is called again (None: after a reload only).
+    pub backoff: Option<Backoff>,
 }
 
 /// What the policies of a chain answered.
@@ -102,8 +182,15 @@ enum Outcome<P> {
 }
 
 impl Chain {
+    /// A chain whose disabled plugins stay disabled until reloaded.
     pub fn new(policies: Vec<Loaded>, fail: FailStrategy, max_faults: u64) -> Chain {
-        Chain { policies, fail, max_faults }
+        Chain { policies, fail, max_faults, backoff: None }
+    }
+
+    /// Re-enables disabled plugins after `backoff`.
+    pub fn with_backoff(mut self, backoff: Option<Backoff>) -> Chain {
+        self.backoff = backoff;
+        self
     }
 
     /// A chain of the built-in alone.
@@ -119,18 +206,43 @@ impl Chain {
     /// Counts and logs a fault, then applies the fail strategy.
     fn on_fault<P>(&self, loaded: &Loaded, reason: &str) -> Result<Outcome<P>, ChainError> {
         let d = loaded.policy.describe();
-        let faults = loaded.stats.faults.fetch_add(1, Ordering::Relaxed) + 1;
+        let st = &loaded.stats;
+        let faults = st.faults.fetch_add(1, Ordering::Relaxed) + 1;
+        let recent = st.recent_faults.fetch_add(1, Ordering::Relaxed) + 1;
         tracing::warn!(plugin = %d.name, version = %d.version, faults, reason, "policy fault");
-        if self.max_faults > 0 && faults >= self.max_faults && !loaded.stats.disabled.swap(true, Ordering::Relaxed) {
-            tracing::error!(plugin = %d.name, version = %d.version, faults, "plugin disabled after too many faults");
+        if self.max_faults > 0 && recent >= self.max_faults {
+            // Hold the lock while disabling, so a concurrent re-enable does
+            // not interleave.
+            let mut at = st.reenable_at.lock().unwrap_or_else(|p| p.into_inner());
+            if !st.disabled.swap(true, Ordering::Relaxed) {
+                let n = st.disables.fetch_add(1, Ordering::Relaxed);
+                *at = self.backoff.map(|b| Instant::now() + b.delay(n));
+                match self.backoff {
+                    Some(b) => tracing::error!(
+                        plugin = %d.name, version = %d.version, faults = recent,
+                        reenable_in_ms = b.delay(n).as_millis() as u64,
+                        "plugin disabled after too many faults; re-enabled after the backoff"
+                    ),
+                    None => tracing::error!(
+                        plugin = %d.name, version = %d.version, faults = recent,
+                        "plugin disabled after too many faults, until its file is reloaded"
+                    ),
+                }
+            }
         }
         match self.fail {
-            FailStrategy::Fallback => Ok(Outcome::Fallback(d.name.clone())),
-            FailStrategy::Reject => Err(ChainError::Rejected {
+            FailStrategy::Fallback => {
+                st.fallbacks.fetch_add(1, Ordering::Relaxed);
+                Ok(Outcome::Fallback(d.name.clone()))
+            }
+            FailStrategy::Reject => {
+                st.rejections.fetch_add(1, Ordering::Relaxed);
+                Err(ChainError::Rejected {
                 plugin: d.name.clone(),
                 version: d.version.clone(),
                 reason: reason.to_string(),
-            }),
+                })
+            }
         }
     }
 
@@ -140,13 +252,22 @@ impl Chain {
         check: impl Fn(&P) -> Result<(), ValidationError>,
     ) -> Result<Outcome<P>, ChainError> {
         for loaded in &self.policies {
-            if loaded.stats.disabled.load(Ordering::Relaxed) {
-                continue;
+            match loaded.stats.callable() {
+                None => continue,
+                Some(true) => {
+                    let d = loaded.policy.describe();
+                    tracing::info!(plugin = %d.name, version = %d.version, "plugin re-enabled after its backoff");
+                    loaded.policy.reset();
+                }
+                Some(false) => {}
             }
             loaded.stats.calls.fetch_add(1, Ordering::Relaxed);
             match call(loaded.policy.as_ref()) {
                 Ok(plan) => match check(&plan) {
-                    Ok(()) => return Ok(Outcome::Plan(plan, loaded.policy.describe().name.clone())),
+                    Ok(()) => {
+                        loaded.stats.plans.fetch_add(1, Ordering::Relaxed);
+                        return Ok(Outcome::Plan(plan, loaded.policy.describe().name.clone()));
+                    }
                     Err(e) => {
                         loaded.stats.invalid_plans.fetch_add(1, Ordering::Relaxed);
                         return self.on_fault(loaded, &format!("invalid plan: {e}"));
@@ -184,5 +305,18 @@ impl Chain {
         };
         let plan = Builtin::frames(pieces, limits).map_err(|e| ChainError::Packing(e.to_string()))?;
         Ok(Decision { plan, by })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_doubles_up_to_the_cap() {
+        let b = Backoff { initial: Duration::from_millis(100), max: Duration::from_millis(1000) };
+        let got: Vec<u128> = (0..6).map(|n| b.delay(n).as_millis()).collect();
+        assert_eq!(got, vec![100, 200, 400, 800, 1000, 1000]);
+        assert_eq!(b.delay(200), Duration::from_millis(1000));
     }
 }

@@ -97,6 +97,10 @@ pub trait Policy: Send + Sync {
 
     /// Groups pieces into frames.
     fn pack(&self, pieces: &[PieceInfo], limits: &PackLimits) -> Result<FramePlan, PolicyError>;
+
+    /// Drops any state kept between calls (a sandbox instance), so the next
+    /// call starts fresh. Called when a disabled plugin is re-enabled.
+    fn reset(&self) {}
 }
 
 impl std::fmt::Debug for dyn Policy {

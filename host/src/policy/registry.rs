@@ -6,17 +6,21 @@
 //! <engine hash>.cwasm`; the engine hash covers wasmtime's version and the
 //! engine configuration, so a cache made by another build is never used.
 //! A cache entry that fails to load is recompiled and rewritten.
+//!
+//! Hot reload (see [`crate::reload`]) keeps the plugins of the directory by
+//! file: a changed file replaces its plugin, a removed file unloads it.
 
 use std::collections::BTreeMap;
 use std::hash::{Hash, Hasher};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use sha2::{Digest, Sha256};
 use wasmtime::Engine;
 use wasmtime::component::{Component, Linker};
 
-use super::chain::{Chain, FailStrategy, Loaded};
+use super::chain::{Backoff, Chain, FailStrategy, Loaded, PluginStats};
 use super::wasm::{self, HostState, LoadError, SandboxLimits, WasmPolicy};
 use super::{Capability, Policy};
 
@@ -35,13 +39,80 @@ pub struct ChainConfig {
     /// What to do after a plugin fault.
     #[serde(default)]
     pub fail: FailStrategy,
-    /// Faults after which a plugin is no longer called (0 = never stop).
+    /// Faults after which a plugin is disabled (0 = never).
     #[serde(default = "default_max_faults")]
     pub max_faults: u64,
+    /// Milliseconds before a disabled plugin is re-enabled; doubles at each
+    /// further disable (0 = stays disabled until its file is reloaded).
+    #[serde(default = "default_backoff_ms")]
+    pub backoff_ms: u64,
+    /// Longest backoff, milliseconds.
+    #[serde(default = "default_backoff_max_ms")]
+    pub backoff_max_ms: u64,
+}
+
+impl Default for ChainConfig {
+    /// A chain for every field (`*`) with no policy: the built-in answers.
+    fn default() -> Self {
+        ChainConfig {
+            pattern: "*".into(),
+            select: vec![],
+            pack: vec![],
+            fail: FailStrategy::Fallback,
+            max_faults: default_max_faults(),
+            backoff_ms: default_backoff_ms(),
+            backoff_max_ms: default_backoff_max_ms(),
+        }
+    }
+}
+
+impl ChainConfig {
+    /// The re-enable backoff, if any.
+    pub fn backoff(&self) -> Option<Backoff> {
+        (self.backoff_ms > 0).then(|| Backoff {
+            initial: Duration::from_millis(self.backoff_ms),
+            max: Duration::from_millis(self.backoff_max_ms.max(self.backoff_ms)),
+        })
+    }
 }
 
 fn default_max_faults() -> u64 {
     10
+}
+
+fn default_backoff_ms() -> u64 {
+    1_000
+}
+
+fn default_backoff_max_ms() -> u64 {
+    300_000
+}
+
+/// Sandbox limits of one plugin, by name (`[plugins.overrides.<name>]`);
+/// unset keys keep the `[plugins]` value.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct LimitsOverride {
+    /// Fuel per call (the deadline).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fuel: Option<u64>,
+    /// Linear-memory cap of an instance, bytes.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub memory_bytes: Option<usize>,
+    /// Largest single `read`, bytes.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub read_cap: Option<u64>,
+}
+
+impl LimitsOverride {
+    /// `base` with this override's keys applied.
+    pub fn apply(&self, base: SandboxLimits) -> SandboxLimits {
+        SandboxLimits {
+            fuel: self.fuel.unwrap_or(base.fuel),
+            memory_bytes: self.memory_bytes.unwrap_or(base.memory_bytes),
+            read_cap: self.read_cap.unwrap_or(base.read_cap),
+        }
+    }
 }
 
 /// Chains used when the configuration names none: every field goes through
@@ -53,8 +124,7 @@ pub fn default_chains() -> Vec<ChainConfig> {
             .map(String::from)
             .to_vec(),
         pack: vec!["coalesce".into()],
-        fail: FailStrategy::Fallback,
-        max_faults: default_max_faults(),
+        ..ChainConfig::default()
     }]
 }
 
@@ -81,13 +151,42 @@ pub fn glob_match(pattern: &str, name: &str) -> bool {
     p[pi..].iter().all(|c| *c == '*')
 }
 
-/// Loaded plugins by name, and chains by pattern.
-pub struct Registry {
+/// What every snapshot of a registry shares: the engine, the linker, the
+/// compile cache and the counters of every plugin version ever loaded.
+struct Shared {
     engine: Engine,
     linker: Linker<HostState>,
     cache_dir: Option<PathBuf>,
     limits: SandboxLimits,
+    /// Counters by (name, version), kept across reloads.
+    book: Mutex<BTreeMap<(String, String), Arc<PluginStats>>>,
+}
+
+/// A plugin loaded from a file of the plugin directory.
+#[derive(Clone, Debug)]
+pub struct FilePlugin {
+    /// SHA-256 of the file's bytes, hex.
+    pub hash: String,
+    pub loaded: Loaded,
+}
+
+/// Loaded plugins by name, and chains by pattern.
+///
+/// A registry is a value: hot reload clones the live one (plugins and
+/// chains are `Arc`s, nothing is recompiled), changes the clone and swaps it
+/// in. Every clone shares one engine, compile cache and counter book.
+#[derive(Clone)]
+pub struct Registry {
+    shared: Arc<Shared>,
+    overrides: BTreeMap<String, LimitsOverride>,
+    /// Plugins inserted by hand (tests, benchmarks), by name.
+    manual: BTreeMap<String, Loaded>,
+    /// Plugins loaded from files, by path.
+    files: BTreeMap<PathBuf, FilePlugin>,
+    /// Every live plugin by name: `manual`, then `files` in path order (a
+    /// later file of the same name wins).
     plugins: BTreeMap<String, Loaded>,
+    chains: Vec<ChainConfig>,
     select_chains: Vec<(String, Chain)>,
     pack_chains: Vec<(String, Chain)>,
 }
@@ -106,32 +205,74 @@ pub struct LoadReport {
     pub from_cache: bool,
 }
 
+/// A plugin compiled and described, not yet live.
+#[derive(Debug)]
+pub struct Prepared {
+    pub path: PathBuf,
+    /// SHA-256 of the file's bytes, hex.
+    pub hash: String,
+    pub policy: WasmPolicy,
+    pub from_cache: bool,
+}
+
+/// One entry of the counter book.
+#[derive(Clone, Debug)]
+pub struct VersionStats {
+    pub name: String,
+    pub version: String,
+    pub stats: Arc<PluginStats>,
+    /// True if this version is live in the registry asked.
+    pub live: bool,
+}
+
+/// SHA-256 of `bytes`, hex.
+pub fn content_hash(bytes: &[u8]) -> String {
+    format!("{:x}", Sha256::digest(bytes))
+}
+
 impl Registry {
     /// An empty registry (only the built-in answers).
     pub fn new(cache_dir: Option<PathBuf>, limits: SandboxLimits) -> anyhow::Result<Registry> {
         let engine = wasm::engine().map_err(|e| anyhow::anyhow!("{e:#}"))?;
         let linker = wasm::linker(&engine).map_err(|e| anyhow::anyhow!("{e:#}"))?;
         Ok(Registry {
-            engine,
-            linker,
-            cache_dir,
-            limits,
+            shared: Arc::new(Shared { engine, linker, cache_dir, limits, book: Mutex::new(BTreeMap::new()) }),
+            overrides: BTreeMap::new(),
+            manual: BTreeMap::new(),
+            files: BTreeMap::new(),
             plugins: BTreeMap::new(),
+            chains: vec![],
             select_chains: vec![],
             pack_chains: vec![],
         })
     }
 
+    /// Per-plugin sandbox limits, by plugin name, for plugins loaded from
+    /// now on.
+    pub fn with_overrides(mut self, overrides: BTreeMap<String, LimitsOverride>) -> Registry {
+        self.overrides = overrides;
+        self
+    }
+
+    /// The limits a plugin of this name runs under.
+    pub fn limits_for(&self, name: &str) -> SandboxLimits {
+        match self.overrides.get(name) {
+            Some(o) => o.apply(self.shared.limits),
+            None => self.shared.limits,
+        }
+    }
+
     fn engine_hash(&self) -> u64 {
         let mut h = std::hash::DefaultHasher::new();
-        self.engine.precompile_compatibility_hash().hash(&mut h);
+        self.shared.engine.precompile_compatibility_hash().hash(&mut h);
         h.finish()
     }
 
-    /// Compiles `bytes`, or loads the cached compilation.
-    fn compile(&self, bytes: &[u8], path: &str) -> Result<(Component, bool), LoadError> {
-        let key = format!("{:x}-{:016x}.cwasm", Sha256::digest(bytes), self.engine_hash());
-        let cached = self.cache_dir.as_ref().map(|d| d.join(key));
+    /// Compiles `bytes` (whose hash is `hash`), or loads the cached compilation.
+    fn compile(&self, bytes: &[u8], hash: &str, path: &str) -> Result<(Component, bool), LoadError> {
+        let engine = &self.shared.engine;
+        let key = format!("{hash}-{:016x}.cwasm", self.engine_hash());
+        let cached = self.shared.cache_dir.as_ref().map(|d| d.join(key));
         if let Some(file) = cached.as_ref().filter(|f| f.exists()) {
             // Read into memory rather than map the file: a cache file changed
             // under a live mapping would crash the process (SIGBUS).
@@ -141,14 +282,14 @@ impl Registry {
                 // name), in a cache directory this host owns; wasmtime also
                 // checks the header and refuses artifacts of another engine.
                 // Bytes that do not deserialize are recompiled below.
-                Ok(data) => match unsafe { Component::deserialize(&self.engine, &data) } {
+                Ok(data) => match unsafe { Component::deserialize(engine, &data) } {
                     Ok(c) => return Ok((c, true)),
                     Err(e) => tracing::warn!(path, error = %e, "cached component unusable, recompiling"),
                 },
                 Err(e) => tracing::warn!(path, error = %e, "cached component unreadable, recompiling"),
             }
         }
-        let component = Component::new(&self.engine, bytes)
+        let component = Component::new(engine, bytes)
             .map_err(|e| LoadError::Compile { path: path.into(), reason: format!("{e:#}") })?;
         if let Some(file) = cached {
             let write = || -> std::io::Result<()> {
@@ -167,39 +308,120 @@ impl Registry {
         Ok((component, false))
     }
 
+    /// Loads one plugin from its bytes: contract check, compile or cache,
+    /// describe, then the per-plugin limits of its name.
+    pub fn prepare_bytes(&self, bytes: &[u8], path: &Path) -> Result<Prepared, LoadError> {
+        let shown = path.display().to_string();
+        wasm::check_contract(bytes).map_err(|reason| LoadError::Contract { path: shown.clone(), reason })?;
+        let hash = content_hash(bytes);
+        let (component, from_cache) = self.compile(bytes, &hash, &shown)?;
+        let s = &self.shared;
+        let mut policy = WasmPolicy::new(&s.engine, &s.linker, &component, s.limits, &shown)?;
+        let limits = self.limits_for(&policy.describe().name);
+        if limits != s.limits {
+            policy.set_limits(limits);
+        }
+        Ok(Prepared { path: path.to_path_buf(), hash, policy, from_cache })
+    }
+
+    /// Reads and loads one plugin file.
+    pub fn prepare_file(&self, path: &Path) -> Result<Prepared, LoadError> {
+        let bytes = std::fs::read(path).map_err(|source| LoadError::Read { path: path.display().to_string(), source })?;
+        self.prepare_bytes(&bytes, path)
+    }
+
     /// Loads one plugin file (contract check, compile or cache, describe).
     pub fn load_file(&self, path: &Path) -> Result<(WasmPolicy, bool), LoadError> {
-        let shown = path.display().to_string();
-        let bytes = std::fs::read(path).map_err(|source| LoadError::Read { path: shown.clone(), source })?;
-        wasm::check_contract(&bytes).map_err(|reason| LoadError::Contract { path: shown.clone(), reason })?;
-        let (component, from_cache) = self.compile(&bytes, &shown)?;
-        let policy = WasmPolicy::new(&self.engine, &self.linker, &component, self.limits, &shown)?;
-        Ok((policy, from_cache))
+        self.prepare_file(path).map(|p| (p.policy, p.from_cache))
+    }
+
+    /// The counters of `name` at `version` (created on first use).
+    fn stats_for(&self, name: &str, version: &str) -> Arc<PluginStats> {
+        let mut book = self.shared.book.lock().unwrap_or_else(|p| p.into_inner());
+        book.entry((name.to_string(), version.to_string())).or_default().clone()
+    }
+
+    fn loaded(&self, policy: Arc<dyn Policy>) -> Loaded {
+        let d = policy.describe();
+        let stats = self.stats_for(&d.name, &d.version);
+        Loaded { policy, stats }
     }
 
     /// Adds a policy under its described name (replacing one of that name).
     pub fn insert(&mut self, policy: Arc<dyn Policy>) -> Loaded {
-        let name = policy.describe().name.clone();
-        let loaded = Loaded::new(policy);
-        self.plugins.insert(name, loaded.clone());
+        let loaded = self.loaded(policy);
+        self.manual.insert(loaded.policy.describe().name.clone(), loaded.clone());
+        self.rebuild();
         loaded
+    }
+
+    /// Makes a prepared plugin live as the plugin of its file, replacing
+    /// whatever that file held (which may have another name). Its counters
+    /// continue those of the same name and version; it starts enabled.
+    /// Returns what the file held before.
+    pub fn set_file(&mut self, prepared: Prepared) -> Option<FilePlugin> {
+        let loaded = self.loaded(Arc::new(prepared.policy));
+        loaded.stats.reset_on_load();
+        let old = self.files.insert(prepared.path, FilePlugin { hash: prepared.hash, loaded });
+        self.rebuild();
+        old
+    }
+
+    /// Unloads the plugin of a file that is gone; returns it.
+    pub fn remove_file(&mut self, path: &Path) -> Option<FilePlugin> {
+        let old = self.files.remove(path);
+        if old.is_some() {
+            self.rebuild();
+        }
+        old
+    }
+
+    /// The plugin loaded from `path`, if any.
+    pub fn file(&self, path: &Path) -> Option<&FilePlugin> {
+        self.files.get(path)
+    }
+
+    /// Paths of the plugins loaded from files.
+    pub fn file_paths(&self) -> Vec<PathBuf> {
+        self.files.keys().cloned().collect()
+    }
+
+    /// Recomputes the live plugins and the chains.
+    fn rebuild(&mut self) {
+        let mut plugins = self.manual.clone();
+        for f in self.files.values() {
+            plugins.insert(f.loaded.policy.describe().name.clone(), f.loaded.clone());
+        }
+        self.plugins = plugins;
+        let chains = std::mem::take(&mut self.chains);
+        self.configure(&chains);
     }
 
     /// Loads every `*.wasm` in `dir` (sorted by file name). A plugin that
     /// fails to load is reported and skipped; the others still load.
     pub fn load_dir(&mut self, dir: &Path) -> std::io::Result<Vec<LoadReport>> {
-        let mut files: Vec<PathBuf> = std::fs::read_dir(dir)?
-            .filter_map(|e| e.ok().map(|e| e.path()))
-            .filter(|p| p.extension().is_some_and(|x| x == "wasm"))
-            .collect();
-        files.sort();
+        self.load_dir_checked(dir, |_| Ok(()))
+    }
+
+    /// [`Registry::load_dir`], with `check` run on each plugin before it goes
+    /// live (a plugin it refuses is reported and skipped).
+    pub fn load_dir_checked(
+        &mut self,
+        dir: &Path,
+        check: impl Fn(&WasmPolicy) -> Result<(), String>,
+    ) -> std::io::Result<Vec<LoadReport>> {
         let mut reports = Vec::new();
-        for path in files {
-            match self.load_file(&path) {
-                Ok((policy, from_cache)) => {
-                    let d = policy.describe().clone();
+        for path in wasm_files(dir)? {
+            let prepared = self.prepare_file(&path).and_then(|p| match check(&p.policy) {
+                Ok(()) => Ok(p),
+                Err(reason) => Err(LoadError::Check { path: path.display().to_string(), reason }),
+            });
+            match prepared {
+                Ok(p) => {
+                    let d = p.policy.describe().clone();
+                    let from_cache = p.from_cache;
                     tracing::info!(plugin = %d.name, version = %d.version, from_cache, path = %path.display(), "plugin loaded");
-                    self.insert(Arc::new(policy));
+                    self.set_file(p);
                     reports.push(LoadReport { path, result: Ok(d.name), from_cache });
                 }
                 Err(e) => {
@@ -221,6 +443,20 @@ impl Registry {
         self.plugins.keys().cloned().collect()
     }
 
+    /// The counters of every plugin version this registry (or any snapshot
+    /// sharing its book) ever loaded, by name and version.
+    pub fn version_stats(&self) -> Vec<VersionStats> {
+        let book = self.shared.book.lock().unwrap_or_else(|p| p.into_inner());
+        book.iter()
+            .map(|((name, version), stats)| VersionStats {
+                name: name.clone(),
+                version: version.clone(),
+                stats: stats.clone(),
+                live: self.plugins.get(name).is_some_and(|l| Arc::ptr_eq(&l.stats, stats)),
+            })
+            .collect()
+    }
+
     /// One line per chain: pattern, selection names, packing names and
     /// fail strategy.
     pub fn chain_summaries(&self) -> Vec<(String, String)> {
@@ -228,8 +464,12 @@ impl Registry {
             .iter()
             .zip(&self.pack_chains)
             .map(|((pattern, sel), (_, pack))| {
+                let backoff = match sel.backoff {
+                    Some(b) => format!("{}..{} ms", b.initial.as_millis(), b.max.as_millis()),
+                    None => "none".into(),
+                };
                 let line = format!(
-                    "select [{}] pack [{}] fail {:?} max_faults {}",
+                    "select [{}] pack [{}] fail {:?} max_faults {} backoff {backoff}",
                     sel.names().join(", "),
                     pack.names().join(", "),
                     sel.fail,
@@ -240,9 +480,10 @@ impl Registry {
             .collect()
     }
 
-    /// Builds the chains. Names that are not loaded are skipped with a
-    /// warning (the built-in still answers); a name loaded without the
-    /// needed capability is skipped too.
+    /// Builds the chains. Names that are not loaded are skipped (the
+    /// built-in still answers); a name loaded without the needed capability
+    /// is skipped with a warning. The configuration is kept: chains are
+    /// rebuilt from it whenever the plugins change.
     pub fn configure(&mut self, chains: &[ChainConfig]) {
         let pick = |names: &[String], cap: Capability| -> Vec<Loaded> {
             names
@@ -260,14 +501,13 @@ impl Registry {
                 })
                 .collect()
         };
-        self.select_chains = chains
-            .iter()
-            .map(|c| (c.pattern.clone(), Chain::new(pick(&c.select, Capability::Selection), c.fail, c.max_faults)))
-            .collect();
-        self.pack_chains = chains
-            .iter()
-            .map(|c| (c.pattern.clone(), Chain::new(pick(&c.pack, Capability::Packing), c.fail, c.max_faults)))
-            .collect();
+        let build = |c: &ChainConfig, names: &[String], cap| {
+            Chain::new(pick(names, cap), c.fail, c.max_faults).with_backoff(c.backoff())
+        };
+        self.select_chains =
+            chains.iter().map(|c| (c.pattern.clone(), build(c, &c.select, Capability::Selection))).collect();
+        self.pack_chains = chains.iter().map(|c| (c.pattern.clone(), build(c, &c.pack, Capability::Packing))).collect();
+        self.chains = chains.to_vec();
     }
 
     /// The selection chain of a field: the first pattern that matches, else
@@ -280,6 +520,23 @@ impl Registry {
     pub fn pack_chain(&self, field: &str) -> Chain {
         self.pack_chains.iter().find(|(p, _)| glob_match(p, field)).map(|(_, c)| c.clone()).unwrap_or_else(Chain::builtin)
     }
+}
+
+/// The `*.wasm` files of `dir`, sorted.
+pub fn wasm_files(dir: &Path) -> std::io::Result<Vec<PathBuf>> {
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| is_plugin_file(p))
+        .collect();
+    files.sort();
+    Ok(files)
+}
+
+/// True for a `*.wasm` path that is not hidden (editors and copy tools
+/// write `.name.wasm.tmp`-style files first).
+pub fn is_plugin_file(path: &Path) -> bool {
+    path.extension().is_some_and(|x| x == "wasm")
+        && !path.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with('.'))
 }
 
 #[cfg(test)]

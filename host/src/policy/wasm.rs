@@ -259,6 +259,8 @@ pub enum LoadError {
     Link { path: String, reason: String },
     #[error("{path}: describe() failed: {reason}")]
     Describe { path: String, reason: String },
+    #[error("{path}: refused by the conformance suite: {reason}")]
+    Check { path: String, reason: String },
 }
 
 /// The WIT interfaces a policy must export, without version.
@@ -416,6 +418,18 @@ impl WasmPolicy {
         Ok(policy)
     }
 
+    /// The limits every call runs under.
+    pub fn limits(&self) -> SandboxLimits {
+        self.limits
+    }
+
+    /// Changes the limits (e.g. a per-plugin override learnt from
+    /// `describe()`); the next call runs on a fresh instance under them.
+    pub fn set_limits(&mut self, limits: SandboxLimits) {
+        self.limits = limits;
+        *self.instance.get_mut().unwrap_or_else(|p| p.into_inner()) = None;
+    }
+
     fn instantiate(&self) -> Result<Instance, Fault> {
         let stderr = MemoryOutputPipe::new(4096);
         let wasi = WasiCtx::builder()
@@ -524,6 +538,10 @@ impl Policy for WasmPolicy {
             })
             .map_err(PolicyError::Fault)?;
         answer.map(host_plan).map_err(policy_error)
+    }
+
+    fn reset(&self) {
+        *self.instance.lock().unwrap_or_else(|p| p.into_inner()) = None;
     }
 
     fn pack(&self, pieces: &[PieceInfo], limits: &PackLimits) -> Result<FramePlan, PolicyError> {
