@@ -348,8 +348,12 @@ ENVELOPE_KEYS = ("proto", "op", "id", "body")
 SAME_NODE_KEYS = ("segments", "same_node")
 
 
-def envelope(op: str, req_id: int, body: dict) -> bytes:
-    return msgpack.packb({"proto": PROTO, "op": op, "id": req_id, "body": body}, use_bin_type=True)
+def envelope(op: str, req_id: int, body: dict, extras: dict | None = None) -> bytes:
+    """Frame 0 of a request; `extras` adds same-node keys (`segments`, `same_node`)."""
+    env = {"proto": PROTO, "op": op, "id": req_id, "body": body}
+    if extras:
+        env.update(extras)
+    return msgpack.packb(env, use_bin_type=True)
 
 
 def decode_envelope(frame0) -> dict:

@@ -16,7 +16,7 @@ from typing import Any, Callable, Mapping
 import zmq
 import zmq.asyncio
 
-from . import _codec
+from . import _codec, _shm
 from .client import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TIMEOUT, _Ops
 from .errors import ProtocolError, StowageError, StowageTimeout, error_from_reply
 
@@ -27,8 +27,9 @@ class AsyncClient(_Ops):
 
     def __init__(self, endpoint: str, timeout: float = DEFAULT_TIMEOUT, *,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                 context: zmq.asyncio.Context | None = None) -> None:
-        super().__init__(endpoint, timeout, max_message_bytes)
+                 context: zmq.asyncio.Context | None = None,
+                 same_node: bool = False, shm_dir: str | None = None) -> None:
+        super().__init__(endpoint, timeout, max_message_bytes, same_node, shm_dir)
         self._ctx = context or zmq.asyncio.Context.instance()
         self._sock: zmq.asyncio.Socket | None = None
         self._reader: asyncio.Task | None = None
@@ -115,14 +116,15 @@ class AsyncClient(_Ops):
     async def __aexit__(self, *exc) -> None:
         await self.aclose()
 
-    async def _call(self, op: str, body: dict, data_frames, timeout, expect: str) -> tuple[dict, _codec.FrameSource]:
+    async def _call(self, op: str, body: dict, data_frames, timeout, expect: str,
+                    extras: dict | None = None) -> tuple[dict, _codec.FrameSource]:
         timeout = self._call_timeout(timeout)
         sock = self._socket()
         loop = self._loop
         rid = next(self._ids)
         fut = loop.create_future()
         self._pending[rid] = fut
-        msg = [_codec.envelope(op, rid, body), *data_frames]
+        msg = [_codec.envelope(op, rid, body, extras), *data_frames]
         deadline = loop.time() + timeout
         try:
             await asyncio.wait_for(sock.send_multipart(msg, copy=False), timeout)
@@ -148,7 +150,13 @@ class AsyncClient(_Ops):
         stored = 0
         for m in messages:
             try:
-                body, _ = await self._call("put", m.body, m.frames, timeout, "put_ok")
+                size = _shm.lease_size(m.frames) if self._segments is not None else 0
+                if size:
+                    lease, _ = await self._call("lease", {"bytes": size}, (), timeout, "lease_ok")
+                    segments = self._segments.fill(lease["segment"], size, m.frames)
+                    body, _ = await self._call("put", m.body, (), timeout, "put_ok", {"segments": segments})
+                else:
+                    body, _ = await self._call("put", m.body, m.frames, timeout, "put_ok")
                 stored += self._put_done(body, m)
             except StowageError as e:
                 e.rows_stored = stored
@@ -159,14 +167,14 @@ class AsyncClient(_Ops):
                   timeout: float | None = None) -> dict:
         """See `Client.get`."""
         idx, names, body = self._get_request(global_indexes, fields, as_torch)
-        reply, frames = await self._call("get", body, (), timeout, "get_ok")
+        reply, frames = await self._call("get", body, (), timeout, "get_ok", self._get_extras())
         return self._get_result(reply, frames, names, len(idx), as_torch)
 
     async def get_into(self, global_indexes, out: Mapping[str, Any], *,
                        timeout: float | None = None) -> Mapping[str, Any]:
         """See `Client.get_into`."""
         idx, targets, body = self._get_into_request(global_indexes, out)
-        reply, frames = await self._call("get", body, (), timeout, "get_ok")
+        reply, frames = await self._call("get", body, (), timeout, "get_ok", self._get_extras())
         self._get_into_result(reply, frames, targets, len(idx))
         return out
 

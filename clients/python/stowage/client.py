@@ -12,7 +12,7 @@ from typing import Any, Mapping
 import numpy as np
 import zmq
 
-from . import _codec, _torch
+from . import _codec, _shm, _torch
 from .errors import ProtocolError, StowageError, StowageTimeout, error_from_reply
 
 DEFAULT_TIMEOUT = 30.0
@@ -22,7 +22,9 @@ DEFAULT_MAX_MESSAGE_BYTES = 256 << 20
 class _Ops:
     """Request building and reply reading, shared by `Client` and `AsyncClient`."""
 
-    def __init__(self, endpoint: str, timeout: float, max_message_bytes: int) -> None:
+    def __init__(self, endpoint: str, timeout: float, max_message_bytes: int,
+                 same_node: bool = False, shm_dir: str | None = None) -> None:
+        self._segments = _shm.Segments(shm_dir or "/dev/shm") if same_node else None
         if not isinstance(endpoint, str) or "://" not in endpoint:
             raise ValueError(f"endpoint must be a ZeroMQ address like 'tcp://127.0.0.1:5555', got {endpoint!r}")
         self.endpoint = endpoint
@@ -41,15 +43,33 @@ class _Ops:
     def _call_timeout(self, t) -> float:
         return self.timeout if t is None else self._check_timeout(t)
 
-    @staticmethod
-    def _reply_frames(env: dict, frames: list) -> _codec.FrameSource:
-        """The data frames of a reply. The same-node mode hooks in here: a reply
-        whose envelope lists `segments` carries its data frames as shared-memory
-        ranges (mapped read-only) instead of socket frames."""
+    @property
+    def same_node(self) -> bool:
+        """True if bulk bytes go through shared memory instead of the socket."""
+        return self._segments is not None
+
+    def release_segments(self) -> None:
+        """Drops this client's cached mappings of stowd's segments (each is
+        unmapped once no returned array uses it)."""
+        if self._segments is not None:
+            self._segments.release()
+
+    def _reply_frames(self, env: dict, frames: list) -> _codec.FrameSource:
+        """The data frames of a reply: socket frames, or, for a same-node reply
+        whose envelope lists `segments`, read-only mappings of stowd's
+        shared-memory segments (kept mapped, so the same rows give the same
+        memory)."""
         if "segments" in env:
-            raise ProtocolError("the reply carries shared-memory segments, but this client did not ask for "
-                                "same-node replies", request_id=env["id"])
+            if self._segments is None:
+                raise ProtocolError("the reply carries shared-memory segments, but this client did not ask for "
+                                    "same-node replies", request_id=env["id"])
+            if len(frames) != 1:
+                raise ProtocolError("a reply with segments must have no data frames", request_id=env["id"])
+            return _codec.FrameSource(self._segments.views(env["segments"]))
         return _codec.FrameSource.from_socket(frames)
+
+    def _get_extras(self) -> dict | None:
+        return {"same_node": True} if self._segments is not None else None
 
     @staticmethod
     def _reply_body(env: dict, expect: str, req_id: int) -> dict:
@@ -70,7 +90,10 @@ class _Ops:
         if not data:
             raise ValueError("put: empty batch: data has no fields")
         fields = {name: _codec.normalize_field(name, v, len(idx)) for name, v in data.items()}
-        return len(idx), _codec.put_messages(idx, fields, self.max_message_bytes)
+        # Same node: nothing crosses the socket, so the put is one leased
+        # segment (one message, all-or-nothing) whatever its size.
+        limit = sys.maxsize if self._segments is not None else self.max_message_bytes
+        return len(idx), _codec.put_messages(idx, fields, limit)
 
     @staticmethod
     def _put_done(body: dict, msg: _codec.PutMessage) -> int:
@@ -186,8 +209,9 @@ class Client(_Ops):
     """
 
     def __init__(self, endpoint: str, timeout: float = DEFAULT_TIMEOUT, *,
-                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, context: zmq.Context | None = None) -> None:
-        super().__init__(endpoint, timeout, max_message_bytes)
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, context: zmq.Context | None = None,
+                 same_node: bool = False, shm_dir: str | None = None) -> None:
+        super().__init__(endpoint, timeout, max_message_bytes, same_node, shm_dir)
         self._ctx = context or zmq.Context.instance()
         self._lock = threading.Lock()
         self._sock: zmq.Socket | None = self._connect()
@@ -219,10 +243,11 @@ class Client(_Ops):
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _call(self, op: str, body: dict, data_frames, timeout, expect: str) -> tuple[dict, _codec.FrameSource]:
+    def _call(self, op: str, body: dict, data_frames, timeout, expect: str,
+              extras: dict | None = None) -> tuple[dict, _codec.FrameSource]:
         timeout = self._call_timeout(timeout)
         rid = next(self._ids)
-        msg = [_codec.envelope(op, rid, body), *data_frames]
+        msg = [_codec.envelope(op, rid, body, extras), *data_frames]
         with self._lock:
             if self._sock is None:
                 raise StowageError("the client is closed")
@@ -260,7 +285,15 @@ class Client(_Ops):
         stored = 0
         for m in messages:
             try:
-                body, _ = self._call("put", m.body, m.frames, timeout, "put_ok")
+                size = _shm.lease_size(m.frames) if self._segments is not None else 0
+                if size:
+                    # Same node: write the bytes straight into a segment leased
+                    # from stowd and hand it over; nothing crosses the socket.
+                    lease, _ = self._call("lease", {"bytes": size}, (), timeout, "lease_ok")
+                    segments = self._segments.fill(lease["segment"], size, m.frames)
+                    body, _ = self._call("put", m.body, (), timeout, "put_ok", {"segments": segments})
+                else:
+                    body, _ = self._call("put", m.body, m.frames, timeout, "put_ok")
                 stored += self._put_done(body, m)
             except StowageError as e:
                 e.rows_stored = stored
@@ -275,7 +308,7 @@ class Client(_Ops):
         bfloat16 fields, which are torch bfloat16 tensors if torch is
         installed and uint16 bit patterns otherwise; `False` is numpy only."""
         idx, names, body = self._get_request(global_indexes, fields, as_torch)
-        reply, frames = self._call("get", body, (), timeout, "get_ok")
+        reply, frames = self._call("get", body, (), timeout, "get_ok", self._get_extras())
         return self._get_result(reply, frames, names, len(idx), as_torch)
 
     def get_into(self, global_indexes, out: Mapping[str, Any], *, timeout: float | None = None) -> Mapping[str, Any]:
@@ -284,7 +317,7 @@ class Client(_Ops):
         (bfloat16 also fills uint16/int16 arrays). Every byte is copied once,
         from the received frames straight into `out`. Returns `out`."""
         idx, targets, body = self._get_into_request(global_indexes, out)
-        reply, frames = self._call("get", body, (), timeout, "get_ok")
+        reply, frames = self._call("get", body, (), timeout, "get_ok", self._get_extras())
         self._get_into_result(reply, frames, targets, len(idx))
         return out
 

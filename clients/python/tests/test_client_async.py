@@ -69,9 +69,9 @@ def test_async_big_put_is_split(endpoint, fresh):
             calls = []
             inner = c._call
 
-            async def call(op, body, frames, timeout, expect):
+            async def call(op, body, frames, timeout, expect, *extras):
                 calls.append(op)
-                return await inner(op, body, frames, timeout, expect)
+                return await inner(op, body, frames, timeout, expect, *extras)
 
             c._call = call
             await c.put(idx, {"x": x})

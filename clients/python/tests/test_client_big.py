@@ -17,9 +17,9 @@ def counting(client):
     sent = []
     inner = client._call
 
-    def call(op, body, frames, timeout, expect):
+    def call(op, body, frames, timeout, expect, *extras):
         sent.append((op, sum(memoryview(f).nbytes for f in frames), len(body.get("global_indexes", []))))
-        return inner(op, body, frames, timeout, expect)
+        return inner(op, body, frames, timeout, expect, *extras)
 
     client._call = call
     return sent

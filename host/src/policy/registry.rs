@@ -116,11 +116,14 @@ impl LimitsOverride {
 }
 
 /// Chains used when the configuration names none: every field goes through
-/// the seed policies, unknown names are skipped.
+/// the seed policies, unknown names are skipped. Zero-copy policies come
+/// first; `nested-pack` (one copy at put time) is not in the default chain:
+/// stored nested rows stay views of what arrived, and the packing policy
+/// coalesces small rows when they are sent.
 pub fn default_chains() -> Vec<ChainConfig> {
     vec![ChainConfig {
         pattern: "*".into(),
-        select: ["single-row", "constant-stride", "runs", "nested-pack", "gather", "nested-rows"]
+        select: ["single-row", "constant-stride", "runs", "gather", "nested-rows"]
             .map(String::from)
             .to_vec(),
         pack: vec!["coalesce".into()],

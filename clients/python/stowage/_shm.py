@@ -1,0 +1,110 @@
+"""Same-node shared memory (protocol page, "Same-node shared memory").
+
+`Segments` maps the files `stowd` names in a reply's `segments` read-only
+and keeps each mapping for as long as the client lives, so two gets of the
+same rows return arrays over the very same memory, and arrays stay valid
+after the rows are cleared on the server (the file is unlinked, its pages
+live until the mapping goes). It also fills leased segments for puts.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+
+from .errors import ProtocolError
+
+ALIGN = 64  # each range of a filled lease starts at a multiple of this
+
+
+class Segments:
+    """Read-only mappings of `stowd`'s segments in `directory`, by name."""
+
+    def __init__(self, directory: str) -> None:
+        if not os.path.isdir(directory):
+            raise ValueError(f"shared-memory directory {directory!r} does not exist; is stowd on this node?")
+        self.directory = directory
+        self._maps: dict[str, memoryview] = {}
+        self._lock = threading.Lock()
+
+    def _path(self, name: str) -> str:
+        if not name or "/" in name or name in (".", ".."):
+            raise ProtocolError(f"bad segment name {name!r}")
+        return os.path.join(self.directory, name)
+
+    def view(self, name: str, offset: int, length: int) -> memoryview:
+        """Read-only bytes offset..offset+length of segment `name`."""
+        if name == "" and offset == 0 and length == 0:
+            return memoryview(b"")
+        with self._lock:
+            mv = self._maps.get(name)
+            if mv is None:
+                try:
+                    fd = os.open(self._path(name), os.O_RDONLY)
+                except FileNotFoundError:
+                    raise ProtocolError(f"segment {name!r} named by the reply does not exist") from None
+                try:
+                    size = os.fstat(fd).st_size
+                    mm = mmap.mmap(fd, size, prot=mmap.PROT_READ) if size else b""
+                finally:
+                    os.close(fd)
+                mv = memoryview(mm)
+                self._maps[name] = mv
+        if offset < 0 or length < 0 or offset + length > len(mv):
+            raise ProtocolError(f"range {offset}+{length} lies outside segment {name!r} ({len(mv)} bytes)")
+        return mv[offset:offset + length]
+
+    def views(self, segments) -> list:
+        """The data frames of a reply whose envelope lists `segments`."""
+        if not isinstance(segments, list):
+            raise ProtocolError(f"segments must be a list, got {type(segments).__name__}")
+        out = []
+        for s in segments:
+            if not (isinstance(s, list) and len(s) == 3 and isinstance(s[0], str)
+                    and all(isinstance(x, int) and not isinstance(x, bool) for x in s[1:])):
+                raise ProtocolError(f"bad segment entry {s!r:.100}")
+            out.append(self.view(*s))
+        return out
+
+    def mapped(self) -> int:
+        """How many segments this client keeps mapped."""
+        return len(self._maps)
+
+    def release(self) -> None:
+        """Forgets the mappings; each is unmapped once no array uses it."""
+        with self._lock:
+            self._maps.clear()
+
+    def fill(self, name: str, size: int, buffers) -> list:
+        """Writes `buffers` into the leased segment `name` (of `size` bytes),
+        each at a multiple of ALIGN; returns [[name, offset, len], ...].
+        The writable mapping is closed before returning: after the put, only
+        stowd's read-only mapping refers to these pages."""
+        fd = os.open(self._path(name), os.O_RDWR)
+        try:
+            mm = mmap.mmap(fd, size, prot=mmap.PROT_READ | mmap.PROT_WRITE) if size else None
+        finally:
+            os.close(fd)
+        out, at = [], 0
+        try:
+            for b in buffers:
+                mv = memoryview(b).cast("B")
+                at = -(-at // ALIGN) * ALIGN
+                n = len(mv)
+                if n:
+                    mm[at:at + n] = mv
+                out.append([name, at, n])
+                at += n
+        finally:
+            if mm is not None:
+                mm.close()
+        return out
+
+
+def lease_size(buffers) -> int:
+    """Bytes a lease needs to hold `buffers` as `Segments.fill` lays them out."""
+    at = 0
+    for b in buffers:
+        at = -(-at // ALIGN) * ALIGN + memoryview(b).nbytes
+    return at
