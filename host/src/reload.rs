@@ -40,7 +40,7 @@ use crate::policy::registry::{self, Prepared, Registry};
 use crate::policy::wasm::LoadError;
 
 /// Quiet time after the last event before the changed files are read.
-pub const DEBOUNCE: Duration = Duration::from_millis(100);
+pub const DEBOUNCE: Duration = Duration::from_millis(50);
 
 /// Longest a burst of events may postpone a reload.
 pub const MAX_DELAY: Duration = Duration::from_secs(2);
@@ -198,8 +198,18 @@ pub async fn run(dir: PathBuf, manager: Arc<Manager>, metrics: Arc<Metrics>, mut
             let live = manager.registry();
             let paths = std::mem::take(&mut pending);
             let prepared = {
+                // A plain thread, not tokio's blocking pool: outside a tokio
+                // context the plugin calls of the conformance suite run
+                // inline (see `WasmPolicy`), not on a helper thread each.
                 let live = live.clone();
-                tokio::task::spawn_blocking(move || prepare(&live, &paths)).await
+                let (tx, rx) = tokio::sync::oneshot::channel();
+                let spawned = std::thread::Builder::new().name("stowd-reload".into()).spawn(move || {
+                    let _ = tx.send(prepare(&live, &paths));
+                });
+                match spawned {
+                    Ok(_) => rx.await.map_err(|e| e.to_string()),
+                    Err(e) => Err(e.to_string()),
+                }
             };
             match prepared {
                 Ok(changes) => {
