@@ -83,7 +83,9 @@ class Segments:
         stowd's read-only mapping refers to these pages."""
         fd = os.open(self._path(name), os.O_RDWR)
         try:
-            mm = mmap.mmap(fd, size, prot=mmap.PROT_READ | mmap.PROT_WRITE) if size else None
+            # MAP_POPULATE: fault the pages in one go, not one by one while copying.
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            mm = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE) if size else None
         finally:
             os.close(fd)
         out, at = [], 0
