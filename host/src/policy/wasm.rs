@@ -490,11 +490,16 @@ impl WasmPolicy {
 /// block on tokio internally, e.g. when a guest writes its panic message to
 /// stderr; inside a tokio worker that panics with "Cannot start a runtime
 /// from within a runtime".)
+///
+/// On a multi-thread runtime (stowd's) this is `block_in_place`, which lets
+/// the closure block on a runtime without a thread spawn; on a
+/// current-thread runtime, a scoped thread.
 fn off_runtime<R: Send>(f: impl FnOnce() -> R + Send) -> R {
-    if tokio::runtime::Handle::try_current().is_err() {
-        return f();
+    match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
+        Err(_) => f(),
+        Ok(tokio::runtime::RuntimeFlavor::MultiThread) => tokio::task::block_in_place(f),
+        Ok(_) => std::thread::scope(|s| s.spawn(f).join()).unwrap_or_else(|panic| std::panic::resume_unwind(panic)),
     }
-    std::thread::scope(|s| s.spawn(f).join()).unwrap_or_else(|panic| std::panic::resume_unwind(panic))
 }
 
 fn policy_error(e: wtypes::PolicyError) -> PolicyError {
