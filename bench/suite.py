@@ -622,9 +622,10 @@ def plots(S, wls, systems, imgdir, title_extra):
         ax.set_title(f"peak RSS above baseline during {op} / payload")
         ax.grid(axis="y", alpha=0.3)
     axes[0].set_ylabel("x payload (lower is better); dashed = 1.0 (the data itself)")
-    axes[1].legend(fontsize=7, ncol=2, loc="upper right")
+    h, lab = axes[1].get_legend_handles_labels()
+    fig.legend(h, lab, fontsize=8, ncol=4, loc="lower center")
     fig.suptitle(f"Peak memory per system, client (solid) + server (light){title_extra}")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
     fig.savefig(os.path.join(imgdir, "suite_memory.png"), dpi=110)
     plt.close(fig)
 
@@ -644,8 +645,19 @@ def main():
     ap.add_argument("--doc", default=os.path.join(ROOT, "docs", "benchmarks.md"), help="'' to skip")
     ap.add_argument("--img", default=os.path.join(ROOT, "docs", "img"))
     ap.add_argument("--json", default=None, help="also write raw results here")
+    ap.add_argument("--from-json", metavar="JSON", help="rewrite the doc section and plots from a --json file")
     ap.add_argument("--_child", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.from_json:
+        with open(a.from_json) as f:
+            saved = json.load(f)
+        meta = saved["meta"]
+        systems = [s for s in a.systems.split(",") if s]
+        wl_meta = [_WMeta(w) for w in make_workloads(meta["scale"], [w for w in a.workloads.split(",") if w])]
+        S = summarize(saved["results"], meta["reps"])
+        write_doc(report(S, wl_meta, meta, systems), a.doc)
+        plots(S, wl_meta, systems, a.img, "" if meta["scale"] == 1 else f" (quick run, scale {meta['scale']})")
+        return
     if not os.path.exists(a.stowd):
         raise SystemExit(f"{a.stowd} missing: cargo build --release -p stowage-host && cargo xtask plugins")
     if not a._child:
