@@ -103,9 +103,20 @@ def reset_peak(pid):
         f.write("5")
 
 
+def trim():
+    """Hand freed heap back to the OS, so a baseline is not inflated by (and a
+    peak not hidden in) memory an earlier operation freed."""
+    gc.collect()
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def measure(fn, pids):
     """fn() -> (seconds, result, {pid: (peak over before, after over before)})."""
-    gc.collect()
+    trim()
     base = {p: status(p)["VmRSS"] for p in pids}
     for p in pids:
         reset_peak(p)
@@ -701,14 +712,16 @@ def main():
             if "tq->stowd" in systems:
                 tq.run("tq->stowd", w, tq_stowd, stowd.pid, a.reps, rec)
             if "tq" in systems:
-                units = TQUnits()
                 import stowage.transferqueue as stq
-                c = tq.client("SimpleStorage", {"zmq_info": stq.storage_unit_infos(units.units)})
-                try:
-                    tq.run("tq", w, c, units.pid, a.reps, rec)
-                finally:
-                    c.close()
-                    units.stop()
+                for _ in range(a.reps):  # fresh units each repetition: their freed heap is not returned
+                    units = TQUnits()
+                    c = tq.client("SimpleStorage", {"zmq_info": stq.storage_unit_infos(units.units)})
+                    try:
+                        tq.run("tq", w, c, units.pid, 1, rec)
+                    finally:
+                        c.close()
+                        units.stop()
+                        trim()
             w._td = None
             del w
             gc.collect()
