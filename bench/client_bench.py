@@ -28,19 +28,7 @@ sys.path.insert(0, os.path.join(ROOT, "clients", "python"))
 import stowage  # noqa: E402
 
 
-def status(pid):
-    out = {}
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            k, _, v = line.partition(":")
-            if k in ("VmRSS", "VmHWM"):
-                out[k] = int(v.split()[0]) * 1024
-    return out
-
-
-def reset_peak(pid):
-    with open(f"/proc/{pid}/clear_refs", "w") as f:
-        f.write("5")
+from procmem import reset_peak, status  # noqa: E402
 
 
 def measure(fn, pids):

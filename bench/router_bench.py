@@ -31,19 +31,7 @@ import zmq
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def rss(pid):
-    out = {}
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            k, _, v = line.partition(":")
-            if k in ("VmRSS", "VmHWM"):
-                out[k] = int(v.split()[0]) * 1024
-    return out
-
-
-def reset_peak(pid):
-    with open(f"/proc/{pid}/clear_refs", "w") as f:
-        f.write("5")
+from procmem import status as rss, reset_peak  # noqa: E402
 
 
 class Stowd:

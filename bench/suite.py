@@ -88,19 +88,7 @@ def reexec_under_tq(a):
 # ------------------------------------------------------------------ measuring
 
 
-def status(pid):
-    out = {}
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            k, _, v = line.partition(":")
-            if k in ("VmRSS", "VmHWM"):
-                out[k] = int(v.split()[0]) * 1024
-    return out
-
-
-def reset_peak(pid):
-    with open(f"/proc/{pid}/clear_refs", "w") as f:
-        f.write("5")
+from procmem import reset_peak, status  # noqa: E402
 
 
 def trim():
