@@ -65,15 +65,7 @@ def to_numpy(t, what: str) -> tuple[str, np.ndarray]:
     if t.device.type != "cpu":
         t = t.cpu()
     t = t.resolve_conj().resolve_neg().contiguous()
-    if t.dtype == torch.bfloat16:
-        return "bfloat16", t.view(torch.int16).numpy().view(np.uint16)
-    from ._codec import wire_dtype_of  # noqa: PLC0415 - avoid an import cycle
-
-    try:
-        a = t.numpy()
-    except TypeError as e:
-        raise TypeError(f"{what}: torch dtype {_name(t.dtype)} has no stowage/1 equivalent ({e})") from None
-    return wire_dtype_of(a.dtype, what), a
+    return _as_numpy(t, what)
 
 
 def from_numpy(a: np.ndarray, dtype: str):
@@ -97,9 +89,16 @@ def out_view(t, what: str) -> tuple[str, np.ndarray]:
     if is_nested(t):
         raise TypeError(f"{what}: get_into cannot fill a nested tensor")
     t = t.detach()
+    return _as_numpy(t, what)
+
+
+def _as_numpy(t, what: str) -> tuple[str, np.ndarray]:
+    """A CPU tensor -> (stowage/1 dtype name, ndarray sharing its memory);
+    bfloat16 as its uint16 bit patterns."""
+    torch = _loaded()
     if t.dtype == torch.bfloat16:
         return "bfloat16", t.view(torch.int16).numpy().view(np.uint16)
-    from ._codec import wire_dtype_of  # noqa: PLC0415
+    from ._codec import wire_dtype_of  # noqa: PLC0415 - avoid an import cycle
 
     try:
         a = t.numpy()
