@@ -179,6 +179,16 @@ pub struct LimitsConfig {
     pub max_rows: u64,
     /// Most fields in one request.
     pub max_fields: u64,
+    /// Largest incoming message, bytes, all frames together. A bigger one is
+    /// read to its end without being kept and answered with an error.
+    pub max_request_bytes: u64,
+    /// Most frames in one incoming message.
+    pub max_request_frames: u64,
+    /// Most open client connections per endpoint; more are closed at once.
+    pub max_connections: u32,
+    /// Seconds a client has to take its reply; a client that stops reading
+    /// loses its connection, and nobody else waits for it.
+    pub write_timeout_secs: u64,
 }
 
 impl Default for LimitsConfig {
@@ -189,11 +199,33 @@ impl Default for LimitsConfig {
             small_piece_bytes: 64 << 10,
             max_rows: 1 << 24,
             max_fields: 1024,
+            max_request_bytes: 8 << 30,
+            max_request_frames: 1 << 20,
+            max_connections: 1024,
+            write_timeout_secs: 60,
         }
     }
 }
 
 impl LimitsConfig {
+    /// What one connection may cost.
+    pub fn transport_limits(&self) -> crate::transport::Limits {
+        crate::transport::Limits {
+            receive: self.receive_limits(),
+            write_timeout: std::time::Duration::from_secs(self.write_timeout_secs),
+            max_connections: self.max_connections as usize,
+            ..crate::transport::Limits::DEFAULT
+        }
+    }
+
+    /// Receive limits of every socket, replies from remote units included.
+    pub fn receive_limits(&self) -> crate::transport::zmtp::Limits {
+        crate::transport::zmtp::Limits {
+            max_message_bytes: self.max_request_bytes,
+            max_frames: usize::try_from(self.max_request_frames).unwrap_or(usize::MAX),
+        }
+    }
+
     pub fn pack_limits(&self) -> PackLimits {
         PackLimits {
             max_frames: self.max_frames,
@@ -301,6 +333,18 @@ impl Config {
         }
         if self.limits.max_message_bytes < 4096 {
             return Err("limits.max_message_bytes must be at least 4096".into());
+        }
+        if self.limits.max_request_bytes < 4096 {
+            return Err("limits.max_request_bytes must be at least 4096".into());
+        }
+        if self.limits.max_request_frames < 2 {
+            return Err("limits.max_request_frames must be at least 2".into());
+        }
+        if self.limits.max_connections == 0 {
+            return Err("limits.max_connections must be at least 1".into());
+        }
+        if self.limits.write_timeout_secs == 0 {
+            return Err("limits.write_timeout_secs must be at least 1".into());
         }
         if self.plugins.memory_bytes < (1 << 20) {
             return Err("plugins.memory_bytes must be at least 1 MiB".into());

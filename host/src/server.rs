@@ -151,6 +151,28 @@ fn tq_outcome(reply: &tq::Reply) -> Outcome {
     if matches!(reply, tq::Reply::Error { .. }) { Outcome::Error } else { Outcome::Ok }
 }
 
+/// The TransferQueue error reply to a request that broke a receive limit:
+/// `PUT_ERROR`, `GET_ERROR` or `CLEAR_DATA_ERROR` when frame 0 says which
+/// request it was, `PUT_GET_ERROR` otherwise.
+fn tq_too_large(unit_id: &str, head: &[Bytes], reason: &str) -> tq::Reply {
+    let detail = format!(
+        "request refused unread: {reason} (see [limits] max_request_bytes and max_request_frames in the stowd configuration)"
+    );
+    let request_type = head.first().map(tq::request_type);
+    let kind = match request_type.as_ref().and_then(|r| r.as_deref().ok()) {
+        Some("PUT") => tq::ErrorReply::Put,
+        Some("GET") => tq::ErrorReply::Get,
+        Some("CLEAR_DATA") => tq::ErrorReply::ClearData,
+        _ => tq::ErrorReply::PutGet,
+    };
+    match kind {
+        tq::ErrorReply::Put => tq::Reply::put_failed(unit_id, &detail),
+        tq::ErrorReply::Get => tq::Reply::get_failed(unit_id, &detail),
+        tq::ErrorReply::ClearData => tq::Reply::clear_failed(unit_id, &detail),
+        kind => tq::Reply::Error { kind, message: format!("undecodable request: {detail}") },
+    }
+}
+
 /// The `stowage` key of a TransferQueue `METRICS_RESPONSE` (when
 /// `[metrics] tq_extra` is on): a msgpack map of stowd's own figures.
 fn tq_extra(manager: Option<&Manager>, units: &[&Unit]) -> Vec<(String, Bytes)> {
@@ -252,6 +274,18 @@ impl Service for UnitService {
             Some(frames)
         })
     }
+
+    fn reject(self: Arc<Self>, identity: Bytes, head: Vec<Bytes>, reason: String) -> BoxFuture<'static, Option<Vec<Bytes>>> {
+        Box::pin(async move {
+            if !tq_identity_allowed(&identity) {
+                return None;
+            }
+            let reply = tq_too_large(self.unit.id(), &head, &reason);
+            let frames = tq::encode_reply(self.unit.id(), &reply);
+            self.metrics.observe(Protocol::Tq, "too_large", Outcome::Error, Duration::ZERO, frames.len());
+            Some(frames)
+        })
+    }
 }
 
 /// The router-mode TransferQueue endpoint.
@@ -333,6 +367,18 @@ impl Service for RouterService {
             let (op, reply) = self.answer(&frames).await;
             let frames = tq::encode_reply(&self.id, &reply);
             self.metrics.observe(Protocol::TqRouter, op, tq_outcome(&reply), started.elapsed(), frames.len());
+            Some(frames)
+        })
+    }
+
+    fn reject(self: Arc<Self>, identity: Bytes, head: Vec<Bytes>, reason: String) -> BoxFuture<'static, Option<Vec<Bytes>>> {
+        Box::pin(async move {
+            if !tq_identity_allowed(&identity) {
+                return None;
+            }
+            let reply = tq_too_large(&self.id, &head, &reason);
+            let frames = tq::encode_reply(&self.id, &reply);
+            self.metrics.observe(Protocol::TqRouter, "too_large", Outcome::Error, Duration::ZERO, frames.len());
             Some(frames)
         })
     }
@@ -701,6 +747,19 @@ impl Service for NativeService {
     fn handle(self: Arc<Self>, _identity: Bytes, frames: Vec<Bytes>) -> BoxFuture<'static, Option<Vec<Bytes>>> {
         Box::pin(async move { Some(self.serve_one(frames).await).filter(|f| !f.is_empty()) })
     }
+
+    fn reject(self: Arc<Self>, _identity: Bytes, head: Vec<Bytes>, reason: String) -> BoxFuture<'static, Option<Vec<Bytes>>> {
+        Box::pin(async move {
+            let id = native::request_id(&head).unwrap_or(0);
+            let message = format!(
+                "request refused unread: {reason} (see [limits] max_request_bytes and max_request_frames in the stowd configuration)"
+            );
+            let error = native::Reply::Error { code: native::code::TOO_LARGE.into(), message };
+            let frames = native::encode_reply(id, &error).ok()?;
+            self.metrics.observe(Protocol::Native, "too_large", Outcome::Error, Duration::ZERO, frames.len());
+            Some(frames)
+        })
+    }
 }
 
 /// Removes expired leases once a second until shutdown.
@@ -755,6 +814,7 @@ pub async fn start(config: Config) -> anyhow::Result<Running> {
     let host = &config.server.host;
     let pid = std::process::id();
     let capacity = (config.units.capacity_bytes > 0).then_some(config.units.capacity_bytes);
+    let transport_limits = config.limits.transport_limits();
 
     let mut units = Vec::new();
     let mut unit_endpoints = Vec::new();
@@ -769,7 +829,7 @@ pub async fn start(config: Config) -> anyhow::Result<Running> {
             metrics: metrics.clone(),
             tq_extra: tq_extra_on,
         });
-        tasks.push(tokio::spawn(transport::serve(socket, service, rx.clone())));
+        tasks.push(tokio::spawn(transport::serve_with(socket, service, transport_limits, rx.clone())));
         tracing::info!(unit = %id, %endpoint, "unit listening");
         unit_endpoints.push(UnitEndpoint { id, endpoint });
         units.push(unit);
@@ -786,7 +846,11 @@ pub async fn start(config: Config) -> anyhow::Result<Running> {
             .enumerate()
             .map(|(i, u)| match u.strip_prefix("local:") {
                 Some(n) => Target::Local(units[n.parse::<usize>().expect("checked by config")].clone()),
-                None => Target::Remote(Arc::new(Peer::new(u.clone(), format!("{sender}_to_unit{i}")))),
+                None => Target::Remote(Arc::new(Peer::with_limits(
+                    u.clone(),
+                    format!("{sender}_to_unit{i}"),
+                    config.limits.receive_limits(),
+                ))),
             })
             .collect()
     };
@@ -808,7 +872,7 @@ pub async fn start(config: Config) -> anyhow::Result<Running> {
             metrics: metrics.clone(),
             tq_extra: tq_extra_on,
         });
-        tasks.push(tokio::spawn(transport::serve(socket, service, rx.clone())));
+        tasks.push(tokio::spawn(transport::serve_with(socket, service, transport_limits, rx.clone())));
         tracing::info!(%endpoint, units = manager.targets().len(), "router listening");
         Some(UnitEndpoint { id, endpoint })
     } else {
@@ -818,7 +882,8 @@ pub async fn start(config: Config) -> anyhow::Result<Running> {
     let native_limits = native::Limits {
         max_rows: config.limits.max_rows,
         max_fields: config.limits.max_fields,
-        ..native::Limits::default()
+        max_frames: config.limits.max_request_frames,
+        max_message_bytes: config.limits.max_request_bytes,
     };
     let (socket, native_endpoint) = transport::bind(&format!("tcp://{host}:{}", config.server.native_port)).await?;
     let shm = if config.shm.enabled {
@@ -842,7 +907,7 @@ pub async fn start(config: Config) -> anyhow::Result<Running> {
         shm: shm.clone(),
         metrics: metrics.clone(),
     });
-    tasks.push(tokio::spawn(transport::serve(socket, service, rx.clone())));
+    tasks.push(tokio::spawn(transport::serve_with(socket, service, transport_limits, rx.clone())));
     tracing::info!(endpoint = %native_endpoint, "native endpoint listening");
 
     let metrics_endpoint = if config.metrics.port != 0 {

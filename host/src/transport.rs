@@ -1,34 +1,42 @@
-//! The ZeroMQ transport, behind a small surface so it can be replaced.
+//! The ZeroMQ transport: ZMTP 3.0 (NULL security) spoken by `stowd`
+//! itself, over tcp and ipc, with a ROUTER for serving and a DEALER
+//! ([`Peer`]) for talking to remote units. Any ZeroMQ 4.x peer (libzmq,
+//! pyzmq, the `zeromq` crate) talks to it.
 //!
-//! Built on the pure-Rust `zeromq` crate (0.7, tokio). Facts that shape this
-//! module: `zeromq` copies every frame it sends into its write buffer, has a
-//! fixed per-peer queue and no DEALER reconnect, and cannot bind `ipc://`
-//! over a stale socket file. So:
-//! - `stowd` is always the side that binds ([`bind`] removes a stale ipc
-//!   file first);
-//! - a [`Peer`] (our DEALER to a remote unit) keeps one request in flight,
-//!   and a socket that failed or timed out is dropped and reconnected on the
-//!   next request;
-//! - callers split large puts to remote units into messages of bounded size
-//!   (see `manager`), which bounds the copy `zeromq` makes.
+//! Why our own: a storage sidecar must bound what a peer can make it do.
+//! [`zmtp`] checks every declared size against [`Limits`] before it
+//! allocates, answers an oversized request with an error instead of dying,
+//! and writes large frames without copying them. Serving is one task per
+//! connection:
+//! - requests on a connection are handled one after the other and answered
+//!   in order (a ROUTER identity is one connection);
+//! - the next request is read only after the reply is written, so a client
+//!   that sends without reading is held back by TCP, not buffered in
+//!   `stowd`;
+//! - a reply that cannot be written within [`Limits::write_timeout`] drops
+//!   that connection; no other connection waits for it;
+//! - at most [`Limits::max_connections`] connections are open at once.
 //!
-//! Server side: [`serve`] runs a ROUTER. Requests from one identity are
-//! handled one after the other and answered in order; different identities
-//! are served concurrently.
+//! `stowd` is always the side that binds ([`bind`] removes a stale ipc
+//! socket file first). A [`Peer`] keeps one request in flight; a connection
+//! that failed or timed out is dropped and a fresh one made on the next
+//! request.
 
-use std::collections::HashMap;
+pub mod zmtp;
+
 use std::future::Future;
+use std::path::PathBuf;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
-use tokio::sync::{mpsc, watch};
-use zeromq::{DealerSocket, RouterSocket, Socket, SocketOptions, SocketRecv, SocketSend, ZmqMessage};
+use tokio::io::{AsyncRead, AsyncWrite, ReadHalf, WriteHalf};
+use tokio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
+use tokio::sync::{Semaphore, watch};
 
-/// Requests queued per client identity before the reader waits.
-pub const PER_PEER_QUEUE: usize = 64;
+use zmtp::{FrameReader, Incoming, ZmtpError};
 
 /// Transport failures.
 #[derive(Debug, thiserror::Error)]
@@ -46,6 +54,37 @@ pub enum TransportError {
     Recv { endpoint: String, reason: String },
 }
 
+/// What one connection may cost.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Limits {
+    /// Receive limits: bytes and frames per message.
+    pub receive: zmtp::Limits,
+    /// A reply not written within this drops the connection.
+    pub write_timeout: Duration,
+    /// Greeting and READY must complete within this.
+    pub handshake_timeout: Duration,
+    /// Most connections open at once on one listening socket; more are
+    /// closed as soon as they are accepted.
+    pub max_connections: usize,
+}
+
+impl Limits {
+    /// 8 GiB and 2^20 frames per message, 60 s to write a reply, 10 s for
+    /// the handshake, 1,024 connections.
+    pub const DEFAULT: Limits = Limits {
+        receive: zmtp::Limits::DEFAULT,
+        write_timeout: Duration::from_secs(60),
+        handshake_timeout: Duration::from_secs(10),
+        max_connections: 1024,
+    };
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits::DEFAULT
+    }
+}
+
 /// A boxed future, for handlers.
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
@@ -54,83 +93,218 @@ pub trait Service: Send + Sync + 'static {
     /// Handles one request from `identity` (`frames` excludes the identity).
     /// `None` means: send no reply (e.g. an identity that is not allowed).
     fn handle(self: Arc<Self>, identity: Bytes, frames: Vec<Bytes>) -> BoxFuture<'static, Option<Vec<Bytes>>>;
+
+    /// Answers a request that broke a receive limit and was dropped
+    /// unread. `head` is its first frame when that frame was within the
+    /// limits; `reason` says which limit. The default sends no reply.
+    fn reject(self: Arc<Self>, identity: Bytes, head: Vec<Bytes>, reason: String) -> BoxFuture<'static, Option<Vec<Bytes>>> {
+        let _ = (identity, head, reason);
+        Box::pin(async { None })
+    }
 }
 
-/// Binds a ROUTER on `endpoint` and returns it with the resolved endpoint
-/// (the real port when 0 was asked).
-pub async fn bind(endpoint: &str) -> Result<(RouterSocket, String), TransportError> {
-    if let Some(path) = endpoint.strip_prefix("ipc://") {
-        // A socket file left by a dead process makes bind fail: remove it.
-        let p = std::path::Path::new(path);
-        if p.exists() {
-            let _ = std::fs::remove_file(p);
+/// A byte stream: tcp or a unix socket.
+trait Stream: AsyncRead + AsyncWrite + Unpin + Send + 'static {}
+impl<T: AsyncRead + AsyncWrite + Unpin + Send + 'static> Stream for T {}
+
+type BoxStream = Box<dyn Stream>;
+
+/// A bound ROUTER socket, not yet serving.
+#[derive(Debug)]
+pub enum Listener {
+    Tcp(TcpListener),
+    Ipc(UnixListener, PathBuf),
+}
+
+impl Listener {
+    async fn accept(&self) -> std::io::Result<BoxStream> {
+        match self {
+            Listener::Tcp(l) => {
+                let (s, _) = l.accept().await?;
+                s.set_nodelay(true)?;
+                Ok(Box::new(s))
+            }
+            Listener::Ipc(l, _) => {
+                let (s, _) = l.accept().await?;
+                Ok(Box::new(s))
+            }
         }
     }
-    let mut socket = RouterSocket::new();
-    let bound = socket
-        .bind(endpoint)
-        .await
-        .map_err(|e| TransportError::Bind { endpoint: endpoint.into(), reason: e.to_string() })?;
-    Ok((socket, bound.to_string()))
 }
 
-/// Serves `service` on `socket` until `shutdown` turns true.
-pub async fn serve(socket: RouterSocket, service: Arc<dyn Service>, mut shutdown: watch::Receiver<bool>) {
-    let (send, mut recv) = socket.split();
-    let mut workers: HashMap<Bytes, mpsc::Sender<Vec<Bytes>>> = HashMap::new();
+impl Drop for Listener {
+    fn drop(&mut self) {
+        if let Listener::Ipc(_, path) = self {
+            let _ = std::fs::remove_file(path);
+        }
+    }
+}
+
+fn bind_err(endpoint: &str, reason: impl ToString) -> TransportError {
+    TransportError::Bind { endpoint: endpoint.into(), reason: reason.to_string() }
+}
+
+/// Binds a ROUTER on `endpoint` (`tcp://host:port` or `ipc://path`) and
+/// returns it with the resolved endpoint (the real port when 0 was asked).
+pub async fn bind(endpoint: &str) -> Result<(Listener, String), TransportError> {
+    if let Some(path) = endpoint.strip_prefix("ipc://") {
+        // A socket file left by a dead process makes bind fail: remove it.
+        let p = PathBuf::from(path);
+        if p.exists() {
+            let _ = std::fs::remove_file(&p);
+        }
+        let l = UnixListener::bind(&p).map_err(|e| bind_err(endpoint, e))?;
+        return Ok((Listener::Ipc(l, p), endpoint.to_string()));
+    }
+    let Some(addr) = endpoint.strip_prefix("tcp://") else {
+        return Err(bind_err(endpoint, "only tcp:// and ipc:// endpoints are supported"));
+    };
+    let addr = if let Some(port) = addr.strip_prefix("*:") { format!("0.0.0.0:{port}") } else { addr.to_string() };
+    let l = TcpListener::bind(&addr).await.map_err(|e| bind_err(endpoint, e))?;
+    let local = l.local_addr().map_err(|e| bind_err(endpoint, e))?;
+    Ok((Listener::Tcp(l), format!("tcp://{local}")))
+}
+
+/// Serves `service` on `listener` with the default [`Limits`] until
+/// `shutdown` turns true.
+pub async fn serve(listener: Listener, service: Arc<dyn Service>, shutdown: watch::Receiver<bool>) {
+    serve_with(listener, service, Limits::DEFAULT, shutdown).await
+}
+
+/// Serves `service` on `listener` until `shutdown` turns true.
+pub async fn serve_with(listener: Listener, service: Arc<dyn Service>, limits: Limits, mut shutdown: watch::Receiver<bool>) {
+    let slots = Arc::new(Semaphore::new(limits.max_connections));
+    let next_id = Arc::new(AtomicU32::new(0x6b8b_4567));
     loop {
-        let message = tokio::select! {
-            m = recv.recv() => m,
+        let stream = tokio::select! {
+            s = listener.accept() => s,
             _ = shutdown.changed() => break,
         };
-        let message = match message {
-            Ok(m) => m,
+        let stream = match stream {
+            Ok(s) => s,
             Err(e) => {
-                tracing::debug!(error = %e, "router receive error");
+                tracing::debug!(error = %e, "accept failed");
+                // EMFILE and friends: do not spin.
+                tokio::time::sleep(Duration::from_millis(10)).await;
                 continue;
             }
         };
-        let mut frames = message.into_vec();
-        if frames.is_empty() {
+        let Ok(slot) = slots.clone().try_acquire_owned() else {
+            tracing::warn!(max = limits.max_connections, "connection refused: too many open connections");
+            drop(stream);
             continue;
-        }
-        let identity = frames.remove(0);
-        let tx = workers.entry(identity.clone()).or_insert_with(|| {
-            let (tx, rx) = mpsc::channel(PER_PEER_QUEUE);
-            tokio::spawn(peer_worker(identity.clone(), rx, service.clone(), send.clone()));
-            tx
+        };
+        let (service, shutdown, next_id) = (service.clone(), shutdown.clone(), next_id.clone());
+        tokio::spawn(async move {
+            connection(stream, service, limits, shutdown, next_id).await;
+            drop(slot);
         });
-        if tx.send(frames).await.is_err() {
-            workers.remove(&identity);
-        }
     }
 }
 
-/// Handles one identity's requests in order and sends the replies.
-async fn peer_worker(
-    identity: Bytes,
-    mut rx: mpsc::Receiver<Vec<Bytes>>,
+/// One client connection: handshake, then request, reply, request, ...
+async fn connection(
+    stream: BoxStream,
     service: Arc<dyn Service>,
-    mut send: zeromq::RouterSendHalf,
+    limits: Limits,
+    mut shutdown: watch::Receiver<bool>,
+    next_id: Arc<AtomicU32>,
 ) {
-    while let Some(frames) = rx.recv().await {
-        let Some(reply) = service.clone().handle(identity.clone(), frames).await else { continue };
-        let mut out = Vec::with_capacity(reply.len() + 1);
-        out.push(identity.clone());
-        out.extend(reply);
-        let Ok(message) = ZmqMessage::try_from(out) else { continue };
-        if let Err(e) = send.send(message).await {
-            tracing::debug!(error = %e, "reply could not be sent (client gone?)");
+    let (reader, mut writer) = tokio::io::split(stream);
+    let mut reader = FrameReader::new(reader);
+    let shake = zmtp::handshake(&mut reader, &mut writer, "ROUTER", b"", &["DEALER", "REQ", "ROUTER"]);
+    let peer = match tokio::time::timeout(limits.handshake_timeout, shake).await {
+        Ok(Ok(p)) => p,
+        Ok(Err(e)) => return tracing::debug!(error = %e, "handshake failed"),
+        Err(_) => return tracing::debug!(timeout = ?limits.handshake_timeout, "handshake timed out"),
+    };
+    let identity = if peer.identity.is_empty() {
+        // As libzmq does: a zero byte then a 32-bit counter.
+        let n = next_id.fetch_add(1, Ordering::Relaxed);
+        let mut id = vec![0u8];
+        id.extend_from_slice(&n.to_be_bytes());
+        Bytes::from(id)
+    } else {
+        peer.identity
+    };
+    loop {
+        let incoming = tokio::select! {
+            r = reader.read(&limits.receive) => r,
+            _ = shutdown.changed() => return,
+        };
+        let reply = match incoming {
+            Ok(None) => return,
+            Err(e) => return log_end(&e),
+            Ok(Some(Incoming::Command { name, body })) => {
+                if name == "PING" && reply_pong(&mut writer, &body, &limits).await.is_err() {
+                    return;
+                }
+                continue;
+            }
+            Ok(Some(Incoming::Message(frames))) => service.clone().handle(identity.clone(), frames).await,
+            Ok(Some(Incoming::TooLarge { head, reason })) => {
+                tracing::info!(identity = %String::from_utf8_lossy(&identity), %reason, "request refused unread");
+                service.clone().reject(identity.clone(), head, reason).await
+            }
+        };
+        let Some(reply) = reply.filter(|r| !r.is_empty()) else { continue };
+        match tokio::time::timeout(limits.write_timeout, zmtp::write_message(&mut writer, &reply)).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => return tracing::debug!(error = %e, "reply could not be sent (client gone?)"),
+            Err(_) => {
+                return tracing::warn!(
+                    identity = %String::from_utf8_lossy(&identity),
+                    timeout = ?limits.write_timeout,
+                    "client did not read its reply in time: connection dropped"
+                );
+            }
         }
     }
 }
 
-/// Our DEALER to a remote unit: one request in flight, reconnect on failure.
+fn log_end(e: &ZmtpError) {
+    match e {
+        ZmtpError::Closed => tracing::debug!("client closed the connection mid-message"),
+        e => tracing::debug!(error = %e, "connection dropped"),
+    }
+}
+
+/// Answers a ZMTP 3.1 PING with its context.
+async fn reply_pong(writer: &mut WriteHalf<BoxStream>, ping: &[u8], limits: &Limits) -> Result<(), ()> {
+    use tokio::io::AsyncWriteExt;
+    let context = ping.get(2..).unwrap_or(&[]);
+    let frame = zmtp::command_frame("PONG", &context[..context.len().min(16)]);
+    let write = async {
+        writer.write_all(&frame).await?;
+        writer.flush().await
+    };
+    match tokio::time::timeout(limits.write_timeout, write).await {
+        Ok(Ok(())) => Ok(()),
+        _ => Err(()),
+    }
+}
+
+/// An open DEALER connection.
+struct Conn {
+    reader: FrameReader<ReadHalf<BoxStream>>,
+    writer: WriteHalf<BoxStream>,
+}
+
+/// Connections a [`Peer`] opens to one unit at most: that many requests
+/// are in flight at once.
+pub const PEER_CONNECTIONS: usize = 8;
+
+/// Our DEALER to a remote unit: up to [`PEER_CONNECTIONS`] connections,
+/// one request in flight on each, reconnect on failure.
 pub struct Peer {
     endpoint: String,
     identity_prefix: String,
     sequence: AtomicU64,
-    socket: tokio::sync::Mutex<Option<DealerSocket>>,
+    limits: zmtp::Limits,
+    /// Idle connections, most recently used last.
+    idle: std::sync::Mutex<Vec<Conn>>,
+    /// One permit per connection in use.
+    slots: Semaphore,
 }
 
 impl std::fmt::Debug for Peer {
@@ -140,13 +314,20 @@ impl std::fmt::Debug for Peer {
 }
 
 impl Peer {
-    /// A peer for `endpoint`; sockets get identities `<prefix>_<n>`.
+    /// A peer for `endpoint`; connections get identities `<prefix>_<n>`.
     pub fn new(endpoint: impl Into<String>, identity_prefix: impl Into<String>) -> Peer {
+        Peer::with_limits(endpoint, identity_prefix, zmtp::Limits::DEFAULT)
+    }
+
+    /// Like [`Peer::new`], with receive limits for replies.
+    pub fn with_limits(endpoint: impl Into<String>, identity_prefix: impl Into<String>, limits: zmtp::Limits) -> Peer {
         Peer {
             endpoint: endpoint.into(),
             identity_prefix: identity_prefix.into(),
             sequence: AtomicU64::new(0),
-            socket: tokio::sync::Mutex::new(None),
+            limits,
+            idle: std::sync::Mutex::new(Vec::new()),
+            slots: Semaphore::new(PEER_CONNECTIONS),
         }
     }
 
@@ -154,52 +335,88 @@ impl Peer {
         &self.endpoint
     }
 
-    async fn connect(&self, timeout: Duration) -> Result<DealerSocket, TransportError> {
-        let n = self.sequence.fetch_add(1, Ordering::Relaxed);
-        let identity = format!("{}_{n}", self.identity_prefix);
-        let mut options = SocketOptions::default();
-        options.peer_identity(identity.into_bytes().try_into().map_err(|e: zeromq::ZmqError| {
-            TransportError::Connect { endpoint: self.endpoint.clone(), reason: e.to_string() }
-        })?);
-        options.connect_timeout(timeout);
-        let mut socket = DealerSocket::with_options(options);
-        socket
-            .connect(&self.endpoint)
-            .await
-            .map_err(|e| TransportError::Connect { endpoint: self.endpoint.clone(), reason: e.to_string() })?;
-        Ok(socket)
+    async fn open(&self) -> Result<BoxStream, String> {
+        if let Some(path) = self.endpoint.strip_prefix("ipc://") {
+            return UnixStream::connect(path).await.map(|s| Box::new(s) as BoxStream).map_err(|e| e.to_string());
+        }
+        let Some(addr) = self.endpoint.strip_prefix("tcp://") else {
+            return Err("only tcp:// and ipc:// endpoints are supported".into());
+        };
+        let s = TcpStream::connect(addr).await.map_err(|e| e.to_string())?;
+        s.set_nodelay(true).map_err(|e| e.to_string())?;
+        Ok(Box::new(s))
     }
 
-    /// Sends one request and waits for its reply. On any failure the socket
-    /// is dropped, so the next request starts on a fresh connection.
+    async fn connect(&self) -> Result<Conn, String> {
+        let n = self.sequence.fetch_add(1, Ordering::Relaxed);
+        let identity = format!("{}_{n}", self.identity_prefix);
+        let (reader, mut writer) = tokio::io::split(self.open().await?);
+        let mut reader = FrameReader::new(reader);
+        zmtp::handshake(&mut reader, &mut writer, "DEALER", identity.as_bytes(), &["ROUTER", "REP", "DEALER"])
+            .await
+            .map_err(|e| e.to_string())?;
+        Ok(Conn { reader, writer })
+    }
+
+    /// Sends one request and waits for its reply, all within `timeout`
+    /// counted from now (waiting for a free connection included). On any
+    /// failure the connection is dropped, so a later request starts on a
+    /// fresh one.
     pub async fn request(&self, frames: Vec<Bytes>, timeout: Duration) -> Result<Vec<Bytes>, TransportError> {
-        let mut slot = self.socket.lock().await;
-        if slot.is_none() {
-            *slot = Some(self.connect(timeout).await?);
-        }
-        let socket = slot.as_mut().expect("socket present");
-        let endpoint = self.endpoint.clone();
-        let exchange = async {
-            let message = ZmqMessage::try_from(frames)
-                .map_err(|e| TransportError::Send { endpoint: endpoint.clone(), reason: e.to_string() })?;
-            socket
-                .send(message)
-                .await
-                .map_err(|e| TransportError::Send { endpoint: endpoint.clone(), reason: e.to_string() })?;
-            socket
-                .recv()
-                .await
-                .map(|m| m.into_vec())
-                .map_err(|e| TransportError::Recv { endpoint: endpoint.clone(), reason: e.to_string() })
+        let attempt = async {
+            let _permit = self.slots.acquire().await.expect("the semaphore is never closed");
+            let kept = self.idle.lock().expect("idle list").pop();
+            let mut slot = kept;
+            let result = self.exchange(&mut slot, &frames).await;
+            if result.is_ok()
+                && let Some(conn) = slot
+            {
+                self.idle.lock().expect("idle list").push(conn);
+            }
+            result
         };
-        let result = match tokio::time::timeout(timeout, exchange).await {
+        match tokio::time::timeout(timeout, attempt).await {
             Err(_) => Err(TransportError::Timeout { endpoint: self.endpoint.clone(), timeout }),
             Ok(r) => r,
-        };
-        if result.is_err() {
-            *slot = None;
         }
-        result
+    }
+
+    async fn exchange(&self, slot: &mut Option<Conn>, frames: &[Bytes]) -> Result<Vec<Bytes>, TransportError> {
+        if slot.is_some() {
+            // A kept connection may be to a unit process that has since
+            // restarted: its failure says nothing about the unit now. Every
+            // request of both protocols is idempotent (put overwrites, get
+            // and clear repeat), so try once more on a fresh connection.
+            match self.exchange_once(slot, frames).await {
+                Err(TransportError::Send { .. } | TransportError::Recv { .. }) => *slot = None,
+                done => return done,
+            }
+        }
+        self.exchange_once(slot, frames).await
+    }
+
+    async fn exchange_once(&self, slot: &mut Option<Conn>, frames: &[Bytes]) -> Result<Vec<Bytes>, TransportError> {
+        if slot.is_none() {
+            let conn = self
+                .connect()
+                .await
+                .map_err(|reason| TransportError::Connect { endpoint: self.endpoint.clone(), reason })?;
+            *slot = Some(conn);
+        }
+        let conn = slot.as_mut().expect("connection present");
+        let recv_err = |reason: String| TransportError::Recv { endpoint: self.endpoint.clone(), reason };
+        zmtp::write_message(&mut conn.writer, frames)
+            .await
+            .map_err(|e| TransportError::Send { endpoint: self.endpoint.clone(), reason: e.to_string() })?;
+        loop {
+            match conn.reader.read(&self.limits).await {
+                Ok(Some(Incoming::Message(reply))) => return Ok(reply),
+                Ok(Some(Incoming::Command { .. })) => continue,
+                Ok(Some(Incoming::TooLarge { reason, .. })) => return Err(recv_err(format!("reply refused: {reason}"))),
+                Ok(None) => return Err(recv_err("the unit closed the connection".into())),
+                Err(e) => return Err(recv_err(e.to_string())),
+            }
+        }
     }
 }
 

@@ -33,7 +33,7 @@ use crate::batch::{Cell, Field};
 use crate::tensor::TensorError;
 use crate::wire::pickle::PickleError;
 
-pub use decode::{decode_message, decode_reply, decode_request};
+pub use decode::{decode_message, decode_reply, decode_request, request_type};
 pub use encode::{encode_reply, encode_reply_stamped, encode_request, encode_request_stamped};
 
 /// Frame 0 of the pickle fallback form `[b"\xc1\xfe\xed", pickle]`.

@@ -417,6 +417,26 @@ pub fn decode_message(frames: &[Bytes]) -> Result<Message, Error> {
     Ok(Message { envelope, request })
 }
 
+/// The wire request type in envelope `frame0`, read without the body and
+/// the data frames (to answer a request that was too large to keep).
+pub fn request_type(frame0: &Bytes) -> Result<String, Error> {
+    let mut r = Reader::new(frame0, 0);
+    let Item::Map(n) = r.item()? else {
+        return Err(Error::Envelope("frame 0 is not a map".into()));
+    };
+    for _ in 0..n {
+        let Item::Str { s: key, .. } = r.item()? else {
+            return Err(Error::Envelope("a key is not a str".into()));
+        };
+        if key == "request_type" {
+            return envelope_str(&mut r, key);
+        }
+        // The data frames are not here: do not follow ext references.
+        r.skip(0, &mut |_, _, _| Ok::<(), Error>(()))?;
+    }
+    Err(Error::Envelope("missing key 'request_type'".into()))
+}
+
 /// [`decode_message`] without the envelope.
 pub fn decode_request(frames: &[Bytes]) -> Result<Request, Error> {
     decode_message(frames).map(|m| m.request)

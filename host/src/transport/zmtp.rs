@@ -1,0 +1,619 @@
+//! ZMTP 3.0 with the NULL mechanism: the greeting, the READY handshake and
+//! the frame codec, over any byte stream.
+//!
+//! Written for `stowd`'s needs rather than generality:
+//! - every received frame gets its own allocation of exactly its size (a
+//!   stored row never pins a read buffer shared with other frames), and a
+//!   large frame is read straight into it;
+//! - a declared size is checked against [`Limits`] before anything is
+//!   allocated from it, and a frame's allocation grows with the bytes that
+//!   actually arrive, so a peer that declares 8 GiB and sends 10 bytes costs
+//!   at most one initial chunk;
+//! - a message over a limit is read to its end and dropped, frame by frame,
+//!   so the connection stays usable and the caller can answer with an error;
+//! - large frames are written from their own buffers, small ones coalesced.
+
+use std::io;
+use std::time::Duration;
+
+use bytes::{Buf, BufMut, Bytes, BytesMut};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+/// Receive limits, checked before any allocation from a declared size.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Limits {
+    /// Most bytes in one message, all frames together.
+    pub max_message_bytes: u64,
+    /// Most frames in one message.
+    pub max_frames: usize,
+}
+
+impl Limits {
+    /// 8 GiB and 2^20 frames.
+    pub const DEFAULT: Limits = Limits { max_message_bytes: 8 << 30, max_frames: 1 << 20 };
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits::DEFAULT
+    }
+}
+
+/// A connection-level failure. The connection is closed after one.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ZmtpError {
+    #[error("{0}")]
+    Io(#[from] io::Error),
+    #[error("peer closed the connection")]
+    Closed,
+    #[error("ZMTP protocol error: {0}")]
+    Protocol(String),
+    #[error("handshake did not complete within {0:?}")]
+    HandshakeTimeout(Duration),
+}
+
+fn protocol(msg: impl Into<String>) -> ZmtpError {
+    ZmtpError::Protocol(msg.into())
+}
+
+/// What [`FrameReader::read`] returns.
+#[derive(Debug)]
+pub enum Incoming {
+    /// A whole message.
+    Message(Vec<Bytes>),
+    /// A message over a limit, read to its end and dropped. `head` is its
+    /// first frame when that frame alone was within the limits.
+    TooLarge {
+        /// The first frame, if kept.
+        head: Vec<Bytes>,
+        /// Which limit, in words.
+        reason: String,
+    },
+    /// A command (PING, ...), by name, with its body after the name.
+    Command {
+        /// Command name.
+        name: String,
+        /// Command data after the name.
+        body: Bytes,
+    },
+}
+
+/// Bytes of the greeting.
+const GREETING_LEN: usize = 64;
+/// Frames up to this size are copied out of the read buffer; larger ones
+/// are read straight into their own allocation.
+const SMALL_FRAME: usize = 64 << 10;
+/// Capacity the read buffer is refilled to.
+const READ_CHUNK: usize = 128 << 10;
+/// First allocation for a large frame; it then doubles as bytes arrive.
+const FIRST_CHUNK: usize = 8 << 20;
+/// Commands are small; anything above this is refused.
+const MAX_COMMAND: u64 = 1 << 20;
+/// Frames up to this size are coalesced into one write buffer.
+const COALESCE: usize = 16 << 10;
+/// The write buffer is flushed at this size.
+const WRITE_CHUNK: usize = 256 << 10;
+
+const FLAG_MORE: u8 = 0x01;
+const FLAG_LONG: u8 = 0x02;
+const FLAG_COMMAND: u8 = 0x04;
+
+/// Our greeting: ZMTP 3.0, NULL, not a server.
+pub fn greeting() -> [u8; GREETING_LEN] {
+    let mut g = [0u8; GREETING_LEN];
+    g[0] = 0xff;
+    g[9] = 0x7f;
+    g[10] = 3;
+    g[11] = 0;
+    g[12..16].copy_from_slice(b"NULL");
+    g
+}
+
+/// Checks the signature and major version (the first 11 bytes).
+fn check_greeting_start(g: &[u8]) -> Result<(), ZmtpError> {
+    if g.len() < 11 || g[0] != 0xff || g[9] & 0x01 == 0 {
+        return Err(protocol("not a ZMTP peer (bad greeting signature)"));
+    }
+    if g[10] < 3 {
+        return Err(protocol(format!("ZMTP major version {} is not supported (3 or later is)", g[10])));
+    }
+    Ok(())
+}
+
+/// Checks a peer's greeting.
+pub fn check_greeting(g: &[u8]) -> Result<(), ZmtpError> {
+    if g.len() < GREETING_LEN {
+        return Err(protocol("truncated greeting"));
+    }
+    check_greeting_start(g)?;
+    let mechanism = &g[12..32];
+    let name_end = mechanism.iter().position(|&b| b == 0).unwrap_or(mechanism.len());
+    if &mechanism[..name_end] != b"NULL" || mechanism[name_end..].iter().any(|&b| b != 0) {
+        let name = String::from_utf8_lossy(&mechanism[..name_end]).into_owned();
+        return Err(protocol(format!("security mechanism {name:?} is not supported (NULL is)")));
+    }
+    Ok(())
+}
+
+/// The body of a READY command with `properties`.
+pub fn ready(properties: &[(&str, &[u8])]) -> BytesMut {
+    let mut body = BytesMut::new();
+    body.put_u8(5);
+    body.put_slice(b"READY");
+    for (name, value) in properties {
+        body.put_u8(name.len() as u8);
+        body.put_slice(name.as_bytes());
+        body.put_u32(value.len() as u32);
+        body.put_slice(value);
+    }
+    body
+}
+
+/// Parses READY properties from a command body (after the name).
+pub fn ready_properties(mut body: &[u8]) -> Result<Vec<(String, Bytes)>, ZmtpError> {
+    let mut out = Vec::new();
+    while !body.is_empty() {
+        let n = body[0] as usize;
+        if body.len() < 1 + n + 4 {
+            return Err(protocol("truncated READY property"));
+        }
+        let name = String::from_utf8_lossy(&body[1..1 + n]).into_owned();
+        body = &body[1 + n..];
+        let len = u32::from_be_bytes(body[..4].try_into().expect("4 bytes")) as usize;
+        body = &body[4..];
+        if body.len() < len {
+            return Err(protocol(format!("truncated READY property {name:?}")));
+        }
+        out.push((name, Bytes::copy_from_slice(&body[..len])));
+        body = &body[len..];
+    }
+    Ok(out)
+}
+
+/// Encodes a command frame whose body (name included) is `body`.
+fn command_with_body(body: &[u8]) -> BytesMut {
+    let mut out = BytesMut::with_capacity(body.len() + 9);
+    if body.len() > 255 {
+        out.put_u8(FLAG_COMMAND | FLAG_LONG);
+        out.put_u64(body.len() as u64);
+    } else {
+        out.put_u8(FLAG_COMMAND);
+        out.put_u8(body.len() as u8);
+    }
+    out.put_slice(body);
+    out
+}
+
+/// Encodes a command frame.
+pub fn command_frame(name: &str, data: &[u8]) -> BytesMut {
+    let mut body = BytesMut::with_capacity(1 + name.len() + data.len());
+    body.put_u8(name.len() as u8);
+    body.put_slice(name.as_bytes());
+    body.put_slice(data);
+    command_with_body(&body)
+}
+
+fn put_header(out: &mut BytesMut, len: usize, more: bool) {
+    let more = if more { FLAG_MORE } else { 0 };
+    if len > 255 {
+        out.put_u8(FLAG_LONG | more);
+        out.put_u64(len as u64);
+    } else {
+        out.put_u8(more);
+        out.put_u8(len as u8);
+    }
+}
+
+/// Writes one message. Frames above a few KiB go out from their own
+/// buffers (no copy); headers and small frames are coalesced.
+pub async fn write_message<W: AsyncWrite + Unpin + ?Sized>(w: &mut W, frames: &[Bytes]) -> io::Result<()> {
+    let mut buf = BytesMut::with_capacity(8 << 10);
+    for (i, frame) in frames.iter().enumerate() {
+        put_header(&mut buf, frame.len(), i + 1 < frames.len());
+        if frame.len() <= COALESCE {
+            buf.put_slice(frame);
+            if buf.len() >= WRITE_CHUNK {
+                w.write_all(&buf).await?;
+                buf.clear();
+            }
+        } else {
+            write_two(w, &buf, frame).await?;
+            buf.clear();
+        }
+    }
+    if !buf.is_empty() {
+        w.write_all(&buf).await?;
+    }
+    w.flush().await
+}
+
+/// Writes `a` then `b`, with vectored writes where the stream takes them.
+async fn write_two<W: AsyncWrite + Unpin + ?Sized>(w: &mut W, mut a: &[u8], mut b: &[u8]) -> io::Result<()> {
+    while !a.is_empty() {
+        let slices = [io::IoSlice::new(a), io::IoSlice::new(b)];
+        let n = w.write_vectored(&slices).await?;
+        if n == 0 {
+            return Err(io::ErrorKind::WriteZero.into());
+        }
+        if n < a.len() {
+            a = &a[n..];
+        } else {
+            b = &b[n - a.len()..];
+            a = &[];
+        }
+    }
+    w.write_all(b).await
+}
+
+/// Reads frames from a stream, with a small buffer for headers and small
+/// frames.
+pub struct FrameReader<R> {
+    inner: R,
+    buf: BytesMut,
+}
+
+impl<R: AsyncRead + Unpin> FrameReader<R> {
+    pub fn new(inner: R) -> Self {
+        FrameReader { inner, buf: BytesMut::with_capacity(READ_CHUNK) }
+    }
+
+    /// Reads until at least `n` bytes are buffered. `Ok(false)`: the stream
+    /// ended with nothing buffered (a clean close); a close with a partial
+    /// item buffered is an error.
+    async fn fill(&mut self, n: usize) -> Result<bool, ZmtpError> {
+        while self.buf.len() < n {
+            if self.buf.capacity() - self.buf.len() < n.max(READ_CHUNK / 2) {
+                self.buf.reserve(READ_CHUNK.max(n));
+            }
+            if self.inner.read_buf(&mut self.buf).await? == 0 {
+                return if self.buf.is_empty() { Ok(false) } else { Err(ZmtpError::Closed) };
+            }
+        }
+        Ok(true)
+    }
+
+    async fn need(&mut self, n: usize) -> Result<(), ZmtpError> {
+        if self.fill(n).await? { Ok(()) } else { Err(ZmtpError::Closed) }
+    }
+
+    /// Reads the peer's greeting.
+    pub async fn read_greeting(&mut self) -> Result<(), ZmtpError> {
+        // The signature's first byte tells a ZMTP peer from anything else
+        // before we wait for all 64 bytes.
+        self.need(1).await?;
+        if self.buf[0] != 0xff {
+            return Err(protocol("not a ZMTP peer (bad greeting signature)"));
+        }
+        // Signature and major version: refuse an old peer before it waits
+        // for a full greeting it will never send.
+        self.need(11).await?;
+        check_greeting_start(&self.buf[..11])?;
+        self.need(GREETING_LEN).await?;
+        let g = self.buf.split_to(GREETING_LEN);
+        check_greeting(&g)
+    }
+
+    /// Reads a frame header: (flags, length). `None` on a clean close.
+    async fn header(&mut self) -> Result<Option<(u8, u64)>, ZmtpError> {
+        if !self.fill(1).await? {
+            return Ok(None);
+        }
+        let flags = self.buf[0];
+        if flags & !(FLAG_MORE | FLAG_LONG | FLAG_COMMAND) != 0 {
+            return Err(protocol(format!("frame flags {flags:#04x} have reserved bits set")));
+        }
+        let width = if flags & FLAG_LONG != 0 { 8 } else { 1 };
+        self.need(1 + width).await?;
+        self.buf.advance(1);
+        let len = if width == 8 { self.buf.get_u64() } else { self.buf.get_u8() as u64 };
+        Ok(Some((flags, len)))
+    }
+
+    /// Reads the next frame as a command; the handshake uses this.
+    pub async fn read_command(&mut self) -> Result<(String, Bytes), ZmtpError> {
+        match self.read(&Limits::DEFAULT).await? {
+            Some(Incoming::Command { name, body }) => Ok((name, body)),
+            Some(_) => Err(protocol("expected a command frame, got a message")),
+            None => Err(ZmtpError::Closed),
+        }
+    }
+
+    /// A frame body of `len` bytes, in its own allocation.
+    async fn frame(&mut self, len: usize) -> Result<Bytes, ZmtpError> {
+        if len <= SMALL_FRAME {
+            self.need(len).await?;
+            return Ok(Bytes::copy_from_slice(&self.buf.split_to(len)));
+        }
+        let mut out = BytesMut::with_capacity(len.min(FIRST_CHUNK));
+        let buffered = self.buf.len().min(len);
+        out.put_slice(&self.buf[..buffered]);
+        self.buf.advance(buffered);
+        while out.len() < len {
+            if out.len() == out.capacity() {
+                // Grow with what arrived: at most double.
+                out.reserve((len - out.len()).min(out.capacity()));
+            }
+            let room = (out.capacity() - out.len()).min(len - out.len());
+            let n = self.inner.read_buf(&mut (&mut out).limit(room)).await?;
+            if n == 0 {
+                return Err(ZmtpError::Closed);
+            }
+        }
+        Ok(out.freeze())
+    }
+
+    /// Skips `len` bytes of a frame body without keeping them.
+    async fn skip(&mut self, mut len: u64) -> Result<(), ZmtpError> {
+        loop {
+            let take = (self.buf.len() as u64).min(len) as usize;
+            self.buf.advance(take);
+            len -= take as u64;
+            if len == 0 {
+                return Ok(());
+            }
+            self.need(1).await?;
+        }
+    }
+
+    /// Reads the next message or command. `None` on a clean close between
+    /// messages. A message over `limits` is consumed and reported as
+    /// [`Incoming::TooLarge`].
+    pub async fn read(&mut self, limits: &Limits) -> Result<Option<Incoming>, ZmtpError> {
+        let mut frames: Vec<Bytes> = Vec::new();
+        let mut total = 0u64;
+        let mut count = 0usize;
+        let mut over: Option<String> = None;
+        loop {
+            let Some((flags, len)) = self.header().await? else {
+                return if count == 0 { Ok(None) } else { Err(ZmtpError::Closed) };
+            };
+            if flags & FLAG_COMMAND != 0 {
+                if count != 0 {
+                    return Err(protocol("command frame inside a multipart message"));
+                }
+                if len > MAX_COMMAND || len == 0 {
+                    return Err(protocol(format!("command frame of {len} bytes")));
+                }
+                let body = self.frame(len as usize).await?;
+                let n = body[0] as usize;
+                if body.len() < 1 + n {
+                    return Err(protocol("truncated command name"));
+                }
+                let name = String::from_utf8_lossy(&body[1..1 + n]).into_owned();
+                return Ok(Some(Incoming::Command { name, body: body.slice(1 + n..) }));
+            }
+            count += 1;
+            total = total.saturating_add(len);
+            if over.is_none() {
+                if count > limits.max_frames {
+                    over = Some(format!("message has more than {} frames", limits.max_frames));
+                } else if total > limits.max_message_bytes {
+                    over = Some(format!(
+                        "message is larger than the limit of {} bytes (frame {} declares {len} bytes)",
+                        limits.max_message_bytes, count - 1
+                    ));
+                }
+                if over.is_some() {
+                    // Keep frame 0 for the error reply; free the rest now.
+                    frames.truncate(1);
+                }
+            }
+            if over.is_some() {
+                self.skip(len).await?;
+            } else {
+                frames.push(self.frame(len as usize).await?);
+            }
+            if flags & FLAG_MORE == 0 {
+                break;
+            }
+        }
+        Ok(Some(match over {
+            Some(reason) => Incoming::TooLarge { head: frames, reason },
+            None => Incoming::Message(frames),
+        }))
+    }
+}
+
+/// What the peer said in its READY.
+#[derive(Debug, Clone, Default)]
+pub struct PeerInfo {
+    /// `Socket-Type`.
+    pub socket_type: String,
+    /// `Identity` (empty when not sent).
+    pub identity: Bytes,
+}
+
+/// The greeting and READY exchange. `accept` lists the peer socket types
+/// we talk to; others get an ERROR command and a closed connection.
+pub async fn handshake<R, W>(
+    reader: &mut FrameReader<R>,
+    writer: &mut W,
+    socket_type: &str,
+    identity: &[u8],
+    accept: &[&str],
+) -> Result<PeerInfo, ZmtpError>
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin + ?Sized,
+{
+    writer.write_all(&greeting()).await?;
+    writer.flush().await?;
+    reader.read_greeting().await?;
+    let mut props: Vec<(&str, &[u8])> = vec![("Socket-Type", socket_type.as_bytes())];
+    if !identity.is_empty() {
+        props.push(("Identity", identity));
+    }
+    let frame = command_with_body(&ready(&props));
+    writer.write_all(&frame).await?;
+    writer.flush().await?;
+    let (name, body) = reader.read_command().await?;
+    if name == "ERROR" {
+        let reason = body.get(1..).map(|r| String::from_utf8_lossy(r).into_owned()).unwrap_or_default();
+        return Err(protocol(format!("peer refused the connection: {reason}")));
+    }
+    if name != "READY" {
+        return Err(protocol(format!("expected READY, got {name:?}")));
+    }
+    let mut info = PeerInfo::default();
+    for (key, value) in ready_properties(&body)? {
+        if key.eq_ignore_ascii_case("Socket-Type") {
+            info.socket_type = String::from_utf8_lossy(&value).into_owned();
+        } else if key.eq_ignore_ascii_case("Identity") {
+            info.identity = value;
+        }
+    }
+    if !accept.iter().any(|t| *t == info.socket_type) {
+        let reason = format!("a {socket_type} does not talk to a {}", info.socket_type);
+        let mut data = vec![reason.len().min(255) as u8];
+        data.extend_from_slice(&reason.as_bytes()[..reason.len().min(255)]);
+        let _ = writer.write_all(&command_frame("ERROR", &data)).await;
+        let _ = writer.flush().await;
+        return Err(protocol(reason));
+    }
+    Ok(info)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    async fn pair() -> (tokio::io::DuplexStream, tokio::io::DuplexStream) {
+        tokio::io::duplex(1 << 16)
+    }
+
+    #[tokio::test]
+    async fn messages_round_trip_with_small_and_large_frames() {
+        let (a, b) = pair().await;
+        let frames = vec![
+            Bytes::from_static(b""),
+            Bytes::from(vec![7u8; 200]),
+            Bytes::from(vec![9u8; 300]),
+            Bytes::from(vec![1u8; 3 << 20]),
+            Bytes::from_static(b"tail"),
+        ];
+        let sent = frames.clone();
+        let writer = tokio::spawn(async move {
+            let mut a = a;
+            write_message(&mut a, &sent).await.unwrap();
+            write_message(&mut a, &sent[1..2]).await.unwrap();
+        });
+        let mut r = FrameReader::new(b);
+        let Some(Incoming::Message(got)) = r.read(&Limits::DEFAULT).await.unwrap() else { panic!() };
+        assert_eq!(got, frames);
+        let Some(Incoming::Message(got)) = r.read(&Limits::DEFAULT).await.unwrap() else { panic!() };
+        assert_eq!(got, frames[1..2]);
+        writer.await.unwrap();
+        assert!(r.read(&Limits::DEFAULT).await.unwrap().is_none(), "clean close");
+    }
+
+    #[tokio::test]
+    async fn a_message_over_the_limit_is_skipped_and_the_next_one_read() {
+        let (a, b) = pair().await;
+        let writer = tokio::spawn(async move {
+            let mut a = a;
+            write_message(&mut a, &[Bytes::from_static(b"head"), Bytes::from(vec![0u8; 5000])]).await.unwrap();
+            write_message(&mut a, &[Bytes::from_static(b"ok")]).await.unwrap();
+        });
+        let limits = Limits { max_message_bytes: 1000, max_frames: 10 };
+        let mut r = FrameReader::new(b);
+        match r.read(&limits).await.unwrap() {
+            Some(Incoming::TooLarge { head, reason }) => {
+                assert_eq!(head, vec![Bytes::from_static(b"head")]);
+                assert!(reason.contains("1000 bytes"), "{reason}");
+            }
+            other => panic!("{other:?}"),
+        }
+        let Some(Incoming::Message(m)) = r.read(&limits).await.unwrap() else { panic!() };
+        assert_eq!(m, vec![Bytes::from_static(b"ok")]);
+        writer.await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn too_many_frames_is_reported_not_buffered() {
+        let (a, b) = pair().await;
+        let writer = tokio::spawn(async move {
+            let mut a = a;
+            let many: Vec<Bytes> = (0..50u8).map(|i| Bytes::from(vec![i; 3])).collect();
+            write_message(&mut a, &many).await.unwrap();
+        });
+        let mut r = FrameReader::new(b);
+        let limits = Limits { max_message_bytes: 1 << 20, max_frames: 8 };
+        let Some(Incoming::TooLarge { head, reason }) = r.read(&limits).await.unwrap() else { panic!() };
+        assert_eq!(head.len(), 1);
+        assert!(reason.contains("more than 8 frames"), "{reason}");
+        writer.await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_huge_declared_frame_allocates_only_what_arrives() {
+        let (mut a, b) = pair().await;
+        // Declares 2^40 bytes (within a generous limit), sends 10, closes.
+        let mut raw = BytesMut::new();
+        raw.put_u8(FLAG_LONG);
+        raw.put_u64(1 << 40);
+        raw.put_slice(&[0u8; 10]);
+        a.write_all(&raw).await.unwrap();
+        drop(a);
+        let mut r = FrameReader::new(b);
+        let limits = Limits { max_message_bytes: u64::MAX, max_frames: 10 };
+        // Would abort the process if 1 TiB were reserved up front.
+        assert!(matches!(r.read(&limits).await, Err(ZmtpError::Closed)));
+    }
+
+    #[tokio::test]
+    async fn reserved_flag_bits_are_a_protocol_error() {
+        let (mut a, b) = pair().await;
+        a.write_all(&[0x80, 1, 0]).await.unwrap();
+        let mut r = FrameReader::new(b);
+        assert!(matches!(r.read(&Limits::DEFAULT).await, Err(ZmtpError::Protocol(_))));
+    }
+
+    #[tokio::test]
+    async fn handshake_exchanges_identity_and_refuses_wrong_socket_types() {
+        let (a, b) = pair().await;
+        let (ra, mut wa) = tokio::io::split(a);
+        let (rb, mut wb) = tokio::io::split(b);
+        let server = tokio::spawn(async move {
+            let mut r = FrameReader::new(rb);
+            handshake(&mut r, &mut wb, "ROUTER", b"", &["DEALER", "REQ"]).await
+        });
+        let mut r = FrameReader::new(ra);
+        let info = handshake(&mut r, &mut wa, "DEALER", b"me", &["ROUTER"]).await.unwrap();
+        assert_eq!(info.socket_type, "ROUTER");
+        let peer = server.await.unwrap().unwrap();
+        assert_eq!((peer.socket_type.as_str(), &peer.identity[..]), ("DEALER", &b"me"[..]));
+
+        let (a, b) = pair().await;
+        let (ra, mut wa) = tokio::io::split(a);
+        let (rb, mut wb) = tokio::io::split(b);
+        let server = tokio::spawn(async move {
+            let mut r = FrameReader::new(rb);
+            handshake(&mut r, &mut wb, "ROUTER", b"", &["DEALER"]).await
+        });
+        let mut r = FrameReader::new(ra);
+        handshake(&mut r, &mut wa, "PUB", b"", &["ROUTER"]).await.expect("the ROUTER side is acceptable to us");
+        // The ROUTER refuses us: an ERROR command naming the reason.
+        match r.read(&Limits::DEFAULT).await {
+            Ok(Some(Incoming::Command { name, body })) => {
+                assert_eq!(name, "ERROR");
+                assert!(String::from_utf8_lossy(&body).contains("PUB"));
+            }
+            other => panic!("expected ERROR, got {other:?}"),
+        }
+        let server_err = server.await.unwrap().unwrap_err().to_string();
+        assert!(server_err.contains("PUB"), "{server_err}");
+    }
+
+    #[test]
+    fn greetings_other_than_zmtp3_null_are_refused() {
+        assert!(check_greeting(&greeting()).is_ok());
+        let mut g = greeting();
+        g[10] = 2;
+        assert!(check_greeting(&g).unwrap_err().to_string().contains("major version 2"));
+        let mut g = greeting();
+        g[12..17].copy_from_slice(b"CURVE");
+        assert!(check_greeting(&g).unwrap_err().to_string().contains("CURVE"));
+        assert!(check_greeting(&[0u8; 64]).is_err());
+    }
+}

@@ -1,0 +1,262 @@
+//! Receive limits and fairness, against the real `stowd` over real sockets:
+//! oversized requests answered with errors, declared sizes that allocate
+//! nothing, clients that stop reading, too many connections, and bytes that
+//! are not ZMTP at all. After each, the stored rows are read back intact.
+
+use std::time::{Duration, Instant};
+
+use bytes::{BufMut, Bytes, BytesMut};
+use stowage_host::batch::{Cell, Field};
+use stowage_host::tensor::DType;
+use stowage_host::transport::zmtp;
+use stowage_host::wire::{native, tq};
+use stowage_tests::client::{native_error, tq_error};
+use stowage_tests::{NativeClient, Stowd, TqClient, data};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+/// Resident set size of `pid`, bytes.
+fn rss(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("read /proc status");
+    let kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .expect("VmRSS line");
+    kib * 1024
+}
+
+fn tcp_addr(endpoint: &str) -> &str {
+    endpoint.strip_prefix("tcp://").expect("a tcp endpoint")
+}
+
+/// A DEALER connection made by hand: greeting and READY done.
+async fn raw_dealer(endpoint: &str, identity: &str) -> TcpStream {
+    let mut stream = TcpStream::connect(tcp_addr(endpoint)).await.expect("connect");
+    let (r, mut w) = stream.split();
+    let mut reader = zmtp::FrameReader::new(r);
+    zmtp::handshake(&mut reader, &mut w, "DEALER", identity.as_bytes(), &["ROUTER"]).await.expect("handshake");
+    stream
+}
+
+/// Rows 0..8 of field `x` ([8, 1024] f32) through the router, checked.
+async fn seed(client: &TqClient) -> Field {
+    let field = Field::Regular(data::f32_rows(8, 1024, 42));
+    client.put_ok(&(0..8).collect::<Vec<_>>(), vec![("x".into(), field.clone())]).await;
+    field
+}
+
+async fn assert_intact(client: &TqClient, expected: &Field) {
+    let got = client.get_ok(&(0..8).collect::<Vec<_>>(), &["x"]).await;
+    let Field::Regular(t) = expected else { unreachable!() };
+    for (i, cell) in got[0].1.iter().enumerate() {
+        let Cell::Tensor(row) = cell else { panic!("row {i} is not a tensor") };
+        assert_eq!(row.contiguous_bytes(), t.row(i as u64).expect("row"), "row {i} changed");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_oversized_put_gets_put_error_and_the_connection_and_data_survive() {
+    let mut stowd = Stowd::start("[limits]\nmax_request_bytes = 1048576\n");
+    let client = TqClient::new(stowd.router());
+    let stored = seed(&client).await;
+
+    // 2 MiB in one message: over the 1 MiB limit.
+    let big = Field::Regular(data::f32_rows(512, 1024, 7));
+    let reply = client.put(&(100..612).collect::<Vec<_>>(), vec![("y".into(), big)]).await;
+    let message = tq_error(&reply, tq::ErrorReply::Put);
+    assert!(message.contains("max_request_bytes"), "{message}");
+    assert!(message.contains("1048576"), "{message}");
+
+    // Same client, same connection: still usable, nothing of the refused
+    // put stored, the seeded rows unchanged.
+    assert_intact(&client, &stored).await;
+    let reply = client.get(&[100], &["y"]).await;
+    tq_error(&reply, tq::ErrorReply::Get);
+    stowd.assert_running();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn too_many_frames_is_refused_by_count() {
+    let mut stowd = Stowd::start("[limits]\nmax_request_frames = 16\n");
+    let client = TqClient::new(stowd.router());
+    let stored = seed(&client).await;
+    // A nested field of 40 rows is one frame per row: over 16 frames.
+    let nested = data::nested(DType::F32, &[3; 40], 1);
+    let reply = client.put(&(200..240).collect::<Vec<_>>(), vec![("n".into(), nested)]).await;
+    let message = match &reply {
+        tq::Reply::Error { message, .. } => message.clone(),
+        other => panic!("expected an error, got {other:?}"),
+    };
+    assert!(message.contains("more than 16 frames"), "{message}");
+    assert_intact(&client, &stored).await;
+    stowd.assert_running();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn native_requests_over_the_limit_get_too_large() {
+    let mut stowd = Stowd::start("[limits]\nmax_request_bytes = 65536\n");
+    let client = NativeClient::new(stowd.native());
+    let small = Field::Regular(data::f32_rows(4, 16, 3));
+    client.put_ok(&[0, 1, 2, 3], &[("x".into(), small)]).await;
+    let big = Field::Regular(data::f32_rows(64, 1024, 3));
+    let reply = client.put(&(10..74).collect::<Vec<_>>(), &[("x".into(), big)]).await;
+    let (code, message) = native_error(&reply);
+    assert_eq!(code, native::code::TOO_LARGE, "{message}");
+    assert!(message.contains("max_request_bytes"), "{message}");
+    assert_eq!(client.get_ok(&[0, 1, 2, 3], &["x"]).await.len(), 1);
+    stowd.assert_running();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn declared_sizes_allocate_nothing_until_bytes_arrive() {
+    let mut stowd = Stowd::start("");
+    let client = TqClient::new(stowd.router());
+    let stored = seed(&client).await;
+    let before = rss(stowd.pid());
+
+    // One connection declares 2^62 bytes (over every limit), another 4 GiB
+    // (within the default 8 GiB); each sends 1 MiB and then nothing.
+    let mut over = raw_dealer(&stowd.router().endpoint, "TQ_STORAGE_huge").await;
+    let mut within = raw_dealer(&stowd.router().endpoint, "TQ_STORAGE_big").await;
+    for (stream, declared) in [(&mut over, 1u64 << 62), (&mut within, 4u64 << 30)] {
+        let mut head = BytesMut::new();
+        head.put_u8(0x02); // LONG, last frame
+        head.put_u64(declared);
+        stream.write_all(&head).await.unwrap();
+        stream.write_all(&vec![0u8; 1 << 20]).await.unwrap();
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    // Others are served meanwhile, and the data is intact.
+    assert_intact(&client, &stored).await;
+    let grown = rss(stowd.pid()).saturating_sub(before);
+    assert!(grown < 48 << 20, "stowd grew by {grown} bytes for 2 MiB received");
+    drop((over, within));
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_intact(&client, &stored).await;
+    stowd.assert_running();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_stops_reading_blocks_nobody_and_is_dropped() {
+    let mut stowd = Stowd::start("[limits]\nwrite_timeout_secs = 3\n");
+    let client = TqClient::new(stowd.router());
+    // 64 MiB stored: 64 rows of 1 MiB.
+    let field = Field::Regular(data::f32_rows(64, 256 << 10, 9));
+    let indexes: Vec<u64> = (0..64).collect();
+    client.put_ok(&indexes, vec![("x".into(), field.clone())]).await;
+    let baseline = rss(stowd.pid());
+
+    // The stuck client asks for all 64 MiB twenty times and reads nothing.
+    let stuck_client = TqClient::with_identity_prefix(stowd.router(), "TQ_STORAGE_stuck");
+    let get = stuck_client.encode(&tq::Request::Get { global_indexes: indexes.clone(), fields: vec!["x".into()] });
+    let mut stuck = raw_dealer(&stowd.router().endpoint, "TQ_STORAGE_stuck_raw").await;
+    for _ in 0..20 {
+        let mut buf = Vec::new();
+        zmtp::write_message(&mut buf, &get).await.unwrap();
+        // Do not wait for the writes to be taken: a full socket is the point.
+        let _ = tokio::time::timeout(Duration::from_millis(200), stuck.write_all(&buf)).await;
+    }
+
+    // Meanwhile another client is served, every request within its timeout.
+    let other = TqClient::new(stowd.router());
+    let started = Instant::now();
+    for round in 0..20u64 {
+        let row = Field::Regular(data::f32_rows(1, 1024, round));
+        other.put_ok(&[1000 + round], vec![("y".into(), row)]).await;
+        let got = other.get_ok(&[1000 + round], &["y"]).await;
+        assert_eq!(got[0].1.len(), 1);
+    }
+    let served_in = started.elapsed();
+
+    // Replies are views of the stored rows: a stuck reply costs no copy.
+    let grown = rss(stowd.pid()).saturating_sub(baseline);
+    assert!(grown < 32 << 20, "stowd grew by {grown} bytes while a client did not read 64 MiB replies");
+
+    // After the write timeout the stuck connection is closed: reading it
+    // now reaches the end (after whatever was already in flight).
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let mut sink = vec![0u8; 1 << 20];
+    let closed = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            match stuck.read(&mut sink).await {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {}
+            }
+        }
+    })
+    .await;
+    assert!(closed.is_ok(), "the stuck connection is still open after its write timeout");
+    assert!(stowd.log().contains("did not read its reply in time"), "{}", stowd.log());
+
+    // Everything stored is intact.
+    let got = client.get_ok(&indexes, &["x"]).await;
+    let Field::Regular(t) = &field else { unreachable!() };
+    for (i, cell) in got[0].1.iter().enumerate() {
+        let Cell::Tensor(row) = cell else { panic!() };
+        assert_eq!(row.contiguous_bytes(), t.row(i as u64).unwrap());
+    }
+    eprintln!("other client: 40 requests in {served_in:?} while one client did not read");
+    stowd.assert_running();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_over_the_limit_are_closed_and_slots_come_back() {
+    let mut stowd = Stowd::start("[limits]\nmax_connections = 3\n");
+    let endpoint = stowd.router().endpoint.clone();
+    let mut held = Vec::new();
+    for i in 0..3 {
+        held.push(raw_dealer(&endpoint, &format!("TQ_STORAGE_hold{i}")).await);
+    }
+    // The fourth is closed before its handshake completes.
+    let mut fourth = TcpStream::connect(tcp_addr(&endpoint)).await.unwrap();
+    let (r, mut w) = fourth.split();
+    let mut reader = zmtp::FrameReader::new(r);
+    let shake = zmtp::handshake(&mut reader, &mut w, "DEALER", b"TQ_STORAGE_fourth", &["ROUTER"]);
+    let result = tokio::time::timeout(Duration::from_secs(5), shake).await.expect("refused promptly");
+    assert!(result.is_err(), "a fourth connection was accepted");
+    assert!(stowd.log().contains("too many open connections"));
+
+    // Closing one frees its slot.
+    held.pop();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let client = TqClient::new(stowd.router());
+    seed(&client).await;
+    stowd.assert_running();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bytes_that_are_not_zmtp_close_only_their_connection() {
+    let mut stowd = Stowd::start("");
+    let client = TqClient::new(stowd.router());
+    let stored = seed(&client).await;
+    for garbage in [
+        &b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"[..],
+        &[0xffu8, 0, 0, 0, 0, 0, 0, 0, 0, 0x7f, 2, 0][..],
+        &[0u8; 200][..],
+    ] {
+        let mut s = TcpStream::connect(tcp_addr(&stowd.router().endpoint)).await.unwrap();
+        let _ = s.write_all(garbage).await;
+        let mut sink = [0u8; 256];
+        let end = tokio::time::timeout(Duration::from_secs(15), async {
+            loop {
+                match s.read(&mut sink).await {
+                    Ok(0) | Err(_) => return,
+                    Ok(_) => {}
+                }
+            }
+        })
+        .await;
+        assert!(end.is_ok(), "connection sending {garbage:?} was not closed");
+    }
+    // Reserved flag bits after a good handshake.
+    let mut s = raw_dealer(&stowd.router().endpoint, "TQ_STORAGE_flags").await;
+    s.write_all(&[0xf0, 1, 0]).await.unwrap();
+    let mut sink = [0u8; 16];
+    let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut sink)).await.expect("closed promptly");
+    assert!(matches!(n, Ok(0) | Err(_)));
+    assert_intact(&client, &stored).await;
+    stowd.assert_running();
+    let _ = Bytes::new();
+}
