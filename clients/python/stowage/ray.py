@@ -77,7 +77,7 @@ except ImportError as _e:  # pragma: no cover - depends on the environment
     ) from _e
 
 from .client import DEFAULT_TIMEOUT, Client
-from .errors import KeyNotFound, StowageError
+from .errors import InternalError, KeyNotFound, StowageError, StowageTimeout
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 PACKAGED_STOWD = PACKAGE_DIR / "_bin" / "stowd"
@@ -114,9 +114,10 @@ class StowdStartError(RuntimeError):
 
 
 class DataLost(KeyNotFound):
-    """A get found no rows where a node whose stowd restarted (since the
-    handle was made or last refreshed) holds them: those rows are lost.
-    `nodes` lists the restarted nodes' ids."""
+    """A get failed (rows not found, or a timeout on the way to them) and
+    the node holding them restarted its stowd since the handle was made or
+    last refreshed: those rows are lost. `nodes` lists the restarted nodes'
+    ids; the message starts with the original error."""
 
     nodes: tuple[str, ...] = ()
 
@@ -709,7 +710,7 @@ class StowageCluster:
     def log_tail(self, node_id: str, n: int = 50) -> str:
         return ray.get(self._actors[node_id].log_tail.remote(n), timeout=30)
 
-    def _lost(self, err: KeyNotFound, indexes, via: NodeStowd) -> StowageError:
+    def _lost(self, err: StowageError, indexes, via: NodeStowd) -> StowageError:
         try:
             owners = set(self.owners(indexes, via))
             restarted = {k: v for k, v in self.restarted(timeout=30).items() if k in owners}
@@ -729,7 +730,7 @@ class StowageCluster:
             + "; ".join(parts)
             + ". Rows stored there before the restart are lost (put them again; "
             "handle.refresh() acknowledges the restart)",
-            code=err.code, request_id=err.request_id,
+            code=KeyNotFound.code, request_id=err.request_id,
         )
         lost.nodes = tuple(restarted)
         return lost
@@ -785,7 +786,7 @@ class NodeClient(Client):
     def get(self, global_indexes, fields, **kwargs) -> dict:
         try:
             return super().get(global_indexes, fields, **kwargs)
-        except KeyNotFound as e:
+        except _CHECKED as e:
             lost = self.cluster._lost(e, list(global_indexes), self.node)
             if lost is e:
                 raise
@@ -794,11 +795,18 @@ class NodeClient(Client):
     def get_into(self, global_indexes, out, **kwargs):
         try:
             return super().get_into(global_indexes, out, **kwargs)
-        except KeyNotFound as e:
+        except _CHECKED as e:
             lost = self.cluster._lost(e, list(global_indexes), self.node)
             if lost is e:
                 raise
             raise lost from e
+
+
+# Errors of a get checked against restarts: not found; and what a get
+# through a router meets on its first request to a unit that restarted
+# (stowd's connection to the old process times out: `internal`), or a
+# client whose own stowd is down (`StowageTimeout`).
+_CHECKED = (KeyNotFound, InternalError, StowageTimeout)
 
 
 # ---------------------------------------------------------------- launch / shutdown

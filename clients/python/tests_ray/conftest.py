@@ -29,15 +29,14 @@ REPO = PACKAGE_ROOT.parents[1]
 ray = pytest.importorskip("ray", reason="ray not installed (opt-in suite: see clients/python/tests_ray/README.md)")
 psutil = pytest.importorskip("psutil", reason="psutil not installed (pip install psutil)")
 
+# The working tree's `stowage`, here and in Ray's workers (they inherit the
+# environment of the raylet that ray.init() starts from this process).
+sys.path.insert(0, str(PACKAGE_ROOT))
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PACKAGE_ROOT), os.environ.get("PYTHONPATH")]))
+
 import stowage  # noqa: E402
 
-# Ray's workers import `stowage` themselves: it must be the working tree's, installed.
-if Path(stowage.__file__).resolve().parent != PACKAGE_ROOT / "stowage":
-    pytest.exit(
-        f"`stowage` resolves to {stowage.__file__}, not this working tree: "
-        f"pip install -e {PACKAGE_ROOT} into this interpreter (Ray workers import it too)",
-        returncode=2,
-    )
+assert Path(stowage.__file__).resolve().parent == PACKAGE_ROOT / "stowage", stowage.__file__
 
 RAY_CPUS = 1
 OBJECT_STORE_BYTES = 200 * 2**20
