@@ -184,3 +184,50 @@ def test_launch_put_get_kill_restart_shutdown(local_ray, tmp_path):
     assert not any(p.name() == "stowd" and str(workdir) in " ".join(p.cmdline()) for p in psutil.process_iter())
     assert not (workdir / h.launch_id).exists()
     h.shutdown()  # idempotent
+
+
+def test_the_wheels_stowd_runs_on_its_defaults_and_under_launch(local_ray, tmp_path):
+    """The wheel of `cargo xtask wheel`, unpacked as pip would: its stowd finds
+    the wheel's plugins by itself, and launch() runs it."""
+    import json
+    import subprocess
+    import zipfile
+
+    wheels = sorted((Path(__file__).resolve().parents[3] / "target" / "wheels").glob("stowage-*.whl"))
+    if not wheels:
+        pytest.skip("no wheel in target/wheels: run `cargo xtask wheel` first")
+    site = tmp_path / "site"
+    with zipfile.ZipFile(wheels[-1]) as z:
+        z.extractall(site)
+        for info in z.infolist():  # zipfile drops the mode bits: restore them as pip does
+            mode = info.external_attr >> 16
+            if mode & 0o111:
+                os.chmod(site / info.filename, mode & 0o777)
+    binary = site / "stowage" / "_bin" / "stowd"
+    shipped = sorted(p.stem for p in (site / "stowage" / "plugins").glob("*.wasm"))
+    assert "coalesce" in shipped and not (site / "stowage" / "plugins" / "hostile").exists()
+
+    ep = tmp_path / "ep.json"
+    proc = subprocess.Popen([binary, "serve", "--endpoints-file", ep], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while not ep.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "the wheel's stowd did not start"
+            time.sleep(0.05)
+        loaded = sorted(p.split("@")[0] for p in json.loads(ep.read_text())["plugins"])
+        assert loaded == shipped
+    finally:
+        proc.terminate()
+        assert proc.wait(20) == 0
+
+    h = sray.launch(stowd_bin=binary, workdir=tmp_path / "wd")
+    try:
+        node = h.local()
+        assert node.stowd_bin == str(binary.resolve())
+        assert node.plugin_dir == str((site / "stowage" / "plugins").resolve())
+        assert sorted(p.split("@")[0] for p in node.plugins) == shipped
+        assert ray.get(put_task.remote(h, list(range(N)), seed=7), timeout=120)["stored"] == N
+        check_rows(ray.get(get_task.remote(h, list(range(N))), timeout=120), list(range(N)), seed=7)
+    finally:
+        h.shutdown()
