@@ -89,6 +89,8 @@ async fn main() {
     }
     // Units of a remote unit host count indexes, not values, in a clear.
     opts.exact_clear_counts = endpoints_file.is_none();
+    // Nor clear single fields.
+    opts.field_clears = endpoints_file.is_none() || std::env::var_os("STOWLOAD_NO_FIELD_CLEARS").is_none();
     eprintln!(
         "stowload: {} clients for {:?} against stowd pid {} (router {}, native {})",
         opts.clients,
