@@ -470,19 +470,21 @@ impl Manager {
     /// units plus, for remote units (which do not report it), the number of
     /// indexes sent to them.
     pub async fn clear(&self, global_indexes: &[u64], fields: Option<&[String]>) -> Result<u64, ManagerError> {
+        let routes = self.routes(global_indexes);
+        // Refuse before clearing anything: a refused clear changes nothing.
+        if fields.is_some()
+            && self.targets.iter().zip(&routes).any(|(t, r)| matches!(t, Target::Remote(_)) && !r.indexes.is_empty())
+        {
+            return Err(ManagerError::BadRequest("clearing single fields is not possible on a TransferQueue unit".into()));
+        }
         let mut cleared = 0;
-        for (target, route) in self.targets.iter().zip(self.routes(global_indexes)) {
+        for (target, route) in self.targets.iter().zip(routes) {
             if route.indexes.is_empty() {
                 continue;
             }
             match target {
                 Target::Local(unit) => cleared += unit.clear(&route.indexes, fields),
                 Target::Remote(peer) => {
-                    if fields.is_some() {
-                        return Err(ManagerError::BadRequest(
-                            "clearing single fields is not possible on a TransferQueue unit".into(),
-                        ));
-                    }
                     self.exchange(peer, &tq::Request::Clear { global_indexes: route.indexes.clone() }).await?;
                     cleared += route.indexes.len() as u64;
                 }

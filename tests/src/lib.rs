@@ -9,12 +9,14 @@
 //! | [`process`] | the real `stowd` binary as a child process ([`Stowd`]) |
 //! | [`client`] | TransferQueue and `stowage/1` clients over real ZeroMQ sockets |
 //! | [`data`] | deterministic test batches and their expected rows |
+//! | [`load`] | concurrent load with a model of every key: mismatches, rates, latencies, memory |
 //! | [`prom`] | a strict Prometheus text-format parser and an HTTP scrape |
 
 use std::path::PathBuf;
 
 pub mod client;
 pub mod data;
+pub mod load;
 pub mod process;
 pub mod prom;
 

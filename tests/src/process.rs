@@ -92,6 +92,18 @@ impl Stowd {
 
     /// Like [`Stowd::start`], loading the plugins of `plugins` instead.
     pub fn start_with_plugins(plugins: &Path, config: &str) -> Stowd {
+        Stowd::start_wrapped(&[], plugins, config)
+    }
+
+    /// Like [`Stowd::start`], inside network namespace `netns` (`ip netns
+    /// exec <netns> stowd ...`, which execs, so the child is `stowd` itself).
+    pub fn start_in_netns(netns: &str, config: &str) -> Stowd {
+        let wrapper = ["ip".to_string(), "netns".into(), "exec".into(), netns.to_string()];
+        Stowd::start_wrapped(&wrapper, &plugin_dir(), config)
+    }
+
+    /// Starts `wrapper... stowd serve ...` (no wrapper: `stowd` itself).
+    fn start_wrapped(wrapper: &[String], plugins: &Path, config: &str) -> Stowd {
         let bin = stowd_bin();
         let dir = temp_dir("stowd");
         let config_path = dir.join("stowd.toml");
@@ -105,7 +117,15 @@ impl Stowd {
         let log_file = dir.join("stowd.log");
         let log = std::fs::File::create(&log_file).expect("create the log file");
         let filter = std::env::var("STOWD_TEST_LOG").unwrap_or_else(|_| "info,stowage_host=debug".into());
-        let mut child = Command::new(&bin)
+        let mut command = match wrapper.split_first() {
+            Some((program, args)) => {
+                let mut c = Command::new(program);
+                c.args(args).arg(&bin);
+                c
+            }
+            None => Command::new(&bin),
+        };
+        let mut child = command
             .arg("serve")
             .arg("--config")
             .arg(&config_path)
@@ -170,6 +190,15 @@ impl Stowd {
         if !self.is_running() {
             let status = self.child.as_mut().and_then(|c| c.try_wait().ok().flatten());
             panic!("stowd is not running (exit status {status:?})\n--- stowd log ---\n{}", self.log());
+        }
+    }
+
+    /// Kills the process with SIGKILL (a crash: no clean shutdown) and
+    /// reaps it. The handle stays, with the log, for [`Stowd::log`].
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
         }
     }
 

@@ -20,6 +20,8 @@
 //! To add a command: write `fn name(args: &[String]) -> Result<()>` and add
 //! a line to [`COMMANDS`].
 
+mod wheel;
+
 use std::env;
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -46,6 +48,11 @@ const COMMANDS: &[Cmd] = &[
         "test",
         "test                              set up, build everything, run every Rust and Python test",
         test,
+    ),
+    (
+        "wheel",
+        "wheel [--debug] [--out DIR]       build stowd (release) and a stowage wheel holding it and the plugins (target/wheels)",
+        wheel::wheel,
     ),
 ];
 

@@ -30,6 +30,11 @@ or in YAML (OmegaConf):
 Config keys of `backend.Stowage`. Where the units are, first one given wins:
 - `zmq_info`: a ready `{id: ZMQServerInfo}` (see `storage_unit_infos`), used as is.
 - `endpoint`: stowd's router endpoint, `tcp://host:port`.
+- `units`: a list of unit endpoints (`tcp://host:port`), in routing order:
+  TransferQueue's client routes `g % N` over them (what
+  `stowage.ray.StowageCluster.transferqueue_config()` writes).
+- `routers`: `{ray node id: router endpoint}`; each process takes its own
+  Ray node's (`stowage.ray`, `transferqueue_config(mode="router")`).
 - `endpoints_file` (else `$STOWD_ENDPOINTS_FILE`): the JSON file `stowd serve
   --endpoints-file` writes. It is read in every process that creates a
   TransferQueue client, so with one stowd per node each process talks to the
@@ -168,6 +173,21 @@ def storage_unit_infos(endpoints: Iterable[str | Mapping[str, str]]) -> dict[str
     return infos
 
 
+def _own_router(routers: Mapping[str, str]) -> str:
+    """The router endpoint of this process's Ray node in `{node id: endpoint}`."""
+    try:
+        import ray
+
+        node_id = ray.get_runtime_context().get_node_id()
+    except Exception as e:  # not in a Ray process
+        raise ValueError(f"backend.{BACKEND}.routers picks this process's Ray node's router, "
+                         f"but the Ray node id is not available here ({type(e).__name__}: {e})") from e
+    if node_id not in routers:
+        raise ValueError(f"backend.{BACKEND}.routers has no stowd router for this Ray node {node_id} "
+                         f"(it lists {sorted(routers)}; a node that joined after stowage.ray.launch() has none)")
+    return routers[node_id]
+
+
 def resolve_zmq_info(config: Mapping[str, Any] | None) -> dict[str, Any]:
     """The `{id: ZMQServerInfo}` a `backend.Stowage` config section points at
     (see the module doc for the keys)."""
@@ -180,11 +200,15 @@ def resolve_zmq_info(config: Mapping[str, Any] | None) -> dict[str, Any]:
         return dict(zmq_info)
     if config.get("endpoint"):
         return storage_unit_infos([config["endpoint"]])
+    if config.get("units"):
+        return storage_unit_infos(list(config["units"]))
+    if config.get("routers"):
+        return storage_unit_infos([_own_router(config["routers"])])
     path = config.get("endpoints_file") or os.environ.get("STOWD_ENDPOINTS_FILE")
     if not path:
         raise ValueError(
             f"backend.{BACKEND} needs one of: endpoints_file (the file `stowd serve --endpoints-file` "
-            "writes), endpoint (stowd's router endpoint), zmq_info; or set $STOWD_ENDPOINTS_FILE"
+            "writes), endpoint (stowd's router endpoint), units, routers, zmq_info; or set $STOWD_ENDPOINTS_FILE"
         )
     wait = config.get("wait_secs")
     data = read_endpoints_file(path, DEFAULT_WAIT_SECS if wait is None else wait)

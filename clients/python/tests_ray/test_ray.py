@@ -1,0 +1,233 @@
+"""Stowage on a real one-node Ray cluster (127.0.0.1): launch, put from one
+Ray task and get from another, SIGKILL the stowd child and watch Ray bring it
+back on the same endpoints, see the lost rows reported as lost, shut down
+with nothing left running."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+import ray
+
+import stowage
+import stowage.ray as sray
+from conftest import describe, live_children, stowd_bin, wait_gone
+
+N = 64
+
+# Ray workers cannot import this test module: send its functions by value.
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+def batch(seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    return {
+        "obs": rng.standard_normal((N, 16), dtype=np.float32),
+        "resp": [np.arange(i % 7, dtype=np.int64) + seed for i in range(N)],
+        "text": [f"row {i} of batch {seed}" for i in range(N)],
+    }
+
+
+@ray.remote
+def put_task(handle, indexes, seed):
+    with handle.client() as c:
+        stored = c.put(indexes, batch(seed))
+        return {"node": ray.get_runtime_context().get_node_id(), "same_node": c.same_node,
+                "stored": stored, "units": c.stats()["units"]}
+
+
+@ray.remote
+def get_task(handle, indexes):
+    """The rows, or the error a get raised (type names, message)."""
+    try:
+        with handle.client() as c:
+            got = c.get(indexes, ["obs", "resp", "text"])
+            return {"node": ray.get_runtime_context().get_node_id(), "same_node": c.same_node,
+                    "obs": np.array(got["obs"]), "resp": [np.array(r) for r in got["resp"]], "text": got["text"]}
+    except stowage.StowageError as e:
+        return {"error": [t.__name__ for t in type(e).__mro__], "message": str(e),
+                "nodes": list(getattr(e, "nodes", ()))}
+
+
+def check_rows(got: dict, indexes, seed: int):
+    want = batch(seed)
+    pos = list(indexes)
+    np.testing.assert_array_equal(got["obs"], want["obs"][pos])
+    for a, i in zip(got["resp"], pos):
+        np.testing.assert_array_equal(a, want["resp"][i])
+    assert got["text"] == [want["text"][i] for i in pos]
+
+
+def stowd_children(actor_pid: int) -> list[int]:
+    return [p.pid for p in psutil.Process(actor_pid).children() if p.name() == "stowd"]
+
+
+def test_binary_not_found_says_where_it_looked(local_ray, tmp_path):
+    missing = tmp_path / "no-such" / "stowd"
+    with pytest.raises(sray.StowdNotFound) as e:
+        sray.launch(stowd_bin=missing, workdir=tmp_path / "wd", timeout=60)
+    msg = str(e.value)
+    assert str(missing) in msg and "cargo xtask wheel" in msg and "stowd_bin" in msg, msg
+    # launch() cleaned up its actor.
+    assert wait_gone([p.pid for p in live_children() if "StowdNode" in " ".join(p.cmdline())]) == []
+
+
+def test_reserved_config_keys_are_refused(local_ray):
+    with pytest.raises(ValueError, match="units_per_node"):
+        sray.launch(config={"units": {"local": 4}})
+    with pytest.raises(ValueError, match=r"config\['router'\]\['units'\].*routing"):
+        sray.launch(config={"router": {"units": ["local:0"]}})
+
+
+def test_launch_put_get_kill_restart_shutdown(local_ray, tmp_path):
+    workdir = tmp_path / "wd"
+    node_id = ray.get_runtime_context().get_node_id()
+
+    # ---- launch: one stowd per node, as the child of a pinned actor
+    t0 = time.monotonic()
+    h = sray.launch(stowd_bin=stowd_bin(), workdir=workdir, units_per_node=2, config={"limits": {"max_rows": 100000}})
+    launch_s = time.monotonic() - t0
+    print(f"\nlaunch: {launch_s:.2f} s")
+    try:
+        assert [n.node_id for n in h.nodes] == [node_id]
+        node = h.local()
+        assert node.ip == "127.0.0.1"
+        for ep in [node.native, node.router, *node.units]:
+            assert ep.startswith("tcp://127.0.0.1:"), ep
+        assert h.units == node.units and len(h.units) == 2
+        assert stowd_children(node.actor_pid) == [node.stowd_pid], "stowd is not the actor's child"
+        assert node.generation == 0 and node.shm_dir == "/dev/shm"
+        config = (Path(node.dir) / "stowd.toml").read_text()
+        assert "max_rows = 100000" in config and "[router]" in config
+        if (stowd_bin().parent.parent / "plugins").is_dir():
+            assert "coalesce@0.1.0" in node.plugins, node.plugins
+        assert h.transferqueue_config() == {"storage_backend": "Stowage", "Stowage": {"units": h.units}}
+        assert h.transferqueue_config("router") == {
+            "storage_backend": "Stowage", "Stowage": {"routers": {node_id: node.router}}}
+
+        # ---- put from one task, get from another (same node: shared memory)
+        idx = list(range(N))
+        put = ray.get(put_task.remote(h, idx, seed=1), timeout=120)
+        assert put == {"node": node_id, "same_node": True, "stored": N, "units": 2}
+        order = idx[::-3]
+        got = ray.get(get_task.remote(h, order), timeout=120)
+        assert "error" not in got, got
+        assert got["node"] == node_id and got["same_node"]
+        check_rows(got, order, seed=1)
+
+        # A driver client made before the kill: it must work again after the restart.
+        early = h.client(same_node=False)
+        assert early.stats()["keys"] == N * 3
+
+        # ---- SIGKILL the stowd child: the actor exits, Ray restarts it, stowd comes back
+        old = node
+        t0 = time.monotonic()
+        os.kill(old.stowd_pid, signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while True:
+            now = h.status(timeout=120)[0]
+            if now.generation == 1:
+                break
+            assert time.monotonic() < deadline, "stowd did not come back"
+            time.sleep(0.05)
+        restart_s = time.monotonic() - t0
+        print(f"restart after SIGKILL: {restart_s:.2f} s")
+        assert now.stowd_pid != old.stowd_pid and psutil.pid_exists(now.stowd_pid)
+        assert now.actor_pid != old.actor_pid, "the actor process was not restarted"
+        assert wait_gone([old.actor_pid, old.stowd_pid]) == []
+        assert stowd_children(now.actor_pid) == [now.stowd_pid]
+        # Same endpoints: clients and other nodes' routers reconnect by themselves.
+        assert (now.native, now.router, now.units) == (old.native, old.router, old.units)
+        assert now.history[0]["exit"] == "killed by SIGKILL" and now.history[0]["pid"] == old.stowd_pid
+        assert now.history[1]["pid"] == now.stowd_pid and now.history[1]["ended"] is None
+
+        # ---- the rows put before the kill are reported lost, clearly
+        got = ray.get(get_task.remote(h, [0, 5]), timeout=120)
+        assert "DataLost" in got["error"] and "KeyNotFound" in got["error"], got
+        msg = got["message"]
+        assert got["nodes"] == [node_id]
+        for part in [node_id, "generation 0 -> 1", f"pid {old.stowd_pid}", "killed by SIGKILL", "lost"]:
+            assert part in msg, (part, msg)
+        # ... also through the old driver client's connection (plain stowage.Client: KeyNotFound)
+        with pytest.raises(stowage.KeyNotFound):
+            early.get([0], ["obs"])
+        assert early.stats()["keys"] == 0
+
+        # ---- the restarted stowd serves: put and get again from tasks
+        put = ray.get(put_task.remote(h, idx, seed=2), timeout=120)
+        assert put["stored"] == N
+        got = ray.get(get_task.remote(h, idx), timeout=120)
+        assert "error" not in got, got
+        check_rows(got, idx, seed=2)
+        # Once acknowledged, a missing row is a plain KeyNotFound again.
+        h.refresh()
+        got = ray.get(get_task.remote(h, [N + 1]), timeout=120)
+        assert "KeyNotFound" in got["error"] and "DataLost" not in got["error"], got
+        early.close()
+    finally:
+        pids = [p for n in h.status(timeout=60) for p in (n.actor_pid, n.stowd_pid)]
+        t0 = time.monotonic()
+        h.shutdown()
+        print(f"shutdown: {time.monotonic() - t0:.2f} s")
+
+    # ---- nothing left: no stowd, no actor process, no state directory
+    assert wait_gone(pids) == [], f"still running: {describe(pids)}"
+    left = [p for p in live_children() if p.name() == "stowd" or "StowdNode" in " ".join(p.cmdline())]
+    assert left == [], describe(left)
+    assert not any(p.name() == "stowd" and str(workdir) in " ".join(p.cmdline()) for p in psutil.process_iter())
+    assert not (workdir / h.launch_id).exists()
+    h.shutdown()  # idempotent
+
+
+def test_the_wheels_stowd_runs_on_its_defaults_and_under_launch(local_ray, tmp_path):
+    """The wheel of `cargo xtask wheel`, unpacked as pip would: its stowd finds
+    the wheel's plugins by itself, and launch() runs it."""
+    import json
+    import subprocess
+    import zipfile
+
+    wheels = sorted((Path(__file__).resolve().parents[3] / "target" / "wheels").glob("stowage-*.whl"))
+    if not wheels:
+        pytest.skip("no wheel in target/wheels: run `cargo xtask wheel` first")
+    site = tmp_path / "site"
+    with zipfile.ZipFile(wheels[-1]) as z:
+        z.extractall(site)
+        for info in z.infolist():  # zipfile drops the mode bits: restore them as pip does
+            mode = info.external_attr >> 16
+            if mode & 0o111:
+                os.chmod(site / info.filename, mode & 0o777)
+    binary = site / "stowage" / "_bin" / "stowd"
+    shipped = sorted(p.stem for p in (site / "stowage" / "plugins").glob("*.wasm"))
+    assert "coalesce" in shipped and not (site / "stowage" / "plugins" / "hostile").exists()
+
+    ep = tmp_path / "ep.json"
+    proc = subprocess.Popen([binary, "serve", "--endpoints-file", ep], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while not ep.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "the wheel's stowd did not start"
+            time.sleep(0.05)
+        loaded = sorted(p.split("@")[0] for p in json.loads(ep.read_text())["plugins"])
+        assert loaded == shipped
+    finally:
+        proc.terminate()
+        assert proc.wait(20) == 0
+
+    h = sray.launch(stowd_bin=binary, workdir=tmp_path / "wd")
+    try:
+        node = h.local()
+        assert node.stowd_bin == str(binary.resolve())
+        assert node.plugin_dir == str((site / "stowage" / "plugins").resolve())
+        assert sorted(p.split("@")[0] for p in node.plugins) == shipped
+        assert ray.get(put_task.remote(h, list(range(N)), seed=7), timeout=120)["stored"] == N
+        check_rows(ray.get(get_task.remote(h, list(range(N))), timeout=120), list(range(N)), seed=7)
+    finally:
+        h.shutdown()

@@ -1,0 +1,101 @@
+"""TransferQueue 0.1.11 on Ray with Stowage as its storage, wired by
+`StowageCluster.transferqueue_config()`: tq.init() in the driver (its
+controller is a Ray actor), kv_batch_put from one Ray task, kv_batch_get
+from another, the rows in stowd's units. Needs transferqueue==0.1.11 (and
+torch) in the interpreter: skipped otherwise (run it with the TransferQueue
+venv of ../tests_optin, see README.md here)."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import numpy as np
+import pytest
+import ray
+
+tq = pytest.importorskip("transfer_queue", reason="transfer_queue not installed (TransferQueue venv needed)")
+
+import stowage.ray as sray  # noqa: E402
+import stowage.transferqueue  # noqa: E402,F401  (registers the "Stowage" backend in this process)
+from conftest import OBJECT_STORE_BYTES, describe, live_children, stowd_bin, wait_gone  # noqa: E402
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+N = 12
+
+
+@pytest.fixture(scope="module")
+def tq_ray(ray_temp_dir):
+    assert not live_children(), f"processes left from before: {describe(live_children())}"
+    ray.init(
+        address="local",
+        _node_ip_address="127.0.0.1",
+        num_cpus=1,  # TransferQueue's controller takes it; the tasks below ask for none
+        object_store_memory=OBJECT_STORE_BYTES,
+        include_dashboard=False,
+        _temp_dir=ray_temp_dir,
+        # Every worker registers the backend (the factory registry is per process).
+        runtime_env={"worker_process_setup_hook": "stowage.transferqueue.register"},
+    )
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+        left = wait_gone([p.pid for p in live_children()], timeout=20)
+        assert not left, f"processes left after ray.shutdown(): {describe(left)}"
+
+
+def make_fields(seed: int):
+    import torch
+    from tensordict import TensorDict
+
+    g = torch.Generator().manual_seed(seed)
+    return TensorDict({"x": torch.randn(N, 3, generator=g), "ids": torch.arange(N) * 10 + seed}, batch_size=N)
+
+
+@ray.remote(num_cpus=0)
+def producer(keys):
+    import transfer_queue as tq
+
+    tq.init()  # attaches to the driver's controller; storage from its config
+    tq.kv_batch_put(keys=keys, partition_id="rollout", fields=make_fields(seed=3))
+    return type(tq.get_client().storage_manager).__name__
+
+
+@ray.remote(num_cpus=0)
+def consumer(keys):
+    import transfer_queue as tq
+
+    tq.init()
+    got = tq.kv_batch_get(keys=keys, partition_id="rollout", select_fields=["x", "ids"])
+    # Row by row: TransferQueue may hand a field back as a nested (jagged) tensor.
+    return np.stack([r.numpy() for r in got["x"]]), np.stack([r.numpy() for r in got["ids"]])
+
+
+def test_transferqueue_on_ray_uses_the_launched_units(tq_ray, tmp_path):
+    h = sray.launch(stowd_bin=stowd_bin(), workdir=tmp_path / "wd")
+    try:
+        # What a TransferQueue user adds: the backend section from the handle.
+        conf = tq.init({"backend": h.transferqueue_config()})
+        assert conf.backend.storage_backend == "Stowage"
+        assert list(conf.backend.Stowage.units) == h.units
+        keys = [f"sample-{i}" for i in range(N)]
+        t0 = time.monotonic()
+        manager = ray.get(producer.remote(keys), timeout=300)
+        assert manager == "StowageStorageManager"
+        x, ids = ray.get(consumer.remote(keys[::-1]), timeout=300)
+        print(f"\nTransferQueue put + get from two Ray tasks: {time.monotonic() - t0:.2f} s")
+        want = make_fields(seed=3)
+        np.testing.assert_array_equal(x, want["x"].numpy()[::-1])
+        np.testing.assert_array_equal(ids, want["ids"].numpy()[::-1])
+        # The rows are in stowd's units: N rows x 2 fields, spread g % 2.
+        with h.client(same_node=False) as c:
+            assert c.stats()["keys"] == 2 * N
+        # mode="router": each process resolves its own node's router endpoint.
+        infos = stowage.transferqueue.resolve_zmq_info(h.transferqueue_config("router")["Stowage"])
+        (info,) = infos.values()
+        assert f"tcp://{info.ip}:{info.ports['put_get_socket']}" == h.local().router
+    finally:
+        tq.close()
+        h.shutdown()

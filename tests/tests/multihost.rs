@@ -1,0 +1,372 @@
+//! Router mode across hosts, with network namespaces standing in for hosts
+//! (issue 6, part 3): three unit hosts, each a `stowd` serving one unit in
+//! its own namespace, and a router `stowd` in a fourth namespace routing to
+//! them over tcp (`g % 3`). The test process reaches the router through a
+//! veth pair from the host namespace. Every address is a 10.77.x.y/24
+//! inside these namespaces and that one veth; nothing touches the host's
+//! real interfaces, and a guard removes the namespaces and the veth at the
+//! end, panics included.
+//!
+//! 1. Healthy: the verifying load (`stowage_tests::load`) over the router,
+//!    both protocols: nothing lost or mixed up.
+//! 2. One unit host is killed (SIGKILL): requests touching it fail with an
+//!    error naming it within the router's timeout; requests touching only
+//!    the other units go on working, with their data intact.
+//! 3. It restarts, empty, on the same address: new puts to it succeed, and
+//!    its old rows are reported missing (key not found), never returned
+//!    wrong.
+//!
+//! Needs root and `ip` (iproute2). Without them the test says why and
+//! returns.
+
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use stowage_host::batch::Field;
+use stowage_tests::Stowd;
+use stowage_tests::load::{self, DualClient, Outcome, Proto, Target};
+
+/// The router's reply timeout towards its units.
+const ROUTER_TIMEOUT: Duration = Duration::from_secs(3);
+/// The unit hosts' port.
+const UNIT_PORT: u16 = 7100;
+const UNITS: usize = 3;
+
+/// `ip args...`; Err with its stderr.
+fn ip(args: &[&str]) -> Result<(), String> {
+    let out = Command::new("ip").args(args).output().map_err(|e| format!("cannot run ip: {e}"))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!("ip {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim()))
+    }
+}
+
+/// The namespaces and links of one run; removed on drop.
+struct Net {
+    /// Router namespace, then unit namespaces.
+    router_ns: String,
+    unit_ns: Vec<String>,
+    host_link: String,
+    /// Third octet of the host <-> router subnet; unit i uses `base + 1 + i`.
+    base: u8,
+}
+
+impl Net {
+    fn router_addr(&self) -> String {
+        format!("10.77.{}.2", self.base)
+    }
+    fn unit_addr(&self, i: usize) -> String {
+        format!("10.77.{}.2", self.base as usize + 1 + i)
+    }
+    fn unit_endpoint(&self, i: usize) -> String {
+        format!("tcp://{}:{UNIT_PORT}", self.unit_addr(i))
+    }
+
+    /// Creates everything, or says why it cannot.
+    fn create() -> Result<Net, String> {
+        if Command::new("ip").arg("-V").output().is_err() {
+            return Err("`ip` (iproute2) is not installed".into());
+        }
+        let euid = std::fs::read_to_string("/proc/self/status")
+            .ok()
+            .and_then(|s| s.lines().find(|l| l.starts_with("Uid:")).map(|l| l.split_whitespace().nth(2).unwrap_or("").to_string()));
+        if euid.as_deref() != Some("0") {
+            return Err(format!("not root (effective uid {})", euid.unwrap_or_else(|| "?".into())));
+        }
+        let pid = std::process::id();
+        let tag = format!("{:05}", pid % 100_000);
+        // A /24 block per run: five subnets from a third octet derived from
+        // the pid, skipping any already routed on this host.
+        let routes = Command::new("ip").args(["-4", "route", "show"]).output().map(|o| o.stdout).unwrap_or_default();
+        let routes = String::from_utf8_lossy(&routes).to_string();
+        let base = (0..50u32)
+            .map(|k| (((pid + k) % 50) * 5) as u8)
+            .find(|b| (0..=UNITS as u8).all(|i| !routes.contains(&format!("10.77.{}.", b + i))))
+            .ok_or("no free 10.77.x.0/24 block")?;
+        let net = Net {
+            router_ns: format!("stowage-mh-{tag}-r"),
+            unit_ns: (0..UNITS).map(|i| format!("stowage-mh-{tag}-u{i}")).collect(),
+            host_link: format!("stw{tag}h"),
+            base,
+        };
+        // From here on, drop cleans up whatever was made.
+        net.build(&tag).map_err(|e| format!("cannot create the namespaces: {e}"))?;
+        Ok(net)
+    }
+
+    fn build(&self, tag: &str) -> Result<(), String> {
+        let r = &self.router_ns;
+        ip(&["netns", "add", r])?;
+        ip(&["-n", r, "link", "set", "lo", "up"])?;
+        // Host <-> router.
+        let router_side = format!("stw{tag}r");
+        ip(&["link", "add", &self.host_link, "type", "veth", "peer", "name", &router_side])?;
+        ip(&["link", "set", &router_side, "netns", r])?;
+        ip(&["addr", "add", &format!("10.77.{}.1/24", self.base), "dev", &self.host_link])?;
+        ip(&["link", "set", &self.host_link, "up"])?;
+        ip(&["-n", r, "addr", "add", &format!("{}/24", self.router_addr()), "dev", &router_side])?;
+        ip(&["-n", r, "link", "set", &router_side, "up"])?;
+        // Router <-> each unit host.
+        for (i, u) in self.unit_ns.iter().enumerate() {
+            ip(&["netns", "add", u])?;
+            ip(&["-n", u, "link", "set", "lo", "up"])?;
+            let (ra, ua) = (format!("stw{tag}a{i}"), format!("stw{tag}u{i}"));
+            ip(&["-n", r, "link", "add", &ra, "type", "veth", "peer", "name", &ua, "netns", u])?;
+            let subnet = self.base as usize + 1 + i;
+            ip(&["-n", r, "addr", "add", &format!("10.77.{subnet}.1/24"), "dev", &ra])?;
+            ip(&["-n", r, "link", "set", &ra, "up"])?;
+            ip(&["-n", u, "addr", "add", &format!("{}/24", self.unit_addr(i)), "dev", &ua])?;
+            ip(&["-n", u, "link", "set", &ua, "up"])?;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Net {
+    fn drop(&mut self) {
+        // Deleting a namespace deletes the veth ends in it, and so their
+        // peers; the host end goes explicitly in case its peer never moved.
+        for ns in std::iter::once(&self.router_ns).chain(&self.unit_ns).filter(|n| !n.is_empty()) {
+            if let Err(e) = ip(&["netns", "del", ns]) {
+                eprintln!("cleanup: {e}");
+            }
+        }
+        if !self.host_link.is_empty() && std::path::Path::new(&format!("/sys/class/net/{}", self.host_link)).exists() {
+            if let Err(e) = ip(&["link", "del", &self.host_link]) {
+                eprintln!("cleanup: {e}");
+            }
+        }
+    }
+}
+
+fn unit_config(net: &Net, i: usize) -> String {
+    format!(
+        "[server]\nhost = {:?}\n\n[units]\nlocal = 1\nport_base = {UNIT_PORT}\n\n[router]\nenabled = false\n\n[shm]\nenabled = false\n",
+        net.unit_addr(i)
+    )
+}
+
+fn router_config(net: &Net) -> String {
+    let units: Vec<String> = (0..UNITS).map(|i| format!("{:?}", net.unit_endpoint(i))).collect();
+    format!(
+        "[server]\nhost = {:?}\n\n[units]\nlocal = 0\n\n[router]\nunits = [{}]\ntimeout_secs = {}\n\n[shm]\nenabled = false\n",
+        net.router_addr(),
+        units.join(", "),
+        ROUTER_TIMEOUT.as_secs()
+    )
+}
+
+/// A put of `fields` (reg, jag, str) at `indexes`, version `v`.
+fn batch(indexes: &[u64], v: u64) -> Vec<(String, Field)> {
+    ["reg", "jag", "str"].iter().map(|f| (f.to_string(), load::field(f, indexes, v))).collect()
+}
+
+const NAMES: [&str; 3] = ["reg", "jag", "str"];
+
+fn names() -> Vec<String> {
+    NAMES.iter().map(|s| s.to_string()).collect()
+}
+
+/// Asserts a get of `indexes` succeeded with version `v` of every row.
+fn assert_rows(what: &str, outcome: &Outcome, indexes: &[u64], v: u64) {
+    let Outcome::Got(fields) = outcome else { panic!("{what}: expected rows, got {outcome:?}") };
+    assert_eq!(fields.len(), NAMES.len(), "{what}: fields");
+    for ((name, cells), want) in fields.iter().zip(NAMES) {
+        assert_eq!(name, want, "{what}: field order");
+        assert_eq!(cells.len(), indexes.len(), "{what}: rows of {name}");
+        for (cell, g) in cells.iter().zip(indexes) {
+            if let Some(why) = load::check(cell, *g, name, v) {
+                panic!("{what}: g={g} field={name}: {why}");
+            }
+        }
+    }
+}
+
+/// The error text of a failed request (panics on success).
+fn error_text(what: &str, outcome: &Outcome) -> String {
+    match outcome {
+        Outcome::Error(e) | Outcome::KeyNotFound(e) => e.clone(),
+        other => panic!("{what}: expected an error reply, got {other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_unit_host_dies_and_comes_back() {
+    let net = match Net::create() {
+        Ok(n) => n,
+        Err(why) => {
+            eprintln!("SKIPPED multihost: network namespaces are not available here: {why}");
+            return;
+        }
+    };
+    let started = Instant::now();
+    let mut units: Vec<Stowd> = (0..UNITS).map(|i| Stowd::start_in_netns(&net.unit_ns[i], &unit_config(&net, i))).collect();
+    let mut router = Stowd::start_in_netns(&net.router_ns, &router_config(&net));
+    for (i, u) in units.iter().enumerate() {
+        assert_eq!(u.unit(0).endpoint, net.unit_endpoint(i), "unit host {i} endpoint");
+    }
+    let target =
+        Target { tq: Some(router.router().clone()), native: Some(router.native().to_string()), pid: None };
+    println!("router {} / {} over {:?}", router.router().endpoint, router.native(), (0..UNITS).map(|i| net.unit_endpoint(i)).collect::<Vec<_>>());
+
+    // 1. Healthy: the verifying load across the namespaces.
+    let opts = load::Options {
+        clients: 16,
+        duration: Duration::from_secs(4),
+        keys_per_client: 64,
+        max_batch: 24,
+        seed: 7,
+        timeout: Duration::from_secs(20),
+        exact_clear_counts: false,
+        field_clears: false,
+        ..load::Options::default()
+    };
+    let report = load::run(&target, &opts).await;
+    println!("{}", report.table());
+    assert_eq!(report.mismatch_count, 0, "healthy phase:\n{}", report.table());
+    assert_eq!(report.error_count, 0, "healthy phase:\n{}", report.table());
+    assert!(report.op("put").count > 0 && report.op("get").count > 0 && report.op("clear").count > 0);
+
+    // 2. Known rows on every unit, then unit host 1 dies.
+    let mut client = DualClient::new(&target, "mh", Duration::from_secs(20));
+    let all: Vec<u64> = (0..30).collect();
+    assert!(matches!(client.put(Proto::Native, &all, batch(&all, 1)).await, Outcome::Put), "put before the kill");
+    assert_rows("get before the kill", &client.get(Proto::Tq, &all, &names()).await, &all, 1);
+    let dead = 1usize;
+    let on_dead: Vec<u64> = all.iter().copied().filter(|g| g % 3 == dead as u64).collect();
+    let elsewhere: Vec<u64> = all.iter().copied().filter(|g| g % 3 != dead as u64).collect();
+    units[dead].kill();
+    println!("killed unit host {dead} ({})", net.unit_endpoint(dead));
+
+    let dead_endpoint = net.unit_endpoint(dead);
+    let bound = ROUTER_TIMEOUT + Duration::from_secs(2);
+    for (p, what) in [(Proto::Tq, "get over transferqueue"), (Proto::Native, "get over stowage/1"), (Proto::Tq, "get again")] {
+        let t = Instant::now();
+        let outcome = client.get(p, &[on_dead[0], elsewhere[0]], &names()).await;
+        let took = t.elapsed();
+        let text = error_text(what, &outcome);
+        println!("{what} touching the dead unit: {took:?}: {text}");
+        assert!(matches!(outcome, Outcome::Error(_)), "{what}: a dead unit is not a missing key: {text}");
+        assert!(text.contains(&dead_endpoint), "{what}: the error names the unit: {text}");
+        assert!(took <= bound, "{what}: took {took:?}, more than the router timeout {ROUTER_TIMEOUT:?} + 2 s");
+    }
+    let t = Instant::now();
+    let outcome = client.put(Proto::Native, &on_dead[..2], batch(&on_dead[..2], 2)).await;
+    let text = error_text("put to the dead unit", &outcome);
+    println!("put touching the dead unit: {:?}: {text}", t.elapsed());
+    assert!(text.contains(&dead_endpoint), "put: the error names the unit: {text}");
+    assert!(t.elapsed() <= bound, "put to the dead unit took {:?}", t.elapsed());
+
+    // Several requests at once: each fails in time, not one after another.
+    let mut others: Vec<DualClient> = (0..4).map(|i| DualClient::new(&target, &format!("mh{i}"), Duration::from_secs(60))).collect();
+    let t = Instant::now();
+    let tasks = others.iter_mut().enumerate().map(|(i, c)| {
+        let g = [on_dead[i % on_dead.len()]];
+        async move {
+            let t = Instant::now();
+            let o = c.get(Proto::Native, &g, &names()).await;
+            (t.elapsed(), o)
+        }
+    });
+    let concurrent = join_all(tasks).await;
+    let slowest = concurrent.iter().map(|(d, _)| *d).max().unwrap_or_default();
+    println!("4 concurrent gets on the dead unit: slowest {slowest:?} (all {:?})", concurrent.iter().map(|(d, _)| *d).collect::<Vec<_>>());
+    for (d, o) in &concurrent {
+        let text = error_text("concurrent get", o);
+        assert!(text.contains(&dead_endpoint), "concurrent get: {text}");
+        let _ = d;
+    }
+    println!("(concurrent phase took {:?})", t.elapsed());
+
+    // Requests touching only the live units go on, data intact.
+    for p in [Proto::Tq, Proto::Native] {
+        let t = Instant::now();
+        let outcome = client.get(p, &elsewhere, &names()).await;
+        assert_rows(&format!("{p:?} get on the live units"), &outcome, &elsewhere, 1);
+        assert!(t.elapsed() < bound, "get on the live units took {:?}", t.elapsed());
+        let fresh = [elsewhere[0], elsewhere[1]];
+        assert!(matches!(client.put(p, &fresh, batch(&fresh, 3)).await, Outcome::Put), "{p:?} put on live units");
+        assert_rows("reread", &client.get(p, &fresh, &names()).await, &fresh, 3);
+        assert!(matches!(client.put(p, &fresh, batch(&fresh, 1)).await, Outcome::Put));
+    }
+    assert_slowest_ok(slowest, bound);
+
+    // 3. The unit host restarts, empty, on the same address.
+    let dead_before = std::mem::replace(&mut units[dead], Stowd::start_in_netns(&net.unit_ns[dead], &unit_config(&net, dead)));
+    drop(dead_before);
+    println!("restarted unit host {dead}");
+    // The router's connection to the old process is gone; the first request
+    // may spend one timeout finding that out. New puts succeed from then on.
+    let t = Instant::now();
+    let mut attempts = vec![];
+    let fresh: Vec<u64> = on_dead[..3].to_vec();
+    loop {
+        let a = Instant::now();
+        let outcome = client.put(Proto::Tq, &fresh, batch(&fresh, 4)).await;
+        attempts.push((a.elapsed(), format!("{outcome:?}").chars().take(200).collect::<String>()));
+        if matches!(outcome, Outcome::Put) {
+            break;
+        }
+        assert!(t.elapsed() < Duration::from_secs(20), "puts to the restarted unit keep failing: {attempts:#?}");
+    }
+    println!("put to the restarted unit: {} attempt(s) in {:?}: {attempts:?}", attempts.len(), t.elapsed());
+    assert_rows("get of new rows on the restarted unit", &client.get(Proto::Native, &fresh, &names()).await, &fresh, 4);
+    // Its old rows are gone, and reported so, over both protocols.
+    let lost = on_dead[3];
+    for p in [Proto::Tq, Proto::Native] {
+        let outcome = client.get(p, &[lost], &names()).await;
+        let text = error_text("get of a row the dead unit held", &outcome);
+        println!("{p:?} get of an old row of the restarted unit: {text}");
+        assert!(matches!(outcome, Outcome::KeyNotFound(_)), "{p:?}: an old row is reported missing: {text}");
+    }
+    // The other units kept everything.
+    assert_rows("get on the other units after the restart", &client.get(Proto::Tq, &elsewhere, &names()).await, &elsewhere, 1);
+    router.assert_running();
+    println!("multihost took {:?}", started.elapsed());
+    drop(client);
+    drop(others);
+    router.stop();
+    for u in units {
+        u.stop();
+    }
+    drop(net);
+}
+
+/// Requests queued behind a dead unit each fail, none hangs. KNOWN BUG
+/// (transport `Peer`: one request in flight per remote unit, under a lock,
+/// each waiting out its own timeout): with 4 at once they fail after 3, 6,
+/// 9 and 12 s, not all within the 3 s timeout. Until the transport rewrite
+/// fixes that, the bound is 4 timeouts; then it should be `bound` itself.
+fn assert_slowest_ok(slowest: Duration, bound: Duration) {
+    let queued = ROUTER_TIMEOUT * 4 + (bound - ROUTER_TIMEOUT);
+    assert!(
+        slowest <= queued,
+        "with 4 requests at once on the dead unit the slowest took {slowest:?}, more than 4 router timeouts"
+    );
+    if slowest > bound {
+        println!(
+            "KNOWN BUG: requests to a dead unit wait for each other: the slowest of 4 took {slowest:?} \
+             (router timeout {ROUTER_TIMEOUT:?})"
+        );
+    }
+}
+
+async fn join_all<F: std::future::Future>(futures: impl IntoIterator<Item = F>) -> Vec<F::Output> {
+    let mut set: Vec<std::pin::Pin<Box<F>>> = futures.into_iter().map(Box::pin).collect();
+    let mut out: Vec<Option<F::Output>> = (0..set.len()).map(|_| None).collect();
+    std::future::poll_fn(|cx| {
+        let mut pending = false;
+        for (i, f) in set.iter_mut().enumerate() {
+            if out[i].is_none() {
+                match f.as_mut().poll(cx) {
+                    std::task::Poll::Ready(v) => out[i] = Some(v),
+                    std::task::Poll::Pending => pending = true,
+                }
+            }
+        }
+        if pending { std::task::Poll::Pending } else { std::task::Poll::Ready(()) }
+    })
+    .await;
+    out.into_iter().map(|o| o.expect("finished")).collect()
+}
