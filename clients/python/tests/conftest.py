@@ -27,6 +27,7 @@ from stowd_harness import run_stowd, stowd_binary  # noqa: E402
 
 CAPACITY = 4096  # bytes per unit of the `small` server
 SMALL_MAX_ROWS = 1000  # [limits] max_rows of the `small` server
+SMALL_MAX_REQUEST = 1 << 20  # [limits] max_request_bytes of the `small` server
 
 
 def plugin_dir() -> Path:
@@ -50,8 +51,11 @@ def endpoint(server) -> str:
 
 @pytest.fixture(scope="session")
 def small_server(tmp_path_factory):
-    """Units of 4096 bytes each; at most 1000 global indexes per request."""
-    config = f"[units]\nlocal = 2\ncapacity_bytes = {CAPACITY}\n[limits]\nmax_rows = {SMALL_MAX_ROWS}\n"
+    """Units of 4096 bytes each; at most 1000 global indexes and 1 MiB per request."""
+    config = (
+        f"[units]\nlocal = 2\ncapacity_bytes = {CAPACITY}\n"
+        f"[limits]\nmax_rows = {SMALL_MAX_ROWS}\nmax_request_bytes = {SMALL_MAX_REQUEST}\n"
+    )
     with run_stowd(tmp_path_factory.mktemp("client-small"), config=config, name="stowd-client-small") as s:
         s.capacity, s.max_rows = CAPACITY, SMALL_MAX_ROWS
         yield s

@@ -176,6 +176,21 @@ def test_too_large(small_server, fresh):
         assert isinstance(ei.value, stowage.BadRequest)
 
 
+def test_request_over_the_byte_limit(small_server, fresh):
+    """A message bigger than the server's [limits] max_request_bytes (1 MiB):
+    refused unread with `too_large`, the connection still usable."""
+    idx = fresh(4)
+    with stowage.Client(small_server["native"], timeout=10, max_message_bytes=64 << 20) as c:
+        with pytest.raises(stowage.TooLarge, match=r"max_request_bytes") as ei:
+            c.put(idx[:2], {"x": np.ones((2, 1 << 18), np.float32)})  # 2 MiB in one message
+        assert "1048576" in str(ei.value)
+        with pytest.raises(stowage.KeyNotFound):
+            c.get(idx[:1], ["x"])
+        c.put(idx[2:], {"x": np.zeros((2, 4), np.float32)})
+        assert np.array_equal(np.asarray(c.get(idx[2:], ["x"])["x"]), np.zeros((2, 4), np.float32))
+        assert c.clear(idx[2:]) == 2
+
+
 def test_split_put_is_not_atomic(small_server, fresh):
     """A put split into several messages stores message by message: when a later
     one fails, the earlier ones stay, and the exception says how many rows."""
