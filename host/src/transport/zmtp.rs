@@ -83,9 +83,10 @@ pub enum Incoming {
 const GREETING_LEN: usize = 64;
 /// Frames up to this size are copied out of the read buffer; larger ones
 /// are read straight into their own allocation.
-const SMALL_FRAME: usize = 64 << 10;
-/// Capacity the read buffer is refilled to.
-const READ_CHUNK: usize = 128 << 10;
+const SMALL_FRAME: usize = 16 << 10;
+/// Capacity the read buffer is refilled to. It is what an idle connection
+/// costs, so it is kept small; large frames bypass it.
+const READ_CHUNK: usize = 32 << 10;
 /// First allocation for a large frame; it then doubles as bytes arrive.
 const FIRST_CHUNK: usize = 8 << 20;
 /// Commands are small; anything above this is refused.
@@ -255,7 +256,7 @@ pub struct FrameReader<R> {
 
 impl<R: AsyncRead + Unpin> FrameReader<R> {
     pub fn new(inner: R) -> Self {
-        FrameReader { inner, buf: BytesMut::with_capacity(READ_CHUNK) }
+        FrameReader { inner, buf: BytesMut::new() }
     }
 
     /// Reads until at least `n` bytes are buffered. `Ok(false)`: the stream
@@ -407,6 +408,10 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
             if flags & FLAG_MORE == 0 {
                 break;
             }
+        }
+        if self.buf.is_empty() && self.buf.capacity() > 2 * READ_CHUNK {
+            // Grown for an odd item: do not keep it while the connection idles.
+            self.buf = BytesMut::new();
         }
         Ok(Some(match over {
             Some(reason) => Incoming::TooLarge { head: frames, reason },
