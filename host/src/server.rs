@@ -26,6 +26,7 @@ use crate::manager::{Manager, ManagerError, Target, process_rss_bytes};
 use crate::metrics::{Metrics, Outcome, Protocol};
 use crate::plan::{Frame, PackLimits, PieceInfo};
 use crate::shm::{SegmentStore, ShmError};
+use crate::spans::{self, Spans};
 use crate::tensor::Tensor;
 use crate::policy::registry::Registry;
 use crate::store::{StoreError, Unit};
@@ -391,8 +392,15 @@ struct NativeService {
     pack_limits: PackLimits,
     /// Same-node shared memory, if enabled.
     shm: Option<Arc<SegmentStore>>,
+    /// Data frames of received puts, so rows stored from one frame and read
+    /// back in order go out as one range (see [`crate::spans`]).
+    spans: Spans,
     metrics: Arc<Metrics>,
 }
+
+/// Received data frames at least this large are registered in
+/// [`NativeService::spans`] (smaller ones rarely hold more than a row or two).
+const SPAN_MIN_FRAME: usize = 64 << 10;
 
 fn shm_error(e: &ShmError) -> native::Reply {
     let code = match e {
@@ -546,9 +554,10 @@ impl NativeService {
                             Err(e) => return native::Reply::from_error(&e),
                         }
                     }
-                    if same_node && let Some(shm) = &self.shm {
-                        out = out.into_iter().map(|(n, w)| (n, merge_runs(shm, w))).collect();
-                    }
+                    out = match (&self.shm, same_node) {
+                        (Some(shm), true) => out.into_iter().map(|(n, w)| (n, join_runs(w, |p, l| shm.span_at(p, l)))).collect(),
+                        _ => out.into_iter().map(|(n, w)| (n, join_runs(w, |p, l| self.spans.span(p, l)))).collect(),
+                    };
                     return native::Reply::GetOk { fields: out };
                 }
                 Err(e) => native_error(&e),
@@ -686,13 +695,20 @@ impl NativeService {
             Err(e) => (fallback_id, native::Reply::from_error(&e), false),
             Ok(extras) => match self.resolve_segments(frames, &extras) {
                 Err(reply) => (fallback_id, reply, false),
-                Ok(frames) => match native::decode_request(&frames, &self.limits) {
-                    Ok(req) => {
-                        op = req.op.name();
-                        (req.id, self.answer(req.op, extras.same_node).await, extras.same_node)
+                Ok(mut frames) => {
+                    if extras.segments.is_none() {
+                        for f in frames.iter_mut().skip(1).filter(|f| f.len() >= SPAN_MIN_FRAME) {
+                            *f = self.spans.register(std::mem::take(f));
+                        }
                     }
-                    Err(e) => (fallback_id, native::Reply::from_error(&e), false),
-                },
+                    match native::decode_request(&frames, &self.limits) {
+                        Ok(req) => {
+                            op = req.op.name();
+                            (req.id, self.answer(req.op, extras.same_node).await, extras.same_node)
+                        }
+                        Err(e) => (fallback_id, native::Reply::from_error(&e), false),
+                    }
+                }
             },
         };
         let encoded = match &reply {
@@ -717,28 +733,15 @@ impl NativeService {
     }
 }
 
-/// A regular field whose rows lie back to back in one segment becomes one
-/// part per run (the client maps it as one array, no copy).
-fn merge_runs(shm: &SegmentStore, field: native::WireField) -> native::WireField {
+/// A regular field whose rows lie back to back in one buffer (a received
+/// frame, or a shared-memory segment) becomes one part per run, found by
+/// `span`: sent as one frame without a copy, or mapped by a same-node client
+/// as one array.
+fn join_runs(field: native::WireField, span: impl Fn(*const u8, usize) -> Option<Bytes>) -> native::WireField {
     let native::WireField::Regular(p) = &field else { return field };
-    let mut runs: Vec<(String, u64, u64, u64)> = Vec::new(); // segment, offset, len, rows
-    for (bytes, rows) in p.parts() {
-        let Some(loc) = shm.locate(bytes) else { return field };
-        match runs.last_mut() {
-            Some((seg, off, len, r)) if *seg == loc.segment && *off + *len == loc.offset => {
-                *len += loc.len;
-                *r += rows;
-            }
-            _ => runs.push((loc.segment, loc.offset, loc.len, *rows)),
-        }
-    }
-    let mut parts = Vec::with_capacity(runs.len());
-    for (seg, off, len, rows) in runs {
-        let Some(b) = shm.span(&seg, off, len) else { return field };
-        parts.push((b, rows));
-    }
+    let Some(parts) = spans::join_runs(p.parts(), span) else { return field };
     match native::RegularParts::new(p.dtype(), p.row_shape().to_vec(), parts) {
-        Ok(merged) => native::WireField::Regular(merged),
+        Ok(joined) => native::WireField::Regular(joined),
         Err(_) => field,
     }
 }
@@ -905,6 +908,7 @@ pub async fn start(config: Config) -> anyhow::Result<Running> {
         limits: native_limits,
         pack_limits,
         shm: shm.clone(),
+        spans: Spans::new(),
         metrics: metrics.clone(),
     });
     tasks.push(tokio::spawn(transport::serve_with(socket, service, transport_limits, rx.clone())));

@@ -190,6 +190,19 @@ impl SegmentStore {
         Some(Bytes::from_owner(SegmentRef(arc)).slice(offset as usize..end as usize))
     }
 
+    /// `len` bytes from address `start`, as a slice of the live segment
+    /// that holds all of them (used to send rows that lie back to back in a
+    /// segment as one range); `None` if no segment does.
+    pub fn span_at(&self, start: *const u8, len: usize) -> Option<Bytes> {
+        let p = start as usize;
+        let live = self.live.lock().unwrap_or_else(|p| p.into_inner());
+        let (&base, (size, _, weak)) = live.range(..=p).next_back()?;
+        let end = p.checked_add(len).filter(|e| *e <= base + size)?;
+        let arc = weak.upgrade()?;
+        drop(live);
+        Some(Bytes::from_owner(SegmentRef(arc)).slice(p - base..end - base))
+    }
+
     /// Where `bytes` lie, if inside one of our segments.
     pub fn locate(&self, bytes: &[u8]) -> Option<Location> {
         let p = bytes.as_ptr() as usize;

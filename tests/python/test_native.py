@@ -298,3 +298,25 @@ def test_key_not_found_echoes_id(native_known):
     c.request(nc.get_frames(i, [known[0], 999_999_999], ["x"])).expect_error("key_not_found", i)
     i = c.next_id()
     c.request(nc.get_frames(i, known, ["nope"])).expect_error("key_not_found", i)
+
+
+def test_rows_read_back_in_put_order_come_back_as_one_frame(stowd):
+    """Rows stored from one received frame and read back in that order are
+    one part in one data frame, a slice of the stored frame (no per-row parts
+    for the packing policy to copy together); any other order is still
+    answered row by row, with the right bytes."""
+    idx = fresh_indexes(32)
+    # 128 KiB rows: above the small-piece size, so row by row they would be one frame each
+    x = np.arange(32 * 32768, dtype=np.float32).reshape(32, 32768)
+    with NativeClient(stowd["native"]) as c:
+        c.put(idx, {"x": x})
+        r = c.get(idx, ["x"])
+        parts = r.body["fields"]["x"]["parts"]
+        assert len(r.frames) == 2 and parts == [{"frame": 1, "offset": 0, "len": x.nbytes, "rows": 32}], parts
+        np.testing.assert_array_equal(r.fields()["x"], x)
+        # a run inside the put, then rows out of order, then a repeat
+        order = idx[10:20] + [idx[3], idx[1]] + idx[10:12]
+        r = c.get(order, ["x"])
+        got = r.fields()["x"]
+        np.testing.assert_array_equal(got, x[[*range(10, 20), 3, 1, 10, 11]])
+        c.clear(idx)

@@ -13,6 +13,7 @@ lists instead of frames.
 
 from __future__ import annotations
 
+import math
 import operator
 import sys
 from dataclasses import dataclass
@@ -171,6 +172,13 @@ def normalize_field(name: Any, value: Any, n: int) -> Regular | Nested | Values:
     if isinstance(value, (list, tuple)):
         if len(value) != n:
             raise ValueError(f"{what} has {len(value)} rows but {n} global indexes were given")
+        if value and all(type(v) is np.ndarray for v in value):
+            dts = {v.dtype for v in value}
+            if len(dts) == 1:
+                dt = dts.pop()
+                if dt.byteorder != ">" and not (dt.byteorder == "=" and sys.byteorder == "big"):
+                    dname = wire_dtype_of(dt, what)
+                    return Nested(dname, [v if v.flags.c_contiguous else v.copy(order="C") for v in value])
         kinds = {_tensor_like(v) for v in value}
         if kinds == {True}:
             rows, dtypes = [], set()
@@ -254,7 +262,9 @@ class _Frames:
 
     def __init__(self) -> None:
         self.frames: list = []
-        self._shared: bytearray | None = None
+        # the shared frame being filled: its pieces (joined by `finish`) and length
+        self._chunks: list | None = None
+        self._len = 0
         self._shared_no = 0
 
     def add(self, a: np.ndarray) -> tuple[int, int]:
@@ -263,17 +273,36 @@ class _Frames:
         if nbytes >= SMALL_PIECE_BYTES:
             self.frames.append(a.reshape(-1).view(np.uint8))
             return len(self.frames), 0
-        align = max(1, min(a.dtype.itemsize, 16))
-        buf = self._shared
-        if buf is None or len(buf) + align + nbytes > COALESCED_FRAME_BYTES:
-            buf = self._shared = bytearray()
-            self.frames.append(buf)
+        align = a.dtype.itemsize
+        align = 1 if align < 1 else 16 if align > 16 else align
+        n = self._len
+        if self._chunks is None or n + align + nbytes > COALESCED_FRAME_BYTES:
+            self._join()
+            self._chunks, n = [], 0
+            self.frames.append(None)  # joined by `finish`
             self._shared_no = len(self.frames)
-        buf.extend(bytes((-len(buf)) % align))
-        offset = len(buf)
+        pad = (-n) % align
+        if pad:
+            self._chunks.append(_ZEROS[:pad])
+            n += pad
         if nbytes:
-            buf.extend(a.reshape(-1).view(np.uint8).data)
-        return self._shared_no, offset
+            self._chunks.append(a)  # its buffer: C-contiguous (checked by normalize_field)
+        self._len = n + nbytes
+        return self._shared_no, n
+
+    def _join(self) -> None:
+        if self._chunks is not None:
+            self.frames[self._shared_no - 1] = b"".join(self._chunks)  # one copy, no Python per byte
+            self._chunks = None
+            self._len = 0
+
+    def finish(self) -> list:
+        """The data frames, with every shared frame joined."""
+        self._join()
+        return self.frames
+
+
+_ZEROS = bytes(16)
 
 
 def _row_costs(fields: Mapping[str, Regular | Nested | Values], n: int) -> np.ndarray:
@@ -319,8 +348,9 @@ def _descriptor(f: Regular | Nested | Values, a: int, b: int, frames: _Frames) -
         return {"kind": "regular", "dtype": f.dtype, "shape": list(piece.shape),
                 "parts": [{"frame": frame, "offset": offset, "len": piece.nbytes, "rows": b - a}]}
     rows = []
+    add = frames.add
     for r in f.rows[a:b]:
-        frame, offset = frames.add(r)
+        frame, offset = add(r)
         rows.append({"shape": list(r.shape), "frame": frame, "offset": offset, "len": r.nbytes})
     return {"kind": "nested", "dtype": f.dtype, "rows": rows}
 
@@ -338,7 +368,7 @@ def put_messages(indexes: list[int], fields: Mapping[str, Regular | Nested | Val
     for a, b in split_rows(fields, len(indexes), max_bytes):
         frames = _Frames()
         desc = {name: _descriptor(f, a, b, frames) for name, f in fields.items()}
-        yield PutMessage({"global_indexes": indexes[a:b], "fields": desc}, frames.frames, (a, b))
+        yield PutMessage({"global_indexes": indexes[a:b], "fields": desc}, frames.finish(), (a, b))
 
 
 # ---------------------------------------------------------------- envelopes
@@ -389,14 +419,28 @@ class FrameSource:
     `get_into` and the torch bridging stay as they are.
     """
 
-    def __init__(self, views: Sequence[memoryview]) -> None:
+    def __init__(self, views: Sequence[memoryview], bases: Sequence | None = None,
+                 where: Sequence[tuple[int, int]] | None = None) -> None:
         self._views = [None, *views]  # numbered from 1
         self._used: set[int] = set()
+        # Optional: data frame k is bytes where[k-1][1].. of bases[where[k-1][0]]
+        # (base -1: unknown), so parts in many frames of one buffer can be
+        # gathered with one numpy call.
+        if bases is None or where is None:
+            bases, where = list(views), [(i, 0) for i in range(len(views))]
+        self.bases = bases
+        self._where = [None, *where]
 
     @classmethod
     def from_socket(cls, frames: Sequence) -> "FrameSource":
         """frames[0] is the envelope; frames[1:] the data frames."""
         return cls([_readonly(f) for f in frames[1:]])
+
+    def where(self, k: int, offset: int) -> tuple[int, int]:
+        """(base number, offset in that base) of byte `offset` of data frame k
+        (already checked by `view`)."""
+        b, at = self._where[k]
+        return b, at + offset
 
     def view(self, k: Any, offset: int, length: int) -> memoryview:
         """Read-only bytes offset..offset+length of data frame k (ProtocolError if outside)."""
@@ -432,6 +476,8 @@ class Part:
     start: int
     rows: int
     data: memoryview
+    base: int = -1  # FrameSource.bases[base] holds data at offset `at` (-1: unknown)
+    at: int = 0
 
 
 @dataclass
@@ -444,6 +490,7 @@ class FieldReply:
     parts: list | None = None  # regular: [Part]
     rows: list | None = None  # nested: [(shape, memoryview)]
     values: list | None = None  # values
+    bases: list | None = None  # regular: the buffers parts point into (Part.base)
 
     @property
     def np_dtype(self) -> np.dtype:
@@ -489,25 +536,31 @@ def _decode_field(name: str, d: Any, n: int, frames: FrameSource) -> FieldReply:
             raise ProtocolError(f"{what}: shape {list(shape)} does not have {n} rows")
         if not isinstance(d["parts"], list):
             raise ProtocolError(f"{what}: parts is not an array")
-        row_bytes = WIRE_DTYPES[dtype].itemsize * int(np.prod(shape[1:], dtype=np.int64))
+        row_bytes = WIRE_DTYPES[dtype].itemsize * math.prod(shape[1:])
         parts: list[Part] = []
         start = 0
         end = None  # (frame, end offset) of the previous part, to merge parts that follow on directly
+        view, where = frames.view, frames.where
         for p in d["parts"]:
-            _keys(p, _PART_KEYS, what)
-            k, off, ln, rows = p["frame"], _uint(p["offset"], what), _uint(p["len"], what), _uint(p["rows"], what)
+            if type(p) is not dict or p.keys() != _PART_KEYS:
+                _keys(p, _PART_KEYS, what)
+            k, off, ln, rows = p["frame"], p["offset"], p["len"], p["rows"]
+            if type(off) is not int or type(ln) is not int or type(rows) is not int or min(off, ln, rows) < 0:
+                off, ln, rows = _uint(off, what), _uint(ln, what), _uint(rows, what)
             if rows == 0 or ln != rows * row_bytes:
                 raise ProtocolError(f"{what}: part of {rows} rows has len {ln}, expected {rows * row_bytes}")
             if end == (k, off):  # the same bytes as one merged part
                 prev = parts[-1]
-                parts[-1] = Part(prev.start, prev.rows + rows, frames.view(k, off - len(prev.data), len(prev.data) + ln))
+                parts[-1] = Part(prev.start, prev.rows + rows, view(k, off - len(prev.data), len(prev.data) + ln),
+                                 prev.base, prev.at)
             else:
-                parts.append(Part(start, rows, frames.view(k, off, ln)))
+                data = view(k, off, ln)
+                parts.append(Part(start, rows, data, *where(k, off)))
             end = (k, off + ln)
             start += rows
         if start != n:
             raise ProtocolError(f"{what}: parts hold {start} rows, expected {n}")
-        return FieldReply("regular", dtype=dtype, shape=shape, parts=parts)
+        return FieldReply("regular", dtype=dtype, shape=shape, parts=parts, bases=frames.bases)
     if kind == "nested":
         _keys(d, {"kind", "dtype", "rows"}, what)
         if not isinstance(d["rows"], list) or len(d["rows"]) != n:
@@ -515,13 +568,20 @@ def _decode_field(name: str, d: Any, n: int, frames: FrameSource) -> FieldReply:
         dtype = canonical_dtype(d["dtype"])
         itemsize = WIRE_DTYPES[dtype].itemsize
         rows = []
+        view = frames.view
         for r in d["rows"]:
-            _keys(r, _ROW_KEYS, what)
-            shape = _shape(r["shape"], what)
-            off, ln = _uint(r["offset"], what), _uint(r["len"], what)
-            if ln != itemsize * int(np.prod(shape, dtype=np.int64)):
+            if type(r) is not dict or r.keys() != _ROW_KEYS:
+                _keys(r, _ROW_KEYS, what)
+            shape, off, ln = r["shape"], r["offset"], r["len"]
+            if type(shape) is list and len(shape) <= 64 and all(type(x) is int and x >= 0 for x in shape):
+                shape = tuple(shape)
+            else:
+                shape = _shape(shape, what)
+            if type(off) is not int or type(ln) is not int or off < 0 or ln < 0:
+                off, ln = _uint(off, what), _uint(ln, what)
+            if ln != itemsize * math.prod(shape):
                 raise ProtocolError(f"{what}: row of shape {list(shape)} has len {ln}")
-            rows.append((shape, frames.view(r["frame"], off, ln)))
+            rows.append((shape, view(r["frame"], off, ln)))
         return FieldReply("nested", dtype=dtype, rows=rows)
     raise ProtocolError(f"{what}: unknown kind {kind!r}")
 
@@ -563,10 +623,50 @@ def to_numpy(f: FieldReply):
     if len(f.parts) == 1:
         return _frombuffer(f.parts[0].data, dt, f.shape)
     out = np.empty(f.shape, dt)
-    for p in f.parts:
-        out[p.start:p.start + p.rows] = _frombuffer(p.data, dt, (p.rows, *row_shape))
+    if not _gather(f, out):
+        for p in f.parts:
+            out[p.start:p.start + p.rows] = _frombuffer(p.data, dt, (p.rows, *row_shape))
     out.flags.writeable = False
     return out
+
+
+GATHER_MIN_PARTS = 16  # below this, one copy per part is as quick
+
+
+def _gather(f: FieldReply, out: np.ndarray) -> bool:
+    """Copies a regular field of many parts into `out` (C-contiguous) with one
+    numpy call per buffer the parts lie in, instead of one per part; False if
+    it does not apply (few parts, unknown buffers, rows not evenly spaced)."""
+    parts, n = f.parts, f.shape[0]
+    row_bytes = f.np_dtype.itemsize * math.prod(f.shape[1:])
+    if len(parts) < GATHER_MIN_PARTS or row_bytes == 0 or f.bases is None:
+        return False
+    m = len(parts)
+    base = np.fromiter((p.base for p in parts), np.int64, count=m)
+    if base.min() < 0:
+        return False
+    at = np.fromiter((p.at for p in parts), np.int64, count=m)
+    start = np.fromiter((p.start for p in parts), np.int64, count=m)
+    rows = np.fromiter((p.rows for p in parts), np.int64, count=m)
+    # offset in its buffer of each output row
+    row_at = np.repeat(at - start * row_bytes, rows) + np.arange(n, dtype=np.int64) * row_bytes
+    row_base = np.repeat(base, rows)
+    dst = out.reshape(n, -1).view(np.uint8)
+    used = np.unique(base)
+    for b in used.tolist():
+        src = np.frombuffer(f.bases[b], np.uint8)
+        sel = None if len(used) == 1 else row_base == b
+        offs = row_at if sel is None else row_at[sel]
+        first = int(offs[0]) % row_bytes
+        if np.any(offs % row_bytes != first):
+            return False
+        table = src[first:first + (len(src) - first) // row_bytes * row_bytes].reshape(-1, row_bytes)
+        idx = (offs - first) // row_bytes
+        if sel is None:
+            np.take(table, idx, axis=0, out=dst, mode="clip")
+        else:
+            dst[sel] = np.take(table, idx, axis=0, mode="clip")
+    return True
 
 
 def copy_into(f: FieldReply, out: np.ndarray) -> None:

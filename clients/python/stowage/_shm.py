@@ -57,15 +57,39 @@ class Segments:
 
     def views(self, segments) -> list:
         """The data frames of a reply whose envelope lists `segments`."""
+        return self.frames(segments)[0]
+
+    def frames(self, segments) -> tuple[list, list, list]:
+        """The data frames of a reply whose envelope lists `segments`, and
+        where each lies: (views, bases, at), where frame i is bytes
+        at[i]..at[i] + len(views[i]) of the whole mapping bases[..] (so rows of
+        many frames in one segment can be gathered in one go)."""
         if not isinstance(segments, list):
             raise ProtocolError(f"segments must be a list, got {type(segments).__name__}")
-        out = []
+        views, where, bases, base_no = [], [], [], {}
+        maps = self._maps
         for s in segments:
-            if not (isinstance(s, list) and len(s) == 3 and isinstance(s[0], str)
-                    and all(isinstance(x, int) and not isinstance(x, bool) for x in s[1:])):
-                raise ProtocolError(f"bad segment entry {s!r:.100}")
-            out.append(self.view(*s))
-        return out
+            if not (type(s) is list and len(s) == 3 and type(s[0]) is str
+                    and type(s[1]) is int and type(s[2]) is int):
+                if not (isinstance(s, list) and len(s) == 3 and isinstance(s[0], str)
+                        and all(isinstance(x, int) and not isinstance(x, bool) for x in s[1:])):
+                    raise ProtocolError(f"bad segment entry {s!r:.100}")
+            name, offset, length = s
+            mv = maps.get(name)
+            if mv is None or offset < 0 or length < 0 or offset + length > len(mv):
+                views.append(self.view(name, offset, length))  # maps it, or raises
+                mv = maps.get(name)
+                if mv is None:  # the empty frame ("", 0, 0)
+                    where.append((-1, 0))
+                    continue
+            else:
+                views.append(mv[offset:offset + length])
+            b = base_no.get(name)
+            if b is None:
+                b = base_no[name] = len(bases)
+                bases.append(mv)
+            where.append((b, offset))
+        return views, bases, where
 
     def mapped(self) -> int:
         """How many segments this client keeps mapped."""

@@ -65,7 +65,8 @@ class _Ops:
                                     "same-node replies", request_id=env["id"])
             if len(frames) != 1:
                 raise ProtocolError("a reply with segments must have no data frames", request_id=env["id"])
-            return _codec.FrameSource(self._segments.views(env["segments"]))
+            views, bases, where = self._segments.frames(env["segments"])
+            return _codec.FrameSource(views, bases, where)
         return _codec.FrameSource.from_socket(frames)
 
     def _get_extras(self) -> dict | None:

@@ -210,3 +210,25 @@ def test_a_1_gib_get_maps_without_copying(shm_server, fresh):
         assert float(g1[n - 1, 4095]) == 1.0
         print(f"1 GiB same-node get: {took * 1e3:.2f} ms, RSS +{grown >> 20} MiB")
         c.clear(idx)
+
+
+@pytest.mark.parametrize("same_node", [True, False])
+def test_scattered_rows_from_several_puts_are_gathered_right(shm_server, fresh, same_node):
+    """A get of rows in random order, from two puts (two segments, or two
+    received frames), some repeated: many parts that the client gathers with
+    one numpy call per buffer (and the nested and scalar fields beside them)."""
+    idx = fresh(300)
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((300, 33)).astype(np.float32)  # 132-byte rows: offsets not multiples of 64
+    s = np.arange(300, dtype=np.int64)
+    ids = [np.arange(k, dtype=np.int16) for k in rng.integers(0, 40, 300)]
+    with stowage.Client(shm_server["native"], same_node=same_node, shm_dir=shm_server["shm_dir"]) as c:
+        c.put(idx[:150], {"x": x[:150], "s": s[:150], "ids": ids[:150]})
+        c.put(idx[150:], {"x": x[150:], "s": s[150:], "ids": ids[150:]})
+        pick = [int(p) for p in rng.permutation(300)[:200]] + [5, 5, 299]
+        got = c.get([idx[p] for p in pick], ["x", "s", "ids"])
+        np.testing.assert_array_equal(got["x"], x[pick])
+        np.testing.assert_array_equal(got["s"], s[pick])
+        assert all(np.array_equal(a, ids[p]) for a, p in zip(got["ids"], pick))
+        assert not got["x"].flags.writeable
+        c.clear(idx)
