@@ -812,7 +812,8 @@ pub struct Memory {
     /// After the final clear (lowest reading within the settle time).
     pub after_clear: u64,
     /// After the clients disconnected, with a put and clear of one row each
-    /// second (lowest reading within 12 s: longer than the 10 s an idle thread of tokio's blocking pool lives, with its stack).
+    /// second (lowest reading within 12 s: longer than the 10 s an idle
+    /// thread of tokio's blocking pool lives, with its stack).
     pub after_disconnect: u64,
     /// Row bytes stored at the end of the random phase (`stats.bytes`).
     pub stored_at_end: u64,
