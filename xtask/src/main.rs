@@ -15,12 +15,17 @@
 //!   plugins) and runs `stowd serve ARGS`.
 //! - `test`: installs what is missing (wasm target, Python packages), builds
 //!   the plugins (hostile ones too) and `stowd`, runs `cargo test
-//!   --workspace`, then the Python suite with pytest.
+//!   --workspace`, then the Python suite with pytest. Before the tests, each
+//!   fuzz target runs for 30 s (see `fuzz.rs`).
+//! - `fuzz [TARGET] [--time SECS] [--sanitizer NAME]`: runs the cargo-fuzz
+//!   targets in `fuzz/` (installs nightly and cargo-fuzz if missing).
 //!
 //! To add a command: write `fn name(args: &[String]) -> Result<()>` and add
 //! a line to [`COMMANDS`].
 
 mod wheel;
+
+mod fuzz;
 
 use std::env;
 use std::fs;
@@ -48,6 +53,11 @@ const COMMANDS: &[Cmd] = &[
         "test",
         "test                              set up, build everything, run every Rust and Python test",
         test,
+    ),
+    (
+        "fuzz",
+        "fuzz [TARGET] [--time SECS]       run the fuzz targets (cargo-fuzz, nightly) for SECS each (default 60)",
+        fuzz::fuzz,
     ),
     (
         "wheel",
@@ -326,6 +336,7 @@ fn test(args: &[String]) -> Result<()> {
     }
     ensure_wasm_target()?;
     ensure_python_deps()?;
+    fuzz::run_targets(fuzz::TARGETS, &fuzz::Options::for_test())?;
     plugins(&["--hostile".to_string()])?;
     let root = workspace_root();
     let plugin_dir = target_dir(&root).join("plugins");
