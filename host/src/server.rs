@@ -447,18 +447,29 @@ impl NativeService {
                         })
                         .collect()
                 }
-                native::WireField::Nested(rows) => {
-                    (0..rows.len() as u64).map(|r| native::RowSlice { field: i, start: r, end: r + 1 }).collect()
-                }
+                // Rows that lie back to back in one received frame are one
+                // piece: sent as a slice of that frame, whatever the policy
+                // does with it (see `encode_reply_joined`).
+                native::WireField::Nested(rows) => self
+                    .nested_runs(rows)
+                    .into_iter()
+                    .map(|(a, b)| native::RowSlice { field: i, start: a, end: b })
+                    .collect(),
                 native::WireField::Values(_) => continue,
             };
             let pieces: Vec<PieceInfo> = match field {
                 native::WireField::Regular(p) => {
                     p.parts().iter().map(|(b, _)| PieceInfo { byte_len: b.len() as u64, contiguous: true }).collect()
                 }
-                native::WireField::Nested(rows) => rows
+                native::WireField::Nested(rows) => slices
                     .iter()
-                    .map(|t| PieceInfo { byte_len: t.payload_len() as u64, contiguous: t.is_contiguous() })
+                    .map(|s| {
+                        let run = &rows[s.start as usize..s.end as usize];
+                        PieceInfo {
+                            byte_len: run.iter().map(|t| t.payload_len() as u64).sum(),
+                            contiguous: run.iter().all(|t| t.is_contiguous()),
+                        }
+                    })
                     .collect(),
                 native::WireField::Values(_) => continue,
             };
@@ -472,6 +483,38 @@ impl NativeService {
             }
         }
         native::FrameLayout { frames }
+    }
+
+    /// The rows of a nested field as runs `[a, b)`: rows that follow each
+    /// other in memory inside one buffer [`NativeService::span`] finds form
+    /// one run, any other row is a run of its own.
+    fn nested_runs(&self, rows: &[Tensor]) -> Vec<(u64, u64)> {
+        let mut runs = Vec::with_capacity(rows.len());
+        let mut a = 0usize;
+        while a < rows.len() {
+            let whole = |t: &Tensor| t.is_contiguous() && !t.buffer().is_empty();
+            let start = rows[a].buffer().as_ptr() as usize;
+            let (mut end, mut b) = (start + rows[a].buffer().len(), a + 1);
+            if whole(&rows[a]) {
+                while b < rows.len() && whole(&rows[b]) && rows[b].buffer().as_ptr() as usize == end {
+                    end += rows[b].buffer().len();
+                    b += 1;
+                }
+            }
+            if b - a == 1 || self.span(start as *const u8, end - start).is_some() {
+                runs.push((a as u64, b as u64));
+            } else {
+                runs.extend((a..b).map(|r| (r as u64, r as u64 + 1))); // not inside one buffer: row by row
+            }
+            a = b;
+        }
+        runs
+    }
+
+    /// `len` bytes from `start` as a slice of the received frame or the
+    /// shared-memory segment that holds them all, if any.
+    fn span(&self, start: *const u8, len: usize) -> Option<Bytes> {
+        self.spans.span(start, len).or_else(|| self.shm.as_ref()?.span_at(start, len))
     }
 
     /// Moves every tensor cell that is not yet in shared memory into one new
@@ -556,7 +599,7 @@ impl NativeService {
                     }
                     out = match (&self.shm, same_node) {
                         (Some(shm), true) => out.into_iter().map(|(n, w)| (n, join_runs(w, |p, l| shm.span_at(p, l)))).collect(),
-                        _ => out.into_iter().map(|(n, w)| (n, join_runs(w, |p, l| self.spans.span(p, l)))).collect(),
+                        _ => out.into_iter().map(|(n, w)| (n, join_runs(w, |p, l| self.span(p, l)))).collect(),
                     };
                     return native::Reply::GetOk { fields: out };
                 }
@@ -715,9 +758,8 @@ impl NativeService {
             native::Reply::GetOk { .. } if same_node => native::encode_reply(id, &reply)
                 .map_err(|e| e.to_string())
                 .and_then(|f| Self::as_segments(self.shm.as_ref().expect("same_node get needs shm"), f)),
-            native::Reply::GetOk { fields } => {
-                native::encode_reply_with(id, &reply, &self.layout(fields)).map_err(|e| e.to_string())
-            }
+            native::Reply::GetOk { fields } => native::encode_reply_joined(id, &reply, &self.layout(fields), &|p, l| self.span(p, l))
+            .map_err(|e| e.to_string()),
             _ => native::encode_reply(id, &reply).map_err(|e| e.to_string()),
         };
         let outcome = if matches!(reply, native::Reply::Error { .. }) { Outcome::Error } else { Outcome::Ok };

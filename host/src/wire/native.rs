@@ -382,13 +382,27 @@ pub fn encode_request_with(request: &Request, layout: &FrameLayout) -> Result<Ve
 
 /// Encodes a reply with [`FrameLayout::one_per_piece`].
 pub fn encode_reply(id: u64, reply: &Reply) -> Result<Vec<Bytes>, Error> {
-    encode::reply(id, reply, None)
+    encode::reply(id, reply, None, None)
 }
 
 /// Encodes a reply with a caller-supplied layout of the get_ok's fields (for
 /// example a packing policy's plan that coalesces small rows).
 pub fn encode_reply_with(id: u64, reply: &Reply, layout: &FrameLayout) -> Result<Vec<Bytes>, Error> {
-    encode::reply(id, reply, Some(layout))
+    encode::reply(id, reply, Some(layout), None)
+}
+
+/// [`encode_reply_with`], except that a frame of several ranges that lie
+/// back to back in memory, inside one buffer that `span(start, len)` returns
+/// a slice of, is sent as that slice instead of a copy (server side: rows
+/// stored from one received frame and packed into one frame in their
+/// original order).
+pub fn encode_reply_joined(
+    id: u64,
+    reply: &Reply,
+    layout: &FrameLayout,
+    span: &dyn Fn(*const u8, usize) -> Option<Bytes>,
+) -> Result<Vec<Bytes>, Error> {
+    encode::reply(id, reply, Some(layout), Some(span))
 }
 
 /// Parses a dtype name as the protocol allows (see [`DType::from_name`]).

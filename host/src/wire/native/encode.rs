@@ -10,7 +10,7 @@ use crate::batch::Value;
 pub(super) fn request(req: &Request, layout: Option<&FrameLayout>) -> Result<Vec<Bytes>, Error> {
     let mut w = envelope(req.op.name(), req.id);
     let no_fields: &[(String, WireField)] = &[];
-    let placed = place(if let Op::Put { fields, .. } = &req.op { fields } else { no_fields }, layout)?;
+    let placed = place(if let Op::Put { fields, .. } = &req.op { fields } else { no_fields }, layout, None)?;
     match &req.op {
         Op::Put { global_indexes, fields } => {
             w.map(2);
@@ -44,10 +44,10 @@ pub(super) fn request(req: &Request, layout: Option<&FrameLayout>) -> Result<Vec
     finish(w, placed.frames)
 }
 
-pub(super) fn reply(id: u64, reply: &Reply, layout: Option<&FrameLayout>) -> Result<Vec<Bytes>, Error> {
+pub(super) fn reply(id: u64, reply: &Reply, layout: Option<&FrameLayout>, span: Option<SpanFn<'_>>) -> Result<Vec<Bytes>, Error> {
     let mut w = envelope(reply.name(), id);
     let no_fields: &[(String, WireField)] = &[];
-    let placed = place(if let Reply::GetOk { fields } = reply { fields } else { no_fields }, layout)?;
+    let placed = place(if let Reply::GetOk { fields } = reply { fields } else { no_fields }, layout, span)?;
     match reply {
         Reply::PutOk { rows } => {
             w.map(1);
@@ -133,11 +133,31 @@ struct Placed {
     locs: Vec<Vec<Loc>>,
 }
 
+/// The chunks of a frame as one slice of the buffer that holds them all, if
+/// they follow each other in memory (padding never does: it is static).
+fn joined(chunks: &[Bytes], span: SpanFn<'_>) -> Option<Bytes> {
+    let start = chunks.first()?.as_ptr() as usize;
+    let mut end = start;
+    for c in chunks {
+        if c.as_ptr() as usize != end || c.is_empty() {
+            return None;
+        }
+        end += c.len();
+    }
+    span(start as *const u8, end - start)
+}
+
 /// Padding source: no dtype is wider than 16 bytes.
 static ZEROS: [u8; 16] = [0; 16];
 
-/// Carries out a layout (`None`: [`FrameLayout::one_per_piece`]).
-fn place(fields: &[(String, WireField)], layout: Option<&FrameLayout>) -> Result<Placed, Error> {
+/// Finds the buffer that holds `len` bytes from an address, as a slice of it.
+pub(super) type SpanFn<'a> = &'a dyn Fn(*const u8, usize) -> Option<Bytes>;
+
+/// Carries out a layout (`None`: [`FrameLayout::one_per_piece`]). A frame of
+/// several ranges that lie back to back in memory, inside one buffer `span`
+/// finds, is that buffer's slice (no copy); any other frame of several
+/// ranges is one allocation and one copy.
+fn place(fields: &[(String, WireField)], layout: Option<&FrameLayout>, span: Option<SpanFn<'_>>) -> Result<Placed, Error> {
     let default;
     let layout = match layout {
         Some(layout) => layout,
@@ -212,6 +232,7 @@ fn place(fields: &[(String, WireField)], layout: Option<&FrameLayout>) -> Result
         frames.push(match chunks.len() {
             0 => return Err(Error::Layout(format!("frame {frame} is empty"))),
             1 => chunks.swap_remove(0),
+            _ if let Some(joined) = span.and_then(|span| joined(&chunks, span)) => joined,
             _ => {
                 let mut buf = BytesMut::with_capacity(chunks.iter().map(Bytes::len).sum());
                 chunks.iter().for_each(|c| buf.extend_from_slice(c));

@@ -810,3 +810,29 @@ fn mangled_messages_never_panic() {
         }
     }
 }
+
+#[test]
+fn a_packed_frame_of_rows_back_to_back_in_one_buffer_is_that_buffer() {
+    // three nested int32 rows stored as slices of one received buffer, and
+    // a fourth from elsewhere
+    let buf = Bytes::from((0u8..48).collect::<Vec<u8>>());
+    let row = |a: usize, b: usize| Tensor::contiguous(buf.slice(a..b), DType::I32, vec![((b - a) / 4) as u64]).unwrap();
+    let other = Tensor::contiguous(Bytes::from(vec![9u8; 8]), DType::I32, vec![2]).unwrap();
+    let span = |p: *const u8, len: usize| {
+        let off = (p as usize).checked_sub(buf.as_ptr() as usize)?;
+        (off + len <= buf.len()).then(|| buf.slice(off..off + len))
+    };
+    let all_in_one = |rows: usize| FrameLayout { frames: vec![(0..rows as u64).map(|r| RowSlice { field: 0, start: r, end: r + 1 }).collect()] };
+    let reply = Reply::GetOk { fields: vec![("n".into(), WireField::Nested(vec![row(0, 8), row(8, 20), row(20, 48)]))] };
+    let frames = encode_reply_joined(1, &reply, &all_in_one(3), &span).unwrap();
+    assert_eq!(frames.len(), 2);
+    assert_eq!(frames[1].as_ptr(), buf.as_ptr(), "the frame is not the stored buffer");
+    assert_eq!(frames[1].len(), 48);
+    assert_eq!(decode_reply(&frames, &Limits::default()).unwrap(), (1, reply.clone()));
+    assert_eq!(encode_reply_with(1, &reply, &all_in_one(3)).unwrap(), frames, "joined and copied frames differ");
+    // out of order, or with a row from another buffer: copied
+    let reply = Reply::GetOk { fields: vec![("n".into(), WireField::Nested(vec![row(8, 20), row(0, 8), other]))] };
+    let frames = encode_reply_joined(1, &reply, &all_in_one(3), &span).unwrap();
+    assert_ne!(frames[1].as_ptr(), buf.as_ptr());
+    assert_eq!(decode_reply(&frames, &Limits::default()).unwrap(), (1, reply));
+}
