@@ -373,3 +373,32 @@ fn get_error_helpers_word_messages_like_the_unit() {
     );
     assert_eq!(crate::wire::tq::py_repr("it's \"x\"\n"), r#"'it\'s "x"\n'"#);
 }
+
+/// Found with the `tq_decode` fuzz target (input in
+/// `fuzz/regressions/tq_decode/metrics-extra-with-tensor`): a
+/// `METRICS_RESPONSE` whose extra key held an ext 3 was accepted, but the
+/// extra is kept as raw msgpack without its frame, so the router's
+/// re-encoding named a frame that was not there and did not decode. It is
+/// refused now; extras without frames still pass through unchanged.
+#[test]
+fn fuzz_tq_decode_metrics_extra_with_tensor() {
+    use crate::wire::tq::{decode_reply, encode_reply_stamped};
+    let metrics = |extra: &[u8]| {
+        let mut w = Writer::new();
+        w.map(2);
+        w.str("storage_unit_id");
+        w.str("U");
+        w.str("accept_queue");
+        w.raw(extra);
+        w.into_bytes().to_vec()
+    };
+    let framed = [frame0("METRICS_RESPONSE", &metrics(&array(&[ext3("float32", &[2], 1)]))), zeros(8)];
+    let e = decode_reply(&framed).expect_err("an extra metrics key carrying a tensor must not decode");
+    assert_eq!(e.reply_type(), ErrorReply::PutGet, "{e}");
+    assert!(e.to_string().contains("accept_queue"), "{e}");
+
+    let plain = [frame0("METRICS_RESPONSE", &metrics(&array(&[msg_str("a"), ext(1, b"pickle")])))];
+    let (_, reply) = decode_reply(&plain).unwrap();
+    let again = encode_reply_stamped("U", &reply, &Stamp::new("0123abcd", 1.5));
+    assert_eq!(decode_reply(&again).unwrap().1, reply);
+}

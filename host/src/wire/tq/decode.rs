@@ -507,7 +507,19 @@ fn metrics(buf: &Bytes, body: usize) -> Result<Metrics, Error> {
                     m.arrivals_by_op.push((op.to_owned(), count));
                 }
             }
-            other => m.extra.push((other.to_owned(), buf.slice(start..end))),
+            other => {
+                // Kept as exact msgpack and written back as is, so it must
+                // not point into this message's data frames.
+                let mut framed = false;
+                Reader::new(buf, start).skip(0, &mut |code, _, _| {
+                    framed |= matches!(code, 3..=5);
+                    Ok::<(), Error>(())
+                })?;
+                if framed {
+                    return Err(reply_err(format!("metrics '{other}' carries a tensor or numpy array (ext 3/4/5)")));
+                }
+                m.extra.push((other.to_owned(), buf.slice(start..end)))
+            }
         }
     }
     Ok(m)
