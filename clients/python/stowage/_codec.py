@@ -436,6 +436,20 @@ class FrameSource:
         """frames[0] is the envelope; frames[1:] the data frames."""
         return cls([_readonly(f) for f in frames[1:]])
 
+    def where_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(length, base, base offset) of every data frame k, indexed by k (0 unused)."""
+        w = getattr(self, "_where_np", None)
+        if w is None:
+            m = len(self._views)
+            lens = np.fromiter((len(v) if v is not None else 0 for v in self._views), np.int64, count=m)
+            base = np.fromiter((b for b, _ in self._where[1:]), np.int64, count=m - 1)
+            at = np.fromiter((a for _, a in self._where[1:]), np.int64, count=m - 1)
+            w = self._where_np = (lens, np.concatenate(([-1], base)), np.concatenate(([0], at)))
+        return w
+
+    def mark_used(self, ks) -> None:
+        self._used.update(ks)
+
     def where(self, k: int, offset: int) -> tuple[int, int]:
         """(base number, offset in that base) of byte `offset` of data frame k
         (already checked by `view`)."""
@@ -491,6 +505,10 @@ class FieldReply:
     rows: list | None = None  # nested: [(shape, memoryview)]
     values: list | None = None  # values
     bases: list | None = None  # regular: the buffers parts point into (Part.base)
+    # regular, many parts: (start, rows, frame, offset, len, base, at) as int64
+    # arrays instead of Part objects; `parts` is built from it on demand
+    table: tuple | None = None
+    src: Any = None  # the FrameSource `table` refers to
 
     @property
     def np_dtype(self) -> np.dtype:
@@ -537,6 +555,10 @@ def _decode_field(name: str, d: Any, n: int, frames: FrameSource) -> FieldReply:
         if not isinstance(d["parts"], list):
             raise ProtocolError(f"{what}: parts is not an array")
         row_bytes = WIRE_DTYPES[dtype].itemsize * math.prod(shape[1:])
+        if len(d["parts"]) >= GATHER_MIN_PARTS and row_bytes:
+            table = _part_table(d["parts"], row_bytes, n, frames)
+            if table is not None:
+                return FieldReply("regular", dtype=dtype, shape=shape, bases=frames.bases, table=table, src=frames)
         parts: list[Part] = []
         start = 0
         end = None  # (frame, end offset) of the previous part, to merge parts that follow on directly
@@ -586,6 +608,43 @@ def _decode_field(name: str, d: Any, n: int, frames: FrameSource) -> FieldReply:
     raise ProtocolError(f"{what}: unknown kind {kind!r}")
 
 
+def _part_table(P: list, row_bytes: int, n: int, frames: FrameSource):
+    """Many parts of a regular field, checked with numpy: the arrays of a
+    FieldReply.table, or None to take the part-by-part path (which also
+    words any error)."""
+    if not all(type(p) is dict and p.keys() == _PART_KEYS for p in P):
+        return None
+    cols = []
+    for key in ("frame", "offset", "len", "rows"):
+        col = [p[key] for p in P]
+        if not all(type(x) is int for x in col):
+            return None
+        try:
+            cols.append(np.array(col, dtype=np.int64))
+        except OverflowError:
+            return None
+    k, off, ln, rows = cols
+    lens, wbase, wat = frames.where_arrays()
+    if (k.min() < 1 or k.max() >= len(lens) or off.min() < 0 or rows.min() < 1
+            or np.any(ln != rows * row_bytes) or np.any(off + ln > lens[k]) or int(rows.sum()) != n):
+        return None
+    base = wbase[k]
+    if base.min() < 0:
+        return None
+    frames.mark_used(np.unique(k).tolist())
+    start = np.cumsum(rows) - rows
+    return start, rows, k, off, ln, base, wat[k] + off
+
+
+def _parts(f: FieldReply) -> list:
+    """The parts of a regular field (built from its table if it has one)."""
+    if f.parts is None and f.table is not None:
+        start, rows, k, off, ln, base, at = (a.tolist() for a in f.table)
+        view = f.src.view
+        f.parts = [Part(*x[:2], view(*x[2:5]), *x[5:]) for x in zip(start, rows, k, off, ln, base, at)]
+    return f.parts
+
+
 def decode_get_fields(body: dict, requested: list[str], n: int, frames: FrameSource) -> dict:
     """A get_ok body -> {field: FieldReply}, in request order, every byte range
     resolved to a read-only view of `frames`."""
@@ -620,11 +679,11 @@ def to_numpy(f: FieldReply):
     if f.kind == "nested":
         return [_frombuffer(data, dt, shape) for shape, data in f.rows]
     row_shape = f.shape[1:]
-    if len(f.parts) == 1:
+    if f.table is None and len(f.parts) == 1:
         return _frombuffer(f.parts[0].data, dt, f.shape)
     out = np.empty(f.shape, dt)
     if not _gather(f, out):
-        for p in f.parts:
+        for p in _parts(f):
             out[p.start:p.start + p.rows] = _frombuffer(p.data, dt, (p.rows, *row_shape))
     out.flags.writeable = False
     return out
@@ -637,17 +696,21 @@ def _gather(f: FieldReply, out: np.ndarray) -> bool:
     """Copies a regular field of many parts into `out` (C-contiguous) with one
     numpy call per buffer the parts lie in, instead of one per part; False if
     it does not apply (few parts, unknown buffers, rows not evenly spaced)."""
-    parts, n = f.parts, f.shape[0]
+    n = f.shape[0]
     row_bytes = f.np_dtype.itemsize * math.prod(f.shape[1:])
-    if len(parts) < GATHER_MIN_PARTS or row_bytes == 0 or f.bases is None:
-        return False
-    m = len(parts)
-    base = np.fromiter((p.base for p in parts), np.int64, count=m)
-    if base.min() < 0:
-        return False
-    at = np.fromiter((p.at for p in parts), np.int64, count=m)
-    start = np.fromiter((p.start for p in parts), np.int64, count=m)
-    rows = np.fromiter((p.rows for p in parts), np.int64, count=m)
+    if f.table is not None:
+        start, rows, _, _, _, base, at = f.table
+    else:
+        parts = f.parts
+        if len(parts) < GATHER_MIN_PARTS or row_bytes == 0 or f.bases is None:
+            return False
+        m = len(parts)
+        base = np.fromiter((p.base for p in parts), np.int64, count=m)
+        if base.min() < 0:
+            return False
+        at = np.fromiter((p.at for p in parts), np.int64, count=m)
+        start = np.fromiter((p.start for p in parts), np.int64, count=m)
+        rows = np.fromiter((p.rows for p in parts), np.int64, count=m)
     # offset in its buffer of each output row
     row_at = np.repeat(at - start * row_bytes, rows) + np.arange(n, dtype=np.int64) * row_bytes
     row_base = np.repeat(base, rows)
@@ -674,7 +737,7 @@ def copy_into(f: FieldReply, out: np.ndarray) -> None:
     one copy per byte, no intermediate buffer."""
     dt = f.np_dtype
     row_shape = f.shape[1:]
-    for p in f.parts:
+    for p in _parts(f):
         if p.rows and len(p.data):
             np.copyto(out[p.start:p.start + p.rows], np.frombuffer(p.data, dtype=dt).reshape(p.rows, *row_shape),
                       casting="no")

@@ -231,4 +231,8 @@ def test_scattered_rows_from_several_puts_are_gathered_right(shm_server, fresh, 
         np.testing.assert_array_equal(got["s"], s[pick])
         assert all(np.array_equal(a, ids[p]) for a, p in zip(got["ids"], pick))
         assert not got["x"].flags.writeable
+        out = {"x": np.full((len(pick), 33), -1, np.float32), "s": np.zeros(len(pick), np.int64)}
+        c.get_into([idx[p] for p in pick], out)
+        np.testing.assert_array_equal(out["x"], x[pick])
+        np.testing.assert_array_equal(out["s"], s[pick])
         c.clear(idx)
