@@ -1,0 +1,129 @@
+#!/usr/bin/env python3
+"""Writes the seed inputs of the fuzz targets (run from anywhere):
+
+    python3 fuzz/seeds.py [--fixtures DIR]
+
+- tq_decode: every message of the golden TransferQueue 0.1.11 fixtures
+  (../shared/fixtures/transferqueue-0.1.11 beside the repository), frames
+  joined in the fuzz input format (each frame: u32 little-endian length,
+  then its bytes; see fuzz/src/lib.rs), as fuzz/corpus/tq_decode/fixture-NAME.
+- native_decode: one message of each stowage/1 request and reply kind,
+  written with `msgpack.packb` (the protocol page says that gives the Rust
+  encoder's bytes), as fuzz/corpus/native_decode/seed-NAME.
+
+plan_validate takes structured input (`arbitrary`) and needs no seeds.
+Needs the `msgpack` package (pip install msgpack).
+"""
+
+import argparse
+import re
+import struct
+from pathlib import Path
+
+import msgpack
+
+FUZZ = Path(__file__).resolve().parent
+ROOT = FUZZ.parent
+
+
+def join(frames):
+    return b"".join(struct.pack("<I", len(f)) + f for f in frames)
+
+
+def write(target, name, frames):
+    out = FUZZ / "corpus" / target / name
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_bytes(join(frames))
+    return out
+
+
+def tq_seeds(fixtures: Path):
+    frames = {}
+    for p in sorted(fixtures.glob("*.frame*.bin")):
+        m = re.fullmatch(r"(.+)\.frame(\d+)\.bin", p.name)
+        frames.setdefault(m.group(1), {})[int(m.group(2))] = p.read_bytes()
+    if not frames:
+        raise SystemExit(f"no fixtures in {fixtures}")
+    for name, parts in sorted(frames.items()):
+        ordered = [parts[k] for k in sorted(parts)]
+        assert sorted(parts) == list(range(len(parts))), f"{name}: frames not numbered 0..n"
+        print(write("tq_decode", f"fixture-{name}", ordered))
+
+
+def env(op, id_, body, **extra):
+    return msgpack.packb({"proto": "stowage/1", "op": op, "id": id_, "body": body, **extra}, use_bin_type=True)
+
+
+def f32(*xs):
+    return struct.pack(f"<{len(xs)}f", *xs)
+
+
+def i64(*xs):
+    return struct.pack(f"<{len(xs)}q", *xs)
+
+
+def native_seeds():
+    x = {"kind": "regular", "dtype": "float32", "shape": [2, 2],
+         "parts": [{"frame": 1, "offset": 0, "len": 16, "rows": 2}]}
+    tag = {"kind": "values", "values": ["a", "b"]}
+    seeds = {
+        # The protocol page's examples.
+        "put": [env("put", 1, {"global_indexes": [0, 1], "fields": {"x": x, "tag": tag}}), f32(1, 2, 3, 4)],
+        "put_ok": [env("put_ok", 1, {"rows": 2})],
+        "get": [env("get", 2, {"global_indexes": [1, 0], "fields": ["x"]})],
+        "get_ok": [
+            env("get_ok", 2, {"fields": {"x": {"kind": "regular", "dtype": "float32", "shape": [2, 2], "parts": [
+                {"frame": 1, "offset": 0, "len": 8, "rows": 1},
+                {"frame": 2, "offset": 0, "len": 8, "rows": 1}]}}}),
+            f32(3, 4), f32(1, 2),
+        ],
+        "error": [env("error", 3, {"code": "key_not_found", "message": "global index 9 not found"})],
+        # Several fields and a nested one sharing one frame, parts split.
+        "put_shared_frame": [
+            env("put", 4, {"global_indexes": [7, 3], "fields": {
+                "a": {"kind": "regular", "dtype": "int64", "shape": [2, 1], "parts": [
+                    {"frame": 1, "offset": 0, "len": 8, "rows": 1},
+                    {"frame": 1, "offset": 8, "len": 8, "rows": 1}]},
+                "j": {"kind": "nested", "dtype": "int64", "rows": [
+                    {"shape": [1], "frame": 1, "offset": 16, "len": 8},
+                    {"shape": [3], "frame": 2, "offset": 0, "len": 24}]},
+                "v": {"kind": "values", "values": [b"\x00\x01", {"k": [1, -2, 3.5, None, True]}]}}}),
+            i64(10, 11, 0), i64(0, 1, 2),
+        ],
+        "put_bf16_empty_rows": [
+            env("put", 5, {"global_indexes": [1], "fields": {
+                "b": {"kind": "regular", "dtype": "bfloat16", "shape": [1, 0], "parts": [
+                    {"frame": 1, "offset": 0, "len": 0, "rows": 1}]}}}),
+            b"",
+        ],
+        "clear": [env("clear", 6, {"global_indexes": [0, 1]})],
+        "clear_fields": [env("clear", 7, {"global_indexes": [2], "fields": ["x", "tag"]})],
+        "clear_ok": [env("clear_ok", 7, {"cleared": 2})],
+        "stats": [env("stats", 8, {})],
+        "stats_ok": [env("stats_ok", 8, {"rows": 4, "bytes_pinned": 1024, "ratio": 0.5, "unit": "u0", "neg": -1})],
+        "lease": [env("lease", 9, {"bytes": 4096})],
+        "lease_ok": [env("lease_ok", 9, {"segment": "stowage-0-1", "bytes": 4096, "ttl_ms": 30000})],
+        "put_same_node": [
+            env("put", 10, {"global_indexes": [0], "fields": {"x": {
+                "kind": "regular", "dtype": "float32", "shape": [1, 2],
+                "parts": [{"frame": 1, "offset": 0, "len": 8, "rows": 1}]}}},
+                segments=[["stowage-0-1", 0, 8]], same_node=True),
+            f32(1, 2),
+        ],
+        "get_same_node": [env("get", 11, {"global_indexes": [0], "fields": ["x"]}, same_node=True)],
+    }
+    for name, frames in seeds.items():
+        print(write("native_decode", f"seed-{name}", frames))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--fixtures", type=Path,
+                    default=ROOT.parent / "shared" / "fixtures" / "transferqueue-0.1.11")
+    args = ap.parse_args()
+    tq_seeds(args.fixtures)
+    native_seeds()
+
+
+if __name__ == "__main__":
+    main()
