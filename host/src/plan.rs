@@ -162,7 +162,9 @@ pub fn validate_selection(field: &Field, positions: &[u64], plan: &SelectionPlan
             return Err(ValidationError::EmptyPiece);
         }
         if len > requested - next {
-            return Err(ValidationError::TooManyRows { planned: next + len, requested });
+            // Saturating: `len` is whatever the plan claims (a view's count
+            // may be u64::MAX).
+            return Err(ValidationError::TooManyRows { planned: next.saturating_add(len), requested });
         }
         match piece {
             Piece::View(v) => {
@@ -426,6 +428,19 @@ mod tests {
             let plan = SelectionPlan { pieces };
             assert!(validate_selection(&f, &pos, &plan).is_err(), "{what} was accepted");
         }
+    }
+
+    /// Found with the `plan_validate` fuzz target (input in
+    /// `fuzz/regressions/plan_validate/view-count-overflow`): a view whose
+    /// count is near u64::MAX after at least one planned row overflowed
+    /// `next + len` while building the error (a panic in debug builds, a
+    /// wrong row count in the message otherwise).
+    #[test]
+    fn fuzz_plan_validate_view_count_overflow() {
+        let f = regular(10);
+        let plan = SelectionPlan { pieces: vec![view(0, 1, 1), view(1, u64::MAX, u64::MAX)] };
+        let err = validate_selection(&f, &[0, 1], &plan).unwrap_err();
+        assert_eq!(err, ValidationError::TooManyRows { planned: u64::MAX, requested: 2 });
     }
 
     #[test]
