@@ -89,9 +89,27 @@ fn prepare_one(live: &Registry, path: &Path) -> Change {
     }
 }
 
+/// Plugins loaded and removed by an [`apply`]; counted in the metrics only
+/// once the new registry is live, so a reader that sees the count go up
+/// also sees the new plugins.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Applied {
+    pub swapped: u64,
+    pub removed: u64,
+}
+
+impl Applied {
+    /// Adds these counts to `metrics` (after the swap).
+    pub fn count(self, metrics: &Metrics) {
+        metrics.reloads.swapped.fetch_add(self.swapped, Ordering::Relaxed);
+        metrics.reloads.removed.fetch_add(self.removed, Ordering::Relaxed);
+    }
+}
+
 /// Applies prepared changes to a clone of `live`; `None` if nothing changed.
-pub fn apply(live: &Registry, changes: Vec<(PathBuf, Change)>, metrics: &Metrics, since: Instant) -> Option<Registry> {
+pub fn apply(live: &Registry, changes: Vec<(PathBuf, Change)>, metrics: &Metrics, since: Instant) -> (Option<Registry>, Applied) {
     let mut next: Option<Registry> = None;
+    let mut applied = Applied::default();
     for (path, change) in changes {
         let shown = path.display().to_string();
         match change {
@@ -107,7 +125,7 @@ pub fn apply(live: &Registry, changes: Vec<(PathBuf, Change)>, metrics: &Metrics
             Change::Remove => {
                 let reg = next.get_or_insert_with(|| live.clone());
                 if let Some(old) = reg.remove_file(&path) {
-                    metrics.reloads.removed.fetch_add(1, Ordering::Relaxed);
+                    applied.removed += 1;
                     let d = old.loaded.policy.describe();
                     tracing::info!(path = %shown, plugin = %d.name, version = %d.version, "plugin file removed, plugin unloaded");
                 }
@@ -117,7 +135,7 @@ pub fn apply(live: &Registry, changes: Vec<(PathBuf, Change)>, metrics: &Metrics
                 let from_cache = prepared.from_cache;
                 let reg = next.get_or_insert_with(|| live.clone());
                 let old = reg.set_file(*prepared);
-                metrics.reloads.swapped.fetch_add(1, Ordering::Relaxed);
+                applied.swapped += 1;
                 let replaced = old.map(|o| {
                     let od = o.loaded.policy.describe();
                     format!("{} {}", od.name, od.version)
@@ -130,7 +148,7 @@ pub fn apply(live: &Registry, changes: Vec<(PathBuf, Change)>, metrics: &Metrics
             }
         }
     }
-    next
+    (next, applied)
 }
 
 /// True for events that may change a plugin file's content or existence
@@ -213,9 +231,11 @@ pub async fn run(dir: PathBuf, manager: Arc<Manager>, metrics: Arc<Metrics>, mut
             };
             match prepared {
                 Ok(changes) => {
-                    if let Some(next) = apply(&live, changes, &metrics, since) {
+                    let (next, applied) = apply(&live, changes, &metrics, since);
+                    if let Some(next) = next {
                         manager.swap_registry(Arc::new(next));
                     }
+                    applied.count(&metrics);
                 }
                 Err(e) => tracing::error!(error = %e, "plugin reload task failed"),
             }
