@@ -17,7 +17,7 @@ use std::time::Instant;
 use crate::{Result, workspace_root};
 
 /// Every fuzz target, in the order they run.
-pub const TARGETS: &[&str] = &["tq_decode", "native_decode", "plan_validate"];
+pub const TARGETS: &[&str] = &["tq_decode", "native_decode", "plan_validate", "zmtp_frames"];
 
 /// Seconds each target runs in `cargo xtask test`.
 pub const TEST_SECS: u64 = 30;
