@@ -989,7 +989,7 @@ pub async fn run(target: &Target, opts: &Options) -> Report {
         }
         failures
     });
-    let failures: Vec<String> = futures_join_all(warm).await.into_iter().flatten().collect();
+    let failures: Vec<String> = join_all(warm).await.into_iter().flatten().collect();
     assert!(failures.is_empty(), "warm-up failed: {failures:?}");
     let mut stats_client = DualClient::new(target, "stats", opts.timeout);
 
@@ -1140,7 +1140,7 @@ pub async fn run(target: &Target, opts: &Options) -> Report {
 }
 
 /// Runs futures concurrently on this task and collects their outputs.
-async fn futures_join_all<F: std::future::Future>(futures: impl IntoIterator<Item = F>) -> Vec<F::Output> {
+pub async fn join_all<F: std::future::Future>(futures: impl IntoIterator<Item = F>) -> Vec<F::Output> {
     let mut set: Vec<std::pin::Pin<Box<F>>> = futures.into_iter().map(Box::pin).collect();
     let mut out: Vec<Option<F::Output>> = (0..set.len()).map(|_| None).collect();
     std::future::poll_fn(|cx| {

@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 
 use stowage_host::batch::Field;
 use stowage_tests::Stowd;
-use stowage_tests::load::{self, DualClient, Outcome, Proto, Target};
+use stowage_tests::load::{self, DualClient, Outcome, Proto, Target, join_all};
 
 /// The router's reply timeout towards its units.
 const ROUTER_TIMEOUT: Duration = Duration::from_secs(3);
@@ -384,21 +384,3 @@ fn assert_slowest_ok(slowest: Duration, bound: Duration) {
     );
 }
 
-async fn join_all<F: std::future::Future>(futures: impl IntoIterator<Item = F>) -> Vec<F::Output> {
-    let mut set: Vec<std::pin::Pin<Box<F>>> = futures.into_iter().map(Box::pin).collect();
-    let mut out: Vec<Option<F::Output>> = (0..set.len()).map(|_| None).collect();
-    std::future::poll_fn(|cx| {
-        let mut pending = false;
-        for (i, f) in set.iter_mut().enumerate() {
-            if out[i].is_none() {
-                match f.as_mut().poll(cx) {
-                    std::task::Poll::Ready(v) => out[i] = Some(v),
-                    std::task::Poll::Pending => pending = true,
-                }
-            }
-        }
-        if pending { std::task::Poll::Pending } else { std::task::Poll::Ready(()) }
-    })
-    .await;
-    out.into_iter().map(|o| o.expect("finished")).collect()
-}
