@@ -936,7 +936,8 @@ pub async fn start(config: Config) -> anyhow::Result<Running> {
             &config.shm.dir,
             Duration::from_secs(config.shm.lease_secs),
             config.shm.max_lease_bytes,
-        )?;
+        )?
+        .with_reuse(config.shm.reuse_bytes, Duration::from_secs(config.shm.reuse_secs));
         let store = Arc::new(store);
         tasks.push(tokio::spawn(sweep_leases(store.clone(), rx.clone())));
         tracing::info!(dir = %config.shm.dir.display(), "same-node shared memory enabled");

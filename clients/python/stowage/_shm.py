@@ -1,17 +1,21 @@
 """Same-node shared memory (protocol page, "Same-node shared memory").
 
 `Segments` maps the files `stowd` names in a reply's `segments` read-only
-and keeps each mapping for as long as the client lives, so two gets of the
+and keeps each mapping for as long as any array uses it, so two gets of the
 same rows return arrays over the very same memory, and arrays stay valid
-after the rows are cleared on the server (the file is unlinked, its pages
-live until the mapping goes). It also fills leased segments for puts.
+after the rows are cleared on the server. While a mapping lives, this
+process holds a shared `flock` on the file (the protocol's rule): `stowd`
+reuses the file of cleared rows for new data only when nobody holds one.
+It also fills leased segments for puts.
 """
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import threading
+import weakref
 
 from .errors import ProtocolError
 
@@ -25,7 +29,8 @@ class Segments:
         if not os.path.isdir(directory):
             raise ValueError(f"shared-memory directory {directory!r} does not exist; is stowd on this node?")
         self.directory = directory
-        self._maps: dict[str, memoryview] = {}
+        # name -> mmap, for as long as some array (or a caller) holds it.
+        self._maps: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self._lock = threading.Lock()
 
     def _path(self, name: str) -> str:
@@ -33,24 +38,44 @@ class Segments:
             raise ProtocolError(f"bad segment name {name!r}")
         return os.path.join(self.directory, name)
 
+    def _map(self, name: str) -> memoryview:
+        """The whole of segment `name`, mapped read-only under a shared lock."""
+        with self._lock:
+            mm = self._maps.get(name)
+            if mm is not None:
+                return memoryview(mm)
+            path = self._path(name)
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                raise ProtocolError(f"segment {name!r} named by the reply does not exist "
+                                    "(were its rows cleared meanwhile?)") from None
+            try:
+                # The lock lives with the open file, which the mmap keeps (it
+                # dups the descriptor) until the last array over it is gone.
+                fcntl.flock(fd, fcntl.LOCK_SH)
+                st = os.fstat(fd)
+                try:
+                    still = os.stat(path)
+                except FileNotFoundError:
+                    still = None
+                if still is None or (still.st_dev, still.st_ino) != (st.st_dev, st.st_ino):
+                    # stowd renamed it for reuse before we locked: the rows are gone.
+                    raise ProtocolError(f"segment {name!r} named by the reply does not exist "
+                                        "(were its rows cleared meanwhile?)")
+                if not st.st_size:
+                    return memoryview(b"")
+                mm = mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ)
+            finally:
+                os.close(fd)
+            self._maps[name] = mm
+            return memoryview(mm)
+
     def view(self, name: str, offset: int, length: int) -> memoryview:
         """Read-only bytes offset..offset+length of segment `name`."""
         if name == "" and offset == 0 and length == 0:
             return memoryview(b"")
-        with self._lock:
-            mv = self._maps.get(name)
-            if mv is None:
-                try:
-                    fd = os.open(self._path(name), os.O_RDONLY)
-                except FileNotFoundError:
-                    raise ProtocolError(f"segment {name!r} named by the reply does not exist") from None
-                try:
-                    size = os.fstat(fd).st_size
-                    mm = mmap.mmap(fd, size, prot=mmap.PROT_READ) if size else b""
-                finally:
-                    os.close(fd)
-                mv = memoryview(mm)
-                self._maps[name] = mv
+        mv = self._map(name)
         if offset < 0 or length < 0 or offset + length > len(mv):
             raise ProtocolError(f"range {offset}+{length} lies outside segment {name!r} ({len(mv)} bytes)")
         return mv[offset:offset + length]
@@ -67,7 +92,7 @@ class Segments:
         if not isinstance(segments, list):
             raise ProtocolError(f"segments must be a list, got {type(segments).__name__}")
         views, where, bases, base_no = [], [], [], {}
-        maps = self._maps
+        maps = {}  # name -> memoryview, for this reply (keeps each mapping alive)
         for s in segments:
             if not (type(s) is list and len(s) == 3 and type(s[0]) is str
                     and type(s[1]) is int and type(s[2]) is int):
@@ -78,10 +103,10 @@ class Segments:
             mv = maps.get(name)
             if mv is None or offset < 0 or length < 0 or offset + length > len(mv):
                 views.append(self.view(name, offset, length))  # maps it, or raises
-                mv = maps.get(name)
-                if mv is None:  # the empty frame ("", 0, 0)
+                if name == "" and offset == 0 and length == 0:  # the empty frame
                     where.append((-1, 0))
                     continue
+                mv = maps[name] = self._map(name)
             else:
                 views.append(mv[offset:offset + length])
             b = base_no.get(name)
@@ -92,11 +117,12 @@ class Segments:
         return views, bases, where
 
     def mapped(self) -> int:
-        """How many segments this client keeps mapped."""
+        """How many segments this client has mapped (some array uses them)."""
         return len(self._maps)
 
     def release(self) -> None:
-        """Forgets the mappings; each is unmapped once no array uses it."""
+        """Forgets the mappings; each is unmapped (and its lock let go) once
+        no array uses it. Mappings no array uses are forgotten anyway."""
         with self._lock:
             self._maps.clear()
 

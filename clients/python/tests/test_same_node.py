@@ -236,3 +236,112 @@ def test_scattered_rows_from_several_puts_are_gathered_right(shm_server, fresh, 
         np.testing.assert_array_equal(out["x"], x[pick])
         np.testing.assert_array_equal(out["s"], s[pick])
         c.clear(idx)
+
+
+def _inode(server, name: str) -> int:
+    return os.stat(os.path.join(server["shm_dir"], name)).st_ino
+
+
+def _spares(server) -> dict:
+    """inode -> name of the segments stowd keeps for reuse."""
+    return {_inode(server, n): n for n in segments(server) if "-spare-" in n}
+
+
+def test_a_cleared_segment_no_array_maps_is_reused_by_the_next_put(shm_server, fresh):
+    idx = fresh(64)
+    a = np.full((64, 8192), 1, np.float32)  # 2 MiB: above the 1 MiB floor for reuse
+    with stowage.Client(shm_server["native"], same_node=True, shm_dir=shm_server["shm_dir"]) as c:
+        before = segments(shm_server)
+        c.put(idx, {"x": a})
+        (first,) = segments(shm_server) - before
+        ino = _inode(shm_server, first)
+        got = c.get(idx, ["x"])["x"]
+        assert float(got[63, 8191]) == 1.0
+        del got  # the last array over the mapping: its lock goes with it
+        assert c.clear(idx) == 64
+        assert first not in segments(shm_server)
+        spares = _spares(shm_server)
+        assert ino in spares, "the cleared segment was unlinked, not kept"
+        b = np.full((64, 8192), 2, np.float32)
+        before = segments(shm_server)
+        c.put(idx, {"x": b})
+        (second,) = segments(shm_server) - before
+        assert "-spare-" not in second and second != first
+        assert _inode(shm_server, second) in spares, "the put faulted in a new segment instead of a spare"
+        np.testing.assert_array_equal(c.get(idx, ["x"])["x"], b)
+        c.clear(idx)
+
+
+def test_rows_another_process_still_maps_are_never_rewritten(shm_server, fresh):
+    """A reader's arrays stay what they were after the rows are cleared and
+    new puts of the same size follow: stowd sees the reader's lock and does
+    not reuse that segment."""
+    idx = fresh(64)
+    a = np.full((64, 8192), 3, np.float32)
+    script = textwrap.dedent(f"""
+        import sys, numpy as np, stowage
+        c = stowage.Client({shm_server["native"]!r}, same_node=True, shm_dir={shm_server["shm_dir"]!r})
+        x = c.get({idx!r}, ["x"])["x"]
+        print("mapped", flush=True)
+        sys.stdin.readline()
+        assert (x == 3).all(), "rows this process maps were rewritten"
+        print("intact", flush=True)
+    """)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    with stowage.Client(shm_server["native"], same_node=True, shm_dir=shm_server["shm_dir"]) as c:
+        before = segments(shm_server)
+        c.put(idx, {"x": a})
+        (first,) = segments(shm_server) - before
+        ino = _inode(shm_server, first)
+        reader = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  text=True, env=env)
+        try:
+            assert reader.stdout.readline().strip() == "mapped"
+            c.clear(idx)  # this process maps nothing; the other one does
+            assert ino not in _spares(shm_server), "a segment another process maps was kept for reuse"
+            for k in range(4):
+                c.put(idx, {"x": np.full((64, 8192), 10 + k, np.float32)})
+                c.clear(idx)
+            reader.stdin.write("go\n")
+            reader.stdin.flush()
+            assert reader.stdout.readline().strip() == "intact"
+            assert reader.wait(timeout=60) == 0
+        finally:
+            reader.kill()
+            reader.wait()
+
+
+def test_a_segment_renamed_for_reuse_before_it_is_mapped_is_refused(shm_server, fresh):
+    """A reply names a segment; its rows are cleared and the file kept for
+    reuse before this client maps it: mapping it fails clearly instead of
+    reading whatever the next put writes there."""
+    idx = fresh(64)
+    with stowage.Client(shm_server["native"], same_node=True, shm_dir=shm_server["shm_dir"]) as c:
+        before = segments(shm_server)
+        c.put(idx, {"x": np.zeros((64, 8192), np.float32)})
+        (name,) = segments(shm_server) - before
+        c.clear(idx)
+        with pytest.raises(stowage.ProtocolError, match="does not exist"):
+            c._segments.view(name, 0, 16)
+
+
+def test_a_rename_between_open_and_lock_is_noticed(tmp_path, monkeypatch):
+    """The narrow race: the client opened the name, and stowd renamed the file
+    for reuse before the client's shared lock; the client must notice that the
+    name no longer names what it opened."""
+    from stowage import _shm
+    (tmp_path / "seg").write_bytes(b"x" * 4096)
+    segs = _shm.Segments(str(tmp_path))
+    real_flock = _shm.fcntl.flock
+
+    def flock_after_stowd_renamed(fd, op):
+        os.rename(tmp_path / "seg", tmp_path / "spare")
+        (tmp_path / "seg").write_bytes(b"y" * 4096)  # and even a new file under the old name
+        return real_flock(fd, op)
+
+    monkeypatch.setattr(_shm.fcntl, "flock", flock_after_stowd_renamed)
+    with pytest.raises(stowage.ProtocolError, match="does not exist"):
+        segs.view("seg", 0, 16)
+    monkeypatch.setattr(_shm.fcntl, "flock", real_flock)
+    assert bytes(segs.view("seg", 0, 4)) == b"yyyy"
+    assert segs.mapped() == 0, "a mapping no array uses was kept"
