@@ -755,9 +755,13 @@ impl NativeService {
             },
         };
         let encoded = match &reply {
-            native::Reply::GetOk { .. } if same_node => native::encode_reply(id, &reply)
-                .map_err(|e| e.to_string())
-                .and_then(|f| Self::as_segments(self.shm.as_ref().expect("same_node get needs shm"), f)),
+            native::Reply::GetOk { .. } if same_node => {
+                let shm = self.shm.as_ref().expect("same_node get needs shm");
+                // One virtual frame per segment, however many rows.
+                native::encode_reply_enclosed(id, &reply, &|b| shm.enclosing(b))
+                    .map_err(|e| e.to_string())
+                    .and_then(|f| Self::as_segments(shm, f))
+            }
             native::Reply::GetOk { fields } => native::encode_reply_joined(id, &reply, &self.layout(fields), &|p, l| self.span(p, l))
             .map_err(|e| e.to_string()),
             _ => native::encode_reply(id, &reply).map_err(|e| e.to_string()),

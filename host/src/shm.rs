@@ -386,6 +386,20 @@ impl SegmentStore {
         Some(Bytes::from_owner(SegmentRef(arc)).slice(p - base..end - base))
     }
 
+    /// The whole live segment that holds all of `bytes`, and where in it
+    /// they start (a same-node reply names each segment once).
+    pub fn enclosing(&self, bytes: &[u8]) -> Option<(Bytes, u64)> {
+        let p = bytes.as_ptr() as usize;
+        let live = self.live.lock().unwrap_or_else(|p| p.into_inner());
+        let (&base, (size, _, weak)) = live.range(..=p).next_back()?;
+        if p + bytes.len() > base + size || bytes.is_empty() {
+            return None;
+        }
+        let arc = weak.upgrade()?;
+        drop(live);
+        Some((Bytes::from_owner(SegmentRef(arc)), (p - base) as u64))
+    }
+
     /// Where `bytes` lie, if inside one of our segments.
     pub fn locate(&self, bytes: &[u8]) -> Option<Location> {
         let p = bytes.as_ptr() as usize;

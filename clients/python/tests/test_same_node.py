@@ -345,3 +345,42 @@ def test_a_rename_between_open_and_lock_is_noticed(tmp_path, monkeypatch):
     monkeypatch.setattr(_shm.fcntl, "flock", real_flock)
     assert bytes(segs.view("seg", 0, 4)) == b"yyyy"
     assert segs.mapped() == 0, "a mapping no array uses was kept"
+
+
+def test_a_same_node_get_names_each_segment_once(shm_server, fresh):
+    """Scattered rows of one segment, regular and nested: the reply lists the
+    segment once, as a whole file, and every row is an offset in it (not one
+    segment entry per row)."""
+    import msgpack
+    import zmq
+
+    from stowage import _codec
+    idx = fresh(300)
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((300, 33)).astype(np.float32)
+    ids = [np.arange(k, dtype=np.int16) for k in rng.integers(1, 40, 300)]
+    pick = [idx[int(p)] for p in rng.permutation(300)[:200]]
+    with stowage.Client(shm_server["native"], same_node=True, shm_dir=shm_server["shm_dir"]) as c:
+        before = segments(shm_server)
+        c.put(idx, {"x": x, "ids": ids})
+        (seg,) = segments(shm_server) - before
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.connect(shm_server["native"])
+        try:
+            sock.send(_codec.envelope("get", 7, {"global_indexes": pick, "fields": ["x", "ids"]}, {"same_node": True}))
+            assert sock.poll(30_000)
+            frames = sock.recv_multipart()
+        finally:
+            sock.close(linger=0)
+        env = msgpack.unpackb(frames[0], raw=False)
+        assert env["op"] == "get_ok" and len(frames) == 1
+        size = os.stat(os.path.join(shm_server["shm_dir"], seg)).st_size
+        assert env["segments"] == [[seg, 0, size]]
+        parts = env["body"]["fields"]["x"]["parts"]
+        assert len(parts) > 100 and {p["frame"] for p in parts} == {1}
+        assert {r["frame"] for r in env["body"]["fields"]["ids"]["rows"]} == {1}
+        got = c.get(pick, ["x", "ids"])
+        want = [int(p) - idx[0] for p in pick]
+        np.testing.assert_array_equal(got["x"], x[want])
+        assert all(np.array_equal(a, ids[w]) for a, w in zip(got["ids"], want))
+        c.clear(idx)

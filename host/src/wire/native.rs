@@ -382,13 +382,25 @@ pub fn encode_request_with(request: &Request, layout: &FrameLayout) -> Result<Ve
 
 /// Encodes a reply with [`FrameLayout::one_per_piece`].
 pub fn encode_reply(id: u64, reply: &Reply) -> Result<Vec<Bytes>, Error> {
-    encode::reply(id, reply, None, None)
+    encode::reply(id, reply, None, None, None)
+}
+
+/// Encodes a reply whose data frames are whole buffers: each range lies in
+/// the buffer `enclose` finds for it (returned with the range's offset in
+/// it), one frame per buffer, descriptors at their offsets there (server
+/// side, same node: one segment entry per segment however many rows).
+pub fn encode_reply_enclosed(
+    id: u64,
+    reply: &Reply,
+    enclose: &dyn Fn(&Bytes) -> Option<(Bytes, u64)>,
+) -> Result<Vec<Bytes>, Error> {
+    encode::reply(id, reply, None, None, Some(enclose))
 }
 
 /// Encodes a reply with a caller-supplied layout of the get_ok's fields (for
 /// example a packing policy's plan that coalesces small rows).
 pub fn encode_reply_with(id: u64, reply: &Reply, layout: &FrameLayout) -> Result<Vec<Bytes>, Error> {
-    encode::reply(id, reply, Some(layout), None)
+    encode::reply(id, reply, Some(layout), None, None)
 }
 
 /// [`encode_reply_with`], except that a frame of several ranges that lie
@@ -402,7 +414,7 @@ pub fn encode_reply_joined(
     layout: &FrameLayout,
     span: &dyn Fn(*const u8, usize) -> Option<Bytes>,
 ) -> Result<Vec<Bytes>, Error> {
-    encode::reply(id, reply, Some(layout), Some(span))
+    encode::reply(id, reply, Some(layout), Some(span), None)
 }
 
 /// Parses a dtype name as the protocol allows (see [`DType::from_name`]).

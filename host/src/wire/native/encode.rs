@@ -10,7 +10,7 @@ use crate::batch::Value;
 pub(super) fn request(req: &Request, layout: Option<&FrameLayout>) -> Result<Vec<Bytes>, Error> {
     let mut w = envelope(req.op.name(), req.id);
     let no_fields: &[(String, WireField)] = &[];
-    let placed = place(if let Op::Put { fields, .. } = &req.op { fields } else { no_fields }, layout, None)?;
+    let placed = place(if let Op::Put { fields, .. } = &req.op { fields } else { no_fields }, layout, None, None)?;
     match &req.op {
         Op::Put { global_indexes, fields } => {
             w.map(2);
@@ -44,10 +44,16 @@ pub(super) fn request(req: &Request, layout: Option<&FrameLayout>) -> Result<Vec
     finish(w, placed.frames)
 }
 
-pub(super) fn reply(id: u64, reply: &Reply, layout: Option<&FrameLayout>, span: Option<SpanFn<'_>>) -> Result<Vec<Bytes>, Error> {
+pub(super) fn reply(
+    id: u64,
+    reply: &Reply,
+    layout: Option<&FrameLayout>,
+    span: Option<SpanFn<'_>>,
+    enclose: Option<EncloseFn<'_>>,
+) -> Result<Vec<Bytes>, Error> {
     let mut w = envelope(reply.name(), id);
     let no_fields: &[(String, WireField)] = &[];
-    let placed = place(if let Reply::GetOk { fields } = reply { fields } else { no_fields }, layout, span)?;
+    let placed = place(if let Reply::GetOk { fields } = reply { fields } else { no_fields }, layout, span, enclose)?;
     match reply {
         Reply::PutOk { rows } => {
             w.map(1);
@@ -153,11 +159,21 @@ static ZEROS: [u8; 16] = [0; 16];
 /// Finds the buffer that holds `len` bytes from an address, as a slice of it.
 pub(super) type SpanFn<'a> = &'a dyn Fn(*const u8, usize) -> Option<Bytes>;
 
+/// Finds the whole buffer that holds some bytes, and where in it they start.
+pub(super) type EncloseFn<'a> = &'a dyn Fn(&Bytes) -> Option<(Bytes, u64)>;
+
 /// Carries out a layout (`None`: [`FrameLayout::one_per_piece`]). A frame of
 /// several ranges that lie back to back in memory, inside one buffer `span`
 /// finds, is that buffer's slice (no copy); any other frame of several
-/// ranges is one allocation and one copy.
-fn place(fields: &[(String, WireField)], layout: Option<&FrameLayout>, span: Option<SpanFn<'_>>) -> Result<Placed, Error> {
+/// ranges is one allocation and one copy. With `enclose`, every frame that
+/// lies inside a buffer it finds is replaced by that whole buffer (one
+/// frame per buffer, the ranges at their offsets in it).
+fn place(
+    fields: &[(String, WireField)],
+    layout: Option<&FrameLayout>,
+    span: Option<SpanFn<'_>>,
+    enclose: Option<EncloseFn<'_>>,
+) -> Result<Placed, Error> {
     let default;
     let layout = match layout {
         Some(layout) => layout,
@@ -240,6 +256,9 @@ fn place(fields: &[(String, WireField)], layout: Option<&FrameLayout>, span: Opt
             }
         });
     }
+    if let Some(enclose) = enclose {
+        frames = enclosed(frames, &mut locs, enclose);
+    }
     for ((name, field), locs) in fields.iter().zip(&mut locs) {
         locs.sort_by_key(|l| l.row);
         let mut next = 0;
@@ -266,6 +285,35 @@ fn place(fields: &[(String, WireField)], layout: Option<&FrameLayout>, span: Opt
         }
     }
     Ok(Placed { frames, locs })
+}
+
+/// The frames replaced by the buffers that enclose them, each buffer once
+/// (in order of first use), and `locs` pointed at the same bytes there.
+fn enclosed(frames: Vec<Bytes>, locs: &mut [Vec<Loc>], enclose: EncloseFn<'_>) -> Vec<Bytes> {
+    let mut out: Vec<Bytes> = Vec::new();
+    let mut number: std::collections::HashMap<(usize, usize), u64> = std::collections::HashMap::new();
+    let mut moved = Vec::with_capacity(frames.len());
+    for f in frames {
+        match enclose(&f) {
+            Some((whole, at)) => {
+                let key = (whole.as_ptr() as usize, whole.len());
+                let k = *number.entry(key).or_insert_with(|| {
+                    out.push(whole);
+                    out.len() as u64
+                });
+                moved.push((k, at));
+            }
+            None => {
+                out.push(f);
+                moved.push((out.len() as u64, 0));
+            }
+        }
+    }
+    for l in locs.iter_mut().flatten() {
+        let (k, at) = moved[(l.frame - 1) as usize];
+        (l.frame, l.offset) = (k, l.offset + at);
+    }
+    out
 }
 
 fn field_map(w: &mut Writer, fields: &[(String, WireField)], locs: &[Vec<Loc>]) -> Result<(), Error> {
