@@ -612,12 +612,18 @@ def _part_table(P: list, row_bytes: int, n: int, frames: FrameSource):
     """Many parts of a regular field, checked with numpy: the arrays of a
     FieldReply.table, or None to take the part-by-part path (which also
     words any error)."""
-    if not all(type(p) is dict and p.keys() == _PART_KEYS for p in P):
+    # C-speed checks (32,768 parts take milliseconds): every part a dict with
+    # the four keys (each has them, and they add up to 4 keys a part, so none
+    # has more), every value an int.
+    if set(map(type, P)) != {dict} or sum(map(len, P)) != 4 * len(P):
         return None
     cols = []
     for key in ("frame", "offset", "len", "rows"):
-        col = [p[key] for p in P]
-        if not all(type(x) is int for x in col):
+        try:
+            col = [p[key] for p in P]
+        except KeyError:
+            return None
+        if set(map(type, col)) != {int}:
             return None
         try:
             cols.append(np.array(col, dtype=np.int64))
