@@ -89,3 +89,27 @@ def test_dtype_names():
     with pytest.raises(stowage.ProtocolError, match="unknown dtype 'float8'"):
         _codec.canonical_dtype("float8")
     assert _codec.WIRE_DTYPES["bfloat16"] == np.dtype("<u2")
+
+
+@pytest.mark.parametrize("bad, error", [
+    ({"extra": 1}, "expected keys"),                  # a fifth key on one part
+    ({"rows": True}, "unsigned integer: True"),       # a bool is not a row count
+    ({"offset": 1.0}, "unsigned integer: 1.0"),       # nor is a float an offset
+    ({"len": 3}, "has len 3"),                        # len that is not rows x row bytes
+    ({"frame": 9}, "frame"),                          # no such frame
+])
+def test_a_bad_part_among_many_is_refused(bad, error):
+    """A reply of many parts (the numpy-checked path) with one bad part is a
+    ProtocolError naming the fault, not garbage rows."""
+    x = np.arange(40 * 2, dtype=np.int32).reshape(40, 2)
+    parts = [{"frame": 1, "offset": 8 * i, "len": 8, "rows": 1} for i in range(39, -1, -1)]
+    parts[17] = {**parts[17], **bad}
+    body = {"fields": {"x": {"kind": "regular", "dtype": "int32", "shape": [40, 2], "parts": parts}}}
+    with pytest.raises(stowage.ProtocolError, match=error):
+        f = _codec.decode_get_fields(body, ["x"], 40, _codec.FrameSource([memoryview(x.tobytes())]))
+        _codec.to_numpy(f["x"])
+    good = [dict(p) for p in parts]
+    good[17] = {"frame": 1, "offset": 8 * 22, "len": 8, "rows": 1}
+    f = _codec.decode_get_fields({"fields": {"x": {**body["fields"]["x"], "parts": good}}}, ["x"], 40,
+                                 _codec.FrameSource([memoryview(x.tobytes())]))
+    np.testing.assert_array_equal(_codec.to_numpy(f["x"]), x[::-1])
