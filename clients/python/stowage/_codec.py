@@ -277,9 +277,9 @@ class _Frames:
         align = 1 if align < 1 else 16 if align > 16 else align
         n = self._len
         if self._chunks is None or n + align + nbytes > COALESCED_FRAME_BYTES:
-            self._join()
+            self._close_shared()
             self._chunks, n = [], 0
-            self.frames.append(None)  # joined by `finish`
+            self.frames.append(None)  # the Pieces, once closed
             self._shared_no = len(self.frames)
         pad = (-n) % align
         if pad:
@@ -290,16 +290,31 @@ class _Frames:
         self._len = n + nbytes
         return self._shared_no, n
 
-    def _join(self) -> None:
+    def _close_shared(self) -> None:
+        """Ends the shared frame being filled."""
         if self._chunks is not None:
-            self.frames[self._shared_no - 1] = b"".join(self._chunks)  # one copy, no Python per byte
+            self.frames[self._shared_no - 1] = Pieces(self._chunks)
             self._chunks = None
             self._len = 0
 
-    def finish(self) -> list:
-        """The data frames, with every shared frame joined."""
-        self._join()
+    def finish(self, join: bool = True) -> list:
+        """The data frames, every shared frame joined into one bytes (one
+        copy, no Python per byte), or with `join=False` left as `Pieces` for
+        a writer that copies each piece to its place anyway (a same-node put
+        into a leased segment)."""
+        self._close_shared()
+        if join:
+            self.frames = [b"".join(f) if type(f) is Pieces else f for f in self.frames]
         return self.frames
+
+
+class Pieces(list):
+    """A shared data frame not joined: its buffers, back to back (padding
+    included), in order."""
+
+    @property
+    def nbytes(self) -> int:
+        return sum(memoryview(c).nbytes for c in self)
 
 
 _ZEROS = bytes(16)
@@ -363,12 +378,13 @@ class PutMessage:
 
 
 def put_messages(indexes: list[int], fields: Mapping[str, Regular | Nested | Values],
-                 max_bytes: int) -> Iterator[PutMessage]:
-    """The put split by rows into messages of at most ~max_bytes each (lazy)."""
+                 max_bytes: int, join: bool = True) -> Iterator[PutMessage]:
+    """The put split by rows into messages of at most ~max_bytes each (lazy);
+    `join=False` leaves shared frames as `Pieces` (see `_Frames.finish`)."""
     for a, b in split_rows(fields, len(indexes), max_bytes):
         frames = _Frames()
         desc = {name: _descriptor(f, a, b, frames) for name, f in fields.items()}
-        yield PutMessage({"global_indexes": indexes[a:b], "fields": desc}, frames.finish(), (a, b))
+        yield PutMessage({"global_indexes": indexes[a:b], "fields": desc}, frames.finish(join), (a, b))
 
 
 # ---------------------------------------------------------------- envelopes

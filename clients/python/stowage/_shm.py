@@ -127,8 +127,9 @@ class Segments:
             self._maps.clear()
 
     def fill(self, name: str, size: int, buffers) -> list:
-        """Writes `buffers` into the leased segment `name` (of `size` bytes),
-        each at a multiple of ALIGN; returns [[name, offset, len], ...].
+        """Writes `buffers` (each a buffer, or a list of buffers written back
+        to back as one frame) into the leased segment `name` (of `size`
+        bytes), each at a multiple of ALIGN; returns [[name, offset, len], ...].
         The writable mapping is closed before returning: after the put, only
         stowd's read-only mapping refers to these pages."""
         fd = os.open(self._path(name), os.O_RDWR)
@@ -141,11 +142,18 @@ class Segments:
         out, at = [], 0
         try:
             for b in buffers:
-                mv = memoryview(b).cast("B")
                 at = -(-at // ALIGN) * ALIGN
-                n = len(mv)
-                if n:
-                    mm[at:at + n] = mv
+                if isinstance(b, list):  # a shared frame's pieces: copied straight to their places
+                    n = 0
+                    for piece in b:
+                        mv = memoryview(piece).cast("B")
+                        mm[at + n:at + n + len(mv)] = mv
+                        n += len(mv)
+                else:
+                    mv = memoryview(b).cast("B")
+                    n = len(mv)
+                    if n:
+                        mm[at:at + n] = mv
                 out.append([name, at, n])
                 at += n
         finally:
@@ -155,8 +163,10 @@ class Segments:
 
 
 def lease_size(buffers) -> int:
-    """Bytes a lease needs to hold `buffers` as `Segments.fill` lays them out."""
+    """Bytes a lease needs to hold `buffers` (each a buffer, or a list of
+    buffers back to back) as `Segments.fill` lays them out."""
     at = 0
     for b in buffers:
-        at = -(-at // ALIGN) * ALIGN + memoryview(b).nbytes
+        n = sum(memoryview(p).nbytes for p in b) if isinstance(b, list) else memoryview(b).nbytes
+        at = -(-at // ALIGN) * ALIGN + n
     return at

@@ -94,7 +94,8 @@ class _Ops:
         # Same node: nothing crosses the socket, so the put is one leased
         # segment (one message, all-or-nothing) whatever its size.
         limit = sys.maxsize if self._segments is not None else self.max_message_bytes
-        return len(idx), _codec.put_messages(idx, fields, limit)
+        # Same node: shared frames stay in pieces, copied once, into the segment.
+        return len(idx), _codec.put_messages(idx, fields, limit, join=self._segments is None)
 
     @staticmethod
     def _put_done(body: dict, msg: _codec.PutMessage) -> int:
