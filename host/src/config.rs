@@ -207,6 +207,7 @@ impl Default for LimitsConfig {
             max_request_frames: 1 << 20,
             max_connections: 1024,
             write_timeout_secs: 60,
+            receive_pool_bytes: crate::transport::Limits::DEFAULT.receive_pool_bytes as u64,
         }
     }
 }
@@ -218,6 +219,7 @@ impl LimitsConfig {
             receive: self.receive_limits(),
             write_timeout: std::time::Duration::from_secs(self.write_timeout_secs),
             max_connections: self.max_connections as usize,
+            receive_pool_bytes: usize::try_from(self.receive_pool_bytes).unwrap_or(usize::MAX),
             ..crate::transport::Limits::DEFAULT
         }
     }

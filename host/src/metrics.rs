@@ -215,6 +215,8 @@ impl Metrics {
 
         t.family("stowd_process_resident_memory_bytes", "gauge", "Resident set size of stowd.");
         t.sample("stowd_process_resident_memory_bytes", &[], process_rss_bytes() as f64);
+        t.family("stowd_receive_pool_bytes", "gauge", "Bytes of freed large receive buffers kept for reuse.");
+        t.sample("stowd_receive_pool_bytes", &[], crate::transport::ReceivePool::shared_bytes() as f64);
         t.family("stowd_uptime_seconds", "gauge", "Seconds since stowd started.");
         t.sample("stowd_uptime_seconds", &[], self.started.elapsed().as_secs_f64());
         t.out

@@ -2,9 +2,12 @@
 //! the frame codec, over any byte stream.
 //!
 //! Written for `stowd`'s needs rather than generality:
-//! - every received frame gets its own allocation of exactly its size (a
-//!   stored row never pins a read buffer shared with other frames), and a
-//!   large frame is read straight into it;
+//! - every received frame gets its own allocation (a stored row never pins
+//!   a read buffer shared with other frames), and a large frame is read
+//!   straight into it; a frame of [`pool::MIN_POOLED`] bytes or more is
+//!   read into a buffer of a [`ReceivePool`] when the reader has one (a
+//!   buffer freed by an earlier frame, already resident), and its buffer
+//!   goes back to that pool once the last `Bytes` of it is dropped;
 //! - a declared size is checked against [`Limits`] before anything is
 //!   allocated from it, and a frame's allocation grows with the bytes that
 //!   actually arrive, so a peer that declares 8 GiB and sends 10 bytes costs
@@ -14,10 +17,13 @@
 //! - large frames are written from their own buffers, small ones coalesced.
 
 use std::io;
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+use super::pool::{self, ReceivePool};
 
 /// Receive limits, checked before any allocation from a declared size.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -252,11 +258,19 @@ async fn write_two<W: AsyncWrite + Unpin + ?Sized>(w: &mut W, mut a: &[u8], mut 
 pub struct FrameReader<R> {
     inner: R,
     buf: BytesMut,
+    pool: Option<Arc<ReceivePool>>,
 }
 
 impl<R: AsyncRead + Unpin> FrameReader<R> {
+    /// A reader whose frames each get a fresh allocation.
     pub fn new(inner: R) -> Self {
-        FrameReader { inner, buf: BytesMut::new() }
+        FrameReader::with_pool(inner, None)
+    }
+
+    /// A reader that receives large frames into buffers of `pool`, which
+    /// get them back when the frames are dropped.
+    pub fn with_pool(inner: R, pool: Option<Arc<ReceivePool>>) -> Self {
+        FrameReader { inner, buf: BytesMut::new(), pool }
     }
 
     /// Reads until at least `n` bytes are buffered. `Ok(false)`: the stream
@@ -326,22 +340,51 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
             self.need(len).await?;
             return Ok(Bytes::copy_from_slice(&self.buf.split_to(len)));
         }
-        let mut out = BytesMut::with_capacity(len.min(FIRST_CHUNK));
+        // A large frame takes a pooled buffer that fits, already resident;
+        // else one grows with the bytes that arrive, which the pool gets
+        // when the frame is dropped.
+        let pool = self.pool.clone().filter(|_| len >= pool::MIN_POOLED);
+        let taken = pool.as_ref().and_then(|p| p.take(len));
+        let pooled = taken.is_some();
+        let mut out = taken.unwrap_or_default();
+        match self.frame_into(&mut out, len).await {
+            Ok(()) => Ok(match &pool {
+                Some(pool) => ReceivePool::wrap(pool, out),
+                None => Bytes::from(out),
+            }),
+            Err(e) => {
+                // A pooled buffer goes back; a partial one grown for a frame
+                // that never completed is freed.
+                if let Some(pool) = pool.filter(|_| pooled) {
+                    pool.give(out);
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Reads a frame body of `len` bytes into `out` (empty): into its
+    /// capacity when that is `len` or more, else growing it with what
+    /// arrives, from one first chunk and at most doubling, exactly (a whole
+    /// frame leaves it at capacity `len`).
+    async fn frame_into(&mut self, out: &mut Vec<u8>, len: usize) -> Result<(), ZmtpError> {
+        if out.capacity() < len {
+            out.reserve_exact(len.min(FIRST_CHUNK));
+        }
         let buffered = self.buf.len().min(len);
-        out.put_slice(&self.buf[..buffered]);
+        out.extend_from_slice(&self.buf[..buffered]);
         self.buf.advance(buffered);
         while out.len() < len {
             if out.len() == out.capacity() {
-                // Grow with what arrived: at most double.
-                out.reserve((len - out.len()).min(out.capacity()));
+                out.reserve_exact((len - out.len()).min(out.capacity()));
             }
             let room = (out.capacity() - out.len()).min(len - out.len());
-            let n = self.inner.read_buf(&mut (&mut out).limit(room)).await?;
+            let n = self.inner.read_buf(&mut (&mut *out).limit(room)).await?;
             if n == 0 {
                 return Err(ZmtpError::Closed);
             }
         }
-        Ok(out.freeze())
+        Ok(())
     }
 
     /// Skips `len` bytes of a frame body without keeping them.
@@ -564,6 +607,84 @@ mod tests {
         let limits = Limits { max_message_bytes: u64::MAX, max_frames: 10 };
         // Would abort the process if 1 TiB were reserved up front.
         assert!(matches!(r.read(&limits).await, Err(ZmtpError::Closed)));
+    }
+
+    /// Sends `frames` as one message and reads it through `r`.
+    async fn through<W: AsyncWrite + Unpin, R: AsyncRead + Unpin>(
+        w: &mut W,
+        r: &mut FrameReader<R>,
+        frames: &[Bytes],
+    ) -> Vec<Bytes> {
+        let (sent, got) = tokio::join!(write_message(w, frames), r.read(&Limits::DEFAULT));
+        sent.unwrap();
+        let Some(Incoming::Message(got)) = got.unwrap() else { panic!() };
+        got
+    }
+
+    #[tokio::test]
+    async fn a_large_frame_reuses_the_buffer_of_a_dropped_one() {
+        let (mut a, b) = pair().await;
+        let pool = ReceivePool::new(64 << 20, pool::IDLE);
+        let mut r = FrameReader::with_pool(b, Some(pool.clone()));
+        let first: Vec<u8> = (0..3 << 20).map(|i: u32| (i % 251) as u8).collect();
+        let got = through(&mut a, &mut r, &[Bytes::from_static(b"h"), Bytes::from(first.clone())]).await;
+        assert_eq!(got[1], first);
+        let ptr = got[1].as_ptr();
+        drop(got);
+        assert_eq!(pool.pooled_bytes(), 3 << 20, "a whole frame leaves its buffer at its size");
+        // The same size again (an eighth smaller fits too): same memory, new bytes.
+        let second: Vec<u8> = (0..3 << 20).map(|i: u32| (i % 13) as u8).collect();
+        let got = through(&mut a, &mut r, &[Bytes::from(second.clone()), Bytes::from_static(b"t")]).await;
+        assert_eq!(got[0].as_ptr(), ptr);
+        assert_eq!(got[0], second);
+        assert_eq!(got[1], Bytes::from_static(b"t"));
+        assert_eq!(pool.pooled_bytes(), 0);
+        drop(got);
+        let third = vec![5u8; (3 << 20) - (1 << 18)];
+        let got = through(&mut a, &mut r, &[Bytes::from(third.clone())]).await;
+        assert_eq!((got[0].as_ptr(), &got[0][..]), (ptr, &third[..]));
+    }
+
+    #[tokio::test]
+    async fn a_buffer_a_row_still_refers_to_is_not_reused() {
+        let (mut a, b) = pair().await;
+        let pool = ReceivePool::new(64 << 20, pool::IDLE);
+        let mut r = FrameReader::with_pool(b, Some(pool.clone()));
+        let got = through(&mut a, &mut r, &[Bytes::from(vec![1u8; 2 << 20])]).await;
+        let ptr = got[0].as_ptr();
+        // A stored row: a slice of the frame.
+        let row = got[0].slice(4096..8192);
+        drop(got);
+        assert_eq!(pool.pooled_bytes(), 0);
+        let got = through(&mut a, &mut r, &[Bytes::from(vec![2u8; 2 << 20])]).await;
+        assert_ne!(got[0].as_ptr(), ptr);
+        assert!(got[0].iter().all(|&x| x == 2));
+        assert!(row.iter().all(|&x| x == 1), "the row kept its bytes");
+        drop(row);
+        assert_eq!(pool.pooled_bytes(), 2 << 20);
+        drop(got);
+        assert_eq!(pool.pooled_bytes(), 4 << 20);
+    }
+
+    #[tokio::test]
+    async fn a_pooled_reader_still_allocates_only_what_arrives() {
+        let (mut a, b) = pair().await;
+        let pool = ReceivePool::new(64 << 20, pool::IDLE);
+        // One 2 MiB buffer pooled: it does not fit a declared 2^40.
+        drop(ReceivePool::wrap(&pool, vec![0u8; 2 << 20]));
+        let mut raw = BytesMut::new();
+        raw.put_u8(FLAG_LONG);
+        raw.put_u64(1 << 40);
+        raw.put_slice(&[0u8; 10]);
+        a.write_all(&raw).await.unwrap();
+        drop(a);
+        let mut r = FrameReader::with_pool(b, Some(pool.clone()));
+        let limits = Limits { max_message_bytes: u64::MAX, max_frames: 10 };
+        assert!(matches!(r.read(&limits).await, Err(ZmtpError::Closed)));
+        // The pooled buffer is untouched; the broken frame's (one first
+        // chunk) was freed, not pooled.
+        assert_eq!(pool.pooled_buffers(), 1);
+        assert_eq!(pool.pooled_bytes(), 2 << 20);
     }
 
     #[tokio::test]
