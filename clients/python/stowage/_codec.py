@@ -217,6 +217,8 @@ def check_indexes(global_indexes: Any, what: str, *, unique: bool, allow_empty: 
         if global_indexes.ndim != 1 or (global_indexes.size and global_indexes.dtype.kind not in "iu"):
             raise TypeError(f"{what}: global_indexes must be a 1-d integer array, got {_describe(global_indexes)}")
         idx = global_indexes.tolist()
+    elif type(global_indexes) in (list, range) and set(map(type, global_indexes)) <= {int}:
+        idx = list(global_indexes)  # plain ints: checked at C speed (131,072 in ~2 ms)
     else:
         try:
             idx = [operator.index(g) for g in global_indexes]
