@@ -43,6 +43,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -483,7 +484,8 @@ def report(S, wls, meta, systems):
                  "workloads; not the full run.**")
         L.append("")
     L.append(f"Date {meta['date']}. Machine: {meta['machine']}. Versions: {meta['versions']}. "
-             f"Median of {meta['reps']} repetitions, all in one run of `bench/suite.py`.")
+             f"Median of {meta['reps']} repetitions, all in one run of `bench/suite.py`."
+             + (f" {meta['load']}." if meta.get("load") else ""))
     L.append("")
     L.append("Systems: **stowage-tcp** the `stowage` client to stowd's native endpoint over tcp; "
              "**stowage-shm** the same client in same-node mode (shared memory); **tq->stowd** "
@@ -690,6 +692,16 @@ def main():
               flush=True)
 
     started = time.time()
+    load = []  # 1-minute load average every 15 s: how busy the machine was (the suite's own processes count)
+    stop_load = threading.Event()
+
+    def sample_load():
+        while True:
+            load.append(os.getloadavg()[0])
+            if stop_load.wait(15):
+                return
+
+    threading.Thread(target=sample_load, daemon=True).start()
     wl_meta = []
     tmp = tempfile.mkdtemp(prefix="stowage-suite-")
     stowd = Stowd(a.stowd, tmp)
@@ -745,12 +757,15 @@ def main():
     git = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
                          text=True).stdout.strip()
     cmd_args = [x for x in sys.argv[1:] if x != "--_child"]
+    stop_load.set()
     meta = {
         "command": "python3 bench/suite.py " + " ".join(cmd_args),
         "scale": a.scale, "reps": a.reps,
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "machine": f"{os.cpu_count()} vCPU ({cpu}), {mem_gib:.0f} GiB, Linux {platform.release()}, "
-                   f"no GPU, shared with another CI job",
+        "machine": f"{os.cpu_count()} vCPU ({cpu}), {mem_gib:.0f} GiB, Linux {platform.release()}, no GPU",
+        "load": (f"1-minute load average during the run (sampled every 15 s; the suite's own stowd, client "
+                 f"and TransferQueue processes count): median {statistics.median(load):.1f}, "
+                 f"max {max(load):.1f}") if load else "",
         "versions": f"{stowd_ver} (release, commit {git}), transferqueue {transfer_queue.__version__}, "
                     f"torch {torch.__version__}, pyzmq {zmq.__version__}, numpy {numpy.__version__}, "
                     f"Python {platform.python_version()}",
