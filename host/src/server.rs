@@ -174,6 +174,25 @@ fn tq_too_large(unit_id: &str, head: &[Bytes], reason: &str) -> tq::Reply {
     }
 }
 
+/// The reply to a TransferQueue request refused unread (see
+/// [`tq_too_large`]), counted under `protocol`; none to a peer whose
+/// identity TransferQueue would not use.
+fn tq_reject(
+    unit_id: &str,
+    identity: &Bytes,
+    head: &[Bytes],
+    reason: &str,
+    metrics: &Metrics,
+    protocol: Protocol,
+) -> Option<Vec<Bytes>> {
+    if !tq_identity_allowed(identity) {
+        return None;
+    }
+    let frames = tq::encode_reply(unit_id, &tq_too_large(unit_id, head, reason));
+    metrics.observe(protocol, "too_large", Outcome::Error, Duration::ZERO, frames.len());
+    Some(frames)
+}
+
 /// The `stowage` key of a TransferQueue `METRICS_RESPONSE` (when
 /// `[metrics] tq_extra` is on): a msgpack map of stowd's own figures.
 fn tq_extra(manager: Option<&Manager>, units: &[&Unit]) -> Vec<(String, Bytes)> {
@@ -277,15 +296,7 @@ impl Service for UnitService {
     }
 
     fn reject(self: Arc<Self>, identity: Bytes, head: Vec<Bytes>, reason: String) -> BoxFuture<'static, Option<Vec<Bytes>>> {
-        Box::pin(async move {
-            if !tq_identity_allowed(&identity) {
-                return None;
-            }
-            let reply = tq_too_large(self.unit.id(), &head, &reason);
-            let frames = tq::encode_reply(self.unit.id(), &reply);
-            self.metrics.observe(Protocol::Tq, "too_large", Outcome::Error, Duration::ZERO, frames.len());
-            Some(frames)
-        })
+        Box::pin(async move { tq_reject(self.unit.id(), &identity, &head, &reason, &self.metrics, Protocol::Tq) })
     }
 }
 
@@ -373,15 +384,7 @@ impl Service for RouterService {
     }
 
     fn reject(self: Arc<Self>, identity: Bytes, head: Vec<Bytes>, reason: String) -> BoxFuture<'static, Option<Vec<Bytes>>> {
-        Box::pin(async move {
-            if !tq_identity_allowed(&identity) {
-                return None;
-            }
-            let reply = tq_too_large(&self.id, &head, &reason);
-            let frames = tq::encode_reply(&self.id, &reply);
-            self.metrics.observe(Protocol::TqRouter, "too_large", Outcome::Error, Duration::ZERO, frames.len());
-            Some(frames)
-        })
+        Box::pin(async move { tq_reject(&self.id, &identity, &head, &reason, &self.metrics, Protocol::TqRouter) })
     }
 }
 

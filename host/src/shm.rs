@@ -575,6 +575,11 @@ mod tests {
         drop(bytes);
         assert!(!path.exists(), "the old name must go with the rows");
         assert_eq!(s.spares(), (1, 4 << 20, 0));
+        // A put naming the spare's file is refused: it is no segment name.
+        let spare = std::fs::read_dir(s.dir()).unwrap().next().unwrap().unwrap().file_name();
+        let spare = spare.to_string_lossy().to_string();
+        assert!(spare.contains("-spare-"), "{spare}");
+        assert!(matches!(s.adopt(&spare), Err(ShmError::BadName(_))));
         // A lease of a size within a factor of two gets the same file, resized, under a new name.
         let (name, _) = s.lease(3 << 20).unwrap();
         let again = s.dir().join(&name);
