@@ -593,16 +593,22 @@ mod tests {
         writer.await.unwrap();
     }
 
-    #[tokio::test]
-    async fn a_huge_declared_frame_allocates_only_what_arrives() {
+    /// The reading end of a peer that declares a 2^40-byte frame (within a
+    /// generous limit), sends 10 bytes of it and closes.
+    async fn declares_a_tebibyte_sends_ten_bytes() -> tokio::io::DuplexStream {
         let (mut a, b) = pair().await;
-        // Declares 2^40 bytes (within a generous limit), sends 10, closes.
         let mut raw = BytesMut::new();
         raw.put_u8(FLAG_LONG);
         raw.put_u64(1 << 40);
         raw.put_slice(&[0u8; 10]);
         a.write_all(&raw).await.unwrap();
         drop(a);
+        b
+    }
+
+    #[tokio::test]
+    async fn a_huge_declared_frame_allocates_only_what_arrives() {
+        let b = declares_a_tebibyte_sends_ten_bytes().await;
         let mut r = FrameReader::new(b);
         let limits = Limits { max_message_bytes: u64::MAX, max_frames: 10 };
         // Would abort the process if 1 TiB were reserved up front.
@@ -668,16 +674,10 @@ mod tests {
 
     #[tokio::test]
     async fn a_pooled_reader_still_allocates_only_what_arrives() {
-        let (mut a, b) = pair().await;
         let pool = ReceivePool::new(64 << 20, pool::IDLE);
         // One 2 MiB buffer pooled: it does not fit a declared 2^40.
         drop(ReceivePool::wrap(&pool, vec![0u8; 2 << 20]));
-        let mut raw = BytesMut::new();
-        raw.put_u8(FLAG_LONG);
-        raw.put_u64(1 << 40);
-        raw.put_slice(&[0u8; 10]);
-        a.write_all(&raw).await.unwrap();
-        drop(a);
+        let b = declares_a_tebibyte_sends_ten_bytes().await;
         let mut r = FrameReader::with_pool(b, Some(pool.clone()));
         let limits = Limits { max_message_bytes: u64::MAX, max_frames: 10 };
         assert!(matches!(r.read(&limits).await, Err(ZmtpError::Closed)));
