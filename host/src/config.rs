@@ -191,8 +191,10 @@ pub struct LimitsConfig {
     pub write_timeout_secs: u64,
     /// Most bytes of freed large receive buffers kept for the next large
     /// frames (reused memory is already resident; fresh pages fault in at a
-    /// fraction of copy speed); idle ones are freed after 30 s. 0: off.
+    /// fraction of copy speed); 0: off.
     pub receive_pool_bytes: u64,
+    /// Seconds a pooled receive buffer may go unused before it is freed.
+    pub receive_pool_idle_secs: u64,
 }
 
 impl Default for LimitsConfig {
@@ -208,6 +210,7 @@ impl Default for LimitsConfig {
             max_connections: 1024,
             write_timeout_secs: 60,
             receive_pool_bytes: crate::transport::Limits::DEFAULT.receive_pool_bytes as u64,
+            receive_pool_idle_secs: crate::transport::Limits::DEFAULT.receive_pool_idle.as_secs(),
         }
     }
 }
@@ -220,6 +223,7 @@ impl LimitsConfig {
             write_timeout: std::time::Duration::from_secs(self.write_timeout_secs),
             max_connections: self.max_connections as usize,
             receive_pool_bytes: usize::try_from(self.receive_pool_bytes).unwrap_or(usize::MAX),
+            receive_pool_idle: std::time::Duration::from_secs(self.receive_pool_idle_secs),
             ..crate::transport::Limits::DEFAULT
         }
     }

@@ -76,6 +76,8 @@ pub struct Limits {
     /// Most bytes of idle large receive buffers kept for reuse
     /// ([`ReceivePool`]); 0 turns the pool off.
     pub receive_pool_bytes: usize,
+    /// A pooled buffer unused this long is freed.
+    pub receive_pool_idle: Duration,
 }
 
 impl Limits {
@@ -97,6 +99,7 @@ impl Limits {
         handshake_timeout: Duration::from_secs(10),
         max_connections: 1024,
         receive_pool_bytes: 2 << 30,
+        receive_pool_idle: pool::IDLE,
     };
 }
 
@@ -196,7 +199,7 @@ pub async fn serve(listener: Listener, service: Arc<dyn Service>, shutdown: watc
 pub async fn serve_with(listener: Listener, service: Arc<dyn Service>, limits: Limits, mut shutdown: watch::Receiver<bool>) {
     let slots = Arc::new(Semaphore::new(limits.max_connections));
     let next_id = Arc::new(AtomicU32::new(0x6b8b_4567));
-    let pool = ReceivePool::shared(limits.receive_pool_bytes);
+    let pool = ReceivePool::shared(limits.receive_pool_bytes, limits.receive_pool_idle);
     loop {
         let stream = tokio::select! {
             s = listener.accept() => s,

@@ -47,7 +47,8 @@ use bytes::Bytes;
 /// from its heap, where freed memory is reused anyway.
 pub const MIN_POOLED: usize = 1 << 20;
 
-/// A buffer unused this long is freed.
+/// A buffer unused this long is freed (the default of `[limits]
+/// receive_pool_idle_secs`).
 pub const IDLE: Duration = Duration::from_secs(30);
 
 /// The most a pooled buffer may exceed the frame it is given to: an eighth
@@ -94,23 +95,25 @@ impl ReceivePool {
         Arc::new(ReceivePool { max_bytes, idle, inner: Mutex::new(Inner::default()) })
     }
 
-    /// The pool of this process for a cap of `max_bytes` (`None` when 0:
-    /// no pooling). Every listener served with the same cap shares it
-    /// (`stowd` serves all its listeners with one cap), with a sweeper
-    /// thread that frees idle buffers and ends when the pool is dropped
-    /// (when the last server using it stops).
-    pub fn shared(max_bytes: usize) -> Option<Arc<ReceivePool>> {
+    /// The pool of this process for a cap of `max_bytes` and an idle time
+    /// (`None` when the cap is 0: no pooling). Every listener served with
+    /// the same settings shares it (`stowd` serves all its listeners with
+    /// one), with a sweeper thread that frees idle buffers and ends when
+    /// the pool is dropped (when the last server using it stops).
+    pub fn shared(max_bytes: usize, idle: Duration) -> Option<Arc<ReceivePool>> {
         if max_bytes == 0 {
             return None;
         }
         let mut shared = SHARED.lock().unwrap_or_else(|p| p.into_inner());
         shared.retain(|w| w.strong_count() > 0);
-        if let Some(pool) = shared.iter().filter_map(Weak::upgrade).find(|p| p.max_bytes == max_bytes) {
+        if let Some(pool) =
+            shared.iter().filter_map(Weak::upgrade).find(|p| p.max_bytes == max_bytes && p.idle == idle)
+        {
             return Some(pool);
         }
-        let pool = ReceivePool::new(max_bytes, IDLE);
+        let pool = ReceivePool::new(max_bytes, idle);
         let weak = Arc::downgrade(&pool);
-        let tick = (IDLE / 4).max(Duration::from_millis(100));
+        let tick = (idle / 4).max(Duration::from_millis(100));
         let spawned = std::thread::Builder::new().name("stowd-rxpool".into()).spawn(move || {
             loop {
                 std::thread::sleep(tick);
@@ -366,12 +369,15 @@ mod tests {
     }
 
     #[test]
-    fn the_shared_pool_is_one_per_cap_and_none_when_off() {
-        assert!(ReceivePool::shared(0).is_none());
-        let a = ReceivePool::shared(123 * MIB).unwrap();
-        let b = ReceivePool::shared(123 * MIB).unwrap();
+    fn the_shared_pool_is_one_per_setting_and_none_when_off() {
+        assert!(ReceivePool::shared(0, IDLE).is_none());
+        let a = ReceivePool::shared(123 * MIB, IDLE).unwrap();
+        let b = ReceivePool::shared(123 * MIB, IDLE).unwrap();
         assert!(Arc::ptr_eq(&a, &b));
         assert_eq!(a.idle(), IDLE);
+        let c = ReceivePool::shared(123 * MIB, Duration::from_secs(5)).unwrap();
+        assert!(!Arc::ptr_eq(&a, &c));
+        assert_eq!(c.idle(), Duration::from_secs(5));
         drop(ReceivePool::wrap(&a, filled(2 * MIB)));
         assert!(ReceivePool::shared_bytes() >= 2 * MIB);
     }

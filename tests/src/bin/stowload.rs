@@ -74,7 +74,7 @@ async fn main() {
             (None, e)
         }
         None => {
-            let s = Stowd::start(&format!("[units]\nlocal = {units}\n"));
+            let s = Stowd::start(&format!("[units]\nlocal = {units}\n\n{}", load::REUSE_CONFIG));
             let e = s.endpoints.clone();
             (Some(s), e)
         }
