@@ -373,31 +373,33 @@ impl SegmentStore {
         Some(Bytes::from_owner(SegmentRef(arc)).slice(offset as usize..end as usize))
     }
 
+    /// The whole live segment that holds `len` bytes from address `p`,
+    /// and where in it they start.
+    fn whole_at(&self, p: usize, len: usize) -> Option<(Bytes, usize)> {
+        let live = self.live.lock().unwrap_or_else(|p| p.into_inner());
+        let (&base, (size, _, weak)) = live.range(..=p).next_back()?;
+        p.checked_add(len).filter(|e| *e <= base + size)?;
+        let arc = weak.upgrade()?;
+        drop(live);
+        Some((Bytes::from_owner(SegmentRef(arc)), p - base))
+    }
+
     /// `len` bytes from address `start`, as a slice of the live segment
     /// that holds all of them (used to send rows that lie back to back in a
     /// segment as one range); `None` if no segment does.
     pub fn span_at(&self, start: *const u8, len: usize) -> Option<Bytes> {
-        let p = start as usize;
-        let live = self.live.lock().unwrap_or_else(|p| p.into_inner());
-        let (&base, (size, _, weak)) = live.range(..=p).next_back()?;
-        let end = p.checked_add(len).filter(|e| *e <= base + size)?;
-        let arc = weak.upgrade()?;
-        drop(live);
-        Some(Bytes::from_owner(SegmentRef(arc)).slice(p - base..end - base))
+        let (whole, at) = self.whole_at(start as usize, len)?;
+        Some(whole.slice(at..at + len))
     }
 
-    /// The whole live segment that holds all of `bytes`, and where in it
-    /// they start (a same-node reply names each segment once).
+    /// The whole live segment that holds all of `bytes` (not empty), and
+    /// where in it they start (a same-node reply names each segment once).
     pub fn enclosing(&self, bytes: &[u8]) -> Option<(Bytes, u64)> {
-        let p = bytes.as_ptr() as usize;
-        let live = self.live.lock().unwrap_or_else(|p| p.into_inner());
-        let (&base, (size, _, weak)) = live.range(..=p).next_back()?;
-        if p + bytes.len() > base + size || bytes.is_empty() {
+        if bytes.is_empty() {
             return None;
         }
-        let arc = weak.upgrade()?;
-        drop(live);
-        Some((Bytes::from_owner(SegmentRef(arc)), (p - base) as u64))
+        let (whole, at) = self.whole_at(bytes.as_ptr() as usize, bytes.len())?;
+        Some((whole, at as u64))
     }
 
     /// Where `bytes` lie, if inside one of our segments.
