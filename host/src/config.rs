@@ -263,6 +263,10 @@ pub struct ShmConfig {
     pub reuse_bytes: u64,
     /// Seconds a kept segment may go unused before it is removed.
     pub reuse_secs: u64,
+    /// Milliseconds a segment named in a same-node reply stays alive after
+    /// the reply at least, even if its rows are overwritten or cleared
+    /// meanwhile: the reader opens and locks it within this time.
+    pub reply_hold_ms: u64,
 }
 
 impl Default for ShmConfig {
@@ -274,6 +278,7 @@ impl Default for ShmConfig {
             max_lease_bytes: 16 << 30,
             reuse_bytes: 4 << 30,
             reuse_secs: 30,
+            reply_hold_ms: 10_000,
         }
     }
 }

@@ -29,7 +29,7 @@ pub mod metrics;
 pub mod plan;
 pub mod server;
 pub mod shm;
-pub mod spans;
+pub mod extent;
 pub mod policy;
 pub mod reload;
 pub mod store;

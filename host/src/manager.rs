@@ -19,11 +19,13 @@ use arc_swap::ArcSwap;
 use bytes::Bytes;
 
 use crate::batch::{Cell, Field};
+use crate::extent::Received;
 use crate::config::LimitsConfig;
 use crate::plan::{self, Frame, PieceInfo, Selected};
 use crate::policy::chain::{ChainError, DecidedBy};
 use crate::policy::registry::Registry;
-use crate::store::{StoreError, Unit};
+use crate::shm::{SegmentStore, ShmError};
+use crate::store::{Column, PutField, RowRef, Rows, StoreError, Unit};
 use crate::tensor::Tensor;
 use crate::transport::{Peer, TransportError};
 use crate::wire::tq;
@@ -45,6 +47,15 @@ impl Target {
             Target::Remote(p) => p.endpoint().to_string(),
         }
     }
+}
+
+/// Why a same-node get failed.
+#[derive(Debug, thiserror::Error)]
+pub enum GetSharedError {
+    #[error(transparent)]
+    Manager(ManagerError),
+    #[error(transparent)]
+    Shm(ShmError),
 }
 
 /// Why a routed request failed.
@@ -192,8 +203,16 @@ impl Manager {
     }
 
     /// Selects the rows of `field` at `positions` through the field's chain
-    /// and returns one cell per position.
-    fn select(&self, registry: &Registry, name: &str, field: &Field, positions: &[u64]) -> Result<Vec<Cell>, ManagerError> {
+    /// and returns them as columns: views into the request's buffers
+    /// (`received`) where the plan allows, a gather's output otherwise.
+    fn select(
+        &self,
+        registry: &Registry,
+        name: &str,
+        field: &Field,
+        positions: &[u64],
+        received: &Received,
+    ) -> Result<Vec<Column>, ManagerError> {
         let decision = registry.select_chain(name).select(field, positions)?;
         let c = &self.counters;
         match &decision.by {
@@ -203,34 +222,30 @@ impl Manager {
         };
         let selected =
             plan::execute_selection(field, &decision.plan).map_err(|e| ManagerError::Internal(e.to_string()))?;
-        let mut cells = Vec::with_capacity(positions.len());
+        let mut columns = Vec::with_capacity(selected.len());
         for piece in selected {
             match piece {
                 Selected::Rows(t) => {
-                    let view = t.buffer().as_ptr() as usize;
-                    let zero_copy = matches!(field, Field::Regular(src) if {
-                        let base = src.buffer().as_ptr() as usize;
-                        view >= base && view < base + src.byte_len().max(1)
-                    });
+                    let (extent, offset, zero_copy) = received.locate_or_own(t.buffer());
                     let counter = if zero_copy { &c.zero_copy_bytes } else { &c.copied_bytes };
                     counter.fetch_add(t.payload_len() as u64, Ordering::Relaxed);
-                    for i in 0..t.rows() {
-                        cells.push(Cell::Tensor(t.row_tensor(i).map_err(|e| ManagerError::Internal(e.to_string()))?));
-                    }
+                    columns.push(Column::regular(extent, offset, &t));
                 }
                 Selected::NestedRows(rows) => {
                     let bytes: usize = rows.iter().map(Tensor::payload_len).sum();
                     c.zero_copy_bytes.fetch_add(bytes as u64, Ordering::Relaxed);
-                    cells.extend(rows.into_iter().map(Cell::Tensor));
+                    columns.push(Column::from_field(Field::Nested(rows), received));
                 }
                 Selected::Packed { buffer, rows } => {
                     c.copied_bytes.fetch_add(buffer.len() as u64, Ordering::Relaxed);
-                    cells.extend(rows.into_iter().map(Cell::Tensor));
+                    // The packed buffer is the rows' one extent.
+                    let own = Received::frames(std::slice::from_ref(&buffer));
+                    columns.push(Column::from_field(Field::Nested(rows), &own));
                 }
-                Selected::Values(v) => cells.extend(v.into_iter().map(Cell::Value)),
+                Selected::Values(v) => columns.push(Column::Values(v)),
             }
         }
-        Ok(cells)
+        Ok(columns)
     }
 
     /// Stores a batch: each global index on its unit, each field's rows
@@ -239,7 +254,15 @@ impl Manager {
     /// leaves the local units untouched (barring a concurrent put racing
     /// between check and write); then units are written one after the other,
     /// each unit's part all-or-nothing.
-    pub async fn put(&self, global_indexes: &[u64], fields: Vec<(String, Field)>) -> Result<(), ManagerError> {
+    ///
+    /// `received` holds the request's buffers: rows selected as views of
+    /// them are stored as offsets into them (zero copy).
+    pub async fn put(
+        &self,
+        global_indexes: &[u64],
+        fields: Vec<(String, Field)>,
+        received: &Received,
+    ) -> Result<(), ManagerError> {
         self.check_size(global_indexes, fields.len())?;
         for (name, field) in &fields {
             if field.rows() != global_indexes.len() as u64 {
@@ -266,7 +289,7 @@ impl Manager {
             }
             let mut unit_fields = Vec::with_capacity(fields.len());
             for (name, field) in &fields {
-                unit_fields.push((name.clone(), self.select(&registry, name, field, &route.positions)?));
+                unit_fields.push((name.clone(), self.select(&registry, name, field, &route.positions, received)?));
             }
             per_unit.push(Some((route.indexes, unit_fields)));
         }
@@ -310,8 +333,10 @@ impl Manager {
         registry: &Registry,
         peer: &Peer,
         indexes: &[u64],
-        fields: Vec<(String, Vec<Cell>)>,
+        fields: Vec<PutField>,
     ) -> Result<(), ManagerError> {
+        let fields: Vec<(String, Vec<Cell>)> =
+            fields.into_iter().map(|(name, columns)| (name, columns.iter().flat_map(Column::cells).collect())).collect();
         let row_bytes: Vec<u64> =
             (0..indexes.len()).map(|i| fields.iter().map(|(_, c)| c[i].byte_len() as u64).sum()).collect();
         let tensor_fields = fields.iter().filter(|(_, c)| matches!(c.first(), Some(Cell::Tensor(_)))).count().max(1);
@@ -403,41 +428,66 @@ impl Manager {
         }
     }
 
-    /// The cells of `fields` at `global_indexes`, in request order.
-    pub async fn get(&self, global_indexes: &[u64], fields: &[String]) -> Result<Vec<(String, Vec<Cell>)>, ManagerError> {
+    /// The rows of `fields` at `global_indexes`, in request order: per
+    /// field, the columns they are in (local units' and rows received from
+    /// remote units) and one reference per index.
+    pub async fn get(&self, global_indexes: &[u64], fields: &[String]) -> Result<Vec<(String, Rows)>, ManagerError> {
         self.check_size(global_indexes, fields.len())?;
         if fields.is_empty() {
             return Err(ManagerError::BadRequest("no fields requested".into()));
         }
         let n = global_indexes.len();
-        let mut out: Vec<Vec<Option<Cell>>> = fields.iter().map(|_| vec![None; n]).collect();
+        let unset = RowRef { column: u32::MAX, row: 0 };
+        let mut out: Vec<Rows> = fields.iter().map(|_| Rows { columns: Vec::new(), refs: vec![unset; n] }).collect();
         for (target, route) in self.targets.iter().zip(self.routes(global_indexes)) {
             if route.positions.is_empty() {
                 continue;
             }
-            let got: Vec<Vec<Cell>> = match target {
+            let got: Vec<Rows> = match target {
                 Target::Local(unit) => unit.get(&route.indexes, fields)?,
-                Target::Remote(peer) => self.get_remote(peer, &route.indexes, fields).await?,
+                Target::Remote(peer) => self
+                    .get_remote(peer, &route.indexes, fields)
+                    .await?
+                    .into_iter()
+                    .map(|cells| Rows {
+                        refs: (0..cells.len() as u32).map(|column| RowRef { column, row: 0 }).collect(),
+                        columns: cells.into_iter().map(|c| Arc::new(Column::from_cell(c))).collect(),
+                    })
+                    .collect(),
             };
-            for (f, cells) in got.into_iter().enumerate() {
-                if cells.len() != route.positions.len() {
+            for (f, rows) in got.into_iter().enumerate() {
+                if rows.refs.len() != route.positions.len() {
                     return Err(ManagerError::Remote {
                         unit: target.name(),
-                        message: format!("returned {} rows for {} indexes", cells.len(), route.positions.len()),
+                        message: format!("returned {} rows for {} indexes", rows.refs.len(), route.positions.len()),
                         key_not_found: false,
                     });
                 }
-                for (pos, cell) in route.positions.iter().zip(cells) {
-                    out[f][*pos as usize] = Some(cell);
+                let into = &mut out[f];
+                let base = into.columns.len() as u32;
+                into.columns.extend(rows.columns);
+                for (pos, r) in route.positions.iter().zip(rows.refs) {
+                    into.refs[*pos as usize] = RowRef { column: base + r.column, row: r.row };
                 }
             }
         }
-        Ok(fields
-            .iter()
-            .cloned()
-            .zip(out)
-            .map(|(name, cells)| (name, cells.into_iter().map(|c| c.expect("every position routed")).collect()))
-            .collect())
+        Ok(fields.iter().cloned().zip(out).collect())
+    }
+
+    /// [`Manager::get`] for a same-node reader: every extent the rows are in
+    /// is in shared memory afterwards (moved there once, see
+    /// [`crate::extent::Extent::share`]).
+    pub async fn get_shared(
+        &self,
+        global_indexes: &[u64],
+        fields: &[String],
+        shm: &SegmentStore,
+    ) -> Result<Vec<(String, Rows)>, GetSharedError> {
+        let got = self.get(global_indexes, fields).await.map_err(GetSharedError::Manager)?;
+        for (_, rows) in &got {
+            rows.share(shm).map_err(GetSharedError::Shm)?;
+        }
+        Ok(got)
     }
 
     /// Gets rows from a remote unit in messages of at most `max_frames`

@@ -9,10 +9,13 @@
 //! valid until it unmaps it: unlinking never invalidates existing mappings.
 //!
 //! Two ways in:
-//! - get: rows that are not yet in a segment are copied into one once
-//!   ([`SegmentStore::export`]) and the unit's cells are swapped to point
-//!   there, so every later same-node get of those rows is zero-copy and
-//!   returns the same pages;
+//! - get: an extent ([`crate::extent`]) that is not yet in a segment is
+//!   copied into one once ([`SegmentStore::export_whole`], called by
+//!   [`crate::extent::Extent::share`]), so every later same-node get of
+//!   its rows is zero-copy and returns the same pages. A segment named in
+//!   a reply is held for [`SegmentStore::with_hold`] after it (default
+//!   [`DEFAULT_HOLD`]), so that an overwrite or clear racing the get
+//!   cannot unlink or reuse it before the reader has opened and locked it;
 //! - put: a client leases a segment ([`SegmentStore::lease`]), writes into
 //!   its own mapping, and puts descriptors naming it; `stowd` adopts the
 //!   file without copying ([`SegmentStore::adopt`]). A lease not adopted
@@ -38,11 +41,12 @@
 //! unmaps before it sends the put. Clients on the node run as the same user
 //! as `stowd`, as for any shared-memory transport.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{HashMap, VecDeque};
 use std::fs::{File, OpenOptions};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
+
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -66,16 +70,12 @@ pub enum ShmError {
     OutOfRange { name: String, offset: u64, len: u64, size: u64 },
 }
 
-/// Live segments by start address: length, name, and a weak handle (the
-/// registry never keeps a segment alive).
-type Live = Arc<Mutex<BTreeMap<usize, (usize, String, Weak<Segment>)>>>;
-
 /// A mapped segment; unmapped when the last `Bytes` over it is dropped,
 /// and then kept as a spare or unlinked.
 struct Segment {
     map: Mmap,
     path: PathBuf,
-    live: Live,
+    live: Arc<AtomicU64>,
     spares: Weak<Spares>,
 }
 
@@ -90,13 +90,17 @@ impl AsRef<[u8]> for SegmentRef {
 
 impl Drop for Segment {
     fn drop(&mut self) {
-        self.live.lock().unwrap_or_else(|p| p.into_inner()).remove(&(self.map.as_ptr() as usize));
+        self.live.fetch_sub(1, Ordering::Relaxed);
         let kept = self.spares.upgrade().is_some_and(|s| s.offer(&self.path, self.map.len() as u64));
         if !kept {
             let _ = std::fs::remove_file(&self.path);
         }
     }
 }
+
+/// How long a segment named in a same-node reply stays alive after it by
+/// default: the reader opens and locks it well within this.
+pub const DEFAULT_HOLD: Duration = Duration::from_secs(10);
 
 /// Segments smaller than this are unlinked, not kept: their pages are few.
 const MIN_SPARE: u64 = 1 << 20;
@@ -238,7 +242,11 @@ struct Lease {
 pub struct SegmentStore {
     names: Arc<Names>,
     spares: Arc<Spares>,
-    live: Live,
+    /// Mapped segments.
+    live: Arc<AtomicU64>,
+    /// Segments named in recent same-node replies, and until when.
+    held: Mutex<VecDeque<(Instant, Bytes)>>,
+    hold: Duration,
     leases: Mutex<HashMap<String, Lease>>,
     lease_ttl: Duration,
     max_lease: u64,
@@ -248,14 +256,6 @@ impl std::fmt::Debug for SegmentStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("SegmentStore").field("dir", &self.names.dir).finish()
     }
-}
-
-/// Where some bytes live in a segment.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Location {
-    pub segment: String,
-    pub offset: u64,
-    pub len: u64,
 }
 
 impl SegmentStore {
@@ -288,6 +288,8 @@ impl SegmentStore {
             names,
             spares,
             live: Arc::default(),
+            held: Mutex::default(),
+            hold: DEFAULT_HOLD,
             leases: Mutex::default(),
             lease_ttl,
             max_lease,
@@ -351,100 +353,50 @@ impl SegmentStore {
         // are trusted not to (see the module docs). The mapping lives as
         // long as the `Segment` that owns it.
         let map = unsafe { MmapOptions::new().map(&file) }.map_err(io)?;
-        let name = path.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default();
-        let (start, len) = (map.as_ptr() as usize, map.len());
-        let segment =
-            Arc::new(Segment { map, path, live: self.live.clone(), spares: Arc::downgrade(&self.spares) });
-        self.live
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(start, (len, name, Arc::downgrade(&segment)));
+        self.live.fetch_add(1, Ordering::Relaxed);
+        let segment = Arc::new(Segment { map, path, live: self.live.clone(), spares: Arc::downgrade(&self.spares) });
         Ok(Bytes::from_owner(SegmentRef(segment)))
     }
 
-    /// Bytes `offset..offset + len` of a live segment, as a new `Bytes`
-    /// sharing the mapping (used to describe adjacent rows as one range).
-    pub fn span(&self, segment: &str, offset: u64, len: u64) -> Option<Bytes> {
-        let live = self.live.lock().unwrap_or_else(|p| p.into_inner());
-        let (size, _, weak) = live.values().find(|(_, name, _)| name == segment)?;
-        let end = offset.checked_add(len).filter(|e| *e <= *size as u64)?;
-        let arc = weak.upgrade()?;
-        drop(live);
-        Some(Bytes::from_owner(SegmentRef(arc)).slice(offset as usize..end as usize))
-    }
-
-    /// The whole live segment that holds `len` bytes from address `p`,
-    /// and where in it they start.
-    fn whole_at(&self, p: usize, len: usize) -> Option<(Bytes, usize)> {
-        let live = self.live.lock().unwrap_or_else(|p| p.into_inner());
-        let (&base, (size, _, weak)) = live.range(..=p).next_back()?;
-        p.checked_add(len).filter(|e| *e <= base + size)?;
-        let arc = weak.upgrade()?;
-        drop(live);
-        Some((Bytes::from_owner(SegmentRef(arc)), p - base))
-    }
-
-    /// `len` bytes from address `start`, as a slice of the live segment
-    /// that holds all of them (used to send rows that lie back to back in a
-    /// segment as one range); `None` if no segment does.
-    pub fn span_at(&self, start: *const u8, len: usize) -> Option<Bytes> {
-        let (whole, at) = self.whole_at(start as usize, len)?;
-        Some(whole.slice(at..at + len))
-    }
-
-    /// The whole live segment that holds all of `bytes` (not empty), and
-    /// where in it they start (a same-node reply names each segment once).
-    pub fn enclosing(&self, bytes: &[u8]) -> Option<(Bytes, u64)> {
-        if bytes.is_empty() {
-            return None;
-        }
-        let (whole, at) = self.whole_at(bytes.as_ptr() as usize, bytes.len())?;
-        Some((whole, at as u64))
-    }
-
-    /// Where `bytes` lie, if inside one of our segments.
-    pub fn locate(&self, bytes: &[u8]) -> Option<Location> {
-        let p = bytes.as_ptr() as usize;
-        let live = self.live.lock().unwrap_or_else(|p| p.into_inner());
-        let (&start, (len, name, _)) = live.range(..=p).next_back()?;
-        (p + bytes.len() <= start + len).then(|| Location {
-            segment: name.clone(),
-            offset: (p - start) as u64,
-            len: bytes.len() as u64,
-        })
-    }
-
-    /// Copies `parts` back to back into one new segment; returns the
-    /// segment's bytes and each part's slice of it.
-    pub fn export(&self, parts: &[&[u8]]) -> Result<Vec<Bytes>, ShmError> {
-        let total: usize = parts.iter().map(|p| p.len()).sum();
-        if total == 0 {
-            return Ok(parts.iter().map(|_| Bytes::new()).collect());
-        }
-        let (file, path) = self.create(total as u64)?;
+    /// Copies `bytes` into one new segment (a spare if one fits); returns
+    /// the segment's bytes (read-only mapping) and its name.
+    pub fn export_whole(&self, bytes: &[u8]) -> Result<(Bytes, String), ShmError> {
+        let (file, path) = self.create(bytes.len() as u64)?;
         let io = |source| ShmError::Io { path: path.display().to_string(), source };
         {
-            // SAFETY: a file we just created, or a spare nobody maps (see
-            // `Spares::offer`), under a name nobody knows yet.
-            // `populate`: fault every page in one go rather than one by one
-            // during the copy (fresh tmpfs pages are dear on this kind of VM).
+            // SAFETY: a file stowd just created (or took from its spares,
+            // which no reader locks) and nobody else writes; the writable
+            // mapping is dropped before the read-only one is made.
             let mut map: MmapMut = unsafe { MmapOptions::new().populate().map_mut(&file) }.map_err(io)?;
-            let mut at = 0;
-            for p in parts {
-                map[at..at + p.len()].copy_from_slice(p);
-                at += p.len();
-            }
+            map.copy_from_slice(bytes);
         }
-        let all = self.map(path)?;
-        let mut at = 0;
-        Ok(parts
-            .iter()
-            .map(|p| {
-                let s = all.slice(at..at + p.len());
-                at += p.len();
-                s
-            })
-            .collect())
+        let name = path.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default();
+        Ok((self.map(path)?, name))
+    }
+
+    /// How long a segment named in a same-node reply is kept alive after
+    /// the reply, at least (0: not held).
+    pub fn with_hold(mut self, hold: Duration) -> SegmentStore {
+        self.hold = hold;
+        self
+    }
+
+    /// Keeps these segments alive for the hold time (see the module docs):
+    /// a reader that got their names opens and locks them meanwhile.
+    pub fn hold(&self, segments: impl IntoIterator<Item = Bytes>) {
+        if self.hold.is_zero() {
+            return;
+        }
+        let until = Instant::now() + self.hold;
+        let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
+        held.extend(segments.into_iter().map(|b| (until, b)));
+        Self::expire(&mut held, Instant::now());
+    }
+
+    fn expire(held: &mut VecDeque<(Instant, Bytes)>, now: Instant) {
+        while held.front().is_some_and(|(until, _)| *until <= now) {
+            held.pop_front();
+        }
     }
 
     /// Creates a segment of `len` bytes for a client to fill; it must be
@@ -478,6 +430,7 @@ impl SegmentStore {
     /// Unlinks every expired lease and idle spare; returns how many leases.
     pub fn sweep(&self) -> usize {
         let now = Instant::now();
+        Self::expire(&mut self.held.lock().unwrap_or_else(|p| p.into_inner()), now);
         self.spares.sweep(now);
         let mut leases = self.leases.lock().unwrap_or_else(|p| p.into_inner());
         let expired: Vec<String> = leases.iter().filter(|(_, l)| l.deadline <= now).map(|(n, _)| n.clone()).collect();
@@ -499,7 +452,7 @@ impl SegmentStore {
 
     /// Number of live (mapped) segments and open leases.
     pub fn counts(&self) -> (usize, usize) {
-        let live = self.live.lock().unwrap_or_else(|p| p.into_inner()).len();
+        let live = self.live.load(Ordering::Relaxed) as usize;
         let leases = self.leases.lock().unwrap_or_else(|p| p.into_inner()).len();
         (live, leases)
     }
@@ -524,17 +477,23 @@ mod tests {
     }
 
     #[test]
-    fn exported_bytes_are_located_and_freed_with_the_last_slice() {
-        let s = store("export", Duration::from_secs(5));
-        let parts = s.export(&[b"abc", b"", b"defg"]).unwrap();
-        assert_eq!(&parts[2][..], b"defg");
-        let loc = s.locate(&parts[2]).unwrap();
-        assert_eq!((loc.offset, loc.len), (3, 4));
-        let file = s.dir().join(&loc.segment);
+    fn exported_bytes_are_freed_with_the_last_slice_or_the_hold() {
+        let s = store("export", Duration::from_secs(5)).with_hold(Duration::from_millis(50));
+        let (whole, name) = s.export_whole(b"abcdefg").unwrap();
+        assert_eq!(&whole[..], b"abcdefg");
+        let file = s.dir().join(&name);
         assert!(file.exists());
-        assert!(s.locate(b"elsewhere").is_none());
-        drop(parts);
-        assert!(!file.exists(), "segment not unlinked after the last slice");
+        let part = whole.slice(3..);
+        drop(whole);
+        assert!(file.exists());
+        assert_eq!(s.counts(), (1, 0));
+        // Named in a reply: held after the last row goes.
+        s.hold([part.clone()]);
+        drop(part);
+        assert!(file.exists(), "a segment named in a reply went before its hold time");
+        std::thread::sleep(Duration::from_millis(80));
+        s.sweep();
+        assert!(!file.exists(), "segment not unlinked after the last slice and the hold");
         assert_eq!(s.counts(), (0, 0));
     }
 
@@ -545,7 +504,6 @@ mod tests {
         std::fs::write(s.dir().join(&name), b"12345678").unwrap();
         let bytes = s.adopt(&name).unwrap();
         assert_eq!(&bytes[..], b"12345678");
-        assert_eq!(s.locate(&bytes).unwrap().segment, name);
         assert!(matches!(s.adopt(&name), Err(ShmError::UnknownLease(_))));
         let (stale, _) = s.lease(8).unwrap();
         std::thread::sleep(Duration::from_millis(80));
@@ -592,10 +550,9 @@ mod tests {
         // Exports take spares too.
         std::fs::write(&again, vec![2u8; 3 << 20]).unwrap();
         drop(s.adopt(&name).unwrap());
-        let parts = s.export(&[&vec![9u8; 3 << 20][..]]).unwrap();
-        let loc = s.locate(&parts[0]).unwrap();
-        assert_eq!(inode(&s.dir().join(&loc.segment)), ino);
-        assert!(parts[0].iter().all(|b| *b == 9));
+        let (whole, segment) = s.export_whole(&vec![9u8; 3 << 20]).unwrap();
+        assert_eq!(inode(&s.dir().join(&segment)), ino);
+        assert!(whole.iter().all(|b| *b == 9));
     }
 
     #[test]

@@ -1,18 +1,33 @@
-//! Storage units: one value per (global index, field).
+//! Storage units: rows indexed into immutable extents.
 //!
-//! A stored row of a regular tensor is a zero-copy slice of the frame it
-//! arrived in ([`Cell::Tensor`] over shared `Bytes`); the frame's memory is
-//! freed when the last row pointing into it is cleared or overwritten.
-//! Capacity is counted in bytes of the stored rows. A put is all-or-nothing:
-//! it is checked completely (lengths, duplicates, capacity) before the first
-//! row is written, under the unit's lock.
+//! A put stores each (field, piece) it was given as one [`Column`]: a run of
+//! rows that lie in one extent ([`crate::extent`]) at a constant stride (a
+//! regular field), one row each (a nested field, every row its own range of
+//! an extent), or plain values. Per stored row a unit keeps a few words: in
+//! the field's index, global index -> (column, row in it), and a count of
+//! the fields each global index has. No heap allocation per row.
+//!
+//! A get answers, per field, the columns it touched and one [`RowRef`] per
+//! requested index ([`Rows`]); rows that were put together come back as
+//! consecutive rows of one column, so whoever sends them finds runs by
+//! comparing offsets, not addresses. Overwrite and clear drop a row's
+//! reference to its column; a column with no live row is dropped, and with
+//! it its reference to the extent. Capacity is counted in bytes of the
+//! stored rows. A put is all-or-nothing: it is checked completely
+//! (lengths, duplicates, capacity) before the first row is written, under
+//! the unit's lock.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use crate::batch::Cell;
+use bytes::Bytes;
+
+use crate::batch::{Cell, Field, Value};
+use crate::extent::{Extent, Place, Received};
+use crate::shm::{SegmentStore, ShmError};
+use crate::tensor::{DType, Tensor};
 
 /// Why a unit refused a request. Nothing was changed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -25,7 +40,7 @@ pub enum StoreError {
     #[error("global index {0} appears more than once in one put")]
     DuplicateIndex(u64),
     #[error("field {field} has {rows} rows for {indexes} global indexes")]
-    RowCount { field: String, rows: usize, indexes: usize },
+    RowCount { field: String, rows: u64, indexes: usize },
     #[error("empty batch: no global indexes")]
     Empty,
 }
@@ -37,6 +52,279 @@ pub struct UnitCounters {
     pub gets: AtomicU64,
     pub clears: AtomicU64,
     pub metrics: AtomicU64,
+}
+
+/// Rows of a regular field stored from one piece of a put: `rows` rows of
+/// `row_bytes` bytes each, the first at `offset` in the extent, each next
+/// one `stride` bytes further.
+#[derive(Clone, Debug)]
+pub struct RegularColumn {
+    pub extent: Arc<Extent>,
+    pub offset: usize,
+    pub stride: usize,
+    pub rows: u64,
+    pub row_bytes: usize,
+    pub dtype: DType,
+    pub row_shape: Arc<[u64]>,
+}
+
+/// One row of a nested field: `len` bytes at `offset` in the extent.
+#[derive(Clone, Debug)]
+pub struct NestedRow {
+    pub extent: Arc<Extent>,
+    pub offset: usize,
+    pub len: usize,
+    pub dtype: DType,
+    pub shape: Box<[u64]>,
+}
+
+/// The rows of one field that one put stored together in one unit.
+#[derive(Clone, Debug)]
+pub enum Column {
+    Regular(RegularColumn),
+    Nested(Vec<NestedRow>),
+    Values(Vec<Value>),
+}
+
+impl Column {
+    /// A column over the rows of `t` (rows on axis 0), where `t`'s bytes
+    /// start `offset` bytes into `extent`.
+    pub fn regular(extent: Arc<Extent>, offset: usize, t: &Tensor) -> Column {
+        Column::Regular(RegularColumn {
+            extent,
+            offset,
+            stride: t.row_stride(),
+            rows: t.rows(),
+            row_bytes: t.row_bytes(),
+            dtype: t.dtype(),
+            row_shape: t.row_shape().into(),
+        })
+    }
+
+    /// A nested row: the whole of `t`, whose bytes start `offset` bytes into
+    /// `extent`. `t` must be contiguous (every nested row is).
+    pub fn nested_row(extent: Arc<Extent>, offset: usize, t: Tensor) -> NestedRow {
+        let len = t.payload_len();
+        let dtype = t.dtype();
+        NestedRow { extent, offset, len, dtype, shape: t.into_shape().into_boxed_slice() }
+    }
+
+    /// The rows of a decoded field as stored: slices of the request's
+    /// buffers where they lie in one, else each piece its own extent.
+    /// Returns the column and the bytes it copied (a strided row layout
+    /// that is not row-contiguous has none: every [`Tensor`] row is).
+    pub fn from_field(field: Field, received: &Received) -> Column {
+        match field {
+            Field::Regular(t) => {
+                let (extent, offset, _) = received.locate_or_own(t.buffer());
+                Column::regular(extent, offset, &t)
+            }
+            Field::Nested(rows) => Column::Nested(
+                rows.into_iter()
+                    .map(|t| {
+                        let t = if t.is_contiguous() { t } else { contiguous(&t) };
+                        let (extent, offset, _) = received.locate_or_own(t.buffer());
+                        Column::nested_row(extent, offset, t)
+                    })
+                    .collect(),
+            ),
+            Field::Values(v) => Column::Values(v),
+        }
+    }
+
+    /// A column of one row, in an extent of its own (a row received from a
+    /// remote unit).
+    pub fn from_cell(cell: Cell) -> Column {
+        match cell {
+            Cell::Tensor(t) => {
+                let t = if t.is_contiguous() && t.byte_len() == t.payload_len() { t } else { contiguous(&t) };
+                let extent = Extent::new(t.buffer().clone());
+                Column::Nested(vec![Column::nested_row(extent, 0, t)])
+            }
+            Cell::Value(v) => Column::Values(vec![v]),
+        }
+    }
+
+    /// Number of rows.
+    pub fn rows(&self) -> u64 {
+        match self {
+            Column::Regular(c) => c.rows,
+            Column::Nested(r) => r.len() as u64,
+            Column::Values(v) => v.len() as u64,
+        }
+    }
+
+    /// Bytes of row `r`.
+    fn row_len(&self, r: usize) -> u64 {
+        match self {
+            Column::Regular(c) => c.row_bytes as u64,
+            Column::Nested(rows) => rows[r].len as u64,
+            Column::Values(v) => v[r].byte_len() as u64,
+        }
+    }
+
+    /// Bytes of all rows.
+    pub fn byte_len(&self) -> u64 {
+        match self {
+            Column::Regular(c) => c.row_bytes as u64 * c.rows,
+            Column::Nested(rows) => rows.iter().map(|r| r.len as u64).sum(),
+            Column::Values(v) => v.iter().map(|v| v.byte_len() as u64).sum(),
+        }
+    }
+
+    /// Row `r` as a cell (zero copy: a slice of where its extent is now).
+    pub fn cell(&self, r: usize) -> Cell {
+        match self {
+            Column::Regular(c) => {
+                let at = c.offset + r * c.stride;
+                let bytes = c.extent.place().bytes.slice(at..at + c.row_bytes);
+                Cell::Tensor(tensor(bytes, c.dtype, c.row_shape.to_vec()))
+            }
+            Column::Nested(rows) => {
+                let n = &rows[r];
+                let bytes = n.extent.place().bytes.slice(n.offset..n.offset + n.len);
+                Cell::Tensor(tensor(bytes, n.dtype, n.shape.to_vec()))
+            }
+            Column::Values(v) => Cell::Value(v[r].clone()),
+        }
+    }
+
+    /// Every row as a cell.
+    pub fn cells(&self) -> Vec<Cell> {
+        (0..self.rows() as usize).map(|r| self.cell(r)).collect()
+    }
+}
+
+/// A tensor of bytes known to match the shape (they were checked when the
+/// rows were stored).
+fn tensor(bytes: Bytes, dtype: DType, shape: Vec<u64>) -> Tensor {
+    Tensor::contiguous(bytes, dtype, shape).expect("stored rows match their shapes")
+}
+
+fn contiguous(t: &Tensor) -> Tensor {
+    Tensor::contiguous(t.contiguous_bytes(), t.dtype(), t.shape().to_vec()).expect("same shape")
+}
+
+/// Row `row` of column `column` of a [`Rows`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RowRef {
+    pub column: u32,
+    pub row: u32,
+}
+
+/// The rows of one field a get found: the columns they are in, and one
+/// reference per requested index, in request order.
+#[derive(Clone, Debug, Default)]
+pub struct Rows {
+    pub columns: Vec<Arc<Column>>,
+    pub refs: Vec<RowRef>,
+}
+
+/// A run of rows to send: consecutive requested rows that lie back to
+/// back in one place, or one plain value.
+#[derive(Clone, Debug)]
+pub enum Run {
+    Tensor { place: Place, offset: usize, rows: u64, row_bytes: usize, dtype: DType, row_shape: Vec<u64> },
+    Value(Value),
+}
+
+impl Run {
+    /// The run's bytes: a slice of its place (zero copy).
+    pub fn bytes(&self) -> Bytes {
+        match self {
+            Run::Tensor { place, offset, rows, row_bytes, .. } => {
+                place.bytes.slice(*offset..*offset + *rows as usize * *row_bytes)
+            }
+            Run::Value(_) => Bytes::new(),
+        }
+    }
+}
+
+impl Rows {
+    /// Number of rows.
+    pub fn len(&self) -> usize {
+        self.refs.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.refs.is_empty()
+    }
+
+    /// One cell per row (zero copy).
+    pub fn cells(&self) -> Vec<Cell> {
+        self.refs.iter().map(|r| self.columns[r.column as usize].cell(r.row as usize)).collect()
+    }
+
+    /// Moves every extent these rows are in into shared memory, once (see
+    /// [`Extent::share`]).
+    pub fn share(&self, shm: &SegmentStore) -> Result<(), ShmError> {
+        let mut done = std::collections::HashSet::new();
+        for c in &self.columns {
+            match c.as_ref() {
+                Column::Regular(c) => {
+                    if done.insert(c.extent.id()) {
+                        c.extent.share(shm)?;
+                    }
+                }
+                Column::Nested(rows) => {
+                    for r in rows {
+                        if done.insert(r.extent.id()) {
+                            r.extent.share(shm)?;
+                        }
+                    }
+                }
+                Column::Values(_) => {}
+            }
+        }
+        Ok(())
+    }
+
+    /// The rows as runs: consecutive rows of one dtype and row shape that
+    /// lie back to back in one place become one run, whichever columns
+    /// (and units) they came from. One place snapshot per extent per call,
+    /// so a run never mixes an extent's old and new place.
+    pub fn runs(&self) -> Vec<Run> {
+        let mut places: HashMap<u64, Place> = HashMap::new();
+        let mut place_of = |e: &Arc<Extent>| places.entry(e.id()).or_insert_with(|| e.place()).clone();
+        // Per column, its place (regular columns), taken once.
+        let col_places: Vec<Option<Place>> = self
+            .columns
+            .iter()
+            .map(|c| if let Column::Regular(c) = c.as_ref() { Some(place_of(&c.extent)) } else { None })
+            .collect();
+        let mut runs: Vec<Run> = Vec::new();
+        for r in &self.refs {
+            let column = &self.columns[r.column as usize];
+            let row = r.row as usize;
+            let (place, offset, row_bytes, dtype, shape): (Place, usize, usize, DType, &[u64]) = match column.as_ref() {
+                Column::Regular(c) => {
+                    let place = col_places[r.column as usize].as_ref().expect("regular column has a place");
+                    (place.clone(), c.offset + row * c.stride, c.row_bytes, c.dtype, &c.row_shape)
+                }
+                Column::Nested(rows) => {
+                    let n = &rows[row];
+                    (place_of(&n.extent), n.offset, n.len, n.dtype, &n.shape)
+                }
+                Column::Values(v) => {
+                    runs.push(Run::Value(v[row].clone()));
+                    continue;
+                }
+            };
+            if let Some(Run::Tensor { place: p, offset: o, rows, row_bytes: rb, dtype: d, row_shape }) = runs.last_mut()
+                && *rb == row_bytes
+                && *d == dtype
+                && p.bytes.as_ptr() == place.bytes.as_ptr()
+                && p.bytes.len() == place.bytes.len()
+                && *o + *rows as usize * *rb == offset
+                && row_shape.as_slice() == shape
+            {
+                *rows += 1;
+                continue;
+            }
+            runs.push(Run::Tensor { place, offset, rows: 1, row_bytes, dtype, row_shape: shape.to_vec() });
+        }
+        runs
+    }
 }
 
 /// Hashes a global index with one multiplication (the constant of rustc's
@@ -63,13 +351,91 @@ impl std::hash::Hasher for IndexHasher {
     }
 }
 
-type Rows = HashMap<u64, Vec<(Arc<str>, Cell)>, std::hash::BuildHasherDefault<IndexHasher>>;
+type IndexMap<V> = HashMap<u64, V, std::hash::BuildHasherDefault<IndexHasher>>;
+
+/// Where a stored row is.
+#[derive(Clone, Copy, Debug)]
+struct Loc {
+    column: u32,
+    row: u32,
+}
+
+/// A stored column, the global index of each of its rows, and how many of
+/// its rows are still indexed. While all are (`live` equals the row
+/// count), row `r` is where `indexes[r]` is: a get of rows in put order
+/// follows the column without a hash lookup per row.
+struct Slot {
+    column: Arc<Column>,
+    indexes: Box<[u64]>,
+    live: u64,
+}
+
+impl Slot {
+    fn intact(&self) -> bool {
+        self.live == self.indexes.len() as u64
+    }
+}
 
 #[derive(Default)]
 struct Inner {
-    rows: Rows,
+    /// Per field: global index -> row.
+    fields: HashMap<Arc<str>, IndexMap<Loc>>,
+    /// Per global index: how many fields it has.
+    present: IndexMap<u32>,
+    /// Columns by number; `None` is a free number (in `free`).
+    columns: Vec<Option<Slot>>,
+    free: Vec<u32>,
     bytes: u64,
     keys: u64,
+}
+
+/// Stores a column (rows for `indexes`) under a free number.
+fn add_column(columns: &mut Vec<Option<Slot>>, free: &mut Vec<u32>, column: Column, indexes: &[u64]) -> u32 {
+    let slot = Some(Slot { live: indexes.len() as u64, indexes: indexes.into(), column: Arc::new(column) });
+    match free.pop() {
+        Some(i) => {
+            columns[i as usize] = slot;
+            i
+        }
+        None => {
+            columns.push(slot);
+            (columns.len() - 1) as u32
+        }
+    }
+}
+
+/// Drops one row's reference to its column (and the column with its last
+/// row); returns the row's bytes.
+fn release(columns: &mut [Option<Slot>], free: &mut Vec<u32>, loc: Loc) -> u64 {
+    let slot = columns[loc.column as usize].as_mut().expect("indexed rows point at live columns");
+    let len = slot.column.row_len(loc.row as usize);
+    slot.live -= 1;
+    if slot.live == 0 {
+        columns[loc.column as usize] = None;
+        free.push(loc.column);
+    }
+    len
+}
+
+impl Inner {
+    fn row_len(&self, loc: Loc) -> u64 {
+        self.columns[loc.column as usize].as_ref().expect("indexed rows point at live columns").column.row_len(loc.row as usize)
+    }
+
+    /// Removes (g, field) if present: returns its bytes.
+    fn remove(&mut self, field: &str, g: u64) -> Option<u64> {
+        let Inner { fields, present, columns, free, keys, .. } = self;
+        let loc = fields.get_mut(field)?.remove(&g)?;
+        let len = release(columns, free, loc);
+        if let Some(n) = present.get_mut(&g) {
+            *n -= 1;
+            if *n == 0 {
+                present.remove(&g);
+            }
+        }
+        *keys -= 1;
+        Some(len)
+    }
 }
 
 /// One storage unit.
@@ -95,6 +461,9 @@ pub struct UnitStats {
     pub capacity: Option<u64>,
 }
 
+/// The columns of one field of a put, in row order.
+pub type PutField = (String, Vec<Column>);
+
 impl Unit {
     /// A unit with an optional capacity in bytes.
     pub fn new(id: impl Into<String>, capacity: Option<u64>) -> Unit {
@@ -109,24 +478,37 @@ impl Unit {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Stores `fields[f].1[i]` under `(global_indexes[i], fields[f].0)`.
-    /// Existing keys are overwritten. All or nothing.
-    pub fn put(&self, global_indexes: &[u64], fields: Vec<(String, Vec<Cell>)>) -> Result<(), StoreError> {
+    /// Stores the rows of `fields[f].1` (its columns' rows, in order) under
+    /// `(global_indexes[i], fields[f].0)`. Existing keys are overwritten.
+    /// All or nothing.
+    pub fn put(&self, global_indexes: &[u64], fields: Vec<PutField>) -> Result<(), StoreError> {
         self.counters.puts.fetch_add(1, Ordering::Relaxed);
         check_shape(global_indexes, &fields)?;
         let mut inner = self.lock();
-        let (added, freed) = self.check_capacity(&inner, global_indexes, &fields)?;
-        for (name, cells) in fields {
-            let name: Arc<str> = Arc::from(name.as_str());
-            for (g, cell) in global_indexes.iter().zip(cells) {
-                let row = inner.rows.entry(*g).or_default();
-                match row.iter_mut().find(|(n, _)| *n == name) {
-                    Some(slot) => slot.1 = cell,
-                    None => {
-                        row.push((name.clone(), cell));
-                        inner.keys += 1;
+        let (added, _) = self.check_capacity(&inner, global_indexes, &fields)?;
+        let mut freed = 0u64;
+        for (name, columns_in) in fields {
+            let name: Arc<str> = match inner.fields.get_key_value(name.as_str()) {
+                Some((k, _)) => k.clone(),
+                None => Arc::from(name.as_str()),
+            };
+            let Inner { fields, present, columns, free, keys, .. } = &mut *inner;
+            let index = fields.entry(name).or_default();
+            index.reserve(global_indexes.len());
+            let mut next = 0usize;
+            for column in columns_in {
+                let rows = column.rows() as usize;
+                let c = add_column(columns, free, column, &global_indexes[next..next + rows]);
+                for (row, g) in global_indexes[next..next + rows].iter().enumerate() {
+                    match index.insert(*g, Loc { column: c, row: row as u32 }) {
+                        Some(old) => freed += release(columns, free, old),
+                        None => {
+                            *keys += 1;
+                            *present.entry(*g).or_insert(0) += 1;
+                        }
                     }
                 }
+                next += rows;
             }
         }
         inner.bytes = inner.bytes - freed + added;
@@ -135,67 +517,77 @@ impl Unit {
         Ok(())
     }
 
-    /// Checks, without storing anything, that [`Unit::put`] of these cells
+    /// Checks, without storing anything, that [`Unit::put`] of these rows
     /// would succeed now (a put over several units checks every unit first).
-    pub fn check_put(&self, global_indexes: &[u64], fields: &[(String, Vec<Cell>)]) -> Result<(), StoreError> {
+    pub fn check_put(&self, global_indexes: &[u64], fields: &[PutField]) -> Result<(), StoreError> {
         check_shape(global_indexes, fields)?;
         self.check_capacity(&self.lock(), global_indexes, fields).map(drop)
     }
 
-    /// Capacity: bytes after the put, counting overwritten cells as freed.
+    /// Capacity: bytes after the put, counting overwritten rows as freed.
     /// Returns (bytes added, bytes freed).
-    fn check_capacity(
-        &self,
-        inner: &Inner,
-        global_indexes: &[u64],
-        fields: &[(String, Vec<Cell>)],
-    ) -> Result<(u64, u64), StoreError> {
-        let added: u64 = fields.iter().flat_map(|(_, c)| c.iter()).map(|c| c.byte_len() as u64).sum();
+    fn check_capacity(&self, inner: &Inner, global_indexes: &[u64], fields: &[PutField]) -> Result<(u64, u64), StoreError> {
+        let added: u64 = fields.iter().flat_map(|(_, c)| c.iter()).map(Column::byte_len).sum();
+        let Some(capacity) = self.capacity else { return Ok((added, 0)) };
         let mut freed = 0u64;
         for (name, _) in fields {
-            for g in global_indexes {
-                if let Some(row) = inner.rows.get(g)
-                    && let Some((_, cell)) = row.iter().find(|(n, _)| **n == **name)
-                {
-                    freed += cell.byte_len() as u64;
-                }
+            if let Some(index) = inner.fields.get(name.as_str()) {
+                freed += global_indexes.iter().filter_map(|g| index.get(g)).map(|loc| inner.row_len(*loc)).sum::<u64>();
             }
         }
-        if let Some(capacity) = self.capacity {
-            let after = inner.bytes - freed + added;
-            if after > capacity {
-                return Err(StoreError::Capacity {
-                    unit: self.id.clone(),
-                    needed: added.saturating_sub(freed),
-                    free: capacity.saturating_sub(inner.bytes),
-                    capacity,
-                });
-            }
+        let after = inner.bytes - freed + added;
+        if after > capacity {
+            return Err(StoreError::Capacity {
+                unit: self.id.clone(),
+                needed: added.saturating_sub(freed),
+                free: capacity.saturating_sub(inner.bytes),
+                capacity,
+            });
         }
         Ok((added, freed))
     }
 
-    /// The cells of `fields` at `global_indexes`, field by field, in request
+    /// The rows of `fields` at `global_indexes`, field by field, in request
     /// order. Any missing key fails the whole request.
-    pub fn get(&self, global_indexes: &[u64], fields: &[String]) -> Result<Vec<Vec<Cell>>, StoreError> {
+    pub fn get(&self, global_indexes: &[u64], fields: &[String]) -> Result<Vec<Rows>, StoreError> {
         self.counters.gets.fetch_add(1, Ordering::Relaxed);
         let inner = self.lock();
-        fields
-            .iter()
-            .map(|field| {
-                global_indexes
-                    .iter()
-                    .map(|g| {
-                        inner
-                            .rows
-                            .get(g)
-                            .and_then(|row| row.iter().find(|(n, _)| **n == **field))
-                            .map(|(_, c)| c.clone())
-                            .ok_or_else(|| StoreError::KeyNotFound { unit: self.id.clone(), index: *g, field: field.clone() })
-                    })
-                    .collect()
-            })
-            .collect()
+        let missing = |g: u64, field: &str| StoreError::KeyNotFound { unit: self.id.clone(), index: g, field: field.to_string() };
+        let mut out = Vec::with_capacity(fields.len());
+        for field in fields {
+            let Some(index) = inner.fields.get(field.as_str()) else {
+                return Err(missing(global_indexes.first().copied().unwrap_or(0), field));
+            };
+            let mut rows = Rows { columns: Vec::new(), refs: Vec::with_capacity(global_indexes.len()) };
+            // Column number in the unit -> in `rows`; requested rows mostly
+            // come in runs of one column, in put order.
+            let mut numbered: IndexMap<u32> = IndexMap::default();
+            // (column in the unit, in `rows`, row) of the last row.
+            let mut last: Option<(u32, u32, u32)> = None;
+            for &g in global_indexes {
+                if let Some((unit_col, ours, row)) = last {
+                    let slot = inner.columns[unit_col as usize].as_ref().expect("indexed rows point at live columns");
+                    if slot.intact() && slot.indexes.get(row as usize + 1) == Some(&g) {
+                        rows.refs.push(RowRef { column: ours, row: row + 1 });
+                        last = Some((unit_col, ours, row + 1));
+                        continue;
+                    }
+                }
+                let loc = index.get(&g).ok_or_else(|| missing(g, field))?;
+                let ours = match last {
+                    Some((unit_col, ours, _)) if unit_col == loc.column => ours,
+                    _ => *numbered.entry(u64::from(loc.column)).or_insert_with(|| {
+                        let slot = inner.columns[loc.column as usize].as_ref().expect("indexed rows point at live columns");
+                        rows.columns.push(slot.column.clone());
+                        (rows.columns.len() - 1) as u32
+                    }),
+                };
+                last = Some((loc.column, ours, loc.row));
+                rows.refs.push(RowRef { column: ours, row: loc.row });
+            }
+            out.push(rows);
+        }
+        Ok(out)
     }
 
     /// Removes every field of the given indexes (or only `fields`); returns
@@ -203,63 +595,50 @@ impl Unit {
     pub fn clear(&self, global_indexes: &[u64], fields: Option<&[String]>) -> u64 {
         self.counters.clears.fetch_add(1, Ordering::Relaxed);
         let mut inner = self.lock();
-        let (mut keys, mut bytes) = (0u64, 0u64);
-        for g in global_indexes {
-            match fields {
-                None => {
-                    if let Some(row) = inner.rows.remove(g) {
-                        keys += row.len() as u64;
-                        bytes += row.iter().map(|(_, c)| c.byte_len() as u64).sum::<u64>();
+        let keys_before = inner.keys;
+        let mut bytes = 0u64;
+        match fields {
+            Some(fields) => {
+                for field in fields {
+                    for &g in global_indexes {
+                        bytes += inner.remove(field, g).unwrap_or(0);
                     }
                 }
-                Some(fields) => {
-                    if let Some(row) = inner.rows.get_mut(g) {
-                        row.retain(|(n, c)| {
-                            let drop = fields.iter().any(|f| **f == **n);
-                            if drop {
-                                keys += 1;
-                                bytes += c.byte_len() as u64;
-                            }
-                            !drop
-                        });
-                        if row.is_empty() {
-                            inner.rows.remove(g);
-                        }
+            }
+            None => {
+                let names: Vec<Arc<str>> = inner.fields.keys().cloned().collect();
+                for &g in global_indexes {
+                    if !inner.present.contains_key(&g) {
+                        continue;
+                    }
+                    for name in &names {
+                        bytes += inner.remove(name, g).unwrap_or(0);
                     }
                 }
             }
         }
-        inner.keys -= keys;
+        // Forget fields no index has any more.
+        inner.fields.retain(|_, index| !index.is_empty());
+        if inner.keys == 0 {
+            let Inner { fields, present, columns, free, .. } = &mut *inner;
+            fields.shrink_to_fit();
+            present.shrink_to(0);
+            columns.clear();
+            columns.shrink_to(0);
+            free.clear();
+            free.shrink_to(0);
+        }
         inner.bytes -= bytes;
+        let keys = keys_before - inner.keys;
         drop(inner);
         release::note_freed(bytes);
         keys
     }
 
-    /// Replaces the stored cell of `(index, field)` by `new` if it still
-    /// holds exactly the bytes of `old` (same address and length): used to
-    /// move a row into shared memory once. Returns whether it replaced.
-    /// The byte count is unchanged (same length).
-    pub fn swap(&self, index: u64, field: &str, old: &Cell, new: Cell) -> bool {
-        let (Cell::Tensor(old), Cell::Tensor(fresh)) = (old, &new) else { return false };
-        if old.byte_len() != fresh.byte_len() {
-            return false;
-        }
-        let mut inner = self.lock();
-        let Some(row) = inner.rows.get_mut(&index) else { return false };
-        let Some((_, slot)) = row.iter_mut().find(|(n, _)| **n == *field) else { return false };
-        let same = matches!(&*slot, Cell::Tensor(t)
-            if t.buffer().as_ptr() == old.buffer().as_ptr() && t.byte_len() == old.byte_len());
-        if same {
-            *slot = new;
-        }
-        same
-    }
-
     /// Current size.
     pub fn stats(&self) -> UnitStats {
         let inner = self.lock();
-        UnitStats { keys: inner.keys, rows: inner.rows.len() as u64, bytes: inner.bytes, capacity: self.capacity }
+        UnitStats { keys: inner.keys, rows: inner.present.len() as u64, bytes: inner.bytes, capacity: self.capacity }
     }
 }
 
@@ -382,19 +761,24 @@ mod release {
 }
 
 /// Checks a put's indexes (at least one, distinct) and row counts.
-fn check_shape(global_indexes: &[u64], fields: &[(String, Vec<Cell>)]) -> Result<(), StoreError> {
+fn check_shape(global_indexes: &[u64], fields: &[PutField]) -> Result<(), StoreError> {
     if global_indexes.is_empty() {
         return Err(StoreError::Empty);
     }
-    let mut seen = std::collections::HashSet::with_capacity(global_indexes.len());
+    if u32::try_from(global_indexes.len()).is_err() {
+        return Err(StoreError::RowCount { field: String::new(), rows: global_indexes.len() as u64, indexes: global_indexes.len() });
+    }
+    let mut seen: IndexMap<()> = IndexMap::default();
+    seen.reserve(global_indexes.len());
     for &g in global_indexes {
-        if !seen.insert(g) {
+        if seen.insert(g, ()).is_some() {
             return Err(StoreError::DuplicateIndex(g));
         }
     }
-    for (name, cells) in fields {
-        if cells.len() != global_indexes.len() {
-            return Err(StoreError::RowCount { field: name.clone(), rows: cells.len(), indexes: global_indexes.len() });
+    for (name, columns) in fields {
+        let rows: u64 = columns.iter().map(Column::rows).sum();
+        if rows != global_indexes.len() as u64 {
+            return Err(StoreError::RowCount { field: name.clone(), rows, indexes: global_indexes.len() });
         }
     }
     Ok(())
@@ -407,47 +791,70 @@ mod tests {
     use crate::tensor::{DType, Tensor};
     use bytes::Bytes;
 
-    fn s(v: &str) -> Cell {
-        Cell::Value(Value::Str(v.into()))
+    fn s(v: &str) -> Value {
+        Value::Str(v.into())
+    }
+
+    fn values(v: &[&str]) -> Vec<Column> {
+        vec![Column::Values(v.iter().map(|x| s(x)).collect())]
+    }
+
+    fn got(unit: &Unit, g: &[u64], field: &str) -> Vec<Cell> {
+        unit.get(g, &[field.to_string()]).unwrap().remove(0).cells()
     }
 
     #[test]
     fn put_get_overwrite_clear() {
         let unit = Unit::new("u0", None);
-        unit.put(&[1, 2], vec![("a".into(), vec![s("x"), s("yy")])]).unwrap();
+        unit.put(&[1, 2], vec![("a".into(), values(&["x", "yy"]))]).unwrap();
         assert_eq!(unit.stats().bytes, 3);
-        unit.put(&[2], vec![("a".into(), vec![s("zzzz")])]).unwrap();
+        unit.put(&[2], vec![("a".into(), values(&["zzzz"]))]).unwrap();
         assert_eq!(unit.stats(), UnitStats { keys: 2, rows: 2, bytes: 5, capacity: None });
-        assert_eq!(unit.get(&[2, 1], &["a".into()]).unwrap(), vec![vec![s("zzzz"), s("x")]]);
+        assert_eq!(got(&unit, &[2, 1], "a"), vec![Cell::Value(s("zzzz")), Cell::Value(s("x"))]);
         let err = unit.get(&[1, 9], &["a".into()]).unwrap_err();
         assert!(err.to_string().starts_with("[TQKeyNotFound] "));
+        assert!(unit.get(&[1], &["nope".into()]).is_err());
         assert_eq!(unit.clear(&[1, 7], None), 1);
         assert_eq!(unit.stats().bytes, 4);
     }
 
     #[test]
+    fn fields_clear_one_by_one() {
+        let unit = Unit::new("u0", None);
+        unit.put(&[1, 2], vec![("a".into(), values(&["x", "y"])), ("b".into(), values(&["p", "q"]))]).unwrap();
+        assert_eq!(unit.stats(), UnitStats { keys: 4, rows: 2, bytes: 4, capacity: None });
+        assert_eq!(unit.clear(&[1], Some(&["a".to_string()])), 1);
+        assert_eq!(unit.stats(), UnitStats { keys: 3, rows: 2, bytes: 3, capacity: None });
+        assert_eq!(unit.clear(&[1], Some(&["b".to_string(), "a".to_string()])), 1);
+        assert_eq!(unit.stats(), UnitStats { keys: 2, rows: 1, bytes: 2, capacity: None });
+        assert_eq!(got(&unit, &[2], "b"), vec![Cell::Value(s("q"))]);
+        assert_eq!(unit.clear(&[2], None), 2);
+        assert_eq!(unit.stats(), UnitStats { keys: 0, rows: 0, bytes: 0, capacity: None });
+    }
+
+    #[test]
     fn puts_are_all_or_nothing() {
         let unit = Unit::new("u0", Some(10));
-        unit.put(&[1], vec![("a".into(), vec![s("12345")])]).unwrap();
+        unit.put(&[1], vec![("a".into(), values(&["12345"]))]).unwrap();
         let before = unit.stats();
-        assert!(matches!(unit.put(&[2, 2], vec![("a".into(), vec![s("1"), s("2")])]), Err(StoreError::DuplicateIndex(2))));
+        assert!(matches!(unit.put(&[2, 2], vec![("a".into(), values(&["1", "2"]))]), Err(StoreError::DuplicateIndex(2))));
         assert!(matches!(
-            unit.put(&[2, 3], vec![("a".into(), vec![s("1"), s("2")]), ("b".into(), vec![s("1")])]),
+            unit.put(&[2, 3], vec![("a".into(), values(&["1", "2"])), ("b".into(), values(&["1"]))]),
             Err(StoreError::RowCount { .. })
         ));
-        assert!(matches!(unit.put(&[2], vec![("a".into(), vec![s("123456")])]), Err(StoreError::Capacity { .. })));
+        assert!(matches!(unit.put(&[2], vec![("a".into(), values(&["123456"]))]), Err(StoreError::Capacity { .. })));
         assert_eq!(unit.stats(), before);
         assert!(unit.get(&[2], &["a".into()]).is_err());
         // Overwriting frees the old bytes first.
-        unit.put(&[1], vec![("a".into(), vec![s("1234567890")])]).unwrap();
+        unit.put(&[1], vec![("a".into(), values(&["1234567890"]))]).unwrap();
         assert_eq!(unit.stats().bytes, 10);
     }
 
     #[test]
     fn check_put_stores_nothing() {
         let unit = Unit::new("u0", Some(4));
-        unit.put(&[1], vec![("a".into(), vec![s("12")])]).unwrap();
-        let too_big = [("a".to_string(), vec![s("123")])];
+        unit.put(&[1], vec![("a".into(), values(&["12"]))]).unwrap();
+        let too_big = [("a".to_string(), values(&["123"]))];
         assert!(matches!(unit.check_put(&[2], &too_big), Err(StoreError::Capacity { .. })));
         // Overwriting index 1 frees its 2 bytes first.
         unit.check_put(&[1], &too_big).unwrap();
@@ -455,18 +862,93 @@ mod tests {
         assert_eq!(unit.stats(), UnitStats { keys: 1, rows: 1, bytes: 2, capacity: Some(4) });
     }
 
+    fn frame_tensor(rows: u64, cols: u64) -> (Bytes, Tensor) {
+        let data: Vec<u8> = (0..rows * cols).flat_map(|v| (v as f32).to_le_bytes()).collect();
+        let frame = Bytes::from(data);
+        let t = Tensor::contiguous(frame.clone(), DType::F32, vec![rows, cols]).unwrap();
+        (frame, t)
+    }
+
     #[test]
-    fn clearing_the_last_row_frees_the_frame() {
-        let frame = Bytes::from(vec![0u8; 64]);
-        let t = Tensor::contiguous(frame.clone(), DType::F32, vec![4, 4]).unwrap();
+    fn clearing_the_last_row_frees_the_extent() {
+        let (frame, t) = frame_tensor(4, 4);
+        let received = Received::frames(std::slice::from_ref(&frame));
         let unit = Unit::new("u0", None);
-        let cells = (0..4).map(|i| Cell::Tensor(t.row_tensor(i).unwrap())).collect();
-        unit.put(&[0, 1, 2, 3], vec![("t".into(), cells)]).unwrap();
-        drop(t);
+        unit.put(&[0, 1, 2, 3], vec![("t".into(), vec![Column::from_field(Field::Regular(t), &received)])]).unwrap();
+        drop(received);
         assert!(!frame.is_unique());
         unit.clear(&[0, 1, 2], None);
         assert!(!frame.is_unique());
+        unit.put(&[3], vec![("t".into(), values(&["over"]))]).unwrap();
+        assert!(frame.is_unique(), "the frame is still pinned after its last row was overwritten");
+    }
+
+    #[test]
+    fn rows_put_together_come_back_as_one_run_across_units() {
+        // One frame of 8 rows, split over two units as strided views (the
+        // g % 2 routing), got back in put order: one run, one slice of the
+        // frame, no copy.
+        let (frame, t) = frame_tensor(8, 2);
+        let received = Received::frames(std::slice::from_ref(&frame));
+        let units = [Unit::new("u0", None), Unit::new("u1", None)];
+        for (u, unit) in units.iter().enumerate() {
+            let view = t.rows_view(u as u64, 2, 4).unwrap();
+            let (extent, offset, zero_copy) = received.locate_or_own(view.buffer());
+            assert!(zero_copy);
+            let g: Vec<u64> = (0..4).map(|i| u as u64 + 2 * i).collect();
+            unit.put(&g, vec![("t".into(), vec![Column::regular(extent, offset, &view)])]).unwrap();
+        }
+        let mut all = Rows::default();
+        for g in 0..8u64 {
+            let mut r = units[(g % 2) as usize].get(&[g], &["t".into()]).unwrap().remove(0);
+            let base = all.columns.len() as u32;
+            all.columns.append(&mut r.columns);
+            all.refs.extend(r.refs.iter().map(|x| RowRef { column: base + x.column, row: x.row }));
+        }
+        let runs = all.runs();
+        assert_eq!(runs.len(), 1);
+        let bytes = runs[0].bytes();
+        assert_eq!(bytes.as_ptr(), frame.as_ptr());
+        assert_eq!(bytes.len(), frame.len());
+        // Reversed order: every row its own run, each a slice of the frame.
+        let mut rev = Rows::default();
+        for g in (0..8u64).rev() {
+            let mut r = units[(g % 2) as usize].get(&[g], &["t".into()]).unwrap().remove(0);
+            let base = rev.columns.len() as u32;
+            rev.columns.append(&mut r.columns);
+            rev.refs.extend(r.refs.iter().map(|x| RowRef { column: base + x.column, row: x.row }));
+        }
+        let runs = rev.runs();
+        assert_eq!(runs.len(), 8);
+        assert_eq!(runs[0].bytes().as_ptr(), frame.slice(7 * 8..).as_ptr());
+        let cells = rev.cells();
+        assert_eq!(cells[0], Cell::Tensor(t.row_tensor(7).unwrap()));
+    }
+
+    #[test]
+    fn a_get_in_put_order_sees_an_overwritten_or_cleared_row() {
+        let unit = Unit::new("u0", None);
+        unit.put(&[1, 2, 3, 4], vec![("a".into(), values(&["a1", "a2", "a3", "a4"]))]).unwrap();
+        assert_eq!(got(&unit, &[1, 2, 3, 4], "a"), ["a1", "a2", "a3", "a4"].map(|v| Cell::Value(s(v))).to_vec());
+        unit.put(&[2], vec![("a".into(), values(&["b2"]))]).unwrap();
+        assert_eq!(got(&unit, &[1, 2, 3, 4], "a"), ["a1", "b2", "a3", "a4"].map(|v| Cell::Value(s(v))).to_vec());
         unit.clear(&[3], None);
-        assert!(frame.is_unique(), "the frame is still pinned after the last clear");
+        assert!(matches!(unit.get(&[1, 2, 3, 4], &["a".into()]), Err(StoreError::KeyNotFound { index: 3, .. })));
+        assert_eq!(got(&unit, &[4, 1], "a"), ["a4", "a1"].map(|v| Cell::Value(s(v))).to_vec());
+    }
+
+    #[test]
+    fn overwriting_many_rows_keeps_counts() {
+        let unit = Unit::new("u0", None);
+        let g: Vec<u64> = (0..1000).collect();
+        let v: Vec<String> = g.iter().map(|i| i.to_string()).collect();
+        let col = || vec![Column::Values(v.iter().map(|x| s(x)).collect())];
+        unit.put(&g, vec![("a".into(), col()), ("b".into(), col())]).unwrap();
+        unit.put(&g[500..], vec![("a".into(), vec![Column::Values(g[500..].iter().map(|_| s("z")).collect())])]).unwrap();
+        let st = unit.stats();
+        assert_eq!((st.keys, st.rows), (2000, 1000));
+        assert_eq!(got(&unit, &[499, 500], "a"), vec![Cell::Value(s("499")), Cell::Value(s("z"))]);
+        assert_eq!(unit.clear(&g, None), 2000);
+        assert_eq!(unit.stats(), UnitStats { keys: 0, rows: 0, bytes: 0, capacity: None });
     }
 }

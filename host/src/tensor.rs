@@ -211,6 +211,17 @@ impl Tensor {
         out
     }
 
+    /// Bytes from the start of one row to the start of the next (the row
+    /// size for a contiguous tensor).
+    pub fn row_stride(&self) -> usize {
+        if self.rows() <= 1 { self.row_bytes() } else { self.row_stride }
+    }
+
+    /// The shape, giving up the tensor.
+    pub fn into_shape(self) -> Vec<u64> {
+        self.shape
+    }
+
     /// Bytes spanned by this tensor in its buffer (gaps included).
     pub fn byte_len(&self) -> usize {
         self.bytes.len()

@@ -21,6 +21,18 @@ import stowage
 from stowd_harness import run_stowd
 
 GIB = 1 << 30
+HOLD_MS = 300
+
+
+def eventually(cond, secs: float = 5.0) -> bool:
+    """Polls `cond` until it holds or `secs` pass (a segment named in a get
+    outlives its rows by the server's reply hold)."""
+    deadline = time.monotonic() + secs
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
 
 
 def _shm_stowd(tmp_path_factory, tag: str, lease_secs: int):
@@ -28,7 +40,9 @@ def _shm_stowd(tmp_path_factory, tag: str, lease_secs: int):
     (so the test can count them)."""
     shm_dir = f"/dev/shm/stowage-test-{tag}-{os.getpid()}"
     shutil.rmtree(shm_dir, ignore_errors=True)
-    config = f'[shm]\ndir = "{shm_dir}"\nlease_secs = {lease_secs}\n'
+    # Segments named in a reply are held 300 ms (10 s by default), so that
+    # tests of release and reuse need not wait long.
+    config = f'[shm]\ndir = "{shm_dir}"\nlease_secs = {lease_secs}\nreply_hold_ms = {HOLD_MS}\n'
     with run_stowd(tmp_path_factory.mktemp(tag), config=config, name=f"stowd-{tag}") as s:
         assert s["shm_dir"] == shm_dir
         yield s
@@ -90,7 +104,8 @@ def test_a_mapping_stays_valid_after_a_clear(shm_server, fresh):
         got = c.get(idx, ["x"])["x"]
         before = segments(shm_server)
         assert c.clear(idx) == 8
-        assert len(segments(shm_server)) < len(before), "the cleared rows' segment was not released by stowd"
+        assert eventually(lambda: len(segments(shm_server)) < len(before)), \
+            "the cleared rows' segment was not released by stowd"
         np.testing.assert_array_equal(got, a)  # still mapped, still the same bytes
         with pytest.raises(stowage.KeyNotFound):
             c.get(idx, ["x"])
@@ -259,7 +274,7 @@ def test_a_cleared_segment_no_array_maps_is_reused_by_the_next_put(shm_server, f
         assert float(got[63, 8191]) == 1.0
         del got  # the last array over the mapping: its lock goes with it
         assert c.clear(idx) == 64
-        assert first not in segments(shm_server)
+        assert eventually(lambda: first not in segments(shm_server))
         spares = _spares(shm_server)
         assert ino in spares, "the cleared segment was unlinked, not kept"
         b = np.full((64, 8192), 2, np.float32)

@@ -1,0 +1,166 @@
+//! Extents: the immutable buffers every stored byte lives in.
+//!
+//! An extent is one of
+//! - a data frame a put arrived in (over tcp, from the receive pool),
+//! - a shared-memory segment a same-node client handed over,
+//! - the one buffer a gather plan produced.
+//!
+//! Units never store a row on its own: they index rows into extents
+//! ([`crate::store`]). Rows put together stay together, so a get of them is
+//! a slice of one extent, found from the index (extent and offset), never
+//! rediscovered from memory addresses.
+//!
+//! The bytes of an extent never change. The one thing that can change is
+//! *where* they live: an extent that a same-node reader asks for is copied
+//! into a shared-memory segment once ([`Extent::share`]), and from then on
+//! every reader gets that segment. Readers that took a snapshot before keep
+//! the old buffer alive through their own reference, with the same bytes,
+//! so a move never tears a row.
+//!
+//! Memory: an extent is freed (its receive buffer returned to the pool, its
+//! segment kept as a spare or unlinked) when the last `Arc` goes: every unit
+//! column over it dropped by overwrite or clear, and no reply in flight.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use bytes::Bytes;
+
+use crate::shm::{SegmentStore, ShmError};
+
+/// Where an extent's bytes are now.
+#[derive(Clone, Debug)]
+pub struct Place {
+    /// The whole extent.
+    pub bytes: Bytes,
+    /// The shared-memory segment that holds exactly `bytes`, if any.
+    pub segment: Option<Arc<str>>,
+}
+
+/// One immutable buffer.
+pub struct Extent {
+    id: u64,
+    place: Mutex<Place>,
+}
+
+impl std::fmt::Debug for Extent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let place = self.place();
+        f.debug_struct("Extent")
+            .field("id", &self.id)
+            .field("len", &place.bytes.len())
+            .field("segment", &place.segment)
+            .finish()
+    }
+}
+
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+
+impl Extent {
+    /// An extent over `bytes` (a received frame or a gathered buffer).
+    pub fn new(bytes: Bytes) -> Arc<Extent> {
+        Self::placed(Place { bytes, segment: None })
+    }
+
+    /// An extent that is the whole shared-memory segment `name`.
+    pub fn in_segment(bytes: Bytes, name: Arc<str>) -> Arc<Extent> {
+        Self::placed(Place { bytes, segment: Some(name) })
+    }
+
+    fn placed(place: Place) -> Arc<Extent> {
+        Arc::new(Extent { id: NEXT_ID.fetch_add(1, Ordering::Relaxed), place: Mutex::new(place) })
+    }
+
+    /// A process-wide unique id.
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// Where the bytes are now (a cheap clone of shared handles).
+    pub fn place(&self) -> Place {
+        self.place.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Moves the extent into a shared-memory segment if it is not in one
+    /// yet (one copy, once, under the extent's lock so concurrent readers
+    /// share the one copy), and returns where it is now. Readers holding
+    /// the old place keep it alive until they let go; its bytes are the
+    /// same.
+    pub fn share(&self, shm: &SegmentStore) -> Result<Place, ShmError> {
+        let mut place = self.place.lock().unwrap_or_else(|p| p.into_inner());
+        if place.segment.is_none() && !place.bytes.is_empty() {
+            let (bytes, name) = shm.export_whole(&place.bytes)?;
+            *place = Place { bytes, segment: Some(name.into()) };
+        }
+        Ok(place.clone())
+    }
+}
+
+/// The buffers of one request (its data frames, or the segments it names),
+/// so that the pieces decoded from them are stored as offsets into them.
+///
+/// Looked up by address only within the request's own frames (a handful),
+/// at put time; nothing keeps an address once the put is stored.
+#[derive(Default)]
+pub struct Received {
+    /// (start address, length, extent), sorted by address.
+    sorted: Vec<(usize, usize, Arc<Extent>)>,
+}
+
+impl Received {
+    /// The extents of a request's buffers. Empty buffers are skipped.
+    pub fn new(extents: impl IntoIterator<Item = Arc<Extent>>) -> Received {
+        let mut sorted: Vec<(usize, usize, Arc<Extent>)> = extents
+            .into_iter()
+            .filter_map(|e| {
+                let b = e.place().bytes;
+                (!b.is_empty()).then(|| (b.as_ptr() as usize, b.len(), e))
+            })
+            .collect();
+        sorted.sort_by_key(|(start, _, _)| *start);
+        Received { sorted }
+    }
+
+    /// Extents over received frames.
+    pub fn frames(frames: &[Bytes]) -> Received {
+        Received::new(frames.iter().filter(|f| !f.is_empty()).map(|f| Extent::new(f.clone())))
+    }
+
+    /// The extent that holds all of `bytes`, and their offset in it.
+    pub fn locate(&self, bytes: &[u8]) -> Option<(Arc<Extent>, usize)> {
+        let p = bytes.as_ptr() as usize;
+        let i = self.sorted.partition_point(|(start, _, _)| *start <= p).checked_sub(1)?;
+        let (start, len, extent) = &self.sorted[i];
+        (p + bytes.len() <= start + len).then(|| (extent.clone(), p - start))
+    }
+
+    /// The extent that holds `bytes`, or a new extent of exactly them (a
+    /// buffer the request did not bring: a gather's output).
+    pub fn locate_or_own(&self, bytes: &Bytes) -> (Arc<Extent>, usize, bool) {
+        match self.locate(bytes) {
+            Some((e, at)) if !bytes.is_empty() => (e, at, true),
+            _ => (Extent::new(bytes.clone()), 0, false),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn received_locates_slices_of_its_frames() {
+        let a = Bytes::from(vec![1u8; 64]);
+        let b = Bytes::from(vec![2u8; 32]);
+        let r = Received::frames(&[a.clone(), Bytes::new(), b.clone()]);
+        let (e, at) = r.locate(&a.slice(8..16)).unwrap();
+        assert_eq!((at, e.place().bytes.len()), (8, 64));
+        let (e2, at) = r.locate(&b.slice(31..32)).unwrap();
+        assert_eq!((at, e2.place().bytes.len()), (31, 32));
+        assert_ne!(e.id(), e2.id());
+        let other = Bytes::from(vec![3u8; 8]);
+        assert!(r.locate(&other).is_none());
+        let (own, at, zero_copy) = r.locate_or_own(&other);
+        assert_eq!((at, zero_copy, own.place().bytes.len()), (0, false, 8));
+    }
+}

@@ -1,0 +1,280 @@
+//! The `stowd` sidecar: units, the router endpoint and the native endpoint
+//! on ZeroMQ sockets.
+//!
+//! One file per service: [`tq`] (a local unit's TransferQueue endpoint and
+//! the router endpoint), [`native`] (`stowage/1`); [`errors`] is the one
+//! mapping from errors to each protocol's replies. Services read and write
+//! the store only through the manager and the units' own methods.
+//!
+//! [`start`] builds everything from a [`Config`]: loads the plugins, makes
+//! the local units, binds one TransferQueue ROUTER per unit, one router-mode
+//! TransferQueue endpoint fanning out to the configured units, and the
+//! native `stowage/1` endpoint, watches the plugin directory (hot reload,
+//! [`crate::reload`]) and serves `/metrics` if configured
+//! ([`crate::metrics`]). It returns a [`Running`] handle with the resolved
+//! endpoints and a shutdown method.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::Serialize;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use crate::config::Config;
+use crate::manager::{Manager, Target};
+use crate::metrics::Metrics;
+use crate::policy::registry::Registry;
+use crate::shm::SegmentStore;
+use crate::store::Unit;
+use crate::transport::{self, Peer};
+use crate::wire::native as wire_native;
+
+mod errors;
+mod native;
+mod tq;
+
+pub use tq::TQ_IDENTITY_PREFIXES;
+
+/// One served unit in the endpoints file.
+#[derive(Clone, Debug, Serialize, serde::Deserialize, PartialEq, Eq)]
+pub struct UnitEndpoint {
+    pub id: String,
+    pub endpoint: String,
+}
+
+/// Everything `stowd` serves, as written to `--endpoints-file`.
+#[derive(Clone, Debug, Serialize, serde::Deserialize, PartialEq, Eq)]
+pub struct Endpoints {
+    /// Process id of the server.
+    pub pid: u32,
+    /// Local units, each a TransferQueue storage-unit endpoint.
+    pub units: Vec<UnitEndpoint>,
+    /// The router-mode TransferQueue endpoint, if enabled.
+    pub router: Option<UnitEndpoint>,
+    /// The native `stowage/1` endpoint.
+    pub native: String,
+    /// Loaded policy plugins (`name@version`).
+    pub plugins: Vec<String>,
+    /// Shared-memory directory for same-node clients, if enabled.
+    pub shm_dir: Option<String>,
+    /// The Prometheus endpoint (`http://host:port/metrics`), if enabled.
+    #[serde(default)]
+    pub metrics: Option<String>,
+}
+
+impl Endpoints {
+    /// Writes the file atomically (temp file + rename).
+    pub fn write(&self, path: &Path) -> std::io::Result<()> {
+        let tmp = path.with_extension("tmp");
+        std::fs::write(&tmp, serde_json::to_vec_pretty(self).map_err(std::io::Error::other)?)?;
+        std::fs::rename(tmp, path)
+    }
+}
+
+/// A running server.
+pub struct Running {
+    pub endpoints: Endpoints,
+    shutdown: watch::Sender<bool>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl Running {
+    /// Stops every socket loop and waits for them.
+    pub async fn shutdown_and_wait(self) {
+        let _ = self.shutdown.send(true);
+        for t in self.tasks {
+            let _ = t.await;
+        }
+    }
+}
+
+/// Removes expired leases once a second until shutdown.
+async fn sweep_leases(store: Arc<SegmentStore>, mut shutdown: watch::Receiver<bool>) {
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    loop {
+        tokio::select! {
+            _ = tick.tick() => { store.sweep(); }
+            _ = shutdown.changed() => break,
+        }
+    }
+}
+
+/// The plugin directory of `config`, made absolute (hot reload matches
+/// the watcher's paths against the loaded files' paths).
+pub fn plugin_dir(config: &Config) -> Option<std::path::PathBuf> {
+    config.plugins.resolve_dir().map(|d| d.canonicalize().unwrap_or(d))
+}
+
+/// Loads the plugins and configures the chains.
+pub fn build_registry(config: &Config) -> anyhow::Result<Registry> {
+    let dir = plugin_dir(config);
+    let cache = config.plugins.cache_dir.clone().or_else(|| dir.as_ref().map(|d| d.join(".cache")));
+    let mut registry = Registry::new(cache, config.plugins.sandbox())?.with_overrides(config.plugins.overrides.clone());
+    match &dir {
+        Some(d) => {
+            let check_at_start = config.plugins.check_at_start;
+            let reports = registry
+                .load_dir_checked(d, |p| if check_at_start { crate::conformance::verify(p).map(|_| ()) } else { Ok(()) })
+                .map_err(|e| anyhow::anyhow!("cannot read plugin directory {}: {e}", d.display()))?;
+            let loaded = reports.iter().filter(|r| r.result.is_ok()).count();
+            tracing::info!(dir = %d.display(), loaded, refused = reports.len() - loaded, "plugins");
+        }
+        None => tracing::warn!("no plugin directory found: only the built-in policy answers"),
+    }
+    registry.configure(&config.chains);
+    Ok(registry)
+}
+
+/// Starts every socket of `config`.
+pub async fn start(config: Config) -> anyhow::Result<Running> {
+    let registry = Arc::new(build_registry(&config)?);
+    let plugins: Vec<String> = registry
+        .names()
+        .iter()
+        .filter_map(|n| registry.get(n).map(|l| format!("{}@{}", n, l.policy.describe().version)))
+        .collect();
+    let (shutdown, rx) = watch::channel(false);
+    let mut tasks = Vec::new();
+    let metrics = Arc::new(Metrics::default());
+    let tq_extra_on = config.metrics.tq_extra;
+    let host = &config.server.host;
+    let pid = std::process::id();
+    let capacity = (config.units.capacity_bytes > 0).then_some(config.units.capacity_bytes);
+    let transport_limits = config.limits.transport_limits();
+
+    let mut units = Vec::new();
+    let mut unit_endpoints = Vec::new();
+    for i in 0..config.units.local {
+        let id = format!("TQ_STORAGE_UNIT_{:08x}", (pid << 8) ^ i);
+        let unit = Arc::new(Unit::new(id.clone(), capacity));
+        let port = if config.units.port_base == 0 { 0 } else { config.units.port_base as u32 + i };
+        let (socket, endpoint) = transport::bind(&format!("tcp://{host}:{port}")).await?;
+        let service = Arc::new(tq::TqService {
+            id: id.clone(),
+            backend: tq::Backend::Unit(unit.clone()),
+            arrivals: tq::Arrivals::default(),
+            metrics: metrics.clone(),
+            tq_extra: tq_extra_on,
+        });
+        tasks.push(tokio::spawn(transport::serve_with(socket, service, transport_limits, rx.clone())));
+        tracing::info!(unit = %id, %endpoint, "unit listening");
+        unit_endpoints.push(UnitEndpoint { id, endpoint });
+        units.push(unit);
+    }
+
+    let sender = format!("TQ_STORAGE_{pid:08x}_{:08x}", std::time::UNIX_EPOCH.elapsed().map(|d| d.subsec_nanos()).unwrap_or(0));
+    let targets: Vec<Target> = if config.router.units.is_empty() {
+        units.iter().cloned().map(Target::Local).collect()
+    } else {
+        config
+            .router
+            .units
+            .iter()
+            .enumerate()
+            .map(|(i, u)| match u.strip_prefix("local:") {
+                Some(n) => Target::Local(units[n.parse::<usize>().expect("checked by config")].clone()),
+                None => Target::Remote(Arc::new(Peer::with_limits(
+                    u.clone(),
+                    format!("{sender}_to_unit{i}"),
+                    config.limits.receive_limits(),
+                ))),
+            })
+            .collect()
+    };
+    let manager = Arc::new(Manager::new(
+        targets,
+        registry.clone(),
+        config.limits.clone(),
+        Duration::from_secs(config.router.timeout_secs),
+        sender,
+    ));
+
+    let router = if config.router.enabled {
+        let id = format!("TQ_STORAGE_UNIT_{:08x}", (pid << 8) ^ 0xff);
+        let (socket, endpoint) = transport::bind(&format!("tcp://{host}:{}", config.router.port)).await?;
+        let service = Arc::new(tq::TqService {
+            id: id.clone(),
+            backend: tq::Backend::Router(manager.clone()),
+            arrivals: tq::Arrivals::default(),
+            metrics: metrics.clone(),
+            tq_extra: tq_extra_on,
+        });
+        tasks.push(tokio::spawn(transport::serve_with(socket, service, transport_limits, rx.clone())));
+        tracing::info!(%endpoint, units = manager.targets().len(), "router listening");
+        Some(UnitEndpoint { id, endpoint })
+    } else {
+        None
+    };
+
+    let native_limits = wire_native::Limits {
+        max_rows: config.limits.max_rows,
+        max_fields: config.limits.max_fields,
+        max_frames: config.limits.max_request_frames,
+        max_message_bytes: config.limits.max_request_bytes,
+    };
+    let (socket, native_endpoint) = transport::bind(&format!("tcp://{host}:{}", config.server.native_port)).await?;
+    let shm = if config.shm.enabled {
+        let store = SegmentStore::new(
+            &config.shm.dir,
+            Duration::from_secs(config.shm.lease_secs),
+            config.shm.max_lease_bytes,
+        )?
+        .with_reuse(config.shm.reuse_bytes, Duration::from_secs(config.shm.reuse_secs))
+        .with_hold(Duration::from_millis(config.shm.reply_hold_ms));
+        let store = Arc::new(store);
+        tasks.push(tokio::spawn(sweep_leases(store.clone(), rx.clone())));
+        tracing::info!(dir = %config.shm.dir.display(), "same-node shared memory enabled");
+        Some(store)
+    } else {
+        None
+    };
+    let pack_limits = config.limits.pack_limits();
+    let service = Arc::new(native::NativeService {
+        manager: manager.clone(),
+        limits: native_limits,
+        pack_limits,
+        shm: shm.clone(),
+        metrics: metrics.clone(),
+    });
+    tasks.push(tokio::spawn(transport::serve_with(socket, service, transport_limits, rx.clone())));
+    tracing::info!(endpoint = %native_endpoint, "native endpoint listening");
+
+    let metrics_endpoint = if config.metrics.port != 0 {
+        let addr = format!("{}:{}", config.metrics.host, config.metrics.port);
+        let listener = tokio::net::TcpListener::bind(&addr)
+            .await
+            .map_err(|e| anyhow::anyhow!("cannot bind the metrics endpoint {addr}: {e}"))?;
+        let local = listener.local_addr()?;
+        let (m, mg, us) = (metrics.clone(), manager.clone(), units.clone());
+        let exposition: Arc<dyn crate::metrics::Exposition> = Arc::new(move || m.render(&mg, &us));
+        tasks.push(tokio::spawn(crate::metrics::serve_http(listener, exposition, rx.clone())));
+        let url = format!("http://{local}/metrics");
+        tracing::info!(endpoint = %url, "metrics endpoint listening");
+        Some(url)
+    } else {
+        None
+    };
+
+    if config.plugins.watch {
+        match plugin_dir(&config) {
+            Some(dir) if dir.is_dir() => {
+                tasks.push(tokio::spawn(crate::reload::run(dir, manager.clone(), metrics.clone(), rx.clone())));
+            }
+            _ => tracing::info!("no plugin directory to watch: hot reload is off"),
+        }
+    }
+
+    let shm_dir = shm.as_ref().map(|s| s.dir().display().to_string());
+    let endpoints = Endpoints {
+        pid,
+        units: unit_endpoints,
+        router,
+        native: native_endpoint,
+        plugins,
+        shm_dir,
+        metrics: metrics_endpoint,
+    };
+    Ok(Running { endpoints, shutdown, tasks })
+}

@@ -1,0 +1,442 @@
+//! The native `stowage/1` endpoint: puts (over tcp, or naming leased
+//! shared-memory segments), gets (frames planned from the extents the rows
+//! are in; for a same-node reader, whole segments), clears, leases, stats.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+
+use super::errors;
+use crate::extent::{Extent, Place, Received};
+use crate::manager::{Manager, Target, process_rss_bytes};
+use crate::metrics::{Metrics, Outcome, Protocol};
+use crate::plan::{Frame, PackLimits, PieceInfo};
+use crate::shm::{SegmentStore, ShmError};
+use crate::store::{Rows, Run};
+use crate::tensor::Tensor;
+use crate::transport::{BoxFuture, Service};
+use crate::wire::native;
+
+/// The native `stowage/1` endpoint.
+pub(super) struct NativeService {
+    pub manager: Arc<Manager>,
+    pub limits: native::Limits,
+    pub pack_limits: PackLimits,
+    /// Same-node shared memory, if enabled.
+    pub shm: Option<Arc<SegmentStore>>,
+    pub metrics: Arc<Metrics>,
+}
+
+/// The places (whole extents) a reply's rows are slices of, by address:
+/// built per reply from the runs it sends, so that the encoder can send
+/// rows that lie back to back as one slice, and a same-node reply can
+/// name each segment once.
+#[derive(Default)]
+struct Places {
+    /// (start address, place), sorted by address once filled.
+    sorted: Vec<(usize, Place)>,
+    seen: HashMap<usize, ()>,
+}
+
+impl Places {
+    fn add(&mut self, place: &Place) {
+        let start = place.bytes.as_ptr() as usize;
+        if !place.bytes.is_empty() && self.seen.insert(start, ()).is_none() {
+            self.sorted.push((start, place.clone()));
+        }
+    }
+
+    fn seal(&mut self) {
+        self.sorted.sort_by_key(|(start, _)| *start);
+    }
+
+    /// The place that holds `len` bytes from `p`, and their offset in it.
+    fn find(&self, p: usize, len: usize) -> Option<(&Place, usize)> {
+        let i = self.sorted.partition_point(|(start, _)| *start <= p).checked_sub(1)?;
+        let (start, place) = &self.sorted[i];
+        (p + len <= start + place.bytes.len()).then_some((place, p - start))
+    }
+
+    /// `len` bytes from `p` as one slice of their place.
+    fn span(&self, p: *const u8, len: usize) -> Option<Bytes> {
+        let (place, at) = self.find(p as usize, len)?;
+        Some(place.bytes.slice(at..at + len))
+    }
+
+    /// The whole place that holds `b`, and where `b` starts in it.
+    fn enclose(&self, b: &Bytes) -> Option<(Bytes, u64)> {
+        if b.is_empty() {
+            return None;
+        }
+        let (place, at) = self.find(b.as_ptr() as usize, b.len())?;
+        Some((place.bytes.clone(), at as u64))
+    }
+
+    /// The segment a whole-place frame is, if it is one.
+    fn segment(&self, frame: &Bytes) -> Option<Arc<str>> {
+        let (place, at) = self.find(frame.as_ptr() as usize, frame.len())?;
+        (at == 0).then(|| place.segment.clone()).flatten()
+    }
+}
+
+/// A get_ok field and, for a nested field, its rows grouped into runs
+/// `[a, b)` that lie back to back in one place.
+struct GetField {
+    wire: native::WireField,
+    nested_runs: Vec<(u64, u64)>,
+}
+
+/// The wire form of a field's rows, zero copy: rows of one dtype and row
+/// shape become a regular field with one part per run; rows of one dtype
+/// and several shapes a nested field; values a values field.
+fn get_field(rows: &Rows, places: &mut Places) -> Result<GetField, native::Error> {
+    let runs = rows.runs();
+    let nothing = || GetField { wire: native::WireField::Values(Vec::new()), nested_runs: Vec::new() };
+    let Some(first) = runs.first() else { return Ok(nothing()) };
+    let Run::Tensor { dtype, row_shape, .. } = first else {
+        let values = runs.into_iter().map(|r| match r {
+            Run::Value(v) => Ok(v),
+            Run::Tensor { .. } => Err(native::Error::MixedField("its rows mix tensors and values".into())),
+        });
+        return Ok(GetField { wire: native::WireField::Values(values.collect::<Result<_, _>>()?), nested_runs: Vec::new() });
+    };
+    let (dtype, row_shape) = (*dtype, row_shape.clone());
+    let mut same_shape = true;
+    for r in &runs {
+        match r {
+            Run::Value(_) => return Err(native::Error::MixedField("its rows mix tensors and values".into())),
+            Run::Tensor { dtype: d, row_shape: s, place, .. } => {
+                if *d != dtype {
+                    return Err(native::Error::MixedField(format!("its rows mix dtypes {dtype} and {d}")));
+                }
+                same_shape &= *s == row_shape;
+                places.add(place);
+            }
+        }
+    }
+    if same_shape {
+        let parts = runs
+            .iter()
+            .map(|r| match r {
+                Run::Tensor { rows, .. } => (r.bytes(), *rows),
+                Run::Value(_) => unreachable!("checked above"),
+            })
+            .collect();
+        let wire = native::WireField::Regular(native::RegularParts::new(dtype, row_shape, parts)?);
+        return Ok(GetField { wire, nested_runs: Vec::new() });
+    }
+    let mut tensors = Vec::with_capacity(rows.len());
+    let mut nested_runs = Vec::with_capacity(runs.len());
+    for r in &runs {
+        let Run::Tensor { rows, row_bytes, dtype, row_shape, .. } = r else { unreachable!("checked above") };
+        let bytes = r.bytes();
+        let a = tensors.len() as u64;
+        for i in 0..*rows as usize {
+            let row = bytes.slice(i * row_bytes..(i + 1) * row_bytes);
+            tensors.push(Tensor::contiguous(row, *dtype, row_shape.clone()).map_err(|e| native::Error::MixedField(e.to_string()))?);
+        }
+        nested_runs.push((a, tensors.len() as u64));
+    }
+    Ok(GetField { wire: native::WireField::Nested(tensors), nested_runs })
+}
+
+/// A get_ok ready to encode: the reply, the nested runs per field, and the
+/// places its rows are in.
+struct GetReply {
+    reply: native::Reply,
+    nested_runs: Vec<Vec<(u64, u64)>>,
+    places: Places,
+}
+
+/// What [`NativeService::answer`] returns: a reply, or a get_ok with what
+/// encoding it needs.
+enum Answer {
+    Reply(native::Reply),
+    Get(GetReply),
+}
+
+impl From<native::Reply> for Answer {
+    fn from(r: native::Reply) -> Answer {
+        Answer::Reply(r)
+    }
+}
+
+impl NativeService {
+    /// The frame layout of a get_ok: per field, the packing chain groups the
+    /// field's pieces (the parts of a regular field, the runs of a nested
+    /// one) into frames; frames never mix fields.
+    fn layout(&self, fields: &[(String, native::WireField)], nested_runs: &[Vec<(u64, u64)>]) -> native::FrameLayout {
+        let mut frames = Vec::new();
+        let tensor_fields = fields.iter().filter(|(_, f)| !matches!(f, native::WireField::Values(_))).count().max(1);
+        let mut limits = self.pack_limits;
+        limits.max_frames = (limits.max_frames / tensor_fields as u32).max(1);
+        let registry = self.manager.registry();
+        for (i, (name, field)) in fields.iter().enumerate() {
+            let (slices, pieces): (Vec<native::RowSlice>, Vec<PieceInfo>) = match field {
+                native::WireField::Regular(p) => {
+                    let mut start = 0;
+                    p.parts()
+                        .iter()
+                        .map(|(bytes, rows)| {
+                            let s = native::RowSlice { field: i, start, end: start + rows };
+                            start += rows;
+                            (s, PieceInfo { byte_len: bytes.len() as u64, contiguous: true })
+                        })
+                        .unzip()
+                }
+                native::WireField::Nested(rows) => nested_runs[i]
+                    .iter()
+                    .map(|&(a, b)| {
+                        let run = &rows[a as usize..b as usize];
+                        let bytes = run.iter().map(|t| t.payload_len() as u64).sum();
+                        (native::RowSlice { field: i, start: a, end: b }, PieceInfo { byte_len: bytes, contiguous: true })
+                    })
+                    .unzip(),
+                native::WireField::Values(_) => continue,
+            };
+            match registry.pack_chain(name).pack(&pieces, &limits) {
+                Ok(d) => frames.extend(d.plan.frames.iter().map(|f| match f {
+                    Frame::Single(k) => vec![slices[*k as usize]],
+                    Frame::Coalesced(ks) => ks.iter().map(|k| slices[*k as usize]).collect(),
+                })),
+                // No plan within the budget: one frame per piece.
+                Err(_) => frames.extend(slices.into_iter().map(|s| vec![s])),
+            }
+        }
+        native::FrameLayout { frames }
+    }
+
+    /// The data frames of a request and the extents they are in: the
+    /// segments a same-node put names (the `segments` envelope key),
+    /// adopted from their leases without a copy, or the frames received.
+    fn received(&self, frames: Vec<Bytes>, extras: &native::Extras) -> Result<(Vec<Bytes>, Received), native::Reply> {
+        let Some(segments) = &extras.segments else {
+            let received = Received::frames(frames.get(1..).unwrap_or_default());
+            return Ok((frames, received));
+        };
+        let Some(shm) = &self.shm else { return Err(errors::shm(&ShmError::Disabled)) };
+        if frames.len() != 1 {
+            let message = "a message with `segments` carries no data frames over the socket".to_string();
+            return Err(native::Reply::Error { code: native::code::BAD_REQUEST.into(), message });
+        }
+        let mut adopted: HashMap<&str, Arc<Extent>> = HashMap::new();
+        let mut out = frames;
+        for (name, offset, len) in segments {
+            let extent = match adopted.get(name.as_str()) {
+                Some(e) => e.clone(),
+                None => {
+                    let whole = shm.adopt(name).map_err(|e| errors::shm(&e))?;
+                    let e = Extent::in_segment(whole, Arc::from(name.as_str()));
+                    adopted.insert(name, e.clone());
+                    e
+                }
+            };
+            let whole = extent.place().bytes;
+            match offset.checked_add(*len) {
+                Some(end) if end <= whole.len() as u64 => out.push(whole.slice(*offset as usize..end as usize)),
+                _ => {
+                    let e = ShmError::OutOfRange { name: name.clone(), offset: *offset, len: *len, size: whole.len() as u64 };
+                    return Err(errors::shm(&e));
+                }
+            }
+        }
+        Ok((out, Received::new(adopted.into_values())))
+    }
+
+    /// Encodes a get_ok: over the socket, frames planned by the packing
+    /// chain from the runs; for a same-node reader, one whole segment per
+    /// frame, named in frame 0 instead of sent, and held for the reader.
+    fn encode_get(&self, id: u64, get: GetReply, same_node: bool) -> Result<Vec<Bytes>, String> {
+        let GetReply { reply, nested_runs, places } = get;
+        if !same_node {
+            let native::Reply::GetOk { fields } = &reply else { unreachable!("a get reply is a get_ok") };
+            let layout = self.layout(fields, &nested_runs);
+            return native::encode_reply_joined(id, &reply, &layout, &|p, l| places.span(p, l)).map_err(|e| e.to_string());
+        }
+        let shm = self.shm.as_ref().ok_or("same-node get without shared memory")?;
+        let frames = native::encode_reply_enclosed(id, &reply, &|b| places.enclose(b)).map_err(|e| e.to_string())?;
+        let mut segments = Vec::with_capacity(frames.len().saturating_sub(1));
+        for f in &frames[1..] {
+            if f.is_empty() {
+                segments.push((String::new(), 0, 0));
+                continue;
+            }
+            let name = places.segment(f).ok_or("a reply frame is not a shared-memory segment")?;
+            segments.push((name.to_string(), 0, f.len() as u64));
+        }
+        let frame0 = native::with_segments(&frames[0], &segments).map_err(|e| e.to_string())?;
+        shm.hold(frames.into_iter().skip(1).filter(|f| !f.is_empty()));
+        Ok(vec![frame0])
+    }
+
+    async fn serve_one(&self, frames: Vec<Bytes>) -> Vec<Bytes> {
+        let started = Instant::now();
+        let mut op = "undecodable";
+        let fallback_id = native::request_id(&frames).unwrap_or(0);
+        let extras = match frames.first() {
+            Some(f0) => native::decode_extras(f0, &self.limits),
+            None => Ok(native::Extras::default()),
+        };
+        let (id, answer, same_node) = match extras {
+            Err(e) => (fallback_id, native::Reply::from_error(&e).into(), false),
+            Ok(extras) => match self.received(frames, &extras) {
+                Err(reply) => (fallback_id, reply.into(), false),
+                Ok((frames, received)) => match native::decode_request(&frames, &self.limits) {
+                    Ok(req) => {
+                        op = req.op.name();
+                        (req.id, self.answer(req.op, extras.same_node, &received).await, extras.same_node)
+                    }
+                    Err(e) => (fallback_id, native::Reply::from_error(&e).into(), false),
+                },
+            },
+        };
+        let (encoded, outcome) = match answer {
+            Answer::Get(get) => (self.encode_get(id, get, same_node), Outcome::Ok),
+            Answer::Reply(reply) => {
+                let outcome = if matches!(reply, native::Reply::Error { .. }) { Outcome::Error } else { Outcome::Ok };
+                (native::encode_reply(id, &reply).map_err(|e| e.to_string()), outcome)
+            }
+        };
+        let (frames, outcome) = match encoded {
+            Ok(f) => (f, outcome),
+            Err(message) => (native::encode_reply(id, &errors::native_internal(message)).unwrap_or_default(), Outcome::Error),
+        };
+        self.metrics.observe(Protocol::Native, op, outcome, started.elapsed(), frames.len());
+        frames
+    }
+
+    async fn answer(&self, op: native::Op, same_node: bool, received: &Received) -> Answer {
+        let m = &self.manager;
+        match op {
+            native::Op::Put { global_indexes, fields } => {
+                let mut decoded = Vec::with_capacity(fields.len());
+                for (name, f) in fields {
+                    match f.into_field() {
+                        Ok(field) => decoded.push((name, field)),
+                        Err(e) => return native::Reply::from_error(&e).into(),
+                    }
+                }
+                match m.put(&global_indexes, decoded, received).await {
+                    Ok(()) => native::Reply::PutOk { rows: global_indexes.len() as u64 }.into(),
+                    Err(e) => errors::native(&e).into(),
+                }
+            }
+            native::Op::Get { global_indexes, fields } => {
+                let got = match (same_node, &self.shm) {
+                    (false, _) => m.get(&global_indexes, &fields).await.map_err(|e| errors::native(&e)),
+                    (true, None) => Err(errors::shm(&ShmError::Disabled)),
+                    (true, Some(shm)) => m.get_shared(&global_indexes, &fields, shm).await.map_err(|e| errors::native_shared(&e)),
+                };
+                let got = match got {
+                    Ok(got) => got,
+                    Err(reply) => return reply.into(),
+                };
+                let mut places = Places::default();
+                let mut out = Vec::with_capacity(got.len());
+                let mut nested_runs = Vec::with_capacity(got.len());
+                for (name, rows) in got {
+                    match get_field(&rows, &mut places) {
+                        Ok(f) => {
+                            out.push((name, f.wire));
+                            nested_runs.push(f.nested_runs);
+                        }
+                        Err(e) => return native::Reply::from_error(&e).into(),
+                    }
+                }
+                places.seal();
+                Answer::Get(GetReply { reply: native::Reply::GetOk { fields: out }, nested_runs, places })
+            }
+            native::Op::Lease { bytes } => match &self.shm {
+                None => errors::shm(&ShmError::Disabled).into(),
+                Some(shm) => match shm.lease(bytes) {
+                    Ok((segment, ttl)) => native::Reply::LeaseOk { segment, bytes, ttl_ms: ttl.as_millis() as u64 }.into(),
+                    Err(e) => errors::shm(&e).into(),
+                },
+            },
+            native::Op::Clear { global_indexes, fields } => match m.clear(&global_indexes, fields.as_deref()).await {
+                Ok(cleared) => native::Reply::ClearOk { cleared }.into(),
+                Err(e) => errors::native(&e).into(),
+            },
+            native::Op::Stats => self.stats().into(),
+        }
+    }
+
+    fn stats(&self) -> native::Reply {
+        let m = &self.manager;
+        let c = &m.counters;
+        let mut stats = vec![("units".to_string(), native::Stat::Int(m.targets().len() as i64))];
+        let (mut keys, mut rows, mut bytes, mut capacity) = (0u64, 0u64, 0u64, Some(0u64));
+        for t in m.targets() {
+            match t {
+                Target::Local(u) => {
+                    let s = u.stats();
+                    keys += s.keys;
+                    rows += s.rows;
+                    bytes += s.bytes;
+                    capacity = capacity.zip(s.capacity).map(|(a, b)| a.saturating_add(b));
+                }
+                Target::Remote(_) => capacity = None,
+            }
+        }
+        let int = |v: u64| native::Stat::Int(v.min(i64::MAX as u64) as i64);
+        stats.push(("keys".into(), int(keys)));
+        stats.push(("rows".into(), int(rows)));
+        stats.push(("bytes".into(), int(bytes)));
+        if let Some(c) = capacity {
+            stats.push(("capacity".into(), int(c)));
+        }
+        stats.push(("zero_copy_bytes".into(), int(c.zero_copy_bytes.load(Ordering::Relaxed))));
+        stats.push(("copied_bytes".into(), int(c.copied_bytes.load(Ordering::Relaxed))));
+        stats.push(("plugin_decisions".into(), int(c.plugin_decisions.load(Ordering::Relaxed))));
+        stats.push(("builtin_decisions".into(), int(c.builtin_decisions.load(Ordering::Relaxed))));
+        stats.push(("fallbacks".into(), int(c.fallbacks.load(Ordering::Relaxed))));
+        stats.push(("process_rss_bytes".into(), int(process_rss_bytes())));
+        let r = &self.metrics.reloads;
+        stats.push(("plugin_swaps".into(), int(r.swapped.load(Ordering::Relaxed))));
+        stats.push(("plugin_refusals".into(), int(r.refused.load(Ordering::Relaxed))));
+        stats.push(("plugin_removals".into(), int(r.removed.load(Ordering::Relaxed))));
+        let registry = m.registry();
+        for name in registry.names() {
+            let Some(l) = registry.get(&name) else { continue };
+            let st = &l.stats;
+            let mut line = format!(
+                "version {} calls {} faults {} invalid_plans {} disabled {} plans {} fallbacks {} rejections {} reenables {}",
+                l.policy.describe().version,
+                st.calls.load(Ordering::Relaxed),
+                st.faults.load(Ordering::Relaxed),
+                st.invalid_plans.load(Ordering::Relaxed),
+                st.disabled.load(Ordering::Relaxed),
+                st.plans.load(Ordering::Relaxed),
+                st.fallbacks.load(Ordering::Relaxed),
+                st.rejections.load(Ordering::Relaxed),
+                st.reenables.load(Ordering::Relaxed),
+            );
+            if let Some(left) = st.reenable_in() {
+                line.push_str(&format!(" reenable_in_ms {}", left.as_millis()));
+            }
+            stats.push((format!("plugin.{name}"), native::Stat::Str(line)));
+        }
+        for (pattern, line) in registry.chain_summaries() {
+            stats.push((format!("chain.{pattern}"), native::Stat::Str(line)));
+        }
+        native::Reply::StatsOk(stats)
+    }
+}
+
+impl Service for NativeService {
+    fn handle(self: Arc<Self>, _identity: Bytes, frames: Vec<Bytes>) -> BoxFuture<'static, Option<Vec<Bytes>>> {
+        Box::pin(async move { Some(self.serve_one(frames).await).filter(|f| !f.is_empty()) })
+    }
+
+    fn reject(self: Arc<Self>, _identity: Bytes, head: Vec<Bytes>, reason: String) -> BoxFuture<'static, Option<Vec<Bytes>>> {
+        Box::pin(async move {
+            let id = native::request_id(&head).unwrap_or(0);
+            let frames = native::encode_reply(id, &errors::native_too_large(&reason)).ok()?;
+            self.metrics.observe(Protocol::Native, "too_large", Outcome::Error, Duration::ZERO, frames.len());
+            Some(frames)
+        })
+    }
+}

@@ -1,0 +1,249 @@
+//! The TransferQueue endpoints: one per local unit, and the router
+//! endpoint over every configured unit. Both speak TransferQueue 0.1.11's
+//! storage-unit protocol byte for byte; they differ only in what answers
+//! a request ([`Backend`]).
+
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use bytes::Bytes;
+
+use super::errors;
+use crate::batch::Cell;
+use crate::extent::Received;
+use crate::manager::{Manager, ManagerError, Target, process_rss_bytes};
+use crate::metrics::{Metrics, Outcome, Protocol};
+use crate::store::{Column, Unit};
+use crate::transport::{BoxFuture, Service};
+use crate::wire::tq;
+
+/// Identities a TransferQueue unit answers; others are dropped silently,
+/// as the real unit does.
+pub const TQ_IDENTITY_PREFIXES: [&[u8]; 2] = [b"TQ_STORAGE_", b"metrics_collector_"];
+
+pub(super) fn identity_allowed(identity: &[u8]) -> bool {
+    TQ_IDENTITY_PREFIXES.iter().any(|p| identity.starts_with(p))
+}
+
+/// What answers a TransferQueue endpoint's requests.
+pub(super) enum Backend {
+    /// One local unit, as TransferQueue's own storage unit: puts stored
+    /// as they arrived, no selection policy.
+    Unit(Arc<Unit>),
+    /// Every configured unit, routed `g % N`, with the selection chains.
+    Router(Arc<Manager>),
+}
+
+/// A TransferQueue storage-unit endpoint.
+pub(super) struct TqService {
+    pub id: String,
+    pub backend: Backend,
+    pub arrivals: Arrivals,
+    pub metrics: Arc<Metrics>,
+    /// Add the `stowage` key to `METRICS_RESPONSE`.
+    pub tq_extra: bool,
+}
+
+/// Request arrivals by op, in first-arrival order (TransferQueue's
+/// `arrivals_by_op`).
+#[derive(Debug, Default)]
+pub(super) struct Arrivals(Mutex<Vec<(String, u64)>>);
+
+impl Arrivals {
+    fn note(&self, op: &str) {
+        let mut v = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        match v.iter_mut().find(|(n, _)| n == op) {
+            Some((_, c)) => *c += 1,
+            None => v.push((op.to_string(), 1)),
+        }
+    }
+
+    /// A `METRICS_RESPONSE` with these arrivals (no SSD offload here) and
+    /// `extra` keys after TransferQueue's.
+    fn metrics(&self, unit_id: &str, capacity: Option<u64>, active_keys: u64, extra: Vec<(String, Bytes)>) -> tq::Reply {
+        let arrivals_by_op = self.0.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        tq::Reply::Metrics(tq::Metrics {
+            storage_unit_id: unit_id.to_string(),
+            capacity,
+            active_keys,
+            process_rss_bytes: process_rss_bytes(),
+            ssd_offload_enabled: false,
+            ssd_active_values: 0,
+            ssd_active_bytes: 0,
+            ssd_fallback_values_total: 0,
+            requests_arrived: arrivals_by_op.iter().map(|(_, c)| c).sum(),
+            arrivals_by_op,
+            extra,
+        })
+    }
+}
+
+/// The op label of a TransferQueue request, for metrics.
+fn op_label(request: &tq::Request) -> &'static str {
+    match request {
+        tq::Request::Put { .. } => "put",
+        tq::Request::Get { .. } => "get",
+        tq::Request::Clear { .. } => "clear",
+        tq::Request::GetMetrics => "metrics",
+        tq::Request::Other(_) => "other",
+    }
+}
+
+/// The `stowage` key of a TransferQueue `METRICS_RESPONSE` (when
+/// `[metrics] tq_extra` is on): a msgpack map of stowd's own figures.
+fn extra(manager: Option<&Manager>, units: &[&Unit]) -> Vec<(String, Bytes)> {
+    let mut pairs: Vec<(&str, u64)> = vec![
+        ("stored_bytes", units.iter().map(|u| u.stats().bytes).sum()),
+        ("stored_rows", units.iter().map(|u| u.stats().rows).sum()),
+        ("stored_values", units.iter().map(|u| u.stats().keys).sum()),
+    ];
+    if let Some(m) = manager {
+        let c = &m.counters;
+        let get = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+        pairs.extend([
+            ("zero_copy_bytes", get(&c.zero_copy_bytes)),
+            ("copied_bytes", get(&c.copied_bytes)),
+            ("frames_sent", get(&c.frames_sent)),
+            ("plugin_decisions", get(&c.plugin_decisions)),
+            ("builtin_decisions", get(&c.builtin_decisions)),
+            ("fallbacks", get(&c.fallbacks)),
+        ]);
+        let versions = m.registry().version_stats();
+        pairs.push(("plugin_faults", versions.iter().map(|v| v.stats.faults.load(Ordering::Relaxed)).sum()));
+    }
+    let mut buf = Vec::new();
+    rmp::encode::write_map_len(&mut buf, pairs.len() as u32).expect("vec write");
+    for (k, v) in pairs {
+        rmp::encode::write_str(&mut buf, k).expect("vec write");
+        rmp::encode::write_uint(&mut buf, v).expect("vec write");
+    }
+    vec![("stowage".to_string(), Bytes::from(buf))]
+}
+
+impl TqService {
+    async fn answer(&self, frames: &[Bytes]) -> (&'static str, tq::Reply) {
+        let id = self.id.as_str();
+        let request = match tq::decode_request(frames) {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::debug!(unit = id, error = %e, "refused request");
+                return ("undecodable", e.to_reply(id));
+            }
+        };
+        self.arrivals.note(request.op_name());
+        let op = op_label(&request);
+        let reply = match request {
+            tq::Request::Put { global_indexes, fields } => {
+                let received = Received::frames(frames.get(1..).unwrap_or_default());
+                let result = match &self.backend {
+                    Backend::Unit(unit) => {
+                        let columns =
+                            fields.into_iter().map(|(name, f)| (name, vec![Column::from_field(f, &received)])).collect();
+                        unit.put(&global_indexes, columns).map_err(ManagerError::from)
+                    }
+                    Backend::Router(m) => m.put(&global_indexes, fields, &received).await.map_err(ManagerError::from),
+                };
+                match result {
+                    Ok(()) => tq::Reply::PutData,
+                    Err(e) => errors::tq_reply(id, tq::ErrorReply::Put, &e),
+                }
+            }
+            tq::Request::Get { global_indexes, fields } => {
+                let result: Result<Vec<(String, Vec<Cell>)>, ManagerError> = match &self.backend {
+                    Backend::Unit(unit) => unit
+                        .get(&global_indexes, &fields)
+                        .map(|rows| fields.into_iter().zip(rows.iter().map(|r| r.cells())).collect())
+                        .map_err(ManagerError::from),
+                    Backend::Router(m) => m
+                        .get(&global_indexes, &fields)
+                        .await
+                        .map(|got| got.into_iter().map(|(name, rows)| (name, rows.cells())).collect())
+                        .map_err(ManagerError::from),
+                };
+                match result {
+                    Ok(fields) => tq::Reply::GetData { fields },
+                    Err(e) => errors::tq_reply(id, tq::ErrorReply::Get, &e),
+                }
+            }
+            tq::Request::Clear { global_indexes } => match &self.backend {
+                Backend::Unit(unit) => {
+                    unit.clear(&global_indexes, None);
+                    tq::Reply::clear_ok(id)
+                }
+                Backend::Router(m) => match m.clear(&global_indexes, None).await {
+                    Ok(_) => tq::Reply::clear_ok(id),
+                    Err(e) => errors::tq_reply(id, tq::ErrorReply::ClearData, &e),
+                },
+            },
+            tq::Request::GetMetrics => self.metrics_reply(),
+            tq::Request::Other(t) => tq::Reply::invalid_operation(id, &t),
+        };
+        (op, reply)
+    }
+
+    fn metrics_reply(&self) -> tq::Reply {
+        let id = self.id.as_str();
+        match &self.backend {
+            Backend::Unit(unit) => {
+                let stats = unit.stats();
+                let extra = if self.tq_extra { extra(None, &[unit]) } else { vec![] };
+                // TransferQueue counts samples (global indexes), not values.
+                self.arrivals.metrics(id, stats.capacity, stats.rows, extra)
+            }
+            Backend::Router(m) => {
+                let (mut keys, mut capacity) = (0, Some(0u64));
+                let mut locals: Vec<&Unit> = Vec::new();
+                for t in m.targets() {
+                    match t {
+                        Target::Local(u) => {
+                            let s = u.stats();
+                            keys += s.rows;
+                            capacity = capacity.zip(s.capacity).map(|(a, b)| a + b);
+                            locals.push(u);
+                        }
+                        // A remote unit's capacity is not known here.
+                        Target::Remote(_) => capacity = None,
+                    }
+                }
+                let extra = if self.tq_extra { extra(Some(m), &locals) } else { vec![] };
+                self.arrivals.metrics(id, capacity, keys, extra)
+            }
+        }
+    }
+
+    fn protocol(&self) -> Protocol {
+        match self.backend {
+            Backend::Unit(_) => Protocol::Tq,
+            Backend::Router(_) => Protocol::TqRouter,
+        }
+    }
+}
+
+impl Service for TqService {
+    fn handle(self: Arc<Self>, identity: Bytes, frames: Vec<Bytes>) -> BoxFuture<'static, Option<Vec<Bytes>>> {
+        Box::pin(async move {
+            if !identity_allowed(&identity) {
+                tracing::debug!(identity = %String::from_utf8_lossy(&identity), "request from an unrecognised identity dropped");
+                return None;
+            }
+            let started = Instant::now();
+            let (op, reply) = self.answer(&frames).await;
+            let outcome = if matches!(reply, tq::Reply::Error { .. }) { Outcome::Error } else { Outcome::Ok };
+            let frames = tq::encode_reply(&self.id, &reply);
+            self.metrics.observe(self.protocol(), op, outcome, started.elapsed(), frames.len());
+            Some(frames)
+        })
+    }
+
+    fn reject(self: Arc<Self>, identity: Bytes, head: Vec<Bytes>, reason: String) -> BoxFuture<'static, Option<Vec<Bytes>>> {
+        Box::pin(async move {
+            if !identity_allowed(&identity) {
+                return None;
+            }
+            let frames = tq::encode_reply(&self.id, &errors::tq_too_large(&self.id, &head, &reason));
+            self.metrics.observe(self.protocol(), "too_large", Outcome::Error, std::time::Duration::ZERO, frames.len());
+            Some(frames)
+        })
+    }
+}
