@@ -142,7 +142,7 @@ impl TqService {
                             fields.into_iter().map(|(name, f)| (name, vec![Column::from_field(f, &received)])).collect();
                         unit.put(&global_indexes, columns).map_err(ManagerError::from)
                     }
-                    Backend::Router(m) => m.put(&global_indexes, fields, &received).await.map_err(ManagerError::from),
+                    Backend::Router(m) => m.put(&global_indexes, fields, &received).await,
                 };
                 match result {
                     Ok(()) => tq::Reply::PutData,
@@ -158,8 +158,7 @@ impl TqService {
                     Backend::Router(m) => m
                         .get(&global_indexes, &fields)
                         .await
-                        .map(|got| got.into_iter().map(|(name, rows)| (name, rows.cells())).collect())
-                        .map_err(ManagerError::from),
+                        .map(|got| got.into_iter().map(|(name, rows)| (name, rows.cells())).collect()),
                 };
                 match result {
                     Ok(fields) => tq::Reply::GetData { fields },
