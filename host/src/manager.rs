@@ -273,9 +273,8 @@ impl Manager {
                 )));
             }
         }
-        let mut seen = std::collections::HashSet::with_capacity(global_indexes.len());
-        if let Some(g) = global_indexes.iter().find(|g| !seen.insert(**g)) {
-            return Err(ManagerError::Store(StoreError::DuplicateIndex(*g)));
+        if let Some(g) = crate::store::duplicate(global_indexes) {
+            return Err(ManagerError::Store(StoreError::DuplicateIndex(g)));
         }
         // Plan and execute every selection before storing anything, so a
         // policy rejection leaves every unit untouched. One registry
