@@ -12,7 +12,7 @@
 //!
 //! The bytes of an extent never change. The one thing that can change is
 //! *where* they live: an extent that a same-node reader asks for is copied
-//! into a shared-memory segment once ([`Extent::share`]), and from then on
+//! into a shared-memory segment once ([`share_all`]), and from then on
 //! every reader gets that segment. Readers that took a snapshot before keep
 //! the old buffer alive through their own reference, with the same bytes,
 //! so a move never tears a row.
@@ -28,18 +28,22 @@ use bytes::Bytes;
 
 use crate::shm::{SegmentStore, ShmError};
 
-/// Where an extent's bytes are now.
+/// Where an extent's bytes are now: `base[offset..offset + len]`.
 #[derive(Clone, Debug)]
 pub struct Place {
-    /// The whole extent.
-    pub bytes: Bytes,
-    /// The shared-memory segment that holds exactly `bytes`, if any.
+    /// The buffer the extent is a range of: the extent's own buffer, or
+    /// the whole shared-memory segment it lives in.
+    pub base: Bytes,
+    /// Where the extent starts in `base`.
+    pub offset: usize,
+    /// The segment `base` is, if it is one.
     pub segment: Option<Arc<str>>,
 }
 
 /// One immutable buffer.
 pub struct Extent {
     id: u64,
+    len: usize,
     place: Mutex<Place>,
 }
 
@@ -48,7 +52,7 @@ impl std::fmt::Debug for Extent {
         let place = self.place();
         f.debug_struct("Extent")
             .field("id", &self.id)
-            .field("len", &place.bytes.len())
+            .field("len", &self.len)
             .field("segment", &place.segment)
             .finish()
     }
@@ -59,16 +63,26 @@ static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 impl Extent {
     /// An extent over `bytes` (a received frame or a gathered buffer).
     pub fn new(bytes: Bytes) -> Arc<Extent> {
-        Self::placed(Place { bytes, segment: None })
+        Self::placed(Place { base: bytes, offset: 0, segment: None })
     }
 
     /// An extent that is the whole shared-memory segment `name`.
     pub fn in_segment(bytes: Bytes, name: Arc<str>) -> Arc<Extent> {
-        Self::placed(Place { bytes, segment: Some(name) })
+        Self::placed(Place { base: bytes, offset: 0, segment: Some(name) })
     }
 
     fn placed(place: Place) -> Arc<Extent> {
-        Arc::new(Extent { id: NEXT_ID.fetch_add(1, Ordering::Relaxed), place: Mutex::new(place) })
+        let len = place.base.len();
+        Arc::new(Extent { id: NEXT_ID.fetch_add(1, Ordering::Relaxed), len, place: Mutex::new(place) })
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
     }
 
     /// A process-wide unique id.
@@ -81,19 +95,43 @@ impl Extent {
         self.place.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
-    /// Moves the extent into a shared-memory segment if it is not in one
-    /// yet (one copy, once, under the extent's lock so concurrent readers
-    /// share the one copy), and returns where it is now. Readers holding
-    /// the old place keep it alive until they let go; its bytes are the
-    /// same.
-    pub fn share(&self, shm: &SegmentStore) -> Result<Place, ShmError> {
-        let mut place = self.place.lock().unwrap_or_else(|p| p.into_inner());
-        if place.segment.is_none() && !place.bytes.is_empty() {
-            let (bytes, name) = shm.export_whole(&place.bytes)?;
-            *place = Place { bytes, segment: Some(name.into()) };
-        }
-        Ok(place.clone())
+    /// The extent's bytes, wherever they are now (zero copy).
+    pub fn bytes(&self) -> Bytes {
+        let place = self.place();
+        place.base.slice(place.offset..place.offset + self.len)
     }
+}
+
+/// Moves the extents that are not in shared memory yet into one new
+/// segment, back to back in the order given (one copy, once), so rows read
+/// in that order later are one range of one segment. Extents already in a
+/// segment, and empty ones, stay where they are. Readers holding an old
+/// place keep it alive until they let go; its bytes are the same.
+pub fn share_all(extents: &[Arc<Extent>], shm: &SegmentStore) -> Result<(), ShmError> {
+    // One share at a time: two readers of the same rows share one copy.
+    static SHARING: Mutex<()> = Mutex::new(());
+    let _one = SHARING.lock().unwrap_or_else(|p| p.into_inner());
+    let pending: Vec<(&Arc<Extent>, Bytes)> = extents
+        .iter()
+        .filter(|e| !e.is_empty())
+        .filter_map(|e| {
+            let place = e.place();
+            place.segment.is_none().then(|| (e, place.base.slice(place.offset..place.offset + e.len)))
+        })
+        .collect();
+    if pending.is_empty() {
+        return Ok(());
+    }
+    let parts: Vec<&[u8]> = pending.iter().map(|(_, b)| b.as_ref()).collect();
+    let (whole, name) = shm.export(&parts)?;
+    let name: Arc<str> = name.into();
+    let mut at = 0;
+    for (extent, bytes) in &pending {
+        *extent.place.lock().unwrap_or_else(|p| p.into_inner()) =
+            Place { base: whole.clone(), offset: at, segment: Some(name.clone()) };
+        at += bytes.len();
+    }
+    Ok(())
 }
 
 /// The buffers of one request (its data frames, or the segments it names),
@@ -113,7 +151,7 @@ impl Received {
         let mut sorted: Vec<(usize, usize, Arc<Extent>)> = extents
             .into_iter()
             .filter_map(|e| {
-                let b = e.place().bytes;
+                let b = e.bytes();
                 (!b.is_empty()).then(|| (b.as_ptr() as usize, b.len(), e))
             })
             .collect();
@@ -154,13 +192,13 @@ mod tests {
         let b = Bytes::from(vec![2u8; 32]);
         let r = Received::frames(&[a.clone(), Bytes::new(), b.clone()]);
         let (e, at) = r.locate(&a.slice(8..16)).unwrap();
-        assert_eq!((at, e.place().bytes.len()), (8, 64));
+        assert_eq!((at, e.len()), (8, 64));
         let (e2, at) = r.locate(&b.slice(31..32)).unwrap();
-        assert_eq!((at, e2.place().bytes.len()), (31, 32));
+        assert_eq!((at, e2.len()), (31, 32));
         assert_ne!(e.id(), e2.id());
         let other = Bytes::from(vec![3u8; 8]);
         assert!(r.locate(&other).is_none());
         let (own, at, zero_copy) = r.locate_or_own(&other);
-        assert_eq!((at, zero_copy, own.place().bytes.len()), (0, false, 8));
+        assert_eq!((at, zero_copy, own.len()), (0, false, 8));
     }
 }

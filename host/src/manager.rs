@@ -173,7 +173,9 @@ impl Manager {
 
     fn routes(&self, global_indexes: &[u64]) -> Vec<Route> {
         let n = self.targets.len() as u64;
-        let mut routes: Vec<Route> = (0..n).map(|_| Route { positions: vec![], indexes: vec![] }).collect();
+        let each = global_indexes.len() / n as usize + 1;
+        let mut routes: Vec<Route> =
+            (0..n).map(|_| Route { positions: Vec::with_capacity(each), indexes: Vec::with_capacity(each) }).collect();
         for (pos, &g) in global_indexes.iter().enumerate() {
             let r = &mut routes[(g % n) as usize];
             r.positions.push(pos as u64);
@@ -475,7 +477,7 @@ impl Manager {
 
     /// [`Manager::get`] for a same-node reader: every extent the rows are in
     /// is in shared memory afterwards (moved there once, see
-    /// [`crate::extent::Extent::share`]).
+    /// [`crate::extent::share_all`]).
     pub async fn get_shared(
         &self,
         global_indexes: &[u64],

@@ -10,8 +10,8 @@
 //!
 //! Two ways in:
 //! - get: an extent ([`crate::extent`]) that is not yet in a segment is
-//!   copied into one once ([`SegmentStore::export_whole`], called by
-//!   [`crate::extent::Extent::share`]), so every later same-node get of
+//!   copied into one once ([`SegmentStore::export`], called by
+//!   [`crate::extent::share_all`]), so every later same-node get of
 //!   its rows is zero-copy and returns the same pages. A segment named in
 //!   a reply is held for [`SegmentStore::with_hold`] after it (default
 //!   [`DEFAULT_HOLD`]), so that an overwrite or clear racing the get
@@ -358,17 +358,22 @@ impl SegmentStore {
         Ok(Bytes::from_owner(SegmentRef(segment)))
     }
 
-    /// Copies `bytes` into one new segment (a spare if one fits); returns
-    /// the segment's bytes (read-only mapping) and its name.
-    pub fn export_whole(&self, bytes: &[u8]) -> Result<(Bytes, String), ShmError> {
-        let (file, path) = self.create(bytes.len() as u64)?;
+    /// Copies `parts` back to back into one new segment (a spare if one
+    /// fits); returns the segment's bytes (read-only mapping) and its name.
+    pub fn export(&self, parts: &[&[u8]]) -> Result<(Bytes, String), ShmError> {
+        let total: usize = parts.iter().map(|p| p.len()).sum();
+        let (file, path) = self.create(total as u64)?;
         let io = |source| ShmError::Io { path: path.display().to_string(), source };
         {
             // SAFETY: a file stowd just created (or took from its spares,
             // which no reader locks) and nobody else writes; the writable
             // mapping is dropped before the read-only one is made.
             let mut map: MmapMut = unsafe { MmapOptions::new().populate().map_mut(&file) }.map_err(io)?;
-            map.copy_from_slice(bytes);
+            let mut at = 0;
+            for p in parts {
+                map[at..at + p.len()].copy_from_slice(p);
+                at += p.len();
+            }
         }
         let name = path.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default();
         Ok((self.map(path)?, name))
@@ -479,7 +484,7 @@ mod tests {
     #[test]
     fn exported_bytes_are_freed_with_the_last_slice_or_the_hold() {
         let s = store("export", Duration::from_secs(5)).with_hold(Duration::from_millis(50));
-        let (whole, name) = s.export_whole(b"abcdefg").unwrap();
+        let (whole, name) = s.export(&[b"abc", b"defg"]).unwrap();
         assert_eq!(&whole[..], b"abcdefg");
         let file = s.dir().join(&name);
         assert!(file.exists());
@@ -550,7 +555,7 @@ mod tests {
         // Exports take spares too.
         std::fs::write(&again, vec![2u8; 3 << 20]).unwrap();
         drop(s.adopt(&name).unwrap());
-        let (whole, segment) = s.export_whole(&vec![9u8; 3 << 20]).unwrap();
+        let (whole, segment) = s.export(&[&vec![9u8; 3 << 20]]).unwrap();
         assert_eq!(inode(&s.dir().join(&segment)), ino);
         assert!(whole.iter().all(|b| *b == 9));
     }

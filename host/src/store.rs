@@ -25,7 +25,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use bytes::Bytes;
 
 use crate::batch::{Cell, Field, Value};
-use crate::extent::{Extent, Place, Received};
+use crate::extent::{self, Extent, Place, Received};
 use crate::shm::{SegmentStore, ShmError};
 use crate::tensor::{DType, Tensor};
 
@@ -177,12 +177,12 @@ impl Column {
         match self {
             Column::Regular(c) => {
                 let at = c.offset + r * c.stride;
-                let bytes = c.extent.place().bytes.slice(at..at + c.row_bytes);
+                let bytes = c.extent.bytes().slice(at..at + c.row_bytes);
                 Cell::Tensor(tensor(bytes, c.dtype, c.row_shape.to_vec()))
             }
             Column::Nested(rows) => {
                 let n = &rows[r];
-                let bytes = n.extent.place().bytes.slice(n.offset..n.offset + n.len);
+                let bytes = n.extent.bytes().slice(n.offset..n.offset + n.len);
                 Cell::Tensor(tensor(bytes, n.dtype, n.shape.to_vec()))
             }
             Column::Values(v) => Cell::Value(v[r].clone()),
@@ -221,20 +221,27 @@ pub struct Rows {
 }
 
 /// A run of rows to send: consecutive requested rows that lie back to
-/// back in one place, or one plain value.
+/// back in one buffer (`base`, an extent or the segment it is in), from
+/// `offset` on; or one plain value.
 #[derive(Clone, Debug)]
 pub enum Run {
-    Tensor { place: Place, offset: usize, rows: u64, row_bytes: usize, dtype: DType, row_shape: Vec<u64> },
+    Tensor {
+        base: Bytes,
+        segment: Option<Arc<str>>,
+        offset: usize,
+        rows: u64,
+        row_bytes: usize,
+        dtype: DType,
+        row_shape: Vec<u64>,
+    },
     Value(Value),
 }
 
 impl Run {
-    /// The run's bytes: a slice of its place (zero copy).
+    /// The run's bytes: a slice of its base (zero copy).
     pub fn bytes(&self) -> Bytes {
         match self {
-            Run::Tensor { place, offset, rows, row_bytes, .. } => {
-                place.bytes.slice(*offset..*offset + *rows as usize * *row_bytes)
-            }
+            Run::Tensor { base, offset, rows, row_bytes, .. } => base.slice(*offset..*offset + *rows as usize * *row_bytes),
             Run::Value(_) => Bytes::new(),
         }
     }
@@ -255,28 +262,30 @@ impl Rows {
         self.refs.iter().map(|r| self.columns[r.column as usize].cell(r.row as usize)).collect()
     }
 
-    /// Moves every extent these rows are in into shared memory, once (see
-    /// [`Extent::share`]).
+    /// Moves every extent these rows are in into shared memory, once: the
+    /// ones not there yet go into one new segment, in the order the rows
+    /// are asked for (see [`extent::share_all`]).
     pub fn share(&self, shm: &SegmentStore) -> Result<(), ShmError> {
-        let mut done = std::collections::HashSet::new();
-        for c in &self.columns {
-            match c.as_ref() {
+        let mut seen = std::collections::HashSet::new();
+        let mut column_done = vec![false; self.columns.len()];
+        let mut order: Vec<Arc<Extent>> = Vec::new();
+        for r in &self.refs {
+            match self.columns[r.column as usize].as_ref() {
                 Column::Regular(c) => {
-                    if done.insert(c.extent.id()) {
-                        c.extent.share(shm)?;
+                    if !std::mem::replace(&mut column_done[r.column as usize], true) && seen.insert(c.extent.id()) {
+                        order.push(c.extent.clone());
                     }
                 }
                 Column::Nested(rows) => {
-                    for r in rows {
-                        if done.insert(r.extent.id()) {
-                            r.extent.share(shm)?;
-                        }
+                    let e = &rows[r.row as usize].extent;
+                    if seen.insert(e.id()) {
+                        order.push(e.clone());
                     }
                 }
                 Column::Values(_) => {}
             }
         }
-        Ok(())
+        extent::share_all(&order, shm)
     }
 
     /// The rows as runs: consecutive rows of one dtype and row shape that
@@ -296,35 +305,55 @@ impl Rows {
         for r in &self.refs {
             let column = &self.columns[r.column as usize];
             let row = r.row as usize;
-            let (place, offset, row_bytes, dtype, shape): (Place, usize, usize, DType, &[u64]) = match column.as_ref() {
+            let (place, offset, row_bytes, dtype, shape): (&Place, usize, usize, DType, &[u64]) = match column.as_ref() {
                 Column::Regular(c) => {
                     let place = col_places[r.column as usize].as_ref().expect("regular column has a place");
-                    (place.clone(), c.offset + row * c.stride, c.row_bytes, c.dtype, &c.row_shape)
+                    (place, c.offset + row * c.stride, c.row_bytes, c.dtype, &c.row_shape)
                 }
                 Column::Nested(rows) => {
                     let n = &rows[row];
-                    (place_of(&n.extent), n.offset, n.len, n.dtype, &n.shape)
+                    let place = places.entry(n.extent.id()).or_insert_with(|| n.extent.place());
+                    // `places` is only read below through this one borrow.
+                    let place: &Place = place;
+                    let (p, o, rb, d, sh) = (place.clone(), n.offset, n.len, n.dtype, &n.shape[..]);
+                    push_row(&mut runs, &p, o, rb, d, sh);
+                    continue;
                 }
                 Column::Values(v) => {
                     runs.push(Run::Value(v[row].clone()));
                     continue;
                 }
             };
-            if let Some(Run::Tensor { place: p, offset: o, rows, row_bytes: rb, dtype: d, row_shape }) = runs.last_mut()
-                && *rb == row_bytes
-                && *d == dtype
-                && p.bytes.as_ptr() == place.bytes.as_ptr()
-                && p.bytes.len() == place.bytes.len()
-                && *o + *rows as usize * *rb == offset
-                && row_shape.as_slice() == shape
-            {
-                *rows += 1;
-                continue;
-            }
-            runs.push(Run::Tensor { place, offset, rows: 1, row_bytes, dtype, row_shape: shape.to_vec() });
+            push_row(&mut runs, place, offset, row_bytes, dtype, shape);
         }
         runs
     }
+}
+
+/// Appends one row (`row_bytes` at `offset` in the extent at `place`) to
+/// the last run if it follows it in the same buffer, else as a new run.
+fn push_row(runs: &mut Vec<Run>, place: &Place, offset: usize, row_bytes: usize, dtype: DType, shape: &[u64]) {
+    let at = place.offset + offset;
+    if let Some(Run::Tensor { base, offset: o, rows, row_bytes: rb, dtype: d, row_shape, .. }) = runs.last_mut()
+        && *rb == row_bytes
+        && *d == dtype
+        && base.as_ptr() == place.base.as_ptr()
+        && base.len() == place.base.len()
+        && *o + *rows as usize * *rb == at
+        && row_shape.as_slice() == shape
+    {
+        *rows += 1;
+        return;
+    }
+    runs.push(Run::Tensor {
+        base: place.base.clone(),
+        segment: place.segment.clone(),
+        offset: at,
+        rows: 1,
+        row_bytes,
+        dtype,
+        row_shape: shape.to_vec(),
+    });
 }
 
 /// Hashes a global index so that consecutive indexes land in consecutive
@@ -959,6 +988,42 @@ mod tests {
         unit.clear(&[3], None);
         assert!(matches!(unit.get(&[1, 2, 3, 4], &["a".into()]), Err(StoreError::KeyNotFound { index: 3, .. })));
         assert_eq!(got(&unit, &[4, 1], "a"), ["a4", "a1"].map(|v| Cell::Value(s(v))).to_vec());
+    }
+
+    #[test]
+    fn sharing_puts_the_extents_of_a_get_into_one_segment_in_request_order() {
+        // Two puts (two frames), rows read back across both: after the
+        // move into shared memory they are one run of one segment.
+        let dir = std::env::temp_dir().join(format!("stowage-store-share-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let shm = SegmentStore::new(&dir, std::time::Duration::from_secs(5), 1 << 30).unwrap();
+        let unit = Unit::new("u0", None);
+        let (f1, t1) = frame_tensor(4, 2);
+        let (f2, t2) = frame_tensor(4, 2);
+        for (g, f, t) in [([0u64, 1, 2, 3], &f1, t1), ([4, 5, 6, 7], &f2, t2)] {
+            let received = Received::frames(std::slice::from_ref(f));
+            unit.put(&g, vec![("t".into(), vec![Column::from_field(Field::Regular(t), &received)])]).unwrap();
+        }
+        let all: Vec<u64> = (0..8).collect();
+        let rows = unit.get(&all, &["t".into()]).unwrap().remove(0);
+        assert_eq!(rows.runs().len(), 2, "two frames before the move");
+        rows.share(&shm).unwrap();
+        let runs = rows.runs();
+        assert_eq!(runs.len(), 1, "one segment after the move");
+        let Run::Tensor { segment, base, .. } = &runs[0] else { panic!() };
+        assert!(segment.is_some());
+        assert_eq!(&runs[0].bytes()[..], [&f1[..], &f2[..]].concat().as_slice());
+        assert_eq!(base.len(), 64);
+        // A second share copies nothing more.
+        let before = shm.counts().0;
+        unit.get(&all, &["t".into()]).unwrap()[0].share(&shm).unwrap();
+        assert_eq!(shm.counts().0, before);
+        // The frames are no longer pinned by the store.
+        assert!(f1.is_unique() && f2.is_unique());
+        drop(runs);
+        drop(rows);
+        unit.clear(&all, None);
+        assert_eq!(shm.counts().0, 0, "the segment outlived its rows");
     }
 
     #[test]

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 
 use super::errors;
-use crate::extent::{Extent, Place, Received};
+use crate::extent::{Extent, Received};
 use crate::manager::{Manager, Target, process_rss_bytes};
 use crate::metrics::{Metrics, Outcome, Protocol};
 use crate::plan::{Frame, PackLimits, PieceInfo};
@@ -30,55 +30,56 @@ pub(super) struct NativeService {
     pub metrics: Arc<Metrics>,
 }
 
-/// The places (whole extents) a reply's rows are slices of, by address:
-/// built per reply from the runs it sends, so that the encoder can send
-/// rows that lie back to back as one slice, and a same-node reply can
-/// name each segment once.
+/// The buffers (extents, or the segments they are in) a reply's rows are
+/// slices of, by address: built per reply from the runs it sends, so that
+/// the encoder can send rows that lie back to back as one slice, and a
+/// same-node reply can name each segment once.
 #[derive(Default)]
 struct Places {
-    /// (start address, place), sorted by address once filled.
-    sorted: Vec<(usize, Place)>,
+    /// (start address, buffer, segment name), sorted by address once filled.
+    sorted: Vec<(usize, Bytes, Option<Arc<str>>)>,
     seen: HashMap<usize, ()>,
 }
 
 impl Places {
-    fn add(&mut self, place: &Place) {
-        let start = place.bytes.as_ptr() as usize;
-        if !place.bytes.is_empty() && self.seen.insert(start, ()).is_none() {
-            self.sorted.push((start, place.clone()));
+    fn add(&mut self, base: &Bytes, segment: &Option<Arc<str>>) {
+        let start = base.as_ptr() as usize;
+        if !base.is_empty() && self.seen.insert(start, ()).is_none() {
+            self.sorted.push((start, base.clone(), segment.clone()));
         }
     }
 
     fn seal(&mut self) {
-        self.sorted.sort_by_key(|(start, _)| *start);
+        self.sorted.sort_by_key(|(start, _, _)| *start);
     }
 
-    /// The place that holds `len` bytes from `p`, and their offset in it.
-    fn find(&self, p: usize, len: usize) -> Option<(&Place, usize)> {
-        let i = self.sorted.partition_point(|(start, _)| *start <= p).checked_sub(1)?;
-        let (start, place) = &self.sorted[i];
-        (p + len <= start + place.bytes.len()).then_some((place, p - start))
+    /// The buffer that holds `len` bytes from `p`, its segment, and the
+    /// bytes' offset in it.
+    fn find(&self, p: usize, len: usize) -> Option<(&Bytes, &Option<Arc<str>>, usize)> {
+        let i = self.sorted.partition_point(|(start, _, _)| *start <= p).checked_sub(1)?;
+        let (start, base, segment) = &self.sorted[i];
+        (p + len <= start + base.len()).then_some((base, segment, p - start))
     }
 
-    /// `len` bytes from `p` as one slice of their place.
+    /// `len` bytes from `p` as one slice of their buffer.
     fn span(&self, p: *const u8, len: usize) -> Option<Bytes> {
-        let (place, at) = self.find(p as usize, len)?;
-        Some(place.bytes.slice(at..at + len))
+        let (base, _, at) = self.find(p as usize, len)?;
+        Some(base.slice(at..at + len))
     }
 
-    /// The whole place that holds `b`, and where `b` starts in it.
+    /// The whole buffer that holds `b`, and where `b` starts in it.
     fn enclose(&self, b: &Bytes) -> Option<(Bytes, u64)> {
         if b.is_empty() {
             return None;
         }
-        let (place, at) = self.find(b.as_ptr() as usize, b.len())?;
-        Some((place.bytes.clone(), at as u64))
+        let (base, _, at) = self.find(b.as_ptr() as usize, b.len())?;
+        Some((base.clone(), at as u64))
     }
 
-    /// The segment a whole-place frame is, if it is one.
+    /// The segment a whole-buffer frame is, if it is one.
     fn segment(&self, frame: &Bytes) -> Option<Arc<str>> {
-        let (place, at) = self.find(frame.as_ptr() as usize, frame.len())?;
-        (at == 0).then(|| place.segment.clone()).flatten()
+        let (_, segment, at) = self.find(frame.as_ptr() as usize, frame.len())?;
+        (at == 0).then(|| segment.clone()).flatten()
     }
 }
 
@@ -108,12 +109,12 @@ fn get_field(rows: &Rows, places: &mut Places) -> Result<GetField, native::Error
     for r in &runs {
         match r {
             Run::Value(_) => return Err(native::Error::MixedField("its rows mix tensors and values".into())),
-            Run::Tensor { dtype: d, row_shape: s, place, .. } => {
+            Run::Tensor { dtype: d, row_shape: s, base, segment, .. } => {
                 if *d != dtype {
                     return Err(native::Error::MixedField(format!("its rows mix dtypes {dtype} and {d}")));
                 }
                 same_shape &= *s == row_shape;
-                places.add(place);
+                places.add(base, segment);
             }
         }
     }
@@ -234,7 +235,7 @@ impl NativeService {
                     e
                 }
             };
-            let whole = extent.place().bytes;
+            let whole = extent.bytes();
             match offset.checked_add(*len) {
                 Some(end) if end <= whole.len() as u64 => out.push(whole.slice(*offset as usize..end as usize)),
                 _ => {

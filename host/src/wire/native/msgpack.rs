@@ -206,6 +206,9 @@ impl<'a> Reader<'a> {
         if depth == 0 {
             return Err(self.malformed("nesting too deep"));
         }
+        if self.skip_scalar()? {
+            return Ok(start..self.pos);
+        }
         if let Some((_, n)) = self.str_or_bin_len()? {
             self.take(n)?;
             return Ok(start..self.pos);
@@ -235,9 +238,31 @@ impl<'a> Reader<'a> {
         let body = self.count(body, 1)?;
         self.take(body)?;
         for _ in 0..self.count(items, 1)? {
-            self.skip(depth - 1)?;
+            if !self.skip_scalar()? {
+                self.skip(depth - 1)?;
+            }
         }
         Ok(start..self.pos)
+    }
+
+    /// Skips a scalar (integer, float, nil, bool) read from its marker
+    /// byte alone; false, reading nothing, for any other value. A get's
+    /// body is mostly an array of integers: skipping 524,288 of them
+    /// through the general path was a quarter of stowd's time on a
+    /// same-node get.
+    #[inline]
+    fn skip_scalar(&mut self) -> Result<bool, Error> {
+        let width = match self.buf.get(self.pos) {
+            Some(0x00..=0x7f | 0xe0..=0xff | 0xc0 | 0xc2 | 0xc3) => 0,
+            Some(0xcc | 0xd0) => 1,
+            Some(0xcd | 0xd1) => 2,
+            Some(0xce | 0xd2 | 0xca) => 4,
+            Some(0xcf | 0xd3 | 0xcb) => 8,
+            _ => return Ok(false),
+        };
+        self.pos += 1;
+        self.take(width)?;
+        Ok(true)
     }
 }
 
