@@ -46,7 +46,8 @@ Policy plugins: `launch(plugin_dir=...)`, else `$STOWD_PLUGIN_DIR`, else the
 `plugins` folder next to the binary's folder (`stowage/plugins` for the
 packaged binary, `target/plugins` for `target/*/stowd`); none found: the
 built-in policy alone (a warning in the actor's log). The compile cache goes
-to `<workdir>/plugin-cache`, so a read-only site-packages is fine.
+to `<workdir>/plugin-cache` (inside the node's own directory with the
+temporary-directory default), so a read-only site-packages is fine.
 
 Where each node keeps its files (config, endpoints file, state, log, compile
 cache): a directory only this user can write, since whoever can write there
