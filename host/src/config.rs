@@ -111,7 +111,8 @@ pub struct PluginsConfig {
     /// `plugins` folder next to the binary's folder, e.g. `target/plugins`
     /// for `target/debug/stowd`), or `$STOWD_PLUGIN_DIR`.
     pub dir: Option<PathBuf>,
-    /// Compile cache. Unset: `<dir>/.cache`.
+    /// Compile cache. Unset: `<dir>/.cache`. Used only if private to this
+    /// user (see [`crate::policy::cache`]).
     pub cache_dir: Option<PathBuf>,
     /// Fuel per policy call.
     pub fuel: u64,

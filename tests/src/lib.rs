@@ -66,9 +66,13 @@ pub fn temp_dir(tag: &str) -> PathBuf {
 }
 
 /// A compile cache shared by the tests of this workspace, so each plugin is
-/// compiled once per build rather than once per test.
+/// compiled once per build rather than once per test. Mode 0700, as stowd
+/// makes its own: stowd refuses a cache another user could write, and one
+/// readable by others when a sticky directory such as /tmp is above it.
 pub fn shared_cache() -> PathBuf {
+    use std::os::unix::fs::PermissionsExt;
     let dir = workspace_root().join("target").join("test-cwasm-cache");
     std::fs::create_dir_all(&dir).expect("create cache dir");
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)).expect("chmod 700 the cache dir");
     dir
 }

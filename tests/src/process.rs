@@ -92,25 +92,30 @@ impl Stowd {
 
     /// Like [`Stowd::start`], loading the plugins of `plugins` instead.
     pub fn start_with_plugins(plugins: &Path, config: &str) -> Stowd {
-        Stowd::start_wrapped(&[], plugins, config)
+        Stowd::start_wrapped(&[], plugins, &shared_cache(), config)
+    }
+
+    /// Like [`Stowd::start_with_plugins`], with the compile cache in `cache`.
+    pub fn start_with_cache(plugins: &Path, cache: &Path, config: &str) -> Stowd {
+        Stowd::start_wrapped(&[], plugins, cache, config)
     }
 
     /// Like [`Stowd::start`], inside network namespace `netns` (`ip netns
     /// exec <netns> stowd ...`, which execs, so the child is `stowd` itself).
     pub fn start_in_netns(netns: &str, config: &str) -> Stowd {
         let wrapper = ["ip".to_string(), "netns".into(), "exec".into(), netns.to_string()];
-        Stowd::start_wrapped(&wrapper, &plugin_dir(), config)
+        Stowd::start_wrapped(&wrapper, &plugin_dir(), &shared_cache(), config)
     }
 
     /// Starts `wrapper... stowd serve ...` (no wrapper: `stowd` itself).
-    fn start_wrapped(wrapper: &[String], plugins: &Path, config: &str) -> Stowd {
+    fn start_wrapped(wrapper: &[String], plugins: &Path, cache: &Path, config: &str) -> Stowd {
         let bin = stowd_bin();
         let dir = temp_dir("stowd");
         let config_path = dir.join("stowd.toml");
         let text = format!(
             "[plugins]\ndir = {}\ncache_dir = {}\n\n{config}\n",
             toml_path(plugins),
-            toml_path(&shared_cache())
+            toml_path(cache)
         );
         std::fs::write(&config_path, text).expect("write the config");
         let endpoints_file = dir.join("endpoints.json");

@@ -401,7 +401,11 @@ fn contract_versions_are_checked_before_compiling() {
 
 #[test]
 fn compiled_components_are_cached_and_reused() {
-    let cache = temp_dir("cache");
+    // A directory stowd creates (0700): a 0755 one under the sticky /tmp is refused.
+    let cache = temp_dir("cache").join("c");
+    let entries = || {
+        std::fs::read_dir(&cache).unwrap().map(|e| e.unwrap().path()).filter(|p| p.extension().is_some_and(|x| x == "cwasm")).collect::<Vec<_>>()
+    };
     let load = || {
         let mut reg = Registry::new(Some(cache.clone()), SandboxLimits::default()).unwrap();
         let reports = reg.load_dir(&plugin_dir()).unwrap();
@@ -410,13 +414,12 @@ fn compiled_components_are_cached_and_reused() {
     };
     let (_, first) = load();
     assert!(first.iter().all(|r| r.result.is_ok() && !r.from_cache), "{first:?}");
-    let cached = std::fs::read_dir(&cache).unwrap().count();
-    assert_eq!(cached, SEED.len());
+    assert_eq!(entries().len(), SEED.len());
     let (reg, second) = load();
     assert!(second.iter().all(|r| r.result.is_ok() && r.from_cache), "{second:?}");
     // A corrupt cache entry is recompiled, not trusted.
-    for e in std::fs::read_dir(&cache).unwrap() {
-        std::fs::write(e.unwrap().path(), b"garbage").unwrap();
+    for e in entries() {
+        std::fs::write(e, b"garbage").unwrap();
     }
     let (_, third) = load();
     assert!(third.iter().all(|r| r.result.is_ok() && !r.from_cache), "{third:?}");

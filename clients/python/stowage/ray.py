@@ -46,7 +46,18 @@ Policy plugins: `launch(plugin_dir=...)`, else `$STOWD_PLUGIN_DIR`, else the
 `plugins` folder next to the binary's folder (`stowage/plugins` for the
 packaged binary, `target/plugins` for `target/*/stowd`); none found: the
 built-in policy alone (a warning in the actor's log). The compile cache goes
-to `<workdir>/plugin-cache`, so a read-only site-packages is fine.
+to `<workdir>/plugin-cache` (inside the node's own directory with the
+temporary-directory default), so a read-only site-packages is fine.
+
+Where each node keeps its files (config, endpoints file, state, log, compile
+cache): a directory only this user can write, since whoever can write there
+can point stowd at other files or forge its endpoints. `launch(workdir=W)`
+uses `W/<launch id>/<node id>/` (W is created 0700 if missing, and refused
+with `InsecureDirectory` if another user owns it or can write it or a
+directory above it); by default `$XDG_RUNTIME_DIR/stowage-ray/` when that is
+set and usable, else a fresh 0700 `tempfile.mkdtemp()` directory per node
+and launch (see `stowage._workdir`). stowd itself checks the compile cache
+directory again and trusts only entries it tagged (README, "Plugins").
 """
 
 from __future__ import annotations
@@ -60,7 +71,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import uuid
@@ -76,6 +86,7 @@ except ImportError as _e:  # pragma: no cover - depends on the environment
         f"import failed: {_e}"
     ) from _e
 
+from ._workdir import InsecureDirectory, node_dirs
 from .client import DEFAULT_TIMEOUT, Client
 from .errors import InternalError, KeyNotFound, StowageError, StowageTimeout
 
@@ -85,7 +96,6 @@ PACKAGED_STOWD = PACKAGE_DIR / "_bin" / "stowd"
 PACKAGED_PLUGINS = PACKAGE_DIR / "plugins"
 """... and its policy plugins (`<binary dir>/../plugins`: where stowd looks by default)."""
 
-DEFAULT_WORKDIR = Path(tempfile.gettempdir()) / "stowage-ray"
 DEFAULT_MAX_RESTARTS = 10
 DEFAULT_START_TIMEOUT = 120.0  # a first start compiles the plugins (seconds with a debug build)
 
@@ -297,7 +307,8 @@ def _child_setup(parent_pid: int):
 
 class StowdNode:
     """The per-node actor (as a plain class; `launch()` wraps it with
-    `ray.remote`). Its state lives in `<workdir>/<launch id>/<node id>/`:
+    `ray.remote`). Its state lives in a private directory (`<workdir>/<launch
+    id>/<node id>/`, or see the module doc for the default):
     the config, the endpoints file, `state.json` (generation, history) and
     `stowd.log`. Ray re-runs `__init__` with the same arguments after a
     restart; finding `state.json` there, it starts stowd again at once."""
@@ -306,7 +317,7 @@ class StowdNode:
         self.launch_id, self.node_id, self.ip = launch_id, node_id, ip
         self.spec = dict(spec)
         self.host = self.spec.get("host") or ip
-        self.dir = Path(self.spec["workdir"]) / launch_id / node_id
+        self.dir, self.cache_dir, self._launch_dir = node_dirs(self.spec.get("workdir"), launch_id, node_id)
         self.config_path = self.dir / "stowd.toml"
         self.endpoints_path = self.dir / "endpoints.json"
         self.state_path = self.dir / "state.json"
@@ -332,7 +343,6 @@ class StowdNode:
         plugins = find_plugin_dir(binary, self.spec.get("plugin_dir"))
         if self.state is not None:
             raise RuntimeError(f"stowd on node {self.node_id} is already set up ({self.dir})")
-        self.dir.mkdir(parents=True, exist_ok=True)
         ports, self._held = _reserve_ports(self.host, int(self.spec["units_per_node"]))
         self.binary, self.plugin_dir, self.ports = binary, plugins, ports
         n = int(self.spec["units_per_node"])
@@ -348,7 +358,7 @@ class StowdNode:
         """Writes the config (router over `router_units`, None: own units
         only), starts stowd and waits for its endpoints file."""
         spec, ports = self.spec, self.ports
-        cache = Path(spec["workdir"]) / "plugin-cache"
+        cache = self.cache_dir
         config = {
             "server": {"host": self.host, "native_port": ports["native"]},
             "units": {
@@ -538,10 +548,11 @@ class StowdNode:
                 proc.kill()
                 out["exit"] = _describe_exit(proc.wait())
         shutil.rmtree(self.dir, ignore_errors=True)
-        try:
-            self.dir.parent.rmdir()  # the launch's directory, once every node has gone
-        except OSError:
-            pass
+        if self._launch_dir is not None:
+            try:
+                self._launch_dir.rmdir()  # the launch's directory, once every node has gone
+            except OSError:
+                pass
         return out
 
 
@@ -846,8 +857,12 @@ def launch(
       "chain": [...]}` (not the keys above).
     - `nodes`: node ids (default: every alive node).
     - `max_restarts`: how often Ray restarts a node's actor (-1: always).
-    - `workdir`: where each node keeps configs, endpoints files and logs
-      (default `/tmp/stowage-ray`); `timeout`: seconds to wait for each start.
+    - `workdir`: where each node keeps configs, endpoints files, logs and
+      the compile cache; it must be private to this user (created 0700 if
+      missing; `InsecureDirectory` if another user owns or can write it or a
+      directory above it). Default: `$XDG_RUNTIME_DIR/stowage-ray` when
+      usable, else a fresh 0700 temporary directory per node and launch.
+    - `timeout`: seconds to wait for each start.
     """
     if not ray.is_initialized():
         raise RuntimeError("stowage.ray.launch() needs Ray: call ray.init() first")
@@ -878,7 +893,7 @@ def launch(
         "shm": bool(shm),
         "shm_dir": shm_dir,
         "config": dict(config or {}),
-        "workdir": os.fspath(workdir or DEFAULT_WORKDIR),
+        "workdir": os.fspath(workdir) if workdir is not None else None,
         "start_timeout": float(timeout),
     }
     actors = {}
@@ -933,6 +948,7 @@ def shutdown(timeout: float = 30.0) -> None:
 
 __all__ = [
     "DataLost",
+    "InsecureDirectory",
     "NodeClient",
     "NodeStowd",
     "PACKAGED_PLUGINS",

@@ -8,6 +8,7 @@
 //! a plugin directory and builds chains per field-name pattern.
 
 pub mod builtin;
+pub mod cache;
 pub mod chain;
 pub mod registry;
 pub mod wasm;

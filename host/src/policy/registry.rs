@@ -5,7 +5,10 @@
 //! Cache: a compiled component is stored as `<cache>/<sha256 of the .wasm>-
 //! <engine hash>.cwasm`; the engine hash covers wasmtime's version and the
 //! engine configuration, so a cache made by another build is never used.
-//! A cache entry that fails to load is recompiled and rewritten.
+//! An entry is native code, so it is loaded only if this `stowd` can prove
+//! it wrote it (a private directory, a private key, a tag per entry: see
+//! [`super::cache`]); an entry that fails a check or fails to load is
+//! recompiled and rewritten, with a WARN saying why.
 //!
 //! Hot reload (see [`crate::reload`]) keeps the plugins of the directory by
 //! file: a changed file replaces its plugin, a removed file unloads it.
@@ -20,6 +23,7 @@ use sha2::{Digest, Sha256};
 use wasmtime::Engine;
 use wasmtime::component::{Component, Linker};
 
+use super::cache::CompileCache;
 use super::chain::{Backoff, Chain, FailStrategy, Loaded, PluginStats};
 use super::wasm::{self, HostState, LoadError, SandboxLimits, WasmPolicy};
 use super::{Capability, Policy};
@@ -159,7 +163,8 @@ pub fn glob_match(pattern: &str, name: &str) -> bool {
 struct Shared {
     engine: Engine,
     linker: Linker<HostState>,
-    cache_dir: Option<PathBuf>,
+    /// The compile cache, if its directory and key passed the checks.
+    cache: Option<CompileCache>,
     limits: SandboxLimits,
     /// Counters by (name, version), kept across reloads.
     book: Mutex<BTreeMap<(String, String), Arc<PluginStats>>>,
@@ -234,12 +239,25 @@ pub fn content_hash(bytes: &[u8]) -> String {
 }
 
 impl Registry {
-    /// An empty registry (only the built-in answers).
+    /// An empty registry (only the built-in answers), caching compiled
+    /// plugins in `cache_dir` (created `0700` if missing). A directory or key
+    /// that fails the checks of [`super::cache`] is not used: one WARN says
+    /// why, and every plugin is compiled at each load.
     pub fn new(cache_dir: Option<PathBuf>, limits: SandboxLimits) -> anyhow::Result<Registry> {
         let engine = wasm::engine().map_err(|e| anyhow::anyhow!("{e:#}"))?;
         let linker = wasm::linker(&engine).map_err(|e| anyhow::anyhow!("{e:#}"))?;
+        let cache = cache_dir.and_then(|dir| match CompileCache::open(&dir) {
+            Ok(c) => Some(c),
+            Err(reason) => {
+                tracing::warn!(
+                    dir = %dir.display(),
+                    "compile cache disabled, every plugin is compiled at each load: {reason}"
+                );
+                None
+            }
+        });
         Ok(Registry {
-            shared: Arc::new(Shared { engine, linker, cache_dir, limits, book: Mutex::new(BTreeMap::new()) }),
+            shared: Arc::new(Shared { engine, linker, cache, limits, book: Mutex::new(BTreeMap::new()) }),
             overrides: BTreeMap::new(),
             manual: BTreeMap::new(),
             files: BTreeMap::new(),
@@ -271,41 +289,51 @@ impl Registry {
         h.finish()
     }
 
+    /// The compile cache's directory (its real path), or None if there is
+    /// no cache or it failed the checks.
+    pub fn cache_dir(&self) -> Option<&Path> {
+        self.shared.cache.as_ref().map(|c| c.dir())
+    }
+
     /// Compiles `bytes` (whose hash is `hash`), or loads the cached compilation.
     fn compile(&self, bytes: &[u8], hash: &str, path: &str) -> Result<(Component, bool), LoadError> {
         let engine = &self.shared.engine;
-        let key = format!("{hash}-{:016x}.cwasm", self.engine_hash());
-        let cached = self.shared.cache_dir.as_ref().map(|d| d.join(key));
-        if let Some(file) = cached.as_ref().filter(|f| f.exists()) {
+        let cache = self.shared.cache.as_ref();
+        let name = format!("{hash}-{:016x}", self.engine_hash());
+        if let Some(cache) = cache {
             // Read into memory rather than map the file: a cache file changed
             // under a live mapping would crash the process (SIGBUS).
-            match std::fs::read(file) {
-                // SAFETY: the bytes come from `Component::serialize` of an
-                // engine with the same compatibility hash (it is in the file
-                // name), in a cache directory this host owns; wasmtime also
-                // checks the header and refuses artifacts of another engine.
-                // Bytes that do not deserialize are recompiled below.
-                Ok(data) => match unsafe { Component::deserialize(engine, &data) } {
+            match cache.load(&name) {
+                Ok(None) => {}
+                // SAFETY: the bytes carry a tag that only the holder of this
+                // cache's key (this uid, in a directory no other user can
+                // write) can make, over the exact bytes `Component::serialize`
+                // gave for this .wasm hash and this engine's compatibility
+                // hash. wasmtime also checks the header and refuses artifacts
+                // of another engine; bytes that do not deserialize are
+                // recompiled below.
+                Ok(Some(data)) => match unsafe { Component::deserialize(engine, &data[CompileCache::ARTIFACT_AT..]) } {
                     Ok(c) => return Ok((c, true)),
-                    Err(e) => tracing::warn!(path, error = %e, "cached component unusable, recompiling"),
+                    Err(e) => tracing::warn!(
+                        path,
+                        entry = %cache.entry_path(&name).display(),
+                        error = %e,
+                        "cached component unusable, recompiling"
+                    ),
                 },
-                Err(e) => tracing::warn!(path, error = %e, "cached component unreadable, recompiling"),
+                Err(reason) => tracing::warn!(
+                    path,
+                    entry = %cache.entry_path(&name).display(),
+                    "compile cache entry not trusted, recompiling: {reason}"
+                ),
             }
         }
         let component = Component::new(engine, bytes)
             .map_err(|e| LoadError::Compile { path: path.into(), reason: format!("{e:#}") })?;
-        if let Some(file) = cached {
-            let write = || -> std::io::Result<()> {
-                std::fs::create_dir_all(file.parent().expect("cache file has a parent"))?;
-                let data = component.serialize().map_err(std::io::Error::other)?;
-                static TMP: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-                let n = TMP.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                let tmp = file.with_extension(format!("tmp{}-{n}", std::process::id()));
-                std::fs::write(&tmp, data)?;
-                std::fs::rename(&tmp, &file)
-            };
-            if let Err(e) = write() {
-                tracing::warn!(path, error = %e, "could not write the compile cache");
+        if let Some(cache) = cache {
+            let written = component.serialize().map_err(std::io::Error::other).and_then(|data| cache.store(&name, &data));
+            if let Err(e) = written {
+                tracing::warn!(path, entry = %cache.entry_path(&name).display(), error = %e, "could not write the compile cache");
             }
         }
         Ok((component, false))
