@@ -3,10 +3,21 @@
 `Segments` maps the files `stowd` names in a reply's `segments` read-only
 and keeps each mapping for as long as any array uses it, so two gets of the
 same rows return arrays over the very same memory, and arrays stay valid
-after the rows are cleared on the server. While a mapping lives, this
-process holds a shared `flock` on the file (the protocol's rule): `stowd`
-reuses the file of cleared rows for new data only when nobody holds one.
-It also fills leased segments for puts.
+after the rows are cleared on the server. A write to such an array raises
+`ValueError` (numpy refuses: the buffer is read-only).
+
+torch has no read-only tensors, and a write through a tensor over a
+`PROT_READ` page kills the process (SIGSEGV). So tensors are built over
+`CopyOnWrite` mappings instead: a private (`MAP_PRIVATE`, `PROT_READ |
+PROT_WRITE`) mapping of the same file, opened read-only. Until a write its
+pages are the very pages every other reader maps (nothing is copied); a
+write copies only the page it touches, into this process, and the file and
+every other mapping of it never see it.
+
+While a mapping of either kind lives, this process holds a shared `flock`
+on the file (the protocol's rule): `stowd` reuses the file of cleared rows
+for new data only when nobody holds one. It also fills leased segments for
+puts.
 """
 
 from __future__ import annotations
@@ -38,38 +49,64 @@ class Segments:
             raise ProtocolError(f"bad segment name {name!r}")
         return os.path.join(self.directory, name)
 
+    def _open(self, name: str) -> tuple[int, int]:
+        """(fd, size) of segment `name`, opened read-only and under a shared
+        lock, checked to be the file the name still names. The caller closes
+        the fd; a mapping made from it keeps the lock (an mmap dups the fd,
+        and the lock lives with the open file) until the mapping is gone."""
+        path = self._path(name)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise ProtocolError(f"segment {name!r} named by the reply does not exist "
+                                "(were its rows cleared meanwhile?)") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            st = os.fstat(fd)
+            try:
+                still = os.stat(path)
+            except FileNotFoundError:
+                still = None
+            if still is None or (still.st_dev, still.st_ino) != (st.st_dev, st.st_ino):
+                # stowd renamed it for reuse before we locked: the rows are gone.
+                raise ProtocolError(f"segment {name!r} named by the reply does not exist "
+                                    "(were its rows cleared meanwhile?)")
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd, st.st_size
+
     def _map(self, name: str) -> memoryview:
-        """The whole of segment `name`, mapped read-only under a shared lock."""
+        """The whole of segment `name`, mapped read-only under a shared lock
+        (one mapping per name, shared by every array over it)."""
         with self._lock:
             mm = self._maps.get(name)
             if mm is not None:
                 return memoryview(mm)
-            path = self._path(name)
+            fd, size = self._open(name)
             try:
-                fd = os.open(path, os.O_RDONLY)
-            except FileNotFoundError:
-                raise ProtocolError(f"segment {name!r} named by the reply does not exist "
-                                    "(were its rows cleared meanwhile?)") from None
-            try:
-                # The lock lives with the open file, which the mmap keeps (it
-                # dups the descriptor) until the last array over it is gone.
-                fcntl.flock(fd, fcntl.LOCK_SH)
-                st = os.fstat(fd)
-                try:
-                    still = os.stat(path)
-                except FileNotFoundError:
-                    still = None
-                if still is None or (still.st_dev, still.st_ino) != (st.st_dev, st.st_ino):
-                    # stowd renamed it for reuse before we locked: the rows are gone.
-                    raise ProtocolError(f"segment {name!r} named by the reply does not exist "
-                                        "(were its rows cleared meanwhile?)")
-                if not st.st_size:
+                if not size:
                     return memoryview(b"")
-                mm = mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ)
+                mm = mmap.mmap(fd, size, prot=mmap.PROT_READ)
             finally:
                 os.close(fd)
             self._maps[name] = mm
             return memoryview(mm)
+
+    def private(self, name: str) -> memoryview:
+        """A new writable copy-on-write mapping of the whole of segment
+        `name`, the caller's own (never cached, never shared): `MAP_PRIVATE`
+        of the file opened read-only, under a shared lock held until the
+        mapping is gone. Untouched pages are the pages every reader maps; a
+        write copies the page it touches, visible to no one else."""
+        fd, size = self._open(name)
+        try:
+            if not size:
+                return memoryview(bytearray())
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        return memoryview(mm)
 
     def view(self, name: str, offset: int, length: int) -> memoryview:
         """Read-only bytes offset..offset+length of segment `name`."""
@@ -84,11 +121,13 @@ class Segments:
         """The data frames of a reply whose envelope lists `segments`."""
         return self.frames(segments)[0]
 
-    def frames(self, segments) -> tuple[list, list, list]:
+    def frames(self, segments) -> tuple[list, list, list, "CopyOnWrite"]:
         """The data frames of a reply whose envelope lists `segments`, and
-        where each lies: (views, bases, at), where frame i is bytes
-        at[i]..at[i] + len(views[i]) of the whole mapping bases[..] (so rows of
-        many frames in one segment can be gathered in one go)."""
+        where each lies: (views, bases, where, cow), where frame i is bytes
+        where[i][1]..where[i][1] + len(views[i]) of the whole read-only
+        mapping bases[where[i][0]] (so rows of many frames in one segment can
+        be gathered in one go), and `cow` gives private copy-on-write views
+        of the same bases (for tensors; each mapped on first use)."""
         if not isinstance(segments, list):
             raise ProtocolError(f"segments must be a list, got {type(segments).__name__}")
         views, where, bases, base_no = [], [], [], {}
@@ -114,7 +153,8 @@ class Segments:
                 b = base_no[name] = len(bases)
                 bases.append(mv)
             where.append((b, offset))
-        return views, bases, where
+        return views, bases, where, CopyOnWrite(self, list(base_no))
+
 
     def mapped(self) -> int:
         """How many segments this client has mapped (some array uses them)."""
@@ -160,6 +200,26 @@ class Segments:
             if mm is not None:
                 mm.close()
         return out
+
+
+class CopyOnWrite:
+    """Private copy-on-write mappings of the segments of one reply, made on
+    first use, one per segment: `view(base, at, length)` is a writable view
+    of bytes at..at+length of `frames`' base number `base`. Each get makes
+    its own, so a write through one get's tensors reaches no other get's."""
+
+    def __init__(self, segments: Segments, names: list) -> None:
+        self._segments = segments
+        self._names = names
+        self._maps: dict = {}
+
+    def view(self, base: int, at: int, length: int) -> memoryview:
+        mv = self._maps.get(base)
+        if mv is None:
+            mv = self._maps[base] = self._segments.private(self._names[base])
+        if at < 0 or length < 0 or at + length > len(mv):
+            raise ProtocolError(f"range {at}+{length} lies outside segment {self._names[base]!r} ({len(mv)} bytes)")
+        return mv[at:at + length]
 
 
 def lease_size(buffers) -> int:
