@@ -440,9 +440,9 @@ class FrameSource:
     ...] and no frames on the socket: data frame k is then bytes offset..
     offset+len of the file shm_dir/name, so that mode builds a FrameSource
     from read-only mappings of those files, and the decoder, `get`,
-    `get_into` and the torch bridging stay as they are. There, `cow` gives
-    private copy-on-write views of the same bytes (`_shm.CopyOnWrite`), for
-    results that must be writable (torch tensors; see `to_private_numpy`).
+    `get_into` and the torch bridging stay as they are. There, `cow` maps the
+    same bytes privately, copy-on-write (`_shm.CopyOnWrite`), for results
+    that must be writable (torch tensors; see `to_private_numpy`).
     """
 
     def __init__(self, views: Sequence[memoryview], bases: Sequence | None = None,
@@ -734,13 +734,14 @@ def to_private_numpy(fields: Mapping[str, FieldReply], frames: FrameSource) -> d
     tensors (torch has no read-only tensors) when `frames` are read-only
     mappings shared with other readers (the same-node mode, `frames.cow`
     set): writable arrays over this reply's private copy-on-write mappings
-    where `to_numpy` would return a view of a shared mapping (a regular field
-    of one part, nested rows), and `to_numpy`'s own result where that is a
-    new array anyway (a regular field gathered from several parts, or no
-    bytes). A write to one copies the pages it touches; no other reader sees
-    it. No two arrays returned share a byte: one whose bytes overlap
-    another's (a row asked for twice, or fields laid over the same bytes by
-    their put) is a copy instead."""
+    (one per segment, of the pages these fields use) where `to_numpy` would
+    return a view of a shared mapping (a regular field of one part, nested
+    rows), and `to_numpy`'s own result where that is a new array anyway (a
+    regular field gathered from several parts, or no bytes). A write to one
+    copies the pages it touches; no other reader sees it. No two arrays
+    returned share a byte: one whose bytes overlap another's (a row asked
+    for twice, or fields laid over the same bytes by their put) is a copy
+    instead."""
     out: dict = {}
     # Views to make, in parallel lists: field, row (-1: the field's one
     # part), where its bytes lie (base, at, len), its shape, its read-only bytes.
@@ -776,14 +777,27 @@ def to_private_numpy(fields: Mapping[str, FieldReply], frames: FrameSource) -> d
                 a = a.copy()
             a.flags.writeable = True
             out[name] = a
-    copy = _overlapping(frames, base, at, ln)
-    view = frames.cow.view
+    if not who:
+        return out
+    b_np = np.array(base, dtype=np.int64)
+    at_np = np.array(at, dtype=np.int64)
+    end_np = at_np + np.array(ln, dtype=np.int64)
+    copy = _overlapping(frames, b_np, at_np, end_np)
+    # One private mapping per segment, of the span these views use.
+    maps = {}
+    for b in np.unique(b_np).tolist():
+        sel = b_np == b
+        if copy is not None:
+            sel &= ~copy
+        if sel.any():
+            maps[b] = frames.cow.map(b, int(at_np[sel].min()), int(end_np[sel].max()))
     for j, name in enumerate(who):
         dt = fields[name].np_dtype
         if copy is not None and copy[j]:
             a = np.frombuffer(data[j], dtype=dt).reshape(shape[j]).copy()
         else:
-            a = np.frombuffer(view(base[j], at[j], ln[j]), dtype=dt).reshape(shape[j])
+            mv, first = maps[base[j]]
+            a = np.frombuffer(mv[at[j] - first:at[j] - first + ln[j]], dtype=dt).reshape(shape[j])
         if row[j] < 0:
             out[name] = a
         else:
@@ -791,22 +805,21 @@ def to_private_numpy(fields: Mapping[str, FieldReply], frames: FrameSource) -> d
     return out
 
 
-def _overlapping(frames: FrameSource, base: list, at: list, ln: list) -> np.ndarray | None:
-    """Which of these byte ranges (each non-empty, in frames.bases[base])
-    overlap an earlier one in address order: a bool array, or None if none
-    can (fewer than two)."""
+def _overlapping(frames: FrameSource, base: np.ndarray, start: np.ndarray, end: np.ndarray) -> np.ndarray | None:
+    """Which of the byte ranges start..end (each non-empty) of
+    frames.bases[base] overlap an earlier one in address order: a bool
+    array, or None if none can (fewer than two)."""
     n = len(base)
     if n < 2:
         return None
     sizes = np.array([len(b) for b in frames.bases], dtype=np.int64)
     first = np.concatenate(([0], np.cumsum(sizes)[:-1]))  # each base's place on one line
-    start = first[np.array(base, dtype=np.int64)] + np.array(at, dtype=np.int64)
-    end = start + np.array(ln, dtype=np.int64)
+    start, end = first[base] + start, first[base] + end
     order = np.argsort(start, kind="stable")
     reach = np.maximum.accumulate(end[order])  # the furthest end of the ranges so far
     copy = np.zeros(n, dtype=bool)
     copy[order[1:]] = start[order[1:]] < reach[:-1]
-    return copy
+    return copy if copy.any() else None
 
 
 GATHER_MIN_PARTS = 16  # below this, one copy per part is as quick

@@ -93,20 +93,26 @@ class Segments:
             self._maps[name] = mm
             return memoryview(mm)
 
-    def private(self, name: str) -> memoryview:
-        """A new writable copy-on-write mapping of the whole of segment
+    def private(self, name: str, lo: int, hi: int) -> tuple[memoryview, int]:
+        """A new writable copy-on-write mapping of bytes lo..hi of segment
         `name`, the caller's own (never cached, never shared): `MAP_PRIVATE`
         of the file opened read-only, under a shared lock held until the
-        mapping is gone. Untouched pages are the pages every reader maps; a
-        write copies the page it touches, visible to no one else."""
+        mapping is gone. Returns (the mapping, the file offset of its first
+        byte): it starts at the page holding byte `lo`. Untouched pages are
+        the pages every reader maps; a write copies the page it touches,
+        visible to no one else."""
         fd, size = self._open(name)
         try:
-            if not size:
-                return memoryview(bytearray())
-            mm = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            if not 0 <= lo <= hi <= size:
+                raise ProtocolError(f"range {lo}..{hi} lies outside segment {name!r} ({size} bytes)")
+            first = lo - lo % mmap.ALLOCATIONGRANULARITY
+            if hi == first:
+                return memoryview(bytearray()), first
+            mm = mmap.mmap(fd, hi - first, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE,
+                           offset=first)
         finally:
             os.close(fd)
-        return memoryview(mm)
+        return memoryview(mm), first
 
     def view(self, name: str, offset: int, length: int) -> memoryview:
         """Read-only bytes offset..offset+length of segment `name`."""
@@ -126,8 +132,8 @@ class Segments:
         where each lies: (views, bases, where, cow), where frame i is bytes
         where[i][1]..where[i][1] + len(views[i]) of the whole read-only
         mapping bases[where[i][0]] (so rows of many frames in one segment can
-        be gathered in one go), and `cow` gives private copy-on-write views
-        of the same bases (for tensors; each mapped on first use)."""
+        be gathered in one go), and `cow` maps the same bases privately,
+        copy-on-write (for tensors; see `CopyOnWrite`)."""
         if not isinstance(segments, list):
             raise ProtocolError(f"segments must be a list, got {type(segments).__name__}")
         views, where, bases, base_no = [], [], [], {}
@@ -203,23 +209,17 @@ class Segments:
 
 
 class CopyOnWrite:
-    """Private copy-on-write mappings of the segments of one reply, made on
-    first use, one per segment: `view(base, at, length)` is a writable view
-    of bytes at..at+length of `frames`' base number `base`. Each get makes
-    its own, so a write through one get's tensors reaches no other get's."""
+    """Private copy-on-write mappings of the segments of one reply:
+    `map(base, lo, hi)` maps bytes lo..hi of `frames`' base number `base`
+    anew (`Segments.private`). Each get maps its own, so a write through one
+    get's tensors reaches no other get's."""
 
     def __init__(self, segments: Segments, names: list) -> None:
         self._segments = segments
         self._names = names
-        self._maps: dict = {}
 
-    def view(self, base: int, at: int, length: int) -> memoryview:
-        mv = self._maps.get(base)
-        if mv is None:
-            mv = self._maps[base] = self._segments.private(self._names[base])
-        if at < 0 or length < 0 or at + length > len(mv):
-            raise ProtocolError(f"range {at}+{length} lies outside segment {self._names[base]!r} ({len(mv)} bytes)")
-        return mv[at:at + length]
+    def map(self, base: int, lo: int, hi: int) -> tuple[memoryview, int]:
+        return self._segments.private(self._names[base], lo, hi)
 
 
 def lease_size(buffers) -> int:

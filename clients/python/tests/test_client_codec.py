@@ -164,3 +164,12 @@ def test_private_arrays_over_segments_are_copy_on_write_and_never_overlap(tmp_pa
     f2 = _codec.FrameSource(views2, bases2, where2, cow2)
     again = _codec.to_private_numpy({"x": _codec._decode_field("x", body["fields"]["x"], 2, f2)}, f2)["x"]
     assert np.array_equal(again, x[2:4])
+    # A range that starts inside a page: the private mapping starts at that page.
+    desc = {"kind": "regular", "dtype": "int32", "shape": [1, 100],
+            "parts": [{"frame": 1, "offset": 4096 + 400, "len": 400, "rows": 1}]}
+    views3, bases3, where3, cow3 = segs.frames([["seg", 0, len(raw)]])
+    f3 = _codec.FrameSource(views3, bases3, where3, cow3)
+    odd = _codec.to_private_numpy({"x": _codec._decode_field("x", desc, 1, f3)}, f3)["x"]
+    assert np.array_equal(odd, x[1:2, 100:200])
+    odd[0, 0] = -5
+    assert (tmp_path / "seg").read_bytes() == raw
