@@ -159,7 +159,7 @@ class Segments:
                 b = base_no[name] = len(bases)
                 bases.append(mv)
             where.append((b, offset))
-        return views, bases, where, CopyOnWrite(self, list(base_no))
+        return views, bases, where, CopyOnWrite(self, list(base_no), bases)
 
 
     def mapped(self) -> int:
@@ -214,12 +214,24 @@ class CopyOnWrite:
     anew (`Segments.private`). Each get maps its own, so a write through one
     get's tensors reaches no other get's."""
 
-    def __init__(self, segments: Segments, names: list) -> None:
+    def __init__(self, segments: Segments, names: list, bases: list) -> None:
         self._segments = segments
         self._names = names
+        self._bases = bases  # the read-only mappings of `frames`, by base number
 
     def map(self, base: int, lo: int, hi: int) -> tuple[memoryview, int]:
-        return self._segments.private(self._names[base], lo, hi)
+        """(a writable private view, the file offset of its first byte)
+        holding bytes lo..hi of base number `base`."""
+        try:
+            return self._segments.private(self._names[base], lo, hi)
+        except ProtocolError:
+            # The name is gone: the rows were cleared (and the file unlinked)
+            # since this reply was mapped read-only. That mapping still holds
+            # the bytes (and the lock): copy them instead.
+            mv = self._bases[base]
+            if not 0 <= lo <= hi <= len(mv):
+                raise
+            return memoryview(bytearray(mv[lo:hi])), lo
 
 
 def lease_size(buffers) -> int:

@@ -173,3 +173,21 @@ def test_private_arrays_over_segments_are_copy_on_write_and_never_overlap(tmp_pa
     assert np.array_equal(odd, x[1:2, 100:200])
     odd[0, 0] = -5
     assert (tmp_path / "seg").read_bytes() == raw
+
+
+def test_private_arrays_when_the_segment_was_unlinked_meanwhile(tmp_path):
+    """The rows are cleared (stowd unlinks the file a reader locks) between
+    the read-only mapping of the reply and the private one: the tensors'
+    bytes are copied from the read-only mapping, which still holds them."""
+    from stowage import _shm
+    x = np.arange(3 * 1024, dtype=np.float32).reshape(3, 1024)
+    (tmp_path / "seg").write_bytes(x.tobytes())
+    views, bases, where, cow = _shm.Segments(str(tmp_path)).frames([["seg", 0, x.nbytes]])
+    frames = _codec.FrameSource(views, bases, where, cow)
+    (tmp_path / "seg").unlink()
+    desc = {"kind": "regular", "dtype": "float32", "shape": [2, 1024],
+            "parts": [{"frame": 1, "offset": 4096, "len": 8192, "rows": 2}]}
+    a = _codec.to_private_numpy({"x": _codec._decode_field("x", desc, 2, frames)}, frames)["x"]
+    assert np.array_equal(a, x[1:]) and a.flags.writeable
+    a += 1
+    assert np.array_equal(np.frombuffer(bases[0], np.float32).reshape(3, 1024), x)
