@@ -552,6 +552,17 @@ def _torch_or_none(server, idx):
     return None
 
 
+def _perms(address: int) -> str:
+    """The permissions of this process's mapping holding `address` (/proc/self/maps)."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            span, perms = line.split()[:2]
+            lo, hi = (int(x, 16) for x in span.split("-"))
+            if lo <= address < hi:
+                return perms
+    raise AssertionError(f"address {address:#x} is not mapped")
+
+
 def test_a_same_node_tensor_is_the_shared_pages_until_written(shm_server, fresh):
     """A tensor's own mapping (another data pointer than the numpy array's)
     reads the very physical pages every reader maps; a write copies only the
@@ -572,6 +583,9 @@ def test_a_same_node_tensor_is_the_shared_pages_until_written(shm_server, fresh)
         shared_2, shared_5 = _pfn(data_ptr(a) + 2 * 4096), _pfn(data_ptr(a) + 5 * 4096)
         assert _pfn(t.data_ptr() + 2 * 4096) == shared_2, "the tensor's pages were copied before any write"
         assert _pfn(t.data_ptr() + 5 * 4096) == shared_5
+        # (Checked before writing: a write to a read-only page would kill pytest.)
+        assert _perms(t.data_ptr()) == "rw-p", "the tensor's memory is not a private writable mapping"
+        assert _perms(data_ptr(a)) == "r--s"
         t[2].add_(1)  # touches the pages holding row 2: rows 1-3 at most
         assert int(t[2, 0]) == 8 and int(a[2, 0]) == 7
         assert _pfn(t.data_ptr() + 2 * 4096) != shared_2, "the written page is still the shared one"
