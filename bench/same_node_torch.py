@@ -7,8 +7,10 @@ Starts its own stowd (shared memory in a directory of its own under
 /dev/shm), puts 1 GiB of float32 three ways (regular [1024, 262144],
 regular [262144, 1024], nested 262,144 rows of 1024 or 1020) through a same-node
 client, then times gets of all rows: as_torch=False, as_torch=True, and
-as_torch=True followed by one in-place write to the first row (the first
-write copies one page). Prints one line per case: median and min over
+as_torch=True followed by one in-place write to the first row (which
+copies the pages it touches); then the client's part alone (one recorded
+reply decoded into results again and again, segment mapping included: what
+stowd does is left out, so a debug stowd does not drown it). Prints one line per case: median and min over
 --reps (after one warm-up get), and the RSS the as_torch get added.
 `--pkg` picks the `stowage` package to import (e.g. an old checkout's
 clients/python, to compare), default this repository's. The write case is
@@ -121,13 +123,31 @@ def main() -> None:
                 row(t)[0].add_(1)
                 return t
 
+            # The client's part alone: one recorded reply (envelope and
+            # frames), turned into results again and again (mapping included).
+            seen = []
+            real = c._reply_frames
+            c._reply_frames = lambda env, frames: (seen.append((env, frames)), real(env, frames))[1]
+            c.get(idx, ["x"])
+            c._reply_frames = real
+            env, frames = seen[0]
+            body = env["body"]
+
+            def client_np():
+                return c._get_result(body, c._reply_frames(env, frames), ["x"], n, False)["x"]
+
+            def client_torch():
+                return c._get_result(body, c._reply_frames(env, frames), ["x"], n, True)["x"]
+
             runs = [("numpy", get_np), ("torch", get_torch)]
             if private:
                 runs.append(("torch + add_ on row 0", get_torch_write))
+            runs += [("client only: numpy", client_np), ("client only: torch", client_torch)]
             for what, fn in runs:
                 times, grown = timed(fn, args.reps)
                 print(f"{args.label}{name:22s} {what:22s} median {statistics.median(times) * 1e3:9.3f} ms"
                       f"  min {min(times) * 1e3:9.3f} ms  RSS +{grown >> 20} MiB", flush=True)
+            del seen, env, frames, body
             c.clear(idx)
             c.release_segments()
         c.close()
