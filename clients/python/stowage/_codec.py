@@ -536,9 +536,9 @@ class FieldReply:
     # arrays instead of Part objects; `parts` is built from it on demand
     table: tuple | None = None
     src: Any = None  # the FrameSource `table` refers to
-    # nested, when the frames have private copies (FrameSource.cow): (base, at)
-    # of each row, as Part.base / Part.at
-    row_where: list | None = None
+    # nested: the rows' descriptors as received (checked), for where each
+    # row lies (FrameSource.where), which only `to_private_numpy` needs
+    row_desc: list | None = None
 
     @property
     def np_dtype(self) -> np.dtype:
@@ -621,8 +621,6 @@ def _decode_field(name: str, d: Any, n: int, frames: FrameSource) -> FieldReply:
         itemsize = WIRE_DTYPES[dtype].itemsize
         rows = []
         view = frames.view
-        where = frames.where if frames.cow is not None else None
-        row_where = [] if where is not None else None
         for r in d["rows"]:
             if type(r) is not dict or r.keys() != _ROW_KEYS:
                 _keys(r, _ROW_KEYS, what)
@@ -636,9 +634,7 @@ def _decode_field(name: str, d: Any, n: int, frames: FrameSource) -> FieldReply:
             if ln != itemsize * math.prod(shape):
                 raise ProtocolError(f"{what}: row of shape {list(shape)} has len {ln}")
             rows.append((shape, view(r["frame"], off, ln)))
-            if where is not None:
-                row_where.append(where(r["frame"], off))
-        return FieldReply("nested", dtype=dtype, rows=rows, row_where=row_where)
+        return FieldReply("nested", dtype=dtype, rows=rows, row_desc=d["rows"])
     raise ProtocolError(f"{what}: unknown kind {kind!r}")
 
 
@@ -746,10 +742,12 @@ def to_private_numpy(fields: Mapping[str, FieldReply], frames: FrameSource) -> d
     # Views to make, in parallel lists: field, row (-1: the field's one
     # part), where its bytes lie (base, at, len), its shape, its read-only bytes.
     who, row, base, at, ln, shape, data = [], [], [], [], [], [], []
+    where = frames.where
     for name, f in fields.items():
         if f.kind == "nested":
             rows = out[name] = [None] * len(f.rows)
-            for i, ((sh, d), (b, a)) in enumerate(zip(f.rows, f.row_where)):
+            for i, ((sh, d), r) in enumerate(zip(f.rows, f.row_desc)):
+                b, a = where(r["frame"], r["offset"])
                 if b < 0 or not len(d):  # no bytes (or none of a shared mapping's): its own array
                     rows[i] = np.frombuffer(d, dtype=f.np_dtype).reshape(sh).copy()
                     continue
@@ -779,18 +777,21 @@ def to_private_numpy(fields: Mapping[str, FieldReply], frames: FrameSource) -> d
             out[name] = a
     if not who:
         return out
-    b_np = np.array(base, dtype=np.int64)
-    at_np = np.array(at, dtype=np.int64)
-    end_np = at_np + np.array(ln, dtype=np.int64)
-    copy = _overlapping(frames, b_np, at_np, end_np)
     # One private mapping per segment, of the span these views use.
-    maps = {}
-    for b in np.unique(b_np).tolist():
-        sel = b_np == b
-        if copy is not None:
-            sel &= ~copy
-        if sel.any():
-            maps[b] = frames.cow.map(b, int(at_np[sel].min()), int(end_np[sel].max()))
+    if len(who) == 1:  # (the usual regular field: no numpy for one range)
+        copy, maps = None, {base[0]: frames.cow.map(base[0], at[0], at[0] + ln[0])}
+    else:
+        b_np = np.array(base, dtype=np.int64)
+        at_np = np.array(at, dtype=np.int64)
+        end_np = at_np + np.array(ln, dtype=np.int64)
+        copy = _overlapping(frames, b_np, at_np, end_np)
+        maps = {}
+        for b in np.unique(b_np).tolist():
+            sel = b_np == b
+            if copy is not None:
+                sel &= ~copy
+            if sel.any():
+                maps[b] = frames.cow.map(b, int(at_np[sel].min()), int(end_np[sel].max()))
     for j, name in enumerate(who):
         dt = fields[name].np_dtype
         if copy is not None and copy[j]:

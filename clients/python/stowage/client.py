@@ -128,7 +128,7 @@ class _Ops:
         for name, f in replies.items():
             v = private[name] if name in private else _codec.to_numpy(f)
             if name in tensors:
-                v = [_torch.from_numpy(a, f.dtype) for a in v] if f.kind == "nested" else _torch.from_numpy(v, f.dtype)
+                v = _torch.from_numpy_rows(v, f.dtype) if f.kind == "nested" else _torch.from_numpy(v, f.dtype)
             out[name] = v
         return out
 
