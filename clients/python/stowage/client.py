@@ -323,8 +323,8 @@ class Client(_Ops):
         over tcp it writes this client's received buffer; same node, each get
         maps stowd's pages copy-on-write, privately, so a write copies the
         pages it touches and no other tensor, array, process or the store
-        sees it. Two tensors of one get never share bytes (a row asked for
-        twice is a copy)."""
+        sees it; nor does another tensor of the same get (a row asked for
+        twice is copied: two tensors of one get never share bytes)."""
         idx, names, body = self._get_request(global_indexes, fields, as_torch)
         reply, frames = self._call("get", body, (), timeout, "get_ok", self._get_extras())
         return self._get_result(reply, frames, names, len(idx), as_torch)
