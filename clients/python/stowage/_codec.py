@@ -306,8 +306,14 @@ class _Frames:
         into a leased segment)."""
         self._close_shared()
         if join:
-            self.frames = [b"".join(f) if type(f) is Pieces else f for f in self.frames]
+            self.frames = join_frames(self.frames)
         return self.frames
+
+
+def join_frames(frames: list) -> list:
+    """Data frames with every `Pieces` joined into one bytes (one copy), as a
+    socket sends them."""
+    return [b"".join(f) if type(f) is Pieces else f for f in frames]
 
 
 class Pieces(list):
@@ -434,12 +440,15 @@ class FrameSource:
     ...] and no frames on the socket: data frame k is then bytes offset..
     offset+len of the file shm_dir/name, so that mode builds a FrameSource
     from read-only mappings of those files, and the decoder, `get`,
-    `get_into` and the torch bridging stay as they are.
+    `get_into` and the torch bridging stay as they are. There, `cow` maps the
+    same bytes privately, copy-on-write (`_shm.CopyOnWrite`), for results
+    that must be writable (torch tensors; see `to_private_numpy`).
     """
 
     def __init__(self, views: Sequence[memoryview], bases: Sequence | None = None,
-                 where: Sequence[tuple[int, int]] | None = None) -> None:
+                 where: Sequence[tuple[int, int]] | None = None, cow: Any = None) -> None:
         self._views = [None, *views]  # numbered from 1
+        self.cow = cow
         self._used: set[int] = set()
         # Optional: data frame k is bytes where[k-1][1].. of bases[where[k-1][0]]
         # (base -1: unknown), so parts in many frames of one buffer can be
@@ -527,6 +536,9 @@ class FieldReply:
     # arrays instead of Part objects; `parts` is built from it on demand
     table: tuple | None = None
     src: Any = None  # the FrameSource `table` refers to
+    # nested: the rows' descriptors as received (checked), for where each
+    # row lies (FrameSource.where), which only `to_private_numpy` needs
+    row_desc: list | None = None
 
     @property
     def np_dtype(self) -> np.dtype:
@@ -622,7 +634,7 @@ def _decode_field(name: str, d: Any, n: int, frames: FrameSource) -> FieldReply:
             if ln != itemsize * math.prod(shape):
                 raise ProtocolError(f"{what}: row of shape {list(shape)} has len {ln}")
             rows.append((shape, view(r["frame"], off, ln)))
-        return FieldReply("nested", dtype=dtype, rows=rows)
+        return FieldReply("nested", dtype=dtype, rows=rows, row_desc=d["rows"])
     raise ProtocolError(f"{what}: unknown kind {kind!r}")
 
 
@@ -711,6 +723,104 @@ def to_numpy(f: FieldReply):
             out[p.start:p.start + p.rows] = _frombuffer(p.data, dt, (p.rows, *row_shape))
     out.flags.writeable = False
     return out
+
+
+def to_private_numpy(fields: Mapping[str, FieldReply], frames: FrameSource) -> dict:
+    """`to_numpy` of regular and nested fields, for results that become torch
+    tensors (torch has no read-only tensors) when `frames` are read-only
+    mappings shared with other readers (the same-node mode, `frames.cow`
+    set): writable arrays over this reply's private copy-on-write mappings
+    (one per segment, of the pages these fields use) where `to_numpy` would
+    return a view of a shared mapping (a regular field of one part, nested
+    rows), and `to_numpy`'s own result where that is a new array anyway (a
+    regular field gathered from several parts, or no bytes). A write to one
+    copies the pages it touches; no other reader sees it. No two arrays
+    returned share a byte: one whose bytes overlap another's (a row asked
+    for twice, or fields laid over the same bytes by their put) is a copy
+    instead."""
+    out: dict = {}
+    # Views to make, in parallel lists: field, row (-1: the field's one
+    # part), where its bytes lie (base, at, len), its shape, its read-only bytes.
+    who, row, base, at, ln, shape, data = [], [], [], [], [], [], []
+    where = frames.where
+    for name, f in fields.items():
+        if f.kind == "nested":
+            rows = out[name] = [None] * len(f.rows)
+            for i, ((sh, d), r) in enumerate(zip(f.rows, f.row_desc)):
+                b, a = where(r["frame"], r["offset"])
+                if b < 0 or not len(d):  # no bytes (or none of a shared mapping's): its own array
+                    rows[i] = np.frombuffer(d, dtype=f.np_dtype).reshape(sh).copy()
+                    continue
+                who.append(name)
+                row.append(i)
+                base.append(b)
+                at.append(a)
+                ln.append(len(d))
+                shape.append(sh)
+                data.append(d)
+        elif f.kind == "regular" and f.table is None and len(f.parts) == 1 and f.parts[0].base >= 0 \
+                and len(f.parts[0].data):
+            p = f.parts[0]
+            out[name] = None
+            who.append(name)
+            row.append(-1)
+            base.append(p.base)
+            at.append(p.at)
+            ln.append(len(p.data))
+            shape.append(f.shape)
+            data.append(p.data)
+        else:
+            a = to_numpy(f)  # gathered from several parts, or no bytes: a new array
+            if not a.flags.owndata:  # (not with the segments stowd lists; never a shared view)
+                a = a.copy()
+            a.flags.writeable = True
+            out[name] = a
+    if not who:
+        return out
+    # One private mapping per segment, of the span these views use.
+    if len(who) == 1:  # (the usual regular field: no numpy for one range)
+        copy, maps = None, {base[0]: frames.cow.map(base[0], at[0], at[0] + ln[0])}
+    else:
+        b_np = np.array(base, dtype=np.int64)
+        at_np = np.array(at, dtype=np.int64)
+        end_np = at_np + np.array(ln, dtype=np.int64)
+        copy = _overlapping(frames, b_np, at_np, end_np)
+        maps = {}
+        for b in np.unique(b_np).tolist():
+            sel = b_np == b
+            if copy is not None:
+                sel &= ~copy
+            if sel.any():
+                maps[b] = frames.cow.map(b, int(at_np[sel].min()), int(end_np[sel].max()))
+    for j, name in enumerate(who):
+        dt = fields[name].np_dtype
+        if copy is not None and copy[j]:
+            a = np.frombuffer(data[j], dtype=dt).reshape(shape[j]).copy()
+        else:
+            mv, first = maps[base[j]]
+            a = np.frombuffer(mv[at[j] - first:at[j] - first + ln[j]], dtype=dt).reshape(shape[j])
+        if row[j] < 0:
+            out[name] = a
+        else:
+            out[name][row[j]] = a
+    return out
+
+
+def _overlapping(frames: FrameSource, base: np.ndarray, start: np.ndarray, end: np.ndarray) -> np.ndarray | None:
+    """Which of the byte ranges start..end (each non-empty) of
+    frames.bases[base] overlap an earlier one in address order: a bool
+    array, or None if none can (fewer than two)."""
+    n = len(base)
+    if n < 2:
+        return None
+    sizes = np.array([len(b) for b in frames.bases], dtype=np.int64)
+    first = np.concatenate(([0], np.cumsum(sizes)[:-1]))  # each base's place on one line
+    start, end = first[base] + start, first[base] + end
+    order = np.argsort(start, kind="stable")
+    reach = np.maximum.accumulate(end[order])  # the furthest end of the ranges so far
+    copy = np.zeros(n, dtype=bool)
+    copy[order[1:]] = start[order[1:]] < reach[:-1]
+    return copy if copy.any() else None
 
 
 GATHER_MIN_PARTS = 16  # below this, one copy per part is as quick

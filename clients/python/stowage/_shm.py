@@ -3,10 +3,21 @@
 `Segments` maps the files `stowd` names in a reply's `segments` read-only
 and keeps each mapping for as long as any array uses it, so two gets of the
 same rows return arrays over the very same memory, and arrays stay valid
-after the rows are cleared on the server. While a mapping lives, this
-process holds a shared `flock` on the file (the protocol's rule): `stowd`
-reuses the file of cleared rows for new data only when nobody holds one.
-It also fills leased segments for puts.
+after the rows are cleared on the server. A write to such an array raises
+`ValueError` (numpy refuses: the buffer is read-only).
+
+torch has no read-only tensors, and a write through a tensor over a
+`PROT_READ` page kills the process (SIGSEGV). So tensors are built over
+`CopyOnWrite` mappings instead: a private (`MAP_PRIVATE`, `PROT_READ |
+PROT_WRITE`) mapping of the same file, opened read-only. Until a write its
+pages are the very pages every other reader maps (nothing is copied); a
+write copies only the page it touches, into this process, and the file and
+every other mapping of it never see it.
+
+While a mapping of either kind lives, this process holds a shared `flock`
+on the file (the protocol's rule): `stowd` reuses the file of cleared rows
+for new data only when nobody holds one. It also fills leased segments for
+puts.
 """
 
 from __future__ import annotations
@@ -38,38 +49,70 @@ class Segments:
             raise ProtocolError(f"bad segment name {name!r}")
         return os.path.join(self.directory, name)
 
+    def _open(self, name: str) -> tuple[int, int]:
+        """(fd, size) of segment `name`, opened read-only and under a shared
+        lock, checked to be the file the name still names. The caller closes
+        the fd; a mapping made from it keeps the lock (an mmap dups the fd,
+        and the lock lives with the open file) until the mapping is gone."""
+        path = self._path(name)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise ProtocolError(f"segment {name!r} named by the reply does not exist "
+                                "(were its rows cleared meanwhile?)") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            st = os.fstat(fd)
+            try:
+                still = os.stat(path)
+            except FileNotFoundError:
+                still = None
+            if still is None or (still.st_dev, still.st_ino) != (st.st_dev, st.st_ino):
+                # stowd renamed it for reuse before we locked: the rows are gone.
+                raise ProtocolError(f"segment {name!r} named by the reply does not exist "
+                                    "(were its rows cleared meanwhile?)")
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd, st.st_size
+
     def _map(self, name: str) -> memoryview:
-        """The whole of segment `name`, mapped read-only under a shared lock."""
+        """The whole of segment `name`, mapped read-only under a shared lock
+        (one mapping per name, shared by every array over it)."""
         with self._lock:
             mm = self._maps.get(name)
             if mm is not None:
                 return memoryview(mm)
-            path = self._path(name)
+            fd, size = self._open(name)
             try:
-                fd = os.open(path, os.O_RDONLY)
-            except FileNotFoundError:
-                raise ProtocolError(f"segment {name!r} named by the reply does not exist "
-                                    "(were its rows cleared meanwhile?)") from None
-            try:
-                # The lock lives with the open file, which the mmap keeps (it
-                # dups the descriptor) until the last array over it is gone.
-                fcntl.flock(fd, fcntl.LOCK_SH)
-                st = os.fstat(fd)
-                try:
-                    still = os.stat(path)
-                except FileNotFoundError:
-                    still = None
-                if still is None or (still.st_dev, still.st_ino) != (st.st_dev, st.st_ino):
-                    # stowd renamed it for reuse before we locked: the rows are gone.
-                    raise ProtocolError(f"segment {name!r} named by the reply does not exist "
-                                        "(were its rows cleared meanwhile?)")
-                if not st.st_size:
+                if not size:
                     return memoryview(b"")
-                mm = mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ)
+                mm = mmap.mmap(fd, size, prot=mmap.PROT_READ)
             finally:
                 os.close(fd)
             self._maps[name] = mm
             return memoryview(mm)
+
+    def private(self, name: str, lo: int, hi: int) -> tuple[memoryview, int]:
+        """A new writable copy-on-write mapping of bytes lo..hi of segment
+        `name`, the caller's own (never cached, never shared): `MAP_PRIVATE`
+        of the file opened read-only, under a shared lock held until the
+        mapping is gone. Returns (the mapping, the file offset of its first
+        byte): it starts at the page holding byte `lo`. Untouched pages are
+        the pages every reader maps; a write copies the page it touches,
+        visible to no one else."""
+        fd, size = self._open(name)
+        try:
+            if not 0 <= lo <= hi <= size:
+                raise ProtocolError(f"range {lo}..{hi} lies outside segment {name!r} ({size} bytes)")
+            first = lo - lo % mmap.ALLOCATIONGRANULARITY
+            if hi == first:
+                return memoryview(bytearray()), first
+            mm = mmap.mmap(fd, hi - first, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE,
+                           offset=first)
+        finally:
+            os.close(fd)
+        return memoryview(mm), first
 
     def view(self, name: str, offset: int, length: int) -> memoryview:
         """Read-only bytes offset..offset+length of segment `name`."""
@@ -84,11 +127,13 @@ class Segments:
         """The data frames of a reply whose envelope lists `segments`."""
         return self.frames(segments)[0]
 
-    def frames(self, segments) -> tuple[list, list, list]:
+    def frames(self, segments) -> tuple[list, list, list, "CopyOnWrite"]:
         """The data frames of a reply whose envelope lists `segments`, and
-        where each lies: (views, bases, at), where frame i is bytes
-        at[i]..at[i] + len(views[i]) of the whole mapping bases[..] (so rows of
-        many frames in one segment can be gathered in one go)."""
+        where each lies: (views, bases, where, cow), where frame i is bytes
+        where[i][1]..where[i][1] + len(views[i]) of the whole read-only
+        mapping bases[where[i][0]] (so rows of many frames in one segment can
+        be gathered in one go), and `cow` maps the same bases privately,
+        copy-on-write (for tensors; see `CopyOnWrite`)."""
         if not isinstance(segments, list):
             raise ProtocolError(f"segments must be a list, got {type(segments).__name__}")
         views, where, bases, base_no = [], [], [], {}
@@ -114,7 +159,8 @@ class Segments:
                 b = base_no[name] = len(bases)
                 bases.append(mv)
             where.append((b, offset))
-        return views, bases, where
+        return views, bases, where, CopyOnWrite(self, list(base_no), bases)
+
 
     def mapped(self) -> int:
         """How many segments this client has mapped (some array uses them)."""
@@ -160,6 +206,32 @@ class Segments:
             if mm is not None:
                 mm.close()
         return out
+
+
+class CopyOnWrite:
+    """Private copy-on-write mappings of the segments of one reply:
+    `map(base, lo, hi)` maps bytes lo..hi of `frames`' base number `base`
+    anew (`Segments.private`). Each get maps its own, so a write through one
+    get's tensors reaches no other get's."""
+
+    def __init__(self, segments: Segments, names: list, bases: list) -> None:
+        self._segments = segments
+        self._names = names
+        self._bases = bases  # the read-only mappings of `frames`, by base number
+
+    def map(self, base: int, lo: int, hi: int) -> tuple[memoryview, int]:
+        """(a writable private view, the file offset of its first byte)
+        holding bytes lo..hi of base number `base`."""
+        try:
+            return self._segments.private(self._names[base], lo, hi)
+        except ProtocolError:
+            # The name is gone: the rows were cleared (and the file unlinked)
+            # since this reply was mapped read-only. That mapping still holds
+            # the bytes (and the lock): copy them instead.
+            mv = self._bases[base]
+            if not 0 <= lo <= hi <= len(mv):
+                raise
+            return memoryview(bytearray(mv[lo:hi])), lo
 
 
 def lease_size(buffers) -> int:

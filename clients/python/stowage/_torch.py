@@ -69,16 +69,27 @@ def to_numpy(t, what: str) -> tuple[str, np.ndarray]:
 
 
 def from_numpy(a: np.ndarray, dtype: str):
-    """A (read-only) ndarray of stowage/1 dtype `dtype` -> a tensor sharing its
-    memory. torch has no read-only tensors: writing to one writes the
-    client's own received buffer (never the server's data)."""
+    """An ndarray of stowage/1 dtype `dtype` -> a tensor sharing its memory.
+    torch has no read-only tensors, so `a`'s memory must be writable even
+    where numpy flags `a` read-only: a received frame or a copy of this
+    client's own, or (same node) a private copy-on-write mapping
+    (`_codec.to_private_numpy`), never the read-only mapping other readers
+    share, where a write would kill the process with SIGSEGV. Writing to the
+    tensor then changes this get's bytes only: never the server's data,
+    another get's tensors or arrays, or another process's."""
+    return from_numpy_rows([a], dtype)[0]
+
+
+def from_numpy_rows(rows: list, dtype: str) -> list:
+    """`from_numpy` of each array of `rows` (e.g. the rows of a nested field)."""
     import torch
 
+    # (Entered once: catch_warnings costs more than from_numpy itself.)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "The given NumPy array is not writable"
         if dtype == "bfloat16":
-            return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
-        return torch.from_numpy(a)
+            return [torch.from_numpy(a.view(np.int16)).view(torch.bfloat16) for a in rows]
+        return [torch.from_numpy(a) for a in rows]
 
 
 def out_view(t, what: str) -> tuple[str, np.ndarray]:

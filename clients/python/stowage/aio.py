@@ -156,7 +156,9 @@ class AsyncClient(_Ops):
                     segments = self._segments.fill(lease["segment"], size, m.frames)
                     body, _ = await self._call("put", m.body, (), timeout, "put_ok", {"segments": segments})
                 else:
-                    body, _ = await self._call("put", m.body, m.frames, timeout, "put_ok")
+                    # (Same node with no bytes at all, e.g. only empty rows: nothing
+                    # to lease; the empty frames go on the socket, joined.)
+                    body, _ = await self._call("put", m.body, _codec.join_frames(m.frames), timeout, "put_ok")
                 stored += self._put_done(body, m)
             except StowageError as e:
                 e.rows_stored = stored

@@ -58,15 +58,16 @@ class _Ops:
         """The data frames of a reply: socket frames, or, for a same-node reply
         whose envelope lists `segments`, read-only mappings of stowd's
         shared-memory segments (kept mapped, so the same rows give the same
-        memory)."""
+        memory), with private copy-on-write mappings of them on demand (for
+        tensors)."""
         if "segments" in env:
             if self._segments is None:
                 raise ProtocolError("the reply carries shared-memory segments, but this client did not ask for "
                                     "same-node replies", request_id=env["id"])
             if len(frames) != 1:
                 raise ProtocolError("a reply with segments must have no data frames", request_id=env["id"])
-            views, bases, where = self._segments.frames(env["segments"])
-            return _codec.FrameSource(views, bases, where)
+            views, bases, where, cow = self._segments.frames(env["segments"])
+            return _codec.FrameSource(views, bases, where, cow)
         return _codec.FrameSource.from_socket(frames)
 
     def _get_extras(self) -> dict | None:
@@ -118,12 +119,16 @@ class _Ops:
     @staticmethod
     def _get_result(body: dict, frames, names: list, n: int, as_torch) -> dict:
         replies = _codec.decode_get_fields(body, names, n, frames)
+        tensors = {name: f for name, f in replies.items() if f.kind != "values" and (
+            as_torch if as_torch is not None else (f.dtype == "bfloat16" and _torch.available()))}
+        # Same node: tensors over private copy-on-write mappings, never over the
+        # read-only pages shared with other readers (a write there is a SIGSEGV).
+        private = _codec.to_private_numpy(tensors, frames) if tensors and frames.cow is not None else {}
         out = {}
         for name, f in replies.items():
-            v = _codec.to_numpy(f)
-            want = as_torch if as_torch is not None else (f.dtype == "bfloat16" and _torch.available())
-            if want and f.kind != "values":
-                v = [_torch.from_numpy(a, f.dtype) for a in v] if f.kind == "nested" else _torch.from_numpy(v, f.dtype)
+            v = private[name] if name in private else _codec.to_numpy(f)
+            if name in tensors:
+                v = _torch.from_numpy_rows(v, f.dtype) if f.kind == "nested" else _torch.from_numpy(v, f.dtype)
             out[name] = v
         return out
 
@@ -295,7 +300,9 @@ class Client(_Ops):
                     segments = self._segments.fill(lease["segment"], size, m.frames)
                     body, _ = self._call("put", m.body, (), timeout, "put_ok", {"segments": segments})
                 else:
-                    body, _ = self._call("put", m.body, m.frames, timeout, "put_ok")
+                    # (Same node with no bytes at all, e.g. only empty rows: nothing
+                    # to lease; the empty frames go on the socket, joined.)
+                    body, _ = self._call("put", m.body, _codec.join_frames(m.frames), timeout, "put_ok")
                 stored += self._put_done(body, m)
             except StowageError as e:
                 e.rows_stored = stored
@@ -308,7 +315,16 @@ class Client(_Ops):
         values, in the order of `global_indexes` (repeats allowed).
         `as_torch=True` gives torch tensors; `None` gives numpy except for
         bfloat16 fields, which are torch bfloat16 tensors if torch is
-        installed and uint16 bit patterns otherwise; `False` is numpy only."""
+        installed and uint16 bit patterns otherwise; `False` is numpy only.
+
+        A write to a numpy array raises `ValueError` (same node: two gets of
+        the same rows share one read-only mapping). torch tensors are
+        writable (in-place ops work) and a write changes only that tensor:
+        over tcp it writes this client's received buffer; same node, each get
+        maps stowd's pages copy-on-write, privately, so a write copies the
+        pages it touches and no other tensor, array, process or the store
+        sees it; nor does another tensor of the same get (a row asked for
+        twice is copied: two tensors of one get never share bytes)."""
         idx, names, body = self._get_request(global_indexes, fields, as_torch)
         reply, frames = self._call("get", body, (), timeout, "get_ok", self._get_extras())
         return self._get_result(reply, frames, names, len(idx), as_torch)

@@ -113,3 +113,81 @@ def test_a_bad_part_among_many_is_refused(bad, error):
     f = _codec.decode_get_fields({"fields": {"x": {**body["fields"]["x"], "parts": good}}}, ["x"], 40,
                                  _codec.FrameSource([memoryview(x.tobytes())]))
     np.testing.assert_array_equal(_codec.to_numpy(f["x"]), x[::-1])
+
+
+def test_private_arrays_over_segments_are_copy_on_write_and_never_overlap(tmp_path):
+    """What a same-node get hands torch: writable arrays over a private
+    copy-on-write mapping of the segment file (not the read-only mapping
+    numpy arrays share); a write reaches neither the file, nor the shared
+    mapping, nor another array. Rows whose bytes overlap (a row asked for
+    twice, two fields over the same bytes) come back as separate copies."""
+    from stowage import _shm
+    x = np.arange(6 * 1024, dtype=np.int32).reshape(6, 1024)  # 4 KiB rows
+    raw = x.tobytes()
+    (tmp_path / "seg").write_bytes(raw)
+    segs = _shm.Segments(str(tmp_path))
+    views, bases, where, cow = segs.frames([["seg", 0, len(raw)], ["", 0, 0]])
+    frames = _codec.FrameSource(views, bases, where, cow)
+    row = 4096
+    body = {"fields": {
+        "x": {"kind": "regular", "dtype": "int32", "shape": [2, 1024],
+              "parts": [{"frame": 1, "offset": 2 * row, "len": 2 * row, "rows": 2}]},  # rows 2, 3
+        "n": {"kind": "nested", "dtype": "int32", "rows": [
+            {"shape": [1024], "frame": 1, "offset": 5 * row, "len": row},   # row 5
+            {"shape": [0], "frame": 2, "offset": 0, "len": 0},              # empty
+            {"shape": [1024], "frame": 1, "offset": 5 * row, "len": row},   # row 5 again
+            {"shape": [512], "frame": 1, "offset": 3 * row, "len": row // 2},  # inside field x
+            {"shape": [1024], "frame": 1, "offset": 0, "len": row}]},       # row 0
+    }}
+    # (fields of different row counts: decoded one by one)
+    got = {"x": _codec._decode_field("x", body["fields"]["x"], 2, frames),
+           "n": _codec._decode_field("n", body["fields"]["n"], 5, frames)}
+    shared = np.frombuffer(bases[0], np.uint8)
+    out = _codec.to_private_numpy(got, frames)
+    a, rows = out["x"], out["n"]
+    assert np.array_equal(a, x[2:4]) and a.flags.writeable
+    assert [r.tolist() for r in rows] == [x[5].tolist(), [], x[5].tolist(), x[3, :512].tolist(), x[0].tolist()]
+    everything = [a, *rows]
+    for i, p in enumerate(everything):
+        assert p.flags.writeable
+        assert not np.shares_memory(p, shared), "a private array is a view of the shared read-only mapping"
+        for q in everything[i + 1:]:
+            assert not np.shares_memory(p, q), "two arrays of one get share bytes"
+    a += 1
+    for r in rows:
+        r[...] = -1
+    assert np.array_equal(np.frombuffer(shared, np.int32).reshape(6, 1024), x), "the shared mapping changed"
+    assert (tmp_path / "seg").read_bytes() == raw, "the file changed"
+    assert np.array_equal(a, x[2:4] + 1)
+    # Another reply's private mapping is its own.
+    views2, bases2, where2, cow2 = segs.frames([["seg", 0, len(raw)]])
+    f2 = _codec.FrameSource(views2, bases2, where2, cow2)
+    again = _codec.to_private_numpy({"x": _codec._decode_field("x", body["fields"]["x"], 2, f2)}, f2)["x"]
+    assert np.array_equal(again, x[2:4])
+    # A range that starts inside a page: the private mapping starts at that page.
+    desc = {"kind": "regular", "dtype": "int32", "shape": [1, 100],
+            "parts": [{"frame": 1, "offset": 4096 + 400, "len": 400, "rows": 1}]}
+    views3, bases3, where3, cow3 = segs.frames([["seg", 0, len(raw)]])
+    f3 = _codec.FrameSource(views3, bases3, where3, cow3)
+    odd = _codec.to_private_numpy({"x": _codec._decode_field("x", desc, 1, f3)}, f3)["x"]
+    assert np.array_equal(odd, x[1:2, 100:200])
+    odd[0, 0] = -5
+    assert (tmp_path / "seg").read_bytes() == raw
+
+
+def test_private_arrays_when_the_segment_was_unlinked_meanwhile(tmp_path):
+    """The rows are cleared (stowd unlinks the file a reader locks) between
+    the read-only mapping of the reply and the private one: the tensors'
+    bytes are copied from the read-only mapping, which still holds them."""
+    from stowage import _shm
+    x = np.arange(3 * 1024, dtype=np.float32).reshape(3, 1024)
+    (tmp_path / "seg").write_bytes(x.tobytes())
+    views, bases, where, cow = _shm.Segments(str(tmp_path)).frames([["seg", 0, x.nbytes]])
+    frames = _codec.FrameSource(views, bases, where, cow)
+    (tmp_path / "seg").unlink()
+    desc = {"kind": "regular", "dtype": "float32", "shape": [2, 1024],
+            "parts": [{"frame": 1, "offset": 4096, "len": 8192, "rows": 2}]}
+    a = _codec.to_private_numpy({"x": _codec._decode_field("x", desc, 2, frames)}, frames)["x"]
+    assert np.array_equal(a, x[1:]) and a.flags.writeable
+    a += 1
+    assert np.array_equal(np.frombuffer(bases[0], np.float32).reshape(3, 1024), x)

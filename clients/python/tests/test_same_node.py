@@ -399,3 +399,249 @@ def test_a_same_node_get_names_each_segment_once(shm_server, fresh):
         np.testing.assert_array_equal(got["x"], x[want])
         assert all(np.array_equal(a, ids[w]) for a, w in zip(got["ids"], want))
         c.clear(idx)
+
+
+# ---------------------------------------------------------------- empty puts (issue 14, finding 7)
+
+EMPTY_PUTS = {
+    "regular [n, 0]": lambda n: np.zeros((n, 0), np.float32),
+    "nested, every row empty": lambda n: [np.zeros(0, np.int64) for _ in range(n)],
+}
+
+
+@pytest.mark.parametrize("shape", list(EMPTY_PUTS))
+def test_an_empty_same_node_put_and_its_get(shm_server, fresh, shape):
+    """A same-node put whose tensors hold 0 bytes in all (nothing to lease)
+    is stored, from the sync and the asyncio client, and gets (same node and
+    tcp) return the empty arrays."""
+    import asyncio
+    idx = fresh(6)
+    x = EMPTY_PUTS[shape](6)
+
+    def check(got, n):
+        if isinstance(x, np.ndarray):
+            assert isinstance(got, np.ndarray) and got.dtype == np.float32 and got.shape == (n, 0)
+        else:  # rows of one shape come back as one regular array; its rows iterate as before
+            assert len(got) == n
+            assert all(r.dtype == np.int64 and r.shape == (0,) for r in got)
+
+    with stowage.Client(shm_server["native"], same_node=True, shm_dir=shm_server["shm_dir"]) as c:
+        assert c.put(idx[:3], {"e": x[:3], "tag": ["a", "b", "c"]}) == 3
+        got = c.get(idx[:3], ["e", "tag"])
+        check(got["e"], 3)
+        assert got["tag"] == ["a", "b", "c"]
+
+    async def put_async():
+        async with stowage.AsyncClient(shm_server["native"], same_node=True, shm_dir=shm_server["shm_dir"]) as c:
+            return await c.put(idx[3:], {"e": x[3:], "tag": ["d", "e", "f"]})
+
+    assert asyncio.run(asyncio.wait_for(put_async(), 60)) == 3
+    with stowage.Client(shm_server["native"], same_node=True, shm_dir=shm_server["shm_dir"]) as c:
+        check(c.get(idx, ["e"])["e"], 6)
+    with stowage.Client(shm_server["native"]) as tcp:
+        got = tcp.get(idx, ["e", "tag"])
+        check(got["e"], 6)
+        assert got["tag"] == list("abcdef")
+
+
+# ---------------------------------------------------------------- writes (issue 14, finding 8)
+
+
+def test_numpy_arrays_of_same_node_gets_are_read_only_and_shared(shm_server, fresh):
+    """Regular and nested: two gets give the same data pointers; a write
+    raises ValueError (so does making the array writable), and the rows stay
+    intact."""
+    idx = fresh(8)
+    x = np.arange(8 * 1024, dtype=np.int32).reshape(8, 1024)
+    n = [np.full(100 + i, i, np.float64) for i in range(8)]
+    with stowage.Client(shm_server["native"], same_node=True, shm_dir=shm_server["shm_dir"]) as c:
+        c.put(idx, {"x": x, "n": n})
+        g1, g2 = c.get(idx, ["x", "n"]), c.get(idx, ["x", "n"])
+        assert data_ptr(g1["x"]) == data_ptr(g2["x"])
+        assert [data_ptr(r) for r in g1["n"]] == [data_ptr(r) for r in g2["n"]]
+        for a in (g1["x"], g1["n"][3]):
+            with pytest.raises(ValueError, match="read-only"):
+                a[0] = 7
+            with pytest.raises(ValueError):
+                a.flags.writeable = True
+            with pytest.raises(ValueError, match="read-only"):
+                np.add(a, 1, out=a)
+        np.testing.assert_array_equal(g2["x"], x)
+        np.testing.assert_array_equal(g2["n"][3], n[3])
+        np.testing.assert_array_equal(c.get(idx, ["x"])["x"], x)
+
+
+# The reader's side of the in-place torch test, run in a process of its own: on
+# a tensor over a read-only mapping, `add_` is a SIGSEGV, which would kill pytest.
+_IN_PLACE_SCRIPT = """
+import json, sys
+import numpy as np, torch, stowage
+
+native, shm_dir, idx = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+n = len(idx)
+x = np.arange(n * 2048, dtype=np.float32).reshape(n, 2048)
+rows = [np.arange(i * 1000, i * 1000 + 5000 + i, dtype=np.int64) for i in range(n)]
+bf = torch.arange(n * 64, dtype=torch.float32).reshape(n, 64).to(torch.bfloat16)
+c = stowage.Client(native, same_node=True, shm_dir=shm_dir)
+c.put(idx, {"x": x, "rows": rows, "bf": bf})
+
+t = c.get(idx, ["x", "rows"], as_torch=True)               # the tensors written to
+other = c.get(idx, ["x", "rows"], as_torch=True)           # another get's tensors
+arrays = c.get(idx, ["x", "rows"])                         # numpy arrays over the shared mapping
+twice = c.get([idx[1], idx[1]], ["x", "rows"], as_torch=True)  # a row asked for twice
+auto = c.get(idx, ["bf"])["bf"]                            # as_torch=None: bfloat16 is a tensor
+print("got", flush=True)
+
+t["x"].add_(1)
+t["x"][0].sub_(5)
+t["x"].masked_fill_(t["x"] > 1e6, 0)
+t["x"].clamp_(max=1e5)
+t["rows"][1].add_(100)
+twice["x"][0].mul_(-1)
+twice["rows"][0].zero_()
+auto.add_(1)
+print("written", flush=True)
+
+want = torch.from_numpy(x) + 1
+want[0] -= 5
+assert torch.equal(t["x"], want.clamp(max=1e5)), "the write did not take"
+assert torch.equal(t["rows"][1], torch.from_numpy(rows[1]) + 100)
+assert torch.equal(auto.float(), bf.float() + 1)
+assert torch.equal(other["x"], torch.from_numpy(x)), "another get's tensor changed"
+assert all(torch.equal(a, torch.from_numpy(b)) for a, b in zip(other["rows"], rows)), "another get's rows changed"
+np.testing.assert_array_equal(arrays["x"], x)
+assert all(np.array_equal(a, b) for a, b in zip(arrays["rows"], rows)), "a numpy array changed"
+assert torch.equal(twice["x"][1], torch.from_numpy(x[1])), "a row asked for twice is one tensor"
+assert torch.equal(twice["rows"][1], torch.from_numpy(rows[1])), "a row asked for twice is one tensor"
+assert torch.equal(twice["x"][0], -torch.from_numpy(x[1]))
+again = c.get(idx, ["x", "rows", "bf"])                    # a fresh same-node get
+np.testing.assert_array_equal(again["x"], x)
+assert all(np.array_equal(a, b) for a, b in zip(again["rows"], rows))
+assert torch.equal(again["bf"], bf)
+print("ok", flush=True)
+"""
+
+
+def test_an_in_place_torch_op_on_a_same_node_tensor_changes_only_that_tensor(shm_server, fresh):
+    """`add_` & co. on tensors of a same-node get (regular, nested rows, a
+    bfloat16 field, a row asked for twice) work in the reader's process and
+    leave every other reader's data unchanged: another get's tensors, numpy
+    arrays, a fresh get (same node, and over tcp from this process) and the
+    stored rows."""
+    from stowage import _torch
+    idx = fresh(4)
+    if not _torch.available():
+        # This client without torch: as_torch says what is missing.
+        with stowage.Client(shm_server["native"], same_node=True, shm_dir=shm_server["shm_dir"]) as c:
+            c.put(idx, {"x": np.ones((4, 2), np.float32)})
+            with pytest.raises(ImportError, match="needs torch"):
+                c.get(idx, ["x"], as_torch=True)
+        return
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    out = subprocess.run([sys.executable, "-c", _IN_PLACE_SCRIPT, shm_server["native"], shm_server["shm_dir"],
+                          json.dumps(idx)], capture_output=True, text=True, env=env, timeout=120)
+    how = f"killed by signal {-out.returncode}" if out.returncode < 0 else f"exit status {out.returncode}"
+    assert out.returncode == 0 and out.stdout.split() == ["got", "written", "ok"], (
+        f"the reader process failed ({how}) after printing {out.stdout.split()}:\n{out.stderr[-3000:]}")
+    import torch
+    x = np.arange(4 * 2048, dtype=np.float32).reshape(4, 2048)
+    with stowage.Client(shm_server["native"]) as tcp:  # the stored rows, over tcp
+        got = tcp.get(idx, ["x", "rows"], as_torch=True)
+        assert torch.equal(got["x"], torch.from_numpy(x))
+        assert torch.equal(got["rows"][1], torch.arange(1000, 6001, dtype=torch.int64))
+    with stowage.Client(shm_server["native"], same_node=True, shm_dir=shm_server["shm_dir"]) as c:
+        np.testing.assert_array_equal(c.get(idx, ["x"])["x"], x)
+        c.clear(idx)
+
+
+def _torch_or_none(server, idx):
+    """torch, or None after checking that a client without it says so."""
+    from stowage import _torch
+    if _torch.available():
+        import torch
+        return torch
+    with stowage.Client(server["native"], same_node=True, shm_dir=server["shm_dir"]) as c:
+        c.put(idx, {"x": np.ones((len(idx), 2), np.float32)})
+        with pytest.raises(ImportError, match="needs torch"):
+            c.get(idx, ["x"], as_torch=True)
+    return None
+
+
+def _perms(address: int) -> str:
+    """The permissions of this process's mapping holding `address` (/proc/self/maps)."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            span, perms = line.split()[:2]
+            lo, hi = (int(x, 16) for x in span.split("-"))
+            if lo <= address < hi:
+                return perms
+    raise AssertionError(f"address {address:#x} is not mapped")
+
+
+def test_a_same_node_tensor_is_the_shared_pages_until_written(shm_server, fresh):
+    """A tensor's own mapping (another data pointer than the numpy array's)
+    reads the very physical pages every reader maps; a write copies only the
+    page it touches."""
+    if os.geteuid() != 0:
+        pytest.fail("reading physical page numbers from /proc/self/pagemap needs root (CI runs as root)")
+    idx = fresh(8)
+    torch = _torch_or_none(shm_server, idx)
+    if torch is None:
+        return
+    with stowage.Client(shm_server["native"], same_node=True, shm_dir=shm_server["shm_dir"]) as c:
+        c.put(idx, {"x": np.full((8, 4096), 7, np.uint8)})  # rows of one page (not page-aligned)
+        a = c.get(idx, ["x"])["x"]
+        t = c.get(idx, ["x"], as_torch=True)["x"]
+        assert t.data_ptr() != data_ptr(a), "the tensor is a view of the read-only mapping numpy arrays share"
+        assert t.data_ptr() % 4096 == data_ptr(a) % 4096  # the same file offset
+        assert int(t[2, 0]) == int(t[5, 0]) == int(a[2, 0]) == int(a[5, 0]) == 7  # (faults the pages in)
+        shared_2, shared_5 = _pfn(data_ptr(a) + 2 * 4096), _pfn(data_ptr(a) + 5 * 4096)
+        assert _pfn(t.data_ptr() + 2 * 4096) == shared_2, "the tensor's pages were copied before any write"
+        assert _pfn(t.data_ptr() + 5 * 4096) == shared_5
+        # (Checked before writing: a write to a read-only page would kill pytest.)
+        assert _perms(t.data_ptr()) == "rw-p", "the tensor's memory is not a private writable mapping"
+        assert _perms(data_ptr(a)) == "r--s"
+        t[2].add_(1)  # touches the pages holding row 2: rows 1-3 at most
+        assert int(t[2, 0]) == 8 and int(a[2, 0]) == 7
+        assert _pfn(t.data_ptr() + 2 * 4096) != shared_2, "the written page is still the shared one"
+        assert _pfn(t.data_ptr() + 5 * 4096) == shared_5, "a page not written to was copied"
+        assert _pfn(data_ptr(a) + 2 * 4096) == shared_2
+        c.clear(idx)
+
+
+def test_a_same_node_tensor_holds_the_segment_lock_while_it_lives(shm_server, fresh):
+    """The protocol's rule for readers: a shared flock on the segment for as
+    long as a mapping of it lives, also a tensor's private one (else stowd
+    could reuse the file, and the tensor's untouched pages would change)."""
+    import fcntl
+    import gc
+    idx = fresh(16)
+    torch = _torch_or_none(shm_server, idx)
+    if torch is None:
+        return
+    x = np.arange(16 * 1024, dtype=np.float32).reshape(16, 1024)
+    with stowage.Client(shm_server["native"], same_node=True, shm_dir=shm_server["shm_dir"]) as c:
+        before = segments(shm_server)
+        c.put(idx, {"x": x})
+        (name,) = segments(shm_server) - before
+        path = os.path.join(shm_server["shm_dir"], name)
+        t = c.get(idx, ["x"], as_torch=True)["x"][3:5]  # a view of the tensor: keeps its storage
+        c.release_segments()
+        gc.collect()
+
+        def exclusive_lock_refused() -> bool:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+            finally:
+                os.close(fd)  # (and with it any lock it took)
+            return False
+
+        assert c._segments.mapped() == 0
+        assert exclusive_lock_refused(), "no lock on the segment a live tensor maps"
+        del t
+        gc.collect()
+        assert not exclusive_lock_refused(), "the lock outlived the last tensor"
+        c.clear(idx)
