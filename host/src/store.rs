@@ -248,6 +248,13 @@ impl Run {
 }
 
 impl Rows {
+    /// Appends `other`'s rows after these (its columns renumbered).
+    pub fn append(&mut self, other: Rows) {
+        let base = self.columns.len() as u32;
+        self.columns.extend(other.columns);
+        self.refs.extend(other.refs.into_iter().map(|r| RowRef { column: base + r.column, row: r.row }));
+    }
+
     /// Number of rows.
     pub fn len(&self) -> usize {
         self.refs.len()
@@ -953,10 +960,7 @@ mod tests {
         }
         let mut all = Rows::default();
         for g in 0..8u64 {
-            let mut r = units[(g % 2) as usize].get(&[g], &["t".into()]).unwrap().remove(0);
-            let base = all.columns.len() as u32;
-            all.columns.append(&mut r.columns);
-            all.refs.extend(r.refs.iter().map(|x| RowRef { column: base + x.column, row: x.row }));
+            all.append(units[(g % 2) as usize].get(&[g], &["t".into()]).unwrap().remove(0));
         }
         let runs = all.runs();
         assert_eq!(runs.len(), 1);
@@ -966,10 +970,7 @@ mod tests {
         // Reversed order: every row its own run, each a slice of the frame.
         let mut rev = Rows::default();
         for g in (0..8u64).rev() {
-            let mut r = units[(g % 2) as usize].get(&[g], &["t".into()]).unwrap().remove(0);
-            let base = rev.columns.len() as u32;
-            rev.columns.append(&mut r.columns);
-            rev.refs.extend(r.refs.iter().map(|x| RowRef { column: base + x.column, row: x.row }));
+            rev.append(units[(g % 2) as usize].get(&[g], &["t".into()]).unwrap().remove(0));
         }
         let runs = rev.runs();
         assert_eq!(runs.len(), 8);

@@ -151,13 +151,7 @@ pub async fn start(config: Config) -> anyhow::Result<Running> {
         let unit = Arc::new(Unit::new(id.clone(), capacity));
         let port = if config.units.port_base == 0 { 0 } else { config.units.port_base as u32 + i };
         let (socket, endpoint) = transport::bind(&format!("tcp://{host}:{port}")).await?;
-        let service = Arc::new(tq::TqService {
-            id: id.clone(),
-            backend: tq::Backend::Unit(unit.clone()),
-            arrivals: tq::Arrivals::default(),
-            metrics: metrics.clone(),
-            tq_extra: tq_extra_on,
-        });
+        let service = tq::TqService::new(id.clone(), tq::Backend::Unit(unit.clone()), metrics.clone(), tq_extra_on);
         tasks.push(tokio::spawn(transport::serve_with(socket, service, transport_limits, rx.clone())));
         tracing::info!(unit = %id, %endpoint, "unit listening");
         unit_endpoints.push(UnitEndpoint { id, endpoint });
@@ -194,13 +188,7 @@ pub async fn start(config: Config) -> anyhow::Result<Running> {
     let router = if config.router.enabled {
         let id = format!("TQ_STORAGE_UNIT_{:08x}", (pid << 8) ^ 0xff);
         let (socket, endpoint) = transport::bind(&format!("tcp://{host}:{}", config.router.port)).await?;
-        let service = Arc::new(tq::TqService {
-            id: id.clone(),
-            backend: tq::Backend::Router(manager.clone()),
-            arrivals: tq::Arrivals::default(),
-            metrics: metrics.clone(),
-            tq_extra: tq_extra_on,
-        });
+        let service = tq::TqService::new(id.clone(), tq::Backend::Router(manager.clone()), metrics.clone(), tq_extra_on);
         tasks.push(tokio::spawn(transport::serve_with(socket, service, transport_limits, rx.clone())));
         tracing::info!(%endpoint, units = manager.targets().len(), "router listening");
         Some(UnitEndpoint { id, endpoint })

@@ -37,18 +37,18 @@ pub(super) enum Backend {
 
 /// A TransferQueue storage-unit endpoint.
 pub(super) struct TqService {
-    pub id: String,
-    pub backend: Backend,
-    pub arrivals: Arrivals,
-    pub metrics: Arc<Metrics>,
+    id: String,
+    backend: Backend,
+    arrivals: Arrivals,
+    metrics: Arc<Metrics>,
     /// Add the `stowage` key to `METRICS_RESPONSE`.
-    pub tq_extra: bool,
+    tq_extra: bool,
 }
 
 /// Request arrivals by op, in first-arrival order (TransferQueue's
 /// `arrivals_by_op`).
 #[derive(Debug, Default)]
-pub(super) struct Arrivals(Mutex<Vec<(String, u64)>>);
+struct Arrivals(Mutex<Vec<(String, u64)>>);
 
 impl Arrivals {
     fn note(&self, op: &str) {
@@ -122,6 +122,10 @@ fn extra(manager: Option<&Manager>, units: &[&Unit]) -> Vec<(String, Bytes)> {
 }
 
 impl TqService {
+    pub(super) fn new(id: String, backend: Backend, metrics: Arc<Metrics>, tq_extra: bool) -> Arc<TqService> {
+        Arc::new(TqService { id, backend, arrivals: Arrivals::default(), metrics, tq_extra })
+    }
+
     async fn answer(&self, frames: &[Bytes]) -> (&'static str, tq::Reply) {
         let id = self.id.as_str();
         let request = match tq::decode_request(frames) {
