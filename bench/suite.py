@@ -590,6 +590,15 @@ def run_limits(w, reps, rec):
 # ------------------------------------------------------------------ report
 
 
+def transient(mem, kept):
+    """Stowd's transient memory in one operation: peak RSS - (RSS before +
+    payload kept), from mem = (peak - before, after - before, cpu) and the
+    bytes stowd's `stats` says it kept. Kept bytes count only as far as they
+    are in stowd's RSS after the operation: a same-node put keeps rows in a
+    shared-memory segment the client wrote, which stowd's RSS does not show."""
+    return mem[0] - min(max(0, kept), max(0, mem[1]))
+
+
 def summarize(results, reps):
     """results: list of dicts -> {(system, workload, op): summary}. Memory
     figures are over the payload; `*_cpu` are CPU seconds per GiB moved;
@@ -615,8 +624,9 @@ def summarize(results, reps):
                     s[f"{role}_cpu"] = med(r["mem"][role][2] for r in rs) / (nb / 2**30)
         ex = [r.get("extra") or {} for r in rs]
         if "kept" in ex[0] and "server" in rs[0]["mem"]:
-            s["server_transient"] = med(r["mem"]["server"][0] - e["kept"] for r, e in zip(rs, ex)) / nb
-            s["server_first_transient"] = (rs[0]["mem"]["server"][0] - ex[0]["kept"]) / nb
+            tr = [transient(r["mem"]["server"], e["kept"]) for r, e in zip(rs, ex)]
+            s["server_transient"] = med(tr) / nb
+            s["server_first_transient"] = tr[0] / nb
         for k in ("copied", "frames", "segments", "kept"):
             if k in ex[0]:
                 s[k] = med(e[k] for e in ex)
@@ -708,7 +718,7 @@ def report(S, wls, meta, systems):
         L.append("")
         L.append(f"new / {base} of throughput (above 1: new is faster), and each one's stowd CPU per GiB "
                  "moved, stowd transient memory (peak RSS - RSS before - bytes stowd kept, over the "
-                 "payload) and frames in the get reply, as `new / " + base + "`.")
+                 "payload; see the CPU table) and frames in the get reply, as `new / " + base + "`.")
         L.append("")
         L.append(f"| workload | system | put GB/s new / {base} | ratio | get GB/s new / {base} | ratio | "
                  "stowd CPU s/GiB, put | stowd CPU s/GiB, get | stowd transient, put | stowd transient, get | "
@@ -762,12 +772,15 @@ def report(S, wls, meta, systems):
     L.append("")
     L.append("CPU: seconds of user + system time per GiB moved, server (stowd or the TransferQueue units) "
              "and client (the benchmark process). Stowd transient: peak RSS minus (RSS before + the bytes "
-             "stowd kept, from the `bytes` delta of its `stats`), over the payload"
+             "stowd kept, from the `bytes` delta of its `stats`, as far as they show in its RSS after the "
+             "operation: a same-node put keeps rows in a segment the client wrote), over the payload"
              + (" (pools off, so this is what the operation allocated and freed)" if no_pools else
                 " (with the reuse pools on, a repeated put reuses pooled memory and this can go below 0: "
                 "run with --no-pools for the transient of the issue)")
              + ". Get reply: data frames (tcp) or shared-memory frames and distinct segments (same node); "
-             "copied: the `copied_bytes` delta of stowd's `stats` across the operation.")
+             "copied: the `copied_bytes` delta of stowd's `stats` across the operation (stowd ef17a9b counts "
+             "there only the copies of put-side gathers and of packing for remote units, not the copy a "
+             "native get makes to join rows into one reply frame).")
     L.append("")
     L.append("| workload | system | server CPU s/GiB, put | server CPU s/GiB, get | client CPU s/GiB, put | "
              "client CPU s/GiB, get | stowd transient, put | stowd transient, first put | "
@@ -962,7 +975,7 @@ def main():
             line += "  cpu s/GiB " + " ".join(f"{k}={v[2] / (nbytes / 2**30):.3f}" for k, v in roles.items())
         if extra:
             if "kept" in extra and "server" in roles:
-                line += f"  stowd transient/payload={(roles['server'][0] - extra['kept']) / nbytes:.3f}"
+                line += f"  stowd transient/payload={transient(roles['server'], extra['kept']) / nbytes:.3f}"
             line += "".join(f" {k}={extra[k]}" for k in ("frames", "segments", "copied") if k in extra)
         print(f"  {system:17s} {w.name:11s} {op:4s} {t * 1e3:10.1f} ms {nbytes / t / 1e9:9.3f} GB/s{line}",
               flush=True)
