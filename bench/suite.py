@@ -627,6 +627,9 @@ def summarize(results, reps):
             tr = [transient(r["mem"]["server"], e["kept"]) for r, e in zip(rs, ex)]
             s["server_transient"] = med(tr) / nb
             s["server_first_transient"] = tr[0] / nb
+            # what stayed in stowd's RSS beyond the payload it kept (its index, per-row overhead)
+            s["server_overhead"] = med(r["mem"]["server"][1] - max(0, e["kept"]) for r, e in zip(rs, ex)) / nb
+            s["server_first_overhead"] = (rs[0]["mem"]["server"][1] - max(0, ex[0]["kept"])) / nb
         for k in ("copied", "frames", "segments", "kept"):
             if k in ex[0]:
                 s[k] = med(e[k] for e in ex)
@@ -777,16 +780,18 @@ def report(S, wls, meta, systems):
              + (" (pools off, so this is what the operation allocated and freed)" if no_pools else
                 " (with the reuse pools on, a repeated put reuses pooled memory and this can go below 0: "
                 "run with --no-pools for the transient of the issue)")
-             + ". Get reply: data frames (tcp) or shared-memory frames and distinct segments (same node); "
+             + ". Stowd RSS kept beyond payload: RSS after the put minus RSS before minus the bytes kept, "
+             "over the payload (its index and per-row overhead; with pools on, a repeated put can reuse "
+             "memory and show less). Get reply: data frames (tcp) or shared-memory frames and distinct segments (same node); "
              "copied: the `copied_bytes` delta of stowd's `stats` across the operation (stowd ef17a9b counts "
              "there only the copies of put-side gathers and of packing for remote units, not the copy a "
              "native get makes to join rows into one reply frame).")
     L.append("")
     L.append("| workload | system | server CPU s/GiB, put | server CPU s/GiB, get | client CPU s/GiB, put | "
              "client CPU s/GiB, get | stowd transient, put | stowd transient, first put | "
-             "stowd transient, get | get reply frames | get reply segments | copied MiB, put | "
-             "copied MiB, get |")
-    L.append("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+             "stowd transient, get | stowd RSS kept beyond payload, put | same, first put | "
+             "get reply frames | get reply segments | copied MiB, put | copied MiB, get |")
+    L.append("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for w in wls:
         for sname in systems:
             p, g = S.get((sname, w.name, "put")), S.get((sname, w.name, "get"))
@@ -797,6 +802,7 @@ def report(S, wls, meta, systems):
             L.append(f"| {w.name} | {sname} | {f(p, 'server_cpu')} | {f(g, 'server_cpu')} | "
                      f"{f(p, 'client_cpu')} | {f(g, 'client_cpu')} | {f(p, 'server_transient')} | "
                      f"{f(p, 'server_first_transient')} | {f(g, 'server_transient')} | "
+                     f"{f(p, 'server_overhead')} | {f(p, 'server_first_overhead')} | "
                      f"{f(g, 'frames', '{:,.0f}')} | {f(g, 'segments', '{:,.0f}')} | {mib(p)} | {mib(g)} |")
     L.append("")
     L.append("### Machine limits for the same sizes")
