@@ -341,14 +341,14 @@ def stowage_rep(sysname, w, c, stowd, rec):
     s0 = c.stats()
     t, _, mem = measure(lambda: c.put(idx, w.fields), pids)
     s1 = c.stats()
-    rec(sysname, w, "put", t, mem, extra={"kept": s1["bytes"] - s0["bytes"],
+    rec(sysname, w, "put", t, mem, extra={"kept": s1["bytes"] - s0["bytes"], "same_node": c.same_node,
                                           "copied": s1["copied_bytes"] - s0["copied_bytes"]})
     t, got, mem = measure(lambda: c.get(w.get_pos, names), pids)
     shape = dict(c.last_reply)
     s2 = c.stats()
     check_stowage(w, got)
     del got
-    rec(sysname, w, "get", t, mem, extra={"kept": s2["bytes"] - s1["bytes"],
+    rec(sysname, w, "get", t, mem, extra={"kept": s2["bytes"] - s1["bytes"], "same_node": c.same_node,
                                           "copied": s2["copied_bytes"] - s1["copied_bytes"], **shape})
     c.clear(idx)
     if c.same_node:
@@ -590,13 +590,27 @@ def run_limits(w, reps, rec):
 # ------------------------------------------------------------------ report
 
 
-def transient(mem, kept):
+def kept_in_rss(mem, extra):
+    """Of the bytes stowd kept in an operation (the `bytes` delta of its
+    stats), those in its RSS: none for a same-node put (the rows stay in the
+    shared-memory segment the client wrote, which stowd does not touch);
+    otherwise the received frames, as far as RSS grew (with the reuse pools
+    on, a repeated put refills memory already counted before it)."""
+    if extra.get("same_node"):
+        return 0
+    return min(max(0, extra["kept"]), max(0, mem[1]))
+
+
+def transient(mem, extra):
     """Stowd's transient memory in one operation: peak RSS - (RSS before +
-    payload kept), from mem = (peak - before, after - before, cpu) and the
-    bytes stowd's `stats` says it kept. Kept bytes count only as far as they
-    are in stowd's RSS after the operation: a same-node put keeps rows in a
-    shared-memory segment the client wrote, which stowd's RSS does not show."""
-    return mem[0] - min(max(0, kept), max(0, mem[1]))
+    payload kept), from mem = (peak - before, after - before, cpu)."""
+    return mem[0] - kept_in_rss(mem, extra)
+
+
+def overhead(mem, extra):
+    """What stayed in stowd's RSS beyond the payload it kept: its index and
+    per-row bookkeeping (RSS after - RSS before - payload kept)."""
+    return mem[1] - kept_in_rss(mem, extra)
 
 
 def summarize(results, reps):
@@ -622,14 +636,16 @@ def summarize(results, reps):
                 s[f"{role}_after"] = med(r["mem"][role][1] for r in rs) / nb
                 if len(rs[0]["mem"][role]) > 2:
                     s[f"{role}_cpu"] = med(r["mem"][role][2] for r in rs) / (nb / 2**30)
-        ex = [r.get("extra") or {} for r in rs]
+        ex = [dict(r.get("extra") or {}) for r in rs]
+        for e in ex:  # results written before same_node was recorded
+            e.setdefault("same_node", key[0].startswith("stowage-shm"))
         if "kept" in ex[0] and "server" in rs[0]["mem"]:
-            tr = [transient(r["mem"]["server"], e["kept"]) for r, e in zip(rs, ex)]
+            tr = [transient(r["mem"]["server"], e) for r, e in zip(rs, ex)]
             s["server_transient"] = med(tr) / nb
             s["server_first_transient"] = tr[0] / nb
-            # what stayed in stowd's RSS beyond the payload it kept (its index, per-row overhead)
-            s["server_overhead"] = med(r["mem"]["server"][1] - max(0, e["kept"]) for r, e in zip(rs, ex)) / nb
-            s["server_first_overhead"] = (rs[0]["mem"]["server"][1] - max(0, ex[0]["kept"])) / nb
+            ov = [overhead(r["mem"]["server"], e) for r, e in zip(rs, ex)]
+            s["server_overhead"] = med(ov) / nb
+            s["server_first_overhead"] = ov[0] / nb
         for k in ("copied", "frames", "segments", "kept"):
             if k in ex[0]:
                 s[k] = med(e[k] for e in ex)
@@ -774,15 +790,16 @@ def report(S, wls, meta, systems):
     L.append("### CPU, transient memory and reply shape per system")
     L.append("")
     L.append("CPU: seconds of user + system time per GiB moved, server (stowd or the TransferQueue units) "
-             "and client (the benchmark process). Stowd transient: peak RSS minus (RSS before + the bytes "
-             "stowd kept, from the `bytes` delta of its `stats`, as far as they show in its RSS after the "
-             "operation: a same-node put keeps rows in a segment the client wrote), over the payload"
-             + (" (pools off, so this is what the operation allocated and freed)" if no_pools else
-                " (with the reuse pools on, a repeated put reuses pooled memory and this can go below 0: "
-                "run with --no-pools for the transient of the issue)")
-             + ". Stowd RSS kept beyond payload: RSS after the put minus RSS before minus the bytes kept, "
-             "over the payload (its index and per-row overhead; with pools on, a repeated put can reuse "
-             "memory and show less). Get reply: data frames (tcp) or shared-memory frames and distinct segments (same node); "
+             "and client (the benchmark process). Stowd transient: peak RSS minus (RSS before + the payload "
+             "stowd kept in its RSS), over the payload. Payload kept: the `bytes` delta of stowd's `stats`, "
+             "as far as RSS grew by it (with the reuse pools on, a repeated put refills memory already "
+             "counted before it), and none for a same-node put (its rows stay in the segment the client "
+             "wrote, which is not in stowd's RSS). By this definition, index memory that a put keeps counts "
+             "as transient too; \"stowd RSS kept beyond payload\" (RSS after - RSS before - payload kept in "
+             "RSS) shows it apart"
+             + (". The reuse pools are off: this is what the operation allocated" if no_pools else
+                ". The reuse pools are on: run with --no-pools for the transient of the issue")
+             + ". Get reply: data frames (tcp) or shared-memory frames and distinct segments (same node); "
              "copied: the `copied_bytes` delta of stowd's `stats` across the operation (stowd ef17a9b counts "
              "there only the copies of put-side gathers and of packing for remote units, not the copy a "
              "native get makes to join rows into one reply frame).")
@@ -981,7 +998,7 @@ def main():
             line += "  cpu s/GiB " + " ".join(f"{k}={v[2] / (nbytes / 2**30):.3f}" for k, v in roles.items())
         if extra:
             if "kept" in extra and "server" in roles:
-                line += f"  stowd transient/payload={transient(roles['server'], extra['kept']) / nbytes:.3f}"
+                line += f"  stowd transient/payload={transient(roles['server'], extra) / nbytes:.3f}"
             line += "".join(f" {k}={extra[k]}" for k in ("frames", "segments", "copied") if k in extra)
         print(f"  {system:17s} {w.name:11s} {op:4s} {t * 1e3:10.1f} ms {nbytes / t / 1e9:9.3f} GB/s{line}",
               flush=True)
