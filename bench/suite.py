@@ -941,7 +941,9 @@ def main():
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--tq-python", help="python of a venv with transferqueue==0.1.11 (+ matplotlib)")
     ap.add_argument("--setup-tq", metavar="DIR", help="create (or reuse) that venv at DIR first")
-    ap.add_argument("--stowd", default=os.path.join(ROOT, "target", "release", "stowd"))
+    ap.add_argument("--stowd", default=os.path.join(os.environ.get("CARGO_TARGET_DIR") or os.path.join(ROOT, "target"),
+                                                    "release", "stowd"),
+                    help="the stowd binary (default: $CARGO_TARGET_DIR or target/, then release/stowd)")
     ap.add_argument("--stowd-plugins", metavar="DIR",
                     help="plugin directory of --stowd (default: stowd's own: <binary dir>/../plugins)")
     ap.add_argument("--stowd-base", metavar="STOWD",
