@@ -10,18 +10,32 @@ Systems
   tq              TransferQueue's own client + storage manager -> 4 of its
                   SimpleStorageUnits in a separate process (no Ray: the
                   classes are built through __ray_metadata__.modified_class)
-stowd runs once with 4 local units (`[units] local = 4`): rows go g % 4.
-TransferQueue's controller lives in the benchmark process (both tq rows).
+stowd runs with 4 local units (`[units] local = 4`: rows go g % 4), a fresh
+process per workload. TransferQueue's controller lives in the benchmark
+process (both tq rows).
+
+Two stowd binaries in one run: --stowd-base BIN (labelled --base-label,
+default "today") adds stowage-tcp@today and stowage-shm@today, the same
+clients against the baseline stowd, which runs beside the new one through
+each workload; their repetitions alternate, and the report gives new / today
+ratios. --no-pools starts every stowd with `[limits] receive_pool_bytes = 0`
+and `[shm] reuse_bytes = 0`, so the memory an operation allocates shows in
+its peak RSS.
 
 Limits, for the same payload sizes: numpy copy into a reused buffer and
 into fresh pages; pyzmq tcp loopback to another process with the messages
 shaped as TransferQueue sends them (put: one frame per field; get: one frame
-per row); shared memory (/dev/shm) write + read.
+per row); shared memory (/dev/shm) write + read; a plain tcp stream (one
+loopback socket to another process, one sender, the receiver reading with
+recv_into into one reused preallocated buffer).
 
-For every operation: time, and the peak RSS above its baseline of every
-process involved (VmHWM reset through /proc/PID/clear_refs), as a ratio to
-the payload. Median of --reps. Writes a section of docs/benchmarks.md and
-docs/img/suite_*.png.
+For every operation: time, the peak RSS above its baseline of every process
+involved (VmHWM reset through /proc/PID/clear_refs) as a ratio to the
+payload, and each process's CPU time (user + sys from /proc/PID/stat) per
+GiB moved. For stowage systems also, from stowd's `stats` around each
+operation: the bytes stowd kept (so its transient memory = peak - kept) and
+copied, and the frames of the get reply. Median of --reps. Writes a section
+of docs/benchmarks.md and docs/img/suite_*.png.
 
 TransferQueue needs torch (~6 GB): the suite re-runs itself under
 --tq-python (a venv with transferqueue==0.1.11 and matplotlib), or makes one
@@ -29,6 +43,8 @@ with --setup-tq DIR.
 
 usage: python3 bench/suite.py --tq-python /work/tqenv/bin/python [--scale 1] [--reps 3]
        python3 bench/suite.py --setup-tq /tmp/tqenv [--scale 0.1]
+       python3 bench/suite.py --tq-python PY --stowd NEW/stowd --stowd-base OLD/stowd
+           --stowd-base-plugins OLD/plugins [--no-pools] [--doc ''] [--json out.json]
 """
 import argparse
 import datetime
@@ -103,19 +119,34 @@ def trim():
         pass
 
 
+def cpu_seconds(pid):
+    """User + system CPU time of process `pid` (all its threads, live and
+    exited), seconds, from /proc/PID/stat (clock-tick resolution, 10 ms)."""
+    with open(f"/proc/{pid}/stat") as f:
+        s = f.read()
+    rest = s[s.rindex(")") + 2:].split()  # fields from 3 (state) on
+    return (int(rest[11]) + int(rest[12])) / CLK_TCK  # fields 14 utime, 15 stime
+
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
 def measure(fn, pids):
-    """fn() -> (seconds, result, {pid: (peak over before, after over before)})."""
+    """fn() -> (seconds, result, {pid: (peak over before, after over before,
+    CPU seconds during fn)})."""
     trim()
     base = {p: status(p)["VmRSS"] for p in pids}
     for p in pids:
         reset_peak(p)
+    cpu0 = {p: cpu_seconds(p) for p in pids}
     t = time.perf_counter()
     r = fn()
     took = time.perf_counter() - t
     mem = {}
     for p in pids:
+        cpu = cpu_seconds(p) - cpu0[p]
         s = status(p)
-        mem[p] = (s["VmHWM"] - base[p], s["VmRSS"] - base[p])
+        mem[p] = (s["VmHWM"] - base[p], s["VmRSS"] - base[p], cpu)
     return took, r, mem
 
 
@@ -197,11 +228,22 @@ def make_workloads(scale, names):
 
 
 class Stowd:
-    def __init__(self, binary, tmp):
+    """One stowd with 4 local units; `no_pools` turns off the reuse of
+    cleared memory (`[limits] receive_pool_bytes = 0`, `[shm] reuse_bytes =
+    0`), so what a put or get allocates shows in its peak RSS."""
+
+    def __init__(self, binary, tmp, plugins=None, no_pools=False):
+        os.makedirs(tmp, exist_ok=True)
         cfg = os.path.join(tmp, "stowd.toml")
         self.eps_path = os.path.join(tmp, "stowd.json")
+        self.binary = binary
+        text = "[units]\nlocal = 4\n"
+        if plugins:
+            text += f"\n[plugins]\ndir = {json.dumps(os.path.abspath(plugins))}\n"
+        if no_pools:
+            text += "\n[limits]\nreceive_pool_bytes = 0\n\n[shm]\nreuse_bytes = 0\n"
         with open(cfg, "w") as f:
-            f.write("[units]\nlocal = 4\n")
+            f.write(text)
         self.proc = subprocess.Popen(
             [binary, "serve", "--config", cfg, "--endpoints-file", self.eps_path],
             stdout=subprocess.DEVNULL, stderr=open(os.path.join(tmp, "stowd.log"), "w"),
@@ -216,9 +258,19 @@ class Stowd:
             self.ep = json.load(f)
         self.pid = self.proc.pid
 
+    def plugins_loaded(self):
+        """Names of the plugins this stowd loaded (from the native stats)."""
+        import stowage
+        with stowage.Client(self.ep["native"], timeout=60) as c:
+            return sorted(k[len("plugin."):] for k in c.stats() if k.startswith("plugin."))
+
     def stop(self):
         self.proc.send_signal(signal.SIGTERM)
-        self.proc.wait(timeout=60)
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
 
 TQ_UNITS = r"""
@@ -254,29 +306,53 @@ class TQUnits:
 # ------------------------------------------------------------------ systems
 
 
-def run_stowage(w, stowd, same_node, reps, rec):
+def stowage_client(stowd, same_node):
+    """A stowage client to `stowd` that notes the shape of each reply: the
+    number of data frames (socket frames, or shared-memory frames listed in
+    the envelope) and of distinct segments, in `c.last_reply`."""
     import stowage
     if same_node:
         c = stowage.Client(stowd.ep["native"], timeout=900, same_node=True, shm_dir=stowd.ep["shm_dir"])
     else:
         c = stowage.Client(stowd.ep["native"], timeout=900, max_message_bytes=256 << 20)
-    sysname = "stowage-shm" if same_node else "stowage-tcp"
+    orig = c._reply_frames
+    c.last_reply = {}
+
+    def counting(env, frames):
+        if "segments" in env:
+            segs = env["segments"]
+            c.last_reply = {"frames": len(segs), "segments": len({x[0] for x in segs if isinstance(x, list) and x})}
+        else:
+            c.last_reply = {"frames": len(frames) - 1, "segments": 0}
+        return orig(env, frames)
+
+    c._reply_frames = counting
+    return c
+
+
+def stowage_rep(sysname, w, c, stowd, rec):
+    """One put, get (checked) and clear. Besides time and memory, records
+    from stowd's `stats` before and after each op: bytes it keeps (`bytes`
+    delta), bytes it copied (`copied_bytes` delta), and for the get the
+    reply's frames."""
     idx = list(range(w.n))
-    gidx = w.get_pos
     names = list(w.fields)
     pids = [os.getpid(), stowd.pid]
-    try:
-        for _ in range(reps):
-            rec(sysname, w, "put", *measure(lambda: c.put(idx, w.fields), pids)[::2])
-            t, got, mem = measure(lambda: c.get(gidx, names), pids)
-            check_stowage(w, got)
-            del got
-            rec(sysname, w, "get", t, mem)
-            c.clear(idx)
-            if same_node:
-                c.release_segments()
-    finally:
-        c.close()
+    s0 = c.stats()
+    t, _, mem = measure(lambda: c.put(idx, w.fields), pids)
+    s1 = c.stats()
+    rec(sysname, w, "put", t, mem, extra={"kept": s1["bytes"] - s0["bytes"], "same_node": c.same_node,
+                                          "copied": s1["copied_bytes"] - s0["copied_bytes"]})
+    t, got, mem = measure(lambda: c.get(w.get_pos, names), pids)
+    shape = dict(c.last_reply)
+    s2 = c.stats()
+    check_stowage(w, got)
+    del got
+    rec(sysname, w, "get", t, mem, extra={"kept": s2["bytes"] - s1["bytes"], "same_node": c.same_node,
+                                          "copied": s2["copied_bytes"] - s1["copied_bytes"], **shape})
+    c.clear(idx)
+    if c.same_node:
+        c.release_segments()
 
 
 def check_stowage(w, got):
@@ -372,6 +448,80 @@ while True:
 """
 
 
+TCP_PEER = r"""
+import socket, sys
+size = int(sys.argv[1])
+buf = bytearray(size)  # ONE preallocated buffer (zero-filled: its pages are touched), reused
+mv = memoryview(buf)
+srv = socket.socket()
+srv.bind(("127.0.0.1", 0))
+srv.listen(1)
+print(srv.getsockname()[1], flush=True)
+c, _ = srv.accept()
+c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+hdr = bytearray(9)
+
+def recv_exact(m):
+    got = 0
+    while got < len(m):
+        k = c.recv_into(m[got:])
+        if not k:
+            raise EOFError
+        got += k
+
+while True:
+    recv_exact(memoryview(hdr))
+    op, n = hdr[0:1], int.from_bytes(hdr[1:], "little")
+    if op == b"q":
+        break
+    if op == b"p":  # put: n bytes into the reused buffer, then a 1-byte ack
+        recv_exact(mv[:n])
+        c.sendall(b"k")
+    else:  # get: n bytes from the buffer
+        c.sendall(mv[:n])
+"""
+
+
+def tcp_stream(w, reps, rec):
+    """The plain tcp limit: one socket on 127.0.0.1 to another process, one
+    sender, the receiver reading with recv_into into one reused preallocated
+    buffer. put = the put payload to the peer + a 1-byte ack; get = a
+    9-byte request + the get payload from the peer."""
+    import socket
+    P, G = w.put_bytes, w.get_bytes
+    peer = subprocess.Popen([sys.executable, "-c", TCP_PEER, str(max(P, G))], stdout=subprocess.PIPE, text=True)
+    port = int(peer.stdout.readline())
+    s = socket.create_connection(("127.0.0.1", port))
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    src = memoryview(bytearray(b"\x01") * P)  # sender's payload, touched
+    dst = memoryview(bytearray(G))  # the client's one reused receive buffer
+    ack = bytearray(1)
+
+    def recv_exact(m):
+        got = 0
+        while got < len(m):
+            k = s.recv_into(m[got:])
+            if not k:
+                raise EOFError("tcp peer closed")
+            got += k
+
+    try:
+        for _ in range(reps):
+            t = time.perf_counter()
+            s.sendall(b"p" + P.to_bytes(8, "little"))
+            s.sendall(src)
+            recv_exact(memoryview(ack))
+            rec("tcp stream", w, "put", time.perf_counter() - t, {}, nbytes=P)
+            t = time.perf_counter()
+            s.sendall(b"g" + G.to_bytes(8, "little"))
+            recv_exact(dst)
+            rec("tcp stream", w, "get", time.perf_counter() - t, {}, nbytes=G)
+        s.sendall(b"q" + bytes(8))
+    finally:
+        s.close()
+        peer.wait(timeout=30)
+
+
 def run_limits(w, reps, rec):
     import numpy as np
     import zmq
@@ -434,13 +584,40 @@ def run_limits(w, reps, rec):
         s.close(0)
         ctx.term()
         peer.wait(timeout=30)
+    tcp_stream(w, reps, rec)
 
 
 # ------------------------------------------------------------------ report
 
 
+def kept_in_rss(mem, extra):
+    """Of the bytes stowd kept in an operation (the `bytes` delta of its
+    stats), those in its RSS: none for a same-node put (the rows stay in the
+    shared-memory segment the client wrote, which stowd does not touch);
+    otherwise the received frames, as far as RSS grew (with the reuse pools
+    on, a repeated put refills memory already counted before it)."""
+    if extra.get("same_node"):
+        return 0
+    return min(max(0, extra["kept"]), max(0, mem[1]))
+
+
+def transient(mem, extra):
+    """Stowd's transient memory in one operation: peak RSS - (RSS before +
+    payload kept), from mem = (peak - before, after - before, cpu)."""
+    return mem[0] - kept_in_rss(mem, extra)
+
+
+def overhead(mem, extra):
+    """What stayed in stowd's RSS beyond the payload it kept: its index and
+    per-row bookkeeping (RSS after - RSS before - payload kept)."""
+    return mem[1] - kept_in_rss(mem, extra)
+
+
 def summarize(results, reps):
-    """results: list of dicts -> {(system, workload, op): summary}."""
+    """results: list of dicts -> {(system, workload, op): summary}. Memory
+    figures are over the payload; `*_cpu` are CPU seconds per GiB moved;
+    `server_transient` is stowd's peak RSS over its RSS before, less the
+    bytes it kept (the `bytes` delta of its stats), over the payload."""
     med = statistics.median
     groups = {}
     for r in results:
@@ -448,14 +625,30 @@ def summarize(results, reps):
     out = {}
     for key, rs in groups.items():
         t = med(r["t"] for r in rs)
-        s = {"t": t, "gbs": rs[0]["nbytes"] / t / 1e9, "nbytes": rs[0]["nbytes"], "n": len(rs),
+        nb = rs[0]["nbytes"]
+        s = {"t": t, "gbs": nb / t / 1e9, "nbytes": nb, "n": len(rs),
              # the first repetition: nothing freed by an earlier one to reuse
-             "first_gbs": rs[0]["nbytes"] / rs[0]["t"] / 1e9}
+             "first_gbs": nb / rs[0]["t"] / 1e9}
         for role in ("client", "server"):
             if role in rs[0]["mem"]:
-                s[f"{role}_first_peak"] = rs[0]["mem"][role][0] / rs[0]["nbytes"]
-                s[f"{role}_peak"] = med(r["mem"][role][0] for r in rs) / rs[0]["nbytes"]
-                s[f"{role}_after"] = med(r["mem"][role][1] for r in rs) / rs[0]["nbytes"]
+                s[f"{role}_first_peak"] = rs[0]["mem"][role][0] / nb
+                s[f"{role}_peak"] = med(r["mem"][role][0] for r in rs) / nb
+                s[f"{role}_after"] = med(r["mem"][role][1] for r in rs) / nb
+                if len(rs[0]["mem"][role]) > 2:
+                    s[f"{role}_cpu"] = med(r["mem"][role][2] for r in rs) / (nb / 2**30)
+        ex = [dict(r.get("extra") or {}) for r in rs]
+        for e in ex:  # results written before same_node was recorded
+            e.setdefault("same_node", key[0].startswith("stowage-shm"))
+        if "kept" in ex[0] and "server" in rs[0]["mem"]:
+            tr = [transient(r["mem"]["server"], e) for r, e in zip(rs, ex)]
+            s["server_transient"] = med(tr) / nb
+            s["server_first_transient"] = tr[0] / nb
+            ov = [overhead(r["mem"]["server"], e) for r, e in zip(rs, ex)]
+            s["server_overhead"] = med(ov) / nb
+            s["server_first_overhead"] = ov[0] / nb
+        for k in ("copied", "frames", "segments", "kept"):
+            if k in ex[0]:
+                s[k] = med(e[k] for e in ex)
         out[key] = s
     return out
 
@@ -472,7 +665,13 @@ def pg(S, system, w):
     return (p["nbytes"] + g["nbytes"]) / (p["t"] + g["t"]) / 1e9
 
 
+def ratio(a, b):
+    return f"{a / b:.2f}x" if a and b else "n/a"
+
+
 def report(S, wls, meta, systems):
+    base = meta.get("base_label")
+    no_pools = meta.get("no_pools")
     L = []
     L.append(BEGIN)
     L.append("## Side by side: Stowage, TransferQueue 0.1.11 and the machine's limits")
@@ -485,17 +684,29 @@ def report(S, wls, meta, systems):
         L.append("")
     L.append(f"Date {meta['date']}. Machine: {meta['machine']}. Versions: {meta['versions']}. "
              f"Median of {meta['reps']} repetitions, all in one run of `bench/suite.py`."
-             + (f" {meta['load']}." if meta.get("load") else ""))
+             + (f" {meta['load']}." if meta.get("load") else "")
+             + (" Plugins loaded: " + "; ".join(f"{k}: {', '.join(v) or 'none (built-in only)'}"
+                                                for k, v in meta["plugins"].items()) + "."
+                if meta.get("plugins") else ""))
     L.append("")
     L.append("Systems: **stowage-tcp** the `stowage` client to stowd's native endpoint over tcp; "
-             "**stowage-shm** the same client in same-node mode (shared memory); **tq->stowd** "
+             "**stowage-shm** the same client in same-node mode (shared memory); "
+             + (f"**stowage-tcp@{base}**, **stowage-shm@{base}** the same against the baseline stowd "
+                "(`--stowd-base`), which runs beside the new one through each workload, repetitions "
+                "alternating between the two; " if base else "")
+             + "**tq->stowd** "
              "TransferQueue's own `TransferQueueClient` and `AsyncSimpleStorageManager` (adapter backend "
              "`Stowage`) to stowd's router, which routes `g % 4` to 4 units; **tq** TransferQueue's own "
              "client and storage manager to 4 of its `SimpleStorageUnit`s in a separate process (no Ray). "
-             "stowd: release build, `[units] local = 4`. TransferQueue's controller runs in the benchmark "
+             "stowd: release build, `[units] local = 4`, a fresh process per workload"
+             + (", with `[limits] receive_pool_bytes = 0` and `[shm] reuse_bytes = 0` (no reuse pools)"
+                if no_pools else "")
+             + ". TransferQueue's controller runs in the benchmark "
              "process; its get time is `get_data` only (not `get_meta`). Peak RSS: each process's VmHWM "
              "(reset through `/proc/PID/clear_refs`) minus its RSS before the operation, over the payload; "
-             "client = the benchmark process, server = stowd or the TransferQueue units process.")
+             "client = the benchmark process, server = stowd or the TransferQueue units process. CPU: "
+             "user + system time of the process (all threads) from `/proc/PID/stat` before and after the "
+             "operation (10 ms ticks), per GiB moved.")
     L.append("")
     L.append("Workloads:")
     for w in wls:
@@ -504,31 +715,65 @@ def report(S, wls, meta, systems):
     L.append("")
     L.append("### Headline ratios")
     L.append("")
-    L.append("put+get throughput = (bytes put + bytes got) / (put time + get time).")
+    L.append("put+get throughput = (bytes put + bytes got) / (put time + get time). tcp stream: the plain "
+             "tcp limit (one loopback socket, one sender, recv_into one reused buffer; see the limits).")
     L.append("")
     L.append("| workload | tq put+get GB/s | stowage-tcp / tq | stowage-shm / tq | tq->stowd / tq | "
-             "stowage-shm / stowage-tcp | stowage-tcp / pyzmq limit |")
-    L.append("|---|---:|---:|---:|---:|---:|---:|")
+             "stowage-shm / stowage-tcp | stowage-tcp / pyzmq limit | stowage-tcp put / tcp stream | "
+             "stowage-tcp get / tcp stream |")
+    L.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    gbs = lambda s, w, op: S.get((s, w, op), {}).get("gbs")  # noqa: E731
     for w in wls:
         tq = pg(S, "tq", w.name)
         tcp, shm, tqs = pg(S, "stowage-tcp", w.name), pg(S, "stowage-shm", w.name), pg(S, "tq->stowd", w.name)
         zl = pg(S, "pyzmq loopback", w.name)
-        r = lambda a, b: f"{a / b:.2f}x" if a and b else "n/a"  # noqa: E731
-        L.append(f"| {w.name} | {fmt_gbs(tq) if tq else 'n/a'} | {r(tcp, tq)} | {r(shm, tq)} | {r(tqs, tq)} | "
-                 f"{r(shm, tcp)} | {r(tcp, zl)} |")
+        L.append(f"| {w.name} | {fmt_gbs(tq) if tq else 'n/a'} | {ratio(tcp, tq)} | {ratio(shm, tq)} | "
+                 f"{ratio(tqs, tq)} | {ratio(shm, tcp)} | {ratio(tcp, zl)} | "
+                 f"{ratio(gbs('stowage-tcp', w.name, 'put'), gbs('tcp stream', w.name, 'put'))} | "
+                 f"{ratio(gbs('stowage-tcp', w.name, 'get'), gbs('tcp stream', w.name, 'get'))} |")
     L.append("")
+    if base:
+        L.append(f"### New stowd vs {base}")
+        L.append("")
+        L.append(f"new / {base} of throughput (above 1: new is faster), and each one's stowd CPU per GiB "
+                 "moved, stowd transient memory (peak RSS - RSS before - bytes stowd kept, over the "
+                 "payload; see the CPU table) and frames in the get reply, as `new / " + base + "`.")
+        L.append("")
+        L.append(f"| workload | system | put GB/s new / {base} | ratio | get GB/s new / {base} | ratio | "
+                 "stowd CPU s/GiB, put | stowd CPU s/GiB, get | stowd transient, put | stowd transient, get | "
+                 "get reply frames |")
+        L.append("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for w in wls:
+            for kind in ("stowage-tcp", "stowage-shm"):
+                n = {op: S.get((kind, w.name, op)) for op in ("put", "get")}
+                b = {op: S.get((f"{kind}@{base}", w.name, op)) for op in ("put", "get")}
+                if not all(n.values()) or not all(b.values()):
+                    continue
+                two = lambda k, op, f="{:.3f}": (f"{f.format(n[op][k])} / {f.format(b[op][k])}"  # noqa: E731
+                                                  if k in n[op] and k in b[op] else "n/a")
+                L.append(f"| {w.name} | {kind} | {fmt_gbs(n['put']['gbs'])} / {fmt_gbs(b['put']['gbs'])} | "
+                         f"{ratio(n['put']['gbs'], b['put']['gbs'])} | "
+                         f"{fmt_gbs(n['get']['gbs'])} / {fmt_gbs(b['get']['gbs'])} | "
+                         f"{ratio(n['get']['gbs'], b['get']['gbs'])} | {two('server_cpu', 'put')} | "
+                         f"{two('server_cpu', 'get')} | {two('server_transient', 'put')} | "
+                         f"{two('server_transient', 'get')} | {two('frames', 'get', '{:,.0f}')} |")
+        L.append("")
     L.append("### Throughput and peak memory per system")
     L.append("")
-    L.append("Medians, and the first repetition's put apart: stowd keeps the memory of cleared rows for "
-             "the next put (`[limits] receive_pool_bytes`, `[shm] reuse_bytes`), so the first put of a run "
-             "faults in fresh pages and later ones mostly do not; and the memory a repeated put reuses was "
-             "already in stowd's RSS before it, so it does not show as growth (\"server peak, first put\" "
-             "is the cold figure).")
+    if no_pools:
+        L.append("Medians, and the first repetition's put apart. The reuse pools are off, so every put "
+                 "faults in fresh pages.")
+    else:
+        L.append("Medians, and the first repetition's put apart: stowd keeps the memory of cleared rows for "
+                 "the next put (`[limits] receive_pool_bytes`, `[shm] reuse_bytes`), so the first put into "
+                 "a fresh stowd faults in fresh pages and later ones mostly do not; and the memory a repeated "
+                 "put reuses was already in stowd's RSS before it, so it does not show as growth (\"server "
+                 "peak, first put\" is the cold figure).")
     L.append("")
-    L.append("| workload | system | put GB/s | put GB/s, first rep | get GB/s | put+get GB/s | "
-             "client peak, put / payload | server peak, put | server peak, first put | "
+    L.append("| workload | system | put GB/s | put GB/s, first rep | get GB/s | put+get GB/s | put / tcp stream | "
+             "get / tcp stream | client peak, put / payload | server peak, put | server peak, first put | "
              "transient in put (peak - kept), all processes | client peak, get | server peak, get |")
-    L.append("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    L.append("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for w in wls:
         for sname in systems:
             p, g = S.get((sname, w.name, "put")), S.get((sname, w.name, "get"))
@@ -536,24 +781,65 @@ def report(S, wls, meta, systems):
                 continue
             trans = sum(max(0.0, p[f"{r}_peak"] - max(0.0, p[f"{r}_after"])) for r in ("client", "server"))
             L.append(f"| {w.name} | {sname} | {fmt_gbs(p['gbs'])} | {fmt_gbs(p['first_gbs'])} | "
-                     f"{fmt_gbs(g['gbs'])} | {fmt_gbs(pg(S, sname, w.name))} | {p['client_peak']:.3f} | "
+                     f"{fmt_gbs(g['gbs'])} | {fmt_gbs(pg(S, sname, w.name))} | "
+                     f"{ratio(p['gbs'], gbs('tcp stream', w.name, 'put'))} | "
+                     f"{ratio(g['gbs'], gbs('tcp stream', w.name, 'get'))} | {p['client_peak']:.3f} | "
                      f"{p['server_peak']:.3f} | {p['server_first_peak']:.3f} | "
                      f"{trans:.3f} | {g['client_peak']:.3f} | {g['server_peak']:.3f} |")
+    L.append("")
+    L.append("### CPU, transient memory and reply shape per system")
+    L.append("")
+    L.append("CPU: seconds of user + system time per GiB moved, server (stowd or the TransferQueue units) "
+             "and client (the benchmark process). Stowd transient: peak RSS minus (RSS before + the payload "
+             "stowd kept in its RSS), over the payload. Payload kept: the `bytes` delta of stowd's `stats`, "
+             "as far as RSS grew by it (with the reuse pools on, a repeated put refills memory already "
+             "counted before it), and none for a same-node put (its rows stay in the segment the client "
+             "wrote, which is not in stowd's RSS). By this definition, index memory that a put keeps counts "
+             "as transient too; \"stowd RSS kept beyond payload\" (RSS after - RSS before - payload kept in "
+             "RSS) shows it apart"
+             + (". The reuse pools are off: this is what the operation allocated" if no_pools else
+                ". The reuse pools are on: run with --no-pools for the transient of the issue")
+             + ". Get reply: data frames (tcp) or shared-memory frames and distinct segments (same node); "
+             "copied: the `copied_bytes` delta of stowd's `stats` across the operation (stowd ef17a9b counts "
+             "there only the copies of put-side gathers and of packing for remote units, not the copy a "
+             "native get makes to join rows into one reply frame).")
+    L.append("")
+    L.append("| workload | system | server CPU s/GiB, put | server CPU s/GiB, get | client CPU s/GiB, put | "
+             "client CPU s/GiB, get | stowd transient, put | stowd transient, first put | "
+             "stowd transient, get | stowd RSS kept beyond payload, put | same, first put | "
+             "get reply frames | get reply segments | copied MiB, put | copied MiB, get |")
+    L.append("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for w in wls:
+        for sname in systems:
+            p, g = S.get((sname, w.name, "put")), S.get((sname, w.name, "get"))
+            if not p or not g:
+                continue
+            f = lambda d, k, fm="{:.3f}": fm.format(d[k]) if k in d else "n/a"  # noqa: E731
+            mib = lambda d: f"{d['copied'] / 2**20:,.1f}" if "copied" in d else "n/a"  # noqa: E731
+            L.append(f"| {w.name} | {sname} | {f(p, 'server_cpu')} | {f(g, 'server_cpu')} | "
+                     f"{f(p, 'client_cpu')} | {f(g, 'client_cpu')} | {f(p, 'server_transient')} | "
+                     f"{f(p, 'server_first_transient')} | {f(g, 'server_transient')} | "
+                     f"{f(p, 'server_overhead')} | {f(p, 'server_first_overhead')} | "
+                     f"{f(g, 'frames', '{:,.0f}')} | {f(g, 'segments', '{:,.0f}')} | {mib(p)} | {mib(g)} |")
     L.append("")
     L.append("### Machine limits for the same sizes")
     L.append("")
     L.append("memcpy and shared memory move the put payload as one byte array (shared memory: create a "
              "/dev/shm file, write it, read it back into a reused buffer). pyzmq: tcp loopback to another "
              "process, put = one message with one frame per regular field, get = one frame per row and "
-             "field (TransferQueue's reply shape; frames under 64 KiB are copied by pyzmq).")
+             "field (TransferQueue's reply shape; frames under 64 KiB are copied by pyzmq). tcp stream: one "
+             "tcp socket on 127.0.0.1 to another process, one sender (`sendall` of the payload), the receiver "
+             "reading with `recv_into` into one reused preallocated buffer; put = the put payload to the peer "
+             "and a 1-byte ack, get = a 9-byte request and the get payload back.")
     L.append("")
     L.append("| workload | memcpy reused GB/s | memcpy fresh pages GB/s | shm write+read GB/s | "
-             "pyzmq put GB/s | pyzmq get GB/s |")
-    L.append("|---|---:|---:|---:|---:|---:|")
+             "pyzmq put GB/s | pyzmq get GB/s | tcp stream put GB/s | tcp stream get GB/s |")
+    L.append("|---|---:|---:|---:|---:|---:|---:|---:|")
     for w in wls:
         g = lambda s, op: fmt_gbs(S[(s, w.name, op)]["gbs"]) if (s, w.name, op) in S else "n/a"  # noqa: E731
         L.append(f"| {w.name} | {g('memcpy reused', 'copy')} | {g('memcpy fresh', 'copy')} | "
-                 f"{g('shm write+read', 'copy')} | {g('pyzmq loopback', 'put')} | {g('pyzmq loopback', 'get')} |")
+                 f"{g('shm write+read', 'copy')} | {g('pyzmq loopback', 'put')} | {g('pyzmq loopback', 'get')} | "
+                 f"{g('tcp stream', 'put')} | {g('tcp stream', 'get')} |")
     L.append("")
     L.append("![throughput](img/suite_throughput.png)")
     L.append("")
@@ -591,17 +877,22 @@ def plots(S, wls, systems, imgdir, title_extra):
     import numpy as np
     os.makedirs(imgdir, exist_ok=True)
     colors = {"stowage-tcp": "#1f77b4", "stowage-shm": "#2ca02c", "tq->stowd": "#9467bd", "tq": "#d62728",
-              "pyzmq loopback": "#7f7f7f"}
+              "pyzmq loopback": "#7f7f7f", "tcp stream": "#bcbd22"}
+    light = {"stowage-tcp": "#aec7e8", "stowage-shm": "#98df8a"}
+    for sname in systems:  # the baseline stowd's systems: the lighter shade of the same hue
+        if "@" in sname:
+            colors[sname] = light.get(sname.split("@")[0], "#c7c7c7")
+    limit = ("pyzmq loopback", "tcp stream")
     names = [w.name for w in wls]
     x = np.arange(len(names))
     fig, axes = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
-    shown = systems + ["pyzmq loopback"]
+    shown = systems + list(limit)
     bw = 0.8 / len(shown)
     for ax, op in zip(axes, ("put", "get")):
         for i, s in enumerate(shown):
             v = [S.get((s, n, op), {}).get("gbs", np.nan) for n in names]
             ax.bar(x + (i - (len(shown) - 1) / 2) * bw, v, bw, label=s, color=colors[s],
-                   hatch="//" if s == "pyzmq loopback" else None, alpha=0.55 if s == "pyzmq loopback" else 1)
+                   hatch="//" if s in limit else None, alpha=0.55 if s in limit else 1)
         for n_i, n in enumerate(names):
             for s, ls in (("memcpy reused", "-"), ("shm write+read", ":")):
                 if (s, n, "copy") in S:
@@ -650,7 +941,19 @@ def main():
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--tq-python", help="python of a venv with transferqueue==0.1.11 (+ matplotlib)")
     ap.add_argument("--setup-tq", metavar="DIR", help="create (or reuse) that venv at DIR first")
-    ap.add_argument("--stowd", default=os.path.join(ROOT, "target", "release", "stowd"))
+    ap.add_argument("--stowd", default=os.path.join(os.environ.get("CARGO_TARGET_DIR") or os.path.join(ROOT, "target"),
+                                                    "release", "stowd"),
+                    help="the stowd binary (default: $CARGO_TARGET_DIR or target/, then release/stowd)")
+    ap.add_argument("--stowd-plugins", metavar="DIR",
+                    help="plugin directory of --stowd (default: stowd's own: <binary dir>/../plugins)")
+    ap.add_argument("--stowd-base", metavar="STOWD",
+                    help="a second stowd binary (the baseline): stowage-tcp and stowage-shm run against both, "
+                         "repetitions alternating, and the report gives new / baseline ratios")
+    ap.add_argument("--stowd-base-plugins", metavar="DIR", help="plugin directory of --stowd-base")
+    ap.add_argument("--base-label", default="today", help="name of --stowd-base in the tables (default: today)")
+    ap.add_argument("--no-pools", action="store_true",
+                    help="start stowd with [limits] receive_pool_bytes = 0 and [shm] reuse_bytes = 0, so that "
+                         "transient memory shows in the peak RSS")
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--doc", default=os.path.join(ROOT, "docs", "benchmarks.md"), help="'' to skip")
@@ -663,8 +966,11 @@ def main():
         with open(a.from_json) as f:
             saved = json.load(f)
         meta = saved["meta"]
-        systems = [s for s in a.systems.split(",") if s]
-        wl_meta = [_WMeta(w) for w in make_workloads(meta["scale"], [w for w in a.workloads.split(",") if w])]
+        systems = meta.get("systems") or [s for s in a.systems.split(",") if s]
+        if meta.get("workloads"):
+            wl_meta = [_WMeta(w) for w in meta["workloads"]]
+        else:
+            wl_meta = [_WMeta(w) for w in make_workloads(meta["scale"], [w for w in a.workloads.split(",") if w])]
         S = summarize(saved["results"], meta["reps"])
         write_doc(report(S, wl_meta, meta, systems), a.doc)
         plots(S, wl_meta, systems, a.img, "" if meta["scale"] == 1 else f" (quick run, scale {meta['scale']})")
@@ -678,17 +984,25 @@ def main():
     wls_names = [w for w in a.workloads.split(",") if w]
     results = []
 
-    def rec(system, w, op, t, mem, nbytes=None):
+    def rec(system, w, op, t, mem, nbytes=None, extra=None):
         roles = {}
         for pid, v in mem.items():
             roles["client" if pid == os.getpid() else "server"] = v
         if nbytes is None:
             nbytes = w.put_bytes if op in ("put", "copy") else w.get_bytes
-        results.append({"system": system, "workload": w.name, "op": op, "t": t, "mem": roles, "nbytes": nbytes})
-        extra = ""
+        r = {"system": system, "workload": w.name, "op": op, "t": t, "mem": roles, "nbytes": nbytes}
+        if extra:
+            r["extra"] = extra
+        results.append(r)
+        line = ""
         if roles:
-            extra = "  peak/payload " + " ".join(f"{k}={v[0] / nbytes:.3f}" for k, v in roles.items())
-        print(f"  {system:15s} {w.name:11s} {op:4s} {t * 1e3:10.1f} ms {nbytes / t / 1e9:9.3f} GB/s{extra}",
+            line = "  peak/payload " + " ".join(f"{k}={v[0] / nbytes:.3f}" for k, v in roles.items())
+            line += "  cpu s/GiB " + " ".join(f"{k}={v[2] / (nbytes / 2**30):.3f}" for k, v in roles.items())
+        if extra:
+            if "kept" in extra and "server" in roles:
+                line += f"  stowd transient/payload={transient(roles['server'], extra) / nbytes:.3f}"
+            line += "".join(f" {k}={extra[k]}" for k in ("frames", "segments", "copied") if k in extra)
+        print(f"  {system:17s} {w.name:11s} {op:4s} {t * 1e3:10.1f} ms {nbytes / t / 1e9:9.3f} GB/s{line}",
               flush=True)
 
     started = time.time()
@@ -704,41 +1018,69 @@ def main():
     threading.Thread(target=sample_load, daemon=True).start()
     wl_meta = []
     tmp = tempfile.mkdtemp(prefix="stowage-suite-")
-    stowd = Stowd(a.stowd, tmp)
+    label = a.base_label
+    kinds = [k for k in ("stowage-tcp", "stowage-shm") if k in systems]
+    if a.stowd_base:
+        if not os.path.exists(a.stowd_base):
+            raise SystemExit(f"--stowd-base {a.stowd_base} missing")
+        systems = [x for s in systems for x in ([s, f"{s}@{label}"] if s in kinds else [s])]
+    binaries = {"": (a.stowd, a.stowd_plugins)}
+    if a.stowd_base:
+        binaries[label] = (a.stowd_base, a.stowd_base_plugins)
+    plugins_seen = {}
     tq = TQ() if any(s.startswith("tq") for s in systems) else None
-    tq_stowd = tq.client("Stowage", {"endpoint": stowd.ep["router"]["endpoint"]}) if "tq->stowd" in systems \
-        else None
-    try:
-        for name in wls_names:
-            w = make_workloads(a.scale, [name])[0]
-            wl_meta.append(_WMeta(w))
-            print(f"{w.name}: {w.desc} (put {w.put_bytes / 2**20:.0f} MiB, get {w.get_bytes / 2**20:.0f} MiB)",
-                  flush=True)
-            run_limits(w, a.reps, rec)
-            if "stowage-tcp" in systems:
-                run_stowage(w, stowd, False, a.reps, rec)
-            if "stowage-shm" in systems:
-                run_stowage(w, stowd, True, a.reps, rec)
-            if "tq->stowd" in systems:
-                tq.run("tq->stowd", w, tq_stowd, stowd.pid, a.reps, rec)
-            if "tq" in systems:
-                import stowage.transferqueue as stq
-                for _ in range(a.reps):  # fresh units each repetition: their freed heap is not returned
-                    units = TQUnits()
-                    c = tq.client("SimpleStorage", {"zmq_info": stq.storage_unit_infos(units.units)})
-                    try:
-                        tq.run("tq", w, c, units.pid, 1, rec)
-                    finally:
+    for name in wls_names:
+        w = make_workloads(a.scale, [name])[0]
+        wl_meta.append(_WMeta(w))
+        print(f"{w.name}: {w.desc} (put {w.put_bytes / 2**20:.0f} MiB, get {w.get_bytes / 2**20:.0f} MiB)",
+              flush=True)
+        run_limits(w, a.reps, rec)
+        # a fresh stowd per binary and workload; both live through the workload, and their
+        # repetitions alternate (today, new, new, today, ...) so load changes hit both alike
+        stowds = {}
+        try:
+            for lab, (binary, plugins) in binaries.items():
+                stowds[lab] = Stowd(binary, os.path.join(tmp, f"{w.name}-{lab or 'new'}"), plugins, a.no_pools)
+                if lab not in plugins_seen:
+                    plugins_seen[lab] = stowds[lab].plugins_loaded()
+                    print(f"  stowd {lab or 'new'} ({binary}): plugins {', '.join(plugins_seen[lab]) or 'NONE'}"
+                          + (" (no pools)" if a.no_pools else ""), flush=True)
+                    if not plugins_seen[lab]:
+                        print("  WARNING: no plugins loaded: only the built-in policy answers "
+                              "(pass --stowd-plugins / --stowd-base-plugins)", flush=True)
+            for kind in kinds:
+                clients = {lab: stowage_client(sd, kind == "stowage-shm") for lab, sd in stowds.items()}
+                try:
+                    for rep in range(a.reps):
+                        order = list(stowds)[::1 if rep % 2 == 0 else -1]
+                        for lab in order:
+                            stowage_rep(f"{kind}@{lab}" if lab else kind, w, clients[lab], stowds[lab], rec)
+                finally:
+                    for c in clients.values():
                         c.close()
-                        units.stop()
-                        trim()
-            w._td = None
-            del w
-            gc.collect()
-    finally:
-        if tq_stowd is not None:
-            tq_stowd.close()
-        stowd.stop()
+            if "tq->stowd" in systems:
+                tq_stowd = tq.client("Stowage", {"endpoint": stowds[""].ep["router"]["endpoint"]})
+                try:
+                    tq.run("tq->stowd", w, tq_stowd, stowds[""].pid, a.reps, rec)
+                finally:
+                    tq_stowd.close()
+        finally:
+            for sd in stowds.values():
+                sd.stop()
+        if "tq" in systems:
+            import stowage.transferqueue as stq
+            for _ in range(a.reps):  # fresh units each repetition: their freed heap is not returned
+                units = TQUnits()
+                c = tq.client("SimpleStorage", {"zmq_info": stq.storage_unit_infos(units.units)})
+                try:
+                    tq.run("tq", w, c, units.pid, 1, rec)
+                finally:
+                    c.close()
+                    units.stop()
+                    trim()
+        w._td = None
+        del w
+        gc.collect()
     S = summarize(results, a.reps)
     import numpy
     import torch
@@ -754,6 +1096,8 @@ def main():
         pass
     mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     stowd_ver = subprocess.run([a.stowd, "--version"], capture_output=True, text=True).stdout.strip() or "stowd"
+    base_ver = (subprocess.run([a.stowd_base, "--version"], capture_output=True, text=True).stdout.strip()
+                or "stowd") if a.stowd_base else ""
     git = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
                          text=True).stdout.strip()
     cmd_args = [x for x in sys.argv[1:] if x != "--_child"]
@@ -766,10 +1110,15 @@ def main():
         "load": (f"1-minute load average during the run (sampled every 15 s; the suite's own stowd, client "
                  f"and TransferQueue processes count): median {statistics.median(load):.1f}, "
                  f"max {max(load):.1f}") if load else "",
-        "versions": f"{stowd_ver} (release, commit {git}), transferqueue {transfer_queue.__version__}, "
+        "versions": f"{stowd_ver} (release, {a.stowd}; suite at commit {git})"
+                    + (f", {label}: {base_ver} (release, {a.stowd_base})" if a.stowd_base else "")
+                    + f", transferqueue {transfer_queue.__version__}, "
                     f"torch {torch.__version__}, pyzmq {zmq.__version__}, numpy {numpy.__version__}, "
                     f"Python {platform.python_version()}",
         "took_s": time.time() - started,
+        "systems": systems, "base_label": label if a.stowd_base else None, "no_pools": a.no_pools,
+        "plugins": {lab or "new": p for lab, p in plugins_seen.items()},
+        "workloads": [vars(w) for w in wl_meta],
     }
     if a.json:
         with open(a.json, "w") as f:
@@ -785,7 +1134,8 @@ def main():
 
 class _WMeta:
     def __init__(self, w):
-        self.name, self.desc, self.put_bytes, self.get_bytes = w.name, w.desc, w.put_bytes, w.get_bytes
+        g = w.get if isinstance(w, dict) else lambda k: getattr(w, k)
+        self.name, self.desc, self.put_bytes, self.get_bytes = g("name"), g("desc"), g("put_bytes"), g("get_bytes")
 
 
 if __name__ == "__main__":
