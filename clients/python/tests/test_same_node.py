@@ -258,8 +258,17 @@ def _inode(server, name: str) -> int:
 
 
 def _spares(server) -> dict:
-    """inode -> name of the segments stowd keeps for reuse."""
-    return {_inode(server, n): n for n in segments(server) if "-spare-" in n}
+    """inode -> name of the segments stowd keeps for reuse (a spare that
+    stowd removes or renames between the listing and its stat is skipped:
+    its once-a-second sweep runs meanwhile)."""
+    out = {}
+    for n in segments(server):
+        if "-spare-" in n:
+            try:
+                out[_inode(server, n)] = n
+            except FileNotFoundError:
+                pass
+    return out
 
 
 def test_a_cleared_segment_no_array_maps_is_reused_by_the_next_put(shm_server, fresh):
