@@ -110,9 +110,8 @@ impl Column {
     }
 
     /// The rows of a decoded field as stored: slices of the request's
-    /// buffers where they lie in one, else each piece its own extent.
-    /// Returns the column and the bytes it copied (a strided row layout
-    /// that is not row-contiguous has none: every [`Tensor`] row is).
+    /// buffers where they lie in one, else each piece its own extent (a
+    /// non-contiguous nested row is compacted first).
     pub fn from_field(field: Field, received: &Received) -> Column {
         match field {
             Field::Regular(t) => {
@@ -320,10 +319,7 @@ impl Rows {
                 Column::Nested(rows) => {
                     let n = &rows[row];
                     let place = places.entry(n.extent.id()).or_insert_with(|| n.extent.place());
-                    // `places` is only read below through this one borrow.
-                    let place: &Place = place;
-                    let (p, o, rb, d, sh) = (place.clone(), n.offset, n.len, n.dtype, &n.shape[..]);
-                    push_row(&mut runs, &p, o, rb, d, sh);
+                    push_row(&mut runs, place, n.offset, n.len, n.dtype, &n.shape);
                     continue;
                 }
                 Column::Values(v) => {

@@ -2,7 +2,7 @@
 //! shared-memory segments), gets (frames planned from the extents the rows
 //! are in; for a same-node reader, whole segments), clears, leases, stats.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -38,13 +38,13 @@ pub(super) struct NativeService {
 struct Places {
     /// (start address, buffer, segment name), sorted by address once filled.
     sorted: Vec<(usize, Bytes, Option<Arc<str>>)>,
-    seen: HashMap<usize, ()>,
+    seen: HashSet<usize>,
 }
 
 impl Places {
     fn add(&mut self, base: &Bytes, segment: &Option<Arc<str>>) {
         let start = base.as_ptr() as usize;
-        if !base.is_empty() && self.seen.insert(start, ()).is_none() {
+        if !base.is_empty() && self.seen.insert(start) {
             self.sorted.push((start, base.clone(), segment.clone()));
         }
     }
