@@ -7,7 +7,7 @@ import math
 import sys
 import threading
 import time
-from typing import Any, Mapping
+from typing import Any, Generator, Mapping
 
 import numpy as np
 import zmq
@@ -85,25 +85,50 @@ class _Ops:
         return env["body"]
 
     # -- put
-    def _put_plan(self, global_indexes, data) -> tuple[int, Any]:
+    def _put_steps(self, global_indexes, data) -> Generator[tuple, dict, int]:
+        """The put as a sans-IO generator, driven by `Client.put` and
+        `AsyncClient.put` (the one put loop of both): it yields each request
+        as `(op, body, data_frames, expect, extras)`, is sent the reply body
+        of each, and returns the number of rows (n). A `StowageError` thrown
+        in at a yield (the request failed) gets `rows_stored`, the leading
+        rows stored by the messages before, and is raised back out.
+
+        A put whose payload exceeds `max_message_bytes` is split into
+        messages of contiguous row ranges; same node, it is one message."""
         idx = _codec.check_indexes(global_indexes, "put", unique=True)
         if not isinstance(data, Mapping):
             raise TypeError(f"put: data must map field names to values, got {type(data).__name__}")
         if not data:
             raise ValueError("put: empty batch: data has no fields")
         fields = {name: _codec.normalize_field(name, v, len(idx)) for name, v in data.items()}
+        segments = self._segments
         # Same node: nothing crosses the socket, so the put is one leased
-        # segment (one message, all-or-nothing) whatever its size.
-        limit = sys.maxsize if self._segments is not None else self.max_message_bytes
-        # Same node: shared frames stay in pieces, copied once, into the segment.
-        return len(idx), _codec.put_messages(idx, fields, limit, join=self._segments is None)
-
-    @staticmethod
-    def _put_done(body: dict, msg: _codec.PutMessage) -> int:
-        a, b = msg.rows
-        if body != {"rows": b - a}:
-            raise ProtocolError(f"put_ok {body!r} for a message of {b - a} rows")
-        return b - a
+        # segment (one message, all-or-nothing) whatever its size, and
+        # shared frames stay in pieces, copied once, into the segment.
+        limit = sys.maxsize if segments is not None else self.max_message_bytes
+        stored = 0
+        for m in _codec.put_messages(idx, fields, limit, join=segments is None):
+            try:
+                size = _shm.lease_size(m.frames) if segments is not None else 0
+                if size:
+                    # Same node: write the bytes straight into a segment leased
+                    # from stowd and hand it over; nothing crosses the socket.
+                    lease = yield "lease", {"bytes": size}, (), "lease_ok", None
+                    names = segments.fill(lease["segment"], size, m.frames)
+                    body = yield "put", m.body, (), "put_ok", {"segments": names}
+                else:
+                    # (Same node with no bytes at all, e.g. only empty rows: nothing
+                    # to lease; the empty frames go on the socket, joined.)
+                    frames = m.frames if segments is None else _codec.join_frames(m.frames)
+                    body = yield "put", m.body, frames, "put_ok", None
+                a, b = m.rows
+                if body != {"rows": b - a}:
+                    raise ProtocolError(f"put_ok {body!r} for a message of {b - a} rows")
+                stored += b - a
+            except StowageError as e:
+                e.rows_stored = stored
+                raise
+        return len(idx)
 
     # -- get
     @staticmethod
@@ -288,26 +313,19 @@ class Client(_Ops):
         message is all-or-nothing, the whole put is NOT: if a later message
         fails, earlier ones stay stored; the exception's `rows_stored` says
         how many leading rows were."""
-        n, messages = self._put_plan(global_indexes, data)
-        stored = 0
-        for m in messages:
-            try:
-                size = _shm.lease_size(m.frames) if self._segments is not None else 0
-                if size:
-                    # Same node: write the bytes straight into a segment leased
-                    # from stowd and hand it over; nothing crosses the socket.
-                    lease, _ = self._call("lease", {"bytes": size}, (), timeout, "lease_ok")
-                    segments = self._segments.fill(lease["segment"], size, m.frames)
-                    body, _ = self._call("put", m.body, (), timeout, "put_ok", {"segments": segments})
+        steps = self._put_steps(global_indexes, data)
+        try:
+            request = next(steps)
+            while True:
+                op, body, frames, expect, extras = request
+                try:
+                    reply, _ = self._call(op, body, frames, timeout, expect, extras)
+                except StowageError as e:
+                    request = steps.throw(e)  # raises it back, with rows_stored set
                 else:
-                    # (Same node with no bytes at all, e.g. only empty rows: nothing
-                    # to lease; the empty frames go on the socket, joined.)
-                    body, _ = self._call("put", m.body, _codec.join_frames(m.frames), timeout, "put_ok")
-                stored += self._put_done(body, m)
-            except StowageError as e:
-                e.rows_stored = stored
-                raise
-        return n
+                    request = steps.send(reply)
+        except StopIteration as done:
+            return done.value
 
     def get(self, global_indexes, fields, *, as_torch: bool | None = None, timeout: float | None = None) -> dict:
         """Reads rows: a dict field -> a read-only numpy array `[n, ...]`
