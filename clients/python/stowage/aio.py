@@ -16,7 +16,7 @@ from typing import Any, Callable, Mapping
 import zmq
 import zmq.asyncio
 
-from . import _codec
+from . import _codec, _put
 from .client import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TIMEOUT, _Ops
 from .errors import ProtocolError, StowageError, StowageTimeout, error_from_reply
 
@@ -146,19 +146,14 @@ class AsyncClient(_Ops):
     # -- the calls (see Client for their documentation)
     async def put(self, global_indexes, data: Mapping[str, Any], *, timeout: float | None = None) -> int:
         """See `Client.put` (a split put sends its messages one after another)."""
-        steps = self._put_steps(global_indexes, data)
+        put = _put.Put(global_indexes, data, self.max_message_bytes, self._segments)
         try:
-            request = next(steps)
-            while True:
-                op, body, frames, expect, extras = request
-                try:
-                    reply, _ = await self._call(op, body, frames, timeout, expect, extras)
-                except StowageError as e:
-                    request = steps.throw(e)  # raises it back, with rows_stored set
-                else:
-                    request = steps.send(reply)
-        except StopIteration as done:
-            return done.value
+            for op, body, frames, expect, extras in put:
+                put.reply, _ = await self._call(op, body, frames, timeout, expect, extras)
+        except StowageError as e:
+            e.rows_stored = put.stored
+            raise
+        return put.n
 
     async def get(self, global_indexes, fields, *, as_torch: bool | None = None,
                   timeout: float | None = None) -> dict:

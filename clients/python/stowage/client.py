@@ -7,12 +7,12 @@ import math
 import sys
 import threading
 import time
-from typing import Any, Generator, Mapping
+from typing import Any, Mapping
 
 import numpy as np
 import zmq
 
-from . import _codec, _shm, _torch
+from . import _codec, _put, _shm, _torch
 from .errors import ProtocolError, StowageError, StowageTimeout, error_from_reply
 
 DEFAULT_TIMEOUT = 30.0
@@ -83,52 +83,6 @@ class _Ops:
         if env["op"] != expect:
             raise ProtocolError(f"expected a {expect} reply to request {req_id}, got {env['op']!r}", request_id=req_id)
         return env["body"]
-
-    # -- put
-    def _put_steps(self, global_indexes, data) -> Generator[tuple, dict, int]:
-        """The put as a sans-IO generator, driven by `Client.put` and
-        `AsyncClient.put` (the one put loop of both): it yields each request
-        as `(op, body, data_frames, expect, extras)`, is sent the reply body
-        of each, and returns the number of rows (n). A `StowageError` thrown
-        in at a yield (the request failed) gets `rows_stored`, the leading
-        rows stored by the messages before, and is raised back out.
-
-        A put whose payload exceeds `max_message_bytes` is split into
-        messages of contiguous row ranges; same node, it is one message."""
-        idx = _codec.check_indexes(global_indexes, "put", unique=True)
-        if not isinstance(data, Mapping):
-            raise TypeError(f"put: data must map field names to values, got {type(data).__name__}")
-        if not data:
-            raise ValueError("put: empty batch: data has no fields")
-        fields = {name: _codec.normalize_field(name, v, len(idx)) for name, v in data.items()}
-        segments = self._segments
-        # Same node: nothing crosses the socket, so the put is one leased
-        # segment (one message, all-or-nothing) whatever its size, and
-        # shared frames stay in pieces, copied once, into the segment.
-        limit = sys.maxsize if segments is not None else self.max_message_bytes
-        stored = 0
-        for m in _codec.put_messages(idx, fields, limit, join=segments is None):
-            try:
-                size = _shm.lease_size(m.frames) if segments is not None else 0
-                if size:
-                    # Same node: write the bytes straight into a segment leased
-                    # from stowd and hand it over; nothing crosses the socket.
-                    lease = yield "lease", {"bytes": size}, (), "lease_ok", None
-                    names = segments.fill(lease["segment"], size, m.frames)
-                    body = yield "put", m.body, (), "put_ok", {"segments": names}
-                else:
-                    # (Same node with no bytes at all, e.g. only empty rows: nothing
-                    # to lease; the empty frames go on the socket, joined.)
-                    frames = m.frames if segments is None else _codec.join_frames(m.frames)
-                    body = yield "put", m.body, frames, "put_ok", None
-                a, b = m.rows
-                if body != {"rows": b - a}:
-                    raise ProtocolError(f"put_ok {body!r} for a message of {b - a} rows")
-                stored += b - a
-            except StowageError as e:
-                e.rows_stored = stored
-                raise
-        return len(idx)
 
     # -- get
     @staticmethod
@@ -313,19 +267,14 @@ class Client(_Ops):
         message is all-or-nothing, the whole put is NOT: if a later message
         fails, earlier ones stay stored; the exception's `rows_stored` says
         how many leading rows were."""
-        steps = self._put_steps(global_indexes, data)
+        put = _put.Put(global_indexes, data, self.max_message_bytes, self._segments)
         try:
-            request = next(steps)
-            while True:
-                op, body, frames, expect, extras = request
-                try:
-                    reply, _ = self._call(op, body, frames, timeout, expect, extras)
-                except StowageError as e:
-                    request = steps.throw(e)  # raises it back, with rows_stored set
-                else:
-                    request = steps.send(reply)
-        except StopIteration as done:
-            return done.value
+            for op, body, frames, expect, extras in put:
+                put.reply, _ = self._call(op, body, frames, timeout, expect, extras)
+        except StowageError as e:
+            e.rows_stored = put.stored
+            raise
+        return put.n
 
     def get(self, global_indexes, fields, *, as_torch: bool | None = None, timeout: float | None = None) -> dict:
         """Reads rows: a dict field -> a read-only numpy array `[n, ...]`
