@@ -102,6 +102,12 @@ def test_launch_config_merges_over_what_launch_sets(config_mod):
         config_mod.check_reserved({"shm": {"dir": "/x"}})
 
 
+def test_the_packaged_binary_is_looked_for_inside_the_stowage_package(sray):
+    package = Path(stowage.__file__).resolve().parent
+    assert sray.PACKAGED_STOWD == package / "_bin" / "stowd"
+    assert sray.PACKAGED_PLUGINS == package / "plugins"
+
+
 def test_a_real_stowd_reads_the_written_config(sray, tmp_path, monkeypatch):
     """StowdNode writes the config and starts the real stowd on it: the file
     reads back as what was asked for, and stowd serves shared memory from

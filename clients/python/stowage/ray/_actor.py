@@ -33,7 +33,7 @@ from ._supervise import (
 class StowdNode:
     """The per-node actor (as a plain class; `launch()` wraps it with
     `ray.remote`). Its state lives in a private directory (`<workdir>/<launch
-    id>/<node id>/`, or see the module doc for the default):
+    id>/<node id>/`, or see the `stowage.ray` package doc for the default):
     the config, the endpoints file, `state.json` (generation, history) and
     `stowd.log`. Ray re-runs `__init__` with the same arguments after a
     restart; finding `state.json` there, it starts stowd again at once."""

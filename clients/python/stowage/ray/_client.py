@@ -21,7 +21,6 @@ class DataLost(KeyNotFound):
     nodes: tuple[str, ...] = ()
 
 
-
 class NodeClient(Client):
     """A `stowage.Client` to one node's stowd, from `StowageCluster.client()`:
     a get (or get_into) that raises `KeyNotFound` is checked against stowd

@@ -253,8 +253,6 @@ def _rebuild(launch_id, routing, actors, nodes, units, generations):
     return h
 
 
-
-
 # ---------------------------------------------------------------- launch / shutdown
 
 

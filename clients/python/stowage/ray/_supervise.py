@@ -27,7 +27,6 @@ class StowdStartError(RuntimeError):
     """`stowd` exited or did not write its endpoints file in time (the message has its log tail)."""
 
 
-
 def find_stowd(stowd_bin: str | os.PathLike | None = None) -> Path:
     """The binary this process would run: `stowd_bin`, else `$STOWD_BIN`,
     else the packaged `stowage/_bin/stowd`. Raises `StowdNotFound` saying
@@ -102,7 +101,6 @@ def _reserve_ports(host: str, units: int) -> tuple[dict, list[socket.socket]]:
         for s in held:
             s.close()
     raise OSError(f"no {units} consecutive free ports on {host}")
-
 
 
 def _write_json(path: Path, data: Any) -> None:
