@@ -309,10 +309,18 @@ fn python() -> String {
 /// Installs the Python test dependencies when one is missing.
 fn ensure_python_deps() -> Result<()> {
     let py = python();
-    let probe = Command::new(&py).args(["-c", "import zmq, msgpack, numpy, pytest"]).output();
+    let probe = Command::new(&py)
+        .args(["-c", "import zmq, msgpack, numpy, pytest, tomli_w"])
+        .output();
     match probe {
         Ok(out) if out.status.success() => Ok(()),
-        Ok(_) => sh(&py, &["-m", "pip", "install", "-q", "pyzmq", "msgpack", "numpy", "pytest"], &[]),
+        Ok(_) => sh(
+            &py,
+            &[
+                "-m", "pip", "install", "-q", "pyzmq", "msgpack", "numpy", "pytest", "tomli-w",
+            ],
+            &[],
+        ),
         Err(e) => Err(format!("cannot run {py}: {e}").into()),
     }
 }

@@ -4,7 +4,7 @@
     python3 - --package clients/python --stowd target/release/stowd \
               --plugins target/plugins --out target/wheels  < wheel.py
 
-The wheel holds the package's modules (`stowage/*.py`), the binary at
+The wheel holds the package's modules (`stowage/**/*.py`), the binary at
 `stowage/_bin/stowd` and the policy plugins at `stowage/plugins/*.wasm`:
 `<binary dir>/../plugins`, where stowd looks for its bundled plugins, so
 the installed binary works on its defaults. Metadata comes from

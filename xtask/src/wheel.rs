@@ -4,7 +4,7 @@
 //!
 //! Builds the plugins (`target/plugins`) and `stowd` (release; `--debug`:
 //! the dev profile), then writes `DIR/stowage-<version>-py3-none-<platform>.whl`
-//! (default `DIR`: `target/wheels`) holding `stowage/*.py`,
+//! (default `DIR`: `target/wheels`) holding `stowage/**/*.py`,
 //! `stowage/_bin/stowd` and `stowage/plugins/*.wasm`. The plugins sit at
 //! `<binary dir>/../plugins`, where `stowd` finds its bundled plugins, so
 //! the installed binary works on its defaults. The wheel itself is written

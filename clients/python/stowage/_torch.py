@@ -16,6 +16,8 @@ import warnings
 
 import numpy as np
 
+from ._dtypes import wire_dtype_of
+
 _available: bool | None = None
 
 
@@ -109,8 +111,6 @@ def _as_numpy(t, what: str) -> tuple[str, np.ndarray]:
     torch = _loaded()
     if t.dtype == torch.bfloat16:
         return "bfloat16", t.view(torch.int16).numpy().view(np.uint16)
-    from ._codec import wire_dtype_of  # noqa: PLC0415 - avoid an import cycle
-
     try:
         a = t.numpy()
     except TypeError as e:

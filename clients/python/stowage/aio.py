@@ -16,7 +16,7 @@ from typing import Any, Callable, Mapping
 import zmq
 import zmq.asyncio
 
-from . import _codec, _shm
+from . import _codec, _put
 from .client import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TIMEOUT, _Ops
 from .errors import ProtocolError, StowageError, StowageTimeout, error_from_reply
 
@@ -146,24 +146,14 @@ class AsyncClient(_Ops):
     # -- the calls (see Client for their documentation)
     async def put(self, global_indexes, data: Mapping[str, Any], *, timeout: float | None = None) -> int:
         """See `Client.put` (a split put sends its messages one after another)."""
-        n, messages = self._put_plan(global_indexes, data)
-        stored = 0
-        for m in messages:
-            try:
-                size = _shm.lease_size(m.frames) if self._segments is not None else 0
-                if size:
-                    lease, _ = await self._call("lease", {"bytes": size}, (), timeout, "lease_ok")
-                    segments = self._segments.fill(lease["segment"], size, m.frames)
-                    body, _ = await self._call("put", m.body, (), timeout, "put_ok", {"segments": segments})
-                else:
-                    # (Same node with no bytes at all, e.g. only empty rows: nothing
-                    # to lease; the empty frames go on the socket, joined.)
-                    body, _ = await self._call("put", m.body, _codec.join_frames(m.frames), timeout, "put_ok")
-                stored += self._put_done(body, m)
-            except StowageError as e:
-                e.rows_stored = stored
-                raise
-        return n
+        put = _put.Put(global_indexes, data, self.max_message_bytes, self._segments)
+        try:
+            for op, body, frames, expect, extras in put:
+                put.reply, _ = await self._call(op, body, frames, timeout, expect, extras)
+        except StowageError as e:
+            e.rows_stored = put.stored
+            raise
+        return put.n
 
     async def get(self, global_indexes, fields, *, as_torch: bool | None = None,
                   timeout: float | None = None) -> dict:

@@ -12,7 +12,7 @@ from typing import Any, Mapping
 import numpy as np
 import zmq
 
-from . import _codec, _shm, _torch
+from . import _codec, _put, _shm, _torch
 from .errors import ProtocolError, StowageError, StowageTimeout, error_from_reply
 
 DEFAULT_TIMEOUT = 30.0
@@ -83,27 +83,6 @@ class _Ops:
         if env["op"] != expect:
             raise ProtocolError(f"expected a {expect} reply to request {req_id}, got {env['op']!r}", request_id=req_id)
         return env["body"]
-
-    # -- put
-    def _put_plan(self, global_indexes, data) -> tuple[int, Any]:
-        idx = _codec.check_indexes(global_indexes, "put", unique=True)
-        if not isinstance(data, Mapping):
-            raise TypeError(f"put: data must map field names to values, got {type(data).__name__}")
-        if not data:
-            raise ValueError("put: empty batch: data has no fields")
-        fields = {name: _codec.normalize_field(name, v, len(idx)) for name, v in data.items()}
-        # Same node: nothing crosses the socket, so the put is one leased
-        # segment (one message, all-or-nothing) whatever its size.
-        limit = sys.maxsize if self._segments is not None else self.max_message_bytes
-        # Same node: shared frames stay in pieces, copied once, into the segment.
-        return len(idx), _codec.put_messages(idx, fields, limit, join=self._segments is None)
-
-    @staticmethod
-    def _put_done(body: dict, msg: _codec.PutMessage) -> int:
-        a, b = msg.rows
-        if body != {"rows": b - a}:
-            raise ProtocolError(f"put_ok {body!r} for a message of {b - a} rows")
-        return b - a
 
     # -- get
     @staticmethod
@@ -288,26 +267,14 @@ class Client(_Ops):
         message is all-or-nothing, the whole put is NOT: if a later message
         fails, earlier ones stay stored; the exception's `rows_stored` says
         how many leading rows were."""
-        n, messages = self._put_plan(global_indexes, data)
-        stored = 0
-        for m in messages:
-            try:
-                size = _shm.lease_size(m.frames) if self._segments is not None else 0
-                if size:
-                    # Same node: write the bytes straight into a segment leased
-                    # from stowd and hand it over; nothing crosses the socket.
-                    lease, _ = self._call("lease", {"bytes": size}, (), timeout, "lease_ok")
-                    segments = self._segments.fill(lease["segment"], size, m.frames)
-                    body, _ = self._call("put", m.body, (), timeout, "put_ok", {"segments": segments})
-                else:
-                    # (Same node with no bytes at all, e.g. only empty rows: nothing
-                    # to lease; the empty frames go on the socket, joined.)
-                    body, _ = self._call("put", m.body, _codec.join_frames(m.frames), timeout, "put_ok")
-                stored += self._put_done(body, m)
-            except StowageError as e:
-                e.rows_stored = stored
-                raise
-        return n
+        put = _put.Put(global_indexes, data, self.max_message_bytes, self._segments)
+        try:
+            for op, body, frames, expect, extras in put:
+                put.reply, _ = self._call(op, body, frames, timeout, expect, extras)
+        except StowageError as e:
+            e.rows_stored = put.stored
+            raise
+        return put.n
 
     def get(self, global_indexes, fields, *, as_torch: bool | None = None, timeout: float | None = None) -> dict:
         """Reads rows: a dict field -> a read-only numpy array `[n, ...]`

@@ -7,11 +7,13 @@ sys.path), whether or not `stowage` is also pip-installed.
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import os
 import shutil
 import sys
 import threading
+import types
 from pathlib import Path
 
 import pytest
@@ -150,3 +152,32 @@ def fresh():
     """fresh(n): n consecutive global indexes no other test uses (blocks of
     10**6 starting at a multiple of 10**6, so index parity = row parity)."""
     return _fresh
+
+
+def _drop_stowage_ray() -> None:
+    for name in [m for m in sys.modules if m == "stowage.ray" or m.startswith("stowage.ray.")]:
+        del sys.modules[name]
+
+
+@pytest.fixture
+def sray(monkeypatch):
+    """`stowage.ray`, imported over a stub `ray` when Ray is not installed
+    (the package and its modules are imported afresh, and dropped after)."""
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        fake = types.ModuleType("ray")
+        fake.remote = lambda cls: cls
+        fake.is_initialized = lambda: False
+        util = types.ModuleType("ray.util")
+        strategies = types.ModuleType("ray.util.scheduling_strategies")
+        strategies.NodeAffinitySchedulingStrategy = object
+        fake.util = util
+        util.scheduling_strategies = strategies
+        monkeypatch.setitem(sys.modules, "ray", fake)
+        monkeypatch.setitem(sys.modules, "ray.util", util)
+        monkeypatch.setitem(sys.modules, "ray.util.scheduling_strategies", strategies)
+    _drop_stowage_ray()
+    mod = importlib.import_module("stowage.ray")
+    yield mod
+    _drop_stowage_ray()

@@ -3,6 +3,7 @@ mapped to its exception, timeouts, stale and malformed replies."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import msgpack
@@ -206,6 +207,27 @@ def test_split_put_is_not_atomic(small_server, fresh):
                 c.get(idx[8:9], ["x"])
         finally:
             c.clear(idx)
+
+
+def test_split_put_is_not_atomic_async(small_server, fresh):
+    """The same with the asyncio client (the one put loop both clients drive):
+    rows_stored says how many leading rows the earlier messages stored."""
+    idx = fresh(10)
+    rows = np.arange(10, dtype=np.uint8)[:, None].repeat(1024, axis=1)
+
+    async def main():
+        async with stowage.AsyncClient(small_server["native"], timeout=10, max_message_bytes=2200) as c:
+            try:
+                with pytest.raises(stowage.CapacityError) as ei:
+                    await c.put(idx, {"x": rows})
+                assert ei.value.rows_stored == 8
+                assert np.array_equal((await c.get(idx[:8], ["x"]))["x"], rows[:8])
+                with pytest.raises(stowage.KeyNotFound):
+                    await c.get(idx[8:9], ["x"])
+            finally:
+                await c.clear(idx)
+
+    asyncio.run(main())
 
 
 def test_bad_request_from_server(endpoint):

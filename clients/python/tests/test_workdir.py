@@ -3,22 +3,24 @@ finding 9): the default is no longer the shared /tmp/stowage-ray, and a
 directory another user owns or can write is refused, not adopted.
 
 Ray is not needed: the path rules live in `stowage._workdir`, and
-`stowage.ray` is imported over a stub `ray` module when Ray is missing, so
-that `StowdNode` (a plain class) can run here with a fake stowd.
+`stowage.ray` is imported over a stub `ray` module when Ray is missing (the
+`sray` fixture in conftest.py), so that `StowdNode` (a plain class) can run
+here with a fake stowd.
 """
 
 from __future__ import annotations
 
-import importlib
-import json
 import os
 import stat
-import sys
 import tempfile
-import types
 from pathlib import Path
 
 import pytest
+
+try:
+    import tomllib
+except ImportError:  # Python < 3.11
+    import tomli as tomllib
 
 from stowage import _workdir
 from stowage._workdir import InsecureDirectory, check_private_dir, ensure_private_dir, node_dirs
@@ -41,29 +43,6 @@ def base(tmp_path):
 @pytest.fixture
 def no_xdg(monkeypatch):
     monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
-
-
-@pytest.fixture
-def sray(monkeypatch):
-    """`stowage.ray`, imported over a stub `ray` when Ray is not installed."""
-    try:
-        import ray  # noqa: F401
-    except ImportError:
-        fake = types.ModuleType("ray")
-        fake.remote = lambda cls: cls
-        fake.is_initialized = lambda: False
-        util = types.ModuleType("ray.util")
-        strategies = types.ModuleType("ray.util.scheduling_strategies")
-        strategies.NodeAffinitySchedulingStrategy = object
-        fake.util = util
-        util.scheduling_strategies = strategies
-        monkeypatch.setitem(sys.modules, "ray", fake)
-        monkeypatch.setitem(sys.modules, "ray.util", util)
-        monkeypatch.setitem(sys.modules, "ray.util.scheduling_strategies", strategies)
-    monkeypatch.delitem(sys.modules, "stowage.ray", raising=False)
-    mod = importlib.import_module("stowage.ray")
-    yield mod
-    sys.modules.pop("stowage.ray", None)
 
 
 FAKE_STOWD = """#!/bin/sh
@@ -215,8 +194,8 @@ def test_ray_has_no_shared_default_workdir(sray, tmp_path, no_xdg):
         node.prepare()
         info = node.start(None)
         assert info["endpoints"]["pid"] == node.proc.pid
-        config = node.config_path.read_text()
-        assert f'cache_dir = {json.dumps(str(node.cache_dir))}' in config
+        config = tomllib.loads(node.config_path.read_text())
+        assert config["plugins"]["cache_dir"] == str(node.cache_dir)
         assert node.cache_dir.parent == node.dir
         for f in (node.config_path, node.endpoints_path, node.state_path, node.log_path):
             assert f.parent == node.dir
