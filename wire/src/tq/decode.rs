@@ -14,8 +14,8 @@ use super::{
 };
 use crate::batch::{Cell, Field, Value};
 use crate::tensor::{DType, Tensor, TensorError};
-use crate::wire::msgpack::{Item, MsgpackError, Reader};
-use crate::wire::pickle::{self, PValue};
+use crate::msgpack::{Item, MsgpackError, Reader};
+use crate::pickle::{self, PValue};
 
 /// Most dimensions a tensor shape may have.
 const MAX_RANK: usize = 64;

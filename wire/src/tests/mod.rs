@@ -9,8 +9,8 @@ use std::path::{Path, PathBuf};
 
 use bytes::Bytes;
 
-use crate::wire::msgpack::{Reader, Writer};
-use crate::wire::pickle::{self, PValue};
+use crate::msgpack::{Reader, Writer};
+use crate::pickle::{self, PValue};
 
 /// Where the golden frames live: `$STOWAGE_FIXTURES` if set, else
 /// `../../shared/fixtures/transferqueue-0.1.11` relative to the crate (true
@@ -42,7 +42,7 @@ pub(super) fn exts(frame0: &Bytes) -> Vec<(i8, Vec<u8>)> {
     let mut r = Reader::new(frame0, 0);
     r.skip(0, &mut |code, data: &[u8], _| {
         out.push((code, data.to_vec()));
-        Ok::<(), crate::wire::msgpack::MsgpackError>(())
+        Ok::<(), crate::msgpack::MsgpackError>(())
     })
     .unwrap();
     out
