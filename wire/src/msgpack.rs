@@ -1,26 +1,91 @@
-//! Just enough MessagePack for the TransferQueue envelope: a bounded,
-//! position-tracking reader (so a value can be kept as its exact bytes) and an
-//! infallible writer over `rmp` that picks the same encodings as `msgspec`
-//! (smallest int, fixstr/str8/16/32, float64 `cb`, fixext for sizes 1/2/4/8/16).
+//! The one msgpack reader both protocols use (TransferQueue's frame 0 and
+//! `stowage/1`'s envelope), and the one writer ([`Writer`]).
+//!
+//! The reader is a cursor over one buffer that never allocates:
+//! - every declared length (str, bin, ext, array, map) is checked against
+//!   the bytes that remain before anything is done with it, so a header
+//!   declaring 2^32-1 items fails at once and any input is read in time
+//!   linear in its length; a caller may size an allocation from a count it
+//!   hands out (after its own limit check) without trusting the sender;
+//! - nesting is bounded by the depth each walk is given ([`TQ_MAX_DEPTH`],
+//!   [`NATIVE_MAX_DEPTH`]);
+//! - strings, byte strings and ext payloads are borrowed from the buffer
+//!   and come with their offsets, so a caller keeps them as zero-copy
+//!   [`Bytes`] slices of the frame ([`Reader::slice`]), and a value can be
+//!   kept as its exact bytes;
+//! - a str or bin says whether it used its shortest header
+//!   ([`Item::Str::canonical`]), so TransferQueue values that re-encode
+//!   byte for byte are told from those that must be kept verbatim.
+//!
+//! Why not `rmp-serde` for the envelopes, bodies and replies: measured with
+//! rmp-serde 1.3 (debug build, this 2-core machine) by the probes in
+//! `msgpack/serde_probe.rs`, which assert what they saw:
+//! - depth: its default limit is 1024 levels, one recursion each; 1,000
+//!   nested arrays (a 1,001-byte input) overflow a 2 MiB thread stack (a
+//!   tokio worker's default) and abort the process, before the limit is
+//!   reached. A stack overflow cannot be caught, so one hostile frame 0
+//!   would take `stowd` down. Ours stop at 32 and 64 levels.
+//! - lengths: a declared 2^32-1-element array is not preallocated, but the
+//!   items are read until the input ends: over 1 MiB of items it took
+//!   1.6 s to fail (and grew a `Vec` to 4 MiB on the way); ours refuses the
+//!   header before reading an item.
+//! - offsets: a visitor gets no byte offsets, and errors name none
+//!   (`InvalidDataRead(UnexpectedEof)`), while the TransferQueue and
+//!   `stowage/1` error replies carry one; a value cannot be kept as its
+//!   exact bytes (`Value::Msgpack`), and a zero-copy [`Bytes`] slice of a
+//!   borrowed `&[u8]` can only be recovered by pointer arithmetic
+//!   (`Bytes::slice_ref`).
+//! - header width: `d9 02 'hi'` (str8) and `a2 'hi'` (fixstr) both decode to
+//!   `"hi"`, so the TransferQueue codec could not tell which values
+//!   re-encode byte for byte.
+//! - what it does keep: `&str`, `&[u8]` and ext payloads (through its
+//!   `_ExtStruct` newtype convention) borrow from the input.
+//!
+//! So both codecs keep this reader over [`rmp`]'s markers and encoders, and
+//! `rmp-serde` is a dev-dependency that the probes pin down: if a later
+//! version bounds depth without recursion or exposes offsets, the probes
+//! are where to see it.
+
+mod write;
+
+#[cfg(test)]
+mod serde_probe;
+#[cfg(test)]
+mod tests;
 
 use bytes::Bytes;
 use rmp::Marker;
-use rmp::encode::ByteBuf;
 
-/// Deepest nesting of arrays and maps accepted in frame 0.
-pub const MAX_DEPTH: usize = 64;
+pub use write::{TooLong, Writer};
 
-/// A malformed MessagePack input.
+/// Deepest nesting of arrays and maps accepted in a TransferQueue frame 0.
+pub const TQ_MAX_DEPTH: usize = 64;
+
+/// Deepest nesting accepted inside an opaque `stowage/1` value
+/// (`Value::Msgpack`); the envelope around it may add a few levels.
+pub const NATIVE_MAX_DEPTH: usize = 32;
+
+/// A malformed input, or a value of the wrong type.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct MsgpackError {
-    /// Byte offset in the buffer where the problem was found.
-    pub offset: usize,
-    /// What was wrong.
-    pub reason: &'static str,
+pub enum MsgpackError {
+    /// Not well-formed msgpack.
+    Malformed {
+        /// Byte offset in the buffer where the problem was found.
+        offset: usize,
+        /// What was wrong.
+        reason: &'static str,
+    },
+    /// Well-formed, but not the type a typed read asked for.
+    WrongType {
+        /// The key or role of the value.
+        key: &'static str,
+        /// What it must be.
+        expected: &'static str,
+    },
 }
 
-/// One MessagePack item. Containers carry their length only; str, bin and
-/// ext carry their payload (already bounds-checked).
+/// One MessagePack item. Containers carry their length only (already
+/// checked against the bytes left); str, bin and ext carry their payload.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Item<'a> {
     /// nil.
@@ -45,7 +110,7 @@ pub enum Item<'a> {
     Bin {
         /// The bytes.
         data: &'a [u8],
-        /// Offset of the bytes in the frame.
+        /// Offset of the bytes in the buffer.
         start: usize,
         /// Shortest header used.
         canonical: bool,
@@ -60,21 +125,28 @@ pub enum Item<'a> {
         code: i8,
         /// The payload.
         data: &'a [u8],
-        /// Offset of the payload in the frame.
+        /// Offset of the payload in the buffer.
         start: usize,
     },
 }
 
-/// A cursor over one frame.
+/// A cursor over one msgpack buffer.
 pub struct Reader<'a> {
-    buf: &'a Bytes,
+    buf: &'a [u8],
+    owner: Option<&'a Bytes>,
     pos: usize,
 }
 
 impl<'a> Reader<'a> {
     /// A reader at offset `pos` of `buf`.
-    pub fn new(buf: &'a Bytes, pos: usize) -> Self {
-        Reader { buf, pos }
+    pub fn new(buf: &'a [u8], pos: usize) -> Self {
+        Reader { buf, owner: None, pos }
+    }
+
+    /// A reader at offset `pos` of a frame whose parts [`Reader::slice`]
+    /// hands out without copying.
+    pub fn bytes(buf: &'a Bytes, pos: usize) -> Self {
+        Reader { buf, owner: Some(buf), pos }
     }
 
     /// Current offset.
@@ -92,38 +164,80 @@ impl<'a> Reader<'a> {
         self.pos >= self.buf.len()
     }
 
-    /// A zero-copy slice of the underlying frame.
-    pub fn slice(&self, start: usize, end: usize) -> Bytes {
-        self.buf.slice(start..end)
+    /// Bytes not yet consumed.
+    pub fn remaining(&self) -> usize {
+        self.buf.len().saturating_sub(self.pos)
     }
 
-    fn err(&self, reason: &'static str) -> MsgpackError {
-        MsgpackError { offset: self.pos, reason }
+    /// Bytes `start..end` of the buffer: a zero-copy slice of the frame for
+    /// a reader made with [`Reader::bytes`], a copy otherwise.
+    pub fn slice(&self, start: usize, end: usize) -> Bytes {
+        match self.owner {
+            Some(b) => b.slice(start..end),
+            None => Bytes::copy_from_slice(&self.buf[start..end]),
+        }
+    }
+
+    /// A [`MsgpackError::Malformed`] at the current offset.
+    pub fn malformed(&self, reason: &'static str) -> MsgpackError {
+        MsgpackError::Malformed { offset: self.pos, reason }
     }
 
     fn take(&mut self, n: usize) -> Result<&'a [u8], MsgpackError> {
-        let buf: &'a [u8] = self.buf.as_ref();
-        if n > buf.len() - self.pos {
-            return Err(self.err("truncated"));
+        if n > self.remaining() {
+            return Err(self.malformed("truncated"));
         }
-        let s = &buf[self.pos..self.pos + n];
+        let out = &self.buf[self.pos..self.pos + n];
         self.pos += n;
-        Ok(s)
+        Ok(out)
     }
 
+    /// Reads an `n`-byte big-endian unsigned number (n <= 8).
     fn be(&mut self, n: usize) -> Result<u64, MsgpackError> {
         Ok(self.take(n)?.iter().fold(0u64, |acc, &b| (acc << 8) | u64::from(b)))
     }
 
-    fn remaining(&self) -> usize {
-        self.buf.len() - self.pos
+    fn marker(&mut self) -> Result<Marker, MsgpackError> {
+        let b = self.take(1)?[0];
+        match Marker::from_u8(b) {
+            Marker::Reserved => {
+                self.pos -= 1;
+                Err(self.malformed("reserved marker 0xc1"))
+            }
+            m => Ok(m),
+        }
+    }
+
+    /// The next marker, not consumed.
+    fn peek(&self) -> Result<Marker, MsgpackError> {
+        Reader { buf: self.buf, owner: None, pos: self.pos }.marker()
+    }
+
+    /// A count of `n` items, each at least `min_bytes` long, must fit.
+    fn count(&self, n: u64, min_bytes: u64) -> Result<usize, MsgpackError> {
+        match n.checked_mul(min_bytes) {
+            Some(need) if need <= self.remaining() as u64 => Ok(n as usize),
+            _ => Err(self.malformed("count exceeds the remaining bytes")),
+        }
+    }
+
+    /// A `width`-byte count of items at least `min_bytes` long each.
+    fn counted(&mut self, width: usize, min_bytes: u64) -> Result<usize, MsgpackError> {
+        let n = self.be(width)?;
+        self.count(n, min_bytes)
+    }
+
+    fn utf8(&mut self, n: usize) -> Result<&'a str, MsgpackError> {
+        let start = self.pos;
+        let raw = self.take(n)?;
+        std::str::from_utf8(raw)
+            .map_err(|_| MsgpackError::Malformed { offset: start, reason: "invalid UTF-8 in a str" })
     }
 
     /// Reads the next item header (and the payload of str, bin and ext).
     pub fn item(&mut self) -> Result<Item<'a>, MsgpackError> {
-        let at = self.pos;
-        let marker = Marker::from_u8(self.take(1)?[0]);
-        let item = match marker {
+        let marker = self.marker()?;
+        Ok(match marker {
             Marker::FixPos(v) => Item::UInt(v.into()),
             Marker::FixNeg(v) => Item::Int(v.into()),
             Marker::Null => Item::Nil,
@@ -139,74 +253,47 @@ impl<'a> Reader<'a> {
             Marker::I64 => Item::Int(self.be(8)? as i64),
             Marker::F32 => Item::Float(f32::from_bits(self.be(4)? as u32).into()),
             Marker::F64 => Item::Float(f64::from_bits(self.be(8)?)),
-            Marker::FixStr(n) => self.str(n.into(), true)?,
-            Marker::Str8 => {
-                let n = self.be(1)? as usize;
-                self.str(n, n >= 32)?
+            Marker::FixStr(n) => Item::Str { s: self.utf8(n.into())?, canonical: true },
+            Marker::Str8 | Marker::Str16 | Marker::Str32 => {
+                let (width, min) = match marker {
+                    Marker::Str8 => (1, 32),
+                    Marker::Str16 => (2, 0x100),
+                    _ => (4, 0x1_0000),
+                };
+                let n = self.be(width)? as usize;
+                Item::Str { s: self.utf8(n)?, canonical: n >= min }
             }
-            Marker::Str16 => {
-                let n = self.be(2)? as usize;
-                self.str(n, n > 0xff)?
+            Marker::Bin8 | Marker::Bin16 | Marker::Bin32 => {
+                let (width, min) = match marker {
+                    Marker::Bin8 => (1, 0),
+                    Marker::Bin16 => (2, 0x100),
+                    _ => (4, 0x1_0000),
+                };
+                let n = self.be(width)? as usize;
+                let start = self.pos;
+                Item::Bin { data: self.take(n)?, start, canonical: n >= min }
             }
-            Marker::Str32 => {
-                let n = self.be(4)? as usize;
-                self.str(n, n > 0xffff)?
-            }
-            Marker::Bin8 => self.bin(1, 0)?,
-            Marker::Bin16 => self.bin(2, 0x100)?,
-            Marker::Bin32 => self.bin(4, 0x1_0000)?,
-            Marker::FixArray(n) => Item::Array(n.into()),
-            Marker::Array16 => self.container(2, false)?,
-            Marker::Array32 => self.container(4, false)?,
-            Marker::FixMap(n) => Item::Map(n.into()),
-            Marker::Map16 => self.container(2, true)?,
-            Marker::Map32 => self.container(4, true)?,
+            Marker::FixArray(n) => Item::Array(self.count(n.into(), 1)?),
+            Marker::Array16 => Item::Array(self.counted(2, 1)?),
+            Marker::Array32 => Item::Array(self.counted(4, 1)?),
+            Marker::FixMap(n) => Item::Map(self.count(n.into(), 2)?),
+            Marker::Map16 => Item::Map(self.counted(2, 2)?),
+            Marker::Map32 => Item::Map(self.counted(4, 2)?),
             Marker::FixExt1 => self.ext(1)?,
             Marker::FixExt2 => self.ext(2)?,
             Marker::FixExt4 => self.ext(4)?,
             Marker::FixExt8 => self.ext(8)?,
             Marker::FixExt16 => self.ext(16)?,
-            Marker::Ext8 | Marker::Ext16 | Marker::Ext32 => {
-                let width = match marker {
-                    Marker::Ext8 => 1,
-                    Marker::Ext16 => 2,
-                    _ => 4,
-                };
-                let n = self.be(width)? as usize;
-                self.ext(n)?
-            }
-            Marker::Reserved => return Err(MsgpackError { offset: at, reason: "reserved marker 0xc1" }),
-        };
-        if let Item::Array(n) = item
-            && n > self.remaining()
-        {
-            return Err(self.err("array length exceeds the remaining input"));
-        }
-        if let Item::Map(n) = item
-            && n.saturating_mul(2) > self.remaining()
-        {
-            return Err(self.err("map length exceeds the remaining input"));
-        }
-        Ok(item)
+            Marker::Ext8 => self.ext_len(1)?,
+            Marker::Ext16 => self.ext_len(2)?,
+            Marker::Ext32 => self.ext_len(4)?,
+            Marker::Reserved => unreachable!("marker() refuses 0xc1"),
+        })
     }
 
-    fn str(&mut self, n: usize, canonical: bool) -> Result<Item<'a>, MsgpackError> {
-        let at = self.pos;
-        let raw = self.take(n)?;
-        let s = std::str::from_utf8(raw).map_err(|_| MsgpackError { offset: at, reason: "invalid UTF-8 in str" })?;
-        Ok(Item::Str { s, canonical })
-    }
-
-    fn bin(&mut self, width: usize, min: usize) -> Result<Item<'a>, MsgpackError> {
+    fn ext_len(&mut self, width: usize) -> Result<Item<'a>, MsgpackError> {
         let n = self.be(width)? as usize;
-        let start = self.pos;
-        let data = self.take(n)?;
-        Ok(Item::Bin { data, start, canonical: n >= min })
-    }
-
-    fn container(&mut self, width: usize, map: bool) -> Result<Item<'a>, MsgpackError> {
-        let n = self.be(width)? as usize;
-        Ok(if map { Item::Map(n) } else { Item::Array(n) })
+        self.ext(n)
     }
 
     fn ext(&mut self, n: usize) -> Result<Item<'a>, MsgpackError> {
@@ -216,26 +303,26 @@ impl<'a> Reader<'a> {
         Ok(Item::Ext { code, data, start })
     }
 
-    /// Skips one complete value, calling `on_ext(code, payload, offset)` for
-    /// every ext value inside it. Strings are validated as UTF-8 and nesting
-    /// is limited to [`MAX_DEPTH`] (counting from `depth`).
-    pub fn skip<E: From<MsgpackError>>(
+    /// Walks one complete value, calling `on_ext(code, payload, offset)` for
+    /// every ext value inside it. Strings are validated as UTF-8 and at most
+    /// `depth` levels of arrays and maps are entered.
+    pub fn visit<E: From<MsgpackError>>(
         &mut self,
         depth: usize,
         on_ext: &mut dyn FnMut(i8, &'a [u8], usize) -> Result<(), E>,
     ) -> Result<(), E> {
-        if depth >= MAX_DEPTH {
-            return Err(self.err("nesting too deep").into());
+        if depth == 0 {
+            return Err(self.malformed("nesting too deep").into());
         }
         match self.item()? {
             Item::Array(n) => {
                 for _ in 0..n {
-                    self.skip(depth + 1, on_ext)?;
+                    self.visit(depth - 1, on_ext)?;
                 }
             }
             Item::Map(n) => {
-                for _ in 0..n.saturating_mul(2) {
-                    self.skip(depth + 1, on_ext)?;
+                for _ in 0..2 * n {
+                    self.visit(depth - 1, on_ext)?;
                 }
             }
             Item::Ext { code, data, start } => on_ext(code, data, start)?,
@@ -245,119 +332,4 @@ impl<'a> Reader<'a> {
     }
 }
 
-/// An infallible MessagePack writer.
-#[derive(Default)]
-pub struct Writer {
-    buf: ByteBuf,
-}
-
-fn len32(n: usize) -> u32 {
-    // A message cannot hold 4 Gi items or a 4 GiB string in frame 0.
-    debug_assert!(u32::try_from(n).is_ok());
-    u32::try_from(n).unwrap_or(u32::MAX)
-}
-
-impl Writer {
-    /// An empty writer.
-    pub fn new() -> Self {
-        Writer::default()
-    }
-
-    /// The bytes written so far.
-    pub fn into_bytes(self) -> Bytes {
-        Bytes::from(self.buf.into_vec())
-    }
-
-    /// Map header.
-    pub fn map(&mut self, len: usize) {
-        let Ok(_) = rmp::encode::write_map_len(&mut self.buf, len32(len));
-    }
-
-    /// Array header.
-    pub fn array(&mut self, len: usize) {
-        let Ok(_) = rmp::encode::write_array_len(&mut self.buf, len32(len));
-    }
-
-    /// A str in its shortest form.
-    pub fn str(&mut self, s: &str) {
-        let Ok(_) = rmp::encode::write_str_len(&mut self.buf, len32(s.len()));
-        self.raw(s.as_bytes());
-    }
-
-    /// A bin in its shortest form.
-    pub fn bin(&mut self, b: &[u8]) {
-        let Ok(_) = rmp::encode::write_bin_len(&mut self.buf, len32(b.len()));
-        self.raw(b);
-    }
-
-    /// nil.
-    pub fn nil(&mut self) {
-        let Ok(()) = rmp::encode::write_nil(&mut self.buf);
-    }
-
-    /// A non-negative int in its shortest form.
-    pub fn uint(&mut self, v: u64) {
-        let Ok(_) = rmp::encode::write_uint(&mut self.buf, v);
-    }
-
-    /// A float64 (`cb`), as msgspec writes every Python float.
-    pub fn f64(&mut self, v: f64) {
-        let Ok(()) = rmp::encode::write_f64(&mut self.buf, v);
-    }
-
-    /// An ext value (fixext for 1/2/4/8/16 bytes, else ext8/16/32).
-    pub fn ext(&mut self, code: i8, payload: &[u8]) {
-        let Ok(_) = rmp::encode::write_ext_meta(&mut self.buf, len32(payload.len()), code);
-        self.raw(payload);
-    }
-
-    /// Bytes that are already MessagePack.
-    pub fn raw(&mut self, b: &[u8]) {
-        self.buf.as_mut_vec().extend_from_slice(b);
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn item(bytes: &'static [u8]) -> Item<'static> {
-        let b: &'static Bytes = Box::leak(Box::new(Bytes::from_static(bytes)));
-        Reader::new(b, 0).item().unwrap()
-    }
-
-    #[test]
-    fn canonical_forms_are_recognised() {
-        assert_eq!(item(b"\xa2hi"), Item::Str { s: "hi", canonical: true });
-        assert_eq!(item(b"\xd9\x02hi"), Item::Str { s: "hi", canonical: false });
-        assert!(matches!(item(b"\xc4\x01x"), Item::Bin { canonical: true, .. }));
-        assert!(matches!(item(b"\xc5\x00\x01x"), Item::Bin { canonical: false, .. }));
-        assert_eq!(item(b"\xd0\x80"), Item::Int(-128));
-        assert_eq!(item(b"\xcf\xff\xff\xff\xff\xff\xff\xff\xff"), Item::UInt(u64::MAX));
-    }
-
-    #[test]
-    fn declared_lengths_are_checked() {
-        let b = Bytes::from_static(b"\xdd\xff\xff\xff\xff\x01");
-        assert!(Reader::new(&b, 0).item().is_err());
-        let b = Bytes::from_static(b"\xdb\x00\x00\x01\x00ab");
-        assert!(Reader::new(&b, 0).item().is_err());
-        let b = Bytes::from_static(b"\xc7\xff\x03ab");
-        assert!(Reader::new(&b, 0).item().is_err());
-    }
-
-    #[test]
-    fn writer_matches_msgspec_choices() {
-        let mut w = Writer::new();
-        w.uint(5);
-        w.uint(300);
-        w.str(&"x".repeat(40));
-        w.ext(3, &[0; 4]);
-        w.ext(3, &[0; 5]);
-        let out = w.into_bytes();
-        assert_eq!(&out[..4], b"\x05\xcd\x01\x2c");
-        assert_eq!(&out[4..6], b"\xd9\x28");
-        assert_eq!(&out[46..48], b"\xd6\x03");
-        assert_eq!(&out[52..55], b"\xc7\x05\x03");
-    }
-}
+mod typed;

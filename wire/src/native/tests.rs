@@ -2,7 +2,7 @@
 
 use bytes::Bytes;
 
-use super::msgpack::Writer;
+use crate::msgpack::Writer;
 use super::*;
 use crate::batch::{Cell, Field, Value};
 use crate::tensor::{DType, Tensor};

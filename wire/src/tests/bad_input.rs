@@ -77,7 +77,7 @@ fn frame0_must_be_a_map() {
 #[test]
 fn invalid_utf8_is_undecodable() {
     let f = frame0("GET", b"\x82\xa6fields\x91\xa2\xff\xfe\xaeglobal_indexes\x90");
-    assert!(matches!(fails(&[f], ErrorReply::PutGet), Error::Msgpack { reason: "invalid UTF-8 in str", .. }));
+    assert!(matches!(fails(&[f], ErrorReply::PutGet), Error::Msgpack { reason: "invalid UTF-8 in a str", .. }));
 }
 
 #[test]

@@ -39,8 +39,8 @@ pub(super) fn load(name: &str) -> Vec<Bytes> {
 /// Every ext value in frame 0 as (code, payload), in order.
 pub(super) fn exts(frame0: &Bytes) -> Vec<(i8, Vec<u8>)> {
     let mut out = Vec::new();
-    let mut r = Reader::new(frame0, 0);
-    r.skip(0, &mut |code, data: &[u8], _| {
+    let mut r = Reader::bytes(frame0, 0);
+    r.visit(crate::msgpack::TQ_MAX_DEPTH, &mut |code, data: &[u8], _| {
         out.push((code, data.to_vec()));
         Ok::<(), crate::msgpack::MsgpackError>(())
     })
