@@ -18,12 +18,12 @@
 //!   byte for byte are told from those that must be kept verbatim.
 //!
 //! Why not `rmp-serde` for the envelopes, bodies and replies: measured with
-//! rmp-serde 1.3 (debug build, this 2-core machine) by the probes in
+//! rmp-serde 1.3.1 (debug build, this 2-core machine) by the probes in
 //! `msgpack/serde_probe.rs`, which assert what they saw:
-//! - depth: its default limit is 1024 levels, one recursion each; 1,000
-//!   nested arrays (a 1,001-byte input) overflow a 2 MiB thread stack (a
-//!   tokio worker's default) and abort the process, before the limit is
-//!   reached. A stack overflow cannot be caught, so one hostile frame 0
+//! - depth: its default limit (`depth: 1024` in its `decode.rs`) is 1024
+//!   levels, one recursion each; 1,000 nested arrays (a 1,001-byte
+//!   input) overflow a 2 MiB thread stack (a tokio worker's default) and
+//!   abort the process, before the limit is reached. A stack overflow cannot be caught, so one hostile frame 0
 //!   would take `stowd` down. Ours stop at 32 and 64 levels.
 //! - lengths: a declared 2^32-1-element array is not preallocated, but the
 //!   items are read until the input ends: over 1 MiB of items it took
