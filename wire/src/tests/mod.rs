@@ -13,8 +13,8 @@ use crate::msgpack::{Reader, Writer};
 use crate::pickle::{self, PValue};
 
 /// Where the golden frames live: `$STOWAGE_FIXTURES` if set, else
-/// `../../shared/fixtures/transferqueue-0.1.11` relative to the crate (true
-/// both for the scratch crate and for `/work/main/host`).
+/// `../../shared/fixtures/transferqueue-0.1.11` relative to this crate's
+/// `wire/` folder: the `shared/` that sits beside the repository.
 pub(super) fn fixtures_dir() -> PathBuf {
     match std::env::var_os("STOWAGE_FIXTURES") {
         Some(dir) => PathBuf::from(dir),
