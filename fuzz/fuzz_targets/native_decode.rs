@@ -19,7 +19,7 @@
 use bytes::Bytes;
 use libfuzzer_sys::fuzz_target;
 use stowage_fuzz::split_frames;
-use stowage_host::wire::native::{
+use stowage_wire::native::{
     Limits, Reply, code, decode_extras, decode_reply, decode_request, encode_reply, encode_request, request_id,
 };
 

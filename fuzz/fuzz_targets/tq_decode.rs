@@ -19,8 +19,8 @@
 use bytes::Bytes;
 use libfuzzer_sys::fuzz_target;
 use stowage_fuzz::split_frames;
-use stowage_host::batch::Field;
-use stowage_host::wire::tq::{
+use stowage_wire::batch::Field;
+use stowage_wire::tq::{
     Envelope, Error, Reply, Request, Stamp, decode_message, decode_reply, encode_reply_stamped, encode_request_stamped,
 };
 

@@ -6,7 +6,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use stowage_host::transport::zmtp::{FrameReader, Incoming, Limits, write_message};
+use stowage_transport::zmtp::{FrameReader, Incoming, Limits, write_message};
 
 const LIMITS: Limits = Limits { max_message_bytes: 1 << 16, max_frames: 64 };
 

@@ -2,8 +2,8 @@
 //!
 //! | module | what it holds |
 //! |---|---|
-//! | [`tensor`] | `Tensor`: immutable bytes + dtype/shape, zero-copy rows and strided views |
-//! | [`batch`] | `Field` (regular, nested, values), `Value`, `Cell` |
+//! | [`tensor`] | `Tensor`: immutable bytes + dtype/shape, zero-copy rows and strided views (crate `stowage-wire`) |
+//! | [`batch`] | `Field` (regular, nested, values), `Value`, `Cell` (crate `stowage-wire`) |
 //! | [`plan`] | selection and frame plans: validation and execution |
 //! | [`policy`] | the `Policy` trait, the built-in, the Wasm runtime, chains, the registry |
 //! | [`store`] | storage units: one cell per (global index, field), capacity in bytes |
@@ -13,7 +13,9 @@
 //! | [`metrics`] | request counters, latency histograms, the Prometheus `/metrics` endpoint |
 //! | [`config`] | the TOML configuration |
 //! | [`conformance`] | a plugin against the built-in (`stowd plugin check`, hot reload) |
-//! | [`wire`], [`transport`], [`shm`] | codecs, ZeroMQ sockets, same-node shared memory |
+//! | [`wire`] | crate `stowage-wire`: the TransferQueue 0.1.11 and `stowage/1` codecs, the pickle subset, one bounded msgpack reader; pure, no I/O |
+//! | [`transport`] | crate `stowage-transport`: ZMTP 3.0 over tcp and ipc, written here with bounded reads |
+//! | [`shm`] | same-node shared memory |
 //!
 //! The policy path: a [`policy::chain::Chain`] asks its policies for a
 //! [`plan::SelectionPlan`], validates it with [`plan::validate_selection`],
@@ -21,7 +23,6 @@
 //! runs [`plan::execute_selection`], which slices views out of the original
 //! buffer and allocates only for gathers and concatenations.
 
-pub mod batch;
 pub mod config;
 pub mod conformance;
 pub mod manager;
@@ -33,6 +34,11 @@ pub mod extent;
 pub mod policy;
 pub mod reload;
 pub mod store;
-pub mod tensor;
-pub mod transport;
-pub mod wire;
+
+// The pure codecs and the data model live in `stowage-wire`, the ZeroMQ
+// transport in `stowage-transport`; re-exported so that `crate::wire::...`,
+// `crate::tensor::...`, `crate::batch::...` and `crate::transport::...` keep
+// their paths.
+pub use stowage_transport as transport;
+pub use stowage_wire as wire;
+pub use stowage_wire::{batch, tensor};

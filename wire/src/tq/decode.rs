@@ -14,15 +14,20 @@ use super::{
 };
 use crate::batch::{Cell, Field, Value};
 use crate::tensor::{DType, Tensor, TensorError};
-use crate::wire::msgpack::{Item, MsgpackError, Reader};
-use crate::wire::pickle::{self, PValue};
+use crate::msgpack::{Item, MsgpackError, Reader, TQ_MAX_DEPTH};
+use crate::pickle::{self, PValue};
 
 /// Most dimensions a tensor shape may have.
 const MAX_RANK: usize = 64;
 
 impl From<MsgpackError> for Error {
     fn from(e: MsgpackError) -> Self {
-        Error::Msgpack { offset: e.offset, reason: e.reason }
+        match e {
+            MsgpackError::Malformed { offset, reason } => Error::Msgpack { offset, reason },
+            // Only the typed reads of stowage/1 give this; TransferQueue
+            // decoding reads items.
+            MsgpackError::WrongType { expected, .. } => Error::Msgpack { offset: 0, reason: expected },
+        }
     }
 }
 
@@ -157,7 +162,7 @@ fn open(frames: &[Bytes]) -> Result<(Envelope, usize, Ctx<'_>), Error> {
         return Err(Error::EmptyEnvelope(frames.len()));
     }
     let mut ctx = Ctx::new(frames);
-    let mut r = Reader::new(first, 0);
+    let mut r = Reader::bytes(first, 0);
     let Item::Map(n) = r.item()? else {
         return Err(Error::Envelope("frame 0 is not a map".into()));
     };
@@ -190,7 +195,7 @@ fn open(frames: &[Bytes]) -> Result<(Envelope, usize, Ctx<'_>), Error> {
             }
             other => {
                 let at = r.pos();
-                r.skip(0, &mut |code, data, offset| ctx.check_ext(code, data, offset))?;
+                r.visit(TQ_MAX_DEPTH, &mut |code, data, offset| ctx.check_ext(code, data, offset))?;
                 other == "body" && body.replace(at).is_some()
             }
         };
@@ -221,12 +226,12 @@ fn open(frames: &[Bytes]) -> Result<(Envelope, usize, Ctx<'_>), Error> {
 
 /// The body's str keys with the byte range of each value.
 fn body_entries(buf: &Bytes, pos: usize, op: Op) -> Result<Vec<(&str, usize, usize)>, Error> {
-    let mut r = Reader::new(buf, pos);
+    let mut r = Reader::bytes(buf, pos);
     let Item::Map(n) = r.item()? else {
         return Err(Error::Body { op, detail: "body is not a map".into() });
     };
     let mut out: Vec<(&str, usize, usize)> = Vec::with_capacity(n);
-    let skip = |r: &mut Reader<'_>| r.skip(0, &mut |_, _, _| Ok::<(), Error>(()));
+    let skip = |r: &mut Reader<'_>| r.visit(TQ_MAX_DEPTH, &mut |_, _, _| Ok::<(), Error>(()));
     for _ in 0..n {
         let key_start = r.pos();
         let key = r.item()?;
@@ -257,7 +262,7 @@ fn find(entries: &[(&str, usize, usize)], key: &str, op: Op) -> Result<usize, Er
 
 fn u64_list(buf: &Bytes, pos: usize, op: Op, key: &str) -> Result<Vec<u64>, Error> {
     let bad = || Error::Body { op, detail: format!("'{key}' must be a list of non-negative ints") };
-    let mut r = Reader::new(buf, pos);
+    let mut r = Reader::bytes(buf, pos);
     let Item::Array(n) = r.item()? else { return Err(bad()) };
     let mut out = Vec::with_capacity(n);
     for _ in 0..n {
@@ -271,7 +276,7 @@ fn u64_list(buf: &Bytes, pos: usize, op: Op, key: &str) -> Result<Vec<u64>, Erro
 
 fn str_list(buf: &Bytes, pos: usize, op: Op, key: &str) -> Result<Vec<String>, Error> {
     let bad = || Error::Body { op, detail: format!("'{key}' must be a list of str") };
-    let mut r = Reader::new(buf, pos);
+    let mut r = Reader::bytes(buf, pos);
     let Item::Array(n) = r.item()? else { return Err(bad()) };
     let mut out = Vec::with_capacity(n);
     for _ in 0..n {
@@ -302,7 +307,7 @@ fn element<'a>(r: &mut Reader<'a>, op: Op, field: &str) -> Result<Element<'a>, E
     }
     r.set_pos(start);
     let mut framed = false;
-    r.skip(0, &mut |code, _, _| {
+    r.visit(TQ_MAX_DEPTH, &mut |code, _, _| {
         framed |= matches!(code, 3..=5);
         Ok::<(), Error>(())
     })?;
@@ -366,7 +371,7 @@ fn put(buf: &Bytes, body: usize, ctx: &mut Ctx<'_>) -> Result<Request, Error> {
     let gi = find(&entries, "global_indexes", Op::Put)?;
     let data = find(&entries, "data", Op::Put)?;
     if let Ok(pos) = find(&entries, "data_parser", Op::Put)
-        && Reader::new(buf, pos).item()? != Item::Nil
+        && Reader::bytes(buf, pos).item()? != Item::Nil
     {
         return Err(Error::DataParser);
     }
@@ -375,7 +380,7 @@ fn put(buf: &Bytes, body: usize, ctx: &mut Ctx<'_>) -> Result<Request, Error> {
     if let Some(&dup) = global_indexes.iter().find(|&&g| !seen.insert(g)) {
         return Err(Error::DuplicateIndex(dup));
     }
-    let mut r = Reader::new(buf, data);
+    let mut r = Reader::bytes(buf, data);
     let Item::Map(n) = r.item()? else {
         return Err(Error::Body { op: Op::Put, detail: "'data' is not a map".into() });
     };
@@ -420,7 +425,7 @@ pub fn decode_message(frames: &[Bytes]) -> Result<Message, Error> {
 /// The wire request type in envelope `frame0`, read without the body and
 /// the data frames (to answer a request that was too large to keep).
 pub fn request_type(frame0: &Bytes) -> Result<String, Error> {
-    let mut r = Reader::new(frame0, 0);
+    let mut r = Reader::bytes(frame0, 0);
     let Item::Map(n) = r.item()? else {
         return Err(Error::Envelope("frame 0 is not a map".into()));
     };
@@ -432,7 +437,7 @@ pub fn request_type(frame0: &Bytes) -> Result<String, Error> {
             return envelope_str(&mut r, key);
         }
         // The data frames are not here: do not follow ext references.
-        r.skip(0, &mut |_, _, _| Ok::<(), Error>(()))?;
+        r.visit(TQ_MAX_DEPTH, &mut |_, _, _| Ok::<(), Error>(()))?;
     }
     Err(Error::Envelope("missing key 'request_type'".into()))
 }
@@ -449,7 +454,7 @@ fn reply_err(detail: impl Into<String>) -> Error {
 fn reply_message(buf: &Bytes, entries: &[(&str, usize, usize)], default: &str) -> Result<String, Error> {
     match find(entries, "message", Op::Reply) {
         Err(_) => Ok(default.to_owned()),
-        Ok(pos) => match Reader::new(buf, pos).item()? {
+        Ok(pos) => match Reader::bytes(buf, pos).item()? {
             Item::Str { s, .. } => Ok(s.to_owned()),
             _ => Err(reply_err("'message' is not a str")),
         },
@@ -458,7 +463,7 @@ fn reply_message(buf: &Bytes, entries: &[(&str, usize, usize)], default: &str) -
 
 fn get_data(buf: &Bytes, body: usize, ctx: &mut Ctx<'_>) -> Result<Reply, Error> {
     let entries = body_entries(buf, body, Op::Reply)?;
-    let mut r = Reader::new(buf, find(&entries, "data", Op::Reply)?);
+    let mut r = Reader::bytes(buf, find(&entries, "data", Op::Reply)?);
     let Item::Map(n) = r.item()? else { return Err(reply_err("'data' is not a map")) };
     let mut fields = Vec::with_capacity(n);
     for _ in 0..n {
@@ -479,7 +484,7 @@ fn get_data(buf: &Bytes, body: usize, ctx: &mut Ctx<'_>) -> Result<Reply, Error>
 fn metrics(buf: &Bytes, body: usize) -> Result<Metrics, Error> {
     let mut m = Metrics::default();
     for (key, start, end) in body_entries(buf, body, Op::Reply)? {
-        let mut r = Reader::new(buf, start);
+        let mut r = Reader::bytes(buf, start);
         let item = r.item()?;
         let uint = |item: &Item<'_>| match item {
             Item::UInt(v) => Ok(*v),
@@ -511,7 +516,7 @@ fn metrics(buf: &Bytes, body: usize) -> Result<Metrics, Error> {
                 // Kept as exact msgpack and written back as is, so it must
                 // not point into this message's data frames.
                 let mut framed = false;
-                Reader::new(buf, start).skip(0, &mut |code, _, _| {
+                Reader::bytes(buf, start).visit(TQ_MAX_DEPTH, &mut |code, _, _| {
                     framed |= matches!(code, 3..=5);
                     Ok::<(), Error>(())
                 })?;

@@ -10,7 +10,6 @@ use bytes::{Bytes, BytesMut};
 
 /// Element type of a tensor. Names follow torch (`float32`, `bfloat16`, ...).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[non_exhaustive]
 pub enum DType {
     Bool,
     U8,

@@ -3,7 +3,7 @@
 //! them), and the reader's limits.
 
 use super::fnv1a;
-use crate::wire::pickle::{self, PValue, PickleError, dumps, loads};
+use crate::pickle::{self, PValue, PickleError, dumps, loads};
 
 fn hex(s: &str) -> Vec<u8> {
     (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap()).collect()

@@ -1,5 +1,8 @@
-//! Wire formats spoken by `stowd`.
+//! Wire formats spoken by `stowd`, and the data model they carry.
 //!
+//! - [`tensor`]: `Tensor`, immutable bytes plus dtype and shape, with
+//!   zero-copy rows and strided views.
+//! - [`batch`]: `Field` (regular, nested, values), `Value`, `Cell`.
 //! - [`tq`]: the TransferQueue 0.1.11 storage-unit protocol (msgpack
 //!   envelope plus raw data frames), both directions: a unit decodes
 //!   requests and encodes replies, the router as a client encodes requests
@@ -10,9 +13,11 @@
 //! Everything here is pure: bytes in, values out, and back. No sockets, no
 //! I/O, no threads.
 
+pub mod batch;
 pub mod msgpack;
 pub mod native;
 pub mod pickle;
+pub mod tensor;
 pub mod tq;
 
 #[cfg(test)]

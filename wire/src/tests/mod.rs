@@ -9,12 +9,12 @@ use std::path::{Path, PathBuf};
 
 use bytes::Bytes;
 
-use crate::wire::msgpack::{Reader, Writer};
-use crate::wire::pickle::{self, PValue};
+use crate::msgpack::{Reader, Writer};
+use crate::pickle::{self, PValue};
 
 /// Where the golden frames live: `$STOWAGE_FIXTURES` if set, else
-/// `../../shared/fixtures/transferqueue-0.1.11` relative to the crate (true
-/// both for the scratch crate and for `/work/main/host`).
+/// `../../shared/fixtures/transferqueue-0.1.11` relative to this crate's
+/// `wire/` folder: the `shared/` that sits beside the repository.
 pub(super) fn fixtures_dir() -> PathBuf {
     match std::env::var_os("STOWAGE_FIXTURES") {
         Some(dir) => PathBuf::from(dir),
@@ -39,10 +39,10 @@ pub(super) fn load(name: &str) -> Vec<Bytes> {
 /// Every ext value in frame 0 as (code, payload), in order.
 pub(super) fn exts(frame0: &Bytes) -> Vec<(i8, Vec<u8>)> {
     let mut out = Vec::new();
-    let mut r = Reader::new(frame0, 0);
-    r.skip(0, &mut |code, data: &[u8], _| {
+    let mut r = Reader::bytes(frame0, 0);
+    r.visit(crate::msgpack::TQ_MAX_DEPTH, &mut |code, data: &[u8], _| {
         out.push((code, data.to_vec()));
-        Ok::<(), crate::wire::msgpack::MsgpackError>(())
+        Ok::<(), crate::msgpack::MsgpackError>(())
     })
     .unwrap();
     out

@@ -6,9 +6,9 @@ use bytes::Bytes;
 use super::{ext, ext3, frame0, load, put_body, zeros};
 use crate::batch::{Field, Value};
 use crate::tensor::{DType, Tensor};
-use crate::wire::msgpack::Writer;
-use crate::wire::pickle;
-use crate::wire::tq::{
+use crate::msgpack::Writer;
+use crate::pickle;
+use crate::tq::{
     Error, ErrorReply, PICKLE_FALLBACK_SENTINEL, Reply, Request, Stamp, decode_request, encode_request_stamped,
 };
 
@@ -77,7 +77,7 @@ fn frame0_must_be_a_map() {
 #[test]
 fn invalid_utf8_is_undecodable() {
     let f = frame0("GET", b"\x82\xa6fields\x91\xa2\xff\xfe\xaeglobal_indexes\x90");
-    assert!(matches!(fails(&[f], ErrorReply::PutGet), Error::Msgpack { reason: "invalid UTF-8 in str", .. }));
+    assert!(matches!(fails(&[f], ErrorReply::PutGet), Error::Msgpack { reason: "invalid UTF-8 in a str", .. }));
 }
 
 #[test]
@@ -349,7 +349,7 @@ fn mutated_fixtures_never_panic() {
             let mut mutated = frames.clone();
             mutated[0] = f0.into();
             let _ = decode_request(&mutated);
-            let _ = crate::wire::tq::decode_reply(&mutated);
+            let _ = crate::tq::decode_reply(&mutated);
         }
     }
     // Random programs over the supported opcodes (and their argument bytes).
@@ -371,7 +371,7 @@ fn get_error_helpers_word_messages_like_the_unit() {
         "Failed to get data from storage unit id #U, detail error message: \
          StorageUnitData get_data: field 'zz' not found. Available: ['reg', 'jag']"
     );
-    assert_eq!(crate::wire::tq::py_repr("it's \"x\"\n"), r#"'it\'s "x"\n'"#);
+    assert_eq!(crate::tq::py_repr("it's \"x\"\n"), r#"'it\'s "x"\n'"#);
 }
 
 /// Found with the `tq_decode` fuzz target (input in
@@ -382,7 +382,7 @@ fn get_error_helpers_word_messages_like_the_unit() {
 /// refused now; extras without frames still pass through unchanged.
 #[test]
 fn fuzz_tq_decode_metrics_extra_with_tensor() {
-    use crate::wire::tq::{decode_reply, encode_reply_stamped};
+    use crate::tq::{decode_reply, encode_reply_stamped};
     let metrics = |extra: &[u8]| {
         let mut w = Writer::new();
         w.map(2);

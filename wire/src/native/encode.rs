@@ -3,7 +3,7 @@
 
 use bytes::{Bytes, BytesMut};
 
-use super::msgpack::{MAX_DEPTH, Reader, Writer};
+use crate::msgpack::{NATIVE_MAX_DEPTH as MAX_DEPTH, Reader, Writer};
 use super::{Error, FrameLayout, Op, PROTO, Reply, Request, Stat, WireField};
 use crate::batch::Value;
 

@@ -39,7 +39,7 @@ use crate::tensor::{DType, TensorError};
 mod decode;
 mod encode;
 mod field;
-mod msgpack;
+use crate::msgpack;
 #[cfg(test)]
 mod tests;
 
@@ -192,6 +192,21 @@ pub enum Error {
     /// A tensor could not be built (a bug: lengths are checked before).
     #[error(transparent)]
     Tensor(#[from] TensorError),
+}
+
+impl From<msgpack::MsgpackError> for Error {
+    fn from(e: msgpack::MsgpackError) -> Self {
+        match e {
+            msgpack::MsgpackError::Malformed { offset, reason } => Error::Malformed { offset, reason },
+            msgpack::MsgpackError::WrongType { key, expected } => Error::WrongType { key, expected },
+        }
+    }
+}
+
+impl From<msgpack::TooLong> for Error {
+    fn from(e: msgpack::TooLong) -> Self {
+        Error::Unencodable(e.to_string())
+    }
 }
 
 impl Error {

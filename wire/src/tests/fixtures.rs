@@ -7,8 +7,8 @@ use bytes::Bytes;
 use super::{exts, load};
 use crate::batch::{Cell, Field, Value};
 use crate::tensor::{DType, Tensor};
-use crate::wire::pickle;
-use crate::wire::tq::{
+use crate::pickle;
+use crate::tq::{
     Envelope, ErrorReply, Metrics, Reply, Request, Stamp, decode_message, decode_reply, decode_request,
     encode_reply_stamped, encode_request_stamped,
 };

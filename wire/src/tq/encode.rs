@@ -10,8 +10,8 @@ use bytes::Bytes;
 use super::{Error, Metrics, Op, Reply, Request, Stamp, request_type_name};
 use crate::batch::{Cell, Field, Value};
 use crate::tensor::Tensor;
-use crate::wire::msgpack::Writer;
-use crate::wire::pickle;
+use crate::msgpack::Writer;
+use crate::pickle;
 
 /// Frame 0 under construction plus the data frames it references.
 struct Out {

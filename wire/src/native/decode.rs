@@ -7,7 +7,7 @@ use std::collections::HashSet;
 
 use bytes::Bytes;
 
-use super::msgpack::{MAX_DEPTH, Reader};
+use crate::msgpack::{NATIVE_MAX_DEPTH as MAX_DEPTH, Reader};
 use super::{Extras, Error, Limits, MAX_DIMS, Op, PROTO, RegularParts, Reply, Request, Stat, WireField, dtype_from_name};
 use crate::batch::Value;
 use crate::tensor::{DType, Tensor, contiguous_len};
@@ -114,7 +114,7 @@ pub(super) fn reply(frames: &[Bytes], limits: &Limits) -> Result<(u64, Reply), E
             const MAP: &str = "an error body";
             const KEYS: [&str; 2] = ["code", "message"];
             let mut v = [None; 2];
-            keyed(&mut r, MAP, KEYS, |i, r| r.str(KEYS[i]).map(|s| v[i] = Some(s)))?;
+            keyed(&mut r, MAP, KEYS, |i, r| r.str(KEYS[i]).map(|s| v[i] = Some(s)).map_err(Error::from))?;
             let [code, message] = v;
             Reply::Error {
                 code: need(code, MAP, "code")?.to_owned(),
@@ -172,7 +172,7 @@ fn envelope<'a>(frames: &'a [Bytes], limits: &Limits) -> Result<(u64, &'a str, R
         }
     }
     if r.remaining() > 0 {
-        return Err(r.malformed("trailing bytes after the envelope"));
+        return Err(r.malformed("trailing bytes after the envelope").into());
     }
     match need(proto, MAP, "proto")? {
         PROTO => {}
@@ -288,8 +288,8 @@ fn descriptor(r: &mut Reader<'_>, data: &mut Frames<'_>, limits: &Limits) -> Res
     let (mut kind, mut dtype, mut shape, mut parts, mut rows, mut values) = (None, None, None, None, None, None);
     let frame0 = data.frame0();
     keyed(r, MAP, ["kind", "dtype", "shape", "parts", "rows", "values"], |i, r| match i {
-        0 => r.str("kind").map(|v| kind = Some(v)),
-        1 => r.str("dtype").and_then(dtype_from_name).map(|v| dtype = Some(v)),
+        0 => r.str("kind").map(|v| kind = Some(v)).map_err(Error::from),
+        1 => r.str("dtype").map_err(Error::from).and_then(dtype_from_name).map(|v| dtype = Some(v)),
         2 => read_shape(r).map(|v| shape = Some(v)),
         3 => part_list(r, limits).map(|v| parts = Some(v)),
         4 => row_list(r, limits).map(|v| rows = Some(v)),
@@ -393,7 +393,7 @@ fn read_shape(r: &mut Reader<'_>) -> Result<Vec<u64>, Error> {
     if n > MAX_DIMS {
         return Err(Error::TooManyDims(n));
     }
-    (0..n).map(|_| r.uint("a dimension")).collect()
+    (0..n).map(|_| r.uint("a dimension").map_err(Error::from)).collect()
 }
 
 fn part_list(r: &mut Reader<'_>, limits: &Limits) -> Result<Vec<PartDesc>, Error> {
@@ -404,7 +404,7 @@ fn part_list(r: &mut Reader<'_>, limits: &Limits) -> Result<Vec<PartDesc>, Error
     for _ in 0..n {
         const KEYS: [&str; 4] = ["frame", "offset", "len", "rows"];
         let mut v = [None; 4];
-        keyed(r, MAP, KEYS, |i, r| r.uint(KEYS[i]).map(|u| v[i] = Some(u)))?;
+        keyed(r, MAP, KEYS, |i, r| r.uint(KEYS[i]).map(|u| v[i] = Some(u)).map_err(Error::from))?;
         let [frame, offset, len, rows] = v;
         let (frame, offset) = (need(frame, MAP, "frame")?, need(offset, MAP, "offset")?);
         out.push(PartDesc { frame, offset, len: need(len, MAP, "len")?, rows: need(rows, MAP, "rows")? });
@@ -422,7 +422,7 @@ fn row_list(r: &mut Reader<'_>, limits: &Limits) -> Result<Vec<RowDesc>, Error> 
         let (mut shape, mut v) = (None, [None; 4]);
         keyed(r, MAP, KEYS, |i, r| match i {
             0 => read_shape(r).map(|s| shape = Some(s)),
-            _ => r.uint(KEYS[i]).map(|u| v[i] = Some(u)),
+            _ => r.uint(KEYS[i]).map(|u| v[i] = Some(u)).map_err(Error::from),
         })?;
         let [_, frame, offset, len] = v;
         let shape = need(shape, MAP, "shape")?;
@@ -455,7 +455,7 @@ fn value_list(r: &mut Reader<'_>, frame0: &Bytes, limits: &Limits) -> Result<Vec
 /// A body that is a map with exactly one uint key.
 fn single_uint(r: &mut Reader<'_>, map: &'static str, key: &'static str) -> Result<u64, Error> {
     let mut value = None;
-    keyed(r, map, [key], |_, r| r.uint(key).map(|u| value = Some(u)))?;
+    keyed(r, map, [key], |_, r| r.uint(key).map(|u| value = Some(u)).map_err(Error::from))?;
     need(value, map, key)
 }
 

@@ -6,7 +6,6 @@ use crate::tensor::Tensor;
 
 /// One non-tensor value of a field.
 #[derive(Clone, Debug, PartialEq)]
-#[non_exhaustive]
 pub enum Value {
     /// A UTF-8 string.
     Str(String),

@@ -31,7 +31,7 @@ use bytes::Bytes;
 
 use crate::batch::{Cell, Field};
 use crate::tensor::TensorError;
-use crate::wire::pickle::PickleError;
+use crate::pickle::PickleError;
 
 pub use decode::{decode_message, decode_reply, decode_request, request_type};
 pub use encode::{encode_reply, encode_reply_stamped, encode_request, encode_request_stamped};

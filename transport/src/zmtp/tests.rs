@@ -1,0 +1,220 @@
+//! Tests of the frame reader and writer.
+
+use super::*;
+
+async fn pair() -> (tokio::io::DuplexStream, tokio::io::DuplexStream) {
+    tokio::io::duplex(1 << 16)
+}
+
+#[tokio::test]
+async fn messages_round_trip_with_small_and_large_frames() {
+    let (a, b) = pair().await;
+    let frames = vec![
+        Bytes::from_static(b""),
+        Bytes::from(vec![7u8; 200]),
+        Bytes::from(vec![9u8; 300]),
+        Bytes::from(vec![1u8; 3 << 20]),
+        Bytes::from_static(b"tail"),
+    ];
+    let sent = frames.clone();
+    let writer = tokio::spawn(async move {
+        let mut a = a;
+        write_message(&mut a, &sent).await.unwrap();
+        write_message(&mut a, &sent[1..2]).await.unwrap();
+    });
+    let mut r = FrameReader::new(b);
+    let Some(Incoming::Message(got)) = r.read(&Limits::DEFAULT).await.unwrap() else { panic!() };
+    assert_eq!(got, frames);
+    let Some(Incoming::Message(got)) = r.read(&Limits::DEFAULT).await.unwrap() else { panic!() };
+    assert_eq!(got, frames[1..2]);
+    writer.await.unwrap();
+    assert!(r.read(&Limits::DEFAULT).await.unwrap().is_none(), "clean close");
+}
+
+#[tokio::test]
+async fn a_message_over_the_limit_is_skipped_and_the_next_one_read() {
+    let (a, b) = pair().await;
+    let writer = tokio::spawn(async move {
+        let mut a = a;
+        write_message(&mut a, &[Bytes::from_static(b"head"), Bytes::from(vec![0u8; 5000])]).await.unwrap();
+        write_message(&mut a, &[Bytes::from_static(b"ok")]).await.unwrap();
+    });
+    let limits = Limits { max_message_bytes: 1000, max_frames: 10 };
+    let mut r = FrameReader::new(b);
+    match r.read(&limits).await.unwrap() {
+        Some(Incoming::TooLarge { head, reason }) => {
+            assert_eq!(head, vec![Bytes::from_static(b"head")]);
+            assert!(reason.contains("1000 bytes"), "{reason}");
+        }
+        other => panic!("{other:?}"),
+    }
+    let Some(Incoming::Message(m)) = r.read(&limits).await.unwrap() else { panic!() };
+    assert_eq!(m, vec![Bytes::from_static(b"ok")]);
+    writer.await.unwrap();
+}
+
+#[tokio::test]
+async fn too_many_frames_is_reported_not_buffered() {
+    let (a, b) = pair().await;
+    let writer = tokio::spawn(async move {
+        let mut a = a;
+        let many: Vec<Bytes> = (0..50u8).map(|i| Bytes::from(vec![i; 3])).collect();
+        write_message(&mut a, &many).await.unwrap();
+    });
+    let mut r = FrameReader::new(b);
+    let limits = Limits { max_message_bytes: 1 << 20, max_frames: 8 };
+    let Some(Incoming::TooLarge { head, reason }) = r.read(&limits).await.unwrap() else { panic!() };
+    assert_eq!(head.len(), 1);
+    assert!(reason.contains("more than 8 frames"), "{reason}");
+    writer.await.unwrap();
+}
+
+/// The reading end of a peer that declares a 2^40-byte frame (within a
+/// generous limit), sends 10 bytes of it and closes.
+async fn declares_a_tebibyte_sends_ten_bytes() -> tokio::io::DuplexStream {
+    let (mut a, b) = pair().await;
+    let mut raw = BytesMut::new();
+    raw.put_u8(FLAG_LONG);
+    raw.put_u64(1 << 40);
+    raw.put_slice(&[0u8; 10]);
+    a.write_all(&raw).await.unwrap();
+    drop(a);
+    b
+}
+
+#[tokio::test]
+async fn a_huge_declared_frame_allocates_only_what_arrives() {
+    let b = declares_a_tebibyte_sends_ten_bytes().await;
+    let mut r = FrameReader::new(b);
+    let limits = Limits { max_message_bytes: u64::MAX, max_frames: 10 };
+    // Would abort the process if 1 TiB were reserved up front.
+    assert!(matches!(r.read(&limits).await, Err(ZmtpError::Closed)));
+}
+
+/// Sends `frames` as one message and reads it through `r`.
+async fn through<W: AsyncWrite + Unpin, R: AsyncRead + Unpin>(
+    w: &mut W,
+    r: &mut FrameReader<R>,
+    frames: &[Bytes],
+) -> Vec<Bytes> {
+    let (sent, got) = tokio::join!(write_message(w, frames), r.read(&Limits::DEFAULT));
+    sent.unwrap();
+    let Some(Incoming::Message(got)) = got.unwrap() else { panic!() };
+    got
+}
+
+#[tokio::test]
+async fn a_large_frame_reuses_the_buffer_of_a_dropped_one() {
+    let (mut a, b) = pair().await;
+    let pool = ReceivePool::new(64 << 20, pool::IDLE);
+    let mut r = FrameReader::with_pool(b, Some(pool.clone()));
+    let first: Vec<u8> = (0..3 << 20).map(|i: u32| (i % 251) as u8).collect();
+    let got = through(&mut a, &mut r, &[Bytes::from_static(b"h"), Bytes::from(first.clone())]).await;
+    assert_eq!(got[1], first);
+    let ptr = got[1].as_ptr();
+    drop(got);
+    assert_eq!(pool.pooled_bytes(), 3 << 20, "a whole frame leaves its buffer at its size");
+    // The same size again (an eighth smaller fits too): same memory, new bytes.
+    let second: Vec<u8> = (0..3 << 20).map(|i: u32| (i % 13) as u8).collect();
+    let got = through(&mut a, &mut r, &[Bytes::from(second.clone()), Bytes::from_static(b"t")]).await;
+    assert_eq!(got[0].as_ptr(), ptr);
+    assert_eq!(got[0], second);
+    assert_eq!(got[1], Bytes::from_static(b"t"));
+    assert_eq!(pool.pooled_bytes(), 0);
+    drop(got);
+    let third = vec![5u8; (3 << 20) - (1 << 18)];
+    let got = through(&mut a, &mut r, &[Bytes::from(third.clone())]).await;
+    assert_eq!((got[0].as_ptr(), &got[0][..]), (ptr, &third[..]));
+}
+
+#[tokio::test]
+async fn a_buffer_a_row_still_refers_to_is_not_reused() {
+    let (mut a, b) = pair().await;
+    let pool = ReceivePool::new(64 << 20, pool::IDLE);
+    let mut r = FrameReader::with_pool(b, Some(pool.clone()));
+    let got = through(&mut a, &mut r, &[Bytes::from(vec![1u8; 2 << 20])]).await;
+    let ptr = got[0].as_ptr();
+    // A stored row: a slice of the frame.
+    let row = got[0].slice(4096..8192);
+    drop(got);
+    assert_eq!(pool.pooled_bytes(), 0);
+    let got = through(&mut a, &mut r, &[Bytes::from(vec![2u8; 2 << 20])]).await;
+    assert_ne!(got[0].as_ptr(), ptr);
+    assert!(got[0].iter().all(|&x| x == 2));
+    assert!(row.iter().all(|&x| x == 1), "the row kept its bytes");
+    drop(row);
+    assert_eq!(pool.pooled_bytes(), 2 << 20);
+    drop(got);
+    assert_eq!(pool.pooled_bytes(), 4 << 20);
+}
+
+#[tokio::test]
+async fn a_pooled_reader_still_allocates_only_what_arrives() {
+    let pool = ReceivePool::new(64 << 20, pool::IDLE);
+    // One 2 MiB buffer pooled: it does not fit a declared 2^40.
+    drop(ReceivePool::wrap(&pool, vec![0u8; 2 << 20]));
+    let b = declares_a_tebibyte_sends_ten_bytes().await;
+    let mut r = FrameReader::with_pool(b, Some(pool.clone()));
+    let limits = Limits { max_message_bytes: u64::MAX, max_frames: 10 };
+    assert!(matches!(r.read(&limits).await, Err(ZmtpError::Closed)));
+    // The pooled buffer is untouched; the broken frame's (one first
+    // chunk) was freed, not pooled.
+    assert_eq!(pool.pooled_buffers(), 1);
+    assert_eq!(pool.pooled_bytes(), 2 << 20);
+}
+
+#[tokio::test]
+async fn reserved_flag_bits_are_a_protocol_error() {
+    let (mut a, b) = pair().await;
+    a.write_all(&[0x80, 1, 0]).await.unwrap();
+    let mut r = FrameReader::new(b);
+    assert!(matches!(r.read(&Limits::DEFAULT).await, Err(ZmtpError::Protocol(_))));
+}
+
+#[tokio::test]
+async fn handshake_exchanges_identity_and_refuses_wrong_socket_types() {
+    let (a, b) = pair().await;
+    let (ra, mut wa) = tokio::io::split(a);
+    let (rb, mut wb) = tokio::io::split(b);
+    let server = tokio::spawn(async move {
+        let mut r = FrameReader::new(rb);
+        handshake(&mut r, &mut wb, "ROUTER", b"", &["DEALER", "REQ"]).await
+    });
+    let mut r = FrameReader::new(ra);
+    let info = handshake(&mut r, &mut wa, "DEALER", b"me", &["ROUTER"]).await.unwrap();
+    assert_eq!(info.socket_type, "ROUTER");
+    let peer = server.await.unwrap().unwrap();
+    assert_eq!((peer.socket_type.as_str(), &peer.identity[..]), ("DEALER", &b"me"[..]));
+
+    let (a, b) = pair().await;
+    let (ra, mut wa) = tokio::io::split(a);
+    let (rb, mut wb) = tokio::io::split(b);
+    let server = tokio::spawn(async move {
+        let mut r = FrameReader::new(rb);
+        handshake(&mut r, &mut wb, "ROUTER", b"", &["DEALER"]).await
+    });
+    let mut r = FrameReader::new(ra);
+    handshake(&mut r, &mut wa, "PUB", b"", &["ROUTER"]).await.expect("the ROUTER side is acceptable to us");
+    // The ROUTER refuses us: an ERROR command naming the reason.
+    match r.read(&Limits::DEFAULT).await {
+        Ok(Some(Incoming::Command { name, body })) => {
+            assert_eq!(name, "ERROR");
+            assert!(String::from_utf8_lossy(&body).contains("PUB"));
+        }
+        other => panic!("expected ERROR, got {other:?}"),
+    }
+    let server_err = server.await.unwrap().unwrap_err().to_string();
+    assert!(server_err.contains("PUB"), "{server_err}");
+}
+
+#[test]
+fn greetings_other_than_zmtp3_null_are_refused() {
+    assert!(check_greeting(&greeting()).is_ok());
+    let mut g = greeting();
+    g[10] = 2;
+    assert!(check_greeting(&g).unwrap_err().to_string().contains("major version 2"));
+    let mut g = greeting();
+    g[12..17].copy_from_slice(b"CURVE");
+    assert!(check_greeting(&g).unwrap_err().to_string().contains("CURVE"));
+    assert!(check_greeting(&[0u8; 64]).is_err());
+}
