@@ -9,6 +9,11 @@ fn view(start: u64, step: u64, count: u64) -> Piece {
     Piece::View(RowView::new(start, step, count))
 }
 
+/// A selection case: label, field, positions, pieces, the error expected.
+type SelectionCase<'a> = (&'a str, FieldInfo, &'a [u64], Vec<Piece>, PlanError);
+/// A frame case: label, pieces, limits, plan, the outcome expected.
+type FrameCase<'a> = (&'a str, &'a [PieceInfo], PackLimits, FramePlan, Result<(), PlanError>);
+
 fn regular(rows: u64) -> FieldInfo {
     FieldInfo::new(Regular, rows)
 }
@@ -37,7 +42,7 @@ fn refuses_wrong_plans() {
     use PlanError as E;
     let pos: &[u64] = &[0, 2, 4];
     let values = FieldInfo::new(Values, 2);
-    let cases: Vec<(&str, FieldInfo, &[u64], Vec<Piece>, PlanError)> = vec![
+    let cases: Vec<SelectionCase> = vec![
         ("dropped row", regular(10), pos, vec![view(0, 2, 2)], E::TooFewRows {
             planned: 2,
             requested: 3,
@@ -136,7 +141,7 @@ fn frame_rules() {
     let limits = PackLimits { max_frame_bytes: 20, ..tight };
     let two = FramePlan::new(vec![Frame::Coalesced(vec![0]), Frame::Coalesced(vec![1, 2])]);
     let single = |i| Frame::Single(i);
-    let cases: Vec<(&str, &[PieceInfo], PackLimits, FramePlan, Result<(), PlanError>)> = vec![
+    let cases: Vec<FrameCase> = vec![
         ("coalesced over the limit", &pieces, tight, two.clone(), Err(E::FrameTooLarge {
             frame: 1,
             bytes: 20,
