@@ -4,15 +4,16 @@
 //! WIT contract `stowage:policy@0.1.0` (`wit/policy.wit`). It never sees a
 //! writable byte: the host lends it a read-only [`Field`] for one call, and
 //! the policy answers a *plan*, which is plain data. The host validates every
-//! plan before carrying it out (the same rules as
-//! [`testing::validate_selection`] and [`testing::validate_frames`]), so a
-//! wrong plan only costs a fallback.
+//! plan before carrying it out, with the rules of the `stowage-plan` crate
+//! that [`testing::validate_selection`] and [`testing::validate_frames`] apply
+//! too, so a wrong plan only costs a fallback.
 //!
-//! This crate gives plugin authors plain Rust types mirroring the WIT, a
-//! [`Policy`] trait with `not-applicable` defaults, a single
-//! [`export_policy!`] macro that wires the trait to the component exports
-//! when built for `wasm32`, and a native test harness in [`testing`], so a
-//! policy can be unit-tested with `cargo test` without a host.
+//! This crate gives plugin authors plain Rust types mirroring the WIT (the
+//! plan types are `stowage-plan`'s, shared with the host), a [`Policy`] trait
+//! with `not-applicable` defaults, a single [`export_policy!`] macro that
+//! wires the trait to the component exports when built for `wasm32`, and a
+//! native test harness in [`testing`], so a policy can be unit-tested with
+//! `cargo test` without a host.
 //!
 //! # A complete policy
 //!
@@ -65,6 +66,14 @@
 use std::fmt;
 
 pub mod testing;
+
+/// The plan types, shared with the host through the `stowage-plan` crate:
+/// what a policy describes, receives and answers. The host validates every
+/// plan with the same `stowage-plan` rules [`testing`] applies.
+pub use stowage_plan::{
+    Capability, Description, FieldKind, Frame, FramePlan, PackLimits, Piece, PieceInfo, RowView,
+    SelectionPlan,
+};
 
 #[cfg(target_arch = "wasm32")]
 #[doc(hidden)]
@@ -119,95 +128,6 @@ impl Dtype {
             Dtype::Int64 | Dtype::Uint64 | Dtype::Float64 | Dtype::Complex64 => 8,
             Dtype::Complex128 => 16,
         }
-    }
-}
-
-/// What a field is made of.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum FieldKind {
-    /// One tensor `[n, ...]`, rows on axis 0.
-    Regular,
-    /// n rows of different shapes (a jagged tensor).
-    Nested,
-    /// n plain values (strings, bytes, opaque objects).
-    Values,
-}
-
-/// What a policy can do, as listed by [`Policy::describe`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Capability {
-    /// Implements [`Policy::select`].
-    Selection,
-    /// Implements [`Policy::pack`].
-    Packing,
-}
-
-/// Identity of a policy: what [`Policy::describe`] answers.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Description {
-    /// Short unique name, e.g. `constant-stride`.
-    pub name: String,
-    /// The policy's own version, semver.
-    pub version: String,
-    /// One line on what it does.
-    pub summary: String,
-    /// Which interfaces it implements for real (the others answer
-    /// `not-applicable`).
-    pub capabilities: Vec<Capability>,
-    /// Field kinds it handles.
-    pub kinds: Vec<FieldKind>,
-}
-
-impl Description {
-    /// A description with no capability and no kind yet; add them with
-    /// [`selects`](Self::selects), [`packs`](Self::packs),
-    /// [`with_capability`](Self::with_capability) or
-    /// [`with_kind`](Self::with_kind).
-    pub fn new(
-        name: impl Into<String>,
-        version: impl Into<String>,
-        summary: impl Into<String>,
-    ) -> Self {
-        Description {
-            name: name.into(),
-            version: version.into(),
-            summary: summary.into(),
-            capabilities: Vec::new(),
-            kinds: Vec::new(),
-        }
-    }
-
-    /// Adds a capability (once).
-    pub fn with_capability(mut self, capability: Capability) -> Self {
-        if !self.capabilities.contains(&capability) {
-            self.capabilities.push(capability);
-        }
-        self
-    }
-
-    /// Adds a handled field kind (once).
-    pub fn with_kind(mut self, kind: FieldKind) -> Self {
-        if !self.kinds.contains(&kind) {
-            self.kinds.push(kind);
-        }
-        self
-    }
-
-    /// Declares the selection capability for these field kinds.
-    pub fn selects(self, kinds: &[FieldKind]) -> Self {
-        kinds
-            .iter()
-            .fold(self.with_capability(Capability::Selection), |d, &k| {
-                d.with_kind(k)
-            })
-    }
-
-    /// Declares the packing capability (pieces of every field kind).
-    pub fn packs(self) -> Self {
-        self.with_capability(Capability::Packing)
-            .with_kind(FieldKind::Regular)
-            .with_kind(FieldKind::Nested)
-            .with_kind(FieldKind::Values)
     }
 }
 
@@ -286,208 +206,6 @@ pub trait Field {
     /// stream (rows in order, without gaps). Bounded by
     /// [`read_cap`](Field::read_cap); for content-aware policies only.
     fn read(&self, offset: u64, len: u64) -> Result<Vec<u8>, ReadError>;
-}
-
-/// Rows `start, start + step, ..., start + (count - 1) * step` of a regular
-/// field, as one zero-copy view. `step` and `count` are at least 1.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct RowView {
-    /// First row.
-    pub start: u64,
-    /// Distance between consecutive rows, at least 1.
-    pub step: u64,
-    /// Number of rows, at least 1.
-    pub count: u64,
-}
-
-impl RowView {
-    /// `count` rows from `start`, `step` apart.
-    pub const fn new(start: u64, step: u64, count: u64) -> Self {
-        RowView { start, step, count }
-    }
-
-    /// The one-row view of `row`.
-    pub const fn single(row: u64) -> Self {
-        RowView {
-            start: row,
-            step: 1,
-            count: 1,
-        }
-    }
-
-    /// Last row of the view, or `None` if it overflows `u64` or the view is
-    /// empty.
-    pub fn last(&self) -> Option<u64> {
-        let span = self.count.checked_sub(1)?.checked_mul(self.step)?;
-        self.start.checked_add(span)
-    }
-
-    /// The rows of the view, in order.
-    pub fn rows(&self) -> impl Iterator<Item = u64> + '_ {
-        let RowView { start, step, count } = *self;
-        (0..count).map(move |k| start.wrapping_add(k.wrapping_mul(step)))
-    }
-}
-
-/// One piece of a selection plan.
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
-pub enum Piece {
-    /// Regular field: a zero-copy strided view of rows.
-    View(RowView),
-    /// Regular field: these rows, in this order, copied into one new
-    /// contiguous buffer (one allocation).
-    Gather(Vec<u64>),
-    /// Nested or values field: one zero-copy view per listed row.
-    RowViews(Vec<u64>),
-    /// Nested field: these rows concatenated into one new buffer, with the
-    /// byte offset of each row (one allocation, one frame).
-    Concat(Vec<u64>),
-}
-
-impl Piece {
-    /// Number of rows the piece covers.
-    pub fn row_count(&self) -> u64 {
-        match self {
-            Piece::View(v) => v.count,
-            Piece::Gather(r) | Piece::RowViews(r) | Piece::Concat(r) => r.len() as u64,
-        }
-    }
-
-    /// The rows of the piece, in order.
-    pub fn rows(&self) -> Box<dyn Iterator<Item = u64> + '_> {
-        match self {
-            Piece::View(v) => Box::new(v.rows()),
-            Piece::Gather(r) | Piece::RowViews(r) | Piece::Concat(r) => Box::new(r.iter().copied()),
-        }
-    }
-
-    /// The WIT name of the piece's case (`view`, `gather`, ...).
-    pub fn name(&self) -> &'static str {
-        match self {
-            Piece::View(_) => "view",
-            Piece::Gather(_) => "gather",
-            Piece::RowViews(_) => "row-views",
-            Piece::Concat(_) => "concat",
-        }
-    }
-}
-
-/// A selection plan: the rows of its pieces, taken in order, must be exactly
-/// the requested positions, in order.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
-pub struct SelectionPlan {
-    /// The pieces, in row order.
-    pub pieces: Vec<Piece>,
-}
-
-impl SelectionPlan {
-    /// A plan of these pieces.
-    pub fn new(pieces: Vec<Piece>) -> Self {
-        SelectionPlan { pieces }
-    }
-
-    /// A plan of one piece.
-    pub fn single(piece: Piece) -> Self {
-        SelectionPlan {
-            pieces: vec![piece],
-        }
-    }
-
-    /// Number of rows the plan covers.
-    pub fn row_count(&self) -> u64 {
-        self.pieces
-            .iter()
-            .map(Piece::row_count)
-            .fold(0, u64::saturating_add)
-    }
-}
-
-impl From<Piece> for SelectionPlan {
-    fn from(piece: Piece) -> Self {
-        SelectionPlan::single(piece)
-    }
-}
-
-/// One piece to send, described by size only.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct PieceInfo {
-    /// Bytes of the piece.
-    pub byte_len: u64,
-    /// True if the piece is one contiguous byte range (it can go out as its
-    /// own frame without a copy).
-    pub contiguous: bool,
-}
-
-impl PieceInfo {
-    /// A contiguous piece of `byte_len` bytes.
-    pub const fn contiguous(byte_len: u64) -> Self {
-        PieceInfo {
-            byte_len,
-            contiguous: true,
-        }
-    }
-
-    /// A non-contiguous (strided) piece of `byte_len` bytes.
-    pub const fn strided(byte_len: u64) -> Self {
-        PieceInfo {
-            byte_len,
-            contiguous: false,
-        }
-    }
-}
-
-/// Bounds the host sets for one message.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct PackLimits {
-    /// The most frames a message may have.
-    pub max_frames: u32,
-    /// Largest coalesced (copied) frame, in bytes.
-    pub max_frame_bytes: u64,
-    /// Pieces below this many bytes are "small" (a hint; 0 = policy's own).
-    pub small_threshold: u64,
-}
-
-impl PackLimits {
-    /// `small_threshold`, or `default` when the host left it at 0.
-    pub fn small_threshold_or(&self, default: u64) -> u64 {
-        if self.small_threshold == 0 {
-            default
-        } else {
-            self.small_threshold
-        }
-    }
-}
-
-/// One frame of a message.
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
-pub enum Frame {
-    /// The piece at this index goes out as its own frame (zero copy if
-    /// contiguous, else compacted with one copy).
-    Single(u32),
-    /// These pieces are copied, in this order, into one frame.
-    Coalesced(Vec<u32>),
-}
-
-/// A frame plan: every piece index appears exactly once, and there are at
-/// most `max_frames` frames.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
-pub struct FramePlan {
-    /// The frames of the message, in order.
-    pub frames: Vec<Frame>,
-}
-
-impl FramePlan {
-    /// A plan of these frames.
-    pub fn new(frames: Vec<Frame>) -> Self {
-        FramePlan { frames }
-    }
-
-    /// One `single` frame per piece: the plan of `n` pieces with no copy.
-    pub fn one_per_piece(n: usize) -> Self {
-        FramePlan {
-            frames: (0..n as u32).map(Frame::Single).collect(),
-        }
-    }
 }
 
 /// A policy: implement [`describe`](Policy::describe) and the methods for
@@ -690,43 +408,5 @@ mod tests {
                 assert!(r.step >= 1 && r.count >= 1);
             }
         }
-    }
-
-    #[test]
-    fn description_builder() {
-        let d = Description::new("x", "1.0.0", "s")
-            .selects(&[FieldKind::Regular, FieldKind::Regular])
-            .packs();
-        assert_eq!(
-            d.capabilities,
-            vec![Capability::Selection, Capability::Packing]
-        );
-        assert_eq!(
-            d.kinds,
-            vec![FieldKind::Regular, FieldKind::Nested, FieldKind::Values]
-        );
-    }
-
-    #[test]
-    fn row_view_helpers() {
-        assert_eq!(
-            RowView::new(2, 3, 3).rows().collect::<Vec<_>>(),
-            vec![2, 5, 8]
-        );
-        assert_eq!(RowView::new(2, 3, 3).last(), Some(8));
-        assert_eq!(RowView::new(2, 3, 0).last(), None);
-        assert_eq!(RowView::new(1, u64::MAX, 2).last(), None);
-        assert_eq!(
-            Piece::Gather(vec![4, 1]).rows().collect::<Vec<_>>(),
-            vec![4, 1]
-        );
-        assert_eq!(
-            SelectionPlan::new(vec![
-                Piece::View(RowView::new(0, 1, 5)),
-                Piece::Concat(vec![1])
-            ])
-            .row_count(),
-            6
-        );
     }
 }

@@ -3,8 +3,9 @@
 //! [`TestField`] implements [`Field`] with deterministic contents (byte `i`
 //! of the logical stream is [`TestField::byte_at`]`(i)`), so content-aware
 //! policies can be tested too. [`validate_selection`] and
-//! [`validate_frames`] apply the same rules as the host: a plan that passes
-//! them here is accepted by `stowd`.
+//! [`validate_frames`] call the `stowage-plan` rules the host calls, so a
+//! plan that passes them here is accepted by `stowd`, and a refused one
+//! reads the same message ([`PlanError`]) here and in the host's log.
 //!
 //! ```
 //! use stowage_guest::testing::{validate_frames, validate_selection, TestField};
@@ -21,10 +22,11 @@
 //! assert!(validate_frames(&pieces, &limits, &plan).is_ok());
 //! ```
 
-use crate::{
-    Dtype, Field, FieldKind, Frame, FramePlan, PackLimits, Piece, PieceInfo, ReadError,
-    SelectionPlan,
-};
+use stowage_plan::FieldInfo;
+/// Why a plan was refused: the validators below return its message.
+pub use stowage_plan::PlanError;
+
+use crate::{Dtype, Field, FieldKind, FramePlan, PackLimits, PieceInfo, ReadError, SelectionPlan};
 
 /// Read cap of a new [`TestField`]: 1 MiB, like the host's default.
 pub const DEFAULT_READ_CAP: u64 = 1 << 20;
@@ -171,155 +173,48 @@ impl Field for TestField {
 }
 
 /// Checks `plan` against `positions` of `field` with the host's rules:
+/// [`stowage_plan::validate_selection`], the very function `stowd` calls,
+/// on the field's kind and row count.
 ///
 /// - each piece fits the field's kind: `view` and `gather` only on regular
 ///   fields, `row-views` on nested or values fields, `concat` only on nested
 ///   fields;
-/// - no piece is empty; a `view` has `step >= 1` and `count >= 1` and its
-///   last row is inside the field (no overflow);
+/// - no piece is empty; a `view` has `step >= 1` and its last row is inside
+///   the field (no overflow);
 /// - every row named is `< rows`;
 /// - the rows of the pieces, taken in order, are exactly `positions`, in
 ///   order (nothing dropped, repeated, reordered or added; an empty plan is
 ///   only valid for empty positions).
 ///
-/// Cost is linear in `positions`, whatever the plan claims. The error is a
-/// human-readable reason.
+/// Cost is linear in `positions`, whatever the plan claims. The error is the
+/// [`PlanError`]'s message, word for word what the host logs for the fault.
 pub fn validate_selection(
     field: &dyn Field,
     positions: &[u64],
     plan: &SelectionPlan,
 ) -> Result<(), String> {
-    let rows = field.rows();
-    let kind = field.kind();
-    let requested = positions.len() as u64;
-    let mut next: u64 = 0;
-    let take = |row: u64, next: &mut u64| -> Result<(), String> {
-        if row >= rows {
-            return Err(format!("plan names row {row}, the field has {rows} rows"));
-        }
-        let want = positions[*next as usize];
-        if row != want {
-            return Err(format!(
-                "plan row #{} is row {row}, position {} asks for row {want}",
-                *next, *next
-            ));
-        }
-        *next += 1;
-        Ok(())
-    };
-    for (i, piece) in plan.pieces.iter().enumerate() {
-        let fits = matches!(
-            (piece, kind),
-            (Piece::View(_) | Piece::Gather(_), FieldKind::Regular)
-                | (Piece::RowViews(_), FieldKind::Nested | FieldKind::Values)
-                | (Piece::Concat(_), FieldKind::Nested)
-        );
-        if !fits {
-            return Err(format!(
-                "piece {i}: a {} piece does not apply to a {kind:?} field",
-                piece.name()
-            ));
-        }
-        let len = piece.row_count();
-        if len == 0 {
-            return Err(format!("piece {i} is empty"));
-        }
-        if len > requested - next {
-            return Err(format!(
-                "plan covers {} rows or more, {requested} were requested",
-                next.saturating_add(len)
-            ));
-        }
-        if let Piece::View(v) = piece {
-            if v.step == 0 {
-                return Err(format!("piece {i}: view with step 0"));
-            }
-            match v.last() {
-                Some(last) if last < rows => {}
-                Some(last) => {
-                    return Err(format!(
-                        "piece {i}: view ends at row {last}, the field has {rows} rows"
-                    ));
-                }
-                None => return Err(format!("piece {i}: view overflows u64")),
-            }
-        }
-        for row in piece.rows() {
-            take(row, &mut next)?;
-        }
-    }
-    if next != requested {
-        return Err(format!(
-            "plan covers {next} rows, {requested} were requested"
-        ));
-    }
-    Ok(())
+    let info = FieldInfo::new(field.kind(), field.rows());
+    stowage_plan::validate_selection(info, positions, plan).map_err(|e| e.to_string())
 }
 
-/// Checks a frame plan with the host's rules: at most `max_frames` frames;
-/// every piece index exists and appears exactly once; no coalesced frame is
-/// empty; a coalesced frame of two or more pieces holds at most
-/// `max_frame_bytes` bytes (a frame of one piece may be larger: it is the
-/// piece itself).
+/// Checks a frame plan with the host's rules
+/// ([`stowage_plan::validate_frames`]): at most `max_frames` frames; every
+/// piece index exists and appears exactly once; no coalesced frame is empty;
+/// a coalesced frame of two or more pieces holds at most `max_frame_bytes`
+/// bytes (a frame of one piece may be larger: it is the piece itself). The
+/// error is the [`PlanError`]'s message, as the host logs it.
 pub fn validate_frames(
     pieces: &[PieceInfo],
     limits: &PackLimits,
     plan: &FramePlan,
 ) -> Result<(), String> {
-    if plan.frames.len() as u64 > limits.max_frames as u64 {
-        return Err(format!(
-            "frame plan has {} frames, the budget is {}",
-            plan.frames.len(),
-            limits.max_frames
-        ));
-    }
-    let mut seen = vec![false; pieces.len()];
-    let mut mark = |i: u32| -> Result<u64, String> {
-        let slot = seen
-            .get_mut(i as usize)
-            .ok_or_else(|| format!("piece {i} does not exist ({} pieces)", pieces.len()))?;
-        if *slot {
-            return Err(format!("piece {i} appears more than once"));
-        }
-        *slot = true;
-        Ok(pieces[i as usize].byte_len)
-    };
-    for (f, frame) in plan.frames.iter().enumerate() {
-        match frame {
-            Frame::Single(i) => {
-                mark(*i)?;
-            }
-            Frame::Coalesced(list) => {
-                if list.is_empty() {
-                    return Err(format!("frame {f} is an empty coalesced frame"));
-                }
-                let mut bytes = 0u64;
-                for &i in list {
-                    bytes = bytes.saturating_add(mark(i)?);
-                }
-                if list.len() > 1 && bytes > limits.max_frame_bytes {
-                    return Err(format!(
-                        "frame {f}: coalesced frame of {bytes} bytes exceeds the {}-byte limit",
-                        limits.max_frame_bytes
-                    ));
-                }
-            }
-        }
-    }
-    if let Some(missing) = seen.iter().position(|s| !s) {
-        return Err(format!("piece {missing} appears in no frame"));
-    }
-    Ok(())
+    stowage_plan::validate_frames(pieces, limits, plan).map_err(|e| e.to_string())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{RowView, SelectionPlan};
-
-    fn view(start: u64, step: u64, count: u64) -> Piece {
-        Piece::View(RowView::new(start, step, count))
-    }
+    use crate::{Frame, Piece, RowView};
 
     #[test]
     fn regular_field_layout() {
@@ -363,116 +258,34 @@ mod tests {
         assert_eq!(f.read(16, 0), Ok(vec![]));
     }
 
+    /// The glue only: the harness hands the field's kind and rows to
+    /// `stowage-plan` (whose tables test the rules) and returns its message.
     #[test]
-    fn accepts_exact_plans() {
-        let f = TestField::regular(Dtype::Float32, &[10, 2]);
-        let plan = SelectionPlan::new(vec![view(0, 2, 3), Piece::Gather(vec![5, 1])]);
-        validate_selection(&f, &[0, 2, 4, 5, 1], &plan).unwrap();
-        validate_selection(&f, &[], &SelectionPlan::default()).unwrap();
+    fn harness_uses_the_shared_rules() {
         let n = TestField::nested(Dtype::Float32, [[1], [2], [3]]);
-        validate_selection(
-            &n,
-            &[2, 0, 1],
-            &SelectionPlan::new(vec![Piece::Concat(vec![2]), Piece::RowViews(vec![0, 1])]),
-        )
-        .unwrap();
+        let plan = SelectionPlan::new(vec![Piece::Concat(vec![2]), Piece::RowViews(vec![0, 1])]);
+        validate_selection(&n, &[2, 0, 1], &plan).unwrap();
         let v = TestField::values(&[1, 2]);
-        validate_selection(&v, &[1, 1], &Piece::RowViews(vec![1, 1]).into()).unwrap();
-    }
-
-    #[test]
-    fn refuses_wrong_plans() {
+        assert_eq!(
+            validate_selection(&v, &[0], &Piece::Concat(vec![0]).into()),
+            Err("piece 0: a concat piece does not apply to a values field".to_string())
+        );
+        assert_eq!(
+            validate_selection(&v, &[2], &Piece::RowViews(vec![2]).into()),
+            Err(PlanError::RowOutOfRange { piece: 0, row: 2, rows: 2 }.to_string())
+        );
         let f = TestField::regular(Dtype::Float32, &[10, 2]);
-        let pos = [0, 2, 4];
-        let cases = [
-            (vec![view(0, 2, 2)], "dropped row"),
-            (vec![view(0, 2, 3), Piece::Gather(vec![4])], "extra row"),
-            (vec![Piece::Gather(vec![4, 2, 0])], "reordered"),
-            (vec![view(0, 2, 2), Piece::Gather(vec![2])], "duplicated"),
-            (vec![view(0, 0, 3)], "step 0"),
-            (vec![view(0, 5, 3)], "out of range"),
-            (vec![Piece::RowViews(vec![0, 2, 4])], "wrong kind"),
-            (vec![Piece::Concat(vec![0, 2, 4])], "wrong kind"),
-            (vec![Piece::Gather(vec![]), view(0, 2, 3)], "empty piece"),
-            (vec![view(u64::MAX, u64::MAX, 3)], "overflow"),
-            (vec![view(0, 1, u64::MAX)], "absurd count"),
-            (vec![], "empty plan"),
-        ];
-        for (pieces, what) in cases {
-            let plan = SelectionPlan::new(pieces);
-            assert!(
-                validate_selection(&f, &pos, &plan).is_err(),
-                "{what} was accepted"
-            );
-        }
-        let v = TestField::values(&[1, 2]);
-        assert!(validate_selection(&v, &[0], &Piece::Concat(vec![0]).into()).is_err());
-        assert!(validate_selection(&v, &[0], &Piece::View(RowView::single(0)).into()).is_err());
-        assert!(validate_selection(&v, &[0], &Piece::Gather(vec![0]).into()).is_err());
-        assert!(validate_selection(&v, &[2], &Piece::RowViews(vec![2]).into()).is_err());
-        assert!(validate_selection(&f, &[], &Piece::Gather(vec![1]).into()).is_err());
-    }
-
-    #[test]
-    fn frame_rules() {
-        let pieces = [PieceInfo::contiguous(10); 3];
-        let limits = PackLimits {
-            max_frames: 2,
-            max_frame_bytes: 15,
-            small_threshold: 0,
-        };
-        let two = FramePlan::new(vec![
-            Frame::Coalesced(vec![0]),
-            Frame::Coalesced(vec![1, 2]),
-        ]);
-        assert!(
-            validate_frames(&pieces, &limits, &two)
-                .unwrap_err()
-                .contains("exceeds")
+        assert_eq!(
+            validate_selection(&f, &[0, 2], &Piece::View(RowView::new(0, 2, 3)).into()),
+            Err(PlanError::TooManyRows { planned: 3, requested: 2 }.to_string())
         );
-        let limits = PackLimits {
-            max_frame_bytes: 20,
-            ..limits
-        };
-        validate_frames(&pieces, &limits, &two).unwrap();
-        assert!(validate_frames(&pieces, &limits, &FramePlan::one_per_piece(3)).is_err());
-        let dup = FramePlan::new(vec![Frame::Single(0), Frame::Coalesced(vec![0, 1])]);
-        assert!(validate_frames(&pieces, &limits, &dup).is_err());
-        let missing = FramePlan::new(vec![Frame::Single(0), Frame::Single(1)]);
-        assert!(validate_frames(&pieces, &limits, &missing).is_err());
-        let bogus = FramePlan::new(vec![Frame::Single(7)]);
-        assert!(validate_frames(&pieces, &limits, &bogus).is_err());
-        let empty = FramePlan::new(vec![
-            Frame::Coalesced(vec![]),
-            Frame::Coalesced(vec![0, 1, 2]),
-        ]);
-        assert!(
-            validate_frames(
-                &pieces,
-                &PackLimits {
-                    max_frame_bytes: 30,
-                    ..limits
-                },
-                &empty
-            )
-            .is_err()
+        let pieces = [PieceInfo::contiguous(10); 2];
+        let limits = PackLimits { max_frames: 1, max_frame_bytes: 15, small_threshold: 0 };
+        let plan = FramePlan::new(vec![Frame::Coalesced(vec![0, 1])]);
+        assert_eq!(
+            validate_frames(&pieces, &limits, &plan),
+            Err("frame 0: coalesced frame of 20 bytes exceeds the 15-byte limit".to_string())
         );
-        // A single large piece may exceed the limit, even inside `coalesced`.
-        let big = [PieceInfo::contiguous(100)];
-        validate_frames(
-            &big,
-            &limits,
-            &FramePlan::new(vec![Frame::Coalesced(vec![0])]),
-        )
-        .unwrap();
-        validate_frames(
-            &[],
-            &PackLimits {
-                max_frames: 0,
-                ..limits
-            },
-            &FramePlan::default(),
-        )
-        .unwrap();
+        validate_frames(&pieces, &PackLimits { max_frame_bytes: 20, ..limits }, &plan).unwrap();
     }
 }

@@ -4,7 +4,7 @@
 //! |---|---|
 //! | [`tensor`] | `Tensor`: immutable bytes + dtype/shape, zero-copy rows and strided views (crate `stowage-wire`) |
 //! | [`batch`] | `Field` (regular, nested, values), `Value`, `Cell` (crate `stowage-wire`) |
-//! | [`plan`] | selection and frame plans: validation and execution |
+//! | [`plan`] | selection and frame plans: the `stowage-plan` types and rules (re-exported), applied to host `Field`s, and execution against host buffers |
 //! | [`policy`] | the `Policy` trait, the built-in, the Wasm runtime, chains, the registry |
 //! | [`store`] | storage units: one cell per (global index, field), capacity in bytes |
 //! | [`manager`] | routing `g % N`, selection per (field, unit), remote units, the live registry |

@@ -1,9 +1,11 @@
-//! Plans: the pure data a policy answers, their validation, and their
-//! execution against host buffers.
+//! Plans against host buffers: the plan types and rules are the
+//! `stowage-plan` crate's (re-exported here, shared with the guest SDK's test
+//! harness and the fuzz target); this module adds what is host-specific.
 //!
-//! A plan never touches bytes by itself. [`validate_selection`] and
-//! [`validate_frames`] check a plan against the request before anything
-//! runs; [`execute_selection`] and [`execute_frames`] carry out a valid plan.
+//! A plan never touches bytes by itself. [`validate_selection`] (the shared
+//! rule on a host [`Field`]) and [`validate_frames`] check a plan against the
+//! request before anything runs; [`execute_selection`] and [`execute_frames`]
+//! carry out a valid plan.
 //! Views become `Bytes` slices of the original buffer (no copy); only
 //! gathers, concatenations and coalesced frames allocate, once each.
 
@@ -12,228 +14,26 @@ use bytes::{Bytes, BytesMut};
 use crate::batch::{Field, Value};
 use crate::tensor::{Tensor, TensorError};
 
-/// Rows `start, start + step, ...` (`count` rows) of a regular tensor.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct RowView {
-    pub start: u64,
-    pub step: u64,
-    pub count: u64,
-}
+pub use stowage_plan::{
+    FieldInfo, FieldKind, Frame, FramePlan, PackLimits, Piece, PieceInfo, PlanError, RowView, SelectionPlan,
+    validate_frames,
+};
 
-/// One piece of a selection plan (see `wit/policy.wit`).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Piece {
-    /// Regular field: zero-copy strided view.
-    View(RowView),
-    /// Regular field: rows copied into one contiguous buffer.
-    Gather(Vec<u64>),
-    /// Nested or values field: one zero-copy view per row.
-    RowViews(Vec<u64>),
-    /// Nested field: rows concatenated into one buffer.
-    Concat(Vec<u64>),
-}
-
-impl Piece {
-    /// Short name for logs and metrics.
-    pub fn kind(&self) -> &'static str {
-        match self {
-            Piece::View(_) => "view",
-            Piece::Gather(_) => "gather",
-            Piece::RowViews(_) => "row-views",
-            Piece::Concat(_) => "concat",
-        }
-    }
-}
-
-/// What a selection policy answers.
-#[derive(Clone, Debug, PartialEq, Eq, Default)]
-pub struct SelectionPlan {
-    pub pieces: Vec<Piece>,
-}
-
-/// Size of one piece to pack into frames.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct PieceInfo {
-    pub byte_len: u64,
-    pub contiguous: bool,
-}
-
-/// Bounds of one message.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct PackLimits {
-    pub max_frames: u32,
-    pub max_frame_bytes: u64,
-    pub small_threshold: u64,
-}
-
-impl Default for PackLimits {
-    fn default() -> Self {
-        PackLimits { max_frames: 1000, max_frame_bytes: 64 << 20, small_threshold: 64 << 10 }
-    }
-}
-
-/// One frame of a message.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Frame {
-    /// Piece sent as its own frame.
-    Single(u32),
-    /// Pieces copied, in order, into one frame.
-    Coalesced(Vec<u32>),
-}
-
-/// What a packing policy answers.
-#[derive(Clone, Debug, PartialEq, Eq, Default)]
-pub struct FramePlan {
-    pub frames: Vec<Frame>,
-}
-
-/// Why a plan was refused. Any of these is a policy fault.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
-pub enum ValidationError {
-    #[error("plan covers {planned} rows or more, {requested} were requested")]
-    TooManyRows { planned: u64, requested: u64 },
-    #[error("plan covers {planned} rows, {requested} were requested")]
-    TooFewRows { planned: u64, requested: u64 },
-    #[error("plan row #{index} is row {got}, position {index} asks for row {want}")]
-    WrongRow { index: u64, got: u64, want: u64 },
-    #[error("plan names row {row}, the field has {rows} rows")]
-    RowOutOfRange { row: u64, rows: u64 },
-    #[error("a {piece} piece does not apply to a {kind} field")]
-    WrongKind { piece: &'static str, kind: &'static str },
-    #[error("view with step 0 or count 0")]
-    DegenerateView,
-    #[error("empty piece")]
-    EmptyPiece,
-    #[error("frame plan has {frames} frames, the budget is {budget}")]
-    TooManyFrames { frames: u64, budget: u32 },
-    #[error("piece {0} appears in no frame")]
-    PieceMissing(u32),
-    #[error("piece {0} appears in more than one frame, or twice")]
-    PieceRepeated(u32),
-    #[error("piece {piece} does not exist ({pieces} pieces)")]
-    NoSuchPiece { piece: u32, pieces: u64 },
-    #[error("coalesced frame of {bytes} bytes exceeds the {limit}-byte frame limit")]
-    FrameTooLarge { bytes: u64, limit: u64 },
-}
-
-/// Name of a field's kind, as in the WIT `field-kind`.
-pub fn kind_name(field: &Field) -> &'static str {
-    match field {
-        Field::Regular(_) => "regular",
-        Field::Nested(_) => "nested",
-        Field::Values(_) => "values",
-    }
+/// What the plan rules need of `field`: its kind and row count.
+pub fn field_info(field: &Field) -> FieldInfo {
+    let kind = match field {
+        Field::Regular(_) => FieldKind::Regular,
+        Field::Nested(_) => FieldKind::Nested,
+        Field::Values(_) => FieldKind::Values,
+    };
+    FieldInfo::new(kind, field.rows())
 }
 
 /// Checks that `plan` selects exactly `positions` of `field`, in order, with
-/// pieces that fit the field's kind and stay inside it. Cost is linear in the
-/// number of positions, whatever the plan claims.
-pub fn validate_selection(field: &Field, positions: &[u64], plan: &SelectionPlan) -> Result<(), ValidationError> {
-    let rows = field.rows();
-    let requested = positions.len() as u64;
-    let mut next: u64 = 0;
-    let take = |row: u64, next: &mut u64| -> Result<(), ValidationError> {
-        if row >= rows {
-            return Err(ValidationError::RowOutOfRange { row, rows });
-        }
-        let want = positions[*next as usize];
-        if row != want {
-            return Err(ValidationError::WrongRow { index: *next, got: row, want });
-        }
-        *next += 1;
-        Ok(())
-    };
-    for piece in &plan.pieces {
-        let ok_kind = matches!(
-            (piece, field),
-            (Piece::View(_) | Piece::Gather(_), Field::Regular(_))
-                | (Piece::RowViews(_), Field::Nested(_) | Field::Values(_))
-                | (Piece::Concat(_), Field::Nested(_))
-        );
-        if !ok_kind {
-            return Err(ValidationError::WrongKind { piece: piece.kind(), kind: kind_name(field) });
-        }
-        let len = match piece {
-            Piece::View(v) => v.count,
-            Piece::Gather(r) | Piece::RowViews(r) | Piece::Concat(r) => r.len() as u64,
-        };
-        if len == 0 {
-            return Err(ValidationError::EmptyPiece);
-        }
-        if len > requested - next {
-            // Saturating: `len` is whatever the plan claims (a view's count
-            // may be u64::MAX).
-            return Err(ValidationError::TooManyRows { planned: next.saturating_add(len), requested });
-        }
-        match piece {
-            Piece::View(v) => {
-                if v.step == 0 {
-                    return Err(ValidationError::DegenerateView);
-                }
-                let last = v.step.checked_mul(v.count - 1).and_then(|x| x.checked_add(v.start));
-                let last = last.ok_or(ValidationError::RowOutOfRange { row: u64::MAX, rows })?;
-                if last >= rows {
-                    return Err(ValidationError::RowOutOfRange { row: last, rows });
-                }
-                for k in 0..v.count {
-                    take(v.start + k * v.step, &mut next)?;
-                }
-            }
-            Piece::Gather(r) | Piece::RowViews(r) | Piece::Concat(r) => {
-                for &row in r {
-                    take(row, &mut next)?;
-                }
-            }
-        }
-    }
-    if next != requested {
-        return Err(ValidationError::TooFewRows { planned: next, requested });
-    }
-    Ok(())
-}
-
-/// Checks a frame plan: every piece exactly once, within the frame budget,
-/// coalesced frames within the byte limit (a frame of one piece may be
-/// larger: it is the piece itself).
-pub fn validate_frames(pieces: &[PieceInfo], limits: &PackLimits, plan: &FramePlan) -> Result<(), ValidationError> {
-    if plan.frames.len() as u64 > limits.max_frames as u64 {
-        return Err(ValidationError::TooManyFrames { frames: plan.frames.len() as u64, budget: limits.max_frames });
-    }
-    let mut seen = vec![false; pieces.len()];
-    let mut mark = |i: u32| -> Result<u64, ValidationError> {
-        let slot = seen
-            .get_mut(i as usize)
-            .ok_or(ValidationError::NoSuchPiece { piece: i, pieces: pieces.len() as u64 })?;
-        if *slot {
-            return Err(ValidationError::PieceRepeated(i));
-        }
-        *slot = true;
-        Ok(pieces[i as usize].byte_len)
-    };
-    for frame in &plan.frames {
-        match frame {
-            Frame::Single(i) => {
-                mark(*i)?;
-            }
-            Frame::Coalesced(list) => {
-                if list.is_empty() {
-                    return Err(ValidationError::EmptyPiece);
-                }
-                let mut bytes = 0u64;
-                for &i in list {
-                    bytes = bytes.saturating_add(mark(i)?);
-                }
-                if list.len() > 1 && bytes > limits.max_frame_bytes {
-                    return Err(ValidationError::FrameTooLarge { bytes, limit: limits.max_frame_bytes });
-                }
-            }
-        }
-    }
-    if let Some(missing) = seen.iter().position(|s| !s) {
-        return Err(ValidationError::PieceMissing(missing as u32));
-    }
-    Ok(())
+/// pieces that fit the field's kind and stay inside it:
+/// [`stowage_plan::validate_selection`] on the field's [`field_info`].
+pub fn validate_selection(field: &Field, positions: &[u64], plan: &SelectionPlan) -> Result<(), PlanError> {
+    stowage_plan::validate_selection(field_info(field), positions, plan)
 }
 
 /// The outcome of one executed piece.
@@ -392,73 +192,40 @@ mod tests {
     use super::*;
     use crate::tensor::DType;
 
-    fn regular(rows: u64) -> Field {
+    fn regular_tensor(rows: u64) -> Tensor {
         let data: Vec<u8> = (0..rows * 2).flat_map(|v| (v as f32).to_le_bytes()).collect();
-        Field::Regular(Tensor::contiguous(Bytes::from(data), DType::F32, vec![rows, 2]).unwrap())
+        Tensor::contiguous(Bytes::from(data), DType::F32, vec![rows, 2]).unwrap()
+    }
+
+    fn regular(rows: u64) -> Field {
+        Field::Regular(regular_tensor(rows))
     }
 
     fn view(start: u64, step: u64, count: u64) -> Piece {
         Piece::View(RowView { start, step, count })
     }
 
+    /// The glue only (the rules are tested in `stowage-plan`): each host
+    /// field kind and its row count reach the shared rules.
     #[test]
-    fn accepts_exact_plans() {
-        let f = regular(10);
+    fn host_fields_reach_the_shared_rules() {
+        let nested = Field::Nested(vec![regular_tensor(1), regular_tensor(2)]);
+        let values = Field::Values(vec![Value::Bytes(Bytes::from_static(b"a")); 3]);
+        assert_eq!(field_info(&regular(10)), FieldInfo::new(FieldKind::Regular, 10));
+        assert_eq!(field_info(&nested), FieldInfo::new(FieldKind::Nested, 2));
+        assert_eq!(field_info(&values), FieldInfo::new(FieldKind::Values, 3));
         let plan = SelectionPlan { pieces: vec![view(0, 2, 3), Piece::Gather(vec![5, 1])] };
-        validate_selection(&f, &[0, 2, 4, 5, 1], &plan).unwrap();
-    }
-
-    #[test]
-    fn refuses_wrong_plans() {
-        let f = regular(10);
-        let pos = [0, 2, 4];
-        let cases = [
-            (vec![view(0, 2, 2)], "dropped row"),
-            (vec![view(0, 2, 3), Piece::Gather(vec![4])], "extra row"),
-            (vec![Piece::Gather(vec![4, 2, 0])], "reordered"),
-            (vec![view(0, 2, 2), Piece::Gather(vec![2])], "duplicated"),
-            (vec![view(0, 0, 3)], "step 0"),
-            (vec![view(0, 5, 3)], "out of range"),
-            (vec![Piece::RowViews(vec![0, 2, 4])], "wrong kind"),
-            (vec![Piece::Gather(vec![]), view(0, 2, 3)], "empty piece"),
-            (vec![view(u64::MAX, u64::MAX, 3)], "overflow"),
-            (vec![view(0, 1, u64::MAX)], "absurd count"),
-        ];
-        for (pieces, what) in cases {
-            let plan = SelectionPlan { pieces };
-            assert!(validate_selection(&f, &pos, &plan).is_err(), "{what} was accepted");
-        }
-    }
-
-    /// Found with the `plan_validate` fuzz target (input in
-    /// `fuzz/regressions/plan_validate/view-count-overflow`): a view whose
-    /// count is near u64::MAX after at least one planned row overflowed
-    /// `next + len` while building the error (a panic in debug builds, a
-    /// wrong row count in the message otherwise).
-    #[test]
-    fn fuzz_plan_validate_view_count_overflow() {
-        let f = regular(10);
-        let plan = SelectionPlan { pieces: vec![view(0, 1, 1), view(1, u64::MAX, u64::MAX)] };
-        let err = validate_selection(&f, &[0, 1], &plan).unwrap_err();
-        assert_eq!(err, ValidationError::TooManyRows { planned: u64::MAX, requested: 2 });
-    }
-
-    #[test]
-    fn frame_rules() {
-        let pieces = [PieceInfo { byte_len: 10, contiguous: true }; 3];
-        let limits = PackLimits { max_frames: 2, max_frame_bytes: 15, small_threshold: 0 };
-        let ok = FramePlan { frames: vec![Frame::Coalesced(vec![0]), Frame::Coalesced(vec![1, 2])] };
-        assert!(matches!(validate_frames(&pieces, &limits, &ok), Err(ValidationError::FrameTooLarge { .. })));
-        let limits = PackLimits { max_frame_bytes: 20, ..limits };
-        validate_frames(&pieces, &limits, &ok).unwrap();
-        let three = FramePlan { frames: vec![Frame::Single(0), Frame::Single(1), Frame::Single(2)] };
-        assert!(validate_frames(&pieces, &limits, &three).is_err());
-        let dup = FramePlan { frames: vec![Frame::Single(0), Frame::Coalesced(vec![0, 1])] };
-        assert!(validate_frames(&pieces, &limits, &dup).is_err());
-        let missing = FramePlan { frames: vec![Frame::Single(0), Frame::Single(1)] };
-        assert!(validate_frames(&pieces, &limits, &missing).is_err());
-        let bogus = FramePlan { frames: vec![Frame::Single(7)] };
-        assert!(validate_frames(&pieces, &limits, &bogus).is_err());
+        validate_selection(&regular(10), &[0, 2, 4, 5, 1], &plan).unwrap();
+        let concat = SelectionPlan::single(Piece::Concat(vec![1, 0]));
+        validate_selection(&nested, &[1, 0], &concat).unwrap();
+        assert_eq!(
+            validate_selection(&values, &[1, 0], &concat).unwrap_err().to_string(),
+            "piece 0: a concat piece does not apply to a values field"
+        );
+        assert_eq!(
+            validate_selection(&nested, &[2], &Piece::RowViews(vec![2]).into()),
+            Err(PlanError::RowOutOfRange { piece: 0, row: 2, rows: 2 })
+        );
     }
 
     #[test]

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use super::builtin::Builtin;
 use super::{Policy, PolicyError};
 use crate::batch::Field;
-use crate::plan::{self, FramePlan, PackLimits, PieceInfo, SelectionPlan, ValidationError};
+use crate::plan::{self, FramePlan, PackLimits, PieceInfo, PlanError, SelectionPlan};
 
 /// What a chain does after a plugin fault.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default, serde::Deserialize, serde::Serialize)]
@@ -249,7 +249,7 @@ impl Chain {
     fn ask<P>(
         &self,
         call: impl Fn(&dyn Policy) -> Result<P, PolicyError>,
-        check: impl Fn(&P) -> Result<(), ValidationError>,
+        check: impl Fn(&P) -> Result<(), PlanError>,
     ) -> Result<Outcome<P>, ChainError> {
         for loaded in &self.policies {
             match loaded.stats.callable() {

@@ -16,30 +16,9 @@ pub mod wasm;
 use crate::batch::Field;
 use crate::plan::{FramePlan, PackLimits, PieceInfo, SelectionPlan};
 
-/// What a policy can do.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Capability {
-    Selection,
-    Packing,
-}
-
-/// Field kinds, as in the WIT `field-kind`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum FieldKind {
-    Regular,
-    Nested,
-    Values,
-}
-
-/// Identity of a policy, from its `describe()`.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Description {
-    pub name: String,
-    pub version: String,
-    pub summary: String,
-    pub capabilities: Vec<Capability>,
-    pub kinds: Vec<FieldKind>,
-}
+/// What a policy can do, its field kinds and its identity (from its
+/// `describe()`): the `stowage-plan` types, shared with the guest SDK.
+pub use stowage_plan::{Capability, Description, FieldKind};
 
 /// Why a call into a policy produced no plan.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
