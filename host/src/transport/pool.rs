@@ -259,19 +259,9 @@ impl Drop for Pooled {
     }
 }
 
-#[cfg(all(target_os = "linux", target_env = "gnu"))]
 fn trim() {
-    unsafe extern "C" {
-        fn malloc_trim(pad: usize) -> i32;
-    }
-    // SAFETY: malloc_trim only walks glibc's own arenas, under their locks.
-    unsafe {
-        malloc_trim(0);
-    }
+    crate::sys::malloc_trim();
 }
-
-#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
-fn trim() {}
 
 #[cfg(test)]
 mod tests {
