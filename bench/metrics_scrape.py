@@ -13,7 +13,7 @@ endpoint on, then in one run:
 A scrape is one HTTP/1.1 GET on a new TCP connection, timed from connect to
 the last byte of the body (the endpoint closes each connection). Scrapes are
 spaced --interval seconds apart. Every exposition is checked to end in a
-newline and contain `stowd_requests_total`. Prints a table of p50/p99/max
+newline and contain `stowd_uptime_seconds`. Prints a table of p50/p99/max
 in milliseconds, the clients' put+get rate, and the machine's load.
 
 Bounded: each client stops after --secs seconds or when the scrapes are
@@ -52,7 +52,7 @@ def scrape(port):
     took = time.perf_counter() - t
     raw = b"".join(chunks)
     head, _, body = raw.partition(b"\r\n\r\n")
-    if not head.startswith(b"HTTP/1.1 200") or not body.endswith(b"\n") or b"stowd_requests_total" not in body:
+    if not head.startswith(b"HTTP/1.1 200") or not body.endswith(b"\n") or b"stowd_uptime_seconds" not in body:
         raise SystemExit(f"bad scrape: {raw[:300]!r}")
     return took, body
 

@@ -15,8 +15,10 @@
 //! client libraries do; a query cannot tell the difference.
 //!
 //! HTTP: `GET` (or `HEAD`) `/metrics` answers the exposition, `/` a pointer
-//! to it, any other path 404, any other method 405. Each connection is
-//! served by its own task, one request per connection (`Connection:
+//! to it, any other path 404, any other method 405. The endpoint runs on a
+//! thread of its own ([`spawn`]): on the main runtime a scrape queued
+//! behind the data path's tasks (measured with `bench/metrics_scrape.py`,
+//! see `docs/benchmarks.md`). Each connection is served by its own task, one request per connection (`Connection:
 //! close`, as before hyper). A request that is not HTTP/1.x is answered 400
 //! by hyper, a head over [`MAX_REQUEST_HEAD`] 431, and a client that has
 //! not sent its whole head within [`REQUEST_TIMEOUT`] is disconnected; a
@@ -37,6 +39,7 @@ use hyper_util::rt::{TokioIo, TokioTimer};
 use prometheus::proto::{self, LabelPair, MetricFamily, MetricType};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
+use tokio::task::JoinHandle;
 
 use crate::manager::{Manager, Target};
 use crate::metrics::{LATENCY_BUCKETS, Metrics};
@@ -239,6 +242,25 @@ fn plugins(t: &mut Families, registry: &Registry) {
     for v in &versions {
         t.sample(&[("plugin", &v.name), ("version", &v.version)], v.live as u8 as f64);
     }
+}
+
+/// Serves the endpoint on a thread of its own (a single-threaded runtime on
+/// a thread of the blocking pool) until shutdown, so that a scrape waits
+/// for no data-path task queued on the main runtime's workers.
+pub fn spawn(listener: std::net::TcpListener, render: Render, shutdown: watch::Receiver<bool>) -> JoinHandle<()> {
+    tokio::task::spawn_blocking(move || {
+        let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+            Ok(r) => r,
+            Err(e) => return tracing::error!(error = %e, "no runtime for the metrics endpoint"),
+        };
+        runtime.block_on(async move {
+            let listener = listener.set_nonblocking(true).and_then(|()| TcpListener::from_std(listener));
+            match listener {
+                Ok(l) => serve(l, render, shutdown).await,
+                Err(e) => tracing::error!(error = %e, "metrics endpoint not served"),
+            }
+        });
+    })
 }
 
 /// Serves the endpoint on `listener` until shutdown.

@@ -233,13 +233,15 @@ pub async fn start(config: Config) -> anyhow::Result<Running> {
 
     let metrics_endpoint = if config.metrics.port != 0 {
         let addr = format!("{}:{}", config.metrics.host, config.metrics.port);
+        // Bound by tokio (SO_REUSEADDR, as before), served on a thread of its own.
         let listener = tokio::net::TcpListener::bind(&addr)
             .await
+            .and_then(|l| l.into_std())
             .map_err(|e| anyhow::anyhow!("cannot bind the metrics endpoint {addr}: {e}"))?;
         let local = listener.local_addr()?;
         let (m, mg, us) = (metrics.clone(), manager.clone(), units.clone());
         let render: exposition::Render = Arc::new(move || exposition::render(&m, &mg, &us));
-        tasks.push(tokio::spawn(exposition::serve(listener, render, rx.clone())));
+        tasks.push(exposition::spawn(listener, render, rx.clone()));
         let url = format!("http://{local}/metrics");
         tracing::info!(endpoint = %url, "metrics endpoint listening");
         Some(url)
