@@ -63,7 +63,8 @@ def native_requests(body):
                if line.startswith('stowd_requests_total{protocol="native"'))
 
 
-def client(endpoint, rows, cols, first, stop, secs):
+def client(endpoint, rows, cols, first, stop, secs, nice):
+    os.nice(nice)
     import numpy as np
     import stowage
 
@@ -108,6 +109,8 @@ def main():
     ap.add_argument("--rows", type=int, default=64)
     ap.add_argument("--cols", type=int, default=1024)
     ap.add_argument("--secs", type=float, default=120)
+    ap.add_argument("--client-nice", type=int, default=0,
+                    help="niceness of the client processes (10: stowd and the scraper run first)")
     a = ap.parse_args()
     tmp = tempfile.mkdtemp()
     eps = os.path.join(tmp, "ep.json")
@@ -133,7 +136,7 @@ def main():
         idle, idle_size = run(port, a.scrapes, a.interval)
 
         stop = mp.Event()
-        procs = [mp.Process(target=client, args=(ep["native"], a.rows, a.cols, i * a.rows, stop, a.secs))
+        procs = [mp.Process(target=client, args=(ep["native"], a.rows, a.cols, i * a.rows, stop, a.secs, a.client_nice))
                  for i in range(CLIENTS)]
         for p in procs:
             p.start()
@@ -153,7 +156,8 @@ def main():
         raise SystemExit(f"client processes failed: {bad}")
     print(f"\nstowd {a.stowd}; {a.scrapes} scrapes {a.interval * 1e3:.0f} ms apart per row; "
           f"load: {CLIENTS} client processes, put+get of [{a.rows}, {a.cols}] float32 "
-          f"({a.rows * a.cols * 4 >> 10} KiB) in a loop; {os.cpu_count()} cores; loadavg {' '.join(load_avg)}\n")
+          f"({a.rows * a.cols * 4 >> 10} KiB) in a loop at nice {a.client_nice}; {os.cpu_count()} cores; "
+          f"loadavg {' '.join(load_avg)}\n")
     print("| state | scrapes | exposition bytes | p50 (ms) | p99 (ms) | max (ms) |")
     print("|---|---:|---:|---:|---:|---:|")
     for name, xs, size in [("idle", idle, idle_size), (f"{CLIENTS} clients putting and getting", loaded, loaded_size)]:
