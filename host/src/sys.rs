@@ -9,7 +9,11 @@
 /// (4 KiB on x86-64, 16 or 64 KiB on some ARM kernels).
 pub fn process_rss_bytes() -> u64 {
     let statm = std::fs::read_to_string("/proc/self/statm").unwrap_or_default();
-    let pages: u64 = statm.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
+    let pages: u64 = statm
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
     pages * page_size()
 }
 
@@ -45,12 +49,15 @@ mod tests {
         let page = page_size();
         assert!(page.is_power_of_two() && page >= 4096, "page size {page}");
         let before = process_rss_bytes();
-        assert!(before > 0 && before % page == 0, "rss {before}");
+        assert!(before > 0 && before.is_multiple_of(page), "rss {before}");
         // Touch 64 MiB: all of it is resident now (other tests of this
         // binary may free memory meanwhile, so no difference is asserted).
         let block = vec![1u8; 64 << 20];
         let after = process_rss_bytes();
-        assert!(after >= 64 << 20, "rss {before} -> {after} after touching 64 MiB");
+        assert!(
+            after >= 64 << 20,
+            "rss {before} -> {after} after touching 64 MiB"
+        );
         assert_eq!(std::hint::black_box(&block)[block.len() - 1], 1);
         drop(block);
         malloc_trim();

@@ -143,30 +143,57 @@ pub fn render(metrics: &Metrics, manager: &Manager, units: &[Arc<Unit>]) -> Stri
     use MetricType::{COUNTER, GAUGE, HISTOGRAM};
     let mut t = Families::default();
     let snapshot = metrics.snapshot();
-    t.family("stowd_requests_total", COUNTER, "Requests answered, by protocol, op and outcome.");
+    t.family(
+        "stowd_requests_total",
+        COUNTER,
+        "Requests answered, by protocol, op and outcome.",
+    );
     for ((p, op, o), n) in &snapshot.requests {
-        t.sample(&[("protocol", p.label()), ("op", op), ("outcome", o.label())], *n as f64);
+        t.sample(
+            &[("protocol", p.label()), ("op", op), ("outcome", o.label())],
+            *n as f64,
+        );
     }
     let name = "stowd_request_duration_seconds";
-    t.family(name, HISTOGRAM, "Time from a decoded request to its encoded reply, seconds.");
+    t.family(
+        name,
+        HISTOGRAM,
+        "Time from a decoded request to its encoded reply, seconds.",
+    );
     for ((p, op), h) in &snapshot.latency {
         t.histogram(&[("protocol", p.label()), ("op", op)], h);
     }
 
     let stats: Vec<_> = units.iter().map(|u| (u.id(), u.stats())).collect();
-    t.family("stowd_stored_bytes", GAUGE, "Bytes of rows stored, by local unit.");
+    t.family(
+        "stowd_stored_bytes",
+        GAUGE,
+        "Bytes of rows stored, by local unit.",
+    );
     for (id, s) in &stats {
         t.sample(&[("unit", id)], s.bytes as f64);
     }
-    t.family("stowd_stored_rows", GAUGE, "Global indexes stored, by local unit.");
+    t.family(
+        "stowd_stored_rows",
+        GAUGE,
+        "Global indexes stored, by local unit.",
+    );
     for (id, s) in &stats {
         t.sample(&[("unit", id)], s.rows as f64);
     }
-    t.family("stowd_stored_values", GAUGE, "(global index, field) values stored, by local unit.");
+    t.family(
+        "stowd_stored_values",
+        GAUGE,
+        "(global index, field) values stored, by local unit.",
+    );
     for (id, s) in &stats {
         t.sample(&[("unit", id)], s.keys as f64);
     }
-    t.family("stowd_unit_capacity_bytes", GAUGE, "Capacity of each bounded local unit, bytes.");
+    t.family(
+        "stowd_unit_capacity_bytes",
+        GAUGE,
+        "Capacity of each bounded local unit, bytes.",
+    );
     for (id, s) in &stats {
         if let Some(c) = s.capacity {
             t.sample(&[("unit", id)], c as f64);
@@ -175,35 +202,79 @@ pub fn render(metrics: &Metrics, manager: &Manager, units: &[Arc<Unit>]) -> Stri
 
     let c = &manager.counters;
     let get = |a: &AtomicU64| a.load(Ordering::Relaxed) as f64;
-    t.family("stowd_zero_copy_bytes_total", COUNTER, "Row bytes moved as views of received buffers (no copy).");
+    t.family(
+        "stowd_zero_copy_bytes_total",
+        COUNTER,
+        "Row bytes moved as views of received buffers (no copy).",
+    );
     t.sample(&[], get(&c.zero_copy_bytes));
-    t.family("stowd_copied_bytes_total", COUNTER, "Row bytes copied (gathers, concatenations, coalesced frames).");
+    t.family(
+        "stowd_copied_bytes_total",
+        COUNTER,
+        "Row bytes copied (gathers, concatenations, coalesced frames).",
+    );
     t.sample(&[], get(&c.copied_bytes));
-    t.family("stowd_frames_sent_total", COUNTER, "ZeroMQ frames sent: to remote units, and in replies to clients.");
+    t.family(
+        "stowd_frames_sent_total",
+        COUNTER,
+        "ZeroMQ frames sent: to remote units, and in replies to clients.",
+    );
     t.sample(&[("to", "unit")], get(&c.frames_sent));
     t.sample(&[("to", "client")], get(&metrics.reply_frames));
-    t.family("stowd_messages_sent_total", COUNTER, "Messages sent to remote units.");
+    t.family(
+        "stowd_messages_sent_total",
+        COUNTER,
+        "Messages sent to remote units.",
+    );
     t.sample(&[], get(&c.messages_sent));
-    t.family("stowd_policy_decisions_total", COUNTER, "Selection decisions, by who took them.");
+    t.family(
+        "stowd_policy_decisions_total",
+        COUNTER,
+        "Selection decisions, by who took them.",
+    );
     t.sample(&[("by", "plugin")], get(&c.plugin_decisions));
     t.sample(&[("by", "builtin")], get(&c.builtin_decisions));
     t.sample(&[("by", "fallback")], get(&c.fallbacks));
-    let remote = manager.targets().iter().filter(|t| matches!(t, Target::Remote(_))).count();
-    t.family("stowd_remote_units", GAUGE, "Remote units the router sends to.");
+    let remote = manager
+        .targets()
+        .iter()
+        .filter(|t| matches!(t, Target::Remote(_)))
+        .count();
+    t.family(
+        "stowd_remote_units",
+        GAUGE,
+        "Remote units the router sends to.",
+    );
     t.sample(&[], remote as f64);
 
     plugins(&mut t, &manager.registry());
     let r = &metrics.reloads;
-    t.family("stowd_plugin_reloads_total", COUNTER, "Hot reloads of plugin files, by outcome.");
+    t.family(
+        "stowd_plugin_reloads_total",
+        COUNTER,
+        "Hot reloads of plugin files, by outcome.",
+    );
     t.sample(&[("outcome", "swapped")], get(&r.swapped));
     t.sample(&[("outcome", "refused")], get(&r.refused));
     t.sample(&[("outcome", "removed")], get(&r.removed));
 
-    t.family("stowd_process_resident_memory_bytes", GAUGE, "Resident set size of stowd.");
+    t.family(
+        "stowd_process_resident_memory_bytes",
+        GAUGE,
+        "Resident set size of stowd.",
+    );
     t.sample(&[], crate::sys::process_rss_bytes() as f64);
-    t.family("stowd_receive_pool_bytes", GAUGE, "Bytes of freed large receive buffers kept for reuse.");
+    t.family(
+        "stowd_receive_pool_bytes",
+        GAUGE,
+        "Bytes of freed large receive buffers kept for reuse.",
+    );
     t.sample(&[], crate::transport::ReceivePool::shared_bytes() as f64);
-    t.family("stowd_uptime_seconds", GAUGE, "Seconds since stowd started.");
+    t.family(
+        "stowd_uptime_seconds",
+        GAUGE,
+        "Seconds since stowd started.",
+    );
     t.sample(&[], metrics.uptime().as_secs_f64());
     t.encode()
 }
@@ -212,17 +283,38 @@ pub fn render(metrics: &Metrics, manager: &Manager, units: &[Arc<Unit>]) -> Stri
 fn plugins(t: &mut Families, registry: &Registry) {
     let versions = registry.version_stats();
     let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
-    let families: [(&str, &str, fn(&PluginStats) -> &AtomicU64); 7] = [
-        ("stowd_plugin_calls_total", "Calls into a plugin version.", |s| &s.calls),
-        ("stowd_plugin_plans_total", "Valid plans a plugin version answered.", |s| &s.plans),
+    type Counter = fn(&PluginStats) -> &AtomicU64;
+    let families: [(&str, &str, Counter); 7] = [
+        (
+            "stowd_plugin_calls_total",
+            "Calls into a plugin version.",
+            |s| &s.calls,
+        ),
+        (
+            "stowd_plugin_plans_total",
+            "Valid plans a plugin version answered.",
+            |s| &s.plans,
+        ),
         (
             "stowd_plugin_faults_total",
             "Faults of a plugin version (trap, timeout, memory, invalid plan, failed).",
             |s| &s.faults,
         ),
-        ("stowd_plugin_invalid_plans_total", "Plans of a plugin version that failed validation.", |s| &s.invalid_plans),
-        ("stowd_plugin_fallbacks_total", "Faults answered by the built-in (fail = fallback).", |s| &s.fallbacks),
-        ("stowd_plugin_rejections_total", "Faults that failed the request (fail = reject).", |s| &s.rejections),
+        (
+            "stowd_plugin_invalid_plans_total",
+            "Plans of a plugin version that failed validation.",
+            |s| &s.invalid_plans,
+        ),
+        (
+            "stowd_plugin_fallbacks_total",
+            "Faults answered by the built-in (fail = fallback).",
+            |s| &s.fallbacks,
+        ),
+        (
+            "stowd_plugin_rejections_total",
+            "Faults that failed the request (fail = reject).",
+            |s| &s.rejections,
+        ),
         (
             "stowd_plugin_reenables_total",
             "Times a disabled plugin version was re-enabled after its backoff.",
@@ -232,31 +324,57 @@ fn plugins(t: &mut Families, registry: &Registry) {
     for (name, help, counter) in families {
         t.family(name, MetricType::COUNTER, help);
         for v in &versions {
-            t.sample(&[("plugin", &v.name), ("version", &v.version)], load(counter(&v.stats)) as f64);
+            t.sample(
+                &[("plugin", &v.name), ("version", &v.version)],
+                load(counter(&v.stats)) as f64,
+            );
         }
     }
-    t.family("stowd_plugin_disabled", MetricType::GAUGE, "1 while a plugin version is disabled after max_faults.");
+    t.family(
+        "stowd_plugin_disabled",
+        MetricType::GAUGE,
+        "1 while a plugin version is disabled after max_faults.",
+    );
     for v in &versions {
         let disabled = v.stats.disabled.load(Ordering::Relaxed);
-        t.sample(&[("plugin", &v.name), ("version", &v.version)], disabled as u8 as f64);
+        t.sample(
+            &[("plugin", &v.name), ("version", &v.version)],
+            disabled as u8 as f64,
+        );
     }
-    t.family("stowd_plugin_live", MetricType::GAUGE, "1 if this plugin version is the live one of its name.");
+    t.family(
+        "stowd_plugin_live",
+        MetricType::GAUGE,
+        "1 if this plugin version is the live one of its name.",
+    );
     for v in &versions {
-        t.sample(&[("plugin", &v.name), ("version", &v.version)], v.live as u8 as f64);
+        t.sample(
+            &[("plugin", &v.name), ("version", &v.version)],
+            v.live as u8 as f64,
+        );
     }
 }
 
 /// Serves the endpoint on a thread of its own (a single-threaded runtime on
 /// a thread of the blocking pool) until shutdown, so that a scrape waits
 /// for no data-path task queued on the main runtime's workers.
-pub fn spawn(listener: std::net::TcpListener, render: Render, shutdown: watch::Receiver<bool>) -> JoinHandle<()> {
+pub fn spawn(
+    listener: std::net::TcpListener,
+    render: Render,
+    shutdown: watch::Receiver<bool>,
+) -> JoinHandle<()> {
     tokio::task::spawn_blocking(move || {
-        let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+        let runtime = match tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+        {
             Ok(r) => r,
             Err(e) => return tracing::error!(error = %e, "no runtime for the metrics endpoint"),
         };
         runtime.block_on(async move {
-            let listener = listener.set_nonblocking(true).and_then(|()| TcpListener::from_std(listener));
+            let listener = listener
+                .set_nonblocking(true)
+                .and_then(|()| TcpListener::from_std(listener));
             match listener {
                 Ok(l) => serve(l, render, shutdown).await,
                 Err(e) => tracing::error!(error = %e, "metrics endpoint not served"),
@@ -302,18 +420,21 @@ fn respond(req: &Request<Incoming>, render: &Render) -> Response<Full<Bytes>> {
     let text = |status: StatusCode, body: &'static str| {
         let mut r = Response::new(Full::new(Bytes::from_static(body.as_bytes())));
         *r.status_mut() = status;
-        r.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static("text/plain"));
+        r.headers_mut()
+            .insert(CONTENT_TYPE, HeaderValue::from_static("text/plain"));
         r
     };
     if req.method() != Method::GET && req.method() != Method::HEAD {
         let mut r = text(StatusCode::METHOD_NOT_ALLOWED, "method not allowed\n");
-        r.headers_mut().insert(ALLOW, HeaderValue::from_static("GET, HEAD"));
+        r.headers_mut()
+            .insert(ALLOW, HeaderValue::from_static("GET, HEAD"));
         return r;
     }
     match req.uri().path() {
         "/metrics" => {
             let mut r = Response::new(Full::new(Bytes::from(render())));
-            r.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static(CONTENT_TYPE_TEXT));
+            r.headers_mut()
+                .insert(CONTENT_TYPE, HeaderValue::from_static(CONTENT_TYPE_TEXT));
             r
         }
         "/" => text(StatusCode::OK, "stowd: metrics at /metrics\n"),
