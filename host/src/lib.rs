@@ -8,9 +8,10 @@
 //! | [`policy`] | the `Policy` trait, the built-in, the Wasm runtime, chains, the registry |
 //! | [`store`] | storage units: one cell per (global index, field), capacity in bytes |
 //! | [`manager`] | routing `g % N`, selection per (field, unit), remote units, the live registry |
-//! | [`server`] | `stowd`'s services and start-up |
+//! | [`server`] | `stowd`'s services and start-up; `server::exposition`: Prometheus text and the `/metrics` endpoint (hyper) |
 //! | [`reload`] | hot reload: the plugin directory watched, plugins checked and swapped in |
-//! | [`metrics`] | request counters, latency histograms, the Prometheus `/metrics` endpoint |
+//! | [`metrics`] | request, reload and data-path counters, latency histograms (a leaf: imports nothing from the crate) |
+//! | [`sys`] | the process itself: resident set size, `malloc_trim` |
 //! | [`config`] | the TOML configuration |
 //! | [`conformance`] | a plugin against the built-in (`stowd plugin check`, hot reload) |
 //! | [`wire`] | crate `stowage-wire`: the TransferQueue 0.1.11 and `stowage/1` codecs, the pickle subset, one bounded msgpack reader; pure, no I/O |
@@ -34,6 +35,7 @@ pub mod extent;
 pub mod policy;
 pub mod reload;
 pub mod store;
+pub mod sys;
 
 // The pure codecs and the data model live in `stowage-wire`, the ZeroMQ
 // transport in `stowage-transport`; re-exported so that `crate::wire::...`,

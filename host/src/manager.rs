@@ -12,7 +12,7 @@
 //! TransferQueue wire format allows.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
@@ -20,6 +20,7 @@ use bytes::Bytes;
 
 use crate::batch::{Cell, Field};
 use crate::extent::Received;
+use crate::metrics::DataCounters;
 use crate::config::LimitsConfig;
 use crate::plan::{self, Frame, PieceInfo, Selected};
 use crate::policy::chain::{ChainError, DecidedBy};
@@ -82,25 +83,6 @@ impl ManagerError {
         matches!(self, ManagerError::Store(StoreError::KeyNotFound { .. }))
             || matches!(self, ManagerError::Remote { key_not_found: true, .. })
     }
-}
-
-/// Data-path counters (for metrics).
-#[derive(Debug, Default)]
-pub struct DataCounters {
-    /// Row bytes handed to units as views of the received frames.
-    pub zero_copy_bytes: AtomicU64,
-    /// Row bytes copied (gathers, concatenations, coalesced frames).
-    pub copied_bytes: AtomicU64,
-    /// Frames sent to remote units.
-    pub frames_sent: AtomicU64,
-    /// Messages sent to remote units.
-    pub messages_sent: AtomicU64,
-    /// Selection decisions taken by plugins.
-    pub plugin_decisions: AtomicU64,
-    /// Selection decisions answered by the built-in (no plugin applied).
-    pub builtin_decisions: AtomicU64,
-    /// Built-in answers after a plugin fault.
-    pub fallbacks: AtomicU64,
 }
 
 /// Routes batches over a fixed list of units.
@@ -562,13 +544,6 @@ fn reorder_fields(asked: &[String], got: Vec<(String, Vec<Cell>)>, unit: &str) -
                 })
         })
         .collect()
-}
-
-/// Resident set size of this process in bytes (Linux), 0 if unknown.
-pub fn process_rss_bytes() -> u64 {
-    let statm = std::fs::read_to_string("/proc/self/statm").unwrap_or_default();
-    let pages: u64 = statm.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
-    pages * 4096
 }
 
 /// Bytes helper: the payload of a cell (for tests and diagnostics).

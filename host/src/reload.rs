@@ -34,7 +34,7 @@ use tokio::sync::{mpsc, watch};
 
 use crate::conformance;
 use crate::manager::Manager;
-use crate::metrics::Metrics;
+use crate::metrics::{Metrics, ReloadCounters};
 use crate::policy::Policy;
 use crate::policy::registry::{self, Prepared, Registry};
 use crate::policy::wasm::LoadError;
@@ -99,15 +99,15 @@ pub struct Applied {
 }
 
 impl Applied {
-    /// Adds these counts to `metrics` (after the swap).
-    pub fn count(self, metrics: &Metrics) {
-        metrics.reloads.swapped.fetch_add(self.swapped, Ordering::Relaxed);
-        metrics.reloads.removed.fetch_add(self.removed, Ordering::Relaxed);
+    /// Adds these counts to `reloads` (after the swap).
+    pub fn count(self, reloads: &ReloadCounters) {
+        reloads.swapped.fetch_add(self.swapped, Ordering::Relaxed);
+        reloads.removed.fetch_add(self.removed, Ordering::Relaxed);
     }
 }
 
 /// Applies prepared changes to a clone of `live`; `None` if nothing changed.
-pub fn apply(live: &Registry, changes: Vec<(PathBuf, Change)>, metrics: &Metrics, since: Instant) -> (Option<Registry>, Applied) {
+pub fn apply(live: &Registry, changes: Vec<(PathBuf, Change)>, reloads: &ReloadCounters, since: Instant) -> (Option<Registry>, Applied) {
     let mut next: Option<Registry> = None;
     let mut applied = Applied::default();
     for (path, change) in changes {
@@ -115,7 +115,7 @@ pub fn apply(live: &Registry, changes: Vec<(PathBuf, Change)>, metrics: &Metrics
         match change {
             Change::Unchanged => {}
             Change::Refused(reason) => {
-                metrics.reloads.refused.fetch_add(1, Ordering::Relaxed);
+                reloads.refused.fetch_add(1, Ordering::Relaxed);
                 let stays = live.file(&path).map(|f| {
                     let d = f.loaded.policy.describe();
                     format!("{} {}", d.name, d.version)
@@ -231,11 +231,11 @@ pub async fn run(dir: PathBuf, manager: Arc<Manager>, metrics: Arc<Metrics>, mut
             };
             match prepared {
                 Ok(changes) => {
-                    let (next, applied) = apply(&live, changes, &metrics, since);
+                    let (next, applied) = apply(&live, changes, &metrics.reloads, since);
                     if let Some(next) = next {
                         manager.swap_registry(Arc::new(next));
                     }
-                    applied.count(&metrics);
+                    applied.count(&metrics.reloads);
                 }
                 Err(e) => tracing::error!(error = %e, "plugin reload task failed"),
             }

@@ -723,11 +723,6 @@ mod release {
     pub const FOLLOW_UP: Duration = Duration::from_secs(2);
 
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    unsafe extern "C" {
-        fn malloc_trim(pad: usize) -> i32;
-    }
-
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
     struct Pending {
         bytes: u64,
         last_free: Option<Instant>,
@@ -788,8 +783,7 @@ mod release {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     fn trim(freed: u64) {
         let started = Instant::now();
-        // SAFETY: malloc_trim only walks glibc's own arenas, under their locks.
-        unsafe { malloc_trim(0) };
+        crate::sys::malloc_trim();
         tracing::trace!(freed, took_us = started.elapsed().as_micros() as u64, "malloc_trim");
     }
 

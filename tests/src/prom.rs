@@ -9,6 +9,14 @@
 //! counters are non-negative; a histogram has `_bucket` series with
 //! increasing `le` ending in `+Inf`, non-decreasing cumulative counts, and
 //! `_count` equal to the `+Inf` bucket.
+//!
+//! [`scrape`] also reads every exposition with the `prometheus-parse` crate
+//! and checks that it finds the same samples ([`cross_check`]). That crate
+//! does not replace the parser here: it is lenient by design (a line its
+//! regular expressions do not match is skipped, a value that does not
+//! parse is dropped, labels are split at `,` and `=` without unescaping),
+//! so it cannot fail on an invalid exposition, which is what these tests
+//! must detect.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::io::{Read, Write};
@@ -307,7 +315,46 @@ pub fn scrape(url: &str) -> Exposition {
     let (status, content_type, body) = http_get(addr, &path).unwrap_or_else(|e| panic!("GET {url}: {e}"));
     assert_eq!(status, 200, "GET {url}: {body}");
     assert!(content_type.starts_with("text/plain; version=0.0.4"), "content type {content_type:?}");
-    parse(&body).unwrap_or_else(|e| panic!("{url} is not a valid exposition: {e}\n{body}"))
+    let parsed = parse(&body).unwrap_or_else(|e| panic!("{url} is not a valid exposition: {e}\n{body}"));
+    cross_check(&body, &parsed).unwrap_or_else(|e| panic!("{url}: prometheus-parse disagrees: {e}\n{body}"));
+    parsed
+}
+
+/// Reads `text` with the `prometheus-parse` crate and checks that it finds
+/// exactly the samples of `parsed` (histogram buckets included).
+pub fn cross_check(text: &str, parsed: &Exposition) -> Result<(), String> {
+    use prometheus_parse::{Scrape, Value};
+    let scrape = Scrape::parse(text.lines().map(|l| Ok(l.to_string()))).map_err(|e| e.to_string())?;
+    let mut seen = 0;
+    let mut find = |name: &str, labels: &std::collections::HashMap<String, String>, le: Option<f64>, value: f64| {
+        seen += 1;
+        let found = parsed.samples.iter().find(|s| {
+            s.name == name
+                && s.labels.len() == labels.len() + le.is_some() as usize
+                && labels.iter().all(|(k, v)| s.labels.get(k) == Some(v))
+                && le.is_none_or(|le| s.labels.get("le").and_then(|x| parse_value(x).ok()) == Some(le))
+        });
+        match found {
+            Some(s) if s.value == value || (s.value.is_nan() && value.is_nan()) => Ok(()),
+            Some(s) => Err(format!("{name}{labels:?} le={le:?}: {value} but {} here", s.value)),
+            None => Err(format!("{name}{labels:?} le={le:?} = {value} is not found here")),
+        }
+    };
+    for s in &scrape.samples {
+        match &s.value {
+            Value::Counter(v) | Value::Gauge(v) | Value::Untyped(v) => find(&s.metric, &s.labels, None, *v)?,
+            Value::Histogram(buckets) => {
+                for b in buckets {
+                    find(&format!("{}_bucket", s.metric), &s.labels, Some(b.less_than), b.count)?;
+                }
+            }
+            Value::Summary(_) => return Err(format!("{}: a summary", s.metric)),
+        }
+    }
+    if seen != parsed.samples.len() {
+        return Err(format!("prometheus-parse read {seen} samples, {} here", parsed.samples.len()));
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -322,6 +369,20 @@ mod tests {
         assert_eq!(e.value("a_total", &[("x", "1")]), 3.0);
         assert_eq!(e.samples[0].labels["y"], "q\"\\\n");
         assert_eq!(e.value("g", &[]), 1500.0);
+    }
+
+    #[test]
+    fn the_crate_reads_the_same_samples() {
+        let text = "# HELP a_total A.\n# TYPE a_total counter\na_total{x=\"1\"} 3\na_total{x=\"2\"} 0\n\
+                    # TYPE h histogram\nh_bucket{le=\"0.1\",p=\"q\"} 1\nh_bucket{le=\"+Inf\",p=\"q\"} 2\n\
+                    h_sum{p=\"q\"} 0.5\nh_count{p=\"q\"} 2\ng 1.5e3\n";
+        let e = parse(text).unwrap();
+        cross_check(text, &e).unwrap();
+        let mut wrong = e.clone();
+        wrong.samples[1].value = 1.0;
+        assert!(cross_check(text, &wrong).unwrap_err().contains("a_total"));
+        wrong.samples.remove(1);
+        assert!(cross_check(text, &wrong).is_err());
     }
 
     #[test]

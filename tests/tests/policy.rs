@@ -99,7 +99,6 @@ fn rows_of(selected: &[Selected]) -> Vec<Bytes> {
             Selected::Values(v) => out.extend(v.iter().map(|v| match v {
                 Value::Str(s) => Bytes::from(s.clone()),
                 Value::Bytes(b) | Value::Msgpack(b) => b.clone(),
-                _ => unreachable!(),
             })),
         }
     }

@@ -259,19 +259,15 @@ impl Drop for Pooled {
     }
 }
 
-#[cfg(all(target_os = "linux", target_env = "gnu"))]
+/// Gives freed heap back to the kernel (glibc's `malloc_trim(0)`, as
+/// declared by `libc`; nothing elsewhere).
 fn trim() {
-    unsafe extern "C" {
-        fn malloc_trim(pad: usize) -> i32;
-    }
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
     // SAFETY: malloc_trim only walks glibc's own arenas, under their locks.
     unsafe {
-        malloc_trim(0);
+        libc::malloc_trim(0);
     }
 }
-
-#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
-fn trim() {}
 
 #[cfg(test)]
 mod tests {

@@ -2,7 +2,8 @@
 //! on ZeroMQ sockets.
 //!
 //! One file per service: [`tq`] (a local unit's TransferQueue endpoint and
-//! the router endpoint), [`native`] (`stowage/1`); [`errors`] is the one
+//! the router endpoint), [`native`] (`stowage/1`), [`exposition`] (the
+//! Prometheus `/metrics` endpoint); [`errors`] is the one
 //! mapping from errors to each protocol's replies. Services read and write
 //! the store only through the manager and the units' own methods.
 //!
@@ -10,9 +11,9 @@
 //! the local units, binds one TransferQueue ROUTER per unit, one router-mode
 //! TransferQueue endpoint fanning out to the configured units, and the
 //! native `stowage/1` endpoint, watches the plugin directory (hot reload,
-//! [`crate::reload`]) and serves `/metrics` if configured
-//! ([`crate::metrics`]). It returns a [`Running`] handle with the resolved
-//! endpoints and a shutdown method.
+//! [`crate::reload`]) and serves `/metrics` if configured ([`exposition`],
+//! the counters of [`crate::metrics`] and more). It returns a [`Running`]
+//! handle with the resolved endpoints and a shutdown method.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -32,6 +33,7 @@ use crate::transport::{self, Peer};
 use crate::wire::native as wire_native;
 
 mod errors;
+pub mod exposition;
 mod native;
 mod tq;
 
@@ -231,13 +233,15 @@ pub async fn start(config: Config) -> anyhow::Result<Running> {
 
     let metrics_endpoint = if config.metrics.port != 0 {
         let addr = format!("{}:{}", config.metrics.host, config.metrics.port);
+        // Bound by tokio (SO_REUSEADDR, as before), served on a thread of its own.
         let listener = tokio::net::TcpListener::bind(&addr)
             .await
+            .and_then(|l| l.into_std())
             .map_err(|e| anyhow::anyhow!("cannot bind the metrics endpoint {addr}: {e}"))?;
         let local = listener.local_addr()?;
         let (m, mg, us) = (metrics.clone(), manager.clone(), units.clone());
-        let exposition: Arc<dyn crate::metrics::Exposition> = Arc::new(move || m.render(&mg, &us));
-        tasks.push(tokio::spawn(crate::metrics::serve_http(listener, exposition, rx.clone())));
+        let render: exposition::Render = Arc::new(move || exposition::render(&m, &mg, &us));
+        tasks.push(exposition::spawn(listener, render, rx.clone()));
         let url = format!("http://{local}/metrics");
         tracing::info!(endpoint = %url, "metrics endpoint listening");
         Some(url)

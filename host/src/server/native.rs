@@ -11,7 +11,7 @@ use bytes::Bytes;
 
 use super::errors;
 use crate::extent::{Extent, Received};
-use crate::manager::{Manager, Target, process_rss_bytes};
+use crate::manager::{Manager, Target};
 use crate::metrics::{Metrics, Outcome, Protocol};
 use crate::plan::{Frame, PackLimits, PieceInfo};
 use crate::shm::{SegmentStore, ShmError};
@@ -394,7 +394,7 @@ impl NativeService {
         stats.push(("plugin_decisions".into(), int(c.plugin_decisions.load(Ordering::Relaxed))));
         stats.push(("builtin_decisions".into(), int(c.builtin_decisions.load(Ordering::Relaxed))));
         stats.push(("fallbacks".into(), int(c.fallbacks.load(Ordering::Relaxed))));
-        stats.push(("process_rss_bytes".into(), int(process_rss_bytes())));
+        stats.push(("process_rss_bytes".into(), int(crate::sys::process_rss_bytes())));
         let r = &self.metrics.reloads;
         stats.push(("plugin_swaps".into(), int(r.swapped.load(Ordering::Relaxed))));
         stats.push(("plugin_refusals".into(), int(r.refused.load(Ordering::Relaxed))));

@@ -12,7 +12,7 @@ use bytes::Bytes;
 use super::errors;
 use crate::batch::Cell;
 use crate::extent::Received;
-use crate::manager::{Manager, ManagerError, Target, process_rss_bytes};
+use crate::manager::{Manager, ManagerError, Target};
 use crate::metrics::{Metrics, Outcome, Protocol};
 use crate::store::{Column, Unit};
 use crate::transport::{BoxFuture, Service};
@@ -67,7 +67,7 @@ impl Arrivals {
             storage_unit_id: unit_id.to_string(),
             capacity,
             active_keys,
-            process_rss_bytes: process_rss_bytes(),
+            process_rss_bytes: crate::sys::process_rss_bytes(),
             ssd_offload_enabled: false,
             ssd_active_values: 0,
             ssd_active_bytes: 0,
