@@ -215,10 +215,18 @@ pub fn run(policy: &dyn Policy) -> Report {
     run_until(policy, false)
 }
 
+/// The first case a plugin failed, and why (one line, at most 400 bytes).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{case}{}", why.as_ref().map(|w| format!(": {w}")).unwrap_or_default())]
+pub struct Refusal {
+    pub case: String,
+    pub why: Option<String>,
+}
+
 /// Runs the suite until the first failure: `Ok(cases run)` if no case
 /// failed (declining is fine), else the failing case and why. This is what
 /// a plugin must pass before hot reload makes it live.
-pub fn verify(policy: &dyn Policy) -> Result<usize, String> {
+pub fn verify(policy: &dyn Policy) -> Result<usize, Refusal> {
     let report = run_until(policy, true);
     match report.failures().first() {
         None => Ok(report.results.len()),
@@ -230,9 +238,9 @@ pub fn verify(policy: &dyn Policy) -> Result<usize, String> {
                 line.truncate(cut);
                 line.push_str("...");
             }
-            Err(format!("{name}: {line}"))
+            Err(Refusal { case: name.clone(), why: Some(line) })
         }
-        Some((name, _)) => Err(name.clone()),
+        Some((name, _)) => Err(Refusal { case: name.clone(), why: None }),
     }
 }
 

@@ -396,8 +396,8 @@ impl Manager {
         self.counters.messages_sent.fetch_add(1, Ordering::Relaxed);
         self.counters.frames_sent.fetch_add(frames.len() as u64, Ordering::Relaxed);
         let unit = peer.endpoint().to_string();
-        let reply = peer
-            .request(frames, self.timeout)
+        let span = tracing::debug_span!("remote", unit = %unit, op = request.op_name(), frames = frames.len());
+        let reply = tracing::Instrument::instrument(peer.request(frames, self.timeout), span)
             .await
             .map_err(|source| ManagerError::Transport { unit: unit.clone(), source })?;
         let (_, reply) = tq::decode_reply(&reply)

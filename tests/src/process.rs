@@ -92,23 +92,29 @@ impl Stowd {
 
     /// Like [`Stowd::start`], loading the plugins of `plugins` instead.
     pub fn start_with_plugins(plugins: &Path, config: &str) -> Stowd {
-        Stowd::start_wrapped(&[], plugins, &shared_cache(), config)
+        Stowd::start_wrapped(&[], plugins, &shared_cache(), config, None)
     }
 
     /// Like [`Stowd::start_with_plugins`], with the compile cache in `cache`.
     pub fn start_with_cache(plugins: &Path, cache: &Path, config: &str) -> Stowd {
-        Stowd::start_wrapped(&[], plugins, cache, config)
+        Stowd::start_wrapped(&[], plugins, cache, config, None)
+    }
+
+    /// Like [`Stowd::start`], with `RUST_LOG` set to `filter` (instead of
+    /// `$STOWD_TEST_LOG` or `info,stowage_host=debug`).
+    pub fn start_with_log(filter: &str, config: &str) -> Stowd {
+        Stowd::start_wrapped(&[], &plugin_dir(), &shared_cache(), config, Some(filter))
     }
 
     /// Like [`Stowd::start`], inside network namespace `netns` (`ip netns
     /// exec <netns> stowd ...`, which execs, so the child is `stowd` itself).
     pub fn start_in_netns(netns: &str, config: &str) -> Stowd {
         let wrapper = ["ip".to_string(), "netns".into(), "exec".into(), netns.to_string()];
-        Stowd::start_wrapped(&wrapper, &plugin_dir(), &shared_cache(), config)
+        Stowd::start_wrapped(&wrapper, &plugin_dir(), &shared_cache(), config, None)
     }
 
     /// Starts `wrapper... stowd serve ...` (no wrapper: `stowd` itself).
-    fn start_wrapped(wrapper: &[String], plugins: &Path, cache: &Path, config: &str) -> Stowd {
+    fn start_wrapped(wrapper: &[String], plugins: &Path, cache: &Path, config: &str, log_filter: Option<&str>) -> Stowd {
         let bin = stowd_bin();
         let dir = temp_dir("stowd");
         let config_path = dir.join("stowd.toml");
@@ -121,7 +127,10 @@ impl Stowd {
         let endpoints_file = dir.join("endpoints.json");
         let log_file = dir.join("stowd.log");
         let log = std::fs::File::create(&log_file).expect("create the log file");
-        let filter = std::env::var("STOWD_TEST_LOG").unwrap_or_else(|_| "info,stowage_host=debug".into());
+        let filter = match log_filter {
+            Some(f) => f.to_string(),
+            None => std::env::var("STOWD_TEST_LOG").unwrap_or_else(|_| "info,stowage_host=debug".into()),
+        };
         let mut command = match wrapper.split_first() {
             Some((program, args)) => {
                 let mut c = Command::new(program);
@@ -180,6 +189,11 @@ impl Stowd {
     /// The last lines of the process log (stderr).
     pub fn log(&self) -> String {
         log_tail(&self.log_file)
+    }
+
+    /// The whole process log (stderr) so far.
+    pub fn full_log(&self) -> String {
+        std::fs::read_to_string(&self.log_file).unwrap_or_default()
     }
 
     /// True while the process runs.

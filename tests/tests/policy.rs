@@ -382,7 +382,7 @@ fn contract_versions_are_checked_before_compiling() {
         }
     }
     assert!(hits > 0);
-    let err = wasm::check_contract(&future).unwrap_err();
+    let err = wasm::check_contract(&future).unwrap_err().to_string();
     assert!(err.contains("0.2.0") && err.contains("0.1.x"), "{err}");
     let dir = temp_dir("contract");
     std::fs::write(dir.join("future.wasm"), &future).unwrap();

@@ -177,10 +177,16 @@ async fn serve(config: Config, endpoints_file: Option<PathBuf>) -> anyhow::Resul
 }
 
 fn main() -> std::process::ExitCode {
+    // The only subscriber: the library only makes spans and events. With
+    // RUST_LOG=debug every request is a `request` span (one line when it
+    // closes, with its id, op, rows and bytes) and its policy decisions are
+    // events inside it; at the default `info` those spans are disabled.
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
         )
+        .with_span_events(tracing_subscriber::fmt::format::FmtSpan::CLOSE)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();

@@ -11,6 +11,15 @@
 //! that doubles at each further disable up to a cap, without one it stays
 //! disabled until its file is reloaded. If no policy applies, the built-in
 //! answers. Data is never touched here: only plans are.
+//!
+//! Tracing: every chain call is a `policy` span (`chain` = select or pack,
+//! `decided_by` recorded when it ends: `plugin <name>@<version>`,
+//! `builtin (no plugin applied)` or `builtin (fallback: <plugin> faulted:
+//! <why>)`), and every plugin it asks is a `plugin` span inside it (`plugin`,
+//! `version`) holding one DEBUG event with that plugin's answer. Spans and
+//! events are at DEBUG: at the default INFO level a call costs one cached
+//! level check per span. A chain is called per (field, unit) of a request,
+//! never per row.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -175,10 +184,27 @@ pub struct Chain {
 enum Outcome<P> {
     /// A validated plan from the named plugin.
     Plan(P, String),
-    /// The named plugin faulted; the strategy says fall back.
-    Fallback(String),
+    /// The named plugin faulted (why); the strategy says fall back.
+    Fallback(String, String),
     /// No plugin applied.
     Builtin,
+}
+
+impl<P> Outcome<P> {
+    /// Records who decided in the current `policy` span.
+    fn record(&self, version: impl Fn(&str) -> String) {
+        let span = tracing::Span::current();
+        if span.is_disabled() {
+            return;
+        }
+        let by = match self {
+            Outcome::Plan(_, name) => format!("plugin {name}@{}", version(name)),
+            Outcome::Fallback(name, why) => format!("builtin (fallback: {name} faulted: {why})"),
+            Outcome::Builtin => "builtin (no plugin applied)".to_string(),
+        };
+        span.record("decided_by", by.as_str());
+        tracing::debug!(decided_by = %by, "policy decision");
+    }
 }
 
 impl Chain {
@@ -201,6 +227,12 @@ impl Chain {
     /// Names of the policies, in order.
     pub fn names(&self) -> Vec<String> {
         self.policies.iter().map(|l| l.policy.describe().name.clone()).collect()
+    }
+
+    /// The version of the policy named `name` in this chain.
+    fn version_of(&self, name: &str) -> String {
+        let found = self.policies.iter().map(|l| l.policy.describe()).find(|d| d.name == name);
+        found.map(|d| d.version.clone()).unwrap_or_default()
     }
 
     /// Counts and logs a fault, then applies the fail strategy.
@@ -233,7 +265,7 @@ impl Chain {
         match self.fail {
             FailStrategy::Fallback => {
                 st.fallbacks.fetch_add(1, Ordering::Relaxed);
-                Ok(Outcome::Fallback(d.name.clone()))
+                Ok(Outcome::Fallback(d.name.clone(), reason.to_string()))
             }
             FailStrategy::Reject => {
                 st.rejections.fetch_add(1, Ordering::Relaxed);
@@ -262,18 +294,25 @@ impl Chain {
                 Some(false) => {}
             }
             loaded.stats.calls.fetch_add(1, Ordering::Relaxed);
+            let d = loaded.policy.describe();
+            let _plugin = tracing::debug_span!("plugin", plugin = %d.name, version = %d.version).entered();
             match call(loaded.policy.as_ref()) {
                 Ok(plan) => match check(&plan) {
                     Ok(()) => {
                         loaded.stats.plans.fetch_add(1, Ordering::Relaxed);
-                        return Ok(Outcome::Plan(plan, loaded.policy.describe().name.clone()));
+                        tracing::debug!("answered a valid plan");
+                        return Ok(Outcome::Plan(plan, d.name.clone()));
                     }
                     Err(e) => {
                         loaded.stats.invalid_plans.fetch_add(1, Ordering::Relaxed);
+                        tracing::debug!(error = %e, "answered an invalid plan");
                         return self.on_fault(loaded, &format!("invalid plan: {e}"));
                     }
                 },
-                Err(PolicyError::NotApplicable | PolicyError::InvalidInput(_)) => continue,
+                Err(e @ (PolicyError::NotApplicable | PolicyError::InvalidInput(_))) => {
+                    tracing::debug!(answer = %e, "declined");
+                    continue;
+                }
                 Err(e @ (PolicyError::Failed(_) | PolicyError::Fault(_))) => return self.on_fault(loaded, &e.to_string()),
             }
         }
@@ -285,10 +324,12 @@ impl Chain {
         if positions.is_empty() {
             return Err(ChainError::EmptyPositions);
         }
+        let _span = tracing::debug_span!("policy", chain = "select", decided_by = tracing::field::Empty).entered();
         let outcome = self.ask(|p| p.select(field, positions), |plan| plan::validate_selection(field, positions, plan))?;
+        outcome.record(|name| self.version_of(name));
         let by = match outcome {
             Outcome::Plan(plan, name) => return Ok(Decision { plan, by: DecidedBy::Plugin(name) }),
-            Outcome::Fallback(plugin) => DecidedBy::Fallback { plugin },
+            Outcome::Fallback(plugin, _) => DecidedBy::Fallback { plugin },
             Outcome::Builtin => DecidedBy::Builtin,
         };
         let plan = Builtin::plan(field, positions).map_err(|_| ChainError::EmptyPositions)?;
@@ -297,10 +338,12 @@ impl Chain {
 
     /// A validated frame plan for `pieces`.
     pub fn pack(&self, pieces: &[PieceInfo], limits: &PackLimits) -> Result<Decision<FramePlan>, ChainError> {
+        let _span = tracing::debug_span!("policy", chain = "pack", decided_by = tracing::field::Empty).entered();
         let outcome = self.ask(|p| p.pack(pieces, limits), |plan| plan::validate_frames(pieces, limits, plan))?;
+        outcome.record(|name| self.version_of(name));
         let by = match outcome {
             Outcome::Plan(plan, name) => return Ok(Decision { plan, by: DecidedBy::Plugin(name) }),
-            Outcome::Fallback(plugin) => DecidedBy::Fallback { plugin },
+            Outcome::Fallback(plugin, _) => DecidedBy::Fallback { plugin },
             Outcome::Builtin => DecidedBy::Builtin,
         };
         let plan = Builtin::frames(pieces, limits).map_err(|e| ChainError::Packing(e.to_string()))?;

@@ -233,6 +233,17 @@ pub struct VersionStats {
     pub live: bool,
 }
 
+/// Why a registry could not be made. wasmtime's `anyhow::Error` is kept
+/// as its formatted chain (`{:#}`).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum RegistryError {
+    #[error("cannot build the WebAssembly engine: {0}")]
+    Engine(String),
+    #[error("cannot build the plugin linker (WASI and the tensor resource): {0}")]
+    Linker(String),
+}
+
 /// SHA-256 of `bytes`, hex.
 pub fn content_hash(bytes: &[u8]) -> String {
     format!("{:x}", Sha256::digest(bytes))
@@ -243,9 +254,9 @@ impl Registry {
     /// plugins in `cache_dir` (created `0700` if missing). A directory or key
     /// that fails the checks of [`super::cache`] is not used: one WARN says
     /// why, and every plugin is compiled at each load.
-    pub fn new(cache_dir: Option<PathBuf>, limits: SandboxLimits) -> anyhow::Result<Registry> {
-        let engine = wasm::engine().map_err(|e| anyhow::anyhow!("{e:#}"))?;
-        let linker = wasm::linker(&engine).map_err(|e| anyhow::anyhow!("{e:#}"))?;
+    pub fn new(cache_dir: Option<PathBuf>, limits: SandboxLimits) -> Result<Registry, RegistryError> {
+        let engine = wasm::engine().map_err(|e| RegistryError::Engine(format!("{e:#}")))?;
+        let linker = wasm::linker(&engine).map_err(|e| RegistryError::Linker(format!("{e:#}")))?;
         let cache = cache_dir.and_then(|dir| match CompileCache::open(&dir) {
             Ok(c) => Some(c),
             Err(reason) => {
@@ -439,7 +450,7 @@ impl Registry {
     pub fn load_dir_checked(
         &mut self,
         dir: &Path,
-        check: impl Fn(&WasmPolicy) -> Result<(), String>,
+        check: impl Fn(&WasmPolicy) -> Result<(), crate::conformance::Refusal>,
     ) -> std::io::Result<Vec<LoadReport>> {
         let mut reports = Vec::new();
         for path in wasm_files(dir)? {

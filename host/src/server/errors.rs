@@ -1,5 +1,30 @@
 //! The one place where errors become replies: for each protocol, the reply
-//! to a failed request, and to a request refused unread.
+//! to a failed request, and to a request refused unread. The services
+//! (`tq`, `native`) build every error reply through this module.
+//!
+//! | error | TransferQueue reply (`request_type`, message) | `stowage/1` reply (`code`) |
+//! |---|---|---|
+//! | `StoreError::KeyNotFound` (a local unit) | `GET_ERROR`, `[TQKeyNotFound] Failed to get data from storage unit id #U, detail error message: '...'` (the real unit's words) | `key_not_found` |
+//! | `ManagerError::Remote` whose message starts `[TQKeyNotFound]` | `GET_ERROR`, the remote unit's message as is | `key_not_found` |
+//! | `StoreError::Capacity` | `PUT_ERROR`, `Failed to put data into storage unit id #U, detail error message: unit ... is full: ...` | `capacity` |
+//! | other `StoreError`, `ManagerError::BadRequest`, `ChainError::EmptyPositions` | `PUT_ERROR` / `GET_ERROR` / `CLEAR_DATA_ERROR` (the request's own), `Failed to ... storage unit id #U, detail error message: <error>` | `bad_request` |
+//! | `ChainError::Rejected` (a plugin faulted under `fail = "reject"`) | as above | `rejected` |
+//! | `ChainError::Packing`, `ManagerError::Remote` (other), `Transport`, `Internal` | as above | `internal` |
+//! | `ShmError::Disabled` (a same-node op on a stowd without shared memory) | — | `unsupported` |
+//! | `ShmError::TooLarge` (a lease over `max_lease_bytes`) | — | `too_large` |
+//! | `ShmError::Io` | — | `internal` |
+//! | other `ShmError` (unknown lease, bad name, range outside a segment), a `segments` message with data frames | — | `bad_request` |
+//! | a request that breaks `max_request_bytes`/`max_request_frames` (refused unread) | `PUT_ERROR` / `GET_ERROR` / `CLEAR_DATA_ERROR` if frame 0 says which, else `PUT_GET_ERROR`; message `request refused unread: ...` | `too_large` |
+//! | an undecodable request (`wire::tq::Error`, `wire::native::Error`) | `PUT_GET_ERROR`, `undecodable request: ...`; or the request's own error type once the op is known ([`tq::Error::reply_type`]) | the decode error's own code ([`native::Error::code`]: `bad_request`, `unsupported`, `too_large`) |
+//! | a known TransferQueue request type a unit does not serve | `PUT_GET_OPERATION_ERROR`, `Storage unit id #U receive invalid operation: ZMQRequestType.X.` | — |
+//! | a reply that cannot be encoded ([`EncodeError`]) | — | `internal` |
+//!
+//! Which decode error gets which code or reply type is the codecs' to say
+//! (they know the ops); this module only calls them. The other direction,
+//! a remote TransferQueue unit's error reply read back into a
+//! `ManagerError::Remote` (key-not-found recognised by its
+//! `[TQKeyNotFound]` marker), is in `Manager::exchange`. The same table is
+//! in `docs/protocol-stowage1.md` ("Errors").
 
 use bytes::Bytes;
 
@@ -8,6 +33,18 @@ use crate::policy::chain::ChainError;
 use crate::shm::ShmError;
 use crate::store::StoreError;
 use crate::wire::{native, tq};
+
+/// Why a `stowage/1` reply could not be encoded.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum EncodeError {
+    #[error(transparent)]
+    Wire(#[from] native::Error),
+    #[error("same-node get without shared memory")]
+    NoSharedMemory,
+    #[error("a reply frame is not a shared-memory segment")]
+    NotASegment,
+}
 
 /// What a refusal of an oversized request says, whatever the protocol.
 fn too_large_detail(reason: &str) -> String {
@@ -31,6 +68,18 @@ pub(super) fn tq_reply(id: &str, kind: tq::ErrorReply, e: &ManagerError) -> tq::
     }
 }
 
+/// The TransferQueue reply of endpoint `id` to a request it could not
+/// decode.
+pub(super) fn tq_undecodable(id: &str, e: &tq::Error) -> tq::Reply {
+    e.to_reply(id)
+}
+
+/// The TransferQueue reply of endpoint `id` to a known request type it
+/// does not serve (`request_type` as on the wire).
+pub(super) fn tq_invalid_operation(id: &str, request_type: &str) -> tq::Reply {
+    tq::Reply::invalid_operation(id, request_type)
+}
+
 /// The TransferQueue error reply to a request that broke a receive limit:
 /// `PUT_ERROR`, `GET_ERROR` or `CLEAR_DATA_ERROR` when frame 0 says which
 /// request it was, `PUT_GET_ERROR` otherwise.
@@ -45,17 +94,27 @@ pub(super) fn tq_too_large(unit_id: &str, head: &[Bytes], reason: &str) -> tq::R
     }
 }
 
-/// The `stowage/1` reply to a failed request.
-pub(super) fn native(e: &ManagerError) -> native::Reply {
-    let code = match e {
+/// The `stowage/1` code of a failed request.
+fn native_code(e: &ManagerError) -> &'static str {
+    match e {
         _ if e.is_key_not_found() => native::code::KEY_NOT_FOUND,
         ManagerError::Store(StoreError::Capacity { .. }) => native::code::CAPACITY,
         ManagerError::Store(_) | ManagerError::BadRequest(_) => native::code::BAD_REQUEST,
         ManagerError::Policy(ChainError::Rejected { .. }) => native::code::REJECTED,
         ManagerError::Policy(ChainError::EmptyPositions) => native::code::BAD_REQUEST,
         _ => native::code::INTERNAL,
-    };
-    native::Reply::Error { code: code.into(), message: e.to_string() }
+    }
+}
+
+/// The `stowage/1` reply to a failed request.
+pub(super) fn native(e: &ManagerError) -> native::Reply {
+    native::Reply::Error { code: native_code(e).into(), message: e.to_string() }
+}
+
+/// The `stowage/1` reply to a request (or a field of it) that could not be
+/// decoded, or rows that cannot be represented on the wire.
+pub(super) fn native_decode(e: &native::Error) -> native::Reply {
+    native::Reply::from_error(e)
 }
 
 /// The `stowage/1` reply to a shared-memory failure.
@@ -67,6 +126,13 @@ pub(super) fn shm(e: &ShmError) -> native::Reply {
         _ => native::code::BAD_REQUEST,
     };
     native::Reply::Error { code: code.into(), message: e.to_string() }
+}
+
+/// The `stowage/1` reply to a `segments` message that also carries data
+/// frames over the socket.
+pub(super) fn native_segments_with_frames() -> native::Reply {
+    let message = "a message with `segments` carries no data frames over the socket".to_string();
+    native::Reply::Error { code: native::code::BAD_REQUEST.into(), message }
 }
 
 /// The `stowage/1` reply to a failed same-node get.
@@ -83,6 +149,53 @@ pub(super) fn native_too_large(reason: &str) -> native::Reply {
 }
 
 /// The `stowage/1` reply for an internal failure to encode a reply.
-pub(super) fn native_internal(message: String) -> native::Reply {
-    native::Reply::Error { code: native::code::INTERNAL.into(), message }
+pub(super) fn native_encode(e: &EncodeError) -> native::Reply {
+    native::Reply::Error { code: native::code::INTERNAL.into(), message: e.to_string() }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn code(r: &native::Reply) -> &str {
+        match r {
+            native::Reply::Error { code, .. } => code,
+            _ => panic!("not an error reply"),
+        }
+    }
+
+    #[test]
+    fn codes_follow_the_table() {
+        let missing = ManagerError::Store(StoreError::KeyNotFound { unit: "u".into(), index: 3, field: "f".into() });
+        assert_eq!(code(&native(&missing)), native::code::KEY_NOT_FOUND);
+        let remote_missing = ManagerError::Remote { unit: "u".into(), message: "[TQKeyNotFound] x".into(), key_not_found: true };
+        assert_eq!(code(&native(&remote_missing)), native::code::KEY_NOT_FOUND);
+        let full = ManagerError::Store(StoreError::Capacity { unit: "u".into(), needed: 2, free: 1, capacity: 1 });
+        assert_eq!(code(&native(&full)), native::code::CAPACITY);
+        assert_eq!(code(&native(&ManagerError::BadRequest("x".into()))), native::code::BAD_REQUEST);
+        let rejected = ChainError::Rejected { plugin: "p".into(), version: "1".into(), reason: "trap".into() };
+        assert_eq!(code(&native(&ManagerError::Policy(rejected))), native::code::REJECTED);
+        assert_eq!(code(&native(&ManagerError::Internal("x".into()))), native::code::INTERNAL);
+        assert_eq!(code(&shm(&ShmError::Disabled)), native::code::UNSUPPORTED);
+        assert_eq!(code(&shm(&ShmError::TooLarge { asked: 2, limit: 1 })), native::code::TOO_LARGE);
+        assert_eq!(code(&shm(&ShmError::BadName("x".into()))), native::code::BAD_REQUEST);
+        assert_eq!(code(&native_segments_with_frames()), native::code::BAD_REQUEST);
+        assert_eq!(code(&native_too_large("big")), native::code::TOO_LARGE);
+        assert_eq!(code(&native_encode(&EncodeError::NotASegment)), native::code::INTERNAL);
+    }
+
+    #[test]
+    fn tq_replies_keep_the_real_units_words() {
+        let missing = ManagerError::Store(StoreError::KeyNotFound { unit: "u".into(), index: 3, field: "f".into() });
+        let tq::Reply::Error { kind, message } = tq_reply("U1", tq::ErrorReply::Get, &missing) else { panic!() };
+        assert_eq!(kind, tq::ErrorReply::Get);
+        assert!(message.starts_with("[TQKeyNotFound] Failed to get data from storage unit id #U1"), "{message}");
+        let full = ManagerError::Store(StoreError::Capacity { unit: "u".into(), needed: 2, free: 1, capacity: 1 });
+        let tq::Reply::Error { kind, message } = tq_reply("U1", tq::ErrorReply::Put, &full) else { panic!() };
+        assert_eq!(kind, tq::ErrorReply::Put);
+        assert!(message.starts_with("Failed to put data into storage unit id #U1, detail error message: unit u is full"), "{message}");
+        let tq::Reply::Error { kind, message } = tq_too_large("U1", &[], "too many frames") else { panic!() };
+        assert_eq!(kind, tq::ErrorReply::PutGet);
+        assert!(message.starts_with("undecodable request: request refused unread: too many frames"), "{message}");
+    }
 }

@@ -39,6 +39,22 @@ mod tq;
 
 pub use tq::TQ_IDENTITY_PREFIXES;
 
+/// Why `stowd` could not start.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum StartError {
+    #[error(transparent)]
+    Registry(#[from] crate::policy::registry::RegistryError),
+    #[error("cannot read plugin directory {dir}: {source}")]
+    PluginDir { dir: String, source: std::io::Error },
+    #[error(transparent)]
+    Bind(#[from] crate::transport::TransportError),
+    #[error(transparent)]
+    Shm(#[from] crate::shm::ShmError),
+    #[error("cannot bind the metrics endpoint {addr}: {source}")]
+    Metrics { addr: String, source: std::io::Error },
+}
+
 /// One served unit in the endpoints file.
 #[derive(Clone, Debug, Serialize, serde::Deserialize, PartialEq, Eq)]
 pub struct UnitEndpoint {
@@ -110,7 +126,7 @@ pub fn plugin_dir(config: &Config) -> Option<std::path::PathBuf> {
 }
 
 /// Loads the plugins and configures the chains.
-pub fn build_registry(config: &Config) -> anyhow::Result<Registry> {
+pub fn build_registry(config: &Config) -> Result<Registry, StartError> {
     let dir = plugin_dir(config);
     let cache = config.plugins.cache_dir.clone().or_else(|| dir.as_ref().map(|d| d.join(".cache")));
     let mut registry = Registry::new(cache, config.plugins.sandbox())?.with_overrides(config.plugins.overrides.clone());
@@ -119,7 +135,7 @@ pub fn build_registry(config: &Config) -> anyhow::Result<Registry> {
             let check_at_start = config.plugins.check_at_start;
             let reports = registry
                 .load_dir_checked(d, |p| if check_at_start { crate::conformance::verify(p).map(|_| ()) } else { Ok(()) })
-                .map_err(|e| anyhow::anyhow!("cannot read plugin directory {}: {e}", d.display()))?;
+                .map_err(|source| StartError::PluginDir { dir: d.display().to_string(), source })?;
             let loaded = reports.iter().filter(|r| r.result.is_ok()).count();
             tracing::info!(dir = %d.display(), loaded, refused = reports.len() - loaded, "plugins");
         }
@@ -130,7 +146,7 @@ pub fn build_registry(config: &Config) -> anyhow::Result<Registry> {
 }
 
 /// Starts every socket of `config`.
-pub async fn start(config: Config) -> anyhow::Result<Running> {
+pub async fn start(config: Config) -> Result<Running, StartError> {
     let registry = Arc::new(build_registry(&config)?);
     let plugins: Vec<String> = registry
         .names()
@@ -227,6 +243,7 @@ pub async fn start(config: Config) -> anyhow::Result<Running> {
         pack_limits,
         shm: shm.clone(),
         metrics: metrics.clone(),
+        endpoint: native_endpoint.clone(),
     });
     tasks.push(tokio::spawn(transport::serve_with(socket, service, transport_limits, rx.clone())));
     tracing::info!(endpoint = %native_endpoint, "native endpoint listening");
@@ -237,8 +254,8 @@ pub async fn start(config: Config) -> anyhow::Result<Running> {
         let listener = tokio::net::TcpListener::bind(&addr)
             .await
             .and_then(|l| l.into_std())
-            .map_err(|e| anyhow::anyhow!("cannot bind the metrics endpoint {addr}: {e}"))?;
-        let local = listener.local_addr()?;
+            .map_err(|source| StartError::Metrics { addr: addr.clone(), source })?;
+        let local = listener.local_addr().map_err(|source| StartError::Metrics { addr: addr.clone(), source })?;
         let (m, mg, us) = (metrics.clone(), manager.clone(), units.clone());
         let render: exposition::Render = Arc::new(move || exposition::render(&m, &mg, &us));
         tasks.push(exposition::spawn(listener, render, rx.clone()));

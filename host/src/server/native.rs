@@ -1,6 +1,11 @@
 //! The native `stowage/1` endpoint: puts (over tcp, or naming leased
 //! shared-memory segments), gets (frames planned from the extents the rows
 //! are in; for a same-node reader, whole segments), clears, leases, stats.
+//!
+//! Every request runs in a DEBUG `request` span: `endpoint`, `proto`
+//! (`native`), `bytes` (all frames), and once decoded `id` (the client's
+//! request id), `op` and `rows`; the policy spans of the request sit inside
+//! it. Error replies come from [`super::errors`].
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -8,8 +13,9 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use tracing::Instrument;
 
-use super::errors;
+use super::errors::{self, EncodeError};
 use crate::extent::{Extent, Received};
 use crate::manager::{Manager, Target};
 use crate::metrics::{Metrics, Outcome, Protocol};
@@ -28,6 +34,8 @@ pub(super) struct NativeService {
     /// Same-node shared memory, if enabled.
     pub shm: Option<Arc<SegmentStore>>,
     pub metrics: Arc<Metrics>,
+    /// The endpoint's address, for the request spans.
+    pub endpoint: String,
 }
 
 /// The buffers (extents, or the segments they are in) a reply's rows are
@@ -144,6 +152,16 @@ fn get_field(rows: &Rows, places: &mut Places) -> Result<GetField, native::Error
     Ok(GetField { wire: native::WireField::Nested(tensors), nested_runs })
 }
 
+/// The rows a request names (0 for stats and leases).
+fn op_rows(op: &native::Op) -> usize {
+    match op {
+        native::Op::Put { global_indexes, .. }
+        | native::Op::Get { global_indexes, .. }
+        | native::Op::Clear { global_indexes, .. } => global_indexes.len(),
+        native::Op::Lease { .. } | native::Op::Stats => 0,
+    }
+}
+
 /// A get_ok ready to encode: the reply, the nested runs per field, and the
 /// places its rows are in.
 struct GetReply {
@@ -220,8 +238,7 @@ impl NativeService {
         };
         let Some(shm) = &self.shm else { return Err(errors::shm(&ShmError::Disabled)) };
         if frames.len() != 1 {
-            let message = "a message with `segments` carries no data frames over the socket".to_string();
-            return Err(native::Reply::Error { code: native::code::BAD_REQUEST.into(), message });
+            return Err(errors::native_segments_with_frames());
         }
         let mut adopted: HashMap<&str, Arc<Extent>> = HashMap::new();
         let mut out = frames;
@@ -250,25 +267,25 @@ impl NativeService {
     /// Encodes a get_ok: over the socket, frames planned by the packing
     /// chain from the runs; for a same-node reader, one whole segment per
     /// frame, named in frame 0 instead of sent, and held for the reader.
-    fn encode_get(&self, id: u64, get: GetReply, same_node: bool) -> Result<Vec<Bytes>, String> {
+    fn encode_get(&self, id: u64, get: GetReply, same_node: bool) -> Result<Vec<Bytes>, EncodeError> {
         let GetReply { reply, nested_runs, places } = get;
         if !same_node {
             let native::Reply::GetOk { fields } = &reply else { unreachable!("a get reply is a get_ok") };
             let layout = self.layout(fields, &nested_runs);
-            return native::encode_reply_joined(id, &reply, &layout, &|p, l| places.span(p, l)).map_err(|e| e.to_string());
+            return Ok(native::encode_reply_joined(id, &reply, &layout, &|p, l| places.span(p, l))?);
         }
-        let shm = self.shm.as_ref().ok_or("same-node get without shared memory")?;
-        let frames = native::encode_reply_enclosed(id, &reply, &|b| places.enclose(b)).map_err(|e| e.to_string())?;
+        let shm = self.shm.as_ref().ok_or(EncodeError::NoSharedMemory)?;
+        let frames = native::encode_reply_enclosed(id, &reply, &|b| places.enclose(b))?;
         let mut segments = Vec::with_capacity(frames.len().saturating_sub(1));
         for f in &frames[1..] {
             if f.is_empty() {
                 segments.push((String::new(), 0, 0));
                 continue;
             }
-            let name = places.segment(f).ok_or("a reply frame is not a shared-memory segment")?;
+            let name = places.segment(f).ok_or(EncodeError::NotASegment)?;
             segments.push((name.to_string(), 0, f.len() as u64));
         }
-        let frame0 = native::with_segments(&frames[0], &segments).map_err(|e| e.to_string())?;
+        let frame0 = native::with_segments(&frames[0], &segments)?;
         shm.hold(frames.into_iter().skip(1).filter(|f| !f.is_empty()));
         Ok(vec![frame0])
     }
@@ -282,28 +299,38 @@ impl NativeService {
             None => Ok(native::Extras::default()),
         };
         let (id, answer, same_node) = match extras {
-            Err(e) => (fallback_id, native::Reply::from_error(&e).into(), false),
+            Err(e) => (fallback_id, errors::native_decode(&e).into(), false),
             Ok(extras) => match self.received(frames, &extras) {
                 Err(reply) => (fallback_id, reply.into(), false),
                 Ok((frames, received)) => match native::decode_request(&frames, &self.limits) {
                     Ok(req) => {
                         op = req.op.name();
+                        let span = tracing::Span::current();
+                        span.record("id", req.id).record("op", op).record("rows", op_rows(&req.op));
                         (req.id, self.answer(req.op, extras.same_node, &received).await, extras.same_node)
                     }
-                    Err(e) => (fallback_id, native::Reply::from_error(&e).into(), false),
+                    Err(e) => (fallback_id, errors::native_decode(&e).into(), false),
                 },
             },
         };
         let (encoded, outcome) = match answer {
             Answer::Get(get) => (self.encode_get(id, get, same_node), Outcome::Ok),
             Answer::Reply(reply) => {
-                let outcome = if matches!(reply, native::Reply::Error { .. }) { Outcome::Error } else { Outcome::Ok };
-                (native::encode_reply(id, &reply).map_err(|e| e.to_string()), outcome)
+                let outcome = if let native::Reply::Error { code, message } = &reply {
+                    tracing::debug!(code = %code, error = %message, "error reply");
+                    Outcome::Error
+                } else {
+                    Outcome::Ok
+                };
+                (native::encode_reply(id, &reply).map_err(EncodeError::from), outcome)
             }
         };
         let (frames, outcome) = match encoded {
             Ok(f) => (f, outcome),
-            Err(message) => (native::encode_reply(id, &errors::native_internal(message)).unwrap_or_default(), Outcome::Error),
+            Err(e) => {
+                tracing::debug!(error = %e, "reply not encodable");
+                (native::encode_reply(id, &errors::native_encode(&e)).unwrap_or_default(), Outcome::Error)
+            }
         };
         self.metrics.observe(Protocol::Native, op, outcome, started.elapsed(), frames.len());
         frames
@@ -317,7 +344,7 @@ impl NativeService {
                 for (name, f) in fields {
                     match f.into_field() {
                         Ok(field) => decoded.push((name, field)),
-                        Err(e) => return native::Reply::from_error(&e).into(),
+                        Err(e) => return errors::native_decode(&e).into(),
                     }
                 }
                 match m.put(&global_indexes, decoded, received).await {
@@ -344,7 +371,7 @@ impl NativeService {
                             out.push((name, f.wire));
                             nested_runs.push(f.nested_runs);
                         }
-                        Err(e) => return native::Reply::from_error(&e).into(),
+                        Err(e) => return errors::native_decode(&e).into(),
                     }
                 }
                 places.seal();
@@ -429,7 +456,16 @@ impl NativeService {
 
 impl Service for NativeService {
     fn handle(self: Arc<Self>, _identity: Bytes, frames: Vec<Bytes>) -> BoxFuture<'static, Option<Vec<Bytes>>> {
-        Box::pin(async move { Some(self.serve_one(frames).await).filter(|f| !f.is_empty()) })
+        let span = tracing::debug_span!(
+            "request",
+            endpoint = %self.endpoint,
+            proto = Protocol::Native.label(),
+            id = tracing::field::Empty,
+            op = tracing::field::Empty,
+            rows = tracing::field::Empty,
+            bytes = frames.iter().map(Bytes::len).sum::<usize>(),
+        );
+        Box::pin(async move { Some(self.serve_one(frames).await).filter(|f| !f.is_empty()) }.instrument(span))
     }
 
     fn reject(self: Arc<Self>, _identity: Bytes, head: Vec<Bytes>, reason: String) -> BoxFuture<'static, Option<Vec<Bytes>>> {

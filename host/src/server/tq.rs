@@ -2,12 +2,20 @@
 //! endpoint over every configured unit. Both speak TransferQueue 0.1.11's
 //! storage-unit protocol byte for byte; they differ only in what answers
 //! a request ([`Backend`]).
+//!
+//! Every request runs in a DEBUG `request` span: `endpoint` (the unit or
+//! router id), `proto` (`tq` or `tq_router`), `bytes` (all frames), and
+//! once decoded `id` (the envelope's `request_id`), `op` and `rows`. The
+//! policy spans of a routed request ([`crate::policy::chain`]) and the
+//! `remote` spans of its exchanges with remote units sit inside it. Error
+//! replies come from [`super::errors`].
 
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use bytes::Bytes;
+use tracing::Instrument;
 
 use super::errors;
 use crate::batch::Cell;
@@ -128,15 +136,26 @@ impl TqService {
 
     async fn answer(&self, frames: &[Bytes]) -> (&'static str, tq::Reply) {
         let id = self.id.as_str();
-        let request = match tq::decode_request(frames) {
-            Ok(r) => r,
+        let request = match tq::decode_message(frames) {
+            Ok(m) => {
+                let span = tracing::Span::current();
+                span.record("id", m.envelope.request_id.as_str());
+                m.request
+            }
             Err(e) => {
                 tracing::debug!(unit = id, error = %e, "refused request");
-                return ("undecodable", e.to_reply(id));
+                return ("undecodable", errors::tq_undecodable(id, &e));
             }
         };
         self.arrivals.note(request.op_name());
         let op = op_label(&request);
+        let rows = match &request {
+            tq::Request::Put { global_indexes, .. }
+            | tq::Request::Get { global_indexes, .. }
+            | tq::Request::Clear { global_indexes } => global_indexes.len(),
+            _ => 0,
+        };
+        tracing::Span::current().record("op", op).record("rows", rows);
         let reply = match request {
             tq::Request::Put { global_indexes, fields } => {
                 let received = Received::frames(frames.get(1..).unwrap_or_default());
@@ -180,7 +199,7 @@ impl TqService {
                 },
             },
             tq::Request::GetMetrics => self.metrics_reply(),
-            tq::Request::Other(t) => tq::Reply::invalid_operation(id, &t),
+            tq::Request::Other(t) => errors::tq_invalid_operation(id, &t),
         };
         (op, reply)
     }
@@ -231,8 +250,20 @@ impl Service for TqService {
                 return None;
             }
             let started = Instant::now();
-            let (op, reply) = self.answer(&frames).await;
+            let span = tracing::debug_span!(
+                "request",
+                endpoint = %self.id,
+                proto = self.protocol().label(),
+                id = tracing::field::Empty,
+                op = tracing::field::Empty,
+                rows = tracing::field::Empty,
+                bytes = frames.iter().map(Bytes::len).sum::<usize>(),
+            );
+            let (op, reply) = self.answer(&frames).instrument(span.clone()).await;
             let outcome = if matches!(reply, tq::Reply::Error { .. }) { Outcome::Error } else { Outcome::Ok };
+            if let tq::Reply::Error { message, .. } = &reply {
+                span.in_scope(|| tracing::debug!(error = %message, "error reply"));
+            }
             let frames = tq::encode_reply(&self.id, &reply);
             self.metrics.observe(self.protocol(), op, outcome, started.elapsed(), frames.len());
             Some(frames)

@@ -34,7 +34,8 @@
 //! so a reader that had the old name from a reply but had not locked yet
 //! finds it gone (it checks, after locking, that the name still names the
 //! file it opened). A segment some reader still maps is unlinked as before.
-//! Spares are bounded in bytes and removed after an idle time.
+//! Spares are bounded in bytes and removed after an idle time; they live
+//! in `spares`.
 //!
 //! Trust: a same-node client that still holds a writable mapping of a
 //! segment it handed over could change those bytes; the Python client
@@ -51,6 +52,10 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use memmap2::{Mmap, MmapMut, MmapOptions};
+
+mod spares;
+
+use spares::{Names, Spares};
 
 /// Shared-memory failures.
 #[derive(Debug, thiserror::Error)]
@@ -102,136 +107,6 @@ impl Drop for Segment {
 /// default: the reader opens and locks it well within this.
 pub const DEFAULT_HOLD: Duration = Duration::from_secs(10);
 
-/// Segments smaller than this are unlinked, not kept: their pages are few.
-const MIN_SPARE: u64 = 1 << 20;
-
-/// A cleared segment's file, kept with its pages for a later lease or
-/// export.
-struct Spare {
-    file: File,
-    path: PathBuf,
-    len: u64,
-    since: Instant,
-}
-
-/// The spare segments of one `stowd`, at most `cap` bytes in all, each
-/// removed after `idle` unused.
-struct Spares {
-    names: Arc<Names>,
-    cap: u64,
-    idle: Duration,
-    list: Mutex<Vec<Spare>>,
-    reused: AtomicU64,
-}
-
-/// Fresh segment names: `stowd-<pid>-<n>` in `dir`.
-struct Names {
-    dir: PathBuf,
-    prefix: String,
-    next: AtomicU64,
-}
-
-impl Names {
-    fn fresh(&self) -> String {
-        format!("{}{}", self.prefix, self.next.fetch_add(1, Ordering::Relaxed))
-    }
-
-    /// A spare's name: not a segment name, so no request can name it.
-    fn spare(&self) -> String {
-        format!("{}spare-{}", self.prefix, self.next.fetch_add(1, Ordering::Relaxed))
-    }
-}
-
-impl Spares {
-    /// Keeps the file at `path` (of `len` bytes, no longer used by stowd)
-    /// as a spare if no reader holds it and there is room; false if the
-    /// caller should unlink it.
-    fn offer(&self, path: &Path, len: u64) -> bool {
-        if len < MIN_SPARE || len > self.cap {
-            return false;
-        }
-        let Ok(file) = OpenOptions::new().read(true).write(true).open(path) else { return false };
-        // A reader's shared lock means its mapping may still be read.
-        if file.try_lock().is_err() {
-            return false;
-        }
-        // A fresh name before the lock goes: a reader that opened the old
-        // name but had not locked yet sees the name gone and stops.
-        let renamed = self.names.dir.join(self.names.spare());
-        if std::fs::rename(path, &renamed).is_err() {
-            return false;
-        }
-        let _ = file.unlock();
-        let mut list = self.list.lock().unwrap_or_else(|p| p.into_inner());
-        // Room for the newest: the oldest spares go first.
-        let mut total: u64 = list.iter().map(|s| s.len).sum::<u64>() + len;
-        while total > self.cap && !list.is_empty() {
-            let old = list.remove(0);
-            total -= old.len;
-            let _ = std::fs::remove_file(&old.path);
-        }
-        list.push(Spare { file, path: renamed, len, since: Instant::now() });
-        true
-    }
-
-    /// A spare resized to `len` bytes under a fresh segment name: the
-    /// smallest of at least `len` (and at most twice it), else the largest
-    /// of at least half of it (the rest of the pages are new); `None` if
-    /// none fits that well.
-    fn take(&self, len: u64) -> Option<(File, PathBuf)> {
-        if len < MIN_SPARE {
-            return None;
-        }
-        let mut list = self.list.lock().unwrap_or_else(|p| p.into_inner());
-        let above = list
-            .iter()
-            .enumerate()
-            .filter(|(_, s)| s.len >= len && s.len / 2 <= len)
-            .min_by_key(|(_, s)| s.len)
-            .map(|(i, _)| i);
-        let below = || {
-            list.iter().enumerate().filter(|(_, s)| s.len < len && s.len >= len / 2).max_by_key(|(_, s)| s.len).map(|(i, _)| i)
-        };
-        let i = above.or_else(below)?;
-        let spare = list.remove(i);
-        drop(list);
-        let path = self.names.dir.join(self.names.fresh());
-        if spare.file.set_len(len).is_err() || std::fs::rename(&spare.path, &path).is_err() {
-            let _ = std::fs::remove_file(&spare.path);
-            return None;
-        }
-        self.reused.fetch_add(1, Ordering::Relaxed);
-        Some((spare.file, path))
-    }
-
-    /// Removes spares unused for `idle`; returns how many.
-    fn sweep(&self, now: Instant) -> usize {
-        let mut list = self.list.lock().unwrap_or_else(|p| p.into_inner());
-        let before = list.len();
-        list.retain(|s| {
-            let keep = now.duration_since(s.since) < self.idle;
-            if !keep {
-                let _ = std::fs::remove_file(&s.path);
-            }
-            keep
-        });
-        before - list.len()
-    }
-
-    fn counts(&self) -> (usize, u64) {
-        let list = self.list.lock().unwrap_or_else(|p| p.into_inner());
-        (list.len(), list.iter().map(|s| s.len).sum())
-    }
-}
-
-impl Drop for Spares {
-    fn drop(&mut self) {
-        for s in self.list.get_mut().unwrap_or_else(|p| p.into_inner()).drain(..) {
-            let _ = std::fs::remove_file(&s.path);
-        }
-    }
-}
-
 struct Lease {
     path: PathBuf,
     len: u64,
@@ -277,13 +152,7 @@ impl SegmentStore {
             prefix: format!("stowd-{}-", std::process::id()),
             next: AtomicU64::new(0),
         });
-        let spares = Arc::new(Spares {
-            names: names.clone(),
-            cap: 0,
-            idle: Duration::ZERO,
-            list: Mutex::default(),
-            reused: AtomicU64::new(0),
-        });
+        let spares = Arc::new(Spares::new(names.clone(), 0, Duration::ZERO));
         Ok(SegmentStore {
             names,
             spares,
@@ -300,13 +169,7 @@ impl SegmentStore {
     /// reuse, up to `cap` bytes in all, each for at most `idle` unused;
     /// `cap` 0 unlinks them at once.
     pub fn with_reuse(mut self, cap: u64, idle: Duration) -> SegmentStore {
-        self.spares = Arc::new(Spares {
-            names: self.names.clone(),
-            cap,
-            idle,
-            list: Mutex::default(),
-            reused: AtomicU64::new(0),
-        });
+        self.spares = Arc::new(Spares::new(self.names.clone(), cap, idle));
         self
     }
 

@@ -12,6 +12,17 @@
 //! `borrow<tensor>`; after the call the entry is deleted. A guest that keeps
 //! a handle and uses it later traps ("unknown handle index"), which is a
 //! fault like any other.
+//!
+//! | module | what it holds |
+//! |---|---|
+//! | this file | the sandbox: engine, linker, instances, fuel and memory caps, [`WasmPolicy`] |
+//! | `lent` | [`LentField`]: the tensor resource a `select` call lends, and its methods |
+//! | `contract` | [`check_contract`] before compiling; [`LoadError`], [`ContractError`] |
+//!
+//! Errors: wasmtime returns `anyhow::Error` (`wasmtime::Error`); it does not
+//! leave this module as such. Call errors become a [`Fault`] (classified,
+//! then formatted with `{:#}`), load errors a [`LoadError`] whose `reason`
+//! is the formatted chain.
 
 use std::sync::Mutex;
 use std::time::Duration;
@@ -24,6 +35,12 @@ use wasmtime_wasi::{HostMonotonicClock, HostWallClock, WasiCtx, WasiCtxView, Was
 use super::{Capability, Description, Fault, FieldKind, Policy, PolicyError};
 use crate::batch::Field;
 use crate::plan::{self, FramePlan, PackLimits, PieceInfo, SelectionPlan};
+
+mod contract;
+mod lent;
+
+pub use contract::{ContractError, LoadError, check_contract};
+pub use lent::LentField;
 
 mod bindings {
     wasmtime::component::bindgen!({
@@ -52,12 +69,6 @@ impl Default for SandboxLimits {
     fn default() -> Self {
         SandboxLimits { fuel: 200_000_000, memory_bytes: 64 << 20, read_cap: 1 << 20 }
     }
-}
-
-/// A field lent to a guest for one call.
-pub struct LentField {
-    field: Field,
-    read_cap: u64,
 }
 
 /// Store data of one instance.
@@ -94,221 +105,6 @@ impl HostMonotonicClock for FrozenClock {
     fn now(&self) -> u64 {
         0
     }
-}
-
-fn field_kind(field: &Field) -> wtypes::FieldKind {
-    match field {
-        Field::Regular(_) => wtypes::FieldKind::Regular,
-        Field::Nested(_) => wtypes::FieldKind::Nested,
-        Field::Values(_) => wtypes::FieldKind::Values,
-    }
-}
-
-fn wit_dtype(d: crate::tensor::DType) -> wtypes::Dtype {
-    use crate::tensor::DType as D;
-    use wtypes::Dtype as W;
-    match d {
-        D::Bool => W::Bool,
-        D::U8 => W::Uint8,
-        D::I8 => W::Int8,
-        D::I16 => W::Int16,
-        D::U16 => W::Uint16,
-        D::I32 => W::Int32,
-        D::U32 => W::Uint32,
-        D::I64 => W::Int64,
-        D::U64 => W::Uint64,
-        D::F16 => W::Float16,
-        D::BF16 => W::Bfloat16,
-        D::F32 => W::Float32,
-        D::F64 => W::Float64,
-        D::Complex64 => W::Complex64,
-        D::Complex128 => W::Complex128,
-    }
-}
-
-impl LentField {
-    fn row_byte_lens(&self) -> Vec<u64> {
-        match &self.field {
-            Field::Regular(t) => vec![t.row_bytes() as u64; t.rows() as usize],
-            Field::Nested(rows) => rows.iter().map(|t| t.payload_len() as u64).collect(),
-            Field::Values(v) => v.iter().map(|v| v.byte_len() as u64).collect(),
-        }
-    }
-
-    /// Copies a range of the field's logical byte stream (rows in order).
-    fn read(&self, offset: u64, len: u64) -> Result<Vec<u8>, wtypes::ReadError> {
-        if len > self.read_cap {
-            return Err(wtypes::ReadError::OverCap(self.read_cap));
-        }
-        let lens = self.row_byte_lens();
-        let total: u64 = lens.iter().sum();
-        let end = offset.checked_add(len).ok_or(wtypes::ReadError::OutOfRange)?;
-        if end > total {
-            return Err(wtypes::ReadError::OutOfRange);
-        }
-        let mut out = Vec::with_capacity(len as usize);
-        let mut row_start = 0u64;
-        for (i, row_len) in lens.iter().enumerate() {
-            let row_end = row_start + row_len;
-            if row_end > offset && row_start < end {
-                let a = offset.max(row_start) - row_start;
-                let b = end.min(row_end) - row_start;
-                let row_bytes: bytes::Bytes = match &self.field {
-                    Field::Regular(t) => t.row(i as u64).unwrap_or_default(),
-                    Field::Nested(rows) => rows[i].contiguous_bytes(),
-                    Field::Values(v) => match &v[i] {
-                        crate::batch::Value::Str(s) => bytes::Bytes::copy_from_slice(s.as_bytes()),
-                        crate::batch::Value::Bytes(b) | crate::batch::Value::Msgpack(b) => b.clone(),
-                    },
-                };
-                out.extend_from_slice(&row_bytes[a as usize..b as usize]);
-            }
-            if row_end >= end {
-                break;
-            }
-            row_start = row_end;
-        }
-        Ok(out)
-    }
-}
-
-impl wtypes::Host for HostState {}
-
-impl wtypes::HostTensor for HostState {
-    fn kind(&mut self, h: Resource<LentField>) -> wasmtime::Result<wtypes::FieldKind> {
-        Ok(field_kind(&self.table.get(&h)?.field))
-    }
-
-    fn dtype(&mut self, h: Resource<LentField>) -> wasmtime::Result<wtypes::Dtype> {
-        Ok(match &self.table.get(&h)?.field {
-            Field::Regular(t) => wit_dtype(t.dtype()),
-            Field::Nested(rows) => rows.first().map(|t| wit_dtype(t.dtype())).unwrap_or(wtypes::Dtype::Uint8),
-            Field::Values(_) => wtypes::Dtype::Uint8,
-        })
-    }
-
-    fn shape(&mut self, h: Resource<LentField>) -> wasmtime::Result<Vec<u64>> {
-        Ok(match &self.table.get(&h)?.field {
-            Field::Regular(t) => t.shape().to_vec(),
-            other => vec![other.rows()],
-        })
-    }
-
-    fn strides(&mut self, h: Resource<LentField>) -> wasmtime::Result<Vec<i64>> {
-        Ok(match &self.table.get(&h)?.field {
-            Field::Regular(t) => t.strides(),
-            _ => vec![1],
-        })
-    }
-
-    fn rows(&mut self, h: Resource<LentField>) -> wasmtime::Result<u64> {
-        Ok(self.table.get(&h)?.field.rows())
-    }
-
-    fn byte_len(&mut self, h: Resource<LentField>) -> wasmtime::Result<u64> {
-        Ok(self.table.get(&h)?.row_byte_lens().iter().sum())
-    }
-
-    fn row_shapes(&mut self, h: Resource<LentField>) -> wasmtime::Result<Vec<Vec<u64>>> {
-        let lent = self.table.get(&h)?;
-        Ok(match &lent.field {
-            Field::Regular(t) => vec![t.row_shape().to_vec(); t.rows() as usize],
-            Field::Nested(rows) => rows.iter().map(|t| t.shape().to_vec()).collect(),
-            Field::Values(_) => lent.row_byte_lens().into_iter().map(|l| vec![l]).collect(),
-        })
-    }
-
-    fn row_byte_lens(&mut self, h: Resource<LentField>) -> wasmtime::Result<Vec<u64>> {
-        Ok(self.table.get(&h)?.row_byte_lens())
-    }
-
-    fn read_cap(&mut self, h: Resource<LentField>) -> wasmtime::Result<u64> {
-        Ok(self.table.get(&h)?.read_cap)
-    }
-
-    fn read(
-        &mut self,
-        h: Resource<LentField>,
-        offset: u64,
-        len: u64,
-    ) -> wasmtime::Result<Result<Vec<u8>, wtypes::ReadError>> {
-        Ok(self.table.get(&h)?.read(offset, len))
-    }
-
-    fn drop(&mut self, h: Resource<LentField>) -> wasmtime::Result<()> {
-        // Borrowed handles are never dropped by the guest; the host deletes
-        // the entry itself after the call.
-        let _ = h;
-        Ok(())
-    }
-}
-
-/// Why a plugin could not be loaded.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum LoadError {
-    #[error("cannot read {path}: {source}")]
-    Read { path: String, source: std::io::Error },
-    #[error(
-        "{path} is not a Stowage policy for stowage:policy@0.1.x: {reason}"
-    )]
-    Contract { path: String, reason: String },
-    #[error("{path}: compiling the component failed: {reason}")]
-    Compile { path: String, reason: String },
-    #[error("{path}: the component does not link against this host: {reason}")]
-    Link { path: String, reason: String },
-    #[error("{path}: describe() failed: {reason}")]
-    Describe { path: String, reason: String },
-    #[error("{path}: refused by the conformance suite: {reason}")]
-    Check { path: String, reason: String },
-}
-
-/// The WIT interfaces a policy must export, without version.
-const REQUIRED_EXPORTS: [&str; 3] = ["stowage:policy/meta", "stowage:policy/selection", "stowage:policy/packing"];
-
-/// Reads the component's exports before compiling it and checks that it
-/// speaks `stowage:policy@0.1.x`. Returns the exact version found.
-pub fn check_contract(bytes: &[u8]) -> Result<String, String> {
-    let mut exports: Vec<String> = Vec::new();
-    let mut depth = 0usize;
-    for payload in wasmparser::Parser::new(0).parse_all(bytes) {
-        let payload = payload.map_err(|e| format!("not a valid Wasm binary ({e})"))?;
-        match payload {
-            wasmparser::Payload::Version { encoding, .. } => {
-                if depth == 0 {
-                    if encoding != wasmparser::Encoding::Component {
-                        return Err("a core Wasm module, not a component (build for wasm32-wasip2)".into());
-                    }
-                }
-                depth += 1;
-            }
-            wasmparser::Payload::End(_) => depth = depth.saturating_sub(1),
-            wasmparser::Payload::ComponentExportSection(reader) if depth == 1 => {
-                for export in reader {
-                    let export = export.map_err(|e| format!("bad export section ({e})"))?;
-                    exports.push(export.name.name.to_string());
-                }
-            }
-            _ => {}
-        }
-    }
-    let mut version = None;
-    for required in REQUIRED_EXPORTS {
-        let found = exports.iter().find(|e| e.split('@').next() == Some(required));
-        let Some(found) = found else {
-            return Err(format!("it does not export `{required}` (exports: {exports:?})"));
-        };
-        let v = found.split_once('@').map(|(_, v)| v.to_string()).unwrap_or_default();
-        let mut parts = v.split('.');
-        let compatible = parts.next() == Some("0") && parts.next() == Some("1");
-        if !compatible {
-            return Err(format!(
-                "it exports `{found}`, built for contract version {v:?}; this host speaks 0.1.x (rebuild the plugin against stowage-guest 0.1)"
-            ));
-        }
-        version = Some(v);
-    }
-    Ok(version.unwrap_or_default())
 }
 
 /// Classifies a wasmtime error from a call.
@@ -578,43 +374,5 @@ impl Policy for WasmPolicy {
                     .collect(),
             })
             .map_err(policy_error)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::tensor::{DType, Tensor};
-    use bytes::Bytes;
-
-    fn lent(field: Field, read_cap: u64) -> LentField {
-        LentField { field, read_cap }
-    }
-
-    #[test]
-    fn read_walks_the_logical_byte_stream() {
-        let t = Tensor::contiguous(Bytes::from((0u8..32).collect::<Vec<_>>()), DType::U8, vec![8, 4]).unwrap();
-        // A strided view: rows 1, 3, 5 -> bytes 4..8, 12..16, 20..24 without gaps.
-        let view = t.rows_view(1, 2, 3).unwrap();
-        let l = lent(Field::Regular(view), 16);
-        assert_eq!(l.read(2, 4).unwrap(), vec![6, 7, 12, 13]);
-        assert_eq!(l.read(0, 12).unwrap(), vec![4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23]);
-        assert!(matches!(l.read(10, 3), Err(wtypes::ReadError::OutOfRange)));
-        assert!(matches!(l.read(0, 17), Err(wtypes::ReadError::OverCap(16))));
-        assert!(matches!(l.read(u64::MAX, 2), Err(wtypes::ReadError::OutOfRange)));
-        let rows = vec![
-            Tensor::contiguous(Bytes::from(vec![1u8, 2]), DType::U8, vec![2]).unwrap(),
-            Tensor::contiguous(Bytes::new(), DType::U8, vec![0]).unwrap(),
-            Tensor::contiguous(Bytes::from(vec![3u8]), DType::U8, vec![1]).unwrap(),
-        ];
-        let l = lent(Field::Nested(rows), 16);
-        assert_eq!(l.read(1, 2).unwrap(), vec![2, 3]);
-        assert_eq!(l.row_byte_lens(), vec![2, 0, 1]);
-    }
-
-    #[test]
-    fn contract_check_refuses_non_components() {
-        assert!(check_contract(b"not wasm").is_err());
-        assert!(check_contract(b"\0asm\x01\0\0\0").unwrap_err().contains("core Wasm module"));
     }
 }

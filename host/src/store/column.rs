@@ -1,0 +1,161 @@
+//! Columns: the rows of one field that one put stored together, as a
+//! regular run at a constant stride in one extent, one range per nested
+//! row, or plain values; and turning them back into cells.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+
+use crate::batch::{Cell, Field, Value};
+use crate::extent::{Extent, Received};
+use crate::tensor::{DType, Tensor};
+
+/// Rows of a regular field stored from one piece of a put: `rows` rows of
+/// `row_bytes` bytes each, the first at `offset` in the extent, each next
+/// one `stride` bytes further.
+#[derive(Clone, Debug)]
+pub struct RegularColumn {
+    pub extent: Arc<Extent>,
+    pub offset: usize,
+    pub stride: usize,
+    pub rows: u64,
+    pub row_bytes: usize,
+    pub dtype: DType,
+    pub row_shape: Arc<[u64]>,
+}
+
+/// One row of a nested field: `len` bytes at `offset` in the extent.
+#[derive(Clone, Debug)]
+pub struct NestedRow {
+    pub extent: Arc<Extent>,
+    pub offset: usize,
+    pub len: usize,
+    pub dtype: DType,
+    pub shape: Box<[u64]>,
+}
+
+/// The rows of one field that one put stored together in one unit.
+#[derive(Clone, Debug)]
+pub enum Column {
+    Regular(RegularColumn),
+    Nested(Vec<NestedRow>),
+    Values(Vec<Value>),
+}
+
+impl Column {
+    /// A column over the rows of `t` (rows on axis 0), where `t`'s bytes
+    /// start `offset` bytes into `extent`.
+    pub fn regular(extent: Arc<Extent>, offset: usize, t: &Tensor) -> Column {
+        Column::Regular(RegularColumn {
+            extent,
+            offset,
+            stride: t.row_stride(),
+            rows: t.rows(),
+            row_bytes: t.row_bytes(),
+            dtype: t.dtype(),
+            row_shape: t.row_shape().into(),
+        })
+    }
+
+    /// A nested row: the whole of `t`, whose bytes start `offset` bytes into
+    /// `extent`. `t` must be contiguous (every nested row is).
+    pub fn nested_row(extent: Arc<Extent>, offset: usize, t: Tensor) -> NestedRow {
+        let len = t.payload_len();
+        let dtype = t.dtype();
+        NestedRow { extent, offset, len, dtype, shape: t.into_shape().into_boxed_slice() }
+    }
+
+    /// The rows of a decoded field as stored: slices of the request's
+    /// buffers where they lie in one, else each piece its own extent (a
+    /// non-contiguous nested row is compacted first).
+    pub fn from_field(field: Field, received: &Received) -> Column {
+        match field {
+            Field::Regular(t) => {
+                let (extent, offset, _) = received.locate_or_own(t.buffer());
+                Column::regular(extent, offset, &t)
+            }
+            Field::Nested(rows) => Column::Nested(
+                rows.into_iter()
+                    .map(|t| {
+                        let t = if t.is_contiguous() { t } else { contiguous(&t) };
+                        let (extent, offset, _) = received.locate_or_own(t.buffer());
+                        Column::nested_row(extent, offset, t)
+                    })
+                    .collect(),
+            ),
+            Field::Values(v) => Column::Values(v),
+        }
+    }
+
+    /// A column of one row, in an extent of its own (a row received from a
+    /// remote unit).
+    pub fn from_cell(cell: Cell) -> Column {
+        match cell {
+            Cell::Tensor(t) => {
+                let t = if t.is_contiguous() && t.byte_len() == t.payload_len() { t } else { contiguous(&t) };
+                let extent = Extent::new(t.buffer().clone());
+                Column::Nested(vec![Column::nested_row(extent, 0, t)])
+            }
+            Cell::Value(v) => Column::Values(vec![v]),
+        }
+    }
+
+    /// Number of rows.
+    pub fn rows(&self) -> u64 {
+        match self {
+            Column::Regular(c) => c.rows,
+            Column::Nested(r) => r.len() as u64,
+            Column::Values(v) => v.len() as u64,
+        }
+    }
+
+    /// Bytes of row `r`.
+    pub(super) fn row_len(&self, r: usize) -> u64 {
+        match self {
+            Column::Regular(c) => c.row_bytes as u64,
+            Column::Nested(rows) => rows[r].len as u64,
+            Column::Values(v) => v[r].byte_len() as u64,
+        }
+    }
+
+    /// Bytes of all rows.
+    pub fn byte_len(&self) -> u64 {
+        match self {
+            Column::Regular(c) => c.row_bytes as u64 * c.rows,
+            Column::Nested(rows) => rows.iter().map(|r| r.len as u64).sum(),
+            Column::Values(v) => v.iter().map(|v| v.byte_len() as u64).sum(),
+        }
+    }
+
+    /// Row `r` as a cell (zero copy: a slice of where its extent is now).
+    pub fn cell(&self, r: usize) -> Cell {
+        match self {
+            Column::Regular(c) => {
+                let at = c.offset + r * c.stride;
+                let bytes = c.extent.bytes().slice(at..at + c.row_bytes);
+                Cell::Tensor(tensor(bytes, c.dtype, c.row_shape.to_vec()))
+            }
+            Column::Nested(rows) => {
+                let n = &rows[r];
+                let bytes = n.extent.bytes().slice(n.offset..n.offset + n.len);
+                Cell::Tensor(tensor(bytes, n.dtype, n.shape.to_vec()))
+            }
+            Column::Values(v) => Cell::Value(v[r].clone()),
+        }
+    }
+
+    /// Every row as a cell.
+    pub fn cells(&self) -> Vec<Cell> {
+        (0..self.rows() as usize).map(|r| self.cell(r)).collect()
+    }
+}
+
+/// A tensor of bytes known to match the shape (they were checked when the
+/// rows were stored).
+fn tensor(bytes: Bytes, dtype: DType, shape: Vec<u64>) -> Tensor {
+    Tensor::contiguous(bytes, dtype, shape).expect("stored rows match their shapes")
+}
+
+fn contiguous(t: &Tensor) -> Tensor {
+    Tensor::contiguous(t.contiguous_bytes(), t.dtype(), t.shape().to_vec()).expect("same shape")
+}
