@@ -20,7 +20,7 @@ pub struct RowView {
     pub count: u64,
 }
 
-/// One piece of a selection plan (see `wit/policy.wit`).
+/// One piece of a selection plan (see `wit/since_v0.1.0/policy.wit`).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Piece {
     /// Regular field: zero-copy strided view.

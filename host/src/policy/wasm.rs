@@ -27,7 +27,7 @@ use crate::plan::{self, FramePlan, PackLimits, PieceInfo, SelectionPlan};
 
 mod bindings {
     wasmtime::component::bindgen!({
-        path: "../wit",
+        path: "../wit/since_v0.1.0",
         world: "policy",
         imports: { default: trappable },
         with: { "stowage:policy/types.tensor": super::LentField },
