@@ -358,7 +358,7 @@ fn test(args: &[String]) -> Result<()> {
     // One cargo build for `stowd` (and the other binaries) and every test
     // binary, so cargo schedules them all together; `cargo test` then only
     // builds the doc tests.
-    sh(&cargo(), &["build", "--workspace", "--bins", "--tests"], &envs)?;
+    sh(&cargo(), &["build", "--workspace", "--lib", "--bins", "--tests"], &envs)?;
     sh(&cargo(), &["test", "--workspace"], &envs)?;
     sh(&python(), &["-m", "pytest", "tests/python", "clients/python/tests", "-q"], &envs)
 }
