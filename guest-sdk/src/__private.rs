@@ -14,7 +14,7 @@ pub mod bindings {
     #![allow(missing_docs, clippy::all)]
     wit_bindgen::generate!({
         world: "policy",
-        path: "../wit",
+        path: "../wit/since_v0.1.0",
         pub_export_macro: true,
         export_macro_name: "__stowage_export",
         default_bindings_module: "stowage_guest::__private::bindings",

@@ -1,7 +1,7 @@
 //! Guest SDK for Stowage policy plugins.
 //!
 //! A Stowage policy is a small WebAssembly component implementing the frozen
-//! WIT contract `stowage:policy@0.1.0` (`wit/policy.wit`). It never sees a
+//! WIT contract `stowage:policy@0.1.0` (`wit/since_v0.1.0/policy.wit`). It never sees a
 //! writable byte: the host lends it a read-only [`Field`] for one call, and
 //! the policy answers a *plan*, which is plain data. The host validates every
 //! plan before carrying it out, with the rules of the `stowage-plan` crate

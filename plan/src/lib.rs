@@ -11,7 +11,7 @@
 //! found. The `plan_validate` fuzz target drives them too.
 //!
 //! The types mirror the WIT contract `stowage:policy@0.1.0`
-//! (`wit/policy.wit`); the guest SDK re-exports them and the host converts
+//! (`wit/since_v0.1.0/policy.wit`); the guest SDK re-exports them and the host converts
 //! its wit-bindgen values into them.
 //!
 //! ```

@@ -1,6 +1,8 @@
-//! The fuzz targets in `fuzz/` (cargo-fuzz, libFuzzer), run by hand with
-//! `cargo xtask fuzz [TARGET] [--time SECS] [--sanitizer NAME]` and briefly
-//! by `cargo xtask test` before the other tests.
+//! The fuzz targets in `fuzz/` (cargo-fuzz, libFuzzer), run with
+//! `cargo xtask fuzz [TARGET] [--time SECS] [--sanitizer NAME]`.
+//! `cargo xtask test` does not fuzz: it runs the committed corpora and
+//! regressions through the targets' bodies (`stowage-fuzz-checks`) on
+//! stable, in `cargo test` (`tests/tests/fuzz_corpora.rs`).
 //!
 //! Needs the nightly toolchain and cargo-fuzz; both are installed when
 //! missing. The fuzz crate is its own workspace and builds into
@@ -19,23 +21,13 @@ use crate::{Result, workspace_root};
 /// Every fuzz target, in the order they run.
 pub const TARGETS: &[&str] = &["tq_decode", "native_decode", "plan_validate", "zmtp_frames"];
 
-/// Seconds each target runs in `cargo xtask test`.
-pub const TEST_SECS: u64 = 30;
-
-/// Build and run options shared by `fuzz` and `test`.
+/// Build and run options.
 #[derive(Clone, Debug)]
 pub struct Options {
     /// Seconds per target (`-max_total_time`).
     pub secs: u64,
     /// `address` (cargo-fuzz's default), `none`, ...
     pub sanitizer: String,
-}
-
-impl Options {
-    /// What `cargo xtask test` runs: [`TEST_SECS`] per target.
-    pub fn for_test() -> Options {
-        Options { secs: TEST_SECS, sanitizer: "address".into() }
-    }
 }
 
 /// `cargo xtask fuzz [TARGET] [--time SECS] [--sanitizer NAME]`.

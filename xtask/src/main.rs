@@ -1,5 +1,6 @@
 //! Stowage build tasks, run as `cargo xtask <command>` (alias in
-//! `.cargo/config.toml`). Only std, so it builds in a second.
+//! `.cargo/config.toml`). Only std and `sha2` (which the host builds
+//! anyway), so it builds in seconds.
 //!
 //! Commands:
 //! - `plugins [--out DIR] [--hostile]`: builds every crate under `plugins/`
@@ -13,10 +14,13 @@
 //! - `run [-- ARGS]`: installs the wasm target if missing, builds the
 //!   plugins into `target/plugins` (where `stowd` finds them: the bundled
 //!   plugins) and runs `stowd serve ARGS`.
-//! - `test`: installs what is missing (wasm target, Python packages), builds
-//!   the plugins (hostile ones too) and `stowd`, runs `cargo test
-//!   --workspace`, then the Python suite with pytest. Before the tests, each
-//!   fuzz target runs for 30 s (see `fuzz.rs`).
+//! - `test`: checks that no released WIT contract changed (`contract.rs`),
+//!   installs what is missing (wasm target, Python packages), builds the
+//!   plugins (hostile ones too), then `stowd` and every test binary in one
+//!   cargo build, runs `cargo test --workspace` (which includes every fuzz
+//!   target's committed corpus and regressions as regression inputs,
+//!   `tests/tests/fuzz_corpora.rs`), then the Python suite with pytest.
+//! - `contract`: only the released-contract check.
 //! - `fuzz [TARGET] [--time SECS] [--sanitizer NAME]`: runs the cargo-fuzz
 //!   targets in `fuzz/` (installs nightly and cargo-fuzz if missing).
 //!
@@ -25,6 +29,7 @@
 
 mod wheel;
 
+mod contract;
 mod fuzz;
 
 use std::env;
@@ -53,6 +58,11 @@ const COMMANDS: &[Cmd] = &[
         "test",
         "test                              set up, build everything, run every Rust and Python test",
         test,
+    ),
+    (
+        "contract",
+        "contract                          check that no released WIT contract (wit/since_v*/) changed",
+        contract::contract,
     ),
     (
         "fuzz",
@@ -276,6 +286,7 @@ fn check_component(bytes: &[u8]) -> Result<()> {
 fn sh(program: &str, args: &[&str], envs: &[(&str, &std::ffi::OsStr)]) -> Result<()> {
     let root = workspace_root();
     eprintln!("xtask: {program} {}", args.join(" "));
+    let started = std::time::Instant::now();
     let status = Command::new(program)
         .current_dir(&root)
         .args(args)
@@ -285,6 +296,7 @@ fn sh(program: &str, args: &[&str], envs: &[(&str, &std::ffi::OsStr)]) -> Result
     if !status.success() {
         return Err(format!("`{program} {}` failed ({status})", args.join(" ")).into());
     }
+    eprintln!("xtask: {program} {} took {:.0} s", args.join(" "), started.elapsed().as_secs_f64());
     Ok(())
 }
 
@@ -342,16 +354,19 @@ fn test(args: &[String]) -> Result<()> {
     if let Some(a) = args.first() {
         return Err(format!("unknown argument `{a}`").into());
     }
+    contract::contract(&[])?;
     ensure_wasm_target()?;
     ensure_python_deps()?;
-    fuzz::run_targets(fuzz::TARGETS, &fuzz::Options::for_test())?;
     plugins(&["--hostile".to_string()])?;
     let root = workspace_root();
     let plugin_dir = target_dir(&root).join("plugins");
     let stowd = target_dir(&root).join("debug").join("stowd");
     let envs: [(&str, &std::ffi::OsStr); 2] =
         [("STOWAGE_PLUGIN_DIR", plugin_dir.as_os_str()), ("STOWD_BIN", stowd.as_os_str())];
-    sh(&cargo(), &["build", "-p", "stowage-host", "--bin", "stowd"], &envs)?;
+    // One cargo build for `stowd` (and the other binaries) and every test
+    // binary, so cargo schedules them all together; `cargo test` then only
+    // builds the doc tests.
+    sh(&cargo(), &["build", "--workspace", "--lib", "--bins", "--tests"], &envs)?;
     sh(&cargo(), &["test", "--workspace"], &envs)?;
     sh(&python(), &["-m", "pytest", "tests/python", "clients/python/tests", "-q"], &envs)
 }

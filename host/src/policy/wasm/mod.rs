@@ -44,7 +44,7 @@ pub use lent::LentField;
 
 mod bindings {
     wasmtime::component::bindgen!({
-        path: "../wit",
+        path: "../wit/since_v0.1.0",
         world: "policy",
         imports: { default: trappable },
         with: { "stowage:policy/types.tensor": super::LentField },

@@ -22,7 +22,7 @@
 mod guest {
     wit_bindgen::generate!({
         world: "policy",
-        path: "../../../wit",
+        path: "../../../wit/since_v0.1.0",
     });
 
     use std::mem::ManuallyDrop;

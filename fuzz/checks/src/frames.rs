@@ -1,4 +1,4 @@
-//! Helpers shared by the fuzz targets.
+//! The multi-frame input format of the decoder targets.
 //!
 //! Multi-frame input format (`tq_decode`, `native_decode`): the fuzz input
 //! is a sequence of frames, each a little-endian `u32` length followed by
@@ -9,7 +9,7 @@
 
 use bytes::Bytes;
 
-/// Splits a fuzz input into frames (see the crate docs).
+/// Splits a fuzz input into frames (see the module docs).
 pub fn split_frames(data: &[u8]) -> Vec<Bytes> {
     let all = Bytes::copy_from_slice(data);
     let mut frames = Vec::new();

@@ -1,0 +1,33 @@
+//! The bodies of the fuzz targets in `fuzz/`, with every invariant they
+//! check, on stable and without libFuzzer: the cargo-fuzz targets
+//! (`fuzz/fuzz_targets/*.rs`) are one-line calls into this crate, and the
+//! integration tests (`tests/tests/fuzz_corpora.rs`) run every committed
+//! corpus and regression input (`fuzz/corpus/T`, `fuzz/regressions/T`)
+//! through the same functions on each `cargo xtask test`.
+//!
+//! | module | target | input |
+//! |---|---|---|
+//! | [`tq_decode`] | TransferQueue 0.1.11 request and reply decoders | frames |
+//! | [`native_decode`] | `stowage/1` request and reply decoders | frames |
+//! | [`plan_validate`] | selection and frame plans, validated and executed | `arbitrary` |
+//! | [`zmtp_frames`] | the ZMTP frame reader | a byte stream |
+//! | [`frames`] | the multi-frame input format ([`split_frames`], [`join_frames`]) | |
+//!
+//! A check fails by panicking, as libFuzzer expects.
+
+pub mod frames;
+pub mod native_decode;
+pub mod plan_validate;
+pub mod tq_decode;
+pub mod zmtp_frames;
+
+pub use frames::{join_frames, split_frames};
+
+/// Every target by name (the directory names under `fuzz/corpus` and
+/// `fuzz/regressions`) with its body on raw bytes.
+pub const TARGETS: &[(&str, fn(&[u8]))] = &[
+    ("tq_decode", tq_decode::check),
+    ("native_decode", native_decode::check),
+    ("plan_validate", plan_validate::check),
+    ("zmtp_frames", zmtp_frames::check),
+];

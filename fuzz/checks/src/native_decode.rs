@@ -1,0 +1,76 @@
+//! `stowage/1`: the native protocol's request and reply decoders, the
+//! envelope's shared-memory keys and the id reader.
+//!
+//! Input: frames in the [`crate::split_frames`] format.
+//!
+//! Invariants checked (each holds by design):
+//! - decoding never panics, whatever the frames;
+//! - a decoded request (reply) encodes again with the zero-copy layout, and
+//!   decoding that gives the same request (reply) and the same id;
+//!   (re-decoded under the default limits: the zero-copy layout may use
+//!   more frames than the input did);
+//! - encoding is stable: encoding the re-decoded value gives the same bytes;
+//! - a refused request gives an `error` reply that encodes under the id
+//!   [`request_id`] reads (0 if none) and decodes to the same code and
+//!   message; its code is one of the protocol's codes.
+
+use bytes::Bytes;
+use crate::split_frames;
+use stowage_wire::native::{
+    Limits, Reply, code, decode_extras, decode_reply, decode_request, encode_reply, encode_request, request_id,
+};
+
+/// Reply equality where a float stat may be NaN: `Debug` prints NaN as
+/// `NaN` on both sides and keeps -0.0 apart from 0.0.
+fn same_reply(a: &Reply, b: &Reply) {
+    match (a, b) {
+        (Reply::StatsOk(_), Reply::StatsOk(_)) => assert_eq!(format!("{a:?}"), format!("{b:?}")),
+        _ => assert_eq!(a, b),
+    }
+}
+
+fn check_request(frames: &[Bytes], limits: &Limits) {
+    let req = match decode_request(frames, limits) {
+        Ok(req) => req,
+        Err(err) => {
+            let reply = Reply::from_error(&err);
+            let Reply::Error { code: c, .. } = &reply else { panic!("from_error gave {reply:?}") };
+            assert!(code::ALL.contains(&c.as_str()), "unknown code {c}");
+            let id = request_id(frames).unwrap_or(0);
+            let out = encode_reply(id, &reply).unwrap_or_else(|e| panic!("an error reply does not encode: {e}"));
+            let (id2, back) = decode_reply(&out, &Limits::DEFAULT).unwrap_or_else(|e| panic!("an error reply does not decode: {e}"));
+            assert_eq!((id2, back), (id, reply));
+            return;
+        }
+    };
+    assert_eq!(request_id(frames), Some(req.id));
+    let out = encode_request(&req).unwrap_or_else(|e| panic!("a decoded request does not encode again: {e}\n{req:?}"));
+    let req2 = decode_request(&out, &Limits::DEFAULT).unwrap_or_else(|e| panic!("a re-encoded request does not decode: {e}"));
+    assert_eq!(req, req2);
+    assert_eq!(request_id(&out), Some(req.id));
+    assert_eq!(out, encode_request(&req2).expect("encodes once, encodes twice"), "encoding is not stable");
+}
+
+fn check_reply(frames: &[Bytes], limits: &Limits) {
+    let Ok((id, reply)) = decode_reply(frames, limits) else { return };
+    let out = encode_reply(id, &reply).unwrap_or_else(|e| panic!("a decoded reply does not encode again: {e}\n{reply:?}"));
+    let (id2, reply2) = decode_reply(&out, &Limits::DEFAULT).unwrap_or_else(|e| panic!("a re-encoded reply does not decode: {e}"));
+    assert_eq!(id, id2);
+    same_reply(&reply, &reply2);
+    assert_eq!(out, encode_reply(id2, &reply2).expect("encodes once, encodes twice"), "encoding is not stable");
+}
+
+/// The target's body: every invariant above, on one input.
+pub fn check(data: &[u8]) {
+    let frames = split_frames(data);
+    // The default limits (what stowd runs with) and tight ones, so the
+    // limit checks themselves are reached.
+    let tight = Limits { max_rows: 8, max_fields: 4, max_frames: 8, max_message_bytes: 4096 };
+    for limits in [Limits::DEFAULT, tight] {
+        if let Some(frame0) = frames.first() {
+            let _ = decode_extras(frame0, &limits);
+        }
+        check_request(&frames, &limits);
+        check_reply(&frames, &limits);
+    }
+}

@@ -1,0 +1,19 @@
+//! Every integration test, in one binary (a module per file, as ripgrep's
+//! `tests/tests.rs` does): each test binary links wasmtime, and linking it
+//! once instead of once per file is most of what the test build costs.
+//! Run one file's tests with `cargo test -p stowage-tests --test
+//! integration stowd::` (module path as a name filter).
+//!
+//! To add a file: write `tests/tests/NAME.rs` and add `mod NAME;` here.
+
+mod compile_cache;
+mod fuzz_corpora;
+mod hostile_live;
+mod limits;
+mod load;
+mod multihost;
+mod operating;
+mod plugin_cli;
+mod request_spans;
+mod policy;
+mod stowd;
