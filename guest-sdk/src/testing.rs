@@ -272,20 +272,41 @@ mod tests {
         );
         assert_eq!(
             validate_selection(&v, &[2], &Piece::RowViews(vec![2]).into()),
-            Err(PlanError::RowOutOfRange { piece: 0, row: 2, rows: 2 }.to_string())
+            Err(PlanError::RowOutOfRange {
+                piece: 0,
+                row: 2,
+                rows: 2
+            }
+            .to_string())
         );
         let f = TestField::regular(Dtype::Float32, &[10, 2]);
         assert_eq!(
             validate_selection(&f, &[0, 2], &Piece::View(RowView::new(0, 2, 3)).into()),
-            Err(PlanError::TooManyRows { planned: 3, requested: 2 }.to_string())
+            Err(PlanError::TooManyRows {
+                planned: 3,
+                requested: 2
+            }
+            .to_string())
         );
         let pieces = [PieceInfo::contiguous(10); 2];
-        let limits = PackLimits { max_frames: 1, max_frame_bytes: 15, small_threshold: 0 };
+        let limits = PackLimits {
+            max_frames: 1,
+            max_frame_bytes: 15,
+            small_threshold: 0,
+        };
         let plan = FramePlan::new(vec![Frame::Coalesced(vec![0, 1])]);
         assert_eq!(
             validate_frames(&pieces, &limits, &plan),
             Err("frame 0: coalesced frame of 20 bytes exceeds the 15-byte limit".to_string())
         );
-        validate_frames(&pieces, &PackLimits { max_frame_bytes: 20, ..limits }, &plan).unwrap();
+        validate_frames(
+            &pieces,
+            &PackLimits {
+                max_frame_bytes: 20,
+                ..limits
+            },
+            &plan,
+        )
+        .unwrap();
     }
 }

@@ -23,16 +23,28 @@ fn plugin_dir() -> PathBuf {
 fn bench(c: &mut Criterion) {
     let mut reg = Registry::new(None, SandboxLimits::default()).unwrap();
     for name in ["single-row", "constant-stride", "runs", "gather"] {
-        let (p, _) = reg.load_file(&plugin_dir().join(format!("{name}.wasm"))).expect("run `cargo xtask plugins` first");
+        let (p, _) = reg
+            .load_file(&plugin_dir().join(format!("{name}.wasm")))
+            .expect("run `cargo xtask plugins` first");
         reg.insert(Arc::new(p));
     }
     let chain = Chain::new(
-        ["single-row", "constant-stride", "runs", "gather"].iter().map(|n| reg.get(n).unwrap().clone()).collect(),
+        ["single-row", "constant-stride", "runs", "gather"]
+            .iter()
+            .map(|n| reg.get(n).unwrap().clone())
+            .collect(),
         FailStrategy::Reject,
         0,
     );
     let rows = 400_000u64;
-    let field = Field::Regular(Tensor::contiguous(Bytes::from(vec![0u8; rows as usize * 4]), DType::F32, vec![rows, 1]).unwrap());
+    let field = Field::Regular(
+        Tensor::contiguous(
+            Bytes::from(vec![0u8; rows as usize * 4]),
+            DType::F32,
+            vec![rows, 1],
+        )
+        .unwrap(),
+    );
     let mut group = c.benchmark_group("select");
     for n in [1u64, 1_000, 100_000] {
         let positions: Vec<u64> = (0..n).map(|i| i * 4).collect();

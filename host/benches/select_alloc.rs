@@ -43,9 +43,17 @@ fn main() {
     let (rows, cols, units) = (1u64 << 19, 1024u64, 4u64);
     let payload = rows * cols * 4;
     let field = Field::Regular(
-        Tensor::contiguous(Bytes::from(vec![1u8; payload as usize]), DType::F32, vec![rows, cols]).unwrap(),
+        Tensor::contiguous(
+            Bytes::from(vec![1u8; payload as usize]),
+            DType::F32,
+            vec![rows, cols],
+        )
+        .unwrap(),
     );
-    println!("Selecting a {} MiB float32 [{rows}, {cols}] tensor for {units} units (stride {units})\n", payload >> 20);
+    println!(
+        "Selecting a {} MiB float32 [{rows}, {cols}] tensor for {units} units (stride {units})\n",
+        payload >> 20
+    );
     println!("Counted: allocations made while executing the plans (the data path);");
     println!("planning and validation allocate only position lists.\n");
     println!("| plan | allocations | bytes allocated | ratio to payload | time (ms) |");
@@ -56,7 +64,9 @@ fn main() {
         for u in 0..units {
             let positions: Vec<u64> = (u..rows).step_by(units as usize).collect();
             let plan = if name.starts_with("gather") {
-                SelectionPlan { pieces: vec![Piece::Gather(positions.clone())] }
+                SelectionPlan {
+                    pieces: vec![Piece::Gather(positions.clone())],
+                }
             } else {
                 stowage_host::policy::builtin::Builtin::plan(&field, &positions).unwrap()
             };
@@ -68,7 +78,11 @@ fn main() {
             bytes += BYTES.load(Ordering::Relaxed) - b0;
             calls += CALLS.load(Ordering::Relaxed) - c0;
         }
-        println!("| {name} | {calls} | {bytes} | {:.6} | {:.1} |", bytes as f64 / payload as f64, secs * 1e3);
+        println!(
+            "| {name} | {calls} | {bytes} | {:.6} | {:.1} |",
+            bytes as f64 / payload as f64,
+            secs * 1e3
+        );
         drop(kept);
     }
 }

@@ -25,7 +25,10 @@ fn frame() -> (Bytes, Vec<u64>) {
 fn columns(frame: &Bytes) -> Vec<(String, Vec<Column>)> {
     let t = Tensor::contiguous(frame.clone(), DType::F32, vec![ROWS, COLS]).expect("shape");
     let received = Received::frames(std::slice::from_ref(frame));
-    vec![("x".to_string(), vec![Column::from_field(Field::Regular(t), &received)])]
+    vec![(
+        "x".to_string(),
+        vec![Column::from_field(Field::Regular(t), &received)],
+    )]
 }
 
 fn filled(frame: &Bytes, g: &[u64]) -> Unit {
@@ -41,13 +44,23 @@ fn bench(c: &mut Criterion) {
     group.throughput(Throughput::Elements(ROWS));
     group.sample_size(20);
     group.bench_function("put", |b| {
-        b.iter_batched(|| (Unit::new("bench", None), columns(&frame)), |(u, cols)| u.put(&g, cols).map(|_| u), BatchSize::PerIteration)
+        b.iter_batched(
+            || (Unit::new("bench", None), columns(&frame)),
+            |(u, cols)| u.put(&g, cols).map(|_| u),
+            BatchSize::PerIteration,
+        )
     });
     group.bench_function("overwrite", |b| {
-        b.iter_batched(|| (filled(&frame, &g), columns(&frame)), |(u, cols)| u.put(&g, cols).map(|_| u), BatchSize::PerIteration)
+        b.iter_batched(
+            || (filled(&frame, &g), columns(&frame)),
+            |(u, cols)| u.put(&g, cols).map(|_| u),
+            BatchSize::PerIteration,
+        )
     });
     let unit = filled(&frame, &g);
-    group.bench_function("get", |b| b.iter(|| black_box(unit.get(&g, &fields).expect("get"))));
+    group.bench_function("get", |b| {
+        b.iter(|| black_box(unit.get(&g, &fields).expect("get")))
+    });
     group.bench_function("get+runs", |b| {
         b.iter(|| {
             let rows = unit.get(&g, &fields).expect("get");
@@ -55,7 +68,11 @@ fn bench(c: &mut Criterion) {
         })
     });
     group.bench_function("clear", |b| {
-        b.iter_batched(|| filled(&frame, &g), |u| (u.clear(&g, None), u), BatchSize::PerIteration)
+        b.iter_batched(
+            || filled(&frame, &g),
+            |u| (u.clear(&g, None), u),
+            BatchSize::PerIteration,
+        )
     });
     group.finish();
 }

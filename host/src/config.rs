@@ -58,7 +58,10 @@ pub struct ServerConfig {
 
 impl Default for ServerConfig {
     fn default() -> Self {
-        ServerConfig { host: "127.0.0.1".into(), native_port: 0 }
+        ServerConfig {
+            host: "127.0.0.1".into(),
+            native_port: 0,
+        }
     }
 }
 
@@ -77,7 +80,11 @@ pub struct UnitsConfig {
 
 impl Default for UnitsConfig {
     fn default() -> Self {
-        UnitsConfig { local: 2, port_base: 0, capacity_bytes: 0 }
+        UnitsConfig {
+            local: 2,
+            port_base: 0,
+            capacity_bytes: 0,
+        }
     }
 }
 
@@ -99,7 +106,12 @@ pub struct RouterConfig {
 
 impl Default for RouterConfig {
     fn default() -> Self {
-        RouterConfig { enabled: true, port: 0, units: vec![], timeout_secs: 30 }
+        RouterConfig {
+            enabled: true,
+            port: 0,
+            units: vec![],
+            timeout_secs: 30,
+        }
     }
 }
 
@@ -148,7 +160,11 @@ impl Default for PluginsConfig {
 
 impl PluginsConfig {
     pub fn sandbox(&self) -> SandboxLimits {
-        SandboxLimits { fuel: self.fuel, memory_bytes: self.memory_bytes, read_cap: self.read_cap }
+        SandboxLimits {
+            fuel: self.fuel,
+            memory_bytes: self.memory_bytes,
+            read_cap: self.read_cap,
+        }
     }
 
     /// The plugin directory to load, if any exists.
@@ -211,7 +227,9 @@ impl Default for LimitsConfig {
             max_connections: 1024,
             write_timeout_secs: 60,
             receive_pool_bytes: crate::transport::Limits::DEFAULT.receive_pool_bytes as u64,
-            receive_pool_idle_secs: crate::transport::Limits::DEFAULT.receive_pool_idle.as_secs(),
+            receive_pool_idle_secs: crate::transport::Limits::DEFAULT
+                .receive_pool_idle
+                .as_secs(),
         }
     }
 }
@@ -299,7 +317,11 @@ pub struct MetricsConfig {
 
 impl Default for MetricsConfig {
     fn default() -> Self {
-        MetricsConfig { host: "127.0.0.1".into(), port: 0, tq_extra: false }
+        MetricsConfig {
+            host: "127.0.0.1".into(),
+            port: 0,
+            tq_extra: false,
+        }
     }
 }
 
@@ -307,9 +329,17 @@ impl Default for MetricsConfig {
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     #[error("cannot read {path}: {source}")]
-    Read { path: String, source: std::io::Error },
+    Read {
+        path: String,
+        source: std::io::Error,
+    },
     #[error("{path}:{line}:{column}: {message}")]
-    Parse { path: String, line: usize, column: usize, message: String },
+    Parse {
+        path: String,
+        line: usize,
+        column: usize,
+        message: String,
+    },
     #[error("{path}: {message}")]
     Invalid { path: String, message: String },
 }
@@ -318,8 +348,10 @@ impl Config {
     /// Reads and checks a TOML file; errors name the line and the reason.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
         let shown = path.display().to_string();
-        let text =
-            std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: shown.clone(), source })?;
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: shown.clone(),
+            source,
+        })?;
         Config::parse(&text, &shown)
     }
 
@@ -331,13 +363,25 @@ impl Config {
                 .map(|s| {
                     let before = &text[..s.start.min(text.len())];
                     let line = before.matches('\n').count() + 1;
-                    let column = before.rsplit('\n').next().map(|l| l.chars().count() + 1).unwrap_or(1);
+                    let column = before
+                        .rsplit('\n')
+                        .next()
+                        .map(|l| l.chars().count() + 1)
+                        .unwrap_or(1);
                     (line, column)
                 })
                 .unwrap_or((0, 0));
-            ConfigError::Parse { path: origin.into(), line, column, message: e.message().to_string() }
+            ConfigError::Parse {
+                path: origin.into(),
+                line,
+                column,
+                message: e.message().to_string(),
+            }
         })?;
-        config.check().map_err(|message| ConfigError::Invalid { path: origin.into(), message })?;
+        config.check().map_err(|message| ConfigError::Invalid {
+            path: origin.into(),
+            message,
+        })?;
         Ok(config)
     }
 
@@ -348,13 +392,22 @@ impl Config {
         for u in &self.router.units {
             match u.strip_prefix("local:") {
                 Some(i) => {
-                    let i: u32 = i.parse().map_err(|_| format!("router.units: bad local unit {u:?}"))?;
+                    let i: u32 = i
+                        .parse()
+                        .map_err(|_| format!("router.units: bad local unit {u:?}"))?;
                     if i >= self.units.local {
-                        return Err(format!("router.units: {u} but units.local is {}", self.units.local));
+                        return Err(format!(
+                            "router.units: {u} but units.local is {}",
+                            self.units.local
+                        ));
                     }
                 }
                 None if u.starts_with("tcp://") => {}
-                None => return Err(format!("router.units: {u:?} is neither local:<i> nor tcp://host:port")),
+                None => {
+                    return Err(format!(
+                        "router.units: {u:?} is neither local:<i> nor tcp://host:port"
+                    ));
+                }
             }
         }
         if self.limits.max_frames < 2 {
@@ -380,12 +433,17 @@ impl Config {
         }
         for (name, o) in &self.plugins.overrides {
             if o.memory_bytes.is_some_and(|m| m < (1 << 20)) {
-                return Err(format!("plugins.overrides.{name}.memory_bytes must be at least 1 MiB"));
+                return Err(format!(
+                    "plugins.overrides.{name}.memory_bytes must be at least 1 MiB"
+                ));
             }
         }
         for c in &self.chains {
             if c.backoff_ms > 0 && c.backoff_max_ms < c.backoff_ms {
-                return Err(format!("chain {:?}: backoff_max_ms is below backoff_ms", c.pattern));
+                return Err(format!(
+                    "chain {:?}: backoff_max_ms is below backoff_ms",
+                    c.pattern
+                ));
             }
         }
         Ok(())
@@ -407,9 +465,13 @@ mod tests {
         let text = err.to_string();
         assert!(text.starts_with("stowd.toml:3:"), "{text}");
         assert!(text.contains("capacity"), "{text}");
-        let err = Config::parse("[units]\nlocal = \"two\"\n", "c.toml").unwrap_err().to_string();
+        let err = Config::parse("[units]\nlocal = \"two\"\n", "c.toml")
+            .unwrap_err()
+            .to_string();
         assert!(err.starts_with("c.toml:2:"), "{err}");
-        let err = Config::parse("[router]\nunits = [\"local:5\"]\n", "c.toml").unwrap_err().to_string();
+        let err = Config::parse("[router]\nunits = [\"local:5\"]\n", "c.toml")
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("local:5"), "{err}");
     }
 
@@ -443,9 +505,13 @@ mod tests {
         assert_eq!((o.fuel, o.memory_bytes), (Some(5000), None));
         assert_eq!(o.apply(c.plugins.sandbox()).fuel, 5000);
         assert_eq!(c.metrics.port, 9464);
-        let err = Config::parse("[plugins.overrides.runs]\nfule = 5\n", "c.toml").unwrap_err().to_string();
+        let err = Config::parse("[plugins.overrides.runs]\nfule = 5\n", "c.toml")
+            .unwrap_err()
+            .to_string();
         assert!(err.starts_with("c.toml:2:"), "{err}");
-        let err = Config::parse("[plugins.overrides.x]\nmemory_bytes = 10\n", "c.toml").unwrap_err().to_string();
+        let err = Config::parse("[plugins.overrides.x]\nmemory_bytes = 10\n", "c.toml")
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("plugins.overrides.x.memory_bytes"), "{err}");
     }
 }

@@ -45,11 +45,17 @@ pub struct Report {
 
 impl Report {
     pub fn failures(&self) -> Vec<&(String, Outcome)> {
-        self.results.iter().filter(|(_, o)| matches!(o, Outcome::Failed(_))).collect()
+        self.results
+            .iter()
+            .filter(|(_, o)| matches!(o, Outcome::Failed(_)))
+            .collect()
     }
 
     pub fn count(&self, want: &Outcome) -> usize {
-        self.results.iter().filter(|(_, o)| std::mem::discriminant(o) == std::mem::discriminant(want)).count()
+        self.results
+            .iter()
+            .filter(|(_, o)| std::mem::discriminant(o) == std::mem::discriminant(want))
+            .count()
     }
 }
 
@@ -58,7 +64,10 @@ struct Lcg(u64);
 
 impl Lcg {
     fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         self.0 >> 33
     }
 }
@@ -66,7 +75,9 @@ impl Lcg {
 fn regular(dtype: DType, rows: u64, cols: u64) -> Field {
     let len = (rows * cols) as usize * dtype.itemsize();
     let data: Vec<u8> = (0..len).map(|i| (i * 7 % 251) as u8).collect();
-    Field::Regular(Tensor::contiguous(Bytes::from(data), dtype, vec![rows, cols]).expect("valid layout"))
+    Field::Regular(
+        Tensor::contiguous(Bytes::from(data), dtype, vec![rows, cols]).expect("valid layout"),
+    )
 }
 
 fn nested(rows: u64) -> Field {
@@ -123,9 +134,20 @@ fn patterns(rows: u64, rng: &mut Lcg) -> Vec<(&'static str, Vec<u64>)> {
 pub fn selection_cases() -> Vec<Case> {
     let mut rng = Lcg(0x5eed);
     let mut fields: Vec<(String, Field)> = Vec::new();
-    for dtype in [DType::F32, DType::F16, DType::BF16, DType::I64, DType::I8, DType::U8, DType::Bool] {
+    for dtype in [
+        DType::F32,
+        DType::F16,
+        DType::BF16,
+        DType::I64,
+        DType::I8,
+        DType::U8,
+        DType::Bool,
+    ] {
         for (rows, cols) in [(1u64, 4u64), (8, 2), (100, 3), (1000, 1)] {
-            fields.push((format!("regular {dtype} [{rows}, {cols}]"), regular(dtype, rows, cols)));
+            fields.push((
+                format!("regular {dtype} [{rows}, {cols}]"),
+                regular(dtype, rows, cols),
+            ));
         }
     }
     fields.push(("regular float32 [0, 4]".into(), regular(DType::F32, 0, 4)));
@@ -136,7 +158,11 @@ pub fn selection_cases() -> Vec<Case> {
     let mut cases = Vec::new();
     for (fname, field) in fields {
         for (pname, positions) in patterns(field.rows(), &mut rng) {
-            cases.push(Case { name: format!("{fname} / {pname} ({} positions)", positions.len()), field: field.clone(), positions });
+            cases.push(Case {
+                name: format!("{fname} / {pname} ({} positions)", positions.len()),
+                field: field.clone(),
+                positions,
+            });
         }
     }
     cases
@@ -144,13 +170,40 @@ pub fn selection_cases() -> Vec<Case> {
 
 /// The packing cases: (name, pieces, limits).
 pub fn packing_cases() -> Vec<(String, Vec<PieceInfo>, PackLimits)> {
-    let small = |n: usize| vec![PieceInfo { byte_len: 512, contiguous: true }; n];
-    let large = |n: usize| vec![PieceInfo { byte_len: 4 << 20, contiguous: true }; n];
-    let roomy = PackLimits { max_frames: 1000, max_frame_bytes: 64 << 20, small_threshold: 64 << 10 };
-    let tight = PackLimits { max_frames: 4, max_frame_bytes: 64 << 20, small_threshold: 64 << 10 };
+    let small = |n: usize| {
+        vec![
+            PieceInfo {
+                byte_len: 512,
+                contiguous: true
+            };
+            n
+        ]
+    };
+    let large = |n: usize| {
+        vec![
+            PieceInfo {
+                byte_len: 4 << 20,
+                contiguous: true
+            };
+            n
+        ]
+    };
+    let roomy = PackLimits {
+        max_frames: 1000,
+        max_frame_bytes: 64 << 20,
+        small_threshold: 64 << 10,
+    };
+    let tight = PackLimits {
+        max_frames: 4,
+        max_frame_bytes: 64 << 20,
+        small_threshold: 64 << 10,
+    };
     let mut mixed = small(100);
     mixed.extend(large(3));
-    mixed.push(PieceInfo { byte_len: 4096, contiguous: false });
+    mixed.push(PieceInfo {
+        byte_len: 4096,
+        contiguous: false,
+    });
     vec![
         ("no pieces".into(), vec![], roomy),
         ("one small".into(), small(1), roomy),
@@ -167,7 +220,9 @@ fn rows_of(selected: &[Selected]) -> Vec<Bytes> {
     for s in selected {
         match s {
             Selected::Rows(t) => out.extend((0..t.rows()).filter_map(|i| t.row(i).ok())),
-            Selected::NestedRows(r) | Selected::Packed { rows: r, .. } => out.extend(r.iter().map(Tensor::contiguous_bytes)),
+            Selected::NestedRows(r) | Selected::Packed { rows: r, .. } => {
+                out.extend(r.iter().map(Tensor::contiguous_bytes))
+            }
             Selected::Values(v) => out.extend(v.iter().map(|v| match v {
                 Value::Str(s) => Bytes::copy_from_slice(s.as_bytes()),
                 Value::Bytes(b) | Value::Msgpack(b) => b.clone(),
@@ -191,19 +246,26 @@ fn check_selection(policy: &dyn Policy, case: &Case, report: &mut Report) -> Out
             if plan.pieces.is_empty() {
                 Outcome::Same
             } else {
-                Outcome::Failed(format!("a plan of {} pieces for no positions", plan.pieces.len()))
+                Outcome::Failed(format!(
+                    "a plan of {} pieces for no positions",
+                    plan.pieces.len()
+                ))
             }
         }
         Ok(plan) => {
             if let Err(e) = plan::validate_selection(&case.field, &case.positions, &plan) {
                 return Outcome::Failed(format!("invalid plan: {e}"));
             }
-            let Ok(expected) = expected else { return Outcome::Failed("the built-in refused the case".into()) };
+            let Ok(expected) = expected else {
+                return Outcome::Failed("the built-in refused the case".into());
+            };
             let got = plan::execute_selection(&case.field, &plan).map(|s| rows_of(&s));
             let want = plan::execute_selection(&case.field, &expected).map(|s| rows_of(&s));
             match (got, want) {
                 (Ok(g), Ok(w)) if g == w => Outcome::Same,
-                (Ok(_), Ok(_)) => Outcome::Failed("selected rows differ from the built-in's".into()),
+                (Ok(_), Ok(_)) => {
+                    Outcome::Failed("selected rows differ from the built-in's".into())
+                }
                 (Err(e), _) | (_, Err(e)) => Outcome::Failed(format!("execution failed: {e}")),
             }
         }
@@ -234,24 +296,36 @@ pub fn verify(policy: &dyn Policy) -> Result<usize, Refusal> {
             // One line: a trap's text spans a backtrace and a cause.
             let mut line = why.split_whitespace().collect::<Vec<_>>().join(" ");
             if line.len() > 400 {
-                let cut = (0..=400).rev().find(|i| line.is_char_boundary(*i)).unwrap_or(0);
+                let cut = (0..=400)
+                    .rev()
+                    .find(|i| line.is_char_boundary(*i))
+                    .unwrap_or(0);
                 line.truncate(cut);
                 line.push_str("...");
             }
-            Err(Refusal { case: name.clone(), why: Some(line) })
+            Err(Refusal {
+                case: name.clone(),
+                why: Some(line),
+            })
         }
-        Some((name, _)) => Err(Refusal { case: name.clone(), why: None }),
+        Some((name, _)) => Err(Refusal {
+            case: name.clone(),
+            why: None,
+        }),
     }
 }
 
 fn run_until(policy: &dyn Policy, stop_at_failure: bool) -> Report {
     let mut report = Report::default();
     let caps = &policy.describe().capabilities;
-    let failed = |r: &Report| stop_at_failure && matches!(r.results.last(), Some((_, Outcome::Failed(_))));
+    let failed =
+        |r: &Report| stop_at_failure && matches!(r.results.last(), Some((_, Outcome::Failed(_))));
     if caps.contains(&Capability::Selection) {
         for case in selection_cases() {
             let outcome = check_selection(policy, &case, &mut report);
-            report.results.push((format!("select: {}", case.name), outcome));
+            report
+                .results
+                .push((format!("select: {}", case.name), outcome));
             if failed(&report) {
                 return report;
             }
@@ -302,6 +376,13 @@ mod tests {
         let report = run(&Builtin::default());
         assert!(report.failures().is_empty(), "{:?}", report.failures());
         assert!(report.results.len() > 200, "{} cases", report.results.len());
-        assert_eq!(report.count(&Outcome::Declined), report.results.iter().filter(|(n, _)| n.contains("/ empty")).count());
+        assert_eq!(
+            report.count(&Outcome::Declined),
+            report
+                .results
+                .iter()
+                .filter(|(n, _)| n.contains("/ empty"))
+                .count()
+        );
     }
 }

@@ -63,17 +63,29 @@ static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 impl Extent {
     /// An extent over `bytes` (a received frame or a gathered buffer).
     pub fn new(bytes: Bytes) -> Arc<Extent> {
-        Self::placed(Place { base: bytes, offset: 0, segment: None })
+        Self::placed(Place {
+            base: bytes,
+            offset: 0,
+            segment: None,
+        })
     }
 
     /// An extent that is the whole shared-memory segment `name`.
     pub fn in_segment(bytes: Bytes, name: Arc<str>) -> Arc<Extent> {
-        Self::placed(Place { base: bytes, offset: 0, segment: Some(name) })
+        Self::placed(Place {
+            base: bytes,
+            offset: 0,
+            segment: Some(name),
+        })
     }
 
     fn placed(place: Place) -> Arc<Extent> {
         let len = place.base.len();
-        Arc::new(Extent { id: NEXT_ID.fetch_add(1, Ordering::Relaxed), len, place: Mutex::new(place) })
+        Arc::new(Extent {
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+            len,
+            place: Mutex::new(place),
+        })
     }
 
     /// Length in bytes.
@@ -116,7 +128,10 @@ pub fn share_all(extents: &[Arc<Extent>], shm: &SegmentStore) -> Result<(), ShmE
         .filter(|e| !e.is_empty())
         .filter_map(|e| {
             let place = e.place();
-            place.segment.is_none().then(|| (e, place.base.slice(place.offset..place.offset + e.len)))
+            place
+                .segment
+                .is_none()
+                .then(|| (e, place.base.slice(place.offset..place.offset + e.len)))
         })
         .collect();
     if pending.is_empty() {
@@ -127,8 +142,11 @@ pub fn share_all(extents: &[Arc<Extent>], shm: &SegmentStore) -> Result<(), ShmE
     let name: Arc<str> = name.into();
     let mut at = 0;
     for (extent, bytes) in &pending {
-        *extent.place.lock().unwrap_or_else(|p| p.into_inner()) =
-            Place { base: whole.clone(), offset: at, segment: Some(name.clone()) };
+        *extent.place.lock().unwrap_or_else(|p| p.into_inner()) = Place {
+            base: whole.clone(),
+            offset: at,
+            segment: Some(name.clone()),
+        };
         at += bytes.len();
     }
     Ok(())
@@ -161,13 +179,21 @@ impl Received {
 
     /// Extents over received frames.
     pub fn frames(frames: &[Bytes]) -> Received {
-        Received::new(frames.iter().filter(|f| !f.is_empty()).map(|f| Extent::new(f.clone())))
+        Received::new(
+            frames
+                .iter()
+                .filter(|f| !f.is_empty())
+                .map(|f| Extent::new(f.clone())),
+        )
     }
 
     /// The extent that holds all of `bytes`, and their offset in it.
     pub fn locate(&self, bytes: &[u8]) -> Option<(Arc<Extent>, usize)> {
         let p = bytes.as_ptr() as usize;
-        let i = self.sorted.partition_point(|(start, _, _)| *start <= p).checked_sub(1)?;
+        let i = self
+            .sorted
+            .partition_point(|(start, _, _)| *start <= p)
+            .checked_sub(1)?;
         let (start, len, extent) = &self.sorted[i];
         (p + bytes.len() <= start + len).then(|| (extent.clone(), p - start))
     }

@@ -30,14 +30,14 @@
 
 pub mod config;
 pub mod conformance;
+pub mod extent;
 pub mod manager;
 pub mod metrics;
 pub mod plan;
-pub mod server;
-pub mod shm;
-pub mod extent;
 pub mod policy;
 pub mod reload;
+pub mod server;
+pub mod shm;
 pub mod store;
 pub mod sys;
 

@@ -19,9 +19,9 @@ use arc_swap::ArcSwap;
 use bytes::Bytes;
 
 use crate::batch::{Cell, Field};
+use crate::config::LimitsConfig;
 use crate::extent::Received;
 use crate::metrics::DataCounters;
-use crate::config::LimitsConfig;
 use crate::plan::{self, Frame, PieceInfo, Selected};
 use crate::policy::chain::{ChainError, DecidedBy};
 use crate::policy::registry::Registry;
@@ -70,9 +70,16 @@ pub enum ManagerError {
     #[error(transparent)]
     Policy(#[from] ChainError),
     #[error("unit {unit}: {message}")]
-    Remote { unit: String, message: String, key_not_found: bool },
+    Remote {
+        unit: String,
+        message: String,
+        key_not_found: bool,
+    },
     #[error("unit {unit}: {source}")]
-    Transport { unit: String, source: TransportError },
+    Transport {
+        unit: String,
+        source: TransportError,
+    },
     #[error("internal: {0}")]
     Internal(String),
 }
@@ -81,7 +88,13 @@ impl ManagerError {
     /// True for a missing (index, field).
     pub fn is_key_not_found(&self) -> bool {
         matches!(self, ManagerError::Store(StoreError::KeyNotFound { .. }))
-            || matches!(self, ManagerError::Remote { key_not_found: true, .. })
+            || matches!(
+                self,
+                ManagerError::Remote {
+                    key_not_found: true,
+                    ..
+                }
+            )
     }
 }
 
@@ -102,7 +115,9 @@ pub struct Manager {
 
 impl std::fmt::Debug for Manager {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Manager").field("targets", &self.targets).finish()
+        f.debug_struct("Manager")
+            .field("targets", &self.targets)
+            .finish()
     }
 }
 
@@ -156,8 +171,12 @@ impl Manager {
     fn routes(&self, global_indexes: &[u64]) -> Vec<Route> {
         let n = self.targets.len() as u64;
         let each = global_indexes.len() / n as usize + 1;
-        let mut routes: Vec<Route> =
-            (0..n).map(|_| Route { positions: Vec::with_capacity(each), indexes: Vec::with_capacity(each) }).collect();
+        let mut routes: Vec<Route> = (0..n)
+            .map(|_| Route {
+                positions: Vec::with_capacity(each),
+                indexes: Vec::with_capacity(each),
+            })
+            .collect();
         for (pos, &g) in global_indexes.iter().enumerate() {
             let r = &mut routes[(g % n) as usize];
             r.positions.push(pos as u64);
@@ -168,7 +187,9 @@ impl Manager {
 
     fn check_size(&self, global_indexes: &[u64], fields: usize) -> Result<(), ManagerError> {
         if global_indexes.is_empty() {
-            return Err(ManagerError::BadRequest("empty batch: no global indexes".into()));
+            return Err(ManagerError::BadRequest(
+                "empty batch: no global indexes".into(),
+            ));
         }
         if global_indexes.len() as u64 > self.limits.max_rows {
             return Err(ManagerError::BadRequest(format!(
@@ -204,14 +225,18 @@ impl Manager {
             DecidedBy::Builtin => c.builtin_decisions.fetch_add(1, Ordering::Relaxed),
             DecidedBy::Fallback { .. } => c.fallbacks.fetch_add(1, Ordering::Relaxed),
         };
-        let selected =
-            plan::execute_selection(field, &decision.plan).map_err(|e| ManagerError::Internal(e.to_string()))?;
+        let selected = plan::execute_selection(field, &decision.plan)
+            .map_err(|e| ManagerError::Internal(e.to_string()))?;
         let mut columns = Vec::with_capacity(selected.len());
         for piece in selected {
             match piece {
                 Selected::Rows(t) => {
                     let (extent, offset, zero_copy) = received.locate_or_own(t.buffer());
-                    let counter = if zero_copy { &c.zero_copy_bytes } else { &c.copied_bytes };
+                    let counter = if zero_copy {
+                        &c.zero_copy_bytes
+                    } else {
+                        &c.copied_bytes
+                    };
                     counter.fetch_add(t.payload_len() as u64, Ordering::Relaxed);
                     columns.push(Column::regular(extent, offset, &t));
                 }
@@ -221,7 +246,8 @@ impl Manager {
                     columns.push(Column::from_field(Field::Nested(rows), received));
                 }
                 Selected::Packed { buffer, rows } => {
-                    c.copied_bytes.fetch_add(buffer.len() as u64, Ordering::Relaxed);
+                    c.copied_bytes
+                        .fetch_add(buffer.len() as u64, Ordering::Relaxed);
                     // The packed buffer is the rows' one extent.
                     let own = Received::frames(std::slice::from_ref(&buffer));
                     columns.push(Column::from_field(Field::Nested(rows), &own));
@@ -272,7 +298,10 @@ impl Manager {
             }
             let mut unit_fields = Vec::with_capacity(fields.len());
             for (name, field) in &fields {
-                unit_fields.push((name.clone(), self.select(&registry, name, field, &route.positions, received)?));
+                unit_fields.push((
+                    name.clone(),
+                    self.select(&registry, name, field, &route.positions, received)?,
+                ));
             }
             per_unit.push(Some((route.indexes, unit_fields)));
         }
@@ -288,12 +317,20 @@ impl Manager {
         // half new. Local units were checked above and are written last.
         let mut written: Vec<(&Peer, Vec<u64>)> = Vec::new();
         for (target, part) in self.targets.iter().zip(per_unit.iter_mut()) {
-            let (Target::Remote(peer), Some((indexes, unit_fields))) = (target, part.as_mut()) else { continue };
-            match self.put_remote(&registry, peer, indexes, std::mem::take(unit_fields)).await {
+            let (Target::Remote(peer), Some((indexes, unit_fields))) = (target, part.as_mut())
+            else {
+                continue;
+            };
+            match self
+                .put_remote(&registry, peer, indexes, std::mem::take(unit_fields))
+                .await
+            {
                 Ok(()) => written.push((peer.as_ref(), std::mem::take(indexes))),
                 Err(e) => {
                     for (peer, indexes) in written {
-                        let clear = tq::Request::Clear { global_indexes: indexes };
+                        let clear = tq::Request::Clear {
+                            global_indexes: indexes,
+                        };
                         if let Err(undo) = self.exchange(peer, &clear).await {
                             tracing::error!(unit = peer.endpoint(), error = %undo, "could not undo a failed put");
                         }
@@ -318,26 +355,41 @@ impl Manager {
         indexes: &[u64],
         fields: Vec<PutField>,
     ) -> Result<(), ManagerError> {
-        let fields: Vec<(String, Vec<Cell>)> =
-            fields.into_iter().map(|(name, columns)| (name, columns.iter().flat_map(Column::cells).collect())).collect();
-        let row_bytes: Vec<u64> =
-            (0..indexes.len()).map(|i| fields.iter().map(|(_, c)| c[i].byte_len() as u64).sum()).collect();
-        let tensor_fields = fields.iter().filter(|(_, c)| matches!(c.first(), Some(Cell::Tensor(_)))).count().max(1);
+        let fields: Vec<(String, Vec<Cell>)> = fields
+            .into_iter()
+            .map(|(name, columns)| (name, columns.iter().flat_map(Column::cells).collect()))
+            .collect();
+        let row_bytes: Vec<u64> = (0..indexes.len())
+            .map(|i| fields.iter().map(|(_, c)| c[i].byte_len() as u64).sum())
+            .collect();
+        let tensor_fields = fields
+            .iter()
+            .filter(|(_, c)| matches!(c.first(), Some(Cell::Tensor(_))))
+            .count()
+            .max(1);
         let frame_budget = (self.limits.max_frames as usize).saturating_sub(1) / tensor_fields;
         let mut start = 0usize;
         while start < indexes.len() {
             // Rows [start, end): at most max_message_bytes (at least one row).
             let mut end = start;
             let mut bytes = 0u64;
-            while end < indexes.len() && (end == start || bytes + row_bytes[end] <= self.limits.max_message_bytes) {
+            while end < indexes.len()
+                && (end == start || bytes + row_bytes[end] <= self.limits.max_message_bytes)
+            {
                 bytes += row_bytes[end];
                 end += 1;
             }
             let mut body = Vec::with_capacity(fields.len());
             for (name, cells) in &fields {
-                body.push((name.clone(), self.pack_for_tq(registry, name, &cells[start..end], frame_budget.max(1))?));
+                body.push((
+                    name.clone(),
+                    self.pack_for_tq(registry, name, &cells[start..end], frame_budget.max(1))?,
+                ));
             }
-            let request = tq::Request::Put { global_indexes: indexes[start..end].to_vec(), fields: body };
+            let request = tq::Request::Put {
+                global_indexes: indexes[start..end].to_vec(),
+                fields: body,
+            };
             self.exchange(peer, &request).await?;
             start = end;
         }
@@ -347,7 +399,13 @@ impl Manager {
     /// Builds the TransferQueue value of one field for one message: one
     /// frame per row (zero copy) if the packing plan sends every row alone,
     /// otherwise one coalesced frame (one copy).
-    fn pack_for_tq(&self, registry: &Registry, name: &str, cells: &[Cell], frame_budget: usize) -> Result<Field, ManagerError> {
+    fn pack_for_tq(
+        &self,
+        registry: &Registry,
+        name: &str,
+        cells: &[Cell],
+        frame_budget: usize,
+    ) -> Result<Field, ManagerError> {
         let tensors: Vec<&Tensor> = cells
             .iter()
             .filter_map(|c| match c {
@@ -357,18 +415,33 @@ impl Manager {
             .collect();
         if tensors.len() != cells.len() {
             if !tensors.is_empty() {
-                return Err(ManagerError::BadRequest(format!("field {name} mixes tensors and plain values")));
+                return Err(ManagerError::BadRequest(format!(
+                    "field {name} mixes tensors and plain values"
+                )));
             }
-            let values = cells.iter().filter_map(|c| if let Cell::Value(v) = c { Some(v.clone()) } else { None });
+            let values = cells.iter().filter_map(|c| {
+                if let Cell::Value(v) = c {
+                    Some(v.clone())
+                } else {
+                    None
+                }
+            });
             return Ok(Field::Values(values.collect()));
         }
-        let pieces: Vec<PieceInfo> =
-            tensors.iter().map(|t| PieceInfo { byte_len: t.payload_len() as u64, contiguous: t.is_contiguous() }).collect();
+        let pieces: Vec<PieceInfo> = tensors
+            .iter()
+            .map(|t| PieceInfo {
+                byte_len: t.payload_len() as u64,
+                contiguous: t.is_contiguous(),
+            })
+            .collect();
         let mut limits = self.limits.pack_limits();
         limits.max_frames = frame_budget.min(u32::MAX as usize) as u32;
         let decision = registry.pack_chain(name).pack(&pieces, &limits);
         let all_single = matches!(&decision, Ok(d) if d.plan.frames.iter().all(|f| matches!(f, Frame::Single(_))));
-        let uniform = tensors.windows(2).all(|w| w[0].dtype() == w[1].dtype() && w[0].shape() == w[1].shape());
+        let uniform = tensors
+            .windows(2)
+            .all(|w| w[0].dtype() == w[1].dtype() && w[0].shape() == w[1].shape());
         let c = &self.counters;
         if all_single || !uniform {
             let bytes: usize = tensors.iter().map(|t| t.payload_len()).sum();
@@ -385,27 +458,45 @@ impl Manager {
         c.copied_bytes.fetch_add(total as u64, Ordering::Relaxed);
         let mut shape = vec![tensors.len() as u64];
         shape.extend_from_slice(first.shape());
-        let t = Tensor::contiguous(buf.freeze(), first.dtype(), shape).map_err(|e| ManagerError::Internal(e.to_string()))?;
+        let t = Tensor::contiguous(buf.freeze(), first.dtype(), shape)
+            .map_err(|e| ManagerError::Internal(e.to_string()))?;
         Ok(Field::Regular(t))
     }
 
     /// One request/reply with a remote unit; error replies become errors.
-    async fn exchange(&self, peer: &Peer, request: &tq::Request) -> Result<tq::Reply, ManagerError> {
-        let frames = tq::encode_request(&self.sender_id, None, request)
-            .map_err(|e| ManagerError::Internal(format!("encoding a request for {}: {e}", peer.endpoint())))?;
+    async fn exchange(
+        &self,
+        peer: &Peer,
+        request: &tq::Request,
+    ) -> Result<tq::Reply, ManagerError> {
+        let frames = tq::encode_request(&self.sender_id, None, request).map_err(|e| {
+            ManagerError::Internal(format!("encoding a request for {}: {e}", peer.endpoint()))
+        })?;
         self.counters.messages_sent.fetch_add(1, Ordering::Relaxed);
-        self.counters.frames_sent.fetch_add(frames.len() as u64, Ordering::Relaxed);
+        self.counters
+            .frames_sent
+            .fetch_add(frames.len() as u64, Ordering::Relaxed);
         let unit = peer.endpoint().to_string();
         let span = tracing::debug_span!("remote", unit = %unit, op = request.op_name(), frames = frames.len());
         let reply = tracing::Instrument::instrument(peer.request(frames, self.timeout), span)
             .await
-            .map_err(|source| ManagerError::Transport { unit: unit.clone(), source })?;
-        let (_, reply) = tq::decode_reply(&reply)
-            .map_err(|e| ManagerError::Remote { unit: unit.clone(), message: format!("undecodable reply: {e}"), key_not_found: false })?;
+            .map_err(|source| ManagerError::Transport {
+                unit: unit.clone(),
+                source,
+            })?;
+        let (_, reply) = tq::decode_reply(&reply).map_err(|e| ManagerError::Remote {
+            unit: unit.clone(),
+            message: format!("undecodable reply: {e}"),
+            key_not_found: false,
+        })?;
         match reply {
             tq::Reply::Error { message, .. } => {
                 let key_not_found = message.starts_with(&format!("[{}]", tq::KEY_NOT_FOUND_MARKER));
-                Err(ManagerError::Remote { unit, message, key_not_found })
+                Err(ManagerError::Remote {
+                    unit,
+                    message,
+                    key_not_found,
+                })
             }
             ok => Ok(ok),
         }
@@ -414,14 +505,27 @@ impl Manager {
     /// The rows of `fields` at `global_indexes`, in request order: per
     /// field, the columns they are in (local units' and rows received from
     /// remote units) and one reference per index.
-    pub async fn get(&self, global_indexes: &[u64], fields: &[String]) -> Result<Vec<(String, Rows)>, ManagerError> {
+    pub async fn get(
+        &self,
+        global_indexes: &[u64],
+        fields: &[String],
+    ) -> Result<Vec<(String, Rows)>, ManagerError> {
         self.check_size(global_indexes, fields.len())?;
         if fields.is_empty() {
             return Err(ManagerError::BadRequest("no fields requested".into()));
         }
         let n = global_indexes.len();
-        let unset = RowRef { column: u32::MAX, row: 0 };
-        let mut out: Vec<Rows> = fields.iter().map(|_| Rows { columns: Vec::new(), refs: vec![unset; n] }).collect();
+        let unset = RowRef {
+            column: u32::MAX,
+            row: 0,
+        };
+        let mut out: Vec<Rows> = fields
+            .iter()
+            .map(|_| Rows {
+                columns: Vec::new(),
+                refs: vec![unset; n],
+            })
+            .collect();
         for (target, route) in self.targets.iter().zip(self.routes(global_indexes)) {
             if route.positions.is_empty() {
                 continue;
@@ -433,8 +537,13 @@ impl Manager {
                     .await?
                     .into_iter()
                     .map(|cells| Rows {
-                        refs: (0..cells.len() as u32).map(|column| RowRef { column, row: 0 }).collect(),
-                        columns: cells.into_iter().map(|c| Arc::new(Column::from_cell(c))).collect(),
+                        refs: (0..cells.len() as u32)
+                            .map(|column| RowRef { column, row: 0 })
+                            .collect(),
+                        columns: cells
+                            .into_iter()
+                            .map(|c| Arc::new(Column::from_cell(c)))
+                            .collect(),
                     })
                     .collect(),
             };
@@ -442,7 +551,11 @@ impl Manager {
                 if rows.refs.len() != route.positions.len() {
                     return Err(ManagerError::Remote {
                         unit: target.name(),
-                        message: format!("returned {} rows for {} indexes", rows.refs.len(), route.positions.len()),
+                        message: format!(
+                            "returned {} rows for {} indexes",
+                            rows.refs.len(),
+                            route.positions.len()
+                        ),
                         key_not_found: false,
                     });
                 }
@@ -450,7 +563,10 @@ impl Manager {
                 let base = into.columns.len() as u32;
                 into.columns.extend(rows.columns);
                 for (pos, r) in route.positions.iter().zip(rows.refs) {
-                    into.refs[*pos as usize] = RowRef { column: base + r.column, row: r.row };
+                    into.refs[*pos as usize] = RowRef {
+                        column: base + r.column,
+                        row: r.row,
+                    };
                 }
             }
         }
@@ -466,7 +582,10 @@ impl Manager {
         fields: &[String],
         shm: &SegmentStore,
     ) -> Result<Vec<(String, Rows)>, GetSharedError> {
-        let got = self.get(global_indexes, fields).await.map_err(GetSharedError::Manager)?;
+        let got = self
+            .get(global_indexes, fields)
+            .await
+            .map_err(GetSharedError::Manager)?;
         for (_, rows) in &got {
             rows.share(shm).map_err(GetSharedError::Shm)?;
         }
@@ -475,14 +594,29 @@ impl Manager {
 
     /// Gets rows from a remote unit in messages of at most `max_frames`
     /// frames (the reply carries one frame per tensor row).
-    async fn get_remote(&self, peer: &Peer, indexes: &[u64], fields: &[String]) -> Result<Vec<Vec<Cell>>, ManagerError> {
-        let per_message = ((self.limits.max_frames as usize).saturating_sub(1) / fields.len().max(1)).max(1);
-        let mut out: Vec<Vec<Cell>> = fields.iter().map(|_| Vec::with_capacity(indexes.len())).collect();
+    async fn get_remote(
+        &self,
+        peer: &Peer,
+        indexes: &[u64],
+        fields: &[String],
+    ) -> Result<Vec<Vec<Cell>>, ManagerError> {
+        let per_message =
+            ((self.limits.max_frames as usize).saturating_sub(1) / fields.len().max(1)).max(1);
+        let mut out: Vec<Vec<Cell>> = fields
+            .iter()
+            .map(|_| Vec::with_capacity(indexes.len()))
+            .collect();
         for chunk in indexes.chunks(per_message) {
-            let request = tq::Request::Get { global_indexes: chunk.to_vec(), fields: fields.to_vec() };
+            let request = tq::Request::Get {
+                global_indexes: chunk.to_vec(),
+                fields: fields.to_vec(),
+            };
             match self.exchange(peer, &request).await? {
                 tq::Reply::GetData { fields: got } => {
-                    for (f, cells) in reorder_fields(fields, got, peer.endpoint())?.into_iter().enumerate() {
+                    for (f, cells) in reorder_fields(fields, got, peer.endpoint())?
+                        .into_iter()
+                        .enumerate()
+                    {
                         out[f].extend(cells);
                     }
                 }
@@ -502,13 +636,23 @@ impl Manager {
     /// holds them. Returns the (index, field) values removed from local
     /// units plus, for remote units (which do not report it), the number of
     /// indexes sent to them.
-    pub async fn clear(&self, global_indexes: &[u64], fields: Option<&[String]>) -> Result<u64, ManagerError> {
+    pub async fn clear(
+        &self,
+        global_indexes: &[u64],
+        fields: Option<&[String]>,
+    ) -> Result<u64, ManagerError> {
         let routes = self.routes(global_indexes);
         // Refuse before clearing anything: a refused clear changes nothing.
         if fields.is_some()
-            && self.targets.iter().zip(&routes).any(|(t, r)| matches!(t, Target::Remote(_)) && !r.indexes.is_empty())
+            && self
+                .targets
+                .iter()
+                .zip(&routes)
+                .any(|(t, r)| matches!(t, Target::Remote(_)) && !r.indexes.is_empty())
         {
-            return Err(ManagerError::BadRequest("clearing single fields is not possible on a TransferQueue unit".into()));
+            return Err(ManagerError::BadRequest(
+                "clearing single fields is not possible on a TransferQueue unit".into(),
+            ));
         }
         let mut cleared = 0;
         for (target, route) in self.targets.iter().zip(routes) {
@@ -518,7 +662,13 @@ impl Manager {
             match target {
                 Target::Local(unit) => cleared += unit.clear(&route.indexes, fields),
                 Target::Remote(peer) => {
-                    self.exchange(peer, &tq::Request::Clear { global_indexes: route.indexes.clone() }).await?;
+                    self.exchange(
+                        peer,
+                        &tq::Request::Clear {
+                            global_indexes: route.indexes.clone(),
+                        },
+                    )
+                    .await?;
                     cleared += route.indexes.len() as u64;
                 }
             }
@@ -528,7 +678,11 @@ impl Manager {
 }
 
 /// Puts a remote GET reply's fields in the order we asked for them.
-fn reorder_fields(asked: &[String], got: Vec<(String, Vec<Cell>)>, unit: &str) -> Result<Vec<Vec<Cell>>, ManagerError> {
+fn reorder_fields(
+    asked: &[String],
+    got: Vec<(String, Vec<Cell>)>,
+    unit: &str,
+) -> Result<Vec<Vec<Cell>>, ManagerError> {
     let mut got: Vec<Option<(String, Vec<Cell>)>> = got.into_iter().map(Some).collect();
     asked
         .iter()

@@ -12,13 +12,15 @@
 //! says which versions are live).
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 /// Upper bounds of the latency histogram buckets, seconds.
-pub const LATENCY_BUCKETS: [f64; 16] =
-    [0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0];
+pub const LATENCY_BUCKETS: [f64; 16] = [
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+    5.0, 10.0,
+];
 
 /// Where a request came in.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -69,7 +71,10 @@ pub struct Histogram {
 
 impl Histogram {
     fn observe(&mut self, seconds: f64) {
-        let i = LATENCY_BUCKETS.iter().position(|b| seconds <= *b).unwrap_or(LATENCY_BUCKETS.len());
+        let i = LATENCY_BUCKETS
+            .iter()
+            .position(|b| seconds <= *b)
+            .unwrap_or(LATENCY_BUCKETS.len());
         self.buckets[i] += 1;
         self.sum += seconds;
         self.count += 1;
@@ -132,28 +137,52 @@ impl Default for Metrics {
 
 impl Metrics {
     /// Counts one answered request.
-    pub fn observe(&self, protocol: Protocol, op: &'static str, outcome: Outcome, took: Duration, reply_frames: usize) {
-        *self.requests.lock().unwrap_or_else(|p| p.into_inner()).entry((protocol, op, outcome)).or_default() += 1;
+    pub fn observe(
+        &self,
+        protocol: Protocol,
+        op: &'static str,
+        outcome: Outcome,
+        took: Duration,
+        reply_frames: usize,
+    ) {
+        *self
+            .requests
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry((protocol, op, outcome))
+            .or_default() += 1;
         self.latency
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .entry((protocol, op))
             .or_default()
             .observe(took.as_secs_f64());
-        self.reply_frames.fetch_add(reply_frames as u64, Ordering::Relaxed);
+        self.reply_frames
+            .fetch_add(reply_frames as u64, Ordering::Relaxed);
     }
 
     /// Requests counted for (protocol, op), any outcome.
     pub fn requests(&self, protocol: Protocol, op: &str) -> u64 {
         let map = self.requests.lock().unwrap_or_else(|p| p.into_inner());
-        map.iter().filter(|((p, o, _), _)| *p == protocol && *o == op).map(|(_, n)| n).sum()
+        map.iter()
+            .filter(|((p, o, _), _)| *p == protocol && *o == op)
+            .map(|(_, n)| n)
+            .sum()
     }
 
     /// Requests counted and their latency histograms, in (protocol, op,
     /// outcome) and (protocol, op) order, read under their locks.
     pub fn snapshot(&self) -> Snapshot {
-        let requests = self.requests.lock().unwrap_or_else(|p| p.into_inner()).clone();
-        let latency = self.latency.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let requests = self
+            .requests
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        let latency = self
+            .latency
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
         Snapshot { requests, latency }
     }
 
@@ -189,9 +218,27 @@ mod tests {
     #[test]
     fn observe_counts_by_protocol_op_and_outcome() {
         let m = Metrics::default();
-        m.observe(Protocol::Tq, "put", Outcome::Ok, Duration::from_micros(50), 1);
-        m.observe(Protocol::Tq, "put", Outcome::Error, Duration::from_millis(3), 1);
-        m.observe(Protocol::Native, "put", Outcome::Ok, Duration::from_millis(3), 2);
+        m.observe(
+            Protocol::Tq,
+            "put",
+            Outcome::Ok,
+            Duration::from_micros(50),
+            1,
+        );
+        m.observe(
+            Protocol::Tq,
+            "put",
+            Outcome::Error,
+            Duration::from_millis(3),
+            1,
+        );
+        m.observe(
+            Protocol::Native,
+            "put",
+            Outcome::Ok,
+            Duration::from_millis(3),
+            2,
+        );
         assert_eq!(m.requests(Protocol::Tq, "put"), 2);
         assert_eq!(m.requests(Protocol::Native, "get"), 0);
         assert_eq!(m.reply_frames.load(Ordering::Relaxed), 4);

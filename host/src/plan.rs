@@ -15,8 +15,8 @@ use crate::batch::{Field, Value};
 use crate::tensor::{Tensor, TensorError};
 
 pub use stowage_plan::{
-    FieldInfo, FieldKind, Frame, FramePlan, PackLimits, Piece, PieceInfo, PlanError, RowView, SelectionPlan,
-    validate_frames,
+    FieldInfo, FieldKind, Frame, FramePlan, PackLimits, Piece, PieceInfo, PlanError, RowView,
+    SelectionPlan, validate_frames,
 };
 
 /// What the plan rules need of `field`: its kind and row count.
@@ -32,7 +32,11 @@ pub fn field_info(field: &Field) -> FieldInfo {
 /// Checks that `plan` selects exactly `positions` of `field`, in order, with
 /// pieces that fit the field's kind and stay inside it:
 /// [`stowage_plan::validate_selection`] on the field's [`field_info`].
-pub fn validate_selection(field: &Field, positions: &[u64], plan: &SelectionPlan) -> Result<(), PlanError> {
+pub fn validate_selection(
+    field: &Field,
+    positions: &[u64],
+    plan: &SelectionPlan,
+) -> Result<(), PlanError> {
     stowage_plan::validate_selection(field_info(field), positions, plan)
 }
 
@@ -62,21 +66,31 @@ impl Selected {
 }
 
 /// Carries out a plan that passed [`validate_selection`] for this field.
-pub fn execute_selection(field: &Field, plan: &SelectionPlan) -> Result<Vec<Selected>, TensorError> {
+pub fn execute_selection(
+    field: &Field,
+    plan: &SelectionPlan,
+) -> Result<Vec<Selected>, TensorError> {
     let mut out = Vec::with_capacity(plan.pieces.len());
     for piece in &plan.pieces {
         let sel = match (piece, field) {
-            (Piece::View(v), Field::Regular(t)) => Selected::Rows(t.rows_view(v.start, v.step, v.count)?),
-            (Piece::Gather(rows), Field::Regular(t)) => Selected::Rows(t.gather(rows)?),
-            (Piece::RowViews(rows), Field::Nested(all)) => {
-                Selected::NestedRows(rows.iter().map(|&r| nested_row(all, r)).collect::<Result<_, _>>()?)
+            (Piece::View(v), Field::Regular(t)) => {
+                Selected::Rows(t.rows_view(v.start, v.step, v.count)?)
             }
+            (Piece::Gather(rows), Field::Regular(t)) => Selected::Rows(t.gather(rows)?),
+            (Piece::RowViews(rows), Field::Nested(all)) => Selected::NestedRows(
+                rows.iter()
+                    .map(|&r| nested_row(all, r))
+                    .collect::<Result<_, _>>()?,
+            ),
             (Piece::RowViews(rows), Field::Values(all)) => Selected::Values(
                 rows.iter()
                     .map(|&r| {
                         all.get(r as usize)
                             .cloned()
-                            .ok_or(TensorError::RowOutOfRange { row: r, rows: all.len() as u64 })
+                            .ok_or(TensorError::RowOutOfRange {
+                                row: r,
+                                rows: all.len() as u64,
+                            })
                     })
                     .collect::<Result<_, _>>()?,
             ),
@@ -93,7 +107,12 @@ pub fn execute_selection(field: &Field, plan: &SelectionPlan) -> Result<Vec<Sele
 }
 
 fn nested_row(all: &[Tensor], r: u64) -> Result<Tensor, TensorError> {
-    all.get(r as usize).cloned().ok_or(TensorError::RowOutOfRange { row: r, rows: all.len() as u64 })
+    all.get(r as usize)
+        .cloned()
+        .ok_or(TensorError::RowOutOfRange {
+            row: r,
+            rows: all.len() as u64,
+        })
 }
 
 /// One allocation holding the listed rows back to back.
@@ -119,7 +138,11 @@ fn concat_rows(all: &[Tensor], rows: &[u64]) -> Result<Selected, TensorError> {
     for &r in rows {
         let t = &all[r as usize];
         let len = t.payload_len();
-        out.push(Tensor::contiguous(buffer.slice(offset..offset + len), t.dtype(), t.shape().to_vec())?);
+        out.push(Tensor::contiguous(
+            buffer.slice(offset..offset + len),
+            t.dtype(),
+            t.shape().to_vec(),
+        )?);
         offset += len;
     }
     Ok(Selected::Packed { buffer, rows: out })
@@ -149,7 +172,14 @@ pub struct Framed {
 pub fn execute_frames(pieces: &[Tensor], plan: &FramePlan) -> Framed {
     let mut out = Framed {
         frames: Vec::with_capacity(plan.frames.len()),
-        placements: vec![Placement { frame: 0, offset: 0, len: 0 }; pieces.len()],
+        placements: vec![
+            Placement {
+                frame: 0,
+                offset: 0,
+                len: 0
+            };
+            pieces.len()
+        ],
         ..Framed::default()
     };
     for (fi, frame) in plan.frames.iter().enumerate() {
@@ -163,7 +193,11 @@ pub fn execute_frames(pieces: &[Tensor], plan: &FramePlan) -> Framed {
                 } else {
                     out.copied_bytes += bytes.len() as u64;
                 }
-                out.placements[*i as usize] = Placement { frame: fi, offset: 0, len: bytes.len() as u64 };
+                out.placements[*i as usize] = Placement {
+                    frame: fi,
+                    offset: 0,
+                    len: bytes.len() as u64,
+                };
                 out.frames.push(bytes);
             }
             Frame::Coalesced(list) => {
@@ -177,7 +211,11 @@ pub fn execute_frames(pieces: &[Tensor], plan: &FramePlan) -> Framed {
                     } else {
                         buf.extend_from_slice(&t.contiguous_bytes());
                     }
-                    out.placements[i as usize] = Placement { frame: fi, offset, len: buf.len() as u64 - offset };
+                    out.placements[i as usize] = Placement {
+                        frame: fi,
+                        offset,
+                        len: buf.len() as u64 - offset,
+                    };
                 }
                 out.copied_bytes += buf.len() as u64;
                 out.frames.push(buf.freeze());
@@ -193,7 +231,9 @@ mod tests {
     use crate::tensor::DType;
 
     fn regular_tensor(rows: u64) -> Tensor {
-        let data: Vec<u8> = (0..rows * 2).flat_map(|v| (v as f32).to_le_bytes()).collect();
+        let data: Vec<u8> = (0..rows * 2)
+            .flat_map(|v| (v as f32).to_le_bytes())
+            .collect();
         Tensor::contiguous(Bytes::from(data), DType::F32, vec![rows, 2]).unwrap()
     }
 
@@ -211,32 +251,58 @@ mod tests {
     fn host_fields_reach_the_shared_rules() {
         let nested = Field::Nested(vec![regular_tensor(1), regular_tensor(2)]);
         let values = Field::Values(vec![Value::Bytes(Bytes::from_static(b"a")); 3]);
-        assert_eq!(field_info(&regular(10)), FieldInfo::new(FieldKind::Regular, 10));
+        assert_eq!(
+            field_info(&regular(10)),
+            FieldInfo::new(FieldKind::Regular, 10)
+        );
         assert_eq!(field_info(&nested), FieldInfo::new(FieldKind::Nested, 2));
         assert_eq!(field_info(&values), FieldInfo::new(FieldKind::Values, 3));
-        let plan = SelectionPlan { pieces: vec![view(0, 2, 3), Piece::Gather(vec![5, 1])] };
+        let plan = SelectionPlan {
+            pieces: vec![view(0, 2, 3), Piece::Gather(vec![5, 1])],
+        };
         validate_selection(&regular(10), &[0, 2, 4, 5, 1], &plan).unwrap();
         let concat = SelectionPlan::single(Piece::Concat(vec![1, 0]));
         validate_selection(&nested, &[1, 0], &concat).unwrap();
         assert_eq!(
-            validate_selection(&values, &[1, 0], &concat).unwrap_err().to_string(),
+            validate_selection(&values, &[1, 0], &concat)
+                .unwrap_err()
+                .to_string(),
             "piece 0: a concat piece does not apply to a values field"
         );
         assert_eq!(
             validate_selection(&nested, &[2], &Piece::RowViews(vec![2]).into()),
-            Err(PlanError::RowOutOfRange { piece: 0, row: 2, rows: 2 })
+            Err(PlanError::RowOutOfRange {
+                piece: 0,
+                row: 2,
+                rows: 2
+            })
         );
     }
 
     #[test]
     fn execution_places_pieces() {
-        let Field::Regular(t) = regular(4) else { unreachable!() };
-        let pieces = vec![t.rows_view(0, 2, 2).unwrap(), t.rows_view(1, 1, 1).unwrap(), t.clone()];
-        let plan = FramePlan { frames: vec![Frame::Coalesced(vec![0, 1]), Frame::Single(2)] };
+        let Field::Regular(t) = regular(4) else {
+            unreachable!()
+        };
+        let pieces = vec![
+            t.rows_view(0, 2, 2).unwrap(),
+            t.rows_view(1, 1, 1).unwrap(),
+            t.clone(),
+        ];
+        let plan = FramePlan {
+            frames: vec![Frame::Coalesced(vec![0, 1]), Frame::Single(2)],
+        };
         let framed = execute_frames(&pieces, &plan);
         assert_eq!(framed.frames.len(), 2);
         assert_eq!(framed.frames[0].len(), 24);
-        assert_eq!(framed.placements[1], Placement { frame: 0, offset: 16, len: 8 });
+        assert_eq!(
+            framed.placements[1],
+            Placement {
+                frame: 0,
+                offset: 16,
+                len: 8
+            }
+        );
         assert_eq!(framed.frames[1].as_ptr(), t.buffer().as_ptr());
         assert_eq!(framed.zero_copy_bytes, 32);
         assert_eq!(framed.copied_bytes, 24);

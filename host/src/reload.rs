@@ -61,18 +61,36 @@ pub enum Change {
 /// Reads, checks and compiles the changed files against the live registry.
 /// Blocking: compiling and the conformance suite take milliseconds.
 pub fn prepare(live: &Registry, paths: &BTreeSet<PathBuf>) -> Vec<(PathBuf, Change)> {
-    paths.iter().map(|p| (p.clone(), prepare_one(live, p))).collect()
+    paths
+        .iter()
+        .map(|p| (p.clone(), prepare_one(live, p)))
+        .collect()
 }
 
 fn prepare_one(live: &Registry, path: &Path) -> Change {
     let bytes = match std::fs::read(path) {
         Ok(b) => b,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            return if live.file(path).is_some() { Change::Remove } else { Change::Unchanged };
+            return if live.file(path).is_some() {
+                Change::Remove
+            } else {
+                Change::Unchanged
+            };
         }
-        Err(e) => return Change::Refused(LoadError::Read { path: path.display().to_string(), source: e }.to_string()),
+        Err(e) => {
+            return Change::Refused(
+                LoadError::Read {
+                    path: path.display().to_string(),
+                    source: e,
+                }
+                .to_string(),
+            );
+        }
     };
-    if live.file(path).is_some_and(|f| f.hash == registry::content_hash(&bytes)) {
+    if live
+        .file(path)
+        .is_some_and(|f| f.hash == registry::content_hash(&bytes))
+    {
         return Change::Unchanged;
     }
     let prepared = match live.prepare_bytes(&bytes, path) {
@@ -85,7 +103,13 @@ fn prepare_one(live: &Registry, path: &Path) -> Change {
             prepared.policy.reset();
             Change::Load(Box::new(prepared))
         }
-        Err(reason) => Change::Refused(LoadError::Check { path: path.display().to_string(), reason }.to_string()),
+        Err(reason) => Change::Refused(
+            LoadError::Check {
+                path: path.display().to_string(),
+                reason,
+            }
+            .to_string(),
+        ),
     }
 }
 
@@ -107,7 +131,12 @@ impl Applied {
 }
 
 /// Applies prepared changes to a clone of `live`; `None` if nothing changed.
-pub fn apply(live: &Registry, changes: Vec<(PathBuf, Change)>, reloads: &ReloadCounters, since: Instant) -> (Option<Registry>, Applied) {
+pub fn apply(
+    live: &Registry,
+    changes: Vec<(PathBuf, Change)>,
+    reloads: &ReloadCounters,
+    since: Instant,
+) -> (Option<Registry>, Applied) {
     let mut next: Option<Registry> = None;
     let mut applied = Applied::default();
     for (path, change) in changes {
@@ -171,7 +200,12 @@ enum Signal {
 /// Watches `dir` until shutdown, swapping the manager's registry on every
 /// change. Returns at once (with a warning) if the directory cannot be
 /// watched.
-pub async fn run(dir: PathBuf, manager: Arc<Manager>, metrics: Arc<Metrics>, mut shutdown: watch::Receiver<bool>) {
+pub async fn run(
+    dir: PathBuf,
+    manager: Arc<Manager>,
+    metrics: Arc<Metrics>,
+    mut shutdown: watch::Receiver<bool>,
+) {
     let (tx, mut rx) = mpsc::unbounded_channel::<Signal>();
     let watched = dir.clone();
     let handler = move |res: notify::Result<notify::Event>| {
@@ -179,9 +213,14 @@ pub async fn run(dir: PathBuf, manager: Arc<Manager>, metrics: Arc<Metrics>, mut
             Ok(e) if e.need_rescan() => Signal::Rescan,
             // Another name changed (a Kubernetes ConfigMap mount swaps its
             // `..data` symlink; a tool renames a directory): look at all.
-            Ok(e) if relevant(&e.kind) && e.paths.iter().any(|p| !registry::is_plugin_file(p)) => Signal::Rescan,
+            Ok(e) if relevant(&e.kind) && e.paths.iter().any(|p| !registry::is_plugin_file(p)) => {
+                Signal::Rescan
+            }
             Ok(e) if relevant(&e.kind) => Signal::Paths(
-                e.paths.into_iter().filter(|p| p.parent() == Some(watched.as_path())).collect(),
+                e.paths
+                    .into_iter()
+                    .filter(|p| p.parent() == Some(watched.as_path()))
+                    .collect(),
             ),
             Ok(_) => return,
             Err(e) => {
@@ -221,9 +260,11 @@ pub async fn run(dir: PathBuf, manager: Arc<Manager>, metrics: Arc<Metrics>, mut
                 // inline (see `WasmPolicy`), not on a helper thread each.
                 let live = live.clone();
                 let (tx, rx) = tokio::sync::oneshot::channel();
-                let spawned = std::thread::Builder::new().name("stowd-reload".into()).spawn(move || {
-                    let _ = tx.send(prepare(&live, &paths));
-                });
+                let spawned = std::thread::Builder::new()
+                    .name("stowd-reload".into())
+                    .spawn(move || {
+                        let _ = tx.send(prepare(&live, &paths));
+                    });
                 match spawned {
                     Ok(_) => rx.await.map_err(|e| e.to_string()),
                     Err(e) => Err(e.to_string()),

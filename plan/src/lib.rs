@@ -155,7 +155,9 @@ impl Description {
     pub fn selects(self, kinds: &[FieldKind]) -> Self {
         kinds
             .iter()
-            .fold(self.with_capability(Capability::Selection), |d, &k| d.with_kind(k))
+            .fold(self.with_capability(Capability::Selection), |d, &k| {
+                d.with_kind(k)
+            })
     }
 
     /// Declares the packing capability (pieces of every field kind).
@@ -187,7 +189,11 @@ impl RowView {
 
     /// The one-row view of `row`.
     pub const fn single(row: u64) -> Self {
-        RowView { start: row, step: 1, count: 1 }
+        RowView {
+            start: row,
+            step: 1,
+            count: 1,
+        }
     }
 
     /// Last row of the view, or `None` if it overflows `u64` or the view is
@@ -276,12 +282,17 @@ impl SelectionPlan {
 
     /// A plan of one piece.
     pub fn single(piece: Piece) -> Self {
-        SelectionPlan { pieces: vec![piece] }
+        SelectionPlan {
+            pieces: vec![piece],
+        }
     }
 
     /// Number of rows the plan covers (saturating).
     pub fn row_count(&self) -> u64 {
-        self.pieces.iter().map(Piece::row_count).fold(0, u64::saturating_add)
+        self.pieces
+            .iter()
+            .map(Piece::row_count)
+            .fold(0, u64::saturating_add)
     }
 }
 
@@ -304,12 +315,18 @@ pub struct PieceInfo {
 impl PieceInfo {
     /// A contiguous piece of `byte_len` bytes.
     pub const fn contiguous(byte_len: u64) -> Self {
-        PieceInfo { byte_len, contiguous: true }
+        PieceInfo {
+            byte_len,
+            contiguous: true,
+        }
     }
 
     /// A non-contiguous (strided) piece of `byte_len` bytes.
     pub const fn strided(byte_len: u64) -> Self {
-        PieceInfo { byte_len, contiguous: false }
+        PieceInfo {
+            byte_len,
+            contiguous: false,
+        }
     }
 }
 
@@ -327,14 +344,22 @@ pub struct PackLimits {
 impl PackLimits {
     /// `small_threshold`, or `default` when the host left it at 0.
     pub fn small_threshold_or(&self, default: u64) -> u64 {
-        if self.small_threshold == 0 { default } else { self.small_threshold }
+        if self.small_threshold == 0 {
+            default
+        } else {
+            self.small_threshold
+        }
     }
 }
 
 impl Default for PackLimits {
     /// The host's defaults: 1000 frames, 64 MiB frames, 64 KiB small pieces.
     fn default() -> Self {
-        PackLimits { max_frames: 1000, max_frame_bytes: 64 << 20, small_threshold: 64 << 10 }
+        PackLimits {
+            max_frames: 1000,
+            max_frame_bytes: 64 << 20,
+            small_threshold: 64 << 10,
+        }
     }
 }
 
@@ -364,7 +389,9 @@ impl FramePlan {
 
     /// One `single` frame per piece: the plan of `n` pieces with no copy.
     pub fn one_per_piece(n: usize) -> Self {
-        FramePlan { frames: (0..n as u32).map(Frame::Single).collect() }
+        FramePlan {
+            frames: (0..n as u32).map(Frame::Single).collect(),
+        }
     }
 }
 

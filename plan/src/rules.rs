@@ -127,24 +127,39 @@ impl fmt::Display for PlanError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             PlanError::WrongKind { piece, name, kind } => {
-                write!(f, "piece {piece}: a {name} piece does not apply to a {kind} field")
+                write!(
+                    f,
+                    "piece {piece}: a {name} piece does not apply to a {kind} field"
+                )
             }
             PlanError::EmptyPiece { piece } => write!(f, "piece {piece} is empty"),
             PlanError::TooManyRows { planned, requested } => {
-                write!(f, "plan covers {planned} rows or more, {requested} were requested")
+                write!(
+                    f,
+                    "plan covers {planned} rows or more, {requested} were requested"
+                )
             }
             PlanError::ZeroStep { piece } => write!(f, "piece {piece}: view with step 0"),
             PlanError::ViewOverflow { piece } => {
                 write!(f, "piece {piece}: the view's last row overflows u64")
             }
             PlanError::ViewOutOfRange { piece, last, rows } => {
-                write!(f, "piece {piece}: view ends at row {last}, the field has {rows} rows")
+                write!(
+                    f,
+                    "piece {piece}: view ends at row {last}, the field has {rows} rows"
+                )
             }
             PlanError::RowOutOfRange { piece, row, rows } => {
-                write!(f, "piece {piece} names row {row}, the field has {rows} rows")
+                write!(
+                    f,
+                    "piece {piece} names row {row}, the field has {rows} rows"
+                )
             }
             PlanError::WrongRow { index, got, want } => {
-                write!(f, "plan row #{index} is row {got}, position {index} asks for row {want}")
+                write!(
+                    f,
+                    "plan row #{index} is row {got}, position {index} asks for row {want}"
+                )
             }
             PlanError::TooFewRows { planned, requested } => {
                 write!(f, "plan covers {planned} rows, {requested} were requested")
@@ -152,14 +167,27 @@ impl fmt::Display for PlanError {
             PlanError::TooManyFrames { frames, budget } => {
                 write!(f, "frame plan has {frames} frames, the budget is {budget}")
             }
-            PlanError::NoSuchPiece { frame, piece, pieces } => {
-                write!(f, "frame {frame} names piece {piece}, there are {pieces} pieces")
+            PlanError::NoSuchPiece {
+                frame,
+                piece,
+                pieces,
+            } => {
+                write!(
+                    f,
+                    "frame {frame} names piece {piece}, there are {pieces} pieces"
+                )
             }
             PlanError::PieceRepeated { frame, piece } => {
                 write!(f, "frame {frame}: piece {piece} appears more than once")
             }
-            PlanError::EmptyFrame { frame } => write!(f, "frame {frame} is an empty coalesced frame"),
-            PlanError::FrameTooLarge { frame, bytes, limit } => write!(
+            PlanError::EmptyFrame { frame } => {
+                write!(f, "frame {frame} is an empty coalesced frame")
+            }
+            PlanError::FrameTooLarge {
+                frame,
+                bytes,
+                limit,
+            } => write!(
                 f,
                 "frame {frame}: coalesced frame of {bytes} bytes exceeds the {limit}-byte limit"
             ),
@@ -200,21 +228,32 @@ pub fn validate_selection(
         }
         let want = positions[*next as usize];
         if row != want {
-            return Err(PlanError::WrongRow { index: *next, got: row, want });
+            return Err(PlanError::WrongRow {
+                index: *next,
+                got: row,
+                want,
+            });
         }
         *next += 1;
         Ok(())
     };
     for (i, piece) in plan.pieces.iter().enumerate() {
         if !piece.fits(field.kind) {
-            return Err(PlanError::WrongKind { piece: i, name: piece.name(), kind: field.kind });
+            return Err(PlanError::WrongKind {
+                piece: i,
+                name: piece.name(),
+                kind: field.kind,
+            });
         }
         let len = piece.row_count();
         if len == 0 {
             return Err(PlanError::EmptyPiece { piece: i });
         }
         if len > requested - next {
-            return Err(PlanError::TooManyRows { planned: next.saturating_add(len), requested });
+            return Err(PlanError::TooManyRows {
+                planned: next.saturating_add(len),
+                requested,
+            });
         }
         match piece {
             Piece::View(v) => {
@@ -223,7 +262,11 @@ pub fn validate_selection(
                 }
                 let last = v.last().ok_or(PlanError::ViewOverflow { piece: i })?;
                 if last >= rows {
-                    return Err(PlanError::ViewOutOfRange { piece: i, last, rows });
+                    return Err(PlanError::ViewOutOfRange {
+                        piece: i,
+                        last,
+                        rows,
+                    });
                 }
                 // In range, so `start + k * step <= last` does not overflow.
                 for k in 0..v.count {
@@ -238,7 +281,10 @@ pub fn validate_selection(
         }
     }
     if next != requested {
-        return Err(PlanError::TooFewRows { planned: next, requested });
+        return Err(PlanError::TooFewRows {
+            planned: next,
+            requested,
+        });
     }
     Ok(())
 }
@@ -261,7 +307,10 @@ pub fn validate_frames(
 ) -> Result<(), PlanError> {
     let frames = plan.frames.len() as u64;
     if frames > u64::from(limits.max_frames) {
-        return Err(PlanError::TooManyFrames { frames, budget: limits.max_frames });
+        return Err(PlanError::TooManyFrames {
+            frames,
+            budget: limits.max_frames,
+        });
     }
     let mut seen = vec![false; pieces.len()];
     let mut mark = |frame: usize, piece: u32| -> Result<u64, PlanError> {
@@ -300,7 +349,9 @@ pub fn validate_frames(
         }
     }
     if let Some(missing) = seen.iter().position(|s| !s) {
-        return Err(PlanError::PieceMissing { piece: missing as u32 });
+        return Err(PlanError::PieceMissing {
+            piece: missing as u32,
+        });
     }
     Ok(())
 }

@@ -33,14 +33,20 @@ pub struct TqClient {
 
 impl std::fmt::Debug for TqClient {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("TqClient").field("unit", &self.unit_id).finish()
+        f.debug_struct("TqClient")
+            .field("unit", &self.unit_id)
+            .finish()
     }
 }
 
 impl TqClient {
     /// A client whose DEALER identity starts `TQ_STORAGE_test_`.
     pub fn new(unit: &UnitEndpoint) -> TqClient {
-        let prefix = format!("TQ_STORAGE_test_{:08x}_{}", std::process::id(), next_client());
+        let prefix = format!(
+            "TQ_STORAGE_test_{:08x}_{}",
+            std::process::id(),
+            next_client()
+        );
         TqClient::with_identity_prefix(unit, &prefix)
     }
 
@@ -56,19 +62,28 @@ impl TqClient {
 
     /// The frames of `request`, addressed to this client's unit.
     pub fn encode(&self, request: &tq::Request) -> Vec<Bytes> {
-        tq::encode_request(&self.sender_id, Some(&self.unit_id), request).expect("encodable request")
+        tq::encode_request(&self.sender_id, Some(&self.unit_id), request)
+            .expect("encodable request")
     }
 
     /// Sends frames and waits (at most `timeout`) for the reply frames.
-    pub async fn exchange(&self, frames: Vec<Bytes>, timeout: Duration) -> Result<Vec<Bytes>, TransportError> {
+    pub async fn exchange(
+        &self,
+        frames: Vec<Bytes>,
+        timeout: Duration,
+    ) -> Result<Vec<Bytes>, TransportError> {
         self.peer.request(frames, timeout).await
     }
 
     /// Sends frames and decodes the reply; panics if there is none or it is
     /// not a well-formed reply from this unit.
     pub async fn send_frames(&self, frames: Vec<Bytes>) -> tq::Reply {
-        let reply = self.exchange(frames, self.timeout).await.unwrap_or_else(|e| panic!("no reply: {e}"));
-        let (envelope, reply) = tq::decode_reply(&reply).unwrap_or_else(|e| panic!("undecodable reply: {e}"));
+        let reply = self
+            .exchange(frames, self.timeout)
+            .await
+            .unwrap_or_else(|e| panic!("no reply: {e}"));
+        let (envelope, reply) =
+            tq::decode_reply(&reply).unwrap_or_else(|e| panic!("undecodable reply: {e}"));
         assert_eq!(envelope.sender_id, self.unit_id, "reply sender");
         assert_eq!(envelope.receiver_id, None, "reply receiver");
         reply
@@ -80,7 +95,11 @@ impl TqClient {
     }
 
     pub async fn put(&self, global_indexes: &[u64], fields: Vec<(String, Field)>) -> tq::Reply {
-        self.request(&tq::Request::Put { global_indexes: global_indexes.to_vec(), fields }).await
+        self.request(&tq::Request::Put {
+            global_indexes: global_indexes.to_vec(),
+            fields,
+        })
+        .await
     }
 
     /// A put that must succeed.
@@ -93,11 +112,19 @@ impl TqClient {
 
     pub async fn get(&self, global_indexes: &[u64], fields: &[&str]) -> tq::Reply {
         let fields = fields.iter().map(|f| f.to_string()).collect();
-        self.request(&tq::Request::Get { global_indexes: global_indexes.to_vec(), fields }).await
+        self.request(&tq::Request::Get {
+            global_indexes: global_indexes.to_vec(),
+            fields,
+        })
+        .await
     }
 
     /// A get that must succeed: the fields in reply order.
-    pub async fn get_ok(&self, global_indexes: &[u64], fields: &[&str]) -> Vec<(String, Vec<Cell>)> {
+    pub async fn get_ok(
+        &self,
+        global_indexes: &[u64],
+        fields: &[&str],
+    ) -> Vec<(String, Vec<Cell>)> {
         match self.get(global_indexes, fields).await {
             tq::Reply::GetData { fields } => fields,
             other => panic!("get failed: {other:?}"),
@@ -105,7 +132,10 @@ impl TqClient {
     }
 
     pub async fn clear(&self, global_indexes: &[u64]) -> tq::Reply {
-        self.request(&tq::Request::Clear { global_indexes: global_indexes.to_vec() }).await
+        self.request(&tq::Request::Clear {
+            global_indexes: global_indexes.to_vec(),
+        })
+        .await
     }
 
     /// `GET_METRICS`.
@@ -135,14 +165,20 @@ pub struct NativeClient {
 
 impl std::fmt::Debug for NativeClient {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("NativeClient").field("endpoint", &self.peer.endpoint()).finish()
+        f.debug_struct("NativeClient")
+            .field("endpoint", &self.peer.endpoint())
+            .finish()
     }
 }
 
 impl NativeClient {
     pub fn new(endpoint: &str) -> NativeClient {
         let prefix = format!("native_test_{:08x}_{}", std::process::id(), next_client());
-        NativeClient { peer: Peer::new(endpoint, prefix), next_id: AtomicU64::new(1), timeout: REPLY_TIMEOUT }
+        NativeClient {
+            peer: Peer::new(endpoint, prefix),
+            next_id: AtomicU64::new(1),
+            timeout: REPLY_TIMEOUT,
+        }
     }
 
     /// A fresh request id.
@@ -153,14 +189,20 @@ impl NativeClient {
     /// Sends frames and decodes the reply: (echoed id, reply). Panics if no
     /// reply arrives in time or it cannot be decoded.
     pub async fn send_frames(&self, frames: Vec<Bytes>) -> (u64, native::Reply) {
-        let reply = self.peer.request(frames, self.timeout).await.unwrap_or_else(|e| panic!("no reply: {e}"));
-        native::decode_reply(&reply, &native::Limits::default()).unwrap_or_else(|e| panic!("undecodable reply: {e}"))
+        let reply = self
+            .peer
+            .request(frames, self.timeout)
+            .await
+            .unwrap_or_else(|e| panic!("no reply: {e}"));
+        native::decode_reply(&reply, &native::Limits::default())
+            .unwrap_or_else(|e| panic!("undecodable reply: {e}"))
     }
 
     /// One request with a fresh id; checks that the reply echoes it.
     pub async fn call(&self, op: native::Op) -> native::Reply {
         let id = self.id();
-        let frames = native::encode_request(&native::Request { id, op }).expect("encodable request");
+        let frames =
+            native::encode_request(&native::Request { id, op }).expect("encodable request");
         let (echoed, reply) = self.send_frames(frames).await;
         assert_eq!(echoed, id, "reply id");
         reply
@@ -171,24 +213,38 @@ impl NativeClient {
             .iter()
             .map(|(n, f)| (n.clone(), WireField::from_field(f).expect("sendable field")))
             .collect();
-        self.call(native::Op::Put { global_indexes: global_indexes.to_vec(), fields }).await
+        self.call(native::Op::Put {
+            global_indexes: global_indexes.to_vec(),
+            fields,
+        })
+        .await
     }
 
     /// A put that must succeed.
     pub async fn put_ok(&self, global_indexes: &[u64], fields: &[(String, Field)]) {
         match self.put(global_indexes, fields).await {
-            native::Reply::PutOk { rows } => assert_eq!(rows, global_indexes.len() as u64, "put_ok rows"),
+            native::Reply::PutOk { rows } => {
+                assert_eq!(rows, global_indexes.len() as u64, "put_ok rows")
+            }
             other => panic!("put failed: {other:?}"),
         }
     }
 
     pub async fn get(&self, global_indexes: &[u64], fields: &[&str]) -> native::Reply {
         let fields = fields.iter().map(|f| f.to_string()).collect();
-        self.call(native::Op::Get { global_indexes: global_indexes.to_vec(), fields }).await
+        self.call(native::Op::Get {
+            global_indexes: global_indexes.to_vec(),
+            fields,
+        })
+        .await
     }
 
     /// A get that must succeed.
-    pub async fn get_ok(&self, global_indexes: &[u64], fields: &[&str]) -> Vec<(String, WireField)> {
+    pub async fn get_ok(
+        &self,
+        global_indexes: &[u64],
+        fields: &[&str],
+    ) -> Vec<(String, WireField)> {
         match self.get(global_indexes, fields).await {
             native::Reply::GetOk { fields } => fields,
             other => panic!("get failed: {other:?}"),
@@ -198,7 +254,13 @@ impl NativeClient {
     /// A clear that must succeed: the number of values dropped.
     pub async fn clear(&self, global_indexes: &[u64], fields: Option<&[&str]>) -> u64 {
         let fields = fields.map(|f| f.iter().map(|s| s.to_string()).collect());
-        match self.call(native::Op::Clear { global_indexes: global_indexes.to_vec(), fields }).await {
+        match self
+            .call(native::Op::Clear {
+                global_indexes: global_indexes.to_vec(),
+                fields,
+            })
+            .await
+        {
             native::Reply::ClearOk { cleared } => cleared,
             other => panic!("clear failed: {other:?}"),
         }
@@ -237,7 +299,10 @@ pub fn native_error(reply: &native::Reply) -> (&str, &str) {
 pub fn summary(reply: &native::Reply) -> String {
     match reply {
         native::Reply::GetOk { fields } => {
-            let fields: Vec<String> = fields.iter().map(|(n, f)| format!("{n}: {} x{}", f.kind(), f.rows())).collect();
+            let fields: Vec<String> = fields
+                .iter()
+                .map(|(n, f)| format!("{n}: {} x{}", f.kind(), f.rows()))
+                .collect();
             format!("get_ok {{{}}}", fields.join(", "))
         }
         other => format!("{other:?}"),
@@ -282,6 +347,7 @@ impl NativePipeline {
             .await
             .expect("no reply in time")
             .expect("receive failed");
-        native::decode_reply(&message.into_vec(), &native::Limits::default()).expect("decodable reply")
+        native::decode_reply(&message.into_vec(), &native::Limits::default())
+            .expect("decodable reply")
     }
 }

@@ -43,18 +43,30 @@ pub fn f32_rows(rows: u64, cols: u64, seed: u64) -> Tensor {
 
 /// A nested field: row `i` is a 1-d tensor of `lengths[i]` elements.
 pub fn nested(dtype: DType, lengths: &[u64], seed: u64) -> Field {
-    Field::Nested(lengths.iter().enumerate().map(|(i, &n)| tensor(dtype, &[n], seed + i as u64)).collect())
+    Field::Nested(
+        lengths
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| tensor(dtype, &[n], seed + i as u64))
+            .collect(),
+    )
 }
 
 /// A values field of strings `"<prefix>-<i>"`.
 pub fn strings(prefix: &str, n: usize) -> Field {
-    Field::Values((0..n).map(|i| Value::Str(format!("{prefix}-{i}"))).collect())
+    Field::Values(
+        (0..n)
+            .map(|i| Value::Str(format!("{prefix}-{i}")))
+            .collect(),
+    )
 }
 
 /// The cells a unit stores for `field`: one per row.
 pub fn cells(field: &Field) -> Vec<Cell> {
     match field {
-        Field::Regular(t) => (0..t.rows()).map(|i| Cell::Tensor(t.row_tensor(i).expect("row in range"))).collect(),
+        Field::Regular(t) => (0..t.rows())
+            .map(|i| Cell::Tensor(t.row_tensor(i).expect("row in range")))
+            .collect(),
         Field::Nested(rows) => rows.iter().cloned().map(Cell::Tensor).collect(),
         Field::Values(v) => v.iter().cloned().map(Cell::Value).collect(),
     }
@@ -66,7 +78,10 @@ pub fn expected(field: &Field, put_indexes: &[u64], get_indexes: &[u64]) -> Vec<
     get_indexes
         .iter()
         .map(|g| {
-            let pos = put_indexes.iter().position(|p| p == g).unwrap_or_else(|| panic!("index {g} was not put"));
+            let pos = put_indexes
+                .iter()
+                .position(|p| p == g)
+                .unwrap_or_else(|| panic!("index {g} was not put"));
             all[pos].clone()
         })
         .collect()
@@ -87,11 +102,18 @@ pub fn assert_cells(what: &str, got: &[Cell], want: &[Cell]) {
     for (i, (g, w)) in got.iter().zip(want).enumerate() {
         let same = match (g, w) {
             (Cell::Tensor(a), Cell::Tensor(b)) => {
-                a.dtype() == b.dtype() && a.shape() == b.shape() && a.contiguous_bytes() == b.contiguous_bytes()
+                a.dtype() == b.dtype()
+                    && a.shape() == b.shape()
+                    && a.contiguous_bytes() == b.contiguous_bytes()
             }
             (a, b) => a == b,
         };
-        assert!(same, "{what}: row {i} differs: got {}, want {}", describe(g), describe(w));
+        assert!(
+            same,
+            "{what}: row {i} differs: got {}, want {}",
+            describe(g),
+            describe(w)
+        );
     }
 }
 

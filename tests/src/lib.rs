@@ -25,7 +25,10 @@ pub use process::Stowd;
 
 /// The workspace root.
 pub fn workspace_root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).parent().expect("tests/ has a parent").to_path_buf()
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("tests/ has a parent")
+        .to_path_buf()
 }
 
 /// Directory of the built seed plugins; panics with the command to run if
@@ -50,7 +53,11 @@ pub fn plugin(name: &str) -> PathBuf {
 /// Path of one hostile test plugin.
 pub fn hostile(name: &str) -> PathBuf {
     let path = plugin_dir().join("hostile").join(format!("{name}.wasm"));
-    assert!(path.exists(), "{} is not built: run `cargo xtask plugins --hostile`", path.display());
+    assert!(
+        path.exists(),
+        "{} is not built: run `cargo xtask plugins --hostile`",
+        path.display()
+    );
     path
 }
 
@@ -73,6 +80,7 @@ pub fn shared_cache() -> PathBuf {
     use std::os::unix::fs::PermissionsExt;
     let dir = workspace_root().join("target").join("test-cwasm-cache");
     std::fs::create_dir_all(&dir).expect("create cache dir");
-    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)).expect("chmod 700 the cache dir");
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700))
+        .expect("chmod 700 the cache dir");
     dir
 }

@@ -144,14 +144,21 @@ fn row_bytes(g: u64, field: usize, version: u64, len: usize) -> Vec<u8> {
 
 fn string_value(g: u64, version: u64) -> String {
     let s = seed_of(g, STR, version);
-    let tail: String = pattern((s % 40) as usize, s).iter().map(|b| (b'a' + b % 26) as char).collect();
+    let tail: String = pattern((s % 40) as usize, s)
+        .iter()
+        .map(|b| (b'a' + b % 26) as char)
+        .collect();
     format!("g={g} f=str v={version} {tail}")
 }
 
 /// The expected cell of (g, field, version).
 fn expected_cell(g: u64, field: usize, version: u64, blob_bytes: usize) -> Cell {
     let tensor = |dtype: DType, row_shape: Vec<u64>, len: usize| {
-        let t = Tensor::contiguous(Bytes::from(row_bytes(g, field, version, len)), dtype, row_shape);
+        let t = Tensor::contiguous(
+            Bytes::from(row_bytes(g, field, version, len)),
+            dtype,
+            row_shape,
+        );
         Cell::Tensor(t.expect("length matches"))
     };
     match field {
@@ -173,7 +180,9 @@ fn make_field(field: usize, indexes: &[u64], version: u64, blob_bytes: usize) ->
         for &g in indexes {
             bytes.extend_from_slice(&row_bytes(g, field, version, row_len));
         }
-        Field::Regular(Tensor::contiguous(Bytes::from(bytes), dtype, vec![n, cols]).expect("length matches"))
+        Field::Regular(
+            Tensor::contiguous(Bytes::from(bytes), dtype, vec![n, cols]).expect("length matches"),
+        )
     };
     match field {
         REG => regular(DType::F32, REG_COLS as usize * 4, REG_COLS),
@@ -188,21 +197,32 @@ fn make_field(field: usize, indexes: &[u64], version: u64, blob_bytes: usize) ->
                 })
                 .collect(),
         ),
-        _ => Field::Values(indexes.iter().map(|&g| Value::Str(string_value(g, version))).collect()),
+        _ => Field::Values(
+            indexes
+                .iter()
+                .map(|&g| Value::Str(string_value(g, version)))
+                .collect(),
+        ),
     }
 }
 
 /// Field `name` (one of [`FIELDS`]) of a put of `indexes` at `version`,
 /// with 4 KiB blob rows.
 pub fn field(name: &str, indexes: &[u64], version: u64) -> Field {
-    let f = FIELDS.iter().position(|n| *n == name).expect("a known field");
+    let f = FIELDS
+        .iter()
+        .position(|n| *n == name)
+        .expect("a known field");
     make_field(f, indexes, version, 4096)
 }
 
 /// Checks a returned cell of field `name` against (g, version), 4 KiB blob
 /// rows: `None` if right, else what is wrong (stale, swapped, corrupt).
 pub fn check(cell: &Cell, g: u64, name: &str, version: u64) -> Option<String> {
-    let f = FIELDS.iter().position(|n| *n == name).expect("a known field");
+    let f = FIELDS
+        .iter()
+        .position(|n| *n == name)
+        .expect("a known field");
     check_cell(cell, g, f, version, 4096)
 }
 
@@ -217,17 +237,32 @@ fn check_cell(got: &Cell, g: u64, field: usize, version: u64, blob_bytes: usize)
                 return None;
             }
             if bytes.len() < 16 {
-                return Some(format!("corrupt: {} {:?} {} bytes", a.dtype(), a.shape(), bytes.len()));
+                return Some(format!(
+                    "corrupt: {} {:?} {} bytes",
+                    a.dtype(),
+                    a.shape(),
+                    bytes.len()
+                ));
             }
             let hg = u64::from_le_bytes(bytes[..8].try_into().expect("8 bytes"));
             let tag = u64::from_le_bytes(bytes[8..16].try_into().expect("8 bytes"));
             let (hf, hv) = ((tag >> 56) as usize, tag & ((1 << 56) - 1));
             Some(if hg != g || hf != field {
-                format!("swapped: holds g={hg} field={} v={hv}", FIELDS.get(hf).unwrap_or(&"?"))
+                format!(
+                    "swapped: holds g={hg} field={} v={hv}",
+                    FIELDS.get(hf).unwrap_or(&"?")
+                )
             } else if hv != version {
                 format!("stale: holds v={hv}, want v={version}")
             } else {
-                format!("corrupt: {} {:?} {} bytes, want {} {:?}", a.dtype(), a.shape(), bytes.len(), b.dtype(), b.shape())
+                format!(
+                    "corrupt: {} {:?} {} bytes, want {} {:?}",
+                    a.dtype(),
+                    a.shape(),
+                    bytes.len(),
+                    b.dtype(),
+                    b.shape()
+                )
             })
         }
         (Cell::Value(Value::Str(a)), Cell::Value(Value::Str(b))) => {
@@ -261,14 +296,26 @@ struct Conn {
 
 impl Conn {
     fn new(endpoint: &str, prefix: String) -> Conn {
-        Conn { endpoint: endpoint.to_string(), prefix, n: 0, socket: None }
+        Conn {
+            endpoint: endpoint.to_string(),
+            prefix,
+            n: 0,
+            socket: None,
+        }
     }
 
-    async fn request(&mut self, frames: Vec<Bytes>, timeout: Duration) -> Result<Vec<Bytes>, String> {
+    async fn request(
+        &mut self,
+        frames: Vec<Bytes>,
+        timeout: Duration,
+    ) -> Result<Vec<Bytes>, String> {
         let result = tokio::time::timeout(timeout, self.exchange(frames, timeout)).await;
         let result = match result {
             Ok(r) => r,
-            Err(_) => Err(format!("no reply from {} within {timeout:?}", self.endpoint)),
+            Err(_) => Err(format!(
+                "no reply from {} within {timeout:?}",
+                self.endpoint
+            )),
         };
         if result.is_err() {
             self.socket = None;
@@ -276,21 +323,39 @@ impl Conn {
         result
     }
 
-    async fn exchange(&mut self, frames: Vec<Bytes>, timeout: Duration) -> Result<Vec<Bytes>, String> {
+    async fn exchange(
+        &mut self,
+        frames: Vec<Bytes>,
+        timeout: Duration,
+    ) -> Result<Vec<Bytes>, String> {
         if self.socket.is_none() {
             let mut options = SocketOptions::default();
             let identity = format!("{}_{}", self.prefix, self.n);
             self.n += 1;
-            options.peer_identity(identity.into_bytes().try_into().map_err(|e: zeromq::ZmqError| e.to_string())?);
+            options.peer_identity(
+                identity
+                    .into_bytes()
+                    .try_into()
+                    .map_err(|e: zeromq::ZmqError| e.to_string())?,
+            );
             options.connect_timeout(timeout);
             let mut socket = DealerSocket::with_options(options);
-            socket.connect(&self.endpoint).await.map_err(|e| format!("cannot connect to {}: {e}", self.endpoint))?;
+            socket
+                .connect(&self.endpoint)
+                .await
+                .map_err(|e| format!("cannot connect to {}: {e}", self.endpoint))?;
             self.socket = Some(socket);
         }
         let socket = self.socket.as_mut().expect("connected");
         let message = ZmqMessage::try_from(frames).map_err(|e| e.to_string())?;
-        socket.send(message).await.map_err(|e| format!("send to {} failed: {e}", self.endpoint))?;
-        let reply = socket.recv().await.map_err(|e| format!("receive from {} failed: {e}", self.endpoint))?;
+        socket
+            .send(message)
+            .await
+            .map_err(|e| format!("send to {} failed: {e}", self.endpoint))?;
+        let reply = socket
+            .recv()
+            .await
+            .map_err(|e| format!("receive from {} failed: {e}", self.endpoint))?;
         Ok(reply.into_vec())
     }
 }
@@ -334,8 +399,20 @@ impl DualClient {
             let sender = format!("TQ_STORAGE_load_{tag}_{:x}", std::process::id());
             (Conn::new(&u.endpoint, sender.clone()), sender, u.id.clone())
         });
-        let native = target.native.as_ref().map(|e| (Conn::new(e, format!("load_{tag}_{:x}", std::process::id())), 1));
-        DualClient { tq, native, timeout, bytes_out: 0, bytes_in: 0, max_message: 0 }
+        let native = target.native.as_ref().map(|e| {
+            (
+                Conn::new(e, format!("load_{tag}_{:x}", std::process::id())),
+                1,
+            )
+        });
+        DualClient {
+            tq,
+            native,
+            timeout,
+            bytes_out: 0,
+            bytes_in: 0,
+            max_message: 0,
+        }
     }
 
     pub fn has(&self, p: Proto) -> bool {
@@ -365,7 +442,9 @@ impl DualClient {
             Ok((_, tq::Reply::GetData { fields })) => Outcome::Got(fields),
             Ok((_, tq::Reply::ClearData { .. })) => Outcome::Cleared(None),
             Ok((_, tq::Reply::Error { kind, message })) => {
-                if kind == tq::ErrorReply::Get && message.starts_with(&format!("[{}]", tq::KEY_NOT_FOUND_MARKER)) {
+                if kind == tq::ErrorReply::Get
+                    && message.starts_with(&format!("[{}]", tq::KEY_NOT_FOUND_MARKER))
+                {
                     Outcome::KeyNotFound(message)
                 } else {
                     Outcome::Error(format!("{}: {message}", kind.as_str()))
@@ -393,23 +472,43 @@ impl DualClient {
         self.max_message = self.max_message.max(frames_len(&reply));
         match native::decode_reply(&reply, &native::Limits::default()) {
             Err(e) => Outcome::Error(format!("undecodable reply: {e}")),
-            Ok((echoed, _)) if echoed != id => Outcome::Error(format!("reply id {echoed} for request {id}")),
-            Ok((_, native::Reply::PutOk { .. })) => Outcome::Put,
-            Ok((_, native::Reply::GetOk { fields })) => {
-                Outcome::Got(fields.into_iter().map(|(n, f)| (n, f.into_cells())).collect())
+            Ok((echoed, _)) if echoed != id => {
+                Outcome::Error(format!("reply id {echoed} for request {id}"))
             }
+            Ok((_, native::Reply::PutOk { .. })) => Outcome::Put,
+            Ok((_, native::Reply::GetOk { fields })) => Outcome::Got(
+                fields
+                    .into_iter()
+                    .map(|(n, f)| (n, f.into_cells()))
+                    .collect(),
+            ),
             Ok((_, native::Reply::ClearOk { cleared })) => Outcome::Cleared(Some(cleared)),
-            Ok((_, native::Reply::Error { code, message })) if code == native::code::KEY_NOT_FOUND => {
+            Ok((_, native::Reply::Error { code, message }))
+                if code == native::code::KEY_NOT_FOUND =>
+            {
                 Outcome::KeyNotFound(format!("{code}: {message}"))
             }
-            Ok((_, native::Reply::Error { code, message })) => Outcome::Error(format!("{code}: {message}")),
+            Ok((_, native::Reply::Error { code, message })) => {
+                Outcome::Error(format!("{code}: {message}"))
+            }
             Ok((_, other)) => Outcome::Error(format!("unexpected reply {}", other.name())),
         }
     }
 
-    pub async fn put(&mut self, p: Proto, indexes: &[u64], fields: Vec<(String, Field)>) -> Outcome {
+    pub async fn put(
+        &mut self,
+        p: Proto,
+        indexes: &[u64],
+        fields: Vec<(String, Field)>,
+    ) -> Outcome {
         match p {
-            Proto::Tq => self.tq_call(tq::Request::Put { global_indexes: indexes.to_vec(), fields }).await,
+            Proto::Tq => {
+                self.tq_call(tq::Request::Put {
+                    global_indexes: indexes.to_vec(),
+                    fields,
+                })
+                .await
+            }
             Proto::Native => {
                 let mut wire = Vec::with_capacity(fields.len());
                 for (n, f) in &fields {
@@ -418,7 +517,11 @@ impl DualClient {
                         Err(e) => return Outcome::Error(format!("cannot encode {n}: {e}")),
                     }
                 }
-                self.native_call(native::Op::Put { global_indexes: indexes.to_vec(), fields: wire }).await
+                self.native_call(native::Op::Put {
+                    global_indexes: indexes.to_vec(),
+                    fields: wire,
+                })
+                .await
             }
         }
     }
@@ -426,19 +529,45 @@ impl DualClient {
     pub async fn get(&mut self, p: Proto, indexes: &[u64], fields: &[String]) -> Outcome {
         let (global_indexes, fields) = (indexes.to_vec(), fields.to_vec());
         match p {
-            Proto::Tq => self.tq_call(tq::Request::Get { global_indexes, fields }).await,
-            Proto::Native => self.native_call(native::Op::Get { global_indexes, fields }).await,
+            Proto::Tq => {
+                self.tq_call(tq::Request::Get {
+                    global_indexes,
+                    fields,
+                })
+                .await
+            }
+            Proto::Native => {
+                self.native_call(native::Op::Get {
+                    global_indexes,
+                    fields,
+                })
+                .await
+            }
         }
     }
 
     /// Clears `indexes` (only `fields`, native only).
-    pub async fn clear(&mut self, p: Proto, indexes: &[u64], fields: Option<Vec<String>>) -> Outcome {
+    pub async fn clear(
+        &mut self,
+        p: Proto,
+        indexes: &[u64],
+        fields: Option<Vec<String>>,
+    ) -> Outcome {
         match p {
             Proto::Tq => {
                 assert!(fields.is_none(), "TransferQueue clears whole indexes");
-                self.tq_call(tq::Request::Clear { global_indexes: indexes.to_vec() }).await
+                self.tq_call(tq::Request::Clear {
+                    global_indexes: indexes.to_vec(),
+                })
+                .await
             }
-            Proto::Native => self.native_call(native::Op::Clear { global_indexes: indexes.to_vec(), fields }).await,
+            Proto::Native => {
+                self.native_call(native::Op::Clear {
+                    global_indexes: indexes.to_vec(),
+                    fields,
+                })
+                .await
+            }
         }
     }
 
@@ -447,12 +576,22 @@ impl DualClient {
         let (conn, next) = self.native.as_mut().ok_or("no native endpoint")?;
         let id = *next;
         *next += 1;
-        let frames = native::encode_request(&native::Request { id, op: native::Op::Stats }).map_err(|e| e.to_string())?;
+        let frames = native::encode_request(&native::Request {
+            id,
+            op: native::Op::Stats,
+        })
+        .map_err(|e| e.to_string())?;
         let reply = conn.request(frames, self.timeout).await?;
         match native::decode_reply(&reply, &native::Limits::default()) {
             Ok((_, native::Reply::StatsOk(s))) => Ok(s
                 .into_iter()
-                .filter_map(|(k, v)| if let native::Stat::Int(i) = v { Some((k, i)) } else { None })
+                .filter_map(|(k, v)| {
+                    if let native::Stat::Int(i) = v {
+                        Some((k, i))
+                    } else {
+                        None
+                    }
+                })
                 .collect()),
             other => Err(format!("stats failed: {other:?}")),
         }
@@ -525,7 +664,8 @@ impl OpStats {
     fn add(&mut self, rows: usize, took: Duration) {
         self.count += 1;
         self.rows += rows as u64;
-        self.latencies_us.push(took.as_micros().min(u32::MAX as u128) as u32);
+        self.latencies_us
+            .push(took.as_micros().min(u32::MAX as u128) as u32);
     }
     /// The `q` quantile (0..=1) in microseconds, from sorted latencies.
     pub fn quantile_us(&self, q: f64) -> u32 {
@@ -575,8 +715,16 @@ async fn client_loop(ctx: Arc<Ctx>, c: usize, mut client: DualClient) -> ClientR
     let keys: Vec<u64> = (base..base + o.keys_per_client).collect();
     let mut model = vec![[State::Absent; 4]; o.keys_per_client as usize];
     let mut version = 0u64;
-    let mut r = Tally { ops: Default::default(), per_proto: [0; 2], mismatches: vec![], errors: vec![] };
-    let protos: Vec<Proto> = [Proto::Tq, Proto::Native].into_iter().filter(|p| client.has(*p)).collect();
+    let mut r = Tally {
+        ops: Default::default(),
+        per_proto: [0; 2],
+        mismatches: vec![],
+        errors: vec![],
+    };
+    let protos: Vec<Proto> = [Proto::Tq, Proto::Native]
+        .into_iter()
+        .filter(|p| client.has(*p))
+        .collect();
     while !ctx.stop.load(Ordering::Relaxed) {
         let proto = protos[rng.below(protos.len() as u64) as usize];
         r.per_proto[proto as usize] += 1;
@@ -590,8 +738,15 @@ async fn client_loop(ctx: Arc<Ctx>, c: usize, mut client: DualClient) -> ClientR
                 fields.push(rng.below(4) as usize);
             }
             version += 1;
-            let batch: Vec<(String, Field)> =
-                fields.iter().map(|&f| (FIELDS[f].to_string(), make_field(f, &indexes, version, o.blob_bytes))).collect();
+            let batch: Vec<(String, Field)> = fields
+                .iter()
+                .map(|&f| {
+                    (
+                        FIELDS[f].to_string(),
+                        make_field(f, &indexes, version, o.blob_bytes),
+                    )
+                })
+                .collect();
             let t = Instant::now();
             let outcome = client.put(proto, &indexes, batch).await;
             let took = t.elapsed();
@@ -608,7 +763,12 @@ async fn client_loop(ctx: Arc<Ctx>, c: usize, mut client: DualClient) -> ClientR
                     set(&mut model, State::Present(version));
                 }
                 other => {
-                    r.errors.push(Finding { client: c, op: "put", proto, detail: format!("{other:?}") });
+                    r.errors.push(Finding {
+                        client: c,
+                        op: "put",
+                        proto,
+                        detail: format!("{other:?}"),
+                    });
                     set(&mut model, State::Unknown);
                 }
             }
@@ -618,11 +778,19 @@ async fn client_loop(ctx: Arc<Ctx>, c: usize, mut client: DualClient) -> ClientR
             if fields.is_empty() {
                 fields.push(rng.below(4) as usize);
             }
-            let known = |g: &u64| fields.iter().all(|&f| model[(g - base) as usize][f] != State::Unknown);
+            let known = |g: &u64| {
+                fields
+                    .iter()
+                    .all(|&f| model[(g - base) as usize][f] != State::Unknown)
+            };
             let present: Vec<u64> = keys
                 .iter()
                 .copied()
-                .filter(|g| fields.iter().all(|&f| matches!(model[(g - base) as usize][f], State::Present(_))))
+                .filter(|g| {
+                    fields
+                        .iter()
+                        .all(|&f| matches!(model[(g - base) as usize][f], State::Present(_)))
+                })
                 .collect();
             let indexes = if rng.chance(80) && !present.is_empty() {
                 rng.sample(&present, n)
@@ -633,18 +801,30 @@ async fn client_loop(ctx: Arc<Ctx>, c: usize, mut client: DualClient) -> ClientR
             if indexes.is_empty() {
                 continue;
             }
-            let expect_hit =
-                indexes.iter().all(|g| fields.iter().all(|&f| matches!(model[(g - base) as usize][f], State::Present(_))));
+            let expect_hit = indexes.iter().all(|g| {
+                fields
+                    .iter()
+                    .all(|&f| matches!(model[(g - base) as usize][f], State::Present(_)))
+            });
             let names: Vec<String> = fields.iter().map(|&f| FIELDS[f].to_string()).collect();
             let t = Instant::now();
             let outcome = client.get(proto, &indexes, &names).await;
             let took = t.elapsed();
-            let finding = |detail: String| Finding { client: c, op: "get", proto, detail };
+            let finding = |detail: String| Finding {
+                client: c,
+                op: "get",
+                proto,
+                detail,
+            };
             match (outcome, expect_hit) {
                 (Outcome::Got(got), true) => {
                     r.ops[1].add(n, took);
                     if got.len() != fields.len() {
-                        r.mismatches.push(finding(format!("{} fields for {} asked", got.len(), fields.len())));
+                        r.mismatches.push(finding(format!(
+                            "{} fields for {} asked",
+                            got.len(),
+                            fields.len()
+                        )));
                         continue;
                     }
                     for ((name, cells), &f) in got.iter().zip(&fields) {
@@ -658,9 +838,12 @@ async fn client_loop(ctx: Arc<Ctx>, c: usize, mut client: DualClient) -> ClientR
                             continue;
                         }
                         for (cell, g) in cells.iter().zip(&indexes) {
-                            let State::Present(v) = model[(g - base) as usize][f] else { unreachable!() };
+                            let State::Present(v) = model[(g - base) as usize][f] else {
+                                unreachable!()
+                            };
                             if let Some(why) = check_cell(cell, *g, f, v, o.blob_bytes) {
-                                r.mismatches.push(finding(format!("g={g} field={}: {why}", FIELDS[f])));
+                                r.mismatches
+                                    .push(finding(format!("g={g} field={}: {why}", FIELDS[f])));
                             }
                         }
                     }
@@ -674,25 +857,31 @@ async fn client_loop(ctx: Arc<Ctx>, c: usize, mut client: DualClient) -> ClientR
                         .map(|(g, f)| format!("({g}, {})", FIELDS[f]))
                         .take(4)
                         .collect();
-                    r.mismatches.push(finding(format!("ghost: got rows for absent keys {}", absent.join(" "))));
+                    r.mismatches.push(finding(format!(
+                        "ghost: got rows for absent keys {}",
+                        absent.join(" ")
+                    )));
                 }
                 (Outcome::KeyNotFound(msg), true) => {
-                    r.mismatches.push(finding(format!("lost: key not found although every key was put: {msg}")));
+                    r.mismatches.push(finding(format!(
+                        "lost: key not found although every key was put: {msg}"
+                    )));
                 }
                 (other, _) => r.errors.push(finding(format!("{other:?}"))),
             }
         } else {
             // clear
             let indexes = rng.sample(&keys, n);
-            let fields: Option<Vec<usize>> = if proto == Proto::Native && o.field_clears && rng.chance(50) {
-                let mut f: Vec<usize> = (0..4).filter(|_| rng.chance(50)).collect();
-                if f.is_empty() {
-                    f.push(rng.below(4) as usize);
-                }
-                Some(f)
-            } else {
-                None
-            };
+            let fields: Option<Vec<usize>> =
+                if proto == Proto::Native && o.field_clears && rng.chance(50) {
+                    let mut f: Vec<usize> = (0..4).filter(|_| rng.chance(50)).collect();
+                    if f.is_empty() {
+                        f.push(rng.below(4) as usize);
+                    }
+                    Some(f)
+                } else {
+                    None
+                };
             let affected: Vec<(u64, usize)> = indexes
                 .iter()
                 .flat_map(|g| {
@@ -700,9 +889,16 @@ async fn client_loop(ctx: Arc<Ctx>, c: usize, mut client: DualClient) -> ClientR
                     fs.into_iter().map(move |f| (*g, f))
                 })
                 .collect();
-            let unknown = affected.iter().any(|(g, f)| model[(g - base) as usize][*f] == State::Unknown);
-            let expected = affected.iter().filter(|(g, f)| matches!(model[(g - base) as usize][*f], State::Present(_))).count();
-            let names = fields.as_ref().map(|fs| fs.iter().map(|&f| FIELDS[f].to_string()).collect());
+            let unknown = affected
+                .iter()
+                .any(|(g, f)| model[(g - base) as usize][*f] == State::Unknown);
+            let expected = affected
+                .iter()
+                .filter(|(g, f)| matches!(model[(g - base) as usize][*f], State::Present(_)))
+                .count();
+            let names = fields
+                .as_ref()
+                .map(|fs| fs.iter().map(|&f| FIELDS[f].to_string()).collect());
             let t = Instant::now();
             let outcome = client.clear(proto, &indexes, names).await;
             let took = t.elapsed();
@@ -726,7 +922,12 @@ async fn client_loop(ctx: Arc<Ctx>, c: usize, mut client: DualClient) -> ClientR
                     }
                 }
                 other => {
-                    r.errors.push(Finding { client: c, op: "clear", proto, detail: format!("{other:?}") });
+                    r.errors.push(Finding {
+                        client: c,
+                        op: "clear",
+                        proto,
+                        detail: format!("{other:?}"),
+                    });
                     for (g, f) in affected {
                         model[(g - base) as usize][f] = State::Unknown;
                     }
@@ -734,14 +935,24 @@ async fn client_loop(ctx: Arc<Ctx>, c: usize, mut client: DualClient) -> ClientR
             }
         }
     }
-    ClientResult { ops: r.ops, per_proto: r.per_proto, mismatches: r.mismatches, errors: r.errors, model, client }
+    ClientResult {
+        ops: r.ops,
+        per_proto: r.per_proto,
+        mismatches: r.mismatches,
+        errors: r.errors,
+        model,
+        client,
+    }
 }
 
 /// Reads every key of the model back (absent keys must be reported
 /// absent), then clears every key; returns (mismatches, errors).
 async fn final_pass(o: &Options, c: usize, r: &mut ClientResult) {
     let base = o.index_base + c as u64 * o.keys_per_client;
-    let protos: Vec<Proto> = [Proto::Native, Proto::Tq].into_iter().filter(|p| r.client.has(*p)).collect();
+    let protos: Vec<Proto> = [Proto::Native, Proto::Tq]
+        .into_iter()
+        .filter(|p| r.client.has(*p))
+        .collect();
     let proto = protos[c % protos.len()];
     let chunk = o.max_batch.max(1);
     for f in 0..4 {
@@ -758,12 +969,27 @@ async fn final_pass(o: &Options, c: usize, r: &mut ClientResult) {
                 Outcome::Got(got) if got.len() == 1 && got[0].1.len() == part.len() => {
                     for (cell, (g, v)) in got[0].1.iter().zip(part) {
                         if let Some(why) = check_cell(cell, *g, f, *v, o.blob_bytes) {
-                            r.mismatches.push(Finding { client: c, op: "final get", proto, detail: format!("g={g} field={}: {why}", FIELDS[f]) });
+                            r.mismatches.push(Finding {
+                                client: c,
+                                op: "final get",
+                                proto,
+                                detail: format!("g={g} field={}: {why}", FIELDS[f]),
+                            });
                         }
                     }
                 }
-                Outcome::KeyNotFound(msg) => r.mismatches.push(Finding { client: c, op: "final get", proto, detail: format!("lost: {msg}") }),
-                other => r.errors.push(Finding { client: c, op: "final get", proto, detail: format!("{other:?}") }),
+                Outcome::KeyNotFound(msg) => r.mismatches.push(Finding {
+                    client: c,
+                    op: "final get",
+                    proto,
+                    detail: format!("lost: {msg}"),
+                }),
+                other => r.errors.push(Finding {
+                    client: c,
+                    op: "final get",
+                    proto,
+                    detail: format!("{other:?}"),
+                }),
             }
         }
         // Absent keys, one at a time for a sample (a whole-batch miss only
@@ -776,8 +1002,21 @@ async fn final_pass(o: &Options, c: usize, r: &mut ClientResult) {
         for g in absent {
             match r.client.get(proto, &[g], &names).await {
                 Outcome::KeyNotFound(_) => {}
-                Outcome::Got(_) => r.mismatches.push(Finding { client: c, op: "final get", proto, detail: format!("ghost: g={g} field={} was cleared but is returned", FIELDS[f]) }),
-                other => r.errors.push(Finding { client: c, op: "final get", proto, detail: format!("{other:?}") }),
+                Outcome::Got(_) => r.mismatches.push(Finding {
+                    client: c,
+                    op: "final get",
+                    proto,
+                    detail: format!(
+                        "ghost: g={g} field={} was cleared but is returned",
+                        FIELDS[f]
+                    ),
+                }),
+                other => r.errors.push(Finding {
+                    client: c,
+                    op: "final get",
+                    proto,
+                    detail: format!("{other:?}"),
+                }),
             }
         }
     }
@@ -786,7 +1025,12 @@ async fn final_pass(o: &Options, c: usize, r: &mut ClientResult) {
         if let Outcome::Cleared(_) = r.client.clear(proto, part, None).await {
             continue;
         }
-        r.errors.push(Finding { client: c, op: "final clear", proto, detail: "final clear failed".into() });
+        r.errors.push(Finding {
+            client: c,
+            op: "final clear",
+            proto,
+            detail: "final clear failed".into(),
+        });
     }
 }
 
@@ -875,7 +1119,12 @@ pub struct Report {
 
 impl Report {
     pub fn op(&self, name: &str) -> &OpStats {
-        &self.ops.iter().find(|(n, _)| *n == name).expect("known op").1
+        &self
+            .ops
+            .iter()
+            .find(|(n, _)| *n == name)
+            .expect("known op")
+            .1
     }
 
     /// `after_clear <= baseline + tolerance` and `after_disconnect <=
@@ -892,7 +1141,11 @@ impl Report {
         let secs = self.elapsed.as_secs_f64().max(1e-9);
         let mut s = String::new();
         let _ = writeln!(s, "stowload: {} clients, {:.1} s", self.clients, secs);
-        let _ = writeln!(s, "{:<9} {:>9} {:>9} {:>10} {:>9} {:>9} {:>9} {:>9}", "op", "count", "ops/s", "rows", "p50 ms", "p90 ms", "p99 ms", "max ms");
+        let _ = writeln!(
+            s,
+            "{:<9} {:>9} {:>9} {:>10} {:>9} {:>9} {:>9} {:>9}",
+            "op", "count", "ops/s", "rows", "p50 ms", "p90 ms", "p99 ms", "max ms"
+        );
         let ms = |us: u32| us as f64 / 1000.0;
         let mut total = 0;
         for (name, st) in &self.ops {
@@ -911,7 +1164,11 @@ impl Report {
             );
         }
         let _ = writeln!(s, "{:<9} {:>9} {:>9.1}", "all", total, total as f64 / secs);
-        let _ = writeln!(s, "requests by protocol: transferqueue {}, stowage/1 {}", self.per_proto[0], self.per_proto[1]);
+        let _ = writeln!(
+            s,
+            "requests by protocol: transferqueue {}, stowage/1 {}",
+            self.per_proto[0], self.per_proto[1]
+        );
         let mib = |b: u64| b as f64 / (1 << 20) as f64;
         let _ = writeln!(
             s,
@@ -922,14 +1179,25 @@ impl Report {
         );
         let _ = writeln!(s, "mismatches: {}", self.mismatch_count);
         for m in self.mismatches.iter().take(10) {
-            let _ = writeln!(s, "  client {} {} {:?}: {}", m.client, m.op, m.proto, m.detail);
+            let _ = writeln!(
+                s,
+                "  client {} {} {:?}: {}",
+                m.client, m.op, m.proto, m.detail
+            );
         }
         let _ = writeln!(s, "unexpected errors: {}", self.error_count);
         for m in self.errors.iter().take(10) {
-            let _ = writeln!(s, "  client {} {} {:?}: {}", m.client, m.op, m.proto, m.detail);
+            let _ = writeln!(
+                s,
+                "  client {} {} {:?}: {}",
+                m.client, m.op, m.proto, m.detail
+            );
         }
         if let Some((k, r, b)) = self.after_clear_stats {
-            let _ = writeln!(s, "stats after the final clear: keys {k}, rows {r}, bytes {b}");
+            let _ = writeln!(
+                s,
+                "stats after the final clear: keys {k}, rows {r}, bytes {b}"
+            );
         }
         if let Some(m) = self.memory {
             let delta = |v: u64| (v as f64 - m.baseline as f64) / (1 << 20) as f64;
@@ -956,7 +1224,11 @@ impl Report {
                 mib(m.after_disconnect),
                 delta(m.after_disconnect),
                 mib(rss_tolerance_disconnected(&m)),
-                if self.rss_ok() == Some(true) { "ok" } else { "NOT BACK TO BASELINE" }
+                if self.rss_ok() == Some(true) {
+                    "ok"
+                } else {
+                    "NOT BACK TO BASELINE"
+                }
             );
         }
         s
@@ -966,34 +1238,42 @@ impl Report {
 /// Runs the load against `target` and reports.
 pub async fn run(target: &Target, opts: &Options) -> Report {
     assert!(opts.blob_bytes >= 16, "blob rows carry a 16-byte header");
-    assert!(target.tq.is_some() || target.native.is_some(), "no endpoint to load");
-    let mut clients: Vec<DualClient> =
-        (0..opts.clients).map(|c| DualClient::new(target, &format!("c{c}"), opts.timeout)).collect();
+    assert!(
+        target.tq.is_some() || target.native.is_some(),
+        "no endpoint to load"
+    );
+    let mut clients: Vec<DualClient> = (0..opts.clients)
+        .map(|c| DualClient::new(target, &format!("c{c}"), opts.timeout))
+        .collect();
 
     // Warm-up: every socket connected, every path taken once, nothing left.
     let warm_base = opts.index_base + opts.clients as u64 * opts.keys_per_client;
-    let warm = clients.iter_mut().enumerate().map(|(c, client)| async move {
-        let g = [warm_base + c as u64 * 2, warm_base + c as u64 * 2 + 1];
-        let mut failures = vec![];
-        for p in [Proto::Tq, Proto::Native] {
-            if !client.has(p) {
-                continue;
+    let warm = clients
+        .iter_mut()
+        .enumerate()
+        .map(|(c, client)| async move {
+            let g = [warm_base + c as u64 * 2, warm_base + c as u64 * 2 + 1];
+            let mut failures = vec![];
+            for p in [Proto::Tq, Proto::Native] {
+                if !client.has(p) {
+                    continue;
+                }
+                let fields: Vec<(String, Field)> = (0..4)
+                    .map(|f| (FIELDS[f].to_string(), make_field(f, &g, 0, opts.blob_bytes)))
+                    .collect();
+                let names: Vec<String> = FIELDS.iter().map(|s| s.to_string()).collect();
+                if !matches!(client.put(p, &g, fields).await, Outcome::Put) {
+                    failures.push(format!("warm-up put {p:?}"));
+                }
+                if !matches!(client.get(p, &g, &names).await, Outcome::Got(_)) {
+                    failures.push(format!("warm-up get {p:?}"));
+                }
+                if !matches!(client.clear(p, &g, None).await, Outcome::Cleared(_)) {
+                    failures.push(format!("warm-up clear {p:?}"));
+                }
             }
-            let fields: Vec<(String, Field)> =
-                (0..4).map(|f| (FIELDS[f].to_string(), make_field(f, &g, 0, opts.blob_bytes))).collect();
-            let names: Vec<String> = FIELDS.iter().map(|s| s.to_string()).collect();
-            if !matches!(client.put(p, &g, fields).await, Outcome::Put) {
-                failures.push(format!("warm-up put {p:?}"));
-            }
-            if !matches!(client.get(p, &g, &names).await, Outcome::Got(_)) {
-                failures.push(format!("warm-up get {p:?}"));
-            }
-            if !matches!(client.clear(p, &g, None).await, Outcome::Cleared(_)) {
-                failures.push(format!("warm-up clear {p:?}"));
-            }
-        }
-        failures
-    });
+            failures
+        });
     let failures: Vec<String> = join_all(warm).await.into_iter().flatten().collect();
     assert!(failures.is_empty(), "warm-up failed: {failures:?}");
     let mut stats_client = DualClient::new(target, "stats", opts.timeout);
@@ -1004,7 +1284,11 @@ pub async fn run(target: &Target, opts: &Options) -> Report {
     if let Some(pid) = target.pid {
         tokio::time::sleep(Duration::from_millis(300)).await;
         let baseline = rss_bytes(pid).unwrap_or(0);
-        memory = Some(Memory { baseline, peak: baseline, ..Memory::default() });
+        memory = Some(Memory {
+            baseline,
+            peak: baseline,
+            ..Memory::default()
+        });
         let peak = Arc::new(AtomicU64::new(baseline));
         let done = Arc::new(AtomicBool::new(false));
         let (p, d) = (peak.clone(), done.clone());
@@ -1021,7 +1305,10 @@ pub async fn run(target: &Target, opts: &Options) -> Report {
 
     // The random phase; then, with every client stopped, the stored bytes;
     // then each client's final pass (read back, clear everything).
-    let ctx = Arc::new(Ctx { opts: opts.clone(), stop: AtomicBool::new(false) });
+    let ctx = Arc::new(Ctx {
+        opts: opts.clone(),
+        stop: AtomicBool::new(false),
+    });
     let stopped = Arc::new(tokio::sync::Barrier::new(opts.clients + 1));
     let resume = Arc::new(tokio::sync::Barrier::new(opts.clients + 1));
     let started = Instant::now();
@@ -1044,7 +1331,11 @@ pub async fn run(target: &Target, opts: &Options) -> Report {
     stopped.wait().await;
     let elapsed = started.elapsed();
     let stored_at_end = match stats_client.stats().await {
-        Ok(s) => s.iter().find(|(k, _)| k == "bytes").map(|(_, v)| *v as u64).unwrap_or(0),
+        Ok(s) => s
+            .iter()
+            .find(|(k, _)| k == "bytes")
+            .map(|(_, v)| *v as u64)
+            .unwrap_or(0),
         Err(_) => 0,
     };
     resume.wait().await;
@@ -1055,7 +1346,12 @@ pub async fn run(target: &Target, opts: &Options) -> Report {
 
     let after_clear_stats = match stats_client.stats().await {
         Ok(s) => {
-            let get = |k: &str| s.iter().find(|(n, _)| n == k).map(|(_, v)| *v).unwrap_or(-1);
+            let get = |k: &str| {
+                s.iter()
+                    .find(|(n, _)| n == k)
+                    .map(|(_, v)| *v)
+                    .unwrap_or(-1)
+            };
             Some((get("keys"), get("rows"), get("bytes")))
         }
         Err(_) => None,
@@ -1075,7 +1371,8 @@ pub async fn run(target: &Target, opts: &Options) -> Report {
                 low = low.min(r);
                 m.peak = m.peak.max(r);
             }
-            if low <= m.baseline + rss_tolerance(m) && settle.elapsed() > Duration::from_millis(500) {
+            if low <= m.baseline + rss_tolerance(m) && settle.elapsed() > Duration::from_millis(500)
+            {
                 break;
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
@@ -1085,8 +1382,16 @@ pub async fn run(target: &Target, opts: &Options) -> Report {
 
     // Disconnect every client; then one put and clear from a fresh client
     // (stowd gives freed memory back after clears) and the lowest reading.
-    let connections = results.iter().map(|r| r.client.tq.is_some() as u64 + r.client.native.is_some() as u64).sum::<u64>() + 1;
-    let max_message = results.iter().map(|r| r.client.max_message).max().unwrap_or(0);
+    let connections = results
+        .iter()
+        .map(|r| r.client.tq.is_some() as u64 + r.client.native.is_some() as u64)
+        .sum::<u64>()
+        + 1;
+    let max_message = results
+        .iter()
+        .map(|r| r.client.max_message)
+        .max()
+        .unwrap_or(0);
     let (mut bytes_out, mut bytes_in) = (0, 0);
     for r in &mut results {
         bytes_out += r.client.bytes_out;
@@ -1102,14 +1407,29 @@ pub async fn run(target: &Target, opts: &Options) -> Report {
         // the next seconds; a put and clear of one row each second from a
         // fresh client (light use goes on) has it give the memory back.
         let mut last = DualClient::new(target, "last", opts.timeout);
-        let p = if last.has(Proto::Native) { Proto::Native } else { Proto::Tq };
-        let g = [opts.index_base + opts.clients as u64 * opts.keys_per_client + 2 * opts.clients as u64];
+        let p = if last.has(Proto::Native) {
+            Proto::Native
+        } else {
+            Proto::Tq
+        };
+        let g = [opts.index_base
+            + opts.clients as u64 * opts.keys_per_client
+            + 2 * opts.clients as u64];
         let mut low = u64::MAX;
         let settle = Instant::now();
         let mut next_touch = settle + Duration::from_secs(1);
         while settle.elapsed() < Duration::from_secs(12) {
             if Instant::now() >= next_touch {
-                let _ = last.put(p, &g, vec![(FIELDS[BLOB].to_string(), make_field(BLOB, &g, 0, opts.blob_bytes))]).await;
+                let _ = last
+                    .put(
+                        p,
+                        &g,
+                        vec![(
+                            FIELDS[BLOB].to_string(),
+                            make_field(BLOB, &g, 0, opts.blob_bytes),
+                        )],
+                    )
+                    .await;
                 let _ = last.clear(p, &g, None).await;
                 next_touch += Duration::from_secs(1);
             }
@@ -1121,8 +1441,15 @@ pub async fn run(target: &Target, opts: &Options) -> Report {
         m.after_disconnect = low;
     }
 
-    let mut report =
-        Report { clients: opts.clients, elapsed, memory, after_clear_stats, bytes_out, bytes_in, ..Report::default() };
+    let mut report = Report {
+        clients: opts.clients,
+        elapsed,
+        memory,
+        after_clear_stats,
+        bytes_out,
+        bytes_in,
+        ..Report::default()
+    };
     let mut ops: [OpStats; 4] = Default::default();
     for r in results {
         for (i, st) in r.ops.into_iter().enumerate() {
@@ -1145,7 +1472,9 @@ pub async fn run(target: &Target, opts: &Options) -> Report {
 }
 
 /// Runs futures concurrently on this task and collects their outputs.
-pub async fn join_all<F: std::future::Future>(futures: impl IntoIterator<Item = F>) -> Vec<F::Output> {
+pub async fn join_all<F: std::future::Future>(
+    futures: impl IntoIterator<Item = F>,
+) -> Vec<F::Output> {
     let mut set: Vec<std::pin::Pin<Box<F>>> = futures.into_iter().map(Box::pin).collect();
     let mut out: Vec<Option<F::Output>> = (0..set.len()).map(|_| None).collect();
     std::future::poll_fn(|cx| {
@@ -1158,17 +1487,27 @@ pub async fn join_all<F: std::future::Future>(futures: impl IntoIterator<Item = 
                 }
             }
         }
-        if pending { std::task::Poll::Pending } else { std::task::Poll::Ready(()) }
+        if pending {
+            std::task::Poll::Pending
+        } else {
+            std::task::Poll::Ready(())
+        }
     })
     .await;
-    out.into_iter().map(|o| o.expect("every future finished")).collect()
+    out.into_iter()
+        .map(|o| o.expect("every future finished"))
+        .collect()
 }
 
 /// Counts of findings by their first word (lost, ghost, stale, ...).
 pub fn classify(findings: &[Finding]) -> HashMap<String, usize> {
     let mut out = HashMap::new();
     for f in findings {
-        let word = f.detail.split([':', ' ']).find(|w| !w.is_empty() && !w.starts_with("g=") && !w.starts_with("field=")).unwrap_or("?");
+        let word = f
+            .detail
+            .split([':', ' '])
+            .find(|w| !w.is_empty() && !w.starts_with("g=") && !w.starts_with("field="))
+            .unwrap_or("?");
         *out.entry(word.to_string()).or_insert(0) += 1;
     }
     out

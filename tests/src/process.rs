@@ -32,10 +32,19 @@ pub fn stowd_bin() -> PathBuf {
     let bin = workspace_root().join("target").join("debug").join("stowd");
     let built = std::fs::metadata(&bin)
         .and_then(|m| m.modified())
-        .unwrap_or_else(|_| panic!("{} does not exist: run cargo build -p stowage-host", bin.display()));
+        .unwrap_or_else(|_| {
+            panic!(
+                "{} does not exist: run cargo build -p stowage-host",
+                bin.display()
+            )
+        });
     let host = workspace_root().join("host");
     if let Some(newer) = newest_file(&host.join("src")).filter(|(t, _)| *t > built) {
-        panic!("{} is older than {}: run cargo build -p stowage-host", bin.display(), newer.1.display());
+        panic!(
+            "{} is older than {}: run cargo build -p stowage-host",
+            bin.display(),
+            newer.1.display()
+        );
     }
     bin
 }
@@ -48,7 +57,11 @@ fn newest_file(dir: &Path) -> Option<(std::time::SystemTime, PathBuf)> {
         let found = if path.is_dir() {
             newest_file(&path)
         } else {
-            entry.metadata().and_then(|m| m.modified()).ok().map(|t| (t, path))
+            entry
+                .metadata()
+                .and_then(|m| m.modified())
+                .ok()
+                .map(|t| (t, path))
         };
         if let Some(f) = found
             && newest.as_ref().is_none_or(|n| f.0 > n.0)
@@ -76,7 +89,10 @@ pub struct Stowd {
 
 impl std::fmt::Debug for Stowd {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Stowd").field("endpoints", &self.endpoints).field("dir", &self.dir).finish()
+        f.debug_struct("Stowd")
+            .field("endpoints", &self.endpoints)
+            .field("dir", &self.dir)
+            .finish()
     }
 }
 
@@ -109,12 +125,23 @@ impl Stowd {
     /// Like [`Stowd::start`], inside network namespace `netns` (`ip netns
     /// exec <netns> stowd ...`, which execs, so the child is `stowd` itself).
     pub fn start_in_netns(netns: &str, config: &str) -> Stowd {
-        let wrapper = ["ip".to_string(), "netns".into(), "exec".into(), netns.to_string()];
+        let wrapper = [
+            "ip".to_string(),
+            "netns".into(),
+            "exec".into(),
+            netns.to_string(),
+        ];
         Stowd::start_wrapped(&wrapper, &plugin_dir(), &shared_cache(), config, None)
     }
 
     /// Starts `wrapper... stowd serve ...` (no wrapper: `stowd` itself).
-    fn start_wrapped(wrapper: &[String], plugins: &Path, cache: &Path, config: &str, log_filter: Option<&str>) -> Stowd {
+    fn start_wrapped(
+        wrapper: &[String],
+        plugins: &Path,
+        cache: &Path,
+        config: &str,
+        log_filter: Option<&str>,
+    ) -> Stowd {
         let bin = stowd_bin();
         let dir = temp_dir("stowd");
         let config_path = dir.join("stowd.toml");
@@ -129,7 +156,9 @@ impl Stowd {
         let log = std::fs::File::create(&log_file).expect("create the log file");
         let filter = match log_filter {
             Some(f) => f.to_string(),
-            None => std::env::var("STOWD_TEST_LOG").unwrap_or_else(|_| "info,stowage_host=debug".into()),
+            None => {
+                std::env::var("STOWD_TEST_LOG").unwrap_or_else(|_| "info,stowage_host=debug".into())
+            }
         };
         let mut command = match wrapper.split_first() {
             Some((program, args)) => {
@@ -152,11 +181,21 @@ impl Stowd {
             .spawn()
             .unwrap_or_else(|e| panic!("cannot start {}: {e}", bin.display()));
         match wait_for_endpoints(&mut child, &endpoints_file) {
-            Ok(endpoints) => Stowd { child: Some(child), endpoints, dir, endpoints_file, log_file },
+            Ok(endpoints) => Stowd {
+                child: Some(child),
+                endpoints,
+                dir,
+                endpoints_file,
+                log_file,
+            },
             Err(why) => {
                 let _ = child.kill();
                 let _ = child.wait();
-                panic!("{why}\n--- stowd log ({}) ---\n{}", log_file.display(), log_tail(&log_file));
+                panic!(
+                    "{why}\n--- stowd log ({}) ---\n{}",
+                    log_file.display(),
+                    log_tail(&log_file)
+                );
             }
         }
     }
@@ -168,7 +207,10 @@ impl Stowd {
 
     /// The router-mode endpoint (panics if the router is disabled).
     pub fn router(&self) -> &UnitEndpoint {
-        self.endpoints.router.as_ref().expect("the router endpoint is enabled")
+        self.endpoints
+            .router
+            .as_ref()
+            .expect("the router endpoint is enabled")
     }
 
     /// The native `stowage/1` endpoint.
@@ -207,8 +249,14 @@ impl Stowd {
     /// Panics, with the log, if the process has exited.
     pub fn assert_running(&mut self) {
         if !self.is_running() {
-            let status = self.child.as_mut().and_then(|c| c.try_wait().ok().flatten());
-            panic!("stowd is not running (exit status {status:?})\n--- stowd log ---\n{}", self.log());
+            let status = self
+                .child
+                .as_mut()
+                .and_then(|c| c.try_wait().ok().flatten());
+            panic!(
+                "stowd is not running (exit status {status:?})\n--- stowd log ---\n{}",
+                self.log()
+            );
         }
     }
 
@@ -226,19 +274,27 @@ impl Stowd {
     pub fn stop(mut self) -> Duration {
         match self.terminate() {
             Ok((status, took)) if status.success() => took,
-            Ok((status, _)) => panic!("stowd exited with {status} after SIGTERM\n--- stowd log ---\n{}", self.log()),
+            Ok((status, _)) => panic!(
+                "stowd exited with {status} after SIGTERM\n--- stowd log ---\n{}",
+                self.log()
+            ),
             Err(why) => panic!("{why}\n--- stowd log ---\n{}", self.log()),
         }
     }
 
     fn terminate(&mut self) -> Result<(ExitStatus, Duration), String> {
-        let Some(child) = self.child.as_mut() else { return Err("stowd was already stopped".into()) };
+        let Some(child) = self.child.as_mut() else {
+            return Err("stowd was already stopped".into());
+        };
         if let Ok(Some(status)) = child.try_wait() {
             self.child = None;
             return Err(format!("stowd had exited on its own, with {status}"));
         }
         let start = Instant::now();
-        let sent = Command::new("kill").arg("-TERM").arg(child.id().to_string()).status();
+        let sent = Command::new("kill")
+            .arg("-TERM")
+            .arg(child.id().to_string())
+            .status();
         if !matches!(sent, Ok(s) if s.success()) {
             let _ = child.kill();
             let _ = child.wait();
@@ -255,7 +311,9 @@ impl Stowd {
                     let _ = child.kill();
                     let _ = child.wait();
                     self.child = None;
-                    return Err(format!("stowd did not exit within {STOP_TIMEOUT:?} of SIGTERM (killed)"));
+                    return Err(format!(
+                        "stowd did not exit within {STOP_TIMEOUT:?} of SIGTERM (killed)"
+                    ));
                 }
                 Ok(None) => std::thread::sleep(Duration::from_millis(10)),
                 Err(e) => return Err(format!("waiting for stowd: {e}")),
@@ -269,7 +327,11 @@ impl Drop for Stowd {
     /// the test is already failing). The temporary directory is removed
     /// after a clean run and kept, for its log, otherwise.
     fn drop(&mut self) {
-        let outcome = if self.child.is_some() { Some(self.terminate()) } else { None };
+        let outcome = if self.child.is_some() {
+            Some(self.terminate())
+        } else {
+            None
+        };
         let clean = match &outcome {
             None => true,
             Some(Ok((status, _))) => status.success(),
@@ -300,17 +362,28 @@ fn wait_for_endpoints(child: &mut Child, file: &Path) -> Result<Endpoints, Strin
             let endpoints: Endpoints = serde_json::from_slice(&text)
                 .map_err(|e| format!("{} is not an endpoints file: {e}", file.display()))?;
             if endpoints.pid != child.id() {
-                return Err(format!("endpoints file names pid {}, the child is {}", endpoints.pid, child.id()));
+                return Err(format!(
+                    "endpoints file names pid {}, the child is {}",
+                    endpoints.pid,
+                    child.id()
+                ));
             }
             return Ok(endpoints);
         }
         match child.try_wait() {
-            Ok(Some(status)) => return Err(format!("stowd exited with {status} before writing its endpoints")),
+            Ok(Some(status)) => {
+                return Err(format!(
+                    "stowd exited with {status} before writing its endpoints"
+                ));
+            }
             Ok(None) => {}
             Err(e) => return Err(format!("waiting for stowd: {e}")),
         }
         if start.elapsed() > START_TIMEOUT {
-            return Err(format!("no endpoints file {} after {START_TIMEOUT:?}", file.display()));
+            return Err(format!(
+                "no endpoints file {} after {START_TIMEOUT:?}",
+                file.display()
+            ));
         }
         std::thread::sleep(Duration::from_millis(20));
     }

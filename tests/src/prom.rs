@@ -44,14 +44,23 @@ impl Exposition {
     /// panics unless exactly one matches.
     pub fn value(&self, name: &str, labels: &[(&str, &str)]) -> f64 {
         let found: Vec<&Sample> = self.matching(name, labels).collect();
-        assert_eq!(found.len(), 1, "{name}{labels:?}: {} samples match", found.len());
+        assert_eq!(
+            found.len(),
+            1,
+            "{name}{labels:?}: {} samples match",
+            found.len()
+        );
         found[0].value
     }
 
     /// Like [`Exposition::value`], 0 if no sample matches.
     pub fn value_or_zero(&self, name: &str, labels: &[(&str, &str)]) -> f64 {
         let found: Vec<&Sample> = self.matching(name, labels).collect();
-        assert!(found.len() <= 1, "{name}{labels:?}: {} samples match", found.len());
+        assert!(
+            found.len() <= 1,
+            "{name}{labels:?}: {} samples match",
+            found.len()
+        );
         found.first().map(|s| s.value).unwrap_or(0.0)
     }
 
@@ -60,10 +69,17 @@ impl Exposition {
         self.matching(name, labels).map(|s| s.value).sum()
     }
 
-    pub fn matching<'a>(&'a self, name: &'a str, labels: &'a [(&str, &str)]) -> impl Iterator<Item = &'a Sample> + 'a {
-        self.samples
-            .iter()
-            .filter(move |s| s.name == name && labels.iter().all(|(k, v)| s.labels.get(*k).is_some_and(|x| x == v)))
+    pub fn matching<'a>(
+        &'a self,
+        name: &'a str,
+        labels: &'a [(&str, &str)],
+    ) -> impl Iterator<Item = &'a Sample> + 'a {
+        self.samples.iter().filter(move |s| {
+            s.name == name
+                && labels
+                    .iter()
+                    .all(|(k, v)| s.labels.get(*k).is_some_and(|x| x == v))
+        })
     }
 }
 
@@ -92,7 +108,10 @@ fn parse_value(s: &str) -> Result<f64, String> {
 fn family_of<'a>(name: &'a str, types: &HashMap<String, String>) -> &'a str {
     for suffix in ["_bucket", "_sum", "_count"] {
         if let Some(base) = name.strip_suffix(suffix)
-            && matches!(types.get(base).map(String::as_str), Some("histogram" | "summary"))
+            && matches!(
+                types.get(base).map(String::as_str),
+                Some("histogram" | "summary")
+            )
         {
             return base;
         }
@@ -128,7 +147,9 @@ fn parse_labels(s: &str) -> Result<(BTreeMap<String, String>, &str), String> {
                         Some(b'\\') => value.push('\\'),
                         Some(b'"') => value.push('"'),
                         Some(b'n') => value.push('\n'),
-                        other => return Err(format!("bad escape \\{:?}", other.map(|b| *b as char))),
+                        other => {
+                            return Err(format!("bad escape \\{:?}", other.map(|b| *b as char)));
+                        }
                     }
                     j += 2;
                 }
@@ -187,7 +208,11 @@ pub fn parse(text: &str) -> Result<Exposition, String> {
                     if !["counter", "gauge", "histogram", "summary", "untyped"].contains(&kind) {
                         return Err(at(format!("unknown type {kind:?}")));
                     }
-                    if out.types.insert(name.to_string(), kind.to_string()).is_some() {
+                    if out
+                        .types
+                        .insert(name.to_string(), kind.to_string())
+                        .is_some()
+                    {
                         return Err(at("second TYPE".into()));
                     }
                     if seen_families.contains(&name.to_string()) {
@@ -211,7 +236,9 @@ pub fn parse(text: &str) -> Result<Exposition, String> {
         } else {
             (BTreeMap::new(), &line[name_end..])
         };
-        let rest = rest.strip_prefix(' ').ok_or_else(|| at("no space before the value".into()))?;
+        let rest = rest
+            .strip_prefix(' ')
+            .ok_or_else(|| at("no space before the value".into()))?;
         let mut fields = rest.split(' ');
         let value = parse_value(fields.next().unwrap_or_default()).map_err(at)?;
         if let Some(ts) = fields.next()
@@ -232,14 +259,21 @@ pub fn parse(text: &str) -> Result<Exposition, String> {
             }
             seen_families.push(family.clone());
         }
-        let key = (name.to_string(), labels.iter().map(|(k, v)| (k.clone(), v.clone())).collect());
+        let key = (
+            name.to_string(),
+            labels.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+        );
         if !keys.insert(key) {
             return Err(at("duplicate sample".into()));
         }
         if out.types.get(&family).map(String::as_str) == Some("counter") && !(value >= 0.0) {
             return Err(at("negative or NaN counter".into()));
         }
-        out.samples.push(Sample { name: name.to_string(), labels, value });
+        out.samples.push(Sample {
+            name: name.to_string(),
+            labels,
+            value,
+        });
     }
     check_histograms(&out)?;
     Ok(out)
@@ -252,28 +286,53 @@ fn check_histograms(e: &Exposition) -> Result<(), String> {
         }
         // Group buckets by their labels without `le`.
         let mut groups: BTreeMap<Vec<(String, String)>, Vec<(f64, f64)>> = BTreeMap::new();
-        for s in e.samples.iter().filter(|s| s.name == format!("{family}_bucket")) {
-            let le = s.labels.get("le").ok_or_else(|| format!("{family}_bucket without le"))?;
+        for s in e
+            .samples
+            .iter()
+            .filter(|s| s.name == format!("{family}_bucket"))
+        {
+            let le = s
+                .labels
+                .get("le")
+                .ok_or_else(|| format!("{family}_bucket without le"))?;
             let le = parse_value(le)?;
-            let rest: Vec<(String, String)> =
-                s.labels.iter().filter(|(k, _)| *k != "le").map(|(k, v)| (k.clone(), v.clone())).collect();
+            let rest: Vec<(String, String)> = s
+                .labels
+                .iter()
+                .filter(|(k, _)| *k != "le")
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect();
             groups.entry(rest).or_default().push((le, s.value));
         }
         for (labels, buckets) in groups {
             let les: Vec<f64> = buckets.iter().map(|b| b.0).collect();
             if !les.windows(2).all(|w| w[0] < w[1]) || les.last() != Some(&f64::INFINITY) {
-                return Err(format!("{family}{labels:?}: le not increasing to +Inf: {les:?}"));
+                return Err(format!(
+                    "{family}{labels:?}: le not increasing to +Inf: {les:?}"
+                ));
             }
             if !buckets.windows(2).all(|w| w[0].1 <= w[1].1) {
                 return Err(format!("{family}{labels:?}: cumulative counts decrease"));
             }
-            let want: Vec<(&str, &str)> = labels.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+            let want: Vec<(&str, &str)> = labels
+                .iter()
+                .map(|(k, v)| (k.as_str(), v.as_str()))
+                .collect();
             let (count_name, sum_name) = (format!("{family}_count"), format!("{family}_sum"));
-            let count = e.matching(&count_name, &want).find(|s| s.labels.len() == labels.len());
-            let sum = e.matching(&sum_name, &want).find(|s| s.labels.len() == labels.len());
+            let count = e
+                .matching(&count_name, &want)
+                .find(|s| s.labels.len() == labels.len());
+            let sum = e
+                .matching(&sum_name, &want)
+                .find(|s| s.labels.len() == labels.len());
             match (count, sum) {
                 (Some(c), Some(_)) if c.value == buckets.last().expect("non-empty").1 => {}
-                (Some(c), Some(_)) => return Err(format!("{family}{labels:?}: _count {} != +Inf bucket", c.value)),
+                (Some(c), Some(_)) => {
+                    return Err(format!(
+                        "{family}{labels:?}: _count {} != +Inf bucket",
+                        c.value
+                    ));
+                }
                 _ => return Err(format!("{family}{labels:?}: _count or _sum missing")),
             }
         }
@@ -286,37 +345,63 @@ fn check_histograms(e: &Exposition) -> Result<(), String> {
 pub fn http_get(addr: &str, path: &str) -> std::io::Result<(u16, String, String)> {
     let mut stream = TcpStream::connect(addr)?;
     stream.set_read_timeout(Some(Duration::from_secs(10)))?;
-    write!(stream, "GET {path} HTTP/1.1\r\nHost: {addr}\r\nAccept: text/plain\r\n\r\n")?;
+    write!(
+        stream,
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nAccept: text/plain\r\n\r\n"
+    )?;
     let mut raw = Vec::new();
     stream.read_to_end(&mut raw)?;
     let text = String::from_utf8(raw).map_err(std::io::Error::other)?;
-    let (head, body) = text.split_once("\r\n\r\n").ok_or_else(|| std::io::Error::other("no header end"))?;
+    let (head, body) = text
+        .split_once("\r\n\r\n")
+        .ok_or_else(|| std::io::Error::other("no header end"))?;
     let status: u16 = head
         .split(' ')
         .nth(1)
         .and_then(|s| s.parse().ok())
         .ok_or_else(|| std::io::Error::other(format!("bad status line in {head:?}")))?;
     let header = |name: &str| {
-        head.lines()
-            .find_map(|l| l.split_once(':').filter(|(k, _)| k.eq_ignore_ascii_case(name)).map(|(_, v)| v.trim().to_string()))
+        head.lines().find_map(|l| {
+            l.split_once(':')
+                .filter(|(k, _)| k.eq_ignore_ascii_case(name))
+                .map(|(_, v)| v.trim().to_string())
+        })
     };
-    let length: usize = header("content-length").and_then(|v| v.parse().ok()).unwrap_or(body.len());
+    let length: usize = header("content-length")
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(body.len());
     if length != body.len() {
-        return Err(std::io::Error::other(format!("content-length {length} but {} body bytes", body.len())));
+        return Err(std::io::Error::other(format!(
+            "content-length {length} but {} body bytes",
+            body.len()
+        )));
     }
-    Ok((status, header("content-type").unwrap_or_default(), body.to_string()))
+    Ok((
+        status,
+        header("content-type").unwrap_or_default(),
+        body.to_string(),
+    ))
 }
 
 /// Scrapes `url` (`http://host:port/path`) and parses it strictly; panics
 /// with the text on any error.
 pub fn scrape(url: &str) -> Exposition {
     let rest = url.strip_prefix("http://").expect("an http:// url");
-    let (addr, path) = rest.split_once('/').map(|(a, p)| (a, format!("/{p}"))).unwrap_or((rest, "/".into()));
-    let (status, content_type, body) = http_get(addr, &path).unwrap_or_else(|e| panic!("GET {url}: {e}"));
+    let (addr, path) = rest
+        .split_once('/')
+        .map(|(a, p)| (a, format!("/{p}")))
+        .unwrap_or((rest, "/".into()));
+    let (status, content_type, body) =
+        http_get(addr, &path).unwrap_or_else(|e| panic!("GET {url}: {e}"));
     assert_eq!(status, 200, "GET {url}: {body}");
-    assert!(content_type.starts_with("text/plain; version=0.0.4"), "content type {content_type:?}");
-    let parsed = parse(&body).unwrap_or_else(|e| panic!("{url} is not a valid exposition: {e}\n{body}"));
-    cross_check(&body, &parsed).unwrap_or_else(|e| panic!("{url}: prometheus-parse disagrees: {e}\n{body}"));
+    assert!(
+        content_type.starts_with("text/plain; version=0.0.4"),
+        "content type {content_type:?}"
+    );
+    let parsed =
+        parse(&body).unwrap_or_else(|e| panic!("{url} is not a valid exposition: {e}\n{body}"));
+    cross_check(&body, &parsed)
+        .unwrap_or_else(|e| panic!("{url}: prometheus-parse disagrees: {e}\n{body}"));
     parsed
 }
 
@@ -324,35 +409,56 @@ pub fn scrape(url: &str) -> Exposition {
 /// exactly the samples of `parsed` (histogram buckets included).
 pub fn cross_check(text: &str, parsed: &Exposition) -> Result<(), String> {
     use prometheus_parse::{Scrape, Value};
-    let scrape = Scrape::parse(text.lines().map(|l| Ok(l.to_string()))).map_err(|e| e.to_string())?;
+    let scrape =
+        Scrape::parse(text.lines().map(|l| Ok(l.to_string()))).map_err(|e| e.to_string())?;
     let mut seen = 0;
-    let mut find = |name: &str, labels: &std::collections::HashMap<String, String>, le: Option<f64>, value: f64| {
+    let mut find = |name: &str,
+                    labels: &std::collections::HashMap<String, String>,
+                    le: Option<f64>,
+                    value: f64| {
         seen += 1;
         let found = parsed.samples.iter().find(|s| {
             s.name == name
                 && s.labels.len() == labels.len() + le.is_some() as usize
                 && labels.iter().all(|(k, v)| s.labels.get(k) == Some(v))
-                && le.is_none_or(|le| s.labels.get("le").and_then(|x| parse_value(x).ok()) == Some(le))
+                && le.is_none_or(|le| {
+                    s.labels.get("le").and_then(|x| parse_value(x).ok()) == Some(le)
+                })
         });
         match found {
             Some(s) if s.value == value || (s.value.is_nan() && value.is_nan()) => Ok(()),
-            Some(s) => Err(format!("{name}{labels:?} le={le:?}: {value} but {} here", s.value)),
-            None => Err(format!("{name}{labels:?} le={le:?} = {value} is not found here")),
+            Some(s) => Err(format!(
+                "{name}{labels:?} le={le:?}: {value} but {} here",
+                s.value
+            )),
+            None => Err(format!(
+                "{name}{labels:?} le={le:?} = {value} is not found here"
+            )),
         }
     };
     for s in &scrape.samples {
         match &s.value {
-            Value::Counter(v) | Value::Gauge(v) | Value::Untyped(v) => find(&s.metric, &s.labels, None, *v)?,
+            Value::Counter(v) | Value::Gauge(v) | Value::Untyped(v) => {
+                find(&s.metric, &s.labels, None, *v)?
+            }
             Value::Histogram(buckets) => {
                 for b in buckets {
-                    find(&format!("{}_bucket", s.metric), &s.labels, Some(b.less_than), b.count)?;
+                    find(
+                        &format!("{}_bucket", s.metric),
+                        &s.labels,
+                        Some(b.less_than),
+                        b.count,
+                    )?;
                 }
             }
             Value::Summary(_) => return Err(format!("{}: a summary", s.metric)),
         }
     }
     if seen != parsed.samples.len() {
-        return Err(format!("prometheus-parse read {seen} samples, {} here", parsed.samples.len()));
+        return Err(format!(
+            "prometheus-parse read {seen} samples, {} here",
+            parsed.samples.len()
+        ));
     }
     Ok(())
 }

@@ -21,7 +21,9 @@ const NOBODY: u32 = 65534;
 
 /// True when the tests run as root (and can act as `nobody`).
 fn root() -> bool {
-    std::fs::metadata("/proc/self").map(|m| m.uid() == 0).unwrap_or(false)
+    std::fs::metadata("/proc/self")
+        .map(|m| m.uid() == 0)
+        .unwrap_or(false)
 }
 
 /// A plugin directory holding copies of the named seed plugins.
@@ -54,7 +56,11 @@ fn report<'a>(reports: &'a [LoadReport], name: &str) -> &'a LoadReport {
 /// Asserts that `name.wasm` loaded as the plugin `name`, from the cache or not.
 fn assert_loaded(reports: &[LoadReport], name: &str, from_cache: bool) {
     let r = report(reports, name);
-    assert_eq!(r.result.as_deref(), Ok(name), "{name}.wasm must answer as itself: {r:?}");
+    assert_eq!(
+        r.result.as_deref(),
+        Ok(name),
+        "{name}.wasm must answer as itself: {r:?}"
+    );
     assert_eq!(r.from_cache, from_cache, "{name}: from_cache: {r:?}");
 }
 
@@ -65,7 +71,10 @@ fn entry_of(cache: &Path, name: &str) -> PathBuf {
     std::fs::read_dir(cache)
         .unwrap()
         .map(|e| e.unwrap().path())
-        .find(|p| p.file_name().unwrap().to_string_lossy().starts_with(&hash) && p.extension().is_some_and(|x| x == "cwasm"))
+        .find(|p| {
+            p.file_name().unwrap().to_string_lossy().starts_with(&hash)
+                && p.extension().is_some_and(|x| x == "cwasm")
+        })
         .unwrap_or_else(|| panic!("no cache entry for {name} in {}", cache.display()))
 }
 
@@ -86,7 +95,12 @@ fn set_mode(path: &Path, mode: u32) {
 
 /// Runs `program args` as `nobody`.
 fn as_nobody(program: &str, args: &[&Path]) -> std::process::Output {
-    Command::new(program).args(args).uid(NOBODY).gid(NOBODY).output().unwrap()
+    Command::new(program)
+        .args(args)
+        .uid(NOBODY)
+        .gid(NOBODY)
+        .output()
+        .unwrap()
 }
 
 /// Strips ANSI colour sequences from a log.
@@ -111,7 +125,13 @@ fn plain(log: &str) -> String {
 fn loaded_lines(log: &str) -> Vec<(String, bool, String)> {
     let field = |line: &str, key: &str| {
         let at = line.find(&format!(" {key}="))? + key.len() + 2;
-        Some(line[at..].split_whitespace().next()?.trim_matches('"').to_string())
+        Some(
+            line[at..]
+                .split_whitespace()
+                .next()?
+                .trim_matches('"')
+                .to_string(),
+        )
     };
     plain(log)
         .lines()
@@ -127,7 +147,10 @@ fn loaded_lines(log: &str) -> Vec<(String, bool, String)> {
 /// Asserts that stowd loaded `file.wasm` as the plugin `file`, from the cache or not.
 fn assert_stowd_loaded(log: &str, file: &str, from_cache: bool) {
     let lines = loaded_lines(log);
-    let line = lines.iter().find(|l| l.2 == file).unwrap_or_else(|| panic!("{file} not loaded: {lines:?}\n{log}"));
+    let line = lines
+        .iter()
+        .find(|l| l.2 == file)
+        .unwrap_or_else(|| panic!("{file} not loaded: {lines:?}\n{log}"));
     assert_eq!(line.0, file, "{file}.wasm must answer as itself: {lines:?}");
     assert_eq!(line.1, from_cache, "{file}: from_cache: {lines:?}\n{log}");
 }
@@ -150,7 +173,11 @@ fn a_normal_restart_loads_from_the_cache() {
 fn an_entry_copied_over_another_plugins_name_is_recompiled() {
     let (plugins, cache) = (plugins_of(&["gather", "constant-stride"]), fresh_cache());
     load(&cache, &plugins);
-    std::fs::copy(entry_of(&cache, "gather"), entry_of(&cache, "constant-stride")).unwrap();
+    std::fs::copy(
+        entry_of(&cache, "gather"),
+        entry_of(&cache, "constant-stride"),
+    )
+    .unwrap();
     let swapped = load(&cache, &plugins);
     assert_loaded(&swapped, "constant-stride", false);
     assert_loaded(&swapped, "gather", true);
@@ -210,11 +237,23 @@ fn another_user_can_neither_read_the_key_nor_write_the_cache() {
     let (plugins, cache) = (plugins_of(&["gather"]), fresh_cache());
     load(&cache, &plugins);
     let key = cache.join("cache.key");
-    let meta = std::fs::symlink_metadata(&key).unwrap_or_else(|e| panic!("no key file {}: {e}", key.display()));
+    let meta = std::fs::symlink_metadata(&key)
+        .unwrap_or_else(|e| panic!("no key file {}: {e}", key.display()));
     assert!(meta.is_file() && meta.len() == 32, "{meta:?}");
     assert_eq!(meta.mode() & 0o777, 0o600, "key file mode");
-    assert_eq!(std::fs::metadata(&cache).unwrap().mode() & 0o777, 0o700, "cache dir mode");
-    assert_eq!(std::fs::metadata(entry_of(&cache, "gather")).unwrap().mode() & 0o077, 0, "entry mode");
+    assert_eq!(
+        std::fs::metadata(&cache).unwrap().mode() & 0o777,
+        0o700,
+        "cache dir mode"
+    );
+    assert_eq!(
+        std::fs::metadata(entry_of(&cache, "gather"))
+            .unwrap()
+            .mode()
+            & 0o077,
+        0,
+        "entry mode"
+    );
     if !root() {
         eprintln!("skipped the part as nobody: needs root");
         return;
@@ -222,10 +261,16 @@ fn another_user_can_neither_read_the_key_nor_write_the_cache() {
     // Even with a world-readable parent on the way.
     set_mode(cache.parent().unwrap(), 0o755);
     let read = as_nobody("cat", &[&key]);
-    assert!(!read.status.success() && read.stdout.is_empty(), "nobody read the key: {read:?}");
+    assert!(
+        !read.status.success() && read.stdout.is_empty(),
+        "nobody read the key: {read:?}"
+    );
     let planted = cache.join("planted.cwasm");
     let write = as_nobody("touch", &[&planted]);
-    assert!(!write.status.success() && !planted.exists(), "nobody wrote into the cache: {write:?}");
+    assert!(
+        !write.status.success() && !planted.exists(),
+        "nobody wrote into the cache: {write:?}"
+    );
 }
 
 // ---------------------------------------------------------------------------
@@ -250,7 +295,10 @@ fn stowd_recompiles_a_swapped_entry_and_says_why() {
         .unwrap_or_else(|| panic!("no WARN about the entry:\n{log}"));
     assert!(warn.contains("tag does not match"), "{warn}");
     let name = target.file_name().unwrap().to_string_lossy();
-    assert!(warn.contains(&*name) && warn.contains("constant-stride.wasm"), "{warn}");
+    assert!(
+        warn.contains(&*name) && warn.contains("constant-stride.wasm"),
+        "{warn}"
+    );
 }
 
 #[test]
@@ -261,11 +309,16 @@ fn stowd_with_an_insecure_cache_dir_warns_once_and_compiles() {
     let log = plain(&Stowd::start_with_cache(&plugins, &cache, "").log());
     assert_stowd_loaded(&log, "gather", false);
     assert_stowd_loaded(&log, "constant-stride", false);
-    let warns: Vec<&str> = log.lines().filter(|l| l.contains("compile cache disabled")).collect();
+    let warns: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("compile cache disabled"))
+        .collect();
     assert_eq!(warns.len(), 1, "one WARN:\n{log}");
     let real = cache.canonicalize().unwrap();
     assert!(
-        warns[0].contains("WARN") && warns[0].contains("writable by group or others") && warns[0].contains(&*real.to_string_lossy()),
+        warns[0].contains("WARN")
+            && warns[0].contains("writable by group or others")
+            && warns[0].contains(&*real.to_string_lossy()),
         "{}",
         warns[0]
     );
@@ -274,6 +327,10 @@ fn stowd_with_an_insecure_cache_dir_warns_once_and_compiles() {
         std::os::unix::fs::chown(&cache, Some(NOBODY), Some(NOBODY)).unwrap();
         let log = plain(&Stowd::start_with_cache(&plugins, &cache, "").log());
         assert_stowd_loaded(&log, "gather", false);
-        assert!(log.contains("compile cache disabled") && log.contains(&format!("owned by uid {NOBODY}")), "{log}");
+        assert!(
+            log.contains("compile cache disabled")
+                && log.contains(&format!("owned by uid {NOBODY}")),
+            "{log}"
+        );
     }
 }

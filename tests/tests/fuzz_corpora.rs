@@ -12,13 +12,20 @@ use stowage_fuzz_checks::TARGETS;
 
 /// `fuzz/` in the repository.
 fn fuzz_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join("fuzz")
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("..")
+        .join("fuzz")
 }
 
 /// Every file in `dir`, sorted; none if the directory does not exist.
 fn files(dir: &Path) -> Vec<PathBuf> {
-    let Ok(entries) = std::fs::read_dir(dir) else { return Vec::new() };
-    let mut out: Vec<PathBuf> = entries.map(|e| e.unwrap().path()).filter(|p| p.is_file()).collect();
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    let mut out: Vec<PathBuf> = entries
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.is_file())
+        .collect();
     out.sort();
     out
 }
@@ -26,11 +33,20 @@ fn files(dir: &Path) -> Vec<PathBuf> {
 /// Runs every corpus and regression input of `target`; fails naming each
 /// input whose check panicked. Returns how many inputs ran.
 fn run(target: &str) -> usize {
-    let (_, check) = TARGETS.iter().find(|(name, _)| *name == target).expect("a known target");
+    let (_, check) = TARGETS
+        .iter()
+        .find(|(name, _)| *name == target)
+        .expect("a known target");
     let fuzz = fuzz_dir();
-    let inputs: Vec<PathBuf> =
-        ["corpus", "regressions"].iter().flat_map(|kind| files(&fuzz.join(kind).join(target))).collect();
-    assert!(!inputs.is_empty(), "no inputs for {target} under {}", fuzz.display());
+    let inputs: Vec<PathBuf> = ["corpus", "regressions"]
+        .iter()
+        .flat_map(|kind| files(&fuzz.join(kind).join(target)))
+        .collect();
+    assert!(
+        !inputs.is_empty(),
+        "no inputs for {target} under {}",
+        fuzz.display()
+    );
     let mut failed = Vec::new();
     for path in &inputs {
         let data = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
@@ -38,16 +54,32 @@ fn run(target: &str) -> usize {
             failed.push(path.display().to_string());
         }
     }
-    assert!(failed.is_empty(), "{target}: {} of {} inputs fail its checks:\n{}", failed.len(), inputs.len(), failed.join("\n"));
+    assert!(
+        failed.is_empty(),
+        "{target}: {} of {} inputs fail its checks:\n{}",
+        failed.len(),
+        inputs.len(),
+        failed.join("\n")
+    );
     inputs.len()
 }
 
 #[test]
 fn every_target_has_a_corpus_test() {
     let names: Vec<&str> = TARGETS.iter().map(|(name, _)| *name).collect();
-    assert_eq!(names, ["tq_decode", "native_decode", "plan_validate", "zmtp_frames"], "add a test below for a new target");
+    assert_eq!(
+        names,
+        ["tq_decode", "native_decode", "plan_validate", "zmtp_frames"],
+        "add a test below for a new target"
+    );
     for name in names {
-        assert!(fuzz_dir().join("fuzz_targets").join(format!("{name}.rs")).is_file(), "no cargo-fuzz target {name}");
+        assert!(
+            fuzz_dir()
+                .join("fuzz_targets")
+                .join(format!("{name}.rs"))
+                .is_file(),
+            "no cargo-fuzz target {name}"
+        );
     }
 }
 

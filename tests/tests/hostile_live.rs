@@ -18,7 +18,9 @@ fn plugins_with(names: &[&str]) -> std::path::PathBuf {
 }
 
 fn config(plugin: &str, fail: &str) -> String {
-    format!("[[chain]]\npattern = \"*\"\nselect = [\"{plugin}\"]\nfail = \"{fail}\"\nmax_faults = 0\n")
+    format!(
+        "[[chain]]\npattern = \"*\"\nselect = [\"{plugin}\"]\nfail = \"{fail}\"\nmax_faults = 0\n"
+    )
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -29,9 +31,12 @@ async fn a_panicking_plugin_is_rejected_or_replaced_and_the_request_is_answered(
         let mut stowd = Stowd::start_with_plugins(&plugins, &config(plugin, "reject"));
         let client = NativeClient::new(stowd.native());
         let x = Field::Regular(data::f32_rows(8, 4, 1));
-        let reply = tokio::time::timeout(Duration::from_secs(20), client.put(&[0, 1, 2, 3, 4, 5, 6, 7], &[("x".into(), x.clone())]))
-            .await
-            .unwrap_or_else(|_| panic!("{plugin}: no reply (the worker died?)\n{}", stowd.log()));
+        let reply = tokio::time::timeout(
+            Duration::from_secs(20),
+            client.put(&[0, 1, 2, 3, 4, 5, 6, 7], &[("x".into(), x.clone())]),
+        )
+        .await
+        .unwrap_or_else(|_| panic!("{plugin}: no reply (the worker died?)\n{}", stowd.log()));
         let (code, message) = native_error(&reply);
         assert_eq!(code, native::code::REJECTED, "{plugin}: {message}");
         assert!(message.contains(plugin), "{plugin}: {message}");
@@ -52,7 +57,10 @@ async fn a_panicking_plugin_is_rejected_or_replaced_and_the_request_is_answered(
             let got = data::wire_cells(got.into_iter().next().unwrap().1);
             data::assert_cells(plugin, &got, &data::cells(&x));
         }
-        assert!(client.stat("fallbacks").await >= 3, "{plugin}: fallbacks not counted");
+        assert!(
+            client.stat("fallbacks").await >= 3,
+            "{plugin}: fallbacks not counted"
+        );
         stowd.assert_running();
         stowd.stop();
     }

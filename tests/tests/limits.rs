@@ -32,10 +32,20 @@ fn tcp_addr(endpoint: &str) -> &str {
 
 /// A DEALER connection made by hand: greeting and READY done.
 async fn raw_dealer(endpoint: &str, identity: &str) -> TcpStream {
-    let mut stream = TcpStream::connect(tcp_addr(endpoint)).await.expect("connect");
+    let mut stream = TcpStream::connect(tcp_addr(endpoint))
+        .await
+        .expect("connect");
     let (r, mut w) = stream.split();
     let mut reader = zmtp::FrameReader::new(r);
-    zmtp::handshake(&mut reader, &mut w, "DEALER", identity.as_bytes(), &["ROUTER"]).await.expect("handshake");
+    zmtp::handshake(
+        &mut reader,
+        &mut w,
+        "DEALER",
+        identity.as_bytes(),
+        &["ROUTER"],
+    )
+    .await
+    .expect("handshake");
     stream
 }
 
@@ -57,16 +67,29 @@ async fn closed_within(stream: &mut TcpStream, within: Duration) -> bool {
 /// Rows 0..8 of field `x` ([8, 1024] f32) through the router, checked.
 async fn seed(client: &TqClient) -> Field {
     let field = Field::Regular(data::f32_rows(8, 1024, 42));
-    client.put_ok(&(0..8).collect::<Vec<_>>(), vec![("x".into(), field.clone())]).await;
+    client
+        .put_ok(
+            &(0..8).collect::<Vec<_>>(),
+            vec![("x".into(), field.clone())],
+        )
+        .await;
     field
 }
 
 async fn assert_intact(client: &TqClient, expected: &Field) {
     let got = client.get_ok(&(0..8).collect::<Vec<_>>(), &["x"]).await;
-    let Field::Regular(t) = expected else { unreachable!() };
+    let Field::Regular(t) = expected else {
+        unreachable!()
+    };
     for (i, cell) in got[0].1.iter().enumerate() {
-        let Cell::Tensor(row) = cell else { panic!("row {i} is not a tensor") };
-        assert_eq!(row.contiguous_bytes(), t.row(i as u64).expect("row"), "row {i} changed");
+        let Cell::Tensor(row) = cell else {
+            panic!("row {i} is not a tensor")
+        };
+        assert_eq!(
+            row.contiguous_bytes(),
+            t.row(i as u64).expect("row"),
+            "row {i} changed"
+        );
     }
 }
 
@@ -78,7 +101,9 @@ async fn an_oversized_put_gets_put_error_and_the_connection_and_data_survive() {
 
     // 2 MiB in one message: over the 1 MiB limit.
     let big = Field::Regular(data::f32_rows(512, 1024, 7));
-    let reply = client.put(&(100..612).collect::<Vec<_>>(), vec![("y".into(), big)]).await;
+    let reply = client
+        .put(&(100..612).collect::<Vec<_>>(), vec![("y".into(), big)])
+        .await;
     let message = tq_error(&reply, tq::ErrorReply::Put);
     assert!(message.contains("max_request_bytes"), "{message}");
     assert!(message.contains("1048576"), "{message}");
@@ -98,7 +123,9 @@ async fn too_many_frames_is_refused_by_count() {
     let stored = seed(&client).await;
     // A nested field of 40 rows is one frame per row: over 16 frames.
     let nested = data::nested(DType::F32, &[3; 40], 1);
-    let reply = client.put(&(200..240).collect::<Vec<_>>(), vec![("n".into(), nested)]).await;
+    let reply = client
+        .put(&(200..240).collect::<Vec<_>>(), vec![("n".into(), nested)])
+        .await;
     let message = match &reply {
         tq::Reply::Error { message, .. } => message.clone(),
         other => panic!("expected an error, got {other:?}"),
@@ -115,7 +142,9 @@ async fn native_requests_over_the_limit_get_too_large() {
     let small = Field::Regular(data::f32_rows(4, 16, 3));
     client.put_ok(&[0, 1, 2, 3], &[("x".into(), small)]).await;
     let big = Field::Regular(data::f32_rows(64, 1024, 3));
-    let reply = client.put(&(10..74).collect::<Vec<_>>(), &[("x".into(), big)]).await;
+    let reply = client
+        .put(&(10..74).collect::<Vec<_>>(), &[("x".into(), big)])
+        .await;
     let (code, message) = native_error(&reply);
     assert_eq!(code, native::code::TOO_LARGE, "{message}");
     assert!(message.contains("max_request_bytes"), "{message}");
@@ -146,7 +175,10 @@ async fn declared_sizes_allocate_nothing_until_bytes_arrive() {
     // Others are served meanwhile, and the data is intact.
     assert_intact(&client, &stored).await;
     let grown = rss(stowd.pid()).saturating_sub(before);
-    assert!(grown < 48 << 20, "stowd grew by {grown} bytes for 2 MiB received");
+    assert!(
+        grown < 48 << 20,
+        "stowd grew by {grown} bytes for 2 MiB received"
+    );
     drop((over, within));
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert_intact(&client, &stored).await;
@@ -160,12 +192,17 @@ async fn a_client_that_stops_reading_blocks_nobody_and_is_dropped() {
     // 64 MiB stored: 64 rows of 1 MiB.
     let field = Field::Regular(data::f32_rows(64, 256 << 10, 9));
     let indexes: Vec<u64> = (0..64).collect();
-    client.put_ok(&indexes, vec![("x".into(), field.clone())]).await;
+    client
+        .put_ok(&indexes, vec![("x".into(), field.clone())])
+        .await;
     let baseline = rss(stowd.pid());
 
     // The stuck client asks for all 64 MiB twenty times and reads nothing.
     let stuck_client = TqClient::with_identity_prefix(stowd.router(), "TQ_STORAGE_stuck");
-    let get = stuck_client.encode(&tq::Request::Get { global_indexes: indexes.clone(), fields: vec!["x".into()] });
+    let get = stuck_client.encode(&tq::Request::Get {
+        global_indexes: indexes.clone(),
+        fields: vec!["x".into()],
+    });
     let mut stuck = raw_dealer(&stowd.router().endpoint, "TQ_STORAGE_stuck_raw").await;
     for _ in 0..20 {
         let mut buf = Vec::new();
@@ -187,7 +224,10 @@ async fn a_client_that_stops_reading_blocks_nobody_and_is_dropped() {
 
     // Replies are views of the stored rows: a stuck reply costs no copy.
     let grown = rss(stowd.pid()).saturating_sub(baseline);
-    assert!(grown < 32 << 20, "stowd grew by {grown} bytes while a client did not read 64 MiB replies");
+    assert!(
+        grown < 32 << 20,
+        "stowd grew by {grown} bytes while a client did not read 64 MiB replies"
+    );
 
     // After the write timeout the stuck connection is closed: reading it
     // now reaches the end (after whatever was already in flight).
@@ -196,11 +236,17 @@ async fn a_client_that_stops_reading_blocks_nobody_and_is_dropped() {
         closed_within(&mut stuck, Duration::from_secs(10)).await,
         "the stuck connection is still open after its write timeout"
     );
-    assert!(stowd.log().contains("did not read its reply in time"), "{}", stowd.log());
+    assert!(
+        stowd.log().contains("did not read its reply in time"),
+        "{}",
+        stowd.log()
+    );
 
     // Everything stored is intact.
     let got = client.get_ok(&indexes, &["x"]).await;
-    let Field::Regular(t) = &field else { unreachable!() };
+    let Field::Regular(t) = &field else {
+        unreachable!()
+    };
     for (i, cell) in got[0].1.iter().enumerate() {
         let Cell::Tensor(row) = cell else { panic!() };
         assert_eq!(row.contiguous_bytes(), t.row(i as u64).unwrap());
@@ -221,8 +267,16 @@ async fn connections_over_the_limit_are_closed_and_slots_come_back() {
     let mut fourth = TcpStream::connect(tcp_addr(&endpoint)).await.unwrap();
     let (r, mut w) = fourth.split();
     let mut reader = zmtp::FrameReader::new(r);
-    let shake = zmtp::handshake(&mut reader, &mut w, "DEALER", b"TQ_STORAGE_fourth", &["ROUTER"]);
-    let result = tokio::time::timeout(Duration::from_secs(5), shake).await.expect("refused promptly");
+    let shake = zmtp::handshake(
+        &mut reader,
+        &mut w,
+        "DEALER",
+        b"TQ_STORAGE_fourth",
+        &["ROUTER"],
+    );
+    let result = tokio::time::timeout(Duration::from_secs(5), shake)
+        .await
+        .expect("refused promptly");
     assert!(result.is_err(), "a fourth connection was accepted");
     assert!(stowd.log().contains("too many open connections"));
 
@@ -244,15 +298,22 @@ async fn bytes_that_are_not_zmtp_close_only_their_connection() {
         &[0xffu8, 0, 0, 0, 0, 0, 0, 0, 0, 0x7f, 2, 0][..],
         &[0u8; 200][..],
     ] {
-        let mut s = TcpStream::connect(tcp_addr(&stowd.router().endpoint)).await.unwrap();
+        let mut s = TcpStream::connect(tcp_addr(&stowd.router().endpoint))
+            .await
+            .unwrap();
         let _ = s.write_all(garbage).await;
-        assert!(closed_within(&mut s, Duration::from_secs(15)).await, "connection sending {garbage:?} was not closed");
+        assert!(
+            closed_within(&mut s, Duration::from_secs(15)).await,
+            "connection sending {garbage:?} was not closed"
+        );
     }
     // Reserved flag bits after a good handshake.
     let mut s = raw_dealer(&stowd.router().endpoint, "TQ_STORAGE_flags").await;
     s.write_all(&[0xf0, 1, 0]).await.unwrap();
     let mut sink = [0u8; 16];
-    let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut sink)).await.expect("closed promptly");
+    let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut sink))
+        .await
+        .expect("closed promptly");
     assert!(matches!(n, Ok(0) | Err(_)));
     assert_intact(&client, &stored).await;
     stowd.assert_running();

@@ -18,12 +18,23 @@ use stowage_tests::Stowd;
 use stowage_tests::load::{self, Options, Target};
 
 fn secs(default: f64) -> Duration {
-    Duration::from_secs_f64(std::env::var("STOWLOAD_SECS").ok().and_then(|s| s.parse().ok()).unwrap_or(default))
+    Duration::from_secs_f64(
+        std::env::var("STOWLOAD_SECS")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(default),
+    )
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sixty_four_clients_lose_and_mix_up_nothing() {
-    run_and_check(Options { clients: 64, duration: secs(12.0), seed: 6, ..Options::default() }).await;
+    run_and_check(Options {
+        clients: 64,
+        duration: secs(12.0),
+        seed: 6,
+        ..Options::default()
+    })
+    .await;
 }
 
 /// Rows of 1 MB: puts of a few rows make frames of more than 1 MiB, which
@@ -60,14 +71,35 @@ async fn run_and_check(opts: Options) {
         load::classify(&report.mismatches),
         report.table()
     );
-    assert_eq!(report.error_count, 0, "unexpected errors:\n{}", report.table());
+    assert_eq!(
+        report.error_count,
+        0,
+        "unexpected errors:\n{}",
+        report.table()
+    );
     for op in load::OPS {
-        assert!(report.op(op).count > 0, "no {op} in the run:\n{}", report.table());
+        assert!(
+            report.op(op).count > 0,
+            "no {op} in the run:\n{}",
+            report.table()
+        );
     }
-    assert!(report.per_proto[0] > 0 && report.per_proto[1] > 0, "both protocols are used");
-    assert_eq!(report.after_clear_stats, Some((0, 0, 0)), "stats after the final clear (keys, rows, bytes)");
+    assert!(
+        report.per_proto[0] > 0 && report.per_proto[1] > 0,
+        "both protocols are used"
+    );
+    assert_eq!(
+        report.after_clear_stats,
+        Some((0, 0, 0)),
+        "stats after the final clear (keys, rows, bytes)"
+    );
     let m = report.memory.expect("memory readings");
     assert!(m.peak > m.baseline, "the run used memory: {m:?}");
-    assert_eq!(report.rss_ok(), Some(true), "stowd's memory did not come back:\n{}", report.table());
+    assert_eq!(
+        report.rss_ok(),
+        Some(true),
+        "stowd's memory did not come back:\n{}",
+        report.table()
+    );
     stowd.stop();
 }

@@ -34,11 +34,18 @@ const UNITS: usize = 3;
 
 /// `ip args...`; Err with its stderr.
 fn ip(args: &[&str]) -> Result<(), String> {
-    let out = Command::new("ip").args(args).output().map_err(|e| format!("cannot run ip: {e}"))?;
+    let out = Command::new("ip")
+        .args(args)
+        .output()
+        .map_err(|e| format!("cannot run ip: {e}"))?;
     if out.status.success() {
         Ok(())
     } else {
-        Err(format!("ip {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim()))
+        Err(format!(
+            "ip {}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        ))
     }
 }
 
@@ -68,7 +75,14 @@ impl Net {
     /// with the process alive and its rows kept.
     fn set_unit_link(&self, i: usize, up: bool) -> Result<(), String> {
         let dev = format!("stw{}u{i}", self.tag);
-        ip(&["-n", &self.unit_ns[i], "link", "set", &dev, if up { "up" } else { "down" }])
+        ip(&[
+            "-n",
+            &self.unit_ns[i],
+            "link",
+            "set",
+            &dev,
+            if up { "up" } else { "down" },
+        ])
     }
 
     /// Creates everything, or says why it cannot.
@@ -78,15 +92,26 @@ impl Net {
         }
         let euid = std::fs::read_to_string("/proc/self/status")
             .ok()
-            .and_then(|s| s.lines().find(|l| l.starts_with("Uid:")).map(|l| l.split_whitespace().nth(2).unwrap_or("").to_string()));
+            .and_then(|s| {
+                s.lines()
+                    .find(|l| l.starts_with("Uid:"))
+                    .map(|l| l.split_whitespace().nth(2).unwrap_or("").to_string())
+            });
         if euid.as_deref() != Some("0") {
-            return Err(format!("not root (effective uid {})", euid.unwrap_or_else(|| "?".into())));
+            return Err(format!(
+                "not root (effective uid {})",
+                euid.unwrap_or_else(|| "?".into())
+            ));
         }
         let pid = std::process::id();
         let tag = format!("{:05}", pid % 100_000);
         // A /24 block per run: five subnets from a third octet derived from
         // the pid, skipping any already routed on this host.
-        let routes = Command::new("ip").args(["-4", "route", "show"]).output().map(|o| o.stdout).unwrap_or_default();
+        let routes = Command::new("ip")
+            .args(["-4", "route", "show"])
+            .output()
+            .map(|o| o.stdout)
+            .unwrap_or_default();
         let routes = String::from_utf8_lossy(&routes).to_string();
         let base = (0..50u32)
             .map(|k| (((pid + k) % 50) * 5) as u8)
@@ -94,13 +119,16 @@ impl Net {
             .ok_or("no free 10.77.x.0/24 block")?;
         let net = Net {
             router_ns: format!("stowage-mh-{tag}-r"),
-            unit_ns: (0..UNITS).map(|i| format!("stowage-mh-{tag}-u{i}")).collect(),
+            unit_ns: (0..UNITS)
+                .map(|i| format!("stowage-mh-{tag}-u{i}"))
+                .collect(),
             host_link: format!("stw{tag}h"),
             tag: tag.clone(),
             base,
         };
         // From here on, drop cleans up whatever was made.
-        net.build(&tag).map_err(|e| format!("cannot create the namespaces: {e}"))?;
+        net.build(&tag)
+            .map_err(|e| format!("cannot create the namespaces: {e}"))?;
         Ok(net)
     }
 
@@ -110,22 +138,63 @@ impl Net {
         ip(&["-n", r, "link", "set", "lo", "up"])?;
         // Host <-> router.
         let router_side = format!("stw{tag}r");
-        ip(&["link", "add", &self.host_link, "type", "veth", "peer", "name", &router_side])?;
+        ip(&[
+            "link",
+            "add",
+            &self.host_link,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            &router_side,
+        ])?;
         ip(&["link", "set", &router_side, "netns", r])?;
-        ip(&["addr", "add", &format!("10.77.{}.1/24", self.base), "dev", &self.host_link])?;
+        ip(&[
+            "addr",
+            "add",
+            &format!("10.77.{}.1/24", self.base),
+            "dev",
+            &self.host_link,
+        ])?;
         ip(&["link", "set", &self.host_link, "up"])?;
-        ip(&["-n", r, "addr", "add", &format!("{}/24", self.router_addr()), "dev", &router_side])?;
+        ip(&[
+            "-n",
+            r,
+            "addr",
+            "add",
+            &format!("{}/24", self.router_addr()),
+            "dev",
+            &router_side,
+        ])?;
         ip(&["-n", r, "link", "set", &router_side, "up"])?;
         // Router <-> each unit host.
         for (i, u) in self.unit_ns.iter().enumerate() {
             ip(&["netns", "add", u])?;
             ip(&["-n", u, "link", "set", "lo", "up"])?;
             let (ra, ua) = (format!("stw{tag}a{i}"), format!("stw{tag}u{i}"));
-            ip(&["-n", r, "link", "add", &ra, "type", "veth", "peer", "name", &ua, "netns", u])?;
+            ip(&[
+                "-n", r, "link", "add", &ra, "type", "veth", "peer", "name", &ua, "netns", u,
+            ])?;
             let subnet = self.base as usize + 1 + i;
-            ip(&["-n", r, "addr", "add", &format!("10.77.{subnet}.1/24"), "dev", &ra])?;
+            ip(&[
+                "-n",
+                r,
+                "addr",
+                "add",
+                &format!("10.77.{subnet}.1/24"),
+                "dev",
+                &ra,
+            ])?;
             ip(&["-n", r, "link", "set", &ra, "up"])?;
-            ip(&["-n", u, "addr", "add", &format!("{}/24", self.unit_addr(i)), "dev", &ua])?;
+            ip(&[
+                "-n",
+                u,
+                "addr",
+                "add",
+                &format!("{}/24", self.unit_addr(i)),
+                "dev",
+                &ua,
+            ])?;
             ip(&["-n", u, "link", "set", &ua, "up"])?;
         }
         Ok(())
@@ -136,12 +205,17 @@ impl Drop for Net {
     fn drop(&mut self) {
         // Deleting a namespace deletes the veth ends in it, and so their
         // peers; the host end goes explicitly in case its peer never moved.
-        for ns in std::iter::once(&self.router_ns).chain(&self.unit_ns).filter(|n| !n.is_empty()) {
+        for ns in std::iter::once(&self.router_ns)
+            .chain(&self.unit_ns)
+            .filter(|n| !n.is_empty())
+        {
             if let Err(e) = ip(&["netns", "del", ns]) {
                 eprintln!("cleanup: {e}");
             }
         }
-        if !self.host_link.is_empty() && std::path::Path::new(&format!("/sys/class/net/{}", self.host_link)).exists() {
+        if !self.host_link.is_empty()
+            && std::path::Path::new(&format!("/sys/class/net/{}", self.host_link)).exists()
+        {
             if let Err(e) = ip(&["link", "del", &self.host_link]) {
                 eprintln!("cleanup: {e}");
             }
@@ -157,7 +231,9 @@ fn unit_config(net: &Net, i: usize) -> String {
 }
 
 fn router_config(net: &Net) -> String {
-    let units: Vec<String> = (0..UNITS).map(|i| format!("{:?}", net.unit_endpoint(i))).collect();
+    let units: Vec<String> = (0..UNITS)
+        .map(|i| format!("{:?}", net.unit_endpoint(i)))
+        .collect();
     format!(
         "[server]\nhost = {:?}\n\n[units]\nlocal = 0\n\n[router]\nunits = [{}]\ntimeout_secs = {}\n\n[shm]\nenabled = false\n",
         net.router_addr(),
@@ -168,7 +244,10 @@ fn router_config(net: &Net) -> String {
 
 /// A put of `fields` (reg, jag, str) at `indexes`, version `v`.
 fn batch(indexes: &[u64], v: u64) -> Vec<(String, Field)> {
-    ["reg", "jag", "str"].iter().map(|f| (f.to_string(), load::field(f, indexes, v))).collect()
+    ["reg", "jag", "str"]
+        .iter()
+        .map(|f| (f.to_string(), load::field(f, indexes, v)))
+        .collect()
 }
 
 const NAMES: [&str; 3] = ["reg", "jag", "str"];
@@ -179,7 +258,9 @@ fn names() -> Vec<String> {
 
 /// Asserts a get of `indexes` succeeded with version `v` of every row.
 fn assert_rows(what: &str, outcome: &Outcome, indexes: &[u64], v: u64) {
-    let Outcome::Got(fields) = outcome else { panic!("{what}: expected rows, got {outcome:?}") };
+    let Outcome::Got(fields) = outcome else {
+        panic!("{what}: expected rows, got {outcome:?}")
+    };
     assert_eq!(fields.len(), NAMES.len(), "{what}: fields");
     for ((name, cells), want) in fields.iter().zip(NAMES) {
         assert_eq!(name, want, "{what}: field order");
@@ -210,14 +291,28 @@ async fn a_unit_host_dies_and_comes_back() {
         }
     };
     let started = Instant::now();
-    let mut units: Vec<Stowd> = (0..UNITS).map(|i| Stowd::start_in_netns(&net.unit_ns[i], &unit_config(&net, i))).collect();
+    let mut units: Vec<Stowd> = (0..UNITS)
+        .map(|i| Stowd::start_in_netns(&net.unit_ns[i], &unit_config(&net, i)))
+        .collect();
     let mut router = Stowd::start_in_netns(&net.router_ns, &router_config(&net));
     for (i, u) in units.iter().enumerate() {
-        assert_eq!(u.unit(0).endpoint, net.unit_endpoint(i), "unit host {i} endpoint");
+        assert_eq!(
+            u.unit(0).endpoint,
+            net.unit_endpoint(i),
+            "unit host {i} endpoint"
+        );
     }
-    let target =
-        Target { tq: Some(router.router().clone()), native: Some(router.native().to_string()), pid: None };
-    println!("router {} / {} over {:?}", router.router().endpoint, router.native(), (0..UNITS).map(|i| net.unit_endpoint(i)).collect::<Vec<_>>());
+    let target = Target {
+        tq: Some(router.router().clone()),
+        native: Some(router.native().to_string()),
+        pid: None,
+    };
+    println!(
+        "router {} / {} over {:?}",
+        router.router().endpoint,
+        router.native(),
+        (0..UNITS).map(|i| net.unit_endpoint(i)).collect::<Vec<_>>()
+    );
 
     // 1. Healthy: the verifying load across the namespaces.
     let opts = load::Options {
@@ -233,24 +328,48 @@ async fn a_unit_host_dies_and_comes_back() {
     };
     let report = load::run(&target, &opts).await;
     println!("{}", report.table());
-    assert_eq!(report.mismatch_count, 0, "healthy phase:\n{}", report.table());
+    assert_eq!(
+        report.mismatch_count,
+        0,
+        "healthy phase:\n{}",
+        report.table()
+    );
     assert_eq!(report.error_count, 0, "healthy phase:\n{}", report.table());
-    assert!(report.op("put").count > 0 && report.op("get").count > 0 && report.op("clear").count > 0);
+    assert!(
+        report.op("put").count > 0 && report.op("get").count > 0 && report.op("clear").count > 0
+    );
 
     // 2. Known rows on every unit; a partition, then unit host 1 dies.
     let mut client = DualClient::new(&target, "mh", Duration::from_secs(20));
     let all: Vec<u64> = (0..30).collect();
-    assert!(matches!(client.put(Proto::Native, &all, batch(&all, 1)).await, Outcome::Put), "put before the kill");
-    assert_rows("get before the kill", &client.get(Proto::Tq, &all, &names()).await, &all, 1);
+    assert!(
+        matches!(
+            client.put(Proto::Native, &all, batch(&all, 1)).await,
+            Outcome::Put
+        ),
+        "put before the kill"
+    );
+    assert_rows(
+        "get before the kill",
+        &client.get(Proto::Tq, &all, &names()).await,
+        &all,
+        1,
+    );
 
     // 2a. A partition: unit host 2 unreachable, its process alive. Requests
     // touching it fail within the router timeout, several at once too;
     // when the link comes back its rows are there, unchanged.
     let cut = 2usize;
-    let on_cut: Vec<u64> = all.iter().copied().filter(|g| g % 3 == cut as u64).collect();
+    let on_cut: Vec<u64> = all
+        .iter()
+        .copied()
+        .filter(|g| g % 3 == cut as u64)
+        .collect();
     net.set_unit_link(cut, false).expect("link down");
     let cut_endpoint = net.unit_endpoint(cut);
-    let mut waiting: Vec<DualClient> = (0..4).map(|i| DualClient::new(&target, &format!("cut{i}"), Duration::from_secs(60))).collect();
+    let mut waiting: Vec<DualClient> = (0..4)
+        .map(|i| DualClient::new(&target, &format!("cut{i}"), Duration::from_secs(60)))
+        .collect();
     let tasks = waiting.iter_mut().enumerate().map(|(i, c)| {
         let g = [on_cut[i % on_cut.len()]];
         let p = if i % 2 == 0 { Proto::Tq } else { Proto::Native };
@@ -264,40 +383,83 @@ async fn a_unit_host_dies_and_comes_back() {
     for (took, o) in &partitioned {
         let text = error_text("get across the partition", o);
         println!("get across the partition: {took:?}: {text}");
-        assert!(text.contains(&cut_endpoint), "the error names the unreachable unit: {text}");
-        assert!(*took <= ROUTER_TIMEOUT + Duration::from_secs(2), "took {took:?} with a router timeout of {ROUTER_TIMEOUT:?}");
+        assert!(
+            text.contains(&cut_endpoint),
+            "the error names the unreachable unit: {text}"
+        );
+        assert!(
+            *took <= ROUTER_TIMEOUT + Duration::from_secs(2),
+            "took {took:?} with a router timeout of {ROUTER_TIMEOUT:?}"
+        );
     }
     net.set_unit_link(cut, true).expect("link up");
-    assert_rows("get after the partition healed", &client.get(Proto::Tq, &all, &names()).await, &all, 1);
+    assert_rows(
+        "get after the partition healed",
+        &client.get(Proto::Tq, &all, &names()).await,
+        &all,
+        1,
+    );
     drop(waiting);
 
     let dead = 1usize;
-    let on_dead: Vec<u64> = all.iter().copied().filter(|g| g % 3 == dead as u64).collect();
-    let elsewhere: Vec<u64> = all.iter().copied().filter(|g| g % 3 != dead as u64).collect();
+    let on_dead: Vec<u64> = all
+        .iter()
+        .copied()
+        .filter(|g| g % 3 == dead as u64)
+        .collect();
+    let elsewhere: Vec<u64> = all
+        .iter()
+        .copied()
+        .filter(|g| g % 3 != dead as u64)
+        .collect();
     units[dead].kill();
     println!("killed unit host {dead} ({})", net.unit_endpoint(dead));
 
     let dead_endpoint = net.unit_endpoint(dead);
     let bound = ROUTER_TIMEOUT + Duration::from_secs(2);
-    for (p, what) in [(Proto::Tq, "get over transferqueue"), (Proto::Native, "get over stowage/1"), (Proto::Tq, "get again")] {
+    for (p, what) in [
+        (Proto::Tq, "get over transferqueue"),
+        (Proto::Native, "get over stowage/1"),
+        (Proto::Tq, "get again"),
+    ] {
         let t = Instant::now();
         let outcome = client.get(p, &[on_dead[0], elsewhere[0]], &names()).await;
         let took = t.elapsed();
         let text = error_text(what, &outcome);
         println!("{what} touching the dead unit: {took:?}: {text}");
-        assert!(matches!(outcome, Outcome::Error(_)), "{what}: a dead unit is not a missing key: {text}");
-        assert!(text.contains(&dead_endpoint), "{what}: the error names the unit: {text}");
-        assert!(took <= bound, "{what}: took {took:?}, more than the router timeout {ROUTER_TIMEOUT:?} + 2 s");
+        assert!(
+            matches!(outcome, Outcome::Error(_)),
+            "{what}: a dead unit is not a missing key: {text}"
+        );
+        assert!(
+            text.contains(&dead_endpoint),
+            "{what}: the error names the unit: {text}"
+        );
+        assert!(
+            took <= bound,
+            "{what}: took {took:?}, more than the router timeout {ROUTER_TIMEOUT:?} + 2 s"
+        );
     }
     let t = Instant::now();
-    let outcome = client.put(Proto::Native, &on_dead[..2], batch(&on_dead[..2], 2)).await;
+    let outcome = client
+        .put(Proto::Native, &on_dead[..2], batch(&on_dead[..2], 2))
+        .await;
     let text = error_text("put to the dead unit", &outcome);
     println!("put touching the dead unit: {:?}: {text}", t.elapsed());
-    assert!(text.contains(&dead_endpoint), "put: the error names the unit: {text}");
-    assert!(t.elapsed() <= bound, "put to the dead unit took {:?}", t.elapsed());
+    assert!(
+        text.contains(&dead_endpoint),
+        "put: the error names the unit: {text}"
+    );
+    assert!(
+        t.elapsed() <= bound,
+        "put to the dead unit took {:?}",
+        t.elapsed()
+    );
 
     // Several requests at once: each fails in time, not one after another.
-    let mut others: Vec<DualClient> = (0..4).map(|i| DualClient::new(&target, &format!("mh{i}"), Duration::from_secs(60))).collect();
+    let mut others: Vec<DualClient> = (0..4)
+        .map(|i| DualClient::new(&target, &format!("mh{i}"), Duration::from_secs(60)))
+        .collect();
     let t = Instant::now();
     let tasks = others.iter_mut().enumerate().map(|(i, c)| {
         let g = [on_dead[i % on_dead.len()]];
@@ -309,7 +471,10 @@ async fn a_unit_host_dies_and_comes_back() {
     });
     let concurrent = join_all(tasks).await;
     let slowest = concurrent.iter().map(|(d, _)| *d).max().unwrap_or_default();
-    println!("4 concurrent gets on the dead unit: slowest {slowest:?} (all {:?})", concurrent.iter().map(|(d, _)| *d).collect::<Vec<_>>());
+    println!(
+        "4 concurrent gets on the dead unit: slowest {slowest:?} (all {:?})",
+        concurrent.iter().map(|(d, _)| *d).collect::<Vec<_>>()
+    );
     for (d, o) in &concurrent {
         let text = error_text("concurrent get", o);
         assert!(text.contains(&dead_endpoint), "concurrent get: {text}");
@@ -321,17 +486,35 @@ async fn a_unit_host_dies_and_comes_back() {
     for p in [Proto::Tq, Proto::Native] {
         let t = Instant::now();
         let outcome = client.get(p, &elsewhere, &names()).await;
-        assert_rows(&format!("{p:?} get on the live units"), &outcome, &elsewhere, 1);
-        assert!(t.elapsed() < bound, "get on the live units took {:?}", t.elapsed());
+        assert_rows(
+            &format!("{p:?} get on the live units"),
+            &outcome,
+            &elsewhere,
+            1,
+        );
+        assert!(
+            t.elapsed() < bound,
+            "get on the live units took {:?}",
+            t.elapsed()
+        );
         let fresh = [elsewhere[0], elsewhere[1]];
-        assert!(matches!(client.put(p, &fresh, batch(&fresh, 3)).await, Outcome::Put), "{p:?} put on live units");
+        assert!(
+            matches!(client.put(p, &fresh, batch(&fresh, 3)).await, Outcome::Put),
+            "{p:?} put on live units"
+        );
         assert_rows("reread", &client.get(p, &fresh, &names()).await, &fresh, 3);
-        assert!(matches!(client.put(p, &fresh, batch(&fresh, 1)).await, Outcome::Put));
+        assert!(matches!(
+            client.put(p, &fresh, batch(&fresh, 1)).await,
+            Outcome::Put
+        ));
     }
     assert_slowest_ok(slowest, bound);
 
     // 3. The unit host restarts, empty, on the same address.
-    let dead_before = std::mem::replace(&mut units[dead], Stowd::start_in_netns(&net.unit_ns[dead], &unit_config(&net, dead)));
+    let dead_before = std::mem::replace(
+        &mut units[dead],
+        Stowd::start_in_netns(&net.unit_ns[dead], &unit_config(&net, dead)),
+    );
     drop(dead_before);
     println!("restarted unit host {dead}");
     // The router's connections to the old process are dead; the first
@@ -342,27 +525,54 @@ async fn a_unit_host_dies_and_comes_back() {
     loop {
         let a = Instant::now();
         let outcome = client.put(Proto::Tq, &fresh, batch(&fresh, 4)).await;
-        attempts.push((a.elapsed(), format!("{outcome:?}").chars().take(200).collect::<String>()));
+        attempts.push((
+            a.elapsed(),
+            format!("{outcome:?}").chars().take(200).collect::<String>(),
+        ));
         if matches!(outcome, Outcome::Put) {
             break;
         }
-        assert!(t.elapsed() < Duration::from_secs(20), "puts to the restarted unit keep failing: {attempts:#?}");
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "puts to the restarted unit keep failing: {attempts:#?}"
+        );
     }
-    println!("put to the restarted unit: {} attempt(s) in {:?}: {attempts:?}", attempts.len(), t.elapsed());
+    println!(
+        "put to the restarted unit: {} attempt(s) in {:?}: {attempts:?}",
+        attempts.len(),
+        t.elapsed()
+    );
     // A kept connection to the dead process is retried once on a fresh one,
     // so the very first put succeeds.
-    assert_eq!(attempts.len(), 1, "the first put to the restarted unit failed: {attempts:#?}");
-    assert_rows("get of new rows on the restarted unit", &client.get(Proto::Native, &fresh, &names()).await, &fresh, 4);
+    assert_eq!(
+        attempts.len(),
+        1,
+        "the first put to the restarted unit failed: {attempts:#?}"
+    );
+    assert_rows(
+        "get of new rows on the restarted unit",
+        &client.get(Proto::Native, &fresh, &names()).await,
+        &fresh,
+        4,
+    );
     // Its old rows are gone, and reported so, over both protocols.
     let lost = on_dead[3];
     for p in [Proto::Tq, Proto::Native] {
         let outcome = client.get(p, &[lost], &names()).await;
         let text = error_text("get of a row the dead unit held", &outcome);
         println!("{p:?} get of an old row of the restarted unit: {text}");
-        assert!(matches!(outcome, Outcome::KeyNotFound(_)), "{p:?}: an old row is reported missing: {text}");
+        assert!(
+            matches!(outcome, Outcome::KeyNotFound(_)),
+            "{p:?}: an old row is reported missing: {text}"
+        );
     }
     // The other units kept everything.
-    assert_rows("get on the other units after the restart", &client.get(Proto::Tq, &elsewhere, &names()).await, &elsewhere, 1);
+    assert_rows(
+        "get on the other units after the restart",
+        &client.get(Proto::Tq, &elsewhere, &names()).await,
+        &elsewhere,
+        1,
+    );
     router.assert_running();
     println!("multihost took {:?}", started.elapsed());
     drop(client);
@@ -383,4 +593,3 @@ fn assert_slowest_ok(slowest: Duration, bound: Duration) {
         "with 4 requests at once on the dead unit the slowest took {slowest:?}, more than {bound:?}"
     );
 }
-

@@ -47,10 +47,13 @@ fn plugin_dir_with(seed: &[&str]) -> PathBuf {
 
 /// The `plugin.<name>` line of native `stats`, if that plugin is live.
 fn plugin_line(stats: &[(String, native::Stat)], name: &str) -> Option<String> {
-    stats.iter().find(|(k, _)| *k == format!("plugin.{name}")).map(|(_, v)| match v {
-        native::Stat::Str(s) => s.clone(),
-        other => panic!("plugin.{name} is {other:?}"),
-    })
+    stats
+        .iter()
+        .find(|(k, _)| *k == format!("plugin.{name}"))
+        .map(|(_, v)| match v {
+            native::Stat::Str(s) => s.clone(),
+            other => panic!("plugin.{name} is {other:?}"),
+        })
 }
 
 /// A number after `key` in a plugin line (`... faults 3 ...`).
@@ -58,7 +61,10 @@ fn field_of(line: &str, key: &str) -> u64 {
     let mut words = line.split_whitespace();
     while let Some(w) = words.next() {
         if w == key {
-            return words.next().and_then(|v| v.parse().ok()).unwrap_or_else(|| panic!("{key} in {line}"));
+            return words
+                .next()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or_else(|| panic!("{key} in {line}"));
         }
     }
     panic!("no {key} in {line:?}")
@@ -77,14 +83,21 @@ async fn wait_for(
         if done(&stats) {
             return stats;
         }
-        assert!(start.elapsed() < limit, "{what}: not within {limit:?}; stats: {stats:?}");
+        assert!(
+            start.elapsed() < limit,
+            "{what}: not within {limit:?}; stats: {stats:?}"
+        );
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
 }
 
 /// A free TCP port on 127.0.0.1 (bound, then released).
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }
 
 fn percentile(sorted: &[Duration], q: f64) -> Duration {
@@ -96,17 +109,35 @@ fn percentile(sorted: &[Duration], q: f64) -> Duration {
 
 /// One client's loop: overwrite its own rows with a fresh seed, read them
 /// back in another order, compare every byte; count requests.
-async fn churn(endpoint: String, base: u64, stop: Arc<AtomicBool>, requests: Arc<AtomicU64>) -> u64 {
+async fn churn(
+    endpoint: String,
+    base: u64,
+    stop: Arc<AtomicBool>,
+    requests: Arc<AtomicU64>,
+) -> u64 {
     let client = NativeClient::new(&endpoint);
     let n = 64u64;
     let indexes: Vec<u64> = (base..base + n).collect();
-    let order: Vec<u64> = indexes.iter().rev().step_by(3).copied().chain(indexes.iter().step_by(5).copied()).collect();
+    let order: Vec<u64> = indexes
+        .iter()
+        .rev()
+        .step_by(3)
+        .copied()
+        .chain(indexes.iter().step_by(5).copied())
+        .collect();
     let mut round = 0u64;
     while !stop.load(Ordering::Relaxed) {
         let x = Field::Regular(f32_rows(n, 8, base * 1000 + round));
-        let ids = stowage_tests::data::nested(DType::I64, &(0..n).map(|i| (i + round) % 4).collect::<Vec<_>>(), round);
+        let ids = stowage_tests::data::nested(
+            DType::I64,
+            &(0..n).map(|i| (i + round) % 4).collect::<Vec<_>>(),
+            round,
+        );
         // Strided positions per unit, runs, a single row: every plugin kind is asked.
-        let fields = vec![("x".to_string(), x.clone()), ("ids".to_string(), ids.clone())];
+        let fields = vec![
+            ("x".to_string(), x.clone()),
+            ("ids".to_string(), ids.clone()),
+        ];
         match client.put(&indexes, &fields).await {
             native::Reply::PutOk { rows } => assert_eq!(rows, n),
             other => panic!("client {base}: put {round} failed: {other:?}"),
@@ -115,10 +146,22 @@ async fn churn(endpoint: String, base: u64, stop: Arc<AtomicBool>, requests: Arc
         let want_x = stowage_tests::data::expected(&x, &indexes, &order);
         let want_ids = stowage_tests::data::expected(&ids, &indexes, &order);
         let mut got = got.into_iter();
-        assert_cells(&format!("client {base} round {round} x"), &wire_cells(got.next().unwrap().1), &want_x);
-        assert_cells(&format!("client {base} round {round} ids"), &wire_cells(got.next().unwrap().1), &want_ids);
+        assert_cells(
+            &format!("client {base} round {round} x"),
+            &wire_cells(got.next().unwrap().1),
+            &want_x,
+        );
+        assert_cells(
+            &format!("client {base} round {round} ids"),
+            &wire_cells(got.next().unwrap().1),
+            &want_ids,
+        );
         let one = client.get_ok(&[base + round % n], &["x"]).await;
-        assert_cells("single row", &wire_cells(one.into_iter().next().unwrap().1), &[cells(&x)[(round % n) as usize].clone()]);
+        assert_cells(
+            "single row",
+            &wire_cells(one.into_iter().next().unwrap().1),
+            &[cells(&x)[(round % n) as usize].clone()],
+        );
         requests.fetch_add(3, Ordering::Relaxed);
         round += 1;
     }
@@ -126,7 +169,12 @@ async fn churn(endpoint: String, base: u64, stop: Arc<AtomicBool>, requests: Arc
 }
 
 /// The same through the TransferQueue router endpoint.
-async fn churn_tq(router: stowage_host::server::UnitEndpoint, base: u64, stop: Arc<AtomicBool>, requests: Arc<AtomicU64>) -> u64 {
+async fn churn_tq(
+    router: stowage_host::server::UnitEndpoint,
+    base: u64,
+    stop: Arc<AtomicBool>,
+    requests: Arc<AtomicU64>,
+) -> u64 {
     let client = TqClient::new(&router);
     let n = 32u64;
     let indexes: Vec<u64> = (base..base + n).collect();
@@ -136,7 +184,11 @@ async fn churn_tq(router: stowage_host::server::UnitEndpoint, base: u64, stop: A
         client.put_ok(&indexes, vec![("x".into(), x.clone())]).await;
         let order: Vec<u64> = indexes.iter().rev().copied().collect();
         let got = client.get_ok(&order, &["x"]).await;
-        assert_cells(&format!("tq {base} round {round}"), &got[0].1, &stowage_tests::data::expected(&x, &indexes, &order));
+        assert_cells(
+            &format!("tq {base} round {round}"),
+            &got[0].1,
+            &stowage_tests::data::expected(&x, &indexes, &order),
+        );
         requests.fetch_add(2, Ordering::Relaxed);
         round += 1;
     }
@@ -159,25 +211,52 @@ async fn a_plugin_swapped_100_times_under_load_loses_no_request() {
     let requests = Arc::new(AtomicU64::new(0));
     let mut clients = Vec::new();
     for c in 0..3u64 {
-        clients.push(tokio::spawn(churn(stowd.native().to_string(), c * 1000, stop.clone(), requests.clone())));
+        clients.push(tokio::spawn(churn(
+            stowd.native().to_string(),
+            c * 1000,
+            stop.clone(),
+            requests.clone(),
+        )));
     }
-    clients.push(tokio::spawn(churn_tq(stowd.router().clone(), 5000, stop.clone(), requests.clone())));
+    clients.push(tokio::spawn(churn_tq(
+        stowd.router().clone(),
+        5000,
+        stop.clone(),
+        requests.clone(),
+    )));
 
     let started = Instant::now();
     let mut latencies = Vec::with_capacity(100);
     for i in 0..100u64 {
-        let (src, live) = if i % 2 == 0 { ("constant-stride", "constant-stride") } else { ("runs", "runs") };
+        let (src, live) = if i % 2 == 0 {
+            ("constant-stride", "constant-stride")
+        } else {
+            ("runs", "runs")
+        };
         let swaps_before = stat(&admin.stats().await, "plugin_swaps");
         let t = Instant::now();
         install(&plugin(src), &dir, "swap.wasm");
-        let stats = wait_for(&admin, &format!("swap {i} to {src}"), Duration::from_secs(30), |s| {
-            stat(s, "plugin_swaps") > swaps_before
-        })
+        let stats = wait_for(
+            &admin,
+            &format!("swap {i} to {src}"),
+            Duration::from_secs(30),
+            |s| stat(s, "plugin_swaps") > swaps_before,
+        )
         .await;
         latencies.push(t.elapsed());
-        assert!(plugin_line(&stats, live).is_some(), "swap {i}: {live} is not live: {stats:?}");
-        let other = if live == "runs" { "constant-stride" } else { "runs" };
-        assert!(plugin_line(&stats, other).is_none(), "swap {i}: {other} is still live");
+        assert!(
+            plugin_line(&stats, live).is_some(),
+            "swap {i}: {live} is not live: {stats:?}"
+        );
+        let other = if live == "runs" {
+            "constant-stride"
+        } else {
+            "runs"
+        };
+        assert!(
+            plugin_line(&stats, other).is_none(),
+            "swap {i}: {other} is still live"
+        );
         // Let the clients run on this version for a moment.
         tokio::time::sleep(Duration::from_millis(20)).await;
         stowd.assert_running();
@@ -189,7 +268,11 @@ async fn a_plugin_swapped_100_times_under_load_loses_no_request() {
         rounds += c.await.expect("a client failed (see its panic above)");
     }
     let stats = admin.stats().await;
-    assert_eq!(stat(&stats, "plugin_swaps"), 100, "exactly one swap per copy");
+    assert_eq!(
+        stat(&stats, "plugin_swaps"),
+        100,
+        "exactly one swap per copy"
+    );
     assert_eq!(stat(&stats, "plugin_refusals"), 0);
     assert_eq!(stat(&stats, "fallbacks"), 0, "no fault while swapping");
     latencies.sort();
@@ -230,9 +313,19 @@ async fn broken_plugins_dropped_into_the_directory_never_go_live() {
     std::fs::rename(dir.join(".t"), dir.join("junk.wasm")).unwrap();
     install(&hostile("dup-row"), &dir, "gather.wasm");
 
-    let stats = wait_for(&client, "seven refusals", Duration::from_secs(60), |s| stat(s, "plugin_refusals") >= 7).await;
-    assert_eq!(stat(&stats, "plugin_swaps"), stat(&before, "plugin_swaps"), "nothing was swapped in");
-    let live: Vec<&str> = stats.iter().filter_map(|(k, _)| k.strip_prefix("plugin.")).collect();
+    let stats = wait_for(&client, "seven refusals", Duration::from_secs(60), |s| {
+        stat(s, "plugin_refusals") >= 7
+    })
+    .await;
+    assert_eq!(
+        stat(&stats, "plugin_swaps"),
+        stat(&before, "plugin_swaps"),
+        "nothing was swapped in"
+    );
+    let live: Vec<&str> = stats
+        .iter()
+        .filter_map(|(k, _)| k.strip_prefix("plugin."))
+        .collect();
     assert_eq!(live, vec!["coalesce", "gather"], "live plugins: {stats:?}");
 
     // `stowd plugin list` says the same.
@@ -243,8 +336,18 @@ async fn broken_plugins_dropped_into_the_directory_never_go_live() {
     let listing = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{listing}");
     assert!(listing.contains("gather: version 0.1.0"), "{listing}");
-    for name in ["trap", "infinite-loop", "drop-row", "oob-view", "dup-row", "runs"] {
-        assert!(!listing.lines().any(|l| l.starts_with(&format!("{name}:"))), "{name} is listed:\n{listing}");
+    for name in [
+        "trap",
+        "infinite-loop",
+        "drop-row",
+        "oob-view",
+        "dup-row",
+        "runs",
+    ] {
+        assert!(
+            !listing.lines().any(|l| l.starts_with(&format!("{name}:"))),
+            "{name} is listed:\n{listing}"
+        );
     }
 
     // Requests are answered by the old gather, correctly.
@@ -252,7 +355,11 @@ async fn broken_plugins_dropped_into_the_directory_never_go_live() {
     let x = Field::Regular(tensor(DType::F32, &[6, 16], 3));
     client.put_ok(&indexes, &[("x".into(), x.clone())]).await;
     let got = client.get_ok(&[0, 9, 5], &["x"]).await;
-    assert_cells("rows", &wire_cells(got.into_iter().next().unwrap().1), &stowage_tests::data::expected(&x, &indexes, &[0, 9, 5]));
+    assert_cells(
+        "rows",
+        &wire_cells(got.into_iter().next().unwrap().1),
+        &stowage_tests::data::expected(&x, &indexes, &[0, 9, 5]),
+    );
     let stats = client.stats().await;
     assert!(field_of(&plugin_line(&stats, "gather").unwrap(), "plans") >= 2);
     assert_eq!(stat(&stats, "fallbacks"), 0);
@@ -269,16 +376,36 @@ async fn a_removed_plugin_file_is_unloaded_and_a_new_one_loaded() {
     let stowd = Stowd::start_with_plugins(&dir, "");
     let client = NativeClient::new(stowd.native());
     std::fs::remove_file(dir.join("runs.wasm")).unwrap();
-    let stats = wait_for(&client, "runs unloaded", Duration::from_secs(30), |s| stat(s, "plugin_removals") == 1).await;
+    let stats = wait_for(&client, "runs unloaded", Duration::from_secs(30), |s| {
+        stat(s, "plugin_removals") == 1
+    })
+    .await;
     assert!(plugin_line(&stats, "runs").is_none(), "{stats:?}");
     install(&plugin("constant-stride"), &dir, "constant-stride.wasm");
-    let stats = wait_for(&client, "constant-stride loaded", Duration::from_secs(30), |s| stat(s, "plugin_swaps") == 1).await;
-    assert!(plugin_line(&stats, "constant-stride").is_some(), "{stats:?}");
+    let stats = wait_for(
+        &client,
+        "constant-stride loaded",
+        Duration::from_secs(30),
+        |s| stat(s, "plugin_swaps") == 1,
+    )
+    .await;
+    assert!(
+        plugin_line(&stats, "constant-stride").is_some(),
+        "{stats:?}"
+    );
     // A stride-2 put per unit now goes to constant-stride (zero copy).
     let indexes: Vec<u64> = (0..64).collect();
-    client.put_ok(&indexes, &[("x".into(), Field::Regular(tensor(DType::F32, &[64, 4], 1)))]).await;
+    client
+        .put_ok(
+            &indexes,
+            &[("x".into(), Field::Regular(tensor(DType::F32, &[64, 4], 1)))],
+        )
+        .await;
     let stats = client.stats().await;
-    assert_eq!(field_of(&plugin_line(&stats, "constant-stride").unwrap(), "plans"), 2);
+    assert_eq!(
+        field_of(&plugin_line(&stats, "constant-stride").unwrap(), "plans"),
+        2
+    );
     assert!(stowd.log().contains("plugin swapped in"));
     stowd.stop();
     let _ = std::fs::remove_dir_all(&dir);
@@ -347,9 +474,15 @@ fn fail_plugins() -> PathBuf {
 async fn put_and_check(client: &NativeClient, name: &str, seed: u64) {
     let indexes: Vec<u64> = (0..8).map(|i| i + seed * 8).collect();
     let x = Field::Regular(f32_rows(8, 4, seed));
-    client.put_ok(&indexes, &[(name.to_string(), x.clone())]).await;
+    client
+        .put_ok(&indexes, &[(name.to_string(), x.clone())])
+        .await;
     let got = client.get_ok(&indexes, &[name]).await;
-    assert_cells(name, &wire_cells(got.into_iter().next().unwrap().1), &cells(&x));
+    assert_cells(
+        name,
+        &wire_cells(got.into_iter().next().unwrap().1),
+        &cells(&x),
+    );
 }
 
 fn line(stats: &[(String, native::Stat)], plugin: &str) -> String {
@@ -367,7 +500,15 @@ async fn fallback_answers_the_builtin_and_counts_the_fault() {
     let stats = client.stats().await;
     let l = line(&stats, "drop-row");
     // Two units per put: two decisions, each a fault answered by the built-in.
-    assert_eq!((field_of(&l, "faults"), field_of(&l, "fallbacks"), field_of(&l, "invalid_plans")), (6, 6, 6), "{l}");
+    assert_eq!(
+        (
+            field_of(&l, "faults"),
+            field_of(&l, "fallbacks"),
+            field_of(&l, "invalid_plans")
+        ),
+        (6, 6, 6),
+        "{l}"
+    );
     assert!(l.contains("disabled false"), "{l}");
     assert_eq!(stat(&stats, "fallbacks"), 6);
     stowd.stop();
@@ -380,15 +521,27 @@ async fn reject_fails_the_request_naming_the_plugin_and_stores_nothing() {
     let client = NativeClient::new(stowd.native());
     let x = Field::Regular(f32_rows(8, 4, 1));
     for _ in 0..2 {
-        let reply = client.put(&(0..8).collect::<Vec<_>>(), &[("rej_x".into(), x.clone())]).await;
+        let reply = client
+            .put(&(0..8).collect::<Vec<_>>(), &[("rej_x".into(), x.clone())])
+            .await;
         let (code, message) = native_error(&reply);
         assert_eq!(code, native::code::REJECTED, "{message}");
-        assert!(message.contains("\"oob-view\" version 0.1.0") && message.contains("invalid plan"), "{message}");
-        assert_eq!(native_error(&client.get(&[0], &["rej_x"]).await).0, native::code::KEY_NOT_FOUND);
+        assert!(
+            message.contains("\"oob-view\" version 0.1.0") && message.contains("invalid plan"),
+            "{message}"
+        );
+        assert_eq!(
+            native_error(&client.get(&[0], &["rej_x"]).await).0,
+            native::code::KEY_NOT_FOUND
+        );
     }
     let stats = client.stats().await;
     let l = line(&stats, "oob-view");
-    assert_eq!((field_of(&l, "rejections"), field_of(&l, "fallbacks")), (2, 0), "{l}");
+    assert_eq!(
+        (field_of(&l, "rejections"), field_of(&l, "fallbacks")),
+        (2, 0),
+        "{l}"
+    );
     // Other chains are unaffected.
     put_and_check(&client, "fb_y", 0).await;
     stowd.stop();
@@ -405,20 +558,31 @@ async fn a_disabled_plugin_is_reenabled_after_a_doubling_capped_backoff() {
     // fault and the stats reply to stay under the initial backoff.)
     put_and_check(&client, "bo_x", 0).await;
     let l = line(&client.stats().await, "dup-row");
-    assert_eq!((field_of(&l, "calls"), field_of(&l, "faults")), (2, 2), "{l}");
+    assert_eq!(
+        (field_of(&l, "calls"), field_of(&l, "faults")),
+        (2, 2),
+        "{l}"
+    );
     assert!(l.contains("disabled true"), "{l}");
     let left = field_of(&l, "reenable_in_ms");
     assert!(left <= 1000 && left > 0, "{l}");
     // While disabled it is not called; the built-in answers.
     put_and_check(&client, "bo_x", 1).await;
-    assert_eq!(field_of(&line(&client.stats().await, "dup-row"), "calls"), 2);
+    assert_eq!(
+        field_of(&line(&client.stats().await, "dup-row"), "calls"),
+        2
+    );
 
     // After the backoff: called again (a fresh instance), faults twice more,
     // disabled again for twice as long.
     tokio::time::sleep(Duration::from_millis(1050)).await;
     put_and_check(&client, "bo_x", 2).await;
     let l = line(&client.stats().await, "dup-row");
-    assert_eq!((field_of(&l, "calls"), field_of(&l, "reenables")), (4, 1), "{l}");
+    assert_eq!(
+        (field_of(&l, "calls"), field_of(&l, "reenables")),
+        (4, 1),
+        "{l}"
+    );
     let left = field_of(&l, "reenable_in_ms");
     assert!(left <= 2000 && left > 1000, "second backoff doubles: {l}");
 
@@ -426,7 +590,11 @@ async fn a_disabled_plugin_is_reenabled_after_a_doubling_capped_backoff() {
     tokio::time::sleep(Duration::from_millis(2050)).await;
     put_and_check(&client, "bo_x", 3).await;
     let l = line(&client.stats().await, "dup-row");
-    assert_eq!((field_of(&l, "calls"), field_of(&l, "reenables")), (6, 2), "{l}");
+    assert_eq!(
+        (field_of(&l, "calls"), field_of(&l, "reenables")),
+        (6, 2),
+        "{l}"
+    );
     let left = field_of(&l, "reenable_in_ms");
     assert!(left <= 2000 && left > 1000, "capped at 2 s: {l}");
 
@@ -435,8 +603,15 @@ async fn a_disabled_plugin_is_reenabled_after_a_doubling_capped_backoff() {
     tokio::time::sleep(Duration::from_millis(400)).await;
     put_and_check(&client, "off_x", 1).await;
     let l = line(&client.stats().await, "reorder");
-    assert_eq!((field_of(&l, "calls"), field_of(&l, "faults")), (1, 1), "{l}");
-    assert!(l.contains("disabled true") && !l.contains("reenable_in_ms"), "{l}");
+    assert_eq!(
+        (field_of(&l, "calls"), field_of(&l, "faults")),
+        (1, 1),
+        "{l}"
+    );
+    assert!(
+        l.contains("disabled true") && !l.contains("reenable_in_ms"),
+        "{l}"
+    );
     let log = stowd.log();
     assert!(log.contains("plugin re-enabled after its backoff"), "{log}");
     assert!(log.contains("until its file is reloaded"), "{log}");
@@ -451,7 +626,11 @@ async fn per_plugin_fuel_override_applies() {
     let client = NativeClient::new(stowd.native());
     put_and_check(&client, "fuel_x", 0).await;
     let l = line(&client.stats().await, "runs");
-    assert_eq!((field_of(&l, "faults"), field_of(&l, "fallbacks")), (2, 2), "{l}");
+    assert_eq!(
+        (field_of(&l, "faults"), field_of(&l, "fallbacks")),
+        (2, 2),
+        "{l}"
+    );
     assert!(stowd.log().contains("ran out of fuel"), "{}", stowd.log());
     stowd.stop();
 }
@@ -468,17 +647,37 @@ async fn metrics_parse_and_count_zero_copy_and_copied_bytes() {
          [[chain]]\npattern = \"*\"\nselect = [\"single-row\", \"constant-stride\", \"runs\", \"gather\"]\npack = [\"coalesce\"]\n"
     );
     let stowd = Stowd::start(&config);
-    let url = stowd.endpoints.metrics.clone().expect("metrics endpoint in the endpoints file");
+    let url = stowd
+        .endpoints
+        .metrics
+        .clone()
+        .expect("metrics endpoint in the endpoints file");
     assert_eq!(url, format!("http://127.0.0.1:{port}/metrics"));
     let client = NativeClient::new(stowd.native());
     let m0 = prom::scrape(&url);
-    assert_eq!(m0.value("stowd_plugin_live", &[("plugin", "constant-stride"), ("version", "0.1.0")]), 1.0);
+    assert_eq!(
+        m0.value(
+            "stowd_plugin_live",
+            &[("plugin", "constant-stride"), ("version", "0.1.0")]
+        ),
+        1.0
+    );
 
     // [1024, 256] float32 over two local units, constant stride: views only.
     let indexes: Vec<u64> = (0..1024).collect();
-    client.put_ok(&indexes, &[("obs".into(), Field::Regular(tensor(DType::F32, &[1024, 256], 5)))]).await;
+    client
+        .put_ok(
+            &indexes,
+            &[(
+                "obs".into(),
+                Field::Regular(tensor(DType::F32, &[1024, 256], 5)),
+            )],
+        )
+        .await;
     let m1 = prom::scrape(&url);
-    let delta = |a: &prom::Exposition, b: &prom::Exposition, name: &str| b.value(name, &[]) - a.value(name, &[]);
+    let delta = |a: &prom::Exposition, b: &prom::Exposition, name: &str| {
+        b.value(name, &[]) - a.value(name, &[])
+    };
     // Every family is there once it has a series (the first request was
     // answered; a family with no series yet is left out).
     for family in [
@@ -495,52 +694,134 @@ async fn metrics_parse_and_count_zero_copy_and_copied_bytes() {
     ] {
         assert!(m1.types.contains_key(family), "no family {family}");
     }
-    assert_eq!(delta(&m0, &m1, "stowd_zero_copy_bytes_total"), (1 << 20) as f64);
+    assert_eq!(
+        delta(&m0, &m1, "stowd_zero_copy_bytes_total"),
+        (1 << 20) as f64
+    );
     assert_eq!(delta(&m0, &m1, "stowd_copied_bytes_total"), 0.0);
     assert_eq!(m1.sum("stowd_stored_bytes", &[]), (1 << 20) as f64);
     assert_eq!(m1.sum("stowd_stored_rows", &[]), 1024.0);
-    assert_eq!(m1.value("stowd_policy_decisions_total", &[("by", "plugin")]), 2.0);
-    assert_eq!(m1.value("stowd_plugin_plans_total", &[("plugin", "constant-stride"), ("version", "0.1.0")]), 2.0);
-    assert_eq!(m1.value("stowd_requests_total", &[("protocol", "native"), ("op", "put"), ("outcome", "ok")]), 1.0);
-    assert_eq!(m1.value("stowd_request_duration_seconds_count", &[("protocol", "native"), ("op", "put")]), 1.0);
+    assert_eq!(
+        m1.value("stowd_policy_decisions_total", &[("by", "plugin")]),
+        2.0
+    );
+    assert_eq!(
+        m1.value(
+            "stowd_plugin_plans_total",
+            &[("plugin", "constant-stride"), ("version", "0.1.0")]
+        ),
+        2.0
+    );
+    assert_eq!(
+        m1.value(
+            "stowd_requests_total",
+            &[("protocol", "native"), ("op", "put"), ("outcome", "ok")]
+        ),
+        1.0
+    );
+    assert_eq!(
+        m1.value(
+            "stowd_request_duration_seconds_count",
+            &[("protocol", "native"), ("op", "put")]
+        ),
+        1.0
+    );
 
     // The same payload under a gather-routed name: every byte copied once.
     let more: Vec<u64> = (2000..3024).collect();
-    client.put_ok(&more, &[("gobs".into(), Field::Regular(tensor(DType::F32, &[1024, 256], 6)))]).await;
+    client
+        .put_ok(
+            &more,
+            &[(
+                "gobs".into(),
+                Field::Regular(tensor(DType::F32, &[1024, 256], 6)),
+            )],
+        )
+        .await;
     let m2 = prom::scrape(&url);
-    assert_eq!(delta(&m1, &m2, "stowd_copied_bytes_total"), (1 << 20) as f64);
+    assert_eq!(
+        delta(&m1, &m2, "stowd_copied_bytes_total"),
+        (1 << 20) as f64
+    );
     assert_eq!(delta(&m1, &m2, "stowd_zero_copy_bytes_total"), 0.0);
-    assert_eq!(m2.value("stowd_plugin_plans_total", &[("plugin", "gather"), ("version", "0.1.0")]), 2.0);
+    assert_eq!(
+        m2.value(
+            "stowd_plugin_plans_total",
+            &[("plugin", "gather"), ("version", "0.1.0")]
+        ),
+        2.0
+    );
     assert_eq!(m2.sum("stowd_stored_bytes", &[]), (2 << 20) as f64);
 
     // A get, an error, and the TransferQueue side.
     let got = client.get_ok(&[5, 1000], &["obs"]).await;
     assert_eq!(got.len(), 1);
-    assert_eq!(native_error(&client.get(&[99_999], &["obs"]).await).0, native::code::KEY_NOT_FOUND);
+    assert_eq!(
+        native_error(&client.get(&[99_999], &["obs"]).await).0,
+        native::code::KEY_NOT_FOUND
+    );
     let router = TqClient::new(stowd.router());
     let tq_metrics = router.metrics().await;
     let m3 = prom::scrape(&url);
-    assert_eq!(m3.value("stowd_requests_total", &[("protocol", "native"), ("op", "get"), ("outcome", "ok")]), 1.0);
-    assert_eq!(m3.value("stowd_requests_total", &[("protocol", "native"), ("op", "get"), ("outcome", "error")]), 1.0);
-    assert_eq!(m3.value("stowd_requests_total", &[("protocol", "tq_router"), ("op", "metrics"), ("outcome", "ok")]), 1.0);
+    assert_eq!(
+        m3.value(
+            "stowd_requests_total",
+            &[("protocol", "native"), ("op", "get"), ("outcome", "ok")]
+        ),
+        1.0
+    );
+    assert_eq!(
+        m3.value(
+            "stowd_requests_total",
+            &[("protocol", "native"), ("op", "get"), ("outcome", "error")]
+        ),
+        1.0
+    );
+    assert_eq!(
+        m3.value(
+            "stowd_requests_total",
+            &[
+                ("protocol", "tq_router"),
+                ("op", "metrics"),
+                ("outcome", "ok")
+            ]
+        ),
+        1.0
+    );
     assert!(m3.value("stowd_frames_sent_total", &[("to", "client")]) >= 5.0);
-    let get_hist = m3.value("stowd_request_duration_seconds_bucket", &[("protocol", "native"), ("op", "get"), ("le", "+Inf")]);
+    let get_hist = m3.value(
+        "stowd_request_duration_seconds_bucket",
+        &[("protocol", "native"), ("op", "get"), ("le", "+Inf")],
+    );
     assert_eq!(get_hist, 2.0);
 
     // GET_METRICS carries the same figures in its `stowage` key.
-    let (key, raw) = tq_metrics.extra.first().expect("a stowage key (tq_extra = true)");
+    let (key, raw) = tq_metrics
+        .extra
+        .first()
+        .expect("a stowage key (tq_extra = true)");
     assert_eq!(key, "stowage");
     let extra = decode_u64_map(raw);
-    assert_eq!(extra["zero_copy_bytes"], m3.value("stowd_zero_copy_bytes_total", &[]) as u64);
+    assert_eq!(
+        extra["zero_copy_bytes"],
+        m3.value("stowd_zero_copy_bytes_total", &[]) as u64
+    );
     assert_eq!(extra["copied_bytes"], 1 << 20);
     assert_eq!(extra["stored_bytes"], 2 << 20);
     assert_eq!(extra["stored_rows"], 2048);
     assert_eq!(tq_metrics.active_keys, 2048);
     let unit = TqClient::new(stowd.unit(0)).metrics().await;
-    assert_eq!(decode_u64_map(&unit.extra[0].1)["stored_bytes"], 1 << 20, "unit 0 holds half");
+    assert_eq!(
+        decode_u64_map(&unit.extra[0].1)["stored_bytes"],
+        1 << 20,
+        "unit 0 holds half"
+    );
 
     // Other paths and methods.
-    let addr = url.trim_start_matches("http://").trim_end_matches("/metrics").to_string();
+    let addr = url
+        .trim_start_matches("http://")
+        .trim_end_matches("/metrics")
+        .to_string();
     assert_eq!(prom::http_get(&addr, "/nope").unwrap().0, 404);
     stowd.stop();
 }
@@ -554,7 +835,8 @@ fn metrics_endpoint_answers_garbage_and_slow_clients_without_blocking_scrapes() 
     let addr = format!("127.0.0.1:{port}");
     let raw = |request: &[u8]| {
         let mut s = std::net::TcpStream::connect(&addr).unwrap();
-        s.set_read_timeout(Some(std::time::Duration::from_secs(10))).unwrap();
+        s.set_read_timeout(Some(std::time::Duration::from_secs(10)))
+            .unwrap();
         s.write_all(request).unwrap();
         let mut out = Vec::new();
         let _ = s.read_to_end(&mut out);
@@ -569,12 +851,22 @@ fn metrics_endpoint_answers_garbage_and_slow_clients_without_blocking_scrapes() 
         })
         .collect();
     let garbage = raw(b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03 not http\r\n\r\n");
-    assert!(garbage.starts_with("HTTP/1.1 400 Bad Request\r\n"), "{garbage:?}");
+    assert!(
+        garbage.starts_with("HTTP/1.1 400 Bad Request\r\n"),
+        "{garbage:?}"
+    );
     assert!(raw(b"DELETE /metrics HTTP/1.1\r\nHost: x\r\n\r\n").starts_with("HTTP/1.1 405 "));
     let started = std::time::Instant::now();
     let m = prom::scrape(&url);
-    assert!(started.elapsed() < std::time::Duration::from_secs(2), "scrape took {:?}", started.elapsed());
-    assert_eq!(m.value("stowd_plugin_reloads_total", &[("outcome", "refused")]), 0.0);
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(2),
+        "scrape took {:?}",
+        started.elapsed()
+    );
+    assert_eq!(
+        m.value("stowd_plugin_reloads_total", &[("outcome", "refused")]),
+        0.0
+    );
     assert!(m.value("stowd_process_resident_memory_bytes", &[]) > 0.0);
     drop(silent);
     stowd.stop();
@@ -586,7 +878,9 @@ async fn metrics_are_off_by_default_and_tq_replies_keep_their_keys() {
     assert_eq!(stowd.endpoints.metrics, None);
     let m = TqClient::new(stowd.unit(0)).metrics().await;
     assert!(m.extra.is_empty(), "{m:?}");
-    let reply = TqClient::new(stowd.router()).request(&tq::Request::GetMetrics).await;
+    let reply = TqClient::new(stowd.router())
+        .request(&tq::Request::GetMetrics)
+        .await;
     assert!(matches!(reply, tq::Reply::Metrics(m) if m.extra.is_empty()));
     stowd.stop();
 }

@@ -18,7 +18,10 @@ fn check(path: &std::path::Path) -> (bool, String) {
         .arg(path)
         .output()
         .expect("run stowd plugin check");
-    (out.status.success(), String::from_utf8_lossy(&out.stdout).into_owned())
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+    )
 }
 
 #[test]
@@ -55,8 +58,14 @@ fn every_hostile_plugin_fails_with_a_readable_report() {
         let (ok, report) = check(&hostile(name));
         assert!(!ok, "{name} passed the conformance suite:\n{report}");
         assert!(report.contains("FAIL  "), "{name}: {report}");
-        assert!(report.contains(says), "{name}: report lacks {says:?}:\n{report}");
-        let summary = report.lines().find(|l| l.contains(" cases: ")).unwrap_or_default();
+        assert!(
+            report.contains(says),
+            "{name}: report lacks {says:?}:\n{report}"
+        );
+        let summary = report
+            .lines()
+            .find(|l| l.contains(" cases: "))
+            .unwrap_or_default();
         assert!(!summary.contains(" 0 failed"), "{name}: {summary}");
     }
 }

@@ -62,14 +62,21 @@ fn counted<R>(f: impl FnOnce() -> R) -> (R, u64, u64, [u64; 8]) {
     SIZES.with(|s| s.set([0; 8]));
     let r = f();
     let after = ALLOCS.with(|c| c.get());
-    (r, after.0 - before.0, after.1 - before.1, SIZES.with(|s| s.get()))
+    (
+        r,
+        after.0 - before.0,
+        after.1 - before.1,
+        SIZES.with(|s| s.get()),
+    )
 }
 
 // ---------------------------------------------------------------------------
 // Fixtures.
 
 fn regular(rows: u64, cols: u64) -> Field {
-    let data: Vec<u8> = (0..rows * cols).flat_map(|v| (v as f32).to_le_bytes()).collect();
+    let data: Vec<u8> = (0..rows * cols)
+        .flat_map(|v| (v as f32).to_le_bytes())
+        .collect();
     Field::Regular(Tensor::contiguous(Bytes::from(data), DType::F32, vec![rows, cols]).unwrap())
 }
 
@@ -95,7 +102,9 @@ fn rows_of(selected: &[Selected]) -> Vec<Bytes> {
     for s in selected {
         match s {
             Selected::Rows(t) => out.extend((0..t.rows()).map(|i| t.row(i).unwrap())),
-            Selected::NestedRows(r) | Selected::Packed { rows: r, .. } => out.extend(r.iter().map(|t| t.contiguous_bytes())),
+            Selected::NestedRows(r) | Selected::Packed { rows: r, .. } => {
+                out.extend(r.iter().map(|t| t.contiguous_bytes()))
+            }
             Selected::Values(v) => out.extend(v.iter().map(|v| match v {
                 Value::Str(s) => Bytes::from(s.clone()),
                 Value::Bytes(b) | Value::Msgpack(b) => b.clone(),
@@ -120,11 +129,26 @@ fn registry_with(paths: &[std::path::PathBuf]) -> Registry {
 }
 
 fn chain_of(reg: &Registry, names: &[&str], fail: FailStrategy) -> Chain {
-    let loaded: Vec<Loaded> = names.iter().map(|n| reg.get(n).unwrap_or_else(|| panic!("{n} not loaded")).clone()).collect();
+    let loaded: Vec<Loaded> = names
+        .iter()
+        .map(|n| {
+            reg.get(n)
+                .unwrap_or_else(|| panic!("{n} not loaded"))
+                .clone()
+        })
+        .collect();
     Chain::new(loaded, fail, 0)
 }
 
-const SEED: [&str; 7] = ["single-row", "constant-stride", "gather", "nested-rows", "nested-pack", "runs", "coalesce"];
+const SEED: [&str; 7] = [
+    "single-row",
+    "constant-stride",
+    "gather",
+    "nested-rows",
+    "nested-pack",
+    "runs",
+    "coalesce",
+];
 
 fn seed_registry() -> Registry {
     let paths: Vec<_> = SEED.iter().map(|n| plugin(n)).collect();
@@ -155,18 +179,37 @@ fn seed_cases_give_the_builtin_rows_through_every_plugin_chain() {
         vec!["runs"],
         vec!["nested-rows"],
         vec!["nested-pack"],
-        vec!["single-row", "constant-stride", "runs", "nested-pack", "gather", "nested-rows"],
+        vec![
+            "single-row",
+            "constant-stride",
+            "runs",
+            "nested-pack",
+            "gather",
+            "nested-rows",
+        ],
     ];
     for names in &chains {
         let chain = chain_of(&reg, names, FailStrategy::Reject);
         for (field, positions) in &cases {
-            let decision = chain.select(field, positions).unwrap_or_else(|e| panic!("{names:?} {positions:?}: {e}"));
-            assert!(!matches!(decision.by, DecidedBy::Fallback { .. }), "{names:?} faulted on {positions:?}");
+            let decision = chain
+                .select(field, positions)
+                .unwrap_or_else(|e| panic!("{names:?} {positions:?}: {e}"));
+            assert!(
+                !matches!(decision.by, DecidedBy::Fallback { .. }),
+                "{names:?} faulted on {positions:?}"
+            );
             let got = rows_of(&plan::execute_selection(field, &decision.plan).unwrap());
-            assert_eq!(got, builtin_rows(field, positions), "chain {names:?} positions {positions:?}");
+            assert_eq!(
+                got,
+                builtin_rows(field, positions),
+                "chain {names:?} positions {positions:?}"
+            );
         }
         // Empty positions are an error, whatever the chain.
-        assert_eq!(chain.select(&reg_field, &[]).unwrap_err(), ChainError::EmptyPositions);
+        assert_eq!(
+            chain.select(&reg_field, &[]).unwrap_err(),
+            ChainError::EmptyPositions
+        );
     }
 }
 
@@ -178,28 +221,77 @@ fn each_seed_plugin_decides_what_it_is_for() {
         reg.get(name).unwrap().policy.select(field, positions)
     };
     use stowage_host::plan::{Piece, RowView};
-    assert_eq!(decide("single-row", &r, &[7]).unwrap().pieces, vec![Piece::View(RowView { start: 7, step: 1, count: 1 })]);
+    assert_eq!(
+        decide("single-row", &r, &[7]).unwrap().pieces,
+        vec![Piece::View(RowView {
+            start: 7,
+            step: 1,
+            count: 1
+        })]
+    );
     assert_eq!(
         decide("constant-stride", &r, &[1, 5, 9]).unwrap().pieces,
-        vec![Piece::View(RowView { start: 1, step: 4, count: 3 })]
+        vec![Piece::View(RowView {
+            start: 1,
+            step: 4,
+            count: 3
+        })]
     );
-    assert_eq!(decide("gather", &r, &[3, 1]).unwrap().pieces, vec![Piece::Gather(vec![3, 1])]);
+    assert_eq!(
+        decide("gather", &r, &[3, 1]).unwrap().pieces,
+        vec![Piece::Gather(vec![3, 1])]
+    );
     let runs: Vec<u64> = (0..100).chain(200..300).collect();
     assert_eq!(
         decide("runs", &r, &runs).unwrap().pieces,
-        vec![Piece::View(RowView { start: 0, step: 1, count: 100 }), Piece::View(RowView { start: 200, step: 1, count: 100 })]
+        vec![
+            Piece::View(RowView {
+                start: 0,
+                step: 1,
+                count: 100
+            }),
+            Piece::View(RowView {
+                start: 200,
+                step: 1,
+                count: 100
+            })
+        ]
     );
-    assert_eq!(decide("nested-pack", &nested(3), &[2, 0]).unwrap().pieces, vec![Piece::Concat(vec![2, 0])]);
-    assert_eq!(decide("nested-rows", &values(3), &[2, 0]).unwrap().pieces, vec![Piece::RowViews(vec![2, 0])]);
+    assert_eq!(
+        decide("nested-pack", &nested(3), &[2, 0]).unwrap().pieces,
+        vec![Piece::Concat(vec![2, 0])]
+    );
+    assert_eq!(
+        decide("nested-rows", &values(3), &[2, 0]).unwrap().pieces,
+        vec![Piece::RowViews(vec![2, 0])]
+    );
     // Not applicable is an answer, not a fault.
     assert!(decide("constant-stride", &r, &[3, 1]).is_err());
     assert!(decide("single-row", &nested(3), &[1]).is_err());
 
     // Packing: small pieces share a frame, a large one goes alone, budget kept.
-    let mut pieces = vec![PieceInfo { byte_len: 100, contiguous: true }; 50];
-    pieces.push(PieceInfo { byte_len: 1 << 20, contiguous: true });
-    let limits = PackLimits { max_frames: 4, max_frame_bytes: 1 << 20, small_threshold: 4096 };
-    let frames = reg.get("coalesce").unwrap().policy.pack(&pieces, &limits).unwrap();
+    let mut pieces = vec![
+        PieceInfo {
+            byte_len: 100,
+            contiguous: true
+        };
+        50
+    ];
+    pieces.push(PieceInfo {
+        byte_len: 1 << 20,
+        contiguous: true,
+    });
+    let limits = PackLimits {
+        max_frames: 4,
+        max_frame_bytes: 1 << 20,
+        small_threshold: 4096,
+    };
+    let frames = reg
+        .get("coalesce")
+        .unwrap()
+        .policy
+        .pack(&pieces, &limits)
+        .unwrap();
     plan::validate_frames(&pieces, &limits, &frames).unwrap();
     assert_eq!(frames.frames.len(), 2, "{frames:?}");
     assert!(frames.frames.contains(&plan::Frame::Single(50)));
@@ -218,11 +310,23 @@ fn assert_contained(name: &str, field: &Field, positions: &[u64]) {
     for round in 1..=2u64 {
         let start = Instant::now();
         let decision = chain.select(field, positions).unwrap();
-        assert!(start.elapsed().as_secs() < 10, "{name} took {:?}", start.elapsed());
-        assert!(matches!(decision.by, DecidedBy::Fallback { .. }), "{name} round {round}: {:?}", decision.by);
+        assert!(
+            start.elapsed().as_secs() < 10,
+            "{name} took {:?}",
+            start.elapsed()
+        );
+        assert!(
+            matches!(decision.by, DecidedBy::Fallback { .. }),
+            "{name} round {round}: {:?}",
+            decision.by
+        );
         let got = rows_of(&plan::execute_selection(field, &decision.plan).unwrap());
         assert_eq!(got, builtin_rows(field, positions), "{name}");
-        assert_eq!(stats.faults.load(Ordering::Relaxed), round, "{name} fault count");
+        assert_eq!(
+            stats.faults.load(Ordering::Relaxed),
+            round,
+            "{name} fault count"
+        );
     }
     // With `reject` the request fails, naming the plugin.
     let chain = chain_of(&reg, &[loaded[0].as_str()], FailStrategy::Reject);
@@ -277,8 +381,18 @@ fn hostile_absurd_frame_count_is_refused() {
     let reg = registry_with(&[hostile("frame-bomb")]);
     let name = reg.names().remove(0);
     let chain = chain_of(&reg, &[name.as_str()], FailStrategy::Fallback);
-    let pieces = vec![PieceInfo { byte_len: 10, contiguous: true }; 100];
-    let limits = PackLimits { max_frames: 4, max_frame_bytes: 1 << 20, small_threshold: 0 };
+    let pieces = vec![
+        PieceInfo {
+            byte_len: 10,
+            contiguous: true
+        };
+        100
+    ];
+    let limits = PackLimits {
+        max_frames: 4,
+        max_frame_bytes: 1 << 20,
+        small_threshold: 0,
+    };
     let decision = chain.pack(&pieces, &limits).unwrap();
     assert!(matches!(decision.by, DecidedBy::Fallback { .. }));
     plan::validate_frames(&pieces, &limits, &decision.plan).unwrap();
@@ -297,13 +411,22 @@ fn hostile_forged_handle_traps_and_is_contained() {
     let mut fallbacks = 0;
     for _ in 0..3 {
         let d = chain.select(&field, &[1, 3]).unwrap();
-        assert_eq!(rows_of(&plan::execute_selection(&field, &d.plan).unwrap()), builtin_rows(&field, &[1, 3]));
+        assert_eq!(
+            rows_of(&plan::execute_selection(&field, &d.plan).unwrap()),
+            builtin_rows(&field, &[1, 3])
+        );
         if matches!(d.by, DecidedBy::Fallback { .. }) {
             fallbacks += 1;
         }
     }
-    assert!(fallbacks >= 2, "a stale handle was accepted ({fallbacks} fallbacks)");
-    assert_eq!(chain.policies[0].stats.faults.load(Ordering::Relaxed), fallbacks);
+    assert!(
+        fallbacks >= 2,
+        "a stale handle was accepted ({fallbacks} fallbacks)"
+    );
+    assert_eq!(
+        chain.policies[0].stats.faults.load(Ordering::Relaxed),
+        fallbacks
+    );
 }
 
 #[test]
@@ -319,7 +442,10 @@ fn a_plugin_is_disabled_after_max_faults() {
     assert_eq!(loaded.stats.calls.load(Ordering::Relaxed), 3);
     assert!(loaded.stats.disabled.load(Ordering::Relaxed));
     // Disabled: the built-in answers, not as a fallback.
-    assert_eq!(chain.select(&regular(4, 2), &[0, 1]).unwrap().by, DecidedBy::Builtin);
+    assert_eq!(
+        chain.select(&regular(4, 2), &[0, 1]).unwrap().by,
+        DecidedBy::Builtin
+    );
 }
 
 // ---------------------------------------------------------------------------
@@ -329,7 +455,9 @@ fn a_plugin_is_disabled_after_max_faults() {
 fn constant_stride_and_runs_allocate_no_buffer_and_point_into_the_original() {
     let reg = seed_registry();
     let field = regular(1 << 14, 16); // 1 MiB of float32
-    let Field::Regular(original) = &field else { unreachable!() };
+    let Field::Regular(original) = &field else {
+        unreachable!()
+    };
     let base = original.buffer().as_ptr() as usize;
     let end = base + original.byte_len();
     let strided: Vec<u64> = (0..1 << 14).step_by(4).collect();
@@ -338,12 +466,21 @@ fn constant_stride_and_runs_allocate_no_buffer_and_point_into_the_original() {
         let chain = chain_of(&reg, &[name], FailStrategy::Reject);
         let decision = chain.select(&field, positions).unwrap();
         assert_eq!(decision.by, DecidedBy::Plugin(name.into()));
-        let (selected, allocs, bytes, _) = counted(|| plan::execute_selection(&field, &decision.plan).unwrap());
-        assert!(bytes < 1024, "{name}: the data path allocated {bytes} bytes in {allocs} allocations");
+        let (selected, allocs, bytes, _) =
+            counted(|| plan::execute_selection(&field, &decision.plan).unwrap());
+        assert!(
+            bytes < 1024,
+            "{name}: the data path allocated {bytes} bytes in {allocs} allocations"
+        );
         for s in &selected {
-            let Selected::Rows(t) = s else { panic!("{name}: not a view") };
+            let Selected::Rows(t) = s else {
+                panic!("{name}: not a view")
+            };
             let p = t.buffer().as_ptr() as usize;
-            assert!(p >= base && p + t.byte_len() <= end, "{name}: piece outside the original allocation");
+            assert!(
+                p >= base && p + t.byte_len() <= end,
+                "{name}: piece outside the original allocation"
+            );
         }
         assert_eq!(rows_of(&selected), builtin_rows(&field, positions));
     }
@@ -357,10 +494,17 @@ fn gather_allocates_exactly_the_selected_bytes_once() {
     let selected_bytes = positions.len() as u64 * 16 * 4;
     let chain = chain_of(&reg, &["gather"], FailStrategy::Reject);
     let decision = chain.select(&field, &positions).unwrap();
-    let (selected, _allocs, bytes, sizes) = counted(|| plan::execute_selection(&field, &decision.plan).unwrap());
+    let (selected, _allocs, bytes, sizes) =
+        counted(|| plan::execute_selection(&field, &decision.plan).unwrap());
     let big = sizes.iter().filter(|s| **s >= selected_bytes).count();
-    assert_eq!(big, 1, "expected one allocation of {selected_bytes} bytes, saw sizes {sizes:?}");
-    assert!(bytes < selected_bytes + 1024, "allocated {bytes} bytes for {selected_bytes} selected");
+    assert_eq!(
+        big, 1,
+        "expected one allocation of {selected_bytes} bytes, saw sizes {sizes:?}"
+    );
+    assert!(
+        bytes < selected_bytes + 1024,
+        "allocated {bytes} bytes for {selected_bytes} selected"
+    );
     assert_eq!(rows_of(&selected), builtin_rows(&field, &positions));
 }
 
@@ -392,9 +536,19 @@ fn contract_versions_are_checked_before_compiling() {
     let mut reg = Registry::new(None, SandboxLimits::default()).unwrap();
     let reports = reg.load_dir(&dir).unwrap();
     assert_eq!(reports.len(), 4);
-    assert_eq!(reg.names(), vec!["gather".to_string()], "only the good plugin loads: {reports:?}");
-    let refused: Vec<_> = reports.iter().filter_map(|r| r.result.as_ref().err()).collect();
-    assert!(refused.iter().any(|e| e.contains("core Wasm module")), "{refused:?}");
+    assert_eq!(
+        reg.names(),
+        vec!["gather".to_string()],
+        "only the good plugin loads: {reports:?}"
+    );
+    let refused: Vec<_> = reports
+        .iter()
+        .filter_map(|r| r.result.as_ref().err())
+        .collect();
+    assert!(
+        refused.iter().any(|e| e.contains("core Wasm module")),
+        "{refused:?}"
+    );
     assert!(refused.iter().any(|e| e.contains("0.2.0")), "{refused:?}");
 }
 
@@ -403,7 +557,11 @@ fn compiled_components_are_cached_and_reused() {
     // A directory stowd creates (0700): a 0755 one under the sticky /tmp is refused.
     let cache = temp_dir("cache").join("c");
     let entries = || {
-        std::fs::read_dir(&cache).unwrap().map(|e| e.unwrap().path()).filter(|p| p.extension().is_some_and(|x| x == "cwasm")).collect::<Vec<_>>()
+        std::fs::read_dir(&cache)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.extension().is_some_and(|x| x == "cwasm"))
+            .collect::<Vec<_>>()
     };
     let load = || {
         let mut reg = Registry::new(Some(cache.clone()), SandboxLimits::default()).unwrap();
@@ -412,18 +570,30 @@ fn compiled_components_are_cached_and_reused() {
         (reg, reports)
     };
     let (_, first) = load();
-    assert!(first.iter().all(|r| r.result.is_ok() && !r.from_cache), "{first:?}");
+    assert!(
+        first.iter().all(|r| r.result.is_ok() && !r.from_cache),
+        "{first:?}"
+    );
     assert_eq!(entries().len(), SEED.len());
     let (reg, second) = load();
-    assert!(second.iter().all(|r| r.result.is_ok() && r.from_cache), "{second:?}");
+    assert!(
+        second.iter().all(|r| r.result.is_ok() && r.from_cache),
+        "{second:?}"
+    );
     // A corrupt cache entry is recompiled, not trusted.
     for e in entries() {
         std::fs::write(e, b"garbage").unwrap();
     }
     let (_, third) = load();
-    assert!(third.iter().all(|r| r.result.is_ok() && !r.from_cache), "{third:?}");
+    assert!(
+        third.iter().all(|r| r.result.is_ok() && !r.from_cache),
+        "{third:?}"
+    );
     // Chains by pattern: the default chain uses the plugins.
-    let d = reg.select_chain("responses").select(&regular(8, 2), &[0, 2, 4]).unwrap();
+    let d = reg
+        .select_chain("responses")
+        .select(&regular(8, 2), &[0, 2, 4])
+        .unwrap();
     assert_eq!(d.by, DecidedBy::Plugin("constant-stride".into()));
 }
 
@@ -449,8 +619,17 @@ fn chains_are_chosen_by_field_pattern() {
         },
     ]);
     let f = regular(8, 2);
-    assert_eq!(reg.select_chain("prompts").select(&f, &[0, 2]).unwrap().by, DecidedBy::Plugin("gather".into()));
-    assert_eq!(reg.select_chain("responses").select(&f, &[0, 2]).unwrap().by, DecidedBy::Plugin("runs".into()));
+    assert_eq!(
+        reg.select_chain("prompts").select(&f, &[0, 2]).unwrap().by,
+        DecidedBy::Plugin("gather".into())
+    );
+    assert_eq!(
+        reg.select_chain("responses")
+            .select(&f, &[0, 2])
+            .unwrap()
+            .by,
+        DecidedBy::Plugin("runs".into())
+    );
     assert_eq!(reg.pack_chain("prompts").names(), Vec::<String>::new());
     assert_eq!(reg.pack_chain("x").names(), vec!["coalesce".to_string()]);
 }
@@ -467,7 +646,10 @@ fn wasm_policies_are_safe_to_call_from_many_threads() {
                 for i in 0..200u64 {
                     let positions: Vec<u64> = (0..64).filter(|p| (p + t + i) % 3 != 0).collect();
                     let d = chain.select(field, &positions).unwrap();
-                    assert_eq!(rows_of(&plan::execute_selection(field, &d.plan).unwrap()), builtin_rows(field, &positions));
+                    assert_eq!(
+                        rows_of(&plan::execute_selection(field, &d.plan).unwrap()),
+                        builtin_rows(field, &positions)
+                    );
                 }
             });
         }

@@ -54,7 +54,9 @@ impl Model {
     fn clear(&mut self, indexes: &[u64], fields: Option<&[&str]>) -> u64 {
         let mut dropped = 0;
         for g in indexes {
-            let Some(row) = self.rows.get_mut(g) else { continue };
+            let Some(row) = self.rows.get_mut(g) else {
+                continue;
+            };
             let before = row.len();
             row.retain(|(n, _)| fields.is_some_and(|f| !f.contains(&n.as_str())));
             dropped += (before - row.len()) as u64;
@@ -84,7 +86,11 @@ impl Model {
         let got_names: Vec<&str> = got.iter().map(|(n, _)| n.as_str()).collect();
         assert_eq!(got_names, names, "{what}: fields of the reply");
         for (name, cells) in got {
-            assert_cells(&format!("{what}: field {name}"), cells, &self.expect(indexes, name));
+            assert_cells(
+                &format!("{what}: field {name}"),
+                cells,
+                &self.expect(indexes, name),
+            );
         }
     }
 
@@ -95,15 +101,23 @@ impl Model {
 
 /// The fields of a native get_ok as cells.
 fn native_cells(fields: Vec<(String, WireField)>) -> Vec<(String, Vec<Cell>)> {
-    fields.into_iter().map(|(n, f)| (n, wire_cells(f))).collect()
+    fields
+        .into_iter()
+        .map(|(n, f)| (n, wire_cells(f)))
+        .collect()
 }
 
 /// The batch of the TransferQueue tests: `obs` float32 `[n, 4]`, `ids`
 /// nested int64 (row 1 empty), `text` strings.
 fn tq_batch(n: usize, seed: u64) -> Vec<(String, Field)> {
-    let lengths: Vec<u64> = (0..n as u64).map(|i| if i == 1 { 0 } else { (i + seed) % 5 + 1 }).collect();
+    let lengths: Vec<u64> = (0..n as u64)
+        .map(|i| if i == 1 { 0 } else { (i + seed) % 5 + 1 })
+        .collect();
     vec![
-        ("obs".into(), Field::Regular(f32_rows(n as u64, 4, seed * 100_000))),
+        (
+            "obs".into(),
+            Field::Regular(f32_rows(n as u64, 4, seed * 100_000)),
+        ),
         ("ids".into(), nested(DType::I64, &lengths, seed)),
         ("text".into(), strings(&format!("s{seed}"), n)),
     ]
@@ -112,12 +126,19 @@ fn tq_batch(n: usize, seed: u64) -> Vec<(String, Field)> {
 const TQ_FIELDS: [&str; 3] = ["text", "obs", "ids"];
 
 fn arrivals(m: &tq::Metrics, op: &str) -> u64 {
-    m.arrivals_by_op.iter().find(|(o, _)| o == op).map(|(_, n)| *n).unwrap_or(0)
+    m.arrivals_by_op
+        .iter()
+        .find(|(o, _)| o == op)
+        .map(|(_, n)| *n)
+        .unwrap_or(0)
 }
 
 fn assert_key_not_found(reply: &tq::Reply) {
     let message = tq_error(reply, ErrorReply::Get);
-    assert!(message.starts_with("[TQKeyNotFound] "), "GET_ERROR without the key-not-found marker: {message}");
+    assert!(
+        message.starts_with("[TQKeyNotFound] "),
+        "GET_ERROR without the key-not-found marker: {message}"
+    );
 }
 
 // ---------------------------------------------------------------------------
@@ -133,7 +154,12 @@ async fn tq_round_trip(client: &TqClient, id: &str) {
     model.put(&indexes, &batch);
 
     let order = [13, 10, 15, 11, 12, 14, 10];
-    model.check("get", &client.get_ok(&order, &TQ_FIELDS).await, &order, &TQ_FIELDS);
+    model.check(
+        "get",
+        &client.get_ok(&order, &TQ_FIELDS).await,
+        &order,
+        &TQ_FIELDS,
+    );
 
     // Overwrite two rows (given in another order) with other values.
     let over = tq_batch(2, 7);
@@ -141,7 +167,11 @@ async fn tq_round_trip(client: &TqClient, id: &str) {
     model.put(&[14, 11], &over);
     let got = client.get_ok(&order, &TQ_FIELDS).await;
     model.check("get after overwrite", &got, &order, &TQ_FIELDS);
-    assert_ne!(got[1].1[3], cells(&batch[0].1)[1], "row 11 was not overwritten");
+    assert_ne!(
+        got[1].1[3],
+        cells(&batch[0].1)[1],
+        "row 11 was not overwritten"
+    );
 
     match client.clear(&[10, 11, 999]).await {
         tq::Reply::ClearData { message } => assert!(message.contains(id), "{message}"),
@@ -151,13 +181,26 @@ async fn tq_round_trip(client: &TqClient, id: &str) {
     assert_key_not_found(&client.get(&[12, 10], &["obs"]).await);
     assert_key_not_found(&client.get(&[11], &["text"]).await);
     let rest = [15, 12, 13, 14];
-    model.check("get after clear", &client.get_ok(&rest, &TQ_FIELDS).await, &rest, &TQ_FIELDS);
+    model.check(
+        "get after clear",
+        &client.get_ok(&rest, &TQ_FIELDS).await,
+        &rest,
+        &TQ_FIELDS,
+    );
 
     let m = client.metrics().await;
     assert_eq!(m.storage_unit_id, id);
     assert_eq!(m.capacity, None, "no capacity configured");
-    assert_eq!(m.active_keys, 4, "active keys (global indexes stored): {m:?}");
-    let ops = [("PUT_DATA", 2), ("GET_DATA", 5), ("CLEAR_DATA", 1), ("GET_METRICS", 1)];
+    assert_eq!(
+        m.active_keys, 4,
+        "active keys (global indexes stored): {m:?}"
+    );
+    let ops = [
+        ("PUT_DATA", 2),
+        ("GET_DATA", 5),
+        ("CLEAR_DATA", 1),
+        ("GET_METRICS", 1),
+    ];
     for (op, n) in ops {
         assert_eq!(arrivals(&m, op), n, "arrivals of {op}: {m:?}");
     }
@@ -172,7 +215,11 @@ async fn tq_protocol_against_a_unit() {
     tq_round_trip(&TqClient::new(unit), &unit.id).await;
     // The other unit saw nothing.
     let other = TqClient::new(stowd.unit(1)).metrics().await;
-    assert_eq!((other.active_keys, other.requests_arrived), (0, 1), "{other:?}");
+    assert_eq!(
+        (other.active_keys, other.requests_arrived),
+        (0, 1),
+        "{other:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -215,8 +262,18 @@ async fn router_mode_over_two_processes() {
     let mut odds: Vec<u64> = indexes.iter().copied().filter(|g| g % 2 == 1).collect();
     evens.sort_unstable();
     odds.sort_unstable();
-    model.check("A unit 0", &a0.get_ok(&evens, &TQ_FIELDS).await, &evens, &TQ_FIELDS);
-    model.check("A unit 1", &a1.get_ok(&odds, &TQ_FIELDS).await, &odds, &TQ_FIELDS);
+    model.check(
+        "A unit 0",
+        &a0.get_ok(&evens, &TQ_FIELDS).await,
+        &evens,
+        &TQ_FIELDS,
+    );
+    model.check(
+        "A unit 1",
+        &a1.get_ok(&odds, &TQ_FIELDS).await,
+        &odds,
+        &TQ_FIELDS,
+    );
     for (client, wrong) in [(&a0, &odds), (&a1, &evens)] {
         for &g in wrong.iter() {
             assert_key_not_found(&client.get(&[g], &["obs"]).await);
@@ -229,7 +286,12 @@ async fn router_mode_over_two_processes() {
 
     let mut order: Vec<u64> = indexes.iter().rev().copied().collect();
     order.push(indexes[5]);
-    model.check("get through B", &via_b.get_ok(&order, &TQ_FIELDS).await, &order, &TQ_FIELDS);
+    model.check(
+        "get through B",
+        &via_b.get_ok(&order, &TQ_FIELDS).await,
+        &order,
+        &TQ_FIELDS,
+    );
     assert_key_not_found(&via_b.get(&[1000, 7777], &["obs"]).await);
 
     match via_b.clear(&indexes).await {
@@ -245,19 +307,42 @@ async fn router_mode_over_two_processes() {
     // 8 MiB through B with messages of at most 1 MiB: 4 MiB per unit, so
     // each of A's units must receive at least 4 PUT messages.
     let big_indexes: Vec<u64> = (5000..5256).collect();
-    let big = vec![("big".to_string(), Field::Regular(tensor(DType::F32, &[256, 8192], 42)))];
-    let before = [arrivals(&a0.metrics().await, "PUT_DATA"), arrivals(&a1.metrics().await, "PUT_DATA")];
+    let big = vec![(
+        "big".to_string(),
+        Field::Regular(tensor(DType::F32, &[256, 8192], 42)),
+    )];
+    let before = [
+        arrivals(&a0.metrics().await, "PUT_DATA"),
+        arrivals(&a1.metrics().await, "PUT_DATA"),
+    ];
     via_b.put_ok(&big_indexes, big.clone()).await;
     model.put(&big_indexes, &big);
-    let after = [arrivals(&a0.metrics().await, "PUT_DATA"), arrivals(&a1.metrics().await, "PUT_DATA")];
+    let after = [
+        arrivals(&a0.metrics().await, "PUT_DATA"),
+        arrivals(&a1.metrics().await, "PUT_DATA"),
+    ];
     for u in 0..2 {
-        assert!(after[u] - before[u] >= 4, "unit {u} got {} PUT messages for 4 MiB", after[u] - before[u]);
+        assert!(
+            after[u] - before[u] >= 4,
+            "unit {u} got {} PUT messages for 4 MiB",
+            after[u] - before[u]
+        );
     }
     assert_eq!(a0.metrics().await.active_keys, 128);
     assert_eq!(a1.metrics().await.active_keys, 128);
-    model.check("big through B", &via_b.get_ok(&big_indexes, &["big"]).await, &big_indexes, &["big"]);
+    model.check(
+        "big through B",
+        &via_b.get_ok(&big_indexes, &["big"]).await,
+        &big_indexes,
+        &["big"],
+    );
     let some = [5255, 5001, 5127];
-    model.check("big on A unit 1", &a1.get_ok(&some, &["big"]).await, &some, &["big"]);
+    model.check(
+        "big on A unit 1",
+        &a1.get_ok(&some, &["big"]).await,
+        &some,
+        &["big"],
+    );
 }
 
 // ---------------------------------------------------------------------------
@@ -268,7 +353,12 @@ async fn capacity_limit_refuses_whole_puts() {
     let stowd = Stowd::start("[units]\ncapacity_bytes = 65536\n");
     let u0 = TqClient::new(stowd.unit(0));
     let mut model = Model::default();
-    let with_text = |t, n| vec![("x".to_string(), Field::Regular(t)), ("t".to_string(), strings("c", n))];
+    let with_text = |t, n| {
+        vec![
+            ("x".to_string(), Field::Regular(t)),
+            ("t".to_string(), strings("c", n)),
+        ]
+    };
 
     // 20 rows of 4 KiB = 80 KiB > 64 KiB: refused, nothing stored.
     let too_big: Vec<u64> = (0..20).collect();
@@ -286,29 +376,55 @@ async fn capacity_limit_refuses_whole_puts() {
     u0.put_ok(&small, batch.clone()).await;
     model.put(&small, &batch);
     // 10 more rows (40 KiB) do not fit next to them...
-    let reply = u0.put(&(8..18).collect::<Vec<_>>(), with_text(f32_rows(10, 1024, 3), 10)).await;
+    let reply = u0
+        .put(
+            &(8..18).collect::<Vec<_>>(),
+            with_text(f32_rows(10, 1024, 3), 10),
+        )
+        .await;
     tq_error(&reply, ErrorReply::Put);
     assert_key_not_found(&u0.get(&[8], &["x"]).await);
     // ...but overwriting the 8 rows does: the old bytes are freed first.
     let batch = with_text(f32_rows(8, 1024, 4), 8);
     u0.put_ok(&small, batch.clone()).await;
     model.put(&small, &batch);
-    model.check("after overwrite", &u0.get_ok(&small, &["x", "t"]).await, &small, &["x", "t"]);
+    model.check(
+        "after overwrite",
+        &u0.get_ok(&small, &["x", "t"]).await,
+        &small,
+        &["x", "t"],
+    );
     assert_eq!(u0.metrics().await.active_keys, 8);
 
     // Over both units (native endpoint): unit 0's part fits, unit 1's part
     // (17 rows, 68 KiB) does not. Nothing may be stored, on either unit.
     let native = NativeClient::new(stowd.native());
     let keys = native.stat("keys").await;
-    let indexes: Vec<u64> = std::iter::once(100).chain((0..17).map(|i| 101 + 2 * i)).collect();
-    let reply = native.put(&indexes, &[("y".to_string(), Field::Regular(f32_rows(18, 1024, 5)))]).await;
+    let indexes: Vec<u64> = std::iter::once(100)
+        .chain((0..17).map(|i| 101 + 2 * i))
+        .collect();
+    let reply = native
+        .put(
+            &indexes,
+            &[("y".to_string(), Field::Regular(f32_rows(18, 1024, 5)))],
+        )
+        .await;
     let (code, message) = native_error(&reply);
     assert_eq!(code, "capacity", "{message}");
-    assert_eq!(native_error(&native.get(&[100], &["y"]).await).0, "key_not_found", "unit 0 kept part of a refused put");
+    assert_eq!(
+        native_error(&native.get(&[100], &["y"]).await).0,
+        "key_not_found",
+        "unit 0 kept part of a refused put"
+    );
     assert_eq!(native.stat("keys").await, keys);
     // The same put through the router endpoint is refused the same way.
     let router = TqClient::new(stowd.router());
-    let reply = router.put(&indexes, vec![("y".to_string(), Field::Regular(f32_rows(18, 1024, 5)))]).await;
+    let reply = router
+        .put(
+            &indexes,
+            vec![("y".to_string(), Field::Regular(f32_rows(18, 1024, 5)))],
+        )
+        .await;
     tq_error(&reply, ErrorReply::Put);
     assert_key_not_found(&router.get(&[100], &["y"]).await);
     // A smaller put over both units works.
@@ -317,35 +433,71 @@ async fn capacity_limit_refuses_whole_puts() {
     model.put(&[100, 101, 102, 103], &fits);
     let got = native_cells(native.get_ok(&[103, 100], &["y"]).await);
     model.check("native after capacity error", &got, &[103, 100], &["y"]);
-    model.check("first put intact", &u0.get_ok(&small, &["x"]).await, &small, &["x"]);
+    model.check(
+        "first put intact",
+        &u0.get_ok(&small, &["x"]).await,
+        &small,
+        &["x"],
+    );
 }
 
 // ---------------------------------------------------------------------------
 // 4. The native protocol
 
-const DTYPES: [DType; 7] = [DType::F32, DType::F16, DType::BF16, DType::I64, DType::I8, DType::U8, DType::Bool];
+const DTYPES: [DType; 7] = [
+    DType::F32,
+    DType::F16,
+    DType::BF16,
+    DType::I64,
+    DType::I8,
+    DType::U8,
+    DType::Bool,
+];
 
 /// Every field kind in every dtype of [`DTYPES`], plus 1-d and scalar rows
 /// and every kind of plain value.
 fn native_batch(n: usize, seed: u64) -> Vec<(String, Field)> {
     let mut fields = Vec::new();
-    let lengths: Vec<u64> = (0..n as u64).map(|i| if i == 1 { 0 } else { (i + seed) % 4 + 1 }).collect();
+    let lengths: Vec<u64> = (0..n as u64)
+        .map(|i| if i == 1 { 0 } else { (i + seed) % 4 + 1 })
+        .collect();
     for (k, dtype) in DTYPES.into_iter().enumerate() {
         let s = seed * 100 + k as u64;
-        fields.push((format!("reg_{dtype}"), Field::Regular(tensor(dtype, &[n as u64, 3], s))));
+        fields.push((
+            format!("reg_{dtype}"),
+            Field::Regular(tensor(dtype, &[n as u64, 3], s)),
+        ));
         fields.push((format!("nest_{dtype}"), nested(dtype, &lengths, s)));
     }
-    fields.push(("reg_1d".into(), Field::Regular(tensor(DType::F32, &[n as u64], seed))));
-    let rows_2d = (0..n as u64).map(|i| tensor(DType::F32, &[i % 3, 2], seed + i)).collect();
+    fields.push((
+        "reg_1d".into(),
+        Field::Regular(tensor(DType::F32, &[n as u64], seed)),
+    ));
+    let rows_2d = (0..n as u64)
+        .map(|i| tensor(DType::F32, &[i % 3, 2], seed + i))
+        .collect();
     fields.push(("nest_2d".into(), Field::Nested(rows_2d)));
-    let scalars = (0..n as u64).map(|i| tensor(DType::I64, &[], seed + i)).collect();
+    let scalars = (0..n as u64)
+        .map(|i| tensor(DType::I64, &[], seed + i))
+        .collect();
     fields.push(("nest_scalar".into(), Field::Nested(scalars)));
     fields.push(("str".into(), strings(&format!("v{seed}"), n)));
-    let blobs = (0..n).map(|i| Value::Bytes(Bytes::from(vec![i as u8; i]))).collect();
+    let blobs = (0..n)
+        .map(|i| Value::Bytes(Bytes::from(vec![i as u8; i])))
+        .collect();
     fields.push(("bin".into(), Field::Values(blobs)));
     // Opaque msgpack: 42, nil, [1, "a"], {"k": 1}, -1, 1.5, ...
-    let opaque: [&[u8]; 6] = [b"\x2a", b"\xc0", b"\x92\x01\xa1a", b"\x81\xa1k\x01", b"\xff", b"\xcb\x3f\xf8\0\0\0\0\0\0"];
-    let values = (0..n).map(|i| Value::Msgpack(Bytes::from_static(opaque[(i + seed as usize) % 6]))).collect();
+    let opaque: [&[u8]; 6] = [
+        b"\x2a",
+        b"\xc0",
+        b"\x92\x01\xa1a",
+        b"\x81\xa1k\x01",
+        b"\xff",
+        b"\xcb\x3f\xf8\0\0\0\0\0\0",
+    ];
+    let values = (0..n)
+        .map(|i| Value::Msgpack(Bytes::from_static(opaque[(i + seed as usize) % 6])))
+        .collect();
     fields.push(("opaque".into(), Field::Values(values)));
     fields
 }
@@ -363,7 +515,14 @@ async fn native_round_trip_of_every_kind_and_dtype() {
 
     let stats = client.stats().await;
     assert_eq!(stat(&stats, "units"), 2);
-    assert_eq!((stat(&stats, "keys"), stat(&stats, "rows"), stat(&stats, "bytes")), (0, 0, 0));
+    assert_eq!(
+        (
+            stat(&stats, "keys"),
+            stat(&stats, "rows"),
+            stat(&stats, "bytes")
+        ),
+        (0, 0, 0)
+    );
 
     client.put_ok(&indexes, &batch).await;
     model.put(&indexes, &batch);
@@ -383,29 +542,55 @@ async fn native_round_trip_of_every_kind_and_dtype() {
     let over = native_batch(2, 9);
     client.put_ok(&[8, 3], &over).await;
     model.put(&[8, 3], &over);
-    model.check("after overwrite", &native_cells(client.get_ok(&order, &names).await), &order, &names);
+    model.check(
+        "after overwrite",
+        &native_cells(client.get_ok(&order, &names).await),
+        &order,
+        &names,
+    );
 
     // Clear two fields of two rows, then whole rows; a retried clear drops 0.
     let some: [&str; 2] = ["reg_float32", "str"];
     assert_eq!(client.clear(&[7, 3], Some(&some)).await, 4);
     model.clear(&[7, 3], Some(&some));
-    assert_eq!(native_error(&client.get(&[7], &["reg_float32"]).await).0, "key_not_found");
-    assert_eq!(native_error(&client.get(&[2, 3], &["str"]).await).0, "key_not_found");
-    model.check("other fields kept", &native_cells(client.get_ok(&[7], &["reg_int64"]).await), &[7], &["reg_int64"]);
+    assert_eq!(
+        native_error(&client.get(&[7], &["reg_float32"]).await).0,
+        "key_not_found"
+    );
+    assert_eq!(
+        native_error(&client.get(&[2, 3], &["str"]).await).0,
+        "key_not_found"
+    );
+    model.check(
+        "other fields kept",
+        &native_cells(client.get_ok(&[7], &["reg_int64"]).await),
+        &[7],
+        &["reg_int64"],
+    );
     let dropped = model.clear(&[7, 3, 999], None);
     assert_eq!(client.clear(&[7, 3, 999], None).await, dropped);
     assert_eq!(dropped, 2 * (f as u64 - 2));
     assert_eq!(client.clear(&[7, 3], None).await, 0);
     assert_eq!(client.clear(&[], None).await, 0);
     let rest = [11, 2, 5, 8];
-    model.check("after clear", &native_cells(client.get_ok(&rest, &names).await), &rest, &names);
+    model.check(
+        "after clear",
+        &native_cells(client.get_ok(&rest, &names).await),
+        &rest,
+        &names,
+    );
     let stats = client.stats().await;
     assert_eq!(stat(&stats, "keys") as u64, model.keys());
     assert_eq!(stat(&stats, "rows"), 4);
 
     // The TransferQueue endpoints see the same units.
     let tq_unit0 = TqClient::new(stowd.unit(0));
-    model.check("via TQ", &tq_unit0.get_ok(&[2, 8], &["reg_bfloat16"]).await, &[2, 8], &["reg_bfloat16"]);
+    model.check(
+        "via TQ",
+        &tq_unit0.get_ok(&[2, 8], &["reg_bfloat16"]).await,
+        &[2, 8],
+        &["reg_bfloat16"],
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -422,13 +607,27 @@ async fn native_request_ids_are_echoed_with_requests_in_flight() {
     let mut expected: HashMap<u64, Option<u64>> = HashMap::new();
     for (i, &g) in indexes.iter().rev().enumerate() {
         let id = 1_000 + 7 * i as u64;
-        let op = native::Op::Get { global_indexes: vec![g], fields: vec!["x".into()] };
+        let op = native::Op::Get {
+            global_indexes: vec![g],
+            fields: vec!["x".into()],
+        };
         pipe.send(&native::Request { id, op }).await;
         expected.insert(id, Some(g));
     }
-    pipe.send(&native::Request { id: 5, op: native::Op::Stats }).await;
-    let missing = native::Op::Get { global_indexes: vec![4242], fields: vec!["x".into()] };
-    pipe.send(&native::Request { id: u64::MAX, op: missing }).await;
+    pipe.send(&native::Request {
+        id: 5,
+        op: native::Op::Stats,
+    })
+    .await;
+    let missing = native::Op::Get {
+        global_indexes: vec![4242],
+        fields: vec!["x".into()],
+    };
+    pipe.send(&native::Request {
+        id: u64::MAX,
+        op: missing,
+    })
+    .await;
     expected.insert(5, None);
     expected.insert(u64::MAX, None);
 
@@ -440,8 +639,12 @@ async fn native_request_ids_are_echoed_with_requests_in_flight() {
             (Some(Some(g)), native::Reply::GetOk { fields }) => {
                 model.check(&format!("reply {id}"), &native_cells(fields), &[*g], &["x"]);
             }
-            (Some(None), native::Reply::StatsOk(stats)) if id == 5 => assert_eq!(stat(&stats, "units"), 2),
-            (Some(None), native::Reply::Error { code, .. }) if id == u64::MAX => assert_eq!(code, "key_not_found"),
+            (Some(None), native::Reply::StatsOk(stats)) if id == 5 => {
+                assert_eq!(stat(&stats, "units"), 2)
+            }
+            (Some(None), native::Reply::Error { code, .. }) if id == u64::MAX => {
+                assert_eq!(code, "key_not_found")
+            }
             (want, reply) => panic!("reply {reply:?} under id {id}, expected {want:?}"),
         }
     }
@@ -454,36 +657,75 @@ async fn native_error_codes() {
     let base = vec![("x".to_string(), Field::Regular(f32_rows(2, 4, 1)))];
     client.put_ok(&[0, 1], &base).await;
 
-    assert_eq!(native_error(&client.get(&[0, 9], &["x"]).await).0, "key_not_found");
-    assert_eq!(native_error(&client.get(&[0], &["nope"]).await).0, "key_not_found");
+    assert_eq!(
+        native_error(&client.get(&[0, 9], &["x"]).await).0,
+        "key_not_found"
+    );
+    assert_eq!(
+        native_error(&client.get(&[0], &["nope"]).await).0,
+        "key_not_found"
+    );
 
     // Empty batches.
     for op in [
-        native::Op::Put { global_indexes: vec![], fields: vec![] },
-        native::Op::Get { global_indexes: vec![], fields: vec!["x".into()] },
-        native::Op::Get { global_indexes: vec![0], fields: vec![] },
+        native::Op::Put {
+            global_indexes: vec![],
+            fields: vec![],
+        },
+        native::Op::Get {
+            global_indexes: vec![],
+            fields: vec!["x".into()],
+        },
+        native::Op::Get {
+            global_indexes: vec![0],
+            fields: vec![],
+        },
     ] {
         let reply = client.call(op).await;
         let (code, message) = native_error(&reply);
         assert_eq!(code, "bad_request", "{message}");
         assert!(message.starts_with("empty batch:"), "{message}");
     }
-    let no_fields = native::Op::Put { global_indexes: vec![3], fields: vec![] };
+    let no_fields = native::Op::Put {
+        global_indexes: vec![3],
+        fields: vec![],
+    };
     assert_eq!(native_error(&client.call(no_fields).await).0, "bad_request");
 
     // Malformed frame 0: no id can be read, so the reply has id 0.
-    let (id, reply) = client.send_frames(vec![Bytes::from_static(b"\x84\xa5proto\xa9stowa")]).await;
+    let (id, reply) = client
+        .send_frames(vec![Bytes::from_static(b"\x84\xa5proto\xa9stowa")])
+        .await;
     assert_eq!((id, native_error(&reply).0), (0, "bad_request"));
     // An unknown envelope key with a readable id: the id is echoed.
-    let frame0 = native_frame0(&[("proto", S("stowage/1")), ("op", S("stats")), ("id", U(77)), ("body", Raw(b"\x80")), ("bogus", U(1))]);
+    let frame0 = native_frame0(&[
+        ("proto", S("stowage/1")),
+        ("op", S("stats")),
+        ("id", U(77)),
+        ("body", Raw(b"\x80")),
+        ("bogus", U(1)),
+    ]);
     let (id, reply) = client.send_frames(vec![frame0]).await;
     assert_eq!((id, native_error(&reply).0), (77, "bad_request"));
     // Another protocol version, an unknown op.
-    let frame0 = native_frame0(&[("proto", S("stowage/2")), ("op", S("stats")), ("id", U(78)), ("body", Raw(b"\x80"))]);
+    let frame0 = native_frame0(&[
+        ("proto", S("stowage/2")),
+        ("op", S("stats")),
+        ("id", U(78)),
+        ("body", Raw(b"\x80")),
+    ]);
     let (id, reply) = client.send_frames(vec![frame0]).await;
     assert_eq!((id, native_error(&reply).0), (78, "unsupported"));
-    let frame0 = native_frame0(&[("proto", S("stowage/1")), ("op", S("put_ok")), ("id", U(79)), ("body", Raw(b"\x80"))]);
-    assert_eq!(native_error(&client.send_frames(vec![frame0]).await.1).0, "unsupported");
+    let frame0 = native_frame0(&[
+        ("proto", S("stowage/1")),
+        ("op", S("put_ok")),
+        ("id", U(79)),
+        ("body", Raw(b"\x80")),
+    ]);
+    assert_eq!(
+        native_error(&client.send_frames(vec![frame0]).await.1).0,
+        "unsupported"
+    );
 
     let got = native_cells(client.get_ok(&[1, 0], &["x"]).await);
     let mut model = Model::default();
@@ -499,20 +741,32 @@ async fn native_constant_stride_put_is_zero_copy() {
     // [1024, 256] float32 over 2 units: each unit's 512 rows are one
     // strided view of the received frame (constant stride 2).
     let indexes: Vec<u64> = (0..1024).collect();
-    let batch = vec![("obs".to_string(), Field::Regular(tensor(DType::F32, &[1024, 256], 5)))];
+    let batch = vec![(
+        "obs".to_string(),
+        Field::Regular(tensor(DType::F32, &[1024, 256], 5)),
+    )];
     client.put_ok(&indexes, &batch).await;
     let after = client.stats().await;
     let delta = |name| stat(&after, name) - stat(&before, name);
     assert_eq!(delta("zero_copy_bytes"), 1 << 20, "{after:?}");
     assert_eq!(delta("copied_bytes"), 0, "{after:?}");
-    assert_eq!(delta("plugin_decisions"), 2, "constant-stride answers once per unit: {after:?}");
+    assert_eq!(
+        delta("plugin_decisions"),
+        2,
+        "constant-stride answers once per unit: {after:?}"
+    );
     assert_eq!(delta("fallbacks"), 0);
     assert_eq!(stat(&after, "bytes"), 1 << 20);
 
     let mut model = Model::default();
     model.put(&indexes, &batch);
     let some = [1023, 0, 511, 512];
-    model.check("rows back", &native_cells(client.get_ok(&some, &["obs"]).await), &some, &["obs"]);
+    model.check(
+        "rows back",
+        &native_cells(client.get_ok(&some, &["obs"]).await),
+        &some,
+        &["obs"],
+    );
 }
 
 // ---------------------------------------------------------------------------
@@ -604,7 +858,11 @@ fn replace(frame: &Bytes, from: &[u8], to: &[u8]) -> Bytes {
             found = true;
         }
     }
-    assert!(found, "{:?} not in the frame", String::from_utf8_lossy(from));
+    assert!(
+        found,
+        "{:?} not in the frame",
+        String::from_utf8_lossy(from)
+    );
     Bytes::from(v)
 }
 
@@ -623,7 +881,10 @@ const NATIVE_BASE: [u64; 2] = [100, 101];
 /// The put the bad-input tests mutate: `obs` float32 [2, 4] in frame 1 and
 /// `ids` int64 rows of 2 and 3 elements in frames 2 and 3.
 fn victim_fields() -> Vec<(String, Field)> {
-    vec![("obs".into(), Field::Regular(f32_rows(2, 4, 9))), ("ids".into(), nested(DType::I64, &[2, 3], 9))]
+    vec![
+        ("obs".into(), Field::Regular(f32_rows(2, 4, 9))),
+        ("ids".into(), nested(DType::I64, &[2, 3], 9)),
+    ]
 }
 const VICTIM: [u64; 2] = [50, 52];
 
@@ -642,12 +903,20 @@ impl Fixture {
         ];
         native.put_ok(&NATIVE_BASE, &batch).await;
         model.put(&NATIVE_BASE, &batch);
-        Fixture { stowd, tq, native, model }
+        Fixture {
+            stowd,
+            tq,
+            native,
+            model,
+        }
     }
 
     /// A valid TransferQueue put of [`VICTIM`] to unit 0.
     fn tq_put(&self) -> Vec<Bytes> {
-        self.tq.encode(&tq::Request::Put { global_indexes: VICTIM.to_vec(), fields: victim_fields() })
+        self.tq.encode(&tq::Request::Put {
+            global_indexes: VICTIM.to_vec(),
+            fields: victim_fields(),
+        })
     }
 
     /// A valid native put of [`VICTIM`].
@@ -656,7 +925,10 @@ impl Fixture {
             .into_iter()
             .map(|(n, f)| (n, WireField::from_field(&f).expect("sendable")))
             .collect();
-        let op = native::Op::Put { global_indexes: VICTIM.to_vec(), fields };
+        let op = native::Op::Put {
+            global_indexes: VICTIM.to_vec(),
+            fields,
+        };
         native::encode_request(&native::Request { id: 4321, op }).expect("encodable")
     }
 
@@ -684,11 +956,15 @@ impl Fixture {
         self.stowd.assert_running();
         assert_key_not_found(&self.tq.get(&[VICTIM[0]], &["obs"]).await);
         assert_key_not_found(&self.tq.get(&[VICTIM[1]], &["ids"]).await);
-        assert_eq!(native_error(&self.native.get(&[VICTIM[0]], &["obs"]).await).0, "key_not_found");
+        assert_eq!(
+            native_error(&self.native.get(&[VICTIM[0]], &["obs"]).await).0,
+            "key_not_found"
+        );
         let got = self.tq.get_ok(&TQ_BASE, &TQ_FIELDS).await;
         self.model.check("TQ data", &got, &TQ_BASE, &TQ_FIELDS);
         let got = native_cells(self.native.get_ok(&NATIVE_BASE, &["n_obs", "n_text"]).await);
-        self.model.check("native data", &got, &NATIVE_BASE, &["n_obs", "n_text"]);
+        self.model
+            .check("native data", &got, &NATIVE_BASE, &["n_obs", "n_text"]);
         let m = self.tq.metrics().await;
         assert_eq!(m.active_keys, 5, "{m:?}");
         // A new client on a fresh connection is served too.
@@ -704,21 +980,58 @@ async fn bad_input_malformed_msgpack_frame0() {
     let mut f = Fixture::new().await;
     let put = f.tq_put();
     let truncated = put[0].slice(..put[0].len() / 2);
-    f.tq_refused([vec![truncated], put[1..].to_vec()].concat(), ErrorReply::PutGet, "msgpack").await;
-    f.tq_refused(vec![Bytes::from_static(b"\xc1")], ErrorReply::PutGet, "msgpack").await;
-    f.tq_refused(vec![Bytes::from_static(b"\x93\x01\x02\x03")], ErrorReply::PutGet, "not a map").await;
+    f.tq_refused(
+        [vec![truncated], put[1..].to_vec()].concat(),
+        ErrorReply::PutGet,
+        "msgpack",
+    )
+    .await;
+    f.tq_refused(
+        vec![Bytes::from_static(b"\xc1")],
+        ErrorReply::PutGet,
+        "msgpack",
+    )
+    .await;
+    f.tq_refused(
+        vec![Bytes::from_static(b"\x93\x01\x02\x03")],
+        ErrorReply::PutGet,
+        "not a map",
+    )
+    .await;
     let trailing = Bytes::from([put[0].as_ref(), b"\x00"].concat());
-    f.tq_refused([vec![trailing], put[1..].to_vec()].concat(), ErrorReply::PutGet, "trailing").await;
-    f.tq_refused(vec![Bytes::new()], ErrorReply::PutGet, "empty").await;
+    f.tq_refused(
+        [vec![trailing], put[1..].to_vec()].concat(),
+        ErrorReply::PutGet,
+        "trailing",
+    )
+    .await;
+    f.tq_refused(vec![Bytes::new()], ErrorReply::PutGet, "empty")
+        .await;
     // A map count far larger than the frame.
-    f.tq_refused(vec![Bytes::from_static(b"\xdf\xff\xff\xff\xff")], ErrorReply::PutGet, "").await;
+    f.tq_refused(
+        vec![Bytes::from_static(b"\xdf\xff\xff\xff\xff")],
+        ErrorReply::PutGet,
+        "",
+    )
+    .await;
 
     let put = f.native_put();
-    f.native_refused(vec![Bytes::from_static(b"\x84\xa5pro")], 0, "bad_request").await;
-    f.native_refused(vec![Bytes::from_static(b"\xdf\xff\xff\xff\xff")], 0, "bad_request").await;
+    f.native_refused(vec![Bytes::from_static(b"\x84\xa5pro")], 0, "bad_request")
+        .await;
+    f.native_refused(
+        vec![Bytes::from_static(b"\xdf\xff\xff\xff\xff")],
+        0,
+        "bad_request",
+    )
+    .await;
     // Truncated inside the body: the id is still readable and echoed.
     let truncated = put[0].slice(..put[0].len() - 10);
-    f.native_refused([vec![truncated], put[1..].to_vec()].concat(), 4321, "bad_request").await;
+    f.native_refused(
+        [vec![truncated], put[1..].to_vec()].concat(),
+        4321,
+        "bad_request",
+    )
+    .await;
     f.assert_intact().await;
 }
 
@@ -726,27 +1039,59 @@ async fn bad_input_malformed_msgpack_frame0() {
 async fn bad_input_missing_envelope_key() {
     let mut f = Fixture::new().await;
     let unit = f.stowd.unit(0).id.clone();
-    let body = mp_map(&[("global_indexes", Raw(&mp_array(&[U(0)]))), ("fields", Raw(&mp_array(&[S("obs")])))]);
-    for key in ["request_type", "sender_id", "receiver_id", "request_id", "timestamp", "body"] {
+    let body = mp_map(&[
+        ("global_indexes", Raw(&mp_array(&[U(0)]))),
+        ("fields", Raw(&mp_array(&[S("obs")]))),
+    ]);
+    for key in [
+        "request_type",
+        "sender_id",
+        "receiver_id",
+        "request_id",
+        "timestamp",
+        "body",
+    ] {
         let frame0 = tq_frame0("GET", &unit, &[key], &body);
-        f.tq_refused(vec![frame0], ErrorReply::PutGet, &format!("missing key '{key}'")).await;
+        f.tq_refused(
+            vec![frame0],
+            ErrorReply::PutGet,
+            &format!("missing key '{key}'"),
+        )
+        .await;
     }
     // The complete envelope is answered.
-    match f.tq.send_frames(vec![tq_frame0("GET", &unit, &[], &body)]).await {
+    match f
+        .tq
+        .send_frames(vec![tq_frame0("GET", &unit, &[], &body)])
+        .await
+    {
         tq::Reply::GetData { fields } => assert_eq!(fields.len(), 1),
         other => panic!("{other:?}"),
     }
     // A body without its keys is the operation's own error.
-    let frame0 = tq_frame0("GET", &unit, &[], &mp_map(&[("global_indexes", Raw(&mp_array(&[U(0)])))]));
-    f.tq_refused(vec![frame0], ErrorReply::Get, "missing key 'fields'").await;
+    let frame0 = tq_frame0(
+        "GET",
+        &unit,
+        &[],
+        &mp_map(&[("global_indexes", Raw(&mp_array(&[U(0)])))]),
+    );
+    f.tq_refused(vec![frame0], ErrorReply::Get, "missing key 'fields'")
+        .await;
 
-    let all = [("proto", S("stowage/1")), ("op", S("stats")), ("id", U(31)), ("body", Raw(b"\x80"))];
+    let all = [
+        ("proto", S("stowage/1")),
+        ("op", S("stats")),
+        ("id", U(31)),
+        ("body", Raw(b"\x80")),
+    ];
     for omit in ["proto", "op", "body"] {
         let kept: Vec<(&str, Mp<'_>)> = all.iter().copied().filter(|(k, _)| *k != omit).collect();
-        f.native_refused(vec![native_frame0(&kept)], 31, "bad_request").await;
+        f.native_refused(vec![native_frame0(&kept)], 31, "bad_request")
+            .await;
     }
     let kept: Vec<(&str, Mp<'_>)> = all.iter().copied().filter(|(k, _)| *k != "id").collect();
-    f.native_refused(vec![native_frame0(&kept)], 0, "bad_request").await;
+    f.native_refused(vec![native_frame0(&kept)], 0, "bad_request")
+        .await;
     f.assert_intact().await;
 }
 
@@ -755,18 +1100,31 @@ async fn bad_input_wrong_frame_count() {
     let mut f = Fixture::new().await;
     let put = f.tq_put();
     assert_eq!(put.len(), 4, "frame 0, obs, two ids rows");
-    f.tq_refused(put[..3].to_vec(), ErrorReply::PutGet, "out of range").await;
-    f.tq_refused(put[..1].to_vec(), ErrorReply::PutGet, "out of range").await;
+    f.tq_refused(put[..3].to_vec(), ErrorReply::PutGet, "out of range")
+        .await;
+    f.tq_refused(put[..1].to_vec(), ErrorReply::PutGet, "out of range")
+        .await;
     let extra = [put.clone(), vec![Bytes::from_static(b"spare")]].concat();
-    f.tq_refused(extra, ErrorReply::PutGet, "not referenced").await;
+    f.tq_refused(extra, ErrorReply::PutGet, "not referenced")
+        .await;
     // A GET carrying a data frame.
-    let get = f.tq.encode(&tq::Request::Get { global_indexes: vec![0], fields: vec!["obs".into()] });
-    f.tq_refused([get, vec![Bytes::from_static(b"x")]].concat(), ErrorReply::PutGet, "not referenced").await;
+    let get = f.tq.encode(&tq::Request::Get {
+        global_indexes: vec![0],
+        fields: vec!["obs".into()],
+    });
+    f.tq_refused(
+        [get, vec![Bytes::from_static(b"x")]].concat(),
+        ErrorReply::PutGet,
+        "not referenced",
+    )
+    .await;
 
     let put = f.native_put();
     assert_eq!(put.len(), 4);
-    f.native_refused(put[..3].to_vec(), 4321, "bad_request").await;
-    f.native_refused(put[..1].to_vec(), 4321, "bad_request").await;
+    f.native_refused(put[..3].to_vec(), 4321, "bad_request")
+        .await;
+    f.native_refused(put[..1].to_vec(), 4321, "bad_request")
+        .await;
     let extra = [put.clone(), vec![Bytes::from_static(b"spare")]].concat();
     f.native_refused(extra, 4321, "bad_request").await;
     f.assert_intact().await;
@@ -781,7 +1139,8 @@ async fn bad_input_frame_length_not_matching_shape() {
         let mut bytes = frames[frame].to_vec();
         bytes.resize(len, 0);
         frames[frame] = Bytes::from(bytes);
-        f.tq_refused(frames, ErrorReply::PutGet, "does not fit").await;
+        f.tq_refused(frames, ErrorReply::PutGet, "does not fit")
+            .await;
     }
     let put = f.native_put();
     for (frame, len) in [(1, 31), (1, 0), (3, 23)] {
@@ -847,10 +1206,19 @@ async fn bad_input_negative_or_absurd_shape() {
         (vec![U(1), I(-4)], U(1), "bad_request"),
         (vec![U(1 << 40), U(4)], U(1), "too_large"),
         (vec![U(1), U(1 << 40)], U(1), "bad_request"),
-        (vec![U(1), U(1 << 40), U(1 << 40), U(1 << 40)], U(1), "bad_request"),
+        (
+            vec![U(1), U(1 << 40), U(1 << 40), U(1 << 40)],
+            U(1),
+            "bad_request",
+        ),
         (vec![U(1), U(4)], U(1 << 40), "bad_request"),
     ] {
-        let part = mp_map(&[("frame", U(1)), ("offset", U(0)), ("len", U(16)), ("rows", part_rows)]);
+        let part = mp_map(&[
+            ("frame", U(1)),
+            ("offset", U(0)),
+            ("len", U(16)),
+            ("rows", part_rows),
+        ]);
         let descriptor = mp_map(&[
             ("kind", S("regular")),
             ("dtype", S("float32")),
@@ -861,7 +1229,12 @@ async fn bad_input_negative_or_absurd_shape() {
             ("global_indexes", Raw(&mp_array(&[U(VICTIM[0])]))),
             ("fields", Raw(&mp_map(&[("obs", Raw(&descriptor))]))),
         ]);
-        let frame0 = native_frame0(&[("proto", S("stowage/1")), ("op", S("put")), ("id", U(9)), ("body", Raw(&body))]);
+        let frame0 = native_frame0(&[
+            ("proto", S("stowage/1")),
+            ("op", S("put")),
+            ("id", U(9)),
+            ("body", Raw(&body)),
+        ]);
         f.native_refused(vec![frame0, tiny.clone()], 9, code).await;
     }
     f.assert_intact().await;
@@ -871,10 +1244,18 @@ async fn bad_input_negative_or_absurd_shape() {
 async fn bad_input_duplicate_global_indexes() {
     let mut f = Fixture::new().await;
     // Index 2 is stored; a put naming it twice must change nothing.
-    let dup = tq::Request::Put { global_indexes: vec![2, 2], fields: tq_batch(2, 8) };
-    f.tq_refused(f.tq.encode(&dup), ErrorReply::Put, "duplicate").await;
-    let dup = tq::Request::Put { global_indexes: vec![VICTIM[0], 4, VICTIM[0]], fields: tq_batch(3, 8) };
-    f.tq_refused(f.tq.encode(&dup), ErrorReply::Put, "duplicate").await;
+    let dup = tq::Request::Put {
+        global_indexes: vec![2, 2],
+        fields: tq_batch(2, 8),
+    };
+    f.tq_refused(f.tq.encode(&dup), ErrorReply::Put, "duplicate")
+        .await;
+    let dup = tq::Request::Put {
+        global_indexes: vec![VICTIM[0], 4, VICTIM[0]],
+        fields: tq_batch(3, 8),
+    };
+    f.tq_refused(f.tq.encode(&dup), ErrorReply::Put, "duplicate")
+        .await;
     // Through the router as well.
     let router = TqClient::new(f.stowd.router());
     let reply = router.put(&[VICTIM[0], 2, VICTIM[0]], tq_batch(3, 8)).await;
@@ -883,7 +1264,10 @@ async fn bad_input_duplicate_global_indexes() {
     let fields = vec![("n_obs".to_string(), Field::Regular(f32_rows(3, 4, 8)))];
     let reply = f.native.put(&[101, 100, 101], &fields).await;
     assert_eq!(native_error(&reply).0, "bad_request");
-    let reply = f.native.put(&[VICTIM[0], VICTIM[0]], &victim_fields()).await;
+    let reply = f
+        .native
+        .put(&[VICTIM[0], VICTIM[0]], &victim_fields())
+        .await;
     assert_eq!(native_error(&reply).0, "bad_request");
     f.assert_intact().await;
 }
@@ -910,17 +1294,25 @@ async fn bad_input_unrecognised_identity_is_dropped() {
     let before = f.tq.metrics().await.requests_arrived;
     for prefix in ["intruder", "TQ_STORAG", "tq_storage_lowercase"] {
         let intruder = TqClient::with_identity_prefix(&unit, prefix);
-        let frames = intruder.encode(&tq::Request::Get { global_indexes: vec![0], fields: vec!["obs".into()] });
+        let frames = intruder.encode(&tq::Request::Get {
+            global_indexes: vec![0],
+            fields: vec!["obs".into()],
+        });
         let started = std::time::Instant::now();
         match intruder.exchange(frames, Duration::from_secs(1)).await {
-            Err(TransportError::Timeout { .. }) => assert!(started.elapsed() >= Duration::from_millis(900)),
+            Err(TransportError::Timeout { .. }) => {
+                assert!(started.elapsed() >= Duration::from_millis(900))
+            }
             other => panic!("identity {prefix}: expected no reply, got {other:?}"),
         }
         // Others are still served, and the router drops it too.
         assert_eq!(f.tq.get_ok(&[0], &["obs"]).await.len(), 1);
         let to_router = TqClient::with_identity_prefix(f.stowd.router(), prefix);
         let frames = to_router.encode(&tq::Request::GetMetrics);
-        assert!(matches!(to_router.exchange(frames, Duration::from_secs(1)).await, Err(TransportError::Timeout { .. })));
+        assert!(matches!(
+            to_router.exchange(frames, Duration::from_secs(1)).await,
+            Err(TransportError::Timeout { .. })
+        ));
     }
     // A metrics collector is a recognised identity.
     let collector = TqClient::with_identity_prefix(&unit, "metrics_collector_test");
@@ -937,15 +1329,22 @@ async fn bad_input_pickle_fallback_form() {
     // pickle.dumps({"request_type": "PUT"}) would follow; it is never unpickled.
     let fallback = vec![
         Bytes::from_static(tq::PICKLE_FALLBACK_SENTINEL),
-        Bytes::from_static(b"\x80\x05\x95\x0c\x00\x00\x00\x00\x00\x00\x00}\x94\x8c\x01a\x94K\x01s."),
+        Bytes::from_static(
+            b"\x80\x05\x95\x0c\x00\x00\x00\x00\x00\x00\x00}\x94\x8c\x01a\x94K\x01s.",
+        ),
     ];
-    f.tq_refused(fallback.clone(), ErrorReply::PutGet, "pickle fallback").await;
+    f.tq_refused(fallback.clone(), ErrorReply::PutGet, "pickle fallback")
+        .await;
     let router = TqClient::new(f.stowd.router());
     let reply = router.send_frames(fallback.clone()).await;
     assert!(tq_error(&reply, ErrorReply::PutGet).contains("pickle fallback"));
     // A pickle that would run code if unpickled.
-    let evil = vec![Bytes::from_static(tq::PICKLE_FALLBACK_SENTINEL), Bytes::from_static(b"cos\nsystem\n(S'true'\ntR.")];
-    f.tq_refused(evil, ErrorReply::PutGet, "pickle fallback").await;
+    let evil = vec![
+        Bytes::from_static(tq::PICKLE_FALLBACK_SENTINEL),
+        Bytes::from_static(b"cos\nsystem\n(S'true'\ntR."),
+    ];
+    f.tq_refused(evil, ErrorReply::PutGet, "pickle fallback")
+        .await;
     f.native_refused(fallback, 0, "bad_request").await;
     f.assert_intact().await;
 }
@@ -965,7 +1364,11 @@ async fn sigterm_shuts_down_cleanly() {
     assert_eq!(native.stat("rows").await, 2);
     let took = stowd.stop();
     assert!(took < Duration::from_secs(10), "shutdown took {took:?}");
-    assert!(!file.exists(), "endpoints file {} left behind", file.display());
+    assert!(
+        !file.exists(),
+        "endpoints file {} left behind",
+        file.display()
+    );
     // Nothing answers any more.
     let frames = tq.encode(&tq::Request::GetMetrics);
     assert!(tq.exchange(frames, Duration::from_secs(1)).await.is_err());

@@ -14,6 +14,6 @@ mod load;
 mod multihost;
 mod operating;
 mod plugin_cli;
-mod request_spans;
 mod policy;
+mod request_spans;
 mod stowd;

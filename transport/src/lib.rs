@@ -116,12 +116,21 @@ pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 pub trait Service: Send + Sync + 'static {
     /// Handles one request from `identity` (`frames` excludes the identity).
     /// `None` means: send no reply (e.g. an identity that is not allowed).
-    fn handle(self: Arc<Self>, identity: Bytes, frames: Vec<Bytes>) -> BoxFuture<'static, Option<Vec<Bytes>>>;
+    fn handle(
+        self: Arc<Self>,
+        identity: Bytes,
+        frames: Vec<Bytes>,
+    ) -> BoxFuture<'static, Option<Vec<Bytes>>>;
 
     /// Answers a request that broke a receive limit and was dropped
     /// unread. `head` is its first frame when that frame was within the
     /// limits; `reason` says which limit. The default sends no reply.
-    fn reject(self: Arc<Self>, identity: Bytes, head: Vec<Bytes>, reason: String) -> BoxFuture<'static, Option<Vec<Bytes>>> {
+    fn reject(
+        self: Arc<Self>,
+        identity: Bytes,
+        head: Vec<Bytes>,
+        reason: String,
+    ) -> BoxFuture<'static, Option<Vec<Bytes>>> {
         let _ = (identity, head, reason);
         Box::pin(async { None })
     }
@@ -165,7 +174,10 @@ impl Drop for Listener {
 }
 
 fn bind_err(endpoint: &str, reason: impl ToString) -> TransportError {
-    TransportError::Bind { endpoint: endpoint.into(), reason: reason.to_string() }
+    TransportError::Bind {
+        endpoint: endpoint.into(),
+        reason: reason.to_string(),
+    }
 }
 
 /// Binds a ROUTER on `endpoint` (`tcp://host:port` or `ipc://path`) and
@@ -181,10 +193,19 @@ pub async fn bind(endpoint: &str) -> Result<(Listener, String), TransportError> 
         return Ok((Listener::Ipc(l, p), endpoint.to_string()));
     }
     let Some(addr) = endpoint.strip_prefix("tcp://") else {
-        return Err(bind_err(endpoint, "only tcp:// and ipc:// endpoints are supported"));
+        return Err(bind_err(
+            endpoint,
+            "only tcp:// and ipc:// endpoints are supported",
+        ));
     };
-    let addr = if let Some(port) = addr.strip_prefix("*:") { format!("0.0.0.0:{port}") } else { addr.to_string() };
-    let l = TcpListener::bind(&addr).await.map_err(|e| bind_err(endpoint, e))?;
+    let addr = if let Some(port) = addr.strip_prefix("*:") {
+        format!("0.0.0.0:{port}")
+    } else {
+        addr.to_string()
+    };
+    let l = TcpListener::bind(&addr)
+        .await
+        .map_err(|e| bind_err(endpoint, e))?;
     let local = l.local_addr().map_err(|e| bind_err(endpoint, e))?;
     Ok((Listener::Tcp(l), format!("tcp://{local}")))
 }
@@ -196,7 +217,12 @@ pub async fn serve(listener: Listener, service: Arc<dyn Service>, shutdown: watc
 }
 
 /// Serves `service` on `listener` until `shutdown` turns true.
-pub async fn serve_with(listener: Listener, service: Arc<dyn Service>, limits: Limits, mut shutdown: watch::Receiver<bool>) {
+pub async fn serve_with(
+    listener: Listener,
+    service: Arc<dyn Service>,
+    limits: Limits,
+    mut shutdown: watch::Receiver<bool>,
+) {
     let slots = Arc::new(Semaphore::new(limits.max_connections));
     let next_id = Arc::new(AtomicU32::new(0x6b8b_4567));
     let pool = ReceivePool::shared(limits.receive_pool_bytes, limits.receive_pool_idle);
@@ -215,11 +241,19 @@ pub async fn serve_with(listener: Listener, service: Arc<dyn Service>, limits: L
             }
         };
         let Ok(slot) = slots.clone().try_acquire_owned() else {
-            tracing::warn!(max = limits.max_connections, "connection refused: too many open connections");
+            tracing::warn!(
+                max = limits.max_connections,
+                "connection refused: too many open connections"
+            );
             drop(stream);
             continue;
         };
-        let (service, shutdown, next_id, pool) = (service.clone(), shutdown.clone(), next_id.clone(), pool.clone());
+        let (service, shutdown, next_id, pool) = (
+            service.clone(),
+            shutdown.clone(),
+            next_id.clone(),
+            pool.clone(),
+        );
         tokio::spawn(async move {
             connection(stream, service, limits, shutdown, next_id, pool).await;
             drop(slot);
@@ -238,11 +272,19 @@ async fn connection(
 ) {
     let (reader, mut writer) = tokio::io::split(stream);
     let mut reader = FrameReader::with_pool(reader, pool);
-    let shake = zmtp::handshake(&mut reader, &mut writer, "ROUTER", b"", &["DEALER", "REQ", "ROUTER"]);
+    let shake = zmtp::handshake(
+        &mut reader,
+        &mut writer,
+        "ROUTER",
+        b"",
+        &["DEALER", "REQ", "ROUTER"],
+    );
     let peer = match tokio::time::timeout(limits.handshake_timeout, shake).await {
         Ok(Ok(p)) => p,
         Ok(Err(e)) => return tracing::debug!(error = %e, "handshake failed"),
-        Err(_) => return tracing::debug!(timeout = ?limits.handshake_timeout, "handshake timed out"),
+        Err(_) => {
+            return tracing::debug!(timeout = ?limits.handshake_timeout, "handshake timed out");
+        }
     };
     let identity = if peer.identity.is_empty() {
         // As libzmq does: a zero byte then a 32-bit counter.
@@ -267,16 +309,27 @@ async fn connection(
                 }
                 continue;
             }
-            Ok(Some(Incoming::Message(frames))) => service.clone().handle(identity.clone(), frames).await,
+            Ok(Some(Incoming::Message(frames))) => {
+                service.clone().handle(identity.clone(), frames).await
+            }
             Ok(Some(Incoming::TooLarge { head, reason })) => {
                 tracing::info!(identity = %String::from_utf8_lossy(&identity), %reason, "request refused unread");
                 service.clone().reject(identity.clone(), head, reason).await
             }
         };
-        let Some(reply) = reply.filter(|r| !r.is_empty()) else { continue };
-        match tokio::time::timeout(limits.write_timeout, zmtp::write_message(&mut writer, &reply)).await {
+        let Some(reply) = reply.filter(|r| !r.is_empty()) else {
+            continue;
+        };
+        match tokio::time::timeout(
+            limits.write_timeout,
+            zmtp::write_message(&mut writer, &reply),
+        )
+        .await
+        {
             Ok(Ok(())) => {}
-            Ok(Err(e)) => return tracing::debug!(error = %e, "reply could not be sent (client gone?)"),
+            Ok(Err(e)) => {
+                return tracing::debug!(error = %e, "reply could not be sent (client gone?)");
+            }
             Err(_) => {
                 return tracing::warn!(
                     identity = %String::from_utf8_lossy(&identity),
@@ -296,7 +349,11 @@ fn log_end(e: &ZmtpError) {
 }
 
 /// Answers a ZMTP 3.1 PING with its context.
-async fn reply_pong(writer: &mut WriteHalf<BoxStream>, ping: &[u8], limits: &Limits) -> Result<(), ()> {
+async fn reply_pong(
+    writer: &mut WriteHalf<BoxStream>,
+    ping: &[u8],
+    limits: &Limits,
+) -> Result<(), ()> {
     use tokio::io::AsyncWriteExt;
     let context = ping.get(2..).unwrap_or(&[]);
     let frame = zmtp::command_frame("PONG", &context[..context.len().min(16)]);
@@ -335,7 +392,9 @@ pub struct Peer {
 
 impl std::fmt::Debug for Peer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Peer").field("endpoint", &self.endpoint).finish()
+        f.debug_struct("Peer")
+            .field("endpoint", &self.endpoint)
+            .finish()
     }
 }
 
@@ -346,7 +405,11 @@ impl Peer {
     }
 
     /// Like [`Peer::new`], with receive limits for replies.
-    pub fn with_limits(endpoint: impl Into<String>, identity_prefix: impl Into<String>, limits: zmtp::Limits) -> Peer {
+    pub fn with_limits(
+        endpoint: impl Into<String>,
+        identity_prefix: impl Into<String>,
+        limits: zmtp::Limits,
+    ) -> Peer {
         Peer {
             endpoint: endpoint.into(),
             identity_prefix: identity_prefix.into(),
@@ -363,7 +426,10 @@ impl Peer {
 
     async fn open(&self) -> Result<BoxStream, String> {
         if let Some(path) = self.endpoint.strip_prefix("ipc://") {
-            return UnixStream::connect(path).await.map(|s| Box::new(s) as BoxStream).map_err(|e| e.to_string());
+            return UnixStream::connect(path)
+                .await
+                .map(|s| Box::new(s) as BoxStream)
+                .map_err(|e| e.to_string());
         }
         let Some(addr) = self.endpoint.strip_prefix("tcp://") else {
             return Err("only tcp:// and ipc:// endpoints are supported".into());
@@ -378,9 +444,15 @@ impl Peer {
         let identity = format!("{}_{n}", self.identity_prefix);
         let (reader, mut writer) = tokio::io::split(self.open().await?);
         let mut reader = FrameReader::new(reader);
-        zmtp::handshake(&mut reader, &mut writer, "DEALER", identity.as_bytes(), &["ROUTER", "REP", "DEALER"])
-            .await
-            .map_err(|e| e.to_string())?;
+        zmtp::handshake(
+            &mut reader,
+            &mut writer,
+            "DEALER",
+            identity.as_bytes(),
+            &["ROUTER", "REP", "DEALER"],
+        )
+        .await
+        .map_err(|e| e.to_string())?;
         Ok(Conn { reader, writer })
     }
 
@@ -388,9 +460,17 @@ impl Peer {
     /// counted from now (waiting for a free connection included). On any
     /// failure the connection is dropped, so a later request starts on a
     /// fresh one.
-    pub async fn request(&self, frames: Vec<Bytes>, timeout: Duration) -> Result<Vec<Bytes>, TransportError> {
+    pub async fn request(
+        &self,
+        frames: Vec<Bytes>,
+        timeout: Duration,
+    ) -> Result<Vec<Bytes>, TransportError> {
         let attempt = async {
-            let _permit = self.slots.acquire().await.expect("the semaphore is never closed");
+            let _permit = self
+                .slots
+                .acquire()
+                .await
+                .expect("the semaphore is never closed");
             let kept = self.idle.lock().expect("idle list").pop();
             let mut slot = kept;
             let result = self.exchange(&mut slot, &frames).await;
@@ -402,12 +482,19 @@ impl Peer {
             result
         };
         match tokio::time::timeout(timeout, attempt).await {
-            Err(_) => Err(TransportError::Timeout { endpoint: self.endpoint.clone(), timeout }),
+            Err(_) => Err(TransportError::Timeout {
+                endpoint: self.endpoint.clone(),
+                timeout,
+            }),
             Ok(r) => r,
         }
     }
 
-    async fn exchange(&self, slot: &mut Option<Conn>, frames: &[Bytes]) -> Result<Vec<Bytes>, TransportError> {
+    async fn exchange(
+        &self,
+        slot: &mut Option<Conn>,
+        frames: &[Bytes],
+    ) -> Result<Vec<Bytes>, TransportError> {
         if slot.is_some() {
             // A kept connection may be to a unit process that has since
             // restarted: its failure says nothing about the unit now. Every
@@ -421,24 +508,39 @@ impl Peer {
         self.exchange_once(slot, frames).await
     }
 
-    async fn exchange_once(&self, slot: &mut Option<Conn>, frames: &[Bytes]) -> Result<Vec<Bytes>, TransportError> {
+    async fn exchange_once(
+        &self,
+        slot: &mut Option<Conn>,
+        frames: &[Bytes],
+    ) -> Result<Vec<Bytes>, TransportError> {
         if slot.is_none() {
             let conn = self
                 .connect()
                 .await
-                .map_err(|reason| TransportError::Connect { endpoint: self.endpoint.clone(), reason })?;
+                .map_err(|reason| TransportError::Connect {
+                    endpoint: self.endpoint.clone(),
+                    reason,
+                })?;
             *slot = Some(conn);
         }
         let conn = slot.as_mut().expect("connection present");
-        let recv_err = |reason: String| TransportError::Recv { endpoint: self.endpoint.clone(), reason };
+        let recv_err = |reason: String| TransportError::Recv {
+            endpoint: self.endpoint.clone(),
+            reason,
+        };
         zmtp::write_message(&mut conn.writer, frames)
             .await
-            .map_err(|e| TransportError::Send { endpoint: self.endpoint.clone(), reason: e.to_string() })?;
+            .map_err(|e| TransportError::Send {
+                endpoint: self.endpoint.clone(),
+                reason: e.to_string(),
+            })?;
         loop {
             match conn.reader.read(&self.limits).await {
                 Ok(Some(Incoming::Message(reply))) => return Ok(reply),
                 Ok(Some(Incoming::Command { .. })) => continue,
-                Ok(Some(Incoming::TooLarge { reason, .. })) => return Err(recv_err(format!("reply refused: {reason}"))),
+                Ok(Some(Incoming::TooLarge { reason, .. })) => {
+                    return Err(recv_err(format!("reply refused: {reason}")));
+                }
                 Ok(None) => return Err(recv_err("the unit closed the connection".into())),
                 Err(e) => return Err(recv_err(e.to_string())),
             }
@@ -453,7 +555,11 @@ mod tests {
     struct Echo;
 
     impl Service for Echo {
-        fn handle(self: Arc<Self>, _identity: Bytes, frames: Vec<Bytes>) -> BoxFuture<'static, Option<Vec<Bytes>>> {
+        fn handle(
+            self: Arc<Self>,
+            _identity: Bytes,
+            frames: Vec<Bytes>,
+        ) -> BoxFuture<'static, Option<Vec<Bytes>>> {
             Box::pin(async move { Some(frames) })
         }
     }
@@ -473,14 +579,24 @@ mod tests {
         let peer = Peer::new(endpoint.clone(), "TQ_STORAGE_test");
         let t = Duration::from_secs(5);
         for i in 0..3u8 {
-            let reply = peer.request(vec![Bytes::from(vec![i; 3]), Bytes::from_static(b"x")], t).await.unwrap();
-            assert_eq!(reply, vec![Bytes::from(vec![i; 3]), Bytes::from_static(b"x")]);
+            let reply = peer
+                .request(vec![Bytes::from(vec![i; 3]), Bytes::from_static(b"x")], t)
+                .await
+                .unwrap();
+            assert_eq!(
+                reply,
+                vec![Bytes::from(vec![i; 3]), Bytes::from_static(b"x")]
+            );
         }
         tx.send(true).unwrap();
         server.await.unwrap();
         // A peer whose unit is gone fails within its timeout, it does not hang.
         let gone = Peer::new("tcp://127.0.0.1:1", "TQ_STORAGE_test");
-        assert!(gone.request(vec![Bytes::from_static(b"x")], Duration::from_millis(500)).await.is_err());
+        assert!(
+            gone.request(vec![Bytes::from_static(b"x")], Duration::from_millis(500))
+                .await
+                .is_err()
+        );
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -92,7 +92,11 @@ impl ReceivePool {
     /// `idle`. No sweeper runs: call [`ReceivePool::release_idle`], or use
     /// [`ReceivePool::shared`].
     pub fn new(max_bytes: usize, idle: Duration) -> Arc<ReceivePool> {
-        Arc::new(ReceivePool { max_bytes, idle, inner: Mutex::new(Inner::default()) })
+        Arc::new(ReceivePool {
+            max_bytes,
+            idle,
+            inner: Mutex::new(Inner::default()),
+        })
     }
 
     /// The pool of this process for a cap of `max_bytes` and an idle time
@@ -106,21 +110,25 @@ impl ReceivePool {
         }
         let mut shared = SHARED.lock().unwrap_or_else(|p| p.into_inner());
         shared.retain(|w| w.strong_count() > 0);
-        if let Some(pool) =
-            shared.iter().filter_map(Weak::upgrade).find(|p| p.max_bytes == max_bytes && p.idle == idle)
+        if let Some(pool) = shared
+            .iter()
+            .filter_map(Weak::upgrade)
+            .find(|p| p.max_bytes == max_bytes && p.idle == idle)
         {
             return Some(pool);
         }
         let pool = ReceivePool::new(max_bytes, idle);
         let weak = Arc::downgrade(&pool);
         let tick = (idle / 4).max(Duration::from_millis(100));
-        let spawned = std::thread::Builder::new().name("stowd-rxpool".into()).spawn(move || {
-            loop {
-                std::thread::sleep(tick);
-                let Some(pool) = weak.upgrade() else { return };
-                pool.release_idle(Instant::now());
-            }
-        });
+        let spawned = std::thread::Builder::new()
+            .name("stowd-rxpool".into())
+            .spawn(move || {
+                loop {
+                    std::thread::sleep(tick);
+                    let Some(pool) = weak.upgrade() else { return };
+                    pool.release_idle(Instant::now());
+                }
+            });
         if let Err(e) = spawned {
             tracing::warn!(error = %e, "no receive-pool sweeper thread: idle receive buffers are not released");
         }
@@ -132,7 +140,11 @@ impl ReceivePool {
     /// metrics.
     pub fn shared_bytes() -> usize {
         let shared = SHARED.lock().unwrap_or_else(|p| p.into_inner());
-        shared.iter().filter_map(Weak::upgrade).map(|p| p.pooled_bytes()).sum()
+        shared
+            .iter()
+            .filter_map(Weak::upgrade)
+            .map(|p| p.pooled_bytes())
+            .sum()
     }
 
     /// Most bytes pooled.
@@ -167,7 +179,11 @@ impl ReceivePool {
         }
         let range = fits(len);
         let mut inner = self.lock();
-        let key = *inner.free.range((*range.start(), 0)..=(*range.end(), u64::MAX)).next()?.0;
+        let key = *inner
+            .free
+            .range((*range.start(), 0)..=(*range.end(), u64::MAX))
+            .next()?
+            .0;
         let free = inner.free.remove(&key).expect("key just found");
         inner.bytes -= free.buf.capacity();
         Some(free.buf)
@@ -187,7 +203,14 @@ impl ReceivePool {
             let mut inner = self.lock();
             while inner.bytes + cap > self.max_bytes {
                 // The oldest: the one returned first.
-                let Some(key) = inner.free.iter().min_by_key(|(_, f)| f.since).map(|(k, _)| *k) else { break };
+                let Some(key) = inner
+                    .free
+                    .iter()
+                    .min_by_key(|(_, f)| f.since)
+                    .map(|(k, _)| *k)
+                else {
+                    break;
+                };
                 let old = inner.free.remove(&key).expect("key just found");
                 inner.bytes -= old.buf.capacity();
                 evicted.push(old.buf);
@@ -195,7 +218,13 @@ impl ReceivePool {
             inner.seq += 1;
             let key = (cap, !inner.seq);
             inner.bytes += cap;
-            inner.free.insert(key, Free { buf, since: Instant::now() });
+            inner.free.insert(
+                key,
+                Free {
+                    buf,
+                    since: Instant::now(),
+                },
+            );
         }
         drop(evicted);
     }
@@ -232,7 +261,10 @@ impl ReceivePool {
     /// `buf` (filled) as `Bytes`; it comes back to `pool` when the last
     /// `Bytes` referring to it is dropped.
     pub fn wrap(pool: &Arc<ReceivePool>, buf: Vec<u8>) -> Bytes {
-        Bytes::from_owner(Pooled { buf, pool: Arc::downgrade(pool) })
+        Bytes::from_owner(Pooled {
+            buf,
+            pool: Arc::downgrade(pool),
+        })
     }
 }
 

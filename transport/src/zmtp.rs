@@ -36,7 +36,10 @@ pub struct Limits {
 
 impl Limits {
     /// 8 GiB and 2^20 frames.
-    pub const DEFAULT: Limits = Limits { max_message_bytes: 8 << 30, max_frames: 1 << 20 };
+    pub const DEFAULT: Limits = Limits {
+        max_message_bytes: 8 << 30,
+        max_frames: 1 << 20,
+    };
 }
 
 impl Default for Limits {
@@ -123,7 +126,10 @@ fn check_greeting_start(g: &[u8]) -> Result<(), ZmtpError> {
         return Err(protocol("not a ZMTP peer (bad greeting signature)"));
     }
     if g[10] < 3 {
-        return Err(protocol(format!("ZMTP major version {} is not supported (3 or later is)", g[10])));
+        return Err(protocol(format!(
+            "ZMTP major version {} is not supported (3 or later is)",
+            g[10]
+        )));
     }
     Ok(())
 }
@@ -135,10 +141,15 @@ pub fn check_greeting(g: &[u8]) -> Result<(), ZmtpError> {
     }
     check_greeting_start(g)?;
     let mechanism = &g[12..32];
-    let name_end = mechanism.iter().position(|&b| b == 0).unwrap_or(mechanism.len());
+    let name_end = mechanism
+        .iter()
+        .position(|&b| b == 0)
+        .unwrap_or(mechanism.len());
     if &mechanism[..name_end] != b"NULL" || mechanism[name_end..].iter().any(|&b| b != 0) {
         let name = String::from_utf8_lossy(&mechanism[..name_end]).into_owned();
-        return Err(protocol(format!("security mechanism {name:?} is not supported (NULL is)")));
+        return Err(protocol(format!(
+            "security mechanism {name:?} is not supported (NULL is)"
+        )));
     }
     Ok(())
 }
@@ -214,7 +225,10 @@ fn put_header(out: &mut BytesMut, len: usize, more: bool) {
 
 /// Writes one message. Frames above a few KiB go out from their own
 /// buffers (no copy); headers and small frames are coalesced.
-pub async fn write_message<W: AsyncWrite + Unpin + ?Sized>(w: &mut W, frames: &[Bytes]) -> io::Result<()> {
+pub async fn write_message<W: AsyncWrite + Unpin + ?Sized>(
+    w: &mut W,
+    frames: &[Bytes],
+) -> io::Result<()> {
     let mut buf = BytesMut::with_capacity(8 << 10);
     for (i, frame) in frames.iter().enumerate() {
         put_header(&mut buf, frame.len(), i + 1 < frames.len());
@@ -236,7 +250,11 @@ pub async fn write_message<W: AsyncWrite + Unpin + ?Sized>(w: &mut W, frames: &[
 }
 
 /// Writes `a` then `b`, with vectored writes where the stream takes them.
-async fn write_two<W: AsyncWrite + Unpin + ?Sized>(w: &mut W, mut a: &[u8], mut b: &[u8]) -> io::Result<()> {
+async fn write_two<W: AsyncWrite + Unpin + ?Sized>(
+    w: &mut W,
+    mut a: &[u8],
+    mut b: &[u8],
+) -> io::Result<()> {
     while !a.is_empty() {
         let slices = [io::IoSlice::new(a), io::IoSlice::new(b)];
         let n = w.write_vectored(&slices).await?;
@@ -270,7 +288,11 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
     /// A reader that receives large frames into buffers of `pool`, which
     /// get them back when the frames are dropped.
     pub fn with_pool(inner: R, pool: Option<Arc<ReceivePool>>) -> Self {
-        FrameReader { inner, buf: BytesMut::new(), pool }
+        FrameReader {
+            inner,
+            buf: BytesMut::new(),
+            pool,
+        }
     }
 
     /// Reads until at least `n` bytes are buffered. `Ok(false)`: the stream
@@ -282,14 +304,22 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
                 self.buf.reserve(READ_CHUNK.max(n));
             }
             if self.inner.read_buf(&mut self.buf).await? == 0 {
-                return if self.buf.is_empty() { Ok(false) } else { Err(ZmtpError::Closed) };
+                return if self.buf.is_empty() {
+                    Ok(false)
+                } else {
+                    Err(ZmtpError::Closed)
+                };
             }
         }
         Ok(true)
     }
 
     async fn need(&mut self, n: usize) -> Result<(), ZmtpError> {
-        if self.fill(n).await? { Ok(()) } else { Err(ZmtpError::Closed) }
+        if self.fill(n).await? {
+            Ok(())
+        } else {
+            Err(ZmtpError::Closed)
+        }
     }
 
     /// Reads the peer's greeting.
@@ -316,12 +346,18 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
         }
         let flags = self.buf[0];
         if flags & !(FLAG_MORE | FLAG_LONG | FLAG_COMMAND) != 0 {
-            return Err(protocol(format!("frame flags {flags:#04x} have reserved bits set")));
+            return Err(protocol(format!(
+                "frame flags {flags:#04x} have reserved bits set"
+            )));
         }
         let width = if flags & FLAG_LONG != 0 { 8 } else { 1 };
         self.need(1 + width).await?;
         self.buf.advance(1);
-        let len = if width == 8 { self.buf.get_u64() } else { self.buf.get_u8() as u64 };
+        let len = if width == 8 {
+            self.buf.get_u64()
+        } else {
+            self.buf.get_u8() as u64
+        };
         Ok(Some((flags, len)))
     }
 
@@ -410,7 +446,11 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
         let mut over: Option<String> = None;
         loop {
             let Some((flags, len)) = self.header().await? else {
-                return if count == 0 { Ok(None) } else { Err(ZmtpError::Closed) };
+                return if count == 0 {
+                    Ok(None)
+                } else {
+                    Err(ZmtpError::Closed)
+                };
             };
             if flags & FLAG_COMMAND != 0 {
                 if count != 0 {
@@ -425,17 +465,24 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
                     return Err(protocol("truncated command name"));
                 }
                 let name = String::from_utf8_lossy(&body[1..1 + n]).into_owned();
-                return Ok(Some(Incoming::Command { name, body: body.slice(1 + n..) }));
+                return Ok(Some(Incoming::Command {
+                    name,
+                    body: body.slice(1 + n..),
+                }));
             }
             count += 1;
             total = total.saturating_add(len);
             if over.is_none() {
                 if count > limits.max_frames {
-                    over = Some(format!("message has more than {} frames", limits.max_frames));
+                    over = Some(format!(
+                        "message has more than {} frames",
+                        limits.max_frames
+                    ));
                 } else if total > limits.max_message_bytes {
                     over = Some(format!(
                         "message is larger than the limit of {} bytes (frame {} declares {len} bytes)",
-                        limits.max_message_bytes, count - 1
+                        limits.max_message_bytes,
+                        count - 1
                     ));
                 }
                 if over.is_some() {
@@ -457,7 +504,10 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
             self.buf = BytesMut::new();
         }
         Ok(Some(match over {
-            Some(reason) => Incoming::TooLarge { head: frames, reason },
+            Some(reason) => Incoming::TooLarge {
+                head: frames,
+                reason,
+            },
             None => Incoming::Message(frames),
         }))
     }
@@ -497,7 +547,10 @@ where
     writer.flush().await?;
     let (name, body) = reader.read_command().await?;
     if name == "ERROR" {
-        let reason = body.get(1..).map(|r| String::from_utf8_lossy(r).into_owned()).unwrap_or_default();
+        let reason = body
+            .get(1..)
+            .map(|r| String::from_utf8_lossy(r).into_owned())
+            .unwrap_or_default();
         return Err(protocol(format!("peer refused the connection: {reason}")));
     }
     if name != "READY" {

@@ -140,13 +140,21 @@ pub struct Reader<'a> {
 impl<'a> Reader<'a> {
     /// A reader at offset `pos` of `buf`.
     pub fn new(buf: &'a [u8], pos: usize) -> Self {
-        Reader { buf, owner: None, pos }
+        Reader {
+            buf,
+            owner: None,
+            pos,
+        }
     }
 
     /// A reader at offset `pos` of a frame whose parts [`Reader::slice`]
     /// hands out without copying.
     pub fn bytes(buf: &'a Bytes, pos: usize) -> Self {
-        Reader { buf, owner: Some(buf), pos }
+        Reader {
+            buf,
+            owner: Some(buf),
+            pos,
+        }
     }
 
     /// Current offset.
@@ -180,7 +188,10 @@ impl<'a> Reader<'a> {
 
     /// A [`MsgpackError::Malformed`] at the current offset.
     pub fn malformed(&self, reason: &'static str) -> MsgpackError {
-        MsgpackError::Malformed { offset: self.pos, reason }
+        MsgpackError::Malformed {
+            offset: self.pos,
+            reason,
+        }
     }
 
     fn take(&mut self, n: usize) -> Result<&'a [u8], MsgpackError> {
@@ -194,7 +205,10 @@ impl<'a> Reader<'a> {
 
     /// Reads an `n`-byte big-endian unsigned number (n <= 8).
     fn be(&mut self, n: usize) -> Result<u64, MsgpackError> {
-        Ok(self.take(n)?.iter().fold(0u64, |acc, &b| (acc << 8) | u64::from(b)))
+        Ok(self
+            .take(n)?
+            .iter()
+            .fold(0u64, |acc, &b| (acc << 8) | u64::from(b)))
     }
 
     fn marker(&mut self) -> Result<Marker, MsgpackError> {
@@ -210,7 +224,12 @@ impl<'a> Reader<'a> {
 
     /// The next marker, not consumed.
     fn peek(&self) -> Result<Marker, MsgpackError> {
-        Reader { buf: self.buf, owner: None, pos: self.pos }.marker()
+        Reader {
+            buf: self.buf,
+            owner: None,
+            pos: self.pos,
+        }
+        .marker()
     }
 
     /// A count of `n` items, each at least `min_bytes` long, must fit.
@@ -230,8 +249,10 @@ impl<'a> Reader<'a> {
     fn utf8(&mut self, n: usize) -> Result<&'a str, MsgpackError> {
         let start = self.pos;
         let raw = self.take(n)?;
-        std::str::from_utf8(raw)
-            .map_err(|_| MsgpackError::Malformed { offset: start, reason: "invalid UTF-8 in a str" })
+        std::str::from_utf8(raw).map_err(|_| MsgpackError::Malformed {
+            offset: start,
+            reason: "invalid UTF-8 in a str",
+        })
     }
 
     /// Reads the next item header (and the payload of str, bin and ext).
@@ -253,7 +274,10 @@ impl<'a> Reader<'a> {
             Marker::I64 => Item::Int(self.be(8)? as i64),
             Marker::F32 => Item::Float(f32::from_bits(self.be(4)? as u32).into()),
             Marker::F64 => Item::Float(f64::from_bits(self.be(8)?)),
-            Marker::FixStr(n) => Item::Str { s: self.utf8(n.into())?, canonical: true },
+            Marker::FixStr(n) => Item::Str {
+                s: self.utf8(n.into())?,
+                canonical: true,
+            },
             Marker::Str8 | Marker::Str16 | Marker::Str32 => {
                 let (width, min) = match marker {
                     Marker::Str8 => (1, 32),
@@ -261,7 +285,10 @@ impl<'a> Reader<'a> {
                     _ => (4, 0x1_0000),
                 };
                 let n = self.be(width)? as usize;
-                Item::Str { s: self.utf8(n)?, canonical: n >= min }
+                Item::Str {
+                    s: self.utf8(n)?,
+                    canonical: n >= min,
+                }
             }
             Marker::Bin8 | Marker::Bin16 | Marker::Bin32 => {
                 let (width, min) = match marker {
@@ -271,7 +298,11 @@ impl<'a> Reader<'a> {
                 };
                 let n = self.be(width)? as usize;
                 let start = self.pos;
-                Item::Bin { data: self.take(n)?, start, canonical: n >= min }
+                Item::Bin {
+                    data: self.take(n)?,
+                    start,
+                    canonical: n >= min,
+                }
             }
             Marker::FixArray(n) => Item::Array(self.count(n.into(), 1)?),
             Marker::Array16 => Item::Array(self.counted(2, 1)?),

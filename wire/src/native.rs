@@ -69,7 +69,15 @@ pub mod code {
     /// A bug or an unexpected failure on the replying side.
     pub const INTERNAL: &str = "internal";
     /// Every code, in the order of the protocol page.
-    pub const ALL: [&str; 7] = [BAD_REQUEST, KEY_NOT_FOUND, CAPACITY, TOO_LARGE, REJECTED, UNSUPPORTED, INTERNAL];
+    pub const ALL: [&str; 7] = [
+        BAD_REQUEST,
+        KEY_NOT_FOUND,
+        CAPACITY,
+        TOO_LARGE,
+        REJECTED,
+        UNSUPPORTED,
+        INTERNAL,
+    ];
 }
 
 /// Receiver limits, checked before anything is allocated from a declared
@@ -88,8 +96,12 @@ pub struct Limits {
 
 impl Limits {
     /// The defaults: 2^20 rows, 1,024 fields, 2^20 frames, 8 GiB.
-    pub const DEFAULT: Limits =
-        Limits { max_rows: 1 << 20, max_fields: 1024, max_frames: 1 << 20, max_message_bytes: 8 << 30 };
+    pub const DEFAULT: Limits = Limits {
+        max_rows: 1 << 20,
+        max_fields: 1024,
+        max_frames: 1 << 20,
+        max_message_bytes: 8 << 30,
+    };
 }
 
 impl Default for Limits {
@@ -113,7 +125,10 @@ pub enum Error {
     Malformed { offset: usize, reason: &'static str },
     /// A required key is missing.
     #[error("{map} has no key {key:?}")]
-    MissingKey { map: &'static str, key: &'static str },
+    MissingKey {
+        map: &'static str,
+        key: &'static str,
+    },
     /// A key that this map (or this descriptor kind) does not have.
     #[error("{map} has an unexpected key {key:?}")]
     UnknownKey { map: &'static str, key: String },
@@ -122,7 +137,10 @@ pub enum Error {
     DuplicateKey { map: &'static str, key: String },
     /// A value has the wrong msgpack type (a negative integer where a count is expected, too).
     #[error("{key} must be {expected}")]
-    WrongType { key: &'static str, expected: &'static str },
+    WrongType {
+        key: &'static str,
+        expected: &'static str,
+    },
     /// The envelope's `proto` is not `stowage/1`.
     #[error("unsupported protocol {0:?}; this end speaks stowage/1")]
     UnsupportedProto(String),
@@ -140,13 +158,23 @@ pub enum Error {
     TooManyDims(usize),
     /// A shape without a row axis (regular), or whose byte size overflows.
     #[error("bad shape {shape:?}: {reason}")]
-    BadShape { shape: Vec<u64>, reason: &'static str },
+    BadShape {
+        shape: Vec<u64>,
+        reason: &'static str,
+    },
     /// A descriptor names frame 0 or a frame past the last one.
-    #[error("frame {frame} does not exist (the message has {data_frames} data frames, numbered from 1)")]
+    #[error(
+        "frame {frame} does not exist (the message has {data_frames} data frames, numbered from 1)"
+    )]
     FrameOutOfRange { frame: u64, data_frames: usize },
     /// A byte range does not fit inside its frame.
     #[error("bytes {offset}..+{len} lie outside frame {frame} ({frame_len} bytes)")]
-    RangeOutsideFrame { frame: u64, offset: u64, len: u64, frame_len: usize },
+    RangeOutsideFrame {
+        frame: u64,
+        offset: u64,
+        len: u64,
+        frame_len: usize,
+    },
     /// A range's `len` is not what its rows and shape need.
     #[error("range of {len} bytes, the shape needs {expected}")]
     LengthMismatch { len: u64, expected: u128 },
@@ -174,7 +202,11 @@ pub enum Error {
     EmptyBatch(&'static str),
     /// A count or size above a [`Limits`] bound.
     #[error("{what} is {value}, the limit is {limit}")]
-    TooLarge { what: &'static str, value: u64, limit: u64 },
+    TooLarge {
+        what: &'static str,
+        value: u64,
+        limit: u64,
+    },
     /// An error inside the descriptor of one field.
     #[error("field {field:?}: {inner}")]
     InField { field: String, inner: Box<Error> },
@@ -197,8 +229,12 @@ pub enum Error {
 impl From<msgpack::MsgpackError> for Error {
     fn from(e: msgpack::MsgpackError) -> Self {
         match e {
-            msgpack::MsgpackError::Malformed { offset, reason } => Error::Malformed { offset, reason },
-            msgpack::MsgpackError::WrongType { key, expected } => Error::WrongType { key, expected },
+            msgpack::MsgpackError::Malformed { offset, reason } => {
+                Error::Malformed { offset, reason }
+            }
+            msgpack::MsgpackError::WrongType { key, expected } => {
+                Error::WrongType { key, expected }
+            }
         }
     }
 }
@@ -213,7 +249,9 @@ impl Error {
     /// The error code of the `error` reply for this error (see [`code`]).
     pub fn code(&self) -> &'static str {
         match self {
-            Error::UnsupportedProto(_) | Error::UnknownOp(_) | Error::MixedField(_) => code::UNSUPPORTED,
+            Error::UnsupportedProto(_) | Error::UnknownOp(_) | Error::MixedField(_) => {
+                code::UNSUPPORTED
+            }
             Error::TooLarge { .. } => code::TOO_LARGE,
             Error::Unencodable(_) | Error::Layout(_) | Error::Tensor(_) => code::INTERNAL,
             Error::InField { inner, .. } => inner.code(),
@@ -230,7 +268,10 @@ impl Error {
     }
 
     fn in_field(self, field: &str) -> Error {
-        Error::InField { field: field.to_owned(), inner: Box::new(self) }
+        Error::InField {
+            field: field.to_owned(),
+            inner: Box::new(self),
+        }
     }
 }
 
@@ -247,11 +288,20 @@ pub struct Request {
 #[derive(Clone, Debug, PartialEq)]
 pub enum Op {
     /// Store one row per global index for each field (overwriting).
-    Put { global_indexes: Vec<u64>, fields: Vec<(String, WireField)> },
+    Put {
+        global_indexes: Vec<u64>,
+        fields: Vec<(String, WireField)>,
+    },
     /// Fetch the rows of `fields` for `global_indexes`, in that order.
-    Get { global_indexes: Vec<u64>, fields: Vec<String> },
+    Get {
+        global_indexes: Vec<u64>,
+        fields: Vec<String>,
+    },
     /// Drop the rows of `global_indexes` (only of `fields`, if given).
-    Clear { global_indexes: Vec<u64>, fields: Option<Vec<String>> },
+    Clear {
+        global_indexes: Vec<u64>,
+        fields: Option<Vec<String>>,
+    },
     /// Report the unit's counters.
     Stats,
     /// Same node only: create a shared-memory segment of `bytes` bytes for
@@ -295,7 +345,11 @@ pub enum Reply {
     StatsOk(Vec<(String, Stat)>),
     /// A leased segment: its name in the shared-memory directory, its size,
     /// and how long the lease lasts before an unused segment is removed.
-    LeaseOk { segment: String, bytes: u64, ttl_ms: u64 },
+    LeaseOk {
+        segment: String,
+        bytes: u64,
+        ttl_ms: u64,
+    },
     /// The request failed; `code` is one of [`code::ALL`] (a client treats
     /// any other code as `internal`).
     Error { code: String, message: String },
@@ -316,7 +370,10 @@ impl Reply {
 
     /// The `error` reply for a decode (or encode) error.
     pub fn from_error(err: &Error) -> Reply {
-        Reply::Error { code: err.code().to_owned(), message: err.to_string() }
+        Reply::Error {
+            code: err.code().to_owned(),
+            message: err.to_string(),
+        }
     }
 }
 
@@ -350,7 +407,13 @@ impl FrameLayout {
     pub fn one_per_piece(fields: &[(String, WireField)]) -> FrameLayout {
         let mut frames = Vec::new();
         for (i, (_, field)) in fields.iter().enumerate() {
-            let mut push = |start: u64, end: u64| frames.push(vec![RowSlice { field: i, start, end }]);
+            let mut push = |start: u64, end: u64| {
+                frames.push(vec![RowSlice {
+                    field: i,
+                    start,
+                    end,
+                }])
+            };
             match field {
                 WireField::Regular(p) => {
                     let mut start = 0;
@@ -414,7 +477,11 @@ pub fn encode_reply_enclosed(
 
 /// Encodes a reply with a caller-supplied layout of the get_ok's fields (for
 /// example a packing policy's plan that coalesces small rows).
-pub fn encode_reply_with(id: u64, reply: &Reply, layout: &FrameLayout) -> Result<Vec<Bytes>, Error> {
+pub fn encode_reply_with(
+    id: u64,
+    reply: &Reply,
+    layout: &FrameLayout,
+) -> Result<Vec<Bytes>, Error> {
     encode::reply(id, reply, Some(layout), None, None)
 }
 

@@ -69,7 +69,10 @@ impl PValue {
     /// Looks up a str key in a dict.
     pub fn get(&self, key: &str) -> Option<&PValue> {
         match self {
-            PValue::Dict(items) => items.iter().find(|(k, _)| k.as_str() == Some(key)).map(|(_, v)| v),
+            PValue::Dict(items) => items
+                .iter()
+                .find(|(k, _)| k.as_str() == Some(key))
+                .map(|(_, v)| v),
             _ => None,
         }
     }
@@ -214,7 +217,10 @@ impl<'a> Reader<'a> {
     }
 
     fn spend(&mut self, nodes: usize) -> Result<(), PickleError> {
-        self.budget = self.budget.checked_sub(nodes).ok_or(PickleError::TooManyValues)?;
+        self.budget = self
+            .budget
+            .checked_sub(nodes)
+            .ok_or(PickleError::TooManyValues)?;
         Ok(())
     }
 
@@ -241,7 +247,10 @@ impl<'a> Reader<'a> {
 
     /// Pops everything above the innermost mark and the mark itself.
     fn pop_mark(&mut self, at: usize) -> Result<Vec<(PValue, usize)>, PickleError> {
-        let m = self.marks.pop().ok_or(PickleError::Malformed { what: "no MARK on the stack", at })?;
+        let m = self.marks.pop().ok_or(PickleError::Malformed {
+            what: "no MARK on the stack",
+            at,
+        })?;
         Ok(self.stack.split_off(m))
     }
 
@@ -257,7 +266,11 @@ impl<'a> Reader<'a> {
 
     fn tuple(&mut self, items: Vec<(PValue, usize)>, at: usize) -> Result<(), PickleError> {
         let depth = 1 + items.iter().map(|(_, d)| *d).max().unwrap_or(0);
-        self.push(PValue::Tuple(items.into_iter().map(|(v, _)| v).collect()), depth, at)
+        self.push(
+            PValue::Tuple(items.into_iter().map(|(v, _)| v).collect()),
+            depth,
+            at,
+        )
     }
 
     /// Appends `items` to the list on top of the stack.
@@ -266,7 +279,10 @@ impl<'a> Reader<'a> {
             return Err(PickleError::Underflow(at));
         }
         let Some((PValue::List(list), depth)) = self.stack.last_mut() else {
-            return Err(PickleError::Malformed { what: "APPEND to a non-list", at });
+            return Err(PickleError::Malformed {
+                what: "APPEND to a non-list",
+                at,
+            });
         };
         for (v, d) in items {
             *depth = (*depth).max(d + 1);
@@ -281,18 +297,27 @@ impl<'a> Reader<'a> {
     /// Sets `items` (key, value, key, value, ...) in the dict on top of the stack.
     fn extend_dict(&mut self, items: Vec<(PValue, usize)>, at: usize) -> Result<(), PickleError> {
         if !items.len().is_multiple_of(2) {
-            return Err(PickleError::Malformed { what: "odd number of items for SETITEMS", at });
+            return Err(PickleError::Malformed {
+                what: "odd number of items for SETITEMS",
+                at,
+            });
         }
         if self.stack.len() <= self.fence() {
             return Err(PickleError::Underflow(at));
         }
         let Some((PValue::Dict(dict), depth)) = self.stack.last_mut() else {
-            return Err(PickleError::Malformed { what: "SETITEM on a non-dict", at });
+            return Err(PickleError::Malformed {
+                what: "SETITEM on a non-dict",
+                at,
+            });
         };
         let mut it = items.into_iter();
         while let (Some((k, dk)), Some((v, dv))) = (it.next(), it.next()) {
             if matches!(k, PValue::List(_) | PValue::Dict(_)) {
-                return Err(PickleError::Malformed { what: "unhashable dict key", at });
+                return Err(PickleError::Malformed {
+                    what: "unhashable dict key",
+                    at,
+                });
             }
             *depth = (*depth).max(dk.max(dv) + 1);
             if let Some(slot) = dict.iter_mut().find(|(old, _)| *old == k) {
@@ -300,7 +325,10 @@ impl<'a> Reader<'a> {
             } else if dict.len() < MAX_DICT_LEN {
                 dict.push((k, v));
             } else {
-                return Err(PickleError::Malformed { what: "dict too large", at });
+                return Err(PickleError::Malformed {
+                    what: "dict too large",
+                    at,
+                });
             }
         }
         if *depth > MAX_DEPTH {
@@ -312,7 +340,9 @@ impl<'a> Reader<'a> {
     fn run(mut self) -> Result<PValue, PickleError> {
         loop {
             let at = self.pos;
-            let Ok(code) = self.u8() else { return Err(PickleError::NoStop) };
+            let Ok(code) = self.u8() else {
+                return Err(PickleError::NoStop);
+            };
             match code {
                 op::PROTO => {
                     let p = self.u8()?;
@@ -356,7 +386,11 @@ impl<'a> Reader<'a> {
                 }
                 op::BININT => {
                     let b = self.take(4)?;
-                    self.push(PValue::Int(i32::from_le_bytes([b[0], b[1], b[2], b[3]]).into()), 1, at)?;
+                    self.push(
+                        PValue::Int(i32::from_le_bytes([b[0], b[1], b[2], b[3]]).into()),
+                        1,
+                        at,
+                    )?;
                 }
                 op::LONG1 => {
                     let n = usize::from(self.u8()?);
@@ -364,7 +398,11 @@ impl<'a> Reader<'a> {
                         return Err(PickleError::IntTooLarge(at));
                     }
                     let b = self.take(n)?;
-                    let fill = if b.last().is_some_and(|x| x & 0x80 != 0) { 0xff } else { 0 };
+                    let fill = if b.last().is_some_and(|x| x & 0x80 != 0) {
+                        0xff
+                    } else {
+                        0
+                    };
                     let mut le = [fill; 16];
                     le[..n].copy_from_slice(b);
                     self.push(PValue::Int(i128::from_le_bytes(le)), 1, at)?;
@@ -421,9 +459,16 @@ impl<'a> Reader<'a> {
                         return Err(PickleError::Trailing(self.pos));
                     }
                     if !self.marks.is_empty() || self.stack.len() != 1 {
-                        return Err(PickleError::Malformed { what: "STOP with a stack other than one value", at });
+                        return Err(PickleError::Malformed {
+                            what: "STOP with a stack other than one value",
+                            at,
+                        });
                     }
-                    return self.stack.pop().map(|(v, _)| v).ok_or(PickleError::Underflow(at));
+                    return self
+                        .stack
+                        .pop()
+                        .map(|(v, _)| v)
+                        .ok_or(PickleError::Underflow(at));
                 }
                 other => return Err(PickleError::UnsupportedOpcode { op: other, at }),
             }
@@ -436,7 +481,13 @@ fn depth_of(v: &PValue) -> usize {
     match v {
         PValue::Int(_) | PValue::Str(_) => 1,
         PValue::Tuple(x) | PValue::List(x) => 1 + x.iter().map(depth_of).max().unwrap_or(0),
-        PValue::Dict(x) => 1 + x.iter().map(|(k, v)| depth_of(k).max(depth_of(v))).max().unwrap_or(0),
+        PValue::Dict(x) => {
+            1 + x
+                .iter()
+                .map(|(k, v)| depth_of(k).max(depth_of(v)))
+                .max()
+                .unwrap_or(0)
+        }
     }
 }
 
@@ -444,5 +495,13 @@ fn depth_of(v: &PValue) -> usize {
 /// pickle: bytes after STOP are an error.
 pub fn loads(data: &[u8]) -> Result<PValue, PickleError> {
     let budget = data.len().saturating_mul(8).saturating_add(64);
-    Reader { data, pos: 0, stack: Vec::new(), marks: Vec::new(), memo: Vec::new(), budget }.run()
+    Reader {
+        data,
+        pos: 0,
+        stack: Vec::new(),
+        marks: Vec::new(),
+        memo: Vec::new(),
+        budget,
+    }
+    .run()
 }

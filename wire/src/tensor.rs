@@ -108,7 +108,12 @@ impl std::fmt::Display for DType {
 #[non_exhaustive]
 pub enum TensorError {
     #[error("shape {shape:?} of {dtype} needs {expected} bytes, the buffer has {actual}")]
-    LengthMismatch { dtype: DType, shape: Vec<u64>, expected: u128, actual: usize },
+    LengthMismatch {
+        dtype: DType,
+        shape: Vec<u64>,
+        expected: u128,
+        actual: usize,
+    },
     #[error("shape {0:?} overflows the addressable size")]
     Overflow(Vec<u64>),
     #[error("tensor has no row axis (shape is empty)")]
@@ -116,14 +121,21 @@ pub enum TensorError {
     #[error("row {row} out of range for a tensor of {rows} rows")]
     RowOutOfRange { row: u64, rows: u64 },
     #[error("rows view start={start} step={step} count={count} leaves a tensor of {rows} rows")]
-    ViewOutOfRange { start: u64, step: u64, count: u64, rows: u64 },
+    ViewOutOfRange {
+        start: u64,
+        step: u64,
+        count: u64,
+        rows: u64,
+    },
 }
 
 /// Number of bytes a C-contiguous tensor of `shape` needs, checked.
 pub fn contiguous_len(dtype: DType, shape: &[u64]) -> Result<usize, TensorError> {
     let mut n: u128 = dtype.itemsize() as u128;
     for &d in shape {
-        n = n.checked_mul(d as u128).ok_or_else(|| TensorError::Overflow(shape.to_vec()))?;
+        n = n
+            .checked_mul(d as u128)
+            .ok_or_else(|| TensorError::Overflow(shape.to_vec()))?;
         if n > isize::MAX as u128 {
             return Err(TensorError::Overflow(shape.to_vec()));
         }
@@ -168,8 +180,17 @@ impl Tensor {
                 actual: bytes.len(),
             });
         }
-        let row_stride = if shape.is_empty() { 0 } else { contiguous_len(dtype, &shape[1..])? };
-        Ok(Tensor { bytes, dtype, shape, row_stride })
+        let row_stride = if shape.is_empty() {
+            0
+        } else {
+            contiguous_len(dtype, &shape[1..])?
+        };
+        Ok(Tensor {
+            bytes,
+            dtype,
+            shape,
+            row_stride,
+        })
     }
 
     pub fn dtype(&self) -> DType {
@@ -192,7 +213,11 @@ impl Tensor {
 
     /// Bytes in one row.
     pub fn row_bytes(&self) -> usize {
-        if self.shape.is_empty() { self.bytes.len() } else { contiguous_len(self.dtype, self.row_shape()).unwrap_or(0) }
+        if self.shape.is_empty() {
+            self.bytes.len()
+        } else {
+            contiguous_len(self.dtype, self.row_shape()).unwrap_or(0)
+        }
     }
 
     /// Strides in elements, as torch reports them.
@@ -213,7 +238,11 @@ impl Tensor {
     /// Bytes from the start of one row to the start of the next (the row
     /// size for a contiguous tensor).
     pub fn row_stride(&self) -> usize {
-        if self.rows() <= 1 { self.row_bytes() } else { self.row_stride }
+        if self.rows() <= 1 {
+            self.row_bytes()
+        } else {
+            self.row_stride
+        }
     }
 
     /// The shape, giving up the tensor.
@@ -245,7 +274,10 @@ impl Tensor {
     /// Row `i` as a zero-copy slice.
     pub fn row(&self, i: u64) -> Result<Bytes, TensorError> {
         if self.shape.is_empty() || i >= self.rows() {
-            return Err(TensorError::RowOutOfRange { row: i, rows: self.rows() });
+            return Err(TensorError::RowOutOfRange {
+                row: i,
+                rows: self.rows(),
+            });
         }
         let start = i as usize * self.row_stride;
         Ok(self.bytes.slice(start..start + self.row_bytes()))
@@ -260,23 +292,45 @@ impl Tensor {
     /// Rows `start, start+step, ...` (`count` of them) as a zero-copy view.
     pub fn rows_view(&self, start: u64, step: u64, count: u64) -> Result<Tensor, TensorError> {
         let rows = self.rows();
-        let bad = || TensorError::ViewOutOfRange { start, step, count, rows };
+        let bad = || TensorError::ViewOutOfRange {
+            start,
+            step,
+            count,
+            rows,
+        };
         if self.shape.is_empty() || step == 0 {
             return Err(bad());
         }
         let mut shape = self.shape.clone();
         shape[0] = count;
         if count == 0 {
-            return Ok(Tensor { bytes: Bytes::new(), dtype: self.dtype, shape, row_stride: self.row_bytes() });
+            return Ok(Tensor {
+                bytes: Bytes::new(),
+                dtype: self.dtype,
+                shape,
+                row_stride: self.row_bytes(),
+            });
         }
-        let last = (count - 1).checked_mul(step).and_then(|x| x.checked_add(start)).ok_or_else(bad)?;
+        let last = (count - 1)
+            .checked_mul(step)
+            .and_then(|x| x.checked_add(start))
+            .ok_or_else(bad)?;
         if last >= rows {
             return Err(bad());
         }
         let begin = start as usize * self.row_stride;
         let end = last as usize * self.row_stride + self.row_bytes();
-        let row_stride = if count == 1 { self.row_bytes() } else { self.row_stride * step as usize };
-        Ok(Tensor { bytes: self.bytes.slice(begin..end), dtype: self.dtype, shape, row_stride })
+        let row_stride = if count == 1 {
+            self.row_bytes()
+        } else {
+            self.row_stride * step as usize
+        };
+        Ok(Tensor {
+            bytes: self.bytes.slice(begin..end),
+            dtype: self.dtype,
+            shape,
+            row_stride,
+        })
     }
 
     /// Copies `positions` (in order, repeats allowed) into one new contiguous
@@ -285,7 +339,10 @@ impl Tensor {
         let row_bytes = self.row_bytes();
         for &p in positions {
             if self.shape.is_empty() || p >= self.rows() {
-                return Err(TensorError::RowOutOfRange { row: p, rows: self.rows() });
+                return Err(TensorError::RowOutOfRange {
+                    row: p,
+                    rows: self.rows(),
+                });
             }
         }
         let mut out = BytesMut::with_capacity(row_bytes * positions.len());
@@ -314,12 +371,16 @@ mod tests {
     use super::*;
 
     fn arange(rows: u64, cols: u64) -> Tensor {
-        let data: Vec<u8> = (0..rows * cols).flat_map(|v| (v as f32).to_le_bytes()).collect();
+        let data: Vec<u8> = (0..rows * cols)
+            .flat_map(|v| (v as f32).to_le_bytes())
+            .collect();
         Tensor::contiguous(Bytes::from(data), DType::F32, vec![rows, cols]).unwrap()
     }
 
     fn floats(b: &[u8]) -> Vec<f32> {
-        b.chunks(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()
+        b.chunks(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect()
     }
 
     #[test]
@@ -333,7 +394,10 @@ mod tests {
         let base = t.buffer().as_ptr() as usize;
         let p = v.buffer().as_ptr() as usize;
         assert!(p >= base && p + v.byte_len() <= base + t.byte_len());
-        assert_eq!(floats(&v.contiguous_bytes()), vec![2.0, 3.0, 8.0, 9.0, 14.0, 15.0]);
+        assert_eq!(
+            floats(&v.contiguous_bytes()),
+            vec![2.0, 3.0, 8.0, 9.0, 14.0, 15.0]
+        );
     }
 
     #[test]

@@ -30,8 +30,8 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use bytes::Bytes;
 
 use crate::batch::{Cell, Field};
-use crate::tensor::TensorError;
 use crate::pickle::PickleError;
+use crate::tensor::TensorError;
 
 pub use decode::{decode_message, decode_reply, decode_request, request_type};
 pub use encode::{encode_reply, encode_reply_stamped, encode_request, encode_request_stamped};
@@ -93,19 +93,34 @@ const REQUEST_TYPES: &[(&str, &str)] = &[
     ("GET_METRICS", "GET_METRICS"),
     ("METRICS_RESPONSE", "METRICS_RESPONSE"),
     ("SAVE_CONTROLLER_CHECKPOINT", "SAVE_CONTROLLER_CHECKPOINT"),
-    ("SAVE_CONTROLLER_CHECKPOINT_RESPONSE", "SAVE_CONTROLLER_CHECKPOINT_RESPONSE"),
+    (
+        "SAVE_CONTROLLER_CHECKPOINT_RESPONSE",
+        "SAVE_CONTROLLER_CHECKPOINT_RESPONSE",
+    ),
     ("SAVE_STORAGE_CHECKPOINT", "SAVE_STORAGE_CHECKPOINT"),
-    ("SAVE_STORAGE_CHECKPOINT_RESPONSE", "SAVE_STORAGE_CHECKPOINT_RESPONSE"),
+    (
+        "SAVE_STORAGE_CHECKPOINT_RESPONSE",
+        "SAVE_STORAGE_CHECKPOINT_RESPONSE",
+    ),
     ("LOAD_CONTROLLER_CHECKPOINT", "LOAD_CONTROLLER_CHECKPOINT"),
-    ("LOAD_CONTROLLER_CHECKPOINT_RESPONSE", "LOAD_CONTROLLER_CHECKPOINT_RESPONSE"),
+    (
+        "LOAD_CONTROLLER_CHECKPOINT_RESPONSE",
+        "LOAD_CONTROLLER_CHECKPOINT_RESPONSE",
+    ),
     ("LOAD_STORAGE_CHECKPOINT", "LOAD_STORAGE_CHECKPOINT"),
-    ("LOAD_STORAGE_CHECKPOINT_RESPONSE", "LOAD_STORAGE_CHECKPOINT_RESPONSE"),
+    (
+        "LOAD_STORAGE_CHECKPOINT_RESPONSE",
+        "LOAD_STORAGE_CHECKPOINT_RESPONSE",
+    ),
 ];
 
 /// The `ZMQRequestType` member name of a wire `request_type` (`"PUT"` ->
 /// `"PUT_DATA"`), or `None` if TransferQueue does not know the type.
 pub fn request_type_name(wire: &str) -> Option<&'static str> {
-    REQUEST_TYPES.iter().find(|(w, _)| *w == wire).map(|(_, n)| *n)
+    REQUEST_TYPES
+        .iter()
+        .find(|(w, _)| *w == wire)
+        .map(|(_, n)| *n)
 }
 
 /// Frame 0 of a message, without the body.
@@ -213,9 +228,15 @@ impl ErrorReply {
 
     /// Parses a wire `request_type` of an error reply.
     pub fn from_wire(s: &str) -> Option<ErrorReply> {
-        [ErrorReply::Put, ErrorReply::Get, ErrorReply::ClearData, ErrorReply::PutGet, ErrorReply::PutGetOperation]
-            .into_iter()
-            .find(|k| k.as_str() == s)
+        [
+            ErrorReply::Put,
+            ErrorReply::Get,
+            ErrorReply::ClearData,
+            ErrorReply::PutGet,
+            ErrorReply::PutGetOperation,
+        ]
+        .into_iter()
+        .find(|k| k.as_str() == s)
     }
 }
 
@@ -287,13 +308,18 @@ impl Reply {
 
     /// The success reply to `CLEAR_DATA`, worded as the real unit words it.
     pub fn clear_ok(unit_id: &str) -> Reply {
-        Reply::ClearData { message: format!("Clear data in storage unit id #{unit_id} successfully.") }
+        Reply::ClearData {
+            message: format!("Clear data in storage unit id #{unit_id} successfully."),
+        }
     }
 
     /// `GET_ERROR` for a missing (index, field), as the real unit words it
     /// (`[TQKeyNotFound] ...`, the detail quoted by Python's `KeyError`).
     pub fn key_not_found(unit_id: &str, index: u64, field: &str) -> Reply {
-        let detail = format!("StorageUnitData get_data: key {index} not found in field {}", py_repr(field));
+        let detail = format!(
+            "StorageUnitData get_data: key {index} not found in field {}",
+            py_repr(field)
+        );
         Reply::Error {
             kind: ErrorReply::Get,
             message: format!(
@@ -306,27 +332,49 @@ impl Reply {
 
     /// `GET_ERROR` for a field the unit has never stored.
     pub fn field_not_found(unit_id: &str, field: &str, available: &[&str]) -> Reply {
-        let list = available.iter().map(|f| py_repr(f)).collect::<Vec<_>>().join(", ");
-        let detail = format!("StorageUnitData get_data: field {} not found. Available: [{list}]", py_repr(field));
+        let list = available
+            .iter()
+            .map(|f| py_repr(f))
+            .collect::<Vec<_>>()
+            .join(", ");
+        let detail = format!(
+            "StorageUnitData get_data: field {} not found. Available: [{list}]",
+            py_repr(field)
+        );
         Reply::get_failed(unit_id, &detail)
     }
 
     /// `PUT_ERROR` with the real unit's wording around `detail`.
     pub fn put_failed(unit_id: &str, detail: &str) -> Reply {
-        let message = format!("Failed to put data into storage unit id #{unit_id}, detail error message: {detail}");
-        Reply::Error { kind: ErrorReply::Put, message }
+        let message = format!(
+            "Failed to put data into storage unit id #{unit_id}, detail error message: {detail}"
+        );
+        Reply::Error {
+            kind: ErrorReply::Put,
+            message,
+        }
     }
 
     /// `GET_ERROR` with the real unit's wording around `detail`.
     pub fn get_failed(unit_id: &str, detail: &str) -> Reply {
-        let message = format!("Failed to get data from storage unit id #{unit_id}, detail error message: {detail}");
-        Reply::Error { kind: ErrorReply::Get, message }
+        let message = format!(
+            "Failed to get data from storage unit id #{unit_id}, detail error message: {detail}"
+        );
+        Reply::Error {
+            kind: ErrorReply::Get,
+            message,
+        }
     }
 
     /// `CLEAR_DATA_ERROR` with the real unit's wording around `detail`.
     pub fn clear_failed(unit_id: &str, detail: &str) -> Reply {
-        let message = format!("Failed to clear data in storage unit id #{unit_id}, detail error message: {detail}");
-        Reply::Error { kind: ErrorReply::ClearData, message }
+        let message = format!(
+            "Failed to clear data in storage unit id #{unit_id}, detail error message: {detail}"
+        );
+        Reply::Error {
+            kind: ErrorReply::ClearData,
+            message,
+        }
     }
 
     /// `PUT_GET_OPERATION_ERROR` for a known request type the unit does not
@@ -335,7 +383,9 @@ impl Reply {
         let name = request_type_name(request_type).unwrap_or(request_type);
         Reply::Error {
             kind: ErrorReply::PutGetOperation,
-            message: format!("Storage unit id #{unit_id} receive invalid operation: ZMQRequestType.{name}."),
+            message: format!(
+                "Storage unit id #{unit_id} receive invalid operation: ZMQRequestType.{name}."
+            ),
         }
     }
 }
@@ -352,13 +402,22 @@ pub struct Stamp {
 impl Stamp {
     /// A fresh id from [`fresh_request_id`] and the current time.
     pub fn now() -> Stamp {
-        let timestamp = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0);
-        Stamp { request_id: fresh_request_id(), timestamp }
+        let timestamp = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_secs_f64())
+            .unwrap_or(0.0);
+        Stamp {
+            request_id: fresh_request_id(),
+            timestamp,
+        }
     }
 
     /// A caller-chosen id and time (for tests and replays).
     pub fn new(request_id: impl Into<String>, timestamp: f64) -> Stamp {
-        Stamp { request_id: request_id.into(), timestamp }
+        Stamp {
+            request_id: request_id.into(),
+            timestamp,
+        }
     }
 }
 
@@ -369,10 +428,17 @@ pub fn fresh_request_id() -> String {
     static SEED: OnceLock<u64> = OnceLock::new();
     static COUNTER: AtomicU64 = AtomicU64::new(0);
     let seed = *SEED.get_or_init(|| {
-        let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0);
+        let nanos = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(0);
         nanos ^ (u64::from(std::process::id()) << 32)
     });
-    let mut z = seed.wrapping_add(COUNTER.fetch_add(1, Ordering::Relaxed).wrapping_mul(0x9e37_79b9_7f4a_7c15));
+    let mut z = seed.wrapping_add(
+        COUNTER
+            .fetch_add(1, Ordering::Relaxed)
+            .wrapping_mul(0x9e37_79b9_7f4a_7c15),
+    );
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
     z ^= z >> 31;
@@ -381,7 +447,11 @@ pub fn fresh_request_id() -> String {
 
 /// Python's `repr()` of a str, as used in `KeyError` and list messages.
 pub fn py_repr(s: &str) -> String {
-    let quote = if s.contains('\'') && !s.contains('"') { '"' } else { '\'' };
+    let quote = if s.contains('\'') && !s.contains('"') {
+        '"'
+    } else {
+        '\''
+    };
     let mut out = String::with_capacity(s.len() + 2);
     out.push(quote);
     for c in s.chars() {
@@ -496,7 +566,9 @@ pub enum Error {
         reason: &'static str,
     },
     /// Undecodable: a frame index that names no data frame.
-    #[error("frame index {index} out of range: the message has {data_frames} data frames, numbered from 1")]
+    #[error(
+        "frame index {index} out of range: the message has {data_frames} data frames, numbered from 1"
+    )]
     FrameIndex {
         /// The declared index.
         index: i128,
@@ -558,7 +630,9 @@ impl Error {
     pub fn reply_type(&self) -> ErrorReply {
         match self {
             Error::Body { op, .. } | Error::Unsupported { op, .. } => op.error_reply(),
-            Error::DataParser | Error::DuplicateIndex(_) | Error::RowCount { .. } => ErrorReply::Put,
+            Error::DataParser | Error::DuplicateIndex(_) | Error::RowCount { .. } => {
+                ErrorReply::Put
+            }
             _ => ErrorReply::PutGet,
         }
     }
@@ -584,7 +658,10 @@ impl Error {
             ErrorReply::Put => Reply::put_failed(unit_id, &detail),
             ErrorReply::Get => Reply::get_failed(unit_id, &detail),
             ErrorReply::ClearData => Reply::clear_failed(unit_id, &detail),
-            kind => Reply::Error { kind, message: format!("undecodable request: {detail}") },
+            kind => Reply::Error {
+                kind,
+                message: format!("undecodable request: {detail}"),
+            },
         }
     }
 }

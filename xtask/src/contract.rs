@@ -28,7 +28,10 @@ pub struct Release {
 /// (until then its directory may still change).
 pub const RELEASED: &[Release] = &[Release {
     dir: "since_v0.1.0",
-    files: &[("policy.wit", "4fa679aa5250dadac832e3f4ce2ca4dcb0b01189aa98af751c91b40abffc672b")],
+    files: &[(
+        "policy.wit",
+        "4fa679aa5250dadac832e3f4ce2ca4dcb0b01189aa98af751c91b40abffc672b",
+    )],
 }];
 
 /// What to do, printed under every failure.
@@ -47,7 +50,11 @@ pub fn contract(args: &[String]) -> Result<()> {
 }
 
 fn names(released: &[Release]) -> String {
-    released.iter().map(|r| format!("wit/{}", r.dir)).collect::<Vec<_>>().join(", ")
+    released
+        .iter()
+        .map(|r| format!("wit/{}", r.dir))
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// Fails, saying what to do, if a released directory under `wit` holds
@@ -68,17 +75,26 @@ pub fn check(wit: &Path, released: &[Release]) -> Result<()> {
         found.sort();
         for name in &found {
             let Some((_, want)) = r.files.iter().find(|(n, _)| n == name) else {
-                faults.push(format!("wit/{}/{name}: added to a released contract", r.dir));
+                faults.push(format!(
+                    "wit/{}/{name}: added to a released contract",
+                    r.dir
+                ));
                 continue;
             };
             let got = sha256_hex(&fs::read(dir.join(name))?);
             if got != *want {
-                faults.push(format!("wit/{}/{name}: changed (sha256 {got}, released as {want})", r.dir));
+                faults.push(format!(
+                    "wit/{}/{name}: changed (sha256 {got}, released as {want})",
+                    r.dir
+                ));
             }
         }
         for (name, _) in r.files {
             if !found.iter().any(|f| f == name) {
-                faults.push(format!("wit/{}/{name}: removed from a released contract", r.dir));
+                faults.push(format!(
+                    "wit/{}/{name}: removed from a released contract",
+                    r.dir
+                ));
             }
         }
     }
@@ -89,7 +105,10 @@ pub fn check(wit: &Path, released: &[Release]) -> Result<()> {
 }
 
 fn sha256_hex(bytes: &[u8]) -> String {
-    Sha256::digest(bytes).iter().map(|b| format!("{b:02x}")).collect()
+    Sha256::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
 }
 
 #[cfg(test)]
@@ -123,7 +142,10 @@ mod tests {
         text.push_str("\n// a comment is a change too\n");
         fs::write(&file, text).unwrap();
         let err = check(&wit, RELEASED).unwrap_err().to_string();
-        assert!(err.contains("wit/since_v0.1.0/policy.wit: changed"), "{err}");
+        assert!(
+            err.contains("wit/since_v0.1.0/policy.wit: changed"),
+            "{err}"
+        );
         assert!(err.contains("released contracts are frozen"), "{err}");
         assert!(err.contains("wit/since_vX.Y.Z/"), "{err}");
 
@@ -131,7 +153,10 @@ mod tests {
         fs::remove_file(&file).unwrap();
         let err = check(&wit, RELEASED).unwrap_err().to_string();
         assert!(err.contains("wit/since_v0.1.0/extra.wit: added"), "{err}");
-        assert!(err.contains("wit/since_v0.1.0/policy.wit: removed"), "{err}");
+        assert!(
+            err.contains("wit/since_v0.1.0/policy.wit: removed"),
+            "{err}"
+        );
         fs::remove_dir_all(&wit).unwrap();
     }
 }

@@ -32,19 +32,30 @@ pub struct Options {
 
 /// `cargo xtask fuzz [TARGET] [--time SECS] [--sanitizer NAME]`.
 pub fn fuzz(args: &[String]) -> Result<()> {
-    let mut opts = Options { secs: 60, sanitizer: "address".into() };
+    let mut opts = Options {
+        secs: 60,
+        sanitizer: "address".into(),
+    };
     let mut targets: Vec<&str> = Vec::new();
     let mut it = args.iter();
     while let Some(arg) = it.next() {
         match arg.as_str() {
             "--time" => {
                 let v = it.next().ok_or("--time needs a number of seconds")?;
-                opts.secs = v.parse().map_err(|_| format!("--time: `{v}` is not a number of seconds"))?;
+                opts.secs = v
+                    .parse()
+                    .map_err(|_| format!("--time: `{v}` is not a number of seconds"))?;
             }
             "--sanitizer" => opts.sanitizer = it.next().ok_or("--sanitizer needs a name")?.clone(),
             other => match TARGETS.iter().find(|t| **t == other) {
                 Some(t) => targets.push(t),
-                None => return Err(format!("unknown argument `{other}` (targets: {})", TARGETS.join(", ")).into()),
+                None => {
+                    return Err(format!(
+                        "unknown argument `{other}` (targets: {})",
+                        TARGETS.join(", ")
+                    )
+                    .into());
+                }
             },
         }
     }
@@ -64,7 +75,10 @@ pub fn run_targets(targets: &[&str], opts: &Options) -> Result<()> {
     let mut build = vec!["build".to_string()];
     build.extend(build_flags(opts));
     cargo_fuzz(&build)?;
-    eprintln!("xtask: fuzz build took {:.0} s", started.elapsed().as_secs_f64());
+    eprintln!(
+        "xtask: fuzz build took {:.0} s",
+        started.elapsed().as_secs_f64()
+    );
     let root = workspace_root();
     for t in targets {
         let fuzz = root.join("fuzz");
@@ -75,7 +89,10 @@ pub fn run_targets(targets: &[&str], opts: &Options) -> Result<()> {
         let mut args = vec!["run".to_string(), (*t).to_string()];
         args.extend(build_flags(opts));
         args.push(path(&scratch));
-        for dir in [fuzz.join("corpus").join(t), fuzz.join("regressions").join(t)] {
+        for dir in [
+            fuzz.join("corpus").join(t),
+            fuzz.join("regressions").join(t),
+        ] {
             if dir.is_dir() {
                 args.push(path(&dir));
             }
@@ -89,10 +106,21 @@ pub fn run_targets(targets: &[&str], opts: &Options) -> Result<()> {
             format!("-artifact_prefix={}/", path(&artifacts)),
         ]);
         let t0 = Instant::now();
-        cargo_fuzz(&args).map_err(|e| format!("fuzz target {t} failed (a crash is in {}): {e}", artifacts.display()))?;
-        eprintln!("xtask: fuzz target {t}: no crash in {:.0} s", t0.elapsed().as_secs_f64());
+        cargo_fuzz(&args).map_err(|e| {
+            format!(
+                "fuzz target {t} failed (a crash is in {}): {e}",
+                artifacts.display()
+            )
+        })?;
+        eprintln!(
+            "xtask: fuzz target {t}: no crash in {:.0} s",
+            t0.elapsed().as_secs_f64()
+        );
     }
-    eprintln!("xtask: fuzzing took {:.0} s in all (build included)", started.elapsed().as_secs_f64());
+    eprintln!(
+        "xtask: fuzzing took {:.0} s in all (build included)",
+        started.elapsed().as_secs_f64()
+    );
     Ok(())
 }
 
@@ -129,22 +157,39 @@ fn cargo_fuzz(args: &[String]) -> Result<()> {
 fn nightly_cargo() -> Command {
     let mut cmd = Command::new("cargo");
     cmd.current_dir(workspace_root());
-    for var in ["RUSTUP_TOOLCHAIN", "RUSTC", "RUSTDOC", "CARGO", "CARGO_TARGET_DIR", "CARGO_BUILD_TARGET_DIR"] {
+    for var in [
+        "RUSTUP_TOOLCHAIN",
+        "RUSTC",
+        "RUSTDOC",
+        "CARGO",
+        "CARGO_TARGET_DIR",
+        "CARGO_BUILD_TARGET_DIR",
+    ] {
         cmd.env_remove(var);
     }
     cmd
 }
 
 fn ensure_nightly() -> Result<()> {
-    let ok = nightly_cargo().args(["+nightly", "--version"]).output().is_ok_and(|o| o.status.success());
+    let ok = nightly_cargo()
+        .args(["+nightly", "--version"])
+        .output()
+        .is_ok_and(|o| o.status.success());
     if ok {
         return Ok(());
     }
-    crate::sh("rustup", &["toolchain", "install", "nightly", "--profile", "minimal"], &[])
+    crate::sh(
+        "rustup",
+        &["toolchain", "install", "nightly", "--profile", "minimal"],
+        &[],
+    )
 }
 
 fn ensure_cargo_fuzz() -> Result<()> {
-    let ok = nightly_cargo().args(["+nightly", "fuzz", "--version"]).output().is_ok_and(|o| o.status.success());
+    let ok = nightly_cargo()
+        .args(["+nightly", "fuzz", "--version"])
+        .output()
+        .is_ok_and(|o| o.status.success());
     if ok {
         return Ok(());
     }

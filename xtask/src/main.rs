@@ -296,15 +296,27 @@ fn sh(program: &str, args: &[&str], envs: &[(&str, &std::ffi::OsStr)]) -> Result
     if !status.success() {
         return Err(format!("`{program} {}` failed ({status})", args.join(" ")).into());
     }
-    eprintln!("xtask: {program} {} took {:.0} s", args.join(" "), started.elapsed().as_secs_f64());
+    eprintln!(
+        "xtask: {program} {} took {:.0} s",
+        args.join(" "),
+        started.elapsed().as_secs_f64()
+    );
     Ok(())
 }
 
 /// Installs the wasm32-wasip2 target when rustup lacks it.
 fn ensure_wasm_target() -> Result<()> {
-    let listed = Command::new("rustup").args(["target", "list", "--installed"]).output();
+    let listed = Command::new("rustup")
+        .args(["target", "list", "--installed"])
+        .output();
     match listed {
-        Ok(out) if String::from_utf8_lossy(&out.stdout).lines().any(|l| l.trim() == TARGET) => Ok(()),
+        Ok(out)
+            if String::from_utf8_lossy(&out.stdout)
+                .lines()
+                .any(|l| l.trim() == TARGET) =>
+        {
+            Ok(())
+        }
         Ok(_) => sh("rustup", &["target", "add", TARGET], &[]),
         Err(_) => {
             eprintln!("xtask: rustup not found; assuming the {TARGET} target is installed");
@@ -344,8 +356,21 @@ fn cargo() -> String {
 fn run(args: &[String]) -> Result<()> {
     ensure_wasm_target()?;
     plugins(&[])?;
-    let mut cmd = vec!["run", "-q", "-p", "stowage-host", "--bin", "stowd", "--", "serve"];
-    let extra: Vec<&str> = args.iter().map(String::as_str).filter(|a| *a != "--").collect();
+    let mut cmd = vec![
+        "run",
+        "-q",
+        "-p",
+        "stowage-host",
+        "--bin",
+        "stowd",
+        "--",
+        "serve",
+    ];
+    let extra: Vec<&str> = args
+        .iter()
+        .map(String::as_str)
+        .filter(|a| *a != "--")
+        .collect();
     cmd.extend(extra);
     sh(&cargo(), &cmd, &[])
 }
@@ -361,12 +386,22 @@ fn test(args: &[String]) -> Result<()> {
     let root = workspace_root();
     let plugin_dir = target_dir(&root).join("plugins");
     let stowd = target_dir(&root).join("debug").join("stowd");
-    let envs: [(&str, &std::ffi::OsStr); 2] =
-        [("STOWAGE_PLUGIN_DIR", plugin_dir.as_os_str()), ("STOWD_BIN", stowd.as_os_str())];
+    let envs: [(&str, &std::ffi::OsStr); 2] = [
+        ("STOWAGE_PLUGIN_DIR", plugin_dir.as_os_str()),
+        ("STOWD_BIN", stowd.as_os_str()),
+    ];
     // One cargo build for `stowd` (and the other binaries) and every test
     // binary, so cargo schedules them all together; `cargo test` then only
     // builds the doc tests.
-    sh(&cargo(), &["build", "--workspace", "--lib", "--bins", "--tests"], &envs)?;
+    sh(
+        &cargo(),
+        &["build", "--workspace", "--lib", "--bins", "--tests"],
+        &envs,
+    )?;
     sh(&cargo(), &["test", "--workspace"], &envs)?;
-    sh(&python(), &["-m", "pytest", "tests/python", "clients/python/tests", "-q"], &envs)
+    sh(
+        &python(),
+        &["-m", "pytest", "tests/python", "clients/python/tests", "-q"],
+        &envs,
+    )
 }

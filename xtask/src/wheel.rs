@@ -12,7 +12,7 @@
 
 use std::path::PathBuf;
 
-use super::{cargo, ensure_wasm_target, plugins, python, sh, target_dir, workspace_root, Result};
+use super::{Result, cargo, ensure_wasm_target, plugins, python, sh, target_dir, workspace_root};
 
 const SCRIPT: &str = include_str!("wheel.py");
 
@@ -36,7 +36,9 @@ pub fn wheel(args: &[String]) -> Result<()> {
         build.push("--release");
     }
     sh(&cargo(), &build, &[])?;
-    let stowd = target_dir(&root).join(if debug { "debug" } else { "release" }).join("stowd");
+    let stowd = target_dir(&root)
+        .join(if debug { "debug" } else { "release" })
+        .join("stowd");
     let plugin_dir = target_dir(&root).join("plugins");
     let package = root.join("clients").join("python");
 

@@ -14,10 +14,11 @@
 //!   [`request_id`] reads (0 if none) and decodes to the same code and
 //!   message; its code is one of the protocol's codes.
 
-use bytes::Bytes;
 use crate::split_frames;
+use bytes::Bytes;
 use stowage_wire::native::{
-    Limits, Reply, code, decode_extras, decode_reply, decode_request, encode_reply, encode_request, request_id,
+    Limits, Reply, code, decode_extras, decode_reply, decode_request, encode_reply, encode_request,
+    request_id,
 };
 
 /// Reply equality where a float stat may be NaN: `Debug` prints NaN as
@@ -34,30 +35,48 @@ fn check_request(frames: &[Bytes], limits: &Limits) {
         Ok(req) => req,
         Err(err) => {
             let reply = Reply::from_error(&err);
-            let Reply::Error { code: c, .. } = &reply else { panic!("from_error gave {reply:?}") };
+            let Reply::Error { code: c, .. } = &reply else {
+                panic!("from_error gave {reply:?}")
+            };
             assert!(code::ALL.contains(&c.as_str()), "unknown code {c}");
             let id = request_id(frames).unwrap_or(0);
-            let out = encode_reply(id, &reply).unwrap_or_else(|e| panic!("an error reply does not encode: {e}"));
-            let (id2, back) = decode_reply(&out, &Limits::DEFAULT).unwrap_or_else(|e| panic!("an error reply does not decode: {e}"));
+            let out = encode_reply(id, &reply)
+                .unwrap_or_else(|e| panic!("an error reply does not encode: {e}"));
+            let (id2, back) = decode_reply(&out, &Limits::DEFAULT)
+                .unwrap_or_else(|e| panic!("an error reply does not decode: {e}"));
             assert_eq!((id2, back), (id, reply));
             return;
         }
     };
     assert_eq!(request_id(frames), Some(req.id));
-    let out = encode_request(&req).unwrap_or_else(|e| panic!("a decoded request does not encode again: {e}\n{req:?}"));
-    let req2 = decode_request(&out, &Limits::DEFAULT).unwrap_or_else(|e| panic!("a re-encoded request does not decode: {e}"));
+    let out = encode_request(&req)
+        .unwrap_or_else(|e| panic!("a decoded request does not encode again: {e}\n{req:?}"));
+    let req2 = decode_request(&out, &Limits::DEFAULT)
+        .unwrap_or_else(|e| panic!("a re-encoded request does not decode: {e}"));
     assert_eq!(req, req2);
     assert_eq!(request_id(&out), Some(req.id));
-    assert_eq!(out, encode_request(&req2).expect("encodes once, encodes twice"), "encoding is not stable");
+    assert_eq!(
+        out,
+        encode_request(&req2).expect("encodes once, encodes twice"),
+        "encoding is not stable"
+    );
 }
 
 fn check_reply(frames: &[Bytes], limits: &Limits) {
-    let Ok((id, reply)) = decode_reply(frames, limits) else { return };
-    let out = encode_reply(id, &reply).unwrap_or_else(|e| panic!("a decoded reply does not encode again: {e}\n{reply:?}"));
-    let (id2, reply2) = decode_reply(&out, &Limits::DEFAULT).unwrap_or_else(|e| panic!("a re-encoded reply does not decode: {e}"));
+    let Ok((id, reply)) = decode_reply(frames, limits) else {
+        return;
+    };
+    let out = encode_reply(id, &reply)
+        .unwrap_or_else(|e| panic!("a decoded reply does not encode again: {e}\n{reply:?}"));
+    let (id2, reply2) = decode_reply(&out, &Limits::DEFAULT)
+        .unwrap_or_else(|e| panic!("a re-encoded reply does not decode: {e}"));
     assert_eq!(id, id2);
     same_reply(&reply, &reply2);
-    assert_eq!(out, encode_reply(id2, &reply2).expect("encodes once, encodes twice"), "encoding is not stable");
+    assert_eq!(
+        out,
+        encode_reply(id2, &reply2).expect("encodes once, encodes twice"),
+        "encoding is not stable"
+    );
 }
 
 /// The target's body: every invariant above, on one input.
@@ -65,7 +84,12 @@ pub fn check(data: &[u8]) {
     let frames = split_frames(data);
     // The default limits (what stowd runs with) and tight ones, so the
     // limit checks themselves are reached.
-    let tight = Limits { max_rows: 8, max_fields: 4, max_frames: 8, max_message_bytes: 4096 };
+    let tight = Limits {
+        max_rows: 8,
+        max_fields: 4,
+        max_frames: 8,
+        max_message_bytes: 4096,
+    };
     for limits in [Limits::DEFAULT, tight] {
         if let Some(frame0) = frames.first() {
             let _ = decode_extras(frame0, &limits);

@@ -21,12 +21,13 @@
 
 use arbitrary::{Arbitrary, Unstructured};
 use bytes::Bytes;
-use stowage_wire::batch::{Field, Value};
 use stowage_host::plan::{Selected, execute_frames, execute_selection, field_info};
-use stowage_plan::{
-    Frame, FramePlan, PackLimits, Piece, PieceInfo, RowView, SelectionPlan, validate_frames, validate_selection,
-};
 use stowage_host::policy::builtin::Builtin;
+use stowage_plan::{
+    Frame, FramePlan, PackLimits, Piece, PieceInfo, RowView, SelectionPlan, validate_frames,
+    validate_selection,
+};
+use stowage_wire::batch::{Field, Value};
 use stowage_wire::tensor::{DType, Tensor};
 
 /// A row number: mostly small (near the field's rows), sometimes anything.
@@ -120,21 +121,38 @@ pub struct Input {
 
 /// Bytes `0..len` of a recognisable pattern (so rows differ).
 fn pattern(len: usize, seed: u64) -> Bytes {
-    (0..len).map(|i| (i as u64).wrapping_mul(31).wrapping_add(seed.wrapping_mul(7)) as u8).collect::<Vec<u8>>().into()
+    (0..len)
+        .map(|i| {
+            (i as u64)
+                .wrapping_mul(31)
+                .wrapping_add(seed.wrapping_mul(7)) as u8
+        })
+        .collect::<Vec<u8>>()
+        .into()
 }
 
 fn tensor(spec: &TensorSpec, seed: u64) -> Tensor {
     let dtype = DType::ALL[spec.dtype as usize % DType::ALL.len()];
-    let row_shape: Vec<u64> = spec.row_shape.iter().take(3).map(|&d| u64::from(d % 5)).collect();
+    let row_shape: Vec<u64> = spec
+        .row_shape
+        .iter()
+        .take(3)
+        .map(|&d| u64::from(d % 5))
+        .collect();
     let mut shape = vec![u64::from(spec.rows % 48)];
     shape.extend(&row_shape);
     let row_elems: u64 = row_shape.iter().product();
     let len = (shape[0] * row_elems) as usize * dtype.itemsize();
-    let t = Tensor::contiguous(pattern(len, seed), dtype, shape).expect("pattern has the right length");
+    let t =
+        Tensor::contiguous(pattern(len, seed), dtype, shape).expect("pattern has the right length");
     match spec.view {
-        Some((start, step, count)) => {
-            t.rows_view(u64::from(start % 48), u64::from(step % 8), u64::from(count % 48)).unwrap_or(t)
-        }
+        Some((start, step, count)) => t
+            .rows_view(
+                u64::from(start % 48),
+                u64::from(step % 8),
+                u64::from(count % 48),
+            )
+            .unwrap_or(t),
         None => t,
     }
 }
@@ -142,9 +160,13 @@ fn tensor(spec: &TensorSpec, seed: u64) -> Tensor {
 fn field(spec: &FieldSpec) -> Field {
     match spec {
         FieldSpec::Regular(t) => Field::Regular(tensor(t, 1)),
-        FieldSpec::Nested(rows) => {
-            Field::Nested(rows.iter().take(48).enumerate().map(|(i, t)| tensor(t, i as u64 + 2)).collect())
-        }
+        FieldSpec::Nested(rows) => Field::Nested(
+            rows.iter()
+                .take(48)
+                .enumerate()
+                .map(|(i, t)| tensor(t, i as u64 + 2))
+                .collect(),
+        ),
         FieldSpec::Values(vs) => Field::Values(
             vs.iter()
                 .take(48)
@@ -162,7 +184,11 @@ fn field(spec: &FieldSpec) -> Field {
 fn piece(spec: &PieceSpec) -> Piece {
     let rows = |v: &Vec<Num>| v.iter().take(64).map(|n| n.get()).collect();
     match spec {
-        PieceSpec::View(a, b, c) => Piece::View(RowView { start: a.get(), step: b.get(), count: c.get() }),
+        PieceSpec::View(a, b, c) => Piece::View(RowView {
+            start: a.get(),
+            step: b.get(),
+            count: c.get(),
+        }),
         PieceSpec::Gather(v) => Piece::Gather(rows(v)),
         PieceSpec::RowViews(v) => Piece::RowViews(rows(v)),
         PieceSpec::Concat(v) => Piece::Concat(rows(v)),
@@ -184,9 +210,11 @@ fn chunked(field: &Field, positions: &[u64], cuts: &[(u8, u8)]) -> SelectionPlan
             _ => stowage_host::policy::builtin::constant_stride(chunk),
         };
         pieces.push(match (field, kind % 2, stride) {
-            (Field::Regular(_), 0, Some(step)) => {
-                Piece::View(RowView { start: chunk[0], step, count: chunk.len() as u64 })
-            }
+            (Field::Regular(_), 0, Some(step)) => Piece::View(RowView {
+                start: chunk[0],
+                step,
+                count: chunk.len() as u64,
+            }),
             (Field::Regular(_), _, _) => Piece::Gather(chunk.to_vec()),
             (Field::Nested(_), 0, _) => Piece::Concat(chunk.to_vec()),
             _ => Piece::RowViews(chunk.to_vec()),
@@ -197,7 +225,13 @@ fn chunked(field: &Field, positions: &[u64], cuts: &[(u8, u8)]) -> SelectionPlan
 
 fn edit(plan: &mut SelectionPlan, e: &Edit) {
     let p = &mut plan.pieces;
-    let at = |i: u8, len: usize| if len == 0 { None } else { Some(i as usize % len) };
+    let at = |i: u8, len: usize| {
+        if len == 0 {
+            None
+        } else {
+            Some(i as usize % len)
+        }
+    };
     match e {
         Edit::Push(s) => p.push(piece(s)),
         Edit::Insert(i, s) => {
@@ -243,12 +277,20 @@ fn edit(plan: &mut SelectionPlan, e: &Edit) {
 /// One selected row, in a comparable form.
 #[derive(Debug, PartialEq)]
 enum RowOut {
-    Tensor { dtype: DType, shape: Vec<u64>, bytes: Bytes },
+    Tensor {
+        dtype: DType,
+        shape: Vec<u64>,
+        bytes: Bytes,
+    },
     Value(Value),
 }
 
 fn row_of(t: &Tensor) -> RowOut {
-    RowOut::Tensor { dtype: t.dtype(), shape: t.shape().to_vec(), bytes: t.contiguous_bytes() }
+    RowOut::Tensor {
+        dtype: t.dtype(),
+        shape: t.shape().to_vec(),
+        bytes: t.contiguous_bytes(),
+    }
 }
 
 /// What the field holds at `pos`.
@@ -269,7 +311,8 @@ fn inside(inner: &Bytes, outer: &Bytes) -> bool {
 /// Executes a validated plan and checks every row; returns the rows and
 /// the tensors a packer would frame.
 fn run(field: &Field, plan: &SelectionPlan, positions: &[u64]) -> (Vec<RowOut>, Vec<Tensor>) {
-    let out = execute_selection(field, plan).unwrap_or_else(|e| panic!("validated plan fails to execute: {e}"));
+    let out = execute_selection(field, plan)
+        .unwrap_or_else(|e| panic!("validated plan fails to execute: {e}"));
     assert_eq!(out.len(), plan.pieces.len());
     let (mut rows, mut tensors) = (Vec::new(), Vec::new());
     for (sel, piece) in out.iter().zip(&plan.pieces) {
@@ -277,7 +320,10 @@ fn run(field: &Field, plan: &SelectionPlan, positions: &[u64]) -> (Vec<RowOut>, 
         match sel {
             Selected::Rows(t) => {
                 if let (Piece::View(_), Field::Regular(base)) = (piece, field) {
-                    assert!(inside(t.buffer(), base.buffer()), "a view is not a slice of the field");
+                    assert!(
+                        inside(t.buffer(), base.buffer()),
+                        "a view is not a slice of the field"
+                    );
                 } else {
                     assert!(t.is_contiguous(), "a gather is not contiguous");
                 }
@@ -287,18 +333,30 @@ fn run(field: &Field, plan: &SelectionPlan, positions: &[u64]) -> (Vec<RowOut>, 
                 tensors.push(t.clone());
             }
             Selected::NestedRows(ts) => {
-                let Field::Nested(all) = field else { panic!("nested rows from a {field:?}") };
+                let Field::Nested(all) = field else {
+                    panic!("nested rows from a {field:?}")
+                };
                 for t in ts {
-                    assert!(all.iter().any(|a| inside(t.buffer(), a.buffer())), "a row view is a copy");
+                    assert!(
+                        all.iter().any(|a| inside(t.buffer(), a.buffer())),
+                        "a row view is a copy"
+                    );
                     rows.push(row_of(t));
                 }
                 tensors.extend(ts.iter().cloned());
             }
             Selected::Packed { buffer, rows: ts } => {
                 let total: usize = ts.iter().map(Tensor::payload_len).sum();
-                assert_eq!(buffer.len(), total, "packed buffer is not the rows back to back");
+                assert_eq!(
+                    buffer.len(),
+                    total,
+                    "packed buffer is not the rows back to back"
+                );
                 for t in ts {
-                    assert!(inside(t.buffer(), buffer), "a packed row is outside its buffer");
+                    assert!(
+                        inside(t.buffer(), buffer),
+                        "a packed row is outside its buffer"
+                    );
                     rows.push(row_of(t));
                 }
                 tensors.extend(ts.iter().cloned());
@@ -307,16 +365,29 @@ fn run(field: &Field, plan: &SelectionPlan, positions: &[u64]) -> (Vec<RowOut>, 
         }
         assert_eq!(rows.len() - before, sel.rows() as usize, "piece row count");
     }
-    assert_eq!(rows.len(), positions.len(), "executed plan has the wrong number of rows");
+    assert_eq!(
+        rows.len(),
+        positions.len(),
+        "executed plan has the wrong number of rows"
+    );
     for (k, (got, &pos)) in rows.iter().zip(positions).enumerate() {
-        assert_eq!(got, &expected_row(field, pos), "row #{k} (position {pos}) differs");
+        assert_eq!(
+            got,
+            &expected_row(field, pos),
+            "row #{k} (position {pos}) differs"
+        );
     }
     (rows, tensors)
 }
 
 fn frames(tensors: &[Tensor], input: &FramesInput) {
-    let infos: Vec<PieceInfo> =
-        tensors.iter().map(|t| PieceInfo { byte_len: t.payload_len() as u64, contiguous: t.is_contiguous() }).collect();
+    let infos: Vec<PieceInfo> = tensors
+        .iter()
+        .map(|t| PieceInfo {
+            byte_len: t.payload_len() as u64,
+            contiguous: t.is_contiguous(),
+        })
+        .collect();
     let limits = PackLimits {
         max_frames: u32::from(input.max_frames),
         max_frame_bytes: u64::from(input.max_frame_bytes),
@@ -324,7 +395,8 @@ fn frames(tensors: &[Tensor], input: &FramesInput) {
     };
     let builtin = Builtin::frames(&infos, &limits);
     if let Ok(plan) = &builtin {
-        validate_frames(&infos, &limits, plan).unwrap_or_else(|e| panic!("built-in frame plan refused: {e}"));
+        validate_frames(&infos, &limits, plan)
+            .unwrap_or_else(|e| panic!("built-in frame plan refused: {e}"));
     }
     let mut plan = match (&builtin, input.builtin) {
         (Ok(plan), true) => plan.clone(),
@@ -337,7 +409,10 @@ fn frames(tensors: &[Tensor], input: &FramesInput) {
             None if i < f.len() => drop(f.remove(i)),
             None => {}
             Some(FrameSpec::Single(p)) => f.insert(i, Frame::Single(u32::from(*p))),
-            Some(FrameSpec::Coalesced(ps)) => f.insert(i, Frame::Coalesced(ps.iter().map(|&p| u32::from(p)).collect())),
+            Some(FrameSpec::Coalesced(ps)) => f.insert(
+                i,
+                Frame::Coalesced(ps.iter().map(|&p| u32::from(p)).collect()),
+            ),
         }
     }
     if validate_frames(&infos, &limits, &plan).is_err() {
@@ -347,7 +422,11 @@ fn frames(tensors: &[Tensor], input: &FramesInput) {
     assert_eq!(framed.frames.len(), plan.frames.len());
     assert_eq!(framed.placements.len(), tensors.len());
     let total: u64 = framed.frames.iter().map(|f| f.len() as u64).sum();
-    assert_eq!(framed.zero_copy_bytes + framed.copied_bytes, total, "copied + zero-copy != frame bytes");
+    assert_eq!(
+        framed.zero_copy_bytes + framed.copied_bytes,
+        total,
+        "copied + zero-copy != frame bytes"
+    );
     for (fi, frame) in plan.frames.iter().enumerate() {
         let list = match frame {
             Frame::Single(i) => vec![*i],
@@ -357,12 +436,20 @@ fn frames(tensors: &[Tensor], input: &FramesInput) {
         for i in list {
             let p = framed.placements[i as usize];
             let want = tensors[i as usize].contiguous_bytes();
-            assert_eq!((p.frame as usize, p.offset, p.len), (fi, offset, want.len() as u64), "piece {i} misplaced");
+            assert_eq!(
+                (p.frame as usize, p.offset, p.len),
+                (fi, offset, want.len() as u64),
+                "piece {i} misplaced"
+            );
             let bytes = &framed.frames[fi][p.offset as usize..(p.offset + p.len) as usize];
             assert_eq!(bytes, &want[..], "piece {i} has the wrong bytes");
             offset += p.len;
         }
-        assert_eq!(offset, framed.frames[fi].len() as u64, "frame {fi} holds more than its pieces");
+        assert_eq!(
+            offset,
+            framed.frames[fi].len() as u64,
+            "frame {fi} holds more than its pieces"
+        );
     }
 }
 
@@ -377,11 +464,15 @@ pub fn check_input(input: Input) {
     assert_eq!(builtin.is_ok(), !positions.is_empty());
     let reference = match &builtin {
         Ok(plan) if sane => {
-            validate_selection(field_info(&field), &positions, plan).unwrap_or_else(|e| panic!("built-in plan refused: {e}"));
+            validate_selection(field_info(&field), &positions, plan)
+                .unwrap_or_else(|e| panic!("built-in plan refused: {e}"));
             Some(run(&field, plan, &positions).0)
         }
         Ok(plan) => {
-            assert!(validate_selection(field_info(&field), &positions, plan).is_err(), "out-of-range positions accepted");
+            assert!(
+                validate_selection(field_info(&field), &positions, plan).is_err(),
+                "out-of-range positions accepted"
+            );
             None
         }
         Err(_) => None,
@@ -397,7 +488,10 @@ pub fn check_input(input: Input) {
     }
     let tensors = match validate_selection(field_info(&field), &positions, &plan) {
         Ok(()) => {
-            assert!(positions.iter().all(|&p| p < rows), "plan accepted for out-of-range positions");
+            assert!(
+                positions.iter().all(|&p| p < rows),
+                "plan accepted for out-of-range positions"
+            );
             let (got, tensors) = run(&field, &plan, &positions);
             if let Some(reference) = &reference {
                 assert_eq!(&got, reference, "plan and built-in select different rows");

@@ -14,11 +14,12 @@
 //! - a decode error gives the error reply the unit sends, and that reply
 //!   decodes (as the router reads it) to the same kind and message.
 
-use bytes::Bytes;
 use crate::split_frames;
+use bytes::Bytes;
 use stowage_wire::batch::Field;
 use stowage_wire::tq::{
-    Envelope, Error, Reply, Request, Stamp, decode_message, decode_reply, encode_reply_stamped, encode_request_stamped,
+    Envelope, Error, Reply, Request, Stamp, decode_message, decode_reply, encode_reply_stamped,
+    encode_request_stamped,
 };
 
 const UNIT: &str = "TQ_STORAGE_UNIT_fuzz";
@@ -33,7 +34,13 @@ fn same_envelope(a: &Envelope, b: &Envelope, receiver: bool) {
     assert_eq!(a.request_type, b.request_type);
     assert_eq!(a.sender_id, b.sender_id);
     assert_eq!(a.request_id, b.request_id);
-    assert_eq!(a.timestamp.to_bits(), b.timestamp.to_bits(), "timestamp {} != {}", a.timestamp, b.timestamp);
+    assert_eq!(
+        a.timestamp.to_bits(),
+        b.timestamp.to_bits(),
+        "timestamp {} != {}",
+        a.timestamp,
+        b.timestamp
+    );
     if receiver {
         assert_eq!(a.receiver_id, b.receiver_id);
     }
@@ -43,12 +50,17 @@ fn same_envelope(a: &Envelope, b: &Envelope, receiver: bool) {
 /// empty list of values.
 fn normalized(r: &Request) -> Request {
     match r {
-        Request::Put { global_indexes, fields } => Request::Put {
+        Request::Put {
+            global_indexes,
+            fields,
+        } => Request::Put {
             global_indexes: global_indexes.clone(),
             fields: fields
                 .iter()
                 .map(|(name, f)| match f {
-                    Field::Nested(rows) if rows.is_empty() => (name.clone(), Field::Values(Vec::new())),
+                    Field::Nested(rows) if rows.is_empty() => {
+                        (name.clone(), Field::Values(Vec::new()))
+                    }
                     f => (name.clone(), f.clone()),
                 })
                 .collect(),
@@ -68,7 +80,8 @@ fn check_request(frames: &[Bytes]) {
             .unwrap_or_else(|err| panic!("a decoded request does not encode again: {err}\n{req:?}"))
     };
     let again = encode(&m.request);
-    let m2 = decode_message(&again).unwrap_or_else(|err| panic!("a re-encoded request does not decode: {err}"));
+    let m2 = decode_message(&again)
+        .unwrap_or_else(|err| panic!("a re-encoded request does not decode: {err}"));
     same_envelope(e, &m2.envelope, true);
     assert_eq!(normalized(&m.request), m2.request);
     assert_eq!(again, encode(&m2.request), "encoding is not stable");
@@ -76,22 +89,35 @@ fn check_request(frames: &[Bytes]) {
 
 fn check_error(err: &Error) {
     let reply = err.to_reply(UNIT);
-    let Reply::Error { kind, message } = &reply else { panic!("to_reply gave {reply:?}") };
+    let Reply::Error { kind, message } = &reply else {
+        panic!("to_reply gave {reply:?}")
+    };
     assert_eq!(*kind, err.reply_type());
-    assert_eq!(err.is_undecodable(), message.starts_with("undecodable request: "));
+    assert_eq!(
+        err.is_undecodable(),
+        message.starts_with("undecodable request: ")
+    );
     let frames = encode_reply_stamped(UNIT, &reply, &Stamp::new("0badc0de", 1.0));
-    let (_, back) = decode_reply(&frames).unwrap_or_else(|e| panic!("an error reply does not decode: {e}"));
+    let (_, back) =
+        decode_reply(&frames).unwrap_or_else(|e| panic!("an error reply does not decode: {e}"));
     assert_eq!(back, reply);
 }
 
 fn check_reply(frames: &[Bytes]) {
-    let Ok((e, reply)) = decode_reply(frames) else { return };
+    let Ok((e, reply)) = decode_reply(frames) else {
+        return;
+    };
     let again = encode_reply_stamped(&e.sender_id, &reply, &stamp(&e));
-    let (e2, reply2) = decode_reply(&again).unwrap_or_else(|err| panic!("a re-encoded reply does not decode: {err}"));
+    let (e2, reply2) = decode_reply(&again)
+        .unwrap_or_else(|err| panic!("a re-encoded reply does not decode: {err}"));
     same_envelope(&e, &e2, false);
     assert_eq!(e2.receiver_id, None);
     assert_eq!(reply, reply2);
-    assert_eq!(again, encode_reply_stamped(&e2.sender_id, &reply2, &stamp(&e2)), "encoding is not stable");
+    assert_eq!(
+        again,
+        encode_reply_stamped(&e2.sender_id, &reply2, &stamp(&e2)),
+        "encoding is not stable"
+    );
 }
 
 /// The target's body: every invariant above, on one input.

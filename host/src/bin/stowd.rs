@@ -64,7 +64,10 @@ enum PluginCommand {
     },
 }
 
-fn load_plugin(file: &std::path::Path, fuel: Option<u64>) -> anyhow::Result<stowage_host::policy::wasm::WasmPolicy> {
+fn load_plugin(
+    file: &std::path::Path,
+    fuel: Option<u64>,
+) -> anyhow::Result<stowage_host::policy::wasm::WasmPolicy> {
     let mut limits = stowage_host::policy::wasm::SandboxLimits::default();
     if let Some(f) = fuel {
         limits.fuel = f;
@@ -79,12 +82,27 @@ fn plugin_check(file: &std::path::Path, verbose: bool, fuel: Option<u64>) -> any
     use stowage_host::policy::Policy;
     let policy = load_plugin(file, fuel)?;
     let d = policy.describe().clone();
-    println!("plugin {} {} ({}): {}", d.name, d.version, file.display(), d.summary);
+    println!(
+        "plugin {} {} ({}): {}",
+        d.name,
+        d.version,
+        file.display(),
+        d.summary
+    );
     let report = conformance::run(&policy);
     for (name, outcome) in &report.results {
         match outcome {
-            Outcome::Failed(why) => println!("FAIL  {name}: {}", why.lines().next().unwrap_or_default()),
-            other if verbose => println!("{:<5} {name}", if *other == Outcome::Same { "ok" } else { "skip" }),
+            Outcome::Failed(why) => {
+                println!("FAIL  {name}: {}", why.lines().next().unwrap_or_default())
+            }
+            other if verbose => println!(
+                "{:<5} {name}",
+                if *other == Outcome::Same {
+                    "ok"
+                } else {
+                    "skip"
+                }
+            ),
             _ => {}
         }
     }
@@ -116,24 +134,41 @@ fn plugin_bench(file: &std::path::Path, rounds: u32) -> anyhow::Result<()> {
         plugin.extend(r.plugin_times);
         builtin.extend(r.builtin_times);
     }
-    println!("{} calls over {} rounds of the conformance suite\n", plugin.len(), rounds.max(1));
+    println!(
+        "{} calls over {} rounds of the conformance suite\n",
+        plugin.len(),
+        rounds.max(1)
+    );
     println!("| decision time (us) | p50 | p90 | p99 | max |");
     println!("|---|---:|---:|---:|---:|");
     for (name, t) in [("plugin", &plugin), ("built-in", &builtin)] {
         let p = |q| conformance::percentile_us(t, q);
-        println!("| {name} | {:.2} | {:.2} | {:.2} | {:.2} |", p(0.5), p(0.9), p(0.99), p(1.0));
+        println!(
+            "| {name} | {:.2} | {:.2} | {:.2} | {:.2} |",
+            p(0.5),
+            p(0.9),
+            p(0.99),
+            p(1.0)
+        );
     }
     Ok(())
 }
 
 fn plugin_list(endpoint: &str) -> anyhow::Result<()> {
     use stowage_host::wire::native;
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-    let frames = native::encode_request(&native::Request { id: 1, op: native::Op::Stats })?;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let frames = native::encode_request(&native::Request {
+        id: 1,
+        op: native::Op::Stats,
+    })?;
     let peer = stowage_host::transport::Peer::new(endpoint, "stowd-plugin-list");
     let reply = rt.block_on(peer.request(frames, std::time::Duration::from_secs(10)))?;
     let (_, reply) = native::decode_reply(&reply, &native::Limits::default())?;
-    let native::Reply::StatsOk(stats) = reply else { anyhow::bail!("unexpected reply {}", reply.name()) };
+    let native::Reply::StatsOk(stats) = reply else {
+        anyhow::bail!("unexpected reply {}", reply.name())
+    };
     let mut any = false;
     for (key, value) in stats {
         if let (Some(rest), native::Stat::Str(v)) = (key.strip_prefix("plugin."), &value) {
@@ -160,7 +195,10 @@ fn load(path: Option<&PathBuf>) -> anyhow::Result<Config> {
 async fn serve(config: Config, endpoints_file: Option<PathBuf>) -> anyhow::Result<()> {
     let running = stowage_host::server::start(config).await?;
     if let Some(path) = &endpoints_file {
-        running.endpoints.write(path).with_context(|| format!("writing {}", path.display()))?;
+        running
+            .endpoints
+            .write(path)
+            .with_context(|| format!("writing {}", path.display()))?;
     }
     println!("{}", serde_json::to_string(&running.endpoints)?);
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
@@ -191,13 +229,23 @@ fn main() -> std::process::ExitCode {
         .init();
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Serve { config, endpoints_file } => load(config.as_ref()).and_then(|c| {
-            tokio::runtime::Builder::new_multi_thread().enable_all().build()?.block_on(serve(c, endpoints_file))
+        Command::Serve {
+            config,
+            endpoints_file,
+        } => load(config.as_ref()).and_then(|c| {
+            tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .build()?
+                .block_on(serve(c, endpoints_file))
         }),
         Command::Config { config } => {
             load(config.as_ref()).and_then(|c| Ok(print!("{}", toml::to_string_pretty(&c)?)))
         }
-        Command::Plugin(PluginCommand::Check { file, verbose, fuel }) => match plugin_check(&file, verbose, fuel) {
+        Command::Plugin(PluginCommand::Check {
+            file,
+            verbose,
+            fuel,
+        }) => match plugin_check(&file, verbose, fuel) {
             Ok(true) => Ok(()),
             Ok(false) => return std::process::ExitCode::FAILURE,
             Err(e) => Err(e),

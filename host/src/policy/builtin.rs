@@ -22,7 +22,9 @@ impl Default for Builtin {
             description: Description {
                 name: "builtin".into(),
                 version: env!("CARGO_PKG_VERSION").into(),
-                summary: "native fallback: TransferQueue's _select_by_positions, one frame per piece".into(),
+                summary:
+                    "native fallback: TransferQueue's _select_by_positions, one frame per piece"
+                        .into(),
                 capabilities: vec![Capability::Selection, Capability::Packing],
                 kinds: vec![FieldKind::Regular, FieldKind::Nested, FieldKind::Values],
             },
@@ -35,7 +37,10 @@ impl Default for Builtin {
 pub fn constant_stride(positions: &[u64]) -> Option<u64> {
     let [a, b, ..] = positions else { return None };
     let step = b.checked_sub(*a).filter(|s| *s > 0)?;
-    positions.windows(2).all(|w| w[1].checked_sub(w[0]) == Some(step)).then_some(step)
+    positions
+        .windows(2)
+        .all(|w| w[1].checked_sub(w[0]) == Some(step))
+        .then_some(step)
 }
 
 impl Builtin {
@@ -45,14 +50,24 @@ impl Builtin {
             return Err(PolicyError::InvalidInput("no positions to select".into()));
         }
         let piece = match field {
-            Field::Regular(_) if positions.len() == 1 => Piece::View(RowView { start: positions[0], step: 1, count: 1 }),
+            Field::Regular(_) if positions.len() == 1 => Piece::View(RowView {
+                start: positions[0],
+                step: 1,
+                count: 1,
+            }),
             Field::Regular(_) => match constant_stride(positions) {
-                Some(step) => Piece::View(RowView { start: positions[0], step, count: positions.len() as u64 }),
+                Some(step) => Piece::View(RowView {
+                    start: positions[0],
+                    step,
+                    count: positions.len() as u64,
+                }),
                 None => Piece::Gather(positions.to_vec()),
             },
             Field::Nested(_) | Field::Values(_) => Piece::RowViews(positions.to_vec()),
         };
-        Ok(SelectionPlan { pieces: vec![piece] })
+        Ok(SelectionPlan {
+            pieces: vec![piece],
+        })
     }
 
     /// One frame per piece while the budget allows; otherwise pieces are
@@ -60,7 +75,9 @@ impl Builtin {
     /// `max_frame_bytes` (a piece larger than that goes alone).
     pub fn frames(pieces: &[PieceInfo], limits: &PackLimits) -> Result<FramePlan, PolicyError> {
         if pieces.len() as u64 <= limits.max_frames as u64 {
-            return Ok(FramePlan { frames: (0..pieces.len() as u32).map(Frame::Single).collect() });
+            return Ok(FramePlan {
+                frames: (0..pieces.len() as u32).map(Frame::Single).collect(),
+            });
         }
         let mut frames = Vec::new();
         let mut current: Vec<u32> = Vec::new();
@@ -129,18 +146,38 @@ mod tests {
         assert_eq!(one(&[3, 1, 0]), vec![Piece::Gather(vec![3, 1, 0])]);
         assert_eq!(one(&[2, 1, 0]), vec![Piece::Gather(vec![2, 1, 0])]);
         assert_eq!(one(&[1, 1]), vec![Piece::Gather(vec![1, 1])]);
-        assert!(matches!(Builtin::plan(&f, &[]), Err(PolicyError::InvalidInput(_))));
+        assert!(matches!(
+            Builtin::plan(&f, &[]),
+            Err(PolicyError::InvalidInput(_))
+        ));
         let values = Field::Values(vec![Value::Str("a".into()), Value::Str("b".into())]);
-        assert_eq!(Builtin::plan(&values, &[1]).unwrap().pieces, vec![Piece::RowViews(vec![1])]);
+        assert_eq!(
+            Builtin::plan(&values, &[1]).unwrap().pieces,
+            vec![Piece::RowViews(vec![1])]
+        );
     }
 
     #[test]
     fn frames_respect_the_budget() {
-        let pieces = vec![PieceInfo { byte_len: 10, contiguous: true }; 5];
-        let limits = PackLimits { max_frames: 2, max_frame_bytes: 30, small_threshold: 0 };
+        let pieces = vec![
+            PieceInfo {
+                byte_len: 10,
+                contiguous: true
+            };
+            5
+        ];
+        let limits = PackLimits {
+            max_frames: 2,
+            max_frame_bytes: 30,
+            small_threshold: 0,
+        };
         let plan = Builtin::frames(&pieces, &limits).unwrap();
         crate::plan::validate_frames(&pieces, &limits, &plan).unwrap();
-        let tight = PackLimits { max_frames: 1, max_frame_bytes: 30, small_threshold: 0 };
+        let tight = PackLimits {
+            max_frames: 1,
+            max_frame_bytes: 30,
+            small_threshold: 0,
+        };
         assert!(Builtin::frames(&pieces, &tight).is_err());
     }
 }

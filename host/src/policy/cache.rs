@@ -78,7 +78,10 @@ pub struct CompileCache {
 
 impl std::fmt::Debug for CompileCache {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("CompileCache").field("dir", &self.dir).field("key", &"<redacted>").finish()
+        f.debug_struct("CompileCache")
+            .field("dir", &self.dir)
+            .field("key", &"<redacted>")
+            .finish()
     }
 }
 
@@ -107,13 +110,20 @@ pub fn euid() -> u32 {
 /// Opens `path` for reading without following a symlink at its last
 /// component.
 fn open_nofollow(path: &Path) -> std::io::Result<File> {
-    OpenOptions::new().read(true).custom_flags(libc::O_NOFOLLOW).open(path)
+    OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(path)
 }
 
 /// A process-unique suffix for temporary files.
 fn tmp_suffix() -> String {
     static N: AtomicU64 = AtomicU64::new(0);
-    format!("{}-{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed))
+    format!(
+        "{}-{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed)
+    )
 }
 
 impl CompileCache {
@@ -137,7 +147,8 @@ impl CompileCache {
     }
 
     fn mac(&self, name: &str) -> HmacSha256 {
-        let mut mac = HmacSha256::new_from_slice(&self.key).expect("HMAC takes a key of any length");
+        let mut mac =
+            HmacSha256::new_from_slice(&self.key).expect("HMAC takes a key of any length");
         mac.update(DOMAIN);
         mac.update(&(name.len() as u64).to_le_bytes());
         mac.update(name.as_bytes());
@@ -217,7 +228,9 @@ pub fn private_dir(dir: &Path) -> Result<PathBuf, String> {
             .map_err(|e| format!("cannot create {shown}: {e}"))?,
         Err(e) => return Err(format!("cannot stat {shown}: {e}")),
     }
-    let real = dir.canonicalize().map_err(|e| format!("cannot resolve {shown}: {e}"))?;
+    let real = dir
+        .canonicalize()
+        .map_err(|e| format!("cannot resolve {shown}: {e}"))?;
     check_private_dir(&real, euid())?;
     Ok(real)
 }
@@ -225,18 +238,24 @@ pub fn private_dir(dir: &Path) -> Result<PathBuf, String> {
 /// The checks of a private directory `real` (an absolute path with no
 /// symlinks) for a process of effective uid `uid`.
 pub fn check_private_dir(real: &Path, uid: u32) -> Result<(), String> {
-    let stat = |p: &Path| std::fs::metadata(p).map_err(|e| format!("cannot stat {}: {e}", p.display()));
+    let stat =
+        |p: &Path| std::fs::metadata(p).map_err(|e| format!("cannot stat {}: {e}", p.display()));
     let meta = stat(real)?;
     let shown = real.display();
     if !meta.is_dir() {
         return Err(format!("{shown} is not a directory"));
     }
     if meta.uid() != uid {
-        return Err(format!("{shown} is owned by uid {}, not by this process's uid {uid}", meta.uid()));
+        return Err(format!(
+            "{shown} is owned by uid {}, not by this process's uid {uid}",
+            meta.uid()
+        ));
     }
     let mode = meta.mode() & 0o7777;
     if mode & 0o022 != 0 {
-        return Err(format!("{shown} is writable by group or others (mode {mode:04o}); it must be 0700"));
+        return Err(format!(
+            "{shown} is writable by group or others (mode {mode:04o}); it must be 0700"
+        ));
     }
     for anc in real.ancestors().skip(1) {
         let m = stat(anc)?;
@@ -279,17 +298,24 @@ fn load_or_create_key(dir: &Path) -> Result<[u8; KEY_LEN], String> {
 
 fn read_key(mut f: File, path: &Path) -> Result<[u8; KEY_LEN], String> {
     let shown = path.display();
-    let meta = f.metadata().map_err(|e| format!("cannot stat the key file {shown}: {e}"))?;
+    let meta = f
+        .metadata()
+        .map_err(|e| format!("cannot stat the key file {shown}: {e}"))?;
     let uid = euid();
     if !meta.is_file() {
         return Err(format!("the key file {shown} is not a regular file"));
     }
     if meta.uid() != uid {
-        return Err(format!("the key file {shown} is owned by uid {}, not by this process's uid {uid}", meta.uid()));
+        return Err(format!(
+            "the key file {shown} is owned by uid {}, not by this process's uid {uid}",
+            meta.uid()
+        ));
     }
     let mode = meta.mode() & 0o7777;
     if mode & 0o077 != 0 {
-        return Err(format!("the key file {shown} is open to group or others (mode {mode:04o}); it must be 0600"));
+        return Err(format!(
+            "the key file {shown} is open to group or others (mode {mode:04o}); it must be 0600"
+        ));
     }
     if meta.len() != KEY_LEN as u64 {
         return Err(format!(
@@ -298,33 +324,44 @@ fn read_key(mut f: File, path: &Path) -> Result<[u8; KEY_LEN], String> {
         ));
     }
     let mut key = [0u8; KEY_LEN];
-    f.read_exact(&mut key).map_err(|e| format!("cannot read the key file {shown}: {e}"))?;
+    f.read_exact(&mut key)
+        .map_err(|e| format!("cannot read the key file {shown}: {e}"))?;
     Ok(key)
 }
 
 fn create_key(dir: &Path, path: &Path) -> Result<[u8; KEY_LEN], String> {
     let mut key = [0u8; KEY_LEN];
-    getrandom::fill(&mut key).map_err(|e| format!("no random bytes from the OS for a new key: {e}"))?;
+    getrandom::fill(&mut key)
+        .map_err(|e| format!("no random bytes from the OS for a new key: {e}"))?;
     let tmp = dir.join(format!(".{KEY_FILE}.tmp{}", tmp_suffix()));
     let write = || -> std::io::Result<()> {
-        let mut f =
-            OpenOptions::new().write(true).create_new(true).mode(0o600).custom_flags(libc::O_NOFOLLOW).open(&tmp)?;
+        let mut f = OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(&tmp)?;
         f.write_all(&key)?;
         f.sync_all()
     };
-    let written = write().map_err(|e| format!("cannot write a new key file {}: {e}", tmp.display()));
+    let written =
+        write().map_err(|e| format!("cannot write a new key file {}: {e}", tmp.display()));
     // Hard-link rather than rename: the link fails if another stowd made
     // the key first, and then its key is the one to use.
     let linked = written.and_then(|()| match std::fs::hard_link(&tmp, path) {
         Ok(()) => Ok(true),
         Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(false),
-        Err(e) => Err(format!("cannot create the key file {}: {e}", path.display())),
+        Err(e) => Err(format!(
+            "cannot create the key file {}: {e}",
+            path.display()
+        )),
     });
     let _ = std::fs::remove_file(&tmp);
     if linked? {
         Ok(key)
     } else {
-        let f = open_nofollow(path).map_err(|e| format!("cannot open the key file {}: {e}", path.display()))?;
+        let f = open_nofollow(path)
+            .map_err(|e| format!("cannot open the key file {}: {e}", path.display()))?;
         read_key(f, path)
     }
 }
@@ -346,7 +383,10 @@ mod tests {
         let dir = fresh("roundtrip");
         let c = CompileCache::open(&dir.join("c")).unwrap();
         assert_eq!(std::fs::metadata(c.dir()).unwrap().mode() & 0o777, 0o700);
-        assert_eq!(std::fs::metadata(c.dir().join(KEY_FILE)).unwrap().mode() & 0o777, 0o600);
+        assert_eq!(
+            std::fs::metadata(c.dir().join(KEY_FILE)).unwrap().mode() & 0o777,
+            0o600
+        );
         assert!(c.load("a-1").unwrap().is_none());
         c.store("a-1", b"artifact a").unwrap();
         c.store("b-1", b"artifact b").unwrap();
@@ -354,7 +394,11 @@ mod tests {
         assert_eq!(&a[CompileCache::ARTIFACT_AT..], b"artifact a");
         // A copy of one entry under another's name fails.
         std::fs::copy(c.entry_path("a-1"), c.entry_path("b-1")).unwrap();
-        assert!(matches!(c.load("b-1"), Err(EntryError::BadTag)), "{:?}", c.load("b-1"));
+        assert!(
+            matches!(c.load("b-1"), Err(EntryError::BadTag)),
+            "{:?}",
+            c.load("b-1")
+        );
         // So does an untagged file and a changed byte.
         std::fs::write(c.entry_path("b-1"), b"plain").unwrap();
         assert!(matches!(c.load("b-1"), Err(EntryError::Untagged)));
@@ -379,27 +423,34 @@ mod tests {
         CompileCache::open(&c).unwrap();
         std::fs::set_permissions(&c, std::os::unix::fs::PermissionsExt::from_mode(0o777)).unwrap();
         let e = CompileCache::open(&c).unwrap_err();
-        assert!(e.contains("writable by group or others") && e.contains("0777"), "{e}");
+        assert!(
+            e.contains("writable by group or others") && e.contains("0777"),
+            "{e}"
+        );
         std::fs::set_permissions(&c, std::os::unix::fs::PermissionsExt::from_mode(0o700)).unwrap();
         // An ancestor writable by others (not sticky).
-        std::fs::set_permissions(&dir, std::os::unix::fs::PermissionsExt::from_mode(0o777)).unwrap();
+        std::fs::set_permissions(&dir, std::os::unix::fs::PermissionsExt::from_mode(0o777))
+            .unwrap();
         let e = CompileCache::open(&c).unwrap_err();
         assert!(e.contains("ancestor") && e.contains("0777"), "{e}");
         // Sticky: fine as an ancestor of a 0700 directory, not of a 0755 one.
-        std::fs::set_permissions(&dir, std::os::unix::fs::PermissionsExt::from_mode(0o1777)).unwrap();
+        std::fs::set_permissions(&dir, std::os::unix::fs::PermissionsExt::from_mode(0o1777))
+            .unwrap();
         CompileCache::open(&c).unwrap();
         std::fs::set_permissions(&c, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
         let e = CompileCache::open(&c).unwrap_err();
         assert!(e.contains("sticky") && e.contains("0700"), "{e}");
         std::fs::set_permissions(&c, std::os::unix::fs::PermissionsExt::from_mode(0o700)).unwrap();
-        std::fs::set_permissions(&dir, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+        std::fs::set_permissions(&dir, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+            .unwrap();
         // Another uid owning the directory (checked without chown).
         let real = c.canonicalize().unwrap();
         let e = check_private_dir(&real, euid() + 1).unwrap_err();
         assert!(e.contains("owned by uid"), "{e}");
         // A key open to others, a symlinked key, a short key.
         let key = real.join(KEY_FILE);
-        std::fs::set_permissions(&key, std::os::unix::fs::PermissionsExt::from_mode(0o644)).unwrap();
+        std::fs::set_permissions(&key, std::os::unix::fs::PermissionsExt::from_mode(0o644))
+            .unwrap();
         let e = CompileCache::open(&c).unwrap_err();
         assert!(e.contains("key file") && e.contains("0644"), "{e}");
         std::fs::remove_file(&key).unwrap();
@@ -408,7 +459,14 @@ mod tests {
         let e = CompileCache::open(&c).unwrap_err();
         assert!(e.contains("key file"), "{e}");
         std::fs::remove_file(&key).unwrap();
-        OpenOptions::new().write(true).create_new(true).mode(0o600).open(&key).unwrap().write_all(b"short").unwrap();
+        OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&key)
+            .unwrap()
+            .write_all(b"short")
+            .unwrap();
         let e = CompileCache::open(&c).unwrap_err();
         assert!(e.contains("5 bytes"), "{e}");
         // A file where the directory should be.

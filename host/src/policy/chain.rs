@@ -53,7 +53,10 @@ impl Backoff {
     /// The delay before the `n`-th re-enable (0-based).
     pub fn delay(&self, n: u64) -> Duration {
         let factor = 1u32.checked_shl(n.min(31) as u32).unwrap_or(u32::MAX);
-        self.initial.checked_mul(factor).unwrap_or(self.max).min(self.max)
+        self.initial
+            .checked_mul(factor)
+            .unwrap_or(self.max)
+            .min(self.max)
     }
 }
 
@@ -135,7 +138,10 @@ pub struct Loaded {
 
 impl Loaded {
     pub fn new(policy: Arc<dyn Policy>) -> Loaded {
-        Loaded { policy, stats: Arc::new(PluginStats::default()) }
+        Loaded {
+            policy,
+            stats: Arc::new(PluginStats::default()),
+        }
     }
 }
 
@@ -145,8 +151,14 @@ impl Loaded {
 pub enum ChainError {
     #[error("nothing to select: the position list is empty")]
     EmptyPositions,
-    #[error("plugin \"{plugin}\" version {version} faulted and the chain's fail strategy is reject: {reason}")]
-    Rejected { plugin: String, version: String, reason: String },
+    #[error(
+        "plugin \"{plugin}\" version {version} faulted and the chain's fail strategy is reject: {reason}"
+    )]
+    Rejected {
+        plugin: String,
+        version: String,
+        reason: String,
+    },
     #[error("packing failed: {0}")]
     Packing(String),
 }
@@ -210,7 +222,12 @@ impl<P> Outcome<P> {
 impl Chain {
     /// A chain whose disabled plugins stay disabled until reloaded.
     pub fn new(policies: Vec<Loaded>, fail: FailStrategy, max_faults: u64) -> Chain {
-        Chain { policies, fail, max_faults, backoff: None }
+        Chain {
+            policies,
+            fail,
+            max_faults,
+            backoff: None,
+        }
     }
 
     /// Re-enables disabled plugins after `backoff`.
@@ -226,12 +243,19 @@ impl Chain {
 
     /// Names of the policies, in order.
     pub fn names(&self) -> Vec<String> {
-        self.policies.iter().map(|l| l.policy.describe().name.clone()).collect()
+        self.policies
+            .iter()
+            .map(|l| l.policy.describe().name.clone())
+            .collect()
     }
 
     /// The version of the policy named `name` in this chain.
     fn version_of(&self, name: &str) -> String {
-        let found = self.policies.iter().map(|l| l.policy.describe()).find(|d| d.name == name);
+        let found = self
+            .policies
+            .iter()
+            .map(|l| l.policy.describe())
+            .find(|d| d.name == name);
         found.map(|d| d.version.clone()).unwrap_or_default()
     }
 
@@ -270,9 +294,9 @@ impl Chain {
             FailStrategy::Reject => {
                 st.rejections.fetch_add(1, Ordering::Relaxed);
                 Err(ChainError::Rejected {
-                plugin: d.name.clone(),
-                version: d.version.clone(),
-                reason: reason.to_string(),
+                    plugin: d.name.clone(),
+                    version: d.version.clone(),
+                    reason: reason.to_string(),
                 })
             }
         }
@@ -295,7 +319,8 @@ impl Chain {
             }
             loaded.stats.calls.fetch_add(1, Ordering::Relaxed);
             let d = loaded.policy.describe();
-            let _plugin = tracing::debug_span!("plugin", plugin = %d.name, version = %d.version).entered();
+            let _plugin =
+                tracing::debug_span!("plugin", plugin = %d.name, version = %d.version).entered();
             match call(loaded.policy.as_ref()) {
                 Ok(plan) => match check(&plan) {
                     Ok(()) => {
@@ -313,22 +338,41 @@ impl Chain {
                     tracing::debug!(answer = %e, "declined");
                     continue;
                 }
-                Err(e @ (PolicyError::Failed(_) | PolicyError::Fault(_))) => return self.on_fault(loaded, &e.to_string()),
+                Err(e @ (PolicyError::Failed(_) | PolicyError::Fault(_))) => {
+                    return self.on_fault(loaded, &e.to_string());
+                }
             }
         }
         Ok(Outcome::Builtin)
     }
 
     /// A validated selection plan for `positions` of `field`.
-    pub fn select(&self, field: &Field, positions: &[u64]) -> Result<Decision<SelectionPlan>, ChainError> {
+    pub fn select(
+        &self,
+        field: &Field,
+        positions: &[u64],
+    ) -> Result<Decision<SelectionPlan>, ChainError> {
         if positions.is_empty() {
             return Err(ChainError::EmptyPositions);
         }
-        let _span = tracing::debug_span!("policy", chain = "select", decided_by = tracing::field::Empty).entered();
-        let outcome = self.ask(|p| p.select(field, positions), |plan| plan::validate_selection(field, positions, plan))?;
+        let _span = tracing::debug_span!(
+            "policy",
+            chain = "select",
+            decided_by = tracing::field::Empty
+        )
+        .entered();
+        let outcome = self.ask(
+            |p| p.select(field, positions),
+            |plan| plan::validate_selection(field, positions, plan),
+        )?;
         outcome.record(|name| self.version_of(name));
         let by = match outcome {
-            Outcome::Plan(plan, name) => return Ok(Decision { plan, by: DecidedBy::Plugin(name) }),
+            Outcome::Plan(plan, name) => {
+                return Ok(Decision {
+                    plan,
+                    by: DecidedBy::Plugin(name),
+                });
+            }
             Outcome::Fallback(plugin, _) => DecidedBy::Fallback { plugin },
             Outcome::Builtin => DecidedBy::Builtin,
         };
@@ -337,16 +381,31 @@ impl Chain {
     }
 
     /// A validated frame plan for `pieces`.
-    pub fn pack(&self, pieces: &[PieceInfo], limits: &PackLimits) -> Result<Decision<FramePlan>, ChainError> {
-        let _span = tracing::debug_span!("policy", chain = "pack", decided_by = tracing::field::Empty).entered();
-        let outcome = self.ask(|p| p.pack(pieces, limits), |plan| plan::validate_frames(pieces, limits, plan))?;
+    pub fn pack(
+        &self,
+        pieces: &[PieceInfo],
+        limits: &PackLimits,
+    ) -> Result<Decision<FramePlan>, ChainError> {
+        let _span =
+            tracing::debug_span!("policy", chain = "pack", decided_by = tracing::field::Empty)
+                .entered();
+        let outcome = self.ask(
+            |p| p.pack(pieces, limits),
+            |plan| plan::validate_frames(pieces, limits, plan),
+        )?;
         outcome.record(|name| self.version_of(name));
         let by = match outcome {
-            Outcome::Plan(plan, name) => return Ok(Decision { plan, by: DecidedBy::Plugin(name) }),
+            Outcome::Plan(plan, name) => {
+                return Ok(Decision {
+                    plan,
+                    by: DecidedBy::Plugin(name),
+                });
+            }
             Outcome::Fallback(plugin, _) => DecidedBy::Fallback { plugin },
             Outcome::Builtin => DecidedBy::Builtin,
         };
-        let plan = Builtin::frames(pieces, limits).map_err(|e| ChainError::Packing(e.to_string()))?;
+        let plan =
+            Builtin::frames(pieces, limits).map_err(|e| ChainError::Packing(e.to_string()))?;
         Ok(Decision { plan, by })
     }
 }
@@ -357,7 +416,10 @@ mod tests {
 
     #[test]
     fn backoff_doubles_up_to_the_cap() {
-        let b = Backoff { initial: Duration::from_millis(100), max: Duration::from_millis(1000) };
+        let b = Backoff {
+            initial: Duration::from_millis(100),
+            max: Duration::from_millis(1000),
+        };
         let got: Vec<u128> = (0..6).map(|n| b.delay(n).as_millis()).collect();
         assert_eq!(got, vec![100, 200, 400, 800, 1000, 1000]);
         assert_eq!(b.delay(200), Duration::from_millis(1000));

@@ -127,9 +127,15 @@ impl LimitsOverride {
 pub fn default_chains() -> Vec<ChainConfig> {
     vec![ChainConfig {
         pattern: "*".into(),
-        select: ["single-row", "constant-stride", "runs", "gather", "nested-rows"]
-            .map(String::from)
-            .to_vec(),
+        select: [
+            "single-row",
+            "constant-stride",
+            "runs",
+            "gather",
+            "nested-rows",
+        ]
+        .map(String::from)
+        .to_vec(),
         pack: vec!["coalesce".into()],
         ..ChainConfig::default()
     }]
@@ -201,7 +207,9 @@ pub struct Registry {
 
 impl std::fmt::Debug for Registry {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Registry").field("plugins", &self.plugins.keys().collect::<Vec<_>>()).finish()
+        f.debug_struct("Registry")
+            .field("plugins", &self.plugins.keys().collect::<Vec<_>>())
+            .finish()
     }
 }
 
@@ -254,7 +262,10 @@ impl Registry {
     /// plugins in `cache_dir` (created `0700` if missing). A directory or key
     /// that fails the checks of [`super::cache`] is not used: one WARN says
     /// why, and every plugin is compiled at each load.
-    pub fn new(cache_dir: Option<PathBuf>, limits: SandboxLimits) -> Result<Registry, RegistryError> {
+    pub fn new(
+        cache_dir: Option<PathBuf>,
+        limits: SandboxLimits,
+    ) -> Result<Registry, RegistryError> {
         let engine = wasm::engine().map_err(|e| RegistryError::Engine(format!("{e:#}")))?;
         let linker = wasm::linker(&engine).map_err(|e| RegistryError::Linker(format!("{e:#}")))?;
         let cache = cache_dir.and_then(|dir| match CompileCache::open(&dir) {
@@ -268,7 +279,13 @@ impl Registry {
             }
         });
         Ok(Registry {
-            shared: Arc::new(Shared { engine, linker, cache, limits, book: Mutex::new(BTreeMap::new()) }),
+            shared: Arc::new(Shared {
+                engine,
+                linker,
+                cache,
+                limits,
+                book: Mutex::new(BTreeMap::new()),
+            }),
             overrides: BTreeMap::new(),
             manual: BTreeMap::new(),
             files: BTreeMap::new(),
@@ -296,7 +313,10 @@ impl Registry {
 
     fn engine_hash(&self) -> u64 {
         let mut h = std::hash::DefaultHasher::new();
-        self.shared.engine.precompile_compatibility_hash().hash(&mut h);
+        self.shared
+            .engine
+            .precompile_compatibility_hash()
+            .hash(&mut h);
         h.finish()
     }
 
@@ -307,7 +327,12 @@ impl Registry {
     }
 
     /// Compiles `bytes` (whose hash is `hash`), or loads the cached compilation.
-    fn compile(&self, bytes: &[u8], hash: &str, path: &str) -> Result<(Component, bool), LoadError> {
+    fn compile(
+        &self,
+        bytes: &[u8],
+        hash: &str,
+        path: &str,
+    ) -> Result<(Component, bool), LoadError> {
         let engine = &self.shared.engine;
         let cache = self.shared.cache.as_ref();
         let name = format!("{hash}-{:016x}", self.engine_hash());
@@ -323,7 +348,9 @@ impl Registry {
                 // hash. wasmtime also checks the header and refuses artifacts
                 // of another engine; bytes that do not deserialize are
                 // recompiled below.
-                Ok(Some(data)) => match unsafe { Component::deserialize(engine, &data[CompileCache::ARTIFACT_AT..]) } {
+                Ok(Some(data)) => match unsafe {
+                    Component::deserialize(engine, &data[CompileCache::ARTIFACT_AT..])
+                } {
                     Ok(c) => return Ok((c, true)),
                     Err(e) => tracing::warn!(
                         path,
@@ -339,10 +366,15 @@ impl Registry {
                 ),
             }
         }
-        let component = Component::new(engine, bytes)
-            .map_err(|e| LoadError::Compile { path: path.into(), reason: format!("{e:#}") })?;
+        let component = Component::new(engine, bytes).map_err(|e| LoadError::Compile {
+            path: path.into(),
+            reason: format!("{e:#}"),
+        })?;
         if let Some(cache) = cache {
-            let written = component.serialize().map_err(std::io::Error::other).and_then(|data| cache.store(&name, &data));
+            let written = component
+                .serialize()
+                .map_err(std::io::Error::other)
+                .and_then(|data| cache.store(&name, &data));
             if let Err(e) = written {
                 tracing::warn!(path, entry = %cache.entry_path(&name).display(), error = %e, "could not write the compile cache");
             }
@@ -354,7 +386,10 @@ impl Registry {
     /// describe, then the per-plugin limits of its name.
     pub fn prepare_bytes(&self, bytes: &[u8], path: &Path) -> Result<Prepared, LoadError> {
         let shown = path.display().to_string();
-        wasm::check_contract(bytes).map_err(|reason| LoadError::Contract { path: shown.clone(), reason })?;
+        wasm::check_contract(bytes).map_err(|reason| LoadError::Contract {
+            path: shown.clone(),
+            reason,
+        })?;
         let hash = content_hash(bytes);
         let (component, from_cache) = self.compile(bytes, &hash, &shown)?;
         let s = &self.shared;
@@ -363,12 +398,20 @@ impl Registry {
         if limits != s.limits {
             policy.set_limits(limits);
         }
-        Ok(Prepared { path: path.to_path_buf(), hash, policy, from_cache })
+        Ok(Prepared {
+            path: path.to_path_buf(),
+            hash,
+            policy,
+            from_cache,
+        })
     }
 
     /// Reads and loads one plugin file.
     pub fn prepare_file(&self, path: &Path) -> Result<Prepared, LoadError> {
-        let bytes = std::fs::read(path).map_err(|source| LoadError::Read { path: path.display().to_string(), source })?;
+        let bytes = std::fs::read(path).map_err(|source| LoadError::Read {
+            path: path.display().to_string(),
+            source,
+        })?;
         self.prepare_bytes(&bytes, path)
     }
 
@@ -380,7 +423,9 @@ impl Registry {
     /// The counters of `name` at `version` (created on first use).
     fn stats_for(&self, name: &str, version: &str) -> Arc<PluginStats> {
         let mut book = self.shared.book.lock().unwrap_or_else(|p| p.into_inner());
-        book.entry((name.to_string(), version.to_string())).or_default().clone()
+        book.entry((name.to_string(), version.to_string()))
+            .or_default()
+            .clone()
     }
 
     fn loaded(&self, policy: Arc<dyn Policy>) -> Loaded {
@@ -392,7 +437,8 @@ impl Registry {
     /// Adds a policy under its described name (replacing one of that name).
     pub fn insert(&mut self, policy: Arc<dyn Policy>) -> Loaded {
         let loaded = self.loaded(policy);
-        self.manual.insert(loaded.policy.describe().name.clone(), loaded.clone());
+        self.manual
+            .insert(loaded.policy.describe().name.clone(), loaded.clone());
         self.rebuild();
         loaded
     }
@@ -404,7 +450,13 @@ impl Registry {
     pub fn set_file(&mut self, prepared: Prepared) -> Option<FilePlugin> {
         let loaded = self.loaded(Arc::new(prepared.policy));
         loaded.stats.reset_on_load();
-        let old = self.files.insert(prepared.path, FilePlugin { hash: prepared.hash, loaded });
+        let old = self.files.insert(
+            prepared.path,
+            FilePlugin {
+                hash: prepared.hash,
+                loaded,
+            },
+        );
         self.rebuild();
         old
     }
@@ -454,21 +506,34 @@ impl Registry {
     ) -> std::io::Result<Vec<LoadReport>> {
         let mut reports = Vec::new();
         for path in wasm_files(dir)? {
-            let prepared = self.prepare_file(&path).and_then(|p| match check(&p.policy) {
-                Ok(()) => Ok(p),
-                Err(reason) => Err(LoadError::Check { path: path.display().to_string(), reason }),
-            });
+            let prepared = self
+                .prepare_file(&path)
+                .and_then(|p| match check(&p.policy) {
+                    Ok(()) => Ok(p),
+                    Err(reason) => Err(LoadError::Check {
+                        path: path.display().to_string(),
+                        reason,
+                    }),
+                });
             match prepared {
                 Ok(p) => {
                     let d = p.policy.describe().clone();
                     let from_cache = p.from_cache;
                     tracing::info!(plugin = %d.name, version = %d.version, from_cache, path = %path.display(), "plugin loaded");
                     self.set_file(p);
-                    reports.push(LoadReport { path, result: Ok(d.name), from_cache });
+                    reports.push(LoadReport {
+                        path,
+                        result: Ok(d.name),
+                        from_cache,
+                    });
                 }
                 Err(e) => {
                     tracing::error!(error = %e, "plugin not loaded");
-                    reports.push(LoadReport { path, result: Err(e.to_string()), from_cache: false });
+                    reports.push(LoadReport {
+                        path,
+                        result: Err(e.to_string()),
+                        from_cache: false,
+                    });
                 }
             }
         }
@@ -494,7 +559,10 @@ impl Registry {
                 name: name.clone(),
                 version: version.clone(),
                 stats: stats.clone(),
-                live: self.plugins.get(name).is_some_and(|l| Arc::ptr_eq(&l.stats, stats)),
+                live: self
+                    .plugins
+                    .get(name)
+                    .is_some_and(|l| Arc::ptr_eq(&l.stats, stats)),
             })
             .collect()
     }
@@ -546,21 +614,39 @@ impl Registry {
         let build = |c: &ChainConfig, names: &[String], cap| {
             Chain::new(pick(names, cap), c.fail, c.max_faults).with_backoff(c.backoff())
         };
-        self.select_chains =
-            chains.iter().map(|c| (c.pattern.clone(), build(c, &c.select, Capability::Selection))).collect();
-        self.pack_chains = chains.iter().map(|c| (c.pattern.clone(), build(c, &c.pack, Capability::Packing))).collect();
+        self.select_chains = chains
+            .iter()
+            .map(|c| {
+                (
+                    c.pattern.clone(),
+                    build(c, &c.select, Capability::Selection),
+                )
+            })
+            .collect();
+        self.pack_chains = chains
+            .iter()
+            .map(|c| (c.pattern.clone(), build(c, &c.pack, Capability::Packing)))
+            .collect();
         self.chains = chains.to_vec();
     }
 
     /// The selection chain of a field: the first pattern that matches, else
     /// the built-in alone.
     pub fn select_chain(&self, field: &str) -> Chain {
-        self.select_chains.iter().find(|(p, _)| glob_match(p, field)).map(|(_, c)| c.clone()).unwrap_or_else(Chain::builtin)
+        self.select_chains
+            .iter()
+            .find(|(p, _)| glob_match(p, field))
+            .map(|(_, c)| c.clone())
+            .unwrap_or_else(Chain::builtin)
     }
 
     /// The packing chain of a field.
     pub fn pack_chain(&self, field: &str) -> Chain {
-        self.pack_chains.iter().find(|(p, _)| glob_match(p, field)).map(|(_, c)| c.clone()).unwrap_or_else(Chain::builtin)
+        self.pack_chains
+            .iter()
+            .find(|(p, _)| glob_match(p, field))
+            .map(|(_, c)| c.clone())
+            .unwrap_or_else(Chain::builtin)
     }
 }
 
@@ -578,7 +664,10 @@ pub fn wasm_files(dir: &Path) -> std::io::Result<Vec<PathBuf>> {
 /// write `.name.wasm.tmp`-style files first).
 pub fn is_plugin_file(path: &Path) -> bool {
     path.extension().is_some_and(|x| x == "wasm")
-        && !path.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with('.'))
+        && !path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .is_some_and(|n| n.starts_with('.'))
 }
 
 #[cfg(test)]

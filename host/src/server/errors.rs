@@ -48,23 +48,37 @@ pub enum EncodeError {
 
 /// What a refusal of an oversized request says, whatever the protocol.
 fn too_large_detail(reason: &str) -> String {
-    format!("request refused unread: {reason} (see [limits] max_request_bytes and max_request_frames in the stowd configuration)")
+    format!(
+        "request refused unread: {reason} (see [limits] max_request_bytes and max_request_frames in the stowd configuration)"
+    )
 }
 
 /// The TransferQueue reply of endpoint `id` to a request of type `kind`
 /// that failed with `e`.
 pub(super) fn tq_reply(id: &str, kind: tq::ErrorReply, e: &ManagerError) -> tq::Reply {
     match (kind, e) {
-        (tq::ErrorReply::Get, ManagerError::Store(StoreError::KeyNotFound { index, field, .. })) => {
-            tq::Reply::key_not_found(id, *index, field)
-        }
-        (tq::ErrorReply::Get, ManagerError::Remote { message, key_not_found: true, .. }) => {
-            tq::Reply::Error { kind: tq::ErrorReply::Get, message: message.clone() }
-        }
+        (
+            tq::ErrorReply::Get,
+            ManagerError::Store(StoreError::KeyNotFound { index, field, .. }),
+        ) => tq::Reply::key_not_found(id, *index, field),
+        (
+            tq::ErrorReply::Get,
+            ManagerError::Remote {
+                message,
+                key_not_found: true,
+                ..
+            },
+        ) => tq::Reply::Error {
+            kind: tq::ErrorReply::Get,
+            message: message.clone(),
+        },
         (tq::ErrorReply::Get, e) => tq::Reply::get_failed(id, &e.to_string()),
         (tq::ErrorReply::Put, e) => tq::Reply::put_failed(id, &e.to_string()),
         (tq::ErrorReply::ClearData, e) => tq::Reply::clear_failed(id, &e.to_string()),
-        (kind, e) => tq::Reply::Error { kind, message: e.to_string() },
+        (kind, e) => tq::Reply::Error {
+            kind,
+            message: e.to_string(),
+        },
     }
 }
 
@@ -90,7 +104,10 @@ pub(super) fn tq_too_large(unit_id: &str, head: &[Bytes], reason: &str) -> tq::R
         Some("PUT") => tq::Reply::put_failed(unit_id, &detail),
         Some("GET") => tq::Reply::get_failed(unit_id, &detail),
         Some("CLEAR_DATA") => tq::Reply::clear_failed(unit_id, &detail),
-        _ => tq::Reply::Error { kind: tq::ErrorReply::PutGet, message: format!("undecodable request: {detail}") },
+        _ => tq::Reply::Error {
+            kind: tq::ErrorReply::PutGet,
+            message: format!("undecodable request: {detail}"),
+        },
     }
 }
 
@@ -108,7 +125,10 @@ fn native_code(e: &ManagerError) -> &'static str {
 
 /// The `stowage/1` reply to a failed request.
 pub(super) fn native(e: &ManagerError) -> native::Reply {
-    native::Reply::Error { code: native_code(e).into(), message: e.to_string() }
+    native::Reply::Error {
+        code: native_code(e).into(),
+        message: e.to_string(),
+    }
 }
 
 /// The `stowage/1` reply to a request (or a field of it) that could not be
@@ -125,14 +145,20 @@ pub(super) fn shm(e: &ShmError) -> native::Reply {
         ShmError::Io { .. } => native::code::INTERNAL,
         _ => native::code::BAD_REQUEST,
     };
-    native::Reply::Error { code: code.into(), message: e.to_string() }
+    native::Reply::Error {
+        code: code.into(),
+        message: e.to_string(),
+    }
 }
 
 /// The `stowage/1` reply to a `segments` message that also carries data
 /// frames over the socket.
 pub(super) fn native_segments_with_frames() -> native::Reply {
     let message = "a message with `segments` carries no data frames over the socket".to_string();
-    native::Reply::Error { code: native::code::BAD_REQUEST.into(), message }
+    native::Reply::Error {
+        code: native::code::BAD_REQUEST.into(),
+        message,
+    }
 }
 
 /// The `stowage/1` reply to a failed same-node get.
@@ -145,12 +171,18 @@ pub(super) fn native_shared(e: &GetSharedError) -> native::Reply {
 
 /// The `stowage/1` reply to a request that broke a receive limit.
 pub(super) fn native_too_large(reason: &str) -> native::Reply {
-    native::Reply::Error { code: native::code::TOO_LARGE.into(), message: too_large_detail(reason) }
+    native::Reply::Error {
+        code: native::code::TOO_LARGE.into(),
+        message: too_large_detail(reason),
+    }
 }
 
 /// The `stowage/1` reply for an internal failure to encode a reply.
 pub(super) fn native_encode(e: &EncodeError) -> native::Reply {
-    native::Reply::Error { code: native::code::INTERNAL.into(), message: e.to_string() }
+    native::Reply::Error {
+        code: native::code::INTERNAL.into(),
+        message: e.to_string(),
+    }
 }
 
 #[cfg(test)]
@@ -166,36 +198,101 @@ mod tests {
 
     #[test]
     fn codes_follow_the_table() {
-        let missing = ManagerError::Store(StoreError::KeyNotFound { unit: "u".into(), index: 3, field: "f".into() });
+        let missing = ManagerError::Store(StoreError::KeyNotFound {
+            unit: "u".into(),
+            index: 3,
+            field: "f".into(),
+        });
         assert_eq!(code(&native(&missing)), native::code::KEY_NOT_FOUND);
-        let remote_missing = ManagerError::Remote { unit: "u".into(), message: "[TQKeyNotFound] x".into(), key_not_found: true };
+        let remote_missing = ManagerError::Remote {
+            unit: "u".into(),
+            message: "[TQKeyNotFound] x".into(),
+            key_not_found: true,
+        };
         assert_eq!(code(&native(&remote_missing)), native::code::KEY_NOT_FOUND);
-        let full = ManagerError::Store(StoreError::Capacity { unit: "u".into(), needed: 2, free: 1, capacity: 1 });
+        let full = ManagerError::Store(StoreError::Capacity {
+            unit: "u".into(),
+            needed: 2,
+            free: 1,
+            capacity: 1,
+        });
         assert_eq!(code(&native(&full)), native::code::CAPACITY);
-        assert_eq!(code(&native(&ManagerError::BadRequest("x".into()))), native::code::BAD_REQUEST);
-        let rejected = ChainError::Rejected { plugin: "p".into(), version: "1".into(), reason: "trap".into() };
-        assert_eq!(code(&native(&ManagerError::Policy(rejected))), native::code::REJECTED);
-        assert_eq!(code(&native(&ManagerError::Internal("x".into()))), native::code::INTERNAL);
+        assert_eq!(
+            code(&native(&ManagerError::BadRequest("x".into()))),
+            native::code::BAD_REQUEST
+        );
+        let rejected = ChainError::Rejected {
+            plugin: "p".into(),
+            version: "1".into(),
+            reason: "trap".into(),
+        };
+        assert_eq!(
+            code(&native(&ManagerError::Policy(rejected))),
+            native::code::REJECTED
+        );
+        assert_eq!(
+            code(&native(&ManagerError::Internal("x".into()))),
+            native::code::INTERNAL
+        );
         assert_eq!(code(&shm(&ShmError::Disabled)), native::code::UNSUPPORTED);
-        assert_eq!(code(&shm(&ShmError::TooLarge { asked: 2, limit: 1 })), native::code::TOO_LARGE);
-        assert_eq!(code(&shm(&ShmError::BadName("x".into()))), native::code::BAD_REQUEST);
-        assert_eq!(code(&native_segments_with_frames()), native::code::BAD_REQUEST);
+        assert_eq!(
+            code(&shm(&ShmError::TooLarge { asked: 2, limit: 1 })),
+            native::code::TOO_LARGE
+        );
+        assert_eq!(
+            code(&shm(&ShmError::BadName("x".into()))),
+            native::code::BAD_REQUEST
+        );
+        assert_eq!(
+            code(&native_segments_with_frames()),
+            native::code::BAD_REQUEST
+        );
         assert_eq!(code(&native_too_large("big")), native::code::TOO_LARGE);
-        assert_eq!(code(&native_encode(&EncodeError::NotASegment)), native::code::INTERNAL);
+        assert_eq!(
+            code(&native_encode(&EncodeError::NotASegment)),
+            native::code::INTERNAL
+        );
     }
 
     #[test]
     fn tq_replies_keep_the_real_units_words() {
-        let missing = ManagerError::Store(StoreError::KeyNotFound { unit: "u".into(), index: 3, field: "f".into() });
-        let tq::Reply::Error { kind, message } = tq_reply("U1", tq::ErrorReply::Get, &missing) else { panic!() };
+        let missing = ManagerError::Store(StoreError::KeyNotFound {
+            unit: "u".into(),
+            index: 3,
+            field: "f".into(),
+        });
+        let tq::Reply::Error { kind, message } = tq_reply("U1", tq::ErrorReply::Get, &missing)
+        else {
+            panic!()
+        };
         assert_eq!(kind, tq::ErrorReply::Get);
-        assert!(message.starts_with("[TQKeyNotFound] Failed to get data from storage unit id #U1"), "{message}");
-        let full = ManagerError::Store(StoreError::Capacity { unit: "u".into(), needed: 2, free: 1, capacity: 1 });
-        let tq::Reply::Error { kind, message } = tq_reply("U1", tq::ErrorReply::Put, &full) else { panic!() };
+        assert!(
+            message.starts_with("[TQKeyNotFound] Failed to get data from storage unit id #U1"),
+            "{message}"
+        );
+        let full = ManagerError::Store(StoreError::Capacity {
+            unit: "u".into(),
+            needed: 2,
+            free: 1,
+            capacity: 1,
+        });
+        let tq::Reply::Error { kind, message } = tq_reply("U1", tq::ErrorReply::Put, &full) else {
+            panic!()
+        };
         assert_eq!(kind, tq::ErrorReply::Put);
-        assert!(message.starts_with("Failed to put data into storage unit id #U1, detail error message: unit u is full"), "{message}");
-        let tq::Reply::Error { kind, message } = tq_too_large("U1", &[], "too many frames") else { panic!() };
+        assert!(
+            message.starts_with(
+                "Failed to put data into storage unit id #U1, detail error message: unit u is full"
+            ),
+            "{message}"
+        );
+        let tq::Reply::Error { kind, message } = tq_too_large("U1", &[], "too many frames") else {
+            panic!()
+        };
         assert_eq!(kind, tq::ErrorReply::PutGet);
-        assert!(message.starts_with("undecodable request: request refused unread: too many frames"), "{message}");
+        assert!(
+            message.starts_with("undecodable request: request refused unread: too many frames"),
+            "{message}"
+        );
     }
 }

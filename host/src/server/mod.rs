@@ -52,7 +52,10 @@ pub enum StartError {
     #[error(transparent)]
     Shm(#[from] crate::shm::ShmError),
     #[error("cannot bind the metrics endpoint {addr}: {source}")]
-    Metrics { addr: String, source: std::io::Error },
+    Metrics {
+        addr: String,
+        source: std::io::Error,
+    },
 }
 
 /// One served unit in the endpoints file.
@@ -86,7 +89,10 @@ impl Endpoints {
     /// Writes the file atomically (temp file + rename).
     pub fn write(&self, path: &Path) -> std::io::Result<()> {
         let tmp = path.with_extension("tmp");
-        std::fs::write(&tmp, serde_json::to_vec_pretty(self).map_err(std::io::Error::other)?)?;
+        std::fs::write(
+            &tmp,
+            serde_json::to_vec_pretty(self).map_err(std::io::Error::other)?,
+        )?;
         std::fs::rename(tmp, path)
     }
 }
@@ -122,20 +128,37 @@ async fn sweep_leases(store: Arc<SegmentStore>, mut shutdown: watch::Receiver<bo
 /// The plugin directory of `config`, made absolute (hot reload matches
 /// the watcher's paths against the loaded files' paths).
 pub fn plugin_dir(config: &Config) -> Option<std::path::PathBuf> {
-    config.plugins.resolve_dir().map(|d| d.canonicalize().unwrap_or(d))
+    config
+        .plugins
+        .resolve_dir()
+        .map(|d| d.canonicalize().unwrap_or(d))
 }
 
 /// Loads the plugins and configures the chains.
 pub fn build_registry(config: &Config) -> Result<Registry, StartError> {
     let dir = plugin_dir(config);
-    let cache = config.plugins.cache_dir.clone().or_else(|| dir.as_ref().map(|d| d.join(".cache")));
-    let mut registry = Registry::new(cache, config.plugins.sandbox())?.with_overrides(config.plugins.overrides.clone());
+    let cache = config
+        .plugins
+        .cache_dir
+        .clone()
+        .or_else(|| dir.as_ref().map(|d| d.join(".cache")));
+    let mut registry = Registry::new(cache, config.plugins.sandbox())?
+        .with_overrides(config.plugins.overrides.clone());
     match &dir {
         Some(d) => {
             let check_at_start = config.plugins.check_at_start;
             let reports = registry
-                .load_dir_checked(d, |p| if check_at_start { crate::conformance::verify(p).map(|_| ()) } else { Ok(()) })
-                .map_err(|source| StartError::PluginDir { dir: d.display().to_string(), source })?;
+                .load_dir_checked(d, |p| {
+                    if check_at_start {
+                        crate::conformance::verify(p).map(|_| ())
+                    } else {
+                        Ok(())
+                    }
+                })
+                .map_err(|source| StartError::PluginDir {
+                    dir: d.display().to_string(),
+                    source,
+                })?;
             let loaded = reports.iter().filter(|r| r.result.is_ok()).count();
             tracing::info!(dir = %d.display(), loaded, refused = reports.len() - loaded, "plugins");
         }
@@ -151,7 +174,11 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
     let plugins: Vec<String> = registry
         .names()
         .iter()
-        .filter_map(|n| registry.get(n).map(|l| format!("{}@{}", n, l.policy.describe().version)))
+        .filter_map(|n| {
+            registry
+                .get(n)
+                .map(|l| format!("{}@{}", n, l.policy.describe().version))
+        })
         .collect();
     let (shutdown, rx) = watch::channel(false);
     let mut tasks = Vec::new();
@@ -167,16 +194,36 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
     for i in 0..config.units.local {
         let id = format!("TQ_STORAGE_UNIT_{:08x}", (pid << 8) ^ i);
         let unit = Arc::new(Unit::new(id.clone(), capacity));
-        let port = if config.units.port_base == 0 { 0 } else { config.units.port_base as u32 + i };
+        let port = if config.units.port_base == 0 {
+            0
+        } else {
+            config.units.port_base as u32 + i
+        };
         let (socket, endpoint) = transport::bind(&format!("tcp://{host}:{port}")).await?;
-        let service = tq::TqService::new(id.clone(), tq::Backend::Unit(unit.clone()), metrics.clone(), tq_extra_on);
-        tasks.push(tokio::spawn(transport::serve_with(socket, service, transport_limits, rx.clone())));
+        let service = tq::TqService::new(
+            id.clone(),
+            tq::Backend::Unit(unit.clone()),
+            metrics.clone(),
+            tq_extra_on,
+        );
+        tasks.push(tokio::spawn(transport::serve_with(
+            socket,
+            service,
+            transport_limits,
+            rx.clone(),
+        )));
         tracing::info!(unit = %id, %endpoint, "unit listening");
         unit_endpoints.push(UnitEndpoint { id, endpoint });
         units.push(unit);
     }
 
-    let sender = format!("TQ_STORAGE_{pid:08x}_{:08x}", std::time::UNIX_EPOCH.elapsed().map(|d| d.subsec_nanos()).unwrap_or(0));
+    let sender = format!(
+        "TQ_STORAGE_{pid:08x}_{:08x}",
+        std::time::UNIX_EPOCH
+            .elapsed()
+            .map(|d| d.subsec_nanos())
+            .unwrap_or(0)
+    );
     let targets: Vec<Target> = if config.router.units.is_empty() {
         units.iter().cloned().map(Target::Local).collect()
     } else {
@@ -186,7 +233,9 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
             .iter()
             .enumerate()
             .map(|(i, u)| match u.strip_prefix("local:") {
-                Some(n) => Target::Local(units[n.parse::<usize>().expect("checked by config")].clone()),
+                Some(n) => {
+                    Target::Local(units[n.parse::<usize>().expect("checked by config")].clone())
+                }
                 None => Target::Remote(Arc::new(Peer::with_limits(
                     u.clone(),
                     format!("{sender}_to_unit{i}"),
@@ -205,9 +254,20 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
 
     let router = if config.router.enabled {
         let id = format!("TQ_STORAGE_UNIT_{:08x}", (pid << 8) ^ 0xff);
-        let (socket, endpoint) = transport::bind(&format!("tcp://{host}:{}", config.router.port)).await?;
-        let service = tq::TqService::new(id.clone(), tq::Backend::Router(manager.clone()), metrics.clone(), tq_extra_on);
-        tasks.push(tokio::spawn(transport::serve_with(socket, service, transport_limits, rx.clone())));
+        let (socket, endpoint) =
+            transport::bind(&format!("tcp://{host}:{}", config.router.port)).await?;
+        let service = tq::TqService::new(
+            id.clone(),
+            tq::Backend::Router(manager.clone()),
+            metrics.clone(),
+            tq_extra_on,
+        );
+        tasks.push(tokio::spawn(transport::serve_with(
+            socket,
+            service,
+            transport_limits,
+            rx.clone(),
+        )));
         tracing::info!(%endpoint, units = manager.targets().len(), "router listening");
         Some(UnitEndpoint { id, endpoint })
     } else {
@@ -220,14 +280,18 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         max_frames: config.limits.max_request_frames,
         max_message_bytes: config.limits.max_request_bytes,
     };
-    let (socket, native_endpoint) = transport::bind(&format!("tcp://{host}:{}", config.server.native_port)).await?;
+    let (socket, native_endpoint) =
+        transport::bind(&format!("tcp://{host}:{}", config.server.native_port)).await?;
     let shm = if config.shm.enabled {
         let store = SegmentStore::new(
             &config.shm.dir,
             Duration::from_secs(config.shm.lease_secs),
             config.shm.max_lease_bytes,
         )?
-        .with_reuse(config.shm.reuse_bytes, Duration::from_secs(config.shm.reuse_secs))
+        .with_reuse(
+            config.shm.reuse_bytes,
+            Duration::from_secs(config.shm.reuse_secs),
+        )
         .with_hold(Duration::from_millis(config.shm.reply_hold_ms));
         let store = Arc::new(store);
         tasks.push(tokio::spawn(sweep_leases(store.clone(), rx.clone())));
@@ -245,7 +309,12 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         metrics: metrics.clone(),
         endpoint: native_endpoint.clone(),
     });
-    tasks.push(tokio::spawn(transport::serve_with(socket, service, transport_limits, rx.clone())));
+    tasks.push(tokio::spawn(transport::serve_with(
+        socket,
+        service,
+        transport_limits,
+        rx.clone(),
+    )));
     tracing::info!(endpoint = %native_endpoint, "native endpoint listening");
 
     let metrics_endpoint = if config.metrics.port != 0 {
@@ -254,8 +323,16 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         let listener = tokio::net::TcpListener::bind(&addr)
             .await
             .and_then(|l| l.into_std())
-            .map_err(|source| StartError::Metrics { addr: addr.clone(), source })?;
-        let local = listener.local_addr().map_err(|source| StartError::Metrics { addr: addr.clone(), source })?;
+            .map_err(|source| StartError::Metrics {
+                addr: addr.clone(),
+                source,
+            })?;
+        let local = listener
+            .local_addr()
+            .map_err(|source| StartError::Metrics {
+                addr: addr.clone(),
+                source,
+            })?;
         let (m, mg, us) = (metrics.clone(), manager.clone(), units.clone());
         let render: exposition::Render = Arc::new(move || exposition::render(&m, &mg, &us));
         tasks.push(exposition::spawn(listener, render, rx.clone()));
@@ -269,7 +346,12 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
     if config.plugins.watch {
         match plugin_dir(&config) {
             Some(dir) if dir.is_dir() => {
-                tasks.push(tokio::spawn(crate::reload::run(dir, manager.clone(), metrics.clone(), rx.clone())));
+                tasks.push(tokio::spawn(crate::reload::run(
+                    dir,
+                    manager.clone(),
+                    metrics.clone(),
+                    rx.clone(),
+                )));
             }
             _ => tracing::info!("no plugin directory to watch: hot reload is off"),
         }
@@ -285,5 +367,9 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         shm_dir,
         metrics: metrics_endpoint,
     };
-    Ok(Running { endpoints, shutdown, tasks })
+    Ok(Running {
+        endpoints,
+        shutdown,
+        tasks,
+    })
 }

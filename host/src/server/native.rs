@@ -64,7 +64,10 @@ impl Places {
     /// The buffer that holds `len` bytes from `p`, its segment, and the
     /// bytes' offset in it.
     fn find(&self, p: usize, len: usize) -> Option<(&Bytes, &Option<Arc<str>>, usize)> {
-        let i = self.sorted.partition_point(|(start, _, _)| *start <= p).checked_sub(1)?;
+        let i = self
+            .sorted
+            .partition_point(|(start, _, _)| *start <= p)
+            .checked_sub(1)?;
         let (start, base, segment) = &self.sorted[i];
         (p + len <= start + base.len()).then_some((base, segment, p - start))
     }
@@ -103,23 +106,48 @@ struct GetField {
 /// and several shapes a nested field; values a values field.
 fn get_field(rows: &Rows, places: &mut Places) -> Result<GetField, native::Error> {
     let runs = rows.runs();
-    let nothing = || GetField { wire: native::WireField::Values(Vec::new()), nested_runs: Vec::new() };
-    let Some(first) = runs.first() else { return Ok(nothing()) };
-    let Run::Tensor { dtype, row_shape, .. } = first else {
+    let nothing = || GetField {
+        wire: native::WireField::Values(Vec::new()),
+        nested_runs: Vec::new(),
+    };
+    let Some(first) = runs.first() else {
+        return Ok(nothing());
+    };
+    let Run::Tensor {
+        dtype, row_shape, ..
+    } = first
+    else {
         let values = runs.into_iter().map(|r| match r {
             Run::Value(v) => Ok(v),
-            Run::Tensor { .. } => Err(native::Error::MixedField("its rows mix tensors and values".into())),
+            Run::Tensor { .. } => Err(native::Error::MixedField(
+                "its rows mix tensors and values".into(),
+            )),
         });
-        return Ok(GetField { wire: native::WireField::Values(values.collect::<Result<_, _>>()?), nested_runs: Vec::new() });
+        return Ok(GetField {
+            wire: native::WireField::Values(values.collect::<Result<_, _>>()?),
+            nested_runs: Vec::new(),
+        });
     };
     let (dtype, row_shape) = (*dtype, row_shape.clone());
     let mut same_shape = true;
     for r in &runs {
         match r {
-            Run::Value(_) => return Err(native::Error::MixedField("its rows mix tensors and values".into())),
-            Run::Tensor { dtype: d, row_shape: s, base, segment, .. } => {
+            Run::Value(_) => {
+                return Err(native::Error::MixedField(
+                    "its rows mix tensors and values".into(),
+                ));
+            }
+            Run::Tensor {
+                dtype: d,
+                row_shape: s,
+                base,
+                segment,
+                ..
+            } => {
                 if *d != dtype {
-                    return Err(native::Error::MixedField(format!("its rows mix dtypes {dtype} and {d}")));
+                    return Err(native::Error::MixedField(format!(
+                        "its rows mix dtypes {dtype} and {d}"
+                    )));
                 }
                 same_shape &= *s == row_shape;
                 places.add(base, segment);
@@ -135,21 +163,39 @@ fn get_field(rows: &Rows, places: &mut Places) -> Result<GetField, native::Error
             })
             .collect();
         let wire = native::WireField::Regular(native::RegularParts::new(dtype, row_shape, parts)?);
-        return Ok(GetField { wire, nested_runs: Vec::new() });
+        return Ok(GetField {
+            wire,
+            nested_runs: Vec::new(),
+        });
     }
     let mut tensors = Vec::with_capacity(rows.len());
     let mut nested_runs = Vec::with_capacity(runs.len());
     for r in &runs {
-        let Run::Tensor { rows, row_bytes, dtype, row_shape, .. } = r else { unreachable!("checked above") };
+        let Run::Tensor {
+            rows,
+            row_bytes,
+            dtype,
+            row_shape,
+            ..
+        } = r
+        else {
+            unreachable!("checked above")
+        };
         let bytes = r.bytes();
         let a = tensors.len() as u64;
         for i in 0..*rows as usize {
             let row = bytes.slice(i * row_bytes..(i + 1) * row_bytes);
-            tensors.push(Tensor::contiguous(row, *dtype, row_shape.clone()).map_err(|e| native::Error::MixedField(e.to_string()))?);
+            tensors.push(
+                Tensor::contiguous(row, *dtype, row_shape.clone())
+                    .map_err(|e| native::Error::MixedField(e.to_string()))?,
+            );
         }
         nested_runs.push((a, tensors.len() as u64));
     }
-    Ok(GetField { wire: native::WireField::Nested(tensors), nested_runs })
+    Ok(GetField {
+        wire: native::WireField::Nested(tensors),
+        nested_runs,
+    })
 }
 
 /// The rows a request names (0 for stats and leases).
@@ -187,9 +233,17 @@ impl NativeService {
     /// The frame layout of a get_ok: per field, the packing chain groups the
     /// field's pieces (the parts of a regular field, the runs of a nested
     /// one) into frames; frames never mix fields.
-    fn layout(&self, fields: &[(String, native::WireField)], nested_runs: &[Vec<(u64, u64)>]) -> native::FrameLayout {
+    fn layout(
+        &self,
+        fields: &[(String, native::WireField)],
+        nested_runs: &[Vec<(u64, u64)>],
+    ) -> native::FrameLayout {
         let mut frames = Vec::new();
-        let tensor_fields = fields.iter().filter(|(_, f)| !matches!(f, native::WireField::Values(_))).count().max(1);
+        let tensor_fields = fields
+            .iter()
+            .filter(|(_, f)| !matches!(f, native::WireField::Values(_)))
+            .count()
+            .max(1);
         let mut limits = self.pack_limits;
         limits.max_frames = (limits.max_frames / tensor_fields as u32).max(1);
         let registry = self.manager.registry();
@@ -200,9 +254,19 @@ impl NativeService {
                     p.parts()
                         .iter()
                         .map(|(bytes, rows)| {
-                            let s = native::RowSlice { field: i, start, end: start + rows };
+                            let s = native::RowSlice {
+                                field: i,
+                                start,
+                                end: start + rows,
+                            };
                             start += rows;
-                            (s, PieceInfo { byte_len: bytes.len() as u64, contiguous: true })
+                            (
+                                s,
+                                PieceInfo {
+                                    byte_len: bytes.len() as u64,
+                                    contiguous: true,
+                                },
+                            )
                         })
                         .unzip()
                 }
@@ -211,7 +275,17 @@ impl NativeService {
                     .map(|&(a, b)| {
                         let run = &rows[a as usize..b as usize];
                         let bytes = run.iter().map(|t| t.payload_len() as u64).sum();
-                        (native::RowSlice { field: i, start: a, end: b }, PieceInfo { byte_len: bytes, contiguous: true })
+                        (
+                            native::RowSlice {
+                                field: i,
+                                start: a,
+                                end: b,
+                            },
+                            PieceInfo {
+                                byte_len: bytes,
+                                contiguous: true,
+                            },
+                        )
                     })
                     .unzip(),
                 native::WireField::Values(_) => continue,
@@ -231,12 +305,18 @@ impl NativeService {
     /// The data frames of a request and the extents they are in: the
     /// segments a same-node put names (the `segments` envelope key),
     /// adopted from their leases without a copy, or the frames received.
-    fn received(&self, frames: Vec<Bytes>, extras: &native::Extras) -> Result<(Vec<Bytes>, Received), native::Reply> {
+    fn received(
+        &self,
+        frames: Vec<Bytes>,
+        extras: &native::Extras,
+    ) -> Result<(Vec<Bytes>, Received), native::Reply> {
         let Some(segments) = &extras.segments else {
             let received = Received::frames(frames.get(1..).unwrap_or_default());
             return Ok((frames, received));
         };
-        let Some(shm) = &self.shm else { return Err(errors::shm(&ShmError::Disabled)) };
+        let Some(shm) = &self.shm else {
+            return Err(errors::shm(&ShmError::Disabled));
+        };
         if frames.len() != 1 {
             return Err(errors::native_segments_with_frames());
         }
@@ -254,9 +334,16 @@ impl NativeService {
             };
             let whole = extent.bytes();
             match offset.checked_add(*len) {
-                Some(end) if end <= whole.len() as u64 => out.push(whole.slice(*offset as usize..end as usize)),
+                Some(end) if end <= whole.len() as u64 => {
+                    out.push(whole.slice(*offset as usize..end as usize))
+                }
                 _ => {
-                    let e = ShmError::OutOfRange { name: name.clone(), offset: *offset, len: *len, size: whole.len() as u64 };
+                    let e = ShmError::OutOfRange {
+                        name: name.clone(),
+                        offset: *offset,
+                        len: *len,
+                        size: whole.len() as u64,
+                    };
                     return Err(errors::shm(&e));
                 }
             }
@@ -267,12 +354,28 @@ impl NativeService {
     /// Encodes a get_ok: over the socket, frames planned by the packing
     /// chain from the runs; for a same-node reader, one whole segment per
     /// frame, named in frame 0 instead of sent, and held for the reader.
-    fn encode_get(&self, id: u64, get: GetReply, same_node: bool) -> Result<Vec<Bytes>, EncodeError> {
-        let GetReply { reply, nested_runs, places } = get;
+    fn encode_get(
+        &self,
+        id: u64,
+        get: GetReply,
+        same_node: bool,
+    ) -> Result<Vec<Bytes>, EncodeError> {
+        let GetReply {
+            reply,
+            nested_runs,
+            places,
+        } = get;
         if !same_node {
-            let native::Reply::GetOk { fields } = &reply else { unreachable!("a get reply is a get_ok") };
+            let native::Reply::GetOk { fields } = &reply else {
+                unreachable!("a get reply is a get_ok")
+            };
             let layout = self.layout(fields, &nested_runs);
-            return Ok(native::encode_reply_joined(id, &reply, &layout, &|p, l| places.span(p, l))?);
+            return Ok(native::encode_reply_joined(
+                id,
+                &reply,
+                &layout,
+                &|p, l| places.span(p, l),
+            )?);
         }
         let shm = self.shm.as_ref().ok_or(EncodeError::NoSharedMemory)?;
         let frames = native::encode_reply_enclosed(id, &reply, &|b| places.enclose(b))?;
@@ -306,8 +409,14 @@ impl NativeService {
                     Ok(req) => {
                         op = req.op.name();
                         let span = tracing::Span::current();
-                        span.record("id", req.id).record("op", op).record("rows", op_rows(&req.op));
-                        (req.id, self.answer(req.op, extras.same_node, &received).await, extras.same_node)
+                        span.record("id", req.id)
+                            .record("op", op)
+                            .record("rows", op_rows(&req.op));
+                        (
+                            req.id,
+                            self.answer(req.op, extras.same_node, &received).await,
+                            extras.same_node,
+                        )
                     }
                     Err(e) => (fallback_id, errors::native_decode(&e).into(), false),
                 },
@@ -322,24 +431,39 @@ impl NativeService {
                 } else {
                     Outcome::Ok
                 };
-                (native::encode_reply(id, &reply).map_err(EncodeError::from), outcome)
+                (
+                    native::encode_reply(id, &reply).map_err(EncodeError::from),
+                    outcome,
+                )
             }
         };
         let (frames, outcome) = match encoded {
             Ok(f) => (f, outcome),
             Err(e) => {
                 tracing::debug!(error = %e, "reply not encodable");
-                (native::encode_reply(id, &errors::native_encode(&e)).unwrap_or_default(), Outcome::Error)
+                (
+                    native::encode_reply(id, &errors::native_encode(&e)).unwrap_or_default(),
+                    Outcome::Error,
+                )
             }
         };
-        self.metrics.observe(Protocol::Native, op, outcome, started.elapsed(), frames.len());
+        self.metrics.observe(
+            Protocol::Native,
+            op,
+            outcome,
+            started.elapsed(),
+            frames.len(),
+        );
         frames
     }
 
     async fn answer(&self, op: native::Op, same_node: bool, received: &Received) -> Answer {
         let m = &self.manager;
         match op {
-            native::Op::Put { global_indexes, fields } => {
+            native::Op::Put {
+                global_indexes,
+                fields,
+            } => {
                 let mut decoded = Vec::with_capacity(fields.len());
                 for (name, f) in fields {
                     match f.into_field() {
@@ -348,15 +472,27 @@ impl NativeService {
                     }
                 }
                 match m.put(&global_indexes, decoded, received).await {
-                    Ok(()) => native::Reply::PutOk { rows: global_indexes.len() as u64 }.into(),
+                    Ok(()) => native::Reply::PutOk {
+                        rows: global_indexes.len() as u64,
+                    }
+                    .into(),
                     Err(e) => errors::native(&e).into(),
                 }
             }
-            native::Op::Get { global_indexes, fields } => {
+            native::Op::Get {
+                global_indexes,
+                fields,
+            } => {
                 let got = match (same_node, &self.shm) {
-                    (false, _) => m.get(&global_indexes, &fields).await.map_err(|e| errors::native(&e)),
+                    (false, _) => m
+                        .get(&global_indexes, &fields)
+                        .await
+                        .map_err(|e| errors::native(&e)),
                     (true, None) => Err(errors::shm(&ShmError::Disabled)),
-                    (true, Some(shm)) => m.get_shared(&global_indexes, &fields, shm).await.map_err(|e| errors::native_shared(&e)),
+                    (true, Some(shm)) => m
+                        .get_shared(&global_indexes, &fields, shm)
+                        .await
+                        .map_err(|e| errors::native_shared(&e)),
                 };
                 let got = match got {
                     Ok(got) => got,
@@ -375,16 +511,28 @@ impl NativeService {
                     }
                 }
                 places.seal();
-                Answer::Get(GetReply { reply: native::Reply::GetOk { fields: out }, nested_runs, places })
+                Answer::Get(GetReply {
+                    reply: native::Reply::GetOk { fields: out },
+                    nested_runs,
+                    places,
+                })
             }
             native::Op::Lease { bytes } => match &self.shm {
                 None => errors::shm(&ShmError::Disabled).into(),
                 Some(shm) => match shm.lease(bytes) {
-                    Ok((segment, ttl)) => native::Reply::LeaseOk { segment, bytes, ttl_ms: ttl.as_millis() as u64 }.into(),
+                    Ok((segment, ttl)) => native::Reply::LeaseOk {
+                        segment,
+                        bytes,
+                        ttl_ms: ttl.as_millis() as u64,
+                    }
+                    .into(),
                     Err(e) => errors::shm(&e).into(),
                 },
             },
-            native::Op::Clear { global_indexes, fields } => match m.clear(&global_indexes, fields.as_deref()).await {
+            native::Op::Clear {
+                global_indexes,
+                fields,
+            } => match m.clear(&global_indexes, fields.as_deref()).await {
                 Ok(cleared) => native::Reply::ClearOk { cleared }.into(),
                 Err(e) => errors::native(&e).into(),
             },
@@ -395,7 +543,10 @@ impl NativeService {
     fn stats(&self) -> native::Reply {
         let m = &self.manager;
         let c = &m.counters;
-        let mut stats = vec![("units".to_string(), native::Stat::Int(m.targets().len() as i64))];
+        let mut stats = vec![(
+            "units".to_string(),
+            native::Stat::Int(m.targets().len() as i64),
+        )];
         let (mut keys, mut rows, mut bytes, mut capacity) = (0u64, 0u64, 0u64, Some(0u64));
         for t in m.targets() {
             match t {
@@ -416,19 +567,45 @@ impl NativeService {
         if let Some(c) = capacity {
             stats.push(("capacity".into(), int(c)));
         }
-        stats.push(("zero_copy_bytes".into(), int(c.zero_copy_bytes.load(Ordering::Relaxed))));
-        stats.push(("copied_bytes".into(), int(c.copied_bytes.load(Ordering::Relaxed))));
-        stats.push(("plugin_decisions".into(), int(c.plugin_decisions.load(Ordering::Relaxed))));
-        stats.push(("builtin_decisions".into(), int(c.builtin_decisions.load(Ordering::Relaxed))));
+        stats.push((
+            "zero_copy_bytes".into(),
+            int(c.zero_copy_bytes.load(Ordering::Relaxed)),
+        ));
+        stats.push((
+            "copied_bytes".into(),
+            int(c.copied_bytes.load(Ordering::Relaxed)),
+        ));
+        stats.push((
+            "plugin_decisions".into(),
+            int(c.plugin_decisions.load(Ordering::Relaxed)),
+        ));
+        stats.push((
+            "builtin_decisions".into(),
+            int(c.builtin_decisions.load(Ordering::Relaxed)),
+        ));
         stats.push(("fallbacks".into(), int(c.fallbacks.load(Ordering::Relaxed))));
-        stats.push(("process_rss_bytes".into(), int(crate::sys::process_rss_bytes())));
+        stats.push((
+            "process_rss_bytes".into(),
+            int(crate::sys::process_rss_bytes()),
+        ));
         let r = &self.metrics.reloads;
-        stats.push(("plugin_swaps".into(), int(r.swapped.load(Ordering::Relaxed))));
-        stats.push(("plugin_refusals".into(), int(r.refused.load(Ordering::Relaxed))));
-        stats.push(("plugin_removals".into(), int(r.removed.load(Ordering::Relaxed))));
+        stats.push((
+            "plugin_swaps".into(),
+            int(r.swapped.load(Ordering::Relaxed)),
+        ));
+        stats.push((
+            "plugin_refusals".into(),
+            int(r.refused.load(Ordering::Relaxed)),
+        ));
+        stats.push((
+            "plugin_removals".into(),
+            int(r.removed.load(Ordering::Relaxed)),
+        ));
         let registry = m.registry();
         for name in registry.names() {
-            let Some(l) = registry.get(&name) else { continue };
+            let Some(l) = registry.get(&name) else {
+                continue;
+            };
             let st = &l.stats;
             let mut line = format!(
                 "version {} calls {} faults {} invalid_plans {} disabled {} plans {} fallbacks {} rejections {} reenables {}",
@@ -455,7 +632,11 @@ impl NativeService {
 }
 
 impl Service for NativeService {
-    fn handle(self: Arc<Self>, _identity: Bytes, frames: Vec<Bytes>) -> BoxFuture<'static, Option<Vec<Bytes>>> {
+    fn handle(
+        self: Arc<Self>,
+        _identity: Bytes,
+        frames: Vec<Bytes>,
+    ) -> BoxFuture<'static, Option<Vec<Bytes>>> {
         let span = tracing::debug_span!(
             "request",
             endpoint = %self.endpoint,
@@ -465,14 +646,28 @@ impl Service for NativeService {
             rows = tracing::field::Empty,
             bytes = frames.iter().map(Bytes::len).sum::<usize>(),
         );
-        Box::pin(async move { Some(self.serve_one(frames).await).filter(|f| !f.is_empty()) }.instrument(span))
+        Box::pin(
+            async move { Some(self.serve_one(frames).await).filter(|f| !f.is_empty()) }
+                .instrument(span),
+        )
     }
 
-    fn reject(self: Arc<Self>, _identity: Bytes, head: Vec<Bytes>, reason: String) -> BoxFuture<'static, Option<Vec<Bytes>>> {
+    fn reject(
+        self: Arc<Self>,
+        _identity: Bytes,
+        head: Vec<Bytes>,
+        reason: String,
+    ) -> BoxFuture<'static, Option<Vec<Bytes>>> {
         Box::pin(async move {
             let id = native::request_id(&head).unwrap_or(0);
             let frames = native::encode_reply(id, &errors::native_too_large(&reason)).ok()?;
-            self.metrics.observe(Protocol::Native, "too_large", Outcome::Error, Duration::ZERO, frames.len());
+            self.metrics.observe(
+                Protocol::Native,
+                "too_large",
+                Outcome::Error,
+                Duration::ZERO,
+                frames.len(),
+            );
             Some(frames)
         })
     }

@@ -69,7 +69,13 @@ impl Arrivals {
 
     /// A `METRICS_RESPONSE` with these arrivals (no SSD offload here) and
     /// `extra` keys after TransferQueue's.
-    fn metrics(&self, unit_id: &str, capacity: Option<u64>, active_keys: u64, extra: Vec<(String, Bytes)>) -> tq::Reply {
+    fn metrics(
+        &self,
+        unit_id: &str,
+        capacity: Option<u64>,
+        active_keys: u64,
+        extra: Vec<(String, Bytes)>,
+    ) -> tq::Reply {
         let arrivals_by_op = self.0.lock().unwrap_or_else(|p| p.into_inner()).clone();
         tq::Reply::Metrics(tq::Metrics {
             storage_unit_id: unit_id.to_string(),
@@ -118,7 +124,13 @@ fn extra(manager: Option<&Manager>, units: &[&Unit]) -> Vec<(String, Bytes)> {
             ("fallbacks", get(&c.fallbacks)),
         ]);
         let versions = m.registry().version_stats();
-        pairs.push(("plugin_faults", versions.iter().map(|v| v.stats.faults.load(Ordering::Relaxed)).sum()));
+        pairs.push((
+            "plugin_faults",
+            versions
+                .iter()
+                .map(|v| v.stats.faults.load(Ordering::Relaxed))
+                .sum(),
+        ));
     }
     let mut buf = Vec::new();
     rmp::encode::write_map_len(&mut buf, pairs.len() as u32).expect("vec write");
@@ -130,8 +142,19 @@ fn extra(manager: Option<&Manager>, units: &[&Unit]) -> Vec<(String, Bytes)> {
 }
 
 impl TqService {
-    pub(super) fn new(id: String, backend: Backend, metrics: Arc<Metrics>, tq_extra: bool) -> Arc<TqService> {
-        Arc::new(TqService { id, backend, arrivals: Arrivals::default(), metrics, tq_extra })
+    pub(super) fn new(
+        id: String,
+        backend: Backend,
+        metrics: Arc<Metrics>,
+        tq_extra: bool,
+    ) -> Arc<TqService> {
+        Arc::new(TqService {
+            id,
+            backend,
+            arrivals: Arrivals::default(),
+            metrics,
+            tq_extra,
+        })
     }
 
     async fn answer(&self, frames: &[Bytes]) -> (&'static str, tq::Reply) {
@@ -155,15 +178,23 @@ impl TqService {
             | tq::Request::Clear { global_indexes } => global_indexes.len(),
             _ => 0,
         };
-        tracing::Span::current().record("op", op).record("rows", rows);
+        tracing::Span::current()
+            .record("op", op)
+            .record("rows", rows);
         let reply = match request {
-            tq::Request::Put { global_indexes, fields } => {
+            tq::Request::Put {
+                global_indexes,
+                fields,
+            } => {
                 let received = Received::frames(frames.get(1..).unwrap_or_default());
                 let result = match &self.backend {
                     Backend::Unit(unit) => {
-                        let columns =
-                            fields.into_iter().map(|(name, f)| (name, vec![Column::from_field(f, &received)])).collect();
-                        unit.put(&global_indexes, columns).map_err(ManagerError::from)
+                        let columns = fields
+                            .into_iter()
+                            .map(|(name, f)| (name, vec![Column::from_field(f, &received)]))
+                            .collect();
+                        unit.put(&global_indexes, columns)
+                            .map_err(ManagerError::from)
                     }
                     Backend::Router(m) => m.put(&global_indexes, fields, &received).await,
                 };
@@ -172,16 +203,25 @@ impl TqService {
                     Err(e) => errors::tq_reply(id, tq::ErrorReply::Put, &e),
                 }
             }
-            tq::Request::Get { global_indexes, fields } => {
+            tq::Request::Get {
+                global_indexes,
+                fields,
+            } => {
                 let result: Result<Vec<(String, Vec<Cell>)>, ManagerError> = match &self.backend {
                     Backend::Unit(unit) => unit
                         .get(&global_indexes, &fields)
-                        .map(|rows| fields.into_iter().zip(rows.iter().map(|r| r.cells())).collect())
+                        .map(|rows| {
+                            fields
+                                .into_iter()
+                                .zip(rows.iter().map(|r| r.cells()))
+                                .collect()
+                        })
                         .map_err(ManagerError::from),
-                    Backend::Router(m) => m
-                        .get(&global_indexes, &fields)
-                        .await
-                        .map(|got| got.into_iter().map(|(name, rows)| (name, rows.cells())).collect()),
+                    Backend::Router(m) => m.get(&global_indexes, &fields).await.map(|got| {
+                        got.into_iter()
+                            .map(|(name, rows)| (name, rows.cells()))
+                            .collect()
+                    }),
                 };
                 match result {
                     Ok(fields) => tq::Reply::GetData { fields },
@@ -209,7 +249,11 @@ impl TqService {
         match &self.backend {
             Backend::Unit(unit) => {
                 let stats = unit.stats();
-                let extra = if self.tq_extra { extra(None, &[unit]) } else { vec![] };
+                let extra = if self.tq_extra {
+                    extra(None, &[unit])
+                } else {
+                    vec![]
+                };
                 // TransferQueue counts samples (global indexes), not values.
                 self.arrivals.metrics(id, stats.capacity, stats.rows, extra)
             }
@@ -228,7 +272,11 @@ impl TqService {
                         Target::Remote(_) => capacity = None,
                     }
                 }
-                let extra = if self.tq_extra { extra(Some(m), &locals) } else { vec![] };
+                let extra = if self.tq_extra {
+                    extra(Some(m), &locals)
+                } else {
+                    vec![]
+                };
                 self.arrivals.metrics(id, capacity, keys, extra)
             }
         }
@@ -243,7 +291,11 @@ impl TqService {
 }
 
 impl Service for TqService {
-    fn handle(self: Arc<Self>, identity: Bytes, frames: Vec<Bytes>) -> BoxFuture<'static, Option<Vec<Bytes>>> {
+    fn handle(
+        self: Arc<Self>,
+        identity: Bytes,
+        frames: Vec<Bytes>,
+    ) -> BoxFuture<'static, Option<Vec<Bytes>>> {
         Box::pin(async move {
             if !identity_allowed(&identity) {
                 tracing::debug!(identity = %String::from_utf8_lossy(&identity), "request from an unrecognised identity dropped");
@@ -260,23 +312,45 @@ impl Service for TqService {
                 bytes = frames.iter().map(Bytes::len).sum::<usize>(),
             );
             let (op, reply) = self.answer(&frames).instrument(span.clone()).await;
-            let outcome = if matches!(reply, tq::Reply::Error { .. }) { Outcome::Error } else { Outcome::Ok };
+            let outcome = if matches!(reply, tq::Reply::Error { .. }) {
+                Outcome::Error
+            } else {
+                Outcome::Ok
+            };
             if let tq::Reply::Error { message, .. } = &reply {
                 span.in_scope(|| tracing::debug!(error = %message, "error reply"));
             }
             let frames = tq::encode_reply(&self.id, &reply);
-            self.metrics.observe(self.protocol(), op, outcome, started.elapsed(), frames.len());
+            self.metrics.observe(
+                self.protocol(),
+                op,
+                outcome,
+                started.elapsed(),
+                frames.len(),
+            );
             Some(frames)
         })
     }
 
-    fn reject(self: Arc<Self>, identity: Bytes, head: Vec<Bytes>, reason: String) -> BoxFuture<'static, Option<Vec<Bytes>>> {
+    fn reject(
+        self: Arc<Self>,
+        identity: Bytes,
+        head: Vec<Bytes>,
+        reason: String,
+    ) -> BoxFuture<'static, Option<Vec<Bytes>>> {
         Box::pin(async move {
             if !identity_allowed(&identity) {
                 return None;
             }
-            let frames = tq::encode_reply(&self.id, &errors::tq_too_large(&self.id, &head, &reason));
-            self.metrics.observe(self.protocol(), "too_large", Outcome::Error, std::time::Duration::ZERO, frames.len());
+            let frames =
+                tq::encode_reply(&self.id, &errors::tq_too_large(&self.id, &head, &reason));
+            self.metrics.observe(
+                self.protocol(),
+                "too_large",
+                Outcome::Error,
+                std::time::Duration::ZERO,
+                frames.len(),
+            );
             Some(frames)
         })
     }

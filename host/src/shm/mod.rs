@@ -64,7 +64,10 @@ pub enum ShmError {
     #[error("shared memory is not enabled on this stowd")]
     Disabled,
     #[error("shared memory I/O on {path}: {source}")]
-    Io { path: String, source: std::io::Error },
+    Io {
+        path: String,
+        source: std::io::Error,
+    },
     #[error("unknown or expired lease {0:?}")]
     UnknownLease(String),
     #[error("segment name {0:?} is not one of this stowd's segments")]
@@ -72,7 +75,12 @@ pub enum ShmError {
     #[error("lease of {asked} bytes exceeds the {limit}-byte limit")]
     TooLarge { asked: u64, limit: u64 },
     #[error("range {offset}+{len} is outside segment {name} of {size} bytes")]
-    OutOfRange { name: String, offset: u64, len: u64, size: u64 },
+    OutOfRange {
+        name: String,
+        offset: u64,
+        len: u64,
+        size: u64,
+    },
 }
 
 /// A mapped segment; unmapped when the last `Bytes` over it is dropped,
@@ -96,7 +104,10 @@ impl AsRef<[u8]> for SegmentRef {
 impl Drop for Segment {
     fn drop(&mut self) {
         self.live.fetch_sub(1, Ordering::Relaxed);
-        let kept = self.spares.upgrade().is_some_and(|s| s.offer(&self.path, self.map.len() as u64));
+        let kept = self
+            .spares
+            .upgrade()
+            .is_some_and(|s| s.offer(&self.path, self.map.len() as u64));
         if !kept {
             let _ = std::fs::remove_file(&self.path);
         }
@@ -129,18 +140,26 @@ pub struct SegmentStore {
 
 impl std::fmt::Debug for SegmentStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("SegmentStore").field("dir", &self.names.dir).finish()
+        f.debug_struct("SegmentStore")
+            .field("dir", &self.names.dir)
+            .finish()
     }
 }
 
 impl SegmentStore {
     /// A store in `dir`; removes segments left there by dead `stowd`s.
     pub fn new(dir: &Path, lease_ttl: Duration, max_lease: u64) -> Result<SegmentStore, ShmError> {
-        let io = |source| ShmError::Io { path: dir.display().to_string(), source };
+        let io = |source| ShmError::Io {
+            path: dir.display().to_string(),
+            source,
+        };
         std::fs::create_dir_all(dir).map_err(io)?;
         for entry in std::fs::read_dir(dir).map_err(io)?.flatten() {
             let name = entry.file_name().to_string_lossy().to_string();
-            let pid = name.strip_prefix("stowd-").and_then(|r| r.split('-').next()).and_then(|p| p.parse::<u32>().ok());
+            let pid = name
+                .strip_prefix("stowd-")
+                .and_then(|r| r.split('-').next())
+                .and_then(|p| p.parse::<u32>().ok());
             if let Some(pid) = pid
                 && !Path::new(&format!("/proc/{pid}")).exists()
             {
@@ -195,8 +214,16 @@ impl SegmentStore {
             return Ok(spare);
         }
         let path = self.names.dir.join(self.names.fresh());
-        let io = |source| ShmError::Io { path: path.display().to_string(), source };
-        let file = OpenOptions::new().read(true).write(true).create_new(true).open(&path).map_err(io)?;
+        let io = |source| ShmError::Io {
+            path: path.display().to_string(),
+            source,
+        };
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .open(&path)
+            .map_err(io)?;
         file.set_len(len).map_err(io)?;
         Ok((file, path))
     }
@@ -204,7 +231,10 @@ impl SegmentStore {
     /// Maps the file read-only and returns it as `Bytes` (registered so
     /// [`SegmentStore::locate`] finds it).
     fn map(&self, path: PathBuf) -> Result<Bytes, ShmError> {
-        let io = |source| ShmError::Io { path: path.display().to_string(), source };
+        let io = |source| ShmError::Io {
+            path: path.display().to_string(),
+            source,
+        };
         let file = OpenOptions::new().read(true).open(&path).map_err(io)?;
         let len = file.metadata().map_err(io)?.len();
         if len == 0 {
@@ -217,7 +247,12 @@ impl SegmentStore {
         // long as the `Segment` that owns it.
         let map = unsafe { MmapOptions::new().map(&file) }.map_err(io)?;
         self.live.fetch_add(1, Ordering::Relaxed);
-        let segment = Arc::new(Segment { map, path, live: self.live.clone(), spares: Arc::downgrade(&self.spares) });
+        let segment = Arc::new(Segment {
+            map,
+            path,
+            live: self.live.clone(),
+            spares: Arc::downgrade(&self.spares),
+        });
         Ok(Bytes::from_owner(SegmentRef(segment)))
     }
 
@@ -226,19 +261,26 @@ impl SegmentStore {
     pub fn export(&self, parts: &[&[u8]]) -> Result<(Bytes, String), ShmError> {
         let total: usize = parts.iter().map(|p| p.len()).sum();
         let (file, path) = self.create(total as u64)?;
-        let io = |source| ShmError::Io { path: path.display().to_string(), source };
+        let io = |source| ShmError::Io {
+            path: path.display().to_string(),
+            source,
+        };
         {
             // SAFETY: a file stowd just created (or took from its spares,
             // which no reader locks) and nobody else writes; the writable
             // mapping is dropped before the read-only one is made.
-            let mut map: MmapMut = unsafe { MmapOptions::new().populate().map_mut(&file) }.map_err(io)?;
+            let mut map: MmapMut =
+                unsafe { MmapOptions::new().populate().map_mut(&file) }.map_err(io)?;
             let mut at = 0;
             for p in parts {
                 map[at..at + p.len()].copy_from_slice(p);
                 at += p.len();
             }
         }
-        let name = path.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default();
+        let name = path
+            .file_name()
+            .map(|n| n.to_string_lossy().to_string())
+            .unwrap_or_default();
         Ok((self.map(path)?, name))
     }
 
@@ -271,13 +313,26 @@ impl SegmentStore {
     /// adopted before the lease expires.
     pub fn lease(&self, len: u64) -> Result<(String, Duration), ShmError> {
         if len > self.max_lease {
-            return Err(ShmError::TooLarge { asked: len, limit: self.max_lease });
+            return Err(ShmError::TooLarge {
+                asked: len,
+                limit: self.max_lease,
+            });
         }
         self.sweep();
         let (_, path) = self.create(len)?;
-        let name = path.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default();
-        let lease = Lease { path, len, deadline: Instant::now() + self.lease_ttl };
-        self.leases.lock().unwrap_or_else(|p| p.into_inner()).insert(name.clone(), lease);
+        let name = path
+            .file_name()
+            .map(|n| n.to_string_lossy().to_string())
+            .unwrap_or_default();
+        let lease = Lease {
+            path,
+            len,
+            deadline: Instant::now() + self.lease_ttl,
+        };
+        self.leases
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(name.clone(), lease);
         Ok((name, self.lease_ttl))
     }
 
@@ -285,12 +340,23 @@ impl SegmentStore {
     /// without a copy. The lease ends.
     pub fn adopt(&self, name: &str) -> Result<Bytes, ShmError> {
         let path = self.path_of(name)?;
-        let lease = self.leases.lock().unwrap_or_else(|p| p.into_inner()).remove(name);
-        let Some(lease) = lease else { return Err(ShmError::UnknownLease(name.into())) };
+        let lease = self
+            .leases
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(name);
+        let Some(lease) = lease else {
+            return Err(ShmError::UnknownLease(name.into()));
+        };
         debug_assert_eq!(lease.path, path);
         let bytes = self.map(path)?;
         if bytes.len() as u64 != lease.len {
-            return Err(ShmError::OutOfRange { name: name.into(), offset: 0, len: lease.len, size: bytes.len() as u64 });
+            return Err(ShmError::OutOfRange {
+                name: name.into(),
+                offset: 0,
+                len: lease.len,
+                size: bytes.len() as u64,
+            });
         }
         Ok(bytes)
     }
@@ -298,10 +364,17 @@ impl SegmentStore {
     /// Unlinks every expired lease and idle spare; returns how many leases.
     pub fn sweep(&self) -> usize {
         let now = Instant::now();
-        Self::expire(&mut self.held.lock().unwrap_or_else(|p| p.into_inner()), now);
+        Self::expire(
+            &mut self.held.lock().unwrap_or_else(|p| p.into_inner()),
+            now,
+        );
         self.spares.sweep(now);
         let mut leases = self.leases.lock().unwrap_or_else(|p| p.into_inner());
-        let expired: Vec<String> = leases.iter().filter(|(_, l)| l.deadline <= now).map(|(n, _)| n.clone()).collect();
+        let expired: Vec<String> = leases
+            .iter()
+            .filter(|(_, l)| l.deadline <= now)
+            .map(|(n, _)| n.clone())
+            .collect();
         for name in &expired {
             if let Some(l) = leases.remove(name) {
                 let _ = std::fs::remove_file(l.path);
@@ -328,7 +401,12 @@ impl SegmentStore {
 
 impl Drop for SegmentStore {
     fn drop(&mut self) {
-        for (_, l) in self.leases.lock().unwrap_or_else(|p| p.into_inner()).drain() {
+        for (_, l) in self
+            .leases
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .drain()
+        {
             let _ = std::fs::remove_file(l.path);
         }
     }
@@ -358,10 +436,16 @@ mod tests {
         // Named in a reply: held after the last row goes.
         s.hold([part.clone()]);
         drop(part);
-        assert!(file.exists(), "a segment named in a reply went before its hold time");
+        assert!(
+            file.exists(),
+            "a segment named in a reply went before its hold time"
+        );
         std::thread::sleep(Duration::from_millis(80));
         s.sweep();
-        assert!(!file.exists(), "segment not unlinked after the last slice and the hold");
+        assert!(
+            !file.exists(),
+            "segment not unlinked after the last slice and the hold"
+        );
         assert_eq!(s.counts(), (0, 0));
     }
 
@@ -378,7 +462,10 @@ mod tests {
         assert_eq!(s.sweep(), 1);
         assert!(!s.dir().join(&stale).exists());
         assert!(matches!(s.adopt(&stale), Err(ShmError::UnknownLease(_))));
-        assert!(matches!(s.adopt("../../etc/passwd"), Err(ShmError::BadName(_))));
+        assert!(matches!(
+            s.adopt("../../etc/passwd"),
+            Err(ShmError::BadName(_))
+        ));
         assert!(matches!(s.lease(2 << 30), Err(ShmError::TooLarge { .. })));
     }
 
@@ -397,14 +484,20 @@ mod tests {
 
     #[test]
     fn a_cleared_segment_nobody_maps_is_kept_and_leased_again() {
-        let s = store("reuse", Duration::from_secs(5)).with_reuse(64 << 20, Duration::from_secs(60));
+        let s =
+            store("reuse", Duration::from_secs(5)).with_reuse(64 << 20, Duration::from_secs(60));
         let (bytes, path) = put(&s, 4 << 20, 1);
         let ino = inode(&path);
         drop(bytes);
         assert!(!path.exists(), "the old name must go with the rows");
         assert_eq!(s.spares(), (1, 4 << 20, 0));
         // A put naming the spare's file is refused: it is no segment name.
-        let spare = std::fs::read_dir(s.dir()).unwrap().next().unwrap().unwrap().file_name();
+        let spare = std::fs::read_dir(s.dir())
+            .unwrap()
+            .next()
+            .unwrap()
+            .unwrap()
+            .file_name();
         let spare = spare.to_string_lossy().to_string();
         assert!(spare.contains("-spare-"), "{spare}");
         assert!(matches!(s.adopt(&spare), Err(ShmError::BadName(_))));
@@ -425,7 +518,8 @@ mod tests {
 
     #[test]
     fn a_segment_a_reader_still_locks_is_unlinked_not_reused() {
-        let s = store("locked", Duration::from_secs(5)).with_reuse(64 << 20, Duration::from_secs(60));
+        let s =
+            store("locked", Duration::from_secs(5)).with_reuse(64 << 20, Duration::from_secs(60));
         let (bytes, path) = put(&s, 2 << 20, 7);
         // A reader maps it under a shared lock (as the protocol asks).
         let reader = File::open(&path).unwrap();
@@ -434,7 +528,11 @@ mod tests {
         let map = unsafe { MmapOptions::new().map(&reader) }.unwrap();
         drop(bytes);
         assert!(!path.exists());
-        assert_eq!(s.spares(), (0, 0, 0), "a segment a reader locks was kept for reuse");
+        assert_eq!(
+            s.spares(),
+            (0, 0, 0),
+            "a segment a reader locks was kept for reuse"
+        );
         // New leases get new pages: the reader's bytes never change.
         let (again, _) = put(&s, 2 << 20, 8);
         assert!(map.iter().all(|b| *b == 7));
@@ -443,7 +541,8 @@ mod tests {
 
     #[test]
     fn spares_are_bounded_small_ones_unlinked_and_idle_ones_removed() {
-        let s = store("bounded", Duration::from_secs(5)).with_reuse(5 << 20, Duration::from_millis(50));
+        let s =
+            store("bounded", Duration::from_secs(5)).with_reuse(5 << 20, Duration::from_millis(50));
         let (a, _) = put(&s, 2 << 20, 1);
         let (b, _) = put(&s, 2 << 20, 2);
         let (c, c_path) = put(&s, 3 << 20, 3);
@@ -465,7 +564,11 @@ mod tests {
         std::thread::sleep(Duration::from_millis(80));
         s.sweep();
         assert_eq!(s.spares(), (0, 0, 0));
-        assert_eq!(std::fs::read_dir(s.dir()).unwrap().count(), 1, "idle spares were not removed");
+        assert_eq!(
+            std::fs::read_dir(s.dir()).unwrap().count(),
+            1,
+            "idle spares were not removed"
+        );
     }
 
     #[test]

@@ -39,19 +39,33 @@ pub(super) struct Names {
 
 impl Names {
     pub(super) fn fresh(&self) -> String {
-        format!("{}{}", self.prefix, self.next.fetch_add(1, Ordering::Relaxed))
+        format!(
+            "{}{}",
+            self.prefix,
+            self.next.fetch_add(1, Ordering::Relaxed)
+        )
     }
 
     /// A spare's name: not a segment name, so no request can name it.
     pub(super) fn spare(&self) -> String {
-        format!("{}spare-{}", self.prefix, self.next.fetch_add(1, Ordering::Relaxed))
+        format!(
+            "{}spare-{}",
+            self.prefix,
+            self.next.fetch_add(1, Ordering::Relaxed)
+        )
     }
 }
 
 impl Spares {
     /// No spares yet; at most `cap` bytes of them, each kept `idle`.
     pub(super) fn new(names: Arc<Names>, cap: u64, idle: Duration) -> Spares {
-        Spares { names, cap, idle, list: Mutex::default(), reused: AtomicU64::new(0) }
+        Spares {
+            names,
+            cap,
+            idle,
+            list: Mutex::default(),
+            reused: AtomicU64::new(0),
+        }
     }
 
     /// Keeps the file at `path` (of `len` bytes, no longer used by stowd)
@@ -61,7 +75,9 @@ impl Spares {
         if len < MIN_SPARE || len > self.cap {
             return false;
         }
-        let Ok(file) = OpenOptions::new().read(true).write(true).open(path) else { return false };
+        let Ok(file) = OpenOptions::new().read(true).write(true).open(path) else {
+            return false;
+        };
         // A reader's shared lock means its mapping may still be read.
         if file.try_lock().is_err() {
             return false;
@@ -81,7 +97,12 @@ impl Spares {
             total -= old.len;
             let _ = std::fs::remove_file(&old.path);
         }
-        list.push(Spare { file, path: renamed, len, since: Instant::now() });
+        list.push(Spare {
+            file,
+            path: renamed,
+            len,
+            since: Instant::now(),
+        });
         true
     }
 
@@ -101,7 +122,11 @@ impl Spares {
             .min_by_key(|(_, s)| s.len)
             .map(|(i, _)| i);
         let below = || {
-            list.iter().enumerate().filter(|(_, s)| s.len < len && s.len >= len / 2).max_by_key(|(_, s)| s.len).map(|(i, _)| i)
+            list.iter()
+                .enumerate()
+                .filter(|(_, s)| s.len < len && s.len >= len / 2)
+                .max_by_key(|(_, s)| s.len)
+                .map(|(i, _)| i)
         };
         let i = above.or_else(below)?;
         let spare = list.remove(i);
@@ -137,7 +162,12 @@ impl Spares {
 
 impl Drop for Spares {
     fn drop(&mut self) {
-        for s in self.list.get_mut().unwrap_or_else(|p| p.into_inner()).drain(..) {
+        for s in self
+            .list
+            .get_mut()
+            .unwrap_or_else(|p| p.into_inner())
+            .drain(..)
+        {
             let _ = std::fs::remove_file(&s.path);
         }
     }

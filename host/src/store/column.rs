@@ -62,7 +62,13 @@ impl Column {
     pub fn nested_row(extent: Arc<Extent>, offset: usize, t: Tensor) -> NestedRow {
         let len = t.payload_len();
         let dtype = t.dtype();
-        NestedRow { extent, offset, len, dtype, shape: t.into_shape().into_boxed_slice() }
+        NestedRow {
+            extent,
+            offset,
+            len,
+            dtype,
+            shape: t.into_shape().into_boxed_slice(),
+        }
     }
 
     /// The rows of a decoded field as stored: slices of the request's
@@ -92,7 +98,11 @@ impl Column {
     pub fn from_cell(cell: Cell) -> Column {
         match cell {
             Cell::Tensor(t) => {
-                let t = if t.is_contiguous() && t.byte_len() == t.payload_len() { t } else { contiguous(&t) };
+                let t = if t.is_contiguous() && t.byte_len() == t.payload_len() {
+                    t
+                } else {
+                    contiguous(&t)
+                };
                 let extent = Extent::new(t.buffer().clone());
                 Column::Nested(vec![Column::nested_row(extent, 0, t)])
             }

@@ -29,19 +29,33 @@ use std::sync::Arc;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-
 /// Why a unit refused a request. Nothing was changed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum StoreError {
     #[error("[TQKeyNotFound] key (global_index={index}, field={field}) not found in unit {unit}")]
-    KeyNotFound { unit: String, index: u64, field: String },
-    #[error("unit {unit} is full: the put needs {needed} more bytes, {free} of {capacity} are free")]
-    Capacity { unit: String, needed: u64, free: u64, capacity: u64 },
+    KeyNotFound {
+        unit: String,
+        index: u64,
+        field: String,
+    },
+    #[error(
+        "unit {unit} is full: the put needs {needed} more bytes, {free} of {capacity} are free"
+    )]
+    Capacity {
+        unit: String,
+        needed: u64,
+        free: u64,
+        capacity: u64,
+    },
     #[error("global index {0} appears more than once in one put")]
     DuplicateIndex(u64),
     #[error("field {field} has {rows} rows for {indexes} global indexes")]
-    RowCount { field: String, rows: u64, indexes: usize },
+    RowCount {
+        field: String,
+        rows: u64,
+        indexes: usize,
+    },
     #[error("empty batch: no global indexes")]
     Empty,
 }
@@ -63,7 +77,6 @@ mod tests;
 
 pub use column::{Column, NestedRow, RegularColumn};
 pub use rows::{RowRef, Rows, Run};
-
 
 /// Hashes a global index so that consecutive indexes land in consecutive
 /// buckets (their low 16 bits are kept as they are), while indexes that
@@ -136,8 +149,17 @@ struct Inner {
 }
 
 /// Stores a column (rows for `indexes`) under a free number.
-fn add_column(columns: &mut Vec<Option<Slot>>, free: &mut Vec<u32>, column: Column, indexes: &[u64]) -> u32 {
-    let slot = Some(Slot { live: indexes.len() as u64, indexes: indexes.into(), column: Arc::new(column) });
+fn add_column(
+    columns: &mut Vec<Option<Slot>>,
+    free: &mut Vec<u32>,
+    column: Column,
+    indexes: &[u64],
+) -> u32 {
+    let slot = Some(Slot {
+        live: indexes.len() as u64,
+        indexes: indexes.into(),
+        column: Arc::new(column),
+    });
     match free.pop() {
         Some(i) => {
             columns[i as usize] = slot;
@@ -153,7 +175,9 @@ fn add_column(columns: &mut Vec<Option<Slot>>, free: &mut Vec<u32>, column: Colu
 /// Drops one row's reference to its column (and the column with its last
 /// row); returns the row's bytes.
 fn release(columns: &mut [Option<Slot>], free: &mut Vec<u32>, loc: Loc) -> u64 {
-    let slot = columns[loc.column as usize].as_mut().expect("indexed rows point at live columns");
+    let slot = columns[loc.column as usize]
+        .as_mut()
+        .expect("indexed rows point at live columns");
     let len = slot.column.row_len(loc.row as usize);
     slot.live -= 1;
     if slot.live == 0 {
@@ -165,12 +189,23 @@ fn release(columns: &mut [Option<Slot>], free: &mut Vec<u32>, loc: Loc) -> u64 {
 
 impl Inner {
     fn row_len(&self, loc: Loc) -> u64 {
-        self.columns[loc.column as usize].as_ref().expect("indexed rows point at live columns").column.row_len(loc.row as usize)
+        self.columns[loc.column as usize]
+            .as_ref()
+            .expect("indexed rows point at live columns")
+            .column
+            .row_len(loc.row as usize)
     }
 
     /// Removes (g, field) if present: returns its bytes.
     fn remove(&mut self, field: &str, g: u64) -> Option<u64> {
-        let Inner { fields, present, columns, free, keys, .. } = self;
+        let Inner {
+            fields,
+            present,
+            columns,
+            free,
+            keys,
+            ..
+        } = self;
         let loc = fields.get_mut(field)?.remove(&g)?;
         let len = release(columns, free, loc);
         if let Some(n) = present.get_mut(&g) {
@@ -194,7 +229,10 @@ pub struct Unit {
 
 impl std::fmt::Debug for Unit {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Unit").field("id", &self.id).field("capacity", &self.capacity).finish()
+        f.debug_struct("Unit")
+            .field("id", &self.id)
+            .field("capacity", &self.capacity)
+            .finish()
     }
 }
 
@@ -213,7 +251,12 @@ pub type PutField = (String, Vec<Column>);
 impl Unit {
     /// A unit with an optional capacity in bytes.
     pub fn new(id: impl Into<String>, capacity: Option<u64>) -> Unit {
-        Unit { id: id.into(), capacity, inner: Mutex::new(Inner::default()), counters: UnitCounters::default() }
+        Unit {
+            id: id.into(),
+            capacity,
+            inner: Mutex::new(Inner::default()),
+            counters: UnitCounters::default(),
+        }
     }
 
     pub fn id(&self) -> &str {
@@ -238,7 +281,14 @@ impl Unit {
                 Some((k, _)) => k.clone(),
                 None => Arc::from(name.as_str()),
             };
-            let Inner { fields, present, columns, free, keys, .. } = &mut *inner;
+            let Inner {
+                fields,
+                present,
+                columns,
+                free,
+                keys,
+                ..
+            } = &mut *inner;
             let index = fields.entry(name).or_default();
             index.reserve(global_indexes.len());
             if present.is_empty() {
@@ -249,7 +299,13 @@ impl Unit {
                 let rows = column.rows() as usize;
                 let c = add_column(columns, free, column, &global_indexes[next..next + rows]);
                 for (row, g) in global_indexes[next..next + rows].iter().enumerate() {
-                    match index.insert(*g, Loc { column: c, row: row as u32 }) {
+                    match index.insert(
+                        *g,
+                        Loc {
+                            column: c,
+                            row: row as u32,
+                        },
+                    ) {
                         Some(old) => freed += release(columns, free, old),
                         None => {
                             *keys += 1;
@@ -270,18 +326,34 @@ impl Unit {
     /// would succeed now (a put over several units checks every unit first).
     pub fn check_put(&self, global_indexes: &[u64], fields: &[PutField]) -> Result<(), StoreError> {
         check_shape(global_indexes, fields)?;
-        self.check_capacity(&self.lock(), global_indexes, fields).map(drop)
+        self.check_capacity(&self.lock(), global_indexes, fields)
+            .map(drop)
     }
 
     /// Capacity: bytes after the put, counting overwritten rows as freed.
     /// Returns (bytes added, bytes freed).
-    fn check_capacity(&self, inner: &Inner, global_indexes: &[u64], fields: &[PutField]) -> Result<(u64, u64), StoreError> {
-        let added: u64 = fields.iter().flat_map(|(_, c)| c.iter()).map(Column::byte_len).sum();
-        let Some(capacity) = self.capacity else { return Ok((added, 0)) };
+    fn check_capacity(
+        &self,
+        inner: &Inner,
+        global_indexes: &[u64],
+        fields: &[PutField],
+    ) -> Result<(u64, u64), StoreError> {
+        let added: u64 = fields
+            .iter()
+            .flat_map(|(_, c)| c.iter())
+            .map(Column::byte_len)
+            .sum();
+        let Some(capacity) = self.capacity else {
+            return Ok((added, 0));
+        };
         let mut freed = 0u64;
         for (name, _) in fields {
             if let Some(index) = inner.fields.get(name.as_str()) {
-                freed += global_indexes.iter().filter_map(|g| index.get(g)).map(|loc| inner.row_len(*loc)).sum::<u64>();
+                freed += global_indexes
+                    .iter()
+                    .filter_map(|g| index.get(g))
+                    .map(|loc| inner.row_len(*loc))
+                    .sum::<u64>();
             }
         }
         let after = inner.bytes - freed + added;
@@ -301,13 +373,20 @@ impl Unit {
     pub fn get(&self, global_indexes: &[u64], fields: &[String]) -> Result<Vec<Rows>, StoreError> {
         self.counters.gets.fetch_add(1, Ordering::Relaxed);
         let inner = self.lock();
-        let missing = |g: u64, field: &str| StoreError::KeyNotFound { unit: self.id.clone(), index: g, field: field.to_string() };
+        let missing = |g: u64, field: &str| StoreError::KeyNotFound {
+            unit: self.id.clone(),
+            index: g,
+            field: field.to_string(),
+        };
         let mut out = Vec::with_capacity(fields.len());
         for field in fields {
             let Some(index) = inner.fields.get(field.as_str()) else {
                 return Err(missing(global_indexes.first().copied().unwrap_or(0), field));
             };
-            let mut rows = Rows { columns: Vec::new(), refs: Vec::with_capacity(global_indexes.len()) };
+            let mut rows = Rows {
+                columns: Vec::new(),
+                refs: Vec::with_capacity(global_indexes.len()),
+            };
             // Column number in the unit -> in `rows`; requested rows mostly
             // come in runs of one column, in put order.
             let mut numbered: IndexMap<u32> = IndexMap::default();
@@ -315,9 +394,14 @@ impl Unit {
             let mut last: Option<(u32, u32, u32)> = None;
             for &g in global_indexes {
                 if let Some((unit_col, ours, row)) = last {
-                    let slot = inner.columns[unit_col as usize].as_ref().expect("indexed rows point at live columns");
+                    let slot = inner.columns[unit_col as usize]
+                        .as_ref()
+                        .expect("indexed rows point at live columns");
                     if slot.intact() && slot.indexes.get(row as usize + 1) == Some(&g) {
-                        rows.refs.push(RowRef { column: ours, row: row + 1 });
+                        rows.refs.push(RowRef {
+                            column: ours,
+                            row: row + 1,
+                        });
                         last = Some((unit_col, ours, row + 1));
                         continue;
                     }
@@ -326,13 +410,18 @@ impl Unit {
                 let ours = match last {
                     Some((unit_col, ours, _)) if unit_col == loc.column => ours,
                     _ => *numbered.entry(u64::from(loc.column)).or_insert_with(|| {
-                        let slot = inner.columns[loc.column as usize].as_ref().expect("indexed rows point at live columns");
+                        let slot = inner.columns[loc.column as usize]
+                            .as_ref()
+                            .expect("indexed rows point at live columns");
                         rows.columns.push(slot.column.clone());
                         (rows.columns.len() - 1) as u32
                     }),
                 };
                 last = Some((loc.column, ours, loc.row));
-                rows.refs.push(RowRef { column: ours, row: loc.row });
+                rows.refs.push(RowRef {
+                    column: ours,
+                    row: loc.row,
+                });
             }
             out.push(rows);
         }
@@ -356,7 +445,14 @@ impl Unit {
             }
             None => {
                 // Field by field, each index's map walked in request order.
-                let Inner { fields, present, columns, free, keys, .. } = &mut *inner;
+                let Inner {
+                    fields,
+                    present,
+                    columns,
+                    free,
+                    keys,
+                    ..
+                } = &mut *inner;
                 let mut gone = 0u64;
                 for index in fields.values_mut() {
                     for g in global_indexes {
@@ -375,7 +471,13 @@ impl Unit {
         // Forget fields no index has any more.
         inner.fields.retain(|_, index| !index.is_empty());
         if inner.keys == 0 {
-            let Inner { fields, present, columns, free, .. } = &mut *inner;
+            let Inner {
+                fields,
+                present,
+                columns,
+                free,
+                ..
+            } = &mut *inner;
             fields.shrink_to_fit();
             present.shrink_to(0);
             columns.clear();
@@ -393,10 +495,14 @@ impl Unit {
     /// Current size.
     pub fn stats(&self) -> UnitStats {
         let inner = self.lock();
-        UnitStats { keys: inner.keys, rows: inner.present.len() as u64, bytes: inner.bytes, capacity: self.capacity }
+        UnitStats {
+            keys: inner.keys,
+            rows: inner.present.len() as u64,
+            bytes: inner.bytes,
+            capacity: self.capacity,
+        }
     }
 }
-
 
 /// An index that appears twice, if any: a linear scan when the indexes
 /// increase (the usual put), a hash set otherwise.
@@ -406,7 +512,10 @@ pub fn duplicate(global_indexes: &[u64]) -> Option<u64> {
     }
     let mut seen: IndexMap<()> = IndexMap::default();
     seen.reserve(global_indexes.len());
-    global_indexes.iter().copied().find(|&g| seen.insert(g, ()).is_some())
+    global_indexes
+        .iter()
+        .copied()
+        .find(|&g| seen.insert(g, ()).is_some())
 }
 
 /// Checks a put's indexes (at least one, distinct) and row counts.
@@ -415,7 +524,11 @@ fn check_shape(global_indexes: &[u64], fields: &[PutField]) -> Result<(), StoreE
         return Err(StoreError::Empty);
     }
     if u32::try_from(global_indexes.len()).is_err() {
-        return Err(StoreError::RowCount { field: String::new(), rows: global_indexes.len() as u64, indexes: global_indexes.len() });
+        return Err(StoreError::RowCount {
+            field: String::new(),
+            rows: global_indexes.len() as u64,
+            indexes: global_indexes.len(),
+        });
     }
     if let Some(g) = duplicate(global_indexes) {
         return Err(StoreError::DuplicateIndex(g));
@@ -423,7 +536,11 @@ fn check_shape(global_indexes: &[u64], fields: &[PutField]) -> Result<(), StoreE
     for (name, columns) in fields {
         let rows: u64 = columns.iter().map(Column::rows).sum();
         if rows != global_indexes.len() as u64 {
-            return Err(StoreError::RowCount { field: name.clone(), rows, indexes: global_indexes.len() });
+            return Err(StoreError::RowCount {
+                field: name.clone(),
+                rows,
+                indexes: global_indexes.len(),
+            });
         }
     }
     Ok(())

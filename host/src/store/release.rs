@@ -60,7 +60,10 @@ fn run() {
             match follow_up {
                 None => pending = wake.wait(pending).unwrap_or_else(|p| p.into_inner()),
                 Some(at) if Instant::now() < at => {
-                    pending = wake.wait_timeout(pending, at - Instant::now()).unwrap_or_else(|p| p.into_inner()).0;
+                    pending = wake
+                        .wait_timeout(pending, at - Instant::now())
+                        .unwrap_or_else(|p| p.into_inner())
+                        .0;
                 }
                 Some(_) => {
                     follow_up = None;
@@ -82,7 +85,10 @@ fn run() {
             pending = lock.lock().unwrap_or_else(|p| p.into_inner());
         } else {
             let wait = (QUIET - since_free).min(MAX_INTERVAL.saturating_sub(last_trim.elapsed()));
-            pending = wake.wait_timeout(pending, wait).unwrap_or_else(|p| p.into_inner()).0;
+            pending = wake
+                .wait_timeout(pending, wait)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
         }
     }
 }
@@ -91,7 +97,11 @@ fn run() {
 fn trim(freed: u64) {
     let started = Instant::now();
     crate::sys::malloc_trim();
-    tracing::trace!(freed, took_us = started.elapsed().as_micros() as u64, "malloc_trim");
+    tracing::trace!(
+        freed,
+        took_us = started.elapsed().as_micros() as u64,
+        "malloc_trim"
+    );
 }
 
 /// Notes that `bytes` of stored rows were dropped.

@@ -13,7 +13,6 @@ use crate::extent::{self, Extent, Place};
 use crate::shm::{SegmentStore, ShmError};
 use crate::tensor::DType;
 
-
 /// Row `row` of column `column` of a [`Rows`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct RowRef {
@@ -50,7 +49,13 @@ impl Run {
     /// The run's bytes: a slice of its base (zero copy).
     pub fn bytes(&self) -> Bytes {
         match self {
-            Run::Tensor { base, offset, rows, row_bytes, .. } => base.slice(*offset..*offset + *rows as usize * *row_bytes),
+            Run::Tensor {
+                base,
+                offset,
+                rows,
+                row_bytes,
+                ..
+            } => base.slice(*offset..*offset + *rows as usize * *row_bytes),
             Run::Value(_) => Bytes::new(),
         }
     }
@@ -61,7 +66,10 @@ impl Rows {
     pub fn append(&mut self, other: Rows) {
         let base = self.columns.len() as u32;
         self.columns.extend(other.columns);
-        self.refs.extend(other.refs.into_iter().map(|r| RowRef { column: base + r.column, row: r.row }));
+        self.refs.extend(other.refs.into_iter().map(|r| RowRef {
+            column: base + r.column,
+            row: r.row,
+        }));
     }
 
     /// Number of rows.
@@ -75,7 +83,10 @@ impl Rows {
 
     /// One cell per row (zero copy).
     pub fn cells(&self) -> Vec<Cell> {
-        self.refs.iter().map(|r| self.columns[r.column as usize].cell(r.row as usize)).collect()
+        self.refs
+            .iter()
+            .map(|r| self.columns[r.column as usize].cell(r.row as usize))
+            .collect()
     }
 
     /// Moves every extent these rows are in into shared memory, once: the
@@ -88,7 +99,9 @@ impl Rows {
         for r in &self.refs {
             match self.columns[r.column as usize].as_ref() {
                 Column::Regular(c) => {
-                    if !std::mem::replace(&mut column_done[r.column as usize], true) && seen.insert(c.extent.id()) {
+                    if !std::mem::replace(&mut column_done[r.column as usize], true)
+                        && seen.insert(c.extent.id())
+                    {
                         order.push(c.extent.clone());
                     }
                 }
@@ -110,33 +123,51 @@ impl Rows {
     /// so a run never mixes an extent's old and new place.
     pub fn runs(&self) -> Vec<Run> {
         let mut places: HashMap<u64, Place> = HashMap::new();
-        let mut place_of = |e: &Arc<Extent>| places.entry(e.id()).or_insert_with(|| e.place()).clone();
+        let mut place_of =
+            |e: &Arc<Extent>| places.entry(e.id()).or_insert_with(|| e.place()).clone();
         // Per column, its place (regular columns), taken once.
         let col_places: Vec<Option<Place>> = self
             .columns
             .iter()
-            .map(|c| if let Column::Regular(c) = c.as_ref() { Some(place_of(&c.extent)) } else { None })
+            .map(|c| {
+                if let Column::Regular(c) = c.as_ref() {
+                    Some(place_of(&c.extent))
+                } else {
+                    None
+                }
+            })
             .collect();
         let mut runs: Vec<Run> = Vec::new();
         for r in &self.refs {
             let column = &self.columns[r.column as usize];
             let row = r.row as usize;
-            let (place, offset, row_bytes, dtype, shape): (&Place, usize, usize, DType, &[u64]) = match column.as_ref() {
-                Column::Regular(c) => {
-                    let place = col_places[r.column as usize].as_ref().expect("regular column has a place");
-                    (place, c.offset + row * c.stride, c.row_bytes, c.dtype, &c.row_shape)
-                }
-                Column::Nested(rows) => {
-                    let n = &rows[row];
-                    let place = places.entry(n.extent.id()).or_insert_with(|| n.extent.place());
-                    push_row(&mut runs, place, n.offset, n.len, n.dtype, &n.shape);
-                    continue;
-                }
-                Column::Values(v) => {
-                    runs.push(Run::Value(v[row].clone()));
-                    continue;
-                }
-            };
+            let (place, offset, row_bytes, dtype, shape): (&Place, usize, usize, DType, &[u64]) =
+                match column.as_ref() {
+                    Column::Regular(c) => {
+                        let place = col_places[r.column as usize]
+                            .as_ref()
+                            .expect("regular column has a place");
+                        (
+                            place,
+                            c.offset + row * c.stride,
+                            c.row_bytes,
+                            c.dtype,
+                            &c.row_shape,
+                        )
+                    }
+                    Column::Nested(rows) => {
+                        let n = &rows[row];
+                        let place = places
+                            .entry(n.extent.id())
+                            .or_insert_with(|| n.extent.place());
+                        push_row(&mut runs, place, n.offset, n.len, n.dtype, &n.shape);
+                        continue;
+                    }
+                    Column::Values(v) => {
+                        runs.push(Run::Value(v[row].clone()));
+                        continue;
+                    }
+                };
             push_row(&mut runs, place, offset, row_bytes, dtype, shape);
         }
         runs
@@ -145,9 +176,24 @@ impl Rows {
 
 /// Appends one row (`row_bytes` at `offset` in the extent at `place`) to
 /// the last run if it follows it in the same buffer, else as a new run.
-fn push_row(runs: &mut Vec<Run>, place: &Place, offset: usize, row_bytes: usize, dtype: DType, shape: &[u64]) {
+fn push_row(
+    runs: &mut Vec<Run>,
+    place: &Place,
+    offset: usize,
+    row_bytes: usize,
+    dtype: DType,
+    shape: &[u64],
+) {
     let at = place.offset + offset;
-    if let Some(Run::Tensor { base, offset: o, rows, row_bytes: rb, dtype: d, row_shape, .. }) = runs.last_mut()
+    if let Some(Run::Tensor {
+        base,
+        offset: o,
+        rows,
+        row_bytes: rb,
+        dtype: d,
+        row_shape,
+        ..
+    }) = runs.last_mut()
         && *rb == row_bytes
         && *d == dtype
         && base.as_ptr() == place.base.as_ptr()

@@ -23,11 +23,24 @@ fn got(unit: &Unit, g: &[u64], field: &str) -> Vec<Cell> {
 #[test]
 fn put_get_overwrite_clear() {
     let unit = Unit::new("u0", None);
-    unit.put(&[1, 2], vec![("a".into(), values(&["x", "yy"]))]).unwrap();
+    unit.put(&[1, 2], vec![("a".into(), values(&["x", "yy"]))])
+        .unwrap();
     assert_eq!(unit.stats().bytes, 3);
-    unit.put(&[2], vec![("a".into(), values(&["zzzz"]))]).unwrap();
-    assert_eq!(unit.stats(), UnitStats { keys: 2, rows: 2, bytes: 5, capacity: None });
-    assert_eq!(got(&unit, &[2, 1], "a"), vec![Cell::Value(s("zzzz")), Cell::Value(s("x"))]);
+    unit.put(&[2], vec![("a".into(), values(&["zzzz"]))])
+        .unwrap();
+    assert_eq!(
+        unit.stats(),
+        UnitStats {
+            keys: 2,
+            rows: 2,
+            bytes: 5,
+            capacity: None
+        }
+    );
+    assert_eq!(
+        got(&unit, &[2, 1], "a"),
+        vec![Cell::Value(s("zzzz")), Cell::Value(s("x"))]
+    );
     let err = unit.get(&[1, 9], &["a".into()]).unwrap_err();
     assert!(err.to_string().starts_with("[TQKeyNotFound] "));
     assert!(unit.get(&[1], &["nope".into()]).is_err());
@@ -38,32 +51,88 @@ fn put_get_overwrite_clear() {
 #[test]
 fn fields_clear_one_by_one() {
     let unit = Unit::new("u0", None);
-    unit.put(&[1, 2], vec![("a".into(), values(&["x", "y"])), ("b".into(), values(&["p", "q"]))]).unwrap();
-    assert_eq!(unit.stats(), UnitStats { keys: 4, rows: 2, bytes: 4, capacity: None });
+    unit.put(
+        &[1, 2],
+        vec![
+            ("a".into(), values(&["x", "y"])),
+            ("b".into(), values(&["p", "q"])),
+        ],
+    )
+    .unwrap();
+    assert_eq!(
+        unit.stats(),
+        UnitStats {
+            keys: 4,
+            rows: 2,
+            bytes: 4,
+            capacity: None
+        }
+    );
     assert_eq!(unit.clear(&[1], Some(&["a".to_string()])), 1);
-    assert_eq!(unit.stats(), UnitStats { keys: 3, rows: 2, bytes: 3, capacity: None });
-    assert_eq!(unit.clear(&[1], Some(&["b".to_string(), "a".to_string()])), 1);
-    assert_eq!(unit.stats(), UnitStats { keys: 2, rows: 1, bytes: 2, capacity: None });
+    assert_eq!(
+        unit.stats(),
+        UnitStats {
+            keys: 3,
+            rows: 2,
+            bytes: 3,
+            capacity: None
+        }
+    );
+    assert_eq!(
+        unit.clear(&[1], Some(&["b".to_string(), "a".to_string()])),
+        1
+    );
+    assert_eq!(
+        unit.stats(),
+        UnitStats {
+            keys: 2,
+            rows: 1,
+            bytes: 2,
+            capacity: None
+        }
+    );
     assert_eq!(got(&unit, &[2], "b"), vec![Cell::Value(s("q"))]);
     assert_eq!(unit.clear(&[2], None), 2);
-    assert_eq!(unit.stats(), UnitStats { keys: 0, rows: 0, bytes: 0, capacity: None });
+    assert_eq!(
+        unit.stats(),
+        UnitStats {
+            keys: 0,
+            rows: 0,
+            bytes: 0,
+            capacity: None
+        }
+    );
 }
 
 #[test]
 fn puts_are_all_or_nothing() {
     let unit = Unit::new("u0", Some(10));
-    unit.put(&[1], vec![("a".into(), values(&["12345"]))]).unwrap();
+    unit.put(&[1], vec![("a".into(), values(&["12345"]))])
+        .unwrap();
     let before = unit.stats();
-    assert!(matches!(unit.put(&[2, 2], vec![("a".into(), values(&["1", "2"]))]), Err(StoreError::DuplicateIndex(2))));
     assert!(matches!(
-        unit.put(&[2, 3], vec![("a".into(), values(&["1", "2"])), ("b".into(), values(&["1"]))]),
+        unit.put(&[2, 2], vec![("a".into(), values(&["1", "2"]))]),
+        Err(StoreError::DuplicateIndex(2))
+    ));
+    assert!(matches!(
+        unit.put(
+            &[2, 3],
+            vec![
+                ("a".into(), values(&["1", "2"])),
+                ("b".into(), values(&["1"]))
+            ]
+        ),
         Err(StoreError::RowCount { .. })
     ));
-    assert!(matches!(unit.put(&[2], vec![("a".into(), values(&["123456"]))]), Err(StoreError::Capacity { .. })));
+    assert!(matches!(
+        unit.put(&[2], vec![("a".into(), values(&["123456"]))]),
+        Err(StoreError::Capacity { .. })
+    ));
     assert_eq!(unit.stats(), before);
     assert!(unit.get(&[2], &["a".into()]).is_err());
     // Overwriting frees the old bytes first.
-    unit.put(&[1], vec![("a".into(), values(&["1234567890"]))]).unwrap();
+    unit.put(&[1], vec![("a".into(), values(&["1234567890"]))])
+        .unwrap();
     assert_eq!(unit.stats().bytes, 10);
 }
 
@@ -72,15 +141,31 @@ fn check_put_stores_nothing() {
     let unit = Unit::new("u0", Some(4));
     unit.put(&[1], vec![("a".into(), values(&["12"]))]).unwrap();
     let too_big = [("a".to_string(), values(&["123"]))];
-    assert!(matches!(unit.check_put(&[2], &too_big), Err(StoreError::Capacity { .. })));
+    assert!(matches!(
+        unit.check_put(&[2], &too_big),
+        Err(StoreError::Capacity { .. })
+    ));
     // Overwriting index 1 frees its 2 bytes first.
     unit.check_put(&[1], &too_big).unwrap();
-    assert!(matches!(unit.check_put(&[2, 2], &[]), Err(StoreError::DuplicateIndex(2))));
-    assert_eq!(unit.stats(), UnitStats { keys: 1, rows: 1, bytes: 2, capacity: Some(4) });
+    assert!(matches!(
+        unit.check_put(&[2, 2], &[]),
+        Err(StoreError::DuplicateIndex(2))
+    ));
+    assert_eq!(
+        unit.stats(),
+        UnitStats {
+            keys: 1,
+            rows: 1,
+            bytes: 2,
+            capacity: Some(4)
+        }
+    );
 }
 
 fn frame_tensor(rows: u64, cols: u64) -> (Bytes, Tensor) {
-    let data: Vec<u8> = (0..rows * cols).flat_map(|v| (v as f32).to_le_bytes()).collect();
+    let data: Vec<u8> = (0..rows * cols)
+        .flat_map(|v| (v as f32).to_le_bytes())
+        .collect();
     let frame = Bytes::from(data);
     let t = Tensor::contiguous(frame.clone(), DType::F32, vec![rows, cols]).unwrap();
     (frame, t)
@@ -91,13 +176,24 @@ fn clearing_the_last_row_frees_the_extent() {
     let (frame, t) = frame_tensor(4, 4);
     let received = Received::frames(std::slice::from_ref(&frame));
     let unit = Unit::new("u0", None);
-    unit.put(&[0, 1, 2, 3], vec![("t".into(), vec![Column::from_field(Field::Regular(t), &received)])]).unwrap();
+    unit.put(
+        &[0, 1, 2, 3],
+        vec![(
+            "t".into(),
+            vec![Column::from_field(Field::Regular(t), &received)],
+        )],
+    )
+    .unwrap();
     drop(received);
     assert!(!frame.is_unique());
     unit.clear(&[0, 1, 2], None);
     assert!(!frame.is_unique());
-    unit.put(&[3], vec![("t".into(), values(&["over"]))]).unwrap();
-    assert!(frame.is_unique(), "the frame is still pinned after its last row was overwritten");
+    unit.put(&[3], vec![("t".into(), values(&["over"]))])
+        .unwrap();
+    assert!(
+        frame.is_unique(),
+        "the frame is still pinned after its last row was overwritten"
+    );
 }
 
 #[test]
@@ -113,11 +209,20 @@ fn rows_put_together_come_back_as_one_run_across_units() {
         let (extent, offset, zero_copy) = received.locate_or_own(view.buffer());
         assert!(zero_copy);
         let g: Vec<u64> = (0..4).map(|i| u as u64 + 2 * i).collect();
-        unit.put(&g, vec![("t".into(), vec![Column::regular(extent, offset, &view)])]).unwrap();
+        unit.put(
+            &g,
+            vec![("t".into(), vec![Column::regular(extent, offset, &view)])],
+        )
+        .unwrap();
     }
     let mut all = Rows::default();
     for g in 0..8u64 {
-        all.append(units[(g % 2) as usize].get(&[g], &["t".into()]).unwrap().remove(0));
+        all.append(
+            units[(g % 2) as usize]
+                .get(&[g], &["t".into()])
+                .unwrap()
+                .remove(0),
+        );
     }
     let runs = all.runs();
     assert_eq!(runs.len(), 1);
@@ -127,7 +232,12 @@ fn rows_put_together_come_back_as_one_run_across_units() {
     // Reversed order: every row its own run, each a slice of the frame.
     let mut rev = Rows::default();
     for g in (0..8u64).rev() {
-        rev.append(units[(g % 2) as usize].get(&[g], &["t".into()]).unwrap().remove(0));
+        rev.append(
+            units[(g % 2) as usize]
+                .get(&[g], &["t".into()])
+                .unwrap()
+                .remove(0),
+        );
     }
     let runs = rev.runs();
     assert_eq!(runs.len(), 8);
@@ -139,13 +249,29 @@ fn rows_put_together_come_back_as_one_run_across_units() {
 #[test]
 fn a_get_in_put_order_sees_an_overwritten_or_cleared_row() {
     let unit = Unit::new("u0", None);
-    unit.put(&[1, 2, 3, 4], vec![("a".into(), values(&["a1", "a2", "a3", "a4"]))]).unwrap();
-    assert_eq!(got(&unit, &[1, 2, 3, 4], "a"), ["a1", "a2", "a3", "a4"].map(|v| Cell::Value(s(v))).to_vec());
+    unit.put(
+        &[1, 2, 3, 4],
+        vec![("a".into(), values(&["a1", "a2", "a3", "a4"]))],
+    )
+    .unwrap();
+    assert_eq!(
+        got(&unit, &[1, 2, 3, 4], "a"),
+        ["a1", "a2", "a3", "a4"].map(|v| Cell::Value(s(v))).to_vec()
+    );
     unit.put(&[2], vec![("a".into(), values(&["b2"]))]).unwrap();
-    assert_eq!(got(&unit, &[1, 2, 3, 4], "a"), ["a1", "b2", "a3", "a4"].map(|v| Cell::Value(s(v))).to_vec());
+    assert_eq!(
+        got(&unit, &[1, 2, 3, 4], "a"),
+        ["a1", "b2", "a3", "a4"].map(|v| Cell::Value(s(v))).to_vec()
+    );
     unit.clear(&[3], None);
-    assert!(matches!(unit.get(&[1, 2, 3, 4], &["a".into()]), Err(StoreError::KeyNotFound { index: 3, .. })));
-    assert_eq!(got(&unit, &[4, 1], "a"), ["a4", "a1"].map(|v| Cell::Value(s(v))).to_vec());
+    assert!(matches!(
+        unit.get(&[1, 2, 3, 4], &["a".into()]),
+        Err(StoreError::KeyNotFound { index: 3, .. })
+    ));
+    assert_eq!(
+        got(&unit, &[4, 1], "a"),
+        ["a4", "a1"].map(|v| Cell::Value(s(v))).to_vec()
+    );
 }
 
 #[test]
@@ -160,7 +286,14 @@ fn sharing_puts_the_extents_of_a_get_into_one_segment_in_request_order() {
     let (f2, t2) = frame_tensor(4, 2);
     for (g, f, t) in [([0u64, 1, 2, 3], &f1, t1), ([4, 5, 6, 7], &f2, t2)] {
         let received = Received::frames(std::slice::from_ref(f));
-        unit.put(&g, vec![("t".into(), vec![Column::from_field(Field::Regular(t), &received)])]).unwrap();
+        unit.put(
+            &g,
+            vec![(
+                "t".into(),
+                vec![Column::from_field(Field::Regular(t), &received)],
+            )],
+        )
+        .unwrap();
     }
     let all: Vec<u64> = (0..8).collect();
     let rows = unit.get(&all, &["t".into()]).unwrap().remove(0);
@@ -168,13 +301,17 @@ fn sharing_puts_the_extents_of_a_get_into_one_segment_in_request_order() {
     rows.share(&shm).unwrap();
     let runs = rows.runs();
     assert_eq!(runs.len(), 1, "one segment after the move");
-    let Run::Tensor { segment, base, .. } = &runs[0] else { panic!() };
+    let Run::Tensor { segment, base, .. } = &runs[0] else {
+        panic!()
+    };
     assert!(segment.is_some());
     assert_eq!(&runs[0].bytes()[..], [&f1[..], &f2[..]].concat().as_slice());
     assert_eq!(base.len(), 64);
     // A second share copies nothing more.
     let before = shm.counts().0;
-    unit.get(&all, &["t".into()]).unwrap()[0].share(&shm).unwrap();
+    unit.get(&all, &["t".into()]).unwrap()[0]
+        .share(&shm)
+        .unwrap();
     assert_eq!(shm.counts().0, before);
     // The frames are no longer pinned by the store.
     assert!(f1.is_unique() && f2.is_unique());
@@ -190,11 +327,30 @@ fn overwriting_many_rows_keeps_counts() {
     let g: Vec<u64> = (0..1000).collect();
     let v: Vec<String> = g.iter().map(|i| i.to_string()).collect();
     let col = || vec![Column::Values(v.iter().map(|x| s(x)).collect())];
-    unit.put(&g, vec![("a".into(), col()), ("b".into(), col())]).unwrap();
-    unit.put(&g[500..], vec![("a".into(), vec![Column::Values(g[500..].iter().map(|_| s("z")).collect())])]).unwrap();
+    unit.put(&g, vec![("a".into(), col()), ("b".into(), col())])
+        .unwrap();
+    unit.put(
+        &g[500..],
+        vec![(
+            "a".into(),
+            vec![Column::Values(g[500..].iter().map(|_| s("z")).collect())],
+        )],
+    )
+    .unwrap();
     let st = unit.stats();
     assert_eq!((st.keys, st.rows), (2000, 1000));
-    assert_eq!(got(&unit, &[499, 500], "a"), vec![Cell::Value(s("499")), Cell::Value(s("z"))]);
+    assert_eq!(
+        got(&unit, &[499, 500], "a"),
+        vec![Cell::Value(s("499")), Cell::Value(s("z"))]
+    );
     assert_eq!(unit.clear(&g, None), 2000);
-    assert_eq!(unit.stats(), UnitStats { keys: 0, rows: 0, bytes: 0, capacity: None });
+    assert_eq!(
+        unit.stats(),
+        UnitStats {
+            keys: 0,
+            rows: 0,
+            bytes: 0,
+            capacity: None
+        }
+    );
 }

@@ -40,11 +40,19 @@ async fn main() {
         if flag == "-h" || flag == "--help" {
             usage("help");
         }
-        let value = args.next().unwrap_or_else(|| usage(&format!("{flag} needs a value")));
-        let num = |v: &str| v.parse::<u64>().unwrap_or_else(|_| usage(&format!("{flag}: not a number: {v}")));
+        let value = args
+            .next()
+            .unwrap_or_else(|| usage(&format!("{flag} needs a value")));
+        let num = |v: &str| {
+            v.parse::<u64>()
+                .unwrap_or_else(|_| usage(&format!("{flag}: not a number: {v}")))
+        };
         match flag.as_str() {
             "--clients" => opts.clients = num(&value) as usize,
-            "--secs" => opts.duration = Duration::from_secs_f64(value.parse().unwrap_or_else(|_| usage("--secs"))),
+            "--secs" => {
+                opts.duration =
+                    Duration::from_secs_f64(value.parse().unwrap_or_else(|_| usage("--secs")))
+            }
             "--keys" => opts.keys_per_client = num(&value),
             "--max-batch" => opts.max_batch = num(&value) as usize,
             "--blob-bytes" => opts.blob_bytes = num(&value) as usize,
@@ -63,25 +71,38 @@ async fn main() {
             _ => usage(&format!("unknown flag {flag}")),
         }
     }
-    if opts.clients == 0 || opts.keys_per_client == 0 || opts.max_batch == 0 || opts.blob_bytes < 16 {
+    if opts.clients == 0 || opts.keys_per_client == 0 || opts.max_batch == 0 || opts.blob_bytes < 16
+    {
         usage("--clients, --keys and --max-batch must be > 0, --blob-bytes >= 16");
     }
 
     let (stowd, endpoints) = match &endpoints_file {
         Some(f) => {
             let text = std::fs::read(f).unwrap_or_else(|e| usage(&format!("cannot read {f}: {e}")));
-            let e: Endpoints = serde_json::from_slice(&text).unwrap_or_else(|e| usage(&format!("{f}: {e}")));
+            let e: Endpoints =
+                serde_json::from_slice(&text).unwrap_or_else(|e| usage(&format!("{f}: {e}")));
             (None, e)
         }
         None => {
-            let s = Stowd::start(&format!("[units]\nlocal = {units}\n\n{}", load::REUSE_CONFIG));
+            let s = Stowd::start(&format!(
+                "[units]\nlocal = {units}\n\n{}",
+                load::REUSE_CONFIG
+            ));
             let e = s.endpoints.clone();
             (Some(s), e)
         }
     };
     let target = Target {
-        tq: if opts.protocols == Protocols::Native { None } else { endpoints.router.clone() },
-        native: if opts.protocols == Protocols::Tq { None } else { Some(endpoints.native.clone()) },
+        tq: if opts.protocols == Protocols::Native {
+            None
+        } else {
+            endpoints.router.clone()
+        },
+        native: if opts.protocols == Protocols::Tq {
+            None
+        } else {
+            Some(endpoints.native.clone())
+        },
         pid: Some(endpoints.pid),
     };
     if target.tq.is_none() && opts.protocols == Protocols::Tq {
@@ -90,13 +111,18 @@ async fn main() {
     // Units of a remote unit host count indexes, not values, in a clear.
     opts.exact_clear_counts = endpoints_file.is_none();
     // Nor clear single fields.
-    opts.field_clears = endpoints_file.is_none() || std::env::var_os("STOWLOAD_NO_FIELD_CLEARS").is_none();
+    opts.field_clears =
+        endpoints_file.is_none() || std::env::var_os("STOWLOAD_NO_FIELD_CLEARS").is_none();
     eprintln!(
         "stowload: {} clients for {:?} against stowd pid {} (router {}, native {})",
         opts.clients,
         opts.duration,
         endpoints.pid,
-        endpoints.router.as_ref().map(|r| r.endpoint.as_str()).unwrap_or("-"),
+        endpoints
+            .router
+            .as_ref()
+            .map(|r| r.endpoint.as_str())
+            .unwrap_or("-"),
         endpoints.native
     );
     let report = load::run(&target, &opts).await;
@@ -108,6 +134,7 @@ async fn main() {
     if let Some(s) = stowd {
         s.stop();
     }
-    let ok = report.mismatch_count == 0 && report.error_count == 0 && report.rss_ok() != Some(false);
+    let ok =
+        report.mismatch_count == 0 && report.error_count == 0 && report.rss_ok() != Some(false);
     std::process::exit(if ok { 0 } else { 1 });
 }

@@ -23,12 +23,19 @@ async fn messages_round_trip_with_small_and_large_frames() {
         write_message(&mut a, &sent[1..2]).await.unwrap();
     });
     let mut r = FrameReader::new(b);
-    let Some(Incoming::Message(got)) = r.read(&Limits::DEFAULT).await.unwrap() else { panic!() };
+    let Some(Incoming::Message(got)) = r.read(&Limits::DEFAULT).await.unwrap() else {
+        panic!()
+    };
     assert_eq!(got, frames);
-    let Some(Incoming::Message(got)) = r.read(&Limits::DEFAULT).await.unwrap() else { panic!() };
+    let Some(Incoming::Message(got)) = r.read(&Limits::DEFAULT).await.unwrap() else {
+        panic!()
+    };
     assert_eq!(got, frames[1..2]);
     writer.await.unwrap();
-    assert!(r.read(&Limits::DEFAULT).await.unwrap().is_none(), "clean close");
+    assert!(
+        r.read(&Limits::DEFAULT).await.unwrap().is_none(),
+        "clean close"
+    );
 }
 
 #[tokio::test]
@@ -36,10 +43,20 @@ async fn a_message_over_the_limit_is_skipped_and_the_next_one_read() {
     let (a, b) = pair().await;
     let writer = tokio::spawn(async move {
         let mut a = a;
-        write_message(&mut a, &[Bytes::from_static(b"head"), Bytes::from(vec![0u8; 5000])]).await.unwrap();
-        write_message(&mut a, &[Bytes::from_static(b"ok")]).await.unwrap();
+        write_message(
+            &mut a,
+            &[Bytes::from_static(b"head"), Bytes::from(vec![0u8; 5000])],
+        )
+        .await
+        .unwrap();
+        write_message(&mut a, &[Bytes::from_static(b"ok")])
+            .await
+            .unwrap();
     });
-    let limits = Limits { max_message_bytes: 1000, max_frames: 10 };
+    let limits = Limits {
+        max_message_bytes: 1000,
+        max_frames: 10,
+    };
     let mut r = FrameReader::new(b);
     match r.read(&limits).await.unwrap() {
         Some(Incoming::TooLarge { head, reason }) => {
@@ -48,7 +65,9 @@ async fn a_message_over_the_limit_is_skipped_and_the_next_one_read() {
         }
         other => panic!("{other:?}"),
     }
-    let Some(Incoming::Message(m)) = r.read(&limits).await.unwrap() else { panic!() };
+    let Some(Incoming::Message(m)) = r.read(&limits).await.unwrap() else {
+        panic!()
+    };
     assert_eq!(m, vec![Bytes::from_static(b"ok")]);
     writer.await.unwrap();
 }
@@ -62,8 +81,13 @@ async fn too_many_frames_is_reported_not_buffered() {
         write_message(&mut a, &many).await.unwrap();
     });
     let mut r = FrameReader::new(b);
-    let limits = Limits { max_message_bytes: 1 << 20, max_frames: 8 };
-    let Some(Incoming::TooLarge { head, reason }) = r.read(&limits).await.unwrap() else { panic!() };
+    let limits = Limits {
+        max_message_bytes: 1 << 20,
+        max_frames: 8,
+    };
+    let Some(Incoming::TooLarge { head, reason }) = r.read(&limits).await.unwrap() else {
+        panic!()
+    };
     assert_eq!(head.len(), 1);
     assert!(reason.contains("more than 8 frames"), "{reason}");
     writer.await.unwrap();
@@ -86,7 +110,10 @@ async fn declares_a_tebibyte_sends_ten_bytes() -> tokio::io::DuplexStream {
 async fn a_huge_declared_frame_allocates_only_what_arrives() {
     let b = declares_a_tebibyte_sends_ten_bytes().await;
     let mut r = FrameReader::new(b);
-    let limits = Limits { max_message_bytes: u64::MAX, max_frames: 10 };
+    let limits = Limits {
+        max_message_bytes: u64::MAX,
+        max_frames: 10,
+    };
     // Would abort the process if 1 TiB were reserved up front.
     assert!(matches!(r.read(&limits).await, Err(ZmtpError::Closed)));
 }
@@ -99,7 +126,9 @@ async fn through<W: AsyncWrite + Unpin, R: AsyncRead + Unpin>(
 ) -> Vec<Bytes> {
     let (sent, got) = tokio::join!(write_message(w, frames), r.read(&Limits::DEFAULT));
     sent.unwrap();
-    let Some(Incoming::Message(got)) = got.unwrap() else { panic!() };
+    let Some(Incoming::Message(got)) = got.unwrap() else {
+        panic!()
+    };
     got
 }
 
@@ -109,14 +138,28 @@ async fn a_large_frame_reuses_the_buffer_of_a_dropped_one() {
     let pool = ReceivePool::new(64 << 20, pool::IDLE);
     let mut r = FrameReader::with_pool(b, Some(pool.clone()));
     let first: Vec<u8> = (0..3 << 20).map(|i: u32| (i % 251) as u8).collect();
-    let got = through(&mut a, &mut r, &[Bytes::from_static(b"h"), Bytes::from(first.clone())]).await;
+    let got = through(
+        &mut a,
+        &mut r,
+        &[Bytes::from_static(b"h"), Bytes::from(first.clone())],
+    )
+    .await;
     assert_eq!(got[1], first);
     let ptr = got[1].as_ptr();
     drop(got);
-    assert_eq!(pool.pooled_bytes(), 3 << 20, "a whole frame leaves its buffer at its size");
+    assert_eq!(
+        pool.pooled_bytes(),
+        3 << 20,
+        "a whole frame leaves its buffer at its size"
+    );
     // The same size again (an eighth smaller fits too): same memory, new bytes.
     let second: Vec<u8> = (0..3 << 20).map(|i: u32| (i % 13) as u8).collect();
-    let got = through(&mut a, &mut r, &[Bytes::from(second.clone()), Bytes::from_static(b"t")]).await;
+    let got = through(
+        &mut a,
+        &mut r,
+        &[Bytes::from(second.clone()), Bytes::from_static(b"t")],
+    )
+    .await;
     assert_eq!(got[0].as_ptr(), ptr);
     assert_eq!(got[0], second);
     assert_eq!(got[1], Bytes::from_static(b"t"));
@@ -155,7 +198,10 @@ async fn a_pooled_reader_still_allocates_only_what_arrives() {
     drop(ReceivePool::wrap(&pool, vec![0u8; 2 << 20]));
     let b = declares_a_tebibyte_sends_ten_bytes().await;
     let mut r = FrameReader::with_pool(b, Some(pool.clone()));
-    let limits = Limits { max_message_bytes: u64::MAX, max_frames: 10 };
+    let limits = Limits {
+        max_message_bytes: u64::MAX,
+        max_frames: 10,
+    };
     assert!(matches!(r.read(&limits).await, Err(ZmtpError::Closed)));
     // The pooled buffer is untouched; the broken frame's (one first
     // chunk) was freed, not pooled.
@@ -168,7 +214,10 @@ async fn reserved_flag_bits_are_a_protocol_error() {
     let (mut a, b) = pair().await;
     a.write_all(&[0x80, 1, 0]).await.unwrap();
     let mut r = FrameReader::new(b);
-    assert!(matches!(r.read(&Limits::DEFAULT).await, Err(ZmtpError::Protocol(_))));
+    assert!(matches!(
+        r.read(&Limits::DEFAULT).await,
+        Err(ZmtpError::Protocol(_))
+    ));
 }
 
 #[tokio::test]
@@ -181,10 +230,15 @@ async fn handshake_exchanges_identity_and_refuses_wrong_socket_types() {
         handshake(&mut r, &mut wb, "ROUTER", b"", &["DEALER", "REQ"]).await
     });
     let mut r = FrameReader::new(ra);
-    let info = handshake(&mut r, &mut wa, "DEALER", b"me", &["ROUTER"]).await.unwrap();
+    let info = handshake(&mut r, &mut wa, "DEALER", b"me", &["ROUTER"])
+        .await
+        .unwrap();
     assert_eq!(info.socket_type, "ROUTER");
     let peer = server.await.unwrap().unwrap();
-    assert_eq!((peer.socket_type.as_str(), &peer.identity[..]), ("DEALER", &b"me"[..]));
+    assert_eq!(
+        (peer.socket_type.as_str(), &peer.identity[..]),
+        ("DEALER", &b"me"[..])
+    );
 
     let (a, b) = pair().await;
     let (ra, mut wa) = tokio::io::split(a);
@@ -194,7 +248,9 @@ async fn handshake_exchanges_identity_and_refuses_wrong_socket_types() {
         handshake(&mut r, &mut wb, "ROUTER", b"", &["DEALER"]).await
     });
     let mut r = FrameReader::new(ra);
-    handshake(&mut r, &mut wa, "PUB", b"", &["ROUTER"]).await.expect("the ROUTER side is acceptable to us");
+    handshake(&mut r, &mut wa, "PUB", b"", &["ROUTER"])
+        .await
+        .expect("the ROUTER side is acceptable to us");
     // The ROUTER refuses us: an ERROR command naming the reason.
     match r.read(&Limits::DEFAULT).await {
         Ok(Some(Incoming::Command { name, body })) => {
@@ -212,9 +268,19 @@ fn greetings_other_than_zmtp3_null_are_refused() {
     assert!(check_greeting(&greeting()).is_ok());
     let mut g = greeting();
     g[10] = 2;
-    assert!(check_greeting(&g).unwrap_err().to_string().contains("major version 2"));
+    assert!(
+        check_greeting(&g)
+            .unwrap_err()
+            .to_string()
+            .contains("major version 2")
+    );
     let mut g = greeting();
     g[12..17].copy_from_slice(b"CURVE");
-    assert!(check_greeting(&g).unwrap_err().to_string().contains("CURVE"));
+    assert!(
+        check_greeting(&g)
+            .unwrap_err()
+            .to_string()
+            .contains("CURVE")
+    );
     assert!(check_greeting(&[0u8; 64]).is_err());
 }

@@ -90,18 +90,34 @@ fn deep_nesting_overflows_the_stack_before_the_default_limit() {
     }
     assert!(decode(100));
     let out = std::process::Command::new(std::env::current_exe().unwrap())
-        .args(["msgpack::serde_probe::deep_nesting_overflows_the_stack_before_the_default_limit", "--exact"])
+        .args([
+            "msgpack::serde_probe::deep_nesting_overflows_the_stack_before_the_default_limit",
+            "--exact",
+        ])
         .env("STOWAGE_SERDE_PROBE_CHILD", "1")
         .output()
         .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
-    eprintln!("rmp-serde: 1000 nested arrays on a 2 MiB stack: {:?}, {}", out.status, stderr.trim());
+    eprintln!(
+        "rmp-serde: 1000 nested arrays on a 2 MiB stack: {:?}, {}",
+        out.status,
+        stderr.trim()
+    );
     if cfg!(debug_assertions) {
-        assert!(!out.status.success() && stderr.contains("overflowed its stack"), "{stderr}");
+        assert!(
+            !out.status.success() && stderr.contains("overflowed its stack"),
+            "{stderr}"
+        );
     }
     let deep = Bytes::from(nested(1000));
     let r = super::Reader::new(&deep, 0).skip(super::NATIVE_MAX_DEPTH);
-    assert!(matches!(r, Err(super::MsgpackError::Malformed { reason: "nesting too deep", .. })));
+    assert!(matches!(
+        r,
+        Err(super::MsgpackError::Malformed {
+            reason: "nesting too deep",
+            ..
+        })
+    ));
 }
 
 /// A truncated input fails with an I/O-style error that names no offset.
@@ -110,5 +126,11 @@ fn errors_name_no_offset() {
     let e = rmp_serde::from_slice::<(u8, &str)>(b"\x92\x01\xa5ab").unwrap_err();
     eprintln!("rmp-serde: truncated str: {e:?} / {e}");
     let ours = super::Reader::new(b"\x92\x01\xa5ab", 2).item().unwrap_err();
-    assert_eq!(ours, super::MsgpackError::Malformed { offset: 3, reason: "truncated" });
+    assert_eq!(
+        ours,
+        super::MsgpackError::Malformed {
+            offset: 3,
+            reason: "truncated"
+        }
+    );
 }

@@ -11,12 +11,39 @@ fn item(bytes: &'static [u8]) -> Item<'static> {
 
 #[test]
 fn canonical_forms_are_recognised() {
-    assert_eq!(item(b"\xa2hi"), Item::Str { s: "hi", canonical: true });
-    assert_eq!(item(b"\xd9\x02hi"), Item::Str { s: "hi", canonical: false });
-    assert!(matches!(item(b"\xc4\x01x"), Item::Bin { canonical: true, .. }));
-    assert!(matches!(item(b"\xc5\x00\x01x"), Item::Bin { canonical: false, .. }));
+    assert_eq!(
+        item(b"\xa2hi"),
+        Item::Str {
+            s: "hi",
+            canonical: true
+        }
+    );
+    assert_eq!(
+        item(b"\xd9\x02hi"),
+        Item::Str {
+            s: "hi",
+            canonical: false
+        }
+    );
+    assert!(matches!(
+        item(b"\xc4\x01x"),
+        Item::Bin {
+            canonical: true,
+            ..
+        }
+    ));
+    assert!(matches!(
+        item(b"\xc5\x00\x01x"),
+        Item::Bin {
+            canonical: false,
+            ..
+        }
+    ));
     assert_eq!(item(b"\xd0\x80"), Item::Int(-128));
-    assert_eq!(item(b"\xcf\xff\xff\xff\xff\xff\xff\xff\xff"), Item::UInt(u64::MAX));
+    assert_eq!(
+        item(b"\xcf\xff\xff\xff\xff\xff\xff\xff\xff"),
+        Item::UInt(u64::MAX)
+    );
 }
 
 #[test]
@@ -44,13 +71,15 @@ fn writer_matches_msgspec_choices() {
     assert_eq!(&out[52..55], b"\xc7\x05\x03");
 }
 
-
 #[test]
 fn typed_reads_and_item_agree_on_bounds() {
     // An array32 declaring 2^32-1 items over one byte: both ways fail at
     // the header, with the offset just after it.
     let b = Bytes::from_static(b"\xdd\xff\xff\xff\xff\x01");
-    let want = MsgpackError::Malformed { offset: 5, reason: "count exceeds the remaining bytes" };
+    let want = MsgpackError::Malformed {
+        offset: 5,
+        reason: "count exceeds the remaining bytes",
+    };
     assert_eq!(Reader::new(&b, 0).item(), Err(want.clone()));
     assert_eq!(Reader::new(&b, 0).array_len("x"), Err(want.clone()));
     assert_eq!(Reader::new(&b, 0).skip(NATIVE_MAX_DEPTH), Err(want));
@@ -66,18 +95,34 @@ fn nesting_is_bounded_both_ways() {
     let mut v = vec![0x91u8; 100];
     v.push(0xc0);
     let b = Bytes::from(v);
-    let deep = |r: Result<(), MsgpackError>| matches!(r, Err(MsgpackError::Malformed { reason: "nesting too deep", .. }));
-    assert!(deep(Reader::new(&b, 0).visit(TQ_MAX_DEPTH, &mut |_, _, _| Ok::<(), MsgpackError>(()))));
+    let deep = |r: Result<(), MsgpackError>| {
+        matches!(
+            r,
+            Err(MsgpackError::Malformed {
+                reason: "nesting too deep",
+                ..
+            })
+        )
+    };
+    assert!(deep(
+        Reader::new(&b, 0).visit(TQ_MAX_DEPTH, &mut |_, _, _| Ok::<(), MsgpackError>(()))
+    ));
     assert!(deep(Reader::new(&b, 0).skip(NATIVE_MAX_DEPTH).map(|_| ())));
     assert_eq!(Reader::new(&b, 0).skip(101), Ok(0..101));
-    assert!(Reader::new(&b, 0).visit(101, &mut |_, _, _| Ok::<(), MsgpackError>(())).is_ok());
+    assert!(
+        Reader::new(&b, 0)
+            .visit(101, &mut |_, _, _| Ok::<(), MsgpackError>(()))
+            .is_ok()
+    );
 }
 
 #[test]
 fn slices_of_a_bytes_reader_share_the_frame() {
     let b = Bytes::from_static(b"\xc4\x03abc\xd6\x05wxyz");
     let mut r = Reader::bytes(&b, 0);
-    let Item::Bin { start, data, .. } = r.item().unwrap() else { panic!() };
+    let Item::Bin { start, data, .. } = r.item().unwrap() else {
+        panic!()
+    };
     let s = r.slice(start, start + data.len());
     assert_eq!(&s[..], b"abc");
     assert_eq!(s.as_ptr(), b[2..].as_ptr(), "no copy");

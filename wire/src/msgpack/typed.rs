@@ -67,13 +67,19 @@ impl<'a> Reader<'a> {
     /// A str or bin value: `Some((is_str, byte range))`, or `None` (nothing
     /// consumed) if the next value is something else. UTF-8 is not checked.
     pub fn str_or_bin(&mut self) -> Result<Option<(bool, Range<usize>)>, MsgpackError> {
-        let Some((is_str, n)) = self.str_or_bin_len()? else { return Ok(None) };
+        let Some((is_str, n)) = self.str_or_bin_len()? else {
+            return Ok(None);
+        };
         self.take(n)?;
         Ok(Some((is_str, self.pos - n..self.pos)))
     }
 
     /// Any integer, as i128 (covers u64 and i64).
-    fn integer(&mut self, what: &'static str, expected: &'static str) -> Result<i128, MsgpackError> {
+    fn integer(
+        &mut self,
+        what: &'static str,
+        expected: &'static str,
+    ) -> Result<i128, MsgpackError> {
         Ok(match self.marker()? {
             Marker::FixPos(v) => i128::from(v),
             Marker::FixNeg(v) => i128::from(v),
@@ -113,7 +119,10 @@ impl<'a> Reader<'a> {
 
     /// A stats value: an integer that fits i64 (`Ok(Ok(_))`), a float
     /// (`Ok(Err(_))`), or `None` (nothing consumed) for anything else.
-    pub fn int_or_float(&mut self, what: &'static str) -> Result<Option<Result<i64, f64>>, MsgpackError> {
+    pub fn int_or_float(
+        &mut self,
+        what: &'static str,
+    ) -> Result<Option<Result<i64, f64>>, MsgpackError> {
         Ok(Some(match self.peek()? {
             Marker::F32 => {
                 self.pos += 1;
@@ -123,11 +132,18 @@ impl<'a> Reader<'a> {
                 self.pos += 1;
                 Err(f64::from_bits(self.be(8)?))
             }
-            Marker::FixPos(_) | Marker::FixNeg(_) | Marker::U8 | Marker::U16 | Marker::U32 | Marker::U64 => {
+            Marker::FixPos(_)
+            | Marker::FixNeg(_)
+            | Marker::U8
+            | Marker::U16
+            | Marker::U32
+            | Marker::U64 => {
                 let v = self.integer(what, "an integer")?;
                 Ok(i64::try_from(v).map_err(|_| wrong(what, "an integer within i64"))?)
             }
-            Marker::I8 | Marker::I16 | Marker::I32 | Marker::I64 => Ok(self.integer(what, "an integer")? as i64),
+            Marker::I8 | Marker::I16 | Marker::I32 | Marker::I64 => {
+                Ok(self.integer(what, "an integer")? as i64)
+            }
             _ => return Ok(None),
         }))
     }

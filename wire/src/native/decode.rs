@@ -7,9 +7,12 @@ use std::collections::HashSet;
 
 use bytes::Bytes;
 
-use crate::msgpack::{NATIVE_MAX_DEPTH as MAX_DEPTH, Reader};
-use super::{Extras, Error, Limits, MAX_DIMS, Op, PROTO, RegularParts, Reply, Request, Stat, WireField, dtype_from_name};
+use super::{
+    Error, Extras, Limits, MAX_DIMS, Op, PROTO, RegularParts, Reply, Request, Stat, WireField,
+    dtype_from_name,
+};
 use crate::batch::Value;
+use crate::msgpack::{NATIVE_MAX_DEPTH as MAX_DEPTH, Reader};
 use crate::tensor::{DType, Tensor, contiguous_len};
 
 /// Envelope and body nest this much deeper than an opaque value may.
@@ -22,23 +25,37 @@ pub(super) fn request(frames: &[Bytes], limits: &Limits) -> Result<Request, Erro
         "put" => put(&mut r, &mut data, limits)?,
         "get" => {
             let (global_indexes, fields) = selection(&mut r, limits)?;
-            let fields = fields.ok_or(Error::MissingKey { map: "a get body", key: "fields" })?;
+            let fields = fields.ok_or(Error::MissingKey {
+                map: "a get body",
+                key: "fields",
+            })?;
             if global_indexes.is_empty() {
                 return Err(Error::EmptyBatch("a get needs at least one global index"));
             }
             if fields.is_empty() {
                 return Err(Error::EmptyBatch("a get needs at least one field"));
             }
-            Op::Get { global_indexes, fields }
+            Op::Get {
+                global_indexes,
+                fields,
+            }
         }
         "clear" => {
             let (global_indexes, fields) = selection(&mut r, limits)?;
-            Op::Clear { global_indexes, fields }
+            Op::Clear {
+                global_indexes,
+                fields,
+            }
         }
-        "lease" => Op::Lease { bytes: single_uint(&mut r, "a lease body", "bytes")? },
+        "lease" => Op::Lease {
+            bytes: single_uint(&mut r, "a lease body", "bytes")?,
+        },
         "stats" => {
             if r.map_len("the stats body")? != 0 {
-                return Err(Error::UnknownKey { map: "the stats body", key: r.str("a key")?.to_owned() });
+                return Err(Error::UnknownKey {
+                    map: "the stats body",
+                    key: r.str("a key")?.to_owned(),
+                });
             }
             Op::Stats
         }
@@ -52,8 +69,12 @@ pub(super) fn reply(frames: &[Bytes], limits: &Limits) -> Result<(u64, Reply), E
     let (id, op, mut r) = envelope(frames, limits)?;
     let mut data = Frames::new(frames);
     let reply = match op {
-        "put_ok" => Reply::PutOk { rows: single_uint(&mut r, "a put_ok body", "rows")? },
-        "clear_ok" => Reply::ClearOk { cleared: single_uint(&mut r, "a clear_ok body", "cleared")? },
+        "put_ok" => Reply::PutOk {
+            rows: single_uint(&mut r, "a put_ok body", "rows")?,
+        },
+        "clear_ok" => Reply::ClearOk {
+            cleared: single_uint(&mut r, "a clear_ok body", "cleared")?,
+        },
         "lease_ok" => {
             const MAP: &str = "a lease_ok body";
             let (mut segment, mut bytes, mut ttl_ms) = (None, None, None);
@@ -74,12 +95,18 @@ pub(super) fn reply(frames: &[Bytes], limits: &Limits) -> Result<(u64, Reply), E
         "get_ok" => {
             const MAP: &str = "a get_ok body";
             let mut fields = None;
-            keyed(&mut r, MAP, ["fields"], |_, r| field_map(r, &mut data, limits).map(|f| fields = Some(f)))?;
+            keyed(&mut r, MAP, ["fields"], |_, r| {
+                field_map(r, &mut data, limits).map(|f| fields = Some(f))
+            })?;
             let fields = need(fields, MAP, "fields")?;
             if let Some((_, first)) = fields.first() {
                 let expected = first.rows();
                 if let Some((name, f)) = fields.iter().find(|(_, f)| f.rows() != expected) {
-                    return Err(Error::RowCount { rows: f.rows(), expected }.in_field(name));
+                    return Err(Error::RowCount {
+                        rows: f.rows(),
+                        expected,
+                    }
+                    .in_field(name));
                 }
             }
             Reply::GetOk { fields }
@@ -92,7 +119,10 @@ pub(super) fn reply(frames: &[Bytes], limits: &Limits) -> Result<(u64, Reply), E
             for _ in 0..n {
                 let key = r.str("a stats key")?;
                 if !seen.insert(key) {
-                    return Err(Error::DuplicateKey { map: MAP, key: key.to_owned() });
+                    return Err(Error::DuplicateKey {
+                        map: MAP,
+                        key: key.to_owned(),
+                    });
                 }
                 let value = match r.int_or_float("a stats value")? {
                     Some(Ok(i)) => Stat::Int(i),
@@ -114,7 +144,9 @@ pub(super) fn reply(frames: &[Bytes], limits: &Limits) -> Result<(u64, Reply), E
             const MAP: &str = "an error body";
             const KEYS: [&str; 2] = ["code", "message"];
             let mut v = [None; 2];
-            keyed(&mut r, MAP, KEYS, |i, r| r.str(KEYS[i]).map(|s| v[i] = Some(s)).map_err(Error::from))?;
+            keyed(&mut r, MAP, KEYS, |i, r| {
+                r.str(KEYS[i]).map(|s| v[i] = Some(s)).map_err(Error::from)
+            })?;
             let [code, message] = v;
             Reply::Error {
                 code: need(code, MAP, "code")?.to_owned(),
@@ -145,11 +177,21 @@ fn envelope<'a>(frames: &'a [Bytes], limits: &Limits) -> Result<(u64, &'a str, R
     const MAP: &str = "the envelope";
     let frame0 = frames.first().ok_or(Error::NoFrames)?;
     if frames.len() as u64 > limits.max_frames {
-        return Err(Error::TooLarge { what: "frames", value: frames.len() as u64, limit: limits.max_frames });
+        return Err(Error::TooLarge {
+            what: "frames",
+            value: frames.len() as u64,
+            limit: limits.max_frames,
+        });
     }
-    let total = frames.iter().fold(0u64, |sum, f| sum.saturating_add(f.len() as u64));
+    let total = frames
+        .iter()
+        .fold(0u64, |sum, f| sum.saturating_add(f.len() as u64));
     if total > limits.max_message_bytes {
-        return Err(Error::TooLarge { what: "message bytes", value: total, limit: limits.max_message_bytes });
+        return Err(Error::TooLarge {
+            what: "message bytes",
+            value: total,
+            limit: limits.max_message_bytes,
+        });
     }
     let mut r = Reader::new(frame0, 0);
     let (mut proto, mut op, mut id, mut body, mut stray) = (None, None, None, None, None);
@@ -168,7 +210,10 @@ fn envelope<'a>(frames: &'a [Bytes], limits: &Limits) -> Result<(u64, &'a str, R
             }
         };
         if dup {
-            return Err(Error::DuplicateKey { map: MAP, key: key.to_owned() });
+            return Err(Error::DuplicateKey {
+                map: MAP,
+                key: key.to_owned(),
+            });
         }
     }
     if r.remaining() > 0 {
@@ -181,7 +226,11 @@ fn envelope<'a>(frames: &'a [Bytes], limits: &Limits) -> Result<(u64, &'a str, R
     if let Some(key) = stray {
         return Err(unknown(MAP, key));
     }
-    let (op, id, body) = (need(op, MAP, "op")?, need(id, MAP, "id")?, need(body, MAP, "body")?);
+    let (op, id, body) = (
+        need(op, MAP, "op")?,
+        need(id, MAP, "id")?,
+        need(body, MAP, "body")?,
+    );
     Ok((id, op, Reader::new(frame0, body)))
 }
 
@@ -202,7 +251,11 @@ fn put(r: &mut Reader<'_>, data: &mut Frames<'_>, limits: &Limits) -> Result<Op,
     }
     let expected = global_indexes.len() as u64;
     if let Some((name, f)) = fields.iter().find(|(_, f)| f.rows() != expected) {
-        return Err(Error::RowCount { rows: f.rows(), expected }.in_field(name));
+        return Err(Error::RowCount {
+            rows: f.rows(),
+            expected,
+        }
+        .in_field(name));
     }
     if !global_indexes.windows(2).all(|w| w[0] < w[1]) {
         let mut sorted = global_indexes.clone();
@@ -211,11 +264,17 @@ fn put(r: &mut Reader<'_>, data: &mut Frames<'_>, limits: &Limits) -> Result<Op,
             return Err(Error::DuplicateIndex(w[0]));
         }
     }
-    Ok(Op::Put { global_indexes, fields })
+    Ok(Op::Put {
+        global_indexes,
+        fields,
+    })
 }
 
 /// The body of a get or clear: `global_indexes` (required) and `fields`.
-fn selection(r: &mut Reader<'_>, limits: &Limits) -> Result<(Vec<u64>, Option<Vec<String>>), Error> {
+fn selection(
+    r: &mut Reader<'_>,
+    limits: &Limits,
+) -> Result<(Vec<u64>, Option<Vec<String>>), Error> {
     const MAP: &str = "a get or clear body";
     let (mut global_indexes, mut fields) = (None, None);
     keyed(r, MAP, ["global_indexes", "fields"], |i, r| match i {
@@ -251,7 +310,11 @@ fn names(r: &mut Reader<'_>, limits: &Limits) -> Result<Vec<String>, Error> {
 }
 
 /// A `{name: descriptor}` map (put and get_ok).
-fn field_map(r: &mut Reader<'_>, data: &mut Frames<'_>, limits: &Limits) -> Result<Vec<(String, WireField)>, Error> {
+fn field_map(
+    r: &mut Reader<'_>,
+    data: &mut Frames<'_>,
+    limits: &Limits,
+) -> Result<Vec<(String, WireField)>, Error> {
     let n = r.map_len("fields")?;
     limit("fields", n, limits.max_fields)?;
     let mut seen = HashSet::with_capacity(n);
@@ -283,18 +346,32 @@ struct RowDesc {
     len: u64,
 }
 
-fn descriptor(r: &mut Reader<'_>, data: &mut Frames<'_>, limits: &Limits) -> Result<WireField, Error> {
+fn descriptor(
+    r: &mut Reader<'_>,
+    data: &mut Frames<'_>,
+    limits: &Limits,
+) -> Result<WireField, Error> {
     const MAP: &str = "a descriptor";
-    let (mut kind, mut dtype, mut shape, mut parts, mut rows, mut values) = (None, None, None, None, None, None);
+    let (mut kind, mut dtype, mut shape, mut parts, mut rows, mut values) =
+        (None, None, None, None, None, None);
     let frame0 = data.frame0();
-    keyed(r, MAP, ["kind", "dtype", "shape", "parts", "rows", "values"], |i, r| match i {
-        0 => r.str("kind").map(|v| kind = Some(v)).map_err(Error::from),
-        1 => r.str("dtype").map_err(Error::from).and_then(dtype_from_name).map(|v| dtype = Some(v)),
-        2 => read_shape(r).map(|v| shape = Some(v)),
-        3 => part_list(r, limits).map(|v| parts = Some(v)),
-        4 => row_list(r, limits).map(|v| rows = Some(v)),
-        _ => value_list(r, frame0, limits).map(|v| values = Some(v)),
-    })?;
+    keyed(
+        r,
+        MAP,
+        ["kind", "dtype", "shape", "parts", "rows", "values"],
+        |i, r| match i {
+            0 => r.str("kind").map(|v| kind = Some(v)).map_err(Error::from),
+            1 => r
+                .str("dtype")
+                .map_err(Error::from)
+                .and_then(dtype_from_name)
+                .map(|v| dtype = Some(v)),
+            2 => read_shape(r).map(|v| shape = Some(v)),
+            3 => part_list(r, limits).map(|v| parts = Some(v)),
+            4 => row_list(r, limits).map(|v| rows = Some(v)),
+            _ => value_list(r, frame0, limits).map(|v| values = Some(v)),
+        },
+    )?;
     let kind = need(kind, MAP, "kind")?;
     let allowed: &[&str] = match kind {
         "regular" => &["dtype", "shape", "parts"],
@@ -314,8 +391,11 @@ fn descriptor(r: &mut Reader<'_>, data: &mut Frames<'_>, limits: &Limits) -> Res
     }
     match kind {
         "regular" => {
-            let (dtype, shape, parts) =
-                (need(dtype, MAP, "dtype")?, need(shape, MAP, "shape")?, need(parts, MAP, "parts")?);
+            let (dtype, shape, parts) = (
+                need(dtype, MAP, "dtype")?,
+                need(shape, MAP, "shape")?,
+                need(parts, MAP, "parts")?,
+            );
             regular(dtype, shape, parts, data, limits)
         }
         "nested" => nested(need(dtype, MAP, "dtype")?, need(rows, MAP, "rows")?, data),
@@ -331,13 +411,22 @@ fn regular(
     limits: &Limits,
 ) -> Result<WireField, Error> {
     let Some((&n, row_shape)) = shape.split_first() else {
-        return Err(Error::BadShape { shape, reason: "a regular field needs a row axis" });
+        return Err(Error::BadShape {
+            shape,
+            reason: "a regular field needs a row axis",
+        });
     };
     if n > limits.max_rows {
-        return Err(Error::TooLarge { what: "rows", value: n, limit: limits.max_rows });
+        return Err(Error::TooLarge {
+            what: "rows",
+            value: n,
+            limit: limits.max_rows,
+        });
     }
-    let row_bytes = contiguous_len(dtype, row_shape)
-        .map_err(|_| Error::BadShape { shape: shape.clone(), reason: "a row overflows the address space" })?;
+    let row_bytes = contiguous_len(dtype, row_shape).map_err(|_| Error::BadShape {
+        shape: shape.clone(),
+        reason: "a row overflows the address space",
+    })?;
     let mut out: Vec<(Bytes, u64)> = Vec::with_capacity(parts.len());
     // (frame, start offset, end offset) of the last part kept, to merge the
     // next one into it when it follows on directly.
@@ -349,11 +438,19 @@ fn regular(
         }
         let expected = u128::from(p.rows) * row_bytes as u128;
         if expected != u128::from(p.len) {
-            return Err(Error::LengthMismatch { len: p.len, expected });
+            return Err(Error::LengthMismatch {
+                len: p.len,
+                expected,
+            });
         }
         sum = match sum.checked_add(p.rows) {
             Some(s) if s <= n => s,
-            _ => return Err(Error::RowSum { parts: sum.saturating_add(p.rows), rows: n }),
+            _ => {
+                return Err(Error::RowSum {
+                    parts: sum.saturating_add(p.rows),
+                    rows: n,
+                });
+            }
         };
         let bytes = data.slice(p.frame, p.offset, p.len)?;
         match (last, out.last_mut()) {
@@ -369,18 +466,30 @@ fn regular(
         }
     }
     if sum != n {
-        return Err(Error::RowSum { parts: sum, rows: n });
+        return Err(Error::RowSum {
+            parts: sum,
+            rows: n,
+        });
     }
-    Ok(WireField::Regular(RegularParts::new(dtype, row_shape.to_vec(), out)?))
+    Ok(WireField::Regular(RegularParts::new(
+        dtype,
+        row_shape.to_vec(),
+        out,
+    )?))
 }
 
 fn nested(dtype: DType, rows: Vec<RowDesc>, data: &mut Frames<'_>) -> Result<WireField, Error> {
     let mut out = Vec::with_capacity(rows.len());
     for row in rows {
-        let expected = contiguous_len(dtype, &row.shape)
-            .map_err(|_| Error::BadShape { shape: row.shape.clone(), reason: "overflows the address space" })?;
+        let expected = contiguous_len(dtype, &row.shape).map_err(|_| Error::BadShape {
+            shape: row.shape.clone(),
+            reason: "overflows the address space",
+        })?;
         if expected as u64 != row.len {
-            return Err(Error::LengthMismatch { len: row.len, expected: expected as u128 });
+            return Err(Error::LengthMismatch {
+                len: row.len,
+                expected: expected as u128,
+            });
         }
         let bytes = data.slice(row.frame, row.offset, row.len)?;
         out.push(Tensor::contiguous(bytes, dtype, row.shape)?);
@@ -393,7 +502,9 @@ fn read_shape(r: &mut Reader<'_>) -> Result<Vec<u64>, Error> {
     if n > MAX_DIMS {
         return Err(Error::TooManyDims(n));
     }
-    (0..n).map(|_| r.uint("a dimension").map_err(Error::from)).collect()
+    (0..n)
+        .map(|_| r.uint("a dimension").map_err(Error::from))
+        .collect()
 }
 
 fn part_list(r: &mut Reader<'_>, limits: &Limits) -> Result<Vec<PartDesc>, Error> {
@@ -404,10 +515,17 @@ fn part_list(r: &mut Reader<'_>, limits: &Limits) -> Result<Vec<PartDesc>, Error
     for _ in 0..n {
         const KEYS: [&str; 4] = ["frame", "offset", "len", "rows"];
         let mut v = [None; 4];
-        keyed(r, MAP, KEYS, |i, r| r.uint(KEYS[i]).map(|u| v[i] = Some(u)).map_err(Error::from))?;
+        keyed(r, MAP, KEYS, |i, r| {
+            r.uint(KEYS[i]).map(|u| v[i] = Some(u)).map_err(Error::from)
+        })?;
         let [frame, offset, len, rows] = v;
         let (frame, offset) = (need(frame, MAP, "frame")?, need(offset, MAP, "offset")?);
-        out.push(PartDesc { frame, offset, len: need(len, MAP, "len")?, rows: need(rows, MAP, "rows")? });
+        out.push(PartDesc {
+            frame,
+            offset,
+            len: need(len, MAP, "len")?,
+            rows: need(rows, MAP, "rows")?,
+        });
     }
     Ok(out)
 }
@@ -426,8 +544,17 @@ fn row_list(r: &mut Reader<'_>, limits: &Limits) -> Result<Vec<RowDesc>, Error> 
         })?;
         let [_, frame, offset, len] = v;
         let shape = need(shape, MAP, "shape")?;
-        let (frame, offset, len) = (need(frame, MAP, "frame")?, need(offset, MAP, "offset")?, need(len, MAP, "len")?);
-        out.push(RowDesc { shape, frame, offset, len });
+        let (frame, offset, len) = (
+            need(frame, MAP, "frame")?,
+            need(offset, MAP, "offset")?,
+            need(len, MAP, "len")?,
+        );
+        out.push(RowDesc {
+            shape,
+            frame,
+            offset,
+            len,
+        });
     }
     Ok(out)
 }
@@ -441,10 +568,14 @@ fn value_list(r: &mut Reader<'_>, frame0: &Bytes, limits: &Limits) -> Result<Vec
     for _ in 0..n {
         let start = r.pos();
         out.push(match r.str_or_bin()? {
-            Some((true, range)) => Value::Str(
-                String::from_utf8(frame0[range].to_vec())
-                    .map_err(|_| Error::Malformed { offset: start, reason: "invalid UTF-8 in a str" })?,
-            ),
+            Some((true, range)) => {
+                Value::Str(String::from_utf8(frame0[range].to_vec()).map_err(|_| {
+                    Error::Malformed {
+                        offset: start,
+                        reason: "invalid UTF-8 in a str",
+                    }
+                })?)
+            }
             Some((false, range)) => Value::Bytes(frame0.slice(range)),
             None => Value::Msgpack(frame0.slice(r.skip(MAX_DEPTH)?)),
         });
@@ -455,7 +586,9 @@ fn value_list(r: &mut Reader<'_>, frame0: &Bytes, limits: &Limits) -> Result<Vec
 /// A body that is a map with exactly one uint key.
 fn single_uint(r: &mut Reader<'_>, map: &'static str, key: &'static str) -> Result<u64, Error> {
     let mut value = None;
-    keyed(r, map, [key], |_, r| r.uint(key).map(|u| value = Some(u)).map_err(Error::from))?;
+    keyed(r, map, [key], |_, r| {
+        r.uint(key).map(|u| value = Some(u)).map_err(Error::from)
+    })?;
     need(value, map, key)
 }
 
@@ -467,7 +600,10 @@ struct Frames<'f> {
 
 impl<'f> Frames<'f> {
     fn new(frames: &'f [Bytes]) -> Self {
-        Frames { frames, used: vec![false; frames.len()] }
+        Frames {
+            frames,
+            used: vec![false; frames.len()],
+        }
     }
 
     fn frame0(&self) -> &'f Bytes {
@@ -486,7 +622,12 @@ impl<'f> Frames<'f> {
                 self.used[frame as usize] = true;
                 Ok(f.slice(offset as usize..end as usize))
             }
-            _ => Err(Error::RangeOutsideFrame { frame, offset, len, frame_len: f.len() }),
+            _ => Err(Error::RangeOutsideFrame {
+                frame,
+                offset,
+                len,
+                frame_len: f.len(),
+            }),
         }
     }
 
@@ -509,9 +650,14 @@ fn keyed<'a, const N: usize>(
     let mut seen = [false; N];
     for _ in 0..r.map_len(map)? {
         let key = r.str("a key")?;
-        let Some(i) = keys.iter().position(|k| *k == key) else { return Err(unknown(map, key)) };
+        let Some(i) = keys.iter().position(|k| *k == key) else {
+            return Err(unknown(map, key));
+        };
         if std::mem::replace(&mut seen[i], true) {
-            return Err(Error::DuplicateKey { map, key: key.to_owned() });
+            return Err(Error::DuplicateKey {
+                map,
+                key: key.to_owned(),
+            });
         }
         read(i, r)?;
     }
@@ -523,11 +669,22 @@ fn need<T>(slot: Option<T>, map: &'static str, key: &'static str) -> Result<T, E
 }
 
 fn unknown(map: &'static str, key: &str) -> Error {
-    Error::UnknownKey { map, key: key.to_owned() }
+    Error::UnknownKey {
+        map,
+        key: key.to_owned(),
+    }
 }
 
 fn limit(what: &'static str, n: usize, max: u64) -> Result<(), Error> {
-    if n as u64 > max { Err(Error::TooLarge { what, value: n as u64, limit: max }) } else { Ok(()) }
+    if n as u64 > max {
+        Err(Error::TooLarge {
+            what,
+            value: n as u64,
+            limit: max,
+        })
+    } else {
+        Ok(())
+    }
 }
 
 /// The shared-memory keys of an envelope.
@@ -543,7 +700,10 @@ pub(super) fn extras(frame0: &[u8], limits: &Limits) -> Result<Extras, Error> {
                 let mut segs = Vec::with_capacity(n);
                 for _ in 0..n {
                     if r.array_len("a segment")? != 3 {
-                        return Err(Error::WrongType { key: "a segment", expected: "[name, offset, len]" });
+                        return Err(Error::WrongType {
+                            key: "a segment",
+                            expected: "[name, offset, len]",
+                        });
                     }
                     let name = r.str("a segment name")?.to_owned();
                     segs.push((name, r.uint("a segment offset")?, r.uint("a segment len")?));
@@ -553,7 +713,12 @@ pub(super) fn extras(frame0: &[u8], limits: &Limits) -> Result<Extras, Error> {
             "same_node" => {
                 out.same_node = match r.bool_value()? {
                     Some(b) => b,
-                    None => return Err(Error::WrongType { key: "same_node", expected: "a bool" }),
+                    None => {
+                        return Err(Error::WrongType {
+                            key: "same_node",
+                            expected: "a bool",
+                        });
+                    }
                 }
             }
             _ => {

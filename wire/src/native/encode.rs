@@ -3,30 +3,48 @@
 
 use bytes::{Bytes, BytesMut};
 
-use crate::msgpack::{NATIVE_MAX_DEPTH as MAX_DEPTH, Reader, Writer};
 use super::{Error, FrameLayout, Op, PROTO, Reply, Request, Stat, WireField};
 use crate::batch::Value;
+use crate::msgpack::{NATIVE_MAX_DEPTH as MAX_DEPTH, Reader, Writer};
 
 pub(super) fn request(req: &Request, layout: Option<&FrameLayout>) -> Result<Vec<Bytes>, Error> {
     let mut w = envelope(req.op.name(), req.id);
     let no_fields: &[(String, WireField)] = &[];
-    let placed = place(if let Op::Put { fields, .. } = &req.op { fields } else { no_fields }, layout, None, None)?;
+    let placed = place(
+        if let Op::Put { fields, .. } = &req.op {
+            fields
+        } else {
+            no_fields
+        },
+        layout,
+        None,
+        None,
+    )?;
     match &req.op {
-        Op::Put { global_indexes, fields } => {
+        Op::Put {
+            global_indexes,
+            fields,
+        } => {
             w.map(2);
             w.str("global_indexes");
             uints(&mut w, global_indexes);
             w.str("fields");
             field_map(&mut w, fields, &placed.locs)?;
         }
-        Op::Get { global_indexes, fields } => {
+        Op::Get {
+            global_indexes,
+            fields,
+        } => {
             w.map(2);
             w.str("global_indexes");
             uints(&mut w, global_indexes);
             w.str("fields");
             strs(&mut w, fields);
         }
-        Op::Clear { global_indexes, fields } => {
+        Op::Clear {
+            global_indexes,
+            fields,
+        } => {
             w.map(1 + usize::from(fields.is_some()));
             w.str("global_indexes");
             uints(&mut w, global_indexes);
@@ -53,7 +71,16 @@ pub(super) fn reply(
 ) -> Result<Vec<Bytes>, Error> {
     let mut w = envelope(reply.name(), id);
     let no_fields: &[(String, WireField)] = &[];
-    let placed = place(if let Reply::GetOk { fields } = reply { fields } else { no_fields }, layout, span, enclose)?;
+    let placed = place(
+        if let Reply::GetOk { fields } = reply {
+            fields
+        } else {
+            no_fields
+        },
+        layout,
+        span,
+        enclose,
+    )?;
     match reply {
         Reply::PutOk { rows } => {
             w.map(1);
@@ -79,7 +106,11 @@ pub(super) fn reply(
                 }
             }
         }
-        Reply::LeaseOk { segment, bytes, ttl_ms } => {
+        Reply::LeaseOk {
+            segment,
+            bytes,
+            ttl_ms,
+        } => {
             w.map(3);
             w.kv_str("segment", segment);
             w.kv_uint("bytes", *bytes);
@@ -186,9 +217,11 @@ fn place(
     let starts: Vec<Vec<u64>> = fields
         .iter()
         .map(|(_, f)| match f {
-            WireField::Regular(p) => {
-                p.parts().iter().scan(0, |row, (_, n)| Some(std::mem::replace(row, *row + n))).collect()
-            }
+            WireField::Regular(p) => p
+                .parts()
+                .iter()
+                .scan(0, |row, (_, n)| Some(std::mem::replace(row, *row + n)))
+                .collect(),
             _ => Vec::new(),
         })
         .collect();
@@ -206,13 +239,23 @@ fn place(
                 offset += pad;
             }
             let len = chunk.len() as u64;
-            loc.push(Loc { row, rows, frame, offset, len });
+            loc.push(Loc {
+                row,
+                rows,
+                frame,
+                offset,
+                len,
+            });
             offset += len;
             chunks.push(chunk);
         };
         for s in slices {
             let Some((name, field)) = fields.get(s.field) else {
-                return Err(Error::Layout(format!("frame {frame} names field #{} of {}", s.field, fields.len())));
+                return Err(Error::Layout(format!(
+                    "frame {frame} names field #{} of {}",
+                    s.field,
+                    fields.len()
+                )));
             };
             if s.start >= s.end || s.end > field.rows() {
                 let (start, end, rows) = (s.start, s.end, field.rows());
@@ -224,24 +267,40 @@ fn place(
                 WireField::Regular(p) => {
                     let rb = p.row_bytes() as u64;
                     let st = &starts[s.field];
-                    let mut i = st.partition_point(|&first| first <= s.start).saturating_sub(1);
+                    let mut i = st
+                        .partition_point(|&first| first <= s.start)
+                        .saturating_sub(1);
                     let mut row = s.start;
                     while row < s.end {
                         let (bytes, n) = &p.parts()[i];
                         let to = s.end.min(st[i] + n);
                         let range = ((row - st[i]) * rb) as usize..((to - st[i]) * rb) as usize;
-                        put(&mut locs[s.field], p.dtype().itemsize(), row, to - row, bytes.slice(range));
+                        put(
+                            &mut locs[s.field],
+                            p.dtype().itemsize(),
+                            row,
+                            to - row,
+                            bytes.slice(range),
+                        );
                         (row, i) = (to, i + 1);
                     }
                 }
                 WireField::Nested(rows) => {
                     for row in s.start..s.end {
                         let t = &rows[row as usize];
-                        put(&mut locs[s.field], t.dtype().itemsize(), row, 1, t.contiguous_bytes());
+                        put(
+                            &mut locs[s.field],
+                            t.dtype().itemsize(),
+                            row,
+                            1,
+                            t.contiguous_bytes(),
+                        );
                     }
                 }
                 WireField::Values(_) => {
-                    return Err(Error::Layout(format!("frame {frame} names {name:?}, whose values travel in frame 0")));
+                    return Err(Error::Layout(format!(
+                        "frame {frame} names {name:?}, whose values travel in frame 0"
+                    )));
                 }
             }
         }
@@ -272,7 +331,9 @@ fn place(
             next += l.rows;
         }
         if !matches!(field, WireField::Values(_)) && next != field.rows() {
-            return Err(Error::Layout(format!("row {next} of {name:?} is placed nowhere")));
+            return Err(Error::Layout(format!(
+                "row {next} of {name:?} is placed nowhere"
+            )));
         }
         if let WireField::Regular(_) = field {
             locs.dedup_by(|l, prev| {
@@ -291,7 +352,8 @@ fn place(
 /// (in order of first use), and `locs` pointed at the same bytes there.
 fn enclosed(frames: Vec<Bytes>, locs: &mut [Vec<Loc>], enclose: EncloseFn<'_>) -> Vec<Bytes> {
     let mut out: Vec<Bytes> = Vec::new();
-    let mut number: std::collections::HashMap<(usize, usize), u64> = std::collections::HashMap::new();
+    let mut number: std::collections::HashMap<(usize, usize), u64> =
+        std::collections::HashMap::new();
     let mut moved = Vec::with_capacity(frames.len());
     for f in frames {
         match enclose(&f) {
@@ -316,7 +378,11 @@ fn enclosed(frames: Vec<Bytes>, locs: &mut [Vec<Loc>], enclose: EncloseFn<'_>) -
     out
 }
 
-fn field_map(w: &mut Writer, fields: &[(String, WireField)], locs: &[Vec<Loc>]) -> Result<(), Error> {
+fn field_map(
+    w: &mut Writer,
+    fields: &[(String, WireField)],
+    locs: &[Vec<Loc>],
+) -> Result<(), Error> {
     w.map(fields.len());
     for ((name, field), locs) in fields.iter().zip(locs) {
         w.str(name);
@@ -345,9 +411,14 @@ fn descriptor(w: &mut Writer, field: &WireField, locs: &[Loc]) -> Result<(), Err
         }
         WireField::Nested(rows) => {
             let dtype = rows.first().map(|t| t.dtype());
-            let dtype = dtype.ok_or_else(|| Error::Unencodable("a nested field with no rows has no dtype".into()))?;
+            let dtype = dtype.ok_or_else(|| {
+                Error::Unencodable("a nested field with no rows has no dtype".into())
+            })?;
             if let Some(t) = rows.iter().find(|t| t.dtype() != dtype) {
-                return Err(Error::MixedField(format!("its rows mix dtypes {dtype} and {}", t.dtype())));
+                return Err(Error::MixedField(format!(
+                    "its rows mix dtypes {dtype} and {}",
+                    t.dtype()
+                )));
             }
             w.map(3);
             w.kv_str("kind", "nested");
@@ -375,7 +446,9 @@ fn descriptor(w: &mut Writer, field: &WireField, locs: &[Loc]) -> Result<(), Err
                     Value::Msgpack(raw) => {
                         let mut r = Reader::new(raw, 0);
                         if r.skip(MAX_DEPTH).is_err() || r.remaining() != 0 {
-                            return Err(Error::Unencodable("a msgpack value is not exactly one msgpack value".into()));
+                            return Err(Error::Unencodable(
+                                "a msgpack value is not exactly one msgpack value".into(),
+                            ));
                         }
                         w.raw(raw);
                     }
@@ -387,10 +460,15 @@ fn descriptor(w: &mut Writer, field: &WireField, locs: &[Loc]) -> Result<(), Err
 }
 
 /// Frame 0 plus a `segments` entry in its envelope map (4 -> 5 entries).
-pub(super) fn with_segments(frame0: &[u8], segments: &[(String, u64, u64)]) -> Result<Bytes, Error> {
+pub(super) fn with_segments(
+    frame0: &[u8],
+    segments: &[(String, u64, u64)],
+) -> Result<Bytes, Error> {
     // `envelope` always writes a fixmap of 4 entries first.
     if frame0.first() != Some(&0x84) {
-        return Err(Error::Layout("frame 0 is not an envelope written by this encoder".into()));
+        return Err(Error::Layout(
+            "frame 0 is not an envelope written by this encoder".into(),
+        ));
     }
     let mut w = Writer::new();
     w.str("segments");

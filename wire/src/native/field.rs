@@ -73,7 +73,10 @@ impl WireField {
                 return Err(Error::MixedField("its rows mix tensors and values".into()));
             };
             if t.dtype() != dtype {
-                return Err(Error::MixedField(format!("its rows mix dtypes {dtype} and {}", t.dtype())));
+                return Err(Error::MixedField(format!(
+                    "its rows mix dtypes {dtype} and {}",
+                    t.dtype()
+                )));
             }
             same_shape &= t.shape() == shape.as_slice();
             tensors.push(t);
@@ -122,12 +125,18 @@ pub struct RegularParts {
 
 impl RegularParts {
     /// Checks and builds a regular field from `(bytes, rows)` parts.
-    pub fn new(dtype: DType, row_shape: Vec<u64>, parts: Vec<(Bytes, u64)>) -> Result<RegularParts, Error> {
+    pub fn new(
+        dtype: DType,
+        row_shape: Vec<u64>,
+        parts: Vec<(Bytes, u64)>,
+    ) -> Result<RegularParts, Error> {
         if row_shape.len() >= MAX_DIMS {
             return Err(Error::TooManyDims(row_shape.len() + 1));
         }
-        let row_bytes = contiguous_len(dtype, &row_shape)
-            .map_err(|_| Error::BadShape { shape: row_shape.clone(), reason: "a row overflows the address space" })?;
+        let row_bytes = contiguous_len(dtype, &row_shape).map_err(|_| Error::BadShape {
+            shape: row_shape.clone(),
+            reason: "a row overflows the address space",
+        })?;
         let mut rows = 0u64;
         for (bytes, n) in &parts {
             if *n == 0 {
@@ -135,20 +144,39 @@ impl RegularParts {
             }
             let expected = u128::from(*n) * row_bytes as u128;
             if expected != bytes.len() as u128 {
-                return Err(Error::LengthMismatch { len: bytes.len() as u64, expected });
+                return Err(Error::LengthMismatch {
+                    len: bytes.len() as u64,
+                    expected,
+                });
             }
-            rows = rows.checked_add(*n).ok_or(Error::RowSum { parts: u64::MAX, rows: u64::MAX })?;
+            rows = rows.checked_add(*n).ok_or(Error::RowSum {
+                parts: u64::MAX,
+                rows: u64::MAX,
+            })?;
         }
-        Ok(RegularParts { dtype, row_shape, row_bytes, rows, parts })
+        Ok(RegularParts {
+            dtype,
+            row_shape,
+            row_bytes,
+            rows,
+            parts,
+        })
     }
 
     /// One part holding the whole tensor: zero copy if `t` is contiguous,
     /// one copy if its rows are strided. `t` needs a row axis.
     pub fn from_tensor(t: &Tensor) -> Result<RegularParts, Error> {
         if t.shape().is_empty() {
-            return Err(Error::BadShape { shape: Vec::new(), reason: "a regular field needs a row axis" });
+            return Err(Error::BadShape {
+                shape: Vec::new(),
+                reason: "a regular field needs a row axis",
+            });
         }
-        let parts = if t.rows() == 0 { Vec::new() } else { vec![(t.contiguous_bytes(), t.rows())] };
+        let parts = if t.rows() == 0 {
+            Vec::new()
+        } else {
+            vec![(t.contiguous_bytes(), t.rows())]
+        };
         RegularParts::new(t.dtype(), t.row_shape().to_vec(), parts)
     }
 
@@ -174,7 +202,9 @@ impl RegularParts {
 
     /// The full shape `[n, ...row_shape]`.
     pub fn shape(&self) -> Vec<u64> {
-        std::iter::once(self.rows).chain(self.row_shape.iter().copied()).collect()
+        std::iter::once(self.rows)
+            .chain(self.row_shape.iter().copied())
+            .collect()
     }
 
     /// The parts, in row order: `(bytes, rows)`.
@@ -188,7 +218,12 @@ impl RegularParts {
         self.parts.iter().flat_map(move |(bytes, n)| {
             // Cannot fail: the part holds exactly `n * rb` bytes.
             (0..*n as usize).filter_map(move |i| {
-                Tensor::contiguous(bytes.slice(i * rb..(i + 1) * rb), self.dtype, self.row_shape.clone()).ok()
+                Tensor::contiguous(
+                    bytes.slice(i * rb..(i + 1) * rb),
+                    self.dtype,
+                    self.row_shape.clone(),
+                )
+                .ok()
             })
         })
     }

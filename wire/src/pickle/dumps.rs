@@ -25,7 +25,9 @@ impl Writer {
     }
 
     fn commit_frame(&mut self) {
-        let Some(start) = self.frame_start.take() else { return };
+        let Some(start) = self.frame_start.take() else {
+            return;
+        };
         let len = self.out.len() - start - FRAME_HEADER;
         if len >= FRAME_SIZE_MIN {
             self.out[start] = op::FRAME;
@@ -150,7 +152,11 @@ impl Writer {
 /// Writes `v` exactly as CPython's `pickle.dumps(v, protocol=5)` would for a
 /// tree of fresh objects.
 pub fn dumps(v: &PValue) -> Vec<u8> {
-    let mut w = Writer { out: vec![op::PROTO, 5], framing: true, frame_start: None };
+    let mut w = Writer {
+        out: vec![op::PROTO, 5],
+        framing: true,
+        frame_start: None,
+    };
     w.save(v);
     w.write(&[op::STOP]);
     w.commit_frame();
@@ -174,7 +180,10 @@ pub fn dumps_tensor_meta(dtype: &str, shape: &[u64], frame_index: usize) -> Vec<
 /// The ext 4 payload: `pickle.dumps({"layout": layout, "tensors": [meta, ...]}, 5)`
 /// where each meta is `(dtype, shape, frame_index)`.
 pub fn dumps_nested_meta(layout: &str, tensors: &[(&str, &[u64], usize)]) -> Vec<u8> {
-    let metas = tensors.iter().map(|(d, s, i)| tensor_meta(d, s, *i)).collect();
+    let metas = tensors
+        .iter()
+        .map(|(d, s, i)| tensor_meta(d, s, *i))
+        .collect();
     dumps(&PValue::Dict(vec![
         (PValue::Str("layout".into()), PValue::Str(layout.into())),
         (PValue::Str("tensors".into()), PValue::List(metas)),

@@ -6,22 +6,26 @@ use bytes::Bytes;
 
 use super::{exts, load};
 use crate::batch::{Cell, Field, Value};
-use crate::tensor::{DType, Tensor};
 use crate::pickle;
+use crate::tensor::{DType, Tensor};
 use crate::tq::{
-    Envelope, ErrorReply, Metrics, Reply, Request, Stamp, decode_message, decode_reply, decode_request,
-    encode_reply_stamped, encode_request_stamped,
+    Envelope, ErrorReply, Metrics, Reply, Request, Stamp, decode_message, decode_reply,
+    decode_request, encode_reply_stamped, encode_request_stamped,
 };
 
 const UNIT: &str = "TQ_STORAGE_UNIT_48745fbb";
 const CLIENT: &str = "TQ_STORAGE_fixture";
 
 fn f32s(b: &[u8]) -> Vec<f32> {
-    b.chunks(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()
+    b.chunks(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect()
 }
 
 fn i64s(b: &[u8]) -> Vec<i64> {
-    b.chunks(8).map(|c| i64::from_le_bytes(c.try_into().unwrap())).collect()
+    b.chunks(8)
+        .map(|c| i64::from_le_bytes(c.try_into().unwrap()))
+        .collect()
 }
 
 fn stamp(e: &Envelope) -> Stamp {
@@ -33,7 +37,11 @@ fn check_request_envelope(e: &Envelope, request_type: &str, sender: &str) {
     assert_eq!(e.sender_id, sender);
     assert_eq!(e.receiver_id.as_deref(), Some(UNIT));
     assert_eq!(e.request_id.len(), 8);
-    assert!(e.request_id.chars().all(|c| c.is_ascii_hexdigit() && !c.is_ascii_uppercase()));
+    assert!(
+        e.request_id
+            .chars()
+            .all(|c| c.is_ascii_hexdigit() && !c.is_ascii_uppercase())
+    );
     assert!(e.timestamp > 1.7e9, "timestamp {}", e.timestamp);
 }
 
@@ -52,18 +60,31 @@ fn reply(name: &str) -> (Vec<Bytes>, Envelope, Reply) {
 fn check_put(fields: &[(String, Field)], frames: &[Bytes]) {
     let names: Vec<&str> = fields.iter().map(|(n, _)| n.as_str()).collect();
     assert_eq!(names, ["reg", "jag", "txt", "bf"]);
-    let Field::Regular(reg) = &fields[0].1 else { panic!("reg is {:?}", fields[0].1) };
+    let Field::Regular(reg) = &fields[0].1 else {
+        panic!("reg is {:?}", fields[0].1)
+    };
     assert_eq!((reg.dtype(), reg.shape()), (DType::F32, &[2u64, 2][..]));
     assert_eq!(f32s(&reg.contiguous_bytes()), [0.0, 1.0, 4.0, 5.0]);
-    assert_eq!(reg.buffer().as_ptr(), frames[1].as_ptr(), "reg must be a view of frame 1");
-    let Field::Nested(jag) = &fields[1].1 else { panic!("jag is {:?}", fields[1].1) };
+    assert_eq!(
+        reg.buffer().as_ptr(),
+        frames[1].as_ptr(),
+        "reg must be a view of frame 1"
+    );
+    let Field::Nested(jag) = &fields[1].1 else {
+        panic!("jag is {:?}", fields[1].1)
+    };
     assert_eq!(jag.len(), 2);
     assert_eq!((jag[0].dtype(), jag[0].shape()), (DType::I64, &[1u64][..]));
     assert_eq!(i64s(&jag[0].contiguous_bytes()), [0]);
     assert_eq!(jag[1].shape(), &[3]);
     assert_eq!(i64s(&jag[1].contiguous_bytes()), [0, 1, 2]);
-    assert_eq!(fields[2].1, Field::Values(vec![Value::Str("s0".into()), Value::Str("s2".into())]));
-    let Field::Regular(bf) = &fields[3].1 else { panic!("bf is {:?}", fields[3].1) };
+    assert_eq!(
+        fields[2].1,
+        Field::Values(vec![Value::Str("s0".into()), Value::Str("s2".into())])
+    );
+    let Field::Regular(bf) = &fields[3].1 else {
+        panic!("bf is {:?}", fields[3].1)
+    };
     assert_eq!((bf.dtype(), bf.shape()), (DType::BF16, &[2u64, 1][..]));
     assert_eq!(bf.contiguous_bytes().as_ref(), b"\x80\x3f\x80\x3f");
 }
@@ -74,11 +95,18 @@ fn put_req_decodes_to_the_readme_batch_and_reencodes_identically() {
     assert_eq!(frames.len(), 5);
     let m = decode_message(&frames).unwrap();
     check_request_envelope(&m.envelope, "PUT", CLIENT);
-    let Request::Put { global_indexes, fields } = &m.request else { panic!("{:?}", m.request) };
+    let Request::Put {
+        global_indexes,
+        fields,
+    } = &m.request
+    else {
+        panic!("{:?}", m.request)
+    };
     assert_eq!(global_indexes, &[0, 2]);
     check_put(fields, &frames);
     assert_eq!(m.request.op_name(), "PUT_DATA");
-    let again = encode_request_stamped(CLIENT, Some(UNIT), &m.request, &stamp(&m.envelope)).unwrap();
+    let again =
+        encode_request_stamped(CLIENT, Some(UNIT), &m.request, &stamp(&m.envelope)).unwrap();
     assert_eq!(again, frames);
 }
 
@@ -89,11 +117,34 @@ fn get_clear_and_metrics_requests_decode_and_reencode_identically() {
             "get_req",
             "GET",
             CLIENT,
-            Request::Get { global_indexes: vec![0, 2], fields: ["reg", "jag", "txt", "bf"].map(String::from).to_vec() },
+            Request::Get {
+                global_indexes: vec![0, 2],
+                fields: ["reg", "jag", "txt", "bf"].map(String::from).to_vec(),
+            },
         ),
-        ("get_missing_req", "GET", CLIENT, Request::Get { global_indexes: vec![9], fields: vec!["reg".into()] }),
-        ("clear_req", "CLEAR_DATA", CLIENT, Request::Clear { global_indexes: vec![0, 2] }),
-        ("metrics_req", "GET_METRICS", "TQ_STORAGE_fixture_probe", Request::GetMetrics),
+        (
+            "get_missing_req",
+            "GET",
+            CLIENT,
+            Request::Get {
+                global_indexes: vec![9],
+                fields: vec!["reg".into()],
+            },
+        ),
+        (
+            "clear_req",
+            "CLEAR_DATA",
+            CLIENT,
+            Request::Clear {
+                global_indexes: vec![0, 2],
+            },
+        ),
+        (
+            "metrics_req",
+            "GET_METRICS",
+            "TQ_STORAGE_fixture_probe",
+            Request::GetMetrics,
+        ),
     ];
     for (name, kind, sender, expected) in cases {
         let frames = load(name);
@@ -101,7 +152,8 @@ fn get_clear_and_metrics_requests_decode_and_reencode_identically() {
         check_request_envelope(&m.envelope, kind, sender);
         assert_eq!(m.request, expected, "{name}");
         assert_eq!(decode_request(&frames).unwrap(), expected);
-        let again = encode_request_stamped(sender, Some(UNIT), &m.request, &stamp(&m.envelope)).unwrap();
+        let again =
+            encode_request_stamped(sender, Some(UNIT), &m.request, &stamp(&m.envelope)).unwrap();
         assert_eq!(again, frames, "{name}");
     }
 }
@@ -109,21 +161,40 @@ fn get_clear_and_metrics_requests_decode_and_reencode_identically() {
 #[test]
 fn op_names_are_the_ones_metrics_count() {
     let requests = [
-        Request::Put { global_indexes: vec![], fields: vec![] },
-        Request::Get { global_indexes: vec![], fields: vec![] },
-        Request::Clear { global_indexes: vec![] },
+        Request::Put {
+            global_indexes: vec![],
+            fields: vec![],
+        },
+        Request::Get {
+            global_indexes: vec![],
+            fields: vec![],
+        },
+        Request::Clear {
+            global_indexes: vec![],
+        },
         Request::GetMetrics,
         Request::Other("HANDSHAKE".into()),
     ];
     let names: Vec<&str> = requests.iter().map(|r| r.op_name()).collect();
-    assert_eq!(names, ["PUT_DATA", "GET_DATA", "CLEAR_DATA", "GET_METRICS", "HANDSHAKE"]);
+    assert_eq!(
+        names,
+        [
+            "PUT_DATA",
+            "GET_DATA",
+            "CLEAR_DATA",
+            "GET_METRICS",
+            "HANDSHAKE"
+        ]
+    );
 }
 
 #[test]
 fn get_resp_decodes_to_one_frame_per_tensor_row() {
     let (frames, _, r) = reply("get_resp");
     assert_eq!(frames.len(), 7);
-    let Reply::GetData { fields } = &r else { panic!("{r:?}") };
+    let Reply::GetData { fields } = &r else {
+        panic!("{r:?}")
+    };
     let names: Vec<&str> = fields.iter().map(|(n, _)| n.as_str()).collect();
     assert_eq!(names, ["reg", "jag", "txt", "bf"]);
     let tensor = |c: &Cell| match c {
@@ -137,7 +208,13 @@ fn get_resp_decodes_to_one_frame_per_tensor_row() {
     assert_eq!(reg[1].buffer().as_ptr(), frames[2].as_ptr());
     let jag: Vec<Tensor> = fields[1].1.iter().map(tensor).collect();
     assert_eq!(i64s(&jag[1].contiguous_bytes()), [0, 1, 2]);
-    assert_eq!(fields[2].1, [Cell::Value(Value::Str("s0".into())), Cell::Value(Value::Str("s2".into()))]);
+    assert_eq!(
+        fields[2].1,
+        [
+            Cell::Value(Value::Str("s0".into())),
+            Cell::Value(Value::Str("s2".into()))
+        ]
+    );
     let bf: Vec<Tensor> = fields[3].1.iter().map(tensor).collect();
     assert_eq!((bf[0].dtype(), bf[0].shape()), (DType::BF16, &[1u64][..]));
 }
@@ -145,7 +222,9 @@ fn get_resp_decodes_to_one_frame_per_tensor_row() {
 #[test]
 fn get_response_rebuilt_from_the_put_matches_the_real_unit() {
     let put = load("put_req");
-    let Request::Put { fields, .. } = decode_request(&put).unwrap() else { panic!() };
+    let Request::Put { fields, .. } = decode_request(&put).unwrap() else {
+        panic!()
+    };
     // The unit stores one cell per (index, field) and answers GET [0, 2],
     // i.e. positions 0 and 1 of the PUT, in the GET's field order.
     let cells = |f: &Field| -> Vec<Cell> {
@@ -157,7 +236,9 @@ fn get_response_rebuilt_from_the_put_matches_the_real_unit() {
             })
             .collect()
     };
-    let rebuilt = Reply::GetData { fields: fields.iter().map(|(n, f)| (n.clone(), cells(f))).collect() };
+    let rebuilt = Reply::GetData {
+        fields: fields.iter().map(|(n, f)| (n.clone(), cells(f))).collect(),
+    };
 
     let (golden, golden_env, golden_reply) = reply("get_resp");
     assert_eq!(golden_reply, rebuilt);
@@ -167,7 +248,10 @@ fn get_response_rebuilt_from_the_put_matches_the_real_unit() {
     assert_eq!(env.request_type, golden_env.request_type);
     assert_eq!(env.sender_id, golden_env.sender_id);
     assert_eq!(env.receiver_id, golden_env.receiver_id);
-    assert_eq!((env.request_id.as_str(), env.timestamp), ("00c0ffee", 1.25e9));
+    assert_eq!(
+        (env.request_id.as_str(), env.timestamp),
+        ("00c0ffee", 1.25e9)
+    );
     // Data frames: identical bytes, and views of the PUT's frames (no copy).
     assert_eq!(ours[1..], golden[1..]);
     let within = |b: &Bytes, f: &Bytes| {
@@ -175,7 +259,11 @@ fn get_response_rebuilt_from_the_put_matches_the_real_unit() {
         p >= q && p + b.len() <= q + f.len()
     };
     for (k, frame) in ours[1..].iter().enumerate() {
-        assert!(put[1..].iter().any(|f| within(frame, f)), "frame {} was copied", k + 1);
+        assert!(
+            put[1..].iter().any(|f| within(frame, f)),
+            "frame {} was copied",
+            k + 1
+        );
     }
     // Body byte for byte: with the golden stamp the whole frame 0 is equal.
     let same_stamp = encode_reply_stamped(UNIT, &rebuilt, &stamp(&golden_env));
@@ -192,18 +280,35 @@ fn put_clear_and_error_replies_reencode_identically() {
     for (name, expected) in cases {
         let (frames, env, r) = reply(name);
         assert_eq!(r, expected, "{name}");
-        assert_eq!(encode_reply_stamped(UNIT, &expected, &stamp(&env)), frames, "{name}");
+        assert_eq!(
+            encode_reply_stamped(UNIT, &expected, &stamp(&env)),
+            frames,
+            "{name}"
+        );
     }
     let (_, _, missing) = reply("get_missing_resp");
-    let Reply::Error { kind: ErrorReply::Get, message } = missing else { panic!() };
+    let Reply::Error {
+        kind: ErrorReply::Get,
+        message,
+    } = missing
+    else {
+        panic!()
+    };
     assert!(message.starts_with("[TQKeyNotFound] "));
 }
 
 #[test]
 fn metrics_resp_decodes_and_reencodes_identically() {
     let (frames, env, r) = reply("metrics_resp");
-    let Reply::Metrics(m) = &r else { panic!("{r:?}") };
-    let arrivals = [("PUT_DATA", 1), ("GET_DATA", 2), ("CLEAR_DATA", 1), ("GET_METRICS", 1)];
+    let Reply::Metrics(m) = &r else {
+        panic!("{r:?}")
+    };
+    let arrivals = [
+        ("PUT_DATA", 1),
+        ("GET_DATA", 2),
+        ("CLEAR_DATA", 1),
+        ("GET_METRICS", 1),
+    ];
     let expected = Metrics {
         storage_unit_id: UNIT.into(),
         capacity: None,
@@ -230,10 +335,20 @@ fn pickle_writer_reproduces_every_fixture_pickle() {
             assert_eq!(code, 3);
             let v = pickle::loads(&payload).unwrap();
             assert_eq!(pickle::dumps(&v), payload);
-            let [dtype, shape, index] = v.as_seq().unwrap() else { panic!() };
-            let dims: Vec<u64> = shape.as_seq().unwrap().iter().map(|d| d.as_int().unwrap() as u64).collect();
+            let [dtype, shape, index] = v.as_seq().unwrap() else {
+                panic!()
+            };
+            let dims: Vec<u64> = shape
+                .as_seq()
+                .unwrap()
+                .iter()
+                .map(|d| d.as_int().unwrap() as u64)
+                .collect();
             let index = index.as_int().unwrap() as usize;
-            assert_eq!(pickle::dumps_tensor_meta(dtype.as_str().unwrap(), &dims, index), payload);
+            assert_eq!(
+                pickle::dumps_tensor_meta(dtype.as_str().unwrap(), &dims, index),
+                payload
+            );
             seen += 1;
         }
     }

@@ -18,7 +18,9 @@ use crate::pickle::{self, PValue};
 pub(super) fn fixtures_dir() -> PathBuf {
     match std::env::var_os("STOWAGE_FIXTURES") {
         Some(dir) => PathBuf::from(dir),
-        None => Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures/transferqueue-0.1.11"),
+        None => {
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures/transferqueue-0.1.11")
+        }
     }
 }
 
@@ -50,7 +52,9 @@ pub(super) fn exts(frame0: &Bytes) -> Vec<(i8, Vec<u8>)> {
 
 /// FNV-1a 64 of `b` (to compare long outputs with CPython's).
 pub(super) fn fnv1a(b: &[u8]) -> u64 {
-    b.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &x| (h ^ u64::from(x)).wrapping_mul(0x0100_0000_01b3))
+    b.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &x| {
+        (h ^ u64::from(x)).wrapping_mul(0x0100_0000_01b3)
+    })
 }
 
 /// Builds frame 0 from a request type and an already-encoded body, with a
@@ -58,7 +62,11 @@ pub(super) fn fnv1a(b: &[u8]) -> u64 {
 pub(super) fn frame0(request_type: &str, body: &[u8]) -> Bytes {
     let mut w = Writer::new();
     w.map(6);
-    for (k, v) in [("request_type", request_type), ("sender_id", "TQ_STORAGE_test"), ("receiver_id", "U")] {
+    for (k, v) in [
+        ("request_type", request_type),
+        ("sender_id", "TQ_STORAGE_test"),
+        ("receiver_id", "U"),
+    ] {
         w.str(k);
         w.str(v);
     }

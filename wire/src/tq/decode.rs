@@ -10,12 +10,13 @@ use std::collections::HashSet;
 use bytes::Bytes;
 
 use super::{
-    Envelope, Error, ErrorReply, Message, Metrics, Op, PICKLE_FALLBACK_SENTINEL, Reply, Request, request_type_name,
+    Envelope, Error, ErrorReply, Message, Metrics, Op, PICKLE_FALLBACK_SENTINEL, Reply, Request,
+    request_type_name,
 };
 use crate::batch::{Cell, Field, Value};
-use crate::tensor::{DType, Tensor, TensorError};
 use crate::msgpack::{Item, MsgpackError, Reader, TQ_MAX_DEPTH};
 use crate::pickle::{self, PValue};
+use crate::tensor::{DType, Tensor, TensorError};
 
 /// Most dimensions a tensor shape may have.
 const MAX_RANK: usize = 64;
@@ -26,7 +27,10 @@ impl From<MsgpackError> for Error {
             MsgpackError::Malformed { offset, reason } => Error::Msgpack { offset, reason },
             // Only the typed reads of stowage/1 give this; TransferQueue
             // decoding reads items.
-            MsgpackError::WrongType { expected, .. } => Error::Msgpack { offset: 0, reason: expected },
+            MsgpackError::WrongType { expected, .. } => Error::Msgpack {
+                offset: 0,
+                reason: expected,
+            },
         }
     }
 }
@@ -38,31 +42,61 @@ struct Ctx<'f> {
 }
 
 fn pickle_of(code: i8, offset: usize, data: &[u8]) -> Result<PValue, Error> {
-    pickle::loads(data).map_err(|source| Error::Pickle { code, offset, source })
+    pickle::loads(data).map_err(|source| Error::Pickle {
+        code,
+        offset,
+        source,
+    })
 }
 
 fn shape_of(v: &PValue, code: i8, offset: usize) -> Result<Vec<u64>, Error> {
-    let dims = v.as_seq().ok_or(Error::BadExt { code, offset, reason: "shape is not a tuple" })?;
+    let dims = v.as_seq().ok_or(Error::BadExt {
+        code,
+        offset,
+        reason: "shape is not a tuple",
+    })?;
     let ints: Vec<i128> = dims
         .iter()
-        .map(|d| d.as_int().ok_or(Error::BadExt { code, offset, reason: "shape has a non-int dimension" }))
+        .map(|d| {
+            d.as_int().ok_or(Error::BadExt {
+                code,
+                offset,
+                reason: "shape has a non-int dimension",
+            })
+        })
         .collect::<Result<_, _>>()?;
     if ints.len() > MAX_RANK {
-        return Err(Error::BadShape { shape: ints, reason: "too many dimensions" });
+        return Err(Error::BadShape {
+            shape: ints,
+            reason: "too many dimensions",
+        });
     }
     if ints.iter().any(|&d| d < 0) {
-        return Err(Error::BadShape { shape: ints, reason: "negative dimension" });
+        return Err(Error::BadShape {
+            shape: ints,
+            reason: "negative dimension",
+        });
     }
     if ints.iter().any(|&d| d > i128::from(i64::MAX)) {
-        return Err(Error::BadShape { shape: ints, reason: "dimension too large" });
+        return Err(Error::BadShape {
+            shape: ints,
+            reason: "dimension too large",
+        });
     }
     Ok(ints.iter().map(|&d| d as u64).collect())
 }
 
 /// Splits a `(dtype, shape, frame_index)` meta.
 fn meta_of(v: &PValue, code: i8, offset: usize) -> Result<(&str, Vec<u64>, i128), Error> {
-    let bad = |reason| Error::BadExt { code, offset, reason };
-    let [dtype, shape, index] = v.as_seq().ok_or(bad("expected (dtype, shape, frame_index)"))? else {
+    let bad = |reason| Error::BadExt {
+        code,
+        offset,
+        reason,
+    };
+    let [dtype, shape, index] = v
+        .as_seq()
+        .ok_or(bad("expected (dtype, shape, frame_index)"))?
+    else {
         return Err(bad("expected (dtype, shape, frame_index)"));
     };
     let dtype = dtype.as_str().ok_or(bad("dtype is not a str"))?;
@@ -72,7 +106,10 @@ fn meta_of(v: &PValue, code: i8, offset: usize) -> Result<(&str, Vec<u64>, i128)
 
 impl<'f> Ctx<'f> {
     fn new(frames: &'f [Bytes]) -> Self {
-        Ctx { frames, used: vec![false; frames.len().saturating_sub(1)] }
+        Ctx {
+            frames,
+            used: vec![false; frames.len().saturating_sub(1)],
+        }
     }
 
     /// Validates an absolute frame index and marks the frame as used.
@@ -111,12 +148,19 @@ impl<'f> Ctx<'f> {
     /// tensor per component (what iterating the nested tensor yields).
     fn ext4(&mut self, data: &[u8], offset: usize) -> Result<Vec<Tensor>, Error> {
         let v = pickle_of(4, offset, data)?;
-        let bad = |reason| Error::BadExt { code: 4, offset, reason };
+        let bad = |reason| Error::BadExt {
+            code: 4,
+            offset,
+            reason,
+        };
         match v.get("layout").and_then(PValue::as_str) {
             Some("jagged" | "strided") => {}
             _ => return Err(bad("layout is not \"jagged\" or \"strided\"")),
         }
-        let metas = v.get("tensors").and_then(PValue::as_seq).ok_or(bad("tensors is not a list"))?;
+        let metas = v
+            .get("tensors")
+            .and_then(PValue::as_seq)
+            .ok_or(bad("tensors is not a list"))?;
         metas.iter().map(|m| self.tensor(m, 4, offset)).collect()
     }
 
@@ -127,7 +171,11 @@ impl<'f> Ctx<'f> {
         let v = pickle_of(5, offset, data)?;
         let (dtype, _, index) = meta_of(&v, 5, offset)?;
         if dtype.is_empty() {
-            return Err(Error::BadExt { code: 5, offset, reason: "empty numpy dtype" });
+            return Err(Error::BadExt {
+                code: 5,
+                offset,
+                reason: "empty numpy dtype",
+            });
         }
         self.frame(index).map(drop)
     }
@@ -195,7 +243,9 @@ fn open(frames: &[Bytes]) -> Result<(Envelope, usize, Ctx<'_>), Error> {
             }
             other => {
                 let at = r.pos();
-                r.visit(TQ_MAX_DEPTH, &mut |code, data, offset| ctx.check_ext(code, data, offset))?;
+                r.visit(TQ_MAX_DEPTH, &mut |code, data, offset| {
+                    ctx.check_ext(code, data, offset)
+                })?;
                 other == "body" && body.replace(at).is_some()
             }
         };
@@ -204,7 +254,10 @@ fn open(frames: &[Bytes]) -> Result<(Envelope, usize, Ctx<'_>), Error> {
         }
     }
     if !r.at_end() {
-        return Err(Error::Msgpack { offset: r.pos(), reason: "trailing bytes after the envelope" });
+        return Err(Error::Msgpack {
+            offset: r.pos(),
+            reason: "trailing bytes after the envelope",
+        });
     }
     let missing = |k: &str| Error::Envelope(format!("missing key '{k}'"));
     let envelope = Envelope {
@@ -228,7 +281,10 @@ fn open(frames: &[Bytes]) -> Result<(Envelope, usize, Ctx<'_>), Error> {
 fn body_entries(buf: &Bytes, pos: usize, op: Op) -> Result<Vec<(&str, usize, usize)>, Error> {
     let mut r = Reader::bytes(buf, pos);
     let Item::Map(n) = r.item()? else {
-        return Err(Error::Body { op, detail: "body is not a map".into() });
+        return Err(Error::Body {
+            op,
+            detail: "body is not a map".into(),
+        });
     };
     let mut out: Vec<(&str, usize, usize)> = Vec::with_capacity(n);
     let skip = |r: &mut Reader<'_>| r.visit(TQ_MAX_DEPTH, &mut |_, _, _| Ok::<(), Error>(()));
@@ -244,7 +300,10 @@ fn body_entries(buf: &Bytes, pos: usize, op: Op) -> Result<Vec<(&str, usize, usi
         skip(&mut r)?;
         if let Item::Str { s, .. } = key {
             if out.iter().any(|(k, _, _)| *k == s) {
-                return Err(Error::Body { op, detail: format!("duplicate key '{s}' in body") });
+                return Err(Error::Body {
+                    op,
+                    detail: format!("duplicate key '{s}' in body"),
+                });
             }
             out.push((s, start, r.pos()));
         }
@@ -257,13 +316,21 @@ fn find(entries: &[(&str, usize, usize)], key: &str, op: Op) -> Result<usize, Er
         .iter()
         .find(|(k, _, _)| *k == key)
         .map(|(_, start, _)| *start)
-        .ok_or_else(|| Error::Body { op, detail: format!("missing key '{key}' in body") })
+        .ok_or_else(|| Error::Body {
+            op,
+            detail: format!("missing key '{key}' in body"),
+        })
 }
 
 fn u64_list(buf: &Bytes, pos: usize, op: Op, key: &str) -> Result<Vec<u64>, Error> {
-    let bad = || Error::Body { op, detail: format!("'{key}' must be a list of non-negative ints") };
+    let bad = || Error::Body {
+        op,
+        detail: format!("'{key}' must be a list of non-negative ints"),
+    };
     let mut r = Reader::bytes(buf, pos);
-    let Item::Array(n) = r.item()? else { return Err(bad()) };
+    let Item::Array(n) = r.item()? else {
+        return Err(bad());
+    };
     let mut out = Vec::with_capacity(n);
     for _ in 0..n {
         match r.item()? {
@@ -275,9 +342,14 @@ fn u64_list(buf: &Bytes, pos: usize, op: Op, key: &str) -> Result<Vec<u64>, Erro
 }
 
 fn str_list(buf: &Bytes, pos: usize, op: Op, key: &str) -> Result<Vec<String>, Error> {
-    let bad = || Error::Body { op, detail: format!("'{key}' must be a list of str") };
+    let bad = || Error::Body {
+        op,
+        detail: format!("'{key}' must be a list of str"),
+    };
     let mut r = Reader::bytes(buf, pos);
-    let Item::Array(n) = r.item()? else { return Err(bad()) };
+    let Item::Array(n) = r.item()? else {
+        return Err(bad());
+    };
     let mut out = Vec::with_capacity(n);
     for _ in 0..n {
         match r.item()? {
@@ -302,7 +374,12 @@ enum Element<'a> {
 fn element<'a>(r: &mut Reader<'a>, op: Op, field: &str) -> Result<Element<'a>, Error> {
     let start = r.pos();
     let head = r.item()?;
-    if let Item::Ext { code: 3, data, start: at } = head {
+    if let Item::Ext {
+        code: 3,
+        data,
+        start: at,
+    } = head
+    {
         return Ok(Element::Tensor(data, at));
     }
     r.set_pos(start);
@@ -313,17 +390,31 @@ fn element<'a>(r: &mut Reader<'a>, op: Op, field: &str) -> Result<Element<'a>, E
     })?;
     if framed {
         let what = "a tensor or numpy array inside a list of plain values".into();
-        return Err(Error::Unsupported { op, field: field.to_owned(), what });
+        return Err(Error::Unsupported {
+            op,
+            field: field.to_owned(),
+            what,
+        });
     }
     Ok(Element::Plain(match head {
         Item::Str { s, canonical: true } => Value::Str(s.to_owned()),
-        Item::Bin { data, start: at, canonical: true } => Value::Bytes(r.slice(at, at + data.len())),
+        Item::Bin {
+            data,
+            start: at,
+            canonical: true,
+        } => Value::Bytes(r.slice(at, at + data.len())),
         _ => Value::Msgpack(r.slice(start, r.pos())),
     }))
 }
 
 /// A list of one value per row: all ext 3 (nested tensor rows) or all plain.
-fn row_list(r: &mut Reader<'_>, ctx: &mut Ctx<'_>, n: usize, op: Op, field: &str) -> Result<Field, Error> {
+fn row_list(
+    r: &mut Reader<'_>,
+    ctx: &mut Ctx<'_>,
+    n: usize,
+    op: Op,
+    field: &str,
+) -> Result<Field, Error> {
     let (mut tensors, mut values) = (Vec::new(), Vec::new());
     for _ in 0..n {
         match element(r, op, field)? {
@@ -332,33 +423,74 @@ fn row_list(r: &mut Reader<'_>, ctx: &mut Ctx<'_>, n: usize, op: Op, field: &str
         }
         if !tensors.is_empty() && !values.is_empty() {
             let what = "a list mixing tensors and other values".into();
-            return Err(Error::Unsupported { op, field: field.to_owned(), what });
+            return Err(Error::Unsupported {
+                op,
+                field: field.to_owned(),
+                what,
+            });
         }
     }
-    Ok(if tensors.is_empty() { Field::Values(values) } else { Field::Nested(tensors) })
+    Ok(if tensors.is_empty() {
+        Field::Values(values)
+    } else {
+        Field::Nested(tensors)
+    })
 }
 
 /// One field of a PUT.
 fn put_field(r: &mut Reader<'_>, ctx: &mut Ctx<'_>, field: &str, n: usize) -> Result<Field, Error> {
-    let unsupported = |what: String| Error::Unsupported { op: Op::Put, field: field.to_owned(), what };
-    let count = |rows: u64| Error::RowCount { field: field.to_owned(), rows, indexes: n };
+    let unsupported = |what: String| Error::Unsupported {
+        op: Op::Put,
+        field: field.to_owned(),
+        what,
+    };
+    let count = |rows: u64| Error::RowCount {
+        field: field.to_owned(),
+        rows,
+        indexes: n,
+    };
     let value = match r.item()? {
-        Item::Ext { code: 3, data, start } => {
+        Item::Ext {
+            code: 3,
+            data,
+            start,
+        } => {
             let t = ctx.ext3(data, start)?;
             if t.shape().is_empty() {
                 let detail = format!("field '{field}' is a 0-d tensor: len() of a 0-d tensor");
-                return Err(Error::Body { op: Op::Put, detail });
+                return Err(Error::Body {
+                    op: Op::Put,
+                    detail,
+                });
             }
             Field::Regular(t)
         }
-        Item::Ext { code: 4, data, start } => Field::Nested(ctx.ext4(data, start)?),
+        Item::Ext {
+            code: 4,
+            data,
+            start,
+        } => Field::Nested(ctx.ext4(data, start)?),
         Item::Ext { code: 5, .. } => return Err(unsupported("a numpy array (ext 5)".into())),
-        Item::Ext { code: 1, .. } => return Err(unsupported("a pickled object (ext 1) as a whole field".into())),
-        Item::Ext { code, .. } => return Err(unsupported(format!("an ext {code} value as a whole field"))),
+        Item::Ext { code: 1, .. } => {
+            return Err(unsupported(
+                "a pickled object (ext 1) as a whole field".into(),
+            ));
+        }
+        Item::Ext { code, .. } => {
+            return Err(unsupported(format!("an ext {code} value as a whole field")));
+        }
         Item::Array(m) if m != n => return Err(count(m as u64)),
         Item::Array(m) => row_list(r, ctx, m, Op::Put, field)?,
-        Item::Map(_) => return Err(unsupported("a map (e.g. a nested TensorDict) as a field".into())),
-        _ => return Err(unsupported("a scalar where a list or a tensor was expected".into())),
+        Item::Map(_) => {
+            return Err(unsupported(
+                "a map (e.g. a nested TensorDict) as a field".into(),
+            ));
+        }
+        _ => {
+            return Err(unsupported(
+                "a scalar where a list or a tensor was expected".into(),
+            ));
+        }
     };
     if value.rows() != n as u64 {
         return Err(count(value.rows()));
@@ -382,20 +514,32 @@ fn put(buf: &Bytes, body: usize, ctx: &mut Ctx<'_>) -> Result<Request, Error> {
     }
     let mut r = Reader::bytes(buf, data);
     let Item::Map(n) = r.item()? else {
-        return Err(Error::Body { op: Op::Put, detail: "'data' is not a map".into() });
+        return Err(Error::Body {
+            op: Op::Put,
+            detail: "'data' is not a map".into(),
+        });
     };
     let mut fields: Vec<(String, Field)> = Vec::with_capacity(n);
     for _ in 0..n {
         let Item::Str { s: name, .. } = r.item()? else {
-            return Err(Error::Body { op: Op::Put, detail: "a field name is not a str".into() });
+            return Err(Error::Body {
+                op: Op::Put,
+                detail: "a field name is not a str".into(),
+            });
         };
         if fields.iter().any(|(f, _)| f == name) {
-            return Err(Error::Body { op: Op::Put, detail: format!("duplicate field '{name}'") });
+            return Err(Error::Body {
+                op: Op::Put,
+                detail: format!("duplicate field '{name}'"),
+            });
         }
         let field = put_field(&mut r, ctx, name, global_indexes.len())?;
         fields.push((name.to_owned(), field));
     }
-    Ok(Request::Put { global_indexes, fields })
+    Ok(Request::Put {
+        global_indexes,
+        fields,
+    })
 }
 
 /// Decodes a request arriving at a storage unit: `frames[0]` is the envelope
@@ -409,12 +553,17 @@ pub fn decode_message(frames: &[Bytes]) -> Result<Message, Error> {
             let entries = body_entries(buf, body, Op::Get)?;
             let fields = str_list(buf, find(&entries, "fields", Op::Get)?, Op::Get, "fields")?;
             let gi = find(&entries, "global_indexes", Op::Get)?;
-            Request::Get { global_indexes: u64_list(buf, gi, Op::Get, "global_indexes")?, fields }
+            Request::Get {
+                global_indexes: u64_list(buf, gi, Op::Get, "global_indexes")?,
+                fields,
+            }
         }
         "CLEAR_DATA" => {
             let entries = body_entries(buf, body, Op::Clear)?;
             let gi = find(&entries, "global_indexes", Op::Clear)?;
-            Request::Clear { global_indexes: u64_list(buf, gi, Op::Clear, "global_indexes")? }
+            Request::Clear {
+                global_indexes: u64_list(buf, gi, Op::Clear, "global_indexes")?,
+            }
         }
         "GET_METRICS" => Request::GetMetrics,
         other => Request::Other(other.to_owned()),
@@ -448,10 +597,17 @@ pub fn decode_request(frames: &[Bytes]) -> Result<Request, Error> {
 }
 
 fn reply_err(detail: impl Into<String>) -> Error {
-    Error::Body { op: Op::Reply, detail: detail.into() }
+    Error::Body {
+        op: Op::Reply,
+        detail: detail.into(),
+    }
 }
 
-fn reply_message(buf: &Bytes, entries: &[(&str, usize, usize)], default: &str) -> Result<String, Error> {
+fn reply_message(
+    buf: &Bytes,
+    entries: &[(&str, usize, usize)],
+    default: &str,
+) -> Result<String, Error> {
     match find(entries, "message", Op::Reply) {
         Err(_) => Ok(default.to_owned()),
         Ok(pos) => match Reader::bytes(buf, pos).item()? {
@@ -464,11 +620,17 @@ fn reply_message(buf: &Bytes, entries: &[(&str, usize, usize)], default: &str) -
 fn get_data(buf: &Bytes, body: usize, ctx: &mut Ctx<'_>) -> Result<Reply, Error> {
     let entries = body_entries(buf, body, Op::Reply)?;
     let mut r = Reader::bytes(buf, find(&entries, "data", Op::Reply)?);
-    let Item::Map(n) = r.item()? else { return Err(reply_err("'data' is not a map")) };
+    let Item::Map(n) = r.item()? else {
+        return Err(reply_err("'data' is not a map"));
+    };
     let mut fields = Vec::with_capacity(n);
     for _ in 0..n {
-        let Item::Str { s: name, .. } = r.item()? else { return Err(reply_err("a field name is not a str")) };
-        let Item::Array(m) = r.item()? else { return Err(reply_err(format!("field '{name}' is not a list"))) };
+        let Item::Str { s: name, .. } = r.item()? else {
+            return Err(reply_err("a field name is not a str"));
+        };
+        let Item::Array(m) = r.item()? else {
+            return Err(reply_err(format!("field '{name}' is not a list")));
+        };
         let mut cells = Vec::with_capacity(m);
         for _ in 0..m {
             cells.push(match element(&mut r, Op::Reply, name)? {
@@ -489,14 +651,22 @@ fn metrics(buf: &Bytes, body: usize) -> Result<Metrics, Error> {
         let uint = |item: &Item<'_>| match item {
             Item::UInt(v) => Ok(*v),
             Item::Bool(b) => Ok(u64::from(*b)),
-            _ => Err(reply_err(format!("metrics '{key}' is not a non-negative int"))),
+            _ => Err(reply_err(format!(
+                "metrics '{key}' is not a non-negative int"
+            ))),
         };
         match key {
             "storage_unit_id" => match item {
                 Item::Str { s, .. } => m.storage_unit_id = s.to_owned(),
                 _ => return Err(reply_err("metrics 'storage_unit_id' is not a str")),
             },
-            "capacity" => m.capacity = if item == Item::Nil { None } else { Some(uint(&item)?) },
+            "capacity" => {
+                m.capacity = if item == Item::Nil {
+                    None
+                } else {
+                    Some(uint(&item)?)
+                }
+            }
             "active_keys" => m.active_keys = uint(&item)?,
             "process_rss_bytes" => m.process_rss_bytes = uint(&item)?,
             "ssd_offload_enabled" => m.ssd_offload_enabled = uint(&item)? != 0,
@@ -505,9 +675,13 @@ fn metrics(buf: &Bytes, body: usize) -> Result<Metrics, Error> {
             "ssd_fallback_values_total" => m.ssd_fallback_values_total = uint(&item)?,
             "requests_arrived" => m.requests_arrived = uint(&item)?,
             "arrivals_by_op" => {
-                let Item::Map(n) = item else { return Err(reply_err("'arrivals_by_op' is not a map")) };
+                let Item::Map(n) = item else {
+                    return Err(reply_err("'arrivals_by_op' is not a map"));
+                };
                 for _ in 0..n {
-                    let Item::Str { s: op, .. } = r.item()? else { return Err(reply_err("op name is not a str")) };
+                    let Item::Str { s: op, .. } = r.item()? else {
+                        return Err(reply_err("op name is not a str"));
+                    };
                     let count = uint(&r.item()?)?;
                     m.arrivals_by_op.push((op.to_owned(), count));
                 }
@@ -521,7 +695,9 @@ fn metrics(buf: &Bytes, body: usize) -> Result<Metrics, Error> {
                     Ok::<(), Error>(())
                 })?;
                 if framed {
-                    return Err(reply_err(format!("metrics '{other}' carries a tensor or numpy array (ext 3/4/5)")));
+                    return Err(reply_err(format!(
+                        "metrics '{other}' carries a tensor or numpy array (ext 3/4/5)"
+                    )));
                 }
                 m.extra.push((other.to_owned(), buf.slice(start..end)))
             }
@@ -541,13 +717,18 @@ pub fn decode_reply(frames: &[Bytes]) -> Result<(Envelope, Reply), Error> {
         "GET_DATA_RESPONSE" => get_data(buf, body, &mut ctx)?,
         "CLEAR_DATA_RESPONSE" => {
             let entries = body_entries(buf, body, Op::Reply)?;
-            Reply::ClearData { message: reply_message(buf, &entries, "")? }
+            Reply::ClearData {
+                message: reply_message(buf, &entries, "")?,
+            }
         }
         "METRICS_RESPONSE" => Reply::Metrics(metrics(buf, body)?),
         other => match ErrorReply::from_wire(other) {
             Some(kind) => {
                 let entries = body_entries(buf, body, Op::Reply)?;
-                Reply::Error { kind, message: reply_message(buf, &entries, "Unknown error")? }
+                Reply::Error {
+                    kind,
+                    message: reply_message(buf, &entries, "Unknown error")?,
+                }
             }
             None => return Err(reply_err(format!("{other} is not a storage-unit reply"))),
         },

@@ -9,9 +9,9 @@ use bytes::Bytes;
 
 use super::{Error, Metrics, Op, Reply, Request, Stamp, request_type_name};
 use crate::batch::{Cell, Field, Value};
-use crate::tensor::Tensor;
 use crate::msgpack::Writer;
 use crate::pickle;
+use crate::tensor::Tensor;
 
 /// Frame 0 under construction plus the data frames it references.
 struct Out {
@@ -38,7 +38,10 @@ impl Out {
         w.str("timestamp");
         w.f64(stamp.timestamp);
         w.str("body");
-        Out { w, frames: Vec::new() }
+        Out {
+            w,
+            frames: Vec::new(),
+        }
     }
 
     /// One ext 3 with its own frame: the tensor's bytes, zero copy when the
@@ -46,7 +49,10 @@ impl Out {
     fn tensor(&mut self, t: &Tensor) {
         let index = self.frames.len() + 1;
         self.frames.push(t.contiguous_bytes());
-        self.w.ext(3, &pickle::dumps_tensor_meta(t.dtype().name(), t.shape(), index));
+        self.w.ext(
+            3,
+            &pickle::dumps_tensor_meta(t.dtype().name(), t.shape(), index),
+        );
     }
 
     fn value(&mut self, v: &Value) {
@@ -120,7 +126,10 @@ impl Out {
             Field::Regular(t) => {
                 self.w.array(t.rows() as usize);
                 for i in 0..t.rows() {
-                    let row = t.row_tensor(i).map_err(|e| Error::Body { op: Op::Put, detail: e.to_string() })?;
+                    let row = t.row_tensor(i).map_err(|e| Error::Body {
+                        op: Op::Put,
+                        detail: e.to_string(),
+                    })?;
                     self.tensor(&row);
                 }
             }
@@ -174,7 +183,11 @@ pub fn encode_reply_stamped(unit_id: &str, reply: &Reply, stamp: &Stamp) -> Vec<
 
 /// Encodes a request from client `sender_id` to unit `receiver_id` with a
 /// fresh request id and the current time.
-pub fn encode_request(sender_id: &str, receiver_id: Option<&str>, request: &Request) -> Result<Vec<Bytes>, Error> {
+pub fn encode_request(
+    sender_id: &str,
+    receiver_id: Option<&str>,
+    request: &Request,
+) -> Result<Vec<Bytes>, Error> {
     encode_request_stamped(sender_id, receiver_id, request, &Stamp::now())
 }
 
@@ -193,14 +206,24 @@ pub fn encode_request_stamped(
     }
     let mut out = Out::new(kind, sender_id, receiver_id, stamp);
     match request {
-        Request::Put { global_indexes, fields } => {
+        Request::Put {
+            global_indexes,
+            fields,
+        } => {
             for (name, f) in fields {
                 if matches!(f, Field::Regular(t) if t.shape().is_empty()) {
                     let detail = format!("field '{name}' is a 0-d tensor: it has no rows");
-                    return Err(Error::Body { op: Op::Put, detail });
+                    return Err(Error::Body {
+                        op: Op::Put,
+                        detail,
+                    });
                 }
                 if f.rows() != global_indexes.len() as u64 {
-                    return Err(Error::RowCount { field: name.clone(), rows: f.rows(), indexes: global_indexes.len() });
+                    return Err(Error::RowCount {
+                        field: name.clone(),
+                        rows: f.rows(),
+                        indexes: global_indexes.len(),
+                    });
                 }
             }
             out.w.map(3);
@@ -215,7 +238,10 @@ pub fn encode_request_stamped(
             out.w.str("data_parser");
             out.w.nil();
         }
-        Request::Get { global_indexes, fields } => {
+        Request::Get {
+            global_indexes,
+            fields,
+        } => {
             out.w.map(2);
             out.w.str("global_indexes");
             out.uints(global_indexes);

@@ -13,7 +13,10 @@ use crate::conformance::Refusal;
 #[non_exhaustive]
 pub enum LoadError {
     #[error("cannot read {path}: {source}")]
-    Read { path: String, source: std::io::Error },
+    Read {
+        path: String,
+        source: std::io::Error,
+    },
     #[error("{path} is not a Stowage policy for stowage:policy@0.1.x: {reason}")]
     Contract { path: String, reason: ContractError },
     #[error("{path}: compiling the component failed: {reason}")]
@@ -37,7 +40,10 @@ pub enum ContractError {
     #[error("bad export section ({0})")]
     BadExports(String),
     #[error("it does not export `{required}` (exports: {exports:?})")]
-    Missing { required: &'static str, exports: Vec<String> },
+    Missing {
+        required: &'static str,
+        exports: Vec<String>,
+    },
     #[error(
         "it exports `{found}`, built for contract version {version:?}; this host speaks 0.1.x (rebuild the plugin against stowage-guest 0.1)"
     )]
@@ -45,7 +51,11 @@ pub enum ContractError {
 }
 
 /// The WIT interfaces a policy must export, without version.
-const REQUIRED_EXPORTS: [&str; 3] = ["stowage:policy/meta", "stowage:policy/selection", "stowage:policy/packing"];
+const REQUIRED_EXPORTS: [&str; 3] = [
+    "stowage:policy/meta",
+    "stowage:policy/selection",
+    "stowage:policy/packing",
+];
 
 /// Reads the component's exports before compiling it and checks that it
 /// speaks `stowage:policy@0.1.x`. Returns the exact version found.
@@ -73,15 +83,23 @@ pub fn check_contract(bytes: &[u8]) -> Result<String, ContractError> {
     }
     let mut version = None;
     for required in REQUIRED_EXPORTS {
-        let found = exports.iter().find(|e| e.split('@').next() == Some(required));
+        let found = exports
+            .iter()
+            .find(|e| e.split('@').next() == Some(required));
         let Some(found) = found else {
             return Err(ContractError::Missing { required, exports });
         };
-        let v = found.split_once('@').map(|(_, v)| v.to_string()).unwrap_or_default();
+        let v = found
+            .split_once('@')
+            .map(|(_, v)| v.to_string())
+            .unwrap_or_default();
         let mut parts = v.split('.');
         let compatible = parts.next() == Some("0") && parts.next() == Some("1");
         if !compatible {
-            return Err(ContractError::Version { found: found.clone(), version: v });
+            return Err(ContractError::Version {
+                found: found.clone(),
+                version: v,
+            });
         }
         version = Some(v);
     }
@@ -94,7 +112,10 @@ mod tests {
 
     #[test]
     fn contract_check_refuses_non_components() {
-        assert!(matches!(check_contract(b"not wasm"), Err(ContractError::NotWasm(_))));
+        assert!(matches!(
+            check_contract(b"not wasm"),
+            Err(ContractError::NotWasm(_))
+        ));
         let core = check_contract(b"\0asm\x01\0\0\0").unwrap_err();
         assert_eq!(core, ContractError::CoreModule);
         assert!(core.to_string().contains("core Wasm module"));

@@ -61,7 +61,9 @@ impl LentField {
         }
         let lens = self.row_byte_lens();
         let total: u64 = lens.iter().sum();
-        let end = offset.checked_add(len).ok_or(wtypes::ReadError::OutOfRange)?;
+        let end = offset
+            .checked_add(len)
+            .ok_or(wtypes::ReadError::OutOfRange)?;
         if end > total {
             return Err(wtypes::ReadError::OutOfRange);
         }
@@ -77,7 +79,9 @@ impl LentField {
                     Field::Nested(rows) => rows[i].contiguous_bytes(),
                     Field::Values(v) => match &v[i] {
                         crate::batch::Value::Str(s) => bytes::Bytes::copy_from_slice(s.as_bytes()),
-                        crate::batch::Value::Bytes(b) | crate::batch::Value::Msgpack(b) => b.clone(),
+                        crate::batch::Value::Bytes(b) | crate::batch::Value::Msgpack(b) => {
+                            b.clone()
+                        }
                     },
                 };
                 out.extend_from_slice(&row_bytes[a as usize..b as usize]);
@@ -101,7 +105,10 @@ impl wtypes::HostTensor for HostState {
     fn dtype(&mut self, h: Resource<LentField>) -> wasmtime::Result<wtypes::Dtype> {
         Ok(match &self.table.get(&h)?.field {
             Field::Regular(t) => wit_dtype(t.dtype()),
-            Field::Nested(rows) => rows.first().map(|t| wit_dtype(t.dtype())).unwrap_or(wtypes::Dtype::Uint8),
+            Field::Nested(rows) => rows
+                .first()
+                .map(|t| wit_dtype(t.dtype()))
+                .unwrap_or(wtypes::Dtype::Uint8),
             Field::Values(_) => wtypes::Dtype::Uint8,
         })
     }
@@ -174,15 +181,26 @@ mod tests {
 
     #[test]
     fn read_walks_the_logical_byte_stream() {
-        let t = Tensor::contiguous(Bytes::from((0u8..32).collect::<Vec<_>>()), DType::U8, vec![8, 4]).unwrap();
+        let t = Tensor::contiguous(
+            Bytes::from((0u8..32).collect::<Vec<_>>()),
+            DType::U8,
+            vec![8, 4],
+        )
+        .unwrap();
         // A strided view: rows 1, 3, 5 -> bytes 4..8, 12..16, 20..24 without gaps.
         let view = t.rows_view(1, 2, 3).unwrap();
         let l = lent(Field::Regular(view), 16);
         assert_eq!(l.read(2, 4).unwrap(), vec![6, 7, 12, 13]);
-        assert_eq!(l.read(0, 12).unwrap(), vec![4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23]);
+        assert_eq!(
+            l.read(0, 12).unwrap(),
+            vec![4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23]
+        );
         assert!(matches!(l.read(10, 3), Err(wtypes::ReadError::OutOfRange)));
         assert!(matches!(l.read(0, 17), Err(wtypes::ReadError::OverCap(16))));
-        assert!(matches!(l.read(u64::MAX, 2), Err(wtypes::ReadError::OutOfRange)));
+        assert!(matches!(
+            l.read(u64::MAX, 2),
+            Err(wtypes::ReadError::OutOfRange)
+        ));
         let rows = vec![
             Tensor::contiguous(Bytes::from(vec![1u8, 2]), DType::U8, vec![2]).unwrap(),
             Tensor::contiguous(Bytes::new(), DType::U8, vec![0]).unwrap(),
@@ -192,5 +210,4 @@ mod tests {
         assert_eq!(l.read(1, 2).unwrap(), vec![2, 3]);
         assert_eq!(l.row_byte_lens(), vec![2, 0, 1]);
     }
-
 }

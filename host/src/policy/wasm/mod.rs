@@ -67,7 +67,11 @@ pub struct SandboxLimits {
 
 impl Default for SandboxLimits {
     fn default() -> Self {
-        SandboxLimits { fuel: 200_000_000, memory_bytes: 64 << 20, read_cap: 1 << 20 }
+        SandboxLimits {
+            fuel: 200_000_000,
+            memory_bytes: 64 << 20,
+            read_cap: 1 << 20,
+        }
     }
 }
 
@@ -82,7 +86,10 @@ pub struct HostState {
 
 impl WasiView for HostState {
     fn ctx(&mut self) -> WasiCtxView<'_> {
-        WasiCtxView { ctx: &mut self.wasi, table: &mut self.table }
+        WasiCtxView {
+            ctx: &mut self.wasi,
+            table: &mut self.table,
+        }
     }
 }
 
@@ -137,7 +144,9 @@ pub struct WasmPolicy {
 
 impl std::fmt::Debug for WasmPolicy {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("WasmPolicy").field("description", &self.description).finish()
+        f.debug_struct("WasmPolicy")
+            .field("description", &self.description)
+            .finish()
     }
 }
 
@@ -154,7 +163,10 @@ pub fn engine() -> wasmtime::Result<Engine> {
 pub fn linker(engine: &Engine) -> wasmtime::Result<Linker<HostState>> {
     let mut linker = Linker::new(engine);
     wasmtime_wasi::p2::add_to_linker_sync(&mut linker)?;
-    bindings::Policy::add_to_linker::<HostState, wasmtime::component::HasSelf<HostState>>(&mut linker, |s| s)?;
+    bindings::Policy::add_to_linker::<HostState, wasmtime::component::HasSelf<HostState>>(
+        &mut linker,
+        |s| s,
+    )?;
     Ok(linker)
 }
 
@@ -167,7 +179,10 @@ impl WasmPolicy {
         limits: SandboxLimits,
         path: &str,
     ) -> Result<WasmPolicy, LoadError> {
-        let link = |e: wasmtime::Error| LoadError::Link { path: path.into(), reason: format!("{e:#}") };
+        let link = |e: wasmtime::Error| LoadError::Link {
+            path: path.into(),
+            reason: format!("{e:#}"),
+        };
         let pre = linker.instantiate_pre(component).map_err(link)?;
         let pre = bindings::PolicyPre::new(pre).map_err(link)?;
         let mut policy = WasmPolicy {
@@ -188,7 +203,10 @@ impl WasmPolicy {
                 let store = &mut inst.store;
                 inst.bindings.stowage_policy_meta().call_describe(store)
             })
-            .map_err(|f| LoadError::Describe { path: path.into(), reason: f.to_string() })?;
+            .map_err(|f| LoadError::Describe {
+                path: path.into(),
+                reason: f.to_string(),
+            })?;
         policy.description = Description {
             name: d.name,
             version: d.version,
@@ -239,14 +257,25 @@ impl WasmPolicy {
             .instances(16)
             .trap_on_grow_failure(true)
             .build();
-        let state = HostState { wasi, table: ResourceTable::new(), limits, stderr, read_cap: self.limits.read_cap };
+        let state = HostState {
+            wasi,
+            table: ResourceTable::new(),
+            limits,
+            stderr,
+            read_cap: self.limits.read_cap,
+        };
         let mut store = Store::new(&self.engine, state);
         store.limiter(|s| &mut s.limits);
-        store.set_fuel(self.limits.fuel).map_err(|e| Fault::Instantiate(format!("{e:#}")))?;
-        let bindings = self.pre.instantiate(&mut store).map_err(|e| match fault_of(e) {
-            Fault::Trap(t) => Fault::Instantiate(t),
-            other => other,
-        })?;
+        store
+            .set_fuel(self.limits.fuel)
+            .map_err(|e| Fault::Instantiate(format!("{e:#}")))?;
+        let bindings = self
+            .pre
+            .instantiate(&mut store)
+            .map_err(|e| match fault_of(e) {
+                Fault::Trap(t) => Fault::Instantiate(t),
+                other => other,
+            })?;
         Ok(Instance { store, bindings })
     }
 
@@ -257,18 +286,27 @@ impl WasmPolicy {
     /// another to finish waits on its own thread, and only the one running
     /// moves off the runtime. (Waiting inside `block_in_place` made tokio
     /// start a replacement worker per waiter: 517 threads under 64 clients.)
-    fn call<R: Send>(&self, f: impl FnOnce(&mut Instance) -> wasmtime::Result<R> + Send) -> Result<R, Fault> {
+    fn call<R: Send>(
+        &self,
+        f: impl FnOnce(&mut Instance) -> wasmtime::Result<R> + Send,
+    ) -> Result<R, Fault> {
         let mut slot = self.instance.lock().unwrap_or_else(|p| p.into_inner());
         let slot = &mut *slot;
         off_runtime(|| self.call_here(slot, f))
     }
 
-    fn call_here<R>(&self, slot: &mut Option<Instance>, f: impl FnOnce(&mut Instance) -> wasmtime::Result<R>) -> Result<R, Fault> {
+    fn call_here<R>(
+        &self,
+        slot: &mut Option<Instance>,
+        f: impl FnOnce(&mut Instance) -> wasmtime::Result<R>,
+    ) -> Result<R, Fault> {
         if slot.is_none() {
             *slot = Some(self.instantiate()?);
         }
         let inst = slot.as_mut().expect("instance present");
-        inst.store.set_fuel(self.limits.fuel).map_err(|e| Fault::Instantiate(format!("{e:#}")))?;
+        inst.store
+            .set_fuel(self.limits.fuel)
+            .map_err(|e| Fault::Instantiate(format!("{e:#}")))?;
         match f(inst) {
             Ok(r) => Ok(r),
             Err(e) => {
@@ -277,7 +315,10 @@ impl WasmPolicy {
                 if !said.is_empty()
                     && let Fault::Trap(t) = &mut fault
                 {
-                    t.push_str(&format!(" (guest stderr: {})", String::from_utf8_lossy(&said).trim()));
+                    t.push_str(&format!(
+                        " (guest stderr: {})",
+                        String::from_utf8_lossy(&said).trim()
+                    ));
                 }
                 *slot = None;
                 Err(fault)
@@ -300,7 +341,8 @@ fn off_runtime<R: Send>(f: impl FnOnce() -> R + Send) -> R {
     match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
         Err(_) => f(),
         Ok(tokio::runtime::RuntimeFlavor::MultiThread) => tokio::task::block_in_place(f),
-        Ok(_) => std::thread::scope(|s| s.spawn(f).join()).unwrap_or_else(|panic| std::panic::resume_unwind(panic)),
+        Ok(_) => std::thread::scope(|s| s.spawn(f).join())
+            .unwrap_or_else(|panic| std::panic::resume_unwind(panic)),
     }
 }
 
@@ -318,7 +360,11 @@ fn host_plan(p: wsel::SelectionPlan) -> SelectionPlan {
             .pieces
             .into_iter()
             .map(|piece| match piece {
-                wsel::Piece::View(v) => plan::Piece::View(plan::RowView { start: v.start, step: v.step, count: v.count }),
+                wsel::Piece::View(v) => plan::Piece::View(plan::RowView {
+                    start: v.start,
+                    step: v.step,
+                    count: v.count,
+                }),
                 wsel::Piece::Gather(r) => plan::Piece::Gather(r),
                 wsel::Piece::RowViews(r) => plan::Piece::RowViews(r),
                 wsel::Piece::Concat(r) => plan::Piece::Concat(r),
@@ -336,10 +382,17 @@ impl Policy for WasmPolicy {
         let answer = self
             .call(|inst| {
                 let read_cap = inst.store.data().read_cap;
-                let lent = LentField { field: field.clone(), read_cap };
+                let lent = LentField {
+                    field: field.clone(),
+                    read_cap,
+                };
                 let handle = inst.store.data_mut().table.push(lent)?;
                 let borrowed = Resource::new_borrow(handle.rep());
-                let result = inst.bindings.stowage_policy_selection().call_select(&mut inst.store, borrowed, positions);
+                let result = inst.bindings.stowage_policy_selection().call_select(
+                    &mut inst.store,
+                    borrowed,
+                    positions,
+                );
                 inst.store.data_mut().table.delete(handle)?;
                 result
             })
@@ -352,15 +405,24 @@ impl Policy for WasmPolicy {
     }
 
     fn pack(&self, pieces: &[PieceInfo], limits: &PackLimits) -> Result<FramePlan, PolicyError> {
-        let wpieces: Vec<wpack::PieceInfo> =
-            pieces.iter().map(|p| wpack::PieceInfo { byte_len: p.byte_len, contiguous: p.contiguous }).collect();
+        let wpieces: Vec<wpack::PieceInfo> = pieces
+            .iter()
+            .map(|p| wpack::PieceInfo {
+                byte_len: p.byte_len,
+                contiguous: p.contiguous,
+            })
+            .collect();
         let wlimits = wpack::PackLimits {
             max_frames: limits.max_frames,
             max_frame_bytes: limits.max_frame_bytes,
             small_threshold: limits.small_threshold,
         };
         let answer = self
-            .call(|inst| inst.bindings.stowage_policy_packing().call_pack(&mut inst.store, &wpieces, wlimits))
+            .call(|inst| {
+                inst.bindings
+                    .stowage_policy_packing()
+                    .call_pack(&mut inst.store, &wpieces, wlimits)
+            })
             .map_err(PolicyError::Fault)?;
         answer
             .map(|p| FramePlan {

@@ -11,8 +11,14 @@ fn malformed_msgpack_is_bad_request() {
         (vec![0xc1], "reserved marker"),
         (vec![], "empty frame 0"),
         (vec![0x93, 0x01, 0x02, 0x03], "not a map"),
-        (vec![0xdd, 0xff, 0xff, 0xff, 0xff], "array of 2^32-1 items in 5 bytes"),
-        (vec![0xdf, 0x7f, 0xff, 0xff, 0xff, 0xa1], "map of 2^31-1 entries"),
+        (
+            vec![0xdd, 0xff, 0xff, 0xff, 0xff],
+            "array of 2^32-1 items in 5 bytes",
+        ),
+        (
+            vec![0xdf, 0x7f, 0xff, 0xff, 0xff, 0xa1],
+            "map of 2^31-1 entries",
+        ),
     ];
     for (frame0, what) in cases {
         let err = decode(&[Bytes::from(frame0)]).expect_err(what);
@@ -26,24 +32,59 @@ fn malformed_msgpack_is_bad_request() {
 #[test]
 fn invalid_utf8_and_deep_nesting_are_refused() {
     let err = bad_put(&["op"], Some(M::Raw(vec![0xa2, 0xff, 0xfe])));
-    assert!(matches!(err, Error::Malformed { reason: "invalid UTF-8 in a str", .. }), "{err}");
+    assert!(
+        matches!(
+            err,
+            Error::Malformed {
+                reason: "invalid UTF-8 in a str",
+                ..
+            }
+        ),
+        "{err}"
+    );
     let deep = M::Raw([vec![0x91; 100], vec![0xc0]].concat());
-    let values = M::Map(vec![("kind", M::S("values")), ("values", M::Arr(vec![deep.clone(), deep]))]);
+    let values = M::Map(vec![
+        ("kind", M::S("values")),
+        ("values", M::Arr(vec![deep.clone(), deep])),
+    ]);
     let err = bad_put(&["body", "fields", "x"], Some(values));
-    assert!(matches!(err.root(), Error::Malformed { reason: "nesting too deep", .. }), "{err}");
+    assert!(
+        matches!(
+            err.root(),
+            Error::Malformed {
+                reason: "nesting too deep",
+                ..
+            }
+        ),
+        "{err}"
+    );
 }
 
 #[test]
 fn missing_keys_are_refused() {
-    for path in
-        [&["id"][..], &["body"], &["body", "global_indexes"], &["body", "fields"], &["body", "fields", "x", "kind"]]
-    {
+    for path in [
+        &["id"][..],
+        &["body"],
+        &["body", "global_indexes"],
+        &["body", "fields"],
+        &["body", "fields", "x", "kind"],
+    ] {
         let err = bad_put(path, None);
-        assert!(matches!(err.root(), Error::MissingKey { .. }), "{path:?}: {err}");
+        assert!(
+            matches!(err.root(), Error::MissingKey { .. }),
+            "{path:?}: {err}"
+        );
         assert_eq!(err.code(), code::BAD_REQUEST);
     }
-    let parts = M::Arr(vec![M::Map(vec![("frame", M::U(1)), ("offset", M::U(0)), ("rows", M::U(2))])]);
-    assert!(matches!(bad_put(&X, Some(parts)).root(), Error::MissingKey { key: "len", .. }));
+    let parts = M::Arr(vec![M::Map(vec![
+        ("frame", M::U(1)),
+        ("offset", M::U(0)),
+        ("rows", M::U(2)),
+    ])]);
+    assert!(matches!(
+        bad_put(&X, Some(parts)).root(),
+        Error::MissingKey { key: "len", .. }
+    ));
     let err = bad_put(&["proto"], None);
     assert!(matches!(err, Error::MissingKey { key: "proto", .. }));
 }
@@ -57,7 +98,9 @@ fn unknown_and_duplicate_keys_are_refused() {
     // A key that exists, but not for this kind.
     let err = bad_put(&["body", "fields", "x", "values"], Some(M::Arr(vec![])));
     assert!(matches!(err.root(), Error::UnknownKey { .. }), "{err}");
-    let M::Map(mut kv) = hand_put() else { unreachable!() };
+    let M::Map(mut kv) = hand_put() else {
+        unreachable!()
+    };
     kv.push(("id", M::U(3)));
     let err = decode(&frames_with(M::Map(kv), &[16])).unwrap_err();
     assert!(matches!(err, Error::DuplicateKey { .. }), "{err}");
@@ -71,21 +114,35 @@ fn wrong_types_are_refused() {
         (&["body", "global_indexes"], M::Map(vec![])),
         (&["body", "global_indexes"], M::Arr(vec![M::I(-3)])),
         (&["body", "fields"], M::Arr(vec![])),
-        (&["body", "fields", "x", "shape"], M::Arr(vec![M::S("2"), M::U(2)])),
+        (
+            &["body", "fields", "x", "shape"],
+            M::Arr(vec![M::S("2"), M::U(2)]),
+        ),
         (&["body", "fields", "x", "dtype"], M::U(4)),
         (&X, M::Arr(vec![M::U(1)])),
     ];
     for (path, value) in cases {
         let err = bad_put(path, Some(value));
-        assert!(matches!(err.root(), Error::WrongType { .. }), "{path:?}: {err}");
+        assert!(
+            matches!(err.root(), Error::WrongType { .. }),
+            "{path:?}: {err}"
+        );
     }
 }
 
 #[test]
 fn unknown_proto_and_op_are_unsupported() {
-    let frames = frames_with(hand_put().set(&["proto"], Some(M::S("stowage/2"))).set(&["zzz"], Some(M::U(0))), &[16]);
+    let frames = frames_with(
+        hand_put()
+            .set(&["proto"], Some(M::S("stowage/2")))
+            .set(&["zzz"], Some(M::U(0))),
+        &[16],
+    );
     let err = decode(&frames).unwrap_err();
-    assert_eq!((err.code(), request_id(&frames)), (code::UNSUPPORTED, Some(9)));
+    assert_eq!(
+        (err.code(), request_id(&frames)),
+        (code::UNSUPPORTED, Some(9))
+    );
     assert!(err.to_string().contains("stowage/2"));
     let err = bad_put(&["op"], Some(M::S("put_ok")));
     assert_eq!(err, Error::UnknownOp("put_ok".into()));
@@ -94,7 +151,13 @@ fn unknown_proto_and_op_are_unsupported() {
     let (id, back) = decode_reply(&encode_reply(9, &reply).unwrap(), &Limits::default()).unwrap();
     assert_eq!(
         (id, back),
-        (9, Reply::Error { code: "unsupported".into(), message: "unsupported op \"put_ok\"".into() })
+        (
+            9,
+            Reply::Error {
+                code: "unsupported".into(),
+                message: "unsupported op \"put_ok\"".into()
+            }
+        )
     );
     assert_eq!(request_id(&[Bytes::from_static(b"\xc1")]), None);
 }
@@ -111,7 +174,13 @@ fn frame_index_out_of_range() {
 fn unused_data_frames() {
     let err = decode(&frames_with(hand_put(), &[16, 4])).unwrap_err();
     assert_eq!(err, Error::UnusedFrame(2));
-    let get = Request { id: 1, op: Op::Get { global_indexes: vec![1], fields: vec!["a".into()] } };
+    let get = Request {
+        id: 1,
+        op: Op::Get {
+            global_indexes: vec![1],
+            fields: vec!["a".into()],
+        },
+    };
     let mut frames = encode_request(&get).unwrap();
     frames.push(Bytes::new());
     assert_eq!(decode(&frames).unwrap_err(), Error::UnusedFrame(1));
@@ -123,28 +192,55 @@ fn part_ranges_outside_their_frame() {
         let env = hand_put().set(&X, Some(M::Arr(vec![part(1, offset, len, rows)])));
         let env = env.set(&["body", "fields", "x", "shape"], Some(uints(&[rows, 2])));
         let err = decode(&frames_with(env, &[16])).unwrap_err();
-        let ok = matches!(err.root(), Error::RangeOutsideFrame { .. } | Error::EmptyPart);
+        let ok = matches!(
+            err.root(),
+            Error::RangeOutsideFrame { .. } | Error::EmptyPart
+        );
         assert!(ok, "{offset}+{len}: {err}");
     }
 }
 
 #[test]
 fn part_rows_must_sum_to_the_shape() {
-    for parts in [vec![part(1, 0, 8, 1)], vec![part(1, 0, 8, 1), part(1, 8, 8, 1), part(1, 0, 8, 1)]] {
+    for parts in [
+        vec![part(1, 0, 8, 1)],
+        vec![part(1, 0, 8, 1), part(1, 8, 8, 1), part(1, 0, 8, 1)],
+    ] {
         let err = bad_put(&X, Some(M::Arr(parts)));
         assert!(matches!(err.root(), Error::RowSum { .. }), "{err}");
     }
     let err = bad_put(&X, Some(M::Arr(vec![part(1, 0, 0, 0), part(1, 0, 16, 2)])));
     assert_eq!(err.root(), &Error::EmptyPart);
     let err = bad_put(&X, Some(M::Arr(vec![part(1, 0, 12, 2)])));
-    assert!(matches!(err.root(), Error::LengthMismatch { len: 12, expected: 16 }), "{err}");
+    assert!(
+        matches!(
+            err.root(),
+            Error::LengthMismatch {
+                len: 12,
+                expected: 16
+            }
+        ),
+        "{err}"
+    );
 }
 
 #[test]
 fn row_count_must_match_the_indexes() {
     let err = bad_put(&["body", "global_indexes"], Some(uints(&[0, 1, 2])));
-    assert!(matches!(err.root(), Error::RowCount { rows: 2, expected: 3 }), "{err}");
-    let req = put(vec![0, 1], vec![("v", Field::Values(vec![Value::Str("a".into())]))]);
+    assert!(
+        matches!(
+            err.root(),
+            Error::RowCount {
+                rows: 2,
+                expected: 3
+            }
+        ),
+        "{err}"
+    );
+    let req = put(
+        vec![0, 1],
+        vec![("v", Field::Values(vec![Value::Str("a".into())]))],
+    );
     let err = decode(&encode_request(&req).unwrap()).unwrap_err();
     assert!(matches!(err.root(), Error::RowCount { .. }));
 }
@@ -153,20 +249,41 @@ fn row_count_must_match_the_indexes() {
 fn duplicate_global_indexes_in_a_put() {
     let err = bad_put(&["body", "global_indexes"], Some(uints(&[4, 4])));
     assert_eq!(err, Error::DuplicateIndex(4));
-    let req = put(vec![3, 1, 3], vec![("v", Field::Values(vec![Value::Str("a".into()); 3]))]);
-    assert_eq!(decode(&encode_request(&req).unwrap()).unwrap_err(), Error::DuplicateIndex(3));
+    let req = put(
+        vec![3, 1, 3],
+        vec![("v", Field::Values(vec![Value::Str("a".into()); 3]))],
+    );
+    assert_eq!(
+        decode(&encode_request(&req).unwrap()).unwrap_err(),
+        Error::DuplicateIndex(3)
+    );
 }
 
 #[test]
 fn duplicate_field_names() {
-    let get = Request { id: 1, op: Op::Get { global_indexes: vec![1], fields: vec!["a".into(), "a".into()] } };
-    assert_eq!(decode(&encode_request(&get).unwrap()).unwrap_err(), Error::DuplicateField("a".into()));
+    let get = Request {
+        id: 1,
+        op: Op::Get {
+            global_indexes: vec![1],
+            fields: vec!["a".into(), "a".into()],
+        },
+    };
+    assert_eq!(
+        decode(&encode_request(&get).unwrap()).unwrap_err(),
+        Error::DuplicateField("a".into())
+    );
     let v = WireField::Values(vec![Value::Str("a".into())]);
     let req = Request {
         id: 1,
-        op: Op::Put { global_indexes: vec![0], fields: vec![("a".into(), v.clone()), ("a".into(), v)] },
+        op: Op::Put {
+            global_indexes: vec![0],
+            fields: vec![("a".into(), v.clone()), ("a".into(), v)],
+        },
     };
-    assert_eq!(decode(&encode_request(&req).unwrap()).unwrap_err(), Error::DuplicateField("a".into()));
+    assert_eq!(
+        decode(&encode_request(&req).unwrap()).unwrap_err(),
+        Error::DuplicateField("a".into())
+    );
 }
 
 #[test]
@@ -176,7 +293,10 @@ fn unknown_dtype_and_kind() {
     let err = bad_put(&["body", "fields", "x", "kind"], Some(M::S("sparse")));
     assert_eq!(err.root(), &Error::UnknownKind("sparse".into()));
     // Receivers accept torch's prefix and aliases.
-    let frames = frames_with(hand_put().set(&["body", "fields", "x", "dtype"], Some(M::S("torch.float"))), &[16]);
+    let frames = frames_with(
+        hand_put().set(&["body", "fields", "x", "dtype"], Some(M::S("torch.float"))),
+        &[16],
+    );
     assert!(decode(&frames).is_ok());
 }
 
@@ -193,17 +313,31 @@ fn negative_or_absurd_shapes() {
     assert_eq!(err.root(), &Error::TooManyDims(65));
     // [2, 0] rows have no bytes: the length check must not be fooled by
     // 2^63 rows of nothing.
-    let env = hand_put()
-        .set(&shape, Some(uints(&[2, 0])))
-        .set(&X, Some(M::Arr(vec![part(1, 0, 0, 1 << 63), part(1, 0, 0, 1 << 63)])));
+    let env = hand_put().set(&shape, Some(uints(&[2, 0]))).set(
+        &X,
+        Some(M::Arr(vec![part(1, 0, 0, 1 << 63), part(1, 0, 0, 1 << 63)])),
+    );
     let err = decode(&frames_with(env, &[16])).unwrap_err();
     assert!(matches!(err.root(), Error::RowSum { .. }), "{err}");
-    let row =
-        M::Map(vec![("shape", uints(&[u64::MAX, 2])), ("frame", M::U(1)), ("offset", M::U(0)), ("len", M::U(16))]);
-    let nested =
-        M::Map(vec![("kind", M::S("nested")), ("dtype", M::S("int8")), ("rows", M::Arr(vec![row.clone(), row]))]);
+    let row = M::Map(vec![
+        ("shape", uints(&[u64::MAX, 2])),
+        ("frame", M::U(1)),
+        ("offset", M::U(0)),
+        ("len", M::U(16)),
+    ]);
+    let nested = M::Map(vec![
+        ("kind", M::S("nested")),
+        ("dtype", M::S("int8")),
+        ("rows", M::Arr(vec![row.clone(), row])),
+    ]);
     let err = bad_put(&["body", "fields", "x"], Some(nested));
-    assert!(matches!(err.root(), Error::BadShape { .. } | Error::LengthMismatch { .. }), "{err}");
+    assert!(
+        matches!(
+            err.root(),
+            Error::BadShape { .. } | Error::LengthMismatch { .. }
+        ),
+        "{err}"
+    );
 }
 
 #[test]
@@ -211,10 +345,20 @@ fn empty_batches_are_refused() {
     let err = bad_put(&["body", "global_indexes"], Some(uints(&[])));
     assert!(matches!(err, Error::EmptyBatch(_)));
     assert!(err.to_string().starts_with("empty batch"), "{err}");
-    let err = decode(&frames_with(hand_put().set(&["body", "fields"], Some(M::Map(vec![]))), &[])).unwrap_err();
+    let err = decode(&frames_with(
+        hand_put().set(&["body", "fields"], Some(M::Map(vec![]))),
+        &[],
+    ))
+    .unwrap_err();
     assert!(matches!(err, Error::EmptyBatch(_)), "{err}");
     for (ix, fields) in [(vec![], vec!["a".to_owned()]), (vec![1], vec![])] {
-        let get = Request { id: 1, op: Op::Get { global_indexes: ix, fields } };
+        let get = Request {
+            id: 1,
+            op: Op::Get {
+                global_indexes: ix,
+                fields,
+            },
+        };
         let err = decode(&encode_request(&get).unwrap()).unwrap_err();
         assert!(err.to_string().starts_with("empty batch"), "{err}");
         assert_eq!(err.code(), code::BAD_REQUEST);
@@ -225,19 +369,56 @@ fn empty_batches_are_refused() {
 fn limits_are_enforced_before_allocating() {
     let frames = frames_with(hand_put(), &[16]);
     let cases = [
-        (Limits { max_rows: 1, ..Limits::default() }, "global indexes"),
-        (Limits { max_fields: 0, ..Limits::default() }, "fields"),
-        (Limits { max_frames: 1, ..Limits::default() }, "frames"),
-        (Limits { max_message_bytes: 100, ..Limits::default() }, "message bytes"),
+        (
+            Limits {
+                max_rows: 1,
+                ..Limits::default()
+            },
+            "global indexes",
+        ),
+        (
+            Limits {
+                max_fields: 0,
+                ..Limits::default()
+            },
+            "fields",
+        ),
+        (
+            Limits {
+                max_frames: 1,
+                ..Limits::default()
+            },
+            "frames",
+        ),
+        (
+            Limits {
+                max_message_bytes: 100,
+                ..Limits::default()
+            },
+            "message bytes",
+        ),
     ];
     for (limits, what) in cases {
         let err = decode_request(&frames, &limits).unwrap_err();
         assert_eq!(err.code(), code::TOO_LARGE, "{what}: {err}");
-        assert!(matches!(err.root(), Error::TooLarge { what: w, .. } if *w == what), "{err}");
+        assert!(
+            matches!(err.root(), Error::TooLarge { what: w, .. } if *w == what),
+            "{err}"
+        );
     }
     // A declared shape larger than the row limit, with the index count in range.
-    let env = hand_put().set(&["body", "fields", "x", "shape"], Some(uints(&[1 << 40, 2])));
-    let err = decode_request(&frames_with(env, &[16]), &Limits { max_rows: 2, ..Limits::default() }).unwrap_err();
+    let env = hand_put().set(
+        &["body", "fields", "x", "shape"],
+        Some(uints(&[1 << 40, 2])),
+    );
+    let err = decode_request(
+        &frames_with(env, &[16]),
+        &Limits {
+            max_rows: 2,
+            ..Limits::default()
+        },
+    )
+    .unwrap_err();
     assert_eq!(err.code(), code::TOO_LARGE, "{err}");
     assert_eq!(decode(&[]).unwrap_err(), Error::NoFrames);
 }
@@ -246,9 +427,24 @@ fn limits_are_enforced_before_allocating() {
 fn bad_replies_are_refused() {
     let x = WireField::from_field(&Field::Regular(tensor(DType::U8, &[2, 1], 0))).unwrap();
     let y = WireField::Values(vec![Value::Str("a".into())]);
-    let frames = encode_reply(1, &Reply::GetOk { fields: vec![("x".into(), x), ("y".into(), y)] }).unwrap();
+    let frames = encode_reply(
+        1,
+        &Reply::GetOk {
+            fields: vec![("x".into(), x), ("y".into(), y)],
+        },
+    )
+    .unwrap();
     let err = decode_reply(&frames, &Limits::default()).unwrap_err();
-    assert!(matches!(err.root(), Error::RowCount { rows: 1, expected: 2 }), "{err}");
+    assert!(
+        matches!(
+            err.root(),
+            Error::RowCount {
+                rows: 1,
+                expected: 2
+            }
+        ),
+        "{err}"
+    );
     let stats = Reply::StatsOk(vec![("a".into(), Stat::Int(1)), ("a".into(), Stat::Int(2))]);
     let err = decode_reply(&encode_reply(1, &stats).unwrap(), &Limits::default()).unwrap_err();
     assert!(matches!(err, Error::DuplicateKey { .. }), "{err}");
@@ -259,11 +455,22 @@ fn bad_replies_are_refused() {
 #[test]
 fn unencodable_values_are_refused() {
     let bad = WireField::Values(vec![Value::Msgpack(Bytes::from_static(&[0x92, 0x01]))]);
-    let req = Request { id: 1, op: Op::Put { global_indexes: vec![0], fields: vec![("v".into(), bad)] } };
+    let req = Request {
+        id: 1,
+        op: Op::Put {
+            global_indexes: vec![0],
+            fields: vec![("v".into(), bad)],
+        },
+    };
     assert_eq!(encode_request(&req).unwrap_err().code(), code::INTERNAL);
     let empty = WireField::Nested(vec![]);
-    let reply = Reply::GetOk { fields: vec![("n".into(), empty)] };
-    assert!(matches!(encode_reply(1, &reply).unwrap_err().root(), Error::Unencodable(_)));
+    let reply = Reply::GetOk {
+        fields: vec![("n".into(), empty)],
+    };
+    assert!(matches!(
+        encode_reply(1, &reply).unwrap_err().root(),
+        Error::Unencodable(_)
+    ));
 }
 
 /// Every prefix and thousands of byte flips of valid messages: never a
@@ -274,7 +481,10 @@ fn mangled_messages_never_panic() {
         vec![0, 1],
         vec![
             ("r", Field::Regular(tensor(DType::F32, &[2, 2], 0))),
-            ("n", Field::Nested(vec![tensor(DType::U8, &[1], 0), tensor(DType::U8, &[3], 0)])),
+            (
+                "n",
+                Field::Nested(vec![tensor(DType::U8, &[1], 0), tensor(DType::U8, &[3], 0)]),
+            ),
             (
                 "v",
                 Field::Values(vec![
@@ -285,9 +495,14 @@ fn mangled_messages_never_panic() {
         ],
     );
     let frames = encode_request(&req).unwrap();
-    let reply =
-        encode_reply(2, &Reply::StatsOk(vec![("f".into(), Stat::Float(1.5)), ("s".into(), Stat::Str("x".into()))]))
-            .unwrap();
+    let reply = encode_reply(
+        2,
+        &Reply::StatsOk(vec![
+            ("f".into(), Stat::Float(1.5)),
+            ("s".into(), Stat::Str("x".into())),
+        ]),
+    )
+    .unwrap();
     for base in [frames, reply] {
         let env = base[0].to_vec();
         for cut in 0..env.len() {
@@ -321,23 +536,59 @@ fn a_packed_frame_of_rows_back_to_back_in_one_buffer_is_that_buffer() {
     // three nested int32 rows stored as slices of one received buffer, and
     // a fourth from elsewhere
     let buf = Bytes::from((0u8..48).collect::<Vec<u8>>());
-    let row = |a: usize, b: usize| Tensor::contiguous(buf.slice(a..b), DType::I32, vec![((b - a) / 4) as u64]).unwrap();
+    let row = |a: usize, b: usize| {
+        Tensor::contiguous(buf.slice(a..b), DType::I32, vec![((b - a) / 4) as u64]).unwrap()
+    };
     let other = Tensor::contiguous(Bytes::from(vec![9u8; 8]), DType::I32, vec![2]).unwrap();
     let span = |p: *const u8, len: usize| {
         let off = (p as usize).checked_sub(buf.as_ptr() as usize)?;
         (off + len <= buf.len()).then(|| buf.slice(off..off + len))
     };
-    let all_in_one = |rows: usize| FrameLayout { frames: vec![(0..rows as u64).map(|r| RowSlice { field: 0, start: r, end: r + 1 }).collect()] };
-    let reply = Reply::GetOk { fields: vec![("n".into(), WireField::Nested(vec![row(0, 8), row(8, 20), row(20, 48)]))] };
+    let all_in_one = |rows: usize| FrameLayout {
+        frames: vec![
+            (0..rows as u64)
+                .map(|r| RowSlice {
+                    field: 0,
+                    start: r,
+                    end: r + 1,
+                })
+                .collect(),
+        ],
+    };
+    let reply = Reply::GetOk {
+        fields: vec![(
+            "n".into(),
+            WireField::Nested(vec![row(0, 8), row(8, 20), row(20, 48)]),
+        )],
+    };
     let frames = encode_reply_joined(1, &reply, &all_in_one(3), &span).unwrap();
     assert_eq!(frames.len(), 2);
-    assert_eq!(frames[1].as_ptr(), buf.as_ptr(), "the frame is not the stored buffer");
+    assert_eq!(
+        frames[1].as_ptr(),
+        buf.as_ptr(),
+        "the frame is not the stored buffer"
+    );
     assert_eq!(frames[1].len(), 48);
-    assert_eq!(decode_reply(&frames, &Limits::default()).unwrap(), (1, reply.clone()));
-    assert_eq!(encode_reply_with(1, &reply, &all_in_one(3)).unwrap(), frames, "joined and copied frames differ");
+    assert_eq!(
+        decode_reply(&frames, &Limits::default()).unwrap(),
+        (1, reply.clone())
+    );
+    assert_eq!(
+        encode_reply_with(1, &reply, &all_in_one(3)).unwrap(),
+        frames,
+        "joined and copied frames differ"
+    );
     // out of order, or with a row from another buffer: copied
-    let reply = Reply::GetOk { fields: vec![("n".into(), WireField::Nested(vec![row(8, 20), row(0, 8), other]))] };
+    let reply = Reply::GetOk {
+        fields: vec![(
+            "n".into(),
+            WireField::Nested(vec![row(8, 20), row(0, 8), other]),
+        )],
+    };
     let frames = encode_reply_joined(1, &reply, &all_in_one(3), &span).unwrap();
     assert_ne!(frames[1].as_ptr(), buf.as_ptr());
-    assert_eq!(decode_reply(&frames, &Limits::default()).unwrap(), (1, reply));
+    assert_eq!(
+        decode_reply(&frames, &Limits::default()).unwrap(),
+        (1, reply)
+    );
 }

@@ -2,9 +2,9 @@
 
 use bytes::Bytes;
 
-use crate::msgpack::Writer;
 use super::*;
 use crate::batch::{Cell, Field, Value};
+use crate::msgpack::Writer;
 use crate::tensor::{DType, Tensor};
 
 // ---------------------------------------------------------------- helpers
@@ -22,8 +22,17 @@ fn within(inner: &[u8], outer: &[u8]) -> bool {
 }
 
 fn put(global_indexes: Vec<u64>, fields: Vec<(&str, Field)>) -> Request {
-    let fields = fields.into_iter().map(|(n, f)| (n.to_owned(), WireField::from_field(&f).unwrap())).collect();
-    Request { id: 7, op: Op::Put { global_indexes, fields } }
+    let fields = fields
+        .into_iter()
+        .map(|(n, f)| (n.to_owned(), WireField::from_field(&f).unwrap()))
+        .collect();
+    Request {
+        id: 7,
+        op: Op::Put {
+            global_indexes,
+            fields,
+        },
+    }
 }
 
 fn decode(frames: &[Bytes]) -> Result<Request, Error> {
@@ -75,7 +84,9 @@ impl M {
 
     /// Replaces (or with `None` removes) the value at a path of map keys.
     fn set(mut self, path: &[&'static str], value: Option<M>) -> M {
-        let M::Map(kv) = &mut self else { panic!("not a map") };
+        let M::Map(kv) = &mut self else {
+            panic!("not a map")
+        };
         let i = kv.iter().position(|(k, _)| *k == path[0]);
         match (path.len(), i, value) {
             (1, Some(i), None) => {
@@ -95,11 +106,21 @@ fn uints(v: &[u64]) -> M {
 }
 
 fn envelope(op: &'static str, body: M) -> M {
-    M::Map(vec![("proto", M::S("stowage/1")), ("op", M::S(op)), ("id", M::U(9)), ("body", body)])
+    M::Map(vec![
+        ("proto", M::S("stowage/1")),
+        ("op", M::S(op)),
+        ("id", M::U(9)),
+        ("body", body),
+    ])
 }
 
 fn part(frame: u64, offset: u64, len: u64, rows: u64) -> M {
-    M::Map(vec![("frame", M::U(frame)), ("offset", M::U(offset)), ("len", M::U(len)), ("rows", M::U(rows))])
+    M::Map(vec![
+        ("frame", M::U(frame)),
+        ("offset", M::U(offset)),
+        ("len", M::U(len)),
+        ("rows", M::U(rows)),
+    ])
 }
 
 /// A valid put by hand: indexes [0, 1], field "x" float32 [2, 2] in one
@@ -111,11 +132,19 @@ fn hand_put() -> M {
         ("shape", uints(&[2, 2])),
         ("parts", M::Arr(vec![part(1, 0, 16, 2)])),
     ]);
-    envelope("put", M::Map(vec![("global_indexes", uints(&[0, 1])), ("fields", M::Map(vec![("x", x)]))]))
+    envelope(
+        "put",
+        M::Map(vec![
+            ("global_indexes", uints(&[0, 1])),
+            ("fields", M::Map(vec![("x", x)])),
+        ]),
+    )
 }
 
 fn frames_with(env: M, data: &[usize]) -> Vec<Bytes> {
-    std::iter::once(env.bytes()).chain(data.iter().map(|&n| Bytes::from(vec![0u8; n]))).collect()
+    std::iter::once(env.bytes())
+        .chain(data.iter().map(|&n| Bytes::from(vec![0u8; n])))
+        .collect()
 }
 
 /// Decodes a hand-built put with one 16-byte data frame and returns the error.
@@ -132,7 +161,13 @@ const X: [&str; 4] = ["body", "fields", "x", "parts"];
 fn hand_built_put_is_valid() {
     let req = decode(&frames_with(hand_put(), &[16])).unwrap();
     assert_eq!(req.id, 9);
-    let Op::Put { global_indexes, fields } = req.op else { panic!() };
+    let Op::Put {
+        global_indexes,
+        fields,
+    } = req.op
+    else {
+        panic!()
+    };
     assert_eq!(global_indexes, vec![0, 1]);
     assert_eq!(fields[0].1.rows(), 2);
 }
@@ -140,7 +175,11 @@ fn hand_built_put_is_valid() {
 #[test]
 fn every_field_kind_round_trips() {
     let regular = tensor(DType::F32, &[3, 2], 0);
-    let nested = vec![tensor(DType::I64, &[2], 1), tensor(DType::I64, &[0], 2), tensor(DType::I64, &[], 3)];
+    let nested = vec![
+        tensor(DType::I64, &[2], 1),
+        tensor(DType::I64, &[0], 2),
+        tensor(DType::I64, &[], 3),
+    ];
     let values = vec![
         Value::Str("héllo".into()),
         Value::Bytes(Bytes::from_static(b"\x00\xff")),
@@ -148,7 +187,11 @@ fn every_field_kind_round_trips() {
     ];
     let req = put(
         vec![5, 1, 9],
-        vec![("r", Field::Regular(regular)), ("n", Field::Nested(nested)), ("v", Field::Values(values))],
+        vec![
+            ("r", Field::Regular(regular)),
+            ("n", Field::Nested(nested)),
+            ("v", Field::Values(values)),
+        ],
     );
     assert_eq!(round_trip(&req), req);
 }
@@ -158,7 +201,10 @@ fn every_dtype_round_trips() {
     for (i, dtype) in DType::ALL.into_iter().enumerate() {
         let regular = tensor(dtype, &[2, 3], i as u8);
         let nested = vec![tensor(dtype, &[1, 2], 7), tensor(dtype, &[3], 9)];
-        let req = put(vec![0, 1], vec![("r", Field::Regular(regular)), ("n", Field::Nested(nested))]);
+        let req = put(
+            vec![0, 1],
+            vec![("r", Field::Regular(regular)), ("n", Field::Nested(nested))],
+        );
         assert_eq!(round_trip(&req), req, "{dtype}");
     }
 }
@@ -166,9 +212,18 @@ fn every_dtype_round_trips() {
 #[test]
 fn other_requests_round_trip() {
     let ops = [
-        Op::Get { global_indexes: vec![3, 3, 1], fields: vec!["a".into(), "b".into()] },
-        Op::Clear { global_indexes: vec![], fields: None },
-        Op::Clear { global_indexes: vec![u64::MAX], fields: Some(vec!["a".into()]) },
+        Op::Get {
+            global_indexes: vec![3, 3, 1],
+            fields: vec!["a".into(), "b".into()],
+        },
+        Op::Clear {
+            global_indexes: vec![],
+            fields: None,
+        },
+        Op::Clear {
+            global_indexes: vec![u64::MAX],
+            fields: Some(vec!["a".into()]),
+        },
         Op::Stats,
     ];
     for op in ops {
@@ -191,31 +246,55 @@ fn replies_round_trip() {
             ("load".into(), Stat::Float(0.25)),
             ("policy".into(), Stat::Str("coalesce".into())),
         ]),
-        Reply::Error { code: code::KEY_NOT_FOUND.into(), message: "index 3, field \"a\"".into() },
-        Reply::GetOk { fields: vec![("v".into(), WireField::Values(vec![Value::Str("x".into())]))] },
+        Reply::Error {
+            code: code::KEY_NOT_FOUND.into(),
+            message: "index 3, field \"a\"".into(),
+        },
+        Reply::GetOk {
+            fields: vec![("v".into(), WireField::Values(vec![Value::Str("x".into())]))],
+        },
     ];
     for reply in replies {
         let frames = encode_reply(42, &reply).unwrap();
-        assert_eq!(decode_reply(&frames, &Limits::default()).unwrap(), (42, reply));
+        assert_eq!(
+            decode_reply(&frames, &Limits::default()).unwrap(),
+            (42, reply)
+        );
     }
 }
 
 #[test]
 fn get_ok_from_cells_round_trips_per_kind() {
     let stored = tensor(DType::BF16, &[4, 3], 0);
-    let rows: Vec<Cell> = (0..4).map(|i| Cell::Tensor(stored.row_tensor(i).unwrap())).collect();
-    let jagged: Vec<Cell> = [2, 5, 0, 1].iter().map(|&n| Cell::Tensor(tensor(DType::U8, &[n], 1))).collect();
-    let values: Vec<Cell> = ["a", "b", "", "d"].iter().map(|s| Cell::Value(Value::Str((*s).into()))).collect();
+    let rows: Vec<Cell> = (0..4)
+        .map(|i| Cell::Tensor(stored.row_tensor(i).unwrap()))
+        .collect();
+    let jagged: Vec<Cell> = [2, 5, 0, 1]
+        .iter()
+        .map(|&n| Cell::Tensor(tensor(DType::U8, &[n], 1)))
+        .collect();
+    let values: Vec<Cell> = ["a", "b", "", "d"]
+        .iter()
+        .map(|s| Cell::Value(Value::Str((*s).into())))
+        .collect();
     let fields = vec![
         ("r".to_owned(), WireField::from_cells(rows.clone()).unwrap()),
-        ("n".to_owned(), WireField::from_cells(jagged.clone()).unwrap()),
-        ("v".to_owned(), WireField::from_cells(values.clone()).unwrap()),
+        (
+            "n".to_owned(),
+            WireField::from_cells(jagged.clone()).unwrap(),
+        ),
+        (
+            "v".to_owned(),
+            WireField::from_cells(values.clone()).unwrap(),
+        ),
     ];
     assert_eq!(fields[0].1.kind(), "regular");
     assert_eq!(fields[1].1.kind(), "nested");
     let frames = encode_reply(1, &Reply::GetOk { fields }).unwrap();
     assert_eq!(frames.len(), 1 + 4 + 4, "one frame per tensor row");
-    let (_, Reply::GetOk { fields }) = decode_reply(&frames, &Limits::default()).unwrap() else { panic!() };
+    let (_, Reply::GetOk { fields }) = decode_reply(&frames, &Limits::default()).unwrap() else {
+        panic!()
+    };
     let mut it = fields.into_iter().map(|(_, f)| f);
     let r = it.next().unwrap();
     assert_eq!(r.clone().into_field().unwrap(), Field::Regular(stored));
@@ -229,10 +308,20 @@ fn from_cells_refuses_mixtures() {
     let t = Cell::Tensor(tensor(DType::F32, &[2], 0));
     let v = Cell::Value(Value::Str("a".into()));
     let other = Cell::Tensor(tensor(DType::F64, &[2], 0));
-    for cells in [vec![t.clone(), v.clone()], vec![v, t.clone()], vec![t, other]] {
-        assert_eq!(WireField::from_cells(cells).unwrap_err().code(), code::UNSUPPORTED);
+    for cells in [
+        vec![t.clone(), v.clone()],
+        vec![v, t.clone()],
+        vec![t, other],
+    ] {
+        assert_eq!(
+            WireField::from_cells(cells).unwrap_err().code(),
+            code::UNSUPPORTED
+        );
     }
-    assert_eq!(WireField::from_cells(vec![]).unwrap(), WireField::Values(vec![]));
+    assert_eq!(
+        WireField::from_cells(vec![]).unwrap(),
+        WireField::Values(vec![])
+    );
 }
 
 #[test]
@@ -240,16 +329,33 @@ fn multi_part_regular_round_trips() {
     let a = tensor(DType::F32, &[2, 2], 0);
     let b = tensor(DType::F32, &[1, 2], 50);
     let c = tensor(DType::F32, &[3, 2], 100);
-    let parts = [&a, &b, &c].iter().map(|t| (t.buffer().clone(), t.rows())).collect();
+    let parts = [&a, &b, &c]
+        .iter()
+        .map(|t| (t.buffer().clone(), t.rows()))
+        .collect();
     let field = WireField::Regular(RegularParts::new(DType::F32, vec![2], parts).unwrap());
-    let req = Request { id: 1, op: Op::Put { global_indexes: (0..6).collect(), fields: vec![("x".into(), field)] } };
+    let req = Request {
+        id: 1,
+        op: Op::Put {
+            global_indexes: (0..6).collect(),
+            fields: vec![("x".into(), field)],
+        },
+    };
     let frames = encode_request(&req).unwrap();
     assert_eq!(frames.len(), 4);
-    assert_eq!(frames[2].as_ptr(), b.buffer().as_ptr(), "each part is its own frame, zero copy");
+    assert_eq!(
+        frames[2].as_ptr(),
+        b.buffer().as_ptr(),
+        "each part is its own frame, zero copy"
+    );
     let back = decode(&frames).unwrap();
     assert_eq!(back, req);
-    let Op::Put { fields, .. } = back.op else { panic!() };
-    let WireField::Regular(p) = &fields[0].1 else { panic!() };
+    let Op::Put { fields, .. } = back.op else {
+        panic!()
+    };
+    let WireField::Regular(p) = &fields[0].1 else {
+        panic!()
+    };
     assert_eq!(p.parts().len(), 3);
     let rows: Vec<Tensor> = p.row_tensors().collect();
     assert_eq!(rows[2], b.row_tensor(0).unwrap());
@@ -266,37 +372,61 @@ fn decoder_merges_adjacent_parts() {
     let parts = M::Arr(vec![part(1, 0, 8, 1), part(1, 8, 8, 1)]);
     let env = hand_put().set(&X, Some(parts));
     let frames = frames_with(env, &[16]);
-    let Op::Put { fields, .. } = decode(&frames).unwrap().op else { panic!() };
-    let Field::Regular(t) = fields[0].1.clone().into_field().unwrap() else { panic!() };
+    let Op::Put { fields, .. } = decode(&frames).unwrap().op else {
+        panic!()
+    };
+    let Field::Regular(t) = fields[0].1.clone().into_field().unwrap() else {
+        panic!()
+    };
     assert_eq!(t.buffer().as_ptr(), frames[1].as_ptr());
     // Out of order: two parts, rows still in descriptor order.
     let parts = M::Arr(vec![part(1, 8, 8, 1), part(1, 0, 8, 1)]);
     let frames = frames_with(hand_put().set(&X, Some(parts)), &[16]);
-    let Op::Put { fields, .. } = decode(&frames).unwrap().op else { panic!() };
-    let WireField::Regular(p) = &fields[0].1 else { panic!() };
+    let Op::Put { fields, .. } = decode(&frames).unwrap().op else {
+        panic!()
+    };
+    let WireField::Regular(p) = &fields[0].1 else {
+        panic!()
+    };
     assert_eq!(p.parts().len(), 2);
     assert_eq!(p.parts()[0].0.as_ptr(), frames[1][8..].as_ptr());
 }
 
 #[test]
 fn ranges_may_share_a_frame_across_fields() {
-    let env = hand_put().set(&X, Some(M::Arr(vec![part(1, 8, 16, 2)]))).set(
-        &["body", "fields", "n"],
-        Some(M::Map(vec![
-            ("kind", M::S("nested")),
-            ("dtype", M::S("uint8")),
-            (
-                "rows",
-                M::Arr(vec![
-                    M::Map(vec![("shape", uints(&[3])), ("frame", M::U(1)), ("offset", M::U(0)), ("len", M::U(3))]),
-                    M::Map(vec![("shape", uints(&[])), ("frame", M::U(1)), ("offset", M::U(3)), ("len", M::U(1))]),
-                ]),
-            ),
-        ])),
-    );
+    let env = hand_put()
+        .set(&X, Some(M::Arr(vec![part(1, 8, 16, 2)])))
+        .set(
+            &["body", "fields", "n"],
+            Some(M::Map(vec![
+                ("kind", M::S("nested")),
+                ("dtype", M::S("uint8")),
+                (
+                    "rows",
+                    M::Arr(vec![
+                        M::Map(vec![
+                            ("shape", uints(&[3])),
+                            ("frame", M::U(1)),
+                            ("offset", M::U(0)),
+                            ("len", M::U(3)),
+                        ]),
+                        M::Map(vec![
+                            ("shape", uints(&[])),
+                            ("frame", M::U(1)),
+                            ("offset", M::U(3)),
+                            ("len", M::U(1)),
+                        ]),
+                    ]),
+                ),
+            ])),
+        );
     let frames = frames_with(env, &[24]);
-    let Op::Put { fields, .. } = decode(&frames).unwrap().op else { panic!() };
-    let WireField::Nested(rows) = &fields[1].1 else { panic!() };
+    let Op::Put { fields, .. } = decode(&frames).unwrap().op else {
+        panic!()
+    };
+    let WireField::Nested(rows) = &fields[1].1 else {
+        panic!()
+    };
     assert_eq!(rows[1].shape(), &[] as &[u64]);
     assert!(within(rows[0].buffer(), &frames[1]));
 }
@@ -309,20 +439,44 @@ fn decoded_buffers_point_into_the_frames() {
         vec![0, 1],
         vec![
             ("r", Field::Regular(tensor(DType::F64, &[2, 4], 0))),
-            ("n", Field::Nested(vec![tensor(DType::I32, &[1], 0), tensor(DType::I32, &[2], 0)])),
-            ("v", Field::Values(vec![Value::Bytes(Bytes::from_static(b"abc")), Value::Str("s".into())])),
+            (
+                "n",
+                Field::Nested(vec![
+                    tensor(DType::I32, &[1], 0),
+                    tensor(DType::I32, &[2], 0),
+                ]),
+            ),
+            (
+                "v",
+                Field::Values(vec![
+                    Value::Bytes(Bytes::from_static(b"abc")),
+                    Value::Str("s".into()),
+                ]),
+            ),
         ],
     );
     let frames = encode_request(&req).unwrap();
-    let Op::Put { fields, .. } = decode(&frames).unwrap().op else { panic!() };
-    let WireField::Regular(p) = &fields[0].1 else { panic!() };
-    let Field::Regular(t) = fields[0].1.clone().into_field().unwrap() else { panic!() };
+    let Op::Put { fields, .. } = decode(&frames).unwrap().op else {
+        panic!()
+    };
+    let WireField::Regular(p) = &fields[0].1 else {
+        panic!()
+    };
+    let Field::Regular(t) = fields[0].1.clone().into_field().unwrap() else {
+        panic!()
+    };
     assert_eq!(p.parts()[0].0.as_ptr(), frames[1].as_ptr());
     assert!(within(t.buffer(), &frames[1]));
-    let WireField::Nested(rows) = &fields[1].1 else { panic!() };
+    let WireField::Nested(rows) = &fields[1].1 else {
+        panic!()
+    };
     assert!(within(rows[0].buffer(), &frames[2]) && within(rows[1].buffer(), &frames[3]));
-    let WireField::Values(values) = &fields[2].1 else { panic!() };
-    let Value::Bytes(b) = &values[0] else { panic!() };
+    let WireField::Values(values) = &fields[2].1 else {
+        panic!()
+    };
+    let Value::Bytes(b) = &values[0] else {
+        panic!()
+    };
     assert!(within(b, &frames[0]));
     for cell in fields[0].1.clone().into_cells() {
         let Cell::Tensor(row) = cell else { panic!() };
@@ -333,36 +487,69 @@ fn decoded_buffers_point_into_the_frames() {
 #[test]
 fn encoded_frames_are_the_stored_rows() {
     let stored = tensor(DType::F32, &[3, 2], 0);
-    let cells: Vec<Cell> = (0..3).map(|i| Cell::Tensor(stored.row_tensor(i).unwrap())).collect();
-    let reply = Reply::GetOk { fields: vec![("x".into(), WireField::from_cells(cells).unwrap())] };
+    let cells: Vec<Cell> = (0..3)
+        .map(|i| Cell::Tensor(stored.row_tensor(i).unwrap()))
+        .collect();
+    let reply = Reply::GetOk {
+        fields: vec![("x".into(), WireField::from_cells(cells).unwrap())],
+    };
     let frames = encode_reply(3, &reply).unwrap();
     for i in 0..3 {
-        assert_eq!(frames[i + 1].as_ptr(), stored.row(i as u64).unwrap().as_ptr());
+        assert_eq!(
+            frames[i + 1].as_ptr(),
+            stored.row(i as u64).unwrap().as_ptr()
+        );
         assert_eq!(frames[i + 1].len(), 8);
     }
-    let put_frames = encode_request(&put(vec![0, 1, 2], vec![("x", Field::Regular(stored.clone()))])).unwrap();
+    let put_frames = encode_request(&put(
+        vec![0, 1, 2],
+        vec![("x", Field::Regular(stored.clone()))],
+    ))
+    .unwrap();
     assert_eq!(put_frames[1].as_ptr(), stored.buffer().as_ptr());
 }
 
 #[test]
 fn a_packing_layout_coalesces_and_keeps_large_rows_zero_copy() {
     let stored = tensor(DType::I16, &[6, 2], 0);
-    let cells: Vec<Cell> = (0..6).map(|i| Cell::Tensor(stored.row_tensor(i).unwrap())).collect();
+    let cells: Vec<Cell> = (0..6)
+        .map(|i| Cell::Tensor(stored.row_tensor(i).unwrap()))
+        .collect();
     let fields = vec![
-        ("x".to_owned(), WireField::from_cells(cells.clone()).unwrap()),
-        ("y".to_owned(), WireField::from_cells(cells.clone()).unwrap()),
+        (
+            "x".to_owned(),
+            WireField::from_cells(cells.clone()).unwrap(),
+        ),
+        (
+            "y".to_owned(),
+            WireField::from_cells(cells.clone()).unwrap(),
+        ),
     ];
     let s = |field, start, end| RowSlice { field, start, end };
     // Frame 1: x rows 0..3 then y rows 0..6; frame 2: x row 3 alone; frame 3: x rows 4..6.
-    let layout = FrameLayout { frames: vec![vec![s(0, 0, 3), s(1, 0, 6)], vec![s(0, 3, 4)], vec![s(0, 4, 6)]] };
+    let layout = FrameLayout {
+        frames: vec![
+            vec![s(0, 0, 3), s(1, 0, 6)],
+            vec![s(0, 3, 4)],
+            vec![s(0, 4, 6)],
+        ],
+    };
     let reply = Reply::GetOk { fields };
     let frames = encode_reply_with(5, &reply, &layout).unwrap();
     assert_eq!(frames.len(), 4);
     assert_eq!(frames[1].len(), 9 * 4);
-    assert_eq!(frames[2].as_ptr(), stored.row(3).unwrap().as_ptr(), "a lone row is not copied");
-    let (id, Reply::GetOk { fields }) = decode_reply(&frames, &Limits::default()).unwrap() else { panic!() };
+    assert_eq!(
+        frames[2].as_ptr(),
+        stored.row(3).unwrap().as_ptr(),
+        "a lone row is not copied"
+    );
+    let (id, Reply::GetOk { fields }) = decode_reply(&frames, &Limits::default()).unwrap() else {
+        panic!()
+    };
     assert_eq!(id, 5);
-    let WireField::Regular(y) = &fields[1].1 else { panic!() };
+    let WireField::Regular(y) = &fields[1].1 else {
+        panic!()
+    };
     assert_eq!(y.parts().len(), 1, "y's six rows are one range");
     for (_, f) in fields {
         assert_eq!(f.into_field().unwrap(), Field::Regular(stored.clone()));
@@ -372,16 +559,44 @@ fn a_packing_layout_coalesces_and_keeps_large_rows_zero_copy() {
 #[test]
 fn coalesced_ranges_are_aligned_to_their_itemsize() {
     let bytes3 = WireField::from_field(&Field::Nested(vec![tensor(DType::U8, &[3], 0)])).unwrap();
-    let wide = WireField::from_field(&Field::Regular(tensor(DType::Complex128, &[1, 1], 9))).unwrap();
+    let wide =
+        WireField::from_field(&Field::Regular(tensor(DType::Complex128, &[1, 1], 9))).unwrap();
     let fields = vec![("b".to_owned(), bytes3), ("c".to_owned(), wide)];
     let layout = FrameLayout {
-        frames: vec![vec![RowSlice { field: 0, start: 0, end: 1 }, RowSlice { field: 1, start: 0, end: 1 }]],
+        frames: vec![vec![
+            RowSlice {
+                field: 0,
+                start: 0,
+                end: 1,
+            },
+            RowSlice {
+                field: 1,
+                start: 0,
+                end: 1,
+            },
+        ]],
     };
-    let frames = encode_reply_with(1, &Reply::GetOk { fields: fields.clone() }, &layout).unwrap();
+    let frames = encode_reply_with(
+        1,
+        &Reply::GetOk {
+            fields: fields.clone(),
+        },
+        &layout,
+    )
+    .unwrap();
     assert_eq!(frames[1].len(), 16 + 16);
-    let (_, Reply::GetOk { fields: back }) = decode_reply(&frames, &Limits::default()).unwrap() else { panic!() };
-    let WireField::Regular(c) = &back[1].1 else { panic!() };
-    assert_eq!(c.parts()[0].0.as_ptr(), frames[1][16..].as_ptr(), "complex128 range starts at offset 16");
+    let (_, Reply::GetOk { fields: back }) = decode_reply(&frames, &Limits::default()).unwrap()
+    else {
+        panic!()
+    };
+    let WireField::Regular(c) = &back[1].1 else {
+        panic!()
+    };
+    assert_eq!(
+        c.parts()[0].0.as_ptr(),
+        frames[1][16..].as_ptr(),
+        "complex128 range starts at offset 16"
+    );
     assert_eq!(back, fields);
 }
 
@@ -389,15 +604,24 @@ fn coalesced_ranges_are_aligned_to_their_itemsize() {
 fn invalid_layouts_are_refused() {
     let t = tensor(DType::U8, &[3, 1], 0);
     let fields = vec![
-        ("x".to_owned(), WireField::from_field(&Field::Regular(t)).unwrap()),
-        ("v".to_owned(), WireField::Values(vec![Value::Str("a".into()); 3])),
+        (
+            "x".to_owned(),
+            WireField::from_field(&Field::Regular(t)).unwrap(),
+        ),
+        (
+            "v".to_owned(),
+            WireField::Values(vec![Value::Str("a".into()); 3]),
+        ),
     ];
     let reply = Reply::GetOk { fields };
     let s = |field, start, end| RowSlice { field, start, end };
     let cases = [
         (vec![vec![s(0, 0, 2)]], "row missing"),
         (vec![vec![s(0, 0, 2)], vec![s(0, 1, 3)]], "row twice"),
-        (vec![vec![s(0, 0, 3)], vec![s(1, 0, 3)]], "values in a frame"),
+        (
+            vec![vec![s(0, 0, 3)], vec![s(1, 0, 3)]],
+            "values in a frame",
+        ),
         (vec![vec![s(0, 0, 3)], vec![s(2, 0, 1)]], "no such field"),
         (vec![vec![s(0, 0, 3)], vec![]], "empty frame"),
         (vec![vec![s(0, 0, 4)]], "rows out of range"),
@@ -415,8 +639,8 @@ fn keys_in_any_order_and_any_integer_format() {
         (
             "parts",
             M::Arr(vec![M::Map(vec![
-                ("rows", M::Raw(vec![0xd3, 0, 0, 0, 0, 0, 0, 0, 2])),   // int64 2
-                ("len", M::Raw(vec![0xcd, 0, 16])),                     // uint16 16
+                ("rows", M::Raw(vec![0xd3, 0, 0, 0, 0, 0, 0, 0, 2])), // int64 2
+                ("len", M::Raw(vec![0xcd, 0, 16])),                   // uint16 16
                 ("offset", M::Raw(vec![0xcf, 0, 0, 0, 0, 0, 0, 0, 0])), // uint64 0
                 ("frame", M::U(1)),
             ])]),
@@ -425,9 +649,16 @@ fn keys_in_any_order_and_any_integer_format() {
         ("dtype", M::S("float32")),
         ("kind", M::S("regular")),
     ]);
-    let body = M::Map(vec![("fields", M::Map(vec![("x", x)])), ("global_indexes", uints(&[1, 0]))]);
-    let env =
-        M::Map(vec![("body", body), ("id", M::Raw(vec![0xd0, 0x09])), ("op", M::S("put")), ("proto", M::S(PROTO))]);
+    let body = M::Map(vec![
+        ("fields", M::Map(vec![("x", x)])),
+        ("global_indexes", uints(&[1, 0])),
+    ]);
+    let env = M::Map(vec![
+        ("body", body),
+        ("id", M::Raw(vec![0xd0, 0x09])),
+        ("op", M::S("put")),
+        ("proto", M::S(PROTO)),
+    ]);
     let frames = frames_with(env, &[16]);
     assert_eq!(request_id(&frames), Some(9));
     let req = decode(&frames).unwrap();
@@ -447,13 +678,21 @@ fn decoded_request_re_encodes_to_the_same_bytes() {
 /// field "x" float32 [2, 2] in frame 1 and field "tag" = ["a", "b"].
 #[test]
 fn protocol_page_example() {
-    let x: Vec<u8> = [1.0f32, 2.0, 3.0, 4.0].iter().flat_map(|v| v.to_le_bytes()).collect();
+    let x: Vec<u8> = [1.0f32, 2.0, 3.0, 4.0]
+        .iter()
+        .flat_map(|v| v.to_le_bytes())
+        .collect();
     let x = Tensor::contiguous(Bytes::from(x), DType::F32, vec![2, 2]).unwrap();
     let tag = Field::Values(vec![Value::Str("a".into()), Value::Str("b".into())]);
     let mut req = put(vec![0, 1], vec![("x", Field::Regular(x)), ("tag", tag)]);
     req.id = 1;
     let frames = encode_request(&req).unwrap();
-    let hex = |b: &[u8]| b.iter().map(|x| format!("{x:02x}")).collect::<Vec<_>>().join(" ");
+    let hex = |b: &[u8]| {
+        b.iter()
+            .map(|x| format!("{x:02x}"))
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
     assert_eq!(
         hex(&frames[0]),
         "84 a5 70 72 6f 74 6f a9 73 74 6f 77 61 67 65 2f 31 a2 6f 70 a3 70 75 74 a2 69 64 01 \
@@ -463,7 +702,10 @@ fn protocol_page_example() {
          a3 6c 65 6e 10 a4 72 6f 77 73 02 a3 74 61 67 82 a4 6b 69 6e 64 a6 76 61 6c 75 65 73 \
          a6 76 61 6c 75 65 73 92 a1 61 a1 62"
     );
-    assert_eq!(hex(&frames[1]), "00 00 80 3f 00 00 00 40 00 00 40 40 00 00 80 40");
+    assert_eq!(
+        hex(&frames[1]),
+        "00 00 80 3f 00 00 00 40 00 00 40 40 00 00 80 40"
+    );
     assert_eq!(frames.len(), 2);
     let reply = encode_reply(1, &Reply::PutOk { rows: 2 }).unwrap();
     assert_eq!(
@@ -472,16 +714,29 @@ fn protocol_page_example() {
          a4 62 6f 64 79 81 a4 72 6f 77 73 02"
     );
     // get of indexes [1, 0], field "x"; the stored rows go back one frame each.
-    let get = Request { id: 2, op: Op::Get { global_indexes: vec![1, 0], fields: vec!["x".into()] } };
+    let get = Request {
+        id: 2,
+        op: Op::Get {
+            global_indexes: vec![1, 0],
+            fields: vec!["x".into()],
+        },
+    };
     assert_eq!(
         hex(&encode_request(&get).unwrap()[0]),
         "84 a5 70 72 6f 74 6f a9 73 74 6f 77 61 67 65 2f 31 a2 6f 70 a3 67 65 74 a2 69 64 02 \
          a4 62 6f 64 79 82 ae 67 6c 6f 62 61 6c 5f 69 6e 64 65 78 65 73 92 01 00 a6 66 69 65 6c 64 73 91 a1 78"
     );
-    let Op::Put { fields, .. } = decode(&frames).unwrap().op else { panic!() };
+    let Op::Put { fields, .. } = decode(&frames).unwrap().op else {
+        panic!()
+    };
     let cells = fields.into_iter().next().unwrap().1.into_cells();
     let cells = vec![cells[1].clone(), cells[0].clone()];
-    let reply = encode_reply(2, &Reply::GetOk { fields: vec![("x".into(), WireField::from_cells(cells).unwrap())] });
+    let reply = encode_reply(
+        2,
+        &Reply::GetOk {
+            fields: vec![("x".into(), WireField::from_cells(cells).unwrap())],
+        },
+    );
     let reply = reply.unwrap();
     assert_eq!(
         hex(&reply[0]),
@@ -491,8 +746,18 @@ fn protocol_page_example() {
          84 a5 66 72 61 6d 65 01 a6 6f 66 66 73 65 74 00 a3 6c 65 6e 08 a4 72 6f 77 73 01 \
          84 a5 66 72 61 6d 65 02 a6 6f 66 66 73 65 74 00 a3 6c 65 6e 08 a4 72 6f 77 73 01"
     );
-    assert_eq!((hex(&reply[1]), hex(&reply[2])), ("00 00 40 40 00 00 80 40".into(), "00 00 80 3f 00 00 00 40".into()));
-    assert_eq!(reply[1].as_ptr(), frames[1][8..].as_ptr(), "the stored row is the frame that went in");
+    assert_eq!(
+        (hex(&reply[1]), hex(&reply[2])),
+        (
+            "00 00 40 40 00 00 80 40".into(),
+            "00 00 80 3f 00 00 00 40".into()
+        )
+    );
+    assert_eq!(
+        reply[1].as_ptr(),
+        frames[1][8..].as_ptr(),
+        "the stored row is the frame that went in"
+    );
 }
 
 mod bad_input;
