@@ -955,8 +955,8 @@ async fn final_pass(o: &Options, c: usize, r: &mut ClientResult) {
         .collect();
     let proto = protos[c % protos.len()];
     let chunk = o.max_batch.max(1);
-    for f in 0..4 {
-        let names = vec![FIELDS[f].to_string()];
+    for (f, field) in FIELDS.iter().enumerate() {
+        let names = vec![field.to_string()];
         let present: Vec<(u64, u64)> = (0..o.keys_per_client)
             .filter_map(|k| match r.model[k as usize][f] {
                 State::Present(v) => Some((base + k, v)),

@@ -266,7 +266,9 @@ pub fn parse(text: &str) -> Result<Exposition, String> {
         if !keys.insert(key) {
             return Err(at("duplicate sample".into()));
         }
-        if out.types.get(&family).map(String::as_str) == Some("counter") && !(value >= 0.0) {
+        if out.types.get(&family).map(String::as_str) == Some("counter")
+            && (value.is_nan() || value < 0.0)
+        {
             return Err(at("negative or NaN counter".into()));
         }
         out.samples.push(Sample {
@@ -279,13 +281,16 @@ pub fn parse(text: &str) -> Result<Exposition, String> {
     Ok(out)
 }
 
+/// A sample's labels, sorted by name.
+type Labels = Vec<(String, String)>;
+
 fn check_histograms(e: &Exposition) -> Result<(), String> {
     for (family, kind) in &e.types {
         if kind != "histogram" {
             continue;
         }
         // Group buckets by their labels without `le`.
-        let mut groups: BTreeMap<Vec<(String, String)>, Vec<(f64, f64)>> = BTreeMap::new();
+        let mut groups: BTreeMap<Labels, Vec<(f64, f64)>> = BTreeMap::new();
         for s in e
             .samples
             .iter()

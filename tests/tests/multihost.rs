@@ -215,10 +215,9 @@ impl Drop for Net {
         }
         if !self.host_link.is_empty()
             && std::path::Path::new(&format!("/sys/class/net/{}", self.host_link)).exists()
+            && let Err(e) = ip(&["link", "del", &self.host_link])
         {
-            if let Err(e) = ip(&["link", "del", &self.host_link]) {
-                eprintln!("cleanup: {e}");
-            }
+            eprintln!("cleanup: {e}");
         }
     }
 }

@@ -23,9 +23,12 @@ pub mod zmtp_frames;
 
 pub use frames::{join_frames, split_frames};
 
+/// A fuzz target's body on raw bytes: panics on a broken invariant.
+pub type Check = fn(&[u8]);
+
 /// Every target by name (the directory names under `fuzz/corpus` and
 /// `fuzz/regressions`) with its body on raw bytes.
-pub const TARGETS: &[(&str, fn(&[u8]))] = &[
+pub const TARGETS: &[(&str, Check)] = &[
     ("tq_decode", tq_decode::check),
     ("native_decode", native_decode::check),
     ("plan_validate", plan_validate::check),

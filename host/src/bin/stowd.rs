@@ -238,9 +238,10 @@ fn main() -> std::process::ExitCode {
                 .build()?
                 .block_on(serve(c, endpoints_file))
         }),
-        Command::Config { config } => {
-            load(config.as_ref()).and_then(|c| Ok(print!("{}", toml::to_string_pretty(&c)?)))
-        }
+        Command::Config { config } => load(config.as_ref()).and_then(|c| {
+            print!("{}", toml::to_string_pretty(&c)?);
+            Ok(())
+        }),
         Command::Plugin(PluginCommand::Check {
             file,
             verbose,
