@@ -15,11 +15,14 @@
 //!   plugins into `target/plugins` (where `stowd` finds them: the bundled
 //!   plugins) and runs `stowd serve ARGS`.
 //! - `test`: checks that no released WIT contract changed (`contract.rs`),
-//!   installs what is missing (wasm target, Python packages), builds the
-//!   plugins (hostile ones too), then `stowd` and every test binary in one
-//!   cargo build, runs `cargo test --workspace` (which includes every fuzz
-//!   target's committed corpus and regressions as regression inputs,
-//!   `tests/tests/fuzz_corpora.rs`), then the Python suite with pytest.
+//!   installs what is missing (wasm target, rustfmt and clippy, Python
+//!   packages), checks the formatting (`cargo fmt --all -- --check`),
+//!   builds the plugins (hostile ones too), then `stowd` and every target
+//!   of the workspace in one cargo build that clippy lints on the way
+//!   (`-D warnings`, see [`LINT`]), runs `cargo test --workspace` (which
+//!   includes every fuzz target's committed corpus and regressions as
+//!   regression inputs, `tests/tests/fuzz_corpora.rs`), then the Python
+//!   suite with pytest.
 //! - `contract`: only the released-contract check.
 //! - `fuzz [TARGET] [--time SECS] [--sanitizer NAME]`: runs the cargo-fuzz
 //!   targets in `fuzz/` (installs nightly and cargo-fuzz if missing).
@@ -349,6 +352,67 @@ fn ensure_python_deps() -> Result<()> {
     }
 }
 
+/// Clippy's arguments for the test build: what `cargo clippy -- -D
+/// warnings` passes to `clippy-driver` (cargo-clippy hands them over in
+/// `CLIPPY_ARGS`, each followed by `__CLIPPY_HACKERY__`).
+///
+/// Why clippy runs as the build's `RUSTC_WORKSPACE_WRAPPER` instead of as
+/// `cargo clippy`: `cargo clippy` is a check build, whose dependencies
+/// (wasmtime and cranelift among them) are compiled a second time as
+/// metadata only; as the wrapper, clippy lints each workspace crate inside
+/// the one build the tests need anyway, and every dependency is compiled
+/// once (see `docs/benchmarks.md`, "CI time", for the measured cost of the
+/// separate check build). The lints and the `-D warnings` are the same.
+const LINT: &str = "-D__CLIPPY_HACKERY__warnings__CLIPPY_HACKERY__";
+
+/// The `clippy-driver` of the toolchain in use.
+fn clippy_driver() -> Result<PathBuf> {
+    let out = Command::new("rustup")
+        .args(["which", "clippy-driver"])
+        .current_dir(workspace_root())
+        .output();
+    if let Ok(out) = out
+        && out.status.success()
+    {
+        return Ok(PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()));
+    }
+    // Without rustup: next to cargo, or on the PATH.
+    let beside = env::var_os("CARGO")
+        .map(PathBuf::from)
+        .and_then(|c| c.parent().map(|d| d.join("clippy-driver")));
+    match beside {
+        Some(p) if p.exists() => Ok(p),
+        _ => Ok(PathBuf::from("clippy-driver")),
+    }
+}
+
+/// Installs rustup components (rustfmt, clippy) when missing.
+fn ensure_components(names: &[&str]) -> Result<()> {
+    let listed = Command::new("rustup")
+        .args(["component", "list", "--installed"])
+        .current_dir(workspace_root())
+        .output();
+    let Ok(out) = listed else {
+        eprintln!(
+            "xtask: rustup not found; assuming {} are installed",
+            names.join(" and ")
+        );
+        return Ok(());
+    };
+    let installed = String::from_utf8_lossy(&out.stdout);
+    let missing: Vec<&str> = names
+        .iter()
+        .copied()
+        .filter(|n| !installed.lines().any(|l| l.starts_with(&format!("{n}-"))))
+        .collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    let mut args = vec!["component", "add"];
+    args.extend(missing);
+    sh("rustup", &args, &[])
+}
+
 fn cargo() -> String {
     env::var("CARGO").unwrap_or_else(|_| "cargo".into())
 }
@@ -381,23 +445,25 @@ fn test(args: &[String]) -> Result<()> {
     }
     contract::contract(&[])?;
     ensure_wasm_target()?;
+    ensure_components(&["rustfmt", "clippy"])?;
     ensure_python_deps()?;
+    sh(&cargo(), &["fmt", "--all", "--", "--check"], &[])?;
     plugins(&["--hostile".to_string()])?;
     let root = workspace_root();
     let plugin_dir = target_dir(&root).join("plugins");
     let stowd = target_dir(&root).join("debug").join("stowd");
-    let envs: [(&str, &std::ffi::OsStr); 2] = [
+    let driver = clippy_driver()?;
+    let envs: [(&str, &std::ffi::OsStr); 4] = [
         ("STOWAGE_PLUGIN_DIR", plugin_dir.as_os_str()),
         ("STOWD_BIN", stowd.as_os_str()),
+        ("RUSTC_WORKSPACE_WRAPPER", driver.as_os_str()),
+        ("CLIPPY_ARGS", std::ffi::OsStr::new(LINT)),
     ];
-    // One cargo build for `stowd` (and the other binaries) and every test
-    // binary, so cargo schedules them all together; `cargo test` then only
-    // builds the doc tests.
-    sh(
-        &cargo(),
-        &["build", "--workspace", "--lib", "--bins", "--tests"],
-        &envs,
-    )?;
+    // One cargo build for `stowd` (and the other binaries), every test
+    // binary and the benches, so cargo schedules them all together, linted
+    // by clippy on the way; `cargo test` (same environment, so nothing is
+    // rebuilt) then only builds the doc tests.
+    sh(&cargo(), &["build", "--workspace", "--all-targets"], &envs)?;
     sh(&cargo(), &["test", "--workspace"], &envs)?;
     sh(
         &python(),
