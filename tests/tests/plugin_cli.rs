@@ -47,7 +47,7 @@ fn every_hostile_plugin_fails_with_a_readable_report() {
         ("infinite-loop", "ran out of fuel"),
         // With the low test fuel it may run out of fuel before the memory cap.
         ("memory-bomb", "FAIL  select"),
-        ("oob-view", "invalid plan: plan names row"),
+        ("oob-view", "invalid plan: piece 0: view ends at row"),
         ("drop-row", "invalid plan: plan covers"),
         ("dup-row", "invalid plan"),
         ("reorder", "invalid plan: plan row #0 is row"),
