@@ -174,7 +174,6 @@ impl Manager {
         }
     }
 
-
     /// Gets rows from a remote unit in messages of at most `max_frames`
     /// frames (the reply carries one frame per tensor row).
     pub(super) async fn get_remote(
@@ -214,7 +213,6 @@ impl Manager {
         }
         Ok(out)
     }
-
 }
 
 /// Puts a remote GET reply's fields in the order we asked for them.
@@ -239,4 +237,3 @@ fn reorder_fields(
         })
         .collect()
 }
-

@@ -17,10 +17,10 @@ use std::path::{Path, PathBuf};
 use sha2::{Digest, Sha256};
 use wasmtime::component::Component;
 
-use crate::policy::cache::CompileCache;
-use crate::policy::Policy;
-use crate::policy::wasm::{self, LoadError, WasmPolicy};
 use super::Registry;
+use crate::policy::Policy;
+use crate::policy::cache::CompileCache;
+use crate::policy::wasm::{self, LoadError, WasmPolicy};
 
 /// Where a plugin was loaded from, for reports.
 #[derive(Clone, Debug)]
@@ -217,5 +217,4 @@ impl Registry {
         }
         Ok(reports)
     }
-
 }
