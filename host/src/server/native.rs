@@ -5,9 +5,12 @@
 //! Every request runs in a DEBUG `request` span: `endpoint`, `proto`
 //! (`native`), `bytes` (all frames), and once decoded `id` (the client's
 //! request id), `op` and `rows`; the policy spans of the request sit inside
-//! it. Error replies come from [`super::errors`].
+//! it. Error replies come from [`super::errors`]; a get_ok is built and
+//! encoded in `native/get.rs`.
 
-use std::collections::{HashMap, HashSet};
+mod get;
+
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -15,14 +18,13 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use tracing::Instrument;
 
+use self::get::{GetReply, Places, get_field};
 use super::errors::{self, EncodeError};
 use crate::extent::{Extent, Received};
 use crate::manager::{Manager, Target};
 use crate::metrics::{Metrics, Outcome, Protocol};
-use crate::plan::{Frame, PackLimits, PieceInfo};
+use crate::plan::PackLimits;
 use crate::shm::{SegmentStore, ShmError};
-use crate::store::{Rows, Run};
-use crate::tensor::Tensor;
 use crate::transport::{BoxFuture, Service};
 use crate::wire::native;
 
@@ -38,166 +40,6 @@ pub(super) struct NativeService {
     pub endpoint: String,
 }
 
-/// The buffers (extents, or the segments they are in) a reply's rows are
-/// slices of, by address: built per reply from the runs it sends, so that
-/// the encoder can send rows that lie back to back as one slice, and a
-/// same-node reply can name each segment once.
-#[derive(Default)]
-struct Places {
-    /// (start address, buffer, segment name), sorted by address once filled.
-    sorted: Vec<(usize, Bytes, Option<Arc<str>>)>,
-    seen: HashSet<usize>,
-}
-
-impl Places {
-    fn add(&mut self, base: &Bytes, segment: &Option<Arc<str>>) {
-        let start = base.as_ptr() as usize;
-        if !base.is_empty() && self.seen.insert(start) {
-            self.sorted.push((start, base.clone(), segment.clone()));
-        }
-    }
-
-    fn seal(&mut self) {
-        self.sorted.sort_by_key(|(start, _, _)| *start);
-    }
-
-    /// The buffer that holds `len` bytes from `p`, its segment, and the
-    /// bytes' offset in it.
-    fn find(&self, p: usize, len: usize) -> Option<(&Bytes, &Option<Arc<str>>, usize)> {
-        let i = self
-            .sorted
-            .partition_point(|(start, _, _)| *start <= p)
-            .checked_sub(1)?;
-        let (start, base, segment) = &self.sorted[i];
-        (p + len <= start + base.len()).then_some((base, segment, p - start))
-    }
-
-    /// `len` bytes from `p` as one slice of their buffer.
-    fn span(&self, p: *const u8, len: usize) -> Option<Bytes> {
-        let (base, _, at) = self.find(p as usize, len)?;
-        Some(base.slice(at..at + len))
-    }
-
-    /// The whole buffer that holds `b`, and where `b` starts in it.
-    fn enclose(&self, b: &Bytes) -> Option<(Bytes, u64)> {
-        if b.is_empty() {
-            return None;
-        }
-        let (base, _, at) = self.find(b.as_ptr() as usize, b.len())?;
-        Some((base.clone(), at as u64))
-    }
-
-    /// The segment a whole-buffer frame is, if it is one.
-    fn segment(&self, frame: &Bytes) -> Option<Arc<str>> {
-        let (_, segment, at) = self.find(frame.as_ptr() as usize, frame.len())?;
-        (at == 0).then(|| segment.clone()).flatten()
-    }
-}
-
-/// A get_ok field and, for a nested field, its rows grouped into runs
-/// `[a, b)` that lie back to back in one place.
-struct GetField {
-    wire: native::WireField,
-    nested_runs: Vec<(u64, u64)>,
-}
-
-/// The wire form of a field's rows, zero copy: rows of one dtype and row
-/// shape become a regular field with one part per run; rows of one dtype
-/// and several shapes a nested field; values a values field.
-fn get_field(rows: &Rows, places: &mut Places) -> Result<GetField, native::Error> {
-    let runs = rows.runs();
-    let nothing = || GetField {
-        wire: native::WireField::Values(Vec::new()),
-        nested_runs: Vec::new(),
-    };
-    let Some(first) = runs.first() else {
-        return Ok(nothing());
-    };
-    let Run::Tensor {
-        dtype, row_shape, ..
-    } = first
-    else {
-        let values = runs.into_iter().map(|r| match r {
-            Run::Value(v) => Ok(v),
-            Run::Tensor { .. } => Err(native::Error::MixedField(
-                "its rows mix tensors and values".into(),
-            )),
-        });
-        return Ok(GetField {
-            wire: native::WireField::Values(values.collect::<Result<_, _>>()?),
-            nested_runs: Vec::new(),
-        });
-    };
-    let (dtype, row_shape) = (*dtype, row_shape.clone());
-    let mut same_shape = true;
-    for r in &runs {
-        match r {
-            Run::Value(_) => {
-                return Err(native::Error::MixedField(
-                    "its rows mix tensors and values".into(),
-                ));
-            }
-            Run::Tensor {
-                dtype: d,
-                row_shape: s,
-                base,
-                segment,
-                ..
-            } => {
-                if *d != dtype {
-                    return Err(native::Error::MixedField(format!(
-                        "its rows mix dtypes {dtype} and {d}"
-                    )));
-                }
-                same_shape &= *s == row_shape;
-                places.add(base, segment);
-            }
-        }
-    }
-    if same_shape {
-        let parts = runs
-            .iter()
-            .map(|r| match r {
-                Run::Tensor { rows, .. } => (r.bytes(), *rows),
-                Run::Value(_) => unreachable!("checked above"),
-            })
-            .collect();
-        let wire = native::WireField::Regular(native::RegularParts::new(dtype, row_shape, parts)?);
-        return Ok(GetField {
-            wire,
-            nested_runs: Vec::new(),
-        });
-    }
-    let mut tensors = Vec::with_capacity(rows.len());
-    let mut nested_runs = Vec::with_capacity(runs.len());
-    for r in &runs {
-        let Run::Tensor {
-            rows,
-            row_bytes,
-            dtype,
-            row_shape,
-            ..
-        } = r
-        else {
-            unreachable!("checked above")
-        };
-        let bytes = r.bytes();
-        let a = tensors.len() as u64;
-        for i in 0..*rows as usize {
-            let row = bytes.slice(i * row_bytes..(i + 1) * row_bytes);
-            tensors.push(
-                Tensor::contiguous(row, *dtype, row_shape.clone())
-                    .map_err(|e| native::Error::MixedField(e.to_string()))?,
-            );
-        }
-        nested_runs.push((a, tensors.len() as u64));
-    }
-    Ok(GetField {
-        wire: native::WireField::Nested(tensors),
-        nested_runs,
-    })
-}
-
 /// The rows a request names (0 for stats and leases).
 fn op_rows(op: &native::Op) -> usize {
     match op {
@@ -206,14 +48,6 @@ fn op_rows(op: &native::Op) -> usize {
         | native::Op::Clear { global_indexes, .. } => global_indexes.len(),
         native::Op::Lease { .. } | native::Op::Stats => 0,
     }
-}
-
-/// A get_ok ready to encode: the reply, the nested runs per field, and the
-/// places its rows are in.
-struct GetReply {
-    reply: native::Reply,
-    nested_runs: Vec<Vec<(u64, u64)>>,
-    places: Places,
 }
 
 /// What [`NativeService::answer`] returns: a reply, or a get_ok with what
@@ -230,78 +64,6 @@ impl From<native::Reply> for Answer {
 }
 
 impl NativeService {
-    /// The frame layout of a get_ok: per field, the packing chain groups the
-    /// field's pieces (the parts of a regular field, the runs of a nested
-    /// one) into frames; frames never mix fields.
-    fn layout(
-        &self,
-        fields: &[(String, native::WireField)],
-        nested_runs: &[Vec<(u64, u64)>],
-    ) -> native::FrameLayout {
-        let mut frames = Vec::new();
-        let tensor_fields = fields
-            .iter()
-            .filter(|(_, f)| !matches!(f, native::WireField::Values(_)))
-            .count()
-            .max(1);
-        let mut limits = self.pack_limits;
-        limits.max_frames = (limits.max_frames / tensor_fields as u32).max(1);
-        let registry = self.manager.registry();
-        for (i, (name, field)) in fields.iter().enumerate() {
-            let (slices, pieces): (Vec<native::RowSlice>, Vec<PieceInfo>) = match field {
-                native::WireField::Regular(p) => {
-                    let mut start = 0;
-                    p.parts()
-                        .iter()
-                        .map(|(bytes, rows)| {
-                            let s = native::RowSlice {
-                                field: i,
-                                start,
-                                end: start + rows,
-                            };
-                            start += rows;
-                            (
-                                s,
-                                PieceInfo {
-                                    byte_len: bytes.len() as u64,
-                                    contiguous: true,
-                                },
-                            )
-                        })
-                        .unzip()
-                }
-                native::WireField::Nested(rows) => nested_runs[i]
-                    .iter()
-                    .map(|&(a, b)| {
-                        let run = &rows[a as usize..b as usize];
-                        let bytes = run.iter().map(|t| t.payload_len() as u64).sum();
-                        (
-                            native::RowSlice {
-                                field: i,
-                                start: a,
-                                end: b,
-                            },
-                            PieceInfo {
-                                byte_len: bytes,
-                                contiguous: true,
-                            },
-                        )
-                    })
-                    .unzip(),
-                native::WireField::Values(_) => continue,
-            };
-            match registry.pack_chain(name).pack(&pieces, &limits) {
-                Ok(d) => frames.extend(d.plan.frames.iter().map(|f| match f {
-                    Frame::Single(k) => vec![slices[*k as usize]],
-                    Frame::Coalesced(ks) => ks.iter().map(|k| slices[*k as usize]).collect(),
-                })),
-                // No plan within the budget: one frame per piece.
-                Err(_) => frames.extend(slices.into_iter().map(|s| vec![s])),
-            }
-        }
-        native::FrameLayout { frames }
-    }
-
     /// The data frames of a request and the extents they are in: the
     /// segments a same-node put names (the `segments` envelope key),
     /// adopted from their leases without a copy, or the frames received.
@@ -349,48 +111,6 @@ impl NativeService {
             }
         }
         Ok((out, Received::new(adopted.into_values())))
-    }
-
-    /// Encodes a get_ok: over the socket, frames planned by the packing
-    /// chain from the runs; for a same-node reader, one whole segment per
-    /// frame, named in frame 0 instead of sent, and held for the reader.
-    fn encode_get(
-        &self,
-        id: u64,
-        get: GetReply,
-        same_node: bool,
-    ) -> Result<Vec<Bytes>, EncodeError> {
-        let GetReply {
-            reply,
-            nested_runs,
-            places,
-        } = get;
-        if !same_node {
-            let native::Reply::GetOk { fields } = &reply else {
-                unreachable!("a get reply is a get_ok")
-            };
-            let layout = self.layout(fields, &nested_runs);
-            return Ok(native::encode_reply_joined(
-                id,
-                &reply,
-                &layout,
-                &|p, l| places.span(p, l),
-            )?);
-        }
-        let shm = self.shm.as_ref().ok_or(EncodeError::NoSharedMemory)?;
-        let frames = native::encode_reply_enclosed(id, &reply, &|b| places.enclose(b))?;
-        let mut segments = Vec::with_capacity(frames.len().saturating_sub(1));
-        for f in &frames[1..] {
-            if f.is_empty() {
-                segments.push((String::new(), 0, 0));
-                continue;
-            }
-            let name = places.segment(f).ok_or(EncodeError::NotASegment)?;
-            segments.push((name.to_string(), 0, f.len() as u64));
-        }
-        let frame0 = native::with_segments(&frames[0], &segments)?;
-        shm.hold(frames.into_iter().skip(1).filter(|f| !f.is_empty()));
-        Ok(vec![frame0])
     }
 
     async fn serve_one(&self, frames: Vec<Bytes>) -> Vec<Bytes> {
