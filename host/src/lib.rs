@@ -2,21 +2,35 @@
 //!
 //! | module | what it holds |
 //! |---|---|
-//! | [`tensor`] | `Tensor`: immutable bytes + dtype/shape, zero-copy rows and strided views (crate `stowage-wire`) |
-//! | [`batch`] | `Field` (regular, nested, values), `Value`, `Cell` (crate `stowage-wire`) |
-//! | [`plan`] | selection and frame plans: the `stowage-plan` types and rules (re-exported), applied to host `Field`s, and execution against host buffers |
-//! | [`policy`] | the `Policy` trait, the built-in, the Wasm runtime (sandbox, lent tensor, contract check), chains (policy spans), the registry |
-//! | [`store`] | storage units: the per-field index, columns, rows and runs, capacity in bytes, memory release |
-//! | [`manager`] | routing `g % N`, selection per (field, unit), remote units, the live registry |
-//! | [`server`] | `stowd`'s services and start-up; `server::errors`, the one error → reply mapping; request spans; `server::exposition`: Prometheus text and the `/metrics` endpoint (hyper) |
-//! | [`reload`] | hot reload: the plugin directory watched, plugins checked and swapped in |
-//! | [`metrics`] | request, reload and data-path counters, latency histograms (a leaf: imports nothing from the crate) |
-//! | [`sys`] | the process itself: resident set size, `malloc_trim` |
-//! | [`config`] | the TOML configuration |
+//! | [`config`] | the TOML configuration (`stowd.example.toml` lists every key) |
 //! | [`conformance`] | a plugin against the built-in (`stowd plugin check`, hot reload) |
-//! | [`wire`] | crate `stowage-wire`: the TransferQueue 0.1.11 and `stowage/1` codecs, the pickle subset, one bounded msgpack reader; pure, no I/O |
-//! | [`transport`] | crate `stowage-transport`: ZMTP 3.0 over tcp and ipc, written here with bounded reads |
+//! | [`extent`] | extents: the immutable buffers rows live in (a received frame, an adopted segment, a gather's output) |
+//! | [`manager`] | routing `g % N`, selection per (field, unit), the live registry; `manager::remote`: forwarding to remote TransferQueue units |
+//! | [`metrics`] | request, reload and data-path counters, latency histograms (a leaf: imports nothing from the crate) |
+//! | [`plan`] | selection and frame plans: the `stowage-plan` types and rules (re-exported), applied to host `Field`s, and execution against host buffers |
+//! | [`policy`] | the `Policy` trait, the built-in, the Wasm runtime (sandbox, lent tensor, contract check), chains (policy spans), the registry and its loading, the compile cache |
+//! | [`reload`] | hot reload: the plugin directory watched, plugins checked and swapped in |
+//! | [`server`] | `stowd`'s services and start-up: `tq` (unit and router endpoints), `native` (`stowage/1`, with `native::get`), `errors` (the one error → reply mapping), `exposition` (Prometheus text, `/metrics` over hyper); request spans |
 //! | [`shm`] | same-node shared memory (segments, leases, spares) |
+//! | [`store`] | storage units: the per-field index, columns, rows and runs, capacity in bytes, memory release |
+//! | [`sys`] | the process itself: resident set size, `malloc_trim` |
+//! | [`tensor`], [`batch`] | re-exported from `stowage-wire`: `Tensor` (immutable bytes + dtype/shape, zero-copy rows and strided views); `Field`, `Value`, `Cell` |
+//! | [`wire`] | re-export of crate `stowage-wire`: the TransferQueue 0.1.11 and `stowage/1` codecs, the pickle subset, one bounded msgpack reader; pure, no I/O |
+//! | [`transport`] | re-export of crate `stowage-transport`: ZMTP 3.0 over tcp and ipc with bounded reads, the connection table, the receive pool |
+//!
+//! The workspace around this crate (the README's "Layout" has the same
+//! tree):
+//!
+//! | crate | path | what it holds | depends on |
+//! |---|---|---|---|
+//! | `stowage-plan` | `plan/` | plan types, the plan rules, one message per rule | nothing |
+//! | `stowage-wire` | `wire/` | the codecs and the data they carry | `bytes`, `rmp`, `thiserror` |
+//! | `stowage-transport` | `transport/` | ZeroMQ (ZMTP 3.0), limits, receive pool | tokio |
+//! | `stowage-host` | `host/` | this crate, and the `stowd` binary (`src/bin/stowd.rs`) | the three above, wasmtime |
+//! | `stowage-guest` | `guest-sdk/` | the policy SDK: traits, `export_policy!`, the test harness | `stowage-plan`, wit-bindgen |
+//! | `stowage-tests` | `tests/` | integration tests (one binary), the `stowload` load program | `stowage-host` |
+//! | `stowage-fuzz-checks` | `fuzz/checks/` | the fuzz targets' bodies, run over the corpora by the tests | the host crates |
+//! | `xtask` | `xtask/` | `cargo xtask` build tasks | std, `sha2` |
 //!
 //! The policy path: a [`policy::chain::Chain`] asks its policies for a
 //! [`plan::SelectionPlan`], validates it with [`plan::validate_selection`],
