@@ -204,7 +204,7 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
     let pid = std::process::id();
     let capacity = (config.units.capacity_bytes > 0).then_some(config.units.capacity_bytes);
     let transport_limits = config.limits.transport_limits();
-    open_files_limit(config, transport_limits.max_connections);
+    open_files_limit(&config, transport_limits.max_connections);
 
     let mut units = Vec::new();
     let mut unit_endpoints = Vec::new();
