@@ -354,6 +354,7 @@ pub fn raise_open_files_limit() -> std::io::Result<u64> {
         }
         lim = raised;
     }
+    #[allow(clippy::unnecessary_cast)] // rlim_t is u64 on Linux, not everywhere
     Ok(lim.rlim_cur as u64)
 }
 
