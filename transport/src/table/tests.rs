@@ -166,6 +166,8 @@ async fn a_full_table_evicts_the_longest_idle_and_never_a_busy_one() {
         older.closed(Duration::from_secs(2)).await,
         "the longest idle stayed"
     );
+    // Idle ages are kept in milliseconds: keep the order unambiguous.
+    tokio::time::sleep(Duration::from_millis(30)).await;
     assert!(
         newer.served().await,
         "a younger idle connection was evicted first"
