@@ -201,8 +201,16 @@ pub struct LimitsConfig {
     pub max_request_bytes: u64,
     /// Most frames in one incoming message.
     pub max_request_frames: u64,
-    /// Most open client connections per endpoint; more are closed at once.
+    /// Most open client connections per endpoint. When full, the longest
+    /// idle connection is closed for a new client; only when all are busy
+    /// is the new client closed at once.
     pub max_connections: u32,
+    /// Most open connections from one peer address per endpoint; more are
+    /// closed at once. 0: no cap. Unix-socket clients have no cap.
+    pub max_connections_per_peer: u32,
+    /// Seconds a connection may send nothing before it is closed (libzmq
+    /// clients reconnect by themselves); 0: never.
+    pub idle_timeout_secs: u64,
     /// Seconds a client has to take its reply; a client that stops reading
     /// loses its connection, and nobody else waits for it.
     pub write_timeout_secs: u64,
@@ -225,6 +233,9 @@ impl Default for LimitsConfig {
             max_request_bytes: 8 << 30,
             max_request_frames: 1 << 20,
             max_connections: 1024,
+            max_connections_per_peer: crate::transport::Limits::DEFAULT.max_connections_per_peer
+                as u32,
+            idle_timeout_secs: crate::transport::Limits::DEFAULT.idle_timeout.as_secs(),
             write_timeout_secs: 60,
             receive_pool_bytes: crate::transport::Limits::DEFAULT.receive_pool_bytes as u64,
             receive_pool_idle_secs: crate::transport::Limits::DEFAULT
@@ -241,6 +252,8 @@ impl LimitsConfig {
             receive: self.receive_limits(),
             write_timeout: std::time::Duration::from_secs(self.write_timeout_secs),
             max_connections: self.max_connections as usize,
+            max_connections_per_peer: self.max_connections_per_peer as usize,
+            idle_timeout: std::time::Duration::from_secs(self.idle_timeout_secs),
             receive_pool_bytes: usize::try_from(self.receive_pool_bytes).unwrap_or(usize::MAX),
             receive_pool_idle: std::time::Duration::from_secs(self.receive_pool_idle_secs),
             ..crate::transport::Limits::DEFAULT

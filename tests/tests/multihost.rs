@@ -33,7 +33,7 @@ const UNIT_PORT: u16 = 7100;
 const UNITS: usize = 3;
 
 /// `ip args...`; Err with its stderr.
-fn ip(args: &[&str]) -> Result<(), String> {
+pub(crate) fn ip(args: &[&str]) -> Result<(), String> {
     let out = Command::new("ip")
         .args(args)
         .output()

@@ -9,6 +9,7 @@
 mod compile_cache;
 mod fuzz_corpora;
 mod hostile_live;
+mod idle_connections;
 mod limits;
 mod load;
 mod multihost;

@@ -15,7 +15,11 @@
 //!   `stowd`;
 //! - a reply that cannot be written within [`Limits::write_timeout`] drops
 //!   that connection; no other connection waits for it;
-//! - at most [`Limits::max_connections`] connections are open at once.
+//! - at most [`Limits::max_connections`] connections are open at once, at
+//!   most [`Limits::max_connections_per_peer`] from one address; when the
+//!   table is full the longest idle connection is evicted before a new
+//!   client is refused, and a connection idle for [`Limits::idle_timeout`]
+//!   is closed ([`table`]).
 //!
 //! `stowd` is always the side that binds ([`bind`] removes a stale ipc
 //! socket file first). A [`Peer`] keeps one request in flight; a connection
@@ -28,6 +32,7 @@
 //! frame, instead of going back to the OS and being faulted in afresh.
 
 pub mod pool;
+pub mod table;
 pub mod zmtp;
 
 use std::future::Future;
@@ -70,9 +75,17 @@ pub struct Limits {
     pub write_timeout: Duration,
     /// Greeting and READY must complete within this.
     pub handshake_timeout: Duration,
-    /// Most connections open at once on one listening socket; more are
-    /// closed as soon as they are accepted.
+    /// Most connections open at once on one listening socket. When full,
+    /// the longest idle connection is evicted for a new client; only when
+    /// all are busy is the new client closed at once ([`table`]).
     pub max_connections: usize,
+    /// Most connections from one peer address on one listening socket; a
+    /// client beyond it is closed at once. 0: no cap. Unix-socket clients
+    /// have no address and no cap.
+    pub max_connections_per_peer: usize,
+    /// A connection that sends nothing for this long (handshaking, between
+    /// requests, or stalled inside one) is closed; zero: never.
+    pub idle_timeout: Duration,
     /// Most bytes of idle large receive buffers kept for reuse
     /// ([`ReceivePool`]); 0 turns the pool off.
     pub receive_pool_bytes: usize,
@@ -82,7 +95,15 @@ pub struct Limits {
 
 impl Limits {
     /// 8 GiB and 2^20 frames per message, 60 s to write a reply, 10 s for
-    /// the handshake, 1,024 connections, 2 GiB of pooled receive buffers.
+    /// the handshake, 1,024 connections of which 256 from one address,
+    /// 300 s idle timeout, 2 GiB of pooled receive buffers.
+    ///
+    /// The per-peer cap is a quarter of the table: one address (a
+    /// misbehaving client, or every local client at once, since they all
+    /// come from 127.0.0.1) cannot take the whole table, while 256 is far
+    /// more than a node's clients open (a pyzmq socket keeps one
+    /// connection per endpoint, a router [`Peer`] at most
+    /// [`PEER_CONNECTIONS`]).
     ///
     /// The pool's cap is the most memory `stowd` keeps beyond what it
     /// stores, for at most [`pool::IDLE`] after its last use: the pool only
@@ -98,6 +119,8 @@ impl Limits {
         write_timeout: Duration::from_secs(60),
         handshake_timeout: Duration::from_secs(10),
         max_connections: 1024,
+        max_connections_per_peer: 256,
+        idle_timeout: Duration::from_secs(300),
         receive_pool_bytes: 2 << 30,
         receive_pool_idle: pool::IDLE,
     };
@@ -150,16 +173,17 @@ pub enum Listener {
 }
 
 impl Listener {
-    async fn accept(&self) -> std::io::Result<BoxStream> {
+    /// A new connection and its peer's address (none for ipc).
+    async fn accept(&self) -> std::io::Result<(BoxStream, Option<std::net::IpAddr>)> {
         match self {
             Listener::Tcp(l) => {
-                let (s, _) = l.accept().await?;
+                let (s, addr) = l.accept().await?;
                 s.set_nodelay(true)?;
-                Ok(Box::new(s))
+                Ok((Box::new(s), Some(addr.ip().to_canonical())))
             }
             Listener::Ipc(l, _) => {
                 let (s, _) = l.accept().await?;
-                Ok(Box::new(s))
+                Ok((Box::new(s), None))
             }
         }
     }
@@ -223,7 +247,7 @@ pub async fn serve_with(
     limits: Limits,
     mut shutdown: watch::Receiver<bool>,
 ) {
-    let slots = Arc::new(Semaphore::new(limits.max_connections));
+    let table = table::Table::new(&limits);
     let next_id = Arc::new(AtomicU32::new(0x6b8b_4567));
     let pool = ReceivePool::shared(limits.receive_pool_bytes, limits.receive_pool_idle);
     loop {
@@ -231,7 +255,7 @@ pub async fn serve_with(
             s = listener.accept() => s,
             _ = shutdown.changed() => break,
         };
-        let stream = match stream {
+        let (stream, peer) = match stream {
             Ok(s) => s,
             Err(e) => {
                 tracing::debug!(error = %e, "accept failed");
@@ -240,11 +264,8 @@ pub async fn serve_with(
                 continue;
             }
         };
-        let Ok(slot) = slots.clone().try_acquire_owned() else {
-            tracing::warn!(
-                max = limits.max_connections,
-                "connection refused: too many open connections"
-            );
+        // Refusals and evictions are logged by the table.
+        let Ok(entry) = table.admit(peer) else {
             drop(stream);
             continue;
         };
@@ -255,8 +276,19 @@ pub async fn serve_with(
             pool.clone(),
         );
         tokio::spawn(async move {
-            connection(stream, service, limits, shutdown, next_id, pool).await;
-            drop(slot);
+            let activity = entry.activity.clone();
+            tokio::select! {
+                _ = connection(stream, service, limits, shutdown, next_id, pool, &activity) => {}
+                _ = activity.evicted() => {}
+                _ = activity.idle_expired(limits.idle_timeout) => {
+                    tracing::debug!(
+                        peer = %peer.map_or_else(|| "local (ipc)".into(), |p| p.to_string()),
+                        timeout = ?limits.idle_timeout,
+                        "idle connection closed (limits.idle_timeout_secs)"
+                    );
+                }
+            }
+            drop(entry);
         });
     }
 }
@@ -269,8 +301,10 @@ async fn connection(
     mut shutdown: watch::Receiver<bool>,
     next_id: Arc<AtomicU32>,
     pool: Option<Arc<ReceivePool>>,
+    activity: &Arc<table::Activity>,
 ) {
     let (reader, mut writer) = tokio::io::split(stream);
+    let reader = table::Tracked::new(reader, activity.clone());
     let mut reader = FrameReader::with_pool(reader, pool);
     let shake = zmtp::handshake(
         &mut reader,
@@ -310,14 +344,17 @@ async fn connection(
                 continue;
             }
             Ok(Some(Incoming::Message(frames))) => {
+                activity.set_busy(true);
                 service.clone().handle(identity.clone(), frames).await
             }
             Ok(Some(Incoming::TooLarge { head, reason })) => {
+                activity.set_busy(true);
                 tracing::info!(identity = %String::from_utf8_lossy(&identity), %reason, "request refused unread");
                 service.clone().reject(identity.clone(), head, reason).await
             }
         };
         let Some(reply) = reply.filter(|r| !r.is_empty()) else {
+            activity.set_busy(false);
             continue;
         };
         match tokio::time::timeout(
@@ -326,7 +363,7 @@ async fn connection(
         )
         .await
         {
-            Ok(Ok(())) => {}
+            Ok(Ok(())) => activity.set_busy(false),
             Ok(Err(e)) => {
                 return tracing::debug!(error = %e, "reply could not be sent (client gone?)");
             }

@@ -114,6 +114,22 @@ impl Running {
     }
 }
 
+/// Raises the soft limit of open files to the hard one (every connection
+/// is a file) and warns when even that is short of the endpoints' tables.
+fn open_files_limit(config: &Config, max_connections: usize) {
+    let endpoints = config.units.local as u64 + u64::from(config.router.enabled) + 1;
+    let needed = endpoints * max_connections as u64 + 256;
+    match transport::table::raise_open_files_limit() {
+        Ok(n) if n < needed => tracing::warn!(
+            limit = n,
+            needed,
+            "open files limit below the connection tables (endpoints x limits.max_connections              + 256): raise the hard limit (ulimit -Hn, LimitNOFILE=) or lower max_connections"
+        ),
+        Ok(n) => tracing::debug!(limit = n, "open files limit"),
+        Err(e) => tracing::warn!(error = %e, "cannot read or raise the open files limit"),
+    }
+}
+
 /// Removes expired leases once a second until shutdown.
 async fn sweep_leases(store: Arc<SegmentStore>, mut shutdown: watch::Receiver<bool>) {
     let mut tick = tokio::time::interval(Duration::from_secs(1));
@@ -188,6 +204,7 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
     let pid = std::process::id();
     let capacity = (config.units.capacity_bytes > 0).then_some(config.units.capacity_bytes);
     let transport_limits = config.limits.transport_limits();
+    open_files_limit(&config, transport_limits.max_connections);
 
     let mut units = Vec::new();
     let mut unit_endpoints = Vec::new();

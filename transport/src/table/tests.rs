@@ -1,0 +1,243 @@
+//! The table over real sockets: a ROUTER served by [`crate::serve_with`]
+//! on 127.0.0.1 and raw DEALER clients.
+
+use std::net::{IpAddr, Ipv4Addr};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use tokio::io::AsyncReadExt;
+use tokio::net::TcpStream;
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::sync::{Semaphore, watch};
+
+use super::*;
+use crate::zmtp::{self, FrameReader, Incoming};
+use crate::{BoxFuture, Limits, Service};
+
+/// Echoes, except that a request `hold` waits for a permit first.
+struct Holder(Arc<Semaphore>);
+
+impl Service for Holder {
+    fn handle(
+        self: Arc<Self>,
+        _identity: Bytes,
+        frames: Vec<Bytes>,
+    ) -> BoxFuture<'static, Option<Vec<Bytes>>> {
+        Box::pin(async move {
+            if frames[0].as_ref() == b"hold" {
+                self.0.acquire().await.unwrap().forget();
+            }
+            Some(frames)
+        })
+    }
+}
+
+struct Server {
+    addr: String,
+    release: Arc<Semaphore>,
+    _stop: watch::Sender<bool>,
+}
+
+async fn server(limits: Limits) -> Server {
+    let (listener, endpoint) = crate::bind("tcp://127.0.0.1:0").await.unwrap();
+    let release = Arc::new(Semaphore::new(0));
+    let (tx, rx) = watch::channel(false);
+    tokio::spawn(crate::serve_with(
+        listener,
+        Arc::new(Holder(release.clone())),
+        limits,
+        rx,
+    ));
+    Server {
+        addr: endpoint.strip_prefix("tcp://").unwrap().to_string(),
+        release,
+        _stop: tx,
+    }
+}
+
+struct Client {
+    reader: FrameReader<OwnedReadHalf>,
+    writer: OwnedWriteHalf,
+}
+
+impl Client {
+    async fn connect(addr: &str) -> Client {
+        Client::try_connect(addr).await.expect("handshake")
+    }
+
+    async fn try_connect(addr: &str) -> Result<Client, zmtp::ZmtpError> {
+        let (r, mut writer) = TcpStream::connect(addr).await?.into_split();
+        let mut reader = FrameReader::new(r);
+        let shake = zmtp::handshake(&mut reader, &mut writer, "DEALER", b"", &["ROUTER"]);
+        tokio::time::timeout(Duration::from_secs(5), shake)
+            .await
+            .expect("handshake answered")?;
+        Ok(Client { reader, writer })
+    }
+
+    async fn send(&mut self, body: &'static [u8]) {
+        zmtp::write_message(&mut self.writer, &[Bytes::from_static(body)])
+            .await
+            .unwrap();
+    }
+
+    /// Sends `ping` and waits for its echo: the connection is served.
+    async fn served(&mut self) -> bool {
+        if zmtp::write_message(&mut self.writer, &[Bytes::from_static(b"ping")])
+            .await
+            .is_err()
+        {
+            return false;
+        }
+        let read = tokio::time::timeout(
+            Duration::from_secs(5),
+            self.reader.read(&zmtp::Limits::DEFAULT),
+        );
+        matches!(read.await, Ok(Ok(Some(Incoming::Message(_)))))
+    }
+
+    /// Whether the server closed the connection within `within`.
+    async fn closed(&mut self, within: Duration) -> bool {
+        let read = tokio::time::timeout(within, self.reader.read(&zmtp::Limits::DEFAULT));
+        matches!(read.await, Ok(Ok(None) | Err(_)))
+    }
+}
+
+fn limits(max: usize, per_peer: usize, idle: Duration) -> Limits {
+    Limits {
+        max_connections: max,
+        max_connections_per_peer: per_peer,
+        idle_timeout: idle,
+        ..Limits::DEFAULT
+    }
+}
+
+#[tokio::test]
+async fn idle_connections_are_closed_after_the_idle_timeout_and_active_ones_stay() {
+    let idle = Duration::from_millis(300);
+    let s = server(limits(16, 0, idle)).await;
+    let mut quiet = Client::connect(&s.addr).await;
+    let mut active = Client::connect(&s.addr).await;
+    // Connected, never handshaking: the idle timeout closes it long before
+    // the 10 s handshake timeout.
+    let mut mute = TcpStream::connect(&s.addr).await.unwrap();
+    let t0 = Instant::now();
+    // The active one sends every 100 ms, for 4 timeouts.
+    for _ in 0..12 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert!(active.served().await, "an active connection was closed");
+    }
+    assert!(
+        quiet.closed(Duration::from_millis(10)).await,
+        "idle connection still open"
+    );
+    let mut sink = [0u8; 256];
+    let n = tokio::time::timeout(Duration::from_millis(10), async {
+        loop {
+            match mute.read(&mut sink).await {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {} // our greeting
+            }
+        }
+    })
+    .await;
+    assert!(n.is_ok(), "a connection that never handshook is still open");
+    eprintln!(
+        "idle timeout {idle:?}: quiet ones closed, active one served for {:?}",
+        t0.elapsed()
+    );
+}
+
+#[tokio::test]
+async fn a_full_table_evicts_the_longest_idle_and_never_a_busy_one() {
+    let s = server(limits(3, 0, Duration::ZERO)).await;
+    let mut busy = Client::connect(&s.addr).await;
+    busy.send(b"hold").await;
+    tokio::time::sleep(Duration::from_millis(30)).await;
+    let mut older = Client::connect(&s.addr).await;
+    tokio::time::sleep(Duration::from_millis(30)).await;
+    let mut newer = Client::connect(&s.addr).await;
+    tokio::time::sleep(Duration::from_millis(30)).await;
+    // The busy one is the oldest; `older` is the longest idle.
+    let mut fourth = Client::connect(&s.addr).await;
+    assert!(fourth.served().await, "the new client is not served");
+    assert!(
+        older.closed(Duration::from_secs(2)).await,
+        "the longest idle stayed"
+    );
+    // Idle ages are kept in milliseconds: keep the order unambiguous.
+    tokio::time::sleep(Duration::from_millis(30)).await;
+    assert!(
+        newer.served().await,
+        "a younger idle connection was evicted first"
+    );
+    // `newer` just sent: now `fourth` is the longest idle.
+    tokio::time::sleep(Duration::from_millis(30)).await;
+    let mut fifth = Client::connect(&s.addr).await;
+    assert!(fifth.served().await);
+    assert!(
+        fourth.closed(Duration::from_secs(2)).await,
+        "eviction order is not by idle time"
+    );
+    // All three busy: a new client is refused, nobody evicted.
+    newer.send(b"hold").await;
+    fifth.send(b"hold").await;
+    tokio::time::sleep(Duration::from_millis(30)).await;
+    assert!(
+        Client::try_connect(&s.addr).await.is_err(),
+        "admitted with all busy"
+    );
+    // The busy one kept its request and gets its reply.
+    s.release.add_permits(3);
+    let reply = tokio::time::timeout(
+        Duration::from_secs(5),
+        busy.reader.read(&zmtp::Limits::DEFAULT),
+    );
+    assert!(
+        matches!(reply.await, Ok(Ok(Some(Incoming::Message(_))))),
+        "busy lost its reply"
+    );
+}
+
+#[tokio::test]
+async fn the_per_peer_cap_refuses_one_address_and_not_another() {
+    let table = Table::new(&limits(8, 2, Duration::ZERO));
+    let a = Some(IpAddr::V4(Ipv4Addr::new(127, 0, 0, 1)));
+    let b = Some(IpAddr::V4(Ipv4Addr::new(10, 0, 0, 2)));
+    let first = table.admit(a).unwrap();
+    let _second = table.admit(a).unwrap();
+    assert_eq!(table.admit(a).unwrap_err(), Refusal::PeerCap(2));
+    let _other = table.admit(b).unwrap();
+    // ipc clients have no address and no cap.
+    let ipc: Vec<_> = (0..3).map(|_| table.admit(None).unwrap()).collect();
+    assert_eq!(table.len(), 6);
+    drop(first);
+    let _again = table.admit(a).expect("a closed connection frees its place");
+    drop(ipc);
+    assert_eq!(table.len(), 3);
+}
+
+#[tokio::test]
+async fn the_per_peer_cap_holds_over_real_sockets() {
+    let s = server(limits(8, 2, Duration::ZERO)).await;
+    let mut one = Client::connect(&s.addr).await;
+    let mut two = Client::connect(&s.addr).await;
+    assert!(
+        Client::try_connect(&s.addr).await.is_err(),
+        "a third from 127.0.0.1 was admitted"
+    );
+    // 127.0.0.2 is another loopback address: another peer.
+    let sock = tokio::net::TcpSocket::new_v4().unwrap();
+    sock.bind("127.0.0.2:0".parse().unwrap()).unwrap();
+    let (r, mut w) = sock
+        .connect(s.addr.parse().unwrap())
+        .await
+        .unwrap()
+        .into_split();
+    let mut reader = FrameReader::new(r);
+    zmtp::handshake(&mut reader, &mut w, "DEALER", b"", &["ROUTER"])
+        .await
+        .expect("another address is admitted");
+    assert!(one.served().await && two.served().await);
+}
