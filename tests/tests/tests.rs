@@ -9,6 +9,7 @@
 mod compile_cache;
 mod fuzz_corpora;
 mod hostile_live;
+mod large_requests;
 mod limits;
 mod load;
 mod multihost;
