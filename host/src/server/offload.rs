@@ -4,7 +4,7 @@
 //! indexes) cannot hold the async workers every other connection needs.
 //!
 //! A request is *large* when its frame 0, the part that is decoded entry by
-//! entry, holds at least [`Offload::DEFAULT_CUTOFF`] bytes; data frames are
+//! entry, holds at least [`Offload::DEFAULT_CUTOFF`] (16 KiB) bytes; data frames are
 //! not counted (tensors are taken as views, at a cost independent of their
 //! size). A large request waits for one of `permits` slots, then runs on a
 //! `spawn_blocking` thread that drives the request's future with
@@ -14,11 +14,13 @@
 //! left to the async workers. Further large requests queue for a slot; small
 //! requests and other connections do not.
 //!
-//! The cutoff: decoding a TransferQueue frame 0 costs about 25-60 ns per
-//! byte in release (`cargo bench -p stowage-wire --bench decode`), so 64 KiB
-//! decode in at most a few milliseconds inline, while the hop to a blocking
-//! thread and back costs tens of microseconds per request (thread wake-up
-//! and channel), which the small requests of a training step should not pay.
+//! The cutoff: decoding frame 0 costs 17-140 ns per byte in release
+//! (`cargo bench -p stowage-wire --bench decode`, `docs/benchmarks.md`: a
+//! list of indexes is cheapest, 100,000 one-row fields dearest), so 16 KiB
+//! decode in at most about 2.3 ms inline; the hop to a blocking thread and
+//! back costs about 120 µs per request (the `hop_cost` test, debug build,
+//! loaded 2-core machine; inline: 89 ns), which the small
+//! requests of a training step need not pay.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -35,7 +37,7 @@ pub(super) struct Offload {
 
 impl Offload {
     /// Frame-0 bytes from which a request runs on the blocking pool.
-    pub const DEFAULT_CUTOFF: usize = 64 << 10;
+    pub const DEFAULT_CUTOFF: usize = 16 << 10;
 
     /// A gate with one slot per core but one (at least one).
     pub fn new(cutoff: usize) -> Arc<Offload> {
@@ -90,5 +92,25 @@ mod tests {
         let b = offload.run(10, async { std::thread::current().id() }).await;
         assert_eq!(a, here);
         assert_ne!(b, here);
+    }
+
+    /// What the hop to the blocking pool costs a request (printed; the
+    /// module doc quotes it).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn hop_cost() {
+        let offload = Offload::new(1);
+        let n = 2000u32;
+        let t = std::time::Instant::now();
+        for i in 0..n {
+            assert_eq!(offload.run(0, async move { i }).await, i);
+        }
+        let inline = t.elapsed() / n;
+        let t = std::time::Instant::now();
+        for i in 0..n {
+            assert_eq!(offload.run(1, async move { i }).await, i);
+        }
+        let pooled = t.elapsed() / n;
+        eprintln!("offload: inline {inline:?} per request, via the blocking pool {pooled:?}");
+        assert!(pooled < std::time::Duration::from_millis(50));
     }
 }
