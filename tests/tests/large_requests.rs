@@ -123,11 +123,12 @@ async fn flood(
 }
 
 /// The bound on `stats` during a flood: 10x its idle latency, at least
-/// 200 ms. Measured on a loaded 2-core machine, debug build: at most 22 ms
-/// (idle 0.5-1.8 ms); with the decoding and unit work on the async workers,
-/// `stats` waited seconds (see `docs/reliability.md`).
+/// 500 ms. Measured on a loaded 2-core machine, debug build: at most 22 ms
+/// alone and 68 ms with the rest of the suite running (idle 0.4-1.8 ms);
+/// with the decoding and unit work on the async workers, `stats` waited
+/// 31.5 s, or more than 60 s (see `docs/reliability.md`).
 fn bound(idle: Duration) -> Duration {
-    (idle * 10).max(Duration::from_millis(200))
+    (idle * 10).max(Duration::from_millis(500))
 }
 
 fn report(what: &str, idle: Duration, worst: Duration, calls: usize, answers: &[Answer]) {
