@@ -10,6 +10,7 @@ mod compile_cache;
 mod fuzz_corpora;
 mod hostile_live;
 mod idle_connections;
+mod large_requests;
 mod limits;
 mod load;
 mod multihost;

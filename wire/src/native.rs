@@ -201,7 +201,10 @@ pub enum Error {
     #[error("empty batch: {0}")]
     EmptyBatch(&'static str),
     /// A count or size above a [`Limits`] bound.
-    #[error("{what} is {value}, the limit is {limit}")]
+    #[error(
+        "{what} is {value}, the limit is {limit} ([limits] {})",
+        limit_setting(what)
+    )]
     TooLarge {
         what: &'static str,
         value: u64,
@@ -242,6 +245,17 @@ impl From<msgpack::MsgpackError> for Error {
 impl From<msgpack::TooLong> for Error {
     fn from(e: msgpack::TooLong) -> Self {
         Error::Unencodable(e.to_string())
+    }
+}
+
+/// The stowd configuration key of the [`Limits`] bound a count was checked
+/// against, named in [`Error::TooLarge`] messages.
+fn limit_setting(what: &str) -> &'static str {
+    match what {
+        "fields" | "stats" => "max_fields",
+        "segments" | "frames" => "max_request_frames",
+        "message bytes" => "max_request_bytes",
+        _ => "max_rows",
     }
 }
 

@@ -33,8 +33,26 @@ use crate::batch::{Cell, Field};
 use crate::pickle::PickleError;
 use crate::tensor::TensorError;
 
-pub use decode::{decode_message, decode_reply, decode_request, request_type};
+pub use decode::{decode_message, decode_message_with, decode_reply, decode_request, request_type};
 pub use encode::{encode_reply, encode_reply_stamped, encode_request, encode_request_stamped};
+
+/// Receiver limits of a unit or router endpoint (stowd's `[limits]`),
+/// checked when a count is read, before the entries it counts are decoded.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Limits {
+    /// Most global indexes in a PUT, GET or CLEAR_DATA (`max_rows`).
+    pub max_rows: u64,
+    /// Most fields in a PUT or GET (`max_fields`).
+    pub max_fields: u64,
+}
+
+impl Limits {
+    /// No limit: what [`decode_message`] applies.
+    pub const NONE: Limits = Limits {
+        max_rows: u64::MAX,
+        max_fields: u64::MAX,
+    };
+}
 
 /// Frame 0 of the pickle fallback form `[b"\xc1\xfe\xed", pickle]`.
 pub const PICKLE_FALLBACK_SENTINEL: &[u8] = b"\xc1\xfe\xed";
@@ -613,6 +631,20 @@ pub enum Error {
         /// The PUT's global indexes.
         indexes: usize,
     },
+    /// A count above a [`Limits`] bound, refused when the count was read.
+    #[error("{what} is {value}, over the limit [limits] {setting} = {limit}")]
+    TooLarge {
+        /// The operation (gives the reply type).
+        op: Op,
+        /// What was counted.
+        what: &'static str,
+        /// The configuration key of the limit.
+        setting: &'static str,
+        /// The count in the request.
+        value: u64,
+        /// The configured limit.
+        limit: u64,
+    },
     /// A field value stowd cannot store or represent yet (numpy arrays, frames inside plain values, ...).
     #[error("field '{field}': {what} is not supported by stowd")]
     Unsupported {
@@ -629,7 +661,9 @@ impl Error {
     /// The reply type a storage unit answers this error with.
     pub fn reply_type(&self) -> ErrorReply {
         match self {
-            Error::Body { op, .. } | Error::Unsupported { op, .. } => op.error_reply(),
+            Error::Body { op, .. } | Error::Unsupported { op, .. } | Error::TooLarge { op, .. } => {
+                op.error_reply()
+            }
             Error::DataParser | Error::DuplicateIndex(_) | Error::RowCount { .. } => {
                 ErrorReply::Put
             }

@@ -35,6 +35,7 @@ use crate::wire::native as wire_native;
 mod errors;
 pub mod exposition;
 mod native;
+mod offload;
 mod tq;
 
 pub use tq::TQ_IDENTITY_PREFIXES;
@@ -205,6 +206,11 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
     let capacity = (config.units.capacity_bytes > 0).then_some(config.units.capacity_bytes);
     let transport_limits = config.limits.transport_limits();
     open_files_limit(&config, transport_limits.max_connections);
+    let tq_limits = crate::wire::tq::Limits {
+        max_rows: config.limits.max_rows,
+        max_fields: config.limits.max_fields,
+    };
+    let offload = offload::Offload::new(offload::Offload::DEFAULT_CUTOFF);
 
     let mut units = Vec::new();
     let mut unit_endpoints = Vec::new();
@@ -222,7 +228,8 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
             tq::Backend::Unit(unit.clone()),
             metrics.clone(),
             tq_extra_on,
-        );
+        )
+        .with_limits(tq_limits, offload.clone());
         tasks.push(tokio::spawn(transport::serve_with(
             socket,
             service,
@@ -278,7 +285,8 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
             tq::Backend::Router(manager.clone()),
             metrics.clone(),
             tq_extra_on,
-        );
+        )
+        .with_limits(tq_limits, offload.clone());
         tasks.push(tokio::spawn(transport::serve_with(
             socket,
             service,
@@ -325,6 +333,7 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         shm: shm.clone(),
         metrics: metrics.clone(),
         endpoint: native_endpoint.clone(),
+        offload,
     });
     tasks.push(tokio::spawn(transport::serve_with(
         socket,

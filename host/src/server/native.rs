@@ -38,6 +38,8 @@ pub(super) struct NativeService {
     pub metrics: Arc<Metrics>,
     /// The endpoint's address, for the request spans.
     pub endpoint: String,
+    /// Where large requests run.
+    pub offload: Arc<super::offload::Offload>,
 }
 
 /// The rows a request names (0 for stats and leases).
@@ -366,10 +368,10 @@ impl Service for NativeService {
             rows = tracing::field::Empty,
             bytes = frames.iter().map(Bytes::len).sum::<usize>(),
         );
-        Box::pin(
-            async move { Some(self.serve_one(frames).await).filter(|f| !f.is_empty()) }
-                .instrument(span),
-        )
+        let frame0 = frames.first().map_or(0, Bytes::len);
+        let offload = self.offload.clone();
+        let work = async move { self.serve_one(frames).await }.instrument(span);
+        Box::pin(async move { Some(offload.run(frame0, work).await).filter(|f| !f.is_empty()) })
     }
 
     fn reject(

@@ -18,6 +18,7 @@ use bytes::Bytes;
 use tracing::Instrument;
 
 use super::errors;
+use super::offload::Offload;
 use crate::batch::Cell;
 use crate::extent::Received;
 use crate::manager::{Manager, ManagerError, Target};
@@ -51,6 +52,10 @@ pub(super) struct TqService {
     metrics: Arc<Metrics>,
     /// Add the `stowage` key to `METRICS_RESPONSE`.
     tq_extra: bool,
+    /// `max_rows` and `max_fields`, checked as the counts are read.
+    limits: tq::Limits,
+    /// Where large requests run.
+    offload: Arc<Offload>,
 }
 
 /// Request arrivals by op, in first-arrival order (TransferQueue's
@@ -154,12 +159,26 @@ impl TqService {
             arrivals: Arrivals::default(),
             metrics,
             tq_extra,
+            limits: tq::Limits::NONE,
+            offload: Offload::new(usize::MAX),
         })
+    }
+
+    /// The same service with receiver limits and a blocking pool.
+    pub(super) fn with_limits(
+        mut self: Arc<Self>,
+        limits: tq::Limits,
+        offload: Arc<Offload>,
+    ) -> Arc<TqService> {
+        let this = Arc::get_mut(&mut self).expect("called right after new");
+        this.limits = limits;
+        this.offload = offload;
+        self
     }
 
     async fn answer(&self, frames: &[Bytes]) -> (&'static str, tq::Reply) {
         let id = self.id.as_str();
-        let request = match tq::decode_message(frames) {
+        let request = match tq::decode_message_with(frames, &self.limits) {
             Ok(m) => {
                 let span = tracing::Span::current();
                 span.record("id", m.envelope.request_id.as_str());
@@ -282,6 +301,39 @@ impl TqService {
         }
     }
 
+    /// Decodes, answers and encodes one request (on the blocking pool if
+    /// it is large, see [`Offload`]).
+    async fn serve(self: Arc<Self>, frames: Vec<Bytes>) -> Option<Vec<Bytes>> {
+        let started = Instant::now();
+        let span = tracing::debug_span!(
+            "request",
+            endpoint = %self.id,
+            proto = self.protocol().label(),
+            id = tracing::field::Empty,
+            op = tracing::field::Empty,
+            rows = tracing::field::Empty,
+            bytes = frames.iter().map(Bytes::len).sum::<usize>(),
+        );
+        let (op, reply) = self.answer(&frames).instrument(span.clone()).await;
+        let outcome = if matches!(reply, tq::Reply::Error { .. }) {
+            Outcome::Error
+        } else {
+            Outcome::Ok
+        };
+        if let tq::Reply::Error { message, .. } = &reply {
+            span.in_scope(|| tracing::debug!(error = %message, "error reply"));
+        }
+        let frames = tq::encode_reply(&self.id, &reply);
+        self.metrics.observe(
+            self.protocol(),
+            op,
+            outcome,
+            started.elapsed(),
+            frames.len(),
+        );
+        Some(frames)
+    }
+
     fn protocol(&self) -> Protocol {
         match self.backend {
             Backend::Unit(_) => Protocol::Tq,
@@ -301,34 +353,9 @@ impl Service for TqService {
                 tracing::debug!(identity = %String::from_utf8_lossy(&identity), "request from an unrecognised identity dropped");
                 return None;
             }
-            let started = Instant::now();
-            let span = tracing::debug_span!(
-                "request",
-                endpoint = %self.id,
-                proto = self.protocol().label(),
-                id = tracing::field::Empty,
-                op = tracing::field::Empty,
-                rows = tracing::field::Empty,
-                bytes = frames.iter().map(Bytes::len).sum::<usize>(),
-            );
-            let (op, reply) = self.answer(&frames).instrument(span.clone()).await;
-            let outcome = if matches!(reply, tq::Reply::Error { .. }) {
-                Outcome::Error
-            } else {
-                Outcome::Ok
-            };
-            if let tq::Reply::Error { message, .. } = &reply {
-                span.in_scope(|| tracing::debug!(error = %message, "error reply"));
-            }
-            let frames = tq::encode_reply(&self.id, &reply);
-            self.metrics.observe(
-                self.protocol(),
-                op,
-                outcome,
-                started.elapsed(),
-                frames.len(),
-            );
-            Some(frames)
+            let frame0 = frames.first().map_or(0, Bytes::len);
+            let offload = self.offload.clone();
+            offload.run(frame0, self.serve(frames)).await
         })
     }
 

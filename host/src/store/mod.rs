@@ -224,6 +224,10 @@ pub struct Unit {
     id: String,
     capacity: Option<u64>,
     inner: Mutex<Inner>,
+    /// keys, rows (distinct indexes), bytes: copied from `inner` before each
+    /// write releases the lock, so that [`Unit::stats`] (the `stats` and
+    /// metrics replies) never waits behind a large put.
+    sizes: [AtomicU64; 3],
     pub counters: UnitCounters,
 }
 
@@ -255,6 +259,7 @@ impl Unit {
             id: id.into(),
             capacity,
             inner: Mutex::new(Inner::default()),
+            sizes: Default::default(),
             counters: UnitCounters::default(),
         }
     }
@@ -265,6 +270,14 @@ impl Unit {
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Publishes the sizes of `inner` for [`Unit::stats`] (under the lock).
+    fn publish(&self, inner: &Inner) {
+        let values = [inner.keys, inner.present.len() as u64, inner.bytes];
+        for (slot, v) in self.sizes.iter().zip(values) {
+            slot.store(v, Ordering::Relaxed);
+        }
     }
 
     /// Stores the rows of `fields[f].1` (its columns' rows, in order) under
@@ -317,6 +330,7 @@ impl Unit {
             }
         }
         inner.bytes = inner.bytes - freed + added;
+        self.publish(&inner);
         drop(inner);
         release::note_freed(freed);
         Ok(())
@@ -487,18 +501,20 @@ impl Unit {
         }
         inner.bytes -= bytes;
         let keys = keys_before - inner.keys;
+        self.publish(&inner);
         drop(inner);
         release::note_freed(bytes);
         keys
     }
 
-    /// Current size.
+    /// Current size, as of the last completed put or clear; never waits
+    /// for the unit's lock.
     pub fn stats(&self) -> UnitStats {
-        let inner = self.lock();
+        let [keys, rows, bytes] = &self.sizes;
         UnitStats {
-            keys: inner.keys,
-            rows: inner.present.len() as u64,
-            bytes: inner.bytes,
+            keys: keys.load(Ordering::Relaxed),
+            rows: rows.load(Ordering::Relaxed),
+            bytes: bytes.load(Ordering::Relaxed),
             capacity: self.capacity,
         }
     }

@@ -612,3 +612,109 @@ fn fuzz_tq_decode_metrics_extra_with_tensor() {
     let again = encode_reply_stamped("U", &reply, &Stamp::new("0123abcd", 1.5));
     assert_eq!(decode_reply(&again).unwrap().1, reply);
 }
+
+#[test]
+fn counts_over_the_limits_are_refused_before_decoding() {
+    use crate::tq::{Limits, decode_message_with, encode_request};
+    let limits = Limits {
+        max_rows: 2,
+        max_fields: 2,
+    };
+    let refused = |request: &Request, kind: ErrorReply, setting: &str| {
+        let frames = encode_request("S", Some("U"), request).expect("encodable");
+        assert!(decode_request(&frames).is_ok(), "decodes without limits");
+        let e = decode_message_with(&frames, &limits).expect_err("over a limit");
+        assert!(matches!(e, Error::TooLarge { .. }), "{e:?}");
+        assert_eq!(e.reply_type(), kind, "{e}");
+        let message = e.reply_message("U");
+        assert!(
+            message.contains(&format!("[limits] {setting} = 2")),
+            "{message}"
+        );
+    };
+    let values = |n: usize| -> Vec<(String, Field)> {
+        (0..n)
+            .map(|i| (format!("f{i}"), Field::Values(vec![Value::Str("v".into())])))
+            .collect()
+    };
+    refused(
+        &Request::Put {
+            global_indexes: vec![0],
+            fields: values(3),
+        },
+        ErrorReply::Put,
+        "max_fields",
+    );
+    refused(
+        &Request::Get {
+            global_indexes: vec![0],
+            fields: vec!["a".into(), "b".into(), "c".into()],
+        },
+        ErrorReply::Get,
+        "max_fields",
+    );
+    refused(
+        &Request::Clear {
+            global_indexes: vec![0, 1, 2],
+        },
+        ErrorReply::ClearData,
+        "max_rows",
+    );
+    // At the limits: decoded.
+    let frames = encode_request(
+        "S",
+        Some("U"),
+        &Request::Put {
+            global_indexes: vec![0],
+            fields: values(2),
+        },
+    )
+    .expect("encodable");
+    decode_message_with(&frames, &limits).expect("at the limit");
+    // The count is checked before any ext payload is unpickled: three
+    // fields whose tensors are not pickles are refused by the limit.
+    let junk = ext(3, b"not a pickle");
+    let body = put_body(
+        &[0],
+        &[("a", junk.clone()), ("b", junk.clone()), ("c", junk)],
+    );
+    let e = decode_message_with(&[frame0("PUT", &body)], &limits).expect_err("refused");
+    assert!(matches!(e, Error::TooLarge { value: 3, .. }), "{e:?}");
+}
+
+#[test]
+fn many_distinct_fields_and_a_late_duplicate() {
+    let fields: Vec<(String, Field)> = (0..50_000)
+        .map(|i| (format!("f{i}"), Field::Values(vec![Value::Str("v".into())])))
+        .collect();
+    let mut frames = crate::tq::encode_request(
+        "S",
+        Some("U"),
+        &Request::Put {
+            global_indexes: vec![0],
+            fields: fields.clone(),
+        },
+    )
+    .expect("encodable");
+    let started = std::time::Instant::now();
+    match decode_request(&frames).expect("decodes") {
+        Request::Put { fields: got, .. } => assert_eq!(got.len(), 50_000),
+        other => panic!("{other:?}"),
+    }
+    // Quadratic checking took minutes here in a debug build.
+    assert!(started.elapsed() < std::time::Duration::from_secs(20));
+    // Rename the last field to the first one's name: the duplicate is found.
+    let f0 = frames[0].to_vec();
+    let last = b"f49999";
+    let at = f0
+        .windows(last.len())
+        .rposition(|w| w == last)
+        .expect("last name");
+    let mut renamed = f0[..at - 1].to_vec();
+    renamed.push(0xa2);
+    renamed.extend_from_slice(b"f0");
+    renamed.extend_from_slice(&f0[at + last.len()..]);
+    frames[0] = Bytes::from(renamed);
+    let e = fails(&frames, ErrorReply::Put);
+    assert!(e.to_string().contains("duplicate field 'f0'"), "{e}");
+}

@@ -10,8 +10,8 @@ use std::collections::HashSet;
 use bytes::Bytes;
 
 use super::{
-    Envelope, Error, ErrorReply, Message, Metrics, Op, PICKLE_FALLBACK_SENTINEL, Reply, Request,
-    request_type_name,
+    Envelope, Error, ErrorReply, Limits, Message, Metrics, Op, PICKLE_FALLBACK_SENTINEL, Reply,
+    Request, request_type_name,
 };
 use crate::batch::{Cell, Field, Value};
 use crate::msgpack::{Item, MsgpackError, Reader, TQ_MAX_DEPTH};
@@ -286,7 +286,8 @@ fn body_entries(buf: &Bytes, pos: usize, op: Op) -> Result<Vec<(&str, usize, usi
             detail: "body is not a map".into(),
         });
     };
-    let mut out: Vec<(&str, usize, usize)> = Vec::with_capacity(n);
+    let mut out: Vec<(&str, usize, usize)> = Vec::with_capacity(n.min(64));
+    let mut seen: HashSet<&str> = HashSet::new();
     let skip = |r: &mut Reader<'_>| r.visit(TQ_MAX_DEPTH, &mut |_, _, _| Ok::<(), Error>(()));
     for _ in 0..n {
         let key_start = r.pos();
@@ -299,7 +300,7 @@ fn body_entries(buf: &Bytes, pos: usize, op: Op) -> Result<Vec<(&str, usize, usi
         let start = r.pos();
         skip(&mut r)?;
         if let Item::Str { s, .. } = key {
-            if out.iter().any(|(k, _, _)| *k == s) {
+            if !seen.insert(s) {
                 return Err(Error::Body {
                     op,
                     detail: format!("duplicate key '{s}' in body"),
@@ -508,9 +509,13 @@ fn put(buf: &Bytes, body: usize, ctx: &mut Ctx<'_>) -> Result<Request, Error> {
         return Err(Error::DataParser);
     }
     let global_indexes = u64_list(buf, gi, Op::Put, "global_indexes")?;
-    let mut seen = HashSet::with_capacity(global_indexes.len());
-    if let Some(&dup) = global_indexes.iter().find(|&&g| !seen.insert(g)) {
-        return Err(Error::DuplicateIndex(dup));
+    // Increasing indexes (the usual put) have no duplicate: one pass, no
+    // hash set (which cost about 450 ns per index at 1,000,000 indexes).
+    if !global_indexes.windows(2).all(|w| w[0] < w[1]) {
+        let mut seen = HashSet::with_capacity(global_indexes.len());
+        if let Some(&dup) = global_indexes.iter().find(|&&g| !seen.insert(g)) {
+            return Err(Error::DuplicateIndex(dup));
+        }
     }
     let mut r = Reader::bytes(buf, data);
     let Item::Map(n) = r.item()? else {
@@ -520,6 +525,7 @@ fn put(buf: &Bytes, body: usize, ctx: &mut Ctx<'_>) -> Result<Request, Error> {
         });
     };
     let mut fields: Vec<(String, Field)> = Vec::with_capacity(n);
+    let mut names: HashSet<&str> = HashSet::with_capacity(n);
     for _ in 0..n {
         let Item::Str { s: name, .. } = r.item()? else {
             return Err(Error::Body {
@@ -527,7 +533,7 @@ fn put(buf: &Bytes, body: usize, ctx: &mut Ctx<'_>) -> Result<Request, Error> {
                 detail: "a field name is not a str".into(),
             });
         };
-        if fields.iter().any(|(f, _)| f == name) {
+        if !names.insert(name) {
             return Err(Error::Body {
                 op: Op::Put,
                 detail: format!("duplicate field '{name}'"),
@@ -542,9 +548,105 @@ fn put(buf: &Bytes, body: usize, ctx: &mut Ctx<'_>) -> Result<Request, Error> {
     })
 }
 
+/// Checks the counts of a request's body against `limits` before anything
+/// is decoded: one walk over frame 0 that reads `request_type`, then the
+/// body's `global_indexes`, `data` (PUT) and `fields` (GET) headers, and
+/// skips every other value without unpickling ext payloads. Anything
+/// malformed is left to [`open`], which reports it.
+fn check_limits(frame0: &Bytes, limits: &Limits) -> Result<(), Error> {
+    if *limits == Limits::NONE {
+        return Ok(());
+    }
+    let skip = |r: &mut Reader<'_>| {
+        r.visit(TQ_MAX_DEPTH, &mut |_, _, _| Ok::<(), Error>(()))
+            .is_ok()
+    };
+    let mut r = Reader::bytes(frame0, 0);
+    let Ok(Item::Map(n)) = r.item() else {
+        return Ok(());
+    };
+    let (mut op, mut body) = (None, None);
+    for _ in 0..n {
+        let Ok(Item::Str { s: key, .. }) = r.item() else {
+            return Ok(());
+        };
+        let at = r.pos();
+        if key == "request_type"
+            && let Ok(Item::Str { s, .. }) = r.item()
+        {
+            op = match s {
+                "PUT" => Some(Op::Put),
+                "GET" => Some(Op::Get),
+                "CLEAR_DATA" => Some(Op::Clear),
+                _ => return Ok(()),
+            };
+        }
+        if key == "body" {
+            body = Some(at);
+        }
+        r.set_pos(at);
+        if !skip(&mut r) {
+            return Ok(());
+        }
+    }
+    let (Some(op), Some(body)) = (op, body) else {
+        return Ok(());
+    };
+    let mut r = Reader::bytes(frame0, body);
+    let Ok(Item::Map(n)) = r.item() else {
+        return Ok(());
+    };
+    let too_large = |what, setting, value: usize, limit| Error::TooLarge {
+        op,
+        what,
+        setting,
+        value: value as u64,
+        limit,
+    };
+    for _ in 0..n {
+        let Ok(Item::Str { s: key, .. }) = r.item() else {
+            return Ok(());
+        };
+        let at = r.pos();
+        match (key, r.item()) {
+            ("global_indexes", Ok(Item::Array(m))) if m as u64 > limits.max_rows => {
+                return Err(too_large("global_indexes", "max_rows", m, limits.max_rows));
+            }
+            ("data", Ok(Item::Map(m))) if op == Op::Put && m as u64 > limits.max_fields => {
+                return Err(too_large(
+                    "fields in 'data'",
+                    "max_fields",
+                    m,
+                    limits.max_fields,
+                ));
+            }
+            ("fields", Ok(Item::Array(m))) if op == Op::Get && m as u64 > limits.max_fields => {
+                return Err(too_large("'fields'", "max_fields", m, limits.max_fields));
+            }
+            _ => {}
+        }
+        r.set_pos(at);
+        if !skip(&mut r) {
+            return Ok(());
+        }
+    }
+    Ok(())
+}
+
 /// Decodes a request arriving at a storage unit: `frames[0]` is the envelope
 /// (the ZMQ identity already removed), `frames[1..]` the data frames.
 pub fn decode_message(frames: &[Bytes]) -> Result<Message, Error> {
+    decode_message_with(frames, &Limits::NONE)
+}
+
+/// [`decode_message`] with receiver limits: a PUT, GET or CLEAR_DATA whose
+/// global indexes or fields are over `limits` is refused
+/// ([`Error::TooLarge`]) after one walk over frame 0's msgpack, before any
+/// ext payload is unpickled or any entry decoded.
+pub fn decode_message_with(frames: &[Bytes], limits: &Limits) -> Result<Message, Error> {
+    if let Some(first) = frames.first() {
+        check_limits(first, limits)?;
+    }
     let (envelope, body, mut ctx) = open(frames)?;
     let buf = &frames[0];
     let request = match envelope.request_type.as_str() {
