@@ -186,6 +186,41 @@ pub fn build_registry(config: &Config) -> Result<Registry, StartError> {
 }
 
 /// Starts every socket of `config`.
+/// What every TransferQueue endpoint (a unit or the router) is served with.
+struct TqServing {
+    metrics: Arc<Metrics>,
+    tq_extra: bool,
+    limits: crate::wire::tq::Limits,
+    offload: Arc<offload::Offload>,
+    transport_limits: transport::Limits,
+    shutdown: watch::Receiver<bool>,
+}
+
+impl TqServing {
+    /// Binds `addr` and serves `backend` there as `id`; returns the bound
+    /// endpoint.
+    async fn spawn(
+        &self,
+        addr: &str,
+        id: &str,
+        backend: tq::Backend,
+        tasks: &mut Vec<JoinHandle<()>>,
+    ) -> Result<String, StartError> {
+        let (socket, endpoint) = transport::bind(addr).await?;
+        let service =
+            tq::TqService::new(id.to_string(), backend, self.metrics.clone(), self.tq_extra)
+                .with_limits(self.limits, self.offload.clone());
+        let serve = transport::serve_with(
+            socket,
+            service,
+            self.transport_limits,
+            self.shutdown.clone(),
+        );
+        tasks.push(tokio::spawn(serve));
+        Ok(endpoint)
+    }
+}
+
 pub async fn start(config: Config) -> Result<Running, StartError> {
     let registry = Arc::new(build_registry(&config)?);
     let plugins: Vec<String> = registry
@@ -211,6 +246,14 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         max_fields: config.limits.max_fields,
     };
     let offload = offload::Offload::new(offload::Offload::DEFAULT_CUTOFF);
+    let serving = TqServing {
+        metrics: metrics.clone(),
+        tq_extra: tq_extra_on,
+        limits: tq_limits,
+        offload: offload.clone(),
+        transport_limits,
+        shutdown: rx.clone(),
+    };
 
     let mut units = Vec::new();
     let mut unit_endpoints = Vec::new();
@@ -222,20 +265,9 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         } else {
             config.units.port_base as u32 + i
         };
-        let (socket, endpoint) = transport::bind(&format!("tcp://{host}:{port}")).await?;
-        let service = tq::TqService::new(
-            id.clone(),
-            tq::Backend::Unit(unit.clone()),
-            metrics.clone(),
-            tq_extra_on,
-        )
-        .with_limits(tq_limits, offload.clone());
-        tasks.push(tokio::spawn(transport::serve_with(
-            socket,
-            service,
-            transport_limits,
-            rx.clone(),
-        )));
+        let addr = format!("tcp://{host}:{port}");
+        let backend = tq::Backend::Unit(unit.clone());
+        let endpoint = serving.spawn(&addr, &id, backend, &mut tasks).await?;
         tracing::info!(unit = %id, %endpoint, "unit listening");
         unit_endpoints.push(UnitEndpoint { id, endpoint });
         units.push(unit);
@@ -278,21 +310,9 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
 
     let router = if config.router.enabled {
         let id = format!("TQ_STORAGE_UNIT_{:08x}", (pid << 8) ^ 0xff);
-        let (socket, endpoint) =
-            transport::bind(&format!("tcp://{host}:{}", config.router.port)).await?;
-        let service = tq::TqService::new(
-            id.clone(),
-            tq::Backend::Router(manager.clone()),
-            metrics.clone(),
-            tq_extra_on,
-        )
-        .with_limits(tq_limits, offload.clone());
-        tasks.push(tokio::spawn(transport::serve_with(
-            socket,
-            service,
-            transport_limits,
-            rx.clone(),
-        )));
+        let addr = format!("tcp://{host}:{}", config.router.port);
+        let backend = tq::Backend::Router(manager.clone());
+        let endpoint = serving.spawn(&addr, &id, backend, &mut tasks).await?;
         tracing::info!(%endpoint, units = manager.targets().len(), "router listening");
         Some(UnitEndpoint { id, endpoint })
     } else {
