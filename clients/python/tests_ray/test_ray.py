@@ -18,7 +18,7 @@ import ray
 
 import stowage
 import stowage.ray as sray
-from conftest import describe, live_children, stowd_bin, wait_gone
+from conftest import describe, live_children, stowage_wheel, stowd_bin, wait_gone
 
 N = 64
 
@@ -193,11 +193,8 @@ def test_the_wheels_stowd_runs_on_its_defaults_and_under_launch(local_ray, tmp_p
     import subprocess
     import zipfile
 
-    wheels = sorted((Path(__file__).resolve().parents[3] / "target" / "wheels").glob("stowage-*.whl"))
-    if not wheels:
-        pytest.skip("no wheel in target/wheels: run `cargo xtask wheel` first")
     site = tmp_path / "site"
-    with zipfile.ZipFile(wheels[-1]) as z:
+    with zipfile.ZipFile(stowage_wheel()) as z:
         z.extractall(site)
         for info in z.infolist():  # zipfile drops the mode bits: restore them as pip does
             mode = info.external_attr >> 16
