@@ -97,6 +97,8 @@ DEFAULT_WAIT_SECS = 60.0
 _log = logging.getLogger(__name__)
 
 try:  # TransferQueue is optional: it pulls in torch and ray.
+    import transfer_queue
+    from transfer_queue import interface as _tq_interface
     from transfer_queue.storage.bootstrap.provider import StorageBootstrapProvider
     from transfer_queue.storage.managers.base import StorageManagerFactory
     from transfer_queue.storage.managers.simple_storage_manager import AsyncSimpleStorageManager
@@ -278,24 +280,21 @@ if _TQ_IMPORT_ERROR is None:
         """Makes `transfer_queue.close` (and `transfer_queue.interface.close`)
         close this backend's storage entry first, then run TransferQueue's
         own `close()`. Idempotent."""
-        import transfer_queue
-        from transfer_queue import interface
-
-        original = interface.close
+        original = _tq_interface.close
         if getattr(original, "_stowage_wrapped", False):
             return
         names = {n.lower() for n in (BACKEND, *ALIASES)}
 
         @functools.wraps(original)
         def close():
-            storage = interface._TQ_STORAGE
+            storage = _tq_interface._TQ_STORAGE
             if storage:
                 for key in [k for k in storage if str(k).lower() in names]:
                     _close_backend(key, storage.pop(key))
             return original()
 
         close._stowage_wrapped = True  # type: ignore[attr-defined]
-        interface.close = close
+        _tq_interface.close = close
         if getattr(transfer_queue, "close", None) is original:
             transfer_queue.close = close
 
