@@ -3,10 +3,11 @@
 //! built-in's, and decision times with the answered cases apart from the
 //! declined ones (declining is cheap, so a mean over both says little).
 //!
-//! The column alignment is hand-written ([`aligned`], pad each cell to its
-//! column's widest): the workspace builds offline from its locked
-//! dependencies, none of which draws tables, and a check prints a few
-//! hundred short rows.
+//! The column alignment is hand-written ([`aligned`]: each cell padded to
+//! its column's widest, about 30 lines): none of the workspace's locked
+//! dependencies draws tables, this machine's builds cannot fetch a new crate
+//! (no crates.io access), and the widest table is the verbose check's 672
+//! short rows.
 
 use std::time::Duration;
 
