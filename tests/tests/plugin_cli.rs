@@ -4,7 +4,7 @@
 
 use std::process::Command;
 
-use stowage_tests::{hostile, plugin_dir};
+use stowage_tests::{hostile, plugin_dir, shared_cache, temp_dir};
 
 fn stowd() -> std::path::PathBuf {
     std::env::var_os("STOWD_BIN")
@@ -12,12 +12,21 @@ fn stowd() -> std::path::PathBuf {
         .unwrap_or_else(|| stowage_tests::workspace_root().join("target/debug/stowd"))
 }
 
+/// `stowd plugin check` with the tests' shared compile cache (each plugin
+/// is compiled once per test run, not once per check).
 fn check(path: &std::path::Path) -> (bool, String) {
-    let out = Command::new(stowd())
-        .args(["plugin", "check", "--fuel", "10000000"])
-        .arg(path)
-        .output()
-        .expect("run stowd plugin check");
+    check_with(path, &[])
+}
+
+fn check_with(path: &std::path::Path, extra: &[&str]) -> (bool, String) {
+    let has_cache = extra.contains(&"--cache-dir");
+    let mut cmd = Command::new(stowd());
+    cmd.args(["plugin", "check", "--fuel", "10000000"])
+        .args(extra);
+    if !has_cache {
+        cmd.arg("--cache-dir").arg(shared_cache());
+    }
+    let out = cmd.arg(path).output().expect("run stowd plugin check");
     (
         out.status.success(),
         String::from_utf8_lossy(&out.stdout).into_owned(),
@@ -67,13 +76,63 @@ fn every_hostile_plugin_fails_with_a_readable_report() {
             .find(|l| l.contains(" cases: "))
             .unwrap_or_default();
         assert!(!summary.contains(" 0 failed"), "{name}: {summary}");
+        // These fail every call: the check gives up after 16 failed cases
+        // in a row, and says how many it did not run.
+        if !["trap", "infinite-loop", "memory-bomb"].contains(&name) {
+            continue;
+        }
+        assert!(summary.starts_with("16 cases: "), "{name}: {summary}");
+        assert!(
+            report.contains("stopped after 16 failed cases in a row: ")
+                && report.contains(" cases not run (--all runs every case)"),
+            "{name}: {report}"
+        );
     }
+}
+
+#[test]
+fn plugin_check_all_runs_every_case_of_a_failing_plugin() {
+    let total = |report: &str| -> usize {
+        let summary = report.lines().find(|l| l.contains(" cases: ")).unwrap();
+        summary.split(' ').next().unwrap().parse().unwrap()
+    };
+    // A cache directory of its own (stowd creates it, private): the check
+    // compiles once and leaves one entry there.
+    let cache = temp_dir("check-cache").join("c");
+    let cache_arg = cache.to_str().unwrap();
+    let (ok, all) = check_with(&hostile("trap"), &["--all", "--cache-dir", cache_arg]);
+    let entries = std::fs::read_dir(&cache)
+        .unwrap()
+        .filter(|e| {
+            let p = e.as_ref().unwrap().path();
+            p.extension().is_some_and(|x| x == "cwasm")
+        })
+        .count();
+    assert_eq!(entries, 1, "{all}");
+    assert!(!ok, "{all}");
+    assert!(!all.contains("stopped after"), "{all}");
+    assert!(total(&all) > 100, "{all}");
+    let summary = all.lines().find(|l| l.contains(" cases: ")).unwrap();
+    assert!(
+        summary.ends_with(&format!(", {} failed", total(&all))),
+        "{summary}"
+    );
+    let (_, stopped) = check(&hostile("trap"));
+    let not_run: usize = stopped
+        .split("stopped after 16 failed cases in a row: ")
+        .nth(1)
+        .and_then(|s| s.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("{stopped}"));
+    assert_eq!(16 + not_run, total(&all), "{stopped}");
 }
 
 fn stowd_out(args: &[&str], plugin: &std::path::Path) -> String {
     let out = Command::new(stowd())
         .args(["plugin"])
         .args(args)
+        .arg("--cache-dir")
+        .arg(shared_cache())
         .arg(plugin)
         .output()
         .expect("run stowd plugin");

@@ -580,14 +580,22 @@ fn compiled_components_are_cached_and_reused() {
         second.iter().all(|r| r.result.is_ok() && r.from_cache),
         "{second:?}"
     );
-    // A corrupt cache entry is recompiled, not trusted.
-    for e in entries() {
-        std::fs::write(e, b"garbage").unwrap();
-    }
+    // A corrupt cache entry is recompiled, not trusted; the intact ones
+    // are still used (one corrupt entry: every compile costs seconds in a
+    // debug build).
+    std::fs::write(&entries()[0], b"garbage").unwrap();
     let (_, third) = load();
-    assert!(
-        third.iter().all(|r| r.result.is_ok() && !r.from_cache),
+    assert!(third.iter().all(|r| r.result.is_ok()), "{third:?}");
+    assert_eq!(
+        third.iter().filter(|r| !r.from_cache).count(),
+        1,
         "{third:?}"
+    );
+    // ... and written back whole.
+    let (_, fourth) = load();
+    assert!(
+        fourth.iter().all(|r| r.result.is_ok() && r.from_cache),
+        "{fourth:?}"
     );
     // Chains by pattern: the default chain uses the plugins.
     let d = reg

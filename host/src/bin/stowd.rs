@@ -48,6 +48,15 @@ enum PluginCommand {
         /// Fuel per call (the deadline); default: stowd's default.
         #[arg(long)]
         fuel: Option<u64>,
+        /// Run every case, even after 16 failed cases in a row (without
+        /// it, the check stops there and says how many cases it left).
+        #[arg(long)]
+        all: bool,
+        /// Reuse compiled components from, and save them to, this compile
+        /// cache (as `[plugins] cache_dir`; used only if private to this
+        /// user). Default: compile without a cache.
+        #[arg(long)]
+        cache_dir: Option<PathBuf>,
     },
     /// Decision time per call of the plugin next to the built-in's.
     Bench {
@@ -55,6 +64,9 @@ enum PluginCommand {
         /// Rounds over the suite.
         #[arg(long, default_value_t = 20)]
         rounds: u32,
+        /// As for `check`.
+        #[arg(long)]
+        cache_dir: Option<PathBuf>,
     },
     /// Plugins, versions, chains and fault counts of a running stowd.
     List {
@@ -67,20 +79,27 @@ enum PluginCommand {
 fn load_plugin(
     file: &std::path::Path,
     fuel: Option<u64>,
+    cache_dir: Option<PathBuf>,
 ) -> anyhow::Result<stowage_host::policy::wasm::WasmPolicy> {
     let mut limits = stowage_host::policy::wasm::SandboxLimits::default();
     if let Some(f) = fuel {
         limits.fuel = f;
     }
-    let registry = stowage_host::policy::registry::Registry::new(None, limits)?;
+    let registry = stowage_host::policy::registry::Registry::new(cache_dir, limits)?;
     let (policy, _) = registry.load_file(file)?;
     Ok(policy)
 }
 
-fn plugin_check(file: &std::path::Path, verbose: bool, fuel: Option<u64>) -> anyhow::Result<bool> {
+fn plugin_check(
+    file: &std::path::Path,
+    verbose: bool,
+    fuel: Option<u64>,
+    all: bool,
+    cache_dir: Option<PathBuf>,
+) -> anyhow::Result<bool> {
     use stowage_host::conformance;
     use stowage_host::policy::Policy;
-    let policy = load_plugin(file, fuel)?;
+    let policy = load_plugin(file, fuel, cache_dir)?;
     let d = policy.describe().clone();
     println!(
         "plugin {} {} ({}): {}",
@@ -89,20 +108,32 @@ fn plugin_check(file: &std::path::Path, verbose: bool, fuel: Option<u64>) -> any
         file.display(),
         d.summary
     );
-    let report = conformance::run(&policy);
+    let stop = if all {
+        conformance::Stop::Never
+    } else {
+        conformance::Stop::AfterFailuresInARow(conformance::GIVE_UP_AFTER)
+    };
+    let report = conformance::run_with(&policy, stop);
     print!("{}", conformance::check_table(&report, verbose));
     Ok(report.failures().is_empty())
 }
 
-fn plugin_bench(file: &std::path::Path, rounds: u32) -> anyhow::Result<()> {
+fn plugin_bench(
+    file: &std::path::Path,
+    rounds: u32,
+    cache_dir: Option<PathBuf>,
+) -> anyhow::Result<()> {
     use stowage_host::conformance::{self, Outcome};
-    let policy = load_plugin(file, None)?;
+    let policy = load_plugin(file, None, cache_dir)?;
     let runs: Vec<_> = (0..rounds.max(1))
-        .map(|_| conformance::run(&policy))
+        .map(|_| {
+            let stop = conformance::Stop::AfterFailuresInARow(conformance::GIVE_UP_AFTER);
+            conformance::run_with(&policy, stop)
+        })
         .collect();
     let first = &runs[0];
     println!(
-        "{} calls over {} rounds of the conformance suite ({} cases a round: {} answered, {} declined, {} failed)\n",
+        "{} calls over {} rounds of the conformance suite ({} cases a round: {} answered, {} declined, {} failed)",
         runs.iter().map(|r| r.cases.len()).sum::<usize>(),
         runs.len(),
         first.cases.len(),
@@ -110,6 +141,14 @@ fn plugin_bench(file: &std::path::Path, rounds: u32) -> anyhow::Result<()> {
         first.count(&Outcome::Declined),
         first.failures().len(),
     );
+    if first.not_run > 0 {
+        println!(
+            "each round stopped after {} failed cases in a row: {} cases not run",
+            conformance::GIVE_UP_AFTER,
+            first.not_run
+        );
+    }
+    println!();
     print!("{}", conformance::bench_table(&runs));
     Ok(())
 }
@@ -206,12 +245,18 @@ fn main() -> std::process::ExitCode {
             file,
             verbose,
             fuel,
-        }) => match plugin_check(&file, verbose, fuel) {
+            all,
+            cache_dir,
+        }) => match plugin_check(&file, verbose, fuel, all, cache_dir) {
             Ok(true) => Ok(()),
             Ok(false) => return std::process::ExitCode::FAILURE,
             Err(e) => Err(e),
         },
-        Command::Plugin(PluginCommand::Bench { file, rounds }) => plugin_bench(&file, rounds),
+        Command::Plugin(PluginCommand::Bench {
+            file,
+            rounds,
+            cache_dir,
+        }) => plugin_bench(&file, rounds, cache_dir),
         Command::Plugin(PluginCommand::List { endpoint }) => plugin_list(&endpoint),
     };
     match result {

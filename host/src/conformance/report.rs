@@ -220,6 +220,18 @@ pub fn check_table(report: &Report, verbose: bool) -> String {
         word(&Outcome::Declined),
         report.failures().len(),
     ));
+    if report.not_run > 0 {
+        out.push_str(&format!(
+            "stopped after {} failed cases in a row: {} cases not run (--all runs every case)\n",
+            report
+                .cases
+                .iter()
+                .rev()
+                .take_while(|c| matches!(c.outcome, Outcome::Failed(_)))
+                .count(),
+            report.not_run,
+        ));
+    }
     out.push_str(&format!(
         "bytes copied by the {} answered cases: plugin {}, built-in {}\n",
         answered.len(),
@@ -299,6 +311,7 @@ mod tests {
                 case("select: a longer name", Outcome::Same, 30, Some(gather)),
                 case("select: b", Outcome::Declined, 2, None),
             ],
+            not_run: 0,
         };
         let text = check_table(&report, true);
         let lines: Vec<&str> = text.lines().collect();
