@@ -78,45 +78,29 @@ mod tests;
 pub use column::{Column, NestedRow, RegularColumn};
 pub use rows::{RowRef, Rows, Run};
 
-/// Hashes a global index so that consecutive indexes land in consecutive
-/// buckets (their low 16 bits are kept as they are), while indexes that
-/// differ above bit 16 are spread by one multiplication (the constant of
-/// rustc's FxHasher).
-///
-/// Measured with `cargo bench -p stowage-host --bench unit` (131,072
-/// consecutive indexes): with a plain Fx multiply every row was a cache
-/// miss in each map, and `clear` cost 889 ns per row; keeping the low bits
-/// makes the accesses sequential. Strided indexes (every 4th, as `g % 4`
-/// routing leaves each unit) still fall in distinct buckets. Not
-/// DoS-resistant; indexes come from the cluster's own trainers.
-#[derive(Default, Clone, Copy)]
-struct IndexHasher(u64);
-
-const MIX: u64 = 0x51_7c_c1_b7_27_22_0a_95;
-
-impl std::hash::Hasher for IndexHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = (self.0.rotate_left(5) ^ u64::from(b)).wrapping_mul(MIX);
-        }
-    }
-
-    fn write_u64(&mut self, i: u64) {
-        self.0 = (self.0 ^ i).wrapping_add((i >> 16).wrapping_mul(MIX));
-    }
-}
-
-type IndexMap<V> = HashMap<u64, V, std::hash::BuildHasherDefault<IndexHasher>>;
+/// The row maps ([`IndexMap`]) live in `stowage-index`, which is
+/// optimised even in debug builds (see its crate doc).
+use stowage_index::IndexMap;
 
 /// Where a stored row is.
 #[derive(Clone, Copy, Debug)]
 struct Loc {
     column: u32,
     row: u32,
+}
+
+impl Loc {
+    /// As stored in an [`IndexMap`]: the column in the high half.
+    fn pack(self) -> u64 {
+        (u64::from(self.column) << 32) | u64::from(self.row)
+    }
+
+    fn unpack(v: u64) -> Loc {
+        Loc {
+            column: (v >> 32) as u32,
+            row: v as u32,
+        }
+    }
 }
 
 /// A stored column, the global index of each of its rows, and how many of
@@ -138,9 +122,9 @@ impl Slot {
 #[derive(Default)]
 struct Inner {
     /// Per field: global index -> row.
-    fields: HashMap<Arc<str>, IndexMap<Loc>>,
+    fields: HashMap<Arc<str>, IndexMap>,
     /// Per global index: how many fields it has.
-    present: IndexMap<u32>,
+    present: IndexMap,
     /// Columns by number; `None` is a free number (in `free`).
     columns: Vec<Option<Slot>>,
     free: Vec<u32>,
@@ -206,14 +190,9 @@ impl Inner {
             keys,
             ..
         } = self;
-        let loc = fields.get_mut(field)?.remove(&g)?;
+        let loc = Loc::unpack(fields.get_mut(field)?.remove(g)?);
         let len = release(columns, free, loc);
-        if let Some(n) = present.get_mut(&g) {
-            *n -= 1;
-            if *n == 0 {
-                present.remove(&g);
-            }
-        }
+        present.decrement(g);
         *keys -= 1;
         Some(len)
     }
@@ -312,17 +291,15 @@ impl Unit {
                 let rows = column.rows() as usize;
                 let c = add_column(columns, free, column, &global_indexes[next..next + rows]);
                 for (row, g) in global_indexes[next..next + rows].iter().enumerate() {
-                    match index.insert(
-                        *g,
-                        Loc {
-                            column: c,
-                            row: row as u32,
-                        },
-                    ) {
-                        Some(old) => freed += release(columns, free, old),
+                    let loc = Loc {
+                        column: c,
+                        row: row as u32,
+                    };
+                    match index.insert(*g, loc.pack()) {
+                        Some(old) => freed += release(columns, free, Loc::unpack(old)),
                         None => {
                             *keys += 1;
-                            *present.entry(*g).or_insert(0) += 1;
+                            present.increment(*g);
                         }
                     }
                 }
@@ -365,8 +342,8 @@ impl Unit {
             if let Some(index) = inner.fields.get(name.as_str()) {
                 freed += global_indexes
                     .iter()
-                    .filter_map(|g| index.get(g))
-                    .map(|loc| inner.row_len(*loc))
+                    .filter_map(|&g| index.get(g))
+                    .map(|loc| inner.row_len(Loc::unpack(loc)))
                     .sum::<u64>();
             }
         }
@@ -403,7 +380,7 @@ impl Unit {
             };
             // Column number in the unit -> in `rows`; requested rows mostly
             // come in runs of one column, in put order.
-            let mut numbered: IndexMap<u32> = IndexMap::default();
+            let mut numbered: HashMap<u32, u32> = HashMap::new();
             // (column in the unit, in `rows`, row) of the last row.
             let mut last: Option<(u32, u32, u32)> = None;
             for &g in global_indexes {
@@ -420,10 +397,10 @@ impl Unit {
                         continue;
                     }
                 }
-                let loc = index.get(&g).ok_or_else(|| missing(g, field))?;
+                let loc = Loc::unpack(index.get(g).ok_or_else(|| missing(g, field))?);
                 let ours = match last {
                     Some((unit_col, ours, _)) if unit_col == loc.column => ours,
-                    _ => *numbered.entry(u64::from(loc.column)).or_insert_with(|| {
+                    _ => *numbered.entry(loc.column).or_insert_with(|| {
                         let slot = inner.columns[loc.column as usize]
                             .as_ref()
                             .expect("indexed rows point at live columns");
@@ -470,13 +447,13 @@ impl Unit {
                 let mut gone = 0u64;
                 for index in fields.values_mut() {
                     for g in global_indexes {
-                        if let Some(loc) = index.remove(g) {
-                            bytes += release(columns, free, loc);
+                        if let Some(loc) = index.remove(*g) {
+                            bytes += release(columns, free, Loc::unpack(loc));
                             gone += 1;
                         }
                     }
                 }
-                for g in global_indexes {
+                for &g in global_indexes {
                     present.remove(g);
                 }
                 *keys -= gone;
@@ -520,19 +497,7 @@ impl Unit {
     }
 }
 
-/// An index that appears twice, if any: a linear scan when the indexes
-/// increase (the usual put), a hash set otherwise.
-pub fn duplicate(global_indexes: &[u64]) -> Option<u64> {
-    if global_indexes.windows(2).all(|w| w[0] < w[1]) {
-        return None;
-    }
-    let mut seen: IndexMap<()> = IndexMap::default();
-    seen.reserve(global_indexes.len());
-    global_indexes
-        .iter()
-        .copied()
-        .find(|&g| seen.insert(g, ()).is_some())
-}
+pub use stowage_index::duplicate;
 
 /// Checks a put's indexes (at least one, distinct) and row counts.
 fn check_shape(global_indexes: &[u64], fields: &[PutField]) -> Result<(), StoreError> {
