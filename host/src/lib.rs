@@ -24,9 +24,10 @@
 //! | crate | path | what it holds | depends on |
 //! |---|---|---|---|
 //! | `stowage-plan` | `plan/` | plan types, the plan rules, one message per rule | nothing |
+//! | `stowage-index` | `index/` | the units' row maps (global index -> u64), optimised even in debug builds | nothing |
 //! | `stowage-wire` | `wire/` | the codecs and the data they carry | `bytes`, `rmp`, `thiserror` |
 //! | `stowage-transport` | `transport/` | ZeroMQ (ZMTP 3.0), limits, receive pool | tokio |
-//! | `stowage-host` | `host/` | this crate, and the `stowd` binary (`src/bin/stowd.rs`) | the three above, wasmtime |
+//! | `stowage-host` | `host/` | this crate, and the `stowd` binary (`src/bin/stowd.rs`) | the four above, wasmtime |
 //! | `stowage-guest` | `guest-sdk/` | the policy SDK: traits, `export_policy!`, the test harness | `stowage-plan`, wit-bindgen |
 //! | `stowage-tests` | `tests/` | integration tests (one binary), the `stowload` load program | `stowage-host` |
 //! | `stowage-fuzz-checks` | `fuzz/checks/` | the fuzz targets' bodies, run over the corpora by the tests | the host crates |
