@@ -450,6 +450,36 @@ fn bad_replies_are_refused() {
     assert!(matches!(err, Error::DuplicateKey { .. }), "{err}");
     let err = decode_reply(&frames_with(hand_put(), &[16]), &Limits::default()).unwrap_err();
     assert_eq!(err, Error::UnknownOp("put".into()));
+    let nested = Stat::Map(vec![("a".into(), Stat::Int(1)), ("a".into(), Stat::Int(2))]);
+    let stats = Reply::StatsOk(vec![("plugin.x".into(), nested)]);
+    let err = decode_reply(&encode_reply(1, &stats).unwrap(), &Limits::default()).unwrap_err();
+    assert!(matches!(err, Error::DuplicateKey { .. }), "{err}");
+}
+
+#[test]
+fn stats_nesting_is_bounded() {
+    let deep = |levels: usize| {
+        let mut v = Stat::Int(1);
+        for _ in 0..levels {
+            v = Stat::List(vec![v]);
+        }
+        Reply::StatsOk(vec![("x".into(), v)])
+    };
+    let ok = deep(STATS_MAX_DEPTH);
+    let frames = encode_reply(1, &ok).unwrap();
+    assert_eq!(decode_reply(&frames, &Limits::default()).unwrap(), (1, ok));
+    let err = decode_reply(
+        &encode_reply(1, &deep(STATS_MAX_DEPTH + 1)).unwrap(),
+        &Limits::default(),
+    )
+    .unwrap_err();
+    assert!(matches!(err, Error::Malformed { .. }), "{err}");
+    // A nil or bin value is not a stat.
+    for value in [M::Raw(vec![0xc0]), M::Raw(vec![0xc4, 1, 0])] {
+        let env = envelope("stats_ok", M::Map(vec![("x", value)]));
+        let err = decode_reply(&[env.bytes()], &Limits::default()).unwrap_err();
+        assert!(matches!(err, Error::WrongType { .. }), "{err}");
+    }
 }
 
 #[test]
