@@ -533,7 +533,29 @@ fn mangled_messages_never_panic() {
         ]),
     )
     .unwrap();
-    for base in [frames, reply] {
+    let nested = encode_reply(
+        3,
+        &Reply::StatsOk(vec![
+            ("rows".into(), Stat::Int(4)),
+            (
+                "plugin.runs".into(),
+                Stat::Map(vec![
+                    ("version".into(), Stat::Str("0.1.0".into())),
+                    ("capabilities".into(), Stat::strs(&["select"])),
+                    ("disabled".into(), Stat::Bool(false)),
+                ]),
+            ),
+            (
+                "deep".into(),
+                Stat::List(vec![Stat::List(vec![Stat::Map(vec![(
+                    "k".into(),
+                    Stat::Float(0.5),
+                )])])]),
+            ),
+        ]),
+    )
+    .unwrap();
+    for base in [frames, reply, nested] {
         let env = base[0].to_vec();
         for cut in 0..env.len() {
             let mut f = base.clone();
@@ -555,7 +577,9 @@ fn mangled_messages_never_panic() {
                 encode_request(&req).unwrap();
             }
             if let Ok((id, reply)) = decode_reply(&f, &Limits::default()) {
-                encode_reply(id, &reply).unwrap();
+                let again = encode_reply(id, &reply).unwrap();
+                let (_, back) = decode_reply(&again, &Limits::default()).unwrap();
+                assert_eq!(format!("{back:?}"), format!("{reply:?}"));
             }
         }
     }
