@@ -5,9 +5,15 @@
 //! decline (`not-applicable`, `invalid-input`); a plan it answers must pass
 //! validation and select exactly the built-in's rows, byte for byte. A
 //! trap, timeout, memory cap or `failed` is a failure. Packing plans must
-//! pass frame validation. Decision times are measured per call.
+//! pass frame validation. Decision times are measured per call, and each
+//! answered case keeps the shape of the plugin's plan and of the built-in's
+//! (pieces by kind, bytes copied): [`report`] prints them.
 
 use std::time::{Duration, Instant};
+
+mod report;
+
+pub use report::{Shape, bench_table, check_table};
 
 use bytes::Bytes;
 
@@ -35,26 +41,41 @@ pub enum Outcome {
     Failed(String),
 }
 
+/// One case of a run.
+#[derive(Debug, Clone)]
+pub struct CaseResult {
+    /// `select: ...` or `pack: ...`.
+    pub name: String,
+    pub outcome: Outcome,
+    /// The plugin's decision time.
+    pub plugin_time: Duration,
+    /// The built-in's decision time on the same input.
+    pub builtin_time: Duration,
+    /// The plugin's plan, when it answered with a valid one.
+    pub plugin_plan: Option<Shape>,
+    /// The built-in's plan for the same input (`None` where it declines,
+    /// as for no positions).
+    pub builtin_plan: Option<Shape>,
+}
+
 /// The result of a whole run.
 #[derive(Debug, Default)]
 pub struct Report {
-    pub results: Vec<(String, Outcome)>,
-    pub plugin_times: Vec<Duration>,
-    pub builtin_times: Vec<Duration>,
+    pub cases: Vec<CaseResult>,
 }
 
 impl Report {
-    pub fn failures(&self) -> Vec<&(String, Outcome)> {
-        self.results
+    pub fn failures(&self) -> Vec<&CaseResult> {
+        self.cases
             .iter()
-            .filter(|(_, o)| matches!(o, Outcome::Failed(_)))
+            .filter(|c| matches!(c.outcome, Outcome::Failed(_)))
             .collect()
     }
 
     pub fn count(&self, want: &Outcome) -> usize {
-        self.results
+        self.cases
             .iter()
-            .filter(|(_, o)| std::mem::discriminant(o) == std::mem::discriminant(want))
+            .filter(|c| std::mem::discriminant(&c.outcome) == std::mem::discriminant(want))
             .count()
     }
 }
@@ -232,18 +253,35 @@ fn rows_of(selected: &[Selected]) -> Vec<Bytes> {
     out
 }
 
-fn check_selection(policy: &dyn Policy, case: &Case, report: &mut Report) -> Outcome {
+fn check_selection(policy: &dyn Policy, case: &Case) -> CaseResult {
     let t = Instant::now();
     let answer = policy.select(&case.field, &case.positions);
-    report.plugin_times.push(t.elapsed());
+    let plugin_time = t.elapsed();
     let t = Instant::now();
     let expected = Builtin::plan(&case.field, &case.positions);
-    report.builtin_times.push(t.elapsed());
-    match answer {
+    let builtin_time = t.elapsed();
+    let mut result = CaseResult {
+        name: format!("select: {}", case.name),
+        outcome: Outcome::Same,
+        plugin_time,
+        builtin_time,
+        plugin_plan: None,
+        builtin_plan: None,
+    };
+    // The built-in's rows and plan shape (`None` where it declines).
+    let expected = expected.ok().map(|p| {
+        plan::execute_selection(&case.field, &p).map(|s| (rows_of(&s), Shape::of_selection(&p, &s)))
+    });
+    result.builtin_plan = expected
+        .as_ref()
+        .and_then(|r| r.as_ref().ok())
+        .map(|(_, shape)| shape.clone());
+    result.outcome = match answer {
         Err(PolicyError::NotApplicable | PolicyError::InvalidInput(_)) => Outcome::Declined,
         Err(e) => Outcome::Failed(e.to_string()),
         Ok(plan) if case.positions.is_empty() => {
             if plan.pieces.is_empty() {
+                result.plugin_plan = Some(Shape::of_selection(&plan, &[]));
                 Outcome::Same
             } else {
                 Outcome::Failed(format!(
@@ -254,21 +292,60 @@ fn check_selection(policy: &dyn Policy, case: &Case, report: &mut Report) -> Out
         }
         Ok(plan) => {
             if let Err(e) = plan::validate_selection(&case.field, &case.positions, &plan) {
-                return Outcome::Failed(format!("invalid plan: {e}"));
+                return CaseResult {
+                    outcome: Outcome::Failed(format!("invalid plan: {e}")),
+                    ..result
+                };
             }
-            let Ok(expected) = expected else {
-                return Outcome::Failed("the built-in refused the case".into());
-            };
-            let got = plan::execute_selection(&case.field, &plan).map(|s| rows_of(&s));
-            let want = plan::execute_selection(&case.field, &expected).map(|s| rows_of(&s));
-            match (got, want) {
-                (Ok(g), Ok(w)) if g == w => Outcome::Same,
-                (Ok(_), Ok(_)) => {
+            match (plan::execute_selection(&case.field, &plan), expected) {
+                (_, None) => Outcome::Failed("the built-in refused the case".into()),
+                (Err(e), _) | (_, Some(Err(e))) => {
+                    Outcome::Failed(format!("execution failed: {e}"))
+                }
+                (Ok(got), Some(Ok((want, _)))) if rows_of(&got) == want => {
+                    result.plugin_plan = Some(Shape::of_selection(&plan, &got));
+                    Outcome::Same
+                }
+                (Ok(_), Some(Ok(_))) => {
                     Outcome::Failed("selected rows differ from the built-in's".into())
                 }
-                (Err(e), _) | (_, Err(e)) => Outcome::Failed(format!("execution failed: {e}")),
             }
         }
+    };
+    result
+}
+
+fn check_packing(
+    policy: &dyn Policy,
+    name: &str,
+    pieces: &[PieceInfo],
+    limits: &PackLimits,
+) -> CaseResult {
+    let t = Instant::now();
+    let answer = policy.pack(pieces, limits);
+    let plugin_time = t.elapsed();
+    let t = Instant::now();
+    let builtin = Builtin::frames(pieces, limits);
+    let builtin_time = t.elapsed();
+    let mut plugin_plan = None;
+    let outcome = match answer {
+        Err(PolicyError::NotApplicable | PolicyError::InvalidInput(_)) => Outcome::Declined,
+        Err(e) => Outcome::Failed(e.to_string()),
+        Ok(plan) => match plan::validate_frames(pieces, limits, &plan) {
+            Ok(()) => {
+                plugin_plan = Some(Shape::of_frames(&plan, pieces));
+                Outcome::Same
+            }
+            Err(e) => Outcome::Failed(format!("invalid frame plan: {e}")),
+        },
+    };
+    CaseResult {
+        name: format!("pack: {name}"),
+        outcome,
+        plugin_time,
+        builtin_time,
+        plugin_plan,
+        builtin_plan: builtin.ok().map(|p| Shape::of_frames(&p, pieces)),
     }
 }
 
@@ -290,9 +367,12 @@ pub struct Refusal {
 /// a plugin must pass before hot reload makes it live.
 pub fn verify(policy: &dyn Policy) -> Result<usize, Refusal> {
     let report = run_until(policy, true);
-    match report.failures().first() {
-        None => Ok(report.results.len()),
-        Some((name, Outcome::Failed(why))) => {
+    let Some(failed) = report.failures().first().copied() else {
+        return Ok(report.cases.len());
+    };
+    let name = &failed.name;
+    match &failed.outcome {
+        Outcome::Failed(why) => {
             // One line: a trap's text spans a backtrace and a cause.
             let mut line = why.split_whitespace().collect::<Vec<_>>().join(" ");
             if line.len() > 400 {
@@ -308,7 +388,7 @@ pub fn verify(policy: &dyn Policy) -> Result<usize, Refusal> {
                 why: Some(line),
             })
         }
-        Some((name, _)) => Err(Refusal {
+        _ => Err(Refusal {
             case: name.clone(),
             why: None,
         }),
@@ -318,14 +398,13 @@ pub fn verify(policy: &dyn Policy) -> Result<usize, Refusal> {
 fn run_until(policy: &dyn Policy, stop_at_failure: bool) -> Report {
     let mut report = Report::default();
     let caps = &policy.describe().capabilities;
-    let failed =
-        |r: &Report| stop_at_failure && matches!(r.results.last(), Some((_, Outcome::Failed(_))));
+    let failed = |r: &Report| {
+        stop_at_failure
+            && matches!(r.cases.last(), Some(c) if matches!(c.outcome, Outcome::Failed(_)))
+    };
     if caps.contains(&Capability::Selection) {
         for case in selection_cases() {
-            let outcome = check_selection(policy, &case, &mut report);
-            report
-                .results
-                .push((format!("select: {}", case.name), outcome));
+            report.cases.push(check_selection(policy, &case));
             if failed(&report) {
                 return report;
             }
@@ -333,21 +412,9 @@ fn run_until(policy: &dyn Policy, stop_at_failure: bool) -> Report {
     }
     if caps.contains(&Capability::Packing) {
         for (name, pieces, limits) in packing_cases() {
-            let t = Instant::now();
-            let answer = policy.pack(&pieces, &limits);
-            report.plugin_times.push(t.elapsed());
-            let t = Instant::now();
-            let _ = Builtin::frames(&pieces, &limits);
-            report.builtin_times.push(t.elapsed());
-            let outcome = match answer {
-                Err(PolicyError::NotApplicable | PolicyError::InvalidInput(_)) => Outcome::Declined,
-                Err(e) => Outcome::Failed(e.to_string()),
-                Ok(plan) => match plan::validate_frames(&pieces, &limits, &plan) {
-                    Ok(()) => Outcome::Same,
-                    Err(e) => Outcome::Failed(format!("invalid frame plan: {e}")),
-                },
-            };
-            report.results.push((format!("pack: {name}"), outcome));
+            report
+                .cases
+                .push(check_packing(policy, &name, &pieces, &limits));
             if failed(&report) {
                 return report;
             }
@@ -375,14 +442,19 @@ mod tests {
     fn the_builtin_passes_its_own_suite() {
         let report = run(&Builtin::default());
         assert!(report.failures().is_empty(), "{:?}", report.failures());
-        assert!(report.results.len() > 200, "{} cases", report.results.len());
+        assert!(report.cases.len() > 200, "{} cases", report.cases.len());
         assert_eq!(
             report.count(&Outcome::Declined),
             report
-                .results
+                .cases
                 .iter()
-                .filter(|(n, _)| n.contains("/ empty"))
+                .filter(|c| c.name.contains("/ empty"))
                 .count()
         );
+        // Every answered case has its plan's shape, the same as the built-in's.
+        for c in report.cases.iter().filter(|c| c.outcome == Outcome::Same) {
+            assert!(c.plugin_plan.is_some(), "{}", c.name);
+            assert_eq!(c.plugin_plan, c.builtin_plan, "{}", c.name);
+        }
     }
 }

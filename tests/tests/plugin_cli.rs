@@ -69,3 +69,195 @@ fn every_hostile_plugin_fails_with_a_readable_report() {
         assert!(!summary.contains(" 0 failed"), "{name}: {summary}");
     }
 }
+
+fn stowd_out(args: &[&str], plugin: &std::path::Path) -> String {
+    let out = Command::new(stowd())
+        .args(["plugin"])
+        .args(args)
+        .arg(plugin)
+        .output()
+        .expect("run stowd plugin");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "stowd plugin {args:?} failed:\n{text}"
+    );
+    text
+}
+
+/// Cells of a line of an aligned table (columns are two or more spaces apart).
+fn cells(line: &str) -> Vec<String> {
+    line.split("  ")
+        .map(str::trim)
+        .filter(|c| !c.is_empty())
+        .map(String::from)
+        .collect()
+}
+
+/// The number before `word` in the check's summary line.
+fn summary_count(report: &str, word: &str) -> usize {
+    let summary = report
+        .lines()
+        .find(|l| l.contains(" cases: "))
+        .unwrap_or_else(|| panic!("no summary in:\n{report}"));
+    let words: Vec<&str> = summary
+        .split([' ', ','])
+        .filter(|w| !w.is_empty())
+        .collect();
+    let i = words
+        .iter()
+        .position(|w| *w == word)
+        .unwrap_or_else(|| panic!("no {word:?} in {summary:?}"));
+    words[i - 1].parse().unwrap()
+}
+
+#[test]
+fn check_verbose_shows_each_answered_plan_and_its_bytes_next_to_the_builtins() {
+    let plugin = |name: &str| plugin_dir().join(format!("{name}.wasm"));
+    let mut reports = std::collections::HashMap::new();
+    for name in ["gather", "runs", "coalesce", "nested-pack", "single-row"] {
+        let report = stowd_out(&["check", "--verbose"], &plugin(name));
+        let report: &str = reports.entry(name).or_insert(report);
+        let lines: Vec<&str> = report.lines().collect();
+        let header = lines[1];
+        assert_eq!(
+            cells(header),
+            [
+                "result",
+                "case",
+                "plugin plan",
+                "copied B",
+                "built-in plan",
+                "copied B"
+            ],
+            "{name}:\n{report}"
+        );
+        let plan_col = header.find("plugin plan").unwrap();
+        let rows: Vec<&str> = lines[2..]
+            .iter()
+            .take_while(|l| !l.is_empty())
+            .copied()
+            .collect();
+        let (mut ok, mut declined, mut copied, mut builtin_copied) = (0, 0, 0u64, 0u64);
+        for row in &rows {
+            let c = cells(row);
+            assert_eq!(c.len(), 6, "{name}: {row:?}");
+            // One word per outcome, the summary's: no "skip".
+            match c[0].as_str() {
+                "ok" => {
+                    ok += 1;
+                    assert!(
+                        c[2].contains(" piece") || c[2].contains(" frame"),
+                        "{row:?}"
+                    );
+                    copied += c[3].parse::<u64>().unwrap();
+                    builtin_copied += c[5].parse::<u64>().unwrap_or(0);
+                }
+                "declined" => {
+                    declined += 1;
+                    assert_eq!((c[2].as_str(), c[3].as_str()), ("-", "-"), "{row:?}");
+                }
+                other => panic!("{name}: unexpected result {other:?} in {row:?}"),
+            }
+            // Aligned: the plan column starts at the header's column.
+            assert_eq!(&row[plan_col - 2..plan_col], "  ", "{name}: {row:?}");
+            assert_ne!(&row[plan_col..plan_col + 1], " ", "{name}: {row:?}");
+        }
+        assert!(!report.contains("skip"), "{name}:\n{report}");
+        assert_eq!(ok, summary_count(report, "ok"), "{name}");
+        assert_eq!(declined, summary_count(report, "declined"), "{name}");
+        assert_eq!(ok + declined, rows.len());
+        assert!(
+            report.contains(&format!(
+                "bytes copied by the {ok} answered cases: plugin {copied}, built-in {builtin_copied}"
+            )),
+            "{name}:\n{report}"
+        );
+    }
+
+    // Known plans, each next to the built-in's.
+    let row = |name: &str, case: &str| {
+        let report = &reports[name];
+        let line = report
+            .lines()
+            .find(|l| l.contains(&format!("  {case}  ")))
+            .unwrap_or_else(|| panic!("{name}: no case {case:?}:\n{report}"));
+        cells(line)
+    };
+    let case = "select: regular float32 [8, 2] / single-first (1 positions)";
+    assert_eq!(
+        row("gather", case)[2..],
+        ["1 piece: gather", "8", "1 piece: view", "0"]
+    );
+    let case = "select: regular float32 [8, 2] / runs (4 positions)";
+    assert_eq!(
+        row("runs", case)[2..],
+        ["2 pieces: 2 view", "0", "1 piece: gather", "32"]
+    );
+    let case = "select: regular float32 [8, 2] / negative-stride (8 positions)";
+    assert_eq!(
+        row("runs", case),
+        ["declined", case, "-", "-", "1 piece: gather", "64"]
+    );
+    assert_eq!(
+        row("coalesce", "pack: mixed")[2..],
+        [
+            "4 frames: 1 coalesced + 3 single",
+            "55296",
+            "104 frames: 104 single",
+            "4096"
+        ]
+    );
+}
+
+#[test]
+fn bench_times_answered_cases_apart_from_declined_ones() {
+    for name in ["runs", "coalesce"] {
+        let path = plugin_dir().join(format!("{name}.wasm"));
+        let check = stowd_out(&["check"], &path);
+        let (ok, declined) = (
+            summary_count(&check, "ok"),
+            summary_count(&check, "declined"),
+        );
+        let bench = stowd_out(&["bench", "--rounds", "2"], &path);
+        assert!(
+            bench.contains(&format!(
+                "{} calls over 2 rounds of the conformance suite ({} cases a round: {ok} answered, {declined} declined, 0 failed)",
+                2 * (ok + declined),
+                ok + declined
+            )),
+            "{name}:\n{bench}"
+        );
+        let lines: Vec<&str> = bench.lines().collect();
+        let header = lines
+            .iter()
+            .position(|l| l.starts_with("decision time (us)"))
+            .unwrap();
+        assert_eq!(
+            cells(lines[header]),
+            ["decision time (us)", "calls", "p50", "p90", "p99", "max"]
+        );
+        let table: Vec<Vec<String>> = lines[header + 1..].iter().map(|l| cells(l)).collect();
+        let labels: Vec<&str> = table.iter().map(|r| r[0].as_str()).collect();
+        assert_eq!(
+            labels,
+            [
+                "plugin, answered cases",
+                "built-in, same cases",
+                "plugin, declined cases",
+                "built-in, same cases"
+            ],
+            "{name}:\n{bench}"
+        );
+        for (row, calls) in table.iter().zip([ok, ok, declined, declined]) {
+            assert_eq!(row[1], (2 * calls).to_string(), "{name}: {row:?}");
+            if calls == 0 {
+                assert_eq!(row[2..], ["-", "-", "-", "-"], "{name}: {row:?}");
+                continue;
+            }
+            let p: Vec<f64> = row[2..].iter().map(|v| v.parse().unwrap()).collect();
+            assert!(p.windows(2).all(|w| w[0] <= w[1]), "{name}: {row:?}");
+            assert!(p[0] > 0.0, "{name}: {row:?}");
+        }
+    }
+}

@@ -59,13 +59,27 @@ tensor per row: a numpy array per row, tensors inside a dict or list, tensors
 mixed with None (stowd answers PUT_ERROR "... not supported by stowd" and
 stores nothing; TransferQueue raises RuntimeError).
 
+`tq.close()` closes the client (its sockets to stowd) and the backend
+entry `tq.init()` made, as for TransferQueue's own backends. stowd and the
+rows in it stay: TransferQueue did not start stowd, so it does not stop it
+(`stowage.ray`'s `stowd.shutdown()`, or however stowd was started, does).
+transferqueue 0.1.11 stops storage in `transfer_queue.interface.close()`
+with one branch per built-in backend name and a warning for any other
+("close for _TQ_STORAGE with key Stowage is not supported for now"); it has
+no registry for it. So `register()` wraps `transfer_queue.close` (and
+`transfer_queue.interface.close`) once: the wrapper takes this backend's
+entry out of TransferQueue's storage table, closes it (`_close_backend`) and
+calls TransferQueue's own `close()` for the rest.
+
 This module imports without transfer_queue installed; `StowageStorageManager`
 and `register()` then raise ImportError.
 """
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
 import os
 import time
 from collections.abc import Mapping
@@ -80,7 +94,11 @@ ALIASES = ("StowageStorageManager",)
 
 DEFAULT_WAIT_SECS = 60.0
 
+_log = logging.getLogger(__name__)
+
 try:  # TransferQueue is optional: it pulls in torch and ray.
+    import transfer_queue
+    from transfer_queue import interface as _tq_interface
     from transfer_queue.storage.bootstrap.provider import StorageBootstrapProvider
     from transfer_queue.storage.managers.base import StorageManagerFactory
     from transfer_queue.storage.managers.simple_storage_manager import AsyncSimpleStorageManager
@@ -251,6 +269,35 @@ if _TQ_IMPORT_ERROR is None:
         is created."""
         return {}
 
+    def _close_backend(name: str, resources) -> None:
+        """`tq.close()` for this backend's entry: `_bootstrap` started
+        nothing, so there is nothing to stop (the client's sockets to stowd
+        are closed by TransferQueue's client close)."""
+        _log.debug("tq.close(): backend %s: nothing to stop (stowd runs outside TransferQueue): %r",
+                   name, resources)
+
+    def _wrap_close() -> None:
+        """Makes `transfer_queue.close` (and `transfer_queue.interface.close`)
+        close this backend's storage entry first, then run TransferQueue's
+        own `close()`. Idempotent."""
+        original = _tq_interface.close
+        if getattr(original, "_stowage_wrapped", False):
+            return
+        names = {n.lower() for n in (BACKEND, *ALIASES)}
+
+        @functools.wraps(original)
+        def close():
+            storage = _tq_interface._TQ_STORAGE
+            if storage:
+                for key in [k for k in storage if str(k).lower() in names]:
+                    _close_backend(key, storage.pop(key))
+            return original()
+
+        close._stowage_wrapped = True  # type: ignore[attr-defined]
+        _tq_interface.close = close
+        if getattr(transfer_queue, "close", None) is original:
+            transfer_queue.close = close
+
 else:  # pragma: no cover - exercised only without transfer_queue
 
     class StowageStorageManager:  # type: ignore[no-redef]
@@ -265,7 +312,8 @@ _registered = False
 
 def register() -> None:
     """Register the adapter with TransferQueue (idempotent; done on import when
-    transfer_queue is installed). Usable as Ray's `worker_process_setup_hook`."""
+    transfer_queue is installed), and make `tq.close()` close its backend
+    (see the module doc). Usable as Ray's `worker_process_setup_hook`."""
     global _registered
     _require_tq()
     if _registered:
@@ -273,6 +321,7 @@ def register() -> None:
     for name in (BACKEND, *ALIASES):
         StorageManagerFactory.register(name)(StowageStorageManager)
         StorageBootstrapProvider.register_provider(name)(_bootstrap)
+    _wrap_close()
     _registered = True
 
 

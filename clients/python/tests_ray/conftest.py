@@ -42,13 +42,33 @@ RAY_CPUS = 1
 OBJECT_STORE_BYTES = 200 * 2**20
 
 
+def target_dir() -> Path:
+    """Cargo's target directory: $CARGO_TARGET_DIR (relative to the repository
+    root, where the README runs cargo), else <repo>/target."""
+    return REPO / os.environ.get("CARGO_TARGET_DIR", "target")
+
+
 def stowd_bin() -> Path:
-    """$STOWD_BIN, else <repo>/target/debug/stowd."""
-    path = Path(os.environ.get("STOWD_BIN") or REPO / "target" / "debug" / "stowd")
+    """$STOWD_BIN, else <target>/debug/stowd."""
+    path = Path(os.environ.get("STOWD_BIN") or target_dir() / "debug" / "stowd")
     if not path.is_file():
         pytest.fail(f"stowd not found at {path}: cargo build -p stowage-host --bin stowd (and cargo xtask plugins), "
                     "or set STOWD_BIN", pytrace=False)
     return path
+
+
+def stowage_wheel() -> Path:
+    """$STOWAGE_WHEEL, else the newest stowage-*.whl in <target>/wheels (what
+    `cargo xtask wheel` writes). A missing wheel fails the test: the README's
+    steps build it."""
+    explicit = os.environ.get("STOWAGE_WHEEL")
+    wheels = [Path(explicit)] if explicit else sorted((target_dir() / "wheels").glob("stowage-*.whl"),
+                                                      key=lambda p: p.stat().st_mtime)
+    if not wheels or not wheels[-1].is_file():
+        where = explicit or target_dir() / "wheels"
+        pytest.fail(f"no stowage wheel at {where}: run `cargo xtask wheel --debug` first "
+                    "(see clients/python/tests_ray/README.md), or set STOWAGE_WHEEL", pytrace=False)
+    return wheels[-1]
 
 
 def live_children() -> list:
@@ -92,10 +112,29 @@ def wait_gone(pids, timeout: float = 15.0) -> list[int]:
 
 @pytest.fixture(scope="module")
 def ray_temp_dir():
+    """A fresh directory for all of the module's Ray files, as `RAY_TMPDIR`
+    too. Ray 2.60 writes some files under its default directory,
+    `$RAY_TMPDIR/ray` (`/tmp/ray` when unset), whatever `temp_dir` a node was
+    given: `Cluster` writes `ray_current_cluster` there, which fails on a
+    machine without `/tmp/ray`. With `RAY_TMPDIR` set, the default directory
+    is `<this>/ray`, so pass that as the nodes' `temp_dir` (see `ray_dir`)."""
     # Short: Ray's unix socket paths must fit in 107 bytes.
     d = tempfile.mkdtemp(prefix="strt-", dir="/tmp")
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
+    before = os.environ.get("RAY_TMPDIR")
+    os.environ["RAY_TMPDIR"] = d
+    try:
+        yield d
+    finally:
+        if before is None:
+            os.environ.pop("RAY_TMPDIR", None)
+        else:
+            os.environ["RAY_TMPDIR"] = before
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def ray_dir(temp: str) -> str:
+    """Ray's default directory under `ray_temp_dir`: the `temp_dir` to give every node."""
+    return os.path.join(temp, "ray")
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +148,7 @@ def local_ray(ray_temp_dir):
         num_cpus=RAY_CPUS,
         object_store_memory=OBJECT_STORE_BYTES,
         include_dashboard=False,
-        _temp_dir=ray_temp_dir,
+        _temp_dir=ray_dir(ray_temp_dir),
         log_to_driver=True,
     )
     print(f"\nray.init: {time.monotonic() - t0:.1f} s")

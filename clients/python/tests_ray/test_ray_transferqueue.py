@@ -7,6 +7,7 @@ venv of ../tests_optin, see README.md here)."""
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 
@@ -18,7 +19,7 @@ tq = pytest.importorskip("transfer_queue", reason="transfer_queue not installed 
 
 import stowage.ray as sray  # noqa: E402
 import stowage.transferqueue  # noqa: E402,F401  (registers the "Stowage" backend in this process)
-from conftest import OBJECT_STORE_BYTES, describe, live_children, stowd_bin, wait_gone  # noqa: E402
+from conftest import OBJECT_STORE_BYTES, describe, live_children, ray_dir, stowd_bin, wait_gone  # noqa: E402
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -34,7 +35,7 @@ def tq_ray(ray_temp_dir):
         num_cpus=1,  # TransferQueue's controller takes it; the tasks below ask for none
         object_store_memory=OBJECT_STORE_BYTES,
         include_dashboard=False,
-        _temp_dir=ray_temp_dir,
+        _temp_dir=ray_dir(ray_temp_dir),
         # Every worker registers the backend (the factory registry is per process).
         runtime_env={"worker_process_setup_hook": "stowage.transferqueue.register"},
     )
@@ -96,6 +97,28 @@ def test_transferqueue_on_ray_uses_the_launched_units(tq_ray, tmp_path):
         infos = stowage.transferqueue.resolve_zmq_info(h.transferqueue_config("router")["Stowage"])
         (info,) = infos.values()
         assert f"tcp://{info.ip}:{info.ports['put_get_socket']}" == h.local().router
+
+        # tq.close() closes the Stowage backend as TransferQueue's own: no
+        # "not supported" warning, its storage table and client gone; stowd
+        # (started outside TransferQueue) keeps serving the rows.
+        from transfer_queue import interface
+
+        assert interface._TQ_STORAGE == {"Stowage": {}}
+        records: list[logging.LogRecord] = []
+        handler = logging.Handler(logging.DEBUG)
+        handler.emit = records.append  # type: ignore[method-assign]
+        tq_log = logging.getLogger("transfer_queue.interface")
+        tq_log.addHandler(handler)
+        try:
+            tq.close()
+        finally:
+            tq_log.removeHandler(handler)
+        said = [r.getMessage() for r in records]
+        assert not [m for m in said if "not supported" in m or "Stowage" in m], said
+        assert interface._TQ_STORAGE is None and interface._TQ_CLIENT is None
+        assert interface._TQ_CONTROLLER is None
+        with h.client(same_node=False) as c:
+            assert c.stats()["keys"] == 2 * N
     finally:
-        tq.close()
+        tq.close()  # idempotent
         h.shutdown()

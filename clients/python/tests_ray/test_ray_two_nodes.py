@@ -18,7 +18,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 import stowage
 import stowage.ray as sray
-from conftest import OBJECT_STORE_BYTES, describe, live_children, stowd_bin, wait_gone
+from conftest import OBJECT_STORE_BYTES, describe, live_children, ray_dir, stowd_bin, wait_gone
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -34,10 +34,14 @@ def two_nodes(ray_temp_dir):
     cluster = Cluster(
         initialize_head=True,
         head_node_args={"num_cpus": 1, "object_store_memory": OBJECT_STORE_BYTES, "include_dashboard": False,
-                        "node_ip_address": "127.0.0.1", "temp_dir": ray_temp_dir},
+                        "node_ip_address": "127.0.0.1", "temp_dir": ray_dir(ray_temp_dir)},
     )
     try:
-        cluster.add_node(num_cpus=1, object_store_memory=OBJECT_STORE_BYTES, node_ip_address="127.0.0.1")
+        # Both raylets under the module's directory; Cluster also writes its
+        # address file there (`$RAY_TMPDIR/ray`, set by `ray_temp_dir`).
+        assert os.path.isfile(os.path.join(ray_dir(ray_temp_dir), "ray_current_cluster"))
+        cluster.add_node(num_cpus=1, object_store_memory=OBJECT_STORE_BYTES, node_ip_address="127.0.0.1",
+                         temp_dir=ray_dir(ray_temp_dir))
         ray.init(address=cluster.address)
         cluster.wait_for_nodes()
         print(f"\ntwo-node cluster: {time.monotonic() - t0:.1f} s")

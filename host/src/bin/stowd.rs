@@ -79,7 +79,7 @@ fn load_plugin(
 }
 
 fn plugin_check(file: &std::path::Path, verbose: bool, fuel: Option<u64>) -> anyhow::Result<bool> {
-    use stowage_host::conformance::{self, Outcome};
+    use stowage_host::conformance;
     use stowage_host::policy::Policy;
     let policy = load_plugin(file, fuel)?;
     let d = policy.describe().clone();
@@ -91,67 +91,27 @@ fn plugin_check(file: &std::path::Path, verbose: bool, fuel: Option<u64>) -> any
         d.summary
     );
     let report = conformance::run(&policy);
-    for (name, outcome) in &report.results {
-        match outcome {
-            Outcome::Failed(why) => {
-                println!("FAIL  {name}: {}", why.lines().next().unwrap_or_default())
-            }
-            other if verbose => println!(
-                "{:<5} {name}",
-                if *other == Outcome::Same {
-                    "ok"
-                } else {
-                    "skip"
-                }
-            ),
-            _ => {}
-        }
-    }
-    let failed = report.failures().len();
-    println!(
-        "\n{} cases: {} same as the built-in, {} declined, {} failed",
-        report.results.len(),
-        report.count(&Outcome::Same),
-        report.count(&Outcome::Declined),
-        failed
-    );
-    println!(
-        "decision time per call: plugin p50 {:.1} us, p99 {:.1} us, max {:.1} us; built-in p50 {:.2} us",
-        conformance::percentile_us(&report.plugin_times, 0.5),
-        conformance::percentile_us(&report.plugin_times, 0.99),
-        conformance::percentile_us(&report.plugin_times, 1.0),
-        conformance::percentile_us(&report.builtin_times, 0.5),
-    );
-    Ok(failed == 0)
+    print!("{}", conformance::check_table(&report, verbose));
+    Ok(report.failures().is_empty())
 }
 
 fn plugin_bench(file: &std::path::Path, rounds: u32) -> anyhow::Result<()> {
-    use stowage_host::conformance;
+    use stowage_host::conformance::{self, Outcome};
     let policy = load_plugin(file, None)?;
-    let mut plugin = Vec::new();
-    let mut builtin = Vec::new();
-    for _ in 0..rounds.max(1) {
-        let r = conformance::run(&policy);
-        plugin.extend(r.plugin_times);
-        builtin.extend(r.builtin_times);
-    }
+    let runs: Vec<_> = (0..rounds.max(1))
+        .map(|_| conformance::run(&policy))
+        .collect();
+    let first = &runs[0];
     println!(
-        "{} calls over {} rounds of the conformance suite\n",
-        plugin.len(),
-        rounds.max(1)
+        "{} calls over {} rounds of the conformance suite ({} cases a round: {} answered, {} declined, {} failed)\n",
+        runs.iter().map(|r| r.cases.len()).sum::<usize>(),
+        runs.len(),
+        first.cases.len(),
+        first.count(&Outcome::Same),
+        first.count(&Outcome::Declined),
+        first.failures().len(),
     );
-    println!("| decision time (us) | p50 | p90 | p99 | max |");
-    println!("|---|---:|---:|---:|---:|");
-    for (name, t) in [("plugin", &plugin), ("built-in", &builtin)] {
-        let p = |q| conformance::percentile_us(t, q);
-        println!(
-            "| {name} | {:.2} | {:.2} | {:.2} | {:.2} |",
-            p(0.5),
-            p(0.9),
-            p(0.99),
-            p(1.0)
-        );
-    }
+    print!("{}", conformance::bench_table(&runs));
     Ok(())
 }
 

@@ -3,7 +3,7 @@
     pip install './clients/python[ray]'
 
     import ray, stowage.ray
-    ray.init()
+    ray.init()                                    # Ray 2.60: also turns on its token auth (~/.ray/auth_token)
     stowd = stowage.ray.launch()                  # one stowd per alive node
     with stowd.client() as c:                     # the stowd on this node, same-node shared memory
         c.put([0, 1], {"x": np.ones((2, 4), np.float32)})
