@@ -101,6 +101,12 @@ def native_seeds():
         "clear_ok": [env("clear_ok", 7, {"cleared": 2})],
         "stats": [env("stats", 8, {})],
         "stats_ok": [env("stats_ok", 8, {"rows": 4, "bytes_pinned": 1024, "ratio": 0.5, "unit": "u0", "neg": -1})],
+        "stats_ok_nested": [env("stats_ok", 8, {
+            "rows": 4,
+            "plugin.runs": {"version": "0.1.0", "capabilities": ["select"], "calls": 2, "disabled": False},
+            "chain.*": {"select": ["runs", "gather"], "pack": [], "fail": "fallback", "allow_missing": True},
+            "deep": [[[["x"]]]],
+        })],
         "lease": [env("lease", 9, {"bytes": 4096})],
         "lease_ok": [env("lease_ok", 9, {"segment": "stowage-0-1", "bytes": 4096, "ttl_ms": 30000})],
         "put_same_node": [

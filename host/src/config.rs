@@ -353,8 +353,34 @@ pub enum ConfigError {
         column: usize,
         message: String,
     },
-    #[error("{path}: {message}")]
-    Invalid { path: String, message: String },
+    #[error("{path}: {problem}")]
+    Invalid { path: String, problem: Invalid },
+}
+
+/// A configuration that parses but cannot run.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Invalid {
+    #[error("no units: set units.local > 0 or router.units")]
+    NoUnits,
+    #[error("router.units: bad local unit {0:?} (local:<i>, i a number)")]
+    BadLocalUnit(String),
+    #[error("router.units: {unit} but units.local is {local} (local units are local:0 to local:{})", local.saturating_sub(1))]
+    NoSuchLocalUnit { unit: String, local: u32 },
+    #[error("router.units: {0:?} is neither local:<i> nor tcp://host:port")]
+    BadUnit(String),
+    #[error("{key} is {value}, it must be at least {min}")]
+    TooSmall {
+        key: String,
+        value: u64,
+        min: &'static str,
+    },
+    #[error("chain {pattern:?}: backoff_max_ms ({max}) is below backoff_ms ({initial})")]
+    Backoff {
+        pattern: String,
+        initial: u64,
+        max: u64,
+    },
 }
 
 impl Config {
@@ -391,72 +417,73 @@ impl Config {
                 message: e.message().to_string(),
             }
         })?;
-        config.check().map_err(|message| ConfigError::Invalid {
+        config.check().map_err(|problem| ConfigError::Invalid {
             path: origin.into(),
-            message,
+            problem,
         })?;
         Ok(config)
     }
 
-    fn check(&self) -> Result<(), String> {
+    fn check(&self) -> Result<(), Invalid> {
         if self.units.local == 0 && self.router.units.is_empty() {
-            return Err("no units: set units.local > 0 or router.units".into());
+            return Err(Invalid::NoUnits);
         }
         for u in &self.router.units {
             match u.strip_prefix("local:") {
                 Some(i) => {
-                    let i: u32 = i
-                        .parse()
-                        .map_err(|_| format!("router.units: bad local unit {u:?}"))?;
+                    let i: u32 = i.parse().map_err(|_| Invalid::BadLocalUnit(u.clone()))?;
                     if i >= self.units.local {
-                        return Err(format!(
-                            "router.units: {u} but units.local is {}",
-                            self.units.local
-                        ));
+                        return Err(Invalid::NoSuchLocalUnit {
+                            unit: u.clone(),
+                            local: self.units.local,
+                        });
                     }
                 }
                 None if u.starts_with("tcp://") => {}
-                None => {
-                    return Err(format!(
-                        "router.units: {u:?} is neither local:<i> nor tcp://host:port"
-                    ));
-                }
+                None => return Err(Invalid::BadUnit(u.clone())),
             }
         }
-        if self.limits.max_frames < 2 {
-            return Err("limits.max_frames must be at least 2".into());
-        }
-        if self.limits.max_message_bytes < 4096 {
-            return Err("limits.max_message_bytes must be at least 4096".into());
-        }
-        if self.limits.max_request_bytes < 4096 {
-            return Err("limits.max_request_bytes must be at least 4096".into());
-        }
-        if self.limits.max_request_frames < 2 {
-            return Err("limits.max_request_frames must be at least 2".into());
-        }
-        if self.limits.max_connections == 0 {
-            return Err("limits.max_connections must be at least 1".into());
-        }
-        if self.limits.write_timeout_secs == 0 {
-            return Err("limits.write_timeout_secs must be at least 1".into());
-        }
-        if self.plugins.memory_bytes < (1 << 20) {
-            return Err("plugins.memory_bytes must be at least 1 MiB".into());
-        }
+        let l = &self.limits;
+        let at_least = |key: &str, value: u64, min: u64, shown: &'static str| match value < min {
+            true => Err(Invalid::TooSmall {
+                key: key.into(),
+                value,
+                min: shown,
+            }),
+            false => Ok(()),
+        };
+        at_least("limits.max_frames", l.max_frames.into(), 2, "2")?;
+        at_least(
+            "limits.max_message_bytes",
+            l.max_message_bytes,
+            4096,
+            "4096",
+        )?;
+        at_least(
+            "limits.max_request_bytes",
+            l.max_request_bytes,
+            4096,
+            "4096",
+        )?;
+        at_least("limits.max_request_frames", l.max_request_frames, 2, "2")?;
+        at_least("limits.max_connections", l.max_connections.into(), 1, "1")?;
+        at_least("limits.write_timeout_secs", l.write_timeout_secs, 1, "1")?;
+        const MIB: u64 = 1 << 20;
+        let memory = self.plugins.memory_bytes as u64;
+        at_least("plugins.memory_bytes", memory, MIB, "1 MiB")?;
         for (name, o) in &self.plugins.overrides {
-            if o.memory_bytes.is_some_and(|m| m < (1 << 20)) {
-                return Err(format!(
-                    "plugins.overrides.{name}.memory_bytes must be at least 1 MiB"
-                ));
+            if let Some(m) = o.memory_bytes {
+                let key = format!("plugins.overrides.{name}.memory_bytes");
+                at_least(&key, m as u64, MIB, "1 MiB")?;
             }
         }
         for c in &self.chains {
             if c.backoff_ms > 0 && c.backoff_max_ms < c.backoff_ms {
-                return Err(format!(
-                    "chain {:?}: backoff_max_ms is below backoff_ms",
-                    c.pattern
-                ));
+                return Err(Invalid::Backoff {
+                    pattern: c.pattern.clone(),
+                    initial: c.backoff_ms,
+                    max: c.backoff_max_ms,
+                });
             }
         }
         Ok(())
@@ -525,6 +552,48 @@ mod tests {
         let err = Config::parse("[plugins.overrides.x]\nmemory_bytes = 10\n", "c.toml")
             .unwrap_err()
             .to_string();
-        assert!(err.contains("plugins.overrides.x.memory_bytes"), "{err}");
+        assert_eq!(
+            err,
+            "c.toml: plugins.overrides.x.memory_bytes is 10, it must be at least 1 MiB"
+        );
+    }
+
+    #[test]
+    fn invalid_values_are_typed_errors() {
+        let problem = |text: &str| match Config::parse(text, "c.toml") {
+            Err(ConfigError::Invalid { problem, .. }) => problem,
+            other => panic!("{text}: {other:?}"),
+        };
+        assert_eq!(
+            problem("[units]\nlocal = 0\n"),
+            Invalid::NoUnits,
+            "no local unit and no router units"
+        );
+        let p = problem("[router]\nunits = [\"local:5\"]\n");
+        assert_eq!(
+            p.to_string(),
+            "router.units: local:5 but units.local is 2 (local units are local:0 to local:1)"
+        );
+        assert_eq!(
+            problem("[router]\nunits = [\"local:x\"]\n"),
+            Invalid::BadLocalUnit("local:x".into())
+        );
+        assert_eq!(
+            problem("[router]\nunits = [\"udp://a:1\"]\n"),
+            Invalid::BadUnit("udp://a:1".into())
+        );
+        assert_eq!(
+            problem("[limits]\nmax_frames = 1\n").to_string(),
+            "limits.max_frames is 1, it must be at least 2"
+        );
+        let p = problem("[[chain]]\npattern = \"a*\"\nbackoff_ms = 10\nbackoff_max_ms = 5\n");
+        assert_eq!(
+            p,
+            Invalid::Backoff {
+                pattern: "a*".into(),
+                initial: 10,
+                max: 5
+            }
+        );
     }
 }

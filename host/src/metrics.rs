@@ -110,6 +110,9 @@ pub struct ReloadCounters {
     pub refused: AtomicU64,
     /// Plugin files removed, their plugin unloaded.
     pub removed: AtomicU64,
+    /// A gauge: chain entries that name no live plugin with the capability
+    /// their list needs (skipped; set at start and after each reload).
+    pub missing_chain_entries: AtomicU64,
 }
 
 /// The counters the services keep.

@@ -180,6 +180,36 @@ pub fn apply(
     (next, applied)
 }
 
+/// Logs the chain entries a reload leaves without a plugin (a WARN each,
+/// naming the loaded plugins and the closest name) and those it fills again
+/// (INFO). The reload goes on: a missing entry is skipped, the built-in
+/// answers in its place.
+pub fn report_missing(live: &Registry, next: &Registry) {
+    let key = |m: &registry::MissingEntry| {
+        (
+            m.pattern.clone(),
+            registry::list_name(m.capability),
+            m.name.clone(),
+        )
+    };
+    let before: BTreeSet<_> = live.missing().iter().map(key).collect();
+    let after: BTreeSet<_> = next.missing().iter().map(key).collect();
+    for m in next.missing() {
+        if !before.contains(&key(m)) {
+            tracing::warn!(
+                missing = next.missing().len(),
+                "{m}: skipped until a plugin of that name is loaded"
+            );
+        }
+    }
+    for m in live.missing() {
+        if !after.contains(&key(m)) {
+            let (pattern, list) = (&m.pattern, registry::list_name(m.capability));
+            tracing::info!(chain = %pattern, list, plugin = %m.name, "chain entry is live again");
+        }
+    }
+}
+
 /// True for events that may change a plugin file's content or existence
 /// (our own reads of the files must not trigger another pass).
 fn relevant(kind: &EventKind) -> bool {
@@ -274,7 +304,11 @@ pub async fn run(
                 Ok(changes) => {
                     let (next, applied) = apply(&live, changes, &metrics.reloads, since);
                     if let Some(next) = next {
+                        report_missing(&live, &next);
+                        let missing = next.missing().len() as u64;
                         manager.swap_registry(Arc::new(next));
+                        let gauge = &metrics.reloads.missing_chain_entries;
+                        gauge.store(missing, Ordering::Relaxed);
                     }
                     applied.count(&metrics.reloads);
                 }

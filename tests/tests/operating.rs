@@ -45,29 +45,28 @@ fn plugin_dir_with(seed: &[&str]) -> PathBuf {
     dir
 }
 
-/// The `plugin.<name>` line of native `stats`, if that plugin is live.
-fn plugin_line(stats: &[(String, native::Stat)], name: &str) -> Option<String> {
+/// The `plugin.<name>` map of native `stats`, if that plugin is live.
+fn plugin_line(stats: &[(String, native::Stat)], name: &str) -> Option<native::Stat> {
     stats
         .iter()
         .find(|(k, _)| *k == format!("plugin.{name}"))
-        .map(|(_, v)| match v {
-            native::Stat::Str(s) => s.clone(),
-            other => panic!("plugin.{name} is {other:?}"),
-        })
+        .map(|(_, v)| v.clone())
 }
 
-/// A number after `key` in a plugin line (`... faults 3 ...`).
-fn field_of(line: &str, key: &str) -> u64 {
-    let mut words = line.split_whitespace();
-    while let Some(w) = words.next() {
-        if w == key {
-            return words
-                .next()
-                .and_then(|v| v.parse().ok())
-                .unwrap_or_else(|| panic!("{key} in {line}"));
-        }
+/// A count of a plugin's stats map (`faults`, `calls`, ...).
+fn field_of(plugin: &native::Stat, key: &str) -> u64 {
+    match plugin.get(key) {
+        Some(native::Stat::Int(v)) if *v >= 0 => *v as u64,
+        other => panic!("{key} is {other:?} in {plugin:?}"),
     }
-    panic!("no {key} in {line:?}")
+}
+
+/// A flag of a plugin's stats map (`disabled`).
+fn flag_of(plugin: &native::Stat, key: &str) -> bool {
+    plugin
+        .get(key)
+        .and_then(native::Stat::as_bool)
+        .unwrap_or_else(|| panic!("no bool {key} in {plugin:?}"))
 }
 
 /// Polls native stats until `done` holds (panics after `limit`).
@@ -198,11 +197,12 @@ async fn churn_tq(
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_plugin_swapped_100_times_under_load_loses_no_request() {
     // `swap.wasm` alternates between the `runs` and `constant-stride`
-    // components; the chain asks both names, so whichever is live answers.
+    // components; the chain asks both names, so whichever is live answers
+    // (and allows the other to be missing).
     let dir = plugin_dir_with(&["single-row", "gather", "nested-rows", "coalesce"]);
     install(&plugin("runs"), &dir, "swap.wasm");
     let config = "[[chain]]\npattern = \"*\"\nselect = [\"single-row\", \"constant-stride\", \"runs\", \"gather\", \"nested-rows\"]\n\
-                  pack = [\"coalesce\"]\nfail = \"reject\"\nmax_faults = 0\n";
+                  pack = [\"coalesce\"]\nfail = \"reject\"\nmax_faults = 0\nallow_missing = true\n";
     let mut stowd = Stowd::start_with_plugins(&dir, config);
     let admin = NativeClient::new(stowd.native());
     assert!(plugin_line(&admin.stats().await, "runs").is_some());
@@ -294,9 +294,10 @@ async fn a_plugin_swapped_100_times_under_load_loses_no_request() {
 async fn broken_plugins_dropped_into_the_directory_never_go_live() {
     let dir = plugin_dir_with(&["gather", "coalesce"]);
     // The chain names the hostile plugins first: if one went live, it would
-    // be asked (and a reject chain would fail the request).
+    // be asked (and a reject chain would fail the request). They are not
+    // loaded at start: the chain allows missing entries.
     let config = "[[chain]]\npattern = \"*\"\nselect = [\"trap\", \"infinite-loop\", \"drop-row\", \"oob-view\", \"runs\", \"gather\"]\n\
-                  pack = [\"coalesce\"]\nfail = \"reject\"\nmax_faults = 0\n";
+                  pack = [\"coalesce\"]\nfail = \"reject\"\nmax_faults = 0\nallow_missing = true\n";
     let stowd = Stowd::start_with_plugins(&dir, config);
     let client = NativeClient::new(stowd.native());
     let before = client.stats().await;
@@ -485,7 +486,7 @@ async fn put_and_check(client: &NativeClient, name: &str, seed: u64) {
     );
 }
 
-fn line(stats: &[(String, native::Stat)], plugin: &str) -> String {
+fn line(stats: &[(String, native::Stat)], plugin: &str) -> native::Stat {
     plugin_line(stats, plugin).unwrap_or_else(|| panic!("{plugin} not live: {stats:?}"))
 }
 
@@ -507,9 +508,9 @@ async fn fallback_answers_the_builtin_and_counts_the_fault() {
             field_of(&l, "invalid_plans")
         ),
         (6, 6, 6),
-        "{l}"
+        "{l:?}"
     );
-    assert!(l.contains("disabled false"), "{l}");
+    assert!(!flag_of(&l, "disabled"), "{l:?}");
     assert_eq!(stat(&stats, "fallbacks"), 6);
     stowd.stop();
 }
@@ -540,7 +541,7 @@ async fn reject_fails_the_request_naming_the_plugin_and_stores_nothing() {
     assert_eq!(
         (field_of(&l, "rejections"), field_of(&l, "fallbacks")),
         (2, 0),
-        "{l}"
+        "{l:?}"
     );
     // Other chains are unaffected.
     put_and_check(&client, "fb_y", 0).await;
@@ -561,11 +562,11 @@ async fn a_disabled_plugin_is_reenabled_after_a_doubling_capped_backoff() {
     assert_eq!(
         (field_of(&l, "calls"), field_of(&l, "faults")),
         (2, 2),
-        "{l}"
+        "{l:?}"
     );
-    assert!(l.contains("disabled true"), "{l}");
+    assert!(flag_of(&l, "disabled"), "{l:?}");
     let left = field_of(&l, "reenable_in_ms");
-    assert!(left <= 1000 && left > 0, "{l}");
+    assert!(left <= 1000 && left > 0, "{l:?}");
     // While disabled it is not called; the built-in answers.
     put_and_check(&client, "bo_x", 1).await;
     assert_eq!(
@@ -581,10 +582,10 @@ async fn a_disabled_plugin_is_reenabled_after_a_doubling_capped_backoff() {
     assert_eq!(
         (field_of(&l, "calls"), field_of(&l, "reenables")),
         (4, 1),
-        "{l}"
+        "{l:?}"
     );
     let left = field_of(&l, "reenable_in_ms");
-    assert!(left <= 2000 && left > 1000, "second backoff doubles: {l}");
+    assert!(left <= 2000 && left > 1000, "second backoff doubles: {l:?}");
 
     // Third time: the doubling is capped at 2 s.
     tokio::time::sleep(Duration::from_millis(2050)).await;
@@ -593,10 +594,10 @@ async fn a_disabled_plugin_is_reenabled_after_a_doubling_capped_backoff() {
     assert_eq!(
         (field_of(&l, "calls"), field_of(&l, "reenables")),
         (6, 2),
-        "{l}"
+        "{l:?}"
     );
     let left = field_of(&l, "reenable_in_ms");
-    assert!(left <= 2000 && left > 1000, "capped at 2 s: {l}");
+    assert!(left <= 2000 && left > 1000, "capped at 2 s: {l:?}");
 
     // backoff_ms = 0: disabled after one fault, and stays so.
     put_and_check(&client, "off_x", 0).await;
@@ -606,11 +607,11 @@ async fn a_disabled_plugin_is_reenabled_after_a_doubling_capped_backoff() {
     assert_eq!(
         (field_of(&l, "calls"), field_of(&l, "faults")),
         (1, 1),
-        "{l}"
+        "{l:?}"
     );
     assert!(
-        l.contains("disabled true") && !l.contains("reenable_in_ms"),
-        "{l}"
+        flag_of(&l, "disabled") && l.get("reenable_in_ms").is_none(),
+        "{l:?}"
     );
     let log = stowd.log();
     assert!(log.contains("plugin re-enabled after its backoff"), "{log}");
@@ -629,7 +630,7 @@ async fn per_plugin_fuel_override_applies() {
     assert_eq!(
         (field_of(&l, "faults"), field_of(&l, "fallbacks")),
         (2, 2),
-        "{l}"
+        "{l:?}"
     );
     assert!(stowd.log().contains("ran out of fuel"), "{}", stowd.log());
     stowd.stop();

@@ -545,11 +545,24 @@ fn contract_versions_are_checked_before_compiling() {
         .iter()
         .filter_map(|r| r.result.as_ref().err())
         .collect();
+    use wasm::{ContractError, LoadError};
     assert!(
-        refused.iter().any(|e| e.contains("core Wasm module")),
+        refused.iter().any(|e| matches!(
+            e,
+            LoadError::Contract {
+                reason: ContractError::CoreModule,
+                ..
+            }
+        )),
         "{refused:?}"
     );
-    assert!(refused.iter().any(|e| e.contains("0.2.0")), "{refused:?}");
+    assert!(
+        refused.iter().any(|e| matches!(
+            e,
+            LoadError::Contract { reason: ContractError::Version { version, .. }, .. } if version == "0.2.0"
+        )),
+        "{refused:?}"
+    );
 }
 
 #[test]

@@ -6,6 +6,7 @@
 //!
 //! To add a file: write `tests/tests/NAME.rs` and add `mod NAME;` here.
 
+mod chains;
 mod compile_cache;
 mod fuzz_corpora;
 mod hostile_live;

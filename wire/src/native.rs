@@ -336,12 +336,74 @@ impl Op {
     }
 }
 
-/// One value of a `stats_ok` map.
+/// One value of a `stats_ok` map: a scalar, or a list or map of them
+/// (a plugin's counters, a chain's policy lists). Nesting is at most
+/// [`STATS_MAX_DEPTH`] levels deep.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Stat {
     Int(i64),
     Float(f64),
     Str(String),
+    Bool(bool),
+    List(Vec<Stat>),
+    Map(Vec<(String, Stat)>),
+}
+
+/// Deepest nesting of lists and maps inside one stats value.
+pub const STATS_MAX_DEPTH: usize = 4;
+
+impl Stat {
+    /// An unsigned count (saturating at `i64::MAX`).
+    pub fn count(v: u64) -> Stat {
+        Stat::Int(v.min(i64::MAX as u64) as i64)
+    }
+
+    /// A list of strings.
+    pub fn strs<S: AsRef<str>>(values: &[S]) -> Stat {
+        Stat::List(
+            values
+                .iter()
+                .map(|s| Stat::Str(s.as_ref().into()))
+                .collect(),
+        )
+    }
+
+    /// The entry `key` of a map value.
+    pub fn get(&self, key: &str) -> Option<&Stat> {
+        match self {
+            Stat::Map(m) => m.iter().find(|(k, _)| k == key).map(|(_, v)| v),
+            _ => None,
+        }
+    }
+
+    pub fn as_int(&self) -> Option<i64> {
+        match self {
+            Stat::Int(i) => Some(*i),
+            _ => None,
+        }
+    }
+
+    pub fn as_str(&self) -> Option<&str> {
+        match self {
+            Stat::Str(s) => Some(s),
+            _ => None,
+        }
+    }
+
+    pub fn as_bool(&self) -> Option<bool> {
+        match self {
+            Stat::Bool(b) => Some(*b),
+            _ => None,
+        }
+    }
+
+    /// The strings of a list value (None if it is not a list of strings).
+    pub fn as_strs(&self) -> Option<Vec<&str>> {
+        match self {
+            Stat::List(l) => l.iter().map(Stat::as_str).collect(),
+            _ => None,
+        }
+    }
 }
 
 /// A reply (the id travels beside it: see [`encode_reply`], [`decode_reply`]).

@@ -176,6 +176,7 @@ class AsyncClient(_Ops):
         return self._cleared(body)
 
     async def stats(self, *, timeout: float | None = None) -> dict:
-        """See `Client.stats`."""
+        """See `Client.stats` (the same dict of ints, and of dicts per plugin
+        and chain)."""
         body, _ = await self._call("stats", {}, (), timeout, "stats_ok")
         return body

@@ -313,6 +313,24 @@ class Client(_Ops):
         return self._cleared(body)
 
     def stats(self, *, timeout: float | None = None) -> dict:
-        """The server's counters (at least units, keys, rows, bytes; capacity if bounded)."""
+        """The server's counters, as `docs/protocol-stowage1.md` lists them.
+
+        Top-level values are ints: at least ``units``, ``keys``, ``rows``,
+        ``bytes`` (``capacity`` if bounded), data-path and reload counters and
+        ``missing_chain_entries``. Each live plugin is a dict under
+        ``"plugin.<name>"``::
+
+            {"version": "0.1.0", "capabilities": ["select"], "calls": 2,
+             "plans": 2, "faults": 0, "invalid_plans": 0, "fallbacks": 0,
+             "rejections": 0, "disables": 0, "reenables": 0,
+             "disabled": False}  # + "reenable_in_ms": int while disabled
+
+        and each chain a dict under ``"chain.<pattern>"``::
+
+            {"select": ["single-row", "runs"], "pack": ["coalesce"],
+             "fail": "fallback", "max_faults": 10, "backoff_ms": 1000,
+             "backoff_max_ms": 300000, "allow_missing": False,
+             "missing_select": [], "missing_pack": []}
+        """
         body, _ = self._call("stats", {}, (), timeout, "stats_ok")
         return body

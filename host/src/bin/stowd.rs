@@ -25,7 +25,8 @@ enum Command {
         #[arg(long)]
         endpoints_file: Option<PathBuf>,
     },
-    /// Print the effective configuration (defaults merged) as TOML.
+    /// Check the configuration (plugins loaded, chain entries named) and
+    /// print it, defaults merged, as TOML.
     Config {
         #[arg(long)]
         config: Option<PathBuf>,
@@ -168,20 +169,83 @@ fn plugin_list(endpoint: &str) -> anyhow::Result<()> {
     let native::Reply::StatsOk(stats) = reply else {
         anyhow::bail!("unexpected reply {}", reply.name())
     };
-    let mut any = false;
-    for (key, value) in stats {
-        if let (Some(rest), native::Stat::Str(v)) = (key.strip_prefix("plugin."), &value) {
-            println!("{rest}: {v}");
-            any = true;
-        } else if let (Some(rest), native::Stat::Str(v)) = (key.strip_prefix("chain."), &value) {
-            println!("chain {rest}: {v}");
-            any = true;
+    let mut plugins = 0;
+    for (key, value) in &stats {
+        if let Some(name) = key.strip_prefix("plugin.") {
+            println!("{}", plugin_line(name, value));
+            plugins += 1;
+        } else if let Some(pattern) = key.strip_prefix("chain.") {
+            println!("{}", chain_line(pattern, value));
         }
     }
-    if !any {
+    if plugins == 0 {
         println!("no plugins loaded");
     }
+    let missing = stats.iter().find(|(k, _)| k == "missing_chain_entries");
+    if let Some(n) = missing.and_then(|(_, v)| v.as_int()).filter(|n| *n > 0) {
+        println!("{n} chain entries name no live plugin (see `missing` above)");
+    }
     Ok(())
+}
+
+/// `name: version V (select, pack) calls N plans N faults N ...` from a
+/// plugin's stats map.
+fn plugin_line(name: &str, v: &stowage_host::wire::native::Stat) -> String {
+    let int = |k| v.get(k).and_then(|s| s.as_int()).unwrap_or(0);
+    let version = v.get("version").and_then(|s| s.as_str()).unwrap_or("?");
+    let caps = v
+        .get("capabilities")
+        .and_then(|s| s.as_strs())
+        .unwrap_or_default();
+    let mut line = format!("{name}: version {version} ({})", caps.join(", "));
+    for k in [
+        "calls",
+        "plans",
+        "faults",
+        "invalid_plans",
+        "fallbacks",
+        "rejections",
+        "reenables",
+    ] {
+        line.push_str(&format!(" {k} {}", int(k)));
+    }
+    if v.get("disabled").and_then(|s| s.as_bool()) == Some(true) {
+        line.push_str(" DISABLED");
+        if let Some(ms) = v.get("reenable_in_ms").and_then(|s| s.as_int()) {
+            line.push_str(&format!(" (re-enabled in {ms} ms)"));
+        }
+    }
+    line
+}
+
+/// `chain P: select [..] pack [..] fail F max_faults N backoff ..` from a
+/// chain's stats map, with its missing entries.
+fn chain_line(pattern: &str, v: &stowage_host::wire::native::Stat) -> String {
+    let list = |k| {
+        v.get(k)
+            .and_then(|s| s.as_strs())
+            .unwrap_or_default()
+            .join(", ")
+    };
+    let int = |k| v.get(k).and_then(|s| s.as_int()).unwrap_or(0);
+    let fail = v.get("fail").and_then(|s| s.as_str()).unwrap_or("?");
+    let backoff = match int("backoff_ms") {
+        0 => "none".to_string(),
+        ms => format!("{ms}..{} ms", int("backoff_max_ms")),
+    };
+    let mut line = format!(
+        "chain {pattern}: select [{}] pack [{}] fail {fail} max_faults {} backoff {backoff}",
+        list("select"),
+        list("pack"),
+        int("max_faults"),
+    );
+    for (key, shown) in [("missing_select", "select"), ("missing_pack", "pack")] {
+        let names = list(key);
+        if !names.is_empty() {
+            line.push_str(&format!("; missing {shown} [{names}]"));
+        }
+    }
+    line
 }
 
 fn load(path: Option<&PathBuf>) -> anyhow::Result<Config> {
@@ -238,6 +302,9 @@ fn main() -> std::process::ExitCode {
                 .block_on(serve(c, endpoints_file))
         }),
         Command::Config { config } => load(config.as_ref()).and_then(|c| {
+            // Loads the plugins, so that chains naming none are refused here
+            // as they would be at start.
+            stowage_host::server::build_registry(&c)?;
             print!("{}", toml::to_string_pretty(&c)?);
             Ok(())
         }),

@@ -6,8 +6,10 @@
 //! file: a changed file replaces its plugin, a removed file unloads it.
 
 mod load;
+mod missing;
 
 pub use load::{LoadReport, Prepared, content_hash, is_plugin_file, wasm_files};
+pub use missing::{ChainSummary, MissingEntries, MissingEntry, closest, list_name};
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -47,6 +49,11 @@ pub struct ChainConfig {
     /// Longest backoff, milliseconds.
     #[serde(default = "default_backoff_max_ms")]
     pub backoff_max_ms: u64,
+    /// Entries that name no loaded plugin are skipped (until a plugin of
+    /// that name is loaded) instead of refusing the configuration. For
+    /// chains naming plugins that arrive later by hot reload.
+    #[serde(default)]
+    pub allow_missing: bool,
 }
 
 impl Default for ChainConfig {
@@ -60,6 +67,7 @@ impl Default for ChainConfig {
             max_faults: default_max_faults(),
             backoff_ms: default_backoff_ms(),
             backoff_max_ms: default_backoff_max_ms(),
+            allow_missing: false,
         }
     }
 }
@@ -114,7 +122,8 @@ impl LimitsOverride {
 }
 
 /// Chains used when the configuration names none: every field goes through
-/// the seed policies, unknown names are skipped. Zero-copy policies come
+/// the seed policies, those not loaded are skipped (`allow_missing`, so
+/// `stowd` runs without a plugin directory). Zero-copy policies come
 /// first; `nested-pack` (one copy at put time) is not in the default chain:
 /// stored nested rows stay views of what arrived, and the packing policy
 /// coalesces small rows when they are sent.
@@ -131,6 +140,7 @@ pub fn default_chains() -> Vec<ChainConfig> {
         .map(String::from)
         .to_vec(),
         pack: vec!["coalesce".into()],
+        allow_missing: true,
         ..ChainConfig::default()
     }]
 }
@@ -197,6 +207,8 @@ pub struct Registry {
     chains: Vec<ChainConfig>,
     select_chains: Vec<(String, Chain)>,
     pack_chains: Vec<(String, Chain)>,
+    /// Chain entries with no live plugin behind them.
+    missing: Vec<MissingEntry>,
 }
 
 impl std::fmt::Debug for Registry {
@@ -264,6 +276,7 @@ impl Registry {
             chains: vec![],
             select_chains: vec![],
             pack_chains: vec![],
+            missing: vec![],
         })
     }
 
@@ -386,66 +399,99 @@ impl Registry {
             .collect()
     }
 
-    /// One line per chain: pattern, selection names, packing names and
-    /// fail strategy.
-    pub fn chain_summaries(&self) -> Vec<(String, String)> {
-        self.select_chains
-            .iter()
-            .zip(&self.pack_chains)
-            .map(|((pattern, sel), (_, pack))| {
-                let backoff = match sel.backoff {
-                    Some(b) => format!("{}..{} ms", b.initial.as_millis(), b.max.as_millis()),
-                    None => "none".into(),
-                };
-                let line = format!(
-                    "select [{}] pack [{}] fail {:?} max_faults {} backoff {backoff}",
-                    sel.names().join(", "),
-                    pack.names().join(", "),
-                    sel.fail,
-                    sel.max_faults
-                );
-                (pattern.clone(), line)
+    /// Each chain's live policies and settings, in configuration order.
+    pub fn chain_summaries(&self) -> Vec<ChainSummary> {
+        let missing = |pattern: &str, cap: Capability| -> Vec<String> {
+            let m = self.missing.iter();
+            m.filter(|m| m.pattern == pattern && m.capability == cap)
+                .map(|m| m.name.clone())
+                .collect()
+        };
+        let chains = self.select_chains.iter().zip(&self.pack_chains);
+        chains
+            .zip(&self.chains)
+            .map(|(((pattern, sel), (_, pack)), config)| ChainSummary {
+                pattern: pattern.clone(),
+                select: sel.names(),
+                pack: pack.names(),
+                fail: sel.fail,
+                max_faults: sel.max_faults,
+                backoff: sel.backoff,
+                allow_missing: config.allow_missing,
+                missing_select: missing(pattern, Capability::Selection),
+                missing_pack: missing(pattern, Capability::Packing),
             })
             .collect()
     }
 
-    /// Builds the chains. Names that are not loaded are skipped (the
-    /// built-in still answers); a name loaded without the needed capability
-    /// is skipped with a warning. The configuration is kept: chains are
-    /// rebuilt from it whenever the plugins change.
+    /// Chain entries that name no live plugin with the capability their
+    /// list needs, in configuration order.
+    pub fn missing(&self) -> &[MissingEntry] {
+        &self.missing
+    }
+
+    /// The missing entries of chains that do not allow them: an error for
+    /// `stowd` at start and for `stowd config`.
+    pub fn check_chains(&self) -> Result<(), MissingEntries> {
+        let refused: Vec<MissingEntry> = self
+            .missing
+            .iter()
+            .filter(|m| !m.allowed)
+            .cloned()
+            .collect();
+        match refused.is_empty() {
+            true => Ok(()),
+            false => Err(MissingEntries(refused)),
+        }
+    }
+
+    /// Builds the chains. Entries with no live plugin of the needed
+    /// capability are skipped (the built-in still answers) and recorded in
+    /// [`Registry::missing`]; [`Registry::check_chains`] refuses them. The
+    /// configuration is kept: chains are rebuilt from it whenever the
+    /// plugins change.
     pub fn configure(&mut self, chains: &[ChainConfig]) {
-        let pick = |names: &[String], cap: Capability| -> Vec<Loaded> {
-            names
-                .iter()
-                .filter_map(|n| match self.plugins.get(n) {
-                    Some(l) if l.policy.describe().capabilities.contains(&cap) => Some(l.clone()),
-                    Some(_) => {
-                        tracing::warn!(plugin = %n, capability = ?cap, "plugin lacks the capability, skipped");
-                        None
+        let mut missing = Vec::new();
+        let mut pick = |c: &ChainConfig, names: &[String], cap: Capability| -> Vec<Loaded> {
+            let able = |l: &Loaded| l.policy.describe().capabilities.contains(&cap);
+            let mut live = Vec::new();
+            for n in names {
+                match self.plugins.get(n) {
+                    Some(l) if able(l) => live.push(l.clone()),
+                    found => {
+                        let loaded: Vec<String> = self
+                            .plugins
+                            .iter()
+                            .filter(|(_, l)| able(l))
+                            .map(|(name, _)| name.clone())
+                            .collect();
+                        missing.push(MissingEntry {
+                            pattern: c.pattern.clone(),
+                            capability: cap,
+                            name: n.clone(),
+                            lacks_capability: found.is_some(),
+                            closest: closest(n, loaded.iter().map(String::as_str)),
+                            loaded,
+                            allowed: c.allow_missing,
+                        });
                     }
-                    None => {
-                        tracing::debug!(plugin = %n, "chain names a plugin that is not loaded, skipped");
-                        None
-                    }
-                })
-                .collect()
+                }
+            }
+            live
         };
-        let build = |c: &ChainConfig, names: &[String], cap| {
-            Chain::new(pick(names, cap), c.fail, c.max_faults).with_backoff(c.backoff())
-        };
-        self.select_chains = chains
-            .iter()
-            .map(|c| {
-                (
-                    c.pattern.clone(),
-                    build(c, &c.select, Capability::Selection),
-                )
-            })
-            .collect();
-        self.pack_chains = chains
-            .iter()
-            .map(|c| (c.pattern.clone(), build(c, &c.pack, Capability::Packing)))
-            .collect();
+        let mut select_chains = Vec::with_capacity(chains.len());
+        let mut pack_chains = Vec::with_capacity(chains.len());
+        for c in chains {
+            let build =
+                |policies| Chain::new(policies, c.fail, c.max_faults).with_backoff(c.backoff());
+            let select = build(pick(c, &c.select, Capability::Selection));
+            let pack = build(pick(c, &c.pack, Capability::Packing));
+            select_chains.push((c.pattern.clone(), select));
+            pack_chains.push((c.pattern.clone(), pack));
+        }
+        self.select_chains = select_chains;
+        self.pack_chains = pack_chains;
+        self.missing = missing;
         self.chains = chains.to_vec();
     }
 

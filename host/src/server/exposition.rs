@@ -257,6 +257,12 @@ pub fn render(metrics: &Metrics, manager: &Manager, units: &[Arc<Unit>]) -> Stri
     t.sample(&[("outcome", "swapped")], get(&r.swapped));
     t.sample(&[("outcome", "refused")], get(&r.refused));
     t.sample(&[("outcome", "removed")], get(&r.removed));
+    t.family(
+        "stowd_chain_missing_entries",
+        GAUGE,
+        "Chain entries that name no live plugin with the capability their list needs.",
+    );
+    t.sample(&[], get(&r.missing_chain_entries));
 
     t.family(
         "stowd_process_resident_memory_bytes",

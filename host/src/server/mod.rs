@@ -49,6 +49,8 @@ pub enum StartError {
     #[error("cannot read plugin directory {dir}: {source}")]
     PluginDir { dir: String, source: std::io::Error },
     #[error(transparent)]
+    Chains(#[from] crate::policy::registry::MissingEntries),
+    #[error(transparent)]
     Bind(#[from] crate::transport::TransportError),
     #[error(transparent)]
     Shm(#[from] crate::shm::ShmError),
@@ -151,7 +153,8 @@ pub fn plugin_dir(config: &Config) -> Option<std::path::PathBuf> {
         .map(|d| d.canonicalize().unwrap_or(d))
 }
 
-/// Loads the plugins and configures the chains.
+/// Loads the plugins and configures the chains; refuses chain entries that
+/// name no loaded plugin (unless their chain has `allow_missing`).
 pub fn build_registry(config: &Config) -> Result<Registry, StartError> {
     let dir = plugin_dir(config);
     let cache = config
@@ -182,6 +185,10 @@ pub fn build_registry(config: &Config) -> Result<Registry, StartError> {
         None => tracing::warn!("no plugin directory found: only the built-in policy answers"),
     }
     registry.configure(&config.chains);
+    registry.check_chains()?;
+    for m in registry.missing() {
+        tracing::info!("{m}: skipped until a plugin of that name is loaded (allow_missing)");
+    }
     Ok(registry)
 }
 
@@ -235,6 +242,11 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
     let (shutdown, rx) = watch::channel(false);
     let mut tasks = Vec::new();
     let metrics = Arc::new(Metrics::default());
+    let missing = registry.missing().len() as u64;
+    metrics
+        .reloads
+        .missing_chain_entries
+        .store(missing, std::sync::atomic::Ordering::Relaxed);
     let tq_extra_on = config.metrics.tq_extra;
     let host = &config.server.host;
     let pid = std::process::id();

@@ -24,6 +24,8 @@ use crate::extent::{Extent, Received};
 use crate::manager::{Manager, Target};
 use crate::metrics::{Metrics, Outcome, Protocol};
 use crate::plan::PackLimits;
+use crate::policy::chain::{FailStrategy, Loaded};
+use crate::policy::registry::{ChainSummary, list_name};
 use crate::shm::{SegmentStore, ShmError};
 use crate::transport::{BoxFuture, Service};
 use crate::wire::native;
@@ -323,34 +325,79 @@ impl NativeService {
             "plugin_removals".into(),
             int(r.removed.load(Ordering::Relaxed)),
         ));
+        stats.push((
+            "missing_chain_entries".into(),
+            int(r.missing_chain_entries.load(Ordering::Relaxed)),
+        ));
         let registry = m.registry();
         for name in registry.names() {
-            let Some(l) = registry.get(&name) else {
-                continue;
-            };
-            let st = &l.stats;
-            let mut line = format!(
-                "version {} calls {} faults {} invalid_plans {} disabled {} plans {} fallbacks {} rejections {} reenables {}",
-                l.policy.describe().version,
-                st.calls.load(Ordering::Relaxed),
-                st.faults.load(Ordering::Relaxed),
-                st.invalid_plans.load(Ordering::Relaxed),
-                st.disabled.load(Ordering::Relaxed),
-                st.plans.load(Ordering::Relaxed),
-                st.fallbacks.load(Ordering::Relaxed),
-                st.rejections.load(Ordering::Relaxed),
-                st.reenables.load(Ordering::Relaxed),
-            );
-            if let Some(left) = st.reenable_in() {
-                line.push_str(&format!(" reenable_in_ms {}", left.as_millis()));
+            if let Some(l) = registry.get(&name) {
+                stats.push((format!("plugin.{name}"), plugin_stats(l)));
             }
-            stats.push((format!("plugin.{name}"), native::Stat::Str(line)));
         }
-        for (pattern, line) in registry.chain_summaries() {
-            stats.push((format!("chain.{pattern}"), native::Stat::Str(line)));
+        for c in registry.chain_summaries() {
+            stats.push((format!("chain.{}", c.pattern), chain_stats(&c)));
         }
         native::Reply::StatsOk(stats)
     }
+}
+
+/// A live plugin's `stats` map: its version and capabilities, its counters
+/// (kept per version across reloads) and whether it is disabled.
+fn plugin_stats(l: &Loaded) -> native::Stat {
+    use crate::wire::native::Stat;
+    let d = l.policy.describe();
+    let st = &l.stats;
+    let n = |c: &std::sync::atomic::AtomicU64| Stat::count(c.load(Ordering::Relaxed));
+    let caps: Vec<&str> = d.capabilities.iter().map(|c| list_name(*c)).collect();
+    let mut map = vec![
+        ("version".to_string(), Stat::Str(d.version.clone())),
+        ("capabilities".into(), Stat::strs(&caps)),
+        ("calls".into(), n(&st.calls)),
+        ("plans".into(), n(&st.plans)),
+        ("faults".into(), n(&st.faults)),
+        ("invalid_plans".into(), n(&st.invalid_plans)),
+        ("fallbacks".into(), n(&st.fallbacks)),
+        ("rejections".into(), n(&st.rejections)),
+        ("disables".into(), n(&st.disables)),
+        ("reenables".into(), n(&st.reenables)),
+        (
+            "disabled".into(),
+            Stat::Bool(st.disabled.load(Ordering::Relaxed)),
+        ),
+    ];
+    if let Some(left) = st.reenable_in() {
+        let ms = u64::try_from(left.as_millis()).unwrap_or(u64::MAX);
+        map.push(("reenable_in_ms".into(), Stat::count(ms)));
+    }
+    Stat::Map(map)
+}
+
+/// A chain's `stats` map: its live policies, settings and missing entries.
+fn chain_stats(c: &ChainSummary) -> native::Stat {
+    use crate::wire::native::Stat;
+    let ms = |d: std::time::Duration| Stat::count(u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+    let fail = match c.fail {
+        FailStrategy::Fallback => "fallback",
+        FailStrategy::Reject => "reject",
+    };
+    Stat::Map(vec![
+        ("select".into(), Stat::strs(&c.select)),
+        ("pack".into(), Stat::strs(&c.pack)),
+        ("fail".into(), Stat::Str(fail.into())),
+        ("max_faults".into(), Stat::count(c.max_faults)),
+        (
+            "backoff_ms".into(),
+            c.backoff.map_or(Stat::Int(0), |b| ms(b.initial)),
+        ),
+        (
+            "backoff_max_ms".into(),
+            c.backoff.map_or(Stat::Int(0), |b| ms(b.max)),
+        ),
+        ("allow_missing".into(), Stat::Bool(c.allow_missing)),
+        ("missing_select".into(), Stat::strs(&c.missing_select)),
+        ("missing_pack".into(), Stat::strs(&c.missing_pack)),
+    ])
 }
 
 impl Service for NativeService {

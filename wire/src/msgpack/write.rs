@@ -82,6 +82,11 @@ impl Writer {
         let _ = encode::write_nil(&mut self.buf);
     }
 
+    /// true or false.
+    pub fn bool(&mut self, v: bool) {
+        let _ = encode::write_bool(&mut self.buf, v);
+    }
+
     /// A non-negative int in its shortest form.
     pub fn uint(&mut self, v: u64) {
         let _ = encode::write_uint(&mut self.buf, v);

@@ -8,11 +8,11 @@ use std::collections::HashSet;
 use bytes::Bytes;
 
 use super::{
-    Error, Extras, Limits, MAX_DIMS, Op, PROTO, RegularParts, Reply, Request, Stat, WireField,
-    dtype_from_name,
+    Error, Extras, Limits, MAX_DIMS, Op, PROTO, RegularParts, Reply, Request, STATS_MAX_DEPTH,
+    Stat, WireField, dtype_from_name,
 };
 use crate::batch::Value;
-use crate::msgpack::{NATIVE_MAX_DEPTH as MAX_DEPTH, Reader};
+use crate::msgpack::{Item, NATIVE_MAX_DEPTH as MAX_DEPTH, Reader};
 use crate::tensor::{DType, Tensor, contiguous_len};
 
 /// Envelope and body nest this much deeper than an opaque value may.
@@ -112,33 +112,9 @@ pub(super) fn reply(frames: &[Bytes], limits: &Limits) -> Result<(u64, Reply), E
             Reply::GetOk { fields }
         }
         "stats_ok" => {
-            const MAP: &str = "a stats_ok body";
-            let n = r.map_len(MAP)?;
+            let n = r.map_len("a stats_ok body")?;
             limit("stats", n, limits.max_fields)?;
-            let (mut seen, mut stats) = (HashSet::with_capacity(n), Vec::with_capacity(n));
-            for _ in 0..n {
-                let key = r.str("a stats key")?;
-                if !seen.insert(key) {
-                    return Err(Error::DuplicateKey {
-                        map: MAP,
-                        key: key.to_owned(),
-                    });
-                }
-                let value = match r.int_or_float("a stats value")? {
-                    Some(Ok(i)) => Stat::Int(i),
-                    Some(Err(f)) => Stat::Float(f),
-                    None => Stat::Str(
-                        r.str("a stats value")
-                            .map_err(|_| Error::WrongType {
-                                key: "a stats value",
-                                expected: "an integer, a float or a str",
-                            })?
-                            .to_owned(),
-                    ),
-                };
-                stats.push((key.to_owned(), value));
-            }
-            Reply::StatsOk(stats)
+            Reply::StatsOk(stat_entries(&mut r, n, STATS_MAX_DEPTH, limits)?)
         }
         "error" => {
             const MAP: &str = "an error body";
@@ -673,6 +649,71 @@ fn unknown(map: &'static str, key: &str) -> Error {
         map,
         key: key.to_owned(),
     }
+}
+
+/// `n` entries of a stats map (the body, or a map value inside it), with
+/// lists and maps nested at most `depth` more levels.
+fn stat_entries(
+    r: &mut Reader<'_>,
+    n: usize,
+    depth: usize,
+    limits: &Limits,
+) -> Result<Vec<(String, Stat)>, Error> {
+    const MAP: &str = "a stats map";
+    let (mut seen, mut stats) = (HashSet::with_capacity(n), Vec::with_capacity(n));
+    for _ in 0..n {
+        let key = r.str("a stats key")?;
+        if !seen.insert(key) {
+            return Err(Error::DuplicateKey {
+                map: MAP,
+                key: key.to_owned(),
+            });
+        }
+        stats.push((key.to_owned(), stat_value(r, depth, limits)?));
+    }
+    Ok(stats)
+}
+
+/// One stats value: an integer within i64, a float, a str, a bool, or a
+/// list or map of those.
+fn stat_value(r: &mut Reader<'_>, depth: usize, limits: &Limits) -> Result<Stat, Error> {
+    const WHAT: &str = "a stats value";
+    let wrong = || Error::WrongType {
+        key: WHAT,
+        expected: "an integer, a float, a str, a bool, a list or a map",
+    };
+    let nested = |r: &Reader<'_>| {
+        if depth == 0 {
+            Err(Error::from(r.malformed("stats nested too deep")))
+        } else {
+            Ok(())
+        }
+    };
+    Ok(match r.item()? {
+        Item::Bool(b) => Stat::Bool(b),
+        Item::UInt(v) => Stat::Int(i64::try_from(v).map_err(|_| Error::WrongType {
+            key: WHAT,
+            expected: "an integer within i64",
+        })?),
+        Item::Int(v) => Stat::Int(v),
+        Item::Float(f) => Stat::Float(f),
+        Item::Str { s, .. } => Stat::Str(s.to_owned()),
+        Item::Array(n) => {
+            nested(r)?;
+            limit("stats", n, limits.max_rows)?;
+            let mut items = Vec::with_capacity(n);
+            for _ in 0..n {
+                items.push(stat_value(r, depth - 1, limits)?);
+            }
+            Stat::List(items)
+        }
+        Item::Map(n) => {
+            nested(r)?;
+            limit("stats", n, limits.max_fields)?;
+            Stat::Map(stat_entries(r, n, depth - 1, limits)?)
+        }
+        Item::Nil | Item::Bin { .. } | Item::Ext { .. } => return Err(wrong()),
+    })
 }
 
 fn limit(what: &'static str, n: usize, max: u64) -> Result<(), Error> {

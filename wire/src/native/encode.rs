@@ -99,11 +99,7 @@ pub(super) fn reply(
             w.map(stats.len());
             for (key, value) in stats {
                 w.str(key);
-                match value {
-                    Stat::Int(i) => w.sint(*i),
-                    Stat::Float(f) => w.f64(*f),
-                    Stat::Str(s) => w.str(s),
-                }
+                stat(&mut w, value);
             }
         }
         Reply::LeaseOk {
@@ -126,6 +122,28 @@ pub(super) fn reply(
 }
 
 /// Starts an envelope; the caller writes the body map next.
+fn stat(w: &mut Writer, value: &Stat) {
+    match value {
+        Stat::Int(i) => w.sint(*i),
+        Stat::Float(f) => w.f64(*f),
+        Stat::Str(s) => w.str(s),
+        Stat::Bool(b) => w.bool(*b),
+        Stat::List(items) => {
+            w.array(items.len());
+            for item in items {
+                stat(w, item);
+            }
+        }
+        Stat::Map(entries) => {
+            w.map(entries.len());
+            for (k, v) in entries {
+                w.str(k);
+                stat(w, v);
+            }
+        }
+    }
+}
+
 fn envelope(op: &str, id: u64) -> Writer {
     let mut w = Writer::new();
     w.map(4);

@@ -23,10 +23,11 @@ use crate::policy::cache::CompileCache;
 use crate::policy::wasm::{self, LoadError, WasmPolicy};
 
 /// Where a plugin was loaded from, for reports.
-#[derive(Clone, Debug)]
+#[derive(Debug)]
 pub struct LoadReport {
     pub path: PathBuf,
-    pub result: Result<String, String>,
+    /// The plugin's `describe()` name, or why it was not loaded.
+    pub result: Result<String, LoadError>,
     pub from_cache: bool,
 }
 
@@ -209,7 +210,7 @@ impl Registry {
                     tracing::error!(error = %e, "plugin not loaded");
                     reports.push(LoadReport {
                         path,
-                        result: Err(e.to_string()),
+                        result: Err(e),
                         from_cache: false,
                     });
                 }

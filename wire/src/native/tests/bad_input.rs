@@ -450,6 +450,36 @@ fn bad_replies_are_refused() {
     assert!(matches!(err, Error::DuplicateKey { .. }), "{err}");
     let err = decode_reply(&frames_with(hand_put(), &[16]), &Limits::default()).unwrap_err();
     assert_eq!(err, Error::UnknownOp("put".into()));
+    let nested = Stat::Map(vec![("a".into(), Stat::Int(1)), ("a".into(), Stat::Int(2))]);
+    let stats = Reply::StatsOk(vec![("plugin.x".into(), nested)]);
+    let err = decode_reply(&encode_reply(1, &stats).unwrap(), &Limits::default()).unwrap_err();
+    assert!(matches!(err, Error::DuplicateKey { .. }), "{err}");
+}
+
+#[test]
+fn stats_nesting_is_bounded() {
+    let deep = |levels: usize| {
+        let mut v = Stat::Int(1);
+        for _ in 0..levels {
+            v = Stat::List(vec![v]);
+        }
+        Reply::StatsOk(vec![("x".into(), v)])
+    };
+    let ok = deep(STATS_MAX_DEPTH);
+    let frames = encode_reply(1, &ok).unwrap();
+    assert_eq!(decode_reply(&frames, &Limits::default()).unwrap(), (1, ok));
+    let err = decode_reply(
+        &encode_reply(1, &deep(STATS_MAX_DEPTH + 1)).unwrap(),
+        &Limits::default(),
+    )
+    .unwrap_err();
+    assert!(matches!(err, Error::Malformed { .. }), "{err}");
+    // A nil or bin value is not a stat.
+    for value in [M::Raw(vec![0xc0]), M::Raw(vec![0xc4, 1, 0])] {
+        let env = envelope("stats_ok", M::Map(vec![("x", value)]));
+        let err = decode_reply(&[env.bytes()], &Limits::default()).unwrap_err();
+        assert!(matches!(err, Error::WrongType { .. }), "{err}");
+    }
 }
 
 #[test]
@@ -503,7 +533,29 @@ fn mangled_messages_never_panic() {
         ]),
     )
     .unwrap();
-    for base in [frames, reply] {
+    let nested = encode_reply(
+        3,
+        &Reply::StatsOk(vec![
+            ("rows".into(), Stat::Int(4)),
+            (
+                "plugin.runs".into(),
+                Stat::Map(vec![
+                    ("version".into(), Stat::Str("0.1.0".into())),
+                    ("capabilities".into(), Stat::strs(&["select"])),
+                    ("disabled".into(), Stat::Bool(false)),
+                ]),
+            ),
+            (
+                "deep".into(),
+                Stat::List(vec![Stat::List(vec![Stat::Map(vec![(
+                    "k".into(),
+                    Stat::Float(0.5),
+                )])])]),
+            ),
+        ]),
+    )
+    .unwrap();
+    for base in [frames, reply, nested] {
         let env = base[0].to_vec();
         for cut in 0..env.len() {
             let mut f = base.clone();
@@ -525,7 +577,9 @@ fn mangled_messages_never_panic() {
                 encode_request(&req).unwrap();
             }
             if let Ok((id, reply)) = decode_reply(&f, &Limits::default()) {
-                encode_reply(id, &reply).unwrap();
+                let again = encode_reply(id, &reply).unwrap();
+                let (_, back) = decode_reply(&again, &Limits::default()).unwrap();
+                assert_eq!(format!("{back:?}"), format!("{reply:?}"));
             }
         }
     }

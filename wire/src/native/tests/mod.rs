@@ -245,6 +245,22 @@ fn replies_round_trip() {
             ("bytes".into(), Stat::Int(i64::MAX)),
             ("load".into(), Stat::Float(0.25)),
             ("policy".into(), Stat::Str("coalesce".into())),
+            (
+                "plugin.runs".into(),
+                Stat::Map(vec![
+                    ("version".into(), Stat::Str("0.1.0".into())),
+                    ("calls".into(), Stat::Int(7)),
+                    ("disabled".into(), Stat::Bool(false)),
+                ]),
+            ),
+            (
+                "chain.*".into(),
+                Stat::Map(vec![
+                    ("select".into(), Stat::strs(&["runs", "gather"])),
+                    ("pack".into(), Stat::List(vec![])),
+                    ("live".into(), Stat::Bool(true)),
+                ]),
+            ),
         ]),
         Reply::Error {
             code: code::KEY_NOT_FOUND.into(),
