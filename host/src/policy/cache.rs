@@ -101,6 +101,71 @@ pub enum EntryError {
     BadTag,
 }
 
+/// Why a cache directory or its key is not used (the whole cache is then
+/// off; see the module doc).
+#[derive(Debug, thiserror::Error)]
+pub enum CacheDirError {
+    #[error("cannot {action} {}: {source}", path.display())]
+    Io {
+        action: &'static str,
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{} is not a directory", .0.display())]
+    NotADirectory(PathBuf),
+    #[error("{} is owned by uid {owner}, not by this process's uid {uid}", path.display())]
+    Owner { path: PathBuf, owner: u32, uid: u32 },
+    #[error("{} is writable by group or others (mode {mode:04o}); it must be 0700", path.display())]
+    Writable { path: PathBuf, mode: u32 },
+    #[error(
+        "ancestor {} is owned by uid {owner}, neither root nor this process's uid {uid}",
+        path.display()
+    )]
+    AncestorOwner { path: PathBuf, owner: u32, uid: u32 },
+    #[error("ancestor {} is writable by group or others (mode {mode:04o})", path.display())]
+    AncestorWritable { path: PathBuf, mode: u32 },
+    #[error(
+        "{} is under the world-writable sticky directory {}, so it must be mode 0700 (it is {mode:04o})",
+        path.display(),
+        sticky.display()
+    )]
+    UnderSticky {
+        path: PathBuf,
+        sticky: PathBuf,
+        mode: u32,
+    },
+    #[error("the key file {} is not a regular file", .0.display())]
+    KeyNotAFile(PathBuf),
+    #[error(
+        "the key file {} is owned by uid {owner}, not by this process's uid {uid}",
+        path.display()
+    )]
+    KeyOwner { path: PathBuf, owner: u32, uid: u32 },
+    #[error(
+        "the key file {} is open to group or others (mode {mode:04o}); it must be 0600",
+        path.display()
+    )]
+    KeyOpen { path: PathBuf, mode: u32 },
+    #[error(
+        "the key file {} has {len} bytes, not {KEY_LEN} (remove it to start a new key and cache)",
+        path.display()
+    )]
+    KeyLength { path: PathBuf, len: u64 },
+    #[error("no random bytes from the OS for a new key: {0}")]
+    Random(#[source] getrandom::Error),
+}
+
+/// An [`CacheDirError::Io`] maker: `io("stat", path)(e)`.
+fn io(action: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> CacheDirError {
+    let path = path.to_path_buf();
+    move |source| CacheDirError::Io {
+        action,
+        path,
+        source,
+    }
+}
+
 /// This process's effective uid.
 pub fn euid() -> u32 {
     // SAFETY: geteuid has no preconditions and cannot fail.
@@ -130,7 +195,7 @@ impl CompileCache {
     /// Checks (creating it `0700` if missing) the directory `dir`, then
     /// reads or creates its key. The error says which check failed and on
     /// which path.
-    pub fn open(dir: &Path) -> Result<CompileCache, String> {
+    pub fn open(dir: &Path) -> Result<CompileCache, CacheDirError> {
         let dir = private_dir(dir)?;
         let key = load_or_create_key(&dir)?;
         Ok(CompileCache { dir, key })
@@ -217,69 +282,64 @@ impl CompileCache {
 
 /// Creates `dir` (`0700`, with missing parents) if it does not exist, then
 /// checks it and its ancestors; returns its real path.
-pub fn private_dir(dir: &Path) -> Result<PathBuf, String> {
-    let shown = dir.display();
+pub fn private_dir(dir: &Path) -> Result<PathBuf, CacheDirError> {
     match std::fs::symlink_metadata(dir) {
         Ok(_) => {}
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => std::fs::DirBuilder::new()
             .recursive(true)
             .mode(0o700)
             .create(dir)
-            .map_err(|e| format!("cannot create {shown}: {e}"))?,
-        Err(e) => return Err(format!("cannot stat {shown}: {e}")),
+            .map_err(io("create", dir))?,
+        Err(e) => return Err(io("stat", dir)(e)),
     }
-    let real = dir
-        .canonicalize()
-        .map_err(|e| format!("cannot resolve {shown}: {e}"))?;
+    let real = dir.canonicalize().map_err(io("resolve", dir))?;
     check_private_dir(&real, euid())?;
     Ok(real)
 }
 
 /// The checks of a private directory `real` (an absolute path with no
 /// symlinks) for a process of effective uid `uid`.
-pub fn check_private_dir(real: &Path, uid: u32) -> Result<(), String> {
-    let stat =
-        |p: &Path| std::fs::metadata(p).map_err(|e| format!("cannot stat {}: {e}", p.display()));
+pub fn check_private_dir(real: &Path, uid: u32) -> Result<(), CacheDirError> {
+    let stat = |p: &Path| std::fs::metadata(p).map_err(io("stat", p));
     let meta = stat(real)?;
-    let shown = real.display();
+    let path = || real.to_path_buf();
     if !meta.is_dir() {
-        return Err(format!("{shown} is not a directory"));
+        return Err(CacheDirError::NotADirectory(path()));
     }
     if meta.uid() != uid {
-        return Err(format!(
-            "{shown} is owned by uid {}, not by this process's uid {uid}",
-            meta.uid()
-        ));
+        return Err(CacheDirError::Owner {
+            path: path(),
+            owner: meta.uid(),
+            uid,
+        });
     }
     let mode = meta.mode() & 0o7777;
     if mode & 0o022 != 0 {
-        return Err(format!(
-            "{shown} is writable by group or others (mode {mode:04o}); it must be 0700"
-        ));
+        return Err(CacheDirError::Writable { path: path(), mode });
     }
     for anc in real.ancestors().skip(1) {
         let m = stat(anc)?;
         if m.uid() != 0 && m.uid() != uid {
-            return Err(format!(
-                "ancestor {} is owned by uid {}, neither root nor this process's uid {uid}",
-                anc.display(),
-                m.uid()
-            ));
+            return Err(CacheDirError::AncestorOwner {
+                path: anc.to_path_buf(),
+                owner: m.uid(),
+                uid,
+            });
         }
         let amode = m.mode() & 0o7777;
         if amode & 0o022 != 0 {
             if amode & 0o1000 == 0 {
-                return Err(format!(
-                    "ancestor {} is writable by group or others (mode {amode:04o})",
-                    anc.display()
-                ));
+                return Err(CacheDirError::AncestorWritable {
+                    path: anc.to_path_buf(),
+                    mode: amode,
+                });
             }
             if mode & 0o077 != 0 {
-                return Err(format!(
-                    "{shown} is under the world-writable sticky directory {}, so it must be mode 0700 \
-                     (it is {mode:04o})",
-                    anc.display()
-                ));
+                return Err(CacheDirError::UnderSticky {
+                    path: path(),
+                    sticky: anc.to_path_buf(),
+                    mode,
+                });
             }
         }
     }
@@ -287,52 +347,50 @@ pub fn check_private_dir(real: &Path, uid: u32) -> Result<(), String> {
 }
 
 /// Reads the key of the (checked) directory `dir`, or creates it.
-fn load_or_create_key(dir: &Path) -> Result<[u8; KEY_LEN], String> {
+fn load_or_create_key(dir: &Path) -> Result<[u8; KEY_LEN], CacheDirError> {
     let path = dir.join(KEY_FILE);
     match open_nofollow(&path) {
         Ok(f) => read_key(f, &path),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => create_key(dir, &path),
-        Err(e) => Err(format!("cannot open the key file {}: {e}", path.display())),
+        Err(e) => Err(io("open the key file", &path)(e)),
     }
 }
 
-fn read_key(mut f: File, path: &Path) -> Result<[u8; KEY_LEN], String> {
-    let shown = path.display();
-    let meta = f
-        .metadata()
-        .map_err(|e| format!("cannot stat the key file {shown}: {e}"))?;
+fn read_key(mut f: File, path: &Path) -> Result<[u8; KEY_LEN], CacheDirError> {
+    let meta = f.metadata().map_err(io("stat the key file", path))?;
     let uid = euid();
     if !meta.is_file() {
-        return Err(format!("the key file {shown} is not a regular file"));
+        return Err(CacheDirError::KeyNotAFile(path.to_path_buf()));
     }
     if meta.uid() != uid {
-        return Err(format!(
-            "the key file {shown} is owned by uid {}, not by this process's uid {uid}",
-            meta.uid()
-        ));
+        return Err(CacheDirError::KeyOwner {
+            path: path.to_path_buf(),
+            owner: meta.uid(),
+            uid,
+        });
     }
     let mode = meta.mode() & 0o7777;
     if mode & 0o077 != 0 {
-        return Err(format!(
-            "the key file {shown} is open to group or others (mode {mode:04o}); it must be 0600"
-        ));
+        return Err(CacheDirError::KeyOpen {
+            path: path.to_path_buf(),
+            mode,
+        });
     }
     if meta.len() != KEY_LEN as u64 {
-        return Err(format!(
-            "the key file {shown} has {} bytes, not {KEY_LEN} (remove it to start a new key and cache)",
-            meta.len()
-        ));
+        return Err(CacheDirError::KeyLength {
+            path: path.to_path_buf(),
+            len: meta.len(),
+        });
     }
     let mut key = [0u8; KEY_LEN];
     f.read_exact(&mut key)
-        .map_err(|e| format!("cannot read the key file {shown}: {e}"))?;
+        .map_err(io("read the key file", path))?;
     Ok(key)
 }
 
-fn create_key(dir: &Path, path: &Path) -> Result<[u8; KEY_LEN], String> {
+fn create_key(dir: &Path, path: &Path) -> Result<[u8; KEY_LEN], CacheDirError> {
     let mut key = [0u8; KEY_LEN];
-    getrandom::fill(&mut key)
-        .map_err(|e| format!("no random bytes from the OS for a new key: {e}"))?;
+    getrandom::fill(&mut key).map_err(CacheDirError::Random)?;
     let tmp = dir.join(format!(".{KEY_FILE}.tmp{}", tmp_suffix()));
     let write = || -> std::io::Result<()> {
         let mut f = OpenOptions::new()
@@ -344,24 +402,19 @@ fn create_key(dir: &Path, path: &Path) -> Result<[u8; KEY_LEN], String> {
         f.write_all(&key)?;
         f.sync_all()
     };
-    let written =
-        write().map_err(|e| format!("cannot write a new key file {}: {e}", tmp.display()));
+    let written = write().map_err(io("write a new key file", &tmp));
     // Hard-link rather than rename: the link fails if another stowd made
     // the key first, and then its key is the one to use.
     let linked = written.and_then(|()| match std::fs::hard_link(&tmp, path) {
         Ok(()) => Ok(true),
         Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(false),
-        Err(e) => Err(format!(
-            "cannot create the key file {}: {e}",
-            path.display()
-        )),
+        Err(e) => Err(io("create the key file", path)(e)),
     });
     let _ = std::fs::remove_file(&tmp);
     if linked? {
         Ok(key)
     } else {
-        let f = open_nofollow(path)
-            .map_err(|e| format!("cannot open the key file {}: {e}", path.display()))?;
+        let f = open_nofollow(path).map_err(io("open the key file", path))?;
         read_key(f, path)
     }
 }
@@ -422,7 +475,7 @@ mod tests {
         let c = dir.join("c");
         CompileCache::open(&c).unwrap();
         std::fs::set_permissions(&c, std::os::unix::fs::PermissionsExt::from_mode(0o777)).unwrap();
-        let e = CompileCache::open(&c).unwrap_err();
+        let e = CompileCache::open(&c).unwrap_err().to_string();
         assert!(
             e.contains("writable by group or others") && e.contains("0777"),
             "{e}"
@@ -431,14 +484,14 @@ mod tests {
         // An ancestor writable by others (not sticky).
         std::fs::set_permissions(&dir, std::os::unix::fs::PermissionsExt::from_mode(0o777))
             .unwrap();
-        let e = CompileCache::open(&c).unwrap_err();
+        let e = CompileCache::open(&c).unwrap_err().to_string();
         assert!(e.contains("ancestor") && e.contains("0777"), "{e}");
         // Sticky: fine as an ancestor of a 0700 directory, not of a 0755 one.
         std::fs::set_permissions(&dir, std::os::unix::fs::PermissionsExt::from_mode(0o1777))
             .unwrap();
         CompileCache::open(&c).unwrap();
         std::fs::set_permissions(&c, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
-        let e = CompileCache::open(&c).unwrap_err();
+        let e = CompileCache::open(&c).unwrap_err().to_string();
         assert!(e.contains("sticky") && e.contains("0700"), "{e}");
         std::fs::set_permissions(&c, std::os::unix::fs::PermissionsExt::from_mode(0o700)).unwrap();
         std::fs::set_permissions(&dir, std::os::unix::fs::PermissionsExt::from_mode(0o755))
@@ -446,17 +499,19 @@ mod tests {
         // Another uid owning the directory (checked without chown).
         let real = c.canonicalize().unwrap();
         let e = check_private_dir(&real, euid() + 1).unwrap_err();
+        assert!(matches!(e, CacheDirError::Owner { .. }), "{e:?}");
+        let e = e.to_string();
         assert!(e.contains("owned by uid"), "{e}");
         // A key open to others, a symlinked key, a short key.
         let key = real.join(KEY_FILE);
         std::fs::set_permissions(&key, std::os::unix::fs::PermissionsExt::from_mode(0o644))
             .unwrap();
-        let e = CompileCache::open(&c).unwrap_err();
+        let e = CompileCache::open(&c).unwrap_err().to_string();
         assert!(e.contains("key file") && e.contains("0644"), "{e}");
         std::fs::remove_file(&key).unwrap();
         std::fs::write(real.join("elsewhere"), [7u8; KEY_LEN]).unwrap();
         std::os::unix::fs::symlink(real.join("elsewhere"), &key).unwrap();
-        let e = CompileCache::open(&c).unwrap_err();
+        let e = CompileCache::open(&c).unwrap_err().to_string();
         assert!(e.contains("key file"), "{e}");
         std::fs::remove_file(&key).unwrap();
         OpenOptions::new()
@@ -467,11 +522,13 @@ mod tests {
             .unwrap()
             .write_all(b"short")
             .unwrap();
-        let e = CompileCache::open(&c).unwrap_err();
+        let e = CompileCache::open(&c).unwrap_err().to_string();
         assert!(e.contains("5 bytes"), "{e}");
         // A file where the directory should be.
         std::fs::write(dir.join("f"), b"").unwrap();
         let e = CompileCache::open(&dir.join("f")).unwrap_err();
+        assert!(matches!(e, CacheDirError::NotADirectory(_)), "{e:?}");
+        let e = e.to_string();
         assert!(e.contains("not a directory"), "{e}");
         let _ = std::fs::remove_dir_all(&dir);
     }
