@@ -40,93 +40,9 @@ pub fn malloc_trim() -> bool {
     false
 }
 
-/// Asks the scheduler for a short time slice for the calling thread
-/// (Linux 6.12 and later, EEVDF: `sched_setattr` with `sched_runtime` for a
-/// `SCHED_OTHER` thread; no privilege needed, and the thread keeps its
-/// nice value). A thread with a shorter slice gets an earlier deadline, so
-/// when it wakes it preempts a busy thread of equal priority sooner,
-/// instead of waiting out that thread's slice; the CPU share stays the
-/// same. The kernel clamps the slice to 0.1-100 ms. An error on older
-/// kernels (which ignore or refuse the field) is for the caller to log.
-#[cfg(target_os = "linux")]
-pub fn request_slice(slice: std::time::Duration) -> std::io::Result<()> {
-    /// `struct sched_attr`, `SCHED_ATTR_SIZE_VER1` (56 bytes).
-    #[repr(C)]
-    struct SchedAttr {
-        size: u32,
-        policy: u32,
-        flags: u64,
-        nice: i32,
-        priority: u32,
-        runtime: u64,
-        deadline: u64,
-        period: u64,
-        util_min: u32,
-        util_max: u32,
-    }
-    // SAFETY: getpriority reads the calling thread's nice value (Linux
-    // treats PRIO_PROCESS with who 0 as the calling thread); errno is
-    // cleared first because -1 is also a valid nice value.
-    let nice = unsafe {
-        *libc::__errno_location() = 0;
-        libc::getpriority(libc::PRIO_PROCESS, 0)
-    };
-    if nice == -1 && std::io::Error::last_os_error().raw_os_error() != Some(0) {
-        return Err(std::io::Error::last_os_error());
-    }
-    let attr = SchedAttr {
-        size: std::mem::size_of::<SchedAttr>() as u32,
-        policy: libc::SCHED_OTHER as u32,
-        flags: 0,
-        nice,
-        priority: 0,
-        runtime: u64::try_from(slice.as_nanos()).unwrap_or(u64::MAX),
-        deadline: 0,
-        period: 0,
-        util_min: 0,
-        util_max: 0,
-    };
-    // SAFETY: `attr` is a valid, initialised sched_attr of the size it
-    // declares, alive for the call; pid 0 is the calling thread.
-    let rc = unsafe { libc::syscall(libc::SYS_sched_setattr, 0, &attr as *const SchedAttr, 0) };
-    if rc == 0 {
-        Ok(())
-    } else {
-        Err(std::io::Error::last_os_error())
-    }
-}
-
-/// Asks for a short time slice: not available off Linux.
-#[cfg(not(target_os = "linux"))]
-pub fn request_slice(_slice: std::time::Duration) -> std::io::Result<()> {
-    Err(std::io::ErrorKind::Unsupported.into())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn a_short_slice_is_granted_and_the_nice_value_kept() {
-        // SAFETY: reads the calling thread's nice value.
-        let nice_before = unsafe { libc::getpriority(libc::PRIO_PROCESS, 0) };
-        // On a thread of its own: the slice stays with the thread.
-        std::thread::spawn(move || {
-            request_slice(std::time::Duration::from_micros(100)).expect("sched_setattr");
-            // SAFETY: reads the calling thread's nice value.
-            let nice = unsafe { libc::getpriority(libc::PRIO_PROCESS, 0) };
-            assert_eq!(nice, nice_before);
-            // The slice is visible in the thread's scheduler statistics
-            // where the kernel exposes them (`se.slice`, in ns).
-            let sched = std::fs::read_to_string("/proc/thread-self/sched").unwrap_or_default();
-            if let Some(line) = sched.lines().find(|l| l.starts_with("se.slice")) {
-                let ns: f64 = line.split(':').nth(1).unwrap().trim().parse().unwrap();
-                assert_eq!(ns as u64, 100_000, "{line}");
-            }
-        })
-        .join()
-        .unwrap();
-    }
 
     #[test]
     fn rss_is_a_whole_number_of_pages_and_counts_touched_memory() {

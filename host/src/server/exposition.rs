@@ -55,9 +55,6 @@ pub const MAX_REQUEST_HEAD: usize = 8 * 1024;
 /// How long a client may take to send its request head.
 pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// The time slice the endpoint's thread asks the scheduler for.
-pub const SCRAPE_SLICE: Duration = Duration::from_micros(100);
-
 /// The content type of the exposition.
 pub const CONTENT_TYPE_TEXT: &str = "text/plain; version=0.0.4; charset=utf-8";
 
@@ -373,12 +370,6 @@ pub fn spawn(
     shutdown: watch::Receiver<bool>,
 ) -> JoinHandle<()> {
     tokio::task::spawn_blocking(move || {
-        // A scrape wakes this thread while the data path keeps both cores
-        // busy: with a short slice it runs at once instead of after a
-        // worker's slice (see `sys::request_slice`).
-        if let Err(e) = crate::sys::request_slice(SCRAPE_SLICE) {
-            tracing::debug!(error = %e, "metrics thread keeps the default time slice");
-        }
         let runtime = match tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
