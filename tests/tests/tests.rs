@@ -7,6 +7,7 @@
 //! To add a file: write `tests/tests/NAME.rs` and add `mod NAME;` here.
 
 mod compile_cache;
+mod dtypes;
 mod fuzz_corpora;
 mod hostile_live;
 mod idle_connections;
