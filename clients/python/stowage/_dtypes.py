@@ -5,6 +5,7 @@ imports the other's module for them (imports point one way: `_codec` ->
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
 import numpy as np
@@ -56,8 +57,6 @@ def ml_dtype(name: str) -> np.dtype | None:
     global _ml
     if _ml is None:
         _ml = {}
-        import importlib.util
-
         if importlib.util.find_spec("ml_dtypes") is not None:
             import ml_dtypes
 
