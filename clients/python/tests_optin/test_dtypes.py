@@ -8,7 +8,8 @@ a real stowd, byte for byte (needs torch; see README.md here):
   field of every dtype and gets it back; the same batch through
   TransferQueue's own SimpleStorageUnits is the reference (types, layouts,
   dtypes), and every row must be byte-equal to what was put.
-- The Stowage adapter (router mode), the same.
+- The Stowage adapter (router mode), the same; and stowd's router in front
+  of TransferQueue's own units.
 - The Stowage Python client reads over stowage/1 the rows TransferQueue put
   into stowd's units (as torch tensors of the same dtype), and puts and gets
   the same tensors itself: byte-equal.
@@ -175,6 +176,24 @@ def test_stowage_adapter_router_mode(clients, stowd, reference):
     shape, _ = roundtrip(c, "dtypes-router", make_batch(2))
     assert shape == reference
     c.clear_partition("dtypes-router")
+
+
+@pytest.fixture(scope="module")
+def stowd_over_tq(tmp_path_factory, tq_units):
+    """stowd with no local units whose router fans out to TransferQueue's own units."""
+    eps = [u.zmq_server_info.to_addr("put_get_socket") for u in tq_units]
+    config = "[units]\nlocal = 0\n[router]\nunits = [" + ", ".join(f'"{e}"' for e in eps) + "]\n"
+    with run_stowd(tmp_path_factory.mktemp("tq-dtypes-router"), config=config, name="stowd-dtypes-over-tq") as s:
+        yield s
+
+
+def test_stowd_router_over_transferqueue_units(clients, stowd_over_tq, reference):
+    """stowd's router decodes every dtype and forwards it to TransferQueue's
+    own SimpleStorageUnits, which store and return it through stowd."""
+    c = clients("Stowage", {"endpoint": stowd_over_tq["router"]["endpoint"]})
+    shape, _ = roundtrip(c, "dtypes-over-tq", make_batch(4))
+    assert shape == reference
+    c.clear_partition("dtypes-over-tq")
 
 
 def test_stowage_client_reads_and_writes_what_transferqueue_stores(clients, stowd):
