@@ -6,7 +6,7 @@
 //!
 //! Needs the nightly toolchain and cargo-fuzz; both are installed when
 //! missing. The fuzz crate is its own workspace and builds into
-//! `fuzz/target`. Each run reads the committed corpus (`fuzz/corpus/T`) and
+//! `fuzz/target` (or `$STOWAGE_FUZZ_TARGET_DIR`). Each run reads the committed corpus (`fuzz/corpus/T`) and
 //! the crash regressions (`fuzz/regressions/T`), and writes new inputs to a
 //! scratch corpus, `fuzz/target/corpus/T`, so the committed files never
 //! change under a run; a crash is written to `fuzz/artifacts/T/` and fails
