@@ -7,7 +7,10 @@
   (../shared/fixtures/transferqueue-0.1.11 beside the repository), frames
   joined in the fuzz input format (each frame: u32 little-endian length,
   then its bytes; see fuzz/src/lib.rs), as fuzz/corpus/tq_decode/fixture-NAME.
-- native_decode: one message of each stowage/1 request and reply kind,
+  Plus seed-every-dtype: a PUT with a regular and a jagged field of every
+  dtype stowd carries.
+- native_decode: one message of each stowage/1 request and reply kind (and
+  a put with a regular and a nested field of every dtype),
   written with `msgpack.packb` (the protocol page says that gives the Rust
   encoder's bytes), as fuzz/corpus/native_decode/seed-NAME.
 
@@ -16,6 +19,7 @@ Needs the `msgpack` package (pip install msgpack).
 """
 
 import argparse
+import pickle
 import re
 import struct
 from pathlib import Path
@@ -48,6 +52,35 @@ def tq_seeds(fixtures: Path):
         ordered = [parts[k] for k in sorted(parts)]
         assert sorted(parts) == list(range(len(parts))), f"{name}: frames not numbered 0..n"
         print(write("tq_decode", f"fixture-{name}", ordered))
+
+
+# Every dtype stowd carries, with its itemsize (torch's names and sizes).
+DTYPES = {
+    "bool": 1, "uint8": 1, "int8": 1, "int16": 2, "uint16": 2, "int32": 4, "uint32": 4,
+    "int64": 8, "uint64": 8, "float16": 2, "bfloat16": 2, "float32": 4, "float64": 8,
+    "complex64": 8, "complex128": 16, "complex32": 4, "float8_e4m3fn": 1, "float8_e4m3fnuz": 1,
+    "float8_e5m2": 1, "float8_e5m2fnuz": 1, "float8_e8m0fnu": 1, "float4_e2m1fn_x2": 1,
+}
+
+
+def tq_dtype_seed():
+    """A TransferQueue PUT of two rows with a regular [2, 1] field of every
+    dtype (ext 3 over its own frame, pickled as TransferQueue pickles it) and
+    a jagged one (ext 4)."""
+    data, frames = {}, []
+    for k, (d, size) in enumerate(DTYPES.items()):
+        frames.append(bytes(range(k, k + 2 * size)))
+        data[f"r_{d}"] = msgpack.ExtType(3, pickle.dumps((d, (2, 1), len(frames)), protocol=5))
+        frames.append(bytes(range(k, k + size)))
+        frames.append(bytes(range(k, k + 3 * size)))
+        metas = [(d, (1,), len(frames) - 1), (d, (3,), len(frames))]
+        data[f"j_{d}"] = msgpack.ExtType(4, pickle.dumps({"layout": "jagged", "tensors": metas}, protocol=5))
+    frame0 = msgpack.packb({
+        "request_type": "PUT", "sender_id": "TQ_STORAGE_seed", "receiver_id": "TQ_STORAGE_UNIT_seed",
+        "request_id": "0dtypes0", "timestamp": 1.5,
+        "body": {"global_indexes": [0, 2], "data": data, "data_parser": None},
+    }, use_bin_type=True)
+    print(write("tq_decode", "seed-every-dtype", [frame0, *frames]))
 
 
 def env(op, id_, body, **extra):
@@ -118,6 +151,16 @@ def native_seeds():
         ],
         "get_same_node": [env("get", 11, {"global_indexes": [0], "fields": ["x"]}, same_node=True)],
     }
+    # A regular [1, 2] and a nested field of every dtype, all in one frame.
+    fields, blob = {}, b""
+    for d, size in DTYPES.items():
+        fields[f"r_{d}"] = {"kind": "regular", "dtype": d, "shape": [1, 2],
+                            "parts": [{"frame": 1, "offset": len(blob), "len": 2 * size, "rows": 1}]}
+        blob += bytes(range(2 * size))
+        fields[f"n_{d}"] = {"kind": "nested", "dtype": d, "rows": [
+            {"shape": [3], "frame": 1, "offset": len(blob), "len": 3 * size}]}
+        blob += bytes(range(3 * size))
+    seeds["put_every_dtype"] = [env("put", 12, {"global_indexes": [5], "fields": fields}), blob]
     for name, frames in seeds.items():
         print(write("native_decode", f"seed-{name}", frames))
 
@@ -128,6 +171,7 @@ def main():
                     default=ROOT.parent / "shared" / "fixtures" / "transferqueue-0.1.11")
     args = ap.parse_args()
     tq_seeds(args.fixtures)
+    tq_dtype_seed()
     native_seeds()
 
 

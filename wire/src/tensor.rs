@@ -9,6 +9,14 @@
 use bytes::{Bytes, BytesMut};
 
 /// Element type of a tensor. Names follow torch (`float32`, `bfloat16`, ...).
+///
+/// Every dtype whose tensors TransferQueue 0.1.11 serializes by their bytes
+/// (`tensor.view(torch.uint8)`, then `str(dtype)` without `torch.`) with the
+/// torch 2.15 it installs, except the quantized dtypes (their scale and zero
+/// point are not in the bytes), torch's `bits*` and sub-byte shell dtypes
+/// (`uint1`..`uint7`, `int1`..`int7`) and `bcomplex32`. Itemsizes are torch's
+/// `dtype.itemsize`. stowd never reads an element: a dtype is a name and a
+/// size, and the bytes are stored and served as they came.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum DType {
     Bool,
@@ -26,11 +34,21 @@ pub enum DType {
     F64,
     Complex64,
     Complex128,
+    /// Two float16 (torch's `complex32`, alias `chalf`).
+    Complex32,
+    F8E4M3Fn,
+    F8E4M3Fnuz,
+    F8E5M2,
+    F8E5M2Fnuz,
+    /// An 8-bit exponent (MX block scales).
+    F8E8M0Fnu,
+    /// Two 4-bit floats packed in one byte (torch's shape counts bytes).
+    F4E2M1FnX2,
 }
 
 impl DType {
     /// Every dtype, in a stable order (used by tests and the WIT mapping).
-    pub const ALL: [DType; 15] = [
+    pub const ALL: [DType; 22] = [
         DType::Bool,
         DType::U8,
         DType::I8,
@@ -46,14 +64,29 @@ impl DType {
         DType::F64,
         DType::Complex64,
         DType::Complex128,
+        DType::Complex32,
+        DType::F8E4M3Fn,
+        DType::F8E4M3Fnuz,
+        DType::F8E5M2,
+        DType::F8E5M2Fnuz,
+        DType::F8E8M0Fnu,
+        DType::F4E2M1FnX2,
     ];
 
     /// Size of one element in bytes.
     pub const fn itemsize(self) -> usize {
         match self {
-            DType::Bool | DType::U8 | DType::I8 => 1,
+            DType::Bool
+            | DType::U8
+            | DType::I8
+            | DType::F8E4M3Fn
+            | DType::F8E4M3Fnuz
+            | DType::F8E5M2
+            | DType::F8E5M2Fnuz
+            | DType::F8E8M0Fnu
+            | DType::F4E2M1FnX2 => 1,
             DType::I16 | DType::U16 | DType::F16 | DType::BF16 => 2,
-            DType::I32 | DType::U32 | DType::F32 => 4,
+            DType::I32 | DType::U32 | DType::F32 | DType::Complex32 => 4,
             DType::I64 | DType::U64 | DType::F64 | DType::Complex64 => 8,
             DType::Complex128 => 16,
         }
@@ -77,11 +110,19 @@ impl DType {
             DType::F64 => "float64",
             DType::Complex64 => "complex64",
             DType::Complex128 => "complex128",
+            DType::Complex32 => "complex32",
+            DType::F8E4M3Fn => "float8_e4m3fn",
+            DType::F8E4M3Fnuz => "float8_e4m3fnuz",
+            DType::F8E5M2 => "float8_e5m2",
+            DType::F8E5M2Fnuz => "float8_e5m2fnuz",
+            DType::F8E8M0Fnu => "float8_e8m0fnu",
+            DType::F4E2M1FnX2 => "float4_e2m1fn_x2",
         }
     }
 
     /// Parses a torch dtype name (`float32`, also `torch.float32` and the
-    /// aliases `float`, `half`, `double`, `long`, `int`, `short`).
+    /// aliases `float`, `half`, `double`, `long`, `int`, `short`, `chalf`,
+    /// `cfloat`, `cdouble`).
     pub fn from_name(name: &str) -> Option<DType> {
         let name = name.strip_prefix("torch.").unwrap_or(name);
         let alias = match name {
@@ -91,6 +132,9 @@ impl DType {
             "long" => "int64",
             "int" => "int32",
             "short" => "int16",
+            "chalf" => "complex32",
+            "cfloat" => "complex64",
+            "cdouble" => "complex128",
             other => other,
         };
         DType::ALL.into_iter().find(|d| d.name() == alias)
@@ -418,12 +462,93 @@ mod tests {
         assert!(Tensor::contiguous(Bytes::new(), DType::F32, vec![0, 5]).is_ok());
     }
 
+    /// Every name and itemsize as `str(torch.X)` and `torch.X.itemsize`
+    /// print them with the torch 2.15 that TransferQueue 0.1.11 installs.
+    const TORCH: [(&str, usize); 22] = [
+        ("bool", 1),
+        ("uint8", 1),
+        ("int8", 1),
+        ("int16", 2),
+        ("uint16", 2),
+        ("int32", 4),
+        ("uint32", 4),
+        ("int64", 8),
+        ("uint64", 8),
+        ("float16", 2),
+        ("bfloat16", 2),
+        ("float32", 4),
+        ("float64", 8),
+        ("complex64", 8),
+        ("complex128", 16),
+        ("complex32", 4),
+        ("float8_e4m3fn", 1),
+        ("float8_e4m3fnuz", 1),
+        ("float8_e5m2", 1),
+        ("float8_e5m2fnuz", 1),
+        ("float8_e8m0fnu", 1),
+        ("float4_e2m1fn_x2", 1),
+    ];
+
     #[test]
-    fn dtype_names_round_trip() {
-        for d in DType::ALL {
-            assert_eq!(DType::from_name(d.name()), Some(d));
+    fn dtype_names_and_itemsizes_are_torchs() {
+        for (d, (name, itemsize)) in DType::ALL.into_iter().zip(TORCH) {
+            assert_eq!((d.name(), d.itemsize()), (name, itemsize));
+            assert_eq!(DType::from_name(name), Some(d));
+            assert_eq!(DType::from_name(&format!("torch.{name}")), Some(d));
+            assert_eq!(d.to_string(), name);
         }
-        assert_eq!(DType::from_name("torch.float"), Some(DType::F32));
-        assert_eq!(DType::from_name("float8"), None);
+        let mut names: Vec<&str> = DType::ALL.iter().map(|d| d.name()).collect();
+        names.sort();
+        names.dedup();
+        assert_eq!(names.len(), DType::ALL.len());
+    }
+
+    #[test]
+    fn dtype_aliases_and_unknown_names() {
+        for (alias, d) in [
+            ("torch.float", DType::F32),
+            ("half", DType::F16),
+            ("double", DType::F64),
+            ("long", DType::I64),
+            ("int", DType::I32),
+            ("short", DType::I16),
+            ("chalf", DType::Complex32),
+            ("cfloat", DType::Complex64),
+            ("torch.cdouble", DType::Complex128),
+        ] {
+            assert_eq!(DType::from_name(alias), Some(d), "{alias}");
+        }
+        for unknown in [
+            "float8",
+            "float8_e4m3",
+            "qint8",
+            "quint4x2",
+            "bits8",
+            "uint4",
+            "int1",
+            "bcomplex32",
+            "Float32",
+            "torch.",
+            "",
+            "torch.torch.float32",
+            "float32 ",
+        ] {
+            assert_eq!(DType::from_name(unknown), None, "{unknown:?}");
+        }
+    }
+
+    #[test]
+    fn every_dtype_builds_tensors_of_its_itemsize() {
+        for d in DType::ALL {
+            let n = d.itemsize() * 6;
+            let t = Tensor::contiguous(Bytes::from(vec![0xA5u8; n]), d, vec![3, 2]).unwrap();
+            assert_eq!((t.row_bytes(), t.strides()), (2 * d.itemsize(), vec![2, 1]));
+            assert_eq!(t.rows_view(0, 2, 2).unwrap().row_stride(), 4 * d.itemsize());
+            let short = Tensor::contiguous(Bytes::from(vec![0u8; n - 1]), d, vec![3, 2]);
+            assert!(
+                matches!(short, Err(TensorError::LengthMismatch { .. })),
+                "{d}"
+            );
+        }
     }
 }

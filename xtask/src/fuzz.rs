@@ -6,7 +6,7 @@
 //!
 //! Needs the nightly toolchain and cargo-fuzz; both are installed when
 //! missing. The fuzz crate is its own workspace and builds into
-//! `fuzz/target`. Each run reads the committed corpus (`fuzz/corpus/T`) and
+//! `fuzz/target` (or `$STOWAGE_FUZZ_TARGET_DIR`). Each run reads the committed corpus (`fuzz/corpus/T`) and
 //! the crash regressions (`fuzz/regressions/T`), and writes new inputs to a
 //! scratch corpus, `fuzz/target/corpus/T`, so the committed files never
 //! change under a run; a crash is written to `fuzz/artifacts/T/` and fails
@@ -127,8 +127,15 @@ pub fn run_targets(targets: &[&str], opts: &Options) -> Result<()> {
 /// Flags `cargo fuzz build` and `cargo fuzz run` must share (or `run`
 /// rebuilds). Build time is kept down in `fuzz/Cargo.toml` instead (the
 /// host's dependencies the targets never run are built unoptimised).
+///
+/// `STOWAGE_FUZZ_TARGET_DIR`, if set, is the build's target directory (e.g.
+/// one under a shared build cache) instead of `fuzz/target`.
 fn build_flags(opts: &Options) -> Vec<String> {
-    vec!["--sanitizer".into(), opts.sanitizer.clone()]
+    let mut flags = vec!["--sanitizer".into(), opts.sanitizer.clone()];
+    if let Some(dir) = std::env::var_os("STOWAGE_FUZZ_TARGET_DIR") {
+        flags.extend(["--target-dir".into(), dir.to_string_lossy().into_owned()]);
+    }
+    flags
 }
 
 fn path(p: &Path) -> String {

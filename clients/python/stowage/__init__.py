@@ -11,7 +11,7 @@
 optional and used only when a torch tensor is passed in or asked for.
 """
 
-from ._codec import WIRE_DTYPES, BFloat16Bits, FrameSource
+from ._codec import BITS_DTYPES, WIRE_DTYPES, BFloat16Bits, Bits, FrameSource
 from .aio import AsyncClient
 from .client import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TIMEOUT, Client
 from .errors import (
@@ -31,10 +31,13 @@ __version__ = "0.1.0"
 
 DTYPES = tuple(WIRE_DTYPES)
 """The dtype names stowage/1 carries."""
+# (BITS_DTYPES: those numpy has no type for; see `Bits`.)
 
 __all__ = [
     "AsyncClient",
     "BFloat16Bits",
+    "BITS_DTYPES",
+    "Bits",
     "BadRequest",
     "CapacityError",
     "Client",

@@ -23,7 +23,14 @@ import msgpack
 import numpy as np
 
 from . import _torch
-from ._dtypes import DTYPE_ALIASES, WIRE_DTYPES, canonical_dtype, wire_dtype_of  # noqa: F401 - re-exported
+from ._dtypes import (  # noqa: F401 - re-exported
+    BITS_DTYPES,
+    DTYPE_ALIASES,
+    WIRE_DTYPES,
+    canonical_dtype,
+    ml_dtype,
+    wire_dtype_of,
+)
 from .errors import ProtocolError
 
 PROTO = "stowage/1"
@@ -32,19 +39,50 @@ PROTO = "stowage/1"
 # (the tables and names live in `_dtypes`, which `_torch` uses too)
 
 
-class BFloat16Bits:
-    """Marks uint16 (or int16) numpy data as bfloat16 bit patterns, so it is
-    sent with dtype `bfloat16`: `BFloat16Bits(array)` for a regular field, or
-    `BFloat16Bits([row, ...])` for a nested one. This is the form a get
-    returns bfloat16 in when torch is not used, so it round-trips."""
+class Bits:
+    """Marks unsigned (or signed) int numpy data as the bit patterns of a
+    dtype numpy has no type for (`stowage.BITS_DTYPES`: bfloat16, complex32,
+    the float8s, float4_e2m1fn_x2), so it is sent with that dtype:
+    `Bits(array, "float8_e4m3fn")` for a regular field, or
+    `Bits([row, ...], "float8_e4m3fn")` for a nested one. The ints must have
+    the dtype's itemsize (uint8 for a float8, uint32 for complex32). This is
+    the form a get returns these dtypes in when torch is not used, so it
+    round-trips."""
 
-    __slots__ = ("data",)
+    __slots__ = ("data", "dtype")
+
+    def __init__(self, data, dtype: str):
+        if dtype not in BITS_DTYPES:
+            raise ValueError(f"Bits: dtype must be one of {sorted(BITS_DTYPES)}, got {dtype!r}")
+        self.data = data
+        self.dtype = dtype
+
+    def __repr__(self) -> str:
+        return f"Bits({self.data!r}, {self.dtype!r})"
+
+
+class BFloat16Bits(Bits):
+    """`Bits(data, "bfloat16")`: uint16 (or int16) numpy data as bfloat16 bit
+    patterns, `BFloat16Bits(array)` for a regular field, or
+    `BFloat16Bits([row, ...])` for a nested one."""
+
+    __slots__ = ()
 
     def __init__(self, data):
-        self.data = data
+        super().__init__(data, "bfloat16")
 
     def __repr__(self) -> str:
         return f"BFloat16Bits({self.data!r})"
+
+
+def typed_bits(v, dtype: str):
+    """A get's raw-bits array (or list of row arrays) of `dtype` -> the same
+    memory viewed as ml_dtypes' type when ml_dtypes is installed and has it;
+    else unchanged."""
+    dt = ml_dtype(dtype)
+    if dt is None:
+        return v
+    return [r.view(dt) for r in v] if isinstance(v, list) else v.view(dt)
 
 
 # ---------------------------------------------------------------- put input
@@ -82,16 +120,18 @@ def _little_contiguous(a: np.ndarray) -> np.ndarray:
 def _tensor_like(x) -> bool:
     if isinstance(x, (str, bytes)):  # incl. numpy.str_ / numpy.bytes_
         return False
-    return isinstance(x, (np.ndarray, np.generic, BFloat16Bits)) or _torch.is_tensor(x)
+    return isinstance(x, (np.ndarray, np.generic, Bits)) or _torch.is_tensor(x)
 
 
 def _to_wire_array(x, what: str) -> tuple[str, np.ndarray]:
-    """An ndarray, torch tensor or BFloat16Bits -> (dtype name, little-endian C-contiguous ndarray)."""
-    if isinstance(x, BFloat16Bits):
-        a = x.data
-        if not isinstance(a, np.ndarray) or a.dtype.kind not in "iu" or a.dtype.itemsize != 2:
-            raise TypeError(f"{what}: BFloat16Bits needs a uint16 or int16 numpy array, got {_describe(a)}")
-        return "bfloat16", _little_contiguous(a).view(np.dtype("<u2"))
+    """An ndarray, torch tensor or Bits -> (dtype name, little-endian C-contiguous ndarray)."""
+    if isinstance(x, Bits):
+        a, bits = x.data, WIRE_DTYPES[x.dtype]
+        if not isinstance(a, np.ndarray) or a.dtype.kind not in "iu" or a.dtype.itemsize != bits.itemsize:
+            n = 8 * bits.itemsize
+            marker = "BFloat16Bits" if x.dtype == "bfloat16" else f"Bits(.., {x.dtype!r})"
+            raise TypeError(f"{what}: {marker} needs a uint{n} or int{n} numpy array, got {_describe(a)}")
+        return x.dtype, _little_contiguous(a).view(bits)
     if isinstance(x, (np.ndarray, np.generic)):  # a numpy scalar is a 0-d row
         x = np.asarray(x)
         return wire_dtype_of(x.dtype, what), _little_contiguous(x)
@@ -114,11 +154,11 @@ def normalize_field(name: Any, value: Any, n: int) -> Regular | Nested | Values:
     if not isinstance(name, str):
         raise TypeError(f"field names must be str, got {name!r}")
     what = f"field {name!r}"
-    if isinstance(value, BFloat16Bits) and isinstance(value.data, (list, tuple)):
-        value = [BFloat16Bits(r) for r in value.data]
+    if isinstance(value, Bits) and isinstance(value.data, (list, tuple)):
+        value = [Bits(r, value.dtype) for r in value.data]
     elif _torch.is_tensor(value) and _torch.is_nested(value):
         value = _torch.unbind(value)
-    if isinstance(value, (np.ndarray, BFloat16Bits)) or _torch.is_tensor(value):
+    if isinstance(value, (np.ndarray, Bits)) or _torch.is_tensor(value):
         dtype, a = _to_wire_array(value, what)
         if a.ndim == 0:
             raise ValueError(f"{what}: a regular field needs a row axis, got a 0-d array")

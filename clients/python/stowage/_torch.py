@@ -1,7 +1,8 @@
 """Optional torch bridging. torch is never imported to *inspect* an argument
 (a torch tensor can only exist if the caller imported torch), and only
 imported to *build* tensors when a get asks for them (`as_torch=True`, or
-bfloat16 fields with `as_torch=None`).
+fields of a dtype numpy has no type for (`_dtypes.BITS_DTYPES`: bfloat16,
+complex32, float8, float4) with `as_torch=None`).
 
 Every tensor <-> ndarray conversion here shares memory (no copy), except
 `.cpu()` of a tensor on another device and `.contiguous()` of a
@@ -16,7 +17,7 @@ import warnings
 
 import numpy as np
 
-from ._dtypes import wire_dtype_of
+from ._dtypes import BITS_DTYPES, WIRE_DTYPES, wire_dtype_of
 
 _available: bool | None = None
 
@@ -89,9 +90,25 @@ def from_numpy_rows(rows: list, dtype: str) -> list:
     # (Entered once: catch_warnings costs more than from_numpy itself.)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "The given NumPy array is not writable"
-        if dtype == "bfloat16":
-            return [torch.from_numpy(a.view(np.int16)).view(torch.bfloat16) for a in rows]
+        if dtype in BITS_DTYPES:
+            tdt = torch_dtype(dtype)
+            if tdt is None:
+                raise TypeError(f"torch {torch.__version__} has no dtype {dtype}; get it with as_torch=False")
+            signed = _SIGNED[WIRE_DTYPES[dtype].itemsize]  # torch reads signed ints of every size
+            return [torch.from_numpy(a.view(signed)).view(tdt) for a in rows]
         return [torch.from_numpy(a) for a in rows]
+
+
+_SIGNED = {1: np.dtype(np.int8), 2: np.dtype(np.int16), 4: np.dtype(np.int32)}
+
+
+def torch_dtype(name: str):
+    """The installed torch's dtype of stowage/1 name `name`, or None if this
+    torch has none of that name (float8_e8m0fnu is newer than float8_e4m3fn)."""
+    import torch
+
+    dt = getattr(torch, name, None)
+    return dt if isinstance(dt, torch.dtype) else None
 
 
 def out_view(t, what: str) -> tuple[str, np.ndarray]:
@@ -107,10 +124,14 @@ def out_view(t, what: str) -> tuple[str, np.ndarray]:
 
 def _as_numpy(t, what: str) -> tuple[str, np.ndarray]:
     """A CPU tensor -> (stowage/1 dtype name, ndarray sharing its memory);
-    bfloat16 as its uint16 bit patterns."""
+    bfloat16, complex32, the float8s and float4_e2m1fn_x2 as their raw bits
+    (`_dtypes.WIRE_DTYPES`)."""
     torch = _loaded()
-    if t.dtype == torch.bfloat16:
-        return "bfloat16", t.view(torch.int16).numpy().view(np.uint16)
+    name = _name(t.dtype)
+    if name in BITS_DTYPES:
+        bits = WIRE_DTYPES[name]
+        signed = {1: torch.int8, 2: torch.int16, 4: torch.int32}[bits.itemsize]
+        return name, t.view(signed).numpy().view(bits)
     try:
         a = t.numpy()
     except TypeError as e:

@@ -99,7 +99,8 @@ class _Ops:
     def _get_result(body: dict, frames, names: list, n: int, as_torch) -> dict:
         replies = _codec.decode_get_fields(body, names, n, frames)
         tensors = {name: f for name, f in replies.items() if f.kind != "values" and (
-            as_torch if as_torch is not None else (f.dtype == "bfloat16" and _torch.available()))}
+            as_torch if as_torch is not None else (
+                f.dtype in _codec.BITS_DTYPES and _torch.available() and _torch.torch_dtype(f.dtype) is not None))}
         # Same node: tensors over private copy-on-write mappings, never over the
         # read-only pages shared with other readers (a write there is a SIGSEGV).
         private = _codec.to_private_numpy(tensors, frames) if tensors and frames.cow is not None else {}
@@ -108,6 +109,8 @@ class _Ops:
             v = private[name] if name in private else _codec.to_numpy(f)
             if name in tensors:
                 v = _torch.from_numpy_rows(v, f.dtype) if f.kind == "nested" else _torch.from_numpy(v, f.dtype)
+            elif f.dtype in _codec.BITS_DTYPES:
+                v = _codec.typed_bits(v, f.dtype)
             out[name] = v
         return out
 
@@ -151,7 +154,8 @@ class _Ops:
                 shapes = sorted({tuple(s) for s, _ in f.rows})[:3]
                 raise ValueError(f"{what}: the requested rows of {name!r} have different shapes "
                                  f"(e.g. {[list(s) for s in shapes]}), so they do not fit one array; use get()")
-            want_ok = dtype == f.dtype or (f.dtype == "bfloat16" and dtype in ("uint16", "int16"))
+            want_ok = dtype == f.dtype or (  # raw bits fill ints of their size
+                f.dtype in _codec.BITS_DTYPES and dtype in _INT_NAMES and _codec.WIRE_DTYPES[dtype].itemsize == f.np_dtype.itemsize)
             if not want_ok:
                 raise ValueError(f"{what} has dtype {dtype}, but field {name!r} is {f.dtype}")
             if tuple(a.shape) != tuple(f.shape):
@@ -177,6 +181,9 @@ class _Ops:
         if set(body) != {"cleared"} or not isinstance(body["cleared"], int):
             raise ProtocolError(f"malformed clear_ok body {body!r:.200}")
         return body["cleared"]
+
+
+_INT_NAMES = frozenset(f"{s}int{n}" for s in ("", "u") for n in (8, 16, 32, 64))
 
 
 def _ms_left(deadline: float) -> int:
@@ -281,8 +288,13 @@ class Client(_Ops):
         (regular), a list of n read-only arrays (nested), or a list of n
         values, in the order of `global_indexes` (repeats allowed).
         `as_torch=True` gives torch tensors; `None` gives numpy except for
-        bfloat16 fields, which are torch bfloat16 tensors if torch is
-        installed and uint16 bit patterns otherwise; `False` is numpy only.
+        the dtypes numpy has no type for (`stowage.BITS_DTYPES`: bfloat16,
+        complex32, the float8s, float4_e2m1fn_x2), which are torch tensors of
+        that dtype if torch is installed (and has it), else their bit
+        patterns as unsigned ints of the same size (uint16 for bfloat16,
+        uint32 for complex32, uint8 for the others) or, for the float8s with
+        `ml_dtypes` installed, ml_dtypes arrays; `False` is numpy only
+        (those same bits or ml_dtypes arrays).
 
         A write to a numpy array raises `ValueError` (same node: two gets of
         the same rows share one read-only mapping). torch tensors are
@@ -299,7 +311,8 @@ class Client(_Ops):
     def get_into(self, global_indexes, out: Mapping[str, Any], *, timeout: float | None = None) -> Mapping[str, Any]:
         """Reads regular fields into preallocated arrays or CPU tensors (e.g.
         pinned): out[field] must have shape `[n, ...]` and the field's dtype
-        (bfloat16 also fills uint16/int16 arrays). Every byte is copied once,
+        (a dtype of `stowage.BITS_DTYPES` also fills int arrays of its
+        itemsize, e.g. uint8 for a float8). Every byte is copied once,
         from the received frames straight into `out`. Returns `out`."""
         idx, targets, body = self._get_into_request(global_indexes, out)
         reply, frames = self._call("get", body, (), timeout, "get_ok", self._get_extras())

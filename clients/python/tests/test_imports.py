@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "stowage"
-OPTIONAL = {"torch", "ray"}  # what a function may import: optional dependencies only
+OPTIONAL = {"torch", "ray", "ml_dtypes"}  # what a function may import: optional dependencies only
 
 
 def _modules() -> dict[str, Path]:

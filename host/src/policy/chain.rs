@@ -10,7 +10,10 @@
 //! with a [`Backoff`] it is re-enabled (on a fresh instance) after a delay
 //! that doubles at each further disable up to a cap, without one it stays
 //! disabled until its file is reloaded. If no policy applies, the built-in
-//! answers. Data is never touched here: only plans are.
+//! answers. A policy that cannot describe a field (a `stowage:policy@0.1.0`
+//! plugin, for a dtype its closed enum has no name for) is skipped for that
+//! field's `select` without a call, as if it had declined. Data is never
+//! touched here: only plans are.
 //!
 //! Tracing: every chain call is a `policy` span (`chain` = select or pack,
 //! `decided_by` recorded when it ends: `plugin <name>@<version>`,
@@ -304,10 +307,16 @@ impl Chain {
 
     fn ask<P>(
         &self,
+        skip: impl Fn(&dyn Policy) -> bool,
         call: impl Fn(&dyn Policy) -> Result<P, PolicyError>,
         check: impl Fn(&P) -> Result<(), PlanError>,
     ) -> Result<Outcome<P>, ChainError> {
         for loaded in &self.policies {
+            if skip(loaded.policy.as_ref()) {
+                let d = loaded.policy.describe();
+                tracing::debug!(plugin = %d.name, version = %d.version, "skipped: its contract cannot name the field's dtype");
+                continue;
+            }
             match loaded.stats.callable() {
                 None => continue,
                 Some(true) => {
@@ -362,6 +371,7 @@ impl Chain {
         )
         .entered();
         let outcome = self.ask(
+            |p| !p.can_describe(field),
             |p| p.select(field, positions),
             |plan| plan::validate_selection(field, positions, plan),
         )?;
@@ -390,6 +400,7 @@ impl Chain {
             tracing::debug_span!("policy", chain = "pack", decided_by = tracing::field::Empty)
                 .entered();
         let outcome = self.ask(
+            |_| false,
             |p| p.pack(pieces, limits),
             |plan| plan::validate_frames(pieces, limits, plan),
         )?;

@@ -72,6 +72,13 @@ pub trait Policy: Send + Sync {
     /// Name, version and capabilities.
     fn describe(&self) -> &Description;
 
+    /// False if this policy cannot be asked to select from `field` at all
+    /// (a plugin whose contract has no name for the field's dtype); the
+    /// chain then skips it without a call.
+    fn can_describe(&self, _field: &Field) -> bool {
+        true
+    }
+
     /// Plans the rows at `positions` of `field`.
     fn select(&self, field: &Field, positions: &[u64]) -> Result<SelectionPlan, PolicyError>;
 

@@ -2,6 +2,7 @@
 //! inputs, and pickle vectors produced by CPython.
 
 mod bad_input;
+mod dtypes;
 mod fixtures;
 mod pickle_vectors;
 

@@ -23,10 +23,14 @@ fn field_kind(field: &Field) -> wtypes::FieldKind {
     }
 }
 
-fn wit_dtype(d: crate::tensor::DType) -> wtypes::Dtype {
+/// The WIT name of a dtype, if `stowage:policy@0.1.0` has one. Its `dtype`
+/// enum is closed (the 15 dtypes of 0.1.0): a plugin built against it is
+/// never lent a field of any other dtype (see [`wit_can_name`]); the next
+/// contract version names them.
+fn wit_dtype(d: crate::tensor::DType) -> Option<wtypes::Dtype> {
     use crate::tensor::DType as D;
     use wtypes::Dtype as W;
-    match d {
+    Some(match d {
         D::Bool => W::Bool,
         D::U8 => W::Uint8,
         D::I8 => W::Int8,
@@ -42,6 +46,23 @@ fn wit_dtype(d: crate::tensor::DType) -> wtypes::Dtype {
         D::F64 => W::Float64,
         D::Complex64 => W::Complex64,
         D::Complex128 => W::Complex128,
+        D::Complex32
+        | D::F8E4M3Fn
+        | D::F8E4M3Fnuz
+        | D::F8E5M2
+        | D::F8E5M2Fnuz
+        | D::F8E8M0Fnu
+        | D::F4E2M1FnX2 => return None,
+    })
+}
+
+/// True if every tensor of `field` has a dtype the contract can name (a
+/// `values` field has none: it is lent as `uint8`).
+pub(super) fn wit_can_name(field: &Field) -> bool {
+    match field {
+        Field::Regular(t) => wit_dtype(t.dtype()).is_some(),
+        Field::Nested(rows) => rows.iter().all(|t| wit_dtype(t.dtype()).is_some()),
+        Field::Values(_) => true,
     }
 }
 
@@ -103,14 +124,19 @@ impl wtypes::HostTensor for HostState {
     }
 
     fn dtype(&mut self, h: Resource<LentField>) -> wasmtime::Result<wtypes::Dtype> {
-        Ok(match &self.table.get(&h)?.field {
-            Field::Regular(t) => wit_dtype(t.dtype()),
-            Field::Nested(rows) => rows
-                .first()
-                .map(|t| wit_dtype(t.dtype()))
-                .unwrap_or(wtypes::Dtype::Uint8),
-            Field::Values(_) => wtypes::Dtype::Uint8,
-        })
+        let dtype = match &self.table.get(&h)?.field {
+            Field::Regular(t) => Some(t.dtype()),
+            Field::Nested(rows) => rows.first().map(|t| t.dtype()),
+            Field::Values(_) => None,
+        };
+        match dtype {
+            None => Ok(wtypes::Dtype::Uint8),
+            // Unreachable while `select` checks `wit_can_name` first; a trap
+            // (a fault, answered by the built-in) rather than a wrong name.
+            Some(d) => wit_dtype(d).ok_or_else(|| {
+                wasmtime::Error::msg(format!("dtype {d} has no name in stowage:policy@0.1.0"))
+            }),
+        }
     }
 
     fn shape(&mut self, h: Resource<LentField>) -> wasmtime::Result<Vec<u64>> {
@@ -209,5 +235,22 @@ mod tests {
         let l = lent(Field::Nested(rows), 16);
         assert_eq!(l.read(1, 2).unwrap(), vec![2, 3]);
         assert_eq!(l.row_byte_lens(), vec![2, 0, 1]);
+    }
+
+    #[test]
+    fn the_contract_names_the_15_dtypes_of_0_1_0_and_no_other() {
+        let named: Vec<DType> = DType::ALL
+            .into_iter()
+            .filter(|&d| wit_dtype(d).is_some())
+            .collect();
+        assert_eq!(named, DType::ALL[..15]);
+        let t = |d: DType| Tensor::contiguous(Bytes::from(vec![0u8; 2]), d, vec![2]).unwrap();
+        assert!(wit_can_name(&Field::Regular(t(DType::U8))));
+        assert!(!wit_can_name(&Field::Regular(t(DType::F8E4M3Fn))));
+        assert!(!wit_can_name(&Field::Nested(vec![
+            t(DType::U8),
+            t(DType::F8E5M2)
+        ])));
+        assert!(wit_can_name(&Field::Nested(vec![])));
     }
 }
