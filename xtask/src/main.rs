@@ -333,21 +333,29 @@ fn python() -> String {
     env::var("PYTHON").unwrap_or_else(|_| "python3".into())
 }
 
+/// The Python test dependencies: (pip name, module name).
+const PYTHON_DEPS: &[(&str, &str)] = &[
+    ("pyzmq", "zmq"),
+    ("msgpack", "msgpack"),
+    ("numpy", "numpy"),
+    ("pytest", "pytest"),
+    ("tomli-w", "tomli_w"),
+    // The float8 client tests read float8 fields as ml_dtypes arrays.
+    ("ml_dtypes", "ml_dtypes"),
+];
+
 /// Installs the Python test dependencies when one is missing.
 fn ensure_python_deps() -> Result<()> {
     let py = python();
+    let modules: Vec<&str> = PYTHON_DEPS.iter().map(|(_, m)| *m).collect();
     let probe = Command::new(&py)
-        .args(["-c", "import zmq, msgpack, numpy, pytest, tomli_w"])
+        .args(["-c", &format!("import {}", modules.join(", "))])
         .output();
+    let mut install = vec!["-m", "pip", "install", "-q"];
+    install.extend(PYTHON_DEPS.iter().map(|(p, _)| *p));
     match probe {
         Ok(out) if out.status.success() => Ok(()),
-        Ok(_) => sh(
-            &py,
-            &[
-                "-m", "pip", "install", "-q", "pyzmq", "msgpack", "numpy", "pytest", "tomli-w",
-            ],
-            &[],
-        ),
+        Ok(_) => sh(&py, &install, &[]),
         Err(e) => Err(format!("cannot run {py}: {e}").into()),
     }
 }
