@@ -287,6 +287,17 @@ fn check_component(bytes: &[u8]) -> Result<()> {
 
 /// Runs a command in the workspace root; fails on a non-zero exit.
 fn sh(program: &str, args: &[&str], envs: &[(&str, &std::ffi::OsStr)]) -> Result<()> {
+    sh_timed(program, args, envs, true)
+}
+
+/// As [`sh`]; `timed: false` prints nothing after the command, so that a
+/// test runner's own summary lines end the output.
+fn sh_timed(
+    program: &str,
+    args: &[&str],
+    envs: &[(&str, &std::ffi::OsStr)],
+    timed: bool,
+) -> Result<()> {
     let root = workspace_root();
     eprintln!("xtask: {program} {}", args.join(" "));
     let started = std::time::Instant::now();
@@ -298,6 +309,9 @@ fn sh(program: &str, args: &[&str], envs: &[(&str, &std::ffi::OsStr)]) -> Result
         .map_err(|e| format!("cannot run {program}: {e}"))?;
     if !status.success() {
         return Err(format!("`{program} {}` failed ({status})", args.join(" ")).into());
+    }
+    if !timed {
+        return Ok(());
     }
     eprintln!(
         "xtask: {program} {} took {:.0} s",
@@ -473,9 +487,11 @@ fn test(args: &[String]) -> Result<()> {
     // rebuilt) then only builds the doc tests.
     sh(&cargo(), &["build", "--workspace", "--all-targets"], &envs)?;
     sh(&cargo(), &["test", "--workspace"], &envs)?;
-    sh(
+    // Last, and untimed: pytest's summary ends the output.
+    sh_timed(
         &python(),
         &["-m", "pytest", "tests/python", "clients/python/tests", "-q"],
         &envs,
+        false,
     )
 }
