@@ -57,13 +57,28 @@ pub enum TransportError {
     #[error("cannot bind {endpoint}: {reason}")]
     Bind { endpoint: String, reason: String },
     #[error("cannot connect to {endpoint}: {reason}")]
-    Connect { endpoint: String, reason: String },
+    Connect {
+        endpoint: String,
+        #[source]
+        reason: ConnectError,
+    },
     #[error("send to {endpoint} failed: {reason}")]
     Send { endpoint: String, reason: String },
     #[error("no reply from {endpoint} within {timeout:?}")]
     Timeout { endpoint: String, timeout: Duration },
     #[error("receive from {endpoint} failed: {reason}")]
     Recv { endpoint: String, reason: String },
+}
+
+/// Why a connection to a peer could not be made.
+#[derive(Debug, thiserror::Error)]
+pub enum ConnectError {
+    #[error("only tcp:// and ipc:// endpoints are supported")]
+    Scheme,
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+    #[error("{0}")]
+    Handshake(#[from] ZmtpError),
 }
 
 /// What one connection may cost.
@@ -461,22 +476,20 @@ impl Peer {
         &self.endpoint
     }
 
-    async fn open(&self) -> Result<BoxStream, String> {
+    async fn open(&self) -> Result<BoxStream, ConnectError> {
         if let Some(path) = self.endpoint.strip_prefix("ipc://") {
-            return UnixStream::connect(path)
-                .await
-                .map(|s| Box::new(s) as BoxStream)
-                .map_err(|e| e.to_string());
+            let s = UnixStream::connect(path).await?;
+            return Ok(Box::new(s));
         }
         let Some(addr) = self.endpoint.strip_prefix("tcp://") else {
-            return Err("only tcp:// and ipc:// endpoints are supported".into());
+            return Err(ConnectError::Scheme);
         };
-        let s = TcpStream::connect(addr).await.map_err(|e| e.to_string())?;
-        s.set_nodelay(true).map_err(|e| e.to_string())?;
+        let s = TcpStream::connect(addr).await?;
+        s.set_nodelay(true)?;
         Ok(Box::new(s))
     }
 
-    async fn connect(&self) -> Result<Conn, String> {
+    async fn connect(&self) -> Result<Conn, ConnectError> {
         let n = self.sequence.fetch_add(1, Ordering::Relaxed);
         let identity = format!("{}_{n}", self.identity_prefix);
         let (reader, mut writer) = tokio::io::split(self.open().await?);
@@ -488,8 +501,7 @@ impl Peer {
             identity.as_bytes(),
             &["ROUTER", "REP", "DEALER"],
         )
-        .await
-        .map_err(|e| e.to_string())?;
+        .await?;
         Ok(Conn { reader, writer })
     }
 
