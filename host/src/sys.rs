@@ -40,9 +40,46 @@ pub fn malloc_trim() -> bool {
     false
 }
 
+/// When this process started (Linux: `/proc/self/stat` field 22, ticks
+/// since boot, against `/proc/uptime`), to about 10 ms; `None` if unknown.
+pub fn process_start() -> Option<std::time::SystemTime> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    // Field 2 (the command) may hold spaces: count from the last ')'.
+    let after = &stat[stat.rfind(')')? + 1..];
+    let ticks: u64 = after.split_whitespace().nth(19)?.parse().ok()?;
+    let uptime: f64 = std::fs::read_to_string("/proc/uptime")
+        .ok()?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()?;
+    // SAFETY: sysconf reads a constant of the running system.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    let hz = u64::try_from(hz).ok().filter(|h| *h > 0)?;
+    let age = uptime - ticks as f64 / hz as f64;
+    std::time::SystemTime::now().checked_sub(std::time::Duration::from_secs_f64(age.max(0.0)))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_process_started_before_now_and_after_boot() {
+        let started = process_start().expect("process start");
+        let now = std::time::SystemTime::now();
+        let age = now.duration_since(started).expect("started in the past");
+        // The test binary has run for less than an hour.
+        assert!(age < std::time::Duration::from_secs(3600), "{age:?}");
+        // A file made now is newer than the process.
+        let f = std::env::temp_dir().join(format!("sys-start-{}", std::process::id()));
+        std::fs::write(&f, b"x").unwrap();
+        let m = std::fs::metadata(&f).unwrap().modified().unwrap();
+        let _ = std::fs::remove_file(&f);
+        // tmpfs times are coarse (a few ms) and the start is known to 10 ms.
+        let margin = std::time::Duration::from_millis(100);
+        assert!(m + margin > started, "{m:?} vs {started:?}");
+    }
 
     #[test]
     fn rss_is_a_whole_number_of_pages_and_counts_touched_memory() {

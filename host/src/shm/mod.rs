@@ -2,7 +2,8 @@
 //! clients on the same node by name.
 //!
 //! A segment is a file in the shared-memory directory (`/dev/shm` by
-//! default) named `stowd-<pid>-<n>`. Ownership: stored rows are `Bytes`
+//! default) named `stowd-<pid>-<128 random bits in hex>`, created `O_EXCL`
+//! and mode 0600 (no other user can open, guess or pre-create one). Ownership: stored rows are `Bytes`
 //! slices of a read-only mapping of the segment; when the last slice is
 //! dropped (every row cleared or overwritten) the mapping is unmapped and
 //! the file unlinked. A client that mapped the segment keeps its mapping
@@ -44,6 +45,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::fs::{File, OpenOptions};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
@@ -147,29 +149,43 @@ impl std::fmt::Debug for SegmentStore {
 }
 
 impl SegmentStore {
-    /// A store in `dir`; removes segments left there by dead `stowd`s.
+    /// A store in `dir`; removes segments left there by dead `stowd`s, and
+    /// by an earlier process with this one's pid.
     pub fn new(dir: &Path, lease_ttl: Duration, max_lease: u64) -> Result<SegmentStore, ShmError> {
         let io = |source| ShmError::Io {
             path: dir.display().to_string(),
             source,
         };
         std::fs::create_dir_all(dir).map_err(io)?;
+        // A stowd restarted with its predecessor's pid (PID 1 in a
+        // container) removes the files that pid left before it started: a
+        // second before, as the start time is known to 10 ms and tmpfs
+        // times are coarse (a predecessor gone less than a second earlier
+        // leaves its files; their random names never collide with ours).
+        let me = std::process::id();
+        let started =
+            crate::sys::process_start().and_then(|t| t.checked_sub(Duration::from_secs(1)));
         for entry in std::fs::read_dir(dir).map_err(io)?.flatten() {
             let name = entry.file_name().to_string_lossy().to_string();
             let pid = name
                 .strip_prefix("stowd-")
                 .and_then(|r| r.split('-').next())
                 .and_then(|p| p.parse::<u32>().ok());
-            if let Some(pid) = pid
-                && !Path::new(&format!("/proc/{pid}")).exists()
-            {
+            let stale = match pid {
+                Some(pid) if pid == me => {
+                    let modified = entry.metadata().and_then(|m| m.modified()).ok();
+                    matches!((modified, started), (Some(m), Some(s)) if m < s)
+                }
+                Some(pid) => !Path::new(&format!("/proc/{pid}")).exists(),
+                None => false,
+            };
+            if stale {
                 let _ = std::fs::remove_file(entry.path());
             }
         }
         let names = Arc::new(Names {
             dir: dir.to_path_buf(),
             prefix: format!("stowd-{}-", std::process::id()),
-            next: AtomicU64::new(0),
         });
         let spares = Arc::new(Spares::new(names.clone(), 0, Duration::ZERO));
         Ok(SegmentStore {
@@ -197,11 +213,7 @@ impl SegmentStore {
     }
 
     fn path_of(&self, name: &str) -> Result<PathBuf, ShmError> {
-        let prefix = &self.names.prefix;
-        let ok = name.starts_with(prefix.as_str())
-            && name[prefix.len()..].chars().all(|c| c.is_ascii_digit())
-            && name.len() > prefix.len();
-        if !ok {
+        if !self.names.is_segment(name) {
             return Err(ShmError::BadName(name.into()));
         }
         Ok(self.names.dir.join(name))
@@ -213,15 +225,22 @@ impl SegmentStore {
         if let Some(spare) = self.spares.take(len) {
             return Ok(spare);
         }
-        let path = self.names.dir.join(self.names.fresh());
+        let fresh = self.names.fresh().map_err(|source| ShmError::Io {
+            path: self.names.dir.display().to_string(),
+            source,
+        })?;
+        let path = self.names.dir.join(fresh);
         let io = |source| ShmError::Io {
             path: path.display().to_string(),
             source,
         };
+        // 0600: only this user (stowd and its same-node clients) can open
+        // it; `create_new` (O_EXCL) never opens a file someone else made.
         let file = OpenOptions::new()
             .read(true)
             .write(true)
             .create_new(true)
+            .mode(0o600)
             .open(&path)
             .map_err(io)?;
         file.set_len(len).map_err(io)?;
@@ -413,171 +432,4 @@ impl Drop for SegmentStore {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn store(tag: &str, ttl: Duration) -> SegmentStore {
-        let dir = std::env::temp_dir().join(format!("stowage-shm-{tag}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        SegmentStore::new(&dir, ttl, 1 << 30).unwrap()
-    }
-
-    #[test]
-    fn exported_bytes_are_freed_with_the_last_slice_or_the_hold() {
-        let s = store("export", Duration::from_secs(5)).with_hold(Duration::from_millis(50));
-        let (whole, name) = s.export(&[b"abc", b"defg"]).unwrap();
-        assert_eq!(&whole[..], b"abcdefg");
-        let file = s.dir().join(&name);
-        assert!(file.exists());
-        let part = whole.slice(3..);
-        drop(whole);
-        assert!(file.exists());
-        assert_eq!(s.counts(), (1, 0));
-        // Named in a reply: held after the last row goes.
-        s.hold([part.clone()]);
-        drop(part);
-        assert!(
-            file.exists(),
-            "a segment named in a reply went before its hold time"
-        );
-        std::thread::sleep(Duration::from_millis(80));
-        s.sweep();
-        assert!(
-            !file.exists(),
-            "segment not unlinked after the last slice and the hold"
-        );
-        assert_eq!(s.counts(), (0, 0));
-    }
-
-    #[test]
-    fn leases_are_adopted_without_copy_or_expire() {
-        let s = store("lease", Duration::from_millis(50));
-        let (name, _) = s.lease(8).unwrap();
-        std::fs::write(s.dir().join(&name), b"12345678").unwrap();
-        let bytes = s.adopt(&name).unwrap();
-        assert_eq!(&bytes[..], b"12345678");
-        assert!(matches!(s.adopt(&name), Err(ShmError::UnknownLease(_))));
-        let (stale, _) = s.lease(8).unwrap();
-        std::thread::sleep(Duration::from_millis(80));
-        assert_eq!(s.sweep(), 1);
-        assert!(!s.dir().join(&stale).exists());
-        assert!(matches!(s.adopt(&stale), Err(ShmError::UnknownLease(_))));
-        assert!(matches!(
-            s.adopt("../../etc/passwd"),
-            Err(ShmError::BadName(_))
-        ));
-        assert!(matches!(s.lease(2 << 30), Err(ShmError::TooLarge { .. })));
-    }
-
-    fn inode(path: &Path) -> u64 {
-        use std::os::unix::fs::MetadataExt;
-        std::fs::metadata(path).unwrap().ino()
-    }
-
-    /// Leases `len` bytes, fills them with `byte`, adopts the segment.
-    fn put(s: &SegmentStore, len: u64, byte: u8) -> (Bytes, PathBuf) {
-        let (name, _) = s.lease(len).unwrap();
-        let path = s.dir().join(&name);
-        std::fs::write(&path, vec![byte; len as usize]).unwrap();
-        (s.adopt(&name).unwrap(), path)
-    }
-
-    #[test]
-    fn a_cleared_segment_nobody_maps_is_kept_and_leased_again() {
-        let s =
-            store("reuse", Duration::from_secs(5)).with_reuse(64 << 20, Duration::from_secs(60));
-        let (bytes, path) = put(&s, 4 << 20, 1);
-        let ino = inode(&path);
-        drop(bytes);
-        assert!(!path.exists(), "the old name must go with the rows");
-        assert_eq!(s.spares(), (1, 4 << 20, 0));
-        // A put naming the spare's file is refused: it is no segment name.
-        let spare = std::fs::read_dir(s.dir())
-            .unwrap()
-            .next()
-            .unwrap()
-            .unwrap()
-            .file_name();
-        let spare = spare.to_string_lossy().to_string();
-        assert!(spare.contains("-spare-"), "{spare}");
-        assert!(matches!(s.adopt(&spare), Err(ShmError::BadName(_))));
-        // A lease of a size within a factor of two gets the same file, resized, under a new name.
-        let (name, _) = s.lease(3 << 20).unwrap();
-        let again = s.dir().join(&name);
-        assert_ne!(again, path);
-        assert_eq!(inode(&again), ino, "the spare was not reused");
-        assert_eq!(std::fs::metadata(&again).unwrap().len(), 3 << 20);
-        assert_eq!(s.spares(), (0, 0, 1));
-        // Exports take spares too.
-        std::fs::write(&again, vec![2u8; 3 << 20]).unwrap();
-        drop(s.adopt(&name).unwrap());
-        let (whole, segment) = s.export(&[&vec![9u8; 3 << 20]]).unwrap();
-        assert_eq!(inode(&s.dir().join(&segment)), ino);
-        assert!(whole.iter().all(|b| *b == 9));
-    }
-
-    #[test]
-    fn a_segment_a_reader_still_locks_is_unlinked_not_reused() {
-        let s =
-            store("locked", Duration::from_secs(5)).with_reuse(64 << 20, Duration::from_secs(60));
-        let (bytes, path) = put(&s, 2 << 20, 7);
-        // A reader maps it under a shared lock (as the protocol asks).
-        let reader = File::open(&path).unwrap();
-        reader.lock_shared().unwrap();
-        // SAFETY: a test file nobody writes while it is mapped.
-        let map = unsafe { MmapOptions::new().map(&reader) }.unwrap();
-        drop(bytes);
-        assert!(!path.exists());
-        assert_eq!(
-            s.spares(),
-            (0, 0, 0),
-            "a segment a reader locks was kept for reuse"
-        );
-        // New leases get new pages: the reader's bytes never change.
-        let (again, _) = put(&s, 2 << 20, 8);
-        assert!(map.iter().all(|b| *b == 7));
-        assert!(again.iter().all(|b| *b == 8));
-    }
-
-    #[test]
-    fn spares_are_bounded_small_ones_unlinked_and_idle_ones_removed() {
-        let s =
-            store("bounded", Duration::from_secs(5)).with_reuse(5 << 20, Duration::from_millis(50));
-        let (a, _) = put(&s, 2 << 20, 1);
-        let (b, _) = put(&s, 2 << 20, 2);
-        let (c, c_path) = put(&s, 3 << 20, 3);
-        let (small, small_path) = put(&s, 4096, 4);
-        drop(small);
-        assert!(!small_path.exists());
-        drop(a);
-        drop(b);
-        assert_eq!(s.spares().1, 4 << 20);
-        let c_ino = inode(&c_path);
-        drop(c); // 7 MiB > 5: the oldest spare goes
-        assert_eq!(s.spares().1, 5 << 20);
-        let files = std::fs::read_dir(s.dir()).unwrap().count();
-        assert_eq!(files, 2, "an evicted spare's file was left behind");
-        // Far too small or far too large a lease does not take a spare.
-        let (name, _) = s.lease(8 << 20).unwrap();
-        assert_eq!(s.spares().0, 2);
-        assert_ne!(inode(&s.dir().join(&name)), c_ino);
-        std::thread::sleep(Duration::from_millis(80));
-        s.sweep();
-        assert_eq!(s.spares(), (0, 0, 0));
-        assert_eq!(
-            std::fs::read_dir(s.dir()).unwrap().count(),
-            1,
-            "idle spares were not removed"
-        );
-    }
-
-    #[test]
-    fn without_reuse_cleared_segments_are_unlinked() {
-        let s = store("noreuse", Duration::from_secs(5));
-        let (bytes, path) = put(&s, 2 << 20, 1);
-        drop(bytes);
-        assert!(!path.exists());
-        assert_eq!(s.spares(), (0, 0, 0));
-        assert_eq!(std::fs::read_dir(s.dir()).unwrap().count(), 0);
-    }
-}
+mod tests;

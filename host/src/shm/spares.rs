@@ -30,29 +30,37 @@ pub(super) struct Spares {
     pub(super) reused: AtomicU64,
 }
 
-/// Fresh segment names: `stowd-<pid>-<n>` in `dir`.
+/// Fresh segment names in `dir`: `stowd-<pid>-` and 32 hex digits of OS
+/// randomness, so that no other local user can guess the next name and
+/// create it first (sequential names could be squatted: every lease and
+/// same-node put then failed with "File exists").
 pub(super) struct Names {
     pub(super) dir: PathBuf,
     pub(super) prefix: String,
-    pub(super) next: AtomicU64,
+}
+
+/// 128 random bits as 32 lowercase hex digits.
+fn random_hex() -> std::io::Result<String> {
+    let mut bytes = [0u8; 16];
+    getrandom::fill(&mut bytes).map_err(std::io::Error::other)?;
+    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
 }
 
 impl Names {
-    pub(super) fn fresh(&self) -> String {
-        format!(
-            "{}{}",
-            self.prefix,
-            self.next.fetch_add(1, Ordering::Relaxed)
-        )
+    pub(super) fn fresh(&self) -> std::io::Result<String> {
+        Ok(format!("{}{}", self.prefix, random_hex()?))
     }
 
     /// A spare's name: not a segment name, so no request can name it.
-    pub(super) fn spare(&self) -> String {
-        format!(
-            "{}spare-{}",
-            self.prefix,
-            self.next.fetch_add(1, Ordering::Relaxed)
-        )
+    pub(super) fn spare(&self) -> std::io::Result<String> {
+        Ok(format!("{}spare-{}", self.prefix, random_hex()?))
+    }
+
+    /// Whether `name` is a segment name of this store (not a spare's).
+    pub(super) fn is_segment(&self, name: &str) -> bool {
+        name.strip_prefix(self.prefix.as_str()).is_some_and(|r| {
+            r.len() == 32 && r.bytes().all(|c| matches!(c, b'0'..=b'9' | b'a'..=b'f'))
+        })
     }
 }
 
@@ -84,7 +92,10 @@ impl Spares {
         }
         // A fresh name before the lock goes: a reader that opened the old
         // name but had not locked yet sees the name gone and stops.
-        let renamed = self.names.dir.join(self.names.spare());
+        let Ok(spare) = self.names.spare() else {
+            return false;
+        };
+        let renamed = self.names.dir.join(spare);
         if std::fs::rename(path, &renamed).is_err() {
             return false;
         }
@@ -131,7 +142,11 @@ impl Spares {
         let i = above.or_else(below)?;
         let spare = list.remove(i);
         drop(list);
-        let path = self.names.dir.join(self.names.fresh());
+        let Ok(fresh) = self.names.fresh() else {
+            let _ = std::fs::remove_file(&spare.path);
+            return None;
+        };
+        let path = self.names.dir.join(fresh);
         if spare.file.set_len(len).is_err() || std::fs::rename(&spare.path, &path).is_err() {
             let _ = std::fs::remove_file(&spare.path);
             return None;

@@ -1,0 +1,251 @@
+//! Tests of the segment store.
+
+use super::*;
+
+fn store(tag: &str, ttl: Duration) -> SegmentStore {
+    let dir = std::env::temp_dir().join(format!("stowage-shm-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    SegmentStore::new(&dir, ttl, 1 << 30).unwrap()
+}
+
+#[test]
+fn exported_bytes_are_freed_with_the_last_slice_or_the_hold() {
+    let s = store("export", Duration::from_secs(5)).with_hold(Duration::from_millis(50));
+    let (whole, name) = s.export(&[b"abc", b"defg"]).unwrap();
+    assert_eq!(&whole[..], b"abcdefg");
+    let file = s.dir().join(&name);
+    assert!(file.exists());
+    let part = whole.slice(3..);
+    drop(whole);
+    assert!(file.exists());
+    assert_eq!(s.counts(), (1, 0));
+    // Named in a reply: held after the last row goes.
+    s.hold([part.clone()]);
+    drop(part);
+    assert!(
+        file.exists(),
+        "a segment named in a reply went before its hold time"
+    );
+    std::thread::sleep(Duration::from_millis(80));
+    s.sweep();
+    assert!(
+        !file.exists(),
+        "segment not unlinked after the last slice and the hold"
+    );
+    assert_eq!(s.counts(), (0, 0));
+}
+
+#[test]
+fn leases_are_adopted_without_copy_or_expire() {
+    let s = store("lease", Duration::from_millis(50));
+    let (name, _) = s.lease(8).unwrap();
+    std::fs::write(s.dir().join(&name), b"12345678").unwrap();
+    let bytes = s.adopt(&name).unwrap();
+    assert_eq!(&bytes[..], b"12345678");
+    assert!(matches!(s.adopt(&name), Err(ShmError::UnknownLease(_))));
+    let (stale, _) = s.lease(8).unwrap();
+    std::thread::sleep(Duration::from_millis(80));
+    assert_eq!(s.sweep(), 1);
+    assert!(!s.dir().join(&stale).exists());
+    assert!(matches!(s.adopt(&stale), Err(ShmError::UnknownLease(_))));
+    assert!(matches!(
+        s.adopt("../../etc/passwd"),
+        Err(ShmError::BadName(_))
+    ));
+    assert!(matches!(s.lease(2 << 30), Err(ShmError::TooLarge { .. })));
+}
+
+fn inode(path: &Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(path).unwrap().ino()
+}
+
+/// Leases `len` bytes, fills them with `byte`, adopts the segment.
+fn put(s: &SegmentStore, len: u64, byte: u8) -> (Bytes, PathBuf) {
+    let (name, _) = s.lease(len).unwrap();
+    let path = s.dir().join(&name);
+    std::fs::write(&path, vec![byte; len as usize]).unwrap();
+    (s.adopt(&name).unwrap(), path)
+}
+
+#[test]
+fn a_cleared_segment_nobody_maps_is_kept_and_leased_again() {
+    let s = store("reuse", Duration::from_secs(5)).with_reuse(64 << 20, Duration::from_secs(60));
+    let (bytes, path) = put(&s, 4 << 20, 1);
+    let ino = inode(&path);
+    drop(bytes);
+    assert!(!path.exists(), "the old name must go with the rows");
+    assert_eq!(s.spares(), (1, 4 << 20, 0));
+    // A put naming the spare's file is refused: it is no segment name.
+    let spare = std::fs::read_dir(s.dir())
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .file_name();
+    let spare = spare.to_string_lossy().to_string();
+    assert!(spare.contains("-spare-"), "{spare}");
+    assert!(matches!(s.adopt(&spare), Err(ShmError::BadName(_))));
+    // A lease of a size within a factor of two gets the same file, resized, under a new name.
+    let (name, _) = s.lease(3 << 20).unwrap();
+    let again = s.dir().join(&name);
+    assert_ne!(again, path);
+    assert_eq!(inode(&again), ino, "the spare was not reused");
+    assert_eq!(std::fs::metadata(&again).unwrap().len(), 3 << 20);
+    assert_eq!(s.spares(), (0, 0, 1));
+    // Exports take spares too.
+    std::fs::write(&again, vec![2u8; 3 << 20]).unwrap();
+    drop(s.adopt(&name).unwrap());
+    let (whole, segment) = s.export(&[&vec![9u8; 3 << 20]]).unwrap();
+    assert_eq!(inode(&s.dir().join(&segment)), ino);
+    assert!(whole.iter().all(|b| *b == 9));
+}
+
+#[test]
+fn a_segment_a_reader_still_locks_is_unlinked_not_reused() {
+    let s = store("locked", Duration::from_secs(5)).with_reuse(64 << 20, Duration::from_secs(60));
+    let (bytes, path) = put(&s, 2 << 20, 7);
+    // A reader maps it under a shared lock (as the protocol asks).
+    let reader = File::open(&path).unwrap();
+    reader.lock_shared().unwrap();
+    // SAFETY: a test file nobody writes while it is mapped.
+    let map = unsafe { MmapOptions::new().map(&reader) }.unwrap();
+    drop(bytes);
+    assert!(!path.exists());
+    assert_eq!(
+        s.spares(),
+        (0, 0, 0),
+        "a segment a reader locks was kept for reuse"
+    );
+    // New leases get new pages: the reader's bytes never change.
+    let (again, _) = put(&s, 2 << 20, 8);
+    assert!(map.iter().all(|b| *b == 7));
+    assert!(again.iter().all(|b| *b == 8));
+}
+
+#[test]
+fn spares_are_bounded_small_ones_unlinked_and_idle_ones_removed() {
+    let s = store("bounded", Duration::from_secs(5)).with_reuse(5 << 20, Duration::from_millis(50));
+    let (a, _) = put(&s, 2 << 20, 1);
+    let (b, _) = put(&s, 2 << 20, 2);
+    let (c, c_path) = put(&s, 3 << 20, 3);
+    let (small, small_path) = put(&s, 4096, 4);
+    drop(small);
+    assert!(!small_path.exists());
+    drop(a);
+    drop(b);
+    assert_eq!(s.spares().1, 4 << 20);
+    let c_ino = inode(&c_path);
+    drop(c); // 7 MiB > 5: the oldest spare goes
+    assert_eq!(s.spares().1, 5 << 20);
+    let files = std::fs::read_dir(s.dir()).unwrap().count();
+    assert_eq!(files, 2, "an evicted spare's file was left behind");
+    // Far too small or far too large a lease does not take a spare.
+    let (name, _) = s.lease(8 << 20).unwrap();
+    assert_eq!(s.spares().0, 2);
+    assert_ne!(inode(&s.dir().join(&name)), c_ino);
+    std::thread::sleep(Duration::from_millis(80));
+    s.sweep();
+    assert_eq!(s.spares(), (0, 0, 0));
+    assert_eq!(
+        std::fs::read_dir(s.dir()).unwrap().count(),
+        1,
+        "idle spares were not removed"
+    );
+}
+
+#[test]
+fn without_reuse_cleared_segments_are_unlinked() {
+    let s = store("noreuse", Duration::from_secs(5));
+    let (bytes, path) = put(&s, 2 << 20, 1);
+    drop(bytes);
+    assert!(!path.exists());
+    assert_eq!(s.spares(), (0, 0, 0));
+    assert_eq!(std::fs::read_dir(s.dir()).unwrap().count(), 0);
+}
+
+#[test]
+fn segment_files_are_private_and_their_names_unguessable() {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let s = store("private", Duration::from_secs(5));
+    let (bytes, a) = s.export(&[b"private rows"]).unwrap();
+    let (lease, _) = s.lease(64).unwrap();
+    for name in [&a, &lease] {
+        let meta = std::fs::metadata(s.dir().join(name)).unwrap();
+        assert_eq!(meta.permissions().mode() & 0o777, 0o600, "{name}");
+        let random = name
+            .strip_prefix(&format!("stowd-{}-", std::process::id()))
+            .unwrap_or_else(|| panic!("{name}"));
+        assert_eq!(random.len(), 32, "{name}");
+        assert!(random.bytes().all(|c| c.is_ascii_hexdigit()), "{name}");
+    }
+    assert_ne!(a, lease);
+    // The old sequential names are not segment names any more.
+    let old = format!("stowd-{}-0", std::process::id());
+    assert!(matches!(s.adopt(&old), Err(ShmError::BadName(_))));
+    // Another user cannot open it (as root, run `cat` as nobody).
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } == 0 {
+        use std::os::unix::process::CommandExt;
+        let path = s.dir().join(&a);
+        let out = std::process::Command::new("cat")
+            .arg(&path)
+            .uid(65534)
+            .gid(65534)
+            .output()
+            .unwrap();
+        assert!(!out.status.success() && out.stdout.is_empty(), "{out:?}");
+        // Even with the directory open to everyone.
+        std::fs::set_permissions(s.dir(), std::fs::Permissions::from_mode(0o755)).unwrap();
+        let out = std::process::Command::new("cat")
+            .arg(&path)
+            .uid(65534)
+            .gid(65534)
+            .output()
+            .unwrap();
+        assert!(!out.status.success() && out.stdout.is_empty(), "{out:?}");
+        assert_eq!(std::fs::metadata(&path).unwrap().uid(), 0);
+    }
+    drop(bytes);
+}
+
+#[test]
+fn names_another_user_created_first_do_not_block_leases_or_exports() {
+    let s = store("squat", Duration::from_secs(5));
+    // What a squatter could guess before: the next sequential names.
+    for n in 0..64 {
+        std::fs::write(
+            s.dir().join(format!("stowd-{}-{n}", std::process::id())),
+            b"",
+        )
+        .unwrap();
+    }
+    let (lease, _) = s.lease(4096).unwrap();
+    let (bytes, name) = s.export(&[b"rows"]).unwrap();
+    assert_eq!(&bytes[..], b"rows");
+    assert_ne!(lease, name);
+}
+
+#[test]
+fn files_an_earlier_process_with_this_pid_left_are_removed_at_start() {
+    let dir = std::env::temp_dir().join(format!("stowage-shm-samepid-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let prefix = format!("stowd-{}-", std::process::id());
+    let old = dir.join(format!("{prefix}{}", "0".repeat(32)));
+    let spare = dir.join(format!("{prefix}spare-{}", "1".repeat(32)));
+    let ours = dir.join(format!("{prefix}{}", "2".repeat(32)));
+    let hour_ago = std::time::SystemTime::now() - Duration::from_secs(3600);
+    for path in [&old, &spare] {
+        let f = File::create(path).unwrap();
+        f.set_modified(hour_ago).unwrap();
+    }
+    // Made after this process started: another store's of this process.
+    File::create(&ours).unwrap();
+    let s = SegmentStore::new(&dir, Duration::from_secs(5), 1 << 20).unwrap();
+    assert!(!old.exists() && !spare.exists());
+    assert!(ours.exists());
+    let (name, _) = s.lease(16).unwrap();
+    assert!(dir.join(name).exists());
+    let _ = std::fs::remove_dir_all(&dir);
+}
