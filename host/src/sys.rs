@@ -40,6 +40,26 @@ pub fn malloc_trim() -> bool {
     false
 }
 
+/// Size in bytes of the file system holding `path` (`statvfs`: blocks
+/// times fragment size), `None` if it cannot be read.
+pub fn fs_size(path: &std::path::Path) -> Option<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(path.as_os_str().as_bytes()).ok()?;
+    let mut st = std::mem::MaybeUninit::<libc::statvfs>::uninit();
+    // SAFETY: `c` is a NUL-terminated path alive for the call; statvfs
+    // writes the whole struct on success, and it is read only then.
+    let rc = unsafe { libc::statvfs(c.as_ptr(), st.as_mut_ptr()) };
+    if rc != 0 {
+        return None;
+    }
+    // SAFETY: statvfs returned 0, so it initialised `st`.
+    let st = unsafe { st.assume_init() };
+    // u64 here; narrower on 32-bit targets.
+    #[allow(clippy::useless_conversion)]
+    let (blocks, frsize) = (u64::from(st.f_blocks), u64::from(st.f_frsize));
+    Some(blocks.saturating_mul(frsize))
+}
+
 /// When this process started (Linux: `/proc/self/stat` field 22, ticks
 /// since boot, against `/proc/uptime`), to about 10 ms; `None` if unknown.
 pub fn process_start() -> Option<std::time::SystemTime> {
@@ -63,6 +83,13 @@ pub fn process_start() -> Option<std::time::SystemTime> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_size_of_a_file_system_is_known() {
+        let tmp = fs_size(&std::env::temp_dir()).expect("statvfs");
+        assert!(tmp > 1 << 20, "{tmp}");
+        assert_eq!(fs_size(std::path::Path::new("/no/such/dir")), None);
+    }
 
     #[test]
     fn the_process_started_before_now_and_after_boot() {

@@ -324,3 +324,45 @@ async fn bytes_that_are_not_zmtp_close_only_their_connection() {
     assert_intact(&client, &stored).await;
     stowd.assert_running();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leases_past_the_total_quota_are_refused_and_an_expired_lease_frees_its_share() {
+    let stowd = Stowd::start("[shm]\nmax_leased_bytes = 1048576\nlease_secs = 1\n");
+    let client = NativeClient::new(stowd.native());
+    let lease = |bytes: u64| client.call(native::Op::Lease { bytes });
+    let granted = |reply: &native::Reply| matches!(reply, native::Reply::LeaseOk { .. });
+    let first = lease(600_000).await;
+    assert!(
+        granted(&first),
+        "{}",
+        stowage_tests::client::summary(&first)
+    );
+    // Together over the quota: refused, naming the key, the sizes and the limit.
+    let over = lease(500_000).await;
+    let (code, message) = native_error(&over);
+    assert_eq!(code, "too_large");
+    for part in ["500000", "600000", "max_leased_bytes", "1048576"] {
+        assert!(message.contains(part), "{message}");
+    }
+    // Within what is left: granted.
+    assert!(granted(&lease(400_000).await));
+    // One lease alone over the quota (under max_lease_bytes): refused too.
+    let alone = lease(2_000_000).await;
+    assert_eq!(native_error(&alone).0, "too_large");
+    // The leases expire unused (lease_secs = 1): their share comes back.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let reply = lease(1_000_000).await;
+        if granted(&reply) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{}",
+            stowage_tests::client::summary(&reply)
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // Other clients are still served.
+    assert!(client.stat("rows").await >= 0);
+}

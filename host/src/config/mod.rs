@@ -289,6 +289,9 @@ pub struct ShmConfig {
     pub lease_secs: u64,
     /// Largest single lease, bytes.
     pub max_lease_bytes: u64,
+    /// Most bytes of all leases granted and not yet put or expired,
+    /// together; 0: the size of the file system holding `dir`.
+    pub max_leased_bytes: u64,
     /// Bytes of cleared segments (each of at least 1 MiB) kept, pages and
     /// all, for later leases and exports, instead of faulting in fresh
     /// pages every time; 0 turns reuse off.
@@ -308,6 +311,7 @@ impl Default for ShmConfig {
             dir: PathBuf::from("/dev/shm"),
             lease_secs: 30,
             max_lease_bytes: 16 << 30,
+            max_leased_bytes: 0,
             reuse_bytes: 4 << 30,
             reuse_secs: 30,
             reply_hold_ms: 10_000,

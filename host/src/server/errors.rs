@@ -11,7 +11,7 @@
 //! | `ChainError::Rejected` (a plugin faulted under `fail = "reject"`) | as above | `rejected` |
 //! | `ChainError::Packing`, `ManagerError::Remote` (other), `Transport`, `Internal` | as above | `internal` |
 //! | `ShmError::Disabled` (a same-node op on a stowd without shared memory) | — | `unsupported` |
-//! | `ShmError::TooLarge` (a lease over `max_lease_bytes`) | — | `too_large` |
+//! | `ShmError::TooLarge` (a lease over `max_lease_bytes`), `ShmError::LeaseQuota` (leases over `max_leased_bytes` together) | — | `too_large` |
 //! | `ShmError::Io` | — | `internal` |
 //! | other `ShmError` (unknown lease, bad name, range outside a segment), a `segments` message with data frames | — | `bad_request` |
 //! | a request that breaks `max_request_bytes`/`max_request_frames` (refused unread) | `PUT_ERROR` / `GET_ERROR` / `CLEAR_DATA_ERROR` if frame 0 says which, else `PUT_GET_ERROR`; message `request refused unread: ...` | `too_large` |
@@ -141,7 +141,7 @@ pub(super) fn native_decode(e: &native::Error) -> native::Reply {
 pub(super) fn shm(e: &ShmError) -> native::Reply {
     let code = match e {
         ShmError::Disabled => native::code::UNSUPPORTED,
-        ShmError::TooLarge { .. } => native::code::TOO_LARGE,
+        ShmError::TooLarge { .. } | ShmError::LeaseQuota { .. } => native::code::TOO_LARGE,
         ShmError::Io { .. } => native::code::INTERNAL,
         _ => native::code::BAD_REQUEST,
     };

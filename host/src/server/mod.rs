@@ -350,9 +350,13 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
             Duration::from_secs(config.shm.reuse_secs),
         )
         .with_hold(Duration::from_millis(config.shm.reply_hold_ms));
-        let store = Arc::new(store);
+        let quota = match config.shm.max_leased_bytes {
+            0 => crate::sys::fs_size(&config.shm.dir).unwrap_or(u64::MAX),
+            n => n,
+        };
+        let store = Arc::new(store.with_lease_quota(quota));
         tasks.push(tokio::spawn(sweep_leases(store.clone(), rx.clone())));
-        tracing::info!(dir = %config.shm.dir.display(), "same-node shared memory enabled");
+        tracing::info!(dir = %config.shm.dir.display(), max_leased_bytes = quota, "same-node shared memory enabled");
         Some(store)
     } else {
         None

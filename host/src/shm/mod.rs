@@ -76,6 +76,15 @@ pub enum ShmError {
     BadName(String),
     #[error("lease of {asked} bytes exceeds the {limit}-byte limit")]
     TooLarge { asked: u64, limit: u64 },
+    #[error(
+        "lease of {asked} bytes refused: {outstanding} bytes are leased and not yet put, \
+         and [shm] max_leased_bytes is {limit}"
+    )]
+    LeaseQuota {
+        asked: u64,
+        outstanding: u64,
+        limit: u64,
+    },
     #[error("range {offset}+{len} is outside segment {name} of {size} bytes")]
     OutOfRange {
         name: String,
@@ -138,6 +147,8 @@ pub struct SegmentStore {
     leases: Mutex<HashMap<String, Lease>>,
     lease_ttl: Duration,
     max_lease: u64,
+    /// Most bytes of all outstanding leases together.
+    max_leased: u64,
 }
 
 impl std::fmt::Debug for SegmentStore {
@@ -197,6 +208,7 @@ impl SegmentStore {
             leases: Mutex::default(),
             lease_ttl,
             max_lease,
+            max_leased: u64::MAX,
         })
     }
 
@@ -205,6 +217,13 @@ impl SegmentStore {
     /// `cap` 0 unlinks them at once.
     pub fn with_reuse(mut self, cap: u64, idle: Duration) -> SegmentStore {
         self.spares = Arc::new(Spares::new(self.names.clone(), cap, idle));
+        self
+    }
+
+    /// At most `total` bytes of leases granted and not yet adopted or
+    /// expired, together (each still at most the per-lease limit).
+    pub fn with_lease_quota(mut self, total: u64) -> SegmentStore {
+        self.max_leased = total;
         self
     }
 
@@ -338,6 +357,17 @@ impl SegmentStore {
             });
         }
         self.sweep();
+        // The quota is checked and the lease recorded under one lock, so
+        // that concurrent leases cannot all pass the check.
+        let mut leases = self.leases.lock().unwrap_or_else(|p| p.into_inner());
+        let outstanding: u64 = leases.values().map(|l| l.len).sum();
+        if outstanding.saturating_add(len) > self.max_leased {
+            return Err(ShmError::LeaseQuota {
+                asked: len,
+                outstanding,
+                limit: self.max_leased,
+            });
+        }
         let (_, path) = self.create(len)?;
         let name = path
             .file_name()
@@ -348,10 +378,7 @@ impl SegmentStore {
             len,
             deadline: Instant::now() + self.lease_ttl,
         };
-        self.leases
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(name.clone(), lease);
+        leases.insert(name.clone(), lease);
         Ok((name, self.lease_ttl))
     }
 

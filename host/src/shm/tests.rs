@@ -249,3 +249,28 @@ fn files_an_earlier_process_with_this_pid_left_are_removed_at_start() {
     assert!(dir.join(name).exists());
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn leases_together_stay_within_the_quota_until_adopted_or_expired() {
+    let s = store("quota", Duration::from_millis(50)).with_lease_quota(100);
+    let (a, _) = s.lease(60).unwrap();
+    match s.lease(50) {
+        Err(ShmError::LeaseQuota {
+            asked: 50,
+            outstanding: 60,
+            limit: 100,
+        }) => {}
+        other => panic!("{other:?}"),
+    }
+    let (b, _) = s.lease(40).unwrap();
+    // Adopted: no longer outstanding.
+    std::fs::write(s.dir().join(&a), [1u8; 60]).unwrap();
+    let rows = s.adopt(&a).unwrap();
+    assert_eq!(rows.len(), 60);
+    let (_, _) = s.lease(60).unwrap();
+    assert!(matches!(s.lease(1), Err(ShmError::LeaseQuota { .. })));
+    // Expired: no longer outstanding either.
+    std::thread::sleep(Duration::from_millis(80));
+    let (_, _) = s.lease(100).unwrap();
+    assert!(!s.dir().join(&b).exists());
+}
