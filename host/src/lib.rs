@@ -13,7 +13,7 @@
 //! | [`server`] | `stowd`'s services and start-up: `tq` (unit and router endpoints), `native` (`stowage/1`, with `native::get`), `errors` (the one error → reply mapping), `exposition` (Prometheus text, `/metrics` over hyper); request spans |
 //! | [`shm`] | same-node shared memory (segments, leases, spares) |
 //! | [`store`] | storage units: the per-field index, columns, rows and runs, capacity in bytes, memory release |
-//! | [`sys`] | the process itself: resident set size, `malloc_trim` |
+//! | [`sys`] | the process itself: resident set size, `malloc_trim`, start time; the size of a file system |
 //! | [`tensor`], [`batch`] | re-exported from `stowage-wire`: `Tensor` (immutable bytes + dtype/shape, zero-copy rows and strided views); `Field`, `Value`, `Cell` |
 //! | [`wire`] | re-export of crate `stowage-wire`: the TransferQueue 0.1.11 and `stowage/1` codecs, the pickle subset, one bounded msgpack reader; pure, no I/O |
 //! | [`transport`] | re-export of crate `stowage-transport`: ZMTP 3.0 over tcp and ipc with bounded reads, the connection table, the receive pool |

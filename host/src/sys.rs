@@ -1,7 +1,8 @@
 //! What `stowd` asks of the operating system about itself: its resident
-//! set size and giving freed heap back (`malloc_trim`). The one place that
-//! reads `/proc` or calls into libc for these; a leaf module, importing
-//! nothing from the crate.
+//! set size, giving freed heap back (`malloc_trim`), when it started, and
+//! the size of a file system (`statvfs`). The one place that reads `/proc`
+//! or calls into libc for these; a leaf module, importing nothing from the
+//! crate.
 
 /// Resident set size of this process in bytes (Linux), 0 if unknown.
 ///
