@@ -366,3 +366,65 @@ async fn leases_past_the_total_quota_are_refused_and_an_expired_lease_frees_its_
     // Other clients are still served.
     assert!(client.stat("rows").await >= 0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_is_put_only_by_the_connection_that_took_it() {
+    let shm = stowage_tests::temp_dir("lease-owner");
+    let stowd = Stowd::start(&format!("[shm]\ndir = \"{}\"\n", shm.display()));
+    let (a, b) = (
+        NativeClient::new(stowd.native()),
+        NativeClient::new(stowd.native()),
+    );
+    let segment = match a.call(native::Op::Lease { bytes: 64 }).await {
+        native::Reply::LeaseOk { segment, .. } => segment,
+        other => panic!("{}", stowage_tests::client::summary(&other)),
+    };
+    // The put A means to send: its data frames written into the segment.
+    let rows = data::f32_rows(4, 4, 3);
+    let frames = native::encode_request(&native::Request {
+        id: 9,
+        op: native::Op::Put {
+            global_indexes: vec![0, 1, 2, 3],
+            fields: vec![(
+                "x".into(),
+                native::WireField::from_field(&Field::Regular(rows.clone())).unwrap(),
+            )],
+        },
+    })
+    .unwrap();
+    let (mut bytes, mut segments) = (Vec::new(), Vec::new());
+    for f in &frames[1..] {
+        segments.push((segment.clone(), bytes.len() as u64, f.len() as u64));
+        bytes.extend_from_slice(f);
+    }
+    assert!(bytes.len() <= 64);
+    std::fs::write(shm.join(&segment), &bytes).unwrap();
+    let put = vec![native::with_segments(&frames[0], &segments).unwrap()];
+    // B, another connection, names A's lease: refused; nothing stored.
+    let (_, stolen) = b.send_frames(put.clone()).await;
+    let (code, message) = native_error(&stolen);
+    assert_eq!(code, "bad_request");
+    assert!(message.contains("another connection"), "{message}");
+    assert_eq!(b.stat("rows").await, 0);
+    // A's own put of it still works, and the rows read back whole.
+    let (_, own) = a.send_frames(put).await;
+    assert!(
+        matches!(own, native::Reply::PutOk { rows: 4 }),
+        "{}",
+        stowage_tests::client::summary(&own)
+    );
+    assert_eq!(b.stat("rows").await, 4);
+    let got = b
+        .call(native::Op::Get {
+            global_indexes: vec![0, 1, 2, 3],
+            fields: vec!["x".into()],
+        })
+        .await;
+    let native::Reply::GetOk { fields } = got else {
+        panic!("{}", stowage_tests::client::summary(&got));
+    };
+    let Field::Regular(t) = fields[0].1.clone().into_field().unwrap() else {
+        panic!("not regular");
+    };
+    assert_eq!(t.contiguous_bytes(), rows.contiguous_bytes());
+}

@@ -152,11 +152,11 @@ pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
 /// Answers requests arriving on a ROUTER.
 pub trait Service: Send + Sync + 'static {
-    /// Handles one request from `identity` (`frames` excludes the identity).
+    /// Handles one request from `caller` (`frames` excludes the identity).
     /// `None` means: send no reply (e.g. an identity that is not allowed).
     fn handle(
         self: Arc<Self>,
-        identity: Bytes,
+        caller: Caller,
         frames: Vec<Bytes>,
     ) -> BoxFuture<'static, Option<Vec<Bytes>>>;
 
@@ -165,13 +165,24 @@ pub trait Service: Send + Sync + 'static {
     /// limits; `reason` says which limit. The default sends no reply.
     fn reject(
         self: Arc<Self>,
-        identity: Bytes,
+        caller: Caller,
         head: Vec<Bytes>,
         reason: String,
     ) -> BoxFuture<'static, Option<Vec<Bytes>>> {
-        let _ = (identity, head, reason);
+        let _ = (caller, head, reason);
         Box::pin(async { None })
     }
+}
+
+/// Who sent a request.
+#[derive(Clone, Debug)]
+pub struct Caller {
+    /// The connection it came on: a number no other connection to the same
+    /// listening socket has had or will have in this process. Unlike the
+    /// identity, a peer cannot choose it, so it can own things (a lease).
+    pub connection: u64,
+    /// The peer's ZMTP routing identity (its own, or one made up for it).
+    pub identity: Bytes,
 }
 
 /// A byte stream: tcp or a unix socket.
@@ -293,7 +304,7 @@ pub async fn serve_with(
         tokio::spawn(async move {
             let activity = entry.activity.clone();
             tokio::select! {
-                _ = connection(stream, service, limits, shutdown, next_id, pool, &activity) => {}
+                _ = connection(stream, service, limits, shutdown, next_id, pool, &activity, entry.id()) => {}
                 _ = activity.evicted() => {}
                 _ = activity.idle_expired(limits.idle_timeout) => {
                     tracing::debug!(
@@ -309,6 +320,7 @@ pub async fn serve_with(
 }
 
 /// One client connection: handshake, then request, reply, request, ...
+#[allow(clippy::too_many_arguments)]
 async fn connection(
     stream: BoxStream,
     service: Arc<dyn Service>,
@@ -317,6 +329,7 @@ async fn connection(
     next_id: Arc<AtomicU32>,
     pool: Option<Arc<ReceivePool>>,
     activity: &Arc<table::Activity>,
+    connection: u64,
 ) {
     let (reader, mut writer) = tokio::io::split(stream);
     let reader = table::Tracked::new(reader, activity.clone());
@@ -344,6 +357,10 @@ async fn connection(
     } else {
         peer.identity
     };
+    let caller = Caller {
+        connection,
+        identity: identity.clone(),
+    };
     loop {
         let incoming = tokio::select! {
             r = reader.read(&limits.receive) => r,
@@ -360,12 +377,12 @@ async fn connection(
             }
             Ok(Some(Incoming::Message(frames))) => {
                 activity.set_busy(true);
-                service.clone().handle(identity.clone(), frames).await
+                service.clone().handle(caller.clone(), frames).await
             }
             Ok(Some(Incoming::TooLarge { head, reason })) => {
                 activity.set_busy(true);
                 tracing::info!(identity = %String::from_utf8_lossy(&identity), %reason, "request refused unread");
-                service.clone().reject(identity.clone(), head, reason).await
+                service.clone().reject(caller.clone(), head, reason).await
             }
         };
         let Some(reply) = reply.filter(|r| !r.is_empty()) else {
@@ -606,7 +623,7 @@ mod tests {
     impl Service for Echo {
         fn handle(
             self: Arc<Self>,
-            _identity: Bytes,
+            _caller: Caller,
             frames: Vec<Bytes>,
         ) -> BoxFuture<'static, Option<Vec<Bytes>>> {
             Box::pin(async move { Some(frames) })

@@ -177,6 +177,13 @@ pub struct Entry {
     pub activity: Arc<Activity>,
 }
 
+impl Entry {
+    /// The connection's number in the table (never reused).
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+}
+
 impl Drop for Entry {
     fn drop(&mut self) {
         let mut inner = self.table.inner.lock().expect("connection table");

@@ -13,7 +13,7 @@
 //! | `ShmError::Disabled` (a same-node op on a stowd without shared memory) | — | `unsupported` |
 //! | `ShmError::TooLarge` (a lease over `max_lease_bytes`), `ShmError::LeaseQuota` (leases over `max_leased_bytes` together) | — | `too_large` |
 //! | `ShmError::Io` | — | `internal` |
-//! | other `ShmError` (unknown lease, bad name, range outside a segment), a `segments` message with data frames | — | `bad_request` |
+//! | other `ShmError` (unknown lease, a lease another connection took, bad name, range outside a segment), a `segments` message with data frames | — | `bad_request` |
 //! | a request that breaks `max_request_bytes`/`max_request_frames` (refused unread) | `PUT_ERROR` / `GET_ERROR` / `CLEAR_DATA_ERROR` if frame 0 says which, else `PUT_GET_ERROR`; message `request refused unread: ...` | `too_large` |
 //! | an undecodable request (`wire::tq::Error`, `wire::native::Error`) | `PUT_GET_ERROR`, `undecodable request: ...`; or the request's own error type once the op is known ([`tq::Error::reply_type`]) | the decode error's own code ([`native::Error::code`]: `bad_request`, `unsupported`, `too_large`) |
 //! | a known TransferQueue request type a unit does not serve | `PUT_GET_OPERATION_ERROR`, `Storage unit id #U receive invalid operation: ZMQRequestType.X.` | — |

@@ -27,7 +27,7 @@ use crate::plan::PackLimits;
 use crate::policy::chain::{FailStrategy, Loaded};
 use crate::policy::registry::{ChainSummary, list_name};
 use crate::shm::{SegmentStore, ShmError};
-use crate::transport::{BoxFuture, Service};
+use crate::transport::{BoxFuture, Caller, Service};
 use crate::wire::native;
 
 /// The native `stowage/1` endpoint.
@@ -73,6 +73,7 @@ impl NativeService {
     /// adopted from their leases without a copy, or the frames received.
     fn received(
         &self,
+        connection: u64,
         frames: Vec<Bytes>,
         extras: &native::Extras,
     ) -> Result<(Vec<Bytes>, Received), native::Reply> {
@@ -92,7 +93,7 @@ impl NativeService {
             let extent = match adopted.get(name.as_str()) {
                 Some(e) => e.clone(),
                 None => {
-                    let whole = shm.adopt(name).map_err(|e| errors::shm(&e))?;
+                    let whole = shm.adopt(name, connection).map_err(|e| errors::shm(&e))?;
                     let e = Extent::in_segment(whole, Arc::from(name.as_str()));
                     adopted.insert(name, e.clone());
                     e
@@ -117,7 +118,7 @@ impl NativeService {
         Ok((out, Received::new(adopted.into_values())))
     }
 
-    async fn serve_one(&self, frames: Vec<Bytes>) -> Vec<Bytes> {
+    async fn serve_one(&self, connection: u64, frames: Vec<Bytes>) -> Vec<Bytes> {
         let started = Instant::now();
         let mut op = "undecodable";
         let fallback_id = native::request_id(&frames).unwrap_or(0);
@@ -127,7 +128,7 @@ impl NativeService {
         };
         let (id, answer, same_node) = match extras {
             Err(e) => (fallback_id, errors::native_decode(&e).into(), false),
-            Ok(extras) => match self.received(frames, &extras) {
+            Ok(extras) => match self.received(connection, frames, &extras) {
                 Err(reply) => (fallback_id, reply.into(), false),
                 Ok((frames, received)) => match native::decode_request(&frames, &self.limits) {
                     Ok(req) => {
@@ -138,7 +139,8 @@ impl NativeService {
                             .record("rows", op_rows(&req.op));
                         (
                             req.id,
-                            self.answer(req.op, extras.same_node, &received).await,
+                            self.answer(req.op, extras.same_node, &received, connection)
+                                .await,
                             extras.same_node,
                         )
                     }
@@ -181,7 +183,13 @@ impl NativeService {
         frames
     }
 
-    async fn answer(&self, op: native::Op, same_node: bool, received: &Received) -> Answer {
+    async fn answer(
+        &self,
+        op: native::Op,
+        same_node: bool,
+        received: &Received,
+        connection: u64,
+    ) -> Answer {
         let m = &self.manager;
         match op {
             native::Op::Put {
@@ -243,7 +251,7 @@ impl NativeService {
             }
             native::Op::Lease { bytes } => match &self.shm {
                 None => errors::shm(&ShmError::Disabled).into(),
-                Some(shm) => match shm.lease(bytes) {
+                Some(shm) => match shm.lease(bytes, connection) {
                     Ok((segment, ttl)) => native::Reply::LeaseOk {
                         segment,
                         bytes,
@@ -403,7 +411,7 @@ fn chain_stats(c: &ChainSummary) -> native::Stat {
 impl Service for NativeService {
     fn handle(
         self: Arc<Self>,
-        _identity: Bytes,
+        caller: Caller,
         frames: Vec<Bytes>,
     ) -> BoxFuture<'static, Option<Vec<Bytes>>> {
         let span = tracing::debug_span!(
@@ -417,13 +425,13 @@ impl Service for NativeService {
         );
         let frame0 = frames.first().map_or(0, Bytes::len);
         let offload = self.offload.clone();
-        let work = async move { self.serve_one(frames).await }.instrument(span);
+        let work = async move { self.serve_one(caller.connection, frames).await }.instrument(span);
         Box::pin(async move { Some(offload.run(frame0, work).await).filter(|f| !f.is_empty()) })
     }
 
     fn reject(
         self: Arc<Self>,
-        _identity: Bytes,
+        _caller: Caller,
         head: Vec<Bytes>,
         reason: String,
     ) -> BoxFuture<'static, Option<Vec<Bytes>>> {

@@ -24,7 +24,7 @@ use crate::extent::Received;
 use crate::manager::{Manager, ManagerError, Target};
 use crate::metrics::{Metrics, Outcome, Protocol};
 use crate::store::{Column, Unit};
-use crate::transport::{BoxFuture, Service};
+use crate::transport::{BoxFuture, Caller, Service};
 use crate::wire::tq;
 
 /// Identities a TransferQueue unit answers; others are dropped silently,
@@ -345,9 +345,10 @@ impl TqService {
 impl Service for TqService {
     fn handle(
         self: Arc<Self>,
-        identity: Bytes,
+        caller: Caller,
         frames: Vec<Bytes>,
     ) -> BoxFuture<'static, Option<Vec<Bytes>>> {
+        let identity = caller.identity;
         Box::pin(async move {
             if !identity_allowed(&identity) {
                 tracing::debug!(identity = %String::from_utf8_lossy(&identity), "request from an unrecognised identity dropped");
@@ -361,12 +362,12 @@ impl Service for TqService {
 
     fn reject(
         self: Arc<Self>,
-        identity: Bytes,
+        caller: Caller,
         head: Vec<Bytes>,
         reason: String,
     ) -> BoxFuture<'static, Option<Vec<Bytes>>> {
         Box::pin(async move {
-            if !identity_allowed(&identity) {
+            if !identity_allowed(&caller.identity) {
                 return None;
             }
             let frames =

@@ -72,6 +72,8 @@ pub enum ShmError {
     },
     #[error("unknown or expired lease {0:?}")]
     UnknownLease(String),
+    #[error("lease {0:?} was granted to another connection: only that connection may put it")]
+    NotYourLease(String),
     #[error("segment name {0:?} is not one of this stowd's segments")]
     BadName(String),
     #[error("lease of {asked} bytes exceeds the {limit}-byte limit")]
@@ -133,6 +135,9 @@ struct Lease {
     path: PathBuf,
     len: u64,
     deadline: Instant,
+    /// The connection that asked for it (`transport::Caller::connection`):
+    /// the only one that may put it.
+    owner: u64,
 }
 
 /// The segments of one `stowd` process.
@@ -348,8 +353,9 @@ impl SegmentStore {
     }
 
     /// Creates a segment of `len` bytes for a client to fill; it must be
-    /// adopted before the lease expires.
-    pub fn lease(&self, len: u64) -> Result<(String, Duration), ShmError> {
+    /// adopted by the same `owner` (the connection that asked) before the
+    /// lease expires.
+    pub fn lease(&self, len: u64, owner: u64) -> Result<(String, Duration), ShmError> {
         if len > self.max_lease {
             return Err(ShmError::TooLarge {
                 asked: len,
@@ -377,20 +383,25 @@ impl SegmentStore {
             path,
             len,
             deadline: Instant::now() + self.lease_ttl,
+            owner,
         };
         leases.insert(name.clone(), lease);
         Ok((name, self.lease_ttl))
     }
 
-    /// Takes over a leased segment the client filled: maps it read-only,
-    /// without a copy. The lease ends.
-    pub fn adopt(&self, name: &str) -> Result<Bytes, ShmError> {
+    /// Takes over a leased segment its owner filled: maps it read-only,
+    /// without a copy. The lease ends. Another connection naming it is
+    /// refused, and the lease stays its owner's.
+    pub fn adopt(&self, name: &str, owner: u64) -> Result<Bytes, ShmError> {
         let path = self.path_of(name)?;
-        let lease = self
-            .leases
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(name);
+        let lease = {
+            let mut leases = self.leases.lock().unwrap_or_else(|p| p.into_inner());
+            match leases.get(name) {
+                None => return Err(ShmError::UnknownLease(name.into())),
+                Some(l) if l.owner != owner => return Err(ShmError::NotYourLease(name.into())),
+                Some(_) => leases.remove(name),
+            }
+        };
         let Some(lease) = lease else {
             return Err(ShmError::UnknownLease(name.into()));
         };

@@ -38,21 +38,24 @@ fn exported_bytes_are_freed_with_the_last_slice_or_the_hold() {
 #[test]
 fn leases_are_adopted_without_copy_or_expire() {
     let s = store("lease", Duration::from_millis(50));
-    let (name, _) = s.lease(8).unwrap();
+    let (name, _) = s.lease(8, 1).unwrap();
     std::fs::write(s.dir().join(&name), b"12345678").unwrap();
-    let bytes = s.adopt(&name).unwrap();
+    let bytes = s.adopt(&name, 1).unwrap();
     assert_eq!(&bytes[..], b"12345678");
-    assert!(matches!(s.adopt(&name), Err(ShmError::UnknownLease(_))));
-    let (stale, _) = s.lease(8).unwrap();
+    assert!(matches!(s.adopt(&name, 1), Err(ShmError::UnknownLease(_))));
+    let (stale, _) = s.lease(8, 1).unwrap();
     std::thread::sleep(Duration::from_millis(80));
     assert_eq!(s.sweep(), 1);
     assert!(!s.dir().join(&stale).exists());
-    assert!(matches!(s.adopt(&stale), Err(ShmError::UnknownLease(_))));
+    assert!(matches!(s.adopt(&stale, 1), Err(ShmError::UnknownLease(_))));
     assert!(matches!(
-        s.adopt("../../etc/passwd"),
+        s.adopt("../../etc/passwd", 1),
         Err(ShmError::BadName(_))
     ));
-    assert!(matches!(s.lease(2 << 30), Err(ShmError::TooLarge { .. })));
+    assert!(matches!(
+        s.lease(2 << 30, 1),
+        Err(ShmError::TooLarge { .. })
+    ));
 }
 
 fn inode(path: &Path) -> u64 {
@@ -62,10 +65,10 @@ fn inode(path: &Path) -> u64 {
 
 /// Leases `len` bytes, fills them with `byte`, adopts the segment.
 fn put(s: &SegmentStore, len: u64, byte: u8) -> (Bytes, PathBuf) {
-    let (name, _) = s.lease(len).unwrap();
+    let (name, _) = s.lease(len, 1).unwrap();
     let path = s.dir().join(&name);
     std::fs::write(&path, vec![byte; len as usize]).unwrap();
-    (s.adopt(&name).unwrap(), path)
+    (s.adopt(&name, 1).unwrap(), path)
 }
 
 #[test]
@@ -85,9 +88,9 @@ fn a_cleared_segment_nobody_maps_is_kept_and_leased_again() {
         .file_name();
     let spare = spare.to_string_lossy().to_string();
     assert!(spare.contains("-spare-"), "{spare}");
-    assert!(matches!(s.adopt(&spare), Err(ShmError::BadName(_))));
+    assert!(matches!(s.adopt(&spare, 1), Err(ShmError::BadName(_))));
     // A lease of a size within a factor of two gets the same file, resized, under a new name.
-    let (name, _) = s.lease(3 << 20).unwrap();
+    let (name, _) = s.lease(3 << 20, 1).unwrap();
     let again = s.dir().join(&name);
     assert_ne!(again, path);
     assert_eq!(inode(&again), ino, "the spare was not reused");
@@ -95,7 +98,7 @@ fn a_cleared_segment_nobody_maps_is_kept_and_leased_again() {
     assert_eq!(s.spares(), (0, 0, 1));
     // Exports take spares too.
     std::fs::write(&again, vec![2u8; 3 << 20]).unwrap();
-    drop(s.adopt(&name).unwrap());
+    drop(s.adopt(&name, 1).unwrap());
     let (whole, segment) = s.export(&[&vec![9u8; 3 << 20]]).unwrap();
     assert_eq!(inode(&s.dir().join(&segment)), ino);
     assert!(whole.iter().all(|b| *b == 9));
@@ -141,7 +144,7 @@ fn spares_are_bounded_small_ones_unlinked_and_idle_ones_removed() {
     let files = std::fs::read_dir(s.dir()).unwrap().count();
     assert_eq!(files, 2, "an evicted spare's file was left behind");
     // Far too small or far too large a lease does not take a spare.
-    let (name, _) = s.lease(8 << 20).unwrap();
+    let (name, _) = s.lease(8 << 20, 1).unwrap();
     assert_eq!(s.spares().0, 2);
     assert_ne!(inode(&s.dir().join(&name)), c_ino);
     std::thread::sleep(Duration::from_millis(80));
@@ -169,7 +172,7 @@ fn segment_files_are_private_and_their_names_unguessable() {
     use std::os::unix::fs::{MetadataExt, PermissionsExt};
     let s = store("private", Duration::from_secs(5));
     let (bytes, a) = s.export(&[b"private rows"]).unwrap();
-    let (lease, _) = s.lease(64).unwrap();
+    let (lease, _) = s.lease(64, 1).unwrap();
     for name in [&a, &lease] {
         let meta = std::fs::metadata(s.dir().join(name)).unwrap();
         assert_eq!(meta.permissions().mode() & 0o777, 0o600, "{name}");
@@ -182,7 +185,7 @@ fn segment_files_are_private_and_their_names_unguessable() {
     assert_ne!(a, lease);
     // The old sequential names are not segment names any more.
     let old = format!("stowd-{}-0", std::process::id());
-    assert!(matches!(s.adopt(&old), Err(ShmError::BadName(_))));
+    assert!(matches!(s.adopt(&old, 1), Err(ShmError::BadName(_))));
     // Another user cannot open it (as root, run `cat` as nobody).
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } == 0 {
@@ -220,7 +223,7 @@ fn names_another_user_created_first_do_not_block_leases_or_exports() {
         )
         .unwrap();
     }
-    let (lease, _) = s.lease(4096).unwrap();
+    let (lease, _) = s.lease(4096, 1).unwrap();
     let (bytes, name) = s.export(&[b"rows"]).unwrap();
     assert_eq!(&bytes[..], b"rows");
     assert_ne!(lease, name);
@@ -245,7 +248,7 @@ fn files_an_earlier_process_with_this_pid_left_are_removed_at_start() {
     let s = SegmentStore::new(&dir, Duration::from_secs(5), 1 << 20).unwrap();
     assert!(!old.exists() && !spare.exists());
     assert!(ours.exists());
-    let (name, _) = s.lease(16).unwrap();
+    let (name, _) = s.lease(16, 1).unwrap();
     assert!(dir.join(name).exists());
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -253,8 +256,8 @@ fn files_an_earlier_process_with_this_pid_left_are_removed_at_start() {
 #[test]
 fn leases_together_stay_within_the_quota_until_adopted_or_expired() {
     let s = store("quota", Duration::from_millis(50)).with_lease_quota(100);
-    let (a, _) = s.lease(60).unwrap();
-    match s.lease(50) {
+    let (a, _) = s.lease(60, 1).unwrap();
+    match s.lease(50, 1) {
         Err(ShmError::LeaseQuota {
             asked: 50,
             outstanding: 60,
@@ -262,15 +265,31 @@ fn leases_together_stay_within_the_quota_until_adopted_or_expired() {
         }) => {}
         other => panic!("{other:?}"),
     }
-    let (b, _) = s.lease(40).unwrap();
+    let (b, _) = s.lease(40, 1).unwrap();
     // Adopted: no longer outstanding.
     std::fs::write(s.dir().join(&a), [1u8; 60]).unwrap();
-    let rows = s.adopt(&a).unwrap();
+    let rows = s.adopt(&a, 1).unwrap();
     assert_eq!(rows.len(), 60);
-    let (_, _) = s.lease(60).unwrap();
-    assert!(matches!(s.lease(1), Err(ShmError::LeaseQuota { .. })));
+    let (_, _) = s.lease(60, 1).unwrap();
+    assert!(matches!(s.lease(1, 1), Err(ShmError::LeaseQuota { .. })));
     // Expired: no longer outstanding either.
     std::thread::sleep(Duration::from_millis(80));
-    let (_, _) = s.lease(100).unwrap();
+    let (_, _) = s.lease(100, 1).unwrap();
     assert!(!s.dir().join(&b).exists());
+}
+
+#[test]
+fn a_lease_is_put_only_by_the_connection_that_asked() {
+    let s = store("owner", Duration::from_secs(5));
+    let (name, _) = s.lease(8, 7).unwrap();
+    std::fs::write(s.dir().join(&name), b"rows of7").unwrap();
+    // Another connection naming it: refused, and the lease stays.
+    match s.adopt(&name, 8) {
+        Err(e @ ShmError::NotYourLease(_)) => {
+            assert!(e.to_string().contains("another connection"), "{e}")
+        }
+        other => panic!("{other:?}"),
+    }
+    let rows = s.adopt(&name, 7).unwrap();
+    assert_eq!(&rows[..], b"rows of7");
 }

@@ -13,7 +13,7 @@ use tokio::sync::{Semaphore, watch};
 
 use super::*;
 use crate::zmtp::{self, FrameReader, Incoming};
-use crate::{BoxFuture, Limits, Service};
+use crate::{BoxFuture, Caller, Limits, Service};
 
 /// Echoes, except that a request `hold` waits for a permit first.
 struct Holder(Arc<Semaphore>);
@@ -21,7 +21,7 @@ struct Holder(Arc<Semaphore>);
 impl Service for Holder {
     fn handle(
         self: Arc<Self>,
-        _identity: Bytes,
+        _caller: Caller,
         frames: Vec<Bytes>,
     ) -> BoxFuture<'static, Option<Vec<Bytes>>> {
         Box::pin(async move {
