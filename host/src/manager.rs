@@ -12,6 +12,8 @@
 //! TransferQueue wire format allows; that forwarding is in `manager/remote.rs`.
 
 mod remote;
+#[cfg(test)]
+mod tests;
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -28,9 +30,10 @@ use crate::plan::{self, Selected};
 use crate::policy::chain::{ChainError, DecidedBy};
 use crate::policy::registry::Registry;
 use crate::shm::{SegmentStore, ShmError};
-use crate::store::{Column, RowRef, Rows, StoreError, Unit};
+use crate::store::{Column, Piece, Rows, Seq, StoreError, Unit};
 use crate::tensor::Tensor;
 use crate::transport::{Peer, TransportError};
+use crate::wire::indexes::Indexes;
 use crate::wire::tq;
 
 /// Where a unit lives.
@@ -187,16 +190,15 @@ impl Manager {
         routes
     }
 
-    fn check_size(&self, global_indexes: &[u64], fields: usize) -> Result<(), ManagerError> {
-        if global_indexes.is_empty() {
+    fn check_size(&self, rows: u64, fields: usize) -> Result<(), ManagerError> {
+        if rows == 0 {
             return Err(ManagerError::BadRequest(
                 "empty batch: no global indexes".into(),
             ));
         }
-        if global_indexes.len() as u64 > self.limits.max_rows {
+        if rows > self.limits.max_rows {
             return Err(ManagerError::BadRequest(format!(
-                "{} rows in one request, the limit is {}",
-                global_indexes.len(),
+                "{rows} rows in one request, the limit is {}",
                 self.limits.max_rows
             )));
         }
@@ -275,7 +277,7 @@ impl Manager {
         fields: Vec<(String, Field)>,
         received: &Received,
     ) -> Result<(), ManagerError> {
-        self.check_size(global_indexes, fields.len())?;
+        self.check_size(global_indexes.len() as u64, fields.len())?;
         for (name, field) in &fields {
             if field.rows() != global_indexes.len() as u64 {
                 return Err(ManagerError::BadRequest(format!(
@@ -349,72 +351,98 @@ impl Manager {
         Ok(())
     }
 
+    /// The runs of `global_indexes` each target gets: index `g` goes to
+    /// target `g % n`, so a run whose step is a multiple of `n` goes whole
+    /// to one target, and any other run splits into at most `n` runs with
+    /// `n / gcd(step, n)` times its step (a run of step 1 over 4 units: 4
+    /// runs of step 4). Per run, not per index.
+    fn seq_routes(&self, global_indexes: &Indexes) -> Vec<Vec<Seq>> {
+        let n = self.targets.len() as u64;
+        let mut routes: Vec<Vec<Seq>> = vec![Vec::new(); n as usize];
+        let mut pos = 0u64;
+        for r in global_indexes.runs() {
+            let period = n / gcd(r.step % n, n);
+            for j in 0..period.min(r.count) {
+                let count = (r.count - j).div_ceil(period);
+                let start = r.start + j * r.step;
+                routes[(start % n) as usize].push(Seq {
+                    start,
+                    step: if count > 1 { r.step * period } else { 0 },
+                    count,
+                    pos: pos + j,
+                    pos_step: period,
+                });
+            }
+            pos += r.count;
+        }
+        routes
+    }
+
     /// The rows of `fields` at `global_indexes`, in request order: per
     /// field, the columns they are in (local units' and rows received from
-    /// remote units) and one reference per index.
+    /// remote units) and the pieces that answer each position.
     pub async fn get(
         &self,
-        global_indexes: &[u64],
+        global_indexes: &Indexes,
         fields: &[String],
     ) -> Result<Vec<(String, Rows)>, ManagerError> {
-        self.check_size(global_indexes, fields.len())?;
+        self.check_size(global_indexes.len(), fields.len())?;
         if fields.is_empty() {
             return Err(ManagerError::BadRequest("no fields requested".into()));
         }
-        let n = global_indexes.len();
-        let unset = RowRef {
-            column: u32::MAX,
-            row: 0,
-        };
-        let mut out: Vec<Rows> = fields
-            .iter()
-            .map(|_| Rows {
-                columns: Vec::new(),
-                refs: vec![unset; n],
-            })
-            .collect();
-        for (target, route) in self.targets.iter().zip(self.routes(global_indexes)) {
-            if route.positions.is_empty() {
+        let mut out: Vec<Rows> = fields.iter().map(|_| Rows::default()).collect();
+        for (target, seqs) in self.targets.iter().zip(self.seq_routes(global_indexes)) {
+            if seqs.is_empty() {
                 continue;
             }
             let got: Vec<Rows> = match target {
-                Target::Local(unit) => unit.get(&route.indexes, fields)?,
-                Target::Remote(peer) => self
-                    .get_remote(peer, &route.indexes, fields)
-                    .await?
-                    .into_iter()
-                    .map(|cells| Rows {
-                        refs: (0..cells.len() as u32)
-                            .map(|column| RowRef { column, row: 0 })
-                            .collect(),
-                        columns: cells
-                            .into_iter()
-                            .map(|c| Arc::new(Column::from_cell(c)))
-                            .collect(),
-                    })
-                    .collect(),
-            };
-            for (f, rows) in got.into_iter().enumerate() {
-                if rows.refs.len() != route.positions.len() {
-                    return Err(ManagerError::Remote {
-                        unit: target.name(),
-                        message: format!(
-                            "returned {} rows for {} indexes",
-                            rows.refs.len(),
-                            route.positions.len()
-                        ),
-                        key_not_found: false,
-                    });
+                Target::Local(unit) => unit.get_seqs(&seqs, fields)?,
+                Target::Remote(peer) => {
+                    let (mut indexes, mut positions) = (Vec::new(), Vec::new());
+                    for s in &seqs {
+                        for k in 0..s.count {
+                            indexes.push(s.start + k * s.step);
+                            positions.push(s.pos + k * s.pos_step);
+                        }
+                    }
+                    let got = self.get_remote(peer, &indexes, fields).await?;
+                    let mut rows_of = Vec::with_capacity(got.len());
+                    for cells in got {
+                        if cells.len() != positions.len() {
+                            return Err(ManagerError::Remote {
+                                unit: target.name(),
+                                message: format!(
+                                    "returned {} rows for {} indexes",
+                                    cells.len(),
+                                    positions.len()
+                                ),
+                                key_not_found: false,
+                            });
+                        }
+                        let mut rows = Rows::default();
+                        for (column, (cell, &pos)) in cells.into_iter().zip(&positions).enumerate()
+                        {
+                            rows.columns.push(Arc::new(Column::from_cell(cell)));
+                            rows.pieces.push(Piece {
+                                pos,
+                                pos_step: 1,
+                                column: column as u32,
+                                row: 0,
+                                count: 1,
+                            });
+                        }
+                        rows_of.push(rows);
+                    }
+                    rows_of
                 }
-                let into = &mut out[f];
+            };
+            for (into, rows) in out.iter_mut().zip(got) {
                 let base = into.columns.len() as u32;
                 into.columns.extend(rows.columns);
-                for (pos, r) in route.positions.iter().zip(rows.refs) {
-                    into.refs[*pos as usize] = RowRef {
-                        column: base + r.column,
-                        row: r.row,
-                    };
-                }
+                into.pieces.extend(rows.pieces.into_iter().map(|p| Piece {
+                    column: base + p.column,
+                    ..p
+                }));
             }
         }
         Ok(fields.iter().cloned().zip(out).collect())
@@ -425,7 +453,7 @@ impl Manager {
     /// [`crate::extent::share_all`]).
     pub async fn get_shared(
         &self,
-        global_indexes: &[u64],
+        global_indexes: &Indexes,
         fields: &[String],
         shm: &SegmentStore,
     ) -> Result<Vec<(String, Rows)>, GetSharedError> {
@@ -491,4 +519,8 @@ pub fn cell_bytes(cell: &Cell) -> Bytes {
         Cell::Value(crate::batch::Value::Str(s)) => Bytes::copy_from_slice(s.as_bytes()),
         Cell::Value(crate::batch::Value::Bytes(b) | crate::batch::Value::Msgpack(b)) => b.clone(),
     }
+}
+
+fn gcd(a: u64, b: u64) -> u64 {
+    if b == 0 { a } else { gcd(b, a % b) }
 }

@@ -233,7 +233,7 @@ impl NativeClient {
     pub async fn get(&self, global_indexes: &[u64], fields: &[&str]) -> native::Reply {
         let fields = fields.iter().map(|f| f.to_string()).collect();
         self.call(native::Op::Get {
-            global_indexes: global_indexes.to_vec(),
+            global_indexes: global_indexes.to_vec().into(),
             fields,
         })
         .await

@@ -538,7 +538,7 @@ impl DualClient {
             }
             Proto::Native => {
                 self.native_call(native::Op::Get {
-                    global_indexes,
+                    global_indexes: global_indexes.into(),
                     fields,
                 })
                 .await

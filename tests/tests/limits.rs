@@ -416,7 +416,7 @@ async fn a_lease_is_put_only_by_the_connection_that_took_it() {
     assert_eq!(b.stat("rows").await, 4);
     let got = b
         .call(native::Op::Get {
-            global_indexes: vec![0, 1, 2, 3],
+            global_indexes: vec![0, 1, 2, 3].into(),
             fields: vec!["x".into()],
         })
         .await;

@@ -104,7 +104,7 @@ async fn debug_log_has_one_span_per_request_with_the_policy_decisions_inside() {
     let get = native::Request {
         id: 770_002,
         op: native::Op::Get {
-            global_indexes: vec![0, 1, 2, 3],
+            global_indexes: vec![0, 1, 2, 3].into(),
             fields: vec!["obs".into()],
         },
     };

@@ -608,7 +608,7 @@ async fn native_request_ids_are_echoed_with_requests_in_flight() {
     for (i, &g) in indexes.iter().rev().enumerate() {
         let id = 1_000 + 7 * i as u64;
         let op = native::Op::Get {
-            global_indexes: vec![g],
+            global_indexes: vec![g].into(),
             fields: vec!["x".into()],
         };
         pipe.send(&native::Request { id, op }).await;
@@ -620,7 +620,7 @@ async fn native_request_ids_are_echoed_with_requests_in_flight() {
     })
     .await;
     let missing = native::Op::Get {
-        global_indexes: vec![4242],
+        global_indexes: vec![4242].into(),
         fields: vec!["x".into()],
     };
     pipe.send(&native::Request {
@@ -673,11 +673,11 @@ async fn native_error_codes() {
             fields: vec![],
         },
         native::Op::Get {
-            global_indexes: vec![],
+            global_indexes: vec![].into(),
             fields: vec!["x".into()],
         },
         native::Op::Get {
-            global_indexes: vec![0],
+            global_indexes: vec![0].into(),
             fields: vec![],
         },
     ] {

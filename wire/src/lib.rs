@@ -14,6 +14,7 @@
 //! I/O, no threads.
 
 pub mod batch;
+pub mod indexes;
 pub mod msgpack;
 pub mod native;
 pub mod pickle;

@@ -223,6 +223,14 @@ impl<'a> Reader<'a> {
     }
 
     /// The next marker, not consumed.
+    /// Whether the next value is a map (without consuming anything).
+    pub fn next_is_map(&self) -> bool {
+        matches!(
+            self.peek(),
+            Ok(Marker::FixMap(_) | Marker::Map16 | Marker::Map32)
+        )
+    }
+
     fn peek(&self) -> Result<Marker, MsgpackError> {
         Reader {
             buf: self.buf,

@@ -34,6 +34,7 @@
 
 use bytes::Bytes;
 
+pub use crate::indexes::{IndexRun, Indexes};
 use crate::tensor::{DType, TensorError};
 
 mod decode;
@@ -224,6 +225,10 @@ pub enum Error {
     /// Encoder side: a [`FrameLayout`] that misses, repeats or misnames rows.
     #[error("invalid frame layout: {0}")]
     Layout(String),
+    /// A `{"ranges": ...}` form of global indexes with an empty range or
+    /// one past the largest index.
+    #[error("global_indexes: {0}")]
+    BadRange(crate::indexes::RunsError),
     /// A tensor could not be built (a bug: lengths are checked before).
     #[error(transparent)]
     Tensor(#[from] TensorError),
@@ -308,7 +313,7 @@ pub enum Op {
     },
     /// Fetch the rows of `fields` for `global_indexes`, in that order.
     Get {
-        global_indexes: Vec<u64>,
+        global_indexes: Indexes,
         fields: Vec<String>,
     },
     /// Drop the rows of `global_indexes` (only of `fields`, if given).

@@ -158,16 +158,16 @@ class AsyncClient(_Ops):
     async def get(self, global_indexes, fields, *, as_torch: bool | None = None,
                   timeout: float | None = None) -> dict:
         """See `Client.get`."""
-        idx, names, body = self._get_request(global_indexes, fields, as_torch)
+        n, names, body = self._get_request(global_indexes, fields, as_torch)
         reply, frames = await self._call("get", body, (), timeout, "get_ok", self._get_extras())
-        return self._get_result(reply, frames, names, len(idx), as_torch)
+        return self._get_result(reply, frames, names, n, as_torch)
 
     async def get_into(self, global_indexes, out: Mapping[str, Any], *,
                        timeout: float | None = None) -> Mapping[str, Any]:
         """See `Client.get_into`."""
-        idx, targets, body = self._get_into_request(global_indexes, out)
+        n, targets, body = self._get_into_request(global_indexes, out)
         reply, frames = await self._call("get", body, (), timeout, "get_ok", self._get_extras())
-        self._get_into_result(reply, frames, targets, len(idx))
+        self._get_into_result(reply, frames, targets, n)
         return out
 
     async def clear(self, global_indexes, fields=None, *, timeout: float | None = None) -> int:

@@ -86,14 +86,14 @@ class _Ops:
 
     # -- get
     @staticmethod
-    def _get_request(global_indexes, fields, as_torch) -> tuple[list, list, dict]:
+    def _get_request(global_indexes, fields, as_torch) -> tuple[int, list, dict]:
         if as_torch not in (None, True, False):
             raise TypeError(f"get: as_torch must be None, True or False, got {as_torch!r}")
         if as_torch:
             _torch.require("get(as_torch=True)")
-        idx = _codec.check_indexes(global_indexes, "get", unique=False)
+        n, wire = _codec.get_indexes(global_indexes, "get")
         names = _codec.check_field_names(fields, "get")
-        return idx, names, {"global_indexes": idx, "fields": names}
+        return n, names, {"global_indexes": wire, "fields": names}
 
     @staticmethod
     def _get_result(body: dict, frames, names: list, n: int, as_torch) -> dict:
@@ -116,8 +116,8 @@ class _Ops:
 
     # -- get_into
     @staticmethod
-    def _get_into_request(global_indexes, out) -> tuple[list, dict, dict]:
-        idx = _codec.check_indexes(global_indexes, "get_into", unique=False)
+    def _get_into_request(global_indexes, out) -> tuple[int, dict, dict]:
+        n, wire = _codec.get_indexes(global_indexes, "get_into")
         if not isinstance(out, Mapping):
             raise TypeError(f"get_into: out must map field names to arrays, got {type(out).__name__}")
         names = _codec.check_field_names(list(out), "get_into")
@@ -136,10 +136,10 @@ class _Ops:
                 raise TypeError(f"{what} must be a numpy array or a torch tensor, got {type(o).__name__}")
             if not a.flags.writeable:
                 raise ValueError(f"{what} is read-only")
-            if a.ndim == 0 or a.shape[0] != len(idx):
-                raise ValueError(f"{what} has shape {list(a.shape)}, but {len(idx)} rows were requested")
+            if a.ndim == 0 or a.shape[0] != n:
+                raise ValueError(f"{what} has shape {list(a.shape)}, but {n} rows were requested")
             targets[name] = (dtype, a)
-        return idx, targets, {"global_indexes": idx, "fields": names}
+        return n, targets, {"global_indexes": wire, "fields": names}
 
     @staticmethod
     def _get_into_result(body: dict, frames, targets: dict, n: int) -> None:
@@ -304,9 +304,9 @@ class Client(_Ops):
         pages it touches and no other tensor, array, process or the store
         sees it; nor does another tensor of the same get (a row asked for
         twice is copied: two tensors of one get never share bytes)."""
-        idx, names, body = self._get_request(global_indexes, fields, as_torch)
+        n, names, body = self._get_request(global_indexes, fields, as_torch)
         reply, frames = self._call("get", body, (), timeout, "get_ok", self._get_extras())
-        return self._get_result(reply, frames, names, len(idx), as_torch)
+        return self._get_result(reply, frames, names, n, as_torch)
 
     def get_into(self, global_indexes, out: Mapping[str, Any], *, timeout: float | None = None) -> Mapping[str, Any]:
         """Reads regular fields into preallocated arrays or CPU tensors (e.g.
@@ -314,9 +314,9 @@ class Client(_Ops):
         (a dtype of `stowage.BITS_DTYPES` also fills int arrays of its
         itemsize, e.g. uint8 for a float8). Every byte is copied once,
         from the received frames straight into `out`. Returns `out`."""
-        idx, targets, body = self._get_into_request(global_indexes, out)
+        n, targets, body = self._get_into_request(global_indexes, out)
         reply, frames = self._call("get", body, (), timeout, "get_ok", self._get_extras())
-        self._get_into_result(reply, frames, targets, len(idx))
+        self._get_into_result(reply, frames, targets, n)
         return out
 
     def clear(self, global_indexes, fields=None, *, timeout: float | None = None) -> int:

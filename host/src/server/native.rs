@@ -47,9 +47,10 @@ pub(super) struct NativeService {
 /// The rows a request names (0 for stats and leases).
 fn op_rows(op: &native::Op) -> usize {
     match op {
-        native::Op::Put { global_indexes, .. }
-        | native::Op::Get { global_indexes, .. }
-        | native::Op::Clear { global_indexes, .. } => global_indexes.len(),
+        native::Op::Put { global_indexes, .. } | native::Op::Clear { global_indexes, .. } => {
+            global_indexes.len()
+        }
+        native::Op::Get { global_indexes, .. } => global_indexes.len() as usize,
         native::Op::Lease { .. } | native::Op::Stats => 0,
     }
 }

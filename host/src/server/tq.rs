@@ -25,6 +25,7 @@ use crate::manager::{Manager, ManagerError, Target};
 use crate::metrics::{Metrics, Outcome, Protocol};
 use crate::store::{Column, Unit};
 use crate::transport::{BoxFuture, Caller, Service};
+use crate::wire::indexes::Indexes;
 use crate::wire::tq;
 
 /// Identities a TransferQueue unit answers; others are dropped silently,
@@ -236,11 +237,14 @@ impl TqService {
                                 .collect()
                         })
                         .map_err(ManagerError::from),
-                    Backend::Router(m) => m.get(&global_indexes, &fields).await.map(|got| {
-                        got.into_iter()
-                            .map(|(name, rows)| (name, rows.cells()))
-                            .collect()
-                    }),
+                    Backend::Router(m) => m
+                        .get(&Indexes::from_list(&global_indexes), &fields)
+                        .await
+                        .map(|got| {
+                            got.into_iter()
+                                .map(|(name, rows)| (name, rows.cells()))
+                                .collect()
+                        }),
                 };
                 match result {
                     Ok(fields) => tq::Reply::GetData { fields },

@@ -7,9 +7,10 @@
 //! the field's index, global index -> (column, row in it), and a count of
 //! the fields each global index has. No heap allocation per row.
 //!
-//! A get answers, per field, the columns it touched and one [`RowRef`] per
-//! requested index ([`Rows`]); rows that were put together come back as
-//! consecutive rows of one column, so whoever sends them finds runs by
+//! A get answers, per field, the columns it touched and [`Piece`]s: runs
+//! of consecutive rows of one column answering evenly spaced request
+//! positions ([`Rows`]). A get of rows in put order is one piece per
+//! column, however many rows, and whoever sends them finds runs by
 //! comparing offsets, not addresses. Overwrite and clear drop a row's
 //! reference to its column; a column with no live row is dropped, and with
 //! it its reference to the extent. Capacity is counted in bytes of the
@@ -76,7 +77,7 @@ mod rows;
 mod tests;
 
 pub use column::{Column, NestedRow, RegularColumn};
-pub use rows::{RowRef, Rows, Run};
+pub use rows::{Piece, Rows, Run};
 
 /// The row maps ([`IndexMap`]) live in `stowage-index`, which is
 /// optimised even in debug builds (see its crate doc).
@@ -103,19 +104,122 @@ impl Loc {
     }
 }
 
+/// The global indexes of a column's rows: arithmetic (row `r + 1`'s is
+/// row `r`'s plus `step`: two words for any row count, what a put in index
+/// order stores) or a list.
+enum ColIndexes {
+    Arith { step: u64, len: u64 },
+    List(Box<[u64]>),
+}
+
+impl ColIndexes {
+    fn new(indexes: &[u64]) -> ColIndexes {
+        let step = match indexes {
+            [] | [_] => Some(1),
+            [a, b, ..] if b > a => {
+                let step = b - a;
+                indexes
+                    .windows(2)
+                    .all(|w| w[1] > w[0] && w[1] - w[0] == step)
+                    .then_some(step)
+            }
+            _ => None,
+        };
+        match step {
+            Some(step) => ColIndexes::Arith {
+                step,
+                len: indexes.len() as u64,
+            },
+            None => ColIndexes::List(indexes.into()),
+        }
+    }
+
+    fn len(&self) -> u64 {
+        match self {
+            ColIndexes::Arith { len, .. } => *len,
+            ColIndexes::List(l) => l.len() as u64,
+        }
+    }
+
+    /// How many of `g, g + step, ...` (at most `max`) are the indexes of
+    /// rows `row, row + 1, ...` (`g` is row `row`'s).
+    fn follow(&self, row: u32, g: u64, step: u64, max: u64) -> u64 {
+        let left = (self.len() - u64::from(row)).min(max);
+        match self {
+            ColIndexes::Arith { step: s, .. } => {
+                if *s == step {
+                    left
+                } else {
+                    1
+                }
+            }
+            ColIndexes::List(list) => {
+                let row = row as usize;
+                let mut m = 1u64;
+                while m < left && list[row + m as usize] == g.wrapping_add(m.wrapping_mul(step)) {
+                    m += 1;
+                }
+                m
+            }
+        }
+    }
+}
+
 /// A stored column, the global index of each of its rows, and how many of
 /// its rows are still indexed. While all are (`live` equals the row
-/// count), row `r` is where `indexes[r]` is: a get of rows in put order
-/// follows the column without a hash lookup per row.
+/// count), row `r` is where its global index is: a get of rows in put
+/// order follows the column, per run of requested indexes, not per row.
 struct Slot {
     column: Arc<Column>,
-    indexes: Box<[u64]>,
+    indexes: ColIndexes,
     live: u64,
 }
 
 impl Slot {
     fn intact(&self) -> bool {
-        self.live == self.indexes.len() as u64
+        self.live == self.indexes.len()
+    }
+}
+
+/// Requested global indexes `start + k * step` (`k < count`), answering
+/// request positions `pos + k * pos_step`: how a get reaches a unit
+/// ([`Unit::get_seqs`]), a run of the request routed to it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Seq {
+    pub start: u64,
+    pub step: u64,
+    pub count: u64,
+    pub pos: u64,
+    pub pos_step: u64,
+}
+
+impl Seq {
+    /// Index `k` and the position it answers.
+    fn at(&self, k: u64) -> (u64, u64) {
+        (
+            self.start.wrapping_add(k.wrapping_mul(self.step)),
+            self.pos + k * self.pos_step,
+        )
+    }
+
+    /// `list` as runs, position `i` answering `list[i]`.
+    pub fn from_list(list: &[u64]) -> Vec<Seq> {
+        let mut pos = 0;
+        stowage_wire::indexes::Indexes::from_list(list)
+            .runs()
+            .iter()
+            .map(|r| {
+                let s = Seq {
+                    start: r.start,
+                    step: r.step,
+                    count: r.count,
+                    pos,
+                    pos_step: 1,
+                };
+                pos += r.count;
+                s
+            })
+            .collect()
     }
 }
 
@@ -141,7 +245,7 @@ fn add_column(
 ) -> u32 {
     let slot = Some(Slot {
         live: indexes.len() as u64,
-        indexes: indexes.into(),
+        indexes: ColIndexes::new(indexes),
         column: Arc::new(column),
     });
     match free.pop() {
@@ -362,6 +466,14 @@ impl Unit {
     /// The rows of `fields` at `global_indexes`, field by field, in request
     /// order. Any missing key fails the whole request.
     pub fn get(&self, global_indexes: &[u64], fields: &[String]) -> Result<Vec<Rows>, StoreError> {
+        self.get_seqs(&Seq::from_list(global_indexes), fields)
+    }
+
+    /// The rows of `fields` at the indexes of `seqs`, field by field, each
+    /// row as a [`Piece`] at the position its seq gives. A seq that
+    /// follows a column whose rows are all still indexed costs one lookup,
+    /// whatever its length. Any missing key fails the whole request.
+    pub fn get_seqs(&self, seqs: &[Seq], fields: &[String]) -> Result<Vec<Rows>, StoreError> {
         self.counters.gets.fetch_add(1, Ordering::Relaxed);
         let inner = self.lock();
         let missing = |g: u64, field: &str| StoreError::KeyNotFound {
@@ -372,47 +484,42 @@ impl Unit {
         let mut out = Vec::with_capacity(fields.len());
         for field in fields {
             let Some(index) = inner.fields.get(field.as_str()) else {
-                return Err(missing(global_indexes.first().copied().unwrap_or(0), field));
+                return Err(missing(seqs.first().map_or(0, |s| s.start), field));
             };
-            let mut rows = Rows {
-                columns: Vec::new(),
-                refs: Vec::with_capacity(global_indexes.len()),
-            };
-            // Column number in the unit -> in `rows`; requested rows mostly
-            // come in runs of one column, in put order.
+            let mut rows = Rows::default();
+            // Column number in the unit -> in `rows`.
             let mut numbered: HashMap<u32, u32> = HashMap::new();
-            // (column in the unit, in `rows`, row) of the last row.
-            let mut last: Option<(u32, u32, u32)> = None;
-            for &g in global_indexes {
-                if let Some((unit_col, ours, row)) = last {
-                    let slot = inner.columns[unit_col as usize]
+            let mut last: Option<(u32, u32)> = None;
+            for seq in seqs {
+                let mut k = 0;
+                while k < seq.count {
+                    let (g, pos) = seq.at(k);
+                    let loc = Loc::unpack(index.get(g).ok_or_else(|| missing(g, field))?);
+                    let slot = inner.columns[loc.column as usize]
                         .as_ref()
                         .expect("indexed rows point at live columns");
-                    if slot.intact() && slot.indexes.get(row as usize + 1) == Some(&g) {
-                        rows.refs.push(RowRef {
-                            column: ours,
-                            row: row + 1,
-                        });
-                        last = Some((unit_col, ours, row + 1));
-                        continue;
-                    }
+                    let m = if slot.intact() {
+                        slot.indexes.follow(loc.row, g, seq.step, seq.count - k)
+                    } else {
+                        1
+                    };
+                    let ours = match last {
+                        Some((unit_col, ours)) if unit_col == loc.column => ours,
+                        _ => *numbered.entry(loc.column).or_insert_with(|| {
+                            rows.columns.push(slot.column.clone());
+                            (rows.columns.len() - 1) as u32
+                        }),
+                    };
+                    last = Some((loc.column, ours));
+                    rows.push(Piece {
+                        pos,
+                        pos_step: seq.pos_step,
+                        column: ours,
+                        row: loc.row,
+                        count: m as u32,
+                    });
+                    k += m;
                 }
-                let loc = Loc::unpack(index.get(g).ok_or_else(|| missing(g, field))?);
-                let ours = match last {
-                    Some((unit_col, ours, _)) if unit_col == loc.column => ours,
-                    _ => *numbered.entry(loc.column).or_insert_with(|| {
-                        let slot = inner.columns[loc.column as usize]
-                            .as_ref()
-                            .expect("indexed rows point at live columns");
-                        rows.columns.push(slot.column.clone());
-                        (rows.columns.len() - 1) as u32
-                    }),
-                };
-                last = Some((loc.column, ours, loc.row));
-                rows.refs.push(RowRef {
-                    column: ours,
-                    row: loc.row,
-                });
             }
             out.push(rows);
         }

@@ -1,6 +1,9 @@
-//! What a get answers: per field, the columns its rows are in and one
-//! [`RowRef`] per requested index ([`Rows`]), and those rows grouped into
-//! [`Run`]s that lie back to back in one buffer, for the encoders.
+//! What a get answers: per field, the columns its rows are in and
+//! [`Piece`]s, runs of consecutive rows of one column answering evenly
+//! spaced request positions ([`Rows`]); and those rows grouped into
+//! [`Run`]s that lie back to back in one buffer, in request order, for the
+//! encoders. Both cost per piece where the rows allow (a get of rows in put
+//! order, over any number of units), per row only where they do not.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -13,19 +16,30 @@ use crate::extent::{self, Extent, Place};
 use crate::shm::{SegmentStore, ShmError};
 use crate::tensor::DType;
 
-/// Row `row` of column `column` of a [`Rows`].
+/// Rows `row..row + count` of column `column` of a [`Rows`], answering the
+/// request positions `pos, pos + pos_step, ...`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct RowRef {
+pub struct Piece {
+    pub pos: u64,
+    pub pos_step: u64,
     pub column: u32,
     pub row: u32,
+    pub count: u32,
 }
 
-/// The rows of one field a get found: the columns they are in, and one
-/// reference per requested index, in request order.
+impl Piece {
+    /// The position of the piece's `k`-th row.
+    fn pos_of(&self, k: u64) -> u64 {
+        self.pos + k * self.pos_step
+    }
+}
+
+/// The rows of one field a get found: the columns they are in, and pieces
+/// that answer every requested position exactly once (in any order).
 #[derive(Clone, Debug, Default)]
 pub struct Rows {
     pub columns: Vec<Arc<Column>>,
-    pub refs: Vec<RowRef>,
+    pub pieces: Vec<Piece>,
 }
 
 /// A run of rows to send: consecutive requested rows that lie back to
@@ -62,31 +76,75 @@ impl Run {
 }
 
 impl Rows {
-    /// Appends `other`'s rows after these (its columns renumbered).
+    /// Adds a piece, or lengthens the last one if `p` continues it (the
+    /// next rows of the same column at the next positions).
+    pub fn push(&mut self, p: Piece) {
+        if let Some(l) = self.pieces.last_mut()
+            && l.column == p.column
+            && u64::from(l.row) + u64::from(l.count) == u64::from(p.row)
+            && p.pos > l.pos
+        {
+            // The position step the merged piece would have.
+            let step = if l.count == 1 {
+                p.pos - l.pos
+            } else {
+                l.pos_step
+            };
+            if p.pos == l.pos + u64::from(l.count) * step && (p.count == 1 || p.pos_step == step) {
+                l.pos_step = step;
+                l.count += p.count;
+                return;
+            }
+        }
+        self.pieces.push(p);
+    }
+
+    /// Appends `other`'s rows after these (its columns renumbered, its
+    /// positions after ours).
     pub fn append(&mut self, other: Rows) {
         let base = self.columns.len() as u32;
+        let shift = self.len() as u64;
         self.columns.extend(other.columns);
-        self.refs.extend(other.refs.into_iter().map(|r| RowRef {
-            column: base + r.column,
-            row: r.row,
+        self.pieces.extend(other.pieces.into_iter().map(|p| Piece {
+            pos: p.pos + shift,
+            column: base + p.column,
+            ..p
         }));
     }
 
     /// Number of rows.
     pub fn len(&self) -> usize {
-        self.refs.len()
+        self.pieces.iter().map(|p| p.count as usize).sum()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.refs.is_empty()
+        self.pieces.is_empty()
     }
 
-    /// One cell per row (zero copy).
+    /// Every row as (position, column, row in it), piece by piece.
+    fn each_row(&self) -> impl Iterator<Item = (u64, &Column, usize)> + '_ {
+        self.pieces.iter().flat_map(move |p| {
+            let column = self.columns[p.column as usize].as_ref();
+            (0..u64::from(p.count)).map(move |k| (p.pos_of(k), column, (p.row as u64 + k) as usize))
+        })
+    }
+
+    /// One cell per row, in request order (zero copy).
     pub fn cells(&self) -> Vec<Cell> {
-        self.refs
-            .iter()
-            .map(|r| self.columns[r.column as usize].cell(r.row as usize))
+        let mut out: Vec<Option<Cell>> = vec![None; self.len()];
+        for (pos, column, row) in self.each_row() {
+            out[pos as usize] = Some(column.cell(row));
+        }
+        out.into_iter()
+            .map(|c| c.expect("pieces answer every position"))
             .collect()
+    }
+
+    /// The pieces' numbers in request order (of their first position).
+    fn in_order(&self) -> Vec<usize> {
+        let mut order: Vec<usize> = (0..self.pieces.len()).collect();
+        order.sort_unstable_by_key(|&i| self.pieces[i].pos);
+        order
     }
 
     /// Moves every extent these rows are in into shared memory, once: the
@@ -96,19 +154,21 @@ impl Rows {
         let mut seen = std::collections::HashSet::new();
         let mut column_done = vec![false; self.columns.len()];
         let mut order: Vec<Arc<Extent>> = Vec::new();
-        for r in &self.refs {
-            match self.columns[r.column as usize].as_ref() {
+        for i in self.in_order() {
+            let p = &self.pieces[i];
+            match self.columns[p.column as usize].as_ref() {
                 Column::Regular(c) => {
-                    if !std::mem::replace(&mut column_done[r.column as usize], true)
+                    if !std::mem::replace(&mut column_done[p.column as usize], true)
                         && seen.insert(c.extent.id())
                     {
                         order.push(c.extent.clone());
                     }
                 }
                 Column::Nested(rows) => {
-                    let e = &rows[r.row as usize].extent;
-                    if seen.insert(e.id()) {
-                        order.push(e.clone());
+                    for n in &rows[p.row as usize..(p.row + p.count) as usize] {
+                        if seen.insert(n.extent.id()) {
+                            order.push(n.extent.clone());
+                        }
                     }
                 }
                 Column::Values(_) => {}
@@ -117,38 +177,93 @@ impl Rows {
         extent::share_all(&order, shm)
     }
 
-    /// The rows as runs: consecutive rows of one dtype and row shape that
-    /// lie back to back in one place become one run, whichever columns
-    /// (and units) they came from. One place snapshot per extent per call,
-    /// so a run never mixes an extent's old and new place.
+    /// The rows as runs, in request order: consecutive rows of one dtype
+    /// and row shape that lie back to back in one place become one run,
+    /// whichever columns (and units) they came from. One place snapshot
+    /// per extent per call, so a run never mixes an extent's old and new
+    /// place.
+    ///
+    /// Regular pieces are grouped first by where position 0 would lie if
+    /// their rows were one array (same buffer, dtype, row shape, and row
+    /// `k` of the piece at `row_bytes` per position): a group that answers
+    /// an unbroken range of positions is one run, found per piece (a get
+    /// in put order over 4 units that each hold every 4th row). Everything
+    /// else goes row by row, as before.
     pub fn runs(&self) -> Vec<Run> {
         let mut places: HashMap<u64, Place> = HashMap::new();
         let mut place_of =
             |e: &Arc<Extent>| places.entry(e.id()).or_insert_with(|| e.place()).clone();
-        // Per column, its place (regular columns), taken once.
-        let col_places: Vec<Option<Place>> = self
-            .columns
-            .iter()
-            .map(|c| {
-                if let Column::Regular(c) = c.as_ref() {
-                    Some(place_of(&c.extent))
-                } else {
-                    None
-                }
-            })
-            .collect();
-        let mut runs: Vec<Run> = Vec::new();
-        for r in &self.refs {
-            let column = &self.columns[r.column as usize];
-            let row = r.row as usize;
-            let (place, offset, row_bytes, dtype, shape): (&Place, usize, usize, DType, &[u64]) =
-                match column.as_ref() {
+        // (first position, run): runs that answer `rows` positions from it.
+        let mut items: Vec<(u64, Run)> = Vec::new();
+        let mut by_row: Vec<usize> = Vec::new();
+        // Regular pieces by (buffer, dtype, row shape, row bytes, where
+        // position 0 would be): (first position, last position, rows).
+        type Key = (usize, usize, DType, Arc<[u64]>, usize, i128);
+        let mut groups: HashMap<Key, (u64, u64, u64, Vec<usize>, Place)> = HashMap::new();
+        for (i, p) in self.pieces.iter().enumerate() {
+            let Column::Regular(c) = self.columns[p.column as usize].as_ref() else {
+                by_row.push(i);
+                continue;
+            };
+            if p.count == 0 {
+                continue;
+            }
+            let place = place_of(&c.extent);
+            let at0 = (place.offset + c.offset + p.row as usize * c.stride) as i128;
+            let affine =
+                p.count == 1 || c.stride as u128 == u128::from(p.pos_step) * c.row_bytes as u128;
+            if !affine {
+                by_row.push(i);
+                continue;
+            }
+            let origin = at0 - i128::from(p.pos) * c.row_bytes as i128;
+            let key = (
+                place.base.as_ptr() as usize,
+                place.base.len(),
+                c.dtype,
+                c.row_shape.clone(),
+                c.row_bytes,
+                origin,
+            );
+            let last = p.pos_of(u64::from(p.count) - 1);
+            let g = groups
+                .entry(key)
+                .or_insert_with(|| (p.pos, last, 0, Vec::new(), place.clone()));
+            g.0 = g.0.min(p.pos);
+            g.1 = g.1.max(last);
+            g.2 += u64::from(p.count);
+            g.3.push(i);
+        }
+        for ((_, _, dtype, shape, row_bytes, origin), (first, last, rows, members, place)) in groups
+        {
+            if rows != last - first + 1 {
+                by_row.extend(members);
+                continue;
+            }
+            let offset = (origin + i128::from(first) * row_bytes as i128) as usize;
+            items.push((
+                first,
+                Run::Tensor {
+                    base: place.base.clone(),
+                    segment: place.segment.clone(),
+                    offset,
+                    rows,
+                    row_bytes,
+                    dtype,
+                    row_shape: shape.to_vec(),
+                },
+            ));
+        }
+        for i in by_row {
+            let p = &self.pieces[i];
+            let column = self.columns[p.column as usize].as_ref();
+            for k in 0..u64::from(p.count) {
+                let row = (u64::from(p.row) + k) as usize;
+                let run = match column {
                     Column::Regular(c) => {
-                        let place = col_places[r.column as usize]
-                            .as_ref()
-                            .expect("regular column has a place");
-                        (
-                            place,
+                        let place = place_of(&c.extent);
+                        tensor_run(
+                            &place,
                             c.offset + row * c.stride,
                             c.row_bytes,
                             c.dtype,
@@ -157,60 +272,68 @@ impl Rows {
                     }
                     Column::Nested(rows) => {
                         let n = &rows[row];
-                        let place = places
-                            .entry(n.extent.id())
-                            .or_insert_with(|| n.extent.place());
-                        push_row(&mut runs, place, n.offset, n.len, n.dtype, &n.shape);
-                        continue;
+                        let place = place_of(&n.extent);
+                        tensor_run(&place, n.offset, n.len, n.dtype, &n.shape)
                     }
-                    Column::Values(v) => {
-                        runs.push(Run::Value(v[row].clone()));
-                        continue;
-                    }
+                    Column::Values(v) => Run::Value(v[row].clone()),
                 };
-            push_row(&mut runs, place, offset, row_bytes, dtype, shape);
+                items.push((p.pos_of(k), run));
+            }
+        }
+        items.sort_unstable_by_key(|(pos, _)| *pos);
+        let mut runs: Vec<Run> = Vec::with_capacity(items.len());
+        for (_, run) in items {
+            push_run(&mut runs, run);
         }
         runs
     }
 }
 
-/// Appends one row (`row_bytes` at `offset` in the extent at `place`) to
-/// the last run if it follows it in the same buffer, else as a new run.
-fn push_row(
-    runs: &mut Vec<Run>,
-    place: &Place,
-    offset: usize,
-    row_bytes: usize,
-    dtype: DType,
-    shape: &[u64],
-) {
-    let at = place.offset + offset;
-    if let Some(Run::Tensor {
-        base,
-        offset: o,
-        rows,
-        row_bytes: rb,
-        dtype: d,
-        row_shape,
-        ..
-    }) = runs.last_mut()
-        && *rb == row_bytes
-        && *d == dtype
-        && base.as_ptr() == place.base.as_ptr()
-        && base.len() == place.base.len()
-        && *o + *rows as usize * *rb == at
-        && row_shape.as_slice() == shape
-    {
-        *rows += 1;
-        return;
-    }
-    runs.push(Run::Tensor {
+/// One row (`row_bytes` at `offset` in the extent at `place`) as a run.
+fn tensor_run(place: &Place, offset: usize, row_bytes: usize, dtype: DType, shape: &[u64]) -> Run {
+    Run::Tensor {
         base: place.base.clone(),
         segment: place.segment.clone(),
-        offset: at,
+        offset: place.offset + offset,
         rows: 1,
         row_bytes,
         dtype,
         row_shape: shape.to_vec(),
-    });
+    }
+}
+
+/// Appends `run` to the last run if it follows it in the same buffer with
+/// the same dtype and row shape, else as a new run.
+fn push_run(runs: &mut Vec<Run>, run: Run) {
+    if let (
+        Some(Run::Tensor {
+            base,
+            offset: o,
+            rows,
+            row_bytes: rb,
+            dtype: d,
+            row_shape,
+            ..
+        }),
+        Run::Tensor {
+            base: b2,
+            offset: o2,
+            rows: r2,
+            row_bytes: rb2,
+            dtype: d2,
+            row_shape: s2,
+            ..
+        },
+    ) = (runs.last_mut(), &run)
+        && *rb == *rb2
+        && *d == *d2
+        && base.as_ptr() == b2.as_ptr()
+        && base.len() == b2.len()
+        && *o + *rows as usize * *rb == *o2
+        && *row_shape == *s2
+    {
+        *rows += r2;
+        return;
+    }
+    runs.push(run);
 }

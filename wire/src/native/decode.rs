@@ -8,10 +8,11 @@ use std::collections::HashSet;
 use bytes::Bytes;
 
 use super::{
-    Error, Extras, Limits, MAX_DIMS, Op, PROTO, RegularParts, Reply, Request, STATS_MAX_DEPTH,
-    Stat, WireField, dtype_from_name,
+    Error, Extras, IndexRun, Indexes, Limits, MAX_DIMS, Op, PROTO, RegularParts, Reply, Request,
+    STATS_MAX_DEPTH, Stat, WireField, dtype_from_name,
 };
 use crate::batch::Value;
+use crate::indexes::RunsError;
 use crate::msgpack::{Item, NATIVE_MAX_DEPTH as MAX_DEPTH, Reader};
 use crate::tensor::{DType, Tensor, contiguous_len};
 
@@ -24,7 +25,7 @@ pub(super) fn request(frames: &[Bytes], limits: &Limits) -> Result<Request, Erro
     let op = match op {
         "put" => put(&mut r, &mut data, limits)?,
         "get" => {
-            let (global_indexes, fields) = selection(&mut r, limits)?;
+            let (global_indexes, fields) = selection(&mut r, limits, get_indexes)?;
             let fields = fields.ok_or(Error::MissingKey {
                 map: "a get body",
                 key: "fields",
@@ -41,7 +42,7 @@ pub(super) fn request(frames: &[Bytes], limits: &Limits) -> Result<Request, Erro
             }
         }
         "clear" => {
-            let (global_indexes, fields) = selection(&mut r, limits)?;
+            let (global_indexes, fields) = selection(&mut r, limits, indexes)?;
             Op::Clear {
                 global_indexes,
                 fields,
@@ -246,15 +247,17 @@ fn put(r: &mut Reader<'_>, data: &mut Frames<'_>, limits: &Limits) -> Result<Op,
     })
 }
 
-/// The body of a get or clear: `global_indexes` (required) and `fields`.
-fn selection(
+/// The body of a get or clear: `global_indexes` (required, read by
+/// `read`) and `fields`.
+fn selection<T>(
     r: &mut Reader<'_>,
     limits: &Limits,
-) -> Result<(Vec<u64>, Option<Vec<String>>), Error> {
+    read: impl Fn(&mut Reader<'_>, &Limits) -> Result<T, Error>,
+) -> Result<(T, Option<Vec<String>>), Error> {
     const MAP: &str = "a get or clear body";
     let (mut global_indexes, mut fields) = (None, None);
     keyed(r, MAP, ["global_indexes", "fields"], |i, r| match i {
-        0 => indexes(r, limits).map(|v| global_indexes = Some(v)),
+        0 => read(r, limits).map(|v| global_indexes = Some(v)),
         _ => names(r, limits).map(|v| fields = Some(v)),
     })?;
     Ok((need(global_indexes, MAP, "global_indexes")?, fields))
@@ -268,6 +271,48 @@ fn indexes(r: &mut Reader<'_>, limits: &Limits) -> Result<Vec<u64>, Error> {
         out.push(r.uint("a global index")?);
     }
     Ok(out)
+}
+
+/// A get's `global_indexes`: an array of uints, or `{"ranges": [[start,
+/// count, step], ...]}` (checked: no empty range, a step of at least 1,
+/// none past 2^64 - 1, at most `max_rows` indexes in all), kept as runs.
+/// Ranges are for gets only: a get's work grows with the rows it finds,
+/// which earlier puts paid for, while a put's or a clear's would grow with
+/// the count alone.
+fn get_indexes(r: &mut Reader<'_>, limits: &Limits) -> Result<Indexes, Error> {
+    if !r.next_is_map() {
+        return indexes(r, limits).map(|list| Indexes::from_list(&list));
+    }
+    const MAP: &str = "global_indexes";
+    let mut runs = None;
+    keyed(r, MAP, ["ranges"], |_, r| {
+        let n = r.array_len("ranges")?;
+        limit("global index ranges", n, limits.max_rows)?;
+        let mut out = Vec::with_capacity(n);
+        for _ in 0..n {
+            if r.array_len("a range")? != 3 {
+                return Err(Error::WrongType {
+                    key: "a range",
+                    expected: "[start, count, step]",
+                });
+            }
+            out.push(IndexRun {
+                start: r.uint("a range's start")?,
+                count: r.uint("a range's count")?,
+                step: r.uint("a range's step")?,
+            });
+        }
+        runs = Some(out);
+        Ok(())
+    })?;
+    Indexes::from_runs(need(runs, MAP, "ranges")?, limits.max_rows).map_err(|e| match e {
+        RunsError::TooMany(value, limit) => Error::TooLarge {
+            what: "global indexes",
+            value,
+            limit,
+        },
+        other => Error::BadRange(other),
+    })
 }
 
 fn names(r: &mut Reader<'_>, limits: &Limits) -> Result<Vec<String>, Error> {

@@ -3,7 +3,7 @@
 
 use bytes::{Bytes, BytesMut};
 
-use super::{Error, FrameLayout, Op, PROTO, Reply, Request, Stat, WireField};
+use super::{Error, FrameLayout, Indexes, Op, PROTO, Reply, Request, Stat, WireField};
 use crate::batch::Value;
 use crate::msgpack::{NATIVE_MAX_DEPTH as MAX_DEPTH, Reader, Writer};
 
@@ -37,7 +37,7 @@ pub(super) fn request(req: &Request, layout: Option<&FrameLayout>) -> Result<Vec
         } => {
             w.map(2);
             w.str("global_indexes");
-            uints(&mut w, global_indexes);
+            get_indexes(&mut w, global_indexes);
             w.str("fields");
             strs(&mut w, fields);
         }
@@ -164,6 +164,25 @@ fn finish(w: Writer, data: Vec<Bytes>) -> Result<Vec<Bytes>, Error> {
 fn uints(w: &mut Writer, values: &[u64]) {
     w.array(values.len());
     values.iter().for_each(|&v| w.uint(v));
+}
+
+/// A get's indexes: as `{"ranges": ...}` where that is shorter than the
+/// list (and no run repeats an index), else as the list.
+fn get_indexes(w: &mut Writer, ix: &Indexes) {
+    if ix.as_ranges_is_shorter() && ix.runs().iter().all(|r| r.step > 0) {
+        w.map(1);
+        w.str("ranges");
+        w.array(ix.runs().len());
+        for r in ix.runs() {
+            w.array(3);
+            w.uint(r.start);
+            w.uint(r.count);
+            w.uint(r.step);
+        }
+    } else {
+        w.array(ix.len() as usize);
+        ix.iter().for_each(|v| w.uint(v));
+    }
 }
 
 fn strs(w: &mut Writer, values: &[String]) {

@@ -177,7 +177,7 @@ fn unused_data_frames() {
     let get = Request {
         id: 1,
         op: Op::Get {
-            global_indexes: vec![1],
+            global_indexes: vec![1].into(),
             fields: vec!["a".into()],
         },
     };
@@ -264,7 +264,7 @@ fn duplicate_field_names() {
     let get = Request {
         id: 1,
         op: Op::Get {
-            global_indexes: vec![1],
+            global_indexes: vec![1].into(),
             fields: vec!["a".into(), "a".into()],
         },
     };
@@ -355,7 +355,7 @@ fn empty_batches_are_refused() {
         let get = Request {
             id: 1,
             op: Op::Get {
-                global_indexes: ix,
+                global_indexes: ix.into(),
                 fields,
             },
         };

@@ -213,7 +213,7 @@ fn every_dtype_round_trips() {
 fn other_requests_round_trip() {
     let ops = [
         Op::Get {
-            global_indexes: vec![3, 3, 1],
+            global_indexes: vec![3, 3, 1].into(),
             fields: vec!["a".into(), "b".into()],
         },
         Op::Clear {
@@ -733,7 +733,7 @@ fn protocol_page_example() {
     let get = Request {
         id: 2,
         op: Op::Get {
-            global_indexes: vec![1, 0],
+            global_indexes: vec![1, 0].into(),
             fields: vec!["x".into()],
         },
     };
@@ -777,3 +777,4 @@ fn protocol_page_example() {
 }
 
 mod bad_input;
+mod ranges;

@@ -1,0 +1,213 @@
+//! The manager's get against a model: random puts (in order, reversed,
+//! shuffled), overwrites and clears over 4 local units, then gets named as
+//! lists and as runs (in put order, strided, reversed, with repeats). Every
+//! get must answer each position with the last value put for its index,
+//! both row by row (`cells`, what TransferQueue replies are made of) and
+//! as runs (`runs`, what native replies are made of).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+
+use super::{Manager, Target};
+use crate::batch::{Cell, Field};
+use crate::config::LimitsConfig;
+use crate::extent::Received;
+use crate::policy::registry::Registry;
+use crate::store::{Rows, Run, Unit};
+use crate::tensor::{DType, Tensor};
+use crate::wire::indexes::{IndexRun, Indexes};
+
+/// xorshift64*: reproducible without a dependency.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+const ROW: usize = 8; // bytes per row: 2 uint32
+
+fn manager() -> Manager {
+    let units = (0..4)
+        .map(|u| Target::Local(Arc::new(Unit::new(format!("u{u}"), None))))
+        .collect();
+    Manager::new(
+        units,
+        Arc::new(Registry::new(None, Default::default()).unwrap()),
+        LimitsConfig::default(),
+        Duration::ZERO,
+        "t".into(),
+    )
+}
+
+/// A put of `indexes` whose row for `g` holds `g` and `version`.
+async fn put(m: &Manager, indexes: &[u64], version: u32) {
+    let mut bytes = Vec::with_capacity(indexes.len() * ROW);
+    for &g in indexes {
+        bytes.extend_from_slice(&(g as u32).to_le_bytes());
+        bytes.extend_from_slice(&version.to_le_bytes());
+    }
+    let frame = Bytes::from(bytes);
+    let t = Tensor::contiguous(frame.clone(), DType::U32, vec![indexes.len() as u64, 2]).unwrap();
+    let received = Received::frames(std::slice::from_ref(&frame));
+    m.put(indexes, vec![("x".into(), Field::Regular(t))], &received)
+        .await
+        .unwrap();
+}
+
+/// The rows' bytes in request order, from `runs` and from `cells`, which
+/// must agree.
+fn bytes_of(rows: &Rows) -> Vec<u8> {
+    let from_runs: Vec<u8> = rows
+        .runs()
+        .iter()
+        .flat_map(|r| match r {
+            Run::Tensor { .. } => r.bytes().to_vec(),
+            Run::Value(_) => panic!("a value in a tensor field"),
+        })
+        .collect();
+    let from_cells: Vec<u8> = rows
+        .cells()
+        .iter()
+        .flat_map(|c| match c {
+            Cell::Tensor(t) => t.contiguous_bytes().to_vec(),
+            Cell::Value(_) => panic!("a value in a tensor field"),
+        })
+        .collect();
+    assert_eq!(from_runs, from_cells);
+    from_runs
+}
+
+fn expected(model: &HashMap<u64, u32>, indexes: &[u64]) -> Option<Vec<u8>> {
+    let mut out = Vec::new();
+    for g in indexes {
+        out.extend_from_slice(&(*g as u32).to_le_bytes());
+        out.extend_from_slice(&model.get(g)?.to_le_bytes());
+    }
+    Some(out)
+}
+
+#[tokio::test]
+async fn gets_by_runs_and_by_lists_answer_what_the_model_holds() {
+    let mut rng = Rng(0x5eed_1234_abcd_0001);
+    for round in 0..40u32 {
+        let m = manager();
+        let mut model: HashMap<u64, u32> = HashMap::new();
+        let span = 8 + rng.below(200);
+        for version in 0..6u32 {
+            let n = 1 + rng.below(span);
+            let first = rng.below(span);
+            let mut indexes: Vec<u64> = (first..first + n).collect();
+            match rng.below(4) {
+                0 => indexes.reverse(),
+                1 => {
+                    for i in (1..indexes.len()).rev() {
+                        indexes.swap(i, rng.below(i as u64 + 1) as usize);
+                    }
+                }
+                2 => indexes.retain(|g| g % 3 != 0),
+                _ => {}
+            }
+            if indexes.is_empty() {
+                continue;
+            }
+            put(&m, &indexes, version + 1).await;
+            for g in &indexes {
+                model.insert(*g, version + 1);
+            }
+            if rng.below(3) == 0 {
+                let a = rng.below(span);
+                let gone: Vec<u64> = (a..a + rng.below(10)).collect();
+                m.clear(&gone, None).await.unwrap();
+                gone.iter().for_each(|g| drop(model.remove(g)));
+            }
+        }
+        for _ in 0..30 {
+            let start = rng.below(span);
+            let run = IndexRun {
+                start,
+                count: 1 + rng.below(span),
+                step: 1 + rng.below(5),
+            };
+            let mut asked = Indexes::from_runs(vec![run], u64::MAX).unwrap().to_vec();
+            match rng.below(3) {
+                0 => asked.reverse(),
+                1 => {
+                    let k = rng.below(asked.len() as u64) as usize;
+                    asked.insert(k, asked[k]);
+                }
+                _ => {}
+            }
+            let want = expected(&model, &asked);
+            for ix in [
+                Indexes::from_list(&asked),
+                Indexes::from_runs(vec![run], u64::MAX).unwrap(),
+            ] {
+                let list = ix.to_vec();
+                let want = if list == asked {
+                    want.clone()
+                } else {
+                    expected(&model, &list)
+                };
+                match (m.get(&ix, &["x".into()]).await, want) {
+                    (Ok(got), Some(want)) => {
+                        assert_eq!(bytes_of(&got[0].1), want, "round {round}, {ix:?}")
+                    }
+                    (Err(e), None) => assert!(e.is_key_not_found(), "{e}"),
+                    (got, want) => panic!(
+                        "round {round}, {ix:?}: got {:?}, want {:?}",
+                        got.map(|g| g[0].1.len()),
+                        want.map(|w| w.len())
+                    ),
+                }
+            }
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_get_in_put_order_over_four_units_is_one_piece_per_unit_and_one_run() {
+    let m = manager();
+    let indexes: Vec<u64> = (0..4096).collect();
+    put(&m, &indexes, 1).await;
+    let ix = Indexes::from_runs(
+        vec![IndexRun {
+            start: 0,
+            count: 4096,
+            step: 1,
+        }],
+        u64::MAX,
+    )
+    .unwrap();
+    let got = m.get(&ix, &["x".into()]).await.unwrap();
+    let rows = &got[0].1;
+    assert_eq!(rows.pieces.len(), 4, "{:?}", rows.pieces);
+    let runs = rows.runs();
+    assert_eq!(runs.len(), 1);
+    assert_eq!(runs[0].bytes().len(), 4096 * ROW);
+    // Every other row (step 2 over 4 units): two pieces, 2048 runs of one
+    // row each (the rows between are not asked for).
+    let ix = Indexes::from_runs(
+        vec![IndexRun {
+            start: 0,
+            count: 2048,
+            step: 2,
+        }],
+        u64::MAX,
+    )
+    .unwrap();
+    let got = m.get(&ix, &["x".into()]).await.unwrap();
+    assert_eq!(got[0].1.pieces.len(), 2);
+    assert_eq!(got[0].1.runs().len(), 2048);
+}
