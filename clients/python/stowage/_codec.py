@@ -238,17 +238,21 @@ def check_indexes(global_indexes: Any, what: str, *, unique: bool, allow_empty: 
 RANGE_MIN = 16
 
 
-def get_indexes(global_indexes: Any, what: str) -> tuple[int, Any]:
+def get_indexes(global_indexes: Any, what: str, ranges: bool = True) -> tuple[int, Any]:
     """A get's global indexes -> (how many, their wire form).
 
     An increasing, evenly spaced sequence of at least RANGE_MIN indexes (a
     ``range``, or a 1-d integer numpy array, checked at C speed) goes as one
     range, ``{"ranges": [[start, count, step]]}``, so that a get of half a
     million rows in put order costs stowd and this client the same as a
-    get of one; anything else as the list ``check_indexes`` makes."""
+    get of one; anything else (or everything, with ``ranges=False``) as
+    the list ``check_indexes`` makes. A Python list stays a list: checking
+    it for a pattern costs about what sending it does."""
     g = global_indexes
     start = step = n = None
-    if type(g) is range and len(g) >= RANGE_MIN and g.step > 0 and g.start >= 0:
+    if not ranges:
+        pass
+    elif type(g) is range and len(g) >= RANGE_MIN and g.step > 0 and g.start >= 0:
         start, step, n = g.start, g.step, len(g)
     elif (isinstance(g, np.ndarray) and g.ndim == 1 and g.size >= RANGE_MIN
           and g.dtype.kind in "iu"):

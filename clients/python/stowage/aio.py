@@ -18,7 +18,7 @@ import zmq.asyncio
 
 from . import _codec, _put
 from .client import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TIMEOUT, _Ops
-from .errors import ProtocolError, StowageError, StowageTimeout, error_from_reply
+from .errors import BadRequest, ProtocolError, StowageError, StowageTimeout, error_from_reply
 
 
 class AsyncClient(_Ops):
@@ -158,15 +158,23 @@ class AsyncClient(_Ops):
     async def get(self, global_indexes, fields, *, as_torch: bool | None = None,
                   timeout: float | None = None) -> dict:
         """See `Client.get`."""
-        n, names, body = self._get_request(global_indexes, fields, as_torch)
-        reply, frames = await self._call("get", body, (), timeout, "get_ok", self._get_extras())
+        n, names, body = self._get_request(global_indexes, fields, as_torch, self._ranges_ok)
+        try:
+            reply, frames = await self._call("get", body, (), timeout, "get_ok", self._get_extras())
+        except BadRequest as e:
+            body = self._list_fallback(body, e)
+            reply, frames = await self._call("get", body, (), timeout, "get_ok", self._get_extras())
         return self._get_result(reply, frames, names, n, as_torch)
 
     async def get_into(self, global_indexes, out: Mapping[str, Any], *,
                        timeout: float | None = None) -> Mapping[str, Any]:
         """See `Client.get_into`."""
-        n, targets, body = self._get_into_request(global_indexes, out)
-        reply, frames = await self._call("get", body, (), timeout, "get_ok", self._get_extras())
+        n, targets, body = self._get_into_request(global_indexes, out, self._ranges_ok)
+        try:
+            reply, frames = await self._call("get", body, (), timeout, "get_ok", self._get_extras())
+        except BadRequest as e:
+            body = self._list_fallback(body, e)
+            reply, frames = await self._call("get", body, (), timeout, "get_ok", self._get_extras())
         self._get_into_result(reply, frames, targets, n)
         return out
 

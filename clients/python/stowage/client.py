@@ -13,7 +13,7 @@ import numpy as np
 import zmq
 
 from . import _codec, _put, _shm, _torch
-from .errors import ProtocolError, StowageError, StowageTimeout, error_from_reply
+from .errors import BadRequest, ProtocolError, StowageError, StowageTimeout, error_from_reply
 
 DEFAULT_TIMEOUT = 30.0
 DEFAULT_MAX_MESSAGE_BYTES = 256 << 20
@@ -85,13 +85,27 @@ class _Ops:
         return env["body"]
 
     # -- get
+    #: Whether the server takes a get's indexes as ranges. A stowd from
+    #: before them answers the first such get with bad_request; the get is
+    #: then sent again as a list, and so is every later one.
+    _ranges_ok = True
+
+    def _list_fallback(self, body: dict, e: BadRequest) -> dict:
+        """`body` with its ranges as a list, if `e` is a stowd that does not
+        take ranges refusing them; else `e` is raised again."""
+        gi = body.get("global_indexes")
+        if not (isinstance(gi, dict) and "global_indexes must be an array" in str(e)):
+            raise e
+        self._ranges_ok = False
+        return dict(body, global_indexes=[g for s, c, k in gi["ranges"] for g in range(s, s + c * k, k)])
+
     @staticmethod
-    def _get_request(global_indexes, fields, as_torch) -> tuple[int, list, dict]:
+    def _get_request(global_indexes, fields, as_torch, ranges: bool = True) -> tuple[int, list, dict]:
         if as_torch not in (None, True, False):
             raise TypeError(f"get: as_torch must be None, True or False, got {as_torch!r}")
         if as_torch:
             _torch.require("get(as_torch=True)")
-        n, wire = _codec.get_indexes(global_indexes, "get")
+        n, wire = _codec.get_indexes(global_indexes, "get", ranges)
         names = _codec.check_field_names(fields, "get")
         return n, names, {"global_indexes": wire, "fields": names}
 
@@ -116,8 +130,8 @@ class _Ops:
 
     # -- get_into
     @staticmethod
-    def _get_into_request(global_indexes, out) -> tuple[int, dict, dict]:
-        n, wire = _codec.get_indexes(global_indexes, "get_into")
+    def _get_into_request(global_indexes, out, ranges: bool = True) -> tuple[int, dict, dict]:
+        n, wire = _codec.get_indexes(global_indexes, "get_into", ranges)
         if not isinstance(out, Mapping):
             raise TypeError(f"get_into: out must map field names to arrays, got {type(out).__name__}")
         names = _codec.check_field_names(list(out), "get_into")
@@ -304,8 +318,12 @@ class Client(_Ops):
         pages it touches and no other tensor, array, process or the store
         sees it; nor does another tensor of the same get (a row asked for
         twice is copied: two tensors of one get never share bytes)."""
-        n, names, body = self._get_request(global_indexes, fields, as_torch)
-        reply, frames = self._call("get", body, (), timeout, "get_ok", self._get_extras())
+        n, names, body = self._get_request(global_indexes, fields, as_torch, self._ranges_ok)
+        try:
+            reply, frames = self._call("get", body, (), timeout, "get_ok", self._get_extras())
+        except BadRequest as e:
+            body = self._list_fallback(body, e)
+            reply, frames = self._call("get", body, (), timeout, "get_ok", self._get_extras())
         return self._get_result(reply, frames, names, n, as_torch)
 
     def get_into(self, global_indexes, out: Mapping[str, Any], *, timeout: float | None = None) -> Mapping[str, Any]:
@@ -314,8 +332,12 @@ class Client(_Ops):
         (a dtype of `stowage.BITS_DTYPES` also fills int arrays of its
         itemsize, e.g. uint8 for a float8). Every byte is copied once,
         from the received frames straight into `out`. Returns `out`."""
-        n, targets, body = self._get_into_request(global_indexes, out)
-        reply, frames = self._call("get", body, (), timeout, "get_ok", self._get_extras())
+        n, targets, body = self._get_into_request(global_indexes, out, self._ranges_ok)
+        try:
+            reply, frames = self._call("get", body, (), timeout, "get_ok", self._get_extras())
+        except BadRequest as e:
+            body = self._list_fallback(body, e)
+            reply, frames = self._call("get", body, (), timeout, "get_ok", self._get_extras())
         self._get_into_result(reply, frames, targets, n)
         return out
 

@@ -76,3 +76,34 @@ def test_gets_by_range_and_by_list_bring_back_the_same_rows(four_units, fresh, s
         with pytest.raises(stowage.KeyNotFound):
             c.get(range(base, base + 4001), ["x"])
         c.clear(idx)
+
+
+def test_a_stowd_without_ranges_gets_lists_after_one_refusal(fake_server):
+    """A stowd from before ranges refuses them with bad_request ("global_indexes
+    must be an array", its words): the client sends the get again as a list,
+    and every later get as a list, with the same result."""
+    import msgpack
+
+    def handler(ident, frames):
+        env = msgpack.unpackb(frames[0])
+        gi = env["body"]["global_indexes"]
+        if isinstance(gi, dict):
+            body, op = {"code": "bad_request", "message": "global_indexes must be an array"}, "error"
+        else:
+            body, op = {"fields": {"v": {"kind": "values", "values": [str(g) for g in gi]}}}, "get_ok"
+        return [[msgpack.packb({"proto": "stowage/1", "op": op, "id": env["id"], "body": body})]]
+
+    srv = fake_server(handler)
+    with stowage.Client(srv.endpoint, timeout=5) as c:
+        assert c.get(range(100, 120), ["v"])["v"] == [str(g) for g in range(100, 120)]
+        assert c.get(np.arange(7, 70, 3), ["v"])["v"] == [str(g) for g in range(7, 70, 3)]
+    sent = [msgpack.unpackb(f[0])["body"]["global_indexes"] for _, f in srv.requests]
+    assert sent == [{"ranges": [[100, 20, 1]]}, list(range(100, 120)), list(range(7, 70, 3))]
+    # Any other bad_request is the caller's to see, and not sent again.
+    srv2 = fake_server(lambda ident, frames: [[msgpack.packb({
+        "proto": "stowage/1", "op": "error", "id": msgpack.unpackb(frames[0])["id"],
+        "body": {"code": "bad_request", "message": "field 'v' is named twice"}})]])
+    with stowage.Client(srv2.endpoint, timeout=5) as c:
+        with pytest.raises(stowage.BadRequest, match="named twice"):
+            c.get(range(100, 120), ["v"])
+    assert len(srv2.requests) == 1
