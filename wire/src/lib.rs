@@ -3,6 +3,8 @@
 //! - [`tensor`]: `Tensor`, immutable bytes plus dtype and shape, with
 //!   zero-copy rows and strided views.
 //! - [`batch`]: `Field` (regular, nested, values), `Value`, `Cell`.
+//! - [`indexes`]: global indexes as arithmetic runs (how a `stowage/1`
+//!   get may name them, and what a list of them is turned into).
 //! - [`tq`]: the TransferQueue 0.1.11 storage-unit protocol (msgpack
 //!   envelope plus raw data frames), both directions: a unit decodes
 //!   requests and encodes replies, the router as a client encodes requests

@@ -33,6 +33,18 @@ from .errors import ProtocolError
 ALIGN = 64  # each range of a filled lease starts at a multiple of this
 
 
+
+class SegmentGone(ProtocolError):
+    """A segment a get reply named was gone (or renamed for reuse) before
+    this reader locked it: its rows were overwritten or cleared after the
+    reply and held for less time than this reader took (`[shm]
+    reply_hold_ms`). The get is asked again (the clients do it, a few
+    times): it then answers the new rows, or `key_not_found`."""
+
+    def __init__(self, name: str):
+        super().__init__(f"segment {name!r} named by the reply does not exist "
+                         "(were its rows cleared meanwhile?)")
+
 class Segments:
     """Read-only mappings of `stowd`'s segments in `directory`, by name."""
 
@@ -58,8 +70,7 @@ class Segments:
         try:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
-            raise ProtocolError(f"segment {name!r} named by the reply does not exist "
-                                "(were its rows cleared meanwhile?)") from None
+            raise SegmentGone(name) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)
             st = os.fstat(fd)
@@ -69,8 +80,7 @@ class Segments:
                 still = None
             if still is None or (still.st_dev, still.st_ino) != (st.st_dev, st.st_ino):
                 # stowd renamed it for reuse before we locked: the rows are gone.
-                raise ProtocolError(f"segment {name!r} named by the reply does not exist "
-                                    "(were its rows cleared meanwhile?)")
+                raise SegmentGone(name)
         except BaseException:
             os.close(fd)
             raise

@@ -19,6 +19,10 @@ DEFAULT_TIMEOUT = 30.0
 DEFAULT_MAX_MESSAGE_BYTES = 256 << 20
 
 
+#: How many times a same-node get is asked again when a segment its reply
+#: named was gone before it was locked (`_shm.SegmentGone`).
+GET_RETRIES = 3
+
 class _Ops:
     """Request building and reply reading, shared by `Client` and `AsyncClient`."""
 
@@ -319,12 +323,24 @@ class Client(_Ops):
         sees it; nor does another tensor of the same get (a row asked for
         twice is copied: two tensors of one get never share bytes)."""
         n, names, body = self._get_request(global_indexes, fields, as_torch, self._ranges_ok)
+        for attempt in range(GET_RETRIES + 1):
+            try:
+                reply, frames, body = self._get_call(body, timeout)
+                return self._get_result(reply, frames, names, n, as_torch)
+            except _shm.SegmentGone:
+                if attempt == GET_RETRIES:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _get_call(self, body: dict, timeout) -> tuple[dict, Any, dict]:
+        """A get's reply and frames, and the body it was sent with (a list
+        instead of ranges for a stowd without them)."""
         try:
             reply, frames = self._call("get", body, (), timeout, "get_ok", self._get_extras())
         except BadRequest as e:
             body = self._list_fallback(body, e)
             reply, frames = self._call("get", body, (), timeout, "get_ok", self._get_extras())
-        return self._get_result(reply, frames, names, n, as_torch)
+        return reply, frames, body
 
     def get_into(self, global_indexes, out: Mapping[str, Any], *, timeout: float | None = None) -> Mapping[str, Any]:
         """Reads regular fields into preallocated arrays or CPU tensors (e.g.
@@ -333,13 +349,15 @@ class Client(_Ops):
         itemsize, e.g. uint8 for a float8). Every byte is copied once,
         from the received frames straight into `out`. Returns `out`."""
         n, targets, body = self._get_into_request(global_indexes, out, self._ranges_ok)
-        try:
-            reply, frames = self._call("get", body, (), timeout, "get_ok", self._get_extras())
-        except BadRequest as e:
-            body = self._list_fallback(body, e)
-            reply, frames = self._call("get", body, (), timeout, "get_ok", self._get_extras())
-        self._get_into_result(reply, frames, targets, n)
-        return out
+        for attempt in range(GET_RETRIES + 1):
+            try:
+                reply, frames, body = self._get_call(body, timeout)
+                self._get_into_result(reply, frames, targets, n)
+                return out
+            except _shm.SegmentGone:
+                if attempt == GET_RETRIES:
+                    raise
+        raise AssertionError("unreachable")
 
     def clear(self, global_indexes, fields=None, *, timeout: float | None = None) -> int:
         """Drops the given fields (all fields if None) of the given indexes;

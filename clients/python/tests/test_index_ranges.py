@@ -78,22 +78,45 @@ def test_gets_by_range_and_by_list_bring_back_the_same_rows(four_units, fresh, s
         c.clear(idx)
 
 
+def _old_stowd(ident, frames):
+    """A stowd from before ranges: a get by ranges is refused in its words."""
+    import msgpack
+
+    env = msgpack.unpackb(frames[0])
+    gi = env["body"]["global_indexes"]
+    if isinstance(gi, dict):
+        body, op = {"code": "bad_request", "message": "global_indexes must be an array"}, "error"
+    else:
+        body, op = {"fields": {"v": {"kind": "values", "values": [str(g) for g in gi]}}}, "get_ok"
+    return [[msgpack.packb({"proto": "stowage/1", "op": op, "id": env["id"], "body": body})]]
+
+
+def test_the_async_client_falls_back_to_lists_too(fake_server):
+    import asyncio
+
+    import msgpack
+
+    srv = fake_server(_old_stowd)
+
+    async def main():
+        async with stowage.AsyncClient(srv.endpoint, timeout=5) as c:
+            a = await c.get(range(0, 40, 2), ["v"])
+            b = await c.get(range(0, 40, 2), ["v"])
+            return a, b
+
+    a, b = asyncio.run(asyncio.wait_for(main(), 30))
+    assert a["v"] == b["v"] == [str(g) for g in range(0, 40, 2)]
+    sent = [msgpack.unpackb(f[0])["body"]["global_indexes"] for _, f in srv.requests]
+    assert sent == [{"ranges": [[0, 20, 2]]}, list(range(0, 40, 2)), list(range(0, 40, 2))]
+
+
 def test_a_stowd_without_ranges_gets_lists_after_one_refusal(fake_server):
     """A stowd from before ranges refuses them with bad_request ("global_indexes
     must be an array", its words): the client sends the get again as a list,
     and every later get as a list, with the same result."""
     import msgpack
 
-    def handler(ident, frames):
-        env = msgpack.unpackb(frames[0])
-        gi = env["body"]["global_indexes"]
-        if isinstance(gi, dict):
-            body, op = {"code": "bad_request", "message": "global_indexes must be an array"}, "error"
-        else:
-            body, op = {"fields": {"v": {"kind": "values", "values": [str(g) for g in gi]}}}, "get_ok"
-        return [[msgpack.packb({"proto": "stowage/1", "op": op, "id": env["id"], "body": body})]]
-
-    srv = fake_server(handler)
+    srv = fake_server(_old_stowd)
     with stowage.Client(srv.endpoint, timeout=5) as c:
         assert c.get(range(100, 120), ["v"])["v"] == [str(g) for g in range(100, 120)]
         assert c.get(np.arange(7, 70, 3), ["v"])["v"] == [str(g) for g in range(7, 70, 3)]

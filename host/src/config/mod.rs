@@ -314,7 +314,7 @@ impl Default for ShmConfig {
             max_leased_bytes: 0,
             reuse_bytes: 4 << 30,
             reuse_secs: 30,
-            reply_hold_ms: 10_000,
+            reply_hold_ms: 1_000,
         }
     }
 }

@@ -129,7 +129,7 @@ impl Drop for Segment {
 
 /// How long a segment named in a same-node reply stays alive after it by
 /// default: the reader opens and locks it well within this.
-pub const DEFAULT_HOLD: Duration = Duration::from_secs(10);
+pub const DEFAULT_HOLD: Duration = Duration::from_secs(1);
 
 struct Lease {
     path: PathBuf,
@@ -244,8 +244,17 @@ impl SegmentStore {
     }
 
     /// A new file of `len` bytes for stowd or a client to fill: a spare
-    /// if one fits, else created.
+    /// if one fits, else created. Holds that have run out are let go
+    /// first, so a segment whose rows were cleared while it was held is a
+    /// spare by now.
     fn create(&self, len: u64) -> Result<(File, PathBuf), ShmError> {
+        let expired: Vec<_> = {
+            let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
+            let now = Instant::now();
+            let n = held.iter().take_while(|(until, _)| *until <= now).count();
+            held.drain(..n).collect()
+        };
+        drop(expired); // unmapped and offered to the spares outside the lock
         if let Some(spare) = self.spares.take(len) {
             return Ok(spare);
         }

@@ -293,3 +293,26 @@ fn a_lease_is_put_only_by_the_connection_that_asked() {
     let rows = s.adopt(&name, 7).unwrap();
     assert_eq!(&rows[..], b"rows of7");
 }
+
+#[test]
+fn a_held_segment_whose_rows_went_is_leased_again_once_the_hold_ends() {
+    let s = store("held-reuse", Duration::from_secs(5))
+        .with_reuse(64 << 20, Duration::from_secs(60))
+        .with_hold(Duration::from_millis(100));
+    let (bytes, path) = put(&s, 4 << 20, 1);
+    let ino = inode(&path);
+    s.hold([bytes.clone()]);
+    drop(bytes); // the rows are cleared; the reply's hold keeps the file
+    assert!(path.exists(), "a held segment keeps its name");
+    let (early, _) = s.lease(4 << 20, 1).unwrap();
+    assert_ne!(inode(&s.dir().join(&early)), ino, "reused while held");
+    std::thread::sleep(Duration::from_millis(150));
+    // No other reply came meanwhile: the lease itself lets the hold go.
+    let (name, _) = s.lease(4 << 20, 1).unwrap();
+    assert_eq!(
+        inode(&s.dir().join(&name)),
+        ino,
+        "not reused after the hold"
+    );
+    assert!(!path.exists());
+}

@@ -22,7 +22,8 @@
 //! |---|---|
 //! | this file | [`Unit`]: the per-field index, capacity, put/get/clear; [`StoreError`] |
 //! | [`column`] | [`Column`]: one put's rows of one field, and back to cells |
-//! | [`rows`] | [`Rows`] and [`Run`]: what a get answers, grouped for the encoders |
+//! | [`rows`] | [`Rows`], [`Piece`] and [`Run`]: what a get answers, grouped for the encoders |
+//! | `seqs` | [`Seq`]: a run of requested indexes at evenly spaced positions; a column's indexes as a run or a list |
 //! | `release` | giving freed memory back to the OS (`malloc_trim`) off the request path |
 
 use std::collections::HashMap;
@@ -73,11 +74,14 @@ pub struct UnitCounters {
 mod column;
 mod release;
 mod rows;
+mod seqs;
 #[cfg(test)]
 mod tests;
 
 pub use column::{Column, NestedRow, RegularColumn};
 pub use rows::{Piece, Rows, Run};
+use seqs::ColIndexes;
+pub use seqs::Seq;
 
 /// The row maps ([`IndexMap`]) live in `stowage-index`, which is
 /// optimised even in debug builds (see its crate doc).
@@ -104,67 +108,6 @@ impl Loc {
     }
 }
 
-/// The global indexes of a column's rows: arithmetic (row `r + 1`'s is
-/// row `r`'s plus `step`: two words for any row count, what a put in index
-/// order stores) or a list.
-enum ColIndexes {
-    Arith { step: u64, len: u64 },
-    List(Box<[u64]>),
-}
-
-impl ColIndexes {
-    fn new(indexes: &[u64]) -> ColIndexes {
-        let step = match indexes {
-            [] | [_] => Some(1),
-            [a, b, ..] if b > a => {
-                let step = b - a;
-                indexes
-                    .windows(2)
-                    .all(|w| w[1] > w[0] && w[1] - w[0] == step)
-                    .then_some(step)
-            }
-            _ => None,
-        };
-        match step {
-            Some(step) => ColIndexes::Arith {
-                step,
-                len: indexes.len() as u64,
-            },
-            None => ColIndexes::List(indexes.into()),
-        }
-    }
-
-    fn len(&self) -> u64 {
-        match self {
-            ColIndexes::Arith { len, .. } => *len,
-            ColIndexes::List(l) => l.len() as u64,
-        }
-    }
-
-    /// How many of `g, g + step, ...` (at most `max`) are the indexes of
-    /// rows `row, row + 1, ...` (`g` is row `row`'s).
-    fn follow(&self, row: u32, g: u64, step: u64, max: u64) -> u64 {
-        let left = (self.len() - u64::from(row)).min(max);
-        match self {
-            ColIndexes::Arith { step: s, .. } => {
-                if *s == step {
-                    left
-                } else {
-                    1
-                }
-            }
-            ColIndexes::List(list) => {
-                let row = row as usize;
-                let mut m = 1u64;
-                while m < left && list[row + m as usize] == g.wrapping_add(m.wrapping_mul(step)) {
-                    m += 1;
-                }
-                m
-            }
-        }
-    }
-}
-
 /// A stored column, the global index of each of its rows, and how many of
 /// its rows are still indexed. While all are (`live` equals the row
 /// count), row `r` is where its global index is: a get of rows in put
@@ -178,48 +121,6 @@ struct Slot {
 impl Slot {
     fn intact(&self) -> bool {
         self.live == self.indexes.len()
-    }
-}
-
-/// Requested global indexes `start + k * step` (`k < count`), answering
-/// request positions `pos + k * pos_step`: how a get reaches a unit
-/// ([`Unit::get_seqs`]), a run of the request routed to it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Seq {
-    pub start: u64,
-    pub step: u64,
-    pub count: u64,
-    pub pos: u64,
-    pub pos_step: u64,
-}
-
-impl Seq {
-    /// Index `k` and the position it answers.
-    fn at(&self, k: u64) -> (u64, u64) {
-        (
-            self.start.wrapping_add(k.wrapping_mul(self.step)),
-            self.pos + k * self.pos_step,
-        )
-    }
-
-    /// `list` as runs, position `i` answering `list[i]`.
-    pub fn from_list(list: &[u64]) -> Vec<Seq> {
-        let mut pos = 0;
-        stowage_wire::indexes::Indexes::from_list(list)
-            .runs()
-            .iter()
-            .map(|r| {
-                let s = Seq {
-                    start: r.start,
-                    step: r.step,
-                    count: r.count,
-                    pos,
-                    pos_step: 1,
-                };
-                pos += r.count;
-                s
-            })
-            .collect()
     }
 }
 
