@@ -159,37 +159,30 @@ class AsyncClient(_Ops):
                   timeout: float | None = None) -> dict:
         """See `Client.get`."""
         n, names, body = self._get_request(global_indexes, fields, as_torch, self._ranges_ok)
+        return await self._get_call(body, timeout,
+                                    lambda reply, frames: self._get_result(reply, frames, names, n, as_torch))
+
+    async def _get_call(self, body: dict, timeout, finish):
+        """See `Client._get_call`."""
         for attempt in range(GET_RETRIES + 1):
             try:
-                reply, frames, body = await self._get_call(body, timeout)
-                return self._get_result(reply, frames, names, n, as_torch)
+                try:
+                    reply, frames = await self._call("get", body, (), timeout, "get_ok", self._get_extras())
+                except BadRequest as e:
+                    body = self._list_fallback(body, e)
+                    reply, frames = await self._call("get", body, (), timeout, "get_ok", self._get_extras())
+                return finish(reply, frames)
             except _shm.SegmentGone:
                 if attempt == GET_RETRIES:
                     raise
         raise AssertionError("unreachable")
-
-    async def _get_call(self, body: dict, timeout) -> tuple[dict, Any, dict]:
-        """See `Client._get_call`."""
-        try:
-            reply, frames = await self._call("get", body, (), timeout, "get_ok", self._get_extras())
-        except BadRequest as e:
-            body = self._list_fallback(body, e)
-            reply, frames = await self._call("get", body, (), timeout, "get_ok", self._get_extras())
-        return reply, frames, body
 
     async def get_into(self, global_indexes, out: Mapping[str, Any], *,
                        timeout: float | None = None) -> Mapping[str, Any]:
         """See `Client.get_into`."""
         n, targets, body = self._get_into_request(global_indexes, out, self._ranges_ok)
-        for attempt in range(GET_RETRIES + 1):
-            try:
-                reply, frames, body = await self._get_call(body, timeout)
-                self._get_into_result(reply, frames, targets, n)
-                return out
-            except _shm.SegmentGone:
-                if attempt == GET_RETRIES:
-                    raise
-        raise AssertionError("unreachable")
+        await self._get_call(body, timeout, lambda reply, frames: self._get_into_result(reply, frames, targets, n))
+        return out
 
     async def clear(self, global_indexes, fields=None, *, timeout: float | None = None) -> int:
         """See `Client.clear`."""

@@ -323,24 +323,24 @@ class Client(_Ops):
         sees it; nor does another tensor of the same get (a row asked for
         twice is copied: two tensors of one get never share bytes)."""
         n, names, body = self._get_request(global_indexes, fields, as_torch, self._ranges_ok)
+        return self._get_call(body, timeout, lambda reply, frames: self._get_result(reply, frames, names, n, as_torch))
+
+    def _get_call(self, body: dict, timeout, finish):
+        """`finish(reply, frames)` of a get: sent again as a list to a stowd
+        without ranges, and asked again (GET_RETRIES times) when a segment
+        the reply named was gone before it was locked."""
         for attempt in range(GET_RETRIES + 1):
             try:
-                reply, frames, body = self._get_call(body, timeout)
-                return self._get_result(reply, frames, names, n, as_torch)
+                try:
+                    reply, frames = self._call("get", body, (), timeout, "get_ok", self._get_extras())
+                except BadRequest as e:
+                    body = self._list_fallback(body, e)
+                    reply, frames = self._call("get", body, (), timeout, "get_ok", self._get_extras())
+                return finish(reply, frames)
             except _shm.SegmentGone:
                 if attempt == GET_RETRIES:
                     raise
         raise AssertionError("unreachable")
-
-    def _get_call(self, body: dict, timeout) -> tuple[dict, Any, dict]:
-        """A get's reply and frames, and the body it was sent with (a list
-        instead of ranges for a stowd without them)."""
-        try:
-            reply, frames = self._call("get", body, (), timeout, "get_ok", self._get_extras())
-        except BadRequest as e:
-            body = self._list_fallback(body, e)
-            reply, frames = self._call("get", body, (), timeout, "get_ok", self._get_extras())
-        return reply, frames, body
 
     def get_into(self, global_indexes, out: Mapping[str, Any], *, timeout: float | None = None) -> Mapping[str, Any]:
         """Reads regular fields into preallocated arrays or CPU tensors (e.g.
@@ -349,15 +349,8 @@ class Client(_Ops):
         itemsize, e.g. uint8 for a float8). Every byte is copied once,
         from the received frames straight into `out`. Returns `out`."""
         n, targets, body = self._get_into_request(global_indexes, out, self._ranges_ok)
-        for attempt in range(GET_RETRIES + 1):
-            try:
-                reply, frames, body = self._get_call(body, timeout)
-                self._get_into_result(reply, frames, targets, n)
-                return out
-            except _shm.SegmentGone:
-                if attempt == GET_RETRIES:
-                    raise
-        raise AssertionError("unreachable")
+        self._get_call(body, timeout, lambda reply, frames: self._get_into_result(reply, frames, targets, n))
+        return out
 
     def clear(self, global_indexes, fields=None, *, timeout: float | None = None) -> int:
         """Drops the given fields (all fields if None) of the given indexes;
