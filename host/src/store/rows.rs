@@ -190,150 +190,173 @@ impl Rows {
     /// in put order over 4 units that each hold every 4th row). Everything
     /// else goes row by row, as before.
     pub fn runs(&self) -> Vec<Run> {
-        let mut places: HashMap<u64, Place> = HashMap::new();
-        let mut place_of =
-            |e: &Arc<Extent>| places.entry(e.id()).or_insert_with(|| e.place()).clone();
-        // (first position, run): runs that answer `rows` positions from it.
-        let mut items: Vec<(u64, Run)> = Vec::new();
+        let mut places = Snapshots::default();
+        let mut items: Vec<Item<'_>> = Vec::new();
+        // Regular pieces of more than one row, by (place, dtype, row shape,
+        // row bytes, where position 0 would be): (first position, last
+        // position, rows, the pieces).
+        type Key<'a> = (u32, DType, &'a [u64], usize, i128);
+        let mut groups: HashMap<Key<'_>, (u64, u64, u64, Vec<usize>)> = HashMap::new();
         let mut by_row: Vec<usize> = Vec::new();
-        // Regular pieces by (buffer, dtype, row shape, row bytes, where
-        // position 0 would be): (first position, last position, rows).
-        type Key = (usize, usize, DType, Arc<[u64]>, usize, i128);
-        let mut groups: HashMap<Key, (u64, u64, u64, Vec<usize>, Place)> = HashMap::new();
         for (i, p) in self.pieces.iter().enumerate() {
-            let Column::Regular(c) = self.columns[p.column as usize].as_ref() else {
-                by_row.push(i);
-                continue;
-            };
-            if p.count == 0 {
-                continue;
+            match self.columns[p.column as usize].as_ref() {
+                Column::Regular(c)
+                    if p.count > 1
+                        && c.stride as u128 == u128::from(p.pos_step) * c.row_bytes as u128 =>
+                {
+                    let place = places.of(&c.extent);
+                    let at0 = (places.list[place as usize].offset
+                        + c.offset
+                        + p.row as usize * c.stride) as i128;
+                    let origin = at0 - i128::from(p.pos) * c.row_bytes as i128;
+                    let key = (place, c.dtype, &c.row_shape[..], c.row_bytes, origin);
+                    let last = p.pos_of(u64::from(p.count) - 1);
+                    let g = groups
+                        .entry(key)
+                        .or_insert_with(|| (p.pos, last, 0, Vec::new()));
+                    g.0 = g.0.min(p.pos);
+                    g.1 = g.1.max(last);
+                    g.2 += u64::from(p.count);
+                    g.3.push(i);
+                }
+                _ => by_row.push(i),
             }
-            let place = place_of(&c.extent);
-            let at0 = (place.offset + c.offset + p.row as usize * c.stride) as i128;
-            let affine =
-                p.count == 1 || c.stride as u128 == u128::from(p.pos_step) * c.row_bytes as u128;
-            if !affine {
-                by_row.push(i);
-                continue;
-            }
-            let origin = at0 - i128::from(p.pos) * c.row_bytes as i128;
-            let key = (
-                place.base.as_ptr() as usize,
-                place.base.len(),
-                c.dtype,
-                c.row_shape.clone(),
-                c.row_bytes,
-                origin,
-            );
-            let last = p.pos_of(u64::from(p.count) - 1);
-            let g = groups
-                .entry(key)
-                .or_insert_with(|| (p.pos, last, 0, Vec::new(), place.clone()));
-            g.0 = g.0.min(p.pos);
-            g.1 = g.1.max(last);
-            g.2 += u64::from(p.count);
-            g.3.push(i);
         }
-        for ((_, _, dtype, shape, row_bytes, origin), (first, last, rows, members, place)) in groups
-        {
+        for ((place, dtype, shape, row_bytes, origin), (first, last, rows, members)) in groups {
             if rows != last - first + 1 {
                 by_row.extend(members);
                 continue;
             }
-            let offset = (origin + i128::from(first) * row_bytes as i128) as usize;
-            items.push((
-                first,
-                Run::Tensor {
-                    base: place.base.clone(),
-                    segment: place.segment.clone(),
-                    offset,
-                    rows,
+            items.push(Item {
+                pos: first,
+                rows,
+                what: What::Tensor {
+                    place,
+                    offset: (origin + i128::from(first) * row_bytes as i128) as usize
+                        - places.list[place as usize].offset,
                     row_bytes,
                     dtype,
-                    row_shape: shape.to_vec(),
+                    shape,
                 },
-            ));
+            });
         }
         for i in by_row {
             let p = &self.pieces[i];
             let column = self.columns[p.column as usize].as_ref();
             for k in 0..u64::from(p.count) {
                 let row = (u64::from(p.row) + k) as usize;
-                let run = match column {
-                    Column::Regular(c) => {
-                        let place = place_of(&c.extent);
-                        tensor_run(
-                            &place,
-                            c.offset + row * c.stride,
-                            c.row_bytes,
-                            c.dtype,
-                            &c.row_shape,
-                        )
-                    }
+                let what = match column {
+                    Column::Regular(c) => What::Tensor {
+                        place: places.of(&c.extent),
+                        offset: c.offset + row * c.stride,
+                        row_bytes: c.row_bytes,
+                        dtype: c.dtype,
+                        shape: &c.row_shape,
+                    },
                     Column::Nested(rows) => {
                         let n = &rows[row];
-                        let place = place_of(&n.extent);
-                        tensor_run(&place, n.offset, n.len, n.dtype, &n.shape)
+                        What::Tensor {
+                            place: places.of(&n.extent),
+                            offset: n.offset,
+                            row_bytes: n.len,
+                            dtype: n.dtype,
+                            shape: &n.shape,
+                        }
                     }
-                    Column::Values(v) => Run::Value(v[row].clone()),
+                    Column::Values(v) => What::Value(&v[row]),
                 };
-                items.push((p.pos_of(k), run));
+                items.push(Item {
+                    pos: p.pos_of(k),
+                    rows: 1,
+                    what,
+                });
             }
         }
-        items.sort_unstable_by_key(|(pos, _)| *pos);
+        items.sort_unstable_by_key(|it| it.pos);
         let mut runs: Vec<Run> = Vec::with_capacity(items.len());
-        for (_, run) in items {
-            push_run(&mut runs, run);
+        for it in items {
+            let What::Tensor {
+                place,
+                offset,
+                row_bytes,
+                dtype,
+                shape,
+            } = it.what
+            else {
+                if let What::Value(v) = it.what {
+                    runs.push(Run::Value(v.clone()));
+                }
+                continue;
+            };
+            let place = &places.list[place as usize];
+            let at = place.offset + offset;
+            if let Some(Run::Tensor {
+                base,
+                offset: o,
+                rows,
+                row_bytes: rb,
+                dtype: d,
+                row_shape,
+                ..
+            }) = runs.last_mut()
+                && *rb == row_bytes
+                && *d == dtype
+                && base.as_ptr() == place.base.as_ptr()
+                && base.len() == place.base.len()
+                && *o + *rows as usize * *rb == at
+                && row_shape.as_slice() == shape
+            {
+                *rows += it.rows;
+                continue;
+            }
+            runs.push(Run::Tensor {
+                base: place.base.clone(),
+                segment: place.segment.clone(),
+                offset: at,
+                rows: it.rows,
+                row_bytes,
+                dtype,
+                row_shape: shape.to_vec(),
+            });
         }
         runs
     }
 }
 
-/// One row (`row_bytes` at `offset` in the extent at `place`) as a run.
-fn tensor_run(place: &Place, offset: usize, row_bytes: usize, dtype: DType, shape: &[u64]) -> Run {
-    Run::Tensor {
-        base: place.base.clone(),
-        segment: place.segment.clone(),
-        offset: place.offset + offset,
-        rows: 1,
-        row_bytes,
-        dtype,
-        row_shape: shape.to_vec(),
+/// One place snapshot per extent a call of [`Rows::runs`] meets.
+#[derive(Default)]
+struct Snapshots {
+    list: Vec<Place>,
+    ids: HashMap<u64, u32>,
+}
+
+impl Snapshots {
+    /// The number of `e`'s snapshot, taken the first time.
+    fn of(&mut self, e: &Arc<Extent>) -> u32 {
+        let list = &mut self.list;
+        *self.ids.entry(e.id()).or_insert_with(|| {
+            list.push(e.place());
+            (list.len() - 1) as u32
+        })
     }
 }
 
-/// Appends `run` to the last run if it follows it in the same buffer with
-/// the same dtype and row shape, else as a new run.
-fn push_run(runs: &mut Vec<Run>, run: Run) {
-    if let (
-        Some(Run::Tensor {
-            base,
-            offset: o,
-            rows,
-            row_bytes: rb,
-            dtype: d,
-            row_shape,
-            ..
-        }),
-        Run::Tensor {
-            base: b2,
-            offset: o2,
-            rows: r2,
-            row_bytes: rb2,
-            dtype: d2,
-            row_shape: s2,
-            ..
-        },
-    ) = (runs.last_mut(), &run)
-        && *rb == *rb2
-        && *d == *d2
-        && base.as_ptr() == b2.as_ptr()
-        && base.len() == b2.len()
-        && *o + *rows as usize * *rb == *o2
-        && *row_shape == *s2
-    {
-        *rows += r2;
-        return;
-    }
-    runs.push(run);
+/// Rows that answer `rows` positions from `pos`, before they become runs.
+struct Item<'a> {
+    pos: u64,
+    rows: u64,
+    what: What<'a>,
+}
+
+/// What an [`Item`] is: rows of `row_bytes` from `offset` in the extent
+/// whose place is `places[place]`, or one value.
+enum What<'a> {
+    Tensor {
+        place: u32,
+        offset: usize,
+        row_bytes: usize,
+        dtype: DType,
+        shape: &'a [u64],
+    },
+    Value(&'a Value),
 }
