@@ -85,9 +85,11 @@ impl Indexes {
         }
     }
 
-    /// Runs as they are, checked: none empty, every step at least 1 (a
-    /// run never repeats an index), none past `u64::MAX`, at most `max`
-    /// indexes in all.
+    /// The indexes of `runs`, checked (none empty, every step at least 1:
+    /// a run never repeats an index; none past `u64::MAX`; at most `max`
+    /// indexes in all) and regrouped as [`Indexes::from_list`] groups the
+    /// same indexes, in one pass over the runs: two `Indexes` of the same
+    /// indexes in the same order are equal, however they were named.
     pub fn from_runs(runs: Vec<IndexRun>, max: u64) -> Result<Indexes, RunsError> {
         let mut len = 0u64;
         for (i, r) in runs.iter().enumerate() {
@@ -103,7 +105,11 @@ impl Indexes {
                 .filter(|&n| n <= max)
                 .ok_or(RunsError::TooMany(len.saturating_add(r.count), max))?;
         }
-        Ok(Indexes { runs, len })
+        let mut grouped = Vec::with_capacity(runs.len());
+        for r in runs {
+            extend(&mut grouped, r);
+        }
+        Ok(Indexes { runs: grouped, len })
     }
 
     /// Number of indexes.
@@ -141,6 +147,37 @@ impl Indexes {
     pub fn as_ranges_is_shorter(&self) -> bool {
         (self.runs.len() as u64) * 4 < self.len
     }
+}
+
+/// Appends the indexes of `r` (at least one, in range) to `out` as
+/// [`Indexes::from_list`] would group them: a run of one takes the next
+/// index if it is not smaller (the difference becomes its step), a longer
+/// run takes it if it is its step further; else it starts a run.
+fn extend(out: &mut Vec<IndexRun>, mut r: IndexRun) {
+    while let Some(last) = out.last_mut() {
+        let end = last.start + (last.count - 1) * last.step;
+        let Some(d) = r.start.checked_sub(end) else {
+            break;
+        };
+        if last.count >= 2 && d != last.step {
+            break;
+        }
+        last.step = d;
+        if r.count == 1 || r.step == d {
+            last.count += r.count;
+            return;
+        }
+        last.count += 1;
+        r = IndexRun {
+            start: r.start + r.step,
+            count: r.count - 1,
+            step: r.step,
+        };
+    }
+    if r.count == 1 {
+        r.step = 0;
+    }
+    out.push(r);
 }
 
 impl From<Vec<u64>> for Indexes {
@@ -186,6 +223,37 @@ mod tests {
         assert_eq!(
             Indexes::from_list(&[3, 2, 1]).runs(),
             [run(3, 1, 0), run(2, 1, 0), run(1, 1, 0)]
+        );
+    }
+
+    #[test]
+    fn runs_are_grouped_as_the_same_list_would_be() {
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = |n: u64| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed % n
+        };
+        for _ in 0..2000 {
+            // Runs named any which way: short, long, rising, falling, overlapping.
+            let runs: Vec<IndexRun> = (0..1 + next(6))
+                .map(|_| run(next(20), 1 + next(5), 1 + next(3)))
+                .collect();
+            let ix = Indexes::from_runs(runs.clone(), u64::MAX).unwrap();
+            let list: Vec<u64> = runs
+                .iter()
+                .flat_map(|r| (0..r.count).map(|k| r.at(k)))
+                .collect();
+            assert_eq!(ix, Indexes::from_list(&list), "{runs:?}");
+            assert_eq!(ix.to_vec(), list);
+        }
+        // A get of all rows named as two halves is the same as one range.
+        assert_eq!(
+            Indexes::from_runs(vec![run(0, 4, 1), run(4, 4, 1)], 100)
+                .unwrap()
+                .runs(),
+            [run(0, 8, 1)]
         );
     }
 
