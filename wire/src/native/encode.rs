@@ -167,9 +167,10 @@ fn uints(w: &mut Writer, values: &[u64]) {
 }
 
 /// A get's indexes: as `{"ranges": ...}` where that is shorter than the
-/// list (and no run repeats an index), else as the list.
+/// list (and no run repeats an index), else as the list. A run of one is
+/// written with step 1 (a range's step is at least 1).
 fn get_indexes(w: &mut Writer, ix: &Indexes) {
-    if ix.as_ranges_is_shorter() && ix.runs().iter().all(|r| r.step > 0) {
+    if ix.as_ranges_is_shorter() && ix.runs().iter().all(|r| r.step > 0 || r.count == 1) {
         w.map(1);
         w.str("ranges");
         w.array(ix.runs().len());
@@ -177,7 +178,7 @@ fn get_indexes(w: &mut Writer, ix: &Indexes) {
             w.array(3);
             w.uint(r.start);
             w.uint(r.count);
-            w.uint(r.step);
+            w.uint(r.step.max(1));
         }
     } else {
         w.array(ix.len() as usize);

@@ -55,6 +55,20 @@ fn the_encoder_writes_ranges_only_where_shorter() {
     let frames = encode_request(&req).unwrap();
     assert!(frames[0].len() < 100, "{} bytes", frames[0].len());
     assert_eq!(decode(&frames).unwrap(), req);
+    // A run of one among long runs goes as a range of step 1.
+    let mut mixed: Vec<u64> = (0..100).collect();
+    mixed.push(7);
+    mixed.extend(200..300);
+    let req = Request {
+        id: 5,
+        op: Op::Get {
+            global_indexes: mixed.into(),
+            fields: vec!["x".into()],
+        },
+    };
+    let frames = encode_request(&req).unwrap();
+    assert!(frames[0].len() < 100, "{} bytes", frames[0].len());
+    assert_eq!(decode(&frames).unwrap(), req);
     // Short lists, and repeats, stay lists: the bytes a list-only peer
     // expects.
     for list in [vec![1, 0], vec![5, 5, 5, 5, 5, 5, 5, 5], vec![0, 1, 2]] {
