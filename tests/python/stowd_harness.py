@@ -14,6 +14,7 @@ import contextlib
 import itertools
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -142,6 +143,20 @@ def run_stowd(workdir: Path, config: str | None = None, name: str = "stowd"):
         yield server
     finally:
         _stop(proc, name, log_path, endpoints_path)
+
+
+def shm_stowd(tmp_path_factory, tag: str, config: str = ""):
+    """Yields a stowd with shared memory in a directory of its own
+    (/dev/shm/stowage-test-<tag>-<pid>, removed after); `config` is added
+    after the `[shm]` table's `dir`, so bare keys there are `[shm]` keys.
+    For module- or session-scoped fixtures: `yield from shm_stowd(...)`."""
+    shm_dir = f"/dev/shm/stowage-test-{tag}-{os.getpid()}"
+    shutil.rmtree(shm_dir, ignore_errors=True)
+    with run_stowd(tmp_path_factory.mktemp(tag), config=f'[shm]\ndir = "{shm_dir}"\n' + config,
+                   name=f"stowd-{tag}") as s:
+        assert s["shm_dir"] == shm_dir
+        yield s
+    shutil.rmtree(shm_dir, ignore_errors=True)
 
 
 def _stop(proc: subprocess.Popen, name: str, log_path: Path, endpoints_path: Path) -> None:

@@ -4,12 +4,9 @@ back are the same as for the list, over tcp and same node, across units."""
 
 from __future__ import annotations
 
-import os
-import shutil
-
 import numpy as np
 import pytest
-from stowd_harness import run_stowd
+from stowd_harness import shm_stowd
 
 import stowage
 from stowage import _codec
@@ -18,12 +15,7 @@ from stowage import _codec
 @pytest.fixture(scope="module")
 def four_units(tmp_path_factory):
     """4 local units (index g in unit g % 4) with shared memory."""
-    shm_dir = f"/dev/shm/stowage-test-ranges-{os.getpid()}"
-    shutil.rmtree(shm_dir, ignore_errors=True)
-    config = f'[units]\nlocal = 4\n[shm]\ndir = "{shm_dir}"\n'
-    with run_stowd(tmp_path_factory.mktemp("ranges"), config=config, name="stowd-ranges") as s:
-        yield s
-    shutil.rmtree(shm_dir, ignore_errors=True)
+    yield from shm_stowd(tmp_path_factory, "ranges", "[units]\nlocal = 4\n")
 
 
 def test_the_wire_form_of_a_gets_indexes():

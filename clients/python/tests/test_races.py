@@ -13,7 +13,6 @@ time still hold what they held: a mapping never changes under a reader.
 from __future__ import annotations
 
 import os
-import shutil
 import threading
 import time
 
@@ -21,7 +20,7 @@ import numpy as np
 import pytest
 
 import stowage
-from stowd_harness import run_stowd
+from stowd_harness import shm_stowd
 
 SECS = float(os.environ.get("STOWAGE_RACE_SECS", "20"))
 SLOTS = 8
@@ -32,12 +31,7 @@ READERS = 4
 
 @pytest.fixture(scope="module")
 def race_server(tmp_path_factory):
-    shm_dir = f"/dev/shm/stowage-test-race-{os.getpid()}"
-    shutil.rmtree(shm_dir, ignore_errors=True)
-    config = f'[shm]\ndir = "{shm_dir}"\n'
-    with run_stowd(tmp_path_factory.mktemp("race"), config=config, name="stowd-race") as s:
-        yield s
-    shutil.rmtree(shm_dir, ignore_errors=True)
+    yield from shm_stowd(tmp_path_factory, "race")
 
 
 def value(seq: int, writer: int, slot: int) -> int:

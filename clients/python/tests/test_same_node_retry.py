@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import os
-import shutil
 
 import numpy as np
 import pytest
-from stowd_harness import run_stowd
+from stowd_harness import shm_stowd
 
 import stowage
 from stowage import _shm
@@ -21,12 +19,7 @@ from stowage import _shm
 
 @pytest.fixture(scope="module")
 def no_hold(tmp_path_factory):
-    shm_dir = f"/dev/shm/stowage-test-retry-{os.getpid()}"
-    shutil.rmtree(shm_dir, ignore_errors=True)
-    config = f'[shm]\ndir = "{shm_dir}"\nreply_hold_ms = 0\n'
-    with run_stowd(tmp_path_factory.mktemp("retry"), config=config, name="stowd-retry") as s:
-        yield s
-    shutil.rmtree(shm_dir, ignore_errors=True)
+    yield from shm_stowd(tmp_path_factory, "retry", "reply_hold_ms = 0\n")
 
 
 def _vanish_first(monkeypatch, times: int) -> list:
