@@ -290,12 +290,7 @@ fn get_indexes(r: &mut Reader<'_>, limits: &Limits) -> Result<Indexes, Error> {
         limit("global index ranges", n, limits.max_rows)?;
         let mut out = Vec::with_capacity(n);
         for _ in 0..n {
-            if r.array_len("a range")? != 3 {
-                return Err(Error::WrongType {
-                    key: "a range",
-                    expected: "[start, count, step]",
-                });
-            }
+            tuple(r, "a range", 3, "[start, count, step]")?;
             out.push(IndexRun {
                 start: r.uint("a range's start")?,
                 count: r.uint("a range's count")?,
@@ -761,6 +756,22 @@ fn stat_value(r: &mut Reader<'_>, depth: usize, limits: &Limits) -> Result<Stat,
     })
 }
 
+/// The header of an array that must hold exactly `n` items.
+fn tuple(
+    r: &mut Reader<'_>,
+    what: &'static str,
+    n: usize,
+    expected: &'static str,
+) -> Result<(), Error> {
+    if r.array_len(what)? != n {
+        return Err(Error::WrongType {
+            key: what,
+            expected,
+        });
+    }
+    Ok(())
+}
+
 fn limit(what: &'static str, n: usize, max: u64) -> Result<(), Error> {
     if n as u64 > max {
         Err(Error::TooLarge {
@@ -785,12 +796,7 @@ pub(super) fn extras(frame0: &[u8], limits: &Limits) -> Result<Extras, Error> {
                 limit("segments", n, limits.max_frames)?;
                 let mut segs = Vec::with_capacity(n);
                 for _ in 0..n {
-                    if r.array_len("a segment")? != 3 {
-                        return Err(Error::WrongType {
-                            key: "a segment",
-                            expected: "[name, offset, len]",
-                        });
-                    }
+                    tuple(&mut r, "a segment", 3, "[name, offset, len]")?;
                     let name = r.str("a segment name")?.to_owned();
                     segs.push((name, r.uint("a segment offset")?, r.uint("a segment len")?));
                 }

@@ -42,43 +42,33 @@ fn a_get_names_its_indexes_as_ranges() {
     assert_eq!(ix.runs().len(), 2);
 }
 
+fn get_of(id: u64, list: &[u64]) -> Request {
+    Request {
+        id,
+        op: Op::Get {
+            global_indexes: list.into(),
+            fields: vec!["x".into()],
+        },
+    }
+}
+
 #[test]
 fn the_encoder_writes_ranges_only_where_shorter() {
     let long: Vec<u64> = (0..1000).map(|i| 7 + 3 * i).collect();
-    let req = Request {
-        id: 3,
-        op: Op::Get {
-            global_indexes: long.clone().into(),
-            fields: vec!["x".into()],
-        },
-    };
-    let frames = encode_request(&req).unwrap();
-    assert!(frames[0].len() < 100, "{} bytes", frames[0].len());
-    assert_eq!(decode(&frames).unwrap(), req);
     // A run of one among long runs goes as a range of step 1.
     let mut mixed: Vec<u64> = (0..100).collect();
     mixed.push(7);
     mixed.extend(200..300);
-    let req = Request {
-        id: 5,
-        op: Op::Get {
-            global_indexes: mixed.into(),
-            fields: vec!["x".into()],
-        },
-    };
-    let frames = encode_request(&req).unwrap();
-    assert!(frames[0].len() < 100, "{} bytes", frames[0].len());
-    assert_eq!(decode(&frames).unwrap(), req);
+    for (id, list) in [(3, long), (5, mixed)] {
+        let req = get_of(id, &list);
+        let frames = encode_request(&req).unwrap();
+        assert!(frames[0].len() < 100, "{} bytes", frames[0].len());
+        assert_eq!(decode(&frames).unwrap(), req);
+    }
     // Short lists, and repeats, stay lists: the bytes a list-only peer
     // expects.
     for list in [vec![1, 0], vec![5, 5, 5, 5, 5, 5, 5, 5], vec![0, 1, 2]] {
-        let req = Request {
-            id: 4,
-            op: Op::Get {
-                global_indexes: list.clone().into(),
-                fields: vec!["x".into()],
-            },
-        };
+        let req = get_of(4, &list);
         let frames = encode_request(&req).unwrap();
         let env = envelope(
             "get",
