@@ -36,10 +36,7 @@ sys.path.insert(1, str(REPO / "tests" / "python"))
 
 import stowage  # noqa: E402
 import stowage.transferqueue as stq  # noqa: E402
-from stowd_harness import run_stowd, stowd_binary  # noqa: E402
 from transfer_queue.client import TransferQueueClient  # noqa: E402
-from transfer_queue.controller import TransferQueueController  # noqa: E402
-from transfer_queue.storage import SimpleStorageUnit  # noqa: E402
 
 # Every dtype of issue 15 (str(torch.X) without "torch."), and float4_e2m1fn_x2.
 DTYPES = [
@@ -49,30 +46,6 @@ DTYPES = [
     "float4_e2m1fn_x2",
 ]
 N = 8
-
-
-def _direct(actor_cls):
-    return actor_cls.__ray_metadata__.modified_class
-
-
-@pytest.fixture(scope="module")
-def controller():
-    return _direct(TransferQueueController)()
-
-
-@pytest.fixture(scope="module")
-def stowd(tmp_path_factory):
-    stowd_binary()
-    with run_stowd(tmp_path_factory.mktemp("tq-dtypes"), name="stowd-dtypes") as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def tq_units():
-    units = [_direct(SimpleStorageUnit)(config={"num_data_storage_units": 2}) for _ in range(2)]
-    yield units
-    for u in units:
-        u.shutdown()
 
 
 @pytest.fixture
@@ -176,15 +149,6 @@ def test_stowage_adapter_router_mode(clients, stowd, reference):
     shape, _ = roundtrip(c, "dtypes-router", make_batch(2))
     assert shape == reference
     c.clear_partition("dtypes-router")
-
-
-@pytest.fixture(scope="module")
-def stowd_over_tq(tmp_path_factory, tq_units):
-    """stowd with no local units whose router fans out to TransferQueue's own units."""
-    eps = [u.zmq_server_info.to_addr("put_get_socket") for u in tq_units]
-    config = "[units]\nlocal = 0\n[router]\nunits = [" + ", ".join(f'"{e}"' for e in eps) + "]\n"
-    with run_stowd(tmp_path_factory.mktemp("tq-dtypes-router"), config=config, name="stowd-dtypes-over-tq") as s:
-        yield s
 
 
 def test_stowd_router_over_transferqueue_units(clients, stowd_over_tq, reference):

@@ -45,11 +45,9 @@ sys.path.insert(0, str(PACKAGE_ROOT))
 sys.path.insert(1, str(REPO / "tests" / "python"))
 
 import stowage.transferqueue as stq  # noqa: E402
-from stowd_harness import run_stowd, stowd_binary  # noqa: E402
 from transfer_queue import interface  # noqa: E402
 from transfer_queue.client import TransferQueueClient  # noqa: E402
-from transfer_queue.controller import TransferQueueController  # noqa: E402
-from transfer_queue.storage import SimpleStorageUnit, StorageManagerFactory  # noqa: E402
+from transfer_queue.storage import StorageManagerFactory  # noqa: E402
 from transfer_queue.storage.bootstrap import StorageBootstrapProvider  # noqa: E402
 from transfer_queue.utils.zmq_utils import ZMQMessage, ZMQRequestType, ZMQServerInfo  # noqa: E402
 
@@ -61,43 +59,7 @@ def test_version():
     assert tq.__version__ == "0.1.11", f"this suite pins transferqueue 0.1.11, found {tq.__version__}"
 
 
-# ------------------------------------------------------------------ fixtures
-
-
-def _direct(actor_cls):
-    """The plain class behind a @ray.remote class (how to build one without Ray)."""
-    return actor_cls.__ray_metadata__.modified_class
-
-
-@pytest.fixture(scope="module")
-def controller():
-    return _direct(TransferQueueController)()
-
-
-@pytest.fixture(scope="module")
-def stowd(tmp_path_factory):
-    """stowd on its defaults: two local units and a router over them."""
-    stowd_binary()
-    with run_stowd(tmp_path_factory.mktemp("tq-optin"), name="stowd-tq") as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def tq_units():
-    """Two TransferQueue SimpleStorageUnits, in this process."""
-    units = [_direct(SimpleStorageUnit)(config={"num_data_storage_units": 2}) for _ in range(2)]
-    yield units
-    for u in units:
-        u.shutdown()
-
-
-@pytest.fixture(scope="module")
-def stowd_over_tq(tmp_path_factory, tq_units):
-    """stowd with no local units whose router fans out to TransferQueue's own units."""
-    eps = [_endpoint(u.zmq_server_info) for u in tq_units]
-    config = "[units]\nlocal = 0\n[router]\nunits = [" + ", ".join(f'"{e}"' for e in eps) + "]\n"
-    with run_stowd(tmp_path_factory.mktemp("tq-optin-router"), config=config, name="stowd-over-tq") as s:
-        yield s
+# ------------------------------------------------------------------ fixtures (and conftest.py)
 
 
 def _endpoint(info: ZMQServerInfo) -> str:

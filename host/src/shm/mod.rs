@@ -248,13 +248,7 @@ impl SegmentStore {
     /// first, so a segment whose rows were cleared while it was held is a
     /// spare by now.
     fn create(&self, len: u64) -> Result<(File, PathBuf), ShmError> {
-        let expired: Vec<_> = {
-            let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
-            let now = Instant::now();
-            let n = held.iter().take_while(|(until, _)| *until <= now).count();
-            held.drain(..n).collect()
-        };
-        drop(expired); // unmapped and offered to the spares outside the lock
+        self.let_go_expired(Instant::now());
         if let Some(spare) = self.spares.take(len) {
             return Ok(spare);
         }
@@ -350,15 +344,22 @@ impl SegmentStore {
             return;
         }
         let until = Instant::now() + self.hold;
-        let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
-        held.extend(segments.into_iter().map(|b| (until, b)));
-        Self::expire(&mut held, Instant::now());
+        self.held
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .extend(segments.into_iter().map(|b| (until, b)));
+        self.let_go_expired(Instant::now());
     }
 
-    fn expire(held: &mut VecDeque<(Instant, Bytes)>, now: Instant) {
-        while held.front().is_some_and(|(until, _)| *until <= now) {
-            held.pop_front();
-        }
+    /// Lets go the segments whose hold ran out by `now`: unmapped, and kept
+    /// as spares or unlinked, after the lock on the holds is released.
+    fn let_go_expired(&self, now: Instant) {
+        let expired: Vec<(Instant, Bytes)> = {
+            let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
+            let n = held.iter().take_while(|(until, _)| *until <= now).count();
+            held.drain(..n).collect()
+        };
+        drop(expired);
     }
 
     /// Creates a segment of `len` bytes for a client to fill; it must be
@@ -430,10 +431,7 @@ impl SegmentStore {
     /// Unlinks every expired lease and idle spare; returns how many leases.
     pub fn sweep(&self) -> usize {
         let now = Instant::now();
-        Self::expire(
-            &mut self.held.lock().unwrap_or_else(|p| p.into_inner()),
-            now,
-        );
+        self.let_go_expired(now);
         self.spares.sweep(now);
         let mut leases = self.leases.lock().unwrap_or_else(|p| p.into_inner());
         let expired: Vec<String> = leases

@@ -191,22 +191,19 @@ fn segment_files_are_private_and_their_names_unguessable() {
     if unsafe { libc::geteuid() } == 0 {
         use std::os::unix::process::CommandExt;
         let path = s.dir().join(&a);
-        let out = std::process::Command::new("cat")
-            .arg(&path)
-            .uid(65534)
-            .gid(65534)
-            .output()
-            .unwrap();
-        assert!(!out.status.success() && out.stdout.is_empty(), "{out:?}");
+        let nobody_cannot_read = || {
+            let out = std::process::Command::new("cat")
+                .arg(&path)
+                .uid(65534)
+                .gid(65534)
+                .output()
+                .unwrap();
+            assert!(!out.status.success() && out.stdout.is_empty(), "{out:?}");
+        };
+        nobody_cannot_read();
         // Even with the directory open to everyone.
         std::fs::set_permissions(s.dir(), std::fs::Permissions::from_mode(0o755)).unwrap();
-        let out = std::process::Command::new("cat")
-            .arg(&path)
-            .uid(65534)
-            .gid(65534)
-            .output()
-            .unwrap();
-        assert!(!out.status.success() && out.stdout.is_empty(), "{out:?}");
+        nobody_cannot_read();
         assert_eq!(std::fs::metadata(&path).unwrap().uid(), 0);
     }
     drop(bytes);
