@@ -61,6 +61,15 @@ pub fn hostile(name: &str) -> PathBuf {
     path
 }
 
+/// A free TCP port on 127.0.0.1 (bound, then released).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
 /// A fresh, empty temporary directory (removed by the caller or left in
 /// the system temp dir).
 pub fn temp_dir(tag: &str) -> PathBuf {

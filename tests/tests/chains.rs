@@ -146,11 +146,6 @@ fn stowd_config_refuses_a_misspelt_chain_entry_and_accepts_the_fix() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-fn free_port() -> u16 {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    listener.local_addr().unwrap().port()
-}
-
 /// The value of `key` in the stats reply.
 fn entry<'a>(stats: &'a [(String, Stat)], key: &str) -> &'a Stat {
     stats
@@ -200,7 +195,7 @@ async fn a_chain_entry_lost_on_reload_is_a_warning_and_a_metric() {
         dir.join("constant-stride.wasm"),
     )
     .unwrap();
-    let port = free_port();
+    let port = stowage_tests::free_port();
     let config = format!(
         "[metrics]\nport = {port}\n\n[[chain]]\npattern = \"*\"\n\
          select = [\"constant-stride\", \"runs\"]\npack = [\"coalesce\"]\n"

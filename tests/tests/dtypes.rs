@@ -143,19 +143,11 @@ async fn every_dtype_is_stored_and_served_byte_for_byte_on_both_protocols() {
     stowd.stop();
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_0_1_0_plugin_is_skipped_for_dtypes_its_contract_cannot_name() {
     // One plugin, and `reject`: had the plugin been entered and faulted on
     // a dtype it cannot name, the put would fail instead of being answered.
-    let port = free_port();
+    let port = stowage_tests::free_port();
     let stowd = Stowd::start(&format!(
         "[metrics]\nport = {port}\n\n[[chain]]\npattern = \"*\"\nselect = [\"constant-stride\"]\nfail = \"reject\"\n"
     ));

@@ -90,15 +90,6 @@ async fn wait_for(
     }
 }
 
-/// A free TCP port on 127.0.0.1 (bound, then released).
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 fn percentile(sorted: &[Duration], q: f64) -> Duration {
     sorted[((sorted.len() - 1) as f64 * q).round() as usize]
 }
@@ -641,7 +632,7 @@ async fn per_plugin_fuel_override_applies() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_parse_and_count_zero_copy_and_copied_bytes() {
-    let port = free_port();
+    let port = stowage_tests::free_port();
     let config = format!(
         "[metrics]\nport = {port}\ntq_extra = true\n\n\
          [[chain]]\npattern = \"g*\"\nselect = [\"gather\"]\n\n\
@@ -830,7 +821,7 @@ async fn metrics_parse_and_count_zero_copy_and_copied_bytes() {
 #[test]
 fn metrics_endpoint_answers_garbage_and_slow_clients_without_blocking_scrapes() {
     use std::io::{Read, Write};
-    let port = free_port();
+    let port = stowage_tests::free_port();
     let stowd = Stowd::start(&format!("[metrics]\nport = {port}\n"));
     let url = stowd.endpoints.metrics.clone().expect("metrics endpoint");
     let addr = format!("127.0.0.1:{port}");
