@@ -18,7 +18,7 @@
 //! so a move never tears a row.
 //!
 //! Memory: an extent is freed (its receive buffer returned to the pool, its
-//! segment kept as a spare or unlinked) when the last `Arc` goes: every unit
+//! segment's pages freed once no reader maps them either) when the last `Arc` goes: every unit
 //! column over it dropped by overwrite or clear, and no reply in flight.
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -26,7 +26,7 @@ use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
 
-use crate::shm::{SegmentStore, ShmError};
+use crate::shm::{Handle, SegmentStore, ShmError};
 
 /// Where an extent's bytes are now: `base[offset..offset + len]`.
 #[derive(Clone, Debug)]
@@ -37,7 +37,7 @@ pub struct Place {
     /// Where the extent starts in `base`.
     pub offset: usize,
     /// The segment `base` is, if it is one.
-    pub segment: Option<Arc<str>>,
+    pub segment: Option<Handle>,
 }
 
 /// One immutable buffer.
@@ -70,12 +70,12 @@ impl Extent {
         })
     }
 
-    /// An extent that is the whole shared-memory segment `name`.
-    pub fn in_segment(bytes: Bytes, name: Arc<str>) -> Arc<Extent> {
+    /// An extent that is the whole shared-memory segment `segment`.
+    pub fn in_segment(bytes: Bytes, segment: Handle) -> Arc<Extent> {
         Self::placed(Place {
             base: bytes,
             offset: 0,
-            segment: Some(name),
+            segment: Some(segment),
         })
     }
 
@@ -138,14 +138,13 @@ pub fn share_all(extents: &[Arc<Extent>], shm: &SegmentStore) -> Result<(), ShmE
         return Ok(());
     }
     let parts: Vec<&[u8]> = pending.iter().map(|(_, b)| b.as_ref()).collect();
-    let (whole, name) = shm.export(&parts)?;
-    let name: Arc<str> = name.into();
+    let (whole, segment) = shm.export(&parts)?;
     let mut at = 0;
     for (extent, bytes) in &pending {
         *extent.place.lock().unwrap_or_else(|p| p.into_inner()) = Place {
             base: whole.clone(),
             offset: at,
-            segment: Some(name.clone()),
+            segment: Some(segment.clone()),
         };
         at += bytes.len();
     }

@@ -61,6 +61,29 @@ pub fn fs_size(path: &std::path::Path) -> Option<u64> {
     Some(blocks.saturating_mul(frsize))
 }
 
+/// Bytes of memory `memfd` segments may take at most: the machine's
+/// `MemTotal` (`/proc/meminfo`), `None` if it cannot be read.
+pub fn shm_size() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib.saturating_mul(1024))
+}
+
+/// Raises the soft limit on open descriptors to the hard limit: each live
+/// same-node segment keeps one open. Logs, and goes on, if it cannot.
+pub fn raise_nofile() {
+    use rustix::process::{Resource, getrlimit, setrlimit};
+    let mut limit = getrlimit(Resource::Nofile);
+    if limit.current < limit.maximum {
+        limit.current = limit.maximum;
+        match setrlimit(Resource::Nofile, limit) {
+            Ok(()) => tracing::debug!(nofile = ?limit.current, "raised the open-descriptor limit"),
+            Err(e) => tracing::debug!(error = %e, "could not raise the open-descriptor limit"),
+        }
+    }
+}
+
 /// When this process started (Linux: `/proc/self/stat` field 22, ticks
 /// since boot, against `/proc/uptime`), to about 10 ms; `None` if unknown.
 pub fn process_start() -> Option<std::time::SystemTime> {

@@ -208,6 +208,17 @@ impl NativeClient {
         reply
     }
 
+    /// One request with a fresh id and the envelope keys `extras` sets.
+    pub async fn call_with(&self, op: native::Op, extras: &native::Extras) -> native::Reply {
+        let id = self.id();
+        let mut frames =
+            native::encode_request(&native::Request { id, op }).expect("encodable request");
+        frames[0] = native::with_extras(&frames[0], extras).expect("extras");
+        let (echoed, reply) = self.send_frames(frames).await;
+        assert_eq!(echoed, id, "reply id");
+        reply
+    }
+
     pub async fn put(&self, global_indexes: &[u64], fields: &[(String, Field)]) -> native::Reply {
         let fields = fields
             .iter()
@@ -349,5 +360,44 @@ impl NativePipeline {
             .expect("receive failed");
         native::decode_reply(&message.into_vec(), &native::Limits::default())
             .expect("decodable reply")
+    }
+}
+
+/// A same-node descriptor channel, as a client opens it (the Unix socket
+/// `stowd` names in `channel_ok`, and its token).
+pub struct FdChannel {
+    pub sock: std::os::unix::net::UnixStream,
+    pub token: String,
+    pub path: std::path::PathBuf,
+}
+
+impl FdChannel {
+    /// Asks `client`'s stowd for its channel socket and opens a channel.
+    pub async fn open(client: &NativeClient) -> FdChannel {
+        let path = match client.call(native::Op::Channel).await {
+            native::Reply::ChannelOk { path } => std::path::PathBuf::from(path),
+            other => panic!("no channel: {}", summary(&other)),
+        };
+        let p = path.clone();
+        let (sock, token) = tokio::task::spawn_blocking(move || {
+            stowage_host::shm::channel::connect(&p).expect("channel opens")
+        })
+        .await
+        .expect("join");
+        FdChannel { sock, token, path }
+    }
+
+    /// The envelope keys of a lease (`same_node` false) or a same-node get.
+    pub fn extras(&self, same_node: bool) -> native::Extras {
+        native::Extras {
+            same_node,
+            channel: Some(self.token.clone()),
+            ..native::Extras::default()
+        }
+    }
+
+    /// The next message: its body (msgpack) and descriptors (blocking).
+    pub fn recv(&self) -> (Vec<u8>, Vec<std::os::fd::OwnedFd>) {
+        stowage_host::shm::channel::recv_message(&self.sock).expect("a channel message")
     }
 }

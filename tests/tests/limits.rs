@@ -10,7 +10,7 @@ use stowage_host::batch::{Cell, Field};
 use stowage_host::tensor::DType;
 use stowage_host::transport::zmtp;
 use stowage_host::wire::{native, tq};
-use stowage_tests::client::{native_error, tq_error};
+use stowage_tests::client::{FdChannel, native_error, tq_error};
 use stowage_tests::{NativeClient, Stowd, TqClient, data};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -329,7 +329,9 @@ async fn bytes_that_are_not_zmtp_close_only_their_connection() {
 async fn leases_past_the_total_quota_are_refused_and_an_expired_lease_frees_its_share() {
     let stowd = Stowd::start("[shm]\nmax_leased_bytes = 1048576\nlease_secs = 1\n");
     let client = NativeClient::new(stowd.native());
-    let lease = |bytes: u64| client.call(native::Op::Lease { bytes });
+    let channel = FdChannel::open(&client).await;
+    let extras = channel.extras(false);
+    let lease = |bytes: u64| client.call_with(native::Op::Lease { bytes }, &extras);
     let granted = |reply: &native::Reply| matches!(reply, native::Reply::LeaseOk { .. });
     let first = lease(600_000).await;
     assert!(
@@ -375,10 +377,16 @@ async fn a_lease_is_put_only_by_the_connection_that_took_it() {
         NativeClient::new(stowd.native()),
         NativeClient::new(stowd.native()),
     );
-    let segment = match a.call(native::Op::Lease { bytes: 64 }).await {
+    let channel = FdChannel::open(&a).await;
+    let segment = match a
+        .call_with(native::Op::Lease { bytes: 64 }, &channel.extras(false))
+        .await
+    {
         native::Reply::LeaseOk { segment, .. } => segment,
         other => panic!("{}", stowage_tests::client::summary(&other)),
     };
+    let (_, mut fds) = channel.recv();
+    let leased = std::fs::File::from(fds.pop().expect("the lease's descriptor"));
     // The put A means to send: its data frames written into the segment.
     let rows = data::f32_rows(4, 4, 3);
     let frames = native::encode_request(&native::Request {
@@ -398,7 +406,7 @@ async fn a_lease_is_put_only_by_the_connection_that_took_it() {
         bytes.extend_from_slice(f);
     }
     assert!(bytes.len() <= 64);
-    std::fs::write(shm.join(&segment), &bytes).unwrap();
+    std::os::unix::fs::FileExt::write_all_at(&leased, &bytes, 0).unwrap();
     let put = vec![native::with_segments(&frames[0], &segments).unwrap()];
     // B, another connection, names A's lease: refused; nothing stored.
     let (_, stolen) = b.send_frames(put.clone()).await;

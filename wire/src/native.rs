@@ -326,6 +326,9 @@ pub enum Op {
     /// Same node only: create a shared-memory segment of `bytes` bytes for
     /// the client to fill and name in a put's `segments`.
     Lease { bytes: u64 },
+    /// Same node only: where the client connects its descriptor channel
+    /// (the Unix socket stowd hands shared-memory descriptors over).
+    Channel,
 }
 
 impl Op {
@@ -337,6 +340,7 @@ impl Op {
             Op::Clear { .. } => "clear",
             Op::Stats => "stats",
             Op::Lease { .. } => "lease",
+            Op::Channel => "channel",
         }
     }
 }
@@ -424,13 +428,16 @@ pub enum Reply {
     ClearOk { cleared: u64 },
     /// Counters, in the order the server lists them.
     StatsOk(Vec<(String, Stat)>),
-    /// A leased segment: its name in the shared-memory directory, its size,
-    /// and how long the lease lasts before an unused segment is removed.
+    /// A leased segment: its name (its writable descriptor went over the
+    /// client's channel under this name), its size, and how long the lease
+    /// lasts before an unused segment is dropped.
     LeaseOk {
         segment: String,
         bytes: u64,
         ttl_ms: u64,
     },
+    /// The path of the Unix socket to connect a descriptor channel to.
+    ChannelOk { path: String },
     /// The request failed; `code` is one of [`code::ALL`] (a client treats
     /// any other code as `internal`).
     Error { code: String, message: String },
@@ -445,6 +452,7 @@ impl Reply {
             Reply::ClearOk { .. } => "clear_ok",
             Reply::StatsOk(_) => "stats_ok",
             Reply::LeaseOk { .. } => "lease_ok",
+            Reply::ChannelOk { .. } => "channel_ok",
             Reply::Error { .. } => "error",
         }
     }
@@ -594,6 +602,9 @@ pub struct Extras {
     pub segments: Option<Vec<(String, u64, u64)>>,
     /// `same_node`: the client asks for the reply's data as segments.
     pub same_node: bool,
+    /// `channel`: the token of the client's descriptor channel, over which
+    /// the descriptors of a same-node reply's segments (or of a lease) go.
+    pub channel: Option<String>,
 }
 
 /// Reads the shared-memory keys of an envelope (frame 0). Other keys are
@@ -603,7 +614,20 @@ pub fn decode_extras(frame0: &[u8], limits: &Limits) -> Result<Extras, Error> {
 }
 
 /// Frame 0 with a `segments` key added: a copy of `frame0` whose envelope
-/// map has one more entry. `frame0` must come from [`encode_reply`].
+/// map has one more entry. `frame0` must come from [`encode_reply`] or
+/// [`encode_request`].
 pub fn with_segments(frame0: &[u8], segments: &[(String, u64, u64)]) -> Result<Bytes, Error> {
-    encode::with_segments(frame0, segments)
+    encode::with_extras(
+        frame0,
+        &Extras {
+            segments: Some(segments.to_vec()),
+            ..Extras::default()
+        },
+    )
+}
+
+/// Frame 0 with the keys `extras` sets added to its envelope (see
+/// [`with_segments`]).
+pub fn with_extras(frame0: &[u8], extras: &Extras) -> Result<Bytes, Error> {
+    encode::with_extras(frame0, extras)
 }

@@ -62,7 +62,7 @@ class Put:
         for m in self._messages:
             size = _shm.lease_size(m.frames) if segments is not None else 0
             if size:
-                yield "lease", {"bytes": size}, (), "lease_ok", None
+                yield "lease", {"bytes": size}, (), "lease_ok", segments.extras(get=False)
                 names = segments.fill(self.reply["segment"], size, m.frames)
                 yield "put", m.body, (), "put_ok", {"segments": names}
             else:

@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from typing import Any, Callable, Mapping
 
 import zmq
 import zmq.asyncio
 
 from . import _codec, _put, _shm
-from .client import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TIMEOUT, GET_RETRIES, _Ops
-from .errors import BadRequest, ProtocolError, StowageError, StowageTimeout, error_from_reply
+from .client import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TIMEOUT, _Ops
+from .errors import BadRequest, ProtocolError, StowageError, StowageTimeout, Unsupported, error_from_reply
 
 
 class AsyncClient(_Ops):
@@ -36,6 +37,9 @@ class AsyncClient(_Ops):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pending: dict[int, asyncio.Future] = {}
         self._closed = False
+        self._channel_loop: asyncio.AbstractEventLoop | None = None
+        self._channel_lock: asyncio.Lock | None = None
+        self._inflight: set[int] = set()
 
     # -- connection
     def _socket(self) -> zmq.asyncio.Socket:
@@ -95,13 +99,16 @@ class AsyncClient(_Ops):
         return reader
 
     def close(self) -> None:
-        """Closes the socket; requests in flight fail. Idempotent."""
+        """Closes the socket and the descriptor channel; requests in flight
+        fail. Idempotent."""
         self._closed = True
         self._drop(lambda rid: StowageError("the client was closed", request_id=rid))
+        self._close_channel()
 
     async def aclose(self) -> None:
         self._closed = True
         reader = self._drop(lambda rid: StowageError("the client was closed", request_id=rid))
+        self._close_channel()
         if reader is not None and reader.get_loop() is asyncio.get_running_loop():
             with contextlib.suppress(asyncio.CancelledError):
                 await reader
@@ -109,6 +116,60 @@ class AsyncClient(_Ops):
     @property
     def closed(self) -> bool:
         return self._closed
+
+    # -- the descriptor channel (same node)
+    def _fd_wanted(self):
+        # Requests sent whose replies are not yet read to the end (a reply
+        # may be dispatched before its descriptors are taken).
+        return lambda i: i in self._inflight
+
+    def _close_channel(self) -> None:
+        seg = self._segments
+        if seg is None:
+            return
+        ch, loop = seg.channel, self._channel_loop
+        if ch is not None and not ch.closed and loop is not None and not loop.is_closed():
+            with contextlib.suppress(Exception):
+                loop.remove_reader(ch.fileno())
+        self._channel_loop = None
+        seg.close()
+
+    def _on_channel(self) -> None:
+        """The channel is readable: a message is coming before its reply."""
+        ch = self._segments.channel
+        if ch is None or ch.closed:
+            return
+        fd = ch.fileno()
+        try:
+            ch.take_early(-1, time.monotonic() + self.timeout, self._fd_wanted())
+        except StowageError:
+            pass  # closed by take_early; the request it was for fails on its own
+        if ch.closed and self._channel_loop is not None:
+            with contextlib.suppress(Exception):
+                self._channel_loop.remove_reader(fd)
+
+    async def _open_channel(self) -> None:
+        """Same node: opens the descriptor channel if none is open."""
+        if not self._channel_needed():
+            return
+        if self._channel_lock is None:
+            self._channel_lock = asyncio.Lock()
+        async with self._channel_lock:
+            if self._channel_needed():
+                await self._open_channel_now()
+
+    async def _open_channel_now(self) -> None:
+        if self._segments.channel is not None:  # closed: forget it and its reader
+            self._close_channel()
+        try:
+            body, _ = await self._call("channel", {}, (), None, "channel_ok")
+        except Unsupported as e:
+            raise self._no_channel(e) from None
+        loop = asyncio.get_running_loop()
+        ch = await loop.run_in_executor(None, _shm.Channel, self._channel_path(body), self.timeout)
+        self._segments.channel = ch
+        self._channel_loop = loop
+        loop.add_reader(ch.fileno(), self._on_channel)
 
     async def __aenter__(self) -> "AsyncClient":
         return self
@@ -124,6 +185,13 @@ class AsyncClient(_Ops):
         rid = next(self._ids)
         fut = loop.create_future()
         self._pending[rid] = fut
+        self._inflight.add(rid)
+        try:
+            return await self._exchange(op, sock, loop, rid, fut, body, data_frames, timeout, expect, extras)
+        finally:
+            self._inflight.discard(rid)
+
+    async def _exchange(self, op, sock, loop, rid, fut, body, data_frames, timeout, expect, extras):
         msg = [_codec.envelope(op, rid, body, extras), *data_frames]
         deadline = loop.time() + timeout
         try:
@@ -147,6 +215,7 @@ class AsyncClient(_Ops):
     async def put(self, global_indexes, data: Mapping[str, Any], *, timeout: float | None = None) -> int:
         """See `Client.put` (a split put sends its messages one after another)."""
         put = _put.Put(global_indexes, data, self.max_message_bytes, self._segments)
+        await self._open_channel()
         try:
             for op, body, frames, expect, extras in put:
                 put.reply, _ = await self._call(op, body, frames, timeout, expect, extras)
@@ -164,18 +233,13 @@ class AsyncClient(_Ops):
 
     async def _get_call(self, body: dict, timeout, finish):
         """See `Client._get_call`."""
-        for attempt in range(GET_RETRIES + 1):
-            try:
-                try:
-                    reply, frames = await self._call("get", body, (), timeout, "get_ok", self._get_extras())
-                except BadRequest as e:
-                    body = self._list_fallback(body, e)
-                    reply, frames = await self._call("get", body, (), timeout, "get_ok", self._get_extras())
-                return finish(reply, frames)
-            except _shm.SegmentGone:
-                if attempt == GET_RETRIES:
-                    raise
-        raise AssertionError("unreachable")
+        await self._open_channel()
+        try:
+            reply, frames = await self._call("get", body, (), timeout, "get_ok", self._get_extras())
+        except BadRequest as e:
+            body = self._list_fallback(body, e)
+            reply, frames = await self._call("get", body, (), timeout, "get_ok", self._get_extras())
+        return finish(reply, frames)
 
     async def get_into(self, global_indexes, out: Mapping[str, Any], *,
                        timeout: float | None = None) -> Mapping[str, Any]:

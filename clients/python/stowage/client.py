@@ -13,22 +13,20 @@ import numpy as np
 import zmq
 
 from . import _codec, _put, _shm, _torch
-from .errors import BadRequest, ProtocolError, StowageError, StowageTimeout, error_from_reply
+from .errors import BadRequest, ProtocolError, StowageError, StowageTimeout, Unsupported, error_from_reply
 
 DEFAULT_TIMEOUT = 30.0
 DEFAULT_MAX_MESSAGE_BYTES = 256 << 20
 
-
-#: How many times a same-node get is asked again when a segment its reply
-#: named was gone before it was locked (`_shm.SegmentGone`).
-GET_RETRIES = 3
 
 class _Ops:
     """Request building and reply reading, shared by `Client` and `AsyncClient`."""
 
     def __init__(self, endpoint: str, timeout: float, max_message_bytes: int,
                  same_node: bool = False, shm_dir: str | None = None) -> None:
-        self._segments = _shm.Segments(shm_dir or "/dev/shm") if same_node else None
+        # (`shm_dir` is accepted for older callers and not used: segments come
+        # as descriptors over the channel stowd names, not as files.)
+        self._segments = _shm.Segments() if same_node else None
         if not isinstance(endpoint, str) or "://" not in endpoint:
             raise ValueError(f"endpoint must be a ZeroMQ address like 'tcp://127.0.0.1:5555', got {endpoint!r}")
         self.endpoint = endpoint
@@ -58,24 +56,56 @@ class _Ops:
         if self._segments is not None:
             self._segments.release()
 
+    def _fd_wanted(self):
+        """Which request ids still wait for descriptors (None: only the one taken)."""
+        return None
+
+    def _take_fds(self, rid: int) -> dict:
+        """{segment name: descriptor} stowd sent for request `rid` on the channel."""
+        ch = self._segments.channel if self._segments is not None else None
+        if ch is None:
+            raise ProtocolError("a same-node reply, but no descriptor channel is open", request_id=rid)
+        return ch.take(rid, time.monotonic() + self.timeout, self._fd_wanted())
+
     def _reply_frames(self, env: dict, frames: list) -> _codec.FrameSource:
         """The data frames of a reply: socket frames, or, for a same-node reply
         whose envelope lists `segments`, read-only mappings of stowd's
-        shared-memory segments (kept mapped, so the same rows give the same
-        memory), with private copy-on-write mappings of them on demand (for
-        tensors)."""
+        shared-memory segments, whose descriptors came over the channel (kept
+        mapped, so the same rows give the same memory), with private
+        copy-on-write mappings of them on demand (for tensors). A lease_ok's
+        descriptor is kept for the put's `fill`."""
+        if env["op"] == "lease_ok" and self._segments is not None:
+            self._segments.leased(env["body"].get("segment"), self._take_fds(env["id"]))
         if "segments" in env:
             if self._segments is None:
                 raise ProtocolError("the reply carries shared-memory segments, but this client did not ask for "
                                     "same-node replies", request_id=env["id"])
             if len(frames) != 1:
                 raise ProtocolError("a reply with segments must have no data frames", request_id=env["id"])
-            views, bases, where, cow = self._segments.frames(env["segments"])
+            segments = env["segments"]
+            named = isinstance(segments, list) and any(isinstance(s, list) and s and s[0] for s in segments)
+            fds = self._take_fds(env["id"]) if named else {}
+            views, bases, where, cow = self._segments.frames(segments, fds)
             return _codec.FrameSource(views, bases, where, cow)
         return _codec.FrameSource.from_socket(frames)
 
     def _get_extras(self) -> dict | None:
-        return {"same_node": True} if self._segments is not None else None
+        return self._segments.extras(get=True) if self._segments is not None else None
+
+    def _channel_path(self, body: dict) -> str:
+        path = body.get("path") if isinstance(body, dict) else None
+        if not isinstance(path, str) or not path:
+            raise ProtocolError(f"malformed channel_ok body {body!r:.200}")
+        return path
+
+    @staticmethod
+    def _no_channel(e: Unsupported) -> StowageError:
+        return StowageError(f"same-node mode: stowd refused a descriptor channel ({e}); it needs shared memory "
+                            "enabled ([shm]) and a stowd of this client's release")
+
+    def _channel_needed(self) -> bool:
+        seg = self._segments
+        return seg is not None and (seg.channel is None or seg.channel.closed)
 
     @staticmethod
     def _reply_body(env: dict, expect: str, req_id: int) -> dict:
@@ -238,11 +268,24 @@ class Client(_Ops):
         self._sock = self._connect()
 
     def close(self) -> None:
-        """Closes the socket (pending messages are dropped). Idempotent."""
+        """Closes the socket (pending messages are dropped) and the descriptor
+        channel. Idempotent."""
         with self._lock:
             if self._sock is not None:
                 self._sock.close(linger=0)
                 self._sock = None
+            if self._segments is not None:
+                self._segments.close()
+
+    def _open_channel(self) -> None:
+        """Same node: opens the descriptor channel if none is open."""
+        if not self._channel_needed():
+            return
+        try:
+            body, _ = self._call("channel", {}, (), None, "channel_ok")
+        except Unsupported as e:
+            raise self._no_channel(e) from None
+        self._segments.channel = _shm.Channel(self._channel_path(body), self.timeout)
 
     @property
     def closed(self) -> bool:
@@ -269,8 +312,26 @@ class Client(_Ops):
                                      "the connection was reset", request_id=rid)
             self._sock.send_multipart(msg, copy=False)
             del msg
+            ch = self._segments.channel if self._segments is not None else None
+            poller = None
+            if ch is not None and not ch.closed:
+                # Descriptors come on the channel before the reply: read them
+                # as they come, so a long list never fills the channel.
+                poller = zmq.Poller()
+                poller.register(self._sock, zmq.POLLIN)
+                poller.register(ch.fileno(), zmq.POLLIN)
             while True:
-                if not self._sock.poll(_ms_left(deadline), zmq.POLLIN):
+                if poller is not None:
+                    ready = dict(poller.poll(_ms_left(deadline)))
+                    if ch.fileno() in ready and not ch.closed:
+                        ch.take_early(rid, deadline)
+                    if self._sock not in ready:
+                        if time.monotonic() < deadline:
+                            continue
+                        ready = {}
+                else:
+                    ready = {self._sock: 1} if self._sock.poll(_ms_left(deadline), zmq.POLLIN) else {}
+                if not ready:
                     self._reset()
                     raise StowageTimeout(f"{op} (id {rid}): no reply from {self.endpoint} within {timeout:g} s; "
                                          "the connection was reset", request_id=rid)
@@ -293,6 +354,7 @@ class Client(_Ops):
         fails, earlier ones stay stored; the exception's `rows_stored` says
         how many leading rows were."""
         put = _put.Put(global_indexes, data, self.max_message_bytes, self._segments)
+        self._open_channel()
         try:
             for op, body, frames, expect, extras in put:
                 put.reply, _ = self._call(op, body, frames, timeout, expect, extras)
@@ -326,21 +388,15 @@ class Client(_Ops):
         return self._get_call(body, timeout, lambda reply, frames: self._get_result(reply, frames, names, n, as_torch))
 
     def _get_call(self, body: dict, timeout, finish):
-        """`finish(reply, frames)` of a get: sent again as a list to a stowd
-        without ranges, and asked again (GET_RETRIES times) when a segment
-        the reply named was gone before it was locked."""
-        for attempt in range(GET_RETRIES + 1):
-            try:
-                try:
-                    reply, frames = self._call("get", body, (), timeout, "get_ok", self._get_extras())
-                except BadRequest as e:
-                    body = self._list_fallback(body, e)
-                    reply, frames = self._call("get", body, (), timeout, "get_ok", self._get_extras())
-                return finish(reply, frames)
-            except _shm.SegmentGone:
-                if attempt == GET_RETRIES:
-                    raise
-        raise AssertionError("unreachable")
+        """`finish(reply, frames)` of a get, sent again as a list to a stowd
+        without ranges."""
+        self._open_channel()
+        try:
+            reply, frames = self._call("get", body, (), timeout, "get_ok", self._get_extras())
+        except BadRequest as e:
+            body = self._list_fallback(body, e)
+            reply, frames = self._call("get", body, (), timeout, "get_ok", self._get_extras())
+        return finish(reply, frames)
 
     def get_into(self, global_indexes, out: Mapping[str, Any], *, timeout: float | None = None) -> Mapping[str, Any]:
         """Reads regular fields into preallocated arrays or CPU tensors (e.g.

@@ -42,7 +42,7 @@ def test_the_wire_form_of_a_gets_indexes():
 @pytest.mark.parametrize("same_node", [False, True])
 def test_gets_by_range_and_by_list_bring_back_the_same_rows(four_units, fresh, same_node):
     server = four_units
-    kw = {"same_node": True, "shm_dir": server["shm_dir"]} if same_node else {}
+    kw = {"same_node": True} if same_node else {}
     idx = fresh(4000)
     x = np.stack([np.asarray(idx, np.float64), np.arange(4000, dtype=np.float64)], axis=1)
     nested = [np.full(i % 5, i, np.int32) for i in range(4000)]

@@ -63,7 +63,7 @@ def run_race(server, base: int, same_node: bool) -> dict:
     def writer(w: int) -> None:
         rng = np.random.default_rng(w)
         # Half the writers put through leased segments, half over tcp.
-        opts = {"same_node": True, "shm_dir": server["shm_dir"]} if w % 2 else {}
+        opts = {"same_node": True} if w % 2 else {}
         seq = 0
         try:
             with stowage.Client(server["native"], **opts) as c:
@@ -83,7 +83,7 @@ def run_race(server, base: int, same_node: bool) -> dict:
             fail(f"writer {w}: {type(e).__name__}: {e}")
 
     def reader(r: int) -> None:
-        opts = {"same_node": True, "shm_dir": server["shm_dir"]} if same_node else {}
+        opts = {"same_node": True} if same_node else {}
         rng = np.random.default_rng(100 + r)
         kept: list[tuple[np.ndarray, list[int]]] = []
         try:

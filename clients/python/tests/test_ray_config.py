@@ -144,10 +144,11 @@ def test_a_real_stowd_reads_the_written_config(sray, tmp_path, monkeypatch):
         assert ep["shm_dir"] == str(shm_dir)
         assert ep["native"] == f"tcp://127.0.0.1:{ports['native']}"
         x = np.arange(64, dtype=np.float32).reshape(4, 16)
-        with stowage.Client(ep["native"], timeout=20, same_node=True, shm_dir=ep["shm_dir"]) as c:
+        with stowage.Client(ep["native"], timeout=20, same_node=True) as c:
             assert c.put([0, 1, 2, 3], {"x": x}) == 4
             assert np.array_equal(c.get([3, 0], ["x"])["x"], x[[3, 0]])
-        assert any(shm_dir.iterdir()), "stowd made no segment in the configured directory"
+        assert [p.name.startswith("stowd-") for p in shm_dir.iterdir()] == [True], \
+            "stowd made no channel directory in the configured directory"
     finally:
         node.stop()
     assert not node.dir.exists()

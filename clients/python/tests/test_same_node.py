@@ -1,11 +1,14 @@
-"""Same-node zero copy against a real stowd: gets map stowd's shared-memory
+"""Same-node zero copy against a real stowd: gets map stowd's sealed memory
 segments read-only, two gets share memory (in one process and across two),
 writes raise, a mapping outlives a clear, puts go through leased segments
-without a socket copy, and a lease that is never used is removed."""
+without a socket copy, a lease that is never used is dropped, and nothing
+a client (or another user) does through what it holds can change stored
+rows (issue 14)."""
 
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import shutil
 import struct
@@ -13,20 +16,20 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 import stowage
+from stowage import _shm
 from stowd_harness import run_stowd
 
 GIB = 1 << 30
-HOLD_MS = 300
 
 
 def eventually(cond, secs: float = 5.0) -> bool:
-    """Polls `cond` until it holds or `secs` pass (a segment named in a get
-    outlives its rows by the server's reply hold)."""
+    """Polls `cond` until it holds or `secs` pass."""
     deadline = time.monotonic() + secs
     while not cond():
         if time.monotonic() > deadline:
@@ -36,13 +39,10 @@ def eventually(cond, secs: float = 5.0) -> bool:
 
 
 def _shm_stowd(tmp_path_factory, tag: str, lease_secs: int):
-    """A stowd whose segments live in a directory of their own under /dev/shm
-    (so the test can count them)."""
+    """A stowd whose channel directory lives in a directory of its own."""
     shm_dir = f"/dev/shm/stowage-test-{tag}-{os.getpid()}"
     shutil.rmtree(shm_dir, ignore_errors=True)
-    # Segments named in a reply are held 300 ms (10 s by default), so that
-    # tests of release and reuse need not wait long.
-    config = f'[shm]\ndir = "{shm_dir}"\nlease_secs = {lease_secs}\nreply_hold_ms = {HOLD_MS}\n'
+    config = f'[shm]\ndir = "{shm_dir}"\nlease_secs = {lease_secs}\n'
     with run_stowd(tmp_path_factory.mktemp(tag), config=config, name=f"stowd-{tag}") as s:
         assert s["shm_dir"] == shm_dir
         yield s
@@ -60,16 +60,21 @@ def short_lease_server(tmp_path_factory):
     yield from _shm_stowd(tmp_path_factory, "short-lease", 1)
 
 
-def segments(server) -> set:
-    return set(os.listdir(server["shm_dir"]))
+def stat(server, key: str) -> int:
+    with stowage.Client(server["native"]) as c:
+        return c.stats()[key]
 
 
-def new_segments(server, before: set) -> set:
-    """Segments made since `before` was listed, not counting spares: a
-    `-spare-` name that appears meanwhile is an earlier test's cleared
-    segment that stowd's sweep kept for reuse (a put never leases a segment
-    under a spare's name: it renames a spare it reuses)."""
-    return {n for n in segments(server) - before if "-spare-" not in n}
+def live_segments(server) -> int:
+    """Sealed segments stowd holds (its `shm_segments` counter)."""
+    return stat(server, "shm_segments")
+
+
+def open_channel(server) -> _shm.Channel:
+    """A descriptor channel opened by hand, as the client does."""
+    with stowage.Client(server["native"]) as c:
+        body, _ = c._call("channel", {}, (), None, "channel_ok")
+    return _shm.Channel(body["path"], 10)
 
 
 def data_ptr(a: np.ndarray) -> int:
@@ -86,11 +91,11 @@ def test_two_gets_share_memory_and_writes_raise(shm_server, fresh):
     a = np.arange(64 * 32, dtype=np.float32).reshape(64, 32)
     with stowage.Client(shm_server["native"]) as tcp:  # arrives over tcp...
         tcp.put(idx, {"x": a, "tag": [f"t{i}" for i in range(64)]})
-    with stowage.Client(shm_server["native"], same_node=True, shm_dir=shm_server["shm_dir"]) as c:
+    with stowage.Client(shm_server["native"], same_node=True) as c:
         g1 = c.get(idx, ["x", "tag"])  # ...moved to shared memory once
-        after_first = segments(shm_server)
+        after_first = live_segments(shm_server)
         g2 = c.get(idx, ["x"])
-        assert segments(shm_server) == after_first, "the second get copied the rows again"
+        assert live_segments(shm_server) == after_first, "the second get copied the rows again"
         np.testing.assert_array_equal(g1["x"], a)
         assert g1["tag"] == [f"t{i}" for i in range(64)]
         assert data_ptr(g1["x"]) == data_ptr(g2["x"]), "two gets of the same rows do not share memory"
@@ -107,12 +112,12 @@ def test_two_gets_share_memory_and_writes_raise(shm_server, fresh):
 def test_a_mapping_stays_valid_after_a_clear(shm_server, fresh):
     idx = fresh(8)
     a = np.random.default_rng(1).random((8, 1024), dtype=np.float32)
-    with stowage.Client(shm_server["native"], same_node=True, shm_dir=shm_server["shm_dir"]) as c:
+    with stowage.Client(shm_server["native"], same_node=True) as c:
         c.put(idx, {"x": a})
         got = c.get(idx, ["x"])["x"]
-        before = segments(shm_server)
+        before = live_segments(shm_server)
         assert c.clear(idx) == 8
-        assert eventually(lambda: len(segments(shm_server)) < len(before)), \
+        assert eventually(lambda: live_segments(shm_server) < before), \
             "the cleared rows' segment was not released by stowd"
         np.testing.assert_array_equal(got, a)  # still mapped, still the same bytes
         with pytest.raises(stowage.KeyNotFound):
@@ -123,17 +128,17 @@ def test_puts_go_through_a_leased_segment_without_a_copy(shm_server, fresh):
     idx = fresh(16)
     a = np.arange(16 * 100, dtype=np.int64).reshape(16, 100)
     nested = [np.arange(i % 4, dtype=np.int8) for i in range(16)]
-    with stowage.Client(shm_server["native"], same_node=True, shm_dir=shm_server["shm_dir"]) as c:
-        before = segments(shm_server)
+    with stowage.Client(shm_server["native"], same_node=True) as c:
+        before = live_segments(shm_server)
         c.put(idx, {"x": a, "n": nested})
-        new = new_segments(shm_server, before)
-        assert len(new) == 1, f"expected the one leased segment, got {new}"
+        assert live_segments(shm_server) == before + 1, "expected the one leased segment"
         got = c.get(idx, ["x", "n"])
         # Served from the adopted lease itself: no further segment was made.
-        assert new_segments(shm_server, before) == new
+        assert live_segments(shm_server) == before + 1
         np.testing.assert_array_equal(got["x"], a)
         for want, row in zip(nested, got["n"]):
             np.testing.assert_array_equal(row, want)
+        assert stat(shm_server, "shm_leases") == 0
     with stowage.Client(shm_server["native"]) as tcp:  # and over tcp, the same rows
         np.testing.assert_array_equal(tcp.get(idx, ["x"])["x"], a)
 
@@ -141,7 +146,7 @@ def test_puts_go_through_a_leased_segment_without_a_copy(shm_server, fresh):
 def test_get_into_from_shared_memory(shm_server, fresh):
     idx = fresh(32)
     a = np.random.default_rng(2).random((32, 64))
-    with stowage.Client(shm_server["native"], same_node=True, shm_dir=shm_server["shm_dir"]) as c:
+    with stowage.Client(shm_server["native"], same_node=True) as c:
         c.put(idx, {"x": a})
         out = np.zeros_like(a)
         c.get_into(idx[::-1], {"x": out})
@@ -153,8 +158,9 @@ def test_an_unused_lease_expires_and_a_crashed_client_leaks_nothing(short_lease_
     # A client that leases a segment and dies before putting it.
     script = textwrap.dedent(f"""
         import os, stowage
-        c = stowage.Client({shm_server["native"]!r}, same_node=True, shm_dir={shm_server["shm_dir"]!r})
-        body, _ = c._call("lease", {{"bytes": 1 << 20}}, (), None, "lease_ok")
+        c = stowage.Client({shm_server["native"]!r}, same_node=True)
+        c._open_channel()
+        body, _ = c._call("lease", {{"bytes": 1 << 20}}, (), None, "lease_ok", c._segments.extras(get=False))
         print(body["segment"], flush=True)
         os._exit(9)
     """)
@@ -162,13 +168,11 @@ def test_an_unused_lease_expires_and_a_crashed_client_leaks_nothing(short_lease_
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=60)
     assert out.returncode == 9, out.stderr
     name = out.stdout.strip()
-    assert name in segments(shm_server)
-    deadline = time.monotonic() + 10
-    while name in segments(shm_server) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert name not in segments(shm_server), "the expired lease's segment was not removed"
+    assert name
+    assert eventually(lambda: stat(shm_server, "shm_leases") == 0, 10), "the expired lease was not dropped"
+    assert eventually(lambda: stat(shm_server, "shm_channels") == 0, 10), "the dead client's channel stayed open"
     # Naming it in a put afterwards is refused, not trusted.
-    with stowage.Client(shm_server["native"], same_node=True, shm_dir=shm_server["shm_dir"]) as c:
+    with stowage.Client(shm_server["native"], same_node=True) as c:
         msg = {"global_indexes": [1], "fields": {"x": {"kind": "regular", "dtype": "uint8", "shape": [1, 4],
                                                        "parts": [{"frame": 1, "offset": 0, "len": 4, "rows": 1}]}}}
         with pytest.raises(stowage.BadRequest, match="lease"):
@@ -189,14 +193,14 @@ def test_two_processes_read_the_same_pages(shm_server, fresh):
         pytest.fail("reading physical page numbers from /proc/self/pagemap needs root (CI runs as root)")
     idx = fresh(4)
     a = np.full((4, 4096), 7, dtype=np.uint8)
-    with stowage.Client(shm_server["native"], same_node=True, shm_dir=shm_server["shm_dir"]) as c:
+    with stowage.Client(shm_server["native"], same_node=True) as c:
         c.put(idx, {"x": a})
         mine = c.get(idx, ["x"])["x"]
         assert int(mine[2, 0]) == 7
         here = _pfn(data_ptr(mine) + 2 * 4096)
         script = textwrap.dedent(f"""
             import os, struct, stowage
-            c = stowage.Client({shm_server["native"]!r}, same_node=True, shm_dir={shm_server["shm_dir"]!r})
+            c = stowage.Client({shm_server["native"]!r}, same_node=True)
             x = c.get({idx!r}, ["x"])["x"]
             assert int(x[2, 0]) == 7
             addr = x.__array_interface__["data"][0] + 2 * 4096
@@ -218,7 +222,7 @@ def test_a_1_gib_get_maps_without_copying(shm_server, fresh):
     n = GIB // (4096 * 4)
     idx = fresh(n)
     a = np.ones((n, 4096), dtype=np.float32)
-    with stowage.Client(shm_server["native"], same_node=True, shm_dir=shm_server["shm_dir"], timeout=120) as c:
+    with stowage.Client(shm_server["native"], same_node=True, timeout=120) as c:
         c.put(idx, {"x": a})
         del a
         rss0 = rss_bytes()
@@ -245,7 +249,7 @@ def test_scattered_rows_from_several_puts_are_gathered_right(shm_server, fresh, 
     x = rng.standard_normal((300, 33)).astype(np.float32)  # 132-byte rows: offsets not multiples of 64
     s = np.arange(300, dtype=np.int64)
     ids = [np.arange(k, dtype=np.int16) for k in rng.integers(0, 40, 300)]
-    with stowage.Client(shm_server["native"], same_node=same_node, shm_dir=shm_server["shm_dir"]) as c:
+    with stowage.Client(shm_server["native"], same_node=same_node) as c:
         c.put(idx[:150], {"x": x[:150], "s": s[:150], "ids": ids[:150]})
         c.put(idx[150:], {"x": x[150:], "s": s[150:], "ids": ids[150:]})
         pick = [int(p) for p in rng.permutation(300)[:200]] + [5, 5, 299]
@@ -261,58 +265,14 @@ def test_scattered_rows_from_several_puts_are_gathered_right(shm_server, fresh, 
         c.clear(idx)
 
 
-def _inode(server, name: str) -> int:
-    return os.stat(os.path.join(server["shm_dir"], name)).st_ino
-
-
-def _spares(server) -> dict:
-    """inode -> name of the segments stowd keeps for reuse (a spare that
-    stowd removes or renames between the listing and its stat is skipped:
-    its once-a-second sweep runs meanwhile)."""
-    out = {}
-    for n in segments(server):
-        if "-spare-" in n:
-            try:
-                out[_inode(server, n)] = n
-            except FileNotFoundError:
-                pass
-    return out
-
-
-def test_a_cleared_segment_no_array_maps_is_reused_by_the_next_put(shm_server, fresh):
-    idx = fresh(64)
-    a = np.full((64, 8192), 1, np.float32)  # 2 MiB: above the 1 MiB floor for reuse
-    with stowage.Client(shm_server["native"], same_node=True, shm_dir=shm_server["shm_dir"]) as c:
-        before = segments(shm_server)
-        c.put(idx, {"x": a})
-        (first,) = new_segments(shm_server, before)
-        ino = _inode(shm_server, first)
-        got = c.get(idx, ["x"])["x"]
-        assert float(got[63, 8191]) == 1.0
-        del got  # the last array over the mapping: its lock goes with it
-        assert c.clear(idx) == 64
-        assert eventually(lambda: first not in segments(shm_server))
-        spares = _spares(shm_server)
-        assert ino in spares, "the cleared segment was unlinked, not kept"
-        b = np.full((64, 8192), 2, np.float32)
-        before = segments(shm_server)
-        c.put(idx, {"x": b})
-        (second,) = new_segments(shm_server, before)
-        assert "-spare-" not in second and second != first
-        assert _inode(shm_server, second) in spares, "the put faulted in a new segment instead of a spare"
-        np.testing.assert_array_equal(c.get(idx, ["x"])["x"], b)
-        c.clear(idx)
-
-
 def test_rows_another_process_still_maps_are_never_rewritten(shm_server, fresh):
     """A reader's arrays stay what they were after the rows are cleared and
-    new puts of the same size follow: stowd sees the reader's lock and does
-    not reuse that segment."""
+    new puts of the same size follow: cleared memory is never reused."""
     idx = fresh(64)
     a = np.full((64, 8192), 3, np.float32)
     script = textwrap.dedent(f"""
         import sys, numpy as np, stowage
-        c = stowage.Client({shm_server["native"]!r}, same_node=True, shm_dir={shm_server["shm_dir"]!r})
+        c = stowage.Client({shm_server["native"]!r}, same_node=True)
         x = c.get({idx!r}, ["x"])["x"]
         print("mapped", flush=True)
         sys.stdin.readline()
@@ -320,17 +280,13 @@ def test_rows_another_process_still_maps_are_never_rewritten(shm_server, fresh):
         print("intact", flush=True)
     """)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    with stowage.Client(shm_server["native"], same_node=True, shm_dir=shm_server["shm_dir"]) as c:
-        before = segments(shm_server)
+    with stowage.Client(shm_server["native"], same_node=True) as c:
         c.put(idx, {"x": a})
-        (first,) = new_segments(shm_server, before)
-        ino = _inode(shm_server, first)
         reader = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                   text=True, env=env)
         try:
             assert reader.stdout.readline().strip() == "mapped"
             c.clear(idx)  # this process maps nothing; the other one does
-            assert ino not in _spares(shm_server), "a segment another process maps was kept for reuse"
             for k in range(4):
                 c.put(idx, {"x": np.full((64, 8192), 10 + k, np.float32)})
                 c.clear(idx)
@@ -343,46 +299,10 @@ def test_rows_another_process_still_maps_are_never_rewritten(shm_server, fresh):
             reader.wait()
 
 
-def test_a_segment_renamed_for_reuse_before_it_is_mapped_is_refused(shm_server, fresh):
-    """A reply names a segment; its rows are cleared and the file kept for
-    reuse before this client maps it: mapping it fails clearly instead of
-    reading whatever the next put writes there."""
-    idx = fresh(64)
-    with stowage.Client(shm_server["native"], same_node=True, shm_dir=shm_server["shm_dir"]) as c:
-        before = segments(shm_server)
-        c.put(idx, {"x": np.zeros((64, 8192), np.float32)})
-        (name,) = new_segments(shm_server, before)
-        c.clear(idx)
-        with pytest.raises(stowage.ProtocolError, match="does not exist"):
-            c._segments.view(name, 0, 16)
-
-
-def test_a_rename_between_open_and_lock_is_noticed(tmp_path, monkeypatch):
-    """The narrow race: the client opened the name, and stowd renamed the file
-    for reuse before the client's shared lock; the client must notice that the
-    name no longer names what it opened."""
-    from stowage import _shm
-    (tmp_path / "seg").write_bytes(b"x" * 4096)
-    segs = _shm.Segments(str(tmp_path))
-    real_flock = _shm.fcntl.flock
-
-    def flock_after_stowd_renamed(fd, op):
-        os.rename(tmp_path / "seg", tmp_path / "spare")
-        (tmp_path / "seg").write_bytes(b"y" * 4096)  # and even a new file under the old name
-        return real_flock(fd, op)
-
-    monkeypatch.setattr(_shm.fcntl, "flock", flock_after_stowd_renamed)
-    with pytest.raises(stowage.ProtocolError, match="does not exist"):
-        segs.view("seg", 0, 16)
-    monkeypatch.setattr(_shm.fcntl, "flock", real_flock)
-    assert bytes(segs.view("seg", 0, 4)) == b"yyyy"
-    assert segs.mapped() == 0, "a mapping no array uses was kept"
-
-
 def test_a_same_node_get_names_each_segment_once(shm_server, fresh):
     """Scattered rows of one segment, regular and nested: the reply lists the
-    segment once, as a whole file, and every row is an offset in it (not one
-    segment entry per row)."""
+    segment once, as a whole file, its one descriptor comes on the channel,
+    and every row is an offset in it (not one segment entry per row)."""
     import msgpack
     import zmq
 
@@ -392,21 +312,29 @@ def test_a_same_node_get_names_each_segment_once(shm_server, fresh):
     x = rng.standard_normal((300, 33)).astype(np.float32)
     ids = [np.arange(k, dtype=np.int16) for k in rng.integers(1, 40, 300)]
     pick = [idx[int(p)] for p in rng.permutation(300)[:200]]
-    with stowage.Client(shm_server["native"], same_node=True, shm_dir=shm_server["shm_dir"]) as c:
-        before = segments(shm_server)
+    ch = open_channel(shm_server)
+    with stowage.Client(shm_server["native"], same_node=True) as c:
         c.put(idx, {"x": x, "ids": ids})
-        (seg,) = new_segments(shm_server, before)
         sock = zmq.Context.instance().socket(zmq.DEALER)
         sock.connect(shm_server["native"])
         try:
-            sock.send(_codec.envelope("get", 7, {"global_indexes": pick, "fields": ["x", "ids"]}, {"same_node": True}))
+            sock.send(_codec.envelope("get", 7, {"global_indexes": pick, "fields": ["x", "ids"]},
+                                      {"same_node": True, "channel": ch.token}))
             assert sock.poll(30_000)
             frames = sock.recv_multipart()
         finally:
             sock.close(linger=0)
         env = msgpack.unpackb(frames[0], raw=False)
         assert env["op"] == "get_ok" and len(frames) == 1
-        size = os.stat(os.path.join(shm_server["shm_dir"], seg)).st_size
+        fds = ch.take(7, time.monotonic() + 10)
+        try:
+            assert len(fds) == 1
+            (seg, fd), = fds.items()
+            size = os.fstat(fd).st_size
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+            ch.close()
         assert env["segments"] == [[seg, 0, size]]
         parts = env["body"]["fields"]["x"]["parts"]
         assert len(parts) > 100 and {p["frame"] for p in parts} == {1}
@@ -416,6 +344,22 @@ def test_a_same_node_get_names_each_segment_once(shm_server, fresh):
         np.testing.assert_array_equal(got["x"], x[want])
         assert all(np.array_equal(a, ids[w]) for a, w in zip(got["ids"], want))
         c.clear(idx)
+
+
+def test_same_node_requests_without_an_open_channel_are_refused(shm_server, fresh):
+    """A same-node get or a lease must name an open channel of this stowd."""
+    idx = fresh(2)
+    with stowage.Client(shm_server["native"]) as c:
+        c.put(idx, {"x": np.ones((2, 4), np.float32)})
+        get = {"global_indexes": idx, "fields": ["x"]}
+        with pytest.raises(stowage.BadRequest, match="needs the envelope key `channel`"):
+            c._call("get", get, (), None, "get_ok", {"same_node": True})
+        with pytest.raises(stowage.BadRequest, match="no descriptor channel has token"):
+            c._call("get", get, (), None, "get_ok", {"same_node": True, "channel": "0" * 32})
+        with pytest.raises(stowage.BadRequest, match="needs the envelope key `channel`"):
+            c._call("lease", {"bytes": 64}, (), None, "lease_ok")
+        assert stat(shm_server, "shm_leases") == 0
+        np.testing.assert_array_equal(c.get(idx, ["x"])["x"], np.ones((2, 4), np.float32))
 
 
 # ---------------------------------------------------------------- empty puts (issue 14, finding 7)
@@ -442,18 +386,18 @@ def test_an_empty_same_node_put_and_its_get(shm_server, fresh, shape):
             assert len(got) == n
             assert all(r.dtype == np.int64 and r.shape == (0,) for r in got)
 
-    with stowage.Client(shm_server["native"], same_node=True, shm_dir=shm_server["shm_dir"]) as c:
+    with stowage.Client(shm_server["native"], same_node=True) as c:
         assert c.put(idx[:3], {"e": x[:3], "tag": ["a", "b", "c"]}) == 3
         got = c.get(idx[:3], ["e", "tag"])
         check(got["e"], 3)
         assert got["tag"] == ["a", "b", "c"]
 
     async def put_async():
-        async with stowage.AsyncClient(shm_server["native"], same_node=True, shm_dir=shm_server["shm_dir"]) as c:
+        async with stowage.AsyncClient(shm_server["native"], same_node=True) as c:
             return await c.put(idx[3:], {"e": x[3:], "tag": ["d", "e", "f"]})
 
     assert asyncio.run(asyncio.wait_for(put_async(), 60)) == 3
-    with stowage.Client(shm_server["native"], same_node=True, shm_dir=shm_server["shm_dir"]) as c:
+    with stowage.Client(shm_server["native"], same_node=True) as c:
         check(c.get(idx, ["e"])["e"], 6)
     with stowage.Client(shm_server["native"]) as tcp:
         got = tcp.get(idx, ["e", "tag"])
@@ -471,7 +415,7 @@ def test_numpy_arrays_of_same_node_gets_are_read_only_and_shared(shm_server, fre
     idx = fresh(8)
     x = np.arange(8 * 1024, dtype=np.int32).reshape(8, 1024)
     n = [np.full(100 + i, i, np.float64) for i in range(8)]
-    with stowage.Client(shm_server["native"], same_node=True, shm_dir=shm_server["shm_dir"]) as c:
+    with stowage.Client(shm_server["native"], same_node=True) as c:
         c.put(idx, {"x": x, "n": n})
         g1, g2 = c.get(idx, ["x", "n"]), c.get(idx, ["x", "n"])
         assert data_ptr(g1["x"]) == data_ptr(g2["x"])
@@ -494,12 +438,12 @@ _IN_PLACE_SCRIPT = """
 import json, sys
 import numpy as np, torch, stowage
 
-native, shm_dir, idx = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+native, idx = sys.argv[1], json.loads(sys.argv[2])
 n = len(idx)
 x = np.arange(n * 2048, dtype=np.float32).reshape(n, 2048)
 rows = [np.arange(i * 1000, i * 1000 + 5000 + i, dtype=np.int64) for i in range(n)]
 bf = torch.arange(n * 64, dtype=torch.float32).reshape(n, 64).to(torch.bfloat16)
-c = stowage.Client(native, same_node=True, shm_dir=shm_dir)
+c = stowage.Client(native, same_node=True)
 c.put(idx, {"x": x, "rows": rows, "bf": bf})
 
 t = c.get(idx, ["x", "rows"], as_torch=True)               # the tensors written to
@@ -549,14 +493,13 @@ def test_an_in_place_torch_op_on_a_same_node_tensor_changes_only_that_tensor(shm
     idx = fresh(4)
     if not _torch.available():
         # This client without torch: as_torch says what is missing.
-        with stowage.Client(shm_server["native"], same_node=True, shm_dir=shm_server["shm_dir"]) as c:
+        with stowage.Client(shm_server["native"], same_node=True) as c:
             c.put(idx, {"x": np.ones((4, 2), np.float32)})
             with pytest.raises(ImportError, match="needs torch"):
                 c.get(idx, ["x"], as_torch=True)
         return
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    out = subprocess.run([sys.executable, "-c", _IN_PLACE_SCRIPT, shm_server["native"], shm_server["shm_dir"],
-                          json.dumps(idx)], capture_output=True, text=True, env=env, timeout=120)
+    out = subprocess.run([sys.executable, "-c", _IN_PLACE_SCRIPT, shm_server["native"], json.dumps(idx)], capture_output=True, text=True, env=env, timeout=120)
     how = f"killed by signal {-out.returncode}" if out.returncode < 0 else f"exit status {out.returncode}"
     assert out.returncode == 0 and out.stdout.split() == ["got", "written", "ok"], (
         f"the reader process failed ({how}) after printing {out.stdout.split()}:\n{out.stderr[-3000:]}")
@@ -566,7 +509,7 @@ def test_an_in_place_torch_op_on_a_same_node_tensor_changes_only_that_tensor(shm
         got = tcp.get(idx, ["x", "rows"], as_torch=True)
         assert torch.equal(got["x"], torch.from_numpy(x))
         assert torch.equal(got["rows"][1], torch.arange(1000, 6001, dtype=torch.int64))
-    with stowage.Client(shm_server["native"], same_node=True, shm_dir=shm_server["shm_dir"]) as c:
+    with stowage.Client(shm_server["native"], same_node=True) as c:
         np.testing.assert_array_equal(c.get(idx, ["x"])["x"], x)
         c.clear(idx)
 
@@ -577,7 +520,7 @@ def _torch_or_none(server, idx):
     if _torch.available():
         import torch
         return torch
-    with stowage.Client(server["native"], same_node=True, shm_dir=server["shm_dir"]) as c:
+    with stowage.Client(server["native"], same_node=True) as c:
         c.put(idx, {"x": np.ones((len(idx), 2), np.float32)})
         with pytest.raises(ImportError, match="needs torch"):
             c.get(idx, ["x"], as_torch=True)
@@ -605,7 +548,7 @@ def test_a_same_node_tensor_is_the_shared_pages_until_written(shm_server, fresh)
     torch = _torch_or_none(shm_server, idx)
     if torch is None:
         return
-    with stowage.Client(shm_server["native"], same_node=True, shm_dir=shm_server["shm_dir"]) as c:
+    with stowage.Client(shm_server["native"], same_node=True) as c:
         c.put(idx, {"x": np.full((8, 4096), 7, np.uint8)})  # rows of one page (not page-aligned)
         a = c.get(idx, ["x"])["x"]
         t = c.get(idx, ["x"], as_torch=True)["x"]
@@ -626,39 +569,230 @@ def test_a_same_node_tensor_is_the_shared_pages_until_written(shm_server, fresh)
         c.clear(idx)
 
 
-def test_a_same_node_tensor_holds_the_segment_lock_while_it_lives(shm_server, fresh):
-    """The protocol's rule for readers: a shared flock on the segment for as
-    long as a mapping of it lives, also a tensor's private one (else stowd
-    could reuse the file, and the tensor's untouched pages would change)."""
-    import fcntl
-    import gc
-    idx = fresh(16)
-    torch = _torch_or_none(shm_server, idx)
-    if torch is None:
+# ---------------------------------------------------------------- trust (issue 14, findings 1-4)
+
+
+def _lease_by_hand(c, nbytes: int) -> tuple[str, int]:
+    """A lease taken as the client takes one: (segment name, its writable descriptor)."""
+    c._open_channel()
+    body, _ = c._call("lease", {"bytes": nbytes}, (), None, "lease_ok", c._segments.extras(get=False))
+    return body["segment"], c._segments._leased.pop(body["segment"])
+
+
+def _put_body(idx: list, row_bytes: int) -> dict:
+    n = len(idx)
+    return {"global_indexes": idx, "fields": {"x": {
+        "kind": "regular", "dtype": "uint8", "shape": [n, row_bytes],
+        "parts": [{"frame": 1, "offset": 0, "len": n * row_bytes, "rows": n}]}}}
+
+
+def test_a_writer_that_keeps_a_writable_mapping_cannot_put_its_lease(shm_server, fresh):
+    idx = fresh(4)
+    with stowage.Client(shm_server["native"], same_node=True) as c:
+        name, fd = _lease_by_hand(c, 4 * 4096)
+        mm = mmap.mmap(fd, 4 * 4096)  # shared, writable: kept through the put
+        mm[:] = b"\x01" * len(mm)
+        with pytest.raises(stowage.BadRequest, match="still mapped writable"):
+            c._call("put", _put_body(idx, 4096), (), None, "put_ok", {"segments": [[name, 0, 4 * 4096]]})
+        mm.close()
+        os.close(fd)
+        # Nothing was stored, and the lease is void.
+        with pytest.raises(stowage.KeyNotFound):
+            c.get(idx, ["x"])
+        with pytest.raises(stowage.BadRequest, match="lease"):
+            c._call("put", _put_body(idx, 4096), (), None, "put_ok", {"segments": [[name, 0, 4 * 4096]]})
+
+
+def test_no_descriptor_or_mapping_a_writer_keeps_can_change_rows_after_put_ok(shm_server, fresh):
+    idx = fresh(4)
+    data = np.full((4, 4096), 5, np.uint8)
+    with stowage.Client(shm_server["native"], same_node=True) as c:
+        name, fd = _lease_by_hand(c, data.nbytes)
+        with mmap.mmap(fd, data.nbytes) as mm:
+            mm[:] = data.tobytes()
+        # A shared mapping through a read-only descriptor does not stop the
+        # seal (one through the writable descriptor would: mprotect could
+        # make it writable); it is kept.
+        ro = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY)
+        kept = mmap.mmap(ro, data.nbytes, prot=mmap.PROT_READ)
+        os.close(ro)
+        c._call("put", _put_body(idx, 4096), (), None, "put_ok", {"segments": [[name, 0, data.nbytes]]})
+        # The writer still holds its read-write descriptor: every way to write fails.
+        with pytest.raises(PermissionError):
+            os.pwrite(fd, b"\xff" * 16, 0)
+        with pytest.raises(PermissionError):
+            mmap.mmap(fd, data.nbytes)  # shared, writable
+        with pytest.raises(PermissionError):
+            os.ftruncate(fd, 0)
+        # So does the same file opened anew through /proc.
+        rw = os.open(f"/proc/self/fd/{fd}", os.O_RDWR)
+        try:
+            with pytest.raises(PermissionError):
+                os.pwrite(rw, b"\xff" * 16, 0)
+        finally:
+            os.close(rw)
+        # A private mapping may be written: its pages are its own.
+        with mmap.mmap(fd, data.nbytes, flags=mmap.MAP_PRIVATE) as private:
+            private[:16] = b"\xff" * 16
+        os.close(fd)
+        assert kept[:16] == b"\x05" * 16
+        kept.close()
+        np.testing.assert_array_equal(c.get(idx, ["x"])["x"], data)
+    with stowage.Client(shm_server["native"]) as tcp:
+        np.testing.assert_array_equal(tcp.get(idx, ["x"])["x"], data)
+
+
+def test_a_reader_cannot_change_stored_rows_through_its_descriptor(shm_server, fresh):
+    """The descriptor a same-node get hands over is read-only, and reopened
+    read-write (as any process of stowd's user can) the seals still refuse
+    every write."""
+    import zmq
+
+    from stowage import _codec
+    idx = fresh(4)
+    data = np.full((4, 4096), 9, np.uint8)
+    with stowage.Client(shm_server["native"]) as tcp:
+        tcp.put(idx, {"x": data})
+    ch = open_channel(shm_server)
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.connect(shm_server["native"])
+    try:
+        sock.send(_codec.envelope("get", 3, {"global_indexes": idx, "fields": ["x"]},
+                                  {"same_node": True, "channel": ch.token}))
+        assert sock.poll(30_000)
+        sock.recv_multipart()
+        fds = ch.take(3, time.monotonic() + 10)
+    finally:
+        sock.close(linger=0)
+        ch.close()
+    (fd,) = fds.values()
+    try:
+        with pytest.raises(OSError):
+            os.pwrite(fd, b"\x00" * 16, 0)  # opened read-only
+        with pytest.raises(PermissionError):
+            mmap.mmap(fd, data.nbytes)  # a shared writable mapping
+        rw = os.open(f"/proc/self/fd/{fd}", os.O_RDWR)
+        try:
+            with pytest.raises(PermissionError):
+                os.pwrite(rw, b"\x00" * 16, 0)
+            with pytest.raises(PermissionError):
+                mmap.mmap(rw, data.nbytes)
+            with pytest.raises(PermissionError):
+                os.ftruncate(rw, 0)
+        finally:
+            os.close(rw)
+    finally:
+        os.close(fd)
+    with stowage.Client(shm_server["native"]) as tcp:
+        np.testing.assert_array_equal(tcp.get(idx, ["x"])["x"], data)
+    with stowage.Client(shm_server["native"], same_node=True) as c:
+        np.testing.assert_array_equal(c.get(idx, ["x"])["x"], data)
+
+
+def test_a_cleared_segment_is_never_reused_under_an_old_mapping(shm_server, fresh):
+    """Client A keeps a (read-only) mapping of its lease, puts and clears; B's
+    puts of the same size never land in those pages (finding 2)."""
+    idx = fresh(64)
+    a = np.full((64, 8192), 1, np.uint8)
+    with stowage.Client(shm_server["native"], same_node=True) as c:
+        name, fd = _lease_by_hand(c, a.nbytes)
+        with mmap.mmap(fd, a.nbytes) as mm:
+            mm[:] = a.tobytes()
+        ro = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY)  # (through `fd` itself it would stop the seal)
+        old = mmap.mmap(ro, a.nbytes, prot=mmap.PROT_READ)
+        os.close(ro)
+        os.close(fd)
+        c._call("put", _put_body(idx, 8192), (), None, "put_ok", {"segments": [[name, 0, a.nbytes]]})
+        assert c.clear(idx) == 64
+    with stowage.Client(shm_server["native"], same_node=True) as b:
+        for k in range(3):
+            b.put(idx, {"x": np.full((64, 8192), 2 + k, np.uint8)})
+            np.testing.assert_array_equal(b.get(idx, ["x"])["x"], np.full((64, 8192), 2 + k, np.uint8))
+            assert old[:8] == b"\x01" * 8 and old[-8:] == b"\x01" * 8, "another client's rows showed up"
+        b.clear(idx)
+    old.close()
+
+
+_AS_NOBODY = """
+import os, socket, sys
+path, pid = sys.argv[1], int(sys.argv[2])
+def refused(what, f):
+    try:
+        f()
+    except PermissionError:
         return
-    x = np.arange(16 * 1024, dtype=np.float32).reshape(16, 1024)
-    with stowage.Client(shm_server["native"], same_node=True, shm_dir=shm_server["shm_dir"]) as c:
-        before = segments(shm_server)
-        c.put(idx, {"x": x})
-        (name,) = new_segments(shm_server, before)
-        path = os.path.join(shm_server["shm_dir"], name)
-        t = c.get(idx, ["x"], as_torch=True)["x"][3:5]  # a view of the tensor: keeps its storage
-        c.release_segments()
-        gc.collect()
+    print("allowed:", what, flush=True)
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+refused("connect to the channel", lambda: s.connect(path))
+refused("list the channel directory", lambda: os.listdir(os.path.dirname(path)))
+refused("create in the channel directory", lambda: open(os.path.join(os.path.dirname(path), "x"), "w"))
+refused("list stowd's descriptors", lambda: os.listdir(f"/proc/{pid}/fd"))
+for n in range(3, 64):
+    refused(f"open stowd's descriptor {n}", lambda: os.open(f"/proc/{pid}/fd/{n}", os.O_RDONLY))
+print("done", flush=True)
+"""
 
-        def exclusive_lock_refused() -> bool:
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                return True
-            finally:
-                os.close(fd)  # (and with it any lock it took)
-            return False
 
-        assert c._segments.mapped() == 0
-        assert exclusive_lock_refused(), "no lock on the segment a live tensor maps"
-        del t
-        gc.collect()
-        assert not exclusive_lock_refused(), "the lock outlived the last tensor"
-        c.clear(idx)
+def _as_nobody():
+    os.setgid(65534)
+    os.setgroups([])
+    os.setuid(65534)
+
+
+def test_another_user_cannot_reach_the_channel_or_a_segment(shm_server, fresh):
+    if os.geteuid() != 0:
+        pytest.fail("acting as another user (nobody) needs root (CI runs as root)")
+    idx = fresh(4)
+    with stowage.Client(shm_server["native"], same_node=True) as c:
+        c.put(idx, {"x": np.ones((4, 4096), np.uint8)})
+        c.get(idx, ["x"])
+        body, _ = c._call("channel", {}, (), None, "channel_ok")
+    # An interpreter nobody may run (this one may live under /root).
+    python = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
+    out = subprocess.run([python, "-c", _AS_NOBODY, body["path"], str(shm_server["pid"])], cwd="/",
+                         capture_output=True, text=True, timeout=60, preexec_fn=_as_nobody)
+    assert out.returncode == 0 and out.stdout.split() == ["done"], out.stdout + out.stderr
+
+
+def test_a_restarted_stowd_with_the_same_pid_starts_cleanly(tmp_path):
+    """stowd as PID 1 of a pid namespace (as in a container), killed, then
+    started again as PID 1: it removes its predecessor's channel directory
+    and serves same-node clients (finding 4)."""
+    from stowd_harness import stowd_binary
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.fail("a pid namespace needs root and unshare(1) (CI runs as root)")
+    shm_dir = Path(f"/dev/shm/stowage-restart-{os.getpid()}")  # a socket path has at most 107 bytes
+    shutil.rmtree(shm_dir, ignore_errors=True)
+    cfg = tmp_path / "stowd.toml"
+    cfg.write_text(f'[server]\nnative_port = 0\n[units]\nlocal = 1\n[shm]\ndir = "{shm_dir}"\n')
+
+    def start(n: int):
+        ep = tmp_path / f"ep{n}.json"
+        proc = subprocess.Popen(["unshare", "--pid", "--fork", "--mount-proc", "--kill-child",
+                                 str(stowd_binary()), "serve", "--config", str(cfg), "--endpoints-file", str(ep)],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        assert eventually(ep.is_file, 30), "stowd did not start"
+        return proc, json.loads(ep.read_text())
+
+    first, ep1 = start(1)
+    try:
+        assert ep1["pid"] == 1
+        (old,) = os.listdir(shm_dir)
+        assert old.startswith("stowd-1-")
+    finally:
+        first.kill()  # SIGKILL: nothing is cleaned up on the way out
+        first.wait()
+    assert os.listdir(shm_dir) == [old]
+    time.sleep(1.2)  # start times are known to about a second
+    second, ep2 = start(2)
+    try:
+        assert ep2["pid"] == 1
+        (new,) = os.listdir(shm_dir)
+        assert new != old and new.startswith("stowd-1-"), "the predecessor's directory is still there"
+        with stowage.Client(ep2["native"], same_node=True, timeout=20) as c:
+            c.put([0, 1], {"x": np.arange(8, dtype=np.float32).reshape(2, 4)})
+            np.testing.assert_array_equal(c.get([0, 1], ["x"])["x"], np.arange(8, dtype=np.float32).reshape(2, 4))
+    finally:
+        second.kill()  # (--kill-child: the stowd inside goes with it)
+        second.wait(timeout=30)
+        shutil.rmtree(shm_dir, ignore_errors=True)

@@ -283,25 +283,42 @@ impl LimitsConfig {
 pub struct ShmConfig {
     /// Serve same-node clients through shared-memory segments.
     pub enabled: bool,
-    /// Directory of the segments (a tmpfs).
+    /// Directory in which `stowd` makes its private (0700) directory for
+    /// the descriptor-channel socket. Segments themselves are anonymous
+    /// memory files and live in no directory.
     pub dir: PathBuf,
-    /// Seconds a leased segment may stay unused before it is removed.
+    /// Seconds a leased segment may stay unused before it is dropped.
     pub lease_secs: u64,
     /// Largest single lease, bytes.
     pub max_lease_bytes: u64,
     /// Most bytes of all leases granted and not yet put or expired,
-    /// together; 0: the size of the file system holding `dir`.
+    /// together; 0: the machine's memory (`MemTotal`).
     pub max_leased_bytes: u64,
-    /// Bytes of cleared segments (each of at least 1 MiB) kept, pages and
-    /// all, for later leases and exports, instead of faulting in fresh
-    /// pages every time; 0 turns reuse off.
-    pub reuse_bytes: u64,
-    /// Seconds a kept segment may go unused before it is removed.
-    pub reuse_secs: u64,
-    /// Milliseconds a segment named in a same-node reply stays alive after
-    /// the reply at least, even if its rows are overwritten or cleared
-    /// meanwhile: the reader opens and locks it within this time.
-    pub reply_hold_ms: u64,
+    /// No longer used (cleared segments are never reused: a reader may
+    /// still map them). Accepted, with a warning, so older configs load.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reuse_bytes: Option<u64>,
+    /// No longer used (see `reuse_bytes`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reuse_secs: Option<u64>,
+    /// No longer used: a same-node reply's descriptors reach the reader
+    /// before the reply, so nothing needs holding for it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reply_hold_ms: Option<u64>,
+}
+
+impl ShmConfig {
+    /// The keys set that no longer have any effect.
+    pub fn obsolete_keys(&self) -> Vec<&'static str> {
+        [
+            ("reuse_bytes", self.reuse_bytes.is_some()),
+            ("reuse_secs", self.reuse_secs.is_some()),
+            ("reply_hold_ms", self.reply_hold_ms.is_some()),
+        ]
+        .into_iter()
+        .filter_map(|(k, set)| set.then_some(k))
+        .collect()
+    }
 }
 
 impl Default for ShmConfig {
@@ -312,9 +329,9 @@ impl Default for ShmConfig {
             lease_secs: 30,
             max_lease_bytes: 16 << 30,
             max_leased_bytes: 0,
-            reuse_bytes: 4 << 30,
-            reuse_secs: 30,
-            reply_hold_ms: 1_000,
+            reuse_bytes: None,
+            reuse_secs: None,
+            reply_hold_ms: None,
         }
     }
 }

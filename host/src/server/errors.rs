@@ -40,8 +40,6 @@ use crate::wire::{native, tq};
 pub enum EncodeError {
     #[error(transparent)]
     Wire(#[from] native::Error),
-    #[error("same-node get without shared memory")]
-    NoSharedMemory,
     #[error("a reply frame is not a shared-memory segment")]
     NotASegment,
 }
@@ -239,10 +237,14 @@ mod tests {
             code(&shm(&ShmError::TooLarge { asked: 2, limit: 1 })),
             native::code::TOO_LARGE
         );
-        assert_eq!(
-            code(&shm(&ShmError::BadName("x".into()))),
-            native::code::BAD_REQUEST
-        );
+        for refused in [
+            ShmError::StillMapped("x".into()),
+            ShmError::Tampered("x".into()),
+            ShmError::NoChannel("get"),
+            ShmError::UnknownChannel("x".into()),
+        ] {
+            assert_eq!(code(&shm(&refused)), native::code::BAD_REQUEST);
+        }
         assert_eq!(
             code(&native_segments_with_frames()),
             native::code::BAD_REQUEST

@@ -27,7 +27,7 @@ use crate::config::Config;
 use crate::manager::{Manager, Target};
 use crate::metrics::Metrics;
 use crate::policy::registry::Registry;
-use crate::shm::SegmentStore;
+use crate::shm::{Channels, SegmentStore};
 use crate::store::Unit;
 use crate::transport::{self, Peer};
 use crate::wire::native as wire_native;
@@ -339,25 +339,39 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
     };
     let (socket, native_endpoint) =
         transport::bind(&format!("tcp://{host}:{}", config.server.native_port)).await?;
+    let obsolete = config.shm.obsolete_keys();
+    if !obsolete.is_empty() {
+        tracing::warn!(
+            keys = ?obsolete,
+            "[shm] keys that no longer have any effect: same-node segments are sealed memory \
+             files handed over as descriptors, never reused and never held for a reader; \
+             remove them from the config"
+        );
+    }
     let shm = if config.shm.enabled {
+        crate::sys::raise_nofile();
         let store = SegmentStore::new(
-            &config.shm.dir,
             Duration::from_secs(config.shm.lease_secs),
             config.shm.max_lease_bytes,
-        )?
-        .with_reuse(
-            config.shm.reuse_bytes,
-            Duration::from_secs(config.shm.reuse_secs),
-        )
-        .with_hold(Duration::from_millis(config.shm.reply_hold_ms));
+        );
         let quota = match config.shm.max_leased_bytes {
-            0 => crate::sys::fs_size(&config.shm.dir).unwrap_or(u64::MAX),
+            0 => crate::sys::shm_size().unwrap_or(u64::MAX),
             n => n,
         };
         let store = Arc::new(store.with_lease_quota(quota));
+        let (channels, listener) = Channels::bind(
+            &config.shm.dir,
+            transport_limits.max_connections,
+            transport_limits.write_timeout,
+        )?;
         tasks.push(tokio::spawn(sweep_leases(store.clone(), rx.clone())));
-        tracing::info!(dir = %config.shm.dir.display(), max_leased_bytes = quota, "same-node shared memory enabled");
-        Some(store)
+        tasks.push(tokio::spawn(channels.clone().serve(listener, rx.clone())));
+        tracing::info!(
+            channel = %channels.path().display(),
+            max_leased_bytes = quota,
+            "same-node shared memory enabled"
+        );
+        Some((store, channels))
     } else {
         None
     };
@@ -419,7 +433,7 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         }
     }
 
-    let shm_dir = shm.as_ref().map(|s| s.dir().display().to_string());
+    let shm_dir = shm.as_ref().map(|_| config.shm.dir.display().to_string());
     let endpoints = Endpoints {
         pid,
         units: unit_endpoints,

@@ -11,6 +11,7 @@
 mod get;
 
 use std::collections::HashMap;
+use std::os::fd::AsFd;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -26,7 +27,7 @@ use crate::metrics::{Metrics, Outcome, Protocol};
 use crate::plan::PackLimits;
 use crate::policy::chain::{FailStrategy, Loaded};
 use crate::policy::registry::{ChainSummary, list_name};
-use crate::shm::{SegmentStore, ShmError};
+use crate::shm::{Channels, SegmentStore, ShmError};
 use crate::transport::{BoxFuture, Caller, Service};
 use crate::wire::native;
 
@@ -35,8 +36,9 @@ pub(super) struct NativeService {
     pub manager: Arc<Manager>,
     pub limits: native::Limits,
     pub pack_limits: PackLimits,
-    /// Same-node shared memory, if enabled.
-    pub shm: Option<Arc<SegmentStore>>,
+    /// Same-node shared memory, if enabled, and the descriptor channels
+    /// its segments go over.
+    pub shm: Option<(Arc<SegmentStore>, Arc<Channels>)>,
     pub metrics: Arc<Metrics>,
     /// The endpoint's address, for the request spans.
     pub endpoint: String,
@@ -51,7 +53,7 @@ fn op_rows(op: &native::Op) -> usize {
             global_indexes.len()
         }
         native::Op::Get { global_indexes, .. } => global_indexes.len() as usize,
-        native::Op::Lease { .. } | native::Op::Stats => 0,
+        native::Op::Lease { .. } | native::Op::Stats | native::Op::Channel => 0,
     }
 }
 
@@ -82,7 +84,7 @@ impl NativeService {
             let received = Received::frames(frames.get(1..).unwrap_or_default());
             return Ok((frames, received));
         };
-        let Some(shm) = &self.shm else {
+        let Some((shm, _)) = &self.shm else {
             return Err(errors::shm(&ShmError::Disabled));
         };
         if frames.len() != 1 {
@@ -94,8 +96,9 @@ impl NativeService {
             let extent = match adopted.get(name.as_str()) {
                 Some(e) => e.clone(),
                 None => {
-                    let whole = shm.adopt(name, connection).map_err(|e| errors::shm(&e))?;
-                    let e = Extent::in_segment(whole, Arc::from(name.as_str()));
+                    let (whole, segment) =
+                        shm.adopt(name, connection).map_err(|e| errors::shm(&e))?;
+                    let e = Extent::in_segment(whole, segment);
                     adopted.insert(name, e.clone());
                     e
                 }
@@ -128,9 +131,9 @@ impl NativeService {
             None => Ok(native::Extras::default()),
         };
         let (id, answer, same_node) = match extras {
-            Err(e) => (fallback_id, errors::native_decode(&e).into(), false),
+            Err(e) => (fallback_id, errors::native_decode(&e).into(), None),
             Ok(extras) => match self.received(connection, frames, &extras) {
-                Err(reply) => (fallback_id, reply.into(), false),
+                Err(reply) => (fallback_id, reply.into(), None),
                 Ok((frames, received)) => match native::decode_request(&frames, &self.limits) {
                     Ok(req) => {
                         op = req.op.name();
@@ -138,19 +141,33 @@ impl NativeService {
                         span.record("id", req.id)
                             .record("op", op)
                             .record("rows", op_rows(&req.op));
+                        let channel = extras.channel.as_deref();
                         (
                             req.id,
-                            self.answer(req.op, extras.same_node, &received, connection)
+                            self.answer(req.id, req.op, &extras, &received, connection)
                                 .await,
-                            extras.same_node,
+                            extras.same_node.then(|| channel.map(str::to_owned)),
                         )
                     }
-                    Err(e) => (fallback_id, errors::native_decode(&e).into(), false),
+                    Err(e) => (fallback_id, errors::native_decode(&e).into(), None),
                 },
             },
         };
         let (encoded, outcome) = match answer {
-            Answer::Get(get) => (self.encode_get(id, get, same_node), Outcome::Ok),
+            Answer::Get(get) => match self.encode_get(id, get, same_node.is_some()) {
+                Ok((frames, handles)) if !handles.is_empty() => {
+                    // Descriptors first, so they are there when the reply is.
+                    let token = same_node.flatten().unwrap_or_default();
+                    match self.send_fds(&token, id, &handles).await {
+                        Ok(()) => (Ok(frames), Outcome::Ok),
+                        Err(reply) => (
+                            native::encode_reply(id, &reply).map_err(EncodeError::from),
+                            Outcome::Error,
+                        ),
+                    }
+                }
+                other => (other.map(|(frames, _)| frames), Outcome::Ok),
+            },
             Answer::Reply(reply) => {
                 let outcome = if let native::Reply::Error { code, message } = &reply {
                     tracing::debug!(code = %code, error = %message, "error reply");
@@ -184,14 +201,54 @@ impl NativeService {
         frames
     }
 
+    /// Sends the descriptors of `handles` for request `id` over the
+    /// channel `token`.
+    async fn send_fds(
+        &self,
+        token: &str,
+        id: u64,
+        handles: &[crate::shm::Handle],
+    ) -> Result<(), native::Reply> {
+        let Some((_, channels)) = &self.shm else {
+            return Err(errors::shm(&ShmError::Disabled));
+        };
+        let names: Vec<&str> = handles.iter().map(|h| &**h.name()).collect();
+        let fds: Vec<_> = handles.iter().map(|h| h.fd()).collect();
+        channels
+            .send(token, id, &names, &fds)
+            .await
+            .map_err(|e| errors::shm(&e))
+    }
+
+    /// The channel a same-node `what` names, if it is open.
+    fn channel<'a>(
+        &self,
+        extras: &'a native::Extras,
+        what: &'static str,
+    ) -> Result<&'a str, native::Reply> {
+        let Some((_, channels)) = &self.shm else {
+            return Err(errors::shm(&ShmError::Disabled));
+        };
+        let token = extras
+            .channel
+            .as_deref()
+            .ok_or_else(|| errors::shm(&ShmError::NoChannel(what)))?;
+        if !channels.is_open(token) {
+            return Err(errors::shm(&ShmError::UnknownChannel(token.into())));
+        }
+        Ok(token)
+    }
+
     async fn answer(
         &self,
+        id: u64,
         op: native::Op,
-        same_node: bool,
+        extras: &native::Extras,
         received: &Received,
         connection: u64,
     ) -> Answer {
         let m = &self.manager;
+        let same_node = extras.same_node;
         match op {
             native::Op::Put {
                 global_indexes,
@@ -222,10 +279,13 @@ impl NativeService {
                         .await
                         .map_err(|e| errors::native(&e)),
                     (true, None) => Err(errors::shm(&ShmError::Disabled)),
-                    (true, Some(shm)) => m
-                        .get_shared(&global_indexes, &fields, shm)
-                        .await
-                        .map_err(|e| errors::native_shared(&e)),
+                    (true, Some((shm, _))) => match self.channel(extras, "get") {
+                        Err(reply) => Err(reply),
+                        Ok(_) => m
+                            .get_shared(&global_indexes, &fields, shm)
+                            .await
+                            .map_err(|e| errors::native_shared(&e)),
+                    },
                 };
                 let got = match got {
                     Ok(got) => got,
@@ -250,17 +310,13 @@ impl NativeService {
                     places,
                 })
             }
-            native::Op::Lease { bytes } => match &self.shm {
+            native::Op::Lease { bytes } => self.lease(id, bytes, extras, connection).await.into(),
+            native::Op::Channel => match &self.shm {
                 None => errors::shm(&ShmError::Disabled).into(),
-                Some(shm) => match shm.lease(bytes, connection) {
-                    Ok((segment, ttl)) => native::Reply::LeaseOk {
-                        segment,
-                        bytes,
-                        ttl_ms: ttl.as_millis() as u64,
-                    }
-                    .into(),
-                    Err(e) => errors::shm(&e).into(),
-                },
+                Some((_, channels)) => native::Reply::ChannelOk {
+                    path: channels.path().display().to_string(),
+                }
+                .into(),
             },
             native::Op::Clear {
                 global_indexes,
@@ -270,6 +326,37 @@ impl NativeService {
                 Err(e) => errors::native(&e).into(),
             },
             native::Op::Stats => self.stats().into(),
+        }
+    }
+
+    /// A lease: a new segment whose writable descriptor goes over the
+    /// caller's channel before the reply.
+    async fn lease(
+        &self,
+        id: u64,
+        bytes: u64,
+        extras: &native::Extras,
+        connection: u64,
+    ) -> native::Reply {
+        let Some((shm, channels)) = &self.shm else {
+            return errors::shm(&ShmError::Disabled);
+        };
+        let token = match self.channel(extras, "lease") {
+            Ok(t) => t,
+            Err(reply) => return reply,
+        };
+        let (segment, ttl, fd) = match shm.lease(bytes, connection) {
+            Ok(l) => l,
+            Err(e) => return errors::shm(&e),
+        };
+        if let Err(e) = channels.send(token, id, &[&segment], &[fd.as_fd()]).await {
+            shm.cancel(&segment);
+            return errors::shm(&e);
+        }
+        native::Reply::LeaseOk {
+            segment,
+            bytes,
+            ttl_ms: ttl.as_millis() as u64,
         }
     }
 
@@ -338,6 +425,12 @@ impl NativeService {
             "missing_chain_entries".into(),
             int(r.missing_chain_entries.load(Ordering::Relaxed)),
         ));
+        if let Some((shm, channels)) = &self.shm {
+            let (segments, leases) = shm.counts();
+            stats.push(("shm_segments".into(), int(segments as u64)));
+            stats.push(("shm_leases".into(), int(leases as u64)));
+            stats.push(("shm_channels".into(), int(channels.len() as u64)));
+        }
         let registry = m.registry();
         for name in registry.names() {
             if let Some(l) = registry.get(&name) {

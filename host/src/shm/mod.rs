@@ -1,63 +1,66 @@
-//! Same-node shared memory: segments that `stowd` owns, maps, and lends to
-//! clients on the same node by name.
+//! Same-node shared memory: segments that `stowd` owns and hands to
+//! clients on the same node as file descriptors, never by name.
 //!
-//! A segment is a file in the shared-memory directory (`/dev/shm` by
-//! default) named `stowd-<pid>-<128 random bits in hex>`, created `O_EXCL`
-//! and mode 0600 (no other user can open, guess or pre-create one). Ownership: stored rows are `Bytes`
-//! slices of a read-only mapping of the segment; when the last slice is
-//! dropped (every row cleared or overwritten) the mapping is unmapped and
-//! the file unlinked. A client that mapped the segment keeps its mapping
-//! valid until it unmaps it: unlinking never invalidates existing mappings.
+//! A segment is an anonymous memory file (`memfd_create`): it has no path,
+//! so no other process can open, guess or pre-create it. Its descriptor
+//! goes only to the client that asked, over that client's descriptor
+//! channel ([`channel`], a Unix socket in a private directory, with
+//! `SCM_RIGHTS`).
+//!
+//! **After a put is acknowledged, no process but `stowd` can change its
+//! bytes, and the kernel enforces it:** a segment that holds stored rows is
+//! sealed (`F_SEAL_WRITE | F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL`)
+//! before any reader gets it. A sealed file cannot be written through any
+//! descriptor (`write`, `fallocate`, a writable shared mapping, a
+//! descriptor reopened through `/proc/self/fd` with `O_RDWR`), resized, or
+//! unsealed. Readers get a descriptor opened read-only. Private
+//! (copy-on-write) mappings stay allowed: a reader that writes to its own
+//! private mapping changes only its own copy of the pages it touches.
 //!
 //! Two ways in:
 //! - get: an extent ([`crate::extent`]) that is not yet in a segment is
-//!   copied into one once ([`SegmentStore::export`], called by
-//!   [`crate::extent::share_all`]), so every later same-node get of
-//!   its rows is zero-copy and returns the same pages. A segment named in
-//!   a reply is held for [`SegmentStore::with_hold`] after it (default
-//!   [`DEFAULT_HOLD`]), so that an overwrite or clear racing the get
-//!   cannot unlink or reuse it before the reader has opened and locked it;
-//! - put: a client leases a segment ([`SegmentStore::lease`]), writes into
-//!   its own mapping, and puts descriptors naming it; `stowd` adopts the
-//!   file without copying ([`SegmentStore::adopt`]). A lease not adopted
-//!   before it expires is unlinked by [`SegmentStore::sweep`], so a crashed
-//!   client leaks nothing.
+//!   copied into a new one once ([`SegmentStore::export`], called by
+//!   [`crate::extent::share_all`]), sealed, and from then on every
+//!   same-node get of its rows gets that segment's descriptor: zero-copy,
+//!   the same pages for every reader;
+//! - put: a client leases a segment ([`SegmentStore::lease`]); its
+//!   writable descriptor goes over the client's channel; the client maps
+//!   it, writes, unmaps, and puts descriptors naming it. `stowd` seals it
+//!   ([`SegmentStore::adopt`]): sealing fails while any process still maps
+//!   it writable (`EBUSY`), and then the put is refused, so a writer that
+//!   kept its mapping can never change rows after `put_ok`. A lease not
+//!   put before it expires is dropped by [`SegmentStore::sweep`].
 //!
-//! Reuse: fresh tmpfs pages are dear (about 1.4 GB/s to fault in on the
-//! development VM, against 10 GB/s to map pages a file already has), so
-//! when the last row of a segment goes, `stowd` keeps the file as a spare
-//! ([`Spares`]) instead of unlinking it, and the next lease or export of a
-//! similar size gets it back already populated. A spare must never be
-//! rewritten while a reader still maps the old rows: readers hold a shared
-//! `flock` on the file while they map it (the protocol requires it), and a
-//! segment becomes a spare only if `stowd` gets the exclusive lock without
-//! waiting; it is then renamed to a fresh name before the lock is let go,
-//! so a reader that had the old name from a reply but had not locked yet
-//! finds it gone (it checks, after locking, that the name still names the
-//! file it opened). A segment some reader still maps is unlinked as before.
-//! Spares are bounded in bytes and removed after an idle time; they live
-//! in `spares`.
+//! No reuse: a segment some reader got may be mapped by it for as long as
+//! it likes, and no kernel interface tells who maps a file, so the memory
+//! of cleared rows is never rewritten: a segment's pages are freed when
+//! its last row is cleared and the last reader's mapping goes. (The
+//! earlier design kept cleared segment files for reuse under an `flock`
+//! convention; a reader that skipped the lock, or a writer that kept its
+//! mapping, could then see or change another client's rows.) A fresh
+//! lease is allocated with `fallocate` (about 4.9 GB/s on the development
+//! VM against 1.3 GB/s for faulting pages in one by one while writing).
 //!
-//! Trust: a same-node client that still holds a writable mapping of a
-//! segment it handed over could change those bytes; the Python client
-//! unmaps before it sends the put. Clients on the node run as the same user
-//! as `stowd`, as for any shared-memory transport.
+//! Each live segment keeps one descriptor open in `stowd` (to hand to
+//! readers); `stowd` raises its soft `RLIMIT_NOFILE` to the hard limit at
+//! start ([`crate::sys::raise_nofile`]).
 
-use std::collections::{HashMap, VecDeque};
-use std::fs::{File, OpenOptions};
-use std::os::unix::fs::OpenOptionsExt;
-use std::path::{Path, PathBuf};
+pub mod channel;
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::io;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use std::os::unix::fs::FileExt;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, Weak};
-
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use memmap2::{Mmap, MmapMut, MmapOptions};
+use memmap2::{Mmap, MmapOptions};
+use rustix::fs::{FallocateFlags, MemfdFlags, SealFlags};
 
-mod spares;
-
-use spares::{Names, Spares};
+pub use channel::Channels;
 
 /// Shared-memory failures.
 #[derive(Debug, thiserror::Error)]
@@ -65,17 +68,15 @@ use spares::{Names, Spares};
 pub enum ShmError {
     #[error("shared memory is not enabled on this stowd")]
     Disabled,
-    #[error("shared memory I/O on {path}: {source}")]
+    #[error("shared memory: {what}: {source}")]
     Io {
-        path: String,
-        source: std::io::Error,
+        what: &'static str,
+        source: io::Error,
     },
     #[error("unknown or expired lease {0:?}")]
     UnknownLease(String),
     #[error("lease {0:?} was granted to another connection: only that connection may put it")]
     NotYourLease(String),
-    #[error("segment name {0:?} is not one of this stowd's segments")]
-    BadName(String),
     #[error("lease of {asked} bytes exceeds the {limit}-byte limit")]
     TooLarge { asked: u64, limit: u64 },
     #[error(
@@ -94,15 +95,44 @@ pub enum ShmError {
         len: u64,
         size: u64,
     },
+    #[error(
+        "segment {0:?} is still mapped writable (or pinned) by some process: unmap it before \
+         the put; the lease is void, ask for a new one"
+    )]
+    StillMapped(String),
+    #[error(
+        "segment {0:?} was changed by its writer beyond writing (resized or sealed): the lease \
+         is void, ask for a new one"
+    )]
+    Tampered(String),
+    #[error("a same-node {0} needs the envelope key `channel` (the token of a descriptor channel)")]
+    NoChannel(&'static str),
+    #[error("no descriptor channel has token {0:?} (closed, or never opened on this stowd)")]
+    UnknownChannel(String),
+    #[error("descriptor channel: {0}")]
+    Channel(String),
 }
 
-/// A mapped segment; unmapped when the last `Bytes` over it is dropped,
-/// and then kept as a spare or unlinked.
+fn io_err(what: &'static str) -> impl FnOnce(io::Error) -> ShmError {
+    move |source| ShmError::Io { what, source }
+}
+
+/// A sealed segment: a memory file nobody can write any more. Unmapped,
+/// and its descriptor closed, when the last `Bytes` over it and the last
+/// [`Handle`] go.
 struct Segment {
-    map: Mmap,
-    path: PathBuf,
+    /// None for an empty segment (nothing to map).
+    map: Option<Mmap>,
+    /// Opened read-only: what readers get.
+    fd: OwnedFd,
+    name: Arc<str>,
     live: Arc<AtomicU64>,
-    spares: Weak<Spares>,
+}
+
+impl Drop for Segment {
+    fn drop(&mut self) {
+        self.live.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 /// The owner behind every `Bytes` of a segment.
@@ -110,29 +140,44 @@ struct SegmentRef(Arc<Segment>);
 
 impl AsRef<[u8]> for SegmentRef {
     fn as_ref(&self) -> &[u8] {
-        &self.0.map
+        self.0.map.as_deref().unwrap_or_default()
     }
 }
 
-impl Drop for Segment {
-    fn drop(&mut self) {
-        self.live.fetch_sub(1, Ordering::Relaxed);
-        let kept = self
-            .spares
-            .upgrade()
-            .is_some_and(|s| s.offer(&self.path, self.map.len() as u64));
-        if !kept {
-            let _ = std::fs::remove_file(&self.path);
-        }
+/// A sealed segment, as a reply names it and hands its descriptor over.
+#[derive(Clone)]
+pub struct Handle(Arc<Segment>);
+
+impl Handle {
+    /// The name replies give it (unique within this `stowd`).
+    pub fn name(&self) -> &Arc<str> {
+        &self.0.name
+    }
+
+    /// Its read-only descriptor.
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        self.0.fd.as_fd()
+    }
+
+    /// Its size in bytes.
+    pub fn len(&self) -> usize {
+        self.0.map.as_ref().map_or(0, |m| m.len())
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
     }
 }
 
-/// How long a segment named in a same-node reply stays alive after it by
-/// default: the reader opens and locks it well within this.
-pub const DEFAULT_HOLD: Duration = Duration::from_secs(1);
+impl std::fmt::Debug for Handle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("Handle").field(&self.0.name).finish()
+    }
+}
 
+/// A lease: a writable memory file a client fills.
 struct Lease {
-    path: PathBuf,
+    file: File,
     len: u64,
     deadline: Instant,
     /// The connection that asked for it (`transport::Caller::connection`):
@@ -142,13 +187,9 @@ struct Lease {
 
 /// The segments of one `stowd` process.
 pub struct SegmentStore {
-    names: Arc<Names>,
-    spares: Arc<Spares>,
-    /// Mapped segments.
+    next: AtomicU64,
+    /// Live (sealed, mapped) segments.
     live: Arc<AtomicU64>,
-    /// Segments named in recent same-node replies, and until when.
-    held: Mutex<VecDeque<(Instant, Bytes)>>,
-    hold: Duration,
     leases: Mutex<HashMap<String, Lease>>,
     lease_ttl: Duration,
     max_lease: u64,
@@ -159,70 +200,60 @@ pub struct SegmentStore {
 impl std::fmt::Debug for SegmentStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("SegmentStore")
-            .field("dir", &self.names.dir)
+            .field("live", &self.live)
             .finish()
     }
 }
 
-impl SegmentStore {
-    /// A store in `dir`; removes segments left there by dead `stowd`s, and
-    /// by an earlier process with this one's pid.
-    pub fn new(dir: &Path, lease_ttl: Duration, max_lease: u64) -> Result<SegmentStore, ShmError> {
-        let io = |source| ShmError::Io {
-            path: dir.display().to_string(),
-            source,
-        };
-        std::fs::create_dir_all(dir).map_err(io)?;
-        // A stowd restarted with its predecessor's pid (PID 1 in a
-        // container) removes the files that pid left before it started: a
-        // second before, as the start time is known to 10 ms and tmpfs
-        // times are coarse (a predecessor gone less than a second earlier
-        // leaves its files; their random names never collide with ours).
-        let me = std::process::id();
-        let started =
-            crate::sys::process_start().and_then(|t| t.checked_sub(Duration::from_secs(1)));
-        for entry in std::fs::read_dir(dir).map_err(io)?.flatten() {
-            let name = entry.file_name().to_string_lossy().to_string();
-            let pid = name
-                .strip_prefix("stowd-")
-                .and_then(|r| r.split('-').next())
-                .and_then(|p| p.parse::<u32>().ok());
-            let stale = match pid {
-                Some(pid) if pid == me => {
-                    let modified = entry.metadata().and_then(|m| m.modified()).ok();
-                    matches!((modified, started), (Some(m), Some(s)) if m < s)
-                }
-                Some(pid) => !Path::new(&format!("/proc/{pid}")).exists(),
-                None => false,
-            };
-            if stale {
-                let _ = std::fs::remove_file(entry.path());
-            }
+/// A new memory file of `len` bytes that can be sealed.
+fn memfd(len: u64) -> Result<File, ShmError> {
+    let fd = rustix::fs::memfd_create(
+        "stowd-segment",
+        MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING,
+    )
+    .map_err(|e| io_err("memfd_create")(e.into()))?;
+    let file = File::from(fd);
+    file.set_len(len).map_err(io_err("sizing a segment"))?;
+    Ok(file)
+}
+
+/// Seals `file` for good: no write, no resize, no further seal.
+fn seal(file: &File, name: &str) -> Result<(), ShmError> {
+    let seals = SealFlags::WRITE | SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL;
+    match rustix::fs::fcntl_add_seals(file, seals) {
+        Ok(()) => Ok(()),
+        Err(rustix::io::Errno::BUSY) => Err(ShmError::StillMapped(name.into())),
+        // The writer sealed it first (F_SEAL_SEAL): refuse it.
+        Err(rustix::io::Errno::PERM) => Err(ShmError::Tampered(name.into())),
+        Err(e) => Err(io_err("sealing a segment")(e.into())),
+    }
+}
+
+/// The same memory file, opened again read-only: what readers get. Falls
+/// back to the sealed read-write descriptor where `/proc` is missing (it
+/// cannot write either).
+fn read_only(file: File) -> OwnedFd {
+    match File::open(format!("/proc/self/fd/{}", file.as_raw_fd())) {
+        Ok(ro) => ro.into(),
+        Err(e) => {
+            tracing::debug!(error = %e, "no /proc/self/fd: readers get the sealed descriptor");
+            file.into()
         }
-        let names = Arc::new(Names {
-            dir: dir.to_path_buf(),
-            prefix: format!("stowd-{}-", std::process::id()),
-        });
-        let spares = Arc::new(Spares::new(names.clone(), 0, Duration::ZERO));
-        Ok(SegmentStore {
-            names,
-            spares,
+    }
+}
+
+impl SegmentStore {
+    /// A store whose leases last `lease_ttl` unused, each at most
+    /// `max_lease` bytes.
+    pub fn new(lease_ttl: Duration, max_lease: u64) -> SegmentStore {
+        SegmentStore {
+            next: AtomicU64::new(1),
             live: Arc::default(),
-            held: Mutex::default(),
-            hold: DEFAULT_HOLD,
             leases: Mutex::default(),
             lease_ttl,
             max_lease,
             max_leased: u64::MAX,
-        })
-    }
-
-    /// Keeps the files of cleared segments (each of at least 1 MiB) for
-    /// reuse, up to `cap` bytes in all, each for at most `idle` unused;
-    /// `cap` 0 unlinks them at once.
-    pub fn with_reuse(mut self, cap: u64, idle: Duration) -> SegmentStore {
-        self.spares = Arc::new(Spares::new(self.names.clone(), cap, idle));
-        self
+        }
     }
 
     /// At most `total` bytes of leases granted and not yet adopted or
@@ -232,140 +263,61 @@ impl SegmentStore {
         self
     }
 
-    pub fn dir(&self) -> &Path {
-        &self.names.dir
+    fn fresh_name(&self) -> String {
+        format!("s{:x}", self.next.fetch_add(1, Ordering::Relaxed))
     }
 
-    fn path_of(&self, name: &str) -> Result<PathBuf, ShmError> {
-        if !self.names.is_segment(name) {
-            return Err(ShmError::BadName(name.into()));
+    /// Seals `file`, checks it is `len` bytes, and maps it read-only as a
+    /// live segment.
+    fn sealed(&self, file: File, name: String, len: u64) -> Result<(Bytes, Handle), ShmError> {
+        seal(&file, &name)?;
+        // Sealed: the size can no longer change under us.
+        let size = file.metadata().map_err(io_err("sizing a segment"))?.len();
+        if size != len {
+            return Err(ShmError::Tampered(name));
         }
-        Ok(self.names.dir.join(name))
-    }
-
-    /// A new file of `len` bytes for stowd or a client to fill: a spare
-    /// if one fits, else created. Holds that have run out are let go
-    /// first, so a segment whose rows were cleared while it was held is a
-    /// spare by now.
-    fn create(&self, len: u64) -> Result<(File, PathBuf), ShmError> {
-        self.let_go_expired(Instant::now());
-        if let Some(spare) = self.spares.take(len) {
-            return Ok(spare);
-        }
-        let fresh = self.names.fresh().map_err(|source| ShmError::Io {
-            path: self.names.dir.display().to_string(),
-            source,
-        })?;
-        let path = self.names.dir.join(fresh);
-        let io = |source| ShmError::Io {
-            path: path.display().to_string(),
-            source,
+        let fd = read_only(file);
+        let map = if len == 0 {
+            None
+        } else {
+            // SAFETY: the file is sealed against writes, shrinking and
+            // growing (checked just above): its bytes never change and no
+            // access can fault for want of pages.
+            Some(
+                unsafe { MmapOptions::new().len(len as usize).map(&fd) }
+                    .map_err(io_err("mapping a segment"))?,
+            )
         };
-        // 0600: only this user (stowd and its same-node clients) can open
-        // it; `create_new` (O_EXCL) never opens a file someone else made.
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .open(&path)
-            .map_err(io)?;
-        file.set_len(len).map_err(io)?;
-        Ok((file, path))
-    }
-
-    /// Maps the file read-only and returns it as `Bytes` (registered so
-    /// [`SegmentStore::locate`] finds it).
-    fn map(&self, path: PathBuf) -> Result<Bytes, ShmError> {
-        let io = |source| ShmError::Io {
-            path: path.display().to_string(),
-            source,
-        };
-        let file = OpenOptions::new().read(true).open(&path).map_err(io)?;
-        let len = file.metadata().map_err(io)?.len();
-        if len == 0 {
-            let _ = std::fs::remove_file(&path);
-            return Ok(Bytes::new());
-        }
-        // SAFETY: the file is one of this process's segments (the name was
-        // checked); stowd never writes to it after this point, and clients
-        // are trusted not to (see the module docs). The mapping lives as
-        // long as the `Segment` that owns it.
-        let map = unsafe { MmapOptions::new().map(&file) }.map_err(io)?;
         self.live.fetch_add(1, Ordering::Relaxed);
         let segment = Arc::new(Segment {
             map,
-            path,
+            fd,
+            name: Arc::from(name),
             live: self.live.clone(),
-            spares: Arc::downgrade(&self.spares),
         });
-        Ok(Bytes::from_owner(SegmentRef(segment)))
+        let handle = Handle(segment.clone());
+        Ok((Bytes::from_owner(SegmentRef(segment)), handle))
     }
 
-    /// Copies `parts` back to back into one new segment (a spare if one
-    /// fits); returns the segment's bytes (read-only mapping) and its name.
-    pub fn export(&self, parts: &[&[u8]]) -> Result<(Bytes, String), ShmError> {
-        let total: usize = parts.iter().map(|p| p.len()).sum();
-        let (file, path) = self.create(total as u64)?;
-        let io = |source| ShmError::Io {
-            path: path.display().to_string(),
-            source,
-        };
-        {
-            // SAFETY: a file stowd just created (or took from its spares,
-            // which no reader locks) and nobody else writes; the writable
-            // mapping is dropped before the read-only one is made.
-            let mut map: MmapMut =
-                unsafe { MmapOptions::new().populate().map_mut(&file) }.map_err(io)?;
-            let mut at = 0;
-            for p in parts {
-                map[at..at + p.len()].copy_from_slice(p);
-                at += p.len();
-            }
+    /// Copies `parts` back to back into one new sealed segment; returns
+    /// its bytes (a read-only mapping) and its handle.
+    pub fn export(&self, parts: &[&[u8]]) -> Result<(Bytes, Handle), ShmError> {
+        let total: u64 = parts.iter().map(|p| p.len() as u64).sum();
+        let file = memfd(total)?;
+        let mut at = 0u64;
+        for p in parts {
+            file.write_all_at(p, at)
+                .map_err(io_err("writing a segment"))?;
+            at += p.len() as u64;
         }
-        let name = path
-            .file_name()
-            .map(|n| n.to_string_lossy().to_string())
-            .unwrap_or_default();
-        Ok((self.map(path)?, name))
+        self.sealed(file, self.fresh_name(), total)
     }
 
-    /// How long a segment named in a same-node reply is kept alive after
-    /// the reply, at least (0: not held).
-    pub fn with_hold(mut self, hold: Duration) -> SegmentStore {
-        self.hold = hold;
-        self
-    }
-
-    /// Keeps these segments alive for the hold time (see the module docs):
-    /// a reader that got their names opens and locks them meanwhile.
-    pub fn hold(&self, segments: impl IntoIterator<Item = Bytes>) {
-        if self.hold.is_zero() {
-            return;
-        }
-        let until = Instant::now() + self.hold;
-        self.held
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .extend(segments.into_iter().map(|b| (until, b)));
-        self.let_go_expired(Instant::now());
-    }
-
-    /// Lets go the segments whose hold ran out by `now`: unmapped, and kept
-    /// as spares or unlinked, after the lock on the holds is released.
-    fn let_go_expired(&self, now: Instant) {
-        let expired: Vec<(Instant, Bytes)> = {
-            let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
-            let n = held.iter().take_while(|(until, _)| *until <= now).count();
-            held.drain(..n).collect()
-        };
-        drop(expired);
-    }
-
-    /// Creates a segment of `len` bytes for a client to fill; it must be
-    /// adopted by the same `owner` (the connection that asked) before the
-    /// lease expires.
-    pub fn lease(&self, len: u64, owner: u64) -> Result<(String, Duration), ShmError> {
+    /// Creates a segment of `len` bytes (its pages allocated) for a client
+    /// to fill: returns its name, the lease's time to live and a writable
+    /// descriptor for the client. It must be adopted by the same `owner`
+    /// (the connection that asked) before the lease expires.
+    pub fn lease(&self, len: u64, owner: u64) -> Result<(String, Duration, OwnedFd), ShmError> {
         if len > self.max_lease {
             return Err(ShmError::TooLarge {
                 asked: len,
@@ -384,26 +336,41 @@ impl SegmentStore {
                 limit: self.max_leased,
             });
         }
-        let (_, path) = self.create(len)?;
-        let name = path
-            .file_name()
-            .map(|n| n.to_string_lossy().to_string())
-            .unwrap_or_default();
+        let file = memfd(len)?;
+        if len > 0 {
+            // Allocate the pages now: the client's writes then only map
+            // them, and a full tmpfs fails here, not in the client's copy.
+            rustix::fs::fallocate(&file, FallocateFlags::empty(), 0, len)
+                .map_err(|e| io_err("allocating a lease")(e.into()))?;
+        }
+        let fd = file
+            .try_clone()
+            .map_err(io_err("duplicating a lease's descriptor"))?;
+        let name = self.fresh_name();
         let lease = Lease {
-            path,
+            file,
             len,
             deadline: Instant::now() + self.lease_ttl,
             owner,
         };
         leases.insert(name.clone(), lease);
-        Ok((name, self.lease_ttl))
+        Ok((name, self.lease_ttl, fd.into()))
     }
 
-    /// Takes over a leased segment its owner filled: maps it read-only,
-    /// without a copy. The lease ends. Another connection naming it is
-    /// refused, and the lease stays its owner's.
-    pub fn adopt(&self, name: &str, owner: u64) -> Result<Bytes, ShmError> {
-        let path = self.path_of(name)?;
+    /// Drops a lease whose descriptor could not be handed over.
+    pub fn cancel(&self, name: &str) {
+        self.leases
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(name);
+    }
+
+    /// Takes over a leased segment its owner filled: seals it and maps it
+    /// read-only, without a copy. The lease ends, whether or not the seal
+    /// takes (a segment still mapped writable is refused for good).
+    /// Another connection naming it is refused, and the lease stays its
+    /// owner's.
+    pub fn adopt(&self, name: &str, owner: u64) -> Result<(Bytes, Handle), ShmError> {
         let lease = {
             let mut leases = self.leases.lock().unwrap_or_else(|p| p.into_inner());
             match leases.get(name) {
@@ -415,64 +382,29 @@ impl SegmentStore {
         let Some(lease) = lease else {
             return Err(ShmError::UnknownLease(name.into()));
         };
-        debug_assert_eq!(lease.path, path);
-        let bytes = self.map(path)?;
-        if bytes.len() as u64 != lease.len {
-            return Err(ShmError::OutOfRange {
-                name: name.into(),
-                offset: 0,
-                len: lease.len,
-                size: bytes.len() as u64,
-            });
-        }
-        Ok(bytes)
+        self.sealed(lease.file, name.to_owned(), lease.len)
     }
 
-    /// Unlinks every expired lease and idle spare; returns how many leases.
+    /// Drops every expired lease; returns how many.
     pub fn sweep(&self) -> usize {
         let now = Instant::now();
-        self.let_go_expired(now);
-        self.spares.sweep(now);
         let mut leases = self.leases.lock().unwrap_or_else(|p| p.into_inner());
-        let expired: Vec<String> = leases
-            .iter()
-            .filter(|(_, l)| l.deadline <= now)
-            .map(|(n, _)| n.clone())
-            .collect();
-        for name in &expired {
-            if let Some(l) = leases.remove(name) {
-                let _ = std::fs::remove_file(l.path);
-                tracing::info!(segment = %name, "lease expired: segment removed");
+        let before = leases.len();
+        leases.retain(|name, l| {
+            let keep = l.deadline > now;
+            if !keep {
+                tracing::info!(segment = %name, "lease expired: segment dropped");
             }
-        }
-        expired.len()
+            keep
+        });
+        before - leases.len()
     }
 
-    /// Spare segments kept for reuse: how many, their bytes, and how many
-    /// times one was reused.
-    pub fn spares(&self) -> (usize, u64, u64) {
-        let (n, bytes) = self.spares.counts();
-        (n, bytes, self.spares.reused.load(Ordering::Relaxed))
-    }
-
-    /// Number of live (mapped) segments and open leases.
+    /// Number of live (sealed) segments and open leases.
     pub fn counts(&self) -> (usize, usize) {
         let live = self.live.load(Ordering::Relaxed) as usize;
         let leases = self.leases.lock().unwrap_or_else(|p| p.into_inner()).len();
         (live, leases)
-    }
-}
-
-impl Drop for SegmentStore {
-    fn drop(&mut self) {
-        for (_, l) in self
-            .leases
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .drain()
-        {
-            let _ = std::fs::remove_file(l.path);
-        }
     }
 }
 

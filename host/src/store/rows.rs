@@ -49,7 +49,7 @@ pub struct Rows {
 pub enum Run {
     Tensor {
         base: Bytes,
-        segment: Option<Arc<str>>,
+        segment: Option<crate::shm::Handle>,
         offset: usize,
         rows: u64,
         row_bytes: usize,

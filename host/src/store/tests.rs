@@ -278,9 +278,7 @@ fn a_get_in_put_order_sees_an_overwritten_or_cleared_row() {
 fn sharing_puts_the_extents_of_a_get_into_one_segment_in_request_order() {
     // Two puts (two frames), rows read back across both: after the
     // move into shared memory they are one run of one segment.
-    let dir = std::env::temp_dir().join(format!("stowage-store-share-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    let shm = SegmentStore::new(&dir, std::time::Duration::from_secs(5), 1 << 30).unwrap();
+    let shm = SegmentStore::new(std::time::Duration::from_secs(5), 1 << 30);
     let unit = Unit::new("u0", None);
     let (f1, t1) = frame_tensor(4, 2);
     let (f2, t2) = frame_tensor(4, 2);

@@ -52,18 +52,28 @@ pub(super) fn request(frames: &[Bytes], limits: &Limits) -> Result<Request, Erro
             bytes: single_uint(&mut r, "a lease body", "bytes")?,
         },
         "stats" => {
-            if r.map_len("the stats body")? != 0 {
-                return Err(Error::UnknownKey {
-                    map: "the stats body",
-                    key: r.str("a key")?.to_owned(),
-                });
-            }
+            empty_body(&mut r, "the stats body")?;
             Op::Stats
+        }
+        "channel" => {
+            empty_body(&mut r, "the channel body")?;
+            Op::Channel
         }
         other => return Err(Error::UnknownOp(other.to_owned())),
     };
     data.all_used()?;
     Ok(Request { id, op })
+}
+
+/// A body that must be an empty map.
+fn empty_body(r: &mut Reader<'_>, map: &'static str) -> Result<(), Error> {
+    if r.map_len(map)? != 0 {
+        return Err(Error::UnknownKey {
+            map,
+            key: r.str("a key")?.to_owned(),
+        });
+    }
+    Ok(())
 }
 
 pub(super) fn reply(frames: &[Bytes], limits: &Limits) -> Result<(u64, Reply), Error> {
@@ -91,6 +101,17 @@ pub(super) fn reply(frames: &[Bytes], limits: &Limits) -> Result<(u64, Reply), E
                 segment: need(segment, MAP, "segment")?,
                 bytes: need(bytes, MAP, "bytes")?,
                 ttl_ms: need(ttl_ms, MAP, "ttl_ms")?,
+            }
+        }
+        "channel_ok" => {
+            const MAP: &str = "a channel_ok body";
+            let mut path = None;
+            keyed(&mut r, MAP, ["path"], |_, r| {
+                path = Some(r.str("path")?.to_owned());
+                Ok(())
+            })?;
+            Reply::ChannelOk {
+                path: need(path, MAP, "path")?,
             }
         }
         "get_ok" => {
@@ -180,7 +201,7 @@ fn envelope<'a>(frames: &'a [Bytes], limits: &Limits) -> Result<(u64, &'a str, R
             "id" => id.replace(r.uint("id")?).is_some(),
             "body" => body.replace(r.skip(ENVELOPE_DEPTH)?.start).is_some(),
             // Shared-memory keys: read by `extras`.
-            "segments" | "same_node" => r.skip(ENVELOPE_DEPTH).map(|_| false)?,
+            "segments" | "same_node" | "channel" => r.skip(ENVELOPE_DEPTH).map(|_| false)?,
             other => {
                 stray.get_or_insert(other);
                 r.skip(ENVELOPE_DEPTH).map(|_| false)?
@@ -784,6 +805,9 @@ fn limit(what: &'static str, n: usize, max: u64) -> Result<(), Error> {
     }
 }
 
+/// Longest `channel` token an envelope may carry.
+const MAX_CHANNEL_TOKEN: usize = 64;
+
 /// The shared-memory keys of an envelope.
 pub(super) fn extras(frame0: &[u8], limits: &Limits) -> Result<Extras, Error> {
     const MAP: &str = "the envelope";
@@ -801,6 +825,16 @@ pub(super) fn extras(frame0: &[u8], limits: &Limits) -> Result<Extras, Error> {
                     segs.push((name, r.uint("a segment offset")?, r.uint("a segment len")?));
                 }
                 out.segments = Some(segs);
+            }
+            "channel" => {
+                let token = r.str("channel")?;
+                if token.is_empty() || token.len() > MAX_CHANNEL_TOKEN {
+                    return Err(Error::WrongType {
+                        key: "channel",
+                        expected: "a channel token (1 to 64 characters)",
+                    });
+                }
+                out.channel = Some(token.to_owned());
             }
             "same_node" => {
                 out.same_node = match r.bool_value()? {

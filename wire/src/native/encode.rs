@@ -3,7 +3,7 @@
 
 use bytes::{Bytes, BytesMut};
 
-use super::{Error, FrameLayout, Indexes, Op, PROTO, Reply, Request, Stat, WireField};
+use super::{Error, Extras, FrameLayout, Indexes, Op, PROTO, Reply, Request, Stat, WireField};
 use crate::batch::Value;
 use crate::msgpack::{NATIVE_MAX_DEPTH as MAX_DEPTH, Reader, Writer};
 
@@ -53,7 +53,7 @@ pub(super) fn request(req: &Request, layout: Option<&FrameLayout>) -> Result<Vec
                 strs(&mut w, fields);
             }
         }
-        Op::Stats => w.map(0),
+        Op::Stats | Op::Channel => w.map(0),
         Op::Lease { bytes } => {
             w.map(1);
             w.kv_uint("bytes", *bytes);
@@ -111,6 +111,10 @@ pub(super) fn reply(
             w.kv_str("segment", segment);
             w.kv_uint("bytes", *bytes);
             w.kv_uint("ttl_ms", *ttl_ms);
+        }
+        Reply::ChannelOk { path } => {
+            w.map(1);
+            w.kv_str("path", path);
         }
         Reply::Error { code, message } => {
             w.map(2);
@@ -497,11 +501,9 @@ fn descriptor(w: &mut Writer, field: &WireField, locs: &[Loc]) -> Result<(), Err
     Ok(())
 }
 
-/// Frame 0 plus a `segments` entry in its envelope map (4 -> 5 entries).
-pub(super) fn with_segments(
-    frame0: &[u8],
-    segments: &[(String, u64, u64)],
-) -> Result<Bytes, Error> {
+/// Frame 0 plus the shared-memory keys `extras` sets (`segments`,
+/// `same_node`, `channel`) in its envelope map (4 -> 5 to 7 entries).
+pub(super) fn with_extras(frame0: &[u8], extras: &Extras) -> Result<Bytes, Error> {
     // `envelope` always writes a fixmap of 4 entries first.
     if frame0.first() != Some(&0x84) {
         return Err(Error::Layout(
@@ -509,17 +511,31 @@ pub(super) fn with_segments(
         ));
     }
     let mut w = Writer::new();
-    w.str("segments");
-    w.array(segments.len());
-    for (name, offset, len) in segments {
-        w.array(3);
-        w.str(name);
-        w.uint(*offset);
-        w.uint(*len);
+    let mut keys = 0u8;
+    if let Some(segments) = &extras.segments {
+        keys += 1;
+        w.str("segments");
+        w.array(segments.len());
+        for (name, offset, len) in segments {
+            w.array(3);
+            w.str(name);
+            w.uint(*offset);
+            w.uint(*len);
+        }
+    }
+    if extras.same_node {
+        keys += 1;
+        w.str("same_node");
+        w.bool(true);
+    }
+    if let Some(channel) = &extras.channel {
+        keys += 1;
+        w.str("channel");
+        w.str(channel);
     }
     let tail = w.finish()?;
     let mut out = Vec::with_capacity(frame0.len() + tail.len());
-    out.push(0x85);
+    out.push(0x84 + keys);
     out.extend_from_slice(&frame0[1..]);
     out.extend_from_slice(&tail);
     Ok(Bytes::from(out))

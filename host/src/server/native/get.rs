@@ -5,13 +5,13 @@
 //! the socket, or for a same-node reader whole segments named in frame 0.
 
 use std::collections::HashSet;
-use std::sync::Arc;
 
 use bytes::Bytes;
 
 use super::NativeService;
 use crate::plan::{Frame, PieceInfo};
 use crate::server::errors::EncodeError;
+use crate::shm::Handle;
 use crate::store::{Rows, Run};
 use crate::tensor::Tensor;
 use crate::wire::native;
@@ -23,12 +23,12 @@ use crate::wire::native;
 #[derive(Default)]
 pub(super) struct Places {
     /// (start address, buffer, segment name), sorted by address once filled.
-    sorted: Vec<(usize, Bytes, Option<Arc<str>>)>,
+    sorted: Vec<(usize, Bytes, Option<Handle>)>,
     seen: HashSet<usize>,
 }
 
 impl Places {
-    fn add(&mut self, base: &Bytes, segment: &Option<Arc<str>>) {
+    fn add(&mut self, base: &Bytes, segment: &Option<Handle>) {
         let start = base.as_ptr() as usize;
         if !base.is_empty() && self.seen.insert(start) {
             self.sorted.push((start, base.clone(), segment.clone()));
@@ -41,7 +41,7 @@ impl Places {
 
     /// The buffer that holds `len` bytes from `p`, its segment, and the
     /// bytes' offset in it.
-    fn find(&self, p: usize, len: usize) -> Option<(&Bytes, &Option<Arc<str>>, usize)> {
+    fn find(&self, p: usize, len: usize) -> Option<(&Bytes, &Option<Handle>, usize)> {
         let i = self
             .sorted
             .partition_point(|(start, _, _)| *start <= p)
@@ -66,7 +66,7 @@ impl Places {
     }
 
     /// The segment a whole-buffer frame is, if it is one.
-    fn segment(&self, frame: &Bytes) -> Option<Arc<str>> {
+    fn segment(&self, frame: &Bytes) -> Option<Handle> {
         let (_, segment, at) = self.find(frame.as_ptr() as usize, frame.len())?;
         (at == 0).then(|| segment.clone()).flatten()
     }
@@ -259,13 +259,14 @@ impl NativeService {
 
     /// Encodes a get_ok: over the socket, frames planned by the packing
     /// chain from the runs; for a same-node reader, one whole segment per
-    /// frame, named in frame 0 instead of sent, and held for the reader.
+    /// frame, named in frame 0 instead of sent, with the segments whose
+    /// descriptors the reader gets (each once, in order of first mention).
     pub(super) fn encode_get(
         &self,
         id: u64,
         get: GetReply,
         same_node: bool,
-    ) -> Result<Vec<Bytes>, EncodeError> {
+    ) -> Result<(Vec<Bytes>, Vec<Handle>), EncodeError> {
         let GetReply {
             reply,
             nested_runs,
@@ -276,26 +277,26 @@ impl NativeService {
                 unreachable!("a get reply is a get_ok")
             };
             let layout = self.layout(fields, &nested_runs);
-            return Ok(native::encode_reply_joined(
-                id,
-                &reply,
-                &layout,
-                &|p, l| places.span(p, l),
-            )?);
+            let frames =
+                native::encode_reply_joined(id, &reply, &layout, &|p, l| places.span(p, l))?;
+            return Ok((frames, Vec::new()));
         }
-        let shm = self.shm.as_ref().ok_or(EncodeError::NoSharedMemory)?;
         let frames = native::encode_reply_enclosed(id, &reply, &|b| places.enclose(b))?;
         let mut segments = Vec::with_capacity(frames.len().saturating_sub(1));
+        let mut handles: Vec<Handle> = Vec::new();
+        let mut seen = HashSet::new();
         for f in &frames[1..] {
             if f.is_empty() {
                 segments.push((String::new(), 0, 0));
                 continue;
             }
-            let name = places.segment(f).ok_or(EncodeError::NotASegment)?;
-            segments.push((name.to_string(), 0, f.len() as u64));
+            let segment = places.segment(f).ok_or(EncodeError::NotASegment)?;
+            segments.push((segment.name().to_string(), 0, f.len() as u64));
+            if seen.insert(segment.name().clone()) {
+                handles.push(segment);
+            }
         }
         let frame0 = native::with_segments(&frames[0], &segments)?;
-        shm.hold(frames.into_iter().skip(1).filter(|f| !f.is_empty()));
-        Ok(vec![frame0])
+        Ok((vec![frame0], handles))
     }
 }
