@@ -233,7 +233,10 @@ def make_workloads(scale, names):
 class Stowd:
     """One stowd with 4 local units; `no_pools` turns off the reuse of
     cleared memory (`[limits] receive_pool_bytes = 0`, `[shm] reuse_bytes =
-    0`), so what a put or get allocates shows in its peak RSS."""
+    0`), so what a put or get allocates shows in its peak RSS. (A stowd
+    whose same-node segments are sealed, d34b8ec on, never reuses shared
+    memory: it takes `reuse_bytes` with a warning, for the baselines that
+    still read it.)"""
 
     def __init__(self, binary, tmp, plugins=None, no_pools=False):
         os.makedirs(tmp, exist_ok=True)
@@ -309,11 +312,30 @@ class TQUnits:
 # ------------------------------------------------------------------ systems
 
 
-def stowage_client(stowd, same_node):
+def client_package(directory):
+    """The `stowage` package of another checkout's `clients/python`
+    (`directory`), loaded as `stowage_base`, beside this one's: a baseline
+    stowd may need its own release's client (same-node mode changed with
+    the descriptor channel)."""
+    import importlib.util
+    init = os.path.join(directory, "stowage", "__init__.py")
+    if not os.path.exists(init):
+        raise SystemExit(f"--stowd-base-client: no stowage package in {directory}")
+    spec = importlib.util.spec_from_file_location("stowage_base", init,
+                                                  submodule_search_locations=[os.path.dirname(init)])
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["stowage_base"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def stowage_client(stowd, same_node, package=None):
     """A stowage client to `stowd` that notes the shape of each reply: the
     number of data frames (socket frames, or shared-memory frames listed in
-    the envelope) and of distinct segments, in `c.last_reply`."""
+    the envelope) and of distinct segments, in `c.last_reply`. `package`:
+    another release's client (`client_package`), else this one's."""
     import stowage
+    stowage = package or stowage
     if same_node:
         c = stowage.Client(stowd.ep["native"], timeout=900, same_node=True, shm_dir=stowd.ep["shm_dir"])
     else:
@@ -953,6 +975,9 @@ def main():
                     help="a second stowd binary (the baseline): stowage-tcp and stowage-shm run against both, "
                          "repetitions alternating, and the report gives new / baseline ratios")
     ap.add_argument("--stowd-base-plugins", metavar="DIR", help="plugin directory of --stowd-base")
+    ap.add_argument("--stowd-base-client", metavar="DIR",
+                    help="clients/python of --stowd-base's own checkout: its stowage client talks to it "
+                         "(default: this checkout's client talks to both)")
     ap.add_argument("--base-label", default="today", help="name of --stowd-base in the tables (default: today)")
     ap.add_argument("--no-pools", action="store_true",
                     help="start stowd with [limits] receive_pool_bytes = 0 and [shm] reuse_bytes = 0, so that "
@@ -1028,6 +1053,7 @@ def main():
             raise SystemExit(f"--stowd-base {a.stowd_base} missing")
         systems = [x for s in systems for x in ([s, f"{s}@{label}"] if s in kinds else [s])]
     binaries = {"": (a.stowd, a.stowd_plugins)}
+    base_client = client_package(a.stowd_base_client) if a.stowd_base_client else None
     if a.stowd_base:
         binaries[label] = (a.stowd_base, a.stowd_base_plugins)
     plugins_seen = {}
@@ -1052,7 +1078,8 @@ def main():
                         print("  WARNING: no plugins loaded: only the built-in policy answers "
                               "(pass --stowd-plugins / --stowd-base-plugins)", flush=True)
             for kind in kinds:
-                clients = {lab: stowage_client(sd, kind == "stowage-shm") for lab, sd in stowds.items()}
+                clients = {lab: stowage_client(sd, kind == "stowage-shm", base_client if lab else None)
+                           for lab, sd in stowds.items()}
                 try:
                     for rep in range(a.reps):
                         order = list(stowds)[::1 if rep % 2 == 0 else -1]

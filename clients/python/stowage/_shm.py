@@ -84,6 +84,22 @@ def _connect(sock: socket.socket, path: str) -> None:
         os.close(d)
 
 
+#: Buffers one pwritev takes (IOV_MAX on Linux).
+_IOV_MAX = 1024
+
+
+def _pwrite_all(fd: int, pieces: list, offset: int) -> None:
+    """Writes `pieces` back to back at `offset` (pwritev may write less than asked)."""
+    while pieces:
+        n = os.pwritev(fd, pieces, offset)
+        offset += n
+        while pieces and n >= len(pieces[0]):
+            n -= len(pieces[0])
+            pieces = pieces[1:]
+        if n:
+            pieces = [pieces[0][n:], *pieces[1:]]
+
+
 class Channel:
     """A descriptor channel to `stowd`: a Unix socket on which `stowd` sends,
     for each same-node reply or lease, the descriptors of its segments. Its
@@ -337,38 +353,33 @@ class Segments:
         """Writes `buffers` (each a buffer, or a list of buffers written back
         to back as one frame) into the leased segment `name` (of `size`
         bytes), each at a multiple of ALIGN; returns [[name, offset, len], ...].
-        The writable mapping and descriptor are closed before returning: stowd
-        seals the segment at the put, which the kernel refuses while any
-        writable mapping of it is left."""
+        The descriptor is closed before returning (stowd seals the segment at
+        the put, which the kernel refuses while any writable mapping of it is
+        left; this writes without one)."""
         fd = self._leased.pop(name, None)
         if fd is None:
             raise ProtocolError(f"no descriptor for lease {name!r:.100}")
-        try:
-            # MAP_POPULATE: map the pages stowd allocated in one go, not one by one while copying.
-            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-            mm = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE) if size else None
-        finally:
-            os.close(fd)
-        out, at = [], 0
+        # Written with pwritev, not through a mapping: stowd allocated the
+        # pages, so the kernel only copies (no page-table entries to set up,
+        # no mapping left behind to stop the seal).
+        out, at, batch, batch_at, end = [], 0, [], 0, 0
         try:
             for b in buffers:
                 at = -(-at // ALIGN) * ALIGN
-                if isinstance(b, list):  # a shared frame's pieces: copied straight to their places
-                    n = 0
-                    for piece in b:
-                        mv = memoryview(piece).cast("B")
-                        mm[at + n:at + n + len(mv)] = mv
-                        n += len(mv)
-                else:
-                    mv = memoryview(b).cast("B")
-                    n = len(mv)
-                    if n:
-                        mm[at:at + n] = mv
+                pieces = [memoryview(p).cast("B") for p in b] if isinstance(b, list) else [memoryview(b).cast("B")]
+                n = sum(len(p) for p in pieces)
+                if at != end or len(batch) + len(pieces) > _IOV_MAX:
+                    _pwrite_all(fd, batch, batch_at)
+                    batch, batch_at = [], at
+                batch.extend(p for p in pieces if len(p))
                 out.append([name, at, n])
                 at += n
+                end = at
+            _pwrite_all(fd, batch, batch_at)
         finally:
-            if mm is not None:
-                mm.close()
+            os.close(fd)
+        if at > size:
+            raise ProtocolError(f"{at} bytes do not fit lease {name!r:.100} of {size} bytes")
         return out
 
     def close(self) -> None:

@@ -294,6 +294,10 @@ pub struct ShmConfig {
     /// Most bytes of all leases granted and not yet put or expired,
     /// together; 0: the machine's memory (`MemTotal`).
     pub max_leased_bytes: u64,
+    /// Most bytes of the leases of one connection granted and not yet put
+    /// or expired; 0: `max_lease_bytes` (one lease of the largest size at
+    /// a time).
+    pub max_connection_leased_bytes: u64,
     /// No longer used (cleared segments are never reused: a reader may
     /// still map them). Accepted, with a warning, so older configs load.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -329,6 +333,7 @@ impl Default for ShmConfig {
             lease_secs: 30,
             max_lease_bytes: 16 << 30,
             max_leased_bytes: 0,
+            max_connection_leased_bytes: 0,
             reuse_bytes: None,
             reuse_secs: None,
             reply_hold_ms: None,

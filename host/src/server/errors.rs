@@ -139,7 +139,9 @@ pub(super) fn native_decode(e: &native::Error) -> native::Reply {
 pub(super) fn shm(e: &ShmError) -> native::Reply {
     let code = match e {
         ShmError::Disabled => native::code::UNSUPPORTED,
-        ShmError::TooLarge { .. } | ShmError::LeaseQuota { .. } => native::code::TOO_LARGE,
+        ShmError::TooLarge { .. }
+        | ShmError::LeaseQuota { .. }
+        | ShmError::ConnectionLeaseQuota { .. } => native::code::TOO_LARGE,
         ShmError::Io { .. } => native::code::INTERNAL,
         _ => native::code::BAD_REQUEST,
     };

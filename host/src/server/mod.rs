@@ -358,7 +358,15 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
             0 => crate::sys::shm_size().unwrap_or(u64::MAX),
             n => n,
         };
-        let store = Arc::new(store.with_lease_quota(quota));
+        let per_connection = match config.shm.max_connection_leased_bytes {
+            0 => config.shm.max_lease_bytes,
+            n => n,
+        };
+        let store = Arc::new(
+            store
+                .with_lease_quota(quota)
+                .with_connection_lease_quota(per_connection),
+        );
         let (channels, listener) = Channels::bind(
             &config.shm.dir,
             transport_limits.max_connections,

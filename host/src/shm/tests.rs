@@ -160,6 +160,23 @@ fn leases_together_stay_within_the_quota_until_adopted_or_expired() {
 }
 
 #[test]
+fn one_connection_stays_within_its_own_lease_quota() {
+    let s = store(Duration::from_secs(5)).with_connection_lease_quota(6 << 20);
+    let (a, _, _fa) = s.lease(4 << 20, 1).unwrap();
+    match s.lease(4 << 20, 1) {
+        Err(e @ ShmError::ConnectionLeaseQuota { .. }) => {
+            assert!(e.to_string().contains("max_connection_leased_bytes"), "{e}")
+        }
+        other => panic!("expected the per-connection quota, got {other:?}"),
+    }
+    // Another connection has its own share.
+    s.lease(4 << 20, 2).unwrap();
+    // A put gives the share back.
+    s.adopt(&a, 1).unwrap();
+    s.lease(4 << 20, 1).unwrap();
+}
+
+#[test]
 fn a_lease_is_put_only_by_the_connection_that_asked() {
     let s = store(Duration::from_secs(5));
     let (name, _, _fd) = s.lease(16, 7).unwrap();
