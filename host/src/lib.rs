@@ -11,7 +11,7 @@
 //! | [`policy`] | the `Policy` trait, the built-in, the Wasm runtime (sandbox, lent tensor, contract check), chains (policy spans), the registry and its loading, the compile cache |
 //! | [`reload`] | hot reload: the plugin directory watched, plugins checked and swapped in |
 //! | [`server`] | `stowd`'s services and start-up: `tq` (unit and router endpoints), `native` (`stowage/1`, with `native::get`), `errors` (the one error → reply mapping), `exposition` (Prometheus text, `/metrics` over hyper); request spans |
-//! | [`shm`] | same-node shared memory (segments, leases, spares) |
+//! | [`shm`] | same-node shared memory (sealed segments, leases, descriptor channels, memory allocated ahead) |
 //! | [`store`] | storage units: the per-field index, columns, rows and runs, capacity in bytes, memory release |
 //! | [`sys`] | the process itself: resident set size, `malloc_trim`, start time; the size of a file system |
 //! | [`tensor`], [`batch`] | re-exported from `stowage-wire`: `Tensor` (immutable bytes + dtype/shape, zero-copy rows and strided views); `Field`, `Value`, `Cell` |

@@ -298,6 +298,13 @@ pub struct ShmConfig {
     /// or expired; 0: `max_lease_bytes` (one lease of the largest size at
     /// a time).
     pub max_connection_leased_bytes: u64,
+    /// Bytes of memory files `stowd` allocates ahead of time, while idle,
+    /// for the next leases and exports of the sizes recent ones had (a
+    /// put then only copies into allocated pages); 0: allocate on demand.
+    pub prealloc_bytes: u64,
+    /// Seconds a file allocated ahead of time may go unused before it is
+    /// freed.
+    pub prealloc_idle_secs: u64,
     /// No longer used (cleared segments are never reused: a reader may
     /// still map them). Accepted, with a warning, so older configs load.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -334,6 +341,8 @@ impl Default for ShmConfig {
             max_lease_bytes: 16 << 30,
             max_leased_bytes: 0,
             max_connection_leased_bytes: 0,
+            prealloc_bytes: 2 << 30,
+            prealloc_idle_secs: 30,
             reuse_bytes: None,
             reuse_secs: None,
             reply_hold_ms: None,

@@ -365,7 +365,11 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         let store = Arc::new(
             store
                 .with_lease_quota(quota)
-                .with_connection_lease_quota(per_connection),
+                .with_connection_lease_quota(per_connection)
+                .with_prealloc(
+                    config.shm.prealloc_bytes,
+                    Duration::from_secs(config.shm.prealloc_idle_secs),
+                ),
         );
         let (channels, listener) = Channels::bind(
             &config.shm.dir,

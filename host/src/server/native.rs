@@ -430,6 +430,9 @@ impl NativeService {
             stats.push(("shm_segments".into(), int(segments as u64)));
             stats.push(("shm_leases".into(), int(leases as u64)));
             stats.push(("shm_channels".into(), int(channels.len() as u64)));
+            let (ready, hits) = shm.prealloc();
+            stats.push(("shm_prealloc_bytes".into(), int(ready)));
+            stats.push(("shm_prealloc_hits".into(), int(hits)));
         }
         let registry = m.registry();
         for name in registry.names() {

@@ -38,13 +38,15 @@
 //! earlier design kept cleared segment files for reuse under an `flock`
 //! convention; a reader that skipped the lock, or a writer that kept its
 //! mapping, could then see or change another client's rows.) A new
-//! segment's pages are allocated in one go ([`allocate`]).
+//! segment's pages are allocated in one go ([`allocate`]), ahead of time
+//! when the store is idle ([`Prealloc`]).
 //!
 //! Each live segment keeps one descriptor open in `stowd` (to hand to
 //! readers); `stowd` raises its soft `RLIMIT_NOFILE` to the hard limit at
 //! start ([`crate::sys::raise_nofile`]).
 
 pub mod channel;
+mod prealloc;
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -60,6 +62,7 @@ use memmap2::{Mmap, MmapOptions};
 use rustix::fs::{FallocateFlags, MemfdFlags, SealFlags};
 
 pub use channel::Channels;
+pub use prealloc::Prealloc;
 
 /// Shared-memory failures.
 #[derive(Debug, thiserror::Error)]
@@ -205,6 +208,8 @@ pub struct SegmentStore {
     max_leased: u64,
     /// Most bytes of the outstanding leases of one connection.
     max_connection_leased: u64,
+    /// Memory files allocated ahead of time for new segments.
+    prealloc: Arc<Prealloc>,
 }
 
 impl std::fmt::Debug for SegmentStore {
@@ -277,7 +282,37 @@ impl SegmentStore {
             max_lease,
             max_leased: u64::MAX,
             max_connection_leased: u64::MAX,
+            prealloc: Prealloc::start(0, Duration::ZERO),
         }
+    }
+
+    /// Keeps up to `cap` bytes of memory files allocated ahead of time, of
+    /// the sizes recent leases and exports asked for, each freed after
+    /// `idle` unused ([`Prealloc`]); 0 allocates on demand only.
+    pub fn with_prealloc(mut self, cap: u64, idle: Duration) -> SegmentStore {
+        self.prealloc.stop();
+        self.prealloc = Prealloc::start(cap, idle);
+        self
+    }
+
+    /// A new memory file of `len` bytes, its pages allocated: one made
+    /// ahead of time if one fits.
+    fn fresh_file(&self, len: u64) -> Result<File, ShmError> {
+        if let Some(file) = self.prealloc.take(len) {
+            return Ok(file);
+        }
+        let file = memfd(len)?;
+        allocate(&file, len)?;
+        Ok(file)
+    }
+
+    /// Bytes allocated ahead of time and ready, and how many leases and
+    /// exports took such a file.
+    pub fn prealloc(&self) -> (u64, u64) {
+        (
+            self.prealloc.bytes(),
+            self.prealloc.hits.load(Ordering::Relaxed),
+        )
     }
 
     /// At most `total` bytes of leases granted and not yet adopted or
@@ -334,15 +369,16 @@ impl SegmentStore {
     /// its bytes (a read-only mapping) and its handle.
     pub fn export(&self, parts: &[&[u8]]) -> Result<(Bytes, Handle), ShmError> {
         let total: u64 = parts.iter().map(|p| p.len() as u64).sum();
-        let file = memfd(total)?;
-        allocate(&file, total)?;
+        let file = self.fresh_file(total)?;
         let mut at = 0u64;
         for p in parts {
             file.write_all_at(p, at)
                 .map_err(io_err("writing a segment"))?;
             at += p.len() as u64;
         }
-        self.sealed(file, self.fresh_name(), total)
+        let sealed = self.sealed(file, self.fresh_name(), total);
+        self.prealloc.kick();
+        sealed
     }
 
     /// Creates a segment of `len` bytes (its pages allocated) for a client
@@ -357,9 +393,39 @@ impl SegmentStore {
             });
         }
         self.sweep();
-        // The quota is checked and the lease recorded under one lock, so
-        // that concurrent leases cannot all pass the check.
+        // Checked before the memory is allocated (a lease that will be
+        // refused allocates nothing), and again, under the same lock as
+        // the lease is recorded, after: concurrent leases cannot all pass.
+        self.check_quotas(
+            &self.leases.lock().unwrap_or_else(|p| p.into_inner()),
+            len,
+            owner,
+        )?;
+        // Allocated without the lock: another lease need not wait for it.
+        let file = self.fresh_file(len)?;
+        let fd = file
+            .try_clone()
+            .map_err(io_err("duplicating a lease's descriptor"))?;
+        let name = self.fresh_name();
         let mut leases = self.leases.lock().unwrap_or_else(|p| p.into_inner());
+        self.check_quotas(&leases, len, owner)?;
+        let lease = Lease {
+            file,
+            len,
+            deadline: Instant::now() + self.lease_ttl,
+            owner,
+        };
+        leases.insert(name.clone(), lease);
+        Ok((name, self.lease_ttl, fd.into()))
+    }
+
+    /// Refuses a lease of `len` bytes to `owner` past either quota.
+    fn check_quotas(
+        &self,
+        leases: &HashMap<String, Lease>,
+        len: u64,
+        owner: u64,
+    ) -> Result<(), ShmError> {
         let mine: u64 = leases
             .values()
             .filter(|l| l.owner == owner)
@@ -380,20 +446,7 @@ impl SegmentStore {
                 limit: self.max_leased,
             });
         }
-        let file = memfd(len)?;
-        allocate(&file, len)?;
-        let fd = file
-            .try_clone()
-            .map_err(io_err("duplicating a lease's descriptor"))?;
-        let name = self.fresh_name();
-        let lease = Lease {
-            file,
-            len,
-            deadline: Instant::now() + self.lease_ttl,
-            owner,
-        };
-        leases.insert(name.clone(), lease);
-        Ok((name, self.lease_ttl, fd.into()))
+        Ok(())
     }
 
     /// Drops a lease whose descriptor could not be handed over.
@@ -421,7 +474,9 @@ impl SegmentStore {
         let Some(lease) = lease else {
             return Err(ShmError::UnknownLease(name.into()));
         };
-        self.sealed(lease.file, name.to_owned(), lease.len)
+        let sealed = self.sealed(lease.file, name.to_owned(), lease.len);
+        self.prealloc.kick();
+        sealed
     }
 
     /// Drops every expired lease; returns how many.
@@ -444,6 +499,13 @@ impl SegmentStore {
         let live = self.live.load(Ordering::Relaxed) as usize;
         let leases = self.leases.lock().unwrap_or_else(|p| p.into_inner()).len();
         (live, leases)
+    }
+}
+
+impl Drop for SegmentStore {
+    fn drop(&mut self) {
+        // The filler thread holds the pool too: stop it.
+        self.prealloc.stop();
     }
 }
 

@@ -177,6 +177,44 @@ fn one_connection_stays_within_its_own_lease_quota() {
 }
 
 #[test]
+fn files_allocated_ahead_serve_the_next_lease_of_that_size_and_were_never_shared() {
+    let s = store(Duration::from_secs(5)).with_prealloc(8 << 20, Duration::from_secs(60));
+    let (a, _, fa) = s.lease(2 << 20, 1).unwrap();
+    let first_ino = File::from(fa.try_clone().unwrap())
+        .metadata()
+        .unwrap()
+        .ino();
+    fill(&fa, &[7u8; 16]);
+    drop(fa);
+    s.adopt(&a, 1).unwrap();
+    // The filler makes one file of that size ready, in the background.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while s.prealloc().0 < 2 << 20 {
+        assert!(Instant::now() < deadline, "nothing allocated ahead");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let (_b, _, fb) = s.lease(2 << 20, 1).unwrap();
+    assert_eq!(
+        s.prealloc().1,
+        1,
+        "the lease did not take the file made ahead"
+    );
+    let file = File::from(fb);
+    assert_eq!(file.metadata().unwrap().len(), 2 << 20);
+    assert_ne!(
+        file.metadata().unwrap().ino(),
+        first_ino,
+        "a leased file came back"
+    );
+    let mut head = [1u8; 16];
+    file.read_exact_at(&mut head, 0).unwrap();
+    assert_eq!(head, [0u8; 16], "memory allocated ahead is not fresh");
+    // Sizes far off are allocated on demand; the cap holds.
+    s.lease(6 << 20, 1).unwrap();
+    assert!(s.prealloc().0 <= 8 << 20);
+}
+
+#[test]
 fn a_lease_is_put_only_by_the_connection_that_asked() {
     let s = store(Duration::from_secs(5));
     let (name, _, _fd) = s.lease(16, 7).unwrap();
