@@ -281,10 +281,12 @@ impl NativeService {
                     (true, None) => Err(errors::shm(&ShmError::Disabled)),
                     (true, Some((shm, _))) => match self.channel(extras, "get") {
                         Err(reply) => Err(reply),
-                        Ok(_) => m
-                            .get_shared(&global_indexes, &fields, shm)
-                            .await
-                            .map_err(|e| errors::native_shared(&e)),
+                        Ok(_) => {
+                            shm.touch();
+                            m.get_shared(&global_indexes, &fields, shm)
+                                .await
+                                .map_err(|e| errors::native_shared(&e))
+                        }
                     },
                 };
                 let got = match got {

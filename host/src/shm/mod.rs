@@ -306,6 +306,12 @@ impl SegmentStore {
         Ok(file)
     }
 
+    /// Notes that a request used shared memory now (a same-node get): the
+    /// memory allocated ahead waits for a quiet spell.
+    pub fn touch(&self) {
+        self.prealloc.touch();
+    }
+
     /// Bytes allocated ahead of time and ready, and how many leases and
     /// exports took such a file.
     pub fn prealloc(&self) -> (u64, u64) {
@@ -377,7 +383,7 @@ impl SegmentStore {
             at += p.len() as u64;
         }
         let sealed = self.sealed(file, self.fresh_name(), total);
-        self.prealloc.kick();
+        self.prealloc.touch();
         sealed
     }
 
@@ -393,6 +399,7 @@ impl SegmentStore {
             });
         }
         self.sweep();
+        self.prealloc.touch();
         // Checked before the memory is allocated (a lease that will be
         // refused allocates nothing), and again, under the same lock as
         // the lease is recorded, after: concurrent leases cannot all pass.
@@ -475,7 +482,7 @@ impl SegmentStore {
             return Err(ShmError::UnknownLease(name.into()));
         };
         let sealed = self.sealed(lease.file, name.to_owned(), lease.len);
-        self.prealloc.kick();
+        self.prealloc.touch();
         sealed
     }
 
