@@ -579,6 +579,21 @@ def _lease_by_hand(c, nbytes: int) -> tuple[str, int]:
     return body["segment"], c._segments._leased.pop(body["segment"])
 
 
+def _filled_lease(c, payload: bytes) -> tuple[str, int, mmap.mmap]:
+    """A lease filled with `payload` through a shared writable mapping, then
+    unmapped: (segment name, its writable descriptor, a read-only mapping of
+    it made through a read-only descriptor; through the writable one it
+    would stop the seal, as mprotect could make it writable)."""
+    name, fd = _lease_by_hand(c, len(payload))
+    with mmap.mmap(fd, len(payload)) as mm:
+        mm[:] = payload
+    ro = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY)
+    try:
+        return name, fd, mmap.mmap(ro, len(payload), prot=mmap.PROT_READ)
+    finally:
+        os.close(ro)
+
+
 def _put_body(idx: list, row_bytes: int) -> dict:
     n = len(idx)
     return {"global_indexes": idx, "fields": {"x": {
@@ -607,15 +622,7 @@ def test_no_descriptor_or_mapping_a_writer_keeps_can_change_rows_after_put_ok(sh
     idx = fresh(4)
     data = np.full((4, 4096), 5, np.uint8)
     with stowage.Client(shm_server["native"], same_node=True) as c:
-        name, fd = _lease_by_hand(c, data.nbytes)
-        with mmap.mmap(fd, data.nbytes) as mm:
-            mm[:] = data.tobytes()
-        # A shared mapping through a read-only descriptor does not stop the
-        # seal (one through the writable descriptor would: mprotect could
-        # make it writable); it is kept.
-        ro = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY)
-        kept = mmap.mmap(ro, data.nbytes, prot=mmap.PROT_READ)
-        os.close(ro)
+        name, fd, kept = _filled_lease(c, data.tobytes())  # `kept`: a read-only mapping, kept
         c._call("put", _put_body(idx, 4096), (), None, "put_ok", {"segments": [[name, 0, data.nbytes]]})
         # The writer still holds its read-write descriptor: every way to write fails.
         with pytest.raises(PermissionError):
@@ -695,12 +702,7 @@ def test_a_cleared_segment_is_never_reused_under_an_old_mapping(shm_server, fres
     idx = fresh(64)
     a = np.full((64, 8192), 1, np.uint8)
     with stowage.Client(shm_server["native"], same_node=True) as c:
-        name, fd = _lease_by_hand(c, a.nbytes)
-        with mmap.mmap(fd, a.nbytes) as mm:
-            mm[:] = a.tobytes()
-        ro = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY)  # (through `fd` itself it would stop the seal)
-        old = mmap.mmap(ro, a.nbytes, prot=mmap.PROT_READ)
-        os.close(ro)
+        name, fd, old = _filled_lease(c, a.tobytes())
         os.close(fd)
         c._call("put", _put_body(idx, 8192), (), None, "put_ok", {"segments": [[name, 0, a.nbytes]]})
         assert c.clear(idx) == 64
