@@ -214,6 +214,27 @@ fn seed_cases_give_the_builtin_rows_through_every_plugin_chain() {
 }
 
 #[test]
+fn a_plugin_is_not_asked_about_a_kind_its_describe_does_not_list() {
+    let reg = seed_registry();
+    // nested-rows lists nested and values; single-row lists regular.
+    let chain = chain_of(&reg, &["nested-rows", "single-row"], FailStrategy::Reject);
+    let decided = chain.select(&regular(40, 2), &[7]).unwrap();
+    assert_eq!(decided.by, DecidedBy::Plugin("single-row".into()));
+    let stats = |n: &str| reg.get(n).unwrap().stats.calls.load(Ordering::Relaxed);
+    assert_eq!(
+        stats("nested-rows"),
+        0,
+        "a plugin was asked about a kind it does not list"
+    );
+    assert_eq!(stats("single-row"), 1);
+    // A nested field: nested-rows is asked (and answers), single-row is not.
+    let decided = chain.select(&nested(40), &[3, 9]).unwrap();
+    assert_eq!(decided.by, DecidedBy::Plugin("nested-rows".into()));
+    assert_eq!(stats("nested-rows"), 1);
+    assert_eq!(stats("single-row"), 1);
+}
+
+#[test]
 fn each_seed_plugin_decides_what_it_is_for() {
     let reg = seed_registry();
     let r = regular(400, 2);

@@ -91,7 +91,7 @@ _IOV_MAX = 1024
 def _pwrite_all(fd: int, pieces: list, offset: int) -> None:
     """Writes `pieces` back to back at `offset` (pwritev may write less than asked)."""
     while pieces:
-        n = os.pwritev(fd, pieces, offset)
+        n = os.pwritev(fd, pieces[:_IOV_MAX], offset)
         offset += n
         while pieces and n >= len(pieces[0]):
             n -= len(pieces[0])
@@ -368,7 +368,7 @@ class Segments:
                 at = -(-at // ALIGN) * ALIGN
                 pieces = [memoryview(p).cast("B") for p in b] if isinstance(b, list) else [memoryview(b).cast("B")]
                 n = sum(len(p) for p in pieces)
-                if at != end or len(batch) + len(pieces) > _IOV_MAX:
+                if at != end:
                     _pwrite_all(fd, batch, batch_at)
                     batch, batch_at = [], at
                 batch.extend(p for p in pieces if len(p))

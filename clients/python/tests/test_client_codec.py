@@ -194,3 +194,23 @@ def test_a_segment_named_without_its_descriptor_is_refused(tmp_path):
     assert bytes(views[0]) == b"xxxx"
 
 
+
+
+def test_a_lease_fill_of_more_pieces_than_one_pwritev_takes(tmp_path):
+    """A frame in 3,000 pieces and a second frame after it: written in
+    several pwritev calls (at most 1,024 buffers each), each frame at a
+    multiple of 64, byte for byte."""
+    from stowage import _shm
+    pieces = [bytes([i % 251]) * (1 + i % 7) for i in range(3000)]
+    tail = b"tail" * 10
+    size = _shm.lease_size([pieces, tail])
+    fd = os.memfd_create("lease")
+    os.ftruncate(fd, size)
+    segs = _shm.Segments()
+    segs.leased("s1", {"s1": os.dup(fd)})
+    out = segs.fill("s1", size, [pieces, tail])
+    joined = b"".join(pieces)
+    assert out == [["s1", 0, len(joined)], ["s1", -(-len(joined) // 64) * 64, len(tail)]]
+    assert os.pread(fd, len(joined), 0) == joined
+    assert os.pread(fd, len(tail), out[1][1]) == tail
+    os.close(fd)

@@ -346,6 +346,18 @@ def test_a_same_node_get_names_each_segment_once(shm_server, fresh):
         c.clear(idx)
 
 
+def test_a_channel_is_usable_the_moment_its_greeting_arrives(shm_server, fresh):
+    """A client names its token in a lease right after reading the greeting:
+    stowd must already know it (it once registered the channel only after
+    writing the greeting, and a fast client got "no descriptor channel")."""
+    idx = fresh(40)
+    for i in range(40):
+        with stowage.Client(shm_server["native"], same_node=True) as c:
+            c.put([idx[i]], {"x": np.full((1, 64), i, np.uint8)})
+    with stowage.Client(shm_server["native"]) as tcp:
+        np.testing.assert_array_equal(tcp.get(idx, ["x"])["x"], np.repeat(np.arange(40, dtype=np.uint8), 64).reshape(40, 64))
+
+
 def test_same_node_requests_without_an_open_channel_are_refused(shm_server, fresh):
     """A same-node get or a lease must name an open channel of this stowd."""
     idx = fresh(2)

@@ -29,7 +29,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use super::builtin::Builtin;
-use super::{Policy, PolicyError};
+use super::{FieldKind, Policy, PolicyError};
 use crate::batch::Field;
 use crate::plan::{self, FramePlan, PackLimits, PieceInfo, PlanError, SelectionPlan};
 
@@ -222,6 +222,15 @@ impl<P> Outcome<P> {
     }
 }
 
+/// The kind of `field`, as `describe()` lists kinds.
+fn kind_of(field: &Field) -> FieldKind {
+    match field {
+        Field::Regular(_) => FieldKind::Regular,
+        Field::Nested(_) => FieldKind::Nested,
+        Field::Values(_) => FieldKind::Values,
+    }
+}
+
 impl Chain {
     /// A chain whose disabled plugins stay disabled until reloaded.
     pub fn new(policies: Vec<Loaded>, fail: FailStrategy, max_faults: u64) -> Chain {
@@ -307,14 +316,14 @@ impl Chain {
 
     fn ask<P>(
         &self,
-        skip: impl Fn(&dyn Policy) -> bool,
+        skip: impl Fn(&dyn Policy) -> Option<&'static str>,
         call: impl Fn(&dyn Policy) -> Result<P, PolicyError>,
         check: impl Fn(&P) -> Result<(), PlanError>,
     ) -> Result<Outcome<P>, ChainError> {
         for loaded in &self.policies {
-            if skip(loaded.policy.as_ref()) {
+            if let Some(why) = skip(loaded.policy.as_ref()) {
                 let d = loaded.policy.describe();
-                tracing::debug!(plugin = %d.name, version = %d.version, "skipped: its contract cannot name the field's dtype");
+                tracing::debug!(plugin = %d.name, version = %d.version, "skipped: {why}");
                 continue;
             }
             match loaded.stats.callable() {
@@ -370,8 +379,20 @@ impl Chain {
             decided_by = tracing::field::Empty
         )
         .entered();
+        let kind = kind_of(field);
         let outcome = self.ask(
-            |p| !p.can_describe(field),
+            |p| {
+                let kinds = &p.describe().kinds;
+                // A plugin that lists the kinds it handles is not asked
+                // about another kind: it could only decline.
+                if !kinds.is_empty() && !kinds.contains(&kind) {
+                    Some("its describe() does not list the field's kind")
+                } else if !p.can_describe(field) {
+                    Some("its contract cannot name the field's dtype")
+                } else {
+                    None
+                }
+            },
             |p| p.select(field, positions),
             |plan| plan::validate_selection(field, positions, plan),
         )?;
@@ -400,7 +421,7 @@ impl Chain {
             tracing::debug_span!("policy", chain = "pack", decided_by = tracing::field::Empty)
                 .entered();
         let outcome = self.ask(
-            |_| false,
+            |_| None,
             |p| p.pack(pieces, limits),
             |plan| plan::validate_frames(pieces, limits, plan),
         )?;

@@ -222,11 +222,19 @@ impl Channels {
         rmp::encode::write_map_len(&mut hello, 1).expect("vec write");
         rmp::encode::write_str(&mut hello, "token").expect("vec write");
         rmp::encode::write_str(&mut hello, &token).expect("vec write");
-        self.write(&write, &hello, &[]).await?;
+        // Open before the greeting goes: the client may name the token in
+        // a request the moment it reads it.
         self.open
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .insert(token.clone(), write);
+            .insert(token.clone(), write.clone());
+        if let Err(e) = self.write(&write, &hello, &[]).await {
+            self.open
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .remove(&token);
+            return Err(e);
+        }
         // The client never writes: any byte, or the end, closes it.
         let mut byte = [0u8; 1];
         let _ = read.read(&mut byte).await;
