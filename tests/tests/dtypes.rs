@@ -180,6 +180,17 @@ async fn a_0_1_0_plugin_is_skipped_for_dtypes_its_contract_cannot_name() {
     let after = (decisions().await, calls());
     assert_eq!(after.0[0] - before.0[0], 2, "plugin decisions: {after:?}");
     assert_eq!(after.1 - before.1, 2.0, "plugin calls");
+    // The time in those calls, and in all decisions, is counted.
+    let scrape = prom::scrape(&url);
+    let in_calls = scrape.value_or_zero(
+        "stowd_plugin_call_seconds_total",
+        &[("plugin", "constant-stride"), ("version", "0.1.0")],
+    );
+    let deciding = scrape.value_or_zero("stowd_policy_seconds_total", &[]);
+    assert!(
+        in_calls > 0.0 && deciding >= in_calls,
+        "{in_calls} s in calls, {deciding} s deciding"
+    );
 
     // Each new dtype, on each protocol: the built-in answers, the plugin is
     // never called, nothing faults, and the rows come back byte for byte.

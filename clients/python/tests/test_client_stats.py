@@ -11,7 +11,7 @@ import pytest
 
 import stowage
 
-PLUGIN_INTS = ("calls", "plans", "faults", "invalid_plans", "fallbacks", "rejections", "disables", "reenables")
+PLUGIN_INTS = ("calls", "call_ns", "plans", "faults", "invalid_plans", "fallbacks", "rejections", "disables", "reenables")
 
 
 def check_plugin_shape(name: str, p: dict) -> None:
@@ -45,6 +45,8 @@ def test_stats_are_structured_after_calls(reject_server, fresh):
     faults = p1["faults"] - p0["faults"]
     assert faults >= 1
     assert p1["calls"] - p0["calls"] == faults
+    assert p1["call_ns"] > p0["call_ns"], "time in the plugin's calls was not counted"
+    assert after["policy_ns"] > before["policy_ns"]
     assert p1["rejections"] - p0["rejections"] == faults
     assert p1["invalid_plans"] - p0["invalid_plans"] == faults
     assert p1["fallbacks"] == p0["fallbacks"] == 0

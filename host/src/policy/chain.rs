@@ -70,6 +70,9 @@ impl Backoff {
 pub struct PluginStats {
     /// Calls into the plugin.
     pub calls: AtomicU64,
+    /// Nanoseconds spent in those calls (the host's side of each call
+    /// included: lending the field, lowering and lifting, the sandbox).
+    pub call_ns: AtomicU64,
     /// Valid plans it answered (the decisions it took).
     pub plans: AtomicU64,
     /// Faults (trap, timeout, memory cap, bad handle, `failed`, invalid plan).
@@ -222,6 +225,27 @@ impl<P> Outcome<P> {
     }
 }
 
+/// Nanoseconds this process spent deciding, in every chain: plugin calls,
+/// plan validation and the built-in (see [`policy_ns`]).
+static POLICY_NS: AtomicU64 = AtomicU64::new(0);
+
+/// Nanoseconds this process has spent in policy decisions (selection and
+/// packing, plugins and built-in, validation included) since it started:
+/// against the requests' own time, the share of it policies take.
+pub fn policy_ns() -> u64 {
+    POLICY_NS.load(Ordering::Relaxed)
+}
+
+/// Adds the time since `started` to [`policy_ns`] when dropped.
+struct Timed(Instant);
+
+impl Drop for Timed {
+    fn drop(&mut self) {
+        let took = u64::try_from(self.0.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        POLICY_NS.fetch_add(took, Ordering::Relaxed);
+    }
+}
+
 /// The kind of `field`, as `describe()` lists kinds.
 fn kind_of(field: &Field) -> FieldKind {
     match field {
@@ -339,7 +363,11 @@ impl Chain {
             let d = loaded.policy.describe();
             let _plugin =
                 tracing::debug_span!("plugin", plugin = %d.name, version = %d.version).entered();
-            match call(loaded.policy.as_ref()) {
+            let started = Instant::now();
+            let answer = call(loaded.policy.as_ref());
+            let took = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
+            loaded.stats.call_ns.fetch_add(took, Ordering::Relaxed);
+            match answer {
                 Ok(plan) => match check(&plan) {
                     Ok(()) => {
                         loaded.stats.plans.fetch_add(1, Ordering::Relaxed);
@@ -373,6 +401,7 @@ impl Chain {
         if positions.is_empty() {
             return Err(ChainError::EmptyPositions);
         }
+        let _timed = Timed(Instant::now());
         let _span = tracing::debug_span!(
             "policy",
             chain = "select",
@@ -417,6 +446,7 @@ impl Chain {
         pieces: &[PieceInfo],
         limits: &PackLimits,
     ) -> Result<Decision<FramePlan>, ChainError> {
+        let _timed = Timed(Instant::now());
         let _span =
             tracing::debug_span!("policy", chain = "pack", decided_by = tracing::field::Empty)
                 .entered();

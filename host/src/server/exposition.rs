@@ -277,6 +277,13 @@ pub fn render(metrics: &Metrics, manager: &Manager, units: &[Arc<Unit>]) -> Stri
     );
     t.sample(&[], crate::transport::ReceivePool::shared_bytes() as f64);
     t.family(
+        "stowd_policy_seconds_total",
+        MetricType::COUNTER,
+        "Seconds spent deciding plans (plugins, validation, built-in): against \
+         stowd_request_duration_seconds_sum, the share of request time in policies.",
+    );
+    t.sample(&[], crate::policy::chain::policy_ns() as f64 / 1e9);
+    t.family(
         "stowd_uptime_seconds",
         GAUGE,
         "Seconds since stowd started.",
@@ -335,6 +342,17 @@ fn plugins(t: &mut Families, registry: &Registry) {
                 load(counter(&v.stats)) as f64,
             );
         }
+    }
+    t.family(
+        "stowd_plugin_call_seconds_total",
+        MetricType::COUNTER,
+        "Seconds spent in calls into a plugin version (the host's side of each call included).",
+    );
+    for v in &versions {
+        t.sample(
+            &[("plugin", &v.name), ("version", &v.version)],
+            load(&v.stats.call_ns) as f64 / 1e9,
+        );
     }
     t.family(
         "stowd_plugin_disabled",

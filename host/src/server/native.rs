@@ -427,6 +427,7 @@ impl NativeService {
             "missing_chain_entries".into(),
             int(r.missing_chain_entries.load(Ordering::Relaxed)),
         ));
+        stats.push(("policy_ns".into(), int(crate::policy::chain::policy_ns())));
         if let Some((shm, channels)) = &self.shm {
             let (segments, leases) = shm.counts();
             stats.push(("shm_segments".into(), int(segments as u64)));
@@ -461,6 +462,7 @@ fn plugin_stats(l: &Loaded) -> native::Stat {
         ("version".to_string(), Stat::Str(d.version.clone())),
         ("capabilities".into(), Stat::strs(&caps)),
         ("calls".into(), n(&st.calls)),
+        ("call_ns".into(), n(&st.call_ns)),
         ("plans".into(), n(&st.plans)),
         ("faults".into(), n(&st.faults)),
         ("invalid_plans".into(), n(&st.invalid_plans)),
