@@ -337,7 +337,7 @@ impl WasmPolicy {
 /// On a multi-thread runtime (stowd's) this is `block_in_place`, which lets
 /// the closure block on a runtime without a thread spawn; on a
 /// current-thread runtime, a scoped thread.
-fn off_runtime<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+pub fn off_runtime<R: Send>(f: impl FnOnce() -> R + Send) -> R {
     match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
         Err(_) => f(),
         Ok(tokio::runtime::RuntimeFlavor::MultiThread) => tokio::task::block_in_place(f),

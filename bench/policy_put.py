@@ -1,0 +1,115 @@
+#!/usr/bin/env python3
+"""The cost of the policy chain on a small put, end to end (issue 20).
+
+Two release stowds side by side in one run: one with the bundled plugins
+(the default chain), one with no plugin directory (the built-in policy
+decides). The Python client over tcp puts 4 rows x 10 fields of float32
+[16] at fresh indexes, alternating between the two stowds in blocks, and
+the table gives the median and p90 of each. stowd's own `policy_ns`
+(nanoseconds spent deciding) and the plugins' `calls` / `call_ns` across
+the run give the share of stowd's time spent in policies and the time per
+plugin call.
+
+usage: python3 bench/policy_put.py --stowd target/release/stowd --plugins target/plugins [--puts 2000]
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "clients", "python"))
+import stowage  # noqa: E402
+
+
+def start(binary: str, work: str, plugins: str | None):
+    os.makedirs(work, exist_ok=True)
+    if plugins is None:  # an empty plugin directory: the built-in decides
+        plugins = os.path.join(work, "no-plugins")
+        os.makedirs(plugins, exist_ok=True)
+    cfg = os.path.join(work, "stowd.toml")
+    eps = os.path.join(work, "stowd.json")
+    with open(cfg, "w") as f:
+        f.write("[units]\nlocal = 4\n\n[plugins]\n")
+        f.write(f"dir = {json.dumps(plugins)}\n")
+    proc = subprocess.Popen([binary, "serve", "--config", cfg, "--endpoints-file", eps],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while not os.path.exists(eps):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"stowd did not start ({binary}, plugins {plugins})")
+        time.sleep(0.05)
+    return proc, json.load(open(eps))
+
+
+def plugin_totals(stats: dict) -> tuple[int, int]:
+    calls = sum(v["calls"] for k, v in stats.items() if k.startswith("plugin."))
+    ns = sum(v.get("call_ns", 0) for k, v in stats.items() if k.startswith("plugin."))
+    return calls, ns
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--stowd", default=os.path.join(ROOT, "target", "release", "stowd"))
+    ap.add_argument("--plugins", default=os.path.join(ROOT, "target", "plugins"))
+    ap.add_argument("--puts", type=int, default=2000)
+    ap.add_argument("--block", type=int, default=100, help="puts per block before switching stowd")
+    a = ap.parse_args()
+    work = tempfile.mkdtemp(prefix="stowage-policy-put-")
+    systems = {"bundled plugins": a.plugins, "built-in": None}
+    procs, clients, times, before = {}, {}, {}, {}
+    try:
+        for name, plugins in systems.items():
+            procs[name], ep = start(a.stowd, os.path.join(work, name.replace(" ", "-")), plugins)
+            clients[name] = stowage.Client(ep["native"], timeout=30)
+            times[name] = []
+        fields = {f"f{i}": np.ones((4, 16), np.float32) for i in range(10)}
+        for c in clients.values():  # warm up
+            for k in range(50):
+                c.put([4 * k + j for j in range(4)], fields)
+        for name, c in clients.items():
+            s = c.stats()
+            before[name] = (s.get("policy_ns", 0), *plugin_totals(s))
+        base = 1000
+        wall = {name: 0.0 for name in systems}
+        for block in range(0, a.puts, a.block):
+            for name, c in (clients.items() if (block // a.block) % 2 == 0 else reversed(clients.items())):
+                t0 = time.perf_counter()
+                for k in range(block, min(block + a.block, a.puts)):
+                    idx = [base + 4 * k + j for j in range(4)]
+                    t = time.perf_counter()
+                    c.put(idx, fields)
+                    times[name].append(time.perf_counter() - t)
+                wall[name] += time.perf_counter() - t0
+        print(f"{a.puts} puts of 4 rows x 10 fields of float32 [16] over tcp, 4 units, "
+              f"alternating blocks of {a.block}; stowd {a.stowd}\n")
+        print("| stowd | median us | p90 us | policy share of put time | plugin calls per put | us per plugin call |")
+        print("|---|---:|---:|---:|---:|---:|")
+        for name, c in clients.items():
+            ts = sorted(times[name])
+            s = c.stats()
+            pol = s.get("policy_ns", 0) - before[name][0]
+            calls, ns = plugin_totals(s)
+            calls -= before[name][1]
+            ns -= before[name][2]
+            per_call = f"{ns / calls / 1e3:.2f}" if calls else "-"
+            print(f"| {name} | {statistics.median(ts) * 1e6:.0f} | {ts[int(len(ts) * 0.9)] * 1e6:.0f} | "
+                  f"{pol / 1e9 / wall[name]:.1%} | {calls / a.puts:.1f} | {per_call} |")
+        m = {n: statistics.median(times[n]) for n in systems}
+        print(f"\nbundled / built-in median: {m['bundled plugins'] / m['built-in']:.3f}")
+    finally:
+        for c in clients.values():
+            c.close()
+        for p in procs.values():
+            p.terminate()
+            p.wait(timeout=30)
+
+
+if __name__ == "__main__":
+    main()
