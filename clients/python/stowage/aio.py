@@ -179,6 +179,18 @@ class AsyncClient(_Ops):
 
     async def _call(self, op: str, body: dict, data_frames, timeout, expect: str,
                     extras: dict | None = None) -> tuple[dict, _codec.FrameSource]:
+        try:
+            return await self._call_once(op, body, data_frames, timeout, expect, extras)
+        except BadRequest as e:
+            if not self._stale_channel(extras, e):
+                raise
+        # stowd restarted (or dropped the channel): open a new one, ask again.
+        self._close_channel()
+        await self._open_channel()
+        return await self._call_once(op, body, data_frames, timeout, expect, self._with_channel(extras))
+
+    async def _call_once(self, op: str, body: dict, data_frames, timeout, expect: str,
+                         extras: dict | None = None) -> tuple[dict, _codec.FrameSource]:
         timeout = self._call_timeout(timeout)
         sock = self._socket()
         loop = self._loop

@@ -103,6 +103,16 @@ class _Ops:
         return StowageError(f"same-node mode: stowd refused a descriptor channel ({e}); it needs shared memory "
                             "enabled ([shm]) and a stowd of this client's release")
 
+    def _stale_channel(self, extras: dict | None, e: BadRequest) -> bool:
+        """Whether `e` refused a request for naming a channel stowd does not
+        know (a restarted stowd, or a channel it closed): worth one more try
+        on a new channel."""
+        return (self._segments is not None and bool(extras) and "channel" in extras
+                and "no descriptor channel has token" in str(e))
+
+    def _with_channel(self, extras: dict) -> dict:
+        return dict(extras, channel=self._segments.channel.token)
+
     def _channel_needed(self) -> bool:
         seg = self._segments
         return seg is not None and (seg.channel is None or seg.channel.closed)
@@ -299,6 +309,18 @@ class Client(_Ops):
 
     def _call(self, op: str, body: dict, data_frames, timeout, expect: str,
               extras: dict | None = None) -> tuple[dict, _codec.FrameSource]:
+        try:
+            return self._call_once(op, body, data_frames, timeout, expect, extras)
+        except BadRequest as e:
+            if not self._stale_channel(extras, e):
+                raise
+        # stowd restarted (or dropped the channel): open a new one, ask again.
+        self._segments.close()
+        self._open_channel()
+        return self._call_once(op, body, data_frames, timeout, expect, self._with_channel(extras))
+
+    def _call_once(self, op: str, body: dict, data_frames, timeout, expect: str,
+                   extras: dict | None = None) -> tuple[dict, _codec.FrameSource]:
         timeout = self._call_timeout(timeout)
         rid = next(self._ids)
         msg = [_codec.envelope(op, rid, body, extras), *data_frames]
@@ -323,8 +345,14 @@ class Client(_Ops):
             while True:
                 if poller is not None:
                     ready = dict(poller.poll(_ms_left(deadline)))
-                    if ch.fileno() in ready and not ch.closed:
-                        ch.take_early(rid, deadline)
+                    if not ch.closed and ch.fileno() in ready:
+                        fd = ch.fileno()
+                        try:
+                            ch.take_early(rid, deadline)
+                        except StowageError:
+                            # The channel broke (closed by take_early), e.g. stowd
+                            # restarted: the reply says what became of the request.
+                            poller.unregister(fd)
                     if self._sock not in ready:
                         if time.monotonic() < deadline:
                             continue

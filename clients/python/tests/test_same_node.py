@@ -358,6 +358,37 @@ def test_a_channel_is_usable_the_moment_its_greeting_arrives(shm_server, fresh):
         np.testing.assert_array_equal(tcp.get(idx, ["x"])["x"], np.repeat(np.arange(40, dtype=np.uint8), 64).reshape(40, 64))
 
 
+def test_a_client_opens_a_new_channel_when_stowd_restarts(tmp_path):
+    """The same clients (sync and asyncio) before and after stowd restarts on
+    the same endpoint: their old channel token is unknown to the new stowd,
+    and they open a new channel and go on."""
+    import asyncio
+    import socket as pysocket
+    with pysocket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    shm_dir = f"/dev/shm/stowage-test-restart-{os.getpid()}"
+    config = f'[server]\nnative_port = {port}\n[shm]\ndir = "{shm_dir}"\n'
+    x = np.arange(64, dtype=np.float32).reshape(4, 16)
+    c = stowage.Client(f"tcp://127.0.0.1:{port}", same_node=True, timeout=20)
+    ac = stowage.AsyncClient(f"tcp://127.0.0.1:{port}", same_node=True, timeout=20)
+    try:
+        for life in range(2):
+            with run_stowd(tmp_path / f"life{life}", config=config):
+                c.put([0, 1, 2, 3], {"x": x + life})
+                np.testing.assert_array_equal(c.get([0, 1, 2, 3], ["x"])["x"], x + life)
+
+                async def use():
+                    await ac.put([4, 5, 6, 7], {"x": x - life})
+                    return (await ac.get([4, 5, 6, 7], ["x"]))["x"]
+
+                np.testing.assert_array_equal(asyncio.run(use()), x - life)
+    finally:
+        c.close()
+        ac.close()
+        shutil.rmtree(shm_dir, ignore_errors=True)
+
+
 def test_same_node_requests_without_an_open_channel_are_refused(shm_server, fresh):
     """A same-node get or a lease must name an open channel of this stowd."""
     idx = fresh(2)
