@@ -70,6 +70,44 @@ pub fn shm_size() -> Option<u64> {
     Some(kib.saturating_mul(1024))
 }
 
+/// The memory this process may use: the machine's `MemTotal`, or its
+/// cgroup's limit when lower (v2 `memory.max`, v1
+/// `memory.limit_in_bytes`), and which it is.
+pub fn memory_limit() -> (Option<u64>, &'static str) {
+    let total = shm_size();
+    let cgroup = cgroup_memory_limit();
+    match (total, cgroup) {
+        (Some(t), Some(c)) if c < t => (Some(c), "the cgroup's memory limit"),
+        (Some(t), _) => (Some(t), "MemTotal"),
+        (None, c) => (c, "the cgroup's memory limit"),
+    }
+}
+
+/// The memory limit of this process's cgroup, if one is set and readable.
+fn cgroup_memory_limit() -> Option<u64> {
+    let groups = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+    let mut candidates = Vec::new();
+    for line in groups.lines() {
+        let mut parts = line.splitn(3, ':');
+        let (_, controllers, path) = (parts.next()?, parts.next()?, parts.next()?);
+        let path = path.trim_start_matches('/');
+        if controllers.is_empty() {
+            candidates.push(format!("/sys/fs/cgroup/{path}/memory.max"));
+            candidates.push("/sys/fs/cgroup/memory.max".into());
+        } else if controllers.split(',').any(|c| c == "memory") {
+            candidates.push(format!(
+                "/sys/fs/cgroup/memory/{path}/memory.limit_in_bytes"
+            ));
+            candidates.push("/sys/fs/cgroup/memory/memory.limit_in_bytes".into());
+        }
+    }
+    candidates.iter().find_map(|p| {
+        let text = std::fs::read_to_string(p).ok()?;
+        // "max" (v2) or a page-rounded i64::MAX (v1): no limit.
+        text.trim().parse::<u64>().ok().filter(|&n| n < (1 << 60))
+    })
+}
+
 /// Raises the soft limit on open descriptors to the hard limit: each live
 /// same-node segment keeps one open. Logs, and goes on, if it cannot.
 pub fn raise_nofile() {

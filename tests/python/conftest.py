@@ -27,8 +27,11 @@ def stowd(stowd_bin, tmp_path_factory):
     """One stowd with the default configuration for the whole session:
     2 local units, a router endpoint over them, the native endpoint.
     Yields the parsed endpoints file (a dict; see stowd_harness.Stowd).
-    Tests sharing it use disjoint global indexes (stowd_harness.fresh_indexes)."""
-    with run_stowd(tmp_path_factory.mktemp("stowd-default"), name="stowd-default") as server:
+    Tests sharing it use disjoint global indexes (stowd_harness.fresh_indexes).
+    Its units are unbounded (`memory_percent = 0`), as TransferQueue's are
+    by default: the fixture comparisons expect a capacity of None."""
+    with run_stowd(tmp_path_factory.mktemp("stowd-default"), config="[units]\nmemory_percent = 0\n",
+                   name="stowd-default") as server:
         yield server
 
 
@@ -42,8 +45,10 @@ def stowd_small(stowd_bin, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def fresh_stowd(stowd_bin, tmp_path_factory):
-    """A default stowd private to one test module (for exact counters)."""
-    with run_stowd(tmp_path_factory.mktemp("stowd-fresh"), name="stowd-fresh") as server:
+    """A default stowd private to one test module (for exact counters), its
+    units unbounded like `stowd`'s (the fixtures expect a capacity of None)."""
+    with run_stowd(tmp_path_factory.mktemp("stowd-fresh"), config="[units]\nmemory_percent = 0\n",
+                   name="stowd-fresh") as server:
         yield server
 
 

@@ -18,7 +18,8 @@ from tq_codec import TQClient, assert_cells_equal, expected_rows
 
 @pytest.fixture(scope="module")
 def stowd_a(stowd_bin, tmp_path_factory):
-    with run_stowd(tmp_path_factory.mktemp("stowd-a"), name="stowd-a") as a:
+    # Unbounded units (not the default memory bound): the capacity test below.
+    with run_stowd(tmp_path_factory.mktemp("stowd-a"), config="[units]\nmemory_percent = 0\n", name="stowd-a") as a:
         yield a
 
 

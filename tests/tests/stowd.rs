@@ -190,7 +190,13 @@ async fn tq_round_trip(client: &TqClient, id: &str) {
 
     let m = client.metrics().await;
     assert_eq!(m.storage_unit_id, id);
-    assert_eq!(m.capacity, None, "no capacity configured");
+    // No capacity configured: the default memory bound ([units] memory_percent).
+    let (each, _) = stowage_host::config::UnitsConfig::default().unit_capacity();
+    let each = each.expect("the default bound is a bound");
+    assert!(
+        m.capacity == Some(each) || m.capacity == Some(2 * each),
+        "the default memory bound, per unit ({each}) or over the router's two: {m:?}"
+    );
     assert_eq!(
         m.active_keys, 4,
         "active keys (global indexes stored): {m:?}"

@@ -74,8 +74,18 @@ pub struct UnitsConfig {
     /// First port of the units' endpoints; unit i binds `port_base + i`
     /// (0: the OS picks every port).
     pub port_base: u16,
-    /// Capacity of each unit in bytes (0: unlimited).
+    /// Capacity of each unit in bytes (0: the default bound,
+    /// `memory_percent`).
     pub capacity_bytes: u64,
+    /// With `capacity_bytes` 0: the local units together hold at most this
+    /// percentage of the memory stowd may use (`memory_bytes`), split evenly
+    /// between them; a put past it is refused with a capacity error, so a
+    /// job that forgets to clear is refused rather than OOM-killed with
+    /// every row. 0: unlimited.
+    pub memory_percent: u32,
+    /// The memory `memory_percent` is a share of, bytes; 0: the machine's
+    /// (`MemTotal`), or the memory limit of stowd's cgroup if lower.
+    pub memory_bytes: u64,
 }
 
 impl Default for UnitsConfig {
@@ -84,7 +94,40 @@ impl Default for UnitsConfig {
             local: 2,
             port_base: 0,
             capacity_bytes: 0,
+            memory_percent: 50,
+            memory_bytes: 0,
         }
+    }
+}
+
+impl UnitsConfig {
+    /// The capacity of each local unit: `capacity_bytes`, else its share
+    /// of the default bound (None: unlimited), and where the bound came
+    /// from (for the log).
+    pub fn unit_capacity(&self) -> (Option<u64>, String) {
+        if self.capacity_bytes > 0 {
+            return (Some(self.capacity_bytes), "[units] capacity_bytes".into());
+        }
+        if self.memory_percent == 0 {
+            return (None, "[units] memory_percent = 0: unlimited".into());
+        }
+        let (memory, source) = match self.memory_bytes {
+            0 => crate::sys::memory_limit(),
+            n => (Some(n), "[units] memory_bytes"),
+        };
+        let Some(memory) = memory else {
+            return (None, "memory size unknown: unlimited".into());
+        };
+        let total = (u128::from(memory) * u128::from(self.memory_percent) / 100) as u64;
+        let each = total / u64::from(self.local.max(1));
+        (
+            Some(each.max(1)),
+            format!(
+                "{}% of {memory} bytes ({source}) over {} units",
+                self.memory_percent,
+                self.local.max(1)
+            ),
+        )
     }
 }
 
@@ -410,6 +453,12 @@ pub enum Invalid {
         value: u64,
         min: &'static str,
     },
+    #[error("{key} is {value}, it must be at most {max}")]
+    TooLarge {
+        key: String,
+        value: u64,
+        max: &'static str,
+    },
     #[error("chain {pattern:?}: backoff_max_ms ({max}) is below backoff_ms ({initial})")]
     Backoff {
         pattern: String,
@@ -462,6 +511,13 @@ impl Config {
     fn check(&self) -> Result<(), Invalid> {
         if self.units.local == 0 && self.router.units.is_empty() {
             return Err(Invalid::NoUnits);
+        }
+        if self.units.memory_percent > 100 {
+            return Err(Invalid::TooLarge {
+                key: "units.memory_percent".into(),
+                value: u64::from(self.units.memory_percent),
+                max: "100",
+            });
         }
         for u in &self.router.units {
             match u.strip_prefix("local:") {

@@ -250,7 +250,8 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
     let tq_extra_on = config.metrics.tq_extra;
     let host = &config.server.host;
     let pid = std::process::id();
-    let capacity = (config.units.capacity_bytes > 0).then_some(config.units.capacity_bytes);
+    let (capacity, bound) = config.units.unit_capacity();
+    tracing::info!(capacity_per_unit = ?capacity, "unit capacity: {bound}");
     let transport_limits = config.limits.transport_limits();
     open_files_limit(&config, transport_limits.max_connections);
     let tq_limits = crate::wire::tq::Limits {

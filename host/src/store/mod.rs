@@ -42,7 +42,8 @@ pub enum StoreError {
         field: String,
     },
     #[error(
-        "unit {unit} is full: the put needs {needed} more bytes, {free} of {capacity} are free"
+        "unit {unit} is full: the put needs {needed} more bytes, {free} of {capacity} are free \
+         (bound by [units] capacity_bytes, or by default by [units] memory_percent)"
     )]
     Capacity {
         unit: String,
