@@ -300,3 +300,46 @@ fn channels_are_private_and_carry_many_descriptors_to_their_token_only() {
     });
     let _ = std::fs::remove_dir_all(&parent);
 }
+
+#[test]
+fn channels_past_the_limit_and_clients_that_write_are_closed() {
+    let parent = std::env::temp_dir().join(format!("stowage-chan-limit-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&parent);
+    let rt = runtime();
+    rt.block_on(async {
+        let (channels, listener) = Channels::bind(&parent, 2, Duration::from_secs(5)).unwrap();
+        let (_tx, rx) = tokio::sync::watch::channel(false);
+        tokio::spawn(channels.clone().serve(listener, rx));
+        let path = channels.path().to_path_buf();
+        let open =
+            |path: std::path::PathBuf| tokio::task::spawn_blocking(move || channel::connect(&path));
+        let (a, ta) = open(path.clone()).await.unwrap().unwrap();
+        let (_b, tb) = open(path.clone()).await.unwrap().unwrap();
+        while channels.len() < 2 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        // A third is closed before its greeting.
+        let third = open(path.clone()).await.unwrap();
+        assert!(third.is_err(), "a channel past the limit was greeted");
+        assert_eq!(channels.len(), 2);
+        // A client that writes on its channel ends it; the other stays.
+        (&a).write_all(b"x").unwrap();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while channels.is_open(&ta) {
+            assert!(
+                Instant::now() < deadline,
+                "a channel its client wrote on stayed open"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert!(channels.is_open(&tb));
+        assert!(matches!(
+            channels.send(&ta, 1, &[], &[]).await,
+            Err(ShmError::UnknownChannel(_))
+        ));
+        // Room again for a new one.
+        let (_c, tc) = open(path).await.unwrap().unwrap();
+        assert_ne!(tc, ta);
+    });
+    let _ = std::fs::remove_dir_all(&parent);
+}

@@ -646,3 +646,51 @@ fn a_packed_frame_of_rows_back_to_back_in_one_buffer_is_that_buffer() {
         (1, reply)
     );
 }
+
+#[test]
+fn a_channel_token_must_be_a_short_string() {
+    let request = Request {
+        id: 5,
+        op: Op::Channel,
+    };
+    let frames = encode_request(&request).unwrap();
+    // The channel op and its reply round-trip.
+    assert_eq!(decode(&frames).unwrap(), request);
+    let reply = encode_reply(
+        5,
+        &Reply::ChannelOk {
+            path: "/dev/shm/x/sock".into(),
+        },
+    )
+    .unwrap();
+    assert!(matches!(
+        decode_reply(&reply, &Limits::default()).unwrap().1,
+        Reply::ChannelOk { .. }
+    ));
+    let with = |token: &str| {
+        with_extras(
+            &frames[0],
+            &Extras {
+                channel: Some(token.into()),
+                ..Extras::default()
+            },
+        )
+        .unwrap()
+    };
+    let ok = decode_extras(&with(&"a".repeat(64)), &Limits::default()).unwrap();
+    assert_eq!(ok.channel.as_deref(), Some("a".repeat(64).as_str()));
+    // The request itself still decodes with the key in its envelope.
+    assert_eq!(decode(&[with("abc")]).unwrap(), request);
+    for bad in [String::new(), "a".repeat(65)] {
+        let err = decode_extras(&with(&bad), &Limits::default()).expect_err("refused");
+        assert_eq!(err.code(), code::BAD_REQUEST, "{err}");
+    }
+    // A body for `channel` is refused.
+    let err = decode(&[Bytes::from_static(&[
+        0x84, 0xa5, b'p', b'r', b'o', b't', b'o', 0xa9, b's', b't', b'o', b'w', b'a', b'g', b'e',
+        b'/', b'1', 0xa2, b'o', b'p', 0xa7, b'c', b'h', b'a', b'n', b'n', b'e', b'l', 0xa2, b'i',
+        b'd', 0x01, 0xa4, b'b', b'o', b'd', b'y', 0x81, 0xa1, b'x', 0x01,
+    ])])
+    .expect_err("a channel body with a key");
+    assert_eq!(err.code(), code::BAD_REQUEST, "{err}");
+}
