@@ -150,6 +150,11 @@ def native_seeds():
             f32(1, 2),
         ],
         "get_same_node": [env("get", 11, {"global_indexes": [0], "fields": ["x"]}, same_node=True)],
+        "get_same_node_channel": [env("get", 13, {"global_indexes": [0], "fields": ["x"]}, same_node=True,
+                                      channel="0123456789abcdef0123456789abcdef")],
+        "lease_channel": [env("lease", 14, {"bytes": 4096}, channel="0123456789abcdef0123456789abcdef")],
+        "channel": [env("channel", 15, {})],
+        "channel_ok": [env("channel_ok", 15, {"path": "/dev/shm/stowd-1-0123456789abcdef/sock"})],
     }
     # A regular [1, 2] and a nested field of every dtype, all in one frame.
     fields, blob = {}, b""
