@@ -61,9 +61,9 @@ pub fn fs_size(path: &std::path::Path) -> Option<u64> {
     Some(blocks.saturating_mul(frsize))
 }
 
-/// Bytes of memory `memfd` segments may take at most: the machine's
-/// `MemTotal` (`/proc/meminfo`), `None` if it cannot be read.
-pub fn shm_size() -> Option<u64> {
+/// The machine's memory, `MemTotal` (`/proc/meminfo`); `None` if it cannot
+/// be read. (Also the most `memfd` segments can take.)
+pub fn mem_total() -> Option<u64> {
     let info = std::fs::read_to_string("/proc/meminfo").ok()?;
     let line = info.lines().find(|l| l.starts_with("MemTotal:"))?;
     let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
@@ -74,7 +74,7 @@ pub fn shm_size() -> Option<u64> {
 /// cgroup's limit when lower (v2 `memory.max`, v1
 /// `memory.limit_in_bytes`), and which it is.
 pub fn memory_limit() -> (Option<u64>, &'static str) {
-    let total = shm_size();
+    let total = mem_total();
     let cgroup = cgroup_memory_limit();
     match (total, cgroup) {
         (Some(t), Some(c)) if c < t => (Some(c), "the cgroup's memory limit"),

@@ -617,13 +617,7 @@ pub fn decode_extras(frame0: &[u8], limits: &Limits) -> Result<Extras, Error> {
 /// map has one more entry. `frame0` must come from [`encode_reply`] or
 /// [`encode_request`].
 pub fn with_segments(frame0: &[u8], segments: &[(String, u64, u64)]) -> Result<Bytes, Error> {
-    encode::with_extras(
-        frame0,
-        &Extras {
-            segments: Some(segments.to_vec()),
-            ..Extras::default()
-        },
-    )
+    encode::with_keys(frame0, Some(segments), false, None)
 }
 
 /// Frame 0 with the keys `extras` sets added to its envelope (see

@@ -356,7 +356,7 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
             config.shm.max_lease_bytes,
         );
         let quota = match config.shm.max_leased_bytes {
-            0 => crate::sys::shm_size().unwrap_or(u64::MAX),
+            0 => crate::sys::mem_total().unwrap_or(u64::MAX),
             n => n,
         };
         let per_connection = match config.shm.max_connection_leased_bytes {

@@ -130,10 +130,10 @@ impl NativeService {
             Some(f0) => native::decode_extras(f0, &self.limits),
             None => Ok(native::Extras::default()),
         };
-        let (id, answer, same_node) = match extras {
-            Err(e) => (fallback_id, errors::native_decode(&e).into(), None),
+        let (id, answer) = match extras {
+            Err(e) => (fallback_id, errors::native_decode(&e).into()),
             Ok(extras) => match self.received(connection, frames, &extras) {
-                Err(reply) => (fallback_id, reply.into(), None),
+                Err(reply) => (fallback_id, reply.into()),
                 Ok((frames, received)) => match native::decode_request(&frames, &self.limits) {
                     Ok(req) => {
                         op = req.op.name();
@@ -141,23 +141,20 @@ impl NativeService {
                         span.record("id", req.id)
                             .record("op", op)
                             .record("rows", op_rows(&req.op));
-                        let channel = extras.channel.as_deref();
                         (
                             req.id,
                             self.answer(req.id, req.op, &extras, &received, connection)
                                 .await,
-                            extras.same_node.then(|| channel.map(str::to_owned)),
                         )
                     }
-                    Err(e) => (fallback_id, errors::native_decode(&e).into(), None),
+                    Err(e) => (fallback_id, errors::native_decode(&e).into()),
                 },
             },
         };
         let (encoded, outcome) = match answer {
-            Answer::Get(get) => match self.encode_get(id, get, same_node.is_some()) {
-                Ok((frames, handles)) if !handles.is_empty() => {
+            Answer::Get(get) => match self.encode_get(id, get) {
+                Ok((frames, Some((token, handles)))) => {
                     // Descriptors first, so they are there when the reply is.
-                    let token = same_node.flatten().unwrap_or_default();
                     match self.send_fds(&token, id, &handles).await {
                         Ok(()) => (Ok(frames), Outcome::Ok),
                         Err(reply) => (
@@ -310,6 +307,7 @@ impl NativeService {
                     reply: native::Reply::GetOk { fields: out },
                     nested_runs,
                     places,
+                    channel: extras.channel.clone().filter(|_| same_node),
                 })
             }
             native::Op::Lease { bytes } => self.lease(id, bytes, extras, connection).await.into(),

@@ -504,6 +504,21 @@ fn descriptor(w: &mut Writer, field: &WireField, locs: &[Loc]) -> Result<(), Err
 /// Frame 0 plus the shared-memory keys `extras` sets (`segments`,
 /// `same_node`, `channel`) in its envelope map (4 -> 5 to 7 entries).
 pub(super) fn with_extras(frame0: &[u8], extras: &Extras) -> Result<Bytes, Error> {
+    with_keys(
+        frame0,
+        extras.segments.as_deref(),
+        extras.same_node,
+        extras.channel.as_deref(),
+    )
+}
+
+/// [`with_extras`] from borrowed parts (a reply's segments are not copied).
+pub(super) fn with_keys(
+    frame0: &[u8],
+    segments: Option<&[(String, u64, u64)]>,
+    same_node: bool,
+    channel: Option<&str>,
+) -> Result<Bytes, Error> {
     // `envelope` always writes a fixmap of 4 entries first.
     if frame0.first() != Some(&0x84) {
         return Err(Error::Layout(
@@ -512,7 +527,7 @@ pub(super) fn with_extras(frame0: &[u8], extras: &Extras) -> Result<Bytes, Error
     }
     let mut w = Writer::new();
     let mut keys = 0u8;
-    if let Some(segments) = &extras.segments {
+    if let Some(segments) = segments {
         keys += 1;
         w.str("segments");
         w.array(segments.len());
@@ -523,12 +538,12 @@ pub(super) fn with_extras(frame0: &[u8], extras: &Extras) -> Result<Bytes, Error
             w.uint(*len);
         }
     }
-    if extras.same_node {
+    if same_node {
         keys += 1;
         w.str("same_node");
         w.bool(true);
     }
-    if let Some(channel) = &extras.channel {
+    if let Some(channel) = channel {
         keys += 1;
         w.str("channel");
         w.str(channel);

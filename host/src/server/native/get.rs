@@ -182,7 +182,13 @@ pub(super) struct GetReply {
     pub(super) reply: native::Reply,
     pub(super) nested_runs: Vec<Vec<(u64, u64)>>,
     pub(super) places: Places,
+    /// For a same-node reader: the token of the channel its segments'
+    /// descriptors go over.
+    pub(super) channel: Option<String>,
 }
+
+/// A same-node reply's descriptors: the channel's token and the segments.
+pub(super) type Descriptors = (String, Vec<Handle>);
 
 impl NativeService {
     /// The frame layout of a get_ok: per field, the packing chain groups the
@@ -261,26 +267,29 @@ impl NativeService {
     /// chain from the runs; for a same-node reader, one whole segment per
     /// frame, named in frame 0 instead of sent, with the segments whose
     /// descriptors the reader gets (each once, in order of first mention).
+    /// Returns the frames, and for a same-node reader its channel's token
+    /// and the segments whose descriptors go over it (none if every frame
+    /// is empty).
     pub(super) fn encode_get(
         &self,
         id: u64,
         get: GetReply,
-        same_node: bool,
-    ) -> Result<(Vec<Bytes>, Vec<Handle>), EncodeError> {
+    ) -> Result<(Vec<Bytes>, Option<Descriptors>), EncodeError> {
         let GetReply {
             reply,
             nested_runs,
             places,
+            channel,
         } = get;
-        if !same_node {
+        let Some(channel) = channel else {
             let native::Reply::GetOk { fields } = &reply else {
                 unreachable!("a get reply is a get_ok")
             };
             let layout = self.layout(fields, &nested_runs);
             let frames =
                 native::encode_reply_joined(id, &reply, &layout, &|p, l| places.span(p, l))?;
-            return Ok((frames, Vec::new()));
-        }
+            return Ok((frames, None));
+        };
         let frames = native::encode_reply_enclosed(id, &reply, &|b| places.enclose(b))?;
         let mut segments = Vec::with_capacity(frames.len().saturating_sub(1));
         let mut handles: Vec<Handle> = Vec::new();
@@ -297,6 +306,7 @@ impl NativeService {
             }
         }
         let frame0 = native::with_segments(&frames[0], &segments)?;
-        Ok((vec![frame0], handles))
+        let fds = (!handles.is_empty()).then_some((channel, handles));
+        Ok((vec![frame0], fds))
     }
 }
