@@ -14,7 +14,7 @@ pub mod bindings {
     #![allow(missing_docs, clippy::all)]
     wit_bindgen::generate!({
         world: "policy",
-        path: "../wit/since_v0.1.0",
+        path: "../wit/since_v0.2.0",
         pub_export_macro: true,
         export_macro_name: "__stowage_export",
         default_bindings_module: "stowage_guest::__private::bindings",
@@ -35,16 +35,33 @@ impl<P: Policy> meta::Guest for Export<P> {
 
 impl<P: Policy> selection::Guest for Export<P> {
     fn select(
-        field: &wt::Tensor,
-        positions: Vec<u64>,
-    ) -> Result<selection::SelectionPlan, wt::PolicyError> {
-        let field = HostField(field);
-        match P::select(&field, &positions) {
-            Ok(plan) => Ok(selection::SelectionPlan {
-                pieces: plan.pieces.into_iter().map(Into::into).collect(),
-            }),
-            Err(e) => Err(e.into()),
-        }
+        fields: &wt::Fields,
+        layouts: Vec<wt::Layout>,
+        requests: Vec<selection::SelectRequest>,
+    ) -> Vec<Result<selection::SelectionPlan, wt::PolicyError>> {
+        requests
+            .into_iter()
+            .map(|request| {
+                let Some(layout) = layouts.get(request.field as usize) else {
+                    return Err(wt::PolicyError::InvalidInput(format!(
+                        "field number {} of {} fields",
+                        request.field,
+                        layouts.len()
+                    )));
+                };
+                let field = HostField {
+                    fields,
+                    index: request.field,
+                    layout,
+                };
+                match P::select(&field, &request.positions) {
+                    Ok(plan) => Ok(selection::SelectionPlan {
+                        pieces: plan.pieces.into_iter().map(Into::into).collect(),
+                    }),
+                    Err(e) => Err(e.into()),
+                }
+            })
+            .collect()
     }
 }
 
@@ -74,64 +91,92 @@ impl<P: Policy> packing::Guest for Export<P> {
     }
 }
 
-/// The borrowed `tensor` handle of the current call.
-struct HostField<'a>(&'a wt::Tensor);
+/// One field of the current call: its layout, and the borrowed `fields`
+/// handle for its rows and bytes.
+struct HostField<'a> {
+    fields: &'a wt::Fields,
+    index: u32,
+    layout: &'a wt::Layout,
+}
 
 impl Field for HostField<'_> {
     fn kind(&self) -> FieldKind {
-        match self.0.kind() {
+        match self.layout.kind {
             wt::FieldKind::Regular => FieldKind::Regular,
             wt::FieldKind::Nested => FieldKind::Nested,
             wt::FieldKind::Values => FieldKind::Values,
         }
     }
     fn dtype(&self) -> Dtype {
-        use wt::Dtype as W;
-        match self.0.dtype() {
-            W::Bool => Dtype::Bool,
-            W::Uint8 => Dtype::Uint8,
-            W::Int8 => Dtype::Int8,
-            W::Int16 => Dtype::Int16,
-            W::Uint16 => Dtype::Uint16,
-            W::Int32 => Dtype::Int32,
-            W::Uint32 => Dtype::Uint32,
-            W::Int64 => Dtype::Int64,
-            W::Uint64 => Dtype::Uint64,
-            W::Float16 => Dtype::Float16,
-            W::Bfloat16 => Dtype::Bfloat16,
-            W::Float32 => Dtype::Float32,
-            W::Float64 => Dtype::Float64,
-            W::Complex64 => Dtype::Complex64,
-            W::Complex128 => Dtype::Complex128,
-        }
+        from_wit_dtype(self.layout.dtype)
     }
     fn shape(&self) -> Vec<u64> {
-        self.0.shape()
+        self.layout.shape.clone()
     }
     fn strides(&self) -> Vec<i64> {
-        self.0.strides()
+        self.layout.strides.clone()
     }
     fn rows(&self) -> u64 {
-        self.0.rows()
+        self.layout.rows
     }
     fn byte_len(&self) -> u64 {
-        self.0.byte_len()
+        self.layout.byte_len
     }
     fn row_shapes(&self) -> Vec<Vec<u64>> {
-        self.0.row_shapes()
+        self.fields.row_shapes(self.index)
     }
     fn row_byte_lens(&self) -> Vec<u64> {
-        self.0.row_byte_lens()
+        self.fields.row_byte_lens(self.index)
     }
     fn read_cap(&self) -> u64 {
-        self.0.read_cap()
+        self.layout.read_cap
     }
     fn read(&self, offset: u64, len: u64) -> Result<Vec<u8>, ReadError> {
-        self.0.read(offset, len).map_err(|e| match e {
-            wt::ReadError::OutOfRange => ReadError::OutOfRange,
-            wt::ReadError::OverCap(cap) => ReadError::OverCap(cap),
-        })
+        self.fields
+            .read(self.index, offset, len)
+            .map_err(|e| match e {
+                wt::ReadError::OutOfRange => ReadError::OutOfRange,
+                wt::ReadError::OverCap(cap) => ReadError::OverCap(cap),
+            })
     }
+}
+
+/// The WIT dtypes, in the order of [`Dtype::ALL`] (the WIT enum's order).
+const WIT_DTYPES: [wt::Dtype; 22] = {
+    use wt::Dtype as W;
+    [
+        W::Bool,
+        W::Uint8,
+        W::Int8,
+        W::Int16,
+        W::Uint16,
+        W::Int32,
+        W::Uint32,
+        W::Int64,
+        W::Uint64,
+        W::Float16,
+        W::Bfloat16,
+        W::Float32,
+        W::Float64,
+        W::Complex64,
+        W::Complex128,
+        W::Complex32,
+        W::Float8E4m3fn,
+        W::Float8E4m3fnuz,
+        W::Float8E5m2,
+        W::Float8E5m2fnuz,
+        W::Float8E8m0fnu,
+        W::Float4E2m1fnX2,
+    ]
+};
+
+fn from_wit_dtype(d: wt::Dtype) -> Dtype {
+    Dtype::ALL[d as usize]
+}
+
+fn to_wit_dtype(d: Dtype) -> wt::Dtype {
+    let i = Dtype::ALL.iter().position(|&x| x == d).unwrap_or(0);
+    WIT_DTYPES[i]
 }
 
 impl From<Description> for wt::Description {
@@ -157,6 +202,8 @@ impl From<Description> for wt::Description {
                     FieldKind::Values => wt::FieldKind::Values,
                 })
                 .collect(),
+            dtypes: d.dtypes.into_iter().map(to_wit_dtype).collect(),
+            pure: d.pure,
         }
     }
 }

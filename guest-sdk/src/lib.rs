@@ -71,8 +71,8 @@ pub mod testing;
 /// what a policy describes, receives and answers. The host validates every
 /// plan with the same `stowage-plan` rules [`testing`] applies.
 pub use stowage_plan::{
-    Capability, Description, FieldKind, Frame, FramePlan, PackLimits, Piece, PieceInfo, RowView,
-    SelectionPlan,
+    Capability, Description, Dtype, FieldKind, Frame, FramePlan, PackLimits, Piece, PieceInfo,
+    RowView, SelectionPlan,
 };
 
 #[cfg(target_arch = "wasm32")]
@@ -82,54 +82,6 @@ pub mod __private;
 /// Default "small piece" threshold for packing policies when
 /// [`PackLimits::small_threshold`] is 0: 64 KiB.
 pub const DEFAULT_SMALL_THRESHOLD: u64 = 64 * 1024;
-
-/// Element type of a tensor; names follow torch.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Dtype {
-    /// `torch.bool`, one byte.
-    Bool,
-    /// `torch.uint8`.
-    Uint8,
-    /// `torch.int8`.
-    Int8,
-    /// `torch.int16`.
-    Int16,
-    /// `torch.uint16`.
-    Uint16,
-    /// `torch.int32`.
-    Int32,
-    /// `torch.uint32`.
-    Uint32,
-    /// `torch.int64`.
-    Int64,
-    /// `torch.uint64`.
-    Uint64,
-    /// `torch.float16`.
-    Float16,
-    /// `torch.bfloat16`.
-    Bfloat16,
-    /// `torch.float32`.
-    Float32,
-    /// `torch.float64`.
-    Float64,
-    /// `torch.complex64` (two `float32`).
-    Complex64,
-    /// `torch.complex128` (two `float64`).
-    Complex128,
-}
-
-impl Dtype {
-    /// Bytes per element.
-    pub const fn size(self) -> u64 {
-        match self {
-            Dtype::Bool | Dtype::Uint8 | Dtype::Int8 => 1,
-            Dtype::Int16 | Dtype::Uint16 | Dtype::Float16 | Dtype::Bfloat16 => 2,
-            Dtype::Int32 | Dtype::Uint32 | Dtype::Float32 => 4,
-            Dtype::Int64 | Dtype::Uint64 | Dtype::Float64 | Dtype::Complex64 => 8,
-            Dtype::Complex128 => 16,
-        }
-    }
-}
 
 /// How a policy declines or fails.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -10,9 +10,11 @@
 //! host, and a fault reads the same [`PlanError`] message wherever it is
 //! found. The `plan_validate` fuzz target drives them too.
 //!
-//! The types mirror the WIT contract `stowage:policy@0.1.0`
-//! (`wit/since_v0.1.0/policy.wit`); the guest SDK re-exports them and the host converts
-//! its wit-bindgen values into them.
+//! The types mirror the WIT contract `stowage:policy@0.2.0`
+//! (`wit/since_v0.2.0/policy.wit`; 0.1.0 is the same less the seven newer
+//! dtypes and [`Description::dtypes`] and [`Description::pure`]); the guest
+//! SDK re-exports them and the host converts its wit-bindgen values into
+//! them.
 //!
 //! ```
 //! use stowage_plan::{
@@ -73,6 +75,117 @@ impl std::fmt::Display for FieldKind {
     }
 }
 
+/// Element type of a tensor (WIT `dtype`); names follow torch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Dtype {
+    /// `torch.bool`, one byte.
+    Bool,
+    /// `torch.uint8`.
+    Uint8,
+    /// `torch.int8`.
+    Int8,
+    /// `torch.int16`.
+    Int16,
+    /// `torch.uint16`.
+    Uint16,
+    /// `torch.int32`.
+    Int32,
+    /// `torch.uint32`.
+    Uint32,
+    /// `torch.int64`.
+    Int64,
+    /// `torch.uint64`.
+    Uint64,
+    /// `torch.float16`.
+    Float16,
+    /// `torch.bfloat16`.
+    Bfloat16,
+    /// `torch.float32`.
+    Float32,
+    /// `torch.float64`.
+    Float64,
+    /// `torch.complex64`.
+    Complex64,
+    /// `torch.complex128`.
+    Complex128,
+    /// `torch.complex32`: two float16 (since contract 0.2.0).
+    Complex32,
+    /// `torch.float8_e4m3fn` (since 0.2.0).
+    Float8E4m3fn,
+    /// `torch.float8_e4m3fnuz` (since 0.2.0).
+    Float8E4m3fnuz,
+    /// `torch.float8_e5m2` (since 0.2.0).
+    Float8E5m2,
+    /// `torch.float8_e5m2fnuz` (since 0.2.0).
+    Float8E5m2fnuz,
+    /// `torch.float8_e8m0fnu`, an 8-bit exponent (since 0.2.0).
+    Float8E8m0fnu,
+    /// `torch.float4_e2m1fn_x2`: two 4-bit floats in one byte; the shape
+    /// counts bytes (since 0.2.0).
+    Float4E2m1fnX2,
+}
+
+impl Dtype {
+    /// Every dtype, in WIT order.
+    pub const ALL: [Dtype; 22] = [
+        Dtype::Bool,
+        Dtype::Uint8,
+        Dtype::Int8,
+        Dtype::Int16,
+        Dtype::Uint16,
+        Dtype::Int32,
+        Dtype::Uint32,
+        Dtype::Int64,
+        Dtype::Uint64,
+        Dtype::Float16,
+        Dtype::Bfloat16,
+        Dtype::Float32,
+        Dtype::Float64,
+        Dtype::Complex64,
+        Dtype::Complex128,
+        Dtype::Complex32,
+        Dtype::Float8E4m3fn,
+        Dtype::Float8E4m3fnuz,
+        Dtype::Float8E5m2,
+        Dtype::Float8E5m2fnuz,
+        Dtype::Float8E8m0fnu,
+        Dtype::Float4E2m1fnX2,
+    ];
+
+    /// Bytes per element (per packed pair for `Float4E2m1fnX2`).
+    pub const fn size(self) -> u64 {
+        match self {
+            Dtype::Bool
+            | Dtype::Uint8
+            | Dtype::Int8
+            | Dtype::Float8E4m3fn
+            | Dtype::Float8E4m3fnuz
+            | Dtype::Float8E5m2
+            | Dtype::Float8E5m2fnuz
+            | Dtype::Float8E8m0fnu
+            | Dtype::Float4E2m1fnX2 => 1,
+            Dtype::Int16 | Dtype::Uint16 | Dtype::Float16 | Dtype::Bfloat16 => 2,
+            Dtype::Int32 | Dtype::Uint32 | Dtype::Float32 | Dtype::Complex32 => 4,
+            Dtype::Int64 | Dtype::Uint64 | Dtype::Float64 | Dtype::Complex64 => 8,
+            Dtype::Complex128 => 16,
+        }
+    }
+
+    /// True for the 15 dtypes contract 0.1.0 names.
+    pub const fn in_v0_1(self) -> bool {
+        !matches!(
+            self,
+            Dtype::Complex32
+                | Dtype::Float8E4m3fn
+                | Dtype::Float8E4m3fnuz
+                | Dtype::Float8E5m2
+                | Dtype::Float8E5m2fnuz
+                | Dtype::Float8E8m0fnu
+                | Dtype::Float4E2m1fnX2
+        )
+    }
+}
+
 /// What selection is planned for: the kind of the field and its number of
 /// rows. The rules need nothing else of the field (no bytes, no shapes).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -112,8 +225,13 @@ pub struct Description {
     /// Which interfaces it implements for real (the others answer
     /// `not-applicable`).
     pub capabilities: Vec<Capability>,
-    /// Field kinds it handles.
+    /// Field kinds it handles (empty: every kind).
     pub kinds: Vec<FieldKind>,
+    /// Element types it handles (empty: every dtype; contract 0.2.0).
+    pub dtypes: Vec<Dtype>,
+    /// True if `select` decides from layout and positions alone and never
+    /// reads content: the host may memoize its answers (contract 0.2.0).
+    pub pure: bool,
 }
 
 impl Description {
@@ -132,7 +250,33 @@ impl Description {
             summary: summary.into(),
             capabilities: Vec::new(),
             kinds: Vec::new(),
+            dtypes: Vec::new(),
+            pure: false,
         }
+    }
+
+    /// Adds a handled dtype (once). With none listed, every dtype is
+    /// handled.
+    pub fn with_dtype(mut self, dtype: Dtype) -> Self {
+        if !self.dtypes.contains(&dtype) {
+            self.dtypes.push(dtype);
+        }
+        self
+    }
+
+    /// Declares that only fields of these dtypes are handled: the host
+    /// does not ask about others.
+    pub fn for_dtypes(self, dtypes: &[Dtype]) -> Self {
+        dtypes.iter().fold(self, |d, &t| d.with_dtype(t))
+    }
+
+    /// Declares the policy pure: `select` decides from the field's layout
+    /// and the positions alone and never calls `read` (a `read` then
+    /// traps), so the host may answer a request it has seen before from
+    /// memory, without a call.
+    pub fn pure(mut self) -> Self {
+        self.pure = true;
+        self
     }
 
     /// Adds a capability (once).

@@ -50,6 +50,15 @@ pub fn plugin(name: &str) -> PathBuf {
     plugin_dir().join(format!("{name}.wasm"))
 }
 
+/// Path of a plugin built against `stowage:policy@0.1.0` before the SDK
+/// moved to 0.2.0, kept as a fixture (`tests/fixtures/policy-0.1.0`:
+/// `runs` and `single-row`).
+pub fn plugin_v0_1(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("fixtures/policy-0.1.0")
+        .join(format!("{name}.wasm"))
+}
+
 /// Path of one hostile test plugin.
 pub fn hostile(name: &str) -> PathBuf {
     let path = plugin_dir().join("hostile").join(format!("{name}.wasm"));

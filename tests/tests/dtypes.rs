@@ -145,17 +145,23 @@ async fn every_dtype_is_stored_and_served_byte_for_byte_on_both_protocols() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_0_1_0_plugin_is_skipped_for_dtypes_its_contract_cannot_name() {
-    // One plugin, and `reject`: had the plugin been entered and faulted on
-    // a dtype it cannot name, the put would fail instead of being answered.
+    // One plugin, built against 0.1.0 (the kept fixture), and `reject`: had
+    // the plugin been entered and faulted on a dtype it cannot name, the
+    // put would fail instead of being answered.
+    let dir = stowage_tests::temp_dir("dtypes-v0-1");
+    std::fs::copy(stowage_tests::plugin_v0_1("runs"), dir.join("runs.wasm")).unwrap();
     let port = stowage_tests::free_port();
-    let stowd = Stowd::start(&format!(
-        "[metrics]\nport = {port}\n\n[[chain]]\npattern = \"*\"\nselect = [\"constant-stride\"]\nfail = \"reject\"\n"
-    ));
+    let stowd = Stowd::start_with_plugins(
+        &dir,
+        &format!(
+            "[metrics]\nport = {port}\n\n[[chain]]\npattern = \"*\"\nselect = [\"runs\"]\nfail = \"reject\"\n"
+        ),
+    );
     let url = stowd.endpoints.metrics.clone().expect("metrics endpoint");
     let calls = || {
         prom::scrape(&url).value_or_zero(
             "stowd_plugin_calls_total",
-            &[("plugin", "constant-stride"), ("version", "0.1.0")],
+            &[("plugin", "runs"), ("version", "0.1.0")],
         )
     };
     let native = NativeClient::new(stowd.native());
@@ -184,7 +190,7 @@ async fn a_0_1_0_plugin_is_skipped_for_dtypes_its_contract_cannot_name() {
     let scrape = prom::scrape(&url);
     let in_calls = scrape.value_or_zero(
         "stowd_plugin_call_seconds_total",
-        &[("plugin", "constant-stride"), ("version", "0.1.0")],
+        &[("plugin", "runs"), ("version", "0.1.0")],
     );
     let deciding = scrape.value_or_zero("stowd_policy_seconds_total", &[]);
     assert!(
@@ -231,5 +237,33 @@ async fn a_0_1_0_plugin_is_skipped_for_dtypes_its_contract_cannot_name() {
     let before = calls();
     native.put_ok(&indexes, &f32s).await;
     assert_eq!(calls() - before, 2.0);
+    stowd.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_0_2_0_plugin_decides_the_dtypes_0_1_0_could_not_name() {
+    let stowd = Stowd::start(
+        "[[chain]]\npattern = \"*\"\nselect = [\"constant-stride\"]\nfail = \"reject\"\n",
+    );
+    let native = NativeClient::new(stowd.native());
+    let indexes: Vec<u64> = (0..512).collect();
+    for (k, d) in NEW.into_iter().enumerate() {
+        let name = format!("x_{d}");
+        let batch = vec![(
+            name.clone(),
+            Field::Regular(tensor(d, &[512, 4], 30 + k as u64)),
+        )];
+        let before = stat(&native.stats().await, "plugin_decisions");
+        native.put_ok(&indexes, &batch).await;
+        let after = stat(&native.stats().await, "plugin_decisions");
+        assert_eq!(
+            after - before,
+            2,
+            "{d}: the plugin planned both units' rows"
+        );
+        let get = [511, 0, 256, 7];
+        let got = native_get(&native, &get, &[&name]).await;
+        check(&format!("{d}"), &got, &batch, &indexes, &get);
+    }
     stowd.stop();
 }

@@ -535,20 +535,32 @@ fn gather_allocates_exactly_the_selected_bytes_once() {
 #[test]
 fn contract_versions_are_checked_before_compiling() {
     let bytes = std::fs::read(plugin("gather")).unwrap();
-    assert_eq!(wasm::check_contract(&bytes).unwrap(), "0.1.0");
-    // Same plugin claiming contract 0.2.0 (same length, so still valid Wasm).
-    let needle = b"stowage:policy/selection@0.1.0";
-    let mut future = bytes.clone();
-    let mut hits = 0;
-    for i in 0..future.len().saturating_sub(needle.len()) {
-        if &future[i..i + needle.len()] == needle {
-            future[i + needle.len() - 5..i + needle.len()].copy_from_slice(b"0.2.0");
-            hits += 1;
+    assert_eq!(wasm::check_contract(&bytes).unwrap(), "0.2.0");
+    let old = std::fs::read(stowage_tests::plugin_v0_1("runs")).unwrap();
+    assert_eq!(wasm::check_contract(&old).unwrap(), "0.1.0");
+    // Same plugin claiming contract 0.3.0 (same length, so still valid Wasm).
+    let claim = |bytes: &[u8], from: &[u8], to: &[u8; 5]| {
+        let mut out = bytes.to_vec();
+        let mut hits = 0;
+        for i in 0..out.len().saturating_sub(from.len()) {
+            if &out[i..i + from.len()] == from {
+                out[i + from.len() - 5..i + from.len()].copy_from_slice(to);
+                hits += 1;
+            }
         }
-    }
-    assert!(hits > 0);
+        assert!(hits > 0);
+        out
+    };
+    let future = claim(&bytes, b"stowage:policy/selection@0.2.0", b"0.3.0");
     let err = wasm::check_contract(&future).unwrap_err().to_string();
-    assert!(err.contains("0.2.0") && err.contains("0.1.x"), "{err}");
+    assert!(
+        err.contains("0.3.0") && err.contains("0.1.x and 0.2.x"),
+        "{err}"
+    );
+    // One interface of 0.1.0 among 0.2.0 ones: refused too.
+    let mixed = claim(&bytes, b"stowage:policy/packing@0.2.0", b"0.1.0");
+    let err = wasm::check_contract(&mixed).unwrap_err().to_string();
+    assert!(err.contains("0.1.0"), "{err}");
     let dir = temp_dir("contract");
     std::fs::write(dir.join("future.wasm"), &future).unwrap();
     std::fs::write(dir.join("junk.wasm"), b"\0asm\x01\0\0\0").unwrap();
@@ -580,7 +592,7 @@ fn contract_versions_are_checked_before_compiling() {
     assert!(
         refused.iter().any(|e| matches!(
             e,
-            LoadError::Contract { reason: ContractError::Version { version, .. }, .. } if version == "0.2.0"
+            LoadError::Contract { reason: ContractError::Version { version, .. }, .. } if version == "0.3.0"
         )),
         "{refused:?}"
     );

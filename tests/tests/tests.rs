@@ -8,6 +8,7 @@
 
 mod chains;
 mod compile_cache;
+mod contract_versions;
 mod dtypes;
 mod fuzz_corpora;
 mod hostile_live;

@@ -206,6 +206,8 @@ fn plugin_line(name: &str, v: &stowage_host::wire::native::Stat) -> String {
         "fallbacks",
         "rejections",
         "reenables",
+        "entries",
+        "memo_hits",
     ] {
         line.push_str(&format!(" {k} {}", int(k)));
     }

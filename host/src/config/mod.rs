@@ -175,6 +175,9 @@ pub struct PluginsConfig {
     pub memory_bytes: usize,
     /// Largest single `read` a plugin may make, bytes.
     pub read_cap: u64,
+    /// Answers a pure plugin's memo keeps (0: none, every decision is a
+    /// call).
+    pub memo_entries: usize,
     /// Watch the directory: a new or changed `.wasm` is checked (the
     /// conformance suite), compiled and swapped in; a removed one unloads.
     pub watch: bool,
@@ -194,6 +197,7 @@ impl Default for PluginsConfig {
             fuel: s.fuel,
             memory_bytes: s.memory_bytes,
             read_cap: s.read_cap,
+            memo_entries: s.memo_entries,
             watch: true,
             check_at_start: false,
             overrides: BTreeMap::new(),
@@ -207,6 +211,7 @@ impl PluginsConfig {
             fuel: self.fuel,
             memory_bytes: self.memory_bytes,
             read_cap: self.read_cap,
+            memo_entries: self.memo_entries,
         }
     }
 

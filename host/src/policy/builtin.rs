@@ -27,6 +27,8 @@ impl Default for Builtin {
                         .into(),
                 capabilities: vec![Capability::Selection, Capability::Packing],
                 kinds: vec![FieldKind::Regular, FieldKind::Nested, FieldKind::Values],
+                dtypes: vec![],
+                pure: true,
             },
         }
     }

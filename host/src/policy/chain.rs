@@ -29,7 +29,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use super::builtin::Builtin;
-use super::{FieldKind, Policy, PolicyError};
+use super::{FieldKind, Policy, PolicyError, SelectRequest};
 use crate::batch::Field;
 use crate::plan::{self, FramePlan, PackLimits, PieceInfo, PlanError, SelectionPlan};
 
@@ -68,10 +68,19 @@ impl Backoff {
 /// a version only ever grow, while it is loaded or not.
 #[derive(Debug, Default)]
 pub struct PluginStats {
-    /// Calls into the plugin.
+    /// Decisions asked of the plugin: one per (field, unit) pair of a
+    /// selection and per packing, whether the plugin was entered for it or
+    /// it came from the plugin's memo.
     pub calls: AtomicU64,
-    /// Nanoseconds spent in those calls (the host's side of each call
-    /// included: lending the field, lowering and lifting, the sandbox).
+    /// Times the host entered the plugin: a `stowage:policy@0.2.0` plugin
+    /// answers all of a request's pairs in one entry, a 0.1.0 plugin one
+    /// entry per pair; memo hits enter nothing.
+    pub entries: AtomicU64,
+    /// Decisions answered from the memo of a pure plugin, without a call.
+    pub memo_hits: AtomicU64,
+    /// Nanoseconds spent deciding in the plugin (the host's side of each
+    /// call included: lending the field, lowering and lifting, the sandbox,
+    /// memo lookups).
     pub call_ns: AtomicU64,
     /// Valid plans it answered (the decisions it took).
     pub plans: AtomicU64,
@@ -360,6 +369,7 @@ impl Chain {
                 Some(false) => {}
             }
             loaded.stats.calls.fetch_add(1, Ordering::Relaxed);
+            loaded.stats.entries.fetch_add(1, Ordering::Relaxed);
             let d = loaded.policy.describe();
             let _plugin =
                 tracing::debug_span!("plugin", plugin = %d.name, version = %d.version).entered();
@@ -398,46 +408,137 @@ impl Chain {
         field: &Field,
         positions: &[u64],
     ) -> Result<Decision<SelectionPlan>, ChainError> {
-        if positions.is_empty() {
+        let mut decided = self.select_many(&[SelectRequest { field, positions }])?;
+        Ok(decided.pop().expect("one decision per request"))
+    }
+
+    /// Whether `p` is skipped for `field` without a call, and why.
+    fn skip(p: &dyn Policy, field: &Field, kind: FieldKind) -> Option<&'static str> {
+        let d = p.describe();
+        // A plugin that lists the kinds (dtypes) it handles is not asked
+        // about another: it could only decline.
+        if !d.kinds.is_empty() && !d.kinds.contains(&kind) {
+            Some("its describe() does not list the field's kind")
+        } else if !p.can_describe(field) {
+            Some("its contract cannot name the field's dtype")
+        } else if !d.dtypes.is_empty() && !d.dtypes.contains(&super::wasm::field_dtype(field)) {
+            Some("its describe() does not list the field's dtype")
+        } else {
+            None
+        }
+    }
+
+    /// Validated selection plans for every request of one host request,
+    /// in order. Each plugin of the chain is asked once about all the
+    /// requests still undecided that it handles (one entry into a
+    /// `stowage:policy@0.2.0` plugin); a request it declines goes on to the
+    /// next plugin, and the built-in decides what none did. Faults are
+    /// counted per request, as if each had been its own call.
+    pub fn select_many(
+        &self,
+        requests: &[SelectRequest<'_>],
+    ) -> Result<Vec<Decision<SelectionPlan>>, ChainError> {
+        if requests.iter().any(|r| r.positions.is_empty()) {
             return Err(ChainError::EmptyPositions);
         }
         let _timed = Timed(Instant::now());
         let _span = tracing::debug_span!(
             "policy",
             chain = "select",
+            requests = requests.len(),
             decided_by = tracing::field::Empty
         )
         .entered();
-        let kind = kind_of(field);
-        let outcome = self.ask(
-            |p| {
-                let kinds = &p.describe().kinds;
-                // A plugin that lists the kinds it handles is not asked
-                // about another kind: it could only decline.
-                if !kinds.is_empty() && !kinds.contains(&kind) {
-                    Some("its describe() does not list the field's kind")
-                } else if !p.can_describe(field) {
-                    Some("its contract cannot name the field's dtype")
-                } else {
-                    None
-                }
-            },
-            |p| p.select(field, positions),
-            |plan| plan::validate_selection(field, positions, plan),
-        )?;
-        outcome.record(|name| self.version_of(name));
-        let by = match outcome {
-            Outcome::Plan(plan, name) => {
-                return Ok(Decision {
-                    plan,
-                    by: DecidedBy::Plugin(name),
-                });
+        let kinds: Vec<FieldKind> = requests.iter().map(|r| kind_of(r.field)).collect();
+        let mut outcomes: Vec<Option<Outcome<SelectionPlan>>> =
+            (0..requests.len()).map(|_| None).collect();
+        for loaded in &self.policies {
+            let d = loaded.policy.describe();
+            let pending: Vec<usize> = (0..requests.len())
+                .filter(|&i| outcomes[i].is_none())
+                .filter(|&i| match Self::skip(loaded.policy.as_ref(), requests[i].field, kinds[i]) {
+                    Some(why) => {
+                        tracing::debug!(plugin = %d.name, version = %d.version, request = i, "skipped: {why}");
+                        false
+                    }
+                    None => true,
+                })
+                .collect();
+            if pending.is_empty() {
+                continue;
             }
-            Outcome::Fallback(plugin, _) => DecidedBy::Fallback { plugin },
-            Outcome::Builtin => DecidedBy::Builtin,
-        };
-        let plan = Builtin::plan(field, positions).map_err(|_| ChainError::EmptyPositions)?;
-        Ok(Decision { plan, by })
+            match loaded.stats.callable() {
+                None => continue,
+                Some(true) => {
+                    tracing::info!(plugin = %d.name, version = %d.version, "plugin re-enabled after its backoff");
+                    loaded.policy.reset();
+                }
+                Some(false) => {}
+            }
+            let _plugin =
+                tracing::debug_span!("plugin", plugin = %d.name, version = %d.version).entered();
+            let asked: Vec<SelectRequest<'_>> = pending.iter().map(|&i| requests[i]).collect();
+            let started = Instant::now();
+            let answered = loaded.policy.select_many(&asked);
+            let took = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
+            let st = &loaded.stats;
+            st.call_ns.fetch_add(took, Ordering::Relaxed);
+            st.entries.fetch_add(answered.entries, Ordering::Relaxed);
+            st.memo_hits
+                .fetch_add(answered.memo_hits, Ordering::Relaxed);
+            for (&i, answer) in pending.iter().zip(answered.answers) {
+                // A plugin disabled by a fault earlier in this answer is
+                // not asked again: its remaining answers are dropped, and
+                // their requests go on down the chain, as they would have
+                // had each been its own call.
+                if st.disabled.load(Ordering::Relaxed) {
+                    break;
+                }
+                st.calls.fetch_add(1, Ordering::Relaxed);
+                let r = requests[i];
+                outcomes[i] = match answer {
+                    Ok(plan) => match plan::validate_selection(r.field, r.positions, &plan) {
+                        Ok(()) => {
+                            st.plans.fetch_add(1, Ordering::Relaxed);
+                            tracing::debug!(request = i, "answered a valid plan");
+                            Some(Outcome::Plan(plan, d.name.clone()))
+                        }
+                        Err(e) => {
+                            st.invalid_plans.fetch_add(1, Ordering::Relaxed);
+                            tracing::debug!(request = i, error = %e, "answered an invalid plan");
+                            Some(self.on_fault(loaded, &format!("invalid plan: {e}"))?)
+                        }
+                    },
+                    Err(e @ (PolicyError::NotApplicable | PolicyError::InvalidInput(_))) => {
+                        tracing::debug!(request = i, answer = %e, "declined");
+                        None
+                    }
+                    Err(e @ (PolicyError::Failed(_) | PolicyError::Fault(_))) => {
+                        Some(self.on_fault(loaded, &e.to_string())?)
+                    }
+                };
+            }
+        }
+        let mut decided = Vec::with_capacity(requests.len());
+        for (r, outcome) in requests.iter().zip(outcomes) {
+            let outcome = outcome.unwrap_or(Outcome::Builtin);
+            outcome.record(|name| self.version_of(name));
+            let by = match outcome {
+                Outcome::Plan(plan, name) => {
+                    decided.push(Decision {
+                        plan,
+                        by: DecidedBy::Plugin(name),
+                    });
+                    continue;
+                }
+                Outcome::Fallback(plugin, _) => DecidedBy::Fallback { plugin },
+                Outcome::Builtin => DecidedBy::Builtin,
+            };
+            let plan =
+                Builtin::plan(r.field, r.positions).map_err(|_| ChainError::EmptyPositions)?;
+            decided.push(Decision { plan, by });
+        }
+        Ok(decided)
     }
 
     /// A validated frame plan for `pieces`.

@@ -64,6 +64,24 @@ impl Fault {
     }
 }
 
+/// One selection decision to take: the rows at `positions` of `field`.
+#[derive(Clone, Copy, Debug)]
+pub struct SelectRequest<'a> {
+    pub field: &'a Field,
+    pub positions: &'a [u64],
+}
+
+/// What [`Policy::select_many`] answered, and what it cost.
+#[derive(Debug)]
+pub struct SelectAnswers {
+    /// One answer per request, in order.
+    pub answers: Vec<Result<SelectionPlan, PolicyError>>,
+    /// Times the policy was entered (sandbox calls) to answer them.
+    pub entries: u64,
+    /// Answers taken from the policy's memo, without a call.
+    pub memo_hits: u64,
+}
+
 /// A selection and packing policy.
 ///
 /// Implementations must be cheap to call concurrently; they never see or
@@ -81,6 +99,21 @@ pub trait Policy: Send + Sync {
 
     /// Plans the rows at `positions` of `field`.
     fn select(&self, field: &Field, positions: &[u64]) -> Result<SelectionPlan, PolicyError>;
+
+    /// Plans every request of one host request: one answer per request, in
+    /// order. A policy that can decide them in one call (a
+    /// `stowage:policy@0.2.0` plugin) does; the default asks `select` for
+    /// each.
+    fn select_many(&self, requests: &[SelectRequest<'_>]) -> SelectAnswers {
+        SelectAnswers {
+            answers: requests
+                .iter()
+                .map(|r| self.select(r.field, r.positions))
+                .collect(),
+            entries: requests.len() as u64,
+            memo_hits: 0,
+        }
+    }
 
     /// Groups pieces into frames.
     fn pack(&self, pieces: &[PieceInfo], limits: &PackLimits) -> Result<FramePlan, PolicyError>;

@@ -108,6 +108,9 @@ pub struct LimitsOverride {
     /// Largest single `read`, bytes.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub read_cap: Option<u64>,
+    /// Answers kept by a pure plugin's memo (0: none).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub memo_entries: Option<usize>,
 }
 
 impl LimitsOverride {
@@ -117,6 +120,7 @@ impl LimitsOverride {
             fuel: self.fuel.unwrap_or(base.fuel),
             memory_bytes: self.memory_bytes.unwrap_or(base.memory_bytes),
             read_cap: self.read_cap.unwrap_or(base.read_cap),
+            memo_entries: self.memo_entries.unwrap_or(base.memo_entries),
         }
     }
 }
@@ -498,9 +502,23 @@ impl Registry {
     /// The selection chain of a field: the first pattern that matches, else
     /// the built-in alone.
     pub fn select_chain(&self, field: &str) -> Chain {
+        self.select_chain_of(self.select_chain_at(field))
+    }
+
+    /// Which selection chain a field uses: the position of the first
+    /// pattern that matches (`None`: the built-in alone). Fields with the
+    /// same answer share a chain, so their decisions can be asked together.
+    pub fn select_chain_at(&self, field: &str) -> Option<usize> {
         self.select_chains
             .iter()
-            .find(|(p, _)| glob_match(p, field))
+            .position(|(p, _)| glob_match(p, field))
+    }
+
+    /// The selection chain at a position [`select_chain_at`] answered.
+    ///
+    /// [`select_chain_at`]: Self::select_chain_at
+    pub fn select_chain_of(&self, at: Option<usize>) -> Chain {
+        at.and_then(|i| self.select_chains.get(i))
             .map(|(_, c)| c.clone())
             .unwrap_or_else(Chain::builtin)
     }

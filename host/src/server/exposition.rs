@@ -297,11 +297,21 @@ fn plugins(t: &mut Families, registry: &Registry) {
     let versions = registry.version_stats();
     let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
     type Counter = fn(&PluginStats) -> &AtomicU64;
-    let families: [(&str, &str, Counter); 7] = [
+    let families: [(&str, &str, Counter); 9] = [
         (
             "stowd_plugin_calls_total",
-            "Calls into a plugin version.",
+            "Decisions asked of a plugin version (one per field and unit of a selection, one per packing).",
             |s| &s.calls,
+        ),
+        (
+            "stowd_plugin_entries_total",
+            "Times the host entered a plugin version (a 0.2.0 plugin answers a request's decisions in one entry).",
+            |s| &s.entries,
+        ),
+        (
+            "stowd_plugin_memo_hits_total",
+            "Decisions of a pure plugin version answered from its memo, without a call.",
+            |s| &s.memo_hits,
         ),
         (
             "stowd_plugin_plans_total",

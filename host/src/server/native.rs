@@ -460,6 +460,8 @@ fn plugin_stats(l: &Loaded) -> native::Stat {
         ("version".to_string(), Stat::Str(d.version.clone())),
         ("capabilities".into(), Stat::strs(&caps)),
         ("calls".into(), n(&st.calls)),
+        ("entries".into(), n(&st.entries)),
+        ("memo_hits".into(), n(&st.memo_hits)),
         ("call_ns".into(), n(&st.call_ns)),
         ("plans".into(), n(&st.plans)),
         ("faults".into(), n(&st.faults)),

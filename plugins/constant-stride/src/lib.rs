@@ -18,6 +18,7 @@ impl Policy for ConstantStride {
             "evenly spaced positions -> one strided view",
         )
         .selects(&[FieldKind::Regular])
+        .pure()
     }
 
     fn select(field: &dyn Field, positions: &[u64]) -> Result<SelectionPlan, PolicyError> {

@@ -16,6 +16,7 @@ impl Policy for Gather {
             "any positions -> one contiguous copy (index_select)",
         )
         .selects(&[FieldKind::Regular])
+        .pure()
     }
 
     fn select(field: &dyn Field, positions: &[u64]) -> Result<SelectionPlan, PolicyError> {

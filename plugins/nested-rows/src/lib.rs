@@ -15,6 +15,7 @@ impl Policy for NestedRows {
             "nested or values field -> one view per row",
         )
         .selects(&[FieldKind::Nested, FieldKind::Values])
+        .pure()
     }
 
     fn select(field: &dyn Field, positions: &[u64]) -> Result<SelectionPlan, PolicyError> {

@@ -32,6 +32,7 @@ impl Policy for Runs {
             "positions split into constant-stride runs -> few views",
         )
         .selects(&[FieldKind::Regular])
+        .pure()
     }
 
     fn select(field: &dyn Field, positions: &[u64]) -> Result<SelectionPlan, PolicyError> {

@@ -17,6 +17,7 @@ impl Policy for SingleRow {
             "one position of a regular field -> a one-row view",
         )
         .selects(&[FieldKind::Regular])
+        .pure()
     }
 
     fn select(field: &dyn Field, positions: &[u64]) -> Result<SelectionPlan, PolicyError> {

@@ -17,7 +17,7 @@ pub enum LoadError {
         path: String,
         source: std::io::Error,
     },
-    #[error("{path} is not a Stowage policy for stowage:policy@0.1.x: {reason}")]
+    #[error("{path} is not a Stowage policy for stowage:policy@0.1.x or @0.2.x: {reason}")]
     Contract { path: String, reason: ContractError },
     #[error("{path}: compiling the component failed: {reason}")]
     Compile { path: String, reason: String },
@@ -45,7 +45,7 @@ pub enum ContractError {
         exports: Vec<String>,
     },
     #[error(
-        "it exports `{found}`, built for contract version {version:?}; this host speaks 0.1.x (rebuild the plugin against stowage-guest 0.1)"
+        "it exports `{found}`, built for contract version {version:?}; this host speaks 0.1.x and 0.2.x (rebuild the plugin against this host's stowage-guest)"
     )]
     Version { found: String, version: String },
 }
@@ -58,7 +58,8 @@ const REQUIRED_EXPORTS: [&str; 3] = [
 ];
 
 /// Reads the component's exports before compiling it and checks that it
-/// speaks `stowage:policy@0.1.x`. Returns the exact version found.
+/// speaks `stowage:policy@0.1.x` or `@0.2.x`, every interface the same
+/// version. Returns the exact version found.
 pub fn check_contract(bytes: &[u8]) -> Result<String, ContractError> {
     let mut exports: Vec<String> = Vec::new();
     let mut depth = 0usize;
@@ -94,8 +95,9 @@ pub fn check_contract(bytes: &[u8]) -> Result<String, ContractError> {
             .map(|(_, v)| v.to_string())
             .unwrap_or_default();
         let mut parts = v.split('.');
-        let compatible = parts.next() == Some("0") && parts.next() == Some("1");
-        if !compatible {
+        let compatible = parts.next() == Some("0") && matches!(parts.next(), Some("1") | Some("2"));
+        let mixed = version.as_ref().is_some_and(|seen| *seen != v);
+        if !compatible || mixed {
             return Err(ContractError::Version {
                 found: found.clone(),
                 version: v,

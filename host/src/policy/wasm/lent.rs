@@ -2,72 +2,110 @@
 //! `borrow<tensor>` resource, and the host side of its methods (layout,
 //! dtype, and `read`, which copies at most `read_cap` bytes of the field's
 //! logical byte stream).
+//!
+//! `stowage:policy@0.1.0` lends each field as its own `tensor` handle;
+//! 0.2.0 lends all the fields of a call as one `fields` handle
+//! ([`LentFields`]) and passes their layouts as data. Both are written over
+//! [`LentField`]'s methods, which answer plain host types.
 
-use wasmtime::component::Resource;
+use stowage_plan::Dtype;
 
-use super::HostState;
-use super::bindings::stowage::policy::types as wtypes;
 use crate::batch::Field;
+use crate::policy::FieldKind;
 
 /// A field lent to a guest for one call.
 pub struct LentField {
     pub(super) field: Field,
     pub(super) read_cap: u64,
+    /// The policy described itself as pure: a `read` traps.
+    pub(super) pure: bool,
 }
 
-fn field_kind(field: &Field) -> wtypes::FieldKind {
+/// Why a `read` was refused (WIT `read-error`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum ReadRefused {
+    OutOfRange,
+    OverCap(u64),
+}
+
+/// The contract's name of a wire dtype (the two lists share their order).
+pub(super) fn plan_dtype(d: crate::tensor::DType) -> Dtype {
+    let i = crate::tensor::DType::ALL
+        .iter()
+        .position(|&x| x == d)
+        .expect("DType::ALL lists every dtype");
+    Dtype::ALL[i]
+}
+
+/// The dtype a policy sees for `field`: a values field is `uint8`; a
+/// nested field, its first row's (`uint8` when it has no rows).
+pub fn field_dtype(field: &Field) -> Dtype {
     match field {
-        Field::Regular(_) => wtypes::FieldKind::Regular,
-        Field::Nested(_) => wtypes::FieldKind::Nested,
-        Field::Values(_) => wtypes::FieldKind::Values,
+        Field::Regular(t) => plan_dtype(t.dtype()),
+        Field::Nested(rows) => rows
+            .first()
+            .map(|t| plan_dtype(t.dtype()))
+            .unwrap_or(Dtype::Uint8),
+        Field::Values(_) => Dtype::Uint8,
     }
 }
 
-/// The WIT name of a dtype, if `stowage:policy@0.1.0` has one. Its `dtype`
-/// enum is closed (the 15 dtypes of 0.1.0): a plugin built against it is
-/// never lent a field of any other dtype (see [`wit_can_name`]); the next
-/// contract version names them.
-fn wit_dtype(d: crate::tensor::DType) -> Option<wtypes::Dtype> {
-    use crate::tensor::DType as D;
-    use wtypes::Dtype as W;
-    Some(match d {
-        D::Bool => W::Bool,
-        D::U8 => W::Uint8,
-        D::I8 => W::Int8,
-        D::I16 => W::Int16,
-        D::U16 => W::Uint16,
-        D::I32 => W::Int32,
-        D::U32 => W::Uint32,
-        D::I64 => W::Int64,
-        D::U64 => W::Uint64,
-        D::F16 => W::Float16,
-        D::BF16 => W::Bfloat16,
-        D::F32 => W::Float32,
-        D::F64 => W::Float64,
-        D::Complex64 => W::Complex64,
-        D::Complex128 => W::Complex128,
-        D::Complex32
-        | D::F8E4M3Fn
-        | D::F8E4M3Fnuz
-        | D::F8E5M2
-        | D::F8E5M2Fnuz
-        | D::F8E8M0Fnu
-        | D::F4E2M1FnX2 => return None,
-    })
-}
-
-/// True if every tensor of `field` has a dtype the contract can name (a
-/// `values` field has none: it is lent as `uint8`).
-pub(super) fn wit_can_name(field: &Field) -> bool {
+/// True if every tensor of `field` has a dtype `stowage:policy@0.1.0` can
+/// name (a `values` field has none: it is lent as `uint8`). Its `dtype`
+/// enum is closed (15 dtypes): a 0.1.0 plugin is never lent a field of
+/// another dtype.
+pub(super) fn v0_1_can_name(field: &Field) -> bool {
     match field {
-        Field::Regular(t) => wit_dtype(t.dtype()).is_some(),
-        Field::Nested(rows) => rows.iter().all(|t| wit_dtype(t.dtype()).is_some()),
+        Field::Regular(t) => plan_dtype(t.dtype()).in_v0_1(),
+        Field::Nested(rows) => rows.iter().all(|t| plan_dtype(t.dtype()).in_v0_1()),
         Field::Values(_) => true,
     }
 }
 
 impl LentField {
-    fn row_byte_lens(&self) -> Vec<u64> {
+    pub(super) fn kind(&self) -> FieldKind {
+        match &self.field {
+            Field::Regular(_) => FieldKind::Regular,
+            Field::Nested(_) => FieldKind::Nested,
+            Field::Values(_) => FieldKind::Values,
+        }
+    }
+
+    pub(super) fn dtype(&self) -> Dtype {
+        field_dtype(&self.field)
+    }
+
+    pub(super) fn shape(&self) -> Vec<u64> {
+        match &self.field {
+            Field::Regular(t) => t.shape().to_vec(),
+            other => vec![other.rows()],
+        }
+    }
+
+    pub(super) fn strides(&self) -> Vec<i64> {
+        match &self.field {
+            Field::Regular(t) => t.strides(),
+            _ => vec![1],
+        }
+    }
+
+    pub(super) fn row_shapes(&self) -> Vec<Vec<u64>> {
+        match &self.field {
+            Field::Regular(t) => vec![t.row_shape().to_vec(); t.rows() as usize],
+            Field::Nested(rows) => rows.iter().map(|t| t.shape().to_vec()).collect(),
+            Field::Values(_) => self.row_byte_lens().into_iter().map(|l| vec![l]).collect(),
+        }
+    }
+
+    pub(super) fn byte_len(&self) -> u64 {
+        match &self.field {
+            Field::Regular(t) => t.row_bytes() as u64 * t.rows(),
+            Field::Nested(rows) => rows.iter().map(|t| t.payload_len() as u64).sum(),
+            Field::Values(v) => v.iter().map(|v| v.byte_len() as u64).sum(),
+        }
+    }
+
+    pub(super) fn row_byte_lens(&self) -> Vec<u64> {
         match &self.field {
             Field::Regular(t) => vec![t.row_bytes() as u64; t.rows() as usize],
             Field::Nested(rows) => rows.iter().map(|t| t.payload_len() as u64).collect(),
@@ -76,17 +114,15 @@ impl LentField {
     }
 
     /// Copies a range of the field's logical byte stream (rows in order).
-    pub(super) fn read(&self, offset: u64, len: u64) -> Result<Vec<u8>, wtypes::ReadError> {
+    pub(super) fn read(&self, offset: u64, len: u64) -> Result<Vec<u8>, ReadRefused> {
         if len > self.read_cap {
-            return Err(wtypes::ReadError::OverCap(self.read_cap));
+            return Err(ReadRefused::OverCap(self.read_cap));
         }
         let lens = self.row_byte_lens();
         let total: u64 = lens.iter().sum();
-        let end = offset
-            .checked_add(len)
-            .ok_or(wtypes::ReadError::OutOfRange)?;
+        let end = offset.checked_add(len).ok_or(ReadRefused::OutOfRange)?;
         if end > total {
-            return Err(wtypes::ReadError::OutOfRange);
+            return Err(ReadRefused::OutOfRange);
         }
         let mut out = Vec::with_capacity(len as usize);
         let mut row_start = 0u64;
@@ -114,84 +150,162 @@ impl LentField {
         }
         Ok(out)
     }
-}
 
-impl wtypes::Host for HostState {}
-
-impl wtypes::HostTensor for HostState {
-    fn kind(&mut self, h: Resource<LentField>) -> wasmtime::Result<wtypes::FieldKind> {
-        Ok(field_kind(&self.table.get(&h)?.field))
-    }
-
-    fn dtype(&mut self, h: Resource<LentField>) -> wasmtime::Result<wtypes::Dtype> {
-        let dtype = match &self.table.get(&h)?.field {
-            Field::Regular(t) => Some(t.dtype()),
-            Field::Nested(rows) => rows.first().map(|t| t.dtype()),
-            Field::Values(_) => None,
-        };
-        match dtype {
-            None => Ok(wtypes::Dtype::Uint8),
-            // Unreachable while `select` checks `wit_can_name` first; a trap
-            // (a fault, answered by the built-in) rather than a wrong name.
-            Some(d) => wit_dtype(d).ok_or_else(|| {
-                wasmtime::Error::msg(format!("dtype {d} has no name in stowage:policy@0.1.0"))
-            }),
-        }
-    }
-
-    fn shape(&mut self, h: Resource<LentField>) -> wasmtime::Result<Vec<u64>> {
-        Ok(match &self.table.get(&h)?.field {
-            Field::Regular(t) => t.shape().to_vec(),
-            other => vec![other.rows()],
-        })
-    }
-
-    fn strides(&mut self, h: Resource<LentField>) -> wasmtime::Result<Vec<i64>> {
-        Ok(match &self.table.get(&h)?.field {
-            Field::Regular(t) => t.strides(),
-            _ => vec![1],
-        })
-    }
-
-    fn rows(&mut self, h: Resource<LentField>) -> wasmtime::Result<u64> {
-        Ok(self.table.get(&h)?.field.rows())
-    }
-
-    fn byte_len(&mut self, h: Resource<LentField>) -> wasmtime::Result<u64> {
-        Ok(self.table.get(&h)?.row_byte_lens().iter().sum())
-    }
-
-    fn row_shapes(&mut self, h: Resource<LentField>) -> wasmtime::Result<Vec<Vec<u64>>> {
-        let lent = self.table.get(&h)?;
-        Ok(match &lent.field {
-            Field::Regular(t) => vec![t.row_shape().to_vec(); t.rows() as usize],
-            Field::Nested(rows) => rows.iter().map(|t| t.shape().to_vec()).collect(),
-            Field::Values(_) => lent.row_byte_lens().into_iter().map(|l| vec![l]).collect(),
-        })
-    }
-
-    fn row_byte_lens(&mut self, h: Resource<LentField>) -> wasmtime::Result<Vec<u64>> {
-        Ok(self.table.get(&h)?.row_byte_lens())
-    }
-
-    fn read_cap(&mut self, h: Resource<LentField>) -> wasmtime::Result<u64> {
-        Ok(self.table.get(&h)?.read_cap)
-    }
-
-    fn read(
-        &mut self,
-        h: Resource<LentField>,
+    /// `read` as the guest calls it: a pure policy's read traps.
+    pub(super) fn guest_read(
+        &self,
         offset: u64,
         len: u64,
-    ) -> wasmtime::Result<Result<Vec<u8>, wtypes::ReadError>> {
-        Ok(self.table.get(&h)?.read(offset, len))
+    ) -> wasmtime::Result<Result<Vec<u8>, ReadRefused>> {
+        if self.pure {
+            return Err(wasmtime::Error::msg(
+                "the policy describes itself as pure but called read: a pure policy decides from layout and positions alone",
+            ));
+        }
+        Ok(self.read(offset, len))
     }
+}
 
-    fn drop(&mut self, h: Resource<LentField>) -> wasmtime::Result<()> {
-        // Borrowed handles are never dropped by the guest; the host deletes
-        // the entry itself after the call.
-        let _ = h;
-        Ok(())
+/// The fields of one `stowage:policy@0.2.0` `select` call, lent as one
+/// `borrow<fields>`; the guest names a field by its number.
+pub struct LentFields {
+    pub(super) fields: Vec<LentField>,
+}
+
+impl LentFields {
+    fn field(&self, n: u32) -> wasmtime::Result<&LentField> {
+        self.fields.get(n as usize).ok_or_else(|| {
+            wasmtime::Error::msg(format!(
+                "field number {n} out of range: the call lent {} fields",
+                self.fields.len()
+            ))
+        })
+    }
+}
+
+/// The 0.1.0 `tensor` resource over [`LentField`]'s methods.
+mod tensor_v1 {
+    use wasmtime::component::Resource;
+
+    use super::super::HostState;
+    use super::super::v1::stowage::policy::types as wt;
+    use super::{LentField, ReadRefused};
+    use crate::policy::FieldKind;
+
+    impl wt::Host for HostState {}
+
+    impl wt::HostTensor for HostState {
+        fn kind(&mut self, h: Resource<LentField>) -> wasmtime::Result<wt::FieldKind> {
+            Ok(match self.table.get(&h)?.kind() {
+                FieldKind::Regular => wt::FieldKind::Regular,
+                FieldKind::Nested => wt::FieldKind::Nested,
+                FieldKind::Values => wt::FieldKind::Values,
+            })
+        }
+
+        fn dtype(&mut self, h: Resource<LentField>) -> wasmtime::Result<wt::Dtype> {
+            super::super::v1_dtype(self.table.get(&h)?.dtype())
+        }
+
+        fn shape(&mut self, h: Resource<LentField>) -> wasmtime::Result<Vec<u64>> {
+            Ok(self.table.get(&h)?.shape())
+        }
+
+        fn strides(&mut self, h: Resource<LentField>) -> wasmtime::Result<Vec<i64>> {
+            Ok(self.table.get(&h)?.strides())
+        }
+
+        fn rows(&mut self, h: Resource<LentField>) -> wasmtime::Result<u64> {
+            Ok(self.table.get(&h)?.field.rows())
+        }
+
+        fn byte_len(&mut self, h: Resource<LentField>) -> wasmtime::Result<u64> {
+            Ok(self.table.get(&h)?.byte_len())
+        }
+
+        fn row_shapes(&mut self, h: Resource<LentField>) -> wasmtime::Result<Vec<Vec<u64>>> {
+            Ok(self.table.get(&h)?.row_shapes())
+        }
+
+        fn row_byte_lens(&mut self, h: Resource<LentField>) -> wasmtime::Result<Vec<u64>> {
+            Ok(self.table.get(&h)?.row_byte_lens())
+        }
+
+        fn read_cap(&mut self, h: Resource<LentField>) -> wasmtime::Result<u64> {
+            Ok(self.table.get(&h)?.read_cap)
+        }
+
+        fn read(
+            &mut self,
+            h: Resource<LentField>,
+            offset: u64,
+            len: u64,
+        ) -> wasmtime::Result<Result<Vec<u8>, wt::ReadError>> {
+            Ok(self
+                .table
+                .get(&h)?
+                .guest_read(offset, len)?
+                .map_err(|e| match e {
+                    ReadRefused::OutOfRange => wt::ReadError::OutOfRange,
+                    ReadRefused::OverCap(cap) => wt::ReadError::OverCap(cap),
+                }))
+        }
+
+        fn drop(&mut self, h: Resource<LentField>) -> wasmtime::Result<()> {
+            // Borrowed handles are never dropped by the guest; the host
+            // deletes the entry itself after the call.
+            let _ = h;
+            Ok(())
+        }
+    }
+}
+
+/// The 0.2.0 `fields` resource over [`LentFields`].
+mod fields_v2 {
+    use wasmtime::component::Resource;
+
+    use super::super::HostState;
+    use super::super::v2::stowage::policy::types as wt;
+    use super::{LentFields, ReadRefused};
+
+    impl wt::Host for HostState {}
+
+    impl wt::HostFields for HostState {
+        fn row_shapes(
+            &mut self,
+            h: Resource<LentFields>,
+            field: u32,
+        ) -> wasmtime::Result<Vec<Vec<u64>>> {
+            Ok(self.table.get(&h)?.field(field)?.row_shapes())
+        }
+
+        fn row_byte_lens(
+            &mut self,
+            h: Resource<LentFields>,
+            field: u32,
+        ) -> wasmtime::Result<Vec<u64>> {
+            Ok(self.table.get(&h)?.field(field)?.row_byte_lens())
+        }
+
+        fn read(
+            &mut self,
+            h: Resource<LentFields>,
+            field: u32,
+            offset: u64,
+            len: u64,
+        ) -> wasmtime::Result<Result<Vec<u8>, wt::ReadError>> {
+            let lent = self.table.get(&h)?.field(field)?;
+            Ok(lent.guest_read(offset, len)?.map_err(|e| match e {
+                ReadRefused::OutOfRange => wt::ReadError::OutOfRange,
+                ReadRefused::OverCap(cap) => wt::ReadError::OverCap(cap),
+            }))
+        }
+
+        fn drop(&mut self, h: Resource<LentFields>) -> wasmtime::Result<()> {
+            // Borrowed: the host deletes the entry itself after the call.
+            let _ = h;
+            Ok(())
+        }
     }
 }
 
@@ -202,7 +316,11 @@ mod tests {
     use bytes::Bytes;
 
     fn lent(field: Field, read_cap: u64) -> LentField {
-        LentField { field, read_cap }
+        LentField {
+            field,
+            read_cap,
+            pure: false,
+        }
     }
 
     #[test]
@@ -221,12 +339,9 @@ mod tests {
             l.read(0, 12).unwrap(),
             vec![4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23]
         );
-        assert!(matches!(l.read(10, 3), Err(wtypes::ReadError::OutOfRange)));
-        assert!(matches!(l.read(0, 17), Err(wtypes::ReadError::OverCap(16))));
-        assert!(matches!(
-            l.read(u64::MAX, 2),
-            Err(wtypes::ReadError::OutOfRange)
-        ));
+        assert!(matches!(l.read(10, 3), Err(ReadRefused::OutOfRange)));
+        assert!(matches!(l.read(0, 17), Err(ReadRefused::OverCap(16))));
+        assert!(matches!(l.read(u64::MAX, 2), Err(ReadRefused::OutOfRange)));
         let rows = vec![
             Tensor::contiguous(Bytes::from(vec![1u8, 2]), DType::U8, vec![2]).unwrap(),
             Tensor::contiguous(Bytes::new(), DType::U8, vec![0]).unwrap(),
@@ -238,19 +353,32 @@ mod tests {
     }
 
     #[test]
-    fn the_contract_names_the_15_dtypes_of_0_1_0_and_no_other() {
+    fn contract_0_1_names_the_first_15_dtypes_and_no_other() {
         let named: Vec<DType> = DType::ALL
             .into_iter()
-            .filter(|&d| wit_dtype(d).is_some())
+            .filter(|&d| plan_dtype(d).in_v0_1())
             .collect();
         assert_eq!(named, DType::ALL[..15]);
         let t = |d: DType| Tensor::contiguous(Bytes::from(vec![0u8; 2]), d, vec![2]).unwrap();
-        assert!(wit_can_name(&Field::Regular(t(DType::U8))));
-        assert!(!wit_can_name(&Field::Regular(t(DType::F8E4M3Fn))));
-        assert!(!wit_can_name(&Field::Nested(vec![
+        assert!(v0_1_can_name(&Field::Regular(t(DType::U8))));
+        assert!(!v0_1_can_name(&Field::Regular(t(DType::F8E4M3Fn))));
+        assert!(!v0_1_can_name(&Field::Nested(vec![
             t(DType::U8),
             t(DType::F8E5M2)
         ])));
-        assert!(wit_can_name(&Field::Nested(vec![])));
+        assert!(v0_1_can_name(&Field::Nested(vec![])));
+        assert_eq!(plan_dtype(DType::F4E2M1FnX2), Dtype::Float4E2m1fnX2);
+        assert_eq!(plan_dtype(DType::Complex32), Dtype::Complex32);
+        assert_eq!(plan_dtype(DType::BF16), Dtype::Bfloat16);
+    }
+
+    #[test]
+    fn a_pure_policys_read_traps() {
+        let t = Tensor::contiguous(Bytes::from(vec![0u8; 8]), DType::U8, vec![8]).unwrap();
+        let mut l = lent(Field::Regular(t), 16);
+        assert_eq!(l.guest_read(0, 2).unwrap().unwrap(), vec![0, 0]);
+        l.pure = true;
+        let err = l.guest_read(0, 2).unwrap_err();
+        assert!(format!("{err:#}").contains("pure"), "{err:#}");
     }
 }

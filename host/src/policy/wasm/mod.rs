@@ -8,15 +8,22 @@
 //! after it faults (a trapped instance can never be entered again).
 //!
 //! The tensor handle: for the duration of one `select` call the host pushes
-//! the field into the store's resource table and lends it to the guest as a
-//! `borrow<tensor>`; after the call the entry is deleted. A guest that keeps
-//! a handle and uses it later traps ("unknown handle index"), which is a
-//! fault like any other.
+//! each field into the store's resource table and lends it to the guest as
+//! a `borrow<tensor>`; after the call the entries are deleted. A guest that
+//! keeps a handle and uses it later traps ("unknown handle index"), which
+//! is a fault like any other.
+//!
+//! Two contract versions load side by side, linked into one linker (their
+//! imports have different names): `stowage:policy@0.1.0`, one `select` call
+//! per (field, unit) pair, and `stowage:policy@0.2.0`, one call for all of
+//! a request's pairs, with the dtypes a policy handles and whether it is
+//! pure (its answers are then memoized, see `memo`).
 //!
 //! | module | what it holds |
 //! |---|---|
 //! | this file | the sandbox: engine, linker, instances, fuel and memory caps, [`WasmPolicy`] |
-//! | `lent` | [`LentField`]: the tensor resource a `select` call lends, and its methods |
+//! | `lent` | [`LentField`]: the tensor resource a `select` call lends, its methods, both versions' resource traits |
+//! | `memo` | [`memo::Memo`]: the answers of pure policies, by layout and positions |
 //! | `contract` | [`check_contract`] before compiling; [`LoadError`], [`ContractError`] |
 //!
 //! Errors: wasmtime returns `anyhow::Error` (`wasmtime::Error`); it does not
@@ -32,17 +39,23 @@ use wasmtime::{Engine, Store, StoreLimits, StoreLimitsBuilder};
 use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
 use wasmtime_wasi::{HostMonotonicClock, HostWallClock, WasiCtx, WasiCtxView, WasiView};
 
-use super::{Capability, Description, Fault, FieldKind, Policy, PolicyError};
+use stowage_plan::Dtype;
+
+use super::{
+    Capability, Description, Fault, FieldKind, Policy, PolicyError, SelectAnswers, SelectRequest,
+};
 use crate::batch::Field;
-use crate::plan::{self, FramePlan, PackLimits, PieceInfo, SelectionPlan};
+use crate::plan::{FramePlan, PackLimits, PieceInfo, SelectionPlan};
 
 mod contract;
 mod lent;
+pub mod memo;
 
 pub use contract::{ContractError, LoadError, check_contract};
-pub use lent::LentField;
+pub use lent::{LentField, field_dtype};
 
-mod bindings {
+/// `stowage:policy@0.1.0`, frozen.
+mod v1 {
     wasmtime::component::bindgen!({
         path: "../wit/since_v0.1.0",
         world: "policy",
@@ -51,8 +64,98 @@ mod bindings {
     });
 }
 
-use bindings::exports::stowage::policy::{packing as wpack, selection as wsel};
-use bindings::stowage::policy::types as wtypes;
+/// `stowage:policy@0.2.0`.
+mod v2 {
+    wasmtime::component::bindgen!({
+        path: "../wit/since_v0.2.0",
+        world: "policy",
+        imports: { default: trappable },
+        with: { "stowage:policy/types.fields": super::lent::LentFields },
+    });
+}
+
+/// The 0.1.0 name of a dtype; an error (a trap) for the seven it lacks.
+fn v1_dtype(d: Dtype) -> wasmtime::Result<v1::stowage::policy::types::Dtype> {
+    use v1::stowage::policy::types::Dtype as W;
+    const NAMES: [W; 15] = [
+        W::Bool,
+        W::Uint8,
+        W::Int8,
+        W::Int16,
+        W::Uint16,
+        W::Int32,
+        W::Uint32,
+        W::Int64,
+        W::Uint64,
+        W::Float16,
+        W::Bfloat16,
+        W::Float32,
+        W::Float64,
+        W::Complex64,
+        W::Complex128,
+    ];
+    // Unreachable while the chain checks `can_describe` first; a trap (a
+    // fault, answered by the built-in) rather than a wrong name.
+    Dtype::ALL[..15]
+        .iter()
+        .position(|&x| x == d)
+        .map(|i| NAMES[i])
+        .ok_or_else(|| {
+            wasmtime::Error::msg(format!("dtype {d:?} has no name in stowage:policy@0.1.0"))
+        })
+}
+
+/// The 0.2.0 name of a dtype (the enum lists every dtype, in
+/// [`Dtype::ALL`]'s order).
+fn v2_dtype(d: Dtype) -> v2::stowage::policy::types::Dtype {
+    use v2::stowage::policy::types::Dtype as W;
+    match d {
+        Dtype::Bool => W::Bool,
+        Dtype::Uint8 => W::Uint8,
+        Dtype::Int8 => W::Int8,
+        Dtype::Int16 => W::Int16,
+        Dtype::Uint16 => W::Uint16,
+        Dtype::Int32 => W::Int32,
+        Dtype::Uint32 => W::Uint32,
+        Dtype::Int64 => W::Int64,
+        Dtype::Uint64 => W::Uint64,
+        Dtype::Float16 => W::Float16,
+        Dtype::Bfloat16 => W::Bfloat16,
+        Dtype::Float32 => W::Float32,
+        Dtype::Float64 => W::Float64,
+        Dtype::Complex64 => W::Complex64,
+        Dtype::Complex128 => W::Complex128,
+        Dtype::Complex32 => W::Complex32,
+        Dtype::Float8E4m3fn => W::Float8E4m3fn,
+        Dtype::Float8E4m3fnuz => W::Float8E4m3fnuz,
+        Dtype::Float8E5m2 => W::Float8E5m2,
+        Dtype::Float8E5m2fnuz => W::Float8E5m2fnuz,
+        Dtype::Float8E8m0fnu => W::Float8E8m0fnu,
+        Dtype::Float4E2m1fnX2 => W::Float4E2m1fnX2,
+    }
+}
+
+/// The 0.2.0 layout record of a lent field.
+fn v2_layout(f: &LentField) -> v2::stowage::policy::types::Layout {
+    use v2::stowage::policy::types as w;
+    w::Layout {
+        kind: match f.kind() {
+            FieldKind::Regular => w::FieldKind::Regular,
+            FieldKind::Nested => w::FieldKind::Nested,
+            FieldKind::Values => w::FieldKind::Values,
+        },
+        dtype: v2_dtype(f.dtype()),
+        shape: f.shape(),
+        strides: f.strides(),
+        rows: f.field.rows(),
+        byte_len: f.byte_len(),
+        read_cap: f.read_cap,
+    }
+}
+
+fn from_v2_dtype(d: v2::stowage::policy::types::Dtype) -> Dtype {
+    Dtype::ALL[d as usize]
+}
 
 /// Limits applied to every call into a plugin.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -63,6 +166,8 @@ pub struct SandboxLimits {
     pub memory_bytes: usize,
     /// Largest `read(offset, len)` a guest may ask for, in bytes.
     pub read_cap: u64,
+    /// Answers of a pure policy kept for reuse (0: no memo), see `memo`.
+    pub memo_entries: usize,
 }
 
 impl Default for SandboxLimits {
@@ -71,6 +176,7 @@ impl Default for SandboxLimits {
             fuel: 200_000_000,
             memory_bytes: 64 << 20,
             read_cap: 1 << 20,
+            memo_entries: memo::DEFAULT_ENTRIES,
         }
     }
 }
@@ -128,18 +234,32 @@ fn fault_of(err: wasmtime::Error) -> Fault {
     Fault::Trap(text)
 }
 
+/// A component's bindings, by the contract version it exports.
+enum Bindings {
+    V1(v1::Policy),
+    V2(v2::Policy),
+}
+
+/// A linked component, ready to instantiate, by contract version.
+enum Pre {
+    V1(v1::PolicyPre<HostState>),
+    V2(v2::PolicyPre<HostState>),
+}
+
 struct Instance {
     store: Store<HostState>,
-    bindings: bindings::Policy,
+    bindings: Bindings,
 }
 
 /// A policy backed by a compiled component.
 pub struct WasmPolicy {
     description: Description,
     engine: Engine,
-    pre: bindings::PolicyPre<HostState>,
+    pre: Pre,
     limits: SandboxLimits,
     instance: Mutex<Option<Instance>>,
+    /// Answers of a pure policy (0.2.0 `describe().pure`).
+    memo: memo::Memo,
 }
 
 impl std::fmt::Debug for WasmPolicy {
@@ -159,15 +279,75 @@ pub fn engine() -> wasmtime::Result<Engine> {
 }
 
 /// The linker: WASI p2 (all of it, with an empty context) and the tensor
-/// resource.
+/// resource of both contract versions.
 pub fn linker(engine: &Engine) -> wasmtime::Result<Linker<HostState>> {
     let mut linker = Linker::new(engine);
     wasmtime_wasi::p2::add_to_linker_sync(&mut linker)?;
-    bindings::Policy::add_to_linker::<HostState, wasmtime::component::HasSelf<HostState>>(
+    v1::Policy::add_to_linker::<HostState, wasmtime::component::HasSelf<HostState>>(
+        &mut linker,
+        |s| s,
+    )?;
+    v2::Policy::add_to_linker::<HostState, wasmtime::component::HasSelf<HostState>>(
         &mut linker,
         |s| s,
     )?;
     Ok(linker)
+}
+
+fn description_v1(d: v1::stowage::policy::types::Description) -> Description {
+    use v1::stowage::policy::types as w;
+    Description {
+        name: d.name,
+        version: d.version,
+        summary: d.summary,
+        capabilities: d
+            .capabilities
+            .into_iter()
+            .map(|c| match c {
+                w::Capability::Selection => Capability::Selection,
+                w::Capability::Packing => Capability::Packing,
+            })
+            .collect(),
+        kinds: d
+            .kinds
+            .into_iter()
+            .map(|k| match k {
+                w::FieldKind::Regular => FieldKind::Regular,
+                w::FieldKind::Nested => FieldKind::Nested,
+                w::FieldKind::Values => FieldKind::Values,
+            })
+            .collect(),
+        dtypes: vec![],
+        pure: false,
+    }
+}
+
+fn description_v2(d: v2::stowage::policy::types::Description) -> Description {
+    use v2::stowage::policy::types as w;
+    Description {
+        name: d.name,
+        version: d.version,
+        summary: d.summary,
+        capabilities: d
+            .capabilities
+            .into_iter()
+            .map(|c| match c {
+                w::Capability::Selection => Capability::Selection,
+                w::Capability::Packing => Capability::Packing,
+            })
+            .collect(),
+        kinds: d
+            .kinds
+            .into_iter()
+            .map(|k| match k {
+                w::FieldKind::Regular => FieldKind::Regular,
+                w::FieldKind::Nested => FieldKind::Nested,
+                w::FieldKind::Values => FieldKind::Values,
+            })
+            .collect(),
+        dtypes: d.dtypes.into_iter().map(from_v2_dtype).collect(),
+        pure: d.pure,
+    }
 }
 
 impl WasmPolicy {
@@ -183,53 +363,57 @@ impl WasmPolicy {
             path: path.into(),
             reason: format!("{e:#}"),
         };
-        let pre = linker.instantiate_pre(component).map_err(link)?;
-        let pre = bindings::PolicyPre::new(pre).map_err(link)?;
-        let mut policy = WasmPolicy {
-            description: Description {
-                name: String::new(),
-                version: String::new(),
-                summary: String::new(),
-                capabilities: vec![],
-                kinds: vec![],
+        let instance_pre = linker.instantiate_pre(component).map_err(link)?;
+        // The version the component exports decides its bindings; a
+        // component exporting neither does not link.
+        let pre = match v2::PolicyPre::new(instance_pre.clone()) {
+            Ok(pre) => Pre::V2(pre),
+            Err(v2_err) => match v1::PolicyPre::new(instance_pre) {
+                Ok(pre) => Pre::V1(pre),
+                Err(_) => return Err(link(v2_err)),
             },
+        };
+        let mut policy = WasmPolicy {
+            description: Description::new("", "", ""),
             engine: engine.clone(),
             pre,
             limits,
             instance: Mutex::new(None),
+            memo: memo::Memo::new(limits.memo_entries),
         };
-        let d = policy
+        let description = policy
             .call(|inst| {
                 let store = &mut inst.store;
-                inst.bindings.stowage_policy_meta().call_describe(store)
+                match &inst.bindings {
+                    Bindings::V1(b) => b
+                        .stowage_policy_meta()
+                        .call_describe(store)
+                        .map(description_v1),
+                    Bindings::V2(b) => b
+                        .stowage_policy_meta()
+                        .call_describe(store)
+                        .map(description_v2),
+                }
             })
             .map_err(|f| LoadError::Describe {
                 path: path.into(),
                 reason: f.to_string(),
             })?;
-        policy.description = Description {
-            name: d.name,
-            version: d.version,
-            summary: d.summary,
-            capabilities: d
-                .capabilities
-                .into_iter()
-                .map(|c| match c {
-                    wtypes::Capability::Selection => Capability::Selection,
-                    wtypes::Capability::Packing => Capability::Packing,
-                })
-                .collect(),
-            kinds: d
-                .kinds
-                .into_iter()
-                .map(|k| match k {
-                    wtypes::FieldKind::Regular => FieldKind::Regular,
-                    wtypes::FieldKind::Nested => FieldKind::Nested,
-                    wtypes::FieldKind::Values => FieldKind::Values,
-                })
-                .collect(),
-        };
+        policy.description = description;
         Ok(policy)
+    }
+
+    /// The contract version the component speaks: `0.1.0` or `0.2.0`.
+    pub fn contract(&self) -> &'static str {
+        match self.pre {
+            Pre::V1(_) => "0.1.0",
+            Pre::V2(_) => "0.2.0",
+        }
+    }
+
+    /// Answers held in the memo (0 unless the policy is pure).
+    pub fn memo_len(&self) -> usize {
+        self.memo.len()
     }
 
     /// The limits every call runs under.
@@ -241,6 +425,7 @@ impl WasmPolicy {
     /// `describe()`); the next call runs on a fresh instance under them.
     pub fn set_limits(&mut self, limits: SandboxLimits) {
         self.limits = limits;
+        self.memo = memo::Memo::new(limits.memo_entries);
         *self.instance.get_mut().unwrap_or_else(|p| p.into_inner()) = None;
     }
 
@@ -269,13 +454,14 @@ impl WasmPolicy {
         store
             .set_fuel(self.limits.fuel)
             .map_err(|e| Fault::Instantiate(format!("{e:#}")))?;
-        let bindings = self
-            .pre
-            .instantiate(&mut store)
-            .map_err(|e| match fault_of(e) {
-                Fault::Trap(t) => Fault::Instantiate(t),
-                other => other,
-            })?;
+        let bindings = match &self.pre {
+            Pre::V1(pre) => pre.instantiate(&mut store).map(Bindings::V1),
+            Pre::V2(pre) => pre.instantiate(&mut store).map(Bindings::V2),
+        }
+        .map_err(|e| match fault_of(e) {
+            Fault::Trap(t) => Fault::Instantiate(t),
+            other => other,
+        })?;
         Ok(Instance { store, bindings })
     }
 
@@ -346,30 +532,196 @@ pub fn off_runtime<R: Send>(f: impl FnOnce() -> R + Send) -> R {
     }
 }
 
-fn policy_error(e: wtypes::PolicyError) -> PolicyError {
-    match e {
-        wtypes::PolicyError::NotApplicable => PolicyError::NotApplicable,
-        wtypes::PolicyError::InvalidInput(m) => PolicyError::InvalidInput(m),
-        wtypes::PolicyError::Failed(m) => PolicyError::Failed(m),
-    }
+/// Converts one version's answer types into the host's: `$v` is the
+/// bindgen module of the version.
+macro_rules! answers_of {
+    ($v:ident) => {
+        pub(super) mod $v {
+            use super::super::$v::exports::stowage::policy::{packing as wpack, selection as wsel};
+            use super::super::$v::stowage::policy::types as wtypes;
+            use crate::plan::{self, FramePlan, PackLimits, PieceInfo, SelectionPlan};
+            use crate::policy::PolicyError;
+
+            pub fn policy_error(e: wtypes::PolicyError) -> PolicyError {
+                match e {
+                    wtypes::PolicyError::NotApplicable => PolicyError::NotApplicable,
+                    wtypes::PolicyError::InvalidInput(m) => PolicyError::InvalidInput(m),
+                    wtypes::PolicyError::Failed(m) => PolicyError::Failed(m),
+                }
+            }
+
+            pub fn plan(p: wsel::SelectionPlan) -> SelectionPlan {
+                SelectionPlan {
+                    pieces: p
+                        .pieces
+                        .into_iter()
+                        .map(|piece| match piece {
+                            wsel::Piece::View(v) => plan::Piece::View(plan::RowView {
+                                start: v.start,
+                                step: v.step,
+                                count: v.count,
+                            }),
+                            wsel::Piece::Gather(r) => plan::Piece::Gather(r),
+                            wsel::Piece::RowViews(r) => plan::Piece::RowViews(r),
+                            wsel::Piece::Concat(r) => plan::Piece::Concat(r),
+                        })
+                        .collect(),
+                }
+            }
+
+            pub fn pack_args(
+                pieces: &[PieceInfo],
+                limits: &PackLimits,
+            ) -> (Vec<wpack::PieceInfo>, wpack::PackLimits) {
+                let wpieces = pieces
+                    .iter()
+                    .map(|p| wpack::PieceInfo {
+                        byte_len: p.byte_len,
+                        contiguous: p.contiguous,
+                    })
+                    .collect();
+                let wlimits = wpack::PackLimits {
+                    max_frames: limits.max_frames,
+                    max_frame_bytes: limits.max_frame_bytes,
+                    small_threshold: limits.small_threshold,
+                };
+                (wpieces, wlimits)
+            }
+
+            pub fn frames(
+                answer: Result<wpack::FramePlan, wtypes::PolicyError>,
+            ) -> Result<FramePlan, PolicyError> {
+                answer
+                    .map(|p| FramePlan {
+                        frames: p
+                            .frames
+                            .into_iter()
+                            .map(|f| match f {
+                                wpack::Frame::Single(i) => plan::Frame::Single(i),
+                                wpack::Frame::Coalesced(v) => plan::Frame::Coalesced(v),
+                            })
+                            .collect(),
+                    })
+                    .map_err(policy_error)
+            }
+        }
+    };
 }
 
-fn host_plan(p: wsel::SelectionPlan) -> SelectionPlan {
-    SelectionPlan {
-        pieces: p
-            .pieces
-            .into_iter()
-            .map(|piece| match piece {
-                wsel::Piece::View(v) => plan::Piece::View(plan::RowView {
-                    start: v.start,
-                    step: v.step,
-                    count: v.count,
-                }),
-                wsel::Piece::Gather(r) => plan::Piece::Gather(r),
-                wsel::Piece::RowViews(r) => plan::Piece::RowViews(r),
-                wsel::Piece::Concat(r) => plan::Piece::Concat(r),
-            })
-            .collect(),
+/// Answer conversions, per contract version.
+mod convert {
+    answers_of!(v1);
+    answers_of!(v2);
+}
+
+impl WasmPolicy {
+    /// Asks the component about `requests` (none memoized): a 0.1.0
+    /// component once per request, a 0.2.0 component once for all, on one
+    /// instance lock. A fault ends the call: every request it covered gets
+    /// it.
+    fn ask(
+        &self,
+        requests: &[SelectRequest<'_>],
+    ) -> (Vec<Result<SelectionPlan, PolicyError>>, u64) {
+        let pure = self.description.pure;
+        let mut slot = self.instance.lock().unwrap_or_else(|p| p.into_inner());
+        let slot = &mut *slot;
+        off_runtime(|| match &self.pre {
+            Pre::V1(_) => {
+                let answers = requests
+                    .iter()
+                    .map(|r| {
+                        self.call_here(slot, |inst| {
+                            let lent = LentField {
+                                field: r.field.clone(),
+                                read_cap: inst.store.data().read_cap,
+                                pure,
+                            };
+                            let handle = inst.store.data_mut().table.push(lent)?;
+                            let Bindings::V1(b) = &inst.bindings else {
+                                unreachable!("a 0.1.0 component has 0.1.0 bindings")
+                            };
+                            let result = b.stowage_policy_selection().call_select(
+                                &mut inst.store,
+                                Resource::new_borrow(handle.rep()),
+                                r.positions,
+                            );
+                            inst.store.data_mut().table.delete(handle)?;
+                            result
+                        })
+                        .map_err(PolicyError::Fault)
+                        .and_then(|a| a.map(convert::v1::plan).map_err(convert::v1::policy_error))
+                    })
+                    .collect();
+                (answers, requests.len() as u64)
+            }
+            Pre::V2(_) => {
+                use v2::exports::stowage::policy::selection as wsel;
+                let answered = self.call_here(slot, |inst| {
+                    let read_cap = inst.store.data().read_cap;
+                    // Each distinct field once (a field is asked about for
+                    // every unit), numbered in order of first use.
+                    let mut lent: Vec<LentField> = Vec::new();
+                    let mut layouts = Vec::new();
+                    let mut seen: Vec<*const Field> = Vec::new();
+                    let mut asked = Vec::with_capacity(requests.len());
+                    for r in requests {
+                        let n = match seen.iter().position(|&p| std::ptr::eq(p, r.field)) {
+                            Some(n) => n,
+                            None => {
+                                let field = LentField {
+                                    field: r.field.clone(),
+                                    read_cap,
+                                    pure,
+                                };
+                                layouts.push(v2_layout(&field));
+                                lent.push(field);
+                                seen.push(r.field);
+                                seen.len() - 1
+                            }
+                        };
+                        asked.push(wsel::SelectRequest {
+                            field: n as u32,
+                            positions: r.positions.to_vec(),
+                        });
+                    }
+                    let handle = inst
+                        .store
+                        .data_mut()
+                        .table
+                        .push(lent::LentFields { fields: lent })?;
+                    let Bindings::V2(b) = &inst.bindings else {
+                        unreachable!("a 0.2.0 component has 0.2.0 bindings")
+                    };
+                    let result = b.stowage_policy_selection().call_select(
+                        &mut inst.store,
+                        Resource::new_borrow(handle.rep()),
+                        &layouts,
+                        &asked,
+                    );
+                    inst.store.data_mut().table.delete(handle)?;
+                    result
+                });
+                let answers = match answered {
+                    Ok(list) if list.len() == requests.len() => list
+                        .into_iter()
+                        .map(|a| a.map(convert::v2::plan).map_err(convert::v2::policy_error))
+                        .collect(),
+                    Ok(list) => {
+                        // The instance ran to completion; only its answer is
+                        // wrong, like an invalid plan.
+                        let fault = Fault::Trap(format!(
+                            "select answered {} results for {} requests",
+                            list.len(),
+                            requests.len()
+                        ));
+                        vec![Err(PolicyError::Fault(fault)); requests.len()]
+                    }
+                    Err(fault) => vec![Err(PolicyError::Fault(fault)); requests.len()],
+                };
+                (answers, 1)
+            }
+        })
     }
 }
 
@@ -381,29 +733,63 @@ impl Policy for WasmPolicy {
     /// A 0.1.0 plugin cannot be told the dtype of a field of the dtypes
     /// added after it (float8, complex32, ...): the chain skips it for them.
     fn can_describe(&self, field: &Field) -> bool {
-        lent::wit_can_name(field)
+        match self.pre {
+            Pre::V1(_) => lent::v0_1_can_name(field),
+            Pre::V2(_) => true,
+        }
     }
 
     fn select(&self, field: &Field, positions: &[u64]) -> Result<SelectionPlan, PolicyError> {
-        let answer = self
-            .call(|inst| {
-                let read_cap = inst.store.data().read_cap;
-                let lent = LentField {
-                    field: field.clone(),
-                    read_cap,
-                };
-                let handle = inst.store.data_mut().table.push(lent)?;
-                let borrowed = Resource::new_borrow(handle.rep());
-                let result = inst.bindings.stowage_policy_selection().call_select(
-                    &mut inst.store,
-                    borrowed,
-                    positions,
-                );
-                inst.store.data_mut().table.delete(handle)?;
-                result
-            })
-            .map_err(PolicyError::Fault)?;
-        answer.map(host_plan).map_err(policy_error)
+        let mut answers = self
+            .select_many(&[SelectRequest { field, positions }])
+            .answers;
+        answers.pop().unwrap_or(Err(PolicyError::NotApplicable))
+    }
+
+    /// Memo hits first (a pure policy), then one call for the rest.
+    fn select_many(&self, requests: &[SelectRequest<'_>]) -> SelectAnswers {
+        if !self.description.pure || !self.memo.enabled() {
+            let (answers, entries) = self.ask(requests);
+            return SelectAnswers {
+                answers,
+                entries,
+                memo_hits: 0,
+            };
+        }
+        let mut answers: Vec<Option<Result<SelectionPlan, PolicyError>>> =
+            Vec::with_capacity(requests.len());
+        let mut keys = Vec::with_capacity(requests.len());
+        let mut missed = Vec::new();
+        for (i, r) in requests.iter().enumerate() {
+            let key = memo::Key::of(r.field, r.positions);
+            let hit = key.as_ref().and_then(|k| self.memo.get(k));
+            if hit.is_none() {
+                missed.push(i);
+            }
+            answers.push(hit);
+            keys.push(key);
+        }
+        let memo_hits = (requests.len() - missed.len()) as u64;
+        let mut entries = 0;
+        if !missed.is_empty() {
+            let asked: Vec<SelectRequest<'_>> = missed.iter().map(|&i| requests[i]).collect();
+            let (fresh, n) = self.ask(&asked);
+            entries = n;
+            for (&i, answer) in missed.iter().zip(fresh) {
+                if let Some(key) = keys[i].take() {
+                    self.memo.put(key, &answer);
+                }
+                answers[i] = Some(answer);
+            }
+        }
+        SelectAnswers {
+            answers: answers
+                .into_iter()
+                .map(|a| a.unwrap_or(Err(PolicyError::NotApplicable)))
+                .collect(),
+            entries,
+            memo_hits,
+        }
     }
 
     fn reset(&self) {
@@ -411,36 +797,19 @@ impl Policy for WasmPolicy {
     }
 
     fn pack(&self, pieces: &[PieceInfo], limits: &PackLimits) -> Result<FramePlan, PolicyError> {
-        let wpieces: Vec<wpack::PieceInfo> = pieces
-            .iter()
-            .map(|p| wpack::PieceInfo {
-                byte_len: p.byte_len,
-                contiguous: p.contiguous,
+        self.call(|inst| {
+            let store = &mut inst.store;
+            Ok(match &inst.bindings {
+                Bindings::V1(b) => {
+                    let (p, l) = convert::v1::pack_args(pieces, limits);
+                    convert::v1::frames(b.stowage_policy_packing().call_pack(store, &p, l)?)
+                }
+                Bindings::V2(b) => {
+                    let (p, l) = convert::v2::pack_args(pieces, limits);
+                    convert::v2::frames(b.stowage_policy_packing().call_pack(store, &p, l)?)
+                }
             })
-            .collect();
-        let wlimits = wpack::PackLimits {
-            max_frames: limits.max_frames,
-            max_frame_bytes: limits.max_frame_bytes,
-            small_threshold: limits.small_threshold,
-        };
-        let answer = self
-            .call(|inst| {
-                inst.bindings
-                    .stowage_policy_packing()
-                    .call_pack(&mut inst.store, &wpieces, wlimits)
-            })
-            .map_err(PolicyError::Fault)?;
-        answer
-            .map(|p| FramePlan {
-                frames: p
-                    .frames
-                    .into_iter()
-                    .map(|f| match f {
-                        wpack::Frame::Single(i) => plan::Frame::Single(i),
-                        wpack::Frame::Coalesced(v) => plan::Frame::Coalesced(v),
-                    })
-                    .collect(),
-            })
-            .map_err(policy_error)
+        })
+        .map_err(PolicyError::Fault)?
     }
 }

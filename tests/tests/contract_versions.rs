@@ -1,0 +1,370 @@
+//! `stowage:policy@0.2.0` beside the frozen 0.1.0: one entry into a 0.2.0
+//! plugin decides a whole request, a 0.1.0 plugin (kept as a fixture, built
+//! before the SDK moved) still loads, passes `plugin check` and decides one
+//! pair per entry, pure plugins are memoized and only they, and the new
+//! ways a plugin can misbehave (a read from a "pure" plugin, an answer of
+//! the wrong length) are faults like any other. Real `.wasm` components,
+//! in process (the chain), and the real `stowd` for the CLI and a put.
+
+use std::process::Command;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use bytes::Bytes;
+use stowage_host::batch::Field;
+use stowage_host::plan;
+use stowage_host::policy::SelectRequest;
+use stowage_host::policy::chain::{Chain, ChainError, DecidedBy, FailStrategy, Loaded};
+use stowage_host::policy::registry::Registry;
+use stowage_host::policy::wasm::SandboxLimits;
+use stowage_host::tensor::{DType, Tensor};
+use stowage_tests::client::stat;
+use stowage_tests::process::stowd_bin;
+use stowage_tests::{NativeClient, Stowd, hostile, plugin, plugin_v0_1, shared_cache};
+
+fn regular(rows: u64, cols: u64, seed: u64) -> Field {
+    let data: Vec<u8> = (0..rows * cols)
+        .flat_map(|v| ((v + seed) as f32).to_le_bytes())
+        .collect();
+    Field::Regular(Tensor::contiguous(Bytes::from(data), DType::F32, vec![rows, cols]).unwrap())
+}
+
+fn registry(paths: &[std::path::PathBuf], memo_entries: usize) -> Registry {
+    let limits = SandboxLimits {
+        memo_entries,
+        ..SandboxLimits::default()
+    };
+    let mut reg = Registry::new(Some(shared_cache()), limits).unwrap();
+    for p in paths {
+        let (policy, _) = reg.load_file(p).unwrap_or_else(|e| panic!("{e}"));
+        reg.insert(Arc::new(policy));
+    }
+    reg
+}
+
+fn chain(reg: &Registry, names: &[&str], fail: FailStrategy, max_faults: u64) -> Chain {
+    let loaded: Vec<Loaded> = names
+        .iter()
+        .map(|n| {
+            reg.get(n)
+                .unwrap_or_else(|| panic!("{n} not loaded"))
+                .clone()
+        })
+        .collect();
+    Chain::new(loaded, fail, max_faults)
+}
+
+/// (calls, entries, memo hits, plans, faults) of a loaded plugin.
+fn counts(reg: &Registry, name: &str) -> [u64; 5] {
+    let s = &reg.get(name).unwrap().stats;
+    [
+        s.calls.load(Ordering::Relaxed),
+        s.entries.load(Ordering::Relaxed),
+        s.memo_hits.load(Ordering::Relaxed),
+        s.plans.load(Ordering::Relaxed),
+        s.faults.load(Ordering::Relaxed),
+    ]
+}
+
+/// The (field, unit) pairs of a put of `fields` fields over 4 units, each
+/// unit's positions a constant stride of 4.
+fn pairs(fields: &[Field], positions: &[Vec<u64>]) -> Vec<(usize, usize)> {
+    let mut out = Vec::new();
+    for u in 0..positions.len() {
+        for f in 0..fields.len() {
+            out.push((f, u));
+        }
+    }
+    out
+}
+
+fn requests<'a>(fields: &'a [Field], positions: &'a [Vec<u64>]) -> Vec<SelectRequest<'a>> {
+    pairs(fields, positions)
+        .into_iter()
+        .map(|(f, u)| SelectRequest {
+            field: &fields[f],
+            positions: &positions[u],
+        })
+        .collect()
+}
+
+fn put_shape(seed: u64) -> (Vec<Field>, Vec<Vec<u64>>) {
+    let fields: Vec<Field> = (0..10).map(|f| regular(64, 16, seed + f)).collect();
+    let positions: Vec<Vec<u64>> = (0..4u64)
+        .map(|u| (0..16).map(|i| u + 4 * i).collect())
+        .collect();
+    (fields, positions)
+}
+
+#[test]
+fn a_request_enters_a_0_2_0_plugin_once_and_a_0_1_0_plugin_once_per_pair() {
+    // Memo off: every decision is asked of the plugin.
+    let reg = registry(&[plugin("constant-stride"), plugin_v0_1("runs")], 0);
+    assert_eq!(
+        reg.get("constant-stride").unwrap().policy.describe().dtypes,
+        vec![]
+    );
+    let (fields, positions) = put_shape(0);
+    let asked = requests(&fields, &positions);
+    assert_eq!(asked.len(), 40);
+
+    let decided = chain(&reg, &["constant-stride"], FailStrategy::Reject, 0)
+        .select_many(&asked)
+        .unwrap();
+    assert_eq!(counts(&reg, "constant-stride"), [40, 1, 0, 40, 0]);
+    let decided_old = chain(&reg, &["runs"], FailStrategy::Reject, 0)
+        .select_many(&asked)
+        .unwrap();
+    assert_eq!(counts(&reg, "runs"), [40, 40, 0, 40, 0]);
+    // Both decide every pair, and each plan gives the built-in's rows.
+    for ((r, a), b) in asked.iter().zip(&decided).zip(&decided_old) {
+        assert_eq!(a.by, DecidedBy::Plugin("constant-stride".into()));
+        assert_eq!(b.by, DecidedBy::Plugin("runs".into()));
+        let rows = |plan| {
+            plan::execute_selection(r.field, plan)
+                .unwrap()
+                .iter()
+                .map(|s| match s {
+                    plan::Selected::Rows(t) => t.contiguous_bytes(),
+                    other => panic!("{other:?}"),
+                })
+                .collect::<Vec<_>>()
+        };
+        let builtin = stowage_host::policy::builtin::Builtin::plan(r.field, r.positions).unwrap();
+        assert_eq!(rows(&a.plan), rows(&builtin));
+        assert_eq!(rows(&b.plan), rows(&builtin));
+    }
+}
+
+#[test]
+fn requests_a_plugin_declines_go_on_alone_to_the_next_one() {
+    let reg = registry(
+        &[
+            plugin("single-row"),
+            plugin("constant-stride"),
+            plugin("gather"),
+        ],
+        0,
+    );
+    let field = regular(100, 4, 0);
+    let one = [7u64];
+    let strided = [1u64, 3, 5];
+    let irregular = [9u64, 2, 40];
+    let asked = [
+        SelectRequest {
+            field: &field,
+            positions: &one,
+        },
+        SelectRequest {
+            field: &field,
+            positions: &strided,
+        },
+        SelectRequest {
+            field: &field,
+            positions: &irregular,
+        },
+    ];
+    let c = chain(
+        &reg,
+        &["single-row", "constant-stride", "gather"],
+        FailStrategy::Reject,
+        0,
+    );
+    let by: Vec<DecidedBy> = c
+        .select_many(&asked)
+        .unwrap()
+        .into_iter()
+        .map(|d| d.by)
+        .collect();
+    assert_eq!(
+        by,
+        [
+            DecidedBy::Plugin("single-row".into()),
+            DecidedBy::Plugin("constant-stride".into()),
+            DecidedBy::Plugin("gather".into()),
+        ]
+    );
+    // Each plugin entered once, asked only what the ones before declined.
+    assert_eq!(counts(&reg, "single-row"), [3, 1, 0, 1, 0]);
+    assert_eq!(counts(&reg, "constant-stride"), [2, 1, 0, 1, 0]);
+    assert_eq!(counts(&reg, "gather"), [1, 1, 0, 1, 0]);
+    // An empty position list anywhere is refused before any call.
+    let none: [u64; 0] = [];
+    let bad = [
+        asked[0],
+        SelectRequest {
+            field: &field,
+            positions: &none,
+        },
+    ];
+    assert_eq!(c.select_many(&bad).unwrap_err(), ChainError::EmptyPositions);
+    assert_eq!(counts(&reg, "single-row")[0], 3);
+}
+
+#[test]
+fn a_pure_plugin_is_memoized_and_a_plugin_that_reads_never() {
+    let reg = registry(&[plugin("constant-stride"), hostile("drop-row")], 256);
+    assert!(reg.get("constant-stride").unwrap().policy.describe().pure);
+    assert!(!reg.get("drop-row").unwrap().policy.describe().pure);
+    let (fields, positions) = put_shape(0);
+    let c = chain(&reg, &["constant-stride"], FailStrategy::Reject, 0);
+    c.select_many(&requests(&fields, &positions)).unwrap();
+    assert_eq!(counts(&reg, "constant-stride"), [40, 1, 0, 40, 0]);
+    // The next step: other bytes, the same shapes -> no entry at all.
+    let (next, _) = put_shape(100);
+    let again = c.select_many(&requests(&next, &positions)).unwrap();
+    assert_eq!(counts(&reg, "constant-stride"), [80, 1, 40, 80, 0]);
+    assert!(
+        again
+            .iter()
+            .all(|d| d.by == DecidedBy::Plugin("constant-stride".into()))
+    );
+    // Another layout (rows, dtype) or other positions: asked again.
+    let shorter: Vec<Vec<u64>> = positions.iter().map(|p| p[..8].to_vec()).collect();
+    c.select_many(&requests(&next, &shorter)).unwrap();
+    assert_eq!(counts(&reg, "constant-stride")[1], 2);
+    let wider = vec![regular(64, 8, 0)];
+    c.select_many(&requests(&wider, &positions)).unwrap();
+    assert_eq!(counts(&reg, "constant-stride")[1], 3);
+
+    // drop-row is not pure: every request is a call (and a fault) again.
+    let d = chain(&reg, &["drop-row"], FailStrategy::Fallback, 0);
+    for round in 1..=2u64 {
+        let decided = d.select_many(&requests(&fields, &positions)).unwrap();
+        assert!(
+            decided
+                .iter()
+                .all(|x| matches!(x.by, DecidedBy::Fallback { .. }))
+        );
+        assert_eq!(
+            counts(&reg, "drop-row"),
+            [40 * round, round, 0, 0, 40 * round]
+        );
+    }
+}
+
+#[test]
+fn a_pure_plugin_that_reads_traps_every_time() {
+    let reg = registry(&[hostile("pure-read")], 256);
+    let field = regular(16, 4, 0);
+    let c = chain(&reg, &["pure-read"], FailStrategy::Fallback, 0);
+    for round in 1..=3u64 {
+        let d = c.select(&field, &[1, 2, 3]).unwrap();
+        assert_eq!(
+            d.by,
+            DecidedBy::Fallback {
+                plugin: "pure-read".into()
+            }
+        );
+        // A fault is never memoized: each round enters the plugin again.
+        assert_eq!(counts(&reg, "pure-read"), [round, round, 0, 0, round]);
+    }
+    let c = chain(&reg, &["pure-read"], FailStrategy::Reject, 0);
+    match c.select(&field, &[1, 2, 3]) {
+        Err(ChainError::Rejected { plugin, reason, .. }) => {
+            assert_eq!(plugin, "pure-read");
+            assert!(
+                reason.contains("pure") && reason.contains("read"),
+                "{reason}"
+            );
+        }
+        other => panic!("expected a rejection, got {other:?}"),
+    }
+}
+
+#[test]
+fn an_answer_of_the_wrong_length_is_a_fault_of_every_request_it_covers() {
+    let reg = registry(&[hostile("short-answer")], 256);
+    let (fields, positions) = put_shape(0);
+    let asked = requests(&fields, &positions);
+    let c = chain(&reg, &["short-answer"], FailStrategy::Fallback, 0);
+    let decided = c.select_many(&asked).unwrap();
+    assert!(decided.iter().all(|d| d.by
+        == DecidedBy::Fallback {
+            plugin: "short-answer".into()
+        }));
+    assert_eq!(counts(&reg, "short-answer"), [40, 1, 0, 0, 40]);
+    // One request: an empty answer, the same fault.
+    let d = c.select(&fields[0], &positions[0]).unwrap();
+    assert!(matches!(d.by, DecidedBy::Fallback { .. }));
+    let c = chain(&reg, &["short-answer"], FailStrategy::Reject, 0);
+    match c.select_many(&asked) {
+        Err(ChainError::Rejected { reason, .. }) => {
+            assert!(
+                reason.contains("answered 39 results for 40 requests"),
+                "{reason}"
+            )
+        }
+        other => panic!("expected a rejection, got {other:?}"),
+    }
+}
+
+#[test]
+fn a_plugin_disabled_midway_through_an_answer_is_not_asked_the_rest() {
+    let reg = registry(&[hostile("reorder")], 0);
+    let (fields, positions) = put_shape(0);
+    let c = chain(&reg, &["reorder"], FailStrategy::Fallback, 3);
+    let decided = c.select_many(&requests(&fields, &positions)).unwrap();
+    let fallbacks = decided
+        .iter()
+        .filter(|d| matches!(d.by, DecidedBy::Fallback { .. }))
+        .count();
+    assert_eq!(fallbacks, 3, "three faults, then disabled");
+    assert!(decided[3..].iter().all(|d| d.by == DecidedBy::Builtin));
+    assert_eq!(counts(&reg, "reorder"), [3, 1, 0, 0, 3]);
+    assert!(
+        reg.get("reorder")
+            .unwrap()
+            .stats
+            .disabled
+            .load(Ordering::Relaxed)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_0_1_0_plugin_passes_plugin_check_and_decides_beside_0_2_0_ones() {
+    let dir = stowage_tests::temp_dir("contract-v0-1");
+    std::fs::copy(plugin_v0_1("runs"), dir.join("runs.wasm")).unwrap();
+    std::fs::copy(plugin("single-row"), dir.join("single-row.wasm")).unwrap();
+    let out = Command::new(stowd_bin())
+        .args(["plugin", "check"])
+        .arg(dir.join("runs.wasm"))
+        .output()
+        .expect("run stowd plugin check");
+    let said =
+        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{said}");
+
+    let stowd = Stowd::start_with_plugins(
+        &dir,
+        "[[chain]]\npattern = \"*\"\nselect = [\"single-row\", \"runs\"]\nfail = \"reject\"\n",
+    );
+    let client = NativeClient::new(stowd.native());
+    // Two fields over the default units: runs (0.1.0) plans every pair,
+    // single-row (0.2.0) is entered once per put and declines.
+    let indexes: Vec<u64> = (0..64).collect();
+    let batch: Vec<(String, Field)> = (0..2)
+        .map(|f| (format!("f{f}"), regular(64, 4, f)))
+        .collect();
+    let before = client.stats().await;
+    client.put_ok(&indexes, &batch).await;
+    let after = client.stats().await;
+    let decisions = stat(&after, "plugin_decisions") - stat(&before, "plugin_decisions");
+    assert!(decisions >= 2, "{decisions} plugin decisions");
+    let plugin_int =
+        |stats: &[(String, stowage_host::wire::native::Stat)], name: &str, key: &str| {
+            stats
+                .iter()
+                .find(|(k, _)| k == &format!("plugin.{name}"))
+                .and_then(|(_, v)| v.get(key).and_then(|s| s.as_int()))
+                .unwrap_or_else(|| panic!("no {key} for {name}: {stats:?}"))
+        };
+    let d = |name, key| plugin_int(&after, name, key) - plugin_int(&before, name, key);
+    assert_eq!(d("single-row", "entries"), 1, "one entry for the whole put");
+    assert_eq!(d("single-row", "calls"), decisions);
+    assert_eq!(d("runs", "entries"), decisions, "one entry per pair");
+    assert_eq!(d("runs", "plans"), decisions);
+    let got = client.get_ok(&indexes, &["f0", "f1"]).await;
+    assert_eq!(got.len(), 2);
+    stowd.stop();
+}
