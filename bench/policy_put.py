@@ -1,14 +1,17 @@
 #!/usr/bin/env python3
 """The cost of the policy chain on a small put, end to end (issue 20).
 
-Two release stowds side by side in one run: one with the bundled plugins
-(the default chain), one with no plugin directory (the built-in policy
+Three release stowds side by side in one run: one with the bundled plugins
+(the default chain), one with them and their memo off (`[plugins]
+memo_entries = 0`: every decision enters a plugin, once per put under
+stowage:policy@0.2.0), one with no plugin directory (the built-in policy
 decides). The Python client over tcp puts 4 rows x 10 fields of float32
 [16] at fresh indexes, alternating between the two stowds in blocks, and
 the table gives the median and p90 of each. stowd's own `policy_ns`
 (nanoseconds spent deciding) and the plugins' `calls` / `call_ns` across
 the run give the share of stowd's time spent in policies and the time per
-plugin call.
+decision; `entries` and `memo_hits` say how many times a plugin was entered
+and how many decisions came from its memo.
 
 usage: python3 bench/policy_put.py --stowd target/release/stowd --plugins target/plugins [--puts 2000]
 """
@@ -28,7 +31,7 @@ sys.path.insert(0, os.path.join(ROOT, "clients", "python"))
 import stowage  # noqa: E402
 
 
-def start(binary: str, work: str, plugins: str | None):
+def start(binary: str, work: str, plugins: str | None, memo_entries: int | None = None):
     os.makedirs(work, exist_ok=True)
     if plugins is None:  # an empty plugin directory: the built-in decides
         plugins = os.path.join(work, "no-plugins")
@@ -38,6 +41,8 @@ def start(binary: str, work: str, plugins: str | None):
     with open(cfg, "w") as f:
         f.write("[units]\nlocal = 4\n\n[plugins]\n")
         f.write(f"dir = {json.dumps(plugins)}\n")
+        if memo_entries is not None:
+            f.write(f"memo_entries = {memo_entries}\n")
     proc = subprocess.Popen([binary, "serve", "--config", cfg, "--endpoints-file", eps],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 60
@@ -48,10 +53,10 @@ def start(binary: str, work: str, plugins: str | None):
     return proc, json.load(open(eps))
 
 
-def plugin_totals(stats: dict) -> tuple[int, int]:
-    calls = sum(v["calls"] for k, v in stats.items() if k.startswith("plugin."))
-    ns = sum(v.get("call_ns", 0) for k, v in stats.items() if k.startswith("plugin."))
-    return calls, ns
+def plugin_totals(stats: dict) -> tuple[int, int, int, int]:
+    """(decisions asked, entries, memo hits, ns) over every plugin."""
+    plugins = [v for k, v in stats.items() if k.startswith("plugin.")]
+    return tuple(sum(v.get(key, 0) for v in plugins) for key in ("calls", "entries", "memo_hits", "call_ns"))
 
 
 def main() -> None:
@@ -62,11 +67,12 @@ def main() -> None:
     ap.add_argument("--block", type=int, default=100, help="puts per block before switching stowd")
     a = ap.parse_args()
     work = tempfile.mkdtemp(prefix="stowage-policy-put-")
-    systems = {"bundled plugins": a.plugins, "built-in": None}
+    systems = {"bundled plugins": (a.plugins, None), "bundled, memo off": (a.plugins, 0), "built-in": (None, None)}
     procs, clients, times, before = {}, {}, {}, {}
     try:
-        for name, plugins in systems.items():
-            procs[name], ep = start(a.stowd, os.path.join(work, name.replace(" ", "-")), plugins)
+        for name, (plugins, memo) in systems.items():
+            work_dir = os.path.join(work, name.replace(" ", "-").replace(",", ""))
+            procs[name], ep = start(a.stowd, work_dir, plugins, memo)
             clients[name] = stowage.Client(ep["native"], timeout=30)
             times[name] = []
         fields = {f"f{i}": np.ones((4, 16), np.float32) for i in range(10)}
@@ -89,20 +95,21 @@ def main() -> None:
                 wall[name] += time.perf_counter() - t0
         print(f"{a.puts} puts of 4 rows x 10 fields of float32 [16] over tcp, 4 units, "
               f"alternating blocks of {a.block}; stowd {a.stowd}\n")
-        print("| stowd | median us | p90 us | policy share of put time | plugin calls per put | us per plugin call |")
-        print("|---|---:|---:|---:|---:|---:|")
+        print("| stowd | median us | p90 us | policy share of put time | decisions per put | "
+              "entries per put | memo hits per put | us per decision |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|")
         for name, c in clients.items():
             ts = sorted(times[name])
             s = c.stats()
             pol = s.get("policy_ns", 0) - before[name][0]
-            calls, ns = plugin_totals(s)
-            calls -= before[name][1]
-            ns -= before[name][2]
+            calls, entries, hits, ns = (x - y for x, y in zip(plugin_totals(s), before[name][1:]))
             per_call = f"{ns / calls / 1e3:.2f}" if calls else "-"
             print(f"| {name} | {statistics.median(ts) * 1e6:.0f} | {ts[int(len(ts) * 0.9)] * 1e6:.0f} | "
-                  f"{pol / 1e9 / wall[name]:.1%} | {calls / a.puts:.1f} | {per_call} |")
+                  f"{pol / 1e9 / wall[name]:.1%} | {calls / a.puts:.1f} | {entries / a.puts:.1f} | "
+                  f"{hits / a.puts:.1f} | {per_call} |")
         m = {n: statistics.median(times[n]) for n in systems}
         print(f"\nbundled / built-in median: {m['bundled plugins'] / m['built-in']:.3f}")
+        print(f"bundled, memo off / built-in median: {m['bundled, memo off'] / m['built-in']:.3f}")
     finally:
         for c in clients.values():
             c.close()

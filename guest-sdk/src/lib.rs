@@ -1,7 +1,7 @@
 //! Guest SDK for Stowage policy plugins.
 //!
 //! A Stowage policy is a small WebAssembly component implementing the frozen
-//! WIT contract `stowage:policy@0.1.0` (`wit/since_v0.1.0/policy.wit`). It never sees a
+//! WIT contract `stowage:policy@0.2.0` (`wit/since_v0.2.0/policy.wit`). It never sees a
 //! writable byte: the host lends it a read-only [`Field`] for one call, and
 //! the policy answers a *plan*, which is plain data. The host validates every
 //! plan before carrying it out, with the rules of the `stowage-plan` crate
@@ -55,6 +55,12 @@
 //! assert_eq!(plan.pieces, vec![Piece::View(RowView::new(3, 4, 4))]);
 //! validate_selection(&field, &positions, &plan).unwrap();
 //! ```
+//!
+//! Under 0.2.0 the host enters a plugin once per put for all its (field,
+//! unit) pairs; the SDK calls [`Policy::select`] for each. A policy whose
+//! `select` decides from the layout and the positions alone should say so
+//! with [`Description::pure`]: the host then memoizes its answers, and a
+//! call to [`Field::read`] traps.
 //!
 //! Build the plugin crate (`crate-type = ["cdylib", "rlib"]`) with
 //! `cargo build --target wasm32-wasip2 --release`: the `.wasm` it produces is
@@ -237,7 +243,7 @@ pub fn split_runs(positions: &[u64]) -> Vec<RowView> {
 }
 
 /// Exports a [`Policy`] as the component's `meta`, `selection` and
-/// `packing` interfaces of `stowage:policy@0.1.0`.
+/// `packing` interfaces of `stowage:policy@0.2.0`.
 ///
 /// Use it once per plugin crate, at the crate root:
 ///

@@ -26,13 +26,22 @@ pub struct Release {
 
 /// Every released contract. A version is added here when it is released
 /// (until then its directory may still change).
-pub const RELEASED: &[Release] = &[Release {
-    dir: "since_v0.1.0",
-    files: &[(
-        "policy.wit",
-        "4fa679aa5250dadac832e3f4ce2ca4dcb0b01189aa98af751c91b40abffc672b",
-    )],
-}];
+pub const RELEASED: &[Release] = &[
+    Release {
+        dir: "since_v0.1.0",
+        files: &[(
+            "policy.wit",
+            "4fa679aa5250dadac832e3f4ce2ca4dcb0b01189aa98af751c91b40abffc672b",
+        )],
+    },
+    Release {
+        dir: "since_v0.2.0",
+        files: &[(
+            "policy.wit",
+            "19090baedbd931ca3ab108dc7924d058734081138395619f84d839adac064a81",
+        )],
+    },
+];
 
 /// What to do, printed under every failure.
 const HELP: &str = "released contracts are frozen: a plugin built against a released version must keep \
