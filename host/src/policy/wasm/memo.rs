@@ -49,68 +49,53 @@ pub const MAX_PLAN_WORDS: usize = 64;
 /// Entries before the memo is emptied, by default.
 pub const DEFAULT_ENTRIES: usize = 256;
 
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
-enum Positions {
-    /// `start, start + step, ...`, `count` of them; a single position is
-    /// `step` 0.
-    Stride {
-        start: u64,
-        step: u64,
-        count: u64,
-    },
-    List(Box<[u64]>),
-}
-
-impl Positions {
-    fn of(positions: &[u64]) -> Option<Positions> {
-        match positions {
-            [] => None,
-            [one] => Some(Positions::Stride {
-                start: *one,
-                step: 0,
-                count: 1,
-            }),
-            [a, b, ..] => {
-                let step = b.checked_sub(*a).filter(|&s| s > 0);
-                if let Some(step) = step
-                    && positions
-                        .windows(2)
-                        .all(|w| w[1].checked_sub(w[0]) == Some(step))
-                {
-                    return Some(Positions::Stride {
-                        start: *a,
-                        step,
-                        count: positions.len() as u64,
-                    });
-                }
-                (positions.len() <= MAX_KEY_POSITIONS).then(|| Positions::List(positions.into()))
-            }
+/// Appends the key of a request to `out` and returns true, or returns
+/// false (leaving `out` as it was) if the request is not memoized.
+///
+/// The key is one run of words, each part prefixed by its length, so two
+/// requests share a key only if they share every part: dtype, shape,
+/// strides, and the positions, as `[0, start, step, count]` when they have
+/// one constant positive step (one position: step 0) or as `[1, len,
+/// positions...]`. Encoding into a caller's buffer lets a memo hit cost no
+/// allocation for the key.
+pub fn encode(field: &Field, positions: &[u64], out: &mut Vec<u64>) -> bool {
+    let Field::Regular(t) = field else {
+        return false;
+    };
+    let stride = match positions {
+        [] => return false,
+        [one] => Some((*one, 0)),
+        [a, b, ..] => b
+            .checked_sub(*a)
+            .filter(|&s| s > 0)
+            .filter(|&s| {
+                positions
+                    .windows(2)
+                    .all(|w| w[1].checked_sub(w[0]) == Some(s))
+            })
+            .map(|s| (*a, s)),
+    };
+    if stride.is_none() && positions.len() > MAX_KEY_POSITIONS {
+        return false;
+    }
+    let dtype = Dtype::ALL
+        .iter()
+        .position(|&d| d == plan_dtype(t.dtype()))
+        .unwrap_or(0) as u64;
+    out.push(dtype);
+    out.push(t.shape().len() as u64);
+    out.extend_from_slice(t.shape());
+    let strides = t.strides();
+    out.push(strides.len() as u64);
+    out.extend(strides.iter().map(|&s| s as u64));
+    match stride {
+        Some((start, step)) => out.extend_from_slice(&[0, start, step, positions.len() as u64]),
+        None => {
+            out.extend_from_slice(&[1, positions.len() as u64]);
+            out.extend_from_slice(positions);
         }
     }
-}
-
-/// Everything a pure policy can know of one request.
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
-pub struct Key {
-    dtype: Dtype,
-    shape: Box<[u64]>,
-    strides: Box<[i64]>,
-    positions: Positions,
-}
-
-impl Key {
-    /// The key of a request, or `None` if it is not memoized.
-    pub fn of(field: &Field, positions: &[u64]) -> Option<Key> {
-        let Field::Regular(t) = field else {
-            return None;
-        };
-        Some(Key {
-            dtype: plan_dtype(t.dtype()),
-            shape: t.shape().into(),
-            strides: t.strides().into(),
-            positions: Positions::of(positions)?,
-        })
-    }
+    true
 }
 
 /// Row numbers a plan lists (a view counts one).
@@ -124,10 +109,13 @@ fn plan_words(plan: &SelectionPlan) -> usize {
         .sum()
 }
 
+/// An answer a pure policy gave, by its encoded key.
+type Answers = HashMap<Box<[u64]>, Result<SelectionPlan, PolicyError>, FxBuildHasher>;
+
 /// The answers a pure policy gave, by key.
 #[derive(Debug, Default)]
 pub struct Memo {
-    map: Mutex<HashMap<Key, Result<SelectionPlan, PolicyError>, FxBuildHasher>>,
+    map: Mutex<Answers>,
     capacity: usize,
 }
 
@@ -146,13 +134,13 @@ impl Memo {
     }
 
     /// The answer given before for `key`, if any.
-    pub fn get(&self, key: &Key) -> Option<Result<SelectionPlan, PolicyError>> {
+    pub fn get(&self, key: &[u64]) -> Option<Result<SelectionPlan, PolicyError>> {
         let map = self.map.lock().unwrap_or_else(|p| p.into_inner());
         map.get(key).cloned()
     }
 
     /// Keeps `answer` for `key` if it is a plan or a decline, and small.
-    pub fn put(&self, key: Key, answer: &Result<SelectionPlan, PolicyError>) {
+    pub fn put(&self, key: &[u64], answer: &Result<SelectionPlan, PolicyError>) {
         let keep = match answer {
             Ok(plan) => plan_words(plan) <= MAX_PLAN_WORDS,
             Err(PolicyError::NotApplicable | PolicyError::InvalidInput(_)) => true,
@@ -165,7 +153,7 @@ impl Memo {
         if map.len() >= self.capacity {
             map.clear();
         }
-        map.insert(key, answer.clone());
+        map.insert(key.into(), answer.clone());
     }
 
     /// Entries held.
@@ -198,10 +186,15 @@ mod tests {
         )
     }
 
+    fn key_of(f: &Field, p: &[u64]) -> Option<Vec<u64>> {
+        let mut out = vec![];
+        encode(f, p, &mut out).then_some(out)
+    }
+
     #[test]
     fn the_key_loses_nothing_a_pure_policy_sees() {
         let f = field(100, 4, DType::F32);
-        let k = |f: &Field, p: &[u64]| Key::of(f, p).unwrap();
+        let k = |f: &Field, p: &[u64]| key_of(f, p).unwrap();
         // A constant stride is compressed, and only an equal list matches.
         assert_eq!(k(&f, &[3, 7, 11]), k(&f, &[3, 7, 11]));
         assert_ne!(k(&f, &[3, 7, 11]), k(&f, &[3, 7, 11, 15]));
@@ -221,36 +214,36 @@ mod tests {
         assert_ne!(k(&strided, &[1]), k(&dense, &[1]));
         // Not memoized: long irregular lists, nested fields, no positions.
         let long: Vec<u64> = (0..100).map(|i| i * i).collect();
-        assert!(Key::of(&field(1_000_000, 1, DType::U8), &long).is_none());
+        assert!(key_of(&field(1_000_000, 1, DType::U8), &long).is_none());
         let stride: Vec<u64> = (0..1000).map(|i| i * 3).collect();
-        assert!(Key::of(&field(3000, 1, DType::U8), &stride).is_some());
-        assert!(Key::of(&Field::Nested(vec![]), &[0]).is_none());
-        assert!(Key::of(&f, &[]).is_none());
+        assert!(key_of(&field(3000, 1, DType::U8), &stride).is_some());
+        assert!(key_of(&Field::Nested(vec![]), &[0]).is_none());
+        assert!(key_of(&f, &[]).is_none());
     }
 
     #[test]
     fn only_small_plans_and_declines_are_kept_and_the_memo_is_bounded() {
         let memo = Memo::new(DEFAULT_ENTRIES);
         let f = field(10_000, 1, DType::U8);
-        let key = |i: u64| Key::of(&f, &[i]).unwrap();
+        let key = |i: u64| key_of(&f, &[i]).unwrap();
         let plan = SelectionPlan::single(Piece::View(RowView::single(1)));
-        memo.put(key(1), &Ok(plan.clone()));
-        memo.put(key(2), &Err(PolicyError::NotApplicable));
-        memo.put(key(3), &Err(PolicyError::Failed("no".into())));
+        memo.put(&key(1), &Ok(plan.clone()));
+        memo.put(&key(2), &Err(PolicyError::NotApplicable));
+        memo.put(&key(3), &Err(PolicyError::Failed("no".into())));
         let big = SelectionPlan::single(Piece::Gather((0..100).collect()));
-        memo.put(key(4), &Ok(big));
+        memo.put(&key(4), &Ok(big));
         assert_eq!(memo.get(&key(1)), Some(Ok(plan)));
         assert_eq!(memo.get(&key(2)), Some(Err(PolicyError::NotApplicable)));
         assert_eq!(memo.get(&key(3)), None, "a failure is never memoized");
         assert_eq!(memo.get(&key(4)), None, "a large plan is not kept");
         for i in 10..(10 + DEFAULT_ENTRIES as u64) {
-            memo.put(key(i), &Err(PolicyError::NotApplicable));
+            memo.put(&key(i), &Err(PolicyError::NotApplicable));
         }
         assert!(memo.len() <= DEFAULT_ENTRIES);
         memo.clear();
         assert!(memo.is_empty());
         let off = Memo::new(0);
-        off.put(key(1), &Err(PolicyError::NotApplicable));
+        off.put(&key(1), &Err(PolicyError::NotApplicable));
         assert!(!off.enabled() && off.is_empty());
     }
 }

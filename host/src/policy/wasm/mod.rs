@@ -758,11 +758,15 @@ impl Policy for WasmPolicy {
         }
         let mut answers: Vec<Option<Result<SelectionPlan, PolicyError>>> =
             Vec::with_capacity(requests.len());
-        let mut keys = Vec::with_capacity(requests.len());
+        // Every request's key, one after the other in one buffer.
+        let mut words: Vec<u64> = Vec::new();
+        let mut keys: Vec<Option<std::ops::Range<usize>>> = Vec::with_capacity(requests.len());
         let mut missed = Vec::new();
         for (i, r) in requests.iter().enumerate() {
-            let key = memo::Key::of(r.field, r.positions);
-            let hit = key.as_ref().and_then(|k| self.memo.get(k));
+            let start = words.len();
+            let encoded = memo::encode(r.field, r.positions, &mut words);
+            let key = encoded.then_some(start..words.len());
+            let hit = key.as_ref().and_then(|k| self.memo.get(&words[k.clone()]));
             if hit.is_none() {
                 missed.push(i);
             }
@@ -776,8 +780,8 @@ impl Policy for WasmPolicy {
             let (fresh, n) = self.ask(&asked);
             entries = n;
             for (&i, answer) in missed.iter().zip(fresh) {
-                if let Some(key) = keys[i].take() {
-                    self.memo.put(key, &answer);
+                if let Some(k) = keys[i].clone() {
+                    self.memo.put(&words[k], &answer);
                 }
                 answers[i] = Some(answer);
             }
