@@ -294,60 +294,48 @@ pub fn linker(engine: &Engine) -> wasmtime::Result<Linker<HostState>> {
     Ok(linker)
 }
 
+/// The host's [`Description`] of one version's `description` record:
+/// `$w` is the version's `types` module; `dtypes` and `pure` are what only
+/// 0.2.0 has.
+macro_rules! description_of {
+    ($w:path, $d:expr, $dtypes:expr, $pure:expr) => {{
+        use $w as w;
+        let d = $d;
+        Description {
+            name: d.name,
+            version: d.version,
+            summary: d.summary,
+            capabilities: d
+                .capabilities
+                .into_iter()
+                .map(|c| match c {
+                    w::Capability::Selection => Capability::Selection,
+                    w::Capability::Packing => Capability::Packing,
+                })
+                .collect(),
+            kinds: d
+                .kinds
+                .into_iter()
+                .map(|k| match k {
+                    w::FieldKind::Regular => FieldKind::Regular,
+                    w::FieldKind::Nested => FieldKind::Nested,
+                    w::FieldKind::Values => FieldKind::Values,
+                })
+                .collect(),
+            dtypes: $dtypes,
+            pure: $pure,
+        }
+    }};
+}
+
 fn description_v1(d: v1::stowage::policy::types::Description) -> Description {
-    use v1::stowage::policy::types as w;
-    Description {
-        name: d.name,
-        version: d.version,
-        summary: d.summary,
-        capabilities: d
-            .capabilities
-            .into_iter()
-            .map(|c| match c {
-                w::Capability::Selection => Capability::Selection,
-                w::Capability::Packing => Capability::Packing,
-            })
-            .collect(),
-        kinds: d
-            .kinds
-            .into_iter()
-            .map(|k| match k {
-                w::FieldKind::Regular => FieldKind::Regular,
-                w::FieldKind::Nested => FieldKind::Nested,
-                w::FieldKind::Values => FieldKind::Values,
-            })
-            .collect(),
-        dtypes: vec![],
-        pure: false,
-    }
+    description_of!(v1::stowage::policy::types, d, vec![], false)
 }
 
 fn description_v2(d: v2::stowage::policy::types::Description) -> Description {
-    use v2::stowage::policy::types as w;
-    Description {
-        name: d.name,
-        version: d.version,
-        summary: d.summary,
-        capabilities: d
-            .capabilities
-            .into_iter()
-            .map(|c| match c {
-                w::Capability::Selection => Capability::Selection,
-                w::Capability::Packing => Capability::Packing,
-            })
-            .collect(),
-        kinds: d
-            .kinds
-            .into_iter()
-            .map(|k| match k {
-                w::FieldKind::Regular => FieldKind::Regular,
-                w::FieldKind::Nested => FieldKind::Nested,
-                w::FieldKind::Values => FieldKind::Values,
-            })
-            .collect(),
-        dtypes: d.dtypes.into_iter().map(from_v2_dtype).collect(),
-        pure: d.pure,
-    }
+    let dtypes = d.dtypes.iter().map(|&t| from_v2_dtype(t)).collect();
+    let pure = d.pure;
+    description_of!(v2::stowage::policy::types, d, dtypes, pure)
 }
 
 impl WasmPolicy {
