@@ -361,19 +361,14 @@ impl Manager {
         // snapshot for the whole request.
         let registry = self.registry.load_full();
         let plan_all = || self.select_all(&registry, global_indexes, &fields, received);
-        // Plugin calls leave the runtime's worker (`block_in_place`): once
-        // for the whole request here, not once per call (2.6-2.8 us a call
-        // against 1.2-1.5 us, bench/policy_put.py). At most one request per
-        // worker plans at a time, the others wait without a thread: a call
-        // that waited for its plugin's instance inside `block_in_place`
-        // made tokio start a replacement worker per waiter (517 threads
-        // under 64 clients, docs/reliability.md).
-        let mut per_unit = if registry.names().is_empty() {
-            plan_all()?
-        } else {
-            let _turn = planning_turn().await;
-            crate::policy::wasm::off_runtime(plan_all)?
-        };
+        // On the runtime's worker: a plugin leaves it (`block_in_place`)
+        // only when it is entered, after taking its instance, once per
+        // plugin per request under stowage:policy@0.2.0 (never for a memo
+        // hit). Until 0.2.0 the whole planning left the worker, behind a
+        // semaphore of one turn per core: 40 entries a put, each leaving
+        // the worker, had made tokio start a replacement worker per entry
+        // (196 threads under 64 clients, docs/benchmarks.md).
+        let mut per_unit = plan_all()?;
         for (target, part) in self.targets.iter().zip(&per_unit) {
             if let (Target::Local(unit), Some((indexes, unit_fields))) = (target, part) {
                 unit.check_put(indexes, unit_fields)?;
@@ -588,18 +583,4 @@ pub fn cell_bytes(cell: &Cell) -> Bytes {
 
 fn gcd(a: u64, b: u64) -> u64 {
     if b == 0 { a } else { gcd(b, a % b) }
-}
-
-/// A turn to plan a request's selections off the runtime: as many at once
-/// as the machine has cores (each holds a thread while it plans).
-async fn planning_turn() -> tokio::sync::SemaphorePermit<'static> {
-    static TURNS: std::sync::OnceLock<tokio::sync::Semaphore> = std::sync::OnceLock::new();
-    let turns = TURNS.get_or_init(|| {
-        let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
-        tokio::sync::Semaphore::new(cores)
-    });
-    turns
-        .acquire()
-        .await
-        .expect("the semaphore is never closed")
 }

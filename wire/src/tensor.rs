@@ -264,6 +264,13 @@ impl Tensor {
         }
     }
 
+    /// The first of [`strides`](Self::strides), without building the
+    /// others (which follow from the shape: the rows themselves are C
+    /// contiguous).
+    pub fn first_stride(&self) -> i64 {
+        self.row_stride as i64 / self.dtype.itemsize() as i64
+    }
+
     /// Strides in elements, as torch reports them.
     pub fn strides(&self) -> Vec<i64> {
         let item = self.dtype.itemsize() as i64;

@@ -149,13 +149,22 @@ impl PluginStats {
 pub struct Loaded {
     pub policy: Arc<dyn Policy>,
     pub stats: Arc<PluginStats>,
+    /// The policy's described name, shared by every decision it takes.
+    pub name: Arc<str>,
 }
 
 impl Loaded {
     pub fn new(policy: Arc<dyn Policy>) -> Loaded {
+        Loaded::with_stats(policy, Arc::new(PluginStats::default()))
+    }
+
+    /// A policy with the counters of its version.
+    pub fn with_stats(policy: Arc<dyn Policy>, stats: Arc<PluginStats>) -> Loaded {
+        let name = Arc::from(policy.describe().name.as_str());
         Loaded {
             policy,
-            stats: Arc::new(PluginStats::default()),
+            stats,
+            name,
         }
     }
 }
@@ -182,11 +191,11 @@ pub enum ChainError {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum DecidedBy {
     /// A plugin's plan, validated.
-    Plugin(String),
+    Plugin(Arc<str>),
     /// The built-in, because no plugin applied.
     Builtin,
     /// The built-in, because a plugin faulted.
-    Fallback { plugin: String },
+    Fallback { plugin: Arc<str> },
 }
 
 /// A validated plan and where it came from.
@@ -210,9 +219,9 @@ pub struct Chain {
 /// What the policies of a chain answered.
 enum Outcome<P> {
     /// A validated plan from the named plugin.
-    Plan(P, String),
+    Plan(P, Arc<str>),
     /// The named plugin faulted (why); the strategy says fall back.
-    Fallback(String, String),
+    Fallback(Arc<str>, String),
     /// No plugin applied.
     Builtin,
 }
@@ -334,7 +343,7 @@ impl Chain {
         match self.fail {
             FailStrategy::Fallback => {
                 st.fallbacks.fetch_add(1, Ordering::Relaxed);
-                Ok(Outcome::Fallback(d.name.clone(), reason.to_string()))
+                Ok(Outcome::Fallback(loaded.name.clone(), reason.to_string()))
             }
             FailStrategy::Reject => {
                 st.rejections.fetch_add(1, Ordering::Relaxed);
@@ -382,7 +391,7 @@ impl Chain {
                     Ok(()) => {
                         loaded.stats.plans.fetch_add(1, Ordering::Relaxed);
                         tracing::debug!("answered a valid plan");
-                        return Ok(Outcome::Plan(plan, d.name.clone()));
+                        return Ok(Outcome::Plan(plan, loaded.name.clone()));
                     }
                     Err(e) => {
                         loaded.stats.invalid_plans.fetch_add(1, Ordering::Relaxed);
@@ -449,21 +458,30 @@ impl Chain {
             decided_by = tracing::field::Empty
         )
         .entered();
-        let kinds: Vec<FieldKind> = requests.iter().map(|r| kind_of(r.field)).collect();
         let mut outcomes: Vec<Option<Outcome<SelectionPlan>>> =
             (0..requests.len()).map(|_| None).collect();
+        // Reused for each plugin: the requests still undecided that it
+        // handles, by index and as asked.
+        let mut pending: Vec<usize> = Vec::with_capacity(requests.len());
+        let mut asked: Vec<SelectRequest<'_>> = Vec::with_capacity(requests.len());
         for loaded in &self.policies {
             let d = loaded.policy.describe();
-            let pending: Vec<usize> = (0..requests.len())
-                .filter(|&i| outcomes[i].is_none())
-                .filter(|&i| match Self::skip(loaded.policy.as_ref(), requests[i].field, kinds[i]) {
+            pending.clear();
+            asked.clear();
+            for (i, r) in requests.iter().enumerate() {
+                if outcomes[i].is_some() {
+                    continue;
+                }
+                match Self::skip(loaded.policy.as_ref(), r.field, kind_of(r.field)) {
                     Some(why) => {
                         tracing::debug!(plugin = %d.name, version = %d.version, request = i, "skipped: {why}");
-                        false
                     }
-                    None => true,
-                })
-                .collect();
+                    None => {
+                        pending.push(i);
+                        asked.push(*r);
+                    }
+                }
+            }
             if pending.is_empty() {
                 continue;
             }
@@ -477,7 +495,6 @@ impl Chain {
             }
             let _plugin =
                 tracing::debug_span!("plugin", plugin = %d.name, version = %d.version).entered();
-            let asked: Vec<SelectRequest<'_>> = pending.iter().map(|&i| requests[i]).collect();
             let started = Instant::now();
             let answered = loaded.policy.select_many(&asked);
             let took = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
@@ -501,7 +518,7 @@ impl Chain {
                         Ok(()) => {
                             st.plans.fetch_add(1, Ordering::Relaxed);
                             tracing::debug!(request = i, "answered a valid plan");
-                            Some(Outcome::Plan(plan, d.name.clone()))
+                            Some(Outcome::Plan(plan, loaded.name.clone()))
                         }
                         Err(e) => {
                             st.invalid_plans.fetch_add(1, Ordering::Relaxed);

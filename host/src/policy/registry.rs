@@ -316,7 +316,7 @@ impl Registry {
     fn loaded(&self, policy: Arc<dyn Policy>) -> Loaded {
         let d = policy.describe();
         let stats = self.stats_for(&d.name, &d.version);
-        Loaded { policy, stats }
+        Loaded::with_stats(policy, stats)
     }
 
     /// Adds a policy under its described name (replacing one of that name).

@@ -6,8 +6,8 @@
 //! loop that puts the same shapes every step then pays one call per shape.
 //!
 //! The key is what such a policy can see of a regular field, without loss:
-//! dtype, shape and strides (rows, byte lengths and row shapes follow from
-//! them), and the positions, either as (start, step, count) when they have
+//! dtype, shape and the first stride (the other strides, rows, byte lengths
+//! and row shapes follow from them: rows are C contiguous), and the positions, either as (start, step, count) when they have
 //! one constant positive step or as the exact list. Nested and values
 //! fields are not memoized: their layout is per row, and a key holding
 //! every row's shape would cost what the call costs.
@@ -35,9 +35,7 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 
 use rustc_hash::FxBuildHasher;
-use stowage_plan::Dtype;
 
-use super::lent::plan_dtype;
 use crate::batch::Field;
 use crate::plan::{Piece, SelectionPlan};
 use crate::policy::PolicyError;
@@ -78,16 +76,10 @@ pub fn encode(field: &Field, positions: &[u64], out: &mut Vec<u64>) -> bool {
     if stride.is_none() && positions.len() > MAX_KEY_POSITIONS {
         return false;
     }
-    let dtype = Dtype::ALL
-        .iter()
-        .position(|&d| d == plan_dtype(t.dtype()))
-        .unwrap_or(0) as u64;
-    out.push(dtype);
+    out.push(t.dtype() as u64);
     out.push(t.shape().len() as u64);
     out.extend_from_slice(t.shape());
-    let strides = t.strides();
-    out.push(strides.len() as u64);
-    out.extend(strides.iter().map(|&s| s as u64));
+    out.push(t.first_stride() as u64);
     match stride {
         Some((start, step)) => out.extend_from_slice(&[0, start, step, positions.len() as u64]),
         None => {
@@ -112,6 +104,32 @@ fn plan_words(plan: &SelectionPlan) -> usize {
 /// An answer a pure policy gave, by its encoded key.
 type Answers = HashMap<Box<[u64]>, Result<SelectionPlan, PolicyError>, FxBuildHasher>;
 
+/// The memo, locked for a run of lookups or insertions.
+pub struct Locked<'a>(std::sync::MutexGuard<'a, Answers>, usize);
+
+impl Locked<'_> {
+    /// The answer given before for `key`, if any.
+    pub fn get(&self, key: &[u64]) -> Option<Result<SelectionPlan, PolicyError>> {
+        self.0.get(key).cloned()
+    }
+
+    /// Keeps `answer` for `key` if it is a plan or a decline, and small.
+    pub fn put(&mut self, key: &[u64], answer: &Result<SelectionPlan, PolicyError>) {
+        let keep = match answer {
+            Ok(plan) => plan_words(plan) <= MAX_PLAN_WORDS,
+            Err(PolicyError::NotApplicable | PolicyError::InvalidInput(_)) => true,
+            Err(PolicyError::Failed(_) | PolicyError::Fault(_)) => false,
+        };
+        if !keep || self.1 == 0 {
+            return;
+        }
+        if self.0.len() >= self.1 {
+            self.0.clear();
+        }
+        self.0.insert(key.into(), answer.clone());
+    }
+}
+
 /// The answers a pure policy gave, by key.
 #[derive(Debug, Default)]
 pub struct Memo {
@@ -133,27 +151,22 @@ impl Memo {
         self.capacity > 0
     }
 
+    /// Locks the memo for a run of lookups or insertions (one request's).
+    pub fn lock(&self) -> Locked<'_> {
+        Locked(
+            self.map.lock().unwrap_or_else(|p| p.into_inner()),
+            self.capacity,
+        )
+    }
+
     /// The answer given before for `key`, if any.
     pub fn get(&self, key: &[u64]) -> Option<Result<SelectionPlan, PolicyError>> {
-        let map = self.map.lock().unwrap_or_else(|p| p.into_inner());
-        map.get(key).cloned()
+        self.lock().get(key)
     }
 
     /// Keeps `answer` for `key` if it is a plan or a decline, and small.
     pub fn put(&self, key: &[u64], answer: &Result<SelectionPlan, PolicyError>) {
-        let keep = match answer {
-            Ok(plan) => plan_words(plan) <= MAX_PLAN_WORDS,
-            Err(PolicyError::NotApplicable | PolicyError::InvalidInput(_)) => true,
-            Err(PolicyError::Failed(_) | PolicyError::Fault(_)) => false,
-        };
-        if !keep || self.capacity == 0 {
-            return;
-        }
-        let mut map = self.map.lock().unwrap_or_else(|p| p.into_inner());
-        if map.len() >= self.capacity {
-            map.clear();
-        }
-        map.insert(key.into(), answer.clone());
+        self.lock().put(key, answer)
     }
 
     /// Entries held.
@@ -209,7 +222,11 @@ mod tests {
         let Field::Regular(t) = &f else {
             unreachable!()
         };
-        let strided = Field::Regular(t.rows_view(0, 2, 50).unwrap());
+        let view = t.rows_view(0, 2, 50).unwrap();
+        // The key keeps the first stride: the others follow from the shape.
+        assert_eq!(view.first_stride(), view.strides()[0]);
+        assert_eq!(t.first_stride(), t.strides()[0]);
+        let strided = Field::Regular(view);
         let dense = field(50, 4, DType::F32);
         assert_ne!(k(&strided, &[1]), k(&dense, &[1]));
         // Not memoized: long irregular lists, nested fields, no positions.

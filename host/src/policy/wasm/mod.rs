@@ -749,17 +749,21 @@ impl Policy for WasmPolicy {
         // Every request's key, one after the other in one buffer.
         let mut words: Vec<u64> = Vec::new();
         let mut keys: Vec<Option<std::ops::Range<usize>>> = Vec::with_capacity(requests.len());
-        let mut missed = Vec::new();
-        for (i, r) in requests.iter().enumerate() {
+        for r in requests {
             let start = words.len();
             let encoded = memo::encode(r.field, r.positions, &mut words);
-            let key = encoded.then_some(start..words.len());
-            let hit = key.as_ref().and_then(|k| self.memo.get(&words[k.clone()]));
-            if hit.is_none() {
-                missed.push(i);
+            keys.push(encoded.then_some(start..words.len()));
+        }
+        let mut missed = Vec::new();
+        {
+            let memo = self.memo.lock();
+            for (i, key) in keys.iter().enumerate() {
+                let hit = key.as_ref().and_then(|k| memo.get(&words[k.clone()]));
+                if hit.is_none() {
+                    missed.push(i);
+                }
+                answers.push(hit);
             }
-            answers.push(hit);
-            keys.push(key);
         }
         let memo_hits = (requests.len() - missed.len()) as u64;
         let mut entries = 0;
@@ -767,9 +771,10 @@ impl Policy for WasmPolicy {
             let asked: Vec<SelectRequest<'_>> = missed.iter().map(|&i| requests[i]).collect();
             let (fresh, n) = self.ask(&asked);
             entries = n;
+            let mut memo = self.memo.lock();
             for (&i, answer) in missed.iter().zip(fresh) {
                 if let Some(k) = keys[i].clone() {
-                    self.memo.put(&words[k], &answer);
+                    memo.put(&words[k], &answer);
                 }
                 answers[i] = Some(answer);
             }
