@@ -10,8 +10,9 @@ decides). The Python client over tcp puts 4 rows x 10 fields of float32
 the table gives the median and p90 of each. stowd's own `policy_ns`
 (nanoseconds spent deciding) and the plugins' `calls` / `call_ns` across
 the run give the share of stowd's time spent in policies and the time per
-decision; `entries` and `memo_hits` say how many times a plugin was entered
-and how many decisions came from its memo.
+entry into a plugin (`call_ns` times only chain calls that entered one);
+`entries` and `memo_hits` say how many times a plugin was entered and how
+many decisions came from its memo.
 
 usage: python3 bench/policy_put.py --stowd target/release/stowd --plugins target/plugins [--puts 2000]
 """
@@ -96,14 +97,14 @@ def main() -> None:
         print(f"{a.puts} puts of 4 rows x 10 fields of float32 [16] over tcp, 4 units, "
               f"alternating blocks of {a.block}; stowd {a.stowd}\n")
         print("| stowd | median us | p90 us | policy share of put time | decisions per put | "
-              "entries per put | memo hits per put | us per decision |")
+              "entries per put | memo hits per put | us per entry |")
         print("|---|---:|---:|---:|---:|---:|---:|---:|")
         for name, c in clients.items():
             ts = sorted(times[name])
             s = c.stats()
             pol = s.get("policy_ns", 0) - before[name][0]
             calls, entries, hits, ns = (x - y for x, y in zip(plugin_totals(s), before[name][1:]))
-            per_call = f"{ns / calls / 1e3:.2f}" if calls else "-"
+            per_call = f"{ns / entries / 1e3:.2f}" if entries else "-"
             print(f"| {name} | {statistics.median(ts) * 1e6:.0f} | {ts[int(len(ts) * 0.9)] * 1e6:.0f} | "
                   f"{pol / 1e9 / wall[name]:.1%} | {calls / a.puts:.1f} | {entries / a.puts:.1f} | "
                   f"{hits / a.puts:.1f} | {per_call} |")

@@ -95,12 +95,7 @@ fn bench(c: &mut Criterion) {
     let units: Vec<Vec<u64>> = (0..4u64).map(|u| vec![u]).collect();
     let requests: Vec<SelectRequest<'_>> = units
         .iter()
-        .flat_map(|p| {
-            fields.iter().map(move |f| SelectRequest {
-                field: f,
-                positions: p,
-            })
-        })
+        .flat_map(|p| fields.iter().map(move |f| SelectRequest::new(f, p)))
         .collect();
     let mut group = c.benchmark_group("request");
     group.bench_function("wasm-memo/40", |b| {

@@ -295,10 +295,7 @@ impl Manager {
                     continue;
                 }
                 for &f in members {
-                    requests.push(SelectRequest {
-                        field: &fields[f].1,
-                        positions: &route.positions,
-                    });
+                    requests.push(SelectRequest::new(&fields[f].1, &route.positions));
                     slots.push((u, f));
                 }
             }

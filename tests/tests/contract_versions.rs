@@ -81,10 +81,7 @@ fn pairs(fields: &[Field], positions: &[Vec<u64>]) -> Vec<(usize, usize)> {
 fn requests<'a>(fields: &'a [Field], positions: &'a [Vec<u64>]) -> Vec<SelectRequest<'a>> {
     pairs(fields, positions)
         .into_iter()
-        .map(|(f, u)| SelectRequest {
-            field: &fields[f],
-            positions: &positions[u],
-        })
+        .map(|(f, u)| SelectRequest::new(&fields[f], &positions[u]))
         .collect()
 }
 
@@ -151,18 +148,9 @@ fn requests_a_plugin_declines_go_on_alone_to_the_next_one() {
     let strided = [1u64, 3, 5];
     let irregular = [9u64, 2, 40];
     let asked = [
-        SelectRequest {
-            field: &field,
-            positions: &one,
-        },
-        SelectRequest {
-            field: &field,
-            positions: &strided,
-        },
-        SelectRequest {
-            field: &field,
-            positions: &irregular,
-        },
+        SelectRequest::new(&field, &one),
+        SelectRequest::new(&field, &strided),
+        SelectRequest::new(&field, &irregular),
     ];
     let c = chain(
         &reg,
@@ -190,13 +178,7 @@ fn requests_a_plugin_declines_go_on_alone_to_the_next_one() {
     assert_eq!(counts(&reg, "gather"), [1, 1, 0, 1, 0]);
     // An empty position list anywhere is refused before any call.
     let none: [u64; 0] = [];
-    let bad = [
-        asked[0],
-        SelectRequest {
-            field: &field,
-            positions: &none,
-        },
-    ];
+    let bad = [asked[0], SelectRequest::new(&field, &none)];
     assert_eq!(c.select_many(&bad).unwrap_err(), ChainError::EmptyPositions);
     assert_eq!(counts(&reg, "single-row")[0], 3);
 }

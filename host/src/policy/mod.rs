@@ -69,6 +69,21 @@ impl Fault {
 pub struct SelectRequest<'a> {
     pub field: &'a Field,
     pub positions: &'a [u64],
+    /// The request's memo key (`wasm::memo::encode`), when the chain
+    /// encoded it once for all its pure plugins; `None`: not encoded yet,
+    /// or not memoizable (see `memo_key`).
+    pub memo_key: Option<&'a [u64]>,
+}
+
+impl<'a> SelectRequest<'a> {
+    /// A request, its memo key not encoded.
+    pub fn new(field: &'a Field, positions: &'a [u64]) -> Self {
+        SelectRequest {
+            field,
+            positions,
+            memo_key: None,
+        }
+    }
 }
 
 /// What [`Policy::select_many`] answered, and what it cost.
@@ -117,6 +132,13 @@ pub trait Policy: Send + Sync {
 
     /// Groups pieces into frames.
     fn pack(&self, pieces: &[PieceInfo], limits: &PackLimits) -> Result<FramePlan, PolicyError>;
+
+    /// True if the policy answers from a memo keyed by
+    /// `wasm::memo::encode`: the chain then encodes each request's key once
+    /// for all such policies.
+    fn memoizes(&self) -> bool {
+        false
+    }
 
     /// Drops any state kept between calls (a sandbox instance), so the next
     /// call starts fresh. Called when a disabled plugin is re-enabled.

@@ -729,7 +729,7 @@ impl Policy for WasmPolicy {
 
     fn select(&self, field: &Field, positions: &[u64]) -> Result<SelectionPlan, PolicyError> {
         let mut answers = self
-            .select_many(&[SelectRequest { field, positions }])
+            .select_many(&[SelectRequest::new(field, positions)])
             .answers;
         answers.pop().unwrap_or(Err(PolicyError::NotApplicable))
     }
@@ -744,25 +744,38 @@ impl Policy for WasmPolicy {
                 memo_hits: 0,
             };
         }
-        let mut answers: Vec<Option<Result<SelectionPlan, PolicyError>>> =
-            Vec::with_capacity(requests.len());
-        // Every request's key, one after the other in one buffer.
+        // Keys the chain did not encode are encoded here, one after the
+        // other in one buffer (nothing is allocated when the chain did).
         let mut words: Vec<u64> = Vec::new();
-        let mut keys: Vec<Option<std::ops::Range<usize>>> = Vec::with_capacity(requests.len());
-        for r in requests {
-            let start = words.len();
-            let encoded = memo::encode(r.field, r.positions, &mut words);
-            keys.push(encoded.then_some(start..words.len()));
+        let mut keys: Vec<Option<std::ops::Range<usize>>> = Vec::new();
+        if requests.iter().any(|r| r.memo_key.is_none()) {
+            keys.reserve(requests.len());
+            for r in requests {
+                let start = words.len();
+                let encoded =
+                    r.memo_key.is_none() && memo::encode(r.field, r.positions, &mut words);
+                keys.push(encoded.then_some(start..words.len()));
+            }
         }
+        let key = |i: usize| -> Option<&[u64]> {
+            requests[i]
+                .memo_key
+                .or_else(|| keys.get(i).and_then(|k| k.clone()).map(|k| &words[k]))
+        };
+        let mut answers: Vec<Result<SelectionPlan, PolicyError>> =
+            Vec::with_capacity(requests.len());
         let mut missed = Vec::new();
         {
             let memo = self.memo.lock();
-            for (i, key) in keys.iter().enumerate() {
-                let hit = key.as_ref().and_then(|k| memo.get(&words[k.clone()]));
-                if hit.is_none() {
-                    missed.push(i);
+            for i in 0..requests.len() {
+                match key(i).and_then(|k| memo.get(k)) {
+                    Some(hit) => answers.push(hit),
+                    None => {
+                        missed.push(i);
+                        // Replaced by the plugin's answer below.
+                        answers.push(Err(PolicyError::NotApplicable));
+                    }
                 }
-                answers.push(hit);
             }
         }
         let memo_hits = (requests.len() - missed.len()) as u64;
@@ -773,20 +786,21 @@ impl Policy for WasmPolicy {
             entries = n;
             let mut memo = self.memo.lock();
             for (&i, answer) in missed.iter().zip(fresh) {
-                if let Some(k) = keys[i].clone() {
-                    memo.put(&words[k], &answer);
+                if let Some(k) = key(i) {
+                    memo.put(k, &answer);
                 }
-                answers[i] = Some(answer);
+                answers[i] = answer;
             }
         }
         SelectAnswers {
-            answers: answers
-                .into_iter()
-                .map(|a| a.unwrap_or(Err(PolicyError::NotApplicable)))
-                .collect(),
+            answers,
             entries,
             memo_hits,
         }
+    }
+
+    fn memoizes(&self) -> bool {
+        self.description.pure && self.memo.enabled()
     }
 
     fn reset(&self) {
