@@ -5,7 +5,7 @@ client over tcp, put 4 rows x 10 fields of float32 [16] for SECS seconds;
 prints the puts done and the most threads stowd had (/proc/PID/status,
 sampled every 0.2 s).
 
-usage: python3 bench/policy_threads.py --stowd STOWD --plugins DIR [--clients 64] [--secs 10]
+usage: python3 bench/policy_threads.py --stowd STOWD --plugins DIR [--clients 64] [--secs 10] [--memo-entries N]
 """
 import argparse
 import json
@@ -29,11 +29,15 @@ def main() -> None:
     ap.add_argument("--plugins", default=os.path.join(ROOT, "target", "plugins"))
     ap.add_argument("--clients", type=int, default=64)
     ap.add_argument("--secs", type=float, default=10.0)
+    ap.add_argument("--memo-entries", type=int, default=None,
+                    help="[plugins] memo_entries (0: every put enters a plugin)")
     a = ap.parse_args()
     work = tempfile.mkdtemp(prefix="stowage-policy-threads-")
     cfg, eps = os.path.join(work, "stowd.toml"), os.path.join(work, "stowd.json")
     with open(cfg, "w") as f:
         f.write(f"[units]\nlocal = 4\n\n[plugins]\ndir = {json.dumps(a.plugins)}\n")
+        if a.memo_entries is not None:
+            f.write(f"memo_entries = {a.memo_entries}\n")
     proc = subprocess.Popen([a.stowd, "serve", "--config", cfg, "--endpoints-file", eps],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
