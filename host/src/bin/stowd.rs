@@ -81,10 +81,14 @@ fn load_plugin(
     file: &std::path::Path,
     fuel: Option<u64>,
     cache_dir: Option<PathBuf>,
+    memo_entries: Option<usize>,
 ) -> anyhow::Result<stowage_host::policy::wasm::WasmPolicy> {
     let mut limits = stowage_host::policy::wasm::SandboxLimits::default();
     if let Some(f) = fuel {
         limits.fuel = f;
+    }
+    if let Some(m) = memo_entries {
+        limits.memo_entries = m;
     }
     let registry = stowage_host::policy::registry::Registry::new(cache_dir, limits)?;
     let (policy, _) = registry.load_file(file)?;
@@ -100,7 +104,7 @@ fn plugin_check(
 ) -> anyhow::Result<bool> {
     use stowage_host::conformance;
     use stowage_host::policy::Policy;
-    let policy = load_plugin(file, fuel, cache_dir)?;
+    let policy = load_plugin(file, fuel, cache_dir, None)?;
     let d = policy.describe().clone();
     println!(
         "plugin {} {} ({}): {}",
@@ -125,13 +129,31 @@ fn plugin_bench(
     cache_dir: Option<PathBuf>,
 ) -> anyhow::Result<()> {
     use stowage_host::conformance::{self, Outcome};
-    let policy = load_plugin(file, None, cache_dir)?;
-    let runs: Vec<_> = (0..rounds.max(1))
-        .map(|_| {
-            let stop = conformance::Stop::AfterFailuresInARow(conformance::GIVE_UP_AFTER);
-            conformance::run_with(&policy, stop)
-        })
-        .collect();
+    use stowage_host::policy::Policy;
+    // Memo off: every decision enters the plugin.
+    let policy = load_plugin(file, None, cache_dir.clone(), Some(0))?;
+    let d = policy.describe().clone();
+    println!(
+        "plugin {} {} (stowage:policy@{}{})",
+        d.name,
+        d.version,
+        policy.contract(),
+        if d.pure {
+            ", pure: memoized in stowd"
+        } else {
+            ""
+        }
+    );
+    let rounds = rounds.max(1);
+    let run = |policy: &stowage_host::policy::wasm::WasmPolicy| -> Vec<conformance::Report> {
+        (0..rounds)
+            .map(|_| {
+                let stop = conformance::Stop::AfterFailuresInARow(conformance::GIVE_UP_AFTER);
+                conformance::run_with(policy, stop)
+            })
+            .collect()
+    };
+    let runs = run(&policy);
     let first = &runs[0];
     println!(
         "{} calls over {} rounds of the conformance suite ({} cases a round: {} answered, {} declined, {} failed)",
@@ -149,8 +171,21 @@ fn plugin_bench(
             first.not_run
         );
     }
-    println!();
+    println!("\nentering the plugin on every call (memo off):");
     print!("{}", conformance::bench_table(&runs));
+    if d.pure {
+        // As stowd runs it, with a memo that holds the whole suite (more
+        // distinct cases than the default `memo_entries`, which would empty
+        // itself every round): one round fills it, the rounds timed after
+        // it are answered from it where the case can be memoized.
+        let memoized = load_plugin(file, None, cache_dir, Some(4096))?;
+        let _ = conformance::run_with(&memoized, conformance::Stop::Never);
+        println!(
+            "\nwith a memo of 4096 entries, filled by one round (regular fields are memoized; {} held):",
+            memoized.memo_len()
+        );
+        print!("{}", conformance::bench_table(&run(&memoized)));
+    }
     Ok(())
 }
 
