@@ -766,7 +766,7 @@ impl Policy for WasmPolicy {
             Vec::with_capacity(requests.len());
         let mut missed = Vec::new();
         {
-            let memo = self.memo.lock();
+            let mut memo = self.memo.lock();
             for i in 0..requests.len() {
                 match key(i).and_then(|k| memo.get(k)) {
                     Some(hit) => answers.push(hit),
