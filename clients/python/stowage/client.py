@@ -451,6 +451,7 @@ class Client(_Ops):
         ``"plugin.<name>"``::
 
             {"version": "0.1.0", "capabilities": ["select"], "calls": 2,
+             "entries": 1, "memo_hits": 0,
              "call_ns": 3410, "plans": 2, "faults": 0, "invalid_plans": 0, "fallbacks": 0,
              "rejections": 0, "disables": 0, "reenables": 0,
              "disabled": False}  # + "reenable_in_ms": int while disabled

@@ -11,7 +11,7 @@ import pytest
 
 import stowage
 
-PLUGIN_INTS = ("calls", "call_ns", "plans", "faults", "invalid_plans", "fallbacks", "rejections", "disables", "reenables")
+PLUGIN_INTS = ("calls", "entries", "memo_hits", "call_ns", "plans", "faults", "invalid_plans", "fallbacks", "rejections", "disables", "reenables")
 
 
 def check_plugin_shape(name: str, p: dict) -> None:
@@ -45,6 +45,10 @@ def test_stats_are_structured_after_calls(reject_server, fresh):
     faults = p1["faults"] - p0["faults"]
     assert faults >= 1
     assert p1["calls"] - p0["calls"] == faults
+    # drop-row (stowage:policy@0.2.0, not pure): entered at least once,
+    # never answered from a memo.
+    assert p1["entries"] > p0["entries"], (p0, p1)
+    assert p1["memo_hits"] == p0["memo_hits"] == 0, (p0, p1)
     assert p1["call_ns"] > p0["call_ns"], "time in the plugin's calls was not counted"
     assert after["policy_ns"] > before["policy_ns"]
     assert p1["rejections"] - p0["rejections"] == faults

@@ -67,6 +67,27 @@ fn overrides_and_metrics_parse() {
 }
 
 #[test]
+fn memo_entries_parse_with_a_default_and_per_plugin_overrides() {
+    let c = Config::parse("", "c.toml").unwrap();
+    assert_eq!(
+        c.plugins.sandbox().memo_entries,
+        crate::policy::wasm::memo::DEFAULT_ENTRIES
+    );
+    let c = Config::parse(
+        "[plugins]\nmemo_entries = 0\n\n[plugins.overrides.runs]\nmemo_entries = 64\n",
+        "c.toml",
+    )
+    .unwrap();
+    assert_eq!(c.plugins.sandbox().memo_entries, 0);
+    let runs = c.plugins.overrides["runs"].apply(c.plugins.sandbox());
+    assert_eq!(runs.memo_entries, 64);
+    let err = Config::parse("[plugins]\nmemo_entries = -1\n", "c.toml")
+        .unwrap_err()
+        .to_string();
+    assert!(err.starts_with("c.toml:2:"), "{err}");
+}
+
+#[test]
 fn invalid_values_are_typed_errors() {
     let problem = |text: &str| match Config::parse(text, "c.toml") {
         Err(ConfigError::Invalid { problem, .. }) => problem,
