@@ -350,3 +350,59 @@ async fn a_0_1_0_plugin_passes_plugin_check_and_decides_beside_0_2_0_ones() {
     assert_eq!(got.len(), 2);
     stowd.stop();
 }
+
+#[test]
+fn a_fields_handle_kept_past_its_call_reaches_nothing_but_the_current_call() {
+    let reg = registry(&[hostile("stale-fields")], 0);
+    let first = regular(16, 4, 0);
+    let positions = [1u64, 5, 6];
+    let c = chain(&reg, &["stale-fields"], FailStrategy::Fallback, 0);
+    // The first call keeps its handle's index and answers honestly.
+    let d = c.select(&first, &positions).unwrap();
+    assert_eq!(d.by, DecidedBy::Plugin("stale-fields".into()));
+    // Later calls use the kept index. The component model recycles handle
+    // slots, so the index either traps (unknown handle) or names the field
+    // lent to the call at hand, never the 16-row field of the first call.
+    let later = regular(24, 4, 1);
+    let builtin = stowage_host::policy::builtin::Builtin::plan(&later, &positions).unwrap();
+    for round in 1..4u64 {
+        let d = c.select(&later, &positions).unwrap();
+        assert_eq!(
+            d.by,
+            DecidedBy::Fallback {
+                plugin: "stale-fields".into()
+            },
+            "round {round}"
+        );
+        assert_eq!(d.plan, builtin);
+    }
+    let c = chain(&reg, &["stale-fields"], FailStrategy::Reject, 0);
+    match c.select(&later, &positions) {
+        Err(ChainError::Rejected { reason, .. }) => assert!(
+            reason.contains("unknown handle") || reason.contains("answered 24 rows"),
+            "{reason}"
+        ),
+        other => panic!("expected a rejection, got {other:?}"),
+    }
+}
+
+#[test]
+fn a_field_number_the_call_did_not_lend_traps() {
+    let reg = registry(&[hostile("bad-field-number")], 0);
+    let (fields, positions) = put_shape(0);
+    let c = chain(&reg, &["bad-field-number"], FailStrategy::Fallback, 0);
+    let decided = c.select_many(&requests(&fields, &positions)).unwrap();
+    assert!(decided.iter().all(|d| d.by
+        == DecidedBy::Fallback {
+            plugin: "bad-field-number".into()
+        }));
+    assert_eq!(counts(&reg, "bad-field-number"), [40, 1, 0, 0, 40]);
+    let c = chain(&reg, &["bad-field-number"], FailStrategy::Reject, 0);
+    match c.select(&fields[0], &positions[0]) {
+        Err(ChainError::Rejected { reason, .. }) => assert!(
+            reason.contains("field number 1 out of range: the call lent 1 fields"),
+            "{reason}"
+        ),
+        other => panic!("expected a rejection, got {other:?}"),
+    }
+}
