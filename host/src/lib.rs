@@ -2,6 +2,7 @@
 //!
 //! | module | what it holds |
 //! |---|---|
+//! | [`checkpoint`] | unit checkpoints on disk (safetensors files): TransferQueue's `SAVE_STORAGE_CHECKPOINT` and `LOAD_STORAGE_CHECKPOINT` |
 //! | [`config`] | the TOML configuration (`stowd.example.toml` lists every key) |
 //! | [`conformance`] | a plugin against the built-in (`stowd plugin check`, hot reload) |
 //! | [`extent`] | extents: the immutable buffers rows live in (a received frame, an adopted segment, a gather's output) |
@@ -43,6 +44,7 @@
 //! tracing makes DEBUG spans per request and per policy call, and only the
 //! binary installs a subscriber.
 
+pub mod checkpoint;
 pub mod config;
 pub mod conformance;
 pub mod extent;

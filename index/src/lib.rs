@@ -92,6 +92,11 @@ impl IndexMap {
         self.map.get(&g).copied()
     }
 
+    /// Every (key, value), in no particular order.
+    pub fn iter(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
+        self.map.iter().map(|(&g, &v)| (g, v))
+    }
+
     pub fn contains(&self, g: u64) -> bool {
         self.map.contains_key(&g)
     }

@@ -7,6 +7,7 @@
 //! To add a file: write `tests/tests/NAME.rs` and add `mod NAME;` here.
 
 mod chains;
+mod checkpoint;
 mod compile_cache;
 mod contract_versions;
 mod dtypes;

@@ -181,8 +181,20 @@ pub enum Request {
     },
     /// `GET_METRICS` (the body is ignored).
     GetMetrics,
+    /// `SAVE_STORAGE_CHECKPOINT {path}`: write the unit's rows to the file
+    /// `path` (the storage manager writes its manifest beside it).
+    SaveCheckpoint {
+        /// The file to write.
+        path: String,
+    },
+    /// `LOAD_STORAGE_CHECKPOINT {path}`: replace the unit's rows with those
+    /// of the file `path`, as a save wrote it.
+    LoadCheckpoint {
+        /// The file to read.
+        path: String,
+    },
     /// A request type TransferQueue knows but a storage unit does not serve
-    /// here (`HANDSHAKE`, `SAVE_STORAGE_CHECKPOINT`, ...): answer it with
+    /// here (`HANDSHAKE`, `SAVE_CONTROLLER_CHECKPOINT`, ...): answer it with
     /// [`Reply::invalid_operation`]. Holds the wire request type.
     Other(String),
 }
@@ -195,6 +207,8 @@ impl Request {
             Request::Get { .. } => "GET",
             Request::Clear { .. } => "CLEAR_DATA",
             Request::GetMetrics => "GET_METRICS",
+            Request::SaveCheckpoint { .. } => "SAVE_STORAGE_CHECKPOINT",
+            Request::LoadCheckpoint { .. } => "LOAD_STORAGE_CHECKPOINT",
             Request::Other(t) => t,
         }
     }
@@ -303,6 +317,14 @@ pub enum Reply {
     },
     /// `METRICS_RESPONSE`.
     Metrics(Metrics),
+    /// `SAVE_STORAGE_CHECKPOINT_RESPONSE` (or `LOAD_...` when `load`):
+    /// `{success: true}`, or `{success: false, message}` with the error.
+    Checkpoint {
+        /// The reply to a load (else to a save).
+        load: bool,
+        /// Why it failed; `None`: it succeeded.
+        error: Option<String>,
+    },
     /// An error reply `{message}`.
     Error {
         /// Which error reply.
@@ -320,6 +342,8 @@ impl Reply {
             Reply::GetData { .. } => "GET_DATA_RESPONSE",
             Reply::ClearData { .. } => "CLEAR_DATA_RESPONSE",
             Reply::Metrics(_) => "METRICS_RESPONSE",
+            Reply::Checkpoint { load: false, .. } => "SAVE_STORAGE_CHECKPOINT_RESPONSE",
+            Reply::Checkpoint { load: true, .. } => "LOAD_STORAGE_CHECKPOINT_RESPONSE",
             Reply::Error { kind, .. } => kind.as_str(),
         }
     }
@@ -501,6 +525,8 @@ pub enum Op {
     Get,
     /// A CLEAR_DATA request.
     Clear,
+    /// A SAVE_STORAGE_CHECKPOINT or LOAD_STORAGE_CHECKPOINT request.
+    Checkpoint,
     /// A reply being decoded by a client.
     Reply,
 }
@@ -511,7 +537,9 @@ impl Op {
             Op::Put => ErrorReply::Put,
             Op::Get => ErrorReply::Get,
             Op::Clear => ErrorReply::ClearData,
-            Op::Reply => ErrorReply::PutGet,
+            // TransferQueue's unit reads `path` outside its try: a bad
+            // body is its worker's generic error.
+            Op::Checkpoint | Op::Reply => ErrorReply::PutGet,
         }
     }
 }

@@ -51,9 +51,11 @@ module (the factory registry is per process): under Ray, add
 to `ray.init`. Without `tq.init` (no Ray), create the client directly:
 `client.initialize_storage_manager("Stowage", {"endpoints_file": ...})`.
 
-Not served through stowd: TransferQueue's storage checkpoints
+Not served through this adapter yet: TransferQueue's storage checkpoints
 (`save_checkpoint` / `load_checkpoint` raise NotImplementedError, which
-`tq.save_checkpoint` reports as "backend does not support checkpoint"), a
+`tq.save_checkpoint` reports as "backend does not support checkpoint";
+stowd's unit endpoints do answer SAVE_ / LOAD_STORAGE_CHECKPOINT, so
+TransferQueue's own SimpleStorage manager pointed at them checkpoints), a
 `data_parser` on put, and per-row values that carry arrays other than one
 tensor per row: a numpy array per row, tensors inside a dict or list, tensors
 mixed with None (stowd answers PUT_ERROR "... not supported by stowd" and

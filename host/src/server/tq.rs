@@ -99,6 +99,27 @@ impl Arrivals {
     }
 }
 
+/// The file a checkpoint request names: an absolute path whose last
+/// component is not a symbolic link (a client must not make stowd write
+/// through a link it planted, or somewhere relative to stowd's own working
+/// directory).
+fn checkpoint_path(path: &str) -> Result<std::path::PathBuf, String> {
+    let p = std::path::PathBuf::from(path);
+    if path.is_empty() || !p.is_absolute() {
+        return Err(format!("checkpoint path {path:?} is not absolute"));
+    }
+    if p.file_name().is_none() {
+        return Err(format!("checkpoint path {path:?} names no file"));
+    }
+    match std::fs::symlink_metadata(&p) {
+        Ok(m) if m.file_type().is_symlink() => {
+            Err(format!("checkpoint path {path:?} is a symbolic link"))
+        }
+        Ok(m) if !m.is_file() => Err(format!("checkpoint path {path:?} is not a regular file")),
+        _ => Ok(p),
+    }
+}
+
 /// The op label of a TransferQueue request, for metrics.
 fn op_label(request: &tq::Request) -> &'static str {
     match request {
@@ -106,6 +127,8 @@ fn op_label(request: &tq::Request) -> &'static str {
         tq::Request::Get { .. } => "get",
         tq::Request::Clear { .. } => "clear",
         tq::Request::GetMetrics => "metrics",
+        tq::Request::SaveCheckpoint { .. } => "save_checkpoint",
+        tq::Request::LoadCheckpoint { .. } => "load_checkpoint",
         tq::Request::Other(_) => "other",
     }
 }
@@ -262,9 +285,54 @@ impl TqService {
                 },
             },
             tq::Request::GetMetrics => self.metrics_reply(),
+            tq::Request::SaveCheckpoint { path } => self.checkpoint(path, false).await,
+            tq::Request::LoadCheckpoint { path } => self.checkpoint(path, true).await,
             tq::Request::Other(t) => errors::tq_invalid_operation(id, &t),
         };
         (op, reply)
+    }
+
+    /// `SAVE_STORAGE_CHECKPOINT` / `LOAD_STORAGE_CHECKPOINT` (`load`) at a
+    /// unit endpoint: the unit's rows to or from the file `path`
+    /// ([`crate::checkpoint`]), on the blocking pool. The reply says
+    /// `success` and, on failure, why.
+    async fn checkpoint(&self, path: String, load: bool) -> tq::Reply {
+        let id = self.id.as_str();
+        let what = if load { "load" } else { "save" };
+        let error = match &self.backend {
+            Backend::Router(_) => Some(
+                "stowd's router endpoint does not checkpoint the units it routes to: send \
+                 SAVE_STORAGE_CHECKPOINT and LOAD_STORAGE_CHECKPOINT to each unit endpoint \
+                 (the `units` of stowd's endpoints file), as TransferQueue's storage manager does"
+                    .to_string(),
+            ),
+            Backend::Unit(unit) => match checkpoint_path(&path) {
+                Err(e) => Some(e),
+                Ok(p) => {
+                    let unit = unit.clone();
+                    let done = tokio::task::spawn_blocking(move || {
+                        if load {
+                            crate::checkpoint::load(&unit, &p).map(|rows| (rows, 0))
+                        } else {
+                            crate::checkpoint::save(&unit, &p).map(|s| (s.rows, s.bytes))
+                        }
+                    })
+                    .await;
+                    match done {
+                        Ok(Ok((rows, bytes))) => {
+                            tracing::info!(unit = id, path, rows, bytes, "checkpoint {what}");
+                            None
+                        }
+                        Ok(Err(e)) => Some(e.to_string()),
+                        Err(e) => Some(format!("the checkpoint {what} failed: {e}")),
+                    }
+                }
+            },
+        };
+        if let Some(e) = &error {
+            tracing::warn!(unit = id, path, error = %e, "checkpoint {what} refused");
+        }
+        tq::Reply::Checkpoint { load, error }
     }
 
     fn metrics_reply(&self) -> tq::Reply {

@@ -24,6 +24,7 @@
 //! | [`column`] | [`Column`]: one put's rows of one field, and back to cells |
 //! | [`rows`] | [`Rows`], [`Piece`] and [`Run`]: what a get answers, grouped for the encoders |
 //! | `seqs` | [`Seq`]: a run of requested indexes at evenly spaced positions; a column's indexes as a run or a list |
+//! | `snapshot` | [`Unit::snapshot`] and [`Unit::replace_with`]: every row at once, for checkpoints |
 //! | `release` | giving freed memory back to the OS (`malloc_trim`) off the request path |
 
 use std::collections::HashMap;
@@ -76,6 +77,7 @@ mod column;
 mod release;
 mod rows;
 mod seqs;
+mod snapshot;
 #[cfg(test)]
 mod tests;
 
@@ -83,6 +85,7 @@ pub use column::{Column, NestedRow, RegularColumn};
 pub use rows::{Piece, Rows, Run};
 use seqs::ColIndexes;
 pub use seqs::Seq;
+pub use snapshot::Snapshot;
 
 /// The row maps ([`IndexMap`]) live in `stowage-index`, which is
 /// optimised even in debug builds (see its crate doc).

@@ -155,6 +155,29 @@ fn missing_or_duplicate_envelope_keys_are_undecodable() {
 }
 
 #[test]
+fn checkpoint_requests_need_a_str_path() {
+    // {"path": "/x/su_0.pkl"}
+    let body = b"\x81\xa4path\xab/x/su_0.pkl";
+    for (t, load) in [
+        ("SAVE_STORAGE_CHECKPOINT", false),
+        ("LOAD_STORAGE_CHECKPOINT", true),
+    ] {
+        let got = decode_request(&[frame0(t, body)]).unwrap();
+        let path = "/x/su_0.pkl".to_string();
+        let want = if load {
+            Request::LoadCheckpoint { path }
+        } else {
+            Request::SaveCheckpoint { path }
+        };
+        assert_eq!(got, want);
+        // No path, or a path that is not a str: TransferQueue's generic
+        // worker error (it reads `path` outside its try).
+        fails(&[frame0(t, b"\x80")], ErrorReply::PutGet);
+        fails(&[frame0(t, b"\x81\xa4path\x07")], ErrorReply::PutGet);
+    }
+}
+
+#[test]
 fn unknown_request_type_is_undecodable() {
     let e = fails(&[frame0("FROB", b"\x80")], ErrorReply::PutGet);
     assert_eq!(e, Error::UnknownRequestType("FROB".into()));
@@ -162,7 +185,11 @@ fn unknown_request_type_is_undecodable() {
 
 #[test]
 fn known_unserved_types_decode_as_other() {
-    for t in ["HANDSHAKE", "SAVE_STORAGE_CHECKPOINT", "PUT_DATA_RESPONSE"] {
+    for t in [
+        "HANDSHAKE",
+        "SAVE_CONTROLLER_CHECKPOINT",
+        "PUT_DATA_RESPONSE",
+    ] {
         assert_eq!(
             decode_request(&[frame0(t, b"\x80")]).unwrap(),
             Request::Other(t.into())

@@ -668,6 +668,24 @@ pub fn decode_message_with(frames: &[Bytes], limits: &Limits) -> Result<Message,
             }
         }
         "GET_METRICS" => Request::GetMetrics,
+        t @ ("SAVE_STORAGE_CHECKPOINT" | "LOAD_STORAGE_CHECKPOINT") => {
+            let entries = body_entries(buf, body, Op::Checkpoint)?;
+            let pos = find(&entries, "path", Op::Checkpoint)?;
+            let path = match Reader::bytes(buf, pos).item()? {
+                Item::Str { s, .. } => s.to_owned(),
+                _ => {
+                    return Err(Error::Body {
+                        op: Op::Checkpoint,
+                        detail: "'path' is not a str".into(),
+                    });
+                }
+            };
+            if t == "SAVE_STORAGE_CHECKPOINT" {
+                Request::SaveCheckpoint { path }
+            } else {
+                Request::LoadCheckpoint { path }
+            }
+        }
         other => Request::Other(other.to_owned()),
     };
     Ok(Message { envelope, request })
@@ -824,6 +842,19 @@ pub fn decode_reply(frames: &[Bytes]) -> Result<(Envelope, Reply), Error> {
             }
         }
         "METRICS_RESPONSE" => Reply::Metrics(metrics(buf, body)?),
+        t @ ("SAVE_STORAGE_CHECKPOINT_RESPONSE" | "LOAD_STORAGE_CHECKPOINT_RESPONSE") => {
+            let entries = body_entries(buf, body, Op::Reply)?;
+            let success = match Reader::bytes(buf, find(&entries, "success", Op::Reply)?).item()? {
+                Item::Bool(b) => b,
+                _ => return Err(reply_err("'success' is not a bool")),
+            };
+            Reply::Checkpoint {
+                load: t.starts_with("LOAD"),
+                error: (!success)
+                    .then(|| reply_message(buf, &entries, "Unknown error"))
+                    .transpose()?,
+            }
+        }
         other => match ErrorReply::from_wire(other) {
             Some(kind) => {
                 let entries = body_entries(buf, body, Op::Reply)?;

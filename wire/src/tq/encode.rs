@@ -177,6 +177,21 @@ pub fn encode_reply_stamped(unit_id: &str, reply: &Reply, stamp: &Stamp) -> Vec<
         }
         Reply::ClearData { message } | Reply::Error { message, .. } => out.message(message),
         Reply::Metrics(m) => out.metrics(m),
+        Reply::Checkpoint { error: None, .. } => {
+            out.w.map(1);
+            out.w.str("success");
+            out.w.bool(true);
+        }
+        Reply::Checkpoint {
+            error: Some(message),
+            ..
+        } => {
+            out.w.map(2);
+            out.w.str("success");
+            out.w.bool(false);
+            out.w.str("message");
+            out.w.str(message);
+        }
     }
     out.finish()
 }
@@ -253,6 +268,11 @@ pub fn encode_request_stamped(
             out.w.map(1);
             out.w.str("global_indexes");
             out.uints(global_indexes);
+        }
+        Request::SaveCheckpoint { path } | Request::LoadCheckpoint { path } => {
+            out.w.map(1);
+            out.w.str("path");
+            out.w.str(path);
         }
         Request::GetMetrics | Request::Other(_) => out.w.map(0),
     }

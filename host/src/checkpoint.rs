@@ -1,0 +1,343 @@
+//! Unit checkpoints on disk: what a TransferQueue `SAVE_STORAGE_CHECKPOINT`
+//! writes and `LOAD_STORAGE_CHECKPOINT` reads back (issue 16, first part).
+//!
+//! **Format: one [safetensors] file per unit.** Hugging Face's format is a
+//! JSON header and the raw bytes of each tensor, written and read here by
+//! its own crate, and read as well by torch, numpy, JAX and most model
+//! tooling (`safetensors.numpy.load_file(path)` gives every stored row of a
+//! checkpoint as an array). Arrow IPC would have meant one record batch per
+//! field and its much larger crates for a format no consumer of these rows
+//! reads natively.
+//!
+//! - Each stored row (global index, field) is one tensor named by its
+//!   position in the file's entry list (`"0"`, `"1"`, ...). A tensor row
+//!   keeps its dtype and shape where safetensors has the dtype; the others
+//!   (`complex128`, `complex32`, `float4_e2m1fn_x2`), and plain values
+//!   (strings, bytes, opaque msgpack), are `U8` tensors of their bytes.
+//! - The header's `__metadata__` holds one key, `stowage`: a JSON object
+//!   with `format` ([`FORMAT`]), the unit id, `entries` (per tensor:
+//!   `[global index, field, kind, dtype, shape]`, kind `tensor`, `str`,
+//!   `bytes` or `msgpack`) and `sha256`, the SHA-256 of every entry's bytes
+//!   in entry order. A load verifies it in one hashing pass before anything
+//!   is replaced, and refuses a file whose bytes differ, naming the file.
+//! - A save writes `.<name>.<pid>.<n>.tmp` beside `path`, fsyncs it, renames
+//!   it over `path` and fsyncs the directory: a crash mid-save leaves the
+//!   previous file (or none), never half of one.
+//!
+//! The snapshot is the unit's rows at the moment the save takes the unit's
+//! lock ([`Unit::snapshot`]: the cells share the stored extents, nothing is
+//! copied until the file is written); puts and gets go on meanwhile. A load
+//! replaces the unit's rows as a whole, as TransferQueue's unit does
+//! (`Unit::replace_with`), after the file was read and verified.
+//!
+//! [safetensors]: https://github.com/huggingface/safetensors
+
+use std::borrow::Cow;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use bytes::Bytes;
+use safetensors::{Dtype as StDtype, SafeTensors, View};
+use sha2::{Digest, Sha256};
+
+use crate::batch::{Cell, Value};
+use crate::store::{Snapshot, StoreError, Unit};
+use crate::tensor::{DType, Tensor};
+
+/// The `format` of the files this module writes and reads.
+pub const FORMAT: &str = "stowage-unit-checkpoint/1";
+
+/// Why a checkpoint could not be written or read. Nothing was changed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum CheckpointError {
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{path}: not a safetensors file: {reason}")]
+    NotSafetensors { path: PathBuf, reason: String },
+    #[error("{path}: not a stowd unit checkpoint: {reason}")]
+    NotStowage { path: PathBuf, reason: String },
+    #[error(
+        "{path}: checksum mismatch: the file's bytes are not those that were saved (sha256 {found}, saved {saved})"
+    )]
+    Checksum {
+        path: PathBuf,
+        saved: String,
+        found: String,
+    },
+    #[error("{path}: {source}")]
+    Store { path: PathBuf, source: StoreError },
+}
+
+/// What one entry of the file is.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Entry(u64, String, String, String, Vec<u64>);
+
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Header {
+    format: String,
+    unit: String,
+    entries: Vec<Entry>,
+    sha256: String,
+}
+
+/// One stored row, as safetensors sees it.
+struct Row {
+    dtype: StDtype,
+    shape: Vec<usize>,
+    data: Bytes,
+}
+
+impl View for &Row {
+    fn dtype(&self) -> StDtype {
+        self.dtype
+    }
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    fn data(&self) -> Cow<'_, [u8]> {
+        Cow::Borrowed(&self.data)
+    }
+    fn data_len(&self) -> usize {
+        self.data.len()
+    }
+}
+
+/// The safetensors dtype of a stored dtype, where it has one.
+fn st_dtype(d: DType) -> Option<StDtype> {
+    Some(match d {
+        DType::Bool => StDtype::BOOL,
+        DType::U8 => StDtype::U8,
+        DType::I8 => StDtype::I8,
+        DType::I16 => StDtype::I16,
+        DType::U16 => StDtype::U16,
+        DType::I32 => StDtype::I32,
+        DType::U32 => StDtype::U32,
+        DType::I64 => StDtype::I64,
+        DType::U64 => StDtype::U64,
+        DType::F16 => StDtype::F16,
+        DType::BF16 => StDtype::BF16,
+        DType::F32 => StDtype::F32,
+        DType::F64 => StDtype::F64,
+        DType::Complex64 => StDtype::C64,
+        DType::F8E4M3Fn => StDtype::F8_E4M3,
+        DType::F8E5M2 => StDtype::F8_E5M2,
+        DType::F8E4M3Fnuz => StDtype::F8_E4M3FNUZ,
+        DType::F8E5M2Fnuz => StDtype::F8_E5M2FNUZ,
+        DType::F8E8M0Fnu => StDtype::F8_E8M0,
+        DType::Complex128 | DType::Complex32 | DType::F4E2M1FnX2 => return None,
+    })
+}
+
+fn io(path: &Path) -> impl Fn(std::io::Error) -> CheckpointError + '_ {
+    move |source| CheckpointError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// Rows written, and their bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Saved {
+    pub rows: u64,
+    pub bytes: u64,
+}
+
+/// Writes every row of `unit` to `path` (see the module docs).
+pub fn save(unit: &Unit, path: &Path) -> Result<Saved, CheckpointError> {
+    let snapshot = unit.snapshot();
+    let mut entries = Vec::new();
+    let mut rows = Vec::new();
+    let mut hash = Sha256::new();
+    let mut bytes = 0u64;
+    for (field, cells) in &snapshot {
+        for (g, cell) in cells {
+            let (kind, dtype, shape, data) = match cell {
+                Cell::Tensor(t) => (
+                    "tensor",
+                    t.dtype().name(),
+                    t.shape().to_vec(),
+                    t.contiguous_bytes(),
+                ),
+                Cell::Value(Value::Str(s)) => {
+                    ("str", "uint8", vec![], Bytes::copy_from_slice(s.as_bytes()))
+                }
+                Cell::Value(Value::Bytes(b)) => ("bytes", "uint8", vec![], b.clone()),
+                Cell::Value(Value::Msgpack(b)) => ("msgpack", "uint8", vec![], b.clone()),
+            };
+            let native = match cell {
+                Cell::Tensor(t) => st_dtype(t.dtype()),
+                Cell::Value(_) => None,
+            };
+            let (st, st_shape) = match native {
+                Some(d) => (d, shape.iter().map(|&s| s as usize).collect()),
+                None => (StDtype::U8, vec![data.len()]),
+            };
+            hash.update(&data);
+            bytes += data.len() as u64;
+            entries.push(Entry(
+                *g,
+                field.to_string(),
+                kind.into(),
+                dtype.into(),
+                shape,
+            ));
+            rows.push(Row {
+                dtype: st,
+                shape: st_shape,
+                data,
+            });
+        }
+    }
+    let header = Header {
+        format: FORMAT.into(),
+        unit: unit.id().into(),
+        entries,
+        sha256: hex(&hash.finalize()),
+    };
+    let json = serde_json::to_string(&header).map_err(|e| CheckpointError::NotStowage {
+        path: path.to_path_buf(),
+        reason: e.to_string(),
+    })?;
+    let metadata = HashMap::from([("stowage".to_string(), json)]);
+    let tmp = temp_beside(path);
+    let named = rows.iter().enumerate().map(|(i, r)| (i.to_string(), r));
+    let written = safetensors::serialize_to_file(named, Some(metadata), &tmp);
+    let result = written
+        .map_err(|e| CheckpointError::NotSafetensors {
+            path: tmp.clone(),
+            reason: e.to_string(),
+        })
+        .and_then(|()| {
+            std::fs::File::open(&tmp)
+                .and_then(|f| f.sync_all())
+                .map_err(io(&tmp))
+        })
+        .and_then(|()| std::fs::rename(&tmp, path).map_err(io(path)));
+    if let Err(e) = result {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e);
+    }
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::File::open(dir)
+            .and_then(|d| d.sync_all())
+            .map_err(io(dir))?;
+    }
+    Ok(Saved {
+        rows: rows.len() as u64,
+        bytes,
+    })
+}
+
+/// A fresh temporary name beside `path`.
+fn temp_beside(path: &Path) -> PathBuf {
+    static N: AtomicU64 = AtomicU64::new(0);
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let n = N.fetch_add(1, Ordering::Relaxed);
+    path.with_file_name(format!(".{name}.{}.{n}.tmp", std::process::id()))
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Reads and verifies `path`, then replaces every row of `unit` with its
+/// rows. Returns the rows loaded.
+pub fn load(unit: &Unit, path: &Path) -> Result<u64, CheckpointError> {
+    let rows = read(path)?;
+    let n = rows.iter().map(|(_, r)| r.len() as u64).sum();
+    unit.replace_with(rows)
+        .map_err(|source| CheckpointError::Store {
+            path: path.to_path_buf(),
+            source,
+        })?;
+    Ok(n)
+}
+
+/// The rows of a checkpoint file, by field, verified against its checksum.
+pub fn read(path: &Path) -> Result<Snapshot, CheckpointError> {
+    let file = Bytes::from(std::fs::read(path).map_err(io(path))?);
+    let not_st = |reason: String| CheckpointError::NotSafetensors {
+        path: path.to_path_buf(),
+        reason,
+    };
+    let not_ours = |reason: String| CheckpointError::NotStowage {
+        path: path.to_path_buf(),
+        reason,
+    };
+    let st = SafeTensors::deserialize(&file).map_err(|e| not_st(e.to_string()))?;
+    let (_, metadata) = SafeTensors::read_metadata(&file).map_err(|e| not_st(e.to_string()))?;
+    let json = metadata
+        .metadata()
+        .as_ref()
+        .and_then(|m| m.get("stowage"))
+        .ok_or_else(|| not_ours("no \"stowage\" metadata".into()))?;
+    let header: Header = serde_json::from_str(json).map_err(|e| not_ours(e.to_string()))?;
+    if header.format != FORMAT {
+        return Err(not_ours(format!(
+            "format {:?}, this stowd reads {FORMAT:?}",
+            header.format
+        )));
+    }
+    let mut hash = Sha256::new();
+    let mut by_field: Snapshot = Vec::new();
+    for (i, Entry(g, field, kind, dtype, shape)) in header.entries.into_iter().enumerate() {
+        let view = st
+            .tensor(&i.to_string())
+            .map_err(|e| not_ours(format!("entry {i}: {e}")))?;
+        let data = view.data();
+        hash.update(data);
+        // A slice of the file's buffer: no copy per row.
+        let offset = data.as_ptr() as usize - file.as_ptr() as usize;
+        let bytes = file.slice(offset..offset + data.len());
+        let cell = match kind.as_str() {
+            "tensor" => {
+                let d = DType::from_name(&dtype)
+                    .ok_or_else(|| not_ours(format!("entry {i}: unknown dtype {dtype:?}")))?;
+                let t = Tensor::contiguous(bytes, d, shape)
+                    .map_err(|e| not_ours(format!("entry {i}: {e}")))?;
+                Cell::Tensor(t)
+            }
+            "str" => {
+                let s = String::from_utf8(bytes.to_vec())
+                    .map_err(|e| not_ours(format!("entry {i}: {e}")))?;
+                Cell::Value(Value::Str(s))
+            }
+            "bytes" => Cell::Value(Value::Bytes(bytes)),
+            "msgpack" => Cell::Value(Value::Msgpack(bytes)),
+            other => return Err(not_ours(format!("entry {i}: unknown kind {other:?}"))),
+        };
+        match by_field.last_mut() {
+            Some((f, rows)) if **f == *field => rows.push((g, cell)),
+            _ => match by_field.iter_mut().find(|(f, _)| **f == *field) {
+                Some((_, rows)) => rows.push((g, cell)),
+                None => by_field.push((Arc::from(field.as_str()), vec![(g, cell)])),
+            },
+        }
+    }
+    let found = hex(&hash.finalize());
+    if found != header.sha256 {
+        return Err(CheckpointError::Checksum {
+            path: path.to_path_buf(),
+            saved: header.sha256,
+            found,
+        });
+    }
+    for (_, rows) in &by_field {
+        if let Some(g) = crate::store::duplicate(&rows.iter().map(|(g, _)| *g).collect::<Vec<_>>())
+        {
+            return Err(not_ours(format!(
+                "global index {g} appears twice in one field"
+            )));
+        }
+    }
+    Ok(by_field)
+}

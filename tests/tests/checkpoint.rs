@@ -1,0 +1,237 @@
+//! TransferQueue's `SAVE_STORAGE_CHECKPOINT` and `LOAD_STORAGE_CHECKPOINT`
+//! at stowd's unit endpoints (issue 16, first part): the real `stowd`,
+//! real sockets, the TransferQueue wire format. A unit saves its rows to a
+//! safetensors file and loads them back byte for byte, replacing what it
+//! held; a corrupted, truncated, foreign or missing file is refused with a
+//! message naming it, and the unit keeps serving its rows; the router and
+//! bad paths are refused clearly.
+
+use std::path::Path;
+
+use stowage_host::batch::{Cell, Field};
+use stowage_host::tensor::DType;
+use stowage_host::wire::tq;
+use stowage_tests::data::{assert_cells, cells, f32_rows, nested, strings, tensor};
+use stowage_tests::{Stowd, TqClient, temp_dir};
+
+async fn save(c: &TqClient, path: &Path) -> tq::Reply {
+    c.request(&tq::Request::SaveCheckpoint {
+        path: path.to_string_lossy().into_owned(),
+    })
+    .await
+}
+
+async fn load(c: &TqClient, path: &Path) -> tq::Reply {
+    c.request(&tq::Request::LoadCheckpoint {
+        path: path.to_string_lossy().into_owned(),
+    })
+    .await
+}
+
+fn ok(reply: &tq::Reply, load: bool) {
+    assert_eq!(reply, &tq::Reply::Checkpoint { load, error: None });
+}
+
+fn refused(reply: &tq::Reply, load: bool) -> String {
+    match reply {
+        tq::Reply::Checkpoint {
+            load: l,
+            error: Some(e),
+        } if *l == load => e.clone(),
+        other => panic!("expected a refused checkpoint, got {other:?}"),
+    }
+}
+
+/// Three fields of every kind, on 6 indexes.
+fn batch() -> (Vec<u64>, Vec<(String, Field)>) {
+    let indexes: Vec<u64> = vec![3, 9, 10, 11, 40, 7];
+    let fields = vec![
+        ("x".to_string(), Field::Regular(f32_rows(6, 8, 1))),
+        (
+            "bf".to_string(),
+            Field::Regular(tensor(DType::BF16, &[6, 3], 2)),
+        ),
+        // complex128 has no safetensors dtype: kept as bytes plus its dtype.
+        (
+            "c".to_string(),
+            Field::Regular(tensor(DType::Complex128, &[6, 2], 3)),
+        ),
+        (
+            "resp".to_string(),
+            nested(DType::I64, &[3, 0, 7, 1, 2, 5], 4),
+        ),
+        ("text".to_string(), strings("t", 6)),
+    ];
+    (indexes, fields)
+}
+
+async fn check_all(c: &TqClient, indexes: &[u64], fields: &[(String, Field)], what: &str) {
+    let names: Vec<&str> = fields.iter().map(|(n, _)| n.as_str()).collect();
+    let got = c.get_ok(indexes, &names).await;
+    for ((name, field), (got_name, got_cells)) in fields.iter().zip(&got) {
+        assert_eq!(name, got_name);
+        assert_cells(&format!("{what}: {name}"), got_cells, &cells(field));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_unit_saves_and_loads_its_rows_byte_for_byte() {
+    let stowd = Stowd::start("");
+    let unit = TqClient::new(stowd.unit(0));
+    let dir = temp_dir("checkpoint");
+    let path = dir.join("su_0.safetensors");
+    let (indexes, fields) = batch();
+    unit.put_ok(&indexes, fields.clone()).await;
+
+    ok(&save(&unit, &path).await, false);
+    let file = std::fs::read(&path).unwrap();
+    // A safetensors file: an 8-byte little-endian header length, then JSON.
+    let n = u64::from_le_bytes(file[..8].try_into().unwrap()) as usize;
+    let header = std::str::from_utf8(&file[8..8 + n]).unwrap();
+    assert!(header.contains("stowage-unit-checkpoint/1"), "{header}");
+    assert!(
+        header.contains("\"BF16\""),
+        "bf16 rows keep their dtype: {header}"
+    );
+    // Nothing but the file is left in the directory (no temporary).
+    let left: Vec<_> = std::fs::read_dir(&dir).unwrap().collect();
+    assert_eq!(left.len(), 1);
+
+    // Overwrite one row and add another after the save, then load: the
+    // unit holds exactly what was saved.
+    unit.put_ok(
+        &[3, 1000],
+        vec![("x".into(), Field::Regular(f32_rows(2, 8, 99)))],
+    )
+    .await;
+    ok(&load(&unit, &path).await, true);
+    check_all(&unit, &indexes, &fields, "after load").await;
+    match unit.get(&[1000], &["x"]).await {
+        tq::Reply::Error { kind, .. } => assert_eq!(kind, tq::ErrorReply::Get),
+        other => panic!("index 1000 was put after the save: {other:?}"),
+    }
+
+    // Load into an emptied unit of another stowd (a restart).
+    let other = Stowd::start("");
+    let fresh = TqClient::new(other.unit(1));
+    ok(&load(&fresh, &path).await, true);
+    check_all(&fresh, &indexes, &fields, "in another stowd").await;
+    // Saving an empty unit gives a file that empties a unit on load.
+    let empty = dir.join("empty.safetensors");
+    ok(&save(&TqClient::new(other.unit(0)), &empty).await, false);
+    ok(&load(&fresh, &empty).await, true);
+    match fresh.get(&[3], &["x"]).await {
+        tq::Reply::Error { .. } => {}
+        other => panic!("the unit should be empty: {other:?}"),
+    }
+    other.stop();
+    stowd.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_damaged_or_foreign_file_is_refused_and_the_unit_keeps_its_rows() {
+    let stowd = Stowd::start("");
+    let unit = TqClient::new(stowd.unit(0));
+    let dir = temp_dir("checkpoint-bad");
+    let path = dir.join("su_0.safetensors");
+    let (indexes, fields) = batch();
+    unit.put_ok(&indexes, fields.clone()).await;
+    ok(&save(&unit, &path).await, false);
+    let good = std::fs::read(&path).unwrap();
+
+    // One flipped byte in the last row's bytes: the checksum names the file.
+    let mut flipped = good.clone();
+    let last = flipped.len() - 1;
+    flipped[last] ^= 0x40;
+    let bad = dir.join("flipped.safetensors");
+    std::fs::write(&bad, &flipped).unwrap();
+    let e = refused(&load(&unit, &bad).await, true);
+    assert!(
+        e.contains("checksum mismatch") && e.contains("flipped.safetensors"),
+        "{e}"
+    );
+
+    // Truncated, not safetensors at all, missing, another safetensors file.
+    let cases: Vec<(&str, Vec<u8>, &str)> = vec![
+        (
+            "truncated",
+            good[..good.len() / 2].to_vec(),
+            "not a safetensors file",
+        ),
+        ("text", b"hello".to_vec(), "not a safetensors file"),
+        (
+            "foreign",
+            // A valid safetensors file without stowd's metadata.
+            {
+                let json = br#"{"w":{"dtype":"U8","shape":[2],"data_offsets":[0,2]}}"#;
+                let mut f = (json.len() as u64).to_le_bytes().to_vec();
+                f.extend_from_slice(json);
+                f.extend_from_slice(&[1, 2]);
+                f
+            },
+            "not a stowd unit checkpoint",
+        ),
+    ];
+    for (name, bytes, want) in cases {
+        let p = dir.join(format!("{name}.safetensors"));
+        std::fs::write(&p, bytes).unwrap();
+        let e = refused(&load(&unit, &p).await, true);
+        assert!(e.contains(want) && e.contains(name), "{name}: {e}");
+    }
+    let e = refused(&load(&unit, &dir.join("missing.safetensors")).await, true);
+    assert!(e.contains("missing.safetensors"), "{e}");
+
+    // Every refused load left the unit as it was.
+    check_all(&unit, &indexes, &fields, "after refused loads").await;
+    stowd.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_paths_and_the_router_are_refused_clearly() {
+    let stowd = Stowd::start("");
+    let unit = TqClient::new(stowd.unit(0));
+    let dir = temp_dir("checkpoint-paths");
+    unit.put_ok(&[1], vec![("x".into(), Field::Regular(f32_rows(1, 2, 0)))])
+        .await;
+    // A relative path, a directory, a missing directory, a symbolic link.
+    let e = refused(
+        &unit
+            .request(&tq::Request::SaveCheckpoint {
+                path: "su_0.safetensors".into(),
+            })
+            .await,
+        false,
+    );
+    assert!(e.contains("not absolute"), "{e}");
+    let e = refused(&save(&unit, &dir).await, false);
+    assert!(e.contains("not a regular file"), "{e}");
+    let e = refused(
+        &save(&unit, &dir.join("no/such/dir/su.safetensors")).await,
+        false,
+    );
+    assert!(e.contains("no/such/dir"), "{e}");
+    let target = dir.join("target");
+    std::fs::write(&target, b"keep me").unwrap();
+    let link = dir.join("link.safetensors");
+    std::os::unix::fs::symlink(&target, &link).unwrap();
+    let e = refused(&save(&unit, &link).await, false);
+    assert!(e.contains("symbolic link"), "{e}");
+    assert_eq!(std::fs::read(&target).unwrap(), b"keep me");
+    // The router does not checkpoint the units it routes to.
+    let router = TqClient::new(stowd.router());
+    let e = refused(&save(&router, &dir.join("r.safetensors")).await, false);
+    assert!(e.contains("router") && e.contains("unit endpoint"), "{e}");
+    // A body without a path: TransferQueue's generic worker error.
+    let frames = unit.encode(&tq::Request::Other("SAVE_STORAGE_CHECKPOINT".into()));
+    match unit.send_frames(frames).await {
+        tq::Reply::Error { kind, message } => {
+            assert_eq!(kind, tq::ErrorReply::PutGet);
+            assert!(message.contains("path"), "{message}");
+        }
+        other => panic!("expected PUT_GET_ERROR, got {other:?}"),
+    }
+    // The unit still serves its row.
+    let got = unit.get_ok(&[1], &["x"]).await;
+    assert!(matches!(got[0].1[0], Cell::Tensor(_)));
+    stowd.stop();
+}
