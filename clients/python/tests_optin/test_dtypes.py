@@ -188,3 +188,44 @@ def test_stowage_client_reads_and_writes_what_transferqueue_stores(clients, stow
             assert bits[f].tobytes() == raw(batch[f]), f
         s.clear(fresh)
     c.clear_partition("dtypes-cross")
+
+
+def test_transferqueue_storage_checkpoint_over_stowd_units(clients, stowd, tmp_path):
+    """TransferQueue's own SimpleStorage manager checkpoints stowd's units
+    (SAVE_STORAGE_CHECKPOINT / LOAD_STORAGE_CHECKPOINT, issue 16): it writes
+    one file per unit where it says and its own manifest beside them; after
+    stowd's units lost the rows, a load brings every dtype back byte for
+    byte, and the files are safetensors files that safetensors' own torch
+    loader reads."""
+    c = clients("SimpleStorage", {"zmq_info": stq.storage_unit_infos(stowd["units"])})
+    batch = make_batch(7)
+    meta = c.put(batch, partition_id="dtypes-ckpt")
+    pos = {g: i for i, g in enumerate(meta.global_indexes)}
+    fields = [f"x_{d}" for d in DTYPES]
+    c.save_storage_checkpoint(str(tmp_path))
+    su = tmp_path / "simple_storage"  # TransferQueue 0.1.11's layout
+    files = sorted(p.name for p in su.iterdir())
+    assert sum(f.endswith(".pkl") for f in files) == 2 and len(files) == 3, files
+
+    def fetch(task: str):
+        fetched = c.get_meta(data_fields=fields, batch_size=N, partition_id="dtypes-ckpt",
+                             mode="fetch", task_name=task)
+        return fetched, c.get_data(fetched)
+
+    # stowd's units lose the rows (cleared over stowage/1: TransferQueue's
+    # controller still lists them), so TransferQueue cannot read them...
+    with stowage.Client(stowd["native"], timeout=30) as s:
+        s.clear(list(meta.global_indexes))
+    with pytest.raises(Exception, match="not found|TQKeyNotFound"):
+        fetch("ckpt-before-load")
+    # ... until it loads its checkpoint.
+    c.load_storage_checkpoint(str(tmp_path))
+    fetched, full = fetch("ckpt-after-load")
+    assert_rows_equal(full, batch, [pos[g] for g in fetched.global_indexes])
+
+    # The unit files are safetensors: torch reads every stored row as a
+    # tensor (numpy has no bfloat16 to read them all).
+    import safetensors.torch as st
+    rows = sum(len(st.load_file(str(su / f))) for f in files if f.endswith(".pkl"))
+    assert rows == N * len(DTYPES)
+    c.clear_partition("dtypes-ckpt")
