@@ -354,3 +354,78 @@ fn pickle_writer_reproduces_every_fixture_pickle() {
     }
     assert_eq!(seen, 10);
 }
+
+/// The checkpoint golden frames (`tests/fixtures/transferqueue-0.1.11-checkpoint`
+/// in this repository, captured from a real 0.1.11 `SimpleStorageUnit`).
+fn checkpoint_frames(name: &str) -> Vec<Bytes> {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../tests/fixtures/transferqueue-0.1.11-checkpoint")
+        .join(format!("{name}.frame0.bin"));
+    vec![Bytes::from(
+        std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display())),
+    )]
+}
+
+#[test]
+fn checkpoint_requests_and_replies_decode_and_reencode_identically() {
+    const CKPT_UNIT: &str = "TQ_STORAGE_UNIT_84077ff1";
+    let path = "/tmp/stowage-fixture/su_0.pkl".to_string();
+    let missing = "/tmp/stowage-fixture/missing.pkl".to_string();
+    let requests = [
+        ("save_req", Request::SaveCheckpoint { path: path.clone() }),
+        ("load_req", Request::LoadCheckpoint { path }),
+        (
+            "load_missing_req",
+            Request::LoadCheckpoint { path: missing },
+        ),
+    ];
+    for (name, want) in requests {
+        let frames = checkpoint_frames(name);
+        let m = decode_message(&frames).unwrap();
+        assert_eq!(m.request, want, "{name}");
+        assert_eq!(m.envelope.sender_id, CLIENT);
+        assert_eq!(m.envelope.receiver_id.as_deref(), Some(CKPT_UNIT));
+        let again =
+            encode_request_stamped(CLIENT, Some(CKPT_UNIT), &m.request, &stamp(&m.envelope))
+                .unwrap();
+        assert_eq!(again, frames, "{name}");
+    }
+    let replies = [
+        (
+            "save_resp",
+            Reply::Checkpoint {
+                load: false,
+                error: None,
+            },
+        ),
+        (
+            "load_resp",
+            Reply::Checkpoint {
+                load: true,
+                error: None,
+            },
+        ),
+        (
+            "load_missing_resp",
+            Reply::Checkpoint {
+                load: true,
+                error: Some(
+                    "[Errno 2] No such file or directory: '/tmp/stowage-fixture/missing.pkl'"
+                        .into(),
+                ),
+            },
+        ),
+    ];
+    for (name, want) in replies {
+        let frames = checkpoint_frames(name);
+        let (env, r) = decode_reply(&frames).unwrap();
+        assert_eq!(r, want, "{name}");
+        assert_eq!(env.sender_id, CKPT_UNIT);
+        assert_eq!(env.receiver_id, None);
+        assert_eq!(
+            encode_reply_stamped(CKPT_UNIT, &r, &stamp(&env)),
+            frames,
+            "{name}"
+        );
+    }
+}
