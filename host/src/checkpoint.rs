@@ -151,12 +151,33 @@ pub struct Saved {
 
 /// Writes every row of `unit` to `path` (see the module docs).
 pub fn save(unit: &Unit, path: &Path) -> Result<Saved, CheckpointError> {
-    let snapshot = unit.snapshot();
+    save_snapshot(unit.id(), &unit.snapshot(), path)
+}
+
+/// Writes the rows of several units (a router's, whose global indexes are
+/// distinct across its units) to one file, as one unit's.
+pub fn save_units(id: &str, units: &[&Unit], path: &Path) -> Result<Saved, CheckpointError> {
+    let mut merged: Snapshot = Vec::new();
+    for unit in units {
+        for (field, rows) in unit.snapshot() {
+            match merged.iter_mut().find(|(f, _)| *f == field) {
+                Some((_, all)) => all.extend(rows),
+                None => merged.push((field, rows)),
+            }
+        }
+    }
+    for (_, rows) in &mut merged {
+        rows.sort_unstable_by_key(|(g, _)| *g);
+    }
+    save_snapshot(id, &merged, path)
+}
+
+fn save_snapshot(id: &str, snapshot: &Snapshot, path: &Path) -> Result<Saved, CheckpointError> {
     let mut entries = Vec::new();
     let mut rows = Vec::new();
     let mut hash = Sha256::new();
     let mut bytes = 0u64;
-    for (field, cells) in &snapshot {
+    for (field, cells) in snapshot {
         for (g, cell) in cells {
             let (kind, dtype, shape, data) = match cell {
                 Cell::Tensor(t) => (
@@ -197,7 +218,7 @@ pub fn save(unit: &Unit, path: &Path) -> Result<Saved, CheckpointError> {
     }
     let header = Header {
         format: FORMAT.into(),
-        unit: unit.id().into(),
+        unit: id.into(),
         entries,
         sha256: hex(&hash.finalize()),
     };
@@ -260,6 +281,45 @@ pub fn load(unit: &Unit, path: &Path) -> Result<u64, CheckpointError> {
             path: path.to_path_buf(),
             source,
         })?;
+    Ok(n)
+}
+
+/// Reads and verifies `path`, then replaces the rows of every unit in
+/// `units` with those of the file that `route` sends to it (a router's
+/// `g % N`). Nothing changes unless the whole file was read and verified
+/// and every unit's part fits its capacity. Returns the rows loaded.
+pub fn load_units(
+    units: &[&Unit],
+    route: impl Fn(u64) -> usize,
+    path: &Path,
+) -> Result<u64, CheckpointError> {
+    let rows = read(path)?;
+    let mut parts: Vec<Snapshot> = units.iter().map(|_| Vec::new()).collect();
+    let mut n = 0u64;
+    for (field, field_rows) in rows {
+        for (g, cell) in field_rows {
+            n += 1;
+            let part = &mut parts[route(g)];
+            match part.iter_mut().find(|(f, _)| *f == field) {
+                Some((_, r)) => r.push((g, cell)),
+                None => part.push((field.clone(), vec![(g, cell)])),
+            }
+        }
+    }
+    for (unit, part) in units.iter().zip(&parts) {
+        unit.check_replace(part)
+            .map_err(|source| CheckpointError::Store {
+                path: path.to_path_buf(),
+                source,
+            })?;
+    }
+    for (unit, part) in units.iter().zip(parts) {
+        unit.replace_with(part)
+            .map_err(|source| CheckpointError::Store {
+                path: path.to_path_buf(),
+                source,
+            })?;
+    }
     Ok(n)
 }
 

@@ -2,7 +2,7 @@
 //!
 //! | module | what it holds |
 //! |---|---|
-//! | [`checkpoint`] | unit checkpoints on disk (safetensors files): TransferQueue's `SAVE_STORAGE_CHECKPOINT` and `LOAD_STORAGE_CHECKPOINT` |
+//! | [`checkpoint`] | unit checkpoints on disk (safetensors files): TransferQueue's `SAVE_STORAGE_CHECKPOINT` and `LOAD_STORAGE_CHECKPOINT`, at a unit or the router |
 //! | [`config`] | the TOML configuration (`stowd.example.toml` lists every key) |
 //! | [`conformance`] | a plugin against the built-in (`stowd plugin check`, hot reload) |
 //! | [`extent`] | extents: the immutable buffers rows live in (a received frame, an adopted segment, a gather's output) |

@@ -3,8 +3,9 @@
 //! real sockets, the TransferQueue wire format. A unit saves its rows to a
 //! safetensors file and loads them back byte for byte, replacing what it
 //! held; a corrupted, truncated, foreign or missing file is refused with a
-//! message naming it, and the unit keeps serving its rows; the router and
-//! bad paths are refused clearly.
+//! message naming it, and the unit keeps serving its rows; bad paths are
+//! refused clearly. The router endpoint checkpoints all its local units in
+//! one file, and refuses when it routes to a remote unit.
 
 use std::path::Path;
 
@@ -187,7 +188,7 @@ async fn a_damaged_or_foreign_file_is_refused_and_the_unit_keeps_its_rows() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn bad_paths_and_the_router_are_refused_clearly() {
+async fn bad_paths_and_a_router_with_remote_units_are_refused_clearly() {
     let stowd = Stowd::start("");
     let unit = TqClient::new(stowd.unit(0));
     let dir = temp_dir("checkpoint-paths");
@@ -217,10 +218,20 @@ async fn bad_paths_and_the_router_are_refused_clearly() {
     let e = refused(&save(&unit, &link).await, false);
     assert!(e.contains("symbolic link"), "{e}");
     assert_eq!(std::fs::read(&target).unwrap(), b"keep me");
-    // The router does not checkpoint the units it routes to.
-    let router = TqClient::new(stowd.router());
-    let e = refused(&save(&router, &dir.join("r.safetensors")).await, false);
-    assert!(e.contains("router") && e.contains("unit endpoint"), "{e}");
+    // A router with a remote unit cannot write for it: refused, naming why.
+    let remote = Stowd::start(&format!(
+        "[units]\nlocal = 1\n\n[router]\nunits = [\"local:0\", {:?}]\n",
+        stowd.unit(1).endpoint
+    ));
+    let e = refused(
+        &save(&TqClient::new(remote.router()), &dir.join("r.safetensors")).await,
+        false,
+    );
+    assert!(
+        e.contains("1 remote unit") && e.contains("own endpoint"),
+        "{e}"
+    );
+    remote.stop();
     // A body without a path: TransferQueue's generic worker error.
     let frames = unit.encode(&tq::Request::Other("SAVE_STORAGE_CHECKPOINT".into()));
     match unit.send_frames(frames).await {
@@ -233,5 +244,41 @@ async fn bad_paths_and_the_router_are_refused_clearly() {
     // The unit still serves its row.
     let got = unit.get_ok(&[1], &["x"]).await;
     assert!(matches!(got[0].1[0], Cell::Tensor(_)));
+    stowd.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_router_checkpoints_its_local_units_in_one_file() {
+    let stowd = Stowd::start("[units]\nlocal = 3\n");
+    let router = TqClient::new(stowd.router());
+    let dir = temp_dir("checkpoint-router");
+    let path = dir.join("router.safetensors");
+    let (indexes, fields) = batch();
+    router.put_ok(&indexes, fields.clone()).await;
+    ok(&save(&router, &path).await, false);
+    // The rows go, another row comes; the load restores exactly the saved
+    // rows, each on the unit g % 3 routes it to.
+    router.clear(&indexes).await;
+    router
+        .put_ok(
+            &[500],
+            vec![("x".into(), Field::Regular(f32_rows(1, 8, 5)))],
+        )
+        .await;
+    ok(&load(&router, &path).await, true);
+    check_all(&router, &indexes, &fields, "through the router").await;
+    match router.get(&[500], &["x"]).await {
+        tq::Reply::Error { .. } => {}
+        other => panic!("index 500 was put after the save: {other:?}"),
+    }
+    // Each unit endpoint holds its own share: index 9 on unit 0, 10 on 1.
+    let unit0 = TqClient::new(stowd.unit(0));
+    let got = unit0.get_ok(&[9], &["text"]).await;
+    assert_cells("unit 0", &got[0].1, &cells(&fields[4].1)[1..2]);
+    let unit1 = TqClient::new(stowd.unit(1));
+    assert!(matches!(
+        unit1.get(&[9], &["text"]).await,
+        tq::Reply::Error { .. }
+    ));
     stowd.stop();
 }

@@ -51,11 +51,12 @@ module (the factory registry is per process): under Ray, add
 to `ray.init`. Without `tq.init` (no Ray), create the client directly:
 `client.initialize_storage_manager("Stowage", {"endpoints_file": ...})`.
 
-Not served through this adapter yet: TransferQueue's storage checkpoints
-(`save_checkpoint` / `load_checkpoint` raise NotImplementedError, which
-`tq.save_checkpoint` reports as "backend does not support checkpoint";
-stowd's unit endpoints do answer SAVE_ / LOAD_STORAGE_CHECKPOINT, so
-TransferQueue's own SimpleStorage manager pointed at them checkpoints), a
+TransferQueue's storage checkpoints (`tq.save_checkpoint` /
+`load_checkpoint`, the client's `save_storage_checkpoint`) work as with its
+own units: the adapter keeps `AsyncSimpleStorageManager`'s, which sends
+SAVE_ / LOAD_STORAGE_CHECKPOINT to each storage unit, and stowd's router
+(every local unit in one safetensors file; refused if it routes to a remote
+unit) and unit endpoints answer them. Not served: a
 `data_parser` on put, and per-row values that carry arrays other than one
 tensor per row: a numpy array per row, tensors inside a dict or list, tensors
 mixed with None (stowd answers PUT_ERROR "... not supported by stowd" and
@@ -258,11 +259,10 @@ if _TQ_IMPORT_ERROR is None:
             section["zmq_info"] = infos
             super().__init__(controller_info, section, zmq_context=zmq_context)
 
-        async def save_checkpoint(self, checkpoint_dir: str) -> None:
-            raise NotImplementedError("stowd does not serve TransferQueue storage checkpoints")
-
-        async def load_checkpoint(self, checkpoint_dir: str) -> None:
-            raise NotImplementedError("stowd does not serve TransferQueue storage checkpoints")
+        # save_checkpoint / load_checkpoint are TransferQueue's own: they send
+        # SAVE_STORAGE_CHECKPOINT / LOAD_STORAGE_CHECKPOINT to each storage
+        # unit this manager knows, which stowd's router (all its local units
+        # in one file) and unit endpoints answer.
 
     def _bootstrap(conf) -> dict:
         """`tq.init()` asks a bootstrap provider to start the backend's storage.

@@ -44,6 +44,7 @@ REPO = PACKAGE_ROOT.parents[1]
 sys.path.insert(0, str(PACKAGE_ROOT))
 sys.path.insert(1, str(REPO / "tests" / "python"))
 
+import stowage  # noqa: E402
 import stowage.transferqueue as stq  # noqa: E402
 from transfer_queue import interface  # noqa: E402
 from transfer_queue.client import TransferQueueClient  # noqa: E402
@@ -362,10 +363,27 @@ def test_larger_batch(clients, stowd):
     c.clear_partition("big")
 
 
-def test_checkpoint_not_supported(clients, stowd):
+def test_checkpoint_through_the_adapter(clients, stowd, tmp_path, monkeypatch):
+    """The adapter inherits TransferQueue's storage checkpoints: its save
+    and load go to stowd's router (router mode), which saves all its local
+    units to one file and loads them back. The rows come back after
+    stowd's units lost them; a relative path is refused by stowd, and
+    TransferQueue raises with stowd's message."""
     c = clients("Stowage", {"endpoints_file": str(stowd.endpoints_path)})
-    with pytest.raises(NotImplementedError, match="checkpoint"):
-        c.save_storage_checkpoint("/nonexistent")
+    batch = make_batch(seed=11)
+    meta = c.put(batch, partition_id="ckpt")
+    pos = {g: i for i, g in enumerate(meta.global_indexes)}
+    c.save_storage_checkpoint(str(tmp_path))
+    with stowage.Client(stowd["native"], timeout=30) as s:
+        s.clear(list(meta.global_indexes))
+    c.load_storage_checkpoint(str(tmp_path))
+    fetched = c.get_meta(data_fields=list(batch.keys()), batch_size=N, partition_id="ckpt",
+                         mode="fetch", task_name="ckpt")
+    assert_rows_equal(c.get_data(fetched), batch, [pos[g] for g in fetched.global_indexes])
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(RuntimeError, match="not absolute"):
+        c.save_storage_checkpoint("relative-dir")
+    c.clear_partition("ckpt")
 
 
 def test_data_parser_refused(clients, stowd):

@@ -292,20 +292,52 @@ impl TqService {
         (op, reply)
     }
 
-    /// `SAVE_STORAGE_CHECKPOINT` / `LOAD_STORAGE_CHECKPOINT` (`load`) at a
-    /// unit endpoint: the unit's rows to or from the file `path`
+    /// `SAVE_STORAGE_CHECKPOINT` / `LOAD_STORAGE_CHECKPOINT` (`load`): a
+    /// unit endpoint's rows, or all the local units of a router (refused if
+    /// it routes to a remote unit), to or from the file `path`
     /// ([`crate::checkpoint`]), on the blocking pool. The reply says
     /// `success` and, on failure, why.
     async fn checkpoint(&self, path: String, load: bool) -> tq::Reply {
         let id = self.id.as_str();
         let what = if load { "load" } else { "save" };
         let error = match &self.backend {
-            Backend::Router(_) => Some(
-                "stowd's router endpoint does not checkpoint the units it routes to: send \
-                 SAVE_STORAGE_CHECKPOINT and LOAD_STORAGE_CHECKPOINT to each unit endpoint \
-                 (the `units` of stowd's endpoints file), as TransferQueue's storage manager does"
-                    .to_string(),
-            ),
+            Backend::Router(m) => {
+                let mut locals: Vec<Arc<Unit>> = Vec::new();
+                let mut remote = 0usize;
+                for t in m.targets() {
+                    match t {
+                        Target::Local(u) => locals.push(u.clone()),
+                        Target::Remote(_) => remote += 1,
+                    }
+                }
+                if remote > 0 {
+                    Some(format!(
+                        "stowd's router routes to {remote} remote unit(s) it cannot write a \
+                         checkpoint for: send SAVE_STORAGE_CHECKPOINT and \
+                         LOAD_STORAGE_CHECKPOINT to each unit's own endpoint instead"
+                    ))
+                } else {
+                    match checkpoint_path(&path) {
+                        Err(e) => Some(e),
+                        Ok(p) => {
+                            let router_id = id.to_string();
+                            let n = locals.len() as u64;
+                            let done = tokio::task::spawn_blocking(move || {
+                                let units: Vec<&Unit> = locals.iter().map(|u| u.as_ref()).collect();
+                                if load {
+                                    let route = |g: u64| (g % n) as usize;
+                                    crate::checkpoint::load_units(&units, route, &p).map(|r| (r, 0))
+                                } else {
+                                    crate::checkpoint::save_units(&router_id, &units, &p)
+                                        .map(|s| (s.rows, s.bytes))
+                                }
+                            })
+                            .await;
+                            self.checkpoint_done(what, &path, done)
+                        }
+                    }
+                }
+            }
             Backend::Unit(unit) => match checkpoint_path(&path) {
                 Err(e) => Some(e),
                 Ok(p) => {
@@ -318,14 +350,7 @@ impl TqService {
                         }
                     })
                     .await;
-                    match done {
-                        Ok(Ok((rows, bytes))) => {
-                            tracing::info!(unit = id, path, rows, bytes, "checkpoint {what}");
-                            None
-                        }
-                        Ok(Err(e)) => Some(e.to_string()),
-                        Err(e) => Some(format!("the checkpoint {what} failed: {e}")),
-                    }
+                    self.checkpoint_done(what, &path, done)
                 }
             },
         };
@@ -333,6 +358,32 @@ impl TqService {
             tracing::warn!(unit = id, path, error = %e, "checkpoint {what} refused");
         }
         tq::Reply::Checkpoint { load, error }
+    }
+
+    /// The error of a finished checkpoint task, if any; logs a success.
+    fn checkpoint_done(
+        &self,
+        what: &str,
+        path: &str,
+        done: Result<
+            Result<(u64, u64), crate::checkpoint::CheckpointError>,
+            tokio::task::JoinError,
+        >,
+    ) -> Option<String> {
+        match done {
+            Ok(Ok((rows, bytes))) => {
+                tracing::info!(
+                    unit = self.id.as_str(),
+                    path,
+                    rows,
+                    bytes,
+                    "checkpoint {what}"
+                );
+                None
+            }
+            Ok(Err(e)) => Some(e.to_string()),
+            Err(e) => Some(format!("the checkpoint {what} failed: {e}")),
+        }
     }
 
     fn metrics_reply(&self) -> tq::Reply {

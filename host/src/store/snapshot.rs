@@ -43,20 +43,7 @@ impl Unit {
     /// read back), checked first: if they do not fit the unit's capacity
     /// nothing changes. Each row becomes a column of its own.
     pub fn replace_with(&self, rows: Snapshot) -> Result<(), StoreError> {
-        let needed: u64 = rows
-            .iter()
-            .flat_map(|(_, r)| r.iter().map(|(_, c)| c.byte_len() as u64))
-            .sum();
-        if let Some(capacity) = self.capacity
-            && needed > capacity
-        {
-            return Err(StoreError::Capacity {
-                unit: self.id.clone(),
-                needed,
-                free: capacity,
-                capacity,
-            });
-        }
+        self.check_replace(&rows)?;
         let present: Vec<u64> = {
             let inner = self.lock();
             let mut v: Vec<u64> = inner.present.iter().map(|(g, _)| g).collect();
@@ -71,6 +58,26 @@ impl Unit {
                 .map(|(_, cell)| Column::from_cell(cell))
                 .collect();
             self.put(&indexes, vec![(field.to_string(), columns)])?;
+        }
+        Ok(())
+    }
+
+    /// Whether `rows` would fit the unit's capacity in place of what it
+    /// holds.
+    pub fn check_replace(&self, rows: &Snapshot) -> Result<(), StoreError> {
+        let needed: u64 = rows
+            .iter()
+            .flat_map(|(_, r)| r.iter().map(|(_, c)| c.byte_len() as u64))
+            .sum();
+        if let Some(capacity) = self.capacity
+            && needed > capacity
+        {
+            return Err(StoreError::Capacity {
+                unit: self.id.clone(),
+                needed,
+                free: capacity,
+                capacity,
+            });
         }
         Ok(())
     }
