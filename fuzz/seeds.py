@@ -6,7 +6,8 @@
 - tq_decode: every message of the golden TransferQueue 0.1.11 fixtures
   (../shared/fixtures/transferqueue-0.1.11 beside the repository), frames
   joined in the fuzz input format (each frame: u32 little-endian length,
-  then its bytes; see fuzz/src/lib.rs), as fuzz/corpus/tq_decode/fixture-NAME.
+  then its bytes; see fuzz/src/lib.rs), as fuzz/corpus/tq_decode/fixture-NAME;
+  and the checkpoint golden frames in tests/fixtures (fixture-checkpoint-NAME).
   Plus seed-every-dtype: a PUT with a regular and a jagged field of every
   dtype stowd carries.
 - native_decode: one message of each stowage/1 request and reply kind (and
@@ -41,7 +42,7 @@ def write(target, name, frames):
     return out
 
 
-def tq_seeds(fixtures: Path):
+def tq_seeds(fixtures: Path, prefix: str = "fixture-"):
     frames = {}
     for p in sorted(fixtures.glob("*.frame*.bin")):
         m = re.fullmatch(r"(.+)\.frame(\d+)\.bin", p.name)
@@ -51,7 +52,7 @@ def tq_seeds(fixtures: Path):
     for name, parts in sorted(frames.items()):
         ordered = [parts[k] for k in sorted(parts)]
         assert sorted(parts) == list(range(len(parts))), f"{name}: frames not numbered 0..n"
-        print(write("tq_decode", f"fixture-{name}", ordered))
+        print(write("tq_decode", f"{prefix}{name}", ordered))
 
 
 # Every dtype stowd carries, with its itemsize (torch's names and sizes).
@@ -176,6 +177,7 @@ def main():
                     default=ROOT.parent / "shared" / "fixtures" / "transferqueue-0.1.11")
     args = ap.parse_args()
     tq_seeds(args.fixtures)
+    tq_seeds(ROOT / "tests" / "fixtures" / "transferqueue-0.1.11-checkpoint", "fixture-checkpoint-")
     tq_dtype_seed()
     native_seeds()
 

@@ -29,7 +29,8 @@
 //! lock ([`Unit::snapshot`]: the cells share the stored extents, nothing is
 //! copied until the file is written); puts and gets go on meanwhile. A load
 //! replaces the unit's rows as a whole, as TransferQueue's unit does
-//! (`Unit::replace_with`), after the file was read and verified.
+//! (`Unit::replace_with`: a clear, then one put per field), after the file
+//! was read and verified; a put that races a load may be cleared by it.
 //!
 //! [safetensors]: https://github.com/huggingface/safetensors
 
