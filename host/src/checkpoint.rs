@@ -150,14 +150,13 @@ pub struct Saved {
     pub bytes: u64,
 }
 
-/// Writes every row of `unit` to `path` (see the module docs).
-pub fn save(unit: &Unit, path: &Path) -> Result<Saved, CheckpointError> {
-    save_snapshot(unit.id(), &unit.snapshot(), path)
-}
-
-/// Writes the rows of several units (a router's, whose global indexes are
-/// distinct across its units) to one file, as one unit's.
+/// Writes every row of `units` (one unit's, or a router's local units',
+/// whose global indexes are distinct across them) to `path`, as one file
+/// naming `id` (see the module docs).
 pub fn save_units(id: &str, units: &[&Unit], path: &Path) -> Result<Saved, CheckpointError> {
+    if let [unit] = units {
+        return save_snapshot(id, &unit.snapshot(), path);
+    }
     let mut merged: Snapshot = Vec::new();
     for unit in units {
         for (field, rows) in unit.snapshot() {
@@ -270,19 +269,6 @@ fn temp_beside(path: &Path) -> PathBuf {
 
 fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-/// Reads and verifies `path`, then replaces every row of `unit` with its
-/// rows. Returns the rows loaded.
-pub fn load(unit: &Unit, path: &Path) -> Result<u64, CheckpointError> {
-    let rows = read(path)?;
-    let n = rows.iter().map(|(_, r)| r.len() as u64).sum();
-    unit.replace_with(rows)
-        .map_err(|source| CheckpointError::Store {
-            path: path.to_path_buf(),
-            source,
-        })?;
-    Ok(n)
 }
 
 /// Reads and verifies `path`, then replaces the rows of every unit in

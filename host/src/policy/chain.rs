@@ -359,18 +359,14 @@ impl Chain {
         }
     }
 
+    /// Asks each policy in turn until one answers a valid plan (packing;
+    /// selection asks a whole request at once, [`Chain::select_many`]).
     fn ask<P>(
         &self,
-        skip: impl Fn(&dyn Policy) -> Option<&'static str>,
         call: impl Fn(&dyn Policy) -> Result<P, PolicyError>,
         check: impl Fn(&P) -> Result<(), PlanError>,
     ) -> Result<Outcome<P>, ChainError> {
         for loaded in &self.policies {
-            if let Some(why) = skip(loaded.policy.as_ref()) {
-                let d = loaded.policy.describe();
-                tracing::debug!(plugin = %d.name, version = %d.version, "skipped: {why}");
-                continue;
-            }
             match loaded.stats.callable() {
                 None => continue,
                 Some(true) => {
@@ -599,7 +595,6 @@ impl Chain {
             tracing::debug_span!("policy", chain = "pack", decided_by = tracing::field::Empty)
                 .entered();
         let outcome = self.ask(
-            |_| None,
             |p| p.pack(pieces, limits),
             |plan| plan::validate_frames(pieces, limits, plan),
         )?;

@@ -300,90 +300,62 @@ impl TqService {
     async fn checkpoint(&self, path: String, load: bool) -> tq::Reply {
         let id = self.id.as_str();
         let what = if load { "load" } else { "save" };
-        let error = match &self.backend {
+        // The units the file is for, in routing order, and the id it names.
+        let (units, file_id): (Vec<Arc<Unit>>, String) = match &self.backend {
+            Backend::Unit(unit) => (vec![unit.clone()], unit.id().to_string()),
             Backend::Router(m) => {
-                let mut locals: Vec<Arc<Unit>> = Vec::new();
-                let mut remote = 0usize;
-                for t in m.targets() {
-                    match t {
-                        Target::Local(u) => locals.push(u.clone()),
-                        Target::Remote(_) => remote += 1,
-                    }
-                }
-                if remote > 0 {
-                    Some(format!(
-                        "stowd's router routes to {remote} remote unit(s) it cannot write a \
-                         checkpoint for: send SAVE_STORAGE_CHECKPOINT and \
-                         LOAD_STORAGE_CHECKPOINT to each unit's own endpoint instead"
-                    ))
-                } else {
-                    match checkpoint_path(&path) {
-                        Err(e) => Some(e),
-                        Ok(p) => {
-                            let router_id = id.to_string();
-                            let n = locals.len() as u64;
-                            let done = tokio::task::spawn_blocking(move || {
-                                let units: Vec<&Unit> = locals.iter().map(|u| u.as_ref()).collect();
-                                if load {
-                                    let route = |g: u64| (g % n) as usize;
-                                    crate::checkpoint::load_units(&units, route, &p).map(|r| (r, 0))
-                                } else {
-                                    crate::checkpoint::save_units(&router_id, &units, &p)
-                                        .map(|s| (s.rows, s.bytes))
-                                }
-                            })
-                            .await;
-                            self.checkpoint_done(what, &path, done)
-                        }
-                    }
-                }
+                let locals: Vec<Arc<Unit>> = m
+                    .targets()
+                    .iter()
+                    .filter_map(|t| match t {
+                        Target::Local(u) => Some(u.clone()),
+                        Target::Remote(_) => None,
+                    })
+                    .collect();
+                (locals, id.to_string())
             }
-            Backend::Unit(unit) => match checkpoint_path(&path) {
+        };
+        let remote = match &self.backend {
+            Backend::Router(m) => m.targets().len() - units.len(),
+            Backend::Unit(_) => 0,
+        };
+        let error = if remote > 0 {
+            Some(format!(
+                "stowd's router routes to {remote} remote unit(s) it cannot write a \
+                 checkpoint for: send SAVE_STORAGE_CHECKPOINT and \
+                 LOAD_STORAGE_CHECKPOINT to each unit's own endpoint instead"
+            ))
+        } else {
+            match checkpoint_path(&path) {
                 Err(e) => Some(e),
                 Ok(p) => {
-                    let unit = unit.clone();
+                    let n = units.len() as u64;
                     let done = tokio::task::spawn_blocking(move || {
+                        let units: Vec<&Unit> = units.iter().map(|u| u.as_ref()).collect();
                         if load {
-                            crate::checkpoint::load(&unit, &p).map(|rows| (rows, 0))
+                            let route = |g: u64| (g % n) as usize;
+                            crate::checkpoint::load_units(&units, route, &p).map(|r| (r, 0))
                         } else {
-                            crate::checkpoint::save(&unit, &p).map(|s| (s.rows, s.bytes))
+                            crate::checkpoint::save_units(&file_id, &units, &p)
+                                .map(|s| (s.rows, s.bytes))
                         }
                     })
                     .await;
-                    self.checkpoint_done(what, &path, done)
+                    match done {
+                        Ok(Ok((rows, bytes))) => {
+                            tracing::info!(unit = id, path, rows, bytes, "checkpoint {what}");
+                            None
+                        }
+                        Ok(Err(e)) => Some(e.to_string()),
+                        Err(e) => Some(format!("the checkpoint {what} failed: {e}")),
+                    }
                 }
-            },
+            }
         };
         if let Some(e) = &error {
             tracing::warn!(unit = id, path, error = %e, "checkpoint {what} refused");
         }
         tq::Reply::Checkpoint { load, error }
-    }
-
-    /// The error of a finished checkpoint task, if any; logs a success.
-    fn checkpoint_done(
-        &self,
-        what: &str,
-        path: &str,
-        done: Result<
-            Result<(u64, u64), crate::checkpoint::CheckpointError>,
-            tokio::task::JoinError,
-        >,
-    ) -> Option<String> {
-        match done {
-            Ok(Ok((rows, bytes))) => {
-                tracing::info!(
-                    unit = self.id.as_str(),
-                    path,
-                    rows,
-                    bytes,
-                    "checkpoint {what}"
-                );
-                None
-            }
-            Ok(Err(e)) => Some(e.to_string()),
-            Err(e) => Some(format!("the checkpoint {what} failed: {e}")),
-        }
     }
 
     fn metrics_reply(&self) -> tq::Reply {
