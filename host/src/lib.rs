@@ -48,6 +48,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod conformance;
 pub mod extent;
+pub mod journal;
 pub mod manager;
 pub mod metrics;
 pub mod plan;

@@ -155,6 +155,23 @@ impl Manager {
         &self.targets
     }
 
+    /// Every unit, in routing order, if all are local; else how many are
+    /// remote (a checkpoint cannot be written or restored for them).
+    pub fn all_local(&self) -> Result<Vec<Arc<Unit>>, usize> {
+        let locals: Vec<Arc<Unit>> = self
+            .targets
+            .iter()
+            .filter_map(|t| match t {
+                Target::Local(u) => Some(u.clone()),
+                Target::Remote(_) => None,
+            })
+            .collect();
+        match self.targets.len() - locals.len() {
+            0 => Ok(locals),
+            remote => Err(remote),
+        }
+    }
+
     /// The local unit that holds `global_index`, if it is local.
     pub fn local_unit(&self, global_index: u64) -> Option<&Arc<Unit>> {
         match &self.targets[(global_index % self.targets.len() as u64) as usize] {
@@ -552,7 +569,7 @@ impl Manager {
                 continue;
             }
             match target {
-                Target::Local(unit) => cleared += unit.clear(&route.indexes, fields),
+                Target::Local(unit) => cleared += unit.clear(&route.indexes, fields)?,
                 Target::Remote(peer) => {
                     self.exchange(
                         peer,

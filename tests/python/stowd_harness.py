@@ -90,7 +90,7 @@ def _tail(path: Path, n: int = 40) -> str:
 
 
 @contextlib.contextmanager
-def run_stowd(workdir: Path, config: str | None = None, name: str = "stowd"):
+def run_stowd(workdir: Path, config: str | None = None, name: str = "stowd", extra_args=()):
     """Runs one stowd in `workdir` (created if needed); see the module doc."""
     binary = stowd_binary()
     workdir = Path(workdir)
@@ -102,6 +102,7 @@ def run_stowd(workdir: Path, config: str | None = None, name: str = "stowd"):
         config_path = workdir / f"{name}.toml"
         config_path.write_text(config)
         args += ["--config", str(config_path)]
+    args += list(extra_args)
     env = dict(os.environ)
     env.setdefault("RUST_LOG", "info")
     with open(log_path, "wb") as log:
@@ -159,7 +160,18 @@ def shm_stowd(tmp_path_factory, tag: str, config: str = ""):
     shutil.rmtree(shm_dir, ignore_errors=True)
 
 
+def kill(server) -> None:
+    """SIGKILLs a stowd from `run_stowd` on purpose (a crash): its context
+    then does not count the death as a failure."""
+    server.proc.stowage_killed = True
+    server.proc.kill()
+    server.proc.wait(timeout=STOP_TIMEOUT_S)
+
+
 def _stop(proc: subprocess.Popen, name: str, log_path: Path, endpoints_path: Path) -> None:
+    if getattr(proc, "stowage_killed", False):
+        endpoints_path.unlink(missing_ok=True)
+        return
     if proc.poll() is not None:
         # It died during the tests: that is a failure in itself.
         pytest.fail(

@@ -134,6 +134,13 @@ impl Stowd {
         Stowd::start_wrapped(&wrapper, &plugin_dir(), &shared_cache(), config, None)
     }
 
+    /// Like [`Stowd::start`], restoring the checkpoint in `dir` at start
+    /// (`serve --restore DIR`). Err: why it did not start, and its log.
+    pub fn start_restoring(config: &str, dir: &Path) -> Result<Stowd, String> {
+        let args = ["--restore".to_string(), dir.display().to_string()];
+        Stowd::spawn(&[], &plugin_dir(), &shared_cache(), config, None, &args)
+    }
+
     /// Starts `wrapper... stowd serve ...` (no wrapper: `stowd` itself).
     fn start_wrapped(
         wrapper: &[String],
@@ -142,6 +149,18 @@ impl Stowd {
         config: &str,
         log_filter: Option<&str>,
     ) -> Stowd {
+        Stowd::spawn(wrapper, plugins, cache, config, log_filter, &[])
+            .unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    fn spawn(
+        wrapper: &[String],
+        plugins: &Path,
+        cache: &Path,
+        config: &str,
+        log_filter: Option<&str>,
+        extra: &[String],
+    ) -> Result<Stowd, String> {
         let bin = stowd_bin();
         let dir = temp_dir("stowd");
         let config_path = dir.join("stowd.toml");
@@ -174,6 +193,7 @@ impl Stowd {
             .arg(&config_path)
             .arg("--endpoints-file")
             .arg(&endpoints_file)
+            .args(extra)
             .env("RUST_LOG", filter)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -181,21 +201,21 @@ impl Stowd {
             .spawn()
             .unwrap_or_else(|e| panic!("cannot start {}: {e}", bin.display()));
         match wait_for_endpoints(&mut child, &endpoints_file) {
-            Ok(endpoints) => Stowd {
+            Ok(endpoints) => Ok(Stowd {
                 child: Some(child),
                 endpoints,
                 dir,
                 endpoints_file,
                 log_file,
-            },
+            }),
             Err(why) => {
                 let _ = child.kill();
                 let _ = child.wait();
-                panic!(
+                Err(format!(
                     "{why}\n--- stowd log ({}) ---\n{}",
                     log_file.display(),
                     log_tail(&log_file)
-                );
+                ))
             }
         }
     }

@@ -22,4 +22,5 @@ mod operating;
 mod plugin_cli;
 mod policy;
 mod request_spans;
+mod restore;
 mod stowd;

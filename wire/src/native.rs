@@ -60,6 +60,9 @@ pub mod code {
     pub const KEY_NOT_FOUND: &str = "key_not_found";
     /// The put would exceed the unit's capacity.
     pub const CAPACITY: &str = "capacity";
+    /// A requested (global index, field) was written or cleared after the
+    /// checkpoint this stowd was restored from: its value is lost.
+    pub const DATA_LOST: &str = "data_lost";
     /// The message exceeds a receiver limit.
     pub const TOO_LARGE: &str = "too_large";
     /// A policy chain with the `reject` fail strategy refused the request.
@@ -70,10 +73,11 @@ pub mod code {
     /// A bug or an unexpected failure on the replying side.
     pub const INTERNAL: &str = "internal";
     /// Every code, in the order of the protocol page.
-    pub const ALL: [&str; 7] = [
+    pub const ALL: [&str; 8] = [
         BAD_REQUEST,
         KEY_NOT_FOUND,
         CAPACITY,
+        DATA_LOST,
         TOO_LARGE,
         REJECTED,
         UNSUPPORTED,
@@ -329,6 +333,11 @@ pub enum Op {
     /// Same node only: where the client connects its descriptor channel
     /// (the Unix socket stowd hands shared-memory descriptors over).
     Channel,
+    /// Write every local unit's rows to the checkpoint directory `dir` (an
+    /// absolute path on stowd's machine).
+    Checkpoint { dir: String },
+    /// Replace every local unit's rows with the last checkpoint in `dir`.
+    Restore { dir: String },
 }
 
 impl Op {
@@ -341,6 +350,8 @@ impl Op {
             Op::Stats => "stats",
             Op::Lease { .. } => "lease",
             Op::Channel => "channel",
+            Op::Checkpoint { .. } => "checkpoint",
+            Op::Restore { .. } => "restore",
         }
     }
 }
@@ -438,6 +449,23 @@ pub enum Reply {
     },
     /// The path of the Unix socket to connect a descriptor channel to.
     ChannelOk { path: String },
+    /// Checkpoint `seq` of `dir` is written: `rows` (index, field) values,
+    /// `bytes` of them, in `files` files.
+    CheckpointOk {
+        dir: String,
+        seq: u64,
+        rows: u64,
+        bytes: u64,
+        files: u64,
+    },
+    /// Checkpoint `seq` of `dir` is restored: `rows` values loaded, `lost`
+    /// indexes marked lost (written or cleared after the checkpoint).
+    RestoreOk {
+        dir: String,
+        seq: u64,
+        rows: u64,
+        lost: u64,
+    },
     /// The request failed; `code` is one of [`code::ALL`] (a client treats
     /// any other code as `internal`).
     Error { code: String, message: String },
@@ -453,6 +481,8 @@ impl Reply {
             Reply::StatsOk(_) => "stats_ok",
             Reply::LeaseOk { .. } => "lease_ok",
             Reply::ChannelOk { .. } => "channel_ok",
+            Reply::CheckpointOk { .. } => "checkpoint_ok",
+            Reply::RestoreOk { .. } => "restore_ok",
             Reply::Error { .. } => "error",
         }
     }

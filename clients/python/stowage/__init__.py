@@ -17,6 +17,7 @@ from .client import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TIMEOUT, Client
 from .errors import (
     BadRequest,
     CapacityError,
+    DataLost,
     InternalError,
     KeyNotFound,
     ProtocolError,
@@ -41,6 +42,7 @@ __all__ = [
     "BadRequest",
     "CapacityError",
     "Client",
+    "DataLost",
     "DEFAULT_MAX_MESSAGE_BYTES",
     "DEFAULT_TIMEOUT",
     "DTYPES",

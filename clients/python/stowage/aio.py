@@ -18,7 +18,7 @@ import zmq
 import zmq.asyncio
 
 from . import _codec, _put, _shm
-from .client import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TIMEOUT, _Ops
+from .client import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TIMEOUT, _abs_dir, _Ops
 from .errors import BadRequest, ProtocolError, StowageError, StowageTimeout, Unsupported, error_from_reply
 
 
@@ -264,6 +264,16 @@ class AsyncClient(_Ops):
         """See `Client.clear`."""
         body, _ = await self._call("clear", self._clear_request(global_indexes, fields), (), timeout, "clear_ok")
         return self._cleared(body)
+
+    async def checkpoint(self, dir: str, *, timeout: float | None = None) -> dict:
+        """See `Client.checkpoint`."""
+        body, _ = await self._call("checkpoint", {"dir": _abs_dir(dir)}, (), timeout, "checkpoint_ok")
+        return body
+
+    async def restore(self, dir: str, *, timeout: float | None = None) -> dict:
+        """See `Client.restore`."""
+        body, _ = await self._call("restore", {"dir": _abs_dir(dir)}, (), timeout, "restore_ok")
+        return body
 
     async def stats(self, *, timeout: float | None = None) -> dict:
         """See `Client.stats` (the same dict of ints, and of dicts per plugin

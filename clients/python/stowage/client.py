@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 import sys
 import threading
 import time
@@ -442,6 +443,26 @@ class Client(_Ops):
         body, _ = self._call("clear", self._clear_request(global_indexes, fields), (), timeout, "clear_ok")
         return self._cleared(body)
 
+    def checkpoint(self, dir: str, *, timeout: float | None = None) -> dict:
+        """Writes a checkpoint of every row of every unit of this stowd to
+        the directory `dir` on the stowd's machine (an absolute path; created
+        0700 if missing) and waits for it: the rows as they were when the
+        request arrived, while other requests go on. The directory then holds
+        that one checkpoint (the one before is removed once this one is
+        complete). Returns ``{"dir", "seq", "rows", "bytes", "files"}``.
+        Large stores take a while: pass a `timeout` long enough for writing
+        (and fsyncing) their bytes."""
+        body, _ = self._call("checkpoint", {"dir": _abs_dir(dir)}, (), timeout, "checkpoint_ok")
+        return body
+
+    def restore(self, dir: str, *, timeout: float | None = None) -> dict:
+        """Replaces every unit's rows with the last checkpoint in `dir`
+        (see `checkpoint`). Indexes written or cleared after that checkpoint
+        are not restored: a get of one raises `DataLost` until it is put
+        again. Returns ``{"dir", "seq", "rows", "lost"}``."""
+        body, _ = self._call("restore", {"dir": _abs_dir(dir)}, (), timeout, "restore_ok")
+        return body
+
     def stats(self, *, timeout: float | None = None) -> dict:
         """The server's counters, as `docs/protocol-stowage1.md` lists them.
 
@@ -465,3 +486,11 @@ class Client(_Ops):
         """
         body, _ = self._call("stats", {}, (), timeout, "stats_ok")
         return body
+
+
+def _abs_dir(dir) -> str:
+    """A checkpoint directory as stowd wants it: absolute (a relative one is
+    taken relative to this process's working directory)."""
+    if not isinstance(dir, (str, os.PathLike)):
+        raise TypeError(f"dir must be a path, got {type(dir).__name__}")
+    return os.path.abspath(os.fspath(dir))

@@ -37,6 +37,15 @@ class KeyNotFound(StowageError, KeyError):
         return self.message
 
 
+class DataLost(KeyNotFound):
+    """A get named an (index, field) that was written or cleared after the
+    checkpoint its stowd was restored from: its old value is not served, and
+    the new one is gone (`data_lost`). Put it again. A `KeyNotFound`, so code
+    that handles missing rows handles these too."""
+
+    code = "data_lost"
+
+
 class CapacityError(StowageError):
     """A put would exceed a unit's capacity; nothing of that message was stored (`capacity`)."""
 
@@ -87,7 +96,7 @@ class StowageTimeout(StowageError, TimeoutError):
 
 _BY_CODE = {
     cls.code: cls
-    for cls in (KeyNotFound, CapacityError, BadRequest, TooLarge, Rejected, Unsupported, InternalError)
+    for cls in (KeyNotFound, DataLost, CapacityError, BadRequest, TooLarge, Rejected, Unsupported, InternalError)
 }
 
 

@@ -1,7 +1,7 @@
 //! `stowd`: the Stowage sidecar. Parses arguments, installs tracing and
 //! calls the library; everything else lives in `stowage_host::server`.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
@@ -24,6 +24,32 @@ enum Command {
         /// Write the served endpoints as JSON to this file once listening.
         #[arg(long)]
         endpoints_file: Option<PathBuf>,
+        /// Restore the last checkpoint in this directory before serving
+        /// (rows written or cleared after it are reported lost).
+        #[arg(long, value_name = "DIR")]
+        restore: Option<PathBuf>,
+    },
+    /// Write a checkpoint of every unit of a running stowd to DIR (on the
+    /// stowd's machine), and wait for it.
+    Checkpoint {
+        /// The running stowd's native endpoint (from its endpoints file).
+        #[arg(long)]
+        endpoint: String,
+        /// Give up waiting after this many seconds.
+        #[arg(long, default_value_t = 3600)]
+        timeout_secs: u64,
+        #[arg(value_name = "DIR")]
+        dir: PathBuf,
+    },
+    /// Replace every unit's rows of a running stowd with the last
+    /// checkpoint in DIR.
+    Restore {
+        #[arg(long)]
+        endpoint: String,
+        #[arg(long, default_value_t = 3600)]
+        timeout_secs: u64,
+        #[arg(value_name = "DIR")]
+        dir: PathBuf,
     },
     /// Check the configuration (plugins loaded, chain entries named) and
     /// print it, defaults merged, as TOML.
@@ -223,6 +249,44 @@ fn plugin_list(endpoint: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `stowd checkpoint` / `stowd restore`: one request, its reply printed.
+fn checkpoint(endpoint: &str, timeout_secs: u64, dir: &Path, restore: bool) -> anyhow::Result<()> {
+    use stowage_host::wire::native;
+    let dir = std::path::absolute(dir)?.to_string_lossy().into_owned();
+    let op = if restore {
+        native::Op::Restore { dir }
+    } else {
+        native::Op::Checkpoint { dir }
+    };
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let frames = native::encode_request(&native::Request { id: 1, op })?;
+    let peer = stowage_host::transport::Peer::new(endpoint, "stowd-checkpoint");
+    let timeout = std::time::Duration::from_secs(timeout_secs);
+    let reply = rt.block_on(peer.request(frames, timeout))?;
+    match native::decode_reply(&reply, &native::Limits::default())?.1 {
+        native::Reply::CheckpointOk {
+            dir,
+            seq,
+            rows,
+            bytes,
+            files,
+        } => {
+            println!("checkpoint {seq} written to {dir}: {rows} rows, {bytes} bytes, {files} files")
+        }
+        native::Reply::RestoreOk {
+            dir,
+            seq,
+            rows,
+            lost,
+        } => println!("checkpoint {seq} of {dir} restored: {rows} rows, {lost} indexes lost"),
+        native::Reply::Error { code, message } => anyhow::bail!("{code}: {message}"),
+        other => anyhow::bail!("unexpected reply {}", other.name()),
+    }
+    Ok(())
+}
+
 /// `name: version V (select, pack) calls N plans N faults N ...` from a
 /// plugin's stats map.
 fn plugin_line(name: &str, v: &stowage_host::wire::native::Stat) -> String {
@@ -332,7 +396,9 @@ fn main() -> std::process::ExitCode {
         Command::Serve {
             config,
             endpoints_file,
-        } => load(config.as_ref()).and_then(|c| {
+            restore,
+        } => load(config.as_ref()).and_then(|mut c| {
+            c.restore = restore.map(std::path::absolute).transpose()?;
             tokio::runtime::Builder::new_multi_thread()
                 .enable_all()
                 .build()?
@@ -362,6 +428,16 @@ fn main() -> std::process::ExitCode {
             cache_dir,
         }) => plugin_bench(&file, rounds, cache_dir),
         Command::Plugin(PluginCommand::List { endpoint }) => plugin_list(&endpoint),
+        Command::Checkpoint {
+            endpoint,
+            timeout_secs,
+            dir,
+        } => checkpoint(&endpoint, timeout_secs, &dir, false),
+        Command::Restore {
+            endpoint,
+            timeout_secs,
+            dir,
+        } => checkpoint(&endpoint, timeout_secs, &dir, true),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

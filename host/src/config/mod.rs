@@ -29,6 +29,10 @@ pub struct Config {
     /// Policy chains by field-name pattern, first match wins.
     #[serde(rename = "chain")]
     pub chains: Vec<ChainConfig>,
+    /// Restore the last checkpoint in this directory at start, before
+    /// serving (`stowd serve --restore DIR`; not a configuration key).
+    #[serde(skip)]
+    pub restore: Option<std::path::PathBuf>,
 }
 
 impl Default for Config {
@@ -42,6 +46,7 @@ impl Default for Config {
             shm: ShmConfig::default(),
             metrics: MetricsConfig::default(),
             chains: registry::default_chains(),
+            restore: None,
         }
     }
 }

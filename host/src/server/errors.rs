@@ -6,6 +6,8 @@
 //! |---|---|---|
 //! | `StoreError::KeyNotFound` (a local unit) | `GET_ERROR`, `[TQKeyNotFound] Failed to get data from storage unit id #U, detail error message: '...'` (the real unit's words) | `key_not_found` |
 //! | `ManagerError::Remote` whose message starts `[TQKeyNotFound]` | `GET_ERROR`, the remote unit's message as is | `key_not_found` |
+//! | `StoreError::DataLost` (an index written or cleared after the checkpoint restored) | `GET_ERROR`, `Failed to get data from storage unit id #U, detail error message: [DataLost] ...` | `data_lost` |
+//! | `StoreError::Journal` (the checkpoint journal could not be written: nothing changed) | the request's own error reply | `internal` |
 //! | `StoreError::Capacity` | `PUT_ERROR`, `Failed to put data into storage unit id #U, detail error message: unit ... is full: ...` | `capacity` |
 //! | other `StoreError`, `ManagerError::BadRequest`, `ChainError::EmptyPositions` | `PUT_ERROR` / `GET_ERROR` / `CLEAR_DATA_ERROR` (the request's own), `Failed to ... storage unit id #U, detail error message: <error>` | `bad_request` |
 //! | `ChainError::Rejected` (a plugin faulted under `fail = "reject"`) | as above | `rejected` |
@@ -17,6 +19,7 @@
 //! | a request that breaks `max_request_bytes`/`max_request_frames` (refused unread) | `PUT_ERROR` / `GET_ERROR` / `CLEAR_DATA_ERROR` if frame 0 says which, else `PUT_GET_ERROR`; message `request refused unread: ...` | `too_large` |
 //! | an undecodable request (`wire::tq::Error`, `wire::native::Error`) | `PUT_GET_ERROR`, `undecodable request: ...`; or the request's own error type once the op is known ([`tq::Error::reply_type`]) | the decode error's own code ([`native::Error::code`]: `bad_request`, `unsupported`, `too_large`) |
 //! | a known TransferQueue request type a unit does not serve | `PUT_GET_OPERATION_ERROR`, `Storage unit id #U receive invalid operation: ZMQRequestType.X.` | — |
+//! | `CheckpointError` of a `checkpoint` or `restore` | — | `capacity` (rows that do not fit), `internal` (a disk failure), else `bad_request` (a relative, missing or symlinked directory, a changed or foreign file) |
 //! | a reply that cannot be encoded ([`EncodeError`]) | — | `internal` |
 //!
 //! Which decode error gets which code or reply type is the codecs' to say
@@ -113,11 +116,29 @@ pub(super) fn tq_too_large(unit_id: &str, head: &[Bytes], reason: &str) -> tq::R
 fn native_code(e: &ManagerError) -> &'static str {
     match e {
         _ if e.is_key_not_found() => native::code::KEY_NOT_FOUND,
+        ManagerError::Store(StoreError::DataLost { .. }) => native::code::DATA_LOST,
         ManagerError::Store(StoreError::Capacity { .. }) => native::code::CAPACITY,
+        ManagerError::Store(StoreError::Journal(_)) => native::code::INTERNAL,
         ManagerError::Store(_) | ManagerError::BadRequest(_) => native::code::BAD_REQUEST,
         ManagerError::Policy(ChainError::Rejected { .. }) => native::code::REJECTED,
         ManagerError::Policy(ChainError::EmptyPositions) => native::code::BAD_REQUEST,
         _ => native::code::INTERNAL,
+    }
+}
+
+/// The `stowage/1` code of a failed `checkpoint` or `restore`: the
+/// request's own mistakes (a relative or missing directory, a corrupted or
+/// foreign file, rows that do not fit) are `bad_request`; disk failures
+/// are `internal`.
+pub(super) fn checkpoint_code(e: &crate::checkpoint::CheckpointError) -> &'static str {
+    use crate::checkpoint::CheckpointError as E;
+    match e {
+        E::Io { .. } => native::code::INTERNAL,
+        E::Store {
+            source: StoreError::Capacity { .. },
+            ..
+        } => native::code::CAPACITY,
+        _ => native::code::BAD_REQUEST,
     }
 }
 

@@ -54,6 +54,8 @@ pub enum StartError {
     Bind(#[from] crate::transport::TransportError),
     #[error(transparent)]
     Shm(#[from] crate::shm::ShmError),
+    #[error("cannot restore the checkpoint in {dir}: {reason}")]
+    Restore { dir: String, reason: String },
     #[error("cannot bind the metrics endpoint {addr}: {source}")]
     Metrics {
         addr: String,
@@ -268,23 +270,15 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         shutdown: rx.clone(),
     };
 
-    let mut units = Vec::new();
-    let mut unit_endpoints = Vec::new();
-    for i in 0..config.units.local {
-        let id = format!("TQ_STORAGE_UNIT_{:08x}", (pid << 8) ^ i);
-        let unit = Arc::new(Unit::new(id.clone(), capacity));
-        let port = if config.units.port_base == 0 {
-            0
-        } else {
-            config.units.port_base as u32 + i
-        };
-        let addr = format!("tcp://{host}:{port}");
-        let backend = tq::Backend::Unit(unit.clone());
-        let endpoint = serving.spawn(&addr, &id, backend, &mut tasks).await?;
-        tracing::info!(unit = %id, %endpoint, "unit listening");
-        unit_endpoints.push(UnitEndpoint { id, endpoint });
-        units.push(unit);
-    }
+    // Every local unit records its puts and clears in one journal once a
+    // checkpoint is taken (crate::journal).
+    let journal = Arc::new(crate::journal::Journal::new());
+    let units: Vec<Arc<Unit>> = (0..config.units.local)
+        .map(|i| {
+            let id = format!("TQ_STORAGE_UNIT_{:08x}", (pid << 8) ^ i);
+            Arc::new(Unit::new(id, capacity).with_journal(journal.clone()))
+        })
+        .collect();
 
     let sender = format!(
         "TQ_STORAGE_{pid:08x}_{:08x}",
@@ -320,6 +314,50 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         Duration::from_secs(config.router.timeout_secs),
         sender,
     ));
+
+    if let Some(dir) = &config.restore {
+        let units = manager.all_local().map_err(|remote| StartError::Restore {
+            dir: dir.display().to_string(),
+            reason: format!("stowd routes to {remote} remote unit(s) it cannot restore"),
+        })?;
+        let (path, journal) = (dir.clone(), journal.clone());
+        let restored = tokio::task::spawn_blocking(move || {
+            use crate::checkpoint::dir as ckpt;
+            let path = ckpt::checked(&path.to_string_lossy(), false)?;
+            ckpt::restore(&units, &journal, &path)
+        })
+        .await
+        .map_err(|e| StartError::Restore {
+            dir: dir.display().to_string(),
+            reason: e.to_string(),
+        })?
+        .map_err(|e| StartError::Restore {
+            dir: dir.display().to_string(),
+            reason: e.to_string(),
+        })?;
+        tracing::info!(
+            dir = %dir.display(),
+            seq = restored.seq,
+            rows = restored.rows,
+            lost = restored.lost,
+            "checkpoint restored"
+        );
+    }
+
+    let mut unit_endpoints = Vec::new();
+    for (i, unit) in (0u32..).zip(&units) {
+        let id = unit.id().to_string();
+        let port = if config.units.port_base == 0 {
+            0
+        } else {
+            config.units.port_base as u32 + i
+        };
+        let addr = format!("tcp://{host}:{port}");
+        let backend = tq::Backend::Unit(unit.clone());
+        let endpoint = serving.spawn(&addr, &id, backend, &mut tasks).await?;
+        tracing::info!(unit = %id, %endpoint, "unit listening");
+        unit_endpoints.push(UnitEndpoint { id, endpoint });
+    }
 
     let router = if config.router.enabled {
         let id = format!("TQ_STORAGE_UNIT_{:08x}", (pid << 8) ^ 0xff);

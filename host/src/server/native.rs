@@ -53,7 +53,11 @@ fn op_rows(op: &native::Op) -> usize {
             global_indexes.len()
         }
         native::Op::Get { global_indexes, .. } => global_indexes.len() as usize,
-        native::Op::Lease { .. } | native::Op::Stats | native::Op::Channel => 0,
+        native::Op::Lease { .. }
+        | native::Op::Stats
+        | native::Op::Channel
+        | native::Op::Checkpoint { .. }
+        | native::Op::Restore { .. } => 0,
     }
 }
 
@@ -326,6 +330,67 @@ impl NativeService {
                 Err(e) => errors::native(&e).into(),
             },
             native::Op::Stats => self.stats().into(),
+            native::Op::Checkpoint { dir } => self.checkpoint(dir, false).await.into(),
+            native::Op::Restore { dir } => self.checkpoint(dir, true).await.into(),
+        }
+    }
+
+    /// `checkpoint` / `restore` (`restore`) of every unit to or from the
+    /// checkpoint directory `dir` ([`crate::checkpoint::dir`]), on the
+    /// blocking pool. Refused when a unit is remote.
+    async fn checkpoint(&self, dir: String, restore: bool) -> native::Reply {
+        let what = if restore { "restore" } else { "checkpoint" };
+        let units = match self.manager.all_local() {
+            Ok(units) => units,
+            Err(remote) => {
+                return native::Reply::Error {
+                    code: native::code::UNSUPPORTED.into(),
+                    message: format!(
+                        "stowd routes to {remote} remote unit(s) it cannot {what}: \
+                         {what} each stowd on its own"
+                    ),
+                };
+            }
+        };
+        let done = tokio::task::spawn_blocking(move || {
+            use crate::checkpoint::dir as ckpt;
+            let journal = units[0].journal().clone();
+            let path = ckpt::checked(&dir, !restore)?;
+            let shown = path.display().to_string();
+            if restore {
+                ckpt::restore(&units, &journal, &path).map(|r| native::Reply::RestoreOk {
+                    dir: shown,
+                    seq: r.seq,
+                    rows: r.rows,
+                    lost: r.lost,
+                })
+            } else {
+                ckpt::checkpoint(&units, &journal, &path).map(|w| native::Reply::CheckpointOk {
+                    dir: shown,
+                    seq: w.seq,
+                    rows: w.rows,
+                    bytes: w.bytes,
+                    files: w.files,
+                })
+            }
+        })
+        .await;
+        match done {
+            Ok(Ok(reply)) => {
+                tracing::info!(?reply, "{what} done");
+                reply
+            }
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, "{what} failed");
+                native::Reply::Error {
+                    code: errors::checkpoint_code(&e).into(),
+                    message: format!("{what} failed: {e}"),
+                }
+            }
+            Err(e) => native::Reply::Error {
+                code: native::code::INTERNAL.into(),
+                message: format!("{what} failed: {e}"),
+            },
         }
     }
 

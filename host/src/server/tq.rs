@@ -275,10 +275,10 @@ impl TqService {
                 }
             }
             tq::Request::Clear { global_indexes } => match &self.backend {
-                Backend::Unit(unit) => {
-                    unit.clear(&global_indexes, None);
-                    tq::Reply::clear_ok(id)
-                }
+                Backend::Unit(unit) => match unit.clear(&global_indexes, None) {
+                    Ok(_) => tq::Reply::clear_ok(id),
+                    Err(e) => errors::tq_reply(id, tq::ErrorReply::ClearData, &e.into()),
+                },
                 Backend::Router(m) => match m.clear(&global_indexes, None).await {
                     Ok(_) => tq::Reply::clear_ok(id),
                     Err(e) => errors::tq_reply(id, tq::ErrorReply::ClearData, &e),
@@ -301,23 +301,12 @@ impl TqService {
         let id = self.id.as_str();
         let what = if load { "load" } else { "save" };
         // The units the file is for, in routing order, and the id it names.
-        let (units, file_id): (Vec<Arc<Unit>>, String) = match &self.backend {
-            Backend::Unit(unit) => (vec![unit.clone()], unit.id().to_string()),
-            Backend::Router(m) => {
-                let locals: Vec<Arc<Unit>> = m
-                    .targets()
-                    .iter()
-                    .filter_map(|t| match t {
-                        Target::Local(u) => Some(u.clone()),
-                        Target::Remote(_) => None,
-                    })
-                    .collect();
-                (locals, id.to_string())
-            }
-        };
-        let remote = match &self.backend {
-            Backend::Router(m) => m.targets().len() - units.len(),
-            Backend::Unit(_) => 0,
+        let (units, file_id, remote): (Vec<Arc<Unit>>, String, usize) = match &self.backend {
+            Backend::Unit(unit) => (vec![unit.clone()], unit.id().to_string(), 0),
+            Backend::Router(m) => match m.all_local() {
+                Ok(units) => (units, id.to_string(), 0),
+                Err(remote) => (vec![], id.to_string(), remote),
+            },
         };
         let error = if remote > 0 {
             Some(format!(

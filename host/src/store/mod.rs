@@ -32,6 +32,8 @@ use std::sync::Arc;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use crate::journal::Journal;
+
 /// Why a unit refused a request. Nothing was changed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
@@ -52,6 +54,19 @@ pub enum StoreError {
         free: u64,
         capacity: u64,
     },
+    #[error(
+        "[DataLost] key (global_index={index}, field={field}) in unit {unit} was written or \
+         cleared after checkpoint {checkpoint}, which this stowd was restored from: its value \
+         is lost (put it again)"
+    )]
+    DataLost {
+        unit: String,
+        index: u64,
+        field: String,
+        checkpoint: Arc<str>,
+    },
+    #[error("the put or clear was not made: {0}")]
+    Journal(String),
     #[error("global index {0} appears more than once in one put")]
     DuplicateIndex(u64),
     #[error("field {field} has {rows} rows for {indexes} global indexes")]
@@ -139,6 +154,9 @@ struct Inner {
     free: Vec<u32>,
     bytes: u64,
     keys: u64,
+    /// Indexes lost to a restore (written or cleared after the checkpoint
+    /// restored), and the checkpoint's name; until put again.
+    lost: HashMap<u64, Arc<str>>,
 }
 
 /// Stores a column (rows for `indexes`) under a free number.
@@ -212,6 +230,8 @@ pub struct Unit {
     id: String,
     capacity: Option<u64>,
     inner: Mutex<Inner>,
+    /// Where puts and clears are recorded once checkpoints are taken.
+    journal: Arc<Journal>,
     /// keys, rows (distinct indexes), bytes: copied from `inner` before each
     /// write releases the lock, so that [`Unit::stats`] (the `stats` and
     /// metrics replies) never waits behind a large put.
@@ -247,13 +267,47 @@ impl Unit {
             id: id.into(),
             capacity,
             inner: Mutex::new(Inner::default()),
+            journal: Arc::new(Journal::new()),
             sizes: Default::default(),
             counters: UnitCounters::default(),
         }
     }
 
+    /// The same unit, recording its puts and clears in `journal` (shared
+    /// by every unit of a `stowd`).
+    pub fn with_journal(mut self, journal: Arc<Journal>) -> Unit {
+        self.journal = journal;
+        self
+    }
+
     pub fn id(&self) -> &str {
         &self.id
+    }
+
+    /// The journal this unit records in.
+    pub fn journal(&self) -> &Arc<Journal> {
+        &self.journal
+    }
+
+    /// Records the change of `indexes` in the journal (once checkpoints are
+    /// taken); the change must be made while the guard is held.
+    fn touch(&self, indexes: &[u64]) -> Result<crate::journal::Touch<'_>, StoreError> {
+        self.journal
+            .touch(indexes)
+            .map_err(|e| StoreError::Journal(e.to_string()))
+    }
+
+    /// Makes `indexes` the ones lost to the restore of `checkpoint`
+    /// (replacing earlier marks): a get of one fails with
+    /// [`StoreError::DataLost`] until it is put again.
+    pub fn set_lost(&self, indexes: &[u64], checkpoint: &Arc<str>) {
+        let mut inner = self.lock();
+        inner.lost = indexes.iter().map(|&g| (g, checkpoint.clone())).collect();
+    }
+
+    /// How many indexes are marked lost.
+    pub fn lost(&self) -> usize {
+        self.lock().lost.len()
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
@@ -274,8 +328,18 @@ impl Unit {
     pub fn put(&self, global_indexes: &[u64], fields: Vec<PutField>) -> Result<(), StoreError> {
         self.counters.puts.fetch_add(1, Ordering::Relaxed);
         check_shape(global_indexes, &fields)?;
+        if self.journal.is_active() {
+            // A put refused for capacity is not journaled.
+            self.check_capacity(&self.lock(), global_indexes, &fields)?;
+        }
+        let _journaled = self.touch(global_indexes)?;
         let mut inner = self.lock();
         let (added, _) = self.check_capacity(&inner, global_indexes, &fields)?;
+        if !inner.lost.is_empty() {
+            for g in global_indexes {
+                inner.lost.remove(g);
+            }
+        }
         let mut freed = 0u64;
         for (name, columns_in) in fields {
             let name: Arc<str> = match inner.fields.get_key_value(name.as_str()) {
@@ -381,10 +445,18 @@ impl Unit {
     pub fn get_seqs(&self, seqs: &[Seq], fields: &[String]) -> Result<Vec<Rows>, StoreError> {
         self.counters.gets.fetch_add(1, Ordering::Relaxed);
         let inner = self.lock();
-        let missing = |g: u64, field: &str| StoreError::KeyNotFound {
-            unit: self.id.clone(),
-            index: g,
-            field: field.to_string(),
+        let missing = |g: u64, field: &str| match inner.lost.get(&g) {
+            Some(checkpoint) => StoreError::DataLost {
+                unit: self.id.clone(),
+                index: g,
+                field: field.to_string(),
+                checkpoint: checkpoint.clone(),
+            },
+            None => StoreError::KeyNotFound {
+                unit: self.id.clone(),
+                index: g,
+                field: field.to_string(),
+            },
         };
         let mut out = Vec::with_capacity(fields.len());
         for field in fields {
@@ -433,9 +505,19 @@ impl Unit {
 
     /// Removes every field of the given indexes (or only `fields`); returns
     /// the number of keys removed. Unknown indexes are ignored.
-    pub fn clear(&self, global_indexes: &[u64], fields: Option<&[String]>) -> u64 {
+    pub fn clear(
+        &self,
+        global_indexes: &[u64],
+        fields: Option<&[String]>,
+    ) -> Result<u64, StoreError> {
         self.counters.clears.fetch_add(1, Ordering::Relaxed);
+        let _journaled = self.touch(global_indexes)?;
         let mut inner = self.lock();
+        if !inner.lost.is_empty() {
+            for g in global_indexes {
+                inner.lost.remove(g);
+            }
+        }
         let keys_before = inner.keys;
         let mut bytes = 0u64;
         match fields {
@@ -493,7 +575,7 @@ impl Unit {
         self.publish(&inner);
         drop(inner);
         release::note_freed(bytes);
-        keys
+        Ok(keys)
     }
 
     /// Current size, as of the last completed put or clear; never waits

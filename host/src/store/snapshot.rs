@@ -50,7 +50,7 @@ impl Unit {
             v.sort_unstable();
             v
         };
-        self.clear(&present, None);
+        self.clear(&present, None)?;
         for (field, field_rows) in rows {
             let indexes: Vec<u64> = field_rows.iter().map(|(g, _)| *g).collect();
             let columns = field_rows

@@ -44,7 +44,7 @@ fn put_get_overwrite_clear() {
     let err = unit.get(&[1, 9], &["a".into()]).unwrap_err();
     assert!(err.to_string().starts_with("[TQKeyNotFound] "));
     assert!(unit.get(&[1], &["nope".into()]).is_err());
-    assert_eq!(unit.clear(&[1, 7], None), 1);
+    assert_eq!(unit.clear(&[1, 7], None).unwrap(), 1);
     assert_eq!(unit.stats().bytes, 4);
 }
 
@@ -68,7 +68,7 @@ fn fields_clear_one_by_one() {
             capacity: None
         }
     );
-    assert_eq!(unit.clear(&[1], Some(&["a".to_string()])), 1);
+    assert_eq!(unit.clear(&[1], Some(&["a".to_string()])).unwrap(), 1);
     assert_eq!(
         unit.stats(),
         UnitStats {
@@ -79,7 +79,8 @@ fn fields_clear_one_by_one() {
         }
     );
     assert_eq!(
-        unit.clear(&[1], Some(&["b".to_string(), "a".to_string()])),
+        unit.clear(&[1], Some(&["b".to_string(), "a".to_string()]))
+            .unwrap(),
         1
     );
     assert_eq!(
@@ -92,7 +93,7 @@ fn fields_clear_one_by_one() {
         }
     );
     assert_eq!(got(&unit, &[2], "b"), vec![Cell::Value(s("q"))]);
-    assert_eq!(unit.clear(&[2], None), 2);
+    assert_eq!(unit.clear(&[2], None).unwrap(), 2);
     assert_eq!(
         unit.stats(),
         UnitStats {
@@ -186,7 +187,7 @@ fn clearing_the_last_row_frees_the_extent() {
     .unwrap();
     drop(received);
     assert!(!frame.is_unique());
-    unit.clear(&[0, 1, 2], None);
+    unit.clear(&[0, 1, 2], None).unwrap();
     assert!(!frame.is_unique());
     unit.put(&[3], vec![("t".into(), values(&["over"]))])
         .unwrap();
@@ -263,7 +264,7 @@ fn a_get_in_put_order_sees_an_overwritten_or_cleared_row() {
         got(&unit, &[1, 2, 3, 4], "a"),
         ["a1", "b2", "a3", "a4"].map(|v| Cell::Value(s(v))).to_vec()
     );
-    unit.clear(&[3], None);
+    unit.clear(&[3], None).unwrap();
     assert!(matches!(
         unit.get(&[1, 2, 3, 4], &["a".into()]),
         Err(StoreError::KeyNotFound { index: 3, .. })
@@ -315,7 +316,7 @@ fn sharing_puts_the_extents_of_a_get_into_one_segment_in_request_order() {
     assert!(f1.is_unique() && f2.is_unique());
     drop(runs);
     drop(rows);
-    unit.clear(&all, None);
+    unit.clear(&all, None).unwrap();
     assert_eq!(shm.counts().0, 0, "the segment outlived its rows");
 }
 
@@ -341,7 +342,7 @@ fn overwriting_many_rows_keeps_counts() {
         got(&unit, &[499, 500], "a"),
         vec![Cell::Value(s("499")), Cell::Value(s("z"))]
     );
-    assert_eq!(unit.clear(&g, None), 2000);
+    assert_eq!(unit.clear(&g, None).unwrap(), 2000);
     assert_eq!(
         unit.stats(),
         UnitStats {

@@ -59,6 +59,12 @@ pub(super) fn request(frames: &[Bytes], limits: &Limits) -> Result<Request, Erro
             empty_body(&mut r, "the channel body")?;
             Op::Channel
         }
+        "checkpoint" => Op::Checkpoint {
+            dir: single_str(&mut r, "a checkpoint body", "dir")?,
+        },
+        "restore" => Op::Restore {
+            dir: single_str(&mut r, "a restore body", "dir")?,
+        },
         other => return Err(Error::UnknownOp(other.to_owned())),
     };
     data.all_used()?;
@@ -112,6 +118,46 @@ pub(super) fn reply(frames: &[Bytes], limits: &Limits) -> Result<(u64, Reply), E
             })?;
             Reply::ChannelOk {
                 path: need(path, MAP, "path")?,
+            }
+        }
+        "checkpoint_ok" => {
+            const MAP: &str = "a checkpoint_ok body";
+            let (mut dir, mut n) = (None, [None; 4]);
+            keyed(
+                &mut r,
+                MAP,
+                ["dir", "seq", "rows", "bytes", "files"],
+                |i, r| {
+                    match i {
+                        0 => dir = Some(r.str("dir")?.to_owned()),
+                        i => n[i - 1] = Some(r.uint(["seq", "rows", "bytes", "files"][i - 1])?),
+                    }
+                    Ok(())
+                },
+            )?;
+            Reply::CheckpointOk {
+                dir: need(dir, MAP, "dir")?,
+                seq: need(n[0], MAP, "seq")?,
+                rows: need(n[1], MAP, "rows")?,
+                bytes: need(n[2], MAP, "bytes")?,
+                files: need(n[3], MAP, "files")?,
+            }
+        }
+        "restore_ok" => {
+            const MAP: &str = "a restore_ok body";
+            let (mut dir, mut n) = (None, [None; 3]);
+            keyed(&mut r, MAP, ["dir", "seq", "rows", "lost"], |i, r| {
+                match i {
+                    0 => dir = Some(r.str("dir")?.to_owned()),
+                    i => n[i - 1] = Some(r.uint(["seq", "rows", "lost"][i - 1])?),
+                }
+                Ok(())
+            })?;
+            Reply::RestoreOk {
+                dir: need(dir, MAP, "dir")?,
+                seq: need(n[0], MAP, "seq")?,
+                rows: need(n[1], MAP, "rows")?,
+                lost: need(n[2], MAP, "lost")?,
             }
         }
         "get_ok" => {
@@ -625,6 +671,16 @@ fn single_uint(r: &mut Reader<'_>, map: &'static str, key: &'static str) -> Resu
     let mut value = None;
     keyed(r, map, [key], |_, r| {
         r.uint(key).map(|u| value = Some(u)).map_err(Error::from)
+    })?;
+    need(value, map, key)
+}
+
+fn single_str(r: &mut Reader<'_>, map: &'static str, key: &'static str) -> Result<String, Error> {
+    let mut value = None;
+    keyed(r, map, [key], |_, r| {
+        r.str(key)
+            .map(|s| value = Some(s.to_owned()))
+            .map_err(Error::from)
     })?;
     need(value, map, key)
 }

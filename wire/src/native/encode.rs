@@ -58,6 +58,10 @@ pub(super) fn request(req: &Request, layout: Option<&FrameLayout>) -> Result<Vec
             w.map(1);
             w.kv_uint("bytes", *bytes);
         }
+        Op::Checkpoint { dir } | Op::Restore { dir } => {
+            w.map(1);
+            w.kv_str("dir", dir);
+        }
     }
     finish(w, placed.frames)
 }
@@ -115,6 +119,32 @@ pub(super) fn reply(
         Reply::ChannelOk { path } => {
             w.map(1);
             w.kv_str("path", path);
+        }
+        Reply::CheckpointOk {
+            dir,
+            seq,
+            rows,
+            bytes,
+            files,
+        } => {
+            w.map(5);
+            w.kv_str("dir", dir);
+            w.kv_uint("seq", *seq);
+            w.kv_uint("rows", *rows);
+            w.kv_uint("bytes", *bytes);
+            w.kv_uint("files", *files);
+        }
+        Reply::RestoreOk {
+            dir,
+            seq,
+            rows,
+            lost,
+        } => {
+            w.map(4);
+            w.kv_str("dir", dir);
+            w.kv_uint("seq", *seq);
+            w.kv_uint("rows", *rows);
+            w.kv_uint("lost", *lost);
         }
         Reply::Error { code, message } => {
             w.map(2);

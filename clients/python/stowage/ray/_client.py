@@ -6,17 +6,19 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..client import Client
+from .. import errors
 from ..errors import InternalError, KeyNotFound, StowageTimeout
 
 if TYPE_CHECKING:
     from ._cluster import NodeStowd, StowageCluster
 
 
-class DataLost(KeyNotFound):
+class DataLost(errors.DataLost):
     """A get failed (rows not found, or a timeout on the way to them) and
     the node holding them restarted its stowd since the handle was made or
     last refreshed: those rows are lost. `nodes` lists the restarted nodes'
-    ids; the message starts with the original error."""
+    ids; the message starts with the original error. (A `stowage.DataLost`,
+    as is a stowd's own `data_lost` after restoring a checkpoint.)"""
 
     nodes: tuple[str, ...] = ()
 

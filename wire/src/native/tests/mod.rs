@@ -225,6 +225,10 @@ fn other_requests_round_trip() {
             fields: Some(vec!["a".into()]),
         },
         Op::Stats,
+        Op::Checkpoint {
+            dir: "/var/lib/stowd/ckpt".into(),
+        },
+        Op::Restore { dir: String::new() },
     ];
     for op in ops {
         let req = Request { id: u64::MAX, op };
@@ -232,6 +236,33 @@ fn other_requests_round_trip() {
         assert_eq!(frames.len(), 1);
         assert_eq!(decode(&frames).unwrap(), req);
     }
+}
+
+#[test]
+fn checkpoint_bodies_are_checked() {
+    let body = |m: M| frames_with(envelope("checkpoint", m), &[]);
+    for (m, want) in [
+        (M::Map(vec![]), "dir"),
+        (M::Map(vec![("dir", M::U(3))]), "dir"),
+        (
+            M::Map(vec![("dir", M::S("/a")), ("path", M::S("/b"))]),
+            "path",
+        ),
+        (
+            M::Map(vec![("dir", M::S("/a")), ("dir", M::S("/b"))]),
+            "dir",
+        ),
+    ] {
+        let e = decode(&body(m)).expect_err("accepted a bad checkpoint body");
+        assert_eq!(e.code(), code::BAD_REQUEST);
+        assert!(e.to_string().contains(want), "{e}");
+    }
+    let e = decode(&frames_with(
+        envelope("restore", M::Map(vec![("dir", M::S("/a"))])),
+        &[4],
+    ))
+    .expect_err("a restore carries no data frame");
+    assert!(matches!(e, Error::UnusedFrame(1)), "{e}");
 }
 
 #[test]
@@ -268,6 +299,19 @@ fn replies_round_trip() {
         },
         Reply::GetOk {
             fields: vec![("v".into(), WireField::Values(vec![Value::Str("x".into())]))],
+        },
+        Reply::CheckpointOk {
+            dir: "/ckpt".into(),
+            seq: 7,
+            rows: u64::MAX,
+            bytes: 0,
+            files: 4,
+        },
+        Reply::RestoreOk {
+            dir: "/ckpt".into(),
+            seq: 7,
+            rows: 10,
+            lost: 2,
         },
     ];
     for reply in replies {

@@ -1,0 +1,428 @@
+//! stowd's own checkpoints (issue 16): the `stowage/1` `checkpoint` and
+//! `restore` ops, `stowd checkpoint`, and `stowd serve --restore DIR`, on
+//! the real binary and real sockets.
+//!
+//! - checkpoint, SIGKILL, `serve --restore`: every checkpointed row reads
+//!   back byte-identical over `stowage/1` and TransferQueue; an index put
+//!   or cleared after the checkpoint is `data_lost` (never its old value)
+//!   until it is put again;
+//! - SIGKILL in the middle of a checkpoint: the previous one restores, and
+//!   what was put after it is lost, not stale;
+//! - one flipped byte in a file (data or header) is refused at restore,
+//!   naming the file, at start and on a running stowd (which keeps its
+//!   rows);
+//! - bad directories and manifests are refused clearly; a stowd routing to
+//!   a remote unit refuses both ops.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use stowage_host::batch::{Cell, Field};
+use stowage_host::tensor::DType;
+use stowage_host::wire::native::{self, Op};
+use stowage_host::wire::tq;
+use stowage_tests::client::{native_error, tq_error};
+use stowage_tests::data::{assert_cells, cells, f32_rows, nested, strings, tensor, wire_cells};
+use stowage_tests::process::stowd_bin;
+use stowage_tests::{NativeClient, Stowd, TqClient, temp_dir};
+
+/// The (code, message) of an error reply.
+fn err(reply: native::Reply) -> (String, String) {
+    let (code, message) = native_error(&reply);
+    (code.to_string(), message.to_string())
+}
+
+const TWO_UNITS: &str = "[units]\nlocal = 2\n";
+
+/// Fields of every kind on 6 indexes.
+fn batch() -> (Vec<u64>, Vec<(String, Field)>) {
+    let indexes: Vec<u64> = vec![3, 9, 10, 11, 40, 7];
+    let fields = vec![
+        ("x".to_string(), Field::Regular(f32_rows(6, 8, 1))),
+        (
+            "bf".to_string(),
+            Field::Regular(tensor(DType::BF16, &[6, 3], 2)),
+        ),
+        (
+            "c".to_string(),
+            Field::Regular(tensor(DType::Complex128, &[6, 2], 3)),
+        ),
+        (
+            "resp".to_string(),
+            nested(DType::I64, &[3, 0, 7, 1, 2, 5], 4),
+        ),
+        ("text".to_string(), strings("t", 6)),
+    ];
+    (indexes, fields)
+}
+
+async fn checkpoint(c: &NativeClient, dir: &Path) -> native::Reply {
+    c.call(Op::Checkpoint {
+        dir: dir.display().to_string(),
+    })
+    .await
+}
+
+async fn restore(c: &NativeClient, dir: &Path) -> native::Reply {
+    c.call(Op::Restore {
+        dir: dir.display().to_string(),
+    })
+    .await
+}
+
+fn checkpoint_seq(reply: &native::Reply) -> u64 {
+    match reply {
+        native::Reply::CheckpointOk { seq, .. } => *seq,
+        other => panic!("checkpoint failed: {other:?}"),
+    }
+}
+
+/// The rows of `indexes` (positions `keep` of the batch), over both
+/// protocols, against what was put.
+async fn check_rows(stowd: &Stowd, keep: &[usize], what: &str) {
+    let (indexes, fields) = batch();
+    let gs: Vec<u64> = keep.iter().map(|&i| indexes[i]).collect();
+    let names: Vec<&str> = fields.iter().map(|(n, _)| n.as_str()).collect();
+    let native = NativeClient::new(stowd.native());
+    let got = native.get_ok(&gs, &names).await;
+    let router = TqClient::new(stowd.router());
+    let got_tq = router.get_ok(&gs, &names).await;
+    for (((name, field), (n1, wire)), (n2, tq_cells)) in fields.iter().zip(got).zip(got_tq) {
+        assert_eq!((name, name), (&n1, &n2));
+        let all = cells(field);
+        let want: Vec<Cell> = keep.iter().map(|&i| all[i].clone()).collect();
+        assert_cells(
+            &format!("{what}: {name} (stowage/1)"),
+            &wire_cells(wire),
+            &want,
+        );
+        assert_cells(&format!("{what}: {name} (TransferQueue)"), &tq_cells, &want);
+    }
+}
+
+/// A get of `g` is refused as lost over both protocols, naming the
+/// checkpoint.
+async fn assert_lost(stowd: &Stowd, g: u64, checkpoint: &str) {
+    let native = NativeClient::new(stowd.native());
+    let (code, message) = err(native.get(&[g], &["x"]).await);
+    assert_eq!(code, native::code::DATA_LOST, "{message}");
+    assert!(message.contains(checkpoint), "{message}");
+    let tq_reply = TqClient::new(stowd.router()).get(&[g], &["x"]).await;
+    let message = tq_error(&tq_reply, tq::ErrorReply::Get);
+    assert!(message.contains("[DataLost]"), "{message}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn checkpoint_kill_restore_serves_every_row_and_nothing_stale() {
+    let mut stowd = Stowd::start(TWO_UNITS);
+    let c = NativeClient::new(stowd.native());
+    let dir = temp_dir("restore").join("ckpt");
+    let (indexes, fields) = batch();
+    c.put_ok(&indexes, &fields).await;
+    assert_eq!(checkpoint_seq(&checkpoint(&c, &dir).await), 1);
+    // The directory is private, and holds the manifest, one file per unit
+    // and the journal.
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(&dir).unwrap().permissions().mode();
+    assert_eq!(mode & 0o777, 0o700);
+    let mut names: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    assert_eq!(
+        names,
+        [
+            "journal-1",
+            "manifest.json",
+            "unit-1-0.safetensors",
+            "unit-1-1.safetensors"
+        ]
+    );
+    // After the checkpoint: overwrite index 9 (position 1), clear index 40
+    // (position 4) over TransferQueue, put a new index 500.
+    c.put_ok(&[9], &[("x".into(), Field::Regular(f32_rows(1, 8, 77)))])
+        .await;
+    assert_eq!(
+        TqClient::new(stowd.router()).clear(&[40]).await,
+        tq::Reply::clear_ok(stowd.router().id.as_str())
+    );
+    c.put_ok(&[500], &[("x".into(), Field::Regular(f32_rows(1, 8, 5)))])
+        .await;
+    stowd.kill();
+
+    let restored = Stowd::start_restoring(TWO_UNITS, &dir).unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        restored.log().contains("checkpoint restored"),
+        "{}",
+        restored.log()
+    );
+    check_rows(&restored, &[0, 2, 3, 5], "after restore").await;
+    let name = format!("{}#1", dir.display());
+    for g in [9, 40, 500] {
+        assert_lost(&restored, g, &name).await;
+    }
+    // Never put: not found, not lost.
+    let c = NativeClient::new(restored.native());
+    let (code, _) = err(c.get(&[12345], &["x"]).await);
+    assert_eq!(code, native::code::KEY_NOT_FOUND);
+    // Put again: served.
+    let again = Field::Regular(f32_rows(1, 8, 8));
+    c.put_ok(&[9], &[("x".into(), again.clone())]).await;
+    let got = c.get_ok(&[9], &["x"]).await;
+    assert_cells("put again", &wire_cells(got[0].1.clone()), &cells(&again));
+
+    // The restored stowd journals into the same checkpoint: a second kill
+    // and restore still reports 40 and 500 lost, and now 9 too.
+    let mut restored = restored;
+    restored.kill();
+    let twice = Stowd::start_restoring(TWO_UNITS, &dir).unwrap_or_else(|e| panic!("{e}"));
+    check_rows(&twice, &[0, 2, 3, 5], "after a second restore").await;
+    for g in [9, 40, 500] {
+        assert_lost(&twice, g, &name).await;
+    }
+    // A new checkpoint replaces the old one in the directory.
+    let c = NativeClient::new(twice.native());
+    assert_eq!(checkpoint_seq(&checkpoint(&c, &dir).await), 2);
+    assert!(!dir.join("unit-1-0.safetensors").exists());
+    assert!(!dir.join("journal-1").exists());
+    twice.stop();
+}
+
+/// Waits until `path` exists (a checkpoint has begun writing).
+fn wait_for(what: impl Fn() -> bool, deadline: Duration) -> bool {
+    let start = Instant::now();
+    while start.elapsed() < deadline {
+        if what() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    false
+}
+
+fn seq_files(dir: &Path, seq: u64) -> Vec<PathBuf> {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| {
+            let n = p.file_name().unwrap().to_string_lossy().into_owned();
+            n.starts_with(&format!(".unit-{seq}-")) || n.starts_with(&format!("unit-{seq}-"))
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_checkpoint_killed_midway_leaves_the_previous_one() {
+    let mut stowd = Stowd::start(TWO_UNITS);
+    let c = NativeClient::new(stowd.native());
+    let dir = temp_dir("restore-kill").join("ckpt");
+    let (indexes, fields) = batch();
+    c.put_ok(&indexes, &fields).await;
+    assert_eq!(checkpoint_seq(&checkpoint(&c, &dir).await), 1);
+    // Enough bytes that checkpoint 2 takes a while to write and hash: 64
+    // MiB in 8 puts.
+    for k in 0..8u64 {
+        let big = Field::Regular(f32_rows(1024, 2048, 100 + k));
+        let gs: Vec<u64> = (0..1024).map(|i| 10_000 + k * 1024 + i).collect();
+        c.put_ok(&gs, &[("big".into(), big)]).await;
+    }
+    let endpoint = stowd.native().to_string();
+    let dir2 = dir.clone();
+    let second = std::thread::spawn(move || {
+        Command::new(stowd_bin())
+            .args(["checkpoint", "--endpoint", &endpoint])
+            .arg(&dir2)
+            .output()
+            .unwrap()
+    });
+    assert!(
+        wait_for(|| !seq_files(&dir, 2).is_empty(), Duration::from_secs(60)),
+        "checkpoint 2 never began"
+    );
+    stowd.kill();
+    let out = second.join().unwrap();
+    assert!(
+        !out.status.success(),
+        "checkpoint 2 finished before the kill"
+    );
+    let manifest = std::fs::read_to_string(dir.join("manifest.json")).unwrap();
+    assert!(manifest.contains("\"seq\": 1"), "{manifest}");
+
+    let restored = Stowd::start_restoring(TWO_UNITS, &dir).unwrap_or_else(|e| panic!("{e}"));
+    check_rows(&restored, &[0, 1, 2, 3, 4, 5], "the previous checkpoint").await;
+    let native = NativeClient::new(restored.native());
+    let (code, message) = err(native.get(&[10_000], &["big"]).await);
+    assert_eq!(code, native::code::DATA_LOST, "{message}");
+    // The next checkpoint removes what the killed one left.
+    assert_eq!(checkpoint_seq(&checkpoint(&native, &dir).await), 3);
+    assert!(seq_files(&dir, 2).is_empty());
+    assert!(!dir.join("journal-2").exists());
+    restored.stop();
+}
+
+/// Flips one byte of `path` at `at` (from the end if negative).
+fn flip(path: &Path, at: i64) {
+    let mut bytes = std::fs::read(path).unwrap();
+    let i = if at < 0 {
+        (bytes.len() as i64 + at) as usize
+    } else {
+        at as usize
+    };
+    bytes[i] ^= 0x01;
+    std::fs::write(path, bytes).unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flipped_byte_is_refused_at_restore_naming_the_file() {
+    let stowd = Stowd::start(TWO_UNITS);
+    let c = NativeClient::new(stowd.native());
+    let base = temp_dir("restore-flip");
+    let (indexes, fields) = batch();
+    c.put_ok(&indexes, &fields).await;
+    // In the last data byte, and in the JSON header (a digit of an index).
+    for (k, at) in [(0, -1i64), (1, 40)] {
+        let dir = base.join(format!("ckpt{k}"));
+        checkpoint_seq(&checkpoint(&c, &dir).await);
+        let file = dir.join("unit-1-1.safetensors");
+        flip(&file, at);
+        // At start: stowd refuses to start, naming the file.
+        let refused =
+            Stowd::start_restoring(TWO_UNITS, &dir).expect_err("restored a corrupted file");
+        assert!(
+            refused.contains("unit-1-1.safetensors") && refused.contains("checksum mismatch"),
+            "{refused}"
+        );
+        // On a running stowd: refused, naming the file, and its rows stay.
+        let (code, message) = err(restore(&c, &dir).await);
+        assert_eq!(code, native::code::BAD_REQUEST);
+        assert!(message.contains("unit-1-1.safetensors"), "{message}");
+        check_rows(&stowd, &[0, 1, 2, 3, 4, 5], "after a refused restore").await;
+    }
+    // A truncated file: refused by its size.
+    let dir = base.join("ckpt-short");
+    checkpoint_seq(&checkpoint(&c, &dir).await);
+    let file = dir.join("unit-1-0.safetensors");
+    let len = std::fs::metadata(&file).unwrap().len();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&file)
+        .unwrap()
+        .set_len(len - 3)
+        .unwrap();
+    let (_, message) = err(restore(&c, &dir).await);
+    assert!(
+        message.contains("unit-1-0.safetensors") && message.contains("bytes"),
+        "{message}"
+    );
+    stowd.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_directories_and_manifests_are_refused_clearly() {
+    let stowd = Stowd::start(TWO_UNITS);
+    let c = NativeClient::new(stowd.native());
+    let (indexes, fields) = batch();
+    c.put_ok(&indexes, &fields).await;
+    let base = temp_dir("restore-bad");
+    let refuse = |reply: native::Reply, words: &[&str]| {
+        let (code, message) = err(reply);
+        assert_eq!(code, native::code::BAD_REQUEST, "{message}");
+        for w in words {
+            assert!(message.contains(w), "{w:?} not in {message}");
+        }
+    };
+    refuse(
+        checkpoint(&c, Path::new("relative/dir")).await,
+        &["absolute path"],
+    );
+    refuse(
+        restore(&c, &base.join("missing")).await,
+        &["no such checkpoint directory"],
+    );
+    std::fs::write(base.join("file"), b"x").unwrap();
+    refuse(
+        checkpoint(&c, &base.join("file")).await,
+        &["not a directory"],
+    );
+    std::os::unix::fs::symlink(&base, base.join("link")).unwrap();
+    refuse(checkpoint(&c, &base.join("link")).await, &["symbolic link"]);
+    let empty = base.join("empty");
+    std::fs::create_dir(&empty).unwrap();
+    refuse(
+        restore(&c, &empty).await,
+        &["no checkpoint", "manifest.json"],
+    );
+    // Manifests: not JSON, another format, a file outside the directory.
+    let dir = base.join("ckpt");
+    checkpoint_seq(&checkpoint(&c, &dir).await);
+    let manifest = dir.join("manifest.json");
+    let good = std::fs::read_to_string(&manifest).unwrap();
+    for (text, words) in [
+        ("{not json".to_string(), &["not a checkpoint manifest"][..]),
+        (
+            good.replace("stowage-checkpoint/1", "stowage-checkpoint/9"),
+            &["stowage-checkpoint/9"][..],
+        ),
+        (
+            good.replace("\"unit-1-0.safetensors\"", "\"../unit-1-0.safetensors\""),
+            &["not in the directory"][..],
+        ),
+    ] {
+        std::fs::write(&manifest, text).unwrap();
+        refuse(restore(&c, &dir).await, words);
+    }
+    check_rows(&stowd, &[0, 1, 2, 3, 4, 5], "after refused restores").await;
+    // A stowd that routes to a remote unit refuses both.
+    let remote = Stowd::start(&format!(
+        "[units]\nlocal = 1\n\n[router]\nunits = [\"local:0\", {:?}]\n",
+        stowd.unit(0).endpoint
+    ));
+    let r = NativeClient::new(remote.native());
+    for reply in [checkpoint(&r, &dir).await, restore(&r, &dir).await] {
+        let (code, message) = err(reply);
+        assert_eq!(code, native::code::UNSUPPORTED);
+        assert!(message.contains("1 remote unit"), "{message}");
+    }
+    remote.stop();
+    stowd.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_checkpoint_cli_writes_and_restores() {
+    let stowd = Stowd::start(TWO_UNITS);
+    let c = NativeClient::new(stowd.native());
+    let (indexes, fields) = batch();
+    c.put_ok(&indexes, &fields).await;
+    let dir = temp_dir("restore-cli").join("ckpt");
+    let run = |op: &str, dir: &Path| {
+        Command::new(stowd_bin())
+            .args([op, "--endpoint", stowd.native()])
+            .arg(dir)
+            .output()
+            .unwrap()
+    };
+    let out = run("checkpoint", &dir);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{out:?}");
+    assert!(
+        text.contains("checkpoint 1 written") && text.contains("30 rows"),
+        "{text}"
+    );
+    // Cleared after the checkpoint: a restore reports them lost, never
+    // their checkpointed values.
+    c.clear(&indexes[..2], None).await;
+    let out = run("restore", &dir);
+    assert!(out.status.success(), "{out:?}");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("20 rows, 2 indexes lost"), "{text}");
+    check_rows(&stowd, &[2, 3, 4, 5], "restored by the CLI").await;
+    let (code, _) = err(c.get(&indexes[..1], &["x"]).await);
+    assert_eq!(code, native::code::DATA_LOST);
+    let out = run("restore", Path::new("/nonexistent/ckpt"));
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("no such checkpoint directory"), "{err}");
+    stowd.stop();
+}
