@@ -54,7 +54,12 @@ def get_task(handle, indexes):
                     "obs": np.array(got["obs"]), "resp": [np.array(r) for r in got["resp"]], "text": got["text"]}
     except stowage.StowageError as e:
         return {"error": [t.__name__ for t in type(e).__mro__], "message": str(e),
-                "nodes": list(getattr(e, "nodes", ()))}
+                "nodes": list(getattr(e, "nodes", ())), "checkpoints": dict(getattr(e, "checkpoints", {}))}
+
+
+def head(seed: int, k: int) -> dict:
+    """The first `k` rows of `batch(seed)`."""
+    return {f: v[:k] for f, v in batch(seed).items()}
 
 
 def check_rows(got: dict, indexes, seed: int):
@@ -185,6 +190,138 @@ def test_launch_put_get_kill_restart_shutdown(local_ray, tmp_path):
     assert not any(p.name() == "stowd" and str(workdir) in " ".join(p.cmdline()) for p in psutil.process_iter())
     assert not (workdir / h.launch_id).exists()
     h.shutdown()  # idempotent
+
+
+def kill_and_wait_restart(h, old, generation: int):
+    """SIGKILLs `old`'s stowd child and waits for Ray to bring the node back at `generation`."""
+    os.kill(old.stowd_pid, signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    while True:
+        now = h.status(timeout=120)[0]
+        if now.generation == generation:
+            break
+        assert now.generation < generation, now
+        assert time.monotonic() < deadline, "stowd did not come back"
+        time.sleep(0.05)
+    h.wait_ready()
+    assert wait_gone([old.actor_pid, old.stowd_pid]) == []
+    return now
+
+
+def test_checkpoint_needs_node_routing():
+    h = sray.StowageCluster("no-launch", "cluster", {}, [], [])
+    with pytest.raises(ValueError, match=r'routing="node".*remote unit'):
+        h.checkpoint()
+
+
+def test_checkpoint_restored_after_restart(local_ray, tmp_path):
+    """routing="node": checkpoint, change rows, SIGKILL stowd: the restarted
+    stowd restores the checkpoint; untouched rows read back, rows written or
+    cleared after it raise DataLost naming the node and the checkpoint; a
+    second kill restores it again (the journal went on); a corrupted
+    checkpoint is set aside and the node starts empty (old behaviour)."""
+    workdir = tmp_path / "wd"
+    node_id = ray.get_runtime_context().get_node_id()
+    h = sray.launch(stowd_bin=stowd_bin(), workdir=workdir, units_per_node=2, routing="node")
+    try:
+        node = h.local()
+        ckpt = node.checkpoint_dir
+        assert ckpt == str(Path(node.dir) / "checkpoint") and node.restored is None
+        idx = list(range(N))
+        assert ray.get(put_task.remote(h, idx, seed=1), timeout=120)["stored"] == N
+
+        # ---- checkpoint every node (one here)
+        t0 = time.monotonic()
+        res = h.checkpoint(timeout=120)
+        print(f"\ncheckpoint: {time.monotonic() - t0:.2f} s: {res}")
+        assert list(res) == [node_id]
+        assert res[node_id]["dir"] == ckpt and res[node_id]["seq"] == 1 and res[node_id]["rows"] == N * 3, res  # (index, field) rows
+        assert (Path(ckpt) / "manifest.json").is_file()
+        assert (os.stat(ckpt).st_mode & 0o777) == 0o700
+
+        # ---- after the checkpoint: overwrite 0..7, clear 8..11, put new N..N+7
+        with h.client() as c:
+            c.put(list(range(8)), head(2, 8))
+            assert c.clear(list(range(8, 12))) > 0
+            c.put(list(range(N, N + 8)), head(3, 8))
+
+        # ---- SIGKILL stowd: Ray restarts the actor, stowd restores the checkpoint
+        t0 = time.monotonic()
+        now = kill_and_wait_restart(h, node, 1)
+        print(f"restart with restore: {time.monotonic() - t0:.2f} s")
+        assert now.restored == {"dir": ckpt, "seq": 1}, now.history
+        assert now.history[1]["restored"] == {"dir": ckpt, "seq": 1} and now.history[1]["restore_error"] is None
+        assert now.history[0]["exit"] == "killed by SIGKILL"
+
+        # Checkpointed rows nobody touched afterwards: as they were.
+        untouched = list(range(12, N))
+        got = ray.get(get_task.remote(h, untouched), timeout=120)
+        assert "error" not in got, got
+        check_rows(got, untouched, seed=1)
+        # Overwritten, cleared or new after the checkpoint: DataLost naming the node and the checkpoint.
+        for touched in ([0], [7], [9], [N + 1], [20, 3]):
+            got = ray.get(get_task.remote(h, touched), timeout=120)
+            assert "error" in got and got["error"][0] == "DataLost", (touched, got)
+            assert "KeyNotFound" in got["error"] and "DataLost" in got["error"][1:], got  # stowage.DataLost too
+            assert got["nodes"] == [node_id] and got["checkpoints"] == {node_id: f"{ckpt}#1"}, got
+            for part in [node_id, f"{ckpt}#1", "generation 0 -> 1", "killed by SIGKILL", "put them again"]:
+                assert part in got["message"], (part, got["message"])
+        # Never stored: a plain KeyNotFound, not a lost row.
+        got = ray.get(get_task.remote(h, [10 * N]), timeout=120)
+        assert got["error"][0] == "KeyNotFound", got
+
+        # ---- puts after the restart are served
+        assert ray.get(put_task.remote(h, list(range(N, 2 * N)), seed=4), timeout=120)["stored"] == N
+        got = ray.get(get_task.remote(h, list(range(N, 2 * N))), timeout=120)
+        assert "error" not in got, got
+        want = batch(4)
+        np.testing.assert_array_equal(got["obs"], want["obs"])
+        assert got["text"] == want["text"]
+        with h.client() as c:
+            c.put([0], head(5, 1))
+            np.testing.assert_array_equal(np.array(c.get([0], ["obs"])["obs"]), batch(5)["obs"][:1])
+        # Acknowledged: stowd's own data_lost still comes as DataLost naming the checkpoint.
+        h.refresh()
+        got = ray.get(get_task.remote(h, [9]), timeout=120)
+        assert got["error"][0] == "DataLost" and f"{ckpt}#1" in got["message"], got
+        assert "acknowledged" in got["message"], got
+
+        # ---- a second kill: the same checkpoint again; what was put since is lost too (the journal went on)
+        now = kill_and_wait_restart(h, now, 2)
+        assert now.restored == {"dir": ckpt, "seq": 1}, now.history
+        got = ray.get(get_task.remote(h, untouched), timeout=120)
+        assert "error" not in got, got
+        check_rows(got, untouched, seed=1)
+        for touched in ([0], [N], [2 * N - 1]):
+            got = ray.get(get_task.remote(h, touched), timeout=120)
+            assert got["error"][0] == "DataLost" and got["checkpoints"] == {node_id: f"{ckpt}#1"}, got
+            assert "generation 1 -> 2" in got["message"], got
+
+        # ---- a checkpoint stowd refuses (a flipped byte): set aside, stowd starts empty, old DataLost
+        h.refresh()
+        unit_file = sorted(Path(ckpt).glob("unit-1-*.safetensors"))[0]
+        data = bytearray(unit_file.read_bytes())
+        data[-1] ^= 0xFF
+        # A new file renamed over it: the running stowd maps the old one (never change that in place).
+        flipped = unit_file.with_name(unit_file.name + ".flipped")
+        flipped.write_bytes(bytes(data))
+        os.chmod(flipped, 0o600)
+        os.replace(flipped, unit_file)
+        now = kill_and_wait_restart(h, now, 3)
+        assert now.restored is None, now.history
+        err = now.history[-1]["restore_error"]
+        assert err and "cannot restore the checkpoint" in err and "checkpoint.unrestorable-3" in err, err
+        assert not Path(ckpt).exists() and (Path(node.dir) / "checkpoint.unrestorable-3").is_dir()
+        got = ray.get(get_task.remote(h, [20]), timeout=120)
+        assert got["error"][0] == "DataLost" and got["checkpoints"] == {}, got
+        for part in ["generation 2 -> 3", "cannot restore the checkpoint", "before the restart are lost"]:
+            assert part in got["message"], (part, got["message"])
+        # ... and a new checkpoint works again.
+        assert ray.get(put_task.remote(h, idx, seed=6), timeout=120)["stored"] == N
+        assert h.checkpoint(timeout=120)[node_id]["rows"] == N * 3
+    finally:
+        h.shutdown()
+    assert not (workdir / h.launch_id).exists()
 
 
 def test_the_wheels_stowd_runs_on_its_defaults_and_under_launch(local_ray, tmp_path):

@@ -9,6 +9,8 @@
         c.put([0, 1], {"x": np.ones((2, 4), np.float32)})
     stowd.units                                   # every unit endpoint, in routing order (g % N)
     stowd.transferqueue_config()                  # TransferQueue's `backend` section
+    stowd.checkpoint()                            # launch(routing="node"): each node's rows, restored
+                                                  # when Ray restarts that node's stowd
     stowd.shutdown()                              # or stowage.ray.shutdown(): every launch of this process
 
 What `launch()` does, per node (Ray's alive nodes, or `nodes=`): it creates
@@ -31,11 +33,32 @@ Routing (`routing=`):
   client sees the rows put through the same node's stowd. The full unit list
   (`units`) still lets TransferQueue route across nodes itself.
 
-A restarted stowd starts empty. Rows stored on its units before are lost,
-and `StowageCluster.client()` says so: a get that finds no rows where a
-restarted node holds them raises `DataLost` (a `KeyNotFound`) naming the
-node, the generation and how the old stowd ended, instead of a bare
-"key not found". `refresh()` acknowledges restarts.
+A restarted stowd starts empty, unless its node has a checkpoint. Rows
+stored on its units before are lost, and `StowageCluster.client()` says so:
+a get that finds no rows where a restarted node holds them raises
+`DataLost` (a `KeyNotFound`) naming the node, the generation and how the
+old stowd ended, instead of a bare "key not found". `refresh()`
+acknowledges restarts.
+
+Checkpoints (`routing="node"` only): `StowageCluster.checkpoint()` makes
+every node's stowd write all its rows to its node's checkpoint directory
+(`<node dir>/checkpoint`, private like the rest of the node's files, one
+checkpoint kept, removed by `shutdown()`) and returns node id ->
+`{"dir", "seq", "rows", "bytes", "files"}`. When Ray restarts a node whose
+directory holds one, the actor runs `stowd serve --restore <it>`: the new
+stowd serves the rows as they were at that checkpoint, and a get of an
+index written or cleared after it raises `DataLost` naming the node and
+the checkpoint (`"<dir>#<seq>"`, also in `DataLost.checkpoints`), until it
+is put again; an index never stored is a plain `KeyNotFound`. stowd goes on
+journaling into that directory, so a second restart restores just as
+correctly. `NodeStowd.restored` says which checkpoint the current stowd
+restored (`history` has it per generation). A checkpoint stowd refuses to
+restore (e.g. a file whose SHA-256 differs) is moved aside to
+`<node dir>/checkpoint.unrestorable-<generation>` and stowd starts empty:
+the old behaviour, the `DataLost` message saying why. With
+`routing="cluster"` `checkpoint()` raises ValueError: each stowd routes
+over other nodes' units too, and stowd checkpoints and restores only a
+stowd whose units are all its own.
 
 Where the binary comes from, first found wins (resolved on each node):
 1. `launch(stowd_bin=PATH)`;
@@ -64,7 +87,7 @@ The package, by concern (imports point down the list, never up):
 | module | what |
 | --- | --- |
 | `_cluster` | `launch()`, `StowageCluster`, `NodeStowd`, `shutdown()` (the driver's side; imports Ray) |
-| `_client` | `NodeClient`, `DataLost` (a get that meets a restarted node) |
+| `_client` | `NodeClient`, `DataLost` (a get that meets a restarted node, or rows lost since its checkpoint) |
 | `_actor` | `StowdNode`, the per-node actor as a plain class |
 | `_config` | the stowd config: reserved keys, merging, the TOML file (`tomli_w`) |
 | `_supervise` | finding the binary and plugins, reserving ports, running stowd as a child |
@@ -85,8 +108,10 @@ from .._workdir import InsecureDirectory
 from ._actor import StowdNode
 from ._client import DataLost, NodeClient
 from ._cluster import (
+    DEFAULT_CHECKPOINT_TIMEOUT,
     DEFAULT_MAX_RESTARTS,
     DEFAULT_START_TIMEOUT,
+    CheckpointFailed,
     NodeStowd,
     StowageCluster,
     launch,
@@ -102,6 +127,7 @@ from ._supervise import (
 )
 
 __all__ = [
+    "CheckpointFailed",
     "DataLost",
     "InsecureDirectory",
     "NodeClient",

@@ -34,9 +34,12 @@ class StowdNode:
     """The per-node actor (as a plain class; `launch()` wraps it with
     `ray.remote`). Its state lives in a private directory (`<workdir>/<launch
     id>/<node id>/`, or see the `stowage.ray` package doc for the default):
-    the config, the endpoints file, `state.json` (generation, history) and
-    `stowd.log`. Ray re-runs `__init__` with the same arguments after a
-    restart; finding `state.json` there, it starts stowd again at once."""
+    the config, the endpoints file, `state.json` (generation, history),
+    `stowd.log` and `checkpoint/` (the node's checkpoints, written by
+    `StowageCluster.checkpoint()`). Ray re-runs `__init__` with the same
+    arguments after a restart; finding `state.json` there, it starts stowd
+    again at once, restoring the last checkpoint in `checkpoint/` if there
+    is one (`stowd serve --restore`)."""
 
     def __init__(self, launch_id: str, node_id: str, ip: str, spec: Mapping[str, Any]):
         self.launch_id, self.node_id, self.ip = launch_id, node_id, ip
@@ -47,6 +50,7 @@ class StowdNode:
         self.endpoints_path = self.dir / "endpoints.json"
         self.state_path = self.dir / "state.json"
         self.log_path = self.dir / "stowd.log"
+        self.checkpoint_dir = self.dir / "checkpoint"
         self.proc: subprocess.Popen | None = None
         self.endpoints: dict | None = None
         self._held: list[socket.socket] = []
@@ -112,18 +116,47 @@ class StowdNode:
         self.binary = Path(state["stowd_bin"])
         self.plugin_dir = Path(state["plugin_dir"]) if state.get("plugin_dir") else None
         state["generation"] += 1
+        restore, restore_error = self._checkpoint_to_restore(), None
         # The ports may take a moment to be free again: retry the start a few times.
         deadline = time.monotonic() + 15
         while True:
             try:
-                self._start()
+                self._start(restore, restore_error)
                 return
-            except StowdStartError:
+            except StowdStartError as e:
+                this_start = str(e).rsplit("--- stowage.ray: generation", 1)[-1]  # not an earlier one's log
+                if restore is not None and f"cannot restore the checkpoint in {restore['dir']}" in this_start:
+                    # Start empty rather than not at all, and set the checkpoint
+                    # aside: a later restart must not restore it either (the
+                    # rows put meanwhile are in no journal of it).
+                    aside = self.dir / f"checkpoint.unrestorable-{state['generation']}"
+                    os.replace(self.checkpoint_dir, aside)
+                    restore_error = f"{_last_error_line(str(e))} (the checkpoint was moved to {aside})"
+                    print(f"stowage.ray: stowd on node {self.node_id}: {restore_error}; starting it empty",
+                          file=sys.stderr, flush=True)
+                    restore = None
+                    continue
                 if time.monotonic() >= deadline:
                     raise
                 time.sleep(0.5)
 
-    def _start(self) -> dict:
+    def _checkpoint_to_restore(self) -> dict | None:
+        """`{"dir", "seq"}` of the checkpoint a restarted stowd restores:
+        the node's checkpoint directory, if it holds a `manifest.json` (seq
+        None if stowd is to find the manifest unreadable: it says why)."""
+        try:
+            text = (self.checkpoint_dir / "manifest.json").read_text()
+        except FileNotFoundError:
+            return None
+        except OSError:
+            text = ""
+        try:
+            seq = json.loads(text).get("seq")
+        except (ValueError, AttributeError):
+            seq = None
+        return {"dir": str(self.checkpoint_dir), "seq": seq if isinstance(seq, int) else None}
+
+    def _start(self, restore: dict | None = None, restore_error: str | None = None) -> dict:
         try:
             self.endpoints_path.unlink()
         except FileNotFoundError:
@@ -133,6 +166,8 @@ class StowdNode:
         log.flush()
         cmd = [str(self.binary), "serve", "--config", str(self.config_path),
                "--endpoints-file", str(self.endpoints_path)]
+        if restore is not None:
+            cmd += ["--restore", restore["dir"]]
         started = threading.Event()
         box: dict[str, Any] = {}
 
@@ -188,7 +223,8 @@ class StowdNode:
             self.state["stowd_pid"] = proc.pid
             self.state["history"].append(
                 {"generation": self.state["generation"], "pid": proc.pid, "actor_pid": os.getpid(),
-                 "started": time.time(), "ended": None, "exit": None}
+                 "started": time.time(), "ended": None, "exit": None,
+                 "restored": restore, "restore_error": restore_error}
             )
             _write_json(self.state_path, self.state)
             self._ready = True
@@ -233,6 +269,7 @@ class StowdNode:
                 "history": list(self.state["history"]) if self.state else [],
                 "dir": str(self.dir),
                 "log": str(self.log_path),
+                "checkpoint_dir": str(self.checkpoint_dir),
             }
 
     def log_tail(self, n: int = 50) -> str:
@@ -261,3 +298,11 @@ class StowdNode:
             except OSError:
                 pass
         return out
+
+
+def _last_error_line(message: str) -> str:
+    """The line of a start error that says why the restore failed."""
+    for line in reversed(message.splitlines()):
+        if "cannot restore the checkpoint" in line:
+            return line.strip()
+    return message.splitlines()[0] if message else message

@@ -14,19 +14,27 @@ if TYPE_CHECKING:
 
 
 class DataLost(errors.DataLost):
-    """A get failed (rows not found, or a timeout on the way to them) and
-    the node holding them restarted its stowd since the handle was made or
-    last refreshed: those rows are lost. `nodes` lists the restarted nodes'
-    ids; the message starts with the original error. (A `stowage.DataLost`,
-    as is a stowd's own `data_lost` after restoring a checkpoint.)"""
+    """Rows a get asked for were lost to a stowd restart. Either the node
+    holding them restarted its stowd since the handle was made or last
+    refreshed and the new stowd started empty (the get found no rows, or
+    timed out on the way to them): every row stored there before is lost.
+    Or the new stowd restored the node's last checkpoint
+    (`StowageCluster.checkpoint()`) and reported these rows `data_lost`:
+    they were written or cleared after that checkpoint. `nodes` lists the
+    nodes' ids, `checkpoints` maps node id -> the restored checkpoint
+    ("<dir>#<seq>", the second case only); the message starts with the
+    original error. (A `stowage.DataLost`, as is a stowd's own `data_lost`.)"""
 
     nodes: tuple[str, ...] = ()
+    checkpoints: dict[str, str] = {}  # set per instance by StowageCluster._lost
 
 
 class NodeClient(Client):
     """A `stowage.Client` to one node's stowd, from `StowageCluster.client()`:
     a get (or get_into) that raises `KeyNotFound` is checked against stowd
-    restarts and raises `DataLost` when the rows' node restarted."""
+    restarts and raises `DataLost` when the rows' node restarted and started
+    empty, or when its stowd restored a checkpoint and reports the rows
+    `data_lost` (written or cleared after that checkpoint)."""
 
     def __init__(self, cluster: "StowageCluster", node: "NodeStowd", *, same_node: bool, **kwargs):
         super().__init__(node.native, same_node=same_node, shm_dir=node.shm_dir, **kwargs)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 import socket
 import time
 import uuid
@@ -13,7 +14,8 @@ from typing import Any, Iterable, Mapping
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from ..client import DEFAULT_TIMEOUT
+from .. import errors
+from ..client import DEFAULT_TIMEOUT, Client
 from ..errors import KeyNotFound, StowageError
 from ._actor import StowdNode
 from ._client import DataLost, NodeClient
@@ -22,6 +24,7 @@ from ._supervise import StowdStartError, _cmdline, _pid_alive
 
 DEFAULT_MAX_RESTARTS = 10
 DEFAULT_START_TIMEOUT = 120.0  # a first start compiles the plugins (seconds with a debug build)
+DEFAULT_CHECKPOINT_TIMEOUT = 3600.0
 
 
 _StowdActor = ray.remote(StowdNode)
@@ -49,6 +52,7 @@ class NodeStowd:
     plugins: list[str]
     history: list[dict]
     dir: str
+    checkpoint_dir: str | None = None
 
     @classmethod
     def from_info(cls, info: Mapping[str, Any]) -> "NodeStowd":
@@ -60,7 +64,22 @@ class NodeStowd:
             generation=info["generation"], stowd_pid=info["stowd_pid"], actor_pid=info["actor_pid"],
             hostname=info["hostname"], stowd_bin=info["stowd_bin"], plugin_dir=info["plugin_dir"],
             plugins=list(ep.get("plugins") or []), history=list(info["history"]), dir=info["dir"],
+            checkpoint_dir=info.get("checkpoint_dir"),
         )
+
+    @property
+    def restored(self) -> dict | None:
+        """`{"dir", "seq"}` of the checkpoint this stowd restored when it
+        started, or None (a first start, or no checkpoint to restore)."""
+        current = [h for h in self.history if h.get("generation") == self.generation]
+        return current[-1].get("restored") if current else None
+
+    def restored_since(self, generation: int | None) -> bool:
+        """True if every stowd of this node started after `generation`
+        restored a checkpoint (so rows missing from it were never there, or
+        stowd reports them `data_lost` itself); False if one started empty."""
+        later = [h for h in self.history if generation is None or h.get("generation", 0) > generation]
+        return bool(later) and all(h.get("restored") for h in later)
 
     def last_exit(self) -> str:
         """How the previous stowd of this node ended, if it did."""
@@ -82,6 +101,8 @@ class StowageCluster:
     - `units`: every unit endpoint, in routing order (g % N);
     - `local()`: this process's node's stowd; `client()`: a `Client` to it;
     - `transferqueue_config()`: TransferQueue's `backend` section;
+    - `checkpoint()`: each node's stowd writes a checkpoint that a restarted
+      stowd restores (`routing="node"` only);
     - `status()` / `refresh()` / `wait_ready()`; `shutdown()`.
     """
 
@@ -162,6 +183,60 @@ class StowageCluster:
             raise ValueError(f'mode must be "units" or "router", got {mode!r}')
         return {"storage_backend": "Stowage", "Stowage": section}
 
+    # ---- checkpoints
+
+    def checkpoint(self, timeout: float = DEFAULT_CHECKPOINT_TIMEOUT) -> dict[str, dict]:
+        """Makes every node's stowd write a checkpoint of all its rows to
+        its node's checkpoint directory (`NodeStowd.checkpoint_dir`,
+        `<node dir>/checkpoint`: private to this user, removed by
+        `shutdown()`), all nodes at once, and waits for them. Returns node id
+        -> `{"dir", "seq", "rows", "bytes", "files"}` (`Client.checkpoint`).
+
+        When Ray restarts a node's stowd, the new one restores that node's
+        last checkpoint before serving: rows written or cleared after it
+        raise `DataLost` (naming the node and the checkpoint), the others
+        are served as they were at the checkpoint.
+
+        Needs `launch(routing="node")`: with "cluster" routing each stowd
+        routes over other nodes' units too, and stowd checkpoints and
+        restores only units of its own (ValueError). A node that fails
+        raises `CheckpointFailed` (after all have answered); its `results`
+        holds the nodes that succeeded, `errors` the others' exceptions.
+        """
+        if self.routing != "node":
+            raise ValueError(
+                'checkpoint() needs launch(routing="node"): with routing="cluster" every stowd routes over '
+                "the units of every node, and stowd checkpoints and restores only a stowd whose units are "
+                "all its own (it refuses: remote unit)"
+            )
+        Client._check_timeout(timeout)
+        results: dict[str, dict] = {}
+        failed: dict[str, BaseException] = {}
+
+        def one(node: NodeStowd) -> None:
+            try:
+                if not node.checkpoint_dir:
+                    raise RuntimeError(f"node {node.node_id}'s actor reports no checkpoint directory")
+                with Client(node.native, timeout=timeout) as c:
+                    results[node.node_id] = c.checkpoint(node.checkpoint_dir, timeout=timeout)
+            except BaseException as e:  # noqa: BLE001 - reported below, per node
+                failed[node.node_id] = e
+
+        threads = [threading.Thread(target=one, args=(n,), name=f"checkpoint-{n.node_id[:8]}", daemon=True)
+                   for n in self.nodes]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if failed:
+            raise CheckpointFailed(
+                "checkpoint failed on node(s) "
+                + "; ".join(f"{nid}: {type(e).__name__}: {e}" for nid, e in failed.items())
+                + (f" (written on {sorted(results)})" if results else ""),
+                results=results, errors=failed,
+            )
+        return {n.node_id: results[n.node_id] for n in self.nodes}
+
     # ---- state
 
     def status(self, timeout: float = 60.0) -> list[NodeStowd]:
@@ -190,28 +265,61 @@ class StowageCluster:
         return ray.get(self._actors[node_id].log_tail.remote(n), timeout=30)
 
     def _lost(self, err: StowageError, indexes, via: NodeStowd) -> StowageError:
+        """The error a `NodeClient` get raises for `err`: `DataLost` when a
+        node holding `indexes` lost rows to a stowd restart, else `err`.
+
+        - A node that restarted since this handle's snapshot and started
+          empty at least once: any of these errors may be lost rows
+          (`DataLost`, naming the node, generations and how stowd ended).
+        - A node whose every restart restored its checkpoint: stowd itself
+          says which rows are lost (its `data_lost`, which becomes a
+          `DataLost` naming the node and the checkpoint); a plain
+          `KeyNotFound` stays one (those rows were not stored when the
+          checkpoint was taken)."""
         try:
             owners = set(self.owners(indexes, via))
-            restarted = {k: v for k, v in self.restarted(timeout=30).items() if k in owners}
+            now = {s.node_id: s for s in self.status(timeout=30) if s.node_id in owners}
         except Exception as e:  # the check itself failed: say so, keep the original error
             err.message = f"{err.message} (could not check for stowd restarts: {type(e).__name__}: {e})"
             err.args = (err.message,)
             return err
-        if not restarted:
+        restarted = {k: s for k, s in now.items() if s.generation != self._generations.get(k)}
+        emptied = {k: s for k, s in restarted.items() if not s.restored_since(self._generations.get(k))}
+        if emptied:
+            parts = [
+                f"node {s.node_id} ({s.ip}): generation {self._generations.get(s.node_id)} -> {s.generation}, "
+                f"{s.last_exit()}" + (f"; {_restore_failure(s)}" if _restore_failure(s) else "")
+                for s in emptied.values()
+            ]
+            lost = DataLost(
+                f"{err.message}; the stowd holding these rows restarted since this handle was made: "
+                + "; ".join(parts)
+                + ". Rows stored there before the restart are lost (put them again; "
+                "handle.refresh() acknowledges the restart)",
+                code=KeyNotFound.code, request_id=err.request_id,
+            )
+            lost.nodes = tuple(emptied)
+            lost.checkpoints = {}
+            return lost
+        if not isinstance(err, errors.DataLost):
+            return err  # a restored node (or none restarted): not found is not found
+        restored = {k: s for k, s in now.items() if s.restored}
+        if not restored:
             return err
-        parts = [
-            f"node {s.node_id} ({s.ip}): generation {self._generations.get(s.node_id)} -> {s.generation}, "
-            f"{s.last_exit()}"
-            for s in restarted.values()
-        ]
+        parts = []
+        for s in restored.values():
+            ckpt = f"{s.restored['dir']}#{s.restored['seq']}"
+            gen = self._generations.get(s.node_id)
+            how = (f"generation {gen} -> {s.generation}, {s.last_exit()}" if s.node_id in restarted
+                   else f"generation {s.generation}, acknowledged by refresh()")
+            parts.append(f"node {s.node_id} ({s.ip}) restarted its stowd ({how}) and restored checkpoint {ckpt}")
         lost = DataLost(
-            f"{err.message}; the stowd holding these rows restarted since this handle was made: "
-            + "; ".join(parts)
-            + ". Rows stored there before the restart are lost (put them again; "
-            "handle.refresh() acknowledges the restart)",
-            code=KeyNotFound.code, request_id=err.request_id,
+            f"{err.message}; " + "; ".join(parts)
+            + ". Rows written or cleared there after that checkpoint are lost (put them again)",
+            code=errors.DataLost.code, request_id=err.request_id,
         )
-        lost.nodes = tuple(restarted)
+        lost.nodes = tuple(restored)
+        lost.checkpoints = {k: f"{s.restored['dir']}#{s.restored['seq']}" for k, s in restored.items()}
         return lost
 
     # ---- stopping
@@ -245,6 +353,22 @@ class StowageCluster:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+class CheckpointFailed(RuntimeError):
+    """`StowageCluster.checkpoint()` failed on some node: `errors` maps
+    those node ids to their exceptions, `results` the others to their
+    checkpoints."""
+
+    def __init__(self, message: str, *, results: dict, errors: dict):
+        super().__init__(message)
+        self.results, self.errors = results, errors
+
+
+def _restore_failure(node: NodeStowd) -> str | None:
+    """Why this node's current stowd started empty despite a checkpoint, if it did."""
+    current = [h for h in node.history if h.get("generation") == node.generation]
+    return current[-1].get("restore_error") if current else None
 
 
 def _rebuild(launch_id, routing, actors, nodes, units, generations):
