@@ -21,12 +21,13 @@
 //! segment's pages freed once no reader maps them either) when the last `Arc` goes: every unit
 //! column over it dropped by overwrite or clear, and no reply in flight.
 
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use bytes::Bytes;
 
 use crate::shm::{Handle, SegmentStore, ShmError};
+use crate::spill::Accounts;
 
 /// Where an extent's bytes are now: `base[offset..offset + len]`.
 #[derive(Clone, Debug)]
@@ -40,11 +41,40 @@ pub struct Place {
     pub segment: Option<Handle>,
 }
 
+/// Where an extent's bytes are, for the spiller ([`crate::spill`]).
+pub(crate) mod state {
+    /// In memory (a buffer, or a shared-memory segment).
+    pub const MEMORY: u8 = 0;
+    /// Being written to a spill file.
+    pub const SPILLING: u8 = 1;
+    /// In a spill file, mapped read-only.
+    pub const DISK: u8 = 2;
+}
+
 /// One immutable buffer.
 pub struct Extent {
     id: u64,
     len: usize,
     place: Mutex<Place>,
+    /// The spiller's clock when the extent was last stored or read:
+    /// the smallest is the coldest.
+    used: AtomicU64,
+    /// One of [`state`].
+    state: AtomicU8,
+    /// The memory and disk counts this extent is in, once a unit with a
+    /// spiller stored it.
+    accounts: OnceLock<Arc<Accounts>>,
+}
+
+impl Drop for Extent {
+    fn drop(&mut self) {
+        if let Some(a) = self.accounts.get() {
+            a.forget(
+                self.len as u64,
+                self.state.load(Ordering::Acquire) == state::DISK,
+            );
+        }
+    }
 }
 
 impl std::fmt::Debug for Extent {
@@ -85,6 +115,9 @@ impl Extent {
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
             len,
             place: Mutex::new(place),
+            used: AtomicU64::new(crate::spill::now()),
+            state: AtomicU8::new(state::MEMORY),
+            accounts: OnceLock::new(),
         })
     }
 
@@ -102,8 +135,10 @@ impl Extent {
         self.id
     }
 
-    /// Where the bytes are now (a cheap clone of shared handles).
+    /// Where the bytes are now (a cheap clone of shared handles). Marks
+    /// the extent used (for the spiller's coldest-first order).
     pub fn place(&self) -> Place {
+        self.used.store(crate::spill::now(), Ordering::Relaxed);
         self.place.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
@@ -111,6 +146,88 @@ impl Extent {
     pub fn bytes(&self) -> Bytes {
         let place = self.place();
         place.base.slice(place.offset..place.offset + self.len)
+    }
+
+    /// Whether its bytes are in a spill file now.
+    pub fn is_spilled(&self) -> bool {
+        self.state.load(Ordering::Acquire) == state::DISK
+    }
+
+    /// When it was last used (the spiller's clock).
+    pub(crate) fn used(&self) -> u64 {
+        self.used.load(Ordering::Relaxed)
+    }
+
+    /// Counts the extent in `accounts` (once: false if it already is).
+    pub(crate) fn account(&self, accounts: &Arc<Accounts>) -> bool {
+        if self.accounts.set(accounts.clone()).is_err() {
+            return false;
+        }
+        accounts.add_memory(self.len as u64);
+        true
+    }
+
+    /// Claims the extent for spilling: its bytes, if it is in memory and
+    /// nobody else is spilling it.
+    pub(crate) fn claim(&self) -> Option<Bytes> {
+        self.state
+            .compare_exchange(
+                state::MEMORY,
+                state::SPILLING,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            )
+            .ok()?;
+        let place = self.place.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        Some(place.base.slice(place.offset..place.offset + self.len))
+    }
+
+    /// Ends a claim: with `file` (the bytes, mapped from the spill file)
+    /// the extent moves there, unless a same-node reader moved it into a
+    /// segment meanwhile; without, it stays in memory. Returns whether it
+    /// moved.
+    pub(crate) fn settle(&self, file: Option<Bytes>, claimed: &Bytes) -> bool {
+        let mut place = self.place.lock().unwrap_or_else(|p| p.into_inner());
+        let unchanged = place.base.as_ptr() as usize + place.offset == claimed.as_ptr() as usize;
+        let moved = match file {
+            Some(base) if unchanged => {
+                *place = Place {
+                    base,
+                    offset: 0,
+                    segment: None,
+                };
+                if let Some(a) = self.accounts.get() {
+                    a.to_disk(self.len as u64);
+                }
+                true
+            }
+            _ => false,
+        };
+        self.state.store(
+            if moved { state::DISK } else { state::MEMORY },
+            Ordering::Release,
+        );
+        moved
+    }
+
+    /// Places the extent in a segment (see [`share_all`]); a spilled extent
+    /// is back in memory.
+    fn to_segment(&self, place: Place) {
+        let mut current = self.place.lock().unwrap_or_else(|p| p.into_inner());
+        *current = place;
+        if self
+            .state
+            .compare_exchange(
+                state::DISK,
+                state::MEMORY,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            )
+            .is_ok()
+            && let Some(a) = self.accounts.get()
+        {
+            a.to_memory(self.len as u64);
+        }
     }
 }
 
@@ -141,11 +258,11 @@ pub fn share_all(extents: &[Arc<Extent>], shm: &SegmentStore) -> Result<(), ShmE
     let (whole, segment) = shm.export(&parts)?;
     let mut at = 0;
     for (extent, bytes) in &pending {
-        *extent.place.lock().unwrap_or_else(|p| p.into_inner()) = Place {
+        extent.to_segment(Place {
             base: whole.clone(),
             offset: at,
             segment: Some(segment.clone()),
-        };
+        });
         at += bytes.len();
     }
     Ok(())

@@ -56,6 +56,7 @@ pub mod policy;
 pub mod reload;
 pub mod server;
 pub mod shm;
+pub mod spill;
 pub mod store;
 pub mod sys;
 

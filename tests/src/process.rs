@@ -134,6 +134,11 @@ impl Stowd {
         Stowd::start_wrapped(&wrapper, &plugin_dir(), &shared_cache(), config, None)
     }
 
+    /// Like [`Stowd::start`]; Err: why it did not start, and its log.
+    pub fn try_start(config: &str) -> Result<Stowd, String> {
+        Stowd::spawn(&[], &plugin_dir(), &shared_cache(), config, None, &[])
+    }
+
     /// Like [`Stowd::start`], restoring the checkpoint in `dir` at start
     /// (`serve --restore DIR`). Err: why it did not start, and its log.
     pub fn start_restoring(config: &str, dir: &Path) -> Result<Stowd, String> {

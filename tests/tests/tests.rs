@@ -23,4 +23,5 @@ mod plugin_cli;
 mod policy;
 mod request_spans;
 mod restore;
+mod spill;
 mod stowd;

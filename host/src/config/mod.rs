@@ -91,6 +91,16 @@ pub struct UnitsConfig {
     /// The memory `memory_percent` is a share of, bytes; 0: the machine's
     /// (`MemTotal`), or the memory limit of stowd's cgroup if lower.
     pub memory_bytes: u64,
+    /// Spill the coldest extents to files in this directory (created 0700)
+    /// instead of refusing puts past the unit capacity. Empty: no spill.
+    pub spill_dir: String,
+    /// Per unit: past this many bytes in memory (times the units, for all
+    /// of them) a background thread spills the coldest extents. 0: 80% of
+    /// the unit capacity.
+    pub spill_threshold_bytes: u64,
+    /// Most bytes in spill files at once, all units together. 0: as many
+    /// as the disk holds.
+    pub spill_max_bytes: u64,
 }
 
 impl Default for UnitsConfig {
@@ -101,11 +111,51 @@ impl Default for UnitsConfig {
             capacity_bytes: 0,
             memory_percent: 50,
             memory_bytes: 0,
+            spill_dir: String::new(),
+            spill_threshold_bytes: 0,
+            spill_max_bytes: 0,
         }
     }
 }
 
 impl UnitsConfig {
+    /// The spiller's settings, if `spill_dir` is set: the threshold and the
+    /// bound are per unit times the units. Err: a spill without a memory
+    /// bound, or a threshold past it.
+    pub fn spill(&self) -> Result<Option<crate::spill::SpillConfig>, String> {
+        if self.spill_dir.is_empty() {
+            return Ok(None);
+        }
+        let dir = std::path::PathBuf::from(&self.spill_dir);
+        if !dir.is_absolute() {
+            return Err(format!(
+                "[units] spill_dir {:?} must be an absolute path",
+                self.spill_dir
+            ));
+        }
+        let (Some(capacity), _) = self.unit_capacity() else {
+            return Err("[units] spill_dir needs a memory bound to spill past: set \
+                        capacity_bytes, or memory_percent above 0"
+                .into());
+        };
+        let threshold = match self.spill_threshold_bytes {
+            0 => capacity / 5 * 4,
+            t if t > capacity => {
+                return Err(format!(
+                    "[units] spill_threshold_bytes ({t}) is above the unit capacity ({capacity})"
+                ));
+            }
+            t => t,
+        };
+        let units = u64::from(self.local.max(1));
+        Ok(Some(crate::spill::SpillConfig {
+            dir,
+            threshold: threshold.saturating_mul(units),
+            bound: capacity.saturating_mul(units),
+            max_disk: (self.spill_max_bytes > 0).then_some(self.spill_max_bytes),
+        }))
+    }
+
     /// The capacity of each local unit: `capacity_bytes`, else its share
     /// of the default bound (None: unlimited), and where the bound came
     /// from (for the log).
@@ -451,6 +501,8 @@ pub enum ConfigError {
 pub enum Invalid {
     #[error("no units: set units.local > 0 or router.units")]
     NoUnits,
+    #[error("{0}")]
+    Spill(String),
     #[error("router.units: bad local unit {0:?} (local:<i>, i a number)")]
     BadLocalUnit(String),
     #[error("router.units: {unit} but units.local is {local} (local units are local:0 to local:{})", local.saturating_sub(1))]
@@ -529,6 +581,7 @@ impl Config {
                 max: "100",
             });
         }
+        self.units.spill().map_err(Invalid::Spill)?;
         for u in &self.router.units {
             match u.strip_prefix("local:") {
                 Some(i) => {

@@ -8,6 +8,7 @@
 //! | `ManagerError::Remote` whose message starts `[TQKeyNotFound]` | `GET_ERROR`, the remote unit's message as is | `key_not_found` |
 //! | `StoreError::DataLost` (an index written or cleared after the checkpoint restored) | `GET_ERROR`, `Failed to get data from storage unit id #U, detail error message: [DataLost] ...` | `data_lost` |
 //! | `StoreError::Journal` (the checkpoint journal could not be written: nothing changed) | the request's own error reply | `internal` |
+//! | `StoreError::Spill` (memory full and spilling could not make room: disk full, `spill_max_bytes`) | `PUT_ERROR`, its message | `capacity` |
 //! | `StoreError::Capacity` | `PUT_ERROR`, `Failed to put data into storage unit id #U, detail error message: unit ... is full: ...` | `capacity` |
 //! | other `StoreError`, `ManagerError::BadRequest`, `ChainError::EmptyPositions` | `PUT_ERROR` / `GET_ERROR` / `CLEAR_DATA_ERROR` (the request's own), `Failed to ... storage unit id #U, detail error message: <error>` | `bad_request` |
 //! | `ChainError::Rejected` (a plugin faulted under `fail = "reject"`) | as above | `rejected` |
@@ -117,7 +118,9 @@ fn native_code(e: &ManagerError) -> &'static str {
     match e {
         _ if e.is_key_not_found() => native::code::KEY_NOT_FOUND,
         ManagerError::Store(StoreError::DataLost { .. }) => native::code::DATA_LOST,
-        ManagerError::Store(StoreError::Capacity { .. }) => native::code::CAPACITY,
+        ManagerError::Store(StoreError::Capacity { .. } | StoreError::Spill(_)) => {
+            native::code::CAPACITY
+        }
         ManagerError::Store(StoreError::Journal(_)) => native::code::INTERNAL,
         ManagerError::Store(_) | ManagerError::BadRequest(_) => native::code::BAD_REQUEST,
         ManagerError::Policy(ChainError::Rejected { .. }) => native::code::REJECTED,

@@ -54,6 +54,8 @@ pub enum StartError {
     Bind(#[from] crate::transport::TransportError),
     #[error(transparent)]
     Shm(#[from] crate::shm::ShmError),
+    #[error("cannot spill: {0}")]
+    Spill(String),
     #[error("cannot restore the checkpoint in {dir}: {reason}")]
     Restore { dir: String, reason: String },
     #[error("cannot bind the metrics endpoint {addr}: {source}")]
@@ -273,10 +275,32 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
     // Every local unit records its puts and clears in one journal once a
     // checkpoint is taken (crate::journal).
     let journal = Arc::new(crate::journal::Journal::new());
+    // With [units] spill_dir, one spiller bounds the units' memory together.
+    let spiller = match config.units.spill().map_err(StartError::Spill)? {
+        Some(sc) => {
+            tracing::info!(
+                dir = %sc.dir.display(),
+                threshold = sc.threshold,
+                bound = sc.bound,
+                max_disk = ?sc.max_disk,
+                "spilling to disk past the threshold"
+            );
+            let dir = sc.dir.display().to_string();
+            Some(
+                crate::spill::Spiller::start(sc)
+                    .map_err(|e| StartError::Spill(format!("{dir}: {e}")))?,
+            )
+        }
+        None => None,
+    };
     let units: Vec<Arc<Unit>> = (0..config.units.local)
         .map(|i| {
             let id = format!("TQ_STORAGE_UNIT_{:08x}", (pid << 8) ^ i);
-            Arc::new(Unit::new(id, capacity).with_journal(journal.clone()))
+            let unit = Unit::new(id, capacity).with_journal(journal.clone());
+            Arc::new(match &spiller {
+                Some(s) => unit.with_spill(s.clone()),
+                None => unit,
+            })
         })
         .collect();
 

@@ -452,6 +452,24 @@ impl NativeService {
         if let Some(c) = capacity {
             stats.push(("capacity".into(), int(c)));
         }
+        let spiller = m.targets().iter().find_map(|t| match t {
+            Target::Local(u) => u.spiller().cloned(),
+            Target::Remote(_) => None,
+        });
+        if let Some(s) = spiller {
+            let s = s.stats();
+            for (k, v) in [
+                ("spill_memory_bytes", s.memory),
+                ("spill_disk_bytes", s.disk),
+                ("spill_threshold_bytes", s.threshold),
+                ("spill_bound_bytes", s.bound),
+                ("spilled_bytes_total", s.spilled),
+                ("spilled_extents_total", s.files),
+                ("spill_failures_total", s.failures),
+            ] {
+                stats.push((k.into(), int(v)));
+            }
+        }
         stats.push((
             "zero_copy_bytes".into(),
             int(c.zero_copy_bytes.load(Ordering::Relaxed)),

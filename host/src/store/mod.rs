@@ -33,6 +33,7 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::journal::Journal;
+use crate::spill::Spiller;
 
 /// Why a unit refused a request. Nothing was changed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -67,6 +68,8 @@ pub enum StoreError {
     },
     #[error("the put or clear was not made: {0}")]
     Journal(String),
+    #[error(transparent)]
+    Spill(#[from] crate::spill::SpillError),
     #[error("global index {0} appears more than once in one put")]
     DuplicateIndex(u64),
     #[error("field {field} has {rows} rows for {indexes} global indexes")]
@@ -232,6 +235,9 @@ pub struct Unit {
     inner: Mutex<Inner>,
     /// Where puts and clears are recorded once checkpoints are taken.
     journal: Arc<Journal>,
+    /// Spills the coldest extents to disk, if configured (then `capacity`
+    /// is None: the spiller bounds memory).
+    spill: Option<Arc<Spiller>>,
     /// keys, rows (distinct indexes), bytes: copied from `inner` before each
     /// write releases the lock, so that [`Unit::stats`] (the `stats` and
     /// metrics replies) never waits behind a large put.
@@ -268,6 +274,7 @@ impl Unit {
             capacity,
             inner: Mutex::new(Inner::default()),
             journal: Arc::new(Journal::new()),
+            spill: None,
             sizes: Default::default(),
             counters: UnitCounters::default(),
         }
@@ -278,6 +285,37 @@ impl Unit {
     pub fn with_journal(mut self, journal: Arc<Journal>) -> Unit {
         self.journal = journal;
         self
+    }
+
+    /// The same unit, spilling through `spill` (shared by every unit of a
+    /// `stowd`); its own capacity no longer applies.
+    pub fn with_spill(mut self, spill: Arc<Spiller>) -> Unit {
+        self.spill = Some(spill);
+        self.capacity = None;
+        self
+    }
+
+    /// The spiller, if the unit spills.
+    pub fn spiller(&self) -> Option<&Arc<Spiller>> {
+        self.spill.as_ref()
+    }
+
+    /// Counts a put's extents with the spiller and makes room for them
+    /// (see [`crate::spill`]).
+    fn admit(&self, fields: &[PutField]) -> Result<(), StoreError> {
+        let Some(spill) = &self.spill else {
+            return Ok(());
+        };
+        let extents = fields.iter().flat_map(|(_, c)| c.iter()).flat_map(|c| {
+            let (regular, nested) = match c {
+                Column::Regular(r) => (Some(&r.extent), &[][..]),
+                Column::Nested(rows) => (None, &rows[..]),
+                Column::Values(_) => (None, &[][..]),
+            };
+            regular.into_iter().chain(nested.iter().map(|n| &n.extent))
+        });
+        spill.admit(extents)?;
+        Ok(())
     }
 
     pub fn id(&self) -> &str {
@@ -328,6 +366,7 @@ impl Unit {
     pub fn put(&self, global_indexes: &[u64], fields: Vec<PutField>) -> Result<(), StoreError> {
         self.counters.puts.fetch_add(1, Ordering::Relaxed);
         check_shape(global_indexes, &fields)?;
+        self.admit(&fields)?;
         if self.journal.is_active() {
             // A put refused for capacity is not journaled.
             self.check_capacity(&self.lock(), global_indexes, &fields)?;
@@ -390,6 +429,7 @@ impl Unit {
     /// would succeed now (a put over several units checks every unit first).
     pub fn check_put(&self, global_indexes: &[u64], fields: &[PutField]) -> Result<(), StoreError> {
         check_shape(global_indexes, fields)?;
+        self.admit(fields)?;
         self.check_capacity(&self.lock(), global_indexes, fields)
             .map(drop)
     }

@@ -1,0 +1,384 @@
+//! Spilling extents to disk when the units' memory runs short (issue 16).
+//!
+//! With `[units] spill_dir` set, the local units of a `stowd` share one
+//! [`Spiller`]. Every extent a unit stores is counted in its memory total;
+//! an extent written to a spill file moves to the disk total:
+//!
+//! - **Threshold** (`spill_threshold_bytes` per unit, default 80% of the
+//!   unit capacity; times the number of units): past it a background
+//!   thread spills the coldest extents (least recently stored or read)
+//!   until the memory total is back under it.
+//! - **Bound** (the unit capacity, `capacity_bytes` or the default memory
+//!   bound, times the number of units): a put whose extents would take
+//!   the memory total past it first spills enough of the coldest extents
+//!   itself, so puts go on at the disk's pace. If it cannot (the disk is
+//!   full, or `spill_max_bytes` is reached), the put is refused with a
+//!   `capacity` error naming why, and nothing stored is touched.
+//!
+//! A spill writes the extent's bytes to a new file in `spill_dir` (mode
+//! 0600, created with `O_EXCL`; the directory is made 0700), `fdatasync`s
+//! it, maps it read-only and **unlinks it**: the mapping is the extent's
+//! place from then on, so gets on every endpoint send its pages as they
+//! send any other extent's bytes (no extra copy), and a same-node reader
+//! gets it copied into a sealed segment once, as any extent not yet in
+//! shared memory (the extent is then counted in memory again). The file's
+//! blocks are freed when the last row on it is cleared and the last reply
+//! using it is sent. Files left by a killed `stowd` (a crash between
+//! creating and unlinking one) are removed at start. A failed write
+//! removes its file and leaves the extent in memory.
+//!
+//! The bytes of an extent never change, so a reader holding the old
+//! (memory) place reads the same bytes; the memory is freed when the last
+//! such reader lets go. Plain values (strings, bytes, msgpack) are not
+//! extents: they stay in memory and are not counted here.
+//!
+//! Mapped spill files are page cache, file-backed: they do not count in
+//! `stowd`'s anonymous or shared memory, and the kernel drops their pages
+//! under pressure and reads them again on use.
+
+use std::fs::{DirBuilder, OpenOptions};
+use std::io::Write;
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, Weak};
+use std::time::Duration;
+
+use bytes::Bytes;
+
+use crate::extent::Extent;
+
+/// The spiller's clock: advanced by each scan, read by every use of an
+/// extent (a plain load, so gets never contend on it).
+static CLOCK: AtomicU64 = AtomicU64::new(1);
+
+/// The current tick of the clock.
+pub fn now() -> u64 {
+    CLOCK.load(Ordering::Relaxed)
+}
+
+/// The memory and disk totals of the extents units stored.
+#[derive(Debug, Default)]
+pub struct Accounts {
+    memory: AtomicU64,
+    disk: AtomicU64,
+    /// Bytes written to spill files, ever.
+    spilled: AtomicU64,
+    /// Extents spilled, ever.
+    files: AtomicU64,
+    /// Spill writes that failed.
+    failures: AtomicU64,
+}
+
+impl Accounts {
+    pub(crate) fn add_memory(&self, len: u64) {
+        self.memory.fetch_add(len, Ordering::AcqRel);
+    }
+
+    pub(crate) fn forget(&self, len: u64, on_disk: bool) {
+        let total = if on_disk { &self.disk } else { &self.memory };
+        total.fetch_sub(len, Ordering::AcqRel);
+    }
+
+    pub(crate) fn to_disk(&self, len: u64) {
+        self.memory.fetch_sub(len, Ordering::AcqRel);
+        self.disk.fetch_add(len, Ordering::AcqRel);
+        self.spilled.fetch_add(len, Ordering::Relaxed);
+        self.files.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub(crate) fn to_memory(&self, len: u64) {
+        self.disk.fetch_sub(len, Ordering::AcqRel);
+        self.memory.fetch_add(len, Ordering::AcqRel);
+    }
+}
+
+/// Why a put could not be given room.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "the units' memory is full ({memory} of {bound} bytes, [units] capacity_bytes times the \
+     units) and spilling to {dir} could not make room for {needed} more: {reason}"
+)]
+pub struct SpillError {
+    pub dir: String,
+    pub memory: u64,
+    pub bound: u64,
+    pub needed: u64,
+    pub reason: String,
+}
+
+/// What a [`Spiller`] is set to.
+#[derive(Clone, Debug)]
+pub struct SpillConfig {
+    pub dir: PathBuf,
+    /// Memory total (all units) past which the background thread spills.
+    pub threshold: u64,
+    /// Memory total (all units) a put may not pass.
+    pub bound: u64,
+    /// Most bytes in spill files at once (None: as many as the disk holds).
+    pub max_disk: Option<u64>,
+}
+
+/// Spills the coldest extents of a `stowd`'s units (module docs).
+pub struct Spiller {
+    config: SpillConfig,
+    accounts: Arc<Accounts>,
+    /// Every extent counted, to pick the coldest from.
+    extents: Mutex<Vec<Weak<Extent>>>,
+    /// Wakes the background thread.
+    wake: (Mutex<bool>, Condvar),
+    next_file: AtomicU64,
+    stopped: AtomicBool,
+}
+
+impl std::fmt::Debug for Spiller {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Spiller")
+            .field("config", &self.config)
+            .field("accounts", &self.accounts)
+            .finish()
+    }
+}
+
+/// Totals, for stats and metrics.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SpillStats {
+    pub memory: u64,
+    pub disk: u64,
+    pub spilled: u64,
+    pub files: u64,
+    pub failures: u64,
+    pub threshold: u64,
+    pub bound: u64,
+}
+
+/// Makes `dir` a private spill directory (created 0700; an existing one
+/// must be a directory of this user, not a symbolic link, and is made
+/// 0700) and removes the spill files a killed `stowd` left in it.
+pub fn prepare_dir(dir: &Path) -> std::io::Result<()> {
+    let err = |what: String| std::io::Error::other(format!("spill_dir {}: {what}", dir.display()));
+    match std::fs::symlink_metadata(dir) {
+        Ok(m) if m.file_type().is_symlink() => return Err(err("is a symbolic link".into())),
+        Ok(m) if !m.is_dir() => return Err(err("is not a directory".into())),
+        Ok(m) => {
+            if m.uid() != rustix::process::geteuid().as_raw() {
+                return Err(err(format!(
+                    "belongs to uid {}, not to stowd's user",
+                    m.uid()
+                )));
+            }
+            std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))?;
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            DirBuilder::new().recursive(true).mode(0o700).create(dir)?;
+        }
+        Err(e) => return Err(e),
+    }
+    for entry in std::fs::read_dir(dir)? {
+        let entry = entry?;
+        let name = entry.file_name();
+        if name.to_string_lossy().ends_with(".spill") {
+            std::fs::remove_file(entry.path())?;
+            tracing::info!(file = %entry.path().display(), "removed a spill file left by an earlier stowd");
+        }
+    }
+    Ok(())
+}
+
+impl Spiller {
+    /// A spiller over `config.dir` (see [`prepare_dir`], done here) with
+    /// its background thread.
+    pub fn start(config: SpillConfig) -> std::io::Result<Arc<Spiller>> {
+        prepare_dir(&config.dir)?;
+        let spiller = Arc::new(Spiller {
+            config,
+            accounts: Arc::new(Accounts::default()),
+            extents: Mutex::new(Vec::new()),
+            wake: (Mutex::new(false), Condvar::new()),
+            next_file: AtomicU64::new(0),
+            stopped: AtomicBool::new(false),
+        });
+        let weak = Arc::downgrade(&spiller);
+        std::thread::Builder::new()
+            .name("stowd-spill".into())
+            .spawn(move || background(weak))?;
+        Ok(spiller)
+    }
+
+    pub fn config(&self) -> &SpillConfig {
+        &self.config
+    }
+
+    pub fn stats(&self) -> SpillStats {
+        let a = &self.accounts;
+        SpillStats {
+            memory: a.memory.load(Ordering::Acquire),
+            disk: a.disk.load(Ordering::Acquire),
+            spilled: a.spilled.load(Ordering::Relaxed),
+            files: a.files.load(Ordering::Relaxed),
+            failures: a.failures.load(Ordering::Relaxed),
+            threshold: self.config.threshold,
+            bound: self.config.bound,
+        }
+    }
+
+    /// Stops the background thread (at its next wake-up).
+    pub fn stop(&self) {
+        self.stopped.store(true, Ordering::Release);
+        self.wake.1.notify_all();
+    }
+
+    /// Counts the extents a put stores (those not counted yet), then makes
+    /// room: spills the coldest extents until the memory total is within
+    /// the bound, or fails saying why (the put must then be refused). Past
+    /// the threshold the background thread is woken.
+    pub fn admit<'a>(
+        &self,
+        extents: impl IntoIterator<Item = &'a Arc<Extent>>,
+    ) -> Result<(), SpillError> {
+        let mut added = 0u64;
+        {
+            let mut list = self.extents.lock().unwrap_or_else(|p| p.into_inner());
+            for e in extents {
+                if !e.is_empty() && e.account(&self.accounts) {
+                    list.push(Arc::downgrade(e));
+                    added += e.len() as u64;
+                }
+            }
+        }
+        if added == 0 {
+            return Ok(());
+        }
+        let memory = self.accounts.memory.load(Ordering::Acquire);
+        if memory > self.config.bound {
+            self.spill(memory - self.config.bound)
+                .map_err(|reason| SpillError {
+                    dir: self.config.dir.display().to_string(),
+                    memory: self.accounts.memory.load(Ordering::Acquire),
+                    bound: self.config.bound,
+                    needed: added,
+                    reason,
+                })?;
+        }
+        if self.accounts.memory.load(Ordering::Acquire) > self.config.threshold {
+            *self.wake.0.lock().unwrap_or_else(|p| p.into_inner()) = true;
+            self.wake.1.notify_one();
+        }
+        Ok(())
+    }
+
+    /// The coldest extents in memory, `need` bytes of them or all there
+    /// are, claimed for spilling (nobody else spills them meanwhile).
+    fn coldest(&self, need: u64) -> Vec<(Arc<Extent>, Bytes)> {
+        CLOCK.fetch_add(1, Ordering::Relaxed);
+        let mut live: Vec<Arc<Extent>> = {
+            let mut list = self.extents.lock().unwrap_or_else(|p| p.into_inner());
+            list.retain(|w| w.strong_count() > 0);
+            list.iter()
+                .filter_map(Weak::upgrade)
+                .filter(|e| !e.is_spilled())
+                .collect()
+        };
+        live.sort_by_key(|e| e.used());
+        let mut out = Vec::new();
+        let mut got = 0u64;
+        for e in live {
+            if got >= need {
+                break;
+            }
+            if let Some(bytes) = e.claim() {
+                got += e.len() as u64;
+                out.push((e, bytes));
+            }
+        }
+        out
+    }
+
+    /// Spills the coldest extents until `need` bytes moved to disk. Err:
+    /// why not (what did move stays moved).
+    fn spill(&self, need: u64) -> Result<(), String> {
+        let mut moved = 0u64;
+        let mut last_error = None;
+        for (extent, bytes) in self.coldest(need) {
+            if last_error.is_some() || moved >= need {
+                extent.settle(None, &bytes);
+                continue;
+            }
+            match self.write(&bytes) {
+                Ok(file) => {
+                    if extent.settle(Some(file), &bytes) {
+                        moved += extent.len() as u64;
+                    }
+                }
+                Err(e) => {
+                    self.accounts.failures.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(dir = %self.config.dir.display(), error = %e, "spilling failed");
+                    extent.settle(None, &bytes);
+                    last_error = Some(e.to_string());
+                }
+            }
+        }
+        if moved >= need {
+            return Ok(());
+        }
+        Err(last_error.unwrap_or_else(|| {
+            "every extent in memory is in use by a spill already or is the put's own".into()
+        }))
+    }
+
+    /// Writes `bytes` to a new spill file, syncs it, maps it read-only and
+    /// unlinks it.
+    fn write(&self, bytes: &Bytes) -> std::io::Result<Bytes> {
+        let len = bytes.len() as u64;
+        if let Some(max) = self.config.max_disk {
+            let disk = self.accounts.disk.load(Ordering::Acquire);
+            if disk + len > max {
+                return Err(std::io::Error::other(format!(
+                    "[units] spill_max_bytes ({max}) reached: {disk} bytes are spilled"
+                )));
+            }
+        }
+        let n = self.next_file.fetch_add(1, Ordering::Relaxed);
+        let path = self
+            .config
+            .dir
+            .join(format!("{}-{n}.spill", std::process::id()));
+        let mut file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&path)?;
+        let written = file
+            .write_all(bytes)
+            .and_then(|()| file.sync_data())
+            // SAFETY: the file is private to stowd (0600 in a 0700
+            // directory), unlinked right below, and never written again.
+            .and_then(|()| unsafe { memmap2::Mmap::map(&file) });
+        let _ = std::fs::remove_file(&path);
+        let map = written?;
+        let _ = map.advise(memmap2::Advice::Sequential);
+        Ok(Bytes::from_owner(map))
+    }
+}
+
+/// The background thread: spills down to the threshold whenever woken past
+/// it (and checks once a second).
+fn background(spiller: Weak<Spiller>) {
+    loop {
+        let Some(s) = spiller.upgrade() else { return };
+        if s.stopped.load(Ordering::Acquire) {
+            return;
+        }
+        let memory = s.accounts.memory.load(Ordering::Acquire);
+        if memory > s.config.threshold {
+            let _ = s.spill(memory - s.config.threshold);
+        }
+        let (flag, cvar) = &s.wake;
+        let woken = flag.lock().unwrap_or_else(|p| p.into_inner());
+        let (mut woken, _) = cvar
+            .wait_timeout_while(woken, Duration::from_secs(1), |w| !*w)
+            .unwrap_or_else(|p| p.into_inner());
+        *woken = false;
+    }
+}
