@@ -163,8 +163,16 @@ impl Extent {
         if self.accounts.set(accounts.clone()).is_err() {
             return false;
         }
-        accounts.add_memory(self.len as u64);
+        accounts.add(self.len as u64, self.is_spilled());
         true
+    }
+
+    /// Marks a new extent as file-backed already (a mapping of a checkpoint
+    /// file): the spiller counts it on disk and never spills it.
+    pub fn mark_mapped(&self) {
+        if self.accounts.get().is_none() {
+            self.state.store(state::DISK, Ordering::Release);
+        }
     }
 
     /// Claims the extent for spilling: its bytes, if it is in memory and

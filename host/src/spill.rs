@@ -68,11 +68,14 @@ pub struct Accounts {
     files: AtomicU64,
     /// Spill writes that failed.
     failures: AtomicU64,
+    /// Time spent writing (and syncing and mapping) spill files, ns.
+    write_ns: AtomicU64,
 }
 
 impl Accounts {
-    pub(crate) fn add_memory(&self, len: u64) {
-        self.memory.fetch_add(len, Ordering::AcqRel);
+    pub(crate) fn add(&self, len: u64, on_disk: bool) {
+        let total = if on_disk { &self.disk } else { &self.memory };
+        total.fetch_add(len, Ordering::AcqRel);
     }
 
     pub(crate) fn forget(&self, len: u64, on_disk: bool) {
@@ -148,6 +151,7 @@ pub struct SpillStats {
     pub spilled: u64,
     pub files: u64,
     pub failures: u64,
+    pub write_ns: u64,
     pub threshold: u64,
     pub bound: u64,
 }
@@ -217,6 +221,7 @@ impl Spiller {
             spilled: a.spilled.load(Ordering::Relaxed),
             files: a.files.load(Ordering::Relaxed),
             failures: a.failures.load(Ordering::Relaxed),
+            write_ns: a.write_ns.load(Ordering::Relaxed),
             threshold: self.config.threshold,
             bound: self.config.bound,
         }
@@ -304,7 +309,12 @@ impl Spiller {
                 extent.settle(None, &bytes);
                 continue;
             }
-            match self.write(&bytes) {
+            let started = std::time::Instant::now();
+            let written = self.write(&bytes);
+            self.accounts
+                .write_ns
+                .fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            match written {
                 Ok(file) => {
                     if extent.settle(Some(file), &bytes) {
                         moved += extent.len() as u64;

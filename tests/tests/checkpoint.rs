@@ -89,7 +89,13 @@ async fn a_unit_saves_and_loads_its_rows_byte_for_byte() {
     // A safetensors file: an 8-byte little-endian header length, then JSON.
     let n = u64::from_le_bytes(file[..8].try_into().unwrap()) as usize;
     let header = std::str::from_utf8(&file[8..8 + n]).unwrap();
-    assert!(header.contains("stowage-unit-checkpoint/1"), "{header}");
+    assert!(header.contains("stowage-unit-checkpoint/2"), "{header}");
+    // The 6 rows of x, put together, are one tensor [6, 8] with their
+    // global indexes; nested rows and strings one tensor each.
+    assert!(
+        header.contains(r#"[\"x\",\"rows\",\"float32\",[6,8],[3,9,10,11,40,7]]"#),
+        "{header}"
+    );
     assert!(
         header.contains("\"BF16\""),
         "bf16 rows keep their dtype: {header}"

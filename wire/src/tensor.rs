@@ -237,6 +237,39 @@ impl Tensor {
         })
     }
 
+    /// `shape[0]` rows `row_stride` bytes apart over `bytes`, which start
+    /// at the first row (a stored column's rows, as a zero-copy view).
+    pub fn strided(
+        bytes: Bytes,
+        dtype: DType,
+        shape: Vec<u64>,
+        row_stride: usize,
+    ) -> Result<Tensor, TensorError> {
+        let (&rows, row_shape) = shape.split_first().ok_or(TensorError::NoRows)?;
+        let row_bytes = contiguous_len(dtype, row_shape)?;
+        if rows <= 1 || row_stride == row_bytes {
+            let len = contiguous_len(dtype, &shape)?;
+            let bytes = bytes.slice(..len.min(bytes.len()));
+            return Tensor::contiguous(bytes, dtype, shape);
+        }
+        let mismatch = |expected: u128| TensorError::LengthMismatch {
+            dtype,
+            shape: shape.clone(),
+            expected,
+            actual: bytes.len(),
+        };
+        let need = (rows as u128 - 1) * row_stride as u128 + row_bytes as u128;
+        if row_stride < row_bytes || need > bytes.len() as u128 {
+            return Err(mismatch(need));
+        }
+        Ok(Tensor {
+            bytes: bytes.slice(..need as usize),
+            dtype,
+            shape,
+            row_stride,
+        })
+    }
+
     pub fn dtype(&self) -> DType {
         self.dtype
     }
@@ -414,6 +447,26 @@ impl Tensor {
         }
         let all: Vec<u64> = (0..self.rows()).collect();
         self.gather(&all).map(|t| t.bytes).unwrap_or_default()
+    }
+}
+
+#[cfg(test)]
+mod strided_tests {
+    use super::*;
+
+    #[test]
+    fn strided_views_check_their_bytes() {
+        let b = Bytes::from((0u8..32).collect::<Vec<_>>());
+        // Rows of 2 x u8 every 8 bytes: 4 rows fit in 26 bytes.
+        let t = Tensor::strided(b.clone(), DType::U8, vec![4, 2], 8).unwrap();
+        assert_eq!(t.row(3).unwrap().as_ref(), &[24, 25]);
+        assert_eq!(t.contiguous_bytes().as_ref(), &[0, 1, 8, 9, 16, 17, 24, 25]);
+        assert!(Tensor::strided(b.clone(), DType::U8, vec![5, 2], 8).is_err());
+        assert!(Tensor::strided(b.clone(), DType::U8, vec![2, 4], 2).is_err());
+        assert!(Tensor::strided(b.clone(), DType::U8, vec![], 2).is_err());
+        // Contiguous when the stride is the row size.
+        let c = Tensor::strided(b, DType::U8, vec![3, 4], 4).unwrap();
+        assert!(c.is_contiguous() && c.byte_len() == 12);
     }
 }
 

@@ -46,7 +46,7 @@ use std::sync::Arc;
 use bytes::Bytes;
 use sha2::{Digest, Sha256};
 
-use super::{CheckpointError, hex, io, parse, save_snapshot};
+use super::{CheckpointError, hex, io, parse, replace, save_snapshot, split};
 use crate::journal::{self, Journal};
 use crate::store::{Snapshot, Unit};
 
@@ -291,7 +291,7 @@ fn write_files(
     for (i, (unit, snapshot)) in units.iter().zip(snapshots).enumerate() {
         let file = format!("unit-{seq}-{i}.safetensors");
         let path = dir.join(&file);
-        let saved = save_snapshot(unit.id(), snapshot, &path)?;
+        let saved = save_snapshot(unit.id(), snapshot, &path, false)?;
         let (size, sha256) = sha256_file(&path)?;
         total.rows += saved.rows;
         total.bytes += saved.bytes;
@@ -381,32 +381,29 @@ pub fn restore(
     let journal_path = journal::path(dir, m.seq);
     let lost = journal::read(&journal_path).map_err(io(&journal_path))?;
     let n = units.len() as u64;
+    let to = |g: u64| lost.binary_search(&g).is_err().then_some((g % n) as usize);
     let mut parts: Vec<Snapshot> = units.iter().map(|_| Vec::new()).collect();
     let mut rows = 0u64;
     for entry in &m.files {
         let path = dir.join(&entry.file);
         let file = map_verified(dir, entry)?;
-        for (field, field_rows) in parse(file, &path, false)? {
-            for (g, cell) in field_rows {
-                if lost.binary_search(&g).is_ok() {
-                    continue;
-                }
-                rows += 1;
-                let part = &mut parts[(g % n) as usize];
-                match part.last_mut() {
-                    Some((f, r)) if *f == field => r.push((g, cell)),
-                    _ => match part.iter_mut().find(|(f, _)| *f == field) {
-                        Some((_, r)) => r.push((g, cell)),
-                        None => part.push((field.clone(), vec![(g, cell)])),
-                    },
+        let (file_parts, kept) = split(parse(file, &path, false)?, units.len(), to);
+        rows += kept;
+        for (all, part) in parts.iter_mut().zip(file_parts) {
+            for (field, stored) in part {
+                match all.iter_mut().find(|(f, _)| *f == field) {
+                    Some((_, v)) => v.extend(stored),
+                    None => all.push((field, stored)),
                 }
             }
         }
     }
-    for (_, field_rows) in parts.iter_mut().flatten() {
-        if let Some(g) =
-            crate::store::duplicate(&field_rows.iter().map(|(g, _)| *g).collect::<Vec<_>>())
-        {
+    for (_, stored) in parts.iter_mut().flatten() {
+        let all: Vec<u64> = stored
+            .iter()
+            .flat_map(|s| s.indexes().iter().copied())
+            .collect();
+        if let Some(g) = crate::store::duplicate(&all) {
             return Err(refused(
                 &dir.join(MANIFEST),
                 format!("global index {g} is in two files of one field"),
@@ -420,19 +417,20 @@ pub fn restore(
                 source,
             })?;
     }
-    // Restoring is not a change the restored checkpoint's journal records.
+    // Restoring is not a change the restored checkpoint's journal records;
+    // every change after it is, whether the restore succeeds or not.
     journal.close(dir, None);
-    let checkpoint: Arc<str> = Arc::from(name(dir, m.seq));
-    for (i, (unit, part)) in units.iter().zip(parts).enumerate() {
-        unit.replace_with(part)
-            .map_err(|source| CheckpointError::Store {
-                path: dir.to_path_buf(),
-                source,
-            })?;
-        let mine: Vec<u64> = lost.iter().copied().filter(|g| g % n == i as u64).collect();
-        unit.set_lost(&mine, &checkpoint);
+    let units_ref: Vec<&Unit> = units.iter().map(|u| u.as_ref()).collect();
+    let replaced = replace(&units_ref, parts, dir, true);
+    if replaced.is_ok() {
+        let checkpoint: Arc<str> = Arc::from(name(dir, m.seq));
+        for (i, unit) in units.iter().enumerate() {
+            let mine: Vec<u64> = lost.iter().copied().filter(|g| g % n == i as u64).collect();
+            unit.set_lost(&mine, &checkpoint);
+        }
     }
     journal.resume(dir, m.seq).map_err(io(&journal_path))?;
+    replaced?;
     Ok(Restored {
         seq: m.seq,
         rows,

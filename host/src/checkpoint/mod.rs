@@ -10,17 +10,24 @@
 //! field and its much larger crates for a format no consumer of these rows
 //! reads natively.
 //!
-//! - Each stored row (global index, field) is one tensor named by its
-//!   position in the file's entry list (`"0"`, `"1"`, ...). A tensor row
-//!   keeps its dtype and shape where safetensors has the dtype; the others
-//!   (`complex128`, `complex32`, `float4_e2m1fn_x2`), and plain values
-//!   (strings, bytes, opaque msgpack), are `U8` tensors of their bytes.
+//! - Each tensor is named by its position in the file's entry list (`"0"`,
+//!   `"1"`, ...) and holds a run of stored rows of one field
+//!   ([`crate::store::Stored`]): consecutive rows of one stored column as
+//!   one tensor `[rows, ...]` (kind `rows`, at most
+//!   [`crate::store::RUN_BYTES`]: a put of a million rows is a few
+//!   tensors, not a million), or one nested row (`tensor`) or plain value
+//!   (`str`, `bytes`, `msgpack`). Tensors keep their dtype and shape where
+//!   safetensors has the dtype; the others (`complex128`, `complex32`,
+//!   `float4_e2m1fn_x2`), and plain values, are `U8` tensors of their
+//!   bytes. Rows stored strided (a unit's share of a put spread over
+//!   units) are gathered one run at a time as they are written.
 //! - The header's `__metadata__` holds one key, `stowage`: a JSON object
 //!   with `format` ([`FORMAT`]), the unit id, `entries` (per tensor:
-//!   `[global index, field, kind, dtype, shape]`, kind `tensor`, `str`,
-//!   `bytes` or `msgpack`) and `sha256`, the SHA-256 of every entry's bytes
-//!   in entry order. A load verifies it in one hashing pass before anything
-//!   is replaced, and refuses a file whose bytes differ, naming the file.
+//!   `[field, kind, dtype, shape, global indexes]`) and `sha256`, the
+//!   SHA-256 of every entry's bytes in entry order (left out in a
+//!   checkpoint directory's files, whose manifest holds each whole file's).
+//!   A load verifies it in one hashing pass before anything is replaced,
+//!   and refuses a file whose bytes differ, naming the file.
 //! - A save writes `.<name>.<pid>.<n>.tmp` beside `path`, fsyncs it, renames
 //!   it over `path` and fsyncs the directory: a crash mid-save leaves the
 //!   previous file (or none), never half of one.
@@ -29,7 +36,7 @@
 //! lock ([`Unit::snapshot`]: the cells share the stored extents, nothing is
 //! copied until the file is written); puts and gets go on meanwhile. A load
 //! replaces the unit's rows as a whole, as TransferQueue's unit does
-//! (`Unit::replace_with`: a clear, then one put per field), after the file
+//! (`Unit::replace_with`: a clear, then one put per field, each run a column), after the file
 //! was read and verified; a put that races a load may be cleared by it.
 //!
 //! [safetensors]: https://github.com/huggingface/safetensors
@@ -45,11 +52,11 @@ use safetensors::{Dtype as StDtype, SafeTensors, View};
 use sha2::{Digest, Sha256};
 
 use crate::batch::{Cell, Value};
-use crate::store::{Snapshot, StoreError, Unit};
+use crate::store::{Snapshot, StoreError, Stored, Unit};
 use crate::tensor::{DType, Tensor};
 
 /// The `format` of the files this module writes and reads.
-pub const FORMAT: &str = "stowage-unit-checkpoint/1";
+pub const FORMAT: &str = "stowage-unit-checkpoint/2";
 
 pub mod dir;
 
@@ -80,26 +87,30 @@ pub enum CheckpointError {
     Refused { path: PathBuf, reason: String },
 }
 
-/// What one entry of the file is.
+/// One entry of the file: `[field, kind, dtype, shape, global indexes]`.
 #[derive(serde::Serialize, serde::Deserialize)]
-struct Entry(u64, String, String, String, Vec<u64>);
+struct Entry(String, String, String, Vec<u64>, Vec<u64>);
 
 #[derive(serde::Serialize, serde::Deserialize)]
 struct Header {
     format: String,
     unit: String,
     entries: Vec<Entry>,
-    sha256: String,
+    /// SHA-256 of every entry's bytes in entry order; absent in the unit
+    /// files of a checkpoint directory, whose manifest has the whole file's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    sha256: Option<String>,
 }
 
-/// One stored row, as safetensors sees it.
-struct Row {
+/// One entry's bytes, as safetensors sees them.
+struct Data {
     dtype: StDtype,
     shape: Vec<usize>,
-    data: Bytes,
+    /// The rows: contiguous bytes, or a strided view gathered when written.
+    rows: Tensor,
 }
 
-impl View for &Row {
+impl View for &Data {
     fn dtype(&self) -> StDtype {
         self.dtype
     }
@@ -107,10 +118,14 @@ impl View for &Row {
         &self.shape
     }
     fn data(&self) -> Cow<'_, [u8]> {
-        Cow::Borrowed(&self.data)
+        if self.rows.is_contiguous() {
+            Cow::Borrowed(self.rows.buffer().as_ref())
+        } else {
+            Cow::Owned(self.rows.contiguous_bytes().to_vec())
+        }
     }
     fn data_len(&self) -> usize {
-        self.data.len()
+        self.rows.payload_len()
     }
 }
 
@@ -159,76 +174,91 @@ pub struct Saved {
 /// naming `id` (see the module docs).
 pub fn save_units(id: &str, units: &[&Unit], path: &Path) -> Result<Saved, CheckpointError> {
     if let [unit] = units {
-        return save_snapshot(id, &unit.snapshot(), path);
+        return save_snapshot(id, &unit.snapshot(), path, true);
     }
     let mut merged: Snapshot = Vec::new();
     for unit in units {
-        for (field, rows) in unit.snapshot() {
+        for (field, stored) in unit.snapshot() {
             match merged.iter_mut().find(|(f, _)| *f == field) {
-                Some((_, all)) => all.extend(rows),
-                None => merged.push((field, rows)),
+                Some((_, all)) => all.extend(stored),
+                None => merged.push((field, stored)),
             }
         }
     }
-    for (_, rows) in &mut merged {
-        rows.sort_unstable_by_key(|(g, _)| *g);
+    for (_, stored) in &mut merged {
+        stored.sort_unstable_by_key(|s| s.indexes()[0]);
     }
-    save_snapshot(id, &merged, path)
+    save_snapshot(id, &merged, path, true)
 }
 
+/// An entry and its data for one run of stored rows.
+fn entry(field: &str, stored: &Stored) -> (Entry, Data) {
+    let indexes = stored.indexes().to_vec();
+    let (kind, rows) = match stored {
+        Stored::Rows { tensor, .. } => ("rows", tensor.clone()),
+        Stored::One { cell, .. } => match cell {
+            Cell::Tensor(t) => ("tensor", t.clone()),
+            Cell::Value(v) => {
+                let (kind, bytes) = match v {
+                    Value::Str(s) => ("str", Bytes::copy_from_slice(s.as_bytes())),
+                    Value::Bytes(b) => ("bytes", b.clone()),
+                    Value::Msgpack(b) => ("msgpack", b.clone()),
+                };
+                let n = bytes.len() as u64;
+                let t = Tensor::contiguous(bytes, DType::U8, vec![n]).expect("bytes as u8");
+                (kind, t)
+            }
+        },
+    };
+    let native = match kind {
+        "rows" | "tensor" => st_dtype(rows.dtype()),
+        _ => None,
+    };
+    let (dtype, shape) = match native {
+        Some(d) => (d, rows.shape().iter().map(|&s| s as usize).collect()),
+        None => (StDtype::U8, vec![rows.payload_len()]),
+    };
+    let e = Entry(
+        field.to_string(),
+        kind.into(),
+        rows.dtype().name().into(),
+        rows.shape().to_vec(),
+        indexes,
+    );
+    (e, Data { dtype, shape, rows })
+}
+
+/// Writes `snapshot` to `path` as a unit file naming `id`; `entry_hash`:
+/// with the SHA-256 of the entries' bytes in the header (one more pass
+/// over them; a checkpoint directory's manifest holds the whole file's
+/// instead).
 pub(crate) fn save_snapshot(
     id: &str,
     snapshot: &Snapshot,
     path: &Path,
+    entry_hash: bool,
 ) -> Result<Saved, CheckpointError> {
     let mut entries = Vec::new();
-    let mut rows = Vec::new();
+    let mut data = Vec::new();
     let mut hash = Sha256::new();
-    let mut bytes = 0u64;
-    for (field, cells) in snapshot {
-        for (g, cell) in cells {
-            let (kind, dtype, shape, data) = match cell {
-                Cell::Tensor(t) => (
-                    "tensor",
-                    t.dtype().name(),
-                    t.shape().to_vec(),
-                    t.contiguous_bytes(),
-                ),
-                Cell::Value(Value::Str(s)) => {
-                    ("str", "uint8", vec![], Bytes::copy_from_slice(s.as_bytes()))
-                }
-                Cell::Value(Value::Bytes(b)) => ("bytes", "uint8", vec![], b.clone()),
-                Cell::Value(Value::Msgpack(b)) => ("msgpack", "uint8", vec![], b.clone()),
-            };
-            let native = match cell {
-                Cell::Tensor(t) => st_dtype(t.dtype()),
-                Cell::Value(_) => None,
-            };
-            let (st, st_shape) = match native {
-                Some(d) => (d, shape.iter().map(|&s| s as usize).collect()),
-                None => (StDtype::U8, vec![data.len()]),
-            };
-            hash.update(&data);
-            bytes += data.len() as u64;
-            entries.push(Entry(
-                *g,
-                field.to_string(),
-                kind.into(),
-                dtype.into(),
-                shape,
-            ));
-            rows.push(Row {
-                dtype: st,
-                shape: st_shape,
-                data,
-            });
+    let mut saved = Saved { rows: 0, bytes: 0 };
+    for (field, stored) in snapshot {
+        for s in stored {
+            let (e, d) = entry(field, s);
+            if entry_hash {
+                hash.update((&d).data());
+            }
+            saved.rows += e.4.len() as u64;
+            saved.bytes += d.rows.payload_len() as u64;
+            entries.push(e);
+            data.push(d);
         }
     }
     let header = Header {
         format: FORMAT.into(),
         unit: id.into(),
         entries,
-        sha256: hex(&hash.finalize()),
+        sha256: entry_hash.then(|| hex(&hash.finalize())),
     };
     let json = serde_json::to_string(&header).map_err(|e| CheckpointError::NotStowage {
         path: path.to_path_buf(),
@@ -236,7 +266,7 @@ pub(crate) fn save_snapshot(
     })?;
     let metadata = HashMap::from([("stowage".to_string(), json)]);
     let tmp = temp_beside(path);
-    let named = rows.iter().enumerate().map(|(i, r)| (i.to_string(), r));
+    let named = data.iter().enumerate().map(|(i, r)| (i.to_string(), r));
     let written = safetensors::serialize_to_file(named, Some(metadata), &tmp);
     let result = written
         .map_err(|e| CheckpointError::NotSafetensors {
@@ -259,10 +289,7 @@ pub(crate) fn save_snapshot(
             .and_then(|d| d.sync_all())
             .map_err(io(dir))?;
     }
-    Ok(Saved {
-        rows: rows.len() as u64,
-        bytes,
-    })
+    Ok(saved)
 }
 
 /// A fresh temporary name beside `path`.
@@ -289,34 +316,57 @@ pub fn load_units(
     route: impl Fn(u64) -> usize,
     path: &Path,
 ) -> Result<u64, CheckpointError> {
-    let rows = read(path)?;
-    let mut parts: Vec<Snapshot> = units.iter().map(|_| Vec::new()).collect();
-    let mut n = 0u64;
-    for (field, field_rows) in rows {
-        for (g, cell) in field_rows {
-            n += 1;
-            let part = &mut parts[route(g)];
-            match part.iter_mut().find(|(f, _)| *f == field) {
-                Some((_, r)) => r.push((g, cell)),
-                None => part.push((field.clone(), vec![(g, cell)])),
+    let file = read(path)?;
+    let (parts, rows) = split(file, units.len(), |g| Some(route(g)));
+    replace(units, parts, path, false)?;
+    Ok(rows)
+}
+
+/// The rows of a file, split by unit (`to(g)`; None: dropped), and how
+/// many rows are kept.
+pub(crate) fn split(
+    file: Snapshot,
+    units: usize,
+    to: impl Fn(u64) -> Option<usize>,
+) -> (Vec<Snapshot>, u64) {
+    let mut parts: Vec<Snapshot> = (0..units).map(|_| Vec::new()).collect();
+    let mut rows = 0u64;
+    for (field, stored) in file {
+        for s in stored {
+            for (u, part) in s.split(&to) {
+                rows += part.indexes().len() as u64;
+                let p = &mut parts[u];
+                match p.last_mut() {
+                    Some((f, v)) if *f == field => v.push(part),
+                    _ => match p.iter_mut().find(|(f, _)| *f == field) {
+                        Some((_, v)) => v.push(part),
+                        None => p.push((field.clone(), vec![part])),
+                    },
+                }
             }
         }
     }
+    (parts, rows)
+}
+
+/// Checks every unit's part, then replaces each unit's rows with it.
+pub(crate) fn replace(
+    units: &[&Unit],
+    parts: Vec<Snapshot>,
+    path: &Path,
+    mapped: bool,
+) -> Result<(), CheckpointError> {
+    let store = |source| CheckpointError::Store {
+        path: path.to_path_buf(),
+        source,
+    };
     for (unit, part) in units.iter().zip(&parts) {
-        unit.check_replace(part)
-            .map_err(|source| CheckpointError::Store {
-                path: path.to_path_buf(),
-                source,
-            })?;
+        unit.check_replace(part).map_err(store)?;
     }
     for (unit, part) in units.iter().zip(parts) {
-        unit.replace_with(part)
-            .map_err(|source| CheckpointError::Store {
-                path: path.to_path_buf(),
-                source,
-            })?;
+        unit.replace_with(part, mapped).map_err(store)?;
     }
-    Ok(n)
+    Ok(())
 }
 
 /// The rows of a checkpoint file, by field, verified against its checksum.
@@ -351,55 +401,90 @@ fn parse(file: Bytes, path: &Path, verify: bool) -> Result<Snapshot, CheckpointE
             header.format
         )));
     }
+    if verify && header.sha256.is_none() {
+        return Err(not_ours(
+            "the file carries no checksum of its own (a checkpoint directory's unit file: \
+             restore its directory instead)"
+                .into(),
+        ));
+    }
     let mut hash = Sha256::new();
     let mut by_field: Snapshot = Vec::new();
-    for (i, Entry(g, field, kind, dtype, shape)) in header.entries.into_iter().enumerate() {
-        let view = st
-            .tensor(&i.to_string())
-            .map_err(|e| not_ours(format!("entry {i}: {e}")))?;
+    for (i, Entry(field, kind, dtype, shape, indexes)) in header.entries.into_iter().enumerate() {
+        let bad = |reason: String| not_ours(format!("entry {i}: {reason}"));
+        let view = st.tensor(&i.to_string()).map_err(|e| bad(e.to_string()))?;
         let data = view.data();
         if verify {
             hash.update(data);
         }
-        // A slice of the file's buffer: no copy per row.
+        // A slice of the file's buffer: nothing is copied.
         let offset = data.as_ptr() as usize - file.as_ptr() as usize;
         let bytes = file.slice(offset..offset + data.len());
-        let cell = match kind.as_str() {
+        let d = DType::from_name(&dtype).ok_or_else(|| bad(format!("unknown dtype {dtype:?}")))?;
+        let one = |indexes: &[u64]| match indexes {
+            [g] => Ok(*g),
+            other => Err(bad(format!("{} indexes for one row", other.len()))),
+        };
+        let stored = match kind.as_str() {
+            "rows" => {
+                if shape.first() != Some(&(indexes.len() as u64)) {
+                    return Err(bad(format!(
+                        "shape {shape:?} for {} indexes",
+                        indexes.len()
+                    )));
+                }
+                let tensor = Tensor::contiguous(bytes, d, shape).map_err(|e| bad(e.to_string()))?;
+                Stored::Rows { indexes, tensor }
+            }
             "tensor" => {
-                let d = DType::from_name(&dtype)
-                    .ok_or_else(|| not_ours(format!("entry {i}: unknown dtype {dtype:?}")))?;
-                let t = Tensor::contiguous(bytes, d, shape)
-                    .map_err(|e| not_ours(format!("entry {i}: {e}")))?;
-                Cell::Tensor(t)
+                let t = Tensor::contiguous(bytes, d, shape).map_err(|e| bad(e.to_string()))?;
+                Stored::One {
+                    index: one(&indexes)?,
+                    cell: Cell::Tensor(t),
+                }
             }
             "str" => {
-                let s = String::from_utf8(bytes.to_vec())
-                    .map_err(|e| not_ours(format!("entry {i}: {e}")))?;
-                Cell::Value(Value::Str(s))
+                let s = String::from_utf8(bytes.to_vec()).map_err(|e| bad(e.to_string()))?;
+                Stored::One {
+                    index: one(&indexes)?,
+                    cell: Cell::Value(Value::Str(s)),
+                }
             }
-            "bytes" => Cell::Value(Value::Bytes(bytes)),
-            "msgpack" => Cell::Value(Value::Msgpack(bytes)),
-            other => return Err(not_ours(format!("entry {i}: unknown kind {other:?}"))),
+            "bytes" => Stored::One {
+                index: one(&indexes)?,
+                cell: Cell::Value(Value::Bytes(bytes)),
+            },
+            "msgpack" => Stored::One {
+                index: one(&indexes)?,
+                cell: Cell::Value(Value::Msgpack(bytes)),
+            },
+            other => return Err(bad(format!("unknown kind {other:?}"))),
         };
         match by_field.last_mut() {
-            Some((f, rows)) if **f == *field => rows.push((g, cell)),
+            Some((f, v)) if **f == *field => v.push(stored),
             _ => match by_field.iter_mut().find(|(f, _)| **f == *field) {
-                Some((_, rows)) => rows.push((g, cell)),
-                None => by_field.push((Arc::from(field.as_str()), vec![(g, cell)])),
+                Some((_, v)) => v.push(stored),
+                None => by_field.push((Arc::from(field.as_str()), vec![stored])),
             },
         }
     }
-    let found = hex(&hash.finalize());
-    if verify && found != header.sha256 {
-        return Err(CheckpointError::Checksum {
-            path: path.to_path_buf(),
-            saved: header.sha256,
-            found,
-        });
+    if verify {
+        let found = hex(&hash.finalize());
+        let saved = header.sha256.unwrap_or_default();
+        if found != saved {
+            return Err(CheckpointError::Checksum {
+                path: path.to_path_buf(),
+                saved,
+                found,
+            });
+        }
     }
-    for (_, rows) in &by_field {
-        if let Some(g) = crate::store::duplicate(&rows.iter().map(|(g, _)| *g).collect::<Vec<_>>())
-        {
+    for (_, stored) in &by_field {
+        let all: Vec<u64> = stored
+            .iter()
+            .flat_map(|s| s.indexes().iter().copied())
+            .collect();
+        if let Some(g) = crate::store::duplicate(&all) {
             return Err(not_ours(format!(
                 "global index {g} appears twice in one field"
             )));

@@ -466,6 +466,7 @@ impl NativeService {
                 ("spilled_bytes_total", s.spilled),
                 ("spilled_extents_total", s.files),
                 ("spill_failures_total", s.failures),
+                ("spill_write_ns_total", s.write_ns),
             ] {
                 stats.push((k.into(), int(v)));
             }

@@ -93,6 +93,13 @@ impl Column {
         }
     }
 
+    /// A column over the rows of `t` (rows on axis 0, possibly strided),
+    /// in an extent of its own: `t`'s bytes, which start at its first row
+    /// (rows read back from a checkpoint).
+    pub fn from_rows(t: &Tensor) -> Column {
+        Column::regular(Extent::new(t.buffer().clone()), 0, t)
+    }
+
     /// A column of one row, in an extent of its own (a row received from a
     /// remote unit).
     pub fn from_cell(cell: Cell) -> Column {
@@ -107,6 +114,15 @@ impl Column {
                 Column::Nested(vec![Column::nested_row(extent, 0, t)])
             }
             Cell::Value(v) => Column::Values(vec![v]),
+        }
+    }
+
+    /// Marks the column's extents file-backed (see [`Extent::mark_mapped`]).
+    pub fn mark_mapped(&self) {
+        match self {
+            Column::Regular(c) => c.extent.mark_mapped(),
+            Column::Nested(rows) => rows.iter().for_each(|r| r.extent.mark_mapped()),
+            Column::Values(_) => {}
         }
     }
 
@@ -157,6 +173,21 @@ impl Column {
     /// Every row as a cell.
     pub fn cells(&self) -> Vec<Cell> {
         (0..self.rows() as usize).map(|r| self.cell(r)).collect()
+    }
+}
+
+impl RegularColumn {
+    /// Rows `first..first + count` as a zero-copy (possibly strided) view.
+    pub fn rows_tensor(&self, first: usize, count: usize) -> Tensor {
+        let bytes = self
+            .extent
+            .bytes()
+            .slice(self.offset + first * self.stride..);
+        let mut shape = Vec::with_capacity(1 + self.row_shape.len());
+        shape.push(count as u64);
+        shape.extend_from_slice(&self.row_shape);
+        Tensor::strided(bytes, self.dtype, shape, self.stride)
+            .expect("stored rows match their shapes")
     }
 }
 

@@ -1,48 +1,167 @@
 //! Every row of a unit at once: a consistent snapshot for a checkpoint,
 //! and replacing the unit's rows with a snapshot read back.
+//!
+//! A snapshot is per column, not per row: the live rows of a regular
+//! column that follow each other are one [`Stored::Rows`] (a zero-copy
+//! view of the column, up to [`RUN_BYTES`] each), so a checkpoint of a
+//! million rows put in a few large puts is a few tensors, and a restore
+//! stores it back as a few columns.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use super::{Column, Loc, StoreError, Unit};
 use crate::batch::Cell;
+use crate::tensor::Tensor;
 
-/// Every row of a unit: per field (by name), its (global index, cell)
-/// pairs in global-index order.
-pub type Snapshot = Vec<(Arc<str>, Vec<(u64, Cell)>)>;
+/// Most bytes in one [`Stored::Rows`]: a run of a strided column is
+/// gathered this much at a time when written.
+pub const RUN_BYTES: usize = 64 << 20;
+
+/// Stored rows of one field.
+#[derive(Clone, Debug)]
+pub enum Stored {
+    /// Rows of a regular column: row `i` of `tensor` (axis 0) is stored
+    /// under `indexes[i]`.
+    Rows { indexes: Vec<u64>, tensor: Tensor },
+    /// One row: a nested row or a plain value.
+    One { index: u64, cell: Cell },
+}
+
+impl Stored {
+    /// The global indexes, in row order.
+    pub fn indexes(&self) -> &[u64] {
+        match self {
+            Stored::Rows { indexes, .. } => indexes,
+            Stored::One { index, .. } => std::slice::from_ref(index),
+        }
+    }
+
+    /// Bytes of the rows.
+    pub fn byte_len(&self) -> u64 {
+        match self {
+            Stored::Rows { tensor, .. } => tensor.payload_len() as u64,
+            Stored::One { cell, .. } => cell.byte_len() as u64,
+        }
+    }
+
+    /// The rows at `positions` (an arithmetic progression: `start`,
+    /// `step`, `count`), as a zero-copy view.
+    fn view(&self, start: usize, step: usize, count: usize) -> Stored {
+        match self {
+            Stored::Rows { indexes, tensor } => Stored::Rows {
+                indexes: (0..count).map(|k| indexes[start + k * step]).collect(),
+                tensor: tensor
+                    .rows_view(start as u64, step as u64, count as u64)
+                    .expect("positions of the run"),
+            },
+            one => one.clone(),
+        }
+    }
+
+    /// Splits the rows by where they go: `to(g)` is the part of index `g`
+    /// (None: dropped). Rows going to one part at evenly spaced positions
+    /// (consecutive indexes over `N` units: every `N`-th row) stay one
+    /// view; no row is copied.
+    pub fn split(&self, to: impl Fn(u64) -> Option<usize>) -> Vec<(usize, Stored)> {
+        let indexes = self.indexes();
+        let parts: Vec<Option<usize>> = indexes.iter().map(|&g| to(g)).collect();
+        if let Some(first) = parts[0]
+            && parts.iter().all(|p| *p == Some(first))
+        {
+            return vec![(first, self.clone())];
+        }
+        let mut by_part: HashMap<usize, Vec<usize>> = HashMap::new();
+        for (i, p) in parts.iter().enumerate() {
+            if let Some(p) = p {
+                by_part.entry(*p).or_default().push(i);
+            }
+        }
+        let mut out = Vec::new();
+        for (part, positions) in by_part {
+            let mut k = 0;
+            while k < positions.len() {
+                let start = positions[k];
+                let step = positions.get(k + 1).map_or(1, |next| next - start);
+                let mut count = 1;
+                while k + count < positions.len() && positions[k + count] == start + count * step {
+                    count += 1;
+                }
+                out.push((part, self.view(start, step, count)));
+                k += count;
+            }
+        }
+        out.sort_by_key(|(p, s)| (*p, s.indexes()[0]));
+        out
+    }
+}
+
+/// Every row of a unit: per field (by name), its stored rows in order of
+/// their first global index.
+pub type Snapshot = Vec<(Arc<str>, Vec<Stored>)>;
+
+/// The runs of consecutive rows in `rows` ((row, global index), sorted),
+/// each at most `max` rows: (first row, count, their indexes).
+fn runs(rows: &[(u32, u64)], max: usize) -> impl Iterator<Item = (u32, Vec<u64>)> + '_ {
+    let mut k = 0;
+    std::iter::from_fn(move || {
+        let (first, _) = *rows.get(k)?;
+        let mut n = 1;
+        while n < max && k + n < rows.len() && rows[k + n].0 == first + n as u32 {
+            n += 1;
+        }
+        let indexes = rows[k..k + n].iter().map(|(_, g)| *g).collect();
+        k += n;
+        Some((first, indexes))
+    })
+}
 
 impl Unit {
-    /// Every stored row, by field, each with its global index, taken under
-    /// the unit's lock: a consistent snapshot (the cells share the stored
-    /// extents, nothing is copied). Fields and rows in global-index order.
+    /// Every stored row, by field, taken under the unit's lock: a
+    /// consistent snapshot (views of the stored extents, nothing is
+    /// copied). Fields by name.
     pub fn snapshot(&self) -> Snapshot {
         let inner = self.lock();
-        let mut out: Snapshot = inner
-            .fields
-            .iter()
-            .filter(|(_, index)| !index.is_empty())
-            .map(|(name, index)| {
-                let mut rows: Vec<(u64, Cell)> = index
-                    .iter()
-                    .map(|(g, packed)| {
-                        let loc = Loc::unpack(packed);
-                        let slot = inner.columns[loc.column as usize]
-                            .as_ref()
-                            .expect("indexed rows point at live columns");
-                        (g, slot.column.cell(loc.row as usize))
-                    })
-                    .collect();
-                rows.sort_unstable_by_key(|(g, _)| *g);
-                (name.clone(), rows)
-            })
-            .collect();
+        let mut out: Snapshot = Vec::new();
+        for (name, index) in inner.fields.iter().filter(|(_, i)| !i.is_empty()) {
+            let mut by_column: HashMap<u32, Vec<(u32, u64)>> = HashMap::new();
+            for (g, packed) in index.iter() {
+                let loc = Loc::unpack(packed);
+                by_column.entry(loc.column).or_default().push((loc.row, g));
+            }
+            let mut stored = Vec::new();
+            for (c, mut rows) in by_column {
+                rows.sort_unstable();
+                let column = &inner.columns[c as usize]
+                    .as_ref()
+                    .expect("indexed rows point at live columns")
+                    .column;
+                match column.as_ref() {
+                    Column::Regular(col) => {
+                        let max = (RUN_BYTES / col.row_bytes.max(1)).max(1);
+                        for (first, indexes) in runs(&rows, max) {
+                            let tensor = col.rows_tensor(first as usize, indexes.len());
+                            stored.push(Stored::Rows { indexes, tensor });
+                        }
+                    }
+                    other => stored.extend(rows.iter().map(|&(r, g)| Stored::One {
+                        index: g,
+                        cell: other.cell(r as usize),
+                    })),
+                }
+            }
+            stored.sort_unstable_by_key(|s| s.indexes()[0]);
+            out.push((name.clone(), stored));
+        }
         out.sort_unstable_by(|a, b| a.0.cmp(&b.0));
         out
     }
 
     /// Replaces everything the unit holds with `rows` (a [`Unit::snapshot`]
     /// read back), checked first: if they do not fit the unit's capacity
-    /// nothing changes. Each row becomes a column of its own.
-    pub fn replace_with(&self, rows: Snapshot) -> Result<(), StoreError> {
+    /// nothing changes. Each run becomes a column. `mapped`: the rows are
+    /// mappings of a file (never spilled, counted on disk).
+    pub fn replace_with(&self, rows: Snapshot, mapped: bool) -> Result<(), StoreError> {
         self.check_replace(&rows)?;
         let present: Vec<u64> = {
             let inner = self.lock();
@@ -51,12 +170,20 @@ impl Unit {
             v
         };
         self.clear(&present, None)?;
-        for (field, field_rows) in rows {
-            let indexes: Vec<u64> = field_rows.iter().map(|(g, _)| *g).collect();
-            let columns = field_rows
-                .into_iter()
-                .map(|(_, cell)| Column::from_cell(cell))
-                .collect();
+        for (field, stored) in rows {
+            let mut indexes = Vec::new();
+            let mut columns = Vec::new();
+            for s in stored {
+                indexes.extend_from_slice(s.indexes());
+                let column = match s {
+                    Stored::Rows { tensor, .. } => Column::from_rows(&tensor),
+                    Stored::One { cell, .. } => Column::from_cell(cell),
+                };
+                if mapped {
+                    column.mark_mapped();
+                }
+                columns.push(column);
+            }
             self.put(&indexes, vec![(field.to_string(), columns)])?;
         }
         Ok(())
@@ -67,7 +194,7 @@ impl Unit {
     pub fn check_replace(&self, rows: &Snapshot) -> Result<(), StoreError> {
         let needed: u64 = rows
             .iter()
-            .flat_map(|(_, r)| r.iter().map(|(_, c)| c.byte_len() as u64))
+            .flat_map(|(_, r)| r.iter().map(Stored::byte_len))
             .sum();
         if let Some(capacity) = self.capacity
             && needed > capacity
@@ -80,5 +207,48 @@ impl Unit {
             });
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tensor::DType;
+    use bytes::Bytes;
+
+    fn rows(n: u64) -> Stored {
+        let t = Tensor::contiguous(
+            Bytes::from((0..n as u8).collect::<Vec<_>>()),
+            DType::U8,
+            vec![n, 1],
+        )
+        .unwrap();
+        Stored::Rows {
+            indexes: (100..100 + n).collect(),
+            tensor: t,
+        }
+    }
+
+    #[test]
+    fn a_run_splits_into_one_strided_view_per_unit() {
+        let parts = rows(10).split(|g| Some((g % 4) as usize));
+        assert_eq!(parts.len(), 4);
+        let (u, s) = &parts[0];
+        assert_eq!(*u, 0);
+        assert_eq!(s.indexes(), &[100, 104, 108]);
+        let Stored::Rows { tensor, .. } = s else {
+            panic!()
+        };
+        assert_eq!(tensor.contiguous_bytes().as_ref(), &[0, 4, 8]);
+        // Dropping indexes breaks a progression into the pieces left.
+        let parts = rows(10).split(|g| (g != 104).then_some(0));
+        let got: Vec<&[u64]> = parts.iter().map(|(_, s)| s.indexes()).collect();
+        assert_eq!(
+            got,
+            vec![&[100, 101, 102, 103][..], &[105, 106, 107, 108, 109][..]]
+        );
+        // All to one part: the run as it is.
+        assert_eq!(rows(3).split(|_| Some(2))[0].1.indexes(), &[100, 101, 102]);
+        assert!(rows(3).split(|_| None).is_empty());
     }
 }
