@@ -160,15 +160,16 @@ impl Extent {
 
     /// Counts the extent in `accounts` (once: false if it already is).
     pub(crate) fn account(&self, accounts: &Arc<Accounts>) -> bool {
-        if self.accounts.set(accounts.clone()).is_err() {
+        // A mapping of a checkpoint file is neither memory nor spilled.
+        if self.is_spilled() || self.accounts.set(accounts.clone()).is_err() {
             return false;
         }
-        accounts.add(self.len as u64, self.is_spilled());
+        accounts.add(self.len as u64, false);
         true
     }
 
     /// Marks a new extent as file-backed already (a mapping of a checkpoint
-    /// file): the spiller counts it on disk and never spills it.
+    /// file): the spiller neither counts nor spills it.
     pub fn mark_mapped(&self) {
         if self.accounts.get().is_none() {
             self.state.store(state::DISK, Ordering::Release);

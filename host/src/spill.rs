@@ -126,8 +126,9 @@ pub struct SpillConfig {
 pub struct Spiller {
     config: SpillConfig,
     accounts: Arc<Accounts>,
-    /// Every extent counted, to pick the coldest from.
-    extents: Mutex<Vec<Weak<Extent>>>,
+    /// Every extent counted, to pick the coldest from (dead ones pruned
+    /// when the list has doubled since the last pruning, and at each scan).
+    extents: Mutex<Extents>,
     /// Wakes the background thread.
     wake: (Mutex<bool>, Condvar),
     next_file: AtomicU64,
@@ -140,6 +141,20 @@ impl std::fmt::Debug for Spiller {
             .field("config", &self.config)
             .field("accounts", &self.accounts)
             .finish()
+    }
+}
+
+/// The extents counted, and the length at which the dead are pruned.
+#[derive(Default)]
+struct Extents {
+    list: Vec<Weak<Extent>>,
+    prune_at: usize,
+}
+
+impl Extents {
+    fn prune(&mut self) {
+        self.list.retain(|w| w.strong_count() > 0);
+        self.prune_at = (2 * self.list.len()).max(1024);
     }
 }
 
@@ -197,7 +212,7 @@ impl Spiller {
         let spiller = Arc::new(Spiller {
             config,
             accounts: Arc::new(Accounts::default()),
-            extents: Mutex::new(Vec::new()),
+            extents: Mutex::new(Extents::default()),
             wake: (Mutex::new(false), Condvar::new()),
             next_file: AtomicU64::new(0),
             stopped: AtomicBool::new(false),
@@ -211,6 +226,16 @@ impl Spiller {
 
     pub fn config(&self) -> &SpillConfig {
         &self.config
+    }
+
+    /// How many extents the spiller keeps track of (live and not yet
+    /// pruned).
+    pub fn tracked(&self) -> usize {
+        self.extents
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .list
+            .len()
     }
 
     pub fn stats(&self) -> SpillStats {
@@ -243,12 +268,15 @@ impl Spiller {
     ) -> Result<(), SpillError> {
         let mut added = 0u64;
         {
-            let mut list = self.extents.lock().unwrap_or_else(|p| p.into_inner());
+            let mut counted = self.extents.lock().unwrap_or_else(|p| p.into_inner());
             for e in extents {
                 if !e.is_empty() && e.account(&self.accounts) {
-                    list.push(Arc::downgrade(e));
+                    counted.list.push(Arc::downgrade(e));
                     added += e.len() as u64;
                 }
+            }
+            if counted.list.len() >= counted.prune_at {
+                counted.prune();
             }
         }
         if added == 0 {
@@ -277,9 +305,11 @@ impl Spiller {
     fn coldest(&self, need: u64) -> Vec<(Arc<Extent>, Bytes)> {
         CLOCK.fetch_add(1, Ordering::Relaxed);
         let mut live: Vec<Arc<Extent>> = {
-            let mut list = self.extents.lock().unwrap_or_else(|p| p.into_inner());
-            list.retain(|w| w.strong_count() > 0);
-            list.iter()
+            let mut counted = self.extents.lock().unwrap_or_else(|p| p.into_inner());
+            counted.prune();
+            counted
+                .list
+                .iter()
                 .filter_map(Weak::upgrade)
                 .filter(|e| !e.is_spilled())
                 .collect()
@@ -390,5 +420,55 @@ fn background(spiller: Weak<Spiller>) {
             .wait_timeout_while(woken, Duration::from_secs(1), |w| !*w)
             .unwrap_or_else(|p| p.into_inner());
         *woken = false;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spiller(tag: &str, threshold: u64, bound: u64) -> Arc<Spiller> {
+        let dir = std::env::temp_dir().join(format!("spill-unit-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        Spiller::start(SpillConfig {
+            dir,
+            threshold,
+            bound,
+            max_disk: None,
+        })
+        .unwrap()
+    }
+
+    #[test]
+    fn dead_extents_are_not_tracked_for_ever() {
+        let s = spiller("prune", 1 << 30, 1 << 30);
+        for i in 0..10_000u32 {
+            let e = Extent::new(Bytes::from(i.to_le_bytes().to_vec()));
+            s.admit([&e]).unwrap();
+        }
+        assert!(s.tracked() <= 2048, "{} tracked", s.tracked());
+        assert_eq!(s.stats().memory, 0);
+        let _ = std::fs::remove_dir_all(&s.config().dir);
+    }
+
+    #[test]
+    fn a_put_past_the_bound_spills_the_coldest_first() {
+        let s = spiller("coldest", 1 << 30, 3000);
+        let old = Extent::new(Bytes::from(vec![1u8; 1000]));
+        let warm = Extent::new(Bytes::from(vec![2u8; 1000]));
+        s.admit([&old, &warm]).unwrap();
+        CLOCK.fetch_add(1, Ordering::Relaxed);
+        let _ = warm.bytes(); // used later than `old`
+        let new = Extent::new(Bytes::from(vec![3u8; 1500]));
+        s.admit([&new]).unwrap();
+        assert!(old.is_spilled() && !warm.is_spilled() && !new.is_spilled());
+        assert_eq!(old.bytes().as_ref(), &[1u8; 1000][..]);
+        let st = s.stats();
+        assert_eq!((st.memory, st.disk, st.files), (2500, 1000, 1));
+        // Nothing is left in the directory: the file was unlinked once mapped.
+        assert_eq!(std::fs::read_dir(&s.config().dir).unwrap().count(), 0);
+        drop(old);
+        assert_eq!(s.stats().disk, 0);
+        let _ = std::fs::remove_dir_all(&s.config().dir);
     }
 }

@@ -373,6 +373,13 @@ async fn bad_directories_and_manifests_are_refused_clearly() {
         std::fs::write(&manifest, text).unwrap();
         refuse(restore(&c, &dir).await, words);
     }
+    // A journal gone: nobody can tell what changed after the checkpoint.
+    std::fs::write(&manifest, &good).unwrap();
+    std::fs::remove_file(dir.join("journal-1")).unwrap();
+    refuse(
+        restore(&c, &dir).await,
+        &["journal-1", "journal is missing"],
+    );
     check_rows(&stowd, &[0, 1, 2, 3, 4, 5], "after refused restores").await;
     // A stowd that routes to a remote unit refuses both.
     let remote = Stowd::start(&format!(

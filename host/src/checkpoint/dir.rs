@@ -379,7 +379,14 @@ pub fn restore(
         ));
     };
     let journal_path = journal::path(dir, m.seq);
-    let lost = journal::read(&journal_path).map_err(io(&journal_path))?;
+    let lost = journal::read(&journal_path).map_err(|e| match e.kind() {
+        std::io::ErrorKind::NotFound => refused(
+            &journal_path,
+            "the checkpoint's journal is missing: without it the rows written or cleared \
+             after the checkpoint cannot be told from the others, so nothing is restored",
+        ),
+        _ => io(&journal_path)(e),
+    })?;
     let n = units.len() as u64;
     let to = |g: u64| lost.binary_search(&g).is_err().then_some((g % n) as usize);
     let mut parts: Vec<Snapshot> = units.iter().map(|_| Vec::new()).collect();
