@@ -156,6 +156,11 @@ def native_seeds():
         "lease_channel": [env("lease", 14, {"bytes": 4096}, channel="0123456789abcdef0123456789abcdef")],
         "channel": [env("channel", 15, {})],
         "channel_ok": [env("channel_ok", 15, {"path": "/dev/shm/stowd-1-0123456789abcdef/sock"})],
+        "checkpoint": [env("checkpoint", 16, {"dir": "/var/lib/stowd/ckpt"})],
+        "restore": [env("restore", 17, {"dir": "/var/lib/stowd/ckpt"})],
+        "checkpoint_ok": [env("checkpoint_ok", 16, {"dir": "/ckpt", "seq": 3, "rows": 1 << 40, "bytes": 0,
+                                                     "files": 4})],
+        "restore_ok": [env("restore_ok", 17, {"dir": "/ckpt", "seq": 3, "rows": 10, "lost": 2})],
     }
     # A regular [1, 2] and a nested field of every dtype, all in one frame.
     fields, blob = {}, b""

@@ -121,3 +121,27 @@ pub fn assert_cells(what: &str, got: &[Cell], want: &[Cell]) {
 pub fn wire_cells(field: WireField) -> Vec<Cell> {
     field.into_cells()
 }
+
+/// Five fields of every kind (float32, bfloat16, complex128 (no safetensors
+/// dtype), nested int64, strings) on 6 indexes: the checkpoint tests' batch.
+pub fn every_kind() -> (Vec<u64>, Vec<(String, Field)>) {
+    let indexes: Vec<u64> = vec![3, 9, 10, 11, 40, 7];
+    let fields = vec![
+        ("x".to_string(), Field::Regular(f32_rows(6, 8, 1))),
+        (
+            "bf".to_string(),
+            Field::Regular(tensor(DType::BF16, &[6, 3], 2)),
+        ),
+        // complex128 has no safetensors dtype: kept as bytes plus its dtype.
+        (
+            "c".to_string(),
+            Field::Regular(tensor(DType::Complex128, &[6, 2], 3)),
+        ),
+        (
+            "resp".to_string(),
+            nested(DType::I64, &[3, 0, 7, 1, 2, 5], 4),
+        ),
+        ("text".to_string(), strings("t", 6)),
+    ];
+    (indexes, fields)
+}

@@ -10,9 +10,8 @@
 use std::path::Path;
 
 use stowage_host::batch::{Cell, Field};
-use stowage_host::tensor::DType;
 use stowage_host::wire::tq;
-use stowage_tests::data::{assert_cells, cells, f32_rows, nested, strings, tensor};
+use stowage_tests::data::{assert_cells, cells, every_kind as batch, f32_rows};
 use stowage_tests::{Stowd, TqClient, temp_dir};
 
 async fn save(c: &TqClient, path: &Path) -> tq::Reply {
@@ -41,29 +40,6 @@ fn refused(reply: &tq::Reply, load: bool) -> String {
         } if *l == load => e.clone(),
         other => panic!("expected a refused checkpoint, got {other:?}"),
     }
-}
-
-/// Three fields of every kind, on 6 indexes.
-fn batch() -> (Vec<u64>, Vec<(String, Field)>) {
-    let indexes: Vec<u64> = vec![3, 9, 10, 11, 40, 7];
-    let fields = vec![
-        ("x".to_string(), Field::Regular(f32_rows(6, 8, 1))),
-        (
-            "bf".to_string(),
-            Field::Regular(tensor(DType::BF16, &[6, 3], 2)),
-        ),
-        // complex128 has no safetensors dtype: kept as bytes plus its dtype.
-        (
-            "c".to_string(),
-            Field::Regular(tensor(DType::Complex128, &[6, 2], 3)),
-        ),
-        (
-            "resp".to_string(),
-            nested(DType::I64, &[3, 0, 7, 1, 2, 5], 4),
-        ),
-        ("text".to_string(), strings("t", 6)),
-    ];
-    (indexes, fields)
 }
 
 async fn check_all(c: &TqClient, indexes: &[u64], fields: &[(String, Field)], what: &str) {

@@ -19,11 +19,10 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use stowage_host::batch::{Cell, Field};
-use stowage_host::tensor::DType;
 use stowage_host::wire::native::{self, Op};
 use stowage_host::wire::tq;
 use stowage_tests::client::{native_error, tq_error};
-use stowage_tests::data::{assert_cells, cells, f32_rows, nested, strings, tensor, wire_cells};
+use stowage_tests::data::{assert_cells, cells, every_kind as batch, f32_rows, wire_cells};
 use stowage_tests::process::stowd_bin;
 use stowage_tests::{NativeClient, Stowd, TqClient, temp_dir};
 
@@ -34,28 +33,6 @@ fn err(reply: native::Reply) -> (String, String) {
 }
 
 const TWO_UNITS: &str = "[units]\nlocal = 2\n";
-
-/// Fields of every kind on 6 indexes.
-fn batch() -> (Vec<u64>, Vec<(String, Field)>) {
-    let indexes: Vec<u64> = vec![3, 9, 10, 11, 40, 7];
-    let fields = vec![
-        ("x".to_string(), Field::Regular(f32_rows(6, 8, 1))),
-        (
-            "bf".to_string(),
-            Field::Regular(tensor(DType::BF16, &[6, 3], 2)),
-        ),
-        (
-            "c".to_string(),
-            Field::Regular(tensor(DType::Complex128, &[6, 2], 3)),
-        ),
-        (
-            "resp".to_string(),
-            nested(DType::I64, &[3, 0, 7, 1, 2, 5], 4),
-        ),
-        ("text".to_string(), strings("t", 6)),
-    ];
-    (indexes, fields)
-}
 
 async fn checkpoint(c: &NativeClient, dir: &Path) -> native::Reply {
     c.call(Op::Checkpoint {

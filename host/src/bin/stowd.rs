@@ -1,7 +1,7 @@
 //! `stowd`: the Stowage sidecar. Parses arguments, installs tracing and
 //! calls the library; everything else lives in `stowage_host::server`.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
@@ -31,26 +31,10 @@ enum Command {
     },
     /// Write a checkpoint of every unit of a running stowd to DIR (on the
     /// stowd's machine), and wait for it.
-    Checkpoint {
-        /// The running stowd's native endpoint (from its endpoints file).
-        #[arg(long)]
-        endpoint: String,
-        /// Give up waiting after this many seconds.
-        #[arg(long, default_value_t = 3600)]
-        timeout_secs: u64,
-        #[arg(value_name = "DIR")]
-        dir: PathBuf,
-    },
+    Checkpoint(CheckpointArgs),
     /// Replace every unit's rows of a running stowd with the last
     /// checkpoint in DIR.
-    Restore {
-        #[arg(long)]
-        endpoint: String,
-        #[arg(long, default_value_t = 3600)]
-        timeout_secs: u64,
-        #[arg(value_name = "DIR")]
-        dir: PathBuf,
-    },
+    Restore(CheckpointArgs),
     /// Check the configuration (plugins loaded, chain entries named) and
     /// print it, defaults merged, as TOML.
     Config {
@@ -60,6 +44,19 @@ enum Command {
     /// Check, benchmark or list policy plugins.
     #[command(subcommand)]
     Plugin(PluginCommand),
+}
+
+#[derive(clap::Args)]
+struct CheckpointArgs {
+    /// The running stowd's native endpoint (from its endpoints file).
+    #[arg(long)]
+    endpoint: String,
+    /// Give up waiting after this many seconds.
+    #[arg(long, default_value_t = 3600)]
+    timeout_secs: u64,
+    /// The checkpoint directory (relative: to this process's directory).
+    #[arg(value_name = "DIR")]
+    dir: PathBuf,
 }
 
 #[derive(Subcommand)]
@@ -250,9 +247,11 @@ fn plugin_list(endpoint: &str) -> anyhow::Result<()> {
 }
 
 /// `stowd checkpoint` / `stowd restore`: one request, its reply printed.
-fn checkpoint(endpoint: &str, timeout_secs: u64, dir: &Path, restore: bool) -> anyhow::Result<()> {
+fn checkpoint(args: &CheckpointArgs, restore: bool) -> anyhow::Result<()> {
     use stowage_host::wire::native;
-    let dir = std::path::absolute(dir)?.to_string_lossy().into_owned();
+    let dir = std::path::absolute(&args.dir)?
+        .to_string_lossy()
+        .into_owned();
     let op = if restore {
         native::Op::Restore { dir }
     } else {
@@ -262,8 +261,8 @@ fn checkpoint(endpoint: &str, timeout_secs: u64, dir: &Path, restore: bool) -> a
         .enable_all()
         .build()?;
     let frames = native::encode_request(&native::Request { id: 1, op })?;
-    let peer = stowage_host::transport::Peer::new(endpoint, "stowd-checkpoint");
-    let timeout = std::time::Duration::from_secs(timeout_secs);
+    let peer = stowage_host::transport::Peer::new(&args.endpoint, "stowd-checkpoint");
+    let timeout = std::time::Duration::from_secs(args.timeout_secs);
     let reply = rt.block_on(peer.request(frames, timeout))?;
     match native::decode_reply(&reply, &native::Limits::default())?.1 {
         native::Reply::CheckpointOk {
@@ -428,16 +427,8 @@ fn main() -> std::process::ExitCode {
             cache_dir,
         }) => plugin_bench(&file, rounds, cache_dir),
         Command::Plugin(PluginCommand::List { endpoint }) => plugin_list(&endpoint),
-        Command::Checkpoint {
-            endpoint,
-            timeout_secs,
-            dir,
-        } => checkpoint(&endpoint, timeout_secs, &dir, false),
-        Command::Restore {
-            endpoint,
-            timeout_secs,
-            dir,
-        } => checkpoint(&endpoint, timeout_secs, &dir, true),
+        Command::Checkpoint(args) => checkpoint(&args, false),
+        Command::Restore(args) => checkpoint(&args, true),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

@@ -91,6 +91,10 @@ pub struct Restored {
     pub seq: u64,
     pub rows: u64,
     pub lost: u64,
+    /// Time spent mapping the files and checking their SHA-256.
+    pub verify: std::time::Duration,
+    /// Time of the whole restore.
+    pub total: std::time::Duration,
 }
 
 /// How errors and lost rows name checkpoint `seq` of `dir`.
@@ -387,13 +391,17 @@ pub fn restore(
         ),
         _ => io(&journal_path)(e),
     })?;
+    let begun = std::time::Instant::now();
+    let mut verify = std::time::Duration::ZERO;
     let n = units.len() as u64;
     let to = |g: u64| lost.binary_search(&g).is_err().then_some((g % n) as usize);
     let mut parts: Vec<Snapshot> = units.iter().map(|_| Vec::new()).collect();
     let mut rows = 0u64;
     for entry in &m.files {
         let path = dir.join(&entry.file);
+        let started = std::time::Instant::now();
         let file = map_verified(dir, entry)?;
+        verify += started.elapsed();
         let (file_parts, kept) = split(parse(file, &path, false)?, units.len(), to);
         rows += kept;
         for (all, part) in parts.iter_mut().zip(file_parts) {
@@ -442,6 +450,8 @@ pub fn restore(
         seq: m.seq,
         rows,
         lost: lost.len() as u64,
+        verify,
+        total: begun.elapsed(),
     })
 }
 

@@ -364,6 +364,8 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
             seq = restored.seq,
             rows = restored.rows,
             lost = restored.lost,
+            verify_ms = restored.verify.as_millis() as u64,
+            total_ms = restored.total.as_millis() as u64,
             "checkpoint restored"
         );
     }
