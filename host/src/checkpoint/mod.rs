@@ -110,6 +110,22 @@ struct Data {
     rows: Tensor,
 }
 
+impl Data {
+    /// Calls `f` with the bytes of each row in order (all of them at once
+    /// when contiguous): no copy.
+    fn for_each_row(&self, mut f: impl FnMut(&[u8])) {
+        let t = &self.rows;
+        if t.is_contiguous() {
+            return f(t.buffer());
+        }
+        let (stride, len) = (t.row_stride(), t.row_bytes());
+        let bytes = t.buffer();
+        for i in 0..t.rows() as usize {
+            f(&bytes[i * stride..i * stride + len]);
+        }
+    }
+}
+
 impl View for &Data {
     fn dtype(&self) -> StDtype {
         self.dtype
@@ -121,7 +137,10 @@ impl View for &Data {
         if self.rows.is_contiguous() {
             Cow::Borrowed(self.rows.buffer().as_ref())
         } else {
-            Cow::Owned(self.rows.contiguous_bytes().to_vec())
+            // One copy of the run (at most RUN_BYTES), written and dropped.
+            let mut out = Vec::with_capacity(self.rows.payload_len());
+            self.for_each_row(|row| out.extend_from_slice(row));
+            Cow::Owned(out)
         }
     }
     fn data_len(&self) -> usize {
@@ -246,7 +265,7 @@ pub(crate) fn save_snapshot(
         for s in stored {
             let (e, d) = entry(field, s);
             if entry_hash {
-                hash.update((&d).data());
+                d.for_each_row(|row| hash.update(row));
             }
             saved.rows += e.4.len() as u64;
             saved.bytes += d.rows.payload_len() as u64;
