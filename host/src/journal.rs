@@ -37,6 +37,12 @@ pub fn path(dir: &Path, seq: u64) -> PathBuf {
     dir.join(format!("journal-{seq}"))
 }
 
+/// The marker saying the journal of checkpoint `seq` in `dir` stopped being
+/// written while `stowd` went on (see [`Journal::retire_others`]).
+pub fn stopped_path(dir: &Path, seq: u64) -> PathBuf {
+    dir.join(format!("journal-{seq}.stopped"))
+}
+
 /// One open journal file.
 struct Open {
     dir: PathBuf,
@@ -162,6 +168,44 @@ impl Journal {
             file,
         });
         Ok(())
+    }
+
+    /// Stops writing the journals of every directory but `dir` (after a
+    /// checkpoint to `dir` completed: only the newest checkpoint is kept
+    /// current, so a job checkpointing to a new directory each step does
+    /// not fsync one more journal per put each time). Each stopped journal
+    /// gets a marker file (`journal-<seq>.stopped`, naming `dir`), fsynced
+    /// before the journal closes: a restore of that checkpoint is refused,
+    /// since what changed after the journal stopped is unknown.
+    pub fn retire_others(&self, dir: &Path) {
+        let mut open = self.gate.write().unwrap_or_else(|p| p.into_inner());
+        open.retain(|o| {
+            if o.dir == dir {
+                return true;
+            }
+            let marker = stopped_path(&o.dir, o.seq);
+            let text = format!(
+                "stopped when a checkpoint was written to {}\n",
+                dir.display()
+            );
+            let written = OpenOptions::new()
+                .create(true)
+                .truncate(true)
+                .write(true)
+                .mode(0o600)
+                .open(&marker)
+                .and_then(|mut f| f.write_all(text.as_bytes()).and_then(|()| f.sync_all()))
+                .and_then(|()| File::open(&o.dir).and_then(|d| d.sync_all()));
+            match written {
+                Ok(()) => false,
+                Err(e) => {
+                    // Keep writing it rather than leave it restorable and stale.
+                    tracing::warn!(journal = %path(&o.dir, o.seq).display(), error = %e,
+                        "cannot mark a journal stopped: it is kept");
+                    true
+                }
+            }
+        });
     }
 
     /// Closes every journal of `dir` but `keep`'s (`None`: all of them).

@@ -9,6 +9,7 @@
 //! | `manifest.json` | [`MANIFEST_FORMAT`], `seq`, when, the units, and per unit file its name, rows, bytes, size and SHA-256 |
 //! | `unit-<seq>-<i>.safetensors` | the rows of the `i`-th routed unit, in the unit file format of [`super`] |
 //! | `journal-<seq>` | the global indexes put or cleared since checkpoint `seq` began ([`crate::journal`]) |
+//! | `journal-<seq>.stopped` | only if this `stowd` then completed a checkpoint in another directory: the journal stopped there, and this checkpoint can no longer be restored |
 //!
 //! **Writing** (one at a time per `stowd`): the journal of `seq` is opened
 //! and every unit snapshotted under the journal's gate (so every later put
@@ -177,7 +178,10 @@ fn seq_of(name: &str) -> Option<u64> {
     let rest = name
         .strip_prefix("unit-")
         .or_else(|| name.strip_prefix("journal-"))?;
-    rest.split('-').next()?.parse().ok()
+    let digits = rest
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(rest.len());
+    rest[..digits].parse().ok()
 }
 
 /// Removes our files of every checkpoint but `keep`, and temporary files.
@@ -261,6 +265,7 @@ pub fn checkpoint(
     match written {
         Ok(w) => {
             journal.close(dir, Some(seq));
+            journal.retire_others(dir);
             remove_others(dir, seq);
             Ok(w)
         }
@@ -383,6 +388,16 @@ pub fn restore(
         ));
     };
     let journal_path = journal::path(dir, m.seq);
+    if let Ok(why) = std::fs::read_to_string(journal::stopped_path(dir, m.seq)) {
+        return Err(refused(
+            &journal_path,
+            format!(
+                "this checkpoint's journal {}: rows written or cleared after that are unknown, \
+                 so nothing is restored (restore the newer checkpoint)",
+                why.trim()
+            ),
+        ));
+    }
     let lost = journal::read(&journal_path).map_err(|e| match e.kind() {
         std::io::ErrorKind::NotFound => refused(
             &journal_path,
