@@ -40,11 +40,13 @@ use crate::tensor::{DType, TensorError};
 mod decode;
 mod encode;
 mod field;
+pub mod layout;
 use crate::msgpack;
 #[cfg(test)]
 mod tests;
 
 pub use field::{RegularParts, WireField};
+pub use layout::{FieldLayout, PartLayout, ReplyLayout, RowLayout};
 
 /// The value of the envelope's `proto` key.
 pub const PROTO: &str = "stowage/1";
@@ -553,6 +555,13 @@ impl FrameLayout {
 /// [`Reply::from_error`] under the id from [`request_id`] (0 if none).
 pub fn decode_request(frames: &[Bytes], limits: &Limits) -> Result<Request, Error> {
     decode::request(frames, limits)
+}
+
+/// Decodes a reply's frame 0 alone (client side): the echoed request id
+/// and, for a `get_ok`, where each field's rows lie in the data frames
+/// still to come ([`layout`]); any other reply whole.
+pub fn decode_reply_layout(frame0: &Bytes, limits: &Limits) -> Result<(u64, ReplyLayout), Error> {
+    decode::reply_layout(frame0, limits)
 }
 
 /// Decodes a reply (client side): the echoed request id and the reply.

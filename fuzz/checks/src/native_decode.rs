@@ -17,8 +17,8 @@
 use crate::split_frames;
 use bytes::Bytes;
 use stowage_wire::native::{
-    Limits, Reply, code, decode_extras, decode_reply, decode_request, encode_reply, encode_request,
-    request_id,
+    Limits, Reply, ReplyLayout, code, decode_extras, decode_reply, decode_reply_layout,
+    decode_request, encode_reply, encode_request, layout, request_id,
 };
 
 /// Reply equality where a float stat may be NaN: `Debug` prints NaN as
@@ -63,6 +63,7 @@ fn check_request(frames: &[Bytes], limits: &Limits) {
 }
 
 fn check_reply(frames: &[Bytes], limits: &Limits) {
+    check_layout(frames, limits);
     let Ok((id, reply)) = decode_reply(frames, limits) else {
         return;
     };
@@ -77,6 +78,43 @@ fn check_reply(frames: &[Bytes], limits: &Limits) {
         encode_reply(id2, &reply2).expect("encodes once, encodes twice"),
         "encoding is not stable"
     );
+}
+
+/// The layout of frame 0 alone never contradicts the whole decode: a
+/// reply that decodes whole has a layout whose ranges fit its frames, and
+/// a get_ok layout whose ranges fit the frames means the whole decode
+/// succeeds with the same rows.
+fn check_layout(frames: &[Bytes], limits: &Limits) {
+    let Some(frame0) = frames.first() else { return };
+    let whole = decode_reply(frames, limits);
+    let layout = decode_reply_layout(frame0, limits);
+    let lens: Vec<u64> = frames[1..].iter().map(|f| f.len() as u64).collect();
+    match (&whole, &layout) {
+        (Ok((id, Reply::GetOk { fields })), Ok((lid, ReplyLayout::GetOk(l)))) => {
+            assert_eq!(id, lid);
+            layout::check_frames(l, &lens).expect("a decoded get_ok's layout fits its frames");
+            assert_eq!(fields.len(), l.len());
+            for ((n1, f), (n2, fl)) in fields.iter().zip(l) {
+                assert_eq!((n1, f.rows()), (n2, fl.rows()));
+            }
+        }
+        (Ok(_), Ok((_, ReplyLayout::GetOk(_)))) => panic!("a get_ok layout for another reply"),
+        (Ok((id, reply)), Ok((lid, ReplyLayout::Other(other)))) => {
+            assert_eq!(id, lid);
+            same_reply(reply, other);
+        }
+        (Ok(_), Err(e)) if frames.len() == 1 => panic!("frame 0 alone refused: {e}"),
+        (Err(_), Ok((_, ReplyLayout::GetOk(l)))) if frames.len() as u64 <= limits.max_frames => {
+            let total: u64 = frames.iter().map(|f| f.len() as u64).sum();
+            if total <= limits.max_message_bytes {
+                assert!(
+                    layout::check_frames(l, &lens).is_err(),
+                    "the layout fits frames the whole decode refused"
+                );
+            }
+        }
+        _ => {}
+    }
 }
 
 /// The target's body: every invariant above, on one input.

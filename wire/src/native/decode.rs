@@ -71,6 +71,48 @@ pub(super) fn request(frames: &[Bytes], limits: &Limits) -> Result<Request, Erro
     Ok(Request { id, op })
 }
 
+/// A reply's frame 0 alone: a `get_ok`'s descriptors, checked in
+/// themselves but not against data frames (a receiver checks each range
+/// against the frame it arrives in, and that every frame is used); any
+/// other reply decoded whole (they carry no data frames).
+pub(super) fn reply_layout(frame0: &Bytes, limits: &Limits) -> Result<(u64, ReplyLayout), Error> {
+    let frames = std::slice::from_ref(frame0);
+    let (id, op, mut r) = envelope(frames, limits)?;
+    if op != "get_ok" {
+        return reply(frames, limits).map(|(id, reply)| (id, ReplyLayout::Other(reply)));
+    }
+    const MAP: &str = "a get_ok body";
+    let mut fields = None;
+    keyed(&mut r, MAP, ["fields"], |_, r| {
+        let n = r.map_len("fields")?;
+        limit("fields", n, limits.max_fields)?;
+        let mut seen = HashSet::with_capacity(n);
+        let mut out = Vec::with_capacity(n);
+        for _ in 0..n {
+            let name = r.str("a field name")?;
+            if !seen.insert(name) {
+                return Err(Error::DuplicateField(name.to_owned()));
+            }
+            let field = parse_descriptor(r, frame0, limits).map_err(|e| e.in_field(name))?;
+            out.push((name.to_owned(), field));
+        }
+        fields = Some(out);
+        Ok(())
+    })?;
+    let fields = need(fields, MAP, "fields")?;
+    if let Some((_, first)) = fields.first() {
+        let expected = first.rows();
+        if let Some((name, f)) = fields.iter().find(|(_, f)| f.rows() != expected) {
+            return Err(Error::RowCount {
+                rows: f.rows(),
+                expected,
+            }
+            .in_field(name));
+        }
+    }
+    Ok((id, ReplyLayout::GetOk(fields)))
+}
+
 /// A body that must be an empty map.
 fn empty_body(r: &mut Reader<'_>, map: &'static str) -> Result<(), Error> {
     if r.map_len(map)? != 0 {
@@ -413,31 +455,19 @@ fn field_map(
     Ok(out)
 }
 
-/// One `parts` entry of a regular descriptor, not yet checked.
-struct PartDesc {
-    frame: u64,
-    offset: u64,
-    len: u64,
-    rows: u64,
-}
+use super::layout::{FieldLayout, PartLayout as PartDesc, ReplyLayout, RowLayout as RowDesc};
 
-/// One `rows` entry of a nested descriptor, not yet checked.
-struct RowDesc {
-    shape: Vec<u64>,
-    frame: u64,
-    offset: u64,
-    len: u64,
-}
-
-fn descriptor(
+/// A descriptor read and checked in itself: kinds, keys, shapes, part and
+/// row lengths against the dtype, row sums. Not yet resolved against the
+/// data frames.
+fn parse_descriptor(
     r: &mut Reader<'_>,
-    data: &mut Frames<'_>,
+    frame0: &Bytes,
     limits: &Limits,
-) -> Result<WireField, Error> {
+) -> Result<FieldLayout, Error> {
     const MAP: &str = "a descriptor";
     let (mut kind, mut dtype, mut shape, mut parts, mut rows, mut values) =
         (None, None, None, None, None, None);
-    let frame0 = data.frame0();
     keyed(
         r,
         MAP,
@@ -479,23 +509,51 @@ fn descriptor(
                 need(shape, MAP, "shape")?,
                 need(parts, MAP, "parts")?,
             );
-            regular(dtype, shape, parts, data, limits)
+            check_regular(dtype, &shape, &parts, limits)?;
+            Ok(FieldLayout::Regular {
+                dtype,
+                shape,
+                parts,
+            })
         }
-        "nested" => nested(need(dtype, MAP, "dtype")?, need(rows, MAP, "rows")?, data),
-        _ => Ok(WireField::Values(need(values, MAP, "values")?)),
+        "nested" => {
+            let (dtype, rows) = (need(dtype, MAP, "dtype")?, need(rows, MAP, "rows")?);
+            for row in &rows {
+                check_nested_row(dtype, row)?;
+            }
+            Ok(FieldLayout::Nested { dtype, rows })
+        }
+        _ => Ok(FieldLayout::Values(need(values, MAP, "values")?)),
     }
 }
 
-fn regular(
-    dtype: DType,
-    shape: Vec<u64>,
-    parts: Vec<PartDesc>,
+fn descriptor(
+    r: &mut Reader<'_>,
     data: &mut Frames<'_>,
     limits: &Limits,
 ) -> Result<WireField, Error> {
+    match parse_descriptor(r, data.frame0(), limits)? {
+        FieldLayout::Regular {
+            dtype,
+            shape,
+            parts,
+        } => regular(dtype, shape, parts, data),
+        FieldLayout::Nested { dtype, rows } => nested(dtype, rows, data),
+        FieldLayout::Values(values) => Ok(WireField::Values(values)),
+    }
+}
+
+/// The checks of a regular descriptor that need no data frame; returns
+/// the bytes of a row.
+fn check_regular(
+    dtype: DType,
+    shape: &[u64],
+    parts: &[PartDesc],
+    limits: &Limits,
+) -> Result<usize, Error> {
     let Some((&n, row_shape)) = shape.split_first() else {
         return Err(Error::BadShape {
-            shape,
+            shape: shape.to_vec(),
             reason: "a regular field needs a row axis",
         });
     };
@@ -507,15 +565,11 @@ fn regular(
         });
     }
     let row_bytes = contiguous_len(dtype, row_shape).map_err(|_| Error::BadShape {
-        shape: shape.clone(),
+        shape: shape.to_vec(),
         reason: "a row overflows the address space",
     })?;
-    let mut out: Vec<(Bytes, u64)> = Vec::with_capacity(parts.len());
-    // (frame, start offset, end offset) of the last part kept, to merge the
-    // next one into it when it follows on directly.
-    let mut last: Option<(u64, u64, u64)> = None;
     let mut sum = 0u64;
-    for p in &parts {
+    for p in parts {
         if p.rows == 0 {
             return Err(Error::EmptyPart);
         }
@@ -535,6 +589,44 @@ fn regular(
                 });
             }
         };
+    }
+    if sum != n {
+        return Err(Error::RowSum {
+            parts: sum,
+            rows: n,
+        });
+    }
+    Ok(row_bytes)
+}
+
+/// The checks of a nested row that need no data frame.
+fn check_nested_row(dtype: DType, row: &RowDesc) -> Result<(), Error> {
+    let expected = contiguous_len(dtype, &row.shape).map_err(|_| Error::BadShape {
+        shape: row.shape.clone(),
+        reason: "overflows the address space",
+    })?;
+    if expected as u64 != row.len {
+        return Err(Error::LengthMismatch {
+            len: row.len,
+            expected: expected as u128,
+        });
+    }
+    Ok(())
+}
+
+/// A checked regular descriptor resolved against the data frames.
+fn regular(
+    dtype: DType,
+    shape: Vec<u64>,
+    parts: Vec<PartDesc>,
+    data: &mut Frames<'_>,
+) -> Result<WireField, Error> {
+    let row_shape = shape[1..].to_vec();
+    let mut out: Vec<(Bytes, u64)> = Vec::with_capacity(parts.len());
+    // (frame, start offset, end offset) of the last part kept, to merge the
+    // next one into it when it follows on directly.
+    let mut last: Option<(u64, u64, u64)> = None;
+    for p in &parts {
         let bytes = data.slice(p.frame, p.offset, p.len)?;
         match (last, out.last_mut()) {
             (Some((frame, start, end)), Some(prev)) if frame == p.frame && end == p.offset => {
@@ -548,32 +640,15 @@ fn regular(
             }
         }
     }
-    if sum != n {
-        return Err(Error::RowSum {
-            parts: sum,
-            rows: n,
-        });
-    }
     Ok(WireField::Regular(RegularParts::new(
-        dtype,
-        row_shape.to_vec(),
-        out,
+        dtype, row_shape, out,
     )?))
 }
 
+/// A checked nested descriptor resolved against the data frames.
 fn nested(dtype: DType, rows: Vec<RowDesc>, data: &mut Frames<'_>) -> Result<WireField, Error> {
     let mut out = Vec::with_capacity(rows.len());
     for row in rows {
-        let expected = contiguous_len(dtype, &row.shape).map_err(|_| Error::BadShape {
-            shape: row.shape.clone(),
-            reason: "overflows the address space",
-        })?;
-        if expected as u64 != row.len {
-            return Err(Error::LengthMismatch {
-                len: row.len,
-                expected: expected as u128,
-            });
-        }
         let bytes = data.slice(row.frame, row.offset, row.len)?;
         out.push(Tensor::contiguous(bytes, dtype, row.shape)?);
     }

@@ -822,3 +822,111 @@ fn protocol_page_example() {
 
 mod bad_input;
 mod ranges;
+
+#[test]
+fn a_get_ok_layout_from_frame_0_places_every_row() {
+    let stored = tensor(DType::BF16, &[4, 3], 0);
+    let rows: Vec<Cell> = (0..4)
+        .map(|i| Cell::Tensor(stored.row_tensor(i).unwrap()))
+        .collect();
+    let jagged: Vec<Cell> = [2, 5, 0, 1]
+        .iter()
+        .map(|&n| Cell::Tensor(tensor(DType::U8, &[n], 1)))
+        .collect();
+    let fields = vec![
+        ("r".to_owned(), WireField::from_cells(rows).unwrap()),
+        (
+            "n".to_owned(),
+            WireField::from_cells(jagged.clone()).unwrap(),
+        ),
+        (
+            "v".to_owned(),
+            WireField::Values(vec![Value::Str("a".into()); 4]),
+        ),
+    ];
+    let frames = encode_reply(7, &Reply::GetOk { fields }).unwrap();
+    let (id, ReplyLayout::GetOk(layout)) =
+        decode_reply_layout(&frames[0], &Limits::default()).unwrap()
+    else {
+        panic!("not a get_ok layout")
+    };
+    assert_eq!(id, 7);
+    let lens: Vec<u64> = frames[1..].iter().map(|f| f.len() as u64).collect();
+    crate::native::layout::check_frames(&layout, &lens).unwrap();
+    // The regular field's parts, read in order, are its rows.
+    let FieldLayout::Regular {
+        dtype,
+        shape,
+        parts,
+    } = &layout[0].1
+    else {
+        panic!()
+    };
+    assert_eq!((*dtype, shape.as_slice()), (DType::BF16, &[4u64, 3][..]));
+    let mut got = Vec::new();
+    for p in parts {
+        let f = &frames[p.frame as usize];
+        got.extend_from_slice(&f[p.offset as usize..(p.offset + p.len) as usize]);
+    }
+    assert_eq!(got, stored.contiguous_bytes().to_vec());
+    let FieldLayout::Nested { rows, .. } = &layout[1].1 else {
+        panic!()
+    };
+    for (row, cell) in rows.iter().zip(&jagged) {
+        let Cell::Tensor(t) = cell else { panic!() };
+        assert_eq!(row.shape, t.shape());
+        let f = &frames[row.frame as usize];
+        assert_eq!(
+            &f[row.offset as usize..(row.offset + row.len) as usize],
+            t.contiguous_bytes().as_ref()
+        );
+    }
+    assert_eq!(layout[2].1.rows(), 4);
+    // Frames that do not match: too short, one missing, one too many.
+    let mut short = lens.clone();
+    short[0] -= 1;
+    assert!(matches!(
+        crate::native::layout::check_frames(&layout, &short),
+        Err(Error::InField { .. })
+    ));
+    assert!(crate::native::layout::check_frames(&layout, &lens[..lens.len() - 1]).is_err());
+    let mut extra = lens.clone();
+    extra.push(3);
+    assert!(matches!(
+        crate::native::layout::check_frames(&layout, &extra),
+        Err(Error::UnusedFrame(_))
+    ));
+    // Any other reply comes whole.
+    let err = encode_reply(
+        8,
+        &Reply::Error {
+            code: code::DATA_LOST.into(),
+            message: "m".into(),
+        },
+    )
+    .unwrap();
+    assert!(matches!(
+        decode_reply_layout(&err[0], &Limits::default()).unwrap(),
+        (8, ReplyLayout::Other(Reply::Error { .. }))
+    ));
+    // A descriptor wrong in itself is refused from frame 0 alone.
+    let bad = frames_with(
+        envelope(
+            "get_ok",
+            M::Map(vec![(
+                "fields",
+                M::Map(vec![(
+                    "x",
+                    M::Map(vec![
+                        ("kind", M::S("regular")),
+                        ("dtype", M::S("float32")),
+                        ("shape", uints(&[2, 2])),
+                        ("parts", M::Arr(vec![part(1, 0, 15, 2)])),
+                    ]),
+                )]),
+            )]),
+        ),
+        &[],
+    );
+    assert!(decode_reply_layout(&bad[0], &Limits::default()).is_err());
+}

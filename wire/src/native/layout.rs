@@ -1,0 +1,112 @@
+//! A `get_ok` reply's layout from frame 0 alone: where each field's rows lie
+//! in which data frame, before the data frames arrive. A receiver that
+//! knows this can read each frame's bytes straight into the arrays they
+//! belong in (the Python client's Rust core does), checking each range
+//! against the frame as it arrives ([`FieldLayout::check_frames`]).
+
+use crate::batch::Value;
+use crate::tensor::DType;
+
+use super::{Error, Reply};
+
+/// One part of a regular field: `rows` consecutive rows (in request order)
+/// at `offset..offset + len` of data frame `frame` (1-based).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PartLayout {
+    pub frame: u64,
+    pub offset: u64,
+    pub len: u64,
+    pub rows: u64,
+}
+
+/// One row of a nested field: its shape and where its bytes are.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RowLayout {
+    pub shape: Vec<u64>,
+    pub frame: u64,
+    pub offset: u64,
+    pub len: u64,
+}
+
+/// A field's descriptor, checked in itself (shapes, lengths against the
+/// dtype, row sums, limits) but not against the data frames.
+#[derive(Clone, Debug, PartialEq)]
+pub enum FieldLayout {
+    /// `shape[0]` rows; the parts cover them in order.
+    Regular {
+        dtype: DType,
+        shape: Vec<u64>,
+        parts: Vec<PartLayout>,
+    },
+    Nested {
+        dtype: DType,
+        rows: Vec<RowLayout>,
+    },
+    Values(Vec<Value>),
+}
+
+impl FieldLayout {
+    /// Number of rows.
+    pub fn rows(&self) -> u64 {
+        match self {
+            FieldLayout::Regular { shape, .. } => shape[0],
+            FieldLayout::Nested { rows, .. } => rows.len() as u64,
+            FieldLayout::Values(v) => v.len() as u64,
+        }
+    }
+
+    /// The (frame, offset, len) ranges the field reads.
+    pub fn ranges(&self) -> Vec<(u64, u64, u64)> {
+        match self {
+            FieldLayout::Regular { parts, .. } => {
+                parts.iter().map(|p| (p.frame, p.offset, p.len)).collect()
+            }
+            FieldLayout::Nested { rows, .. } => {
+                rows.iter().map(|r| (r.frame, r.offset, r.len)).collect()
+            }
+            FieldLayout::Values(_) => Vec::new(),
+        }
+    }
+}
+
+/// Checks the ranges of `fields` against the lengths of the data frames
+/// that arrived (`frame_lens[i]` is data frame `i + 1`): every range inside
+/// its frame, every frame used, as [`super::decode_reply`] checks them.
+pub fn check_frames(fields: &[(String, FieldLayout)], frame_lens: &[u64]) -> Result<(), Error> {
+    let mut used = vec![false; frame_lens.len()];
+    for (name, f) in fields {
+        for (frame, offset, len) in f.ranges() {
+            let in_field = |e: Error| Error::InField {
+                field: name.clone(),
+                inner: Box::new(e),
+            };
+            if frame == 0 || frame > frame_lens.len() as u64 {
+                return Err(in_field(Error::FrameOutOfRange {
+                    frame,
+                    data_frames: frame_lens.len(),
+                }));
+            }
+            let frame_len = frame_lens[frame as usize - 1];
+            if offset.checked_add(len).is_none_or(|end| end > frame_len) {
+                return Err(in_field(Error::RangeOutsideFrame {
+                    frame,
+                    offset,
+                    len,
+                    frame_len: frame_len as usize,
+                }));
+            }
+            used[frame as usize - 1] = true;
+        }
+    }
+    match used.iter().position(|u| !u) {
+        Some(i) => Err(Error::UnusedFrame(i + 1)),
+        None => Ok(()),
+    }
+}
+
+/// A reply from frame 0: a `get_ok`'s layout, or any other reply whole.
+#[derive(Clone, Debug, PartialEq)]
+pub enum ReplyLayout {
+    GetOk(Vec<(String, FieldLayout)>),
+    Other(Reply),
+}
