@@ -443,6 +443,26 @@ fn ensure_components(names: &[&str]) -> Result<()> {
     sh("rustup", &args, &[])
 }
 
+/// Puts the Python client's Rust core (`lib_core.so`, built by the
+/// workspace build in `built`) into the package's tree as
+/// `stowage/_core.abi3.so`, where the tests import the package from (`pip
+/// install ./clients/python` builds it with maturin instead).
+fn install_core(built: &std::path::Path) -> Result<()> {
+    let from = built.join("lib_core.so");
+    let to = workspace_root()
+        .join("clients")
+        .join("python")
+        .join("stowage")
+        .join("_core.abi3.so");
+    // A fresh file, not an overwrite: a process may have the old one mapped.
+    let tmp = to.with_extension("so.tmp");
+    std::fs::copy(&from, &tmp)
+        .and_then(|_| std::fs::rename(&tmp, &to))
+        .map_err(|e| format!("cannot install {} as {}: {e}", from.display(), to.display()))?;
+    eprintln!("xtask: {} -> {}", from.display(), to.display());
+    Ok(())
+}
+
 fn cargo() -> String {
     env::var("CARGO").unwrap_or_else(|_| "cargo".into())
 }
@@ -494,6 +514,7 @@ fn test(args: &[String]) -> Result<()> {
     // by clippy on the way; `cargo test` (same environment, so nothing is
     // rebuilt) then only builds the doc tests.
     sh(&cargo(), &["build", "--workspace", "--all-targets"], &envs)?;
+    install_core(&target_dir(&root).join("debug"))?;
     sh(&cargo(), &["test", "--workspace"], &envs)?;
     // Last, and untimed: pytest's summary ends the output.
     sh_timed(

@@ -62,6 +62,7 @@ def main() -> int:
     ap.add_argument("--package", required=True, type=Path, help="clients/python")
     ap.add_argument("--stowd", required=True, type=Path)
     ap.add_argument("--plugins", required=True, type=Path)
+    ap.add_argument("--core", required=True, type=Path, help="the built lib_core.so (stowage._core)")
     ap.add_argument("--out", required=True, type=Path)
     a = ap.parse_args()
 
@@ -88,6 +89,9 @@ def main() -> int:
     if not a.stowd.is_file():
         sys.exit(f"wheel.py: no stowd binary at {a.stowd}")
     files.append(("stowage/_bin/stowd", a.stowd.read_bytes(), 0o755))
+    if not a.core.is_file():
+        sys.exit(f"wheel.py: no Rust core at {a.core}")
+    files.append(("stowage/_core.abi3.so", a.core.read_bytes(), 0o755))
     wasm = sorted(a.plugins.glob("*.wasm"))  # not hostile/: test plugins stay out
     if not wasm:
         sys.exit(f"wheel.py: no plugins (*.wasm) in {a.plugins}")

@@ -5,7 +5,8 @@
 //! Builds the plugins (`target/plugins`) and `stowd` (release; `--debug`:
 //! the dev profile), then writes `DIR/stowage-<version>-py3-none-<platform>.whl`
 //! (default `DIR`: `target/wheels`) holding `stowage/**/*.py`,
-//! `stowage/_bin/stowd` and `stowage/plugins/*.wasm`. The plugins sit at
+//! `stowage/_core.abi3.so` (the client's Rust core, built in the same
+//! profile), `stowage/_bin/stowd` and `stowage/plugins/*.wasm`. The plugins sit at
 //! `<binary dir>/../plugins`, where `stowd` finds its bundled plugins, so
 //! the installed binary works on its defaults. The wheel itself is written
 //! by `wheel.py` (Python standard library only: no setuptools, no network).
@@ -31,14 +32,22 @@ pub fn wheel(args: &[String]) -> Result<()> {
     }
     ensure_wasm_target()?;
     plugins(&[])?;
-    let mut build = vec!["build", "-p", "stowage-host", "--bin", "stowd"];
+    let mut build = vec![
+        "build",
+        "-p",
+        "stowage-host",
+        "--bin",
+        "stowd",
+        "-p",
+        "stowage-pycore",
+    ];
     if !debug {
         build.push("--release");
     }
     sh(&cargo(), &build, &[])?;
-    let stowd = target_dir(&root)
-        .join(if debug { "debug" } else { "release" })
-        .join("stowd");
+    let built = target_dir(&root).join(if debug { "debug" } else { "release" });
+    let stowd = built.join("stowd");
+    let core = built.join("lib_core.so");
     let plugin_dir = target_dir(&root).join("plugins");
     let package = root.join("clients").join("python");
 
@@ -53,6 +62,8 @@ pub fn wheel(args: &[String]) -> Result<()> {
         .arg(&stowd)
         .arg("--plugins")
         .arg(&plugin_dir)
+        .arg("--core")
+        .arg(&core)
         .arg("--out")
         .arg(&out)
         .stdin(std::process::Stdio::piped())

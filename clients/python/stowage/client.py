@@ -14,7 +14,13 @@ import numpy as np
 import zmq
 
 from . import _codec, _put, _shm, _torch
-from .errors import BadRequest, ProtocolError, StowageError, StowageTimeout, Unsupported, error_from_reply
+
+try:  # the Rust core (clients/python/core): tcp get_into straight into the arrays
+    from . import _core
+except ImportError:  # pragma: no cover - a tree without the built extension
+    _core = None
+from .errors import (BadRequest, InternalError, ProtocolError, StowageError, StowageTimeout, Unsupported,
+                     error_from_reply)
 
 DEFAULT_TIMEOUT = 30.0
 DEFAULT_MAX_MESSAGE_BYTES = 256 << 20
@@ -267,6 +273,8 @@ class Client(_Ops):
         self._ctx = context or zmq.Context.instance()
         self._lock = threading.Lock()
         self._sock: zmq.Socket | None = self._connect()
+        # The Rust core's own connection, for tcp get_into (made on first use).
+        self._core: Any = None
 
     def _connect(self) -> zmq.Socket:
         sock = self._ctx.socket(zmq.DEALER)
@@ -285,6 +293,9 @@ class Client(_Ops):
             if self._sock is not None:
                 self._sock.close(linger=0)
                 self._sock = None
+            if self._core is not None:
+                self._core.close()
+                self._core = None
             if self._segments is not None:
                 self._segments.close()
 
@@ -434,8 +445,56 @@ class Client(_Ops):
         itemsize, e.g. uint8 for a float8). Every byte is copied once,
         from the received frames straight into `out`. Returns `out`."""
         n, targets, body = self._get_into_request(global_indexes, out, self._ranges_ok)
+        if self._core_reads(targets) and self._core_get_into(body, targets, timeout):
+            return out
         self._get_call(body, timeout, lambda reply, frames: self._get_into_result(reply, frames, targets, n))
         return out
+
+    def _core_reads(self, targets: dict) -> bool:
+        """Whether the Rust core reads this get_into: over tcp, into
+        C-contiguous arrays, with the extension built."""
+        return (_core is not None and self._segments is None and self.endpoint.startswith("tcp://")
+                and os.environ.get("STOWAGE_PURE_PYTHON") != "1"
+                and all(a.flags.c_contiguous for _, a in targets.values()))
+
+    def _core_get_into(self, body: dict, targets: dict, timeout) -> bool:
+        """The tcp get_into through the Rust core: each field's bytes go from
+        the socket straight into its array (no buffer of the payload's size,
+        the GIL released meanwhile). False: stowd does not take the request
+        as sent (an older stowd refusing ranges); the caller falls back."""
+        timeout = self._call_timeout(timeout)
+        rid = next(self._ids)
+        frame0 = _codec.envelope("get", rid, body)
+        plan = []
+        for name, (dtype, a) in targets.items():
+            accepted = [dtype]
+            if dtype in _INT_NAMES:  # raw bits fill ints of their size
+                accepted += [b for b in _codec.BITS_DTYPES if _codec.WIRE_DTYPES[b].itemsize == a.dtype.itemsize]
+            plan.append((name, accepted, list(a.shape), a.reshape(-1).view(np.uint8)))
+        with self._lock:
+            if self._sock is None:
+                raise StowageError("the client is closed")
+            if self._core is None:
+                self._core = _core.Connection(self.endpoint)
+            try:
+                head = self._core.get_into(frame0, plan, timeout)
+            except TimeoutError:
+                # The core dropped its connection; the DEALER goes too, as
+                # after any timeout, so nothing stale can follow.
+                self._reset()
+                raise StowageTimeout(f"get_into (id {rid}): no reply from {self.endpoint} within {timeout:g} s; "
+                                     "the connection was reset", request_id=rid) from None
+            except ConnectionError as e:
+                raise InternalError(f"get_into (id {rid}): {e}", request_id=rid) from None
+        if head is None:
+            return True
+        env = _codec.decode_envelope(head)
+        try:
+            self._reply_body(env, "get_ok", rid)
+        except BadRequest as e:
+            self._list_fallback(body, e)  # raises unless stowd refused the ranges
+            return False
+        raise ProtocolError(f"get_into (id {rid}): unexpected {env['op']!r} reply", request_id=rid)
 
     def clear(self, global_indexes, fields=None, *, timeout: float | None = None) -> int:
         """Drops the given fields (all fields if None) of the given indexes;

@@ -1,0 +1,460 @@
+//! `stowage._core`: the Rust core of the Python client (issue 17, first
+//! part: a tcp `get_into` that receives straight into the caller's arrays).
+//!
+//! pyzmq receives every frame into memory libzmq allocates (fresh pages,
+//! faulted in at about 1.4 GB/s on the benchmark machine), and the Python
+//! client then copies each field into the caller's array: two copies and a
+//! peak of twice the payload. Here the reply is read from the socket by
+//! this crate: frame 0 is decoded by stowd's own codec
+//! ([`stowage_wire::native::decode_reply_layout`]: where each field's rows
+//! lie in the data frames still to come), and each data frame's bytes are
+//! read from the socket straight into the rows they belong to, in the
+//! caller's arrays. Nothing the size of the payload is allocated; the GIL
+//! is released while bytes move.
+//!
+//! The connection is stowd's ZMTP 3.0 (NULL security) as a DEALER, over
+//! `std::net::TcpStream`, with the handshake pieces of
+//! [`stowage_transport::zmtp`]. A reply that breaks the protocol, a timeout
+//! or an I/O error drops the connection (the next call makes a new one),
+//! so a late or half-read reply is never taken for the next one.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use pyo3::buffer::PyBuffer;
+use pyo3::exceptions::{PyConnectionError, PyTimeoutError, PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+use stowage_transport::zmtp;
+use stowage_wire::native::{self, FieldLayout, Limits, ReplyLayout, layout};
+
+const FLAG_MORE: u8 = 0x01;
+const FLAG_LONG: u8 = 0x02;
+const FLAG_COMMAND: u8 = 0x04;
+
+/// Largest frame 0 accepted (a get_ok's descriptors; stowd's own limit on
+/// a message's frame 0 is the same order).
+const MAX_FRAME0: u64 = 256 << 20;
+
+/// Why a call failed.
+enum Fail {
+    Timeout(String),
+    Io(String),
+    Protocol(String),
+    /// The reply does not fit the caller's arrays (nothing was written).
+    Mismatch(String),
+    /// A field of plain values asked into an array (nothing was written).
+    NotTensors(String),
+}
+
+impl From<Fail> for PyErr {
+    fn from(f: Fail) -> PyErr {
+        match f {
+            Fail::Timeout(m) => PyTimeoutError::new_err(m),
+            Fail::Io(m) => PyConnectionError::new_err(m),
+            Fail::Protocol(m) => PyConnectionError::new_err(format!("protocol: {m}")),
+            Fail::Mismatch(m) => PyValueError::new_err(m),
+            Fail::NotTensors(m) => PyTypeError::new_err(m),
+        }
+    }
+}
+
+/// A deadline-bound stream.
+struct Stream {
+    tcp: TcpStream,
+    deadline: Instant,
+}
+
+impl Stream {
+    fn arm(&self) -> Result<(), Fail> {
+        let left = self
+            .deadline
+            .checked_duration_since(Instant::now())
+            .filter(|d| !d.is_zero())
+            .ok_or_else(|| Fail::Timeout("no reply within the timeout".into()))?;
+        self.tcp
+            .set_read_timeout(Some(left))
+            .and_then(|()| self.tcp.set_write_timeout(Some(left)))
+            .map_err(|e| Fail::Io(e.to_string()))
+    }
+
+    fn io(e: std::io::Error) -> Fail {
+        match e.kind() {
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
+                Fail::Timeout("no reply within the timeout".into())
+            }
+            std::io::ErrorKind::UnexpectedEof => Fail::Io("stowd closed the connection".into()),
+            _ => Fail::Io(e.to_string()),
+        }
+    }
+
+    fn read_exact(&mut self, buf: &mut [u8]) -> Result<(), Fail> {
+        self.arm()?;
+        self.tcp.read_exact(buf).map_err(Stream::io)
+    }
+
+    fn write_all(&mut self, buf: &[u8]) -> Result<(), Fail> {
+        self.arm()?;
+        self.tcp.write_all(buf).map_err(Stream::io)
+    }
+
+    /// Reads and throws away `n` bytes.
+    fn skip(&mut self, mut n: u64) -> Result<(), Fail> {
+        let mut scratch = [0u8; 64 << 10];
+        while n > 0 {
+            let k = n.min(scratch.len() as u64) as usize;
+            self.read_exact(&mut scratch[..k])?;
+            n -= k as u64;
+        }
+        Ok(())
+    }
+
+    /// A frame header: (more, command, size).
+    fn header(&mut self) -> Result<(bool, bool, u64), Fail> {
+        let mut flags = [0u8; 1];
+        self.read_exact(&mut flags)?;
+        let f = flags[0];
+        if f & !(FLAG_MORE | FLAG_LONG | FLAG_COMMAND) != 0 {
+            return Err(Fail::Protocol(format!("reserved frame flags {f:#04x}")));
+        }
+        let size = if f & FLAG_LONG != 0 {
+            let mut b = [0u8; 8];
+            self.read_exact(&mut b)?;
+            u64::from_be_bytes(b)
+        } else {
+            let mut b = [0u8; 1];
+            self.read_exact(&mut b)?;
+            u64::from(b[0])
+        };
+        Ok((f & FLAG_MORE != 0, f & FLAG_COMMAND != 0, size))
+    }
+
+    /// A whole frame of at most `max` bytes into a new buffer.
+    fn small_frame(&mut self, size: u64, max: u64, what: &str) -> Result<Vec<u8>, Fail> {
+        if size > max {
+            return Err(Fail::Protocol(format!(
+                "{what} of {size} bytes (at most {max})"
+            )));
+        }
+        let mut out = vec![0u8; size as usize];
+        self.read_exact(&mut out)?;
+        Ok(out)
+    }
+}
+
+/// `tcp://host:port` -> `host:port`.
+fn address(endpoint: &str) -> PyResult<String> {
+    match endpoint.strip_prefix("tcp://") {
+        Some(a) if !a.is_empty() => Ok(a.to_string()),
+        _ => Err(PyValueError::new_err(format!(
+            "the Rust core speaks tcp only, not {endpoint:?}"
+        ))),
+    }
+}
+
+/// One DEALER connection to a stowd native endpoint.
+#[pyclass(module = "stowage._core")]
+struct Connection {
+    address: String,
+    tcp: Option<TcpStream>,
+}
+
+/// A caller's array, writable and C-contiguous: where a field's rows go.
+struct Target {
+    name: String,
+    dtypes: Vec<String>,
+    shape: Vec<u64>,
+    ptr: usize,
+    len: usize,
+}
+
+/// Where one range of a data frame goes: `len` bytes at `offset` of the
+/// frame into `dest` (an address in a caller's array).
+#[derive(Clone, Copy)]
+struct Place {
+    offset: u64,
+    len: u64,
+    dest: usize,
+}
+
+impl Connection {
+    fn connect(&mut self, deadline: Instant) -> Result<Stream, Fail> {
+        if let Some(tcp) = self.tcp.take() {
+            return Ok(Stream { tcp, deadline });
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        let addr = std::net::ToSocketAddrs::to_socket_addrs(&self.address)
+            .map_err(|e| Fail::Io(format!("{}: {e}", self.address)))?
+            .next()
+            .ok_or_else(|| Fail::Io(format!("{}: no address", self.address)))?;
+        let tcp = TcpStream::connect_timeout(&addr, left.max(Duration::from_millis(1)))
+            .map_err(|e| Fail::Io(format!("cannot connect to {}: {e}", self.address)))?;
+        let _ = tcp.set_nodelay(true);
+        let mut s = Stream { tcp, deadline };
+        s.write_all(&zmtp::greeting())?;
+        let mut g = [0u8; 64];
+        s.read_exact(&mut g)?;
+        zmtp::check_greeting(&g).map_err(|e| Fail::Protocol(e.to_string()))?;
+        let ready = zmtp::ready(&[("Socket-Type", b"DEALER")]);
+        // `ready` starts with the command's name ("\x05READY").
+        s.write_all(&zmtp::command_frame("READY", &ready[6..]))?;
+        let (_, command, size) = s.header()?;
+        if !command {
+            return Err(Fail::Protocol("expected stowd's READY".into()));
+        }
+        let body = s.small_frame(size, 1 << 20, "a command")?;
+        let name_len = *body.first().unwrap_or(&0) as usize;
+        let name = body.get(1..1 + name_len).unwrap_or_default();
+        if name != b"READY" {
+            return Err(Fail::Protocol(format!(
+                "expected READY, got {:?}",
+                String::from_utf8_lossy(name)
+            )));
+        }
+        Ok(s)
+    }
+
+    /// Sends `frame0`, reads the reply into `targets`. Ok(None): the rows
+    /// are in place; Ok(Some(frame 0)): another reply (an error), for the
+    /// caller to decode.
+    fn exchange(
+        &mut self,
+        frame0: &[u8],
+        targets: &[Target],
+        deadline: Instant,
+    ) -> Result<Option<Vec<u8>>, Fail> {
+        let mut s = self.connect(deadline)?;
+        let result = get_into(&mut s, frame0, targets);
+        // Keep the connection only after a reply read to its end.
+        if result.is_ok() {
+            self.tcp = Some(s.tcp);
+        }
+        result
+    }
+}
+
+fn write_message(s: &mut Stream, frame0: &[u8]) -> Result<(), Fail> {
+    let mut head = Vec::with_capacity(9);
+    if frame0.len() > 255 {
+        head.push(FLAG_LONG);
+        head.extend_from_slice(&(frame0.len() as u64).to_be_bytes());
+    } else {
+        head.push(0);
+        head.push(frame0.len() as u8);
+    }
+    s.write_all(&head)?;
+    s.write_all(frame0)
+}
+
+/// The dtypes of a regular field as its descriptor names them.
+fn layout_dtype(f: &FieldLayout) -> Option<(&str, &[u64])> {
+    match f {
+        FieldLayout::Regular { dtype, shape, .. } => Some((dtype.name(), shape)),
+        _ => None,
+    }
+}
+
+fn get_into(s: &mut Stream, frame0: &[u8], targets: &[Target]) -> Result<Option<Vec<u8>>, Fail> {
+    write_message(s, frame0)?;
+    // Frame 0.
+    let (mut more, command, size) = s.header()?;
+    if command {
+        return Err(Fail::Protocol("a command frame inside a reply".into()));
+    }
+    let head = Bytes::from(s.small_frame(size, MAX_FRAME0, "frame 0")?);
+    let limits = Limits::default();
+    let (_, reply) = native::decode_reply_layout(&head, &limits)
+        .map_err(|e| Fail::Protocol(format!("undecodable reply: {e}")))?;
+    let fields = match reply {
+        ReplyLayout::GetOk(fields) => fields,
+        ReplyLayout::Other(_) => {
+            if more {
+                return Err(Fail::Protocol(
+                    "data frames after a reply that has none".into(),
+                ));
+            }
+            return Ok(Some(head.to_vec()));
+        }
+    };
+    // Every requested field, regular, of an accepted dtype and the array's
+    // shape, before any byte is written.
+    let mut places: Vec<Vec<Place>> = Vec::new();
+    for t in targets {
+        let Some((_, f)) = fields.iter().find(|(n, _)| *n == t.name) else {
+            return Err(Fail::Protocol(format!(
+                "the reply has no field {:?}",
+                t.name
+            )));
+        };
+        // Worded as the Python client words them (names as Python's repr).
+        let name = format!("'{}'", t.name);
+        let what = format!("get_into: out[{name}]");
+        let Some((dtype, shape)) = layout_dtype(f) else {
+            return Err(match f {
+                FieldLayout::Values(_) => Fail::NotTensors(format!(
+                    "{what}: field {name} holds plain values, not tensors; use get()"
+                )),
+                _ => Fail::Mismatch(format!(
+                    "{what}: the requested rows of {name} have different shapes, so they do not fit one array; use get()"
+                )),
+            });
+        };
+        if !t.dtypes.iter().any(|d| d == dtype) {
+            return Err(Fail::Mismatch(format!(
+                "{what} has dtype {}, but field {name} is {dtype}",
+                t.dtypes[0]
+            )));
+        }
+        if shape != t.shape.as_slice() {
+            return Err(Fail::Mismatch(format!(
+                "{what} has shape {:?}, but field {name} is {shape:?}",
+                t.shape
+            )));
+        }
+        let FieldLayout::Regular { parts, .. } = f else {
+            unreachable!("a regular layout")
+        };
+        // The array holds exactly the field's bytes (the descriptor's parts
+        // were checked against the dtype and rows when decoded).
+        let total: u64 = parts.iter().map(|p| p.len).sum();
+        if total != t.len as u64 {
+            return Err(Fail::Mismatch(format!(
+                "{what} holds {} bytes, but field {name} is {total}",
+                t.len
+            )));
+        }
+        let row_bytes = total.checked_div(shape[0]).unwrap_or(0);
+        let mut row = 0u64;
+        for p in parts {
+            let frame = p.frame as usize;
+            if places.len() < frame {
+                places.resize(frame, Vec::new());
+            }
+            places[frame - 1].push(Place {
+                offset: p.offset,
+                len: p.len,
+                dest: t.ptr + (row * row_bytes) as usize,
+            });
+            row += p.rows;
+        }
+    }
+    // The data frames, each read straight into its places.
+    let mut lens = Vec::new();
+    let mut k = 0usize;
+    while more {
+        let (m, command, size) = s.header()?;
+        if command {
+            return Err(Fail::Protocol("a command frame inside a reply".into()));
+        }
+        more = m;
+        lens.push(size);
+        let mut mine = places.get(k).cloned().unwrap_or_default();
+        mine.sort_by_key(|p| p.offset);
+        let overlapping = mine
+            .windows(2)
+            .any(|w| w[0].offset + w[0].len > w[1].offset);
+        if mine
+            .iter()
+            .any(|p| p.offset.checked_add(p.len).is_none_or(|e| e > size))
+        {
+            // Reported by check_frames below, after the frame is drained.
+            s.skip(size)?;
+        } else if overlapping {
+            // The same bytes for two rows (a get naming an index twice):
+            // this frame through a buffer.
+            let frame = s.small_frame(size, u64::MAX, "a data frame")?;
+            for p in &mine {
+                let src = &frame[p.offset as usize..(p.offset + p.len) as usize];
+                // SAFETY: `dest` lies in a caller's writable array, checked
+                // (`t.len` against the field's rows) before any read.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(src.as_ptr(), p.dest as *mut u8, src.len())
+                };
+            }
+        } else {
+            let mut at = 0u64;
+            for p in &mine {
+                s.skip(p.offset - at)?;
+                // SAFETY: as above; the ranges of one frame do not overlap
+                // and the rows of a field cover its array once.
+                let dest =
+                    unsafe { std::slice::from_raw_parts_mut(p.dest as *mut u8, p.len as usize) };
+                s.read_exact(dest)?;
+                at = p.offset + p.len;
+            }
+            s.skip(size - at)?;
+        }
+        k += 1;
+    }
+    layout::check_frames(&fields, &lens).map_err(|e| Fail::Protocol(e.to_string()))?;
+    Ok(None)
+}
+
+#[pymethods]
+impl Connection {
+    #[new]
+    fn new(endpoint: &str) -> PyResult<Self> {
+        Ok(Connection {
+            address: address(endpoint)?,
+            tcp: None,
+        })
+    }
+
+    /// Sends the get request `frame0` and reads the reply's rows straight
+    /// into `targets`: a list of `(field, accepted dtype names, shape,
+    /// writable C-contiguous buffer)`. Returns None when the rows are in
+    /// place, or the reply's frame 0 when stowd answered otherwise (an
+    /// error, for the caller to decode). Raises ValueError when the reply
+    /// does not fit the arrays (nothing written), TimeoutError and
+    /// ConnectionError otherwise (the connection is dropped).
+    #[allow(clippy::type_complexity)]
+    fn get_into<'py>(
+        &mut self,
+        py: Python<'py>,
+        frame0: &[u8],
+        targets: Vec<(String, Vec<String>, Vec<u64>, Bound<'py, PyAny>)>,
+        timeout: f64,
+    ) -> PyResult<Option<Bound<'py, PyBytes>>> {
+        let mut buffers = Vec::with_capacity(targets.len());
+        let mut plan = Vec::with_capacity(targets.len());
+        for (name, dtypes, shape, obj) in targets {
+            let buf = PyBuffer::<u8>::get(&obj)?;
+            if buf.readonly() || !buf.is_c_contiguous() {
+                return Err(PyValueError::new_err(format!(
+                    "get_into: out[{name:?}] must be writable and C-contiguous"
+                )));
+            }
+            if dtypes.is_empty() {
+                return Err(PyValueError::new_err("no dtype given"));
+            }
+            plan.push(Target {
+                name,
+                dtypes,
+                shape,
+                ptr: buf.buf_ptr() as usize,
+                len: buf.len_bytes(),
+            });
+            buffers.push(buf);
+        }
+        let deadline = Instant::now() + Duration::from_secs_f64(timeout.max(0.0));
+        let frame0 = frame0.to_vec();
+        // The buffers stay held (`buffers`) while the GIL is released.
+        let result = py.detach(|| self.exchange(&frame0, &plan, deadline));
+        drop(buffers);
+        Ok(result?.map(|head| PyBytes::new(py, &head)))
+    }
+
+    /// Drops the connection (the next call makes a new one).
+    fn close(&mut self) {
+        self.tcp = None;
+    }
+}
+
+/// The module: `Connection`.
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<Connection>()?;
+    Ok(())
+}

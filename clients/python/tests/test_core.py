@@ -1,0 +1,94 @@
+"""The Rust core (issue 17, first part): a tcp `get_into` reads each field's
+bytes from the socket straight into the caller's arrays. Checked here: the
+core is built and used, rows land byte for byte (rows spread over units,
+an index asked twice, several fields), mismatches are refused before
+anything is written, errors keep their types, and no buffer of the
+payload's size is allocated (peak RSS), where the pure-Python path
+(`STOWAGE_PURE_PYTHON=1`) needs one."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+import stowage
+from stowage import client as client_mod
+
+MIB = 1 << 20
+
+
+def test_the_core_is_built_and_reads_get_into(endpoint, fresh, monkeypatch):
+    assert client_mod._core is not None, "stowage._core is not built (cargo xtask test builds it)"
+    idx = fresh(64)
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((64, 300)).astype(np.float32)
+    b = rng.integers(0, 2**16, (64, 5), dtype=np.uint16)
+    with stowage.Client(endpoint, timeout=30) as c:
+        c.put(idx, {"x": x, "b": b})
+        order = idx[::-1] + idx[:3]  # reversed, then three asked twice
+        out = {"x": np.empty((67, 300), np.float32), "b": np.empty((67, 5), np.uint16)}
+        assert c.get_into(order, out) is out
+        assert c._core is not None, "the core did not read this get_into"
+        want = {g: i for i, g in enumerate(idx)}
+        rows = [want[g] for g in order]
+        np.testing.assert_array_equal(out["x"], x[rows])
+        np.testing.assert_array_equal(out["b"], b[rows])
+        # Mismatches are refused before anything is written: `b` is valid,
+        # `x` is not, and `b` keeps its bytes.
+        bout = np.full((3, 5), 7, np.uint16)
+        with pytest.raises(ValueError, match=r"out\['x'\] has dtype float64, but field 'x' is float32"):
+            c.get_into(idx[:3], {"b": bout, "x": np.zeros((3, 300))})
+        with pytest.raises(ValueError, match=r"has shape \[3, 299\]"):
+            c.get_into(idx[:3], {"b": bout, "x": np.zeros((3, 299), np.float32)})
+        np.testing.assert_array_equal(bout, 7)
+        # Errors keep their types; the connection serves on.
+        with pytest.raises(stowage.KeyNotFound):
+            c.get_into([10**15], {"x": np.zeros((1, 300), np.float32)})
+        c.put(idx[:1], {"t": ["text"]})
+        with pytest.raises(TypeError, match="holds plain values"):
+            c.get_into(idx[:1], {"t": np.zeros((1, 1))})
+        one = np.empty((1, 300), np.float32)
+        c.get_into(idx[5:6], {"x": one})
+        np.testing.assert_array_equal(one, x[5:6])
+        c.clear(idx)
+
+
+def _peak_rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM")
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5\n")
+
+
+@pytest.mark.parametrize("pure", [False, True])
+def test_get_into_allocates_nothing_the_size_of_the_payload(endpoint, fresh, monkeypatch, pure):
+    rows, cols = 1024, 64 * 1024  # 256 MiB of float32 in 1,024 rows
+    idx = fresh(rows)
+    x = np.ones((rows, cols), np.float32)
+    with stowage.Client(endpoint, timeout=120) as c:
+        c.put(idx, {"x": x})
+        del x
+        out = np.empty((rows, cols), np.float32)
+        out.fill(0)  # its pages faulted in now (np.zeros would fault them during the get)
+        if pure:
+            monkeypatch.setenv("STOWAGE_PURE_PYTHON", "1")
+        _reset_peak()
+        base = _peak_rss()
+        c.get_into(idx, {"x": out})
+        grew = _peak_rss() - base
+        assert out[0, 0] == 1 and out[-1, -1] == 1
+        c.clear(idx)
+    payload = rows * cols * 4
+    if pure:
+        # pyzmq's frames, then the copy: at least half the payload more.
+        assert grew > payload // 2, f"the pure-Python path grew by only {grew / MIB:.0f} MiB"
+    else:
+        assert grew < 64 * MIB, f"get_into through the core grew by {grew / MIB:.0f} MiB for {payload / MIB:.0f} MiB"
