@@ -1,0 +1,153 @@
+#!/usr/bin/env python3
+"""tcp get_into through the client's Rust core against the pure-Python
+path and the plain tcp stream (issue 17), all in one run.
+
+A release stowd with `[units] local = 4` holds each case (put once over
+tcp); then, `--reps` times each, in this order:
+
+- tcp stream: 9 bytes of request, then the payload from another process on
+  127.0.0.1, read with `recv_into` into one reused buffer (the limit; the
+  peer is the side-by-side suite's, bench/suite.py);
+- get_into, core: `Client.get_into` into a pre-faulted array (the Rust
+  core reads each frame straight into it);
+- get_into, pure Python: the same with `STOWAGE_PURE_PYTHON=1` (pyzmq
+  receives the frames, then each field is copied into the array);
+- get: a plain `Client.get`.
+
+Per row: median GB/s, its ratio to the tcp stream, and the client's peak
+RSS above what it held before the call (VmHWM reset through
+/proc/self/clear_refs), over the payload.
+
+Run it with the Python that has the package installed with its release
+core (`pip install ./clients/python`):
+usage: /path/to/venv/bin/python bench/core_get_into.py --stowd target/release/stowd [--reps 3]
+"""
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+import stowage  # noqa: E402  (the installed package, with its release core)
+from stowage import client as client_mod  # noqa: E402
+from procmem import reset_peak, status  # noqa: E402
+from suite import TCP_PEER  # noqa: E402
+
+
+def measure(fn):
+    """(seconds, client peak RSS above before)."""
+    me = os.getpid()
+    reset_peak(me)
+    before = status(me)["VmRSS"]
+    t = time.perf_counter()
+    r = fn()
+    s = time.perf_counter() - t
+    grew = status(me)["VmHWM"] - before
+    del r
+    return s, grew
+
+
+def tcp_limit(nbytes: int, reps: int) -> list[float]:
+    peer = subprocess.Popen([sys.executable, "-c", TCP_PEER, str(nbytes)], stdout=subprocess.PIPE, text=True)
+    port = int(peer.stdout.readline())
+    s = socket.create_connection(("127.0.0.1", port))
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    dst = memoryview(bytearray(nbytes))
+    out = []
+    try:
+        for _ in range(reps):
+            t = time.perf_counter()
+            s.sendall(b"g" + nbytes.to_bytes(8, "little"))
+            got = 0
+            while got < nbytes:
+                k = s.recv_into(dst[got:])
+                if not k:
+                    raise EOFError
+                got += k
+            out.append(time.perf_counter() - t)
+        s.sendall(b"q" + bytes(8))
+    finally:
+        s.close()
+        peer.wait()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--stowd", default=os.path.join(ROOT, "target", "release", "stowd"))
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--scale", type=float, default=1.0)
+    a = ap.parse_args()
+    if client_mod._core is None:
+        raise SystemExit("this Python's stowage has no Rust core: pip install ./clients/python")
+    work = tempfile.mkdtemp(prefix="stowage-core-bench-")
+    os.makedirs(os.path.join(work, "none"))
+    cfg, eps = os.path.join(work, "stowd.toml"), os.path.join(work, "stowd.json")
+    with open(cfg, "w") as f:
+        f.write(f"[units]\nlocal = 4\nmemory_percent = 0\n[plugins]\ndir = \"{work}/none\"\n")
+    proc = subprocess.Popen([a.stowd, "serve", "--config", cfg, "--endpoints-file", eps],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        while not os.path.exists(eps):
+            if proc.poll() is not None:
+                raise SystemExit("stowd did not start")
+            time.sleep(0.02)
+        ep = json.load(open(eps))
+        rows = []
+        cases = [("seed: float32 [524288, 1024], 2 GiB", int(524288 * a.scale), 1024),
+                 ("16 KiB rows: float32 [65536, 4096], 1 GiB", int(65536 * a.scale), 4096)]
+        with stowage.Client(ep["native"], timeout=600) as c:
+            for name, n, cols in cases:
+                x = np.random.default_rng(0).random((n, cols), dtype=np.float32)
+                idx = list(range(n))
+                c.put(idx, {"x": x})
+                payload = x.nbytes
+                out = np.empty_like(x)
+                out.fill(0)
+                limit = tcp_limit(payload, a.reps)
+                results = {"tcp stream": [(s, 0) for s in limit]}
+                for label, pure, fn in [
+                    ("get_into, core", False, lambda: c.get_into(idx, {"x": out})),
+                    ("get_into, pure Python", True, lambda: c.get_into(idx, {"x": out})),
+                    ("get", False, lambda: c.get(idx, ["x"])),
+                ]:
+                    if pure:
+                        os.environ["STOWAGE_PURE_PYTHON"] = "1"
+                    else:
+                        os.environ.pop("STOWAGE_PURE_PYTHON", None)
+                    results[label] = [measure(fn) for _ in range(a.reps)]
+                    if label.startswith("get_into"):
+                        if not np.array_equal(out, x):
+                            raise SystemExit(f"{label}: rows differ")
+                        out.fill(0)
+                os.environ.pop("STOWAGE_PURE_PYTHON", None)
+                lim = statistics.median(limit)
+                for label, rs in results.items():
+                    s = statistics.median(t for t, _ in rs)
+                    grew = max(g for _, g in rs)
+                    rows.append((name, label, payload / s / 1e9, lim / s, grew / payload))
+                c.clear(idx)
+                del x, out
+        print(f"release stowd, 4 units, {a.reps} repetitions (median); load average {os.getloadavg()[0]:.2f}\n")
+        print("| case | way | GB/s | of the tcp stream | client peak over payload |")
+        print("|---|---|---:|---:|---:|")
+        for name, label, gbs, ratio, mem in rows:
+            print(f"| {name} | {label} | {gbs:.2f} | {ratio:.2f} | {mem:.2f} |")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
