@@ -12,7 +12,9 @@ tcp); then, `--reps` times each, in this order:
   core reads each frame straight into it);
 - get_into, pure Python: the same with `STOWAGE_PURE_PYTHON=1` (pyzmq
   receives the frames, then each field is copied into the array);
-- get: a plain `Client.get`.
+- get, core and pure Python: a plain `Client.get` (the core reads each
+  field into one buffer the returned array is a view of);
+- then 2,000 gets of one 4 KiB row, each way (us per round trip).
 
 Per row: median GB/s, its ratio to the tcp stream, and the client's peak
 RSS above what it held before the call (VmHWM reset through
@@ -119,7 +121,8 @@ def main() -> None:
                 for label, pure, fn in [
                     ("get_into, core", False, lambda: c.get_into(idx, {"x": out})),
                     ("get_into, pure Python", True, lambda: c.get_into(idx, {"x": out})),
-                    ("get", False, lambda: c.get(idx, ["x"])),
+                    ("get, core", False, lambda: c.get(idx, ["x"])),
+                    ("get, pure Python", True, lambda: c.get(idx, ["x"])),
                 ]:
                     if pure:
                         os.environ["STOWAGE_PURE_PYTHON"] = "1"
@@ -138,11 +141,31 @@ def main() -> None:
                     rows.append((name, label, payload / s / 1e9, lim / s, grew / payload))
                 c.clear(idx)
                 del x, out
+            # Small gets: one row of 4 KiB, round trip.
+            small = {}
+            c.put([10**9], {"s": np.ones((1, 1024), np.float32)})
+            for label, pure in [("core", False), ("pure Python", True)]:
+                if pure:
+                    os.environ["STOWAGE_PURE_PYTHON"] = "1"
+                else:
+                    os.environ.pop("STOWAGE_PURE_PYTHON", None)
+                for _ in range(200):
+                    c.get([10**9], ["s"])
+                t = time.perf_counter()
+                for _ in range(2000):
+                    c.get([10**9], ["s"])
+                small[label] = (time.perf_counter() - t) / 2000
+            os.environ.pop("STOWAGE_PURE_PYTHON", None)
+            c.clear([10**9])
         print(f"release stowd, 4 units, {a.reps} repetitions (median); load average {os.getloadavg()[0]:.2f}\n")
         print("| case | way | GB/s | of the tcp stream | client peak over payload |")
         print("|---|---|---:|---:|---:|")
         for name, label, gbs, ratio, mem in rows:
             print(f"| {name} | {label} | {gbs:.2f} | {ratio:.2f} | {mem:.2f} |")
+        print("\n| get of one 4 KiB row | us per round trip |")
+        print("|---|---:|")
+        for label, sec in small.items():
+            print(f"| {label} | {sec * 1e6:.0f} |")
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait()

@@ -425,7 +425,73 @@ class Client(_Ops):
         sees it; nor does another tensor of the same get (a row asked for
         twice is copied: two tensors of one get never share bytes)."""
         n, names, body = self._get_request(global_indexes, fields, as_torch, self._ranges_ok)
+        if self._core_reads():
+            return self._core_get(body, names, n, as_torch, timeout)
         return self._get_call(body, timeout, lambda reply, frames: self._get_result(reply, frames, names, n, as_torch))
+
+    def _core_get(self, body: dict, names: list, n: int, as_torch, timeout) -> dict:
+        """A tcp get through the Rust core: each regular or nested field's
+        rows are read from the socket into one buffer of their size,
+        allocated once (a regular field's array is a view of it); values come
+        from frame 0."""
+        rid, head, bufs = self._core_call(body, timeout, lambda core, frame0, t: core.get(frame0, t))
+        env = _codec.decode_envelope(head)
+        try:
+            reply = self._reply_body(env, "get_ok", rid)
+        except BadRequest as e:
+            # Raises unless stowd refused the ranges; then the same as a list.
+            return self._core_get(self._list_fallback(body, e), names, n, as_torch, timeout)
+        self._reply_frames(env, [head])  # refuses a same-node reply nobody asked for
+        if bufs is None:
+            raise ProtocolError(f"get (id {rid}): a get_ok the client's codec cannot read", request_id=rid)
+        # The descriptors now name the core's buffers: one data frame per
+        # regular or nested field, its rows back to back in row order.
+        descs = reply.get("fields") if isinstance(reply, dict) else None
+        if not isinstance(descs, dict):
+            raise ProtocolError(f"get_ok body has keys {sorted(reply)}, expected ['fields']", request_id=rid)
+        views, by_name = [], dict(bufs)
+        for name, d in descs.items():
+            if name not in by_name:
+                continue
+            buf = memoryview(by_name[name])
+            views.append(buf)
+            k = len(views)
+            if d.get("kind") == "regular":
+                rows = d["shape"][0]
+                d["parts"] = [{"frame": k, "offset": 0, "len": len(buf), "rows": rows}] if rows else []
+            else:
+                at = 0
+                for r in d["rows"]:
+                    r["frame"], r["offset"] = k, at
+                    at += r["len"]
+        return self._get_result(reply, _codec.FrameSource(views), names, n, as_torch)
+
+    def _core_call(self, body: dict, timeout, call):
+        """Runs `call(core connection, frame 0 of a get, timeout)` under the
+        client's lock; (request id, its result). A timeout or a broken
+        connection resets both connections."""
+        timeout = self._call_timeout(timeout)
+        rid = next(self._ids)
+        frame0 = _codec.envelope("get", rid, body)
+        with self._lock:
+            if self._sock is None:
+                raise StowageError("the client is closed")
+            if self._core is None:
+                self._core = _core.Connection(self.endpoint)
+            try:
+                return (rid, *call(self._core, frame0, timeout))
+            except TimeoutError:
+                # The core dropped its connection; the DEALER goes too, as
+                # after any timeout, so nothing stale can follow.
+                self._reset()
+                raise StowageTimeout(f"get (id {rid}): no reply from {self.endpoint} within {timeout:g} s; "
+                                     "the connection was reset", request_id=rid) from None
+            except _core.ProtocolViolation as e:
+                self._reset()
+                raise ProtocolError(f"get (id {rid}): {e}", request_id=rid) from None
+            except ConnectionError as e:
+                self._reset()
+                raise InternalError(f"get (id {rid}): {e}", request_id=rid) from None
 
     def _get_call(self, body: dict, timeout, finish):
         """`finish(reply, frames)` of a get, sent again as a list to a stowd
@@ -450,51 +516,34 @@ class Client(_Ops):
         self._get_call(body, timeout, lambda reply, frames: self._get_into_result(reply, frames, targets, n))
         return out
 
-    def _core_reads(self, targets: dict) -> bool:
-        """Whether the Rust core reads this get_into: over tcp, into
-        C-contiguous arrays, with the extension built."""
+    def _core_reads(self, targets: dict | None = None) -> bool:
+        """Whether the Rust core reads this get or get_into: over tcp, with
+        the extension built (and, for get_into, into C-contiguous arrays)."""
         return (_core is not None and self._segments is None and self.endpoint.startswith("tcp://")
                 and os.environ.get("STOWAGE_PURE_PYTHON") != "1"
-                and all(a.flags.c_contiguous for _, a in targets.values()))
+                and all(a.flags.c_contiguous for _, a in (targets or {}).values()))
 
     def _core_get_into(self, body: dict, targets: dict, timeout) -> bool:
         """The tcp get_into through the Rust core: each field's bytes go from
         the socket straight into its array (no buffer of the payload's size,
-        the GIL released meanwhile). False: stowd does not take the request
-        as sent (an older stowd refusing ranges); the caller falls back."""
-        timeout = self._call_timeout(timeout)
-        rid = next(self._ids)
-        frame0 = _codec.envelope("get", rid, body)
+        the GIL released meanwhile)."""
         plan = []
         for name, (dtype, a) in targets.items():
             accepted = [dtype]
             if dtype in _INT_NAMES:  # raw bits fill ints of their size
                 accepted += [b for b in _codec.BITS_DTYPES if _codec.WIRE_DTYPES[b].itemsize == a.dtype.itemsize]
             plan.append((name, accepted, list(a.shape), a.reshape(-1).view(np.uint8)))
-        with self._lock:
-            if self._sock is None:
-                raise StowageError("the client is closed")
-            if self._core is None:
-                self._core = _core.Connection(self.endpoint)
-            try:
-                head = self._core.get_into(frame0, plan, timeout)
-            except TimeoutError:
-                # The core dropped its connection; the DEALER goes too, as
-                # after any timeout, so nothing stale can follow.
-                self._reset()
-                raise StowageTimeout(f"get_into (id {rid}): no reply from {self.endpoint} within {timeout:g} s; "
-                                     "the connection was reset", request_id=rid) from None
-            except ConnectionError as e:
-                raise InternalError(f"get_into (id {rid}): {e}", request_id=rid) from None
+        rid, head = self._core_call(body, timeout, lambda core, frame0, t: (core.get_into(frame0, plan, t),))
         if head is None:
             return True
         env = _codec.decode_envelope(head)
         try:
             self._reply_body(env, "get_ok", rid)
         except BadRequest as e:
-            self._list_fallback(body, e)  # raises unless stowd refused the ranges
-            return False
-        raise ProtocolError(f"get_into (id {rid}): unexpected {env['op']!r} reply", request_id=rid)
+            # Raises unless stowd refused the ranges; then the same as a list.
+            return self._core_get_into(self._list_fallback(body, e), targets, timeout)
+        self._reply_frames(env, [head])  # refuses a same-node reply nobody asked for
+        raise ProtocolError(f"get_into (id {rid}): a get_ok the client's codec cannot read", request_id=rid)
 
     def clear(self, global_indexes, fields=None, *, timeout: float | None = None) -> int:
         """Drops the given fields (all fields if None) of the given indexes;

@@ -92,3 +92,37 @@ def test_get_into_allocates_nothing_the_size_of_the_payload(endpoint, fresh, mon
         assert grew > payload // 2, f"the pure-Python path grew by only {grew / MIB:.0f} MiB"
     else:
         assert grew < 64 * MIB, f"get_into through the core grew by {grew / MIB:.0f} MiB for {payload / MIB:.0f} MiB"
+
+
+@pytest.mark.parametrize("pure", [False, True])
+def test_get_allocates_the_result_once(endpoint, fresh, monkeypatch, pure):
+    """A plain get through the core reads each field into one buffer of its
+    size, which the returned array is a view of: the client's peak grows by
+    the payload, once (pyzmq's frames and then the joined array: twice)."""
+    rows, cols = 1024, 64 * 1024  # 256 MiB, spread over the units: several frames
+    idx = fresh(rows)
+    x = np.arange(rows, dtype=np.float32)[:, None] * np.ones((1, cols), np.float32)
+    with stowage.Client(endpoint, timeout=120) as c:
+        c.put(idx, {"x": x, "n": [np.arange(k % 7, dtype=np.int16) for k in range(rows)], "t": ["s"] * rows})
+        del x
+        if pure:
+            monkeypatch.setenv("STOWAGE_PURE_PYTHON", "1")
+        _reset_peak()
+        base = _peak_rss()
+        got = c.get(idx, ["x", "n", "t"])
+        grew = _peak_rss() - base
+        a = got["x"]
+        assert a[5, 7] == 5 and a[-1, -1] == rows - 1 and not a.flags.writeable
+        assert [len(r) for r in got["n"][:8]] == [0, 1, 2, 3, 4, 5, 6, 0] and got["t"][0] == "s"
+        owner = a
+        while getattr(owner, "base", None) is not None and not isinstance(owner, memoryview):
+            owner = owner.base
+        made_by_core = isinstance(owner, memoryview) and type(owner.obj).__name__ == "Buffer"
+        assert made_by_core == (not pure), f"the array's memory belongs to {owner!r}"
+        del got, a, owner
+        c.clear(idx)
+    payload = rows * cols * 4
+    if pure:
+        assert grew > 1.5 * payload, f"the pure-Python get grew by only {grew / MIB:.0f} MiB"
+    else:
+        assert grew < payload + 32 * MIB, f"a get through the core grew by {grew / MIB:.0f} MiB for {payload / MIB:.0f} MiB"

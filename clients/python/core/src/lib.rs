@@ -30,6 +30,13 @@ use pyo3::types::PyBytes;
 use stowage_transport::zmtp;
 use stowage_wire::native::{self, FieldLayout, Limits, ReplyLayout, layout};
 
+pyo3::create_exception!(
+    _core,
+    ProtocolViolation,
+    pyo3::exceptions::PyException,
+    "The reply breaks stowage/1 or ZMTP (the connection was dropped)."
+);
+
 const FLAG_MORE: u8 = 0x01;
 const FLAG_LONG: u8 = 0x02;
 const FLAG_COMMAND: u8 = 0x04;
@@ -54,7 +61,7 @@ impl From<Fail> for PyErr {
         match f {
             Fail::Timeout(m) => PyTimeoutError::new_err(m),
             Fail::Io(m) => PyConnectionError::new_err(m),
-            Fail::Protocol(m) => PyConnectionError::new_err(format!("protocol: {m}")),
+            Fail::Protocol(m) => ProtocolViolation::new_err(m),
             Fail::Mismatch(m) => PyValueError::new_err(m),
             Fail::NotTensors(m) => PyTypeError::new_err(m),
         }
@@ -233,6 +240,18 @@ impl Connection {
         }
         result
     }
+
+    /// Sends `frame0` and reads the reply: its frame 0, and for a get_ok one
+    /// buffer per regular or nested field holding its rows back to back in
+    /// row order (allocated once, each frame read straight into it).
+    fn exchange_get(&mut self, frame0: &[u8], deadline: Instant) -> Result<Gotten, Fail> {
+        let mut s = self.connect(deadline)?;
+        let result = get(&mut s, frame0);
+        if result.is_ok() {
+            self.tcp = Some(s.tcp);
+        }
+        result
+    }
 }
 
 fn write_message(s: &mut Stream, frame0: &[u8]) -> Result<(), Fail> {
@@ -259,7 +278,7 @@ fn layout_dtype(f: &FieldLayout) -> Option<(&str, &[u64])> {
 fn get_into(s: &mut Stream, frame0: &[u8], targets: &[Target]) -> Result<Option<Vec<u8>>, Fail> {
     write_message(s, frame0)?;
     // Frame 0.
-    let (mut more, command, size) = s.header()?;
+    let (more, command, size) = s.header()?;
     if command {
         return Err(Fail::Protocol("a command frame inside a reply".into()));
     }
@@ -340,6 +359,152 @@ fn get_into(s: &mut Stream, frame0: &[u8], targets: &[Target]) -> Result<Option<
             row += p.rows;
         }
     }
+    read_frames(s, more, &places, &fields)?;
+    Ok(None)
+}
+
+/// A reply read by [`get`]: frame 0, and the fields' buffers.
+struct Gotten {
+    head: Vec<u8>,
+    /// (field, its rows back to back) for each regular or nested field, in
+    /// reply order; None for a reply that is not a get_ok.
+    fields: Option<Vec<(String, Vec<u8>)>>,
+}
+
+fn get(s: &mut Stream, frame0: &[u8]) -> Result<Gotten, Fail> {
+    write_message(s, frame0)?;
+    let (more, command, size) = s.header()?;
+    if command {
+        return Err(Fail::Protocol("a command frame inside a reply".into()));
+    }
+    let head = Bytes::from(s.small_frame(size, MAX_FRAME0, "frame 0")?);
+    let layouts = match native::decode_reply_layout(&head, &Limits::default()) {
+        Ok((_, ReplyLayout::GetOk(fields))) => fields,
+        // As in `get_into`: the caller decodes frame 0.
+        _ => {
+            drain(s, more)?;
+            return Ok(Gotten {
+                head: head.to_vec(),
+                fields: None,
+            });
+        }
+    };
+    // One buffer per field; each range of the reply goes to its place in
+    // its field's buffer, rows in row order.
+    let mut buffers: Vec<(String, Vec<u8>)> = Vec::new();
+    let mut places: Vec<Vec<Place>> = Vec::new();
+    for (name, f) in &layouts {
+        if matches!(f, FieldLayout::Values(_)) {
+            continue;
+        }
+        let ranges = f.ranges();
+        let total: u64 = ranges.iter().map(|r| r.2).sum();
+        // Zeroed by calloc (fresh pages for a large one): written once, here.
+        let buf = vec![0u8; total as usize];
+        let base = buf.as_ptr() as usize;
+        let mut at = 0u64;
+        for (frame, offset, len) in ranges {
+            let frame = frame as usize;
+            if places.len() < frame {
+                places.resize(frame, Vec::new());
+            }
+            places[frame - 1].push(Place {
+                offset,
+                len,
+                dest: base + at as usize,
+            });
+            at += len;
+        }
+        buffers.push((name.clone(), buf));
+    }
+    read_frames(s, more, &places, &layouts)?;
+    Ok(Gotten {
+        head: head.to_vec(),
+        fields: Some(buffers),
+    })
+}
+
+/// Bytes handed to Python without a copy: a read-only buffer object.
+#[pyclass(module = "stowage._core", frozen)]
+struct Buffer {
+    data: Vec<u8>,
+}
+
+#[pymethods]
+impl Buffer {
+    /// The buffer protocol: a read-only view of the bytes.
+    unsafe fn __getbuffer__(
+        slf: Bound<'_, Self>,
+        view: *mut pyo3::ffi::Py_buffer,
+        flags: std::os::raw::c_int,
+    ) -> PyResult<()> {
+        let (ptr, len) = {
+            let me = slf.get();
+            (me.data.as_ptr(), me.data.len())
+        };
+        // SAFETY: `view` comes from Python's buffer machinery; the bytes
+        // never move or change and live as long as `slf`, which the view
+        // holds a reference to.
+        let rc = unsafe {
+            pyo3::ffi::PyBuffer_FillInfo(
+                view,
+                slf.as_ptr(),
+                ptr as *mut std::os::raw::c_void,
+                len as pyo3::ffi::Py_ssize_t,
+                1,
+                flags,
+            )
+        };
+        if rc == -1 {
+            return Err(PyErr::fetch(slf.py()));
+        }
+        Ok(())
+    }
+
+    unsafe fn __releasebuffer__(&self, _view: *mut pyo3::ffi::Py_buffer) {}
+
+    fn __len__(&self) -> usize {
+        self.data.len()
+    }
+}
+
+/// Reads the rest of a reply and throws it away.
+fn drain(s: &mut Stream, mut more: bool) -> Result<(), Fail> {
+    while more {
+        let (m, _, size) = s.header()?;
+        s.skip(size)?;
+        more = m;
+    }
+    Ok(())
+}
+
+/// A layout error in the Python client's words (its suite checks them).
+fn frames_error(e: &stowage_wire::native::Error) -> String {
+    use stowage_wire::native::Error as E;
+    match e.root() {
+        E::FrameOutOfRange { frame, data_frames } => {
+            format!("frame {frame} does not exist (the reply has {data_frames} data frames)")
+        }
+        E::RangeOutsideFrame {
+            frame,
+            offset,
+            len,
+            frame_len,
+        } => format!("range {offset}+{len} lies outside frame {frame} ({frame_len} bytes)"),
+        E::UnusedFrame(i) => format!("reply data frames [{i}] are referenced by no descriptor"),
+        other => other.to_string(),
+    }
+}
+
+/// Reads the data frames of a reply (`more`: frame 0 said more follow),
+/// each range straight to its place, then checks the ranges against the
+/// frames that came.
+fn read_frames(
+    s: &mut Stream,
+    mut more: bool,
+    places: &[Vec<Place>],
+    fields: &[(String, FieldLayout)],
+) -> Result<(), Fail> {
     // The data frames, each read straight into its places.
     let mut lens = Vec::new();
     let mut k = 0usize;
@@ -388,8 +553,7 @@ fn get_into(s: &mut Stream, frame0: &[u8], targets: &[Target]) -> Result<Option<
         }
         k += 1;
     }
-    layout::check_frames(&fields, &lens).map_err(|e| Fail::Protocol(e.to_string()))?;
-    Ok(None)
+    layout::check_frames(fields, &lens).map_err(|e| Fail::Protocol(frames_error(&e)))
 }
 
 #[pymethods]
@@ -446,6 +610,37 @@ impl Connection {
         Ok(result?.map(|head| PyBytes::new(py, &head)))
     }
 
+    /// Sends the get request `frame0` and reads the reply. Returns (frame
+    /// 0, None) for a reply that is not a get_ok (an error, for the caller
+    /// to decode), else (frame 0, [(field, Buffer)]): for each regular or
+    /// nested field, in reply order, its rows back to back in row order in
+    /// one read-only buffer, read straight from the socket (values stay in
+    /// frame 0). Raises TimeoutError and ConnectionError as `get_into`.
+    #[allow(clippy::type_complexity)]
+    fn get<'py>(
+        &mut self,
+        py: Python<'py>,
+        frame0: &[u8],
+        timeout: f64,
+    ) -> PyResult<(
+        Bound<'py, PyBytes>,
+        Option<Vec<(String, Bound<'py, Buffer>)>>,
+    )> {
+        let deadline = Instant::now() + Duration::from_secs_f64(timeout.max(0.0));
+        let frame0 = frame0.to_vec();
+        let got = py.detach(|| self.exchange_get(&frame0, deadline))?;
+        let fields = match got.fields {
+            None => None,
+            Some(fields) => Some(
+                fields
+                    .into_iter()
+                    .map(|(name, data)| Ok((name, Bound::new(py, Buffer { data })?)))
+                    .collect::<PyResult<Vec<_>>>()?,
+            ),
+        };
+        Ok((PyBytes::new(py, &got.head), fields))
+    }
+
     /// Drops the connection (the next call makes a new one).
     fn close(&mut self) {
         self.tcp = None;
@@ -456,5 +651,7 @@ impl Connection {
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Connection>()?;
+    m.add_class::<Buffer>()?;
+    m.add("ProtocolViolation", m.py().get_type::<ProtocolViolation>())?;
     Ok(())
 }
