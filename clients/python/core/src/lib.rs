@@ -401,6 +401,7 @@ fn get(s: &mut Stream, frame0: &[u8]) -> Result<Gotten, Fail> {
         let total: u64 = ranges.iter().map(|r| r.2).sum();
         // Zeroed by calloc (fresh pages for a large one): written once, here.
         let buf = vec![0u8; total as usize];
+        huge_pages(&buf);
         let base = buf.as_ptr() as usize;
         let mut at = 0u64;
         for (frame, offset, len) in ranges {
@@ -465,6 +466,24 @@ impl Buffer {
 
     fn __len__(&self) -> usize {
         self.data.len()
+    }
+}
+
+/// Asks for transparent huge pages under a large fresh buffer: its pages
+/// are faulted in as the reply is read into it, and 2 MiB at a time costs
+/// far less than 4 KiB at a time (fresh 4 KiB pages bound a get at about
+/// the page-fault rate otherwise; measured in docs/benchmarks.md). Only a
+/// hint: where THP is off it changes nothing.
+fn huge_pages(buf: &[u8]) {
+    const HUGE: usize = 2 << 20;
+    let start = (buf.as_ptr() as usize).next_multiple_of(HUGE);
+    let end = (buf.as_ptr() as usize + buf.len()) / HUGE * HUGE;
+    if end > start {
+        // SAFETY: the range lies inside `buf`'s allocation; MADV_HUGEPAGE
+        // changes how its pages are backed, never their contents.
+        unsafe {
+            libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE);
+        }
     }
 }
 
