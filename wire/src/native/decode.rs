@@ -84,32 +84,10 @@ pub(super) fn reply_layout(frame0: &Bytes, limits: &Limits) -> Result<(u64, Repl
     const MAP: &str = "a get_ok body";
     let mut fields = None;
     keyed(&mut r, MAP, ["fields"], |_, r| {
-        let n = r.map_len("fields")?;
-        limit("fields", n, limits.max_fields)?;
-        let mut seen = HashSet::with_capacity(n);
-        let mut out = Vec::with_capacity(n);
-        for _ in 0..n {
-            let name = r.str("a field name")?;
-            if !seen.insert(name) {
-                return Err(Error::DuplicateField(name.to_owned()));
-            }
-            let field = parse_descriptor(r, frame0, limits).map_err(|e| e.in_field(name))?;
-            out.push((name.to_owned(), field));
-        }
-        fields = Some(out);
-        Ok(())
+        named_map(r, limits, |r| parse_descriptor(r, frame0, limits)).map(|f| fields = Some(f))
     })?;
     let fields = need(fields, MAP, "fields")?;
-    if let Some((_, first)) = fields.first() {
-        let expected = first.rows();
-        if let Some((name, f)) = fields.iter().find(|(_, f)| f.rows() != expected) {
-            return Err(Error::RowCount {
-                rows: f.rows(),
-                expected,
-            }
-            .in_field(name));
-        }
-    }
+    same_rows(&fields, FieldLayout::rows)?;
     Ok((id, ReplyLayout::GetOk(fields)))
 }
 
@@ -209,16 +187,7 @@ pub(super) fn reply(frames: &[Bytes], limits: &Limits) -> Result<(u64, Reply), E
                 field_map(r, &mut data, limits).map(|f| fields = Some(f))
             })?;
             let fields = need(fields, MAP, "fields")?;
-            if let Some((_, first)) = fields.first() {
-                let expected = first.rows();
-                if let Some((name, f)) = fields.iter().find(|(_, f)| f.rows() != expected) {
-                    return Err(Error::RowCount {
-                        rows: f.rows(),
-                        expected,
-                    }
-                    .in_field(name));
-                }
-            }
+            same_rows(&fields, WireField::rows)?;
             Reply::GetOk { fields }
         }
         "stats_ok" => {
@@ -440,6 +409,16 @@ fn field_map(
     data: &mut Frames<'_>,
     limits: &Limits,
 ) -> Result<Vec<(String, WireField)>, Error> {
+    named_map(r, limits, |r| descriptor(r, data, limits))
+}
+
+/// A map of distinct field names to what `one` reads for each (at most
+/// `max_fields` of them).
+fn named_map<'a, T>(
+    r: &mut Reader<'a>,
+    limits: &Limits,
+    mut one: impl FnMut(&mut Reader<'a>) -> Result<T, Error>,
+) -> Result<Vec<(String, T)>, Error> {
     let n = r.map_len("fields")?;
     limit("fields", n, limits.max_fields)?;
     let mut seen = HashSet::with_capacity(n);
@@ -449,10 +428,25 @@ fn field_map(
         if !seen.insert(name) {
             return Err(Error::DuplicateField(name.to_owned()));
         }
-        let field = descriptor(r, data, limits).map_err(|e| e.in_field(name))?;
+        let field = one(r).map_err(|e| e.in_field(name))?;
         out.push((name.to_owned(), field));
     }
     Ok(out)
+}
+
+/// Every field of a get_ok has the same number of rows as the first.
+fn same_rows<T>(fields: &[(String, T)], rows: impl Fn(&T) -> u64) -> Result<(), Error> {
+    if let Some((_, first)) = fields.first() {
+        let expected = rows(first);
+        if let Some((name, f)) = fields.iter().find(|(_, f)| rows(f) != expected) {
+            return Err(Error::RowCount {
+                rows: rows(f),
+                expected,
+            }
+            .in_field(name));
+        }
+    }
+    Ok(())
 }
 
 use super::layout::{FieldLayout, PartLayout as PartDesc, ReplyLayout, RowLayout as RowDesc};
