@@ -487,6 +487,57 @@ fn huge_pages(buf: &[u8]) {
     }
 }
 
+/// Reads one data frame of `size` bytes into its places (sorted by
+/// offset, each inside the frame), in one pass over the stream with no
+/// buffer of the frame's size: bytes not read yet go from the socket
+/// straight to their place; bytes a place shares with earlier ones (a get
+/// that names an index twice, or runs of rows that overlap) are copied from
+/// where they were read to.
+fn read_ranges(s: &mut Stream, places: &[Place], size: u64) -> Result<(), Fail> {
+    // The disjoint stretches read so far: (frame offset, len, where).
+    let mut read: Vec<(u64, u64, usize)> = Vec::new();
+    let mut pos = 0u64;
+    for p in places {
+        let end = p.offset + p.len;
+        // The part already read: copied from each stretch that holds it.
+        let shared_end = end.min(pos);
+        if p.offset < shared_end {
+            let first = read.partition_point(|r| r.0 + r.1 <= p.offset);
+            for &(at, len, dest) in &read[first..] {
+                if at >= shared_end {
+                    break;
+                }
+                let from = at.max(p.offset);
+                let to = (at + len).min(shared_end);
+                // SAFETY: both ranges lie in caller-owned destinations
+                // checked against the layout before any read; a stretch
+                // read earlier and this place never share bytes (a place
+                // is a distinct row range of a field's destination).
+                unsafe {
+                    std::ptr::copy(
+                        (dest + (from - at) as usize) as *const u8,
+                        (p.dest + (from - p.offset) as usize) as *mut u8,
+                        (to - from) as usize,
+                    );
+                }
+            }
+        }
+        // The part not read yet: from the socket, straight into place.
+        let start = p.offset.max(pos);
+        if start < end {
+            s.skip(start - pos)?;
+            let dest = p.dest + (start - p.offset) as usize;
+            // SAFETY: as above; `start..end` lies in this place.
+            let slice =
+                unsafe { std::slice::from_raw_parts_mut(dest as *mut u8, (end - start) as usize) };
+            s.read_exact(slice)?;
+            read.push((start, end - start, dest));
+            pos = end;
+        }
+    }
+    s.skip(size - pos)
+}
+
 /// Reads the rest of a reply and throws it away.
 fn drain(s: &mut Stream, mut more: bool) -> Result<(), Fail> {
     while more {
@@ -536,39 +587,14 @@ fn read_frames(
         lens.push(size);
         let mut mine = places.get(k).cloned().unwrap_or_default();
         mine.sort_by_key(|p| p.offset);
-        let overlapping = mine
-            .windows(2)
-            .any(|w| w[0].offset + w[0].len > w[1].offset);
         if mine
             .iter()
             .any(|p| p.offset.checked_add(p.len).is_none_or(|e| e > size))
         {
             // Reported by check_frames below, after the frame is drained.
             s.skip(size)?;
-        } else if overlapping {
-            // The same bytes for two rows (a get naming an index twice):
-            // this frame through a buffer.
-            let frame = s.small_frame(size, u64::MAX, "a data frame")?;
-            for p in &mine {
-                let src = &frame[p.offset as usize..(p.offset + p.len) as usize];
-                // SAFETY: `dest` lies in a caller's writable array, checked
-                // (`t.len` against the field's rows) before any read.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(src.as_ptr(), p.dest as *mut u8, src.len())
-                };
-            }
         } else {
-            let mut at = 0u64;
-            for p in &mine {
-                s.skip(p.offset - at)?;
-                // SAFETY: as above; the ranges of one frame do not overlap
-                // and the rows of a field cover its array once.
-                let dest =
-                    unsafe { std::slice::from_raw_parts_mut(p.dest as *mut u8, p.len as usize) };
-                s.read_exact(dest)?;
-                at = p.offset + p.len;
-            }
-            s.skip(size - at)?;
+            read_ranges(s, &mine, size)?;
         }
         k += 1;
     }
