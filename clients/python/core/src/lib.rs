@@ -177,6 +177,10 @@ struct Target {
     len: usize,
 }
 
+/// The places of each data frame, by frame number (1-based; a number no
+/// frame has is reported by `check_frames` once the reply is read).
+type Places = std::collections::BTreeMap<u64, Vec<Place>>;
+
 /// Where one range of a data frame goes: `len` bytes at `offset` of the
 /// frame into `dest` (an address in a caller's array).
 #[derive(Clone, Copy)]
@@ -299,7 +303,7 @@ fn get_into(s: &mut Stream, frame0: &[u8], targets: &[Target]) -> Result<Option<
     };
     // Every requested field, regular, of an accepted dtype and the array's
     // shape, before any byte is written.
-    let mut places: Vec<Vec<Place>> = Vec::new();
+    let mut places = Places::new();
     for t in targets {
         let Some((_, f)) = fields.iter().find(|(n, _)| *n == t.name) else {
             return Err(Fail::Protocol(format!(
@@ -347,11 +351,7 @@ fn get_into(s: &mut Stream, frame0: &[u8], targets: &[Target]) -> Result<Option<
         let row_bytes = total.checked_div(shape[0]).unwrap_or(0);
         let mut row = 0u64;
         for p in parts {
-            let frame = p.frame as usize;
-            if places.len() < frame {
-                places.resize(frame, Vec::new());
-            }
-            places[frame - 1].push(Place {
+            places.entry(p.frame).or_default().push(Place {
                 offset: p.offset,
                 len: p.len,
                 dest: t.ptr + (row * row_bytes) as usize,
@@ -392,7 +392,7 @@ fn get(s: &mut Stream, frame0: &[u8]) -> Result<Gotten, Fail> {
     // One buffer per field; each range of the reply goes to its place in
     // its field's buffer, rows in row order.
     let mut buffers: Vec<(String, Vec<u8>)> = Vec::new();
-    let mut places: Vec<Vec<Place>> = Vec::new();
+    let mut places = Places::new();
     for (name, f) in &layouts {
         if matches!(f, FieldLayout::Values(_)) {
             continue;
@@ -405,11 +405,7 @@ fn get(s: &mut Stream, frame0: &[u8]) -> Result<Gotten, Fail> {
         let base = buf.as_ptr() as usize;
         let mut at = 0u64;
         for (frame, offset, len) in ranges {
-            let frame = frame as usize;
-            if places.len() < frame {
-                places.resize(frame, Vec::new());
-            }
-            places[frame - 1].push(Place {
+            places.entry(frame).or_default().push(Place {
                 offset,
                 len,
                 dest: base + at as usize,
@@ -572,9 +568,10 @@ fn frames_error(e: &stowage_wire::native::Error) -> String {
 fn read_frames(
     s: &mut Stream,
     mut more: bool,
-    places: &[Vec<Place>],
+    places: &Places,
     fields: &[(String, FieldLayout)],
 ) -> Result<(), Fail> {
+    let max_frames = Limits::default().max_frames;
     // The data frames, each read straight into its places.
     let mut lens = Vec::new();
     let mut k = 0usize;
@@ -585,7 +582,12 @@ fn read_frames(
         }
         more = m;
         lens.push(size);
-        let mut mine = places.get(k).cloned().unwrap_or_default();
+        if lens.len() as u64 >= max_frames {
+            return Err(Fail::Protocol(format!(
+                "a reply of more than {max_frames} frames"
+            )));
+        }
+        let mut mine = places.get(&(k as u64 + 1)).cloned().unwrap_or_default();
         mine.sort_by_key(|p| p.offset);
         if mine
             .iter()
