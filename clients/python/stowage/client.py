@@ -434,7 +434,7 @@ class Client(_Ops):
         rows are read from the socket into one buffer of their size,
         allocated once (a regular field's array is a view of it); values come
         from frame 0."""
-        rid, head, bufs = self._core_call(body, timeout, lambda core, frame0, t: core.get(frame0, t))
+        rid, head, bufs, problem = self._core_call(body, timeout, lambda core, frame0, t: core.get(frame0, t))
         env = _codec.decode_envelope(head)
         try:
             reply = self._reply_body(env, "get_ok", rid)
@@ -443,7 +443,7 @@ class Client(_Ops):
             return self._core_get(self._list_fallback(body, e), names, n, as_torch, timeout)
         self._reply_frames(env, [head])  # refuses a same-node reply nobody asked for
         if bufs is None:
-            raise ProtocolError(f"get (id {rid}): a get_ok the client's codec cannot read", request_id=rid)
+            raise ProtocolError(f"get (id {rid}): {problem}", request_id=rid)
         # The descriptors now name the core's buffers: one data frame per
         # regular or nested field, its rows back to back in row order.
         descs = reply.get("fields") if isinstance(reply, dict) else None
@@ -533,9 +533,10 @@ class Client(_Ops):
             if dtype in _INT_NAMES:  # raw bits fill ints of their size
                 accepted += [b for b in _codec.BITS_DTYPES if _codec.WIRE_DTYPES[b].itemsize == a.dtype.itemsize]
             plan.append((name, accepted, list(a.shape), a.reshape(-1).view(np.uint8)))
-        rid, head = self._core_call(body, timeout, lambda core, frame0, t: (core.get_into(frame0, plan, t),))
-        if head is None:
+        rid, other = self._core_call(body, timeout, lambda core, frame0, t: (core.get_into(frame0, plan, t),))
+        if other is None:
             return True
+        head, problem = other
         env = _codec.decode_envelope(head)
         try:
             self._reply_body(env, "get_ok", rid)
@@ -543,7 +544,7 @@ class Client(_Ops):
             # Raises unless stowd refused the ranges; then the same as a list.
             return self._core_get_into(self._list_fallback(body, e), targets, timeout)
         self._reply_frames(env, [head])  # refuses a same-node reply nobody asked for
-        raise ProtocolError(f"get_into (id {rid}): a get_ok the client's codec cannot read", request_id=rid)
+        raise ProtocolError(f"get_into (id {rid}): {problem}", request_id=rid)
 
     def clear(self, global_indexes, fields=None, *, timeout: float | None = None) -> int:
         """Drops the given fields (all fields if None) of the given indexes;

@@ -169,3 +169,38 @@ def test_overlapping_and_scattered_ranges_land_right(fake_server):
             finally:
                 os.environ.pop("STOWAGE_PURE_PYTHON", None)
         assert c._core is not None
+
+
+def test_a_hostile_reply_is_refused_without_harm(fake_server):
+    """Replies a stowd never sends: a part naming data frame 2^40, a part
+    past its frame, a frame no descriptor uses, a declared shape the parts do
+    not fill. Each is a ProtocolError; the client serves the next call."""
+    import msgpack
+
+    def desc(parts, n=1):
+        return {"kind": "regular", "dtype": "float32", "shape": [n, 2], "parts": parts}
+
+    cases = iter([
+        (desc([{"frame": 1 << 40, "offset": 0, "len": 8, "rows": 1}]), [b"\0" * 8], r"does not exist"),
+        (desc([{"frame": 1, "offset": 4, "len": 8, "rows": 1}]), [b"\0" * 8], r"outside frame 1"),
+        (desc([{"frame": 1, "offset": 0, "len": 8, "rows": 1}]), [b"\0" * 8, b"x"], r"referenced by no descriptor"),
+        (desc([{"frame": 1, "offset": 0, "len": 8, "rows": 1}], n=2), [b"\0" * 8], r"rows|parts"),
+    ])
+    current = {}
+
+    def handler(ident, frames):
+        env = msgpack.unpackb(frames[0])
+        d, data, _ = current["case"]
+        head = msgpack.packb({"proto": "stowage/1", "op": "get_ok", "id": env["id"], "body": {"fields": {"x": d}}})
+        return [[head, *data]]
+
+    srv = fake_server(handler)
+    with stowage.Client(srv.endpoint, timeout=5) as c:
+        for case in cases:
+            current["case"] = case
+            for call in (lambda: c.get([1] * case[0]["shape"][0], ["x"]),
+                         lambda: c.get_into([1] * case[0]["shape"][0], {"x": np.zeros((case[0]["shape"][0], 2), np.float32)})):
+                with pytest.raises(stowage.ProtocolError, match=case[2]):
+                    call()
+        current["case"] = (desc([{"frame": 1, "offset": 0, "len": 8, "rows": 1}]), [np.ones(2, np.float32).tobytes()], None)
+        assert c.get([1], ["x"])["x"].tolist() == [[1.0, 1.0]]

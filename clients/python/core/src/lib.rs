@@ -235,7 +235,7 @@ impl Connection {
         frame0: &[u8],
         targets: &[Target],
         deadline: Instant,
-    ) -> Result<Option<Vec<u8>>, Fail> {
+    ) -> Result<Option<Other>, Fail> {
         let mut s = self.connect(deadline)?;
         let result = get_into(&mut s, frame0, targets);
         // Keep the connection only after a reply read to its end.
@@ -279,7 +279,11 @@ fn layout_dtype(f: &FieldLayout) -> Option<(&str, &[u64])> {
     }
 }
 
-fn get_into(s: &mut Stream, frame0: &[u8], targets: &[Target]) -> Result<Option<Vec<u8>>, Fail> {
+/// A reply that is not a readable get_ok: its frame 0, and why this codec
+/// refused it (None: another reply, such as an error).
+type Other = (Vec<u8>, Option<String>);
+
+fn get_into(s: &mut Stream, frame0: &[u8], targets: &[Target]) -> Result<Option<Other>, Fail> {
     write_message(s, frame0)?;
     // Frame 0.
     let (more, command, size) = s.header()?;
@@ -287,18 +291,13 @@ fn get_into(s: &mut Stream, frame0: &[u8], targets: &[Target]) -> Result<Option<
         return Err(Fail::Protocol("a command frame inside a reply".into()));
     }
     let head = Bytes::from(s.small_frame(size, MAX_FRAME0, "frame 0")?);
-    let limits = Limits::default();
-    let (_, reply) = native::decode_reply_layout(&head, &limits)
-        .map_err(|e| Fail::Protocol(format!("undecodable reply: {e}")))?;
-    let fields = match reply {
-        ReplyLayout::GetOk(fields) => fields,
-        ReplyLayout::Other(_) => {
-            if more {
-                return Err(Fail::Protocol(
-                    "data frames after a reply that has none".into(),
-                ));
-            }
-            return Ok(Some(head.to_vec()));
+    let fields = match native::decode_reply_layout(&head, &Limits::default()) {
+        Ok((_, ReplyLayout::GetOk(fields))) => fields,
+        // Another reply, or one this codec refuses: the caller decodes
+        // frame 0 and says what it is (the rest of the reply is drained).
+        other => {
+            drain(s, more)?;
+            return Ok(Some((head.to_vec(), other.err().map(|e| e.to_string()))));
         }
     };
     // Every requested field, regular, of an accepted dtype and the array's
@@ -366,6 +365,8 @@ fn get_into(s: &mut Stream, frame0: &[u8], targets: &[Target]) -> Result<Option<
 /// A reply read by [`get`]: frame 0, and the fields' buffers.
 struct Gotten {
     head: Vec<u8>,
+    /// Why this codec refused frame 0, if it did.
+    problem: Option<String>,
     /// (field, its rows back to back) for each regular or nested field, in
     /// reply order; None for a reply that is not a get_ok.
     fields: Option<Vec<(String, Vec<u8>)>>,
@@ -381,10 +382,11 @@ fn get(s: &mut Stream, frame0: &[u8]) -> Result<Gotten, Fail> {
     let layouts = match native::decode_reply_layout(&head, &Limits::default()) {
         Ok((_, ReplyLayout::GetOk(fields))) => fields,
         // As in `get_into`: the caller decodes frame 0.
-        _ => {
+        other => {
             drain(s, more)?;
             return Ok(Gotten {
                 head: head.to_vec(),
+                problem: other.err().map(|e| e.to_string()),
                 fields: None,
             });
         }
@@ -417,6 +419,7 @@ fn get(s: &mut Stream, frame0: &[u8]) -> Result<Gotten, Fail> {
     read_frames(s, more, &places, &layouts)?;
     Ok(Gotten {
         head: head.to_vec(),
+        problem: None,
         fields: Some(buffers),
     })
 }
@@ -616,8 +619,8 @@ impl Connection {
     /// Sends the get request `frame0` and reads the reply's rows straight
     /// into `targets`: a list of `(field, accepted dtype names, shape,
     /// writable C-contiguous buffer)`. Returns None when the rows are in
-    /// place, or the reply's frame 0 when stowd answered otherwise (an
-    /// error, for the caller to decode). Raises ValueError when the reply
+    /// place, or (the reply's frame 0, why this codec refused it or None)
+    /// when stowd answered otherwise (an error, for the caller to decode). Raises ValueError when the reply
     /// does not fit the arrays (nothing written), TimeoutError and
     /// ConnectionError otherwise (the connection is dropped).
     #[allow(clippy::type_complexity)]
@@ -627,7 +630,7 @@ impl Connection {
         frame0: &[u8],
         targets: Vec<(String, Vec<String>, Vec<u64>, Bound<'py, PyAny>)>,
         timeout: f64,
-    ) -> PyResult<Option<Bound<'py, PyBytes>>> {
+    ) -> PyResult<Option<(Bound<'py, PyBytes>, Option<String>)>> {
         let mut buffers = Vec::with_capacity(targets.len());
         let mut plan = Vec::with_capacity(targets.len());
         for (name, dtypes, shape, obj) in targets {
@@ -654,12 +657,13 @@ impl Connection {
         // The buffers stay held (`buffers`) while the GIL is released.
         let result = py.detach(|| self.exchange(&frame0, &plan, deadline));
         drop(buffers);
-        Ok(result?.map(|head| PyBytes::new(py, &head)))
+        Ok(result?.map(|(head, problem)| (PyBytes::new(py, &head), problem)))
     }
 
     /// Sends the get request `frame0` and reads the reply. Returns (frame
-    /// 0, None) for a reply that is not a get_ok (an error, for the caller
-    /// to decode), else (frame 0, [(field, Buffer)]): for each regular or
+    /// 0, None, why this codec refused it or None) for a reply that is not a
+    /// readable get_ok (an error, for the caller to decode), else (frame 0,
+    /// [(field, Buffer)], None): for each regular or
     /// nested field, in reply order, its rows back to back in row order in
     /// one read-only buffer, read straight from the socket (values stay in
     /// frame 0). Raises TimeoutError and ConnectionError as `get_into`.
@@ -672,6 +676,7 @@ impl Connection {
     ) -> PyResult<(
         Bound<'py, PyBytes>,
         Option<Vec<(String, Bound<'py, Buffer>)>>,
+        Option<String>,
     )> {
         let deadline = Instant::now() + Duration::from_secs_f64(timeout.max(0.0));
         let frame0 = frame0.to_vec();
@@ -685,7 +690,7 @@ impl Connection {
                     .collect::<PyResult<Vec<_>>>()?,
             ),
         };
-        Ok((PyBytes::new(py, &got.head), fields))
+        Ok((PyBytes::new(py, &got.head), fields, got.problem))
     }
 
     /// Drops the connection (the next call makes a new one).
