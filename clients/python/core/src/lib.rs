@@ -283,22 +283,34 @@ fn layout_dtype(f: &FieldLayout) -> Option<(&str, &[u64])> {
 /// refused it (None: another reply, such as an error).
 type Other = (Vec<u8>, Option<String>);
 
-fn get_into(s: &mut Stream, frame0: &[u8], targets: &[Target]) -> Result<Option<Other>, Fail> {
+/// A get_ok's frame 0: its fields' layout, whether data frames follow,
+/// and the frame itself.
+type Head = (Vec<(String, FieldLayout)>, bool, Bytes);
+
+/// Sends a get and reads its reply's frame 0: the get_ok's layout and
+/// whether data frames follow, or (the rest drained) any other reply.
+fn request(s: &mut Stream, frame0: &[u8]) -> Result<Result<Head, Other>, Fail> {
     write_message(s, frame0)?;
-    // Frame 0.
     let (more, command, size) = s.header()?;
     if command {
         return Err(Fail::Protocol("a command frame inside a reply".into()));
     }
     let head = Bytes::from(s.small_frame(size, MAX_FRAME0, "frame 0")?);
-    let fields = match native::decode_reply_layout(&head, &Limits::default()) {
-        Ok((_, ReplyLayout::GetOk(fields))) => fields,
+    match native::decode_reply_layout(&head, &Limits::default()) {
+        Ok((_, ReplyLayout::GetOk(fields))) => Ok(Ok((fields, more, head))),
         // Another reply, or one this codec refuses: the caller decodes
-        // frame 0 and says what it is (the rest of the reply is drained).
+        // frame 0 and says what it is.
         other => {
             drain(s, more)?;
-            return Ok(Some((head.to_vec(), other.err().map(|e| e.to_string()))));
+            Ok(Err((head.to_vec(), other.err().map(|e| e.to_string()))))
         }
+    }
+}
+
+fn get_into(s: &mut Stream, frame0: &[u8], targets: &[Target]) -> Result<Option<Other>, Fail> {
+    let (fields, more) = match request(s, frame0)? {
+        Ok((fields, more, _)) => (fields, more),
+        Err(other) => return Ok(Some(other)),
     };
     // Every requested field, regular, of an accepted dtype and the array's
     // shape, before any byte is written.
@@ -373,20 +385,12 @@ struct Gotten {
 }
 
 fn get(s: &mut Stream, frame0: &[u8]) -> Result<Gotten, Fail> {
-    write_message(s, frame0)?;
-    let (more, command, size) = s.header()?;
-    if command {
-        return Err(Fail::Protocol("a command frame inside a reply".into()));
-    }
-    let head = Bytes::from(s.small_frame(size, MAX_FRAME0, "frame 0")?);
-    let layouts = match native::decode_reply_layout(&head, &Limits::default()) {
-        Ok((_, ReplyLayout::GetOk(fields))) => fields,
-        // As in `get_into`: the caller decodes frame 0.
-        other => {
-            drain(s, more)?;
+    let (layouts, more, head) = match request(s, frame0)? {
+        Ok(got) => got,
+        Err((head, problem)) => {
             return Ok(Gotten {
-                head: head.to_vec(),
-                problem: other.err().map(|e| e.to_string()),
+                head,
+                problem,
                 fields: None,
             });
         }
