@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.join(ROOT, "clients", "python"))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 sys.path.insert(0, os.path.join(ROOT, "tests", "python"))
 import stowage  # noqa: E402
-from _disk import drop_caches  # noqa: E402
+from _disk import drop_caches, timed_read, timed_write  # noqa: E402
 from tq_codec import TQClient, envelope  # noqa: E402
 
 
@@ -70,12 +70,7 @@ def main() -> None:
         rows = []
 
         limit = os.path.join(a.dir, "limit.bin")
-        t = time.perf_counter()
-        with open(limit, "wb") as f:
-            f.write(memoryview(x).cast("B"))
-            f.flush()
-            os.fsync(f.fileno())
-        rows.append(("disk write + fsync", time.perf_counter() - t))
+        rows.append(("disk write + fsync", timed_write(limit, x)))
 
         t = time.perf_counter()
         for u, p in zip(units, files):
@@ -84,11 +79,7 @@ def main() -> None:
         rows.append(("save (4 units)", time.perf_counter() - t))
 
         dropped = drop_caches()
-        t = time.perf_counter()
-        with open(limit, "rb") as f:
-            while f.read(64 << 20):
-                pass
-        rows.append(("disk read", time.perf_counter() - t))
+        rows.append(("disk read", timed_read(limit)))
 
         with stowage.Client(ep["native"], timeout=600) as c:
             c.clear(idx)

@@ -138,7 +138,12 @@ impl Extent {
     /// Where the bytes are now (a cheap clone of shared handles). Marks
     /// the extent used (for the spiller's coldest-first order).
     pub fn place(&self) -> Place {
-        self.used.store(crate::spill::now(), Ordering::Relaxed);
+        // Written only when the spiller's clock moved (a scan), so readers
+        // of one extent do not all write its cache line on every get.
+        let now = crate::spill::now();
+        if self.used.load(Ordering::Relaxed) != now {
+            self.used.store(now, Ordering::Relaxed);
+        }
         self.place.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 

@@ -417,16 +417,7 @@ pub fn restore(
         let started = std::time::Instant::now();
         let file = map_verified(dir, entry)?;
         verify += started.elapsed();
-        let (file_parts, kept) = split(parse(file, &path, false)?, units.len(), to);
-        rows += kept;
-        for (all, part) in parts.iter_mut().zip(file_parts) {
-            for (field, stored) in part {
-                match all.iter_mut().find(|(f, _)| *f == field) {
-                    Some((_, v)) => v.extend(stored),
-                    None => all.push((field, stored)),
-                }
-            }
-        }
+        rows += split(parse(file, &path, false)?, &mut parts, to);
     }
     for (_, stored) in parts.iter_mut().flatten() {
         let all: Vec<u64> = stored

@@ -44,7 +44,6 @@
 use std::borrow::Cow;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use bytes::Bytes;
@@ -52,7 +51,7 @@ use safetensors::{Dtype as StDtype, SafeTensors, View};
 use sha2::{Digest, Sha256};
 
 use crate::batch::{Cell, Value};
-use crate::store::{Snapshot, StoreError, Stored, Unit};
+use crate::store::{Snapshot, StoreError, Stored, Unit, add_rows};
 use crate::tensor::{DType, Tensor};
 
 /// The `format` of the files this module writes and reads.
@@ -198,10 +197,7 @@ pub fn save_units(id: &str, units: &[&Unit], path: &Path) -> Result<Saved, Check
     let mut merged: Snapshot = Vec::new();
     for unit in units {
         for (field, stored) in unit.snapshot() {
-            match merged.iter_mut().find(|(f, _)| *f == field) {
-                Some((_, all)) => all.extend(stored),
-                None => merged.push((field, stored)),
-            }
+            add_rows(&mut merged, &field, stored);
         }
     }
     for (_, stored) in &mut merged {
@@ -336,36 +332,29 @@ pub fn load_units(
     path: &Path,
 ) -> Result<u64, CheckpointError> {
     let file = read(path)?;
-    let (parts, rows) = split(file, units.len(), |g| Some(route(g)));
+    let mut parts: Vec<Snapshot> = units.iter().map(|_| Vec::new()).collect();
+    let rows = split(file, &mut parts, |g| Some(route(g)));
     replace(units, parts, path, false)?;
     Ok(rows)
 }
 
-/// The rows of a file, split by unit (`to(g)`; None: dropped), and how
-/// many rows are kept.
+/// Adds the rows of a file to `parts`, split by unit (`to(g)`; None:
+/// dropped); returns how many rows were kept.
 pub(crate) fn split(
     file: Snapshot,
-    units: usize,
+    parts: &mut [Snapshot],
     to: impl Fn(u64) -> Option<usize>,
-) -> (Vec<Snapshot>, u64) {
-    let mut parts: Vec<Snapshot> = (0..units).map(|_| Vec::new()).collect();
+) -> u64 {
     let mut rows = 0u64;
     for (field, stored) in file {
         for s in stored {
             for (u, part) in s.split(&to) {
                 rows += part.indexes().len() as u64;
-                let p = &mut parts[u];
-                match p.last_mut() {
-                    Some((f, v)) if *f == field => v.push(part),
-                    _ => match p.iter_mut().find(|(f, _)| *f == field) {
-                        Some((_, v)) => v.push(part),
-                        None => p.push((field.clone(), vec![part])),
-                    },
-                }
+                add_rows(&mut parts[u], &field, [part]);
             }
         }
     }
-    (parts, rows)
+    rows
 }
 
 /// Checks every unit's part, then replaces each unit's rows with it.
@@ -479,13 +468,7 @@ fn parse(file: Bytes, path: &Path, verify: bool) -> Result<Snapshot, CheckpointE
             },
             other => return Err(bad(format!("unknown kind {other:?}"))),
         };
-        match by_field.last_mut() {
-            Some((f, v)) if **f == *field => v.push(stored),
-            _ => match by_field.iter_mut().find(|(f, _)| **f == *field) {
-                Some((_, v)) => v.push(stored),
-                None => by_field.push((Arc::from(field.as_str()), vec![stored])),
-            },
-        }
+        add_rows(&mut by_field, &field, [stored]);
     }
     if verify {
         let found = hex(&hash.finalize());

@@ -103,7 +103,7 @@ pub use column::{Column, NestedRow, RegularColumn};
 pub use rows::{Piece, Rows, Run};
 use seqs::ColIndexes;
 pub use seqs::Seq;
-pub use snapshot::{RUN_BYTES, Snapshot, Stored};
+pub use snapshot::{RUN_BYTES, Snapshot, Stored, add_rows};
 
 /// The row maps ([`IndexMap`]) live in `stowage-index`, which is
 /// optimised even in debug builds (see its crate doc).

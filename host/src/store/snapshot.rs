@@ -100,6 +100,22 @@ impl Stored {
 /// their first global index.
 pub type Snapshot = Vec<(Arc<str>, Vec<Stored>)>;
 
+/// Adds `stored` to the rows of `field` in `snapshot` (the field at the
+/// end if it is new; the last field is looked at first).
+pub fn add_rows(snapshot: &mut Snapshot, field: &str, stored: impl IntoIterator<Item = Stored>) {
+    let i = match snapshot.last() {
+        Some((f, _)) if **f == *field => snapshot.len() - 1,
+        _ => match snapshot.iter().position(|(f, _)| **f == *field) {
+            Some(i) => i,
+            None => {
+                snapshot.push((Arc::from(field), Vec::new()));
+                snapshot.len() - 1
+            }
+        },
+    };
+    snapshot[i].1.extend(stored);
+}
+
 /// The runs of consecutive rows in `rows` ((row, global index), sorted),
 /// each at most `max` rows: (first row, count, their indexes).
 fn runs(rows: &[(u32, u64)], max: usize) -> impl Iterator<Item = (u32, Vec<u64>)> + '_ {
