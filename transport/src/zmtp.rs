@@ -100,10 +100,11 @@ const READ_CHUNK: usize = 32 << 10;
 const FIRST_CHUNK: usize = 8 << 20;
 /// Commands are small; anything above this is refused.
 const MAX_COMMAND: u64 = 1 << 20;
-/// Frames up to this size are coalesced into one write buffer.
-const COALESCE: usize = 16 << 10;
+/// Frames up to this size are coalesced into one write buffer (a
+/// synchronous writer, the Python client's Rust core, coalesces by it too).
+pub const COALESCE: usize = 16 << 10;
 /// The write buffer is flushed at this size.
-const WRITE_CHUNK: usize = 256 << 10;
+pub const WRITE_CHUNK: usize = 256 << 10;
 
 const FLAG_MORE: u8 = 0x01;
 const FLAG_LONG: u8 = 0x02;
@@ -212,7 +213,9 @@ pub fn command_frame(name: &str, data: &[u8]) -> BytesMut {
     command_with_body(&body)
 }
 
-fn put_header(out: &mut BytesMut, len: usize, more: bool) {
+/// Appends the header of a message frame of `len` bytes (`more`: another
+/// frame of the message follows).
+pub fn put_header(out: &mut BytesMut, len: usize, more: bool) {
     let more = if more { FLAG_MORE } else { 0 };
     if len > 255 {
         out.put_u8(FLAG_LONG | more);

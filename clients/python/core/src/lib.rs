@@ -1,5 +1,7 @@
-//! `stowage._core`: the Rust core of the Python client (issue 17, first
-//! part: a tcp `get_into` that receives straight into the caller's arrays).
+//! `stowage._core`: the Rust core of the Python client (issue 17): a tcp
+//! `get_into` that receives straight into the caller's arrays, a `get` that
+//! receives each field into one buffer, and a `send` that puts from the
+//! caller's arrays.
 //!
 //! pyzmq receives every frame into memory libzmq allocates (fresh pages,
 //! faulted in at about 1.4 GB/s on the benchmark machine), and the Python
@@ -12,21 +14,33 @@
 //! caller's arrays. Nothing the size of the payload is allocated; the GIL
 //! is released while bytes move.
 //!
+//! A put goes the other way without a copy either: pyzmq sends a frame
+//! from one buffer, so the Python client joined the small rows of a put
+//! into shared frames (a copy) before sending. [`Connection::send`] takes
+//! the data frames as the caller's buffers (a shared frame as the list of
+//! its pieces), holds them, releases the GIL, and writes them with
+//! `writev`: frame headers and pieces of up to [`zmtp::COALESCE`] bytes are
+//! copied into one small buffer (as stowd's own writer,
+//! [`zmtp::write_message`], does: a slice per tiny piece costs the kernel
+//! more than copying it), larger pieces go from where they lie, in batches
+//! of at most [`IOV_MAX`] slices.
+//!
 //! The connection is stowd's ZMTP 3.0 (NULL security) as a DEALER, over
 //! `std::net::TcpStream`, with the handshake pieces of
 //! [`stowage_transport::zmtp`]. A reply that breaks the protocol, a timeout
 //! or an I/O error drops the connection (the next call makes a new one),
 //! so a late or half-read reply is never taken for the next one.
 
-use std::io::{Read, Write};
+use std::io::{IoSlice, Read, Write};
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::{PyConnectionError, PyTimeoutError, PyTypeError, PyValueError};
+use pyo3::ffi;
 use pyo3::prelude::*;
-use pyo3::types::PyBytes;
+use pyo3::types::{PyBytes, PyList};
 use stowage_transport::zmtp;
 use stowage_wire::native::{self, FieldLayout, Limits, ReplyLayout, layout};
 
@@ -44,6 +58,10 @@ const FLAG_COMMAND: u8 = 0x04;
 /// Largest frame 0 accepted (a get_ok's descriptors; stowd's own limit on
 /// a message's frame 0 is the same order).
 const MAX_FRAME0: u64 = 256 << 20;
+
+/// Most slices one `writev` takes (Linux's IOV_MAX): a request is written
+/// in batches of at most this many.
+const IOV_MAX: usize = 1024;
 
 /// Why a call failed.
 enum Fail {
@@ -107,6 +125,22 @@ impl Stream {
         self.tcp.write_all(buf).map_err(Stream::io)
     }
 
+    /// Writes every byte of `slices`, with `writev`, resuming after a
+    /// partial write.
+    fn write_all_vectored(&mut self, mut slices: &mut [IoSlice<'_>]) -> Result<(), Fail> {
+        IoSlice::advance_slices(&mut slices, 0);
+        while !slices.is_empty() {
+            self.arm()?;
+            match self.tcp.write_vectored(slices) {
+                Ok(0) => return Err(Fail::Io("stowd closed the connection".into())),
+                Ok(n) => IoSlice::advance_slices(&mut slices, n),
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(Stream::io(e)),
+            }
+        }
+        Ok(())
+    }
+
     /// Reads and throws away `n` bytes.
     fn skip(&mut self, mut n: u64) -> Result<(), Fail> {
         let mut scratch = [0u8; 64 << 10];
@@ -136,6 +170,22 @@ impl Stream {
             u64::from(b[0])
         };
         Ok((f & FLAG_MORE != 0, f & FLAG_COMMAND != 0, size))
+    }
+
+    /// A reply's frame header (a command there breaks the protocol): (more,
+    /// size).
+    fn frame_header(&mut self) -> Result<(bool, u64), Fail> {
+        match self.header()? {
+            (_, true, _) => Err(Fail::Protocol("a command frame inside a reply".into())),
+            (more, false, size) => Ok((more, size)),
+        }
+    }
+
+    /// A reply's frame 0 (at most [`MAX_FRAME0`] bytes), and whether data
+    /// frames follow.
+    fn head(&mut self) -> Result<(Vec<u8>, bool), Fail> {
+        let (more, size) = self.frame_header()?;
+        Ok((self.small_frame(size, MAX_FRAME0, "frame 0")?, more))
     }
 
     /// A whole frame of at most `max` bytes into a new buffer.
@@ -227,30 +277,16 @@ impl Connection {
         Ok(s)
     }
 
-    /// Sends `frame0`, reads the reply into `targets`. Ok(None): the rows
-    /// are in place; Ok(Some(frame 0)): another reply (an error), for the
-    /// caller to decode.
-    fn exchange(
+    /// Runs one request and its reply, `call`, on the connection (made
+    /// first if there is none). The connection is kept only after a reply
+    /// read to its end: a timeout, an I/O error or a broken reply drops it.
+    fn exchange<T>(
         &mut self,
-        frame0: &[u8],
-        targets: &[Target],
         deadline: Instant,
-    ) -> Result<Option<Other>, Fail> {
+        call: impl FnOnce(&mut Stream) -> Result<T, Fail>,
+    ) -> Result<T, Fail> {
         let mut s = self.connect(deadline)?;
-        let result = get_into(&mut s, frame0, targets);
-        // Keep the connection only after a reply read to its end.
-        if result.is_ok() {
-            self.tcp = Some(s.tcp);
-        }
-        result
-    }
-
-    /// Sends `frame0` and reads the reply: its frame 0, and for a get_ok one
-    /// buffer per regular or nested field holding its rows back to back in
-    /// row order (allocated once, each frame read straight into it).
-    fn exchange_get(&mut self, frame0: &[u8], deadline: Instant) -> Result<Gotten, Fail> {
-        let mut s = self.connect(deadline)?;
-        let result = get(&mut s, frame0);
+        let result = call(&mut s);
         if result.is_ok() {
             self.tcp = Some(s.tcp);
         }
@@ -258,17 +294,129 @@ impl Connection {
     }
 }
 
-fn write_message(s: &mut Stream, frame0: &[u8]) -> Result<(), Fail> {
-    let mut head = Vec::with_capacity(9);
-    if frame0.len() > 255 {
-        head.push(FLAG_LONG);
-        head.extend_from_slice(&(frame0.len() as u64).to_be_bytes());
-    } else {
-        head.push(0);
-        head.push(frame0.len() as u8);
+/// A request on its way out: frame headers and pieces of up to
+/// [`zmtp::COALESCE`] bytes are copied into `copied`, larger pieces stay
+/// where they lie; written with `writev` whenever [`IOV_MAX`] slices or
+/// [`zmtp::WRITE_CHUNK`] copied bytes are gathered, and at the end.
+#[derive(Default)]
+struct Gather<'a> {
+    copied: BytesMut,
+    slices: Vec<Slice<'a>>,
+}
+
+/// One slice of a batch: a range of [`Gather::copied`], or a caller's piece.
+enum Slice<'a> {
+    Copied(usize, usize),
+    Caller(&'a [u8]),
+}
+
+impl<'a> Gather<'a> {
+    fn header(&mut self, s: &mut Stream, len: usize, more: bool) -> Result<(), Fail> {
+        self.room(s)?;
+        let start = self.copied.len();
+        zmtp::put_header(&mut self.copied, len, more);
+        self.copied_from(start);
+        Ok(())
     }
-    s.write_all(&head)?;
-    s.write_all(frame0)
+
+    fn piece(&mut self, s: &mut Stream, piece: &'a [u8]) -> Result<(), Fail> {
+        if piece.is_empty() {
+            return Ok(());
+        }
+        self.room(s)?;
+        if piece.len() <= zmtp::COALESCE {
+            let start = self.copied.len();
+            self.copied.extend_from_slice(piece);
+            self.copied_from(start);
+        } else {
+            self.slices.push(Slice::Caller(piece));
+        }
+        Ok(())
+    }
+
+    /// The bytes of `copied` from `start` on: the last slice grows when it
+    /// ends at `start`, else they are a slice of their own.
+    fn copied_from(&mut self, start: usize) {
+        let end = self.copied.len();
+        match self.slices.last_mut() {
+            Some(Slice::Copied(_, e)) if *e == start => *e = end,
+            _ => self.slices.push(Slice::Copied(start, end)),
+        }
+    }
+
+    /// Writes the batch out if it is full.
+    fn room(&mut self, s: &mut Stream) -> Result<(), Fail> {
+        if self.slices.len() >= IOV_MAX || self.copied.len() >= zmtp::WRITE_CHUNK {
+            self.flush(s)?;
+        }
+        Ok(())
+    }
+
+    fn flush(&mut self, s: &mut Stream) -> Result<(), Fail> {
+        let mut io: Vec<IoSlice<'_>> = self
+            .slices
+            .iter()
+            .map(|slice| match *slice {
+                Slice::Copied(a, b) => IoSlice::new(&self.copied[a..b]),
+                Slice::Caller(p) => IoSlice::new(p),
+            })
+            .collect();
+        s.write_all_vectored(&mut io)?;
+        self.slices.clear();
+        self.copied.clear();
+        Ok(())
+    }
+}
+
+/// Sends one message: `frame0`, then the data `frames`, each its pieces
+/// back to back.
+fn write_message<'a>(
+    s: &mut Stream,
+    frame0: &'a [u8],
+    frames: &[Vec<&'a [u8]>],
+) -> Result<(), Fail> {
+    let mut g = Gather::default();
+    g.header(s, frame0.len(), !frames.is_empty())?;
+    g.piece(s, frame0)?;
+    for (i, pieces) in frames.iter().enumerate() {
+        let len = pieces.iter().map(|p| p.len()).sum();
+        g.header(s, len, i + 1 < frames.len())?;
+        for &piece in pieces {
+            g.piece(s, piece)?;
+        }
+    }
+    g.flush(s)
+}
+
+/// Refuses a reply of more than [`Limits`]' `max_frames` frames (`frames`:
+/// how many it has so far, frame 0 included).
+fn check_frame_count(frames: usize) -> Result<(), Fail> {
+    let max_frames = Limits::default().max_frames;
+    if frames as u64 > max_frames {
+        return Err(Fail::Protocol(format!(
+            "a reply of more than {max_frames} frames"
+        )));
+    }
+    Ok(())
+}
+
+/// Sends a request with its data `frames` and reads the whole reply: its
+/// frames, frame 0 first. Bounded: frame 0 at most [`MAX_FRAME0`] bytes,
+/// the data frames as many bytes together, and each frame's declared size
+/// checked before anything is allocated for it.
+fn send(s: &mut Stream, frame0: &[u8], frames: &[Vec<&[u8]>]) -> Result<Vec<Vec<u8>>, Fail> {
+    write_message(s, frame0, frames)?;
+    let (head, mut more) = s.head()?;
+    let mut reply = vec![head];
+    let mut left = MAX_FRAME0;
+    while more {
+        let (m, size) = s.frame_header()?;
+        check_frame_count(reply.len() + 1)?;
+        reply.push(s.small_frame(size, left, "the reply's data frames")?);
+        left -= size;
+        more = m;
+    }
+    Ok(reply)
 }
 
 /// The dtypes of a regular field as its descriptor names them.
@@ -290,12 +438,9 @@ type Head = (Vec<(String, FieldLayout)>, bool, Bytes);
 /// Sends a get and reads its reply's frame 0: the get_ok's layout and
 /// whether data frames follow, or (the rest drained) any other reply.
 fn request(s: &mut Stream, frame0: &[u8]) -> Result<Result<Head, Other>, Fail> {
-    write_message(s, frame0)?;
-    let (more, command, size) = s.header()?;
-    if command {
-        return Err(Fail::Protocol("a command frame inside a reply".into()));
-    }
-    let head = Bytes::from(s.small_frame(size, MAX_FRAME0, "frame 0")?);
+    write_message(s, frame0, &[])?;
+    let (head, more) = s.head()?;
+    let head = Bytes::from(head);
     match native::decode_reply_layout(&head, &Limits::default()) {
         Ok((_, ReplyLayout::GetOk(fields))) => Ok(Ok((fields, more, head))),
         // Another reply, or one this codec refuses: the caller decodes
@@ -426,6 +571,46 @@ fn get(s: &mut Stream, frame0: &[u8]) -> Result<Gotten, Fail> {
         problem: None,
         fields: Some(buffers),
     })
+}
+
+/// A caller's buffer held while its bytes are sent with the GIL released:
+/// C-contiguous, of any item type (no format is asked for), neither freed
+/// nor resized until released (on drop).
+struct Held(Box<ffi::Py_buffer>);
+
+impl Held {
+    fn get(obj: &Bound<'_, PyAny>) -> PyResult<Held> {
+        // Boxed: an exporter may point the view's fields into the view
+        // itself, so it must not move.
+        let mut view = Box::new(ffi::Py_buffer::new());
+        // SAFETY: `view` is a valid Py_buffer for the exporter to fill; on
+        // success it is released exactly once, by `drop`.
+        let rc =
+            unsafe { ffi::PyObject_GetBuffer(obj.as_ptr(), &mut *view, ffi::PyBUF_C_CONTIGUOUS) };
+        if rc == -1 {
+            return Err(PyErr::fetch(obj.py()));
+        }
+        Ok(Held(view))
+    }
+
+    fn bytes(&self) -> &[u8] {
+        if self.0.len <= 0 {
+            return &[];
+        }
+        // SAFETY: the exporter keeps `len` contiguous bytes at `buf` until
+        // the view is released, which `self` outlives. (Another thread may
+        // write the array meanwhile; its bytes are only copied out to the
+        // socket, as pyzmq would.)
+        unsafe { std::slice::from_raw_parts(self.0.buf as *const u8, self.0.len as usize) }
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        // SAFETY: a view PyObject_GetBuffer filled, released once, attached
+        // to the interpreter.
+        Python::attach(|_| unsafe { ffi::PyBuffer_Release(&mut *self.0) });
+    }
 }
 
 /// Bytes handed to Python without a copy: a read-only buffer object.
@@ -578,22 +763,14 @@ fn read_frames(
     places: &Places,
     fields: &[(String, FieldLayout)],
 ) -> Result<(), Fail> {
-    let max_frames = Limits::default().max_frames;
     // The data frames, each read straight into its places.
     let mut lens = Vec::new();
     let mut k = 0usize;
     while more {
-        let (m, command, size) = s.header()?;
-        if command {
-            return Err(Fail::Protocol("a command frame inside a reply".into()));
-        }
+        let (m, size) = s.frame_header()?;
         more = m;
         lens.push(size);
-        if lens.len() as u64 >= max_frames {
-            return Err(Fail::Protocol(format!(
-                "a reply of more than {max_frames} frames"
-            )));
-        }
+        check_frame_count(lens.len() + 1)?;
         let mut mine = places.get(&(k as u64 + 1)).cloned().unwrap_or_default();
         mine.sort_by_key(|p| p.offset);
         if mine
@@ -659,7 +836,7 @@ impl Connection {
         let deadline = Instant::now() + Duration::from_secs_f64(timeout.max(0.0));
         let frame0 = frame0.to_vec();
         // The buffers stay held (`buffers`) while the GIL is released.
-        let result = py.detach(|| self.exchange(&frame0, &plan, deadline));
+        let result = py.detach(|| self.exchange(deadline, |s| get_into(s, &frame0, &plan)));
         drop(buffers);
         Ok(result?.map(|(head, problem)| (PyBytes::new(py, &head), problem)))
     }
@@ -684,7 +861,7 @@ impl Connection {
     )> {
         let deadline = Instant::now() + Duration::from_secs_f64(timeout.max(0.0));
         let frame0 = frame0.to_vec();
-        let got = py.detach(|| self.exchange_get(&frame0, deadline))?;
+        let got = py.detach(|| self.exchange(deadline, |s| get(s, &frame0)))?;
         let fields = match got.fields {
             None => None,
             Some(fields) => Some(
@@ -695,6 +872,46 @@ impl Connection {
             ),
         };
         Ok((PyBytes::new(py, &got.head), fields, got.problem))
+    }
+
+    /// Sends the request `frame0` with its data `frames` and reads the whole
+    /// reply: its frames as bytes, frame 0 first. Each data frame is a
+    /// C-contiguous buffer (an array of any dtype, a memoryview, bytes) or a
+    /// list of them, sent back to back as one frame; their bytes go to the
+    /// socket from where they lie, with the GIL released (nothing is joined).
+    /// Raises TimeoutError and ConnectionError as `get` (the connection is
+    /// dropped).
+    fn send<'py>(
+        &mut self,
+        py: Python<'py>,
+        frame0: &[u8],
+        frames: Vec<Bound<'py, PyAny>>,
+        timeout: f64,
+    ) -> PyResult<Vec<Bound<'py, PyBytes>>> {
+        let mut held = Vec::with_capacity(frames.len());
+        let mut counts = Vec::with_capacity(frames.len());
+        for frame in &frames {
+            if let Ok(pieces) = frame.cast::<PyList>() {
+                for piece in pieces.iter() {
+                    held.push(Held::get(&piece)?);
+                }
+                counts.push(pieces.len());
+            } else {
+                held.push(Held::get(frame)?);
+                counts.push(1);
+            }
+        }
+        let mut pieces = held.iter().map(Held::bytes);
+        let frames: Vec<Vec<&[u8]>> = counts
+            .iter()
+            .map(|&k| pieces.by_ref().take(k).collect())
+            .collect();
+        let deadline = Instant::now() + Duration::from_secs_f64(timeout.max(0.0));
+        // The buffers stay held (`held`) while the GIL is released.
+        let reply = py.detach(|| self.exchange(deadline, |s| send(s, frame0, &frames)));
+        drop(frames);
+        drop(held);
+        Ok(reply?.iter().map(|f| PyBytes::new(py, f)).collect())
     }
 
     /// Drops the connection (the next call makes a new one).
