@@ -2,7 +2,7 @@
 `AsyncClient.put` drive, so what a put sends, and in what order, exists
 once.
 
-    put = Put(global_indexes, data, max_message_bytes, segments)
+    put = Put(global_indexes, data, max_message_bytes, segments, join)
     try:
         for op, body, frames, expect, extras in put:
             put.reply, _ = call(op, body, frames, timeout, expect, extras)  # or `await call(...)`
@@ -18,7 +18,11 @@ messages of contiguous row ranges (each all-or-nothing, the whole put not:
 `stored` counts the leading rows the messages so far stored). Same node
 (`segments` given), the put is one message whatever its size: its bytes go
 into a segment leased from stowd (a `lease` request, then the `put`
-naming the segment), and nothing crosses the socket.
+naming the segment), and nothing crosses the socket. Over tcp, `join`
+says whether each shared data frame (small rows copied together) is
+joined into one bytes, as pyzmq sends a frame from one buffer, or left as
+the list of its pieces (`_codec.Pieces`) for the Rust core, which sends
+them from the caller's arrays as they are.
 
 (The driver reads requests with a `for` loop and hands replies over in
 `reply`, not with `generator.send`: ending a `for` costs no StopIteration,
@@ -40,7 +44,7 @@ class Put:
     __slots__ = ("n", "stored", "reply", "_messages", "_segments")
 
     def __init__(self, global_indexes, data: Mapping[str, Any], max_message_bytes: int,
-                 segments: _shm.Segments | None) -> None:
+                 segments: _shm.Segments | None, join: bool = True) -> None:
         """Checks the put's arguments (TypeError, ValueError) and plans its messages (lazily)."""
         idx = _codec.check_indexes(global_indexes, "put", unique=True)
         if not isinstance(data, Mapping):
@@ -51,7 +55,7 @@ class Put:
         # Same node: one message, and shared frames stay in pieces, copied
         # once, into the segment.
         limit = sys.maxsize if segments is not None else max_message_bytes
-        self._messages = _codec.put_messages(idx, fields, limit, join=segments is None)
+        self._messages = _codec.put_messages(idx, fields, limit, join=segments is None and join)
         self._segments = segments
         self.n = len(idx)
         self.stored = 0

@@ -15,7 +15,7 @@ import zmq
 
 from . import _codec, _put, _shm, _torch
 
-try:  # the Rust core (clients/python/core): tcp get_into straight into the arrays
+try:  # the Rust core (clients/python/core): tcp get, get_into and put without copies
     from . import _core
 except ImportError:  # pragma: no cover - a tree without the built extension
     _core = None
@@ -273,7 +273,7 @@ class Client(_Ops):
         self._ctx = context or zmq.Context.instance()
         self._lock = threading.Lock()
         self._sock: zmq.Socket | None = self._connect()
-        # The Rust core's own connection, for tcp get_into (made on first use).
+        # The Rust core's own connection, for tcp get, get_into and put (made on first use).
         self._core: Any = None
 
     def _connect(self) -> zmq.Socket:
@@ -393,11 +393,13 @@ class Client(_Ops):
         message is all-or-nothing, the whole put is NOT: if a later message
         fails, earlier ones stay stored; the exception's `rows_stored` says
         how many leading rows were."""
-        put = _put.Put(global_indexes, data, self.max_message_bytes, self._segments)
+        core = self._core_serves()
+        put = _put.Put(global_indexes, data, self.max_message_bytes, self._segments, join=not core)
         self._open_channel()
+        send = self._core_send if core else self._call
         try:
             for op, body, frames, expect, extras in put:
-                put.reply, _ = self._call(op, body, frames, timeout, expect, extras)
+                put.reply, _ = send(op, body, frames, timeout, expect, extras)
         except StowageError as e:
             e.rows_stored = put.stored
             raise
@@ -425,7 +427,7 @@ class Client(_Ops):
         sees it; nor does another tensor of the same get (a row asked for
         twice is copied: two tensors of one get never share bytes)."""
         n, names, body = self._get_request(global_indexes, fields, as_torch, self._ranges_ok)
-        if self._core_reads():
+        if self._core_serves():
             return self._core_get(body, names, n, as_torch, timeout)
         return self._get_call(body, timeout, lambda reply, frames: self._get_result(reply, frames, names, n, as_torch))
 
@@ -434,7 +436,7 @@ class Client(_Ops):
         rows are read from the socket into one buffer of their size,
         allocated once (a regular field's array is a view of it); values come
         from frame 0."""
-        rid, head, bufs, problem = self._core_call(body, timeout, lambda core, frame0, t: core.get(frame0, t))
+        rid, head, bufs, problem = self._core_call("get", body, timeout, lambda core, frame0, t: core.get(frame0, t))
         env = _codec.decode_envelope(head)
         try:
             reply = self._reply_body(env, "get_ok", rid)
@@ -466,13 +468,23 @@ class Client(_Ops):
                     at += r["len"]
         return self._get_result(reply, _codec.FrameSource(views), names, n, as_torch)
 
-    def _core_call(self, body: dict, timeout, call):
-        """Runs `call(core connection, frame 0 of a get, timeout)` under the
-        client's lock; (request id, its result). A timeout or a broken
-        connection resets both connections."""
+    def _core_send(self, op: str, body: dict, data_frames, timeout, expect: str,
+                   extras: dict | None = None) -> tuple[dict, _codec.FrameSource]:
+        """`_call` through the Rust core (a tcp put): the data frames (arrays,
+        bytes, or a shared frame's pieces in a list) go to the socket from
+        where they lie. (`extras` is None: the core serves tcp, never the
+        same-node mode.)"""
+        rid, reply = self._core_call(op, body, timeout, lambda core, frame0, t: (core.send(frame0, data_frames, t),))
+        env = _codec.decode_envelope(reply[0])
+        return self._reply_body(env, expect, rid), self._reply_frames(env, reply)
+
+    def _core_call(self, op: str, body: dict, timeout, call):
+        """Runs `call(core connection, frame 0 of the request, timeout)`
+        under the client's lock; (request id, its result). A timeout or a
+        broken connection resets both connections."""
         timeout = self._call_timeout(timeout)
         rid = next(self._ids)
-        frame0 = _codec.envelope("get", rid, body)
+        frame0 = _codec.envelope(op, rid, body)
         with self._lock:
             if self._sock is None:
                 raise StowageError("the client is closed")
@@ -484,14 +496,14 @@ class Client(_Ops):
                 # The core dropped its connection; the DEALER goes too, as
                 # after any timeout, so nothing stale can follow.
                 self._reset()
-                raise StowageTimeout(f"get (id {rid}): no reply from {self.endpoint} within {timeout:g} s; "
+                raise StowageTimeout(f"{op} (id {rid}): no reply from {self.endpoint} within {timeout:g} s; "
                                      "the connection was reset", request_id=rid) from None
             except _core.ProtocolViolation as e:
                 self._reset()
-                raise ProtocolError(f"get (id {rid}): {e}", request_id=rid) from None
+                raise ProtocolError(f"{op} (id {rid}): {e}", request_id=rid) from None
             except ConnectionError as e:
                 self._reset()
-                raise InternalError(f"get (id {rid}): {e}", request_id=rid) from None
+                raise InternalError(f"{op} (id {rid}): {e}", request_id=rid) from None
 
     def _get_call(self, body: dict, timeout, finish):
         """`finish(reply, frames)` of a get, sent again as a list to a stowd
@@ -511,14 +523,15 @@ class Client(_Ops):
         itemsize, e.g. uint8 for a float8). Every byte is copied once,
         from the received frames straight into `out`. Returns `out`."""
         n, targets, body = self._get_into_request(global_indexes, out, self._ranges_ok)
-        if self._core_reads(targets) and self._core_get_into(body, targets, timeout):
+        if self._core_serves(targets) and self._core_get_into(body, targets, timeout):
             return out
         self._get_call(body, timeout, lambda reply, frames: self._get_into_result(reply, frames, targets, n))
         return out
 
-    def _core_reads(self, targets: dict | None = None) -> bool:
-        """Whether the Rust core reads this get or get_into: over tcp, with
-        the extension built (and, for get_into, into C-contiguous arrays)."""
+    def _core_serves(self, targets: dict | None = None) -> bool:
+        """Whether the Rust core carries this put, get or get_into: over tcp,
+        with the extension built, unless STOWAGE_PURE_PYTHON=1 (and, for
+        get_into, into C-contiguous arrays)."""
         return (_core is not None and self._segments is None and self.endpoint.startswith("tcp://")
                 and os.environ.get("STOWAGE_PURE_PYTHON") != "1"
                 and all(a.flags.c_contiguous for _, a in (targets or {}).values()))
@@ -533,7 +546,7 @@ class Client(_Ops):
             if dtype in _INT_NAMES:  # raw bits fill ints of their size
                 accepted += [b for b in _codec.BITS_DTYPES if _codec.WIRE_DTYPES[b].itemsize == a.dtype.itemsize]
             plan.append((name, accepted, list(a.shape), a.reshape(-1).view(np.uint8)))
-        rid, other = self._core_call(body, timeout, lambda core, frame0, t: (core.get_into(frame0, plan, t),))
+        rid, other = self._core_call("get", body, timeout, lambda core, frame0, t: (core.get_into(frame0, plan, t),))
         if other is None:
             return True
         head, problem = other

@@ -8,20 +8,26 @@ import numpy as np
 import pytest
 
 import stowage
+from stowage import _codec
 
 MiB = 1 << 20
 
 
 def counting(client):
-    """Wraps client._call to record (op, data bytes) of every request sent."""
+    """Wraps the client's senders (`_call`, and `_core_send`, which a tcp put
+    goes through with the Rust core) to record (op, data bytes, rows) of
+    every request sent."""
     sent = []
-    inner = client._call
 
-    def call(op, body, frames, timeout, expect, *extras):
-        sent.append((op, sum(memoryview(f).nbytes for f in frames), len(body.get("global_indexes", []))))
-        return inner(op, body, frames, timeout, expect, *extras)
+    def nbytes(f):  # a frame, or a shared frame's pieces (not joined for the core)
+        return f.nbytes if isinstance(f, _codec.Pieces) else memoryview(f).nbytes
 
-    client._call = call
+    for name in ("_call", "_core_send"):
+        def call(op, body, frames, timeout, expect, *extras, inner=getattr(client, name)):
+            sent.append((op, sum(nbytes(f) for f in frames), len(body.get("global_indexes", []))))
+            return inner(op, body, frames, timeout, expect, *extras)
+
+        setattr(client, name, call)
     return sent
 
 
@@ -56,7 +62,7 @@ def test_huge_put_is_split_across_messages(endpoint, fresh):
             nested = c.get([idx[i] for i in sample], ["n"])["n"]
             assert all(np.array_equal(g, data["n"][i]) for g, i in zip(nested, sample))
         finally:
-            del c._call  # the unwrapped method again
+            del c._call, c._core_send  # the unwrapped methods again
             assert c.clear(idx) == 3 * n
 
 
