@@ -1,22 +1,37 @@
-"""The Rust core (issue 17, first part): a tcp `get_into` reads each field's
-bytes from the socket straight into the caller's arrays. Checked here: the
-core is built and used, rows land byte for byte (rows spread over units,
-an index asked twice, several fields), mismatches are refused before
-anything is written, errors keep their types, and no buffer of the
-payload's size is allocated (peak RSS), where the pure-Python path
-(`STOWAGE_PURE_PYTHON=1`) needs one."""
+"""The Rust core (issue 17): a tcp `get_into` reads each field's bytes
+from the socket straight into the caller's arrays, a `get` into one buffer
+per field, and a `put` sends from the caller's arrays (`Connection.send`).
+Checked here: the core is built and used, rows land byte for byte (rows
+spread over units, an index asked twice, several fields; a put of every
+dtype and kind, split or not, read back through pyzmq), mismatches are
+refused before anything is written, errors keep their types, a hostile
+reply is bounded, and no buffer of the payload's size is allocated (peak
+RSS), where the pure-Python path (`STOWAGE_PURE_PYTHON=1`) needs one."""
 
 from __future__ import annotations
 
+import itertools
 import os
+import socket
+import threading
+import time
 
+import msgpack
 import numpy as np
 import pytest
 
 import stowage
 from stowage import client as client_mod
+from test_client_roundtrip import DTYPES, sample
 
 MIB = 1 << 20
+
+
+@pytest.fixture(autouse=True)
+def _core_on(monkeypatch):
+    """The core serves unless a test turns it off (a whole-suite run with
+    STOWAGE_PURE_PYTHON=1 too)."""
+    monkeypatch.delenv("STOWAGE_PURE_PYTHON", raising=False)
 
 
 def test_the_core_is_built_and_reads_get_into(endpoint, fresh, monkeypatch):
@@ -204,3 +219,267 @@ def test_a_hostile_reply_is_refused_without_harm(fake_server):
                     call()
         current["case"] = (desc([{"frame": 1, "offset": 0, "len": 8, "rows": 1}]), [np.ones(2, np.float32).tobytes()], None)
         assert c.get([1], ["x"])["x"].tolist() == [[1.0, 1.0]]
+
+
+def _core_sends(c) -> list:
+    """Records the op of every request `c` sends through the core."""
+    ops = []
+    inner = c._core_send
+
+    def send(op, *rest):
+        ops.append(op)
+        return inner(op, *rest)
+
+    c._core_send = send
+    return ops
+
+
+def _same(got, want) -> bool:
+    if isinstance(want, np.ndarray):
+        return isinstance(got, np.ndarray) and got.dtype == want.dtype and got.shape == want.shape \
+            and got.tobytes() == want.tobytes()  # bit-exact (NaN-safe)
+    if isinstance(want, list) and want and isinstance(want[0], np.ndarray):
+        return len(got) == len(want) and all(_same(g, w) for g, w in zip(got, want))
+    return got == want
+
+
+@pytest.mark.parametrize("max_message_bytes", [256 * MIB, 3000], ids=["one-message", "split"])
+def test_put_through_the_core_round_trips(endpoint, fresh, monkeypatch, max_message_bytes):
+    """Every dtype, nested rows (empty, scalar, one big enough for a frame of
+    its own), values, empty rows and non-contiguous input, put through the
+    core, in one message or split over many; read back through pyzmq (not
+    the core's own reader)."""
+    n = 40
+    idx = fresh(n)
+    data = {f"r_{dt}": sample(dt, (n, 3), seed=i) for i, dt in enumerate(DTYPES)}
+    base = sample("float64", (n, 6), seed=99)
+    data.update({
+        "nested": [sample("int16", [(3,), (0,), (), (2, 4), (0, 5)][k % 5], seed=k) for k in range(n)],
+        "big_row": [sample("float32", (70_000,) if k == 7 else (k,), seed=k) for k in range(n)],
+        "values": [f"v{k}-é" if k % 2 else bytes([k]) * k for k in range(n)],
+        "empty": np.zeros((n, 0), np.int8),
+        "strided": base[:, ::2],
+        "transposed": np.arange(n * 4, dtype=np.int32).reshape(4, n).T,
+        "nested_strided": [base[k, ::3] for k in range(n)],
+    })
+    assert not data["strided"].flags.c_contiguous and not data["transposed"].flags.c_contiguous
+    with stowage.Client(endpoint, timeout=30, max_message_bytes=max_message_bytes) as c:
+        ops = _core_sends(c)
+        assert c.put(idx, data) == n
+        assert ops and set(ops) == {"put"}, "the put did not go through the core"
+        assert (len(ops) > 1) == (max_message_bytes == 3000), ops
+        monkeypatch.setenv("STOWAGE_PURE_PYTHON", "1")
+        got = c.get(idx, list(data))
+        bad = [name for name in data if not _same(got[name], list(data[name]) if name == "values" else data[name])]
+        assert not bad, f"fields that did not round-trip: {bad}"
+        c.clear(idx)
+
+
+def test_a_put_of_more_slices_than_one_writev_takes(endpoint, fresh, monkeypatch):
+    """3,000 nested rows, every other one above the size the core copies
+    into its write buffer (16 KiB): each of those is a slice of its own,
+    about 1,500 slices plus the copied runs between them, more than IOV_MAX
+    (1024) in one message. Every row comes back in place."""
+    n = 3000
+    idx = fresh(n)
+    rows = [np.full(4500 if k % 2 else k % 7, k, np.int32) for k in range(n)]
+    assert sum(r.nbytes > 16 << 10 for r in rows) > 1024
+    with stowage.Client(endpoint, timeout=60) as c:
+        ops = _core_sends(c)
+        c.put(idx, {"n": rows})
+        assert ops == ["put"]
+        monkeypatch.setenv("STOWAGE_PURE_PYTHON", "1")
+        got = c.get(idx, ["n"])["n"]
+        wrong = [k for k in range(n) if not _same(got[k], rows[k])]
+        assert not wrong, f"rows not in place: {wrong[:10]}"
+        c.clear(idx)
+
+
+def test_put_errors_keep_their_types(small_server, fresh):
+    """Through the core: stowd's errors keep their types (a split put stopped
+    by a full unit says how many rows earlier messages stored), and the
+    client serves on."""
+    n = small_server.max_rows + 1
+    with stowage.Client(small_server["native"], timeout=10) as c:
+        ops = _core_sends(c)
+        with pytest.raises(stowage.TooLarge):
+            c.put(fresh(n), {"t": ["v"] * n})
+        assert ops == ["put"]
+    idx = fresh(10)
+    rows = np.arange(10, dtype=np.uint8)[:, None].repeat(1024, axis=1)
+    with stowage.Client(small_server["native"], timeout=10, max_message_bytes=2200) as c:
+        ops = _core_sends(c)
+        try:
+            with pytest.raises(stowage.CapacityError) as ei:
+                c.put(idx, {"x": rows})  # each unit holds 4 KiB: rows 0..7 fit, 8..9 do not
+            assert ei.value.rows_stored == 8 and set(ops) == {"put"} and len(ops) > 1
+            np.testing.assert_array_equal(c.get(idx[:8], ["x"])["x"], rows[:8])
+        finally:
+            c.clear(idx)
+
+
+def test_a_put_without_a_reply_times_out_and_the_next_is_served(fake_server):
+    """A peer that takes a put and never answers: StowageTimeout within the
+    call's timeout, no rows counted; the next put, on a new connection, is
+    answered. The peer (libzmq) got the data frame byte for byte."""
+    requests = []
+
+    def handler(ident, frames):
+        env = msgpack.unpackb(frames[0])
+        requests.append(frames[1:])
+        if len(requests) == 1:
+            return []
+        body = {"rows": len(env["body"]["global_indexes"])}
+        return [[msgpack.packb({"proto": "stowage/1", "op": "put_ok", "id": env["id"], "body": body})]]
+
+    srv = fake_server(handler)
+    x = np.arange(4 * 1000, dtype=np.float32).reshape(4, 1000)
+    with stowage.Client(srv.endpoint, timeout=10) as c:
+        ops = _core_sends(c)
+        t = time.monotonic()
+        with pytest.raises(stowage.StowageTimeout) as ei:
+            c.put([1, 2, 3, 4], {"x": x}, timeout=0.5)
+        assert time.monotonic() - t < 5 and ei.value.rows_stored == 0
+        assert c.put([1, 2, 3, 4], {"x": x}) == 4
+        assert ops == ["put", "put"]
+    assert [r for r in requests] == [[x.tobytes()]] * 2
+
+
+class HostileZmtp:
+    """A bare ZMTP 3.0 peer on a raw socket, for replies libzmq never sends:
+    it answers the k-th request (counted over all connections) with the raw
+    bytes `reply(k, request frame 0)`. Each connection is served by a thread
+    of its own (the client's idle pyzmq DEALER connects too); `requests`
+    lists, per request, the number of the connection it came on."""
+
+    def __init__(self, reply):
+        self.reply = reply
+        self.requests: list[int] = []
+        self._lock = threading.Lock()
+        self._connections = itertools.count(1)
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.sock.settimeout(0.1)
+        self.endpoint = f"tcp://127.0.0.1:{self.sock.getsockname()[1]}"
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def frame(data: bytes, more: bool = False, command: bool = False) -> bytes:
+        flags = int(more) | 4 * int(command)
+        head = bytes([flags, len(data)]) if len(data) < 256 else bytes([flags | 2]) + len(data).to_bytes(8, "big")
+        return head + data
+
+    def _run(self):
+        while not self._stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except TimeoutError:
+                continue
+            threading.Thread(target=self._serve, args=(conn, next(self._connections)), daemon=True).start()
+
+    def _serve(self, conn, number):
+        with conn:
+            try:
+                self._exchange(conn, number)
+            except (OSError, EOFError):
+                pass  # the client dropped the connection, or never asked
+
+    def _exchange(self, conn, number):
+        conn.settimeout(10)
+        f = conn.makefile("rb")
+
+        def read(k):
+            b = f.read(k)
+            if len(b) < k:
+                raise EOFError
+            return b
+
+        def frame():
+            flags = read(1)[0]
+            size = int.from_bytes(read(8), "big") if flags & 2 else read(1)[0]
+            return flags, read(size)
+
+        greeting = b"\xff" + bytes(8) + b"\x7f\x03\x00" + b"NULL".ljust(20, b"\0") + bytes(32)
+        conn.sendall(greeting)
+        read(64)
+        conn.sendall(self.frame(b"\x05READY\x0bSocket-Type" + (6).to_bytes(4, "big") + b"ROUTER", command=True))
+        frame()  # the client's READY
+        while True:
+            flags, head = frame()
+            while flags & 1:
+                flags, _ = frame()
+            with self._lock:
+                self.requests.append(number)
+                k = len(self.requests)
+            conn.sendall(self.reply(k, msgpack.unpackb(head)))
+
+    def close(self):
+        self._stop.set()
+        self._thread.join(timeout=10)
+        self.sock.close()
+
+
+def test_a_hostile_reply_to_a_put_is_bounded(fresh):
+    """Replies to a put that declare more than the core reads (a data frame
+    of 2^40 bytes, a frame 0 of 2^40, more frames than a message may have)
+    or break ZMTP (a command inside a reply): each a ProtocolError before
+    anything of that size is allocated, the connection dropped; the next
+    put, on a new connection, is served."""
+    huge = bytes([2]) + (1 << 40).to_bytes(8, "big")  # a frame header, no bytes after it
+
+    def put_ok(env, more=False):
+        return HostileZmtp.frame(msgpack.packb({"proto": "stowage/1", "op": "put_ok", "id": env["id"],
+                                                "body": {"rows": 1}}), more=more)
+
+    cases = [
+        (lambda env: put_ok(env, more=True) + huge, r"data frames of 1099511627776 bytes"),
+        (lambda env: huge, r"frame 0 of 1099511627776 bytes"),
+        (lambda env: put_ok(env, more=True) + b"\x01\x00" * (1 << 20) + b"\x00\x00", r"more than 1048576 frames"),
+        (lambda env: put_ok(env, more=True) + HostileZmtp.frame(b"\x04PING", command=True), r"a command frame"),
+    ]
+    srv = HostileZmtp(lambda k, env: cases[k - 1][0](env) if k <= len(cases) else put_ok(env))
+    try:
+        with stowage.Client(srv.endpoint, timeout=10) as c:
+            ops = _core_sends(c)
+            for _, match in cases:
+                peak = _peak_rss()
+                with pytest.raises(stowage.ProtocolError, match=match):
+                    c.put([1], {"x": np.ones((1, 8), np.float32)})
+                assert _peak_rss() - peak < 64 * MIB
+            assert c.put([1], {"x": np.ones((1, 8), np.float32)}) == 1
+            assert ops == ["put"] * (len(cases) + 1)
+        # One request per connection: each refused reply dropped its connection.
+        assert len(srv.requests) == len(set(srv.requests)) == len(cases) + 1, srv.requests
+    finally:
+        srv.close()
+
+
+@pytest.mark.parametrize("pure", [False, True])
+def test_put_sends_without_joining(endpoint, fresh, monkeypatch, pure):
+    """256 MiB of nested rows of 32 KiB each: small enough that the plan
+    packs them into shared frames, which pyzmq needs joined (a copy of the
+    payload) and the core sends piece by piece from the caller's arrays.
+    The client's peak RSS grows by the payload's size on the pure-Python
+    path and by little through the core."""
+    rows, cols = 8192, 8192  # float32: 32 KiB a row
+    idx = fresh(rows)
+    data = [np.full(cols, k, np.float32) for k in range(rows)]
+    payload = rows * cols * 4
+    with stowage.Client(endpoint, timeout=120) as c:
+        ops = _core_sends(c)
+        if pure:
+            monkeypatch.setenv("STOWAGE_PURE_PYTHON", "1")
+        _reset_peak()
+        base = _peak_rss()
+        assert c.put(idx, {"n": data}) == rows
+        grew = _peak_rss() - base
+        assert (ops == []) == pure
+        monkeypatch.delenv("STOWAGE_PURE_PYTHON", raising=False)
+        got = c.get(idx[::4093], ["n"])["n"]
+        assert [g[0] for g in got] == list(range(0, rows, 4093)) and all(g.shape == (cols,) for g in got)
+        c.clear(idx)
+    if pure:
+        assert grew > payload // 2, f"the pure-Python put grew by only {grew / MIB:.0f} MiB"
+    else:
+        assert grew < 32 * MIB, f"a put through the core grew by {grew / MIB:.0f} MiB for {payload / MIB:.0f} MiB"
