@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""tcp get_into through the client's Rust core against the pure-Python
-path and the plain tcp stream (issue 17), all in one run.
+"""tcp put, get_into and get through the client's Rust core against the
+pure-Python path and the plain tcp stream (issue 17), all in one run.
 
 A release stowd with `[units] local = 4` holds each case (put once over
 tcp); then, `--reps` times each, in this order:
@@ -8,13 +8,18 @@ tcp); then, `--reps` times each, in this order:
 - tcp stream: 9 bytes of request, then the payload from another process on
   127.0.0.1, read with `recv_into` into one reused buffer (the limit; the
   peer is the side-by-side suite's, bench/suite.py);
+- put, core: `Client.put` of the whole array again (the rows overwritten;
+  messages of the default `max_message_bytes`, each answered before the
+  next), the Rust core writing each frame from the array;
+- put, pure Python: the same with `STOWAGE_PURE_PYTHON=1` (pyzmq);
 - get_into, core: `Client.get_into` into a pre-faulted array (the Rust
   core reads each frame straight into it);
 - get_into, pure Python: the same with `STOWAGE_PURE_PYTHON=1` (pyzmq
   receives the frames, then each field is copied into the array);
 - get, core and pure Python: a plain `Client.get` (the core reads each
   field into one buffer the returned array is a view of);
-- then 2,000 gets of one 4 KiB row, each way (us per round trip).
+- then 2,000 gets and 2,000 puts of one 4 KiB row, each way (us per
+  round trip).
 
 Per row: median GB/s, its ratio to the tcp stream, and the client's peak
 RSS above what it held before the call (VmHWM reset through
@@ -119,6 +124,8 @@ def main() -> None:
                 limit = tcp_limit(payload, a.reps)
                 results = {"tcp stream": [(s, 0) for s in limit]}
                 for label, pure, fn in [
+                    ("put, core", False, lambda: c.put(idx, {"x": x})),
+                    ("put, pure Python", True, lambda: c.put(idx, {"x": x})),
                     ("get_into, core", False, lambda: c.get_into(idx, {"x": out})),
                     ("get_into, pure Python", True, lambda: c.get_into(idx, {"x": out})),
                     ("get, core", False, lambda: c.get(idx, ["x"])),
@@ -141,19 +148,23 @@ def main() -> None:
                     rows.append((name, label, payload / s / 1e9, lim / s, grew / payload))
                 c.clear(idx)
                 del x, out
-            # Small gets: one row of 4 KiB, round trip.
+            # One row of 4 KiB, round trip: get, and put (the row overwritten).
             small = {}
-            c.put([10**9], {"s": np.ones((1, 1024), np.float32)})
-            for label, pure in [("core", False), ("pure Python", True)]:
+            row = {"s": np.ones((1, 1024), np.float32)}
+            c.put([10**9], row)
+            for label, pure, fn in [("get, core", False, lambda: c.get([10**9], ["s"])),
+                                    ("get, pure Python", True, lambda: c.get([10**9], ["s"])),
+                                    ("put, core", False, lambda: c.put([10**9], row)),
+                                    ("put, pure Python", True, lambda: c.put([10**9], row))]:
                 if pure:
                     os.environ["STOWAGE_PURE_PYTHON"] = "1"
                 else:
                     os.environ.pop("STOWAGE_PURE_PYTHON", None)
                 for _ in range(200):
-                    c.get([10**9], ["s"])
+                    fn()
                 t = time.perf_counter()
                 for _ in range(2000):
-                    c.get([10**9], ["s"])
+                    fn()
                 small[label] = (time.perf_counter() - t) / 2000
             os.environ.pop("STOWAGE_PURE_PYTHON", None)
             c.clear([10**9])
@@ -162,7 +173,7 @@ def main() -> None:
         print("|---|---|---:|---:|---:|")
         for name, label, gbs, ratio, mem in rows:
             print(f"| {name} | {label} | {gbs:.2f} | {ratio:.2f} | {mem:.2f} |")
-        print("\n| get of one 4 KiB row | us per round trip |")
+        print("\n| one 4 KiB row | us per round trip |")
         print("|---|---:|")
         for label, sec in small.items():
             print(f"| {label} | {sec * 1e6:.0f} |")
