@@ -348,9 +348,10 @@ def test_a_put_without_a_reply_times_out_and_the_next_is_served(fake_server):
 class HostileZmtp:
     """A bare ZMTP 3.0 peer on a raw socket, for replies libzmq never sends:
     it answers the k-th request (counted over all connections) with the raw
-    bytes `reply(k, request frame 0)`. Each connection is served by a thread
-    of its own (the client's idle pyzmq DEALER connects too); `requests`
-    lists, per request, the number of the connection it came on."""
+    bytes `reply(k, request frame 0)`; with `reply=None` it reads nothing
+    after the handshake. Each connection is served by a thread of its own
+    (the client's idle pyzmq DEALER connects too); `requests` lists, per
+    request, the number of the connection it came on."""
 
     def __init__(self, reply):
         self.reply = reply
@@ -405,7 +406,9 @@ class HostileZmtp:
         read(64)
         conn.sendall(self.frame(b"\x05READY\x0bSocket-Type" + (6).to_bytes(4, "big") + b"ROUTER", command=True))
         frame()  # the client's READY
-        while True:
+        if self.reply is None:
+            self._stop.wait()
+        while not self._stop.is_set():
             flags, head = frame()
             while flags & 1:
                 flags, _ = frame()
@@ -451,6 +454,22 @@ def test_a_hostile_reply_to_a_put_is_bounded(fresh):
             assert ops == ["put"] * (len(cases) + 1)
         # One request per connection: each refused reply dropped its connection.
         assert len(srv.requests) == len(set(srv.requests)) == len(cases) + 1, srv.requests
+    finally:
+        srv.close()
+
+
+def test_a_put_the_peer_does_not_read_times_out():
+    """A peer that takes the handshake and reads nothing more: a put larger
+    than the socket buffers cannot be sent, and raises StowageTimeout at
+    its timeout (the core's writes wait for room until the deadline)."""
+    srv = HostileZmtp(None)
+    try:
+        with stowage.Client(srv.endpoint, timeout=10) as c:
+            t = time.monotonic()
+            with pytest.raises(stowage.StowageTimeout) as ei:
+                c.put([1], {"x": np.ones((1, 16 * MIB), np.float32)}, timeout=0.5)
+            assert 0.4 < time.monotonic() - t < 5 and ei.value.rows_stored == 0
+            assert c._core is not None
     finally:
         srv.close()
 

@@ -93,12 +93,16 @@ struct Stream {
 }
 
 impl Stream {
-    fn arm(&self) -> Result<(), Fail> {
-        let left = self
-            .deadline
+    /// The time left before the deadline (a timeout once none is).
+    fn left(&self) -> Result<Duration, Fail> {
+        self.deadline
             .checked_duration_since(Instant::now())
             .filter(|d| !d.is_zero())
-            .ok_or_else(|| Fail::Timeout("no reply within the timeout".into()))?;
+            .ok_or_else(|| Fail::Timeout("no reply within the timeout".into()))
+    }
+
+    fn arm(&self) -> Result<(), Fail> {
+        let left = self.left()?;
         self.tcp
             .set_read_timeout(Some(left))
             .and_then(|()| self.tcp.set_write_timeout(Some(left)))
@@ -125,20 +129,51 @@ impl Stream {
         self.tcp.write_all(buf).map_err(Stream::io)
     }
 
-    /// Writes every byte of `slices`, with `writev`, resuming after a
-    /// partial write.
+    /// Writes every byte of `slices` with `writev`, resuming after partial
+    /// writes: the socket non-blocking meanwhile, waiting in `poll` for
+    /// room (as libzmq sends). A blocking `writev` of a large buffer, which
+    /// waits for room inside the kernel, put 1 GiB at 3.4 GB/s where this
+    /// puts it at 4.5 (medians of 8, alternating, on the benchmark machine).
     fn write_all_vectored(&mut self, mut slices: &mut [IoSlice<'_>]) -> Result<(), Fail> {
         IoSlice::advance_slices(&mut slices, 0);
+        self.tcp.set_nonblocking(true).map_err(Stream::io)?;
         while !slices.is_empty() {
-            self.arm()?;
             match self.tcp.write_vectored(slices) {
                 Ok(0) => return Err(Fail::Io("stowd closed the connection".into())),
                 Ok(n) => IoSlice::advance_slices(&mut slices, n),
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => self.wait_writable()?,
                 Err(e) => return Err(Stream::io(e)),
             }
         }
-        Ok(())
+        // Blocking again for the reads, which time out by the socket's
+        // timeouts. (After a failure the connection is dropped.)
+        self.tcp.set_nonblocking(false).map_err(Stream::io)
+    }
+
+    /// Waits until the socket takes more bytes (or reports an error, which
+    /// the next write returns), or the deadline.
+    fn wait_writable(&self) -> Result<(), Fail> {
+        // Rounded up: a wait never ends just short of the deadline to spin.
+        let ms = self
+            .left()?
+            .as_millis()
+            .saturating_add(1)
+            .min(i32::MAX as u128) as i32;
+        let mut fd = libc::pollfd {
+            fd: std::os::fd::AsRawFd::as_raw_fd(&self.tcp),
+            events: libc::POLLOUT,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd, alive for the call.
+        match unsafe { libc::poll(&mut fd, 1, ms) } {
+            0 => Err(Fail::Timeout("could not send within the timeout".into())),
+            -1 => match std::io::Error::last_os_error() {
+                e if e.kind() == std::io::ErrorKind::Interrupted => Ok(()),
+                e => Err(Fail::Io(e.to_string())),
+            },
+            _ => Ok(()),
+        }
     }
 
     /// Reads and throws away `n` bytes.
