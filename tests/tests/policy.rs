@@ -15,6 +15,7 @@ use stowage_host::policy::builtin::Builtin;
 use stowage_host::policy::chain::{Chain, ChainError, DecidedBy, FailStrategy, Loaded};
 use stowage_host::policy::registry::{ChainConfig, Registry};
 use stowage_host::policy::wasm::{self, SandboxLimits};
+use stowage_host::policy::{Fault, Policy, PolicyError};
 use stowage_host::tensor::{DType, Tensor};
 use stowage_tests::{hostile, plugin, plugin_dir, shared_cache, temp_dir};
 
@@ -708,4 +709,47 @@ fn wasm_policies_are_safe_to_call_from_many_threads() {
             });
         }
     });
+}
+
+// ---------------------------------------------------------------------------
+// Where a call runs.
+
+/// On a tokio worker a plugin is entered right there (no handoff to another
+/// thread); a guest whose WASI call needs tokio (`trap` writes its panic
+/// message to stderr) is entered again off the runtime, from then on, and
+/// its fault still carries what it wrote.
+#[test]
+fn plugins_are_entered_on_the_worker_and_one_writing_stderr_is_retried_off_it() {
+    let reg = Registry::new(Some(shared_cache()), SandboxLimits::default()).unwrap();
+    let runs = Arc::new(reg.load_file(&plugin("runs")).unwrap().0);
+    let trap = Arc::new(reg.load_file(&hostile("trap")).unwrap().0);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .build()
+        .unwrap();
+    let (r, t) = (runs.clone(), trap.clone());
+    rt.block_on(rt.spawn(async move {
+        let field = regular(8, 2);
+        for _ in 0..3 {
+            let plan = r.select(&field, &[0, 2, 4]).unwrap();
+            let got = rows_of(&plan::execute_selection(&field, &plan).unwrap());
+            assert_eq!(got, builtin_rows(&field, &[0, 2, 4]));
+        }
+        for round in 0..2 {
+            match t.select(&field, &[0, 2, 4]) {
+                Err(PolicyError::Fault(Fault::Trap(text))) => assert!(
+                    text.contains("guest stderr: ")
+                        && text.contains("hostile plugin `trap`: select(8 rows, 3 positions)"),
+                    "round {round}: {text}"
+                ),
+                other => panic!("round {round}: expected a trap, got {other:?}"),
+            }
+        }
+    }))
+    .unwrap();
+    assert!(!runs.enters_off_runtime(), "runs left the worker");
+    assert!(
+        trap.enters_off_runtime(),
+        "trap's stderr write did not send it off the runtime"
+    );
 }

@@ -48,10 +48,12 @@ use crate::batch::Field;
 use crate::plan::{FramePlan, PackLimits, PieceInfo, SelectionPlan};
 
 mod contract;
+mod enter;
 mod lent;
 pub mod memo;
 
 pub use contract::{ContractError, LoadError, check_contract};
+pub use enter::off_runtime;
 pub use lent::{LentField, field_dtype};
 
 /// `stowage:policy@0.1.0`, frozen.
@@ -260,6 +262,8 @@ pub struct WasmPolicy {
     instance: Mutex<Option<Instance>>,
     /// Answers of a pure policy (0.2.0 `describe().pure`).
     memo: memo::Memo,
+    /// On the worker, or off the runtime (a plugin whose WASI calls need tokio).
+    entry: enter::Entry,
 }
 
 impl std::fmt::Debug for WasmPolicy {
@@ -368,6 +372,7 @@ impl WasmPolicy {
             limits,
             instance: Mutex::new(None),
             memo: memo::Memo::new(limits.memo_entries),
+            entry: enter::Entry::default(),
         };
         let description = policy
             .call(|inst| {
@@ -397,6 +402,12 @@ impl WasmPolicy {
             Pre::V1(_) => "0.1.0",
             Pre::V2(_) => "0.2.0",
         }
+    }
+
+    /// Whether calls leave the tokio worker first: only once a call's WASI
+    /// host call needed tokio (see `enter`).
+    pub fn enters_off_runtime(&self) -> bool {
+        self.entry.needs_tokio()
     }
 
     /// Answers held in the memo (0 unless the policy is pure).
@@ -462,11 +473,10 @@ impl WasmPolicy {
     /// start a replacement worker per waiter: 517 threads under 64 clients.)
     fn call<R: Send>(
         &self,
-        f: impl FnOnce(&mut Instance) -> wasmtime::Result<R> + Send,
+        f: impl Fn(&mut Instance) -> wasmtime::Result<R> + Sync,
     ) -> Result<R, Fault> {
         let mut slot = self.instance.lock().unwrap_or_else(|p| p.into_inner());
-        let slot = &mut *slot;
-        off_runtime(|| self.call_here(slot, f))
+        self.entry.run(&mut *slot, |slot| self.call_here(slot, &f))
     }
 
     fn call_here<R>(
@@ -498,25 +508,6 @@ impl WasmPolicy {
                 Err(fault)
             }
         }
-    }
-}
-
-/// Runs `f` where WASI's synchronous host calls may run their own tokio
-/// runtime: on this thread when it is outside tokio, on a scoped helper
-/// thread when called from a tokio task. (wasmtime-wasi's sync bindings
-/// block on tokio internally, e.g. when a guest writes its panic message to
-/// stderr; inside a tokio worker that panics with "Cannot start a runtime
-/// from within a runtime".)
-///
-/// On a multi-thread runtime (stowd's) this is `block_in_place`, which lets
-/// the closure block on a runtime without a thread spawn; on a
-/// current-thread runtime, a scoped thread.
-pub fn off_runtime<R: Send>(f: impl FnOnce() -> R + Send) -> R {
-    match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
-        Err(_) => f(),
-        Ok(tokio::runtime::RuntimeFlavor::MultiThread) => tokio::task::block_in_place(f),
-        Ok(_) => std::thread::scope(|s| s.spawn(f).join())
-            .unwrap_or_else(|panic| std::panic::resume_unwind(panic)),
     }
 }
 
@@ -613,8 +604,7 @@ impl WasmPolicy {
     ) -> (Vec<Result<SelectionPlan, PolicyError>>, u64) {
         let pure = self.description.pure;
         let mut slot = self.instance.lock().unwrap_or_else(|p| p.into_inner());
-        let slot = &mut *slot;
-        off_runtime(|| match &self.pre {
+        self.entry.run(&mut *slot, |slot| match &self.pre {
             Pre::V1(_) => {
                 let answers = requests
                     .iter()
