@@ -12,6 +12,7 @@
 //! |---|---|---|
 //! | server (`stowd`) | [`decode_request`] (+ [`request_id`] for error replies) | [`encode_reply`], [`encode_reply_with`] |
 //! | Rust client (tests, the router) | [`decode_reply`] | [`encode_request`], [`encode_request_with`] |
+//! | Python client (`stowage._core`) | [`decode_reply_layout`], [`decode_extras`] | [`encode_request_head`], [`with_extras`] |
 //!
 //! Fields travel as a [`WireField`]: a regular tensor as [`RegularParts`]
 //! (its rows in one or more contiguous byte ranges), a nested tensor as one
@@ -46,7 +47,7 @@ use crate::msgpack;
 mod tests;
 
 pub use field::{RegularParts, WireField};
-pub use layout::{FieldLayout, PartLayout, ReplyLayout, RowLayout};
+pub use layout::{FieldLayout, PartLayout, ReplyLayout, RequestHead, RowLayout};
 
 /// The value of the envelope's `proto` key.
 pub const PROTO: &str = "stowage/1";
@@ -584,6 +585,12 @@ pub fn encode_request(request: &Request) -> Result<Vec<Bytes>, Error> {
 /// (an op without fields takes an empty layout).
 pub fn encode_request_with(request: &Request, layout: &FrameLayout) -> Result<Vec<Bytes>, Error> {
     encode::request(request, Some(layout))
+}
+
+/// Encodes frame 0 of a request whose data frames the caller sends as it
+/// laid them out (client side; see [`RequestHead`]).
+pub fn encode_request_head(id: u64, head: &RequestHead) -> Result<Bytes, Error> {
+    encode::request_head(id, head)
 }
 
 /// Encodes a reply with [`FrameLayout::one_per_piece`].

@@ -3,15 +3,21 @@
 
 use bytes::{Bytes, BytesMut};
 
+use super::layout::{FieldLayout, RequestHead};
 use super::{Error, Extras, FrameLayout, Indexes, Op, PROTO, Reply, Request, Stat, WireField};
 use crate::batch::Value;
 use crate::msgpack::{NATIVE_MAX_DEPTH as MAX_DEPTH, Reader, Writer};
+use crate::tensor::DType;
 
 pub(super) fn request(req: &Request, layout: Option<&FrameLayout>) -> Result<Vec<Bytes>, Error> {
-    let mut w = envelope(req.op.name(), req.id);
+    op_frames(req.id, &req.op, layout)
+}
+
+fn op_frames(id: u64, op: &Op, layout: Option<&FrameLayout>) -> Result<Vec<Bytes>, Error> {
+    let mut w = envelope(op.name(), id);
     let no_fields: &[(String, WireField)] = &[];
     let placed = place(
-        if let Op::Put { fields, .. } = &req.op {
+        if let Op::Put { fields, .. } = op {
             fields
         } else {
             no_fields
@@ -20,7 +26,7 @@ pub(super) fn request(req: &Request, layout: Option<&FrameLayout>) -> Result<Vec
         None,
         None,
     )?;
-    match &req.op {
+    match op {
         Op::Put {
             global_indexes,
             fields,
@@ -466,19 +472,9 @@ fn field_map(
 fn descriptor(w: &mut Writer, field: &WireField, locs: &[Loc]) -> Result<(), Error> {
     match field {
         WireField::Regular(p) => {
-            w.map(4);
-            w.kv_str("kind", "regular");
-            w.kv_str("dtype", p.dtype().name());
-            w.str("shape");
-            uints(w, &p.shape());
-            w.str("parts");
-            w.array(locs.len());
+            regular_head(w, p.dtype(), &p.shape(), locs.len());
             for l in locs {
-                w.map(4);
-                w.kv_uint("frame", l.frame);
-                w.kv_uint("offset", l.offset);
-                w.kv_uint("len", l.len);
-                w.kv_uint("rows", l.rows);
+                part(w, l.frame, l.offset, l.len, l.rows);
             }
         }
         WireField::Nested(rows) => {
@@ -492,43 +488,144 @@ fn descriptor(w: &mut Writer, field: &WireField, locs: &[Loc]) -> Result<(), Err
                     t.dtype()
                 )));
             }
-            w.map(3);
-            w.kv_str("kind", "nested");
-            w.kv_str("dtype", dtype.name());
-            w.str("rows");
-            w.array(rows.len());
+            nested_head(w, dtype, rows.len());
             for (t, l) in rows.iter().zip(locs) {
-                w.map(4);
-                w.str("shape");
-                uints(w, t.shape());
-                w.kv_uint("frame", l.frame);
-                w.kv_uint("offset", l.offset);
-                w.kv_uint("len", l.len);
+                nested_row(w, t.shape(), l.frame, l.offset, l.len);
             }
         }
-        WireField::Values(values) => {
-            w.map(2);
-            w.kv_str("kind", "values");
-            w.str("values");
-            w.array(values.len());
-            for v in values {
-                match v {
-                    Value::Str(s) => w.str(s),
-                    Value::Bytes(b) => w.bin(b),
-                    Value::Msgpack(raw) => {
-                        let mut r = Reader::new(raw, 0);
-                        if r.skip(MAX_DEPTH).is_err() || r.remaining() != 0 {
-                            return Err(Error::Unencodable(
-                                "a msgpack value is not exactly one msgpack value".into(),
-                            ));
-                        }
-                        w.raw(raw);
-                    }
+        WireField::Values(values) => values_descriptor(w, values)?,
+    }
+    Ok(())
+}
+
+/// A descriptor from a [`FieldLayout`]: where the rows already lie in data
+/// frames the caller sends (the same bytes [`descriptor`] writes for the
+/// same placement).
+fn layout_descriptor(w: &mut Writer, field: &FieldLayout) -> Result<(), Error> {
+    match field {
+        FieldLayout::Regular {
+            dtype,
+            shape,
+            parts,
+        } => {
+            regular_head(w, *dtype, shape, parts.len());
+            for p in parts {
+                part(w, p.frame, p.offset, p.len, p.rows);
+            }
+        }
+        FieldLayout::Nested { dtype, rows } => {
+            nested_head(w, *dtype, rows.len());
+            for r in rows {
+                nested_row(w, &r.shape, r.frame, r.offset, r.len);
+            }
+        }
+        FieldLayout::Values(values) => values_descriptor(w, values)?,
+    }
+    Ok(())
+}
+
+/// A regular descriptor up to its parts (`parts` of them follow).
+fn regular_head(w: &mut Writer, dtype: DType, shape: &[u64], parts: usize) {
+    w.map(4);
+    w.kv_str("kind", "regular");
+    w.kv_str("dtype", dtype.name());
+    w.str("shape");
+    uints(w, shape);
+    w.str("parts");
+    w.array(parts);
+}
+
+fn part(w: &mut Writer, frame: u64, offset: u64, len: u64, rows: u64) {
+    w.map(4);
+    w.kv_uint("frame", frame);
+    w.kv_uint("offset", offset);
+    w.kv_uint("len", len);
+    w.kv_uint("rows", rows);
+}
+
+/// A nested descriptor up to its rows (`rows` of them follow).
+fn nested_head(w: &mut Writer, dtype: DType, rows: usize) {
+    w.map(3);
+    w.kv_str("kind", "nested");
+    w.kv_str("dtype", dtype.name());
+    w.str("rows");
+    w.array(rows);
+}
+
+fn nested_row(w: &mut Writer, shape: &[u64], frame: u64, offset: u64, len: u64) {
+    w.map(4);
+    w.str("shape");
+    uints(w, shape);
+    w.kv_uint("frame", frame);
+    w.kv_uint("offset", offset);
+    w.kv_uint("len", len);
+}
+
+fn values_descriptor(w: &mut Writer, values: &[Value]) -> Result<(), Error> {
+    w.map(2);
+    w.kv_str("kind", "values");
+    w.str("values");
+    w.array(values.len());
+    for v in values {
+        match v {
+            Value::Str(s) => w.str(s),
+            Value::Bytes(b) => w.bin(b),
+            Value::Msgpack(raw) => {
+                let mut r = Reader::new(raw, 0);
+                if r.skip(MAX_DEPTH).is_err() || r.remaining() != 0 {
+                    return Err(Error::Unencodable(
+                        "a msgpack value is not exactly one msgpack value".into(),
+                    ));
                 }
+                w.raw(raw);
             }
         }
     }
     Ok(())
+}
+
+/// Frame 0 of a request whose data frames the sender lays out itself.
+pub(super) fn request_head(id: u64, head: &RequestHead) -> Result<Bytes, Error> {
+    match head {
+        RequestHead::Put {
+            global_indexes,
+            fields,
+        } => {
+            let mut w = envelope("put", id);
+            w.map(2);
+            w.str("global_indexes");
+            uints(&mut w, global_indexes);
+            w.str("fields");
+            w.map(fields.len());
+            for (name, field) in fields {
+                w.str(name);
+                layout_descriptor(&mut w, field).map_err(|e| e.in_field(name))?;
+            }
+            Ok(Bytes::from(w.finish()?))
+        }
+        RequestHead::GetList {
+            global_indexes,
+            fields,
+        } => {
+            let mut w = envelope("get", id);
+            w.map(2);
+            w.str("global_indexes");
+            uints(&mut w, global_indexes);
+            w.str("fields");
+            strs(&mut w, fields);
+            Ok(Bytes::from(w.finish()?))
+        }
+        RequestHead::Other(op) => {
+            if let Op::Put { fields, .. } = op
+                && !fields.is_empty()
+            {
+                return Err(Error::Layout(
+                    "a put's fields go in a RequestHead::Put, as layouts".into(),
+                ));
+            }
+            Ok(op_frames(id, op, None)?.swap_remove(0))
+        }
+    }
 }
 
 /// Frame 0 plus the shared-memory keys `extras` sets (`segments`,

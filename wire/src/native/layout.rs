@@ -7,7 +7,7 @@
 use crate::batch::Value;
 use crate::tensor::DType;
 
-use super::{Error, Reply};
+use super::{Error, Op, Reply};
 
 /// One part of a regular field: `rows` consecutive rows (in request order)
 /// at `offset..offset + len` of data frame `frame` (1-based).
@@ -109,4 +109,27 @@ pub fn check_frames(fields: &[(String, FieldLayout)], frame_lens: &[u64]) -> Res
 pub enum ReplyLayout {
     GetOk(Vec<(String, FieldLayout)>),
     Other(Reply),
+}
+
+/// A request's frame 0 for a sender that lays out its data frames itself
+/// (the Python client: a put's large rows go from the caller's arrays, its
+/// small ones coalesced as it chooses), written by
+/// [`super::encode_request_head`].
+#[derive(Clone, Debug, PartialEq)]
+pub enum RequestHead {
+    /// A put whose fields are described by where their rows lie in the data
+    /// frames that follow.
+    Put {
+        global_indexes: Vec<u64>,
+        fields: Vec<(String, FieldLayout)>,
+    },
+    /// A get whose indexes are written as a list whatever their runs: for a
+    /// `stowd` from before ranges (protocol page, "Versioning").
+    GetList {
+        global_indexes: Vec<u64>,
+        fields: Vec<String>,
+    },
+    /// Any request without data frames, as [`super::encode_request`]
+    /// writes it.
+    Other(Op),
 }

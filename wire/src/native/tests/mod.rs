@@ -820,6 +820,117 @@ fn protocol_page_example() {
     );
 }
 
+/// A sender that lays out its own data frames (the Python client) writes
+/// frame 0 from layouts: the same bytes as the encoder that places the
+/// rows itself, for every field kind.
+#[test]
+fn a_request_head_is_the_bytes_of_the_placing_encoder() {
+    let tag = Field::Values(vec![
+        Value::Str("a".into()),
+        Value::Bytes(Bytes::from_static(b"b")),
+    ]);
+    let n: Vec<Tensor> = [2u64, 0, 3]
+        .iter()
+        .map(|&k| tensor(DType::I16, &[k], 9))
+        .collect();
+    let req = put(
+        vec![0, 1, 5],
+        vec![
+            ("x", Field::Regular(tensor(DType::F32, &[3, 2], 1))),
+            ("n", Field::Nested(n.clone())),
+            ("tag", {
+                let Field::Values(mut v) = tag else { panic!() };
+                v.push(Value::Msgpack(Bytes::from_static(&[0x92, 0x01, 0xc0])));
+                Field::Values(v)
+            }),
+        ],
+    );
+    let frames = encode_request(&req).unwrap();
+    let Op::Put {
+        global_indexes,
+        fields,
+    } = &req.op
+    else {
+        panic!()
+    };
+    let WireField::Values(values) = &fields[2].1 else {
+        panic!()
+    };
+    // One frame for x, one per nested row, as `one_per_piece` places them.
+    let head = RequestHead::Put {
+        global_indexes: global_indexes.clone(),
+        fields: vec![
+            (
+                "x".into(),
+                FieldLayout::Regular {
+                    dtype: DType::F32,
+                    shape: vec![3, 2],
+                    parts: vec![PartLayout {
+                        frame: 1,
+                        offset: 0,
+                        len: 24,
+                        rows: 3,
+                    }],
+                },
+            ),
+            (
+                "n".into(),
+                FieldLayout::Nested {
+                    dtype: DType::I16,
+                    rows: n
+                        .iter()
+                        .enumerate()
+                        .map(|(i, t)| RowLayout {
+                            shape: t.shape().to_vec(),
+                            frame: i as u64 + 2,
+                            offset: 0,
+                            len: t.contiguous_bytes().len() as u64,
+                        })
+                        .collect(),
+                },
+            ),
+            ("tag".into(), FieldLayout::Values(values.clone())),
+        ],
+    };
+    let frame0 = encode_request_head(req.id, &head).unwrap();
+    assert_eq!(frame0, frames[0]);
+    let mut sent = vec![frame0];
+    sent.extend_from_slice(&frames[1..]);
+    assert_eq!(decode(&sent).unwrap(), req);
+    // A get written as the placing encoder writes it, or as a list.
+    let get = Op::Get {
+        global_indexes: Indexes::from_list(&(10..30).collect::<Vec<u64>>()),
+        fields: vec!["x".into()],
+    };
+    let same = encode_request(&Request {
+        id: 3,
+        op: get.clone(),
+    })
+    .unwrap();
+    assert_eq!(
+        encode_request_head(3, &RequestHead::Other(get)).unwrap(),
+        same[0]
+    );
+    let list = encode_request_head(
+        3,
+        &RequestHead::GetList {
+            global_indexes: (10..30).collect(),
+            fields: vec!["x".into()],
+        },
+    )
+    .unwrap();
+    assert!(list.len() > same[0].len(), "twenty indexes as a list");
+    let Op::Get { global_indexes, .. } = decode(&[list]).unwrap().op else {
+        panic!()
+    };
+    assert_eq!(global_indexes.to_vec(), (10..30).collect::<Vec<u64>>());
+    // A put with data of its own goes through the placing encoder.
+    assert!(matches!(
+        encode_request_head(1, &RequestHead::Other(req.op)),
+        Err(Error::Layout(_))
+    ));
+}
+
 mod bad_input;
 mod ranges;
 
