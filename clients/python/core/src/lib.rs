@@ -34,6 +34,9 @@
 //! [`stowage_transport::zmtp`]. A reply that breaks the protocol, a timeout
 //! or an I/O error drops the connection (the next call makes a new one),
 //! so a late or half-read reply is never taken for the next one.
+//!
+//! Every envelope the Python client writes or reads, on any transport,
+//! goes through [`codec`]: stowd's codec, with Python objects in and out.
 
 use std::io::{IoSlice, Read, Write};
 use std::net::TcpStream;
@@ -48,11 +51,13 @@ use pyo3::types::{PyBytes, PyList};
 use stowage_transport::zmtp;
 use stowage_wire::native::{self, FieldLayout, Limits, ReplyLayout, layout};
 
+mod codec;
+
 pyo3::create_exception!(
     _core,
     ProtocolViolation,
     pyo3::exceptions::PyException,
-    "The reply breaks stowage/1 or ZMTP (the connection was dropped)."
+    "The reply breaks stowage/1 or ZMTP (a connection it came on was dropped)."
 );
 
 const FLAG_MORE: u8 = 0x01;
@@ -957,10 +962,13 @@ impl Connection {
     }
 }
 
-/// The module: `Connection`.
+/// The module: `Connection`, and the codec's `encode_request` and
+/// `decode_reply`.
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Connection>()?;
+    m.add_function(wrap_pyfunction!(codec::encode_request, m)?)?;
+    m.add_function(wrap_pyfunction!(codec::decode_reply, m)?)?;
     m.add_class::<Buffer>()?;
     m.add("ProtocolViolation", m.py().get_type::<ProtocolViolation>())?;
     Ok(())
