@@ -1,8 +1,12 @@
-"""stowage/1 encoding and decoding (docs/protocol-stowage1.md).
+"""stowage/1 requests and replies (docs/protocol-stowage1.md), around
+stowd's own codec.
 
-Pure functions and small classes; no sockets. The client modules build
-requests with `put_messages`, `get_body`, ... and turn replies into results
-with `decode_envelope`, `decode_get_fields` and `Part` / `FieldReply`.
+Pure functions and small classes; no sockets. Frame 0 is written and read
+by the Rust core (`_core.encode_request`, `_core.decode_reply`: stowd's
+`stowage_wire::native`, so the protocol has one implementation): this
+module checks the user's input, lays out a put's data frames
+(`put_messages`), and turns the checked descriptors of a reply into arrays
+(`decode_get_fields`, `Part` / `FieldReply`).
 
 Where a reply's bytes come from is pluggable: descriptors name bytes as
 (data frame k, offset, len), and `decode_get_fields` resolves them through a
@@ -23,7 +27,7 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 import msgpack
 import numpy as np
 
-from . import _torch
+from . import _core, _torch
 from ._dtypes import (  # noqa: F401 - re-exported
     BITS_DTYPES,
     DTYPE_ALIASES,
@@ -416,20 +420,16 @@ def split_rows(fields: Mapping[str, Regular | Nested | Values], n: int, max_byte
     return ranges
 
 
-def _descriptor(f: Regular | Nested | Values, a: int, b: int, frames: _Frames) -> dict:
+def _descriptor(f: Regular | Nested | Values, a: int, b: int, frames: _Frames) -> tuple:
+    """Rows a..b of a field as `_core.encode_request` takes them."""
     if isinstance(f, Values):
-        return {"kind": "values", "values": f.values[a:b]}
+        return ("values", f.values[a:b])
     if isinstance(f, Regular):
         piece = f.array[a:b]
         frame, offset = frames.add(piece)
-        return {"kind": "regular", "dtype": f.dtype, "shape": list(piece.shape),
-                "parts": [{"frame": frame, "offset": offset, "len": piece.nbytes, "rows": b - a}]}
-    rows = []
+        return ("regular", f.dtype, piece.shape, [(frame, offset, piece.nbytes, b - a)])
     add = frames.add
-    for r in f.rows[a:b]:
-        frame, offset = add(r)
-        rows.append({"shape": list(r.shape), "frame": frame, "offset": offset, "len": r.nbytes})
-    return {"kind": "nested", "dtype": f.dtype, "rows": rows}
+    return ("nested", f.dtype, [(r.shape, *add(r), r.nbytes) for r in f.rows[a:b]])
 
 
 @dataclass
@@ -451,33 +451,21 @@ def put_messages(indexes: list[int], fields: Mapping[str, Regular | Nested | Val
 
 # ---------------------------------------------------------------- envelopes
 
-ENVELOPE_KEYS = ("proto", "op", "id", "body")
-# Optional envelope keys of the same-node mode (protocol page, "Same-node shared memory").
-SAME_NODE_KEYS = ("segments", "same_node")
-
 
 def envelope(op: str, req_id: int, body: dict, extras: dict | None = None) -> bytes:
-    """Frame 0 of a request; `extras` adds same-node keys (`segments`, `same_node`)."""
-    env = {"proto": PROTO, "op": op, "id": req_id, "body": body}
-    if extras:
-        env.update(extras)
-    return msgpack.packb(env, use_bin_type=True)
+    """Frame 0 of a request; `extras` adds same-node keys (`segments`,
+    `same_node`, `channel`). A put's fields are `_descriptor`s."""
+    return _core.encode_request(op, req_id, body, extras)
 
 
 def decode_envelope(frame0) -> dict:
-    """Frame 0 of a reply -> {"proto", "op", "id", "body"[, "segments", "same_node"]}
-    (ProtocolError if malformed)."""
+    """Frame 0 of a reply -> {"proto", "op", "id", "body"[, "segments", "same_node"]},
+    checked by stowd's decoder (ProtocolError with its reason if malformed);
+    a get_ok's descriptors are tuples (see `_core.decode_reply`)."""
     try:
-        env = msgpack.unpackb(frame0, raw=False, strict_map_key=True)
-    except Exception as e:  # noqa: BLE001 - msgpack raises several types
-        raise ProtocolError(f"reply frame 0 is not msgpack: {e}") from None
-    if not isinstance(env, dict) or not set(ENVELOPE_KEYS) <= set(env) <= {*ENVELOPE_KEYS, *SAME_NODE_KEYS}:
-        raise ProtocolError(f"reply envelope is not a stowage/1 envelope: {env!r:.200}")
-    if env["proto"] != PROTO:
-        raise ProtocolError(f"reply proto is {env['proto']!r}, expected {PROTO!r}")
-    if not isinstance(env["id"], int) or not isinstance(env["body"], dict) or not isinstance(env["op"], str):
-        raise ProtocolError(f"reply envelope has wrong types: {env!r:.200}")
-    return env
+        return _core.decode_reply(frame0)
+    except _core.ProtocolViolation as e:
+        raise ProtocolError(f"malformed reply: {e}") from None
 
 
 # ---------------------------------------------------------------- get replies
@@ -599,124 +587,57 @@ class FieldReply:
         return WIRE_DTYPES[self.dtype]
 
 
-def _uint(v: Any, what: str) -> int:
-    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-        raise ProtocolError(f"{what} is not an unsigned integer: {v!r}")
-    return v
-
-
-def _shape(v: Any, what: str) -> tuple:
-    if not isinstance(v, list) or len(v) > 64:
-        raise ProtocolError(f"{what}: bad shape {v!r}")
-    return tuple(_uint(d, what) for d in v)
-
-
-def _keys(d: Any, keys: set, what: str) -> dict:
-    if not isinstance(d, dict) or set(d) != keys:
-        got = sorted(d) if isinstance(d, dict) else type(d).__name__
-        raise ProtocolError(f"{what}: expected keys {sorted(keys)}, got {got}")
-    return d
-
-
-_PART_KEYS = {"frame", "offset", "len", "rows"}
-_ROW_KEYS = {"shape", "frame", "offset", "len"}
-
-
-def _decode_field(name: str, d: Any, n: int, frames: FrameSource) -> FieldReply:
+def _decode_field(name: str, d: tuple, n: int, frames: FrameSource) -> FieldReply:
+    """A descriptor stowd's decoder checked in itself (kinds, shapes, lengths
+    against the dtype, row sums) -> its rows as views of `frames`, checked
+    against the request (`n` rows) and against the frames."""
     what = f"field {name!r}"
-    kind = d.get("kind") if isinstance(d, dict) else None
+    kind = d[0]
     if kind == "values":
-        _keys(d, {"kind", "values"}, what)
-        if not isinstance(d["values"], list) or len(d["values"]) != n:
+        if len(d[1]) != n:
             raise ProtocolError(f"{what}: values descriptor without {n} values")
-        return FieldReply("values", values=d["values"])
+        return FieldReply("values", values=d[1])
+    _, dtype, shape_or_rows, *parts = d
     if kind == "regular":
-        _keys(d, {"kind", "dtype", "shape", "parts"}, what)
-        dtype = canonical_dtype(d["dtype"])
-        shape = _shape(d["shape"], what)
-        if not shape or shape[0] != n:
+        shape, parts = shape_or_rows, parts[0]
+        if shape[0] != n:
             raise ProtocolError(f"{what}: shape {list(shape)} does not have {n} rows")
-        if not isinstance(d["parts"], list):
-            raise ProtocolError(f"{what}: parts is not an array")
-        row_bytes = WIRE_DTYPES[dtype].itemsize * math.prod(shape[1:])
-        if len(d["parts"]) >= GATHER_MIN_PARTS and row_bytes:
-            table = _part_table(d["parts"], row_bytes, n, frames)
+        if len(parts) >= GATHER_MIN_PARTS and parts[0][2]:
+            table = _part_table(parts, frames)
             if table is not None:
                 return FieldReply("regular", dtype=dtype, shape=shape, bases=frames.bases, table=table, src=frames)
-        parts: list[Part] = []
+        out: list[Part] = []
         start = 0
         end = None  # (frame, end offset) of the previous part, to merge parts that follow on directly
         view, where = frames.view, frames.where
-        for p in d["parts"]:
-            if type(p) is not dict or p.keys() != _PART_KEYS:
-                _keys(p, _PART_KEYS, what)
-            k, off, ln, rows = p["frame"], p["offset"], p["len"], p["rows"]
-            if type(off) is not int or type(ln) is not int or type(rows) is not int or min(off, ln, rows) < 0:
-                off, ln, rows = _uint(off, what), _uint(ln, what), _uint(rows, what)
-            if rows == 0 or ln != rows * row_bytes:
-                raise ProtocolError(f"{what}: part of {rows} rows has len {ln}, expected {rows * row_bytes}")
+        for k, off, ln, rows in parts:
             if end == (k, off):  # the same bytes as one merged part
-                prev = parts[-1]
-                parts[-1] = Part(prev.start, prev.rows + rows, view(k, off - len(prev.data), len(prev.data) + ln),
-                                 prev.base, prev.at)
+                prev = out[-1]
+                out[-1] = Part(prev.start, prev.rows + rows, view(k, off - len(prev.data), len(prev.data) + ln),
+                               prev.base, prev.at)
             else:
-                data = view(k, off, ln)
-                parts.append(Part(start, rows, data, *where(k, off)))
+                out.append(Part(start, rows, view(k, off, ln), *where(k, off)))
             end = (k, off + ln)
             start += rows
-        if start != n:
-            raise ProtocolError(f"{what}: parts hold {start} rows, expected {n}")
-        return FieldReply("regular", dtype=dtype, shape=shape, parts=parts, bases=frames.bases)
-    if kind == "nested":
-        _keys(d, {"kind", "dtype", "rows"}, what)
-        if not isinstance(d["rows"], list) or len(d["rows"]) != n:
-            raise ProtocolError(f"{what}: nested descriptor without {n} rows")
-        dtype = canonical_dtype(d["dtype"])
-        itemsize = WIRE_DTYPES[dtype].itemsize
-        rows = []
-        view = frames.view
-        for r in d["rows"]:
-            if type(r) is not dict or r.keys() != _ROW_KEYS:
-                _keys(r, _ROW_KEYS, what)
-            shape, off, ln = r["shape"], r["offset"], r["len"]
-            if type(shape) is list and len(shape) <= 64 and all(type(x) is int and x >= 0 for x in shape):
-                shape = tuple(shape)
-            else:
-                shape = _shape(shape, what)
-            if type(off) is not int or type(ln) is not int or off < 0 or ln < 0:
-                off, ln = _uint(off, what), _uint(ln, what)
-            if ln != itemsize * math.prod(shape):
-                raise ProtocolError(f"{what}: row of shape {list(shape)} has len {ln}")
-            rows.append((shape, view(r["frame"], off, ln)))
-        return FieldReply("nested", dtype=dtype, rows=rows, row_desc=d["rows"])
-    raise ProtocolError(f"{what}: unknown kind {kind!r}")
+        return FieldReply("regular", dtype=dtype, shape=shape, parts=out, bases=frames.bases)
+    rows = shape_or_rows
+    if len(rows) != n:
+        raise ProtocolError(f"{what}: nested descriptor without {n} rows")
+    view = frames.view
+    return FieldReply("nested", dtype=dtype, rows=[(shape, view(k, off, ln)) for shape, k, off, ln in rows],
+                      row_desc=rows)
 
 
-def _part_table(P: list, row_bytes: int, n: int, frames: FrameSource):
-    """Many parts of a regular field, checked with numpy: the arrays of a
-    FieldReply.table, or None to take the part-by-part path (which also
-    words any error)."""
-    # C-speed checks (32,768 parts take milliseconds): every part a dict with
-    # the four keys (each has them, and they add up to 4 keys a part, so none
-    # has more), every value an int.
-    if set(map(type, P)) != {dict} or sum(map(len, P)) != 4 * len(P):
+def _part_table(parts: list, frames: FrameSource):
+    """Many parts of a regular field, checked against the frames with numpy:
+    the arrays of a FieldReply.table, or None to take the part-by-part path
+    (which also words any error)."""
+    try:
+        k, off, ln, rows = np.array(parts, dtype=np.int64).T
+    except OverflowError:
         return None
-    cols = []
-    for key in ("frame", "offset", "len", "rows"):
-        try:
-            col = [p[key] for p in P]
-        except KeyError:
-            return None
-        if set(map(type, col)) != {int}:
-            return None
-        try:
-            cols.append(np.array(col, dtype=np.int64))
-        except OverflowError:
-            return None
-    k, off, ln, rows = cols
     lens, wbase, wat = frames.where_arrays()
-    if (k.min() < 1 or k.max() >= len(lens) or off.min() < 0 or rows.min() < 1
-            or np.any(ln != rows * row_bytes) or np.any(off + ln > lens[k]) or int(rows.sum()) != n):
+    if k.min() < 1 or k.max() >= len(lens) or np.any(off + ln > lens[k]):
         return None
     base = wbase[k]
     if base.min() < 0:
@@ -738,8 +659,6 @@ def _parts(f: FieldReply) -> list:
 def decode_get_fields(body: dict, requested: list[str], n: int, frames: FrameSource) -> dict:
     """A get_ok body -> {field: FieldReply}, in request order, every byte range
     resolved to a read-only view of `frames`."""
-    if set(body) != {"fields"} or not isinstance(body["fields"], dict):
-        raise ProtocolError(f"get_ok body has keys {sorted(body)}, expected ['fields']")
     descs = body["fields"]
     if list(descs) != requested:
         raise ProtocolError(f"get_ok has fields {list(descs)}, requested {requested}")
@@ -801,7 +720,7 @@ def to_private_numpy(fields: Mapping[str, FieldReply], frames: FrameSource) -> d
         if f.kind == "nested":
             rows = out[name] = [None] * len(f.rows)
             for i, ((sh, d), r) in enumerate(zip(f.rows, f.row_desc)):
-                b, a = where(r["frame"], r["offset"])
+                b, a = where(r[1], r[2])
                 if b < 0 or not len(d):  # no bytes (or none of a shared mapping's): its own array
                     rows[i] = np.frombuffer(d, dtype=f.np_dtype).reshape(sh).copy()
                     continue

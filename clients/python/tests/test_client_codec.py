@@ -6,11 +6,24 @@ from __future__ import annotations
 import mmap
 import os
 
+import msgpack
 import numpy as np
 import pytest
 
 import stowage
 from stowage import _codec
+
+
+def checked(fields: dict) -> dict:
+    """A get_ok body of these descriptors (built by hand, as stowd sends
+    them) as stowd's decoder hands it to the client."""
+    frame0 = msgpack.packb({"proto": "stowage/1", "op": "get_ok", "id": 1, "body": {"fields": fields}})
+    return _codec.decode_envelope(frame0)["body"]
+
+
+def sent(m: _codec.PutMessage) -> dict:
+    """The body of a put message as it goes on the wire (frame 0 decoded)."""
+    return msgpack.unpackb(_codec.envelope("put", 1, m.body))["body"]
 
 
 def test_frames_from_a_read_only_file_mapping(tmp_path):
@@ -24,14 +37,14 @@ def test_frames_from_a_read_only_file_mapping(tmp_path):
         mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     segments = [["stowd-1-0", 8, x.nbytes], ["stowd-1-0", 8 + x.nbytes, 6], ["", 0, 0]]
     views = [memoryview(mapping)[o:o + n] if name else memoryview(b"") for name, o, n in segments]
-    body = {"fields": {
+    body = checked({
         "x": {"kind": "regular", "dtype": "float32", "shape": [3, 4],
               "parts": [{"frame": 1, "offset": 0, "len": 16, "rows": 1},
                         {"frame": 1, "offset": 16, "len": 32, "rows": 2}]},  # follow on: merged
         "n": {"kind": "nested", "dtype": "int16", "rows": [{"shape": [3], "frame": 2, "offset": 0, "len": 6},
                                                             {"shape": [0], "frame": 3, "offset": 0, "len": 0},
                                                             {"shape": [], "frame": 2, "offset": 0, "len": 2}]},
-    }}
+    })
     got = _codec.decode_get_fields(body, ["x", "n"], 3, _codec.FrameSource(views))
     assert len(got["x"].parts) == 1, "parts that follow on directly are one part"
     a = _codec.to_numpy(got["x"])
@@ -70,14 +83,14 @@ def test_split_rows():
     assert _codec.split_rows(fields, 10, 1) == [(i, i + 1) for i in range(10)]  # a row too big goes alone
     msgs = list(_codec.put_messages(list(range(100, 110)), fields, 400))
     assert [m.body["global_indexes"] for m in msgs][-1] == [109]
-    assert [m.body["fields"]["x"]["shape"] for m in msgs] == [[3, 100], [3, 100], [3, 100], [1, 100]]
+    assert [sent(m)["fields"]["x"]["shape"] for m in msgs] == [[3, 100], [3, 100], [3, 100], [1, 100]]
 
 
 def test_small_pieces_share_frames_and_big_ones_go_alone():
     rows = [np.full(3, 1, np.float64), np.full(70_000, 2, np.uint8), np.full(1, 3, np.float64)]
     f = {"n": _codec.Nested("float64", [rows[0], rows[2]]), "b": _codec.Nested("uint8", [rows[1], rows[1][:5]])}
     (m,) = _codec.put_messages([1, 2], f, 1 << 30)
-    desc = m.body["fields"]
+    desc = sent(m)["fields"]
     assert len(m.frames) == 2  # one shared frame for the small pieces, one for the 70,000-byte row
     n0, n1 = desc["n"]["rows"]
     assert n0["frame"] == n1["frame"] and n1["offset"] % 8 == 0  # aligned to the itemsize
@@ -93,11 +106,11 @@ def test_dtype_names():
 
 
 @pytest.mark.parametrize("bad, error", [
-    ({"extra": 1}, "expected keys"),                  # a fifth key on one part
-    ({"rows": True}, "unsigned integer: True"),       # a bool is not a row count
-    ({"offset": 1.0}, "unsigned integer: 1.0"),       # nor is a float an offset
-    ({"len": 3}, "has len 3"),                        # len that is not rows x row bytes
-    ({"frame": 9}, "frame"),                          # no such frame
+    ({"extra": 1}, 'unexpected key "extra"'),         # a fifth key on one part
+    ({"rows": True}, "rows must be"),                 # a bool is not a row count
+    ({"offset": 1.0}, "offset must be"),              # nor is a float an offset
+    ({"len": 3}, "range of 3 bytes"),                 # len that is not rows x row bytes
+    ({"frame": 9}, "frame 9 does not exist"),         # no such frame
 ])
 def test_a_bad_part_among_many_is_refused(bad, error):
     """A reply of many parts (the numpy-checked path) with one bad part is a
@@ -105,13 +118,13 @@ def test_a_bad_part_among_many_is_refused(bad, error):
     x = np.arange(40 * 2, dtype=np.int32).reshape(40, 2)
     parts = [{"frame": 1, "offset": 8 * i, "len": 8, "rows": 1} for i in range(39, -1, -1)]
     parts[17] = {**parts[17], **bad}
-    body = {"fields": {"x": {"kind": "regular", "dtype": "int32", "shape": [40, 2], "parts": parts}}}
+    x_desc = {"kind": "regular", "dtype": "int32", "shape": [40, 2], "parts": parts}
     with pytest.raises(stowage.ProtocolError, match=error):
-        f = _codec.decode_get_fields(body, ["x"], 40, _codec.FrameSource([memoryview(x.tobytes())]))
+        f = _codec.decode_get_fields(checked({"x": x_desc}), ["x"], 40, _codec.FrameSource([memoryview(x.tobytes())]))
         _codec.to_numpy(f["x"])
     good = [dict(p) for p in parts]
     good[17] = {"frame": 1, "offset": 8 * 22, "len": 8, "rows": 1}
-    f = _codec.decode_get_fields({"fields": {"x": {**body["fields"]["x"], "parts": good}}}, ["x"], 40,
+    f = _codec.decode_get_fields(checked({"x": {**x_desc, "parts": good}}), ["x"], 40,
                                  _codec.FrameSource([memoryview(x.tobytes())]))
     np.testing.assert_array_equal(_codec.to_numpy(f["x"]), x[::-1])
 
@@ -145,6 +158,7 @@ def test_private_arrays_over_segments_are_copy_on_write_and_never_overlap(tmp_pa
             {"shape": [1024], "frame": 1, "offset": 0, "len": row}]},       # row 0
     }}
     # (fields of different row counts: decoded one by one)
+    body = {"fields": {name: checked({name: d})["fields"][name] for name, d in body["fields"].items()}}
     got = {"x": _codec._decode_field("x", body["fields"]["x"], 2, frames),
            "n": _codec._decode_field("n", body["fields"]["n"], 5, frames)}
     shared = np.frombuffer(bases[0], np.uint8)
@@ -172,6 +186,7 @@ def test_private_arrays_over_segments_are_copy_on_write_and_never_overlap(tmp_pa
     # A range that starts inside a page: the private mapping starts at that page.
     desc = {"kind": "regular", "dtype": "int32", "shape": [1, 100],
             "parts": [{"frame": 1, "offset": 4096 + 400, "len": 400, "rows": 1}]}
+    desc = checked({"x": desc})["fields"]["x"]
     views3, bases3, where3, cow3 = segs.frames([["seg", 0, len(raw)]], fds())
     f3 = _codec.FrameSource(views3, bases3, where3, cow3)
     odd = _codec.to_private_numpy({"x": _codec._decode_field("x", desc, 1, f3)}, f3)["x"]

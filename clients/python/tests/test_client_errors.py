@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import stowage
+from stowage import _codec
 
 CAPACITY = 4096  # conftest.small_server: bytes per unit
 SMALL_MAX_ROWS = 1000  # conftest.small_server: [limits] max_rows
@@ -230,12 +231,19 @@ def test_split_put_is_not_atomic_async(small_server, fresh):
     asyncio.run(main())
 
 
-def test_bad_request_from_server(endpoint):
+def test_bad_request_from_server(endpoint, monkeypatch):
     """What the server refuses as malformed arrives as BadRequest (sent through
-    the client's own request path with a body it would never build)."""
+    the client's own request path with a frame 0 its encoder would never
+    write: the encoder refuses the misspelled key itself)."""
+    body = {"global_indexes": [1], "feilds": ["x"]}
+    with pytest.raises(TypeError, match="feilds"):
+        _codec.envelope("clear", 1, body)
+    # (built by hand: test data, not a codec)
+    monkeypatch.setattr(_codec, "envelope", lambda op, rid, body, extras=None: msgpack.packb(
+        {"proto": "stowage/1", "op": op, "id": rid, "body": body}))
     with stowage.Client(endpoint, timeout=10) as c:
         with pytest.raises(stowage.BadRequest, match=r"^bad_request: ") as ei:
-            c._call("clear", {"global_indexes": [1], "feilds": ["x"]}, (), None, "clear_ok")
+            c._call("clear", body, (), None, "clear_ok")
         assert not isinstance(ei.value, stowage.TooLarge)
         assert c.stats()["units"] == 2
 
@@ -342,11 +350,11 @@ def test_odd_replies(fake_server):
             c.stats()
         with pytest.raises(stowage.ProtocolError, match=r"expected a clear_ok reply"):
             c.clear([1])
-        with pytest.raises(stowage.ProtocolError, match=r"not msgpack"):
+        with pytest.raises(stowage.ProtocolError, match=r"malformed msgpack"):
             c.get([1], ["x"])
         with pytest.raises(stowage.ProtocolError, match=r"carries shared-memory segments, but this client did not ask"):
             c.get([1], ["shm"])
-        with pytest.raises(stowage.ProtocolError, match=r"not a stowage/1 envelope"):
+        with pytest.raises(stowage.ProtocolError, match=r'the envelope has an unexpected key "extra"'):
             c.get([1], ["extra"])
         with pytest.raises(stowage.InternalError, match=r"^internal: boom"):  # id 0: an error for the one request in flight
             c.put([1], {"t": ["a"]})

@@ -173,8 +173,7 @@ def test_an_unused_lease_expires_and_a_crashed_client_leaks_nothing(short_lease_
     assert eventually(lambda: stat(shm_server, "shm_channels") == 0, 10), "the dead client's channel stayed open"
     # Naming it in a put afterwards is refused, not trusted.
     with stowage.Client(shm_server["native"], same_node=True) as c:
-        msg = {"global_indexes": [1], "fields": {"x": {"kind": "regular", "dtype": "uint8", "shape": [1, 4],
-                                                       "parts": [{"frame": 1, "offset": 0, "len": 4, "rows": 1}]}}}
+        msg = {"global_indexes": [1], "fields": {"x": ("regular", "uint8", [1, 4], [(1, 0, 4, 1)])}}
         with pytest.raises(stowage.BadRequest, match="lease"):
             c._call("put", msg, (), None, "put_ok", {"segments": [[name, 0, 4]]})
 
@@ -639,9 +638,8 @@ def _filled_lease(c, payload: bytes) -> tuple[str, int, mmap.mmap]:
 
 def _put_body(idx: list, row_bytes: int) -> dict:
     n = len(idx)
-    return {"global_indexes": idx, "fields": {"x": {
-        "kind": "regular", "dtype": "uint8", "shape": [n, row_bytes],
-        "parts": [{"frame": 1, "offset": 0, "len": n * row_bytes, "rows": n}]}}}
+    # (a descriptor as `_codec.put_messages` makes them: (kind, dtype, shape, parts))
+    return {"global_indexes": idx, "fields": {"x": ("regular", "uint8", [n, row_bytes], [(1, 0, n * row_bytes, n)])}}
 
 
 def test_a_writer_that_keeps_a_writable_mapping_cannot_put_its_lease(shm_server, fresh):
