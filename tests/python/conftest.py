@@ -8,6 +8,9 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+# The client package of this tree (with its built Rust core,
+# stowage/_core.abi3.so): the tests encode and decode stowage/1 with it.
+sys.path.insert(1, str(Path(__file__).resolve().parents[2] / "clients" / "python"))
 
 from stowd_harness import fixtures_dir, run_stowd, stowd_binary  # noqa: E402
 

@@ -9,6 +9,7 @@ import pytest
 import zmq
 
 import native_codec as nc
+from stowage import _core
 from native_codec import NativeClient, Values
 from stowd_harness import fresh_indexes
 
@@ -48,6 +49,22 @@ DOC_GET_REPLY = [
     hexbytes("00 00 40 40 00 00 80 40"),
     hexbytes("00 00 80 3f 00 00 00 40"),
 ]
+
+
+def test_doc_examples_through_stowds_codec():
+    """The protocol page's frames (golden bytes) are what stowd's codec, as
+    the client's core exposes it, writes, and read back as what they say."""
+    x = np.array([[1, 2], [3, 4]], np.float32)
+    assert nc.put_frames(1, [0, 1], {"x": x, "tag": Values(["a", "b"])}) == [DOC_PUT_FRAME0, DOC_PUT_FRAME1]
+    assert nc.get_frames(2, [1, 0], ["x"]) == [DOC_GET_FRAME0]
+    assert _core.decode_reply(DOC_PUT_REPLY) == {"proto": "stowage/1", "op": "put_ok", "id": 1, "body": {"rows": 2}}
+    get_ok = nc.NReply(DOC_GET_REPLY)
+    assert (get_ok.op, get_ok.id) == ("get_ok", 2)
+    assert get_ok.body == {"fields": {"x": ("regular", "float32", (2, 2), [(1, 0, 8, 1), (2, 0, 8, 1)])}}
+    assert get_ok.fields()["x"].tolist() == [[3, 4], [1, 2]]
+    # One byte short is refused with the decoder's reason.
+    with pytest.raises(_core.ProtocolViolation, match="malformed msgpack"):
+        _core.decode_reply(DOC_GET_REPLY[0][:-1])
 
 
 def test_doc_examples_byte_for_byte(stowd):
@@ -99,10 +116,11 @@ def test_round_trip_every_kind(stowd):
         reply = c.get(order, list(fields))
         descs = reply.body["fields"]
         assert list(descs) == list(fields), "fields not in request order"
-        assert descs["reg"]["kind"] == "regular" and descs["reg"]["shape"] == [4, 3]
-        assert descs["vec"]["kind"] == "regular" and descs["vec"]["shape"] == [4]
-        assert descs["nest"]["kind"] == "nested" and descs["nest"]["dtype"] == "float64"
-        assert descs["vals"]["kind"] == "values"
+        # (descriptors as stowd's decoder gives them: (kind, dtype, shape, parts), ...)
+        assert descs["reg"][:3] == ("regular", "float32", (4, 3))
+        assert descs["vec"][:3] == ("regular", "int64", (4,))
+        assert descs["nest"][:2] == ("nested", "float64")
+        assert descs["vals"][0] == "values"
         got = reply.fields()
         for name in ("reg", "vec", "u16"):
             assert got[name].dtype == fields[name].dtype, name
@@ -115,8 +133,7 @@ def test_round_trip_every_kind(stowd):
 
         # A nested field whose requested rows share one shape comes back regular.
         same = c.get([idx[0], idx[0]], ["nest"])
-        assert same.body["fields"]["nest"]["kind"] == "regular"
-        assert same.body["fields"]["nest"]["shape"] == [2, 3]
+        assert same.body["fields"]["nest"][:3] == ("regular", "float64", (2, 3))
 
         # Clear one field of two indexes, then everything.
         assert c.clear(idx[:2], ["vals"]).body == {"cleared": 2}
@@ -135,19 +152,15 @@ def test_frames_shared_between_fields(stowd):
     x = np.array([[1, 2], [3, 4]], np.float32)
     frame = bytes([7, 8, 9]) + bytes([5]) + b"\0" * 4 + x.tobytes()
     body = {"global_indexes": idx, "fields": {
-        "x": {"kind": "regular", "dtype": "float32", "shape": [2, 2],
-              "parts": [{"frame": 1, "offset": 8, "len": 16, "rows": 2}]},
-        "n": {"kind": "nested", "dtype": "uint8", "rows": [
-            {"shape": [3], "frame": 1, "offset": 0, "len": 3},
-            {"shape": [], "frame": 1, "offset": 3, "len": 1}]}}}
+        "x": ("regular", "float32", [2, 2], [(1, 8, 16, 2)]),
+        "n": ("nested", "uint8", [([3], 1, 0, 3), ([], 1, 3, 1)])}}
     with NativeClient(stowd["native"]) as c:
         c.request([nc.envelope("put", 5, body), frame]).expect("put_ok", 5)
         got = c.get(idx, ["x", "n"]).fields()
         assert np.array_equal(got["x"], x)
         assert got["n"][0].tolist() == [7, 8, 9] and got["n"][1].shape == () and int(got["n"][1]) == 5
         # Several parts spread over frames, out of order.
-        body2 = {"global_indexes": idx, "fields": {"x": {"kind": "regular", "dtype": "float32", "shape": [2, 2],
-                 "parts": [{"frame": 2, "offset": 0, "len": 8, "rows": 1}, {"frame": 1, "offset": 4, "len": 8, "rows": 1}]}}}
+        body2 = {"global_indexes": idx, "fields": {"x": ("regular", "float32", [2, 2], [(2, 0, 8, 1), (1, 4, 8, 1)])}}
         c.request([nc.envelope("put", 6, body2), b"\0" * 4 + x[1].tobytes(), x[0].tobytes()]).expect("put_ok", 6)
         assert np.array_equal(c.get(idx, ["x"]).fields()["x"], x)
         c.clear(idx)
@@ -196,10 +209,10 @@ def test_get_results_are_read_only_zero_copy(stowd):
         descs = reply.body["fields"]
         got = reply.fields()
         assert np.array_equal(got["x"], x)
-        views = [(got["x"], descs["x"]["parts"][0]["frame"])] if len(descs["x"]["parts"]) == 1 else []
-        views += [(nc.decode_field({"kind": "regular", "dtype": "float32", "shape": [p["rows"], 10], "parts": [p]},
-                                   reply.frames), p["frame"]) for p in descs["x"]["parts"]]
-        views += [(a, r["frame"]) for a, r in zip(got["n"], descs["n"]["rows"])]
+        parts = descs["x"][3]  # (frame, offset, len, rows) each
+        views = [(got["x"], parts[0][0])] if len(parts) == 1 else []
+        views += [(nc.decode_field(("regular", "float32", (p[3], 10), [p]), reply.frames), p[0]) for p in parts]
+        views += [(a, r[1]) for a, r in zip(got["n"], descs["n"][2])]  # (shape, frame, offset, len) each
         for a, frame in views:
             assert np.shares_memory(a, np.frombuffer(reply.frames[frame].buffer, np.uint8)), "a get result was copied"
             assert not a.flags.writeable, "a get result is writable"
@@ -229,58 +242,59 @@ def _put_body(idx, fields):
     return {"global_indexes": idx, "fields": fields}
 
 
+# Descriptors in the protocol's dict form, for `nc.hand_envelope` (test data).
 F32_2x2 = {"kind": "regular", "dtype": "float32", "shape": [2, 2],
            "parts": [{"frame": 1, "offset": 0, "len": 16, "rows": 2}]}
 
 BAD = {
     # name: (frames builder (id, bad indexes) -> frames, code, reply id is the request's, message prefix)
     "malformed_msgpack": (lambda i, b: [b"\xc1\x01\x02"], "bad_request", False, None),
-    "truncated_envelope": (lambda i, b: [nc.envelope("get", i, {"global_indexes": b, "fields": ["x"]})[:-3]],
+    "truncated_envelope": (lambda i, b: [nc.hand_envelope("get", i, {"global_indexes": b, "fields": ["x"]})[:-3]],
                            "bad_request", True, None),  # the id precedes the cut: it is readable
-    "trailing_bytes": (lambda i, b: [nc.envelope("stats", i, {}) + b"\x00"], "bad_request", None, None),
-    "empty_put": (lambda i, b: [nc.envelope("put", i, _put_body([], {}))], "bad_request", True, "empty batch:"),
-    "put_without_fields": (lambda i, b: [nc.envelope("put", i, _put_body(b[:2], {}))], "bad_request", True,
+    "trailing_bytes": (lambda i, b: [nc.hand_envelope("stats", i, {}) + b"\x00"], "bad_request", None, None),
+    "empty_put": (lambda i, b: [nc.hand_envelope("put", i, _put_body([], {}))], "bad_request", True, "empty batch:"),
+    "put_without_fields": (lambda i, b: [nc.hand_envelope("put", i, _put_body(b[:2], {}))], "bad_request", True,
                            "empty batch:"),
     "get_without_indexes": (lambda i, b: nc.get_frames(i, [], ["x"]), "bad_request", True, "empty batch:"),
     "get_without_fields": (lambda i, b: nc.get_frames(i, b[:1], []), "bad_request", True, "empty batch:"),
-    "unknown_op": (lambda i, b: [nc.envelope("frobnicate", i, {})], "unsupported", True, None),
-    "reply_op_as_request": (lambda i, b: [nc.envelope("put_ok", i, {"rows": 1})], "unsupported", True, None),
-    "other_proto": (lambda i, b: [nc.envelope("put", i, {"anything": 1}, proto="stowage/2")], "unsupported", True,
+    "unknown_op": (lambda i, b: [nc.hand_envelope("frobnicate", i, {})], "unsupported", True, None),
+    "reply_op_as_request": (lambda i, b: [nc.hand_envelope("put_ok", i, {"rows": 1})], "unsupported", True, None),
+    "other_proto": (lambda i, b: [nc.hand_envelope("put", i, {"anything": 1}, proto="stowage/2")], "unsupported", True,
                     None),
-    "unknown_body_key": (lambda i, b: [nc.envelope("clear", i, {"global_indexes": b, "feilds": ["x"]})],
+    "unknown_body_key": (lambda i, b: [nc.hand_envelope("clear", i, {"global_indexes": b, "feilds": ["x"]})],
                          "bad_request", True, None),
     "unknown_envelope_key": (lambda i, b: [msgpack.packb({"proto": "stowage/1", "op": "stats", "id": i, "body": {},
                                                            "extra": 1})], "bad_request", True, None),
-    "negative_index": (lambda i, b: nc.get_frames(i, [-1], ["x"]), "bad_request", True, None),
-    "duplicate_index": (lambda i, b: [nc.envelope("put", i, _put_body([b[0], b[0]], {"x": F32_2x2})), b"\0" * 16],
+    "negative_index": (lambda i, b: [nc.hand_envelope("get", i, {"global_indexes": [-1], "fields": ["x"]})], "bad_request", True, None),
+    "duplicate_index": (lambda i, b: [nc.hand_envelope("put", i, _put_body([b[0], b[0]], {"x": F32_2x2})), b"\0" * 16],
                         "bad_request", True, None),
-    "unreferenced_frame": (lambda i, b: [nc.envelope("put", i, _put_body(b[:2], {"x": F32_2x2})), b"\0" * 16, b"x"],
+    "unreferenced_frame": (lambda i, b: [nc.hand_envelope("put", i, _put_body(b[:2], {"x": F32_2x2})), b"\0" * 16, b"x"],
                            "bad_request", True, None),
-    "missing_frame": (lambda i, b: [nc.envelope("put", i, _put_body(b[:2], {"x": F32_2x2}))], "bad_request", True,
+    "missing_frame": (lambda i, b: [nc.hand_envelope("put", i, _put_body(b[:2], {"x": F32_2x2}))], "bad_request", True,
                       None),
-    "range_outside_frame": (lambda i, b: [nc.envelope("put", i, _put_body(b[:2], {"x": F32_2x2})), b"\0" * 12],
+    "range_outside_frame": (lambda i, b: [nc.hand_envelope("put", i, _put_body(b[:2], {"x": F32_2x2})), b"\0" * 12],
                             "bad_request", True, None),
-    "len_mismatch": (lambda i, b: [nc.envelope("put", i, _put_body(b[:2], {"x": dict(
+    "len_mismatch": (lambda i, b: [nc.hand_envelope("put", i, _put_body(b[:2], {"x": dict(
         F32_2x2, parts=[{"frame": 1, "offset": 0, "len": 12, "rows": 2}])})), b"\0" * 16], "bad_request", True, None),
-    "unknown_dtype": (lambda i, b: [nc.envelope("put", i, _put_body(b[:2], {"x": dict(F32_2x2, dtype="float8")})),
+    "unknown_dtype": (lambda i, b: [nc.hand_envelope("put", i, _put_body(b[:2], {"x": dict(F32_2x2, dtype="float8")})),
                                     b"\0" * 16], "bad_request", True, None),
-    "absurd_shape": (lambda i, b: [nc.envelope("put", i, _put_body(b[:2], {"x": dict(
+    "absurd_shape": (lambda i, b: [nc.hand_envelope("put", i, _put_body(b[:2], {"x": dict(
         F32_2x2, shape=[2, 2**62, 2**62])})), b"\0" * 16], "bad_request", True, None),
-    "row_count_mismatch": (lambda i, b: [nc.envelope("put", i, _put_body(b[:3], {"x": F32_2x2})), b"\0" * 16],
+    "row_count_mismatch": (lambda i, b: [nc.hand_envelope("put", i, _put_body(b[:3], {"x": F32_2x2})), b"\0" * 16],
                            "bad_request", True, None),
-    "range_of_0_indexes": (lambda i, b: [nc.envelope("get", i, {"global_indexes": {"ranges": [[b[0], 0, 1]]},
+    "range_of_0_indexes": (lambda i, b: [nc.hand_envelope("get", i, {"global_indexes": {"ranges": [[b[0], 0, 1]]},
                                                                   "fields": ["x"]})], "bad_request", True, None),
-    "range_with_step_0": (lambda i, b: [nc.envelope("get", i, {"global_indexes": {"ranges": [[b[0], 5, 0]]},
+    "range_with_step_0": (lambda i, b: [nc.hand_envelope("get", i, {"global_indexes": {"ranges": [[b[0], 5, 0]]},
                                                                  "fields": ["x"]})], "bad_request", True, None),
-    "range_past_2_64": (lambda i, b: [nc.envelope("get", i, {"global_indexes": {"ranges": [[2**64 - 2, 3, 1]]},
+    "range_past_2_64": (lambda i, b: [nc.hand_envelope("get", i, {"global_indexes": {"ranges": [[2**64 - 2, 3, 1]]},
                                                                "fields": ["x"]})], "bad_request", True, None),
-    "ranges_over_max_rows": (lambda i, b: [nc.envelope("get", i, {"global_indexes": {"ranges": [[0, 2**40, 1]]},
+    "ranges_over_max_rows": (lambda i, b: [nc.hand_envelope("get", i, {"global_indexes": {"ranges": [[0, 2**40, 1]]},
                                                                     "fields": ["x"]})], "too_large", True, None),
-    "range_in_a_put": (lambda i, b: [nc.envelope("put", i, _put_body({"ranges": [[b[0], 2, 1]]}, {"x": F32_2x2})),
+    "range_in_a_put": (lambda i, b: [nc.hand_envelope("put", i, _put_body({"ranges": [[b[0], 2, 1]]}, {"x": F32_2x2})),
                                      b"\0" * 16], "bad_request", True, None),
-    "range_in_a_clear": (lambda i, b: [nc.envelope("clear", i, {"global_indexes": {"ranges": [[b[0], 2, 1]]}})],
+    "range_in_a_clear": (lambda i, b: [nc.hand_envelope("clear", i, {"global_indexes": {"ranges": [[b[0], 2, 1]]}})],
                          "bad_request", True, None),
-    "unknown_kind": (lambda i, b: [nc.envelope("put", i, _put_body(b[:2], {"x": dict(F32_2x2, kind="sparse")})),
+    "unknown_kind": (lambda i, b: [nc.hand_envelope("put", i, _put_body(b[:2], {"x": dict(F32_2x2, kind="sparse")})),
                                    b"\0" * 16], "bad_request", True, None),
 }
 
@@ -323,8 +337,8 @@ def test_rows_read_back_in_put_order_come_back_as_one_frame(stowd):
     with NativeClient(stowd["native"]) as c:
         c.put(idx, {"x": x})
         r = c.get(idx, ["x"])
-        parts = r.body["fields"]["x"]["parts"]
-        assert len(r.frames) == 2 and parts == [{"frame": 1, "offset": 0, "len": x.nbytes, "rows": 32}], parts
+        parts = r.body["fields"]["x"][3]
+        assert len(r.frames) == 2 and parts == [(1, 0, x.nbytes, 32)], parts
         np.testing.assert_array_equal(r.fields()["x"], x)
         # a run inside the put, then rows out of order, then a repeat
         order = idx[10:20] + [idx[3], idx[1]] + idx[10:12]
