@@ -532,15 +532,17 @@ def tcp_stream(w, reps, rec):
 
     try:
         for _ in range(reps):
-            t = time.perf_counter()
+            # The peer's CPU: what receiving (put) and sending (get) the bytes
+            # costs a process that does nothing else, the floor for stowd's.
+            c, t = cpu_seconds(peer.pid), time.perf_counter()
             s.sendall(b"p" + P.to_bytes(8, "little"))
             s.sendall(src)
             recv_exact(memoryview(ack))
-            rec("tcp stream", w, "put", time.perf_counter() - t, {}, nbytes=P)
-            t = time.perf_counter()
+            rec("tcp stream", w, "put", time.perf_counter() - t, {"peer": (0, 0, cpu_seconds(peer.pid) - c)}, nbytes=P)
+            c, t = cpu_seconds(peer.pid), time.perf_counter()
             s.sendall(b"g" + G.to_bytes(8, "little"))
             recv_exact(dst)
-            rec("tcp stream", w, "get", time.perf_counter() - t, {}, nbytes=G)
+            rec("tcp stream", w, "get", time.perf_counter() - t, {"peer": (0, 0, cpu_seconds(peer.pid) - c)}, nbytes=G)
         s.sendall(b"q" + bytes(8))
     finally:
         s.close()
@@ -654,7 +656,7 @@ def summarize(results, reps):
         s = {"t": t, "gbs": nb / t / 1e9, "nbytes": nb, "n": len(rs),
              # the first repetition: nothing freed by an earlier one to reuse
              "first_gbs": nb / rs[0]["t"] / 1e9}
-        for role in ("client", "server"):
+        for role in ("client", "server", "peer"):
             if role in rs[0]["mem"]:
                 s[f"{role}_first_peak"] = rs[0]["mem"][role][0] / nb
                 s[f"{role}_peak"] = med(r["mem"][role][0] for r in rs) / nb
@@ -855,16 +857,21 @@ def report(S, wls, meta, systems):
              "field (TransferQueue's reply shape; frames under 64 KiB are copied by pyzmq). tcp stream: one "
              "tcp socket on 127.0.0.1 to another process, one sender (`sendall` of the payload), the receiver "
              "reading with `recv_into` into one reused preallocated buffer; put = the put payload to the peer "
-             "and a 1-byte ack, get = a 9-byte request and the get payload back.")
+             "and a 1-byte ack, get = a 9-byte request and the get payload back. The tcp stream's CPU is the "
+             "peer's (user + system, per GiB): receiving the put and sending the get with nothing else to do, "
+             "the floor for stowd's CPU on the same bytes.")
     L.append("")
     L.append("| workload | memcpy reused GB/s | memcpy fresh pages GB/s | shm write+read GB/s | "
-             "pyzmq put GB/s | pyzmq get GB/s | tcp stream put GB/s | tcp stream get GB/s |")
-    L.append("|---|---:|---:|---:|---:|---:|---:|---:|")
+             "pyzmq put GB/s | pyzmq get GB/s | tcp stream put GB/s | tcp stream get GB/s | "
+             "tcp stream CPU s/GiB, put | tcp stream CPU s/GiB, get |")
+    L.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for w in wls:
         g = lambda s, op: fmt_gbs(S[(s, w.name, op)]["gbs"]) if (s, w.name, op) in S else "n/a"  # noqa: E731
+        cpu = lambda op: (f"{S[('tcp stream', w.name, op)]['peer_cpu']:.3f}"  # noqa: E731
+                          if "peer_cpu" in S.get(("tcp stream", w.name, op), {}) else "n/a")
         L.append(f"| {w.name} | {g('memcpy reused', 'copy')} | {g('memcpy fresh', 'copy')} | "
                  f"{g('shm write+read', 'copy')} | {g('pyzmq loopback', 'put')} | {g('pyzmq loopback', 'get')} | "
-                 f"{g('tcp stream', 'put')} | {g('tcp stream', 'get')} |")
+                 f"{g('tcp stream', 'put')} | {g('tcp stream', 'get')} | {cpu('put')} | {cpu('get')} |")
     L.append("")
     L.append("![throughput](img/suite_throughput.png)")
     L.append("")
@@ -1014,8 +1021,8 @@ def main():
 
     def rec(system, w, op, t, mem, nbytes=None, extra=None):
         roles = {}
-        for pid, v in mem.items():
-            roles["client" if pid == os.getpid() else "server"] = v
+        for pid, v in mem.items():  # (a role name as the key is kept as it is)
+            roles[pid if isinstance(pid, str) else "client" if pid == os.getpid() else "server"] = v
         if nbytes is None:
             nbytes = w.put_bytes if op in ("put", "copy") else w.get_bytes
         r = {"system": system, "workload": w.name, "op": op, "t": t, "mem": roles, "nbytes": nbytes}

@@ -502,3 +502,23 @@ def test_put_sends_without_joining(endpoint, fresh, monkeypatch, pure):
         assert grew > payload // 2, f"the pure-Python put grew by only {grew / MIB:.0f} MiB"
     else:
         assert grew < 32 * MIB, f"a put through the core grew by {grew / MIB:.0f} MiB for {payload / MIB:.0f} MiB"
+
+
+@pytest.mark.parametrize("pure", [False, True])
+def test_a_reply_of_more_rows_than_the_wire_default_is_read(endpoint, fresh, monkeypatch, pure):
+    """stowd takes 2^24 rows a request by default (operators may raise it),
+    more than the codec's own default of 2^20: the client decodes replies by
+    what arrived, not by a limit of its own, so a get and a get_into of
+    1,100,000 one-byte rows come back, over the core and over pyzmq."""
+    if pure:
+        monkeypatch.setenv("STOWAGE_PURE_PYTHON", "1")
+    idx = fresh(10**6) + fresh(100_000)
+    n = len(idx)
+    x = (np.arange(n) % 251).astype(np.uint8).reshape(n, 1)
+    with stowage.Client(endpoint, timeout=120) as c:
+        c.put(idx, {"x": x})
+        np.testing.assert_array_equal(c.get(idx, ["x"])["x"], x)
+        out = np.zeros_like(x)
+        c.get_into(idx, {"x": out})
+        np.testing.assert_array_equal(out, x)
+        c.clear(idx)

@@ -8,7 +8,7 @@
 //! chooses) and describes them as layouts ([`native::RequestHead`]); a
 //! reply's descriptors come back checked in themselves
 //! ([`native::decode_reply_layout`]: kinds, keys, shapes, lengths against
-//! the dtype, row sums, the receiver [`Limits`]), for the client to resolve
+//! the dtype, row sums, the receiver limits), for the client to resolve
 //! against the data frames (socket frames, or shared-memory segments).
 //!
 //! In Python terms (the names of `stowage/_codec.py`):
@@ -32,8 +32,7 @@ use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple};
 use stowage_wire::batch::Value;
 use stowage_wire::indexes::{IndexRun, Indexes};
 use stowage_wire::native::{
-    self, Extras, FieldLayout, Limits, Op, PartLayout, Reply, ReplyLayout, RequestHead, RowLayout,
-    Stat,
+    self, Extras, FieldLayout, Op, PartLayout, Reply, ReplyLayout, RequestHead, RowLayout, Stat,
 };
 use stowage_wire::tensor::DType;
 
@@ -137,12 +136,12 @@ pub fn encode_request<'py>(
 
 /// A reply's frame 0 -> `{"proto", "op", "id", "body"}` (and the
 /// same-node keys it has), decoded and checked by stowd's decoder with the
-/// default [`Limits`]; a get_ok's body is `{"fields": {name: descriptor}}`
+/// client's limits ([`crate::REPLY_LIMITS`]); a get_ok's body is `{"fields": {name: descriptor}}`
 /// (see the module doc). ProtocolViolation, with the decoder's reason, for
 /// anything stowage/1 calls invalid.
 #[pyfunction]
 pub fn decode_reply<'py>(py: Python<'py>, frame0: &[u8]) -> PyResult<Bound<'py, PyDict>> {
-    let limits = Limits::default();
+    let limits = crate::REPLY_LIMITS;
     let frame0 = Bytes::copy_from_slice(frame0);
     let (id, layout) = native::decode_reply_layout(&frame0, &limits).map_err(violation)?;
     let extras = native::decode_extras(&frame0, &limits).map_err(violation)?;

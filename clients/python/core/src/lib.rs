@@ -430,6 +430,18 @@ fn write_message<'a>(
     g.flush(s)
 }
 
+/// What a reply's frame 0 may declare, for the client's decoder: stowd's
+/// row and field limits are its configuration's (2^24 rows a request by
+/// default, and an operator may raise both), so the client does not refuse
+/// a reply by a count of its own; the decoder already bounds every count it
+/// reads by the bytes of frame 0 left to hold it (at most [`MAX_FRAME0`]), so
+/// decoding stays linear in what arrived. Frames keep the codec's bound.
+pub(crate) const REPLY_LIMITS: Limits = Limits {
+    max_rows: u64::MAX,
+    max_fields: u64::MAX,
+    ..Limits::DEFAULT
+};
+
 /// Refuses a reply of more than [`Limits`]' `max_frames` frames (`frames`:
 /// how many it has so far, frame 0 included).
 fn check_frame_count(frames: usize) -> Result<(), Fail> {
@@ -483,7 +495,7 @@ fn request(s: &mut Stream, frame0: &[u8]) -> Result<Result<Head, Other>, Fail> {
     write_message(s, frame0, &[])?;
     let (head, more) = s.head()?;
     let head = Bytes::from(head);
-    match native::decode_reply_layout(&head, &Limits::default()) {
+    match native::decode_reply_layout(&head, &REPLY_LIMITS) {
         Ok((_, ReplyLayout::GetOk(fields))) => Ok(Ok((fields, more, head))),
         // Another reply, or one this codec refuses: the caller decodes
         // frame 0 and says what it is.
