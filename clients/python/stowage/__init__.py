@@ -30,6 +30,18 @@ from .errors import (
 
 __version__ = "0.1.0"
 
+
+def release_receive_buffers() -> int:
+    """Frees the buffers this process keeps for later gets to receive into
+    (a tcp `get`'s result buffer is kept for the next get of a size it fits
+    once no array uses it: at most `STOWAGE_RECEIVE_POOL_BYTES` in all,
+    default an eighth of physical memory up to 4 GiB, 0 keeps none; a
+    buffer unused for 10 s is freed anyway). Returns the bytes freed."""
+    from . import _core
+
+    return _core.release_receive_buffers()
+
+
 DTYPES = tuple(WIRE_DTYPES)
 """The dtype names stowage/1 carries."""
 # (BITS_DTYPES: those numpy has no type for; see `Bits`.)
@@ -55,4 +67,5 @@ __all__ = [
     "StowageTimeout",
     "TooLarge",
     "Unsupported",
+    "release_receive_buffers",
 ]

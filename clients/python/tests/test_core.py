@@ -522,3 +522,40 @@ def test_a_reply_of_more_rows_than_the_wire_default_is_read(endpoint, fresh, mon
         c.get_into(idx, {"x": out})
         np.testing.assert_array_equal(out, x)
         c.clear(idx)
+
+
+def test_a_get_reuses_the_buffer_of_a_result_nobody_holds(endpoint, fresh, monkeypatch):
+    """A tcp get's result buffer goes back to the core when its last array is
+    gone, and the next get of that size receives into it: the same address,
+    every byte the new reply's. One held, or over STOWAGE_RECEIVE_POOL_BYTES,
+    is never reused; release_receive_buffers frees what is kept."""
+    monkeypatch.setenv("STOWAGE_RECEIVE_POOL_BYTES", str(64 << 20))
+    stowage.release_receive_buffers()
+    idx = fresh(512)
+    a = np.full((512, 2048), 1, np.float32)  # 4 MiB
+    b = np.full((512, 2048), 2, np.float32)
+    addr = lambda arr: arr.__array_interface__["data"][0]  # noqa: E731
+    with stowage.Client(endpoint, timeout=30) as c:
+        c.put(idx, {"x": a})
+        first = c.get(idx, ["x"])["x"]
+        np.testing.assert_array_equal(first, a)
+        held = addr(first)
+        c.put(idx, {"x": b})
+        second = c.get(idx, ["x"])["x"]  # `first` is still held: fresh memory
+        assert addr(second) != held
+        np.testing.assert_array_equal(first, a)
+        np.testing.assert_array_equal(second, b)
+        del first
+        c.put(idx, {"x": a})
+        third = c.get(idx, ["x"])["x"]  # first's buffer, now overwritten by a
+        assert addr(third) == held
+        np.testing.assert_array_equal(third, a)
+        np.testing.assert_array_equal(second, b)
+        del second, third
+        assert stowage.release_receive_buffers() == 2 * a.nbytes
+        assert stowage.release_receive_buffers() == 0
+        # Nothing kept above the cap.
+        monkeypatch.setenv("STOWAGE_RECEIVE_POOL_BYTES", str(a.nbytes - 1))
+        del c.get(idx, ["x"])["x"]
+        assert stowage.release_receive_buffers() == 0
+        c.clear(idx)

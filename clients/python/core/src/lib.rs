@@ -52,6 +52,7 @@ use stowage_transport::zmtp;
 use stowage_wire::native::{self, FieldLayout, Limits, ReplyLayout, layout};
 
 mod codec;
+mod pool;
 
 pyo3::create_exception!(
     _core,
@@ -604,9 +605,9 @@ fn get(s: &mut Stream, frame0: &[u8]) -> Result<Gotten, Fail> {
         }
         let ranges = f.ranges();
         let total: u64 = ranges.iter().map(|r| r.2).sum();
-        // Zeroed by calloc (fresh pages for a large one): written once, here.
-        let buf = vec![0u8; total as usize];
-        huge_pages(&buf);
+        // A reused buffer, or one zeroed by calloc (fresh pages for a large
+        // one); every byte is written here, by this reply (`pool` says why).
+        let buf = pool::take(total as usize, huge_pages);
         let base = buf.as_ptr() as usize;
         let mut at = 0u64;
         for (frame, offset, len) in ranges {
@@ -709,6 +710,19 @@ impl Buffer {
     fn __len__(&self) -> usize {
         self.data.len()
     }
+}
+
+impl Drop for Buffer {
+    /// The last array over these bytes is gone: the next get may take them.
+    fn drop(&mut self) {
+        pool::give(std::mem::take(&mut self.data));
+    }
+}
+
+/// Frees the buffers kept for reuse by later gets (`pool`); the bytes freed.
+#[pyfunction]
+fn release_receive_buffers() -> usize {
+    pool::release()
 }
 
 /// Asks for transparent huge pages under a large fresh buffer: its pages
@@ -982,6 +996,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(codec::encode_request, m)?)?;
     m.add_function(wrap_pyfunction!(codec::decode_reply, m)?)?;
     m.add_class::<Buffer>()?;
+    m.add_function(wrap_pyfunction!(release_receive_buffers, m)?)?;
     m.add("ProtocolViolation", m.py().get_type::<ProtocolViolation>())?;
     Ok(())
 }

@@ -1,0 +1,119 @@
+//! The buffers a plain `get` receives into, reused: a result's buffer
+//! comes back here when Python lets go of the last array over it, and the
+//! next get of a size it fits takes it, already resident.
+//!
+//! Why: a get into fresh memory is bound by the kernel handing out pages
+//! (zeroing them, and for huge pages compacting memory first), not by the
+//! socket. On the 2-vCPU benchmark machine a 2 GiB get through the core
+//! ran at 0.44-2.56 GB/s into fresh buffers against 4.07 GB/s into a
+//! reused one (`get_into`, same run; `docs/benchmarks.md`, "Reused get
+//! buffers"). A training loop gets the same shapes every step, so the
+//! buffer of step k is the one step k+1 needs.
+//!
+//! Bounds: only buffers of at least [`MIN_POOLED`] bytes are kept, at most
+//! `STOWAGE_RECEIVE_POOL_BYTES` in all (read on each use; default an
+//! eighth of physical memory, at most 4 GiB; 0 keeps nothing), and a buffer
+//! nobody took for [`IDLE`] is freed at the next get or release. A buffer is
+//! given to a get only if it is at most twice the size asked, so a small get
+//! never pins a large buffer. Every byte a get hands out was written by that
+//! get's reply (the buffer is covered by its places exactly), so nothing of
+//! an earlier result shows through.
+
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+/// Smallest buffer worth keeping: below this, the allocator's own reuse is
+/// as good.
+pub const MIN_POOLED: usize = 1 << 20;
+
+/// How long a buffer may wait for a get before it is freed.
+pub const IDLE: Duration = Duration::from_secs(10);
+
+struct Pool {
+    /// (buffer, when it came back); every buffer's `len` bytes are written.
+    free: Vec<(Vec<u8>, Instant)>,
+    bytes: usize,
+}
+
+static POOL: Mutex<Pool> = Mutex::new(Pool {
+    free: Vec::new(),
+    bytes: 0,
+});
+
+/// `STOWAGE_RECEIVE_POOL_BYTES`, or an eighth of physical memory (at most
+/// 4 GiB).
+fn cap() -> usize {
+    if let Some(v) = std::env::var_os("STOWAGE_RECEIVE_POOL_BYTES") {
+        return v.to_str().and_then(|s| s.trim().parse().ok()).unwrap_or(0);
+    }
+    // SAFETY: sysconf only reads system configuration.
+    let (pages, page) = unsafe {
+        (
+            libc::sysconf(libc::_SC_PHYS_PAGES),
+            libc::sysconf(libc::_SC_PAGESIZE),
+        )
+    };
+    let total = (pages.max(0) as usize).saturating_mul(page.max(0) as usize);
+    (total / 8).min(4 << 30)
+}
+
+impl Pool {
+    fn expire(&mut self, now: Instant) {
+        let bytes = &mut self.bytes;
+        self.free.retain(|(b, since)| {
+            let keep = now.duration_since(*since) < IDLE;
+            if !keep {
+                *bytes -= b.len();
+            }
+            keep
+        });
+    }
+}
+
+/// A buffer of `len` bytes to receive into: a pooled one that fits (the
+/// smallest of at most twice `len`), else a fresh zeroed one (with `fresh`
+/// called on it, e.g. to ask for huge pages).
+pub fn take(len: usize, fresh: impl FnOnce(&[u8])) -> Vec<u8> {
+    if len >= MIN_POOLED {
+        let mut pool = POOL.lock().unwrap_or_else(|p| p.into_inner());
+        pool.expire(Instant::now());
+        let best = (pool.free.iter().enumerate())
+            .filter(|(_, (b, _))| b.len() >= len && b.len() / 2 <= len)
+            .min_by_key(|(_, (b, _))| b.len())
+            .map(|(i, _)| i);
+        if let Some(i) = best {
+            let (mut buf, _) = pool.free.swap_remove(i);
+            pool.bytes -= buf.len();
+            buf.truncate(len);
+            return buf;
+        }
+    }
+    let buf = vec![0u8; len];
+    fresh(&buf);
+    buf
+}
+
+/// Takes back a buffer Python no longer uses, if it is worth keeping and
+/// fits under the cap.
+pub fn give(buf: Vec<u8>) {
+    if buf.len() < MIN_POOLED {
+        return;
+    }
+    let cap = cap();
+    let mut pool = POOL.lock().unwrap_or_else(|p| p.into_inner());
+    let now = Instant::now();
+    pool.expire(now);
+    if pool.bytes + buf.len() <= cap {
+        pool.bytes += buf.len();
+        pool.free.push((buf, now));
+    }
+}
+
+/// Frees every pooled buffer now; the bytes they held.
+pub fn release() -> usize {
+    let mut pool = POOL.lock().unwrap_or_else(|p| p.into_inner());
+    let bytes = pool.bytes;
+    pool.free.clear();
+    pool.bytes = 0;
+    bytes
+}
