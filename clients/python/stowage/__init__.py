@@ -11,6 +11,7 @@
 optional and used only when a torch tensor is passed in or asked for.
 """
 
+from . import _core
 from ._codec import BITS_DTYPES, WIRE_DTYPES, BFloat16Bits, Bits, FrameSource
 from .aio import AsyncClient
 from .client import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TIMEOUT, Client
@@ -37,8 +38,6 @@ def release_receive_buffers() -> int:
     once no array uses it: at most `STOWAGE_RECEIVE_POOL_BYTES` in all,
     default an eighth of physical memory up to 4 GiB, 0 keeps none; a
     buffer unused for 10 s is freed anyway). Returns the bytes freed."""
-    from . import _core
-
     return _core.release_receive_buffers()
 
 
