@@ -753,3 +753,62 @@ fn plugins_are_entered_on_the_worker_and_one_writing_stderr_is_retried_off_it() 
         "trap's stderr write did not send it off the runtime"
     );
 }
+
+/// A call on the worker gets only `WORKER_FUEL`: `infinite-loop` is cut
+/// short there, run again off the runtime with its whole budget (where it
+/// runs out of fuel, a fault like any), and from then on entered off the
+/// runtime, so the one worker of this runtime keeps running its other
+/// tasks: a ticker on it never waits as long as a call takes.
+#[test]
+fn a_long_call_leaves_the_worker_after_the_workers_fuel() {
+    let reg = Registry::new(
+        Some(shared_cache()),
+        SandboxLimits {
+            fuel: 100 * wasm::WORKER_FUEL,
+            ..SandboxLimits::default()
+        },
+    )
+    .unwrap();
+    let looping = Arc::new(reg.load_file(&hostile("infinite-loop")).unwrap().0);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_time()
+        .build()
+        .unwrap();
+    let p = looping.clone();
+    let (call, gap) = rt.block_on(async move {
+        let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let d = done.clone();
+        let ticker = tokio::spawn(async move {
+            let (mut last, mut gap) = (Instant::now(), std::time::Duration::ZERO);
+            while !d.load(Ordering::Relaxed) {
+                tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+                gap = gap.max(last.elapsed());
+                last = Instant::now();
+            }
+            gap
+        });
+        let call = tokio::spawn(async move {
+            let start = Instant::now();
+            let field = regular(8, 2);
+            let got = p.select(&field, &[0, 2, 4]);
+            assert!(
+                matches!(got, Err(PolicyError::Fault(Fault::Timeout))),
+                "{got:?}"
+            );
+            start.elapsed()
+        })
+        .await
+        .unwrap();
+        done.store(true, Ordering::Relaxed);
+        (call, ticker.await.unwrap())
+    });
+    assert!(
+        looping.enters_off_runtime(),
+        "the long call stayed on the worker"
+    );
+    assert!(
+        gap * 3 < call,
+        "the ticker waited {gap:?} during a call of {call:?}: the call held the worker"
+    );
+}

@@ -22,6 +22,14 @@
 //! arguments and the instance's state, so running it again gives the same
 //! answer (and a guest that panicked panics again, now with its message
 //! captured). Any other panic is resumed as it was.
+//!
+//! A call on the worker holds that worker's other tasks for as long as it
+//! runs, so there it gets at most [`WORKER_FUEL`] (about 1.2 ms of a tight
+//! Wasm loop here: `infinite-loop` burnt 400M fuel in 48 ms; a decision
+//! takes microseconds). A call that runs out of that budget is not
+//! a fault: its instance is thrown away, the plugin is marked the same way,
+//! and the call runs again off the runtime with the plugin's whole budget
+//! (where it may still run out of fuel, and fault, as any call).
 
 use std::cell::Cell;
 use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
@@ -32,14 +40,46 @@ use std::sync::atomic::{AtomicBool, Ordering};
 /// inside it (tokio 1.x `runtime::context::enter_runtime`).
 const IN_RUNTIME: &str = "Cannot start a runtime from within a runtime";
 
+/// Fuel a call may burn on a tokio worker before it is run again off the
+/// runtime (about 1.2 ms of a tight Wasm loop on the benchmark machine).
+pub const WORKER_FUEL: u64 = 10_000_000;
+
 thread_local! {
     /// Set while this thread runs a plugin on a tokio worker: the panic hook
-    /// leaves tokio's in-runtime panic unprinted there (it is caught).
+    /// leaves tokio's in-runtime panic unprinted there (it is caught), and
+    /// a call gets at most WORKER_FUEL.
     static ON_WORKER: Cell<bool> = const { Cell::new(false) };
+    /// Set when a call on the worker ran out of WORKER_FUEL.
+    static CUT_SHORT: Cell<bool> = const { Cell::new(false) };
 }
 
-/// Whether a plugin has needed tokio from WASI (then it is entered off the
-/// runtime from then on).
+/// The fuel a call starts with, of the plugin's `full` budget.
+pub fn fuel(full: u64) -> u64 {
+    if ON_WORKER.get() {
+        full.min(WORKER_FUEL)
+    } else {
+        full
+    }
+}
+
+/// Whether a call that ran out of fuel ran out of the worker's budget
+/// only (it then runs again off the runtime, and is not a fault); once
+/// true, every further call of this try answers the same at once.
+pub fn cut_short(full: u64) -> bool {
+    let cut = ON_WORKER.get() && full > WORKER_FUEL;
+    if cut {
+        CUT_SHORT.set(true);
+    }
+    cut
+}
+
+/// Whether this try was already cut short (the rest of it is not run).
+pub fn was_cut_short() -> bool {
+    ON_WORKER.get() && CUT_SHORT.get()
+}
+
+/// Whether a plugin has needed tokio from WASI, or more than the worker's
+/// fuel (then it is entered off the runtime from then on).
 #[derive(Debug, Default)]
 pub(super) struct Entry {
     needs_tokio: AtomicBool,
@@ -62,10 +102,18 @@ impl Entry {
         if on_worker && !self.needs_tokio.load(Ordering::Relaxed) {
             quiet_in_runtime_panics();
             ON_WORKER.set(true);
+            CUT_SHORT.set(false);
             let tried = catch_unwind(AssertUnwindSafe(|| f(instance)));
             ON_WORKER.set(false);
             match tried {
-                Ok(r) => return r,
+                Ok(r) if !CUT_SHORT.get() => return r,
+                Ok(_) => {
+                    *instance = None;
+                    self.needs_tokio.store(true, Ordering::Relaxed);
+                    tracing::debug!(
+                        "a plugin call ran past the worker's fuel: it is entered off the runtime from now on"
+                    );
+                }
                 Err(panic) if panic_text(&*panic).is_some_and(|t| t.contains(IN_RUNTIME)) => {
                     *instance = None;
                     self.needs_tokio.store(true, Ordering::Relaxed);
@@ -79,7 +127,8 @@ impl Entry {
         off_runtime(|| f(instance))
     }
 
-    /// Whether calls go off the runtime (a plugin that needed tokio).
+    /// Whether calls go off the runtime (a plugin that needed tokio, or
+    /// more than the worker's fuel).
     pub fn needs_tokio(&self) -> bool {
         self.needs_tokio.load(Ordering::Relaxed)
     }

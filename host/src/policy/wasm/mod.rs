@@ -53,7 +53,7 @@ mod lent;
 pub mod memo;
 
 pub use contract::{ContractError, LoadError, check_contract};
-pub use enter::off_runtime;
+pub use enter::{WORKER_FUEL, off_runtime};
 pub use lent::{LentField, field_dtype};
 
 /// `stowage:policy@0.1.0`, frozen.
@@ -484,17 +484,24 @@ impl WasmPolicy {
         slot: &mut Option<Instance>,
         f: impl FnOnce(&mut Instance) -> wasmtime::Result<R>,
     ) -> Result<R, Fault> {
+        if enter::was_cut_short() {
+            return Err(Fault::Timeout);
+        }
         if slot.is_none() {
             *slot = Some(self.instantiate()?);
         }
         let inst = slot.as_mut().expect("instance present");
         inst.store
-            .set_fuel(self.limits.fuel)
+            .set_fuel(enter::fuel(self.limits.fuel))
             .map_err(|e| Fault::Instantiate(format!("{e:#}")))?;
         match f(inst) {
             Ok(r) => Ok(r),
             Err(e) => {
                 let mut fault = fault_of(e);
+                if matches!(fault, Fault::Timeout) && enter::cut_short(self.limits.fuel) {
+                    *slot = None;
+                    return Err(fault);
+                }
                 let said = inst.store.data().stderr.contents();
                 if !said.is_empty()
                     && let Fault::Trap(t) = &mut fault
