@@ -240,8 +240,107 @@ class _Ops:
     def _cleared(body: dict) -> int:
         return body["cleared"]
 
+    # -- through the Rust core (tcp put, get, get_into). What each call runs
+    # on a core `Connection` (`_run_get`, `_run_get_into`, `_run_send`) and
+    # how its result reads are here once; `Client._core_call` runs it under
+    # the client's lock, `AsyncClient._core_call` in a worker thread.
+    def _core_serves(self, targets: dict | None = None) -> bool:
+        """Whether the Rust core carries this put, get or get_into: over tcp,
+        unless STOWAGE_PURE_PYTHON=1 (pyzmq carries them then; the codec is
+        the core's either way) (and, for get_into, into C-contiguous
+        arrays)."""
+        return (self._segments is None and self.endpoint.startswith("tcp://")
+                and os.environ.get("STOWAGE_PURE_PYTHON") != "1"
+                and all(a.flags.c_contiguous for _, a in (targets or {}).values()))
+
+    def _core_failure(self, e: Exception, op: str, rid: int, timeout: float) -> StowageError:
+        """A core call's failure (one of `_CORE_FAILURES`: the core dropped
+        its connection) in the client's words."""
+        if isinstance(e, TimeoutError):
+            return StowageTimeout(f"{op} (id {rid}): no reply from {self.endpoint} within {timeout:g} s; "
+                                  "the connection was reset", request_id=rid)
+        if isinstance(e, _core.ProtocolViolation):
+            return ProtocolError(f"{op} (id {rid}): {e}", request_id=rid)
+        return InternalError(f"{op} (id {rid}): {e}", request_id=rid)
+
+    def _core_got(self, rid: int, got: tuple, names: list, n: int, as_torch) -> dict:
+        """A get's result from the core's (frame 0, [(field, Buffer)] or
+        None, why its codec refused the reply or None): each regular or
+        nested field's rows were read from the socket into one buffer of
+        their size, allocated once (a regular field's array is a view of
+        it); values come from frame 0. Raises BadRequest as the reply says
+        (the caller may ask again as a list)."""
+        head, bufs, problem = got
+        env = _codec.decode_envelope(head)
+        reply = self._reply_body(env, "get_ok", rid)
+        self._reply_frames(env, [head])  # refuses a same-node reply nobody asked for
+        if bufs is None:
+            raise ProtocolError(f"get (id {rid}): {problem}", request_id=rid)
+        # The descriptors now name the core's buffers: one data frame per
+        # regular or nested field, its rows back to back in row order.
+        descs = reply["fields"]
+        views, by_name = [], dict(bufs)
+        for name, d in descs.items():
+            if name not in by_name:
+                continue
+            buf = memoryview(by_name[name])
+            views.append(buf)
+            k = len(views)
+            if d[0] == "regular":
+                descs[name] = (*d[:3], [(k, 0, len(buf), d[2][0])])
+            else:
+                at = [0, *itertools.accumulate(ln for _, _, _, ln in d[2])]
+                descs[name] = (*d[:2], [(shape, k, at[i], ln) for i, (shape, _, _, ln) in enumerate(d[2])])
+        return self._get_result(reply, _codec.FrameSource(views), names, n, as_torch)
+
+    @staticmethod
+    def _core_plan(targets: dict) -> list:
+        """A get_into's arrays as the core takes them: (field, accepted
+        dtypes, shape, the array's bytes)."""
+        plan = []
+        for name, (dtype, a) in targets.items():
+            accepted = [dtype]
+            if dtype in _INT_NAMES:  # raw bits fill ints of their size
+                accepted += [b for b in _codec.BITS_DTYPES if _codec.WIRE_DTYPES[b].itemsize == a.dtype.itemsize]
+            plan.append((name, accepted, list(a.shape), a.reshape(-1).view(np.uint8)))
+        return plan
+
+    def _core_got_into(self, rid: int, other) -> None:
+        """Checks a get_into through the core: None, the rows are in place;
+        else (frame 0, why the core's codec refused it) of a reply that was
+        not a get_ok to read, raised as it says (BadRequest: the caller may
+        ask again as a list)."""
+        if other is None:
+            return
+        head, problem = other
+        env = _codec.decode_envelope(head)
+        self._reply_body(env, "get_ok", rid)
+        self._reply_frames(env, [head])  # refuses a same-node reply nobody asked for
+        raise ProtocolError(f"get_into (id {rid}): {problem}", request_id=rid)
+
+    def _core_sent(self, rid: int, reply: list, expect: str) -> tuple[dict, _codec.FrameSource]:
+        """A put message's reply (the core's frames) as `_call` returns it."""
+        env = _codec.decode_envelope(reply[0])
+        return self._reply_body(env, expect, rid), self._reply_frames(env, reply)
+
 
 _INT_NAMES = frozenset(f"{s}int{n}" for s in ("", "u") for n in (8, 16, 32, 64))
+
+#: What a core call raises when the core dropped its connection (a timeout,
+#: a reply that breaks the protocol, an I/O error): `_Ops._core_failure`.
+_CORE_FAILURES = (TimeoutError, _core.ProtocolViolation, ConnectionError) if _core is not None else ()
+
+
+def _run_get(core, frame0: bytes, timeout: float):
+    return core.get(frame0, timeout)
+
+
+def _run_get_into(plan: list):
+    return lambda core, frame0, timeout: core.get_into(frame0, plan, timeout)
+
+
+def _run_send(data_frames):
+    return lambda core, frame0, timeout: core.send(frame0, data_frames, timeout)
 
 
 def _ms_left(deadline: float) -> int:
@@ -421,55 +520,29 @@ class Client(_Ops):
         twice is copied: two tensors of one get never share bytes)."""
         n, names, body = self._get_request(global_indexes, fields, as_torch, self._ranges_ok)
         if self._core_serves():
-            return self._core_get(body, names, n, as_torch, timeout)
+            return self._ranged(body, lambda b: self._core_call("get", b, timeout, _run_get),
+                                lambda rid, got: self._core_got(rid, got, names, n, as_torch))
         return self._get_call(body, timeout, lambda reply, frames: self._get_result(reply, frames, names, n, as_torch))
 
-    def _core_get(self, body: dict, names: list, n: int, as_torch, timeout) -> dict:
-        """A tcp get through the Rust core: each regular or nested field's
-        rows are read from the socket into one buffer of their size,
-        allocated once (a regular field's array is a view of it); values come
-        from frame 0."""
-        rid, head, bufs, problem = self._core_call("get", body, timeout, lambda core, frame0, t: core.get(frame0, t))
-        env = _codec.decode_envelope(head)
+    def _ranged(self, body: dict, ask, finish):
+        """`finish(*ask(body))` of a get, asked again with the indexes as a
+        list of a stowd that does not take ranges."""
         try:
-            reply = self._reply_body(env, "get_ok", rid)
+            return finish(*ask(body))
         except BadRequest as e:
-            # Raises unless stowd refused the ranges; then the same as a list.
-            return self._core_get(self._list_fallback(body, e), names, n, as_torch, timeout)
-        self._reply_frames(env, [head])  # refuses a same-node reply nobody asked for
-        if bufs is None:
-            raise ProtocolError(f"get (id {rid}): {problem}", request_id=rid)
-        # The descriptors now name the core's buffers: one data frame per
-        # regular or nested field, its rows back to back in row order.
-        descs = reply["fields"]
-        views, by_name = [], dict(bufs)
-        for name, d in descs.items():
-            if name not in by_name:
-                continue
-            buf = memoryview(by_name[name])
-            views.append(buf)
-            k = len(views)
-            if d[0] == "regular":
-                descs[name] = (*d[:3], [(k, 0, len(buf), d[2][0])])
-            else:
-                at = [0, *itertools.accumulate(ln for _, _, _, ln in d[2])]
-                descs[name] = (*d[:2], [(shape, k, at[i], ln) for i, (shape, _, _, ln) in enumerate(d[2])])
-        return self._get_result(reply, _codec.FrameSource(views), names, n, as_torch)
+            body = self._list_fallback(body, e)  # raises `e` unless stowd refused the ranges
+        return finish(*ask(body))
 
-    def _core_send(self, op: str, body: dict, data_frames, timeout, expect: str,
-                   extras: dict | None = None) -> tuple[dict, _codec.FrameSource]:
-        """`_call` through the Rust core (a tcp put): the data frames (arrays,
-        bytes, or a shared frame's pieces in a list) go to the socket from
-        where they lie. (`extras` is None: the core serves tcp, never the
-        same-node mode.)"""
-        rid, reply = self._core_call(op, body, timeout, lambda core, frame0, t: (core.send(frame0, data_frames, t),))
-        env = _codec.decode_envelope(reply[0])
-        return self._reply_body(env, expect, rid), self._reply_frames(env, reply)
+    def _get_call(self, body: dict, timeout, finish):
+        """`finish(reply, frames)` of a get through pyzmq."""
+        self._open_channel()
+        return self._ranged(body, lambda b: self._call("get", b, (), timeout, "get_ok", self._get_extras()), finish)
 
-    def _core_call(self, op: str, body: dict, timeout, call):
-        """Runs `call(core connection, frame 0 of the request, timeout)`
-        under the client's lock; (request id, its result). A timeout or a
-        broken connection resets both connections."""
+    def _core_call(self, op: str, body: dict, timeout, run) -> tuple[int, Any]:
+        """`run(core connection, frame 0 of the request, timeout)` under the
+        client's lock: (request id, its result). A failure that dropped the
+        core's connection resets the DEALER too, as after any timeout, so
+        nothing stale can follow."""
         timeout = self._call_timeout(timeout)
         rid = next(self._ids)
         frame0 = _codec.envelope(op, rid, body)
@@ -479,30 +552,18 @@ class Client(_Ops):
             if self._core is None:
                 self._core = _core.Connection(self.endpoint)
             try:
-                return (rid, *call(self._core, frame0, timeout))
-            except TimeoutError:
-                # The core dropped its connection; the DEALER goes too, as
-                # after any timeout, so nothing stale can follow.
+                return rid, run(self._core, frame0, timeout)
+            except _CORE_FAILURES as e:
                 self._reset()
-                raise StowageTimeout(f"{op} (id {rid}): no reply from {self.endpoint} within {timeout:g} s; "
-                                     "the connection was reset", request_id=rid) from None
-            except _core.ProtocolViolation as e:
-                self._reset()
-                raise ProtocolError(f"{op} (id {rid}): {e}", request_id=rid) from None
-            except ConnectionError as e:
-                self._reset()
-                raise InternalError(f"{op} (id {rid}): {e}", request_id=rid) from None
+                raise self._core_failure(e, op, rid, timeout) from None
 
-    def _get_call(self, body: dict, timeout, finish):
-        """`finish(reply, frames)` of a get, sent again as a list to a stowd
-        without ranges."""
-        self._open_channel()
-        try:
-            reply, frames = self._call("get", body, (), timeout, "get_ok", self._get_extras())
-        except BadRequest as e:
-            body = self._list_fallback(body, e)
-            reply, frames = self._call("get", body, (), timeout, "get_ok", self._get_extras())
-        return finish(reply, frames)
+    def _core_send(self, op: str, body: dict, data_frames, timeout, expect: str,
+                   extras: dict | None = None) -> tuple[dict, _codec.FrameSource]:
+        """`_call` through the Rust core (a tcp put): the data frames (arrays,
+        bytes, or a shared frame's pieces in a list) go to the socket from
+        where they lie. (`extras` is None: the core serves tcp, never the
+        same-node mode.)"""
+        return self._core_sent(*self._core_call(op, body, timeout, _run_send(data_frames)), expect)
 
     def get_into(self, global_indexes, out: Mapping[str, Any], *, timeout: float | None = None) -> Mapping[str, Any]:
         """Reads regular fields into preallocated arrays or CPU tensors (e.g.
@@ -511,42 +572,14 @@ class Client(_Ops):
         itemsize, e.g. uint8 for a float8). Every byte is copied once,
         from the received frames straight into `out`. Returns `out`."""
         n, targets, body = self._get_into_request(global_indexes, out, self._ranges_ok)
-        if self._core_serves(targets) and self._core_get_into(body, targets, timeout):
-            return out
-        self._get_call(body, timeout, lambda reply, frames: self._get_into_result(reply, frames, targets, n))
+        if self._core_serves(targets):
+            # Each field's bytes go from the socket straight into its array
+            # (no buffer of the payload's size, the GIL released meanwhile).
+            run = _run_get_into(self._core_plan(targets))
+            self._ranged(body, lambda b: self._core_call("get", b, timeout, run), self._core_got_into)
+        else:
+            self._get_call(body, timeout, lambda reply, frames: self._get_into_result(reply, frames, targets, n))
         return out
-
-    def _core_serves(self, targets: dict | None = None) -> bool:
-        """Whether the Rust core carries this put, get or get_into: over tcp,
-        unless STOWAGE_PURE_PYTHON=1 (pyzmq carries them then; the codec is
-        the core's either way) (and, for get_into, into C-contiguous
-        arrays)."""
-        return (self._segments is None and self.endpoint.startswith("tcp://")
-                and os.environ.get("STOWAGE_PURE_PYTHON") != "1"
-                and all(a.flags.c_contiguous for _, a in (targets or {}).values()))
-
-    def _core_get_into(self, body: dict, targets: dict, timeout) -> bool:
-        """The tcp get_into through the Rust core: each field's bytes go from
-        the socket straight into its array (no buffer of the payload's size,
-        the GIL released meanwhile)."""
-        plan = []
-        for name, (dtype, a) in targets.items():
-            accepted = [dtype]
-            if dtype in _INT_NAMES:  # raw bits fill ints of their size
-                accepted += [b for b in _codec.BITS_DTYPES if _codec.WIRE_DTYPES[b].itemsize == a.dtype.itemsize]
-            plan.append((name, accepted, list(a.shape), a.reshape(-1).view(np.uint8)))
-        rid, other = self._core_call("get", body, timeout, lambda core, frame0, t: (core.get_into(frame0, plan, t),))
-        if other is None:
-            return True
-        head, problem = other
-        env = _codec.decode_envelope(head)
-        try:
-            self._reply_body(env, "get_ok", rid)
-        except BadRequest as e:
-            # Raises unless stowd refused the ranges; then the same as a list.
-            return self._core_get_into(self._list_fallback(body, e), targets, timeout)
-        self._reply_frames(env, [head])  # refuses a same-node reply nobody asked for
-        raise ProtocolError(f"get_into (id {rid}): {problem}", request_id=rid)
 
     def clear(self, global_indexes, fields=None, *, timeout: float | None = None) -> int:
         """Drops the given fields (all fields if None) of the given indexes;
