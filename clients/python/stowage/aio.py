@@ -5,6 +5,35 @@ task hands each reply to its request by `id`. A timeout closes the socket and
 opens a new one (lazily, on the next call); the other requests in flight on
 the old socket then fail with `StowageTimeout` as well, since their replies
 can no longer arrive.
+
+Over tcp, `put`, `get` and `get_into` go through the Rust core instead, as
+`Client`'s do (the same conditions, `_Ops._core_serves`; the same request
+building, reply reading and error mapping, `_Ops._core_*`): `get_into`
+reads each field's bytes from the socket straight into the caller's
+arrays, `get` into one buffer per field, `put` sends from the caller's
+arrays. A core call blocks (with the GIL released while bytes move), so it
+runs in a worker thread and the event loop serves other tasks meanwhile.
+A core `Connection` serves one call at a time, where the DEALER pipelines
+many: each running call takes a connection of its own from a small pool,
+made on demand, at most `CORE_CONNECTIONS` per client (a thread pool of
+that many workers, each call a job; calls beyond that queue for a worker),
+so concurrent tasks still overlap. Neither the pool nor its threads belong
+to an event loop: a client moved to another loop keeps them.
+
+Cancellation: a call still queued is dropped and touches nothing; a call
+already running in its thread cannot be stopped, and runs on until it
+returns (by its deadline at the latest), its result thrown away. So the
+`out` arrays of a cancelled `get_into` may still be written until then,
+and a cancelled `put` may still be stored. Its connection goes back to the
+pool only when the call returned: the core keeps a connection only after a
+reply read to its end (a timeout or a broken reply drops it, and the next
+call on it connects anew), so nothing stale reaches a later call. A call's
+timeout counts from the call, its wait in the queue included, and raises
+`StowageTimeout` in `Client`'s words; unlike a pyzmq timeout it resets
+only that call's connection, not the requests in flight on the DEALER.
+`aclose()` (and `close()`) waits for the calls running in threads to
+return, so no thread writes into a caller's array after it; calls still
+queued then fail with "the client was closed".
 """
 
 from __future__ import annotations
@@ -12,19 +41,27 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Mapping
 
 import zmq
 import zmq.asyncio
 
 from . import _codec, _put, _shm
-from .client import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TIMEOUT, _abs_dir, _Ops
+from .client import (_CORE_FAILURES, DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TIMEOUT, _abs_dir, _core, _Ops, _run_get,
+                     _run_get_into, _run_send)
 from .errors import BadRequest, ProtocolError, StowageError, StowageTimeout, Unsupported, error_from_reply
 
 
 class AsyncClient(_Ops):
     """`async with AsyncClient(endpoint) as c: await c.put(...)`. Use it from one
     event loop at a time (moving to another loop reconnects)."""
+
+    #: Most calls through the Rust core one client runs at once, each in a
+    #: worker thread on a core connection of its own (more wait their
+    #: turn): enough for concurrent tasks to overlap their round trips,
+    #: few enough to bound a client's threads and sockets.
+    CORE_CONNECTIONS = 4
 
     def __init__(self, endpoint: str, timeout: float = DEFAULT_TIMEOUT, *,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
@@ -40,6 +77,10 @@ class AsyncClient(_Ops):
         self._channel_loop: asyncio.AbstractEventLoop | None = None
         self._channel_lock: asyncio.Lock | None = None
         self._inflight: set[int] = set()
+        # The Rust core (tcp put, get, get_into): its worker threads (made
+        # on first use) and the connections no call is using.
+        self._core_threads: ThreadPoolExecutor | None = None
+        self._core_idle: list = []
 
     # -- connection
     def _socket(self) -> zmq.asyncio.Socket:
@@ -104,14 +145,26 @@ class AsyncClient(_Ops):
         self._closed = True
         self._drop(lambda rid: StowageError("the client was closed", request_id=rid))
         self._close_channel()
+        self._close_core()
 
     async def aclose(self) -> None:
+        """`close()`, waiting for the core's running calls off the event loop."""
         self._closed = True
         reader = self._drop(lambda rid: StowageError("the client was closed", request_id=rid))
         self._close_channel()
+        await asyncio.get_running_loop().run_in_executor(None, self._close_core)
         if reader is not None and reader.get_loop() is asyncio.get_running_loop():
             with contextlib.suppress(asyncio.CancelledError):
                 await reader
+
+    def _close_core(self) -> None:
+        """Waits for the core calls running in threads to return (queued ones
+        fail: the client is closed), then closes the core's connections."""
+        threads, self._core_threads = self._core_threads, None
+        if threads is not None:
+            threads.shutdown(wait=True)
+        while self._core_idle:
+            self._core_idle.pop().close()
 
     @property
     def closed(self) -> bool:
@@ -226,11 +279,13 @@ class AsyncClient(_Ops):
     # -- the calls (see Client for their documentation)
     async def put(self, global_indexes, data: Mapping[str, Any], *, timeout: float | None = None) -> int:
         """See `Client.put` (a split put sends its messages one after another)."""
-        put = _put.Put(global_indexes, data, self.max_message_bytes, self._segments)
+        core = self._core_serves()
+        put = _put.Put(global_indexes, data, self.max_message_bytes, self._segments, join=not core)
         await self._open_channel()
+        send = self._core_send if core else self._call
         try:
             for op, body, frames, expect, extras in put:
-                put.reply, _ = await self._call(op, body, frames, timeout, expect, extras)
+                put.reply, _ = await send(op, body, frames, timeout, expect, extras)
         except StowageError as e:
             e.rows_stored = put.stored
             raise
@@ -240,24 +295,74 @@ class AsyncClient(_Ops):
                   timeout: float | None = None) -> dict:
         """See `Client.get`."""
         n, names, body = self._get_request(global_indexes, fields, as_torch, self._ranges_ok)
+        if self._core_serves():
+            return await self._ranged(body, lambda b: self._core_call("get", b, timeout, _run_get),
+                                      lambda rid, got: self._core_got(rid, got, names, n, as_torch))
         return await self._get_call(body, timeout,
                                     lambda reply, frames: self._get_result(reply, frames, names, n, as_torch))
+
+    async def _ranged(self, body: dict, ask, finish):
+        """See `Client._ranged` (`ask` is a coroutine function)."""
+        try:
+            return finish(*await ask(body))
+        except BadRequest as e:
+            body = self._list_fallback(body, e)  # raises `e` unless stowd refused the ranges
+        return finish(*await ask(body))
 
     async def _get_call(self, body: dict, timeout, finish):
         """See `Client._get_call`."""
         await self._open_channel()
+        return await self._ranged(body, lambda b: self._call("get", b, (), timeout, "get_ok", self._get_extras()),
+                                  finish)
+
+    async def _core_call(self, op: str, body: dict, timeout, run) -> tuple:
+        """`run(core connection, frame 0 of the request, time left)` in a
+        worker thread: (request id, its result)."""
+        timeout = self._call_timeout(timeout)
+        rid = next(self._ids)
+        frame0 = _codec.envelope(op, rid, body)
+        if self._closed:
+            raise StowageError("the client is closed")
+        if self._core_threads is None:
+            self._core_threads = ThreadPoolExecutor(self.CORE_CONNECTIONS, thread_name_prefix="stowage-core")
+        deadline = time.monotonic() + timeout
+        job = self._core_threads.submit(self._core_job, op, rid, frame0, timeout, deadline, run)
+        return rid, await asyncio.wrap_future(job)
+
+    def _core_job(self, op: str, rid: int, frame0: bytes, timeout: float, deadline: float, run):
+        """One core call, in a worker thread: on an idle connection (or a new
+        one), given back once the call returned (see the module doc)."""
+        if self._closed:
+            raise StowageError("the client was closed", request_id=rid)
         try:
-            reply, frames = await self._call("get", body, (), timeout, "get_ok", self._get_extras())
-        except BadRequest as e:
-            body = self._list_fallback(body, e)
-            reply, frames = await self._call("get", body, (), timeout, "get_ok", self._get_extras())
-        return finish(reply, frames)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError  # the queue took the whole timeout
+            try:
+                core = self._core_idle.pop()
+            except IndexError:
+                core = _core.Connection(self.endpoint)
+            try:
+                return run(core, frame0, left)
+            finally:
+                self._core_idle.append(core)
+        except _CORE_FAILURES as e:
+            raise self._core_failure(e, op, rid, timeout) from None
+
+    async def _core_send(self, op: str, body: dict, data_frames, timeout, expect: str,
+                         extras: dict | None = None) -> tuple[dict, _codec.FrameSource]:
+        """See `Client._core_send`."""
+        return self._core_sent(*await self._core_call(op, body, timeout, _run_send(data_frames)), expect)
 
     async def get_into(self, global_indexes, out: Mapping[str, Any], *,
                        timeout: float | None = None) -> Mapping[str, Any]:
         """See `Client.get_into`."""
         n, targets, body = self._get_into_request(global_indexes, out, self._ranges_ok)
-        await self._get_call(body, timeout, lambda reply, frames: self._get_into_result(reply, frames, targets, n))
+        if self._core_serves(targets):
+            run = _run_get_into(self._core_plan(targets))
+            await self._ranged(body, lambda b: self._core_call("get", b, timeout, run), self._core_got_into)
+        else:
+            await self._get_call(body, timeout, lambda reply, frames: self._get_into_result(reply, frames, targets, n))
         return out
 
     async def clear(self, global_indexes, fields=None, *, timeout: float | None = None) -> int:
