@@ -234,6 +234,25 @@ def _core_sends(c) -> list:
     return ops
 
 
+def every_kind(n: int) -> dict:
+    """A put's data of n rows: every dtype, nested rows (empty, scalar, one
+    big enough for a frame of its own), values, empty rows and
+    non-contiguous input."""
+    data = {f"r_{dt}": sample(dt, (n, 3), seed=i) for i, dt in enumerate(DTYPES)}
+    base = sample("float64", (n, 6), seed=99)
+    data.update({
+        "nested": [sample("int16", [(3,), (0,), (), (2, 4), (0, 5)][k % 5], seed=k) for k in range(n)],
+        "big_row": [sample("float32", (70_000,) if k == 7 else (k,), seed=k) for k in range(n)],
+        "values": [f"v{k}-é" if k % 2 else bytes([k]) * k for k in range(n)],
+        "empty": np.zeros((n, 0), np.int8),
+        "strided": base[:, ::2],
+        "transposed": np.arange(n * 4, dtype=np.int32).reshape(4, n).T,
+        "nested_strided": [base[k, ::3] for k in range(n)],
+    })
+    assert not data["strided"].flags.c_contiguous and not data["transposed"].flags.c_contiguous
+    return data
+
+
 def _same(got, want) -> bool:
     if isinstance(want, np.ndarray):
         return isinstance(got, np.ndarray) and got.dtype == want.dtype and got.shape == want.shape \
@@ -251,18 +270,7 @@ def test_put_through_the_core_round_trips(endpoint, fresh, monkeypatch, max_mess
     the core's own reader)."""
     n = 40
     idx = fresh(n)
-    data = {f"r_{dt}": sample(dt, (n, 3), seed=i) for i, dt in enumerate(DTYPES)}
-    base = sample("float64", (n, 6), seed=99)
-    data.update({
-        "nested": [sample("int16", [(3,), (0,), (), (2, 4), (0, 5)][k % 5], seed=k) for k in range(n)],
-        "big_row": [sample("float32", (70_000,) if k == 7 else (k,), seed=k) for k in range(n)],
-        "values": [f"v{k}-é" if k % 2 else bytes([k]) * k for k in range(n)],
-        "empty": np.zeros((n, 0), np.int8),
-        "strided": base[:, ::2],
-        "transposed": np.arange(n * 4, dtype=np.int32).reshape(4, n).T,
-        "nested_strided": [base[k, ::3] for k in range(n)],
-    })
-    assert not data["strided"].flags.c_contiguous and not data["transposed"].flags.c_contiguous
+    data = every_kind(n)
     with stowage.Client(endpoint, timeout=30, max_message_bytes=max_message_bytes) as c:
         ops = _core_sends(c)
         assert c.put(idx, data) == n

@@ -1,0 +1,291 @@
+"""`AsyncClient` through the Rust core (issue 17): over tcp its put, get
+and get_into run the core's blocking calls in worker threads, each on a
+core connection of its own. Checked here: every dtype and kind round-trips
+and nothing goes through pyzmq, concurrent tasks overlap and each gets its
+own rows, the event loop keeps running during a 256 MiB transfer, a
+cancelled call leaves the client usable (and its connection unused until
+it returned), a timeout raises StowageTimeout in the sync client's words
+and the next call is served, and aclose waits for a running call."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+
+import msgpack
+import numpy as np
+import pytest
+
+import stowage
+from stowage import client as client_mod
+from test_core import _same, every_kind
+
+MIB = 1 << 20
+
+
+@pytest.fixture(autouse=True)
+def _core_on(monkeypatch):
+    """The core serves (a whole-suite run with STOWAGE_PURE_PYTHON=1 too)."""
+    monkeypatch.delenv("STOWAGE_PURE_PYTHON", raising=False)
+    assert client_mod._core is not None, "stowage._core is not built (cargo xtask test builds it)"
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 120))
+
+
+def routes(c) -> list:
+    """Records ("core" or "pyzmq", op) of every request `c` sends (the
+    wrappers hand back the coroutines to await)."""
+    sent = []
+    for way, name in (("core", "_core_call"), ("pyzmq", "_call")):
+        def call(op, *rest, inner=getattr(c, name), way=way):
+            sent.append((way, op))
+            return inner(op, *rest)
+
+        setattr(c, name, call)
+    return sent
+
+
+async def until(cond, what: str, within: float = 30.0) -> None:
+    """Waits (yielding to the loop) until `cond()`."""
+    end = time.monotonic() + within
+    while not cond():
+        assert time.monotonic() < end, f"no {what} within {within} s"
+        await asyncio.sleep(0.001)
+
+
+@pytest.mark.parametrize("max_message_bytes", [256 * MIB, 3000], ids=["one-message", "split"])
+def test_every_kind_round_trips_through_the_core(endpoint, fresh, max_message_bytes):
+    """Every dtype, nested and values, put in one message or many, read
+    back by get and (the regular fields) get_into: all through the core,
+    the pyzmq DEALER never opened."""
+    n = 40
+    idx = fresh(n)
+    data = every_kind(n)
+    order = idx[::-1] + idx[:2]
+    rows = [idx.index(g) for g in order]
+    want = {name: [v[r] for r in rows] if isinstance(v, list) else v[rows] for name, v in data.items()}
+    regular = [name for name, v in data.items() if isinstance(v, np.ndarray)]
+
+    async def main():
+        async with stowage.AsyncClient(endpoint, timeout=30, max_message_bytes=max_message_bytes) as c:
+            sent = routes(c)
+            assert await c.put(idx, data) == n
+            got = await c.get(order, list(data))
+            out = {name: np.empty((len(order), *data[name].shape[1:]), data[name].dtype) for name in regular}
+            assert await c.get_into(order, out) is out
+            assert c._sock is None, "pyzmq's DEALER was opened"
+            return sent, got, out
+
+    sent, got, out = run(main())
+    puts = [s for s in sent if s[1] == "put"]
+    assert set(sent) == {("core", "put"), ("core", "get")} and sent.count(("core", "get")) == 2, sent
+    assert (len(puts) > 1) == (max_message_bytes == 3000), puts
+    bad = [name for name in data if not _same(got[name], want[name])]
+    bad += [f"get_into {name}" for name in regular if not _same(out[name], want[name])]
+    assert not bad, f"fields that did not round-trip: {bad}"
+
+
+def test_concurrent_tasks_overlap_and_each_gets_its_own_rows(endpoint, fresh):
+    """8 puts, then 8 gets and 8 get_intos of those rows beside 8 puts of
+    others, all at once: each task's rows are its own, and the calls ran on
+    several core connections (at most CORE_CONNECTIONS)."""
+    k, rows, cols = 8, 16, 64 * 1024  # 4 MiB a task
+    a = [fresh(rows) for _ in range(k)]
+    b = [fresh(rows) for _ in range(k)]
+    xs = [np.full((rows, cols), i, np.float32) + np.arange(rows, dtype=np.float32)[:, None] for i in range(k)]
+    outs = [np.zeros((rows, cols), np.float32) for _ in range(k)]
+
+    async def main():
+        async with stowage.AsyncClient(endpoint, timeout=60) as c:
+            sent = routes(c)
+            assert await asyncio.gather(*(c.put(a[i], {"x": xs[i]}) for i in range(k))) == [rows] * k
+            got = await asyncio.gather(
+                *(c.get(a[i][::-1], ["x"]) for i in range(k)),
+                *(c.get_into(a[i], {"x": outs[i]}) for i in range(k)),
+                *(c.put(b[i], {"x": -xs[i]}) for i in range(k)))
+            again = await asyncio.gather(*(c.get(b[i], ["x"]) for i in range(k)))
+            for i in range(k):
+                np.testing.assert_array_equal(got[i]["x"], xs[i][::-1])
+                np.testing.assert_array_equal(outs[i], xs[i])
+                np.testing.assert_array_equal(again[i]["x"], -xs[i])
+            assert all(way == "core" for way, _ in sent), sent
+            connections = len(c._core_idle)
+            assert 1 < connections <= c.CORE_CONNECTIONS, f"{connections} core connections"
+            await c.clear([g for block in a + b for g in block])
+
+    run(main())
+
+
+async def ticking(coro) -> tuple:
+    """Awaits `coro` while a ticker task sleeps 5 ms at a time: (its
+    result, seconds it took, the longest the ticker waited for the loop,
+    ticks)."""
+    gaps = []
+
+    async def ticker():
+        last = time.monotonic()
+        while True:
+            await asyncio.sleep(0.005)
+            now = time.monotonic()
+            gaps.append(now - last)
+            last = now
+
+    t = asyncio.get_running_loop().create_task(ticker())
+    t0 = time.monotonic()
+    try:
+        result = await coro
+    finally:
+        took = time.monotonic() - t0
+        t.cancel()
+    return result, took, max(gaps, default=took), len(gaps)
+
+
+def test_the_event_loop_runs_during_a_large_transfer(endpoint, fresh):
+    """A 256 MiB put, get_into and get: the ticker keeps ticking while each
+    runs (its longest wait a small part of the call's time), since the bytes
+    move in a worker thread with the GIL released."""
+    rows, cols = 1024, 64 * 1024  # 256 MiB of float32
+    idx = fresh(rows)
+    x = np.arange(rows, dtype=np.float32)[:, None] * np.ones((1, cols), np.float32)
+    out = np.zeros_like(x)
+
+    async def main():
+        async with stowage.AsyncClient(endpoint, timeout=120) as c:
+            sent = routes(c)
+            timed = {"put": await ticking(c.put(idx, {"x": x})),
+                     "get_into": await ticking(c.get_into(idx, {"x": out})),
+                     "get": await ticking(c.get(idx, ["x"]))}
+            assert {way for way, _ in sent} == {"core"}
+            await c.clear(idx)
+            return timed
+
+    timed = run(main())
+    np.testing.assert_array_equal(out, x)
+    np.testing.assert_array_equal(timed["get"][0]["x"], x)
+    for op, (_, took, gap, ticks) in timed.items():
+        assert ticks >= 5 and gap < max(0.1, took / 4), \
+            f"{op} took {took:.3f} s and the loop stalled for up to {gap:.3f} s ({ticks} ticks)"
+
+
+@pytest.mark.parametrize("op", ["get_into", "put"])
+def test_a_cancelled_call_leaves_the_client_usable(endpoint, fresh, op):
+    """A 256 MiB get_into or put cancelled while its thread moves the bytes:
+    the task is cancelled at once; the next call, made while the cancelled
+    one still runs, is served right on another connection (the cancelled
+    call's is given back only once it returned, so the pool ends with two);
+    and the cancelled call runs to its end (documented: `out` written, the
+    rows stored)."""
+    rows, cols = 1024, 64 * 1024
+    big, small = fresh(rows), fresh(4)
+    x = np.arange(rows, dtype=np.float32)[:, None] * np.ones((1, cols), np.float32)
+    y = np.arange(4 * 3, dtype=np.int64).reshape(4, 3)
+    out = np.zeros_like(x)
+
+    async def main():
+        async with stowage.AsyncClient(endpoint, timeout=120) as c:
+            if op == "get_into":
+                await c.put(big, {"x": x})
+            await c.put(small, {"y": y})  # one connection, idle
+            assert len(c._core_idle) == 1
+            call = c.get_into(big, {"x": out}) if op == "get_into" else c.put(big, {"x": x})
+            task = asyncio.get_running_loop().create_task(call)
+            await until(lambda: not c._core_idle, "core call taking the connection")
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert not c._core_idle, "the cancelled call returned before the next one: the test proves nothing"
+            np.testing.assert_array_equal((await c.get(small[::-1], ["y"]))["y"], y[::-1])
+            await until(lambda: len(c._core_idle) == 2, "both connections back in the pool")
+            if op == "put":
+                np.testing.assert_array_equal((await c.get(big[::97], ["x"]))["x"], x[::97])
+            await c.clear(big + small)
+
+    run(main())
+    if op == "get_into":
+        np.testing.assert_array_equal(out, x)
+
+
+def test_a_timeout_raises_stowage_timeout_and_the_next_call_is_served(fake_server):
+    """A peer that never answers the first request: StowageTimeout within
+    the call's timeout, in the sync client's words; a call queued behind it
+    (one worker) past its own timeout fails so without being sent; the next
+    get and put, on a new connection, are served."""
+    x = np.arange(2 * 3, dtype=np.float32).reshape(2, 3)
+    seen = []
+
+    def handler(ident, frames):
+        env = msgpack.unpackb(frames[0])
+        seen.append(env["op"])
+        if len(seen) == 1:
+            return []
+        if env["op"] == "put":
+            return [[msgpack.packb({"proto": "stowage/1", "op": "put_ok", "id": env["id"], "body": {"rows": 2}})]]
+        desc = {"kind": "regular", "dtype": "float32", "shape": [2, 3],
+                "parts": [{"frame": 1, "offset": 0, "len": x.nbytes, "rows": 2}]}
+        head = msgpack.packb({"proto": "stowage/1", "op": "get_ok", "id": env["id"], "body": {"fields": {"x": desc}}})
+        return [[head, x.tobytes()]]
+
+    srv = fake_server(handler)
+
+    async def main():
+        async with stowage.AsyncClient(srv.endpoint, timeout=10) as c:
+            c.CORE_CONNECTIONS = 1
+            sent = routes(c)
+            t = time.monotonic()
+            first, queued = await asyncio.gather(c.get([1, 2], ["x"], timeout=0.5),
+                                                 c.get([1, 2], ["x"], timeout=0.2), return_exceptions=True)
+            took = time.monotonic() - t
+            assert isinstance(first, stowage.StowageTimeout), first
+            assert isinstance(queued, stowage.StowageTimeout), queued
+            assert 0.4 < took < 5
+            pattern = (r"get \(id {}\): no reply from " + srv.endpoint + r" within {} s; the connection was reset")
+            assert re.fullmatch(pattern.format(first.request_id, "0.5"), str(first)), str(first)
+            assert re.fullmatch(pattern.format(queued.request_id, "0.2"), str(queued)), str(queued)
+            assert seen == ["get"], "the queued call was sent after its deadline"
+            np.testing.assert_array_equal((await c.get([1, 2], ["x"]))["x"], x)
+            out = np.zeros_like(x)
+            await c.get_into([1, 2], {"x": out})
+            np.testing.assert_array_equal(out, x)
+            assert await c.put([1, 2], {"x": x}) == 2
+            assert {way for way, _ in sent} == {"core"}
+
+    run(main())
+    assert seen == ["get", "get", "get", "put"]
+
+
+def test_aclose_waits_for_a_running_call_and_a_new_loop_reuses_the_pool(endpoint, fresh):
+    """The client used from two event loops in turn keeps its core
+    connection; aclose during a 256 MiB get_into returns only once the call
+    did (every row in `out` then), and the client refuses calls after."""
+    rows, cols = 1024, 64 * 1024
+    idx = fresh(rows)
+    x = np.arange(rows, dtype=np.float32)[:, None] * np.ones((1, cols), np.float32)
+    out = np.zeros_like(x)
+    c = stowage.AsyncClient(endpoint, timeout=120)
+
+    async def first():
+        await c.put(idx, {"x": x})
+        return c._core_idle[:]
+
+    async def second():
+        assert c._core_idle == pool  # the same connection object, on another loop
+        want = {"x": out}
+        task = asyncio.get_running_loop().create_task(c.get_into(idx, want))
+        await until(lambda: not c._core_idle, "core call taking the connection")
+        await c.aclose()
+        # Written to its end before aclose returned (the last row first: a
+        # call still running would be writing the rows before it).
+        assert out[-1, -1] == x[-1, -1]
+        np.testing.assert_array_equal(out, x)
+        assert await task is want
+        with pytest.raises(stowage.StowageError, match="closed"):
+            await c.get(idx[:1], ["x"])
+
+    pool = run(first())
+    assert len(pool) == 1
+    run(second())
+    with stowage.Client(endpoint, timeout=60) as s:
+        s.clear(idx)
