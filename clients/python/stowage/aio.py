@@ -141,7 +141,8 @@ class AsyncClient(_Ops):
 
     def close(self) -> None:
         """Closes the socket and the descriptor channel; requests in flight
-        fail. Idempotent."""
+        fail. Waits (blocking) for the calls running in the core's threads.
+        Idempotent."""
         self._closed = True
         self._drop(lambda rid: StowageError("the client was closed", request_id=rid))
         self._close_channel()
