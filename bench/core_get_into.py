@@ -20,8 +20,12 @@ benchmark machine, so no timed put is a first overwrite); then, `--reps` times e
   receives the frames, then each field is copied into the array);
 - get, core and pure Python: a plain `Client.get` (the core reads each
   field into one buffer the returned array is a view of);
-- then 2,000 gets and 2,000 puts of one 4 KiB row, each way (us per
-  round trip).
+- async put, get_into and get, core and pure Python: the same calls of an
+  `AsyncClient` on one event loop (through the core, each runs in one of
+  the client's worker threads; pure Python, pyzmq's asyncio socket);
+- then 2,000 gets and 2,000 puts of one 4 KiB row, each way, and 2,000
+  async gets each way (us per round trip: the async core's includes the
+  hop to its worker thread and back).
 
 Per row: median GB/s, its ratio to the tcp stream, and the client's peak
 RSS above what it held before the call (VmHWM reset through
@@ -32,6 +36,7 @@ core (`pip install ./clients/python`):
 usage: /path/to/venv/bin/python bench/core_get_into.py --stowd target/release/stowd [--reps 3]
 """
 import argparse
+import asyncio
 import json
 import os
 import shutil
@@ -113,8 +118,11 @@ def main() -> None:
             time.sleep(0.02)
         ep = json.load(open(eps))
         rows = []
-        cases = [("seed: float32 [524288, 1024], 2 GiB", int(524288 * a.scale), 1024),
-                 ("16 KiB rows: float32 [65536, 4096], 1 GiB", int(65536 * a.scale), 4096)]
+        cases = [(what, int(n * a.scale), cols) for what, n, cols in [("seed", 524288, 1024), ("16 KiB rows", 65536, 4096)]]
+        cases = [(f"{what}: float32 [{n}, {cols}], {n * cols * 4 / 2**30:g} GiB", n, cols) for what, n, cols in cases]
+        loop = asyncio.new_event_loop()
+        ac = stowage.AsyncClient(ep["native"], timeout=600)
+        arun = loop.run_until_complete
         with stowage.Client(ep["native"], timeout=600) as c:
             for name, n, cols in cases:
                 x = np.random.default_rng(0).random((n, cols), dtype=np.float32)
@@ -133,13 +141,19 @@ def main() -> None:
                     ("get_into, pure Python", True, lambda: c.get_into(idx, {"x": out})),
                     ("get, core", False, lambda: c.get(idx, ["x"])),
                     ("get, pure Python", True, lambda: c.get(idx, ["x"])),
+                    ("async put, core", False, lambda: arun(ac.put(idx, {"x": x}))),
+                    ("async put, pure Python", True, lambda: arun(ac.put(idx, {"x": x}))),
+                    ("async get_into, core", False, lambda: arun(ac.get_into(idx, {"x": out}))),
+                    ("async get_into, pure Python", True, lambda: arun(ac.get_into(idx, {"x": out}))),
+                    ("async get, core", False, lambda: arun(ac.get(idx, ["x"]))),
+                    ("async get, pure Python", True, lambda: arun(ac.get(idx, ["x"]))),
                 ]:
                     if pure:
                         os.environ["STOWAGE_PURE_PYTHON"] = "1"
                     else:
                         os.environ.pop("STOWAGE_PURE_PYTHON", None)
                     results[label] = [measure(fn) for _ in range(a.reps)]
-                    if label.startswith("get_into"):
+                    if "get_into" in label:
                         if not np.array_equal(out, x):
                             raise SystemExit(f"{label}: rows differ")
                         out.fill(0)
@@ -158,7 +172,9 @@ def main() -> None:
             for label, pure, fn in [("get, core", False, lambda: c.get([10**9], ["s"])),
                                     ("get, pure Python", True, lambda: c.get([10**9], ["s"])),
                                     ("put, core", False, lambda: c.put([10**9], row)),
-                                    ("put, pure Python", True, lambda: c.put([10**9], row))]:
+                                    ("put, pure Python", True, lambda: c.put([10**9], row)),
+                                    ("async get, core", False, lambda: arun(ac.get([10**9], ["s"]))),
+                                    ("async get, pure Python", True, lambda: arun(ac.get([10**9], ["s"])))]:
                 if pure:
                     os.environ["STOWAGE_PURE_PYTHON"] = "1"
                 else:
@@ -171,6 +187,8 @@ def main() -> None:
                 small[label] = (time.perf_counter() - t) / 2000
             os.environ.pop("STOWAGE_PURE_PYTHON", None)
             c.clear([10**9])
+        arun(ac.aclose())
+        loop.close()
         print(f"release stowd, 4 units, {a.reps} repetitions (median); load average {os.getloadavg()[0]:.2f}\n")
         print("| case | way | GB/s | of the tcp stream | client peak over payload |")
         print("|---|---|---:|---:|---:|")
