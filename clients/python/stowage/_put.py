@@ -78,3 +78,19 @@ class Put:
             if self.reply != {"rows": b - a}:
                 raise ProtocolError(f"put_ok {self.reply!r} for a message of {b - a} rows")
             self.stored += b - a
+
+
+def payload_bytes(data) -> int:
+    """About how many bytes a put of `data` carries (arrays and tensors by
+    their size, lists by their items'; anything else counts nothing), to
+    choose a transport before the put is planned."""
+    total = 0
+    for v in data.values() if isinstance(data, Mapping) else ():
+        for x in v if isinstance(v, (list, tuple)) else (v,):
+            n = getattr(x, "nbytes", None)
+            if n is None and hasattr(x, "element_size") and hasattr(x, "nelement"):
+                n = x.element_size() * x.nelement()  # a torch tensor
+            if n is None and isinstance(x, (bytes, str)):
+                n = len(x)
+            total += n if isinstance(n, int) else 0
+    return total

@@ -328,7 +328,7 @@ _INT_NAMES = frozenset(f"{s}int{n}" for s in ("", "u") for n in (8, 16, 32, 64))
 
 #: What a core call raises when the core dropped its connection (a timeout,
 #: a reply that breaks the protocol, an I/O error): `_Ops._core_failure`.
-_CORE_FAILURES = (TimeoutError, _core.ProtocolViolation, ConnectionError) if _core is not None else ()
+_CORE_FAILURES = (TimeoutError, _core.ProtocolViolation, ConnectionError)
 
 
 def _run_get(core, frame0: bytes, timeout: float):

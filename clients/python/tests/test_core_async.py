@@ -26,9 +26,12 @@ MIB = 1 << 20
 
 @pytest.fixture(autouse=True)
 def _core_on(monkeypatch):
-    """The core serves (a whole-suite run with STOWAGE_PURE_PYTHON=1 too)."""
+    """The core serves (a whole-suite run with STOWAGE_PURE_PYTHON=1 too),
+    small calls included (the tests below use small payloads; the size
+    rule has its own test)."""
     monkeypatch.delenv("STOWAGE_PURE_PYTHON", raising=False)
-    assert client_mod._core is not None, "stowage._core is not built (cargo xtask test builds it)"
+    monkeypatch.setattr(stowage.AsyncClient, "CORE_MIN_BYTES", 0)
+    monkeypatch.setattr(stowage.AsyncClient, "CORE_MIN_ROWS", 0)
 
 
 def run(coro):
@@ -289,3 +292,35 @@ def test_aclose_waits_for_a_running_call_and_a_new_loop_reuses_the_pool(endpoint
     run(second())
     with stowage.Client(endpoint, timeout=60) as s:
         s.clear(idx)
+
+
+def test_small_calls_stay_on_the_dealer_and_bulk_ones_take_the_core(endpoint, fresh, monkeypatch):
+    """The hop to a worker thread costs more than the core saves on a few
+    KiB: a put or get_into under CORE_MIN_BYTES and a get of fewer than
+    CORE_MIN_ROWS rows go through pyzmq, larger ones through the core."""
+    monkeypatch.undo()  # the defaults, not the autouse fixture's zeros
+    monkeypatch.delenv("STOWAGE_PURE_PYTHON", raising=False)
+    idx = fresh(256)
+    small = np.ones((4, 16), np.float32)
+    big = np.ones((256, 1024), np.float32)  # 1 MiB
+    assert big.nbytes >= stowage.AsyncClient.CORE_MIN_BYTES > small.nbytes
+    assert len(idx) >= stowage.AsyncClient.CORE_MIN_ROWS > 4
+
+    async def go():
+        async with stowage.AsyncClient(endpoint, timeout=30) as c:
+            sent = routes(c)
+            await c.put(idx[:4], {"s": small})
+            await c.get(idx[:4], ["s"])
+            await c.get_into(idx[:4], {"s": np.empty_like(small)})
+            assert sent == [("pyzmq", "put"), ("pyzmq", "get"), ("pyzmq", "get")], sent
+            del sent[:]
+            await c.put(idx, {"b": big})
+            got = await c.get(idx, ["b"])
+            out = np.empty_like(big)
+            await c.get_into(idx, {"b": out})
+            assert sent == [("core", "put"), ("core", "get"), ("core", "get")], sent
+            np.testing.assert_array_equal(got["b"], big)
+            np.testing.assert_array_equal(out, big)
+            await c.clear(idx)
+
+    run(go())
