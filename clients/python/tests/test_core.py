@@ -356,7 +356,9 @@ def test_a_put_without_a_reply_times_out_and_the_next_is_served(fake_server):
 class HostileZmtp:
     """A bare ZMTP 3.0 peer on a raw socket, for replies libzmq never sends:
     it answers the k-th request (counted over all connections) with the raw
-    bytes `reply(k, request frame 0)`; with `reply=None` it reads nothing
+    bytes `reply(k, request frame 0)`, or with a list of pieces of bytes,
+    sent one by one with a pause before each (a None piece: send nothing
+    more on that connection); with `reply=None` it reads nothing
     after the handshake. Each connection is served by a thread of its own
     (the client's idle pyzmq DEALER connects too); `requests` lists, per
     request, the number of the connection it came on."""
@@ -423,7 +425,16 @@ class HostileZmtp:
             with self._lock:
                 self.requests.append(number)
                 k = len(self.requests)
-            conn.sendall(self.reply(k, msgpack.unpackb(head)))
+            out = self.reply(k, msgpack.unpackb(head))
+            if isinstance(out, bytes):
+                conn.sendall(out)
+                continue
+            for piece in out:  # pieces, each after a pause (None: stall)
+                if piece is None:
+                    self._stop.wait()
+                    return
+                time.sleep(0.002)
+                conn.sendall(piece)
 
     def close(self):
         self._stop.set()
@@ -462,6 +473,74 @@ def test_a_hostile_reply_to_a_put_is_bounded(fresh):
             assert ops == ["put"] * (len(cases) + 1)
         # One request per connection: each refused reply dropped its connection.
         assert len(srv.requests) == len(set(srv.requests)) == len(cases) + 1, srv.requests
+    finally:
+        srv.close()
+
+
+def _get_ok(env, fields: dict) -> tuple[bytes, list]:
+    """A get_ok's frame 0 and data frames: each field one regular frame."""
+    descs, frames = {}, []
+    for name, a in fields.items():
+        frames.append(a.tobytes())
+        descs[name] = {"kind": "regular", "dtype": str(a.dtype), "shape": list(a.shape),
+                       "parts": [{"frame": len(frames), "offset": 0, "len": a.nbytes, "rows": a.shape[0]}]}
+    head = msgpack.packb({"proto": "stowage/1", "op": "get_ok", "id": env["id"], "body": {"fields": descs}})
+    return head, frames
+
+
+def test_a_reply_that_arrives_in_pieces_is_read_whole():
+    """The core reads a reply through a small read-ahead buffer, and long
+    stretches straight into place: a reply sent a few bytes at a time (frame
+    headers and frame 0 split anywhere, a 64-byte field and a 200 KiB one,
+    each cut across the read-ahead's edges) gives the same rows through get
+    and get_into, call after call on one connection."""
+    small = np.arange(16, dtype=np.float32).reshape(1, 16)
+    big = np.arange(50_000, dtype=np.float32).reshape(1, 50_000)
+
+    def reply(k, env):
+        head, frames = _get_ok(env, {"s": small * k, "b": big * k})
+        raw = (HostileZmtp.frame(head, more=True) + HostileZmtp.frame(frames[0], more=True)
+               + HostileZmtp.frame(frames[1]))
+        cuts = [1, 2, 3, 9, 11, 40, 100, 101, 4000, 40_000, 65_536, 70_000, 131_000, len(raw)]
+        return [raw[a:b] for a, b in itertools.pairwise([0, *cuts])]
+
+    srv = HostileZmtp(reply)
+    try:
+        with stowage.Client(srv.endpoint, timeout=10) as c:
+            for k in (1, 2, 3):
+                got = c.get([7], ["s", "b"])
+                np.testing.assert_array_equal(got["s"], small * (2 * k - 1))
+                np.testing.assert_array_equal(got["b"], big * (2 * k - 1))
+                out = {"s": np.zeros_like(small), "b": np.zeros_like(big)}
+                c.get_into([7], out)
+                np.testing.assert_array_equal(out["s"], small * 2 * k)
+                np.testing.assert_array_equal(out["b"], big * 2 * k)
+        assert len(set(srv.requests)) == 1, srv.requests  # one connection throughout
+    finally:
+        srv.close()
+
+
+def test_a_reply_that_stops_halfway_times_out():
+    """A peer that sends half a reply and then nothing: StowageTimeout at
+    the call's timeout (the waits between pieces count against one
+    deadline), the connection dropped; the next get, on a new connection,
+    is served."""
+    row = np.arange(64, dtype=np.float32).reshape(1, 64)
+
+    def reply(k, env):
+        head, frames = _get_ok(env, {"x": row})
+        raw = HostileZmtp.frame(head, more=True) + HostileZmtp.frame(frames[0])
+        return [raw[:50], raw[50:100], None] if k == 1 else raw
+
+    srv = HostileZmtp(reply)
+    try:
+        with stowage.Client(srv.endpoint, timeout=10) as c:
+            t = time.monotonic()
+            with pytest.raises(stowage.StowageTimeout):
+                c.get([1], ["x"], timeout=0.5)
+            assert 0.4 < time.monotonic() - t < 5
+            np.testing.assert_array_equal(c.get([1], ["x"])["x"], row)
+        assert len(set(srv.requests)) == 2, srv.requests
     finally:
         srv.close()
 
