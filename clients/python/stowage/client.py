@@ -273,12 +273,16 @@ class _Ops:
         head, bufs, problem = got
         env = _codec.decode_envelope(head)
         reply = self._reply_body(env, "get_ok", rid)
-        self._reply_frames(env, [head])  # refuses a same-node reply nobody asked for
+        if "segments" in env:
+            self._reply_frames(env, [head])  # refuses a same-node reply nobody asked for
         if bufs is None:
             raise ProtocolError(f"get (id {rid}): {problem}", request_id=rid)
+        descs = reply["fields"]
+        direct = self._core_direct(descs, bufs, names, n, as_torch)
+        if direct is not None:
+            return direct
         # The descriptors now name the core's buffers: one data frame per
         # regular or nested field, its rows back to back in row order.
-        descs = reply["fields"]
         views, by_name = [], dict(bufs)
         for name, d in descs.items():
             if name not in by_name:
@@ -292,6 +296,38 @@ class _Ops:
                 at = [0, *itertools.accumulate(ln for _, _, _, ln in d[2])]
                 descs[name] = (*d[:2], [(shape, k, at[i], ln) for i, (shape, _, _, ln) in enumerate(d[2])])
         return self._get_result(reply, _codec.FrameSource(views), names, n, as_torch)
+
+    @staticmethod
+    def _core_direct(descs: dict, bufs: list, names: list, n: int, as_torch) -> dict | None:
+        """The result of the common get (regular fields of numpy's dtypes
+        and values, numpy asked for) read straight off the core's buffers:
+        each array a read-only view of its field's buffer, as the general
+        path below gives, without resolving the descriptors part by part
+        (the core placed every part already). None for anything else, and
+        for anything that does not add up, which the general path then
+        reads or refuses in its own words. Small gets pay the general
+        path's Python more than their bytes: docs/benchmarks.md, "A 1-row
+        get"."""
+        if as_torch or len(descs) != len(names) or list(descs) != names:
+            return None
+        out = {}
+        by_name = dict(bufs)
+        for name, d in descs.items():
+            kind = d[0]
+            if kind == "values":
+                if len(d[1]) != n:
+                    return None
+                out[name] = d[1]
+                continue
+            dt = _codec.WIRE_DTYPES.get(d[1]) if kind == "regular" else None
+            buf = by_name.pop(name, None)
+            if dt is None or d[1] in _codec.BITS_DTYPES or buf is None:
+                return None
+            shape = tuple(d[2])
+            if not shape or shape[0] != n or len(buf) != math.prod(shape) * dt.itemsize:
+                return None
+            out[name] = _codec._frombuffer(buf, dt, shape)
+        return None if by_name else out
 
     @staticmethod
     def _core_plan(targets: dict) -> list:
