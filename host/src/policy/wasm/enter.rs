@@ -8,8 +8,9 @@
 //! leave the worker first (`block_in_place`: tokio wakes another thread to
 //! drive the runtime and takes the worker back afterwards). That handoff
 //! was most of what a plugin cost a small request: a 1-row get through the
-//! bundled packing chain took 35-40 µs of round trip in the Rust-core
-//! client against 23-25 µs with the built-in policies (release stowd,
+//! bundled packing chain took 50.4 µs of round trip in the Rust-core
+//! client against 38.2 µs with the built-in policies, and 38.3 µs once
+//! entered on the worker (release stowd on the client's CPU, medians of
 //! 3,000 gets; `docs/benchmarks.md`, "Entering plugins on the worker").
 //!
 //! A policy needs no WASI at all to decide (it has no files, clock or
