@@ -19,7 +19,10 @@ benchmark machine, so no timed put is a first overwrite); then, `--reps` times e
 - get_into, pure Python: the same with `STOWAGE_PURE_PYTHON=1` (pyzmq
   receives the frames, then each field is copied into the array);
 - get, core and pure Python: a plain `Client.get` (the core reads each
-  field into one buffer the returned array is a view of);
+  field into one buffer the returned array is a view of: the buffer of the
+  previous get's result, dropped, when one fits); "get, core, no reuse"
+  is the same with `STOWAGE_RECEIVE_POOL_BYTES=0` (a fresh buffer each
+  time, as before the receive pool);
 - async put, get_into and get, core and pure Python: the same calls of an
   `AsyncClient` on one event loop (through the core, each runs in one of
   the client's worker threads; pure Python, pyzmq's asyncio socket);
@@ -140,6 +143,7 @@ def main() -> None:
                     ("get_into, core", False, lambda: c.get_into(idx, {"x": out})),
                     ("get_into, pure Python", True, lambda: c.get_into(idx, {"x": out})),
                     ("get, core", False, lambda: c.get(idx, ["x"])),
+                    ("get, core, no reuse", False, lambda: c.get(idx, ["x"])),
                     ("get, pure Python", True, lambda: c.get(idx, ["x"])),
                     ("async put, core", False, lambda: arun(ac.put(idx, {"x": x}))),
                     ("async put, pure Python", True, lambda: arun(ac.put(idx, {"x": x}))),
@@ -152,7 +156,11 @@ def main() -> None:
                         os.environ["STOWAGE_PURE_PYTHON"] = "1"
                     else:
                         os.environ.pop("STOWAGE_PURE_PYTHON", None)
+                    if "no reuse" in label:
+                        os.environ["STOWAGE_RECEIVE_POOL_BYTES"] = "0"
+                        stowage.release_receive_buffers()
                     results[label] = [measure(fn) for _ in range(a.reps)]
+                    os.environ.pop("STOWAGE_RECEIVE_POOL_BYTES", None)
                     if "get_into" in label:
                         if not np.array_equal(out, x):
                             raise SystemExit(f"{label}: rows differ")

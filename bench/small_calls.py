@@ -9,13 +9,16 @@ A small call's time on this kind of machine is mostly the two wake-ups
 of another process, and a wake-up across CPUs costs far more than one on
 the same CPU, so each stowd is measured twice: pinned to the client's CPU
 (`same CPU`) and to the other one (`two CPUs`); the client is pinned to
-CPU 0. Per cell: the median of --calls round trips, µs.
+CPU 0. Per cell: the median of --calls round trips, µs. The floor, in
+the same run: a plain tcp ping-pong between two Python processes, placed
+the same two ways.
 
 usage: python3 bench/small_calls.py --stowd NEW[=label] [--stowd OLD=label ...]
            [--plugins target/plugins] [--calls 3000]
 """
 import argparse
 import os
+import socket
 import statistics
 import sys
 import tempfile
@@ -57,6 +60,45 @@ def measure(endpoint: str, calls: int) -> dict:
     return out
 
 
+def ping_pong(cpu: int, calls: int) -> float:
+    """The floor for a small call: the median round trip of a plain tcp
+    exchange on 127.0.0.1 between this process and a Python echo process
+    pinned to `cpu` (64 bytes out, 4,200 back: about a 1-row get's
+    request and reply), µs."""
+    ls = socket.create_server(("127.0.0.1", 0))
+    pid = os.fork()
+    if pid == 0:  # the echo process: gone once this one closes its socket
+        try:
+            os.sched_setaffinity(0, {cpu})
+            s, _ = ls.accept()
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            reply = b"r" * 4200
+            while s.recv(65536):
+                s.sendall(reply)
+        finally:
+            os._exit(0)
+    address = ls.getsockname()
+    ls.close()
+    c = socket.create_connection(address)
+    c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    buf = memoryview(bytearray(8192))
+    request = b"q" * 64
+
+    def once():
+        c.sendall(request)
+        got = 0
+        while got < 4200:
+            got += c.recv_into(buf[got:])
+
+    for _ in range(200):
+        once()
+    try:
+        return median_us(once, calls)
+    finally:
+        c.close()
+        os.waitpid(pid, 0)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--stowd", action="append", required=True, metavar="BIN[=LABEL]")
@@ -82,12 +124,20 @@ def main() -> None:
                     rows.append((label or binary, chain, where, got))
                     print(f"  {label or binary}, {chain}, {where}: " +
                           ", ".join(f"{op} {t} {v:.1f} us" for (op, t), v in got.items()), flush=True)
+    floor = {where: ping_pong(cpu, a.calls) for cpu, where in ((0, "same CPU"), (1, "two CPUs"))}
     keys = list(rows[0][3])
     print()
-    print("| stowd | policy | placement | " + " | ".join(f"{op}, {t} (µs)" for op, t in keys) + " |")
-    print("|---|---|---|" + "---:|" * len(keys))
+    print("| placement | tcp ping-pong, plain Python (µs) |\n|---|---:|")
+    for where, us in floor.items():
+        print(f"| {where} | {us:.1f} |")
+    print()
+    print("| stowd | policy | placement | " + " | ".join(f"{op}, {t} (µs)" for op, t in keys)
+          + " | get, core / pyzmq | get, core / ping-pong |")
+    print("|---|---|---|" + "---:|" * (len(keys) + 2))
     for label, chain, where, got in rows:
-        print(f"| {label} | {chain} | {where} | " + " | ".join(f"{got[k]:.1f}" for k in keys) + " |")
+        print(f"| {label} | {chain} | {where} | " + " | ".join(f"{got[k]:.1f}" for k in keys)
+              + f" | {got[('get', 'core')] / got[('get', 'pyzmq')]:.2f}"
+              + f" | {got[('get', 'core')] / floor[where]:.2f} |")
     print(f"\nload: {open('/proc/loadavg').read().split()[:3]}")
 
 

@@ -103,17 +103,18 @@ const AHEAD: usize = 64 << 10;
 /// A deadline-bound stream. Reads go through a small read-ahead buffer,
 /// filled by a `recv` that does not block (and a `poll` until the deadline
 /// when nothing has come yet), except long stretches (at least half of
-/// it), which go from the socket straight to where they belong with
-/// `MSG_WAITALL`, the socket's receive timeout set to the time left.
+/// it, one place or many that follow on from each other), which go from
+/// the socket straight to where they belong with `MSG_WAITALL`, the
+/// socket's receive timeout set to the time left.
 ///
-/// Why: a small get used to cost the client a dozen system calls (each
-/// read armed with two `setsockopt` for its timeout, a frame header read a
-/// byte or eight at a time); now it is a `writev`, a `recv` that finds
-/// nothing yet, a `poll` and one `recv` of the whole reply
-/// (docs/benchmarks.md, "A 1-row get"). Bulk reads stay blocking: a
-/// non-blocking read loop (`recv` until `EAGAIN`, then `poll`) took a
-/// 1 GiB get at 2.45-2.91 GB/s where the blocking one took 2.83-3.08
-/// (same run, alternating).
+/// Why: a small get used to cost the client 22 system calls (each read
+/// armed with two `setsockopt` for its timeout, a frame header read a byte
+/// or eight at a time, the socket switched to non-blocking and back around
+/// each send); now it is a `sendmsg`, a `recv` that finds nothing yet, a
+/// `poll` and one `recv` of the whole reply (docs/benchmarks.md, "A 1-row
+/// get"). Bulk reads stay blocking: a non-blocking read loop (`recv` until
+/// `EAGAIN`, then `poll`) took a 1 GiB get_into at 2.45-2.91 GB/s where
+/// the blocking one took 2.83-3.08 (one-off check, alternating).
 struct Stream {
     tcp: TcpStream,
     deadline: Instant,

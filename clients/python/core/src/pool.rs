@@ -4,11 +4,13 @@
 //!
 //! Why: a get into fresh memory is bound by the kernel handing out pages
 //! (zeroing them, and for huge pages compacting memory first), not by the
-//! socket. On the 2-vCPU benchmark machine a 2 GiB get through the core
-//! ran at 0.44-2.56 GB/s into fresh buffers against 4.07 GB/s into a
-//! reused one (`get_into`, same run; `docs/benchmarks.md`, "Reused get
-//! buffers"). A training loop gets the same shapes every step, so the
-//! buffer of step k is the one step k+1 needs.
+//! socket. On a 2-vCPU benchmark machine a 2 GiB get through the core ran
+//! at 0.44-2.56 GB/s into fresh buffers against 3.4-3.9 into a reused one;
+//! on another, 1 GiB at a median of 2.33-2.79 GB/s fresh (0.76 at worst)
+//! against 3.01-3.02 reused (`bench/get_reuse.py`; `docs/benchmarks.md`,
+//! "The core at 984d3d5, and reused get buffers"). A training loop gets
+//! the same shapes every step, so the buffer of step k is the one step k+1
+//! needs.
 //!
 //! Bounds: only buffers of at least [`MIN_POOLED`] bytes are kept, at most
 //! `STOWAGE_RECEIVE_POOL_BYTES` in all (read on each use; default an
