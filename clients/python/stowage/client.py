@@ -263,26 +263,25 @@ class _Ops:
             return ProtocolError(f"{op} (id {rid}): {e}", request_id=rid)
         return InternalError(f"{op} (id {rid}): {e}", request_id=rid)
 
-    def _core_got(self, rid: int, got: tuple, names: list, n: int, as_torch) -> dict:
+    def _core_got(self, rid: int, got: tuple | list, names: list, n: int, as_torch) -> dict:
         """A get's result from the core's (frame 0, [(field, Buffer)] or
-        None, why its codec refused the reply or None): each regular or
-        nested field's rows were read from the socket into one buffer of
-        their size, allocated once (a regular field's array is a view of
-        it); values come from frame 0. Raises BadRequest as the reply says
-        (the caller may ask again as a list)."""
+        None, why its codec refused the reply or None), or from its
+        `get_arrays` list (`_core_arrays`): each regular or nested field's
+        rows were read from the socket into one buffer of their size,
+        allocated once (a regular field's array is a view of it); values
+        come from frame 0. Raises BadRequest as the reply says (the caller
+        may ask again as a list)."""
+        if type(got) is list:
+            return self._core_arrays(got, names, n)
         head, bufs, problem = got
         env = _codec.decode_envelope(head)
         reply = self._reply_body(env, "get_ok", rid)
-        if "segments" in env:
-            self._reply_frames(env, [head])  # refuses a same-node reply nobody asked for
+        self._reply_frames(env, [head])  # refuses a same-node reply nobody asked for
         if bufs is None:
             raise ProtocolError(f"get (id {rid}): {problem}", request_id=rid)
-        descs = reply["fields"]
-        direct = self._core_direct(descs, bufs, names, n, as_torch)
-        if direct is not None:
-            return direct
         # The descriptors now name the core's buffers: one data frame per
         # regular or nested field, its rows back to back in row order.
+        descs = reply["fields"]
         views, by_name = [], dict(bufs)
         for name, d in descs.items():
             if name not in by_name:
@@ -298,36 +297,21 @@ class _Ops:
         return self._get_result(reply, _codec.FrameSource(views), names, n, as_torch)
 
     @staticmethod
-    def _core_direct(descs: dict, bufs: list, names: list, n: int, as_torch) -> dict | None:
-        """The result of the common get (regular fields of numpy's dtypes
-        and values, numpy asked for) read straight off the core's buffers:
-        each array a read-only view of its field's buffer, as the general
-        path below gives, without resolving the descriptors part by part
-        (the core placed every part already). None for anything else, and
-        for anything that does not add up, which the general path then
-        reads or refuses in its own words. Small gets pay the general
-        path's Python more than their bytes: docs/benchmarks.md, "A 1-row
-        get"."""
-        if as_torch or len(descs) != len(names) or list(descs) != names:
-            return None
+    def _core_arrays(got: list, names: list, n: int) -> dict:
+        """A get's result from the core's `get_arrays` list (the reply was a
+        get_ok of regular fields of numpy's dtypes, each field's rows in one
+        buffer of exactly its array's bytes): each array a read-only view of
+        its buffer, as the general path gives, without decoding frame 0 into
+        Python objects first (small gets pay that more than their bytes:
+        docs/benchmarks.md, "A 1-row get")."""
         out = {}
-        by_name = dict(bufs)
-        for name, d in descs.items():
-            kind = d[0]
-            if kind == "values":
-                if len(d[1]) != n:
-                    return None
-                out[name] = d[1]
-                continue
-            dt = _codec.WIRE_DTYPES.get(d[1]) if kind == "regular" else None
-            buf = by_name.pop(name, None)
-            if dt is None or d[1] in _codec.BITS_DTYPES or buf is None:
-                return None
-            shape = tuple(d[2])
-            if not shape or shape[0] != n or len(buf) != math.prod(shape) * dt.itemsize:
-                return None
-            out[name] = _codec._frombuffer(buf, dt, shape)
-        return None if by_name else out
+        for name, dtype, shape, buf in got:
+            if shape[0] != n:
+                raise ProtocolError(f"field {name!r}: shape {list(shape)} does not have {n} rows")
+            out[name] = _codec._frombuffer(buf, _DIRECT_DTYPES[dtype], shape)
+        if list(out) != names:
+            raise ProtocolError(f"get_ok has fields {list(out)}, requested {names}")
+        return out
 
     @staticmethod
     def _core_plan(targets: dict) -> list:
@@ -369,6 +353,17 @@ _CORE_FAILURES = (TimeoutError, _core.ProtocolViolation, ConnectionError)
 
 def _run_get(core, frame0: bytes, timeout: float):
     return core.get(frame0, timeout)
+
+
+#: The dtypes whose regular fields a get returns as plain numpy arrays
+#: (every wire dtype numpy has a type for), by wire name.
+_DIRECT_DTYPES = {k: v for k, v in _codec.WIRE_DTYPES.items() if k not in _codec.BITS_DTYPES}
+
+
+def _run_get_arrays(core, frame0: bytes, timeout: float):
+    """`core.get`, or for a reply of regular fields of `_DIRECT_DTYPES` a
+    list of (field, dtype, shape, buffer): `_Ops._core_got` reads both."""
+    return core.get_arrays(frame0, timeout, _DIRECT_DTYPES)
 
 
 def _run_get_into(plan: list):
@@ -556,7 +551,8 @@ class Client(_Ops):
         twice is copied: two tensors of one get never share bytes)."""
         n, names, body = self._get_request(global_indexes, fields, as_torch, self._ranges_ok)
         if self._core_serves():
-            return self._ranged(body, lambda b: self._core_call("get", b, timeout, _run_get),
+            run = _run_get if as_torch else _run_get_arrays
+            return self._ranged(body, lambda b: self._core_call("get", b, timeout, run),
                                 lambda rid, got: self._core_got(rid, got, names, n, as_torch))
         return self._get_call(body, timeout, lambda reply, frames: self._get_result(reply, frames, names, n, as_torch))
 

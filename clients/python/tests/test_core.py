@@ -231,6 +231,57 @@ def test_many_small_parts_are_read_together_right(fake_server):
         assert c._core is not None
 
 
+def test_a_regular_reply_that_does_not_answer_the_get_is_refused(fake_server):
+    """A get_ok of regular fields (the core's direct path: arrays straight
+    off its buffers) that answers another question: more rows than asked,
+    the fields in another order, a field nobody asked for. Each is a
+    ProtocolError through the core as through pyzmq; the next get is
+    served."""
+    import msgpack
+
+    def regular(rows):
+        a = np.arange(rows * 2, dtype=np.float32).reshape(rows, 2)
+        return a, {"kind": "regular", "dtype": "float32", "shape": [rows, 2], "parts": []}
+
+    cases = [
+        ({"x": 3, "y": 3}, r"field 'x': shape \[3, 2\] does not have 2 rows"),
+        ({"y": 2, "x": 2}, r"get_ok has fields \['y', 'x'\], requested \['x', 'y'\]"),
+        ({"x": 2, "y": 2, "z": 2}, r"get_ok has fields \['x', 'y', 'z'\], requested \['x', 'y'\]"),
+        ({"x": 2, "y": 2}, None),
+    ]
+    current = {}
+
+    def handler(ident, frames):
+        env = msgpack.unpackb(frames[0])
+        descs, data = {}, []
+        for name, rows in current["fields"].items():
+            a, d = regular(rows)
+            data.append(a.tobytes())
+            d["parts"] = [{"frame": len(data), "offset": 0, "len": a.nbytes, "rows": rows}]
+            descs[name] = d
+        head = msgpack.packb({"proto": "stowage/1", "op": "get_ok", "id": env["id"], "body": {"fields": descs}})
+        return [[head, *data]]
+
+    srv = fake_server(handler)
+    with stowage.Client(srv.endpoint, timeout=5) as c:
+        for pure in (False, True):
+            if pure:
+                os.environ["STOWAGE_PURE_PYTHON"] = "1"
+            try:
+                for fields, match in cases:
+                    current["fields"] = fields
+                    if match is None:
+                        got = c.get([4, 5], ["x", "y"])
+                        np.testing.assert_array_equal(got["x"], regular(2)[0])
+                        assert not got["x"].flags.writeable
+                    else:
+                        with pytest.raises(stowage.ProtocolError, match=match):
+                            c.get([4, 5], ["x", "y"])
+            finally:
+                os.environ.pop("STOWAGE_PURE_PYTHON", None)
+        assert c._core is not None
+
+
 def test_a_hostile_reply_is_refused_without_harm(fake_server):
     """Replies a stowd never sends: a part naming data frame 2^40, a part
     past its frame, a frame no descriptor uses, a declared shape the parts do

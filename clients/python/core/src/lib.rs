@@ -47,7 +47,7 @@ use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::{PyConnectionError, PyTimeoutError, PyTypeError, PyValueError};
 use pyo3::ffi;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyList};
+use pyo3::types::{PyBytes, PyList, PyTuple};
 use stowage_transport::zmtp;
 use stowage_wire::native::{self, FieldLayout, Limits, ReplyLayout, layout};
 
@@ -769,6 +769,32 @@ struct Gotten {
     /// (field, its rows back to back) for each regular or nested field, in
     /// reply order; None for a reply that is not a get_ok.
     fields: Option<Vec<(String, Vec<u8>)>>,
+    /// (dtype name, shape) of each field, in reply order, if every field
+    /// is regular (its buffer then holds exactly that array's bytes).
+    regular: Option<Vec<(&'static str, Vec<u64>)>>,
+}
+
+/// What `Connection.get` returns: (frame 0, [(field, Buffer)] or None,
+/// why the codec refused frame 0 or None).
+type GotTuple<'py> = (
+    Bound<'py, PyBytes>,
+    Option<Vec<(String, Bound<'py, Buffer>)>>,
+    Option<String>,
+);
+
+impl Gotten {
+    fn into_tuple(self, py: Python<'_>) -> PyResult<GotTuple<'_>> {
+        let fields = match self.fields {
+            None => None,
+            Some(fields) => Some(
+                fields
+                    .into_iter()
+                    .map(|(name, data)| Ok((name, Bound::new(py, Buffer { data })?)))
+                    .collect::<PyResult<Vec<_>>>()?,
+            ),
+        };
+        Ok((PyBytes::new(py, &self.head), fields, self.problem))
+    }
 }
 
 fn get(s: &mut Stream, frame0: &[u8]) -> Result<Gotten, Fail> {
@@ -779,8 +805,23 @@ fn get(s: &mut Stream, frame0: &[u8]) -> Result<Gotten, Fail> {
                 head,
                 problem,
                 fields: None,
+                regular: None,
             });
         }
+    };
+    // Only for a plain reply: one that names shared-memory segments goes
+    // to the caller's decoder, which refuses it (this client asked for none).
+    let plain = native::decode_extras(&head, &REPLY_LIMITS).is_ok_and(|e| e.segments.is_none());
+    let regular = if plain {
+        layouts
+            .iter()
+            .map(|(_, f)| match f {
+                FieldLayout::Regular { dtype, shape, .. } => Some((dtype.name(), shape.clone())),
+                _ => None,
+            })
+            .collect()
+    } else {
+        None
     };
     // One buffer per field; each range of the reply goes to its place in
     // its field's buffer, rows in row order.
@@ -812,6 +853,7 @@ fn get(s: &mut Stream, frame0: &[u8]) -> Result<Gotten, Fail> {
         head: head.to_vec(),
         problem: None,
         fields: Some(buffers),
+        regular,
     })
 }
 
@@ -1116,30 +1158,50 @@ impl Connection {
     /// nested field, in reply order, its rows back to back in row order in
     /// one read-only buffer, read straight from the socket (values stay in
     /// frame 0). Raises TimeoutError and ConnectionError as `get_into`.
-    #[allow(clippy::type_complexity)]
     fn get<'py>(
         &mut self,
         py: Python<'py>,
         frame0: &[u8],
         timeout: f64,
-    ) -> PyResult<(
-        Bound<'py, PyBytes>,
-        Option<Vec<(String, Bound<'py, Buffer>)>>,
-        Option<String>,
-    )> {
+    ) -> PyResult<GotTuple<'py>> {
         let deadline = Instant::now() + Duration::from_secs_f64(timeout.max(0.0));
         let frame0 = frame0.to_vec();
         let got = py.detach(|| self.exchange(deadline, |s| get(s, &frame0)))?;
-        let fields = match got.fields {
-            None => None,
-            Some(fields) => Some(
-                fields
-                    .into_iter()
-                    .map(|(name, data)| Ok((name, Bound::new(py, Buffer { data })?)))
-                    .collect::<PyResult<Vec<_>>>()?,
-            ),
-        };
-        Ok((PyBytes::new(py, &got.head), fields, got.problem))
+        got.into_tuple(py)
+    }
+
+    /// `get`, for the common reply: if the reply is a get_ok whose every
+    /// field is regular, of a dtype named in `dtypes`, a list of (field,
+    /// dtype name, shape, Buffer) in reply order, the buffer holding
+    /// exactly the array's bytes (for the caller to wrap, without decoding
+    /// frame 0 again); else what `get` returns.
+    fn get_arrays<'py>(
+        &mut self,
+        py: Python<'py>,
+        frame0: &[u8],
+        timeout: f64,
+        dtypes: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let deadline = Instant::now() + Duration::from_secs_f64(timeout.max(0.0));
+        let frame0 = frame0.to_vec();
+        let got = py.detach(|| self.exchange(deadline, |s| get(s, &frame0)))?;
+        if let (Some(fields), Some(regular)) = (&got.fields, &got.regular) {
+            let mut ok = true;
+            for (dtype, _) in regular {
+                ok &= dtypes.contains(*dtype)?;
+            }
+            if ok {
+                let list = PyList::empty(py);
+                let fields = got.fields.expect("checked above");
+                for ((name, data), (dtype, shape)) in fields.into_iter().zip(regular) {
+                    let buf = Bound::new(py, Buffer { data })?;
+                    list.append((name, *dtype, PyTuple::new(py, shape)?, buf))?;
+                }
+                return Ok(list.into_any());
+            }
+            let _ = fields;
+        }
+        got.into_tuple(py)?.into_pyobject(py).map(|t| t.into_any())
     }
 
     /// Sends the request `frame0` with its data `frames` and reads the whole
