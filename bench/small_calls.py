@@ -11,7 +11,9 @@ the same CPU, so each stowd is measured twice: pinned to the client's CPU
 (`same CPU`) and to the other one (`two CPUs`); the client is pinned to
 CPU 0. Per cell: the median of --calls round trips, µs. The floor, in
 the same run: a plain tcp ping-pong between two Python processes, placed
-the same two ways.
+the same two ways. Then the CPU time per call of the client and of
+stowd over 5x --calls more calls (the machine's noise moves it far less
+than a round trip).
 
 usage: python3 bench/small_calls.py --stowd NEW[=label] [--stowd OLD=label ...]
            [--plugins target/plugins] [--calls 3000]
@@ -42,10 +44,19 @@ def median_us(fn, calls: int) -> float:
     return statistics.median(ts) * 1e6
 
 
-def measure(endpoint: str, calls: int) -> dict:
-    """{(op, transport): µs} for a get and a put of one 4 KiB row."""
+def cpu_seconds(pid: int) -> float:
+    """User + system time of process `pid` so far (all its threads)."""
+    f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def measure(endpoint: str, calls: int, stowd_pid: int) -> tuple[dict, dict]:
+    """({(op, transport): µs} for a get and a put of one 4 KiB row, and
+    {(op, transport): (client CPU µs, stowd CPU µs)} per call, from a
+    second pass of 5x the calls: CPU time moves far less with the
+    machine's noise than a round trip does)."""
     row = np.ones((1, 1024), np.float32)
-    out = {}
+    out, cpu = {}, {}
     with stowage.Client(endpoint, timeout=30) as c:
         c.put(range(16), {"x": np.zeros((16, 1024), np.float32)})
         for transport in ("core", "pyzmq"):
@@ -54,10 +65,15 @@ def measure(endpoint: str, calls: int) -> dict:
             else:
                 os.environ.pop("STOWAGE_PURE_PYTHON", None)
             c.get([3], ["x"])  # warm: connections made, plugins instantiated
-            out[("get", transport)] = median_us(lambda: c.get([3], ["x"]), calls)
-            out[("put", transport)] = median_us(lambda: c.put([5], {"x": row}), calls)
+            for op, fn in (("get", lambda: c.get([3], ["x"])), ("put", lambda: c.put([5], {"x": row}))):
+                out[(op, transport)] = median_us(fn, calls)
+                mine, theirs = time.process_time(), cpu_seconds(stowd_pid)
+                for _ in range(5 * calls):
+                    fn()
+                cpu[(op, transport)] = ((time.process_time() - mine) / (5 * calls) * 1e6,
+                                        (cpu_seconds(stowd_pid) - theirs) / (5 * calls) * 1e6)
         os.environ.pop("STOWAGE_PURE_PYTHON", None)
-    return out
+    return out, cpu
 
 
 def ping_pong(cpu: int, calls: int) -> float:
@@ -117,11 +133,11 @@ def main() -> None:
                     proc, eps = start(binary, os.path.join(work, f"{k}-{chain}-{cpus}"), plugins, cpus=cpus)
                     try:
                         time.sleep(0.5)
-                        got = measure(eps["native"], a.calls)
+                        got, cpu = measure(eps["native"], a.calls, proc.pid)
                     finally:
                         proc.terminate()
                         proc.wait()
-                    rows.append((label or binary, chain, where, got))
+                    rows.append((label or binary, chain, where, got, cpu))
                     print(f"  {label or binary}, {chain}, {where}: " +
                           ", ".join(f"{op} {t} {v:.1f} us" for (op, t), v in got.items()), flush=True)
     floor = {where: ping_pong(cpu, a.calls) for cpu, where in ((0, "same CPU"), (1, "two CPUs"))}
@@ -134,10 +150,19 @@ def main() -> None:
     print("| stowd | policy | placement | " + " | ".join(f"{op}, {t} (µs)" for op, t in keys)
           + " | get, core / pyzmq | get, core / ping-pong |")
     print("|---|---|---|" + "---:|" * (len(keys) + 2))
-    for label, chain, where, got in rows:
+    for label, chain, where, got, _ in rows:
         print(f"| {label} | {chain} | {where} | " + " | ".join(f"{got[k]:.1f}" for k in keys)
               + f" | {got[('get', 'core')] / got[('get', 'pyzmq')]:.2f}"
               + f" | {got[('get', 'core')] / floor[where]:.2f} |")
+    print("\nCPU per call, client + stowd (µs; 5x the calls, all of them):\n")
+    print("| stowd | policy | placement | " + " | ".join(f"{op}, {t}" for op, t in keys)
+          + " | get, core / pyzmq |")
+    print("|---|---|---|" + "---:|" * (len(keys) + 1))
+    for label, chain, where, _, cpu in rows:
+        total = {k: sum(v) for k, v in cpu.items()}
+        print(f"| {label} | {chain} | {where} | "
+              + " | ".join(f"{cpu[k][0]:.0f} + {cpu[k][1]:.0f}" for k in keys)
+              + f" | {total[('get', 'core')] / total[('get', 'pyzmq')]:.2f} |")
     print(f"\nload: {open('/proc/loadavg').read().split()[:3]}")
 
 
