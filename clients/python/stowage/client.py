@@ -549,6 +549,14 @@ class Client(_Ops):
         pages it touches and no other tensor, array, process or the store
         sees it; nor does another tensor of the same get (a row asked for
         twice is copied: two tensors of one get never share bytes)."""
+        if not as_torch and type(global_indexes) is list and type(fields) is list and self._core_serves():
+            # The common small get: the core checks the lists and writes the
+            # request itself (None: not plain lists of ints and of distinct
+            # str, nothing sent; the general path below checks and words).
+            rid, got = self._core_call("get", None, timeout, lambda core, rid, t: core.get_list(
+                rid, global_indexes, fields, t, _DIRECT_DTYPES))
+            if got is not None:
+                return self._core_got(rid, got, fields, len(global_indexes), as_torch)
         n, names, body = self._get_request(global_indexes, fields, as_torch, self._ranges_ok)
         if self._core_serves():
             run = _run_get if as_torch else _run_get_arrays
@@ -570,14 +578,15 @@ class Client(_Ops):
         self._open_channel()
         return self._ranged(body, lambda b: self._call("get", b, (), timeout, "get_ok", self._get_extras()), finish)
 
-    def _core_call(self, op: str, body: dict, timeout, run) -> tuple[int, Any]:
+    def _core_call(self, op: str, body: dict | None, timeout, run) -> tuple[int, Any]:
         """`run(core connection, frame 0 of the request, timeout)` under the
-        client's lock: (request id, its result). A failure that dropped the
-        core's connection resets the DEALER too, as after any timeout, so
-        nothing stale can follow."""
+        client's lock: (request id, its result); with `body` None, `run`
+        gets the request id instead and writes frame 0 itself. A failure
+        that dropped the core's connection resets the DEALER too, as after
+        any timeout, so nothing stale can follow."""
         timeout = self._call_timeout(timeout)
         rid = next(self._ids)
-        frame0 = _codec.envelope(op, rid, body)
+        frame0 = rid if body is None else _codec.envelope(op, rid, body)
         with self._lock:
             if self._sock is None:
                 raise StowageError("the client is closed")

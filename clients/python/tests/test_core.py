@@ -143,6 +143,57 @@ def test_get_allocates_the_result_once(endpoint, fresh, monkeypatch, pure):
         assert grew < payload + 32 * MIB, f"a get through the core grew by {grew / MIB:.0f} MiB for {payload / MIB:.0f} MiB"
 
 
+def test_a_get_of_plain_lists_is_written_by_the_core(endpoint, fresh):
+    """A get of a list of ints and a list of distinct str: the core checks
+    them and writes the request (no envelope built in Python), and the rows
+    are the same as the general path's. Anything else (a tuple, a numpy
+    int, a bool, an int subclass, a repeated or non-str field, a negative,
+    too large or empty index list) sends nothing that way and takes the
+    general path: the same result, or the same error, as before."""
+    idx = fresh(4)
+    x = np.arange(4 * 3, dtype=np.int64).reshape(4, 3)
+    with stowage.Client(endpoint, timeout=30) as c:
+        c.put(idx, {"x": x, "s": ["a", "b", "c", "d"]})
+        written_by_core = []
+        inner = c._core_call
+
+        def call(op, body, *rest):
+            written_by_core.append(body is None)
+            return inner(op, body, *rest)
+
+        c._core_call = call
+
+        class Int(int):
+            pass
+
+        np.testing.assert_array_equal(c.get([idx[2], idx[0]], ["x"])["x"], x[[2, 0]])
+        assert written_by_core == [True]
+        for indexes in ((idx[2], idx[0]), [np.int64(idx[2]), idx[0]], [Int(idx[2]), idx[0]]):
+            written_by_core.clear()
+            np.testing.assert_array_equal(c.get(indexes, ["x"])["x"], x[[2, 0]])
+            assert written_by_core[-1] is False, indexes  # the general path sent it
+        assert c.get([idx[1]], ["s"])["s"] == ["b"]  # values: the general reader
+        for indexes, fields, err, match in [
+            ([idx[0]], ["x", "x"], ValueError, "named twice"),
+            ([idx[0]], ["x", 3], TypeError, "field names must be str"),
+            ([-1], ["x"], ValueError, "out of range"),
+            ([1 << 64], ["x"], ValueError, "out of range"),
+            ([], ["x"], ValueError, "empty batch"),
+            ([idx[0]], [], ValueError, "empty batch"),
+        ]:
+            written_by_core.clear()
+            with pytest.raises(err, match=match):
+                c.get(indexes, fields)
+            # The core declined (None, nothing sent); the general path refused.
+            assert written_by_core == [True], written_by_core
+        written_by_core.clear()
+        with pytest.raises(stowage.KeyNotFound):
+            c.get([True], ["never_put_anywhere"])  # index 1, a field nobody puts: the general path
+        assert written_by_core == [True, False], written_by_core
+        with pytest.raises(stowage.KeyNotFound):
+            c.get([idx[3] + 1000], ["x"])
+
+
 def test_overlapping_and_scattered_ranges_land_right(fake_server):
     """A get_ok whose parts share bytes (runs of rows that overlap, a row
     named twice) and skip bytes, across two frames: the core reads each

@@ -47,7 +47,7 @@ use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::{PyConnectionError, PyTimeoutError, PyTypeError, PyValueError};
 use pyo3::ffi;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyList, PyTuple};
+use pyo3::types::{PyBytes, PyInt, PyList, PyString, PyTuple};
 use stowage_transport::zmtp;
 use stowage_wire::native::{self, FieldLayout, Limits, ReplyLayout, layout};
 
@@ -1202,6 +1202,52 @@ impl Connection {
             let _ = fields;
         }
         got.into_tuple(py)?.into_pyobject(py).map(|t| t.into_any())
+    }
+
+    /// A get of `indexes` (a list of ints, each in 0..2^64) of `fields` (a
+    /// list of distinct str), request id `id`, its frame 0 written here:
+    /// what `get_arrays` returns; or None, with nothing sent, when the
+    /// arguments are not exactly that (anything else, an int subclass or
+    /// an empty list included, is for the caller's general path to check
+    /// and word).
+    fn get_list<'py>(
+        &mut self,
+        py: Python<'py>,
+        id: u64,
+        indexes: &Bound<'py, PyList>,
+        fields: &Bound<'py, PyList>,
+        timeout: f64,
+        dtypes: &Bound<'py, PyAny>,
+    ) -> PyResult<Option<Bound<'py, PyAny>>> {
+        if indexes.is_empty() || fields.is_empty() {
+            return Ok(None);
+        }
+        let mut global_indexes = Vec::with_capacity(indexes.len());
+        for i in indexes.iter() {
+            match i.extract::<u64>() {
+                Ok(v) if i.is_exact_instance_of::<PyInt>() => global_indexes.push(v),
+                _ => return Ok(None),
+            }
+        }
+        let mut names = Vec::with_capacity(fields.len());
+        let mut seen = std::collections::HashSet::with_capacity(fields.len());
+        for f in fields.iter() {
+            match f.extract::<String>() {
+                Ok(name) if f.is_exact_instance_of::<PyString>() && seen.insert(name.clone()) => {
+                    names.push(name)
+                }
+                _ => return Ok(None),
+            }
+        }
+        let head = native::RequestHead::GetList {
+            global_indexes,
+            fields: names,
+        };
+        // One the codec cannot write goes the general way too.
+        let Ok(frame0) = native::encode_request_head(id, &head) else {
+            return Ok(None);
+        };
+        self.get_arrays(py, &frame0, timeout, dtypes).map(Some)
     }
 
     /// Sends the request `frame0` with its data `frames` and reads the whole
