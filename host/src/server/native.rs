@@ -78,7 +78,7 @@ impl NativeService {
     /// The data frames of a request and the extents they are in: the
     /// segments a same-node put names (the `segments` envelope key),
     /// adopted from their leases without a copy, or the frames received.
-    fn received(
+    async fn received(
         &self,
         connection: u64,
         frames: Vec<Bytes>,
@@ -100,8 +100,9 @@ impl NativeService {
             let extent = match adopted.get(name.as_str()) {
                 Some(e) => e.clone(),
                 None => {
-                    let (whole, segment) =
-                        shm.adopt(name, connection).map_err(|e| errors::shm(&e))?;
+                    let (whole, segment) = adopt(shm, name, connection)
+                        .await
+                        .map_err(|e| errors::shm(&e))?;
                     let e = Extent::in_segment(whole, segment);
                     adopted.insert(name, e.clone());
                     e
@@ -136,7 +137,7 @@ impl NativeService {
         };
         let (id, answer) = match extras {
             Err(e) => (fallback_id, errors::native_decode(&e).into()),
-            Ok(extras) => match self.received(connection, frames, &extras) {
+            Ok(extras) => match self.received(connection, frames, &extras).await {
                 Err(reply) => (fallback_id, reply.into()),
                 Ok((frames, received)) => match native::decode_request(&frames, &self.limits) {
                     Ok(req) => {
@@ -591,6 +592,28 @@ fn chain_stats(c: &ChainSummary) -> native::Stat {
         ("missing_select".into(), Stat::strs(&c.missing_select)),
         ("missing_pack".into(), Stat::strs(&c.missing_pack)),
     ])
+}
+
+/// Adopts lease `name` for a put. A seal the kernel refuses with `EBUSY`
+/// (the segment mapped writable, or a page of it pinned) is tried again
+/// 10, 20 and 40 ms later before the lease is void: the kernel can hold a
+/// page for a moment itself, and the race test (`test_races.py`, 4
+/// writers through leases and pwritev, no mapping) saw a writer's put
+/// refused so in 3 runs of 9. The waits are the runtime's, so no worker is
+/// held; a writer that really keeps a mapping is refused 70 ms later than
+/// before.
+async fn adopt(
+    shm: &SegmentStore,
+    name: &str,
+    connection: u64,
+) -> Result<(Bytes, crate::shm::Handle), ShmError> {
+    for wait in [10, 20, 40] {
+        match shm.adopt_or_keep(name, connection, true) {
+            Err(ShmError::StillMapped(_)) => tokio::time::sleep(Duration::from_millis(wait)).await,
+            other => return other,
+        }
+    }
+    shm.adopt(name, connection)
 }
 
 impl Service for NativeService {

@@ -343,6 +343,11 @@ impl SegmentStore {
     /// live segment.
     fn sealed(&self, file: File, name: String, len: u64) -> Result<(Bytes, Handle), ShmError> {
         seal(&file, &name)?;
+        self.map_sealed(file, name, len)
+    }
+
+    /// [`Self::sealed`] for a file already sealed.
+    fn map_sealed(&self, file: File, name: String, len: u64) -> Result<(Bytes, Handle), ShmError> {
         // Sealed: the size can no longer change under us.
         let size = file.metadata().map_err(io_err("sizing a segment"))?.len();
         if size != len {
@@ -470,6 +475,18 @@ impl SegmentStore {
     /// Another connection naming it is refused, and the lease stays its
     /// owner's.
     pub fn adopt(&self, name: &str, owner: u64) -> Result<(Bytes, Handle), ShmError> {
+        self.adopt_or_keep(name, owner, false)
+    }
+
+    /// [`Self::adopt`], except that with `keep`, a seal the kernel refuses
+    /// because the segment is still mapped writable or its pages pinned
+    /// (`EBUSY`) leaves the lease as it was, for the caller to try again.
+    pub fn adopt_or_keep(
+        &self,
+        name: &str,
+        owner: u64,
+        keep: bool,
+    ) -> Result<(Bytes, Handle), ShmError> {
         let lease = {
             let mut leases = self.leases.lock().unwrap_or_else(|p| p.into_inner());
             match leases.get(name) {
@@ -481,7 +498,15 @@ impl SegmentStore {
         let Some(lease) = lease else {
             return Err(ShmError::UnknownLease(name.into()));
         };
-        let sealed = self.sealed(lease.file, name.to_owned(), lease.len);
+        let sealed = match seal(&lease.file, name) {
+            Err(e @ ShmError::StillMapped(_)) if keep => {
+                let mut leases = self.leases.lock().unwrap_or_else(|p| p.into_inner());
+                leases.insert(name.to_owned(), lease);
+                return Err(e);
+            }
+            Err(e) => Err(e),
+            Ok(()) => self.map_sealed(lease.file, name.to_owned(), lease.len),
+        };
         self.prealloc.touch();
         sealed
     }

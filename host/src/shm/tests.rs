@@ -108,6 +108,33 @@ fn a_lease_is_sealed_at_adoption_and_a_writer_that_kept_its_mapping_is_refused()
 }
 
 #[test]
+fn a_seal_refused_as_busy_can_keep_the_lease_for_another_try() {
+    let s = store(Duration::from_secs(5));
+    let (name, _, fd) = s.lease(4096, 1).unwrap();
+    let file = File::from(fd);
+    // SAFETY: a test mapping of the leased file, written below.
+    let mut map = unsafe { memmap2::MmapOptions::new().map_mut(&file) }.unwrap();
+    map[..4].copy_from_slice(b"rows");
+    // Kept: refused while mapped, the lease still there and its owner's.
+    assert!(matches!(
+        s.adopt_or_keep(&name, 1, true),
+        Err(ShmError::StillMapped(_))
+    ));
+    assert_eq!(s.counts(), (0, 1), "the lease is kept");
+    assert!(matches!(
+        s.adopt_or_keep(&name, 2, true),
+        Err(ShmError::NotYourLease(_))
+    ));
+    drop(map);
+    // Unmapped: the next try seals it, and the writer can no longer write.
+    let (bytes, _) = s.adopt_or_keep(&name, 1, true).unwrap();
+    assert_eq!(&bytes[..4], b"rows");
+    assert!(file.write_all_at(b"evil", 0).is_err());
+    assert_eq!(&bytes[..4], b"rows");
+    assert_eq!(s.counts(), (1, 0));
+}
+
+#[test]
 fn a_lease_resized_or_sealed_by_its_writer_is_refused() {
     let s = store(Duration::from_secs(5));
     let (name, _, fd) = s.lease(64, 1).unwrap();
