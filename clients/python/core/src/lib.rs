@@ -1185,7 +1185,8 @@ impl Connection {
         let deadline = Instant::now() + Duration::from_secs_f64(timeout.max(0.0));
         let frame0 = frame0.to_vec();
         let got = py.detach(|| self.exchange(deadline, |s| get(s, &frame0)))?;
-        if let (Some(fields), Some(regular)) = (&got.fields, &got.regular) {
+        // `regular` is only ever set beside the buffers of a get_ok.
+        if let (Some(_), Some(regular)) = (&got.fields, &got.regular) {
             let mut ok = true;
             for (dtype, _) in regular {
                 ok &= dtypes.contains(*dtype)?;
@@ -1199,7 +1200,6 @@ impl Connection {
                 }
                 return Ok(list.into_any());
             }
-            let _ = fields;
         }
         got.into_tuple(py)?.into_pyobject(py).map(|t| t.into_any())
     }
