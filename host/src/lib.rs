@@ -2,11 +2,12 @@
 //!
 //! | module | what it holds |
 //! |---|---|
+//! | [`cache`] | the node-local read cache of peer units' rows: versions asked, only what changed fetched, one transfer shared by concurrent gets |
 //! | [`checkpoint`] | unit checkpoints on disk (safetensors files): TransferQueue's `SAVE_STORAGE_CHECKPOINT` and `LOAD_STORAGE_CHECKPOINT`, at a unit or the router |
 //! | [`config`] | the TOML configuration (`stowd.example.toml` lists every key) |
 //! | [`conformance`] | a plugin against the built-in (`stowd plugin check`, hot reload) |
 //! | [`extent`] | extents: the immutable buffers rows live in (a received frame, an adopted segment, a gather's output) |
-//! | [`manager`] | routing `g % N`, selection per (field, unit), the live registry; `manager::remote`: forwarding to remote TransferQueue units |
+//! | [`manager`] | routing `g % N`, selection per (field, unit), the live registry; `manager::remote`: forwarding to remote TransferQueue units; `manager::peer`: peer units (another `stowd`'s, in `stowage/1`) |
 //! | [`metrics`] | request, reload and data-path counters, latency histograms (a leaf: imports nothing from the crate) |
 //! | [`plan`] | selection and frame plans: the `stowage-plan` types and rules (re-exported), applied to host `Field`s, and execution against host buffers |
 //! | [`policy`] | the `Policy` trait, the built-in, the Wasm runtime (sandbox, lent tensor, contract check), chains (policy spans), the registry and its loading, the compile cache |
@@ -44,6 +45,7 @@
 //! tracing makes DEBUG spans per request and per policy call, and only the
 //! binary installs a subscriber.
 
+pub mod cache;
 pub mod checkpoint;
 pub mod config;
 pub mod conformance;

@@ -11,9 +11,12 @@
 //! (zero copy) and one coalesced frame (one copy), the two layouts the
 //! TransferQueue wire format allows; that forwarding is in `manager/remote.rs`.
 
+mod peer;
 mod remote;
 #[cfg(test)]
 mod tests;
+
+pub use peer::{PeerUnit, frame_layout, parse_peer_unit};
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -44,6 +47,8 @@ pub enum Target {
     Local(Arc<Unit>),
     /// A remote TransferQueue storage-unit endpoint.
     Remote(Arc<Peer>),
+    /// A unit of another `stowd`, spoken to in `stowage/1`.
+    Peer(Arc<PeerUnit>),
 }
 
 impl Target {
@@ -52,6 +57,7 @@ impl Target {
         match self {
             Target::Local(u) => u.id().to_string(),
             Target::Remote(p) => p.endpoint().to_string(),
+            Target::Peer(p) => p.name.clone(),
         }
     }
 }
@@ -86,6 +92,13 @@ pub enum ManagerError {
         unit: String,
         source: TransportError,
     },
+    /// A peer unit answered with an error; its `stowage/1` code is kept.
+    #[error("unit {unit}: {message}")]
+    Peer {
+        unit: String,
+        code: &'static str,
+        message: String,
+    },
     #[error("internal: {0}")]
     Internal(String),
 }
@@ -101,6 +114,7 @@ impl ManagerError {
                     ..
                 }
             )
+            || matches!(self, ManagerError::Peer { code, .. } if *code == crate::wire::native::code::KEY_NOT_FOUND)
     }
 }
 
@@ -117,6 +131,8 @@ pub struct Manager {
     timeout: Duration,
     sender_id: String,
     pub counters: DataCounters,
+    /// Rows of peer units kept on this node, if enabled.
+    cache: Option<Arc<crate::cache::ReadCache>>,
 }
 
 impl std::fmt::Debug for Manager {
@@ -148,7 +164,19 @@ impl Manager {
             timeout,
             sender_id,
             counters: DataCounters::default(),
+            cache: None,
         }
+    }
+
+    /// The same manager, keeping peer units' rows in `cache`.
+    pub fn with_cache(mut self, cache: Option<Arc<crate::cache::ReadCache>>) -> Manager {
+        self.cache = cache;
+        self
+    }
+
+    /// The read cache, if enabled.
+    pub fn cache(&self) -> Option<&Arc<crate::cache::ReadCache>> {
+        self.cache.as_ref()
     }
 
     pub fn targets(&self) -> &[Target] {
@@ -163,7 +191,7 @@ impl Manager {
             .iter()
             .filter_map(|t| match t {
                 Target::Local(u) => Some(u.clone()),
-                Target::Remote(_) => None,
+                Target::Remote(_) | Target::Peer(_) => None,
             })
             .collect();
         match self.targets.len() - locals.len() {
@@ -176,7 +204,7 @@ impl Manager {
     pub fn local_unit(&self, global_index: u64) -> Option<&Arc<Unit>> {
         match &self.targets[(global_index % self.targets.len() as u64) as usize] {
             Target::Local(u) => Some(u),
-            Target::Remote(_) => None,
+            Target::Remote(_) | Target::Peer(_) => None,
         }
     }
 
@@ -388,34 +416,45 @@ impl Manager {
                 unit.check_put(indexes, unit_fields)?;
             }
         }
-        // Remote units first: they are the ones that can fail now (network,
-        // their own capacity). If one fails, the rows already sent to other
-        // remote units in this put are cleared again (best effort), and no
+        // Remote units first, all at once: they are the ones that can fail
+        // now (network, their own capacity). If one fails, the rows sent to
+        // the others in this put are cleared again (best effort), and no
         // local unit has been written: the put's keys end up absent, never
         // half new. Local units were checked above and are written last.
-        let mut written: Vec<(&Peer, Vec<u64>)> = Vec::new();
+        let mut sends = Vec::new();
         for (target, part) in self.targets.iter().zip(per_unit.iter_mut()) {
-            let (Target::Remote(peer), Some((indexes, unit_fields))) = (target, part.as_mut())
+            let (Some((indexes, unit_fields)), false) =
+                (part.as_mut(), matches!(target, Target::Local(_)))
             else {
                 continue;
             };
-            match self
-                .put_remote(&registry, peer, indexes, std::mem::take(unit_fields))
-                .await
-            {
-                Ok(()) => written.push((peer.as_ref(), std::mem::take(indexes))),
-                Err(e) => {
-                    for (peer, indexes) in written {
-                        let clear = tq::Request::Clear {
-                            global_indexes: indexes,
-                        };
-                        if let Err(undo) = self.exchange(peer, &clear).await {
-                            tracing::error!(unit = peer.endpoint(), error = %undo, "could not undo a failed put");
-                        }
+            let (indexes, unit_fields) = (std::mem::take(indexes), std::mem::take(unit_fields));
+            let registry = &registry;
+            sends.push(async move {
+                let sent = match target {
+                    Target::Remote(peer) => {
+                        self.put_remote(registry, peer, &indexes, unit_fields).await
                     }
-                    return Err(e);
+                    Target::Peer(p) => self.put_peer(registry, p, &indexes, unit_fields).await,
+                    Target::Local(_) => unreachable!("local units are written below"),
+                };
+                (target, indexes, sent)
+            });
+        }
+        let sent = futures_util::future::join_all(sends).await;
+        if let Some(e) = sent.iter().find_map(|(_, _, r)| r.as_ref().err()) {
+            let e = e.to_string();
+            for (target, indexes, r) in &sent {
+                if r.is_ok()
+                    && let Err(undo) = self.clear_target(target, indexes, None).await
+                {
+                    tracing::error!(unit = %target.name(), error = %undo, "could not undo a failed put");
                 }
             }
+            return Err(sent
+                .into_iter()
+                .find_map(|(_, _, r)| r.err())
+                .unwrap_or(ManagerError::Internal(e)));
         }
         for (target, part) in self.targets.iter().zip(per_unit) {
             if let (Target::Local(unit), Some((indexes, unit_fields))) = (target, part) {
@@ -465,52 +504,15 @@ impl Manager {
             return Err(ManagerError::BadRequest("no fields requested".into()));
         }
         let mut out: Vec<Rows> = fields.iter().map(|_| Rows::default()).collect();
-        for (target, seqs) in self.targets.iter().zip(self.seq_routes(global_indexes)) {
-            if seqs.is_empty() {
-                continue;
-            }
-            let got: Vec<Rows> = match target {
-                Target::Local(unit) => unit.get_seqs(&seqs, fields)?,
-                Target::Remote(peer) => {
-                    let (mut indexes, mut positions) = (Vec::new(), Vec::new());
-                    for s in &seqs {
-                        for k in 0..s.count {
-                            indexes.push(s.start + k * s.step);
-                            positions.push(s.pos + k * s.pos_step);
-                        }
-                    }
-                    let got = self.get_remote(peer, &indexes, fields).await?;
-                    let mut rows_of = Vec::with_capacity(got.len());
-                    for cells in got {
-                        if cells.len() != positions.len() {
-                            return Err(ManagerError::Remote {
-                                unit: target.name(),
-                                message: format!(
-                                    "returned {} rows for {} indexes",
-                                    cells.len(),
-                                    positions.len()
-                                ),
-                                key_not_found: false,
-                            });
-                        }
-                        let mut rows = Rows::default();
-                        for (column, (cell, &pos)) in cells.into_iter().zip(&positions).enumerate()
-                        {
-                            rows.columns.push(Arc::new(Column::from_cell(cell)));
-                            rows.pieces.push(Piece {
-                                pos,
-                                pos_step: 1,
-                                column: column as u32,
-                                row: 0,
-                                count: 1,
-                            });
-                        }
-                        rows_of.push(rows);
-                    }
-                    rows_of
-                }
-            };
-            for (into, rows) in out.iter_mut().zip(got) {
+        // Every unit at once: remote units' transfers overlap.
+        let gets = self
+            .targets
+            .iter()
+            .zip(self.seq_routes(global_indexes))
+            .filter(|(_, seqs)| !seqs.is_empty())
+            .map(|(target, seqs)| self.get_target(target, seqs, fields));
+        for got in futures_util::future::join_all(gets).await {
+            for (into, rows) in out.iter_mut().zip(got?) {
                 let base = into.columns.len() as u32;
                 into.columns.extend(rows.columns);
                 into.pieces.extend(rows.pieces.into_iter().map(|p| Piece {
@@ -520,6 +522,85 @@ impl Manager {
             }
         }
         Ok(fields.iter().cloned().zip(out).collect())
+    }
+
+    /// One unit's rows of a get, per field.
+    async fn get_target(
+        &self,
+        target: &Target,
+        seqs: Vec<Seq>,
+        fields: &[String],
+    ) -> Result<Vec<Rows>, ManagerError> {
+        let unit = match target {
+            Target::Local(unit) => return Ok(unit.get_seqs(&seqs, fields)?),
+            Target::Remote(_) | Target::Peer(_) => target.name(),
+        };
+        let (mut indexes, mut positions) = (Vec::new(), Vec::new());
+        for s in &seqs {
+            for k in 0..s.count {
+                indexes.push(s.start + k * s.step);
+                positions.push(s.pos + k * s.pos_step);
+            }
+        }
+        if let Target::Peer(p) = target {
+            return self.get_peer(p, &indexes, &positions, fields).await;
+        }
+        let Target::Remote(peer) = target else {
+            unreachable!("local and peer units are answered above")
+        };
+        let got = self.get_remote(peer, &indexes, fields).await?;
+        let mut rows_of = Vec::with_capacity(got.len());
+        for cells in got {
+            if cells.len() != positions.len() {
+                return Err(ManagerError::Remote {
+                    unit,
+                    message: format!(
+                        "returned {} rows for {} indexes",
+                        cells.len(),
+                        positions.len()
+                    ),
+                    key_not_found: false,
+                });
+            }
+            let mut rows = Rows::default();
+            for (column, (cell, &pos)) in cells.into_iter().zip(&positions).enumerate() {
+                rows.columns.push(Arc::new(Column::from_cell(cell)));
+                rows.pieces.push(Piece {
+                    pos,
+                    pos_step: 1,
+                    column: column as u32,
+                    row: 0,
+                    count: 1,
+                });
+            }
+            rows_of.push(rows);
+        }
+        Ok(rows_of)
+    }
+
+    /// Clears `indexes` (only `fields`, if given) in one unit; the number
+    /// of (index, field) values removed (for a TransferQueue unit, which
+    /// does not say, the number of indexes sent).
+    async fn clear_target(
+        &self,
+        target: &Target,
+        indexes: &[u64],
+        fields: Option<&[String]>,
+    ) -> Result<u64, ManagerError> {
+        match target {
+            Target::Local(unit) => Ok(unit.clear(indexes, fields)?),
+            Target::Peer(p) => self.clear_peer(p, indexes, fields).await,
+            Target::Remote(peer) => {
+                self.exchange(
+                    peer,
+                    &tq::Request::Clear {
+                        global_indexes: indexes.to_vec(),
+                    },
+                )
+                .await?;
+                Ok(indexes.len() as u64)
+            }
+        }
     }
 
     /// [`Manager::get`] for a same-node reader: every extent the rows are in
@@ -565,21 +646,8 @@ impl Manager {
         }
         let mut cleared = 0;
         for (target, route) in self.targets.iter().zip(routes) {
-            if route.indexes.is_empty() {
-                continue;
-            }
-            match target {
-                Target::Local(unit) => cleared += unit.clear(&route.indexes, fields)?,
-                Target::Remote(peer) => {
-                    self.exchange(
-                        peer,
-                        &tq::Request::Clear {
-                            global_indexes: route.indexes.clone(),
-                        },
-                    )
-                    .await?;
-                    cleared += route.indexes.len() as u64;
-                }
+            if !route.indexes.is_empty() {
+                cleared += self.clear_target(target, &route.indexes, fields).await?;
             }
         }
         Ok(cleared)

@@ -157,6 +157,11 @@ impl<'a> Reader<'a> {
         }
     }
 
+    /// The whole buffer being read.
+    pub fn buf(&self) -> &'a [u8] {
+        self.buf
+    }
+
     /// Current offset.
     pub fn pos(&self) -> usize {
         self.pos

@@ -341,6 +341,12 @@ pub enum Op {
     Checkpoint { dir: String },
     /// Replace every local unit's rows with the last checkpoint in `dir`.
     Restore { dir: String },
+    /// Peers: the version of each (field, index) in the unit the envelope's
+    /// `unit` names (a small reply: 8 bytes per row and field).
+    Versions {
+        global_indexes: Indexes,
+        fields: Vec<String>,
+    },
 }
 
 impl Op {
@@ -355,6 +361,7 @@ impl Op {
             Op::Channel => "channel",
             Op::Checkpoint { .. } => "checkpoint",
             Op::Restore { .. } => "restore",
+            Op::Versions { .. } => "versions",
         }
     }
 }
@@ -469,6 +476,13 @@ pub enum Reply {
         rows: u64,
         lost: u64,
     },
+    /// The versions a `versions` request asked for, field-major
+    /// (`versions[f * rows + i]`), 0 for a row that is not stored, and the
+    /// unit's incarnation: a row is unchanged while both are.
+    VersionsOk {
+        incarnation: u64,
+        versions: Vec<u64>,
+    },
     /// The request failed; `code` is one of [`code::ALL`] (a client treats
     /// any other code as `internal`).
     Error { code: String, message: String },
@@ -486,6 +500,7 @@ impl Reply {
             Reply::ChannelOk { .. } => "channel_ok",
             Reply::CheckpointOk { .. } => "checkpoint_ok",
             Reply::RestoreOk { .. } => "restore_ok",
+            Reply::VersionsOk { .. } => "versions_ok",
             Reply::Error { .. } => "error",
         }
     }
@@ -651,6 +666,16 @@ pub struct Extras {
     /// `channel`: the token of the client's descriptor channel, over which
     /// the descriptors of a same-node reply's segments (or of a lease) go.
     pub channel: Option<String>,
+    /// `unit` (peers): the request is for this stowd's local unit number
+    /// `unit` alone: no routing, and a put is stored as it arrives.
+    pub unit: Option<u64>,
+    /// `with_versions` (peers, on a get): the get_ok carries each row's
+    /// version in its envelope ([`Extras::versions`]).
+    pub with_versions: bool,
+    /// `incarnation` and `versions` (a get_ok's envelope, when asked):
+    /// the unit's incarnation and each returned row's version, laid out
+    /// as [`Reply::VersionsOk`]'s.
+    pub versions: Option<(u64, Vec<u64>)>,
 }
 
 /// Reads the shared-memory keys of an envelope (frame 0). Other keys are
@@ -664,6 +689,13 @@ pub fn decode_extras(frame0: &[u8], limits: &Limits) -> Result<Extras, Error> {
 /// [`encode_request`].
 pub fn with_segments(frame0: &[u8], segments: &[(String, u64, u64)]) -> Result<Bytes, Error> {
     encode::with_keys(frame0, Some(segments), false, None)
+}
+
+/// Frame 0 with the keys `incarnation` and `versions` added (a peer's
+/// get_ok; see [`Extras::versions`]). `frame0` must come from
+/// [`encode_reply`] or its variants.
+pub fn with_versions(frame0: &[u8], incarnation: u64, versions: &[u64]) -> Result<Bytes, Error> {
+    encode::with_versions(frame0, incarnation, versions)
 }
 
 /// Frame 0 with the keys `extras` sets added to its envelope (see

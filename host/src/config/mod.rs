@@ -26,6 +26,7 @@ pub struct Config {
     pub limits: LimitsConfig,
     pub shm: ShmConfig,
     pub metrics: MetricsConfig,
+    pub cache: CacheConfig,
     /// Policy chains by field-name pattern, first match wins.
     #[serde(rename = "chain")]
     pub chains: Vec<ChainConfig>,
@@ -45,6 +46,7 @@ impl Default for Config {
             limits: LimitsConfig::default(),
             shm: ShmConfig::default(),
             metrics: MetricsConfig::default(),
+            cache: CacheConfig::default(),
             chains: registry::default_chains(),
             restore: None,
         }
@@ -196,7 +198,10 @@ pub struct RouterConfig {
     pub port: u16,
     /// Units to route to, in order (`g % N` picks one): `local:<i>` for an
     /// in-process unit, `tcp://host:port` for a remote TransferQueue unit
-    /// (another `stowd` or TransferQueue's own). Empty: every local unit.
+    /// (another `stowd` or TransferQueue's own), `stowage://host:port/<i>`
+    /// for unit `i` of another `stowd`, spoken to in `stowage/1` at its
+    /// native port (rows in a few large frames; the read cache). Empty:
+    /// every local unit.
     pub units: Vec<String>,
     /// Seconds to wait for a remote unit's reply.
     pub timeout_secs: u64,
@@ -476,6 +481,38 @@ impl Default for MetricsConfig {
     }
 }
 
+/// The node-local read cache of peer units' rows (`stowage://` units in
+/// `[router] units`; see `stowage_host::cache`).
+#[derive(Clone, Debug, PartialEq, Deserialize, Serialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct CacheConfig {
+    /// Keep rows fetched from peer units, and fetch again only rows whose
+    /// version changed.
+    pub enabled: bool,
+    /// Most bytes of rows kept; 0: an eighth of the memory stowd may use
+    /// (the machine's, or its cgroup's limit if lower).
+    pub max_bytes: u64,
+}
+
+impl Default for CacheConfig {
+    fn default() -> Self {
+        CacheConfig {
+            enabled: true,
+            max_bytes: 0,
+        }
+    }
+}
+
+impl CacheConfig {
+    /// The bound in bytes, `max_bytes` or its default.
+    pub fn bound(&self) -> u64 {
+        match self.max_bytes {
+            0 => crate::sys::memory_limit().0.map_or(1 << 30, |m| m / 8),
+            n => n,
+        }
+    }
+}
+
 /// A configuration file that could not be used.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -507,7 +544,9 @@ pub enum Invalid {
     BadLocalUnit(String),
     #[error("router.units: {unit} but units.local is {local} (local units are local:0 to local:{})", local.saturating_sub(1))]
     NoSuchLocalUnit { unit: String, local: u32 },
-    #[error("router.units: {0:?} is neither local:<i> nor tcp://host:port")]
+    #[error(
+        "router.units: {0:?} is neither local:<i>, tcp://host:port nor stowage://host:port/<unit>"
+    )]
     BadUnit(String),
     #[error("{key} is {value}, it must be at least {min}")]
     TooSmall {
@@ -594,6 +633,7 @@ impl Config {
                     }
                 }
                 None if u.starts_with("tcp://") => {}
+                None if crate::manager::parse_peer_unit(u).is_some() => {}
                 None => return Err(Invalid::BadUnit(u.clone())),
             }
         }

@@ -6,6 +6,7 @@
 //! |---|---|---|
 //! | `StoreError::KeyNotFound` (a local unit) | `GET_ERROR`, `[TQKeyNotFound] Failed to get data from storage unit id #U, detail error message: '...'` (the real unit's words) | `key_not_found` |
 //! | `ManagerError::Remote` whose message starts `[TQKeyNotFound]` | `GET_ERROR`, the remote unit's message as is | `key_not_found` |
+//! | `ManagerError::Peer` (a peer unit's error reply, `stowage://` units) | `GET_ERROR` marked `[TQKeyNotFound]` for its `key_not_found`, else the request's own error reply | the peer's own code |
 //! | `StoreError::DataLost` (an index written or cleared after the checkpoint restored) | `GET_ERROR`, `Failed to get data from storage unit id #U, detail error message: [DataLost] ...` | `data_lost` |
 //! | `StoreError::Journal` (the checkpoint journal could not be written: nothing changed) | the request's own error reply | `internal` |
 //! | `StoreError::Spill` (memory full and spilling could not make room: disk full, `spill_max_bytes`) | `PUT_ERROR`, its message | `capacity` |
@@ -74,6 +75,17 @@ pub(super) fn tq_reply(id: &str, kind: tq::ErrorReply, e: &ManagerError) -> tq::
             kind: tq::ErrorReply::Get,
             message: message.clone(),
         },
+        // A peer unit's missing key, marked as TransferQueue's clients
+        // recognise it.
+        (tq::ErrorReply::Get, e @ ManagerError::Peer { .. }) if e.is_key_not_found() => {
+            tq::Reply::Error {
+                kind: tq::ErrorReply::Get,
+                message: format!(
+                    "[{}] Failed to get data from storage unit id #{id}, detail error message: {e}",
+                    tq::KEY_NOT_FOUND_MARKER
+                ),
+            }
+        }
         (tq::ErrorReply::Get, e) => tq::Reply::get_failed(id, &e.to_string()),
         (tq::ErrorReply::Put, e) => tq::Reply::put_failed(id, &e.to_string()),
         (tq::ErrorReply::ClearData, e) => tq::Reply::clear_failed(id, &e.to_string()),
@@ -125,6 +137,7 @@ fn native_code(e: &ManagerError) -> &'static str {
         ManagerError::Store(_) | ManagerError::BadRequest(_) => native::code::BAD_REQUEST,
         ManagerError::Policy(ChainError::Rejected { .. }) => native::code::REJECTED,
         ManagerError::Policy(ChainError::EmptyPositions) => native::code::BAD_REQUEST,
+        ManagerError::Peer { code, .. } => code,
         _ => native::code::INTERNAL,
     }
 }

@@ -238,7 +238,7 @@ pub fn render(metrics: &Metrics, manager: &Manager, units: &[Arc<Unit>]) -> Stri
     let remote = manager
         .targets()
         .iter()
-        .filter(|t| matches!(t, Target::Remote(_)))
+        .filter(|t| matches!(t, Target::Remote(_) | Target::Peer(_)))
         .count();
     t.family(
         "stowd_remote_units",
@@ -246,6 +246,49 @@ pub fn render(metrics: &Metrics, manager: &Manager, units: &[Arc<Unit>]) -> Stri
         "Remote units the router sends to.",
     );
     t.sample(&[], remote as f64);
+    if let Some(cache) = manager.cache() {
+        let k = &cache.counters;
+        t.family(
+            "stowd_cache_rows_total",
+            COUNTER,
+            "(field, row) values of peer units a get needed, by how they were had: \
+             hit (kept here at their version), shared (another get's transfer in flight), \
+             miss (fetched).",
+        );
+        t.sample(&[("outcome", "hit")], get(&k.hits));
+        t.sample(&[("outcome", "shared")], get(&k.shared));
+        t.sample(&[("outcome", "miss")], get(&k.misses));
+        t.family(
+            "stowd_cache_saved_bytes_total",
+            COUNTER,
+            "Bytes of peer units' rows served without fetching them again (hits and shared).",
+        );
+        t.sample(&[], get(&k.saved_bytes));
+        t.family(
+            "stowd_cache_fetched_bytes_total",
+            COUNTER,
+            "Bytes of rows fetched from peer units.",
+        );
+        t.sample(&[], get(&k.fetched_bytes));
+        t.family(
+            "stowd_cache_bytes",
+            GAUGE,
+            "Bytes of peer units' rows kept in the read cache.",
+        );
+        t.sample(&[], cache.bytes() as f64);
+        t.family(
+            "stowd_cache_max_bytes",
+            GAUGE,
+            "The read cache's bound, bytes ([cache] max_bytes).",
+        );
+        t.sample(&[], cache.max_bytes() as f64);
+        t.family(
+            "stowd_cache_evictions_total",
+            COUNTER,
+            "Fetches dropped from the read cache to stay under its bound.",
+        );
+        t.sample(&[], get(&k.evictions));
+    }
 
     plugins(&mut t, &manager.registry());
     let r = &metrics.reloads;

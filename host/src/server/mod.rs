@@ -24,7 +24,7 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::config::Config;
-use crate::manager::{Manager, Target};
+use crate::manager::{Manager, PeerUnit, Target};
 use crate::metrics::Metrics;
 use crate::policy::registry::Registry;
 use crate::shm::{Channels, SegmentStore};
@@ -323,21 +323,46 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
                 Some(n) => {
                     Target::Local(units[n.parse::<usize>().expect("checked by config")].clone())
                 }
-                None => Target::Remote(Arc::new(Peer::with_limits(
-                    u.clone(),
-                    format!("{sender}_to_unit{i}"),
-                    config.limits.receive_limits(),
-                ))),
+                None => match crate::manager::parse_peer_unit(u) {
+                    Some((endpoint, unit)) => Target::Peer(Arc::new(PeerUnit::new(
+                        u,
+                        endpoint,
+                        unit,
+                        format!("{sender}_to_unit{i}"),
+                        config.limits.receive_limits(),
+                    ))),
+                    None => Target::Remote(Arc::new(Peer::with_limits(
+                        u.clone(),
+                        format!("{sender}_to_unit{i}"),
+                        config.limits.receive_limits(),
+                    ))),
+                },
             })
             .collect()
     };
-    let manager = Arc::new(Manager::new(
-        targets,
-        registry.clone(),
-        config.limits.clone(),
-        Duration::from_secs(config.router.timeout_secs),
-        sender,
-    ));
+    let peers = targets
+        .iter()
+        .filter(|t| matches!(t, Target::Peer(_)))
+        .count();
+    let cache = (peers > 0 && config.cache.enabled).then(|| {
+        let bound = config.cache.bound();
+        tracing::info!(
+            peers,
+            max_bytes = bound,
+            "read cache of peer units' rows enabled"
+        );
+        Arc::new(crate::cache::ReadCache::new(bound))
+    });
+    let manager = Arc::new(
+        Manager::new(
+            targets,
+            registry.clone(),
+            config.limits.clone(),
+            Duration::from_secs(config.router.timeout_secs),
+            sender,
+        )
+        .with_cache(cache),
+    );
 
     if let Some(dir) = &config.restore {
         let units = manager.all_local().map_err(|remote| StartError::Restore {
@@ -461,6 +486,7 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         metrics: metrics.clone(),
         endpoint: native_endpoint.clone(),
         offload,
+        units: units.clone(),
     });
     tasks.push(tokio::spawn(transport::serve_with(
         socket,

@@ -28,6 +28,7 @@ use crate::plan::PackLimits;
 use crate::policy::chain::{FailStrategy, Loaded};
 use crate::policy::registry::{ChainSummary, list_name};
 use crate::shm::{Channels, SegmentStore, ShmError};
+use crate::store::{Column, Rows, Seq, Unit};
 use crate::transport::{BoxFuture, Caller, Service};
 use crate::wire::native;
 
@@ -44,6 +45,9 @@ pub(super) struct NativeService {
     pub endpoint: String,
     /// Where large requests run.
     pub offload: Arc<super::offload::Offload>,
+    /// This stowd's local units, by number: what a peer's request names
+    /// with the envelope's `unit` key.
+    pub units: Vec<Arc<Unit>>,
 }
 
 /// The rows a request names (0 for stats and leases).
@@ -58,6 +62,7 @@ fn op_rows(op: &native::Op) -> usize {
         | native::Op::Channel
         | native::Op::Checkpoint { .. }
         | native::Op::Restore { .. } => 0,
+        native::Op::Versions { global_indexes, .. } => global_indexes.len() as usize,
     }
 }
 
@@ -72,6 +77,31 @@ impl From<native::Reply> for Answer {
     fn from(r: native::Reply) -> Answer {
         Answer::Reply(r)
     }
+}
+
+/// A get_ok of `got` (per field, its rows), or the error that stops it;
+/// `channel` for a same-node reader.
+fn get_answer(got: Vec<(String, Rows)>, channel: Option<String>) -> Answer {
+    let mut places = Places::default();
+    let mut out = Vec::with_capacity(got.len());
+    let mut nested_runs = Vec::with_capacity(got.len());
+    for (name, rows) in got {
+        match get_field(&rows, &mut places) {
+            Ok(f) => {
+                out.push((name, f.wire));
+                nested_runs.push(f.nested_runs);
+            }
+            Err(e) => return errors::native_decode(&e).into(),
+        }
+    }
+    places.seal();
+    Answer::Get(GetReply {
+        reply: native::Reply::GetOk { fields: out },
+        nested_runs,
+        places,
+        channel,
+        versions: None,
+    })
 }
 
 impl NativeService {
@@ -249,6 +279,9 @@ impl NativeService {
         received: &Received,
         connection: u64,
     ) -> Answer {
+        if let Some(unit) = extras.unit {
+            return self.answer_unit(unit, op, extras, received);
+        }
         let m = &self.manager;
         let same_node = extras.same_node;
         match op {
@@ -291,29 +324,10 @@ impl NativeService {
                         }
                     },
                 };
-                let got = match got {
-                    Ok(got) => got,
-                    Err(reply) => return reply.into(),
-                };
-                let mut places = Places::default();
-                let mut out = Vec::with_capacity(got.len());
-                let mut nested_runs = Vec::with_capacity(got.len());
-                for (name, rows) in got {
-                    match get_field(&rows, &mut places) {
-                        Ok(f) => {
-                            out.push((name, f.wire));
-                            nested_runs.push(f.nested_runs);
-                        }
-                        Err(e) => return errors::native_decode(&e).into(),
-                    }
+                match got {
+                    Ok(got) => get_answer(got, extras.channel.clone().filter(|_| same_node)),
+                    Err(reply) => reply.into(),
                 }
-                places.seal();
-                Answer::Get(GetReply {
-                    reply: native::Reply::GetOk { fields: out },
-                    nested_runs,
-                    places,
-                    channel: extras.channel.clone().filter(|_| same_node),
-                })
             }
             native::Op::Lease { bytes } => self.lease(id, bytes, extras, connection).await.into(),
             native::Op::Channel => match &self.shm {
@@ -333,6 +347,111 @@ impl NativeService {
             native::Op::Stats => self.stats().into(),
             native::Op::Checkpoint { dir } => self.checkpoint(dir, false).await.into(),
             native::Op::Restore { dir } => self.checkpoint(dir, true).await.into(),
+            native::Op::Versions { .. } => native::Reply::Error {
+                code: native::code::BAD_REQUEST.into(),
+                message: "versions is a peer request: it names a unit (the envelope's unit key)"
+                    .into(),
+            }
+            .into(),
+        }
+    }
+
+    /// A peer's request for local unit `n` alone (the envelope's `unit`
+    /// key): no routing and no selection policy, a put stored as it
+    /// arrived (the peer's policies chose its rows), a get answered from
+    /// the unit (with each row's version if asked), clears and versions.
+    fn answer_unit(
+        &self,
+        n: u64,
+        op: native::Op,
+        extras: &native::Extras,
+        received: &Received,
+    ) -> Answer {
+        let bad = |message: String| -> Answer {
+            native::Reply::Error {
+                code: native::code::BAD_REQUEST.into(),
+                message,
+            }
+            .into()
+        };
+        let Some(unit) = usize::try_from(n).ok().and_then(|i| self.units.get(i)) else {
+            return bad(format!(
+                "unit {n} does not exist: this stowd has {} local unit(s), numbered from 0",
+                self.units.len()
+            ));
+        };
+        if extras.same_node || extras.segments.is_some() {
+            return bad(
+                "a request naming a unit is a peer's: it goes over tcp, not shared memory".into(),
+            );
+        }
+        let store = |e: crate::store::StoreError| errors::native(&e.into()).into();
+        match op {
+            native::Op::Put {
+                global_indexes,
+                fields,
+            } => {
+                if let Some(g) = crate::store::duplicate(&global_indexes) {
+                    return store(crate::store::StoreError::DuplicateIndex(g));
+                }
+                let mut columns = Vec::with_capacity(fields.len());
+                for (name, f) in fields {
+                    match f.into_field() {
+                        Ok(field) => {
+                            columns.push((name, vec![Column::from_field(field, received)]))
+                        }
+                        Err(e) => return errors::native_decode(&e).into(),
+                    }
+                }
+                match unit.put(&global_indexes, columns) {
+                    Ok(()) => native::Reply::PutOk {
+                        rows: global_indexes.len() as u64,
+                    }
+                    .into(),
+                    Err(e) => store(e),
+                }
+            }
+            native::Op::Get {
+                global_indexes,
+                fields,
+            } => {
+                let seqs = Seq::from_indexes(&global_indexes);
+                let mut versions = Vec::new();
+                let got = unit.get_versioned(
+                    &seqs,
+                    &fields,
+                    extras.with_versions.then_some(&mut versions),
+                );
+                match got {
+                    Ok(rows) => {
+                        let answer = get_answer(fields.into_iter().zip(rows).collect(), None);
+                        match answer {
+                            Answer::Get(mut get) if extras.with_versions => {
+                                get.versions = Some((unit.incarnation(), versions));
+                                Answer::Get(get)
+                            }
+                            other => other,
+                        }
+                    }
+                    Err(e) => store(e),
+                }
+            }
+            native::Op::Clear {
+                global_indexes,
+                fields,
+            } => match unit.clear(&global_indexes, fields.as_deref()) {
+                Ok(cleared) => native::Reply::ClearOk { cleared }.into(),
+                Err(e) => store(e),
+            },
+            native::Op::Versions {
+                global_indexes,
+                fields,
+            } => native::Reply::VersionsOk {
+                incarnation: unit.incarnation(),
+                versions: unit.versions(&Seq::from_indexes(&global_indexes), &fields),
+            }
+            .into(),
+            other => bad(format!("op {} does not name a unit", other.name())),
         }
     }
 
@@ -443,7 +562,7 @@ impl NativeService {
                     bytes += s.bytes;
                     capacity = capacity.zip(s.capacity).map(|(a, b)| a.saturating_add(b));
                 }
-                Target::Remote(_) => capacity = None,
+                Target::Remote(_) | Target::Peer(_) => capacity = None,
             }
         }
         let int = |v: u64| native::Stat::Int(v.min(i64::MAX as u64) as i64);
@@ -455,7 +574,7 @@ impl NativeService {
         }
         let spiller = m.targets().iter().find_map(|t| match t {
             Target::Local(u) => u.spiller().cloned(),
-            Target::Remote(_) => None,
+            Target::Remote(_) | Target::Peer(_) => None,
         });
         if let Some(s) = spiller {
             let s = s.stats();
@@ -471,6 +590,21 @@ impl NativeService {
             ] {
                 stats.push((k.into(), int(v)));
             }
+        }
+        if let Some(cache) = m.cache() {
+            let k = &cache.counters;
+            for (key, v) in [
+                ("cache_hits", &k.hits),
+                ("cache_shared", &k.shared),
+                ("cache_misses", &k.misses),
+                ("cache_saved_bytes", &k.saved_bytes),
+                ("cache_fetched_bytes", &k.fetched_bytes),
+                ("cache_evictions", &k.evictions),
+            ] {
+                stats.push((key.into(), int(v.load(Ordering::Relaxed))));
+            }
+            stats.push(("cache_bytes".into(), int(cache.bytes())));
+            stats.push(("cache_max_bytes".into(), int(cache.max_bytes())));
         }
         stats.push((
             "zero_copy_bytes".into(),

@@ -372,7 +372,7 @@ impl TqService {
                             locals.push(u);
                         }
                         // A remote unit's capacity is not known here.
-                        Target::Remote(_) => capacity = None,
+                        Target::Remote(_) | Target::Peer(_) => capacity = None,
                     }
                 }
                 let extra = if self.tq_extra {

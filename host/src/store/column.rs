@@ -136,7 +136,7 @@ impl Column {
     }
 
     /// Bytes of row `r`.
-    pub(super) fn row_len(&self, r: usize) -> u64 {
+    pub fn row_len(&self, r: usize) -> u64 {
         match self {
             Column::Regular(c) => c.row_bytes as u64,
             Column::Nested(rows) => rows[r].len as u64,

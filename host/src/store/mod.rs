@@ -138,6 +138,9 @@ struct Slot {
     column: Arc<Column>,
     indexes: ColIndexes,
     live: u64,
+    /// The unit's put generation that stored it: the version of its rows
+    /// ([`Unit::versions`]).
+    generation: u64,
 }
 
 impl Slot {
@@ -160,6 +163,9 @@ struct Inner {
     /// Indexes lost to a restore (written or cleared after the checkpoint
     /// restored), and the checkpoint's name; until put again.
     lost: HashMap<u64, Arc<str>>,
+    /// Puts stored so far: the generation of the next put's columns is
+    /// one more (so 0 is never a stored row's version).
+    generation: u64,
 }
 
 /// Stores a column (rows for `indexes`) under a free number.
@@ -168,8 +174,10 @@ fn add_column(
     free: &mut Vec<u32>,
     column: Column,
     indexes: &[u64],
+    generation: u64,
 ) -> u32 {
     let slot = Some(Slot {
+        generation,
         live: indexes.len() as u64,
         indexes: ColIndexes::new(indexes),
         column: Arc::new(column),
@@ -243,6 +251,10 @@ pub struct Unit {
     /// metrics replies) never waits behind a large put.
     sizes: [AtomicU64; 3],
     pub counters: UnitCounters,
+    /// Drawn at random when the unit is made: with a put generation it is
+    /// a row's version ([`Unit::versions`]), so a restarted unit's rows
+    /// never match a version its predecessor gave.
+    incarnation: u64,
 }
 
 impl std::fmt::Debug for Unit {
@@ -277,7 +289,43 @@ impl Unit {
             spill: None,
             sizes: Default::default(),
             counters: UnitCounters::default(),
+            incarnation: new_incarnation(),
         }
+    }
+
+    /// This unit's incarnation (see [`Unit::versions`]).
+    pub fn incarnation(&self) -> u64 {
+        self.incarnation
+    }
+
+    /// The version of each (field, index) of `seqs`: the generation of the
+    /// put that stored it, 0 if it is not stored (nothing is refused).
+    /// Field-major: `out[f * n + pos]` for the row at position `pos` of
+    /// the `n` the seqs name. With [`Unit::incarnation`] it tells a peer
+    /// whether a copy it keeps is still the stored row: a put or clear of
+    /// the row changes it, and a restarted unit has another incarnation.
+    pub fn versions(&self, seqs: &[Seq], fields: &[String]) -> Vec<u64> {
+        let n: u64 = seqs.iter().map(|s| s.count).sum();
+        let mut out = vec![0u64; n as usize * fields.len()];
+        let inner = self.lock();
+        for (f, field) in fields.iter().enumerate() {
+            let Some(index) = inner.fields.get(field.as_str()) else {
+                continue;
+            };
+            let base = f * n as usize;
+            for seq in seqs {
+                for k in 0..seq.count {
+                    let (g, pos) = seq.at(k);
+                    if let Some(v) = index.get(g) {
+                        let slot = inner.columns[Loc::unpack(v).column as usize]
+                            .as_ref()
+                            .expect("indexed rows point at live columns");
+                        out[base + pos as usize] = slot.generation;
+                    }
+                }
+            }
+        }
+        out
     }
 
     /// The same unit, recording its puts and clears in `journal` (shared
@@ -380,6 +428,8 @@ impl Unit {
             }
         }
         let mut freed = 0u64;
+        inner.generation += 1;
+        let generation = inner.generation;
         for (name, columns_in) in fields {
             let name: Arc<str> = match inner.fields.get_key_value(name.as_str()) {
                 Some((k, _)) => k.clone(),
@@ -401,7 +451,13 @@ impl Unit {
             let mut next = 0usize;
             for column in columns_in {
                 let rows = column.rows() as usize;
-                let c = add_column(columns, free, column, &global_indexes[next..next + rows]);
+                let c = add_column(
+                    columns,
+                    free,
+                    column,
+                    &global_indexes[next..next + rows],
+                    generation,
+                );
                 for (row, g) in global_indexes[next..next + rows].iter().enumerate() {
                     let loc = Loc {
                         column: c,
@@ -483,7 +539,24 @@ impl Unit {
     /// follows a column whose rows are all still indexed costs one lookup,
     /// whatever its length. Any missing key fails the whole request.
     pub fn get_seqs(&self, seqs: &[Seq], fields: &[String]) -> Result<Vec<Rows>, StoreError> {
+        self.get_versioned(seqs, fields, None)
+    }
+
+    /// [`Unit::get_seqs`], also writing each returned row's version into
+    /// `versions` (laid out as [`Unit::versions`]), read under the same
+    /// lock as the rows.
+    pub fn get_versioned(
+        &self,
+        seqs: &[Seq],
+        fields: &[String],
+        mut versions: Option<&mut Vec<u64>>,
+    ) -> Result<Vec<Rows>, StoreError> {
         self.counters.gets.fetch_add(1, Ordering::Relaxed);
+        let n: u64 = seqs.iter().map(|s| s.count).sum();
+        if let Some(v) = versions.as_deref_mut() {
+            v.clear();
+            v.resize(n as usize * fields.len(), 0);
+        }
         let inner = self.lock();
         let missing = |g: u64, field: &str| match inner.lost.get(&g) {
             Some(checkpoint) => StoreError::DataLost {
@@ -499,7 +572,7 @@ impl Unit {
             },
         };
         let mut out = Vec::with_capacity(fields.len());
-        for field in fields {
+        for (f, field) in fields.iter().enumerate() {
             let Some(index) = inner.fields.get(field.as_str()) else {
                 return Err(missing(seqs.first().map_or(0, |s| s.start), field));
             };
@@ -528,6 +601,12 @@ impl Unit {
                         }),
                     };
                     last = Some((loc.column, ours));
+                    if let Some(v) = versions.as_deref_mut() {
+                        let base = f * n as usize;
+                        for j in 0..m {
+                            v[base + (pos + j * seq.pos_step) as usize] = slot.generation;
+                        }
+                    }
                     rows.push(Piece {
                         pos,
                         pos_step: seq.pos_step,
@@ -632,6 +711,22 @@ impl Unit {
 }
 
 pub use stowage_index::duplicate;
+
+/// A random, nonzero incarnation (the clock and the process id if the
+/// kernel's generator fails: still different across restarts).
+fn new_incarnation() -> u64 {
+    let mut b = [0u8; 8];
+    let v = match getrandom::fill(&mut b) {
+        Ok(()) => u64::from_le_bytes(b),
+        Err(_) => {
+            let t = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos() as u64);
+            t ^ (u64::from(std::process::id()) << 40)
+        }
+    };
+    v.max(1)
+}
 
 /// Checks a put's indexes (at least one, distinct) and row counts.
 fn check_shape(global_indexes: &[u64], fields: &[PutField]) -> Result<(), StoreError> {

@@ -25,8 +25,13 @@ impl Seq {
 
     /// `list` as runs, position `i` answering `list[i]`.
     pub fn from_list(list: &[u64]) -> Vec<Seq> {
+        Seq::from_indexes(&stowage_wire::indexes::Indexes::from_list(list))
+    }
+
+    /// The runs of `indexes`, position `i` answering its `i`-th index.
+    pub fn from_indexes(indexes: &stowage_wire::indexes::Indexes) -> Vec<Seq> {
         let mut pos = 0;
-        stowage_wire::indexes::Indexes::from_list(list)
+        indexes
             .runs()
             .iter()
             .map(|r| {

@@ -65,6 +65,22 @@ pub(super) fn request(frames: &[Bytes], limits: &Limits) -> Result<Request, Erro
         "restore" => Op::Restore {
             dir: single_str(&mut r, "a restore body", "dir")?,
         },
+        "versions" => {
+            let (global_indexes, fields) = selection(&mut r, limits, get_indexes)?;
+            let fields = fields.ok_or(Error::MissingKey {
+                map: "a versions body",
+                key: "fields",
+            })?;
+            if global_indexes.is_empty() || fields.is_empty() {
+                return Err(Error::EmptyBatch(
+                    "versions needs at least one global index and one field",
+                ));
+            }
+            Op::Versions {
+                global_indexes,
+                fields,
+            }
+        }
         other => return Err(Error::UnknownOp(other.to_owned())),
     };
     data.all_used()?;
@@ -190,6 +206,21 @@ pub(super) fn reply(frames: &[Bytes], limits: &Limits) -> Result<(u64, Reply), E
             same_rows(&fields, WireField::rows)?;
             Reply::GetOk { fields }
         }
+        "versions_ok" => {
+            const MAP: &str = "a versions_ok body";
+            let (mut incarnation, mut versions) = (None, None);
+            keyed(&mut r, MAP, ["incarnation", "versions"], |i, r| {
+                match i {
+                    0 => incarnation = Some(r.uint("incarnation")?),
+                    _ => versions = Some(versions_bin(r, limits)?),
+                }
+                Ok(())
+            })?;
+            Reply::VersionsOk {
+                incarnation: need(incarnation, MAP, "incarnation")?,
+                versions: need(versions, MAP, "versions")?,
+            }
+        }
         "stats_ok" => {
             let n = r.map_len("a stats_ok body")?;
             limit("stats", n, limits.max_fields)?;
@@ -257,8 +288,9 @@ fn envelope<'a>(frames: &'a [Bytes], limits: &Limits) -> Result<(u64, &'a str, R
             "op" => op.replace(r.str("op")?).is_some(),
             "id" => id.replace(r.uint("id")?).is_some(),
             "body" => body.replace(r.skip(ENVELOPE_DEPTH)?.start).is_some(),
-            // Shared-memory keys: read by `extras`.
-            "segments" | "same_node" | "channel" => r.skip(ENVELOPE_DEPTH).map(|_| false)?,
+            // Shared-memory and peer keys: read by `extras`.
+            "segments" | "same_node" | "channel" | "unit" | "with_versions" | "incarnation"
+            | "versions" => r.skip(ENVELOPE_DEPTH).map(|_| false)?,
             other => {
                 stray.get_or_insert(other);
                 r.skip(ENVELOPE_DEPTH).map(|_| false)?
@@ -930,6 +962,32 @@ fn limit(what: &'static str, n: usize, max: u64) -> Result<(), Error> {
     }
 }
 
+/// A `versions` bin: 8 bytes per version, little-endian, at most one per
+/// row and field a request may name.
+fn versions_bin(r: &mut Reader<'_>, limits: &Limits) -> Result<Vec<u64>, Error> {
+    let bad = Error::WrongType {
+        key: "versions",
+        expected: "a bin of 8 bytes per version",
+    };
+    let Some((false, range)) = r.str_or_bin()? else {
+        return Err(bad);
+    };
+    let bytes = &r.buf()[range];
+    if !bytes.len().is_multiple_of(8) {
+        return Err(bad);
+    }
+    let n = bytes.len() / 8;
+    limit(
+        "versions",
+        n,
+        limits.max_rows.saturating_mul(limits.max_fields),
+    )?;
+    Ok(bytes
+        .chunks_exact(8)
+        .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")))
+        .collect())
+}
+
 /// Longest `channel` token an envelope may carry.
 const MAX_CHANNEL_TOKEN: usize = 64;
 
@@ -960,6 +1018,22 @@ pub(super) fn extras(frame0: &[u8], limits: &Limits) -> Result<Extras, Error> {
                     });
                 }
                 out.channel = Some(token.to_owned());
+            }
+            "unit" => out.unit = Some(r.uint("unit")?),
+            "with_versions" => {
+                out.with_versions = r.bool_value()?.ok_or(Error::WrongType {
+                    key: "with_versions",
+                    expected: "a bool",
+                })?
+            }
+            "incarnation" => {
+                let incarnation = r.uint("incarnation")?;
+                let versions = out.versions.get_or_insert((0, Vec::new()));
+                versions.0 = incarnation;
+            }
+            "versions" => {
+                let v = versions_bin(&mut r, limits)?;
+                out.versions.get_or_insert((0, Vec::new())).1 = v;
             }
             "same_node" => {
                 out.same_node = match r.bool_value()? {

@@ -68,6 +68,16 @@ fn op_frames(id: u64, op: &Op, layout: Option<&FrameLayout>) -> Result<Vec<Bytes
             w.map(1);
             w.kv_str("dir", dir);
         }
+        Op::Versions {
+            global_indexes,
+            fields,
+        } => {
+            w.map(2);
+            w.str("global_indexes");
+            get_indexes(&mut w, global_indexes);
+            w.str("fields");
+            strs(&mut w, fields);
+        }
     }
     finish(w, placed.frames)
 }
@@ -151,6 +161,15 @@ pub(super) fn reply(
             w.kv_uint("seq", *seq);
             w.kv_uint("rows", *rows);
             w.kv_uint("lost", *lost);
+        }
+        Reply::VersionsOk {
+            incarnation,
+            versions,
+        } => {
+            w.map(2);
+            w.kv_uint("incarnation", *incarnation);
+            w.str("versions");
+            w.bin(&versions_bin(versions));
         }
         Reply::Error { code, message } => {
             w.map(2);
@@ -631,12 +650,61 @@ pub(super) fn request_head(id: u64, head: &RequestHead) -> Result<Bytes, Error> 
 /// Frame 0 plus the shared-memory keys `extras` sets (`segments`,
 /// `same_node`, `channel`) in its envelope map (4 -> 5 to 7 entries).
 pub(super) fn with_extras(frame0: &[u8], extras: &Extras) -> Result<Bytes, Error> {
-    with_keys(
+    let base = with_keys(
         frame0,
         extras.segments.as_deref(),
         extras.same_node,
         extras.channel.as_deref(),
-    )
+    )?;
+    if extras.unit.is_none() && !extras.with_versions {
+        return Ok(base);
+    }
+    // Peer keys: appended to the map `with_keys` wrote (a fixmap).
+    let mut w = Writer::new();
+    let mut keys = 0u8;
+    if let Some(unit) = extras.unit {
+        keys += 1;
+        w.kv_uint("unit", unit);
+    }
+    if extras.with_versions {
+        keys += 1;
+        w.str("with_versions");
+        w.bool(true);
+    }
+    let tail = w.finish()?;
+    let mut out = Vec::with_capacity(base.len() + tail.len());
+    out.push(base[0] + keys);
+    out.extend_from_slice(&base[1..]);
+    out.extend_from_slice(&tail);
+    Ok(Bytes::from(out))
+}
+
+/// Versions as they travel: 8 bytes each, little-endian.
+fn versions_bin(versions: &[u64]) -> Vec<u8> {
+    versions.iter().flat_map(|v| v.to_le_bytes()).collect()
+}
+
+/// Frame 0 plus `incarnation` and `versions` in its envelope map.
+pub(super) fn with_versions(
+    frame0: &[u8],
+    incarnation: u64,
+    versions: &[u64],
+) -> Result<Bytes, Error> {
+    if frame0.first() != Some(&0x84) {
+        return Err(Error::Layout(
+            "frame 0 is not an envelope written by this encoder".into(),
+        ));
+    }
+    let mut w = Writer::new();
+    w.kv_uint("incarnation", incarnation);
+    w.str("versions");
+    w.bin(&versions_bin(versions));
+    let tail = w.finish()?;
+    let mut out = Vec::with_capacity(frame0.len() + tail.len());
+    out.push(0x86);
+    out.extend_from_slice(&frame0[1..]);
+    out.extend_from_slice(&tail);
+    Ok(Bytes::from(out))
 }
 
 /// [`with_extras`] from borrowed parts (a reply's segments are not copied).

@@ -125,6 +125,7 @@ pub fn encode_request<'py>(
                 .transpose()?,
             same_node: e.maybe("same_node")?.map(|v| v.extract()).transpose()? == Some(true),
             channel: e.maybe("channel")?.map(|c| c.extract()).transpose()?,
+            ..Extras::default()
         };
         e.done("the extras")?;
         if extras != Extras::default() {
@@ -245,6 +246,14 @@ fn reply_body(body: &Bound<'_, PyDict>, reply: &Reply) -> PyResult<()> {
         Reply::Error { code, message } => {
             body.set_item("code", code)?;
             body.set_item("message", message)
+        }
+        // A peer's reply (stowd to stowd); the Python client never asks.
+        Reply::VersionsOk {
+            incarnation,
+            versions,
+        } => {
+            body.set_item("incarnation", incarnation)?;
+            body.set_item("versions", versions)
         }
         Reply::GetOk { .. } => unreachable!("a get_ok comes as a layout"),
     }

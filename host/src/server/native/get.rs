@@ -9,7 +9,7 @@ use std::collections::HashSet;
 use bytes::Bytes;
 
 use super::NativeService;
-use crate::plan::{Frame, PieceInfo};
+use crate::manager::frame_layout;
 use crate::server::errors::EncodeError;
 use crate::shm::Handle;
 use crate::store::{Rows, Run};
@@ -185,84 +185,15 @@ pub(super) struct GetReply {
     /// For a same-node reader: the token of the channel its segments'
     /// descriptors go over.
     pub(super) channel: Option<String>,
+    /// For a peer that asked: the unit's incarnation and each row's
+    /// version, added to frame 0.
+    pub(super) versions: Option<(u64, Vec<u64>)>,
 }
 
 /// A same-node reply's descriptors: the channel's token and the segments.
 pub(super) type Descriptors = (String, Vec<Handle>);
 
 impl NativeService {
-    /// The frame layout of a get_ok: per field, the packing chain groups the
-    /// field's pieces (the parts of a regular field, the runs of a nested
-    /// one) into frames; frames never mix fields.
-    fn layout(
-        &self,
-        fields: &[(String, native::WireField)],
-        nested_runs: &[Vec<(u64, u64)>],
-    ) -> native::FrameLayout {
-        let mut frames = Vec::new();
-        let tensor_fields = fields
-            .iter()
-            .filter(|(_, f)| !matches!(f, native::WireField::Values(_)))
-            .count()
-            .max(1);
-        let mut limits = self.pack_limits;
-        limits.max_frames = (limits.max_frames / tensor_fields as u32).max(1);
-        let registry = self.manager.registry();
-        for (i, (name, field)) in fields.iter().enumerate() {
-            let (slices, pieces): (Vec<native::RowSlice>, Vec<PieceInfo>) = match field {
-                native::WireField::Regular(p) => {
-                    let mut start = 0;
-                    p.parts()
-                        .iter()
-                        .map(|(bytes, rows)| {
-                            let s = native::RowSlice {
-                                field: i,
-                                start,
-                                end: start + rows,
-                            };
-                            start += rows;
-                            (
-                                s,
-                                PieceInfo {
-                                    byte_len: bytes.len() as u64,
-                                    contiguous: true,
-                                },
-                            )
-                        })
-                        .unzip()
-                }
-                native::WireField::Nested(rows) => nested_runs[i]
-                    .iter()
-                    .map(|&(a, b)| {
-                        let run = &rows[a as usize..b as usize];
-                        let bytes = run.iter().map(|t| t.payload_len() as u64).sum();
-                        (
-                            native::RowSlice {
-                                field: i,
-                                start: a,
-                                end: b,
-                            },
-                            PieceInfo {
-                                byte_len: bytes,
-                                contiguous: true,
-                            },
-                        )
-                    })
-                    .unzip(),
-                native::WireField::Values(_) => continue,
-            };
-            match registry.pack_chain(name).pack(&pieces, &limits) {
-                Ok(d) => frames.extend(d.plan.frames.iter().map(|f| match f {
-                    Frame::Single(k) => vec![slices[*k as usize]],
-                    Frame::Coalesced(ks) => ks.iter().map(|k| slices[*k as usize]).collect(),
-                })),
-                // No plan within the budget: one frame per piece.
-                Err(_) => frames.extend(slices.into_iter().map(|s| vec![s])),
-            }
-        }
-        native::FrameLayout { frames }
-    }
-
     /// Encodes a get_ok: over the socket, frames planned by the packing
     /// chain from the runs; for a same-node reader, one whole segment per
     /// frame, named in frame 0 instead of sent, with the segments whose
@@ -280,14 +211,19 @@ impl NativeService {
             nested_runs,
             places,
             channel,
+            versions,
         } = get;
         let Some(channel) = channel else {
             let native::Reply::GetOk { fields } = &reply else {
                 unreachable!("a get reply is a get_ok")
             };
-            let layout = self.layout(fields, &nested_runs);
-            let frames =
+            let registry = self.manager.registry();
+            let layout = frame_layout(&registry, self.pack_limits, fields, &nested_runs);
+            let mut frames =
                 native::encode_reply_joined(id, &reply, &layout, &|p, l| places.span(p, l))?;
+            if let Some((incarnation, versions)) = versions {
+                frames[0] = native::with_versions(&frames[0], incarnation, &versions)?;
+            }
             return Ok((frames, None));
         };
         let frames = native::encode_reply_enclosed(id, &reply, &|b| places.enclose(b))?;

@@ -1,0 +1,478 @@
+//! The node-local read cache of rows held by peer units (`stowage://` in
+//! `[router] units`): K readers on this node getting the same remote rows
+//! cost one transfer, not K.
+//!
+//! A get of a peer unit's rows first asks the unit for their versions
+//! ([`crate::store::Unit::versions`]: the put generation that stored each
+//! row, with the unit's random incarnation, so a restarted unit never
+//! matches), a message of 8 bytes per row and field. Then, per (field,
+//! row):
+//! - cached at that version: served from here (a **hit**);
+//! - being fetched by a concurrent get: that get's transfer is awaited and
+//!   its rows are used if they are at least that version (**shared**);
+//! - otherwise fetched (a **miss**), in one get of the rows missing, whose
+//!   reply carries the version of every row it returns. Concurrent gets
+//!   wait for it.
+//!
+//! A row whose version changed on the peer (put again, cleared, the unit
+//! restarted) never matches, so it is never served stale: the versions are
+//! asked on every get, after the get began.
+//!
+//! Cached rows stay in the frames they arrived in: extents, like any
+//! stored row, which a same-node reader's get moves into shared memory
+//! once. The cache is bounded in bytes (`[cache] max_bytes`) and evicts by
+//! fetch, least recently used first: every row a fetch brought shares its
+//! fate, which keeps the bookkeeping per fetch, not per row. A fetch larger
+//! than the bound is served and not kept.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use tokio::sync::watch;
+
+use crate::manager::{Manager, ManagerError, PeerUnit};
+use crate::store::Column;
+
+/// Per row of a field: the column it is in and its row there.
+pub type FieldRows = Vec<(Arc<Column>, u32)>;
+
+/// Per field, per row: found yet or not.
+type Slots = Vec<Vec<Option<(Arc<Column>, u32)>>>;
+
+/// Counters of the read cache, as `stats` and `/metrics` show them.
+#[derive(Debug, Default)]
+pub struct CacheCounters {
+    /// (field, row) values served from the cache.
+    pub hits: AtomicU64,
+    /// (field, row) values fetched from a peer unit.
+    pub misses: AtomicU64,
+    /// (field, row) values taken from another get's fetch in flight.
+    pub shared: AtomicU64,
+    /// Bytes of hits and shared rows: what did not cross the network again.
+    pub saved_bytes: AtomicU64,
+    /// Bytes fetched from peer units.
+    pub fetched_bytes: AtomicU64,
+    /// Fetches evicted to stay under the bound.
+    pub evictions: AtomicU64,
+}
+
+/// One cached row.
+struct Entry {
+    incarnation: u64,
+    version: u64,
+    column: Arc<Column>,
+    row: u32,
+    /// The fetch that brought it.
+    batch: u64,
+}
+
+/// The rows one fetch brought: evicted together.
+struct Batch {
+    peer: String,
+    fields: Vec<String>,
+    indexes: Vec<u64>,
+    bytes: u64,
+    tick: u64,
+}
+
+/// What a fetch brought, for the gets that waited for it.
+struct Fetched {
+    fields: Vec<String>,
+    at: HashMap<u64, usize>,
+    rows: Vec<FieldRows>,
+    incarnation: u64,
+    versions: Vec<u64>,
+}
+
+type FlightResult = Option<Result<Arc<Fetched>, String>>;
+
+#[derive(Default)]
+struct Inner {
+    /// peer -> field -> global index -> row.
+    rows: HashMap<String, HashMap<String, HashMap<u64, Entry>>>,
+    /// peer -> field -> global index -> the fetch in flight for it.
+    flights: HashMap<String, HashMap<String, HashMap<u64, watch::Receiver<FlightResult>>>>,
+    batches: HashMap<u64, Batch>,
+    /// Least recently used first: tick -> batch.
+    lru: BTreeMap<u64, u64>,
+    tick: u64,
+    next_batch: u64,
+    bytes: u64,
+}
+
+/// The read cache (see the module doc).
+pub struct ReadCache {
+    max_bytes: u64,
+    inner: Mutex<Inner>,
+    pub counters: CacheCounters,
+}
+
+impl std::fmt::Debug for ReadCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ReadCache")
+            .field("max_bytes", &self.max_bytes)
+            .finish()
+    }
+}
+
+/// Removes a get's flights when it ends, however it ends (a get dropped
+/// mid-fetch included: its waiters then fetch themselves).
+struct Landing<'a> {
+    cache: &'a ReadCache,
+    peer: &'a str,
+    keys: Vec<(String, Vec<u64>)>,
+    rx: watch::Receiver<FlightResult>,
+}
+
+impl Drop for Landing<'_> {
+    fn drop(&mut self) {
+        let mut inner = self.cache.lock();
+        let Some(by_field) = inner.flights.get_mut(self.peer) else {
+            return;
+        };
+        for (field, indexes) in &self.keys {
+            if let Some(map) = by_field.get_mut(field) {
+                for g in indexes {
+                    if map.get(g).is_some_and(|rx| rx.same_channel(&self.rx)) {
+                        map.remove(g);
+                    }
+                }
+                if map.is_empty() {
+                    by_field.remove(field);
+                }
+            }
+        }
+        if by_field.is_empty() {
+            inner.flights.remove(self.peer);
+        }
+    }
+}
+
+fn row_bytes(column: &Column, row: u32) -> u64 {
+    column.row_len(row as usize)
+}
+
+impl ReadCache {
+    /// A cache of at most `max_bytes` bytes of rows.
+    pub fn new(max_bytes: u64) -> ReadCache {
+        ReadCache {
+            max_bytes,
+            inner: Mutex::new(Inner::default()),
+            counters: CacheCounters::default(),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The bound, bytes.
+    pub fn max_bytes(&self) -> u64 {
+        self.max_bytes
+    }
+
+    /// Bytes of rows kept now.
+    pub fn bytes(&self) -> u64 {
+        self.lock().bytes
+    }
+
+    /// `fields` of `indexes` of peer unit `p`, per field, per index (see
+    /// the module doc).
+    pub async fn get(
+        &self,
+        m: &Manager,
+        p: &Arc<PeerUnit>,
+        indexes: &[u64],
+        fields: &[String],
+    ) -> Result<Vec<FieldRows>, ManagerError> {
+        let n = indexes.len();
+        let (incarnation, versions) = m.versions_peer(p, indexes, fields).await?;
+        let mut out: Slots = vec![vec![None; n]; fields.len()];
+        let (tx, rx) = watch::channel::<FlightResult>(None);
+        // Rows to fetch (any field), and the fields they are fetched for.
+        let mut need = vec![false; n];
+        let mut need_field = vec![false; fields.len()];
+        let mut waits: Vec<(watch::Receiver<FlightResult>, usize, usize)> = Vec::new();
+        let mut landing = Landing {
+            cache: self,
+            peer: &p.name,
+            keys: Vec::new(),
+            rx: rx.clone(),
+        };
+        let (mut hits, mut hit_bytes) = (0u64, 0u64);
+        {
+            let mut inner = self.lock();
+            let mut touched: Vec<u64> = Vec::new();
+            for (f, field) in fields.iter().enumerate() {
+                let cached = inner.rows.get(&p.name).and_then(|m| m.get(field));
+                let flying = inner.flights.get(&p.name).and_then(|m| m.get(field));
+                let mut mine = Vec::new();
+                for (i, &g) in indexes.iter().enumerate() {
+                    let version = versions[f * n + i];
+                    if version != 0
+                        && let Some(e) = cached.and_then(|c| c.get(&g))
+                        && e.incarnation == incarnation
+                        && e.version == version
+                    {
+                        hits += 1;
+                        hit_bytes += row_bytes(&e.column, e.row);
+                        if touched.last() != Some(&e.batch) {
+                            touched.push(e.batch);
+                        }
+                        out[f][i] = Some((e.column.clone(), e.row));
+                    } else if version != 0
+                        && let Some(flight) = flying.and_then(|fl| fl.get(&g))
+                    {
+                        waits.push((flight.clone(), f, i));
+                    } else {
+                        need[i] = true;
+                        need_field[f] = true;
+                        mine.push(g);
+                    }
+                }
+                if !mine.is_empty() {
+                    landing.keys.push((field.clone(), mine));
+                }
+            }
+            touched.sort_unstable();
+            touched.dedup();
+            for b in touched {
+                inner.touch(b);
+            }
+            for (field, keys) in &landing.keys {
+                let map = inner
+                    .flights
+                    .entry(p.name.clone())
+                    .or_default()
+                    .entry(field.clone())
+                    .or_default();
+                for g in keys {
+                    map.insert(*g, rx.clone());
+                }
+            }
+        }
+        let c = &self.counters;
+        c.hits.fetch_add(hits, Ordering::Relaxed);
+        c.saved_bytes.fetch_add(hit_bytes, Ordering::Relaxed);
+        if need.iter().any(|&b| b) {
+            let result = self
+                .fetch(m, p, indexes, fields, &need, &need_field, &mut out)
+                .await;
+            let _ = tx.send(Some(
+                result.as_ref().map(Arc::clone).map_err(|e| e.to_string()),
+            ));
+            result?;
+        }
+        drop(landing);
+        // Rows another get was fetching: theirs if at least our version.
+        let mut again = vec![false; n];
+        let mut again_field = vec![false; fields.len()];
+        let (mut shared, mut shared_bytes) = (0u64, 0u64);
+        for (mut flight, f, i) in waits {
+            let got = match flight.wait_for(Option::is_some).await {
+                Ok(v) => v.clone().and_then(Result::ok),
+                Err(_) => None,
+            };
+            let used = got.and_then(|fetched| {
+                let ff = fetched.fields.iter().position(|x| *x == fields[f])?;
+                let at = *fetched.at.get(&indexes[i])?;
+                let version = fetched.versions[ff * fetched.at.len() + at];
+                (fetched.incarnation == incarnation && version >= versions[f * n + i])
+                    .then(|| fetched.rows[ff][at].clone())
+            });
+            match used {
+                Some(row) => {
+                    shared += 1;
+                    shared_bytes += row_bytes(&row.0, row.1);
+                    out[f][i] = Some(row);
+                }
+                None => {
+                    again[i] = true;
+                    again_field[f] = true;
+                }
+            }
+        }
+        c.shared.fetch_add(shared, Ordering::Relaxed);
+        c.saved_bytes.fetch_add(shared_bytes, Ordering::Relaxed);
+        if again.iter().any(|&b| b) {
+            self.fetch(m, p, indexes, fields, &again, &again_field, &mut out)
+                .await?;
+        }
+        out.into_iter()
+            .map(|rows| {
+                rows.into_iter()
+                    .map(|r| {
+                        r.ok_or_else(|| {
+                            ManagerError::Internal("a row of a peer unit was not fetched".into())
+                        })
+                    })
+                    .collect()
+            })
+            .collect()
+    }
+
+    /// Fetches the rows `need` marks, of the fields `need_field` marks,
+    /// keeps them, and fills the empty slots of `out` with them.
+    #[allow(clippy::too_many_arguments)]
+    async fn fetch(
+        &self,
+        m: &Manager,
+        p: &PeerUnit,
+        indexes: &[u64],
+        fields: &[String],
+        need: &[bool],
+        need_field: &[bool],
+        out: &mut Slots,
+    ) -> Result<Arc<Fetched>, ManagerError> {
+        let rows: Vec<u64> = indexes
+            .iter()
+            .zip(need)
+            .filter_map(|(&g, &b)| b.then_some(g))
+            .collect();
+        let fetch_fields: Vec<String> = fields
+            .iter()
+            .zip(need_field)
+            .filter(|(_, b)| **b)
+            .map(|(f, _)| f.clone())
+            .collect();
+        let (got, versions) = m.fetch_peer(p, &rows, &fetch_fields, true).await?;
+        let (incarnation, versions) = versions.expect("asked with versions");
+        let fetched = Arc::new(Fetched {
+            at: rows.iter().enumerate().map(|(i, &g)| (g, i)).collect(),
+            fields: fetch_fields,
+            rows: got,
+            incarnation,
+            versions,
+        });
+        let mut bytes = 0u64;
+        for field_rows in &fetched.rows {
+            bytes += field_rows
+                .iter()
+                .map(|(c, r)| row_bytes(c, *r))
+                .sum::<u64>();
+        }
+        let c = &self.counters;
+        c.misses.fetch_add(
+            (rows.len() * fetched.fields.len()) as u64,
+            Ordering::Relaxed,
+        );
+        c.fetched_bytes.fetch_add(bytes, Ordering::Relaxed);
+        let mut ff = 0;
+        for (f, slots) in out.iter_mut().enumerate() {
+            if !need_field[f] {
+                continue;
+            }
+            let mut k = 0;
+            for (i, slot) in slots.iter_mut().enumerate() {
+                if need[i] {
+                    if slot.is_none() {
+                        *slot = Some(fetched.rows[ff][k].clone());
+                    }
+                    k += 1;
+                }
+            }
+            ff += 1;
+        }
+        self.keep(&p.name, &fetched, bytes);
+        Ok(fetched)
+    }
+
+    /// Keeps a fetch's rows (if it fits), evicting the least recently used
+    /// fetches to stay under the bound.
+    fn keep(&self, peer: &str, fetched: &Fetched, bytes: u64) {
+        if bytes > self.max_bytes {
+            return;
+        }
+        let mut inner = self.lock();
+        let mut evicted = 0;
+        while inner.bytes + bytes > self.max_bytes {
+            let Some((_, oldest)) = inner.lru.pop_first() else {
+                break;
+            };
+            inner.evict(oldest);
+            evicted += 1;
+        }
+        self.counters
+            .evictions
+            .fetch_add(evicted, Ordering::Relaxed);
+        let id = inner.next_batch;
+        inner.next_batch += 1;
+        inner.tick += 1;
+        let tick = inner.tick;
+        let n = fetched.at.len();
+        let mut indexes = vec![0u64; n];
+        for (&g, &i) in &fetched.at {
+            indexes[i] = g;
+        }
+        let by_field = inner.rows.entry(peer.to_string()).or_default();
+        for (ff, field) in fetched.fields.iter().enumerate() {
+            let map = by_field.entry(field.clone()).or_default();
+            for (i, &g) in indexes.iter().enumerate() {
+                let (column, row) = fetched.rows[ff][i].clone();
+                map.insert(
+                    g,
+                    Entry {
+                        incarnation: fetched.incarnation,
+                        version: fetched.versions[ff * n + i],
+                        column,
+                        row,
+                        batch: id,
+                    },
+                );
+            }
+        }
+        inner.batches.insert(
+            id,
+            Batch {
+                peer: peer.to_string(),
+                fields: fetched.fields.clone(),
+                indexes,
+                bytes,
+                tick,
+            },
+        );
+        inner.lru.insert(tick, id);
+        inner.bytes += bytes;
+    }
+}
+
+impl Inner {
+    /// Marks a fetch used now.
+    fn touch(&mut self, batch: u64) {
+        self.tick += 1;
+        let tick = self.tick;
+        if let Some(b) = self.batches.get_mut(&batch) {
+            self.lru.remove(&b.tick);
+            b.tick = tick;
+            self.lru.insert(tick, batch);
+        }
+    }
+
+    /// Drops a fetch and the rows it brought that are still its own.
+    fn evict(&mut self, batch: u64) {
+        let Some(b) = self.batches.remove(&batch) else {
+            return;
+        };
+        self.lru.remove(&b.tick);
+        self.bytes -= b.bytes;
+        let Some(by_field) = self.rows.get_mut(&b.peer) else {
+            return;
+        };
+        for field in &b.fields {
+            if let Some(map) = by_field.get_mut(field) {
+                for g in &b.indexes {
+                    if map.get(g).is_some_and(|e| e.batch == batch) {
+                        map.remove(g);
+                    }
+                }
+                if map.is_empty() {
+                    by_field.remove(field);
+                }
+            }
+        }
+        if by_field.is_empty() {
+            self.rows.remove(&b.peer);
+        }
+    }
+}

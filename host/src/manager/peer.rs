@@ -1,0 +1,496 @@
+//! The manager's side of peer units: a unit of another `stowd`, reached
+//! through that stowd's native `stowage/1` endpoint with the envelope's
+//! `unit` key (`stowage://host:port/<unit>` in `[router] units`).
+//!
+//! Against a TransferQueue unit (`manager/remote.rs`), rows travel as a few
+//! large frames: a put sends each field's rows of a message as one part per
+//! stored column (a slice of the extent where the rows are contiguous, one
+//! copy where the selection left them strided), a get_ok carries the peer
+//! unit's runs, and the frames a reply arrives in become the extents its
+//! rows are kept in here (no copy). Puts are split into messages of at most
+//! `[limits] max_message_bytes`, like a TransferQueue unit's. A get of rows
+//! that are cached at their current version moves only the versions
+//! ([`crate::cache`]).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use bytes::Bytes;
+
+use crate::extent::Received;
+use crate::plan::{Frame, PackLimits, PieceInfo};
+use crate::policy::registry::Registry;
+use crate::store::{Column, PutField, Rows};
+use crate::tensor::Tensor;
+use crate::transport::Peer;
+use crate::wire::native;
+
+use super::{Manager, ManagerError};
+
+/// A unit of another `stowd`, spoken to in `stowage/1`.
+#[derive(Debug)]
+pub struct PeerUnit {
+    pub peer: Peer,
+    /// The unit's number in that stowd.
+    pub unit: u64,
+    /// As configured: `stowage://host:port/<unit>`.
+    pub name: String,
+    ids: AtomicU64,
+}
+
+impl PeerUnit {
+    /// `name` is `stowage://host:port/<unit>`; connections get identities
+    /// `<prefix>_<n>`.
+    pub fn new(
+        name: &str,
+        endpoint: String,
+        unit: u64,
+        identity_prefix: String,
+        limits: crate::transport::zmtp::Limits,
+    ) -> PeerUnit {
+        PeerUnit {
+            peer: Peer::with_limits(endpoint, identity_prefix, limits),
+            unit,
+            name: name.to_string(),
+            ids: AtomicU64::new(1),
+        }
+    }
+}
+
+/// Splits `stowage://host:port/<unit>` into the peer's native endpoint
+/// (`tcp://host:port`) and the unit number; `None` if it is not one.
+pub fn parse_peer_unit(s: &str) -> Option<(String, u64)> {
+    let rest = s.strip_prefix("stowage://")?;
+    let (addr, unit) = rest.rsplit_once('/')?;
+    let (host, port) = addr.rsplit_once(':')?;
+    if host.is_empty() || port.parse::<u16>().is_err() {
+        return None;
+    }
+    let unit = unit.parse::<u64>().ok()?;
+    Some((format!("tcp://{addr}"), unit))
+}
+
+/// A peer's reply: its frames (the rows' extents), the envelope's extra
+/// keys (versions) and the reply.
+pub(super) struct PeerReply {
+    pub frames: Vec<Bytes>,
+    pub extras: native::Extras,
+    pub reply: native::Reply,
+}
+
+/// The frame layout of a `stowage/1` message's fields (a get_ok, or a put
+/// to a peer unit): per field, the packing chain groups the
+/// field's pieces (the parts of a regular field, the runs of a nested
+/// one) into frames; frames never mix fields.
+pub fn frame_layout(
+    registry: &Registry,
+    pack_limits: PackLimits,
+    fields: &[(String, native::WireField)],
+    nested_runs: &[Vec<(u64, u64)>],
+) -> native::FrameLayout {
+    let mut frames = Vec::new();
+    let tensor_fields = fields
+        .iter()
+        .filter(|(_, f)| !matches!(f, native::WireField::Values(_)))
+        .count()
+        .max(1);
+    let mut limits = pack_limits;
+    limits.max_frames = (limits.max_frames / tensor_fields as u32).max(1);
+    for (i, (name, field)) in fields.iter().enumerate() {
+        let (slices, pieces): (Vec<native::RowSlice>, Vec<PieceInfo>) = match field {
+            native::WireField::Regular(p) => {
+                let mut start = 0;
+                p.parts()
+                    .iter()
+                    .map(|(bytes, rows)| {
+                        let s = native::RowSlice {
+                            field: i,
+                            start,
+                            end: start + rows,
+                        };
+                        start += rows;
+                        (
+                            s,
+                            PieceInfo {
+                                byte_len: bytes.len() as u64,
+                                contiguous: true,
+                            },
+                        )
+                    })
+                    .unzip()
+            }
+            native::WireField::Nested(rows) => nested_runs[i]
+                .iter()
+                .map(|&(a, b)| {
+                    let run = &rows[a as usize..b as usize];
+                    let bytes = run.iter().map(|t| t.payload_len() as u64).sum();
+                    (
+                        native::RowSlice {
+                            field: i,
+                            start: a,
+                            end: b,
+                        },
+                        PieceInfo {
+                            byte_len: bytes,
+                            contiguous: true,
+                        },
+                    )
+                })
+                .unzip(),
+            native::WireField::Values(_) => continue,
+        };
+        match registry.pack_chain(name).pack(&pieces, &limits) {
+            Ok(d) => frames.extend(d.plan.frames.iter().map(|f| match f {
+                Frame::Single(k) => vec![slices[*k as usize]],
+                Frame::Coalesced(ks) => ks.iter().map(|k| slices[*k as usize]).collect(),
+            })),
+            // No plan within the budget: one frame per piece.
+            Err(_) => frames.extend(slices.into_iter().map(|s| vec![s])),
+        }
+    }
+    native::FrameLayout { frames }
+}
+
+/// Rows of one field in one put message: zero copy where the rows are
+/// contiguous in their column, one copy per strided column.
+fn wire_rows(columns: &[Column], start: u64, end: u64) -> Result<native::WireField, ManagerError> {
+    let bad = |e: native::Error| ManagerError::Internal(format!("rows for a peer unit: {e}"));
+    let mut parts: Vec<(Bytes, u64)> = Vec::new();
+    let mut regular: Option<(crate::tensor::DType, Vec<u64>)> = None;
+    let mut all_regular = true;
+    let mut at = 0u64;
+    for c in columns {
+        let rows = c.rows();
+        let (a, b) = (start.max(at), end.min(at + rows));
+        if a < b {
+            match c {
+                Column::Regular(r) => {
+                    let t = r.rows_tensor((a - at) as usize, (b - a) as usize);
+                    let shape = (t.dtype(), t.row_shape().to_vec());
+                    if regular.get_or_insert_with(|| shape.clone()) != &shape {
+                        all_regular = false;
+                    }
+                    parts.push((t.contiguous_bytes(), b - a));
+                }
+                _ => all_regular = false,
+            }
+        }
+        at += rows;
+    }
+    if all_regular && let Some((dtype, row_shape)) = regular {
+        return native::RegularParts::new(dtype, row_shape, parts)
+            .map(native::WireField::Regular)
+            .map_err(bad);
+    }
+    // Nested rows, values, or a field whose columns differ: row by row.
+    let mut cells = Vec::with_capacity((end - start) as usize);
+    let mut at = 0u64;
+    for c in columns {
+        let rows = c.rows();
+        for r in start.max(at)..end.min(at + rows) {
+            cells.push(c.cell((r - at) as usize));
+        }
+        at += rows;
+    }
+    native::WireField::from_cells(cells).map_err(bad)
+}
+
+/// Per row of a get_ok field, the column it is in and its row there: the
+/// frames it arrived in are its extents (no copy).
+pub(super) fn reply_rows(field: native::WireField, received: &Received) -> Vec<(Arc<Column>, u32)> {
+    let mut out = Vec::with_capacity(field.rows() as usize);
+    match field {
+        native::WireField::Regular(p) => {
+            let mut shape = vec![0u64];
+            shape.extend_from_slice(p.row_shape());
+            for (bytes, rows) in p.parts() {
+                shape[0] = *rows;
+                let t = Tensor::contiguous(bytes.clone(), p.dtype(), shape.clone())
+                    .expect("decoded parts match their shapes");
+                let (extent, offset, _) = received.locate_or_own(t.buffer());
+                let column = Arc::new(Column::regular(extent, offset, &t));
+                out.extend((0..*rows as u32).map(|r| (column.clone(), r)));
+            }
+        }
+        native::WireField::Nested(rows) => {
+            let column = Arc::new(Column::from_field(
+                crate::batch::Field::Nested(rows),
+                received,
+            ));
+            out.extend((0..column.rows() as u32).map(|r| (column.clone(), r)));
+        }
+        native::WireField::Values(values) => {
+            let column = Arc::new(Column::Values(values));
+            out.extend((0..column.rows() as u32).map(|r| (column.clone(), r)));
+        }
+    }
+    out
+}
+
+impl Manager {
+    /// The receive limits a peer's reply is decoded with: a request's.
+    fn peer_limits(&self) -> native::Limits {
+        native::Limits {
+            max_rows: self.limits.max_rows,
+            max_fields: self.limits.max_fields,
+            max_frames: self.limits.max_request_frames,
+            max_message_bytes: self.limits.max_request_bytes,
+        }
+    }
+
+    /// One request/reply with a peer unit; an error reply becomes
+    /// [`ManagerError::Peer`] with the peer's code.
+    pub(super) async fn exchange_peer(
+        &self,
+        p: &PeerUnit,
+        op: native::Op,
+        layout: Option<&native::FrameLayout>,
+        with_versions: bool,
+    ) -> Result<PeerReply, ManagerError> {
+        let id = p.ids.fetch_add(1, Ordering::Relaxed);
+        let op_name = op.name();
+        let request = native::Request { id, op };
+        let encoded = match layout {
+            Some(l) => native::encode_request_with(&request, l),
+            None => native::encode_request(&request),
+        };
+        let encoding = |e: native::Error| {
+            ManagerError::Internal(format!("encoding a request for {}: {e}", p.name))
+        };
+        let mut frames = encoded.map_err(encoding)?;
+        let extras = native::Extras {
+            unit: Some(p.unit),
+            with_versions,
+            ..Default::default()
+        };
+        frames[0] = native::with_extras(&frames[0], &extras).map_err(encoding)?;
+        self.counters.messages_sent.fetch_add(1, Ordering::Relaxed);
+        self.counters
+            .frames_sent
+            .fetch_add(frames.len() as u64, Ordering::Relaxed);
+        let span =
+            tracing::debug_span!("remote", unit = %p.name, op = op_name, frames = frames.len());
+        let frames = tracing::Instrument::instrument(p.peer.request(frames, self.timeout), span)
+            .await
+            .map_err(|source| ManagerError::Transport {
+                unit: p.name.clone(),
+                source,
+            })?;
+        let limits = self.peer_limits();
+        let undecodable = |e: native::Error| ManagerError::Remote {
+            unit: p.name.clone(),
+            message: format!("undecodable reply: {e}"),
+            key_not_found: false,
+        };
+        let (got, reply) = native::decode_reply(&frames, &limits).map_err(undecodable)?;
+        let extras = native::decode_extras(&frames[0], &limits).map_err(undecodable)?;
+        if got != id {
+            return Err(ManagerError::Remote {
+                unit: p.name.clone(),
+                message: format!("reply to request {got}, expected {id}"),
+                key_not_found: false,
+            });
+        }
+        if let native::Reply::Error { code, message } = reply {
+            let code = native::code::ALL
+                .into_iter()
+                .find(|c| *c == code)
+                .unwrap_or(native::code::INTERNAL);
+            return Err(ManagerError::Peer {
+                unit: p.name.clone(),
+                code,
+                message,
+            });
+        }
+        Ok(PeerReply {
+            frames,
+            extras,
+            reply,
+        })
+    }
+
+    /// An unexpected reply from a peer.
+    fn peer_unexpected(p: &PeerUnit, reply: &native::Reply) -> ManagerError {
+        ManagerError::Remote {
+            unit: p.name.clone(),
+            message: format!("unexpected reply {}", reply.name()),
+            key_not_found: false,
+        }
+    }
+
+    /// Sends one unit's rows to a peer unit in messages of at most
+    /// `max_message_bytes` (at least one row each).
+    pub(super) async fn put_peer(
+        &self,
+        registry: &Registry,
+        p: &PeerUnit,
+        indexes: &[u64],
+        fields: Vec<PutField>,
+    ) -> Result<(), ManagerError> {
+        let n = indexes.len() as u64;
+        let bytes: u64 = fields
+            .iter()
+            .flat_map(|(_, c)| c.iter())
+            .map(Column::byte_len)
+            .sum();
+        let per_message = match bytes / n.max(1) {
+            0 => n,
+            row => (self.limits.max_message_bytes / row).clamp(1, n),
+        };
+        let pack_limits = self.limits.pack_limits();
+        let mut start = 0u64;
+        while start < n {
+            let end = (start + per_message).min(n);
+            let mut wire = Vec::with_capacity(fields.len());
+            for (name, columns) in &fields {
+                wire.push((name.clone(), wire_rows(columns, start, end)?));
+            }
+            let nested_runs: Vec<Vec<(u64, u64)>> = wire
+                .iter()
+                .map(|(_, f)| match f {
+                    native::WireField::Nested(rows) => {
+                        (0..rows.len() as u64).map(|r| (r, r + 1)).collect()
+                    }
+                    _ => Vec::new(),
+                })
+                .collect();
+            let layout = frame_layout(registry, pack_limits, &wire, &nested_runs);
+            let op = native::Op::Put {
+                global_indexes: indexes[start as usize..end as usize].to_vec(),
+                fields: wire,
+            };
+            let got = self.exchange_peer(p, op, Some(&layout), false).await?;
+            if !matches!(got.reply, native::Reply::PutOk { .. }) {
+                return Err(Self::peer_unexpected(p, &got.reply));
+            }
+            start = end;
+        }
+        Ok(())
+    }
+
+    /// Clears rows (of `fields`, or all) in a peer unit; the number of
+    /// (index, field) values it removed.
+    pub(super) async fn clear_peer(
+        &self,
+        p: &PeerUnit,
+        indexes: &[u64],
+        fields: Option<&[String]>,
+    ) -> Result<u64, ManagerError> {
+        let op = native::Op::Clear {
+            global_indexes: indexes.to_vec(),
+            fields: fields.map(<[String]>::to_vec),
+        };
+        let got = self.exchange_peer(p, op, None, false).await?;
+        match got.reply {
+            native::Reply::ClearOk { cleared } => Ok(cleared),
+            other => Err(Self::peer_unexpected(p, &other)),
+        }
+    }
+
+    /// Fetches `indexes` of `fields` from a peer unit: per field, per row,
+    /// the column it is in here (the reply's frames, no copy); with the
+    /// rows' versions if `with_versions` (incarnation, field-major).
+    pub(crate) async fn fetch_peer(
+        &self,
+        p: &PeerUnit,
+        indexes: &[u64],
+        fields: &[String],
+        with_versions: bool,
+    ) -> Result<(Vec<Vec<(Arc<Column>, u32)>>, Option<(u64, Vec<u64>)>), ManagerError> {
+        let op = native::Op::Get {
+            global_indexes: native::Indexes::from_list(indexes),
+            fields: fields.to_vec(),
+        };
+        let got = self.exchange_peer(p, op, None, with_versions).await?;
+        let native::Reply::GetOk { fields: wire } = got.reply else {
+            return Err(Self::peer_unexpected(p, &got.reply));
+        };
+        let bad = |message: String| ManagerError::Remote {
+            unit: p.name.clone(),
+            message,
+            key_not_found: false,
+        };
+        if wire.len() != fields.len() || wire.iter().zip(fields).any(|((n, _), f)| n != f) {
+            return Err(bad("the reply's fields are not the ones asked for".into()));
+        }
+        let received = Received::frames(got.frames.get(1..).unwrap_or_default());
+        let mut out = Vec::with_capacity(wire.len());
+        for (_, field) in wire {
+            if field.rows() != indexes.len() as u64 {
+                return Err(bad(format!(
+                    "returned {} rows for {} indexes",
+                    field.rows(),
+                    indexes.len()
+                )));
+            }
+            out.push(reply_rows(field, &received));
+        }
+        let versions = match (with_versions, got.extras.versions) {
+            (false, _) => None,
+            (true, Some(v)) if v.1.len() == indexes.len() * fields.len() => Some(v),
+            (true, _) => return Err(bad("the reply lacks the rows' versions".into())),
+        };
+        Ok((out, versions))
+    }
+
+    /// The versions of `indexes` of `fields` in a peer unit (see
+    /// [`crate::store::Unit::versions`]).
+    pub(crate) async fn versions_peer(
+        &self,
+        p: &PeerUnit,
+        indexes: &[u64],
+        fields: &[String],
+    ) -> Result<(u64, Vec<u64>), ManagerError> {
+        let op = native::Op::Versions {
+            global_indexes: native::Indexes::from_list(indexes),
+            fields: fields.to_vec(),
+        };
+        let got = self.exchange_peer(p, op, None, false).await?;
+        match got.reply {
+            native::Reply::VersionsOk {
+                incarnation,
+                versions,
+            } if versions.len() == indexes.len() * fields.len() => Ok((incarnation, versions)),
+            other => Err(Self::peer_unexpected(p, &other)),
+        }
+    }
+
+    /// Rows of a peer unit for a get: per field, a [`Rows`] answering
+    /// `positions` (one per index). Through the read cache if there is one.
+    pub(super) async fn get_peer(
+        &self,
+        p: &Arc<PeerUnit>,
+        indexes: &[u64],
+        positions: &[u64],
+        fields: &[String],
+    ) -> Result<Vec<Rows>, ManagerError> {
+        let per_field = match &self.cache {
+            Some(cache) => cache.get(self, p, indexes, fields).await?,
+            None => self.fetch_peer(p, indexes, fields, false).await?.0,
+        };
+        Ok(per_field
+            .into_iter()
+            .map(|rows| rows_at(rows, positions))
+            .collect())
+    }
+}
+
+/// A field's rows (column, row per index) as [`Rows`] answering `positions`.
+pub(super) fn rows_at(rows: Vec<(Arc<Column>, u32)>, positions: &[u64]) -> Rows {
+    let mut out = Rows::default();
+    let mut numbered: std::collections::HashMap<*const Column, u32> = Default::default();
+    for ((column, row), &pos) in rows.into_iter().zip(positions) {
+        let n = *numbered.entry(Arc::as_ptr(&column)).or_insert_with(|| {
+            out.columns.push(column.clone());
+            (out.columns.len() - 1) as u32
+        });
+        out.push(crate::store::Piece {
+            pos,
+            pos_step: 1,
+            column: n,
+            row,
+            count: 1,
+        });
+    }
+    out
+}
