@@ -19,6 +19,7 @@ mod limits;
 mod load;
 mod multihost;
 mod operating;
+mod peers;
 mod plugin_cli;
 mod policy;
 mod request_spans;

@@ -229,6 +229,10 @@ fn other_requests_round_trip() {
             dir: "/var/lib/stowd/ckpt".into(),
         },
         Op::Restore { dir: String::new() },
+        Op::Versions {
+            global_indexes: vec![9, 10, 11, 12].into(),
+            fields: vec!["a".into()],
+        },
     ];
     for op in ops {
         let req = Request { id: u64::MAX, op };
@@ -312,6 +316,10 @@ fn replies_round_trip() {
             seq: 7,
             rows: 10,
             lost: 2,
+        },
+        Reply::VersionsOk {
+            incarnation: u64::MAX,
+            versions: vec![0, 1, u64::MAX],
         },
     ];
     for reply in replies {
@@ -1040,4 +1048,70 @@ fn a_get_ok_layout_from_frame_0_places_every_row() {
         &[],
     );
     assert!(decode_reply_layout(&bad[0], &Limits::default()).is_err());
+}
+
+#[test]
+fn peer_keys_round_trip_and_are_checked() {
+    let req = Request {
+        id: 5,
+        op: Op::Get {
+            global_indexes: vec![1, 2].into(),
+            fields: vec!["a".into()],
+        },
+    };
+    let mut frames = encode_request(&req).unwrap();
+    let extras = Extras {
+        unit: Some(3),
+        with_versions: true,
+        channel: Some("tok".into()),
+        ..Extras::default()
+    };
+    frames[0] = with_extras(&frames[0], &extras).unwrap();
+    assert_eq!(decode(&frames).unwrap(), req, "the request is unchanged");
+    assert_eq!(
+        decode_extras(&frames[0], &Limits::default()).unwrap(),
+        extras
+    );
+
+    let reply = encode_reply(
+        5,
+        &Reply::GetOk {
+            fields: vec![(
+                "a".into(),
+                WireField::Values(vec![Value::Str("x".into()); 2]),
+            )],
+        },
+    )
+    .unwrap();
+    let frame0 = with_versions(&reply[0], 77, &[4, 0]).unwrap();
+    let got = decode_extras(&frame0, &Limits::default()).unwrap();
+    assert_eq!(got.versions, Some((77, vec![4, 0])));
+    assert!(decode_reply(&[frame0], &Limits::default()).is_ok());
+
+    // A versions bin that is not whole u64s, or a unit that is not a count.
+    let bad = |key: &'static str, value: M| {
+        let mut env = envelope("get", M::Map(vec![]));
+        if let M::Map(entries) = &mut env {
+            entries.push((key, value));
+        }
+        let frames = frames_with(env, &[]);
+        decode_extras(&frames[0], &Limits::default()).expect_err("accepted a bad peer key")
+    };
+    let bin7: Vec<u8> = [0xc4, 7].into_iter().chain([0; 7]).collect();
+    assert!(
+        bad("versions", M::Raw(bin7))
+            .to_string()
+            .contains("8 bytes")
+    );
+    assert!(bad("unit", M::S("0")).to_string().contains("unit"));
+    assert!(bad("with_versions", M::U(1)).to_string().contains("bool"));
+    // More versions than rows times fields a request may name.
+    let limits = Limits {
+        max_rows: 2,
+        max_fields: 1,
+        ..Limits::default()
+    };
+    let frame0 = with_versions(&reply[0], 1, &[1, 2, 3]).unwrap();
+    let e = decode_extras(&frame0, &limits).expect_err("too many versions");
+    assert_eq!(e.code(), code::TOO_LARGE, "{e}");
 }

@@ -1,0 +1,338 @@
+//! Peer units (issue 19): a `stowd` routing to units of another `stowd`
+//! through its native `stowage/1` endpoint (`stowage://host:port/<unit>`),
+//! with the node-local read cache. Real processes on loopback.
+//!
+//! - puts and gets of every field kind through a router mixing a local unit
+//!   and two peer units, rows byte-identical; a second get served from the
+//!   cache (hits, nothing fetched);
+//! - an overwrite or clear made on the peer directly (not through the
+//!   router) is seen at once: the new rows, never the old, and after a
+//!   clear `key_not_found`;
+//! - a restarted peer whose put generations repeat the old ones never
+//!   matches the cached rows (its incarnation differs);
+//! - 8 concurrent gets of the same rows fetch them once;
+//! - a small bound evicts and stays correct; `[cache] enabled = false`;
+//! - requests naming a unit: wrong unit, wrong op, shared memory; a bad
+//!   `stowage://` unit is refused at start.
+
+use std::sync::Arc;
+
+use stowage_host::batch::Field;
+use stowage_host::tensor::DType;
+use stowage_host::wire::native;
+use stowage_tests::data::{assert_cells, expected, f32_rows, nested, strings, wire_cells};
+use stowage_tests::{NativeClient, Stowd, TqClient, free_port};
+
+/// A peer `stowd` with `units` local units on a fixed native port.
+fn peer_config(port: u16, units: usize) -> String {
+    format!(
+        "[server]\nnative_port = {port}\n\n[units]\nlocal = {units}\n\n[router]\nenabled = false\n\n[shm]\nenabled = false\n"
+    )
+}
+
+/// A router `stowd`: its own unit 0, then units 0 and 1 of the peer.
+fn router_config(peer_port: u16, cache: &str) -> String {
+    format!(
+        "[units]\nlocal = 1\n\n[router]\nunits = [\"local:0\", \"stowage://127.0.0.1:{peer_port}/0\", \"stowage://127.0.0.1:{peer_port}/1\"]\ntimeout_secs = 10\n\n[shm]\nenabled = false\n\n{cache}"
+    )
+}
+
+fn batch(n: u64, seed: u64) -> Vec<(String, Field)> {
+    let lengths: Vec<u64> = (0..n).map(|i| i % 7).collect();
+    vec![
+        ("x".into(), Field::Regular(f32_rows(n, 48, seed))),
+        ("jag".into(), nested(DType::I64, &lengths, seed)),
+        ("s".into(), strings(&format!("v{seed}"), n as usize)),
+    ]
+}
+
+const FIELDS: [&str; 3] = ["x", "jag", "s"];
+
+async fn assert_get(
+    what: &str,
+    client: &NativeClient,
+    put: &[(String, Field)],
+    put_indexes: &[u64],
+    get_indexes: &[u64],
+) {
+    let got = client.get_ok(get_indexes, &FIELDS).await;
+    for ((name, field), (got_name, got_field)) in put.iter().zip(got) {
+        assert_eq!(name, &got_name, "{what}: field order");
+        assert_cells(
+            &format!("{what}: {name}"),
+            &wire_cells(got_field),
+            &expected(field, put_indexes, get_indexes),
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn peer_units_serve_every_kind_and_see_the_peers_changes() {
+    let port = free_port();
+    let peer = Stowd::start(&peer_config(port, 2));
+    let router = Stowd::start(&router_config(port, ""));
+    let client = NativeClient::new(router.native());
+    let indexes: Vec<u64> = (0..300).collect();
+    let v1 = batch(300, 1);
+    client.put_ok(&indexes, &v1).await;
+    // Two thirds of the rows went to the peer, in its two units.
+    let direct = NativeClient::new(peer.native());
+    assert_eq!(
+        direct.stat("keys").await,
+        200 * 3,
+        "rows stored on the peer"
+    );
+
+    assert_get("all", &client, &v1, &indexes, &indexes).await;
+    let fetched = client.stat("cache_fetched_bytes").await;
+    assert!(fetched > 0, "the first get fetched from the peer");
+    let strided: Vec<u64> = (1..300u64).rev().step_by(7).collect();
+    assert_get("strided, reversed", &client, &v1, &indexes, &strided).await;
+    assert_get("again", &client, &v1, &indexes, &indexes).await;
+    assert_eq!(
+        client.stat("cache_fetched_bytes").await,
+        fetched,
+        "rows at an unchanged version are not fetched again"
+    );
+    assert!(client.stat("cache_hits").await >= 200 * 3);
+
+    // An overwrite through the router.
+    let some: Vec<u64> = (0..300).step_by(5).collect();
+    let v2 = batch(some.len() as u64, 2);
+    client.put_ok(&some, &v2).await;
+    assert_get("overwritten rows", &client, &v2, &some, &some).await;
+
+    // An overwrite made on the peer's unit directly, in TransferQueue's
+    // protocol: index 1 lives in the peer's unit 0 (1 % 3 = 1).
+    let tq = TqClient::new(peer.unit(0));
+    let v3 = batch(1, 3);
+    tq.put_ok(&[1], v3.clone()).await;
+    assert_get("changed on the peer", &client, &v3, &[1], &[1]).await;
+
+    // A clear on the peer: the router says key_not_found, never the old row.
+    assert_eq!(direct.stat("keys").await % 3, 0);
+    match tq.clear(&[1]).await {
+        stowage_host::wire::tq::Reply::ClearData { .. } => {}
+        other => panic!("clear on the peer: {other:?}"),
+    }
+    let reply = client.get(&[1], &["x"]).await;
+    let (code, message) = stowage_tests::client::native_error(&reply);
+    assert_eq!(code, native::code::KEY_NOT_FOUND, "{message}");
+    assert!(
+        message.contains("stowage://127.0.0.1"),
+        "names the unit: {message}"
+    );
+
+    // Clearing one field through the router works on peer units.
+    let cleared = client.clear(&[2, 4], Some(&["s"])).await;
+    assert_eq!(cleared, 2);
+    let reply = client.get(&[2], &["s"]).await;
+    assert_eq!(
+        stowage_tests::client::native_error(&reply).0,
+        native::code::KEY_NOT_FOUND
+    );
+    let got = client.get_ok(&[2, 4], &["x"]).await;
+    assert_cells(
+        "other fields kept",
+        &wire_cells(got.into_iter().next().expect("one field").1),
+        &expected(&v1[0].1, &indexes, &[2, 4]),
+    );
+    router.stop();
+    peer.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_peer_never_matches_cached_rows() {
+    let port = free_port();
+    let mut peer = Stowd::start(&peer_config(port, 2));
+    let router = Stowd::start(&router_config(port, ""));
+    let client = NativeClient::new(router.native());
+    let indexes: Vec<u64> = (0..60).collect();
+    let v1 = batch(60, 1);
+    client.put_ok(&indexes, &v1).await;
+    assert_get("before", &client, &v1, &indexes, &indexes).await;
+    // Same puts in the same order after a restart: the same generations.
+    peer.kill();
+    let peer = Stowd::start(&peer_config(port, 2));
+    let v2 = batch(60, 2);
+    client.put_ok(&indexes, &v2).await;
+    assert_get("after the restart", &client, &v2, &indexes, &indexes).await;
+    router.stop();
+    peer.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_gets_of_the_same_rows_fetch_them_once() {
+    let port = free_port();
+    let peer = Stowd::start(&peer_config(port, 2));
+    let router = Stowd::start(&router_config(port, ""));
+    let client = Arc::new(NativeClient::new(router.native()));
+    let n = 3000u64;
+    let indexes: Vec<u64> = (0..n).collect();
+    let put = vec![("x".to_string(), Field::Regular(f32_rows(n, 256, 9)))];
+    client.put_ok(&indexes, &put).await;
+    let peer_rows: Vec<u64> = indexes.iter().copied().filter(|g| g % 3 != 0).collect();
+    let peer_bytes = peer_rows.len() as i64 * 256 * 4;
+    let mut readers = Vec::new();
+    for _ in 0..8 {
+        let (client, indexes, put) = (client.clone(), indexes.clone(), put.clone());
+        readers.push(tokio::spawn(async move {
+            let got = client.get_ok(&indexes, &["x"]).await;
+            assert_cells(
+                "reader",
+                &wire_cells(got.into_iter().next().expect("one field").1),
+                &expected(&put[0].1, &indexes, &indexes),
+            );
+        }));
+    }
+    for r in readers {
+        r.await.expect("reader");
+    }
+    let fetched = client.stat("cache_fetched_bytes").await;
+    assert_eq!(
+        fetched,
+        peer_bytes,
+        "8 readers of the same rows: fetched once (hits {}, shared {}, misses {})",
+        client.stat("cache_hits").await,
+        client.stat("cache_shared").await,
+        client.stat("cache_misses").await
+    );
+    assert_eq!(
+        client.stat("cache_saved_bytes").await,
+        7 * peer_bytes,
+        "the 7 other readers' rows came from the cache or the shared fetch"
+    );
+    router.stop();
+    peer.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_small_cache_evicts_and_a_disabled_one_is_not_there() {
+    let port = free_port();
+    let peer = Stowd::start(&peer_config(port, 2));
+    // Room for about one fetch of 100 rows of 4 KiB.
+    let small = Stowd::start(&router_config(port, "[cache]\nmax_bytes = 300000\n"));
+    let client = NativeClient::new(small.native());
+    let put = |seed| vec![("x".to_string(), Field::Regular(f32_rows(150, 1024, seed)))];
+    let a: Vec<u64> = (0..150).collect();
+    let b: Vec<u64> = (1000..1150).collect();
+    let (pa, pb) = (put(1), put(2));
+    client.put_ok(&a, &pa).await;
+    client.put_ok(&b, &pb).await;
+    for round in 0..3 {
+        for (indexes, put) in [(&a, &pa), (&b, &pb)] {
+            let got = client.get_ok(indexes, &["x"]).await;
+            assert_cells(
+                &format!("round {round}"),
+                &wire_cells(got.into_iter().next().unwrap().1),
+                &expected(&put[0].1, indexes, indexes),
+            );
+        }
+    }
+    assert!(client.stat("cache_evictions").await >= 4);
+    assert!(client.stat("cache_bytes").await <= 300_000);
+    small.stop();
+
+    let off = Stowd::start(&router_config(port, "[cache]\nenabled = false\n"));
+    let client = NativeClient::new(off.native());
+    client.put_ok(&a, &pa).await;
+    let got = client.get_ok(&a, &["x"]).await;
+    assert_cells(
+        "no cache",
+        &wire_cells(got.into_iter().next().unwrap().1),
+        &expected(&pa[0].1, &a, &a),
+    );
+    let stats = client.stats().await;
+    assert!(
+        !stats.iter().any(|(k, _)| k.starts_with("cache_")),
+        "no cache counters without a cache"
+    );
+    off.stop();
+    peer.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_naming_a_unit_are_checked() {
+    let port = free_port();
+    let peer = Stowd::start(&peer_config(port, 2));
+    let client = NativeClient::new(peer.native());
+    let unit = |u| native::Extras {
+        unit: Some(u),
+        ..Default::default()
+    };
+    let versions = native::Op::Versions {
+        global_indexes: vec![1u64, 2].into(),
+        fields: vec!["x".into()],
+    };
+    let reply = client.call_with(versions.clone(), &unit(2)).await;
+    let (code, message) = stowage_tests::client::native_error(&reply);
+    assert_eq!(code, native::code::BAD_REQUEST);
+    assert!(
+        message.contains("unit 2 does not exist") && message.contains("2 local unit"),
+        "{message}"
+    );
+    let reply = client.call_with(native::Op::Stats, &unit(0)).await;
+    assert!(
+        stowage_tests::client::native_error(&reply)
+            .1
+            .contains("does not name a unit")
+    );
+    let reply = client.call(versions.clone()).await;
+    assert!(
+        stowage_tests::client::native_error(&reply)
+            .1
+            .contains("peer request")
+    );
+    let same_node = native::Extras {
+        unit: Some(0),
+        same_node: true,
+        ..Default::default()
+    };
+    let reply = client.call_with(versions.clone(), &same_node).await;
+    assert!(
+        stowage_tests::client::native_error(&reply)
+            .1
+            .contains("not shared memory")
+    );
+    // Versions of rows not stored are 0; stored rows get the put's
+    // generation, one more per put.
+    match client.call_with(versions.clone(), &unit(0)).await {
+        native::Reply::VersionsOk { versions, .. } => assert_eq!(versions, vec![0, 0]),
+        other => panic!("{other:?}"),
+    }
+    let put = |seed| native::Op::Put {
+        global_indexes: vec![1],
+        fields: vec![(
+            "x".into(),
+            native::WireField::from_field(&Field::Regular(f32_rows(1, 4, seed))).unwrap(),
+        )],
+    };
+    for seed in 0..2 {
+        match client.call_with(put(seed), &unit(0)).await {
+            native::Reply::PutOk { rows: 1 } => {}
+            other => panic!("{other:?}"),
+        }
+    }
+    let incarnation = match client.call_with(versions.clone(), &unit(0)).await {
+        native::Reply::VersionsOk {
+            versions,
+            incarnation,
+        } => {
+            assert_eq!(versions, vec![2, 0]);
+            incarnation
+        }
+        other => panic!("{other:?}"),
+    };
+    match client.call_with(versions, &unit(1)).await {
+        native::Reply::VersionsOk {
+            incarnation: other, ..
+        } => assert_ne!(other, incarnation, "each unit draws its own incarnation"),
+        other => panic!("{other:?}"),
+    }
+    peer.stop();
+
+    let err =
+        Stowd::try_start("[units]\nlocal = 0\n\n[router]\nunits = [\"stowage://127.0.0.1/0\"]\n")
+            .expect_err("a stowage:// unit without a port");
+    assert!(err.contains("stowage://host:port/<unit>"), "{err}");
+}
