@@ -20,6 +20,7 @@ mod load;
 mod multihost;
 mod operating;
 mod peers;
+mod peers_netns;
 mod plugin_cli;
 mod policy;
 mod request_spans;

@@ -1,0 +1,315 @@
+//! Peer units across hosts (issue 19), with network namespaces standing in
+//! for hosts: host A runs a router `stowd` whose two units are units of
+//! the `stowd` on host B (`stowage://`), and the bytes that cross the A–B
+//! link are counted on its veth.
+//!
+//! - 8 readers on A get the same batch held on B at the same time, and 8
+//!   more later: the bytes B sends A are at most 1.1x the batch the first
+//!   time (against 8x without the cache), and only versions the second
+//!   time; every reader gets the rows that were put;
+//! - an overwrite made on B directly (not through A), then a get on A: the
+//!   new rows; a clear on B: `key_not_found`.
+//!
+//! The test process reaches A and B through a veth each from the host
+//! namespace (10.79.x.y/24); A and B share a third. A guard removes the
+//! namespaces and links, panics included. Needs root and `ip`.
+
+use std::sync::Arc;
+
+use stowage_host::batch::Field;
+use stowage_host::wire::native;
+use stowage_tests::data::{assert_cells, expected, f32_rows, wire_cells};
+use stowage_tests::{NativeClient, Stowd};
+
+use crate::multihost::ip;
+
+/// B's native port.
+const PEER_PORT: u16 = 7300;
+
+/// Namespaces `a` and `b`, veths host–a, host–b, a–b; removed on drop.
+struct Hosts {
+    a: String,
+    b: String,
+    links: Vec<String>,
+    base: u8,
+    /// A's end of the A–B link.
+    ab: String,
+}
+
+impl Hosts {
+    fn a_addr(&self) -> String {
+        format!("10.79.{}.2", self.base)
+    }
+    fn b_addr(&self) -> String {
+        format!("10.79.{}.2", self.base + 1)
+    }
+    /// B's address on the A–B link.
+    fn b_from_a(&self) -> String {
+        format!("10.79.{}.2", self.base + 2)
+    }
+
+    fn create() -> Result<Hosts, String> {
+        if unsafe { libc::geteuid() } != 0 {
+            return Err("not root".into());
+        }
+        if std::process::Command::new("ip").arg("-V").output().is_err() {
+            return Err("`ip` (iproute2) is not installed".into());
+        }
+        let pid = std::process::id();
+        let tag = format!("{:05}", pid % 100_000);
+        let routes = std::process::Command::new("ip")
+            .args(["-4", "route", "show"])
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).to_string())
+            .unwrap_or_default();
+        let base = (0..80u32)
+            .map(|k| (((pid + k) % 80) * 3) as u8)
+            .find(|b| (0..3u8).all(|i| !routes.contains(&format!("10.79.{}.", b + i))))
+            .ok_or("no free 10.79.x.0/24 block")?;
+        let mut hosts = Hosts {
+            a: format!("stowage-pn-{tag}-a"),
+            b: format!("stowage-pn-{tag}-b"),
+            links: Vec::new(),
+            base,
+            ab: format!("stp{tag}ab"),
+        };
+        hosts
+            .build(&tag)
+            .map_err(|e| format!("cannot create the namespaces: {e}"))?;
+        Ok(hosts)
+    }
+
+    fn build(&mut self, tag: &str) -> Result<(), String> {
+        for ns in [&self.a, &self.b] {
+            ip(&["netns", "add", ns])?;
+            ip(&["-n", ns, "link", "set", "lo", "up"])?;
+        }
+        // Host <-> A and host <-> B.
+        for (k, ns) in [self.a.clone(), self.b.clone()].iter().enumerate() {
+            let (host_end, ns_end) = (format!("stp{tag}h{k}"), format!("stp{tag}n{k}"));
+            ip(&[
+                "link", "add", &host_end, "type", "veth", "peer", "name", &ns_end,
+            ])?;
+            self.links.push(host_end.clone());
+            ip(&["link", "set", &ns_end, "netns", ns])?;
+            let subnet = self.base as usize + k;
+            ip(&[
+                "addr",
+                "add",
+                &format!("10.79.{subnet}.1/24"),
+                "dev",
+                &host_end,
+            ])?;
+            ip(&["link", "set", &host_end, "up"])?;
+            ip(&[
+                "-n",
+                ns,
+                "addr",
+                "add",
+                &format!("10.79.{subnet}.2/24"),
+                "dev",
+                &ns_end,
+            ])?;
+            ip(&["-n", ns, "link", "set", &ns_end, "up"])?;
+        }
+        // A <-> B.
+        let ba = format!("stp{tag}ba");
+        ip(&[
+            "-n", &self.a, "link", "add", &self.ab, "type", "veth", "peer", "name", &ba, "netns",
+            &self.b,
+        ])?;
+        let subnet = self.base as usize + 2;
+        ip(&[
+            "-n",
+            &self.a,
+            "addr",
+            "add",
+            &format!("10.79.{subnet}.1/24"),
+            "dev",
+            &self.ab,
+        ])?;
+        ip(&["-n", &self.a, "link", "set", &self.ab, "up"])?;
+        ip(&[
+            "-n",
+            &self.b,
+            "addr",
+            "add",
+            &format!("10.79.{subnet}.2/24"),
+            "dev",
+            &ba,
+        ])?;
+        ip(&["-n", &self.b, "link", "set", &ba, "up"])?;
+        Ok(())
+    }
+
+    /// Bytes A has received on the A–B link.
+    fn a_received(&self) -> u64 {
+        let out = std::process::Command::new("ip")
+            .args([
+                "netns",
+                "exec",
+                &self.a,
+                "cat",
+                &format!("/sys/class/net/{}/statistics/rx_bytes", self.ab),
+            ])
+            .output()
+            .expect("ip netns exec");
+        String::from_utf8_lossy(&out.stdout)
+            .trim()
+            .parse()
+            .unwrap_or_else(|e| panic!("rx_bytes of {}: {e}", self.ab))
+    }
+}
+
+impl Drop for Hosts {
+    fn drop(&mut self) {
+        for ns in [&self.a, &self.b] {
+            if let Err(e) = ip(&["netns", "del", ns]) {
+                eprintln!("cleanup: {e}");
+            }
+        }
+        for l in &self.links {
+            if std::path::Path::new(&format!("/sys/class/net/{l}")).exists()
+                && let Err(e) = ip(&["link", "del", l])
+            {
+                eprintln!("cleanup: {e}");
+            }
+        }
+    }
+}
+
+/// 8 readers of `indexes` at once through `client`; each checks its rows.
+async fn eight_readers(client: &Arc<NativeClient>, indexes: &[u64], put: &Field) {
+    let mut readers = Vec::new();
+    for r in 0..8 {
+        let (client, indexes, put) = (client.clone(), indexes.to_vec(), put.clone());
+        readers.push(tokio::spawn(async move {
+            let got = client.get_ok(&indexes, &["x"]).await;
+            assert_cells(
+                &format!("reader {r}"),
+                &wire_cells(got.into_iter().next().expect("one field").1),
+                &expected(&put, &indexes, &indexes),
+            );
+        }));
+    }
+    for r in readers {
+        r.await.expect("reader");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn eight_readers_on_one_host_cost_one_transfer_across_the_link() {
+    let hosts = match Hosts::create() {
+        Ok(h) => h,
+        Err(why) => {
+            eprintln!("SKIPPED peers_netns: network namespaces are not available here: {why}");
+            return;
+        }
+    };
+    let b = Stowd::start_in_netns(
+        &hosts.b,
+        &format!(
+            "[server]\nhost = \"0.0.0.0\"\nnative_port = {PEER_PORT}\n\n[units]\nlocal = 2\n\n[router]\nenabled = false\n\n[shm]\nenabled = false\n"
+        ),
+    );
+    let a = Stowd::start_in_netns(
+        &hosts.a,
+        &format!(
+            "[server]\nhost = {:?}\n\n[units]\nlocal = 0\n\n[router]\nunits = [\"stowage://{peer}:{PEER_PORT}/0\", \"stowage://{peer}:{PEER_PORT}/1\"]\ntimeout_secs = 20\n\n[shm]\nenabled = false\n",
+            hosts.a_addr(),
+            peer = hosts.b_from_a(),
+        ),
+    );
+    // 32 MiB: 8,192 rows of 4 KiB.
+    let n = 8192u64;
+    let batch_bytes = n * 4096;
+    let indexes: Vec<u64> = (0..n).collect();
+    let put = Field::Regular(f32_rows(n, 1024, 5));
+    let client = Arc::new(NativeClient::new(a.native()));
+    client
+        .put_ok(&indexes, &[("x".to_string(), put.clone())])
+        .await;
+
+    let before = hosts.a_received();
+    eight_readers(&client, &indexes, &put).await;
+    let first = hosts.a_received() - before;
+    println!(
+        "8 readers at once: {first} bytes crossed the link for a {batch_bytes}-byte batch ({:.3}x)",
+        first as f64 / batch_bytes as f64
+    );
+    assert!(
+        first as f64 <= 1.1 * batch_bytes as f64,
+        "8 readers moved {first} bytes across the link, more than 1.1x the {batch_bytes}-byte batch"
+    );
+    let before = hosts.a_received();
+    eight_readers(&client, &indexes, &put).await;
+    let later = hosts.a_received() - before;
+    println!(
+        "8 readers later: {later} bytes ({:.3}x)",
+        later as f64 / batch_bytes as f64
+    );
+    assert!(
+        later as f64 <= 0.2 * batch_bytes as f64,
+        "unchanged rows crossed the link again: {later} bytes"
+    );
+
+    // Changes made on B itself, not through A.
+    let direct = NativeClient::new(&format!("tcp://{}:{PEER_PORT}", hosts.b_addr()));
+    let changed: Vec<u64> = vec![10, 11, 4097];
+    for (k, &g) in changed.iter().enumerate() {
+        let row = f32_rows(1, 1024, 99 + 1000 * k as u64);
+        let reply = direct
+            .call_with(
+                native::Op::Put {
+                    global_indexes: vec![g],
+                    fields: vec![(
+                        "x".into(),
+                        native::WireField::from_field(&Field::Regular(row)).unwrap(),
+                    )],
+                },
+                &native::Extras {
+                    unit: Some(g % 2),
+                    ..Default::default()
+                },
+            )
+            .await;
+        assert!(
+            matches!(reply, native::Reply::PutOk { rows: 1 }),
+            "{reply:?}"
+        );
+    }
+    let got = client.get_ok(&changed, &["x"]).await;
+    let want: Vec<_> = (0..3)
+        .map(|k| {
+            stowage_tests::data::cells(&Field::Regular(f32_rows(1, 1024, 99 + 1000 * k))).remove(0)
+        })
+        .collect();
+    assert_cells(
+        "overwritten on B",
+        &wire_cells(got.into_iter().next().unwrap().1),
+        &want,
+    );
+    let reply = direct
+        .call_with(
+            native::Op::Clear {
+                global_indexes: vec![10],
+                fields: None,
+            },
+            &native::Extras {
+                unit: Some(0),
+                ..Default::default()
+            },
+        )
+        .await;
+    assert!(
+        matches!(reply, native::Reply::ClearOk { cleared: 1 }),
+        "{reply:?}"
+    );
+    let reply = client.get(&[10], &["x"]).await;
+    assert_eq!(
+        stowage_tests::client::native_error(&reply).0,
+        native::code::KEY_NOT_FOUND
+    );
+    a.stop();
+    b.stop();
+}
