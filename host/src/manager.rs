@@ -11,6 +11,7 @@
 //! (zero copy) and one coalesced frame (one copy), the two layouts the
 //! TransferQueue wire format allows; that forwarding is in `manager/remote.rs`.
 
+pub mod dedup;
 mod peer;
 mod remote;
 #[cfg(test)]
@@ -133,6 +134,9 @@ pub struct Manager {
     pub counters: DataCounters,
     /// Rows of peer units kept on this node, if enabled.
     cache: Option<Arc<crate::cache::ReadCache>>,
+    /// Field-name patterns whose puts are deduplicated ([`dedup`]).
+    dedup: Vec<String>,
+    pub dedup_counters: dedup::DedupCounters,
 }
 
 impl std::fmt::Debug for Manager {
@@ -165,7 +169,16 @@ impl Manager {
             sender_id,
             counters: DataCounters::default(),
             cache: None,
+            dedup: Vec::new(),
+            dedup_counters: Default::default(),
         }
+    }
+
+    /// The same manager, deduplicating the rows of fields whose name
+    /// matches one of `patterns` within each put ([`dedup`]).
+    pub fn with_dedup(mut self, patterns: Vec<String>) -> Manager {
+        self.dedup = patterns;
+        self
     }
 
     /// The same manager, keeping peer units' rows in `cache`.
@@ -411,6 +424,7 @@ impl Manager {
         // the worker, had made tokio start a replacement worker per entry
         // (196 threads under 64 clients, docs/benchmarks.md).
         let mut per_unit = plan_all()?;
+        self.dedup_put(&fields, &mut per_unit);
         for (target, part) in self.targets.iter().zip(&per_unit) {
             if let (Target::Local(unit), Some((indexes, unit_fields))) = (target, part) {
                 unit.check_put(indexes, unit_fields)?;
@@ -462,6 +476,35 @@ impl Manager {
             }
         }
         Ok(())
+    }
+
+    /// Deduplicates the rows local units are about to store for fields
+    /// whose name `[dedup] fields` matches.
+    #[allow(clippy::type_complexity)]
+    fn dedup_put(
+        &self,
+        fields: &[(String, Field)],
+        per_unit: &mut [Option<(Vec<u64>, Vec<(String, Vec<Column>)>)>],
+    ) {
+        for (f, (name, _)) in fields.iter().enumerate() {
+            if !self
+                .dedup
+                .iter()
+                .any(|p| crate::policy::registry::glob_match(p, name))
+            {
+                continue;
+            }
+            let mut units: Vec<dedup::UnitFields<'_>> = self
+                .targets
+                .iter()
+                .zip(per_unit.iter_mut())
+                .map(|(t, part)| match (t, part) {
+                    (Target::Local(_), Some((_, fields))) => Some(fields),
+                    _ => None,
+                })
+                .collect();
+            dedup::field(&mut units, f, &self.dedup_counters);
+        }
     }
 
     /// The runs of `global_indexes` each target gets: index `g` goes to

@@ -10,6 +10,7 @@ mod chains;
 mod checkpoint;
 mod compile_cache;
 mod contract_versions;
+mod dedup;
 mod dtypes;
 mod fuzz_corpora;
 mod hostile_live;

@@ -27,6 +27,7 @@ pub struct Config {
     pub shm: ShmConfig,
     pub metrics: MetricsConfig,
     pub cache: CacheConfig,
+    pub dedup: DedupConfig,
     /// Policy chains by field-name pattern, first match wins.
     #[serde(rename = "chain")]
     pub chains: Vec<ChainConfig>,
@@ -47,6 +48,7 @@ impl Default for Config {
             shm: ShmConfig::default(),
             metrics: MetricsConfig::default(),
             cache: CacheConfig::default(),
+            dedup: DedupConfig::default(),
             chains: registry::default_chains(),
             restore: None,
         }
@@ -511,6 +513,16 @@ impl CacheConfig {
             n => n,
         }
     }
+}
+
+/// Deduplicated puts (`stowage_host::manager::dedup`).
+#[derive(Clone, Debug, Default, PartialEq, Deserialize, Serialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DedupConfig {
+    /// Field-name patterns (as `[[chain]] fields`: `*` matches any run of
+    /// characters) whose byte-identical rows within one put are stored
+    /// once. Each put of such a field is hashed once (XXH3). Empty: none.
+    pub fields: Vec<String>,
 }
 
 /// A configuration file that could not be used.

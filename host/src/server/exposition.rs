@@ -246,6 +246,31 @@ pub fn render(metrics: &Metrics, manager: &Manager, units: &[Arc<Unit>]) -> Stri
         "Remote units the router sends to.",
     );
     t.sample(&[], remote as f64);
+    let d = &manager.dedup_counters;
+    t.family(
+        "stowd_dedup_rows_total",
+        COUNTER,
+        "Rows stored once because a put held a byte-identical row of the same field ([dedup] fields).",
+    );
+    t.sample(&[], get(&d.rows));
+    t.family(
+        "stowd_dedup_bytes_total",
+        COUNTER,
+        "Bytes of those rows: not stored again.",
+    );
+    t.sample(&[], get(&d.bytes));
+    t.family(
+        "stowd_dedup_scanned_bytes_total",
+        COUNTER,
+        "Row bytes hashed to find duplicates.",
+    );
+    t.sample(&[], get(&d.scanned_bytes));
+    t.family(
+        "stowd_dedup_seconds_total",
+        COUNTER,
+        "Time spent finding and storing duplicates once, seconds.",
+    );
+    t.sample(&[], get(&d.ns) / 1e9);
     if let Some(cache) = manager.cache() {
         let k = &cache.counters;
         t.family(

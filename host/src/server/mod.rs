@@ -361,7 +361,8 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
             Duration::from_secs(config.router.timeout_secs),
             sender,
         )
-        .with_cache(cache),
+        .with_cache(cache)
+        .with_dedup(config.dedup.fields.clone()),
     );
 
     if let Some(dir) = &config.restore {

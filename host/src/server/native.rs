@@ -606,6 +606,15 @@ impl NativeService {
             stats.push(("cache_bytes".into(), int(cache.bytes())));
             stats.push(("cache_max_bytes".into(), int(cache.max_bytes())));
         }
+        let d = &m.dedup_counters;
+        for (key, v) in [
+            ("dedup_rows", &d.rows),
+            ("dedup_bytes", &d.bytes),
+            ("dedup_scanned_bytes", &d.scanned_bytes),
+            ("dedup_ns", &d.ns),
+        ] {
+            stats.push((key.into(), int(v.load(Ordering::Relaxed))));
+        }
         stats.push((
             "zero_copy_bytes".into(),
             int(c.zero_copy_bytes.load(Ordering::Relaxed)),

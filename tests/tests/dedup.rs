@@ -1,0 +1,135 @@
+//! Deduplicated puts (issue 19): `[dedup] fields` on the real `stowd`.
+//!
+//! - a GRPO-style put (8 prompts, each repeated for 8 samples) stores each
+//!   distinct prompt row once: `dedup_rows` and `dedup_bytes` count the
+//!   other 56, every row reads back byte-identical, in both protocols;
+//! - clearing or overwriting one copy leaves the other copies;
+//! - fields the patterns do not name, and a put without duplicates, are
+//!   stored as they came (hashed, nothing saved);
+//! - nested rows (images of one shape or another) are deduplicated too.
+
+use stowage_host::batch::Field;
+use stowage_host::tensor::{DType, Tensor};
+use stowage_tests::data::{assert_cells, cells, expected, f32_rows, tensor, wire_cells};
+use stowage_tests::{NativeClient, Stowd, TqClient};
+
+/// `prompts` distinct rows of `cols` float32, each repeated `samples`
+/// times in a row (as GRPO puts them).
+fn repeated(prompts: u64, samples: u64, cols: u64) -> Field {
+    let distinct = f32_rows(prompts, cols, 3);
+    let rows: Vec<Tensor> = (0..prompts * samples)
+        .map(|i| distinct.row_tensor(i / samples).expect("row"))
+        .collect();
+    let mut bytes = Vec::new();
+    for r in &rows {
+        bytes.extend_from_slice(&r.contiguous_bytes());
+    }
+    Field::Regular(
+        Tensor::contiguous(bytes.into(), DType::F32, vec![prompts * samples, cols]).expect("shape"),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn repeated_rows_of_a_named_field_are_stored_once() {
+    let stowd = Stowd::start(
+        "[units]\nlocal = 2\n\n[dedup]\nfields = [\"prompt*\", \"image\"]\n\n[shm]\nenabled = false\n",
+    );
+    let client = NativeClient::new(stowd.native());
+    let indexes: Vec<u64> = (0..64).collect();
+    let prompt = repeated(8, 8, 256);
+    let response = Field::Regular(f32_rows(64, 32, 5));
+    // Images: 2 distinct of one shape, 2 of another, each 16 times.
+    let images: Vec<Tensor> = (0..64u64)
+        .map(|i| match i % 4 {
+            0 | 1 => tensor(DType::U8, &[3, 8, 8], i % 4),
+            _ => tensor(DType::U8, &[3, 4, 4], i % 4),
+        })
+        .collect();
+    let image = Field::Nested(images);
+    let fields = vec![
+        ("prompt_ids".to_string(), prompt.clone()),
+        ("response".to_string(), response.clone()),
+        ("image".to_string(), image.clone()),
+    ];
+    client.put_ok(&indexes, &fields).await;
+    let prompt_dups = 64 - 8;
+    let image_dups = 64 - 4;
+    assert_eq!(
+        client.stat("dedup_rows").await,
+        prompt_dups + image_dups,
+        "duplicates of prompt_ids and image"
+    );
+    let image_saved: i64 = (4..64).map(|i: i64| if i % 4 < 2 { 192 } else { 48 }).sum();
+    assert_eq!(
+        client.stat("dedup_bytes").await,
+        prompt_dups * 1024 + image_saved
+    );
+    let scanned = client.stat("dedup_scanned_bytes").await;
+    assert_eq!(scanned, 64 * 1024 + 64 * 120);
+
+    let check = |what: &'static str| {
+        let client = &client;
+        let (indexes, fields) = (&indexes, &fields);
+        async move {
+            let got = client
+                .get_ok(indexes, &["prompt_ids", "response", "image"])
+                .await;
+            for ((name, want), (_, got)) in fields.iter().zip(got) {
+                assert_cells(&format!("{what}: {name}"), &wire_cells(got), &cells(want));
+            }
+        }
+    };
+    check("native").await;
+    let tq = TqClient::new(stowd.router());
+    match tq.get(&indexes, &["prompt_ids", "image"]).await {
+        stowage_host::wire::tq::Reply::GetData { fields: got } => {
+            assert_cells("tq prompt", &got[0].1, &cells(&prompt));
+            assert_cells("tq image", &got[1].1, &cells(&image));
+        }
+        other => panic!("tq get: {other:?}"),
+    }
+
+    // Clear one copy, overwrite another: the rest keep their rows.
+    assert_eq!(client.clear(&[0], Some(&["prompt_ids"])).await, 1);
+    let new = Field::Regular(f32_rows(1, 256, 77));
+    client
+        .put_ok(&[1], &[("prompt_ids".to_string(), new.clone())])
+        .await;
+    let rest: Vec<u64> = (2..8).collect();
+    let got = client.get_ok(&rest, &["prompt_ids"]).await;
+    assert_cells(
+        "the other copies",
+        &wire_cells(got.into_iter().next().unwrap().1),
+        &expected(&prompt, &indexes, &rest),
+    );
+    let got = client.get_ok(&[1], &["prompt_ids"]).await;
+    assert_cells(
+        "the overwritten copy",
+        &wire_cells(got.into_iter().next().unwrap().1),
+        &cells(&new),
+    );
+    let reply = client.get(&[0], &["prompt_ids"]).await;
+    assert_eq!(
+        stowage_tests::client::native_error(&reply).0,
+        "key_not_found"
+    );
+
+    // A put without duplicates: hashed, nothing saved.
+    let before = client.stat("dedup_rows").await;
+    let distinct: Vec<u64> = (100..132).collect();
+    client
+        .put_ok(
+            &distinct,
+            &[(
+                "prompt_ids".to_string(),
+                Field::Regular(f32_rows(32, 256, 9)),
+            )],
+        )
+        .await;
+    assert_eq!(client.stat("dedup_rows").await, before);
+    assert_eq!(
+        client.stat("dedup_scanned_bytes").await,
+        scanned + 1024 + 32 * 1024
+    );
+    stowd.stop();
+}
