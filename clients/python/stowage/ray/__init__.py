@@ -27,8 +27,10 @@ child gets SIGTERM if the actor process dies first (PR_SET_PDEATHSIG).
 Routing (`routing=`):
 - "cluster" (default): every node's stowd routes over ALL units of all
   nodes, in one order (`[router] units`: its own as `local:<i>`, the
-  others' as `tcp://`), so any node's native and router endpoints see the
-  same rows: global index g lives on unit `units[g % N]`.
+  others' as `stowage://host:native_port/<i>`, spoken to in stowage/1 with
+  the node's read cache: K ranks on a node getting the same remote rows
+  move them across the network once), so any node's native and router
+  endpoints see the same rows: global index g lives on unit `units[g % N]`.
 - "node": each stowd routes over its own units only (stowd's default); a
   client sees the rows put through the same node's stowd. The full unit list
   (`units`) still lets TransferQueue route across nodes itself.

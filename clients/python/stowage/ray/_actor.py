@@ -81,6 +81,10 @@ class StowdNode:
             "host": self.host,
             "hostname": socket.gethostname(),
             "units": [f"tcp://{self._host_for_url()}:{ports['unit_base'] + i}" for i in range(n)],
+            # The same units as other stowds route to them: in stowage/1,
+            # through this stowd's native port (rows in a few large frames,
+            # and the routing stowd's read cache).
+            "peers": [f"stowage://{self._host_for_url()}:{ports['native']}/{i}" for i in range(n)],
         }
 
     def start(self, router_units: list[str] | None) -> dict:

@@ -465,12 +465,14 @@ def launch(
         prepared = _gather(actors, {nid: a.prepare.remote() for nid, a in actors.items()}, timeout, "prepare")
         order = sorted(node_ids, key=lambda nid: (prepared[nid]["ip"], nid))
         units = [u for nid in order for u in prepared[nid]["units"]]
+        # Another node's unit is routed to as a stowage/1 peer unit.
+        peer_of = {u: p for nid in order for u, p in zip(prepared[nid]["units"], prepared[nid]["peers"])}
         starts = {}
         for nid, a in actors.items():
             router_units = None
             if routing == "cluster":
                 own = prepared[nid]["units"]
-                router_units = [f"local:{own.index(u)}" if u in own else u for u in units]
+                router_units = [f"local:{own.index(u)}" if u in own else peer_of[u] for u in units]
             starts[nid] = a.start.remote(router_units)
         infos = _gather(actors, starts, timeout, "start")
     except BaseException:
