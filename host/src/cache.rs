@@ -74,6 +74,9 @@ struct Batch {
     indexes: Vec<u64>,
     bytes: u64,
     tick: u64,
+    /// Its rows still cached: at 0 the fetch is dropped (its buffers
+    /// freed, or back in the receive pool).
+    live: u64,
 }
 
 /// What a fetch brought, for the gets that waited for it.
@@ -204,6 +207,7 @@ impl ReadCache {
         {
             let mut inner = self.lock();
             let mut touched: Vec<u64> = Vec::new();
+            let mut stale: Vec<(usize, u64)> = Vec::new();
             for (f, field) in fields.iter().enumerate() {
                 let cached = inner.rows.get(&p.name).and_then(|m| m.get(field));
                 let flying = inner.flights.get(&p.name).and_then(|m| m.get(field));
@@ -226,6 +230,9 @@ impl ReadCache {
                     {
                         waits.push((flight.clone(), f, i));
                     } else {
+                        if cached.is_some_and(|c| c.contains_key(&g)) {
+                            stale.push((f, g));
+                        }
                         need[i] = true;
                         need_field[f] = true;
                         mine.push(g);
@@ -239,6 +246,10 @@ impl ReadCache {
             touched.dedup();
             for b in touched {
                 inner.touch(b);
+            }
+            // Rows whose version moved on: dropped now, not at eviction.
+            for (f, g) in stale {
+                inner.remove(&p.name, &fields[f], g);
             }
             for (field, keys) in &landing.keys {
                 let map = inner
@@ -406,11 +417,12 @@ impl ReadCache {
             indexes[i] = g;
         }
         let by_field = inner.rows.entry(peer.to_string()).or_default();
+        let mut replaced = Vec::new();
         for (ff, field) in fetched.fields.iter().enumerate() {
             let map = by_field.entry(field.clone()).or_default();
             for (i, &g) in indexes.iter().enumerate() {
                 let (column, row) = fetched.rows[ff][i].clone();
-                map.insert(
+                let old = map.insert(
                     g,
                     Entry {
                         incarnation: fetched.incarnation,
@@ -420,13 +432,18 @@ impl ReadCache {
                         batch: id,
                     },
                 );
+                replaced.extend(old.map(|e| e.batch));
             }
+        }
+        for batch in replaced {
+            inner.release(batch);
         }
         inner.batches.insert(
             id,
             Batch {
                 peer: peer.to_string(),
                 fields: fetched.fields.clone(),
+                live: (indexes.len() * fetched.fields.len()) as u64,
                 indexes,
                 bytes,
                 tick,
@@ -437,7 +454,55 @@ impl ReadCache {
     }
 }
 
+impl ReadCache {
+    /// Drops every field of `indexes` of peer unit `p` (they were put or
+    /// cleared through this stowd: their versions moved on).
+    pub fn forget(&self, p: &PeerUnit, indexes: &[u64]) {
+        let mut inner = self.lock();
+        let fields: Vec<String> = match inner.rows.get(&p.name) {
+            Some(by_field) => by_field.keys().cloned().collect(),
+            None => return,
+        };
+        for field in &fields {
+            for &g in indexes {
+                inner.remove(&p.name, field, g);
+            }
+        }
+    }
+}
+
 impl Inner {
+    /// Removes one cached row, and its fetch once no row of it is left.
+    fn remove(&mut self, peer: &str, field: &str, g: u64) {
+        let Some(by_field) = self.rows.get_mut(peer) else {
+            return;
+        };
+        let Some(map) = by_field.get_mut(field) else {
+            return;
+        };
+        let Some(e) = map.remove(&g) else { return };
+        if map.is_empty() {
+            by_field.remove(field);
+            if by_field.is_empty() {
+                self.rows.remove(peer);
+            }
+        }
+        self.release(e.batch);
+    }
+
+    /// One row of fetch `batch` is no longer cached.
+    fn release(&mut self, batch: u64) {
+        let Some(b) = self.batches.get_mut(&batch) else {
+            return;
+        };
+        b.live = b.live.saturating_sub(1);
+        if b.live == 0 {
+            let b = self.batches.remove(&batch).expect("present");
+            self.lru.remove(&b.tick);
+            self.bytes -= b.bytes;
+        }
+    }
+
     /// Marks a fetch used now.
     fn touch(&mut self, batch: u64) {
         self.tick += 1;

@@ -231,6 +231,17 @@ async fn a_small_cache_evicts_and_a_disabled_one_is_not_there() {
     }
     assert!(client.stat("cache_evictions").await >= 4);
     assert!(client.stat("cache_bytes").await <= 300_000);
+    // Rows cleared (or put) through this stowd leave the cache at once.
+    assert!(client.stat("cache_bytes").await > 0);
+    client.clear(&a, None).await;
+    client.clear(&b, None).await;
+    assert_eq!(
+        client.stat("cache_bytes").await,
+        0,
+        "cleared rows are not kept"
+    );
+    client.put_ok(&a, &pa).await;
+    client.put_ok(&b, &pb).await;
     small.stop();
 
     let off = Stowd::start(&router_config(port, "[cache]\nenabled = false\n"));

@@ -147,6 +147,46 @@ impl Default for Limits {
     }
 }
 
+/// A message to send: frame `k` is the next `per_frame[k]` parts back to
+/// back, written without joining them ([`zmtp::write_gathered`]); one part
+/// per frame where `per_frame` is `None`.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Message {
+    pub parts: Vec<Bytes>,
+    pub per_frame: Option<Vec<u32>>,
+}
+
+impl From<Vec<Bytes>> for Message {
+    fn from(parts: Vec<Bytes>) -> Message {
+        Message {
+            parts,
+            per_frame: None,
+        }
+    }
+}
+
+impl Message {
+    /// Number of frames.
+    pub fn frames(&self) -> usize {
+        self.per_frame.as_ref().map_or(self.parts.len(), Vec::len)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.parts.is_empty()
+    }
+
+    /// Writes the message to `w`.
+    pub async fn write<W: tokio::io::AsyncWrite + Unpin + ?Sized>(
+        &self,
+        w: &mut W,
+    ) -> std::io::Result<()> {
+        match &self.per_frame {
+            None => zmtp::write_message(w, &self.parts).await,
+            Some(per_frame) => zmtp::write_gathered(w, &self.parts, per_frame).await,
+        }
+    }
+}
+
 /// A boxed future, for handlers.
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
@@ -158,7 +198,7 @@ pub trait Service: Send + Sync + 'static {
         self: Arc<Self>,
         caller: Caller,
         frames: Vec<Bytes>,
-    ) -> BoxFuture<'static, Option<Vec<Bytes>>>;
+    ) -> BoxFuture<'static, Option<Message>>;
 
     /// Answers a request that broke a receive limit and was dropped
     /// unread. `head` is its first frame when that frame was within the
@@ -168,7 +208,7 @@ pub trait Service: Send + Sync + 'static {
         caller: Caller,
         head: Vec<Bytes>,
         reason: String,
-    ) -> BoxFuture<'static, Option<Vec<Bytes>>> {
+    ) -> BoxFuture<'static, Option<Message>> {
         let _ = (caller, head, reason);
         Box::pin(async { None })
     }
@@ -389,12 +429,7 @@ async fn connection(
             activity.set_busy(false);
             continue;
         };
-        match tokio::time::timeout(
-            limits.write_timeout,
-            zmtp::write_message(&mut writer, &reply),
-        )
-        .await
-        {
+        match tokio::time::timeout(limits.write_timeout, reply.write(&mut writer)).await {
             Ok(Ok(())) => activity.set_busy(false),
             Ok(Err(e)) => {
                 return tracing::debug!(error = %e, "reply could not be sent (client gone?)");
@@ -457,6 +492,8 @@ pub struct Peer {
     idle: std::sync::Mutex<Vec<Conn>>,
     /// One permit per connection in use.
     slots: Semaphore,
+    /// Where large reply frames are received, if set.
+    pool: Option<Arc<ReceivePool>>,
 }
 
 impl std::fmt::Debug for Peer {
@@ -486,7 +523,16 @@ impl Peer {
             limits,
             idle: std::sync::Mutex::new(Vec::new()),
             slots: Semaphore::new(PEER_CONNECTIONS),
+            pool: None,
         }
+    }
+
+    /// The same peer, receiving large reply frames into buffers of `pool`
+    /// (replies whose rows are kept: a buffer comes back to the pool, and
+    /// is read into again resident, once the last row of it is dropped).
+    pub fn with_pool(mut self, pool: Option<Arc<ReceivePool>>) -> Peer {
+        self.pool = pool;
+        self
     }
 
     pub fn endpoint(&self) -> &str {
@@ -510,7 +556,7 @@ impl Peer {
         let n = self.sequence.fetch_add(1, Ordering::Relaxed);
         let identity = format!("{}_{n}", self.identity_prefix);
         let (reader, mut writer) = tokio::io::split(self.open().await?);
-        let mut reader = FrameReader::new(reader);
+        let mut reader = FrameReader::with_pool(reader, self.pool.clone());
         zmtp::handshake(
             &mut reader,
             &mut writer,
@@ -529,6 +575,15 @@ impl Peer {
     pub async fn request(
         &self,
         frames: Vec<Bytes>,
+        timeout: Duration,
+    ) -> Result<Vec<Bytes>, TransportError> {
+        self.request_message(frames.into(), timeout).await
+    }
+
+    /// [`Peer::request`] of a message whose frames may be gathered.
+    pub async fn request_message(
+        &self,
+        frames: Message,
         timeout: Duration,
     ) -> Result<Vec<Bytes>, TransportError> {
         let attempt = async {
@@ -559,7 +614,7 @@ impl Peer {
     async fn exchange(
         &self,
         slot: &mut Option<Conn>,
-        frames: &[Bytes],
+        frames: &Message,
     ) -> Result<Vec<Bytes>, TransportError> {
         if slot.is_some() {
             // A kept connection may be to a unit process that has since
@@ -577,7 +632,7 @@ impl Peer {
     async fn exchange_once(
         &self,
         slot: &mut Option<Conn>,
-        frames: &[Bytes],
+        frames: &Message,
     ) -> Result<Vec<Bytes>, TransportError> {
         if slot.is_none() {
             let conn = self
@@ -594,7 +649,8 @@ impl Peer {
             endpoint: self.endpoint.clone(),
             reason,
         };
-        zmtp::write_message(&mut conn.writer, frames)
+        frames
+            .write(&mut conn.writer)
             .await
             .map_err(|e| TransportError::Send {
                 endpoint: self.endpoint.clone(),
@@ -625,8 +681,18 @@ mod tests {
             self: Arc<Self>,
             _caller: Caller,
             frames: Vec<Bytes>,
-        ) -> BoxFuture<'static, Option<Vec<Bytes>>> {
-            Box::pin(async move { Some(frames) })
+        ) -> BoxFuture<'static, Option<Message>> {
+            // Each frame sent back gathered from two parts (its halves).
+            Box::pin(async move {
+                let mut parts = Vec::new();
+                for f in &frames {
+                    let half = f.len() / 2;
+                    parts.push(f.slice(..half));
+                    parts.push(f.slice(half..));
+                }
+                let per_frame = Some(vec![2; frames.len()]);
+                Some(Message { parts, per_frame })
+            })
         }
     }
 
@@ -664,5 +730,46 @@ mod tests {
                 .is_err()
         );
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[tokio::test]
+    async fn gathered_messages_cross_tcp_whole() {
+        let (socket, bound) = bind("tcp://127.0.0.1:0").await.unwrap();
+        let (tx, rx) = watch::channel(false);
+        let server = tokio::spawn(serve(socket, Arc::new(Echo), rx));
+        let peer = Peer::new(bound, "TQ_STORAGE_test");
+        // Frame 1 from 5,000 parts of 4 KiB (more than one vectored write
+        // takes, and more than a socket buffer holds), an empty part among
+        // them; frame 2 from one part.
+        let mut parts: Vec<Bytes> = (0..5000u32)
+            .map(|i| Bytes::from(vec![(i % 251) as u8; 4096]))
+            .collect();
+        parts.insert(17, Bytes::new());
+        let mut whole = Vec::new();
+        parts.iter().for_each(|p| whole.extend_from_slice(p));
+        parts.push(Bytes::from_static(b"tail"));
+        let msg = Message {
+            parts,
+            per_frame: Some(vec![5001, 1]),
+        };
+        let reply = peer
+            .request_message(msg, Duration::from_secs(10))
+            .await
+            .unwrap();
+        assert_eq!(reply.len(), 2);
+        assert!(
+            reply[0] == whole,
+            "frame 1 arrives as its parts back to back"
+        );
+        assert_eq!(reply[1], Bytes::from_static(b"tail"));
+        // Counts that do not add up are refused before anything is sent.
+        let mut sink = Vec::new();
+        let e = zmtp::write_gathered(&mut sink, &[Bytes::from_static(b"x")], &[2])
+            .await
+            .unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::InvalidInput);
+        assert!(sink.is_empty());
+        tx.send(true).unwrap();
+        server.await.unwrap();
     }
 }

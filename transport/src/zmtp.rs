@@ -252,6 +252,58 @@ pub async fn write_message<W: AsyncWrite + Unpin + ?Sized>(
     w.flush().await
 }
 
+/// Most buffers one vectored write is given (Linux's `IOV_MAX`).
+const MAX_IOV: usize = 1024;
+
+/// Writes one message whose frames are gathered from parts: frame `k` is
+/// the next `per_frame[k]` parts back to back. Headers and parts go out
+/// with vectored writes of up to [`MAX_IOV`] buffers, none copied: a frame
+/// of many rows from many buffers costs what the kernel's copy costs.
+pub async fn write_gathered<W: AsyncWrite + Unpin + ?Sized>(
+    w: &mut W,
+    parts: &[Bytes],
+    per_frame: &[u32],
+) -> io::Result<()> {
+    let total: usize = per_frame.iter().map(|&n| n as usize).sum();
+    if total != parts.len() {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("{total} parts in the frames, {} given", parts.len()),
+        ));
+    }
+    let mut headers = BytesMut::with_capacity(per_frame.len() * 9);
+    let mut at = 0usize;
+    let mut spans = Vec::with_capacity(per_frame.len());
+    for (k, &n) in per_frame.iter().enumerate() {
+        let len: usize = parts[at..at + n as usize].iter().map(Bytes::len).sum();
+        let start = headers.len();
+        put_header(&mut headers, len, k + 1 < per_frame.len());
+        spans.push(start..headers.len());
+        at += n as usize;
+    }
+    let mut slices: Vec<io::IoSlice<'_>> = Vec::with_capacity(parts.len() + per_frame.len());
+    let mut at = 0usize;
+    for (k, &n) in per_frame.iter().enumerate() {
+        slices.push(io::IoSlice::new(&headers[spans[k].clone()]));
+        for part in &parts[at..at + n as usize] {
+            if !part.is_empty() {
+                slices.push(io::IoSlice::new(part));
+            }
+        }
+        at += n as usize;
+    }
+    let mut rest = &mut slices[..];
+    while !rest.is_empty() {
+        let batch = rest.len().min(MAX_IOV);
+        let n = w.write_vectored(&rest[..batch]).await?;
+        if n == 0 {
+            return Err(io::ErrorKind::WriteZero.into());
+        }
+        io::IoSlice::advance_slices(&mut rest, n);
+    }
+    w.flush().await
+}
+
 /// Writes `a` then `b`, with vectored writes where the stream takes them.
 async fn write_two<W: AsyncWrite + Unpin + ?Sized>(
     w: &mut W,

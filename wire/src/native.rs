@@ -608,6 +608,56 @@ pub fn encode_request_head(id: u64, head: &RequestHead) -> Result<Bytes, Error> 
     encode::request_head(id, head)
 }
 
+/// A message whose data frames may each be gathered from several buffers:
+/// frame `k` is the next `per_frame[k]` of `parts`, back to back (one part
+/// per frame where `per_frame` is `None`). The sender writes the parts with
+/// vectored writes; on the wire it is an ordinary message.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Gathered {
+    pub parts: Vec<Bytes>,
+    pub per_frame: Option<Vec<u32>>,
+}
+
+impl Gathered {
+    /// The frames, each joined into one buffer (a copy where a frame has
+    /// several parts; for tests and receivers of an encoded message).
+    pub fn joined(&self) -> Vec<Bytes> {
+        let Some(per_frame) = &self.per_frame else {
+            return self.parts.clone();
+        };
+        let mut out = Vec::with_capacity(per_frame.len());
+        let mut at = 0usize;
+        for &n in per_frame {
+            let parts = &self.parts[at..at + n as usize];
+            out.push(match parts {
+                [one] => one.clone(),
+                many => Bytes::from(many.concat()),
+            });
+            at += n as usize;
+        }
+        out
+    }
+}
+
+/// Encodes a request like [`encode_request_with`], except that a frame
+/// of several ranges is not copied into one buffer but sent as its ranges
+/// ([`Gathered`]).
+pub fn encode_request_gathered(request: &Request, layout: &FrameLayout) -> Result<Gathered, Error> {
+    encode::request_gathered(request, Some(layout))
+}
+
+/// Encodes a get_ok like [`encode_reply_joined`], except that a frame of
+/// several ranges not back to back is sent as its ranges ([`Gathered`]),
+/// not copied into one buffer.
+pub fn encode_reply_gathered(
+    id: u64,
+    reply: &Reply,
+    layout: &FrameLayout,
+    span: &dyn Fn(*const u8, usize) -> Option<Bytes>,
+) -> Result<Gathered, Error> {
+    encode::reply_gathered(id, reply, Some(layout), Some(span))
+}
+
 /// Encodes a reply with [`FrameLayout::one_per_piece`].
 pub fn encode_reply(id: u64, reply: &Reply) -> Result<Vec<Bytes>, Error> {
     encode::reply(id, reply, None, None, None)

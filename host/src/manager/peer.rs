@@ -21,8 +21,7 @@ use crate::extent::Received;
 use crate::plan::{Frame, PackLimits, PieceInfo};
 use crate::policy::registry::Registry;
 use crate::store::{Column, PutField, Rows};
-use crate::tensor::Tensor;
-use crate::transport::Peer;
+use crate::transport::{Message, Peer};
 use crate::wire::native;
 
 use super::{Manager, ManagerError};
@@ -40,16 +39,18 @@ pub struct PeerUnit {
 
 impl PeerUnit {
     /// `name` is `stowage://host:port/<unit>`; connections get identities
-    /// `<prefix>_<n>`.
+    /// `<prefix>_<n>`; large reply frames are received into `pool`'s
+    /// buffers (the rows kept in the read cache live in them).
     pub fn new(
         name: &str,
         endpoint: String,
         unit: u64,
         identity_prefix: String,
         limits: crate::transport::zmtp::Limits,
+        pool: Option<Arc<crate::transport::ReceivePool>>,
     ) -> PeerUnit {
         PeerUnit {
-            peer: Peer::with_limits(endpoint, identity_prefix, limits),
+            peer: Peer::with_limits(endpoint, identity_prefix, limits).with_pool(pool),
             unit,
             name: name.to_string(),
             ids: AtomicU64::new(1),
@@ -170,7 +171,16 @@ fn wire_rows(columns: &[Column], start: u64, end: u64) -> Result<native::WireFie
                     if regular.get_or_insert_with(|| shape.clone()) != &shape {
                         all_regular = false;
                     }
-                    parts.push((t.contiguous_bytes(), b - a));
+                    if t.is_contiguous() || r.stride == r.row_bytes {
+                        parts.push((t.contiguous_bytes(), b - a));
+                    } else {
+                        // Strided (rows the selection spread over units):
+                        // a part per row, gathered into frames unjoined.
+                        for k in 0..(b - a) as usize {
+                            let at = r.offset + ((a - at) as usize + k) * r.stride;
+                            parts.push((r.extent.bytes().slice(at..at + r.row_bytes), 1));
+                        }
+                    }
                 }
                 _ => all_regular = false,
             }
@@ -199,30 +209,9 @@ fn wire_rows(columns: &[Column], start: u64, end: u64) -> Result<native::WireFie
 /// frames it arrived in are its extents (no copy).
 pub(super) fn reply_rows(field: native::WireField, received: &Received) -> Vec<(Arc<Column>, u32)> {
     let mut out = Vec::with_capacity(field.rows() as usize);
-    match field {
-        native::WireField::Regular(p) => {
-            let mut shape = vec![0u64];
-            shape.extend_from_slice(p.row_shape());
-            for (bytes, rows) in p.parts() {
-                shape[0] = *rows;
-                let t = Tensor::contiguous(bytes.clone(), p.dtype(), shape.clone())
-                    .expect("decoded parts match their shapes");
-                let (extent, offset, _) = received.locate_or_own(t.buffer());
-                let column = Arc::new(Column::regular(extent, offset, &t));
-                out.extend((0..*rows as u32).map(|r| (column.clone(), r)));
-            }
-        }
-        native::WireField::Nested(rows) => {
-            let column = Arc::new(Column::from_field(
-                crate::batch::Field::Nested(rows),
-                received,
-            ));
-            out.extend((0..column.rows() as u32).map(|r| (column.clone(), r)));
-        }
-        native::WireField::Values(values) => {
-            let column = Arc::new(Column::Values(values));
-            out.extend((0..column.rows() as u32).map(|r| (column.clone(), r)));
-        }
+    for column in Column::from_wire(field, received) {
+        let column = Arc::new(column);
+        out.extend((0..column.rows() as u32).map(|r| (column.clone(), r)));
     }
     out
 }
@@ -250,27 +239,32 @@ impl Manager {
         let id = p.ids.fetch_add(1, Ordering::Relaxed);
         let op_name = op.name();
         let request = native::Request { id, op };
+        // Frames of rows from several places are gathered, not joined.
         let encoded = match layout {
-            Some(l) => native::encode_request_with(&request, l),
-            None => native::encode_request(&request),
+            Some(l) => native::encode_request_gathered(&request, l).map(|g| Message {
+                parts: g.parts,
+                per_frame: g.per_frame,
+            }),
+            None => native::encode_request(&request).map(Message::from),
         };
         let encoding = |e: native::Error| {
             ManagerError::Internal(format!("encoding a request for {}: {e}", p.name))
         };
-        let mut frames = encoded.map_err(encoding)?;
+        let mut message = encoded.map_err(encoding)?;
         let extras = native::Extras {
             unit: Some(p.unit),
             with_versions,
             ..Default::default()
         };
-        frames[0] = native::with_extras(&frames[0], &extras).map_err(encoding)?;
+        message.parts[0] = native::with_extras(&message.parts[0], &extras).map_err(encoding)?;
+        let sent = message.frames();
         self.counters.messages_sent.fetch_add(1, Ordering::Relaxed);
         self.counters
             .frames_sent
-            .fetch_add(frames.len() as u64, Ordering::Relaxed);
-        let span =
-            tracing::debug_span!("remote", unit = %p.name, op = op_name, frames = frames.len());
-        let frames = tracing::Instrument::instrument(p.peer.request(frames, self.timeout), span)
+            .fetch_add(sent as u64, Ordering::Relaxed);
+        let span = tracing::debug_span!("remote", unit = %p.name, op = op_name, frames = sent);
+        let request = p.peer.request_message(message, self.timeout);
+        let frames = tracing::Instrument::instrument(request, span)
             .await
             .map_err(|source| ManagerError::Transport {
                 unit: p.name.clone(),
@@ -365,6 +359,9 @@ impl Manager {
             }
             start = end;
         }
+        if let Some(cache) = &self.cache {
+            cache.forget(p, indexes);
+        }
         Ok(())
     }
 
@@ -381,6 +378,9 @@ impl Manager {
             fields: fields.map(<[String]>::to_vec),
         };
         let got = self.exchange_peer(p, op, None, false).await?;
+        if let Some(cache) = &self.cache {
+            cache.forget(p, indexes);
+        }
         match got.reply {
             native::Reply::ClearOk { cleared } => Ok(cleared),
             other => Err(Self::peer_unexpected(p, &other)),

@@ -324,13 +324,21 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
                     Target::Local(units[n.parse::<usize>().expect("checked by config")].clone())
                 }
                 None => match crate::manager::parse_peer_unit(u) {
-                    Some((endpoint, unit)) => Target::Peer(Arc::new(PeerUnit::new(
-                        u,
-                        endpoint,
-                        unit,
-                        format!("{sender}_to_unit{i}"),
-                        config.limits.receive_limits(),
-                    ))),
+                    Some((endpoint, unit)) => {
+                        let t = config.limits.transport_limits();
+                        let pool = transport::ReceivePool::shared(
+                            t.receive_pool_bytes,
+                            t.receive_pool_idle,
+                        );
+                        Target::Peer(Arc::new(PeerUnit::new(
+                            u,
+                            endpoint,
+                            unit,
+                            format!("{sender}_to_unit{i}"),
+                            config.limits.receive_limits(),
+                            pool,
+                        )))
+                    }
                     None => Target::Remote(Arc::new(Peer::with_limits(
                         u.clone(),
                         format!("{sender}_to_unit{i}"),

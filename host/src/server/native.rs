@@ -29,7 +29,7 @@ use crate::policy::chain::{FailStrategy, Loaded};
 use crate::policy::registry::{ChainSummary, list_name};
 use crate::shm::{Channels, SegmentStore, ShmError};
 use crate::store::{Column, Rows, Seq, Unit};
-use crate::transport::{BoxFuture, Caller, Service};
+use crate::transport::{BoxFuture, Caller, Message, Service};
 use crate::wire::native;
 
 /// The native `stowage/1` endpoint.
@@ -157,7 +157,7 @@ impl NativeService {
         Ok((out, Received::new(adopted.into_values())))
     }
 
-    async fn serve_one(&self, connection: u64, frames: Vec<Bytes>) -> Vec<Bytes> {
+    async fn serve_one(&self, connection: u64, frames: Vec<Bytes>) -> Message {
         let started = Instant::now();
         let mut op = "undecodable";
         let fallback_id = native::request_id(&frames).unwrap_or(0);
@@ -193,7 +193,9 @@ impl NativeService {
                     match self.send_fds(&token, id, &handles).await {
                         Ok(()) => (Ok(frames), Outcome::Ok),
                         Err(reply) => (
-                            native::encode_reply(id, &reply).map_err(EncodeError::from),
+                            native::encode_reply(id, &reply)
+                                .map(Message::from)
+                                .map_err(EncodeError::from),
                             Outcome::Error,
                         ),
                     }
@@ -208,7 +210,9 @@ impl NativeService {
                     Outcome::Ok
                 };
                 (
-                    native::encode_reply(id, &reply).map_err(EncodeError::from),
+                    native::encode_reply(id, &reply)
+                        .map(Message::from)
+                        .map_err(EncodeError::from),
                     outcome,
                 )
             }
@@ -218,7 +222,9 @@ impl NativeService {
             Err(e) => {
                 tracing::debug!(error = %e, "reply not encodable");
                 (
-                    native::encode_reply(id, &errors::native_encode(&e)).unwrap_or_default(),
+                    Message::from(
+                        native::encode_reply(id, &errors::native_encode(&e)).unwrap_or_default(),
+                    ),
                     Outcome::Error,
                 )
             }
@@ -228,7 +234,7 @@ impl NativeService {
             op,
             outcome,
             started.elapsed(),
-            frames.len(),
+            frames.frames(),
         );
         frames
     }
@@ -764,7 +770,7 @@ impl Service for NativeService {
         self: Arc<Self>,
         caller: Caller,
         frames: Vec<Bytes>,
-    ) -> BoxFuture<'static, Option<Vec<Bytes>>> {
+    ) -> BoxFuture<'static, Option<Message>> {
         let span = tracing::debug_span!(
             "request",
             endpoint = %self.endpoint,
@@ -785,7 +791,7 @@ impl Service for NativeService {
         _caller: Caller,
         head: Vec<Bytes>,
         reason: String,
-    ) -> BoxFuture<'static, Option<Vec<Bytes>>> {
+    ) -> BoxFuture<'static, Option<Message>> {
         Box::pin(async move {
             let id = native::request_id(&head).unwrap_or(0);
             let frames = native::encode_reply(id, &errors::native_too_large(&reason)).ok()?;
@@ -796,7 +802,7 @@ impl Service for NativeService {
                 Duration::ZERO,
                 frames.len(),
             );
-            Some(frames)
+            Some(frames.into())
         })
     }
 }

@@ -24,7 +24,7 @@ use crate::extent::Received;
 use crate::manager::{Manager, ManagerError, Target};
 use crate::metrics::{Metrics, Outcome, Protocol};
 use crate::store::{Column, Unit};
-use crate::transport::{BoxFuture, Caller, Service};
+use crate::transport::{BoxFuture, Caller, Message, Service};
 use crate::wire::indexes::Indexes;
 use crate::wire::tq;
 
@@ -431,7 +431,7 @@ impl Service for TqService {
         self: Arc<Self>,
         caller: Caller,
         frames: Vec<Bytes>,
-    ) -> BoxFuture<'static, Option<Vec<Bytes>>> {
+    ) -> BoxFuture<'static, Option<Message>> {
         let identity = caller.identity;
         Box::pin(async move {
             if !identity_allowed(&identity) {
@@ -440,7 +440,10 @@ impl Service for TqService {
             }
             let frame0 = frames.first().map_or(0, Bytes::len);
             let offload = self.offload.clone();
-            offload.run(frame0, self.serve(frames)).await
+            offload
+                .run(frame0, self.serve(frames))
+                .await
+                .map(Message::from)
         })
     }
 
@@ -449,7 +452,7 @@ impl Service for TqService {
         caller: Caller,
         head: Vec<Bytes>,
         reason: String,
-    ) -> BoxFuture<'static, Option<Vec<Bytes>>> {
+    ) -> BoxFuture<'static, Option<Message>> {
         Box::pin(async move {
             if !identity_allowed(&caller.identity) {
                 return None;
@@ -463,7 +466,7 @@ impl Service for TqService {
                 std::time::Duration::ZERO,
                 frames.len(),
             );
-            Some(frames)
+            Some(frames.into())
         })
     }
 }

@@ -93,6 +93,30 @@ impl Column {
         }
     }
 
+    /// The columns of a decoded `stowage/1` field as stored: a regular
+    /// field's parts each a column over the frame it arrived in (several
+    /// parts are not joined), a nested field's rows one column, values one.
+    pub fn from_wire(field: crate::wire::native::WireField, received: &Received) -> Vec<Column> {
+        use crate::wire::native::WireField;
+        match field {
+            WireField::Regular(p) => {
+                let mut shape = vec![0u64];
+                shape.extend_from_slice(p.row_shape());
+                p.parts()
+                    .iter()
+                    .map(|(bytes, rows)| {
+                        shape[0] = *rows;
+                        let t = tensor(bytes.clone(), p.dtype(), shape.clone());
+                        let (extent, offset, _) = received.locate_or_own(t.buffer());
+                        Column::regular(extent, offset, &t)
+                    })
+                    .collect()
+            }
+            WireField::Nested(rows) => vec![Column::from_field(Field::Nested(rows), received)],
+            WireField::Values(v) => vec![Column::Values(v)],
+        }
+    }
+
     /// A column over the rows of `t` (rows on axis 0, possibly strided),
     /// in an extent of its own: `t`'s bytes, which start at its first row
     /// (rows read back from a checkpoint).

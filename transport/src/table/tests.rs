@@ -23,12 +23,12 @@ impl Service for Holder {
         self: Arc<Self>,
         _caller: Caller,
         frames: Vec<Bytes>,
-    ) -> BoxFuture<'static, Option<Vec<Bytes>>> {
+    ) -> BoxFuture<'static, Option<crate::Message>> {
         Box::pin(async move {
             if frames[0].as_ref() == b"hold" {
                 self.0.acquire().await.unwrap().forget();
             }
-            Some(frames)
+            Some(frames.into())
         })
     }
 }

@@ -13,7 +13,24 @@ pub(super) fn request(req: &Request, layout: Option<&FrameLayout>) -> Result<Vec
     op_frames(req.id, &req.op, layout)
 }
 
+/// A request whose frames of several ranges are gathered, not copied.
+pub(super) fn request_gathered(
+    req: &Request,
+    layout: Option<&FrameLayout>,
+) -> Result<super::Gathered, Error> {
+    op_placed(req.id, &req.op, layout, true)
+}
+
 fn op_frames(id: u64, op: &Op, layout: Option<&FrameLayout>) -> Result<Vec<Bytes>, Error> {
+    Ok(op_placed(id, op, layout, false)?.parts)
+}
+
+fn op_placed(
+    id: u64,
+    op: &Op,
+    layout: Option<&FrameLayout>,
+    gather: bool,
+) -> Result<super::Gathered, Error> {
     let mut w = envelope(op.name(), id);
     let no_fields: &[(String, WireField)] = &[];
     let placed = place(
@@ -25,6 +42,7 @@ fn op_frames(id: u64, op: &Op, layout: Option<&FrameLayout>) -> Result<Vec<Bytes
         layout,
         None,
         None,
+        gather,
     )?;
     match op {
         Op::Put {
@@ -79,7 +97,7 @@ fn op_frames(id: u64, op: &Op, layout: Option<&FrameLayout>) -> Result<Vec<Bytes
             strs(&mut w, fields);
         }
     }
-    finish(w, placed.frames)
+    finish_gathered(w, placed)
 }
 
 pub(super) fn reply(
@@ -89,6 +107,27 @@ pub(super) fn reply(
     span: Option<SpanFn<'_>>,
     enclose: Option<EncloseFn<'_>>,
 ) -> Result<Vec<Bytes>, Error> {
+    Ok(reply_placed(id, reply, layout, span, enclose, false)?.parts)
+}
+
+/// A reply whose frames of several ranges are gathered, not copied.
+pub(super) fn reply_gathered(
+    id: u64,
+    reply: &Reply,
+    layout: Option<&FrameLayout>,
+    span: Option<SpanFn<'_>>,
+) -> Result<super::Gathered, Error> {
+    reply_placed(id, reply, layout, span, None, true)
+}
+
+fn reply_placed(
+    id: u64,
+    reply: &Reply,
+    layout: Option<&FrameLayout>,
+    span: Option<SpanFn<'_>>,
+    enclose: Option<EncloseFn<'_>>,
+    gather: bool,
+) -> Result<super::Gathered, Error> {
     let mut w = envelope(reply.name(), id);
     let no_fields: &[(String, WireField)] = &[];
     let placed = place(
@@ -100,6 +139,7 @@ pub(super) fn reply(
         layout,
         span,
         enclose,
+        gather,
     )?;
     match reply {
         Reply::PutOk { rows } => {
@@ -177,7 +217,7 @@ pub(super) fn reply(
             w.kv_str("message", message);
         }
     }
-    finish(w, placed.frames)
+    finish_gathered(w, placed)
 }
 
 /// Starts an envelope; the caller writes the body map next.
@@ -213,11 +253,18 @@ fn envelope(op: &str, id: u64) -> Writer {
     w
 }
 
-fn finish(w: Writer, data: Vec<Bytes>) -> Result<Vec<Bytes>, Error> {
-    let mut frames = Vec::with_capacity(data.len() + 1);
-    frames.push(Bytes::from(w.finish()?));
-    frames.extend(data);
-    Ok(frames)
+/// Frame 0 and the placed data frames (or parts, with their counts).
+fn finish_gathered(w: Writer, placed: Placed) -> Result<super::Gathered, Error> {
+    let mut parts = Vec::with_capacity(placed.frames.len() + 1);
+    parts.push(Bytes::from(w.finish()?));
+    parts.extend(placed.frames);
+    let per_frame = placed.counts.map(|counts| {
+        let mut all = Vec::with_capacity(counts.len() + 1);
+        all.push(1);
+        all.extend(counts);
+        all
+    });
+    Ok(super::Gathered { parts, per_frame })
 }
 
 fn uints(w: &mut Writer, values: &[u64]) {
@@ -265,6 +312,8 @@ struct Loc {
 struct Placed {
     frames: Vec<Bytes>,
     locs: Vec<Vec<Loc>>,
+    /// With `gather`: how many of `frames` (parts) make each data frame.
+    counts: Option<Vec<u32>>,
 }
 
 /// The chunks of a frame as one slice of the buffer that holds them all, if
@@ -293,14 +342,17 @@ pub(super) type EncloseFn<'a> = &'a dyn Fn(&Bytes) -> Option<(Bytes, u64)>;
 /// Carries out a layout (`None`: [`FrameLayout::one_per_piece`]). A frame of
 /// several ranges that lie back to back in memory, inside one buffer `span`
 /// finds, is that buffer's slice (no copy); any other frame of several
-/// ranges is one allocation and one copy. With `enclose`, every frame that
-/// lies inside a buffer it finds is replaced by that whole buffer (one
-/// frame per buffer, the ranges at their offsets in it).
+/// ranges is one allocation and one copy, or with `gather` its ranges
+/// themselves (no copy: the sender writes them back to back). With
+/// `enclose`, every frame that lies inside a buffer it finds is replaced by
+/// that whole buffer (one frame per buffer, the ranges at their offsets in
+/// it).
 fn place(
     fields: &[(String, WireField)],
     layout: Option<&FrameLayout>,
     span: Option<SpanFn<'_>>,
     enclose: Option<EncloseFn<'_>>,
+    gather: bool,
 ) -> Result<Placed, Error> {
     let default;
     let layout = match layout {
@@ -324,6 +376,7 @@ fn place(
         .collect();
     let mut locs: Vec<Vec<Loc>> = vec![Vec::new(); fields.len()];
     let mut frames = Vec::with_capacity(layout.frames.len());
+    let mut counts: Option<Vec<u32>> = gather.then(|| Vec::with_capacity(layout.frames.len()));
     for (k, slices) in layout.frames.iter().enumerate() {
         let frame = k as u64 + 1;
         let mut chunks: Vec<Bytes> = Vec::with_capacity(slices.len());
@@ -401,16 +454,25 @@ fn place(
                 }
             }
         }
-        frames.push(match chunks.len() {
+        let whole = match chunks.len() {
             0 => return Err(Error::Layout(format!("frame {frame} is empty"))),
             1 => chunks.swap_remove(0),
             _ if let Some(joined) = span.and_then(|span| joined(&chunks, span)) => joined,
+            n if let Some(counts) = &mut counts => {
+                counts.push(n as u32);
+                frames.extend(chunks);
+                continue;
+            }
             _ => {
                 let mut buf = BytesMut::with_capacity(chunks.iter().map(Bytes::len).sum());
                 chunks.iter().for_each(|c| buf.extend_from_slice(c));
                 buf.freeze()
             }
-        });
+        };
+        if let Some(counts) = &mut counts {
+            counts.push(1);
+        }
+        frames.push(whole);
     }
     if let Some(enclose) = enclose {
         frames = enclosed(frames, &mut locs, enclose);
@@ -442,7 +504,11 @@ fn place(
             });
         }
     }
-    Ok(Placed { frames, locs })
+    Ok(Placed {
+        frames,
+        locs,
+        counts,
+    })
 }
 
 /// The frames replaced by the buffers that enclose them, each buffer once

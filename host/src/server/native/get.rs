@@ -14,6 +14,7 @@ use crate::server::errors::EncodeError;
 use crate::shm::Handle;
 use crate::store::{Rows, Run};
 use crate::tensor::Tensor;
+use crate::transport::Message;
 use crate::wire::native;
 
 /// The buffers (extents, or the segments they are in) a reply's rows are
@@ -205,7 +206,7 @@ impl NativeService {
         &self,
         id: u64,
         get: GetReply,
-    ) -> Result<(Vec<Bytes>, Option<Descriptors>), EncodeError> {
+    ) -> Result<(Message, Option<Descriptors>), EncodeError> {
         let GetReply {
             reply,
             nested_runs,
@@ -219,12 +220,19 @@ impl NativeService {
             };
             let registry = self.manager.registry();
             let layout = frame_layout(&registry, self.pack_limits, fields, &nested_runs);
+            // Rows that do not lie back to back (from several extents, or
+            // strided) go out as their own slices, gathered into frames by
+            // the writer: no copy.
             let mut frames =
-                native::encode_reply_joined(id, &reply, &layout, &|p, l| places.span(p, l))?;
+                native::encode_reply_gathered(id, &reply, &layout, &|p, l| places.span(p, l))?;
             if let Some((incarnation, versions)) = versions {
-                frames[0] = native::with_versions(&frames[0], incarnation, &versions)?;
+                frames.parts[0] = native::with_versions(&frames.parts[0], incarnation, &versions)?;
             }
-            return Ok((frames, None));
+            let message = Message {
+                parts: frames.parts,
+                per_frame: frames.per_frame,
+            };
+            return Ok((message, None));
         };
         let frames = native::encode_reply_enclosed(id, &reply, &|b| places.enclose(b))?;
         let mut segments = Vec::with_capacity(frames.len().saturating_sub(1));
@@ -243,6 +251,6 @@ impl NativeService {
         }
         let frame0 = native::with_segments(&frames[0], &segments)?;
         let fds = (!handles.is_empty()).then_some((channel, handles));
-        Ok((vec![frame0], fds))
+        Ok((vec![frame0].into(), fds))
     }
 }

@@ -1115,3 +1115,75 @@ fn peer_keys_round_trip_and_are_checked() {
     let e = decode_extras(&frame0, &limits).expect_err("too many versions");
     assert_eq!(e.code(), code::TOO_LARGE, "{e}");
 }
+
+#[test]
+fn gathered_frames_are_the_copied_frames_unjoined() {
+    // Rows of one field from two buffers, interleaved: each frame of the
+    // layout names rows that do not lie back to back.
+    let a = tensor(DType::F32, &[4, 3], 1);
+    let b = tensor(DType::F32, &[4, 3], 60);
+    let rows: Vec<(Bytes, u64)> = (0..8)
+        .map(|i| {
+            let t = if i % 2 == 0 { &a } else { &b };
+            (t.row_tensor(i / 2).unwrap().contiguous_bytes(), 1)
+        })
+        .collect();
+    let field = WireField::Regular(RegularParts::new(DType::F32, vec![3], rows).unwrap());
+    // 46 bytes of int16 rows: the float32 rows after them are padded.
+    let nested = WireField::Nested(
+        (0..8u8)
+            .map(|i| tensor(DType::I16, &[if i == 7 { 2 } else { 3 }], i))
+            .collect(),
+    );
+    let reply = Reply::GetOk {
+        fields: vec![("x".into(), field), ("n".into(), nested)],
+    };
+    let slice = |field, start, end| RowSlice { field, start, end };
+    let layout = FrameLayout {
+        frames: vec![vec![slice(0, 0, 5)], vec![slice(1, 0, 8), slice(0, 5, 8)]],
+    };
+    let copied = encode_reply_with(7, &reply, &layout).unwrap();
+    let gathered = encode_reply_gathered(7, &reply, &layout, &|_, _| None).unwrap();
+    let per_frame = gathered.per_frame.clone().expect("frames of several parts");
+    assert_eq!(per_frame.len(), copied.len());
+    assert!(per_frame[1] > 1, "{per_frame:?}");
+    assert_eq!(gathered.joined(), copied);
+    // No part is a copy: every row part points into a or b.
+    for part in &gathered.parts[1..] {
+        if part.len() == 12 {
+            assert!(within(part, a.buffer()) || within(part, b.buffer()));
+        }
+    }
+    assert_eq!(
+        decode_reply(&gathered.joined(), &Limits::default()).unwrap(),
+        decode_reply(&copied, &Limits::default()).unwrap()
+    );
+    let request = Request {
+        id: 3,
+        op: Op::Put {
+            global_indexes: (0..8).collect(),
+            fields: match &reply {
+                Reply::GetOk { fields } => vec![fields[0].clone()],
+                _ => unreachable!(),
+            },
+        },
+    };
+    let layout = FrameLayout {
+        frames: vec![vec![slice(0, 0, 8)]],
+    };
+    let gathered = encode_request_gathered(&request, &layout).unwrap();
+    assert_eq!(
+        gathered.joined(),
+        encode_request_with(&request, &layout).unwrap()
+    );
+    let Op::Put { fields, .. } = decode(&gathered.joined()).unwrap().op else {
+        panic!("a put")
+    };
+    let Op::Put { fields: sent, .. } = request.op else {
+        unreachable!()
+    };
+    assert_eq!(
+        fields[0].1.clone().into_cells(),
+        sent[0].1.clone().into_cells()
+    );
+}
