@@ -29,6 +29,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
+use rustc_hash::FxHashMap;
 use tokio::sync::watch;
 
 use crate::manager::{Manager, ManagerError, PeerUnit};
@@ -82,7 +83,7 @@ struct Batch {
 /// What a fetch brought, for the gets that waited for it.
 struct Fetched {
     fields: Vec<String>,
-    at: HashMap<u64, usize>,
+    at: FxHashMap<u64, usize>,
     rows: Vec<FieldRows>,
     incarnation: u64,
     versions: Vec<u64>,
@@ -93,9 +94,9 @@ type FlightResult = Option<Result<Arc<Fetched>, String>>;
 #[derive(Default)]
 struct Inner {
     /// peer -> field -> global index -> row.
-    rows: HashMap<String, HashMap<String, HashMap<u64, Entry>>>,
+    rows: HashMap<String, HashMap<String, FxHashMap<u64, Entry>>>,
     /// peer -> field -> global index -> the fetch in flight for it.
-    flights: HashMap<String, HashMap<String, HashMap<u64, watch::Receiver<FlightResult>>>>,
+    flights: HashMap<String, HashMap<String, FxHashMap<u64, watch::Receiver<FlightResult>>>>,
     batches: HashMap<u64, Batch>,
     /// Least recently used first: tick -> batch.
     lru: BTreeMap<u64, u64>,

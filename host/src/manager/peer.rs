@@ -478,7 +478,7 @@ impl Manager {
 /// A field's rows (column, row per index) as [`Rows`] answering `positions`.
 pub(super) fn rows_at(rows: Vec<(Arc<Column>, u32)>, positions: &[u64]) -> Rows {
     let mut out = Rows::default();
-    let mut numbered: std::collections::HashMap<*const Column, u32> = Default::default();
+    let mut numbered: rustc_hash::FxHashMap<*const Column, u32> = Default::default();
     for ((column, row), &pos) in rows.into_iter().zip(positions) {
         let n = *numbered.entry(Arc::as_ptr(&column)).or_insert_with(|| {
             out.columns.push(column.clone());
