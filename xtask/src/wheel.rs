@@ -32,6 +32,9 @@ pub fn wheel(args: &[String]) -> Result<()> {
     }
     ensure_wasm_target()?;
     plugins(&[])?;
+    // `--lib` too: with `--bin stowd` alone cargo builds bin targets only,
+    // and the core (a cdylib) is stowage-pycore's lib target; without it a
+    // fresh target directory had no lib_core.so for the wheel.
     let mut build = vec![
         "build",
         "-p",
@@ -40,6 +43,7 @@ pub fn wheel(args: &[String]) -> Result<()> {
         "stowd",
         "-p",
         "stowage-pycore",
+        "--lib",
     ];
     if !debug {
         build.push("--release");
