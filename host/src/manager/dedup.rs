@@ -16,16 +16,16 @@
 //! counts every row's bytes (the logical size); `stats` reports the rows
 //! and bytes saved.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
-use bytes::BytesMut;
+use bytes::{Bytes, BytesMut};
+use rustc_hash::FxHashMap;
 
 use crate::extent::Extent;
 use crate::store::{Column, NestedRow};
-use crate::tensor::Tensor;
+use crate::tensor::DType;
 
 /// Deduplication counters, as `stats` and `/metrics` show them.
 #[derive(Debug, Default)]
@@ -40,53 +40,88 @@ pub struct DedupCounters {
     pub ns: AtomicU64,
 }
 
-/// Where a row to store is: (unit, column, row in it).
-type RowAt = (usize, usize, usize);
-
 /// Per unit, the fields of its part of a put (`None`: no rows, or remote).
 pub(super) type UnitFields<'a> = Option<&'a mut Vec<(String, Vec<Column>)>>;
+
+/// One row to store: its unit, bytes, dtype and shape.
+struct Row<'a> {
+    unit: usize,
+    bytes: &'a [u8],
+    dtype: DType,
+    shape: &'a [u64],
+}
 
 /// Deduplicates field `f` of a put's per-unit columns (see the module
 /// doc); `units[u]` is `None` for a unit that gets no rows or is not local.
 pub(super) fn field(units: &mut [UnitFields<'_>], f: usize, counters: &DedupCounters) {
     let started = Instant::now();
-    let mut rows: Vec<(RowAt, Tensor)> = Vec::new();
+    // The buffers the rows are in, held for the scan: one per regular
+    // column, one per nested row.
+    let mut buffers: Vec<(usize, &Column, usize, Bytes)> = Vec::new();
     for (u, part) in units.iter().enumerate() {
         let Some(fields) = part else { continue };
-        for (c, column) in fields[f].1.iter().enumerate() {
-            if matches!(column, Column::Values(_)) {
-                return;
-            }
-            for r in 0..column.rows() as usize {
-                match column.cell(r) {
-                    crate::batch::Cell::Tensor(t) => rows.push(((u, c, r), t)),
-                    crate::batch::Cell::Value(_) => return,
+        for column in &fields[f].1 {
+            match column {
+                Column::Values(_) => return,
+                Column::Regular(c) => buffers.push((u, column, 0, c.extent.bytes())),
+                Column::Nested(nested) => {
+                    for (k, n) in nested.iter().enumerate() {
+                        let bytes = n.extent.bytes().slice(n.offset..n.offset + n.len);
+                        buffers.push((u, column, k, bytes));
+                    }
                 }
             }
         }
     }
-    // The first row with the same dtype, shape and bytes, per row.
-    let mut first: HashMap<u64, Vec<usize>> = HashMap::with_capacity(rows.len());
-    let mut same_as: Vec<usize> = Vec::with_capacity(rows.len());
-    let mut scanned = 0u64;
-    for (i, (_, t)) in rows.iter().enumerate() {
-        let bytes = t.contiguous_bytes();
-        scanned += bytes.len() as u64;
-        let candidates = first.entry(xxhash_rust::xxh3::xxh3_64(&bytes)).or_default();
-        let found = candidates.iter().copied().find(|&j| {
-            let o = &rows[j].1;
-            o.dtype() == t.dtype() && o.shape() == t.shape() && o.contiguous_bytes() == bytes
-        });
-        match found {
-            Some(j) => same_as.push(j),
-            None => {
-                candidates.push(i);
-                same_as.push(i);
+    let mut rows: Vec<Row<'_>> = Vec::new();
+    for (u, column, k, bytes) in &buffers {
+        match column {
+            Column::Regular(c) => {
+                for r in 0..c.rows as usize {
+                    let at = c.offset + r * c.stride;
+                    rows.push(Row {
+                        unit: *u,
+                        bytes: &bytes[at..at + c.row_bytes],
+                        dtype: c.dtype,
+                        shape: &c.row_shape,
+                    });
+                }
             }
+            Column::Nested(nested) => rows.push(Row {
+                unit: *u,
+                bytes,
+                dtype: nested[*k].dtype,
+                shape: &nested[*k].shape,
+            }),
+            Column::Values(_) => unreachable!("refused above"),
         }
     }
-    counters.scanned_bytes.fetch_add(scanned, Ordering::Relaxed);
-    let duplicates = same_as.iter().enumerate().filter(|(i, j)| i != *j).count();
+    // Per row, the first row with the same dtype, shape and bytes. Rows
+    // whose hashes match but whose bytes differ (a collision) stay apart.
+    let mut first: FxHashMap<u64, u32> = FxHashMap::default();
+    first.reserve(rows.len());
+    let mut same_as: Vec<u32> = Vec::with_capacity(rows.len());
+    let mut scanned = 0u64;
+    for (i, row) in rows.iter().enumerate() {
+        scanned += row.bytes.len() as u64;
+        let j = *first
+            .entry(xxhash_rust::xxh3::xxh3_64(row.bytes))
+            .or_insert(i as u32);
+        let o = &rows[j as usize];
+        let same = j as usize != i
+            && o.dtype == row.dtype
+            && o.shape == row.shape
+            && o.bytes == row.bytes;
+        same_as.push(if same { j } else { i as u32 });
+    }
+    counters
+        .scanned_bytes
+        .fetch_add(scanned, Ordering::Relaxed);
+    let duplicates = same_as
+        .iter()
+        .enumerate()
+        .filter(|(i, j)| *i != **j as usize)
+        .count();
     if duplicates == 0 {
         counters
             .ns
@@ -96,34 +131,35 @@ pub(super) fn field(units: &mut [UnitFields<'_>], f: usize, counters: &DedupCoun
     // The distinct rows back to back, each at a multiple of 64 bytes.
     let mut offsets = vec![0usize; rows.len()];
     let mut size = 0usize;
-    for (i, (_, t)) in rows.iter().enumerate() {
-        if same_as[i] == i {
+    for (i, row) in rows.iter().enumerate() {
+        if same_as[i] as usize == i {
             offsets[i] = size;
-            size += t.payload_len().next_multiple_of(64);
+            size += row.bytes.len().next_multiple_of(64);
         }
     }
     let mut buf = BytesMut::zeroed(size);
     let mut saved = 0u64;
-    for (i, (_, t)) in rows.iter().enumerate() {
-        if same_as[i] == i {
-            let bytes = t.contiguous_bytes();
-            buf[offsets[i]..offsets[i] + bytes.len()].copy_from_slice(&bytes);
+    for (i, row) in rows.iter().enumerate() {
+        if same_as[i] as usize == i {
+            buf[offsets[i]..offsets[i] + row.bytes.len()].copy_from_slice(row.bytes);
         } else {
-            saved += t.payload_len() as u64;
+            saved += row.bytes.len() as u64;
         }
     }
     let extent: Arc<Extent> = Extent::new(buf.freeze());
     // Each unit's rows of the field, in order, as one column of references.
     let mut per_unit: Vec<Vec<NestedRow>> = units.iter().map(|_| Vec::new()).collect();
-    for (i, ((u, _, _), t)) in rows.iter().enumerate() {
-        per_unit[*u].push(NestedRow {
+    for (i, row) in rows.iter().enumerate() {
+        per_unit[row.unit].push(NestedRow {
             extent: extent.clone(),
-            offset: offsets[same_as[i]],
-            len: t.payload_len(),
-            dtype: t.dtype(),
-            shape: t.shape().to_vec().into_boxed_slice(),
+            offset: offsets[same_as[i] as usize],
+            len: row.bytes.len(),
+            dtype: row.dtype,
+            shape: row.shape.to_vec().into_boxed_slice(),
         });
     }
+    drop(rows);
+    drop(buffers);
     for (part, rows) in units.iter_mut().zip(per_unit) {
         if let Some(fields) = part
             && !rows.is_empty()
