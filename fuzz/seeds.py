@@ -161,6 +161,19 @@ def native_seeds():
         "checkpoint_ok": [env("checkpoint_ok", 16, {"dir": "/ckpt", "seq": 3, "rows": 1 << 40, "bytes": 0,
                                                      "files": 4})],
         "restore_ok": [env("restore_ok", 17, {"dir": "/ckpt", "seq": 3, "rows": 10, "lost": 2})],
+        # Peers (issue 19): a unit named in the envelope, versions.
+        "versions": [env("versions", 18, {"global_indexes": {"ranges": [[0, 4, 2]]}, "fields": ["x"]}, unit=1)],
+        "versions_ok": [env("versions_ok", 18, {"incarnation": 1 << 63, "versions": struct.pack("<4Q", 0, 1, 7, 1 << 40)})],
+        "get_unit_with_versions": [env("get", 19, {"global_indexes": [1, 0], "fields": ["x"]}, unit=0,
+                                       with_versions=True)],
+        "get_ok_versions": [
+            env("get_ok", 19, {"fields": {"x": {"kind": "regular", "dtype": "float32", "shape": [1, 2], "parts": [
+                {"frame": 1, "offset": 0, "len": 8, "rows": 1}]}}}, incarnation=5, versions=struct.pack("<Q", 3)),
+            f32(1, 2),
+        ],
+        "put_unit": [env("put", 20, {"global_indexes": [4], "fields": {"x": {
+            "kind": "regular", "dtype": "float32", "shape": [1, 2],
+            "parts": [{"frame": 1, "offset": 0, "len": 8, "rows": 1}]}}}, unit=3), f32(5, 6)],
     }
     # A regular [1, 2] and a nested field of every dtype, all in one frame.
     fields, blob = {}, b""

@@ -108,15 +108,11 @@ pub(super) fn field(units: &mut [UnitFields<'_>], f: usize, counters: &DedupCoun
             .entry(xxhash_rust::xxh3::xxh3_64(row.bytes))
             .or_insert(i as u32);
         let o = &rows[j as usize];
-        let same = j as usize != i
-            && o.dtype == row.dtype
-            && o.shape == row.shape
-            && o.bytes == row.bytes;
+        let same =
+            j as usize != i && o.dtype == row.dtype && o.shape == row.shape && o.bytes == row.bytes;
         same_as.push(if same { j } else { i as u32 });
     }
-    counters
-        .scanned_bytes
-        .fetch_add(scanned, Ordering::Relaxed);
+    counters.scanned_bytes.fetch_add(scanned, Ordering::Relaxed);
     let duplicates = same_as
         .iter()
         .enumerate()
