@@ -191,9 +191,27 @@ impl ReadCache {
         fields: &[String],
     ) -> Result<Vec<FieldRows>, ManagerError> {
         let n = indexes.len();
+        let (tx, rx) = watch::channel::<FlightResult>(None);
+        if let Some(landing) = self.claim_untouched(&p.name, indexes, fields, &rx) {
+            // Nothing of these rows is kept or being fetched: fetch them at
+            // once, their versions with them (no versions round trip).
+            let mut out: Slots = vec![vec![None; n]; fields.len()];
+            let (need, need_field) = (vec![true; n], vec![true; fields.len()]);
+            let result = self
+                .fetch(m, p, indexes, fields, &need, &need_field, &mut out)
+                .await;
+            let _ = tx.send(Some(
+                result.as_ref().map(Arc::clone).map_err(|e| e.to_string()),
+            ));
+            drop(landing);
+            result?;
+            return Ok(out
+                .into_iter()
+                .map(|rows| rows.into_iter().map(|r| r.expect("all fetched")).collect())
+                .collect());
+        }
         let (incarnation, versions) = m.versions_peer(p, indexes, fields).await?;
         let mut out: Slots = vec![vec![None; n]; fields.len()];
-        let (tx, rx) = watch::channel::<FlightResult>(None);
         // Rows to fetch (any field), and the fields they are fetched for.
         let mut need = vec![false; n];
         let mut need_field = vec![false; fields.len()];
@@ -322,6 +340,49 @@ impl ReadCache {
                     .collect()
             })
             .collect()
+    }
+
+    /// If no (field, index) of the request is kept or in flight, registers
+    /// this get's flight for all of them and returns its landing.
+    fn claim_untouched<'a>(
+        &'a self,
+        peer: &'a str,
+        indexes: &[u64],
+        fields: &[String],
+        rx: &watch::Receiver<FlightResult>,
+    ) -> Option<Landing<'a>> {
+        let mut inner = self.lock();
+        for field in fields {
+            let cached = inner.rows.get(peer).and_then(|m| m.get(field));
+            let flying = inner.flights.get(peer).and_then(|m| m.get(field));
+            if let Some(c) = cached
+                && indexes.iter().any(|g| c.contains_key(g))
+            {
+                return None;
+            }
+            if let Some(fl) = flying
+                && indexes.iter().any(|g| fl.contains_key(g))
+            {
+                return None;
+            }
+        }
+        let by_field = inner.flights.entry(peer.to_string()).or_default();
+        for field in fields {
+            let map = by_field.entry(field.clone()).or_default();
+            map.reserve(indexes.len());
+            for &g in indexes {
+                map.insert(g, rx.clone());
+            }
+        }
+        Some(Landing {
+            cache: self,
+            peer,
+            keys: fields
+                .iter()
+                .map(|f| (f.clone(), indexes.to_vec()))
+                .collect(),
+            rx: rx.clone(),
+        })
     }
 
     /// Fetches the rows `need` marks, of the fields `need_field` marks,

@@ -95,6 +95,23 @@ async fn peer_units_serve_every_kind_and_see_the_peers_changes() {
         "rows at an unchanged version are not fetched again"
     );
     assert!(client.stat("cache_hits").await >= 200 * 3);
+    // The TransferQueue router endpoint reads through the same cache.
+    let hits = client.stat("cache_hits").await;
+    let tq_router = TqClient::new(router.router());
+    match tq_router.get(&[1, 2, 3], &["x"]).await {
+        stowage_host::wire::tq::Reply::GetData { fields } => assert_cells(
+            "through the TransferQueue router",
+            &fields[0].1,
+            &expected(&v1[0].1, &indexes, &[1, 2, 3]),
+        ),
+        other => panic!("TransferQueue router get: {other:?}"),
+    }
+    assert_eq!(
+        client.stat("cache_hits").await,
+        hits + 2,
+        "indexes 1 and 2 (on the peer) came from the cache"
+    );
+    assert_eq!(client.stat("cache_fetched_bytes").await, fetched);
 
     // An overwrite through the router.
     let some: Vec<u64> = (0..300).step_by(5).collect();
@@ -346,4 +363,58 @@ async fn requests_naming_a_unit_are_checked() {
         Stowd::try_start("[units]\nlocal = 0\n\n[router]\nunits = [\"stowage://127.0.0.1/0\"]\n")
             .expect_err("a stowage:// unit without a port");
     assert!(err.contains("stowage://host:port/<unit>"), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peers_errors_keep_their_code_and_a_silent_peer_times_out() {
+    // A peer whose units hold 64 KiB each: a bigger put is refused there.
+    let port = free_port();
+    let peer = Stowd::start(&format!(
+        "[server]\nnative_port = {port}\n\n[units]\nlocal = 2\ncapacity_bytes = 65536\n\n[router]\nenabled = false\n\n[shm]\nenabled = false\n"
+    ));
+    let router = Stowd::start(&format!(
+        "[units]\nlocal = 0\n\n[router]\nunits = [\"stowage://127.0.0.1:{port}/0\"]\ntimeout_secs = 1\n\n[shm]\nenabled = false\n"
+    ));
+    let client = NativeClient::new(router.native());
+    let indexes: Vec<u64> = (0..40).collect();
+    let big = vec![("x".to_string(), Field::Regular(f32_rows(40, 1024, 1)))];
+    let reply = client.put(&indexes, &big).await;
+    let (code, message) = stowage_tests::client::native_error(&reply);
+    assert_eq!(code, native::code::CAPACITY, "{message}");
+    assert!(
+        message.contains(&format!("stowage://127.0.0.1:{port}/0")),
+        "{message}"
+    );
+    router.stop();
+    peer.stop();
+
+    // A "peer" that accepts connections and never says anything.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let silent_port = silent.local_addr().unwrap().port();
+    let router = Stowd::start(&format!(
+        "[units]\nlocal = 1\n\n[router]\nunits = [\"local:0\", \"stowage://127.0.0.1:{silent_port}/0\"]\ntimeout_secs = 1\n\n[shm]\nenabled = false\n"
+    ));
+    let client = NativeClient::new(router.native());
+    let started = std::time::Instant::now();
+    let reply = client.get(&[1], &["x"]).await;
+    let waited = started.elapsed();
+    let (code, message) = stowage_tests::client::native_error(&reply);
+    assert_eq!(code, native::code::INTERNAL, "{message}");
+    assert!(message.contains("stowage://127.0.0.1"), "{message}");
+    assert!(
+        waited >= std::time::Duration::from_millis(900)
+            && waited < std::time::Duration::from_secs(5),
+        "answered after {waited:?}"
+    );
+    // Rows of the local unit are served meanwhile.
+    let rows = vec![("x".to_string(), Field::Regular(f32_rows(1, 4, 3)))];
+    client.put_ok(&[2], &rows).await;
+    let got = client.get_ok(&[2], &["x"]).await;
+    assert_cells(
+        "local rows",
+        &wire_cells(got.into_iter().next().unwrap().1),
+        &expected(&rows[0].1, &[2], &[2]),
+    );
+    drop(silent);
+    router.stop();
 }

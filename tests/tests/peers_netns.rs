@@ -220,8 +220,13 @@ async fn eight_readers_on_one_host_cost_one_transfer_across_the_link() {
             peer = hosts.b_from_a(),
         ),
     );
-    // 32 MiB: 8,192 rows of 4 KiB.
-    let n = 8192u64;
+    // 32 MiB: 8,192 rows of 4 KiB (STOWAGE_PEERS_NETNS_MIB sets another
+    // size for a one-off measurement, e.g. the 512 MiB).
+    let mib: u64 = std::env::var("STOWAGE_PEERS_NETNS_MIB")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(32);
+    let n = mib * 256;
     let batch_bytes = n * 4096;
     let indexes: Vec<u64> = (0..n).collect();
     let put = Field::Regular(f32_rows(n, 1024, 5));
@@ -255,7 +260,7 @@ async fn eight_readers_on_one_host_cost_one_transfer_across_the_link() {
 
     // Changes made on B itself, not through A.
     let direct = NativeClient::new(&format!("tcp://{}:{PEER_PORT}", hosts.b_addr()));
-    let changed: Vec<u64> = vec![10, 11, 4097];
+    let changed: Vec<u64> = vec![10, 11, n / 2 + 1];
     for (k, &g) in changed.iter().enumerate() {
         let row = f32_rows(1, 1024, 99 + 1000 * k as u64);
         let reply = direct
