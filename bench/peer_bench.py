@@ -84,6 +84,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import tomllib
 
@@ -400,6 +401,9 @@ def main():
     ap.add_argument("--set", action="append", default=[], metavar="NAME:SECTION.KEY=TOML",
                     help="a config key for stowd NAME (B; A: every A; tq, peer, peer-nocache: that mode's A), "
                          "e.g. A:limits.max_rows=1000 or peer:cache.enabled=false")
+    ap.add_argument("--readers", type=int, default=1,
+                    help="also get the batch with this many clients at once, twice, after each put (a table of "
+                         "its own: seconds and, with --netns, bytes on the A-B veth per payload byte)")
     ap.add_argument("--timeout", type=float, default=600, help="client timeout, s")
     ap.add_argument("--stowd", default=os.path.join(ROOT, "target", "release", "stowd"))
     ap.add_argument("--plugins", default=os.path.join(ROOT, "target", "plugins"))
@@ -440,6 +444,7 @@ def main():
 
     # results[row][op] = [GB/s per rep]; cpu[row][op][who] = [s/GB per rep]
     results, ratios, cpu, link = {}, {}, {}, {}
+    readers = {}  # mode -> {"first"|"again": [(seconds, veth bytes / payload)]}
     status = {}  # mode -> None (ran) | "not supported ..." | "error ..."
     failed = False
     net = None
@@ -463,8 +468,8 @@ def main():
                 status[m] = None
             except StartError as e:
                 status[m] = f"not supported by this stowd: {str(e).replace(tmp + '/', '')}"
-        clients = {m: stowage.Client((b if m == "direct" else stowds[m]).eps["native"], timeout=a.timeout)
-                   for m in modes if status[m] is None}
+        cl_ep = {m: (b if m == "direct" else stowds[m]).eps["native"] for m in modes if status[m] is None}
+        clients = {m: stowage.Client(cl_ep[m], timeout=a.timeout) for m in cl_ep}
 
         def record(row, op, seconds, cpus, rep, link_delta=None):
             gbs = payload_bytes / seconds / 1e9
@@ -504,8 +509,44 @@ def main():
                         return cl.get_into(idx, {"x": out})["x"]
                     return cl.get(idx, ["x"])["x"]
 
+                def many_readers():
+                    ends = [stowage.Client(cl_ep[m], timeout=a.timeout) for _ in range(a.readers)]
+                    try:
+                        for phase in ("first", "again"):
+                            got = [None] * a.readers
+                            gate = threading.Barrier(a.readers + 1)
+
+                            def one(k):
+                                gate.wait()
+                                got[k] = ends[k].get(idx, ["x"])["x"]
+                            threads = [threading.Thread(target=one, args=(k,)) for k in range(a.readers)]
+                            for th in threads:
+                                th.start()
+                            l0 = net.link_bytes() if net else None
+                            t0 = time.perf_counter()
+                            gate.wait()
+                            for th in threads:
+                                th.join()
+                            t = time.perf_counter() - t0
+                            moved = (net.link_bytes() - l0) / payload_bytes if net else None
+                            for g in got:
+                                if g is None:
+                                    raise WrongData("a reader got nothing")
+                                verify(g, rows, cols)
+                            del got
+                            readers.setdefault(m, {}).setdefault(phase, []).append((t, moved))
+                    finally:
+                        for e in ends:
+                            e.close()
+
                 try:
                     timed("put", lambda: cl.put(idx, {"x": data}))
+                    if a.readers > 1 and m != "direct":
+                        # Then the same rows put again (untimed), so that
+                        # the single get below starts from nothing cached.
+                        many_readers()
+                        cl.clear(idx)
+                        cl.put(idx, {"x": data})
                     for op in ("get", "get again"):
                         got = timed(op, get)
                         verify(got, rows, cols)
@@ -583,6 +624,16 @@ def main():
             cells.append(" / ".join(f"{med(c[w]):.2f}" if w in c else "—" for w in ("client", "A", "B")))
         veth = [cell(link.get(m, {}).get(op, []), "{:.3f}") for op in ops] if net else []
         print(f"| {MODES[m]} | " + " | ".join(cells + veth) + " |")
+    if readers:
+        print(f"\n{a.readers} clients get the whole batch at once, right after the put, then again "
+              "(median seconds, first rep in parentheses"
+              + ("; bytes on the A-B veth per payload byte)" if net else ")"))
+        print("\n| path | first: s | again: s |" + (" first: veth | again: veth |" if net else ""))
+        print("|---|---:|---:|" + ("---:|---:|" if net else ""))
+        for m, phases in readers.items():
+            secs = [cell([t for t, _ in phases.get(p, [])]) for p in ("first", "again")]
+            veth = [cell([v for _, v in phases.get(p, [])], "{:.3f}") for p in ("first", "again")] if net else []
+            print(f"| {MODES[m]} | " + " | ".join(secs + veth) + " |")
     if failed:
         raise SystemExit(1)
 
