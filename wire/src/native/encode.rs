@@ -58,6 +58,10 @@ fn op_placed(
         Op::Get {
             global_indexes,
             fields,
+        }
+        | Op::Versions {
+            global_indexes,
+            fields,
         } => {
             w.map(2);
             w.str("global_indexes");
@@ -85,16 +89,6 @@ fn op_placed(
         Op::Checkpoint { dir } | Op::Restore { dir } => {
             w.map(1);
             w.kv_str("dir", dir);
-        }
-        Op::Versions {
-            global_indexes,
-            fields,
-        } => {
-            w.map(2);
-            w.str("global_indexes");
-            get_indexes(&mut w, global_indexes);
-            w.str("fields");
-            strs(&mut w, fields);
         }
     }
     finish_gathered(w, placed)
