@@ -418,3 +418,106 @@ async fn a_peers_errors_keep_their_code_and_a_silent_peer_times_out() {
     drop(silent);
     router.stop();
 }
+
+/// A hostile "peer": answers every stowage/1 request with the reply its
+/// mode makes (a real ZeroMQ endpoint: stowd's own transport).
+struct Hostile(std::sync::atomic::AtomicU32);
+
+impl stowage_host::transport::Service for Hostile {
+    fn handle(
+        self: Arc<Self>,
+        _caller: stowage_host::transport::Caller,
+        frames: Vec<bytes::Bytes>,
+    ) -> stowage_host::transport::BoxFuture<'static, Option<stowage_host::transport::Message>> {
+        Box::pin(async move {
+            let req = native::decode_request(&frames, &native::Limits::default()).ok()?;
+            let mode = self.0.load(std::sync::atomic::Ordering::Relaxed);
+            let rows =
+                |n: u64| native::WireField::from_field(&Field::Regular(f32_rows(n, 4, 1))).unwrap();
+            let asked = match &req.op {
+                native::Op::Get { global_indexes, .. }
+                | native::Op::Versions { global_indexes, .. } => global_indexes.len(),
+                _ => 1,
+            };
+            let reply = match (mode, &req.op) {
+                // Fewer rows than asked.
+                (0, native::Op::Get { .. }) => native::Reply::GetOk {
+                    fields: vec![("x".into(), rows(asked - 1))],
+                },
+                // Another field than asked.
+                (1, native::Op::Get { .. }) => native::Reply::GetOk {
+                    fields: vec![("y".into(), rows(asked))],
+                },
+                // The right rows without the versions asked for.
+                (2, native::Op::Get { .. }) => native::Reply::GetOk {
+                    fields: vec![("x".into(), rows(asked))],
+                },
+                // Versions of the wrong length.
+                (3, native::Op::Versions { .. }) => native::Reply::VersionsOk {
+                    incarnation: 1,
+                    versions: vec![1],
+                },
+                // A reply of another op.
+                (_, _) => native::Reply::ClearOk { cleared: 0 },
+            };
+            let id = if mode == 4 { req.id + 1 } else { req.id };
+            let out = native::encode_reply(id, &reply).ok()?;
+            if mode == 5 {
+                // Not msgpack at all.
+                return Some(vec![bytes::Bytes::from_static(b"\xc1\xc1garbage")].into());
+            }
+            Some(out.into())
+        })
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hostile_peers_replies_are_errors_and_the_router_serves_on() {
+    let (socket, endpoint) = stowage_host::transport::bind("tcp://127.0.0.1:0")
+        .await
+        .unwrap();
+    let port = endpoint.rsplit(':').next().unwrap().to_string();
+    let hostile = Arc::new(Hostile(std::sync::atomic::AtomicU32::new(0)));
+    let (stop, rx) = tokio::sync::watch::channel(false);
+    let server = tokio::spawn(stowage_host::transport::serve(socket, hostile.clone(), rx));
+    for cache in ["", "[cache]\nenabled = false\n"] {
+        let router = Stowd::start(&format!(
+            "[units]\nlocal = 1\n\n[router]\nunits = [\"local:0\", \"stowage://127.0.0.1:{port}/0\"]\ntimeout_secs = 2\n\n[shm]\nenabled = false\n\n{cache}"
+        ));
+        let client = NativeClient::new(router.native());
+        let local = vec![("x".to_string(), Field::Regular(f32_rows(1, 4, 8)))];
+        client.put_ok(&[0], &local).await;
+        // Peer indexes 1 and 3 (odd: the peer). No bad reply is ever kept,
+        // so each get fetches (the versions request, for rows kept, is
+        // checked by the same code: its length against the rows asked).
+        for mode in 0..6u32 {
+            hostile.0.store(mode, std::sync::atomic::Ordering::Relaxed);
+            let reply = client.get(&[1, 3], &["x"]).await;
+            if mode == 2 && !cache.is_empty() {
+                // Without the cache no versions are asked: a plain reply.
+                assert!(matches!(reply, native::Reply::GetOk { .. }), "{reply:?}");
+                continue;
+            }
+            let (code, message) = stowage_tests::client::native_error(&reply);
+            assert_eq!(
+                code,
+                native::code::INTERNAL,
+                "mode {mode} ({cache:?}): {message}"
+            );
+            assert!(
+                message.contains("stowage://127.0.0.1"),
+                "mode {mode}: {message}"
+            );
+            // The router serves on, its own rows intact.
+            let got = client.get_ok(&[0], &["x"]).await;
+            assert_cells(
+                &format!("local rows after mode {mode}"),
+                &wire_cells(got.into_iter().next().unwrap().1),
+                &expected(&local[0].1, &[0], &[0]),
+            );
+        }
+        router.stop();
+    }
+    stop.send(true).unwrap();
+    server.await.unwrap();
+}
