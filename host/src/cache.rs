@@ -83,6 +83,8 @@ struct Batch {
 /// What a fetch brought, for the gets that waited for it.
 struct Fetched {
     fields: Vec<String>,
+    /// The indexes fetched, in order (a get may name one twice).
+    indexes: Vec<u64>,
     at: FxHashMap<u64, usize>,
     rows: Vec<FieldRows>,
     incarnation: u64,
@@ -307,7 +309,7 @@ impl ReadCache {
             let used = got.and_then(|fetched| {
                 let ff = fetched.fields.iter().position(|x| *x == fields[f])?;
                 let at = *fetched.at.get(&indexes[i])?;
-                let version = fetched.versions[ff * fetched.at.len() + at];
+                let version = fetched.versions[ff * fetched.indexes.len() + at];
                 (fetched.incarnation == incarnation && version >= versions[f * n + i])
                     .then(|| fetched.rows[ff][at].clone())
             });
@@ -413,6 +415,7 @@ impl ReadCache {
         let (incarnation, versions) = versions.expect("asked with versions");
         let fetched = Arc::new(Fetched {
             at: rows.iter().enumerate().map(|(i, &g)| (g, i)).collect(),
+            indexes: rows.clone(),
             fields: fetch_fields,
             rows: got,
             incarnation,
@@ -473,13 +476,11 @@ impl ReadCache {
         inner.next_batch += 1;
         inner.tick += 1;
         let tick = inner.tick;
-        let n = fetched.at.len();
-        let mut indexes = vec![0u64; n];
-        for (&g, &i) in &fetched.at {
-            indexes[i] = g;
-        }
+        let n = fetched.indexes.len();
+        let indexes = fetched.indexes.clone();
         let by_field = inner.rows.entry(peer.to_string()).or_default();
         let mut replaced = Vec::new();
+        let mut live = 0u64;
         for (ff, field) in fetched.fields.iter().enumerate() {
             let map = by_field.entry(field.clone()).or_default();
             for (i, &g) in indexes.iter().enumerate() {
@@ -494,7 +495,15 @@ impl ReadCache {
                         batch: id,
                     },
                 );
-                replaced.extend(old.map(|e| e.batch));
+                match old {
+                    // The same index twice in one fetch: one entry.
+                    Some(e) if e.batch == id => {}
+                    Some(e) => {
+                        replaced.push(e.batch);
+                        live += 1;
+                    }
+                    None => live += 1,
+                }
             }
         }
         for batch in replaced {
@@ -505,7 +514,7 @@ impl ReadCache {
             Batch {
                 peer: peer.to_string(),
                 fields: fetched.fields.clone(),
-                live: (indexes.len() * fetched.fields.len()) as u64,
+                live,
                 indexes,
                 bytes,
                 tick,

@@ -259,6 +259,23 @@ async fn a_small_cache_evicts_and_a_disabled_one_is_not_there() {
     );
     client.put_ok(&a, &pa).await;
     client.put_ok(&b, &pb).await;
+    // One get naming indexes twice: right rows, and a clear frees them all.
+    let twice: Vec<u64> = vec![1, 1, 4, 4, 1];
+    for _ in 0..2 {
+        let got = client.get_ok(&twice, &["x"]).await;
+        assert_cells(
+            "indexes named twice",
+            &wire_cells(got.into_iter().next().unwrap().1),
+            &expected(&pa[0].1, &a, &twice),
+        );
+    }
+    assert!(client.stat("cache_bytes").await > 0);
+    client.clear(&[1, 4], None).await;
+    assert_eq!(
+        client.stat("cache_bytes").await,
+        0,
+        "every entry of the fetch released"
+    );
     small.stop();
 
     let off = Stowd::start(&router_config(port, "[cache]\nenabled = false\n"));
