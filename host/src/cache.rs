@@ -194,96 +194,79 @@ impl ReadCache {
     ) -> Result<Vec<FieldRows>, ManagerError> {
         let n = indexes.len();
         let (tx, rx) = watch::channel::<FlightResult>(None);
-        if let Some(landing) = self.claim_untouched(&p.name, indexes, fields, &rx) {
-            // Nothing of these rows is kept or being fetched: fetch them at
-            // once, their versions with them (no versions round trip).
-            let mut out: Slots = vec![vec![None; n]; fields.len()];
-            let (need, need_field) = (vec![true; n], vec![true; fields.len()]);
-            let result = self
-                .fetch(m, p, indexes, fields, &need, &need_field, &mut out)
-                .await;
-            let _ = tx.send(Some(
-                result.as_ref().map(Arc::clone).map_err(|e| e.to_string()),
-            ));
-            drop(landing);
-            result?;
-            return Ok(out
-                .into_iter()
-                .map(|rows| rows.into_iter().map(|r| r.expect("all fetched")).collect())
-                .collect());
-        }
-        let (incarnation, versions) = m.versions_peer(p, indexes, fields).await?;
         let mut out: Slots = vec![vec![None; n]; fields.len()];
         // Rows to fetch (any field), and the fields they are fetched for.
-        let mut need = vec![false; n];
-        let mut need_field = vec![false; fields.len()];
+        let (mut need, mut need_field) = (vec![false; n], vec![false; fields.len()]);
         let mut waits: Vec<(watch::Receiver<FlightResult>, usize, usize)> = Vec::new();
-        let mut landing = Landing {
-            cache: self,
-            peer: &p.name,
-            keys: Vec::new(),
-            rx: rx.clone(),
-        };
         let (mut hits, mut hit_bytes) = (0u64, 0u64);
-        {
-            let mut inner = self.lock();
-            let mut touched: Vec<u64> = Vec::new();
-            let mut stale: Vec<(usize, u64)> = Vec::new();
-            for (f, field) in fields.iter().enumerate() {
-                let cached = inner.rows.get(&p.name).and_then(|m| m.get(field));
-                let flying = inner.flights.get(&p.name).and_then(|m| m.get(field));
-                let mut mine = Vec::new();
-                for (i, &g) in indexes.iter().enumerate() {
-                    let version = versions[f * n + i];
-                    if version != 0
-                        && let Some(e) = cached.and_then(|c| c.get(&g))
-                        && e.incarnation == incarnation
-                        && e.version == version
-                    {
-                        hits += 1;
-                        hit_bytes += row_bytes(&e.column, e.row);
-                        if touched.last() != Some(&e.batch) {
-                            touched.push(e.batch);
+        let (incarnation, versions, landing) =
+            match self.claim_untouched(&p.name, indexes, fields, &rx) {
+                // Nothing of these rows is kept or being fetched: fetch them at
+                // once, their versions with them (no versions round trip).
+                Some(landing) => {
+                    need.fill(true);
+                    need_field.fill(true);
+                    (0, Vec::new(), landing)
+                }
+                None => {
+                    let (incarnation, versions) = m.versions_peer(p, indexes, fields).await?;
+                    let mut landing = Landing {
+                        cache: self,
+                        peer: &p.name,
+                        keys: Vec::new(),
+                        rx: rx.clone(),
+                    };
+                    let mut inner = self.lock();
+                    let mut touched: Vec<u64> = Vec::new();
+                    let mut stale: Vec<(usize, u64)> = Vec::new();
+                    for (f, field) in fields.iter().enumerate() {
+                        let cached = inner.rows.get(&p.name).and_then(|m| m.get(field));
+                        let flying = inner.flights.get(&p.name).and_then(|m| m.get(field));
+                        let mut mine = Vec::new();
+                        for (i, &g) in indexes.iter().enumerate() {
+                            let version = versions[f * n + i];
+                            if version != 0
+                                && let Some(e) = cached.and_then(|c| c.get(&g))
+                                && e.incarnation == incarnation
+                                && e.version == version
+                            {
+                                hits += 1;
+                                hit_bytes += row_bytes(&e.column, e.row);
+                                if touched.last() != Some(&e.batch) {
+                                    touched.push(e.batch);
+                                }
+                                out[f][i] = Some((e.column.clone(), e.row));
+                            } else if version != 0
+                                && let Some(flight) = flying.and_then(|fl| fl.get(&g))
+                            {
+                                waits.push((flight.clone(), f, i));
+                            } else {
+                                if cached.is_some_and(|c| c.contains_key(&g)) {
+                                    stale.push((f, g));
+                                }
+                                need[i] = true;
+                                need_field[f] = true;
+                                mine.push(g);
+                            }
                         }
-                        out[f][i] = Some((e.column.clone(), e.row));
-                    } else if version != 0
-                        && let Some(flight) = flying.and_then(|fl| fl.get(&g))
-                    {
-                        waits.push((flight.clone(), f, i));
-                    } else {
-                        if cached.is_some_and(|c| c.contains_key(&g)) {
-                            stale.push((f, g));
+                        if !mine.is_empty() {
+                            landing.keys.push((field.clone(), mine));
                         }
-                        need[i] = true;
-                        need_field[f] = true;
-                        mine.push(g);
                     }
+                    touched.sort_unstable();
+                    touched.dedup();
+                    for b in touched {
+                        inner.touch(b);
+                    }
+                    // Rows whose version moved on: dropped now, not at eviction.
+                    for (f, g) in stale {
+                        inner.remove(&p.name, &fields[f], g);
+                    }
+                    inner.fly(&p.name, &landing.keys, &rx);
+                    drop(inner);
+                    (incarnation, versions, landing)
                 }
-                if !mine.is_empty() {
-                    landing.keys.push((field.clone(), mine));
-                }
-            }
-            touched.sort_unstable();
-            touched.dedup();
-            for b in touched {
-                inner.touch(b);
-            }
-            // Rows whose version moved on: dropped now, not at eviction.
-            for (f, g) in stale {
-                inner.remove(&p.name, &fields[f], g);
-            }
-            for (field, keys) in &landing.keys {
-                let map = inner
-                    .flights
-                    .entry(p.name.clone())
-                    .or_default()
-                    .entry(field.clone())
-                    .or_default();
-                for g in keys {
-                    map.insert(*g, rx.clone());
-                }
-            }
-        }
+            };
         let c = &self.counters;
         c.hits.fetch_add(hits, Ordering::Relaxed);
         c.saved_bytes.fetch_add(hit_bytes, Ordering::Relaxed);
@@ -368,21 +351,15 @@ impl ReadCache {
                 return None;
             }
         }
-        let by_field = inner.flights.entry(peer.to_string()).or_default();
-        for field in fields {
-            let map = by_field.entry(field.clone()).or_default();
-            map.reserve(indexes.len());
-            for &g in indexes {
-                map.insert(g, rx.clone());
-            }
-        }
+        let keys: Vec<(String, Vec<u64>)> = fields
+            .iter()
+            .map(|f| (f.clone(), indexes.to_vec()))
+            .collect();
+        inner.fly(peer, &keys, rx);
         Some(Landing {
             cache: self,
             peer,
-            keys: fields
-                .iter()
-                .map(|f| (f.clone(), indexes.to_vec()))
-                .collect(),
+            keys,
             rx: rx.clone(),
         })
     }
@@ -543,6 +520,18 @@ impl ReadCache {
 }
 
 impl Inner {
+    /// Registers the flight `rx` for `keys` (field, indexes) of `peer`.
+    fn fly(&mut self, peer: &str, keys: &[(String, Vec<u64>)], rx: &watch::Receiver<FlightResult>) {
+        let by_field = self.flights.entry(peer.to_string()).or_default();
+        for (field, indexes) in keys {
+            let map = by_field.entry(field.clone()).or_default();
+            map.reserve(indexes.len());
+            for &g in indexes {
+                map.insert(g, rx.clone());
+            }
+        }
+    }
+
     /// Removes one cached row, and its fetch once no row of it is left.
     fn remove(&mut self, peer: &str, field: &str, g: u64) {
         let Some(by_field) = self.rows.get_mut(peer) else {

@@ -178,8 +178,18 @@ impl Drop for Hosts {
     }
 }
 
-/// 8 readers of `indexes` at once through `client`; each checks its rows.
-async fn eight_readers(client: &Arc<NativeClient>, indexes: &[u64], put: &Field) {
+/// 8 readers of `indexes` at once through `client`, each checking its
+/// rows; the bytes A received on the A–B link meanwhile (printed, and as a
+/// ratio to `batch_bytes`).
+async fn eight_readers(
+    hosts: &Hosts,
+    what: &str,
+    batch_bytes: u64,
+    client: &Arc<NativeClient>,
+    indexes: &[u64],
+    put: &Field,
+) -> u64 {
+    let before = hosts.a_received();
     let mut readers = Vec::new();
     for r in 0..8 {
         let (client, indexes, put) = (client.clone(), indexes.to_vec(), put.clone());
@@ -195,6 +205,12 @@ async fn eight_readers(client: &Arc<NativeClient>, indexes: &[u64], put: &Field)
     for r in readers {
         r.await.expect("reader");
     }
+    let moved = hosts.a_received() - before;
+    println!(
+        "8 readers {what}: {moved} bytes crossed the link for a {batch_bytes}-byte batch ({:.3}x)",
+        moved as f64 / batch_bytes as f64
+    );
+    moved
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -237,24 +253,12 @@ async fn eight_readers_on_one_host_cost_one_transfer_across_the_link() {
         .put_ok(&indexes, &[("x".to_string(), put.clone())])
         .await;
 
-    let before = hosts.a_received();
-    eight_readers(&client, &indexes, &put).await;
-    let first = hosts.a_received() - before;
-    println!(
-        "8 readers at once: {first} bytes crossed the link for a {batch_bytes}-byte batch ({:.3}x)",
-        first as f64 / batch_bytes as f64
-    );
+    let first = eight_readers(&hosts, "at once", batch_bytes, &client, &indexes, &put).await;
     assert!(
         first as f64 <= 1.1 * batch_bytes as f64,
         "8 readers moved {first} bytes across the link, more than 1.1x the {batch_bytes}-byte batch"
     );
-    let before = hosts.a_received();
-    eight_readers(&client, &indexes, &put).await;
-    let later = hosts.a_received() - before;
-    println!(
-        "8 readers later: {later} bytes ({:.3}x)",
-        later as f64 / batch_bytes as f64
-    );
+    let later = eight_readers(&hosts, "later", batch_bytes, &client, &indexes, &put).await;
     assert!(
         later as f64 <= 0.2 * batch_bytes as f64,
         "unchanged rows crossed the link again: {later} bytes"

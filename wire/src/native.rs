@@ -738,7 +738,7 @@ pub fn decode_extras(frame0: &[u8], limits: &Limits) -> Result<Extras, Error> {
 /// map has one more entry. `frame0` must come from [`encode_reply`] or
 /// [`encode_request`].
 pub fn with_segments(frame0: &[u8], segments: &[(String, u64, u64)]) -> Result<Bytes, Error> {
-    encode::with_keys(frame0, Some(segments), false, None)
+    encode::with_segments(frame0, segments)
 }
 
 /// Frame 0 with the keys `incarnation` and `versions` added (a peer's

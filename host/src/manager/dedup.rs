@@ -55,6 +55,11 @@ struct Row<'a> {
 /// doc); `units[u]` is `None` for a unit that gets no rows or is not local.
 pub(super) fn field(units: &mut [UnitFields<'_>], f: usize, counters: &DedupCounters) {
     let started = Instant::now();
+    let timed = || {
+        counters
+            .ns
+            .fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed)
+    };
     // The buffers the rows are in, held for the scan: one per regular
     // column, one per nested row.
     let mut buffers: Vec<(usize, &Column, usize, Bytes)> = Vec::new();
@@ -119,9 +124,7 @@ pub(super) fn field(units: &mut [UnitFields<'_>], f: usize, counters: &DedupCoun
         .filter(|(i, j)| *i != **j as usize)
         .count();
     if duplicates == 0 {
-        counters
-            .ns
-            .fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        timed();
         return;
     }
     // The distinct rows back to back, each at a multiple of 64 bytes.
@@ -167,7 +170,5 @@ pub(super) fn field(units: &mut [UnitFields<'_>], f: usize, counters: &DedupCoun
         .rows
         .fetch_add(duplicates as u64, Ordering::Relaxed);
     counters.bytes.fetch_add(saved, Ordering::Relaxed);
-    counters
-        .ns
-        .fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
+    timed();
 }

@@ -397,9 +397,6 @@ impl NativeService {
                 global_indexes,
                 fields,
             } => {
-                if let Some(g) = crate::store::duplicate(&global_indexes) {
-                    return store(crate::store::StoreError::DuplicateIndex(g));
-                }
                 let mut columns = Vec::with_capacity(fields.len());
                 for (name, f) in fields {
                     match f.into_field() {

@@ -707,21 +707,25 @@ pub(super) fn request_head(id: u64, head: &RequestHead) -> Result<Bytes, Error> 
     }
 }
 
-/// Frame 0 plus the shared-memory keys `extras` sets (`segments`,
-/// `same_node`, `channel`) in its envelope map (4 -> 5 to 7 entries).
+/// Frame 0 plus the keys `extras` sets (`segments`, `same_node`,
+/// `channel`, `unit`, `with_versions`) in its envelope map.
 pub(super) fn with_extras(frame0: &[u8], extras: &Extras) -> Result<Bytes, Error> {
-    let base = with_keys(
-        frame0,
-        extras.segments.as_deref(),
-        extras.same_node,
-        extras.channel.as_deref(),
-    )?;
-    if extras.unit.is_none() && !extras.with_versions {
-        return Ok(base);
-    }
-    // Peer keys: appended to the map `with_keys` wrote (a fixmap).
     let mut w = Writer::new();
     let mut keys = 0u8;
+    if let Some(segments) = &extras.segments {
+        keys += 1;
+        segments_key(&mut w, segments);
+    }
+    if extras.same_node {
+        keys += 1;
+        w.str("same_node");
+        w.bool(true);
+    }
+    if let Some(channel) = &extras.channel {
+        keys += 1;
+        w.str("channel");
+        w.str(channel);
+    }
     if let Some(unit) = extras.unit {
         keys += 1;
         w.kv_uint("unit", unit);
@@ -731,12 +735,28 @@ pub(super) fn with_extras(frame0: &[u8], extras: &Extras) -> Result<Bytes, Error
         w.str("with_versions");
         w.bool(true);
     }
-    let tail = w.finish()?;
-    let mut out = Vec::with_capacity(base.len() + tail.len());
-    out.push(base[0] + keys);
-    out.extend_from_slice(&base[1..]);
-    out.extend_from_slice(&tail);
-    Ok(Bytes::from(out))
+    append_keys(frame0, keys, w)
+}
+
+/// Frame 0 plus `segments` (a reply's segments, not copied).
+pub(super) fn with_segments(
+    frame0: &[u8],
+    segments: &[(String, u64, u64)],
+) -> Result<Bytes, Error> {
+    let mut w = Writer::new();
+    segments_key(&mut w, segments);
+    append_keys(frame0, 1, w)
+}
+
+fn segments_key(w: &mut Writer, segments: &[(String, u64, u64)]) {
+    w.str("segments");
+    w.array(segments.len());
+    for (name, offset, len) in segments {
+        w.array(3);
+        w.str(name);
+        w.uint(*offset);
+        w.uint(*len);
+    }
 }
 
 /// Versions as they travel: 8 bytes each, little-endian.
@@ -750,60 +770,22 @@ pub(super) fn with_versions(
     incarnation: u64,
     versions: &[u64],
 ) -> Result<Bytes, Error> {
-    if frame0.first() != Some(&0x84) {
-        return Err(Error::Layout(
-            "frame 0 is not an envelope written by this encoder".into(),
-        ));
-    }
     let mut w = Writer::new();
     w.kv_uint("incarnation", incarnation);
     w.str("versions");
     w.bin(&versions_bin(versions));
-    let tail = w.finish()?;
-    let mut out = Vec::with_capacity(frame0.len() + tail.len());
-    out.push(0x86);
-    out.extend_from_slice(&frame0[1..]);
-    out.extend_from_slice(&tail);
-    Ok(Bytes::from(out))
+    append_keys(frame0, 2, w)
 }
 
-/// [`with_extras`] from borrowed parts (a reply's segments are not copied).
-pub(super) fn with_keys(
-    frame0: &[u8],
-    segments: Option<&[(String, u64, u64)]>,
-    same_node: bool,
-    channel: Option<&str>,
-) -> Result<Bytes, Error> {
-    // `envelope` always writes a fixmap of 4 entries first.
+/// `frame0`, an envelope this encoder wrote (a fixmap of 4 entries first),
+/// with `keys` more entries, written in `tail`.
+fn append_keys(frame0: &[u8], keys: u8, tail: Writer) -> Result<Bytes, Error> {
     if frame0.first() != Some(&0x84) {
         return Err(Error::Layout(
             "frame 0 is not an envelope written by this encoder".into(),
         ));
     }
-    let mut w = Writer::new();
-    let mut keys = 0u8;
-    if let Some(segments) = segments {
-        keys += 1;
-        w.str("segments");
-        w.array(segments.len());
-        for (name, offset, len) in segments {
-            w.array(3);
-            w.str(name);
-            w.uint(*offset);
-            w.uint(*len);
-        }
-    }
-    if same_node {
-        keys += 1;
-        w.str("same_node");
-        w.bool(true);
-    }
-    if let Some(channel) = channel {
-        keys += 1;
-        w.str("channel");
-        w.str(channel);
-    }
-    let tail = w.finish()?;
+    let tail = tail.finish()?;
     let mut out = Vec::with_capacity(frame0.len() + tail.len());
     out.push(0x84 + keys);
     out.extend_from_slice(&frame0[1..]);
