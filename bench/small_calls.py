@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Round trip of small calls, end to end: one 4 KiB row got, and put, by
-the Python client (through its Rust core, and with STOWAGE_PURE_PYTHON=1
-through pyzmq), against release stowds side by side in one run: each
+the Python client (through its Rust core, which polls for a reply for up
+to spin_us before sleeping: its default and spin_us=0; and with
+STOWAGE_PURE_PYTHON=1 through pyzmq), against release stowds side by side in one run: each
 binary given (e.g. this commit's and a baseline's) with the bundled
 plugins and with the built-in policy (an empty plugin directory).
 
@@ -51,21 +52,22 @@ def cpu_seconds(pid: int) -> float:
 
 
 def measure(endpoint: str, calls: int, stowd_pid: int) -> tuple[dict, dict]:
-    """({(op, transport): µs} for a get and a put of one 4 KiB row, and
+    """({(op, transport): µs} for a get and a put of one 4 KiB row (the
+    core with its default spin, the core with spin_us=0, pyzmq), and
     {(op, transport): (client CPU µs, stowd CPU µs)} per call, from a
     second pass of 5x the calls: CPU time moves far less with the
     machine's noise than a round trip does)."""
     row = np.ones((1, 1024), np.float32)
     out, cpu = {}, {}
-    with stowage.Client(endpoint, timeout=30) as c:
+    with stowage.Client(endpoint, timeout=30) as c, stowage.Client(endpoint, timeout=30, spin_us=0) as asleep:
         c.put(range(16), {"x": np.zeros((16, 1024), np.float32)})
-        for transport in ("core", "pyzmq"):
+        for transport, client in (("core", c), ("core spin 0", asleep), ("pyzmq", c)):
             if transport == "pyzmq":
                 os.environ["STOWAGE_PURE_PYTHON"] = "1"
             else:
                 os.environ.pop("STOWAGE_PURE_PYTHON", None)
-            c.get([3], ["x"])  # warm: connections made, plugins instantiated
-            for op, fn in (("get", lambda: c.get([3], ["x"])), ("put", lambda: c.put([5], {"x": row}))):
+            client.get([3], ["x"])  # warm: connections made, plugins instantiated
+            for op, fn in (("get", lambda: client.get([3], ["x"])), ("put", lambda: client.put([5], {"x": row}))):
                 out[(op, transport)] = median_us(fn, calls)
                 mine, theirs = time.process_time(), cpu_seconds(stowd_pid)
                 for _ in range(5 * calls):

@@ -62,7 +62,8 @@ from .errors import BadRequest, ProtocolError, StowageError, StowageTimeout, Uns
 
 class AsyncClient(_Ops):
     """`async with AsyncClient(endpoint) as c: await c.put(...)`. Use it from one
-    event loop at a time (moving to another loop reconnects)."""
+    event loop at a time (moving to another loop reconnects). `spin_us` is as
+    for `Client`: how long a core call polls for its reply before sleeping."""
 
     #: Most calls through the Rust core one client runs at once, each in a
     #: worker thread on a core connection of its own (more wait their
@@ -77,8 +78,8 @@ class AsyncClient(_Ops):
     def __init__(self, endpoint: str, timeout: float = DEFAULT_TIMEOUT, *,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                  context: zmq.asyncio.Context | None = None,
-                 same_node: bool = False, shm_dir: str | None = None) -> None:
-        super().__init__(endpoint, timeout, max_message_bytes, same_node, shm_dir)
+                 same_node: bool = False, shm_dir: str | None = None, spin_us: float | None = None) -> None:
+        super().__init__(endpoint, timeout, max_message_bytes, same_node, shm_dir, spin_us)
         self._ctx = context or zmq.asyncio.Context.instance()
         self._sock: zmq.asyncio.Socket | None = None
         self._reader: asyncio.Task | None = None
@@ -353,7 +354,7 @@ class AsyncClient(_Ops):
             try:
                 core = self._core_idle.pop()
             except IndexError:
-                core = _core.Connection(self.endpoint)
+                core = _core.Connection(self.endpoint, self.spin_us)
             try:
                 return run(core, frame0, left)
             finally:

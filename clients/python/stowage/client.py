@@ -21,13 +21,15 @@ from .errors import (BadRequest, InternalError, ProtocolError, StowageError, Sto
 
 DEFAULT_TIMEOUT = 30.0
 DEFAULT_MAX_MESSAGE_BYTES = 256 << 20
+#: How long the Rust core polls for a reply before it sleeps, µs (see `Client`).
+DEFAULT_SPIN_US = 200.0
 
 
 class _Ops:
     """Request building and reply reading, shared by `Client` and `AsyncClient`."""
 
     def __init__(self, endpoint: str, timeout: float, max_message_bytes: int,
-                 same_node: bool = False, shm_dir: str | None = None) -> None:
+                 same_node: bool = False, shm_dir: str | None = None, spin_us: float | None = None) -> None:
         # (`shm_dir` is accepted for older callers and not used: segments come
         # as descriptors over the channel stowd names, not as files.)
         self._segments = _shm.Segments() if same_node else None
@@ -38,6 +40,7 @@ class _Ops:
         if not isinstance(max_message_bytes, int) or max_message_bytes <= 0:
             raise ValueError(f"max_message_bytes must be a positive int, got {max_message_bytes!r}")
         self.max_message_bytes = max_message_bytes
+        self.spin_us = self._check_spin(spin_us)
         self._ids = itertools.count(1)  # id 0 is reserved for replies to unreadable requests
 
     @staticmethod
@@ -45,6 +48,22 @@ class _Ops:
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0 or math.isinf(t):
             raise ValueError(f"timeout must be a positive finite number of seconds, got {t!r}")
         return float(t)
+
+    @staticmethod
+    def _check_spin(us) -> float:
+        where = "spin_us"
+        if us is None:
+            us = os.environ.get("STOWAGE_SPIN_US")
+            if us is None:
+                return DEFAULT_SPIN_US
+            where = "STOWAGE_SPIN_US"
+            try:
+                us = float(us)
+            except ValueError:
+                raise ValueError(f"STOWAGE_SPIN_US must be a number of microseconds, got {us!r}") from None
+        if isinstance(us, bool) or not isinstance(us, (int, float)) or not 0 <= us < math.inf:
+            raise ValueError(f"{where} must be a finite number of microseconds >= 0, got {us!r}")
+        return float(us)
 
     def _call_timeout(self, t) -> float:
         return self.timeout if t is None else self._check_timeout(t)
@@ -387,12 +406,20 @@ class Client(_Ops):
     its reply; then it raises `StowageTimeout` after closing the socket and
     opening a new one, which drops anything still queued and ensures a late
     reply is never taken for the answer to a later request.
+
+    Calls over tcp through the Rust core await their reply by polling the
+    socket for up to `spin_us` microseconds (default 200, or the
+    `STOWAGE_SPIN_US` environment variable) before sleeping: a client still
+    running when the reply comes is not woken across CPUs, which is most of
+    a small call's round trip on a VM. Each turn yields the CPU, so
+    anything else runnable goes first; a wait the spin misses makes the
+    connection's next 8 waits sleep at once. `spin_us=0` always sleeps.
     """
 
     def __init__(self, endpoint: str, timeout: float = DEFAULT_TIMEOUT, *,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, context: zmq.Context | None = None,
-                 same_node: bool = False, shm_dir: str | None = None) -> None:
-        super().__init__(endpoint, timeout, max_message_bytes, same_node, shm_dir)
+                 same_node: bool = False, shm_dir: str | None = None, spin_us: float | None = None) -> None:
+        super().__init__(endpoint, timeout, max_message_bytes, same_node, shm_dir, spin_us)
         self._ctx = context or zmq.Context.instance()
         self._lock = threading.Lock()
         self._sock: zmq.Socket | None = self._connect()
@@ -591,7 +618,7 @@ class Client(_Ops):
             if self._sock is None:
                 raise StowageError("the client is closed")
             if self._core is None:
-                self._core = _core.Connection(self.endpoint)
+                self._core = _core.Connection(self.endpoint, self.spin_us)
             try:
                 return rid, run(self._core, frame0, timeout)
             except _CORE_FAILURES as e:

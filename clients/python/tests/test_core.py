@@ -793,3 +793,76 @@ def test_a_get_reuses_the_buffer_of_a_result_nobody_holds(endpoint, fresh, monke
         del c.get(idx, ["x"])["x"]
         assert stowage.release_receive_buffers() == 0
         c.clear(idx)
+
+
+def test_a_reply_is_awaited_by_spinning_then_sleeping():
+    """`spin_us`: the core polls for a reply before it sleeps. A peer that
+    answers after 0.2 s: with spin_us=0 the waiting thread uses almost no
+    CPU; with a spin longer than the wait it polls the whole time (its CPU
+    time, through `sched_yield`, is a real share of the wait); with a spin
+    of 50 ms the first wait spins and gives up, and the next 8 waits on the
+    connection sleep at once. Rows are right every time, and the call's
+    timeout still bounds a spin longer than it."""
+    row = np.arange(64, dtype=np.float32).reshape(1, 64)
+
+    def reply(k, env):
+        time.sleep(0.2)
+        head, frames = _get_ok(env, {"x": row * k})
+        return HostileZmtp.frame(head, more=True) + HostileZmtp.frame(frames[0])
+
+    def cpu_of_gets(c, n):
+        out = []
+        for _ in range(n):
+            t = time.thread_time()
+            got = c.get([1], ["x"])["x"]
+            out.append(time.thread_time() - t)
+            assert got.shape == row.shape and got[0, 1] >= 1
+        return out
+
+    srv = HostileZmtp(reply)
+    try:
+        with stowage.Client(srv.endpoint, timeout=10, spin_us=0) as c:
+            assert c.spin_us == 0
+            asleep = cpu_of_gets(c, 2)
+        with stowage.Client(srv.endpoint, timeout=10, spin_us=5e6) as c:
+            spinning = cpu_of_gets(c, 2)
+        with stowage.Client(srv.endpoint, timeout=10, spin_us=50_000) as c:
+            gave_up = cpu_of_gets(c, 10)
+        assert max(asleep) < 0.02, asleep
+        assert min(spinning) > 0.02, spinning
+        assert sum(gave_up[1:9]) < gave_up[0], gave_up
+        assert gave_up[9] > max(gave_up[1:9]), gave_up  # the 10th wait spins again
+    finally:
+        srv.close()
+
+    def never(k, env):
+        return [None]
+
+    srv = HostileZmtp(never)
+    try:
+        with stowage.Client(srv.endpoint, timeout=10, spin_us=1e9) as c:
+            t = time.monotonic()
+            with pytest.raises(stowage.StowageTimeout):
+                c.get([1], ["x"], timeout=0.3)
+            assert 0.25 < time.monotonic() - t < 5
+    finally:
+        srv.close()
+
+
+@pytest.mark.parametrize("bad", [-1, float("nan"), float("inf"), True, "100"])
+def test_a_bad_spin_is_refused(bad, monkeypatch):
+    with pytest.raises(ValueError, match="spin_us"):
+        stowage.Client("tcp://127.0.0.1:1", spin_us=bad)
+    with pytest.raises(ValueError, match="spin_us"):
+        stowage.AsyncClient("tcp://127.0.0.1:1", spin_us=bad)
+    monkeypatch.setenv("STOWAGE_SPIN_US", "soon")
+    with pytest.raises(ValueError, match="STOWAGE_SPIN_US"):
+        stowage.Client("tcp://127.0.0.1:1")
+    monkeypatch.setenv("STOWAGE_SPIN_US", "-5")
+    with pytest.raises(ValueError, match="STOWAGE_SPIN_US"):
+        stowage.Client("tcp://127.0.0.1:1")
+    monkeypatch.setenv("STOWAGE_SPIN_US", "30")
+    with stowage.Client("tcp://127.0.0.1:1") as c:
+        assert c.spin_us == 30.0
+    with pytest.raises(ValueError, match="spin_us"):
+        client_mod._core.Connection("tcp://127.0.0.1:1", -1.0)

@@ -118,6 +118,7 @@ const AHEAD: usize = 64 << 10;
 struct Stream {
     tcp: TcpStream,
     deadline: Instant,
+    spin: Spin,
     /// Read ahead: bytes `pos..end` are received and not yet taken.
     ahead: Box<[u8]>,
     pos: usize,
@@ -125,10 +126,11 @@ struct Stream {
 }
 
 impl Stream {
-    fn new(tcp: TcpStream, deadline: Instant) -> Stream {
+    fn new(tcp: TcpStream, deadline: Instant, spin: Duration) -> Stream {
         Stream {
             tcp,
             deadline,
+            spin: Spin::new(spin),
             ahead: vec![0u8; AHEAD].into_boxed_slice(),
             pos: 0,
             end: 0,
@@ -175,12 +177,16 @@ impl Stream {
                 }
                 _ => match std::io::Error::last_os_error() {
                     e if e.kind() == std::io::ErrorKind::Interrupted => {}
-                    e if e.kind() == std::io::ErrorKind::WouldBlock => wait(
-                        &self.tcp,
-                        self.deadline,
-                        libc::POLLIN,
-                        "no reply within the timeout",
-                    )?,
+                    e if e.kind() == std::io::ErrorKind::WouldBlock => {
+                        if !self.spin.wait(fd, self.deadline) {
+                            wait(
+                                &self.tcp,
+                                self.deadline,
+                                libc::POLLIN,
+                                "no reply within the timeout",
+                            )?
+                        }
+                    }
                     e => return Err(Stream::io(e)),
                 },
             }
@@ -403,6 +409,68 @@ impl Stream {
     }
 }
 
+/// How long a reply is awaited by polling the socket, before sleeping in
+/// `poll` (`Client(spin_us=...)`, default 200 µs).
+///
+/// Why: on the benchmark machine (a 2-vCPU VM) waking a process that sleeps
+/// on another CPU costs 50-70 µs, and a small call pays it twice (stowd
+/// woken by the request, the client by the reply). A client that is still
+/// running when the reply comes does not pay its half: a 1-row get across
+/// two CPUs took 188-222 µs sleeping and 116-155 µs spinning
+/// (docs/benchmarks.md, "A 1-row get"). Each turn of the spin gives the
+/// CPU away (`sched_yield`), so on a shared CPU stowd, or anything else
+/// runnable, goes first. A wait the spin did not catch makes the next
+/// [`Spin::REST`] waits on this connection sleep at once, so a connection
+/// whose replies come slowly (large gets, a busy stowd) burns little.
+struct Spin {
+    window: Duration,
+    /// Waits left that sleep without spinning first.
+    rest: u32,
+}
+
+impl Spin {
+    const REST: u32 = 8;
+
+    fn new(window: Duration) -> Spin {
+        Spin { window, rest: 0 }
+    }
+
+    /// Polls `fd` for readable bytes (or an error or end of stream, which
+    /// the next `recv` reports) for up to the window, never past
+    /// `deadline`: whether it became readable.
+    fn wait(&mut self, fd: i32, deadline: Instant) -> bool {
+        if self.window.is_zero() {
+            return false;
+        }
+        if self.rest > 0 {
+            self.rest -= 1;
+            return false;
+        }
+        let until = (Instant::now() + self.window).min(deadline);
+        let mut b = 0u8;
+        loop {
+            // SAFETY: a peek of at most one byte into `b`, alive for the call.
+            let n = unsafe {
+                libc::recv(
+                    fd,
+                    (&mut b as *mut u8).cast(),
+                    1,
+                    libc::MSG_DONTWAIT | libc::MSG_PEEK,
+                )
+            };
+            if n >= 0 || std::io::Error::last_os_error().kind() != std::io::ErrorKind::WouldBlock {
+                return true;
+            }
+            if Instant::now() >= until {
+                self.rest = Spin::REST;
+                return false;
+            }
+            // SAFETY: no arguments; gives the CPU to anything runnable.
+            unsafe { libc::sched_yield() };
+        }
+    }
+}
+
 /// Waits until the socket is ready for `events` (or reports an error,
 /// which the next read or write returns), or the deadline: then a timeout
 /// saying `late`.
@@ -443,6 +511,7 @@ fn address(endpoint: &str) -> PyResult<String> {
 #[pyclass(module = "stowage._core")]
 struct Connection {
     address: String,
+    spin: Duration,
     /// The connection kept between calls (with its read-ahead buffer).
     tcp: Option<Stream>,
 }
@@ -483,7 +552,7 @@ impl Connection {
         let tcp = TcpStream::connect_timeout(&addr, left.max(Duration::from_millis(1)))
             .map_err(|e| Fail::Io(format!("cannot connect to {}: {e}", self.address)))?;
         let _ = tcp.set_nodelay(true);
-        let mut s = Stream::new(tcp, deadline);
+        let mut s = Stream::new(tcp, deadline, self.spin);
         s.write_all(&zmtp::greeting())?;
         let mut g = [0u8; 64];
         s.read_exact(&mut g)?;
@@ -1099,10 +1168,20 @@ fn read_frames(
 
 #[pymethods]
 impl Connection {
+    /// A connection to `endpoint` (made on first use) that awaits each
+    /// reply by polling for up to `spin_us` microseconds before sleeping
+    /// (0: sleep at once; see [`Spin`]).
     #[new]
-    fn new(endpoint: &str) -> PyResult<Self> {
+    #[pyo3(signature = (endpoint, spin_us = 0.0))]
+    fn new(endpoint: &str, spin_us: f64) -> PyResult<Self> {
+        if !(spin_us.is_finite() && spin_us >= 0.0) {
+            return Err(PyValueError::new_err(format!(
+                "spin_us must be a finite number >= 0, got {spin_us}"
+            )));
+        }
         Ok(Connection {
             address: address(endpoint)?,
+            spin: Duration::from_secs_f64(spin_us.min(1e9) / 1e6),
             tcp: None,
         })
     }
