@@ -416,8 +416,8 @@ impl Stream {
 /// on another CPU costs 50-70 µs, and a small call pays it twice (stowd
 /// woken by the request, the client by the reply). A client that is still
 /// running when the reply comes does not pay its half: a 1-row get across
-/// two CPUs took 188-222 µs sleeping and 116-155 µs spinning
-/// (docs/benchmarks.md, "A 1-row get"). Each turn of the spin gives the
+/// two CPUs took 157-233 µs sleeping and 108-131 µs spinning
+/// (docs/benchmarks.md, "Spinning for the reply"). Each turn of the spin gives the
 /// CPU away (`sched_yield`), so on a shared CPU stowd, or anything else
 /// runnable, goes first. A wait the spin did not catch makes the next
 /// [`Spin::REST`] waits on this connection sleep at once, so a connection
