@@ -678,9 +678,11 @@ def _frombuffer(data: memoryview, dt: np.dtype, shape: tuple) -> np.ndarray:
     return np.frombuffer(data, dtype=dt).reshape(shape)  # read-only: data is
 
 
-def to_numpy(f: FieldReply):
+def to_numpy(f: FieldReply, writable: bool = False):
     """Regular -> one read-only ndarray (a view of the received bytes if the
-    field is one part, else one concatenating copy); nested -> a list of
+    field is one part, else one concatenating copy: by the core, into a
+    buffer it may reuse, for a field of many parts; with `writable`, into a
+    new numpy array the caller may make writable); nested -> a list of
     read-only views; values -> the list of values."""
     if f.kind == "values":
         return f.values
@@ -690,6 +692,13 @@ def to_numpy(f: FieldReply):
     row_shape = f.shape[1:]
     if f.table is None and len(f.parts) == 1:
         return _frombuffer(f.parts[0].data, dt, f.shape)
+    if f.table is not None and not writable:
+        # Many parts: one pass of copies by the core, into a buffer it may
+        # reuse (`_core.gather`).
+        _, _, _, _, ln, base, at = f.table
+        total = int(ln.sum())
+        if total == dt.itemsize * math.prod(f.shape) and total:
+            return np.frombuffer(_core.gather(total, f.bases, base, at, ln), dtype=dt).reshape(f.shape)
     out = np.empty(f.shape, dt)
     if not _gather(f, out):
         for p in _parts(f):
@@ -743,7 +752,7 @@ def to_private_numpy(fields: Mapping[str, FieldReply], frames: FrameSource) -> d
             shape.append(f.shape)
             data.append(p.data)
         else:
-            a = to_numpy(f)  # gathered from several parts, or no bytes: a new array
+            a = to_numpy(f, writable=True)  # gathered from several parts, or no bytes: a new array
             if not a.flags.owndata:  # (not with the segments stowd lists; never a shared view)
                 a = a.copy()
             a.flags.writeable = True

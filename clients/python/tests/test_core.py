@@ -866,3 +866,27 @@ def test_a_bad_spin_is_refused(bad, monkeypatch):
         assert c.spin_us == 30.0
     with pytest.raises(ValueError, match="spin_us"):
         client_mod._core.Connection("tcp://127.0.0.1:1", -1.0)
+
+
+def test_gather_copies_parts_in_order_and_refuses_bad_tables():
+    """`_core.gather`: parts of several buffers copied one after another
+    into one read-only buffer; a part outside its buffer, a buffer number
+    that does not exist, negative numbers, or parts that do not fill the
+    total are refused with ValueError before anything is copied."""
+    core = client_mod._core
+    a = np.arange(64, dtype=np.uint8)
+    b = np.arange(100, 164, dtype=np.uint8)
+    i64 = lambda *v: np.array(v, dtype=np.int64)  # noqa: E731
+    got = core.gather(10, [a, b], i64(1, 0, 1), i64(0, 60, 62), i64(4, 4, 2))
+    assert bytes(got) == bytes([100, 101, 102, 103, 60, 61, 62, 63, 162, 163])
+    view = np.frombuffer(got, np.uint8)
+    assert not view.flags.writeable
+    for bad in [(10, i64(1, 0, 1), i64(0, 61, 62), i64(4, 4, 2)),   # 61 + 4 > 64
+                (10, i64(2, 0, 1), i64(0, 60, 62), i64(4, 4, 2)),   # no buffer 2
+                (10, i64(-1, 0, 1), i64(0, 60, 62), i64(4, 4, 2)),  # negative buffer
+                (10, i64(1, 0, 1), i64(0, -4, 62), i64(4, 4, 2)),   # negative offset
+                (11, i64(1, 0, 1), i64(0, 60, 62), i64(4, 4, 2)),   # 10 bytes, not 11
+                (10, i64(1, 0), i64(0, 60, 62), i64(4, 4, 2))]:     # lists of other lengths
+        with pytest.raises(ValueError, match="gather"):
+            core.gather(bad[0], [a, b], *bad[1:])
+

@@ -839,3 +839,31 @@ def test_a_restarted_stowd_with_the_same_pid_starts_cleanly(tmp_path):
         second.kill()  # (--kill-child: the stowd inside goes with it)
         second.wait(timeout=30)
         shutil.rmtree(shm_dir, ignore_errors=True)
+
+
+def test_a_reused_gather_buffer_shows_only_the_new_rows(shm_server, fresh, monkeypatch):
+    """A same-node get of rows from many segments is gathered by the core
+    (`_core.gather`) into a buffer of its receive pool; a second get of as
+    many bytes, other rows, after the first result is dropped, reuses that
+    buffer and shows exactly its own rows."""
+    from stowage import client as client_mod
+    gathered = []
+    real = client_mod._core.gather
+    monkeypatch.setattr(client_mod._core, "gather", lambda *a: gathered.append(a[0]) or real(*a))
+    n = 600
+    idx = fresh(n)
+    x = np.arange(n * 1024, dtype=np.float32).reshape(n, 1024)  # 4 KiB rows: 1.2 MiB gets
+    rng = np.random.default_rng(3)
+    with stowage.Client(shm_server["native"], timeout=30, same_node=True) as c:
+        for k in range(0, n, 2):  # many parts: every two rows a put of their own
+            c.put([idx[k], idx[k + 1]], {"x": x[k:k + 2]})
+        first = [int(p) for p in rng.permutation(n)[:300]]
+        got = c.get([idx[p] for p in first], ["x"])["x"]
+        np.testing.assert_array_equal(got, x[first])
+        assert not got.flags.writeable
+        del got
+        second = [int(p) for p in rng.permutation(n)[:300]]
+        again = c.get([idx[p] for p in second], ["x"])["x"]
+        np.testing.assert_array_equal(again, x[second])
+        assert gathered == [300 * 4096] * 2, gathered
+        c.clear(idx)
