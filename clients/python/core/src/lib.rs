@@ -1080,7 +1080,7 @@ fn gather<'py>(
         )));
     }
     let data = py.detach(|| {
-        let mut out = pool::take(total as usize, |_| {});
+        let mut out = pool::take(total as usize, huge_pages);
         let mut to = 0usize;
         for k in 0..base.len() {
             let (from, _) = srcs[base[k] as usize];
@@ -1109,12 +1109,22 @@ fn release_receive_buffers() -> usize {
     pool::release()
 }
 
-/// Asks for transparent huge pages under a large fresh buffer: its pages
-/// are faulted in as the reply is read into it, and 2 MiB at a time costs
-/// far less than 4 KiB at a time (fresh 4 KiB pages bound a get at about
-/// the page-fault rate otherwise; measured in docs/benchmarks.md). Only a
-/// hint: where THP is off it changes nothing.
+/// With `STOWAGE_HUGE_PAGES=1`, asks for transparent huge pages under a
+/// large fresh buffer (`MADV_HUGEPAGE`); by default it does not.
+///
+/// Why off: on the benchmark machine (a Firecracker VM whose free memory
+/// goes back to the host) a fresh 1 GiB get through the core ran at
+/// 0.10-0.13 GB/s with the hint when the process started after a few idle
+/// seconds, against 1.36-1.69 without: huge pages then come from memory
+/// the host took back and must fault in again. Only back to back, in
+/// memory just freed, did the hint win (2.0-3.8 GB/s against 0.74-1.68),
+/// and there the receive pool ([`pool`]) hands out a resident buffer
+/// anyway (docs/benchmarks.md, "Huge pages for fresh get buffers").
 fn huge_pages(buf: &[u8]) {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    if !*ON.get_or_init(|| std::env::var_os("STOWAGE_HUGE_PAGES").is_some_and(|v| v == "1")) {
+        return;
+    }
     const HUGE: usize = 2 << 20;
     let start = (buf.as_ptr() as usize).next_multiple_of(HUGE);
     let end = (buf.as_ptr() as usize + buf.len()) / HUGE * HUGE;
