@@ -719,7 +719,8 @@ def test_put_sends_without_joining(endpoint, fresh, monkeypatch, pure):
     idx = fresh(rows)
     data = [np.full(cols, k, np.float32) for k in range(rows)]
     payload = rows * cols * 4
-    with stowage.Client(endpoint, timeout=120) as c:
+    # One message (the default would make four), so pyzmq joins it all at once.
+    with stowage.Client(endpoint, timeout=120, max_message_bytes=256 * MIB) as c:
         ops = _core_sends(c)
         if pure:
             monkeypatch.setenv("STOWAGE_PURE_PYTHON", "1")

@@ -188,7 +188,8 @@ def test_a_cancelled_call_leaves_the_client_usable(endpoint, fresh, op):
     out = np.zeros_like(x)
 
     async def main():
-        async with stowage.AsyncClient(endpoint, timeout=120) as c:
+        # One put message (the default would make four): one core call to cancel.
+        async with stowage.AsyncClient(endpoint, timeout=120, max_message_bytes=256 << 20) as c:
             if op == "get_into":
                 await c.put(big, {"x": x})
             await c.put(small, {"y": y})  # one connection, idle
