@@ -630,6 +630,37 @@ async fn per_plugin_fuel_override_applies() {
 // ---------------------------------------------------------------------------
 // 3. Metrics
 
+/// The receive pool's counters: a 2 MiB frame into an empty pool is a
+/// miss; after its rows are cleared the next put of that size lands in
+/// the same buffer, a hit; nothing was freed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_count_receive_pool_hits_and_misses() {
+    let port = stowage_tests::free_port();
+    let stowd = Stowd::start(&format!("[metrics]\nport = {port}\n\n[units]\nlocal = 1\n"));
+    let url = stowd.endpoints.metrics.clone().expect("metrics endpoint");
+    let client = NativeClient::new(stowd.native());
+    let field = |seed| {
+        vec![(
+            "x".to_string(),
+            Field::Regular(tensor(DType::F32, &[512, 1024], seed)),
+        )]
+    };
+    let indexes: Vec<u64> = (0..512).collect();
+    let frames = |m: &prom::Exposition, result: &str| {
+        m.value("stowd_receive_pool_frames_total", &[("result", result)])
+    };
+    let m0 = prom::scrape(&url);
+    client.put_ok(&indexes, &field(1)).await;
+    let m1 = prom::scrape(&url);
+    assert_eq!(frames(&m1, "miss") - frames(&m0, "miss"), 1.0);
+    assert_eq!(frames(&m1, "hit") - frames(&m0, "hit"), 0.0);
+    assert_eq!(client.clear(&indexes, None).await, 512);
+    client.put_ok(&indexes, &field(2)).await;
+    let m2 = prom::scrape(&url);
+    assert_eq!(frames(&m2, "hit") - frames(&m1, "hit"), 1.0);
+    assert_eq!(frames(&m2, "miss") - frames(&m1, "miss"), 0.0);
+    assert_eq!(m2.value("stowd_receive_pool_freed_bytes_total", &[]), 0.0);
+}
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_parse_and_count_zero_copy_and_copied_bytes() {
     let port = stowage_tests::free_port();

@@ -32,6 +32,7 @@
 //! memory. The pool is what returns them, after the idle time.
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
@@ -68,6 +69,30 @@ pub struct ReceivePool {
     max_bytes: usize,
     idle: Duration,
     inner: Mutex<Inner>,
+    counters: PoolCounters,
+}
+
+/// What a pool did, for the metrics: frames of at least [`MIN_POOLED`]
+/// bytes that found a buffer (`hits`) or were received into fresh memory
+/// (`misses`), and bytes of buffers freed because the pool was full or
+/// they sat idle (`freed_bytes`).
+#[derive(Debug, Default)]
+pub struct PoolCounters {
+    pub hits: AtomicU64,
+    pub misses: AtomicU64,
+    pub freed_bytes: AtomicU64,
+}
+
+impl PoolCounters {
+    fn add(&self, other: &PoolCounters) {
+        for (a, b) in [
+            (&self.hits, &other.hits),
+            (&self.misses, &other.misses),
+            (&self.freed_bytes, &other.freed_bytes),
+        ] {
+            a.fetch_add(b.load(Ordering::Relaxed), Ordering::Relaxed);
+        }
+    }
 }
 
 #[derive(Debug, Default)]
@@ -96,6 +121,7 @@ impl ReceivePool {
             max_bytes,
             idle,
             inner: Mutex::new(Inner::default()),
+            counters: PoolCounters::default(),
         })
     }
 
@@ -147,6 +173,22 @@ impl ReceivePool {
             .sum()
     }
 
+    /// Hits, misses and bytes freed of the pools [`ReceivePool::shared`]
+    /// made, summed, for the metrics.
+    pub fn shared_counters() -> PoolCounters {
+        let shared = SHARED.lock().unwrap_or_else(|p| p.into_inner());
+        let sum = PoolCounters::default();
+        for pool in shared.iter().filter_map(Weak::upgrade) {
+            sum.add(&pool.counters);
+        }
+        sum
+    }
+
+    /// This pool's hits, misses and bytes freed.
+    pub fn counters(&self) -> &PoolCounters {
+        &self.counters
+    }
+
     /// Most bytes pooled.
     pub fn max_bytes(&self) -> usize {
         self.max_bytes
@@ -179,11 +221,15 @@ impl ReceivePool {
         }
         let range = fits(len);
         let mut inner = self.lock();
-        let key = *inner
+        let Some((&key, _)) = inner
             .free
             .range((*range.start(), 0)..=(*range.end(), u64::MAX))
-            .next()?
-            .0;
+            .next()
+        else {
+            self.counters.misses.fetch_add(1, Ordering::Relaxed);
+            return None;
+        };
+        self.counters.hits.fetch_add(1, Ordering::Relaxed);
         let free = inner.free.remove(&key).expect("key just found");
         inner.bytes -= free.buf.capacity();
         Some(free.buf)
@@ -213,6 +259,9 @@ impl ReceivePool {
                 };
                 let old = inner.free.remove(&key).expect("key just found");
                 inner.bytes -= old.buf.capacity();
+                self.counters
+                    .freed_bytes
+                    .fetch_add(old.buf.capacity() as u64, Ordering::Relaxed);
                 evicted.push(old.buf);
             }
             inner.seq += 1;
@@ -252,6 +301,9 @@ impl ReceivePool {
         }
         let bytes: usize = released.iter().map(|b| b.capacity()).sum();
         drop(released);
+        self.counters
+            .freed_bytes
+            .fetch_add(bytes as u64, Ordering::Relaxed);
         if bytes > 0 {
             trim();
         }

@@ -284,3 +284,33 @@ fn greetings_other_than_zmtp3_null_are_refused() {
     );
     assert!(check_greeting(&[0u8; 64]).is_err());
 }
+
+#[test]
+fn the_pool_counts_hits_misses_and_what_it_frees() {
+    use std::sync::atomic::Ordering::Relaxed;
+    let pool = ReceivePool::new(4 << 20, pool::IDLE);
+    let c = pool.counters();
+    assert!(pool.take(1 << 10).is_none(), "small frames are not pooled");
+    assert_eq!((c.hits.load(Relaxed), c.misses.load(Relaxed)), (0, 0));
+    assert!(pool.take(2 << 20).is_none());
+    assert_eq!((c.hits.load(Relaxed), c.misses.load(Relaxed)), (0, 1));
+    drop(ReceivePool::wrap(&pool, vec![0u8; 2 << 20]));
+    let buf = pool.take(2 << 20).expect("the buffer just given back");
+    assert_eq!((c.hits.load(Relaxed), c.misses.load(Relaxed)), (1, 1));
+    // A 2 MiB buffer does not serve a 1 MiB frame (more than an eighth
+    // bigger): a miss.
+    assert!(pool.take(1 << 20).is_none());
+    assert_eq!(c.misses.load(Relaxed), 2);
+    // Full at 4 MiB: a third 2 MiB buffer pushes the oldest out.
+    pool.give(buf);
+    pool.give(vec![0u8; 2 << 20]);
+    assert_eq!(c.freed_bytes.load(Relaxed), 0);
+    pool.give(vec![0u8; 2 << 20]);
+    assert_eq!(c.freed_bytes.load(Relaxed), 2 << 20);
+    // Idle ones go too, and count.
+    assert_eq!(
+        pool.release_idle(std::time::Instant::now() + pool::IDLE),
+        4 << 20
+    );
+    assert_eq!(c.freed_bytes.load(Relaxed), 6 << 20);
+}
