@@ -630,6 +630,43 @@ async fn per_plugin_fuel_override_applies() {
 // ---------------------------------------------------------------------------
 // 3. Metrics
 
+/// A regular field of more than a frame's bytes (`[limits]
+/// max_message_bytes`, 1 MiB here) comes back in frames of at most that,
+/// whole rows each, and reads back byte for byte: every large frame a
+/// stowd sends is of one size, for the receiver's pool to reuse.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_large_part_goes_out_in_frames_of_at_most_the_frame_size() {
+    let port = stowage_tests::free_port();
+    let stowd = Stowd::start(&format!(
+        "[metrics]\nport = {port}\n\n[units]\nlocal = 1\n\n[limits]\nmax_message_bytes = 1048576\n"
+    ));
+    let url = stowd.endpoints.metrics.clone().expect("metrics endpoint");
+    let client = NativeClient::new(stowd.native());
+    // 3.5 MiB in one part: rows of 3,000 bytes, 1,223 rows.
+    let t = tensor(DType::U8, &[1223, 3000], 4);
+    let indexes: Vec<u64> = (0..1223).collect();
+    client
+        .put_ok(&indexes, &[("x".into(), Field::Regular(t.clone()))])
+        .await;
+    let sent = |m: &prom::Exposition| m.value("stowd_frames_sent_total", &[("to", "client")]);
+    let m0 = prom::scrape(&url);
+    let got = client.get_ok(&indexes, &["x"]).await;
+    let m1 = prom::scrape(&url);
+    // Frame 0 and 4 data frames (349 rows of 3,000 bytes fit 1 MiB).
+    assert_eq!(sent(&m1) - sent(&m0), 5.0);
+    match &got[0].1 {
+        native::WireField::Regular(p) => {
+            assert_eq!(p.parts().len(), 4);
+            assert!(p.parts().iter().all(|(b, _)| b.len() <= 1 << 20));
+            assert_eq!(
+                p.to_tensor().unwrap().contiguous_bytes(),
+                t.contiguous_bytes()
+            );
+        }
+        other => panic!("not regular: {other:?}"),
+    }
+}
+
 /// The receive pool's counters: a 2 MiB frame into an empty pool is a
 /// miss; after its rows are cleared the next put of that size lands in
 /// the same buffer, a hit; nothing was freed.

@@ -100,25 +100,41 @@ pub fn frame_layout(
     for (i, (name, field)) in fields.iter().enumerate() {
         let (slices, pieces): (Vec<native::RowSlice>, Vec<PieceInfo>) = match field {
             native::WireField::Regular(p) => {
+                // A part of more than a frame's bytes goes as several
+                // pieces of whole rows, each at most a frame (rows larger
+                // than that alone): every large frame stowd sends, and so
+                // receives from another stowd, is of one size, which its
+                // receive pool can reuse for the next (a router's puts
+                // and its peers' replies alike).
+                let per_piece = match p.row_bytes() as u64 {
+                    0 => u64::MAX,
+                    row => (limits.max_frame_bytes / row).max(1),
+                };
+                let mut out = (Vec::new(), Vec::new());
                 let mut start = 0;
-                p.parts()
-                    .iter()
-                    .map(|(bytes, rows)| {
-                        let s = native::RowSlice {
+                for (_, rows) in p.parts() {
+                    let end = start + rows;
+                    let mut a = start;
+                    // (An empty part stays one empty piece.)
+                    while a < end || (a == start && a == end) {
+                        let b = end.min(a.saturating_add(per_piece));
+                        out.0.push(native::RowSlice {
                             field: i,
-                            start,
-                            end: start + rows,
-                        };
-                        start += rows;
-                        (
-                            s,
-                            PieceInfo {
-                                byte_len: bytes.len() as u64,
-                                contiguous: true,
-                            },
-                        )
-                    })
-                    .unzip()
+                            start: a,
+                            end: b,
+                        });
+                        out.1.push(PieceInfo {
+                            byte_len: (b - a) * p.row_bytes() as u64,
+                            contiguous: true,
+                        });
+                        if b == a {
+                            break;
+                        }
+                        a = b;
+                    }
+                    start = end;
+                }
+                out
             }
             native::WireField::Nested(rows) => nested_runs[i]
                 .iter()
