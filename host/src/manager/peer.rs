@@ -110,31 +110,30 @@ pub fn frame_layout(
                     0 => u64::MAX,
                     row => (limits.max_frame_bytes / row).max(1),
                 };
-                let mut out = (Vec::new(), Vec::new());
                 let mut start = 0;
-                for (_, rows) in p.parts() {
-                    let end = start + rows;
-                    let mut a = start;
-                    // (An empty part stays one empty piece.)
-                    while a < end || (a == start && a == end) {
-                        let b = end.min(a.saturating_add(per_piece));
-                        out.0.push(native::RowSlice {
-                            field: i,
-                            start: a,
-                            end: b,
-                        });
-                        out.1.push(PieceInfo {
-                            byte_len: (b - a) * p.row_bytes() as u64,
-                            contiguous: true,
-                        });
-                        if b == a {
-                            break;
-                        }
-                        a = b;
-                    }
-                    start = end;
-                }
-                out
+                p.parts()
+                    .iter()
+                    .flat_map(|&(_, rows)| {
+                        let (first, end) = (start, start + rows);
+                        start = end;
+                        // An empty part stays one empty piece.
+                        let cuts = (first..end.max(first + 1)).step_by(per_piece as usize);
+                        cuts.map(move |a| (a, end.min(a.saturating_add(per_piece))))
+                    })
+                    .map(|(a, b)| {
+                        (
+                            native::RowSlice {
+                                field: i,
+                                start: a,
+                                end: b,
+                            },
+                            PieceInfo {
+                                byte_len: (b - a) * p.row_bytes() as u64,
+                                contiguous: true,
+                            },
+                        )
+                    })
+                    .unzip()
             }
             native::WireField::Nested(rows) => nested_runs[i]
                 .iter()
