@@ -47,7 +47,7 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadHalf, WriteHalf};
 use tokio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
 use tokio::sync::{Semaphore, watch};
 
-pub use pool::ReceivePool;
+pub use pool::{Pages, ReceivePool};
 use zmtp::{FrameReader, Incoming, ZmtpError};
 
 /// Transport failures.

@@ -5,9 +5,10 @@
 //! - every received frame gets its own allocation (a stored row never pins
 //!   a read buffer shared with other frames), and a large frame is read
 //!   straight into it; a frame of [`pool::MIN_POOLED`] bytes or more is
-//!   read into a buffer of a [`ReceivePool`] when the reader has one (a
-//!   buffer freed by an earlier frame, already resident), and its buffer
-//!   goes back to that pool once the last `Bytes` of it is dropped;
+//!   read into [`Pages`] of a [`ReceivePool`] when the reader has one
+//!   (pages freed by earlier frames of any size, already resident), and
+//!   its pages go back to that pool once the last `Bytes` of it is
+//!   dropped;
 //! - a declared size is checked against [`Limits`] before anything is
 //!   allocated from it, and a frame's allocation grows with the bytes that
 //!   actually arrive, so a peer that declares 8 GiB and sends 10 bytes costs
@@ -23,7 +24,7 @@ use std::time::Duration;
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
-use super::pool::{self, ReceivePool};
+use super::pool::{self, Pages, ReceivePool};
 
 /// Receive limits, checked before any allocation from a declared size.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -431,27 +432,29 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
             self.need(len).await?;
             return Ok(Bytes::copy_from_slice(&self.buf.split_to(len)));
         }
-        // A large frame takes a pooled buffer that fits, already resident;
-        // else one grows with the bytes that arrive, which the pool gets
-        // when the frame is dropped.
-        let pool = self.pool.clone().filter(|_| len >= pool::MIN_POOLED);
-        let taken = pool.as_ref().and_then(|p| p.take(len));
-        let pooled = taken.is_some();
-        let mut out = taken.unwrap_or_default();
-        match self.frame_into(&mut out, len).await {
-            Ok(()) => Ok(match &pool {
-                Some(pool) => ReceivePool::wrap(pool, out),
-                None => Bytes::from(out),
-            }),
-            Err(e) => {
-                // A pooled buffer goes back; a partial one grown for a frame
-                // that never completed is freed.
-                if let Some(pool) = pool.filter(|_| pooled) {
-                    pool.give(out);
+        // With a pool, a large frame takes pooled pages, already resident,
+        // or else a mapping that grows with the bytes that arrive; either
+        // goes to the pool when the frame is dropped.
+        if let Some(pool) = self.pool.clone().filter(|_| len >= pool::MIN_POOLED) {
+            let taken = pool.take(len);
+            let pooled = taken.is_some();
+            let mut out = taken.unwrap_or_else(Pages::empty);
+            return match self.frame_into_pages(&mut out, len).await {
+                Ok(()) => Ok(ReceivePool::wrap(&pool, out)),
+                Err(e) => {
+                    // Pooled pages go back (no `Bytes` ever showed them);
+                    // a fresh mapping grown for a frame that never
+                    // completed is unmapped.
+                    if pooled {
+                        pool.give(out);
+                    }
+                    Err(e)
                 }
-                Err(e)
-            }
+            };
         }
+        let mut out = Vec::new();
+        self.frame_into(&mut out, len).await?;
+        Ok(Bytes::from(out))
     }
 
     /// Reads a frame body of `len` bytes into `out` (empty): into its
@@ -474,6 +477,31 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
             if n == 0 {
                 return Err(ZmtpError::Closed);
             }
+        }
+        Ok(())
+    }
+
+    /// [`FrameReader::frame_into`] for [`Pages`]: into their capacity when
+    /// that is `len` or more, else growing them the same way (`mremap`, no
+    /// copy), so a declared size alone maps nothing.
+    async fn frame_into_pages(&mut self, out: &mut Pages, len: usize) -> Result<(), ZmtpError> {
+        if out.capacity() < len {
+            out.grow(len.min(FIRST_CHUNK).max(out.capacity()))?;
+        }
+        let buffered = self.buf.len().min(len);
+        out.spare()[..buffered].copy_from_slice(&self.buf[..buffered]);
+        out.filled(buffered);
+        self.buf.advance(buffered);
+        while out.len() < len {
+            if out.len() == out.capacity() {
+                out.grow(out.capacity() + (len - out.len()).min(out.capacity()))?;
+            }
+            let room = (out.capacity() - out.len()).min(len - out.len());
+            let n = self.inner.read(&mut out.spare()[..room]).await?;
+            if n == 0 {
+                return Err(ZmtpError::Closed);
+            }
+            out.filled(n);
         }
         Ok(())
     }

@@ -195,7 +195,10 @@ async fn a_buffer_a_row_still_refers_to_is_not_reused() {
 async fn a_pooled_reader_still_allocates_only_what_arrives() {
     let pool = ReceivePool::new(64 << 20, pool::IDLE);
     // One 2 MiB buffer pooled: it does not fit a declared 2^40.
-    drop(ReceivePool::wrap(&pool, vec![0u8; 2 << 20]));
+    drop(ReceivePool::wrap(
+        &pool,
+        Pages::copy_from(&vec![0u8; 2 << 20]).unwrap(),
+    ));
     let b = declares_a_tebibyte_sends_ten_bytes().await;
     let mut r = FrameReader::with_pool(b, Some(pool.clone()));
     let limits = Limits {
@@ -294,18 +297,22 @@ fn the_pool_counts_hits_misses_and_what_it_frees() {
     assert_eq!((c.hits.load(Relaxed), c.misses.load(Relaxed)), (0, 0));
     assert!(pool.take(2 << 20).is_none());
     assert_eq!((c.hits.load(Relaxed), c.misses.load(Relaxed)), (0, 1));
-    drop(ReceivePool::wrap(&pool, vec![0u8; 2 << 20]));
-    let buf = pool.take(2 << 20).expect("the buffer just given back");
+    drop(ReceivePool::wrap(
+        &pool,
+        Pages::copy_from(&vec![0u8; 2 << 20]).unwrap(),
+    ));
+    let buf = pool.take(2 << 20).expect("the pages just given back");
     assert_eq!((c.hits.load(Relaxed), c.misses.load(Relaxed)), (1, 1));
-    // A 2 MiB buffer does not serve a 1 MiB frame (more than an eighth
-    // bigger): a miss.
+    // Past the cap, or nothing pooled: misses.
+    assert!(pool.take(5 << 20).is_none());
     assert!(pool.take(1 << 20).is_none());
-    assert_eq!(c.misses.load(Relaxed), 2);
-    // Full at 4 MiB: a third 2 MiB buffer pushes the oldest out.
+    assert_eq!((c.hits.load(Relaxed), c.misses.load(Relaxed)), (1, 3));
+    // Full at 4 MiB: a third 2 MiB range pushes the oldest out.
+    let fresh = || Pages::copy_from(&vec![0u8; 2 << 20]).unwrap();
     pool.give(buf);
-    pool.give(vec![0u8; 2 << 20]);
+    pool.give(fresh());
     assert_eq!(c.freed_bytes.load(Relaxed), 0);
-    pool.give(vec![0u8; 2 << 20]);
+    pool.give(fresh());
     assert_eq!(c.freed_bytes.load(Relaxed), 2 << 20);
     // Idle ones go too, and count.
     assert_eq!(
