@@ -105,6 +105,12 @@ struct Inner {
     tick: u64,
     next_batch: u64,
     bytes: u64,
+    /// Bytes room was made for, for fetches in flight (see
+    /// [`ReadCache::reserve`]).
+    reserved: u64,
+    /// peer -> field -> bytes per row of its last fetch: what the next
+    /// fetch of that field is expected to bring.
+    row_size: HashMap<String, HashMap<String, u64>>,
 }
 
 /// The read cache (see the module doc).
@@ -151,6 +157,20 @@ impl Drop for Landing<'_> {
         }
         if by_field.is_empty() {
             inner.flights.remove(self.peer);
+        }
+    }
+}
+
+/// Room made in the cache for a fetch in flight; given back when dropped.
+struct Reservation<'a> {
+    cache: &'a ReadCache,
+    bytes: u64,
+}
+
+impl Drop for Reservation<'_> {
+    fn drop(&mut self) {
+        if self.bytes > 0 {
+            self.cache.lock().reserved -= self.bytes;
         }
     }
 }
@@ -388,6 +408,7 @@ impl ReadCache {
             .filter(|(_, b)| **b)
             .map(|(f, _)| f.clone())
             .collect();
+        let room = self.reserve(&p.name, &fetch_fields, rows.len() as u64);
         let (got, versions) = m.fetch_peer(p, &rows, &fetch_fields, true).await?;
         let (incarnation, versions) = versions.expect("asked with versions");
         let fetched = Arc::new(Fetched {
@@ -399,11 +420,14 @@ impl ReadCache {
             versions,
         });
         let mut bytes = 0u64;
+        let mut sizes = Vec::with_capacity(fetched.fields.len());
         for field_rows in &fetched.rows {
-            bytes += field_rows
+            let b = field_rows
                 .iter()
                 .map(|(c, r)| row_bytes(c, *r))
                 .sum::<u64>();
+            sizes.push(b.div_ceil(rows.len().max(1) as u64));
+            bytes += b;
         }
         let c = &self.counters;
         c.misses.fetch_add(
@@ -427,25 +451,56 @@ impl ReadCache {
             }
             ff += 1;
         }
+        {
+            let mut inner = self.lock();
+            let known = inner.row_size.entry(p.name.clone()).or_default();
+            for (field, size) in fetched.fields.iter().zip(sizes) {
+                known.insert(field.clone(), size);
+            }
+        }
+        drop(room);
         self.keep(&p.name, &fetched, bytes);
         Ok(fetched)
     }
 
+    /// Makes room for a fetch of `rows` rows of `fields` from `peer` before
+    /// it is sent, so that the rows in flight stay within the bound too:
+    /// the least recently used fetches are evicted until the rows kept,
+    /// the room made for other fetches and this one's fit. Its size is
+    /// expected from the last fetch of each field (a field never fetched
+    /// from that peer expects nothing). The evicted rows' pages go back to
+    /// the receive pool, where the fetch's frames are then received.
+    fn reserve(&self, peer: &str, fields: &[String], rows: u64) -> Reservation<'_> {
+        let mut inner = self.lock();
+        let per_row: u64 = inner
+            .row_size
+            .get(peer)
+            .map_or(0, |known| fields.iter().filter_map(|f| known.get(f)).sum());
+        let bytes = per_row.saturating_mul(rows);
+        if bytes == 0 || bytes > self.max_bytes {
+            return Reservation {
+                cache: self,
+                bytes: 0,
+            };
+        }
+        let evicted = inner.make_room(bytes, self.max_bytes);
+        inner.reserved += bytes;
+        drop(inner);
+        self.counters
+            .evictions
+            .fetch_add(evicted, Ordering::Relaxed);
+        Reservation { cache: self, bytes }
+    }
+
     /// Keeps a fetch's rows (if it fits), evicting the least recently used
-    /// fetches to stay under the bound.
+    /// fetches to stay under the bound (with the room made for other
+    /// fetches in flight).
     fn keep(&self, peer: &str, fetched: &Fetched, bytes: u64) {
         if bytes > self.max_bytes {
             return;
         }
         let mut inner = self.lock();
-        let mut evicted = 0;
-        while inner.bytes + bytes > self.max_bytes {
-            let Some((_, oldest)) = inner.lru.pop_first() else {
-                break;
-            };
-            inner.evict(oldest);
-            evicted += 1;
-        }
+        let evicted = inner.make_room(bytes, self.max_bytes);
         self.counters
             .evictions
             .fetch_add(evicted, Ordering::Relaxed);
@@ -520,6 +575,26 @@ impl ReadCache {
 }
 
 impl Inner {
+    /// Evicts the least recently used fetches until `bytes` more fit under
+    /// `max` beside the rows kept and the room made for fetches in flight
+    /// (or nothing is left to evict). Returns the fetches evicted.
+    fn make_room(&mut self, bytes: u64, max: u64) -> u64 {
+        let (mut evicted, mut freed) = (0, 0);
+        while self.bytes + self.reserved + bytes > max {
+            let Some((_, oldest)) = self.lru.pop_first() else {
+                break;
+            };
+            freed += self.batches.get(&oldest).map_or(0, |b| b.bytes);
+            self.evict(oldest);
+            evicted += 1;
+        }
+        // Like a clear: the heap the gets that brought these rows left
+        // free goes back to the OS once frees settle (a cache that keeps
+        // evicting under 8 readers held 6 MiB of free arena memory).
+        crate::store::release::note_freed(freed);
+        evicted
+    }
+
     /// Registers the flight `rx` for `keys` (field, indexes) of `peer`.
     fn fly(&mut self, peer: &str, keys: &[(String, Vec<u64>)], rx: &watch::Receiver<FlightResult>) {
         let by_field = self.flights.entry(peer.to_string()).or_default();

@@ -8,7 +8,16 @@
 //!   time (against 8x without the cache), and only versions the second
 //!   time; every reader gets the rows that were put;
 //! - an overwrite made on B directly (not through A), then a get on A: the
-//!   new rows; a clear on B: `key_not_found`.
+//!   new rows; a clear on B: `key_not_found`;
+//! - B's stowd restarted and given other rows at the same indexes, put on
+//!   B directly as the first rows were, unit by unit, so the puts'
+//!   generations repeat: A serves the new rows, never the ones it cached;
+//! - with A's cache bounded, 8 readers get 4 times the bound of B's rows
+//!   in gets of a quarter of the bound: A's RssAnon + RssShmem grows by at
+//!   most the bound plus 10% (A stores nothing itself), and every reader
+//!   gets the right rows. The sizes are 256 MiB, 1 GiB and 64 MiB;
+//!   the test runs a sixteenth of them (`STOWAGE_PEERS_NETNS_CACHE_MIB`
+//!   sets the bound for a one-off run).
 //!
 //! The test process reaches A and B through a veth each from the host
 //! namespace (10.79.x.y/24); A and B share a third. A guard removes the
@@ -16,12 +25,14 @@
 
 use std::sync::Arc;
 
-use stowage_host::batch::Field;
+use stowage_host::batch::{Cell, Field};
 use stowage_host::wire::native;
+use stowage_host::wire::native::WireField;
 use stowage_tests::data::{assert_cells, expected, f32_rows, wire_cells};
 use stowage_tests::{NativeClient, Stowd};
 
 use crate::multihost::ip;
+use crate::spill::{Peak, anon_and_shmem};
 
 /// B's native port.
 const PEER_PORT: u16 = 7300;
@@ -55,8 +66,14 @@ impl Hosts {
         if std::process::Command::new("ip").arg("-V").output().is_err() {
             return Err("`ip` (iproute2) is not installed".into());
         }
+        // The tests of this file run at once in one process: one creates
+        // its hosts at a time, each under its own tag, so that the second
+        // sees the first's routes and takes other subnets.
+        static CREATING: std::sync::Mutex<u32> = std::sync::Mutex::new(0);
+        let mut made = CREATING.lock().unwrap_or_else(|p| p.into_inner());
+        *made += 1;
         let pid = std::process::id();
-        let tag = format!("{:05}", pid % 100_000);
+        let tag = format!("{:05}", (pid * 4 + *made) % 100_000);
         let routes = std::process::Command::new("ip")
             .args(["-4", "route", "show"])
             .output()
@@ -222,12 +239,10 @@ async fn eight_readers_on_one_host_cost_one_transfer_across_the_link() {
             return;
         }
     };
-    let b = Stowd::start_in_netns(
-        &hosts.b,
-        &format!(
-            "[server]\nhost = \"0.0.0.0\"\nnative_port = {PEER_PORT}\n\n[units]\nlocal = 2\n\n[router]\nenabled = false\n\n[shm]\nenabled = false\n"
-        ),
+    let b_config = format!(
+        "[server]\nhost = \"0.0.0.0\"\nnative_port = {PEER_PORT}\n\n[units]\nlocal = 2\n\n[router]\nenabled = false\n\n[shm]\nenabled = false\n"
     );
+    let b = Stowd::start_in_netns(&hosts.b, &b_config);
     let a = Stowd::start_in_netns(
         &hosts.a,
         &format!(
@@ -320,6 +335,175 @@ async fn eight_readers_on_one_host_cost_one_transfer_across_the_link() {
     assert_eq!(
         stowage_tests::client::native_error(&reply).0,
         native::code::KEY_NOT_FOUND
+    );
+
+    // B restarts, and other rows go in at the same indexes, unit by unit
+    // as A put the first ones: each unit's first put again, so only the
+    // units' incarnations tell A's cached rows from the new ones.
+    b.stop();
+    let b = Stowd::start_in_netns(&hosts.b, &b_config);
+    let direct = NativeClient::new(&format!("tcp://{}:{PEER_PORT}", hosts.b_addr()));
+    let halves = put_by_unit(&direct, &indexes, 1024, 2, 77).await;
+    let got = client.get_ok(&indexes, &["x"]).await;
+    assert_cells(
+        "after B's restart",
+        &wire_cells(got.into_iter().next().expect("one field").1),
+        &by_unit_cells(&halves, &indexes, 2),
+    );
+    a.stop();
+    b.stop();
+}
+
+/// Puts rows of `cols` float32s at `indexes` on B directly, unit
+/// `g % units` each (rows made from `seed` and the unit); the rows put,
+/// per unit.
+async fn put_by_unit(
+    b: &NativeClient,
+    indexes: &[u64],
+    cols: u64,
+    units: u64,
+    seed: u64,
+) -> Vec<Field> {
+    let mut fields = Vec::new();
+    let per_put = (16 << 20) / (cols as usize * 4);
+    for u in 0..units {
+        let mine: Vec<u64> = indexes.iter().copied().filter(|g| g % units == u).collect();
+        let field = Field::Regular(f32_rows(mine.len() as u64, cols, seed + u));
+        // In puts of 16 MiB, under B's message limit: row r of `field` is
+        // r * 1000 + column + seed, so a chunk from row c is `f32_rows`
+        // with the seed moved on by c * 1000.
+        for (k, chunk) in mine.chunks(per_put).enumerate() {
+            let part = Field::Regular(f32_rows(
+                chunk.len() as u64,
+                cols,
+                seed + u + (k * per_put) as u64 * 1000,
+            ));
+            let reply = b
+                .call_with(
+                    native::Op::Put {
+                        global_indexes: chunk.to_vec(),
+                        fields: vec![("x".into(), WireField::from_field(&part).unwrap())],
+                    },
+                    &native::Extras {
+                        unit: Some(u),
+                        ..Default::default()
+                    },
+                )
+                .await;
+            assert!(
+                matches!(reply, native::Reply::PutOk { rows } if rows == chunk.len() as u64),
+                "{reply:?}"
+            );
+        }
+        fields.push(field);
+    }
+    fields
+}
+
+/// The cells [`put_by_unit`] stored for `indexes`, in their order.
+fn by_unit_cells(fields: &[Field], indexes: &[u64], units: u64) -> Vec<Cell> {
+    let cells: Vec<_> = fields.iter().map(stowage_tests::data::cells).collect();
+    indexes
+        .iter()
+        .map(|&g| cells[(g % units) as usize][(g / units) as usize].clone())
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bounded_cache_holds_its_bound_with_rows_in_flight() {
+    let hosts = match Hosts::create() {
+        Ok(h) => h,
+        Err(why) => {
+            eprintln!("SKIPPED peers_netns: network namespaces are not available here: {why}");
+            return;
+        }
+    };
+    let b = Stowd::start_in_netns(
+        &hosts.b,
+        &format!(
+            "[server]\nhost = \"0.0.0.0\"\nnative_port = {PEER_PORT}\n\n[units]\nlocal = 2\n\n[router]\nenabled = false\n\n[shm]\nenabled = false\n"
+        ),
+    );
+    // The case at a sixteenth: a 16 MiB bound, 64 MiB of rows, gets
+    // of 4 MiB.
+    let bound_mib: u64 = std::env::var("STOWAGE_PEERS_NETNS_CACHE_MIB")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(16);
+    let bound = bound_mib << 20;
+    let a = Stowd::start_in_netns(
+        &hosts.a,
+        &format!(
+            "[server]\nhost = {:?}\n\n[units]\nlocal = 0\n\n[router]\nunits = [\"stowage://{peer}:{PEER_PORT}/0\", \"stowage://{peer}:{PEER_PORT}/1\"]\ntimeout_secs = 60\n\n[cache]\nmax_bytes = {bound}\n\n[shm]\nenabled = false\n",
+            hosts.a_addr(),
+            peer = hosts.b_from_a(),
+        ),
+    );
+    // The batch is 4 bounds, a get a quarter of one. Rows of 16 KiB: A's
+    // own memory for 8 gets in flight is about 200 bytes a row (see
+    // docs/benchmarks.md), which 4 KiB rows make 10% of the bound here
+    // (STOWAGE_PEERS_NETNS_CACHE_ROW_KIB=4 runs that case).
+    let row_kib: u64 = std::env::var("STOWAGE_PEERS_NETNS_CACHE_ROW_KIB")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(16);
+    let row_bytes = row_kib << 10;
+    let n = 4 * bound / row_bytes;
+    let per_get = (bound / 4 / row_bytes) as usize;
+    let indexes: Vec<u64> = (0..n).collect();
+    let direct = NativeClient::new(&format!("tcp://{}:{PEER_PORT}", hosts.b_addr()));
+    let halves = Arc::new(put_by_unit(&direct, &indexes, row_bytes / 4, 2, 300).await);
+    let client = Arc::new(NativeClient::new(a.native()));
+
+    // The growth counted is the rows': A first serves 8 gets of 2 rows at
+    // once, which sets up what any get needs (connections, the policy
+    // plugins' instances), and the baseline is taken after.
+    let warm: Vec<_> = (0..8)
+        .map(|_| {
+            let client = client.clone();
+            tokio::spawn(async move { client.get_ok(&[0, 1], &["x"]).await })
+        })
+        .collect();
+    for w in warm {
+        w.await.expect("warm-up get");
+    }
+    let before = anon_and_shmem(a.pid());
+    let peak = Peak::watch(a.pid());
+    let mut readers = Vec::new();
+    for r in 0..8 {
+        let (client, indexes, halves) = (client.clone(), indexes.clone(), halves.clone());
+        readers.push(tokio::spawn(async move {
+            for (k, rows) in indexes.chunks(per_get).enumerate() {
+                let got = client.get_ok(rows, &["x"]).await;
+                assert_cells(
+                    &format!("reader {r}, get {k}"),
+                    &wire_cells(got.into_iter().next().expect("one field").1),
+                    &by_unit_cells(&halves, rows, 2),
+                );
+            }
+        }));
+    }
+    for r in readers {
+        r.await.expect("reader");
+    }
+    let peak = peak.end();
+    let grew = peak.saturating_sub(before);
+    let mib = |b: u64| b as f64 / (1 << 20) as f64;
+    println!(
+        "A's RssAnon + RssShmem: {:.1} MiB before, peak {:.1} MiB (+{:.1} MiB, {:.3}x the bound) with a {bound_mib} MiB cache bound, {row_kib} KiB rows; cache holds {} bytes, {} evictions",
+        mib(before),
+        mib(peak),
+        mib(grew),
+        grew as f64 / bound as f64,
+        client.stat("cache_bytes").await,
+        client.stat("cache_evictions").await,
+    );
+    assert!(client.stat("cache_bytes").await as u64 <= bound);
+    assert!(
+        grew as f64 <= 1.1 * bound as f64,
+        "A grew by {} MiB reading {} MiB of remote rows through a {bound_mib} MiB cache: more than the bound + 10%",
+        grew >> 20,
+        (n * 4096) >> 20
     );
     a.stop();
     b.stop();

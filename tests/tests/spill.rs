@@ -24,7 +24,7 @@ use stowage_tests::{NativeClient, Stowd, TqClient, temp_dir};
 const MIB: u64 = 1 << 20;
 
 /// RssAnon + RssShmem of `pid`, bytes.
-fn anon_and_shmem(pid: u32) -> u64 {
+pub(crate) fn anon_and_shmem(pid: u32) -> u64 {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
     status
         .lines()
@@ -35,14 +35,14 @@ fn anon_and_shmem(pid: u32) -> u64 {
 }
 
 /// Samples [`anon_and_shmem`] every 5 ms until stopped; the peak.
-struct Peak {
+pub(crate) struct Peak {
     stop: Arc<AtomicBool>,
     peak: Arc<AtomicU64>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
 impl Peak {
-    fn watch(pid: u32) -> Peak {
+    pub(crate) fn watch(pid: u32) -> Peak {
         let stop = Arc::new(AtomicBool::new(false));
         let peak = Arc::new(AtomicU64::new(0));
         let (s, p) = (stop.clone(), peak.clone());
@@ -59,7 +59,7 @@ impl Peak {
         }
     }
 
-    fn end(mut self) -> u64 {
+    pub(crate) fn end(mut self) -> u64 {
         self.stop.store(true, Ordering::Relaxed);
         self.thread.take().unwrap().join().unwrap();
         self.peak.load(Ordering::Relaxed)

@@ -24,7 +24,7 @@
 //! and 16 MiB frames from a router `stowd` (one per unit) missed on almost
 //! every frame, freed the other size's buffers past its cap, and faulted
 //! every put into fresh memory (2 GiB puts alternating between the two, at
-//! 4f1f0c2: 1 pool hit in 165 frames, then 1 in 33; 0.45-0.73 GB/s and 2.6-5
+//! 8a9d00a: 1 pool hit in 165 frames, then 1 in 33; 0.45-0.73 GB/s and 2.6-5
 //! s of the receiving stowd's CPU per put). Now the pool keeps page ranges,
 //! and a frame takes pages regardless of how they were received:
 //! - the smallest pooled range at least its size, split when what is left
