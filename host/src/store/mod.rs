@@ -92,7 +92,7 @@ pub struct UnitCounters {
 }
 
 mod column;
-pub(crate) mod release;
+mod release;
 mod rows;
 mod seqs;
 mod snapshot;
