@@ -70,8 +70,12 @@ use bytes::Bytes;
 /// where freed memory is reused anyway.
 pub const MIN_POOLED: usize = 1 << 20;
 
-/// The most pooled ranges one frame is assembled from: one `mremap` each.
-pub const MAX_PIECES: usize = 64;
+/// The most pooled ranges one frame is assembled from: one `mremap` each,
+/// and each a mapping of its own (the kernel does not merge moved ranges),
+/// counted against `vm.max_map_count` (65,530 by default) for as long as
+/// the frame is stored: 100 GiB stored in 64 MiB frames of 16 pieces each
+/// is 25,600 mappings. What the pieces do not cover is fresh memory.
+pub const MAX_PIECES: usize = 16;
 
 /// A buffer unused this long is freed (the default of `[limits]
 /// receive_pool_idle_secs`).
@@ -757,6 +761,33 @@ mod tests {
         pool.give(p);
         assert!(pool.take(65 * MIB).is_none());
         assert_eq!(pool.pooled_bytes(), 6 * MIB);
+    }
+
+    #[test]
+    fn a_frame_is_assembled_from_at_most_max_pieces_ranges() {
+        let pool = ReceivePool::new(64 * MIB, IDLE);
+        let n = MAX_PIECES + 4;
+        for _ in 0..n {
+            pool.give(filled(MIB));
+        }
+        let p = pool.take(n * MIB).expect("pooled ranges");
+        assert_eq!(p.capacity(), n * MIB);
+        assert_eq!(
+            pool.pooled_buffers(),
+            4,
+            "the ranges past MAX_PIECES stay pooled"
+        );
+        assert_eq!(
+            pool.counters().misses.load(Ordering::Relaxed),
+            1,
+            "part fresh"
+        );
+        let all = unsafe { std::slice::from_raw_parts(p.as_ptr_for_tests(), n * MIB) };
+        assert!(resident(&all[..MAX_PIECES * MIB]));
+        assert!(
+            all[MAX_PIECES * MIB..].iter().all(|&b| b == 0),
+            "fresh pages are zeros"
+        );
     }
 
     #[test]
