@@ -6,7 +6,12 @@
 //! - clearing or overwriting one copy leaves the other copies;
 //! - fields the patterns do not name, and a put without duplicates, are
 //!   stored as they came (hashed, nothing saved);
-//! - nested rows (images of one shape or another) are deduplicated too.
+//! - nested rows (images of one shape or another) are deduplicated too;
+//! - the case: 64 rows of 4 MiB, every 8 identical, keep 1/8 of the
+//!   bytes in `stats` and in stowd's RssAnon + RssShmem (receive pool off,
+//!   so the request's frame is given back once the distinct rows are copied
+//!   out of it), and every row reads back right after some copies are
+//!   overwritten and cleared.
 
 use stowage_host::batch::Field;
 use stowage_host::tensor::{DType, Tensor};
@@ -131,5 +136,74 @@ async fn repeated_rows_of_a_named_field_are_stored_once() {
         client.stat("dedup_scanned_bytes").await,
         scanned + 1024 + 32 * 1024
     );
+    stowd.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sixty_four_rows_of_4_mib_in_eights_keep_an_eighth_of_the_memory() {
+    const MIB: u64 = 1 << 20;
+    let stowd = Stowd::start(
+        "[units]\nlocal = 2\n\n[dedup]\nfields = [\"p\"]\n\n[shm]\nenabled = false\n\n[limits]\nmax_message_bytes = 536870912\nreceive_pool_bytes = 0\n",
+    );
+    let client = NativeClient::new(stowd.native());
+    let indexes: Vec<u64> = (0..64).collect();
+    // 8 distinct rows of 4 MiB (1 Mi float32), each 8 times in a row.
+    let p = repeated(8, 8, MIB);
+    let payload = 64 * 4 * MIB;
+    let before = crate::spill::anon_and_shmem(stowd.pid());
+    client
+        .put_ok(&indexes, &[("p".to_string(), p.clone())])
+        .await;
+    assert_eq!(client.stat("dedup_rows").await, 56);
+    assert_eq!(client.stat("dedup_bytes").await as u64, 56 * 4 * MIB);
+    // The frame goes once the put's reply is out; give the OS a moment.
+    let bound = payload / 8 + payload / 16;
+    let mut grew = u64::MAX;
+    for _ in 0..50 {
+        grew = crate::spill::anon_and_shmem(stowd.pid()).saturating_sub(before);
+        if grew <= bound {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    println!(
+        "RssAnon + RssShmem grew by {} MiB for a {} MiB put of 8 distinct rows x 8",
+        grew / MIB,
+        payload / MIB
+    );
+    assert!(
+        grew <= bound,
+        "stowd grew by {} MiB for {} MiB of rows of which 1/8 are distinct",
+        grew / MIB,
+        payload / MIB
+    );
+
+    // Overwrite one copy of two prompts, clear one of a third: the others
+    // keep their bytes.
+    let new = Field::Regular(f32_rows(2, MIB, 77));
+    client
+        .put_ok(&[0, 9], &[("p".to_string(), new.clone())])
+        .await;
+    assert_eq!(client.clear(&[1, 17], None).await, 2);
+    let rest: Vec<u64> = (0..64).filter(|g| ![0, 9, 1, 17].contains(g)).collect();
+    let got = client.get_ok(&rest, &["p"]).await;
+    assert_cells(
+        "the other copies",
+        &wire_cells(got.into_iter().next().unwrap().1),
+        &expected(&p, &indexes, &rest),
+    );
+    let got = client.get_ok(&[0, 9], &["p"]).await;
+    assert_cells(
+        "the overwritten copies",
+        &wire_cells(got.into_iter().next().unwrap().1),
+        &cells(&new),
+    );
+    for g in [1, 17] {
+        let reply = client.get(&[g], &["p"]).await;
+        assert_eq!(
+            stowage_tests::client::native_error(&reply).0,
+            "key_not_found"
+        );
+    }
     stowd.stop();
 }
