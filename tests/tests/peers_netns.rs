@@ -159,6 +159,16 @@ impl Hosts {
         Ok(())
     }
 
+    /// A's config: no units of its own, B's two as `stowage://` peer units,
+    /// then `extra` (sections of its own).
+    fn a_config(&self, timeout_secs: u64, extra: &str) -> String {
+        format!(
+            "[server]\nhost = {:?}\n\n[units]\nlocal = 0\n\n[router]\nunits = [\"stowage://{peer}:{PEER_PORT}/0\", \"stowage://{peer}:{PEER_PORT}/1\"]\ntimeout_secs = {timeout_secs}\n\n[shm]\nenabled = false\n\n{extra}",
+            self.a_addr(),
+            peer = self.b_from_a(),
+        )
+    }
+
     /// Bytes A has received on the A–B link.
     fn a_received(&self) -> u64 {
         let out = std::process::Command::new("ip")
@@ -193,6 +203,21 @@ impl Drop for Hosts {
             }
         }
     }
+}
+
+/// B's config: two units on [`PEER_PORT`] of every address.
+fn b_config() -> String {
+    format!(
+        "[server]\nhost = \"0.0.0.0\"\nnative_port = {PEER_PORT}\n\n[units]\nlocal = 2\n\n[router]\nenabled = false\n\n[shm]\nenabled = false\n"
+    )
+}
+
+/// `$name` as a number, or `default`.
+fn env_u64(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
 }
 
 /// 8 readers of `indexes` at once through `client`, each checking its
@@ -239,26 +264,13 @@ async fn eight_readers_on_one_host_cost_one_transfer_across_the_link() {
             return;
         }
     };
-    let b_config = format!(
-        "[server]\nhost = \"0.0.0.0\"\nnative_port = {PEER_PORT}\n\n[units]\nlocal = 2\n\n[router]\nenabled = false\n\n[shm]\nenabled = false\n"
-    );
-    let b = Stowd::start_in_netns(&hosts.b, &b_config);
-    let a = Stowd::start_in_netns(
-        &hosts.a,
-        &format!(
-            "[server]\nhost = {:?}\n\n[units]\nlocal = 0\n\n[router]\nunits = [\"stowage://{peer}:{PEER_PORT}/0\", \"stowage://{peer}:{PEER_PORT}/1\"]\ntimeout_secs = 20\n\n[shm]\nenabled = false\n",
-            hosts.a_addr(),
-            peer = hosts.b_from_a(),
-        ),
-    );
+    let b = Stowd::start_in_netns(&hosts.b, &b_config());
+    let a = Stowd::start_in_netns(&hosts.a, &hosts.a_config(20, ""));
     // 32 MiB: 8,192 rows of 4 KiB. STOWAGE_PEERS_NETNS_MIB sets another
     // size for a one-off run: 128 MiB passed in 42 s with the debug build
     // (1.017x, then 0.016x); 512 MiB outlasts the test client's 60 s reply
     // timeout, so that size is `bench/peer_bench.py --netns --readers 8`.
-    let mib: u64 = std::env::var("STOWAGE_PEERS_NETNS_MIB")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(32);
+    let mib = env_u64("STOWAGE_PEERS_NETNS_MIB", 32);
     let n = mib * 256;
     let batch_bytes = n * 4096;
     let indexes: Vec<u64> = (0..n).collect();
@@ -341,7 +353,7 @@ async fn eight_readers_on_one_host_cost_one_transfer_across_the_link() {
     // as A put the first ones: each unit's first put again, so only the
     // units' incarnations tell A's cached rows from the new ones.
     b.stop();
-    let b = Stowd::start_in_netns(&hosts.b, &b_config);
+    let b = Stowd::start_in_netns(&hosts.b, &b_config());
     let direct = NativeClient::new(&format!("tcp://{}:{PEER_PORT}", hosts.b_addr()));
     let halves = put_by_unit(&direct, &indexes, 1024, 2, 77).await;
     let got = client.get_ok(&indexes, &["x"]).await;
@@ -418,35 +430,20 @@ async fn a_bounded_cache_holds_its_bound_with_rows_in_flight() {
             return;
         }
     };
-    let b = Stowd::start_in_netns(
-        &hosts.b,
-        &format!(
-            "[server]\nhost = \"0.0.0.0\"\nnative_port = {PEER_PORT}\n\n[units]\nlocal = 2\n\n[router]\nenabled = false\n\n[shm]\nenabled = false\n"
-        ),
-    );
+    let b = Stowd::start_in_netns(&hosts.b, &b_config());
     // The case at a sixteenth: a 16 MiB bound, 64 MiB of rows, gets
     // of 4 MiB.
-    let bound_mib: u64 = std::env::var("STOWAGE_PEERS_NETNS_CACHE_MIB")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(16);
+    let bound_mib = env_u64("STOWAGE_PEERS_NETNS_CACHE_MIB", 16);
     let bound = bound_mib << 20;
     let a = Stowd::start_in_netns(
         &hosts.a,
-        &format!(
-            "[server]\nhost = {:?}\n\n[units]\nlocal = 0\n\n[router]\nunits = [\"stowage://{peer}:{PEER_PORT}/0\", \"stowage://{peer}:{PEER_PORT}/1\"]\ntimeout_secs = 60\n\n[cache]\nmax_bytes = {bound}\n\n[shm]\nenabled = false\n",
-            hosts.a_addr(),
-            peer = hosts.b_from_a(),
-        ),
+        &hosts.a_config(60, &format!("[cache]\nmax_bytes = {bound}\n")),
     );
     // The batch is 4 bounds, a get a quarter of one. Rows of 16 KiB: A's
     // own memory for 8 gets in flight is about 200 bytes a row (see
     // docs/benchmarks.md), which 4 KiB rows make 10% of the bound here
     // (STOWAGE_PEERS_NETNS_CACHE_ROW_KIB=4 runs that case).
-    let row_kib: u64 = std::env::var("STOWAGE_PEERS_NETNS_CACHE_ROW_KIB")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(16);
+    let row_kib = env_u64("STOWAGE_PEERS_NETNS_CACHE_ROW_KIB", 16);
     let row_bytes = row_kib << 10;
     let n = 4 * bound / row_bytes;
     let per_get = (bound / 4 / row_bytes) as usize;
