@@ -205,6 +205,15 @@ impl Drop for Hosts {
     }
 }
 
+/// The hosts, or `None` (said on stderr) where namespaces cannot be made.
+fn hosts() -> Option<Hosts> {
+    Hosts::create()
+        .map_err(|why| {
+            eprintln!("SKIPPED peers_netns: network namespaces are not available here: {why}")
+        })
+        .ok()
+}
+
 /// B's config: two units on [`PEER_PORT`] of every address.
 fn b_config() -> String {
     format!(
@@ -257,13 +266,7 @@ async fn eight_readers(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn eight_readers_on_one_host_cost_one_transfer_across_the_link() {
-    let hosts = match Hosts::create() {
-        Ok(h) => h,
-        Err(why) => {
-            eprintln!("SKIPPED peers_netns: network namespaces are not available here: {why}");
-            return;
-        }
-    };
+    let Some(hosts) = hosts() else { return };
     let b = Stowd::start_in_netns(&hosts.b, &b_config());
     let a = Stowd::start_in_netns(&hosts.a, &hosts.a_config(20, ""));
     // 32 MiB: 8,192 rows of 4 KiB. STOWAGE_PEERS_NETNS_MIB sets another
@@ -423,13 +426,7 @@ fn by_unit_cells(fields: &[Field], indexes: &[u64], units: u64) -> Vec<Cell> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_bounded_cache_holds_its_bound_with_rows_in_flight() {
-    let hosts = match Hosts::create() {
-        Ok(h) => h,
-        Err(why) => {
-            eprintln!("SKIPPED peers_netns: network namespaces are not available here: {why}");
-            return;
-        }
-    };
+    let Some(hosts) = hosts() else { return };
     let b = Stowd::start_in_netns(&hosts.b, &b_config());
     // The case at a sixteenth: a 16 MiB bound, 64 MiB of rows, gets
     // of 4 MiB.
