@@ -341,14 +341,14 @@ pub fn render(metrics: &Metrics, manager: &Manager, units: &[Arc<Unit>]) -> Stri
     t.family(
         "stowd_receive_pool_bytes",
         GAUGE,
-        "Bytes of freed large receive buffers kept for reuse.",
+        "Bytes of pages of freed large receive buffers kept for reuse.",
     );
     t.sample(&[], crate::transport::ReceivePool::shared_bytes() as f64);
     let pool = crate::transport::ReceivePool::shared_counters();
     t.family(
         "stowd_receive_pool_frames_total",
         MetricType::COUNTER,
-        "Frames of 1 MiB or more received: into a kept buffer (result=\"hit\") or into fresh memory (result=\"miss\").",
+        "Frames of 1 MiB or more received: wholly into kept pages (result=\"hit\") or partly or wholly into fresh memory (result=\"miss\").",
     );
     t.sample(
         &[("result", "hit")],
@@ -361,7 +361,7 @@ pub fn render(metrics: &Metrics, manager: &Manager, units: &[Arc<Unit>]) -> Stri
     t.family(
         "stowd_receive_pool_freed_bytes_total",
         MetricType::COUNTER,
-        "Bytes of kept receive buffers freed: the pool was full ([limits] receive_pool_bytes) or they sat idle.",
+        "Bytes of kept receive pages freed: the pool was full ([limits] receive_pool_bytes) or they sat idle.",
     );
     t.sample(&[], pool.freed_bytes.load(Ordering::Relaxed) as f64);
     t.family(
