@@ -171,6 +171,11 @@ impl Drop for Landing<'_> {
     }
 }
 
+/// The most fields per peer whose bytes per row are remembered (see
+/// [`ReadCache::reserve`]); past it the memory starts over, and a fetch of
+/// a field not remembered makes no room before it lands.
+const MAX_KNOWN_FIELDS: usize = 4096;
+
 /// Room made in the cache for a fetch in flight; given back when dropped.
 struct Reservation<'a> {
     cache: &'a ReadCache,
@@ -465,6 +470,10 @@ impl ReadCache {
             let mut inner = self.lock();
             let known = inner.row_size.entry(p.name.clone()).or_default();
             for (field, size) in fetched.fields.iter().zip(sizes) {
+                // Field names are the clients': a bounded memory of them.
+                if known.len() >= MAX_KNOWN_FIELDS && !known.contains_key(field) {
+                    known.clear();
+                }
                 known.insert(field.clone(), size);
             }
         }
