@@ -401,9 +401,30 @@ async fn connection(
         connection,
         identity: identity.clone(),
     };
+    // The next message is read while one is handled (a client may send it
+    // before the reply, as the Python client's puts of several messages
+    // do), never more than one: the reader takes a slot of the channel
+    // before it reads, and the slot is free only once the loop below has
+    // taken the message before. Requests are still handled, and answered,
+    // one at a time and in order.
+    let (ahead, mut incoming_rx) = tokio::sync::mpsc::channel(1);
+    let read_limits = limits.receive;
+    let _reading = AbortOnDrop(tokio::spawn(async move {
+        loop {
+            let Ok(slot) = ahead.reserve().await else {
+                return;
+            };
+            let r = reader.read(&read_limits).await;
+            let last = !matches!(r, Ok(Some(_)));
+            slot.send(r);
+            if last {
+                return;
+            }
+        }
+    }));
     loop {
         let incoming = tokio::select! {
-            r = reader.read(&limits.receive) => r,
+            r = incoming_rx.recv() => r.unwrap_or(Ok(None)),
             _ = shutdown.changed() => return,
         };
         let reply = match incoming {
@@ -442,6 +463,16 @@ async fn connection(
                 );
             }
         }
+    }
+}
+
+/// A task aborted when this is dropped (a connection's reader, when the
+/// connection ends).
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }
 
@@ -694,6 +725,71 @@ mod tests {
                 Some(Message { parts, per_frame })
             })
         }
+    }
+
+    /// Answers each request with the length of its first frame; the first
+    /// request waits for the test's go first.
+    struct Gate {
+        go: std::sync::Mutex<Option<tokio::sync::oneshot::Receiver<()>>>,
+    }
+
+    impl Service for Gate {
+        fn handle(
+            self: Arc<Self>,
+            _caller: Caller,
+            frames: Vec<Bytes>,
+        ) -> BoxFuture<'static, Option<Message>> {
+            Box::pin(async move {
+                let go = self.go.lock().unwrap().take();
+                if let Some(go) = go {
+                    let _ = go.await;
+                }
+                let len = frames[0].len() as u64;
+                Some(Message::from(vec![Bytes::from(len.to_le_bytes().to_vec())]))
+            })
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_next_request_is_read_while_one_is_handled() {
+        let (socket, bound) = bind("tcp://127.0.0.1:0").await.unwrap();
+        let (go, wait) = tokio::sync::oneshot::channel();
+        let gate = Arc::new(Gate {
+            go: std::sync::Mutex::new(Some(wait)),
+        });
+        let (tx, rx) = watch::channel(false);
+        let server = tokio::spawn(serve(socket, gate, rx));
+        let stream = TcpStream::connect(bound.trim_start_matches("tcp://"))
+            .await
+            .unwrap();
+        let (r, mut w) = tokio::io::split(stream);
+        let mut r = FrameReader::new(r);
+        zmtp::handshake(&mut r, &mut w, "DEALER", b"", &["ROUTER"])
+            .await
+            .unwrap();
+        // The first request, held by the service; then one of 64 MiB, far
+        // more than the sockets' buffers hold: its write ends only if the
+        // server reads it while it handles the first.
+        zmtp::write_message(&mut w, &[Bytes::from_static(b"first")])
+            .await
+            .unwrap();
+        let big = Bytes::from(vec![7u8; 64 << 20]);
+        tokio::time::timeout(Duration::from_secs(30), zmtp::write_message(&mut w, &[big]))
+            .await
+            .expect("the second request was not read while the first was handled")
+            .unwrap();
+        go.send(()).unwrap();
+        // Both answered, in order.
+        for want in [5u64, 64 << 20] {
+            match r.read(&zmtp::Limits::DEFAULT).await.unwrap() {
+                Some(Incoming::Message(f)) => {
+                    assert_eq!(f, vec![Bytes::from(want.to_le_bytes().to_vec())])
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+        tx.send(true).unwrap();
+        server.await.unwrap();
     }
 
     #[tokio::test]

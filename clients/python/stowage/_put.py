@@ -61,6 +61,19 @@ class Put:
         self.stored = 0
         self.reply: dict | None = None
 
+    def plain(self) -> list[tuple]:
+        """Over tcp (no segments): every message at once, as (body, data
+        frames, rows), for a sender that keeps two on the wire; each reply
+        then goes to `took`, in order."""
+        assert self._segments is None
+        return [(m.body, m.frames, m.rows[1] - m.rows[0]) for m in self._messages]
+
+    def took(self, reply: dict, rows: int) -> None:
+        """A put_ok for the next message of `plain`, of `rows` rows."""
+        if reply != {"rows": rows}:
+            raise ProtocolError(f"put_ok {reply!r} for a message of {rows} rows")
+        self.stored += rows
+
     def __iter__(self) -> Iterator[tuple]:
         segments = self._segments
         for m in self._messages:
@@ -75,9 +88,7 @@ class Put:
                 frames = m.frames if segments is None else _codec.join_frames(m.frames)
                 yield "put", m.body, frames, "put_ok", None
             a, b = m.rows
-            if self.reply != {"rows": b - a}:
-                raise ProtocolError(f"put_ok {self.reply!r} for a message of {b - a} rows")
-            self.stored += b - a
+            self.took(self.reply, b - a)
 
 
 def payload_bytes(data) -> int:

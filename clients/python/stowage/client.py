@@ -401,6 +401,17 @@ def _run_send(data_frames):
     return lambda core, frame0, timeout: core.send(frame0, data_frames, timeout)
 
 
+def _run_send_many(ids, messages):
+    """`run` for `_core_call` (with no body): `messages` (body, data frames,
+    rows) as put requests of their own ids through `core.send_many`; (the
+    ids, (replies, failure))."""
+    def run(core, _rid, timeout):
+        rids = [next(ids) for _ in messages]
+        frames = [(_codec.envelope("put", rid, body), data) for rid, (body, data, _) in zip(rids, messages)]
+        return rids, core.send_many(frames, timeout)
+    return run
+
+
 def _ms_left(deadline: float) -> int:
     return max(0, math.ceil((deadline - time.monotonic()) * 1000))
 
@@ -550,18 +561,40 @@ class Client(_Ops):
         put requests, each a contiguous range of rows with all fields. Each
         message is all-or-nothing, the whole put is NOT: if a later message
         fails, earlier ones stay stored; the exception's `rows_stored` says
-        how many leading rows were."""
+        how many leading rows were. Over tcp the next message is sent
+        before the reply to the one before it arrives (stowd reads it while
+        it stores that one), so the message after a failed one may be
+        stored too; `rows_stored` does not count it."""
         core = self._core_serves()
         put = _put.Put(global_indexes, data, self.max_message_bytes, self._segments, join=not core)
         self._open_channel()
-        send = self._core_send if core else self._call
         try:
-            for op, body, frames, expect, extras in put:
-                put.reply, _ = send(op, body, frames, timeout, expect, extras)
+            if core:
+                self._core_put(put, put.plain(), timeout)
+            else:
+                for op, body, frames, expect, extras in put:
+                    put.reply, _ = self._call(op, body, frames, timeout, expect, extras)
         except StowageError as e:
             e.rows_stored = put.stored
             raise
         return put.n
+
+    def _core_put(self, put: _put.Put, messages: list, timeout) -> None:
+        """A tcp put through the Rust core, its messages (`put.plain()`) two
+        on the wire (stowd reads the next while it handles one): each reply
+        goes to `put` in order, then any failure after them is raised."""
+        t = self._call_timeout(timeout)
+        (rids, (replies, failure)) = self._core_call("put", None, timeout, _run_send_many(self._ids, messages))[1]
+        for rid, reply, (_, _, rows) in zip(rids, replies, messages):
+            body, _ = self._core_sent(rid, reply, "put_ok")
+            put.took(body, rows)
+        if failure is not None:
+            rid = rids[len(replies)] if len(replies) < len(rids) else rids[-1]
+            with self._lock:
+                self._reset()
+            raise self._core_failure(failure, "put", rid, t) from None
+        if len(replies) < len(messages):
+            raise ProtocolError(f"{len(replies)} replies to a put of {len(messages)} messages")
 
     def get(self, global_indexes, fields, *, as_torch: bool | None = None, timeout: float | None = None) -> dict:
         """Reads rows: a dict field -> a read-only numpy array `[n, ...]`

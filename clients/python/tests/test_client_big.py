@@ -14,9 +14,9 @@ MiB = 1 << 20
 
 
 def counting(client):
-    """Wraps the client's senders (`_call`, and `_core_send`, which a tcp put
-    goes through with the Rust core) to record (op, data bytes, rows) of
-    every request sent."""
+    """Wraps the client's senders (`_call`; `_core_send`, which an async
+    client's tcp put goes through with the Rust core; `_core_put`, a sync
+    client's) to record (op, data bytes, rows) of every request sent."""
     sent = []
 
     def nbytes(f):  # a frame, or a shared frame's pieces (not joined for the core)
@@ -28,6 +28,13 @@ def counting(client):
             return inner(op, body, frames, timeout, expect, *extras)
 
         setattr(client, name, call)
+    if hasattr(client, "_core_put"):  # a sync client's tcp put: all its messages at once
+        def core_put(put, messages, timeout, inner=client._core_put):
+            for body, frames, _ in messages:
+                sent.append(("put", sum(nbytes(f) for f in frames), len(body.get("global_indexes", []))))
+            return inner(put, messages, timeout)
+
+        client._core_put = core_put
     return sent
 
 

@@ -369,7 +369,8 @@ def test_a_hostile_reply_is_refused_without_harm(fake_server):
 
 
 def _core_sends(c) -> list:
-    """Records the op of every request `c` sends through the core."""
+    """Records the op of every request `c` sends through the core (a sync
+    client's put: every message of it, sent by `_core_put`)."""
     ops = []
     inner = c._core_send
 
@@ -378,6 +379,14 @@ def _core_sends(c) -> list:
         return inner(op, *rest)
 
     c._core_send = send
+    if hasattr(c, "_core_put"):
+        inner_put = c._core_put
+
+        def put(p, messages, timeout):
+            ops.extend("put" for _ in messages)
+            return inner_put(p, messages, timeout)
+
+        c._core_put = put
     return ops
 
 
@@ -471,6 +480,36 @@ def test_put_errors_keep_their_types(small_server, fresh):
             np.testing.assert_array_equal(c.get(idx[:8], ["x"])["x"], rows[:8])
         finally:
             c.clear(idx)
+
+
+def test_a_split_put_keeps_two_messages_on_the_wire_and_counts_what_was_answered(fake_server):
+    """A put of several messages through the core: the second is sent before
+    the first's reply is read (the peer sees both before it answers), and
+    when a later message gets no reply, StowageTimeout says how many leading
+    rows the answered ones stored."""
+    requests = []
+
+    def handler(ident, frames):
+        env = msgpack.unpackb(frames[0])
+        requests.append(env["id"])
+        if len(requests) == 2:
+            # Both messages are here before the first is answered.
+            body = {"rows": len(env["body"]["global_indexes"])}
+            first = msgpack.packb({"proto": "stowage/1", "op": "put_ok", "id": requests[0], "body": body})
+            return [[first]]
+        return []
+
+    srv = fake_server(handler)
+    x = np.arange(6 * 1000, dtype=np.float32).reshape(6, 1000)  # 4,000-byte rows
+    with stowage.Client(srv.endpoint, timeout=10, max_message_bytes=9000) as c:  # 2 rows a message
+        ops = _core_sends(c)
+        t = time.monotonic()
+        with pytest.raises(stowage.StowageTimeout) as ei:
+            c.put([1, 2, 3, 4, 5, 6], {"x": x}, timeout=0.5)
+        assert time.monotonic() - t < 5
+        assert ei.value.rows_stored == 2, "the first message's rows, answered"
+        assert ops == ["put"] * 3
+    assert len(requests) >= 2
 
 
 def test_a_put_without_a_reply_times_out_and_the_next_is_served(fake_server):

@@ -717,6 +717,11 @@ fn check_frame_count(frames: usize) -> Result<(), Fail> {
 /// checked before anything is allocated for it.
 fn send(s: &mut Stream, frame0: &[u8], frames: &[Vec<&[u8]>]) -> Result<Vec<Vec<u8>>, Fail> {
     write_message(s, frame0, frames)?;
+    read_reply(s)
+}
+
+/// Reads one reply whole (as [`send`] does after writing).
+fn read_reply(s: &mut Stream) -> Result<Vec<Vec<u8>>, Fail> {
     let (head, mut more) = s.head()?;
     let mut reply = vec![head];
     let mut left = MAX_FRAME0;
@@ -728,6 +733,51 @@ fn send(s: &mut Stream, frame0: &[u8], frames: &[Vec<&[u8]>]) -> Result<Vec<Vec<
         more = m;
     }
     Ok(reply)
+}
+
+/// Whether a reply's frame 0 is an `error` reply (or one the codec
+/// refuses, which the caller reports).
+fn is_error(head: &[u8]) -> bool {
+    !matches!(
+        native::decode_reply(&[Bytes::copy_from_slice(head)], &REPLY_LIMITS),
+        Ok((_, r)) if !matches!(r, native::Reply::Error { .. })
+    )
+}
+
+/// Sends `messages` with two on the wire: message `k + 1` is written
+/// before the reply to `k` is read, so that stowd (which reads one message
+/// ahead while it handles one) receives the next while it handles this
+/// one. The replies go to `replies` in order: all of them, or up to the
+/// first error and the reply to the one message already sent after it.
+/// Each step (a message written and the reply before it read) has `each`
+/// to finish, as each message sent alone would.
+fn send_pipelined(
+    s: &mut Stream,
+    messages: &[(&[u8], Vec<Vec<&[u8]>>)],
+    each: Duration,
+    replies: &mut Vec<Vec<Vec<u8>>>,
+) -> Result<(), Fail> {
+    let mut sent = 0;
+    if let Some((frame0, frames)) = messages.first() {
+        write_message(s, frame0, frames)?;
+        sent = 1;
+    }
+    while replies.len() < sent {
+        s.deadline = Instant::now() + each;
+        let failed = replies.last().is_some_and(|r| is_error(&r[0]));
+        if !failed && sent < messages.len() {
+            let (frame0, frames) = &messages[sent];
+            write_message(s, frame0, frames)?;
+            sent += 1;
+        }
+        let reply = read_reply(s)?;
+        let error = is_error(&reply[0]);
+        replies.push(reply);
+        if error && replies.len() == sent {
+            break;
+        }
+    }
+    Ok(())
 }
 
 /// The dtypes of a regular field as its descriptor names them.
@@ -1463,6 +1513,65 @@ impl Connection {
         drop(frames);
         drop(held);
         Ok(reply?.iter().map(|f| PyBytes::new(py, f)).collect())
+    }
+
+    /// Several requests with their data frames (each a list of `send`'s
+    /// `frames`), sent with two on the wire. Returns `(replies, failure)`:
+    /// the replies in order (all of them, or up to the first error and the
+    /// reply to the one request sent after it), and `None`, or the
+    /// exception `send` would have raised (TimeoutError, ConnectionError,
+    /// ProtocolViolation; the connection dropped) after the replies read
+    /// before it. `timeout` holds for each request as for `send`'s one.
+    #[allow(clippy::type_complexity)]
+    fn send_many<'py>(
+        &mut self,
+        py: Python<'py>,
+        messages: Vec<(Vec<u8>, Vec<Bound<'py, PyAny>>)>,
+        timeout: f64,
+    ) -> PyResult<(Vec<Vec<Bound<'py, PyBytes>>>, Option<Bound<'py, PyAny>>)> {
+        let mut held = Vec::new();
+        let mut shapes = Vec::with_capacity(messages.len());
+        for (_, frames) in &messages {
+            let mut counts = Vec::with_capacity(frames.len());
+            for frame in frames {
+                if let Ok(pieces) = frame.cast::<PyList>() {
+                    for piece in pieces.iter() {
+                        held.push(Held::get(&piece)?);
+                    }
+                    counts.push(pieces.len());
+                } else {
+                    held.push(Held::get(frame)?);
+                    counts.push(1);
+                }
+            }
+            shapes.push(counts);
+        }
+        let mut pieces = held.iter().map(Held::bytes);
+        let plan: Vec<(&[u8], Vec<Vec<&[u8]>>)> = messages
+            .iter()
+            .zip(&shapes)
+            .map(|((frame0, _), counts)| {
+                let frames = counts
+                    .iter()
+                    .map(|&k| pieces.by_ref().take(k).collect())
+                    .collect();
+                (frame0.as_slice(), frames)
+            })
+            .collect();
+        let each = Duration::from_secs_f64(timeout.max(0.0));
+        let deadline = Instant::now() + each;
+        let mut replies = Vec::new();
+        // The buffers stay held (`held`) while the GIL is released.
+        let done =
+            py.detach(|| self.exchange(deadline, |s| send_pipelined(s, &plan, each, &mut replies)));
+        drop(plan);
+        drop(held);
+        let replies = replies
+            .iter()
+            .map(|r| r.iter().map(|f| PyBytes::new(py, f)).collect())
+            .collect();
+        let failure = done.err().map(|f| PyErr::from(f).into_value(py).into_any());
+        Ok((replies, failure.map(|e| e.into_bound(py))))
     }
 
     /// Drops the connection (the next call makes a new one).
