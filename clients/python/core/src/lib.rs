@@ -744,6 +744,9 @@ fn is_error(head: &[u8]) -> bool {
     )
 }
 
+/// A request to send: frame 0 and its data frames, each its pieces.
+type Outgoing<'a> = (&'a [u8], Vec<Vec<&'a [u8]>>);
+
 /// Sends `messages` with two on the wire: message `k + 1` is written
 /// before the reply to `k` is read, so that stowd (which reads one message
 /// ahead while it handles one) receives the next while it handles this
@@ -753,7 +756,7 @@ fn is_error(head: &[u8]) -> bool {
 /// to finish, as each message sent alone would.
 fn send_pipelined(
     s: &mut Stream,
-    messages: &[(&[u8], Vec<Vec<&[u8]>>)],
+    messages: &[Outgoing<'_>],
     each: Duration,
     replies: &mut Vec<Vec<Vec<u8>>>,
 ) -> Result<(), Fail> {
@@ -1547,7 +1550,7 @@ impl Connection {
             shapes.push(counts);
         }
         let mut pieces = held.iter().map(Held::bytes);
-        let plan: Vec<(&[u8], Vec<Vec<&[u8]>>)> = messages
+        let plan: Vec<Outgoing<'_>> = messages
             .iter()
             .zip(&shapes)
             .map(|((frame0, _), counts)| {
