@@ -1493,18 +1493,7 @@ impl Connection {
         timeout: f64,
     ) -> PyResult<Vec<Bound<'py, PyBytes>>> {
         let mut held = Vec::with_capacity(frames.len());
-        let mut counts = Vec::with_capacity(frames.len());
-        for frame in &frames {
-            if let Ok(pieces) = frame.cast::<PyList>() {
-                for piece in pieces.iter() {
-                    held.push(Held::get(&piece)?);
-                }
-                counts.push(pieces.len());
-            } else {
-                held.push(Held::get(frame)?);
-                counts.push(1);
-            }
-        }
+        let counts = hold_frames(&frames, &mut held)?;
         let mut pieces = held.iter().map(Held::bytes);
         let frames: Vec<Vec<&[u8]>> = counts
             .iter()
@@ -1535,19 +1524,7 @@ impl Connection {
         let mut held = Vec::new();
         let mut shapes = Vec::with_capacity(messages.len());
         for (_, frames) in &messages {
-            let mut counts = Vec::with_capacity(frames.len());
-            for frame in frames {
-                if let Ok(pieces) = frame.cast::<PyList>() {
-                    for piece in pieces.iter() {
-                        held.push(Held::get(&piece)?);
-                    }
-                    counts.push(pieces.len());
-                } else {
-                    held.push(Held::get(frame)?);
-                    counts.push(1);
-                }
-            }
-            shapes.push(counts);
+            shapes.push(hold_frames(frames, &mut held)?);
         }
         let mut pieces = held.iter().map(Held::bytes);
         let plan: Vec<Outgoing<'_>> = messages
@@ -1581,6 +1558,24 @@ impl Connection {
     fn close(&mut self) {
         self.tcp = None;
     }
+}
+
+/// Holds the buffers of `frames` (each a buffer, or a list of pieces sent
+/// back to back as one frame) in `held`; how many pieces each frame has.
+fn hold_frames(frames: &[Bound<'_, PyAny>], held: &mut Vec<Held>) -> PyResult<Vec<usize>> {
+    let mut counts = Vec::with_capacity(frames.len());
+    for frame in frames {
+        if let Ok(pieces) = frame.cast::<PyList>() {
+            for piece in pieces.iter() {
+                held.push(Held::get(&piece)?);
+            }
+            counts.push(pieces.len());
+        } else {
+            held.push(Held::get(frame)?);
+            counts.push(1);
+        }
+    }
+    Ok(counts)
 }
 
 /// The module: `Connection`, and the codec's `encode_request` and
