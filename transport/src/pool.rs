@@ -364,6 +364,18 @@ impl Inner {
             .insert((pages.cap, !self.seq), Free { pages, since });
     }
 
+    /// Cuts `pages` down to `at` bytes: the rest goes back to the pool
+    /// (with the `since` it had), or to `spare` (to be unmapped once the
+    /// lock is released) when it is under [`MIN_POOLED`].
+    fn split(&mut self, pages: &mut Pages, at: usize, since: Instant, spare: &mut Vec<Pages>) {
+        let rest = pages.split_off(at);
+        if rest.cap >= MIN_POOLED {
+            self.insert(rest, since);
+        } else {
+            spare.push(rest);
+        }
+    }
+
     fn remove(&mut self, key: (usize, u64)) -> Free {
         let f = self.free.remove(&key).expect("key just found");
         self.bytes -= f.pages.cap;
@@ -494,12 +506,7 @@ impl ReceivePool {
             if let Some(&key) = inner.free.range((need, 0)..).next().map(|(k, _)| k) {
                 let Free { mut pages, since } = inner.remove(key);
                 if !keeps(need, pages.cap - need) {
-                    let rest = pages.split_off(need);
-                    if rest.cap >= MIN_POOLED {
-                        inner.insert(rest, since);
-                    } else {
-                        spare.push(rest);
-                    }
+                    inner.split(&mut pages, need, since, &mut spare);
                 }
                 drop(inner);
                 drop(spare);
@@ -514,12 +521,7 @@ impl ReceivePool {
                 };
                 let Free { mut pages, since } = inner.remove(key);
                 if pages.cap > need - got {
-                    let rest = pages.split_off(need - got);
-                    if rest.cap >= MIN_POOLED {
-                        inner.insert(rest, since);
-                    } else {
-                        spare.push(rest);
-                    }
+                    inner.split(&mut pages, need - got, since, &mut spare);
                 }
                 got += pages.cap;
                 pieces.push(pages);
