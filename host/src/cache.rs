@@ -42,7 +42,7 @@ use std::sync::{Arc, Mutex};
 use rustc_hash::FxHashMap;
 use tokio::sync::watch;
 
-use crate::manager::{Manager, ManagerError, PeerUnit};
+use crate::manager::{FetchTap, Manager, ManagerError, PeerUnit, TapEvent};
 use crate::store::Column;
 
 /// Per row of a field: the column it is in and its row there.
@@ -226,6 +226,7 @@ impl ReadCache {
         p: &Arc<PeerUnit>,
         indexes: &[u64],
         fields: &[String],
+        tap: Option<&FetchTap>,
     ) -> Result<Vec<FieldRows>, ManagerError> {
         let n = indexes.len();
         let (tx, rx) = watch::channel::<FlightResult>(None);
@@ -244,6 +245,9 @@ impl ReadCache {
                     (0, Vec::new(), landing)
                 }
                 None => {
+                    if let Some(tap) = tap {
+                        tap.send(TapEvent::NotForwarded);
+                    }
                     let (incarnation, versions) = m.versions_peer(p, indexes, fields).await?;
                     let mut landing = Landing {
                         cache: self,
@@ -306,8 +310,10 @@ impl ReadCache {
         c.hits.fetch_add(hits, Ordering::Relaxed);
         c.saved_bytes.fetch_add(hit_bytes, Ordering::Relaxed);
         if need.iter().any(|&b| b) {
+            // Only a fetch of every row (nothing kept or in flight) is
+            // shown to a forwarding get: the versions path said otherwise.
             let result = self
-                .fetch(m, p, indexes, fields, &need, &need_field, &mut out)
+                .fetch(m, p, indexes, fields, &need, &need_field, &mut out, tap)
                 .await;
             let _ = tx.send(Some(
                 result.as_ref().map(Arc::clone).map_err(|e| e.to_string()),
@@ -346,7 +352,7 @@ impl ReadCache {
         c.shared.fetch_add(shared, Ordering::Relaxed);
         c.saved_bytes.fetch_add(shared_bytes, Ordering::Relaxed);
         if again.iter().any(|&b| b) {
-            self.fetch(m, p, indexes, fields, &again, &again_field, &mut out)
+            self.fetch(m, p, indexes, fields, &again, &again_field, &mut out, None)
                 .await?;
         }
         out.into_iter()
@@ -411,6 +417,7 @@ impl ReadCache {
         need: &[bool],
         need_field: &[bool],
         out: &mut Slots,
+        tap: Option<&FetchTap>,
     ) -> Result<Arc<Fetched>, ManagerError> {
         let rows: Vec<u64> = indexes
             .iter()
@@ -424,7 +431,7 @@ impl ReadCache {
             .map(|(f, _)| f.clone())
             .collect();
         let room = self.reserve(&p.name, &fetch_fields, rows.len() as u64);
-        let (got, versions) = m.fetch_peer(p, &rows, &fetch_fields, true).await?;
+        let (got, versions) = m.fetch_peer(p, &rows, &fetch_fields, true, tap).await?;
         let (incarnation, versions) = versions.expect("asked with versions");
         let fetched = Arc::new(Fetched {
             at: rows.iter().enumerate().map(|(i, &g)| (g, i)).collect(),

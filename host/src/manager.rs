@@ -17,7 +17,7 @@ mod remote;
 #[cfg(test)]
 mod tests;
 
-pub use peer::{PeerUnit, frame_layout, parse_peer_unit};
+pub use peer::{FetchTap, PeerUnit, TapEvent, frame_layout, parse_peer_unit};
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -542,6 +542,45 @@ impl Manager {
         global_indexes: &Indexes,
         fields: &[String],
     ) -> Result<Vec<(String, Rows)>, ManagerError> {
+        self.get_tapped(global_indexes, fields, &[]).await
+    }
+
+    /// Per target (in [`Manager::targets`] order) that holds rows of
+    /// `global_indexes`: its number and the request positions of its rows,
+    /// in the order a get asks it for them; `None` unless every such
+    /// target is a peer unit (a get a router may forward as it arrives).
+    pub fn peer_positions(&self, global_indexes: &Indexes) -> Option<Vec<(usize, Vec<u64>)>> {
+        let mut out = Vec::new();
+        for (t, (target, seqs)) in self
+            .targets
+            .iter()
+            .zip(self.seq_routes(global_indexes))
+            .enumerate()
+        {
+            if seqs.is_empty() {
+                continue;
+            }
+            if !matches!(target, Target::Peer(_)) {
+                return None;
+            }
+            let positions = seqs
+                .iter()
+                .flat_map(|s| (0..s.count).map(move |k| s.pos + k * s.pos_step))
+                .collect();
+            out.push((t, positions));
+        }
+        Some(out)
+    }
+
+    /// [`Manager::get`], showing each peer unit's fetch to `taps[t]` for
+    /// target `t` (if there is one): a router forwards a peer's reply to
+    /// its client while it arrives (`server/native/forward.rs`).
+    pub async fn get_tapped(
+        &self,
+        global_indexes: &Indexes,
+        fields: &[String],
+        taps: &[Option<FetchTap>],
+    ) -> Result<Vec<(String, Rows)>, ManagerError> {
         self.check_size(global_indexes.len(), fields.len())?;
         if fields.is_empty() {
             return Err(ManagerError::BadRequest("no fields requested".into()));
@@ -552,8 +591,12 @@ impl Manager {
             .targets
             .iter()
             .zip(self.seq_routes(global_indexes))
-            .filter(|(_, seqs)| !seqs.is_empty())
-            .map(|(target, seqs)| self.get_target(target, seqs, fields));
+            .enumerate()
+            .filter(|(_, (_, seqs))| !seqs.is_empty())
+            .map(|(t, (target, seqs))| {
+                let tap = taps.get(t).and_then(Option::as_ref);
+                self.get_target(target, seqs, fields, tap)
+            });
         for got in futures_util::future::join_all(gets).await {
             for (into, rows) in out.iter_mut().zip(got?) {
                 let base = into.columns.len() as u32;
@@ -573,7 +616,13 @@ impl Manager {
         target: &Target,
         seqs: Vec<Seq>,
         fields: &[String],
+        tap: Option<&FetchTap>,
     ) -> Result<Vec<Rows>, ManagerError> {
+        if let Some(tap) = tap
+            && !matches!(target, Target::Peer(_))
+        {
+            tap.send(TapEvent::NotForwarded);
+        }
         let unit = match target {
             Target::Local(unit) => return Ok(unit.get_seqs(&seqs, fields)?),
             Target::Remote(_) | Target::Peer(_) => target.name(),
@@ -586,7 +635,7 @@ impl Manager {
             }
         }
         if let Target::Peer(p) = target {
-            return self.get_peer(p, &indexes, &positions, fields).await;
+            return self.get_peer(p, &indexes, &positions, fields, tap).await;
         }
         let Target::Remote(peer) = target else {
             unreachable!("local and peer units are answered above")

@@ -98,6 +98,13 @@ pub struct DataCounters {
     pub builtin_decisions: AtomicU64,
     /// Built-in answers after a plugin fault.
     pub fallbacks: AtomicU64,
+    /// Gets of peer units' rows forwarded to the client while they
+    /// arrived (`server/native/forward.rs`).
+    pub gets_forwarded: AtomicU64,
+    /// Of those, the ones whose reply could not be finished (the peer's
+    /// reply failed after the client's began, or the client left): the
+    /// client's connection was closed.
+    pub gets_forward_dropped: AtomicU64,
 }
 
 /// Hot-reload outcomes.

@@ -538,3 +538,212 @@ async fn a_hostile_peers_replies_are_errors_and_the_router_serves_on() {
     stop.send(true).unwrap();
     server.await.unwrap();
 }
+
+/// A router with no units of its own: every row of a get is a peer's, so
+/// a get is forwarded while it arrives (`server/native/forward.rs`).
+fn forwarding_router(peer_port: u16, extra: &str) -> String {
+    format!(
+        "[units]\nlocal = 0\n\n[router]\nunits = [\"stowage://127.0.0.1:{peer_port}/0\", \"stowage://127.0.0.1:{peer_port}/1\"]\ntimeout_secs = 10\n\n[limits]\nmax_message_bytes = 1048576\n\n[shm]\nenabled = false\n\n{extra}"
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_get_of_peer_rows_alone_is_forwarded_and_reads_as_any_other() {
+    let port = free_port();
+    let peer = Stowd::start(&format!(
+        "[server]\nnative_port = {port}\n\n[units]\nlocal = 2\n\n[router]\nenabled = false\n\n[limits]\nmax_message_bytes = 1048576\n\n[shm]\nenabled = false\n"
+    ));
+    for cache in ["", "[cache]\nenabled = false\n"] {
+        let router = Stowd::start(&forwarding_router(port, cache));
+        let client = NativeClient::new(router.native());
+        let n = 1500u64;
+        let indexes: Vec<u64> = (0..n).collect();
+        // 4 KiB rows (6 MiB: several frames of at most 1 MiB), jagged
+        // rows, strings, and a field whose rows are of one shape on each
+        // unit but not across them (nested in the reply).
+        let lengths: Vec<u64> = (0..n).map(|i| i % 2 + 1).collect();
+        let mut put = batch(n, 1);
+        put[0] = ("x".into(), Field::Regular(f32_rows(n, 1024, 1)));
+        put.push(("m".into(), nested(DType::F32, &lengths, 2)));
+        client.put_ok(&indexes, &put).await;
+        let names = ["x", "jag", "s", "m"];
+        let check = |what: String, got: Vec<(String, native::WireField)>, ix: &[u64]| {
+            for ((name, field), (got_name, got_field)) in put.iter().zip(got) {
+                assert_eq!(name, &got_name, "{what}: field order");
+                assert_cells(
+                    &format!("{what}: {name}"),
+                    &wire_cells(got_field),
+                    &expected(field, &indexes, ix),
+                );
+            }
+        };
+        let strided: Vec<u64> = (1..n).rev().step_by(3).collect();
+        let repeats: Vec<u64> = vec![5, 5, 2, 7, 5, 1498, 0];
+        for (what, ix) in [
+            ("all", &indexes),
+            ("strided, reversed", &strided),
+            ("repeats", &repeats),
+        ] {
+            // A put through the router forgets the cached rows: every get
+            // below fetches them all, and is forwarded.
+            client.put_ok(&indexes, &put).await;
+            let before = client.stat("gets_forwarded").await;
+            check(
+                format!("{what} ({cache:?})"),
+                client.get_ok(ix, &names).await,
+                ix,
+            );
+            assert_eq!(
+                client.stat("gets_forwarded").await,
+                before + 1,
+                "{what} ({cache:?}): forwarded"
+            );
+        }
+        if cache.is_empty() {
+            // Rows kept in the cache are not forwarded: they are here.
+            let before = client.stat("gets_forwarded").await;
+            check(
+                "again".into(),
+                client.get_ok(&repeats, &names).await,
+                &repeats,
+            );
+            assert_eq!(client.stat("gets_forwarded").await, before);
+            assert!(client.stat("cache_hits").await > 0);
+        }
+        // A field mixing dtypes across units: the same error as unforwarded.
+        let f = vec![("d".to_string(), Field::Regular(f32_rows(1, 2, 1)))];
+        client.put_ok(&[0], &f).await;
+        let ints = stowage_tests::data::tensor(DType::I64, &[1, 2], 1);
+        client
+            .put_ok(&[1], &[("d".to_string(), Field::Regular(ints))])
+            .await;
+        let reply = client.get(&[0, 1], &["d"]).await;
+        let (code, message) = stowage_tests::client::native_error(&reply);
+        assert!(message.contains("dtype"), "{code}: {message}");
+        assert_eq!(client.stat("gets_forward_dropped").await, 0);
+        router.stop();
+    }
+    peer.stop();
+}
+
+/// A "peer" whose get replies a forwarding router cannot finish, or can:
+/// its mode says which (a real ZeroMQ endpoint: stowd's own transport).
+struct Breaking(std::sync::atomic::AtomicU32);
+
+impl stowage_host::transport::Service for Breaking {
+    fn handle(
+        self: Arc<Self>,
+        _caller: stowage_host::transport::Caller,
+        frames: Vec<bytes::Bytes>,
+    ) -> stowage_host::transport::BoxFuture<'static, Option<stowage_host::transport::Message>> {
+        Box::pin(async move {
+            let req = native::decode_request(&frames, &native::Limits::default()).ok()?;
+            let native::Op::Get { global_indexes, .. } = &req.op else {
+                return None;
+            };
+            let rows = native::WireField::from_field(&Field::Regular(f32_rows(
+                global_indexes.len(),
+                1024,
+                1,
+            )))
+            .unwrap();
+            let reply = native::Reply::GetOk {
+                fields: vec![("x".into(), rows)],
+            };
+            let mut out = native::encode_reply(req.id, &reply).ok()?;
+            match self.0.load(std::sync::atomic::Ordering::Relaxed) {
+                // Frame 0 right, the last data frame a byte short.
+                0 => {
+                    let last = out.pop()?;
+                    out.push(last.slice(..last.len() - 1));
+                    Some(out.into())
+                }
+                // Frame 0 and the first data frame, then nothing: the rest
+                // never comes.
+                1 => {
+                    let (tx, tail) = stowage_host::transport::Tail::channel(1);
+                    let first = out[1].clone();
+                    tokio::spawn(async move {
+                        let chunk = stowage_host::transport::Chunk {
+                            parts: vec![first],
+                            per_frame: vec![1],
+                            last: false,
+                        };
+                        let _ = tx.send(Ok(chunk)).await;
+                        tokio::time::sleep(std::time::Duration::from_secs(8)).await;
+                        drop(tx);
+                    });
+                    Some(stowage_host::transport::Message {
+                        parts: vec![out[0].clone()],
+                        per_frame: None,
+                        tail: Some(tail),
+                    })
+                }
+                // A whole, right reply.
+                _ => Some(out.into()),
+            }
+        })
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forwarded_reply_that_breaks_closes_the_connection_and_the_router_serves_on() {
+    let (socket, endpoint) = stowage_host::transport::bind("tcp://127.0.0.1:0")
+        .await
+        .unwrap();
+    let port = endpoint.rsplit(':').next().unwrap().to_string();
+    let breaking = Arc::new(Breaking(std::sync::atomic::AtomicU32::new(0)));
+    let (stop, rx) = tokio::sync::watch::channel(false);
+    let server = tokio::spawn(stowage_host::transport::serve(socket, breaking.clone(), rx));
+    let router = Stowd::start(&format!(
+        "[units]\nlocal = 0\n\n[router]\nunits = [\"stowage://127.0.0.1:{port}/0\"]\ntimeout_secs = 2\n\n[limits]\nmax_message_bytes = 1048576\n\n[shm]\nenabled = false\n\n[cache]\nenabled = false\n"
+    ));
+    let client = NativeClient::new(router.native());
+    let indexes: Vec<u64> = (0..600).collect();
+    let get = |id| {
+        native::encode_request(&native::Request {
+            id,
+            op: native::Op::Get {
+                global_indexes: native::Indexes::from_list(&indexes),
+                fields: vec!["x".into()],
+            },
+        })
+        .unwrap()
+    };
+    let want = expected(&Field::Regular(f32_rows(600, 1024, 1)), &indexes, &indexes);
+    for (mode, took_at_least) in [(0u32, 0u64), (1, 1800)] {
+        breaking.0.store(mode, std::sync::atomic::Ordering::Relaxed);
+        let raw = stowage_host::transport::Peer::new(router.native().to_string(), "breaking");
+        let started = std::time::Instant::now();
+        let e = raw
+            .request(get(1), std::time::Duration::from_secs(20))
+            .await
+            .expect_err("a reply the router could not finish");
+        let waited = started.elapsed().as_millis() as u64;
+        assert!(
+            matches!(e, stowage_host::transport::TransportError::Recv { .. }),
+            "mode {mode}: {e:?}"
+        );
+        assert!(
+            waited >= took_at_least && waited < 10_000,
+            "mode {mode}: {waited} ms"
+        );
+        assert_eq!(
+            client.stat("gets_forward_dropped").await,
+            mode as i64 + 1,
+            "mode {mode}"
+        );
+        // The router serves on: a right reply is forwarded whole.
+        breaking.0.store(2, std::sync::atomic::Ordering::Relaxed);
+        let got = client.get_ok(&indexes, &["x"]).await;
+        assert_cells(
+            &format!("after mode {mode}"),
+            &wire_cells(got.into_iter().next().unwrap().1),
+            &want,
+        );
+    }
+    assert_eq!(client.stat("gets_forwarded").await, 4);
+    router.stop();
+    stop.send(true).unwrap();
+    server.await.unwrap();
+}

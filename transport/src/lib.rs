@@ -153,11 +153,13 @@ impl Default for Limits {
 
 /// A message to send: frame `k` is the next `per_frame[k]` parts back to
 /// back, written without joining them ([`zmtp::write_gathered`]); one part
-/// per frame where `per_frame` is `None`.
+/// per frame where `per_frame` is `None`. A reply with a [`Tail`] is
+/// these frames, then the tail's.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Message {
     pub parts: Vec<Bytes>,
     pub per_frame: Option<Vec<u32>>,
+    pub tail: Option<Tail>,
 }
 
 impl From<Vec<Bytes>> for Message {
@@ -165,12 +167,13 @@ impl From<Vec<Bytes>> for Message {
         Message {
             parts,
             per_frame: None,
+            tail: None,
         }
     }
 }
 
 impl Message {
-    /// Number of frames.
+    /// Number of frames (of a reply with a tail: before the tail).
     pub fn frames(&self) -> usize {
         self.per_frame.as_ref().map_or(self.parts.len(), Vec::len)
     }
@@ -179,15 +182,76 @@ impl Message {
         self.parts.is_empty()
     }
 
-    /// Writes the message to `w`.
+    /// Writes the message to `w` (with a tail: the frames before it, the
+    /// last of them saying that more follow).
     pub async fn write<W: tokio::io::AsyncWrite + Unpin + ?Sized>(
         &self,
         w: &mut W,
     ) -> std::io::Result<()> {
-        match &self.per_frame {
-            None => zmtp::write_message(w, &self.parts).await,
-            Some(per_frame) => zmtp::write_gathered(w, &self.parts, per_frame).await,
+        match (&self.per_frame, &self.tail) {
+            (None, None) => zmtp::write_message(w, &self.parts).await,
+            (Some(per_frame), None) => zmtp::write_gathered(w, &self.parts, per_frame).await,
+            (per_frame, Some(_)) => {
+                let ones;
+                let per_frame = match per_frame {
+                    Some(p) => p,
+                    None => {
+                        ones = vec![1; self.parts.len()];
+                        &ones
+                    }
+                };
+                zmtp::write_gathered_more(w, &self.parts, per_frame, true).await
+            }
         }
+    }
+}
+
+/// Frames of a reply's tail, sent by whoever makes them: `last` ends the
+/// message.
+#[derive(Debug)]
+pub struct Chunk {
+    pub parts: Vec<Bytes>,
+    pub per_frame: Vec<u32>,
+    pub last: bool,
+}
+
+/// What makes a [`Tail`]: chunks in order, the last with `last` set; an
+/// `Err` (or dropping this before the last chunk) abandons the message,
+/// and the connection it was going to is closed, since a message begun
+/// cannot be taken back (the client sees the connection end, never a
+/// message of other bytes).
+pub type TailSender = tokio::sync::mpsc::Sender<Result<Chunk, String>>;
+
+/// The rest of a reply whose first frames go out before the others exist
+/// (a router forwarding a peer unit's reply as it arrives): the
+/// connection writes the message's frames, then each [`Chunk`] as it
+/// comes, each within [`Limits::write_timeout`].
+#[derive(Clone)]
+pub struct Tail(Arc<std::sync::Mutex<Option<TailReceiver>>>);
+
+type TailReceiver = tokio::sync::mpsc::Receiver<Result<Chunk, String>>;
+
+impl Tail {
+    /// A tail and its sender; `ahead` chunks may wait to be written.
+    pub fn channel(ahead: usize) -> (TailSender, Tail) {
+        let (tx, rx) = tokio::sync::mpsc::channel(ahead.max(1));
+        (tx, Tail(Arc::new(std::sync::Mutex::new(Some(rx)))))
+    }
+
+    fn take(&self) -> Option<TailReceiver> {
+        self.0.lock().expect("tail").take()
+    }
+}
+
+impl std::fmt::Debug for Tail {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Tail")
+    }
+}
+
+impl PartialEq for Tail {
+    fn eq(&self, other: &Tail) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
     }
 }
 
@@ -455,18 +519,92 @@ async fn connection(
             activity.set_busy(false);
             continue;
         };
-        match tokio::time::timeout(limits.write_timeout, reply.write(&mut writer)).await {
-            Ok(Ok(())) => activity.set_busy(false),
-            Ok(Err(e)) => {
-                return tracing::debug!(error = %e, "reply could not be sent (client gone?)");
+        let mut tail = reply.tail.as_ref().and_then(Tail::take);
+        let mut write = write_within(&mut writer, &limits, &identity, &reply).await;
+        while write.is_ok()
+            && let Some(rx) = tail.as_mut()
+        {
+            match rx.recv().await {
+                Some(Ok(chunk)) => {
+                    let more = !chunk.last;
+                    write = write_within(&mut writer, &limits, &identity, &chunk).await;
+                    if !more {
+                        tail = None;
+                    }
+                }
+                why => {
+                    let why = match why {
+                        Some(Err(why)) => why,
+                        _ => "its sender ended before the last frame".into(),
+                    };
+                    return tracing::warn!(
+                        identity = %String::from_utf8_lossy(&identity),
+                        reason = %why,
+                        "a reply begun could not be finished: connection dropped"
+                    );
+                }
             }
-            Err(_) => {
-                return tracing::warn!(
-                    identity = %String::from_utf8_lossy(&identity),
-                    timeout = ?limits.write_timeout,
-                    "client did not read its reply in time: connection dropped"
-                );
-            }
+        }
+        match write {
+            Ok(()) => activity.set_busy(false),
+            Err(()) => return,
+        }
+    }
+}
+
+/// Something a connection writes: a message's first frames or a tail's
+/// chunk.
+trait Writable: Sync {
+    fn write_to<'a>(
+        &'a self,
+        w: &'a mut WriteHalf<BoxStream>,
+    ) -> BoxFuture<'a, std::io::Result<()>>;
+}
+
+impl Writable for Message {
+    fn write_to<'a>(
+        &'a self,
+        w: &'a mut WriteHalf<BoxStream>,
+    ) -> BoxFuture<'a, std::io::Result<()>> {
+        Box::pin(self.write(w))
+    }
+}
+
+impl Writable for Chunk {
+    fn write_to<'a>(
+        &'a self,
+        w: &'a mut WriteHalf<BoxStream>,
+    ) -> BoxFuture<'a, std::io::Result<()>> {
+        Box::pin(zmtp::write_gathered_more(
+            w,
+            &self.parts,
+            &self.per_frame,
+            !self.last,
+        ))
+    }
+}
+
+/// Writes `what` within the write timeout; `Err` (logged) if the
+/// connection is to be dropped.
+async fn write_within(
+    writer: &mut WriteHalf<BoxStream>,
+    limits: &Limits,
+    identity: &[u8],
+    what: &(dyn Writable + Sync),
+) -> Result<(), ()> {
+    match tokio::time::timeout(limits.write_timeout, what.write_to(writer)).await {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(e)) => {
+            tracing::debug!(error = %e, "reply could not be sent (client gone?)");
+            Err(())
+        }
+        Err(_) => {
+            tracing::warn!(
+                identity = %String::from_utf8_lossy(identity),
+                timeout = ?limits.write_timeout,
+                "client did not read its reply in time: connection dropped"
+            );
+            Err(())
         }
     }
 }
@@ -505,6 +643,15 @@ async fn reply_pong(
         Ok(Ok(())) => Ok(()),
         _ => Err(()),
     }
+}
+
+/// What [`Peer::request_tapped`] shows of a reply while it arrives.
+pub enum Tapped<'a> {
+    /// The reply's next frame (frame 0 first).
+    Frame(&'a Bytes),
+    /// The request is sent again on a fresh connection: the frames shown
+    /// so far belong to no reply.
+    Retry,
 }
 
 /// An open DEALER connection.
@@ -622,6 +769,20 @@ impl Peer {
         frames: Message,
         timeout: Duration,
     ) -> Result<Vec<Bytes>, TransportError> {
+        self.request_tapped(frames, timeout, &|_| {}).await
+    }
+
+    /// [`Peer::request_message`], showing `tap` each frame of the reply as
+    /// it arrives (frame 0 first), and [`Tapped::Retry`] when the request
+    /// is sent again on a fresh connection (frames shown before belong to
+    /// no reply). The reply is still returned whole, and only a reply
+    /// returned `Ok` was a whole message.
+    pub async fn request_tapped(
+        &self,
+        frames: Message,
+        timeout: Duration,
+        tap: &(dyn Fn(Tapped<'_>) + Send + Sync),
+    ) -> Result<Vec<Bytes>, TransportError> {
         let attempt = async {
             let _permit = self
                 .slots
@@ -630,7 +791,7 @@ impl Peer {
                 .expect("the semaphore is never closed");
             let kept = self.idle.lock().expect("idle list").pop();
             let mut slot = kept;
-            let result = self.exchange(&mut slot, &frames).await;
+            let result = self.exchange(&mut slot, &frames, tap).await;
             if result.is_ok()
                 && let Some(conn) = slot
             {
@@ -651,24 +812,29 @@ impl Peer {
         &self,
         slot: &mut Option<Conn>,
         frames: &Message,
+        tap: &(dyn Fn(Tapped<'_>) + Send + Sync),
     ) -> Result<Vec<Bytes>, TransportError> {
         if slot.is_some() {
             // A kept connection may be to a unit process that has since
             // restarted: its failure says nothing about the unit now. Every
             // request of both protocols is idempotent (put overwrites, get
             // and clear repeat), so try once more on a fresh connection.
-            match self.exchange_once(slot, frames).await {
-                Err(TransportError::Send { .. } | TransportError::Recv { .. }) => *slot = None,
+            match self.exchange_once(slot, frames, tap).await {
+                Err(TransportError::Send { .. } | TransportError::Recv { .. }) => {
+                    *slot = None;
+                    tap(Tapped::Retry);
+                }
                 done => return done,
             }
         }
-        self.exchange_once(slot, frames).await
+        self.exchange_once(slot, frames, tap).await
     }
 
     async fn exchange_once(
         &self,
         slot: &mut Option<Conn>,
         frames: &Message,
+        tap: &(dyn Fn(Tapped<'_>) + Send + Sync),
     ) -> Result<Vec<Bytes>, TransportError> {
         if slot.is_none() {
             let conn = self
@@ -693,7 +859,8 @@ impl Peer {
                 reason: e.to_string(),
             })?;
         loop {
-            match conn.reader.read(&self.limits).await {
+            let mut seen = |f: &Bytes| tap(Tapped::Frame(f));
+            match conn.reader.read_observed(&self.limits, &mut seen).await {
                 Ok(Some(Incoming::Message(reply))) => return Ok(reply),
                 Ok(Some(Incoming::Command { .. })) => continue,
                 Ok(Some(Incoming::TooLarge { reason, .. })) => {
@@ -727,7 +894,11 @@ mod tests {
                     parts.push(f.slice(half..));
                 }
                 let per_frame = Some(vec![2; frames.len()]);
-                Some(Message { parts, per_frame })
+                Some(Message {
+                    parts,
+                    per_frame,
+                    tail: None,
+                })
             })
         }
     }
@@ -797,6 +968,88 @@ mod tests {
         server.await.unwrap();
     }
 
+    /// Answers with frame 0 "head", then a tail of one chunk per
+    /// remaining request frame sent 20 ms apart (the request's frames
+    /// echoed); a request whose first frame is "abort" gets a tail that
+    /// fails after its first chunk.
+    struct Trickle;
+
+    impl Service for Trickle {
+        fn handle(
+            self: Arc<Self>,
+            _caller: Caller,
+            frames: Vec<Bytes>,
+        ) -> BoxFuture<'static, Option<Message>> {
+            Box::pin(async move {
+                let (tx, tail) = Tail::channel(1);
+                let abort = frames[0] == "abort";
+                tokio::spawn(async move {
+                    let n = frames.len() - 1;
+                    for (k, f) in frames.into_iter().skip(1).enumerate() {
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                        if abort && k == 1 {
+                            let _ = tx.send(Err("the source went away".into())).await;
+                            return;
+                        }
+                        let chunk = Chunk {
+                            parts: vec![f.slice(..f.len() / 2), f.slice(f.len() / 2..)],
+                            per_frame: vec![2],
+                            last: k + 1 == n,
+                        };
+                        if tx.send(Ok(chunk)).await.is_err() {
+                            return;
+                        }
+                    }
+                });
+                Some(Message {
+                    parts: vec![Bytes::from_static(b"head")],
+                    per_frame: None,
+                    tail: Some(tail),
+                })
+            })
+        }
+    }
+
+    #[tokio::test]
+    async fn a_reply_with_a_tail_arrives_whole_and_an_abandoned_one_ends_its_connection() {
+        let (socket, bound) = bind("tcp://127.0.0.1:0").await.unwrap();
+        let (tx, rx) = watch::channel(false);
+        let server = tokio::spawn(serve(socket, Arc::new(Trickle), rx));
+        let peer = Peer::new(bound, "tail_test");
+        let t = Duration::from_secs(10);
+        let big = Bytes::from(vec![3u8; 8 << 20]);
+        let request = vec![
+            Bytes::from_static(b"go"),
+            Bytes::from_static(b"one"),
+            big.clone(),
+            Bytes::new(),
+        ];
+        let seen = std::sync::Mutex::new(Vec::new());
+        let reply = peer
+            .request_tapped(request.clone().into(), t, &|e| {
+                if let Tapped::Frame(f) = e {
+                    seen.lock().unwrap().push(f.len());
+                }
+            })
+            .await
+            .unwrap();
+        assert_eq!(reply.len(), 4);
+        assert_eq!(reply[0], "head");
+        assert_eq!(reply[1..], request[1..]);
+        assert_eq!(*seen.lock().unwrap(), vec![4, 3, 8 << 20, 0]);
+        // A tail that fails: the caller sees the connection end, not a
+        // reply, and the next request is answered on a fresh connection.
+        let e = peer
+            .request(vec![Bytes::from_static(b"abort"), big.clone(), big], t)
+            .await
+            .unwrap_err();
+        assert!(matches!(e, TransportError::Recv { .. }), "{e:?}");
+        let reply = peer.request(request.clone(), t).await.unwrap();
+        assert_eq!(reply[1..], request[1..]);
+        tx.send(true).unwrap();
+        server.await.unwrap();
+    }
+
     #[tokio::test]
     async fn ipc_bind_survives_a_stale_socket_file_and_peers_reconnect() {
         let dir = std::env::temp_dir().join(format!("stowage-ipc-{}", std::process::id()));
@@ -852,6 +1105,7 @@ mod tests {
         let msg = Message {
             parts,
             per_frame: Some(vec![5001, 1]),
+            tail: None,
         };
         let reply = peer
             .request_message(msg, Duration::from_secs(10))

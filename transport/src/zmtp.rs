@@ -265,6 +265,18 @@ pub async fn write_gathered<W: AsyncWrite + Unpin + ?Sized>(
     parts: &[Bytes],
     per_frame: &[u32],
 ) -> io::Result<()> {
+    write_gathered_more(w, parts, per_frame, false).await
+}
+
+/// [`write_gathered`] of frames that are not the message's last: with
+/// `more`, the last of them says that more frames follow (a message
+/// written in pieces, [`crate::Tail`]).
+pub async fn write_gathered_more<W: AsyncWrite + Unpin + ?Sized>(
+    w: &mut W,
+    parts: &[Bytes],
+    per_frame: &[u32],
+    more: bool,
+) -> io::Result<()> {
     let total: usize = per_frame.iter().map(|&n| n as usize).sum();
     if total != parts.len() {
         return Err(io::Error::new(
@@ -278,7 +290,7 @@ pub async fn write_gathered<W: AsyncWrite + Unpin + ?Sized>(
     for (k, &n) in per_frame.iter().enumerate() {
         let len: usize = parts[at..at + n as usize].iter().map(Bytes::len).sum();
         let start = headers.len();
-        put_header(&mut headers, len, k + 1 < per_frame.len());
+        put_header(&mut headers, len, more || k + 1 < per_frame.len());
         spans.push(start..headers.len());
         at += n as usize;
     }
@@ -523,6 +535,19 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
     /// messages. A message over `limits` is consumed and reported as
     /// [`Incoming::TooLarge`].
     pub async fn read(&mut self, limits: &Limits) -> Result<Option<Incoming>, ZmtpError> {
+        self.read_observed(limits, &mut |_| {}).await
+    }
+
+    /// [`FrameReader::read`], calling `seen` with each frame of a message
+    /// as soon as it is read (frame 0 first), before the rest arrives: a
+    /// router forwards a peer's reply while it is still coming. Frames of
+    /// a message over the limits are not shown past the one that broke
+    /// them.
+    pub async fn read_observed(
+        &mut self,
+        limits: &Limits,
+        seen: &mut (dyn FnMut(&Bytes) + Send),
+    ) -> Result<Option<Incoming>, ZmtpError> {
         let mut frames: Vec<Bytes> = Vec::new();
         let mut total = 0u64;
         let mut count = 0usize;
@@ -576,7 +601,9 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
             if over.is_some() {
                 self.skip(len).await?;
             } else {
-                frames.push(self.frame(len as usize).await?);
+                let frame = self.frame(len as usize).await?;
+                seen(&frame);
+                frames.push(frame);
             }
             if flags & FLAG_MORE == 0 {
                 break;

@@ -658,6 +658,14 @@ pub fn encode_reply_gathered(
     encode::reply_gathered(id, reply, Some(layout), Some(span))
 }
 
+/// Frame 0 of a get_ok whose data frames the sender lays out and sends
+/// itself, `fields` saying where each field's rows lie in them (a router
+/// forwarding a peer unit's rows while they arrive): what
+/// [`decode_reply_layout`] reads back.
+pub fn encode_get_ok_head(id: u64, fields: &[(String, FieldLayout)]) -> Result<Bytes, Error> {
+    encode::get_ok_head(id, fields)
+}
+
 /// Encodes a reply with [`FrameLayout::one_per_piece`].
 pub fn encode_reply(id: u64, reply: &Reply) -> Result<Vec<Bytes>, Error> {
     encode::reply(id, reply, None, None, None)

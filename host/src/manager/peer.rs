@@ -13,7 +13,7 @@
 //! ([`crate::cache`]).
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use bytes::Bytes;
 
@@ -69,6 +69,37 @@ pub fn parse_peer_unit(s: &str) -> Option<(String, u64)> {
     }
     let unit = unit.parse::<u64>().ok()?;
     Some((format!("tcp://{addr}"), unit))
+}
+
+/// Shows a fetch's reply frames to a get that forwards them to its client
+/// while they arrive (`server/native/forward.rs`), or tells it that this
+/// unit's rows will not come from one fetch of its own.
+#[derive(Clone, Debug)]
+pub struct FetchTap(tokio::sync::mpsc::UnboundedSender<TapEvent>);
+
+/// What a [`FetchTap`] shows.
+#[derive(Debug)]
+pub enum TapEvent {
+    /// The reply's next frame, frame 0 first.
+    Frame(Bytes),
+    /// The request was sent again on a fresh connection: the frames shown
+    /// before belong to no reply.
+    Retry,
+    /// The rows come otherwise (kept in the cache, another get's fetch,
+    /// versions asked first): nothing to forward.
+    NotForwarded,
+}
+
+impl FetchTap {
+    pub fn channel() -> (FetchTap, tokio::sync::mpsc::UnboundedReceiver<TapEvent>) {
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        (FetchTap(tx), rx)
+    }
+
+    /// Shows `e` (to nobody, once the forwarder has given up).
+    pub fn send(&self, e: TapEvent) {
+        let _ = self.0.send(e);
+    }
 }
 
 /// A peer's reply: its frames (the rows' extents), the envelope's extra
@@ -250,6 +281,7 @@ impl Manager {
         op: native::Op,
         layout: Option<&native::FrameLayout>,
         with_versions: bool,
+        tap: Option<&FetchTap>,
     ) -> Result<PeerReply, ManagerError> {
         let id = p.ids.fetch_add(1, Ordering::Relaxed);
         let op_name = op.name();
@@ -259,6 +291,7 @@ impl Manager {
             Some(l) => native::encode_request_gathered(&request, l).map(|g| Message {
                 parts: g.parts,
                 per_frame: g.per_frame,
+                tail: None,
             }),
             None => native::encode_request(&request).map(Message::from),
         };
@@ -278,7 +311,36 @@ impl Manager {
             .frames_sent
             .fetch_add(sent as u64, Ordering::Relaxed);
         let span = tracing::debug_span!("remote", unit = %p.name, op = op_name, frames = sent);
-        let request = p.peer.request_message(message, self.timeout);
+        // A frame 0 that is not this request's reply, or lacks the versions
+        // asked for, is not shown: the reply fails below, and a forwarding
+        // get answers it as an error instead of beginning a reply.
+        let (first, muted) = (AtomicBool::new(true), AtomicBool::new(false));
+        let show = |e: crate::transport::Tapped<'_>| {
+            let Some(tap) = tap else { return };
+            match e {
+                crate::transport::Tapped::Frame(f) => {
+                    if first.swap(false, Ordering::Relaxed) {
+                        let ours = native::request_id(std::slice::from_ref(f)) == Some(id)
+                            && (!with_versions
+                                || native::decode_extras(f, &self.peer_limits())
+                                    .is_ok_and(|x| x.versions.is_some()));
+                        if !ours {
+                            muted.store(true, Ordering::Relaxed);
+                            tap.send(TapEvent::NotForwarded);
+                        }
+                    }
+                    if !muted.load(Ordering::Relaxed) {
+                        tap.send(TapEvent::Frame(f.clone()));
+                    }
+                }
+                crate::transport::Tapped::Retry => {
+                    first.store(true, Ordering::Relaxed);
+                    muted.store(false, Ordering::Relaxed);
+                    tap.send(TapEvent::Retry);
+                }
+            }
+        };
+        let request = p.peer.request_tapped(message, self.timeout, &show);
         let frames = tracing::Instrument::instrument(request, span)
             .await
             .map_err(|source| ManagerError::Transport {
@@ -368,7 +430,9 @@ impl Manager {
                 global_indexes: indexes[start as usize..end as usize].to_vec(),
                 fields: wire,
             };
-            let got = self.exchange_peer(p, op, Some(&layout), false).await?;
+            let got = self
+                .exchange_peer(p, op, Some(&layout), false, None)
+                .await?;
             if !matches!(got.reply, native::Reply::PutOk { .. }) {
                 return Err(Self::peer_unexpected(p, &got.reply));
             }
@@ -392,7 +456,7 @@ impl Manager {
             global_indexes: indexes.to_vec(),
             fields: fields.map(<[String]>::to_vec),
         };
-        let got = self.exchange_peer(p, op, None, false).await?;
+        let got = self.exchange_peer(p, op, None, false, None).await?;
         if let Some(cache) = &self.cache {
             cache.forget(p, indexes);
         }
@@ -411,12 +475,13 @@ impl Manager {
         indexes: &[u64],
         fields: &[String],
         with_versions: bool,
+        tap: Option<&FetchTap>,
     ) -> Result<(Vec<Vec<(Arc<Column>, u32)>>, Option<(u64, Vec<u64>)>), ManagerError> {
         let op = native::Op::Get {
             global_indexes: native::Indexes::from_list(indexes),
             fields: fields.to_vec(),
         };
-        let got = self.exchange_peer(p, op, None, with_versions).await?;
+        let got = self.exchange_peer(p, op, None, with_versions, tap).await?;
         let native::Reply::GetOk { fields: wire } = got.reply else {
             return Err(Self::peer_unexpected(p, &got.reply));
         };
@@ -460,7 +525,7 @@ impl Manager {
             global_indexes: native::Indexes::from_list(indexes),
             fields: fields.to_vec(),
         };
-        let got = self.exchange_peer(p, op, None, false).await?;
+        let got = self.exchange_peer(p, op, None, false, None).await?;
         match got.reply {
             native::Reply::VersionsOk {
                 incarnation,
@@ -478,10 +543,11 @@ impl Manager {
         indexes: &[u64],
         positions: &[u64],
         fields: &[String],
+        tap: Option<&FetchTap>,
     ) -> Result<Vec<Rows>, ManagerError> {
         let per_field = match &self.cache {
-            Some(cache) => cache.get(self, p, indexes, fields).await?,
-            None => self.fetch_peer(p, indexes, fields, false).await?.0,
+            Some(cache) => cache.get(self, p, indexes, fields, tap).await?,
+            None => self.fetch_peer(p, indexes, fields, false, tap).await?.0,
         };
         Ok(per_field
             .into_iter()

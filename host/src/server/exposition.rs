@@ -235,6 +235,18 @@ pub fn render(metrics: &Metrics, manager: &Manager, units: &[Arc<Unit>]) -> Stri
     t.sample(&[("by", "plugin")], get(&c.plugin_decisions));
     t.sample(&[("by", "builtin")], get(&c.builtin_decisions));
     t.sample(&[("by", "fallback")], get(&c.fallbacks));
+    t.family(
+        "stowd_gets_forwarded_total",
+        COUNTER,
+        "Gets of peer units' rows sent on to the client while they arrived.",
+    );
+    t.sample(&[], get(&c.gets_forwarded));
+    t.family(
+        "stowd_gets_forward_dropped_total",
+        COUNTER,
+        "Forwarded gets whose reply could not be finished (the peer's reply failed after the client's began, or the client left): the client's connection was closed.",
+    );
+    t.sample(&[], get(&c.gets_forward_dropped));
     let remote = manager
         .targets()
         .iter()

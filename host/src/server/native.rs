@@ -8,6 +8,7 @@
 //! it. Error replies come from [`super::errors`]; a get_ok is built and
 //! encoded in `native/get.rs`.
 
+mod forward;
 mod get;
 
 use std::collections::HashMap;
@@ -71,6 +72,8 @@ fn op_rows(op: &native::Op) -> usize {
 enum Answer {
     Reply(native::Reply),
     Get(GetReply),
+    /// A get_ok whose frames follow as they arrive (`native/forward.rs`).
+    Streamed(Message),
 }
 
 impl From<native::Reply> for Answer {
@@ -202,6 +205,7 @@ impl NativeService {
                 }
                 other => (other.map(|(frames, _)| frames), Outcome::Ok),
             },
+            Answer::Streamed(message) => (Ok(message), Outcome::Ok),
             Answer::Reply(reply) => {
                 let outcome = if let native::Reply::Error { code, message } = &reply {
                     tracing::debug!(code = %code, error = %message, "error reply");
@@ -314,6 +318,14 @@ impl NativeService {
                 global_indexes,
                 fields,
             } => {
+                if !same_node
+                    && let Some(positions) = m.peer_positions(&global_indexes)
+                    && !positions.is_empty()
+                {
+                    return self
+                        .forward_get(id, global_indexes, fields, positions)
+                        .await;
+                }
                 let got = match (same_node, &self.shm) {
                     (false, _) => m
                         .get(&global_indexes, &fields)
@@ -635,6 +647,14 @@ impl NativeService {
             int(c.builtin_decisions.load(Ordering::Relaxed)),
         ));
         stats.push(("fallbacks".into(), int(c.fallbacks.load(Ordering::Relaxed))));
+        stats.push((
+            "gets_forwarded".into(),
+            int(c.gets_forwarded.load(Ordering::Relaxed)),
+        ));
+        stats.push((
+            "gets_forward_dropped".into(),
+            int(c.gets_forward_dropped.load(Ordering::Relaxed)),
+        ));
         stats.push((
             "process_rss_bytes".into(),
             int(crate::sys::process_rss_bytes()),

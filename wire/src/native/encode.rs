@@ -663,6 +663,19 @@ fn values_descriptor(w: &mut Writer, values: &[Value]) -> Result<(), Error> {
     Ok(())
 }
 
+/// Frame 0 of a get_ok whose data frames the sender lays out itself.
+pub(super) fn get_ok_head(id: u64, fields: &[(String, FieldLayout)]) -> Result<Bytes, Error> {
+    let mut w = envelope("get_ok", id);
+    w.map(1);
+    w.str("fields");
+    w.map(fields.len());
+    for (name, field) in fields {
+        w.str(name);
+        layout_descriptor(&mut w, field).map_err(|e| e.in_field(name))?;
+    }
+    Ok(Bytes::from(w.finish()?))
+}
+
 /// Frame 0 of a request whose data frames the sender lays out itself.
 pub(super) fn request_head(id: u64, head: &RequestHead) -> Result<Bytes, Error> {
     match head {

@@ -231,6 +231,7 @@ impl NativeService {
             let message = Message {
                 parts: frames.parts,
                 per_frame: frames.per_frame,
+                tail: None,
             };
             return Ok((message, None));
         };

@@ -1001,6 +1001,12 @@ fn a_get_ok_layout_from_frame_0_places_every_row() {
         );
     }
     assert_eq!(layout[2].1.rows(), 4);
+    // The layout written back as a frame 0 of its own is the same bytes,
+    // and reads back the same (a router that forwards rows writes it).
+    let head = encode_get_ok_head(7, &layout).unwrap();
+    assert_eq!(head, frames[0]);
+    let (_, again) = decode_reply_layout(&head, &Limits::default()).unwrap();
+    assert_eq!(again, ReplyLayout::GetOk(layout.clone()));
     // Frames that do not match: too short, one missing, one too many.
     let mut short = lens.clone();
     short[0] -= 1;
