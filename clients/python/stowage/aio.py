@@ -56,7 +56,7 @@ import zmq.asyncio
 
 from . import _codec, _put, _shm
 from .client import (_CORE_FAILURES, DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TIMEOUT, _abs_dir, _core, _Ops, _run_get,
-                     _run_get_into, _run_send)
+                     _run_get_into, _run_send_many)
 from .errors import BadRequest, ProtocolError, StowageError, StowageTimeout, Unsupported, error_from_reply
 
 
@@ -291,14 +291,17 @@ class AsyncClient(_Ops):
 
     # -- the calls (see Client for their documentation)
     async def put(self, global_indexes, data: Mapping[str, Any], *, timeout: float | None = None) -> int:
-        """See `Client.put` (a split put sends its messages one after another)."""
+        """See `Client.put` (through the Rust core, a split put's messages go
+        two on the wire, as there)."""
         core = self._core_serves() and _put.payload_bytes(data) >= self.CORE_MIN_BYTES
         put = _put.Put(global_indexes, data, self.max_message_bytes, self._segments, join=not core)
         await self._open_channel()
-        send = self._core_send if core else self._call
         try:
-            for op, body, frames, expect, extras in put:
-                put.reply, _ = await send(op, body, frames, timeout, expect, extras)
+            if core:
+                await self._core_put(put, put.plain(), timeout)
+            else:
+                for op, body, frames, expect, extras in put:
+                    put.reply, _ = await self._call(op, body, frames, timeout, expect, extras)
         except StowageError as e:
             e.rows_stored = put.stored
             raise
@@ -328,12 +331,19 @@ class AsyncClient(_Ops):
         return await self._ranged(body, lambda b: self._call("get", b, (), timeout, "get_ok", self._get_extras()),
                                   finish)
 
-    async def _core_call(self, op: str, body: dict, timeout, run) -> tuple:
+    async def _core_put(self, put: _put.Put, messages: list, timeout) -> None:
+        """See `Client._core_put` (in a worker thread)."""
+        t = self._call_timeout(timeout)
+        sent = (await self._core_call("put", None, timeout, _run_send_many(self._ids, messages)))[1]
+        self._core_put_replies(put, messages, sent, t)
+
+    async def _core_call(self, op: str, body: dict | None, timeout, run) -> tuple:
         """`run(core connection, frame 0 of the request, time left)` in a
-        worker thread: (request id, its result)."""
+        worker thread: (request id, its result); with `body` None, `run`
+        gets the request id instead and writes frame 0 itself."""
         timeout = self._call_timeout(timeout)
         rid = next(self._ids)
-        frame0 = _codec.envelope(op, rid, body)
+        frame0 = rid if body is None else _codec.envelope(op, rid, body)
         if self._closed:
             raise StowageError("the client is closed")
         if self._core_threads is None:
@@ -362,10 +372,6 @@ class AsyncClient(_Ops):
         except _CORE_FAILURES as e:
             raise self._core_failure(e, op, rid, timeout) from None
 
-    async def _core_send(self, op: str, body: dict, data_frames, timeout, expect: str,
-                         extras: dict | None = None) -> tuple[dict, _codec.FrameSource]:
-        """See `Client._core_send`."""
-        return self._core_sent(*await self._core_call(op, body, timeout, _run_send(data_frames)), expect)
 
     async def get_into(self, global_indexes, out: Mapping[str, Any], *,
                        timeout: float | None = None) -> Mapping[str, Any]:

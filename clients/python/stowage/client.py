@@ -268,7 +268,7 @@ class _Ops:
         return body["cleared"]
 
     # -- through the Rust core (tcp put, get, get_into). What each call runs
-    # on a core `Connection` (`_run_get`, `_run_get_into`, `_run_send`) and
+    # on a core `Connection` (`_run_get`, `_run_get_into`, `_run_send_many`) and
     # how its result reads are here once; `Client._core_call` runs it under
     # the client's lock, `AsyncClient._core_call` in a worker thread.
     def _core_serves(self, targets: dict | None = None) -> bool:
@@ -370,6 +370,25 @@ class _Ops:
         env = _codec.decode_envelope(reply[0])
         return self._reply_body(env, expect, rid), self._reply_frames(env, reply)
 
+    def _core_put_replies(self, put: _put.Put, messages: list, sent: tuple, timeout: float) -> None:
+        """What `_run_send_many` returned for a put's `messages`: each reply
+        goes to `put` in order, then any failure after them is raised (the
+        core dropped its connection then; a sync client resets its DEALER
+        too, as after any timeout)."""
+        rids, (replies, failure) = sent
+        for rid, reply, (_, _, rows) in zip(rids, replies, messages):
+            body, _ = self._core_sent(rid, reply, "put_ok")
+            put.took(body, rows)
+        if failure is not None:
+            rid = rids[len(replies)] if len(replies) < len(rids) else rids[-1]
+            self._core_dropped()
+            raise self._core_failure(failure, "put", rid, timeout) from None
+        if len(replies) < len(messages):
+            raise ProtocolError(f"{len(replies)} replies to a put of {len(messages)} messages")
+
+    def _core_dropped(self) -> None:
+        """After a core call failed in-band (the core's connection is gone)."""
+
 
 _INT_NAMES = frozenset(f"{s}int{n}" for s in ("", "u") for n in (8, 16, 32, 64))
 
@@ -395,10 +414,6 @@ def _run_get_arrays(core, frame0: bytes, timeout: float):
 
 def _run_get_into(plan: list):
     return lambda core, frame0, timeout: core.get_into(frame0, plan, timeout)
-
-
-def _run_send(data_frames):
-    return lambda core, frame0, timeout: core.send(frame0, data_frames, timeout)
 
 
 def _run_send_many(ids, messages):
@@ -454,6 +469,10 @@ class Client(_Ops):
     def _reset(self) -> None:
         self._sock.close(linger=0)
         self._sock = self._connect()
+
+    def _core_dropped(self) -> None:
+        with self._lock:
+            self._reset()
 
     def close(self) -> None:
         """Closes the socket (pending messages are dropped) and the descriptor
@@ -584,17 +603,8 @@ class Client(_Ops):
         on the wire (stowd reads the next while it handles one): each reply
         goes to `put` in order, then any failure after them is raised."""
         t = self._call_timeout(timeout)
-        (rids, (replies, failure)) = self._core_call("put", None, timeout, _run_send_many(self._ids, messages))[1]
-        for rid, reply, (_, _, rows) in zip(rids, replies, messages):
-            body, _ = self._core_sent(rid, reply, "put_ok")
-            put.took(body, rows)
-        if failure is not None:
-            rid = rids[len(replies)] if len(replies) < len(rids) else rids[-1]
-            with self._lock:
-                self._reset()
-            raise self._core_failure(failure, "put", rid, t) from None
-        if len(replies) < len(messages):
-            raise ProtocolError(f"{len(replies)} replies to a put of {len(messages)} messages")
+        sent = self._core_call("put", None, timeout, _run_send_many(self._ids, messages))[1]
+        self._core_put_replies(put, messages, sent, t)
 
     def get(self, global_indexes, fields, *, as_torch: bool | None = None, timeout: float | None = None) -> dict:
         """Reads rows: a dict field -> a read-only numpy array `[n, ...]`
@@ -665,14 +675,6 @@ class Client(_Ops):
             except _CORE_FAILURES as e:
                 self._reset()
                 raise self._core_failure(e, op, rid, timeout) from None
-
-    def _core_send(self, op: str, body: dict, data_frames, timeout, expect: str,
-                   extras: dict | None = None) -> tuple[dict, _codec.FrameSource]:
-        """`_call` through the Rust core (a tcp put): the data frames (arrays,
-        bytes, or a shared frame's pieces in a list) go to the socket from
-        where they lie. (`extras` is None: the core serves tcp, never the
-        same-node mode.)"""
-        return self._core_sent(*self._core_call(op, body, timeout, _run_send(data_frames)), expect)
 
     def get_into(self, global_indexes, out: Mapping[str, Any], *, timeout: float | None = None) -> Mapping[str, Any]:
         """Reads regular fields into preallocated arrays or CPU tensors (e.g.

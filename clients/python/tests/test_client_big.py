@@ -14,27 +14,24 @@ MiB = 1 << 20
 
 
 def counting(client):
-    """Wraps the client's senders (`_call`; `_core_send`, which an async
-    client's tcp put goes through with the Rust core; `_core_put`, a sync
-    client's) to record (op, data bytes, rows) of every request sent."""
+    """Wraps the client's senders (`_call`; `_core_put`, which a tcp put
+    goes through with the Rust core, all its messages at once) to record
+    (op, data bytes, rows) of every request sent."""
     sent = []
 
     def nbytes(f):  # a frame, or a shared frame's pieces (not joined for the core)
         return f.nbytes if isinstance(f, _codec.Pieces) else memoryview(f).nbytes
 
-    for name in ("_call", "_core_send"):
-        def call(op, body, frames, timeout, expect, *extras, inner=getattr(client, name)):
-            sent.append((op, sum(nbytes(f) for f in frames), len(body.get("global_indexes", []))))
-            return inner(op, body, frames, timeout, expect, *extras)
+    def call(op, body, frames, timeout, expect, *extras, inner=client._call):
+        sent.append((op, sum(nbytes(f) for f in frames), len(body.get("global_indexes", []))))
+        return inner(op, body, frames, timeout, expect, *extras)
 
-        setattr(client, name, call)
-    if hasattr(client, "_core_put"):  # a sync client's tcp put: all its messages at once
-        def core_put(put, messages, timeout, inner=client._core_put):
-            for body, frames, _ in messages:
-                sent.append(("put", sum(nbytes(f) for f in frames), len(body.get("global_indexes", []))))
-            return inner(put, messages, timeout)
+    def core_put(put, messages, timeout, inner=client._core_put):
+        for body, frames, _ in messages:
+            sent.append(("put", sum(nbytes(f) for f in frames), len(body.get("global_indexes", []))))
+        return inner(put, messages, timeout)
 
-        client._core_put = core_put
+    client._call, client._core_put = call, core_put
     return sent
 
 
@@ -69,7 +66,7 @@ def test_huge_put_is_split_across_messages(endpoint, fresh):
             nested = c.get([idx[i] for i in sample], ["n"])["n"]
             assert all(np.array_equal(g, data["n"][i]) for g, i in zip(nested, sample))
         finally:
-            del c._call, c._core_send  # the unwrapped methods again
+            del c._call, c._core_put  # the unwrapped methods again
             assert c.clear(idx) == 3 * n
 
 

@@ -369,24 +369,16 @@ def test_a_hostile_reply_is_refused_without_harm(fake_server):
 
 
 def _core_sends(c) -> list:
-    """Records the op of every request `c` sends through the core (a sync
-    client's put: every message of it, sent by `_core_put`)."""
+    """Records the op of every request `c` sends through the core (a put:
+    every message of it, sent by `_core_put`)."""
     ops = []
-    inner = c._core_send
+    inner_put = c._core_put
 
-    def send(op, *rest):
-        ops.append(op)
-        return inner(op, *rest)
+    def put(p, messages, timeout):
+        ops.extend("put" for _ in messages)
+        return inner_put(p, messages, timeout)
 
-    c._core_send = send
-    if hasattr(c, "_core_put"):
-        inner_put = c._core_put
-
-        def put(p, messages, timeout):
-            ops.extend("put" for _ in messages)
-            return inner_put(p, messages, timeout)
-
-        c._core_put = put
+    c._core_put = put
     return ops
 
 

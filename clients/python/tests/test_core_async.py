@@ -75,17 +75,24 @@ def test_every_kind_round_trips_through_the_core(endpoint, fresh, max_message_by
     async def main():
         async with stowage.AsyncClient(endpoint, timeout=30, max_message_bytes=max_message_bytes) as c:
             sent = routes(c)
+            messages = []
+
+            def core_put(put, msgs, timeout, inner=c._core_put):
+                messages.append(len(msgs))
+                return inner(put, msgs, timeout)
+
+            c._core_put = core_put
             assert await c.put(idx, data) == n
             got = await c.get(order, list(data))
             out = {name: np.empty((len(order), *data[name].shape[1:]), data[name].dtype) for name in regular}
             assert await c.get_into(order, out) is out
             assert c._sock is None, "pyzmq's DEALER was opened"
-            return sent, got, out
+            return sent, got, out, messages
 
-    sent, got, out = run(main())
-    puts = [s for s in sent if s[1] == "put"]
-    assert set(sent) == {("core", "put"), ("core", "get")} and sent.count(("core", "get")) == 2, sent
-    assert (len(puts) > 1) == (max_message_bytes == 3000), puts
+    sent, got, out, messages = run(main())
+    # A split put's messages go in one core call, two on the wire.
+    assert sent == [("core", "put"), ("core", "get"), ("core", "get")], sent
+    assert len(messages) == 1 and (messages[0] > 1) == (max_message_bytes == 3000), messages
     bad = [name for name in data if not _same(got[name], want[name])]
     bad += [f"get_into {name}" for name in regular if not _same(out[name], want[name])]
     assert not bad, f"fields that did not round-trip: {bad}"
@@ -325,3 +332,43 @@ def test_small_calls_stay_on_the_dealer_and_bulk_ones_take_the_core(endpoint, fr
             await c.clear(idx)
 
     run(go())
+
+
+def test_an_async_split_put_keeps_two_messages_on_the_wire_and_counts_what_was_answered(fake_server):
+    """As the sync client's (test_core): the second message is sent before
+    the first's reply is read, and when a later one gets no reply,
+    StowageTimeout says how many leading rows the answered ones stored; the
+    next put, on a fresh connection, is answered whole."""
+    requests = []
+
+    def handler(ident, frames):
+        env = msgpack.unpackb(frames[0])
+        requests.append(env["id"])
+        body = {"rows": len(env["body"]["global_indexes"])}
+        if len(requests) == 2:
+            # Both messages are here before the first is answered.
+            first = msgpack.packb({"proto": "stowage/1", "op": "put_ok", "id": requests[0], "body": body})
+            return [[first]]
+        if len(requests) > 3:
+            return [[msgpack.packb({"proto": "stowage/1", "op": "put_ok", "id": env["id"], "body": body})]]
+        return []
+
+    srv = fake_server(handler)
+    x = np.arange(6 * 1000, dtype=np.float32).reshape(6, 1000)  # 4,000-byte rows
+
+    async def main():
+        async with stowage.AsyncClient(srv.endpoint, timeout=10, max_message_bytes=9000) as c:  # 2 rows a message
+            sent = routes(c)
+            t = time.monotonic()
+            with pytest.raises(stowage.StowageTimeout) as ei:
+                await c.put([1, 2, 3, 4, 5, 6], {"x": x}, timeout=0.5)
+            assert time.monotonic() - t < 5
+            assert ei.value.rows_stored == 2, "the first message's rows, answered"
+            assert len(requests) >= 2
+            del requests[:]
+            requests.extend([0, 0, 0])  # answer every message from now on
+            assert await c.put([1, 2, 3, 4, 5, 6], {"x": x}) == 6
+            assert len(requests) == 6
+            assert sent == [("core", "put")] * 2, sent
+
+    run(main())
