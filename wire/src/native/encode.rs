@@ -668,12 +668,18 @@ pub(super) fn get_ok_head(id: u64, fields: &[(String, FieldLayout)]) -> Result<B
     let mut w = envelope("get_ok", id);
     w.map(1);
     w.str("fields");
+    layout_map(&mut w, fields)?;
+    Ok(Bytes::from(w.finish()?))
+}
+
+/// A map of fields to descriptors from their layouts.
+fn layout_map(w: &mut Writer, fields: &[(String, FieldLayout)]) -> Result<(), Error> {
     w.map(fields.len());
     for (name, field) in fields {
         w.str(name);
-        layout_descriptor(&mut w, field).map_err(|e| e.in_field(name))?;
+        layout_descriptor(w, field).map_err(|e| e.in_field(name))?;
     }
-    Ok(Bytes::from(w.finish()?))
+    Ok(())
 }
 
 /// Frame 0 of a request whose data frames the sender lays out itself.
@@ -688,11 +694,7 @@ pub(super) fn request_head(id: u64, head: &RequestHead) -> Result<Bytes, Error> 
             w.str("global_indexes");
             uints(&mut w, global_indexes);
             w.str("fields");
-            w.map(fields.len());
-            for (name, field) in fields {
-                w.str(name);
-                layout_descriptor(&mut w, field).map_err(|e| e.in_field(name))?;
-            }
+            layout_map(&mut w, fields)?;
             Ok(Bytes::from(w.finish()?))
         }
         RequestHead::GetList {
