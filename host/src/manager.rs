@@ -550,6 +550,9 @@ impl Manager {
     /// in the order a get asks it for them; `None` unless every such
     /// target is a peer unit (a get a router may forward as it arrives).
     pub fn peer_positions(&self, global_indexes: &Indexes) -> Option<Vec<(usize, Vec<u64>)>> {
+        if !self.targets.iter().any(|t| matches!(t, Target::Peer(_))) {
+            return None; // a stowd without peer units: nothing to route
+        }
         let mut out = Vec::new();
         for (t, (target, seqs)) in self
             .targets
