@@ -4,9 +4,10 @@
 //! being fetched by another get), the reply's frame 0 is written as soon
 //! as every peer's frame 0 is in, and each data frame as soon as the peer
 //! frames it is made of are. Receiving from the peers and sending to the
-//! client overlap, instead of one following the other: a 2 GiB get through
-//! a router went from 0.68-0.72 of a two-hop tcp relay to the figures in
-//! `docs/benchmarks.md` ("A get forwarded while it arrives").
+//! client overlap, instead of one following the other: 2 GiB gets through
+//! a router went from 0.68-0.79 of a two-hop tcp relay measured in the same
+//! run to 0.85-1.32 in 6 of 8 runs (`docs/benchmarks.md`, "A get forwarded
+//! while it arrives", with the two runs that fell below).
 //!
 //! The reply is the one [`super::get_answer`] would give for the same rows
 //! (the layout is built from the peers' frame 0 alone: same field kinds,
