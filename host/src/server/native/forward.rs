@@ -161,19 +161,18 @@ impl NativeService {
                 _ => return answered(task).await,
             }
         }
-        let n = global_indexes_len(&sources);
+        let n = sources.iter().map(|s| s.positions.len() as u64).sum();
         let registry = self.manager.registry();
-        let Some(plan) = plan_reply(&registry, self.pack_limits, &fields, &sources, n) else {
+        // No plan (the usual path's error), or values only (nothing to
+        // forward, and nothing gained): answered as usual.
+        let plan = plan_reply(&registry, self.pack_limits, &fields, &sources, n)
+            .filter(|p| !p.frames.is_empty());
+        let Some((plan, Ok(head))) = plan.map(|p| {
+            let head = native::encode_get_ok_head(id, &p.fields);
+            (p, head)
+        }) else {
             return answered(task).await;
         };
-        let head = match native::encode_get_ok_head(id, &plan.fields) {
-            Ok(h) => h,
-            Err(_) => return answered(task).await,
-        };
-        if plan.frames.is_empty() {
-            // Values only: nothing to forward, and nothing gained.
-            return answered(task).await;
-        }
         let counters = &self.manager.counters;
         counters.gets_forwarded.fetch_add(1, Ordering::Relaxed);
         let (tx, tail) = Tail::channel(2);
@@ -193,11 +192,6 @@ impl NativeService {
             tail: Some(tail),
         })
     }
-}
-
-/// The rows a get asked for: every position of every source.
-fn global_indexes_len(sources: &[Source]) -> u64 {
-    sources.iter().map(|s| s.positions.len() as u64).sum()
 }
 
 /// The get answered as without forwarding, once its task is done.
