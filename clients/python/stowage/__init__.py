@@ -12,7 +12,7 @@ optional and used only when a torch tensor is passed in or asked for.
 """
 
 from . import _core
-from ._codec import BITS_DTYPES, WIRE_DTYPES, BFloat16Bits, Bits, FrameSource
+from ._codec import BITS_DTYPES, WIRE_DTYPES, BFloat16Bits, Bits, FrameSource, Packed
 from .aio import AsyncClient
 from .client import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TIMEOUT, Client
 from .errors import (
@@ -58,6 +58,7 @@ __all__ = [
     "DEFAULT_TIMEOUT",
     "DTYPES",
     "FrameSource",
+    "Packed",
     "InternalError",
     "KeyNotFound",
     "ProtocolError",

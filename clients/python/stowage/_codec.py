@@ -105,8 +105,40 @@ class Regular:
 
 @dataclass
 class Nested:
+    """n rows of one dtype and several shapes: `rows`, a list of n
+    C-contiguous little-endian ndarrays; or packed, with no array per row
+    (a jagged torch tensor, `Packed`): `values` `[total, *tail]` holds every
+    row's elements back to back and row i is `values[offsets[i]:offsets[i+1]]`
+    (`offsets` int64 `[n + 1]`, from 0, never decreasing)."""
+
     dtype: str
-    rows: list  # of C-contiguous little-endian ndarrays
+    rows: list | None  # of C-contiguous little-endian ndarrays (None when packed)
+    values: np.ndarray | None = None
+    offsets: np.ndarray | None = None
+
+    def row_nbytes(self, a: int, b: int) -> np.ndarray:
+        """The bytes of rows a..b, as int64."""
+        if self.rows is None:
+            per = self.values.itemsize * math.prod(self.values.shape[1:])
+            return np.diff(self.offsets[a:b + 1]) * per
+        return np.fromiter((r.nbytes for r in self.rows[a:b]), dtype=np.int64, count=b - a)
+
+
+@dataclass
+class Packed:
+    """A nested field's rows without an array per row (`get(...,
+    nested="packed")`; `put` takes one too): `values`, a 1-D array or tensor
+    of every row's elements back to back, in row order; `shapes`, each row's
+    shape. Row i is `values[s:s + prod(shapes[i])]` reshaped, with `s` the
+    element count of the rows before it."""
+
+    values: Any
+    shapes: list
+
+    def offsets(self) -> np.ndarray:
+        """int64 `[n + 1]`: where each row starts in `values`, in elements (and the end)."""
+        counts = np.fromiter((math.prod(s) for s in self.shapes), dtype=np.int64, count=len(self.shapes))
+        return np.concatenate(([0], np.cumsum(counts)))
 
 
 @dataclass
@@ -162,7 +194,13 @@ def normalize_field(name: Any, value: Any, n: int) -> Regular | Nested | Values:
     if isinstance(value, Bits) and isinstance(value.data, (list, tuple)):
         value = [Bits(r, value.dtype) for r in value.data]
     elif _torch.is_tensor(value) and _torch.is_nested(value):
-        value = _torch.unbind(value)
+        parts = _torch.jagged_parts(value)
+        if parts is None:  # strided, or a jagged tensor with holes: its rows
+            value = _torch.unbind(value)
+        else:
+            return _jagged_field(what, *parts, n)
+    if isinstance(value, Packed):
+        return _packed_field(what, value, n)
     if isinstance(value, (np.ndarray, Bits)) or _torch.is_tensor(value):
         dtype, a = _to_wire_array(value, what)
         if a.ndim == 0:
@@ -207,6 +245,46 @@ def normalize_field(name: Any, value: Any, n: int) -> Regular | Nested | Values:
         f"{what}: expected a numpy array or torch tensor [n, ...], a list of n arrays/tensors (nested), "
         f"a nested torch tensor, or a list of n str/bytes values; got {type(value).__name__}"
     )
+
+
+def _jagged_field(what: str, values, offsets: np.ndarray, n: int) -> Nested:
+    """A jagged tensor's values `[total, *tail]` and offsets (int64 `[n + 1]`,
+    row starts on the values' first axis) -> a packed `Nested`, checked."""
+    dtype, values = _to_wire_array(values, what)
+    if offsets.ndim != 1 or len(offsets) != n + 1:
+        raise ValueError(f"{what} has {max(len(offsets) - 1, 0)} rows but {n} global indexes were given")
+    if values.ndim == 0:
+        raise ValueError(f"{what}: packed values need a first axis, got a 0-d array")
+    if offsets[0] != 0 or offsets[-1] != values.shape[0] or np.any(np.diff(offsets) < 0):
+        raise ValueError(f"{what}: offsets must rise from 0 to {values.shape[0]} (the values' first axis)")
+    return Nested(dtype, None, values, offsets)
+
+
+def _packed_field(what: str, p: Packed, n: int) -> Nested:
+    """A `Packed` -> a `Nested` (packed where the rows share a tail shape), checked."""
+    dtype, values = _to_wire_array(p.values, what)
+    shapes = p.shapes
+    if not isinstance(shapes, (list, tuple)) or len(shapes) != n:
+        got = len(shapes) if isinstance(shapes, (list, tuple)) else type(shapes).__name__
+        raise ValueError(f"{what}: Packed.shapes must list {n} row shapes, got {got}")
+    shapes = [tuple(int(d) for d in s) for s in shapes]
+    if any(d < 0 for s in shapes for d in s):
+        raise ValueError(f"{what}: a row shape has a negative dimension")
+    counts = np.fromiter((math.prod(s) for s in shapes), dtype=np.int64, count=n)
+    flat = values.reshape(-1)
+    if int(counts.sum()) != flat.shape[0]:
+        raise ValueError(f"{what}: the row shapes hold {int(counts.sum())} elements, values has {flat.shape[0]}")
+    starts = np.concatenate(([0], np.cumsum(counts)))
+    tails = {s[1:] for s in shapes}
+    if len(tails) == 1 and all(len(s) >= 1 for s in shapes):
+        # One tail shape: rows are runs of the first axis (no array per row).
+        tail = tails.pop()
+        per = math.prod(tail)
+        if per:
+            return Nested(dtype, None, flat.reshape(-1, *tail), starts // per)
+    if n and not flat.flags.c_contiguous:
+        flat = flat.copy()
+    return Nested(dtype, [flat[starts[i]:starts[i + 1]].reshape(s) for i, s in enumerate(shapes)])
 
 
 def _checked_fast(g: Any, unique: bool) -> list[int] | None:
@@ -393,7 +471,7 @@ def _row_costs(fields: Mapping[str, Regular | Nested | Values], n: int) -> np.nd
         if isinstance(f, Regular):
             cost += f.row_bytes
         elif isinstance(f, Nested):
-            cost += np.fromiter((r.nbytes for r in f.rows), dtype=np.int64, count=n)
+            cost += f.row_nbytes(0, n)
         else:
             cost += np.fromiter(
                 (len(v) if isinstance(v, bytes) or (isinstance(v, str) and v.isascii())
@@ -428,6 +506,17 @@ def _descriptor(f: Regular | Nested | Values, a: int, b: int, frames: _Frames) -
         piece = f.array[a:b]
         frame, offset = frames.add(piece)
         return ("regular", f.dtype, piece.shape, [(frame, offset, piece.nbytes, b - a)])
+    if f.rows is None:
+        # Packed rows: the run a..b is one piece (one frame, or one range of a
+        # shared frame); each row's range in it follows from the offsets.
+        off = f.offsets
+        lo, hi = int(off[a]), int(off[b])
+        frame, at = frames.add(f.values[lo:hi])
+        tail = tuple(f.values.shape[1:])
+        per = f.values.itemsize * math.prod(tail)
+        starts = ((off[a:b] - lo) * per + at).tolist()
+        lens = np.diff(off[a:b + 1]).tolist()
+        return ("nested", f.dtype, [((k, *tail), frame, s, k * per) for k, s in zip(lens, starts)])
     add = frames.add
     return ("nested", f.dtype, [(r.shape, *add(r), r.nbytes) for r in f.rows[a:b]])
 
@@ -704,6 +793,43 @@ def to_numpy(f: FieldReply, writable: bool = False):
         for p in _parts(f):
             out[p.start:p.start + p.rows] = _frombuffer(p.data, dt, (p.rows, *row_shape))
     out.flags.writeable = False
+    return out
+
+
+def to_packed(f: FieldReply, frames: FrameSource, writable: bool = False) -> np.ndarray:
+    """A nested field's rows as one 1-D array of their elements back to back
+    (the `values` of a `Packed`), with no array per row: a view of the
+    received bytes where the rows lie back to back in one buffer (as the
+    Rust core receives a field's rows), else one gathering copy. Read-only
+    unless `writable`: then over this reply's private copy-on-write mapping
+    where `frames` are shared mappings (same node), or a copy of this
+    client's own, as `to_private_numpy` gives."""
+    dt = f.np_dtype
+    rows = f.row_desc
+    if not rows:
+        return np.empty(0, dt)
+    kol = np.array([r[1:] for r in rows], dtype=np.int64)  # (frame, offset, len) per row
+    k, off, ln = kol[:, 0], kol[:, 1], kol[:, 2]
+    total = int(ln.sum())
+    lens, wbase, wat = frames.where_arrays()
+    base, at = wbase[k], wat[k] + off
+    b0 = int(base[0])
+    if total and b0 >= 0 and np.all(base == b0) and np.array_equal(at[1:], at[:-1] + ln[:-1]):
+        start = int(at[0])
+        if frames.cow is None:
+            return _frombuffer(memoryview(frames.bases[b0]).cast("B")[start:start + total], dt, (total // dt.itemsize,))
+        if writable:
+            mv, first = frames.cow.map(b0, start, start + total)
+            return np.frombuffer(mv[start - first:start - first + total], dtype=dt)
+    if total and base.min() >= 0 and not writable:
+        return np.frombuffer(_core.gather(total, frames.bases, base, at, ln), dtype=dt)
+    out = np.empty(total // dt.itemsize, dt)
+    flat, pos = out.view(np.uint8), 0
+    for _, d in f.rows:
+        flat[pos:pos + len(d)] = np.frombuffer(d, np.uint8)
+        pos += len(d)
+    if not writable:
+        out.flags.writeable = False
     return out
 
 

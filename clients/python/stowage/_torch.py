@@ -56,6 +56,16 @@ def unbind(t) -> list:
     return list(t.unbind())
 
 
+def jagged_parts(t):
+    """A jagged nested tensor whose rows lie back to back in its values
+    (ragged on dim 1, no holes) -> (values, offsets as an int64 ndarray),
+    without a tensor per row; None for any other nested tensor."""
+    torch = _loaded()
+    if t.layout != torch.jagged or t._lengths is not None or getattr(t, "_ragged_idx", 1) != 1:
+        return None
+    return t.values(), t.offsets().detach().cpu().numpy().astype(np.int64, copy=False)
+
+
 def _name(dtype) -> str:
     return str(dtype).removeprefix("torch.")
 

@@ -307,15 +307,15 @@ class AsyncClient(_Ops):
             raise
         return put.n
 
-    async def get(self, global_indexes, fields, *, as_torch: bool | None = None,
+    async def get(self, global_indexes, fields, *, as_torch: bool | None = None, nested: str = "rows",
                   timeout: float | None = None) -> dict:
         """See `Client.get`."""
-        n, names, body = self._get_request(global_indexes, fields, as_torch, self._ranges_ok)
+        n, names, body = self._get_request(global_indexes, fields, as_torch, self._ranges_ok, nested)
         if n >= self.CORE_MIN_ROWS and self._core_serves():
             return await self._ranged(body, lambda b: self._core_call("get", b, timeout, _run_get),
-                                      lambda rid, got: self._core_got(rid, got, names, n, as_torch))
-        return await self._get_call(body, timeout,
-                                    lambda reply, frames: self._get_result(reply, frames, names, n, as_torch))
+                                      lambda rid, got: self._core_got(rid, got, names, n, as_torch, nested))
+        return await self._get_call(
+            body, timeout, lambda reply, frames: self._get_result(reply, frames, names, n, as_torch, nested))
 
     async def _ranged(self, body: dict, ask, finish):
         """See `Client._ranged` (`ask` is a coroutine function)."""

@@ -173,9 +173,11 @@ class _Ops:
         return dict(body, global_indexes=[g for s, c, k in gi["ranges"] for g in range(s, s + c * k, k)])
 
     @staticmethod
-    def _get_request(global_indexes, fields, as_torch, ranges: bool = True) -> tuple[int, list, dict]:
+    def _get_request(global_indexes, fields, as_torch, ranges: bool = True, nested: str = "rows") -> tuple[int, list, dict]:
         if as_torch not in (None, True, False):
             raise TypeError(f"get: as_torch must be None, True or False, got {as_torch!r}")
+        if nested not in ("rows", "packed"):
+            raise ValueError(f"get: nested must be 'rows' or 'packed', got {nested!r}")
         if as_torch:
             _torch.require("get(as_torch=True)")
         n, wire = _codec.get_indexes(global_indexes, "get", ranges)
@@ -183,16 +185,26 @@ class _Ops:
         return n, names, {"global_indexes": wire, "fields": names}
 
     @staticmethod
-    def _get_result(body: dict, frames, names: list, n: int, as_torch) -> dict:
+    def _get_result(body: dict, frames, names: list, n: int, as_torch, nested: str = "rows") -> dict:
         replies = _codec.decode_get_fields(body, names, n, frames)
         tensors = {name: f for name, f in replies.items() if f.kind != "values" and (
             as_torch if as_torch is not None else (
                 f.dtype in _codec.BITS_DTYPES and _torch.available() and _torch.torch_dtype(f.dtype) is not None))}
+        packed = {name for name, f in replies.items() if f.kind == "nested"} if nested == "packed" else ()
         # Same node: tensors over private copy-on-write mappings, never over the
         # read-only pages shared with other readers (a write there is a SIGSEGV).
-        private = _codec.to_private_numpy(tensors, frames) if tensors and frames.cow is not None else {}
+        private = _codec.to_private_numpy({k: f for k, f in tensors.items() if k not in packed}, frames) \
+            if tensors and frames.cow is not None else {}
         out = {}
         for name, f in replies.items():
+            if name in packed:
+                v = _codec.to_packed(f, frames, writable=name in tensors)
+                if name in tensors:
+                    v = _torch.from_numpy(v, f.dtype)
+                elif f.dtype in _codec.BITS_DTYPES:
+                    v = _codec.typed_bits(v, f.dtype)
+                out[name] = _codec.Packed(v, [tuple(r[0]) for r in f.row_desc])
+                continue
             v = private[name] if name in private else _codec.to_numpy(f)
             if name in tensors:
                 v = _torch.from_numpy_rows(v, f.dtype) if f.kind == "nested" else _torch.from_numpy(v, f.dtype)
@@ -290,7 +302,7 @@ class _Ops:
             return ProtocolError(f"{op} (id {rid}): {e}", request_id=rid)
         return InternalError(f"{op} (id {rid}): {e}", request_id=rid)
 
-    def _core_got(self, rid: int, got: tuple | list, names: list, n: int, as_torch) -> dict:
+    def _core_got(self, rid: int, got: tuple | list, names: list, n: int, as_torch, nested: str = "rows") -> dict:
         """A get's result from the core's (frame 0, [(field, Buffer)] or
         None, why its codec refused the reply or None), or from its
         `get_arrays` list (`_core_arrays`): each regular or nested field's
@@ -321,7 +333,7 @@ class _Ops:
             else:
                 at = [0, *itertools.accumulate(ln for _, _, _, ln in d[2])]
                 descs[name] = (*d[:2], [(shape, k, at[i], ln) for i, (shape, _, _, ln) in enumerate(d[2])])
-        return self._get_result(reply, _codec.FrameSource(views), names, n, as_torch)
+        return self._get_result(reply, _codec.FrameSource(views), names, n, as_torch, nested)
 
     @staticmethod
     def _core_arrays(got: list, names: list, n: int) -> dict:
@@ -606,7 +618,8 @@ class Client(_Ops):
         sent = self._core_call("put", None, timeout, _run_send_many(self._ids, messages))[1]
         self._core_put_replies(put, messages, sent, t)
 
-    def get(self, global_indexes, fields, *, as_torch: bool | None = None, timeout: float | None = None) -> dict:
+    def get(self, global_indexes, fields, *, as_torch: bool | None = None, nested: str = "rows",
+            timeout: float | None = None) -> dict:
         """Reads rows: a dict field -> a read-only numpy array `[n, ...]`
         (regular), a list of n read-only arrays (nested), or a list of n
         values, in the order of `global_indexes` (repeats allowed).
@@ -626,8 +639,15 @@ class Client(_Ops):
         maps stowd's pages copy-on-write, privately, so a write copies the
         pages it touches and no other tensor, array, process or the store
         sees it; nor does another tensor of the same get (a row asked for
-        twice is copied: two tensors of one get never share bytes)."""
-        if not as_torch and type(global_indexes) is list and type(fields) is list and self._core_serves():
+        twice is copied: two tensors of one get never share bytes).
+
+        `nested="packed"` gives each nested field as a `stowage.Packed`
+        instead of a list: one 1-D array (or tensor) of all its rows'
+        elements back to back, and the rows' shapes, with no array per row
+        (e.g. for `torch.nested.nested_tensor_from_jagged`); a view of the
+        received bytes where they lie back to back, as over tcp."""
+        if nested == "rows" and not as_torch and type(global_indexes) is list and type(fields) is list \
+                and self._core_serves():
             # The common small get: the core checks the lists and writes the
             # request itself (None: not plain lists of ints and of distinct
             # str, nothing sent; the general path below checks and words).
@@ -635,12 +655,13 @@ class Client(_Ops):
                 rid, global_indexes, fields, t, _DIRECT_DTYPES))
             if got is not None:
                 return self._core_got(rid, got, fields, len(global_indexes), as_torch)
-        n, names, body = self._get_request(global_indexes, fields, as_torch, self._ranges_ok)
+        n, names, body = self._get_request(global_indexes, fields, as_torch, self._ranges_ok, nested)
         if self._core_serves():
-            run = _run_get if as_torch else _run_get_arrays
+            run = _run_get if as_torch or nested != "rows" else _run_get_arrays
             return self._ranged(body, lambda b: self._core_call("get", b, timeout, run),
-                                lambda rid, got: self._core_got(rid, got, names, n, as_torch))
-        return self._get_call(body, timeout, lambda reply, frames: self._get_result(reply, frames, names, n, as_torch))
+                                lambda rid, got: self._core_got(rid, got, names, n, as_torch, nested))
+        return self._get_call(body, timeout,
+                              lambda reply, frames: self._get_result(reply, frames, names, n, as_torch, nested))
 
     def _ranged(self, body: dict, ask, finish):
         """`finish(*ask(body))` of a get, asked again with the indexes as a

@@ -1,13 +1,11 @@
-"""TransferQueue adapter: use `stowd` as TransferQueue's storage (optional).
+"""TransferQueue adapter: stowd as TransferQueue's storage (optional).
 
 transferqueue 0.1.11 picks its client-side storage manager by name from
 `StorageManagerFactory` (`backend.storage_backend`) and hands it the config
 section of the same name (`backend.<name>`). Importing this module registers
-`StowageStorageManager` there under the name "Stowage". It is TransferQueue's
-own `AsyncSimpleStorageManager` pointed at ONE storage unit, stowd's router
-endpoint, so stowd does the `g % N` routing and the row selection (its
-policy chains) and TransferQueue's controller, metadata and samplers are
-unchanged. What a TransferQueue user changes:
+the backend "Stowage" there. Everything above the storage manager stays
+TransferQueue's own: the controller, metadata, samplers, the KV API,
+consumption tracking and the dataloader. What a TransferQueue user changes:
 
     import stowage.transferqueue            # registers backend "Stowage"
     import transfer_queue as tq
@@ -17,62 +15,85 @@ unchanged. What a TransferQueue user changes:
         "Stowage": {"endpoints_file": "/run/stowd/endpoints.json"},
     }})
 
-or in YAML (OmegaConf):
+The backend has two modes, chosen by `backend.Stowage.protocol`:
 
-    backend:
-      storage_backend: Stowage
-      Stowage:
-        endpoints_file: /run/stowd/endpoints.json  # written by `stowd serve --endpoints-file`
-        # endpoint: tcp://10.0.0.5:7100           # or the router endpoint itself
-        # mode: units                              # TransferQueue routes over stowd's units itself
-        # wait_secs: 60                            # wait this long for the endpoints file
+- `protocol: stowage` (the default): **the native backend**,
+  `StowageStorageManager`. It speaks stowage/1 to stowd's native endpoint
+  through the `stowage` client and its Rust core: a put goes out as a few
+  large messages (stowd routes the rows `g % N` over its units and its
+  selection chains decide per unit, as for any native put), a get comes
+  back as one buffer per field where the rows allow. Jagged tensors travel
+  as values plus offsets. When stowd runs on this node (the endpoints file
+  shows it), gets map stowd's memory and puts go through leased shared
+  memory (`same_node`). What comes back is what TransferQueue's own
+  SimpleStorage returns for the same input (`stowage._tqvalues` lists the
+  rules and SimpleStorage's quirks it keeps). A `data_parser` on put runs
+  here, in the client, before the put, with SimpleStorage's checks.
+- `protocol: transferqueue`: **the TransferQueue-protocol backend**,
+  `StowageTQStorageManager`: TransferQueue's own `AsyncSimpleStorageManager`
+  (its per-row Python client) pointed at stowd's router (or its units),
+  which speak TransferQueue's storage-unit protocol. For comparison and for
+  setups that need TransferQueue's wire protocol; the native mode moves the
+  same data several times faster. stowd runs no Python, so a `data_parser`
+  is refused in this mode.
 
-Config keys of `backend.Stowage`. Where the units are, first one given wins:
-- `zmq_info`: a ready `{id: ZMQServerInfo}` (see `storage_unit_infos`), used as is.
-- `endpoint`: stowd's router endpoint, `tcp://host:port`.
-- `units`: a list of unit endpoints (`tcp://host:port`), in routing order:
-  TransferQueue's client routes `g % N` over them (what
-  `stowage.ray.StowageCluster.transferqueue_config()` writes).
-- `routers`: `{ray node id: router endpoint}`; each process takes its own
-  Ray node's (`stowage.ray`, `transferqueue_config(mode="router")`).
-- `endpoints_file` (else `$STOWD_ENDPOINTS_FILE`): the JSON file `stowd serve
-  --endpoints-file` writes. It is read in every process that creates a
+Data put in one mode is read back in the same mode (the two store non-tensor
+values differently).
+
+Config keys of `backend.Stowage`:
+- `protocol`: `stowage` (default) or `transferqueue`, as above.
+- `endpoints_file` (else `$STOWD_ENDPOINTS_FILE`): the JSON file `stowd
+  serve --endpoints-file` writes; read in every process that creates a
   TransferQueue client, so with one stowd per node each process talks to the
-  stowd on its own node (give every stowd the same `[router] units` list, in
-  the same order).
-And with `endpoints_file`:
-- `mode`: `router` (default) uses its `router` endpoint; `units` lists its
-  `units` and lets TransferQueue's client do the `g % N` routing.
-- `wait_secs` (default 60): how long to wait for the file to appear.
+  stowd on its own node. `wait_secs` (default 60): how long to wait for it.
+- `endpoint`: the stowd endpoint itself, `tcp://host:port`: its `native`
+  endpoint (protocol stowage) or its `router` (protocol transferqueue).
+- `natives` (protocol stowage): `{ray node id: native endpoint}`; each
+  process takes its own Ray node's (what `stowage.ray`'s
+  `transferqueue_config()` writes; rows on other nodes come through stowd's
+  peer units, `stowage://`).
+- `same_node` (protocol stowage): `auto` (default: on when stowd's native
+  endpoint is an address of this host and stowd serves shared memory),
+  `true`, or `false` (tcp only).
+- `timeout` (protocol stowage, default 300): seconds a put or get may take.
+- protocol transferqueue only: `mode` (`router`, the default, or `units`:
+  TransferQueue routes `g % N` over the units of the endpoints file itself),
+  `units` (unit endpoints in routing order), `routers` (`{ray node id:
+  router endpoint}`), `zmq_info` (a ready `{id: ZMQServerInfo}`).
+
+SimpleStorage's own keys (`num_data_storage_units`, `total_storage_size`)
+mean nothing here: stowd's own config sets them: `[units] local` (the unit
+count), `capacity_bytes` (bytes per unit; by default the units share
+`memory_percent`, 50%, of the memory stowd may use) and `spill_dir` (spill
+the coldest rows to disk instead of refusing puts past that).
 
 Every process that builds a TransferQueue client must have imported this
-module (the factory registry is per process): under Ray, add
+module (the factory registry is per process). Under Ray, add
 `runtime_env={"worker_process_setup_hook": "stowage.transferqueue.register"}`
-to `ray.init`. Without `tq.init` (no Ray), create the client directly:
+to `ray.init` (Hydra, e.g. verl:
+`+ray_kwargs.ray_init.runtime_env.worker_process_setup_hook=stowage.transferqueue.register`).
+A process that joins through a bare `tq.init()` also gets the backend
+registered when it reads the config `tq.init()` stored with the controller:
+`tq.init()` with this backend stores a marker there whose unpickling
+imports this module. Without `tq.init` (no Ray), create the client directly:
 `client.initialize_storage_manager("Stowage", {"endpoints_file": ...})`.
 
-TransferQueue's storage checkpoints (`tq.save_checkpoint` /
-`load_checkpoint`, the client's `save_storage_checkpoint`) work as with its
-own units: the adapter keeps `AsyncSimpleStorageManager`'s, which sends
-SAVE_ / LOAD_STORAGE_CHECKPOINT to each storage unit, and stowd's router
-(every local unit in one safetensors file; refused if it routes to a remote
-unit) and unit endpoints answer them. Not served: a
-`data_parser` on put, and per-row values that carry arrays other than one
-tensor per row: a numpy array per row, tensors inside a dict or list, tensors
-mixed with None (stowd answers PUT_ERROR "... not supported by stowd" and
-stores nothing; TransferQueue raises RuntimeError).
+Checkpoints (`tq.save_checkpoint(dir)` / `load_checkpoint(dir)`): the native
+mode makes stowd write its own checkpoint into `<dir>/stowage` (every row of
+every unit of the stowd it talks to, on stowd's machine) and restore from
+it; the TransferQueue-protocol mode writes SimpleStorage's layout
+(`<dir>/simple_storage`, one file per unit, safetensors inside). Loading a
+checkpoint written by another backend or mode fails with an error that
+names the mode that wrote it.
 
-`tq.close()` closes the client (its sockets to stowd) and the backend
-entry `tq.init()` made, as for TransferQueue's own backends. stowd and the
-rows in it stay: TransferQueue did not start stowd, so it does not stop it
-(`stowage.ray`'s `stowd.shutdown()`, or however stowd was started, does).
-transferqueue 0.1.11 stops storage in `transfer_queue.interface.close()`
-with one branch per built-in backend name and a warning for any other
-("close for _TQ_STORAGE with key Stowage is not supported for now"); it has
-no registry for it. So `register()` wraps `transfer_queue.close` (and
-`transfer_queue.interface.close`) once: the wrapper takes this backend's
-entry out of TransferQueue's storage table, closes it (`_close_backend`) and
-calls TransferQueue's own `close()` for the rest.
+`tq.close()` closes the client (its connections to stowd) and the backend
+entry `tq.init()` made. stowd and the rows in it stay: TransferQueue did not
+start stowd, so it does not stop it. transferqueue 0.1.11 stops storage in
+`transfer_queue.interface.close()` with one branch per built-in backend
+name and a warning for any other; so `register()` wraps `transfer_queue.close`
+(and `transfer_queue.interface.close`) once: the wrapper takes this
+backend's entry out of TransferQueue's storage table and calls
+TransferQueue's own `close()` for the rest.
 
 This module imports without transfer_queue installed; `StowageStorageManager`
 and `register()` then raise ImportError.
@@ -80,12 +101,18 @@ and `register()` then raise ImportError.
 
 from __future__ import annotations
 
+import asyncio
 import functools
+import ipaddress
 import json
 import logging
 import os
+import socket
+import threading
 import time
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, Iterable
 from urllib.parse import urlsplit
 
@@ -95,16 +122,30 @@ BACKEND = "Stowage"
 ALIASES = ("StowageStorageManager",)
 """Other names registered for the same class (a config section must use the same name)."""
 
+TQ_BACKEND = "StowageTQ"
+"""The TransferQueue-protocol mode under a name of its own (the same as
+`Stowage` with `protocol: transferqueue`)."""
+
+PROTOCOLS = ("stowage", "transferqueue")
+
 DEFAULT_WAIT_SECS = 60.0
+DEFAULT_TIMEOUT = 300.0
+#: Threads (each with its own stowage client and connection) that carry
+#: puts and gets, so concurrent TransferQueue calls overlap.
+CLIENT_THREADS = 4
+#: The subdirectory of a TransferQueue checkpoint directory that holds stowd's checkpoint.
+CHECKPOINT_SUBDIR = "stowage"
 
 _log = logging.getLogger(__name__)
 
 try:  # TransferQueue is optional: it pulls in torch and ray.
     import transfer_queue
     from transfer_queue import interface as _tq_interface
+    from transfer_queue.metadata import extract_field_schema
     from transfer_queue.storage.bootstrap.provider import StorageBootstrapProvider
-    from transfer_queue.storage.managers.base import StorageManagerFactory
+    from transfer_queue.storage.managers.base import StorageManager, StorageManagerFactory
     from transfer_queue.storage.managers.simple_storage_manager import AsyncSimpleStorageManager
+    from transfer_queue.storage.simple_storage import KEY_NOT_FOUND_MARKER, StorageKeyNotFoundError
     from transfer_queue.utils.enum_utils import Role
     from transfer_queue.utils.zmq_utils import ZMQServerInfo
 except ImportError as _e:  # pragma: no cover - exercised only without transfer_queue
@@ -194,17 +235,17 @@ def storage_unit_infos(endpoints: Iterable[str | Mapping[str, str]]) -> dict[str
     return infos
 
 
-def _own_router(routers: Mapping[str, str]) -> str:
-    """The router endpoint of this process's Ray node in `{node id: endpoint}`."""
+def _own_router(routers: Mapping[str, str], key: str = "routers") -> str:
+    """The endpoint of this process's Ray node in `{node id: endpoint}`."""
     try:
         import ray
 
         node_id = ray.get_runtime_context().get_node_id()
     except Exception as e:  # not in a Ray process
-        raise ValueError(f"backend.{BACKEND}.routers picks this process's Ray node's router, "
+        raise ValueError(f"backend.{BACKEND}.{key} picks this process's Ray node's router, "
                          f"but the Ray node id is not available here ({type(e).__name__}: {e})") from e
     if node_id not in routers:
-        raise ValueError(f"backend.{BACKEND}.routers has no stowd router for this Ray node {node_id} "
+        raise ValueError(f"backend.{BACKEND}.{key} has no stowd endpoint for this Ray node {node_id} "
                          f"(it lists {sorted(routers)}; a node that joined after stowage.ray.launch() has none)")
     return routers[node_id]
 
@@ -243,19 +284,265 @@ def resolve_zmq_info(config: Mapping[str, Any] | None) -> dict[str, Any]:
     raise ValueError(f"backend.{BACKEND}.mode must be 'router' or 'units', got {mode!r}")
 
 
-# ---------------------------------------------------------------- the manager
+
+def _protocol(config: Mapping[str, Any] | None) -> str:
+    p = (config or {}).get("protocol") or "stowage"
+    if p not in PROTOCOLS:
+        raise ValueError(f"backend.{BACKEND}.protocol must be 'stowage' (native, the default) or "
+                         f"'transferqueue' (TransferQueue's storage-unit protocol), got {p!r}")
+    return p
+
+
+def _is_local_host(host: str) -> bool:
+    """Whether `host` is an address of this machine (loopback, or one a
+    socket can bind here)."""
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except OSError:
+        return False
+    for family, _, _, _, addr in infos:
+        ip = addr[0]
+        try:
+            if ipaddress.ip_address(ip.split("%")[0]).is_loopback:
+                return True
+        except ValueError:
+            continue
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as s:
+                s.bind((ip, 0))
+            return True
+        except OSError:
+            continue
+    return False
+
+
+def resolve_native(config: Mapping[str, Any] | None) -> tuple[str, bool, str]:
+    """(stowd's native endpoint, whether same-node mode is wanted, why) for
+    a `backend.Stowage` section with protocol stowage (see the module doc)."""
+    config = config or {}
+    same = config.get("same_node", "auto")
+    if isinstance(same, str):
+        same = same.lower()
+    if same not in ("auto", True, False, "true", "false"):
+        raise ValueError(f"backend.{BACKEND}.same_node must be auto, true or false, got {same!r}")
+    same = {"true": True, "false": False}.get(same, same)
+    shm = None  # does that stowd serve shared memory? (None: unknown)
+    if config.get("endpoint"):
+        endpoint, where = config["endpoint"], f"backend.{BACKEND}.endpoint"
+    elif config.get("natives"):
+        endpoint, where = _own_router(config["natives"], "natives"), f"backend.{BACKEND}.natives"
+    else:
+        path = config.get("endpoints_file") or os.environ.get("STOWD_ENDPOINTS_FILE")
+        if not path:
+            raise ValueError(
+                f"backend.{BACKEND} needs one of: endpoints_file (the file `stowd serve --endpoints-file` "
+                "writes), endpoint (stowd's native endpoint), natives; or set $STOWD_ENDPOINTS_FILE"
+            )
+        wait = config.get("wait_secs")
+        data = read_endpoints_file(path, DEFAULT_WAIT_SECS if wait is None else wait)
+        endpoint, where = data.get("native"), str(path)
+        if not endpoint:
+            raise ValueError(f"{path}: stowd serves no native endpoint (enable [server] native in its config)")
+        shm = bool(data.get("shm_dir"))
+    if not isinstance(endpoint, str) or not endpoint.startswith("tcp://"):
+        raise ValueError(f"{where}: stowd's native endpoint must be tcp://HOST:PORT, got {endpoint!r}")
+    host, _ = _split_endpoint(endpoint)
+    if same is False:
+        return endpoint, False, "same_node: false"
+    local = _is_local_host(host)
+    if same is True:
+        if not local:
+            raise ValueError(f"backend.{BACKEND}.same_node is true, but stowd's endpoint {endpoint} is not "
+                             "an address of this host")
+        return endpoint, True, "same_node: true"
+    if not local:
+        return endpoint, False, f"{host} is not this host"
+    if shm is False:
+        return endpoint, False, "stowd serves no shared memory ([shm] off)"
+    return endpoint, True, f"{host} is this host"
+
+
+class _Clients:
+    """Threads, each with its own `stowage.Client` (one connection), that
+    carry the backend's calls: a call waits in its event loop while a
+    thread moves the bytes (the Rust core releases the GIL), and
+    concurrent calls overlap."""
+
+    def __init__(self, endpoint: str, same_node: bool, timeout: float):
+        self.endpoint, self.same_node, self.timeout = endpoint, same_node, timeout
+        self._local = threading.local()
+        self._made: list = []
+        self._lock = threading.Lock()
+        self._closed = False
+        self._pool = ThreadPoolExecutor(max_workers=CLIENT_THREADS, thread_name_prefix="stowage-tq")
+
+    def _client(self):
+        c = getattr(self._local, "client", None)
+        if c is None:
+            from .client import Client
+
+            c = Client(self.endpoint, timeout=self.timeout, same_node=self.same_node)
+            with self._lock:
+                if self._closed:
+                    c.close()
+                    raise RuntimeError("the Stowage storage manager is closed")
+                self._made.append(c)
+            self._local.client = c
+        return c
+
+    async def run(self, method: str, *args, **kwargs):
+        if self._closed:
+            raise RuntimeError("the Stowage storage manager is closed")
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, lambda: getattr(self._client(), method)(*args, **kwargs))
+
+    def call(self, method: str, *args, **kwargs):
+        """The same, from a thread with no event loop running."""
+        return self._pool.submit(lambda: getattr(self._client(), method)(*args, **kwargs)).result()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            made, self._made = self._made, []
+        self._pool.shutdown(wait=True)
+        for c in made:
+            c.close()
+
 
 if _TQ_IMPORT_ERROR is None:
+    from . import _tqvalues
+    from .errors import KeyNotFound
 
-    class StowageStorageManager(AsyncSimpleStorageManager):
-        """TransferQueue's `AsyncSimpleStorageManager` over stowd: by default one
-        storage unit, stowd's router endpoint. Registered as "Stowage"."""
+    class StowageStorageManager(StorageManager):
+        """TransferQueue 0.1.11's storage-manager interface on stowd's native
+        protocol (stowage/1) and the `stowage` client. Registered as
+        "Stowage"; with `protocol: transferqueue` in its config section,
+        creating it gives a `StowageTQStorageManager` instead."""
+
+        def __new__(cls, controller_info=None, config=None, *args, **kwargs):
+            if cls is StowageStorageManager and _protocol(config) == "transferqueue":
+                return StowageTQStorageManager(controller_info, config, *args, **kwargs)
+            return super().__new__(cls)
+
+        def __init__(self, controller_info, config, zmq_context=None):
+            # Resolve before the base class shakes hands with the controller,
+            # so a bad config fails fast and leaves nothing open.
+            _protocol(config)
+            endpoint, same_node, why = resolve_native(config)
+            timeout = (config or {}).get("timeout", DEFAULT_TIMEOUT)
+            self._clients = _Clients(endpoint, False, timeout)
+            if same_node:
+                try:
+                    self._clients.call("stats")  # reachable at all
+                    probe = _Clients(endpoint, True, timeout)
+                    try:
+                        probe.call("_open_channel")
+                    finally:
+                        probe.close()
+                except Exception as e:  # noqa: BLE001 - auto falls back to tcp, with why
+                    if (config or {}).get("same_node", "auto") not in ("auto", None):
+                        self._clients.close()
+                        raise
+                    _log.warning("Stowage backend: stowd at %s refused same-node mode (%s: %s); using tcp",
+                                 endpoint, type(e).__name__, e)
+                    same_node, why = False, f"same-node refused: {e}"
+                else:
+                    self._clients.close()
+                    self._clients = _Clients(endpoint, True, timeout)
+            self.endpoint, self.same_node = endpoint, same_node
+            _log.info("Stowage backend: stowd at %s, %s (%s)", endpoint,
+                      "same node (shared memory)" if same_node else "tcp", why)
+            try:
+                super().__init__(controller_info, config, zmq_context=zmq_context)
+            except BaseException:
+                self._clients.close()
+                raise
+
+        async def put_data(self, data, metadata, data_parser=None) -> None:
+            """Stores `data` under `metadata.global_indexes` (one stowage/1
+            put, split into messages of stowd's frame size), then notifies
+            TransferQueue's controller as SimpleStorage does."""
+            n = metadata.size
+            if n == 0:
+                return
+            field_schema = extract_field_schema(data)
+            fields = {name: data[name] for name in data.keys()}
+            if data_parser is not None:
+                fields = _tqvalues.apply_parser(data_parser, fields)
+            wire = {name: _tqvalues.to_wire(name, v, n) for name, v in fields.items()}
+            if wire:
+                await self._clients.run("put", list(metadata.global_indexes), wire)
+            await self.notify_data_update(metadata.partition_ids[0], metadata.global_indexes, field_schema)
+
+        async def get_data(self, metadata):
+            """The rows of `metadata` (its global indexes, its fields) as the
+            TensorDict SimpleStorage returns for them."""
+            from tensordict import TensorDict
+
+            n = metadata.size
+            if n == 0:
+                return TensorDict({}, batch_size=0)
+            names = list(metadata.field_names)
+            try:
+                got = await self._clients.run("get", list(metadata.global_indexes), names, as_torch=True,
+                                              nested="packed")
+            except KeyNotFound as e:
+                raise StorageKeyNotFoundError(f"[{KEY_NOT_FOUND_MARKER}] stowd at {self.endpoint}: {e}") from e
+            return TensorDict({name: _tqvalues.from_wire(got[name], n) for name in names}, batch_size=n)
+
+        async def clear_data(self, metadata) -> None:
+            """Drops every field of `metadata`'s global indexes. As
+            SimpleStorage's, a failure is logged, not raised."""
+            if metadata.size == 0:
+                return
+            try:
+                await self._clients.run("clear", list(metadata.global_indexes))
+            except Exception as e:  # noqa: BLE001 - SimpleStorage logs clear failures
+                _log.error(f"[{self.storage_manager_id}]: Error clearing stowd at {self.endpoint}: {e}")
+
+        async def save_checkpoint(self, checkpoint_dir: str) -> None:
+            """stowd writes its own checkpoint of every row into
+            `<checkpoint_dir>/stowage` (on stowd's machine)."""
+            d = Path(checkpoint_dir).absolute() / CHECKPOINT_SUBDIR
+            d.parent.mkdir(parents=True, exist_ok=True)
+            got = await self._clients.run("checkpoint", str(d))
+            _log.info(f"[{self.storage_manager_id}]: stowd checkpoint in {d}: {got}")
+
+        async def load_checkpoint(self, checkpoint_dir: str) -> None:
+            """Replaces stowd's rows with the checkpoint in `<checkpoint_dir>/stowage`."""
+            root = Path(checkpoint_dir).absolute()
+            d = root / CHECKPOINT_SUBDIR
+            if not d.is_dir():
+                other = (root / "simple_storage").is_dir()
+                raise FileNotFoundError(
+                    f"no Stowage checkpoint in {d}" + (
+                        f"; {root} holds a SimpleStorage-layout checkpoint (backend SimpleStorage, or "
+                        f"{BACKEND} with protocol: transferqueue, wrote it): load it with that backend"
+                        if other else ""))
+            got = await self._clients.run("restore", str(d))
+            _log.info(f"[{self.storage_manager_id}]: stowd restored {d}: {got}")
+
+        def close(self) -> None:
+            clients = getattr(self, "_clients", None)
+            if clients is not None:
+                clients.close()
+            super().close()
+
+    class StowageTQStorageManager(AsyncSimpleStorageManager):
+        """The TransferQueue-protocol mode: TransferQueue's own
+        `AsyncSimpleStorageManager` over stowd's TransferQueue endpoints, by
+        default one storage unit, stowd's router. "Stowage" with
+        `protocol: transferqueue`, or "StowageTQ"."""
 
         def __init__(self, controller_info, config, zmq_context=None):
             # Resolve before the base class shakes hands with the controller,
             # so a bad config fails fast and leaves nothing open.
             infos = resolve_zmq_info(config)
-            section = {k: v for k, v in (config or {}).items() if k not in ("zmq_info", "storage_unit_infos")}
+            if (config or {}).get("protocol") not in (None, "transferqueue"):
+                raise ValueError(f"{TQ_BACKEND} speaks TransferQueue's protocol; its config has protocol "
+                                 f"{config.get('protocol')!r}")
+            section = {k: v for k, v in (config or {}).items()
+                       if k not in ("zmq_info", "storage_unit_infos", "protocol", _HOOK_KEY)}
             section["zmq_info"] = infos
             super().__init__(controller_info, section, zmq_context=zmq_context)
 
@@ -264,11 +551,28 @@ if _TQ_IMPORT_ERROR is None:
         # unit this manager knows, which stowd's router (all its local units
         # in one file) and unit endpoints answer.
 
+        async def put_data(self, data, metadata, data_parser=None) -> None:
+            if data_parser is not None:
+                raise ValueError(
+                    f"a data_parser is not supported with backend.{BACKEND}.protocol: transferqueue (stowd runs "
+                    "no Python); the native mode (protocol: stowage, the default) applies it in the client")
+            await super().put_data(data, metadata)
+
     def _bootstrap(conf) -> dict:
         """`tq.init()` asks a bootstrap provider to start the backend's storage.
         stowd is started outside TransferQueue (one per node), so there is
         nothing to start; each process resolves its endpoints when its client
-        is created."""
+        is created. It leaves a marker in the backend's config section: a
+        process that unpickles the config `tq.init()` stores with the
+        controller (a bare `tq.init()` in a Ray actor) imports this module
+        and so registers the backend (`_Registrar`)."""
+        try:
+            for name in (BACKEND, *ALIASES, TQ_BACKEND):
+                section = conf.backend.get(name) if "backend" in conf else None
+                if section is not None and _HOOK_KEY not in section:
+                    section[_HOOK_KEY] = _Registrar()
+        except Exception as e:  # noqa: BLE001 - the hook is a convenience
+            _log.debug("could not leave the registration marker in the config: %s", e)
         return {}
 
     def _close_backend(name: str, resources) -> None:
@@ -285,7 +589,7 @@ if _TQ_IMPORT_ERROR is None:
         original = _tq_interface.close
         if getattr(original, "_stowage_wrapped", False):
             return
-        names = {n.lower() for n in (BACKEND, *ALIASES)}
+        names = {n.lower() for n in (BACKEND, *ALIASES, TQ_BACKEND)}
 
         @functools.wraps(original)
         def close():
@@ -308,6 +612,31 @@ else:  # pragma: no cover - exercised only without transfer_queue
         def __init__(self, *args, **kwargs):
             _require_tq()
 
+    StowageTQStorageManager = StowageStorageManager  # type: ignore[misc]
+
+
+
+_HOOK_KEY = "registered_by"
+
+
+class _Registrar:
+    """A marker `tq.init()` leaves in this backend's config section (see
+    `_bootstrap`): unpickling it registers the backend in that process."""
+
+    def __reduce__(self):
+        return (_registered_marker, ())
+
+    def __repr__(self) -> str:
+        return "stowage.transferqueue.register"
+
+
+def _registered_marker() -> "_Registrar":
+    try:
+        register()
+    except ImportError:
+        pass
+    return _Registrar()
+
 
 _registered = False
 
@@ -323,6 +652,8 @@ def register() -> None:
     for name in (BACKEND, *ALIASES):
         StorageManagerFactory.register(name)(StowageStorageManager)
         StorageBootstrapProvider.register_provider(name)(_bootstrap)
+    StorageManagerFactory.register(TQ_BACKEND)(StowageTQStorageManager)
+    StorageBootstrapProvider.register_provider(TQ_BACKEND)(_bootstrap)
     _wrap_close()
     _registered = True
 
@@ -333,9 +664,13 @@ if _TQ_IMPORT_ERROR is None:
 __all__ = [
     "ALIASES",
     "BACKEND",
+    "PROTOCOLS",
     "StowageStorageManager",
+    "StowageTQStorageManager",
+    "TQ_BACKEND",
     "read_endpoints_file",
     "register",
+    "resolve_native",
     "resolve_zmq_info",
     "storage_unit_infos",
 ]

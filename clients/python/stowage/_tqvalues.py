@@ -1,0 +1,187 @@
+"""TransferQueue's values on stowage/1, and back, as SimpleStorage returns them.
+
+The native TransferQueue backend (`stowage.transferqueue`, protocol
+"stowage") stores a TensorDict's fields as stowage/1 fields and rebuilds a
+TensorDict from a get. What comes back is what TransferQueue 0.1.11's own
+SimpleStorage returns for the same input (its storage units keep one value
+per row, and its manager packs a field's rows with
+`AsyncSimpleStorageManager._pack_field_values`), including its quirks:
+
+- a regular tensor `[n]` comes back dense `[n]`; one of `[n, d1, ...]` comes
+  back as a *jagged nested* tensor of n rows `[d1, ...]` (SimpleStorage
+  stacks 0-d rows and packs the others with `as_nested_tensor(jagged)`).
+  Here it is `nested_tensor_from_jagged` over the received buffer: no copy,
+  no tensor per row;
+- a jagged nested tensor travels as its values plus offsets (one piece per
+  message, rows described by arithmetic) and comes back the same way;
+- rows of one dtype whose shapes differ beyond the first axis come back as
+  SimpleStorage gives them (it tries jagged, then strided, then a
+  `NonTensorStack`), from tensors per row, as it does;
+- non-tensor values (`NonTensorStack` rows): str, bytes, bool, None, ints
+  of 64 bits and floats are stowage/1 values; anything else (dicts, lists,
+  tuples, numpy arrays, tensors inside containers, objects) is encoded per
+  row with TransferQueue's own serializer (`transfer_queue.utils.serial_utils`,
+  msgspec with its tensor/numpy/pickle hooks) into one msgpack ext value
+  (`EXT_TQ`), so it decodes to what SimpleStorage returns: a tuple or set
+  comes back a list, a bytearray bytes, a numpy array a read-only array,
+  an object its unpickled copy. One difference: SimpleStorage pickles a
+  whole *message* when msgspec cannot encode one row (e.g. an int over 64
+  bits), which then keeps the other rows' tuples as tuples; here only that
+  row is pickled.
+- a field whose rows are all tensors (a `NonTensorStack` of tensors) comes
+  back as SimpleStorage packs it: 0-d rows stacked, others jagged, etc.
+
+This module needs torch, tensordict and transfer_queue; the backend imports
+it only when TransferQueue is installed.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import msgpack
+import numpy as np
+import torch
+from tensordict import TensorDict
+from transfer_queue.storage.managers.simple_storage_manager import AsyncSimpleStorageManager
+from transfer_queue.utils import serial_utils
+
+from . import _codec
+from ._codec import Packed
+
+EXT_TQ = 84
+"""The msgpack ext code of a value encoded with TransferQueue's serializer
+(`serial_utils.encode`, its frames packed with `serial_utils.pack_into`)."""
+
+_pack_field_values = AsyncSimpleStorageManager._pack_field_values
+
+_INT_MIN, _UINT_MAX = -(1 << 63), (1 << 64) - 1
+
+
+def _plain(v) -> bool:
+    """A value stowage/1 carries as itself and msgspec returns unchanged."""
+    t = type(v)
+    if t is str or t is bytes or v is None or t is bool or t is float:
+        return True
+    return t is int and _INT_MIN <= v <= _UINT_MAX
+
+
+def encode_value(v) -> Any:
+    """One non-tensor row -> a stowage/1 value."""
+    if _plain(v):
+        return v
+    if type(v) in (bytearray, memoryview):  # SimpleStorage returns these as bytes
+        return bytes(v)
+    items = serial_utils.encode(v)
+    buf = bytearray(serial_utils.calc_packed_size(items))
+    serial_utils.pack_into(buf, items)
+    return msgpack.ExtType(EXT_TQ, bytes(buf))
+
+
+def decode_value(v) -> Any:
+    if type(v) is msgpack.ExtType and v.code == EXT_TQ:
+        return serial_utils.decode(serial_utils.unpack_from(v.data))
+    return v
+
+
+def _wire_dtype_ok(t: torch.Tensor) -> bool:
+    """stowage/1 carries this tensor's dtype (not: quantized, bits, sub-byte ints)."""
+    return str(t.dtype).removeprefix("torch.") in _codec.WIRE_DTYPES
+
+
+def to_wire(name: str, value: Any, n: int) -> Any:
+    """One TensorDict field (as `td[name]` gives it) -> what `Client.put` takes."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() == 0:
+            raise ValueError(f"field {name!r}: a 0-d tensor has no rows")
+        if _wire_dtype_ok(value):
+            return value
+        return [encode_value(r) for r in value.unbind()]
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__len__"):
+        # (extract_field_schema refused anything else of the wrong length first)
+        raise TypeError(f"field {name!r}: expected a tensor or n values, got {type(value).__name__}")
+    rows = list(value)
+    if len(rows) != n:
+        raise ValueError(f"field {name!r} has {len(rows)} rows but {n} global indexes were given")
+    if rows and all(type(r) is torch.Tensor and not r.is_nested for r in rows):
+        dtypes = {r.dtype for r in rows}
+        if len(dtypes) == 1 and _wire_dtype_ok(rows[0]):
+            return rows  # nested: one dtype, rows of any shape (SimpleStorage packs them on get)
+    return [encode_value(r) for r in rows]
+
+
+def _jagged(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
+    torch.cumsum(lengths, 0, out=offsets[1:])
+    return torch.nested.nested_tensor_from_jagged(values, offsets)
+
+
+def from_wire(value: Any, n: int) -> Any:
+    """One field of `Client.get(..., as_torch=True, nested="packed")` -> what
+    SimpleStorage's get gives for it."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() <= 1:
+            return value  # rows of 0-d: stacked, as SimpleStorage does
+        d1 = value.shape[1]
+        lengths = torch.full((n,), d1, dtype=torch.int64)
+        return _jagged(value.reshape(n * d1, *value.shape[2:]), lengths)
+    if isinstance(value, Packed):
+        shapes = value.shapes
+        tails = {s[1:] for s in shapes}
+        if len(tails) == 1 and all(len(s) >= 1 for s in shapes):
+            tail = tails.pop()
+            lengths = torch.tensor([s[0] for s in shapes], dtype=torch.int64)
+            return _jagged(value.values.reshape(-1, *tail) if math.prod(tail) else
+                           value.values.new_empty((int(lengths.sum()), *tail)), lengths)
+        counts = [math.prod(s) for s in shapes]
+        starts = np.concatenate(([0], np.cumsum(counts))).tolist()
+        rows = [value.values[starts[i]:starts[i + 1]].reshape(s) for i, s in enumerate(shapes)]
+        return _pack_field_values(rows)
+    return _pack_field_values([decode_value(v) for v in value])
+
+
+def apply_parser(data_parser: Callable[[Any], Any], fields: dict) -> dict:
+    """`data_parser` on the put's fields, with the checks SimpleStorage's unit
+    makes (a dict, the same keys, the same element counts). It sees what a
+    SimpleStorageUnit's parser sees: a regular tensor column as a tensor,
+    nested tensors and non-tensor columns as lists of their rows."""
+    if not callable(data_parser):
+        raise TypeError(f"data_parser must be callable, got {type(data_parser).__name__}")
+    field_data = {}
+    for k, v in fields.items():
+        if isinstance(v, torch.Tensor):
+            field_data[k] = list(v.unbind()) if v.is_nested else v
+        else:
+            field_data[k] = list(v)
+    original_keys = set(field_data)
+    original_lengths = {k: _length(v) for k, v in field_data.items()}
+    out = data_parser(field_data)
+    if not isinstance(out, dict):
+        raise TypeError(f"data_parser must return a dict, got {type(out).__name__}")
+    if set(out) != original_keys:
+        raise ValueError(
+            f"data_parser must not change dict keys. Original keys: {sorted(original_keys)}, got: {sorted(out)}"
+        )
+    for k, v in out.items():
+        new_len, orig_len = _length(v), original_lengths[k]
+        if orig_len is not None and new_len is not None and orig_len != new_len:
+            raise ValueError(f"data_parser changed the number of elements for key '{k}': "
+                             f"expected {orig_len}, got {new_len}")
+    return out
+
+
+def _length(v) -> int | None:
+    if hasattr(v, "shape") and isinstance(v.shape, tuple | list) and len(v.shape) > 0:
+        return v.shape[0]
+    try:
+        return len(v)
+    except Exception:  # noqa: BLE001 - SimpleStorage's own check
+        return None
+
+
+def tensordict(fields: dict, n: int) -> TensorDict:
+    return TensorDict(fields, batch_size=n)
+
+
+__all__ = ["EXT_TQ", "apply_parser", "decode_value", "encode_value", "from_wire", "tensordict", "to_wire"]
