@@ -551,12 +551,9 @@ if _TQ_IMPORT_ERROR is None:
         # unit this manager knows, which stowd's router (all its local units
         # in one file) and unit endpoints answer.
 
-        async def put_data(self, data, metadata, data_parser=None) -> None:
-            if data_parser is not None:
-                raise ValueError(
-                    f"a data_parser is not supported with backend.{BACKEND}.protocol: transferqueue (stowd runs "
-                    "no Python); the native mode (protocol: stowage, the default) applies it in the client")
-            await super().put_data(data, metadata)
+        # A data_parser goes to stowd with the put, as TransferQueue sends it,
+        # and stowd refuses it (PUT_ERROR "... data_parser ... not supported
+        # by stowd"): stowd runs no Python. The native mode applies it.
 
     def _bootstrap(conf) -> dict:
         """`tq.init()` asks a bootstrap provider to start the backend's storage.

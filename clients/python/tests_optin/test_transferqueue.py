@@ -9,15 +9,18 @@ TransferQueue's own tests do, the controller and SimpleStorageUnit classes
 (Ray actor classes) are instantiated directly in this process, and the
 client is TransferQueue's `TransferQueueClient`.
 
-What runs:
-- TransferQueue -> adapter ("Stowage" backend) -> stowd's router -> stowd's
-  units; and with `mode: units`, TransferQueue routing over stowd's units.
+The TransferQueue-protocol mode of the "Stowage" backend (`protocol:
+transferqueue`); the native mode has test_transferqueue_native.py. What runs:
+- TransferQueue -> adapter ("Stowage" backend, protocol transferqueue) ->
+  stowd's router -> stowd's units; and with `mode: units`, TransferQueue
+  routing over stowd's units.
 - TransferQueue -> stowd's router -> TransferQueue's own SimpleStorageUnits
   (`[router] units` lists them): stowd as a router in front of TransferQueue.
 - The same batch through TransferQueue's own units, directly: the reference
   every stowd result is compared with (types, layouts, dtypes, values).
 - tq's high-level KV API (kv_batch_put / kv_batch_get) with the client made
-  by tq's own `_maybe_create_tq_client(conf)` from a config naming "Stowage".
+  by tq's own `_maybe_create_tq_client(conf)` from a config naming "Stowage"
+  (the native mode, the default).
 """
 
 from __future__ import annotations
@@ -201,7 +204,11 @@ def test_registered_with_transferqueue():
     for name in ("Stowage", "StowageStorageManager"):
         assert StorageManagerFactory._registry[name] is stq.StowageStorageManager
         assert StorageBootstrapProvider.get_provider(name) is not None
-    assert issubclass(stq.StowageStorageManager, tq.storage.AsyncSimpleStorageManager)
+    assert StorageManagerFactory._registry["StowageTQ"] is stq.StowageTQStorageManager
+    # the native mode is TransferQueue's StorageManager interface on the stowage client;
+    # the TransferQueue-protocol mode is TransferQueue's own per-row manager
+    assert not issubclass(stq.StowageStorageManager, tq.storage.AsyncSimpleStorageManager)
+    assert issubclass(stq.StowageTQStorageManager, tq.storage.AsyncSimpleStorageManager)
     stq.register()  # idempotent
 
 
@@ -247,11 +254,16 @@ def test_config_errors(controller, tmp_path, monkeypatch):
         stq.StowageStorageManager(info, {})
     with pytest.raises(FileNotFoundError, match="stowd serve --endpoints-file"):
         stq.StowageStorageManager(info, {"endpoints_file": str(tmp_path / "none.json"), "wait_secs": 0.2})
-    (tmp_path / "e.json").write_text('{"units": [], "router": null}')
-    with pytest.raises(ValueError, match="no router"):
+    (tmp_path / "e.json").write_text('{"units": [], "router": null, "native": null}')
+    with pytest.raises(ValueError, match="no native endpoint"):
         stq.StowageStorageManager(info, {"endpoints_file": str(tmp_path / "e.json")})
+    with pytest.raises(ValueError, match="protocol must be"):
+        stq.StowageStorageManager(info, {"endpoints_file": str(tmp_path / "e.json"), "protocol": "zmq"})
+    tqp = {"endpoints_file": str(tmp_path / "e.json"), "protocol": "transferqueue"}
+    with pytest.raises(ValueError, match="no router"):
+        stq.StowageStorageManager(info, tqp)
     with pytest.raises(ValueError, match="mode"):
-        stq.StowageStorageManager(info, {"endpoints_file": str(tmp_path / "e.json"), "mode": "sideways"})
+        stq.StowageStorageManager(info, dict(tqp, mode="sideways"))
 
 
 def test_resolution_order(stowd, monkeypatch):
@@ -299,7 +311,7 @@ def test_reference_shape(reference):
 
 def test_router_mode(clients, stowd, reference):
     """The adapter's default: TransferQueue sees ONE unit, stowd's router."""
-    c = clients("Stowage", {"endpoints_file": str(stowd.endpoints_path)})
+    c = clients("Stowage", {"protocol": "transferqueue", "endpoints_file": str(stowd.endpoints_path)})
     assert list(c.storage_manager.storage_unit_infos) == [stowd["router"]["id"]]
     before = unit_keys(stowd)
     full, sub, meta = roundtrip(c, "router", make_batch(seed=1))
@@ -314,7 +326,7 @@ def test_router_mode(clients, stowd, reference):
 
 def test_units_mode(clients, stowd, reference):
     """`mode: units`: TransferQueue routes over stowd's units itself."""
-    c = clients("Stowage", {"endpoints_file": str(stowd.endpoints_path), "mode": "units"})
+    c = clients("Stowage", {"protocol": "transferqueue", "endpoints_file": str(stowd.endpoints_path), "mode": "units"})
     assert list(c.storage_manager.storage_unit_infos) == stowd.unit_ids
     before = unit_keys(stowd)
     full, sub, meta = roundtrip(c, "units", make_batch(seed=2))
@@ -328,7 +340,7 @@ def test_units_mode(clients, stowd, reference):
 def test_router_over_transferqueue_units(clients, stowd_over_tq, tq_units, reference):
     """stowd's router in front of TransferQueue's own SimpleStorageUnits."""
     assert stowd_over_tq["units"] == []
-    c = clients("Stowage", {"endpoint": stowd_over_tq["router"]["endpoint"]})
+    c = clients("Stowage", {"protocol": "transferqueue", "endpoint": stowd_over_tq["router"]["endpoint"]})
     before = [u.storage_data.active_key_count for u in tq_units]
     full, sub, meta = roundtrip(c, "over-tq", make_batch(seed=3))
     assert (describe(full), describe(sub)) == reference
@@ -356,7 +368,7 @@ def test_larger_batch(clients, stowd):
         },
         batch_size=n,
     )
-    c = clients("Stowage", {"endpoints_file": str(stowd.endpoints_path)})
+    c = clients("Stowage", {"protocol": "transferqueue", "endpoints_file": str(stowd.endpoints_path)})
     meta = c.put(batch, partition_id="big")
     got = c.get_data(meta)
     assert_rows_equal(got, batch, list(range(n)))
@@ -369,7 +381,7 @@ def test_checkpoint_through_the_adapter(clients, stowd, tmp_path, monkeypatch):
     units to one file and loads them back. The rows come back after
     stowd's units lost them; a relative path is refused by stowd, and
     TransferQueue raises with stowd's message."""
-    c = clients("Stowage", {"endpoints_file": str(stowd.endpoints_path)})
+    c = clients("Stowage", {"protocol": "transferqueue", "endpoints_file": str(stowd.endpoints_path)})
     batch = make_batch(seed=11)
     meta = c.put(batch, partition_id="ckpt")
     pos = {g: i for i, g in enumerate(meta.global_indexes)}
@@ -389,7 +401,7 @@ def test_checkpoint_through_the_adapter(clients, stowd, tmp_path, monkeypatch):
 def test_data_parser_refused(clients, stowd):
     """stowd does not run a TransferQueue data_parser: the put fails, and
     nothing is stored."""
-    c = clients("Stowage", {"endpoints_file": str(stowd.endpoints_path)})
+    c = clients("Stowage", {"protocol": "transferqueue", "endpoints_file": str(stowd.endpoints_path)})
     before = unit_keys(stowd)
     with pytest.raises(RuntimeError, match="data_parser"):
         c.put(make_batch(), partition_id="parser", data_parser=lambda d: d)
@@ -415,7 +427,7 @@ def test_refused_value_kinds(clients, stowd, tq_units, name, value):
     assert len(rows_of(ref.get_data(meta)[name])) == N  # TransferQueue itself takes it
     ref.clear_partition(f"refused-ref-{name}")
 
-    c = clients("Stowage", {"endpoints_file": str(stowd.endpoints_path)})
+    c = clients("Stowage", {"protocol": "transferqueue", "endpoints_file": str(stowd.endpoints_path)})
     before = unit_keys(stowd)
     with pytest.raises(RuntimeError, match="not supported by stowd"):
         c.put(TensorDict({name: value}, batch_size=N), partition_id=f"refused-{name}")
