@@ -6,7 +6,12 @@ Systems
   stowage-tcp     stowage Python client -> stowd native protocol over tcp
   stowage-shm     stowage Python client -> stowd, same-node shared memory
   tq->stowd       TransferQueue's own client + AsyncSimpleStorageManager
-                  (adapter backend "Stowage") -> stowd's router (TQ protocol)
+                  (backend "Stowage", protocol: transferqueue) -> stowd's
+                  router (TQ protocol)
+  tq->stowd native     TransferQueue's own client + the native backend
+                  (backend "Stowage", the default protocol: stowage) ->
+                  stowd's native endpoint over tcp (stowage/1, Rust core)
+  tq->stowd same-node  the same, same-node mode (shared memory)
   tq              TransferQueue's own client + storage manager -> 4 of its
                   SimpleStorageUnits in a separate process (no Ray: the
                   classes are built through __ray_metadata__.modified_class)
@@ -63,7 +68,7 @@ import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SYSTEMS = ["stowage-tcp", "stowage-shm", "tq->stowd", "tq"]
+SYSTEMS = ["stowage-tcp", "stowage-shm", "tq->stowd native", "tq->stowd same-node", "tq->stowd", "tq"]
 WORKLOADS = ["headline", "small", "mixed", "irregular", "many-small"]
 BEGIN, END = "<!-- bench/suite.py: begin -->", "<!-- bench/suite.py: end -->"
 
@@ -406,15 +411,46 @@ class TQ:
         c.initialize_storage_manager(manager_type=backend, config=section)
         return c
 
-    def run(self, sysname, w, client, server_pid, reps, rec):
+    def run(self, sysname, w, client, server_pid, reps, rec, native=None):
+        """`native`: stowd's native endpoint, for the native backend: then
+        each op also records the seconds spent inside the backend's stowage
+        client calls (`stowage_s`: the rest is TransferQueue's own layer:
+        its controller calls, the field schema, building the TensorDict)
+        and stowd's `copied_bytes` delta."""
         td = w.tensordict()
         names = list(w.fields)
         pids = [os.getpid(), server_pid]
+        inner = [0.0]
+        probe = None
+        if native is not None:
+            import stowage
+            probe = stowage.Client(native)
+            clients = client.storage_manager._clients
+            run0 = clients.run
+
+            async def timed(*args, **kwargs):
+                t0 = time.perf_counter()
+                try:
+                    return await run0(*args, **kwargs)
+                finally:
+                    inner[0] += time.perf_counter() - t0
+
+            clients.run = timed
+
+        def extra(c0):
+            if probe is None:
+                return None
+            return {"stowage_s": inner[0], "copied": probe.stats()["copied_bytes"] - c0}
+
+        def copied():
+            return probe.stats()["copied_bytes"] if probe is not None else 0
+
         for _ in range(reps):
             self.k += 1
             part = f"bench{self.k}"
+            inner[0], c0 = 0.0, copied()
             t, meta, mem = measure(lambda: client.put(td, partition_id=part), pids)
-            rec(sysname, w, "put", t, mem)
+            rec(sysname, w, "put", t, mem, extra=extra(c0))
             fetched = client.get_meta(data_fields=names, batch_size=w.n, partition_id=part, mode="fetch",
                                       task_name=f"bench{self.k}")
             pos_of = {g: i for i, g in enumerate(meta.global_indexes)}
@@ -424,12 +460,15 @@ class TQ:
                 sub = fetched.select_samples([at[p] for p in w.get_pos])
             else:
                 sub = fetched
+            inner[0], c0 = 0.0, copied()
             t, got, mem = measure(lambda: client.get_data(sub), pids)
             check_tq(w, got, sub, pos_of)
             del got
-            rec(sysname, w, "get", t, mem)
+            rec(sysname, w, "get", t, mem, extra=extra(c0))
             client.clear_partition(part)
             del meta, fetched, sub
+        if probe is not None:
+            probe.close()
 
 
 def check_tq(w, got, sub, pos_of):
@@ -673,7 +712,7 @@ def summarize(results, reps):
             ov = [overhead(r["mem"]["server"], e) for r, e in zip(rs, ex)]
             s["server_overhead"] = med(ov) / nb
             s["server_first_overhead"] = ov[0] / nb
-        for k in ("copied", "frames", "segments", "kept"):
+        for k in ("copied", "frames", "segments", "kept", "stowage_s"):
             if k in ex[0]:
                 s[k] = med(e[k] for e in ex)
         out[key] = s
@@ -759,6 +798,46 @@ def report(S, wls, meta, systems):
                  f"{ratio(gbs('stowage-tcp', w.name, 'put'), gbs('tcp stream', w.name, 'put'))} | "
                  f"{ratio(gbs('stowage-tcp', w.name, 'get'), gbs('tcp stream', w.name, 'get'))} |")
     L.append("")
+    if any(pg(S, x, w.name) for x in ("tq->stowd native", "tq->stowd same-node") for w in wls):
+        L.append("### TransferQueue users: the native backend")
+        L.append("")
+        L.append("**tq->stowd native** / **same-node**: TransferQueue's own client with backend `Stowage` "
+                 "(protocol stowage, the default) over tcp / same node. TQ layer: the part of the native "
+                 "backend's put+get time spent outside its stowage client calls (TransferQueue's "
+                 "`get_meta(insert)`, `extract_field_schema`, the controller notification and custom meta "
+                 "on put; building the TensorDict on get), measured in the same repetitions. Target: "
+                 "tq->stowd native at least 0.8x stowage-tcp, or, where the TQ layer alone exceeds 20% "
+                 "of stowage-tcp's time, within 10% of stowage-tcp's time plus that layer. Client peak "
+                 "during the get over the payload. Copied: stowd's `copied_bytes` on the get, the "
+                 "backend's / the native client's.")
+        L.append("")
+        L.append("| workload | stowage-tcp put+get GB/s | native / stowage-tcp | TQ layer s (put+get) | "
+                 "native s vs target s | same-node / stowage-shm | tq->stowd (TQ protocol) / stowage-tcp | "
+                 "client peak, get: native / same-node / stowage-tcp | stowd copied on get MiB: native / "
+                 "stowage-tcp |")
+        L.append("|---|---:|---:|---:|---:|---:|---:|---|---|")
+        for w in wls:
+            tcp, shm = pg(S, "stowage-tcp", w.name), pg(S, "stowage-shm", w.name)
+            nat, nsn, old = pg(S, "tq->stowd native", w.name), pg(S, "tq->stowd same-node", w.name), \
+                pg(S, "tq->stowd", w.name)
+            ops = [S.get(("tq->stowd native", w.name, op), {}) for op in ("put", "get")]
+            tops = [S.get(("stowage-tcp", w.name, op), {}) for op in ("put", "get")]
+            layer = sum(o["t"] - o.get("stowage_s", o["t"]) for o in ops if o) if all(ops) else None
+            t_nat = sum(o["t"] for o in ops) if all(ops) else None
+            t_tcp = sum(o["t"] for o in tops) if all(tops) else None
+            target = None
+            if t_tcp and layer is not None:
+                target = t_tcp / 0.8 if layer <= 0.2 * t_tcp else (t_tcp + layer) * 1.1
+            peak = lambda sysn: (f"{S[(sysn, w.name, 'get')]['client_peak']:.2f}"  # noqa: E731
+                                 if "client_peak" in S.get((sysn, w.name, "get"), {}) else "n/a")
+            cop = lambda sysn: (f"{S[(sysn, w.name, 'get')]['copied'] / 2**20:,.1f}"  # noqa: E731
+                                if "copied" in S.get((sysn, w.name, "get"), {}) else "n/a")
+            L.append(f"| {w.name} | {fmt_gbs(tcp) if tcp else 'n/a'} | {ratio(nat, tcp)} | "
+                     f"{f'{layer:.3f}' if layer is not None else 'n/a'} | "
+                     f"{f'{t_nat:.3f} vs {target:.3f}' if t_nat and target else 'n/a'} | {ratio(nsn, shm)} | "
+                     f"{ratio(old, tcp)} | {peak('tq->stowd native')} / {peak('tq->stowd same-node')} / "
+                     f"{peak('stowage-tcp')} | {cop('tq->stowd native')} / {cop('stowage-tcp')} |")
+        L.append("")
     if base:
         L.append(f"### New stowd vs {base}")
         L.append("")
@@ -909,6 +988,7 @@ def plots(S, wls, systems, imgdir, title_extra):
     import numpy as np
     os.makedirs(imgdir, exist_ok=True)
     colors = {"stowage-tcp": "#1f77b4", "stowage-shm": "#2ca02c", "tq->stowd": "#9467bd", "tq": "#d62728",
+              "tq->stowd native": "#17becf", "tq->stowd same-node": "#ff7f0e",
               "pyzmq loopback": "#7f7f7f", "tcp stream": "#bcbd22"}
     light = {"stowage-tcp": "#aec7e8", "stowage-shm": "#98df8a"}
     for sname in systems:  # the baseline stowd's systems: the lighter shade of the same hue
@@ -1095,8 +1175,17 @@ def main():
                 finally:
                     for c in clients.values():
                         c.close()
+            for sysname, same in (("tq->stowd native", False), ("tq->stowd same-node", True)):
+                if sysname in systems:
+                    ep = stowds[""].ep["native"]
+                    tq_native = tq.client("Stowage", {"endpoint": ep, "same_node": same})
+                    try:
+                        tq.run(sysname, w, tq_native, stowds[""].pid, a.reps, rec, native=ep)
+                    finally:
+                        tq_native.close()
             if "tq->stowd" in systems:
-                tq_stowd = tq.client("Stowage", {"endpoint": stowds[""].ep["router"]["endpoint"]})
+                tq_stowd = tq.client("Stowage", {"protocol": "transferqueue",
+                                                 "endpoint": stowds[""].ep["router"]["endpoint"]})
                 try:
                     tq.run("tq->stowd", w, tq_stowd, stowds[""].pid, a.reps, rec)
                 finally:

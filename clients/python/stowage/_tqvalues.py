@@ -31,8 +31,9 @@ per row, and its manager packs a field's rows with
 - a field whose rows are all tensors (a `NonTensorStack` of tensors) comes
   back as SimpleStorage packs it: 0-d rows stacked, others jagged, etc.
 
-This module needs torch, tensordict and transfer_queue; the backend imports
-it only when TransferQueue is installed.
+This module needs torch, tensordict and transfer_queue (it imports without
+them, for the package's import checks; `IMPORT_ERROR` says why they are
+missing); the backend imports it only when TransferQueue is installed.
 """
 
 from __future__ import annotations
@@ -42,19 +43,28 @@ from typing import Any, Callable
 
 import msgpack
 import numpy as np
-import torch
-from tensordict import TensorDict
-from transfer_queue.storage.managers.simple_storage_manager import AsyncSimpleStorageManager
-from transfer_queue.utils import serial_utils
 
 from . import _codec
 from ._codec import Packed
+
+try:  # only `stowage.transferqueue` imports this module, when TransferQueue is installed
+    import torch
+    from tensordict import TensorDict
+    from transfer_queue.storage.managers.simple_storage_manager import AsyncSimpleStorageManager
+    from transfer_queue.utils import serial_utils
+except ImportError as e:  # pragma: no cover - exercised only without transfer_queue
+    IMPORT_ERROR: ImportError | None = e
+else:
+    IMPORT_ERROR = None
 
 EXT_TQ = 84
 """The msgpack ext code of a value encoded with TransferQueue's serializer
 (`serial_utils.encode`, its frames packed with `serial_utils.pack_into`)."""
 
-_pack_field_values = AsyncSimpleStorageManager._pack_field_values
+
+def _pack_field_values(values: list):
+    """TransferQueue 0.1.11's own packing of a field's rows (SimpleStorage's get)."""
+    return AsyncSimpleStorageManager._pack_field_values(values)
 
 _INT_MIN, _UINT_MAX = -(1 << 63), (1 << 64) - 1
 
@@ -85,7 +95,7 @@ def decode_value(v) -> Any:
     return v
 
 
-def _wire_dtype_ok(t: torch.Tensor) -> bool:
+def _wire_dtype_ok(t) -> bool:
     """stowage/1 carries this tensor's dtype (not: quantized, bits, sub-byte ints)."""
     return str(t.dtype).removeprefix("torch.") in _codec.WIRE_DTYPES
 
@@ -111,7 +121,7 @@ def to_wire(name: str, value: Any, n: int) -> Any:
     return [encode_value(r) for r in rows]
 
 
-def _jagged(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+def _jagged(values, lengths):
     offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
     torch.cumsum(lengths, 0, out=offsets[1:])
     return torch.nested.nested_tensor_from_jagged(values, offsets)
@@ -180,7 +190,7 @@ def _length(v) -> int | None:
         return None
 
 
-def tensordict(fields: dict, n: int) -> TensorDict:
+def tensordict(fields: dict, n: int):
     return TensorDict(fields, batch_size=n)
 
 

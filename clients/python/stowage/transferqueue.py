@@ -116,6 +116,9 @@ from pathlib import Path
 from typing import Any, Iterable
 from urllib.parse import urlsplit
 
+from .client import Client
+from .errors import KeyNotFound
+
 BACKEND = "Stowage"
 """The name this adapter registers with TransferQueue (`backend.storage_backend`)."""
 
@@ -148,6 +151,7 @@ try:  # TransferQueue is optional: it pulls in torch and ray.
     from transfer_queue.storage.simple_storage import KEY_NOT_FOUND_MARKER, StorageKeyNotFoundError
     from transfer_queue.utils.enum_utils import Role
     from transfer_queue.utils.zmq_utils import ZMQServerInfo
+    from tensordict import TensorDict
 except ImportError as _e:  # pragma: no cover - exercised only without transfer_queue
     _TQ_IMPORT_ERROR: ImportError | None = _e
 else:
@@ -379,8 +383,6 @@ class _Clients:
     def _client(self):
         c = getattr(self._local, "client", None)
         if c is None:
-            from .client import Client
-
             c = Client(self.endpoint, timeout=self.timeout, same_node=self.same_node)
             with self._lock:
                 if self._closed:
@@ -411,7 +413,6 @@ class _Clients:
 
 if _TQ_IMPORT_ERROR is None:
     from . import _tqvalues
-    from .errors import KeyNotFound
 
     class StowageStorageManager(StorageManager):
         """TransferQueue 0.1.11's storage-manager interface on stowd's native
@@ -477,8 +478,6 @@ if _TQ_IMPORT_ERROR is None:
         async def get_data(self, metadata):
             """The rows of `metadata` (its global indexes, its fields) as the
             TensorDict SimpleStorage returns for them."""
-            from tensordict import TensorDict
-
             n = metadata.size
             if n == 0:
                 return TensorDict({}, batch_size=0)
