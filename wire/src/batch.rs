@@ -13,7 +13,9 @@ pub enum Value {
     Bytes(Bytes),
     /// Any other value, kept as its exact msgpack encoding (for example a
     /// TransferQueue ext 1 pickle): stored and returned unchanged, never
-    /// interpreted.
+    /// interpreted; but for TransferQueue's values with arrays inside, kept
+    /// in an inlined form that the TransferQueue encoder writes back with
+    /// one data frame per array (see `tq`'s module doc).
     Msgpack(Bytes),
 }
 

@@ -6,7 +6,19 @@
 //! sender_id, receiver_id, request_id, timestamp, body}` and frames 1.. are
 //! raw tensor bytes referenced from the body by absolute frame index. Tensors
 //! travel as msgpack ext 3 whose payload is a pickle of `(dtype, shape,
-//! frame_index)`; see `shared/protocols/transferqueue.md`.
+//! frame_index)`, nested tensors as ext 4, numpy arrays as ext 5 `(numpy
+//! dtype str, shape, frame_index)`; see `shared/protocols/transferqueue.md`.
+//!
+//! A PUT field is stored as `SimpleStorageUnit` stores it, one row per
+//! index: a regular tensor's rows and a list of tensors (nested field) as
+//! zero-copy tensors over the received frames; anything else per row as a
+//! value. A value with arrays inside (a per-row numpy array, a tensor in a
+//! list or dict or among `None`s, a nested tensor as a row) is kept in an
+//! *inlined* form, its arrays' bytes copied once inside it, and written back
+//! with a fresh frame per array (`framed`). A whole field sent as one numpy
+//! array gives the rows numpy's iteration gives: (n-1)-d arrays, or for a
+//! 1-d array numpy scalars, which TransferQueue's encoder sends as ext 1
+//! pickles and `numpy` writes byte for byte as numpy 2.x pickles them.
 //!
 //! Decoding follows the real `SimpleStorageUnit`: anything that fails while
 //! the Python side would still be decoding the message (bad msgpack, unknown
@@ -22,6 +34,8 @@
 
 mod decode;
 mod encode;
+mod framed;
+mod numpy;
 
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -632,6 +646,23 @@ pub enum Error {
         /// The length mismatch.
         source: TensorError,
     },
+    /// Undecodable: a frame's length is not shape x itemsize of its numpy dtype.
+    #[error(
+        "data frame {frame} does not fit its numpy array: shape {shape:?} of {dtype} needs {expected} bytes, \
+         the frame has {actual}"
+    )]
+    NumpyLength {
+        /// The absolute frame index.
+        frame: usize,
+        /// The numpy dtype string.
+        dtype: String,
+        /// The declared shape.
+        shape: Vec<u64>,
+        /// Bytes the shape needs.
+        expected: u128,
+        /// Bytes in the frame.
+        actual: usize,
+    },
     /// A decodable request whose body is wrong for its operation (missing key, wrong type).
     #[error("{detail}")]
     Body {
@@ -673,7 +704,8 @@ pub enum Error {
         /// The configured limit.
         limit: u64,
     },
-    /// A field value stowd cannot store or represent yet (numpy arrays, frames inside plain values, ...).
+    /// A field value stowd cannot store or represent (a pickled object as a
+    /// whole field, a 1-d numpy array of datetimes as a whole field, ...).
     #[error("field '{field}': {what} is not supported by stowd")]
     Unsupported {
         /// The operation (gives the reply type).

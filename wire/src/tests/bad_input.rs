@@ -434,10 +434,10 @@ fn bad_pickles_and_unknown_ext_types_are_undecodable() {
 }
 
 #[test]
-fn numpy_arrays_are_checked_then_refused() {
+fn numpy_arrays_are_checked_then_stored() {
+    // ext 5 is stored (see tests/values.rs); its frame index is still checked.
     let np = ext(5, &pickle::dumps_tensor_meta("<U2", &[2], 1));
-    let e = fails(&put(np.clone(), &[zeros(16)]), ErrorReply::Put);
-    assert!(matches!(e, Error::Unsupported { .. }), "{e}");
+    assert!(decode_request(&put(np.clone(), &[zeros(16)])).is_ok());
     assert_eq!(
         fails(&put(np, &[]), ErrorReply::PutGet),
         Error::FrameIndex {
@@ -448,18 +448,17 @@ fn numpy_arrays_are_checked_then_refused() {
 }
 
 #[test]
-fn frames_inside_plain_values_or_mixed_lists_are_refused() {
+fn frames_inside_plain_values_or_mixed_lists_are_inlined_values() {
     let t = ext3("float32", &[1], 1);
-    let mixed = array(&[t.clone(), msg_str("a")]);
-    assert!(matches!(
-        fails(&put(mixed, &[zeros(4)]), ErrorReply::Put),
-        Error::Unsupported { .. }
-    ));
-    let inside = array(&[array(&[t]), msg_str("a")]);
-    assert!(matches!(
-        fails(&put(inside, &[zeros(4)]), ErrorReply::Put),
-        Error::Unsupported { .. }
-    ));
+    for v in [
+        array(&[t.clone(), msg_str("a")]),
+        array(&[array(&[t]), msg_str("a")]),
+    ] {
+        let Request::Put { fields, .. } = decode_request(&put(v, &[zeros(4)])).unwrap() else {
+            panic!()
+        };
+        assert!(matches!(&fields[0].1, Field::Values(vs) if vs.len() == 2));
+    }
 }
 
 #[test]

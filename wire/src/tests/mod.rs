@@ -5,6 +5,7 @@ mod bad_input;
 mod dtypes;
 mod fixtures;
 mod pickle_vectors;
+mod values;
 
 use std::path::{Path, PathBuf};
 

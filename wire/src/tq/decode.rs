@@ -14,9 +14,12 @@ use super::{
     Request, request_type_name,
 };
 use crate::batch::{Cell, Field, Value};
-use crate::msgpack::{Item, MsgpackError, Reader, TQ_MAX_DEPTH};
+use crate::msgpack::{Item, MsgpackError, Reader, TQ_MAX_DEPTH, Writer};
 use crate::pickle::{self, PValue};
 use crate::tensor::{DType, Tensor, TensorError};
+
+use super::framed;
+use super::numpy::{self, NpDtype};
 
 /// Most dimensions a tensor shape may have.
 const MAX_RANK: usize = 64;
@@ -35,10 +38,21 @@ impl From<MsgpackError> for Error {
     }
 }
 
-/// The frames of one message and which data frames the body referenced.
+/// The frames of one message, which data frames the body referenced, and
+/// which were copied into inlined values (at most once each, so that the
+/// copies never exceed the message's size).
 struct Ctx<'f> {
     frames: &'f [Bytes],
     used: Vec<bool>,
+    copied: Vec<bool>,
+}
+
+/// An ext 5 array: numpy dtype string, its model, shape and frame.
+struct NumpyArray {
+    dtype: String,
+    model: NpDtype,
+    shape: Vec<u64>,
+    frame: usize,
 }
 
 fn pickle_of(code: i8, offset: usize, data: &[u8]) -> Result<PValue, Error> {
@@ -109,6 +123,7 @@ impl<'f> Ctx<'f> {
         Ctx {
             frames,
             used: vec![false; frames.len().saturating_sub(1)],
+            copied: vec![false; frames.len().saturating_sub(1)],
         }
     }
 
@@ -164,20 +179,162 @@ impl<'f> Ctx<'f> {
         metas.iter().map(|m| self.tensor(m, 4, offset)).collect()
     }
 
-    /// Ext 5: `(numpy dtype str, shape, frame_index)`. Structure and frame
-    /// index are checked; the byte length is not (numpy itemsizes are not
-    /// modelled, and stowd does not store ext 5 yet).
-    fn ext5(&mut self, data: &[u8], offset: usize) -> Result<(), Error> {
+    /// Ext 5: `(numpy dtype str, shape, frame_index)`, the frame's length
+    /// checked against the shape and the dtype's item size, as numpy's
+    /// `reshape` checks it in the unit.
+    fn ext5(&mut self, data: &[u8], offset: usize) -> Result<NumpyArray, Error> {
         let v = pickle_of(5, offset, data)?;
-        let (dtype, _, index) = meta_of(&v, 5, offset)?;
-        if dtype.is_empty() {
-            return Err(Error::BadExt {
-                code: 5,
-                offset,
-                reason: "empty numpy dtype",
+        let (dtype, shape, index) = meta_of(&v, 5, offset)?;
+        let model = NpDtype::parse(dtype).ok_or_else(|| Error::UnknownDtype(dtype.to_owned()))?;
+        let frame = self.frame(index)?;
+        let items = shape
+            .iter()
+            .try_fold(1u128, |n, &d| n.checked_mul(u128::from(d)))
+            .filter(|&n| n <= isize::MAX as u128)
+            .ok_or_else(|| Error::BadShape {
+                shape: shape.iter().map(|&d| d.into()).collect(),
+                reason: "overflows the addressable size",
+            })?;
+        let actual = self.frames[frame].len();
+        let expected = items * model.itemsize() as u128;
+        if expected != actual as u128 {
+            return Err(Error::NumpyLength {
+                frame,
+                dtype: dtype.to_owned(),
+                shape,
+                expected,
+                actual,
             });
         }
-        self.frame(index).map(drop)
+        Ok(NumpyArray {
+            dtype: dtype.to_owned(),
+            model,
+            shape,
+            frame,
+        })
+    }
+
+    /// Claims data frame `frame` for one copy into an inlined value.
+    fn claim(&mut self, frame: usize, code: i8, offset: usize) -> Result<&'f Bytes, Error> {
+        if std::mem::replace(&mut self.copied[frame - 1], true) {
+            return Err(Error::BadExt {
+                code,
+                offset,
+                reason: "a data frame referenced by two arrays inside values \
+                         (stowd copies those once; TransferQueue's encoder never shares a frame)",
+            });
+        }
+        Ok(&self.frames[frame])
+    }
+
+    /// The frame index of a tensor meta (already checked by [`Ctx::tensor`]).
+    fn meta_frame(v: &PValue) -> usize {
+        v.as_seq()
+            .and_then(|m| m.get(2))
+            .and_then(PValue::as_int)
+            .and_then(|i| usize::try_from(i).ok())
+            .unwrap_or(0)
+    }
+
+    /// One ext 3/4/5 of a value, into an inlined value's template.
+    fn inline_ext(
+        &mut self,
+        b: &mut framed::Builder,
+        code: i8,
+        data: &[u8],
+        offset: usize,
+    ) -> Result<(), Error> {
+        match code {
+            3 => {
+                let v = pickle_of(3, offset, data)?;
+                let t = self.tensor(&v, 3, offset)?;
+                let bytes = self.claim(Self::meta_frame(&v), 3, offset)?;
+                b.array(
+                    3,
+                    &framed::Part {
+                        dtype: t.dtype().name(),
+                        shape: t.shape(),
+                        data: bytes,
+                    },
+                );
+            }
+            4 => {
+                let tensors = self.ext4(data, offset)?;
+                let v = pickle_of(4, offset, data)?;
+                let jagged = v.get("layout").and_then(PValue::as_str) == Some("jagged");
+                let metas = v.get("tensors").and_then(PValue::as_seq).unwrap_or(&[]);
+                let mut parts = Vec::with_capacity(tensors.len());
+                for (t, m) in tensors.iter().zip(metas) {
+                    let bytes = self.claim(Self::meta_frame(m), 4, offset)?;
+                    parts.push(framed::Part {
+                        dtype: t.dtype().name(),
+                        shape: t.shape(),
+                        data: bytes,
+                    });
+                }
+                b.nested(jagged, &parts);
+            }
+            _ => {
+                let a = self.ext5(data, offset)?;
+                let bytes = self.claim(a.frame, 5, offset)?;
+                b.array(
+                    5,
+                    &framed::Part {
+                        dtype: &a.dtype,
+                        shape: &a.shape,
+                        data: bytes,
+                    },
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// The value at `r` (which carries an ext 3/4/5 somewhere) as an
+    /// inlined value: its msgpack with each array's bytes inside.
+    fn inline(&mut self, r: &mut Reader<'_>, op: Op, field: &str) -> Result<Value, Error> {
+        let mut b = framed::Builder::new(64);
+        self.rewrite(r, &mut b, TQ_MAX_DEPTH)?;
+        b.finish()
+            .map(Value::Msgpack)
+            .ok_or_else(|| Error::Unsupported {
+                op,
+                field: field.to_owned(),
+                what: "a value whose arrays total 4 GiB or more".into(),
+            })
+    }
+
+    fn rewrite(
+        &mut self,
+        r: &mut Reader<'_>,
+        b: &mut framed::Builder,
+        depth: usize,
+    ) -> Result<(), Error> {
+        if depth == 0 {
+            return Err(r.malformed("nesting too deep").into());
+        }
+        let start = r.pos();
+        match r.item()? {
+            Item::Array(n) => {
+                b.raw(&r.buf()[start..r.pos()]);
+                for _ in 0..n {
+                    self.rewrite(r, b, depth - 1)?;
+                }
+            }
+            Item::Map(n) => {
+                b.raw(&r.buf()[start..r.pos()]);
+                for _ in 0..2 * n {
+                    self.rewrite(r, b, depth - 1)?;
+                }
+            }
+            Item::Ext {
+                code: code @ 3..=5,
+                data,
+                start: at,
+            } => self.inline_ext(b, code, data, at)?,
+            _ => b.raw(&r.buf()[start..r.pos()]),
+        }
+        Ok(())
     }
 
     /// First-pass check of any ext value.
@@ -187,7 +344,7 @@ impl<'f> Ctx<'f> {
             1 | 2 | -1 => Ok(()),
             3 => self.ext3(data, offset).map(drop),
             4 => self.ext4(data, offset).map(drop),
-            5 => self.ext5(data, offset),
+            5 => self.ext5(data, offset).map(drop),
             _ => Err(Error::UnknownExt { code, offset }),
         }
     }
@@ -365,14 +522,22 @@ fn str_list(buf: &Bytes, pos: usize, op: Op, key: &str) -> Result<Vec<String>, E
 enum Element<'a> {
     /// An ext 3 payload and its offset.
     Tensor(&'a [u8], usize),
-    /// A plain value (no frames inside).
+    /// A plain value, or an inlined one (arrays inside: [`framed`]).
     Plain(Value),
 }
 
 /// Reads one element of a per-row list. A plain value is kept as a `Str` or
 /// `Bytes` when writing it again gives the same bytes, else as its exact
-/// msgpack; it must not carry frames (ext 3/4/5) inside.
-fn element<'a>(r: &mut Reader<'a>, op: Op, field: &str) -> Result<Element<'a>, Error> {
+/// msgpack; a value with an ext 3/4/5 inside (a numpy array, a tensor in a
+/// list or dict, ...) is inlined ([`framed`]). With `tensors` false, a
+/// top-level ext 3 is inlined too (a list mixing tensors with other values).
+fn element<'a>(
+    r: &mut Reader<'a>,
+    ctx: &mut Ctx<'_>,
+    tensors: bool,
+    op: Op,
+    field: &str,
+) -> Result<Element<'a>, Error> {
     let start = r.pos();
     let head = r.item()?;
     if let Item::Ext {
@@ -380,6 +545,7 @@ fn element<'a>(r: &mut Reader<'a>, op: Op, field: &str) -> Result<Element<'a>, E
         data,
         start: at,
     } = head
+        && tensors
     {
         return Ok(Element::Tensor(data, at));
     }
@@ -390,12 +556,8 @@ fn element<'a>(r: &mut Reader<'a>, op: Op, field: &str) -> Result<Element<'a>, E
         Ok::<(), Error>(())
     })?;
     if framed {
-        let what = "a tensor or numpy array inside a list of plain values".into();
-        return Err(Error::Unsupported {
-            op,
-            field: field.to_owned(),
-            what,
-        });
+        r.set_pos(start);
+        return ctx.inline(r, op, field).map(Element::Plain);
     }
     Ok(Element::Plain(match head {
         Item::Str { s, canonical: true } => Value::Str(s.to_owned()),
@@ -408,7 +570,24 @@ fn element<'a>(r: &mut Reader<'a>, op: Op, field: &str) -> Result<Element<'a>, E
     }))
 }
 
-/// A list of one value per row: all ext 3 (nested tensor rows) or all plain.
+/// True if the `n` items at `r` are all ext 3 (one tensor per row); `r` is
+/// left where it was.
+fn all_tensors(r: &mut Reader<'_>, n: usize) -> Result<bool, Error> {
+    let start = r.pos();
+    let mut all = true;
+    for _ in 0..n {
+        let at = r.pos();
+        all &= matches!(r.item()?, Item::Ext { code: 3, .. });
+        r.set_pos(at);
+        r.visit(TQ_MAX_DEPTH, &mut |_, _, _| Ok::<(), Error>(()))?;
+    }
+    r.set_pos(start);
+    Ok(all)
+}
+
+/// A list of one value per row: all ext 3 is a nested field (rows are
+/// zero-copy tensors); anything else is a field of values, where a value
+/// with arrays inside (a tensor among `None`s, a numpy array, ...) is inlined.
 fn row_list(
     r: &mut Reader<'_>,
     ctx: &mut Ctx<'_>,
@@ -416,26 +595,89 @@ fn row_list(
     op: Op,
     field: &str,
 ) -> Result<Field, Error> {
-    let (mut tensors, mut values) = (Vec::new(), Vec::new());
+    let tensors = n > 0 && all_tensors(r, n)?;
+    let (mut rows, mut values) = (Vec::new(), Vec::new());
     for _ in 0..n {
-        match element(r, op, field)? {
+        match element(r, ctx, tensors, op, field)? {
             Element::Plain(v) => values.push(v),
-            Element::Tensor(data, at) => tensors.push(ctx.ext3(data, at)?),
-        }
-        if !tensors.is_empty() && !values.is_empty() {
-            let what = "a list mixing tensors and other values".into();
-            return Err(Error::Unsupported {
-                op,
-                field: field.to_owned(),
-                what,
-            });
+            Element::Tensor(data, at) => rows.push(ctx.ext3(data, at)?),
         }
     }
-    Ok(if tensors.is_empty() {
-        Field::Values(values)
+    Ok(if tensors {
+        Field::Nested(rows)
     } else {
-        Field::Nested(tensors)
+        Field::Values(values)
     })
+}
+
+/// A whole field sent as one numpy array (ext 5): its rows as the unit's
+/// iteration gives them. A 0-d array has no `len()`; the rows of a 1-d array
+/// are numpy scalars, which TransferQueue's encoder pickles (ext 1), written
+/// here as numpy would pickle them; the rows of an n-d array are (n-1)-d
+/// arrays, inlined.
+fn numpy_field(
+    ctx: &mut Ctx<'_>,
+    data: &[u8],
+    offset: usize,
+    field: &str,
+    n: usize,
+) -> Result<Field, Error> {
+    let a = ctx.ext5(data, offset)?;
+    let Some((&rows, row_shape)) = a.shape.split_first() else {
+        let detail = format!("field '{field}' is a 0-d numpy array: len() of unsized object");
+        return Err(Error::Body {
+            op: Op::Put,
+            detail,
+        });
+    };
+    if rows != n as u64 {
+        return Err(Error::RowCount {
+            field: field.to_owned(),
+            rows,
+            indexes: n,
+        });
+    }
+    let bytes = ctx.claim(a.frame, 5, offset)?;
+    // ext5 checked the frame: rows x row_len bytes.
+    let row_len = row_shape
+        .iter()
+        .fold(a.model.itemsize(), |n, &d| n * d as usize);
+    let mut values = Vec::with_capacity(n);
+    for i in 0..rows as usize {
+        let item = &bytes[i * row_len..(i + 1) * row_len];
+        let value = if row_shape.is_empty() {
+            let pickled =
+                numpy::scalar_pickle(a.model, item).ok_or_else(|| Error::Unsupported {
+                    op: Op::Put,
+                    field: field.to_owned(),
+                    what: format!(
+                        "a 1-d numpy array of dtype {:?} as a whole field (its rows are numpy \
+                     scalars of a kind stowd does not pickle; send one array per row)",
+                        a.dtype
+                    ),
+                })?;
+            let mut w = Writer::new();
+            w.ext(1, &pickled);
+            Value::Msgpack(w.into_bytes())
+        } else {
+            let mut b = framed::Builder::new(item.len());
+            b.array(
+                5,
+                &framed::Part {
+                    dtype: &a.dtype,
+                    shape: row_shape,
+                    data: item,
+                },
+            );
+            Value::Msgpack(b.finish().ok_or_else(|| Error::Unsupported {
+                op: Op::Put,
+                field: field.to_owned(),
+                what: "a numpy row of 4 GiB or more".into(),
+            })?)
+        };
+        values.push(value);
+    }
+    Ok(Field::Values(values))
 }
 
 /// One field of a PUT.
@@ -471,7 +713,11 @@ fn put_field(r: &mut Reader<'_>, ctx: &mut Ctx<'_>, field: &str, n: usize) -> Re
             data,
             start,
         } => Field::Nested(ctx.ext4(data, start)?),
-        Item::Ext { code: 5, .. } => return Err(unsupported("a numpy array (ext 5)".into())),
+        Item::Ext {
+            code: 5,
+            data,
+            start,
+        } => numpy_field(ctx, data, start, field, n)?,
         Item::Ext { code: 1, .. } => {
             return Err(unsupported(
                 "a pickled object (ext 1) as a whole field".into(),
@@ -753,7 +999,7 @@ fn get_data(buf: &Bytes, body: usize, ctx: &mut Ctx<'_>) -> Result<Reply, Error>
         };
         let mut cells = Vec::with_capacity(m);
         for _ in 0..m {
-            cells.push(match element(&mut r, Op::Reply, name)? {
+            cells.push(match element(&mut r, ctx, true, Op::Reply, name)? {
                 Element::Plain(v) => Cell::Value(v),
                 Element::Tensor(data, at) => Cell::Tensor(ctx.ext3(data, at)?),
             });

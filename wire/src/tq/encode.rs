@@ -3,10 +3,13 @@
 //! Frame 0 is written exactly as `msgspec` writes the Python unit's dict:
 //! keys `request_type, sender_id, receiver_id, request_id, timestamp, body`
 //! in that order, the timestamp as float64 (`cb`), ints and strings in their
-//! shortest form. Data frames are the tensors' own `Bytes`, never copied.
+//! shortest form. Data frames are the tensors' own `Bytes`, never copied;
+//! a value stored inlined (arrays inside, see `framed`) is written with one
+//! fresh frame per array, each a slice of the stored value.
 
 use bytes::Bytes;
 
+use super::framed;
 use super::{Error, Metrics, Op, Reply, Request, Stamp, request_type_name};
 use crate::batch::{Cell, Field, Value};
 use crate::msgpack::Writer;
@@ -59,7 +62,18 @@ impl Out {
         match v {
             Value::Str(s) => self.w.str(s),
             Value::Bytes(b) => self.w.bin(b),
-            Value::Msgpack(b) => self.w.raw(b),
+            Value::Msgpack(b) => {
+                // A value with arrays inside, stored inlined: each array
+                // gets a fresh frame (a slice of the stored value).
+                if framed::is_inlined(b)
+                    && let Some(e) = framed::Expander::expand(b, self.frames.len() + 1)
+                {
+                    self.w.raw(&e.w.into_bytes());
+                    self.frames.extend(e.frames);
+                    return;
+                }
+                self.w.raw(b)
+            }
         }
     }
 
