@@ -28,3 +28,4 @@ mod request_spans;
 mod restore;
 mod spill;
 mod stowd;
+mod tq_values;
