@@ -145,6 +145,12 @@ impl Journal {
         Ok(Switch(open))
     }
 
+    /// The gate held exclusively, the journals unchanged: no put or clear
+    /// runs while it is held (a snapshot's instant).
+    pub fn freeze(&self) -> Switch<'_> {
+        Switch(self.gate.write().unwrap_or_else(|p| p.into_inner()))
+    }
+
     /// Keeps writing `journal-<seq>` of `dir` (after a restore from it):
     /// appends to it from now on. Other journals of `dir` are closed.
     pub fn resume(&self, dir: &Path, seq: u64) -> std::io::Result<()> {
@@ -178,16 +184,25 @@ impl Journal {
     /// before the journal closes: a restore of that checkpoint is refused,
     /// since what changed after the journal stopped is unknown.
     pub fn retire_others(&self, dir: &Path) {
+        let why = format!("stopped when a checkpoint was written to {}", dir.display());
+        self.retire(Some(dir), &why);
+    }
+
+    /// Stops writing every journal, each with its `.stopped` marker saying
+    /// `why` (after a restore from a snapshot, which changed rows no
+    /// journal recorded).
+    pub fn retire_all(&self, why: &str) {
+        self.retire(None, why);
+    }
+
+    fn retire(&self, keep: Option<&Path>, why: &str) {
         let mut open = self.gate.write().unwrap_or_else(|p| p.into_inner());
         open.retain(|o| {
-            if o.dir == dir {
+            if Some(o.dir.as_path()) == keep {
                 return true;
             }
             let marker = stopped_path(&o.dir, o.seq);
-            let text = format!(
-                "stopped when a checkpoint was written to {}\n",
-                dir.display()
-            );
+            let text = format!("{why}\n");
             let written = OpenOptions::new()
                 .create(true)
                 .truncate(true)

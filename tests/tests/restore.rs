@@ -37,6 +37,7 @@ const TWO_UNITS: &str = "[units]\nlocal = 2\n";
 async fn checkpoint(c: &NativeClient, dir: &Path) -> native::Reply {
     c.call(Op::Checkpoint {
         dir: dir.display().to_string(),
+        journal: true,
     })
     .await
 }
@@ -539,5 +540,100 @@ async fn puts_racing_a_checkpoint_never_come_back_stale() {
     }
     // Both sides of the checkpoint are exercised.
     assert!(lost > 0 && kept > 0, "kept {kept}, lost {lost}");
+    restored.stop();
+}
+
+async fn snapshot(c: &NativeClient, dir: &Path) -> native::Reply {
+    c.call(Op::Checkpoint {
+        dir: dir.display().to_string(),
+        journal: false,
+    })
+    .await
+}
+
+/// A snapshot (`checkpoint` with `journal: false`, what TransferQueue's
+/// `save_checkpoint` asks through the native backend) keeps no journal:
+/// rows cleared or overwritten after it come back as they were when it is
+/// restored, on a running stowd and in a new one, also after its directory
+/// was renamed (TransferQueue renames `X.tmp` to `X`). Restoring it stops
+/// the journal of the journaled checkpoint taken before (which can then no
+/// longer be restored, rather than be restored wrong); a snapshot is refused
+/// in a directory whose journal is open, and `journal` must be a bool.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_snapshot_restores_every_row_as_it_was_written() {
+    let mut stowd = Stowd::start(TWO_UNITS);
+    let c = NativeClient::new(stowd.native());
+    let base = temp_dir("restore-snapshot");
+    let (journaled, tmp, snap) = (base.join("j"), base.join("s.tmp"), base.join("s"));
+    let (indexes, fields) = batch();
+    c.put_ok(&indexes, &fields).await;
+    assert_eq!(checkpoint_seq(&checkpoint(&c, &journaled).await), 1);
+    assert_eq!(checkpoint_seq(&snapshot(&c, &tmp).await), 1);
+    let names: Vec<String> = std::fs::read_dir(&tmp)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert!(!names.iter().any(|n| n.starts_with("journal")), "{names:?}");
+    let manifest = std::fs::read_to_string(tmp.join("manifest.json")).unwrap();
+    assert!(manifest.contains("\"journal\": false"), "{manifest}");
+    std::fs::rename(&tmp, &snap).unwrap();
+
+    // After the snapshot: one row overwritten, every other cleared.
+    c.put_ok(
+        &[indexes[0]],
+        &[("x".into(), Field::Regular(f32_rows(1, 8, 9)))],
+    )
+    .await;
+    let cleared: Vec<u64> = indexes[1..].to_vec();
+    match c
+        .call(Op::Clear {
+            global_indexes: cleared,
+            fields: None,
+        })
+        .await
+    {
+        native::Reply::ClearOk { .. } => {}
+        other => panic!("clear failed: {other:?}"),
+    }
+    // The snapshot's directory is not journaled: no journal grew there.
+    assert!(std::fs::read_dir(&snap).unwrap().all(|e| {
+        !e.unwrap()
+            .file_name()
+            .to_string_lossy()
+            .starts_with("journal")
+    }));
+
+    match restore(&c, &snap).await {
+        native::Reply::RestoreOk { rows, lost, .. } => {
+            assert_eq!(lost, 0);
+            assert!(rows > 0);
+        }
+        other => panic!("restore failed: {other:?}"),
+    }
+    check_rows(&stowd, &[0, 1, 2, 3, 4, 5], "restored snapshot (running)").await;
+    // The journaled checkpoint's journal stopped: restoring it is refused.
+    let (code, message) = err(restore(&c, &journaled).await);
+    assert!(
+        message.contains("stopped when snapshot") && message.contains(&snap.display().to_string()),
+        "{code}: {message}"
+    );
+    // A snapshot where a journal is open is refused; so is a journal that is not a bool.
+    let j2 = base.join("j2");
+    assert_eq!(checkpoint_seq(&checkpoint(&c, &j2).await), 1);
+    let (_, message) = err(snapshot(&c, &j2).await);
+    assert!(
+        message.contains("journals its checkpoint in this directory"),
+        "{message}"
+    );
+    stowd.kill();
+
+    // A new stowd restores the snapshot at start.
+    let restored = Stowd::start_restoring(TWO_UNITS, &snap).unwrap_or_else(|e| panic!("{e}"));
+    check_rows(
+        &restored,
+        &[0, 1, 2, 3, 4, 5],
+        "restored snapshot (at start)",
+    )
+    .await;
     restored.stop();
 }

@@ -337,8 +337,11 @@ pub enum Op {
     /// (the Unix socket stowd hands shared-memory descriptors over).
     Channel,
     /// Write every local unit's rows to the checkpoint directory `dir` (an
-    /// absolute path on stowd's machine).
-    Checkpoint { dir: String },
+    /// absolute path on stowd's machine). `journal` (the default; the body
+    /// key `journal`, a bool, may say `false`): stowd journals the indexes
+    /// changed after it in `dir`, and a restore marks those lost. Without:
+    /// a snapshot, restored as it was written, whatever changed since.
+    Checkpoint { dir: String, journal: bool },
     /// Replace every local unit's rows with the last checkpoint in `dir`.
     Restore { dir: String },
     /// Peers: the version of each (field, index) in the unit the envelope's

@@ -389,9 +389,9 @@ class AsyncClient(_Ops):
         body, _ = await self._call("clear", self._clear_request(global_indexes, fields), (), timeout, "clear_ok")
         return self._cleared(body)
 
-    async def checkpoint(self, dir: str, *, timeout: float | None = None) -> dict:
+    async def checkpoint(self, dir: str, *, journal: bool = True, timeout: float | None = None) -> dict:
         """See `Client.checkpoint`."""
-        body, _ = await self._call("checkpoint", {"dir": _abs_dir(dir)}, (), timeout, "checkpoint_ok")
+        body, _ = await self._call("checkpoint", self._checkpoint_body(dir, journal), (), timeout, "checkpoint_ok")
         return body
 
     async def restore(self, dir: str, *, timeout: float | None = None) -> dict:

@@ -276,6 +276,15 @@ class _Ops:
         return body
 
     @staticmethod
+    def _checkpoint_body(dir, journal) -> dict:
+        if not isinstance(journal, bool):
+            raise TypeError(f"checkpoint: journal must be True or False, got {journal!r}")
+        body = {"dir": _abs_dir(dir)}
+        if not journal:
+            body["journal"] = False
+        return body
+
+    @staticmethod
     def _cleared(body: dict) -> int:
         return body["cleared"]
 
@@ -719,7 +728,7 @@ class Client(_Ops):
         body, _ = self._call("clear", self._clear_request(global_indexes, fields), (), timeout, "clear_ok")
         return self._cleared(body)
 
-    def checkpoint(self, dir: str, *, timeout: float | None = None) -> dict:
+    def checkpoint(self, dir: str, *, journal: bool = True, timeout: float | None = None) -> dict:
         """Writes a checkpoint of every row of every unit of this stowd to
         the directory `dir` on the stowd's machine (an absolute path; created
         0700 if missing) and waits for it: the rows as they were when the
@@ -727,8 +736,18 @@ class Client(_Ops):
         that one checkpoint (the one before is removed once this one is
         complete). Returns ``{"dir", "seq", "rows", "bytes", "files"}``.
         Large stores take a while: pass a `timeout` long enough for writing
-        (and fsyncing) their bytes."""
-        body, _ = self._call("checkpoint", {"dir": _abs_dir(dir)}, (), timeout, "checkpoint_ok")
+        (and fsyncing) their bytes.
+
+        With the default `journal=True`, stowd then journals every index
+        put or cleared in `dir` (one small fsynced write per put or clear),
+        and `restore` marks those lost (`DataLost`): nothing changed after
+        the checkpoint is ever served its old value, which is what a crash
+        recovery needs. `journal=False` writes a *snapshot*: no journal, and
+        `restore` brings back every row as it was written, whatever changed
+        since (TransferQueue's checkpoint semantics); restoring one stops
+        the journals of earlier journaled checkpoints, which can then no
+        longer be restored. A snapshot's directory may be moved."""
+        body, _ = self._call("checkpoint", self._checkpoint_body(dir, journal), (), timeout, "checkpoint_ok")
         return body
 
     def restore(self, dir: str, *, timeout: float | None = None) -> dict:

@@ -501,10 +501,13 @@ if _TQ_IMPORT_ERROR is None:
 
         async def save_checkpoint(self, checkpoint_dir: str) -> None:
             """stowd writes its own checkpoint of every row into
-            `<checkpoint_dir>/stowage` (on stowd's machine)."""
+            `<checkpoint_dir>/stowage` (on stowd's machine), as a snapshot
+            (no journal: a load brings back every row as saved, as
+            SimpleStorage's does, and the directory may be renamed, as
+            `tq.save_checkpoint` does)."""
             d = Path(checkpoint_dir).absolute() / CHECKPOINT_SUBDIR
             d.parent.mkdir(parents=True, exist_ok=True)
-            got = await self._clients.run("checkpoint", str(d))
+            got = await self._clients.run("checkpoint", str(d), journal=False)
             _log.info(f"[{self.storage_manager_id}]: stowd checkpoint in {d}: {got}")
 
         async def load_checkpoint(self, checkpoint_dir: str) -> None:

@@ -114,9 +114,12 @@ def test_launch_put_get_kill_restart_shutdown(local_ray, tmp_path):
         assert "max_rows = 100000" in config and "[router]" in config
         if (stowd_bin().parent.parent / "plugins").is_dir():
             assert "coalesce@0.1.0" in node.plugins, node.plugins
-        assert h.transferqueue_config() == {"storage_backend": "Stowage", "Stowage": {"units": h.units}}
+        assert h.transferqueue_config() == {"storage_backend": "Stowage",
+                                            "Stowage": {"natives": {node_id: node.native}}}
+        assert h.transferqueue_config("units") == {
+            "storage_backend": "Stowage", "Stowage": {"protocol": "transferqueue", "units": h.units}}
         assert h.transferqueue_config("router") == {
-            "storage_backend": "Stowage", "Stowage": {"routers": {node_id: node.router}}}
+            "storage_backend": "Stowage", "Stowage": {"protocol": "transferqueue", "routers": {node_id: node.router}}}
 
         # ---- put from one task, get from another (same node: shared memory)
         idx = list(range(N))

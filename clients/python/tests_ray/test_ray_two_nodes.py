@@ -96,6 +96,7 @@ def test_two_nodes_cluster_routing_and_a_lost_node(two_nodes, tmp_path):
         a, b = h.nodes  # in routing order: units[0] is a's, units[1] is b's
         assert h.units == [a.units[0], b.units[0]] and a.units != b.units
         assert h.transferqueue_config("router")["Stowage"]["routers"] == {a.node_id: a.router, b.node_id: b.router}
+        assert h.transferqueue_config()["Stowage"]["natives"] == {a.node_id: a.native, b.node_id: b.native}
         pids = [a.stowd_pid, b.stowd_pid, a.actor_pid, b.actor_pid]
 
         # Put through node a's stowd, read through node b's: cluster routing.

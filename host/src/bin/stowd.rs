@@ -255,7 +255,7 @@ fn checkpoint(args: &CheckpointArgs, restore: bool) -> anyhow::Result<()> {
     let op = if restore {
         native::Op::Restore { dir }
     } else {
-        native::Op::Checkpoint { dir }
+        native::Op::Checkpoint { dir, journal: true }
     };
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()

@@ -11,6 +11,17 @@
 //! | `journal-<seq>` | the global indexes put or cleared since checkpoint `seq` began ([`crate::journal`]) |
 //! | `journal-<seq>.stopped` | only if this `stowd` then completed a checkpoint in another directory: the journal stopped there, and this checkpoint can no longer be restored |
 //!
+//! **Snapshots** (`checkpoint` with `journal: false`; TransferQueue's
+//! `save_checkpoint` through the native backend) have no journal: the
+//! manifest says `"journal": false`, writing one leaves the journals this
+//! `stowd` keeps as they are, and a restore loads every row as it was
+//! written, whatever changed after (the semantics of TransferQueue's own
+//! storage checkpoints). A restore from a snapshot changes rows no open
+//! journal records, so it stops every open journal (`.stopped` marker, as
+//! [`crate::journal::Journal::retire_others`]): those checkpoints can no
+//! longer be restored, rather than be restored wrong. A snapshot is not
+//! written into a directory whose journal is open.
+//!
 //! **Writing** (one at a time per `stowd`): the journal of `seq` is opened
 //! and every unit snapshotted under the journal's gate (so every later put
 //! is in the new journal), then the unit files are written with no lock
@@ -75,6 +86,15 @@ pub struct Manifest {
     pub seq: u64,
     pub created_unix_ms: u64,
     pub files: Vec<FileEntry>,
+    /// Whether `journal-<seq>` records what changed after this checkpoint
+    /// (absent in manifests written before snapshots existed: true). A
+    /// snapshot (false) has no journal and is restored as it was written.
+    #[serde(default = "journaled_default")]
+    pub journal: bool,
+}
+
+fn journaled_default() -> bool {
+    true
 }
 
 /// A checkpoint written.
@@ -223,13 +243,20 @@ fn sync_dir(dir: &Path) -> Result<(), CheckpointError> {
 }
 
 /// Writes a checkpoint of `units` (in routing order) to `dir` (see the
-/// module docs).
+/// module docs); with `journaled` false, a snapshot.
 pub fn checkpoint(
     units: &[Arc<Unit>],
     journal: &Journal,
     dir: &Path,
+    journaled: bool,
 ) -> Result<Written, CheckpointError> {
     let _one = journal.turn();
+    if !journaled && journal.open_journals().iter().any(|(d, _)| d == dir) {
+        return Err(refused(
+            &dir.join(MANIFEST),
+            "stowd journals its checkpoint in this directory: a snapshot goes to another one",
+        ));
+    }
     let previous = match manifest(dir) {
         Ok(m) => m.map(|m| m.seq),
         // An unreadable manifest names no usable checkpoint: the new one
@@ -246,9 +273,14 @@ pub fn checkpoint(
         .max();
     let seq = previous.max(highest).map_or(1, |s| s + 1);
     let snapshots: Vec<Snapshot> = {
-        let _switch = journal
-            .begin(dir, seq)
-            .map_err(io(&journal::path(dir, seq)))?;
+        // Every unit at one instant: no put or clear runs while the gate is held.
+        let _switch = if journaled {
+            journal
+                .begin(dir, seq)
+                .map_err(io(&journal::path(dir, seq)))?
+        } else {
+            journal.freeze()
+        };
         units.iter().map(|u| u.snapshot()).collect()
     };
     let written = write_files(units, &snapshots, dir, seq).and_then(|(files, w)| {
@@ -259,19 +291,24 @@ pub fn checkpoint(
                 .elapsed()
                 .map_or(0, |d| d.as_millis() as u64),
             files,
+            journal: journaled,
         };
         write_manifest(dir, &m).map(|()| w)
     });
     match written {
         Ok(w) => {
-            journal.close(dir, Some(seq));
-            journal.retire_others(dir);
+            if journaled {
+                journal.close(dir, Some(seq));
+                journal.retire_others(dir);
+            }
             remove_others(dir, seq);
             Ok(w)
         }
         Err(e) => {
             // The previous checkpoint (if any) stays, with its journal.
-            journal.close(dir, previous);
+            if journaled {
+                journal.close(dir, previous);
+            }
             if let Ok(entries) = std::fs::read_dir(dir) {
                 for e in entries.flatten() {
                     if seq_of(&e.file_name().to_string_lossy()) == Some(seq) {
@@ -388,6 +425,9 @@ pub fn restore(
         ));
     };
     let journal_path = journal::path(dir, m.seq);
+    if !m.journal {
+        return restore_snapshot(units, journal, dir, &m);
+    }
     if let Ok(why) = std::fs::read_to_string(journal::stopped_path(dir, m.seq)) {
         return Err(refused(
             &journal_path,
@@ -456,6 +496,61 @@ pub fn restore(
         seq: m.seq,
         rows,
         lost: lost.len() as u64,
+        verify,
+        total: begun.elapsed(),
+    })
+}
+
+/// `restore` of a snapshot: every row as written, nothing lost; every open
+/// journal stops (see the module docs).
+fn restore_snapshot(
+    units: &[Arc<Unit>],
+    journal: &Journal,
+    dir: &Path,
+    m: &Manifest,
+) -> Result<Restored, CheckpointError> {
+    let begun = std::time::Instant::now();
+    let mut verify = std::time::Duration::ZERO;
+    let n = units.len() as u64;
+    let to = |g: u64| Some((g % n) as usize);
+    let mut parts: Vec<Snapshot> = units.iter().map(|_| Vec::new()).collect();
+    let mut rows = 0u64;
+    for entry in &m.files {
+        let path = dir.join(&entry.file);
+        let started = std::time::Instant::now();
+        let file = map_verified(dir, entry)?;
+        verify += started.elapsed();
+        rows += split(parse(file, &path, false)?, &mut parts, to);
+    }
+    for (_, stored) in parts.iter_mut().flatten() {
+        let all: Vec<u64> = stored
+            .iter()
+            .flat_map(|s| s.indexes().iter().copied())
+            .collect();
+        if let Some(g) = crate::store::duplicate(&all) {
+            return Err(refused(
+                &dir.join(MANIFEST),
+                format!("global index {g} is in two files of one field"),
+            ));
+        }
+    }
+    for (unit, part) in units.iter().zip(&parts) {
+        unit.check_replace(part)
+            .map_err(|source| CheckpointError::Store {
+                path: dir.to_path_buf(),
+                source,
+            })?;
+    }
+    journal.retire_all(&format!(
+        "stopped when snapshot {} was restored",
+        name(dir, m.seq)
+    ));
+    let units_ref: Vec<&Unit> = units.iter().map(|u| u.as_ref()).collect();
+    replace(&units_ref, parts, dir, true)?;
+    Ok(Restored {
+        seq: m.seq,
+        rows,
+        lost: 0,
         verify,
         total: begun.elapsed(),
     })

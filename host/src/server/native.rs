@@ -363,8 +363,10 @@ impl NativeService {
                 Err(e) => errors::native(&e).into(),
             },
             native::Op::Stats => self.stats().into(),
-            native::Op::Checkpoint { dir } => self.checkpoint(dir, false).await.into(),
-            native::Op::Restore { dir } => self.checkpoint(dir, true).await.into(),
+            native::Op::Checkpoint { dir, journal } => {
+                self.checkpoint(dir, false, journal).await.into()
+            }
+            native::Op::Restore { dir } => self.checkpoint(dir, true, true).await.into(),
             native::Op::Versions { .. } => native::Reply::Error {
                 code: native::code::BAD_REQUEST.into(),
                 message: "versions is a peer request: it names a unit (the envelope's unit key)"
@@ -472,8 +474,9 @@ impl NativeService {
 
     /// `checkpoint` / `restore` (`restore`) of every unit to or from the
     /// checkpoint directory `dir` ([`crate::checkpoint::dir`]), on the
-    /// blocking pool. Refused when a unit is remote.
-    async fn checkpoint(&self, dir: String, restore: bool) -> native::Reply {
+    /// blocking pool; a checkpoint without `journaled` is a snapshot.
+    /// Refused when a unit is remote.
+    async fn checkpoint(&self, dir: String, restore: bool, journaled: bool) -> native::Reply {
         let what = if restore { "restore" } else { "checkpoint" };
         let units = match self.manager.all_local() {
             Ok(units) => units,
@@ -500,12 +503,14 @@ impl NativeService {
                     lost: r.lost,
                 })
             } else {
-                ckpt::checkpoint(&units, &journal, &path).map(|w| native::Reply::CheckpointOk {
-                    dir: shown,
-                    seq: w.seq,
-                    rows: w.rows,
-                    bytes: w.bytes,
-                    files: w.files,
+                ckpt::checkpoint(&units, &journal, &path, journaled).map(|w| {
+                    native::Reply::CheckpointOk {
+                        dir: shown,
+                        seq: w.seq,
+                        rows: w.rows,
+                        bytes: w.bytes,
+                        files: w.files,
+                    }
                 })
             }
         })

@@ -59,9 +59,7 @@ pub(super) fn request(frames: &[Bytes], limits: &Limits) -> Result<Request, Erro
             empty_body(&mut r, "the channel body")?;
             Op::Channel
         }
-        "checkpoint" => Op::Checkpoint {
-            dir: single_str(&mut r, "a checkpoint body", "dir")?,
-        },
+        "checkpoint" => checkpoint_body(&mut r)?,
         "restore" => Op::Restore {
             dir: single_str(&mut r, "a restore body", "dir")?,
         },
@@ -774,6 +772,27 @@ fn single_uint(r: &mut Reader<'_>, map: &'static str, key: &'static str) -> Resu
         r.uint(key).map(|u| value = Some(u)).map_err(Error::from)
     })?;
     need(value, map, key)
+}
+
+/// A checkpoint body: `{"dir": str}` or `{"dir": str, "journal": bool}`.
+fn checkpoint_body(r: &mut Reader<'_>) -> Result<Op, Error> {
+    const MAP: &str = "a checkpoint body";
+    let (mut dir, mut journal) = (None, true);
+    keyed(r, MAP, ["dir", "journal"], |i, r| {
+        if i == 0 {
+            dir = Some(r.str("dir")?.to_owned());
+        } else {
+            journal = r.bool_value()?.ok_or(Error::WrongType {
+                key: "journal",
+                expected: "a bool",
+            })?;
+        }
+        Ok(())
+    })?;
+    Ok(Op::Checkpoint {
+        dir: need(dir, MAP, "dir")?,
+        journal,
+    })
 }
 
 fn single_str(r: &mut Reader<'_>, map: &'static str, key: &'static str) -> Result<String, Error> {

@@ -86,7 +86,16 @@ fn op_placed(
             w.map(1);
             w.kv_uint("bytes", *bytes);
         }
-        Op::Checkpoint { dir } | Op::Restore { dir } => {
+        Op::Checkpoint { dir, journal } => {
+            // `journal` only when false: the default body stays `{"dir": ...}`.
+            w.map(if *journal { 1 } else { 2 });
+            w.kv_str("dir", dir);
+            if !*journal {
+                w.str("journal");
+                w.bool(false);
+            }
+        }
+        Op::Restore { dir } => {
             w.map(1);
             w.kv_str("dir", dir);
         }

@@ -101,6 +101,11 @@ pub fn encode_request<'py>(
         }),
         "checkpoint" => RequestHead::Other(Op::Checkpoint {
             dir: b.take("dir")?.extract()?,
+            journal: b
+                .maybe("journal")?
+                .map(|j| j.extract())
+                .transpose()?
+                .unwrap_or(true),
         }),
         "restore" => RequestHead::Other(Op::Restore {
             dir: b.take("dir")?.extract()?,

@@ -159,28 +159,42 @@ class StowageCluster:
 
     # ---- TransferQueue
 
-    def transferqueue_config(self, mode: str = "units") -> dict:
-        """TransferQueue 0.1.11's `backend` config section for these units
+    def transferqueue_config(self, mode: str = "native") -> dict:
+        """TransferQueue 0.1.11's `backend` config section for this launch
         (with `stowage.transferqueue` imported in every process that makes a
-        TransferQueue client):
+        TransferQueue client, e.g. through Ray's
+        `worker_process_setup_hook="stowage.transferqueue.register"`):
 
             tq.init({"backend": stowd.transferqueue_config()})
 
-        mode "units" (default): TransferQueue's client routes g % N over
-        every unit of every node itself (`units`, the same list everywhere).
-        mode "router": each process sends everything to its own node's
-        router endpoint (`routers`: node id -> endpoint), which routes over
-        every unit; needs `routing="cluster"`.
+        mode "native" (default): the native backend (protocol stowage).
+        Each process talks to its own node's stowd's native endpoint
+        (`natives`: node id -> endpoint; same-node shared memory where the
+        stowd serves it), which routes g % N over every unit of every node,
+        other nodes' through its peer units (`stowage://`); with more than
+        one node that needs `routing="cluster"` (with "node" each stowd
+        would see its own node's rows only).
+        The TransferQueue-protocol modes (protocol transferqueue): "units":
+        TransferQueue's client routes g % N over every unit of every node
+        itself (`units`, the same list everywhere); "router": each process
+        sends everything to its own node's router endpoint (`routers`: node
+        id -> endpoint), which routes over every unit; needs
+        `routing="cluster"`.
         """
-        if mode == "units":
-            section = {"units": list(self.units)}
+        if mode == "native":
+            if self.routing != "cluster" and len(self.nodes) > 1:
+                raise ValueError('mode="native" on more than one node needs launch(routing="cluster"): with '
+                                 'routing="node" each node\'s stowd holds and serves its own node\'s rows only')
+            section = {"natives": {n.node_id: n.native for n in self.nodes}}
+        elif mode == "units":
+            section = {"protocol": "transferqueue", "units": list(self.units)}
         elif mode == "router":
             if self.routing != "cluster":
                 raise ValueError('mode="router" needs launch(routing="cluster"): with routing="node" each '
                                  "router reaches its own node's units only")
-            section = {"routers": {n.node_id: n.router for n in self.nodes}}
+            section = {"protocol": "transferqueue", "routers": {n.node_id: n.router for n in self.nodes}}
         else:
-            raise ValueError(f'mode must be "units" or "router", got {mode!r}')
+            raise ValueError(f'mode must be "native", "units" or "router", got {mode!r}')
         return {"storage_backend": "Stowage", "Stowage": section}
 
     # ---- checkpoints

@@ -227,6 +227,11 @@ fn other_requests_round_trip() {
         Op::Stats,
         Op::Checkpoint {
             dir: "/var/lib/stowd/ckpt".into(),
+            journal: true,
+        },
+        Op::Checkpoint {
+            dir: "/var/lib/stowd/snap".into(),
+            journal: false,
         },
         Op::Restore { dir: String::new() },
         Op::Versions {
@@ -256,6 +261,15 @@ fn checkpoint_bodies_are_checked() {
             M::Map(vec![("dir", M::S("/a")), ("dir", M::S("/b"))]),
             "dir",
         ),
+        (
+            M::Map(vec![("dir", M::S("/a")), ("journal", M::U(0))]),
+            "journal must be a bool",
+        ),
+        (
+            M::Map(vec![("dir", M::S("/a")), ("journal", M::S("false"))]),
+            "journal must be a bool",
+        ),
+        (M::Map(vec![("journal", M::Raw(vec![0xc2]))]), "dir"),
     ] {
         let e = decode(&body(m)).expect_err("accepted a bad checkpoint body");
         assert_eq!(e.code(), code::BAD_REQUEST);
