@@ -116,6 +116,8 @@ from pathlib import Path
 from typing import Any, Iterable
 from urllib.parse import urlsplit
 
+import numpy as np
+
 from .client import Client
 from .errors import KeyNotFound
 
@@ -138,6 +140,8 @@ DEFAULT_TIMEOUT = 300.0
 CLIENT_THREADS = 4
 #: The subdirectory of a TransferQueue checkpoint directory that holds stowd's checkpoint.
 CHECKPOINT_SUBDIR = "stowage"
+#: The key of the marker `tq.init()` leaves in this backend's config section (`_Registrar`).
+_HOOK_KEY = "registered_by"
 
 _log = logging.getLogger(__name__)
 
@@ -320,10 +324,39 @@ def _is_local_host(host: str) -> bool:
     return False
 
 
+_NATIVE_KEYS = frozenset({"protocol", "endpoints_file", "endpoint", "natives", "same_node", "timeout", "wait_secs"})
+_TQ_KEYS = frozenset({"mode", "units", "routers", "zmq_info", "storage_unit_infos"})
+_SIMPLE_STORAGE_KEYS = frozenset({"num_data_storage_units", "total_storage_size", "storage_unit_infos"})
+
+
+def _check_native_keys(config: Mapping[str, Any]) -> None:
+    """Refuses keys the native mode does not read (a typo must not pass
+    silently); SimpleStorage's own keys only get a warning."""
+    keys = {str(k) for k in config} - _NATIVE_KEYS - {_HOOK_KEY}
+    ignored = keys & _SIMPLE_STORAGE_KEYS
+    if ignored:
+        _log.warning("backend.%s: %s do nothing under Stowage: stowd's own config sets the units "
+                     "([units] local) and their capacity ([units] capacity_bytes, memory_percent, spill_dir)",
+                     BACKEND, ", ".join(sorted(ignored)))
+    tq_only = (keys & _TQ_KEYS) - ignored
+    if tq_only:
+        raise ValueError(f"backend.{BACKEND}: {', '.join(sorted(tq_only))} only apply to protocol: transferqueue "
+                         "(TransferQueue's own client to stowd's router or units); the native mode (protocol: "
+                         "stowage, the default) reads endpoints_file, endpoint or natives")
+    unknown = keys - ignored - tq_only
+    if unknown:
+        raise ValueError(f"backend.{BACKEND}: unknown key(s) {', '.join(sorted(unknown))}; the native mode reads "
+                         f"{', '.join(sorted(_NATIVE_KEYS))}")
+    timeout = config.get("timeout", DEFAULT_TIMEOUT)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+        raise ValueError(f"backend.{BACKEND}.timeout must be a positive number of seconds, got {timeout!r}")
+
+
 def resolve_native(config: Mapping[str, Any] | None) -> tuple[str, bool, str]:
     """(stowd's native endpoint, whether same-node mode is wanted, why) for
     a `backend.Stowage` section with protocol stowage (see the module doc)."""
     config = config or {}
+    _check_native_keys(config)
     same = config.get("same_node", "auto")
     if isinstance(same, str):
         same = same.lower()
@@ -430,7 +463,7 @@ if _TQ_IMPORT_ERROR is None:
             # so a bad config fails fast and leaves nothing open.
             _protocol(config)
             endpoint, same_node, why = resolve_native(config)
-            timeout = (config or {}).get("timeout", DEFAULT_TIMEOUT)
+            timeout = float((config or {}).get("timeout", DEFAULT_TIMEOUT))
             self._clients = _Clients(endpoint, False, timeout)
             if same_node:
                 try:
@@ -483,8 +516,10 @@ if _TQ_IMPORT_ERROR is None:
                 return TensorDict({}, batch_size=0)
             names = list(metadata.field_names)
             try:
-                got = await self._clients.run("get", list(metadata.global_indexes), names, as_torch=True,
-                                              nested="packed")
+                # As an int64 array: indexes evenly spaced (TransferQueue's
+                # usual batches) go to stowd as ranges, not one entry per row.
+                idx = np.fromiter(metadata.global_indexes, dtype=np.int64, count=n)
+                got = await self._clients.run("get", idx, names, as_torch=True, nested="packed")
             except KeyNotFound as e:
                 raise StorageKeyNotFoundError(f"[{KEY_NOT_FOUND_MARKER}] stowd at {self.endpoint}: {e}") from e
             return TensorDict({name: _tqvalues.from_wire(got[name], n) for name in names}, batch_size=n)
@@ -614,8 +649,6 @@ else:  # pragma: no cover - exercised only without transfer_queue
     StowageTQStorageManager = StowageStorageManager  # type: ignore[misc]
 
 
-
-_HOOK_KEY = "registered_by"
 
 
 class _Registrar:

@@ -329,6 +329,12 @@ def test_protocol_names_and_errors(controller, stowd):
     with pytest.raises(ValueError, match="same_node must be"):
         stq.StowageStorageManager(controller.zmq_server_info, {"endpoints_file": str(stowd.endpoints_path),
                                                                "same_node": "maybe"})
+    for bad, match in [({"endpoint_file": "x"}, "unknown key"), ({"mode": "units"}, "only apply to protocol"),
+                       ({"timeout": 0}, "timeout must be"), ({"same_node": True, "endpoint": "tcp://10.255.255.1:1"},
+                                                               "not an address of this host")]:
+        with pytest.raises(ValueError, match=match):
+            stq.StowageStorageManager(controller.zmq_server_info,
+                                      dict({"endpoints_file": str(stowd.endpoints_path)}, **bad))
     m = stq.StowageStorageManager(controller.zmq_server_info, {"endpoints_file": str(stowd.endpoints_path),
                                                                "protocol": "transferqueue"})
     try:
