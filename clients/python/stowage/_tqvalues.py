@@ -50,6 +50,7 @@ from ._codec import Packed
 try:  # only `stowage.transferqueue` imports this module, when TransferQueue is installed
     import torch
     from tensordict import TensorDict
+    from transfer_queue.metadata import extract_field_schema
     from transfer_queue.storage.managers.simple_storage_manager import AsyncSimpleStorageManager
     from transfer_queue.utils import serial_utils
 except ImportError as e:  # pragma: no cover - exercised only without transfer_queue
@@ -151,6 +152,37 @@ def from_wire(value: Any, n: int) -> Any:
     return _pack_field_values([decode_value(v) for v in value])
 
 
+def field_schema(data) -> dict:
+    """TransferQueue's `extract_field_schema(data)` (what the controller is
+    told on put), the same dict, with no tensor per row for a jagged field:
+    its per-row shapes come from its offsets, where TransferQueue unbinds
+    it."""
+    jagged = [name for name, v in data.items() if isinstance(v, torch.Tensor) and v.is_nested
+              and v.layout == torch.jagged and v._lengths is None and getattr(v, "_ragged_idx", 1) == 1]
+    if not jagged or data.batch_size[0] == 0:
+        return extract_field_schema(data)
+    n = data.batch_size[0]
+    fast = {}
+    for name in jagged:
+        v = data[name]
+        lengths = v.offsets().diff().tolist()
+        if len(lengths) != n:
+            raise ValueError(
+                f"Inconsistent batch dimension for field '{name}': "
+                f"expected batch_size[0]={n}, got nested tensor composed of {len(lengths)} tensors"
+            )
+        tail = tuple(v.values().shape[1:])
+        fast[name] = {
+            "dtype": v.dtype,
+            "shape": torch.Size((lengths[0], *tail)),
+            "is_nested": True,
+            "is_non_tensor": False,
+            "per_sample_shapes": [(k, *tail) for k in lengths],
+        }
+    rest = extract_field_schema(data.exclude(*jagged)) if len(jagged) < len(data.keys()) else {}
+    return {name: fast[name] if name in fast else rest[name] for name in data.keys()}
+
+
 def apply_parser(data_parser: Callable[[Any], Any], fields: dict) -> dict:
     """`data_parser` on the put's fields, with the checks SimpleStorage's unit
     makes (a dict, the same keys, the same element counts). It sees what a
@@ -194,4 +226,5 @@ def tensordict(fields: dict, n: int):
     return TensorDict(fields, batch_size=n)
 
 
-__all__ = ["EXT_TQ", "apply_parser", "decode_value", "encode_value", "from_wire", "tensordict", "to_wire"]
+__all__ = ["EXT_TQ", "apply_parser", "decode_value", "encode_value", "field_schema", "from_wire", "tensordict",
+           "to_wire"]

@@ -148,7 +148,6 @@ _log = logging.getLogger(__name__)
 try:  # TransferQueue is optional: it pulls in torch and ray.
     import transfer_queue
     from transfer_queue import interface as _tq_interface
-    from transfer_queue.metadata import extract_field_schema
     from transfer_queue.storage.bootstrap.provider import StorageBootstrapProvider
     from transfer_queue.storage.managers.base import StorageManager, StorageManagerFactory
     from transfer_queue.storage.managers.simple_storage_manager import AsyncSimpleStorageManager
@@ -499,7 +498,7 @@ if _TQ_IMPORT_ERROR is None:
             n = metadata.size
             if n == 0:
                 return
-            field_schema = extract_field_schema(data)
+            field_schema = _tqvalues.field_schema(data)
             fields = {name: data[name] for name in data.keys()}
             if data_parser is not None:
                 fields = _tqvalues.apply_parser(data_parser, fields)

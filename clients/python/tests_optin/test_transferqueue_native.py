@@ -266,6 +266,24 @@ def test_controller_sees_what_simple_storage_tells_it(ref, native):
     assert metas[0] == metas[1]
 
 
+def test_field_schema_is_transferqueues(native):
+    """The schema the backend sends the controller is TransferQueue's own
+    `extract_field_schema`, computed for jagged fields from their offsets."""
+    from transfer_queue.metadata import extract_field_schema
+
+    from stowage import _tqvalues
+
+    ks = kinds()
+    for names in (["jagged", "f32_2d", "jagged_2d", "str"], ["jagged_empty_rows"], ["jagged", "jagged_2d"]):
+        td = TensorDict({k: ks[k] for k in names}, batch_size=N)
+        want, got = extract_field_schema(td), _tqvalues.field_schema(td)
+        assert list(want) == list(got)
+        for k in want:
+            assert want[k] == got[k], (k, want[k], got[k])
+            assert [type(s) for s in want[k].get("per_sample_shapes", [])] == \
+                [type(s) for s in got[k].get("per_sample_shapes", [])]
+
+
 def test_checkpoint_save_and_load(native, stowd, tmp_path):
     """stowd's own checkpoint under <dir>/stowage, a snapshot: a load
     brings back every row as saved, also rows cleared or overwritten after
