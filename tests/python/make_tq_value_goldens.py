@@ -4,7 +4,7 @@ TransferQueue 0.1.11's virtualenv):
     /work/tqenv/bin/python tests/python/make_tq_value_goldens.py
 
 For each case: TransferQueue's own encoder writes a PUT of one field over
-three rows (CASE.put.frameK.bin) and a real SimpleStorageUnit, in this
+three rows (or as many as the value has) (CASE.put.frameK.bin) and a real SimpleStorageUnit, in this
 process, answers a GET of those rows (CASE.get.frameK.bin). The wire crate's
 test decodes each PUT as stowd does and encodes the GET reply with the same
 sender, id and time: it must equal SimpleStorageUnit's reply byte for byte.
@@ -55,6 +55,11 @@ def cases() -> dict:
         "scalar_tensors_and_values": [torch.tensor(1.5), None, 2],
         "nested_tensor_row": [torch.nested.nested_tensor([torch.ones(2), torch.zeros(3)], layout=torch.jagged),
                               None, "x"],
+        "numpy_object_field_str": np.array(["obj_0", "obj_1", "obj_2"], dtype=object),
+        "numpy_object_field_mixed": np.array([1, None, "x"], dtype=object),
+        "numpy_object_field_scalars": np.array([1.5, True, b"z"], dtype=object),
+        "numpy_object_field_shared": np.array(["same"] * 2 + [-(2**40)], dtype=object),
+        "numpy_object_field_big": np.array([f"s{i % 7}" if i % 3 else i for i in range(1500)], dtype=object),
         "numpy_in_dict": [{"arr": np.arange(2), "s": np.array(["q"])}, [np.zeros(1), None], "plain"],
     }
 
@@ -83,16 +88,17 @@ def main():
     sock.connect(unit.zmq_server_info.to_addr("put_get_socket"))
     names = []
     for name, value in cases().items():
-        put, reply = request(sock, ZMQRequestType.PUT_DATA, {"global_indexes": INDEXES, "data": {"f": value},
+        indexes = INDEXES if len(value) == 3 else list(range(len(value)))
+        put, reply = request(sock, ZMQRequestType.PUT_DATA, {"global_indexes": indexes, "data": {"f": value},
                                                              "data_parser": None})
         kind = ZMQMessage.deserialize(reply).request_type
         if kind != ZMQRequestType.PUT_DATA_RESPONSE:
             print(f"{name}: SimpleStorageUnit refused the PUT ({kind}); skipped", file=sys.stderr)
             continue
-        _, got = request(sock, ZMQRequestType.GET_DATA, {"global_indexes": INDEXES, "fields": ["f"]})
+        _, got = request(sock, ZMQRequestType.GET_DATA, {"global_indexes": indexes, "fields": ["f"]})
         save(f"{name}.put", put)
         save(f"{name}.get", got)
-        request(sock, ZMQRequestType.CLEAR_DATA, {"global_indexes": INDEXES})
+        request(sock, ZMQRequestType.CLEAR_DATA, {"global_indexes": indexes})
         names.append(name)
     (OUT / "CASES").write_text("".join(f"{n}\n" for n in names))
     print(f"{len(names)} cases in {OUT}")

@@ -18,7 +18,10 @@
 //! with a fresh frame per array (`framed`). A whole field sent as one numpy
 //! array gives the rows numpy's iteration gives: (n-1)-d arrays, or for a
 //! 1-d array numpy scalars, which TransferQueue's encoder sends as ext 1
-//! pickles and `numpy` writes byte for byte as numpy 2.x pickles them.
+//! pickles and `numpy` writes byte for byte as numpy 2.x pickles them. A
+//! whole field sent as a pickled 1-d numpy object array (ext 1) gives its
+//! items (str, int, float, bool, None, bytes), as msgspec writes them; any
+//! other pickle as a whole field is refused (stowd does not unpickle).
 //!
 //! Decoding follows the real `SimpleStorageUnit`: anything that fails while
 //! the Python side would still be decoding the message (bad msgpack, unknown

@@ -277,3 +277,43 @@ fn bad_input_takes_time_linear_in_its_size() {
     assert_eq!(fields[0].1.rows(), n);
     assert!(t.elapsed().as_secs() < 20, "{:?}", t.elapsed());
 }
+
+/// The ext 1 payload (the pickle) of golden PUT `name`'s field.
+fn pickle_of_field(name: &str) -> Vec<u8> {
+    let put = load(&format!("{name}.put"));
+    super::exts(&put[0])
+        .into_iter()
+        .find(|(code, _)| *code == 1)
+        .expect("an ext 1")
+        .1
+}
+
+#[test]
+fn object_arrays_stowd_cannot_take_apart_are_refused_with_why() {
+    let good = pickle_of_field("numpy_object_field_mixed");
+    let refuse = |payload: Vec<u8>, n: usize| {
+        let indexes: Vec<u64> = (0..n as u64).collect();
+        fails(&put_n(&indexes, ext(1, &payload), &[]), ErrorReply::Put)
+    };
+    // An item stowd would have to pickle again: a dict (EMPTY_DICT) instead of None.
+    let none_at = good.windows(2).position(|w| w == b"N\x8c").unwrap();
+    let mut dict = good.clone();
+    dict[none_at] = b'}';
+    let e = refuse(dict, 3);
+    assert!(matches!(e, Error::Unsupported { .. }), "{e}");
+    assert!(e.to_string().contains("arbitrary objects"), "{e}");
+    // Cut short, or one byte too many: malformed.
+    for bad in [
+        good[..good.len() - 1].to_vec(),
+        [good.clone(), vec![b'.']].concat(),
+    ] {
+        let e = refuse(bad, 3);
+        assert!(e.to_string().contains("malformed"), "{e}");
+    }
+    // Not an object array at all: the generic refusal.
+    let e = refuse(b"\x80\x05K\x01.".to_vec(), 3);
+    assert!(e.to_string().contains("as a whole field"), "{e}");
+    // Rows must match the indexes.
+    let e = refuse(good, 2);
+    assert!(matches!(e, Error::RowCount { rows: 3, .. }), "{e}");
+}

@@ -610,6 +610,21 @@ fn row_list(
     })
 }
 
+/// A value from its msgpack: a canonical str or bin as such, else as is.
+fn plain_value(m: Vec<u8>) -> Value {
+    let m = Bytes::from(m);
+    let mut r = Reader::bytes(&m, 0);
+    match r.item() {
+        Ok(Item::Str { s, canonical: true }) if r.at_end() => Value::Str(s.to_owned()),
+        Ok(Item::Bin {
+            start,
+            canonical: true,
+            ..
+        }) if r.at_end() => Value::Bytes(m.slice(start..)),
+        _ => Value::Msgpack(m),
+    }
+}
+
 /// A whole field sent as one numpy array (ext 5): its rows as the unit's
 /// iteration gives them. A 0-d array has no `len()`; the rows of a 1-d array
 /// are numpy scalars, which TransferQueue's encoder pickles (ext 1), written
@@ -718,11 +733,18 @@ fn put_field(r: &mut Reader<'_>, ctx: &mut Ctx<'_>, field: &str, n: usize) -> Re
             data,
             start,
         } => numpy_field(ctx, data, start, field, n)?,
-        Item::Ext { code: 1, .. } => {
-            return Err(unsupported(
-                "a pickled object (ext 1) as a whole field".into(),
-            ));
-        }
+        Item::Ext { code: 1, data, .. } => match numpy::object_array_rows(data) {
+            Ok(Some(rows)) if rows.len() != n => return Err(count(rows.len() as u64)),
+            Ok(Some(rows)) => Field::Values(rows.into_iter().map(plain_value).collect()),
+            Ok(None) => {
+                return Err(unsupported(
+                    "a pickled object (ext 1) as a whole field (stowd unpickles only 1-d numpy \
+                     object arrays of str, int, float, bool, None and bytes)"
+                        .into(),
+                ));
+            }
+            Err(why) => return Err(unsupported(format!("{why}, as a whole field"))),
+        },
         Item::Ext { code, .. } => {
             return Err(unsupported(format!("an ext {code} value as a whole field")));
         }

@@ -8,7 +8,9 @@
 //! scalar kinds, for the pickle of a numpy scalar: iterating a 1-d array in
 //! `SimpleStorageUnit` yields numpy scalars, which TransferQueue's encoder
 //! sends as ext 1 `pickle.dumps(scalar, 5)`; [`scalar_pickle`] writes those
-//! bytes exactly as numpy 2.x does.
+//! bytes exactly as numpy 2.x does. A numpy array of dtype object travels
+//! as ext 1 `pickle.dumps(array, 5)`; [`object_array_rows`] reads that
+//! pickle for a 1-d array of plain items (and nothing else).
 
 /// Longest dtype string accepted.
 pub(super) const MAX_DTYPE_LEN: usize = 64;
@@ -246,4 +248,199 @@ pub(super) fn scalar_pickle(dtype: NpDtype, item: &[u8]) -> Option<Vec<u8>> {
     out.extend_from_slice(&(body.len() as u64).to_le_bytes());
     out.extend_from_slice(&body);
     Some(out)
+}
+
+/// `pickle.dumps(a, 5)` of a 1-d object array `a`, up to its shape: what
+/// TransferQueue's encoder sends (ext 1) for a numpy array of dtype object.
+const OBJECT_ARRAY_HEAD: &[u8] =
+    b"\x8c\x16numpy._core.multiarray\x94\x8c\x0c_reconstruct\x94\x93\x94\
+\x8c\x05numpy\x94\x8c\x07ndarray\x94\x93\x94K\x00\x85\x94C\x01b\x94\x87\x94R\x94(K\x01";
+/// From after the shape `(n,)` to the item list: dtype `O8` and `is_fortran`.
+const OBJECT_ARRAY_DTYPE: &[u8] =
+    b"\x85\x94h\x03\x8c\x05dtype\x94\x93\x94\x8c\x02O8\x94\x89\x88\x87\x94R\x94\
+(K\x03\x8c\x01|\x94NNNJ\xff\xff\xff\xffJ\xff\xff\xff\xffK?t\x94b\x89]\x94";
+/// Memo index of the first item (the head and dtype memoize 0..=18).
+const OBJECT_ARRAY_FIRST_MEMO: usize = 19;
+
+/// One item of an object array, as msgspec writes it.
+#[derive(Clone)]
+enum Item {
+    Str(String),
+    Int(i128),
+    Float(f64),
+    Bool(bool),
+    None,
+    Bytes(Vec<u8>),
+}
+
+/// A pickle cursor that steps over FRAME opcodes.
+struct Pk<'a> {
+    b: &'a [u8],
+    pos: usize,
+}
+
+impl<'a> Pk<'a> {
+    fn take(&mut self, n: usize) -> Option<&'a [u8]> {
+        let end = self.pos.checked_add(n)?;
+        let s = self.b.get(self.pos..end)?;
+        self.pos = end;
+        Some(s)
+    }
+    fn uint(&mut self, n: usize) -> Option<u64> {
+        let s = self.take(n)?;
+        Some(s.iter().rev().fold(0u64, |v, &x| (v << 8) | u64::from(x)))
+    }
+    /// The next opcode, FRAMEs skipped.
+    fn op(&mut self) -> Option<u8> {
+        loop {
+            let op = self.take(1)?[0];
+            if op != 0x95 {
+                return Some(op);
+            }
+            self.take(8)?;
+        }
+    }
+    fn int(&mut self, op: u8) -> Option<i128> {
+        Some(match op {
+            b'K' => i128::from(self.take(1)?[0]),
+            b'M' => i128::from(self.uint(2)? as u16),
+            b'J' => i128::from(self.uint(4)? as u32 as i32),
+            0x8a => {
+                let n = self.take(1)?[0] as usize;
+                let s = self.take(n)?;
+                if n > 16 {
+                    return None;
+                }
+                let mut v: i128 = 0;
+                for (i, &x) in s.iter().enumerate() {
+                    v |= i128::from(x) << (8 * i);
+                }
+                if n > 0 && n < 16 && s[n - 1] & 0x80 != 0 {
+                    v -= 1i128 << (8 * n);
+                }
+                v
+            }
+            _ => return None,
+        })
+    }
+}
+
+/// The rows of a whole field sent as a pickled 1-d numpy object array
+/// (ext 1): its items, each as msgspec writes it, which is what
+/// `SimpleStorageUnit` answers after iterating the array. `Ok(None)` if
+/// `p` is not such a pickle; `Err` (why) if it is one stowd cannot take
+/// apart: items other than str, int, float, bool, None and bytes (stowd
+/// cannot pickle arbitrary objects again), or an int msgpack cannot hold.
+/// One pass over `p`; the rows are at most as many as its bytes.
+pub(super) fn object_array_rows(p: &[u8]) -> Result<Option<Vec<Vec<u8>>>, &'static str> {
+    let mut c = Pk { b: p, pos: 0 };
+    if c.take(2) != Some(b"\x80\x05") {
+        return Ok(None);
+    }
+    if c.b.get(c.pos) == Some(&0x95) {
+        c.take(9);
+    }
+    if c.take(OBJECT_ARRAY_HEAD.len()) != Some(OBJECT_ARRAY_HEAD) {
+        return Ok(None);
+    }
+    let Some(n) = c.op().and_then(|op| c.int(op)) else {
+        return Ok(None);
+    };
+    if c.take(OBJECT_ARRAY_DTYPE.len()) != Some(OBJECT_ARRAY_DTYPE) {
+        return Err("a numpy object array that is not 1-d (or not C order)");
+    }
+    const BAD: &str = "a malformed pickle of a numpy object array";
+    let mut memo: Vec<Item> = Vec::new();
+    let mut items: Vec<Item> = Vec::new();
+    let mut in_batch = false;
+    let mut last: Option<Item> = None;
+    loop {
+        let op = c.op().ok_or(BAD)?;
+        let item = match op {
+            0x94 => {
+                // MEMOIZE the item just read.
+                memo.push(last.clone().ok_or(BAD)?);
+                continue;
+            }
+            b'(' if !in_batch => {
+                in_batch = true;
+                continue;
+            }
+            b'e' if in_batch => {
+                in_batch = false;
+                continue;
+            }
+            b'a' if !in_batch => continue,
+            b't' if !in_batch => break,
+            0x8c | b'X' | 0x8d => {
+                let n = match op {
+                    0x8c => c.uint(1),
+                    b'X' => c.uint(4),
+                    _ => c.uint(8),
+                }
+                .ok_or(BAD)?;
+                let s = c.take(usize::try_from(n).map_err(|_| BAD)?).ok_or(BAD)?;
+                Item::Str(std::str::from_utf8(s).map_err(|_| BAD)?.to_owned())
+            }
+            b'C' | b'B' | 0x8e => {
+                let n = match op {
+                    b'C' => c.uint(1),
+                    b'B' => c.uint(4),
+                    _ => c.uint(8),
+                }
+                .ok_or(BAD)?;
+                Item::Bytes(
+                    c.take(usize::try_from(n).map_err(|_| BAD)?)
+                        .ok_or(BAD)?
+                        .to_vec(),
+                )
+            }
+            b'K' | b'M' | b'J' | 0x8a => Item::Int(c.int(op).ok_or(BAD)?),
+            b'G' => {
+                let s = c.take(8).ok_or(BAD)?;
+                Item::Float(f64::from_be_bytes(s.try_into().map_err(|_| BAD)?))
+            }
+            0x88 => Item::Bool(true),
+            0x89 => Item::Bool(false),
+            b'N' => Item::None,
+            b'h' | b'j' => {
+                let i = c.uint(if op == b'h' { 1 } else { 4 }).ok_or(BAD)? as usize;
+                let i = i.checked_sub(OBJECT_ARRAY_FIRST_MEMO).ok_or(BAD)?;
+                memo.get(i).cloned().ok_or(BAD)?
+            }
+            _ => {
+                return Err(
+                    "a numpy object array with items other than str, int, float, bool, None \
+                     and bytes (stowd does not pickle arbitrary objects again)",
+                );
+            }
+        };
+        last = Some(item.clone());
+        items.push(item);
+    }
+    if c.take(3) != Some(b"\x94b.") || c.pos != p.len() || in_batch {
+        return Err(BAD);
+    }
+    if n != items.len() as i128 {
+        return Err("a numpy object array whose shape is not its item count");
+    }
+    items
+        .into_iter()
+        .map(|item| {
+            let mut w = crate::msgpack::Writer::new();
+            match item {
+                Item::Str(s) => w.str(&s),
+                Item::Bytes(b) => w.bin(&b),
+                Item::Int(v) if v >= 0 => {
+                    w.uint(u64::try_from(v).map_err(|_| "an int over 64 bits")?)
+                }
+                Item::Int(v) => w.sint(i64::try_from(v).map_err(|_| "an int over 64 bits")?),
+                Item::Float(f) => w.f64(f),
+                Item::Bool(b) => w.bool(b),
+                Item::None => w.nil(),
+            }
+            w.finish().map_err(|_| "an item of 4 GiB or more")
+        })
+        .collect::<Result<Vec<_>, _>>()
+        .map(Some)
 }
