@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import zmq
+from tensordict import TensorDict
 
 from transfer_queue.storage import SimpleStorageUnit
 from transfer_queue.utils.zmq_utils import ZMQMessage, ZMQRequestType
@@ -60,6 +61,10 @@ def cases() -> dict:
         "numpy_object_field_scalars": np.array([1.5, True, b"z"], dtype=object),
         "numpy_object_field_shared": np.array(["same"] * 2 + [-(2**40)], dtype=object),
         "numpy_object_field_big": np.array([f"s{i % 7}" if i % 3 else i for i in range(1500)], dtype=object),
+        "tensordict_field": TensorDict({"x": torch.arange(6).reshape(3, 2),
+                                        "y": TensorDict({"z": torch.ones(3)}, [3])}, [3]),
+        "tensordict_field_2d_batch": TensorDict({"a": torch.arange(24, dtype=torch.float16).reshape(3, 2, 4),
+                                                 "e": torch.zeros(3, 2, 0)}, [3, 2]),
         "numpy_in_dict": [{"arr": np.arange(2), "s": np.array(["q"])}, [np.zeros(1), None], "plain"],
     }
 

@@ -21,7 +21,10 @@
 //! pickles and `numpy` writes byte for byte as numpy 2.x pickles them. A
 //! whole field sent as a pickled 1-d numpy object array (ext 1) gives its
 //! items (str, int, float, bool, None, bytes), as msgspec writes them; any
-//! other pickle as a whole field is refused (stowd does not unpickle).
+//! other pickle as a whole field is refused (stowd does not unpickle). A
+//! whole field sent as a TensorDict (`{"__tq_tensordict__": true, ...}`,
+//! tensors and nested TensorDicts) gives one TensorDict per row, as the
+//! unit encodes `td[i]` (inlined).
 //!
 //! Decoding follows the real `SimpleStorageUnit`: anything that fails while
 //! the Python side would still be decoding the message (bad msgpack, unknown

@@ -317,3 +317,76 @@ fn object_arrays_stowd_cannot_take_apart_are_refused_with_why() {
     let e = refuse(good, 2);
     assert!(matches!(e, Error::RowCount { rows: 3, .. }), "{e}");
 }
+
+/// `{"__tq_tensordict__": true, "batch_size": batch, "data": {"x": leaf}}`.
+fn tensordict(marker: bool, batch: &[u64], leaf: &[u8]) -> Vec<u8> {
+    let mut w = crate::msgpack::Writer::new();
+    w.map(3);
+    w.str("__tq_tensordict__");
+    w.bool(marker);
+    w.str("batch_size");
+    w.array(batch.len());
+    batch.iter().for_each(|&d| w.uint(d));
+    w.str("data");
+    w.map(1);
+    w.str("x");
+    w.raw(leaf);
+    w.into_bytes().to_vec()
+}
+
+#[test]
+fn tensordict_fields_must_be_tensordicts_of_the_batch() {
+    let leaf = super::ext3("float32", &[3, 2], 1);
+    let ok = tensordict(true, &[3], &leaf);
+    let Request::Put { fields, .. } = decode_request(&put(ok, &[zeros(24)])).unwrap() else {
+        panic!()
+    };
+    assert!(matches!(&fields[0].1, Field::Values(v) if v.len() == 3));
+    // Not marked, or a plain map: refused with why.
+    let e = fails(
+        &put(tensordict(false, &[3], &leaf), &[zeros(24)]),
+        ErrorReply::Put,
+    );
+    assert!(matches!(e, Error::Unsupported { .. }), "{e}");
+    // A leaf that is not a tensor.
+    let e = fails(&put(tensordict(true, &[3], b"\xa1s"), &[]), ErrorReply::Put);
+    assert!(
+        e.to_string().contains("neither a tensor nor a TensorDict"),
+        "{e}"
+    );
+    // A batch size other than the indexes, a tensor of other rows.
+    let e = fails(
+        &put(tensordict(true, &[2], &leaf), &[zeros(24)]),
+        ErrorReply::Put,
+    );
+    assert!(matches!(e, Error::RowCount { rows: 2, .. }), "{e}");
+    let leaf2 = super::ext3("float32", &[2, 3], 1);
+    let e = fails(
+        &put(tensordict(true, &[3], &leaf2), &[zeros(24)]),
+        ErrorReply::Put,
+    );
+    assert!(e.to_string().contains("first dimension"), "{e}");
+    // Many rows of many zero-size tensors: rows x tensors is refused
+    // before any row is written (it would be quadratic in the message).
+    let (n, k) = (2_000u64, 2_000usize);
+    let indexes: Vec<u64> = (0..n).collect();
+    let mut w = crate::msgpack::Writer::new();
+    w.map(3);
+    w.str("__tq_tensordict__");
+    w.bool(true);
+    w.str("batch_size");
+    w.array(1);
+    w.uint(n);
+    w.str("data");
+    w.map(k);
+    for i in 0..k {
+        w.str(&format!("x{i}"));
+        w.raw(&super::ext3("float32", &[n as i128, 0], i as i128 + 1));
+    }
+    let frames: Vec<Bytes> = (0..k).map(|_| zeros(0)).collect();
+    let msg = put_n(&indexes, w.into_bytes().to_vec(), &frames);
+    let Err(e) = decode_request(&msg) else {
+        panic!("not refused")
+    };
+    assert!(e.to_string().contains("far over"), "{e}");
+}

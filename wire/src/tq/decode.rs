@@ -610,6 +610,214 @@ fn row_list(
     })
 }
 
+/// A TensorDict as TransferQueue's encoder writes it: `{"__tq_tensordict__":
+/// true, "batch_size": [...], "data": {key: tensor or TensorDict}}`.
+struct TensorDictNode {
+    /// `batch_size[1..]`: what a row's TensorDict has.
+    row_batch: Vec<u64>,
+    /// Keys (their exact msgpack) and values, in order.
+    entries: Vec<(Bytes, TdValue)>,
+}
+
+enum TdValue {
+    /// A tensor `[n, ...]`.
+    Tensor(Tensor),
+    /// A nested TensorDict `[n, ...]`.
+    Dict(TensorDictNode),
+}
+
+impl TensorDictNode {
+    /// Leaves (tensors) in the tree.
+    fn leaves(&self) -> usize {
+        self.entries
+            .iter()
+            .map(|(_, v)| match v {
+                TdValue::Tensor(_) => 1,
+                TdValue::Dict(d) => d.leaves(),
+            })
+            .sum()
+    }
+
+    /// Row `i` as `SimpleStorageUnit` answers it: `td[i]` encoded again.
+    fn write_row(&self, b: &mut framed::Builder, i: u64) -> Result<(), Error> {
+        let mut w = Writer::new();
+        w.map(3);
+        w.str("__tq_tensordict__");
+        w.bool(true);
+        w.str("batch_size");
+        w.array(self.row_batch.len());
+        self.row_batch.iter().for_each(|&d| w.uint(d));
+        w.str("data");
+        w.map(self.entries.len());
+        b.raw(&w.into_bytes());
+        for (key, value) in &self.entries {
+            b.raw(key);
+            match value {
+                TdValue::Tensor(t) => {
+                    let row = t.row_tensor(i).map_err(|e| Error::Body {
+                        op: Op::Put,
+                        detail: e.to_string(),
+                    })?;
+                    b.array(
+                        3,
+                        &framed::Part {
+                            dtype: row.dtype().name(),
+                            shape: row.shape(),
+                            data: &row.contiguous_bytes(),
+                        },
+                    );
+                }
+                TdValue::Dict(d) => d.write_row(b, i)?,
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Reads a marked TensorDict map whose batch size starts with `n`.
+fn tensordict_node(
+    r: &mut Reader<'_>,
+    ctx: &mut Ctx<'_>,
+    field: &str,
+    n: usize,
+    depth: usize,
+) -> Result<TensorDictNode, Error> {
+    let unsupported = |what: &str| Error::Unsupported {
+        op: Op::Put,
+        field: field.to_owned(),
+        what: format!(
+            "a map as a field that is not a TensorDict of tensors as TransferQueue encodes one ({what})"
+        ),
+    };
+    if depth == 0 {
+        return Err(r.malformed("nesting too deep").into());
+    }
+    let Item::Map(m) = r.item()? else {
+        return Err(unsupported("not a map"));
+    };
+    let (mut marked, mut batch, mut entries) = (false, None, None);
+    for _ in 0..m {
+        let Item::Str { s: key, .. } = r.item()? else {
+            return Err(unsupported("a key is not a str"));
+        };
+        match key {
+            "__tq_tensordict__" => marked = r.item()? == Item::Bool(true),
+            "batch_size" => {
+                let Item::Array(k) = r.item()? else {
+                    return Err(unsupported("batch_size is not a list"));
+                };
+                let mut dims = Vec::with_capacity(k.min(MAX_RANK));
+                for _ in 0..k {
+                    match r.item()? {
+                        Item::UInt(d) if dims.len() < MAX_RANK => dims.push(d),
+                        _ => return Err(unsupported("batch_size is not a short list of ints")),
+                    }
+                }
+                batch = Some(dims);
+            }
+            "data" => {
+                let Item::Map(k) = r.item()? else {
+                    return Err(unsupported("data is not a map"));
+                };
+                let mut out = Vec::with_capacity(k.min(1024));
+                for _ in 0..k {
+                    let at = r.pos();
+                    let Item::Str { .. } = r.item()? else {
+                        return Err(unsupported("a data key is not a str"));
+                    };
+                    let key = r.slice(at, r.pos());
+                    let vstart = r.pos();
+                    let value = match r.item()? {
+                        Item::Ext {
+                            code: 3,
+                            data,
+                            start,
+                        } => {
+                            let v = pickle_of(3, start, data)?;
+                            let t = ctx.tensor(&v, 3, start)?;
+                            ctx.claim(Ctx::meta_frame(&v), 3, start)?;
+                            if t.shape().first() != Some(&(n as u64)) {
+                                return Err(unsupported(
+                                    "a tensor whose first dimension is not the batch size",
+                                ));
+                            }
+                            TdValue::Tensor(t)
+                        }
+                        Item::Map(_) => {
+                            r.set_pos(vstart);
+                            TdValue::Dict(tensordict_node(r, ctx, field, n, depth - 1)?)
+                        }
+                        _ => {
+                            return Err(unsupported(
+                                "a value that is neither a tensor nor a TensorDict",
+                            ));
+                        }
+                    };
+                    out.push((key, value));
+                }
+                entries = Some(out);
+            }
+            _ => {
+                return Err(unsupported(
+                    "a key other than __tq_tensordict__, batch_size and data",
+                ));
+            }
+        }
+    }
+    let (true, Some(batch), Some(entries)) = (marked, batch, entries) else {
+        return Err(unsupported(
+            "no __tq_tensordict__ marker, batch_size or data",
+        ));
+    };
+    if batch.first() != Some(&(n as u64)) {
+        return Err(Error::RowCount {
+            field: field.to_owned(),
+            rows: batch.first().copied().unwrap_or(0),
+            indexes: n,
+        });
+    }
+    Ok(TensorDictNode {
+        row_batch: batch[1..].to_vec(),
+        entries,
+    })
+}
+
+/// A whole field sent as a TensorDict (a nested TensorDict of the batch):
+/// one row per index, each the row's TensorDict as the unit encodes
+/// `td[i]` (inlined: its tensors' row bytes are copied once).
+fn tensordict_field(
+    r: &mut Reader<'_>,
+    ctx: &mut Ctx<'_>,
+    field: &str,
+    n: usize,
+) -> Result<Field, Error> {
+    let node = tensordict_node(r, ctx, field, n, TQ_MAX_DEPTH)?;
+    // Rows x leaves is what the rows cost to write: bounded by the message
+    // (zero-size leaves would otherwise make it quadratic).
+    let message: usize = ctx.frames.iter().map(Bytes::len).sum();
+    if (node.leaves().max(1) as u128) * (n as u128) > 4 * message as u128 + 4096 {
+        return Err(Error::Unsupported {
+            op: Op::Put,
+            field: field.to_owned(),
+            what: "a TensorDict whose rows x tensors is far over the message's size".into(),
+        });
+    }
+    (0..n as u64)
+        .map(|i| {
+            let mut b = framed::Builder::new(64);
+            node.write_row(&mut b, i)?;
+            b.finish()
+                .map(Value::Msgpack)
+                .ok_or_else(|| Error::Unsupported {
+                    op: Op::Put,
+                    field: field.to_owned(),
+                    what: "a TensorDict row of 4 GiB or more".into(),
+                })
+        })
+        .collect::<Result<Vec<_>, _>>()
+        .map(Field::Values)
+}
+
 /// A value from its msgpack: a canonical str or bin as such, else as is.
 fn plain_value(m: Vec<u8>) -> Value {
     let m = Bytes::from(m);
@@ -707,6 +915,7 @@ fn put_field(r: &mut Reader<'_>, ctx: &mut Ctx<'_>, field: &str, n: usize) -> Re
         rows,
         indexes: n,
     };
+    let start = r.pos();
     let value = match r.item()? {
         Item::Ext {
             code: 3,
@@ -751,9 +960,8 @@ fn put_field(r: &mut Reader<'_>, ctx: &mut Ctx<'_>, field: &str, n: usize) -> Re
         Item::Array(m) if m != n => return Err(count(m as u64)),
         Item::Array(m) => row_list(r, ctx, m, Op::Put, field)?,
         Item::Map(_) => {
-            return Err(unsupported(
-                "a map (e.g. a nested TensorDict) as a field".into(),
-            ));
+            r.set_pos(start);
+            tensordict_field(r, ctx, field, n)?
         }
         _ => {
             return Err(unsupported(
