@@ -138,6 +138,11 @@ def _patch_native_bootstrap() -> None:
         endpoints_file = ray.get(server.get_endpoints_file.remote())
         conf.backend.storage_backend = NATIVE_BACKEND
         conf.backend[NATIVE_BACKEND] = native_section(endpoints_file)
+        # What init() would have run for that backend (the adapter's own
+        # bootstrap leaves the marker that registers it in Ray workers).
+        adapter_bootstrap = StorageBootstrapProvider.get_provider(NATIVE_BACKEND)
+        if adapter_bootstrap is not None:
+            adapter_bootstrap(conf)
         # Kept under "SimpleStorage" in transfer_queue's own bookkeeping, so
         # transfer_queue.close() shuts the server down as it would its units.
         return {"stowd": server}
