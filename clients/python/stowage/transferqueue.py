@@ -257,6 +257,19 @@ def _own_router(routers: Mapping[str, str], key: str = "routers") -> str:
     return routers[node_id]
 
 
+def _endpoints_file(config: Mapping[str, Any], others: str) -> tuple[str, dict]:
+    """(path, contents) of the endpoints file a config section names (or
+    $STOWD_ENDPOINTS_FILE); `others` lists the keys that could stand instead."""
+    path = config.get("endpoints_file") or os.environ.get("STOWD_ENDPOINTS_FILE")
+    if not path:
+        raise ValueError(
+            f"backend.{BACKEND} needs one of: endpoints_file (the file `stowd serve --endpoints-file` "
+            f"writes), {others}; or set $STOWD_ENDPOINTS_FILE"
+        )
+    wait = config.get("wait_secs")
+    return path, read_endpoints_file(path, DEFAULT_WAIT_SECS if wait is None else wait)
+
+
 def resolve_zmq_info(config: Mapping[str, Any] | None) -> dict[str, Any]:
     """The `{id: ZMQServerInfo}` a `backend.Stowage` config section points at
     (see the module doc for the keys)."""
@@ -273,14 +286,7 @@ def resolve_zmq_info(config: Mapping[str, Any] | None) -> dict[str, Any]:
         return storage_unit_infos(list(config["units"]))
     if config.get("routers"):
         return storage_unit_infos([_own_router(config["routers"])])
-    path = config.get("endpoints_file") or os.environ.get("STOWD_ENDPOINTS_FILE")
-    if not path:
-        raise ValueError(
-            f"backend.{BACKEND} needs one of: endpoints_file (the file `stowd serve --endpoints-file` "
-            "writes), endpoint (stowd's router endpoint), units, routers, zmq_info; or set $STOWD_ENDPOINTS_FILE"
-        )
-    wait = config.get("wait_secs")
-    data = read_endpoints_file(path, DEFAULT_WAIT_SECS if wait is None else wait)
+    path, data = _endpoints_file(config, "endpoint (stowd's router endpoint), units, routers, zmq_info")
     mode = config.get("mode") or "router"
     if mode == "router":
         if not data.get("router"):
@@ -368,14 +374,7 @@ def resolve_native(config: Mapping[str, Any] | None) -> tuple[str, bool, str]:
     elif config.get("natives"):
         endpoint, where = _own_router(config["natives"], "natives"), f"backend.{BACKEND}.natives"
     else:
-        path = config.get("endpoints_file") or os.environ.get("STOWD_ENDPOINTS_FILE")
-        if not path:
-            raise ValueError(
-                f"backend.{BACKEND} needs one of: endpoints_file (the file `stowd serve --endpoints-file` "
-                "writes), endpoint (stowd's native endpoint), natives; or set $STOWD_ENDPOINTS_FILE"
-            )
-        wait = config.get("wait_secs")
-        data = read_endpoints_file(path, DEFAULT_WAIT_SECS if wait is None else wait)
+        path, data = _endpoints_file(config, "endpoint (stowd's native endpoint), natives")
         endpoint, where = data.get("native"), str(path)
         if not endpoint:
             raise ValueError(f"{path}: stowd serves no native endpoint (enable [server] native in its config)")

@@ -249,6 +249,21 @@ def test_in_place_ops_change_only_that_tensor(native):
     assert torch.equal(first["col"], batch["col"] + 100)
     native.clear_partition("inplace")
 
+    # Rows in reverse order: many parts, gathered (same node: by the core)
+    n = 64
+    batch = TensorDict({"x": torch.arange(n * 8, dtype=torch.float32).reshape(n, 8),
+                        "col": torch.arange(n, dtype=torch.int64)}, batch_size=n)
+    meta = native.put(batch, partition_id="inplace-rev")
+    rev = meta.select_samples(list(range(n - 1, -1, -1)))
+    first, second = native.get_data(rev), native.get_data(rev)
+    first["x"].values().mul_(-1)
+    first["col"].add_(1000)
+    for got in (second, native.get_data(rev)):
+        assert torch.equal(got["col"], batch["col"].flip(0))
+        assert all(torch.equal(r, w) for r, w in zip(got["x"].unbind(), batch["x"].flip(0).unbind()))
+    assert torch.equal(first["col"], batch["col"].flip(0) + 1000)
+    native.clear_partition("inplace-rev")
+
 
 def test_controller_sees_what_simple_storage_tells_it(ref, native):
     """The controller's metadata after a put: the same fields, dtypes,

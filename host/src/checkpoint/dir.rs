@@ -447,37 +447,10 @@ pub fn restore(
         _ => io(&journal_path)(e),
     })?;
     let begun = std::time::Instant::now();
-    let mut verify = std::time::Duration::ZERO;
     let n = units.len() as u64;
-    let to = |g: u64| lost.binary_search(&g).is_err().then_some((g % n) as usize);
-    let mut parts: Vec<Snapshot> = units.iter().map(|_| Vec::new()).collect();
-    let mut rows = 0u64;
-    for entry in &m.files {
-        let path = dir.join(&entry.file);
-        let started = std::time::Instant::now();
-        let file = map_verified(dir, entry)?;
-        verify += started.elapsed();
-        rows += split(parse(file, &path, false)?, &mut parts, to);
-    }
-    for (_, stored) in parts.iter_mut().flatten() {
-        let all: Vec<u64> = stored
-            .iter()
-            .flat_map(|s| s.indexes().iter().copied())
-            .collect();
-        if let Some(g) = crate::store::duplicate(&all) {
-            return Err(refused(
-                &dir.join(MANIFEST),
-                format!("global index {g} is in two files of one field"),
-            ));
-        }
-    }
-    for (unit, part) in units.iter().zip(&parts) {
-        unit.check_replace(part)
-            .map_err(|source| CheckpointError::Store {
-                path: dir.to_path_buf(),
-                source,
-            })?;
-    }
+    let (parts, rows, verify) = load(units, dir, &m, |g: u64| {
+        lost.binary_search(&g).is_err().then_some((g % n) as usize)
+    })?;
     // Restoring is not a change the restored checkpoint's journal records;
     // every change after it is, whether the restore succeeds or not.
     journal.close(dir, None);
@@ -501,18 +474,16 @@ pub fn restore(
     })
 }
 
-/// `restore` of a snapshot: every row as written, nothing lost; every open
-/// journal stops (see the module docs).
-fn restore_snapshot(
+/// The rows of checkpoint `m` of `dir`, verified and split over `units` by
+/// `to` (None: not loaded), checked to fit them: (the parts, the rows read,
+/// the time spent verifying). Nothing is changed.
+fn load(
     units: &[Arc<Unit>],
-    journal: &Journal,
     dir: &Path,
     m: &Manifest,
-) -> Result<Restored, CheckpointError> {
-    let begun = std::time::Instant::now();
+    to: impl Fn(u64) -> Option<usize> + Copy,
+) -> Result<(Vec<Snapshot>, u64, std::time::Duration), CheckpointError> {
     let mut verify = std::time::Duration::ZERO;
-    let n = units.len() as u64;
-    let to = |g: u64| Some((g % n) as usize);
     let mut parts: Vec<Snapshot> = units.iter().map(|_| Vec::new()).collect();
     let mut rows = 0u64;
     for entry in &m.files {
@@ -541,6 +512,20 @@ fn restore_snapshot(
                 source,
             })?;
     }
+    Ok((parts, rows, verify))
+}
+
+/// `restore` of a snapshot: every row as written, nothing lost; every open
+/// journal stops (see the module docs).
+fn restore_snapshot(
+    units: &[Arc<Unit>],
+    journal: &Journal,
+    dir: &Path,
+    m: &Manifest,
+) -> Result<Restored, CheckpointError> {
+    let begun = std::time::Instant::now();
+    let n = units.len() as u64;
+    let (parts, rows, verify) = load(units, dir, m, |g: u64| Some((g % n) as usize))?;
     journal.retire_all(&format!(
         "stopped when snapshot {} was restored",
         name(dir, m.seq)
