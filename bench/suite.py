@@ -761,8 +761,10 @@ def report(S, wls, meta, systems):
                 "(`--stowd-base`), which runs beside the new one through each workload, repetitions "
                 "alternating between the two; " if base else "")
              + "**tq->stowd** "
-             "TransferQueue's own `TransferQueueClient` and `AsyncSimpleStorageManager` (adapter backend "
-             "`Stowage`) to stowd's router, which routes `g % 4` to 4 units; **tq** TransferQueue's own "
+             "TransferQueue's own `TransferQueueClient` and `AsyncSimpleStorageManager` (backend `Stowage`, "
+             "`protocol: transferqueue`) to stowd's router, which routes `g % 4` to 4 units; **tq->stowd "
+             "native** / **tq->stowd same-node** TransferQueue's own client with backend `Stowage` in its "
+             "native mode (stowage/1 through the `stowage` client) over tcp / same node; **tq** TransferQueue's own "
              "client and storage manager to 4 of its `SimpleStorageUnit`s in a separate process (no Ray). "
              "stowd: release build, `[units] local = 4`, a fresh process per workload"
              + (", with `[limits] receive_pool_bytes = 0` and `[shm] reuse_bytes = 0` (no reuse pools)"
