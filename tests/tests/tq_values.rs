@@ -137,3 +137,54 @@ async fn bad_numpy_input_leaves_stored_rows_intact() {
         normalised(&before)
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn values_with_arrays_survive_a_unit_checkpoint() {
+    // Each case in its own field at its own indexes; saved, the unit
+    // cleared, loaded: every GET equals SimpleStorageUnit's reply again.
+    let stowd = Stowd::start("");
+    let client = TqClient::new(stowd.unit(0));
+    let names = cases();
+    let mut placed = Vec::new();
+    for (k, name) in names.iter().enumerate() {
+        let tq::Request::Put {
+            global_indexes,
+            fields,
+        } = tq::decode_request(&load(&format!("{name}.put"))).unwrap()
+        else {
+            panic!()
+        };
+        let offset = 10_000 * k as u64;
+        let indexes: Vec<u64> = global_indexes.iter().map(|g| g + offset).collect();
+        client.put_ok(&indexes, fields).await;
+        placed.push((name.clone(), indexes));
+    }
+    let path = stowage_tests::temp_dir("tq-values-checkpoint").join("unit.safetensors");
+    let path = path.to_string_lossy().into_owned();
+    let saved = client
+        .request(&tq::Request::SaveCheckpoint { path: path.clone() })
+        .await;
+    assert_eq!(
+        saved,
+        tq::Reply::Checkpoint {
+            load: false,
+            error: None
+        }
+    );
+    for (_, indexes) in &placed {
+        client.clear(indexes).await;
+    }
+    let loaded = client.request(&tq::Request::LoadCheckpoint { path }).await;
+    assert_eq!(
+        loaded,
+        tq::Reply::Checkpoint {
+            load: true,
+            error: None
+        }
+    );
+    for (name, indexes) in &placed {
+        let got = get_raw(&client, indexes).await;
+        let golden = load(&format!("{name}.get"));
+        assert_eq!(normalised(&got), normalised(&golden), "{name}");
+    }
+}
