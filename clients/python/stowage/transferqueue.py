@@ -138,6 +138,8 @@ DEFAULT_TIMEOUT = 300.0
 #: Threads (each with its own stowage client and connection) that carry
 #: puts and gets, so concurrent TransferQueue calls overlap.
 CLIENT_THREADS = 4
+#: Seconds the same-node probe at start waits for stowd (then: tcp, with a warning).
+PROBE_TIMEOUT = 10.0
 #: The subdirectory of a TransferQueue checkpoint directory that holds stowd's checkpoint.
 CHECKPOINT_SUBDIR = "stowage"
 #: The key of the marker `tq.init()` leaves in this backend's config section (`_Registrar`).
@@ -465,7 +467,7 @@ if _TQ_IMPORT_ERROR is None:
             self._clients = _Clients(endpoint, False, timeout)
             if same_node:
                 try:
-                    self._clients.call("stats")  # reachable at all
+                    self._clients.call("stats", timeout=min(timeout, PROBE_TIMEOUT))  # reachable at all
                     probe = _Clients(endpoint, True, timeout)
                     try:
                         probe.call("_open_channel")
