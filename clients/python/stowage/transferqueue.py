@@ -119,7 +119,7 @@ from urllib.parse import urlsplit
 import numpy as np
 
 from .client import Client
-from .errors import KeyNotFound
+from .errors import KeyNotFound, StowageError
 
 BACKEND = "Stowage"
 """The name this adapter registers with TransferQueue (`backend.storage_backend`)."""
@@ -465,9 +465,17 @@ if _TQ_IMPORT_ERROR is None:
             endpoint, same_node, why = resolve_native(config)
             timeout = float((config or {}).get("timeout", DEFAULT_TIMEOUT))
             self._clients = _Clients(endpoint, False, timeout)
+            try:  # reachable, and speaking stowage/1
+                self._clients.call("stats", timeout=min(timeout, PROBE_TIMEOUT))
+            except StowageError as e:
+                self._clients.close()
+                raise ConnectionError(
+                    f"Stowage backend: stowd at {endpoint} ({why}) did not answer a stowage/1 request: {e}. "
+                    "Is stowd running, and is this its native endpoint (the endpoints file's 'native')? Its "
+                    "router and unit endpoints speak TransferQueue's protocol: for those, set "
+                    f"backend.{BACKEND}.protocol: transferqueue") from e
             if same_node:
                 try:
-                    self._clients.call("stats", timeout=min(timeout, PROBE_TIMEOUT))  # reachable at all
                     probe = _Clients(endpoint, True, timeout)
                     try:
                         probe.call("_open_channel")

@@ -154,7 +154,7 @@ def test_stowage_adapter_router_mode(clients, stowd, reference):
 def test_stowd_router_over_transferqueue_units(clients, stowd_over_tq, reference):
     """stowd's router decodes every dtype and forwards it to TransferQueue's
     own SimpleStorageUnits, which store and return it through stowd."""
-    c = clients("Stowage", {"endpoint": stowd_over_tq["router"]["endpoint"]})
+    c = clients("Stowage", {"protocol": "transferqueue", "endpoint": stowd_over_tq["router"]["endpoint"]})
     shape, _ = roundtrip(c, "dtypes-over-tq", make_batch(4))
     assert shape == reference
     c.clear_partition("dtypes-over-tq")

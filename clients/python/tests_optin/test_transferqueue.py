@@ -408,6 +408,21 @@ def test_data_parser_refused(clients, stowd):
     assert unit_keys(stowd) == before
 
 
+def same_row(got, want) -> bool:
+    """One returned row equals SimpleStorage's: types, dtypes, shapes, values."""
+    if type(got) is not type(want):
+        return False
+    if isinstance(want, torch.Tensor):
+        return got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
+    if isinstance(want, np.ndarray):
+        return got.dtype == want.dtype and got.shape == want.shape and np.array_equal(got, want)
+    if isinstance(want, dict):
+        return got.keys() == want.keys() and all(same_row(got[k], want[k]) for k in want)
+    if isinstance(want, (list, tuple)):
+        return len(got) == len(want) and all(same_row(g, w) for g, w in zip(got, want))
+    return got == want
+
+
 @pytest.mark.parametrize(
     "name, value",
     [
@@ -416,22 +431,19 @@ def test_data_parser_refused(clients, stowd):
         ("tensor_or_none", [torch.ones(2) * i if i % 2 else None for i in range(N)]),
     ],
 )
-def test_refused_value_kinds(clients, stowd, tq_units, name, value):
-    """Known gap: per-row values that carry frames other than one tensor per
-    row (a numpy array per row: ext 5; a tensor inside a dict: ext 3 in a map;
-    tensors mixed with None). TransferQueue's own units store these; stowd
-    refuses the PUT (PUT_ERROR "... not supported by stowd") and stores
-    nothing, so the failure is loud, never silent."""
+def test_value_kinds_with_arrays_inside(clients, stowd, tq_units, name, value):
+    """Per-row values that carry arrays (a numpy array per row: ext 5; a
+    tensor inside a dict: ext 3 in a map; tensors mixed with None) through
+    stowd's router come back as TransferQueue's own units return them."""
     ref = clients("SimpleStorage", {"zmq_info": {u.storage_unit_id: u.zmq_server_info for u in tq_units}})
-    meta = ref.put(TensorDict({name: value}, batch_size=N), partition_id=f"refused-ref-{name}")
-    assert len(rows_of(ref.get_data(meta)[name])) == N  # TransferQueue itself takes it
-    ref.clear_partition(f"refused-ref-{name}")
-
+    meta = ref.put(TensorDict({name: value}, batch_size=N), partition_id=f"kinds-ref-{name}")
+    want = rows_of(ref.get_data(meta)[name])
+    ref.clear_partition(f"kinds-ref-{name}")
     c = clients("Stowage", {"protocol": "transferqueue", "endpoints_file": str(stowd.endpoints_path)})
-    before = unit_keys(stowd)
-    with pytest.raises(RuntimeError, match="not supported by stowd"):
-        c.put(TensorDict({name: value}, batch_size=N), partition_id=f"refused-{name}")
-    assert unit_keys(stowd) == before
+    meta = c.put(TensorDict({name: value}, batch_size=N), partition_id=f"kinds-{name}")
+    got = rows_of(c.get_data(meta)[name])
+    assert len(got) == N and all(same_row(g, w) for g, w in zip(got, want)), (got, want)
+    c.clear_partition(f"kinds-{name}")
 
 
 def test_tq_config_path_and_kv_api(controller, stowd):

@@ -368,6 +368,14 @@ def test_protocol_names_and_errors(controller, stowd):
         with pytest.raises(ValueError, match=match):
             stq.StowageStorageManager(controller.zmq_server_info,
                                       dict({"endpoints_file": str(stowd.endpoints_path)}, **bad))
+    # a router endpoint (TransferQueue's protocol) named as the native one: said at once
+    monkey = dict(stq.__dict__)
+    stq.PROBE_TIMEOUT = 1.0
+    try:
+        with pytest.raises(ConnectionError, match="protocol: transferqueue"):
+            stq.StowageStorageManager(controller.zmq_server_info, {"endpoint": stowd["router"]["endpoint"]})
+    finally:
+        stq.PROBE_TIMEOUT = monkey["PROBE_TIMEOUT"]
     m = stq.StowageStorageManager(controller.zmq_server_info, {"endpoints_file": str(stowd.endpoints_path),
                                                                "protocol": "transferqueue"})
     try:

@@ -91,12 +91,26 @@ EXCLUDED = {
 }
 
 
+_SS_LAYOUT = ("SimpleStorage-internal: asserts SimpleStorage's own checkpoint files (<dir>/simple_storage/, "
+              "storage_unit_info.json, which it then edits; include_storage=False forced to True only for "
+              "AsyncSimpleStorageManager); the Stowage backend writes stowd's snapshot in <dir>/stowage, and "
+              "the other checkpoint tests run its save/load round trips")
+
+# Only in mode native (mode units runs them: there the files are SimpleStorage's).
+EXCLUDED_NATIVE = {
+    "e2e/test_checkpoint_e2e.py::TestCheckpointRoundtrip::test_tensor_fields": _SS_LAYOUT,
+    "e2e/test_checkpoint_e2e.py::TestIncludeStorageFalse::test_storage_saved_is_true": _SS_LAYOUT,
+    "e2e/test_checkpoint_e2e.py::TestCheckpointErrors::test_load_raises_on_storage_unit_count_mismatch": _SS_LAYOUT,
+}
+
+
 def _excluded(nodeid: str) -> str | None:
     path, _, rest = nodeid.partition("::")
     # The wheel's tests live in .../site-packages/tests/: ids relative to it.
     rel = path.split("tests/", 1)[-1] if "tests/" in path else path
     name = rest.split("[", 1)[0]
-    return EXCLUDED.get(f"{rel}::{name}") or EXCLUDED.get(rel)
+    table = dict(EXCLUDED, **EXCLUDED_NATIVE) if MODE == "native" else EXCLUDED
+    return table.get(f"{rel}::{name}") or table.get(rel)
 
 
 def _patch_ray_init() -> None:
