@@ -409,6 +409,25 @@ async fn the_checkpoint_cli_writes_and_restores() {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("no such checkpoint directory"), "{err}");
+    // --snapshot: cleared after it, restored as written.
+    c.put_ok(&indexes, &fields).await;
+    let snap = dir.with_file_name("snap");
+    let out = Command::new(stowd_bin())
+        .args(["checkpoint", "--snapshot", "--endpoint", stowd.native()])
+        .arg(&snap)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    c.clear(&indexes[..2], None).await;
+    let out = run("restore", &snap);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("30 rows, 0 indexes lost"), "{text}");
+    check_rows(
+        &stowd,
+        &[0, 1, 2, 3, 4, 5],
+        "a snapshot restored by the CLI",
+    )
+    .await;
     stowd.stop();
 }
 

@@ -31,7 +31,7 @@ enum Command {
     },
     /// Write a checkpoint of every unit of a running stowd to DIR (on the
     /// stowd's machine), and wait for it.
-    Checkpoint(CheckpointArgs),
+    Checkpoint(CheckpointCmd),
     /// Replace every unit's rows of a running stowd with the last
     /// checkpoint in DIR.
     Restore(CheckpointArgs),
@@ -57,6 +57,17 @@ struct CheckpointArgs {
     /// The checkpoint directory (relative: to this process's directory).
     #[arg(value_name = "DIR")]
     dir: PathBuf,
+}
+
+#[derive(clap::Args)]
+struct CheckpointCmd {
+    #[command(flatten)]
+    common: CheckpointArgs,
+    /// Write a snapshot: no journal is kept, and a restore brings back every
+    /// row as written, whatever changed after it (TransferQueue's checkpoint
+    /// semantics; docs/protocol-stowage1.md).
+    #[arg(long)]
+    snapshot: bool,
 }
 
 #[derive(Subcommand)]
@@ -247,7 +258,7 @@ fn plugin_list(endpoint: &str) -> anyhow::Result<()> {
 }
 
 /// `stowd checkpoint` / `stowd restore`: one request, its reply printed.
-fn checkpoint(args: &CheckpointArgs, restore: bool) -> anyhow::Result<()> {
+fn checkpoint(args: &CheckpointArgs, restore: bool, journal: bool) -> anyhow::Result<()> {
     use stowage_host::wire::native;
     let dir = std::path::absolute(&args.dir)?
         .to_string_lossy()
@@ -255,7 +266,7 @@ fn checkpoint(args: &CheckpointArgs, restore: bool) -> anyhow::Result<()> {
     let op = if restore {
         native::Op::Restore { dir }
     } else {
-        native::Op::Checkpoint { dir, journal: true }
+        native::Op::Checkpoint { dir, journal }
     };
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -427,8 +438,8 @@ fn main() -> std::process::ExitCode {
             cache_dir,
         }) => plugin_bench(&file, rounds, cache_dir),
         Command::Plugin(PluginCommand::List { endpoint }) => plugin_list(&endpoint),
-        Command::Checkpoint(args) => checkpoint(&args, false),
-        Command::Restore(args) => checkpoint(&args, true),
+        Command::Checkpoint(cmd) => checkpoint(&cmd.common, false, !cmd.snapshot),
+        Command::Restore(args) => checkpoint(&args, true, true),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
