@@ -332,28 +332,30 @@ def _is_local_host(host: str) -> bool:
 
 
 _NATIVE_KEYS = frozenset({"protocol", "endpoints_file", "endpoint", "natives", "same_node", "timeout", "wait_secs"})
-_TQ_KEYS = frozenset({"mode", "units", "routers", "zmq_info", "storage_unit_infos"})
-_SIMPLE_STORAGE_KEYS = frozenset({"num_data_storage_units", "total_storage_size", "storage_unit_infos"})
+_TQ_KEYS = frozenset({"mode", "units", "routers", "zmq_info"})
+_SIMPLE_STORAGE_KEYS = frozenset({"num_data_storage_units", "total_storage_size", "storage_unit_infos",
+                                  "required_node_resource", "ssd_offload"})
 
 
 def _check_native_keys(config: Mapping[str, Any]) -> None:
-    """Refuses keys the native mode does not read (a typo must not pass
-    silently); SimpleStorage's own keys only get a warning."""
-    keys = {str(k) for k in config} - _NATIVE_KEYS - {_HOOK_KEY}
+    """Says which keys the native mode ignores, with a WARNING each (a
+    section copied from SimpleStorage's, a framework's extra keys, or a
+    typo), and refuses a bad `timeout`. Keys set to null are left unsaid."""
+    keys = {str(k) for k, v in config.items() if v is not None} - _NATIVE_KEYS - {_HOOK_KEY}
     ignored = keys & _SIMPLE_STORAGE_KEYS
     if ignored:
         _log.warning("backend.%s: %s do nothing under Stowage: stowd's own config sets the units "
                      "([units] local) and their capacity ([units] capacity_bytes, memory_percent, spill_dir)",
                      BACKEND, ", ".join(sorted(ignored)))
-    tq_only = (keys & _TQ_KEYS) - ignored
+    tq_only = keys & _TQ_KEYS
     if tq_only:
-        raise ValueError(f"backend.{BACKEND}: {', '.join(sorted(tq_only))} only apply to protocol: transferqueue "
-                         "(TransferQueue's own client to stowd's router or units); the native mode (protocol: "
-                         "stowage, the default) reads endpoints_file, endpoint or natives")
+        _log.warning("backend.%s: %s ignored: they only apply to protocol: transferqueue (TransferQueue's own "
+                     "client to stowd's router or units); the native mode (protocol: stowage, the default) reads "
+                     "endpoints_file, endpoint or natives", BACKEND, ", ".join(sorted(tq_only)))
     unknown = keys - ignored - tq_only
     if unknown:
-        raise ValueError(f"backend.{BACKEND}: unknown key(s) {', '.join(sorted(unknown))}; the native mode reads "
-                         f"{', '.join(sorted(_NATIVE_KEYS))}")
+        _log.warning("backend.%s: unknown key(s) %s ignored; the native mode reads %s", BACKEND,
+                     ", ".join(sorted(unknown)), ", ".join(sorted(_NATIVE_KEYS)))
     timeout = config.get("timeout", DEFAULT_TIMEOUT)
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
         raise ValueError(f"backend.{BACKEND}.timeout must be a positive number of seconds, got {timeout!r}")

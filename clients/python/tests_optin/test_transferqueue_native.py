@@ -355,19 +355,28 @@ def test_a_get_copies_in_stowd_what_the_native_clients_get_copies(native, stowd)
     native.clear_partition("few")
 
 
-def test_protocol_names_and_errors(controller, stowd):
+def test_protocol_names_and_errors(controller, stowd, caplog):
     with pytest.raises(ValueError, match="protocol must be"):
         stq.StowageStorageManager(controller.zmq_server_info, {"endpoints_file": str(stowd.endpoints_path),
                                                                "protocol": "tq"})
     with pytest.raises(ValueError, match="same_node must be"):
         stq.StowageStorageManager(controller.zmq_server_info, {"endpoints_file": str(stowd.endpoints_path),
                                                                "same_node": "maybe"})
-    for bad, match in [({"endpoint_file": "x"}, "unknown key"), ({"mode": "units"}, "only apply to protocol"),
-                       ({"timeout": 0}, "timeout must be"), ({"same_node": True, "endpoint": "tcp://10.255.255.1:1"},
-                                                               "not an address of this host")]:
+    for bad, match in [({"timeout": 0}, "timeout must be"),
+                       ({"same_node": True, "endpoint": "tcp://10.255.255.1:1"}, "not an address of this host")]:
         with pytest.raises(ValueError, match=match):
             stq.StowageStorageManager(controller.zmq_server_info,
                                       dict({"endpoints_file": str(stowd.endpoints_path)}, **bad))
+    # Keys the native mode does not read are said, not fatal (a section copied
+    # from SimpleStorage's, a framework's own keys, a typo); null ones are not.
+    with caplog.at_level("WARNING", logger="stowage.transferqueue"):
+        m = stq.StowageStorageManager(controller.zmq_server_info, {
+            "endpoints_file": str(stowd.endpoints_path), "endpoint_file": "x", "mode": "units",
+            "num_data_storage_units": 2, "zmq_info": None})
+        m.close()
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "unknown key(s) endpoint_file" in said and "mode ignored" in said, said
+    assert "num_data_storage_units do nothing" in said and "zmq_info" not in said, said
     # a router endpoint (TransferQueue's protocol) named as the native one: said at once
     monkey = dict(stq.__dict__)
     stq.PROBE_TIMEOUT = 1.0
