@@ -1,7 +1,7 @@
 """Writes the golden frames of wire/src/tests/values/ (run by hand, with
 TransferQueue 0.1.11's virtualenv):
 
-    /work/tqenv/bin/python tests/python/make_tq_value_goldens.py
+    $TQ_VENV/bin/python tests/python/make_tq_value_goldens.py
 
 For each case: TransferQueue's own encoder writes a PUT of one field over
 three rows (or as many as the value has) (CASE.put.frameK.bin) and a real SimpleStorageUnit, in this

@@ -1,7 +1,7 @@
 """Opt-in: the native "Stowage" backend (protocol stowage, the default) under
 TransferQueue 0.1.11's own client, against a real stowd (needs torch).
 
-    /work/tqenv/bin/python -m pytest clients/python/tests_optin/test_transferqueue_native.py -q
+    $TQ_VENV/bin/python -m pytest clients/python/tests_optin/test_transferqueue_native.py -q
 
 Every kind of value SimpleStorage accepts is put through TransferQueue's own
 SimpleStorageUnits and through the backend, over tcp and same node, and the

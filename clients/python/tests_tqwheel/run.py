@@ -1,8 +1,8 @@
 """Runs TransferQueue 0.1.11's own wheel tests that go through a storage unit
 against stowd (see README.md here):
 
-    /work/tqenv/bin/python clients/python/tests_tqwheel/run.py                    # --backend units
-    /work/tqenv/bin/python clients/python/tests_tqwheel/run.py --backend native   # the Stowage adapter
+    $TQ_VENV/bin/python clients/python/tests_tqwheel/run.py                    # --backend units
+    $TQ_VENV/bin/python clients/python/tests_tqwheel/run.py --backend native   # the Stowage adapter
 
 Extra arguments go to pytest (`-k lifecycle`, `-x`, `-v`, ...). The tests run
 from the installed wheel's `tests/` folder, unmodified; `tqwheel_plugin`
