@@ -381,13 +381,15 @@ async fn the_checkpoint_cli_writes_and_restores() {
     let (indexes, fields) = batch();
     c.put_ok(&indexes, &fields).await;
     let dir = temp_dir("restore-cli").join("ckpt");
-    let run = |op: &str, dir: &Path| {
+    let run_with = |args: &[&str], dir: &Path| {
         Command::new(stowd_bin())
-            .args([op, "--endpoint", stowd.native()])
+            .args(args)
+            .args(["--endpoint", stowd.native()])
             .arg(dir)
             .output()
             .unwrap()
     };
+    let run = |op: &str, dir: &Path| run_with(&[op], dir);
     let out = run("checkpoint", &dir);
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{out:?}");
@@ -412,11 +414,7 @@ async fn the_checkpoint_cli_writes_and_restores() {
     // --snapshot: cleared after it, restored as written.
     c.put_ok(&indexes, &fields).await;
     let snap = dir.with_file_name("snap");
-    let out = Command::new(stowd_bin())
-        .args(["checkpoint", "--snapshot", "--endpoint", stowd.native()])
-        .arg(&snap)
-        .output()
-        .unwrap();
+    let out = run_with(&["checkpoint", "--snapshot"], &snap);
     assert!(out.status.success(), "{out:?}");
     c.clear(&indexes[..2], None).await;
     let out = run("restore", &snap);

@@ -49,7 +49,6 @@ from ._codec import Packed
 
 try:  # only `stowage.transferqueue` imports this module, when TransferQueue is installed
     import torch
-    from tensordict import TensorDict
     from transfer_queue.metadata import extract_field_schema
     from transfer_queue.storage.managers.simple_storage_manager import AsyncSimpleStorageManager
     from transfer_queue.utils import serial_utils
@@ -222,9 +221,5 @@ def _length(v) -> int | None:
         return None
 
 
-def tensordict(fields: dict, n: int):
-    return TensorDict(fields, batch_size=n)
 
-
-__all__ = ["EXT_TQ", "apply_parser", "decode_value", "encode_value", "field_schema", "from_wire", "tensordict",
-           "to_wire"]
+__all__ = ["EXT_TQ", "apply_parser", "decode_value", "encode_value", "field_schema", "from_wire", "to_wire"]

@@ -244,7 +244,7 @@ def storage_unit_infos(endpoints: Iterable[str | Mapping[str, str]]) -> dict[str
     return infos
 
 
-def _own_router(routers: Mapping[str, str], key: str = "routers") -> str:
+def _own_endpoint(routers: Mapping[str, str], key: str = "routers") -> str:
     """The endpoint of this process's Ray node in `{node id: endpoint}`."""
     try:
         import ray
@@ -287,7 +287,7 @@ def resolve_zmq_info(config: Mapping[str, Any] | None) -> dict[str, Any]:
     if config.get("units"):
         return storage_unit_infos(list(config["units"]))
     if config.get("routers"):
-        return storage_unit_infos([_own_router(config["routers"])])
+        return storage_unit_infos([_own_endpoint(config["routers"])])
     path, data = _endpoints_file(config, "endpoint (stowd's router endpoint), units, routers, zmq_info")
     mode = config.get("mode") or "router"
     if mode == "router":
@@ -376,7 +376,7 @@ def resolve_native(config: Mapping[str, Any] | None) -> tuple[str, bool, str]:
     if config.get("endpoint"):
         endpoint, where = config["endpoint"], f"backend.{BACKEND}.endpoint"
     elif config.get("natives"):
-        endpoint, where = _own_router(config["natives"], "natives"), f"backend.{BACKEND}.natives"
+        endpoint, where = _own_endpoint(config["natives"], "natives"), f"backend.{BACKEND}.natives"
     else:
         path, data = _endpoints_file(config, "endpoint (stowd's native endpoint), natives")
         endpoint, where = data.get("native"), str(path)
@@ -477,22 +477,20 @@ if _TQ_IMPORT_ERROR is None:
                     "router and unit endpoints speak TransferQueue's protocol: for those, set "
                     f"backend.{BACKEND}.protocol: transferqueue") from e
             if same_node:
+                shared = _Clients(endpoint, True, timeout)
                 try:
-                    probe = _Clients(endpoint, True, timeout)
-                    try:
-                        probe.call("_open_channel")
-                    finally:
-                        probe.close()
+                    shared.call("_open_channel")
                 except Exception as e:  # noqa: BLE001 - auto falls back to tcp, with why
+                    shared.close()
                     if (config or {}).get("same_node", "auto") not in ("auto", None):
                         self._clients.close()
                         raise
                     _log.warning("Stowage backend: stowd at %s refused same-node mode (%s: %s); using tcp",
                                  endpoint, type(e).__name__, e)
                     same_node, why = False, f"same-node refused: {e}"
-                else:
+                else:  # the probed clients serve from now on
                     self._clients.close()
-                    self._clients = _Clients(endpoint, True, timeout)
+                    self._clients = shared
             self.endpoint, self.same_node = endpoint, same_node
             _log.info("Stowage backend: stowd at %s, %s (%s)", endpoint,
                       "same node (shared memory)" if same_node else "tcp", why)
