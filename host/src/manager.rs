@@ -470,12 +470,40 @@ impl Manager {
                 .find_map(|(_, _, r)| r.err())
                 .unwrap_or(ManagerError::Internal(e)));
         }
-        for (target, part) in self.targets.iter().zip(per_unit) {
-            if let (Target::Local(unit), Some((indexes, unit_fields))) = (target, part) {
-                unit.put(&indexes, unit_fields)?;
+        // Every local unit's indexes journaled at once (they share one
+        // journal): a journal that cannot be written refuses the put on
+        // every unit, and the remote units' rows are cleared again.
+        let local: Vec<u64> = self
+            .targets
+            .iter()
+            .zip(&per_unit)
+            .filter(|(t, _)| matches!(t, Target::Local(_)))
+            .filter_map(|(_, part)| part.as_ref())
+            .flat_map(|(indexes, _)| indexes.iter().copied())
+            .collect();
+        let Some(journal) = self.targets.iter().find_map(|t| match t {
+            Target::Local(u) => Some(u.journal().clone()),
+            _ => None,
+        }) else {
+            return Ok(());
+        };
+        let failed = match journal.touch(&local) {
+            Ok(journaled) => {
+                for (target, part) in self.targets.iter().zip(per_unit) {
+                    if let (Target::Local(unit), Some((indexes, unit_fields))) = (target, part) {
+                        unit.put_journaled(&indexes, unit_fields, &journaled)?;
+                    }
+                }
+                return Ok(());
+            }
+            Err(e) => e.to_string(),
+        };
+        for (target, indexes, _) in &sent {
+            if let Err(undo) = self.clear_target(target, indexes, None).await {
+                tracing::error!(unit = %target.name(), error = %undo, "could not undo a failed put");
             }
         }
-        Ok(())
+        Err(ManagerError::Store(StoreError::Journal(failed)))
     }
 
     /// Deduplicates the rows local units are about to store for fields
@@ -739,11 +767,30 @@ impl Manager {
                 "clearing single fields is not possible on a TransferQueue unit".into(),
             ));
         }
+        // Remote units first (they can fail); then every local unit under
+        // one journal record, so that a journal that cannot be written
+        // clears nothing locally.
         let mut cleared = 0;
+        let mut local = Vec::new();
         for (target, route) in self.targets.iter().zip(routes) {
-            if !route.indexes.is_empty() {
-                cleared += self.clear_target(target, &route.indexes, fields).await?;
+            if route.indexes.is_empty() {
+                continue;
             }
+            match target {
+                Target::Local(unit) => local.push((unit, route.indexes)),
+                _ => cleared += self.clear_target(target, &route.indexes, fields).await?,
+            }
+        }
+        let Some((first, _)) = local.first() else {
+            return Ok(cleared);
+        };
+        let all: Vec<u64> = local.iter().flat_map(|(_, i)| i.iter().copied()).collect();
+        let journaled = first
+            .journal()
+            .touch(&all)
+            .map_err(|e| ManagerError::Store(StoreError::Journal(e.to_string())))?;
+        for (unit, indexes) in &local {
+            cleared += unit.clear_journaled(indexes, fields, &journaled);
         }
         Ok(cleared)
     }

@@ -252,6 +252,43 @@ impl Spiller {
         }
     }
 
+    /// Whether `bytes` of new rows fit in place of `held` bytes a unit
+    /// holds now: within the memory bound and the room left on the spill
+    /// disk (`spill_max_bytes`, or the file system's free space). Asked
+    /// before a load reads a file, so that a file too large is refused
+    /// before any of it is in memory.
+    pub fn check_room(&self, bytes: u64, held: u64) -> Result<(), SpillError> {
+        let a = &self.accounts;
+        let (memory, disk) = (
+            a.memory.load(Ordering::Acquire),
+            a.disk.load(Ordering::Acquire),
+        );
+        let disk_room = match self.config.max_disk {
+            Some(max) => max.saturating_sub(disk),
+            None => rustix::fs::statvfs(&self.config.dir)
+                .map_or(u64::MAX, |s| s.f_bavail.saturating_mul(s.f_frsize)),
+        };
+        let room = self
+            .config
+            .bound
+            .saturating_sub(memory)
+            .saturating_add(disk_room)
+            .saturating_add(held);
+        if bytes <= room {
+            return Ok(());
+        }
+        Err(SpillError {
+            dir: self.config.dir.display().to_string(),
+            memory,
+            bound: self.config.bound,
+            needed: bytes,
+            reason: format!(
+                "the rows need {bytes} bytes; memory and the spill disk have room for {room} \
+                 (spill_max_bytes, or the disk's free space)"
+            ),
+        })
+    }
+
     /// Stops the background thread (at its next wake-up).
     pub fn stop(&self) {
         self.stopped.store(true, Ordering::Release);

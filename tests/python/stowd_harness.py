@@ -1,7 +1,9 @@
 """Starting and stopping a real `stowd` process for the Python tests.
 
 `run_stowd(workdir, config=...)` is a context manager: it starts
-`stowd serve --endpoints-file <workdir>/endpoints.json [--config ...]`, waits
+`stowd serve --endpoints-file <workdir>/endpoints.json --config ...` (the
+config given, and unless it has a `[checkpoint]` table, checkpoint roots at
+the system's temporary directory, where the tests' checkpoints are), waits
 for the endpoints file, yields a `Stowd` (the parsed endpoints file, a dict,
 plus the process and its log), and on exit sends SIGTERM, waits and asserts a
 clean exit (status 0). A server that hangs on shutdown is killed and the test
@@ -17,6 +19,7 @@ import os
 import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -98,10 +101,12 @@ def run_stowd(workdir: Path, config: str | None = None, name: str = "stowd", ext
     endpoints_path = workdir / f"{name}.endpoints.json"
     log_path = workdir / f"{name}.log"
     args = [str(binary), "serve", "--endpoints-file", str(endpoints_path)]
-    if config is not None:
-        config_path = workdir / f"{name}.toml"
-        config_path.write_text(config)
-        args += ["--config", str(config_path)]
+    if config is None or "[checkpoint]" not in config:
+        # The tests' checkpoints live in their temporary directories.
+        config = (config or "") + f"\n[checkpoint]\nroots = [{json.dumps(tempfile.gettempdir())}]\n"
+    config_path = workdir / f"{name}.toml"
+    config_path.write_text(config)
+    args += ["--config", str(config_path)]
     args += list(extra_args)
     env = dict(os.environ)
     env.setdefault("RUST_LOG", "info")

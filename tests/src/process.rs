@@ -1,7 +1,9 @@
 //! The real `stowd` binary as a child process.
 //!
 //! [`Stowd::start`] writes a config (the plugin directory and the shared
-//! compile cache first, then the caller's tables), starts
+//! compile cache first, then the caller's tables, then, unless the caller
+//! has a `[checkpoint]` table, checkpoint roots at the system's temporary
+//! directory, where the tests' checkpoints are), starts
 //! `stowd serve --config C --endpoints-file F` on OS-chosen ports and waits
 //! for the endpoints file. [`Stowd::stop`] (or dropping the handle) sends
 //! SIGTERM and checks that the process exits with status 0 in time.
@@ -169,11 +171,18 @@ impl Stowd {
         let bin = stowd_bin();
         let dir = temp_dir("stowd");
         let config_path = dir.join("stowd.toml");
-        let text = format!(
+        let mut text = format!(
             "[plugins]\ndir = {}\ncache_dir = {}\n\n{config}\n",
             toml_path(plugins),
             toml_path(cache)
         );
+        if !config.contains("[checkpoint]") {
+            // The tests' checkpoints live in their temporary directories.
+            text.push_str(&format!(
+                "\n[checkpoint]\nroots = [{}]\n",
+                toml_path(&std::env::temp_dir())
+            ));
+        }
         std::fs::write(&config_path, text).expect("write the config");
         let endpoints_file = dir.join("endpoints.json");
         let log_file = dir.join("stowd.log");

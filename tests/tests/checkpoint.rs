@@ -186,8 +186,15 @@ async fn bad_paths_and_a_router_with_remote_units_are_refused_clearly() {
         false,
     );
     assert!(e.contains("not absolute"), "{e}");
-    let e = refused(&save(&unit, &dir).await, false);
+    let sub = dir.join("sub");
+    std::fs::create_dir(&sub).unwrap();
+    let e = refused(&save(&unit, &sub).await, false);
     assert!(e.contains("not a regular file"), "{e}");
+    let e = refused(&load(&unit, &sub).await, true);
+    assert!(e.contains("not a regular file"), "{e}");
+    // A directory others can write (the temporary directory, 1777).
+    let e = refused(&save(&unit, &dir).await, false);
+    assert!(e.contains("writable by group or others"), "{e}");
     let e = refused(
         &save(&unit, &dir.join("no/such/dir/su.safetensors")).await,
         false,

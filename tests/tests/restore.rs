@@ -345,7 +345,7 @@ async fn bad_directories_and_manifests_are_refused_clearly() {
         ),
         (
             good.replace("\"unit-1-0.safetensors\"", "\"../unit-1-0.safetensors\""),
-            &["not in the directory"][..],
+            &["unit files of its own checkpoint, in the directory"][..],
         ),
     ] {
         std::fs::write(&manifest, text).unwrap();
@@ -410,6 +410,10 @@ async fn the_checkpoint_cli_writes_and_restores() {
     let out = run("restore", Path::new("/nonexistent/ckpt"));
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("outside the checkpoint roots"), "{err}");
+    let out = run("restore", &dir.with_file_name("missing"));
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("no such checkpoint directory"), "{err}");
     // --snapshot: cleared after it, restored as written.
     c.put_ok(&indexes, &fields).await;
@@ -429,42 +433,58 @@ async fn the_checkpoint_cli_writes_and_restores() {
     stowd.stop();
 }
 
+/// A checkpoint written elsewhere never makes another unrestorable: a
+/// client checkpoints into a directory of its own and moves it away; the
+/// first checkpoint still restores, with every index changed since lost
+/// (none stale). The moved copy's journal follows it. Past
+/// `max_journals` directories a journaled checkpoint into one more is
+/// refused, and removing a journaled directory frees its place.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn only_the_newest_checkpoint_directory_stays_restorable() {
-    let mut stowd = Stowd::start(TWO_UNITS);
+async fn a_checkpoint_elsewhere_leaves_every_other_restorable() {
+    let config = "[units]\nlocal = 2\n";
+    let mut stowd = Stowd::start(config);
     let c = NativeClient::new(stowd.native());
-    let base = temp_dir("restore-newest");
-    let (a, b) = (base.join("a"), base.join("b"));
+    let base = temp_dir("restore-elsewhere");
+    let (a, b, moved) = (base.join("a"), base.join("b"), base.join("b-moved"));
     let (indexes, fields) = batch();
     c.put_ok(&indexes, &fields).await;
     assert_eq!(checkpoint_seq(&checkpoint(&c, &a).await), 1);
     c.put_ok(&[600], &[("x".into(), Field::Regular(f32_rows(1, 8, 6)))])
         .await;
     assert_eq!(checkpoint_seq(&checkpoint(&c, &b).await), 1);
-    // From now on only b's journal is written: a's stopped, and says so.
-    let a_journal = std::fs::metadata(a.join("journal-1")).unwrap().len();
-    assert_eq!(a_journal, 8, "a's journal holds index 600 only");
-    let marker = std::fs::read_to_string(a.join("journal-1.stopped")).unwrap();
-    assert!(marker.contains(&b.display().to_string()), "{marker}");
+    std::fs::rename(&b, &moved).unwrap();
     c.put_ok(&[3], &[("x".into(), Field::Regular(f32_rows(1, 8, 7)))])
         .await;
-    assert_eq!(
-        std::fs::metadata(a.join("journal-1")).unwrap().len(),
-        a_journal
+    // Both journals written: a's holds 600 and 3, the moved b's 3.
+    assert_eq!(std::fs::metadata(a.join("journal-1")).unwrap().len(), 16);
+    assert_eq!(std::fs::metadata(moved.join("journal-1")).unwrap().len(), 8);
+    assert!(!a.join("journal-1.stopped").exists());
+    assert!(!moved.join("journal-1.stopped").exists());
+    // Two more directories: the fourth is journaled, the fifth refused,
+    // naming max_journals; a removed directory frees its place.
+    let (c3, c4, c5) = (base.join("c3"), base.join("c4"), base.join("c5"));
+    checkpoint_seq(&checkpoint(&c, &c3).await);
+    checkpoint_seq(&checkpoint(&c, &c4).await);
+    let (code, message) = err(checkpoint(&c, &c5).await);
+    assert_eq!(code, native::code::BAD_REQUEST, "{message}");
+    assert!(
+        message.contains("max_journals") && message.contains(&a.display().to_string()),
+        "{message}"
     );
-    assert_eq!(std::fs::metadata(b.join("journal-1")).unwrap().len(), 8);
+    std::fs::remove_dir_all(&c4).unwrap();
+    checkpoint_seq(&checkpoint(&c, &c5).await);
     stowd.kill();
 
     // Restored into 3 units instead of 2: rows re-routed by g % 3.
     let three = "[units]\nlocal = 3\n";
-    let refused = Stowd::start_restoring(three, &a).expect_err("restored a stopped checkpoint");
-    assert!(
-        refused.contains("journal-1") && refused.contains("stopped when a checkpoint was written"),
-        "{refused}"
-    );
-    let restored = Stowd::start_restoring(three, &b).unwrap_or_else(|e| panic!("{e}"));
-    check_rows(&restored, &[1, 2, 3, 4, 5], "restored into 3 units").await;
-    assert_lost(&restored, 3, &format!("{}#1", b.display())).await;
+    let restored = Stowd::start_restoring(three, &a).unwrap_or_else(|e| panic!("{e}"));
+    check_rows(&restored, &[1, 2, 3, 4, 5], "a restored into 3 units").await;
+    assert_lost(&restored, 3, &format!("{}#1", a.display())).await;
+    assert_lost(&restored, 600, &format!("{}#1", a.display())).await;
+    restored.stop();
+    let restored = Stowd::start_restoring(three, &moved).unwrap_or_else(|e| panic!("{e}"));
+    check_rows(&restored, &[1, 2, 3, 4, 5], "the moved b").await;
+    assert_lost(&restored, 3, &format!("{}#1", moved.display())).await;
     let got = NativeClient::new(restored.native())
         .get_ok(&[600], &["x"])
         .await;
@@ -473,10 +493,6 @@ async fn only_the_newest_checkpoint_directory_stays_restorable() {
         &wire_cells(got[0].1.clone()),
         &cells(&Field::Regular(f32_rows(1, 8, 6))),
     );
-    // A new checkpoint into a makes it current again.
-    let c = NativeClient::new(restored.native());
-    assert_eq!(checkpoint_seq(&checkpoint(&c, &a).await), 2);
-    assert!(!a.join("journal-1.stopped").exists());
     restored.stop();
 }
 
@@ -628,12 +644,22 @@ async fn a_snapshot_restores_every_row_as_it_was_written() {
         other => panic!("restore failed: {other:?}"),
     }
     check_rows(&stowd, &[0, 1, 2, 3, 4, 5], "restored snapshot (running)").await;
-    // The journaled checkpoint's journal stopped: restoring it is refused.
-    let (code, message) = err(restore(&c, &journaled).await);
-    assert!(
-        message.contains("stopped when snapshot") && message.contains(&snap.display().to_string()),
-        "{code}: {message}"
-    );
+    // The journaled checkpoint stays restorable, and never stale: its
+    // journal recorded every index the overwrite, the clear and the
+    // snapshot's restore changed, so each reads data_lost.
+    match restore(&c, &journaled).await {
+        native::Reply::RestoreOk { rows, lost, .. } => {
+            assert_eq!((rows, lost), (0, indexes.len() as u64));
+        }
+        other => panic!("restore failed: {other:?}"),
+    }
+    let (code, _) = err(c.get(&indexes[..1], &["x"]).await);
+    assert_eq!(code, native::code::DATA_LOST);
+    // The snapshot again, for what follows.
+    match restore(&c, &snap).await {
+        native::Reply::RestoreOk { lost: 0, .. } => {}
+        other => panic!("restore failed: {other:?}"),
+    }
     // A snapshot where a journal is open is refused; so is a journal that is not a bool.
     let j2 = base.join("j2");
     assert_eq!(checkpoint_seq(&checkpoint(&c, &j2).await), 1);

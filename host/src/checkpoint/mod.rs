@@ -2,13 +2,18 @@
 //! writes and `LOAD_STORAGE_CHECKPOINT` reads back (issue 16, first part).
 //!
 //! **Format: one [safetensors] file per unit.** Hugging Face's format is a
-//! JSON header and the raw bytes of each tensor, written and read here by
-//! its own crate, and read as well by torch, numpy, JAX and most model
-//! tooling (`safetensors.torch.load_file(path)` gives every stored row of a
-//! checkpoint as a tensor, checked by the opt-in TransferQueue suite;
-//! `safetensors.numpy` too, but for bfloat16, which numpy lacks). Arrow IPC would have meant one record batch per
+//! JSON header and the raw bytes of each tensor, read as well by torch,
+//! numpy, JAX and most model tooling (`safetensors.torch.load_file(path)`
+//! gives every stored row of a checkpoint as a tensor, checked by the
+//! opt-in TransferQueue suite; `safetensors.numpy` too, but for bfloat16,
+//! which numpy lacks). Arrow IPC would have meant one record batch per
 //! field and its much larger crates for a format no consumer of these rows
-//! reads natively.
+//! reads natively. The header is the crate's own [`Metadata`] (which
+//! checks the offsets, dtypes and shapes, and writes the JSON); the bytes
+//! are written and read here, because the crate's `serialize_to_file` and
+//! `deserialize` take a path and a whole file in memory, where a
+//! checkpoint is written through its directory's descriptor
+//! ([`confine`]) and a load reads a file in a stream.
 //!
 //! - Each tensor is named by its position in the file's entry list (`"0"`,
 //!   `"1"`, ...) and holds a run of stored rows of one field
@@ -20,44 +25,59 @@
 //!   safetensors has the dtype; the others (`complex128`, `complex32`,
 //!   `float4_e2m1fn_x2`), and plain values, are `U8` tensors of their
 //!   bytes. Rows stored strided (a unit's share of a put spread over
-//!   units) are gathered one run at a time as they are written.
+//!   units) are written one row at a time, never gathered into a copy.
 //! - The header's `__metadata__` holds one key, `stowage`: a JSON object
 //!   with `format` ([`FORMAT`]), the unit id, `entries` (per tensor:
 //!   `[field, kind, dtype, shape, global indexes]`) and `sha256`, the
 //!   SHA-256 of every entry's bytes in entry order (left out in a
 //!   checkpoint directory's files, whose manifest holds each whole file's).
-//!   A load verifies it in one hashing pass before anything is replaced,
-//!   and refuses a file whose bytes differ, naming the file.
-//! - A save writes `.<name>.<pid>.<n>.tmp` beside `path`, fsyncs it, renames
-//!   it over `path` and fsyncs the directory: a crash mid-save leaves the
-//!   previous file (or none), never half of one.
+//! - A save writes a temporary file (`O_EXCL`, through the directory's
+//!   descriptor), fsyncs it, renames it over the file and fsyncs the
+//!   directory: a crash mid-save leaves the previous file (or none), never
+//!   half of one.
+//!
+//! **A load reads a file it cannot trust.** The path must lie under
+//! `[checkpoint] roots` ([`confine`]); the file is opened without
+//! following links and must be a regular file of `stowd`'s user. Its
+//! header (at most 100 MB, the crate's bound) is read and every entry
+//! checked against its tensor; the bytes each unit would hold are checked
+//! against its capacity (and the spill room) **before any row is read**;
+//! then the rows are read in a stream, each entry into a buffer of its own
+//! size, and the checksum verified. Only then is anything replaced: every
+//! unit's new rows are made ready, the change is journaled, and each unit
+//! takes its new rows at once ([`Unit::commit`]). A refused load leaves
+//! every unit as it was.
 //!
 //! The snapshot is the unit's rows at the moment the save takes the unit's
 //! lock ([`Unit::snapshot`]: the cells share the stored extents, nothing is
 //! copied until the file is written); puts and gets go on meanwhile. A load
-//! replaces the unit's rows as a whole, as TransferQueue's unit does
-//! (`Unit::replace_with`: a clear, then one put per field, each run a column), after the file
-//! was read and verified; a put that races a load may be cleared by it.
+//! replaces the unit's rows as a whole, as TransferQueue's unit does.
 //!
 //! [safetensors]: https://github.com/huggingface/safetensors
 
-use std::borrow::Cow;
 use std::collections::HashMap;
+use std::fs::File;
+use std::io::{Read, Write};
+use std::ops::Range;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
 
 use bytes::Bytes;
-use safetensors::{Dtype as StDtype, SafeTensors, View};
+use safetensors::Dtype as StDtype;
+use safetensors::tensor::{Metadata, TensorInfo};
 use sha2::{Digest, Sha256};
 
 use crate::batch::{Cell, Value};
+use crate::journal::Journal;
 use crate::store::{Snapshot, StoreError, Stored, Unit, add_rows};
 use crate::tensor::{DType, Tensor};
 
 /// The `format` of the files this module writes and reads.
 pub const FORMAT: &str = "stowage-unit-checkpoint/2";
 
+pub mod confine;
 pub mod dir;
+
+pub use confine::{Dir, Roots};
 
 /// Why a checkpoint could not be written or read. Nothing was changed.
 #[derive(Debug, thiserror::Error)]
@@ -125,28 +145,6 @@ impl Data {
     }
 }
 
-impl View for &Data {
-    fn dtype(&self) -> StDtype {
-        self.dtype
-    }
-    fn shape(&self) -> &[usize] {
-        &self.shape
-    }
-    fn data(&self) -> Cow<'_, [u8]> {
-        if self.rows.is_contiguous() {
-            Cow::Borrowed(self.rows.buffer().as_ref())
-        } else {
-            // One copy of the run (at most RUN_BYTES), written and dropped.
-            let mut out = Vec::with_capacity(self.rows.payload_len());
-            self.for_each_row(|row| out.extend_from_slice(row));
-            Cow::Owned(out)
-        }
-    }
-    fn data_len(&self) -> usize {
-        self.rows.payload_len()
-    }
-}
-
 /// The safetensors dtype of a stored dtype, where it has one.
 fn st_dtype(d: DType) -> Option<StDtype> {
     Some(match d {
@@ -173,6 +171,13 @@ fn st_dtype(d: DType) -> Option<StDtype> {
     })
 }
 
+fn refused(path: &Path, reason: impl Into<String>) -> CheckpointError {
+    CheckpointError::Refused {
+        path: path.to_path_buf(),
+        reason: reason.into(),
+    }
+}
+
 pub(crate) fn io(path: &Path) -> impl Fn(std::io::Error) -> CheckpointError + '_ {
     move |source| CheckpointError::Io {
         path: path.to_path_buf(),
@@ -188,11 +193,16 @@ pub struct Saved {
 }
 
 /// Writes every row of `units` (one unit's, or a router's local units',
-/// whose global indexes are distinct across them) to `path`, as one file
-/// naming `id` (see the module docs).
-pub fn save_units(id: &str, units: &[&Unit], path: &Path) -> Result<Saved, CheckpointError> {
+/// whose global indexes are distinct across them) to the file `name` of
+/// `dir`, as one file naming `id` (see the module docs).
+pub fn save_units(
+    id: &str,
+    units: &[&Unit],
+    dir: &Dir,
+    name: &str,
+) -> Result<Saved, CheckpointError> {
     if let [unit] = units {
-        return save_snapshot(id, &unit.snapshot(), path, true);
+        return save_snapshot(id, &unit.snapshot(), dir, name, true);
     }
     let mut merged: Snapshot = Vec::new();
     for unit in units {
@@ -203,7 +213,7 @@ pub fn save_units(id: &str, units: &[&Unit], path: &Path) -> Result<Saved, Check
     for (_, stored) in &mut merged {
         stored.sort_unstable_by_key(|s| s.indexes()[0]);
     }
-    save_snapshot(id, &merged, path, true)
+    save_snapshot(id, &merged, dir, name, true)
 }
 
 /// An entry and its data for one run of stored rows.
@@ -243,16 +253,30 @@ fn entry(field: &str, stored: &Stored) -> (Entry, Data) {
     (e, Data { dtype, shape, rows })
 }
 
-/// Writes `snapshot` to `path` as a unit file naming `id`; `entry_hash`:
-/// with the SHA-256 of the entries' bytes in the header (one more pass
-/// over them; a checkpoint directory's manifest holds the whole file's
-/// instead).
+/// Writes `snapshot` to the file `name` of `dir` as a unit file naming
+/// `id`; `entry_hash`: with the SHA-256 of the entries' bytes in the
+/// header (one more pass over them; a checkpoint directory's manifest
+/// holds the whole file's instead).
 pub(crate) fn save_snapshot(
     id: &str,
     snapshot: &Snapshot,
-    path: &Path,
+    dir: &Dir,
+    name: &str,
     entry_hash: bool,
 ) -> Result<Saved, CheckpointError> {
+    let path = dir.join(name);
+    match dir.kind(name) {
+        None | Some(rustix::fs::FileType::RegularFile) => {}
+        Some(rustix::fs::FileType::Symlink) => {
+            return Err(refused(&path, "a symbolic link: not overwritten"));
+        }
+        Some(other) => {
+            return Err(refused(
+                &path,
+                format!("not a regular file ({other:?}): not overwritten"),
+            ));
+        }
+    }
     let mut entries = Vec::new();
     let mut data = Vec::new();
     let mut hash = Sha256::new();
@@ -276,65 +300,326 @@ pub(crate) fn save_snapshot(
         sha256: entry_hash.then(|| hex(&hash.finalize())),
     };
     let json = serde_json::to_string(&header).map_err(|e| CheckpointError::NotStowage {
-        path: path.to_path_buf(),
+        path: path.clone(),
         reason: e.to_string(),
     })?;
-    let metadata = HashMap::from([("stowage".to_string(), json)]);
-    let tmp = temp_beside(path);
-    let named = data.iter().enumerate().map(|(i, r)| (i.to_string(), r));
-    let written = safetensors::serialize_to_file(named, Some(metadata), &tmp);
-    let result = written
-        .map_err(|e| CheckpointError::NotSafetensors {
-            path: tmp.clone(),
-            reason: e.to_string(),
-        })
-        .and_then(|()| {
-            dir::private(&tmp)
-                .and_then(|()| std::fs::File::open(&tmp))
-                .and_then(|f| f.sync_all())
-                .map_err(io(&tmp))
-        })
-        .and_then(|()| std::fs::rename(&tmp, path).map_err(io(path)));
-    if let Err(e) = result {
-        let _ = std::fs::remove_file(&tmp);
+    let head = header_bytes(json, &data).map_err(|reason| CheckpointError::NotSafetensors {
+        path: path.clone(),
+        reason,
+    })?;
+    let (file, tmp) = dir.temp(name).map_err(io(&path))?;
+    let written = write_file(file, &head, &data)
+        .and_then(|()| dir.rename(&tmp, name))
+        .map_err(io(&path));
+    if let Err(e) = written {
+        let _ = dir.remove(&tmp);
         return Err(e);
     }
-    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::File::open(dir)
-            .and_then(|d| d.sync_all())
-            .map_err(io(dir))?;
-    }
+    dir.sync().map_err(io(dir.path()))?;
     Ok(saved)
 }
 
-/// A fresh temporary name beside `path`.
-fn temp_beside(path: &Path) -> PathBuf {
-    static N: AtomicU64 = AtomicU64::new(0);
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    let n = N.fetch_add(1, Ordering::Relaxed);
-    path.with_file_name(format!(".{name}.{}.{n}.tmp", std::process::id()))
+/// The safetensors header of `data` (in entry order, each tensor named by
+/// its position) with `stowage` metadata `json`: its length (8 bytes,
+/// little-endian), then the JSON, padded with spaces to a multiple of 8.
+/// The crate's own [`Metadata`] checks and writes it.
+fn header_bytes(json: String, data: &[Data]) -> Result<Vec<u8>, String> {
+    let mut tensors = Vec::with_capacity(data.len());
+    let mut offset = 0usize;
+    for (i, d) in data.iter().enumerate() {
+        let len = d.rows.payload_len();
+        tensors.push((
+            i.to_string(),
+            TensorInfo {
+                dtype: d.dtype,
+                shape: d.shape.clone(),
+                data_offsets: (offset, offset + len),
+            },
+        ));
+        offset += len;
+    }
+    let metadata = Metadata::new(
+        Some(HashMap::from([("stowage".to_string(), json)])),
+        tensors,
+    )
+    .map_err(|e| e.to_string())?;
+    let mut head = serde_json::to_vec(&metadata).map_err(|e| e.to_string())?;
+    head.resize(head.len().next_multiple_of(8), b' ');
+    let mut out = Vec::with_capacity(8 + head.len());
+    out.extend_from_slice(&(head.len() as u64).to_le_bytes());
+    out.extend_from_slice(&head);
+    Ok(out)
+}
+
+/// Writes a unit file's bytes to `file` and makes them durable.
+fn write_file(file: File, head: &[u8], data: &[Data]) -> std::io::Result<()> {
+    let mut w = std::io::BufWriter::with_capacity(1 << 20, file);
+    w.write_all(head)?;
+    for d in data {
+        let mut result = Ok(());
+        d.for_each_row(|row| {
+            if result.is_ok() {
+                result = w.write_all(row);
+            }
+        });
+        result?;
+    }
+    let file = w.into_inner().map_err(|e| e.into_error())?;
+    file.sync_all()
 }
 
 pub(crate) fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-/// Reads and verifies `path`, then replaces the rows of every unit in
-/// `units` with those of the file that `route` sends to it (a router's
-/// `g % N`). Nothing changes unless the whole file was read and verified
-/// and every unit's part fits its capacity. Returns the rows loaded.
+/// Largest safetensors header read (the crate's own bound).
+const MAX_HEADER: u64 = 100_000_000;
+
+/// A unit file's header, checked: the entries and where each one's bytes
+/// lie in the data that follows the header.
+struct Layout {
+    header: Header,
+    /// Per entry, in entry order: its bytes in the data section.
+    ranges: Vec<Range<usize>>,
+    /// Bytes of the data section.
+    data_len: usize,
+}
+
+/// Reads and checks a unit file's header (`head`: the JSON after the
+/// 8-byte length). Every entry is checked against its tensor (kind,
+/// dtype, shape, byte length, indexes, no index twice in a field) before
+/// any of its bytes are read.
+fn layout(head: &[u8], path: &Path) -> Result<Layout, CheckpointError> {
+    let not_st = |reason: String| CheckpointError::NotSafetensors {
+        path: path.to_path_buf(),
+        reason,
+    };
+    let not_ours = |reason: String| CheckpointError::NotStowage {
+        path: path.to_path_buf(),
+        reason,
+    };
+    let metadata: Metadata = serde_json::from_slice(head).map_err(|e| not_st(e.to_string()))?;
+    let json = metadata
+        .metadata()
+        .as_ref()
+        .and_then(|m| m.get("stowage"))
+        .ok_or_else(|| not_ours("no \"stowage\" metadata".into()))?;
+    let header: Header = serde_json::from_str(json).map_err(|e| not_ours(e.to_string()))?;
+    if header.format != FORMAT {
+        return Err(not_ours(format!(
+            "format {:?}, this stowd reads {FORMAT:?}",
+            header.format
+        )));
+    }
+    let tensors = metadata.tensors().len();
+    if tensors != header.entries.len() {
+        return Err(not_ours(format!(
+            "{tensors} tensors for {} entries",
+            header.entries.len()
+        )));
+    }
+    let mut ranges = Vec::with_capacity(tensors);
+    let mut by_field: HashMap<&str, Vec<u64>> = HashMap::new();
+    for (i, Entry(field, kind, dtype, shape, indexes)) in header.entries.iter().enumerate() {
+        let bad = |reason: String| not_ours(format!("entry {i}: {reason}"));
+        let info = metadata
+            .info(&i.to_string())
+            .ok_or_else(|| bad(format!("no tensor named {i:?}")))?;
+        let (start, end) = info.data_offsets;
+        let len = end - start;
+        let d = DType::from_name(dtype).ok_or_else(|| bad(format!("unknown dtype {dtype:?}")))?;
+        match kind.as_str() {
+            "rows" | "tensor" => {
+                if kind == "rows"
+                    && (indexes.is_empty() || shape.first() != Some(&(indexes.len() as u64)))
+                {
+                    return Err(bad(format!(
+                        "shape {shape:?} for {} indexes",
+                        indexes.len()
+                    )));
+                }
+                let want =
+                    crate::tensor::contiguous_len(d, shape).map_err(|e| bad(e.to_string()))?;
+                if want != len {
+                    return Err(bad(format!(
+                        "{len} bytes for dtype {dtype} and shape {shape:?} ({want} bytes)"
+                    )));
+                }
+            }
+            "str" | "bytes" | "msgpack" => {}
+            other => return Err(bad(format!("unknown kind {other:?}"))),
+        }
+        if kind != "rows" && indexes.len() != 1 {
+            return Err(bad(format!("{} indexes for one row", indexes.len())));
+        }
+        by_field
+            .entry(field)
+            .or_default()
+            .extend_from_slice(indexes);
+        ranges.push(start..end);
+    }
+    for all in by_field.values() {
+        if let Some(g) = crate::store::duplicate(all) {
+            return Err(not_ours(format!(
+                "global index {g} appears twice in one field"
+            )));
+        }
+    }
+    Ok(Layout {
+        header,
+        ranges,
+        data_len: metadata.data_len(),
+    })
+}
+
+/// The stored rows of entry `e`, whose bytes are `bytes` (checked to
+/// fit by [`layout`]).
+fn stored(
+    i: usize,
+    e: Entry,
+    bytes: Bytes,
+    path: &Path,
+) -> Result<(String, Stored), CheckpointError> {
+    let Entry(field, kind, dtype, shape, indexes) = e;
+    let bad = |reason: String| CheckpointError::NotStowage {
+        path: path.to_path_buf(),
+        reason: format!("entry {i}: {reason}"),
+    };
+    let d = DType::from_name(&dtype).ok_or_else(|| bad(format!("unknown dtype {dtype:?}")))?;
+    let index = indexes.first().copied().unwrap_or_default();
+    let s = match kind.as_str() {
+        "rows" => Stored::Rows {
+            indexes,
+            tensor: Tensor::contiguous(bytes, d, shape).map_err(|e| bad(e.to_string()))?,
+        },
+        "tensor" => Stored::One {
+            index,
+            cell: Cell::Tensor(
+                Tensor::contiguous(bytes, d, shape).map_err(|e| bad(e.to_string()))?,
+            ),
+        },
+        "str" => Stored::One {
+            index,
+            cell: Cell::Value(Value::Str(
+                String::from_utf8(bytes.to_vec()).map_err(|e| bad(e.to_string()))?,
+            )),
+        },
+        "bytes" => Stored::One {
+            index,
+            cell: Cell::Value(Value::Bytes(bytes)),
+        },
+        "msgpack" => Stored::One {
+            index,
+            cell: Cell::Value(Value::Msgpack(bytes)),
+        },
+        other => return Err(bad(format!("unknown kind {other:?}"))),
+    };
+    Ok((field, s))
+}
+
+/// Reads the 8-byte length and the header of a unit file of `size` bytes
+/// from `file` (left at the start of the data), checked against the size.
+fn read_head(file: &mut File, size: u64, path: &Path) -> Result<Layout, CheckpointError> {
+    let not_st = |reason: String| CheckpointError::NotSafetensors {
+        path: path.to_path_buf(),
+        reason,
+    };
+    let mut n = [0u8; 8];
+    if size < 8 {
+        return Err(not_st(format!("{size} bytes: too short for a header")));
+    }
+    file.read_exact(&mut n).map_err(io(path))?;
+    let n = u64::from_le_bytes(n);
+    if n > MAX_HEADER || n > size - 8 {
+        return Err(not_st(format!(
+            "a header of {n} bytes in a file of {size} (at most {MAX_HEADER})"
+        )));
+    }
+    let mut head = vec![0u8; n as usize];
+    file.read_exact(&mut head).map_err(io(path))?;
+    let l = layout(&head, path)?;
+    if 8 + n + l.data_len as u64 != size {
+        return Err(not_st(format!(
+            "the file is {size} bytes, its header describes {}",
+            8 + n + l.data_len as u64
+        )));
+    }
+    Ok(l)
+}
+
+/// Reads and verifies the file `name` of `dir`, then replaces the rows of
+/// every unit in `units` with those of the file that `route` sends to it
+/// (a router's `g % N`), journaling every index that changes. The sizes
+/// are checked against every unit (capacity, spill room) from the header,
+/// before any row is read; the rows are read in a stream, each entry into
+/// its own buffer, and hashed. Nothing changes unless the whole file was
+/// read and verified and every unit's part fits. Returns the rows loaded.
 pub fn load_units(
     units: &[&Unit],
     route: impl Fn(u64) -> usize,
-    path: &Path,
+    dir: &Dir,
+    name: &str,
+    journal: &Journal,
 ) -> Result<u64, CheckpointError> {
-    let file = read(path)?;
+    let path = dir.join(name);
+    let (mut file, size) = dir
+        .read(name)?
+        .ok_or_else(|| refused(&path, "no such file"))?;
+    let Layout { header, ranges, .. } = read_head(&mut file, size, &path)?;
+    if header.sha256.is_none() {
+        return Err(CheckpointError::NotStowage {
+            path,
+            reason: "the file carries no checksum of its own (a checkpoint directory's unit \
+                     file: restore its directory instead)"
+                .into(),
+        });
+    }
+    // What each unit would hold, from the header alone.
+    let mut sizes = vec![0u64; units.len()];
+    for (Entry(_, _, _, _, indexes), r) in header.entries.iter().zip(&ranges) {
+        let each = (r.len() / indexes.len().max(1)) as u64;
+        for &g in indexes {
+            sizes[route(g)] += if indexes.len() == 1 {
+                r.len() as u64
+            } else {
+                each
+            };
+        }
+    }
+    for (unit, &bytes) in units.iter().zip(&sizes) {
+        unit.check_fits(bytes, false)
+            .map_err(|source| CheckpointError::Store {
+                path: path.clone(),
+                source,
+            })?;
+    }
+    // The bytes, in file order, each entry into a buffer of its own.
+    let mut order: Vec<usize> = (0..ranges.len()).collect();
+    order.sort_unstable_by_key(|&i| ranges[i].start);
+    let mut data = vec![Bytes::new(); ranges.len()];
+    for i in order {
+        let mut buf = vec![0u8; ranges[i].len()];
+        file.read_exact(&mut buf).map_err(io(&path))?;
+        data[i] = Bytes::from(buf);
+    }
+    drop(file);
+    let mut hash = Sha256::new();
+    for d in &data {
+        hash.update(d);
+    }
+    let found = hex(&hash.finalize());
+    let saved = header.sha256.unwrap_or_default();
+    if found != saved {
+        return Err(CheckpointError::Checksum { path, saved, found });
+    }
+    let mut file_rows: Snapshot = Vec::new();
+    for (i, (e, bytes)) in header.entries.into_iter().zip(data).enumerate() {
+        let (field, s) = stored(i, e, bytes, &path)?;
+        add_rows(&mut file_rows, &field, [s]);
+    }
     let mut parts: Vec<Snapshot> = units.iter().map(|_| Vec::new()).collect();
-    let rows = split(file, &mut parts, |g| Some(route(g)));
-    replace(units, parts, path, false)?;
+    let rows = split(file_rows, &mut parts, |g| Some(route(g)));
+    replace(units, parts, &path, false, journal)?;
     Ok(rows)
 }
 
@@ -357,118 +642,98 @@ pub(crate) fn split(
     rows
 }
 
-/// Checks every unit's part, then replaces each unit's rows with it.
-pub(crate) fn replace(
+/// Every index a replacement of `units` by `parts` changes: those the
+/// units hold now and those the parts hold, sorted, distinct.
+pub(crate) fn affected(units: &[&Unit], parts: &[Snapshot]) -> Vec<u64> {
+    let mut all: Vec<u64> = units.iter().flat_map(|u| u.indexes()).collect();
+    for (_, stored) in parts.iter().flatten() {
+        for s in stored {
+            all.extend_from_slice(s.indexes());
+        }
+    }
+    all.sort_unstable();
+    all.dedup();
+    all
+}
+
+/// Replaces each unit's rows with its part, all or nothing: every part is
+/// made ready first (capacity, spill room), then the change is journaled,
+/// then each unit takes its new rows at once.
+fn replace(
     units: &[&Unit],
     parts: Vec<Snapshot>,
     path: &Path,
     mapped: bool,
+    journal: &Journal,
 ) -> Result<(), CheckpointError> {
     let store = |source| CheckpointError::Store {
         path: path.to_path_buf(),
         source,
     };
-    for (unit, part) in units.iter().zip(&parts) {
-        unit.check_replace(part).map_err(store)?;
-    }
+    let touched = affected(units, &parts);
+    let mut ready = Vec::with_capacity(units.len());
     for (unit, part) in units.iter().zip(parts) {
-        unit.replace_with(part, mapped).map_err(store)?;
+        ready.push(unit.prepare(part, mapped).map_err(store)?);
+    }
+    let _journaled = journal.touch(&touched).map_err(|e| CheckpointError::Io {
+        path: path.to_path_buf(),
+        source: e,
+    })?;
+    for (unit, r) in units.iter().zip(ready) {
+        unit.commit(r);
     }
     Ok(())
 }
 
-/// The rows of a checkpoint file, by field, verified against its checksum.
-pub fn read(path: &Path) -> Result<Snapshot, CheckpointError> {
-    let file = Bytes::from(std::fs::read(path).map_err(io(path))?);
-    parse(file, path, true)
-}
-
-/// The rows of the checkpoint file whose bytes are `file` (read from
-/// `path`), as slices of `file`. `verify`: check the entries' checksum
-/// (one hashing pass); a caller that verified the whole file passes false.
-fn parse(file: Bytes, path: &Path, verify: bool) -> Result<Snapshot, CheckpointError> {
+/// The rows of a unit file whose bytes are all of `file` (a mapping of
+/// it, read from `path`), as slices of `file`. `verify`: check the
+/// entries' checksum (one hashing pass); a caller that verified the whole
+/// file passes false.
+pub(crate) fn parse(file: Bytes, path: &Path, verify: bool) -> Result<Snapshot, CheckpointError> {
     let not_st = |reason: String| CheckpointError::NotSafetensors {
         path: path.to_path_buf(),
         reason,
     };
-    let not_ours = |reason: String| CheckpointError::NotStowage {
-        path: path.to_path_buf(),
-        reason,
-    };
-    let st = SafeTensors::deserialize(&file).map_err(|e| not_st(e.to_string()))?;
-    let (_, metadata) = SafeTensors::read_metadata(&file).map_err(|e| not_st(e.to_string()))?;
-    let json = metadata
-        .metadata()
-        .as_ref()
-        .and_then(|m| m.get("stowage"))
-        .ok_or_else(|| not_ours("no \"stowage\" metadata".into()))?;
-    let header: Header = serde_json::from_str(json).map_err(|e| not_ours(e.to_string()))?;
-    if header.format != FORMAT {
-        return Err(not_ours(format!(
-            "format {:?}, this stowd reads {FORMAT:?}",
-            header.format
+    let n = file
+        .get(..8)
+        .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")))
+        .ok_or_else(|| not_st(format!("{} bytes: too short for a header", file.len())))?;
+    let size = file.len() as u64;
+    if n > MAX_HEADER || n > size - 8 {
+        return Err(not_st(format!(
+            "a header of {n} bytes in a file of {size} (at most {MAX_HEADER})"
+        )));
+    }
+    let start = 8 + n as usize;
+    let Layout {
+        header,
+        ranges,
+        data_len,
+    } = layout(&file[8..start], path)?;
+    if start + data_len != file.len() {
+        return Err(not_st(format!(
+            "the file is {size} bytes, its header describes {}",
+            start + data_len
         )));
     }
     if verify && header.sha256.is_none() {
-        return Err(not_ours(
-            "the file carries no checksum of its own (a checkpoint directory's unit file: \
-             restore its directory instead)"
+        return Err(CheckpointError::NotStowage {
+            path: path.to_path_buf(),
+            reason: "the file carries no checksum of its own (a checkpoint directory's unit \
+                     file: restore its directory instead)"
                 .into(),
-        ));
+        });
     }
     let mut hash = Sha256::new();
     let mut by_field: Snapshot = Vec::new();
-    for (i, Entry(field, kind, dtype, shape, indexes)) in header.entries.into_iter().enumerate() {
-        let bad = |reason: String| not_ours(format!("entry {i}: {reason}"));
-        let view = st.tensor(&i.to_string()).map_err(|e| bad(e.to_string()))?;
-        let data = view.data();
-        if verify {
-            hash.update(data);
-        }
+    for (i, (e, r)) in header.entries.into_iter().zip(ranges).enumerate() {
         // A slice of the file's buffer: nothing is copied.
-        let offset = data.as_ptr() as usize - file.as_ptr() as usize;
-        let bytes = file.slice(offset..offset + data.len());
-        let d = DType::from_name(&dtype).ok_or_else(|| bad(format!("unknown dtype {dtype:?}")))?;
-        let one = |indexes: &[u64]| match indexes {
-            [g] => Ok(*g),
-            other => Err(bad(format!("{} indexes for one row", other.len()))),
-        };
-        let stored = match kind.as_str() {
-            "rows" => {
-                if shape.first() != Some(&(indexes.len() as u64)) {
-                    return Err(bad(format!(
-                        "shape {shape:?} for {} indexes",
-                        indexes.len()
-                    )));
-                }
-                let tensor = Tensor::contiguous(bytes, d, shape).map_err(|e| bad(e.to_string()))?;
-                Stored::Rows { indexes, tensor }
-            }
-            "tensor" => {
-                let t = Tensor::contiguous(bytes, d, shape).map_err(|e| bad(e.to_string()))?;
-                Stored::One {
-                    index: one(&indexes)?,
-                    cell: Cell::Tensor(t),
-                }
-            }
-            "str" => {
-                let s = String::from_utf8(bytes.to_vec()).map_err(|e| bad(e.to_string()))?;
-                Stored::One {
-                    index: one(&indexes)?,
-                    cell: Cell::Value(Value::Str(s)),
-                }
-            }
-            "bytes" => Stored::One {
-                index: one(&indexes)?,
-                cell: Cell::Value(Value::Bytes(bytes)),
-            },
-            "msgpack" => Stored::One {
-                index: one(&indexes)?,
-                cell: Cell::Value(Value::Msgpack(bytes)),
-            },
-            other => return Err(bad(format!("unknown kind {other:?}"))),
-        };
-        add_rows(&mut by_field, &field, [stored]);
+        let bytes = file.slice(start + r.start..start + r.end);
+        if verify {
+            hash.update(&bytes);
+        }
+        let (field, s) = stored(i, e, bytes, path)?;
+        add_rows(&mut by_field, &field, [s]);
     }
     if verify {
         let found = hex(&hash.finalize());
@@ -481,16 +746,23 @@ fn parse(file: Bytes, path: &Path, verify: bool) -> Result<Snapshot, CheckpointE
             });
         }
     }
-    for (_, stored) in &by_field {
-        let all: Vec<u64> = stored
-            .iter()
-            .flat_map(|s| s.indexes().iter().copied())
-            .collect();
-        if let Some(g) = crate::store::duplicate(&all) {
-            return Err(not_ours(format!(
-                "global index {g} appears twice in one field"
-            )));
-        }
-    }
     Ok(by_field)
+}
+
+/// What the checkpoint-file fuzz target runs: `bytes` read as a unit file
+/// (its checksum verified), and as a checkpoint directory's manifest. Never
+/// panics; returns the rows read, if the bytes were a unit file.
+pub fn parse_untrusted(bytes: &[u8]) -> Option<u64> {
+    let _ = dir::parse_manifest(bytes, Path::new("manifest.json"));
+    let rows = parse(
+        Bytes::copy_from_slice(bytes),
+        Path::new("fuzz.safetensors"),
+        true,
+    )
+    .ok()?;
+    Some(
+        rows.iter()
+            .flat_map(|(_, s)| s.iter().map(|s| s.indexes().len() as u64))
+            .sum(),
+    )
 }

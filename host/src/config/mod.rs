@@ -28,6 +28,7 @@ pub struct Config {
     pub metrics: MetricsConfig,
     pub cache: CacheConfig,
     pub dedup: DedupConfig,
+    pub checkpoint: CheckpointConfig,
     /// Policy chains by field-name pattern, first match wins.
     #[serde(rename = "chain")]
     pub chains: Vec<ChainConfig>,
@@ -49,6 +50,7 @@ impl Default for Config {
             metrics: MetricsConfig::default(),
             cache: CacheConfig::default(),
             dedup: DedupConfig::default(),
+            checkpoint: CheckpointConfig::default(),
             chains: registry::default_chains(),
             restore: None,
         }
@@ -187,6 +189,64 @@ impl UnitsConfig {
                 self.local.max(1)
             ),
         )
+    }
+}
+
+/// Where checkpoints may be written and read ([`crate::checkpoint::confine`]).
+#[derive(Clone, Debug, PartialEq, Deserialize, Serialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct CheckpointConfig {
+    /// Directories under which every checkpoint path a client names (a
+    /// TransferQueue `SAVE_STORAGE_CHECKPOINT` / `LOAD_STORAGE_CHECKPOINT`
+    /// file, a `checkpoint` or `restore` directory) and `serve --restore`
+    /// must lie; each is made (0700) if missing. Default: one directory,
+    /// `checkpoints` under stowd's state directory
+    /// ([`CheckpointConfig::default_root`]). `["/"]`: any path stowd's
+    /// user can write, as TransferQueue's own units allow (a WARN at
+    /// start). Empty: checkpoints are off.
+    pub roots: Vec<PathBuf>,
+    /// Most checkpoint directories whose journals are kept at once (each
+    /// costs every put one more `fdatasync`); past it a journaled
+    /// checkpoint into another directory is refused.
+    pub max_journals: u32,
+}
+
+impl Default for CheckpointConfig {
+    fn default() -> Self {
+        CheckpointConfig {
+            roots: vec![CheckpointConfig::default_root()],
+            max_journals: crate::journal::MAX_JOURNALS as u32,
+        }
+    }
+}
+
+impl CheckpointConfig {
+    /// `checkpoints` in stowd's state directory: `$STATE_DIRECTORY`
+    /// (systemd's `StateDirectory=`), else `$XDG_STATE_HOME/stowd`, else
+    /// `~/.local/state/stowd`; with no home, `/var/lib/stowd` for root and
+    /// `<temp dir>/stowd-<uid>` for others.
+    pub fn default_root() -> PathBuf {
+        let var = |k: &str| {
+            std::env::var_os(k)
+                .filter(|v| !v.is_empty())
+                .map(PathBuf::from)
+                .filter(|p| p.is_absolute())
+        };
+        let state = std::env::var("STATE_DIRECTORY")
+            .ok()
+            .and_then(|v| v.split(':').next().map(PathBuf::from))
+            .filter(|p| p.is_absolute())
+            .or_else(|| var("XDG_STATE_HOME").map(|d| d.join("stowd")))
+            .or_else(|| var("HOME").map(|h| h.join(".local/state/stowd")))
+            .unwrap_or_else(|| {
+                let uid = rustix::process::geteuid().as_raw();
+                if uid == 0 {
+                    PathBuf::from("/var/lib/stowd")
+                } else {
+                    std::env::temp_dir().join(format!("stowd-{uid}"))
+                }
+            });
+        state.join("checkpoints")
     }
 }
 
@@ -552,6 +612,8 @@ pub enum Invalid {
     NoUnits,
     #[error("{0}")]
     Spill(String),
+    #[error("{0}")]
+    Checkpoint(String),
     #[error("router.units: bad local unit {0:?} (local:<i>, i a number)")]
     BadLocalUnit(String),
     #[error("router.units: {unit} but units.local is {local} (local units are local:0 to local:{})", local.saturating_sub(1))]
@@ -622,6 +684,14 @@ impl Config {
     }
 
     fn check(&self) -> Result<(), Invalid> {
+        let at_least_one = |key: &str, value: u64| match value {
+            0 => Err(Invalid::TooSmall {
+                key: key.into(),
+                value,
+                min: "1",
+            }),
+            _ => Ok(()),
+        };
         if self.units.local == 0 && self.router.units.is_empty() {
             return Err(Invalid::NoUnits);
         }
@@ -633,6 +703,18 @@ impl Config {
             });
         }
         self.units.spill().map_err(Invalid::Spill)?;
+        for r in &self.checkpoint.roots {
+            if !r.is_absolute() {
+                return Err(Invalid::Checkpoint(format!(
+                    "[checkpoint] roots: {} is not an absolute path",
+                    r.display()
+                )));
+            }
+        }
+        at_least_one(
+            "checkpoint.max_journals",
+            self.checkpoint.max_journals.into(),
+        )?;
         for u in &self.router.units {
             match u.strip_prefix("local:") {
                 Some(i) => {

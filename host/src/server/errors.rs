@@ -143,17 +143,22 @@ fn native_code(e: &ManagerError) -> &'static str {
 }
 
 /// The `stowage/1` code of a failed `checkpoint` or `restore`: the
-/// request's own mistakes (a relative or missing directory, a corrupted or
-/// foreign file, rows that do not fit) are `bad_request`; disk failures
-/// are `internal`.
+/// request's own mistakes (a path outside the roots, a relative or missing
+/// directory, a corrupted or foreign file) are `bad_request`; rows that do
+/// not fit are `capacity`; disk failures (a full disk, a journal that
+/// cannot be written) are `internal`.
 pub(super) fn checkpoint_code(e: &crate::checkpoint::CheckpointError) -> &'static str {
     use crate::checkpoint::CheckpointError as E;
     match e {
         E::Io { .. } => native::code::INTERNAL,
         E::Store {
-            source: StoreError::Capacity { .. },
+            source: StoreError::Capacity { .. } | StoreError::Spill(_),
             ..
         } => native::code::CAPACITY,
+        E::Store {
+            source: StoreError::Journal(_),
+            ..
+        } => native::code::INTERNAL,
         _ => native::code::BAD_REQUEST,
     }
 }

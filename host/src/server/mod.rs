@@ -56,6 +56,8 @@ pub enum StartError {
     Shm(#[from] crate::shm::ShmError),
     #[error("cannot spill: {0}")]
     Spill(String),
+    #[error("[checkpoint] roots: {0}")]
+    Checkpoint(String),
     #[error("cannot restore the checkpoint in {dir}: {reason}")]
     Restore { dir: String, reason: String },
     #[error("cannot bind the metrics endpoint {addr}: {source}")]
@@ -196,9 +198,63 @@ pub fn build_registry(config: &Config) -> Result<Registry, StartError> {
     Ok(registry)
 }
 
-/// Starts every socket of `config`.
+/// `[checkpoint] roots`, each made (0700) if missing and made canonical,
+/// and the directories of `stowd`'s state no checkpoint may lie in.
+/// The default root is dropped with a WARN if it cannot be made; a root
+/// set in the configuration that cannot be made stops the start.
+fn checkpoint_roots(config: &Config) -> Result<crate::checkpoint::Roots, StartError> {
+    use std::os::unix::fs::DirBuilderExt;
+    let default = crate::config::CheckpointConfig::default_root();
+    let mut roots = Vec::new();
+    for r in &config.checkpoint.roots {
+        let made = std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(r)
+            .and_then(|()| r.canonicalize());
+        match made {
+            Ok(c) => {
+                if c == std::path::Path::new("/") {
+                    tracing::warn!(
+                        "[checkpoint] roots has \"/\": any client may make stowd write or read \
+                         a checkpoint at any path stowd's user can reach (TransferQueue's own \
+                         behaviour); name the directories checkpoints belong in instead"
+                    );
+                }
+                roots.push(c);
+            }
+            Err(e) if *r == default => tracing::warn!(
+                root = %r.display(), error = %e,
+                "cannot make the default checkpoint root: checkpoints are refused until \
+                 [checkpoint] roots names a directory"
+            ),
+            Err(e) => return Err(StartError::Checkpoint(format!("{}: {e}", r.display()))),
+        }
+    }
+    let mut protected = Vec::new();
+    if !config.units.spill_dir.is_empty() {
+        protected.push(std::path::PathBuf::from(&config.units.spill_dir));
+    }
+    if let Some(d) = plugin_dir(config) {
+        protected.push(d.join(".cache"));
+        protected.push(d);
+    }
+    if let Some(d) = &config.plugins.cache_dir {
+        protected.push(d.clone());
+    }
+    for p in &mut protected {
+        if let Ok(c) = p.canonicalize() {
+            *p = c;
+        }
+    }
+    tracing::info!(roots = ?roots, "checkpoints are written and read only under these roots");
+    Ok(crate::checkpoint::Roots::new(roots, protected))
+}
+
 /// What every TransferQueue endpoint (a unit or the router) is served with.
 struct TqServing {
+    /// Where SAVE and LOAD may write and read.
+    roots: Arc<crate::checkpoint::Roots>,
     metrics: Arc<Metrics>,
     tq_extra: bool,
     limits: crate::wire::tq::Limits,
@@ -220,7 +276,8 @@ impl TqServing {
         let (socket, endpoint) = transport::bind(addr).await?;
         let service =
             tq::TqService::new(id.to_string(), backend, self.metrics.clone(), self.tq_extra)
-                .with_limits(self.limits, self.offload.clone());
+                .with_limits(self.limits, self.offload.clone())
+                .with_roots(self.roots.clone());
         let serve = transport::serve_with(
             socket,
             service,
@@ -232,6 +289,7 @@ impl TqServing {
     }
 }
 
+/// Starts every socket of `config`.
 pub async fn start(config: Config) -> Result<Running, StartError> {
     let registry = Arc::new(build_registry(&config)?);
     let plugins: Vec<String> = registry
@@ -263,7 +321,9 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         max_fields: config.limits.max_fields,
     };
     let offload = offload::Offload::new(offload::Offload::DEFAULT_CUTOFF);
+    let roots = Arc::new(checkpoint_roots(&config)?);
     let serving = TqServing {
+        roots: roots.clone(),
         metrics: metrics.clone(),
         tq_extra: tq_extra_on,
         limits: tq_limits,
@@ -274,7 +334,9 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
 
     // Every local unit records its puts and clears in one journal once a
     // checkpoint is taken (crate::journal).
-    let journal = Arc::new(crate::journal::Journal::new());
+    let journal = Arc::new(crate::journal::Journal::with_max(
+        config.checkpoint.max_journals as usize,
+    ));
     // With [units] spill_dir, one spiller bounds the units' memory together.
     let spiller = match config.units.spill().map_err(StartError::Spill)? {
         Some(sc) => {
@@ -378,11 +440,11 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
             dir: dir.display().to_string(),
             reason: format!("stowd routes to {remote} remote unit(s) it cannot restore"),
         })?;
-        let (path, journal) = (dir.clone(), journal.clone());
+        let (path, journal, at) = (dir.clone(), journal.clone(), roots.clone());
         let restored = tokio::task::spawn_blocking(move || {
             use crate::checkpoint::dir as ckpt;
-            let path = ckpt::checked(&path.to_string_lossy(), false)?;
-            ckpt::restore(&units, &journal, &path)
+            let dir = at.dir(&path.to_string_lossy(), false)?;
+            ckpt::restore(&units, &journal, &dir)
         })
         .await
         .map_err(|e| StartError::Restore {
@@ -477,6 +539,9 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         )?;
         tasks.push(tokio::spawn(sweep_leases(store.clone(), rx.clone())));
         tasks.push(tokio::spawn(channels.clone().serve(listener, rx.clone())));
+        if let Some(d) = channels.path().parent() {
+            roots.protect(d.to_path_buf());
+        }
         tracing::info!(
             channel = %channels.path().display(),
             max_leased_bytes = quota,
@@ -488,6 +553,7 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
     };
     let pack_limits = config.limits.pack_limits();
     let service = Arc::new(native::NativeService {
+        roots: roots.clone(),
         manager: manager.clone(),
         limits: native_limits,
         pack_limits,

@@ -36,6 +36,8 @@ use crate::wire::native;
 /// The native `stowage/1` endpoint.
 pub(super) struct NativeService {
     pub manager: Arc<Manager>,
+    /// Where `checkpoint` and `restore` may write and read.
+    pub roots: Arc<crate::checkpoint::Roots>,
     pub limits: native::Limits,
     pub pack_limits: PackLimits,
     /// Same-node shared memory, if enabled, and the descriptor channels
@@ -490,11 +492,12 @@ impl NativeService {
                 };
             }
         };
+        let roots = self.roots.clone();
         let done = tokio::task::spawn_blocking(move || {
             use crate::checkpoint::dir as ckpt;
             let journal = units[0].journal().clone();
-            let path = ckpt::checked(&dir, !restore)?;
-            let shown = path.display().to_string();
+            let path = roots.dir(&dir, !restore)?;
+            let shown = path.path().display().to_string();
             if restore {
                 ckpt::restore(&units, &journal, &path).map(|r| native::Reply::RestoreOk {
                     dir: shown,

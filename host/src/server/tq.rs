@@ -57,6 +57,8 @@ pub(super) struct TqService {
     limits: tq::Limits,
     /// Where large requests run.
     offload: Arc<Offload>,
+    /// Where SAVE and LOAD may write and read (none until set).
+    roots: Arc<crate::checkpoint::Roots>,
 }
 
 /// Request arrivals by op, in first-arrival order (TransferQueue's
@@ -103,21 +105,34 @@ impl Arrivals {
 /// component is not a symbolic link (a client must not make stowd write
 /// through a link it planted, or somewhere relative to stowd's own working
 /// directory).
-fn checkpoint_path(path: &str) -> Result<std::path::PathBuf, String> {
-    let p = std::path::PathBuf::from(path);
-    if path.is_empty() || !p.is_absolute() {
-        return Err(format!("checkpoint path {path:?} is not absolute"));
+/// Refuses a SAVE or LOAD file that is part of `stowd`'s own checkpoints:
+/// a name `stowd` gives its checkpoint files, or any file of a directory
+/// holding a `stowd` checkpoint or journal (overwriting a journal or a
+/// manifest would make a restore serve stale rows).
+fn check_target(
+    dir: &crate::checkpoint::Dir,
+    name: &str,
+    journal: &crate::journal::Journal,
+) -> Result<(), crate::checkpoint::CheckpointError> {
+    use crate::checkpoint::dir::{MANIFEST, ours};
+    let reserved = name == MANIFEST || ours(name).is_some();
+    let theirs = journal.journals_dir(dir.id())
+        || dir.exists(MANIFEST)
+        || dir
+            .names()
+            .map_err(crate::checkpoint::io(dir.path()))?
+            .iter()
+            .any(|n| ours(n).is_some());
+    if reserved || theirs {
+        return Err(crate::checkpoint::CheckpointError::Refused {
+            path: dir.join(name),
+            reason: "it is part of stowd's own checkpoints (a checkpoint directory, its \
+                     manifest, unit files or journal): a TransferQueue checkpoint file goes \
+                     elsewhere"
+                .into(),
+        });
     }
-    if p.file_name().is_none() {
-        return Err(format!("checkpoint path {path:?} names no file"));
-    }
-    match std::fs::symlink_metadata(&p) {
-        Ok(m) if m.file_type().is_symlink() => {
-            Err(format!("checkpoint path {path:?} is a symbolic link"))
-        }
-        Ok(m) if !m.is_file() => Err(format!("checkpoint path {path:?} is not a regular file")),
-        _ => Ok(p),
-    }
+    Ok(())
 }
 
 /// The op label of a TransferQueue request, for metrics.
@@ -185,7 +200,18 @@ impl TqService {
             tq_extra,
             limits: tq::Limits::NONE,
             offload: Offload::new(usize::MAX),
+            roots: Arc::new(crate::checkpoint::Roots::new(vec![], vec![])),
         })
+    }
+
+    /// The same service writing and reading checkpoints under `roots`.
+    pub(super) fn with_roots(
+        mut self: Arc<Self>,
+        roots: Arc<crate::checkpoint::Roots>,
+    ) -> Arc<TqService> {
+        let this = Arc::get_mut(&mut self).expect("called right after new");
+        this.roots = roots;
+        self
     }
 
     /// The same service with receiver limits and a blocking pool.
@@ -315,30 +341,31 @@ impl TqService {
                  LOAD_STORAGE_CHECKPOINT to each unit's own endpoint instead"
             ))
         } else {
-            match checkpoint_path(&path) {
-                Err(e) => Some(e),
-                Ok(p) => {
-                    let n = units.len() as u64;
-                    let done = tokio::task::spawn_blocking(move || {
-                        let units: Vec<&Unit> = units.iter().map(|u| u.as_ref()).collect();
-                        if load {
-                            let route = |g: u64| (g % n) as usize;
-                            crate::checkpoint::load_units(&units, route, &p).map(|r| (r, 0))
-                        } else {
-                            crate::checkpoint::save_units(&file_id, &units, &p)
-                                .map(|s| (s.rows, s.bytes))
-                        }
-                    })
-                    .await;
-                    match done {
-                        Ok(Ok((rows, bytes))) => {
-                            tracing::info!(unit = id, path, rows, bytes, "checkpoint {what}");
-                            None
-                        }
-                        Ok(Err(e)) => Some(e.to_string()),
-                        Err(e) => Some(format!("the checkpoint {what} failed: {e}")),
-                    }
+            let n = units.len() as u64;
+            let roots = self.roots.clone();
+            let target = path.clone();
+            let done = tokio::task::spawn_blocking(move || {
+                let (dir, name) = roots.file(&target)?;
+                check_target(&dir, &name, units[0].journal())?;
+                let units: Vec<&Unit> = units.iter().map(|u| u.as_ref()).collect();
+                let journal = units[0].journal().clone();
+                if load {
+                    let route = |g: u64| (g % n) as usize;
+                    crate::checkpoint::load_units(&units, route, &dir, &name, &journal)
+                        .map(|r| (r, 0))
+                } else {
+                    crate::checkpoint::save_units(&file_id, &units, &dir, &name)
+                        .map(|s| (s.rows, s.bytes))
                 }
+            })
+            .await;
+            match done {
+                Ok(Ok((rows, bytes))) => {
+                    tracing::info!(unit = id, path, rows, bytes, "checkpoint {what}");
+                    None
+                }
+                Ok(Err(e)) => Some(e.to_string()),
+                Err(e) => Some(format!("the checkpoint {what} failed: {e}")),
             }
         };
         if let Some(e) = &error {

@@ -419,7 +419,32 @@ impl Unit {
             // A put refused for capacity is not journaled.
             self.check_capacity(&self.lock(), global_indexes, &fields)?;
         }
-        let _journaled = self.touch(global_indexes)?;
+        let journaled = self.touch(global_indexes)?;
+        self.store(global_indexes, fields, &journaled)
+    }
+
+    /// [`Unit::put`] of rows whose indexes the caller journaled already
+    /// (`journaled`, held until the put returns: a put over several units
+    /// journals all of them first, so that a journal that cannot be written
+    /// refuses the put on every unit).
+    pub fn put_journaled(
+        &self,
+        global_indexes: &[u64],
+        fields: Vec<PutField>,
+        journaled: &crate::journal::Touch<'_>,
+    ) -> Result<(), StoreError> {
+        self.counters.puts.fetch_add(1, Ordering::Relaxed);
+        check_shape(global_indexes, &fields)?;
+        self.admit(&fields)?;
+        self.store(global_indexes, fields, journaled)
+    }
+
+    fn store(
+        &self,
+        global_indexes: &[u64],
+        fields: Vec<PutField>,
+        _journaled: &crate::journal::Touch<'_>,
+    ) -> Result<(), StoreError> {
         let mut inner = self.lock();
         let (added, _) = self.check_capacity(&inner, global_indexes, &fields)?;
         if !inner.lost.is_empty() {
@@ -630,7 +655,28 @@ impl Unit {
         fields: Option<&[String]>,
     ) -> Result<u64, StoreError> {
         self.counters.clears.fetch_add(1, Ordering::Relaxed);
-        let _journaled = self.touch(global_indexes)?;
+        let journaled = self.touch(global_indexes)?;
+        Ok(self.remove_rows(global_indexes, fields, &journaled))
+    }
+
+    /// [`Unit::clear`] of indexes the caller journaled already (see
+    /// [`Unit::put_journaled`]).
+    pub fn clear_journaled(
+        &self,
+        global_indexes: &[u64],
+        fields: Option<&[String]>,
+        journaled: &crate::journal::Touch<'_>,
+    ) -> u64 {
+        self.counters.clears.fetch_add(1, Ordering::Relaxed);
+        self.remove_rows(global_indexes, fields, journaled)
+    }
+
+    fn remove_rows(
+        &self,
+        global_indexes: &[u64],
+        fields: Option<&[String]>,
+        _journaled: &crate::journal::Touch<'_>,
+    ) -> u64 {
         let mut inner = self.lock();
         if !inner.lost.is_empty() {
             for g in global_indexes {
@@ -694,7 +740,7 @@ impl Unit {
         self.publish(&inner);
         drop(inner);
         release::note_freed(bytes);
-        Ok(keys)
+        keys
     }
 
     /// Current size, as of the last completed put or clear; never waits

@@ -10,7 +10,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use super::{Column, Loc, StoreError, Unit};
+use super::{Column, Inner, Loc, StoreError, Unit};
 use crate::batch::Cell;
 use crate::tensor::Tensor;
 
@@ -66,7 +66,7 @@ impl Stored {
     pub fn split(&self, to: impl Fn(u64) -> Option<usize>) -> Vec<(usize, Stored)> {
         let indexes = self.indexes();
         let parts: Vec<Option<usize>> = indexes.iter().map(|&g| to(g)).collect();
-        if let Some(first) = parts[0]
+        if let Some(&Some(first)) = parts.first()
             && parts.iter().all(|p| *p == Some(first))
         {
             return vec![(first, self.clone())];
@@ -174,18 +174,47 @@ impl Unit {
     }
 
     /// Replaces everything the unit holds with `rows` (a [`Unit::snapshot`]
-    /// read back), checked first: if they do not fit the unit's capacity
-    /// nothing changes. Each run becomes a column. `mapped`: the rows are
-    /// mappings of a file (never spilled, counted on disk).
+    /// read back): [`Unit::prepare`], then [`Unit::commit`]. If the rows do
+    /// not fit, nothing changes. The caller journals the change.
     pub fn replace_with(&self, rows: Snapshot, mapped: bool) -> Result<(), StoreError> {
-        self.check_replace(&rows)?;
-        let present: Vec<u64> = {
-            let inner = self.lock();
-            let mut v: Vec<u64> = inner.present.iter().map(|(g, _)| g).collect();
-            v.sort_unstable();
-            v
-        };
-        self.clear(&present, None)?;
+        let r = self.prepare(rows, mapped)?;
+        self.commit(r);
+        Ok(())
+    }
+
+    /// Whether rows of `bytes` would fit in place of what the unit holds:
+    /// its capacity, or (spilling, rows not `mapped` from a checkpoint
+    /// file) the room left in memory and on the spill disk. Nothing is
+    /// read or changed: a load asks before it reads a file's rows.
+    pub fn check_fits(&self, bytes: u64, mapped: bool) -> Result<(), StoreError> {
+        if let Some(capacity) = self.capacity
+            && bytes > capacity
+        {
+            return Err(StoreError::Capacity {
+                unit: self.id.clone(),
+                needed: bytes,
+                free: capacity,
+                capacity,
+            });
+        }
+        if let (Some(spill), false) = (&self.spill, mapped) {
+            let held = self.stats().bytes;
+            spill.check_room(bytes, held)?;
+        }
+        Ok(())
+    }
+
+    /// The columns `rows` would be stored as, checked to fit
+    /// ([`Unit::check_fits`]) and counted by the spiller (which may spill
+    /// to make room, or refuse). Nothing the unit holds changes.
+    pub fn prepare(&self, rows: Snapshot, mapped: bool) -> Result<Replacement, StoreError> {
+        let bytes: u64 = rows
+            .iter()
+            .flat_map(|(_, r)| r.iter().map(Stored::byte_len))
+            .sum();
+        self.check_fits(bytes, mapped)?;
+        let mut fields: Vec<super::PutField> = Vec::with_capacity(rows.len());
+        let mut all: Vec<Vec<u64>> = Vec::with_capacity(rows.len());
         for (field, stored) in rows {
             let mut indexes = Vec::new();
             let mut columns = Vec::new();
@@ -200,29 +229,105 @@ impl Unit {
                 }
                 columns.push(column);
             }
-            self.put(&indexes, vec![(field.to_string(), columns)])?;
+            if indexes.is_empty() {
+                continue;
+            }
+            if let Some(g) = super::duplicate(&indexes) {
+                return Err(StoreError::DuplicateIndex(g));
+            }
+            fields.push((field.to_string(), columns));
+            all.push(indexes);
         }
-        Ok(())
+        self.admit(&fields)?;
+        let fields = fields
+            .into_iter()
+            .zip(all)
+            .map(|((name, columns), indexes)| (name, indexes, columns))
+            .collect();
+        Ok(Replacement { fields, bytes })
     }
 
-    /// Whether `rows` would fit the unit's capacity in place of what it
-    /// holds.
-    pub fn check_replace(&self, rows: &Snapshot) -> Result<(), StoreError> {
-        let needed: u64 = rows
-            .iter()
-            .flat_map(|(_, r)| r.iter().map(Stored::byte_len))
-            .sum();
-        if let Some(capacity) = self.capacity
-            && needed > capacity
-        {
-            return Err(StoreError::Capacity {
-                unit: self.id.clone(),
-                needed,
-                free: capacity,
-                capacity,
-            });
+    /// Puts `r` in place of everything the unit holds, at once, under its
+    /// lock: a get sees all the old rows or all the new ones. Indexes
+    /// marked lost stay so unless `r` stores them.
+    pub fn commit(&self, r: Replacement) {
+        let mut inner = self.lock();
+        let mut new = Inner {
+            generation: inner.generation + 1,
+            ..Inner::default()
+        };
+        let generation = new.generation;
+        for (name, indexes, columns_in) in r.fields {
+            let Inner {
+                fields,
+                present,
+                columns,
+                free,
+                keys,
+                ..
+            } = &mut new;
+            let index = fields.entry(Arc::from(name.as_str())).or_default();
+            index.reserve(indexes.len());
+            let mut next = 0usize;
+            for column in columns_in {
+                let rows = column.rows() as usize;
+                let c = super::add_column(
+                    columns,
+                    free,
+                    column,
+                    &indexes[next..next + rows],
+                    generation,
+                );
+                for (row, g) in indexes[next..next + rows].iter().enumerate() {
+                    let loc = Loc {
+                        column: c,
+                        row: row as u32,
+                    };
+                    index.insert(*g, loc.pack());
+                    *keys += 1;
+                    present.increment(*g);
+                }
+                next += rows;
+            }
         }
-        Ok(())
+        new.bytes = r.bytes;
+        new.lost = std::mem::take(&mut inner.lost);
+        if !new.lost.is_empty() {
+            let present = &new.present;
+            new.lost.retain(|g, _| !present.contains(*g));
+        }
+        let old = std::mem::replace(&mut *inner, new);
+        self.publish(&inner);
+        drop(inner);
+        let freed = old.bytes;
+        drop(old);
+        super::release::note_freed(freed);
+    }
+
+    /// The global indexes the unit holds any field of, sorted.
+    pub fn indexes(&self) -> Vec<u64> {
+        let inner = self.lock();
+        let mut v: Vec<u64> = inner.present.iter().map(|(g, _)| g).collect();
+        drop(inner);
+        v.sort_unstable();
+        v
+    }
+}
+
+/// A unit's new rows, made into columns and checked to fit: what
+/// [`Unit::commit`] puts in place of everything the unit holds.
+pub struct Replacement {
+    /// Per field: its name, the global index of each row, the columns.
+    fields: Vec<(String, Vec<u64>, Vec<Column>)>,
+    bytes: u64,
+}
+
+impl std::fmt::Debug for Replacement {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Replacement")
+            .field("fields", &self.fields.len())
+            .field("bytes", &self.bytes)
+            .finish()
     }
 }
 
