@@ -78,6 +78,10 @@ struct Open {
     dir: Dir,
     seq: u64,
     file: File,
+    /// One append at a time: a record that cannot be written whole (a
+    /// full disk) is cut off before the next one goes after it, so the
+    /// records stay aligned.
+    append: Mutex<()>,
 }
 
 /// The journals of every checkpoint directory this `stowd` keeps current.
@@ -119,18 +123,26 @@ fn encode(indexes: &[u64]) -> Vec<u8> {
     out
 }
 
-/// Appends `record` to `o`'s journal, durably.
+/// Appends `record` to `o`'s journal, durably. A record that cannot be
+/// written whole is cut off again.
 fn append(o: &Open, record: &[u8]) -> std::io::Result<()> {
-    // O_APPEND: concurrent records never interleave.
-    (&o.file)
-        .write_all(record)
-        .and_then(|()| o.file.sync_data())
-        .map_err(|e| {
-            std::io::Error::new(
-                e.kind(),
-                format!("journal {}: {e}", path(o.dir.path(), o.seq).display()),
-            )
-        })
+    let written = {
+        let _one = o.append.lock().unwrap_or_else(|p| p.into_inner());
+        let before = o.file.metadata().map(|m| m.len());
+        let written = (&o.file).write_all(record);
+        if written.is_err()
+            && let Ok(len) = before
+        {
+            let _ = o.file.set_len(len);
+        }
+        written
+    };
+    written.and_then(|()| o.file.sync_data()).map_err(|e| {
+        std::io::Error::new(
+            e.kind(),
+            format!("journal {}: {e}", path(o.dir.path(), o.seq).display()),
+        )
+    })
 }
 
 impl Journal {
@@ -222,6 +234,7 @@ impl Journal {
             dir: dir.try_clone()?,
             seq,
             file,
+            append: Mutex::default(),
         });
         Ok(Switch(open))
     }
@@ -298,6 +311,7 @@ impl Switch<'_> {
             dir: dir.try_clone()?,
             seq,
             file,
+            append: Mutex::default(),
         };
         self.0.retain(|x| x.dir.id() != dir.id());
         self.0.push(o);

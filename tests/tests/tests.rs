@@ -9,6 +9,7 @@
 mod chains;
 mod checkpoint;
 mod compile_cache;
+mod confinement;
 mod contract_versions;
 mod dedup;
 mod dtypes;
