@@ -370,3 +370,37 @@ fn channels_past_the_limit_and_clients_that_write_are_closed() {
     });
     let _ = std::fs::remove_dir_all(&parent);
 }
+
+/// Descriptors this process holds open on the memory file of inode `ino`.
+fn open_on(ino: u64) -> usize {
+    std::fs::read_dir("/proc/self/fd")
+        .unwrap()
+        .filter_map(|e| std::fs::metadata(e.ok()?.path()).ok())
+        .filter(|m| m.ino() == ino)
+        .count()
+}
+
+#[test]
+fn probe_void_lease_fd() {
+    let s = store(Duration::from_millis(100));
+    let (name, _, fd) = s.lease(8 << 20, 1).unwrap();
+    rustix::fs::fcntl_add_seals(&fd, SealFlags::SEAL).unwrap();
+    let ino = File::from(fd.try_clone().unwrap())
+        .metadata()
+        .unwrap()
+        .ino();
+    drop(fd);
+    eprintln!("before adopt: {}", open_on(ino));
+    assert!(matches!(s.adopt(&name, 1), Err(ShmError::Tampered(_))));
+    eprintln!("after adopt: {}", open_on(ino));
+    let (_name, _, fd) = s.lease(8 << 20, 1).unwrap();
+    let ino = File::from(fd.try_clone().unwrap())
+        .metadata()
+        .unwrap()
+        .ino();
+    drop(fd);
+    std::thread::sleep(Duration::from_millis(150));
+    eprintln!("expired before sweep: {}", open_on(ino));
+    s.sweep();
+    eprintln!("after sweep: {}", open_on(ino));
+}
