@@ -573,3 +573,31 @@ async fn void_and_expired_leases_give_their_descriptors_back() {
     assert_eq!(after_expiry, base, "expired leases kept descriptors");
     assert_eq!(client.stat("shm_leases").await, 0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_closed_connections_leases_give_their_descriptors_back_at_once() {
+    // lease_secs 30 (the default): nothing here waits for expiry.
+    let stowd = Stowd::start("[shm]\nprealloc_bytes = 0\n");
+    let pid = stowd.pid();
+    let watcher = NativeClient::new(stowd.native());
+    watcher.stats().await;
+    let base = open_fds(pid);
+    let client = NativeClient::new(stowd.native());
+    let channel = FdChannel::open(&client).await;
+    for _ in 0..10 {
+        lease_fd(&client, &channel, 1 << 20).await.unwrap();
+    }
+    assert_eq!(watcher.stat("shm_leases").await, 10);
+    let t0 = Instant::now();
+    drop(client);
+    drop(channel);
+    let after = fds_settle(pid, base).await;
+    eprintln!(
+        "stowd's descriptors: {base}, back to {after} {:?} after the connection with 10 \
+         leases closed",
+        t0.elapsed()
+    );
+    assert_eq!(after, base, "a closed connection's leases kept descriptors");
+    assert!(t0.elapsed() < Duration::from_secs(5));
+    assert_eq!(watcher.stat("shm_leases").await, 0);
+}

@@ -284,6 +284,14 @@ pub trait Service: Send + Sync + 'static {
         let _ = (caller, head, reason);
         Box::pin(async { None })
     }
+
+    /// Called once when the connection numbered `connection`
+    /// ([`Caller::connection`]) has ended: closed by either side, evicted
+    /// or timed out. A request of it still running off the runtime may
+    /// finish later. The default does nothing.
+    fn closed(&self, connection: u64) {
+        let _ = connection;
+    }
 }
 
 /// Who sent a request.
@@ -415,6 +423,7 @@ pub async fn serve_with(
         );
         tokio::spawn(async move {
             let activity = entry.activity.clone();
+            let owner = service.clone();
             tokio::select! {
                 _ = connection(stream, service, limits, shutdown, next_id, pool, &activity, entry.id()) => {}
                 _ = activity.evicted() => {}
@@ -426,6 +435,7 @@ pub async fn serve_with(
                     );
                 }
             }
+            owner.closed(entry.id());
             drop(entry);
         });
     }

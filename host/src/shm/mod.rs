@@ -29,7 +29,9 @@
 //!   ([`SegmentStore::adopt`]): sealing fails while any process still maps
 //!   it writable (`EBUSY`), and then the put is refused, so a writer that
 //!   kept its mapping can never change rows after `put_ok`. A lease not
-//!   put before it expires is dropped by [`SegmentStore::sweep`].
+//!   put before it expires is dropped by [`SegmentStore::sweep`] (once a
+//!   second), and the leases of a connection that ended at once
+//!   ([`SegmentStore::release_connection`]).
 //!
 //! No reuse: a segment some reader got may be mapped by it for as long as
 //! it likes, and no kernel interface tells who maps a file, so the memory
@@ -551,6 +553,24 @@ impl SegmentStore {
         };
         self.prealloc.touch();
         sealed
+    }
+
+    /// Drops the leases of connection `owner`, which has ended: nobody
+    /// else may put them, so they would only hold their descriptors until
+    /// they expire. Returns how many.
+    pub fn release_connection(&self, owner: u64) -> usize {
+        let mut leases = self.leases.lock().unwrap_or_else(|p| p.into_inner());
+        let before = leases.len();
+        leases.retain(|_, l| l.owner != owner);
+        let dropped = before - leases.len();
+        if dropped > 0 {
+            tracing::debug!(
+                connection = owner,
+                leases = dropped,
+                "connection closed: its leases dropped"
+            );
+        }
+        dropped
     }
 
     /// Drops every expired lease; returns how many.

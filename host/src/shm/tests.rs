@@ -462,3 +462,23 @@ fn leases_are_counted_per_connection_and_in_total_whatever_their_bytes() {
     }
     assert_eq!(s.counts().1, 2);
 }
+
+#[test]
+fn the_leases_of_a_connection_that_ended_close_their_descriptors_at_once() {
+    let s = store(Duration::from_secs(30));
+    let mine: Vec<u64> = (0..5)
+        .map(|_| lease_and_close(&s, 4096, SealFlags::empty()).1)
+        .collect();
+    let (other, _, _fd) = s.lease(4096, 2).unwrap();
+    assert_eq!(s.release_connection(1), 5);
+    assert_eq!(s.counts(), (0, 1));
+    for ino in mine {
+        assert_eq!(
+            open_on(ino),
+            0,
+            "a closed connection's lease kept its descriptor"
+        );
+    }
+    s.adopt(&other, 2)
+        .expect("another connection's lease stays");
+}

@@ -289,3 +289,76 @@ async fn a_flood_from_one_address_cannot_lock_out_its_next_client() {
         );
     }
 }
+
+/// Echoes the caller's connection number; records the connections closed.
+#[derive(Default)]
+struct Closes(std::sync::Mutex<Vec<u64>>);
+
+impl Service for Closes {
+    fn handle(
+        self: Arc<Self>,
+        caller: Caller,
+        _frames: Vec<Bytes>,
+    ) -> BoxFuture<'static, Option<crate::Message>> {
+        let id = Bytes::from(caller.connection.to_le_bytes().to_vec());
+        Box::pin(async move { Some(vec![id].into()) })
+    }
+
+    fn closed(&self, connection: u64) {
+        self.0.lock().unwrap().push(connection);
+    }
+}
+
+#[tokio::test]
+async fn the_service_hears_of_each_connection_that_ended() {
+    let (listener, endpoint) = crate::bind("tcp://127.0.0.1:0").await.unwrap();
+    let addr = endpoint.strip_prefix("tcp://").unwrap().to_string();
+    let closes = Arc::new(Closes::default());
+    let (_stop, rx) = watch::channel(false);
+    tokio::spawn(crate::serve_with(
+        listener,
+        closes.clone(),
+        limits(8, 2, Duration::ZERO),
+        rx,
+    ));
+    let who = async |c: &mut Client| {
+        c.send(b"who").await;
+        match c.reader.read(&zmtp::Limits::DEFAULT).await.unwrap() {
+            Some(Incoming::Message(frames)) => {
+                u64::from_le_bytes(frames.last().unwrap()[..8].try_into().unwrap())
+            }
+            other => panic!("no reply: {other:?}"),
+        }
+    };
+    // Two closed by their client, one evicted by the per-peer cap of 2.
+    let mut ids = Vec::new();
+    for _ in 0..2 {
+        let mut c = Client::connect(&addr).await;
+        ids.push(who(&mut c).await);
+    }
+    let mut oldest = Client::connect(&addr).await;
+    ids.push(who(&mut oldest).await);
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let mut younger = Client::connect(&addr).await;
+    let kept = who(&mut younger).await;
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let mut newest = Client::connect(&addr).await;
+    assert!(newest.served().await);
+    assert!(oldest.closed(Duration::from_secs(2)).await);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let seen = closes.0.lock().unwrap().clone();
+        if ids.iter().all(|id| seen.contains(id)) {
+            assert!(
+                !seen.contains(&kept),
+                "an open connection was reported closed"
+            );
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "closed {seen:?}, connections {ids:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
