@@ -109,17 +109,25 @@ fn cgroup_memory_limit() -> Option<u64> {
 }
 
 /// Raises the soft limit on open descriptors to the hard limit: each live
-/// same-node segment keeps one open. Logs, and goes on, if it cannot.
-pub fn raise_nofile() {
+/// same-node segment and each lease keeps one open. Logs, and goes on, if
+/// it cannot. Returns the soft limit now in force (`None`: unlimited).
+pub fn raise_nofile() -> Option<u64> {
     use rustix::process::{Resource, getrlimit, setrlimit};
     let mut limit = getrlimit(Resource::Nofile);
     if limit.current < limit.maximum {
-        limit.current = limit.maximum;
-        match setrlimit(Resource::Nofile, limit) {
-            Ok(()) => tracing::debug!(nofile = ?limit.current, "raised the open-descriptor limit"),
+        let raised = rustix::process::Rlimit {
+            current: limit.maximum,
+            maximum: limit.maximum,
+        };
+        match setrlimit(Resource::Nofile, raised) {
+            Ok(()) => {
+                tracing::debug!(nofile = ?raised.current, "raised the open-descriptor limit");
+                limit = raised;
+            }
             Err(e) => tracing::debug!(error = %e, "could not raise the open-descriptor limit"),
         }
     }
+    limit.current
 }
 
 /// When this process started (Linux: `/proc/self/stat` field 22, ticks

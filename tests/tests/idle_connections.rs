@@ -4,8 +4,10 @@
 //!   nothing; a new client from another peer, a network namespace joined
 //!   through a veth pair, must get its `stats` reply within 100 ms. Once
 //!   with the default limits (the per-peer cap keeps the flood to 256
-//!   connections) and once with no per-peer cap, where the flood fills the
-//!   table and the new client gets in by evicting the longest idle one;
+//!   connections, each new one evicting the address's longest idle), where
+//!   a new client from 127.0.0.1 itself must be served as fast too, and
+//!   once with no per-peer cap, where the flood fills the table and the
+//!   new client gets in by evicting the longest idle one;
 //! - a handshaked connection that sends nothing is closed after
 //!   `idle_timeout_secs`, while one that keeps sending stays.
 //!
@@ -228,8 +230,25 @@ async fn two_thousand_idle_connections_from_one_peer_do_not_keep_another_peer_ou
         assert!(took < SERVED_WITHIN, "{what}: the new client took {took:?}");
         let log = stowd.log();
         if limits.is_empty() {
+            // The flood's own address: its next client gets in too.
+            let t0 = Instant::now();
+            let stats = NativeClient::new(&format!("tcp://127.0.0.1:{port}"))
+                .stats()
+                .await;
+            let local = t0.elapsed();
+            assert!(!stats.is_empty());
+            eprintln!("{what}: a new client from 127.0.0.1 got its stats reply in {local:?}");
+            assert!(
+                local < SERVED_WITHIN,
+                "{what}: the new client from 127.0.0.1 took {local:?}"
+            );
+            assert_eq!(
+                handshaked, FLOOD,
+                "{what}: an address at its cap refused instead of evicting"
+            );
             assert_eq!(held.len(), 256, "{what}: the per-peer cap did not hold");
-            assert!(log.contains("connection refused"), "{log}");
+            assert!(log.contains("connection evicted"), "{log}");
+            assert!(log.contains("max_connections_per_peer"), "{log}");
         } else {
             assert_eq!(
                 handshaked, FLOOD,

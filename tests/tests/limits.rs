@@ -256,41 +256,37 @@ async fn a_client_that_stops_reading_blocks_nobody_and_is_dropped() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn connections_over_the_limit_are_closed_and_slots_come_back() {
-    let mut stowd = Stowd::start("[limits]\nmax_connections = 3\nmax_connections_per_peer = 3\n");
+async fn an_address_at_its_cap_gives_up_its_longest_idle_connection_to_its_new_client() {
+    let mut stowd = Stowd::start("[limits]\nmax_connections = 8\nmax_connections_per_peer = 3\n");
     let endpoint = stowd.router().endpoint.clone();
     let mut held = Vec::new();
     for i in 0..3 {
         held.push(raw_dealer(&endpoint, &format!("TQ_STORAGE_hold{i}")).await);
+        // Idle ages are kept in milliseconds: keep the order unambiguous.
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    // The fourth, from the same address, is closed before its handshake
-    // completes: the per-peer cap. (A full table evicts the longest idle
-    // instead: transport/src/table/tests.rs, idle_connections.rs.)
-    let mut fourth = TcpStream::connect(tcp_addr(&endpoint)).await.unwrap();
-    let (r, mut w) = fourth.split();
-    let mut reader = zmtp::FrameReader::new(r);
-    let shake = zmtp::handshake(
-        &mut reader,
-        &mut w,
-        "DEALER",
-        b"TQ_STORAGE_fourth",
-        &["ROUTER"],
-    );
-    let result = tokio::time::timeout(Duration::from_secs(5), shake)
-        .await
-        .expect("refused promptly");
-    assert!(result.is_err(), "a fourth connection was accepted");
-    assert!(
-        stowd.log().contains("connection refused") && stowd.log().contains("127.0.0.1"),
-        "{}",
-        stowd.log()
-    );
-
-    // Closing one frees its slot.
-    held.pop();
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // A fourth from the same address is served; the oldest idle goes.
+    // (All busy, it would be refused: transport/src/table/tests.rs.)
     let client = TqClient::new(stowd.router());
     seed(&client).await;
+    assert!(
+        closed_within(&mut held[0], Duration::from_secs(2)).await,
+        "the longest idle connection stayed"
+    );
+    for h in &mut held[1..] {
+        assert!(
+            !closed_within(h, Duration::from_millis(50)).await,
+            "a younger idle connection was evicted"
+        );
+    }
+    let log = stowd.log();
+    for part in [
+        "connection evicted",
+        "127.0.0.1",
+        "max_connections_per_peer",
+    ] {
+        assert!(log.contains(part), "{log}");
+    }
     stowd.assert_running();
 }
 
@@ -435,4 +431,173 @@ async fn a_lease_is_put_only_by_the_connection_that_took_it() {
         panic!("not regular");
     };
     assert_eq!(t.contiguous_bytes(), rows.contiguous_bytes());
+}
+
+/// Descriptors open in process `pid`.
+fn open_fds(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .expect("read /proc/<pid>/fd")
+        .count()
+}
+
+/// Leases `bytes` through `channel`; the segment's name and the writable
+/// descriptor, or the refusal.
+async fn lease_fd(
+    client: &NativeClient,
+    channel: &FdChannel,
+    bytes: u64,
+) -> Result<(String, std::os::fd::OwnedFd), native::Reply> {
+    match client
+        .call_with(native::Op::Lease { bytes }, &channel.extras(false))
+        .await
+    {
+        native::Reply::LeaseOk { segment, .. } => {
+            let (_, mut fds) = channel.recv();
+            Ok((segment, fds.pop().expect("the lease's descriptor")))
+        }
+        other => Err(other),
+    }
+}
+
+/// Waits up to 5 s for `pid` to hold `want` descriptors; the count then.
+async fn fds_settle(pid: u32, want: usize) -> usize {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let n = open_fds(pid);
+        if n == want || Instant::now() > deadline {
+            return n;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leases_are_counted_so_one_byte_leases_cannot_take_stowds_descriptors() {
+    let stowd = Stowd::start("[shm]\nmax_leases = 300\nprealloc_bytes = 0\n");
+    let pid = stowd.pid();
+    let a = NativeClient::new(stowd.native());
+    let channel_a = FdChannel::open(&a).await;
+    let base = open_fds(pid);
+    // One connection leasing a byte at a time stops at the default of 256.
+    let mut held = Vec::new();
+    let refusal = loop {
+        match lease_fd(&a, &channel_a, 1).await {
+            Ok(lease) => held.push(lease),
+            Err(reply) => break reply,
+        }
+        assert!(held.len() <= 256, "more than 256 leases on one connection");
+    };
+    assert_eq!(held.len(), 256);
+    let (code, message) = native_error(&refusal);
+    assert_eq!(code, "too_large");
+    for part in ["max_connection_leases", "256"] {
+        assert!(message.contains(part), "{message}");
+    }
+    // Another connection gets the rest of the total, then is refused too.
+    let b = NativeClient::new(stowd.native());
+    let channel_b = FdChannel::open(&b).await;
+    let refusal = loop {
+        match lease_fd(&b, &channel_b, 1).await {
+            Ok(lease) => held.push(lease),
+            Err(reply) => break reply,
+        }
+        assert!(held.len() <= 300, "more than max_leases granted");
+    };
+    assert_eq!(held.len(), 300);
+    let (code, message) = native_error(&refusal);
+    assert_eq!(code, "too_large");
+    for part in ["max_leases", "300"] {
+        assert!(message.contains(part), "{message}");
+    }
+    let during = open_fds(pid);
+    eprintln!("stowd's descriptors: {base} before, {during} with 300 one-byte leases");
+    assert!(during <= base + 300 + 8, "{during} descriptors");
+    // New clients, tcp and same-node, are still served.
+    let c = NativeClient::new(stowd.native());
+    assert!(c.stat("shm_leases").await == 300);
+    let _channel_c = FdChannel::open(&c).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn void_and_expired_leases_give_their_descriptors_back() {
+    let stowd = Stowd::start("[shm]\nlease_secs = 1\nprealloc_bytes = 0\n");
+    let pid = stowd.pid();
+    let client = NativeClient::new(stowd.native());
+    let channel = FdChannel::open(&client).await;
+    client.stats().await;
+    let base = open_fds(pid);
+    let frames = native::encode_request(&native::Request {
+        id: 9,
+        op: native::Op::Put {
+            global_indexes: vec![0],
+            fields: vec![(
+                "x".into(),
+                native::WireField::from_field(&Field::Regular(data::f32_rows(1, 4, 3))).unwrap(),
+            )],
+        },
+    })
+    .unwrap();
+    // Ten rounds of 8 MiB sealed by the client (F_SEAL_SEAL) before the put:
+    // each put refused, each lease void.
+    for _ in 0..10 {
+        let (segment, fd) = lease_fd(&client, &channel, 8 << 20).await.unwrap();
+        use std::os::fd::AsRawFd;
+        // SAFETY: fcntl on a descriptor this test owns.
+        let sealed = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, libc::F_SEAL_SEAL) };
+        assert_eq!(sealed, 0, "{}", std::io::Error::last_os_error());
+        drop(fd);
+        let ranges = vec![(segment, 0u64, frames[1].len() as u64)];
+        let put = vec![native::with_segments(&frames[0], &ranges).unwrap()];
+        let (_, reply) = client.send_frames(put).await;
+        let (code, message) = native_error(&reply);
+        assert_eq!(code, "bad_request");
+        assert!(message.contains("void"), "{message}");
+    }
+    let after_void = fds_settle(pid, base).await;
+    assert_eq!(client.stat("shm_leases").await, 0);
+    assert_eq!(client.stat("rows").await, 0);
+    // Ten leases never put: held until they expire (lease_secs = 1).
+    for _ in 0..10 {
+        lease_fd(&client, &channel, 8 << 20).await.unwrap();
+    }
+    let leased = open_fds(pid);
+    let t0 = Instant::now();
+    let after_expiry = fds_settle(pid, base).await;
+    eprintln!(
+        "stowd's descriptors: {base} at first, {after_void} after 10 void leases, {leased} with \
+         10 leases, {after_expiry} {:?} later",
+        t0.elapsed()
+    );
+    assert_eq!(after_void, base, "void leases kept descriptors");
+    assert_eq!(leased, base + 10);
+    assert_eq!(after_expiry, base, "expired leases kept descriptors");
+    assert_eq!(client.stat("shm_leases").await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_closed_connections_leases_give_their_descriptors_back_at_once() {
+    // lease_secs 30 (the default): nothing here waits for expiry.
+    let stowd = Stowd::start("[shm]\nprealloc_bytes = 0\n");
+    let pid = stowd.pid();
+    let watcher = NativeClient::new(stowd.native());
+    watcher.stats().await;
+    let base = open_fds(pid);
+    let client = NativeClient::new(stowd.native());
+    let channel = FdChannel::open(&client).await;
+    for _ in 0..10 {
+        lease_fd(&client, &channel, 1 << 20).await.unwrap();
+    }
+    assert_eq!(watcher.stat("shm_leases").await, 10);
+    let t0 = Instant::now();
+    drop(client);
+    drop(channel);
+    let after = fds_settle(pid, base).await;
+    eprintln!(
+        "stowd's descriptors: {base}, back to {after} {:?} after the connection with 10 \
+         leases closed",
+        t0.elapsed()
+    );
+    assert_eq!(after, base, "a closed connection's leases kept descriptors");
+    assert!(t0.elapsed() < Duration::from_secs(5));
+    assert_eq!(watcher.stat("shm_leases").await, 0);
 }

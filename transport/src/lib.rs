@@ -21,8 +21,8 @@
 //!   that connection; no other connection waits for it;
 //! - at most [`Limits::max_connections`] connections are open at once, at
 //!   most [`Limits::max_connections_per_peer`] from one address; when the
-//!   table is full the longest idle connection is evicted before a new
-//!   client is refused, and a connection idle for [`Limits::idle_timeout`]
+//!   table (or the address's share) is full the longest idle connection
+//!   (of that address) is evicted before a new client is refused, and a connection idle for [`Limits::idle_timeout`]
 //!   is closed ([`table`]).
 //!
 //! `stowd` is always the side that binds ([`bind`] removes a stale ipc
@@ -98,9 +98,11 @@ pub struct Limits {
     /// the longest idle connection is evicted for a new client; only when
     /// all are busy is the new client closed at once ([`table`]).
     pub max_connections: usize,
-    /// Most connections from one peer address on one listening socket; a
-    /// client beyond it is closed at once. 0: no cap. Unix-socket clients
-    /// have no address and no cap.
+    /// Most connections from one peer address on one listening socket.
+    /// When an address has this many, its longest idle connection is
+    /// evicted for its new client; only when all of them are busy is the
+    /// new client closed at once. 0: no cap. Unix-socket clients have no
+    /// address and no cap.
     pub max_connections_per_peer: usize,
     /// A connection that sends nothing for this long (handshaking, between
     /// requests, or stalled inside one) is closed; zero: never.
@@ -122,7 +124,9 @@ impl Limits {
     /// come from 127.0.0.1) cannot take the whole table, while 256 is far
     /// more than a node's clients open (a pyzmq socket keeps one
     /// connection per endpoint, a router [`Peer`] at most
-    /// [`PEER_CONNECTIONS`]).
+    /// [`PEER_CONNECTIONS`]). An address at its cap gives its longest idle
+    /// connection up to its new one, so a process holding idle
+    /// connections cannot lock the other clients of its node out.
     ///
     /// The pool's cap is the most memory `stowd` keeps beyond what it
     /// stores, for at most [`pool::IDLE`] after its last use: the pool only
@@ -280,6 +284,14 @@ pub trait Service: Send + Sync + 'static {
         let _ = (caller, head, reason);
         Box::pin(async { None })
     }
+
+    /// Called once when the connection numbered `connection`
+    /// ([`Caller::connection`]) has ended: closed by either side, evicted
+    /// or timed out. A request of it still running off the runtime may
+    /// finish later. The default does nothing.
+    fn closed(&self, connection: u64) {
+        let _ = connection;
+    }
 }
 
 /// Who sent a request.
@@ -411,6 +423,7 @@ pub async fn serve_with(
         );
         tokio::spawn(async move {
             let activity = entry.activity.clone();
+            let owner = service.clone();
             tokio::select! {
                 _ = connection(stream, service, limits, shutdown, next_id, pool, &activity, entry.id()) => {}
                 _ = activity.evicted() => {}
@@ -422,6 +435,7 @@ pub async fn serve_with(
                     );
                 }
             }
+            owner.closed(entry.id());
             drop(entry);
         });
     }

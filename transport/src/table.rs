@@ -2,8 +2,13 @@
 //! when each connection last did anything, and who goes when it is full.
 //!
 //! A client is admitted by [`Table::admit`] right after `accept`:
-//! - a peer address that already has [`Limits::max_connections_per_peer`]
-//!   connections is refused (ipc clients have no address and no cap);
+//! - when its peer address already has [`Limits::max_connections_per_peer`]
+//!   connections, that address's connection idle the longest is evicted to
+//!   make room; only when every one of them is busy is the new client
+//!   refused (ipc clients have no address and no cap). Every local client
+//!   comes from 127.0.0.1, so without this eviction one stuck process
+//!   holding idle connections would lock every other client of its node
+//!   out;
 //! - when the table holds [`Limits::max_connections`], the connection idle
 //!   the longest is evicted to make room; only when every connection is
 //!   busy is the new client refused. That eviction is the guarantee: open
@@ -22,7 +27,7 @@
 //! one reconnect, not an error.
 //!
 //! Finding the victim is a scan of the table (at most `max_connections`
-//! entries, done only when it is full); a heap ordered by activity would
+//! entries, done only when it or the peer's share is full); a heap ordered by activity would
 //! need updating on every byte received, which is the common path.
 //!
 //! WARN lines for refused and evicted clients are limited to one a second
@@ -148,7 +153,7 @@ impl Activity {
 /// Why a client was not admitted.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Refusal {
-    /// Its address already has this many connections.
+    /// Its address already has this many connections, all busy.
     PeerCap(usize),
     /// The table is full and every connection in it is busy.
     AllBusy(usize),
@@ -159,7 +164,7 @@ impl std::fmt::Display for Refusal {
         match self {
             Refusal::PeerCap(n) => write!(
                 f,
-                "this address already has {n} connections (limits.max_connections_per_peer)"
+                "all {n} connections from this address are busy (limits.max_connections_per_peer)"
             ),
             Refusal::AllBusy(n) => {
                 write!(f, "all {n} connections are busy (limits.max_connections)")
@@ -205,6 +210,36 @@ impl Inner {
         }
     }
 
+    /// The connection among those `which` picks that has been idle the
+    /// longest; never a busy one.
+    fn longest_idle(&self, which: impl Fn(&Slot) -> bool) -> Option<u64> {
+        self.conns
+            .iter()
+            .filter(|(_, s)| which(s) && !s.activity.is_busy())
+            .max_by_key(|(_, s)| s.activity.idle_for())
+            .map(|(id, _)| *id)
+    }
+
+    /// Closes connection `victim` to make room for a client from
+    /// `new_peer`, and logs why (`reason`, and the `limit` reached).
+    fn evict(&mut self, victim: u64, new_peer: Option<IpAddr>, limit: usize, reason: &'static str) {
+        let slot = self.conns.remove(&victim).expect("victim present");
+        self.release(slot.peer);
+        slot.activity.evicted.store(true, Ordering::Release);
+        slot.activity.wake.notify_one();
+        if let Some(unlogged) = self.may_warn() {
+            tracing::warn!(
+                peer = %show(slot.peer),
+                idle = ?slot.activity.idle_for(),
+                new_peer = %show(new_peer),
+                limit,
+                reason,
+                unlogged,
+                "connection evicted"
+            );
+        }
+    }
+
     /// Whether a WARN may be logged now; counts the ones that may not.
     fn may_warn(&mut self) -> Option<u64> {
         let now = Instant::now();
@@ -247,47 +282,43 @@ impl Table {
     }
 
     /// Admits a client from `peer`, evicting the longest idle connection
-    /// if the table is full, or says why not. Logs evictions and refusals.
+    /// of that peer if it has its cap, or of the table if the table is
+    /// full, or says why not. Logs evictions and refusals.
     pub fn admit(self: &Arc<Table>, peer: Option<IpAddr>) -> Result<Entry, Refusal> {
         let mut inner = self.inner.lock().expect("connection table");
         if let Some(p) = peer
             && self.per_peer > 0
             && inner.by_peer.get(&p).copied().unwrap_or(0) >= self.per_peer
         {
-            let refusal = Refusal::PeerCap(self.per_peer);
-            if let Some(unlogged) = inner.may_warn() {
-                tracing::warn!(peer = %p, reason = %refusal, unlogged, "connection refused");
-            }
-            return Err(refusal);
+            let Some(victim) = inner.longest_idle(|s| s.peer == Some(p)) else {
+                let refusal = Refusal::PeerCap(self.per_peer);
+                if let Some(unlogged) = inner.may_warn() {
+                    tracing::warn!(peer = %p, reason = %refusal, unlogged, "connection refused");
+                }
+                return Err(refusal);
+            };
+            inner.evict(
+                victim,
+                peer,
+                self.per_peer,
+                "peer at its cap (limits.max_connections_per_peer): its longest idle \
+                 connection makes room",
+            );
         }
         if inner.conns.len() >= self.max {
-            let victim = inner
-                .conns
-                .iter()
-                .filter(|(_, s)| !s.activity.is_busy())
-                .max_by_key(|(_, s)| s.activity.idle_for())
-                .map(|(id, _)| *id);
-            let Some(victim) = victim else {
+            let Some(victim) = inner.longest_idle(|_| true) else {
                 let refusal = Refusal::AllBusy(self.max);
                 if let Some(unlogged) = inner.may_warn() {
                     tracing::warn!(peer = %show(peer), reason = %refusal, unlogged, "connection refused");
                 }
                 return Err(refusal);
             };
-            let slot = inner.conns.remove(&victim).expect("victim present");
-            inner.release(slot.peer);
-            slot.activity.evicted.store(true, Ordering::Release);
-            slot.activity.wake.notify_one();
-            if let Some(unlogged) = inner.may_warn() {
-                tracing::warn!(
-                    peer = %show(slot.peer),
-                    idle = ?slot.activity.idle_for(),
-                    new_peer = %show(peer),
-                    reason = "table full (limits.max_connections): the longest idle connection makes room",
-                    unlogged,
-                    "connection evicted"
-                );
-            }
+            inner.evict(
+                victim,
+                peer,
+                self.max,
+                "table full (limits.max_connections): the longest idle connection makes room",
+            );
         }
         let id = inner.next_id;
         inner.next_id += 1;

@@ -468,6 +468,25 @@ pub struct ShmConfig {
     /// or expired; 0: `max_lease_bytes` (one lease of the largest size at
     /// a time).
     pub max_connection_leased_bytes: u64,
+    /// Most leases granted and not yet put or expired, together, whatever
+    /// their bytes: each keeps a descriptor open in `stowd` until then.
+    /// 0: a quarter of `stowd`'s open-files limit (its soft
+    /// `RLIMIT_NOFILE`, raised to the hard limit at start), so that leases
+    /// alone never take the descriptors connections need: the connection
+    /// tables take up to endpoints x `limits.max_connections` (3 x 1,024 at
+    /// the defaults), and live segments, spill files and plugins take their
+    /// own. With a hard limit of 20,000 that is 5,000 leases; with the
+    /// common 1,048,576, 262,144.
+    pub max_leases: u64,
+    /// Most leases of one connection granted and not yet put or expired
+    /// (at least 1; `max_leases` bounds it too). A put takes one lease
+    /// and ends it within moments, and a client keeps one request in
+    /// flight per connection, so a well-behaved connection holds a few at
+    /// most; 256 leaves room for a client that leases ahead for many
+    /// puts, while a connection leaking leases stops at 256 descriptors,
+    /// and it takes 20 such connections to reach the total of a 20,000
+    /// descriptor limit.
+    pub max_connection_leases: u64,
     /// Bytes of memory files `stowd` allocates ahead of time, while idle,
     /// for the next leases and exports of the sizes recent ones had (a
     /// put then only copies into allocated pages); 0: allocate on demand.
@@ -511,6 +530,8 @@ impl Default for ShmConfig {
             max_lease_bytes: 16 << 30,
             max_leased_bytes: 0,
             max_connection_leased_bytes: 0,
+            max_leases: 0,
+            max_connection_leases: 256,
             prealloc_bytes: 2 << 30,
             prealloc_idle_secs: 30,
             reuse_bytes: None,
@@ -756,6 +777,12 @@ impl Config {
         at_least("limits.max_request_frames", l.max_request_frames, 2, "2")?;
         at_least("limits.max_connections", l.max_connections.into(), 1, "1")?;
         at_least("limits.write_timeout_secs", l.write_timeout_secs, 1, "1")?;
+        at_least(
+            "shm.max_connection_leases",
+            self.shm.max_connection_leases,
+            1,
+            "1",
+        )?;
         const MIB: u64 = 1 << 20;
         let memory = self.plugins.memory_bytes as u64;
         at_least("plugins.memory_bytes", memory, MIB, "1 MiB")?;

@@ -15,7 +15,7 @@
 //! | `ChainError::Rejected` (a plugin faulted under `fail = "reject"`) | as above | `rejected` |
 //! | `ChainError::Packing`, `ManagerError::Remote` (other), `Transport`, `Internal` | as above | `internal` |
 //! | `ShmError::Disabled` (a same-node op on a stowd without shared memory) | — | `unsupported` |
-//! | `ShmError::TooLarge` (a lease over `max_lease_bytes`), `ShmError::LeaseQuota` (leases over `max_leased_bytes` together) | — | `too_large` |
+//! | `ShmError::TooLarge` (a lease over `max_lease_bytes`), `ShmError::LeaseQuota` / `ConnectionLeaseQuota` (leases over `max_leased_bytes` together, or `max_connection_leased_bytes` on one connection), `ShmError::LeaseCount` / `ConnectionLeaseCount` (more leases than `max_leases`, or `max_connection_leases` on one connection) | — | `too_large` |
 //! | `ShmError::Io` | — | `internal` |
 //! | other `ShmError` (unknown lease, a lease another connection took, bad name, range outside a segment), a `segments` message with data frames | — | `bad_request` |
 //! | a request that breaks `max_request_bytes`/`max_request_frames` (refused unread) | `PUT_ERROR` / `GET_ERROR` / `CLEAR_DATA_ERROR` if frame 0 says which, else `PUT_GET_ERROR`; message `request refused unread: ...` | `too_large` |
@@ -183,7 +183,9 @@ pub(super) fn shm(e: &ShmError) -> native::Reply {
         ShmError::Disabled => native::code::UNSUPPORTED,
         ShmError::TooLarge { .. }
         | ShmError::LeaseQuota { .. }
-        | ShmError::ConnectionLeaseQuota { .. } => native::code::TOO_LARGE,
+        | ShmError::ConnectionLeaseQuota { .. }
+        | ShmError::LeaseCount { .. }
+        | ShmError::ConnectionLeaseCount { .. } => native::code::TOO_LARGE,
         ShmError::Io { .. } => native::code::INTERNAL,
         _ => native::code::BAD_REQUEST,
     };
@@ -277,10 +279,19 @@ mod tests {
             native::code::INTERNAL
         );
         assert_eq!(code(&shm(&ShmError::Disabled)), native::code::UNSUPPORTED);
-        assert_eq!(
-            code(&shm(&ShmError::TooLarge { asked: 2, limit: 1 })),
-            native::code::TOO_LARGE
-        );
+        for too_many in [
+            ShmError::TooLarge { asked: 2, limit: 1 },
+            ShmError::LeaseCount {
+                outstanding: 2,
+                limit: 2,
+            },
+            ShmError::ConnectionLeaseCount {
+                outstanding: 2,
+                limit: 2,
+            },
+        ] {
+            assert_eq!(code(&shm(&too_many)), native::code::TOO_LARGE);
+        }
         for refused in [
             ShmError::StillMapped("x".into()),
             ShmError::Tampered("x".into()),

@@ -139,6 +139,13 @@ fn open_files_limit(config: &Config, max_connections: usize) {
     }
 }
 
+/// `[shm] max_leases` when it is 0: a quarter of the open-files limit
+/// `nofile` (unknown or unlimited: 2^20), at least 1; see
+/// [`crate::config::ShmConfig::max_leases`].
+fn default_max_leases(nofile: Option<u64>) -> u64 {
+    (nofile.unwrap_or(1 << 20) / 4).max(1)
+}
+
 /// Removes expired leases once a second until shutdown.
 async fn sweep_leases(store: Arc<SegmentStore>, mut shutdown: watch::Receiver<bool>) {
     let mut tick = tokio::time::interval(Duration::from_secs(1));
@@ -510,7 +517,7 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         );
     }
     let shm = if config.shm.enabled {
-        crate::sys::raise_nofile();
+        let nofile = crate::sys::raise_nofile();
         let store = SegmentStore::new(
             Duration::from_secs(config.shm.lease_secs),
             config.shm.max_lease_bytes,
@@ -523,8 +530,16 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
             0 => config.shm.max_lease_bytes,
             n => n,
         };
+        let max_leases = match config.shm.max_leases {
+            0 => default_max_leases(nofile),
+            n => n,
+        };
+        let max_leases = usize::try_from(max_leases).unwrap_or(usize::MAX);
+        let connection_leases =
+            usize::try_from(config.shm.max_connection_leases).unwrap_or(usize::MAX);
         let store = Arc::new(
             store
+                .with_lease_counts(max_leases, connection_leases.min(max_leases))
                 .with_lease_quota(quota)
                 .with_connection_lease_quota(per_connection)
                 .with_prealloc(
@@ -545,6 +560,7 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         tracing::info!(
             channel = %channels.path().display(),
             max_leased_bytes = quota,
+            max_leases,
             "same-node shared memory enabled"
         );
         Some((store, channels))

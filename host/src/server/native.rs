@@ -830,4 +830,12 @@ impl Service for NativeService {
             Some(frames.into())
         })
     }
+
+    /// A connection that ended can no longer put its leases: their
+    /// descriptors are closed now, not when the leases expire.
+    fn closed(&self, connection: u64) {
+        if let Some((shm, _)) = &self.shm {
+            shm.release_connection(connection);
+        }
+    }
 }

@@ -29,7 +29,9 @@
 //!   ([`SegmentStore::adopt`]): sealing fails while any process still maps
 //!   it writable (`EBUSY`), and then the put is refused, so a writer that
 //!   kept its mapping can never change rows after `put_ok`. A lease not
-//!   put before it expires is dropped by [`SegmentStore::sweep`].
+//!   put before it expires is dropped by [`SegmentStore::sweep`] (once a
+//!   second), and the leases of a connection that ended at once
+//!   ([`SegmentStore::release_connection`]).
 //!
 //! No reuse: a segment some reader got may be mapped by it for as long as
 //! it likes, and no kernel interface tells who maps a file, so the memory
@@ -42,8 +44,12 @@
 //! when the store is idle ([`Prealloc`]).
 //!
 //! Each live segment keeps one descriptor open in `stowd` (to hand to
-//! readers); `stowd` raises its soft `RLIMIT_NOFILE` to the hard limit at
-//! start ([`crate::sys::raise_nofile`]).
+//! readers), and so does each lease until it is put, void or expired;
+//! `stowd` raises its soft `RLIMIT_NOFILE` to the hard limit at start
+//! ([`crate::sys::raise_nofile`]). Leases are counted as well as their
+//! bytes ([`SegmentStore::with_lease_counts`]): a client leasing one byte
+//! at a time would otherwise take every descriptor, and then no new
+//! connection could be accepted.
 
 pub mod channel;
 mod prealloc;
@@ -99,6 +105,16 @@ pub enum ShmError {
         outstanding: u64,
         limit: u64,
     },
+    #[error(
+        "lease refused: {outstanding} leases are granted and not yet put or expired, and \
+         [shm] max_leases is {limit} (each keeps a descriptor open in stowd)"
+    )]
+    LeaseCount { outstanding: usize, limit: usize },
+    #[error(
+        "lease refused: this connection has {outstanding} leases granted and not yet put or \
+         expired, and [shm] max_connection_leases is {limit}"
+    )]
+    ConnectionLeaseCount { outstanding: usize, limit: usize },
     #[error("range {offset}+{len} is outside segment {name} of {size} bytes")]
     OutOfRange {
         name: String,
@@ -208,6 +224,10 @@ pub struct SegmentStore {
     max_leased: u64,
     /// Most bytes of the outstanding leases of one connection.
     max_connection_leased: u64,
+    /// Most outstanding leases together: each holds a descriptor.
+    max_leases: usize,
+    /// Most outstanding leases of one connection.
+    max_connection_leases: usize,
     /// Memory files allocated ahead of time for new segments.
     prealloc: Arc<Prealloc>,
 }
@@ -282,6 +302,8 @@ impl SegmentStore {
             max_lease,
             max_leased: u64::MAX,
             max_connection_leased: u64::MAX,
+            max_leases: usize::MAX,
+            max_connection_leases: usize::MAX,
             prealloc: Prealloc::start(0, Duration::ZERO),
         }
     }
@@ -332,6 +354,16 @@ impl SegmentStore {
     /// yet adopted or expired.
     pub fn with_connection_lease_quota(mut self, total: u64) -> SegmentStore {
         self.max_connection_leased = total;
+        self
+    }
+
+    /// At most `total` leases granted and not yet adopted or expired,
+    /// together, and at most `per_connection` of them to one connection,
+    /// whatever their bytes: each keeps a descriptor open in `stowd`
+    /// until it ends, and descriptors are what connections need too.
+    pub fn with_lease_counts(mut self, total: usize, per_connection: usize) -> SegmentStore {
+        self.max_leases = total;
+        self.max_connection_leases = per_connection;
         self
     }
 
@@ -431,18 +463,30 @@ impl SegmentStore {
         Ok((name, self.lease_ttl, fd.into()))
     }
 
-    /// Refuses a lease of `len` bytes to `owner` past either quota.
+    /// Refuses a lease of `len` bytes to `owner` past any quota: the
+    /// counts of leases first, then their bytes.
     fn check_quotas(
         &self,
         leases: &HashMap<String, Lease>,
         len: u64,
         owner: u64,
     ) -> Result<(), ShmError> {
-        let mine: u64 = leases
+        let (count, mine) = leases
             .values()
             .filter(|l| l.owner == owner)
-            .map(|l| l.len)
-            .sum();
+            .fold((0usize, 0u64), |(n, b), l| (n + 1, b + l.len));
+        if count >= self.max_connection_leases {
+            return Err(ShmError::ConnectionLeaseCount {
+                outstanding: count,
+                limit: self.max_connection_leases,
+            });
+        }
+        if leases.len() >= self.max_leases {
+            return Err(ShmError::LeaseCount {
+                outstanding: leases.len(),
+                limit: self.max_leases,
+            });
+        }
         if mine.saturating_add(len) > self.max_connection_leased {
             return Err(ShmError::ConnectionLeaseQuota {
                 asked: len,
@@ -509,6 +553,24 @@ impl SegmentStore {
         };
         self.prealloc.touch();
         sealed
+    }
+
+    /// Drops the leases of connection `owner`, which has ended: nobody
+    /// else may put them, so they would only hold their descriptors until
+    /// they expire. Returns how many.
+    pub fn release_connection(&self, owner: u64) -> usize {
+        let mut leases = self.leases.lock().unwrap_or_else(|p| p.into_inner());
+        let before = leases.len();
+        leases.retain(|_, l| l.owner != owner);
+        let dropped = before - leases.len();
+        if dropped > 0 {
+            tracing::debug!(
+                connection = owner,
+                leases = dropped,
+                "connection closed: its leases dropped"
+            );
+        }
+        dropped
     }
 
     /// Drops every expired lease; returns how many.

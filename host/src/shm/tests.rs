@@ -370,3 +370,115 @@ fn channels_past_the_limit_and_clients_that_write_are_closed() {
     });
     let _ = std::fs::remove_dir_all(&parent);
 }
+
+/// Descriptors this process holds open on the memory file of inode `ino`
+/// (other tests run beside this one: count only the file at hand).
+fn open_on(ino: u64) -> usize {
+    std::fs::read_dir("/proc/self/fd")
+        .unwrap()
+        .filter_map(|e| std::fs::metadata(e.ok()?.path()).ok())
+        .filter(|m| m.ino() == ino)
+        .count()
+}
+
+/// A lease's name and inode; the client's descriptor is closed.
+fn lease_and_close(s: &SegmentStore, len: u64, seal: SealFlags) -> (String, u64) {
+    let (name, _, fd) = s.lease(len, 1).unwrap();
+    if !seal.is_empty() {
+        rustix::fs::fcntl_add_seals(&fd, seal).unwrap();
+    }
+    let ino = File::from(fd).metadata().unwrap().ino();
+    (name, ino)
+}
+
+#[test]
+fn a_void_lease_closes_its_descriptor_at_once() {
+    let s = store(Duration::from_secs(30));
+    for _ in 0..10 {
+        // Sealed by its writer: the put is refused and the lease void.
+        let (name, ino) = lease_and_close(&s, 8 << 20, SealFlags::SEAL);
+        assert_eq!(open_on(ino), 1, "the store holds the lease's descriptor");
+        assert!(matches!(s.adopt(&name, 1), Err(ShmError::Tampered(_))));
+        assert_eq!(open_on(ino), 0, "a void lease kept its descriptor");
+        // Resized by its writer: void too.
+        let (name, _, fd) = s.lease(64, 1).unwrap();
+        let file = File::from(fd);
+        file.set_len(8).unwrap();
+        let ino = file.metadata().unwrap().ino();
+        drop(file);
+        assert!(matches!(s.adopt(&name, 1), Err(ShmError::Tampered(_))));
+        assert_eq!(open_on(ino), 0, "a void lease kept its descriptor");
+    }
+    assert_eq!(s.counts(), (0, 0));
+}
+
+#[test]
+fn an_expired_lease_closes_its_descriptor_at_the_sweep() {
+    let s = store(Duration::from_millis(50));
+    let inos: Vec<u64> = (0..10)
+        .map(|_| lease_and_close(&s, 1 << 20, SealFlags::empty()).1)
+        .collect();
+    assert_eq!(s.counts(), (0, 10));
+    assert!(inos.iter().all(|&i| open_on(i) == 1));
+    std::thread::sleep(Duration::from_millis(80));
+    assert_eq!(s.sweep(), 10);
+    assert_eq!(
+        s.counts(),
+        (0, 0),
+        "the counters disagree with what is held"
+    );
+    for ino in inos {
+        assert_eq!(open_on(ino), 0, "an expired lease kept its descriptor");
+    }
+}
+
+#[test]
+fn leases_are_counted_per_connection_and_in_total_whatever_their_bytes() {
+    let s = store(Duration::from_millis(300)).with_lease_counts(3, 2);
+    let (a, _, _fa) = s.lease(1, 1).unwrap();
+    s.lease(1, 1).unwrap();
+    match s.lease(1, 1) {
+        Err(e @ ShmError::ConnectionLeaseCount { .. }) => {
+            let text = e.to_string();
+            assert!(text.contains("max_connection_leases is 2"), "{text}");
+        }
+        other => panic!("expected the per-connection count, got {other:?}"),
+    }
+    // Another connection has its own share, up to the total.
+    s.lease(1, 2).unwrap();
+    match s.lease(1, 3) {
+        Err(e @ ShmError::LeaseCount { .. }) => {
+            let text = e.to_string();
+            assert!(text.contains("max_leases is 3"), "{text}");
+        }
+        other => panic!("expected the total count, got {other:?}"),
+    }
+    // A put gives its place back, and so does expiry.
+    s.adopt(&a, 1).unwrap();
+    s.lease(1, 3).unwrap();
+    std::thread::sleep(Duration::from_millis(350));
+    for _ in 0..2 {
+        s.lease(1, 1).unwrap();
+    }
+    assert_eq!(s.counts().1, 2);
+}
+
+#[test]
+fn the_leases_of_a_connection_that_ended_close_their_descriptors_at_once() {
+    let s = store(Duration::from_secs(30));
+    let mine: Vec<u64> = (0..5)
+        .map(|_| lease_and_close(&s, 4096, SealFlags::empty()).1)
+        .collect();
+    let (other, _, _fd) = s.lease(4096, 2).unwrap();
+    assert_eq!(s.release_connection(1), 5);
+    assert_eq!(s.counts(), (0, 1));
+    for ino in mine {
+        assert_eq!(
+            open_on(ino),
+            0,
+            "a closed connection's lease kept its descriptor"
+        );
+    }
+    s.adopt(&other, 2)
+        .expect("another connection's lease stays");
+}

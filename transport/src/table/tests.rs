@@ -201,33 +201,60 @@ async fn a_full_table_evicts_the_longest_idle_and_never_a_busy_one() {
 }
 
 #[tokio::test]
-async fn the_per_peer_cap_refuses_one_address_and_not_another() {
+async fn an_address_at_its_cap_gives_up_its_longest_idle_and_another_address_is_untouched() {
     let table = Table::new(&limits(8, 2, Duration::ZERO));
     let a = Some(IpAddr::V4(Ipv4Addr::new(127, 0, 0, 1)));
     let b = Some(IpAddr::V4(Ipv4Addr::new(10, 0, 0, 2)));
     let first = table.admit(a).unwrap();
-    let _second = table.admit(a).unwrap();
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    let second = table.admit(a).unwrap();
+    let other = table.admit(b).unwrap();
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    // `other` is idle longer than `second`, but it is another address's.
+    let third = table.admit(a).expect("an idle connection of a makes room");
+    assert!(first.activity.evicted.load(Ordering::Acquire));
+    assert!(!second.activity.evicted.load(Ordering::Acquire));
+    assert!(!other.activity.evicted.load(Ordering::Acquire));
+    assert_eq!(table.len(), 3);
+    // Both of a's busy: refused, nobody evicted.
+    second.activity.set_busy(true);
+    third.activity.set_busy(true);
     assert_eq!(table.admit(a).unwrap_err(), Refusal::PeerCap(2));
-    let _other = table.admit(b).unwrap();
+    assert!(!second.activity.evicted.load(Ordering::Acquire));
+    let _other2 = table.admit(b).unwrap();
     // ipc clients have no address and no cap.
     let ipc: Vec<_> = (0..3).map(|_| table.admit(None).unwrap()).collect();
-    assert_eq!(table.len(), 6);
-    drop(first);
+    assert_eq!(table.len(), 7);
+    drop(second);
     let _again = table.admit(a).expect("a closed connection frees its place");
     drop(ipc);
-    assert_eq!(table.len(), 3);
+    assert_eq!(table.len(), 4);
 }
 
 #[tokio::test]
-async fn the_per_peer_cap_holds_over_real_sockets() {
-    let s = server(limits(8, 2, Duration::ZERO)).await;
-    let mut one = Client::connect(&s.addr).await;
-    let mut two = Client::connect(&s.addr).await;
+async fn a_flood_from_one_address_cannot_lock_out_its_next_client() {
+    let s = server(limits(64, 4, Duration::ZERO)).await;
+    // Four idle connections from 127.0.0.1, oldest first.
+    let mut idle = Vec::new();
+    for _ in 0..4 {
+        idle.push(Client::connect(&s.addr).await);
+        // Idle ages are kept in milliseconds: keep the order unambiguous.
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let mut fifth = Client::connect(&s.addr).await;
     assert!(
-        Client::try_connect(&s.addr).await.is_err(),
-        "a third from 127.0.0.1 was admitted"
+        fifth.served().await,
+        "the fifth from 127.0.0.1 is not served"
     );
-    // 127.0.0.2 is another loopback address: another peer.
+    assert!(
+        idle[0].closed(Duration::from_secs(2)).await,
+        "the oldest idle connection stayed"
+    );
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    for c in &mut idle[1..] {
+        assert!(c.served().await, "a younger idle connection was evicted");
+    }
+    // 127.0.0.2 is another loopback address: another peer, its own share.
     let sock = tokio::net::TcpSocket::new_v4().unwrap();
     sock.bind("127.0.0.2:0".parse().unwrap()).unwrap();
     let (r, mut w) = sock
@@ -239,5 +266,99 @@ async fn the_per_peer_cap_holds_over_real_sockets() {
     zmtp::handshake(&mut reader, &mut w, "DEALER", b"", &["ROUTER"])
         .await
         .expect("another address is admitted");
-    assert!(one.served().await && two.served().await);
+    // All four of 127.0.0.1's busy: the next one is refused, nobody evicted.
+    let mut busy: Vec<Client> = idle.drain(1..).collect();
+    busy.push(fifth);
+    for c in &mut busy {
+        c.send(b"hold").await;
+    }
+    tokio::time::sleep(Duration::from_millis(30)).await;
+    assert!(
+        Client::try_connect(&s.addr).await.is_err(),
+        "admitted with all of its address's connections busy"
+    );
+    s.release.add_permits(4);
+    for c in &mut busy {
+        let reply = tokio::time::timeout(
+            Duration::from_secs(5),
+            c.reader.read(&zmtp::Limits::DEFAULT),
+        );
+        assert!(
+            matches!(reply.await, Ok(Ok(Some(Incoming::Message(_))))),
+            "a busy connection lost its reply"
+        );
+    }
+}
+
+/// Echoes the caller's connection number; records the connections closed.
+#[derive(Default)]
+struct Closes(std::sync::Mutex<Vec<u64>>);
+
+impl Service for Closes {
+    fn handle(
+        self: Arc<Self>,
+        caller: Caller,
+        _frames: Vec<Bytes>,
+    ) -> BoxFuture<'static, Option<crate::Message>> {
+        let id = Bytes::from(caller.connection.to_le_bytes().to_vec());
+        Box::pin(async move { Some(vec![id].into()) })
+    }
+
+    fn closed(&self, connection: u64) {
+        self.0.lock().unwrap().push(connection);
+    }
+}
+
+#[tokio::test]
+async fn the_service_hears_of_each_connection_that_ended() {
+    let (listener, endpoint) = crate::bind("tcp://127.0.0.1:0").await.unwrap();
+    let addr = endpoint.strip_prefix("tcp://").unwrap().to_string();
+    let closes = Arc::new(Closes::default());
+    let (_stop, rx) = watch::channel(false);
+    tokio::spawn(crate::serve_with(
+        listener,
+        closes.clone(),
+        limits(8, 2, Duration::ZERO),
+        rx,
+    ));
+    let who = async |c: &mut Client| {
+        c.send(b"who").await;
+        match c.reader.read(&zmtp::Limits::DEFAULT).await.unwrap() {
+            Some(Incoming::Message(frames)) => {
+                u64::from_le_bytes(frames.last().unwrap()[..8].try_into().unwrap())
+            }
+            other => panic!("no reply: {other:?}"),
+        }
+    };
+    // Two closed by their client, one evicted by the per-peer cap of 2.
+    let mut ids = Vec::new();
+    for _ in 0..2 {
+        let mut c = Client::connect(&addr).await;
+        ids.push(who(&mut c).await);
+    }
+    let mut oldest = Client::connect(&addr).await;
+    ids.push(who(&mut oldest).await);
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let mut younger = Client::connect(&addr).await;
+    let kept = who(&mut younger).await;
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let mut newest = Client::connect(&addr).await;
+    assert!(newest.served().await);
+    assert!(oldest.closed(Duration::from_secs(2)).await);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let seen = closes.0.lock().unwrap().clone();
+        if ids.iter().all(|id| seen.contains(id)) {
+            assert!(
+                !seen.contains(&kept),
+                "an open connection was reported closed"
+            );
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "closed {seen:?}, connections {ids:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
 }
