@@ -576,6 +576,104 @@ async fn puts_racing_a_checkpoint_never_come_back_stale() {
     restored.stop();
 }
 
+/// Puts keep going while a restore runs, on the running stowd and after a
+/// SIGKILL and `serve --restore`: every index a writer had acknowledged
+/// reads its last acknowledged value or `data_lost`, never `key_not_found`
+/// and never an older value; in the new stowd every index written after
+/// the checkpoint is `data_lost` and every other one its checkpointed
+/// value. (Before, puts between the journal's close and its resume were
+/// journaled nowhere and came back with their checkpointed values.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn puts_during_a_restore_are_lost_never_stale() {
+    let mut stowd = Stowd::start(TWO_UNITS);
+    let dir = temp_dir("restore-during").join("ckpt");
+    let native = stowd.native().to_string();
+    let c = NativeClient::new(&native);
+    // Indexes 0..400 at version 1; the writers touch only the even ones.
+    for g in 0..400u64 {
+        c.put_ok(&[g], &[("x".into(), versioned(g, 1))]).await;
+    }
+    assert_eq!(checkpoint_seq(&checkpoint(&c, &dir).await), 1);
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut writers = Vec::new();
+    for w in 0..2u64 {
+        let (native, stop) = (native.clone(), stop.clone());
+        writers.push(tokio::spawn(async move {
+            let c = NativeClient::new(&native);
+            let mut last = std::collections::HashMap::new();
+            let mut v = 2u64;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                for k in 0..50u64 {
+                    let g = (w * 100 + k) * 2;
+                    c.put_ok(&[g], &[("x".into(), versioned(g, v))]).await;
+                    last.insert(g, v);
+                }
+                v += 1;
+            }
+            last
+        }));
+    }
+    for _ in 0..3 {
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        match restore(&c, &dir).await {
+            native::Reply::RestoreOk { .. } => {}
+            other => panic!("restore failed: {other:?}"),
+        }
+    }
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let mut last = std::collections::HashMap::new();
+    for w in writers {
+        last.extend(w.await.unwrap());
+    }
+    let (mut lost, mut kept) = (0, 0);
+    for (&g, &v) in &last {
+        match c.get(&[g], &["x"]).await {
+            native::Reply::GetOk { fields } => {
+                assert_cells(
+                    &format!("index {g} on the running stowd"),
+                    &wire_cells(fields[0].1.clone()),
+                    &cells(&versioned(g, v)),
+                );
+                kept += 1;
+            }
+            other => {
+                let (code, message) = err(other);
+                assert_eq!(code, native::code::DATA_LOST, "index {g}: {message}");
+                lost += 1;
+            }
+        }
+    }
+    assert!(lost + kept == 100, "kept {kept}, lost {lost}");
+    stowd.kill();
+    let restored = Stowd::start_restoring(TWO_UNITS, &dir).unwrap_or_else(|e| panic!("{e}"));
+    let c = NativeClient::new(restored.native());
+    for g in 0..400u64 {
+        match c.get(&[g], &["x"]).await {
+            native::Reply::GetOk { fields } => {
+                assert!(
+                    !last.contains_key(&g),
+                    "index {g}, written after the checkpoint, came back with a value"
+                );
+                assert_cells(
+                    &format!("index {g} restored"),
+                    &wire_cells(fields[0].1.clone()),
+                    &cells(&versioned(g, 1)),
+                );
+            }
+            other => {
+                let (code, message) = err(other);
+                assert_eq!(code, native::code::DATA_LOST, "index {g}: {message}");
+                assert!(
+                    last.contains_key(&g),
+                    "index {g} was never written after the checkpoint"
+                );
+            }
+        }
+    }
+    restored.stop();
+}
+
 async fn snapshot(c: &NativeClient, dir: &Path) -> native::Reply {
     c.call(Op::Checkpoint {
         dir: dir.display().to_string(),

@@ -89,7 +89,8 @@ def test_launch_config_merges_over_what_launch_sets(config_mod):
     spec = {"units_per_node": 2, "capacity_bytes": 0, "shm": True, "shm_dir": AWKWARD_DIR,
             "config": {"limits": {"max_rows": 9}, "plugins": {"compile": AWKWARD[1]}}}
     got = config_mod.stowd_config(spec, "10.0.0.1", {"native": 1, "unit_base": 2, "router": 3},
-                                  ["local:0", "tcp://10.0.0.2:7"], Path("/p") / AWKWARD_DIR, "/c")
+                                  ["local:0", "tcp://10.0.0.2:7"], Path("/p") / AWKWARD_DIR, "/c",
+                                  Path("/n") / "checkpoint")
     assert got == {
         "server": {"host": "10.0.0.1", "native_port": 1},
         "units": {"local": 2, "port_base": 2, "capacity_bytes": 0},
@@ -97,6 +98,7 @@ def test_launch_config_merges_over_what_launch_sets(config_mod):
         "plugins": {"cache_dir": "/c", "dir": "/p/" + AWKWARD_DIR, "compile": AWKWARD[1]},
         "shm": {"enabled": True, "dir": AWKWARD_DIR},
         "limits": {"max_rows": 9},
+        "checkpoint": {"roots": ["/n/checkpoint"]},
     }
     with pytest.raises(ValueError, match=r"config\['shm'\]\['dir'\] is set by launch\(\): use shm_dir"):
         config_mod.check_reserved({"shm": {"dir": "/x"}})

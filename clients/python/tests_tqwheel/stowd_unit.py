@@ -87,7 +87,11 @@ def _workdir() -> Path:
 
 
 def start_stowd(config: str, name: str = "stowd") -> tuple[subprocess.Popen, dict, Path]:
-    """Starts `stowd serve` with `config`; returns (process, endpoints, endpoints file)."""
+    """Starts `stowd serve` with `config`; returns (process, endpoints, endpoints file).
+    TransferQueue's tests save checkpoints into their temporary directories:
+    unless `config` has a `[checkpoint]` table, that is stowd's checkpoint root."""
+    if "[checkpoint]" not in config:
+        config += f"\n[checkpoint]\nroots = [{json.dumps(tempfile.gettempdir())}]\n"
     workdir = _workdir()
     (workdir / f"{name}.toml").write_text(config)
     endpoints_path = workdir / f"{name}.endpoints.json"

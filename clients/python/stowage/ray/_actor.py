@@ -90,7 +90,8 @@ class StowdNode:
     def start(self, router_units: list[str] | None) -> dict:
         """Writes the config (router over `router_units`, None: own units
         only), starts stowd and waits for its endpoints file."""
-        config = stowd_config(self.spec, self.host, self.ports, router_units, self.plugin_dir, self.cache_dir)
+        config = stowd_config(self.spec, self.host, self.ports, router_units, self.plugin_dir, self.cache_dir,
+                              self.checkpoint_dir)
         write_config(self.config_path, config,
                      f"written by stowage.ray for launch {self.launch_id}, node {self.node_id}")
         self.state = {

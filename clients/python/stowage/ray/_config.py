@@ -34,10 +34,12 @@ def check_reserved(config: Mapping[str, Any] | None) -> None:
 
 
 def stowd_config(spec: Mapping[str, Any], host: str, ports: Mapping[str, int], router_units: list[str] | None,
-                 plugin_dir: str | os.PathLike | None, cache_dir: str | os.PathLike) -> dict:
+                 plugin_dir: str | os.PathLike | None, cache_dir: str | os.PathLike,
+                 checkpoint_dir: str | os.PathLike | None = None) -> dict:
     """One node's stowd config: its ports, units, router (over `router_units`;
-    None: its own units only), plugins and shared memory, with the launch's
-    `config` sections merged over it."""
+    None: its own units only), plugins, shared memory and, with
+    `checkpoint_dir`, the one checkpoint root (the node's checkpoint
+    directory), with the launch's `config` sections merged over it."""
     config = {
         "server": {"host": host, "native_port": ports["native"]},
         "units": {
@@ -53,6 +55,8 @@ def stowd_config(spec: Mapping[str, Any], host: str, ports: Mapping[str, int], r
         config["plugins"]["dir"] = str(plugin_dir)
     if spec.get("shm_dir"):
         config["shm"]["dir"] = str(spec["shm_dir"])
+    if checkpoint_dir is not None:
+        config["checkpoint"] = {"roots": [str(checkpoint_dir)]}
     return merge(config, spec.get("config") or {})
 
 
