@@ -44,12 +44,16 @@ def main() -> None:
     ap.add_argument("--stowd", default=os.path.join(ROOT, "target", "release", "stowd"))
     ap.add_argument("--dir", required=True, help="where the checkpoint files go (same disk as the limit)")
     ap.add_argument("--rows", type=int, default=524288)
+    ap.add_argument("--no-roots", action="store_true",
+                    help="a stowd from before [checkpoint] roots: leave that table out")
     a = ap.parse_args()
     os.makedirs(a.dir, exist_ok=True)
     work = tempfile.mkdtemp(prefix="stowage-ckpt-bench-")
     cfg, eps = os.path.join(work, "stowd.toml"), os.path.join(work, "stowd.json")
     with open(cfg, "w") as f:
         f.write("[units]\nlocal = 4\nmemory_percent = 0\n\n[plugins]\ndir = \"%s\"\n" % os.path.join(work, "none"))
+        if not a.no_roots:
+            f.write("\n[checkpoint]\nroots = [%s]\n" % json.dumps(os.path.abspath(a.dir)))
     os.makedirs(os.path.join(work, "none"))
     proc = subprocess.Popen([a.stowd, "serve", "--config", cfg, "--endpoints-file", eps],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

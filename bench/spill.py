@@ -47,6 +47,10 @@ from _disk import drop_caches, timed_read, timed_write  # noqa: E402
 
 
 
+# The [checkpoint] table (the checkpoint directory's disk as the root).
+ROOTS = ""
+
+
 class Stowd:
     """One release stowd with `config` (no plugins: the built-in policy)."""
 
@@ -55,7 +59,7 @@ class Stowd:
         os.makedirs(os.path.join(self.work, "none"))
         cfg, self.eps = os.path.join(self.work, "stowd.toml"), os.path.join(self.work, "stowd.json")
         with open(cfg, "w") as f:
-            f.write(config + "\n[plugins]\ndir = \"%s\"\n" % os.path.join(self.work, "none"))
+            f.write(config + "\n[plugins]\ndir = \"%s\"\n" % os.path.join(self.work, "none") + ROOTS)
         self.log = os.path.join(self.work, "stowd.log")
         t = time.perf_counter()
         with open(self.log, "wb") as log:
@@ -94,9 +98,14 @@ def main() -> None:
     ap.add_argument("--dir", required=True, help="a directory on the disk to measure (emptied)")
     ap.add_argument("--rows", type=int, default=524288)
     ap.add_argument("--chunk", type=int, default=4096)
+    ap.add_argument("--no-roots", action="store_true",
+                    help="a stowd from before [checkpoint] roots: leave that table out")
     a = ap.parse_args()
     shutil.rmtree(a.dir, ignore_errors=True)
     os.makedirs(a.dir)
+    global ROOTS
+    if not a.no_roots:
+        ROOTS = "\n[checkpoint]\nroots = [%s]\n" % json.dumps(os.path.abspath(a.dir))
     x = np.random.default_rng(0).random((a.rows, 1024), dtype=np.float32)
     payload = x.nbytes
     gb = lambda s: payload / s / 1e9  # noqa: E731

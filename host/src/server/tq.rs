@@ -346,9 +346,14 @@ impl TqService {
             let target = path.clone();
             let done = tokio::task::spawn_blocking(move || {
                 let (dir, name) = roots.file(&target)?;
-                check_target(&dir, &name, units[0].journal())?;
+                let Some(journal) = units.first().map(|u| u.journal().clone()) else {
+                    return Err(crate::checkpoint::CheckpointError::Refused {
+                        path: dir.join(&name),
+                        reason: "this endpoint has no local unit".into(),
+                    });
+                };
+                check_target(&dir, &name, &journal)?;
                 let units: Vec<&Unit> = units.iter().map(|u| u.as_ref()).collect();
-                let journal = units[0].journal().clone();
                 if load {
                     let route = |g: u64| (g % n) as usize;
                     crate::checkpoint::load_units(&units, route, &dir, &name, &journal)
