@@ -398,8 +398,12 @@ pub struct ShmConfig {
     /// Serve same-node clients through shared-memory segments.
     pub enabled: bool,
     /// Directory in which `stowd` makes its private (0700) directory for
-    /// the descriptor-channel socket. Segments themselves are anonymous
-    /// memory files and live in no directory.
+    /// the descriptor-channel socket. It must be owned by `stowd`'s user or
+    /// root, and not writable by group or others unless it has the sticky
+    /// bit (`/dev/shm`, the default, and `/tmp` are root's, 1777); others
+    /// are refused at start ([`crate::shm::channel`]). Missing: created
+    /// 0700. Segments themselves are anonymous memory files and live in no
+    /// directory.
     pub dir: PathBuf,
     /// Seconds a leased segment may stay unused before it is dropped.
     pub lease_secs: u64,
