@@ -1,8 +1,9 @@
 //! What `stowd` asks of the operating system about itself: its resident
-//! set size, giving freed heap back (`malloc_trim`), when it started, and
-//! the size of a file system (`statvfs`). The one place that reads `/proc`
-//! or calls into libc for these; a leaf module, importing nothing from the
-//! crate.
+//! set size, giving freed heap back (`malloc_trim`), when it started, the
+//! size of a file system (`statvfs`), and that no other process of its
+//! user may read or write its memory ([`forbid_same_user_access`]). The
+//! one place that reads `/proc` or calls into libc for these; a leaf
+//! module, importing nothing from the crate.
 
 /// Resident set size of this process in bytes (Linux), 0 if unknown.
 ///
@@ -128,6 +129,22 @@ pub fn raise_nofile() -> Option<u64> {
         }
     }
     limit.current
+}
+
+/// Makes this process non-dumpable (`prctl(PR_SET_DUMPABLE, 0)`), as
+/// OpenSSH and gpg-agent do: from then on only root (`CAP_SYS_PTRACE`) may
+/// ptrace it or open its `/proc/<pid>/mem`, `fd/`, `maps`, `environ`, and
+/// those files belong to root. Without it any process of the same user
+/// could rewrite stored rows through `/proc/<pid>/mem`. The process itself
+/// keeps its `/proc/self` (the kernel lets a thread group into its own
+/// entries). It writes no core dump on a crash (unless the
+/// `fs.suid_dumpable` sysctl says otherwise), and a debugger, `perf` or a
+/// profiler must attach as root. An `execve` makes a process dumpable
+/// again, so only the process that calls this is covered.
+pub fn forbid_same_user_access() -> std::io::Result<()> {
+    use rustix::process::{DumpableBehavior, set_dumpable_behavior};
+    set_dumpable_behavior(DumpableBehavior::NotDumpable)?;
+    Ok(())
 }
 
 /// When this process started (Linux: `/proc/self/stat` field 22, ticks

@@ -138,14 +138,37 @@ impl Stowd {
 
     /// Like [`Stowd::start`]; Err: why it did not start, and its log.
     pub fn try_start(config: &str) -> Result<Stowd, String> {
-        Stowd::spawn(&[], &plugin_dir(), &shared_cache(), config, None, &[])
+        Stowd::spawn(&[], &plugin_dir(), &shared_cache(), config, None, &[], None)
+    }
+
+    /// Like [`Stowd::start`], as the user and group `uid` (the test must be
+    /// root unless `uid` is its own), with no plugins and a compile cache
+    /// of its own (the shared ones may not be that user's to read or
+    /// write); the directory of its config and endpoints file is given to
+    /// that user.
+    pub fn start_as(uid: u32, config: &str) -> Stowd {
+        let plugins = temp_dir("stowd-as-plugins");
+        let cache = temp_dir("stowd-as-cache");
+        for dir in [&plugins, &cache] {
+            std::os::unix::fs::chown(dir, Some(uid), Some(uid)).expect("chown (needs root)");
+        }
+        Stowd::spawn(&[], &plugins, &cache, config, None, &[], Some(uid))
+            .unwrap_or_else(|e| panic!("{e}"))
     }
 
     /// Like [`Stowd::start`], restoring the checkpoint in `dir` at start
     /// (`serve --restore DIR`). Err: why it did not start, and its log.
     pub fn start_restoring(config: &str, dir: &Path) -> Result<Stowd, String> {
         let args = ["--restore".to_string(), dir.display().to_string()];
-        Stowd::spawn(&[], &plugin_dir(), &shared_cache(), config, None, &args)
+        Stowd::spawn(
+            &[],
+            &plugin_dir(),
+            &shared_cache(),
+            config,
+            None,
+            &args,
+            None,
+        )
     }
 
     /// Starts `wrapper... stowd serve ...` (no wrapper: `stowd` itself).
@@ -156,7 +179,7 @@ impl Stowd {
         config: &str,
         log_filter: Option<&str>,
     ) -> Stowd {
-        Stowd::spawn(wrapper, plugins, cache, config, log_filter, &[])
+        Stowd::spawn(wrapper, plugins, cache, config, log_filter, &[], None)
             .unwrap_or_else(|e| panic!("{e}"))
     }
 
@@ -167,9 +190,13 @@ impl Stowd {
         config: &str,
         log_filter: Option<&str>,
         extra: &[String],
+        user: Option<u32>,
     ) -> Result<Stowd, String> {
         let bin = stowd_bin();
         let dir = temp_dir("stowd");
+        if let Some(uid) = user {
+            std::os::unix::fs::chown(&dir, Some(uid), Some(uid)).expect("chown (needs root)");
+        }
         let config_path = dir.join("stowd.toml");
         let mut text = format!(
             "[plugins]\ndir = {}\ncache_dir = {}\n\n{config}\n",
@@ -201,6 +228,10 @@ impl Stowd {
             }
             None => Command::new(&bin),
         };
+        if let Some(uid) = user {
+            use std::os::unix::process::CommandExt;
+            command.uid(uid).gid(uid);
+        }
         let mut child = command
             .arg("serve")
             .arg("--config")

@@ -9,7 +9,10 @@
 //!   needed the space with a `capacity` error saying why; every earlier row
 //!   is still served and stowd serves on;
 //! - leftover spill files are removed at start; bad settings are refused
-//!   at start.
+//!   at start;
+//! - a shared `spill_dir` (1777, as `/tmp`) keeps its mode and other
+//!   users' files: stowd works in a private directory it makes inside, and
+//!   refuses one of that name that it did not make.
 
 use std::path::Path;
 use std::process::Command;
@@ -64,6 +67,17 @@ impl Peak {
         self.thread.take().unwrap().join().unwrap();
         self.peak.load(Ordering::Relaxed)
     }
+}
+
+/// This process's effective uid (stowd's, as the tests start it).
+fn euid() -> u32 {
+    // SAFETY: geteuid has no preconditions.
+    unsafe { libc::geteuid() }
+}
+
+/// The private directory stowd spills into inside `spill_dir`.
+fn private_dir(spill_dir: &Path) -> std::path::PathBuf {
+    spill_dir.join(format!("stowd-spill-{}", euid()))
 }
 
 fn config(dir: &Path, extra: &str) -> String {
@@ -134,11 +148,12 @@ async fn twice_the_capacity_reads_back_within_the_memory_bound() {
     );
     // Spill files are unlinked once mapped: nothing in the directory.
     use std::os::unix::fs::PermissionsExt;
+    let private = private_dir(&dir);
     assert_eq!(
-        std::fs::metadata(&dir).unwrap().permissions().mode() & 0o777,
+        std::fs::metadata(&private).unwrap().permissions().mode() & 0o777,
         0o700
     );
-    assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0);
+    assert_eq!(std::fs::read_dir(&private).unwrap().count(), 0);
     // Clearing frees both.
     let all: Vec<u64> = (0..puts * 16).collect();
     c.clear(&all, None).await;
@@ -243,12 +258,13 @@ async fn spill_max_bytes_refuses_the_put_clearly() {
 async fn leftovers_go_at_start_and_bad_settings_are_refused() {
     let base = temp_dir("spill-start");
     let dir = base.join("spill");
-    std::fs::create_dir(&dir).unwrap();
-    std::fs::write(dir.join("123-4.spill"), b"left by a killed stowd").unwrap();
-    std::fs::write(dir.join("notes.txt"), b"not ours").unwrap();
+    let private = private_dir(&dir);
+    std::fs::create_dir_all(&private).unwrap();
+    std::fs::write(private.join("123-4.spill"), b"left by a killed stowd").unwrap();
+    std::fs::write(private.join("notes.txt"), b"not ours").unwrap();
     let stowd = Stowd::start(&config(&dir, &format!("capacity_bytes = {}", 4 * MIB)));
-    assert!(!dir.join("123-4.spill").exists());
-    assert!(dir.join("notes.txt").exists());
+    assert!(!private.join("123-4.spill").exists());
+    assert!(private.join("notes.txt").exists());
     stowd.stop();
     std::os::unix::fs::symlink(&dir, base.join("link")).unwrap();
     for (cfg, words) in [
@@ -271,5 +287,76 @@ async fn leftovers_go_at_start_and_bad_settings_are_refused() {
     ] {
         let refused = Stowd::try_start(&cfg).expect_err("started with a bad spill setting");
         assert!(refused.contains(words), "{words:?} not in {refused}");
+    }
+}
+
+/// Running as root (CI): what "another user" is tested with.
+fn root() -> bool {
+    euid() == 0
+}
+
+const NOBODY: u32 = 65534;
+
+// The review found a shared `spill_dir` made 0700 at start (every other
+// user locked out of it) and another user's `*.spill` file in it removed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shared_spill_dir_keeps_its_mode_and_other_users_files() {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let mode = |p: &Path| std::fs::symlink_metadata(p).unwrap().mode() & 0o7777;
+    let dir = temp_dir("spill-shared").join("scratch");
+    std::fs::create_dir(&dir).unwrap();
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o1777)).unwrap();
+    let theirs = dir.join("123-4.spill");
+    std::fs::write(&theirs, b"another user's").unwrap();
+    if root() {
+        std::os::unix::fs::chown(&theirs, Some(NOBODY), Some(NOBODY)).unwrap();
+    }
+    let stowd = Stowd::start(&config(&dir, &format!("capacity_bytes = {}", 4 * MIB)));
+    let c = NativeClient::new(stowd.native());
+    for k in 0..8 {
+        let (indexes, field) = put_field(k);
+        c.put_ok(&indexes, &[("x".into(), field)]).await;
+    }
+    assert!(c.stat("spill_disk_bytes").await as u64 >= 4 * MIB);
+    for k in 0..8 {
+        let (indexes, field) = put_field(k);
+        check(&c, &indexes, &field, &format!("put {k}")).await;
+    }
+    stowd.stop();
+    assert_eq!(
+        mode(&dir),
+        0o1777,
+        "stowd changed the shared directory's mode"
+    );
+    assert_eq!(std::fs::read(&theirs).unwrap(), b"another user's");
+    let private = private_dir(&dir);
+    assert_eq!(mode(&private), 0o700);
+    assert_eq!(std::fs::metadata(&private).unwrap().uid(), euid());
+    assert_eq!(std::fs::read_dir(&private).unwrap().count(), 0);
+    // A directory of that name stowd did not make is refused, named, and
+    // left as it is: writable by others, a link, another user's.
+    std::fs::remove_dir(&private).unwrap();
+    std::fs::create_dir(&private).unwrap();
+    std::fs::set_permissions(&private, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let refuse = |words: &str| {
+        let refused = Stowd::try_start(&config(&dir, &format!("capacity_bytes = {}", 4 * MIB)))
+            .expect_err("started with a spill directory stowd did not make");
+        let first = refused.lines().next().unwrap_or_default().to_string();
+        assert!(refused.contains(&private.display().to_string()), "{first}");
+        assert!(refused.contains(words), "{words:?} not in {refused}");
+    };
+    refuse("writable by group or others (mode 0777)");
+    assert_eq!(mode(&private), 0o777);
+    std::fs::remove_dir(&private).unwrap();
+    std::os::unix::fs::symlink(temp_dir("spill-elsewhere"), &private).unwrap();
+    refuse("symbolic link");
+    std::fs::remove_file(&private).unwrap();
+    if root() {
+        std::fs::create_dir(&private).unwrap();
+        std::fs::set_permissions(&private, std::fs::Permissions::from_mode(0o700)).unwrap();
+        std::os::unix::fs::chown(&private, Some(NOBODY), Some(NOBODY)).unwrap();
+        refuse("belongs to uid 65534");
+    } else {
+        eprintln!("not root: the case of another user's directory is not tested");
     }
 }

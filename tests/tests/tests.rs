@@ -27,6 +27,7 @@ mod plugin_cli;
 mod policy;
 mod request_spans;
 mod restore;
+mod same_user;
 mod spill;
 mod stowd;
 mod tq_values;

@@ -409,6 +409,11 @@ fn main() -> std::process::ExitCode {
             restore,
         } => load(config.as_ref()).and_then(|mut c| {
             c.restore = restore.map(std::path::absolute).transpose()?;
+            // Before any row is stored: no other process of this user may
+            // read or change them through /proc/<pid>/mem or ptrace.
+            stowage_host::sys::forbid_same_user_access()
+                .context("making stowd non-dumpable (prctl PR_SET_DUMPABLE)")?;
+            tracing::info!("not dumpable: only root may read or write stowd's memory");
             tokio::runtime::Builder::new_multi_thread()
                 .enable_all()
                 .build()?

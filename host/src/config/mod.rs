@@ -97,8 +97,12 @@ pub struct UnitsConfig {
     /// The memory `memory_percent` is a share of, bytes; 0: the machine's
     /// (`MemTotal`), or the memory limit of stowd's cgroup if lower.
     pub memory_bytes: u64,
-    /// Spill the coldest extents to files in this directory (created 0700)
-    /// instead of refusing puts past the unit capacity. Empty: no spill.
+    /// Spill the coldest extents to files in a private directory that
+    /// `stowd` makes inside this one (`stowd-spill-<uid>`, mode 0700)
+    /// instead of refusing puts past the unit capacity. This directory may
+    /// be shared (`/tmp`): `stowd` creates it 0700 if it is missing, and
+    /// otherwise never changes its mode or removes anything in it. Empty:
+    /// no spill.
     pub spill_dir: String,
     /// Per unit: past this many bytes in memory (times the units, for all
     /// of them) a background thread spills the coldest extents. 0: 80% of
@@ -454,8 +458,12 @@ pub struct ShmConfig {
     /// Serve same-node clients through shared-memory segments.
     pub enabled: bool,
     /// Directory in which `stowd` makes its private (0700) directory for
-    /// the descriptor-channel socket. Segments themselves are anonymous
-    /// memory files and live in no directory.
+    /// the descriptor-channel socket. It must be owned by `stowd`'s user or
+    /// root, and not writable by group or others unless it has the sticky
+    /// bit (`/dev/shm`, the default, and `/tmp` are root's, 1777); others
+    /// are refused at start ([`crate::shm::channel`]). Missing: created
+    /// 0700. Segments themselves are anonymous memory files and live in no
+    /// directory.
     pub dir: PathBuf,
     /// Seconds a leased segment may stay unused before it is dropped.
     pub lease_secs: u64,

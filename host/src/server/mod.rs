@@ -240,7 +240,12 @@ fn checkpoint_roots(config: &Config) -> Result<crate::checkpoint::Roots, StartEr
     }
     let mut protected = Vec::new();
     if !config.units.spill_dir.is_empty() {
-        protected.push(std::path::PathBuf::from(&config.units.spill_dir));
+        // stowd's own directory in it (crate::spill), not the directory
+        // given, which may be shared (/tmp).
+        let uid = rustix::process::geteuid().as_raw();
+        protected.push(
+            std::path::PathBuf::from(&config.units.spill_dir).join(format!("stowd-spill-{uid}")),
+        );
     }
     if let Some(d) = plugin_dir(config) {
         protected.push(d.join(".cache"));

@@ -9,8 +9,25 @@
 //!   reached through `/proc/self/fd/<directory>/sock`; clients do the same) (`mkdir` fails rather than reuse a directory
 //!   someone made first). Only `stowd`'s own user (and root) can reach the
 //!   socket; a peer of another user is also refused by its credentials
-//!   (`SO_PEERCRED`). At start, `stowd` removes what dead `stowd`s (or an
-//!   earlier process with its own pid) left under `[shm] dir`.
+//!   (`SO_PEERCRED`). At start, `stowd` removes what dead `stowd`s of its
+//!   own user (or an earlier process with its own pid) left under
+//!   `[shm] dir`, and nothing of another user.
+//! - **Which `[shm] dir`.** Whoever can rename entries in `[shm] dir` can
+//!   move `stowd`'s channel directory aside and put a directory of the same
+//!   name, with their own socket, in its place: same-node clients would
+//!   then talk to them. So at start `[shm] dir` must be owned by `stowd`'s
+//!   user or by root, and not writable by group or others unless it has
+//!   the sticky bit (which lets only an entry's owner rename it): `/dev/shm`
+//!   and `/tmp` (root, 1777) pass, a 0777 directory or one of another user
+//!   is refused, naming its owner and mode. A missing `[shm] dir` is
+//!   created 0700. The directory is judged as `lstat` sees it; a symbolic
+//!   link is followed only if root or `stowd`'s user owns it (as
+//!   `/dev/shm -> /run/shm` on some systems; nobody else can change where
+//!   it points), its target is judged the same way, and the socket is made
+//!   under the resolved path, so what the link points to later does not
+//!   matter. A link of another user is refused: they could point it
+//!   elsewhere at any time. Only `[shm] dir` itself is judged, not the
+//!   directories above it (as for any path an operator configures).
 //! - **Opening.** A client asks the native endpoint `channel`, connects to
 //!   the path it gets, and reads the first message, `{"token": "<32 hex>"}`.
 //!   It then names that token in the envelope key `channel` of its
@@ -32,7 +49,7 @@ use std::collections::HashMap;
 use std::io::IoSlice;
 use std::mem::MaybeUninit;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
-use std::os::unix::fs::DirBuilderExt;
+use std::os::unix::fs::{DirBuilderExt, MetadataExt};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -96,15 +113,13 @@ fn clean(dir: &Path) -> std::io::Result<()> {
             Some(pid) => !Path::new(&format!("/proc/{pid}")).exists(),
             None => false,
         };
-        // Only what this user owns: a directory another user made is
-        // theirs to remove (and was never ours to use).
-        let ours = entry
-            .metadata()
-            .map(|m| std::os::unix::fs::MetadataExt::uid(&m) == rustix::process::geteuid().as_raw())
-            .unwrap_or(false);
-        if stale && ours {
+        // Only what this user owns (lstat: a link is judged, and removed,
+        // as itself): a directory another user made is theirs to remove
+        // (and was never ours to use).
+        let Ok(meta) = entry.metadata() else { continue };
+        if stale && meta.uid() == rustix::process::geteuid().as_raw() {
             let path = entry.path();
-            let _ = if path.is_dir() {
+            let _ = if meta.is_dir() {
                 std::fs::remove_dir_all(&path)
             } else {
                 std::fs::remove_file(&path)
@@ -114,9 +129,83 @@ fn clean(dir: &Path) -> std::io::Result<()> {
     Ok(())
 }
 
+/// Why `dir` (as `meta`, its `lstat`) may not hold the channel directory,
+/// or None if it may (module docs, "Which `[shm] dir`").
+fn untrusted(meta: &std::fs::Metadata) -> Option<String> {
+    let me = rustix::process::geteuid().as_raw();
+    let (owner, mode) = (meta.uid(), meta.mode() & 0o7777);
+    if !meta.is_dir() {
+        return Some("is not a directory".into());
+    }
+    if owner != me && owner != 0 {
+        return Some(format!(
+            "is owned by uid {owner} (mode {mode:04o}), neither stowd's user (uid {me}) nor \
+             root: its owner could replace stowd's channel socket. Use a directory of \
+             stowd's user, or one such as /dev/shm (root's, mode 1777)"
+        ));
+    }
+    if mode & 0o022 != 0 && mode & 0o1000 == 0 {
+        return Some(format!(
+            "is writable by group or others without the sticky bit (mode {mode:04o}, owner \
+             uid {owner}): any of them could rename stowd's channel directory and put their \
+             own socket in its place. Remove that write permission, add the sticky bit \
+             (chmod +t, as /dev/shm and /tmp have), or name a directory for stowd to create"
+        ));
+    }
+    None
+}
+
+/// `[shm] dir` if it may hold the channel directory (created 0700 if
+/// missing), else why not; a link of root or `stowd`'s user is resolved,
+/// and the resolved path is returned (module docs).
+fn trusted_dir(dir: &Path) -> Result<PathBuf, ShmError> {
+    let refuse = |path: &Path, why: String| ShmError::UntrustedDir {
+        path: path.to_path_buf(),
+        why,
+    };
+    let io = |what| move |source| ShmError::Io { what, source };
+    let meta = match std::fs::symlink_metadata(dir) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(dir)
+                .map_err(io("creating [shm] dir"))?;
+            std::fs::symlink_metadata(dir).map_err(io("reading [shm] dir"))?
+        }
+        m => m.map_err(io("reading [shm] dir"))?,
+    };
+    if !meta.file_type().is_symlink() {
+        return match untrusted(&meta) {
+            Some(why) => Err(refuse(dir, why)),
+            None => Ok(dir.to_path_buf()),
+        };
+    }
+    let me = rustix::process::geteuid().as_raw();
+    if meta.uid() != me && meta.uid() != 0 {
+        return Err(refuse(
+            dir,
+            format!(
+                "is a symbolic link owned by uid {}, neither stowd's user (uid {me}) nor root: \
+                 its owner could point it elsewhere. Name the directory itself",
+                meta.uid()
+            ),
+        ));
+    }
+    let target = std::fs::canonicalize(dir).map_err(io("resolving [shm] dir"))?;
+    let meta = std::fs::symlink_metadata(&target).map_err(io("reading [shm] dir"))?;
+    match untrusted(&meta) {
+        Some(why) => Err(refuse(
+            dir,
+            format!("is a symbolic link to {}, which {why}", target.display()),
+        )),
+        None => Ok(target),
+    }
+}
+
 impl Channels {
-    /// Makes the private directory under `parent` and binds the channel
-    /// socket in it. At most `max` channels are open at once; a message
+    /// Makes the private directory under `parent` (refused if others could
+    /// replace it: module docs) and binds the channel socket in it. At most `max` channels are open at once; a message
     /// not written within `write_timeout` closes its channel.
     pub fn bind(
         parent: &Path,
@@ -124,7 +213,7 @@ impl Channels {
         write_timeout: Duration,
     ) -> Result<(Arc<Channels>, UnixListener), ShmError> {
         let io = |what| move |source| ShmError::Io { what, source };
-        std::fs::create_dir_all(parent).map_err(io("creating [shm] dir"))?;
+        let parent = &trusted_dir(parent)?;
         clean(parent).map_err(io("cleaning [shm] dir"))?;
         let name = format!(
             "stowd-{}-{}",

@@ -81,6 +81,11 @@ pub enum ShmError {
         what: &'static str,
         source: io::Error,
     },
+    #[error("[shm] dir {path}: {why}", path = path.display())]
+    UntrustedDir {
+        path: std::path::PathBuf,
+        why: String,
+    },
     #[error("unknown or expired lease {0:?}")]
     UnknownLease(String),
     #[error("lease {0:?} was granted to another connection: only that connection may put it")]

@@ -482,3 +482,93 @@ fn the_leases_of_a_connection_that_ended_close_their_descriptors_at_once() {
     s.adopt(&other, 2)
         .expect("another connection's lease stays");
 }
+
+/// Running as root (CI): what "another user" is tested with.
+fn root() -> bool {
+    rustix::process::geteuid().is_root()
+}
+
+const NOBODY: u32 = 65534;
+
+/// Binds channels under `dir`: the error's text if refused.
+fn bind_under(dir: &std::path::Path) -> Result<std::path::PathBuf, String> {
+    runtime().block_on(async {
+        Channels::bind(dir, 2, Duration::from_secs(5))
+            .map(|(c, _listener)| c.path().to_path_buf())
+            .map_err(|e| e.to_string())
+    })
+}
+
+// The review found a 0777 `[shm] dir` of another user used as it was: its
+// owner renamed stowd's channel directory and put their own socket in its
+// place.
+#[test]
+fn a_shm_dir_others_could_rename_in_is_refused_naming_owner_and_mode() {
+    let base = std::env::temp_dir().join(format!("stowage-shm-trust-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&base);
+    std::fs::create_dir(&base).unwrap();
+    let dir = base.join("shm");
+    std::fs::create_dir(&dir).unwrap();
+    let set_mode = |p: &std::path::Path, m: u32| {
+        std::fs::set_permissions(p, std::fs::Permissions::from_mode(m)).unwrap()
+    };
+    let refused = |p: &std::path::Path, words: &[&str]| {
+        let e = bind_under(p).expect_err("an untrusted [shm] dir was used");
+        assert!(e.contains(&p.display().to_string()), "{e}");
+        for w in words {
+            assert!(e.contains(w), "{w:?} not in {e}");
+        }
+        // Nothing was made in it.
+        assert_eq!(std::fs::read_dir(p).unwrap().count(), 0, "{e}");
+    };
+    // Writable by others (or the group) without the sticky bit.
+    set_mode(&dir, 0o777);
+    refused(&dir, &["mode 0777", "without the sticky bit"]);
+    set_mode(&dir, 0o775);
+    refused(&dir, &["mode 0775", "without the sticky bit"]);
+    // Sticky, or writable by stowd's user alone: used.
+    for mode in [0o1777, 0o755, 0o700] {
+        set_mode(&dir, mode);
+        let sock = bind_under(&dir).unwrap_or_else(|e| panic!("mode {mode:o}: {e}"));
+        assert!(sock.starts_with(&dir));
+    }
+    // A link of stowd's user to a good directory: resolved.
+    let link = base.join("link");
+    std::os::unix::fs::symlink(&dir, &link).unwrap();
+    let sock = bind_under(&link).unwrap();
+    assert!(sock.starts_with(&dir), "{}", sock.display());
+    // ... to a bad one: refused, naming both.
+    set_mode(&dir, 0o777);
+    refused(&link, &["symbolic link to", "mode 0777"]);
+    set_mode(&dir, 0o700);
+    // A missing one is made 0700.
+    let fresh = base.join("fresh").join("shm");
+    bind_under(&fresh).unwrap();
+    let mode = std::fs::metadata(&fresh).unwrap().permissions().mode() & 0o7777;
+    assert_eq!(mode, 0o700);
+    if root() {
+        // Another user's, even sticky or 0755: refused.
+        for mode in [0o755, 0o1777] {
+            set_mode(&dir, mode);
+            std::os::unix::fs::chown(&dir, Some(NOBODY), Some(NOBODY)).unwrap();
+            refused(&dir, &["owned by uid 65534", &format!("mode {mode:04o}")]);
+        }
+        std::os::unix::fs::chown(&dir, Some(0), Some(0)).unwrap();
+        set_mode(&dir, 0o700);
+        // A link another user owns, to a good directory: refused.
+        std::os::unix::fs::lchown(&link, Some(NOBODY), Some(NOBODY)).unwrap();
+        let e = bind_under(&link).expect_err("another user's link was followed");
+        assert!(e.contains("symbolic link owned by uid 65534"), "{e}");
+        // Root's sticky directory (as /dev/shm) is used; another user's
+        // stale entry in it stays.
+        set_mode(&dir, 0o1777);
+        let theirs = dir.join("stowd-999999999-theirs");
+        std::fs::create_dir(&theirs).unwrap();
+        std::os::unix::fs::chown(&theirs, Some(NOBODY), Some(NOBODY)).unwrap();
+        bind_under(&dir).unwrap();
+        assert!(theirs.exists(), "another user's entry was removed");
+    } else {
+        eprintln!("not root: the cases of another user's directory and link are not tested");
+    }
+    let _ = std::fs::remove_dir_all(&base);
+}
