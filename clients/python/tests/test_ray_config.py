@@ -140,6 +140,7 @@ def test_a_real_stowd_reads_the_written_config(sray, tmp_path, monkeypatch):
             "plugins": {"cache_dir": str(node.cache_dir), "dir": str(plugins.resolve())},
             "shm": {"enabled": True, "dir": str(shm_dir)},
             "limits": {"max_rows": 4096},
+            "checkpoint": {"roots": [str(node.checkpoint_dir)]},
         }
         assert AWKWARD_DIR in str(node.cache_dir)
         ep = info["endpoints"]

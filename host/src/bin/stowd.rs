@@ -367,6 +367,13 @@ fn load(path: Option<&PathBuf>) -> anyhow::Result<Config> {
 }
 
 async fn serve(config: Config, endpoints_file: Option<PathBuf>) -> anyhow::Result<()> {
+    // Before the endpoints file says stowd is up: a SIGTERM sent as soon as
+    // it appears must shut it down cleanly, not kill it.
+    use tokio::signal::unix::{SignalKind, signal};
+    let (mut term, mut int) = (
+        signal(SignalKind::terminate())?,
+        signal(SignalKind::interrupt())?,
+    );
     let running = stowage_host::server::start(config).await?;
     if let Some(path) = &endpoints_file {
         running
@@ -375,9 +382,8 @@ async fn serve(config: Config, endpoints_file: Option<PathBuf>) -> anyhow::Resul
             .with_context(|| format!("writing {}", path.display()))?;
     }
     println!("{}", serde_json::to_string(&running.endpoints)?);
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     tokio::select! {
-        _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT: shutting down"),
+        _ = int.recv() => tracing::info!("SIGINT: shutting down"),
         _ = term.recv() => tracing::info!("SIGTERM: shutting down"),
     }
     running.shutdown_and_wait().await;
