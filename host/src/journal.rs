@@ -78,10 +78,10 @@ struct Open {
     dir: Dir,
     seq: u64,
     file: File,
-    /// One append at a time: a record that cannot be written whole (a
-    /// full disk) is cut off before the next one goes after it, so the
-    /// records stay aligned.
-    append: Mutex<()>,
+    /// The file's length, and one append at a time: a record that cannot
+    /// be written whole (a full disk) is cut off before the next one goes
+    /// after it, so the records stay aligned.
+    append: Mutex<u64>,
 }
 
 /// The journals of every checkpoint directory this `stowd` keeps current.
@@ -127,13 +127,13 @@ fn encode(indexes: &[u64]) -> Vec<u8> {
 /// written whole is cut off again.
 fn append(o: &Open, record: &[u8]) -> std::io::Result<()> {
     let written = {
-        let _one = o.append.lock().unwrap_or_else(|p| p.into_inner());
-        let before = o.file.metadata().map(|m| m.len());
+        let mut len = o.append.lock().unwrap_or_else(|p| p.into_inner());
         let written = (&o.file).write_all(record);
-        if written.is_err()
-            && let Ok(len) = before
-        {
-            let _ = o.file.set_len(len);
+        match written {
+            Ok(()) => *len += record.len() as u64,
+            Err(_) => {
+                let _ = o.file.set_len(*len);
+            }
         }
         written
     };
@@ -234,7 +234,7 @@ impl Journal {
             dir: dir.try_clone()?,
             seq,
             file,
-            append: Mutex::default(),
+            append: Mutex::new(0),
         });
         Ok(Switch(open))
     }
@@ -299,19 +299,25 @@ impl Switch<'_> {
         let file = dir.append(&name(seq))?;
         // A torn last record (a crash mid-write) goes, so that the records
         // appended next stay aligned.
-        let len = file.metadata()?.len();
+        let mut len = file.metadata()?.len();
         if len % 8 != 0 {
-            file.set_len(len - len % 8)?;
+            len -= len % 8;
+            file.set_len(len)?;
         }
         if !lost.is_empty() {
-            (&file).write_all(&encode(lost))?;
+            let record = encode(lost);
+            if let Err(e) = (&file).write_all(&record) {
+                let _ = file.set_len(len);
+                return Err(e);
+            }
+            len += record.len() as u64;
         }
         file.sync_all()?;
         let o = Open {
             dir: dir.try_clone()?,
             seq,
             file,
-            append: Mutex::default(),
+            append: Mutex::new(len),
         };
         self.0.retain(|x| x.dir.id() != dir.id());
         self.0.push(o);
