@@ -10,7 +10,7 @@
 //! - the two readers agree: the mapped one (`checkpoint::parse`, checksum
 //!   verified) accepts exactly the files the streamed one a load uses
 //!   (`read_unit_file`, through a cursor) accepts, with the same rows, and
-//!   refuses a bad header with the same error; the mapped one without its
+//!   refuses a bad header with the same kind of error; the mapped one without its
 //!   checksum check accepts whatever it accepts with it;
 //! - rows read are whole: each run of rows names at least one global
 //!   index, no index twice in a field, a field once; each tensor is
@@ -105,9 +105,16 @@ fn check_unit(data: &[u8]) {
     let streamed = read_unit_file(&mut Cursor::new(data), data.len() as u64, path);
     match (&mapped, &streamed) {
         (Ok(a), Ok(b)) => assert_eq!(rows(a), rows(b), "the readers disagree"),
+        // The same kind of error, not always the same words: of several
+        // tensors at one offset, safetensors names whichever its hash
+        // map gives first (`regressions/checkpoint_file/tied-offsets`).
         (Err(a), Err(b)) => {
             if header_error(b) && !matches!(a, CheckpointError::Checksum { .. }) {
-                assert_eq!(a.to_string(), b.to_string(), "the readers disagree");
+                assert_eq!(
+                    std::mem::discriminant(a),
+                    std::mem::discriminant(b),
+                    "the readers disagree: {a} / {b}"
+                );
             }
         }
         (a, b) => panic!(
