@@ -69,7 +69,13 @@ fn every_target_has_a_corpus_test() {
     let names: Vec<&str> = TARGETS.iter().map(|(name, _)| *name).collect();
     assert_eq!(
         names,
-        ["tq_decode", "native_decode", "plan_validate", "zmtp_frames"],
+        [
+            "tq_decode",
+            "native_decode",
+            "plan_validate",
+            "zmtp_frames",
+            "checkpoint_file"
+        ],
         "add a test below for a new target"
     );
     for name in names {
@@ -102,4 +108,43 @@ fn plan_validate_corpus() {
 #[test]
 fn zmtp_frames_corpus() {
     assert!(run("zmtp_frames") >= 80);
+}
+
+#[test]
+fn checkpoint_file_corpus() {
+    // The seeds (`fuzz/checks/src/checkpoint_file.rs`, `seeds`) and what
+    // the runs found.
+    assert!(run("checkpoint_file") >= 50);
+}
+
+/// The committed `checkpoint_file` seeds are what
+/// `stowage_fuzz_checks::checkpoint_file::seeds` makes (with
+/// `STOWAGE_WRITE_SEEDS=1`: writes them).
+#[test]
+fn checkpoint_file_seeds_current() {
+    let dir = fuzz_dir().join("corpus").join("checkpoint_file");
+    let write = std::env::var_os("STOWAGE_WRITE_SEEDS").is_some();
+    for (name, bytes) in stowage_fuzz_checks::checkpoint_file::seeds() {
+        let path = dir.join(name);
+        if write {
+            std::fs::create_dir_all(&dir).unwrap();
+            std::fs::write(&path, &bytes).unwrap();
+        }
+        let committed = std::fs::read(&path).unwrap_or_default();
+        assert!(
+            committed == bytes,
+            "{} is not the seed `seeds()` makes (STOWAGE_WRITE_SEEDS=1 rewrites it)",
+            path.display()
+        );
+        // Which the readers accept: stowd's own files and the one out of
+        // entry order.
+        let rows = stowage_host::checkpoint::parse_untrusted(&bytes);
+        let unit = [
+            "seed-rows",
+            "seed-every-kind",
+            "seed-no-rows",
+            "seed-offsets-out-of-order",
+        ];
+        assert_eq!(rows.is_some(), unit.contains(&name), "{name}: {rows:?}");
+    }
 }

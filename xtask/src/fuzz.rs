@@ -19,7 +19,13 @@ use std::time::Instant;
 use crate::{Result, workspace_root};
 
 /// Every fuzz target, in the order they run.
-pub const TARGETS: &[&str] = &["tq_decode", "native_decode", "plan_validate", "zmtp_frames"];
+pub const TARGETS: &[&str] = &[
+    "tq_decode",
+    "native_decode",
+    "plan_validate",
+    "zmtp_frames",
+    "checkpoint_file",
+];
 
 /// Build and run options.
 #[derive(Clone, Debug)]

@@ -11,10 +11,12 @@
 //! | [`native_decode`] | `stowage/1` request and reply decoders | frames |
 //! | [`plan_validate`] | selection and frame plans, validated and executed | `arbitrary` |
 //! | [`zmtp_frames`] | the ZMTP frame reader | a byte stream |
+//! | [`checkpoint_file`] | unit checkpoint files (both readers, the writer) and manifests | a file |
 //! | [`frames`] | the multi-frame input format ([`split_frames`], [`join_frames`]) | |
 //!
 //! A check fails by panicking, as libFuzzer expects.
 
+pub mod checkpoint_file;
 pub mod frames;
 pub mod native_decode;
 pub mod plan_validate;
@@ -33,4 +35,5 @@ pub const TARGETS: &[(&str, Check)] = &[
     ("native_decode", native_decode::check),
     ("plan_validate", plan_validate::check),
     ("zmtp_frames", zmtp_frames::check),
+    ("checkpoint_file", checkpoint_file::check),
 ];

@@ -277,6 +277,27 @@ pub(crate) fn save_snapshot(
             ));
         }
     }
+    let (head, data, saved) = encode(id, snapshot, entry_hash, &path)?;
+    let (file, tmp) = dir.temp(name).map_err(io(&path))?;
+    let written = write_file(file, &head, &data)
+        .and_then(|()| dir.rename(&tmp, name))
+        .map_err(io(&path));
+    if let Err(e) = written {
+        let _ = dir.remove(&tmp);
+        return Err(e);
+    }
+    dir.sync().map_err(io(dir.path()))?;
+    Ok(saved)
+}
+
+/// The header of the unit file of `snapshot` naming `id` (see
+/// [`save_snapshot`]), the entries' data, and what they hold.
+fn encode(
+    id: &str,
+    snapshot: &Snapshot,
+    entry_hash: bool,
+    path: &Path,
+) -> Result<(Vec<u8>, Vec<Data>, Saved), CheckpointError> {
     let mut entries = Vec::new();
     let mut data = Vec::new();
     let mut hash = Sha256::new();
@@ -300,23 +321,24 @@ pub(crate) fn save_snapshot(
         sha256: entry_hash.then(|| hex(&hash.finalize())),
     };
     let json = serde_json::to_string(&header).map_err(|e| CheckpointError::NotStowage {
-        path: path.clone(),
+        path: path.to_path_buf(),
         reason: e.to_string(),
     })?;
     let head = header_bytes(json, &data).map_err(|reason| CheckpointError::NotSafetensors {
-        path: path.clone(),
+        path: path.to_path_buf(),
         reason,
     })?;
-    let (file, tmp) = dir.temp(name).map_err(io(&path))?;
-    let written = write_file(file, &head, &data)
-        .and_then(|()| dir.rename(&tmp, name))
-        .map_err(io(&path));
-    if let Err(e) = written {
-        let _ = dir.remove(&tmp);
-        return Err(e);
-    }
-    dir.sync().map_err(io(dir.path()))?;
-    Ok(saved)
+    Ok((head, data, saved))
+}
+
+/// The bytes [`save_units`] writes for `snapshot` as unit `id` (with the
+/// entries' SHA-256), in memory: what [`parse`] reads back as the same
+/// rows. For tests and the fuzz target; a save streams to its file instead.
+pub fn unit_file_bytes(id: &str, snapshot: &Snapshot) -> Result<Vec<u8>, CheckpointError> {
+    let (head, data, _) = encode(id, snapshot, true, Path::new("unit.safetensors"))?;
+    let mut out = Vec::new();
+    write_data(&mut out, &head, &data).expect("writing to a Vec");
+    Ok(out)
 }
 
 /// The safetensors header of `data` (in entry order, each tensor named by
@@ -354,6 +376,13 @@ fn header_bytes(json: String, data: &[Data]) -> Result<Vec<u8>, String> {
 /// Writes a unit file's bytes to `file` and makes them durable.
 fn write_file(file: File, head: &[u8], data: &[Data]) -> std::io::Result<()> {
     let mut w = std::io::BufWriter::with_capacity(1 << 20, file);
+    write_data(&mut w, head, data)?;
+    let file = w.into_inner().map_err(|e| e.into_error())?;
+    file.sync_all()
+}
+
+/// Writes a unit file's header, then every entry's rows in order.
+fn write_data(w: &mut impl Write, head: &[u8], data: &[Data]) -> std::io::Result<()> {
     w.write_all(head)?;
     for d in data {
         let mut result = Ok(());
@@ -364,8 +393,7 @@ fn write_file(file: File, head: &[u8], data: &[Data]) -> std::io::Result<()> {
         });
         result?;
     }
-    let file = w.into_inner().map_err(|e| e.into_error())?;
-    file.sync_all()
+    Ok(())
 }
 
 pub(crate) fn hex(bytes: &[u8]) -> String {
@@ -518,8 +546,8 @@ fn stored(
 }
 
 /// Reads the 8-byte length and the header of a unit file of `size` bytes
-/// from `file` (left at the start of the data), checked against the size.
-fn read_head(file: &mut File, size: u64, path: &Path) -> Result<Layout, CheckpointError> {
+/// from `file` (a file, or any reader: left at the start of the data), checked against the size.
+fn read_head(file: &mut impl Read, size: u64, path: &Path) -> Result<Layout, CheckpointError> {
     let not_st = |reason: String| CheckpointError::NotSafetensors {
         path: path.to_path_buf(),
         reason,
@@ -547,6 +575,70 @@ fn read_head(file: &mut File, size: u64, path: &Path) -> Result<Layout, Checkpoi
     Ok(l)
 }
 
+/// A unit file without the entries' checksum: a checkpoint directory's,
+/// which only its manifest verifies.
+fn no_checksum(path: &Path) -> CheckpointError {
+    CheckpointError::NotStowage {
+        path: path.to_path_buf(),
+        reason: "the file carries no checksum of its own (a checkpoint directory's unit \
+                 file: restore its directory instead)"
+            .into(),
+    }
+}
+
+/// Reads the data of a unit file from `file`, left at its start by
+/// [`read_head`]: in file order, each entry into a buffer of its own, then
+/// verifies the entries' checksum and makes the rows.
+fn read_rows(
+    file: &mut impl Read,
+    layout: Layout,
+    path: &Path,
+) -> Result<Snapshot, CheckpointError> {
+    let Layout { header, ranges, .. } = layout;
+    let mut order: Vec<usize> = (0..ranges.len()).collect();
+    order.sort_unstable_by_key(|&i| ranges[i].start);
+    let mut data = vec![Bytes::new(); ranges.len()];
+    for i in order {
+        let mut buf = vec![0u8; ranges[i].len()];
+        file.read_exact(&mut buf).map_err(io(path))?;
+        data[i] = Bytes::from(buf);
+    }
+    let mut hash = Sha256::new();
+    for d in &data {
+        hash.update(d);
+    }
+    let found = hex(&hash.finalize());
+    let saved = header.sha256.unwrap_or_default();
+    if found != saved {
+        return Err(CheckpointError::Checksum {
+            path: path.to_path_buf(),
+            saved,
+            found,
+        });
+    }
+    let mut rows: Snapshot = Vec::new();
+    for (i, (e, bytes)) in header.entries.into_iter().zip(data).enumerate() {
+        let (field, s) = stored(i, e, bytes, path)?;
+        add_rows(&mut rows, &field, [s]);
+    }
+    Ok(rows)
+}
+
+/// The rows of the unit file of `size` bytes that `file` reads (checksum
+/// verified), read as a load reads them: the header, then the data in a
+/// stream. The same rows as [`parse`] with `verify`, or an error.
+pub fn read_unit_file(
+    file: &mut impl Read,
+    size: u64,
+    path: &Path,
+) -> Result<Snapshot, CheckpointError> {
+    let layout = read_head(file, size, path)?;
+    if layout.header.sha256.is_none() {
+        return Err(no_checksum(path));
+    }
+    read_rows(file, layout, path)
+}
+
 /// Reads and verifies the file `name` of `dir`, then replaces the rows of
 /// every unit in `units` with those of the file that `route` sends to it
 /// (a router's `g % N`), journaling every index that changes. The sizes
@@ -565,18 +657,13 @@ pub fn load_units(
     let (mut file, size) = dir
         .read(name)?
         .ok_or_else(|| refused(&path, "no such file"))?;
-    let Layout { header, ranges, .. } = read_head(&mut file, size, &path)?;
-    if header.sha256.is_none() {
-        return Err(CheckpointError::NotStowage {
-            path,
-            reason: "the file carries no checksum of its own (a checkpoint directory's unit \
-                     file: restore its directory instead)"
-                .into(),
-        });
+    let layout = read_head(&mut file, size, &path)?;
+    if layout.header.sha256.is_none() {
+        return Err(no_checksum(&path));
     }
     // What each unit would hold, from the header alone.
     let mut sizes = vec![0u64; units.len()];
-    for (Entry(_, _, _, _, indexes), r) in header.entries.iter().zip(&ranges) {
+    for (Entry(_, _, _, _, indexes), r) in layout.header.entries.iter().zip(&layout.ranges) {
         let each = (r.len() / indexes.len().max(1)) as u64;
         for &g in indexes {
             sizes[route(g)] += if indexes.len() == 1 {
@@ -593,30 +680,8 @@ pub fn load_units(
                 source,
             })?;
     }
-    // The bytes, in file order, each entry into a buffer of its own.
-    let mut order: Vec<usize> = (0..ranges.len()).collect();
-    order.sort_unstable_by_key(|&i| ranges[i].start);
-    let mut data = vec![Bytes::new(); ranges.len()];
-    for i in order {
-        let mut buf = vec![0u8; ranges[i].len()];
-        file.read_exact(&mut buf).map_err(io(&path))?;
-        data[i] = Bytes::from(buf);
-    }
+    let file_rows = read_rows(&mut file, layout, &path)?;
     drop(file);
-    let mut hash = Sha256::new();
-    for d in &data {
-        hash.update(d);
-    }
-    let found = hex(&hash.finalize());
-    let saved = header.sha256.unwrap_or_default();
-    if found != saved {
-        return Err(CheckpointError::Checksum { path, saved, found });
-    }
-    let mut file_rows: Snapshot = Vec::new();
-    for (i, (e, bytes)) in header.entries.into_iter().zip(data).enumerate() {
-        let (field, s) = stored(i, e, bytes, &path)?;
-        add_rows(&mut file_rows, &field, [s]);
-    }
     let mut parts: Vec<Snapshot> = units.iter().map(|_| Vec::new()).collect();
     let rows = split(file_rows, &mut parts, |g| Some(route(g)));
     replace(units, parts, &path, false, journal)?;
@@ -689,7 +754,7 @@ fn replace(
 /// it, read from `path`), as slices of `file`. `verify`: check the
 /// entries' checksum (one hashing pass); a caller that verified the whole
 /// file passes false.
-pub(crate) fn parse(file: Bytes, path: &Path, verify: bool) -> Result<Snapshot, CheckpointError> {
+pub fn parse(file: Bytes, path: &Path, verify: bool) -> Result<Snapshot, CheckpointError> {
     let not_st = |reason: String| CheckpointError::NotSafetensors {
         path: path.to_path_buf(),
         reason,
@@ -717,12 +782,7 @@ pub(crate) fn parse(file: Bytes, path: &Path, verify: bool) -> Result<Snapshot, 
         )));
     }
     if verify && header.sha256.is_none() {
-        return Err(CheckpointError::NotStowage {
-            path: path.to_path_buf(),
-            reason: "the file carries no checksum of its own (a checkpoint directory's unit \
-                     file: restore its directory instead)"
-                .into(),
-        });
+        return Err(no_checksum(path));
     }
     let mut hash = Sha256::new();
     let mut by_field: Snapshot = Vec::new();
@@ -749,17 +809,16 @@ pub(crate) fn parse(file: Bytes, path: &Path, verify: bool) -> Result<Snapshot, 
     Ok(by_field)
 }
 
-/// What the checkpoint-file fuzz target runs: `bytes` read as a unit file
-/// (its checksum verified), and as a checkpoint directory's manifest. Never
-/// panics; returns the rows read, if the bytes were a unit file.
+/// `bytes` read as a checkpoint directory's manifest, and as a unit file
+/// both ways a load reads one (mapped: [`parse`], checksum verified; and
+/// streamed: [`read_unit_file`]). Never panics; returns the rows read, if
+/// the bytes were a unit file. The fuzz target `checkpoint_file` checks
+/// more (`fuzz/checks/src/checkpoint_file.rs`).
 pub fn parse_untrusted(bytes: &[u8]) -> Option<u64> {
+    let path = Path::new("fuzz.safetensors");
     let _ = dir::parse_manifest(bytes, Path::new("manifest.json"));
-    let rows = parse(
-        Bytes::copy_from_slice(bytes),
-        Path::new("fuzz.safetensors"),
-        true,
-    )
-    .ok()?;
+    let _ = read_unit_file(&mut std::io::Cursor::new(bytes), bytes.len() as u64, path);
+    let rows = parse(Bytes::copy_from_slice(bytes), path, true).ok()?;
     Some(
         rows.iter()
             .flat_map(|(_, s)| s.iter().map(|s| s.indexes().len() as u64))
