@@ -19,36 +19,16 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+use crate::restore::{checkpoint, err, restore};
 use sha2::{Digest, Sha256};
 use stowage_host::batch::Field;
 use stowage_host::wire::native::{self, Op};
 use stowage_host::wire::tq;
-use stowage_tests::client::native_error;
 use stowage_tests::data::{assert_cells, cells, f32_rows, wire_cells};
 use stowage_tests::process::stowd_bin;
 use stowage_tests::{NativeClient, Stowd, TqClient, plugin_dir, temp_dir};
 
 const MIB: u64 = 1 << 20;
-
-fn err(reply: native::Reply) -> (String, String) {
-    let (code, message) = native_error(&reply);
-    (code.to_string(), message.to_string())
-}
-
-async fn checkpoint(c: &NativeClient, dir: &Path) -> native::Reply {
-    c.call(Op::Checkpoint {
-        dir: dir.display().to_string(),
-        journal: true,
-    })
-    .await
-}
-
-async fn restore(c: &NativeClient, dir: &Path) -> native::Reply {
-    c.call(Op::Restore {
-        dir: dir.display().to_string(),
-    })
-    .await
-}
 
 fn seq(reply: &native::Reply) -> u64 {
     match reply {

@@ -27,14 +27,14 @@ use stowage_tests::process::stowd_bin;
 use stowage_tests::{NativeClient, Stowd, TqClient, temp_dir};
 
 /// The (code, message) of an error reply.
-fn err(reply: native::Reply) -> (String, String) {
+pub(crate) fn err(reply: native::Reply) -> (String, String) {
     let (code, message) = native_error(&reply);
     (code.to_string(), message.to_string())
 }
 
 const TWO_UNITS: &str = "[units]\nlocal = 2\n";
 
-async fn checkpoint(c: &NativeClient, dir: &Path) -> native::Reply {
+pub(crate) async fn checkpoint(c: &NativeClient, dir: &Path) -> native::Reply {
     c.call(Op::Checkpoint {
         dir: dir.display().to_string(),
         journal: true,
@@ -42,7 +42,7 @@ async fn checkpoint(c: &NativeClient, dir: &Path) -> native::Reply {
     .await
 }
 
-async fn restore(c: &NativeClient, dir: &Path) -> native::Reply {
+pub(crate) async fn restore(c: &NativeClient, dir: &Path) -> native::Reply {
     c.call(Op::Restore {
         dir: dir.display().to_string(),
     })
@@ -510,6 +510,34 @@ fn versioned(g: u64, v: u64) -> Field {
     )
 }
 
+/// Each index of `last` reads version `last[g]` of its row, or is
+/// `data_lost`: (how many read their value, how many were lost).
+async fn values_or_lost(
+    c: &NativeClient,
+    last: &std::collections::HashMap<u64, u64>,
+    what: &str,
+) -> (usize, usize) {
+    let (mut kept, mut lost) = (0, 0);
+    for (&g, &v) in last {
+        match c.get(&[g], &["x"]).await {
+            native::Reply::GetOk { fields } => {
+                assert_cells(
+                    &format!("index {g} {what}"),
+                    &wire_cells(fields[0].1.clone()),
+                    &cells(&versioned(g, v)),
+                );
+                kept += 1;
+            }
+            other => {
+                let (code, message) = err(other);
+                assert_eq!(code, native::code::DATA_LOST, "index {g}: {message}");
+                lost += 1;
+            }
+        }
+    }
+    (kept, lost)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn puts_racing_a_checkpoint_never_come_back_stale() {
     let mut stowd = Stowd::start(TWO_UNITS);
@@ -552,25 +580,8 @@ async fn puts_racing_a_checkpoint_never_come_back_stale() {
     stowd.kill();
     let restored = Stowd::start_restoring(TWO_UNITS, &dir).unwrap_or_else(|e| panic!("{e}"));
     let c = NativeClient::new(restored.native());
-    let (mut lost, mut kept) = (0, 0);
-    for (&g, &v) in &last {
-        match c.get(&[g], &["x"]).await {
-            native::Reply::GetOk { fields } => {
-                // Not touched after the checkpoint: its last value.
-                assert_cells(
-                    &format!("index {g}"),
-                    &wire_cells(fields[0].1.clone()),
-                    &cells(&versioned(g, v)),
-                );
-                kept += 1;
-            }
-            other => {
-                let (code, message) = err(other);
-                assert_eq!(code, native::code::DATA_LOST, "index {g}: {message}");
-                lost += 1;
-            }
-        }
-    }
+    // Not touched after the checkpoint: its last value; else lost.
+    let (kept, lost) = values_or_lost(&c, &last, "restored").await;
     // Both sides of the checkpoint are exercised.
     assert!(lost > 0 && kept > 0, "kept {kept}, lost {lost}");
     restored.stop();
@@ -626,24 +637,7 @@ async fn puts_during_a_restore_are_lost_never_stale() {
     for w in writers {
         last.extend(w.await.unwrap());
     }
-    let (mut lost, mut kept) = (0, 0);
-    for (&g, &v) in &last {
-        match c.get(&[g], &["x"]).await {
-            native::Reply::GetOk { fields } => {
-                assert_cells(
-                    &format!("index {g} on the running stowd"),
-                    &wire_cells(fields[0].1.clone()),
-                    &cells(&versioned(g, v)),
-                );
-                kept += 1;
-            }
-            other => {
-                let (code, message) = err(other);
-                assert_eq!(code, native::code::DATA_LOST, "index {g}: {message}");
-                lost += 1;
-            }
-        }
-    }
+    let (kept, lost) = values_or_lost(&c, &last, "on the running stowd").await;
     assert!(lost + kept == 100, "kept {kept}, lost {lost}");
     stowd.kill();
     let restored = Stowd::start_restoring(TWO_UNITS, &dir).unwrap_or_else(|e| panic!("{e}"));

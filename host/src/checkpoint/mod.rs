@@ -396,6 +396,20 @@ fn write_data(w: &mut impl Write, head: &[u8], data: &[Data]) -> std::io::Result
     Ok(())
 }
 
+/// Refuses a file whose entries' SHA-256 (`hash`) is not the one its
+/// header says it saved.
+fn check_sum(hash: Sha256, saved: String, path: &Path) -> Result<(), CheckpointError> {
+    let found = hex(&hash.finalize());
+    if found != saved {
+        return Err(CheckpointError::Checksum {
+            path: path.to_path_buf(),
+            saved,
+            found,
+        });
+    }
+    Ok(())
+}
+
 pub(crate) fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
@@ -607,15 +621,7 @@ fn read_rows(
     for d in &data {
         hash.update(d);
     }
-    let found = hex(&hash.finalize());
-    let saved = header.sha256.unwrap_or_default();
-    if found != saved {
-        return Err(CheckpointError::Checksum {
-            path: path.to_path_buf(),
-            saved,
-            found,
-        });
-    }
+    check_sum(hash, header.sha256.unwrap_or_default(), path)?;
     let mut rows: Snapshot = Vec::new();
     for (i, (e, bytes)) in header.entries.into_iter().zip(data).enumerate() {
         let (field, s) = stored(i, e, bytes, path)?;
@@ -796,15 +802,7 @@ pub fn parse(file: Bytes, path: &Path, verify: bool) -> Result<Snapshot, Checkpo
         add_rows(&mut by_field, &field, [s]);
     }
     if verify {
-        let found = hex(&hash.finalize());
-        let saved = header.sha256.unwrap_or_default();
-        if found != saved {
-            return Err(CheckpointError::Checksum {
-                path: path.to_path_buf(),
-                saved,
-                found,
-            });
-        }
+        check_sum(hash, header.sha256.unwrap_or_default(), path)?;
     }
     Ok(by_field)
 }

@@ -218,6 +218,62 @@ impl Inner {
             .row_len(loc.row as usize)
     }
 
+    /// Stores `columns` (their rows, in order) under `(indexes[i], name)`,
+    /// as rows of put `generation`; a row already stored there is
+    /// released. Returns the bytes released.
+    fn store_field(
+        &mut self,
+        name: &str,
+        indexes: &[u64],
+        columns_in: Vec<Column>,
+        generation: u64,
+    ) -> u64 {
+        let name: Arc<str> = match self.fields.get_key_value(name) {
+            Some((k, _)) => k.clone(),
+            None => Arc::from(name),
+        };
+        let Inner {
+            fields,
+            present,
+            columns,
+            free,
+            keys,
+            ..
+        } = self;
+        let index = fields.entry(name).or_default();
+        index.reserve(indexes.len());
+        if present.is_empty() {
+            present.reserve(indexes.len());
+        }
+        let mut freed = 0u64;
+        let mut next = 0usize;
+        for column in columns_in {
+            let rows = column.rows() as usize;
+            let c = add_column(
+                columns,
+                free,
+                column,
+                &indexes[next..next + rows],
+                generation,
+            );
+            for (row, g) in indexes[next..next + rows].iter().enumerate() {
+                let loc = Loc {
+                    column: c,
+                    row: row as u32,
+                };
+                match index.insert(*g, loc.pack()) {
+                    Some(old) => freed += release(columns, free, Loc::unpack(old)),
+                    None => {
+                        *keys += 1;
+                        present.increment(*g);
+                    }
+                }
+            }
+            next += rows;
+        }
+        freed
+    }
+
     /// Removes (g, field) if present: returns its bytes.
     fn remove(&mut self, field: &str, g: u64) -> Option<u64> {
         let Inner {
@@ -456,48 +512,7 @@ impl Unit {
         inner.generation += 1;
         let generation = inner.generation;
         for (name, columns_in) in fields {
-            let name: Arc<str> = match inner.fields.get_key_value(name.as_str()) {
-                Some((k, _)) => k.clone(),
-                None => Arc::from(name.as_str()),
-            };
-            let Inner {
-                fields,
-                present,
-                columns,
-                free,
-                keys,
-                ..
-            } = &mut *inner;
-            let index = fields.entry(name).or_default();
-            index.reserve(global_indexes.len());
-            if present.is_empty() {
-                present.reserve(global_indexes.len());
-            }
-            let mut next = 0usize;
-            for column in columns_in {
-                let rows = column.rows() as usize;
-                let c = add_column(
-                    columns,
-                    free,
-                    column,
-                    &global_indexes[next..next + rows],
-                    generation,
-                );
-                for (row, g) in global_indexes[next..next + rows].iter().enumerate() {
-                    let loc = Loc {
-                        column: c,
-                        row: row as u32,
-                    };
-                    match index.insert(*g, loc.pack()) {
-                        Some(old) => freed += release(columns, free, Loc::unpack(old)),
-                        None => {
-                            *keys += 1;
-                            present.increment(*g);
-                        }
-                    }
-                }
-                next += rows;
-            }
+            freed += inner.store_field(&name, global_indexes, columns_in, generation);
         }
         inner.bytes = inner.bytes - freed + added;
         self.publish(&inner);

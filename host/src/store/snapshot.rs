@@ -258,37 +258,7 @@ impl Unit {
         };
         let generation = new.generation;
         for (name, indexes, columns_in) in r.fields {
-            let Inner {
-                fields,
-                present,
-                columns,
-                free,
-                keys,
-                ..
-            } = &mut new;
-            let index = fields.entry(Arc::from(name.as_str())).or_default();
-            index.reserve(indexes.len());
-            let mut next = 0usize;
-            for column in columns_in {
-                let rows = column.rows() as usize;
-                let c = super::add_column(
-                    columns,
-                    free,
-                    column,
-                    &indexes[next..next + rows],
-                    generation,
-                );
-                for (row, g) in indexes[next..next + rows].iter().enumerate() {
-                    let loc = Loc {
-                        column: c,
-                        row: row as u32,
-                    };
-                    index.insert(*g, loc.pack());
-                    *keys += 1;
-                    present.increment(*g);
-                }
-                next += rows;
-            }
+            new.store_field(&name, &indexes, columns_in, generation);
         }
         new.bytes = r.bytes;
         new.lost = std::mem::take(&mut inner.lost);
