@@ -189,6 +189,20 @@ async fn paths_outside_the_roots_or_into_stowd_state_are_refused() {
         b"ssh-ed25519 AAAA owner\n",
         "a file outside the roots was changed"
     );
+    // A NUL byte, a component longer than a file name can be.
+    let nul = format!("{}/a\0b", root.display());
+    let (code, message) = err(c
+        .call(Op::Checkpoint {
+            dir: nul,
+            journal: true,
+        })
+        .await);
+    assert_eq!(code, native::code::BAD_REQUEST, "{message}");
+    assert!(message.contains("NUL"), "{message}");
+    contains(
+        &save(&unit, &root.join("x".repeat(300))).await,
+        &["too long"],
+    );
     // `..` out of the root.
     let dotdot = root.join("..").join(outside.file_name().unwrap()).join("k");
     contains(&save(&unit, &dotdot).await, &["`..`"]);

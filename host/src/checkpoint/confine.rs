@@ -129,6 +129,16 @@ impl Roots {
 
     /// The root `path` lies under (the longest), and the rest of the path.
     fn root_of<'a>(&'a self, path: &'a Path) -> Result<(&'a Path, &'a Path), CheckpointError> {
+        let bytes = path.as_os_str().len();
+        if path.as_os_str().as_encoded_bytes().contains(&0) {
+            return Err(refused(path, "the path holds a NUL byte"));
+        }
+        if bytes >= 4096 || path.components().any(|c| c.as_os_str().len() > 255) {
+            return Err(refused(
+                path,
+                "the path is too long (4,095 bytes at most, 255 per component)",
+            ));
+        }
         if !path.is_absolute() {
             return Err(refused(
                 path,
