@@ -17,7 +17,6 @@ lists instead of frames.
 
 from __future__ import annotations
 
-import array
 import math
 import operator
 import sys
@@ -288,24 +287,12 @@ def _packed_field(what: str, p: Packed, n: int) -> Nested:
 
 
 def _checked_fast(g: Any, unique: bool) -> list[int] | None:
-    """The list check_indexes returns, found at C speed for the usual case
-    (a list, range or integer array of indexes in 0..2**64-1, and for a put
-    strictly increasing); None where the full checks must say what is
-    wrong (or look for a repeat). 131,072 indexes: 0.7 ms against 7.4."""
-    if isinstance(g, np.ndarray):
-        if g.ndim != 1 or g.size < 64 or g.dtype.kind not in "iu" or int(g.min()) < 0:
-            return None
-        a = g
-    elif type(g) in (list, range) and len(g) >= 64:
-        try:
-            a = np.frombuffer(array.array("Q", g), np.uint64)
-        except (TypeError, OverflowError):
-            return None
-    else:
-        return None
-    if unique and not bool((a[1:] > a[:-1]).all()):
-        return None
-    return a.tolist() if isinstance(g, np.ndarray) else list(g)
+    """The list check_indexes returns, read by the Rust core for the usual
+    case (a list, tuple, range or 1-d integer buffer of indexes in
+    0..2**64-1, with no repeat for a put: `_core.read_index_list`); None
+    where the full checks below must say what is wrong."""
+    read = _core.read_index_list(g, unique)
+    return None if read is None else read.tolist()
 
 
 def check_indexes(global_indexes: Any, what: str, *, unique: bool, allow_empty: bool = False) -> list[int]:
@@ -340,35 +327,22 @@ def check_indexes(global_indexes: Any, what: str, *, unique: bool, allow_empty: 
     return idx
 
 
-#: A get of fewer indexes than this sends them as a list, even when they
-#: are evenly spaced (small requests stay as they always were).
-RANGE_MIN = 16
-
-
 def get_indexes(global_indexes: Any, what: str, ranges: bool = True) -> tuple[int, Any]:
     """A get's global indexes -> (how many, their wire form).
 
-    An increasing, evenly spaced sequence of at least RANGE_MIN indexes (a
-    ``range``, or a 1-d integer numpy array, checked at C speed) goes as one
-    range, ``{"ranges": [[start, count, step]]}``, so that a get of half a
-    million rows in put order costs stowd and this client the same as a
-    get of one; anything else (or everything, with ``ranges=False``) as
-    the list ``check_indexes`` makes. A Python list stays a list: checking
-    it for a pattern costs about what sending it does."""
+    The usual inputs (a list, tuple or range of ints, a 1-d integer numpy
+    array or other buffer) are read by the Rust core in one pass, which
+    finds their arithmetic runs as it reads: an `_core.IndexList`, which
+    frame 0 carries as ranges, ``{"ranges": [[start, count, step], ...]}``,
+    where that is shorter than the list (a get of half a million rows in
+    put order costs stowd and this client about what a get of one does),
+    else as the list; with ``ranges=False`` (a stowd from before ranges)
+    always as a list. Anything else goes through ``check_indexes``, which
+    says what is wrong with it."""
     g = global_indexes
-    start = step = n = None
-    if not ranges:
-        pass
-    elif type(g) is range and len(g) >= RANGE_MIN and g.step > 0 and g.start >= 0:
-        start, step, n = g.start, g.step, len(g)
-    elif (isinstance(g, np.ndarray) and g.ndim == 1 and g.size >= RANGE_MIN
-          and g.dtype.kind in "iu"):
-        first, second = int(g[0]), int(g[1])
-        if first >= 0 and second > first and int(g[-1]) == first + (g.size - 1) * (second - first):
-            if bool((np.diff(g) == second - first).all()):
-                start, step, n = first, second - first, int(g.size)
-    if n is not None and start + (n - 1) * step < 1 << 64:
-        return n, {"ranges": [[start, n, step]]}
+    read = _core.read_index_list(g)
+    if read is not None:
+        return len(read), (read if ranges else read.tolist())
     idx = check_indexes(g, what, unique=False)
     return len(idx), idx
 

@@ -269,8 +269,23 @@ class AsyncClient(_Ops):
         finally:
             self._inflight.discard(rid)
 
+    async def _call_encoded(self, op: str, rid: int, frame0: bytes, data_frames, timeout,
+                            expect: str) -> tuple[dict, _codec.FrameSource]:
+        """`_call_once` of a request the core wrote (`frame0`, of request id `rid`)."""
+        timeout = self._call_timeout(timeout)
+        sock = self._socket()
+        loop = self._loop
+        fut = loop.create_future()
+        self._pending[rid] = fut
+        self._inflight.add(rid)
+        try:
+            return await self._exchange(op, sock, loop, rid, fut, frame0, data_frames, timeout, expect, None)
+        finally:
+            self._inflight.discard(rid)
+
     async def _exchange(self, op, sock, loop, rid, fut, body, data_frames, timeout, expect, extras):
-        msg = [_codec.envelope(op, rid, body, extras), *data_frames]
+        """Sends the request (`body`, or frame 0 itself as bytes) and awaits its reply."""
+        msg = [body if type(body) is bytes else _codec.envelope(op, rid, body, extras), *data_frames]
         deadline = loop.time() + timeout
         try:
             await asyncio.wait_for(sock.send_multipart(msg, copy=False), timeout)
@@ -293,6 +308,24 @@ class AsyncClient(_Ops):
     async def put(self, global_indexes, data: Mapping[str, Any], *, timeout: float | None = None) -> int:
         """See `Client.put` (through the Rust core, a split put's messages go
         two on the wire, as there)."""
+        if self._segments is None:
+            # The usual small put: read and written by the core's codec in one
+            # call, sent on the DEALER (None: not plainly that, or at least
+            # CORE_MIN_BYTES for the core's own connection; the general path
+            # below).
+            limit = min(self.max_message_bytes, self.CORE_MIN_BYTES if self._core_serves() else 1 << 62)
+            rid = next(self._ids)
+            enc = _core.encode_put(rid, global_indexes, data, limit)
+            if enc is not None:
+                frame0, frames, rows = enc
+                try:
+                    body, _ = await self._call_encoded("put", rid, frame0, frames, timeout, "put_ok")
+                    if body != {"rows": rows}:
+                        raise ProtocolError(f"put_ok {body!r} for a message of {rows} rows", request_id=rid)
+                except StowageError as e:
+                    e.rows_stored = 0
+                    raise
+                return rows
         core = self._core_serves() and _put.payload_bytes(data) >= self.CORE_MIN_BYTES
         put = _put.Put(global_indexes, data, self.max_message_bytes, self._segments, join=not core)
         await self._open_channel()
@@ -310,6 +343,21 @@ class AsyncClient(_Ops):
     async def get(self, global_indexes, fields, *, as_torch: bool | None = None, nested: str = "rows",
                   timeout: float | None = None) -> dict:
         """See `Client.get`."""
+        if nested == "rows" and not as_torch and self._segments is None:
+            # The usual get: its request written by the core's codec (None:
+            # not plainly indexes and distinct names; the general path below).
+            ranges = self._ranges_ok
+            rid = next(self._ids)
+            enc = _core.encode_get(rid, global_indexes, fields, ranges)
+            if enc is not None and not (enc[0] >= self.CORE_MIN_ROWS and self._core_serves()):
+                n, names, frame0 = enc
+                try:
+                    reply, frames = await self._call_encoded("get", rid, frame0, (), timeout, "get_ok")
+                    return self._get_result(reply, frames, names, n, as_torch)
+                except BadRequest as e:
+                    if not (ranges and "global_indexes must be an array" in str(e)):
+                        raise
+                    self._ranges_ok = False  # a stowd from before ranges: asked again below, as a list
         n, names, body = self._get_request(global_indexes, fields, as_torch, self._ranges_ok, nested)
         if n >= self.CORE_MIN_ROWS and self._core_serves():
             return await self._ranged(body, lambda b: self._core_call("get", b, timeout, _run_get),

@@ -167,9 +167,11 @@ class _Ops:
         """`body` with its ranges as a list, if `e` is a stowd that does not
         take ranges refusing them; else `e` is raised again."""
         gi = body.get("global_indexes")
-        if not (isinstance(gi, dict) and "global_indexes must be an array" in str(e)):
+        if not (isinstance(gi, (dict, _core.IndexList)) and "global_indexes must be an array" in str(e)):
             raise e
         self._ranges_ok = False
+        if type(gi) is _core.IndexList:
+            return dict(body, global_indexes=gi.tolist())
         return dict(body, global_indexes=[g for s, c, k in gi["ranges"] for g in range(s, s + c * k, k)])
 
     @staticmethod
@@ -391,6 +393,16 @@ class _Ops:
         env = _codec.decode_envelope(reply[0])
         return self._reply_body(env, expect, rid), self._reply_frames(env, reply)
 
+    def _core_refused(self, rid: int, reply: list, expect: str):
+        """Raises the reply (its frames) the core did not take as the
+        success of a fast path: an error reply as it says; anything else
+        (another request's id, data frames, same-node keys, a put_ok of
+        other rows) as a ProtocolError."""
+        env = _codec.decode_envelope(reply[0])
+        body = self._reply_body(env, expect, rid)
+        raise ProtocolError(f"{expect} (id {env['id']}, {len(reply)} frames) {body!r:.200} does not answer "
+                            f"request {rid} as expected", request_id=rid)
+
     def _core_put_replies(self, put: _put.Put, messages: list, sent: tuple, timeout: float) -> None:
         """What `_run_send_many` returned for a put's `messages`: each reply
         goes to `put` in order, then any failure after them is raised (the
@@ -431,6 +443,11 @@ def _run_get_arrays(core, frame0: bytes, timeout: float):
     """`core.get`, or for a reply of regular fields of `_DIRECT_DTYPES` a
     list of (field, dtype, shape, buffer): `_Ops._core_got` reads both."""
     return core.get_arrays(frame0, timeout, _DIRECT_DTYPES)
+
+
+def _run_send_alone(core, frame0: bytes, timeout: float):
+    """A request without data frames through the core: the reply's frames."""
+    return core.send(frame0, [], timeout)
 
 
 def _run_get_into(plan: list):
@@ -606,6 +623,17 @@ class Client(_Ops):
         it stores that one), so the message after a failed one may be
         stored too; `rows_stored` does not count it."""
         core = self._core_serves()
+        if core:
+            # The usual put, one message: read, laid out and sent by the core
+            # (None: not plainly that; the general path below checks and words).
+            try:
+                rid, got = self._core_call("put", None, timeout, lambda c, rid, t: c.put_fast(
+                    rid, global_indexes, data, t, self.max_message_bytes))
+                if got is not None:
+                    return got if type(got) is int else self._core_refused(rid, got, "put_ok")
+            except StowageError as e:
+                e.rows_stored = 0
+                raise
         put = _put.Put(global_indexes, data, self.max_message_bytes, self._segments, join=not core)
         self._open_channel()
         try:
@@ -655,15 +683,22 @@ class Client(_Ops):
         elements back to back, and the rows' shapes, with no array per row
         (e.g. for `torch.nested.nested_tensor_from_jagged`); a view of the
         received bytes where they lie back to back, as over tcp."""
-        if nested == "rows" and not as_torch and type(global_indexes) is list and type(fields) is list \
-                and self._core_serves():
-            # The common small get: the core checks the lists and writes the
-            # request itself (None: not plain lists of ints and of distinct
-            # str, nothing sent; the general path below checks and words).
-            rid, got = self._core_call("get", None, timeout, lambda core, rid, t: core.get_list(
-                rid, global_indexes, fields, t, _DIRECT_DTYPES))
+        if nested == "rows" and not as_torch and self._core_serves():
+            # The usual get: the core reads the indexes and field names and
+            # writes the request itself (None: not plainly indexes and
+            # distinct names, nothing sent; the general path below checks
+            # and words).
+            ranges = self._ranges_ok
+            rid, got = self._core_call("get", None, timeout, lambda core, rid, t: core.get_fast(
+                rid, global_indexes, fields, t, _DIRECT_DTYPES, ranges))
             if got is not None:
-                return self._core_got(rid, got, fields, len(global_indexes), as_torch)
+                try:
+                    return self._core_got(rid, got[1], [fields] if type(fields) is str else list(fields),
+                                          got[0], as_torch)
+                except BadRequest as e:
+                    if not (ranges and "global_indexes must be an array" in str(e)):
+                        raise
+                    self._ranges_ok = False  # a stowd from before ranges: asked again below, as a list
         n, names, body = self._get_request(global_indexes, fields, as_torch, self._ranges_ok, nested)
         if self._core_serves():
             run = _run_get if as_torch or nested != "rows" else _run_get_arrays
@@ -725,6 +760,11 @@ class Client(_Ops):
     def clear(self, global_indexes, fields=None, *, timeout: float | None = None) -> int:
         """Drops the given fields (all fields if None) of the given indexes;
         returns how many (index, field) values were dropped."""
+        if self._core_serves():
+            rid, got = self._core_call("clear", None, timeout, lambda core, rid, t: core.clear_fast(
+                rid, global_indexes, fields, t))
+            if got is not None:
+                return got if type(got) is int else self._core_refused(rid, got, "clear_ok")
         body, _ = self._call("clear", self._clear_request(global_indexes, fields), (), timeout, "clear_ok")
         return self._cleared(body)
 
@@ -779,6 +819,9 @@ class Client(_Ops):
              "backoff_max_ms": 300000, "allow_missing": False,
              "missing_select": [], "missing_pack": []}
         """
+        if self._core_serves():
+            rid, reply = self._core_call("stats", {}, timeout, _run_send_alone)
+            return self._core_sent(rid, reply, "stats_ok")[0]
         body, _ = self._call("stats", {}, (), timeout, "stats_ok")
         return body
 

@@ -18,18 +18,31 @@ def four_units(tmp_path_factory):
     yield from shm_stowd(tmp_path_factory, "ranges", "[units]\nlocal = 4\n")
 
 
+def _wire(g):
+    """What frame 0 of a get of `g` carries as its global_indexes."""
+    import msgpack
+
+    n, wire = _codec.get_indexes(g, "get")
+    gi = msgpack.unpackb(_codec.envelope("get", 1, {"global_indexes": wire, "fields": ["x"]}))["body"]["global_indexes"]
+    return n, gi
+
+
 def test_the_wire_form_of_a_gets_indexes():
-    assert _codec.get_indexes(range(100, 300, 2), "get") == (100, {"ranges": [[100, 100, 2]]})
+    assert _wire(range(100, 300, 2)) == (100, {"ranges": [[100, 100, 2]]})
     a = np.arange(5, 5 + 3 * 1000, 3, dtype=np.int64)
-    assert _codec.get_indexes(a, "get") == (1000, {"ranges": [[5, 1000, 3]]})
+    assert _wire(a) == (1000, {"ranges": [[5, 1000, 3]]})
+    assert _wire(a.tolist()) == (1000, {"ranges": [[5, 1000, 3]]})  # a list too
     u = np.arange(2**64 - 20, 2**64 - 1, dtype=np.uint64)
-    assert _codec.get_indexes(u, "get") == (19, {"ranges": [[2**64 - 20, 19, 1]]})
-    # Lists, short runs, decreasing, repeated or broken sequences stay lists.
-    for g in ([*range(100)], range(10), np.arange(10), np.arange(100)[::-1], np.zeros(50, np.int64),
-              np.r_[np.arange(50), 7, np.arange(51, 100)], range(100, 0, -1),
-              np.arange(100, dtype=np.uint64)[::-1]):
-        n, wire = _codec.get_indexes(g, "get")
-        assert wire == [int(x) for x in g] and n == len(wire), g
+    assert _wire(u) == (19, {"ranges": [[2**64 - 20, 19, 1]]})
+    # Runs that are longer as ranges than as a list (short ones, decreasing,
+    # repeated, no pattern) go as the list.
+    for g in (range(4), [7, 9], np.arange(100)[::-1], np.zeros(50, np.int64), range(100, 0, -1),
+              np.arange(100, dtype=np.uint64)[::-1], [int(x) for x in np.random.default_rng(3).permutation(64)]):
+        n, gi = _wire(g)
+        assert gi == [int(x) for x in g] and n == len(gi), g
+    # Runs broken by one index: several ranges, the same indexes.
+    n, gi = _wire(np.r_[np.arange(50), 7, np.arange(51, 100)])
+    assert [s + k * step for s, c, step in gi["ranges"] for k in range(c)] == [*range(50), 7, *range(51, 100)]
     # A range whose last index would pass 2**64 - 1 is refused like the list.
     with pytest.raises(ValueError, match="out of range"):
         _codec.get_indexes(range(2**64 - 5, 2**64 + 20), "get")
@@ -126,8 +139,8 @@ def test_a_stowd_without_ranges_gets_lists_after_one_refusal(fake_server):
 
 @pytest.mark.parametrize("what,unique", [("put", True), ("get", False)])
 def test_long_index_lists_are_checked_as_short_ones_are(what, unique):
-    """Lists of 64 or more go through a C-speed check first; whatever it
-    does not pass gets the same errors as a short list."""
+    """Index inputs are read by the Rust core first; whatever it does not
+    read gets the same errors as a short list."""
     good = list(range(10, 210))
     assert _codec.check_indexes(good, what, unique=unique) == good
     assert _codec.check_indexes(np.asarray(good, np.uint64), what, unique=unique) == good

@@ -57,41 +57,48 @@ pub fn encode_request<'py>(
     let mut b = Body::new(body);
     let head = match op {
         "put" => RequestHead::Put {
-            global_indexes: b.take("global_indexes")?.extract()?,
+            global_indexes: crate::fast::index_vec(&b.take("global_indexes")?)?,
             fields: descriptors(&b.take("fields")?)?,
         },
         "get" => {
             let indexes = b.take("global_indexes")?;
             let fields = b.take("fields")?.extract()?;
-            match indexes.cast::<PyDict>() {
-                Ok(ranges) => {
-                    let mut r = Body::new(ranges);
-                    let runs = triples(&r.take("ranges")?)?
-                        .into_iter()
-                        .map(|[start, count, step]| {
-                            Ok(IndexRun {
-                                start: start.extract()?,
-                                count: count.extract()?,
-                                step: step.extract()?,
-                            })
-                        })
-                        .collect::<PyResult<_>>()?;
-                    r.done("the ranges")?;
-                    let global_indexes = Indexes::from_runs(runs, u64::MAX)
-                        .map_err(|e| PyValueError::new_err(format!("global_indexes: {e}")))?;
-                    RequestHead::Other(Op::Get {
-                        global_indexes,
-                        fields,
-                    })
-                }
-                Err(_) => RequestHead::GetList {
-                    global_indexes: indexes.extract()?,
+            if let Ok(list) = indexes.cast::<crate::fast::IndexList>() {
+                RequestHead::Other(Op::Get {
+                    global_indexes: list.get().indexes.clone(),
                     fields,
-                },
+                })
+            } else {
+                match indexes.cast::<PyDict>() {
+                    Ok(ranges) => {
+                        let mut r = Body::new(ranges);
+                        let runs = triples(&r.take("ranges")?)?
+                            .into_iter()
+                            .map(|[start, count, step]| {
+                                Ok(IndexRun {
+                                    start: start.extract()?,
+                                    count: count.extract()?,
+                                    step: step.extract()?,
+                                })
+                            })
+                            .collect::<PyResult<_>>()?;
+                        r.done("the ranges")?;
+                        let global_indexes = Indexes::from_runs(runs, u64::MAX)
+                            .map_err(|e| PyValueError::new_err(format!("global_indexes: {e}")))?;
+                        RequestHead::Other(Op::Get {
+                            global_indexes,
+                            fields,
+                        })
+                    }
+                    Err(_) => RequestHead::GetList {
+                        global_indexes: indexes.extract()?,
+                        fields,
+                    },
+                }
             }
         }
         "clear" => RequestHead::Other(Op::Clear {
-            global_indexes: b.take("global_indexes")?.extract()?,
+            global_indexes: crate::fast::index_vec(&b.take("global_indexes")?)?,
             fields: b.maybe("fields")?.map(|f| f.extract()).transpose()?,
         }),
         "stats" => RequestHead::Other(Op::Stats),
@@ -403,7 +410,7 @@ fn dtype(name: &Bound<'_, PyAny>) -> PyResult<DType> {
 
 /// A value of a values field: str and bytes as themselves, anything else
 /// as its msgpack.
-fn to_value(v: &Bound<'_, PyAny>) -> PyResult<Value> {
+pub(crate) fn to_value(v: &Bound<'_, PyAny>) -> PyResult<Value> {
     if let Ok(s) = v.cast::<PyString>() {
         return Ok(Value::Str(s.to_str()?.to_owned()));
     }

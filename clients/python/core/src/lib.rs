@@ -47,11 +47,12 @@ use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::{PyConnectionError, PyTimeoutError, PyTypeError, PyValueError};
 use pyo3::ffi;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyInt, PyList, PyString, PyTuple};
+use pyo3::types::{PyBytes, PyInt, PyList, PyTuple};
 use stowage_transport::zmtp;
 use stowage_wire::native::{self, FieldLayout, Limits, ReplyLayout, layout};
 
 mod codec;
+mod fast;
 mod pool;
 
 pyo3::create_exception!(
@@ -986,17 +987,68 @@ struct Held(Box<ffi::Py_buffer>);
 
 impl Held {
     fn get(obj: &Bound<'_, PyAny>) -> PyResult<Held> {
+        Held::with_flags(obj, ffi::PyBUF_C_CONTIGUOUS)
+    }
+
+    /// The buffer of `obj` as `flags` ask for it (`PyObject_GetBuffer`).
+    fn with_flags(obj: &Bound<'_, PyAny>, flags: std::os::raw::c_int) -> PyResult<Held> {
         // Boxed: an exporter may point the view's fields into the view
         // itself, so it must not move.
         let mut view = Box::new(ffi::Py_buffer::new());
         // SAFETY: `view` is a valid Py_buffer for the exporter to fill; on
         // success it is released exactly once, by `drop`.
-        let rc =
-            unsafe { ffi::PyObject_GetBuffer(obj.as_ptr(), &mut *view, ffi::PyBUF_C_CONTIGUOUS) };
+        let rc = unsafe { ffi::PyObject_GetBuffer(obj.as_ptr(), &mut *view, flags) };
         if rc == -1 {
             return Err(PyErr::fetch(obj.py()));
         }
         Ok(Held(view))
+    }
+
+    /// The item format (struct module syntax; "B" when the exporter gave none).
+    fn format(&self) -> &[u8] {
+        if self.0.format.is_null() {
+            return b"B";
+        }
+        // SAFETY: a NUL-terminated string the exporter keeps with the view.
+        unsafe { std::ffi::CStr::from_ptr(self.0.format) }.to_bytes()
+    }
+
+    fn itemsize(&self) -> usize {
+        self.0.itemsize.max(0) as usize
+    }
+
+    /// The shape (none for a 0-d buffer; `[len / itemsize]` when the
+    /// exporter gave none).
+    fn shape(&self) -> Vec<u64> {
+        if self.0.ndim == 0 {
+            return Vec::new();
+        }
+        if self.0.shape.is_null() {
+            return vec![(self.0.len.max(0) as u64) / (self.itemsize().max(1) as u64)];
+        }
+        // SAFETY: `ndim` sizes the exporter keeps with the view.
+        unsafe { std::slice::from_raw_parts(self.0.shape, self.0.ndim.max(0) as usize) }
+            .iter()
+            .map(|&d| d.max(0) as u64)
+            .collect()
+    }
+
+    /// The first axis' stride in bytes (the itemsize when the exporter gave none).
+    fn stride0(&self) -> isize {
+        if self.0.strides.is_null() || self.0.ndim < 1 {
+            return self.itemsize() as isize;
+        }
+        // SAFETY: `ndim` (at least 1) strides the exporter keeps with the view.
+        unsafe { *self.0.strides }
+    }
+
+    fn ndim(&self) -> usize {
+        self.0.ndim.max(0) as usize
+    }
+
+    /// The first byte's address (for strided reads).
+    fn ptr(&self) -> *const u8 {
+        self.0.buf as *const u8
     }
 
     fn bytes(&self) -> &[u8] {
@@ -1432,50 +1484,135 @@ impl Connection {
         got.into_tuple(py)?.into_pyobject(py).map(|t| t.into_any())
     }
 
-    /// A get of `indexes` (a list of ints, each in 0..2^64) of `fields` (a
-    /// list of distinct str), request id `id`, its frame 0 written here:
-    /// what `get_arrays` returns; or None, with nothing sent, when the
-    /// arguments are not exactly that (anything else, an int subclass or
-    /// an empty list included, is for the caller's general path to check
-    /// and word).
-    fn get_list<'py>(
+    /// A get of `indexes` of `fields`, request id `id`, read and written
+    /// here ([`fast`]: a list, tuple, range or 1-d integer buffer of
+    /// indexes; a str or a list or tuple of distinct str), as runs where
+    /// that is shorter unless `ranges` is false (a stowd from before
+    /// ranges): (how many indexes, what `get_arrays` returns); or None,
+    /// with nothing sent, when the arguments are not plainly that (for the
+    /// caller's general path to check and word).
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (id, indexes, fields, timeout, dtypes, ranges = true))]
+    fn get_fast<'py>(
         &mut self,
         py: Python<'py>,
         id: u64,
-        indexes: &Bound<'py, PyList>,
-        fields: &Bound<'py, PyList>,
+        indexes: &Bound<'py, PyAny>,
+        fields: &Bound<'py, PyAny>,
         timeout: f64,
         dtypes: &Bound<'py, PyAny>,
-    ) -> PyResult<Option<Bound<'py, PyAny>>> {
-        if indexes.is_empty() || fields.is_empty() {
+        ranges: bool,
+    ) -> PyResult<Option<(u64, Bound<'py, PyAny>)>> {
+        let Some((n, _, head)) = fast::get_head(indexes, fields, ranges) else {
             return Ok(None);
-        }
-        let mut global_indexes = Vec::with_capacity(indexes.len());
-        for i in indexes.iter() {
-            match i.extract::<u64>() {
-                Ok(v) if i.is_exact_instance_of::<PyInt>() => global_indexes.push(v),
-                _ => return Ok(None),
-            }
-        }
-        let mut names = Vec::with_capacity(fields.len());
-        let mut seen = std::collections::HashSet::with_capacity(fields.len());
-        for f in fields.iter() {
-            match f.extract::<String>() {
-                Ok(name) if f.is_exact_instance_of::<PyString>() && seen.insert(name.clone()) => {
-                    names.push(name)
-                }
-                _ => return Ok(None),
-            }
-        }
-        let head = native::RequestHead::GetList {
-            global_indexes,
-            fields: names,
         };
         // One the codec cannot write goes the general way too.
         let Ok(frame0) = native::encode_request_head(id, &head) else {
             return Ok(None);
         };
-        self.get_arrays(py, &frame0, timeout, dtypes).map(Some)
+        Ok(Some((n, self.get_arrays(py, &frame0, timeout, dtypes)?)))
+    }
+
+    /// A put of `indexes` and `data` (a dict of field name to array, list
+    /// of arrays or list of values), request id `id`, read, laid out and
+    /// written here ([`fast`]) as one message of at most `max_bytes`: the
+    /// number of rows stored when stowd answers put_ok for all of them,
+    /// else the reply's frames (for the caller to read: an error); or
+    /// None, with nothing sent, when the arguments are not plainly that
+    /// (for the caller's general path). Raises TimeoutError and
+    /// ConnectionError as `send` (the connection is dropped).
+    fn put_fast<'py>(
+        &mut self,
+        py: Python<'py>,
+        id: u64,
+        indexes: &Bound<'py, PyAny>,
+        data: &Bound<'py, PyAny>,
+        timeout: f64,
+        max_bytes: usize,
+    ) -> PyResult<Option<Bound<'py, PyAny>>> {
+        let Some(mut plan) = fast::plan_put(indexes, data, max_bytes)? else {
+            return Ok(None);
+        };
+        let rows = plan.indexes.len() as u64;
+        let head = native::RequestHead::Put {
+            global_indexes: std::mem::take(&mut plan.indexes),
+            fields: std::mem::take(&mut plan.fields),
+        };
+        let Ok(frame0) = native::encode_request_head(id, &head) else {
+            plan.release();
+            return Ok(None);
+        };
+        drop(head);
+        let deadline = Instant::now() + Duration::from_secs_f64(timeout.max(0.0));
+        let reply = {
+            let frames = plan.frame_slices();
+            // The arrays stay held (`plan`) while the GIL is released.
+            py.detach(|| self.exchange(deadline, |s| send(s, &frame0, &frames)))
+        };
+        plan.release();
+        let reply = reply?;
+        Ok(Some(settled(
+            py,
+            id,
+            reply,
+            |r| match r {
+                native::Reply::PutOk { rows: r } => *r == rows,
+                _ => false,
+            },
+            rows,
+        )?))
+    }
+
+    /// A clear of `indexes` (as `get_fast` reads them) and `fields` (None:
+    /// every field), request id `id`: the number of values cleared, else
+    /// the reply's frames (for the caller to read); or None, nothing sent,
+    /// for the general path.
+    #[pyo3(signature = (id, indexes, fields, timeout))]
+    fn clear_fast<'py>(
+        &mut self,
+        py: Python<'py>,
+        id: u64,
+        indexes: &Bound<'py, PyAny>,
+        fields: Option<&Bound<'py, PyAny>>,
+        timeout: f64,
+    ) -> PyResult<Option<Bound<'py, PyAny>>> {
+        let names = match fields {
+            None => None,
+            Some(f) => match fast::read_names(f) {
+                Some(names) => Some(names),
+                None => return Ok(None),
+            },
+        };
+        let Some(read) = fast::read_indexes(indexes) else {
+            return Ok(None);
+        };
+        let head = native::RequestHead::Other(native::Op::Clear {
+            global_indexes: read.into_vec(),
+            fields: names,
+        });
+        let Ok(frame0) = native::encode_request_head(id, &head) else {
+            return Ok(None);
+        };
+        let deadline = Instant::now() + Duration::from_secs_f64(timeout.max(0.0));
+        let reply = py.detach(|| self.exchange(deadline, |s| send(s, &frame0, &[])))?;
+        let mut cleared = 0u64;
+        let got = settled(
+            py,
+            id,
+            reply,
+            |r| match r {
+                native::Reply::ClearOk { cleared: c } => {
+                    cleared = *c;
+                    true
+                }
+                _ => false,
+            },
+            0,
+        )?;
+        if got.is_instance_of::<PyInt>() {
+            return Ok(Some(cleared.into_pyobject(py)?.into_any()));
+        }
+        Ok(Some(got))
     }
 
     /// Sends the request `frame0` with its data `frames` and reads the whole
@@ -1560,6 +1697,31 @@ impl Connection {
     }
 }
 
+/// A reply read whole, for `put_fast` and `clear_fast`: `ok` (an int) when
+/// it is one frame answering request `id` with a reply `expected` takes,
+/// else its frames as bytes for the caller to read and word.
+fn settled<'py>(
+    py: Python<'py>,
+    id: u64,
+    reply: Vec<Vec<u8>>,
+    mut expected: impl FnMut(&native::Reply) -> bool,
+    ok: u64,
+) -> PyResult<Bound<'py, PyAny>> {
+    if reply.len() == 1 {
+        let head = Bytes::copy_from_slice(&reply[0]);
+        if let Ok((rid, ReplyLayout::Other(r))) = native::decode_reply_layout(&head, &REPLY_LIMITS)
+            && rid == id
+            && expected(&r)
+            && native::decode_extras(&head, &REPLY_LIMITS)
+                .is_ok_and(|e| e == native::Extras::default())
+        {
+            return Ok(ok.into_pyobject(py)?.into_any());
+        }
+    }
+    let frames: Vec<Bound<'py, PyBytes>> = reply.iter().map(|f| PyBytes::new(py, f)).collect();
+    Ok(PyList::new(py, frames)?.into_any())
+}
+
 /// Holds the buffers of `frames` (each a buffer, or a list of pieces sent
 /// back to back as one frame) in `held`; how many pieces each frame has.
 fn hold_frames(frames: &[Bound<'_, PyAny>], held: &mut Vec<Held>) -> PyResult<Vec<usize>> {
@@ -1586,6 +1748,10 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(codec::encode_request, m)?)?;
     m.add_function(wrap_pyfunction!(codec::decode_reply, m)?)?;
     m.add_class::<Buffer>()?;
+    m.add_class::<fast::IndexList>()?;
+    m.add_function(wrap_pyfunction!(fast::read_index_list, m)?)?;
+    m.add_function(wrap_pyfunction!(fast::encode_put, m)?)?;
+    m.add_function(wrap_pyfunction!(fast::encode_get, m)?)?;
     m.add_function(wrap_pyfunction!(release_receive_buffers, m)?)?;
     m.add_function(wrap_pyfunction!(gather, m)?)?;
     m.add("ProtocolViolation", m.py().get_type::<ProtocolViolation>())?;

@@ -1,0 +1,314 @@
+"""The Rust core's fast paths for small calls (`_core.Connection.put_fast`,
+`get_fast`, `clear_fast`, `_core.encode_put`, `_core.read_index_list`):
+every index input kind reads as the general path reads it, every bad one
+is left to the general path (the same errors, nothing sent), and every
+field kind is sent byte for byte as the general path sends it and comes
+back the same, against a real stowd."""
+
+from __future__ import annotations
+
+import array
+import asyncio
+
+import msgpack
+import numpy as np
+import pytest
+
+import stowage
+from stowage import _codec, _core, _put
+
+INT_DTYPES = [np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32, np.int64, np.uint64]
+
+
+def _sent_indexes(wire) -> list[int]:
+    """The indexes frame 0 of a get carries, expanded."""
+    frame0 = msgpack.unpackb(_codec.envelope("get", 1, {"global_indexes": wire, "fields": ["x"]}))
+    gi = frame0["body"]["global_indexes"]
+    if isinstance(gi, dict):
+        return [s + k * step for s, c, step in gi["ranges"] for k in range(c)]
+    return gi
+
+
+def _index_inputs(values: list[int]):
+    """`values` in every input kind the core reads."""
+    yield "list", list(values)
+    yield "tuple", tuple(values)
+    for dt in INT_DTYPES:
+        if max(values) <= np.iinfo(dt).max:
+            yield f"numpy {np.dtype(dt).name}", np.asarray(values, dt)
+            strided = np.zeros(2 * len(values), dt)
+            strided[::2] = values
+            yield f"numpy {np.dtype(dt).name} strided", strided[::2]
+    for code in "bBhHiIlLqQ":
+        if max(values) <= 2 ** (8 * array.array(code).itemsize - (1 if code.islower() else 0)) - 1:
+            yield f"array.array {code}", array.array(code, values)
+    yield "memoryview", memoryview(array.array("Q", values))
+
+
+@pytest.mark.parametrize("values", [[5], [0, 1, 2, 3], list(range(7, 700, 7)), [9, 3, 3, 200, 1, 2**40],
+                                    list(range(1000, 0, -1)), [2**63 - 1, 2**63, 2**64 - 1]])
+def test_every_index_input_kind_reads_as_its_ints(values):
+    for kind, g in _index_inputs(values):
+        if max(values) >= 2**63 and kind.startswith(("numpy int", "array.array")) and "u" not in kind:
+            continue  # (built above only where the values fit)
+        read = _core.read_index_list(g)
+        assert read is not None, kind
+        assert read.tolist() == values and len(read) == len(values), kind
+        n, wire = _codec.get_indexes(g, "get")
+        assert n == len(values) and _sent_indexes(wire) == values, kind
+        assert _codec.check_indexes(g, "put", unique=False) == values, kind
+
+
+def test_ranges_read_without_listing_them():
+    assert _core.read_index_list(range(10, 10**15, 3)).runs == 1
+    assert len(_core.read_index_list(range(10, 10**15, 3))) == len(range(10, 10**15, 3))
+    assert _core.read_index_list(range(50, 0, -5)).tolist() == list(range(50, 0, -5))
+    # A list in put order is one run, sent as one range.
+    n, wire = _codec.get_indexes(list(range(100, 600)), "get")
+    frame0 = msgpack.unpackb(_codec.envelope("get", 1, {"global_indexes": wire, "fields": ["x"]}))
+    assert frame0["body"]["global_indexes"] == {"ranges": [[100, 500, 1]]}
+    # A permuted list stays a list.
+    perm = list(np.random.default_rng(1).permutation(1000) + 5)
+    n, wire = _codec.get_indexes([int(x) for x in perm], "get")
+    frame0 = msgpack.unpackb(_codec.envelope("get", 1, {"global_indexes": wire, "fields": ["x"]}))
+    assert frame0["body"]["global_indexes"] == [int(x) for x in perm]
+
+
+BAD_INDEXES = [
+    # (input, error, words) for both put and get
+    ([3, -1, 4], ValueError, "global index -1 is out of range"),
+    ((3, -1, 4), ValueError, "global index -1 is out of range"),
+    (range(-2, 5), ValueError, "global index -2 is out of range"),
+    (np.asarray([3, -7, 4], np.int8), ValueError, "global index -7 is out of range"),
+    (np.asarray([3, -7, 4], np.int64), ValueError, "global index -7 is out of range"),
+    (np.asarray([3, 0, -7, 0], np.int64)[::2], ValueError, "global index -7 is out of range"),
+    (array.array("q", [3, -9]), ValueError, "global index -9 is out of range"),
+    ([1, 2**64], ValueError, "global index 18446744073709551616 is out of range"),
+    (range(2**64 - 2, 2**64 + 2), ValueError, "out of range"),
+    ([1, 2.5], TypeError, "global indexes must be ints, got 2.5"),
+    ([1, "2"], TypeError, "global indexes must be ints, got '2'"),
+    ((1, None), TypeError, "global indexes must be ints, got None"),
+    (np.asarray([1.0, 2.0]), TypeError, "must be a 1-d integer array"),
+    (np.asarray([True, False]), TypeError, "must be a 1-d integer array"),
+    (np.zeros((2, 2), np.int64), TypeError, "must be a 1-d integer array"),
+    (np.int64(5), TypeError, "global_indexes must be a sequence of non-negative ints"),
+    (b"\x01\x02", TypeError, "global_indexes must be a sequence of non-negative ints, got bytes"),
+    ("12", TypeError, "global_indexes must be a sequence of non-negative ints, got str"),
+    (7, TypeError, "global_indexes must be a sequence of non-negative ints, got int"),
+    ([], ValueError, "empty batch"),
+    (range(0), ValueError, "empty batch"),
+    (np.arange(0), ValueError, "empty batch"),
+]
+DUPLICATES = [
+    [4, 5, 4],
+    (4, 5, 4),
+    np.asarray([4, 5, 4], np.uint16),
+    array.array("L", [4, 5, 4]),
+    range(5, 5, 1),  # (empty: the empty batch error, not a duplicate)
+]
+
+
+@pytest.mark.parametrize("case", range(len(BAD_INDEXES)))
+def test_every_bad_index_input_gets_its_error_and_sends_nothing(fake_server, case):
+    g, err, words = BAD_INDEXES[case]
+    srv = fake_server(lambda ident, frames: [])
+    n = len(g) if isinstance(g, (list, tuple, range, np.ndarray, array.array)) and np.ndim(g) == 1 else 2
+    with stowage.Client(srv.endpoint, timeout=10) as c:
+        with pytest.raises(err, match=words):
+            c.put(g, {"x": np.zeros((max(n, 1), 4), np.float32)})
+        with pytest.raises(err, match=words):
+            c.get(g, ["x"])
+        with pytest.raises(err, match=words):
+            c.get_into(g, {"x": np.zeros((max(n, 1), 4), np.float32)})
+        if words != "empty batch":  # a clear of nothing is allowed
+            with pytest.raises(err, match=words):
+                c.clear(g)
+
+    async def aio():
+        async with stowage.AsyncClient(srv.endpoint, timeout=10) as c:
+            with pytest.raises(err, match=words):
+                await c.put(g, {"x": np.zeros((max(n, 1), 4), np.float32)})
+            with pytest.raises(err, match=words):
+                await c.get(g, ["x"])
+
+    asyncio.run(asyncio.wait_for(aio(), 30))
+    assert srv.requests == []
+
+
+def test_a_repeated_index_is_refused_for_a_put_in_every_input_kind(endpoint, fresh):
+    base = fresh(10)[0]
+    with stowage.Client(endpoint, timeout=10) as c:
+        for g in DUPLICATES:
+            shifted = [base + int(x) for x in g]
+            kinds = [shifted, tuple(shifted), np.asarray(shifted, np.uint64), array.array("Q", shifted)]
+            for k in kinds:
+                if not shifted:
+                    with pytest.raises(ValueError, match="empty batch"):
+                        c.put(k, {"x": np.zeros((0, 4), np.float32)})
+                    continue
+                with pytest.raises(ValueError, match=f"duplicate global index {base + 4}"):
+                    c.put(k, {"x": np.zeros((len(shifted), 4), np.float32)})
+        # A get may repeat an index.
+        c.put([base + 4, base + 5], {"x": np.arange(8, dtype=np.float32).reshape(2, 4)})
+        got = c.get(np.asarray([base + 4, base + 5, base + 4], np.int32), ["x"])["x"]
+        np.testing.assert_array_equal(got[0], got[2])
+
+
+def _field_kinds(n: int) -> dict:
+    """One field of every kind the fast path reads, n rows each."""
+    rng = np.random.default_rng(n)
+    out = {
+        "f32": rng.standard_normal((n, 16)).astype(np.float32),
+        "f16": rng.standard_normal((n, 3)).astype(np.float16),
+        "f64": rng.standard_normal(n),
+        "c64": (rng.standard_normal((n, 2)) + 1j).astype(np.complex64),
+        "c128": rng.standard_normal((n, 1)) + 2j,
+        "b": rng.integers(0, 2, (n, 5)).astype(bool),
+        "big": rng.standard_normal((n, 20000)).astype(np.float32),  # >= 64 KiB: its own frame
+        "nested": [rng.integers(0, 100, (i % 4, 2)).astype(np.int32) for i in range(n)],
+        "nested0d": [np.full((), float(i)) for i in range(n)],  # 0-d rows
+        "strs": [f"row {i} é" for i in range(n)],
+        "bytes": [bytes([i % 256]) * (i % 7) for i in range(n)],
+        "plain": [[1, 2.5, True, None, 2**40, -3][i % 6] for i in range(n)],
+    }
+    for dt in INT_DTYPES:
+        out[np.dtype(dt).name] = rng.integers(0, 100, (n, 2)).astype(dt)
+    return out
+
+
+@pytest.mark.parametrize("n", [1, 4, 64])
+def test_a_fast_put_is_the_general_put_byte_for_byte(n):
+    """What `_core.encode_put` writes (the fast put's layout) is exactly
+    what the general path writes: frame 0 and every data frame."""
+    data = _field_kinds(n)
+    idx = list(range(1000, 1000 + n))
+    for fields in ([k] for k in data):
+        one = {k: data[k] for k in fields}
+        got = _core.encode_put(7, idx, one, 64 << 20)
+        assert got is not None, fields
+        frame0, frames, rows = got
+        (m,) = list(_codec.put_messages(idx, {k: _codec.normalize_field(k, v, n) for k, v in one.items()},
+                                        64 << 20))
+        assert rows == n
+        assert frame0 == _codec.envelope("put", 7, m.body), fields
+        assert frames == [bytes(memoryview(f).cast("B")) for f in m.frames], fields
+    # All of them in one put, and many small pieces across shared frames.
+    many = {f"r{i}": np.full((n, 3000 // n), i, np.float64) for i in range(50)}  # ~24 KiB each: 1.2 MiB
+    for one in (data, many):
+        frame0, frames, rows = _core.encode_put(9, idx, one, 64 << 20)
+        (m,) = list(_codec.put_messages(idx, {k: _codec.normalize_field(k, v, n) for k, v in one.items()},
+                                        64 << 20))
+        assert frame0 == _codec.envelope("put", 9, m.body)
+        assert frames == [bytes(memoryview(f).cast("B")) for f in m.frames]
+
+
+def test_what_the_fast_put_leaves_to_the_general_path():
+    idx = [1, 2]
+    ok = np.zeros((2, 3), np.float32)
+    for data in (
+        {"x": ok.T.copy().T},  # not C-contiguous (a copy is needed)
+        {"x": ok.astype(">f4")},  # big-endian
+        {"x": np.zeros((3, 3), np.float32)},  # rows != indexes
+        {"x": np.float32(1)},  # 0-d
+        {"x": [ok[0], ok[1].astype(np.float64)]},  # nested rows of two dtypes
+        {"x": [ok[0], "a"]},  # arrays and values mixed
+        {"x": [{"a": 1}, {"b": 2}]},  # values msgpack packs, but not plainly
+        {"x": [2**70, 1]},  # an int msgpack cannot pack
+        {"x": stowage.BFloat16Bits(np.zeros((2, 3), np.uint16))},
+        {"x": ok.astype(np.longdouble)},
+        {1: ok},  # a field name that is not a str
+        {},
+        {"x": memoryview(ok)},  # a buffer that is not an array
+    ):
+        assert _core.encode_put(1, idx, data, 64 << 20) is None, data
+    assert _core.encode_put(1, [1, 1], {"x": ok}, 64 << 20) is None  # repeated
+    assert _core.encode_put(1, idx, {"x": ok}, 10) is None  # more than one message
+    assert _core.encode_put(1, idx, {"x": ok}, 64 << 20) is not None
+
+
+def _general(monkeypatch):
+    """Makes the client take its general path (pyzmq, the Python codec)."""
+    monkeypatch.setenv("STOWAGE_PURE_PYTHON", "1")
+
+
+@pytest.mark.parametrize("n", [1, 4, 64])
+def test_fast_and_general_paths_store_and_return_the_same(endpoint, fresh, monkeypatch, n):
+    data = _field_kinds(n)
+    a, b = fresh(n), fresh(n)
+    with stowage.Client(endpoint, timeout=30) as c:
+        assert c.put(a, data) == n  # the fast path
+        with monkeypatch.context() as m:
+            _general(m)
+            assert c.put(b, data) == n
+        names = list(data)
+        fast_a, fast_b = c.get(a, names, as_torch=False), c.get(np.asarray(b), tuple(names), as_torch=False)
+        with monkeypatch.context() as m:
+            _general(m)
+            gen_a, gen_b = c.get(a, names, as_torch=False), c.get(b, names, as_torch=False)
+        for got in (fast_a, fast_b, gen_a, gen_b):
+            assert list(got) == names
+            for k, v in data.items():
+                if isinstance(v, np.ndarray):
+                    np.testing.assert_array_equal(got[k], v, err_msg=k)
+                    assert got[k].dtype == v.dtype, k
+                elif isinstance(v[0], np.ndarray):
+                    assert len(got[k]) == n
+                    for r, w in zip(got[k], v):
+                        np.testing.assert_array_equal(r, w, err_msg=k)
+                else:
+                    assert got[k] == v, k
+        # One field by name as a str, and the fast clear.
+        np.testing.assert_array_equal(c.get(a[::-1], "f32")["f32"], data["f32"][::-1])
+        assert c.clear(a, ["f32", "strs"]) == 2 * n
+        assert c.clear(np.asarray(a)) == (len(data) - 2) * n
+        with monkeypatch.context() as m:
+            _general(m)
+            assert c.clear(b) == len(data) * n
+        with pytest.raises(stowage.KeyNotFound):
+            c.get(a, ["f32"])
+
+
+def test_a_refused_fast_put_raises_as_stowd_says_and_stores_nothing(small_server, fresh):
+    """stowd's error reply to a fast put: raised as its error, with
+    rows_stored 0; the client goes on."""
+    idx = fresh(4)
+    with stowage.Client(small_server["native"], timeout=10) as c:
+        with pytest.raises(stowage.StowageError) as e:
+            c.put(idx, {"x": np.zeros((4, 4096), np.float32)})  # more than the units hold
+        assert e.value.rows_stored == 0
+        with pytest.raises(stowage.KeyNotFound):
+            c.get(idx, ["x"])
+        assert c.put(idx, {"x": np.ones((4, 2), np.float32)}) == 4
+        np.testing.assert_array_equal(c.get(idx, ["x"])["x"], np.ones((4, 2), np.float32))
+
+
+def test_a_fast_put_answered_wrongly_is_a_protocol_error(fake_server):
+    """A put_ok for other rows, or another id, is not taken as success."""
+    def reply(ident, frames):
+        env = msgpack.unpackb(frames[0])
+        return [[msgpack.packb({"proto": "stowage/1", "op": "put_ok", "id": env["id"], "body": {"rows": 99}})]]
+
+    srv = fake_server(reply)
+    with stowage.Client(srv.endpoint, timeout=5) as c:
+        with pytest.raises(stowage.ProtocolError, match="does not answer"):
+            c.put([1, 2], {"x": np.zeros((2, 2), np.float32)})
+
+
+def test_the_async_client_sends_small_calls_through_the_core_codec(endpoint, fresh):
+    data = _field_kinds(4)
+    idx = fresh(4)
+
+    async def main():
+        async with stowage.AsyncClient(endpoint, timeout=30) as c:
+            assert await c.put(idx, data) == 4
+            got = await c.get(np.asarray(idx, np.uint32), list(data), as_torch=False)
+            assert await c.clear(idx) == 4 * len(data)
+            with pytest.raises(ValueError, match="duplicate global index"):
+                await c.put([idx[0], idx[0]], {"x": np.zeros((2, 1), np.float32)})
+            return got
+
+    got = asyncio.run(asyncio.wait_for(main(), 60))
+    np.testing.assert_array_equal(got["f32"], data["f32"])
+    assert got["strs"] == data["strs"] and got["plain"] == data["plain"]
+    for r, w in zip(got["nested"], data["nested"]):
+        np.testing.assert_array_equal(r, w)
