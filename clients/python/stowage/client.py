@@ -358,7 +358,10 @@ class _Ops:
         for name, dtype, shape, buf in got:
             if shape[0] != n:
                 raise ProtocolError(f"field {name!r}: shape {list(shape)} does not have {n} rows")
-            out[name] = _codec._frombuffer(buf, _DIRECT_DTYPES[dtype], shape)
+            # (np.ndarray over the read-only buffer: read-only, and a third of
+            # np.frombuffer(...).reshape(...)'s cost, which a get pays per field)
+            out[name] = np.ndarray(shape, _DIRECT_DTYPES[dtype], buf) if len(buf) else \
+                _codec._frombuffer(buf, _DIRECT_DTYPES[dtype], shape)
         if list(out) != names:
             raise ProtocolError(f"get_ok has fields {list(out)}, requested {names}")
         return out
@@ -443,11 +446,6 @@ def _run_get_arrays(core, frame0: bytes, timeout: float):
     """`core.get`, or for a reply of regular fields of `_DIRECT_DTYPES` a
     list of (field, dtype, shape, buffer): `_Ops._core_got` reads both."""
     return core.get_arrays(frame0, timeout, _DIRECT_DTYPES)
-
-
-def _run_send_alone(core, frame0: bytes, timeout: float):
-    """A request without data frames through the core: the reply's frames."""
-    return core.send(frame0, [], timeout)
 
 
 def _run_get_into(plan: list):
@@ -747,6 +745,21 @@ class Client(_Ops):
         (a dtype of `stowage.BITS_DTYPES` also fills int arrays of its
         itemsize, e.g. uint8 for a float8). Every byte is copied once,
         from the received frames straight into `out`. Returns `out`."""
+        if self._core_serves():
+            # The usual get_into (numpy arrays or CPU tensors, C-contiguous):
+            # read and written by the core (False: not plainly that, nothing
+            # sent; the general path below checks and words).
+            ranges = self._ranges_ok
+            rid, got = self._core_call("get", None, timeout, lambda core, rid, t: core.get_into_fast(
+                rid, global_indexes, out, t, ranges))
+            if got is not False:
+                try:
+                    self._core_got_into(rid, got)
+                    return out
+                except BadRequest as e:
+                    if not (ranges and "global_indexes must be an array" in str(e)):
+                        raise
+                    self._ranges_ok = False  # a stowd from before ranges: asked again below, as a list
         n, targets, body = self._get_into_request(global_indexes, out, self._ranges_ok)
         if self._core_serves(targets):
             # Each field's bytes go from the socket straight into its array
@@ -819,9 +832,6 @@ class Client(_Ops):
              "backoff_max_ms": 300000, "allow_missing": False,
              "missing_select": [], "missing_pack": []}
         """
-        if self._core_serves():
-            rid, reply = self._core_call("stats", {}, timeout, _run_send_alone)
-            return self._core_sent(rid, reply, "stats_ok")[0]
         body, _ = self._call("stats", {}, (), timeout, "stats_ok")
         return body
 

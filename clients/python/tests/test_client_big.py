@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 import stowage
-from stowage import _codec
+from conftest import CoreSpy
+from stowage import _codec, _core
 
 MiB = 1 << 20
 
@@ -32,6 +33,9 @@ def counting(client):
         return inner(put, messages, timeout)
 
     client._call, client._core_put = call, core_put
+    # A put of one message goes through the core's put_fast.
+    client._core = CoreSpy(_core.Connection(client.endpoint, client.spin_us),
+                           lambda op, nbytes, rows: sent.append((op, nbytes, rows)), messages=False)
     return sent
 
 

@@ -42,7 +42,7 @@ def routes(c) -> list:
     """Records ("core" or "pyzmq", op) of every request `c` sends (the
     wrappers hand back the coroutines to await)."""
     sent = []
-    for way, name in (("core", "_core_call"), ("pyzmq", "_call")):
+    for way, name in (("core", "_core_call"), ("pyzmq", "_call"), ("pyzmq", "_call_encoded")):
         def call(op, *rest, inner=getattr(c, name), way=way):
             sent.append((way, op))
             return inner(op, *rest)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import array
 import asyncio
+import types
 
 import msgpack
 import numpy as np
@@ -257,6 +258,22 @@ def test_fast_and_general_paths_store_and_return_the_same(endpoint, fresh, monke
                         np.testing.assert_array_equal(r, w, err_msg=k)
                 else:
                     assert got[k] == v, k
+        # get_into, fast (dicts of C-contiguous arrays) and general (a
+        # mapping that is not a dict).
+        regular = [k for k, v in data.items() if isinstance(v, np.ndarray)]
+        for make in (dict, lambda d: types.MappingProxyType(dict(d))):
+            out = make({k: np.full_like(data[k], 7) for k in regular})
+            assert c.get_into(np.asarray(a, np.int32), out) is out
+            for k in regular:
+                np.testing.assert_array_equal(out[k], data[k], err_msg=k)
+        with pytest.raises(ValueError, match="read-only"):
+            ro = np.empty_like(data["f32"])
+            ro.flags.writeable = False
+            c.get_into(a, {"f32": ro})
+        with pytest.raises(ValueError, match="has dtype float64, but field 'f32' is float32"):
+            c.get_into(a, {"f32": np.empty(data["f32"].shape, np.float64)})
+        with pytest.raises(TypeError, match="holds plain values"):
+            c.get_into(a, {"strs": np.empty((n, 1), np.float32)})
         # One field by name as a str, and the fast clear.
         np.testing.assert_array_equal(c.get(a[::-1], "f32")["f32"], data["f32"][::-1])
         assert c.clear(a, ["f32", "strs"]) == 2 * n

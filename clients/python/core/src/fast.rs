@@ -362,6 +362,47 @@ fn read_array(obj: &Bound<'_, PyAny>) -> Option<Array> {
     Some(Array { held, dtype, shape })
 }
 
+/// A get_into's destination: a numpy array (or a CPU torch tensor that
+/// `.numpy()` shares memory with), writable, C-contiguous, of a dtype read
+/// here: (its dtype names accepted from stowd, its shape, its held
+/// buffer). An int array also takes the raw bits of the dtypes numpy has
+/// no type for, of its itemsize (`Client.get_into`).
+pub(crate) fn read_out(obj: &Bound<'_, PyAny>) -> Option<(Vec<String>, Vec<u64>, Held)> {
+    let owned;
+    let obj = if is_ndarray(obj) {
+        obj
+    } else {
+        owned = tensor_numpy(obj)?;
+        &owned
+    };
+    let flags = ffi::PyBUF_C_CONTIGUOUS | ffi::PyBUF_FORMAT | ffi::PyBUF_WRITABLE;
+    let held = Held::with_flags(obj, flags).ok()?;
+    let dtype = dtype_of(held.format(), held.itemsize())?;
+    let mut accepted = vec![dtype.name().to_owned()];
+    if dtype.name().contains("int") {
+        accepted.extend(
+            DType::ALL
+                .iter()
+                .filter(|d| RAW_BITS.contains(&d.name()) && d.itemsize() == dtype.itemsize())
+                .map(|d| d.name().to_owned()),
+        );
+    }
+    let shape = held.shape();
+    Some((accepted, shape, held))
+}
+
+/// The dtypes numpy has no type for, carried as raw bits (`_dtypes.BITS_DTYPES`).
+const RAW_BITS: [&str; 8] = [
+    "bfloat16",
+    "complex32",
+    "float8_e4m3fn",
+    "float8_e4m3fnuz",
+    "float8_e5m2",
+    "float8_e5m2fnuz",
+    "float8_e8m0fnu",
+    "float4_e2m1fn_x2",
+];
+
 /// A piece of a data frame: bytes of a held array, or zeros (alignment).
 #[derive(Clone, Copy)]
 pub(crate) enum Piece {

@@ -1513,6 +1513,64 @@ impl Connection {
         Ok(Some((n, self.get_arrays(py, &frame0, timeout, dtypes)?)))
     }
 
+    /// A get_into of `indexes` into `out` (a dict of field name to array),
+    /// request id `id`, read and written here ([`fast`]; `ranges` as for
+    /// `get_fast`): what `get_into` returns (None: the rows are in place),
+    /// or False, with nothing sent, when the arguments are not plainly
+    /// that (for the caller's general path to check and word).
+    #[pyo3(signature = (id, indexes, out, timeout, ranges = true))]
+    fn get_into_fast<'py>(
+        &mut self,
+        py: Python<'py>,
+        id: u64,
+        indexes: &Bound<'py, PyAny>,
+        out: &Bound<'py, PyAny>,
+        timeout: f64,
+        ranges: bool,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let not_here = || Ok(pyo3::types::PyBool::new(py, false).to_owned().into_any());
+        let Ok(out) = out.cast_exact::<pyo3::types::PyDict>() else {
+            return not_here();
+        };
+        if out.is_empty() {
+            return not_here();
+        }
+        let names = pyo3::types::PyList::new(py, out.keys())?;
+        let Some((n, _, head)) = fast::get_head(indexes, names.as_any(), ranges) else {
+            return not_here();
+        };
+        let mut buffers = Vec::with_capacity(out.len());
+        let mut plan = Vec::with_capacity(out.len());
+        for (name, o) in out.iter() {
+            let Some((dtypes, shape, held)) = fast::read_out(&o) else {
+                return not_here();
+            };
+            if shape.first() != Some(&n) {
+                return not_here();
+            }
+            let bytes = held.bytes();
+            plan.push(Target {
+                name: name.extract()?,
+                dtypes,
+                shape,
+                ptr: bytes.as_ptr() as usize,
+                len: bytes.len(),
+            });
+            buffers.push(held);
+        }
+        let Ok(frame0) = native::encode_request_head(id, &head) else {
+            return not_here();
+        };
+        let deadline = Instant::now() + Duration::from_secs_f64(timeout.max(0.0));
+        // The buffers stay held (`buffers`) while the GIL is released.
+        let result = py.detach(|| self.exchange(deadline, |s| get_into(s, &frame0, &plan)));
+        drop(buffers);
+        Ok(result?
+            .map(|(head, problem)| (PyBytes::new(py, &head), problem))
+            .into_pyobject(py)?
+            .into_any())
+    }
+
     /// A put of `indexes` and `data` (a dict of field name to array, list
     /// of arrays or list of values), request id `id`, read, laid out and
     /// written here ([`fast`]) as one message of at most `max_bytes`: the
