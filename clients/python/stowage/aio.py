@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Mapping
@@ -55,8 +56,8 @@ import zmq
 import zmq.asyncio
 
 from . import _codec, _put, _shm
-from .client import (_CORE_FAILURES, DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TIMEOUT, _abs_dir, _core, _Ops, _run_get,
-                     _run_get_into, _run_send_many)
+from .client import (_CORE_FAILURES, _DIRECT_DTYPES, DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TIMEOUT, _abs_dir, _core, _Ops,
+                     _run_get, _run_get_into, _run_send_many)
 from .errors import BadRequest, ProtocolError, StowageError, StowageTimeout, Unsupported, error_from_reply
 
 
@@ -93,6 +94,10 @@ class AsyncClient(_Ops):
         # on first use) and the connections no call is using.
         self._core_threads: ThreadPoolExecutor | None = None
         self._core_idle: list = []
+        # Core connections whose replies this event loop awaits (small
+        # calls, `_in_loop`): idle ones, and how many are in a call.
+        self._loop_idle: list | None = [] if os.environ.get("STOWAGE_ASYNC_IN_LOOP", "1") != "0" else None
+        self._loop_busy = 0
 
     # -- connection
     def _socket(self) -> zmq.asyncio.Socket:
@@ -178,6 +183,8 @@ class AsyncClient(_Ops):
             threads.shutdown(wait=True)
         while self._core_idle:
             self._core_idle.pop().close()
+        while self._loop_idle:
+            self._loop_idle.pop().close()
 
     @property
     def closed(self) -> bool:
@@ -308,9 +315,20 @@ class AsyncClient(_Ops):
     async def put(self, global_indexes, data: Mapping[str, Any], *, timeout: float | None = None) -> int:
         """See `Client.put` (through the Rust core, a split put's messages go
         two on the wire, as there)."""
+        if self._core_serves() and self._loop_idle is not None:
+            # The usual small put: read, written and answered by the core on
+            # a connection of its own, its reply awaited by this event loop
+            # (None: not plainly that, or at least CORE_MIN_BYTES, or every
+            # such connection busy; the ways below).
+            limit = min(self.max_message_bytes, self.CORE_MIN_BYTES)
+            got = await self._in_loop("put", timeout, lambda conn, rid, t: conn.start_put(
+                rid, global_indexes, data, t, limit), lambda conn, rid, rows, t: conn.finish_put(rid, rows, t))
+            if got is not None:
+                rid, reply = got
+                return reply if type(reply) is int else self._core_refused(rid, reply, "put_ok")
         if self._segments is None:
-            # The usual small put: read and written by the core's codec in one
-            # call, sent on the DEALER (None: not plainly that, or at least
+            # A small put on the DEALER: read and written by the core's codec
+            # in one call (None: not plainly that, or at least
             # CORE_MIN_BYTES for the core's own connection; the general path
             # below).
             limit = min(self.max_message_bytes, self.CORE_MIN_BYTES if self._core_serves() else 1 << 62)
@@ -343,9 +361,24 @@ class AsyncClient(_Ops):
     async def get(self, global_indexes, fields, *, as_torch: bool | None = None, nested: str = "rows",
                   timeout: float | None = None) -> dict:
         """See `Client.get`."""
+        if nested == "rows" and not as_torch and self._core_serves() and self._loop_idle is not None:
+            # The usual get: through the core, its reply awaited by this
+            # event loop (see `put`).
+            ranges = self._ranges_ok
+            got = await self._in_loop("get", timeout, lambda conn, rid, t: conn.start_get(
+                rid, global_indexes, fields, t, ranges), lambda conn, rid, n, t: (n, conn.finish_get(t, _DIRECT_DTYPES)))
+            if got is not None:
+                rid, (n, reply) = got
+                try:
+                    return self._core_got(rid, reply, [fields] if type(fields) is str else list(fields), n, as_torch)
+                except BadRequest as e:
+                    if not (ranges and "global_indexes must be an array" in str(e)):
+                        raise
+                    self._ranges_ok = False  # a stowd from before ranges: asked again below, as a list
         if nested == "rows" and not as_torch and self._segments is None:
-            # The usual get: its request written by the core's codec (None:
-            # not plainly indexes and distinct names; the general path below).
+            # A get on the DEALER: its request written by the core's codec
+            # (None: not plainly indexes and distinct names; the general
+            # path below).
             ranges = self._ranges_ok
             rid = next(self._ids)
             enc = _core.encode_get(rid, global_indexes, fields, ranges)
@@ -385,6 +418,69 @@ class AsyncClient(_Ops):
         sent = (await self._core_call("put", None, timeout, _run_send_many(self._ids, messages)))[1]
         self._core_put_replies(put, messages, sent, t)
 
+    async def _in_loop(self, op: str, timeout, start, finish):
+        """A small call on a core connection of its own, its reply awaited
+        by this event loop (no worker thread, no DEALER): `start(conn, rid,
+        time left)` writes the request (None: not this call's to make,
+        nothing sent); once the socket is readable and the whole reply has
+        arrived, `finish(conn, rid, what start returned, time left)` reads
+        it without waiting. (rid, what finish returned), or None: started
+        nothing, or every in-loop connection is busy (the caller takes
+        another way). A reply that arrives in pieces is read in a worker
+        thread. Cancelled or timed out, the connection is dropped (its
+        reply would be stale)."""
+        if not self._loop_idle and self._loop_busy >= self.CORE_CONNECTIONS:
+            return None
+        timeout = self._call_timeout(timeout)
+        if self._closed:
+            raise StowageError("the client is closed")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        conn = self._loop_idle.pop() if self._loop_idle else _core.Connection(self.endpoint, 0.0)
+        self._loop_busy += 1
+        rid = next(self._ids)
+        keep = False
+        try:
+            if conn.connected:
+                started = start(conn, rid, timeout)
+            else:  # connecting may take a while: not on the loop
+                started = await loop.run_in_executor(self._threads(), start, conn, rid, timeout)
+            if started is None:
+                keep = True
+                return None
+            if not conn.reply_ready():
+                fd = conn.fileno()
+                woken = loop.create_future()
+                loop.add_reader(fd, _wake, woken)
+                timer = loop.call_at(deadline, _wake, woken)
+                try:
+                    await woken
+                finally:
+                    loop.remove_reader(fd)
+                    timer.cancel()
+            left = deadline - loop.time()
+            if left <= 0:
+                raise TimeoutError
+            if conn.reply_ready():
+                got = finish(conn, rid, started, left)
+            else:
+                got = await loop.run_in_executor(self._threads(), finish, conn, rid, started, left)
+            keep = True
+            return rid, got
+        except _CORE_FAILURES as e:
+            raise self._core_failure(e, op, rid, timeout) from None
+        finally:
+            self._loop_busy -= 1
+            if keep and not self._closed:
+                self._loop_idle.append(conn)
+            else:
+                conn.close()
+
+    def _threads(self) -> ThreadPoolExecutor:
+        if self._core_threads is None:
+            self._core_threads = ThreadPoolExecutor(self.CORE_CONNECTIONS, thread_name_prefix="stowage-core")
+        return self._core_threads
+
     async def _core_call(self, op: str, body: dict | None, timeout, run) -> tuple:
         """`run(core connection, frame 0 of the request, time left)` in a
         worker thread: (request id, its result); with `body` None, `run`
@@ -394,10 +490,8 @@ class AsyncClient(_Ops):
         frame0 = rid if body is None else _codec.envelope(op, rid, body)
         if self._closed:
             raise StowageError("the client is closed")
-        if self._core_threads is None:
-            self._core_threads = ThreadPoolExecutor(self.CORE_CONNECTIONS, thread_name_prefix="stowage-core")
         deadline = time.monotonic() + timeout
-        job = self._core_threads.submit(self._core_job, op, rid, frame0, timeout, deadline, run)
+        job = self._threads().submit(self._core_job, op, rid, frame0, timeout, deadline, run)
         return rid, await asyncio.wrap_future(job)
 
     def _core_job(self, op: str, rid: int, frame0: bytes, timeout: float, deadline: float, run):
@@ -452,3 +546,9 @@ class AsyncClient(_Ops):
         and chain)."""
         body, _ = await self._call("stats", {}, (), timeout, "stats_ok")
         return body
+
+
+def _wake(fut: asyncio.Future) -> None:
+    """Resolves `fut` (the socket is readable, or the deadline came)."""
+    if not fut.done():
+        fut.set_result(None)

@@ -48,6 +48,14 @@ def routes(c) -> list:
             return inner(op, *rest)
 
         setattr(c, name, call)
+
+    async def in_loop(op, *rest, inner=c._in_loop):
+        got = await inner(op, *rest)
+        if got is not None:  # (None: the call went another way)
+            sent.append(("core", op))
+        return got
+
+    c._in_loop = in_loop
     return sent
 
 
@@ -197,6 +205,7 @@ def test_a_cancelled_call_leaves_the_client_usable(endpoint, fresh, op):
     async def main():
         # One put message (the default would make four): one core call to cancel.
         async with stowage.AsyncClient(endpoint, timeout=120, max_message_bytes=256 << 20) as c:
+            c._loop_idle = None  # small calls through worker threads too (the pool under test)
             if op == "get_into":
                 await c.put(big, {"x": x})
             await c.put(small, {"y": y})  # one connection, idle
@@ -244,6 +253,7 @@ def test_a_timeout_raises_stowage_timeout_and_the_next_call_is_served(fake_serve
     async def main():
         async with stowage.AsyncClient(srv.endpoint, timeout=10) as c:
             c.CORE_CONNECTIONS = 1
+            c._loop_idle = None  # small calls through worker threads too (their queue under test)
             sent = routes(c)
             t = time.monotonic()
             first, queued = await asyncio.gather(c.get([1, 2], ["x"], timeout=0.5),
@@ -302,25 +312,31 @@ def test_aclose_waits_for_a_running_call_and_a_new_loop_reuses_the_pool(endpoint
         s.clear(idx)
 
 
-def test_small_calls_stay_on_the_dealer_and_bulk_ones_take_the_core(endpoint, fresh, monkeypatch):
-    """The hop to a worker thread costs more than the core saves on a few
-    KiB: a put or get_into under CORE_MIN_BYTES and a get of fewer than
-    CORE_MIN_ROWS rows go through pyzmq, larger ones through the core."""
+@pytest.mark.parametrize("in_loop", [True, False])
+def test_small_calls_skip_the_thread_hop_and_bulk_ones_take_the_core(endpoint, fresh, monkeypatch, in_loop):
+    """The hop to a worker thread costs more than a small call: a put under
+    CORE_MIN_BYTES and a get go through the core with their reply awaited
+    by the event loop itself (or, with STOWAGE_ASYNC_IN_LOOP=0, through
+    pyzmq's DEALER), a small get_into through the DEALER; larger puts and
+    get_intos through the core in a worker thread."""
     monkeypatch.undo()  # the defaults, not the autouse fixture's zeros
     monkeypatch.delenv("STOWAGE_PURE_PYTHON", raising=False)
+    if not in_loop:
+        monkeypatch.setenv("STOWAGE_ASYNC_IN_LOOP", "0")
     idx = fresh(256)
     small = np.ones((4, 16), np.float32)
     big = np.ones((256, 1024), np.float32)  # 1 MiB
     assert big.nbytes >= stowage.AsyncClient.CORE_MIN_BYTES > small.nbytes
     assert len(idx) >= stowage.AsyncClient.CORE_MIN_ROWS > 4
+    way = "core" if in_loop else "pyzmq"
 
     async def go():
         async with stowage.AsyncClient(endpoint, timeout=30) as c:
             sent = routes(c)
             await c.put(idx[:4], {"s": small})
-            await c.get(idx[:4], ["s"])
+            np.testing.assert_array_equal((await c.get(idx[:4], ["s"]))["s"], small)
             await c.get_into(idx[:4], {"s": np.empty_like(small)})
-            assert sent == [("pyzmq", "put"), ("pyzmq", "get"), ("pyzmq", "get")], sent
+            assert sent == [(way, "put"), (way, "get"), ("pyzmq", "get")], sent
             del sent[:]
             await c.put(idx, {"b": big})
             got = await c.get(idx, ["b"])
@@ -332,6 +348,55 @@ def test_small_calls_stay_on_the_dealer_and_bulk_ones_take_the_core(endpoint, fr
             await c.clear(idx)
 
     run(go())
+
+
+def test_an_in_loop_call_times_out_and_is_cancelled_cleanly(fake_server, monkeypatch):
+    """A small call whose reply never comes: StowageTimeout within its
+    timeout, the loop free meanwhile; one cancelled while it waits: the
+    task is cancelled at once. Either way its connection is dropped (a late
+    reply can never be taken for a later call's) and the next calls, on a
+    new connection, are served."""
+    monkeypatch.undo()  # the defaults: small puts in the loop
+    x = np.arange(2 * 3, dtype=np.float32).reshape(2, 3)
+    seen = []
+
+    def handler(ident, frames):
+        env = msgpack.unpackb(frames[0])
+        seen.append(env["op"])
+        if len(seen) <= 2:
+            return []
+        return [[msgpack.packb({"proto": "stowage/1", "op": "put_ok", "id": env["id"], "body": {"rows": 2}})]]
+
+    srv = fake_server(handler)
+
+    async def main():
+        async with stowage.AsyncClient(srv.endpoint, timeout=10) as c:
+            ticks = 0
+
+            async def tick():
+                nonlocal ticks
+                while True:
+                    await asyncio.sleep(0.01)
+                    ticks += 1
+
+            ticker = asyncio.get_running_loop().create_task(tick())
+            t = time.monotonic()
+            with pytest.raises(stowage.StowageTimeout, match=r"put \(id \d+\): no reply .* within 0.5 s"):
+                await c.put([1, 2], {"x": x}, timeout=0.5)
+            assert 0.4 < time.monotonic() - t < 5 and ticks >= 10
+            task = asyncio.get_running_loop().create_task(c.put([1, 2], {"x": x}))
+            await until(lambda: len(seen) == 2, "the second put sent")
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert c._loop_idle == [] and c._loop_busy == 0
+            assert await c.put([1, 2], {"x": x}) == 2
+            assert await c.put([1, 2], {"x": x}) == 2
+            assert len(c._loop_idle) == 1
+            ticker.cancel()
+
+    run(main())
+    assert len({ident for ident, _ in srv.requests}) == 3, "a dropped connection was used again"
 
 
 def test_an_async_split_put_keeps_two_messages_on_the_wire_and_counts_what_was_answered(fake_server):

@@ -361,6 +361,63 @@ impl Stream {
         }
     }
 
+    /// Whether a whole message has arrived and is waiting to be read
+    /// (in the read-ahead buffer and the socket's), so that reading it
+    /// does not block: its frame headers walked in a peek. True as well
+    /// when the socket is closed or failed (the read then says so); false
+    /// when more than [`PEEK_MAX`] bytes wait (a large reply, for a
+    /// reader that may wait).
+    fn message_waiting(&mut self) -> bool {
+        let fd = std::os::fd::AsRawFd::as_raw_fd(&self.tcp);
+        let mut queued: libc::c_int = 0;
+        // SAFETY: FIONREAD writes one int.
+        if unsafe { libc::ioctl(fd, libc::FIONREAD, &mut queued) } != 0 {
+            return true;
+        }
+        let queued = queued.max(0) as usize;
+        if queued > PEEK_MAX {
+            return false;
+        }
+        let mut bytes = self.ahead[self.pos..self.end].to_vec();
+        if queued > 0 {
+            let at = bytes.len();
+            bytes.resize(at + queued, 0);
+            // SAFETY: `queued` writable bytes at `at`.
+            let n = unsafe {
+                libc::recv(
+                    fd,
+                    bytes.as_mut_ptr().add(at).cast(),
+                    queued,
+                    libc::MSG_DONTWAIT | libc::MSG_PEEK,
+                )
+            };
+            if n <= 0 {
+                return n == 0
+                    || std::io::Error::last_os_error().kind() != std::io::ErrorKind::WouldBlock;
+            }
+            bytes.truncate(at + n as usize);
+        } else {
+            // Nothing queued: a closed socket reads as readable, with 0 bytes.
+            let mut b = 0u8;
+            // SAFETY: a peek of at most one byte into `b`.
+            let n = unsafe {
+                libc::recv(
+                    fd,
+                    (&mut b as *mut u8).cast(),
+                    1,
+                    libc::MSG_DONTWAIT | libc::MSG_PEEK,
+                )
+            };
+            if n == 0
+                || (n < 0
+                    && std::io::Error::last_os_error().kind() != std::io::ErrorKind::WouldBlock)
+            {
+                return true;
+            }
+        }
+        zmtp_message_complete(&bytes)
+    }
+
     /// A frame header: (more, command, size).
     fn header(&mut self) -> Result<(bool, bool, u64), Fail> {
         let mut flags = [0u8; 1];
@@ -407,6 +464,44 @@ impl Stream {
         let mut out = vec![0u8; size as usize];
         self.read_exact(&mut out)?;
         Ok(out)
+    }
+}
+
+/// Most bytes [`Stream::message_waiting`] peeks at.
+const PEEK_MAX: usize = 4 << 20;
+
+/// Whether `bytes` begin with a whole ZMTP message (frames up to one
+/// without the MORE flag).
+fn zmtp_message_complete(bytes: &[u8]) -> bool {
+    let mut at = 0usize;
+    loop {
+        let Some(&flags) = bytes.get(at) else {
+            return false;
+        };
+        let (size, header) = if flags & FLAG_LONG != 0 {
+            match bytes.get(at + 1..at + 9) {
+                Some(b) => (u64::from_be_bytes(b.try_into().expect("8 bytes")), 9),
+                None => return false,
+            }
+        } else {
+            match bytes.get(at + 1) {
+                Some(&b) => (u64::from(b), 2),
+                None => return false,
+            }
+        };
+        let Some(end) = (at as u64)
+            .checked_add(header)
+            .and_then(|e| e.checked_add(size))
+        else {
+            return true; // an absurd size: the read refuses it
+        };
+        if end > bytes.len() as u64 {
+            return false;
+        }
+        at = end as usize;
+        if flags & FLAG_MORE == 0 {
+            return true;
+        }
     }
 }
 
@@ -575,6 +670,40 @@ impl Connection {
             )));
         }
         Ok(s)
+    }
+
+    /// Writes a request (`frame0` and its data `frames`) and keeps the
+    /// connection for the reply, which `resume` reads (see
+    /// `Connection.start_put`). A failed write drops the connection.
+    fn begin(
+        &mut self,
+        deadline: Instant,
+        frame0: &[u8],
+        frames: &[Vec<&[u8]>],
+    ) -> Result<(), Fail> {
+        let mut s = self.connect(deadline)?;
+        write_message(&mut s, frame0, frames)?;
+        self.tcp = Some(s);
+        Ok(())
+    }
+
+    /// Reads the reply to the request `begin` wrote, `read`; as `exchange`,
+    /// the connection is kept only after a reply read to its end.
+    fn resume<T>(
+        &mut self,
+        deadline: Instant,
+        read: impl FnOnce(&mut Stream) -> Result<T, Fail>,
+    ) -> Result<T, Fail> {
+        let mut s = self
+            .tcp
+            .take()
+            .ok_or_else(|| Fail::Io("no request is waiting for its reply".into()))?;
+        s.deadline = deadline;
+        let result = read(&mut s);
+        if result.is_ok() {
+            self.tcp = Some(s);
+        }
+        result
     }
 
     /// Runs one request and its reply, `call`, on the connection (made
@@ -804,6 +933,12 @@ type Head = (Vec<(String, FieldLayout)>, bool, Bytes);
 /// whether data frames follow, or (the rest drained) any other reply.
 fn request(s: &mut Stream, frame0: &[u8]) -> Result<Result<Head, Other>, Fail> {
     write_message(s, frame0, &[])?;
+    read_head(s)
+}
+
+/// Reads a reply's frame 0: a get_ok's layout, or (the rest drained) any
+/// other reply.
+fn read_head(s: &mut Stream) -> Result<Result<Head, Other>, Fail> {
     let (head, more) = s.head()?;
     let head = Bytes::from(head);
     match native::decode_reply_layout(&head, &REPLY_LIMITS) {
@@ -920,8 +1055,41 @@ impl Gotten {
     }
 }
 
+/// What `get_arrays` returns for a reply `get` read: for a get_ok whose
+/// every field is regular, of a dtype named in `dtypes`, a list of (field,
+/// dtype name, shape, Buffer) in reply order; else `Gotten::into_tuple`.
+fn arrays<'py>(
+    py: Python<'py>,
+    got: Gotten,
+    dtypes: &Bound<'py, PyAny>,
+) -> PyResult<Bound<'py, PyAny>> {
+    // `regular` is only ever set beside the buffers of a get_ok.
+    if let (Some(_), Some(regular)) = (&got.fields, &got.regular) {
+        let mut ok = true;
+        for (dtype, _) in regular {
+            ok &= dtypes.contains(*dtype)?;
+        }
+        if ok {
+            let list = PyList::empty(py);
+            let fields = got.fields.expect("checked above");
+            for ((name, data), (dtype, shape)) in fields.into_iter().zip(regular) {
+                let buf = Bound::new(py, Buffer { data })?;
+                list.append((name, *dtype, PyTuple::new(py, shape)?, buf))?;
+            }
+            return Ok(list.into_any());
+        }
+    }
+    got.into_tuple(py)?.into_pyobject(py).map(|t| t.into_any())
+}
+
 fn get(s: &mut Stream, frame0: &[u8]) -> Result<Gotten, Fail> {
-    let (layouts, more, head) = match request(s, frame0)? {
+    write_message(s, frame0, &[])?;
+    get_reply(s)
+}
+
+/// Reads a get's reply (see [`get`]).
+fn get_reply(s: &mut Stream) -> Result<Gotten, Fail> {
+    let (layouts, more, head) = match read_head(s)? {
         Ok(got) => got,
         Err((head, problem)) => {
             return Ok(Gotten {
@@ -1465,23 +1633,7 @@ impl Connection {
         let deadline = Instant::now() + Duration::from_secs_f64(timeout.max(0.0));
         let frame0 = frame0.to_vec();
         let got = py.detach(|| self.exchange(deadline, |s| get(s, &frame0)))?;
-        // `regular` is only ever set beside the buffers of a get_ok.
-        if let (Some(_), Some(regular)) = (&got.fields, &got.regular) {
-            let mut ok = true;
-            for (dtype, _) in regular {
-                ok &= dtypes.contains(*dtype)?;
-            }
-            if ok {
-                let list = PyList::empty(py);
-                let fields = got.fields.expect("checked above");
-                for ((name, data), (dtype, shape)) in fields.into_iter().zip(regular) {
-                    let buf = Bound::new(py, Buffer { data })?;
-                    list.append((name, *dtype, PyTuple::new(py, shape)?, buf))?;
-                }
-                return Ok(list.into_any());
-            }
-        }
-        got.into_tuple(py)?.into_pyobject(py).map(|t| t.into_any())
+        arrays(py, got, dtypes)
     }
 
     /// A get of `indexes` of `fields`, request id `id`, read and written
@@ -1747,6 +1899,118 @@ impl Connection {
             .collect();
         let failure = done.err().map(|f| PyErr::from(f).into_value(py).into_any());
         Ok((replies, failure.map(|e| e.into_bound(py))))
+    }
+
+    /// The first half of `put_fast`, for an event loop that awaits the
+    /// reply itself: the put read, laid out and written (the connection
+    /// made first if there is none); the rows it carries, or None with
+    /// nothing sent. Then `reply_ready`, `fileno` and `finish_put`.
+    fn start_put(
+        &mut self,
+        py: Python<'_>,
+        id: u64,
+        indexes: &Bound<'_, PyAny>,
+        data: &Bound<'_, PyAny>,
+        timeout: f64,
+        max_bytes: usize,
+    ) -> PyResult<Option<u64>> {
+        let Some(mut plan) = fast::plan_put(indexes, data, max_bytes)? else {
+            return Ok(None);
+        };
+        let rows = plan.indexes.len() as u64;
+        let head = native::RequestHead::Put {
+            global_indexes: std::mem::take(&mut plan.indexes),
+            fields: std::mem::take(&mut plan.fields),
+        };
+        let Ok(frame0) = native::encode_request_head(id, &head) else {
+            plan.release();
+            return Ok(None);
+        };
+        let deadline = Instant::now() + Duration::from_secs_f64(timeout.max(0.0));
+        let sent = {
+            let frames = plan.frame_slices();
+            py.detach(|| self.begin(deadline, &frame0, &frames))
+        };
+        plan.release();
+        sent?;
+        Ok(Some(rows))
+    }
+
+    /// The second half of `put_fast` (after `start_put` of `rows` rows,
+    /// request id `id`): what `put_fast` returns.
+    fn finish_put<'py>(
+        &mut self,
+        py: Python<'py>,
+        id: u64,
+        rows: u64,
+        timeout: f64,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let deadline = Instant::now() + Duration::from_secs_f64(timeout.max(0.0));
+        let reply = py.detach(|| self.resume(deadline, read_reply))?;
+        settled(
+            py,
+            id,
+            reply,
+            |r| matches!(r, native::Reply::PutOk { rows: r } if *r == rows),
+            rows,
+        )
+    }
+
+    /// The first half of `get_fast`: the request written, how many indexes
+    /// it asks for, or None with nothing sent. Then `finish_get`.
+    #[pyo3(signature = (id, indexes, fields, timeout, ranges = true))]
+    fn start_get(
+        &mut self,
+        py: Python<'_>,
+        id: u64,
+        indexes: &Bound<'_, PyAny>,
+        fields: &Bound<'_, PyAny>,
+        timeout: f64,
+        ranges: bool,
+    ) -> PyResult<Option<u64>> {
+        let Some((n, _, head)) = fast::get_head(indexes, fields, ranges) else {
+            return Ok(None);
+        };
+        let Ok(frame0) = native::encode_request_head(id, &head) else {
+            return Ok(None);
+        };
+        let deadline = Instant::now() + Duration::from_secs_f64(timeout.max(0.0));
+        py.detach(|| self.begin(deadline, &frame0, &[]))?;
+        Ok(Some(n))
+    }
+
+    /// The second half of `get_fast`: what `get_arrays` returns.
+    fn finish_get<'py>(
+        &mut self,
+        py: Python<'py>,
+        timeout: f64,
+        dtypes: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let deadline = Instant::now() + Duration::from_secs_f64(timeout.max(0.0));
+        let got = py.detach(|| self.resume(deadline, get_reply))?;
+        arrays(py, got, dtypes)
+    }
+
+    /// Whether the connection is made (a call then starts without
+    /// connecting first).
+    #[getter]
+    fn connected(&self) -> bool {
+        self.tcp.is_some()
+    }
+
+    /// The socket's descriptor (None: no connection), for an event loop
+    /// to await the reply to a started call on.
+    fn fileno(&self) -> Option<i32> {
+        self.tcp
+            .as_ref()
+            .map(|s| std::os::fd::AsRawFd::as_raw_fd(&s.tcp))
+    }
+
+    /// Whether the whole reply to a started call has arrived, so that
+    /// `finish_*` reads it without waiting (also true when the connection
+    /// broke, or there is none: `finish_*` then says so).
+    fn reply_ready(&mut self) -> bool {
+        self.tcp.as_mut().is_none_or(Stream::message_waiting)
     }
 
     /// Drops the connection (the next call makes a new one).
