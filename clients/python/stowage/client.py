@@ -316,12 +316,12 @@ class _Ops:
     def _core_got(self, rid: int, got: tuple | list, names: list, n: int, as_torch, nested: str = "rows") -> dict:
         """A get's result from the core's (frame 0, [(field, Buffer)] or
         None, why its codec refused the reply or None), or from its
-        `get_arrays` list (`_core_arrays`): each regular or nested field's
+        `get_arrays` dict (`_core_arrays`): each regular or nested field's
         rows were read from the socket into one buffer of their size,
         allocated once (a regular field's array is a view of it); values
         come from frame 0. Raises BadRequest as the reply says (the caller
         may ask again as a list)."""
-        if type(got) is list:
+        if type(got) is dict:
             return self._core_arrays(got, names, n)
         head, bufs, problem = got
         env = _codec.decode_envelope(head)
@@ -347,24 +347,19 @@ class _Ops:
         return self._get_result(reply, _codec.FrameSource(views), names, n, as_torch, nested)
 
     @staticmethod
-    def _core_arrays(got: list, names: list, n: int) -> dict:
-        """A get's result from the core's `get_arrays` list (the reply was a
-        get_ok of regular fields of numpy's dtypes, each field's rows in one
-        buffer of exactly its array's bytes): each array a read-only view of
-        its buffer, as the general path gives, without decoding frame 0 into
-        Python objects first (small gets pay that more than their bytes:
-        docs/benchmarks.md, "A 1-row get")."""
-        out = {}
-        for name, dtype, shape, buf in got:
-            if shape[0] != n:
-                raise ProtocolError(f"field {name!r}: shape {list(shape)} does not have {n} rows")
-            # (np.ndarray over the read-only buffer: read-only, and a third of
-            # np.frombuffer(...).reshape(...)'s cost, which a get pays per field)
-            out[name] = np.ndarray(shape, _DIRECT_DTYPES[dtype], buf) if len(buf) else \
-                _codec._frombuffer(buf, _DIRECT_DTYPES[dtype], shape)
-        if list(out) != names:
-            raise ProtocolError(f"get_ok has fields {list(out)}, requested {names}")
-        return out
+    def _core_arrays(got: dict, names: list, n: int) -> dict:
+        """A get's result from the core's `get_arrays` dict (the reply was a
+        get_ok of regular fields of numpy's dtypes, each a read-only array
+        over a buffer of exactly its bytes, made by the core), checked
+        against the request: the general path's result, without decoding
+        frame 0 into Python objects first (small gets pay that more than
+        their bytes: docs/benchmarks.md, "A 1-row get")."""
+        if list(got) != names:
+            raise ProtocolError(f"get_ok has fields {list(got)}, requested {names}")
+        for name, a in got.items():
+            if a.shape[0] != n:
+                raise ProtocolError(f"field {name!r}: shape {list(a.shape)} does not have {n} rows")
+        return got
 
     @staticmethod
     def _core_plan(targets: dict) -> list:
@@ -444,7 +439,7 @@ _DIRECT_DTYPES = {k: v for k, v in _codec.WIRE_DTYPES.items() if k not in _codec
 
 def _run_get_arrays(core, frame0: bytes, timeout: float):
     """`core.get`, or for a reply of regular fields of `_DIRECT_DTYPES` a
-    list of (field, dtype, shape, buffer): `_Ops._core_got` reads both."""
+    dict of their arrays: `_Ops._core_got` reads both."""
     return core.get_arrays(frame0, timeout, _DIRECT_DTYPES)
 
 

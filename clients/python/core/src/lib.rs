@@ -1055,9 +1055,20 @@ impl Gotten {
     }
 }
 
+/// `numpy.ndarray`.
+fn ndarray_type(py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {
+    static NDARRAY: pyo3::sync::PyOnceLock<Py<PyAny>> = pyo3::sync::PyOnceLock::new();
+    NDARRAY
+        .get_or_try_init(py, || {
+            Ok::<_, PyErr>(py.import("numpy")?.getattr("ndarray")?.unbind())
+        })
+        .map(|t| t.bind(py).clone())
+}
+
 /// What `get_arrays` returns for a reply `get` read: for a get_ok whose
-/// every field is regular, of a dtype named in `dtypes`, a list of (field,
-/// dtype name, shape, Buffer) in reply order; else `Gotten::into_tuple`.
+/// every field is regular, of a dtype `dtypes` (a dict of dtype name to
+/// numpy dtype) has, a dict of field name to a read-only numpy array over
+/// its received bytes, in reply order; else `Gotten::into_tuple`.
 fn arrays<'py>(
     py: Python<'py>,
     got: Gotten,
@@ -1070,13 +1081,25 @@ fn arrays<'py>(
             ok &= dtypes.contains(*dtype)?;
         }
         if ok {
-            let list = PyList::empty(py);
+            // Each array made here (numpy.ndarray over the field's read-only
+            // buffer: read-only itself), one call a field.
+            let ndarray = ndarray_type(py)?;
+            let out = pyo3::types::PyDict::new(py);
             let fields = got.fields.expect("checked above");
             for ((name, data), (dtype, shape)) in fields.into_iter().zip(regular) {
-                let buf = Bound::new(py, Buffer { data })?;
-                list.append((name, *dtype, PyTuple::new(py, shape)?, buf))?;
+                let shape = PyTuple::new(py, shape)?;
+                let dt = dtypes.get_item(*dtype)?;
+                let array = if data.is_empty() {
+                    // (an empty buffer is no buffer to numpy: a new empty array, read-only)
+                    let a = ndarray.call1((shape, dt))?;
+                    a.getattr("flags")?.setattr("writeable", false)?;
+                    a
+                } else {
+                    ndarray.call1((shape, dt, Bound::new(py, Buffer { data })?))?
+                };
+                out.set_item(name, array)?;
             }
-            return Ok(list.into_any());
+            return Ok(out.into_any());
         }
     }
     got.into_tuple(py)?.into_pyobject(py).map(|t| t.into_any())
@@ -1619,10 +1642,10 @@ impl Connection {
     }
 
     /// `get`, for the common reply: if the reply is a get_ok whose every
-    /// field is regular, of a dtype named in `dtypes`, a list of (field,
-    /// dtype name, shape, Buffer) in reply order, the buffer holding
-    /// exactly the array's bytes (for the caller to wrap, without decoding
-    /// frame 0 again); else what `get` returns.
+    /// field is regular, of a dtype `dtypes` (a dict of dtype name to numpy
+    /// dtype) has, a dict of field name to its read-only numpy array, in
+    /// reply order, each over a buffer of exactly its bytes (no decoding of
+    /// frame 0 into Python objects first); else what `get` returns.
     fn get_arrays<'py>(
         &mut self,
         py: Python<'py>,
