@@ -112,6 +112,27 @@ impl Indexes {
         Ok(Indexes { runs: grouped, len })
     }
 
+    /// Runs a reader grouped as it read (as [`Indexes::from_list`] groups
+    /// a list, so a run of one has step 0 and a run may repeat an index),
+    /// `len` indexes in all; checked: none empty, none past `u64::MAX`,
+    /// their counts adding up to `len`.
+    pub fn from_grouped_runs(runs: Vec<IndexRun>, len: u64) -> Result<Indexes, RunsError> {
+        let mut total = 0u64;
+        for (i, r) in runs.iter().enumerate() {
+            if r.count == 0 {
+                return Err(RunsError::Empty(i));
+            }
+            r.last().ok_or(RunsError::Overflow(i))?;
+            total = total
+                .checked_add(r.count)
+                .ok_or(RunsError::TooMany(u64::MAX, len))?;
+        }
+        if total != len {
+            return Err(RunsError::TooMany(total, len));
+        }
+        Ok(Indexes { runs, len })
+    }
+
     /// Number of indexes.
     pub fn len(&self) -> u64 {
         self.len
@@ -198,6 +219,25 @@ mod tests {
 
     fn run(start: u64, count: u64, step: u64) -> IndexRun {
         IndexRun { start, count, step }
+    }
+
+    #[test]
+    fn grouped_runs_are_taken_as_they_are_and_checked() {
+        let list = [5, 5, 5, 9, 3, 4, 5, 6, u64::MAX];
+        let grouped = Indexes::from_list(&list);
+        assert_eq!(
+            Indexes::from_grouped_runs(grouped.runs().to_vec(), 9),
+            Ok(grouped.clone())
+        );
+        assert_eq!(
+            Indexes::from_grouped_runs(vec![run(1, 2, 1), run(7, 0, 1)], 2),
+            Err(RunsError::Empty(1))
+        );
+        assert_eq!(
+            Indexes::from_grouped_runs(vec![run(u64::MAX, 2, 1)], 2),
+            Err(RunsError::Overflow(0))
+        );
+        assert!(Indexes::from_grouped_runs(vec![run(1, 2, 1)], 3).is_err());
     }
 
     #[test]

@@ -60,6 +60,30 @@ def test_every_index_input_kind_reads_as_its_ints(values):
         assert _codec.check_indexes(g, "put", unique=False) == values, kind
 
 
+def test_runs_found_while_reading_give_back_every_index():
+    """Indexes are grouped into runs as they are read (never listed for a
+    get): runs up, down, repeated, broken, at the ends of u64, in every
+    input kind, expand to exactly the indexes given."""
+    rng = np.random.default_rng(5)
+    for trial in range(200):
+        parts = []
+        for _ in range(rng.integers(1, 8)):
+            kind = rng.integers(0, 4)
+            start, count, step = int(rng.integers(0, 1000)), int(rng.integers(1, 30)), int(rng.integers(0, 5))
+            if kind == 0:
+                parts += [start + k * step for k in range(count)]
+            elif kind == 1:
+                parts += [start] * count
+            elif kind == 2:
+                parts += [int(v) for v in rng.integers(0, 50, count)]
+            else:
+                parts += [2**64 - 1 - k for k in range(count)]
+        for kind, g in (("list", parts), ("array", np.asarray(parts, np.uint64))):
+            read = _core.read_index_list(g)
+            assert read.tolist() == parts, (trial, kind)
+            assert read.runs <= len(parts)
+
+
 def test_ranges_read_without_listing_them():
     assert _core.read_index_list(range(10, 10**15, 3)).runs == 1
     assert len(_core.read_index_list(range(10, 10**15, 3))) == len(range(10, 10**15, 3))

@@ -63,6 +63,8 @@ const MAX_LISTED_RANGE: u64 = 1 << 28;
 pub(crate) enum Read {
     Run(IndexRun),
     List(Vec<u64>),
+    /// Grouped as they were read ([`read_runs`]).
+    Runs(Indexes),
 }
 
 impl Read {
@@ -70,6 +72,7 @@ impl Read {
         match self {
             Read::Run(r) => r.count,
             Read::List(v) => v.len() as u64,
+            Read::Runs(ix) => ix.len(),
         }
     }
 
@@ -77,6 +80,7 @@ impl Read {
         match self {
             Read::Run(r) => (0..r.count).map(|k| r.at(k)).collect(),
             Read::List(v) => v,
+            Read::Runs(ix) => ix.to_vec(),
         }
     }
 
@@ -86,6 +90,7 @@ impl Read {
             Read::Run(r) => Indexes::from_runs(vec![r], u64::MAX)
                 .unwrap_or_else(|_| Indexes::from_list(&Read::Run(r).into_vec())),
             Read::List(v) => Indexes::from_list(&v),
+            Read::Runs(ix) => ix,
         }
     }
 
@@ -93,6 +98,7 @@ impl Read {
     pub(crate) fn distinct(&self) -> bool {
         match self {
             Read::Run(r) => r.step > 0 || r.count <= 1,
+            Read::Runs(ix) => Read::List(ix.to_vec()).distinct(),
             Read::List(v) => {
                 if v.windows(2).all(|w| w[0] < w[1]) {
                     return true;
@@ -138,42 +144,126 @@ fn tensor_numpy<'py>(obj: &Bound<'py, PyAny>) -> Option<Bound<'py, PyAny>> {
     obj.call_method0("numpy").ok().filter(is_ndarray)
 }
 
-/// Reads `obj` as global indexes (see the module doc); None if it is not
-/// plainly a sequence of ints in `0..2^64` (or is empty).
+/// Reads `obj` as global indexes (see the module doc), listed; None if it
+/// is not plainly a sequence of ints in `0..2^64` (or is empty).
 pub(crate) fn read_indexes(obj: &Bound<'_, PyAny>) -> Option<Read> {
-    let read = if let Ok(list) = obj.cast_exact::<PyList>() {
+    read_with(obj, Vec::new()).map(|(read, list)| read.unwrap_or(Read::List(list)))
+}
+
+/// Reads `obj` as [`read_indexes`] does, into runs as it reads (never
+/// listed: half a million indexes in put order are one run, and no 4 MiB
+/// list is allocated, on fresh pages, to find that out): for a get.
+pub(crate) fn read_runs(obj: &Bound<'_, PyAny>) -> Option<Read> {
+    read_with(obj, RunBuilder::default())
+        .map(|(read, runs)| read.unwrap_or_else(|| Read::Runs(runs.finish())))
+}
+
+/// Where indexes go as they are read.
+pub(crate) trait Sink {
+    fn reserve(&mut self, n: usize);
+    fn push(&mut self, v: u64);
+    fn len(&self) -> u64;
+}
+
+impl Sink for Vec<u64> {
+    fn reserve(&mut self, n: usize) {
+        Vec::reserve(self, n)
+    }
+    fn push(&mut self, v: u64) {
+        Vec::push(self, v)
+    }
+    fn len(&self) -> u64 {
+        Vec::len(self) as u64
+    }
+}
+
+/// Groups indexes into runs as they come, as [`Indexes::from_list`] groups
+/// a list (greedy: a run goes on while the step stays the same).
+#[derive(Default)]
+pub(crate) struct RunBuilder {
+    runs: Vec<IndexRun>,
+    /// The run being built: start, count, step (meaningful from 2 on), last.
+    open: Option<(u64, u64, u64, u64)>,
+    len: u64,
+}
+
+impl RunBuilder {
+    fn finish(mut self) -> Indexes {
+        if let Some((start, count, step, _)) = self.open.take() {
+            let step = if count == 1 { 0 } else { step };
+            self.runs.push(IndexRun { start, count, step });
+        }
+        // Grouped as from_list groups them (`push`), so taken as they are.
+        Indexes::from_grouped_runs(self.runs, self.len)
+            .expect("runs of at least one index each, within u64, adding up to len")
+    }
+}
+
+impl Sink for RunBuilder {
+    fn reserve(&mut self, _: usize) {}
+
+    fn push(&mut self, v: u64) {
+        self.len += 1;
+        self.open = Some(match self.open {
+            None => (v, 1, 0, v),
+            Some((start, 1, _, _)) if v >= start => (start, 2, v - start, v),
+            Some((start, count, step, last)) if count >= 2 && v.checked_sub(last) == Some(step) => {
+                (start, count + 1, step, v)
+            }
+            Some((start, count, step, _)) => {
+                let step = if count == 1 { 0 } else { step };
+                self.runs.push(IndexRun { start, count, step });
+                (v, 1, 0, v)
+            }
+        });
+    }
+
+    fn len(&self) -> u64 {
+        self.len
+    }
+}
+
+/// Reads `obj` into `sink`; a positive-step `range` is returned as a run
+/// instead (never listed). None if `obj` is not plainly indexes, or empty.
+fn read_with<S: Sink>(obj: &Bound<'_, PyAny>, mut sink: S) -> Option<(Option<Read>, S)> {
+    let ok = if let Ok(list) = obj.cast_exact::<PyList>() {
         // SAFETY: a list, read under the GIL (which nothing here releases).
-        unsafe { ints(obj.as_ptr(), list.len(), ffi::PyList_GetItem) }.map(Read::List)
+        unsafe { ints(obj.as_ptr(), list.len(), ffi::PyList_GetItem, &mut sink) }
     } else if let Ok(tuple) = obj.cast_exact::<PyTuple>() {
         // SAFETY: a tuple, as above.
-        unsafe { ints(obj.as_ptr(), tuple.len(), ffi::PyTuple_GetItem) }.map(Read::List)
+        unsafe { ints(obj.as_ptr(), tuple.len(), ffi::PyTuple_GetItem, &mut sink) }
     } else if let Ok(range) = obj.cast_exact::<PyRange>() {
-        read_range(range)
+        match read_range(range, &mut sink)? {
+            Some(run) => return Some((Some(Read::Run(run)), sink)),
+            None => Some(()),
+        }
     } else if obj.is_instance_of::<PyBytes>()
         || obj.is_instance_of::<PyString>()
         || obj.is_instance_of::<pyo3::types::PyByteArray>()
     {
         None
     } else if let Some(a) = tensor_numpy(obj) {
-        read_buffer(&a)
+        read_buffer(&a, &mut sink)
     } else {
-        read_buffer(obj)
-    }?;
-    (read.len() > 0).then_some(read)
+        read_buffer(obj, &mut sink)
+    };
+    ok?;
+    (sink.len() > 0).then_some((None, sink))
 }
 
-/// The items of a list or tuple of `len` items as u64s, if every one is
-/// exactly an `int` in range.
+/// The items of a list or tuple of `len` items into `sink`, if every one
+/// is exactly an `int` in range.
 ///
 /// # Safety
 /// `seq` is a list (with `PyList_GetItem`) or a tuple (with
 /// `PyTuple_GetItem`) of at least `len` items; the GIL is held.
-unsafe fn ints(
+unsafe fn ints<S: Sink>(
     seq: *mut ffi::PyObject,
     len: usize,
     get: unsafe extern "C" fn(*mut ffi::PyObject, ffi::Py_ssize_t) -> *mut ffi::PyObject,
-) -> Option<Vec<u64>> {
-    let mut out = Vec::with_capacity(len);
+    sink: &mut S,
+) -> Option<()> {
+    sink.reserve(len);
     // SAFETY: the caller's contract; each item is borrowed for the loop turn.
     unsafe {
         let int_type = std::ptr::addr_of_mut!(ffi::PyLong_Type);
@@ -188,25 +278,27 @@ unsafe fn ints(
                 ffi::PyErr_Clear();
                 return None;
             }
-            out.push(v);
+            sink.push(v);
         }
     }
-    Some(out)
+    Some(())
 }
 
-fn read_range(range: &Bound<'_, PyRange>) -> Option<Read> {
+/// A `range`: its one run if its step is positive, else its indexes into
+/// `sink` (None: not indexes).
+fn read_range<S: Sink>(range: &Bound<'_, PyRange>, sink: &mut S) -> Option<Option<IndexRun>> {
     let start: i128 = range.getattr("start").ok()?.extract().ok()?;
     let step: i128 = range.getattr("step").ok()?.extract().ok()?;
     let len: u64 = range.len().ok()? as u64;
     if len == 0 {
-        return Some(Read::List(Vec::new()));
+        return Some(None);
     }
     let last = start + step * (len as i128 - 1);
     if start < 0 || last < 0 || start > u64::MAX as i128 || last > u64::MAX as i128 {
         return None;
     }
     if step > 0 {
-        return Some(Read::Run(IndexRun {
+        return Some(Some(IndexRun {
             start: start as u64,
             count: len,
             step: step as u64,
@@ -215,11 +307,11 @@ fn read_range(range: &Bound<'_, PyRange>) -> Option<Read> {
     if len > MAX_LISTED_RANGE {
         return None;
     }
-    Some(Read::List(
-        (0..len as i128)
-            .map(|k| (start + step * k) as u64)
-            .collect(),
-    ))
+    sink.reserve(len as usize);
+    for k in 0..len as i128 {
+        sink.push((start + step * k) as u64);
+    }
+    Some(None)
 }
 
 /// The integer item type of a buffer format: (signed, itemsize), for a
@@ -246,12 +338,10 @@ fn int_format(format: &[u8], itemsize: usize) -> Option<bool> {
     (size == itemsize && matches!(itemsize, 1 | 2 | 4 | 8)).then_some(signed)
 }
 
-/// A 1-d buffer of an integer item type, any stride, each item at least 0.
-fn read_buffer(obj: &Bound<'_, PyAny>) -> Option<Read> {
-    let held = match Held::with_flags(obj, ffi::PyBUF_RECORDS_RO) {
-        Ok(h) => h,
-        Err(_) => return None,
-    };
+/// A 1-d buffer of an integer item type, any stride, into `sink`, if
+/// each item is at least 0.
+fn read_buffer<S: Sink>(obj: &Bound<'_, PyAny>, sink: &mut S) -> Option<()> {
+    let held = Held::with_flags(obj, ffi::PyBUF_RECORDS_RO).ok()?;
     let size = held.itemsize();
     let signed = int_format(held.format(), size)?;
     if held.ndim() != 1 {
@@ -260,21 +350,36 @@ fn read_buffer(obj: &Bound<'_, PyAny>) -> Option<Read> {
     let n = held.shape()[0] as usize;
     let stride = held.stride0();
     let base = held.ptr();
-    let mut out = Vec::with_capacity(n);
-    for k in 0..n {
-        // SAFETY: item k of a 1-d buffer of n items lies at base + k * stride,
-        // `size` bytes, alive while `held` is.
-        let p = unsafe { base.offset(k as isize * stride) };
-        let mut b = [0u8; 8];
-        // SAFETY: `size` (1, 2, 4 or 8) bytes at `p`, see above.
-        unsafe { std::ptr::copy_nonoverlapping(p, b.as_mut_ptr(), size) };
-        let v = u64::from_le_bytes(b);
-        if signed && (v >> (size * 8 - 1)) & 1 == 1 {
-            return None; // negative
+    sink.reserve(n);
+    // One loop per item size (the read and the sign test inlined in each).
+    fn each<S: Sink, const N: usize>(
+        base: *const u8,
+        stride: isize,
+        n: usize,
+        signed: bool,
+        sink: &mut S,
+    ) -> Option<()> {
+        for k in 0..n {
+            let mut b = [0u8; 8];
+            // SAFETY: item k of a 1-d buffer of n items of N bytes lies at
+            // base + k * stride, alive while the caller holds the buffer.
+            unsafe {
+                std::ptr::copy_nonoverlapping(base.offset(k as isize * stride), b.as_mut_ptr(), N)
+            };
+            let v = u64::from_le_bytes(b);
+            if signed && (v >> (N * 8 - 1)) & 1 == 1 {
+                return None; // negative
+            }
+            sink.push(v);
         }
-        out.push(v);
+        Some(())
     }
-    Some(Read::List(out))
+    match size {
+        1 => each::<S, 1>(base, stride, n, signed, sink),
+        2 => each::<S, 2>(base, stride, n, signed, sink),
+        4 => each::<S, 4>(base, stride, n, signed, sink),
+        _ => each::<S, 8>(base, stride, n, signed, sink),
+    }
 }
 
 /// Field names as a get or clear takes them: a `str`, or a non-empty list
@@ -665,7 +770,12 @@ pub(crate) fn read_index_list(
     global_indexes: &Bound<'_, PyAny>,
     distinct: bool,
 ) -> PyResult<Option<IndexList>> {
-    let Some(read) = read_indexes(global_indexes) else {
+    let read = if distinct {
+        read_indexes(global_indexes)
+    } else {
+        read_runs(global_indexes)
+    };
+    let Some(read) = read else {
         return Ok(None);
     };
     if distinct && !read.distinct() {
@@ -760,7 +870,7 @@ pub(crate) fn get_head(
 ) -> Option<(u64, Vec<String>, stowage_wire::native::RequestHead)> {
     use stowage_wire::native::{Op, RequestHead};
     let names = read_names(fields)?;
-    let read = read_indexes(indexes)?;
+    let read = read_runs(indexes)?;
     let n = read.len();
     let head = if ranges {
         RequestHead::Other(Op::Get {
