@@ -435,6 +435,9 @@ def _run_get(core, frame0: bytes, timeout: float):
 #: The dtypes whose regular fields a get returns as plain numpy arrays
 #: (every wire dtype numpy has a type for), by wire name.
 _DIRECT_DTYPES = {k: v for k, v in _codec.WIRE_DTYPES.items() if k not in _codec.BITS_DTYPES}
+#: For a get whose arrays the core does not make (torch tensors, packed
+#: nested fields): no dtype is made directly.
+_NO_DTYPES: dict = {}
 
 
 def _run_get_arrays(core, frame0: bytes, timeout: float):
@@ -676,18 +679,22 @@ class Client(_Ops):
         elements back to back, and the rows' shapes, with no array per row
         (e.g. for `torch.nested.nested_tensor_from_jagged`); a view of the
         received bytes where they lie back to back, as over tcp."""
-        if nested == "rows" and not as_torch and self._core_serves():
+        if self._core_serves() and as_torch in (None, False, True) and nested in ("rows", "packed"):
             # The usual get: the core reads the indexes and field names and
             # writes the request itself (None: not plainly indexes and
             # distinct names, nothing sent; the general path below checks
-            # and words).
+            # and words); for numpy arrays of regular fields it makes the
+            # arrays too.
+            if as_torch:
+                _torch.require("get(as_torch=True)")
             ranges = self._ranges_ok
+            direct = _DIRECT_DTYPES if not as_torch and nested == "rows" else _NO_DTYPES
             rid, got = self._core_call("get", None, timeout, lambda core, rid, t: core.get_fast(
-                rid, global_indexes, fields, t, _DIRECT_DTYPES, ranges))
+                rid, global_indexes, fields, t, direct, ranges))
             if got is not None:
                 try:
                     return self._core_got(rid, got[1], [fields] if type(fields) is str else list(fields),
-                                          got[0], as_torch)
+                                          got[0], as_torch, nested)
                 except BadRequest as e:
                     if not (ranges and "global_indexes must be an array" in str(e)):
                         raise

@@ -116,8 +116,6 @@ from pathlib import Path
 from typing import Any, Iterable
 from urllib.parse import urlsplit
 
-import numpy as np
-
 from .client import Client
 from .errors import KeyNotFound, StowageError
 
@@ -524,10 +522,11 @@ if _TQ_IMPORT_ERROR is None:
                 return TensorDict({}, batch_size=0)
             names = list(metadata.field_names)
             try:
-                # As an int64 array: indexes evenly spaced (TransferQueue's
-                # usual batches) go to stowd as ranges, not one entry per row.
-                idx = np.fromiter(metadata.global_indexes, dtype=np.int64, count=n)
-                got = await self._clients.run("get", idx, names, as_torch=True, nested="packed")
+                # The list as it is: the client's Rust core reads it in one
+                # pass and sends its runs (TransferQueue's usual batches,
+                # evenly spaced indexes) as ranges, not one entry per row.
+                got = await self._clients.run("get", metadata.global_indexes, names, as_torch=True,
+                                              nested="packed")
             except KeyNotFound as e:
                 raise StorageKeyNotFoundError(f"[{KEY_NOT_FOUND_MARKER}] stowd at {self.endpoint}: {e}") from e
             return TensorDict({name: _tqvalues.from_wire(got[name], n) for name in names}, batch_size=n)
