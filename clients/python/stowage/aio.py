@@ -35,12 +35,22 @@ only that call's connection, not the requests in flight on the DEALER.
 return, so no thread writes into a caller's array after it; calls still
 queued then fail with "the client was closed".
 
-Small calls stay on the DEALER: the hop to a worker thread and back costs
-about 56 µs (an async get of one 4 KiB row took 237 µs through the core
-against 168 µs through pyzmq), more than the core saves on a few KiB. A
-put or get_into goes through the core from `CORE_MIN_BYTES` of payload (the
-caller's arrays say how many), a get from `CORE_MIN_ROWS` rows (its size is
-not known before the reply).
+Small calls take neither the worker thread nor the DEALER: the hop to a
+worker thread and back cost about 56 µs (an async get of one 4 KiB row
+took 237 µs through the core against 168 µs through pyzmq), and pyzmq's
+asyncio socket itself most of the rest. A put of less than
+`CORE_MIN_BYTES` and a get go through the core on a connection of their
+own (at most `CORE_CONNECTIONS` at once, `_in_loop`): the core reads the
+arguments and writes the request, this event loop awaits the socket's
+readability (`loop.add_reader`), and once the whole reply has arrived
+(its frame headers walked in a peek) the core reads it without waiting.
+A reply that arrives in pieces is read in a worker thread; a call that
+finds every such connection busy goes through the DEALER, its request
+written by the core's codec (`_core.encode_put`, `encode_get`);
+`STOWAGE_ASYNC_IN_LOOP=0` sends every small call that way (the figures:
+docs/benchmarks.md, "Small calls"). A put or get_into from
+`CORE_MIN_BYTES` of payload (the caller's arrays say how many) goes
+through the core in a worker thread, as described above.
 """
 
 from __future__ import annotations
