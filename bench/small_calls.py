@@ -17,10 +17,13 @@ Sections (all by default; `--only` picks some):
 - matrix (`put`, `get`): fields {1, 10, 32} x rows {1, 4, 64}, each field
   float32[16] a row, put and got through `stowage.Client` (sync: its Rust
   core, default spin) and `stowage.AsyncClient` (one asyncio task, calls
-  back to back). Puts overwrite: each cell cycles over a window of 64
-  puts' worth of indexes (a put of an existing (index, field) replaces
-  it), so memory stays bounded; gets cycle over rows put beforehand with
-  all 32 fields. Per cell: the median of --calls round trips (µs), then
+  back to back). Puts go to fresh indexes, each pass's cleared after it
+  (outside the timing) so memory stays bounded (`--puts fresh`, the
+  default: what a producer of new samples does), or with `--puts
+  overwrite` cycle over a window of 64 puts' worth of indexes (a put of an
+  existing (index, field) replaces it; stowd spends more CPU on a small
+  overwrite than on a fresh put). Gets cycle over 64 calls' worth of rows
+  put beforehand with all 32 fields. Per cell: the median of --calls round trips (µs), then
   client and stowd CPU per call (µs, user + system, all threads) over a
   second pass of --cpu-x times the calls (the machine's noise moves CPU
   time far less than a round trip).
@@ -28,8 +31,7 @@ Sections (all by default; `--only` picks some):
   core (default spin and spin_us=0) and pyzmq (STOWAGE_PURE_PYTHON=1).
 - policy: the 4-row x 10-field put, bundled plugins against the built-in,
   two stowds at once on the same placement, alternating blocks of 100
-  puts (order flipped every block) to cancel drift; windowed overwrites
-  as in the matrix.
+  puts (order flipped every block) to cancel drift; puts as in the matrix.
 - same-node: a stowd with shared memory ([shm], a directory of its own),
   pinned to CPU 1, holds 524,288 rows put same-node (float32
   [--same-node-width] a row; the default 1024 is the issue's seed case,
@@ -47,7 +49,7 @@ built-in (median of the alternating run); same-node get of 524,288 rows:
 list <= 5 ms, numpy <= 2 ms.
 
 usage: python3 bench/small_calls.py --stowd NEW[=label] [--stowd OLD=label ...]
-           [--plugins target/plugins] [--calls 1000] [--cpu-x 3] [--quick]
+           [--plugins DIR] [--calls 1000] [--cpu-x 3] [--puts fresh|overwrite] [--quick]
            [--only floors,put,get,sync,async,4k,policy,same-node]
            [--same-node-width 1024] [--same-node-reps 9]
 
@@ -229,49 +231,81 @@ def seed_gets(c: stowage.Client) -> None:
             c.put(part, {n: np.full((len(part), WIDTH), i, np.float32) for i, n in enumerate(NAMES)})
 
 
-def sync_matrix(endpoint: str, ops, calls: int, cpu_x: int, pid: int) -> dict:
+class Indexes:
+    """The index lists of a cell's passes. Gets, and puts with `fresh`
+    False, cycle over the cell's window (a put then overwrites the rows
+    put WINDOW calls before); puts with `fresh` take indexes never used
+    before in this stowd, and `done` clears them after the pass (outside
+    the timing), so memory stays bounded by one pass."""
+
+    def __init__(self, fresh: bool, start: int):
+        self.fresh, self.next = fresh, start
+
+    def make(self, op: str, r: int, window: list, n: int) -> tuple[list, range | None]:
+        if op == "get" or not self.fresh:
+            return [window[k % WINDOW] for k in range(n)], None
+        b = self.next
+        self.next += n * r
+        return [list(range(b + k * r, b + (k + 1) * r)) for k in range(n)], range(b, b + n * r)
+
+
+def sync_matrix(endpoint: str, ops, calls: int, cpu_x: int, pid: int, fresh: bool) -> dict:
     """{(op, fields, rows): (p50 µs, client CPU µs a call, stowd CPU µs a call)}."""
-    out = {}
-    with stowage.Client(endpoint, timeout=30) as c:
+    out, ix = {}, Indexes(fresh, 100_000_000)
+    with stowage.Client(endpoint, timeout=60) as c:
         seed_gets(c)
-        for op, f, r, idx, arg in cells(ops):
+        for op, f, r, window, arg in cells(ops):
             call = c.put if op == "put" else c.get
-            for k in range(50):  # warm
-                call(idx[k % WINDOW], arg)
-            ts = []
-            for k in range(calls):
-                t = time.perf_counter()
-                call(idx[k % WINDOW], arg)
-                ts.append(time.perf_counter() - t)
-            n = cpu_x * calls
-            mine, theirs = time.process_time(), cpu_seconds(pid)
-            for k in range(n):
-                call(idx[k % WINDOW], arg)
-            out[(op, f, r)] = (statistics.median(ts) * 1e6, (time.process_time() - mine) / n * 1e6,
-                               (cpu_seconds(pid) - theirs) / n * 1e6)
+            res = []
+            for step, n in enumerate((50, calls, cpu_x * calls)):  # warm-up, timed pass, CPU pass
+                idx, used = ix.make(op, r, window, n)
+                ts = []
+                mine, theirs = time.process_time(), cpu_seconds(pid)
+                if step == 1:
+                    for i in idx:
+                        t = time.perf_counter()
+                        call(i, arg)
+                        ts.append(time.perf_counter() - t)
+                else:
+                    for i in idx:
+                        call(i, arg)
+                if step == 2:
+                    res += [(time.process_time() - mine) / n * 1e6, (cpu_seconds(pid) - theirs) / n * 1e6]
+                elif step == 1:
+                    res.append(statistics.median(ts) * 1e6)
+                if used is not None:
+                    c.clear(used)
+            out[(op, f, r)] = tuple(res)
     return out
 
 
-def async_matrix(endpoint: str, ops, calls: int, cpu_x: int, pid: int) -> dict:
+def async_matrix(endpoint: str, ops, calls: int, cpu_x: int, pid: int, fresh: bool) -> dict:
     """As `sync_matrix`, through AsyncClient: one task, calls back to back."""
     async def run() -> dict:
-        out = {}
-        async with stowage.AsyncClient(endpoint, timeout=30) as c:
-            for op, f, r, idx, arg in cells(ops):
+        out, ix = {}, Indexes(fresh, 500_000_000)
+        async with stowage.AsyncClient(endpoint, timeout=60) as c:
+            for op, f, r, window, arg in cells(ops):
                 call = c.put if op == "put" else c.get
-                for k in range(50):
-                    await call(idx[k % WINDOW], arg)
-                ts = []
-                for k in range(calls):
-                    t = time.perf_counter()
-                    await call(idx[k % WINDOW], arg)
-                    ts.append(time.perf_counter() - t)
-                n = cpu_x * calls
-                mine, theirs = time.process_time(), cpu_seconds(pid)
-                for k in range(n):
-                    await call(idx[k % WINDOW], arg)
-                out[(op, f, r)] = (statistics.median(ts) * 1e6, (time.process_time() - mine) / n * 1e6,
-                                   (cpu_seconds(pid) - theirs) / n * 1e6)
+                res = []
+                for step, n in enumerate((50, calls, cpu_x * calls)):
+                    idx, used = ix.make(op, r, window, n)
+                    ts = []
+                    mine, theirs = time.process_time(), cpu_seconds(pid)
+                    if step == 1:
+                        for i in idx:
+                            t = time.perf_counter()
+                            await call(i, arg)
+                            ts.append(time.perf_counter() - t)
+                    else:
+                        for i in idx:
+                            await call(i, arg)
+                    if step == 2:
+                        res += [(time.process_time() - mine) / n * 1e6, (cpu_seconds(pid) - theirs) / n * 1e6]
+                    elif step == 1:
+                        res.append(statistics.median(ts) * 1e6)
+                    if used is not None:
+                        await c.clear(used)
+                out[(op, f, r)] = tuple(res)
         return out
     return asyncio.run(run())
 
@@ -308,12 +342,13 @@ def measure_4k(endpoint: str, calls: int, cpu_x: int, stowd_pid: int) -> tuple[d
 
 # -- bundled plugins against the built-in ---------------------------------------
 
-def policy_pair(binary: str, work: str, plugins: str, cpus: str, puts: int, block: int = 100) -> dict:
+def policy_pair(binary: str, work: str, plugins: str, cpus: str, puts: int, fresh: bool, block: int = 100) -> dict:
     """{policy: [µs a put]} for the 4-row x 10-field put, the two stowds
     running at once on `cpus`, blocks alternating (order flipped every
-    block); windowed overwrites as in the matrix."""
+    block); indexes as in the matrix (fresh: each put's own, the same
+    sequence in both stowds, at most 2,000 puts' worth held at a time)."""
     data = {n: np.ones((4, WIDTH), np.float32) for n in NAMES[:10]}
-    idx = windows(PUT_BASE[4], 4)
+    idx = windows(PUT_BASE[4], 4) if not fresh else [list(range(10**8 + 4 * k, 10**8 + 4 * k + 4)) for k in range(puts)]
     procs, clients, times = {}, {}, {}
     try:
         for policy, p in (("bundled plugins", plugins), ("built-in", None)):
@@ -322,8 +357,8 @@ def policy_pair(binary: str, work: str, plugins: str, cpus: str, puts: int, bloc
             times[policy] = []
         time.sleep(0.5)
         for c in clients.values():
-            for k in range(2 * WINDOW):  # warm, and every slot already held: all puts overwrite
-                c.put(idx[k % WINDOW], data)
+            for k in range(2 * WINDOW):  # warm (and with overwrites, every slot already held)
+                c.put(windows(PUT_BASE[4], 4)[k % WINDOW], data)
         for b in range(0, puts, block):
             order = list(clients.items())
             if (b // block) % 2:
@@ -332,8 +367,10 @@ def policy_pair(binary: str, work: str, plugins: str, cpus: str, puts: int, bloc
                 ts = times[policy]
                 for j in range(b, min(b + block, puts)):
                     t = time.perf_counter()
-                    c.put(idx[j % WINDOW], data)
+                    c.put(idx[j % len(idx)], data)
                     ts.append(time.perf_counter() - t)
+                if fresh and (b + block) % 2000 == 0:  # bound what the two hold (outside the timing)
+                    c.clear(range(10**8 + 4 * (b + block - 2000), 10**8 + 4 * (b + block)))
     finally:
         for c in clients.values():
             c.close()
@@ -412,16 +449,20 @@ def mark(ok: bool) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--stowd", action="append", required=True, metavar="BIN[=LABEL]")
-    ap.add_argument("--plugins", default=os.path.join(ROOT, "target", "plugins"))
+    ap.add_argument("--plugins", default=os.path.join(os.environ.get("CARGO_TARGET_DIR", os.path.join(ROOT, "target")), "plugins"),
+                    help="the bundled plugins (`cargo xtask plugins --out DIR`; default $CARGO_TARGET_DIR/plugins, else target/plugins)")
     ap.add_argument("--calls", type=int, default=1000, help="round trips a cell (its median)")
     ap.add_argument("--cpu-x", type=int, default=3, help="the CPU pass makes this many times --calls calls")
     ap.add_argument("--quick", action="store_true", help="a smoke run: 60 calls, CPU pass 1x, 2 same-node reps")
     ap.add_argument("--only", default=",".join(SECTIONS),
                     help="comma-separated sections: " + ", ".join(SECTIONS) + " (put/get and sync/async narrow the matrix)")
+    ap.add_argument("--puts", choices=("fresh", "overwrite"), default="fresh",
+                    help="put at indexes never used before (cleared after each pass), or overwrite a window's")
     ap.add_argument("--same-node-width", type=int, default=1024,
                     help="float32 elements a row (1024: the seed case, 2 GiB; 1 gives the same get times)")
     ap.add_argument("--same-node-reps", type=int, default=9)
     a = ap.parse_args()
+    fresh = a.puts == "fresh"
     only = set(a.only.split(","))
     if only - set(SECTIONS):
         raise SystemExit(f"--only: unknown {sorted(only - set(SECTIONS))}; sections: {', '.join(SECTIONS)}")
@@ -432,6 +473,8 @@ def main() -> None:
     if len(os.sched_getaffinity(0)) < 2:
         raise SystemExit("needs two CPUs")
     os.sched_setaffinity(0, {0})
+    if not os.path.isdir(a.plugins) or not any(n.endswith(".wasm") for n in os.listdir(a.plugins)):
+        raise SystemExit(f"no plugins in {a.plugins} (cargo xtask plugins --out DIR; --plugins DIR)")
     for spec in a.stowd:
         if not os.access(spec.partition("=")[0], os.X_OK):
             raise SystemExit(f"no stowd at {spec.partition('=')[0]}")
@@ -439,7 +482,7 @@ def main() -> None:
     print(f"# bench/small_calls.py at {git_commit()}, {time.strftime('%Y-%m-%d %H:%M:%S')}")
     print(f"# load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())}; CPUs {os.cpu_count()}; "
           f"python {sys.version.split()[0]}; numpy {np.__version__}")
-    print(f"# --calls {a.calls}, --cpu-x {a.cpu_x}, sections {','.join(s for s in SECTIONS if s in only)}"
+    print(f"# --calls {a.calls}, --cpu-x {a.cpu_x}, --puts {a.puts}, sections {','.join(s for s in SECTIONS if s in only)}"
           + (" (--quick)" if a.quick else ""))
     print(f"# client core: {file_id(stowage._core.__file__)}")
     for spec in a.stowd:
@@ -470,9 +513,9 @@ def main() -> None:
                         t0 = time.monotonic()
                         got = {}
                         if "sync" in kinds:
-                            got["sync"] = sync_matrix(eps["native"], ops, a.calls, a.cpu_x, proc.pid)
+                            got["sync"] = sync_matrix(eps["native"], ops, a.calls, a.cpu_x, proc.pid, fresh)
                         if "async" in kinds:
-                            got["async"] = async_matrix(eps["native"], ops, a.calls, a.cpu_x, proc.pid)
+                            got["async"] = async_matrix(eps["native"], ops, a.calls, a.cpu_x, proc.pid, fresh)
                         if got:
                             matrix.append((label, chain, where, got))
                         if "4k" in only:
@@ -486,7 +529,7 @@ def main() -> None:
                 binary, _, label = spec.partition("=")
                 for cpus, where in PLACEMENTS:
                     got = policy_pair(binary, os.path.join(work, f"policy-{k}-{cpus}"), a.plugins, cpus,
-                                      max(2 * a.calls, 200))
+                                      max(2 * a.calls, 200), fresh)
                     pol.append((label or binary, where, got))
                     m = {p: statistics.median(v) for p, v in got.items()}
                     print(f"  policy, {label or binary}, {where}: " + ", ".join(f"{p} {v:.1f} us" for p, v in m.items()),
@@ -512,8 +555,10 @@ def main() -> None:
     if matrix:
         print(f"## Small calls: fields x rows, float32[{WIDTH}] a field a row\n")
         print(f"p50: median of {a.calls} round trips; CPU: user + system µs a call over {a.cpu_x * a.calls} "
-              f"calls (client: this process, all threads; stowd: its process). Puts overwrite rows put {WINDOW} "
-              "calls before; gets read rows put beforehand. The async client sends a put under "
+              "calls (client: this process, all threads; stowd: its process). "
+              + ("Puts at fresh indexes (cleared after each pass, outside the timing)" if fresh else
+                 f"Puts overwrite rows put {WINDOW} calls before")
+              + f"; gets read rows put beforehand, cycling over {WINDOW} calls' worth. The async client sends a put under "
               f"{stowage.AsyncClient.CORE_MIN_BYTES >> 20} MiB and a get of under {stowage.AsyncClient.CORE_MIN_ROWS} rows "
               "through pyzmq (asyncio), larger ones through the core in a worker thread; the sync client, "
               "everything through the core.\n")
@@ -598,7 +643,7 @@ def main() -> None:
 
     if pol:
         print(f"### Check: 4 rows x 10 fields put, bundled plugins within {100 * (POLICY_TOLERANCE - 1):.0f}% of the built-in\n")
-        print("Two stowds at once on the placement, sync client, blocks of 100 puts alternating; µs a put.\n")
+        print("Two stowds at once on the placement, sync client, blocks of 100 puts alternating, puts as in the matrix; µs a put.\n")
         print("| stowd | placement | puts each | bundled p50 | built-in p50 | ratio (p50) | bundled mean | built-in mean | ratio (mean) | check |")
         print("|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
         for label, where, got in pol:
