@@ -13,7 +13,7 @@ Sections (all by default; `--only` picks some):
 - floors: a plain tcp ping-pong and a pyzmq DEALER<->ROUTER ping-pong
   between this process and a Python echo process, placed the same two
   ways (64 bytes out, 4,200 back: about a 1-row 4 KiB get): the median
-  of --calls round trips, µs.
+  of --calls (at least 1,000) round trips, µs.
 - matrix (`put`, `get`): fields {1, 10, 32} x rows {1, 4, 64}, each field
   float32[16] a row, put and got through `stowage.Client` (sync: its Rust
   core, default spin) and `stowage.AsyncClient` (one asyncio task, calls
@@ -23,10 +23,10 @@ Sections (all by default; `--only` picks some):
   overwrite` cycle over a window of 64 puts' worth of indexes (a put of an
   existing (index, field) replaces it; stowd spends more CPU on a small
   overwrite than on a fresh put). Gets cycle over 64 calls' worth of rows
-  put beforehand with all 32 fields. Per cell: the median of --calls round trips (µs), then
-  client and stowd CPU per call (µs, user + system, all threads) over a
-  second pass of --cpu-x times the calls (the machine's noise moves CPU
-  time far less than a round trip).
+  put beforehand with all 32 fields. Per cell: the median of --calls
+  round trips (µs), then client and stowd CPU per call (µs, user +
+  system, all threads) over a second pass of --cpu-x times the calls (the
+  machine's noise moves CPU time far less than a round trip).
 - 4k: the bench's earlier table: one 4 KiB row got and put through the
   core (default spin and spin_us=0) and pyzmq (STOWAGE_PURE_PYTHON=1).
 - policy: the 4-row x 10-field put, bundled plugins against the built-in,
@@ -53,9 +53,10 @@ usage: python3 bench/small_calls.py --stowd NEW[=label] [--stowd OLD=label ...]
            [--only floors,put,get,sync,async,4k,policy,same-node]
            [--same-node-width 1024] [--same-node-reps 9]
 
-A full run (the defaults) takes about N minutes a --stowd on a 2-vCPU VM;
---quick (60 calls a cell, CPU pass 1x) about 15 s a --stowd, to check the
-script works.
+A full run (the defaults) takes about 6 minutes a --stowd on a 2-vCPU VM;
+--quick (60 calls a cell, CPU pass 1x) about 20 s a --stowd, to check the
+script works. Progress lines say how much CPU other processes took during
+each part: this bench wants the machine to itself.
 """
 import argparse
 import asyncio
@@ -101,6 +102,29 @@ def cpu_seconds(pid: int) -> float:
     except OSError:
         f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
         return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def machine_busy() -> float:
+    """CPU seconds the whole machine has been busy (all CPUs, all processes)."""
+    f = open("/proc/stat").readline().split()[1:]
+    user, nice, system, idle, iowait, irq, softirq, steal = (int(x) for x in f[:8])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+class Others:
+    """How busy other processes kept the machine over a stretch: the
+    machine's busy CPU seconds less this process's and `pid`'s (stowd's),
+    as a share of one CPU over the wall time."""
+
+    def __init__(self, pids=()):
+        self.pids = list(pids)
+        self.t, self.busy, self.ours = time.monotonic(), machine_busy(), self._ours()
+
+    def _ours(self) -> float:
+        return time.process_time() + sum(cpu_seconds(p) for p in self.pids)
+
+    def share(self) -> float:
+        return max(0.0, (machine_busy() - self.busy) - (self._ours() - self.ours)) / (time.monotonic() - self.t)
 
 
 def median_us(fn, calls: int) -> float:
@@ -356,6 +380,7 @@ def policy_pair(binary: str, work: str, plugins: str, cpus: str, puts: int, fres
             clients[policy] = stowage.Client(eps["native"], timeout=30)
             times[policy] = []
         time.sleep(0.5)
+        others = Others([p.pid for p in procs.values()])
         for c in clients.values():
             for k in range(2 * WINDOW):  # warm (and with overwrites, every slot already held)
                 c.put(windows(PUT_BASE[4], 4)[k % WINDOW], data)
@@ -371,13 +396,14 @@ def policy_pair(binary: str, work: str, plugins: str, cpus: str, puts: int, fres
                     ts.append(time.perf_counter() - t)
                 if fresh and (b + block) % 2000 == 0:  # bound what the two hold (outside the timing)
                     c.clear(range(10**8 + 4 * (b + block - 2000), 10**8 + 4 * (b + block)))
+        busy = others.share()
     finally:
         for c in clients.values():
             c.close()
         for p in procs.values():
             p.terminate()
             p.wait()
-    return {policy: [t * 1e6 for t in ts] for policy, ts in times.items()}
+    return {policy: [t * 1e6 for t in ts] for policy, ts in times.items()}, busy
 
 
 # -- same node ----------------------------------------------------------------
@@ -510,7 +536,7 @@ def main() -> None:
                     proc, eps = start(binary, os.path.join(work, f"{k}-{chain.replace(' ', '-')}-{cpus}"), plugins, cpus=cpus)
                     try:
                         time.sleep(0.5)
-                        t0 = time.monotonic()
+                        t0, others = time.monotonic(), Others([proc.pid])
                         got = {}
                         if "sync" in kinds:
                             got["sync"] = sync_matrix(eps["native"], ops, a.calls, a.cpu_x, proc.pid, fresh)
@@ -520,20 +546,22 @@ def main() -> None:
                             matrix.append((label, chain, where, got))
                         if "4k" in only:
                             legacy.append((label, chain, where, *measure_4k(eps["native"], a.calls, a.cpu_x, proc.pid)))
+                        busy = others.share()
                     finally:
                         proc.terminate()
                         proc.wait()
-                    print(f"  {label}, {chain}, {where}: {time.monotonic() - t0:.0f} s", flush=True)
+                    print(f"  {label}, {chain}, {where}: {time.monotonic() - t0:.0f} s; other processes kept "
+                          f"{busy:.2f} of a CPU busy", flush=True)
         if "policy" in only:
             for k, spec in enumerate(a.stowd):
                 binary, _, label = spec.partition("=")
                 for cpus, where in PLACEMENTS:
-                    got = policy_pair(binary, os.path.join(work, f"policy-{k}-{cpus}"), a.plugins, cpus,
+                    got, busy = policy_pair(binary, os.path.join(work, f"policy-{k}-{cpus}"), a.plugins, cpus,
                                       max(2 * a.calls, 200), fresh)
                     pol.append((label or binary, where, got))
                     m = {p: statistics.median(v) for p, v in got.items()}
-                    print(f"  policy, {label or binary}, {where}: " + ", ".join(f"{p} {v:.1f} us" for p, v in m.items()),
-                          flush=True)
+                    print(f"  policy, {label or binary}, {where}: " + ", ".join(f"{p} {v:.1f} us" for p, v in m.items())
+                          + f"; other processes kept {busy:.2f} of a CPU busy", flush=True)
         if "same-node" in only:
             for k, spec in enumerate(a.stowd):
                 binary, _, label = spec.partition("=")
