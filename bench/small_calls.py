@@ -277,7 +277,6 @@ def sync_matrix(endpoint: str, ops, calls: int, cpu_x: int, pid: int, fresh: boo
     """{(op, fields, rows): (p50 µs, client CPU µs a call, stowd CPU µs a call)}."""
     out, ix = {}, Indexes(fresh, 100_000_000)
     with stowage.Client(endpoint, timeout=60) as c:
-        seed_gets(c)
         for op, f, r, window, arg in cells(ops):
             call = c.put if op == "put" else c.get
             res = []
@@ -538,6 +537,9 @@ def main() -> None:
                         time.sleep(0.5)
                         t0, others = time.monotonic(), Others([proc.pid])
                         got = {}
+                        if "get" in ops:
+                            with stowage.Client(eps["native"], timeout=60) as c:
+                                seed_gets(c)
                         if "sync" in kinds:
                             got["sync"] = sync_matrix(eps["native"], ops, a.calls, a.cpu_x, proc.pid, fresh)
                         if "async" in kinds:
