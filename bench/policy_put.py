@@ -32,9 +32,11 @@ sys.path.insert(0, os.path.join(ROOT, "clients", "python"))
 import stowage  # noqa: E402
 
 
-def start(binary: str, work: str, plugins: str | None, memo_entries: int | None = None, cpus: str | None = None):
+def start(binary: str, work: str, plugins: str | None, memo_entries: int | None = None, cpus: str | None = None,
+          extra: str = ""):
     """A stowd with 4 local units on `plugins` (None: the built-in), pinned
-    to `cpus` (taskset's list) if given: (process, its endpoints file)."""
+    to `cpus` (taskset's list) if given, `extra` appended to its config
+    (whole tables, e.g. `[shm]`): (process, its endpoints file)."""
     os.makedirs(work, exist_ok=True)
     if plugins is None:  # an empty plugin directory: the built-in decides
         plugins = os.path.join(work, "no-plugins")
@@ -46,6 +48,7 @@ def start(binary: str, work: str, plugins: str | None, memo_entries: int | None 
         f.write(f"dir = {json.dumps(plugins)}\n")
         if memo_entries is not None:
             f.write(f"memo_entries = {memo_entries}\n")
+        f.write(extra)
     pin = ["taskset", "-c", cpus] if cpus else []
     proc = subprocess.Popen([*pin, binary, "serve", "--config", cfg, "--endpoints-file", eps],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
