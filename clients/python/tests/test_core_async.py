@@ -437,3 +437,60 @@ def test_an_async_split_put_keeps_two_messages_on_the_wire_and_counts_what_was_a
             assert sent == [("core", "put")] * 2, sent
 
     run(main())
+
+
+def test_an_in_loop_reply_that_arrives_in_pieces_is_read_whole(monkeypatch):
+    """A reply whose frames come in pieces, with pauses between them: the
+    event loop wakes at the first piece, finds the reply incomplete (its
+    frame headers walked in a peek), and a worker thread reads the rest;
+    the loop stays free, the result is whole, the connection serves the
+    next call. A reply whose declared frame never comes in full ends in
+    StowageTimeout, not a stuck loop."""
+    from test_core import HostileZmtp
+
+    monkeypatch.undo()
+    x = np.arange(4 * 3, dtype=np.float32).reshape(4, 3)
+
+    def reply(k, env):
+        desc = {"kind": "regular", "dtype": "float32", "shape": [4, 3],
+                "parts": [{"frame": 1, "offset": 0, "len": x.nbytes, "rows": 4}]}
+        head = HostileZmtp.frame(msgpack.packb({"proto": "stowage/1", "op": "get_ok", "id": env["id"],
+                                                "body": {"fields": {"x": desc}}}), more=True)
+        data = HostileZmtp.frame(x.tobytes())
+        if k == 1:  # in three pieces, the data frame's header split
+            return [head[:5], head[5:] + data[:1], data[1:]]
+        if k == 2:  # whole
+            return head + data
+        return [head + data[:7], None]  # the rest never comes
+
+    srv = HostileZmtp(reply)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        hops = []
+        inner = loop.run_in_executor
+
+        def counted(executor, fn, *args):
+            hops.append(len(args))  # start(conn, rid, t): 3 arguments; finish(conn, rid, n, t): 4
+            return inner(executor, fn, *args)
+
+        loop.run_in_executor = counted
+        async with stowage.AsyncClient(srv.endpoint, timeout=5) as c:
+            sent = routes(c)
+            np.testing.assert_array_equal((await c.get([1, 2, 3, 4], ["x"]))["x"], x)
+            assert hops == [3, 4], hops  # connected in a thread; the reply in pieces read in one
+            np.testing.assert_array_equal((await c.get([1, 2, 3, 4], ["x"]))["x"], x)
+            assert hops == [3, 4], hops  # the whole reply: read on the loop
+            assert sent == [("core", "get"), ("core", "get")], sent
+            assert len(c._loop_idle) == 1
+            t = time.monotonic()
+            with pytest.raises(stowage.StowageTimeout):
+                await c.get([1, 2, 3, 4], ["x"], timeout=0.5)
+            assert time.monotonic() - t < 5
+            assert c._loop_idle == []
+
+    try:
+        run(main())
+        assert srv.requests[:2] == [1, 1], "the second get did not reuse the first's connection"
+    finally:
+        srv.close()
