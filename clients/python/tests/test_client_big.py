@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import stowage
-from conftest import CoreSpy
+from core_spy import CoreSpy
 from stowage import _codec, _core
 
 MiB = 1 << 20

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import stowage
-from conftest import CoreSpy
+from core_spy import CoreSpy
 from stowage import _core
 from stowage import client as client_mod
 from test_client_roundtrip import DTYPES, sample

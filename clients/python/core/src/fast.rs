@@ -584,6 +584,30 @@ impl PutPlan {
     pub(crate) fn release(self) {
         drop(self.arrays);
     }
+
+    /// Lays out `array` in `frames` (its bytes added to `cost`) and holds
+    /// it: (frame, offset, bytes).
+    fn place(&mut self, frames: &mut Frames, cost: &mut usize, array: Held) -> (u64, u64, usize) {
+        let nbytes = array.bytes().len();
+        *cost = cost.saturating_add(nbytes);
+        let (frame, offset) = frames.add(self.arrays.len(), nbytes, array.itemsize());
+        self.arrays.push(array);
+        (frame, offset, nbytes)
+    }
+
+    /// Frame 0 of the put, request id `id`, and its rows (None: one the
+    /// codec cannot write, for the general path). The layouts are taken;
+    /// the arrays stay held for the data frames.
+    pub(crate) fn frame0(&mut self, id: u64) -> Option<(bytes::Bytes, u64)> {
+        let rows = self.indexes.len() as u64;
+        let head = stowage_wire::native::RequestHead::Put {
+            global_indexes: std::mem::take(&mut self.indexes),
+            fields: std::mem::take(&mut self.fields),
+        };
+        stowage_wire::native::encode_request_head(id, &head)
+            .ok()
+            .map(|f| (f, rows))
+    }
 }
 
 /// About how many bytes a row of a values field adds to a message
@@ -654,11 +678,7 @@ pub(crate) fn plan_put(
             if a.shape.first() != Some(&n) {
                 return Ok(None);
             }
-            let nbytes = a.held.bytes().len();
-            cost = cost.saturating_add(nbytes);
-            let k = plan.arrays.len();
-            let (frame, offset) = frames.add(k, nbytes, a.held.itemsize());
-            plan.arrays.push(a.held);
+            let (frame, offset, nbytes) = plan.place(&mut frames, &mut cost, a.held);
             FieldLayout::Regular {
                 dtype: a.dtype,
                 shape: a.shape,
@@ -693,11 +713,7 @@ pub(crate) fn plan_put(
                     if *dtype.get_or_insert(a.dtype) != a.dtype {
                         return Ok(None);
                     }
-                    let nbytes = a.held.bytes().len();
-                    cost = cost.saturating_add(nbytes);
-                    let k = plan.arrays.len();
-                    let (frame, offset) = frames.add(k, nbytes, a.held.itemsize());
-                    plan.arrays.push(a.held);
+                    let (frame, offset, nbytes) = plan.place(&mut frames, &mut cost, a.held);
                     rows.push(RowLayout {
                         shape: a.shape,
                         frame,
@@ -811,12 +827,8 @@ pub(crate) fn encode_put<'py>(
     let Some(mut plan) = plan_put(indexes, data, max_bytes)? else {
         return Ok(None);
     };
-    let rows = plan.indexes.len() as u64;
-    let head = stowage_wire::native::RequestHead::Put {
-        global_indexes: std::mem::take(&mut plan.indexes),
-        fields: std::mem::take(&mut plan.fields),
-    };
-    let Ok(frame0) = stowage_wire::native::encode_request_head(id, &head) else {
+    let Some((frame0, rows)) = plan.frame0(id) else {
+        plan.release();
         return Ok(None);
     };
     let frames = plan

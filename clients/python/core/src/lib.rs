@@ -672,6 +672,53 @@ impl Connection {
         Ok(s)
     }
 
+    /// A put read, laid out and written ([`fast::plan_put`]), its reply
+    /// left for `put_end`: its rows, or None with nothing sent.
+    fn put_begin(
+        &mut self,
+        py: Python<'_>,
+        id: u64,
+        indexes: &Bound<'_, PyAny>,
+        data: &Bound<'_, PyAny>,
+        deadline: Instant,
+        max_bytes: usize,
+    ) -> PyResult<Option<u64>> {
+        let Some(mut plan) = fast::plan_put(indexes, data, max_bytes)? else {
+            return Ok(None);
+        };
+        let Some((frame0, rows)) = plan.frame0(id) else {
+            plan.release();
+            return Ok(None);
+        };
+        let sent = {
+            let frames = plan.frame_slices();
+            // The arrays stay held (`plan`) while the GIL is released.
+            py.detach(|| self.begin(deadline, &frame0, &frames))
+        };
+        plan.release();
+        sent?;
+        Ok(Some(rows))
+    }
+
+    /// The reply to `put_begin`'s put: the rows when it is a put_ok for all
+    /// of them, else its frames (for the caller to read and word).
+    fn put_end<'py>(
+        &mut self,
+        py: Python<'py>,
+        id: u64,
+        rows: u64,
+        deadline: Instant,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let reply = py.detach(|| self.resume(deadline, read_reply))?;
+        settled(
+            py,
+            id,
+            reply,
+            |r| matches!(r, native::Reply::PutOk { rows: r } if *r == rows),
+            rows,
+        )
+    }
+
     /// Writes a request (`frame0` and its data `frames`) and keeps the
     /// connection for the reply, which `resume` reads (see
     /// `Connection.start_put`). A failed write drops the connection.
@@ -1076,19 +1123,21 @@ fn arrays<'py>(
 ) -> PyResult<Bound<'py, PyAny>> {
     // `regular` is only ever set beside the buffers of a get_ok.
     if let (Some(_), Some(regular)) = (&got.fields, &got.regular) {
-        let mut ok = true;
+        let mut made = Vec::with_capacity(regular.len());
         for (dtype, _) in regular {
-            ok &= dtypes.contains(*dtype)?;
+            match dtypes.get_item(*dtype) {
+                Ok(dt) => made.push(dt),
+                Err(_) => break,
+            }
         }
-        if ok {
+        if made.len() == regular.len() {
             // Each array made here (numpy.ndarray over the field's read-only
             // buffer: read-only itself), one call a field.
             let ndarray = ndarray_type(py)?;
             let out = pyo3::types::PyDict::new(py);
             let fields = got.fields.expect("checked above");
-            for ((name, data), (dtype, shape)) in fields.into_iter().zip(regular) {
+            for (((name, data), (_, shape)), dt) in fields.into_iter().zip(regular).zip(made) {
                 let shape = PyTuple::new(py, shape)?;
-                let dt = dtypes.get_item(*dtype)?;
                 let array = if data.is_empty() {
                     // (an empty buffer is no buffer to numpy: a new empty array, read-only)
                     let a = ndarray.call1((shape, dt))?;
@@ -1125,7 +1174,10 @@ fn get_reply(s: &mut Stream) -> Result<Gotten, Fail> {
     };
     // Only for a plain reply: one that names shared-memory segments goes
     // to the caller's decoder, which refuses it (this client asked for none).
-    let plain = native::decode_extras(&head, &REPLY_LIMITS).is_ok_and(|e| e.segments.is_none());
+    // (A frame 0 without the bytes of the key `segments` has none: the
+    // second decode, a pass over all of frame 0, only when it might.)
+    let plain = !head.windows(9).any(|w| w == b"\xa8segments")
+        || native::decode_extras(&head, &REPLY_LIMITS).is_ok_and(|e| e.segments.is_none());
     let regular = if plain {
         layouts
             .iter()
@@ -1763,37 +1815,11 @@ impl Connection {
         timeout: f64,
         max_bytes: usize,
     ) -> PyResult<Option<Bound<'py, PyAny>>> {
-        let Some(mut plan) = fast::plan_put(indexes, data, max_bytes)? else {
-            return Ok(None);
-        };
-        let rows = plan.indexes.len() as u64;
-        let head = native::RequestHead::Put {
-            global_indexes: std::mem::take(&mut plan.indexes),
-            fields: std::mem::take(&mut plan.fields),
-        };
-        let Ok(frame0) = native::encode_request_head(id, &head) else {
-            plan.release();
-            return Ok(None);
-        };
-        drop(head);
         let deadline = Instant::now() + Duration::from_secs_f64(timeout.max(0.0));
-        let reply = {
-            let frames = plan.frame_slices();
-            // The arrays stay held (`plan`) while the GIL is released.
-            py.detach(|| self.exchange(deadline, |s| send(s, &frame0, &frames)))
+        let Some(rows) = self.put_begin(py, id, indexes, data, deadline, max_bytes)? else {
+            return Ok(None);
         };
-        plan.release();
-        let reply = reply?;
-        Ok(Some(settled(
-            py,
-            id,
-            reply,
-            |r| match r {
-                native::Reply::PutOk { rows: r } => *r == rows,
-                _ => false,
-            },
-            rows,
-        )?))
+        self.put_end(py, id, rows, deadline).map(Some)
     }
 
     /// A clear of `indexes` (as `get_fast` reads them) and `fields` (None:
@@ -1937,26 +1963,8 @@ impl Connection {
         timeout: f64,
         max_bytes: usize,
     ) -> PyResult<Option<u64>> {
-        let Some(mut plan) = fast::plan_put(indexes, data, max_bytes)? else {
-            return Ok(None);
-        };
-        let rows = plan.indexes.len() as u64;
-        let head = native::RequestHead::Put {
-            global_indexes: std::mem::take(&mut plan.indexes),
-            fields: std::mem::take(&mut plan.fields),
-        };
-        let Ok(frame0) = native::encode_request_head(id, &head) else {
-            plan.release();
-            return Ok(None);
-        };
         let deadline = Instant::now() + Duration::from_secs_f64(timeout.max(0.0));
-        let sent = {
-            let frames = plan.frame_slices();
-            py.detach(|| self.begin(deadline, &frame0, &frames))
-        };
-        plan.release();
-        sent?;
-        Ok(Some(rows))
+        self.put_begin(py, id, indexes, data, deadline, max_bytes)
     }
 
     /// The second half of `put_fast` (after `start_put` of `rows` rows,
@@ -1969,14 +1977,7 @@ impl Connection {
         timeout: f64,
     ) -> PyResult<Bound<'py, PyAny>> {
         let deadline = Instant::now() + Duration::from_secs_f64(timeout.max(0.0));
-        let reply = py.detach(|| self.resume(deadline, read_reply))?;
-        settled(
-            py,
-            id,
-            reply,
-            |r| matches!(r, native::Reply::PutOk { rows: r } if *r == rows),
-            rows,
-        )
+        self.put_end(py, id, rows, deadline)
     }
 
     /// The first half of `get_fast`: the request written, how many indexes
