@@ -129,14 +129,14 @@ fn is_ndarray(obj: &Bound<'_, PyAny>) -> bool {
 /// that `.numpy()` shares memory with (on the CPU, no grad, a dtype numpy
 /// has); None otherwise.
 fn tensor_numpy<'py>(obj: &Bound<'py, PyAny>) -> Option<Bound<'py, PyAny>> {
+    // (Most objects asked about are lists or values: turned away by their
+    // type's name before torch is looked up, and without an exception.)
+    if !obj.get_type().name().is_ok_and(|n| n == "Tensor") {
+        return None;
+    }
     let py = obj.py();
-    let torch = py
-        .import("sys")
-        .ok()?
-        .getattr("modules")
-        .ok()?
-        .get_item("torch")
-        .ok()?;
+    let modules = py.import("sys").ok()?.getattr("modules").ok()?;
+    let torch = modules.cast::<PyDict>().ok()?.get_item("torch").ok()??;
     let tensor = torch.getattr("Tensor").ok()?;
     if !obj.get_type().is(&tensor) {
         return None;
