@@ -12,9 +12,16 @@ the table gives the median and p90 of each. stowd's own `policy_ns`
 the run give the share of stowd's time spent in policies and the time per
 entry into a plugin (`call_ns` times only chain calls that entered one);
 `entries` and `memo_hits` say how many times a plugin was entered and how
-many decisions came from its memo.
+many decisions came from its memo; "policy us per put" is `policy_ns` over
+the puts.
 
-usage: python3 bench/policy_put.py --stowd target/release/stowd --plugins target/plugins [--puts 2000]
+`--stowd` may be given more than once (`PATH=LABEL`): each binary then runs
+its three stowds, all side by side in the same alternating blocks, and each
+binary's ratios are against its own built-in (`--no-memo-off` leaves the
+memo-off stowds out).
+
+usage: python3 bench/policy_put.py --stowd target/release/stowd[=LABEL] [--stowd OTHER=LABEL]
+           --plugins target/plugins [--puts 2000] [--no-memo-off]
 """
 import argparse
 import json
@@ -68,18 +75,30 @@ def plugin_totals(stats: dict) -> tuple[int, int, int, int]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--stowd", default=os.path.join(ROOT, "target", "release", "stowd"))
+    ap.add_argument("--stowd", action="append", help="PATH[=LABEL], repeatable")
     ap.add_argument("--plugins", default=os.path.join(ROOT, "target", "plugins"))
     ap.add_argument("--puts", type=int, default=2000)
     ap.add_argument("--block", type=int, default=100, help="puts per block before switching stowd")
+    ap.add_argument("--no-memo-off", action="store_true", help="leave out the stowds with the memo off")
     a = ap.parse_args()
+    binaries = []  # (label, path)
+    for spec in a.stowd or [os.path.join(ROOT, "target", "release", "stowd")]:
+        path, _, label = spec.partition("=")
+        binaries.append((label or (os.path.basename(path) if len(a.stowd or []) > 1 else ""), path))
     work = tempfile.mkdtemp(prefix="stowage-policy-put-")
-    systems = {"bundled plugins": (a.plugins, None), "bundled, memo off": (a.plugins, 0), "built-in": (None, None)}
+    kinds = {"bundled plugins": (a.plugins, None), "bundled, memo off": (a.plugins, 0), "built-in": (None, None)}
+    if a.no_memo_off:
+        del kinds["bundled, memo off"]
+    systems = {}  # name -> (binary, plugins, memo, label, kind)
+    for label, path in binaries:
+        for kind, (plugins, memo) in kinds.items():
+            name = f"{label}: {kind}" if label else kind
+            systems[name] = (path, plugins, memo, label, kind)
     procs, clients, times, before = {}, {}, {}, {}
     try:
-        for name, (plugins, memo) in systems.items():
-            work_dir = os.path.join(work, name.replace(" ", "-").replace(",", ""))
-            procs[name], ep = start(a.stowd, work_dir, plugins, memo)
+        for name, (binary, plugins, memo, _, _) in systems.items():
+            work_dir = os.path.join(work, name.replace(" ", "-").replace(",", "").replace(":", ""))
+            procs[name], ep = start(binary, work_dir, plugins, memo)
             clients[name] = stowage.Client(ep["native"], timeout=30)
             times[name] = []
         fields = {f"f{i}": np.ones((4, 16), np.float32) for i in range(10)}
@@ -101,10 +120,10 @@ def main() -> None:
                     times[name].append(time.perf_counter() - t)
                 wall[name] += time.perf_counter() - t0
         print(f"{a.puts} puts of 4 rows x 10 fields of float32 [16] over tcp, 4 units, "
-              f"alternating blocks of {a.block}; stowd {a.stowd}\n")
-        print("| stowd | median us | p90 us | policy share of put time | decisions per put | "
+              f"alternating blocks of {a.block}; stowd " + ", ".join(f"{p}" + (f" ({l})" if l else "") for l, p in binaries) + "\n")
+        print("| stowd | median us | p90 us | policy share of put time | policy us per put | decisions per put | "
               "entries per put | memo hits per put | us per entry |")
-        print("|---|---:|---:|---:|---:|---:|---:|---:|")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
         for name, c in clients.items():
             ts = sorted(times[name])
             s = c.stats()
@@ -112,11 +131,20 @@ def main() -> None:
             calls, entries, hits, ns = (x - y for x, y in zip(plugin_totals(s), before[name][1:]))
             per_call = f"{ns / entries / 1e3:.2f}" if entries else "-"
             print(f"| {name} | {statistics.median(ts) * 1e6:.0f} | {ts[int(len(ts) * 0.9)] * 1e6:.0f} | "
-                  f"{pol / 1e9 / wall[name]:.1%} | {calls / a.puts:.1f} | {entries / a.puts:.1f} | "
-                  f"{hits / a.puts:.1f} | {per_call} |")
-        m = {n: statistics.median(times[n]) for n in systems}
-        print(f"\nbundled / built-in median: {m['bundled plugins'] / m['built-in']:.3f}")
-        print(f"bundled, memo off / built-in median: {m['bundled, memo off'] / m['built-in']:.3f}")
+                  f"{pol / 1e9 / wall[name]:.1%} | {pol / a.puts / 1e3:.2f} | {calls / a.puts:.1f} | "
+                  f"{entries / a.puts:.1f} | {hits / a.puts:.1f} | {per_call} |")
+        print()
+        for label, _ in binaries:
+            def of(kind: str) -> list[float]:
+                return sorted(next(times[n] for n, v in systems.items() if v[3] == label and v[4] == kind))
+            builtin = of("built-in")
+            for kind in kinds:
+                if kind == "built-in":
+                    continue
+                ts = of(kind)
+                p50 = statistics.median(ts) / statistics.median(builtin)
+                p90 = ts[int(len(ts) * 0.9)] / builtin[int(len(builtin) * 0.9)]
+                print(f"{label + ': ' if label else ''}{kind} / built-in: median {p50:.3f}, p90 {p90:.3f}")
     finally:
         for c in clients.values():
             c.close()

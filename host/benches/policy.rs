@@ -7,7 +7,9 @@
 //! - `request/*`: the 40 (field, unit) pairs of the small put of issue 20
 //!   (10 fields of float32 `[4, 16]` rows, 4 units, one row each) decided in
 //!   one chain call (`select_many`), memo on and off, against the built-in
-//!   for the 40 pairs.
+//!   for the 40 pairs, and against a chain of no plugins (the built-in
+//!   through `Chain::select_many`, what a stowd with an empty plugin
+//!   directory runs).
 //!
 //! Needs the plugins built: `cargo xtask plugins`, then
 //! `cargo bench -p stowage-host --bench policy`.
@@ -103,6 +105,12 @@ fn bench(c: &mut Criterion) {
     });
     group.bench_function("wasm-call/40", |b| {
         b.iter(|| raw.select_many(&requests).unwrap())
+    });
+    // The chain with no plugin (what an empty plugin directory runs): the
+    // built-in's plans through `Chain::select_many`, as a put asks them.
+    let none = Chain::builtin();
+    group.bench_function("chain-builtin/40", |b| {
+        b.iter(|| none.select_many(&requests).unwrap())
     });
     group.bench_function("builtin/40", |b| {
         b.iter(|| {

@@ -190,7 +190,7 @@ fn a_pure_plugin_is_memoized_and_a_plugin_that_reads_never() {
     assert!(!reg.get("drop-row").unwrap().policy.describe().pure);
     let (fields, positions) = put_shape(0);
     let c = chain(&reg, &["constant-stride"], FailStrategy::Reject, 0);
-    c.select_many(&requests(&fields, &positions)).unwrap();
+    let first = c.select_many(&requests(&fields, &positions)).unwrap();
     assert_eq!(counts(&reg, "constant-stride"), [40, 1, 0, 40, 0]);
     // The next step: other bytes, the same shapes -> no entry at all.
     let (next, _) = put_shape(100);
@@ -201,6 +201,12 @@ fn a_pure_plugin_is_memoized_and_a_plugin_that_reads_never() {
             .iter()
             .all(|d| d.by == DecidedBy::Plugin("constant-stride".into()))
     );
+    // The same plans as when the plugin was entered (a run of requests of
+    // one key is answered from the first one's lookup).
+    let plans = |d: &[stowage_host::policy::chain::Decision<plan::SelectionPlan>]| {
+        d.iter().map(|d| d.plan.clone()).collect::<Vec<_>>()
+    };
+    assert_eq!(plans(&first), plans(&again));
     // Another layout (rows, dtype) or other positions: asked again.
     let shorter: Vec<Vec<u64>> = positions.iter().map(|p| p[..8].to_vec()).collect();
     c.select_many(&requests(&next, &shorter)).unwrap();
@@ -208,6 +214,29 @@ fn a_pure_plugin_is_memoized_and_a_plugin_that_reads_never() {
     let wider = vec![regular(64, 8, 0)];
     c.select_many(&requests(&wider, &positions)).unwrap();
     assert_eq!(counts(&reg, "constant-stride")[1], 3);
+    // Keys interleaved (equal ones next to each other and apart, some
+    // never asked before): each answer is the plan the plugin itself
+    // gives, as a chain without a memo asks it.
+    let other = [
+        regular(32, 16, 7),
+        regular(64, 16, 9),
+        regular(64, 2, 3),
+        regular(64, 16, 11),
+    ];
+    let mut mixed: Vec<SelectRequest<'_>> = Vec::new();
+    for u in [0usize, 1, 3, 3] {
+        for f in [0usize, 1, 3, 1, 0, 2, 2, 1, 0, 0, 2] {
+            mixed.push(SelectRequest::new(&other[f], &positions[u][..8 - u]));
+        }
+    }
+    let raw = registry(&[plugin("constant-stride")], 0);
+    let reference = chain(&raw, &["constant-stride"], FailStrategy::Reject, 0)
+        .select_many(&mixed)
+        .unwrap();
+    for _ in 0..2 {
+        let memoized = c.select_many(&mixed).unwrap();
+        assert_eq!(plans(&memoized), plans(&reference));
+    }
 
     // drop-row is not pure: every request is a call (and a fault) again.
     let d = chain(&reg, &["drop-row"], FailStrategy::Fallback, 0);

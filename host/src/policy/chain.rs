@@ -23,6 +23,19 @@
 //! events are at DEBUG: at the default INFO level a call costs one cached
 //! level check per span. A chain is called per (field, unit) of a request,
 //! never per row.
+//!
+//! Allocation: a small put's decisions (40 pairs, all memo hits) allocate
+//! nothing here but their answer lists. Measured in a release stowd under
+//! that put (perf, strace; `docs/benchmarks.md`, "The small put's plugin
+//! overhead, again"): a put keeps about 7 KiB, so the worker thread's
+//! malloc arena grows on almost every put, an `mprotect` and fresh pages
+//! each time, and the first allocation that does not fit pays for it.
+//! That was this chain's 5 KiB memo key buffer (allocated even by a chain
+//! of no plugins) and its per-request lists (8 inline, 40 used): 12% of
+//! stowd's samples, and `policy_ns` of 13-22 µs a put for the built-in
+//! against 1.9 µs in the criterion bench. With the keys in a per-thread
+//! buffer and the lists inline up to 64 pairs, `policy_ns` a put fell to
+//! 4-6 µs (built-in) and 10-11 µs (bundled plugins, memo hits).
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -230,9 +243,9 @@ enum Outcome<P> {
 }
 
 impl<P> Outcome<P> {
-    /// Records who decided in the current `policy` span.
-    fn record(&self, version: impl Fn(&str) -> String) {
-        let span = tracing::Span::current();
+    /// Records who decided in the chain call's `policy` span (nothing
+    /// when that span is disabled, the default INFO level).
+    fn record(&self, span: &tracing::Span, version: impl Fn(&str) -> String) {
         if span.is_disabled() {
             return;
         }
@@ -264,6 +277,66 @@ impl Drop for Timed {
     fn drop(&mut self) {
         let took = u64::try_from(self.0.elapsed().as_nanos()).unwrap_or(u64::MAX);
         POLICY_NS.fetch_add(took, Ordering::Relaxed);
+    }
+}
+
+/// `calls` and `plans` of one plugin's answer to a request, added to its
+/// [`PluginStats`] once, when dropped: two atomic additions a plugin a
+/// request instead of two a (field, unit) pair.
+struct Counted<'a> {
+    stats: &'a PluginStats,
+    calls: u64,
+    plans: u64,
+}
+
+impl<'a> Counted<'a> {
+    fn new(stats: &'a PluginStats) -> Self {
+        Counted {
+            stats,
+            calls: 0,
+            plans: 0,
+        }
+    }
+}
+
+impl Drop for Counted<'_> {
+    fn drop(&mut self) {
+        if self.calls > 0 {
+            self.stats.calls.fetch_add(self.calls, Ordering::Relaxed);
+        }
+        if self.plans > 0 {
+            self.stats.plans.fetch_add(self.plans, Ordering::Relaxed);
+        }
+    }
+}
+
+thread_local! {
+    /// The memo keys' buffer of this thread's last chain call, kept for the
+    /// next one (see [`KeyWords`]).
+    static KEY_WORDS: std::cell::Cell<Vec<u64>> = const { std::cell::Cell::new(Vec::new()) };
+}
+
+/// A chain call's memo key buffer: this thread's kept buffer, emptied,
+/// given back when dropped unless it grew past [`KeyWords::KEEP`] words. A
+/// call nested in another (none today) finds it taken and starts a new one.
+struct KeyWords(Vec<u64>);
+
+impl KeyWords {
+    /// Largest buffer kept between calls (32 KiB).
+    const KEEP: usize = 4096;
+
+    fn take() -> Self {
+        let mut words = KEY_WORDS.take();
+        words.clear();
+        KeyWords(words)
+    }
+}
+
+impl Drop for KeyWords {
+    fn drop(&mut self) {
+        if self.0.capacity() <= Self::KEEP {
+            KEY_WORDS.set(std::mem::take(&mut self.0));
+        }
     }
 }
 
@@ -454,35 +527,39 @@ impl Chain {
         // The first plugin asked is timed from the chain's start (one clock
         // read less: a memo hit costs about as much as three reads).
         let mut first_mark = Some(t0);
-        let _span = tracing::debug_span!(
+        let span = tracing::debug_span!(
             "policy",
             chain = "select",
             requests = requests.len(),
             decided_by = tracing::field::Empty
         )
         .entered();
-        // Inline for a request of up to 8 pairs: a small put's decisions
-        // allocate nothing here but the key buffer.
-        let mut outcomes: SmallVec<[Option<Outcome<SelectionPlan>>; 8]> =
+        // Inline (on the stack, about 8 KiB in all) for a request of up to
+        // 64 pairs: a small put's decisions (10 fields on 4 units: 40)
+        // allocate nothing here but the list returned. With 8 inline, the
+        // four lists of 40 went to the heap on every put.
+        let mut outcomes: SmallVec<[Option<Outcome<SelectionPlan>>; 64]> =
             (0..requests.len()).map(|_| None).collect();
         // Each request's memo key, encoded once for every pure plugin of
-        // the chain (none if no plugin memoizes).
-        let mut words: Vec<u64> = Vec::with_capacity(requests.len() * 16);
-        let mut keys: SmallVec<[Option<std::ops::Range<usize>>; 8]> = SmallVec::new();
+        // the chain (none if no plugin memoizes), into this thread's
+        // reused buffer.
+        let mut scratch = KeyWords::take();
+        let mut keys: SmallVec<[Option<std::ops::Range<usize>>; 64]> = SmallVec::new();
         if self.policies.iter().any(|l| l.policy.memoizes()) {
             keys.reserve(requests.len());
             for r in requests {
-                let start = words.len();
-                let encoded = super::wasm::memo::encode(r.field, r.positions, &mut words);
-                keys.push(encoded.then_some(start..words.len()));
+                let start = scratch.0.len();
+                let encoded = super::wasm::memo::encode(r.field, r.positions, &mut scratch.0);
+                keys.push(encoded.then_some(start..scratch.0.len()));
             }
         }
+        let words = &scratch.0;
         let key_of =
             |i: usize| -> Option<&[u64]> { keys.get(i).and_then(|k| k.clone()).map(|k| &words[k]) };
         // Reused for each plugin: the requests still undecided that it
         // handles, by index and as asked.
-        let mut pending: SmallVec<[usize; 8]> = SmallVec::with_capacity(requests.len());
-        let mut asked: SmallVec<[SelectRequest<'_>; 8]> = SmallVec::with_capacity(requests.len());
+        let mut pending: SmallVec<[usize; 64]> = SmallVec::with_capacity(requests.len());
+        let mut asked: SmallVec<[SelectRequest<'_>; 64]> = SmallVec::with_capacity(requests.len());
         for loaded in &self.policies {
             let d = loaded.policy.describe();
             pending.clear();
@@ -526,9 +603,16 @@ impl Chain {
                 let took = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
                 st.call_ns.fetch_add(took, Ordering::Relaxed);
             }
-            st.entries.fetch_add(answered.entries, Ordering::Relaxed);
-            st.memo_hits
-                .fetch_add(answered.memo_hits, Ordering::Relaxed);
+            if answered.entries > 0 {
+                st.entries.fetch_add(answered.entries, Ordering::Relaxed);
+            }
+            if answered.memo_hits > 0 {
+                st.memo_hits
+                    .fetch_add(answered.memo_hits, Ordering::Relaxed);
+            }
+            // `calls` and `plans` are added once for the whole answer (and
+            // before a `reject` returns).
+            let mut counted = Counted::new(st);
             for (&i, answer) in pending.iter().zip(answered.answers) {
                 // A plugin disabled by a fault earlier in this answer is
                 // not asked again: its remaining answers are dropped, and
@@ -537,12 +621,12 @@ impl Chain {
                 if st.disabled.load(Ordering::Relaxed) {
                     break;
                 }
-                st.calls.fetch_add(1, Ordering::Relaxed);
+                counted.calls += 1;
                 let r = requests[i];
                 outcomes[i] = match answer {
                     Ok(plan) => match plan::validate_selection(r.field, r.positions, &plan) {
                         Ok(()) => {
-                            st.plans.fetch_add(1, Ordering::Relaxed);
+                            counted.plans += 1;
                             tracing::debug!(request = i, "answered a valid plan");
                             Some(Outcome::Plan(plan, loaded.name.clone()))
                         }
@@ -565,7 +649,7 @@ impl Chain {
         let mut decided = Vec::with_capacity(requests.len());
         for (r, outcome) in requests.iter().zip(outcomes) {
             let outcome = outcome.unwrap_or(Outcome::Builtin);
-            outcome.record(|name| self.version_of(name));
+            outcome.record(&span, |name| self.version_of(name));
             let by = match outcome {
                 Outcome::Plan(plan, name) => {
                     decided.push(Decision {
@@ -591,14 +675,14 @@ impl Chain {
         limits: &PackLimits,
     ) -> Result<Decision<FramePlan>, ChainError> {
         let _timed = Timed(Instant::now());
-        let _span =
+        let span =
             tracing::debug_span!("policy", chain = "pack", decided_by = tracing::field::Empty)
                 .entered();
         let outcome = self.ask(
             |p| p.pack(pieces, limits),
             |plan| plan::validate_frames(pieces, limits, plan),
         )?;
-        outcome.record(|name| self.version_of(name));
+        outcome.record(&span, |name| self.version_of(name));
         let by = match outcome {
             Outcome::Plan(plan, name) => {
                 return Ok(Decision {
