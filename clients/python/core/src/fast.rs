@@ -2,13 +2,15 @@
 //! user gave them, frame 0 written, the data frames laid out and the reply
 //! read here, with no per-field or per-index Python work.
 //!
-//! Why: a small put used to cost the client about 200 µs of its own CPU
-//! (a 1-field put of 4 rows, release build), nearly all of it the Python
-//! layer: checking the indexes, normalizing each field, planning the
-//! messages with numpy, building the descriptors, and reading the reply
-//! (docs/benchmarks.md, "Small calls"). And a get of half a million indexes
-//! given as a Python list spent most of its time turning the list into the
-//! wire's list, one Python int at a time.
+//! Why: a one-field put of 1-4 rows used to cost the client 66-81 µs of
+//! its own CPU (release build, stowd on the client's CPU), nearly all of
+//! it the Python layer: checking the indexes, normalizing each field,
+//! planning the messages with numpy, building the descriptors, and
+//! reading the reply; here it costs 16-17 (docs/benchmarks.md, "Small
+//! calls: the client's fixed cost"). And a same-node get of half a million
+//! indexes given as a Python list took 109 ms, most of it turning the list
+//! into the wire's list one Python int at a time; read here, its runs go
+//! as ranges (a few ms).
 //!
 //! Everything here is a fast path beside the general one, which stays the
 //! reference: each function returns `None` (nothing sent) for any argument
