@@ -460,14 +460,34 @@ async fn lease_fd(
 }
 
 /// Waits up to 5 s for `pid` to hold `want` descriptors; the count then.
+/// Waits (up to 5 s) until stowd holds at most `want` descriptors: how
+/// many it holds then. (At most: one stowd opened for itself before the
+/// count was taken, such as a plugin compile-cache file written at start
+/// on a loaded machine, may close meanwhile; a leak shows as more.)
 async fn fds_settle(pid: u32, want: usize) -> usize {
     let deadline = Instant::now() + Duration::from_secs(5);
     loop {
         let n = open_fds(pid);
-        if n == want || Instant::now() > deadline {
+        if n <= want || Instant::now() > deadline {
             return n;
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// stowd's descriptor count once it holds still (the same over 200 ms,
+/// up to 10 s): a base that start-up's own files, still open on a loaded
+/// machine, do not inflate.
+async fn steady_fds(pid: u32) -> usize {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut n = open_fds(pid);
+    loop {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let now = open_fds(pid);
+        if now == n || Instant::now() > deadline {
+            return now;
+        }
+        n = now;
     }
 }
 
@@ -525,7 +545,7 @@ async fn void_and_expired_leases_give_their_descriptors_back() {
     let client = NativeClient::new(stowd.native());
     let channel = FdChannel::open(&client).await;
     client.stats().await;
-    let base = open_fds(pid);
+    let base = steady_fds(pid).await;
     let frames = native::encode_request(&native::Request {
         id: 9,
         op: native::Op::Put {
@@ -562,15 +582,18 @@ async fn void_and_expired_leases_give_their_descriptors_back() {
     }
     let leased = open_fds(pid);
     let t0 = Instant::now();
-    let after_expiry = fds_settle(pid, base).await;
+    let after_expiry = fds_settle(pid, after_void).await;
     eprintln!(
         "stowd's descriptors: {base} at first, {after_void} after 10 void leases, {leased} with \
          10 leases, {after_expiry} {:?} later",
         t0.elapsed()
     );
-    assert_eq!(after_void, base, "void leases kept descriptors");
-    assert_eq!(leased, base + 10);
-    assert_eq!(after_expiry, base, "expired leases kept descriptors");
+    assert!(after_void <= base, "void leases kept descriptors");
+    assert_eq!(leased, after_void + 10);
+    assert!(
+        after_expiry <= after_void,
+        "expired leases kept descriptors"
+    );
     assert_eq!(client.stat("shm_leases").await, 0);
 }
 
@@ -581,7 +604,7 @@ async fn a_closed_connections_leases_give_their_descriptors_back_at_once() {
     let pid = stowd.pid();
     let watcher = NativeClient::new(stowd.native());
     watcher.stats().await;
-    let base = open_fds(pid);
+    let base = steady_fds(pid).await;
     let client = NativeClient::new(stowd.native());
     let channel = FdChannel::open(&client).await;
     for _ in 0..10 {
@@ -597,7 +620,10 @@ async fn a_closed_connections_leases_give_their_descriptors_back_at_once() {
          leases closed",
         t0.elapsed()
     );
-    assert_eq!(after, base, "a closed connection's leases kept descriptors");
+    assert!(
+        after <= base,
+        "a closed connection's leases kept descriptors"
+    );
     assert!(t0.elapsed() < Duration::from_secs(5));
     assert_eq!(watcher.stat("shm_leases").await, 0);
 }
