@@ -321,6 +321,7 @@ def test_a_refused_fast_put_raises_as_stowd_says_and_stores_nothing(small_server
             c.get(idx, ["x"])
         assert c.put(idx, {"x": np.ones((4, 2), np.float32)}) == 4
         np.testing.assert_array_equal(c.get(idx, ["x"])["x"], np.ones((4, 2), np.float32))
+        assert c.clear(idx) == 4  # (the units are small, and shared by the session's tests)
 
 
 def test_a_fast_put_answered_wrongly_is_a_protocol_error(fake_server):

@@ -701,13 +701,12 @@ pub(crate) fn plan_put(
     if data.is_empty() {
         return Ok(None);
     }
-    let Some(read) = read_indexes(indexes) else {
-        return Ok(None);
+    // How many indexes, without reading them: the fields are checked (and
+    // a put of more than one message turned away) before any is read.
+    let n = match indexes.len() {
+        Ok(n) if n > 0 => n as u64,
+        _ => return Ok(None),
     };
-    let n = read.len();
-    if !read.distinct() {
-        return Ok(None);
-    }
     let mut plan = PutPlan {
         indexes: Vec::new(),
         fields: Vec::with_capacity(data.len()),
@@ -794,6 +793,12 @@ pub(crate) fn plan_put(
         if cost > max_bytes {
             return Ok(None);
         }
+    }
+    let Some(read) = read_indexes(indexes) else {
+        return Ok(None);
+    };
+    if read.len() != n || !read.distinct() {
+        return Ok(None);
     }
     plan.frames = frames.frames;
     plan.indexes = read.into_vec();
