@@ -227,6 +227,44 @@ pub fn put_header(out: &mut BytesMut, len: usize, more: bool) {
     }
 }
 
+/// Whether `bytes` begin with a whole message: frames up to one without
+/// the MORE flag, each header and body all there. For a reader that must
+/// not wait (the Python client's core, before it reads a reply on an
+/// event loop): walks the headers only. An absurd size counts as whole,
+/// for the reader to refuse.
+pub fn message_complete(bytes: &[u8]) -> bool {
+    let mut at = 0usize;
+    loop {
+        let Some(&flags) = bytes.get(at) else {
+            return false;
+        };
+        let (size, header) = if flags & FLAG_LONG != 0 {
+            match bytes.get(at + 1..at + 9) {
+                Some(b) => (u64::from_be_bytes(b.try_into().expect("8 bytes")), 9),
+                None => return false,
+            }
+        } else {
+            match bytes.get(at + 1) {
+                Some(&b) => (u64::from(b), 2),
+                None => return false,
+            }
+        };
+        let Some(end) = (at as u64)
+            .checked_add(header)
+            .and_then(|e| e.checked_add(size))
+        else {
+            return true;
+        };
+        if end > bytes.len() as u64 {
+            return false;
+        }
+        at = end as usize;
+        if flags & FLAG_MORE == 0 {
+            return true;
+        }
+    }
+}
+
 /// Writes one message. Frames above a few KiB go out from their own
 /// buffers (no copy); headers and small frames are coalesced.
 pub async fn write_message<W: AsyncWrite + Unpin + ?Sized>(

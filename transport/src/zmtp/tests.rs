@@ -321,3 +321,29 @@ fn the_pool_counts_hits_misses_and_what_it_frees() {
     );
     assert_eq!(c.freed_bytes.load(Relaxed), 6 << 20);
 }
+
+#[test]
+fn a_message_is_complete_only_once_every_frame_is_there() {
+    let mut m = BytesMut::new();
+    put_header(&mut m, 3, true);
+    m.put_slice(b"abc");
+    put_header(&mut m, 300, false);
+    m.put_slice(&[7u8; 300]);
+    for cut in 0..m.len() {
+        assert!(
+            !message_complete(&m[..cut]),
+            "complete at {cut} of {}",
+            m.len()
+        );
+    }
+    assert!(message_complete(&m));
+    let mut more = m.to_vec();
+    more.extend_from_slice(b"\x00\x05next");
+    assert!(
+        message_complete(&more),
+        "bytes after it are the next message's"
+    );
+    // A declared size past u64: whole, for the reader to refuse.
+    let absurd = [FLAG_LONG, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff];
+    assert!(message_complete(&absurd));
+}

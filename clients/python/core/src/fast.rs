@@ -89,8 +89,8 @@ impl Read {
     /// As runs, grouped as [`Indexes::from_list`] groups them.
     pub(crate) fn into_indexes(self) -> Indexes {
         match self {
-            Read::Run(r) => Indexes::from_runs(vec![r], u64::MAX)
-                .unwrap_or_else(|_| Indexes::from_list(&Read::Run(r).into_vec())),
+            // (A range's run: its count, step and last index checked when read.)
+            Read::Run(r) => Indexes::from_runs(vec![r], u64::MAX).expect("a checked run"),
             Read::List(v) => Indexes::from_list(&v),
             Read::Runs(ix) => ix,
         }

@@ -415,7 +415,7 @@ impl Stream {
                 return true;
             }
         }
-        zmtp_message_complete(&bytes)
+        zmtp::message_complete(&bytes)
     }
 
     /// A frame header: (more, command, size).
@@ -469,41 +469,6 @@ impl Stream {
 
 /// Most bytes [`Stream::message_waiting`] peeks at.
 const PEEK_MAX: usize = 4 << 20;
-
-/// Whether `bytes` begin with a whole ZMTP message (frames up to one
-/// without the MORE flag).
-fn zmtp_message_complete(bytes: &[u8]) -> bool {
-    let mut at = 0usize;
-    loop {
-        let Some(&flags) = bytes.get(at) else {
-            return false;
-        };
-        let (size, header) = if flags & FLAG_LONG != 0 {
-            match bytes.get(at + 1..at + 9) {
-                Some(b) => (u64::from_be_bytes(b.try_into().expect("8 bytes")), 9),
-                None => return false,
-            }
-        } else {
-            match bytes.get(at + 1) {
-                Some(&b) => (u64::from(b), 2),
-                None => return false,
-            }
-        };
-        let Some(end) = (at as u64)
-            .checked_add(header)
-            .and_then(|e| e.checked_add(size))
-        else {
-            return true; // an absurd size: the read refuses it
-        };
-        if end > bytes.len() as u64 {
-            return false;
-        }
-        at = end as usize;
-        if flags & FLAG_MORE == 0 {
-            return true;
-        }
-    }
-}
 
 /// How long a reply is awaited by polling the socket, before sleeping in
 /// `poll` (`Client(spin_us=...)`, default 200 µs).
