@@ -1,6 +1,6 @@
 //! Stowage build tasks, run as `cargo xtask <command>` (alias in
-//! `.cargo/config.toml`). Only std and `sha2` (which the host builds
-//! anyway), so it builds in seconds.
+//! `.cargo/config.toml`). Only std, `sha2` (which the host builds
+//! anyway) and `object`'s ELF reader, so it builds in seconds.
 //!
 //! Commands:
 //! - `plugins [--out DIR] [--hostile]`: builds every crate under `plugins/`
@@ -24,6 +24,8 @@
 //!   regression inputs, `tests/tests/fuzz_corpora.rs`), then the Python
 //!   suite with pytest.
 //! - `contract`: only the released-contract check.
+//! - `wheel [--debug] [--out DIR]`: the `stowage` wheel with stowd and the
+//!   plugins inside, built by maturin (`wheel.rs`).
 //! - `fuzz [TARGET] [--time SECS] [--sanitizer NAME]`: runs the cargo-fuzz
 //!   targets in `fuzz/` (installs nightly and cargo-fuzz if missing).
 //!
@@ -74,7 +76,7 @@ const COMMANDS: &[Cmd] = &[
     ),
     (
         "wheel",
-        "wheel [--debug] [--out DIR]       build stowd (release) and a stowage wheel holding it and the plugins (target/wheels)",
+        "wheel [--debug] [--out DIR]       build the plugins and stowd (release) and, with maturin, a manylinux stowage wheel holding them (target/wheels)",
         wheel::wheel,
     ),
 ];
@@ -364,6 +366,10 @@ const PYTHON_DEPS: &[(&str, &str)] = &[
     ("tomli-w", "tomli_w"),
     // The float8 client tests read float8 fields as ml_dtypes arrays.
     ("ml_dtypes", "ml_dtypes"),
+    // The wheel test (tests/python/test_wheel.py): maturin builds the
+    // wheel, auditwheel checks its manylinux tag.
+    ("maturin", "maturin"),
+    ("auditwheel", "auditwheel"),
 ];
 
 /// Installs the Python test dependencies when one is missing.

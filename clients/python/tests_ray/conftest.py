@@ -58,12 +58,11 @@ def stowd_bin() -> Path:
 
 
 def stowage_wheel() -> Path:
-    """$STOWAGE_WHEEL, else the newest stowage-*-py3-none-*.whl in
-    <target>/wheels (what `cargo xtask wheel` writes, stowd inside; `pip
-    install ./clients/python` leaves maturin's wheel, without stowd, beside
-    it). A missing wheel fails the test: the README's steps build it."""
+    """$STOWAGE_WHEEL, else the newest stowage-*-manylinux_*.whl in
+    <target>/wheels (what `cargo xtask wheel` writes, stowd inside). A
+    missing wheel fails the test: the README's steps build it."""
     explicit = os.environ.get("STOWAGE_WHEEL")
-    wheels = [Path(explicit)] if explicit else sorted((target_dir() / "wheels").glob("stowage-*-py3-none-*.whl"),
+    wheels = [Path(explicit)] if explicit else sorted((target_dir() / "wheels").glob("stowage-*-manylinux_*.whl"),
                                                       key=lambda p: p.stat().st_mtime)
     if not wheels or not wheels[-1].is_file():
         where = explicit or target_dir() / "wheels"

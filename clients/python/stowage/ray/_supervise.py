@@ -12,11 +12,8 @@ import socket
 from pathlib import Path
 from typing import Any
 
-PACKAGE_DIR = Path(__file__).resolve().parent.parent
-PACKAGED_STOWD = PACKAGE_DIR / "_bin" / "stowd"
-"""Where the wheel built by `cargo xtask wheel` puts the binary."""
-PACKAGED_PLUGINS = PACKAGE_DIR / "plugins"
-"""... and its policy plugins (`<binary dir>/../plugins`: where stowd looks by default)."""
+from .._stowd import BINARY as PACKAGED_STOWD
+from .._stowd import PLUGINS as PACKAGED_PLUGINS
 
 
 class StowdNotFound(FileNotFoundError):
