@@ -100,6 +100,11 @@ def test_launch_config_merges_over_what_launch_sets(config_mod):
         "limits": {"max_rows": 9},
         "checkpoint": {"roots": ["/n/checkpoint"]},
     }
+    # Roots given in `config` join the node's checkpoint directory.
+    spec["config"] = {"checkpoint": {"roots": ["/tq", "/n/checkpoint"], "max_journals": 2}}
+    got = config_mod.stowd_config(spec, "h", {"native": 1, "unit_base": 2, "router": 3}, None, None, "/c",
+                                  Path("/n") / "checkpoint")
+    assert got["checkpoint"] == {"roots": ["/n/checkpoint", "/tq"], "max_journals": 2}
     with pytest.raises(ValueError, match=r"config\['shm'\]\['dir'\] is set by launch\(\): use shm_dir"):
         config_mod.check_reserved({"shm": {"dir": "/x"}})
 

@@ -314,7 +314,9 @@ def test_checkpoint_restored_after_restart(local_ray, tmp_path):
         assert now.restored is None, now.history
         err = now.history[-1]["restore_error"]
         assert err and "cannot restore the checkpoint" in err and "checkpoint.unrestorable-3" in err, err
-        assert not Path(ckpt).exists() and (Path(node.dir) / "checkpoint.unrestorable-3").is_dir()
+        # Set aside; stowd makes its checkpoint root again (empty, 0700) at start.
+        assert (Path(node.dir) / "checkpoint.unrestorable-3").is_dir()
+        assert not any(Path(ckpt).iterdir()), sorted(Path(ckpt).iterdir())
         got = ray.get(get_task.remote(h, [20]), timeout=120)
         assert got["error"][0] == "DataLost" and got["checkpoints"] == {}, got
         for part in ["generation 2 -> 3", "cannot restore the checkpoint", "before the restart are lost"]:
@@ -375,3 +377,28 @@ def test_the_wheels_stowd_runs_on_its_defaults_and_under_launch(local_ray, tmp_p
         check_rows(ray.get(get_task.remote(h, list(range(N))), timeout=120), list(range(N)), seed=7)
     finally:
         h.shutdown()
+
+
+def test_runtime_env_pip_installs_the_wheel_with_its_stowd_command(local_ray):
+    """The README's Ray path: `runtime_env={"pip": [wheel]}` installs the wheel
+    into the job's environment on the node; there `stowd` is on PATH and is
+    the binary stowage.ray runs."""
+
+    def probe():
+        import shutil
+        import subprocess
+
+        import stowage as st
+        import stowage.ray as sr
+
+        command = shutil.which("stowd")
+        version = subprocess.run([command, "--version"], capture_output=True, text=True, timeout=60).stdout
+        return st.__file__, command, version.strip(), str(sr.find_stowd())
+
+    # (PYTHONPATH emptied: conftest points the workers at this tree's package.)
+    env = {"pip": [str(stowage_wheel())], "env_vars": {"PYTHONPATH": ""}}
+    where, command, version, binary = ray.get(ray.remote(probe).options(runtime_env=env).remote(), timeout=600)
+    env_dir = Path(command).parent.parent
+    assert Path(where).is_relative_to(env_dir) and "runtime_resources" in where, where
+    assert version.startswith("stowd "), version
+    assert binary == str((Path(where).parent / "_bin" / "stowd").resolve())

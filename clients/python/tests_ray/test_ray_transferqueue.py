@@ -103,7 +103,10 @@ def consumer(keys):
 
 
 def test_transferqueue_on_ray_uses_the_launched_units(tq_ray, tmp_path):
-    h = sray.launch(stowd_bin=stowd_bin(), workdir=tmp_path / "wd")
+    # TransferQueue's checkpoint below goes under tmp_path: a root of its own
+    # (stowd writes checkpoints only under [checkpoint] roots).
+    h = sray.launch(stowd_bin=stowd_bin(), workdir=tmp_path / "wd",
+                    config={"checkpoint": {"roots": [str(tmp_path)]}})
     try:
         # What a TransferQueue user adds: the backend section from the handle.
         conf = tq.init({"backend": h.transferqueue_config()})

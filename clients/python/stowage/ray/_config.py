@@ -38,8 +38,9 @@ def stowd_config(spec: Mapping[str, Any], host: str, ports: Mapping[str, int], r
                  checkpoint_dir: str | os.PathLike | None = None) -> dict:
     """One node's stowd config: its ports, units, router (over `router_units`;
     None: its own units only), plugins, shared memory and, with
-    `checkpoint_dir`, the one checkpoint root (the node's checkpoint
-    directory), with the launch's `config` sections merged over it."""
+    `checkpoint_dir`, a checkpoint root (the node's checkpoint directory),
+    with the launch's `config` sections merged over it (`[checkpoint]
+    roots` given there are added to the node's, not put in its place)."""
     config = {
         "server": {"host": host, "native_port": ports["native"]},
         "units": {
@@ -55,9 +56,14 @@ def stowd_config(spec: Mapping[str, Any], host: str, ports: Mapping[str, int], r
         config["plugins"]["dir"] = str(plugin_dir)
     if spec.get("shm_dir"):
         config["shm"]["dir"] = str(spec["shm_dir"])
+    extra = dict(spec.get("config") or {})
     if checkpoint_dir is not None:
         config["checkpoint"] = {"roots": [str(checkpoint_dir)]}
-    return merge(config, spec.get("config") or {})
+        given = extra.get("checkpoint")
+        if isinstance(given, Mapping) and isinstance(given.get("roots"), (list, tuple)):
+            roots = [str(checkpoint_dir), *(str(r) for r in given["roots"] if str(r) != str(checkpoint_dir))]
+            extra["checkpoint"] = {**given, "roots": roots}
+    return merge(config, extra)
 
 
 def merge(base: dict, extra: Mapping[str, Any]) -> dict:
