@@ -376,13 +376,9 @@ pub fn run(policy: &dyn Policy) -> Report {
     run_with(policy, Stop::Never)
 }
 
-/// The first case a plugin failed, and why (one line, at most 400 bytes).
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{case}{}", why.as_ref().map(|w| format!(": {w}")).unwrap_or_default())]
-pub struct Refusal {
-    pub case: String,
-    pub why: Option<String>,
-}
+/// The first case a plugin failed, and why: defined with the policies,
+/// which carry it in their load errors.
+pub use crate::policy::Refusal;
 
 /// Runs the suite until the first failure: `Ok(cases run)` if no case
 /// failed (declining is fine), else the failing case and why. This is what

@@ -27,7 +27,61 @@ use std::sync::{Arc, Mutex, OnceLock};
 use bytes::Bytes;
 
 use crate::shm::{Handle, SegmentStore, ShmError};
-use crate::spill::Accounts;
+
+/// The extents' clock: advanced by each scan of the spiller
+/// ([`crate::spill`]), read by every use of an extent (a plain load, so
+/// gets never contend on it).
+static CLOCK: AtomicU64 = AtomicU64::new(1);
+
+/// The current tick of the clock.
+pub fn now() -> u64 {
+    CLOCK.load(Ordering::Relaxed)
+}
+
+/// Advances the clock by one tick (the spiller's scans).
+pub(crate) fn tick() {
+    CLOCK.fetch_add(1, Ordering::Relaxed);
+}
+
+/// The memory and disk totals of the extents units stored (kept here, with
+/// the extents; the spiller reads and moves them).
+#[derive(Debug, Default)]
+pub struct Accounts {
+    pub(crate) memory: AtomicU64,
+    pub(crate) disk: AtomicU64,
+    /// Bytes written to spill files, ever.
+    pub(crate) spilled: AtomicU64,
+    /// Extents spilled, ever.
+    pub(crate) files: AtomicU64,
+    /// Spill writes that failed.
+    pub(crate) failures: AtomicU64,
+    /// Time spent writing (and syncing and mapping) spill files, ns.
+    pub(crate) write_ns: AtomicU64,
+}
+
+impl Accounts {
+    pub(crate) fn add(&self, len: u64, on_disk: bool) {
+        let total = if on_disk { &self.disk } else { &self.memory };
+        total.fetch_add(len, Ordering::AcqRel);
+    }
+
+    pub(crate) fn forget(&self, len: u64, on_disk: bool) {
+        let total = if on_disk { &self.disk } else { &self.memory };
+        total.fetch_sub(len, Ordering::AcqRel);
+    }
+
+    pub(crate) fn to_disk(&self, len: u64) {
+        self.memory.fetch_sub(len, Ordering::AcqRel);
+        self.disk.fetch_add(len, Ordering::AcqRel);
+        self.spilled.fetch_add(len, Ordering::Relaxed);
+        self.files.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub(crate) fn to_memory(&self, len: u64) {
+        self.disk.fetch_sub(len, Ordering::AcqRel);
+        self.memory.fetch_add(len, Ordering::AcqRel);
+    }
+}
 
 /// Where an extent's bytes are now: `base[offset..offset + len]`.
 #[derive(Clone, Debug)]
@@ -115,7 +169,7 @@ impl Extent {
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
             len,
             place: Mutex::new(place),
-            used: AtomicU64::new(crate::spill::now()),
+            used: AtomicU64::new(now()),
             state: AtomicU8::new(state::MEMORY),
             accounts: OnceLock::new(),
         })
@@ -140,7 +194,7 @@ impl Extent {
     pub fn place(&self) -> Place {
         // Written only when the spiller's clock moved (a scan), so readers
         // of one extent do not all write its cache line on every get.
-        let now = crate::spill::now();
+        let now = now();
         if self.used.load(Ordering::Relaxed) != now {
             self.used.store(now, Ordering::Relaxed);
         }

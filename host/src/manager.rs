@@ -17,7 +17,7 @@ mod remote;
 #[cfg(test)]
 mod tests;
 
-pub use peer::{FetchTap, PeerUnit, TapEvent, frame_layout, parse_peer_unit};
+pub use peer::{FetchTap, PeerUnit, TapEvent, frame_layout};
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;

@@ -64,55 +64,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use rustix::fs::{AtFlags, FileType, Mode, OFlags};
 
-use crate::extent::Extent;
-
-/// The spiller's clock: advanced by each scan, read by every use of an
-/// extent (a plain load, so gets never contend on it).
-static CLOCK: AtomicU64 = AtomicU64::new(1);
-
-/// The current tick of the clock.
-pub fn now() -> u64 {
-    CLOCK.load(Ordering::Relaxed)
-}
-
-/// The memory and disk totals of the extents units stored.
-#[derive(Debug, Default)]
-pub struct Accounts {
-    memory: AtomicU64,
-    disk: AtomicU64,
-    /// Bytes written to spill files, ever.
-    spilled: AtomicU64,
-    /// Extents spilled, ever.
-    files: AtomicU64,
-    /// Spill writes that failed.
-    failures: AtomicU64,
-    /// Time spent writing (and syncing and mapping) spill files, ns.
-    write_ns: AtomicU64,
-}
-
-impl Accounts {
-    pub(crate) fn add(&self, len: u64, on_disk: bool) {
-        let total = if on_disk { &self.disk } else { &self.memory };
-        total.fetch_add(len, Ordering::AcqRel);
-    }
-
-    pub(crate) fn forget(&self, len: u64, on_disk: bool) {
-        let total = if on_disk { &self.disk } else { &self.memory };
-        total.fetch_sub(len, Ordering::AcqRel);
-    }
-
-    pub(crate) fn to_disk(&self, len: u64) {
-        self.memory.fetch_sub(len, Ordering::AcqRel);
-        self.disk.fetch_add(len, Ordering::AcqRel);
-        self.spilled.fetch_add(len, Ordering::Relaxed);
-        self.files.fetch_add(1, Ordering::Relaxed);
-    }
-
-    pub(crate) fn to_memory(&self, len: u64) {
-        self.disk.fetch_sub(len, Ordering::AcqRel);
-        self.memory.fetch_add(len, Ordering::AcqRel);
-    }
-}
+use crate::extent::{Accounts, Extent, tick};
 
 /// Why a put could not be given room.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -446,7 +398,7 @@ impl Spiller {
     /// The coldest extents in memory, `need` bytes of them or all there
     /// are, claimed for spilling (nobody else spills them meanwhile).
     fn coldest(&self, need: u64) -> Vec<(Arc<Extent>, Bytes)> {
-        CLOCK.fetch_add(1, Ordering::Relaxed);
+        tick();
         let mut live: Vec<Arc<Extent>> = {
             let mut counted = self.extents.lock().unwrap_or_else(|p| p.into_inner());
             counted.prune();
@@ -601,7 +553,7 @@ mod tests {
         let old = Extent::new(Bytes::from(vec![1u8; 1000]));
         let warm = Extent::new(Bytes::from(vec![2u8; 1000]));
         s.admit([&old, &warm]).unwrap();
-        CLOCK.fetch_add(1, Ordering::Relaxed);
+        tick();
         let _ = warm.bytes(); // used later than `old`
         let new = Extent::new(Bytes::from(vec![3u8; 1500]));
         s.admit([&new]).unwrap();

@@ -14,7 +14,8 @@
 //! - `run [-- ARGS]`: installs the wasm target if missing, builds the
 //!   plugins into `target/plugins` (where `stowd` finds them: the bundled
 //!   plugins) and runs `stowd serve ARGS`.
-//! - `test`: checks that no released WIT contract changed (`contract.rs`),
+//! - `test`: checks that no released WIT contract changed (`contract.rs`)
+//!   and that no crate's modules import each other in a cycle (`cycles.rs`),
 //!   installs what is missing (wasm target, rustfmt and clippy, Python
 //!   packages), checks the formatting (`cargo fmt --all -- --check`),
 //!   builds the plugins (hostile ones too), then `stowd` and every target
@@ -24,6 +25,8 @@
 //!   regression inputs, `tests/tests/fuzz_corpora.rs`), then the Python
 //!   suite with pytest.
 //! - `contract`: only the released-contract check.
+//! - `cycles`: only the module-cycle check (`cycles.rs`), which `test`
+//!   runs first too.
 //! - `wheel [--debug] [--out DIR]`: the `stowage` wheel with stowd and the
 //!   plugins inside, built by maturin (`wheel.rs`).
 //! - `fuzz [TARGET] [--time SECS] [--sanitizer NAME]`: runs the cargo-fuzz
@@ -35,6 +38,7 @@
 mod wheel;
 
 mod contract;
+mod cycles;
 mod fuzz;
 
 use std::env;
@@ -73,6 +77,11 @@ const COMMANDS: &[Cmd] = &[
         "fuzz",
         "fuzz [TARGET] [--time SECS]       run the fuzz targets (cargo-fuzz, nightly) for SECS each (default 60)",
         fuzz::fuzz,
+    ),
+    (
+        "cycles",
+        "cycles                            check that no crate's top-level modules import each other in a cycle",
+        cycles::cycles,
     ),
     (
         "wheel",
@@ -500,6 +509,7 @@ fn test(args: &[String]) -> Result<()> {
         return Err(format!("unknown argument `{a}`").into());
     }
     contract::contract(&[])?;
+    cycles::cycles(&[])?;
     ensure_wasm_target()?;
     ensure_components(&["rustfmt", "clippy"])?;
     ensure_python_deps()?;

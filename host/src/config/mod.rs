@@ -756,7 +756,7 @@ impl Config {
                     }
                 }
                 None if u.starts_with("tcp://") => {}
-                None if crate::manager::parse_peer_unit(u).is_some() => {}
+                None if parse_peer_unit(u).is_some() => {}
                 None => return Err(Invalid::BadUnit(u.clone())),
             }
         }
@@ -811,6 +811,19 @@ impl Config {
         }
         Ok(())
     }
+}
+
+/// Splits `stowage://host:port/<unit>` into the peer's native endpoint
+/// (`tcp://host:port`) and the unit number; `None` if it is not one.
+pub fn parse_peer_unit(s: &str) -> Option<(String, u64)> {
+    let rest = s.strip_prefix("stowage://")?;
+    let (addr, unit) = rest.rsplit_once('/')?;
+    let (host, port) = addr.rsplit_once(':')?;
+    if host.is_empty() || port.parse::<u16>().is_err() {
+        return None;
+    }
+    let unit = unit.parse::<u64>().ok()?;
+    Some((format!("tcp://{addr}"), unit))
 }
 
 #[cfg(test)]

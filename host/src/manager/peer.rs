@@ -58,19 +58,6 @@ impl PeerUnit {
     }
 }
 
-/// Splits `stowage://host:port/<unit>` into the peer's native endpoint
-/// (`tcp://host:port`) and the unit number; `None` if it is not one.
-pub fn parse_peer_unit(s: &str) -> Option<(String, u64)> {
-    let rest = s.strip_prefix("stowage://")?;
-    let (addr, unit) = rest.rsplit_once('/')?;
-    let (host, port) = addr.rsplit_once(':')?;
-    if host.is_empty() || port.parse::<u16>().is_err() {
-        return None;
-    }
-    let unit = unit.parse::<u64>().ok()?;
-    Some((format!("tcp://{addr}"), unit))
-}
-
 /// Shows a fetch's reply frames to a get that forwards them to its client
 /// while they arrive (`server/native/forward.rs`), or tells it that this
 /// unit's rows will not come from one fetch of its own.

@@ -20,6 +20,16 @@ use crate::plan::{FramePlan, PackLimits, PieceInfo, SelectionPlan};
 /// `describe()`): the `stowage-plan` types, shared with the guest SDK.
 pub use stowage_plan::{Capability, Description, FieldKind};
 
+/// The first conformance case a plugin failed, and why (one line, at most
+/// 400 bytes): [`crate::conformance::verify`]'s refusal, carried by the
+/// plugin loader's errors.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{case}{}", why.as_ref().map(|w| format!(": {w}")).unwrap_or_default())]
+pub struct Refusal {
+    pub case: String,
+    pub why: Option<String>,
+}
+
 /// Why a call into a policy produced no plan.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]

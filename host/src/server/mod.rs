@@ -397,7 +397,7 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
                 Some(n) => {
                     Target::Local(units[n.parse::<usize>().expect("checked by config")].clone())
                 }
-                None => match crate::manager::parse_peer_unit(u) {
+                None => match crate::config::parse_peer_unit(u) {
                     Some((endpoint, unit)) => {
                         let t = config.limits.transport_limits();
                         let pool = transport::ReceivePool::shared(

@@ -57,13 +57,13 @@ pub fn encode_request<'py>(
     let mut b = Body::new(body);
     let head = match op {
         "put" => RequestHead::Put {
-            global_indexes: crate::fast::index_vec(&b.take("global_indexes")?)?,
+            global_indexes: crate::indexes::index_vec(&b.take("global_indexes")?)?,
             fields: descriptors(&b.take("fields")?)?,
         },
         "get" => {
             let indexes = b.take("global_indexes")?;
             let fields = b.take("fields")?.extract()?;
-            if let Ok(list) = indexes.cast::<crate::fast::IndexList>() {
+            if let Ok(list) = indexes.cast::<crate::indexes::IndexList>() {
                 RequestHead::Other(Op::Get {
                     global_indexes: list.get().indexes.clone(),
                     fields,
@@ -98,7 +98,7 @@ pub fn encode_request<'py>(
             }
         }
         "clear" => RequestHead::Other(Op::Clear {
-            global_indexes: crate::fast::index_vec(&b.take("global_indexes")?)?,
+            global_indexes: crate::indexes::index_vec(&b.take("global_indexes")?)?,
             fields: b.maybe("fields")?.map(|f| f.extract()).transpose()?,
         }),
         "stats" => RequestHead::Other(Op::Stats),

@@ -37,6 +37,9 @@
 //!
 //! Every envelope the Python client writes or reads, on any transport,
 //! goes through [`codec`]: stowd's codec, with Python objects in and out.
+//! [`fast`] reads a small call's arguments as the user gives them and lays
+//! out its frames; [`indexes`] reads index inputs for both (modules point
+//! down: `fast` uses `codec` and `indexes`, `codec` uses `indexes`).
 
 use std::io::IoSlice;
 use std::net::TcpStream;
@@ -53,6 +56,7 @@ use stowage_wire::native::{self, FieldLayout, Limits, ReplyLayout, layout};
 
 mod codec;
 mod fast;
+mod indexes;
 mod pool;
 
 pyo3::create_exception!(
@@ -1807,7 +1811,7 @@ impl Connection {
                 None => return Ok(None),
             },
         };
-        let Some(read) = fast::read_indexes(indexes) else {
+        let Some(read) = indexes::read_indexes(indexes) else {
             return Ok(None);
         };
         let head = native::RequestHead::Other(native::Op::Clear {
@@ -2059,8 +2063,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(codec::encode_request, m)?)?;
     m.add_function(wrap_pyfunction!(codec::decode_reply, m)?)?;
     m.add_class::<Buffer>()?;
-    m.add_class::<fast::IndexList>()?;
-    m.add_function(wrap_pyfunction!(fast::read_index_list, m)?)?;
+    m.add_class::<indexes::IndexList>()?;
+    m.add_function(wrap_pyfunction!(indexes::read_index_list, m)?)?;
     m.add_function(wrap_pyfunction!(fast::encode_put, m)?)?;
     m.add_function(wrap_pyfunction!(fast::encode_get, m)?)?;
     m.add_function(wrap_pyfunction!(release_receive_buffers, m)?)?;

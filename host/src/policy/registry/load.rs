@@ -181,7 +181,7 @@ impl Registry {
     pub fn load_dir_checked(
         &mut self,
         dir: &Path,
-        check: impl Fn(&WasmPolicy) -> Result<(), crate::conformance::Refusal>,
+        check: impl Fn(&WasmPolicy) -> Result<(), crate::policy::Refusal>,
     ) -> std::io::Result<Vec<LoadReport>> {
         let mut reports = Vec::new();
         for path in wasm_files(dir)? {

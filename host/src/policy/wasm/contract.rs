@@ -2,7 +2,7 @@
 //! (with `wasmparser`) before it is compiled, so a component built for
 //! another contract version is refused with a message that says what to do.
 
-use crate::conformance::Refusal;
+use crate::policy::Refusal;
 
 /// Why a plugin could not be loaded.
 ///

@@ -1,0 +1,459 @@
+//! Index inputs read as the user gives them: a list or tuple of `int`s, a
+//! `range`, or a 1-d buffer of an integer item type (a numpy array of any
+//! integer dtype and stride, `array.array`, a memoryview; a CPU torch
+//! tensor through `.numpy()`), each in `0..2^64`, into a list or straight
+//! into runs ([`Sink`]); and [`IndexList`], such indexes held in Rust for
+//! the general path's requests.
+//!
+//! Each reader returns `None` for anything that is not plainly that: the
+//! Python client's general path then checks it and words the error (a
+//! negative, out-of-range, non-integer or repeated index). Used by the
+//! fast paths ([`crate::fast`]) and by the codec's requests
+//! ([`crate::codec`]).
+
+use pyo3::exceptions::PyValueError;
+use pyo3::ffi;
+use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyBytes, PyDict, PyList, PyRange, PyString, PyTuple};
+use stowage_wire::indexes::{IndexRun, Indexes};
+
+use crate::Held;
+
+/// Most indexes a `range` with a negative step is read into (beyond, the
+/// general path decides; it names no index twice, so a put of that many
+/// rows is held in memory anyway).
+const MAX_LISTED_RANGE: u64 = 1 << 28;
+
+/// Indexes as read: a `range` of positive step stays one run (never
+/// listed), anything else is listed.
+pub(crate) enum Read {
+    Run(IndexRun),
+    List(Vec<u64>),
+    /// Grouped as they were read ([`read_runs`]).
+    Runs(Indexes),
+}
+
+impl Read {
+    pub(crate) fn len(&self) -> u64 {
+        match self {
+            Read::Run(r) => r.count,
+            Read::List(v) => v.len() as u64,
+            Read::Runs(ix) => ix.len(),
+        }
+    }
+
+    pub(crate) fn into_vec(self) -> Vec<u64> {
+        match self {
+            Read::Run(r) => (0..r.count).map(|k| r.at(k)).collect(),
+            Read::List(v) => v,
+            Read::Runs(ix) => ix.to_vec(),
+        }
+    }
+
+    /// As runs, grouped as [`Indexes::from_list`] groups them.
+    pub(crate) fn into_indexes(self) -> Indexes {
+        match self {
+            // (A range's run: its count, step and last index checked when read.)
+            Read::Run(r) => Indexes::from_runs(vec![r], u64::MAX).expect("a checked run"),
+            Read::List(v) => Indexes::from_list(&v),
+            Read::Runs(ix) => ix,
+        }
+    }
+
+    /// Whether no index appears twice.
+    pub(crate) fn distinct(&self) -> bool {
+        match self {
+            Read::Run(r) => r.step > 0 || r.count <= 1,
+            Read::Runs(ix) => Read::List(ix.to_vec()).distinct(),
+            Read::List(v) => {
+                if v.windows(2).all(|w| w[0] < w[1]) {
+                    return true;
+                }
+                let mut sorted = v.clone();
+                sorted.sort_unstable();
+                sorted.windows(2).all(|w| w[0] < w[1])
+            }
+        }
+    }
+}
+
+/// `numpy.ndarray`, and `torch.Tensor` if torch is loaded: the types read
+/// as arrays (exactly these, no subclass).
+pub(crate) fn is_ndarray(obj: &Bound<'_, PyAny>) -> bool {
+    static NDARRAY: PyOnceLock<Option<Py<PyAny>>> = PyOnceLock::new();
+    let py = obj.py();
+    let t = NDARRAY.get_or_init(py, || {
+        py.import("numpy")
+            .and_then(|np| np.getattr("ndarray"))
+            .ok()
+            .map(Bound::unbind)
+    });
+    t.as_ref().is_some_and(|t| obj.get_type().is(t.bind(py)))
+}
+
+/// `obj` as a numpy array if it is a torch tensor (exactly `torch.Tensor`)
+/// that `.numpy()` shares memory with (on the CPU, no grad, a dtype numpy
+/// has); None otherwise.
+pub(crate) fn tensor_numpy<'py>(obj: &Bound<'py, PyAny>) -> Option<Bound<'py, PyAny>> {
+    // (Most objects asked about are lists or values: turned away by their
+    // type's name before torch is looked up, and without an exception.)
+    if !obj.get_type().name().is_ok_and(|n| n == "Tensor") {
+        return None;
+    }
+    let py = obj.py();
+    let modules = py.import("sys").ok()?.getattr("modules").ok()?;
+    let torch = modules.cast::<PyDict>().ok()?.get_item("torch").ok()??;
+    let tensor = torch.getattr("Tensor").ok()?;
+    if !obj.get_type().is(&tensor) {
+        return None;
+    }
+    obj.call_method0("numpy").ok().filter(is_ndarray)
+}
+
+/// Reads `obj` as global indexes (see the module doc), listed; None if it
+/// is not plainly a sequence of ints in `0..2^64` (or is empty).
+pub(crate) fn read_indexes(obj: &Bound<'_, PyAny>) -> Option<Read> {
+    read_with(obj, Vec::new()).map(|(read, list)| read.unwrap_or(Read::List(list)))
+}
+
+/// Reads `obj` as [`read_indexes`] does, into runs as it reads (never
+/// listed: half a million indexes in put order are one run, and no 4 MiB
+/// list is allocated, on fresh pages, to find that out): for a get.
+pub(crate) fn read_runs(obj: &Bound<'_, PyAny>) -> Option<Read> {
+    read_with(obj, RunBuilder::default())
+        .map(|(read, runs)| read.unwrap_or_else(|| Read::Runs(runs.finish())))
+}
+
+/// Where indexes go as they are read.
+pub(crate) trait Sink {
+    fn reserve(&mut self, n: usize);
+    fn push(&mut self, v: u64);
+    fn len(&self) -> u64;
+    /// Every index of `vals`, in order (a contiguous array's).
+    fn extend_from(&mut self, vals: &[u64]) {
+        vals.iter().for_each(|&v| self.push(v));
+    }
+}
+
+impl Sink for Vec<u64> {
+    fn reserve(&mut self, n: usize) {
+        Vec::reserve(self, n)
+    }
+    fn push(&mut self, v: u64) {
+        Vec::push(self, v)
+    }
+    fn len(&self) -> u64 {
+        Vec::len(self) as u64
+    }
+    fn extend_from(&mut self, vals: &[u64]) {
+        self.extend_from_slice(vals)
+    }
+}
+
+/// Groups indexes into runs as they come, as [`Indexes::from_list`] groups
+/// a list (greedy: a run goes on while the step stays the same).
+#[derive(Default)]
+pub(crate) struct RunBuilder {
+    runs: Vec<IndexRun>,
+    /// The run being built: start, count, step (meaningful from 2 on), last.
+    open: Option<(u64, u64, u64, u64)>,
+    len: u64,
+}
+
+impl RunBuilder {
+    fn finish(mut self) -> Indexes {
+        if let Some((start, count, step, _)) = self.open.take() {
+            let step = if count == 1 { 0 } else { step };
+            self.runs.push(IndexRun { start, count, step });
+        }
+        // Grouped as from_list groups them (`push`), so taken as they are.
+        Indexes::from_grouped_runs(self.runs, self.len)
+            .expect("runs of at least one index each, within u64, adding up to len")
+    }
+}
+
+impl Sink for RunBuilder {
+    fn reserve(&mut self, _: usize) {}
+
+    fn push(&mut self, v: u64) {
+        self.len += 1;
+        self.open = Some(match self.open {
+            None => (v, 1, 0, v),
+            Some((start, 1, _, _)) if v >= start => (start, 2, v - start, v),
+            Some((start, count, step, last)) if count >= 2 && v.checked_sub(last) == Some(step) => {
+                (start, count + 1, step, v)
+            }
+            Some((start, count, step, _)) => {
+                let step = if count == 1 { 0 } else { step };
+                self.runs.push(IndexRun { start, count, step });
+                (v, 1, 0, v)
+            }
+        });
+    }
+
+    fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// As `push` for each, with a run's continuation found by one tight
+    /// scan (half a million indexes in put order: one comparison each).
+    fn extend_from(&mut self, vals: &[u64]) {
+        let mut i = 0;
+        while i < vals.len() {
+            if let Some((start, count, step, last)) = self.open
+                && count >= 2
+            {
+                let mut prev = last;
+                let mut j = i;
+                while j < vals.len() && prev.checked_add(step) == Some(vals[j]) {
+                    prev = vals[j];
+                    j += 1;
+                }
+                if j > i {
+                    let k = (j - i) as u64;
+                    self.open = Some((start, count + k, step, prev));
+                    self.len += k;
+                    i = j;
+                    continue;
+                }
+            }
+            self.push(vals[i]);
+            i += 1;
+        }
+    }
+}
+
+/// Reads `obj` into `sink`; a positive-step `range` is returned as a run
+/// instead (never listed). None if `obj` is not plainly indexes, or empty.
+fn read_with<S: Sink>(obj: &Bound<'_, PyAny>, mut sink: S) -> Option<(Option<Read>, S)> {
+    let ok = if let Ok(list) = obj.cast_exact::<PyList>() {
+        // SAFETY: a list, read under the GIL (which nothing here releases).
+        unsafe { ints(obj.as_ptr(), list.len(), ffi::PyList_GetItem, &mut sink) }
+    } else if let Ok(tuple) = obj.cast_exact::<PyTuple>() {
+        // SAFETY: a tuple, as above.
+        unsafe { ints(obj.as_ptr(), tuple.len(), ffi::PyTuple_GetItem, &mut sink) }
+    } else if let Ok(range) = obj.cast_exact::<PyRange>() {
+        match read_range(range, &mut sink)? {
+            Some(run) => return Some((Some(Read::Run(run)), sink)),
+            None => Some(()),
+        }
+    } else if obj.is_instance_of::<PyBytes>()
+        || obj.is_instance_of::<PyString>()
+        || obj.is_instance_of::<pyo3::types::PyByteArray>()
+    {
+        None
+    } else if let Some(a) = tensor_numpy(obj) {
+        read_buffer(&a, &mut sink)
+    } else {
+        read_buffer(obj, &mut sink)
+    };
+    ok?;
+    (sink.len() > 0).then_some((None, sink))
+}
+
+/// The items of a list or tuple of `len` items into `sink`, if every one
+/// is exactly an `int` in range.
+///
+/// # Safety
+/// `seq` is a list (with `PyList_GetItem`) or a tuple (with
+/// `PyTuple_GetItem`) of at least `len` items; the GIL is held.
+unsafe fn ints<S: Sink>(
+    seq: *mut ffi::PyObject,
+    len: usize,
+    get: unsafe extern "C" fn(*mut ffi::PyObject, ffi::Py_ssize_t) -> *mut ffi::PyObject,
+    sink: &mut S,
+) -> Option<()> {
+    sink.reserve(len);
+    // SAFETY: the caller's contract; each item is borrowed for the loop turn.
+    unsafe {
+        let int_type = std::ptr::addr_of_mut!(ffi::PyLong_Type);
+        for i in 0..len {
+            let item = get(seq, i as ffi::Py_ssize_t);
+            if item.is_null() || ffi::Py_TYPE(item) != int_type {
+                ffi::PyErr_Clear();
+                return None;
+            }
+            let v = ffi::PyLong_AsUnsignedLongLong(item);
+            if v == u64::MAX && !ffi::PyErr_Occurred().is_null() {
+                ffi::PyErr_Clear();
+                return None;
+            }
+            sink.push(v);
+        }
+    }
+    Some(())
+}
+
+/// A `range`: its one run if its step is positive, else its indexes into
+/// `sink` (None: not indexes).
+fn read_range<S: Sink>(range: &Bound<'_, PyRange>, sink: &mut S) -> Option<Option<IndexRun>> {
+    let start: i128 = range.getattr("start").ok()?.extract().ok()?;
+    let step: i128 = range.getattr("step").ok()?.extract().ok()?;
+    let len: u64 = range.len().ok()? as u64;
+    if len == 0 {
+        return Some(None);
+    }
+    let last = start + step * (len as i128 - 1);
+    if start < 0 || last < 0 || start > u64::MAX as i128 || last > u64::MAX as i128 {
+        return None;
+    }
+    if step > 0 {
+        return Some(Some(IndexRun {
+            start: start as u64,
+            count: len,
+            step: step as u64,
+        }));
+    }
+    if len > MAX_LISTED_RANGE {
+        return None;
+    }
+    sink.reserve(len as usize);
+    for k in 0..len as i128 {
+        sink.push((start + step * k) as u64);
+    }
+    Some(None)
+}
+
+/// The integer item type of a buffer format: (signed, itemsize), for a
+/// little-endian (or native, on a little-endian machine) integer format.
+fn int_format(format: &[u8], itemsize: usize) -> Option<bool> {
+    let code = match format {
+        [b'@' | b'=' | b'<', c] | [c] => *c,
+        _ => return None,
+    };
+    if format.len() == 2 && format[0] == b'@' && cfg!(target_endian = "big") {
+        return None;
+    }
+    let (signed, size) = match code {
+        b'b' => (true, 1),
+        b'B' => (false, 1),
+        b'h' => (true, 2),
+        b'H' => (false, 2),
+        b'i' => (true, 4),
+        b'I' => (false, 4),
+        b'l' | b'q' | b'n' => (true, itemsize),
+        b'L' | b'Q' | b'N' => (false, itemsize),
+        _ => return None,
+    };
+    (size == itemsize && matches!(itemsize, 1 | 2 | 4 | 8)).then_some(signed)
+}
+
+/// A 1-d buffer of an integer item type, any stride, into `sink`, if
+/// each item is at least 0.
+fn read_buffer<S: Sink>(obj: &Bound<'_, PyAny>, sink: &mut S) -> Option<()> {
+    let held = Held::with_flags(obj, ffi::PyBUF_RECORDS_RO).ok()?;
+    let size = held.itemsize();
+    let signed = int_format(held.format(), size)?;
+    if held.ndim() != 1 {
+        return None;
+    }
+    let n = held.shape()[0] as usize;
+    let stride = held.stride0();
+    let base = held.ptr();
+    sink.reserve(n);
+    if size == 8
+        && stride == 8
+        && (base as usize).is_multiple_of(8)
+        && cfg!(target_endian = "little")
+    {
+        // A contiguous, aligned array of 64-bit ints: read as it lies.
+        // SAFETY: n aligned 8-byte items at `base`, alive while `held` is.
+        let vals = unsafe { std::slice::from_raw_parts(base.cast::<u64>(), n) };
+        if signed && vals.iter().any(|&v| v >> 63 == 1) {
+            return None; // negative
+        }
+        sink.extend_from(vals);
+        return Some(());
+    }
+    // One loop per item size (the read and the sign test inlined in each).
+    fn each<S: Sink, const N: usize>(
+        base: *const u8,
+        stride: isize,
+        n: usize,
+        signed: bool,
+        sink: &mut S,
+    ) -> Option<()> {
+        for k in 0..n {
+            let mut b = [0u8; 8];
+            // SAFETY: item k of a 1-d buffer of n items of N bytes lies at
+            // base + k * stride, alive while the caller holds the buffer.
+            unsafe {
+                std::ptr::copy_nonoverlapping(base.offset(k as isize * stride), b.as_mut_ptr(), N)
+            };
+            let v = u64::from_le_bytes(b);
+            if signed && (v >> (N * 8 - 1)) & 1 == 1 {
+                return None; // negative
+            }
+            sink.push(v);
+        }
+        Some(())
+    }
+    match size {
+        1 => each::<S, 1>(base, stride, n, signed, sink),
+        2 => each::<S, 2>(base, stride, n, signed, sink),
+        4 => each::<S, 4>(base, stride, n, signed, sink),
+        _ => each::<S, 8>(base, stride, n, signed, sink),
+    }
+}
+
+/// Index lists read by the core, for the general path's requests: held in
+/// Rust, written into frame 0 by `encode_request` as runs where that is
+/// shorter.
+#[pyclass(module = "stowage._core", frozen)]
+pub(crate) struct IndexList {
+    pub(crate) indexes: Indexes,
+}
+
+#[pymethods]
+impl IndexList {
+    fn __len__(&self) -> usize {
+        self.indexes.len() as usize
+    }
+
+    /// The indexes as a list of ints.
+    fn tolist(&self) -> Vec<u64> {
+        self.indexes.to_vec()
+    }
+
+    /// How many runs the indexes make.
+    #[getter]
+    fn runs(&self) -> usize {
+        self.indexes.runs().len()
+    }
+}
+
+/// `global_indexes` read by the core (see the module doc): an
+/// [`IndexList`], or None for the general path to check and word (an
+/// empty one, a repeated index when `distinct`, anything not plainly
+/// ints in `0..2^64`).
+#[pyfunction]
+#[pyo3(signature = (global_indexes, distinct = false))]
+pub(crate) fn read_index_list(
+    global_indexes: &Bound<'_, PyAny>,
+    distinct: bool,
+) -> PyResult<Option<IndexList>> {
+    let read = if distinct {
+        read_indexes(global_indexes)
+    } else {
+        read_runs(global_indexes)
+    };
+    let Some(read) = read else {
+        return Ok(None);
+    };
+    if distinct && !read.distinct() {
+        return Ok(None);
+    }
+    Ok(Some(IndexList {
+        indexes: read.into_indexes(),
+    }))
+}
+
+/// An [`IndexList`] or a Python list of ints, as a Vec.
+pub(crate) fn index_vec(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
+    if let Ok(list) = obj.cast::<IndexList>() {
+        return Ok(list.get().indexes.to_vec());
+    }
+    obj.extract()
+        .map_err(|e| PyValueError::new_err(format!("global_indexes: {e}")))
+}
