@@ -50,7 +50,29 @@ use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
-use crate::checkpoint::Dir;
+/// The directory a journal lives in, as the journal uses it: a checkpoint
+/// directory, reached by descriptor ([`crate::checkpoint::Dir`] is the
+/// one implementation; the journal names no checkpoint type, so that the
+/// store, which records into it, and the checkpoints, which read the
+/// store, depend on it one way).
+pub trait Dir: Send + Sync {
+    /// Where it was opened (for messages).
+    fn path(&self) -> &Path;
+    /// Device and inode: the same directory wherever it is moved to.
+    fn id(&self) -> (u64, u64);
+    /// Whether it was removed since it was opened.
+    fn removed(&self) -> bool;
+    /// A second handle on the same directory.
+    fn try_clone(&self) -> std::io::Result<Box<dyn Dir>>;
+    /// Creates `name` (mode 0600; an existing one is an error).
+    fn create(&self, name: &str) -> std::io::Result<File>;
+    /// Opens `name` to append to it (made, mode 0600, if missing).
+    fn append(&self, name: &str) -> std::io::Result<File>;
+    /// Removes `name` (a missing one is fine).
+    fn remove(&self, name: &str) -> std::io::Result<()>;
+    /// Makes its entries durable.
+    fn sync(&self) -> std::io::Result<()>;
+}
 
 /// Most checkpoint directories whose journals one `stowd` keeps at once,
 /// unless configured (`[checkpoint] max_journals`).
@@ -75,7 +97,7 @@ pub fn stopped_name(seq: u64) -> String {
 /// One open journal file, and its directory (by descriptor: wherever the
 /// directory is moved to, the journal written is the one in it).
 struct Open {
-    dir: Dir,
+    dir: Box<dyn Dir>,
     seq: u64,
     file: File,
     /// The file's length, and one append at a time: a record that cannot
@@ -190,7 +212,7 @@ impl Journal {
     /// of directories removed since are closed first (nothing can restore
     /// them), then at most `max` directories may be journaled, `dir`
     /// counted. Err: why not, naming the journaled directories.
-    pub fn check_room(&self, dir: &Dir) -> Result<(), String> {
+    pub fn check_room(&self, dir: &dyn Dir) -> Result<(), String> {
         let mut open = self.gate.write().unwrap_or_else(|p| p.into_inner());
         open.retain(|o| {
             let gone = o.dir.removed();
@@ -223,7 +245,7 @@ impl Journal {
     /// Starts checkpoint `seq` of `dir`: creates its (empty) journal and
     /// opens it beside the others. Returns the gate held exclusively: the
     /// caller snapshots the units, then drops it.
-    pub fn begin(&self, dir: &Dir, seq: u64) -> std::io::Result<Switch<'_>> {
+    pub fn begin(&self, dir: &dyn Dir, seq: u64) -> std::io::Result<Switch<'_>> {
         // A journal left by a checkpoint that did not finish is stale.
         dir.remove(&name(seq))?;
         let file = dir.create(&name(seq))?;
@@ -246,7 +268,7 @@ impl Journal {
     }
 
     /// Closes every journal of `dir` but `keep`'s (`None`: all of them).
-    pub fn close(&self, dir: &Dir, keep: Option<u64>) {
+    pub fn close(&self, dir: &dyn Dir, keep: Option<u64>) {
         let mut open = self.gate.write().unwrap_or_else(|p| p.into_inner());
         open.retain(|o| o.dir.id() != dir.id() || Some(o.seq) == keep);
     }
@@ -270,7 +292,7 @@ impl Journal {
 impl Switch<'_> {
     /// Whether `journal-<seq>` of `dir` is open: every change since that
     /// checkpoint is in it.
-    pub fn is_open(&self, dir: &Dir, seq: u64) -> bool {
+    pub fn is_open(&self, dir: &dyn Dir, seq: u64) -> bool {
         self.0
             .iter()
             .any(|o| o.dir.id() == dir.id() && o.seq == seq)
@@ -279,7 +301,7 @@ impl Switch<'_> {
     /// Records `indexes` in every open journal but those of the directory
     /// `except`, durably (the change they describe is made while the gate
     /// is held).
-    pub fn record(&self, indexes: &[u64], except: Option<&Dir>) -> std::io::Result<()> {
+    pub fn record(&self, indexes: &[u64], except: Option<&dyn Dir>) -> std::io::Result<()> {
         if indexes.is_empty() {
             return Ok(());
         }
@@ -295,7 +317,7 @@ impl Switch<'_> {
     /// Keeps writing `journal-<seq>` of `dir` (after a restore from it),
     /// first appending `lost` to it: appends to it from now on. Other
     /// journals of `dir` are closed.
-    pub fn resume(&mut self, dir: &Dir, seq: u64, lost: &[u64]) -> std::io::Result<()> {
+    pub fn resume(&mut self, dir: &dyn Dir, seq: u64, lost: &[u64]) -> std::io::Result<()> {
         let file = dir.append(&name(seq))?;
         // A torn last record (a crash mid-write) goes, so that the records
         // appended next stay aligned.
@@ -342,6 +364,7 @@ pub fn read(mut file: File) -> std::io::Result<Vec<u64>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::checkpoint::Dir as CheckpointDir;
 
     struct Scratch(PathBuf);
     impl Scratch {
@@ -353,8 +376,8 @@ mod tests {
             std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)).unwrap();
             Scratch(dir)
         }
-        fn dir(&self) -> Dir {
-            Dir::open(&self.0).unwrap()
+        fn dir(&self) -> CheckpointDir {
+            CheckpointDir::open(&self.0).unwrap()
         }
         fn read(&self, seq: u64) -> std::io::Result<Vec<u64>> {
             read(File::open(path(&self.0, seq))?)

@@ -280,6 +280,34 @@ pub struct Dir {
 
 static TEMP: AtomicU64 = AtomicU64::new(0);
 
+/// The journal keeps its files in checkpoint directories, through these.
+impl crate::journal::Dir for Dir {
+    fn path(&self) -> &Path {
+        Dir::path(self)
+    }
+    fn id(&self) -> (u64, u64) {
+        Dir::id(self)
+    }
+    fn removed(&self) -> bool {
+        Dir::removed(self)
+    }
+    fn try_clone(&self) -> std::io::Result<Box<dyn crate::journal::Dir>> {
+        Ok(Box::new(Dir::try_clone(self)?))
+    }
+    fn create(&self, name: &str) -> std::io::Result<File> {
+        Dir::create(self, name)
+    }
+    fn append(&self, name: &str) -> std::io::Result<File> {
+        Dir::append(self, name)
+    }
+    fn remove(&self, name: &str) -> std::io::Result<()> {
+        Dir::remove(self, name)
+    }
+    fn sync(&self) -> std::io::Result<()> {
+        Dir::sync(self)
+    }
+}
+
 impl Dir {
     /// A directory of this process's own making, checked as [`Roots::dir`]
     /// does, with no root: for tests and tools.
