@@ -42,8 +42,40 @@ use std::sync::{Arc, Mutex};
 use rustc_hash::FxHashMap;
 use tokio::sync::watch;
 
-use crate::manager::{FetchTap, Manager, ManagerError, PeerUnit, TapEvent};
 use crate::store::Column;
+
+/// Where the cache gets a peer unit's rows and versions: the manager, which
+/// holds the cache. The cache names none of the manager's types, so the
+/// two depend on each other one way (the manager on the cache).
+pub trait Source: Sync {
+    /// A peer unit.
+    type Peer: Sync;
+    /// A fetch's frames shown to a get that forwards them.
+    type Tap: Sync;
+    type Error: Send + std::fmt::Display;
+    /// The peer unit's name (the cache's key).
+    fn peer_name(p: &Self::Peer) -> &str;
+    /// Tells the tap that the rows come otherwise than from one fetch.
+    fn not_forwarded(tap: &Self::Tap);
+    /// The error for a row the fetch did not bring.
+    fn not_fetched() -> Self::Error;
+    /// The peer's incarnation and the versions of `fields` x `indexes`.
+    fn versions(
+        &self,
+        p: &Self::Peer,
+        indexes: &[u64],
+        fields: &[String],
+    ) -> impl std::future::Future<Output = Result<(u64, Vec<u64>), Self::Error>> + Send;
+    /// The rows of `fields` x `indexes`, per field, with the peer's
+    /// incarnation and their versions.
+    fn fetch(
+        &self,
+        p: &Self::Peer,
+        indexes: &[u64],
+        fields: &[String],
+        tap: Option<&Self::Tap>,
+    ) -> impl std::future::Future<Output = Result<(Vec<FieldRows>, (u64, Vec<u64>)), Self::Error>> + Send;
+}
 
 /// Per row of a field: the column it is in and its row there.
 pub type FieldRows = Vec<(Arc<Column>, u32)>;
@@ -220,14 +252,15 @@ impl ReadCache {
 
     /// `fields` of `indexes` of peer unit `p`, per field, per index (see
     /// the module doc).
-    pub async fn get(
+    pub async fn get<S: Source>(
         &self,
-        m: &Manager,
-        p: &Arc<PeerUnit>,
+        m: &S,
+        p: &S::Peer,
         indexes: &[u64],
         fields: &[String],
-        tap: Option<&FetchTap>,
-    ) -> Result<Vec<FieldRows>, ManagerError> {
+        tap: Option<&S::Tap>,
+    ) -> Result<Vec<FieldRows>, S::Error> {
+        let name = S::peer_name(p);
         let n = indexes.len();
         let (tx, rx) = watch::channel::<FlightResult>(None);
         let mut out: Slots = vec![vec![None; n]; fields.len()];
@@ -236,7 +269,7 @@ impl ReadCache {
         let mut waits: Vec<(watch::Receiver<FlightResult>, usize, usize)> = Vec::new();
         let (mut hits, mut hit_bytes) = (0u64, 0u64);
         let (incarnation, versions, landing) =
-            match self.claim_untouched(&p.name, indexes, fields, &rx) {
+            match self.claim_untouched(name, indexes, fields, &rx) {
                 // Nothing of these rows is kept or being fetched: fetch them at
                 // once, their versions with them (no versions round trip).
                 Some(landing) => {
@@ -246,12 +279,12 @@ impl ReadCache {
                 }
                 None => {
                     if let Some(tap) = tap {
-                        tap.send(TapEvent::NotForwarded);
+                        S::not_forwarded(tap);
                     }
-                    let (incarnation, versions) = m.versions_peer(p, indexes, fields).await?;
+                    let (incarnation, versions) = m.versions(p, indexes, fields).await?;
                     let mut landing = Landing {
                         cache: self,
-                        peer: &p.name,
+                        peer: name,
                         keys: Vec::new(),
                         rx: rx.clone(),
                     };
@@ -259,8 +292,8 @@ impl ReadCache {
                     let mut touched: Vec<u64> = Vec::new();
                     let mut stale: Vec<(usize, u64)> = Vec::new();
                     for (f, field) in fields.iter().enumerate() {
-                        let cached = inner.rows.get(&p.name).and_then(|m| m.get(field));
-                        let flying = inner.flights.get(&p.name).and_then(|m| m.get(field));
+                        let cached = inner.rows.get(name).and_then(|m| m.get(field));
+                        let flying = inner.flights.get(name).and_then(|m| m.get(field));
                         let mut mine = Vec::new();
                         for (i, &g) in indexes.iter().enumerate() {
                             let version = versions[f * n + i];
@@ -299,9 +332,9 @@ impl ReadCache {
                     }
                     // Rows whose version moved on: dropped now, not at eviction.
                     for (f, g) in stale {
-                        inner.remove(&p.name, &fields[f], g);
+                        inner.remove(name, &fields[f], g);
                     }
-                    inner.fly(&p.name, &landing.keys, &rx);
+                    inner.fly(name, &landing.keys, &rx);
                     drop(inner);
                     (incarnation, versions, landing)
                 }
@@ -358,11 +391,7 @@ impl ReadCache {
         out.into_iter()
             .map(|rows| {
                 rows.into_iter()
-                    .map(|r| {
-                        r.ok_or_else(|| {
-                            ManagerError::Internal("a row of a peer unit was not fetched".into())
-                        })
-                    })
+                    .map(|r| r.ok_or_else(S::not_fetched))
                     .collect()
             })
             .collect()
@@ -408,17 +437,18 @@ impl ReadCache {
     /// Fetches the rows `need` marks, of the fields `need_field` marks,
     /// keeps them, and fills the empty slots of `out` with them.
     #[allow(clippy::too_many_arguments)]
-    async fn fetch(
+    async fn fetch<S: Source>(
         &self,
-        m: &Manager,
-        p: &PeerUnit,
+        m: &S,
+        p: &S::Peer,
         indexes: &[u64],
         fields: &[String],
         need: &[bool],
         need_field: &[bool],
         out: &mut Slots,
-        tap: Option<&FetchTap>,
-    ) -> Result<Arc<Fetched>, ManagerError> {
+        tap: Option<&S::Tap>,
+    ) -> Result<Arc<Fetched>, S::Error> {
+        let name = S::peer_name(p);
         let rows: Vec<u64> = indexes
             .iter()
             .zip(need)
@@ -430,9 +460,8 @@ impl ReadCache {
             .filter(|(_, b)| **b)
             .map(|(f, _)| f.clone())
             .collect();
-        let room = self.reserve(&p.name, &fetch_fields, rows.len() as u64);
-        let (got, versions) = m.fetch_peer(p, &rows, &fetch_fields, true, tap).await?;
-        let (incarnation, versions) = versions.expect("asked with versions");
+        let room = self.reserve(name, &fetch_fields, rows.len() as u64);
+        let (got, (incarnation, versions)) = m.fetch(p, &rows, &fetch_fields, tap).await?;
         let fetched = Arc::new(Fetched {
             at: rows.iter().enumerate().map(|(i, &g)| (g, i)).collect(),
             indexes: rows.clone(),
@@ -475,7 +504,7 @@ impl ReadCache {
         }
         {
             let mut inner = self.lock();
-            let known = inner.row_size.entry(p.name.clone()).or_default();
+            let known = inner.row_size.entry(name.to_string()).or_default();
             for (field, size) in fetched.fields.iter().zip(sizes) {
                 // Field names are the clients': a bounded memory of them.
                 if known.len() >= MAX_KNOWN_FIELDS && !known.contains_key(field) {
@@ -485,7 +514,7 @@ impl ReadCache {
             }
         }
         drop(room);
-        self.keep(&p.name, &fetched, bytes);
+        self.keep(name, &fetched, bytes);
         Ok(fetched)
     }
 
@@ -584,17 +613,17 @@ impl ReadCache {
 }
 
 impl ReadCache {
-    /// Drops every field of `indexes` of peer unit `p` (they were put or
+    /// Drops every field of `indexes` of peer unit `peer` (they were put or
     /// cleared through this stowd: their versions moved on).
-    pub fn forget(&self, p: &PeerUnit, indexes: &[u64]) {
+    pub fn forget(&self, peer: &str, indexes: &[u64]) {
         let mut inner = self.lock();
-        let fields: Vec<String> = match inner.rows.get(&p.name) {
+        let fields: Vec<String> = match inner.rows.get(peer) {
             Some(by_field) => by_field.keys().cloned().collect(),
             None => return,
         };
         for field in &fields {
             for &g in indexes {
-                inner.remove(&p.name, field, g);
+                inner.remove(peer, field, g);
             }
         }
     }

@@ -38,11 +38,9 @@ const CRATES: &[&str] = &[
     "tests/src",
 ];
 
-/// Cycles not yet taken apart: (crate, its modules, sorted).
-/// - the read cache calls the manager to fetch a peer's rows, and the
-///   manager holds the cache (to go: the cache sees the manager through a
-///   small trait of its own that the manager implements).
-const KNOWN: &[(&str, &[&str])] = &[("host/src", &["cache", "manager"])];
+/// Cycles not yet taken apart: (crate, its modules, sorted). None now; a
+/// change that must land in steps may list one here for a while.
+const KNOWN: &[(&str, &[&str])] = &[];
 
 pub fn cycles(args: &[String]) -> Result<()> {
     if let Some(a) = args.first() {

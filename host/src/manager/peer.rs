@@ -426,7 +426,7 @@ impl Manager {
             start = end;
         }
         if let Some(cache) = &self.cache {
-            cache.forget(p, indexes);
+            cache.forget(&p.name, indexes);
         }
         Ok(())
     }
@@ -445,7 +445,7 @@ impl Manager {
         };
         let got = self.exchange_peer(p, op, None, false, None).await?;
         if let Some(cache) = &self.cache {
-            cache.forget(p, indexes);
+            cache.forget(&p.name, indexes);
         }
         match got.reply {
             native::Reply::ClearOk { cleared } => Ok(cleared),
@@ -533,7 +533,7 @@ impl Manager {
         tap: Option<&FetchTap>,
     ) -> Result<Vec<Rows>, ManagerError> {
         let per_field = match &self.cache {
-            Some(cache) => cache.get(self, p, indexes, fields, tap).await?,
+            Some(cache) => cache.get(self, &**p, indexes, fields, tap).await?,
             None => self.fetch_peer(p, indexes, fields, false, tap).await?.0,
         };
         Ok(per_field
@@ -561,4 +561,43 @@ pub(super) fn rows_at(rows: Vec<(Arc<Column>, u32)>, positions: &[u64]) -> Rows 
         });
     }
     out
+}
+
+/// The read cache fetches a peer unit's rows through the manager.
+impl crate::cache::Source for Manager {
+    type Peer = PeerUnit;
+    type Tap = FetchTap;
+    type Error = ManagerError;
+
+    fn peer_name(p: &PeerUnit) -> &str {
+        &p.name
+    }
+
+    fn not_forwarded(tap: &FetchTap) {
+        tap.send(TapEvent::NotForwarded);
+    }
+
+    fn not_fetched() -> ManagerError {
+        ManagerError::Internal("a row of a peer unit was not fetched".into())
+    }
+
+    async fn versions(
+        &self,
+        p: &PeerUnit,
+        indexes: &[u64],
+        fields: &[String],
+    ) -> Result<(u64, Vec<u64>), ManagerError> {
+        self.versions_peer(p, indexes, fields).await
+    }
+
+    async fn fetch(
+        &self,
+        p: &PeerUnit,
+        indexes: &[u64],
+        fields: &[String],
+        tap: Option<&FetchTap>,
+    ) -> Result<(Vec<crate::cache::FieldRows>, (u64, Vec<u64>)), ManagerError> {
+        let (rows, versions) = self.fetch_peer(p, indexes, fields, true, tap).await?;
+        Ok((rows, versions.expect("asked with versions")))
+    }
 }
