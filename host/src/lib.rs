@@ -6,14 +6,16 @@
 //! | [`checkpoint`] | unit checkpoints on disk (safetensors files): TransferQueue's `SAVE_STORAGE_CHECKPOINT` and `LOAD_STORAGE_CHECKPOINT`, at a unit or the router |
 //! | [`config`] | the TOML configuration (`stowd.example.toml` lists every key) |
 //! | [`conformance`] | a plugin against the built-in (`stowd plugin check`, hot reload) |
-//! | [`extent`] | extents: the immutable buffers rows live in (a received frame, an adopted segment, a gather's output) |
+//! | [`extent`] | extents: the immutable buffers rows live in (a received frame, an adopted segment, a gather's output), their clock and memory and disk totals |
+//! | [`journal`] | the journal of indexes put or cleared since a checkpoint, written before each change of a unit, so that a restore never serves an old value silently |
 //! | [`manager`] | routing `g % N`, selection per (field, unit), the live registry; `manager::remote`: forwarding to remote TransferQueue units; `manager::peer`: peer units (another `stowd`'s, in `stowage/1`) |
 //! | [`metrics`] | request, reload and data-path counters, latency histograms (a leaf: imports nothing from the crate) |
 //! | [`plan`] | selection and frame plans: the `stowage-plan` types and rules (re-exported), applied to host `Field`s, and execution against host buffers |
 //! | [`policy`] | the `Policy` trait, the built-in, the Wasm runtime (sandbox, lent tensor, contract check), chains (policy spans), the registry and its loading, the compile cache |
 //! | [`reload`] | hot reload: the plugin directory watched, plugins checked and swapped in |
-//! | [`server`] | `stowd`'s services and start-up: `tq` (unit and router endpoints), `native` (`stowage/1`, with `native::get`), `errors` (the one error → reply mapping), `exposition` (Prometheus text, `/metrics` over hyper); request spans |
+//! | [`server`] | `stowd`'s services and start-up: `tq` (unit and router endpoints), `native` (`stowage/1`, with `native::get`, and `native::forward`: a router's get sent on while the peers' rows arrive), `offload` (large requests decoded and run on a bounded blocking pool), `errors` (the one error → reply mapping), `exposition` (Prometheus text, `/metrics` over hyper); request spans |
 //! | [`shm`] | same-node shared memory (sealed segments, leases, descriptor channels, memory allocated ahead) |
+//! | [`spill`] | spilling the coldest extents to disk when the units' memory runs short, and reading them back |
 //! | [`store`] | storage units: the per-field index, columns, rows and runs, capacity in bytes, memory release |
 //! | [`sys`] | the process itself: resident set size, `malloc_trim`, start time; the size of a file system |
 //! | [`tensor`], [`batch`] | re-exported from `stowage-wire`: `Tensor` (immutable bytes + dtype/shape, zero-copy rows and strided views); `Field`, `Value`, `Cell` |
@@ -33,7 +35,11 @@
 //! | `stowage-guest` | `guest-sdk/` | the policy SDK: traits, `export_policy!`, the test harness | `stowage-plan`, wit-bindgen |
 //! | `stowage-tests` | `tests/` | integration tests (one binary), the `stowload` load program | `stowage-host` |
 //! | `stowage-fuzz-checks` | `fuzz/checks/` | the fuzz targets' bodies, run over the corpora by the tests | the host crates |
-//! | `xtask` | `xtask/` | `cargo xtask` build tasks | std, `sha2` |
+//! | `xtask` | `xtask/` | `cargo xtask` build tasks | std, `sha2`, `object` |
+//!
+//! Inside each crate the top-level modules import each other one way:
+//! `cargo xtask cycles` (run first by `cargo xtask test`) fails on any
+//! cycle, and on a module missing from a crate's module table.
 //!
 //! The policy path: a [`policy::chain::Chain`] asks its policies for a
 //! [`plan::SelectionPlan`], validates it with [`plan::validate_selection`],

@@ -16,6 +16,10 @@
 //! apart, each as its sorted module names: the check fails on any other
 //! cycle, and on a known one that is gone (so the list only shrinks).
 //!
+//! It also checks that a crate root with a module table (a `//! | module |`
+//! table in `lib.rs`) names every module it declares there, as
+//! ``[`name`]``: the table is where a reader starts.
+//!
 //! It reads the source as text, with these rules, rather than with a Rust
 //! parser: the rules above are all it needs, and it runs in milliseconds
 //! (`syn` would add a dependency and seconds of build to every xtask).
@@ -58,6 +62,7 @@ pub fn check(root: &Path, crates: &[&str], known: &[(&str, &[&str])]) -> Result<
         if !src.is_dir() {
             return Err(format!("cycles: no folder {}", src.display()).into());
         }
+        problems.extend(module_table(krate, &src)?);
         let graph = Graph::read(root, &src)?;
         for cycle in graph.cycles() {
             let names: Vec<&str> = cycle.iter().map(String::as_str).collect();
@@ -89,7 +94,10 @@ pub fn check(root: &Path, crates: &[&str], known: &[(&str, &[&str])]) -> Result<
         }
     }
     if problems.is_empty() {
-        eprintln!("xtask: no module cycles in {} crates", crates.len());
+        eprintln!(
+            "xtask: no module cycles in {} crates, and their module tables are whole",
+            crates.len()
+        );
         return Ok(());
     }
     Err(format!(
@@ -97,6 +105,35 @@ pub fn check(root: &Path, crates: &[&str], known: &[(&str, &[&str])]) -> Result<
         problems.join("\n")
     )
     .into())
+}
+
+/// The modules `lib.rs` declares that its module table does not name
+/// (nothing if it has no table).
+fn module_table(krate: &str, src: &Path) -> Result<Vec<String>> {
+    let Ok(lib) = std::fs::read_to_string(src.join("lib.rs")) else {
+        return Ok(Vec::new());
+    };
+    let table: Vec<&str> = lib.lines().filter(|l| l.starts_with("//! |")).collect();
+    if !table.iter().any(|l| l.starts_with("//! | module |")) {
+        return Ok(Vec::new());
+    }
+    let mut missing = Vec::new();
+    for line in lib.lines() {
+        let t = line.trim();
+        let decl = t
+            .strip_prefix("pub mod ")
+            .or_else(|| t.strip_prefix("pub(crate) mod "))
+            .or_else(|| t.strip_prefix("mod "));
+        let Some(name) = decl.and_then(|d| d.strip_suffix(';')) else {
+            continue;
+        };
+        if !table.iter().any(|l| l.contains(&format!("[`{name}`]"))) {
+            missing.push(format!(
+                "{krate}/lib.rs: module `{name}` is not in the crate's module table"
+            ));
+        }
+    }
+    Ok(missing)
 }
 
 /// The top-level modules of one crate and which use which.
@@ -426,6 +463,28 @@ mod tests {
             gone.contains("the known cycle [\"a\", \"c\"] is gone"),
             "{gone}"
         );
+        let _ = std::fs::remove_dir_all(&root);
+    }
+
+    #[test]
+    fn a_module_missing_from_the_table_is_named() {
+        let root = scratch(
+            "table",
+            &[
+                (
+                    "lib.rs",
+                    "//! | module | what |\n//! |---|---|\n//! | [`a`] | A |\npub mod a;\nmod b;\n",
+                ),
+                ("a.rs", ""),
+                ("b.rs", ""),
+            ],
+        );
+        let err = check(&root, &["src"], &[]).unwrap_err().to_string();
+        assert!(
+            err.contains("src/lib.rs: module `b` is not in the crate's module table"),
+            "{err}"
+        );
+        assert!(!err.contains("module `a`"), "{err}");
         let _ = std::fs::remove_dir_all(&root);
     }
 
