@@ -74,11 +74,15 @@ pub trait Source: Sync {
         indexes: &[u64],
         fields: &[String],
         tap: Option<&Self::Tap>,
-    ) -> impl std::future::Future<Output = Result<(Vec<FieldRows>, (u64, Vec<u64>)), Self::Error>> + Send;
+    ) -> impl std::future::Future<Output = Result<PeerRows, Self::Error>> + Send;
 }
 
 /// Per row of a field: the column it is in and its row there.
 pub type FieldRows = Vec<(Arc<Column>, u32)>;
+
+/// A fetch's rows per field, with the peer's incarnation and the rows'
+/// versions (field-major).
+pub type PeerRows = (Vec<FieldRows>, (u64, Vec<u64>));
 
 /// Per field, per row: found yet or not.
 type Slots = Vec<Vec<Option<(Arc<Column>, u32)>>>;

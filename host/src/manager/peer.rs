@@ -596,7 +596,7 @@ impl crate::cache::Source for Manager {
         indexes: &[u64],
         fields: &[String],
         tap: Option<&FetchTap>,
-    ) -> Result<(Vec<crate::cache::FieldRows>, (u64, Vec<u64>)), ManagerError> {
+    ) -> Result<crate::cache::PeerRows, ManagerError> {
         let (rows, versions) = self.fetch_peer(p, indexes, fields, true, tap).await?;
         Ok((rows, versions.expect("asked with versions")))
     }
