@@ -1123,6 +1123,11 @@ fn arrays<'py>(
     got.into_tuple(py)?.into_pyobject(py).map(|t| t.into_any())
 }
 
+/// When a call given `timeout` seconds (negative: none left) must end.
+fn deadline_in(timeout: f64) -> Instant {
+    Instant::now() + Duration::from_secs_f64(timeout.max(0.0))
+}
+
 fn get(s: &mut Stream, frame0: &[u8]) -> Result<Gotten, Fail> {
     write_message(s, frame0, &[])?;
     get_reply(s)
@@ -1635,7 +1640,7 @@ impl Connection {
             });
             buffers.push(buf);
         }
-        let deadline = Instant::now() + Duration::from_secs_f64(timeout.max(0.0));
+        let deadline = deadline_in(timeout);
         let frame0 = frame0.to_vec();
         // The buffers stay held (`buffers`) while the GIL is released.
         let result = py.detach(|| self.exchange(deadline, |s| get_into(s, &frame0, &plan)));
@@ -1656,7 +1661,7 @@ impl Connection {
         frame0: &[u8],
         timeout: f64,
     ) -> PyResult<GotTuple<'py>> {
-        let deadline = Instant::now() + Duration::from_secs_f64(timeout.max(0.0));
+        let deadline = deadline_in(timeout);
         let frame0 = frame0.to_vec();
         let got = py.detach(|| self.exchange(deadline, |s| get(s, &frame0)))?;
         got.into_tuple(py)
@@ -1674,7 +1679,7 @@ impl Connection {
         timeout: f64,
         dtypes: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let deadline = Instant::now() + Duration::from_secs_f64(timeout.max(0.0));
+        let deadline = deadline_in(timeout);
         let frame0 = frame0.to_vec();
         let got = py.detach(|| self.exchange(deadline, |s| get(s, &frame0)))?;
         arrays(py, got, dtypes)
@@ -1757,7 +1762,7 @@ impl Connection {
         let Ok(frame0) = native::encode_request_head(id, &head) else {
             return not_here();
         };
-        let deadline = Instant::now() + Duration::from_secs_f64(timeout.max(0.0));
+        let deadline = deadline_in(timeout);
         // The buffers stay held (`buffers`) while the GIL is released.
         let result = py.detach(|| self.exchange(deadline, |s| get_into(s, &frame0, &plan)));
         drop(buffers);
@@ -1784,7 +1789,7 @@ impl Connection {
         timeout: f64,
         max_bytes: usize,
     ) -> PyResult<Option<Bound<'py, PyAny>>> {
-        let deadline = Instant::now() + Duration::from_secs_f64(timeout.max(0.0));
+        let deadline = deadline_in(timeout);
         let Some(rows) = self.put_begin(py, id, indexes, data, deadline, max_bytes)? else {
             return Ok(None);
         };
@@ -1821,7 +1826,7 @@ impl Connection {
         let Ok(frame0) = native::encode_request_head(id, &head) else {
             return Ok(None);
         };
-        let deadline = Instant::now() + Duration::from_secs_f64(timeout.max(0.0));
+        let deadline = deadline_in(timeout);
         let reply = py.detach(|| self.exchange(deadline, |s| send(s, &frame0, &[])))?;
         let mut cleared = 0u64;
         let got = settled(
@@ -1864,7 +1869,7 @@ impl Connection {
             .iter()
             .map(|&k| pieces.by_ref().take(k).collect())
             .collect();
-        let deadline = Instant::now() + Duration::from_secs_f64(timeout.max(0.0));
+        let deadline = deadline_in(timeout);
         // The buffers stay held (`held`) while the GIL is released.
         let reply = py.detach(|| self.exchange(deadline, |s| send(s, frame0, &frames)));
         drop(frames);
@@ -1932,7 +1937,7 @@ impl Connection {
         timeout: f64,
         max_bytes: usize,
     ) -> PyResult<Option<u64>> {
-        let deadline = Instant::now() + Duration::from_secs_f64(timeout.max(0.0));
+        let deadline = deadline_in(timeout);
         self.put_begin(py, id, indexes, data, deadline, max_bytes)
     }
 
@@ -1945,7 +1950,7 @@ impl Connection {
         rows: u64,
         timeout: f64,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let deadline = Instant::now() + Duration::from_secs_f64(timeout.max(0.0));
+        let deadline = deadline_in(timeout);
         self.put_end(py, id, rows, deadline)
     }
 
@@ -1967,7 +1972,7 @@ impl Connection {
         let Ok(frame0) = native::encode_request_head(id, &head) else {
             return Ok(None);
         };
-        let deadline = Instant::now() + Duration::from_secs_f64(timeout.max(0.0));
+        let deadline = deadline_in(timeout);
         py.detach(|| self.begin(deadline, &frame0, &[]))?;
         Ok(Some(n))
     }
@@ -1979,7 +1984,7 @@ impl Connection {
         timeout: f64,
         dtypes: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let deadline = Instant::now() + Duration::from_secs_f64(timeout.max(0.0));
+        let deadline = deadline_in(timeout);
         let got = py.detach(|| self.resume(deadline, get_reply))?;
         arrays(py, got, dtypes)
     }
