@@ -4,7 +4,7 @@
 //! every file in it. `cargo xtask test` (and `cargo xtask contract`) fails
 //! when a released directory differs: a file changed, added or removed. A
 //! plugin built against a released version must keep loading, so a change
-//! is a new version in a new directory (README, "The policy contract").
+//! is a new version in a new directory (docs/plugins.md, "The policy contract").
 //! The hashes are here, in code, rather than in a file beside the WIT, so
 //! that a commit that edits a released contract has to edit this table too,
 //! in plain sight.
@@ -46,7 +46,7 @@ pub const RELEASED: &[Release] = &[
 /// What to do, printed under every failure.
 const HELP: &str = "released contracts are frozen: a plugin built against a released version must keep \
 loading. Undo the change (`git checkout -- wit/`) and add the new version beside it, in \
-wit/since_vX.Y.Z/ (see README, \"The policy contract\")";
+wit/since_vX.Y.Z/ (see docs/plugins.md, \"The policy contract\")";
 
 /// `cargo xtask contract`: checks the released contracts under `wit/`.
 pub fn contract(args: &[String]) -> Result<()> {
