@@ -82,7 +82,7 @@ with `InsecureDirectory` if another user owns it or can write it or a
 directory above it); by default `$XDG_RUNTIME_DIR/stowage-ray/` when that is
 set and usable, else a fresh 0700 `tempfile.mkdtemp()` directory per node
 and launch (see `stowage._workdir`). stowd itself checks the compile cache
-directory again and trusts only entries it tagged (README, "Plugins").
+directory again and trusts only entries it tagged (docs/operating.md, "Plugins").
 
 The package, by concern (imports point down the list, never up):
 
