@@ -27,7 +27,7 @@ DEFAULT_TIMEOUT = 30.0
 #: messages a stowd routing 2 GiB to a peer's units received every get
 #: into fresh pages (0.35-0.59 GB/s), with 64 MiB at 1.31-1.46 GB/s;
 #: direct puts moved at the same speed either way (docs/benchmarks.md,
-#: "Put messages of stowd's frame size").
+#: "Peer units: one stowd routing to another's units").
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
 #: How long the Rust core polls for a reply before it sleeps, µs (see `Client`).
 DEFAULT_SPIN_US = 200.0

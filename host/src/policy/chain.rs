@@ -26,8 +26,8 @@
 //!
 //! Allocation: a small put's decisions (40 pairs, all memo hits) allocate
 //! nothing here but their answer lists. Measured in a release stowd under
-//! that put (perf, strace; `docs/benchmarks.md`, "The small put's plugin
-//! overhead, again"): a put keeps about 7 KiB, so the worker thread's
+//! that put (perf, strace; `docs/benchmarks.md`, "The small put: plugins
+//! against the built-in"): a put keeps about 7 KiB, so the worker thread's
 //! malloc arena grows on almost every put, an `mprotect` and fresh pages
 //! each time, and the first allocation that does not fit pays for it.
 //! That was this chain's 5 KiB memo key buffer (allocated even by a chain

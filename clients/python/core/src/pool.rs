@@ -8,7 +8,7 @@
 //! at 0.44-2.56 GB/s into fresh buffers against 3.4-3.9 into a reused one;
 //! on another, 1 GiB at a median of 2.33-2.79 GB/s fresh (0.76 at worst)
 //! against 3.01-3.02 reused (`bench/get_reuse.py`; `docs/benchmarks.md`,
-//! "The core at 984d3d5, and reused get buffers"). A training loop gets
+//! "Reused get buffers"). A training loop gets
 //! the same shapes every step, so the buffer of step k is the one step k+1
 //! needs.
 //!

@@ -6,8 +6,8 @@
 //! frames it is made of are. Receiving from the peers and sending to the
 //! client overlap, instead of one following the other: 2 GiB gets through
 //! a router went from 0.68-0.79 of a two-hop tcp relay measured in the same
-//! run to 0.85-1.32 in 6 of 8 runs (`docs/benchmarks.md`, "A get forwarded
-//! while it arrives", with the two runs that fell below).
+//! run to 0.85-1.32 in 6 of 8 runs (`docs/benchmarks.md`, "Peer units: one
+//! stowd routing to another's units", with the two runs that fell below).
 //!
 //! The reply is the one [`super::get_answer`] would give for the same rows
 //! (the layout is built from the peers' frame 0 alone: same field kinds,
