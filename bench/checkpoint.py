@@ -17,7 +17,7 @@ One release stowd with `[units] local = 4`; the Stowage client puts float32
 Prints a table: seconds, GB/s, and each checkpoint step as a ratio to its
 disk counterpart.
 
-usage: python3 bench/checkpoint.py --stowd target/release/stowd --dir /work/ckpt [--rows 524288]
+usage: python3 bench/checkpoint.py --stowd target/release/stowd --dir DIR [--rows 524288]
 """
 import argparse
 import json

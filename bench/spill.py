@@ -24,7 +24,7 @@ put and got in chunks of CHUNK rows (16 MiB at the default).
 4. The journal: 2,000 puts of one 4 KiB row before any checkpoint, and
    after one (each put then appends its index to the journal and fsyncs).
 
-usage: python3 bench/spill.py --stowd target/release/stowd --dir /work/spill-bench [--rows 524288]
+usage: python3 bench/spill.py --stowd target/release/stowd --dir DIR [--rows 524288]
 """
 import argparse
 import hashlib

@@ -46,8 +46,8 @@ TransferQueue needs torch (~6 GB): the suite re-runs itself under
 --tq-python (a venv with transferqueue==0.1.11 and matplotlib), or makes one
 with --setup-tq DIR.
 
-usage: python3 bench/suite.py --tq-python /work/tqenv/bin/python [--scale 1] [--reps 3]
-       python3 bench/suite.py --setup-tq /tmp/tqenv [--scale 0.1]
+usage: python3 bench/suite.py --tq-python $TQ_VENV/bin/python [--scale 1] [--reps 3]
+       python3 bench/suite.py --setup-tq $TQ_VENV [--scale 0.1]
        python3 bench/suite.py --tq-python PY --stowd NEW/stowd --stowd-base OLD/stowd
            --stowd-base-plugins OLD/plugins [--no-pools] [--doc ''] [--json out.json]
 """

@@ -5,7 +5,7 @@
 //! Prints a table: best time of several runs, and time per field or row;
 //! linear decoding keeps the per-item column flat.
 //!
-//! `CARGO_TARGET_DIR=/work/target-release cargo bench -p stowage-wire --bench decode`
+//! `cargo bench -p stowage-wire --bench decode`
 
 use std::time::{Duration, Instant};
 

@@ -1,7 +1,7 @@
 """Opt-in: every torch dtype TransferQueue 0.1.11 sends by its bytes, through
 a real stowd, byte for byte (needs torch; see README.md here):
 
-    /work/tqenv/bin/python -m pytest clients/python/tests_optin/test_dtypes.py -q
+    $TQ_VENV/bin/python -m pytest clients/python/tests_optin/test_dtypes.py -q
 
 - TransferQueue's own storage manager ("SimpleStorage", its
   AsyncSimpleStorageManager) pointed at stowd's units puts a batch with a

@@ -1,7 +1,7 @@
 """Opt-in: torch tensors on the client's fast paths (needs torch; see
 README.md here):
 
-    /work/tqenv/bin/python -m pytest clients/python/tests_optin/test_fast_paths_torch.py -q
+    $TQ_VENV/bin/python -m pytest clients/python/tests_optin/test_fast_paths_torch.py -q
 
 - A CPU tensor numpy can view (`.numpy()`) is read by the Rust core as the
   array it shares memory with: a put of such fields is written byte for

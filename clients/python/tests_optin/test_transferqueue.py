@@ -2,7 +2,7 @@
 
 Run with the virtualenv that has transferqueue==0.1.11 (see README.md here):
 
-    /work/tqenv/bin/python -m pytest clients/python/tests_optin -q
+    $TQ_VENV/bin/python -m pytest clients/python/tests_optin -q
 
 Skipped where transfer_queue is not importable. No Ray cluster: as
 TransferQueue's own tests do, the controller and SimpleStorageUnit classes
