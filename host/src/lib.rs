@@ -22,8 +22,8 @@
 //! | [`wire`] | re-export of crate `stowage-wire`: the TransferQueue 0.1.11 and `stowage/1` codecs, the pickle subset, one bounded msgpack reader; pure, no I/O |
 //! | [`transport`] | re-export of crate `stowage-transport`: ZMTP 3.0 over tcp and ipc with bounded reads, the connection table, the receive pool |
 //!
-//! The workspace around this crate (the README's "Layout" has the same
-//! tree):
+//! The workspace around this crate (the README's "Layout" lists the same
+//! directories):
 //!
 //! | crate | path | what it holds | depends on |
 //! |---|---|---|---|
@@ -50,6 +50,70 @@
 //! Errors are `thiserror` enums (`anyhow` only in the `stowd` binary);
 //! tracing makes DEBUG spans per request and per policy call, and only the
 //! binary installs a subscriber.
+//!
+//! # Where a byte goes
+//!
+//! A put over tcp, say a `stowage/1` put of one regular field to the native
+//! endpoint:
+//!
+//! 1. **Socket.** `transport::serve_with` runs one task per connection;
+//!    `transport::zmtp` reads the ZMTP frames, checking every size the peer
+//!    declares against `transport::Limits` before allocating. A frame of
+//!    1 MiB or more lands in pages of the receive pool (`transport::pool`),
+//!    memory of cleared rows kept for the next frames. The frames are
+//!    `Bytes` from here on; nothing below copies them unless a plan says so.
+//! 2. **Decode.** [`server`]'s native service decodes frame 0 with
+//!    `wire::native` (on `server::offload`'s blocking pool when frame 0 is
+//!    16 KiB or more) and wraps the data frames as [`extent`]s
+//!    (`extent::Received`): the field's tensor is a view of its frame. A
+//!    TransferQueue `PUT` at a unit or the router endpoint takes the same
+//!    path through `server::tq` and `wire::tq`.
+//! 3. **Plan.** [`manager`] routes global index `g` to unit `g % N` and, for
+//!    each (field, unit), asks the field's selection chain
+//!    (`policy::chain::Chain::select_many`: plugins in order, a memo for
+//!    pure ones, the built-in last) for a plan, validates it and executes
+//!    it ([`plan`]): a unit's rows become strided views of the received
+//!    frame, or one gathered buffer if the plan copies. `[dedup]` fields are
+//!    stored once per distinct row (`manager::dedup`). Rows for remote and
+//!    peer units are sent on first (`manager::remote`, `manager::peer`);
+//!    local units are written last, so a failed put leaves no unit half new.
+//! 4. **Store.** `store::Unit::put` checks the whole put (shape, duplicates,
+//!    capacity) under the unit's lock; once a checkpoint exists, [`journal`]
+//!    appends the put's indexes and `fdatasync`s them before anything
+//!    changes. Each (field, piece) becomes one `store::Column` over its
+//!    extent, and each row a few words in the field's index
+//!    (`stowage-index`). With `[units] spill_dir` set, [`spill`] counts the
+//!    extents, and writes the coldest to unlinked, mapped files (past the
+//!    threshold in the background, past the bound before the put).
+//!
+//! A same-node put's rows never cross the socket: the client leases a
+//! memory file from [`shm`] (its descriptor comes over the client's
+//! descriptor channel), writes into it and puts a frame 0 that names it;
+//! `shm::SegmentStore::adopt` seals it, it becomes the extent, and steps 3
+//! and 4 run on views of it, with no copy in `stowd`.
+//!
+//! A get runs the other way. The native service decodes it, and [`manager`]
+//! asks each unit for the rows: `store::Rows`, runs of consecutive rows of
+//! one column (rows of peer units come through [`cache`], which asks their
+//! versions and fetches only what changed; a get wholly of peer rows not
+//! kept here is streamed through `server::native::forward` as the peers'
+//! frames arrive). Then:
+//!
+//! - **over tcp**, `server::native::get` turns the rows into wire fields
+//!   without a copy, the packing chain plans the frames
+//!   (`manager::frame_layout`; the default chain's `coalesce` sends large
+//!   runs alone and copies small pieces into shared frames), and the reply's frames are
+//!   slices of the extents that `transport::zmtp::write_gathered` writes
+//!   with `writev`. A TransferQueue `GET` is answered one frame per row, as
+//!   its protocol has it;
+//! - **same node**, `Manager::get_shared` makes sure every extent the rows
+//!   lie in is in a sealed segment (`extent::share_all`: an extent not yet
+//!   in one, a received frame or a spill file's mapping, is copied into a
+//!   new memory file once, and every later reader gets that file); frame 0
+//!   names the segments the rows lie in, each once, and the segments'
+//!   read-only descriptors go over the client's descriptor channel
+//!   (`shm::channel`, `SCM_RIGHTS`) before the reply. The client maps them:
+//!   no byte of the rows crosses a socket.
 
 pub mod cache;
 pub mod checkpoint;
