@@ -10,10 +10,11 @@
 //! | [`journal`] | the journal of indexes put or cleared since a checkpoint, written before each change of a unit, so that a restore never serves an old value silently |
 //! | [`manager`] | routing `g % N`, selection per (field, unit), the live registry; `manager::remote`: forwarding to remote TransferQueue units; `manager::peer`: peer units (another `stowd`'s, in `stowage/1`) |
 //! | [`metrics`] | request, reload and data-path counters, latency histograms (a leaf: imports nothing from the crate) |
+//! | [`node`] | what a running `stowd` holds, built from the configuration before any socket is bound: plugins, journal, spiller, units, the node's manager and one per unit, the segment store, a restore |
 //! | [`plan`] | selection and frame plans: the `stowage-plan` types and rules (re-exported), applied to host `Field`s, and execution against host buffers |
 //! | [`policy`] | the `Policy` trait, the built-in, the Wasm runtime (sandbox, lent tensor, contract check), chains (policy spans), the registry and its loading, the compile cache |
 //! | [`reload`] | hot reload: the plugin directory watched, plugins checked and swapped in |
-//! | [`server`] | `stowd`'s services and start-up: `tq` (unit and router endpoints), `native` (`stowage/1`, with `native::get`, and `native::forward`: a router's get sent on while the peers' rows arrive), `offload` (large requests decoded and run on a bounded blocking pool), `errors` (the one error → reply mapping), `exposition` (Prometheus text, `/metrics` over hyper); request spans |
+//! | [`server`] | `stowd`'s sockets and services (`Listeners::bind`, `run`): `tq` (unit and router endpoints), `native` (`stowage/1`, with `native::get`, and `native::forward`: a router's get sent on while the peers' rows arrive), `offload` (large requests decoded and run on a bounded blocking pool), `errors` (the one error → reply mapping), `exposition` (Prometheus text, `/metrics` over hyper); request spans |
 //! | [`shm`] | same-node shared memory (sealed segments, leases, descriptor channels, memory allocated ahead) |
 //! | [`spill`] | spilling the coldest extents to disk when the units' memory runs short, and reading them back |
 //! | [`store`] | storage units: the per-field index, columns, rows and runs, capacity in bytes, memory release |
@@ -123,6 +124,7 @@ pub mod extent;
 pub mod journal;
 pub mod manager;
 pub mod metrics;
+pub mod node;
 pub mod plan;
 pub mod policy;
 pub mod reload;

@@ -10,7 +10,14 @@
 //! field and message the packing chain decides between one frame per row
 //! (zero copy) and one coalesced frame (one copy), the two layouts the
 //! TransferQueue wire format allows; that forwarding is in `manager/remote.rs`.
+//!
+//! Every service reaches the store through a manager: the router and
+//! native endpoints through the node's, a TransferQueue unit endpoint and a
+//! peer's request naming a unit through that unit's own
+//! ([`Manager::over_unit`], which stores puts as they arrived). Checkpoints
+//! and restores are manager operations too (`manager/checkpoint.rs`).
 
+pub mod checkpoint;
 pub mod dedup;
 mod peer;
 mod remote;
@@ -137,6 +144,8 @@ pub struct Manager {
     /// Field-name patterns whose puts are deduplicated ([`dedup`]).
     dedup: Vec<String>,
     pub dedup_counters: dedup::DedupCounters,
+    /// Puts stored as they arrived, with no selection ([`Manager::over_unit`]).
+    as_received: bool,
 }
 
 impl std::fmt::Debug for Manager {
@@ -171,6 +180,34 @@ impl Manager {
             cache: None,
             dedup: Vec::new(),
             dedup_counters: Default::default(),
+            as_received: false,
+        }
+    }
+
+    /// A manager over one local unit that stores each put as it arrived,
+    /// with no selection policy and no deduplication: what a TransferQueue
+    /// unit endpoint answers with (TransferQueue's own unit stores what its
+    /// client sent) and what a peer's request naming the unit reaches (the
+    /// peer's policies chose its rows). `registry` is the node's; no chain
+    /// of it runs here.
+    pub fn over_unit(unit: Arc<Unit>, registry: Arc<Registry>, limits: LimitsConfig) -> Manager {
+        let id = unit.id().to_string();
+        let mut m = Manager::new(
+            vec![Target::Local(unit)],
+            registry,
+            limits,
+            Duration::ZERO,
+            id,
+        );
+        m.as_received = true;
+        m
+    }
+
+    /// The one unit of a manager made by [`Manager::over_unit`].
+    pub fn unit(&self) -> Option<&Arc<Unit>> {
+        match (self.as_received, self.targets.as_slice()) {
+            (true, [Target::Local(u)]) => Some(u),
+            _ => None,
         }
     }
 
@@ -398,6 +435,13 @@ impl Manager {
         fields: Vec<(String, Field)>,
         received: &Received,
     ) -> Result<(), ManagerError> {
+        if let Some(unit) = self.unit() {
+            let columns = fields
+                .into_iter()
+                .map(|(name, f)| (name, vec![Column::from_field(f, received)]))
+                .collect();
+            return Ok(unit.put(global_indexes, columns)?);
+        }
         self.check_size(global_indexes.len() as u64, fields.len())?;
         for (name, field) in &fields {
             if field.rows() != global_indexes.len() as u64 {

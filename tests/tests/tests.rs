@@ -29,5 +29,6 @@ mod request_spans;
 mod restore;
 mod same_user;
 mod spill;
+mod startup;
 mod stowd;
 mod tq_values;

@@ -374,19 +374,23 @@ async fn serve(config: Config, endpoints_file: Option<PathBuf>) -> anyhow::Resul
         signal(SignalKind::terminate())?,
         signal(SignalKind::interrupt())?,
     );
-    let running = stowage_host::server::start(config).await?;
+    let node = stowage_host::node::Node::build(&config).await?;
+    let listeners = stowage_host::server::Listeners::bind(&config, &node).await?;
+    let endpoints = listeners.endpoints(&node);
     if let Some(path) = &endpoints_file {
-        running
-            .endpoints
+        endpoints
             .write(path)
             .with_context(|| format!("writing {}", path.display()))?;
     }
-    println!("{}", serde_json::to_string(&running.endpoints)?);
+    println!("{}", serde_json::to_string(&endpoints)?);
+    let (shutdown, stop) = tokio::sync::watch::channel(false);
+    let served = tokio::spawn(stowage_host::server::run(listeners, node, stop));
     tokio::select! {
         _ = int.recv() => tracing::info!("SIGINT: shutting down"),
         _ = term.recv() => tracing::info!("SIGTERM: shutting down"),
     }
-    running.shutdown_and_wait().await;
+    let _ = shutdown.send(true);
+    let _ = served.await;
     if let Some(path) = &endpoints_file {
         let _ = std::fs::remove_file(path);
     }
@@ -428,7 +432,7 @@ fn main() -> std::process::ExitCode {
         Command::Config { config } => load(config.as_ref()).and_then(|c| {
             // Loads the plugins, so that chains naming none are refused here
             // as they would be at start.
-            stowage_host::server::build_registry(&c)?;
+            stowage_host::node::build_registry(&c)?;
             print!("{}", toml::to_string_pretty(&c)?);
             Ok(())
         }),

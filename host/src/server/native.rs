@@ -29,7 +29,7 @@ use crate::plan::PackLimits;
 use crate::policy::chain::{FailStrategy, Loaded};
 use crate::policy::registry::{ChainSummary, list_name};
 use crate::shm::{Channels, SegmentStore, ShmError};
-use crate::store::{Column, Rows, Seq, Unit};
+use crate::store::{Rows, Seq};
 use crate::transport::{BoxFuture, Caller, Message, Service};
 use crate::wire::native;
 
@@ -48,9 +48,9 @@ pub(super) struct NativeService {
     pub endpoint: String,
     /// Where large requests run.
     pub offload: Arc<super::offload::Offload>,
-    /// This stowd's local units, by number: what a peer's request names
-    /// with the envelope's `unit` key.
-    pub units: Vec<Arc<Unit>>,
+    /// This stowd's local units' own managers, by number: what a peer's
+    /// request names with the envelope's `unit` key.
+    pub units: Vec<Arc<Manager>>,
 }
 
 /// The rows a request names (0 for stats and leases).
@@ -292,7 +292,7 @@ impl NativeService {
         connection: u64,
     ) -> Answer {
         if let Some(unit) = extras.unit {
-            return self.answer_unit(unit, op, extras, received);
+            return self.answer_unit(unit, op, extras, received).await;
         }
         let m = &self.manager;
         let same_node = extras.same_node;
@@ -382,7 +382,7 @@ impl NativeService {
     /// key): no routing and no selection policy, a put stored as it
     /// arrived (the peer's policies chose its rows), a get answered from
     /// the unit (with each row's version if asked), clears and versions.
-    fn answer_unit(
+    async fn answer_unit(
         &self,
         n: u64,
         op: native::Op,
@@ -396,7 +396,11 @@ impl NativeService {
             }
             .into()
         };
-        let Some(unit) = usize::try_from(n).ok().and_then(|i| self.units.get(i)) else {
+        let Some((manager, unit)) = usize::try_from(n)
+            .ok()
+            .and_then(|i| self.units.get(i))
+            .and_then(|m| Some((m, m.unit()?)))
+        else {
             return bad(format!(
                 "unit {n} does not exist: this stowd has {} local unit(s), numbered from 0",
                 self.units.len()
@@ -413,21 +417,19 @@ impl NativeService {
                 global_indexes,
                 fields,
             } => {
-                let mut columns = Vec::with_capacity(fields.len());
+                let mut put = Vec::with_capacity(fields.len());
                 for (name, f) in fields {
                     match f.into_field() {
-                        Ok(field) => {
-                            columns.push((name, vec![Column::from_field(field, received)]))
-                        }
+                        Ok(field) => put.push((name, field)),
                         Err(e) => return errors::native_decode(&e).into(),
                     }
                 }
-                match unit.put(&global_indexes, columns) {
+                match manager.put(&global_indexes, put, received).await {
                     Ok(()) => native::Reply::PutOk {
                         rows: global_indexes.len() as u64,
                     }
                     .into(),
-                    Err(e) => store(e),
+                    Err(e) => errors::native(&e).into(),
                 }
             }
             native::Op::Get {
@@ -458,9 +460,9 @@ impl NativeService {
             native::Op::Clear {
                 global_indexes,
                 fields,
-            } => match unit.clear(&global_indexes, fields.as_deref()) {
+            } => match manager.clear(&global_indexes, fields.as_deref()).await {
                 Ok(cleared) => native::Reply::ClearOk { cleared }.into(),
-                Err(e) => store(e),
+                Err(e) => errors::native(&e).into(),
             },
             native::Op::Versions {
                 global_indexes,
@@ -475,62 +477,53 @@ impl NativeService {
     }
 
     /// `checkpoint` / `restore` (`restore`) of every unit to or from the
-    /// checkpoint directory `dir` ([`crate::checkpoint::dir`]), on the
-    /// blocking pool; a checkpoint without `journaled` is a snapshot.
-    /// Refused when a unit is remote.
+    /// checkpoint directory `dir` ([`crate::manager::checkpoint`]); a
+    /// checkpoint without `journaled` is a snapshot. Refused when a unit is
+    /// remote.
     async fn checkpoint(&self, dir: String, restore: bool, journaled: bool) -> native::Reply {
+        use crate::manager::checkpoint::CheckpointRunError;
         let what = if restore { "restore" } else { "checkpoint" };
-        let units = match self.manager.all_local() {
-            Ok(units) => units,
-            Err(remote) => {
-                return native::Reply::Error {
-                    code: native::code::UNSUPPORTED.into(),
-                    message: format!(
-                        "stowd routes to {remote} remote unit(s) it cannot {what}: \
-                         {what} each stowd on its own"
-                    ),
-                };
-            }
-        };
-        let roots = self.roots.clone();
-        let done = tokio::task::spawn_blocking(move || {
-            use crate::checkpoint::dir as ckpt;
-            let journal = units[0].journal().clone();
-            let path = roots.dir(&dir, !restore)?;
-            let shown = path.path().display().to_string();
-            if restore {
-                ckpt::restore(&units, &journal, &path).map(|r| native::Reply::RestoreOk {
-                    dir: shown,
+        let m = &self.manager;
+        let done = if restore {
+            m.restore(&self.roots, &dir)
+                .await
+                .map(|(dir, r)| native::Reply::RestoreOk {
+                    dir,
                     seq: r.seq,
                     rows: r.rows,
                     lost: r.lost,
                 })
-            } else {
-                ckpt::checkpoint(&units, &journal, &path, journaled).map(|w| {
-                    native::Reply::CheckpointOk {
-                        dir: shown,
-                        seq: w.seq,
-                        rows: w.rows,
-                        bytes: w.bytes,
-                        files: w.files,
-                    }
+        } else {
+            m.checkpoint(&self.roots, &dir, journaled)
+                .await
+                .map(|(dir, w)| native::Reply::CheckpointOk {
+                    dir,
+                    seq: w.seq,
+                    rows: w.rows,
+                    bytes: w.bytes,
+                    files: w.files,
                 })
-            }
-        })
-        .await;
+        };
         match done {
-            Ok(Ok(reply)) => {
+            Ok(reply) => {
                 tracing::info!(?reply, "{what} done");
                 reply
             }
-            Ok(Err(e)) => {
+            Err(CheckpointRunError::Remote(remote)) => native::Reply::Error {
+                code: native::code::UNSUPPORTED.into(),
+                message: format!(
+                    "stowd routes to {remote} remote unit(s) it cannot {what}: \
+                     {what} each stowd on its own"
+                ),
+            },
+            Err(CheckpointRunError::Checkpoint(e)) => {
                 tracing::warn!(error = %e, "{what} failed");
                 native::Reply::Error {
                     code: errors::checkpoint_code(&e).into(),
                     message: format!("{what} failed: {e}"),
                 }
             }
-            Err(e) => native::Reply::Error {
+            Err(CheckpointRunError::Task(e)) => native::Reply::Error {
                 code: native::code::INTERNAL.into(),
                 message: format!("{what} failed: {e}"),
             },

@@ -1,7 +1,10 @@
 //! The TransferQueue endpoints: one per local unit, and the router
 //! endpoint over every configured unit. Both speak TransferQueue 0.1.11's
-//! storage-unit protocol byte for byte; they differ only in what answers
-//! a request ([`Backend`]).
+//! storage-unit protocol byte for byte; they differ only in the manager
+//! that answers a request: a unit endpoint's is the unit's own
+//! ([`Manager::over_unit`]: puts stored as they arrived, no selection
+//! policy), the router's is the node's (`g % N` over the configured units,
+//! with the selection chains).
 //!
 //! Every request runs in a DEBUG `request` span: `endpoint` (the unit or
 //! router id), `proto` (`tq` or `tq_router`), `bytes` (all frames), and
@@ -19,11 +22,10 @@ use tracing::Instrument;
 
 use super::errors;
 use super::offload::Offload;
-use crate::batch::Cell;
 use crate::extent::Received;
-use crate::manager::{Manager, ManagerError, Target};
+use crate::manager::{Manager, Target};
 use crate::metrics::{Metrics, Outcome, Protocol};
-use crate::store::{Column, Unit};
+use crate::store::Unit;
 use crate::transport::{BoxFuture, Caller, Message, Service};
 use crate::wire::indexes::Indexes;
 use crate::wire::tq;
@@ -36,19 +38,12 @@ pub(super) fn identity_allowed(identity: &[u8]) -> bool {
     TQ_IDENTITY_PREFIXES.iter().any(|p| identity.starts_with(p))
 }
 
-/// What answers a TransferQueue endpoint's requests.
-pub(super) enum Backend {
-    /// One local unit, as TransferQueue's own storage unit: puts stored
-    /// as they arrived, no selection policy.
-    Unit(Arc<Unit>),
-    /// Every configured unit, routed `g % N`, with the selection chains.
-    Router(Arc<Manager>),
-}
-
 /// A TransferQueue storage-unit endpoint.
 pub(super) struct TqService {
     id: String,
-    backend: Backend,
+    manager: Arc<Manager>,
+    /// `Tq` for a unit endpoint, `TqRouter` for the router's.
+    protocol: Protocol,
     arrivals: Arrivals,
     metrics: Arc<Metrics>,
     /// Add the `stowage` key to `METRICS_RESPONSE`.
@@ -99,40 +94,6 @@ impl Arrivals {
             extra,
         })
     }
-}
-
-/// The file a checkpoint request names: an absolute path whose last
-/// component is not a symbolic link (a client must not make stowd write
-/// through a link it planted, or somewhere relative to stowd's own working
-/// directory).
-/// Refuses a SAVE or LOAD file that is part of `stowd`'s own checkpoints:
-/// a name `stowd` gives its checkpoint files, or any file of a directory
-/// holding a `stowd` checkpoint or journal (overwriting a journal or a
-/// manifest would make a restore serve stale rows).
-fn check_target(
-    dir: &crate::checkpoint::Dir,
-    name: &str,
-    journal: &crate::journal::Journal,
-) -> Result<(), crate::checkpoint::CheckpointError> {
-    use crate::checkpoint::dir::{MANIFEST, ours};
-    let reserved = name == MANIFEST || ours(name).is_some();
-    let theirs = journal.journals_dir(dir.id())
-        || dir.exists(MANIFEST)
-        || dir
-            .names()
-            .map_err(crate::checkpoint::io(dir.path()))?
-            .iter()
-            .any(|n| ours(n).is_some());
-    if reserved || theirs {
-        return Err(crate::checkpoint::CheckpointError::Refused {
-            path: dir.join(name),
-            reason: "it is part of stowd's own checkpoints (a checkpoint directory, its \
-                     manifest, unit files or journal): a TransferQueue checkpoint file goes \
-                     elsewhere"
-                .into(),
-        });
-    }
-    Ok(())
 }
 
 /// The op label of a TransferQueue request, for metrics.
@@ -188,13 +149,15 @@ fn extra(manager: Option<&Manager>, units: &[&Unit]) -> Vec<(String, Bytes)> {
 impl TqService {
     pub(super) fn new(
         id: String,
-        backend: Backend,
+        manager: Arc<Manager>,
+        protocol: Protocol,
         metrics: Arc<Metrics>,
         tq_extra: bool,
     ) -> Arc<TqService> {
         Arc::new(TqService {
             id,
-            backend,
+            manager,
+            protocol,
             arrivals: Arrivals::default(),
             metrics,
             tq_extra,
@@ -256,17 +219,7 @@ impl TqService {
                 fields,
             } => {
                 let received = Received::frames(frames.get(1..).unwrap_or_default());
-                let result = match &self.backend {
-                    Backend::Unit(unit) => {
-                        let columns = fields
-                            .into_iter()
-                            .map(|(name, f)| (name, vec![Column::from_field(f, &received)]))
-                            .collect();
-                        unit.put(&global_indexes, columns)
-                            .map_err(ManagerError::from)
-                    }
-                    Backend::Router(m) => m.put(&global_indexes, fields, &received).await,
-                };
+                let result = self.manager.put(&global_indexes, fields, &received).await;
                 match result {
                     Ok(()) => tq::Reply::PutData,
                     Err(e) => errors::tq_reply(id, tq::ErrorReply::Put, &e),
@@ -276,40 +229,26 @@ impl TqService {
                 global_indexes,
                 fields,
             } => {
-                let result: Result<Vec<(String, Vec<Cell>)>, ManagerError> = match &self.backend {
-                    Backend::Unit(unit) => unit
-                        .get(&global_indexes, &fields)
-                        .map(|rows| {
-                            fields
-                                .into_iter()
-                                .zip(rows.iter().map(|r| r.cells()))
-                                .collect()
-                        })
-                        .map_err(ManagerError::from),
-                    Backend::Router(m) => m
-                        .get(&Indexes::from_list(&global_indexes), &fields)
-                        .await
-                        .map(|got| {
-                            got.into_iter()
-                                .map(|(name, rows)| (name, rows.cells()))
-                                .collect()
-                        }),
-                };
+                let result = self
+                    .manager
+                    .get(&Indexes::from_list(&global_indexes), &fields)
+                    .await
+                    .map(|got| {
+                        got.into_iter()
+                            .map(|(name, rows)| (name, rows.cells()))
+                            .collect()
+                    });
                 match result {
                     Ok(fields) => tq::Reply::GetData { fields },
                     Err(e) => errors::tq_reply(id, tq::ErrorReply::Get, &e),
                 }
             }
-            tq::Request::Clear { global_indexes } => match &self.backend {
-                Backend::Unit(unit) => match unit.clear(&global_indexes, None) {
-                    Ok(_) => tq::Reply::clear_ok(id),
-                    Err(e) => errors::tq_reply(id, tq::ErrorReply::ClearData, &e.into()),
-                },
-                Backend::Router(m) => match m.clear(&global_indexes, None).await {
+            tq::Request::Clear { global_indexes } => {
+                match self.manager.clear(&global_indexes, None).await {
                     Ok(_) => tq::Reply::clear_ok(id),
                     Err(e) => errors::tq_reply(id, tq::ErrorReply::ClearData, &e),
-                },
-            },
+                }
+            }
             tq::Request::GetMetrics => self.metrics_reply(),
             tq::Request::SaveCheckpoint { path } => self.checkpoint(path, false).await,
             tq::Request::LoadCheckpoint { path } => self.checkpoint(path, true).await,
@@ -321,57 +260,36 @@ impl TqService {
     /// `SAVE_STORAGE_CHECKPOINT` / `LOAD_STORAGE_CHECKPOINT` (`load`): a
     /// unit endpoint's rows, or all the local units of a router (refused if
     /// it routes to a remote unit), to or from the file `path`
-    /// ([`crate::checkpoint`]), on the blocking pool. The reply says
-    /// `success` and, on failure, why.
+    /// ([`crate::manager::checkpoint`]). The reply says `success` and, on
+    /// failure, why.
     async fn checkpoint(&self, path: String, load: bool) -> tq::Reply {
+        use crate::manager::checkpoint::CheckpointRunError;
         let id = self.id.as_str();
         let what = if load { "load" } else { "save" };
-        // The units the file is for, in routing order, and the id it names.
-        let (units, file_id, remote): (Vec<Arc<Unit>>, String, usize) = match &self.backend {
-            Backend::Unit(unit) => (vec![unit.clone()], unit.id().to_string(), 0),
-            Backend::Router(m) => match m.all_local() {
-                Ok(units) => (units, id.to_string(), 0),
-                Err(remote) => (vec![], id.to_string(), remote),
-            },
+        let done = if load {
+            self.manager
+                .load_file(&self.roots, &path)
+                .await
+                .map(|rows| (rows, 0))
+        } else {
+            // The file names the endpoint: a unit's id, or the router's.
+            self.manager
+                .save_file(&self.roots, &path, id)
+                .await
+                .map(|s| (s.rows, s.bytes))
         };
-        let error = if remote > 0 {
-            Some(format!(
+        let error = match done {
+            Ok((rows, bytes)) => {
+                tracing::info!(unit = id, path, rows, bytes, "checkpoint {what}");
+                None
+            }
+            Err(CheckpointRunError::Remote(remote)) => Some(format!(
                 "stowd's router routes to {remote} remote unit(s) it cannot write a \
                  checkpoint for: send SAVE_STORAGE_CHECKPOINT and \
                  LOAD_STORAGE_CHECKPOINT to each unit's own endpoint instead"
-            ))
-        } else {
-            let n = units.len() as u64;
-            let roots = self.roots.clone();
-            let target = path.clone();
-            let done = tokio::task::spawn_blocking(move || {
-                let (dir, name) = roots.file(&target)?;
-                let Some(journal) = units.first().map(|u| u.journal().clone()) else {
-                    return Err(crate::checkpoint::CheckpointError::Refused {
-                        path: dir.join(&name),
-                        reason: "this endpoint has no local unit".into(),
-                    });
-                };
-                check_target(&dir, &name, &journal)?;
-                let units: Vec<&Unit> = units.iter().map(|u| u.as_ref()).collect();
-                if load {
-                    let route = |g: u64| (g % n) as usize;
-                    crate::checkpoint::load_units(&units, route, &dir, &name, &journal)
-                        .map(|r| (r, 0))
-                } else {
-                    crate::checkpoint::save_units(&file_id, &units, &dir, &name)
-                        .map(|s| (s.rows, s.bytes))
-                }
-            })
-            .await;
-            match done {
-                Ok(Ok((rows, bytes))) => {
-                    tracing::info!(unit = id, path, rows, bytes, "checkpoint {what}");
-                    None
-                }
-                Ok(Err(e)) => Some(e.to_string()),
-                Err(e) => Some(format!("the checkpoint {what} failed: {e}")),
-            }
+            )),
+            Err(CheckpointRunError::Checkpoint(e)) => Some(e.to_string()),
+            Err(CheckpointRunError::Task(e)) => Some(format!("the checkpoint {what} failed: {e}")),
         };
         if let Some(e) = &error {
             tracing::warn!(unit = id, path, error = %e, "checkpoint {what} refused");
@@ -380,41 +298,28 @@ impl TqService {
     }
 
     fn metrics_reply(&self) -> tq::Reply {
-        let id = self.id.as_str();
-        match &self.backend {
-            Backend::Unit(unit) => {
-                let stats = unit.stats();
-                let extra = if self.tq_extra {
-                    extra(None, &[unit])
-                } else {
-                    vec![]
-                };
-                // TransferQueue counts samples (global indexes), not values.
-                self.arrivals.metrics(id, stats.capacity, stats.rows, extra)
-            }
-            Backend::Router(m) => {
-                let (mut keys, mut capacity) = (0, Some(0u64));
-                let mut locals: Vec<&Unit> = Vec::new();
-                for t in m.targets() {
-                    match t {
-                        Target::Local(u) => {
-                            let s = u.stats();
-                            keys += s.rows;
-                            capacity = capacity.zip(s.capacity).map(|(a, b)| a + b);
-                            locals.push(u);
-                        }
-                        // A remote unit's capacity is not known here.
-                        Target::Remote(_) | Target::Peer(_) => capacity = None,
-                    }
+        let (mut keys, mut capacity) = (0, Some(0u64));
+        let mut locals: Vec<&Unit> = Vec::new();
+        for t in self.manager.targets() {
+            match t {
+                Target::Local(u) => {
+                    let s = u.stats();
+                    // TransferQueue counts samples (global indexes), not values.
+                    keys += s.rows;
+                    capacity = capacity.zip(s.capacity).map(|(a, b)| a + b);
+                    locals.push(u);
                 }
-                let extra = if self.tq_extra {
-                    extra(Some(m), &locals)
-                } else {
-                    vec![]
-                };
-                self.arrivals.metrics(id, capacity, keys, extra)
+                // A remote unit's capacity is not known here.
+                Target::Remote(_) | Target::Peer(_) => capacity = None,
             }
         }
+        let extra = match (self.tq_extra, self.protocol) {
+            (false, _) => vec![],
+            // A unit endpoint runs no policy: its figures are its unit's.
+            (true, Protocol::Tq) => extra(None, &locals),
+            (true, _) => extra(Some(&self.manager), &locals),
+        };
+        self.arrivals.metrics(&self.id, capacity, keys, extra)
     }
 
     /// Decodes, answers and encodes one request (on the blocking pool if
@@ -451,10 +356,7 @@ impl TqService {
     }
 
     fn protocol(&self) -> Protocol {
-        match self.backend {
-            Backend::Unit(_) => Protocol::Tq,
-            Backend::Router(_) => Protocol::TqRouter,
-        }
+        self.protocol
     }
 }
 
