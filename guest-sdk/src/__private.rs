@@ -5,6 +5,8 @@
 
 use core::marker::PhantomData;
 
+use stowage_plan::DTYPES;
+
 use crate::{
     Capability, Description, Dtype, Field, FieldKind, Frame, PackLimits, Piece, PieceInfo, Policy,
     PolicyError, ReadError, RowView,
@@ -141,43 +143,76 @@ impl Field for HostField<'_> {
     }
 }
 
-/// The WIT dtypes, in the order of [`Dtype::ALL`] (the WIT enum's order).
-const WIT_DTYPES: [wt::Dtype; 22] = {
+/// The dtype of a WIT case, matched case by case.
+const fn from_wit_dtype(d: wt::Dtype) -> Dtype {
     use wt::Dtype as W;
-    [
-        W::Bool,
-        W::Uint8,
-        W::Int8,
-        W::Int16,
-        W::Uint16,
-        W::Int32,
-        W::Uint32,
-        W::Int64,
-        W::Uint64,
-        W::Float16,
-        W::Bfloat16,
-        W::Float32,
-        W::Float64,
-        W::Complex64,
-        W::Complex128,
-        W::Complex32,
-        W::Float8E4m3fn,
-        W::Float8E4m3fnuz,
-        W::Float8E5m2,
-        W::Float8E5m2fnuz,
-        W::Float8E8m0fnu,
-        W::Float4E2m1fnX2,
-    ]
+    match d {
+        W::Bool => Dtype::Bool,
+        W::Uint8 => Dtype::Uint8,
+        W::Int8 => Dtype::Int8,
+        W::Int16 => Dtype::Int16,
+        W::Uint16 => Dtype::Uint16,
+        W::Int32 => Dtype::Int32,
+        W::Uint32 => Dtype::Uint32,
+        W::Int64 => Dtype::Int64,
+        W::Uint64 => Dtype::Uint64,
+        W::Float16 => Dtype::Float16,
+        W::Bfloat16 => Dtype::Bfloat16,
+        W::Float32 => Dtype::Float32,
+        W::Float64 => Dtype::Float64,
+        W::Complex64 => Dtype::Complex64,
+        W::Complex128 => Dtype::Complex128,
+        W::Complex32 => Dtype::Complex32,
+        W::Float8E4m3fn => Dtype::Float8E4m3fn,
+        W::Float8E4m3fnuz => Dtype::Float8E4m3fnuz,
+        W::Float8E5m2 => Dtype::Float8E5m2,
+        W::Float8E5m2fnuz => Dtype::Float8E5m2fnuz,
+        W::Float8E8m0fnu => Dtype::Float8E8m0fnu,
+        W::Float4E2m1fnX2 => Dtype::Float4E2m1fnX2,
+    }
+}
+
+/// The WIT case of a dtype (the inverse of [`from_wit_dtype`]).
+const fn to_wit_dtype(d: Dtype) -> wt::Dtype {
+    use wt::Dtype as W;
+    match d {
+        Dtype::Bool => W::Bool,
+        Dtype::Uint8 => W::Uint8,
+        Dtype::Int8 => W::Int8,
+        Dtype::Int16 => W::Int16,
+        Dtype::Uint16 => W::Uint16,
+        Dtype::Int32 => W::Int32,
+        Dtype::Uint32 => W::Uint32,
+        Dtype::Int64 => W::Int64,
+        Dtype::Uint64 => W::Uint64,
+        Dtype::Float16 => W::Float16,
+        Dtype::Bfloat16 => W::Bfloat16,
+        Dtype::Float32 => W::Float32,
+        Dtype::Float64 => W::Float64,
+        Dtype::Complex64 => W::Complex64,
+        Dtype::Complex128 => W::Complex128,
+        Dtype::Complex32 => W::Complex32,
+        Dtype::Float8E4m3fn => W::Float8E4m3fn,
+        Dtype::Float8E4m3fnuz => W::Float8E4m3fnuz,
+        Dtype::Float8E5m2 => W::Float8E5m2,
+        Dtype::Float8E5m2fnuz => W::Float8E5m2fnuz,
+        Dtype::Float8E8m0fnu => W::Float8E8m0fnu,
+        Dtype::Float4E2m1fnX2 => W::Float4E2m1fnX2,
+    }
+}
+
+// Checked as a plugin compiles: each dtype's case is the one at its row of
+// the dtype table (the table is in the WIT enum's order, which the host's
+// tests check against the WIT file), and the two matches are inverses.
+const _: () = {
+    let mut i = 0;
+    while i < DTYPES.len() {
+        let d = DTYPES[i].dtype;
+        assert!(to_wit_dtype(d) as usize == i);
+        assert!(from_wit_dtype(to_wit_dtype(d)) as usize == d as usize);
+        i += 1;
+    }
 };
-
-fn from_wit_dtype(d: wt::Dtype) -> Dtype {
-    Dtype::ALL[d as usize]
-}
-
-fn to_wit_dtype(d: Dtype) -> wt::Dtype {
-    let i = Dtype::ALL.iter().position(|&x| x == d).unwrap_or(0);
-    WIT_DTYPES[i]
-}
 
 impl From<Description> for wt::Description {
     fn from(d: Description) -> Self {

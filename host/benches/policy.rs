@@ -26,7 +26,7 @@ use stowage_host::policy::builtin::Builtin;
 use stowage_host::policy::chain::{Chain, FailStrategy};
 use stowage_host::policy::registry::Registry;
 use stowage_host::policy::wasm::SandboxLimits;
-use stowage_host::tensor::{DType, Tensor};
+use stowage_host::tensor::{Dtype, Tensor};
 
 fn plugin_dir() -> PathBuf {
     std::env::var_os("STOWAGE_PLUGIN_DIR")
@@ -59,7 +59,7 @@ fn f32_field(rows: u64, cols: u64) -> Field {
     Field::Regular(
         Tensor::contiguous(
             Bytes::from(vec![0u8; (rows * cols) as usize * 4]),
-            DType::F32,
+            Dtype::Float32,
             vec![rows, cols],
         )
         .unwrap(),

@@ -10,7 +10,7 @@ use std::time::Instant;
 use bytes::Bytes;
 use stowage_host::batch::Field;
 use stowage_host::plan::{self, Piece, SelectionPlan};
-use stowage_host::tensor::{DType, Tensor};
+use stowage_host::tensor::{Dtype, Tensor};
 
 struct Counting;
 static BYTES: AtomicU64 = AtomicU64::new(0);
@@ -45,7 +45,7 @@ fn main() {
     let field = Field::Regular(
         Tensor::contiguous(
             Bytes::from(vec![1u8; payload as usize]),
-            DType::F32,
+            Dtype::Float32,
             vec![rows, cols],
         )
         .unwrap(),

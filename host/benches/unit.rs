@@ -11,7 +11,7 @@ use criterion::{BatchSize, Criterion, Throughput, criterion_group, criterion_mai
 use stowage_host::batch::Field;
 use stowage_host::extent::Received;
 use stowage_host::store::{Column, Unit};
-use stowage_host::tensor::{DType, Tensor};
+use stowage_host::tensor::{Dtype, Tensor};
 
 const ROWS: u64 = 131_072;
 const COLS: u64 = 128;
@@ -23,7 +23,7 @@ fn frame() -> (Bytes, Vec<u64>) {
 }
 
 fn columns(frame: &Bytes) -> Vec<(String, Vec<Column>)> {
-    let t = Tensor::contiguous(frame.clone(), DType::F32, vec![ROWS, COLS]).expect("shape");
+    let t = Tensor::contiguous(frame.clone(), Dtype::Float32, vec![ROWS, COLS]).expect("shape");
     let received = Received::frames(std::slice::from_ref(frame));
     vec![(
         "x".to_string(),

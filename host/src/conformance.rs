@@ -21,7 +21,7 @@ use crate::batch::{Field, Value};
 use crate::plan::{self, PackLimits, PieceInfo, Selected};
 use crate::policy::builtin::Builtin;
 use crate::policy::{Capability, Policy, PolicyError};
-use crate::tensor::{DType, Tensor};
+use crate::tensor::{Dtype, Tensor};
 
 /// One input of the suite.
 pub struct Case {
@@ -115,7 +115,7 @@ impl Lcg {
     }
 }
 
-fn regular(dtype: DType, rows: u64, cols: u64) -> Field {
+fn regular(dtype: Dtype, rows: u64, cols: u64) -> Field {
     let len = (rows * cols) as usize * dtype.itemsize();
     let data: Vec<u8> = (0..len).map(|i| (i * 7 % 251) as u8).collect();
     Field::Regular(
@@ -129,7 +129,7 @@ fn nested(rows: u64) -> Field {
             .map(|i| {
                 let n = i % 5; // rows of length 0..4, some empty
                 let data: Vec<u8> = (0..n * 8).map(|b| (b + i) as u8).collect();
-                Tensor::contiguous(Bytes::from(data), DType::I64, vec![n]).expect("valid layout")
+                Tensor::contiguous(Bytes::from(data), Dtype::Int64, vec![n]).expect("valid layout")
             })
             .collect(),
     )
@@ -178,13 +178,13 @@ pub fn selection_cases() -> Vec<Case> {
     let mut rng = Lcg(0x5eed);
     let mut fields: Vec<(String, Field)> = Vec::new();
     for dtype in [
-        DType::F32,
-        DType::F16,
-        DType::BF16,
-        DType::I64,
-        DType::I8,
-        DType::U8,
-        DType::Bool,
+        Dtype::Float32,
+        Dtype::Float16,
+        Dtype::Bfloat16,
+        Dtype::Int64,
+        Dtype::Int8,
+        Dtype::Uint8,
+        Dtype::Bool,
     ] {
         for (rows, cols) in [(1u64, 4u64), (8, 2), (100, 3), (1000, 1)] {
             fields.push((
@@ -193,7 +193,10 @@ pub fn selection_cases() -> Vec<Case> {
             ));
         }
     }
-    fields.push(("regular float32 [0, 4]".into(), regular(DType::F32, 0, 4)));
+    fields.push((
+        "regular float32 [0, 4]".into(),
+        regular(Dtype::Float32, 0, 4),
+    ));
     for rows in [1u64, 7, 50] {
         fields.push((format!("nested int64 x{rows} (empty rows)"), nested(rows)));
         fields.push((format!("values x{rows}"), values(rows)));

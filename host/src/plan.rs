@@ -228,13 +228,13 @@ pub fn execute_frames(pieces: &[Tensor], plan: &FramePlan) -> Framed {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::tensor::DType;
+    use crate::tensor::Dtype;
 
     fn regular_tensor(rows: u64) -> Tensor {
         let data: Vec<u8> = (0..rows * 2)
             .flat_map(|v| (v as f32).to_le_bytes())
             .collect();
-        Tensor::contiguous(Bytes::from(data), DType::F32, vec![rows, 2]).unwrap()
+        Tensor::contiguous(Bytes::from(data), Dtype::Float32, vec![rows, 2]).unwrap()
     }
 
     fn regular(rows: u64) -> Field {

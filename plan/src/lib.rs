@@ -16,6 +16,11 @@
 //! SDK re-exports them and the host converts its wit-bindgen values into
 //! them.
 //!
+//! The crate also holds the dtype table ([`DTYPES`], one row per
+//! [`Dtype`]: wire name, WIT case, itemsize, first contract version,
+//! aliases), the one list of dtypes the wire codecs, the guest SDK, the
+//! host's Wasm runtime and the Python client's tests all read.
+//!
 //! ```
 //! use stowage_plan::{
 //!     validate_frames, validate_selection, FieldInfo, FieldKind, Frame, FramePlan, PackLimits,
@@ -43,8 +48,10 @@
 
 #![deny(missing_docs)]
 
+mod dtype;
 mod rules;
 
+pub use dtype::{Contract, DTYPES, Dtype, DtypeInfo};
 pub use rules::{PlanError, validate_frames, validate_selection};
 
 /// What a field is made of (WIT `field-kind`).
@@ -72,117 +79,6 @@ impl FieldKind {
 impl std::fmt::Display for FieldKind {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.name())
-    }
-}
-
-/// Element type of a tensor (WIT `dtype`); names follow torch.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Dtype {
-    /// `torch.bool`, one byte.
-    Bool,
-    /// `torch.uint8`.
-    Uint8,
-    /// `torch.int8`.
-    Int8,
-    /// `torch.int16`.
-    Int16,
-    /// `torch.uint16`.
-    Uint16,
-    /// `torch.int32`.
-    Int32,
-    /// `torch.uint32`.
-    Uint32,
-    /// `torch.int64`.
-    Int64,
-    /// `torch.uint64`.
-    Uint64,
-    /// `torch.float16`.
-    Float16,
-    /// `torch.bfloat16`.
-    Bfloat16,
-    /// `torch.float32`.
-    Float32,
-    /// `torch.float64`.
-    Float64,
-    /// `torch.complex64`.
-    Complex64,
-    /// `torch.complex128`.
-    Complex128,
-    /// `torch.complex32`: two float16 (since contract 0.2.0).
-    Complex32,
-    /// `torch.float8_e4m3fn` (since 0.2.0).
-    Float8E4m3fn,
-    /// `torch.float8_e4m3fnuz` (since 0.2.0).
-    Float8E4m3fnuz,
-    /// `torch.float8_e5m2` (since 0.2.0).
-    Float8E5m2,
-    /// `torch.float8_e5m2fnuz` (since 0.2.0).
-    Float8E5m2fnuz,
-    /// `torch.float8_e8m0fnu`, an 8-bit exponent (since 0.2.0).
-    Float8E8m0fnu,
-    /// `torch.float4_e2m1fn_x2`: two 4-bit floats in one byte; the shape
-    /// counts bytes (since 0.2.0).
-    Float4E2m1fnX2,
-}
-
-impl Dtype {
-    /// Every dtype, in WIT order.
-    pub const ALL: [Dtype; 22] = [
-        Dtype::Bool,
-        Dtype::Uint8,
-        Dtype::Int8,
-        Dtype::Int16,
-        Dtype::Uint16,
-        Dtype::Int32,
-        Dtype::Uint32,
-        Dtype::Int64,
-        Dtype::Uint64,
-        Dtype::Float16,
-        Dtype::Bfloat16,
-        Dtype::Float32,
-        Dtype::Float64,
-        Dtype::Complex64,
-        Dtype::Complex128,
-        Dtype::Complex32,
-        Dtype::Float8E4m3fn,
-        Dtype::Float8E4m3fnuz,
-        Dtype::Float8E5m2,
-        Dtype::Float8E5m2fnuz,
-        Dtype::Float8E8m0fnu,
-        Dtype::Float4E2m1fnX2,
-    ];
-
-    /// Bytes per element (per packed pair for `Float4E2m1fnX2`).
-    pub const fn size(self) -> u64 {
-        match self {
-            Dtype::Bool
-            | Dtype::Uint8
-            | Dtype::Int8
-            | Dtype::Float8E4m3fn
-            | Dtype::Float8E4m3fnuz
-            | Dtype::Float8E5m2
-            | Dtype::Float8E5m2fnuz
-            | Dtype::Float8E8m0fnu
-            | Dtype::Float4E2m1fnX2 => 1,
-            Dtype::Int16 | Dtype::Uint16 | Dtype::Float16 | Dtype::Bfloat16 => 2,
-            Dtype::Int32 | Dtype::Uint32 | Dtype::Float32 | Dtype::Complex32 => 4,
-            Dtype::Int64 | Dtype::Uint64 | Dtype::Float64 | Dtype::Complex64 => 8,
-            Dtype::Complex128 => 16,
-        }
-    }
-
-    /// True for the 15 dtypes contract 0.1.0 names.
-    pub const fn in_v0_1(self) -> bool {
-        !matches!(
-            self,
-            Dtype::Complex32
-                | Dtype::Float8E4m3fn
-                | Dtype::Float8E4m3fnuz
-                | Dtype::Float8E5m2
-                | Dtype::Float8E5m2fnuz
-                | Dtype::Float8E8m0fnu
-                | Dtype::Float4E2m1fnX2
-        )
     }
 }
 

@@ -3,7 +3,7 @@
 
 use bytes::Bytes;
 use stowage_host::batch::{Cell, Field, Value};
-use stowage_host::tensor::{DType, Tensor, contiguous_len};
+use stowage_host::tensor::{Dtype, Tensor, contiguous_len};
 use stowage_host::wire::native::WireField;
 
 /// `len` pseudo-random bytes from `seed` (splitmix64).
@@ -23,10 +23,10 @@ pub fn pattern(len: usize, seed: u64) -> Vec<u8> {
 
 /// A contiguous tensor of `shape` with seeded bytes (`bool` elements are
 /// 0 or 1, so every byte is a valid bool).
-pub fn tensor(dtype: DType, shape: &[u64], seed: u64) -> Tensor {
+pub fn tensor(dtype: Dtype, shape: &[u64], seed: u64) -> Tensor {
     let len = contiguous_len(dtype, shape).expect("test shapes fit");
     let mut bytes = pattern(len, seed);
-    if dtype == DType::Bool {
+    if dtype == Dtype::Bool {
         bytes.iter_mut().for_each(|b| *b &= 1);
     }
     Tensor::contiguous(Bytes::from(bytes), dtype, shape.to_vec()).expect("length matches")
@@ -38,11 +38,12 @@ pub fn f32_rows(rows: u64, cols: u64, seed: u64) -> Tensor {
         .flat_map(|r| (0..cols).map(move |c| (r * 1000 + c + seed) as f32))
         .flat_map(f32::to_le_bytes)
         .collect();
-    Tensor::contiguous(Bytes::from(bytes), DType::F32, vec![rows, cols]).expect("length matches")
+    Tensor::contiguous(Bytes::from(bytes), Dtype::Float32, vec![rows, cols])
+        .expect("length matches")
 }
 
 /// A nested field: row `i` is a 1-d tensor of `lengths[i]` elements.
-pub fn nested(dtype: DType, lengths: &[u64], seed: u64) -> Field {
+pub fn nested(dtype: Dtype, lengths: &[u64], seed: u64) -> Field {
     Field::Nested(
         lengths
             .iter()
@@ -130,16 +131,16 @@ pub fn every_kind() -> (Vec<u64>, Vec<(String, Field)>) {
         ("x".to_string(), Field::Regular(f32_rows(6, 8, 1))),
         (
             "bf".to_string(),
-            Field::Regular(tensor(DType::BF16, &[6, 3], 2)),
+            Field::Regular(tensor(Dtype::Bfloat16, &[6, 3], 2)),
         ),
         // complex128 has no safetensors dtype: kept as bytes plus its dtype.
         (
             "c".to_string(),
-            Field::Regular(tensor(DType::Complex128, &[6, 2], 3)),
+            Field::Regular(tensor(Dtype::Complex128, &[6, 2], 3)),
         ),
         (
             "resp".to_string(),
-            nested(DType::I64, &[3, 0, 7, 1, 2, 5], 4),
+            nested(Dtype::Int64, &[3, 0, 7, 1, 2, 5], 4),
         ),
         ("text".to_string(), strings("t", 6)),
     ];

@@ -34,7 +34,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use stowage_host::batch::{Cell, Field, Value};
 use stowage_host::server::UnitEndpoint;
-use stowage_host::tensor::{DType, Tensor};
+use stowage_host::tensor::{Dtype, Tensor};
 use stowage_host::wire::native::{self, WireField};
 use stowage_host::wire::tq;
 use zeromq::{DealerSocket, Socket, SocketOptions, SocketRecv, SocketSend, ZmqMessage};
@@ -153,7 +153,7 @@ fn string_value(g: u64, version: u64) -> String {
 
 /// The expected cell of (g, field, version).
 fn expected_cell(g: u64, field: usize, version: u64, blob_bytes: usize) -> Cell {
-    let tensor = |dtype: DType, row_shape: Vec<u64>, len: usize| {
+    let tensor = |dtype: Dtype, row_shape: Vec<u64>, len: usize| {
         let t = Tensor::contiguous(
             Bytes::from(row_bytes(g, field, version, len)),
             dtype,
@@ -162,12 +162,12 @@ fn expected_cell(g: u64, field: usize, version: u64, blob_bytes: usize) -> Cell 
         Cell::Tensor(t.expect("length matches"))
     };
     match field {
-        REG => tensor(DType::F32, vec![REG_COLS], REG_COLS as usize * 4),
+        REG => tensor(Dtype::Float32, vec![REG_COLS], REG_COLS as usize * 4),
         JAG => {
             let n = jag_len(g, version);
-            tensor(DType::I32, vec![n], n as usize * 4)
+            tensor(Dtype::Int32, vec![n], n as usize * 4)
         }
-        BLOB => tensor(DType::U8, vec![blob_bytes as u64], blob_bytes),
+        BLOB => tensor(Dtype::Uint8, vec![blob_bytes as u64], blob_bytes),
         _ => Cell::Value(Value::Str(string_value(g, version))),
     }
 }
@@ -175,7 +175,7 @@ fn expected_cell(g: u64, field: usize, version: u64, blob_bytes: usize) -> Cell 
 /// The field of a put of `indexes` at `version`.
 fn make_field(field: usize, indexes: &[u64], version: u64, blob_bytes: usize) -> Field {
     let n = indexes.len() as u64;
-    let regular = |dtype: DType, row_len: usize, cols: u64| {
+    let regular = |dtype: Dtype, row_len: usize, cols: u64| {
         let mut bytes = Vec::with_capacity(row_len * indexes.len());
         for &g in indexes {
             bytes.extend_from_slice(&row_bytes(g, field, version, row_len));
@@ -185,15 +185,15 @@ fn make_field(field: usize, indexes: &[u64], version: u64, blob_bytes: usize) ->
         )
     };
     match field {
-        REG => regular(DType::F32, REG_COLS as usize * 4, REG_COLS),
-        BLOB => regular(DType::U8, blob_bytes, blob_bytes as u64),
+        REG => regular(Dtype::Float32, REG_COLS as usize * 4, REG_COLS),
+        BLOB => regular(Dtype::Uint8, blob_bytes, blob_bytes as u64),
         JAG => Field::Nested(
             indexes
                 .iter()
                 .map(|&g| {
                     let len = jag_len(g, version);
                     let bytes = Bytes::from(row_bytes(g, field, version, len as usize * 4));
-                    Tensor::contiguous(bytes, DType::I32, vec![len]).expect("length matches")
+                    Tensor::contiguous(bytes, Dtype::Int32, vec![len]).expect("length matches")
                 })
                 .collect(),
         ),

@@ -15,7 +15,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use stowage_host::batch::Field;
-use stowage_host::tensor::DType;
+use stowage_host::tensor::Dtype;
 use stowage_host::wire::native::Stat;
 use stowage_tests::client::stat;
 use stowage_tests::data::{assert_cells, cells, tensor, wire_cells};
@@ -180,7 +180,7 @@ async fn wait_for_stat(client: &NativeClient, key: &str, value: i64) -> Vec<(Str
 /// A put and get of a stride-2 field, checked row for row.
 async fn served(client: &NativeClient, seed: u64) {
     let indexes: Vec<u64> = (seed * 64..seed * 64 + 64).collect();
-    let x = Field::Regular(tensor(DType::F32, &[64, 4], seed));
+    let x = Field::Regular(tensor(Dtype::Float32, &[64, 4], seed));
     client.put_ok(&indexes, &[("x".into(), x.clone())]).await;
     let got = client.get_ok(&indexes, &["x"]).await;
     let got = wire_cells(got.into_iter().next().unwrap().1);

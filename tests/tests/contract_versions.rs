@@ -17,7 +17,7 @@ use stowage_host::policy::SelectRequest;
 use stowage_host::policy::chain::{Chain, ChainError, DecidedBy, FailStrategy, Loaded};
 use stowage_host::policy::registry::Registry;
 use stowage_host::policy::wasm::SandboxLimits;
-use stowage_host::tensor::{DType, Tensor};
+use stowage_host::tensor::{Dtype, Tensor};
 use stowage_tests::client::stat;
 use stowage_tests::process::stowd_bin;
 use stowage_tests::{NativeClient, Stowd, hostile, plugin, plugin_v0_1, shared_cache};
@@ -26,7 +26,7 @@ fn regular(rows: u64, cols: u64, seed: u64) -> Field {
     let data: Vec<u8> = (0..rows * cols)
         .flat_map(|v| ((v + seed) as f32).to_le_bytes())
         .collect();
-    Field::Regular(Tensor::contiguous(Bytes::from(data), DType::F32, vec![rows, cols]).unwrap())
+    Field::Regular(Tensor::contiguous(Bytes::from(data), Dtype::Float32, vec![rows, cols]).unwrap())
 }
 
 fn registry(paths: &[std::path::PathBuf], memo_entries: usize) -> Registry {

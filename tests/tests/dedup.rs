@@ -14,7 +14,7 @@
 //!   overwritten and cleared.
 
 use stowage_host::batch::Field;
-use stowage_host::tensor::{DType, Tensor};
+use stowage_host::tensor::{Dtype, Tensor};
 use stowage_tests::data::{assert_cells, cells, expected, f32_rows, tensor, wire_cells};
 use stowage_tests::{NativeClient, Stowd, TqClient};
 
@@ -30,7 +30,8 @@ fn repeated(prompts: u64, samples: u64, cols: u64) -> Field {
         bytes.extend_from_slice(&r.contiguous_bytes());
     }
     Field::Regular(
-        Tensor::contiguous(bytes.into(), DType::F32, vec![prompts * samples, cols]).expect("shape"),
+        Tensor::contiguous(bytes.into(), Dtype::Float32, vec![prompts * samples, cols])
+            .expect("shape"),
     )
 }
 
@@ -46,8 +47,8 @@ async fn repeated_rows_of_a_named_field_are_stored_once() {
     // Images: 2 distinct of one shape, 2 of another, each 16 times.
     let images: Vec<Tensor> = (0..64u64)
         .map(|i| match i % 4 {
-            0 | 1 => tensor(DType::U8, &[3, 8, 8], i % 4),
-            _ => tensor(DType::U8, &[3, 4, 4], i % 4),
+            0 | 1 => tensor(Dtype::Uint8, &[3, 8, 8], i % 4),
+            _ => tensor(Dtype::Uint8, &[3, 4, 4], i % 4),
         })
         .collect();
     let image = Field::Nested(images);

@@ -5,20 +5,20 @@
 //! answered by the built-in, without a call into the plugin.
 
 use stowage_host::batch::{Cell, Field};
-use stowage_host::tensor::DType;
+use stowage_host::tensor::Dtype;
 use stowage_tests::client::stat;
 use stowage_tests::data::{assert_cells, expected, nested, tensor, wire_cells};
 use stowage_tests::{NativeClient, Stowd, TqClient, prom};
 
 /// The dtypes `stowage:policy@0.1.0` has no name for.
-const NEW: [DType; 7] = [
-    DType::Complex32,
-    DType::F8E4M3Fn,
-    DType::F8E4M3Fnuz,
-    DType::F8E5M2,
-    DType::F8E5M2Fnuz,
-    DType::F8E8M0Fnu,
-    DType::F4E2M1FnX2,
+const NEW: [Dtype; 7] = [
+    Dtype::Complex32,
+    Dtype::Float8E4m3fn,
+    Dtype::Float8E4m3fnuz,
+    Dtype::Float8E5m2,
+    Dtype::Float8E5m2fnuz,
+    Dtype::Float8E8m0fnu,
+    Dtype::Float4E2m1fnX2,
 ];
 
 /// A regular `[n, 3]` and a nested field (row 1 empty) of every dtype.
@@ -27,7 +27,7 @@ fn every_dtype(n: usize, seed: u64) -> Vec<(String, Field)> {
         .map(|i| if i == 1 { 0 } else { (i + seed) % 4 + 1 })
         .collect();
     let mut fields = Vec::new();
-    for (k, d) in DType::ALL.into_iter().enumerate() {
+    for (k, d) in Dtype::ALL.into_iter().enumerate() {
         let s = seed * 100 + k as u64;
         fields.push((
             format!("r_{d}"),
@@ -180,7 +180,7 @@ async fn a_0_1_0_plugin_is_skipped_for_dtypes_its_contract_cannot_name() {
     let before = (decisions().await, calls());
     let f32s = vec![(
         "x".to_string(),
-        Field::Regular(tensor(DType::F32, &[512, 4], 1)),
+        Field::Regular(tensor(Dtype::Float32, &[512, 4], 1)),
     )];
     native.put_ok(&indexes, &f32s).await;
     let after = (decisions().await, calls());

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use bytes::{BufMut, BytesMut};
 use stowage_host::batch::{Cell, Field};
-use stowage_host::tensor::DType;
+use stowage_host::tensor::Dtype;
 use stowage_host::transport::zmtp;
 use stowage_host::wire::{native, tq};
 use stowage_tests::client::{FdChannel, native_error, tq_error};
@@ -122,7 +122,7 @@ async fn too_many_frames_is_refused_by_count() {
     let client = TqClient::new(stowd.router());
     let stored = seed(&client).await;
     // A nested field of 40 rows is one frame per row: over 16 frames.
-    let nested = data::nested(DType::F32, &[3; 40], 1);
+    let nested = data::nested(Dtype::Float32, &[3; 40], 1);
     let reply = client
         .put(&(200..240).collect::<Vec<_>>(), vec![("n".into(), nested)])
         .await;

@@ -18,7 +18,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use stowage_host::batch::Field;
-use stowage_host::tensor::DType;
+use stowage_host::tensor::Dtype;
 use stowage_host::wire::native;
 use stowage_host::wire::tq;
 use stowage_tests::client::{native_error, stat};
@@ -119,7 +119,7 @@ async fn churn(
     while !stop.load(Ordering::Relaxed) {
         let x = Field::Regular(f32_rows(n, 8, base * 1000 + round));
         let ids = stowage_tests::data::nested(
-            DType::I64,
+            Dtype::Int64,
             &(0..n).map(|i| (i + round) % 4).collect::<Vec<_>>(),
             round,
         );
@@ -344,7 +344,7 @@ async fn broken_plugins_dropped_into_the_directory_never_go_live() {
 
     // Requests are answered by the old gather, correctly.
     let indexes: Vec<u64> = vec![9, 2, 7, 4, 5, 0];
-    let x = Field::Regular(tensor(DType::F32, &[6, 16], 3));
+    let x = Field::Regular(tensor(Dtype::Float32, &[6, 16], 3));
     client.put_ok(&indexes, &[("x".into(), x.clone())]).await;
     let got = client.get_ok(&[0, 9, 5], &["x"]).await;
     assert_cells(
@@ -390,7 +390,10 @@ async fn a_removed_plugin_file_is_unloaded_and_a_new_one_loaded() {
     client
         .put_ok(
             &indexes,
-            &[("x".into(), Field::Regular(tensor(DType::F32, &[64, 4], 1)))],
+            &[(
+                "x".into(),
+                Field::Regular(tensor(Dtype::Float32, &[64, 4], 1)),
+            )],
         )
         .await;
     let stats = client.stats().await;
@@ -643,7 +646,7 @@ async fn a_large_part_goes_out_in_frames_of_at_most_the_frame_size() {
     let url = stowd.endpoints.metrics.clone().expect("metrics endpoint");
     let client = NativeClient::new(stowd.native());
     // 3.5 MiB in one part: rows of 3,000 bytes, 1,223 rows.
-    let t = tensor(DType::U8, &[1223, 3000], 4);
+    let t = tensor(Dtype::Uint8, &[1223, 3000], 4);
     let indexes: Vec<u64> = (0..1223).collect();
     client
         .put_ok(&indexes, &[("x".into(), Field::Regular(t.clone()))])
@@ -679,7 +682,7 @@ async fn metrics_count_receive_pool_hits_and_misses() {
     let field = |seed| {
         vec![(
             "x".to_string(),
-            Field::Regular(tensor(DType::F32, &[512, 1024], seed)),
+            Field::Regular(tensor(Dtype::Float32, &[512, 1024], seed)),
         )]
     };
     let indexes: Vec<u64> = (0..512).collect();
@@ -730,7 +733,7 @@ async fn metrics_parse_and_count_zero_copy_and_copied_bytes() {
             &indexes,
             &[(
                 "obs".into(),
-                Field::Regular(tensor(DType::F32, &[1024, 256], 5)),
+                Field::Regular(tensor(Dtype::Float32, &[1024, 256], 5)),
             )],
         )
         .await;
@@ -794,7 +797,7 @@ async fn metrics_parse_and_count_zero_copy_and_copied_bytes() {
             &more,
             &[(
                 "gobs".into(),
-                Field::Regular(tensor(DType::F32, &[1024, 256], 6)),
+                Field::Regular(tensor(Dtype::Float32, &[1024, 256], 6)),
             )],
         )
         .await;

@@ -18,7 +18,7 @@
 use std::sync::Arc;
 
 use stowage_host::batch::Field;
-use stowage_host::tensor::DType;
+use stowage_host::tensor::Dtype;
 use stowage_host::wire::native;
 use stowage_tests::data::{assert_cells, expected, f32_rows, nested, strings, wire_cells};
 use stowage_tests::{NativeClient, Stowd, TqClient, free_port};
@@ -41,7 +41,7 @@ fn batch(n: u64, seed: u64) -> Vec<(String, Field)> {
     let lengths: Vec<u64> = (0..n).map(|i| i % 7).collect();
     vec![
         ("x".into(), Field::Regular(f32_rows(n, 48, seed))),
-        ("jag".into(), nested(DType::I64, &lengths, seed)),
+        ("jag".into(), nested(Dtype::Int64, &lengths, seed)),
         ("s".into(), strings(&format!("v{seed}"), n as usize)),
     ]
 }
@@ -564,7 +564,7 @@ async fn a_get_of_peer_rows_alone_is_forwarded_and_reads_as_any_other() {
         let lengths: Vec<u64> = (0..n).map(|i| i % 2 + 1).collect();
         let mut put = batch(n, 1);
         put[0] = ("x".into(), Field::Regular(f32_rows(n, 1024, 1)));
-        put.push(("m".into(), nested(DType::F32, &lengths, 2)));
+        put.push(("m".into(), nested(Dtype::Float32, &lengths, 2)));
         client.put_ok(&indexes, &put).await;
         let names = ["x", "jag", "s", "m"];
         let check = |what: String, got: Vec<(String, native::WireField)>, ix: &[u64]| {
@@ -613,7 +613,7 @@ async fn a_get_of_peer_rows_alone_is_forwarded_and_reads_as_any_other() {
         // A field mixing dtypes across units: the same error as unforwarded.
         let f = vec![("d".to_string(), Field::Regular(f32_rows(1, 2, 1)))];
         client.put_ok(&[0], &f).await;
-        let ints = stowage_tests::data::tensor(DType::I64, &[1, 2], 1);
+        let ints = stowage_tests::data::tensor(Dtype::Int64, &[1, 2], 1);
         client
             .put_ok(&[1], &[("d".to_string(), Field::Regular(ints))])
             .await;

@@ -16,7 +16,7 @@ use stowage_host::policy::chain::{Chain, ChainError, DecidedBy, FailStrategy, Lo
 use stowage_host::policy::registry::{ChainConfig, Registry};
 use stowage_host::policy::wasm::{self, SandboxLimits};
 use stowage_host::policy::{Fault, Policy, PolicyError};
-use stowage_host::tensor::{DType, Tensor};
+use stowage_host::tensor::{Dtype, Tensor};
 use stowage_tests::{hostile, plugin, plugin_dir, shared_cache, temp_dir};
 
 // ---------------------------------------------------------------------------
@@ -78,7 +78,7 @@ fn regular(rows: u64, cols: u64) -> Field {
     let data: Vec<u8> = (0..rows * cols)
         .flat_map(|v| (v as f32).to_le_bytes())
         .collect();
-    Field::Regular(Tensor::contiguous(Bytes::from(data), DType::F32, vec![rows, cols]).unwrap())
+    Field::Regular(Tensor::contiguous(Bytes::from(data), Dtype::Float32, vec![rows, cols]).unwrap())
 }
 
 /// Row i = arange(i + 1) as int64, like TransferQueue's jagged test field.
@@ -87,7 +87,7 @@ fn nested(rows: u64) -> Field {
         (0..rows)
             .map(|i| {
                 let data: Vec<u8> = (0..=i as i64).flat_map(|v| v.to_le_bytes()).collect();
-                Tensor::contiguous(Bytes::from(data), DType::I64, vec![i + 1]).unwrap()
+                Tensor::contiguous(Bytes::from(data), Dtype::Int64, vec![i + 1]).unwrap()
             })
             .collect(),
     )

@@ -503,7 +503,7 @@ fn versioned(g: u64, v: u64) -> Field {
     Field::Regular(
         stowage_host::tensor::Tensor::contiguous(
             bytes.into(),
-            stowage_host::tensor::DType::U64,
+            stowage_host::tensor::Dtype::Uint64,
             vec![1, 4],
         )
         .unwrap(),

@@ -19,7 +19,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use stowage_host::batch::{Cell, Field, Value};
-use stowage_host::tensor::DType;
+use stowage_host::tensor::Dtype;
 use stowage_host::transport::TransportError;
 use stowage_host::wire::native::{self, WireField};
 use stowage_host::wire::pickle::{self, PValue};
@@ -118,7 +118,7 @@ fn tq_batch(n: usize, seed: u64) -> Vec<(String, Field)> {
             "obs".into(),
             Field::Regular(f32_rows(n as u64, 4, seed * 100_000)),
         ),
-        ("ids".into(), nested(DType::I64, &lengths, seed)),
+        ("ids".into(), nested(Dtype::Int64, &lengths, seed)),
         ("text".into(), strings(&format!("s{seed}"), n)),
     ]
 }
@@ -315,7 +315,7 @@ async fn router_mode_over_two_processes() {
     let big_indexes: Vec<u64> = (5000..5256).collect();
     let big = vec![(
         "big".to_string(),
-        Field::Regular(tensor(DType::F32, &[256, 8192], 42)),
+        Field::Regular(tensor(Dtype::Float32, &[256, 8192], 42)),
     )];
     let before = [
         arrivals(&a0.metrics().await, "PUT_DATA"),
@@ -450,14 +450,14 @@ async fn capacity_limit_refuses_whole_puts() {
 // ---------------------------------------------------------------------------
 // 4. The native protocol
 
-const DTYPES: [DType; 7] = [
-    DType::F32,
-    DType::F16,
-    DType::BF16,
-    DType::I64,
-    DType::I8,
-    DType::U8,
-    DType::Bool,
+const DTYPES: [Dtype; 7] = [
+    Dtype::Float32,
+    Dtype::Float16,
+    Dtype::Bfloat16,
+    Dtype::Int64,
+    Dtype::Int8,
+    Dtype::Uint8,
+    Dtype::Bool,
 ];
 
 /// Every field kind in every dtype of [`DTYPES`], plus 1-d and scalar rows
@@ -477,14 +477,14 @@ fn native_batch(n: usize, seed: u64) -> Vec<(String, Field)> {
     }
     fields.push((
         "reg_1d".into(),
-        Field::Regular(tensor(DType::F32, &[n as u64], seed)),
+        Field::Regular(tensor(Dtype::Float32, &[n as u64], seed)),
     ));
     let rows_2d = (0..n as u64)
-        .map(|i| tensor(DType::F32, &[i % 3, 2], seed + i))
+        .map(|i| tensor(Dtype::Float32, &[i % 3, 2], seed + i))
         .collect();
     fields.push(("nest_2d".into(), Field::Nested(rows_2d)));
     let scalars = (0..n as u64)
-        .map(|i| tensor(DType::I64, &[], seed + i))
+        .map(|i| tensor(Dtype::Int64, &[], seed + i))
         .collect();
     fields.push(("nest_scalar".into(), Field::Nested(scalars)));
     fields.push(("str".into(), strings(&format!("v{seed}"), n)));
@@ -749,7 +749,7 @@ async fn native_constant_stride_put_is_zero_copy() {
     let indexes: Vec<u64> = (0..1024).collect();
     let batch = vec![(
         "obs".to_string(),
-        Field::Regular(tensor(DType::F32, &[1024, 256], 5)),
+        Field::Regular(tensor(Dtype::Float32, &[1024, 256], 5)),
     )];
     client.put_ok(&indexes, &batch).await;
     let after = client.stats().await;
@@ -889,7 +889,7 @@ const NATIVE_BASE: [u64; 2] = [100, 101];
 fn victim_fields() -> Vec<(String, Field)> {
     vec![
         ("obs".into(), Field::Regular(f32_rows(2, 4, 9))),
-        ("ids".into(), nested(DType::I64, &[2, 3], 9)),
+        ("ids".into(), nested(Dtype::Int64, &[2, 3], 9)),
     ]
 }
 const VICTIM: [u64; 2] = [50, 52];

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use stowage_wire::batch::{Field, Value};
 use stowage_wire::native;
-use stowage_wire::tensor::{DType, Tensor};
+use stowage_wire::tensor::{Dtype, Tensor};
 use stowage_wire::tq;
 
 /// Best of at least 3 runs and at least 300 ms of runs.
@@ -37,7 +37,7 @@ fn fields(n: usize) -> Vec<(String, Field)> {
 
 fn rows(n: u64) -> Vec<(String, Field)> {
     let bytes: Vec<u8> = (0..n * 4).map(|i| i as u8).collect();
-    let t = Tensor::contiguous(Bytes::from(bytes), DType::F32, vec![n, 1]).expect("tensor");
+    let t = Tensor::contiguous(Bytes::from(bytes), Dtype::Float32, vec![n, 1]).expect("tensor");
     vec![("big".into(), Field::Regular(t))]
 }
 

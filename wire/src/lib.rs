@@ -1,7 +1,8 @@
 //! Wire formats spoken by `stowd`, and the data model they carry.
 //!
 //! - [`tensor`]: `Tensor`, immutable bytes plus dtype and shape, with
-//!   zero-copy rows and strided views.
+//!   zero-copy rows and strided views. Its `Dtype` is `stowage-plan`'s
+//!   dtype table, re-exported: the wire names and itemsizes are read there.
 //! - [`batch`]: `Field` (regular, nested, values), `Value`, `Cell`.
 //! - [`indexes`]: global indexes as arithmetic runs (how a `stowage/1`
 //!   get may name them, and what a list of them is turned into).

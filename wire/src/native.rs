@@ -36,7 +36,7 @@
 use bytes::Bytes;
 
 pub use crate::indexes::{IndexRun, Indexes};
-use crate::tensor::{DType, TensorError};
+use crate::tensor::{Dtype, TensorError};
 
 mod decode;
 mod encode;
@@ -158,7 +158,7 @@ pub enum Error {
     /// A descriptor `kind` other than regular, nested, values.
     #[error("unknown descriptor kind {0:?} (regular, nested or values)")]
     UnknownKind(String),
-    /// A dtype name [`DType::from_name`] does not know.
+    /// A dtype name [`Dtype::from_name`] does not know.
     #[error("unknown dtype {0:?}")]
     UnknownDType(String),
     /// A shape with more than [`MAX_DIMS`] dimensions.
@@ -710,9 +710,9 @@ pub fn encode_reply_joined(
     encode::reply(id, reply, Some(layout), Some(span), None)
 }
 
-/// Parses a dtype name as the protocol allows (see [`DType::from_name`]).
-fn dtype_from_name(name: &str) -> Result<DType, Error> {
-    DType::from_name(name).ok_or_else(|| Error::UnknownDType(name.to_owned()))
+/// Parses a dtype name as the protocol allows (see [`Dtype::from_name`]).
+fn dtype_from_name(name: &str) -> Result<Dtype, Error> {
+    Dtype::from_name(name).ok_or_else(|| Error::UnknownDType(name.to_owned()))
 }
 
 /// Shared-memory keys an envelope may carry besides `proto`, `op`, `id` and

@@ -5,147 +5,16 @@
 //! on axis 0. Only axis 0 may be strided: every row is itself C-contiguous, so
 //! a row is always one byte range and can be handed out as a `Bytes` slice.
 //! Cloning a tensor, taking a row or a strided view of rows never copies.
+//!
+//! A tensor's [`Dtype`] is the dtype table's (`stowage-plan`): stowd never
+//! reads an element, so a dtype is a name and an itemsize, and the bytes are
+//! stored and served as they came.
 
 use bytes::{Bytes, BytesMut};
 
-/// Element type of a tensor. Names follow torch (`float32`, `bfloat16`, ...).
-///
-/// Every dtype whose tensors TransferQueue 0.1.11 serializes by their bytes
-/// (`tensor.view(torch.uint8)`, then `str(dtype)` without `torch.`) with the
-/// torch 2.15 it installs, except the quantized dtypes (their scale and zero
-/// point are not in the bytes), torch's `bits*` and sub-byte shell dtypes
-/// (`uint1`..`uint7`, `int1`..`int7`) and `bcomplex32`. Itemsizes are torch's
-/// `dtype.itemsize`. stowd never reads an element: a dtype is a name and a
-/// size, and the bytes are stored and served as they came.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum DType {
-    Bool,
-    U8,
-    I8,
-    I16,
-    U16,
-    I32,
-    U32,
-    I64,
-    U64,
-    F16,
-    BF16,
-    F32,
-    F64,
-    Complex64,
-    Complex128,
-    /// Two float16 (torch's `complex32`, alias `chalf`).
-    Complex32,
-    F8E4M3Fn,
-    F8E4M3Fnuz,
-    F8E5M2,
-    F8E5M2Fnuz,
-    /// An 8-bit exponent (MX block scales).
-    F8E8M0Fnu,
-    /// Two 4-bit floats packed in one byte (torch's shape counts bytes).
-    F4E2M1FnX2,
-}
-
-impl DType {
-    /// Every dtype, in a stable order (used by tests and the WIT mapping).
-    pub const ALL: [DType; 22] = [
-        DType::Bool,
-        DType::U8,
-        DType::I8,
-        DType::I16,
-        DType::U16,
-        DType::I32,
-        DType::U32,
-        DType::I64,
-        DType::U64,
-        DType::F16,
-        DType::BF16,
-        DType::F32,
-        DType::F64,
-        DType::Complex64,
-        DType::Complex128,
-        DType::Complex32,
-        DType::F8E4M3Fn,
-        DType::F8E4M3Fnuz,
-        DType::F8E5M2,
-        DType::F8E5M2Fnuz,
-        DType::F8E8M0Fnu,
-        DType::F4E2M1FnX2,
-    ];
-
-    /// Size of one element in bytes.
-    pub const fn itemsize(self) -> usize {
-        match self {
-            DType::Bool
-            | DType::U8
-            | DType::I8
-            | DType::F8E4M3Fn
-            | DType::F8E4M3Fnuz
-            | DType::F8E5M2
-            | DType::F8E5M2Fnuz
-            | DType::F8E8M0Fnu
-            | DType::F4E2M1FnX2 => 1,
-            DType::I16 | DType::U16 | DType::F16 | DType::BF16 => 2,
-            DType::I32 | DType::U32 | DType::F32 | DType::Complex32 => 4,
-            DType::I64 | DType::U64 | DType::F64 | DType::Complex64 => 8,
-            DType::Complex128 => 16,
-        }
-    }
-
-    /// The torch name without the `torch.` prefix, as TransferQueue writes it.
-    pub const fn name(self) -> &'static str {
-        match self {
-            DType::Bool => "bool",
-            DType::U8 => "uint8",
-            DType::I8 => "int8",
-            DType::I16 => "int16",
-            DType::U16 => "uint16",
-            DType::I32 => "int32",
-            DType::U32 => "uint32",
-            DType::I64 => "int64",
-            DType::U64 => "uint64",
-            DType::F16 => "float16",
-            DType::BF16 => "bfloat16",
-            DType::F32 => "float32",
-            DType::F64 => "float64",
-            DType::Complex64 => "complex64",
-            DType::Complex128 => "complex128",
-            DType::Complex32 => "complex32",
-            DType::F8E4M3Fn => "float8_e4m3fn",
-            DType::F8E4M3Fnuz => "float8_e4m3fnuz",
-            DType::F8E5M2 => "float8_e5m2",
-            DType::F8E5M2Fnuz => "float8_e5m2fnuz",
-            DType::F8E8M0Fnu => "float8_e8m0fnu",
-            DType::F4E2M1FnX2 => "float4_e2m1fn_x2",
-        }
-    }
-
-    /// Parses a torch dtype name (`float32`, also `torch.float32` and the
-    /// aliases `float`, `half`, `double`, `long`, `int`, `short`, `chalf`,
-    /// `cfloat`, `cdouble`).
-    pub fn from_name(name: &str) -> Option<DType> {
-        let name = name.strip_prefix("torch.").unwrap_or(name);
-        let alias = match name {
-            "float" => "float32",
-            "half" => "float16",
-            "double" => "float64",
-            "long" => "int64",
-            "int" => "int32",
-            "short" => "int16",
-            "chalf" => "complex32",
-            "cfloat" => "complex64",
-            "cdouble" => "complex128",
-            other => other,
-        };
-        DType::ALL.into_iter().find(|d| d.name() == alias)
-    }
-}
-
-impl std::fmt::Display for DType {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.name())
-    }
-}
+/// Element type of a tensor: the dtype table's enum, from `stowage-plan`
+/// (one row per dtype: its name on the wire, itemsize, WIT case, aliases).
+pub use stowage_plan::Dtype;
 
 /// Why a tensor could not be built from bytes and a declared layout.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -153,7 +22,7 @@ impl std::fmt::Display for DType {
 pub enum TensorError {
     #[error("shape {shape:?} of {dtype} needs {expected} bytes, the buffer has {actual}")]
     LengthMismatch {
-        dtype: DType,
+        dtype: Dtype,
         shape: Vec<u64>,
         expected: u128,
         actual: usize,
@@ -174,7 +43,7 @@ pub enum TensorError {
 }
 
 /// Number of bytes a C-contiguous tensor of `shape` needs, checked.
-pub fn contiguous_len(dtype: DType, shape: &[u64]) -> Result<usize, TensorError> {
+pub fn contiguous_len(dtype: Dtype, shape: &[u64]) -> Result<usize, TensorError> {
     let mut n: u128 = dtype.itemsize() as u128;
     for &d in shape {
         n = n
@@ -195,7 +64,7 @@ pub fn contiguous_len(dtype: DType, shape: &[u64]) -> Result<usize, TensorError>
 #[derive(Clone, PartialEq)]
 pub struct Tensor {
     bytes: Bytes,
-    dtype: DType,
+    dtype: Dtype,
     shape: Vec<u64>,
     /// Distance between consecutive rows, in bytes.
     row_stride: usize,
@@ -214,7 +83,7 @@ impl std::fmt::Debug for Tensor {
 
 impl Tensor {
     /// A C-contiguous tensor over `bytes`; the length must match exactly.
-    pub fn contiguous(bytes: Bytes, dtype: DType, shape: Vec<u64>) -> Result<Tensor, TensorError> {
+    pub fn contiguous(bytes: Bytes, dtype: Dtype, shape: Vec<u64>) -> Result<Tensor, TensorError> {
         let expected = contiguous_len(dtype, &shape)?;
         if expected != bytes.len() {
             return Err(TensorError::LengthMismatch {
@@ -241,7 +110,7 @@ impl Tensor {
     /// at the first row (a stored column's rows, as a zero-copy view).
     pub fn strided(
         bytes: Bytes,
-        dtype: DType,
+        dtype: Dtype,
         shape: Vec<u64>,
         row_stride: usize,
     ) -> Result<Tensor, TensorError> {
@@ -270,7 +139,7 @@ impl Tensor {
         })
     }
 
-    pub fn dtype(&self) -> DType {
+    pub fn dtype(&self) -> Dtype {
         self.dtype
     }
 
@@ -458,14 +327,14 @@ mod strided_tests {
     fn strided_views_check_their_bytes() {
         let b = Bytes::from((0u8..32).collect::<Vec<_>>());
         // Rows of 2 x u8 every 8 bytes: 4 rows fit in 26 bytes.
-        let t = Tensor::strided(b.clone(), DType::U8, vec![4, 2], 8).unwrap();
+        let t = Tensor::strided(b.clone(), Dtype::Uint8, vec![4, 2], 8).unwrap();
         assert_eq!(t.row(3).unwrap().as_ref(), &[24, 25]);
         assert_eq!(t.contiguous_bytes().as_ref(), &[0, 1, 8, 9, 16, 17, 24, 25]);
-        assert!(Tensor::strided(b.clone(), DType::U8, vec![5, 2], 8).is_err());
-        assert!(Tensor::strided(b.clone(), DType::U8, vec![2, 4], 2).is_err());
-        assert!(Tensor::strided(b.clone(), DType::U8, vec![], 2).is_err());
+        assert!(Tensor::strided(b.clone(), Dtype::Uint8, vec![5, 2], 8).is_err());
+        assert!(Tensor::strided(b.clone(), Dtype::Uint8, vec![2, 4], 2).is_err());
+        assert!(Tensor::strided(b.clone(), Dtype::Uint8, vec![], 2).is_err());
         // Contiguous when the stride is the row size.
-        let c = Tensor::strided(b, DType::U8, vec![3, 4], 4).unwrap();
+        let c = Tensor::strided(b, Dtype::Uint8, vec![3, 4], 4).unwrap();
         assert!(c.is_contiguous() && c.byte_len() == 12);
     }
 }
@@ -478,7 +347,7 @@ mod tests {
         let data: Vec<u8> = (0..rows * cols)
             .flat_map(|v| (v as f32).to_le_bytes())
             .collect();
-        Tensor::contiguous(Bytes::from(data), DType::F32, vec![rows, cols]).unwrap()
+        Tensor::contiguous(Bytes::from(data), Dtype::Float32, vec![rows, cols]).unwrap()
     }
 
     fn floats(b: &[u8]) -> Vec<f32> {
@@ -516,90 +385,18 @@ mod tests {
 
     #[test]
     fn length_must_match_shape() {
-        let err = Tensor::contiguous(Bytes::from(vec![0u8; 7]), DType::F32, vec![2]).unwrap_err();
+        let err =
+            Tensor::contiguous(Bytes::from(vec![0u8; 7]), Dtype::Float32, vec![2]).unwrap_err();
         assert!(matches!(err, TensorError::LengthMismatch { .. }));
-        assert!(Tensor::contiguous(Bytes::new(), DType::F32, vec![u64::MAX, u64::MAX]).is_err());
-        assert!(Tensor::contiguous(Bytes::new(), DType::F32, vec![0, 5]).is_ok());
-    }
-
-    /// Every name and itemsize as `str(torch.X)` and `torch.X.itemsize`
-    /// print them with the torch 2.15 that TransferQueue 0.1.11 installs.
-    const TORCH: [(&str, usize); 22] = [
-        ("bool", 1),
-        ("uint8", 1),
-        ("int8", 1),
-        ("int16", 2),
-        ("uint16", 2),
-        ("int32", 4),
-        ("uint32", 4),
-        ("int64", 8),
-        ("uint64", 8),
-        ("float16", 2),
-        ("bfloat16", 2),
-        ("float32", 4),
-        ("float64", 8),
-        ("complex64", 8),
-        ("complex128", 16),
-        ("complex32", 4),
-        ("float8_e4m3fn", 1),
-        ("float8_e4m3fnuz", 1),
-        ("float8_e5m2", 1),
-        ("float8_e5m2fnuz", 1),
-        ("float8_e8m0fnu", 1),
-        ("float4_e2m1fn_x2", 1),
-    ];
-
-    #[test]
-    fn dtype_names_and_itemsizes_are_torchs() {
-        for (d, (name, itemsize)) in DType::ALL.into_iter().zip(TORCH) {
-            assert_eq!((d.name(), d.itemsize()), (name, itemsize));
-            assert_eq!(DType::from_name(name), Some(d));
-            assert_eq!(DType::from_name(&format!("torch.{name}")), Some(d));
-            assert_eq!(d.to_string(), name);
-        }
-        let mut names: Vec<&str> = DType::ALL.iter().map(|d| d.name()).collect();
-        names.sort();
-        names.dedup();
-        assert_eq!(names.len(), DType::ALL.len());
-    }
-
-    #[test]
-    fn dtype_aliases_and_unknown_names() {
-        for (alias, d) in [
-            ("torch.float", DType::F32),
-            ("half", DType::F16),
-            ("double", DType::F64),
-            ("long", DType::I64),
-            ("int", DType::I32),
-            ("short", DType::I16),
-            ("chalf", DType::Complex32),
-            ("cfloat", DType::Complex64),
-            ("torch.cdouble", DType::Complex128),
-        ] {
-            assert_eq!(DType::from_name(alias), Some(d), "{alias}");
-        }
-        for unknown in [
-            "float8",
-            "float8_e4m3",
-            "qint8",
-            "quint4x2",
-            "bits8",
-            "uint4",
-            "int1",
-            "bcomplex32",
-            "Float32",
-            "torch.",
-            "",
-            "torch.torch.float32",
-            "float32 ",
-        ] {
-            assert_eq!(DType::from_name(unknown), None, "{unknown:?}");
-        }
+        assert!(
+            Tensor::contiguous(Bytes::new(), Dtype::Float32, vec![u64::MAX, u64::MAX]).is_err()
+        );
+        assert!(Tensor::contiguous(Bytes::new(), Dtype::Float32, vec![0, 5]).is_ok());
     }
 
     #[test]
     fn every_dtype_builds_tensors_of_its_itemsize() {
-        for d in DType::ALL {
+        for d in Dtype::ALL {
             let n = d.itemsize() * 6;
             let t = Tensor::contiguous(Bytes::from(vec![0xA5u8; n]), d, vec![3, 2]).unwrap();
             assert_eq!((t.row_bytes(), t.strides()), (2 * d.itemsize(), vec![2, 1]));

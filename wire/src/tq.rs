@@ -620,7 +620,7 @@ pub enum Error {
         /// The pickle reader's error.
         source: PickleError,
     },
-    /// Undecodable: a tensor dtype [`crate::tensor::DType`] does not know.
+    /// Undecodable: a tensor dtype [`crate::tensor::Dtype`] does not know.
     #[error("unknown dtype {0:?}")]
     UnknownDtype(String),
     /// Undecodable: a negative, too large or overflowing shape, or too many dimensions.

@@ -12,6 +12,10 @@ import numpy as np
 
 from .errors import ProtocolError
 
+# The names, their order, itemsizes and DTYPE_ALIASES are stowd's dtype table
+# (the Rust crate stowage-plan's, which stowd's codecs read); a client test
+# checks them against the core's copy of it, `_core.DTYPES`.
+#
 # stowage/1 dtype name -> numpy dtype of its bytes (little-endian). numpy
 # has no bfloat16, complex32, float8 or float4: their bit patterns are held
 # as unsigned ints of the same size ("raw bits": uint16 for bfloat16, uint32

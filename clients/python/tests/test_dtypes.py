@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import stowage
-from stowage import _codec, _dtypes, _torch
+from stowage import _codec, _core, _dtypes, _torch
 
 # str(torch.X) without "torch." and torch.X.itemsize, from the torch 2.15
 # that TransferQueue 0.1.11 installs.
@@ -39,6 +39,20 @@ def test_every_torch_dtype_name_and_itemsize():
     for unknown in ("qint8", "float8", "uint4", "bits8"):
         with pytest.raises(stowage.ProtocolError, match="unknown dtype"):
             _codec.canonical_dtype(unknown)
+
+
+def test_the_client_table_is_stowds():
+    """_dtypes.py holds the same dtypes as the dtype table stowd's codecs
+    read (`_core.DTYPES`: name, itemsize, aliases per dtype, in table
+    order): none gained, lost, reordered or resized, and the same aliases."""
+    table = _core.DTYPES
+    assert list(_dtypes.WIRE_DTYPES) == [name for name, _, _ in table]
+    assert {n: dt.itemsize for n, dt in _dtypes.WIRE_DTYPES.items()} == {
+        name: itemsize for name, itemsize, _ in table
+    }
+    assert _dtypes.DTYPE_ALIASES == {alias: name for name, _, aliases in table for alias in aliases}
+    assert _dtypes.BITS_DTYPES <= set(_dtypes.WIRE_DTYPES)
+    assert set(_dtypes.ML_DTYPES) <= _dtypes.BITS_DTYPES
 
 
 def bits_of(name: str, shape, seed: int) -> np.ndarray:

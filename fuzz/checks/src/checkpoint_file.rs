@@ -173,14 +173,14 @@ pub fn check(data: &[u8]) {
 pub fn seeds() -> Vec<(&'static str, Vec<u8>)> {
     use std::sync::Arc;
     use stowage_host::batch::Value;
-    use stowage_host::tensor::DType;
+    use stowage_host::tensor::Dtype;
 
-    let tensor = |d: DType, shape: Vec<u64>, fill: u8| {
+    let tensor = |d: Dtype, shape: Vec<u64>, fill: u8| {
         let n = contiguous_len(d, &shape).expect("a seed's size");
         let bytes: Vec<u8> = (0..n).map(|i| fill.wrapping_add(i as u8)).collect();
         Tensor::contiguous(Bytes::from(bytes), d, shape).expect("a seed tensor")
     };
-    let rows = |indexes: Vec<u64>, d: DType, row: &[u64], fill: u8| {
+    let rows = |indexes: Vec<u64>, d: Dtype, row: &[u64], fill: u8| {
         let mut shape = vec![indexes.len() as u64];
         shape.extend_from_slice(row);
         Stored::Rows {
@@ -194,13 +194,13 @@ pub fn seeds() -> Vec<(&'static str, Vec<u8>)> {
     let regular: Snapshot = vec![
         (
             Arc::from("x"),
-            vec![rows(vec![0, 1, 2], DType::F32, &[2], 1)],
+            vec![rows(vec![0, 1, 2], Dtype::Float32, &[2], 1)],
         ),
         (
             Arc::from("step"),
             vec![
-                rows(vec![0, 1], DType::I64, &[], 9),
-                rows(vec![2], DType::I64, &[], 40),
+                rows(vec![0, 1], Dtype::Int64, &[], 9),
+                rows(vec![2], Dtype::Int64, &[], 40),
             ],
         ),
     ];
@@ -208,9 +208,9 @@ pub fn seeds() -> Vec<(&'static str, Vec<u8>)> {
         (
             Arc::from("t"),
             vec![
-                one(3, Cell::Tensor(tensor(DType::BF16, vec![2, 3], 7))),
-                one(4, Cell::Tensor(tensor(DType::Complex128, vec![1], 2))),
-                one(5, Cell::Tensor(tensor(DType::F32, vec![0, 4], 0))),
+                one(3, Cell::Tensor(tensor(Dtype::Bfloat16, vec![2, 3], 7))),
+                one(4, Cell::Tensor(tensor(Dtype::Complex128, vec![1], 2))),
+                one(5, Cell::Tensor(tensor(Dtype::Float32, vec![0, 4], 0))),
             ],
         ),
         (
@@ -230,17 +230,17 @@ pub fn seeds() -> Vec<(&'static str, Vec<u8>)> {
         (
             Arc::from("packed"),
             vec![
-                rows(vec![8, 9], DType::F4E2M1FnX2, &[3], 5),
-                rows(vec![10], DType::Bool, &[2], 0),
-                rows(vec![11], DType::F8E4M3Fn, &[1], 3),
+                rows(vec![8, 9], Dtype::Float4E2m1fnX2, &[3], 5),
+                rows(vec![10], Dtype::Bool, &[2], 0),
+                rows(vec![11], Dtype::Float8E4m3fn, &[1], 3),
             ],
         ),
     ];
     let two: Snapshot = vec![(
         Arc::from("a"),
         vec![
-            rows(vec![1], DType::U8, &[3], 1),
-            rows(vec![2], DType::U16, &[1], 8),
+            rows(vec![1], Dtype::Uint8, &[3], 1),
+            rows(vec![2], Dtype::Uint16, &[1], 8),
         ],
     )];
 

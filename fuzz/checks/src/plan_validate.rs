@@ -28,7 +28,7 @@ use stowage_plan::{
     validate_selection,
 };
 use stowage_wire::batch::{Field, Value};
-use stowage_wire::tensor::{DType, Tensor};
+use stowage_wire::tensor::{Dtype, Tensor};
 
 /// A row number: mostly small (near the field's rows), sometimes anything.
 #[derive(Arbitrary, Debug, Clone, Copy)]
@@ -132,7 +132,7 @@ fn pattern(len: usize, seed: u64) -> Bytes {
 }
 
 fn tensor(spec: &TensorSpec, seed: u64) -> Tensor {
-    let dtype = DType::ALL[spec.dtype as usize % DType::ALL.len()];
+    let dtype = Dtype::ALL[spec.dtype as usize % Dtype::ALL.len()];
     let row_shape: Vec<u64> = spec
         .row_shape
         .iter()
@@ -278,7 +278,7 @@ fn edit(plan: &mut SelectionPlan, e: &Edit) {
 #[derive(Debug, PartialEq)]
 enum RowOut {
     Tensor {
-        dtype: DType,
+        dtype: Dtype,
         shape: Vec<u64>,
         bytes: Bytes,
     },

@@ -69,7 +69,7 @@ use sha2::{Digest, Sha256};
 use crate::batch::{Cell, Value};
 use crate::journal::Journal;
 use crate::store::{Snapshot, StoreError, Stored, Unit, add_rows};
-use crate::tensor::{DType, Tensor};
+use crate::tensor::{Dtype, Tensor};
 
 /// The `format` of the files this module writes and reads.
 pub const FORMAT: &str = "stowage-unit-checkpoint/2";
@@ -146,28 +146,28 @@ impl Data {
 }
 
 /// The safetensors dtype of a stored dtype, where it has one.
-fn st_dtype(d: DType) -> Option<StDtype> {
+fn st_dtype(d: Dtype) -> Option<StDtype> {
     Some(match d {
-        DType::Bool => StDtype::BOOL,
-        DType::U8 => StDtype::U8,
-        DType::I8 => StDtype::I8,
-        DType::I16 => StDtype::I16,
-        DType::U16 => StDtype::U16,
-        DType::I32 => StDtype::I32,
-        DType::U32 => StDtype::U32,
-        DType::I64 => StDtype::I64,
-        DType::U64 => StDtype::U64,
-        DType::F16 => StDtype::F16,
-        DType::BF16 => StDtype::BF16,
-        DType::F32 => StDtype::F32,
-        DType::F64 => StDtype::F64,
-        DType::Complex64 => StDtype::C64,
-        DType::F8E4M3Fn => StDtype::F8_E4M3,
-        DType::F8E5M2 => StDtype::F8_E5M2,
-        DType::F8E4M3Fnuz => StDtype::F8_E4M3FNUZ,
-        DType::F8E5M2Fnuz => StDtype::F8_E5M2FNUZ,
-        DType::F8E8M0Fnu => StDtype::F8_E8M0,
-        DType::Complex128 | DType::Complex32 | DType::F4E2M1FnX2 => return None,
+        Dtype::Bool => StDtype::BOOL,
+        Dtype::Uint8 => StDtype::U8,
+        Dtype::Int8 => StDtype::I8,
+        Dtype::Int16 => StDtype::I16,
+        Dtype::Uint16 => StDtype::U16,
+        Dtype::Int32 => StDtype::I32,
+        Dtype::Uint32 => StDtype::U32,
+        Dtype::Int64 => StDtype::I64,
+        Dtype::Uint64 => StDtype::U64,
+        Dtype::Float16 => StDtype::F16,
+        Dtype::Bfloat16 => StDtype::BF16,
+        Dtype::Float32 => StDtype::F32,
+        Dtype::Float64 => StDtype::F64,
+        Dtype::Complex64 => StDtype::C64,
+        Dtype::Float8E4m3fn => StDtype::F8_E4M3,
+        Dtype::Float8E5m2 => StDtype::F8_E5M2,
+        Dtype::Float8E4m3fnuz => StDtype::F8_E4M3FNUZ,
+        Dtype::Float8E5m2fnuz => StDtype::F8_E5M2FNUZ,
+        Dtype::Float8E8m0fnu => StDtype::F8_E8M0,
+        Dtype::Complex128 | Dtype::Complex32 | Dtype::Float4E2m1fnX2 => return None,
     })
 }
 
@@ -230,7 +230,7 @@ fn entry(field: &str, stored: &Stored) -> (Entry, Data) {
                     Value::Msgpack(b) => ("msgpack", b.clone()),
                 };
                 let n = bytes.len() as u64;
-                let t = Tensor::contiguous(bytes, DType::U8, vec![n]).expect("bytes as u8");
+                let t = Tensor::contiguous(bytes, Dtype::Uint8, vec![n]).expect("bytes as u8");
                 (kind, t)
             }
         },
@@ -469,7 +469,7 @@ fn layout(head: &[u8], path: &Path) -> Result<Layout, CheckpointError> {
             .ok_or_else(|| bad(format!("no tensor named {i:?}")))?;
         let (start, end) = info.data_offsets;
         let len = end - start;
-        let d = DType::from_name(dtype).ok_or_else(|| bad(format!("unknown dtype {dtype:?}")))?;
+        let d = Dtype::from_name(dtype).ok_or_else(|| bad(format!("unknown dtype {dtype:?}")))?;
         match kind.as_str() {
             "rows" | "tensor" => {
                 if kind == "rows"
@@ -527,7 +527,7 @@ fn stored(
         path: path.to_path_buf(),
         reason: format!("entry {i}: {reason}"),
     };
-    let d = DType::from_name(&dtype).ok_or_else(|| bad(format!("unknown dtype {dtype:?}")))?;
+    let d = Dtype::from_name(&dtype).ok_or_else(|| bad(format!("unknown dtype {dtype:?}")))?;
     let index = indexes.first().copied().unwrap_or_default();
     let s = match kind.as_str() {
         "rows" => Stored::Rows {

@@ -288,7 +288,7 @@ pub fn bench_table(runs: &[Report]) -> String {
 mod tests {
     use super::*;
     use crate::conformance::{CaseResult, regular};
-    use crate::tensor::DType;
+    use crate::tensor::Dtype;
 
     fn case(name: &str, outcome: Outcome, us: u64, plan: Option<Shape>) -> CaseResult {
         CaseResult {
@@ -345,7 +345,7 @@ mod tests {
 
     #[test]
     fn shapes_count_pieces_by_kind_and_the_bytes_they_copy() {
-        let field = regular(DType::F32, 8, 2); // 8 bytes a row
+        let field = regular(Dtype::Float32, 8, 2); // 8 bytes a row
         let plan = SelectionPlan::new(vec![
             plan::Piece::View(plan::RowView::new(0, 2, 2)),
             plan::Piece::Gather(vec![5, 3, 7]),

@@ -25,7 +25,7 @@ use rustc_hash::FxHashMap;
 
 use crate::extent::Extent;
 use crate::store::{Column, NestedRow};
-use crate::tensor::DType;
+use crate::tensor::Dtype;
 
 /// Deduplication counters, as `stats` and `/metrics` show them.
 #[derive(Debug, Default)]
@@ -47,7 +47,7 @@ pub(super) type UnitFields<'a> = Option<&'a mut Vec<(String, Vec<Column>)>>;
 struct Row<'a> {
     unit: usize,
     bytes: &'a [u8],
-    dtype: DType,
+    dtype: Dtype,
     shape: &'a [u64],
 }
 

@@ -190,7 +190,7 @@ pub fn frame_layout(
 fn wire_rows(columns: &[Column], start: u64, end: u64) -> Result<native::WireField, ManagerError> {
     let bad = |e: native::Error| ManagerError::Internal(format!("rows for a peer unit: {e}"));
     let mut parts: Vec<(Bytes, u64)> = Vec::new();
-    let mut regular: Option<(crate::tensor::DType, Vec<u64>)> = None;
+    let mut regular: Option<(crate::tensor::Dtype, Vec<u64>)> = None;
     let mut all_regular = true;
     let mut at = 0u64;
     for c in columns {

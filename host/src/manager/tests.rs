@@ -17,7 +17,7 @@ use crate::config::LimitsConfig;
 use crate::extent::Received;
 use crate::policy::registry::Registry;
 use crate::store::{Rows, Run, Unit};
-use crate::tensor::{DType, Tensor};
+use crate::tensor::{Dtype, Tensor};
 use crate::wire::indexes::{IndexRun, Indexes};
 
 /// xorshift64*: reproducible without a dependency.
@@ -59,7 +59,8 @@ async fn put(m: &Manager, indexes: &[u64], version: u32) {
         bytes.extend_from_slice(&version.to_le_bytes());
     }
     let frame = Bytes::from(bytes);
-    let t = Tensor::contiguous(frame.clone(), DType::U32, vec![indexes.len() as u64, 2]).unwrap();
+    let t =
+        Tensor::contiguous(frame.clone(), Dtype::Uint32, vec![indexes.len() as u64, 2]).unwrap();
     let received = Received::frames(std::slice::from_ref(&frame));
     m.put(indexes, vec![("x".into(), Field::Regular(t))], &received)
         .await

@@ -126,12 +126,12 @@ impl Policy for Builtin {
 mod tests {
     use super::*;
     use crate::batch::Value;
-    use crate::tensor::{DType, Tensor};
+    use crate::tensor::{Dtype, Tensor};
     use bytes::Bytes;
 
     fn regular() -> Field {
         let data: Vec<u8> = (0..8u32).flat_map(|v| (v as f32).to_le_bytes()).collect();
-        Field::Regular(Tensor::contiguous(Bytes::from(data), DType::F32, vec![4, 2]).unwrap())
+        Field::Regular(Tensor::contiguous(Bytes::from(data), Dtype::Float32, vec![4, 2]).unwrap())
     }
 
     fn view(start: u64, step: u64, count: u64) -> Piece {

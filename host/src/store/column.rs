@@ -8,7 +8,7 @@ use bytes::Bytes;
 
 use crate::batch::{Cell, Field, Value};
 use crate::extent::{Extent, Received};
-use crate::tensor::{DType, Tensor};
+use crate::tensor::{Dtype, Tensor};
 
 /// Rows of a regular field stored from one piece of a put: `rows` rows of
 /// `row_bytes` bytes each, the first at `offset` in the extent, each next
@@ -20,7 +20,7 @@ pub struct RegularColumn {
     pub stride: usize,
     pub rows: u64,
     pub row_bytes: usize,
-    pub dtype: DType,
+    pub dtype: Dtype,
     pub row_shape: Arc<[u64]>,
 }
 
@@ -30,7 +30,7 @@ pub struct NestedRow {
     pub extent: Arc<Extent>,
     pub offset: usize,
     pub len: usize,
-    pub dtype: DType,
+    pub dtype: Dtype,
     pub shape: Box<[u64]>,
 }
 
@@ -217,7 +217,7 @@ impl RegularColumn {
 
 /// A tensor of bytes known to match the shape (they were checked when the
 /// rows were stored).
-fn tensor(bytes: Bytes, dtype: DType, shape: Vec<u64>) -> Tensor {
+fn tensor(bytes: Bytes, dtype: Dtype, shape: Vec<u64>) -> Tensor {
     Tensor::contiguous(bytes, dtype, shape).expect("stored rows match their shapes")
 }
 

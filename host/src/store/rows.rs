@@ -14,7 +14,7 @@ use super::Column;
 use crate::batch::{Cell, Value};
 use crate::extent::{self, Extent, Place};
 use crate::shm::{SegmentStore, ShmError};
-use crate::tensor::DType;
+use crate::tensor::Dtype;
 
 /// Rows `row..row + count` of column `column` of a [`Rows`], answering the
 /// request positions `pos, pos + pos_step, ...`.
@@ -53,7 +53,7 @@ pub enum Run {
         offset: usize,
         rows: u64,
         row_bytes: usize,
-        dtype: DType,
+        dtype: Dtype,
         row_shape: Vec<u64>,
     },
     Value(Value),
@@ -195,7 +195,7 @@ impl Rows {
         // Regular pieces of more than one row, by (place, dtype, row shape,
         // row bytes, where position 0 would be): (first position, last
         // position, rows, the pieces).
-        type Key<'a> = (u32, DType, &'a [u64], usize, i128);
+        type Key<'a> = (u32, Dtype, &'a [u64], usize, i128);
         let mut groups: HashMap<Key<'_>, (u64, u64, u64, Vec<usize>)> = HashMap::new();
         let mut by_row: Vec<usize> = Vec::new();
         for (i, p) in self.pieces.iter().enumerate() {
@@ -355,7 +355,7 @@ enum What<'a> {
         place: u32,
         offset: usize,
         row_bytes: usize,
-        dtype: DType,
+        dtype: Dtype,
         shape: &'a [u64],
     },
     Value(&'a Value),

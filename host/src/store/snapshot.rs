@@ -304,13 +304,13 @@ impl std::fmt::Debug for Replacement {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::tensor::DType;
+    use crate::tensor::Dtype;
     use bytes::Bytes;
 
     fn rows(n: u64) -> Stored {
         let t = Tensor::contiguous(
             Bytes::from((0..n as u8).collect::<Vec<_>>()),
-            DType::U8,
+            Dtype::Uint8,
             vec![n, 1],
         )
         .unwrap();

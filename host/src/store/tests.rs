@@ -5,7 +5,7 @@ use super::*;
 use crate::batch::{Cell, Field, Value};
 use crate::extent::Received;
 use crate::shm::SegmentStore;
-use crate::tensor::{DType, Tensor};
+use crate::tensor::{Dtype, Tensor};
 use bytes::Bytes;
 
 fn s(v: &str) -> Value {
@@ -168,7 +168,7 @@ fn frame_tensor(rows: u64, cols: u64) -> (Bytes, Tensor) {
         .flat_map(|v| (v as f32).to_le_bytes())
         .collect();
     let frame = Bytes::from(data);
-    let t = Tensor::contiguous(frame.clone(), DType::F32, vec![rows, cols]).unwrap();
+    let t = Tensor::contiguous(frame.clone(), Dtype::Float32, vec![rows, cols]).unwrap();
     (frame, t)
 }
 

@@ -14,7 +14,7 @@ use super::{
 use crate::batch::Value;
 use crate::indexes::RunsError;
 use crate::msgpack::{Item, NATIVE_MAX_DEPTH as MAX_DEPTH, Reader};
-use crate::tensor::{DType, Tensor, contiguous_len};
+use crate::tensor::{Dtype, Tensor, contiguous_len};
 
 /// Envelope and body nest this much deeper than an opaque value may.
 const ENVELOPE_DEPTH: usize = MAX_DEPTH + 8;
@@ -570,7 +570,7 @@ fn descriptor(
 /// The checks of a regular descriptor that need no data frame; returns
 /// the bytes of a row.
 fn check_regular(
-    dtype: DType,
+    dtype: Dtype,
     shape: &[u64],
     parts: &[PartDesc],
     limits: &Limits,
@@ -624,7 +624,7 @@ fn check_regular(
 }
 
 /// The checks of a nested row that need no data frame.
-fn check_nested_row(dtype: DType, row: &RowDesc) -> Result<(), Error> {
+fn check_nested_row(dtype: Dtype, row: &RowDesc) -> Result<(), Error> {
     let expected = contiguous_len(dtype, &row.shape).map_err(|_| Error::BadShape {
         shape: row.shape.clone(),
         reason: "overflows the address space",
@@ -640,7 +640,7 @@ fn check_nested_row(dtype: DType, row: &RowDesc) -> Result<(), Error> {
 
 /// A checked regular descriptor resolved against the data frames.
 fn regular(
-    dtype: DType,
+    dtype: Dtype,
     shape: Vec<u64>,
     parts: Vec<PartDesc>,
     data: &mut Frames<'_>,
@@ -670,7 +670,7 @@ fn regular(
 }
 
 /// A checked nested descriptor resolved against the data frames.
-fn nested(dtype: DType, rows: Vec<RowDesc>, data: &mut Frames<'_>) -> Result<WireField, Error> {
+fn nested(dtype: Dtype, rows: Vec<RowDesc>, data: &mut Frames<'_>) -> Result<WireField, Error> {
     let mut out = Vec::with_capacity(rows.len());
     for row in rows {
         let bytes = data.slice(row.frame, row.offset, row.len)?;

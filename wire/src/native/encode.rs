@@ -7,7 +7,7 @@ use super::layout::{FieldLayout, RequestHead};
 use super::{Error, Extras, FrameLayout, Indexes, Op, PROTO, Reply, Request, Stat, WireField};
 use crate::batch::Value;
 use crate::msgpack::{NATIVE_MAX_DEPTH as MAX_DEPTH, Reader, Writer};
-use crate::tensor::DType;
+use crate::tensor::Dtype;
 
 pub(super) fn request(req: &Request, layout: Option<&FrameLayout>) -> Result<Vec<Bytes>, Error> {
     op_frames(req.id, &req.op, layout)
@@ -613,7 +613,7 @@ fn layout_descriptor(w: &mut Writer, field: &FieldLayout) -> Result<(), Error> {
 }
 
 /// A regular descriptor up to its parts (`parts` of them follow).
-fn regular_head(w: &mut Writer, dtype: DType, shape: &[u64], parts: usize) {
+fn regular_head(w: &mut Writer, dtype: Dtype, shape: &[u64], parts: usize) {
     w.map(4);
     w.kv_str("kind", "regular");
     w.kv_str("dtype", dtype.name());
@@ -632,7 +632,7 @@ fn part(w: &mut Writer, frame: u64, offset: u64, len: u64, rows: u64) {
 }
 
 /// A nested descriptor up to its rows (`rows` of them follow).
-fn nested_head(w: &mut Writer, dtype: DType, rows: usize) {
+fn nested_head(w: &mut Writer, dtype: Dtype, rows: usize) {
     w.map(3);
     w.kv_str("kind", "nested");
     w.kv_str("dtype", dtype.name());

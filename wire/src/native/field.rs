@@ -5,7 +5,7 @@ use bytes::{Bytes, BytesMut};
 
 use super::{Error, MAX_DIMS};
 use crate::batch::{Cell, Field, Value};
-use crate::tensor::{DType, Tensor, contiguous_len};
+use crate::tensor::{Dtype, Tensor, contiguous_len};
 
 /// The data of one field on the wire.
 #[derive(Clone, Debug, PartialEq)]
@@ -116,7 +116,7 @@ impl WireField {
 /// one row and exactly `rows * row_bytes` bytes.
 #[derive(Clone, Debug, PartialEq)]
 pub struct RegularParts {
-    dtype: DType,
+    dtype: Dtype,
     row_shape: Vec<u64>,
     row_bytes: usize,
     rows: u64,
@@ -126,7 +126,7 @@ pub struct RegularParts {
 impl RegularParts {
     /// Checks and builds a regular field from `(bytes, rows)` parts.
     pub fn new(
-        dtype: DType,
+        dtype: Dtype,
         row_shape: Vec<u64>,
         parts: Vec<(Bytes, u64)>,
     ) -> Result<RegularParts, Error> {
@@ -181,7 +181,7 @@ impl RegularParts {
     }
 
     /// Element type.
-    pub fn dtype(&self) -> DType {
+    pub fn dtype(&self) -> Dtype {
         self.dtype
     }
 

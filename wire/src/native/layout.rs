@@ -5,7 +5,7 @@
 //! against the frame as it arrives ([`FieldLayout::check_frames`]).
 
 use crate::batch::Value;
-use crate::tensor::DType;
+use crate::tensor::Dtype;
 
 use super::{Error, Op, Reply};
 
@@ -34,12 +34,12 @@ pub struct RowLayout {
 pub enum FieldLayout {
     /// `shape[0]` rows; the parts cover them in order.
     Regular {
-        dtype: DType,
+        dtype: Dtype,
         shape: Vec<u64>,
         parts: Vec<PartLayout>,
     },
     Nested {
-        dtype: DType,
+        dtype: Dtype,
         rows: Vec<RowLayout>,
     },
     Values(Vec<Value>),

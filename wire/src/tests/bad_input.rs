@@ -7,7 +7,7 @@ use super::{ext, ext3, frame0, load, put_body, zeros};
 use crate::batch::{Field, Value};
 use crate::msgpack::Writer;
 use crate::pickle;
-use crate::tensor::{DType, Tensor};
+use crate::tensor::{Dtype, Tensor};
 use crate::tq::{
     Error, ErrorReply, PICKLE_FALLBACK_SENTINEL, Reply, Request, Stamp, decode_request,
     encode_request_stamped,
@@ -511,7 +511,7 @@ fn opaque_values_are_kept_exactly() {
 #[test]
 fn request_encoder_checks_rows_and_never_copies() {
     let data: Vec<u8> = (0..32u8).collect();
-    let t = Tensor::contiguous(Bytes::from(data), DType::U8, vec![8, 4]).unwrap();
+    let t = Tensor::contiguous(Bytes::from(data), Dtype::Uint8, vec![8, 4]).unwrap();
     let strided = t.rows_view(1, 3, 2).unwrap();
     let request = Request::Put {
         global_indexes: vec![1, 4],

@@ -7,7 +7,7 @@ use bytes::Bytes;
 use super::{ext3, frame0, put_body};
 use crate::batch::{Cell, Field};
 use crate::pickle;
-use crate::tensor::{DType, Tensor};
+use crate::tensor::{Dtype, Tensor};
 use crate::tq::{Error, Reply, Request, decode_reply, decode_request, encode_reply};
 
 /// `pickle.dumps((name, (2, 3), 1), protocol=pickle.HIGHEST_PROTOCOL).hex()`
@@ -35,7 +35,7 @@ fn hex(s: &str) -> Vec<u8> {
 }
 
 /// Bytes that differ per element and per dtype (every byte value occurs).
-fn pattern(d: DType, len: usize) -> Bytes {
+fn pattern(d: Dtype, len: usize) -> Bytes {
     (0..len)
         .map(|i| (i as u8).wrapping_mul(37) ^ d.itemsize() as u8)
         .collect()
@@ -43,7 +43,7 @@ fn pattern(d: DType, len: usize) -> Bytes {
 
 #[test]
 fn every_dtype_puts_over_its_frame_bytes() {
-    for d in DType::ALL {
+    for d in Dtype::ALL {
         let data = pattern(d, 2 * 3 * d.itemsize());
         let body = put_body(&[4, 9], &[("x", ext3(d.name(), &[2, 3], 1))]);
         let frames = vec![frame0("PUT", &body), data.clone()];
@@ -69,7 +69,7 @@ fn every_dtype_puts_over_its_frame_bytes() {
 
 #[test]
 fn every_dtype_gets_back_as_transferqueue_writes_it() {
-    for d in DType::ALL {
+    for d in Dtype::ALL {
         let data = pattern(d, 3 * 2 * d.itemsize());
         let t = Tensor::contiguous(data.clone(), d, vec![3, 2]).unwrap();
         let cells: Vec<Cell> = (0..3)

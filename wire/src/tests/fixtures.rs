@@ -7,7 +7,7 @@ use bytes::Bytes;
 use super::{exts, load};
 use crate::batch::{Cell, Field, Value};
 use crate::pickle;
-use crate::tensor::{DType, Tensor};
+use crate::tensor::{Dtype, Tensor};
 use crate::tq::{
     Envelope, ErrorReply, Metrics, Reply, Request, Stamp, decode_message, decode_reply,
     decode_request, encode_reply_stamped, encode_request_stamped,
@@ -63,7 +63,7 @@ fn check_put(fields: &[(String, Field)], frames: &[Bytes]) {
     let Field::Regular(reg) = &fields[0].1 else {
         panic!("reg is {:?}", fields[0].1)
     };
-    assert_eq!((reg.dtype(), reg.shape()), (DType::F32, &[2u64, 2][..]));
+    assert_eq!((reg.dtype(), reg.shape()), (Dtype::Float32, &[2u64, 2][..]));
     assert_eq!(f32s(&reg.contiguous_bytes()), [0.0, 1.0, 4.0, 5.0]);
     assert_eq!(
         reg.buffer().as_ptr(),
@@ -74,7 +74,10 @@ fn check_put(fields: &[(String, Field)], frames: &[Bytes]) {
         panic!("jag is {:?}", fields[1].1)
     };
     assert_eq!(jag.len(), 2);
-    assert_eq!((jag[0].dtype(), jag[0].shape()), (DType::I64, &[1u64][..]));
+    assert_eq!(
+        (jag[0].dtype(), jag[0].shape()),
+        (Dtype::Int64, &[1u64][..])
+    );
     assert_eq!(i64s(&jag[0].contiguous_bytes()), [0]);
     assert_eq!(jag[1].shape(), &[3]);
     assert_eq!(i64s(&jag[1].contiguous_bytes()), [0, 1, 2]);
@@ -85,7 +88,7 @@ fn check_put(fields: &[(String, Field)], frames: &[Bytes]) {
     let Field::Regular(bf) = &fields[3].1 else {
         panic!("bf is {:?}", fields[3].1)
     };
-    assert_eq!((bf.dtype(), bf.shape()), (DType::BF16, &[2u64, 1][..]));
+    assert_eq!((bf.dtype(), bf.shape()), (Dtype::Bfloat16, &[2u64, 1][..]));
     assert_eq!(bf.contiguous_bytes().as_ref(), b"\x80\x3f\x80\x3f");
 }
 
@@ -216,7 +219,10 @@ fn get_resp_decodes_to_one_frame_per_tensor_row() {
         ]
     );
     let bf: Vec<Tensor> = fields[3].1.iter().map(tensor).collect();
-    assert_eq!((bf[0].dtype(), bf[0].shape()), (DType::BF16, &[1u64][..]));
+    assert_eq!(
+        (bf[0].dtype(), bf[0].shape()),
+        (Dtype::Bfloat16, &[1u64][..])
+    );
 }
 
 #[test]

@@ -16,7 +16,7 @@ use super::{
 use crate::batch::{Cell, Field, Value};
 use crate::msgpack::{Item, MsgpackError, Reader, TQ_MAX_DEPTH, Writer};
 use crate::pickle::{self, PValue};
-use crate::tensor::{DType, Tensor, TensorError};
+use crate::tensor::{Dtype, Tensor, TensorError};
 
 use super::framed;
 use super::numpy::{self, NpDtype};
@@ -142,7 +142,7 @@ impl<'f> Ctx<'f> {
     /// A tensor over its frame (zero copy) from a `(dtype, shape, index)` meta.
     fn tensor(&mut self, v: &PValue, code: i8, offset: usize) -> Result<Tensor, Error> {
         let (name, shape, index) = meta_of(v, code, offset)?;
-        let dtype = DType::from_name(name).ok_or_else(|| Error::UnknownDtype(name.to_owned()))?;
+        let dtype = Dtype::from_name(name).ok_or_else(|| Error::UnknownDtype(name.to_owned()))?;
         let frame = self.frame(index)?;
         Tensor::contiguous(self.frames[frame].clone(), dtype, shape).map_err(|e| match e {
             TensorError::Overflow(s) => Error::BadShape {

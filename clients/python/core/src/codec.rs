@@ -34,7 +34,7 @@ use stowage_wire::indexes::{IndexRun, Indexes};
 use stowage_wire::native::{
     self, Extras, FieldLayout, Op, PartLayout, Reply, ReplyLayout, RequestHead, RowLayout, Stat,
 };
-use stowage_wire::tensor::DType;
+use stowage_wire::tensor::Dtype;
 
 use crate::ProtocolViolation;
 
@@ -403,9 +403,9 @@ fn descriptors(fields: &Bound<'_, PyAny>) -> PyResult<Vec<(String, FieldLayout)>
     Ok(out)
 }
 
-fn dtype(name: &Bound<'_, PyAny>) -> PyResult<DType> {
+fn dtype(name: &Bound<'_, PyAny>) -> PyResult<Dtype> {
     let name: &str = &name.extract::<String>()?;
-    DType::from_name(name).ok_or_else(|| PyValueError::new_err(format!("unknown dtype {name:?}")))
+    Dtype::from_name(name).ok_or_else(|| PyValueError::new_err(format!("unknown dtype {name:?}")))
 }
 
 /// A value of a values field: str and bytes as themselves, anything else

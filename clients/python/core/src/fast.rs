@@ -40,7 +40,7 @@ use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple};
 use stowage_wire::native::{FieldLayout, PartLayout, RowLayout};
-use stowage_wire::tensor::DType;
+use stowage_wire::tensor::Dtype;
 
 use crate::Held;
 use crate::indexes::{is_ndarray, read_indexes, read_runs, tensor_numpy};
@@ -79,7 +79,7 @@ pub(crate) fn read_names(obj: &Bound<'_, PyAny>) -> Option<Vec<String>> {
 
 /// The stowage/1 dtype of a buffer's item format, for the formats numpy
 /// exports (little-endian or native on a little-endian machine).
-fn dtype_of(format: &[u8], itemsize: usize) -> Option<DType> {
+fn dtype_of(format: &[u8], itemsize: usize) -> Option<Dtype> {
     let code: &[u8] = match format {
         [b'@' | b'=' | b'<', rest @ ..] => rest,
         rest => rest,
@@ -104,14 +104,14 @@ fn dtype_of(format: &[u8], itemsize: usize) -> Option<DType> {
         (b"Zd", 16) => "complex128",
         _ => return None,
     };
-    DType::from_name(name)
+    Dtype::from_name(name)
 }
 
 /// One array of a put (a regular field, or a nested field's row): its
 /// held buffer, dtype, shape.
 struct Array {
     held: Held,
-    dtype: DType,
+    dtype: Dtype,
     shape: Vec<u64>,
 }
 
@@ -154,7 +154,7 @@ pub(crate) fn read_out(obj: &Bound<'_, PyAny>) -> Option<(Vec<String>, Vec<u64>,
     let mut accepted = vec![dtype.name().to_owned()];
     if dtype.name().contains("int") {
         accepted.extend(
-            DType::ALL
+            Dtype::ALL
                 .iter()
                 .filter(|d| RAW_BITS.contains(&d.name()) && d.itemsize() == dtype.itemsize())
                 .map(|d| d.name().to_owned()),

@@ -40,6 +40,10 @@
 //! [`fast`] reads a small call's arguments as the user gives them and lays
 //! out its frames; [`indexes`] reads index inputs for both (modules point
 //! down: `fast` uses `codec` and `indexes`, `codec` uses `indexes`).
+//!
+//! `DTYPES` is the dtype table stowd's codecs read (`stowage-plan`'s,
+//! through `stowage-wire`), as `(name, itemsize, aliases)` tuples in table
+//! order: the client's tests check `_dtypes.py` against it.
 
 use std::io::IoSlice;
 use std::net::TcpStream;
@@ -2062,6 +2066,18 @@ fn hold_frames(frames: &[Bound<'_, PyAny>], held: &mut Vec<Held>) -> PyResult<Ve
 
 /// The module: `Connection`, and the codec's `encode_request` and
 /// `decode_reply`.
+/// The dtype table as `_core.DTYPES` holds it: `(name, itemsize, aliases)`
+/// per dtype, in table order.
+fn dtype_table() -> Vec<(&'static str, usize, Vec<&'static str>)> {
+    stowage_wire::tensor::Dtype::ALL
+        .iter()
+        .map(|d| {
+            let row = d.info();
+            (row.name, row.itemsize, row.aliases.to_vec())
+        })
+        .collect()
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Connection>()?;
@@ -2075,5 +2091,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(release_receive_buffers, m)?)?;
     m.add_function(wrap_pyfunction!(gather, m)?)?;
     m.add("ProtocolViolation", m.py().get_type::<ProtocolViolation>())?;
+    m.add("DTYPES", dtype_table())?;
     Ok(())
 }

@@ -7,6 +7,10 @@
 //! 0.2.0 lends all the fields of a call as one `fields` handle
 //! ([`LentFields`]) and passes their layouts as data. Both are written over
 //! [`LentField`]'s methods, which answer plain host types.
+//!
+//! A lent field's dtype is its tensor's own: the wire and the contract share
+//! one `Dtype` (the dtype table of `stowage-plan`), so nothing is converted
+//! here; the generated WIT enums are matched in the parent module.
 
 use stowage_plan::Dtype;
 
@@ -28,24 +32,12 @@ pub(super) enum ReadRefused {
     OverCap(u64),
 }
 
-/// The contract's name of a wire dtype (the two lists share their order).
-pub(super) fn plan_dtype(d: crate::tensor::DType) -> Dtype {
-    let i = crate::tensor::DType::ALL
-        .iter()
-        .position(|&x| x == d)
-        .expect("DType::ALL lists every dtype");
-    Dtype::ALL[i]
-}
-
 /// The dtype a policy sees for `field`: a values field is `uint8`; a
 /// nested field, its first row's (`uint8` when it has no rows).
 pub fn field_dtype(field: &Field) -> Dtype {
     match field {
-        Field::Regular(t) => plan_dtype(t.dtype()),
-        Field::Nested(rows) => rows
-            .first()
-            .map(|t| plan_dtype(t.dtype()))
-            .unwrap_or(Dtype::Uint8),
+        Field::Regular(t) => t.dtype(),
+        Field::Nested(rows) => rows.first().map(|t| t.dtype()).unwrap_or(Dtype::Uint8),
         Field::Values(_) => Dtype::Uint8,
     }
 }
@@ -56,8 +48,8 @@ pub fn field_dtype(field: &Field) -> Dtype {
 /// another dtype.
 pub(super) fn v0_1_can_name(field: &Field) -> bool {
     match field {
-        Field::Regular(t) => plan_dtype(t.dtype()).in_v0_1(),
-        Field::Nested(rows) => rows.iter().all(|t| plan_dtype(t.dtype()).in_v0_1()),
+        Field::Regular(t) => t.dtype().in_v0_1(),
+        Field::Nested(rows) => rows.iter().all(|t| t.dtype().in_v0_1()),
         Field::Values(_) => true,
     }
 }
@@ -312,7 +304,7 @@ mod fields_v2 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::tensor::{DType, Tensor};
+    use crate::tensor::Tensor;
     use bytes::Bytes;
 
     fn lent(field: Field, read_cap: u64) -> LentField {
@@ -327,7 +319,7 @@ mod tests {
     fn read_walks_the_logical_byte_stream() {
         let t = Tensor::contiguous(
             Bytes::from((0u8..32).collect::<Vec<_>>()),
-            DType::U8,
+            Dtype::Uint8,
             vec![8, 4],
         )
         .unwrap();
@@ -343,9 +335,9 @@ mod tests {
         assert!(matches!(l.read(0, 17), Err(ReadRefused::OverCap(16))));
         assert!(matches!(l.read(u64::MAX, 2), Err(ReadRefused::OutOfRange)));
         let rows = vec![
-            Tensor::contiguous(Bytes::from(vec![1u8, 2]), DType::U8, vec![2]).unwrap(),
-            Tensor::contiguous(Bytes::new(), DType::U8, vec![0]).unwrap(),
-            Tensor::contiguous(Bytes::from(vec![3u8]), DType::U8, vec![1]).unwrap(),
+            Tensor::contiguous(Bytes::from(vec![1u8, 2]), Dtype::Uint8, vec![2]).unwrap(),
+            Tensor::contiguous(Bytes::new(), Dtype::Uint8, vec![0]).unwrap(),
+            Tensor::contiguous(Bytes::from(vec![3u8]), Dtype::Uint8, vec![1]).unwrap(),
         ];
         let l = lent(Field::Nested(rows), 16);
         assert_eq!(l.read(1, 2).unwrap(), vec![2, 3]);
@@ -354,27 +346,21 @@ mod tests {
 
     #[test]
     fn contract_0_1_names_the_first_15_dtypes_and_no_other() {
-        let named: Vec<DType> = DType::ALL
-            .into_iter()
-            .filter(|&d| plan_dtype(d).in_v0_1())
-            .collect();
-        assert_eq!(named, DType::ALL[..15]);
-        let t = |d: DType| Tensor::contiguous(Bytes::from(vec![0u8; 2]), d, vec![2]).unwrap();
-        assert!(v0_1_can_name(&Field::Regular(t(DType::U8))));
-        assert!(!v0_1_can_name(&Field::Regular(t(DType::F8E4M3Fn))));
+        let named: Vec<Dtype> = Dtype::ALL.into_iter().filter(|&d| d.in_v0_1()).collect();
+        assert_eq!(named, Dtype::ALL[..15]);
+        let t = |d: Dtype| Tensor::contiguous(Bytes::from(vec![0u8; 2]), d, vec![2]).unwrap();
+        assert!(v0_1_can_name(&Field::Regular(t(Dtype::Uint8))));
+        assert!(!v0_1_can_name(&Field::Regular(t(Dtype::Float8E4m3fn))));
         assert!(!v0_1_can_name(&Field::Nested(vec![
-            t(DType::U8),
-            t(DType::F8E5M2)
+            t(Dtype::Uint8),
+            t(Dtype::Float8E5m2)
         ])));
         assert!(v0_1_can_name(&Field::Nested(vec![])));
-        assert_eq!(plan_dtype(DType::F4E2M1FnX2), Dtype::Float4E2m1fnX2);
-        assert_eq!(plan_dtype(DType::Complex32), Dtype::Complex32);
-        assert_eq!(plan_dtype(DType::BF16), Dtype::Bfloat16);
     }
 
     #[test]
     fn a_pure_policys_read_traps() {
-        let t = Tensor::contiguous(Bytes::from(vec![0u8; 8]), DType::U8, vec![8]).unwrap();
+        let t = Tensor::contiguous(Bytes::from(vec![0u8; 8]), Dtype::Uint8, vec![8]).unwrap();
         let mut l = lent(Field::Regular(t), 16);
         assert_eq!(l.guest_read(0, 2).unwrap().unwrap(), vec![0, 0]);
         l.pure = true;

@@ -215,10 +215,10 @@ impl Memo {
 mod tests {
     use super::*;
     use crate::plan::RowView;
-    use crate::tensor::{DType, Tensor};
+    use crate::tensor::{Dtype, Tensor};
     use bytes::Bytes;
 
-    fn field(rows: u64, cols: u64, dtype: DType) -> Field {
+    fn field(rows: u64, cols: u64, dtype: Dtype) -> Field {
         let bytes = (rows * cols * dtype.itemsize() as u64) as usize;
         Field::Regular(
             Tensor::contiguous(Bytes::from(vec![0u8; bytes]), dtype, vec![rows, cols]).unwrap(),
@@ -232,7 +232,7 @@ mod tests {
 
     #[test]
     fn the_key_loses_nothing_a_pure_policy_sees() {
-        let f = field(100, 4, DType::F32);
+        let f = field(100, 4, Dtype::Float32);
         let k = |f: &Field, p: &[u64]| key_of(f, p).unwrap();
         // A constant stride is compressed, and only an equal list matches.
         assert_eq!(k(&f, &[3, 7, 11]), k(&f, &[3, 7, 11]));
@@ -242,9 +242,9 @@ mod tests {
         // Order matters: [7, 3] is not [3, 7].
         assert_ne!(k(&f, &[7, 3]), k(&f, &[3, 7]));
         // Layout: rows, row shape, dtype and strides are all in the key.
-        assert_ne!(k(&f, &[1]), k(&field(101, 4, DType::F32), &[1]));
-        assert_ne!(k(&f, &[1]), k(&field(100, 2, DType::F32), &[1]));
-        assert_ne!(k(&f, &[1]), k(&field(100, 4, DType::I32), &[1]));
+        assert_ne!(k(&f, &[1]), k(&field(101, 4, Dtype::Float32), &[1]));
+        assert_ne!(k(&f, &[1]), k(&field(100, 2, Dtype::Float32), &[1]));
+        assert_ne!(k(&f, &[1]), k(&field(100, 4, Dtype::Int32), &[1]));
         let Field::Regular(t) = &f else {
             unreachable!()
         };
@@ -253,13 +253,13 @@ mod tests {
         assert_eq!(view.first_stride(), view.strides()[0]);
         assert_eq!(t.first_stride(), t.strides()[0]);
         let strided = Field::Regular(view);
-        let dense = field(50, 4, DType::F32);
+        let dense = field(50, 4, Dtype::Float32);
         assert_ne!(k(&strided, &[1]), k(&dense, &[1]));
         // Not memoized: long irregular lists, nested fields, no positions.
         let long: Vec<u64> = (0..100).map(|i| i * i).collect();
-        assert!(key_of(&field(1_000_000, 1, DType::U8), &long).is_none());
+        assert!(key_of(&field(1_000_000, 1, Dtype::Uint8), &long).is_none());
         let stride: Vec<u64> = (0..1000).map(|i| i * 3).collect();
-        assert!(key_of(&field(3000, 1, DType::U8), &stride).is_some());
+        assert!(key_of(&field(3000, 1, Dtype::Uint8), &stride).is_some());
         assert!(key_of(&Field::Nested(vec![]), &[0]).is_none());
         assert!(key_of(&f, &[]).is_none());
     }
@@ -267,7 +267,7 @@ mod tests {
     #[test]
     fn only_small_plans_and_declines_are_kept_and_the_memo_is_bounded() {
         let memo = Memo::new(DEFAULT_ENTRIES);
-        let f = field(10_000, 1, DType::U8);
+        let f = field(10_000, 1, Dtype::Uint8);
         let key = |i: u64| key_of(&f, &[i]).unwrap();
         let plan = SelectionPlan::single(Piece::View(RowView::single(1)));
         memo.put(&key(1), &Ok(plan.clone()));

@@ -19,6 +19,10 @@
 //! a request's pairs, with the dtypes a policy handles and whether it is
 //! pure (its answers are then memoized, see `memo`).
 //!
+//! Dtypes: each version's generated `dtype` enum is matched case by case
+//! with the dtype table's [`Dtype`] (`stowage-plan`), never by position; a
+//! test reads both WIT files and checks every case against the table.
+//!
 //! | module | what it holds |
 //! |---|---|
 //! | this file | the sandbox: engine, linker, instances, fuel and memory caps, [`WasmPolicy`] |
@@ -76,39 +80,42 @@ mod v2 {
     });
 }
 
-/// The 0.1.0 name of a dtype; an error (a trap) for the seven it lacks.
+/// The 0.1.0 case of a dtype; an error (a trap) for the seven it lacks.
 fn v1_dtype(d: Dtype) -> wasmtime::Result<v1::stowage::policy::types::Dtype> {
     use v1::stowage::policy::types::Dtype as W;
-    const NAMES: [W; 15] = [
-        W::Bool,
-        W::Uint8,
-        W::Int8,
-        W::Int16,
-        W::Uint16,
-        W::Int32,
-        W::Uint32,
-        W::Int64,
-        W::Uint64,
-        W::Float16,
-        W::Bfloat16,
-        W::Float32,
-        W::Float64,
-        W::Complex64,
-        W::Complex128,
-    ];
-    // Unreachable while the chain checks `can_describe` first; a trap (a
-    // fault, answered by the built-in) rather than a wrong name.
-    Dtype::ALL[..15]
-        .iter()
-        .position(|&x| x == d)
-        .map(|i| NAMES[i])
-        .ok_or_else(|| {
-            wasmtime::Error::msg(format!("dtype {d:?} has no name in stowage:policy@0.1.0"))
-        })
+    Ok(match d {
+        Dtype::Bool => W::Bool,
+        Dtype::Uint8 => W::Uint8,
+        Dtype::Int8 => W::Int8,
+        Dtype::Int16 => W::Int16,
+        Dtype::Uint16 => W::Uint16,
+        Dtype::Int32 => W::Int32,
+        Dtype::Uint32 => W::Uint32,
+        Dtype::Int64 => W::Int64,
+        Dtype::Uint64 => W::Uint64,
+        Dtype::Float16 => W::Float16,
+        Dtype::Bfloat16 => W::Bfloat16,
+        Dtype::Float32 => W::Float32,
+        Dtype::Float64 => W::Float64,
+        Dtype::Complex64 => W::Complex64,
+        Dtype::Complex128 => W::Complex128,
+        // Unreachable while the chain checks `can_describe` first; a trap
+        // (a fault, answered by the built-in) rather than a wrong name.
+        Dtype::Complex32
+        | Dtype::Float8E4m3fn
+        | Dtype::Float8E4m3fnuz
+        | Dtype::Float8E5m2
+        | Dtype::Float8E5m2fnuz
+        | Dtype::Float8E8m0fnu
+        | Dtype::Float4E2m1fnX2 => {
+            return Err(wasmtime::Error::msg(format!(
+                "dtype {d:?} has no name in stowage:policy@0.1.0"
+            )));
+        }
+    })
 }
 
-/// The 0.2.0 name of a dtype (the enum lists every dtype, in
-/// [`Dtype::ALL`]'s order).
+/// The 0.2.0 case of a dtype (the enum names every dtype).
 fn v2_dtype(d: Dtype) -> v2::stowage::policy::types::Dtype {
     use v2::stowage::policy::types::Dtype as W;
     match d {
@@ -137,6 +144,35 @@ fn v2_dtype(d: Dtype) -> v2::stowage::policy::types::Dtype {
     }
 }
 
+/// The dtype of a 0.2.0 case (the inverse of [`v2_dtype`]).
+fn from_v2_dtype(d: v2::stowage::policy::types::Dtype) -> Dtype {
+    use v2::stowage::policy::types::Dtype as W;
+    match d {
+        W::Bool => Dtype::Bool,
+        W::Uint8 => Dtype::Uint8,
+        W::Int8 => Dtype::Int8,
+        W::Int16 => Dtype::Int16,
+        W::Uint16 => Dtype::Uint16,
+        W::Int32 => Dtype::Int32,
+        W::Uint32 => Dtype::Uint32,
+        W::Int64 => Dtype::Int64,
+        W::Uint64 => Dtype::Uint64,
+        W::Float16 => Dtype::Float16,
+        W::Bfloat16 => Dtype::Bfloat16,
+        W::Float32 => Dtype::Float32,
+        W::Float64 => Dtype::Float64,
+        W::Complex64 => Dtype::Complex64,
+        W::Complex128 => Dtype::Complex128,
+        W::Complex32 => Dtype::Complex32,
+        W::Float8E4m3fn => Dtype::Float8E4m3fn,
+        W::Float8E4m3fnuz => Dtype::Float8E4m3fnuz,
+        W::Float8E5m2 => Dtype::Float8E5m2,
+        W::Float8E5m2fnuz => Dtype::Float8E5m2fnuz,
+        W::Float8E8m0fnu => Dtype::Float8E8m0fnu,
+        W::Float4E2m1fnX2 => Dtype::Float4E2m1fnX2,
+    }
+}
+
 /// The 0.2.0 layout record of a lent field.
 fn v2_layout(f: &LentField) -> v2::stowage::policy::types::Layout {
     use v2::stowage::policy::types as w;
@@ -153,10 +189,6 @@ fn v2_layout(f: &LentField) -> v2::stowage::policy::types::Layout {
         byte_len: f.byte_len(),
         read_cap: f.read_cap,
     }
-}
-
-fn from_v2_dtype(d: v2::stowage::policy::types::Dtype) -> Dtype {
-    Dtype::ALL[d as usize]
 }
 
 /// Limits applied to every call into a plugin.
@@ -844,6 +876,70 @@ impl Policy for WasmPolicy {
 
 #[cfg(test)]
 mod tests {
+    use stowage_plan::{Contract, DTYPES, Dtype};
+
+    /// The cases of `enum dtype` in a released WIT file, in order.
+    fn wit_dtype_cases(wit: &str) -> Vec<&str> {
+        let body = wit
+            .split_once("enum dtype {")
+            .and_then(|(_, rest)| rest.split_once('}'))
+            .expect("the WIT has an `enum dtype`")
+            .0;
+        body.lines()
+            .map(str::trim)
+            .filter(|l| !l.is_empty() && !l.starts_with("//"))
+            .map(|l| l.trim_end_matches(',').trim_start_matches('%'))
+            .collect()
+    }
+
+    /// Each released contract's `dtype` enum, case by case, is the dtype
+    /// table's rows of that version or older, and the host's `match`es map
+    /// each dtype to the generated case of its table name.
+    #[test]
+    fn the_wit_dtype_enums_are_the_table() {
+        let v1 = include_str!(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../wit/since_v0.1.0/policy.wit"
+        ));
+        let v2 = include_str!(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../wit/since_v0.2.0/policy.wit"
+        ));
+        for (contract, wit) in [(Contract::V0_1_0, v1), (Contract::V0_2_0, v2)] {
+            let table: Vec<&str> = DTYPES
+                .iter()
+                .filter(|r| r.since <= contract)
+                .map(|r| r.wit)
+                .collect();
+            assert_eq!(wit_dtype_cases(wit), table, "{}", contract.version());
+        }
+        let (v1_cases, v2_cases) = (wit_dtype_cases(v1), wit_dtype_cases(v2));
+        for row in DTYPES.iter() {
+            let d = row.dtype;
+            // A generated enum's discriminant is the case's position in
+            // the WIT enum.
+            let at = |cases: &[&str]| cases.iter().position(|&c| c == row.wit);
+            assert_eq!(Some(super::v2_dtype(d) as usize), at(&v2_cases), "{d}");
+            assert_eq!(super::from_v2_dtype(super::v2_dtype(d)), d);
+            match super::v1_dtype(d) {
+                Ok(w) => assert_eq!(Some(w as usize), at(&v1_cases), "{d}"),
+                Err(e) => {
+                    assert_eq!(row.since, Contract::V0_2_0, "{d}");
+                    assert_eq!(
+                        e.to_string(),
+                        format!("dtype {d:?} has no name in stowage:policy@0.1.0")
+                    );
+                }
+            }
+        }
+        assert_eq!(
+            super::v1_dtype(Dtype::Float8E4m3fn)
+                .unwrap_err()
+                .to_string(),
+            "dtype Float8E4m3fn has no name in stowage:policy@0.1.0"
+        );
+    }
+
     #[test]
     fn the_engine_has_no_concurrency_support() {
         // wasmtime 48: no concurrent-task state in a store, the synchronous

@@ -40,7 +40,7 @@ use crate::plan::{Frame, PieceInfo};
 use crate::policy::registry::Registry;
 use crate::server::errors;
 use crate::store::Rows;
-use crate::tensor::DType;
+use crate::tensor::Dtype;
 use crate::transport::{Chunk, Message, Tail};
 use crate::wire::batch::Value;
 use crate::wire::native::{self, FieldLayout, PartLayout, ReplyLayout, RowLayout};
@@ -88,7 +88,7 @@ struct Src {
 /// One row of a field, as some source holds it.
 enum Row<'a> {
     Tensor {
-        dtype: DType,
+        dtype: Dtype,
         shape: &'a [u64],
         at: Src,
     },
@@ -344,7 +344,7 @@ fn tensor_layout(
     limits: &crate::plan::PackLimits,
     name: &str,
     rows: &[Row<'_>],
-    dtype: DType,
+    dtype: Dtype,
     regular: Option<&[u64]>,
     frames: &mut Vec<Vec<Src>>,
 ) -> FieldLayout {

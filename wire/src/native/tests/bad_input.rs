@@ -425,7 +425,7 @@ fn limits_are_enforced_before_allocating() {
 
 #[test]
 fn bad_replies_are_refused() {
-    let x = WireField::from_field(&Field::Regular(tensor(DType::U8, &[2, 1], 0))).unwrap();
+    let x = WireField::from_field(&Field::Regular(tensor(Dtype::Uint8, &[2, 1], 0))).unwrap();
     let y = WireField::Values(vec![Value::Str("a".into())]);
     let frames = encode_reply(
         1,
@@ -510,10 +510,13 @@ fn mangled_messages_never_panic() {
     let req = put(
         vec![0, 1],
         vec![
-            ("r", Field::Regular(tensor(DType::F32, &[2, 2], 0))),
+            ("r", Field::Regular(tensor(Dtype::Float32, &[2, 2], 0))),
             (
                 "n",
-                Field::Nested(vec![tensor(DType::U8, &[1], 0), tensor(DType::U8, &[3], 0)]),
+                Field::Nested(vec![
+                    tensor(Dtype::Uint8, &[1], 0),
+                    tensor(Dtype::Uint8, &[3], 0),
+                ]),
             ),
             (
                 "v",
@@ -591,9 +594,9 @@ fn a_packed_frame_of_rows_back_to_back_in_one_buffer_is_that_buffer() {
     // a fourth from elsewhere
     let buf = Bytes::from((0u8..48).collect::<Vec<u8>>());
     let row = |a: usize, b: usize| {
-        Tensor::contiguous(buf.slice(a..b), DType::I32, vec![((b - a) / 4) as u64]).unwrap()
+        Tensor::contiguous(buf.slice(a..b), Dtype::Int32, vec![((b - a) / 4) as u64]).unwrap()
     };
-    let other = Tensor::contiguous(Bytes::from(vec![9u8; 8]), DType::I32, vec![2]).unwrap();
+    let other = Tensor::contiguous(Bytes::from(vec![9u8; 8]), Dtype::Int32, vec![2]).unwrap();
     let span = |p: *const u8, len: usize| {
         let off = (p as usize).checked_sub(buf.as_ptr() as usize)?;
         (off + len <= buf.len()).then(|| buf.slice(off..off + len))

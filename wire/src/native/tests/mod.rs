@@ -5,12 +5,12 @@ use bytes::Bytes;
 use super::*;
 use crate::batch::{Cell, Field, Value};
 use crate::msgpack::Writer;
-use crate::tensor::{DType, Tensor};
+use crate::tensor::{Dtype, Tensor};
 
 // ---------------------------------------------------------------- helpers
 
 /// A tensor of `shape` whose bytes count up from `seed`.
-fn tensor(dtype: DType, shape: &[u64], seed: u8) -> Tensor {
+fn tensor(dtype: Dtype, shape: &[u64], seed: u8) -> Tensor {
     let len = crate::tensor::contiguous_len(dtype, shape).unwrap();
     let data: Vec<u8> = (0..len).map(|i| seed.wrapping_add(i as u8)).collect();
     Tensor::contiguous(Bytes::from(data), dtype, shape.to_vec()).unwrap()
@@ -174,11 +174,11 @@ fn hand_built_put_is_valid() {
 
 #[test]
 fn every_field_kind_round_trips() {
-    let regular = tensor(DType::F32, &[3, 2], 0);
+    let regular = tensor(Dtype::Float32, &[3, 2], 0);
     let nested = vec![
-        tensor(DType::I64, &[2], 1),
-        tensor(DType::I64, &[0], 2),
-        tensor(DType::I64, &[], 3),
+        tensor(Dtype::Int64, &[2], 1),
+        tensor(Dtype::Int64, &[0], 2),
+        tensor(Dtype::Int64, &[], 3),
     ];
     let values = vec![
         Value::Str("héllo".into()),
@@ -198,7 +198,7 @@ fn every_field_kind_round_trips() {
 
 #[test]
 fn every_dtype_round_trips() {
-    for (i, dtype) in DType::ALL.into_iter().enumerate() {
+    for (i, dtype) in Dtype::ALL.into_iter().enumerate() {
         let regular = tensor(dtype, &[2, 3], i as u8);
         let nested = vec![tensor(dtype, &[1, 2], 7), tensor(dtype, &[3], 9)];
         let req = put(
@@ -347,13 +347,13 @@ fn replies_round_trip() {
 
 #[test]
 fn get_ok_from_cells_round_trips_per_kind() {
-    let stored = tensor(DType::BF16, &[4, 3], 0);
+    let stored = tensor(Dtype::Bfloat16, &[4, 3], 0);
     let rows: Vec<Cell> = (0..4)
         .map(|i| Cell::Tensor(stored.row_tensor(i).unwrap()))
         .collect();
     let jagged: Vec<Cell> = [2, 5, 0, 1]
         .iter()
-        .map(|&n| Cell::Tensor(tensor(DType::U8, &[n], 1)))
+        .map(|&n| Cell::Tensor(tensor(Dtype::Uint8, &[n], 1)))
         .collect();
     let values: Vec<Cell> = ["a", "b", "", "d"]
         .iter()
@@ -387,9 +387,9 @@ fn get_ok_from_cells_round_trips_per_kind() {
 
 #[test]
 fn from_cells_refuses_mixtures() {
-    let t = Cell::Tensor(tensor(DType::F32, &[2], 0));
+    let t = Cell::Tensor(tensor(Dtype::Float32, &[2], 0));
     let v = Cell::Value(Value::Str("a".into()));
-    let other = Cell::Tensor(tensor(DType::F64, &[2], 0));
+    let other = Cell::Tensor(tensor(Dtype::Float64, &[2], 0));
     for cells in [
         vec![t.clone(), v.clone()],
         vec![v, t.clone()],
@@ -408,14 +408,14 @@ fn from_cells_refuses_mixtures() {
 
 #[test]
 fn multi_part_regular_round_trips() {
-    let a = tensor(DType::F32, &[2, 2], 0);
-    let b = tensor(DType::F32, &[1, 2], 50);
-    let c = tensor(DType::F32, &[3, 2], 100);
+    let a = tensor(Dtype::Float32, &[2, 2], 0);
+    let b = tensor(Dtype::Float32, &[1, 2], 50);
+    let c = tensor(Dtype::Float32, &[3, 2], 100);
     let parts = [&a, &b, &c]
         .iter()
         .map(|t| (t.buffer().clone(), t.rows()))
         .collect();
-    let field = WireField::Regular(RegularParts::new(DType::F32, vec![2], parts).unwrap());
+    let field = WireField::Regular(RegularParts::new(Dtype::Float32, vec![2], parts).unwrap());
     let req = Request {
         id: 1,
         op: Op::Put {
@@ -520,12 +520,12 @@ fn decoded_buffers_point_into_the_frames() {
     let req = put(
         vec![0, 1],
         vec![
-            ("r", Field::Regular(tensor(DType::F64, &[2, 4], 0))),
+            ("r", Field::Regular(tensor(Dtype::Float64, &[2, 4], 0))),
             (
                 "n",
                 Field::Nested(vec![
-                    tensor(DType::I32, &[1], 0),
-                    tensor(DType::I32, &[2], 0),
+                    tensor(Dtype::Int32, &[1], 0),
+                    tensor(Dtype::Int32, &[2], 0),
                 ]),
             ),
             (
@@ -568,7 +568,7 @@ fn decoded_buffers_point_into_the_frames() {
 
 #[test]
 fn encoded_frames_are_the_stored_rows() {
-    let stored = tensor(DType::F32, &[3, 2], 0);
+    let stored = tensor(Dtype::Float32, &[3, 2], 0);
     let cells: Vec<Cell> = (0..3)
         .map(|i| Cell::Tensor(stored.row_tensor(i).unwrap()))
         .collect();
@@ -593,7 +593,7 @@ fn encoded_frames_are_the_stored_rows() {
 
 #[test]
 fn a_packing_layout_coalesces_and_keeps_large_rows_zero_copy() {
-    let stored = tensor(DType::I16, &[6, 2], 0);
+    let stored = tensor(Dtype::Int16, &[6, 2], 0);
     let cells: Vec<Cell> = (0..6)
         .map(|i| Cell::Tensor(stored.row_tensor(i).unwrap()))
         .collect();
@@ -640,9 +640,10 @@ fn a_packing_layout_coalesces_and_keeps_large_rows_zero_copy() {
 
 #[test]
 fn coalesced_ranges_are_aligned_to_their_itemsize() {
-    let bytes3 = WireField::from_field(&Field::Nested(vec![tensor(DType::U8, &[3], 0)])).unwrap();
+    let bytes3 =
+        WireField::from_field(&Field::Nested(vec![tensor(Dtype::Uint8, &[3], 0)])).unwrap();
     let wide =
-        WireField::from_field(&Field::Regular(tensor(DType::Complex128, &[1, 1], 9))).unwrap();
+        WireField::from_field(&Field::Regular(tensor(Dtype::Complex128, &[1, 1], 9))).unwrap();
     let fields = vec![("b".to_owned(), bytes3), ("c".to_owned(), wide)];
     let layout = FrameLayout {
         frames: vec![vec![
@@ -684,7 +685,7 @@ fn coalesced_ranges_are_aligned_to_their_itemsize() {
 
 #[test]
 fn invalid_layouts_are_refused() {
-    let t = tensor(DType::U8, &[3, 1], 0);
+    let t = tensor(Dtype::Uint8, &[3, 1], 0);
     let fields = vec![
         (
             "x".to_owned(),
@@ -764,7 +765,7 @@ fn protocol_page_example() {
         .iter()
         .flat_map(|v| v.to_le_bytes())
         .collect();
-    let x = Tensor::contiguous(Bytes::from(x), DType::F32, vec![2, 2]).unwrap();
+    let x = Tensor::contiguous(Bytes::from(x), Dtype::Float32, vec![2, 2]).unwrap();
     let tag = Field::Values(vec![Value::Str("a".into()), Value::Str("b".into())]);
     let mut req = put(vec![0, 1], vec![("x", Field::Regular(x)), ("tag", tag)]);
     req.id = 1;
@@ -853,12 +854,12 @@ fn a_request_head_is_the_bytes_of_the_placing_encoder() {
     ]);
     let n: Vec<Tensor> = [2u64, 0, 3]
         .iter()
-        .map(|&k| tensor(DType::I16, &[k], 9))
+        .map(|&k| tensor(Dtype::Int16, &[k], 9))
         .collect();
     let req = put(
         vec![0, 1, 5],
         vec![
-            ("x", Field::Regular(tensor(DType::F32, &[3, 2], 1))),
+            ("x", Field::Regular(tensor(Dtype::Float32, &[3, 2], 1))),
             ("n", Field::Nested(n.clone())),
             ("tag", {
                 let Field::Values(mut v) = tag else { panic!() };
@@ -885,7 +886,7 @@ fn a_request_head_is_the_bytes_of_the_placing_encoder() {
             (
                 "x".into(),
                 FieldLayout::Regular {
-                    dtype: DType::F32,
+                    dtype: Dtype::Float32,
                     shape: vec![3, 2],
                     parts: vec![PartLayout {
                         frame: 1,
@@ -898,7 +899,7 @@ fn a_request_head_is_the_bytes_of_the_placing_encoder() {
             (
                 "n".into(),
                 FieldLayout::Nested {
-                    dtype: DType::I16,
+                    dtype: Dtype::Int16,
                     rows: n
                         .iter()
                         .enumerate()
@@ -958,13 +959,13 @@ mod ranges;
 
 #[test]
 fn a_get_ok_layout_from_frame_0_places_every_row() {
-    let stored = tensor(DType::BF16, &[4, 3], 0);
+    let stored = tensor(Dtype::Bfloat16, &[4, 3], 0);
     let rows: Vec<Cell> = (0..4)
         .map(|i| Cell::Tensor(stored.row_tensor(i).unwrap()))
         .collect();
     let jagged: Vec<Cell> = [2, 5, 0, 1]
         .iter()
-        .map(|&n| Cell::Tensor(tensor(DType::U8, &[n], 1)))
+        .map(|&n| Cell::Tensor(tensor(Dtype::Uint8, &[n], 1)))
         .collect();
     let fields = vec![
         ("r".to_owned(), WireField::from_cells(rows).unwrap()),
@@ -995,7 +996,10 @@ fn a_get_ok_layout_from_frame_0_places_every_row() {
     else {
         panic!()
     };
-    assert_eq!((*dtype, shape.as_slice()), (DType::BF16, &[4u64, 3][..]));
+    assert_eq!(
+        (*dtype, shape.as_slice()),
+        (Dtype::Bfloat16, &[4u64, 3][..])
+    );
     let mut got = Vec::new();
     for p in parts {
         let f = &frames[p.frame as usize];
@@ -1140,19 +1144,19 @@ fn peer_keys_round_trip_and_are_checked() {
 fn gathered_frames_are_the_copied_frames_unjoined() {
     // Rows of one field from two buffers, interleaved: each frame of the
     // layout names rows that do not lie back to back.
-    let a = tensor(DType::F32, &[4, 3], 1);
-    let b = tensor(DType::F32, &[4, 3], 60);
+    let a = tensor(Dtype::Float32, &[4, 3], 1);
+    let b = tensor(Dtype::Float32, &[4, 3], 60);
     let rows: Vec<(Bytes, u64)> = (0..8)
         .map(|i| {
             let t = if i % 2 == 0 { &a } else { &b };
             (t.row_tensor(i / 2).unwrap().contiguous_bytes(), 1)
         })
         .collect();
-    let field = WireField::Regular(RegularParts::new(DType::F32, vec![3], rows).unwrap());
+    let field = WireField::Regular(RegularParts::new(Dtype::Float32, vec![3], rows).unwrap());
     // 46 bytes of int16 rows: the float32 rows after them are padded.
     let nested = WireField::Nested(
         (0..8u8)
-            .map(|i| tensor(DType::I16, &[if i == 7 { 2 } else { 3 }], i))
+            .map(|i| tensor(Dtype::Int16, &[if i == 7 { 2 } else { 3 }], i))
             .collect(),
     );
     let reply = Reply::GetOk {
