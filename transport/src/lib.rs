@@ -35,6 +35,7 @@
 //! the memory of a frame whose rows were cleared takes the next large
 //! frame, instead of going back to the OS and being faulted in afresh.
 
+pub mod frame;
 pub mod pool;
 pub mod table;
 pub mod zmtp;
@@ -648,9 +649,9 @@ async fn reply_pong(
 ) -> Result<(), ()> {
     use tokio::io::AsyncWriteExt;
     let context = ping.get(2..).unwrap_or(&[]);
-    let frame = zmtp::command_frame("PONG", &context[..context.len().min(16)]);
+    let pong = frame::command_frame("PONG", &context[..context.len().min(16)]);
     let write = async {
-        writer.write_all(&frame).await?;
+        writer.write_all(&pong).await?;
         writer.flush().await
     };
     match tokio::time::timeout(limits.write_timeout, write).await {

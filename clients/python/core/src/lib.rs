@@ -51,7 +51,7 @@ use pyo3::exceptions::{PyConnectionError, PyTimeoutError, PyTypeError, PyValueEr
 use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyInt, PyList, PyTuple};
-use stowage_transport::zmtp;
+use stowage_transport::{frame, zmtp};
 use stowage_wire::native::{self, FieldLayout, Limits, ReplyLayout, layout};
 
 mod codec;
@@ -419,7 +419,7 @@ impl Stream {
                 return true;
             }
         }
-        zmtp::message_complete(&bytes)
+        frame::message_complete(&bytes)
     }
 
     /// A frame header: (more, command, size).
@@ -618,13 +618,12 @@ impl Connection {
             .map_err(|e| Fail::Io(format!("cannot connect to {}: {e}", self.address)))?;
         let _ = tcp.set_nodelay(true);
         let mut s = Stream::new(tcp, deadline, self.spin);
-        s.write_all(&zmtp::greeting())?;
+        s.write_all(&frame::greeting())?;
         let mut g = [0u8; 64];
         s.read_exact(&mut g)?;
-        zmtp::check_greeting(&g).map_err(|e| Fail::Protocol(e.to_string()))?;
-        let ready = zmtp::ready(&[("Socket-Type", b"DEALER")]);
-        // `ready` starts with the command's name ("\x05READY").
-        s.write_all(&zmtp::command_frame("READY", &ready[6..]))?;
+        frame::check_greeting(&g)
+            .map_err(|e| Fail::Protocol(zmtp::ZmtpError::from(e).to_string()))?;
+        s.write_all(&frame::ready_command(&[("Socket-Type", b"DEALER")]))?;
         let (_, command, size) = s.header()?;
         if !command {
             return Err(Fail::Protocol("expected stowd's READY".into()));
@@ -759,7 +758,7 @@ impl<'a> Gather<'a> {
     fn header(&mut self, s: &mut Stream, len: usize, more: bool) -> Result<(), Fail> {
         self.room(s)?;
         let start = self.copied.len();
-        zmtp::put_header(&mut self.copied, len, more);
+        frame::put_header(&mut self.copied, len, more);
         self.copied_from(start);
         Ok(())
     }
