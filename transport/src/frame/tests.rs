@@ -23,9 +23,9 @@ fn headers_round_trip_with_every_flag_combination() {
                 let long = size > 255;
                 assert_eq!(bytes.len(), if long { 9 } else { 2 }, "{h:?}");
                 assert_eq!(h.header_len, bytes.len());
-                let flags = (more as u8) * FLAG_MORE
-                    | (long as u8) * FLAG_LONG
-                    | (command as u8) * FLAG_COMMAND;
+                let flag = |on: bool, f: u8| if on { f } else { 0 };
+                let flags =
+                    flag(more, FLAG_MORE) | flag(long, FLAG_LONG) | flag(command, FLAG_COMMAND);
                 assert_eq!(bytes[0], flags, "{h:?}");
                 assert_eq!(parse_header(&bytes), Ok(Decoded::Done(h)));
                 // Bytes after the header are the body's, left alone.
