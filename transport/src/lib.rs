@@ -34,7 +34,19 @@
 //! shared by all its connections (and all listeners with the same cap):
 //! the memory of a frame whose rows were cleared takes the next large
 //! frame, instead of going back to the OS and being faulted in afresh.
+//!
+//! | module | what it holds |
+//! |---|---|
+//! | [`frame`] | ZMTP 3.0 framing without I/O: frame headers parsed from byte slices and written into buffers, the greeting, commands and READY (also the Python client's core's framer) |
+//! | [`zmtp`] | the same over a tokio byte stream: the frame reader, the message writers, the handshake |
+//! | [`pool`] | the bounded pool of resident pages large received frames go into |
+//! | [`table`] | the connection table of one listening socket: caps, eviction, idle timeout |
+//!
+//! The crate root (this file) holds the ROUTER server and the DEALER
+//! [`Peer`]. [`zmtp`] uses [`frame`] and [`pool`]; [`frame`] uses nothing
+//! of the crate and nothing of tokio.
 
+pub mod frame;
 pub mod pool;
 pub mod table;
 pub mod zmtp;
@@ -648,9 +660,9 @@ async fn reply_pong(
 ) -> Result<(), ()> {
     use tokio::io::AsyncWriteExt;
     let context = ping.get(2..).unwrap_or(&[]);
-    let frame = zmtp::command_frame("PONG", &context[..context.len().min(16)]);
+    let pong = frame::command_frame("PONG", &context[..context.len().min(16)]);
     let write = async {
-        writer.write_all(&frame).await?;
+        writer.write_all(&pong).await?;
         writer.flush().await
     };
     match tokio::time::timeout(limits.write_timeout, write).await {

@@ -1,5 +1,7 @@
-//! ZMTP 3.0 with the NULL mechanism: the greeting, the READY handshake and
-//! the frame codec, over any byte stream.
+//! ZMTP 3.0 with the NULL mechanism over any tokio byte stream: the frame
+//! reader, the message writers and the greeting and READY handshake. The
+//! bytes themselves (headers, greeting, commands) are [`crate::frame`]'s,
+//! parsed in place in the reader's buffer; this module does the I/O.
 //!
 //! Written for `stowd`'s needs rather than generality:
 //! - every received frame gets its own allocation (a stored row never pins
@@ -24,7 +26,8 @@ use std::time::Duration;
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
-use super::pool::{self, Pages, ReceivePool};
+use crate::frame::{self, Decoded, FrameError, Header, put_header};
+use crate::pool::{self, Pages, ReceivePool};
 
 /// Receive limits, checked before any allocation from a declared size.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -67,6 +70,12 @@ fn protocol(msg: impl Into<String>) -> ZmtpError {
     ZmtpError::Protocol(msg.into())
 }
 
+impl From<FrameError> for ZmtpError {
+    fn from(e: FrameError) -> ZmtpError {
+        protocol(e.to_string())
+    }
+}
+
 /// What [`FrameReader::read`] returns.
 #[derive(Debug)]
 pub enum Incoming {
@@ -89,8 +98,6 @@ pub enum Incoming {
     },
 }
 
-/// Bytes of the greeting.
-const GREETING_LEN: usize = 64;
 /// Frames up to this size are copied out of the read buffer; larger ones
 /// are read straight into their own allocation.
 const SMALL_FRAME: usize = 16 << 10;
@@ -99,171 +106,11 @@ const SMALL_FRAME: usize = 16 << 10;
 const READ_CHUNK: usize = 32 << 10;
 /// First allocation for a large frame; it then doubles as bytes arrive.
 const FIRST_CHUNK: usize = 8 << 20;
-/// Commands are small; anything above this is refused.
-const MAX_COMMAND: u64 = 1 << 20;
 /// Frames up to this size are coalesced into one write buffer (a
 /// synchronous writer, the Python client's Rust core, coalesces by it too).
 pub const COALESCE: usize = 16 << 10;
 /// The write buffer is flushed at this size.
 pub const WRITE_CHUNK: usize = 256 << 10;
-
-const FLAG_MORE: u8 = 0x01;
-const FLAG_LONG: u8 = 0x02;
-const FLAG_COMMAND: u8 = 0x04;
-
-/// Our greeting: ZMTP 3.0, NULL, not a server.
-pub fn greeting() -> [u8; GREETING_LEN] {
-    let mut g = [0u8; GREETING_LEN];
-    g[0] = 0xff;
-    g[9] = 0x7f;
-    g[10] = 3;
-    g[11] = 0;
-    g[12..16].copy_from_slice(b"NULL");
-    g
-}
-
-/// Checks the signature and major version (the first 11 bytes).
-fn check_greeting_start(g: &[u8]) -> Result<(), ZmtpError> {
-    if g.len() < 11 || g[0] != 0xff || g[9] & 0x01 == 0 {
-        return Err(protocol("not a ZMTP peer (bad greeting signature)"));
-    }
-    if g[10] < 3 {
-        return Err(protocol(format!(
-            "ZMTP major version {} is not supported (3 or later is)",
-            g[10]
-        )));
-    }
-    Ok(())
-}
-
-/// Checks a peer's greeting.
-pub fn check_greeting(g: &[u8]) -> Result<(), ZmtpError> {
-    if g.len() < GREETING_LEN {
-        return Err(protocol("truncated greeting"));
-    }
-    check_greeting_start(g)?;
-    let mechanism = &g[12..32];
-    let name_end = mechanism
-        .iter()
-        .position(|&b| b == 0)
-        .unwrap_or(mechanism.len());
-    if &mechanism[..name_end] != b"NULL" || mechanism[name_end..].iter().any(|&b| b != 0) {
-        let name = String::from_utf8_lossy(&mechanism[..name_end]).into_owned();
-        return Err(protocol(format!(
-            "security mechanism {name:?} is not supported (NULL is)"
-        )));
-    }
-    Ok(())
-}
-
-/// The body of a READY command with `properties`.
-pub fn ready(properties: &[(&str, &[u8])]) -> BytesMut {
-    let mut body = BytesMut::new();
-    body.put_u8(5);
-    body.put_slice(b"READY");
-    for (name, value) in properties {
-        body.put_u8(name.len() as u8);
-        body.put_slice(name.as_bytes());
-        body.put_u32(value.len() as u32);
-        body.put_slice(value);
-    }
-    body
-}
-
-/// Parses READY properties from a command body (after the name).
-pub fn ready_properties(mut body: &[u8]) -> Result<Vec<(String, Bytes)>, ZmtpError> {
-    let mut out = Vec::new();
-    while !body.is_empty() {
-        let n = body[0] as usize;
-        if body.len() < 1 + n + 4 {
-            return Err(protocol("truncated READY property"));
-        }
-        let name = String::from_utf8_lossy(&body[1..1 + n]).into_owned();
-        body = &body[1 + n..];
-        let len = u32::from_be_bytes(body[..4].try_into().expect("4 bytes")) as usize;
-        body = &body[4..];
-        if body.len() < len {
-            return Err(protocol(format!("truncated READY property {name:?}")));
-        }
-        out.push((name, Bytes::copy_from_slice(&body[..len])));
-        body = &body[len..];
-    }
-    Ok(out)
-}
-
-/// Encodes a command frame whose body (name included) is `body`.
-fn command_with_body(body: &[u8]) -> BytesMut {
-    let mut out = BytesMut::with_capacity(body.len() + 9);
-    if body.len() > 255 {
-        out.put_u8(FLAG_COMMAND | FLAG_LONG);
-        out.put_u64(body.len() as u64);
-    } else {
-        out.put_u8(FLAG_COMMAND);
-        out.put_u8(body.len() as u8);
-    }
-    out.put_slice(body);
-    out
-}
-
-/// Encodes a command frame.
-pub fn command_frame(name: &str, data: &[u8]) -> BytesMut {
-    let mut body = BytesMut::with_capacity(1 + name.len() + data.len());
-    body.put_u8(name.len() as u8);
-    body.put_slice(name.as_bytes());
-    body.put_slice(data);
-    command_with_body(&body)
-}
-
-/// Appends the header of a message frame of `len` bytes (`more`: another
-/// frame of the message follows).
-pub fn put_header(out: &mut BytesMut, len: usize, more: bool) {
-    let more = if more { FLAG_MORE } else { 0 };
-    if len > 255 {
-        out.put_u8(FLAG_LONG | more);
-        out.put_u64(len as u64);
-    } else {
-        out.put_u8(more);
-        out.put_u8(len as u8);
-    }
-}
-
-/// Whether `bytes` begin with a whole message: frames up to one without
-/// the MORE flag, each header and body all there. For a reader that must
-/// not wait (the Python client's core, before it reads a reply on an
-/// event loop): walks the headers only. An absurd size counts as whole,
-/// for the reader to refuse.
-pub fn message_complete(bytes: &[u8]) -> bool {
-    let mut at = 0usize;
-    loop {
-        let Some(&flags) = bytes.get(at) else {
-            return false;
-        };
-        let (size, header) = if flags & FLAG_LONG != 0 {
-            match bytes.get(at + 1..at + 9) {
-                Some(b) => (u64::from_be_bytes(b.try_into().expect("8 bytes")), 9),
-                None => return false,
-            }
-        } else {
-            match bytes.get(at + 1) {
-                Some(&b) => (u64::from(b), 2),
-                None => return false,
-            }
-        };
-        let Some(end) = (at as u64)
-            .checked_add(header)
-            .and_then(|e| e.checked_add(size))
-        else {
-            return true;
-        };
-        if end > bytes.len() as u64 {
-            return false;
-        }
-        at = end as usize;
-        if flags & FLAG_MORE == 0 {
-            return true;
-        }
-    }
-}
 
 /// Writes one message. Frames above a few KiB go out from their own
 /// buffers (no copy); headers and small frames are coalesced.
@@ -428,43 +275,36 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
         }
     }
 
-    /// Reads the peer's greeting.
+    /// Reads the peer's greeting ([`frame::parse_greeting`]: a peer that
+    /// is not ZMTP 3 is refused before all of it is waited for).
     pub async fn read_greeting(&mut self) -> Result<(), ZmtpError> {
-        // The signature's first byte tells a ZMTP peer from anything else
-        // before we wait for all 64 bytes.
-        self.need(1).await?;
-        if self.buf[0] != 0xff {
-            return Err(protocol("not a ZMTP peer (bad greeting signature)"));
+        loop {
+            match frame::parse_greeting(&self.buf)? {
+                Decoded::Done(()) => {
+                    self.buf.advance(frame::GREETING_LEN);
+                    return Ok(());
+                }
+                Decoded::Needs(n) => self.need(n).await?,
+            }
         }
-        // Signature and major version: refuse an old peer before it waits
-        // for a full greeting it will never send.
-        self.need(11).await?;
-        check_greeting_start(&self.buf[..11])?;
-        self.need(GREETING_LEN).await?;
-        let g = self.buf.split_to(GREETING_LEN);
-        check_greeting(&g)
     }
 
-    /// Reads a frame header: (flags, length). `None` on a clean close.
-    async fn header(&mut self) -> Result<Option<(u8, u64)>, ZmtpError> {
-        if !self.fill(1).await? {
-            return Ok(None);
+    /// Reads a frame header, parsed in place in the read buffer. `None` on
+    /// a clean close.
+    async fn header(&mut self) -> Result<Option<Header>, ZmtpError> {
+        loop {
+            match frame::parse_header(&self.buf)? {
+                Decoded::Done(h) => {
+                    self.buf.advance(h.header_len);
+                    return Ok(Some(h));
+                }
+                Decoded::Needs(n) => {
+                    if !self.fill(n).await? {
+                        return Ok(None);
+                    }
+                }
+            }
         }
-        let flags = self.buf[0];
-        if flags & !(FLAG_MORE | FLAG_LONG | FLAG_COMMAND) != 0 {
-            return Err(protocol(format!(
-                "frame flags {flags:#04x} have reserved bits set"
-            )));
-        }
-        let width = if flags & FLAG_LONG != 0 { 8 } else { 1 };
-        self.need(1 + width).await?;
-        self.buf.advance(1);
-        let len = if width == 8 {
-            self.buf.get_u64()
-        } else {
-            self.buf.get_u8() as u64
-        };
-        Ok(Some((flags, len)))
     }
 
     /// Reads the next frame as a command; the handshake uses this.
@@ -591,31 +431,25 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
         let mut count = 0usize;
         let mut over: Option<String> = None;
         loop {
-            let Some((flags, len)) = self.header().await? else {
+            let Some(h) = self.header().await? else {
                 return if count == 0 {
                     Ok(None)
                 } else {
                     Err(ZmtpError::Closed)
                 };
             };
-            if flags & FLAG_COMMAND != 0 {
+            if h.command {
                 if count != 0 {
                     return Err(protocol("command frame inside a multipart message"));
                 }
-                if len > MAX_COMMAND || len == 0 {
-                    return Err(protocol(format!("command frame of {len} bytes")));
-                }
-                let body = self.frame(len as usize).await?;
-                let n = body[0] as usize;
-                if body.len() < 1 + n {
-                    return Err(protocol("truncated command name"));
-                }
-                let name = String::from_utf8_lossy(&body[1..1 + n]).into_owned();
+                let body = self.frame(h.command_size()?).await?;
+                let (name, data) = frame::split_command(&body)?;
                 return Ok(Some(Incoming::Command {
-                    name,
-                    body: body.slice(1 + n..),
+                    name: String::from_utf8_lossy(name).into_owned(),
+                    body: body.slice_ref(data),
                 }));
             }
+            let len = h.size;
             count += 1;
             total = total.saturating_add(len);
             if over.is_none() {
@@ -643,7 +477,7 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
                 seen(&frame);
                 frames.push(frame);
             }
-            if flags & FLAG_MORE == 0 {
+            if !h.more {
                 break;
             }
         }
@@ -683,15 +517,14 @@ where
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin + ?Sized,
 {
-    writer.write_all(&greeting()).await?;
+    writer.write_all(&frame::greeting()).await?;
     writer.flush().await?;
     reader.read_greeting().await?;
     let mut props: Vec<(&str, &[u8])> = vec![("Socket-Type", socket_type.as_bytes())];
     if !identity.is_empty() {
         props.push(("Identity", identity));
     }
-    let frame = command_with_body(&ready(&props));
-    writer.write_all(&frame).await?;
+    writer.write_all(&frame::ready_command(&props)).await?;
     writer.flush().await?;
     let (name, body) = reader.read_command().await?;
     if name == "ERROR" {
@@ -705,7 +538,7 @@ where
         return Err(protocol(format!("expected READY, got {name:?}")));
     }
     let mut info = PeerInfo::default();
-    for (key, value) in ready_properties(&body)? {
+    for (key, value) in frame::ready_properties(&body)? {
         if key.eq_ignore_ascii_case("Socket-Type") {
             info.socket_type = String::from_utf8_lossy(&value).into_owned();
         } else if key.eq_ignore_ascii_case("Identity") {
@@ -716,7 +549,9 @@ where
         let reason = format!("a {socket_type} does not talk to a {}", info.socket_type);
         let mut data = vec![reason.len().min(255) as u8];
         data.extend_from_slice(&reason.as_bytes()[..reason.len().min(255)]);
-        let _ = writer.write_all(&command_frame("ERROR", &data)).await;
+        let _ = writer
+            .write_all(&frame::command_frame("ERROR", &data))
+            .await;
         let _ = writer.flush().await;
         return Err(protocol(reason));
     }

@@ -1,7 +1,17 @@
-//! The ZMTP frame reader on arbitrary bytes from a peer (after the
-//! handshake), under small limits: it must never panic, never keep more
-//! than the limits allow, and every message it returns must survive being
-//! written and read back unchanged.
+//! The ZMTP framer and the frame reader on arbitrary bytes from a peer
+//! (after the handshake).
+//!
+//! The framer first: a header parsed at any offset (of the first 4 KiB)
+//! must be written back as the bytes it came from and parse again the
+//! same, every shorter cut of it must ask for exactly its length, and a
+//! refusal must name the flags byte, with a reserved bit set. The greeting
+//! parser must agree with the whole-greeting check, and a first message
+//! the reader returns must be one the framer's `message_complete` calls
+//! whole.
+//!
+//! Then the reader, under small limits: it must never panic, never keep
+//! more than the limits allow, and every message it returns must survive
+//! being written and read back unchanged.
 //!
 //! Then the same bytes through a reader with a receive pool and limits
 //! that let frames of 1 MiB and more through, so that declared sizes reach
@@ -14,6 +24,7 @@ use std::sync::{Arc, OnceLock};
 
 use stowage_transport::Pages;
 use stowage_transport::ReceivePool;
+use stowage_transport::frame::{self, Decoded, FrameError, MAX_HEADER};
 use stowage_transport::zmtp::{FrameReader, Incoming, Limits, write_message};
 
 const LIMITS: Limits = Limits {
@@ -45,6 +56,7 @@ fn pool() -> &'static Arc<ReceivePool> {
 
 /// The target's body: every invariant above, on one input.
 pub fn check(data: &[u8]) {
+    framer(data);
     plain(data);
     pooled(data);
 }
@@ -88,6 +100,65 @@ fn pooled(data: &[u8]) {
         "{} bytes pooled",
         pool.pooled_bytes()
     );
+}
+
+/// Offsets of the input a header is parsed at.
+const HEADER_OFFSETS: usize = 4096;
+
+fn framer(data: &[u8]) {
+    for at in 0..data.len().min(HEADER_OFFSETS) {
+        let rest = &data[at..];
+        match frame::parse_header(rest) {
+            Ok(Decoded::Done(h)) => {
+                assert!(h.header_len == 2 || h.header_len == MAX_HEADER, "{h:?}");
+                let mut b = [0u8; MAX_HEADER];
+                assert_eq!(h.encode(&mut b), &rest[..h.header_len], "written back");
+                assert_eq!(
+                    frame::parse_header(&rest[..h.header_len]),
+                    Ok(Decoded::Done(h))
+                );
+                for cut in 0..h.header_len {
+                    let want = if cut == 0 { 1 } else { h.header_len };
+                    assert_eq!(
+                        frame::parse_header(&rest[..cut]),
+                        Ok(Decoded::Needs(want)),
+                        "{h:?} cut at {cut}"
+                    );
+                }
+            }
+            Ok(Decoded::Needs(n)) => assert!(n > rest.len() && n <= MAX_HEADER, "needs {n}"),
+            Err(FrameError::ReservedFlags(f)) => {
+                assert_eq!(f, rest[0]);
+                assert_ne!(
+                    f & !(frame::FLAG_MORE | frame::FLAG_LONG | frame::FLAG_COMMAND),
+                    0
+                );
+            }
+            Err(e) => panic!("a header refused with {e}"),
+        }
+    }
+    match frame::parse_greeting(data) {
+        Ok(Decoded::Done(())) => {
+            assert!(frame::check_greeting(&data[..frame::GREETING_LEN]).is_ok())
+        }
+        Ok(Decoded::Needs(n)) => assert!(n > data.len() && n <= frame::GREETING_LEN),
+        Err(e) => {
+            if let Some(g) = data.get(..frame::GREETING_LEN) {
+                assert_eq!(frame::check_greeting(g), Err(e));
+            }
+        }
+    }
+    let whole = frame::message_complete(data);
+    let first = runtime().block_on(FrameReader::new(data).read(&LIMITS));
+    if matches!(
+        first,
+        Ok(Some(Incoming::Message(_) | Incoming::TooLarge { .. }))
+    ) {
+        assert!(
+            whole,
+            "a message read from bytes message_complete calls partial"
+        );
+    }
 }
 
 fn plain(data: &[u8]) {

@@ -1,4 +1,4 @@
-//! `stowage._core`: the Rust core of the Python client (issue 17): a tcp
+//! `stowage._core`: the Rust core of the Python client: a tcp
 //! `get_into` that receives straight into the caller's arrays, a `get` that
 //! receives each field into one buffer, and a `send` that puts from the
 //! caller's arrays.
@@ -30,10 +30,13 @@
 //! (medians of 8, alternating, on the benchmark machine).
 //!
 //! The connection is stowd's ZMTP 3.0 (NULL security) as a DEALER, over
-//! `std::net::TcpStream`, with the handshake pieces of
-//! [`stowage_transport::zmtp`]. A reply that breaks the protocol, a timeout
-//! or an I/O error drops the connection (the next call makes a new one),
-//! so a late or half-read reply is never taken for the next one.
+//! `std::net::TcpStream`: the greeting, READY and every frame header are
+//! written and parsed by stowd's own framer, [`stowage_transport::frame`]
+//! (which does no I/O: headers are parsed in place in the read-ahead
+//! buffer); this crate does the reading and writing. A reply that breaks
+//! the protocol, a timeout or an I/O error drops the connection (the next
+//! call makes a new one), so a late or half-read reply is never taken for
+//! the next one.
 //!
 //! Every envelope the Python client writes or reads, on any transport,
 //! goes through [`codec`]: stowd's codec, with Python objects in and out.
@@ -55,6 +58,7 @@ use pyo3::exceptions::{PyConnectionError, PyTimeoutError, PyTypeError, PyValueEr
 use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyInt, PyList, PyTuple};
+use stowage_transport::frame::{self, Decoded};
 use stowage_transport::zmtp;
 use stowage_wire::native::{self, FieldLayout, Limits, ReplyLayout, layout};
 
@@ -69,10 +73,6 @@ pyo3::create_exception!(
     pyo3::exceptions::PyException,
     "The reply breaks stowage/1 or ZMTP (a connection it came on was dropped)."
 );
-
-const FLAG_MORE: u8 = 0x01;
-const FLAG_LONG: u8 = 0x02;
-const FLAG_COMMAND: u8 = 0x04;
 
 /// Largest frame 0 accepted (a get_ok's descriptors; stowd's own limit on
 /// a message's frame 0 is the same order).
@@ -423,35 +423,50 @@ impl Stream {
                 return true;
             }
         }
-        zmtp::message_complete(&bytes)
+        frame::message_complete(&bytes)
     }
 
-    /// A frame header: (more, command, size).
-    fn header(&mut self) -> Result<(bool, bool, u64), Fail> {
-        let mut flags = [0u8; 1];
-        self.read_exact(&mut flags)?;
-        let f = flags[0];
-        if f & !(FLAG_MORE | FLAG_LONG | FLAG_COMMAND) != 0 {
-            return Err(Fail::Protocol(format!("reserved frame flags {f:#04x}")));
+    /// A frame header ([`frame::parse_header`]), parsed in place in the
+    /// read-ahead buffer; one split across two reads is gathered in a
+    /// stack buffer.
+    fn header(&mut self) -> Result<frame::Header, Fail> {
+        loop {
+            match frame::parse_header(&self.ahead[self.pos..self.end]) {
+                Ok(Decoded::Done(h)) => {
+                    self.pos += h.header_len;
+                    return Ok(h);
+                }
+                Ok(Decoded::Needs(_)) if self.pos == self.end => self.fill()?,
+                Ok(Decoded::Needs(_)) => return self.header_split(),
+                Err(e) => return Err(header_fail(e)),
+            }
         }
-        let size = if f & FLAG_LONG != 0 {
-            let mut b = [0u8; 8];
-            self.read_exact(&mut b)?;
-            u64::from_be_bytes(b)
-        } else {
-            let mut b = [0u8; 1];
-            self.read_exact(&mut b)?;
-            u64::from(b[0])
-        };
-        Ok((f & FLAG_MORE != 0, f & FLAG_COMMAND != 0, size))
+    }
+
+    /// [`Stream::header`] of a header whose first bytes end the read-ahead.
+    fn header_split(&mut self) -> Result<frame::Header, Fail> {
+        let mut b = [0u8; frame::MAX_HEADER];
+        let mut have = 0;
+        loop {
+            match frame::parse_header(&b[..have]) {
+                Ok(Decoded::Done(h)) => return Ok(h),
+                Ok(Decoded::Needs(n)) => {
+                    self.read_exact(&mut b[have..n])?;
+                    have = n;
+                }
+                Err(e) => return Err(header_fail(e)),
+            }
+        }
     }
 
     /// A reply's frame header (a command there breaks the protocol): (more,
     /// size).
     fn frame_header(&mut self) -> Result<(bool, u64), Fail> {
         match self.header()? {
-            (_, true, _) => Err(Fail::Protocol("a command frame inside a reply".into())),
-            (more, false, size) => Ok((more, size)),
+            frame::Header { command: true, .. } => {
+                Err(Fail::Protocol("a command frame inside a reply".into()))
+            }
+            h => Ok((h.more, h.size)),
         }
     }
 
@@ -472,6 +487,16 @@ impl Stream {
         let mut out = vec![0u8; size as usize];
         self.read_exact(&mut out)?;
         Ok(out)
+    }
+}
+
+/// A frame header the framer refused, in the client's words.
+fn header_fail(e: frame::FrameError) -> Fail {
+    match e {
+        frame::FrameError::ReservedFlags(f) => {
+            Fail::Protocol(format!("reserved frame flags {f:#04x}"))
+        }
+        e => Fail::Protocol(e.to_string()),
     }
 }
 
@@ -622,20 +647,19 @@ impl Connection {
             .map_err(|e| Fail::Io(format!("cannot connect to {}: {e}", self.address)))?;
         let _ = tcp.set_nodelay(true);
         let mut s = Stream::new(tcp, deadline, self.spin);
-        s.write_all(&zmtp::greeting())?;
+        s.write_all(&frame::greeting())?;
         let mut g = [0u8; 64];
         s.read_exact(&mut g)?;
-        zmtp::check_greeting(&g).map_err(|e| Fail::Protocol(e.to_string()))?;
-        let ready = zmtp::ready(&[("Socket-Type", b"DEALER")]);
-        // `ready` starts with the command's name ("\x05READY").
-        s.write_all(&zmtp::command_frame("READY", &ready[6..]))?;
-        let (_, command, size) = s.header()?;
-        if !command {
+        frame::check_greeting(&g)
+            .map_err(|e| Fail::Protocol(zmtp::ZmtpError::from(e).to_string()))?;
+        s.write_all(&frame::ready_command(&[("Socket-Type", b"DEALER")]))?;
+        let h = s.header()?;
+        if !h.command {
             return Err(Fail::Protocol("expected stowd's READY".into()));
         }
-        let body = s.small_frame(size, 1 << 20, "a command")?;
-        let name_len = *body.first().unwrap_or(&0) as usize;
-        let name = body.get(1..1 + name_len).unwrap_or_default();
+        let body = s.small_frame(h.size, frame::MAX_COMMAND, "a command")?;
+        // A name cut short reads as none.
+        let name = frame::split_command(&body).map_or(&[][..], |(name, _)| name);
         if name != b"READY" {
             return Err(Fail::Protocol(format!(
                 "expected READY, got {:?}",
@@ -763,7 +787,7 @@ impl<'a> Gather<'a> {
     fn header(&mut self, s: &mut Stream, len: usize, more: bool) -> Result<(), Fail> {
         self.room(s)?;
         let start = self.copied.len();
-        zmtp::put_header(&mut self.copied, len, more);
+        frame::put_header(&mut self.copied, len, more);
         self.copied_from(start);
         Ok(())
     }
@@ -1530,9 +1554,9 @@ fn read_ranges(s: &mut Stream, places: &[Place], size: u64) -> Result<(), Fail> 
 /// Reads the rest of a reply and throws it away.
 fn drain(s: &mut Stream, mut more: bool) -> Result<(), Fail> {
     while more {
-        let (m, _, size) = s.header()?;
-        s.skip(size)?;
-        more = m;
+        let h = s.header()?;
+        s.skip(h.size)?;
+        more = h.more;
     }
     Ok(())
 }
