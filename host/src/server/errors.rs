@@ -22,6 +22,9 @@
 //! | an undecodable request (`wire::tq::Error`, `wire::native::Error`) | `PUT_GET_ERROR`, `undecodable request: ...`; or the request's own error type once the op is known ([`tq::Error::reply_type`]) | the decode error's own code ([`native::Error::code`]: `bad_request`, `unsupported`, `too_large`) |
 //! | a known TransferQueue request type a unit does not serve | `PUT_GET_OPERATION_ERROR`, `Storage unit id #U receive invalid operation: ZMQRequestType.X.` | — |
 //! | `CheckpointError` of a `checkpoint` or `restore` | — | `capacity` (rows that do not fit), `internal` (a disk failure), else `bad_request` (a relative, missing or symlinked directory, a changed or foreign file) |
+//! | a checkpoint, restore, `SAVE_STORAGE_CHECKPOINT` or `LOAD_STORAGE_CHECKPOINT` over remote units (`CheckpointRunError::Remote`) | `success: false`, saying to send it to each unit's own endpoint | `unsupported` |
+//! | a `CheckpointError` of `SAVE_STORAGE_CHECKPOINT` / `LOAD_STORAGE_CHECKPOINT` | `success: false` with the error's text | — |
+//! | a peer request naming a unit this stowd does not have, over shared memory, or an op that names no unit; `versions` without a unit | — | `bad_request` |
 //! | a reply that cannot be encoded ([`EncodeError`]) | — | `internal` |
 //!
 //! Which decode error gets which code or reply type is the codecs' to say
@@ -33,6 +36,7 @@
 
 use bytes::Bytes;
 
+use crate::manager::checkpoint::CheckpointRunError;
 use crate::manager::{GetSharedError, ManagerError};
 use crate::policy::chain::ChainError;
 use crate::shm::ShmError;
@@ -218,6 +222,51 @@ pub(super) fn native_too_large(reason: &str) -> native::Reply {
     native::Reply::Error {
         code: native::code::TOO_LARGE.into(),
         message: too_large_detail(reason),
+    }
+}
+
+/// The `stowage/1` reply to a request that is well formed but that this
+/// endpoint does not serve as asked (a unit that does not exist, a peer
+/// request without its unit).
+pub(super) fn native_bad_request(message: String) -> native::Reply {
+    native::Reply::Error {
+        code: native::code::BAD_REQUEST.into(),
+        message,
+    }
+}
+
+/// The `stowage/1` reply to a `checkpoint` or `restore` (`what`) that did
+/// not run or failed.
+pub(super) fn native_checkpoint(what: &str, e: &CheckpointRunError) -> native::Reply {
+    let (code, message) = match e {
+        CheckpointRunError::Remote(remote) => (
+            native::code::UNSUPPORTED,
+            format!(
+                "stowd routes to {remote} remote unit(s) it cannot {what}: \
+                 {what} each stowd on its own"
+            ),
+        ),
+        CheckpointRunError::Checkpoint(e) => (checkpoint_code(e), format!("{what} failed: {e}")),
+        CheckpointRunError::Task(e) => (native::code::INTERNAL, format!("{what} failed: {e}")),
+    };
+    native::Reply::Error {
+        code: code.into(),
+        message,
+    }
+}
+
+/// The error text of a TransferQueue `SAVE_STORAGE_CHECKPOINT` or
+/// `LOAD_STORAGE_CHECKPOINT` (`what`: `save` or `load`) that did not run
+/// or failed (its reply says `success: false` and this).
+pub(super) fn tq_checkpoint(what: &str, e: &CheckpointRunError) -> String {
+    match e {
+        CheckpointRunError::Remote(remote) => format!(
+            "stowd's router routes to {remote} remote unit(s) it cannot write a \
+             checkpoint for: send SAVE_STORAGE_CHECKPOINT and \
+             LOAD_STORAGE_CHECKPOINT to each unit's own endpoint instead"
+        ),
+        CheckpointRunError::Checkpoint(e) => e.to_string(),
+        CheckpointRunError::Task(e) => format!("the checkpoint {what} failed: {e}"),
     }
 }
 

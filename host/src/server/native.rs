@@ -369,11 +369,9 @@ impl NativeService {
                 self.checkpoint(dir, false, journal).await.into()
             }
             native::Op::Restore { dir } => self.checkpoint(dir, true, true).await.into(),
-            native::Op::Versions { .. } => native::Reply::Error {
-                code: native::code::BAD_REQUEST.into(),
-                message: "versions is a peer request: it names a unit (the envelope's unit key)"
-                    .into(),
-            }
+            native::Op::Versions { .. } => errors::native_bad_request(
+                "versions is a peer request: it names a unit (the envelope's unit key)".into(),
+            )
             .into(),
         }
     }
@@ -389,13 +387,7 @@ impl NativeService {
         extras: &native::Extras,
         received: &Received,
     ) -> Answer {
-        let bad = |message: String| -> Answer {
-            native::Reply::Error {
-                code: native::code::BAD_REQUEST.into(),
-                message,
-            }
-            .into()
-        };
+        let bad = |message: String| -> Answer { errors::native_bad_request(message).into() };
         let Some((manager, unit)) = usize::try_from(n)
             .ok()
             .and_then(|i| self.units.get(i))
@@ -509,24 +501,12 @@ impl NativeService {
                 tracing::info!(?reply, "{what} done");
                 reply
             }
-            Err(CheckpointRunError::Remote(remote)) => native::Reply::Error {
-                code: native::code::UNSUPPORTED.into(),
-                message: format!(
-                    "stowd routes to {remote} remote unit(s) it cannot {what}: \
-                     {what} each stowd on its own"
-                ),
-            },
-            Err(CheckpointRunError::Checkpoint(e)) => {
-                tracing::warn!(error = %e, "{what} failed");
-                native::Reply::Error {
-                    code: errors::checkpoint_code(&e).into(),
-                    message: format!("{what} failed: {e}"),
+            Err(e) => {
+                if let CheckpointRunError::Checkpoint(e) = &e {
+                    tracing::warn!(error = %e, "{what} failed");
                 }
+                errors::native_checkpoint(what, &e)
             }
-            Err(CheckpointRunError::Task(e)) => native::Reply::Error {
-                code: native::code::INTERNAL.into(),
-                message: format!("{what} failed: {e}"),
-            },
         }
     }
 

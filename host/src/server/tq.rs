@@ -137,13 +137,15 @@ fn extra(manager: Option<&Manager>, units: &[&Unit]) -> Vec<(String, Bytes)> {
                 .sum(),
         ));
     }
-    let mut buf = Vec::new();
-    rmp::encode::write_map_len(&mut buf, pairs.len() as u32).expect("vec write");
+    let mut w = crate::wire::msgpack::Writer::new();
+    w.map(pairs.len());
     for (k, v) in pairs {
-        rmp::encode::write_str(&mut buf, k).expect("vec write");
-        rmp::encode::write_uint(&mut buf, v).expect("vec write");
+        w.kv_uint(k, v);
     }
-    vec![("stowage".to_string(), Bytes::from(buf))]
+    let map = w
+        .finish()
+        .expect("a dozen short keys fit any msgpack length");
+    vec![("stowage".to_string(), Bytes::from(map))]
 }
 
 impl TqService {
@@ -263,7 +265,6 @@ impl TqService {
     /// ([`crate::manager::checkpoint`]). The reply says `success` and, on
     /// failure, why.
     async fn checkpoint(&self, path: String, load: bool) -> tq::Reply {
-        use crate::manager::checkpoint::CheckpointRunError;
         let id = self.id.as_str();
         let what = if load { "load" } else { "save" };
         let done = if load {
@@ -283,13 +284,7 @@ impl TqService {
                 tracing::info!(unit = id, path, rows, bytes, "checkpoint {what}");
                 None
             }
-            Err(CheckpointRunError::Remote(remote)) => Some(format!(
-                "stowd's router routes to {remote} remote unit(s) it cannot write a \
-                 checkpoint for: send SAVE_STORAGE_CHECKPOINT and \
-                 LOAD_STORAGE_CHECKPOINT to each unit's own endpoint instead"
-            )),
-            Err(CheckpointRunError::Checkpoint(e)) => Some(e.to_string()),
-            Err(CheckpointRunError::Task(e)) => Some(format!("the checkpoint {what} failed: {e}")),
+            Err(e) => Some(errors::tq_checkpoint(what, &e)),
         };
         if let Some(e) = &error {
             tracing::warn!(unit = id, path, error = %e, "checkpoint {what} refused");
