@@ -14,7 +14,7 @@
 //! | [`plan`] | selection and frame plans: the `stowage-plan` types and rules (re-exported), applied to host `Field`s, and execution against host buffers |
 //! | [`policy`] | the `Policy` trait, the built-in, the Wasm runtime (sandbox, lent tensor, contract check), chains (policy spans), the registry and its loading, the compile cache |
 //! | [`reload`] | hot reload: the plugin directory watched, plugins checked and swapped in |
-//! | [`server`] | `stowd`'s sockets and services (`Listeners::bind`, `run`): `tq` (unit and router endpoints), `native` (`stowage/1`, with `native::get`, and `native::forward`: a router's get sent on while the peers' rows arrive), `offload` (large requests decoded and run on a bounded blocking pool), `errors` (the one error → reply mapping), `exposition` (Prometheus text, `/metrics` over hyper); request spans |
+//! | [`server`] | `stowd`'s sockets and services (`Listeners::bind`, `run`): `tq` (unit and router endpoints), `native` (`stowage/1`, with `native::get`, `native::stats`, and `native::forward`: a router's get sent on while the peers' rows arrive), `offload` (large requests decoded and run on a bounded blocking pool), `errors` (the one error → reply mapping), `exposition` (Prometheus text, `/metrics` over hyper); request spans |
 //! | [`shm`] | same-node shared memory (sealed segments, leases, descriptor channels, memory allocated ahead) |
 //! | [`spill`] | spilling the coldest extents to disk when the units' memory runs short, and reading them back |
 //! | [`store`] | storage units: the per-field index, columns, rows and runs, capacity in bytes, memory release |

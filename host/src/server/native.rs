@@ -6,15 +6,15 @@
 //! (`native`), `bytes` (all frames), and once decoded `id` (the client's
 //! request id), `op` and `rows`; the policy spans of the request sit inside
 //! it. Error replies come from [`super::errors`]; a get_ok is built and
-//! encoded in `native/get.rs`.
+//! encoded in `native/get.rs`, the `stats` map in `native/stats.rs`.
 
 mod forward;
 mod get;
+mod stats;
 
 use std::collections::HashMap;
 use std::os::fd::AsFd;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -23,11 +23,9 @@ use tracing::Instrument;
 use self::get::{GetReply, Places, get_field};
 use super::errors::{self, EncodeError};
 use crate::extent::{Extent, Received};
-use crate::manager::{Manager, Target};
+use crate::manager::Manager;
 use crate::metrics::{Metrics, Outcome, Protocol};
 use crate::plan::PackLimits;
-use crate::policy::chain::{FailStrategy, Loaded};
-use crate::policy::registry::{ChainSummary, list_name};
 use crate::shm::{Channels, SegmentStore, ShmError};
 use crate::store::{Rows, Seq};
 use crate::transport::{BoxFuture, Caller, Message, Service};
@@ -540,205 +538,6 @@ impl NativeService {
             ttl_ms: ttl.as_millis() as u64,
         }
     }
-
-    fn stats(&self) -> native::Reply {
-        let m = &self.manager;
-        let c = &m.counters;
-        let mut stats = vec![(
-            "units".to_string(),
-            native::Stat::Int(m.targets().len() as i64),
-        )];
-        let (mut keys, mut rows, mut bytes, mut capacity) = (0u64, 0u64, 0u64, Some(0u64));
-        for t in m.targets() {
-            match t {
-                Target::Local(u) => {
-                    let s = u.stats();
-                    keys += s.keys;
-                    rows += s.rows;
-                    bytes += s.bytes;
-                    capacity = capacity.zip(s.capacity).map(|(a, b)| a.saturating_add(b));
-                }
-                Target::Remote(_) | Target::Peer(_) => capacity = None,
-            }
-        }
-        let int = |v: u64| native::Stat::Int(v.min(i64::MAX as u64) as i64);
-        stats.push(("keys".into(), int(keys)));
-        stats.push(("rows".into(), int(rows)));
-        stats.push(("bytes".into(), int(bytes)));
-        if let Some(c) = capacity {
-            stats.push(("capacity".into(), int(c)));
-        }
-        let spiller = m.targets().iter().find_map(|t| match t {
-            Target::Local(u) => u.spiller().cloned(),
-            Target::Remote(_) | Target::Peer(_) => None,
-        });
-        if let Some(s) = spiller {
-            let s = s.stats();
-            for (k, v) in [
-                ("spill_memory_bytes", s.memory),
-                ("spill_disk_bytes", s.disk),
-                ("spill_threshold_bytes", s.threshold),
-                ("spill_bound_bytes", s.bound),
-                ("spilled_bytes_total", s.spilled),
-                ("spilled_extents_total", s.files),
-                ("spill_failures_total", s.failures),
-                ("spill_write_ns_total", s.write_ns),
-            ] {
-                stats.push((k.into(), int(v)));
-            }
-        }
-        if let Some(cache) = m.cache() {
-            let k = &cache.counters;
-            for (key, v) in [
-                ("cache_hits", &k.hits),
-                ("cache_shared", &k.shared),
-                ("cache_misses", &k.misses),
-                ("cache_saved_bytes", &k.saved_bytes),
-                ("cache_fetched_bytes", &k.fetched_bytes),
-                ("cache_evictions", &k.evictions),
-            ] {
-                stats.push((key.into(), int(v.load(Ordering::Relaxed))));
-            }
-            stats.push(("cache_bytes".into(), int(cache.bytes())));
-            stats.push(("cache_max_bytes".into(), int(cache.max_bytes())));
-        }
-        let d = &m.dedup_counters;
-        for (key, v) in [
-            ("dedup_rows", &d.rows),
-            ("dedup_bytes", &d.bytes),
-            ("dedup_scanned_bytes", &d.scanned_bytes),
-            ("dedup_ns", &d.ns),
-        ] {
-            stats.push((key.into(), int(v.load(Ordering::Relaxed))));
-        }
-        stats.push((
-            "zero_copy_bytes".into(),
-            int(c.zero_copy_bytes.load(Ordering::Relaxed)),
-        ));
-        stats.push((
-            "copied_bytes".into(),
-            int(c.copied_bytes.load(Ordering::Relaxed)),
-        ));
-        stats.push((
-            "plugin_decisions".into(),
-            int(c.plugin_decisions.load(Ordering::Relaxed)),
-        ));
-        stats.push((
-            "builtin_decisions".into(),
-            int(c.builtin_decisions.load(Ordering::Relaxed)),
-        ));
-        stats.push(("fallbacks".into(), int(c.fallbacks.load(Ordering::Relaxed))));
-        stats.push((
-            "gets_forwarded".into(),
-            int(c.gets_forwarded.load(Ordering::Relaxed)),
-        ));
-        stats.push((
-            "gets_forward_dropped".into(),
-            int(c.gets_forward_dropped.load(Ordering::Relaxed)),
-        ));
-        stats.push((
-            "process_rss_bytes".into(),
-            int(crate::sys::process_rss_bytes()),
-        ));
-        let r = &self.metrics.reloads;
-        stats.push((
-            "plugin_swaps".into(),
-            int(r.swapped.load(Ordering::Relaxed)),
-        ));
-        stats.push((
-            "plugin_refusals".into(),
-            int(r.refused.load(Ordering::Relaxed)),
-        ));
-        stats.push((
-            "plugin_removals".into(),
-            int(r.removed.load(Ordering::Relaxed)),
-        ));
-        stats.push((
-            "missing_chain_entries".into(),
-            int(r.missing_chain_entries.load(Ordering::Relaxed)),
-        ));
-        stats.push(("policy_ns".into(), int(crate::policy::chain::policy_ns())));
-        if let Some((shm, channels)) = &self.shm {
-            let (segments, leases) = shm.counts();
-            stats.push(("shm_segments".into(), int(segments as u64)));
-            stats.push(("shm_leases".into(), int(leases as u64)));
-            stats.push(("shm_channels".into(), int(channels.len() as u64)));
-            let (ready, hits) = shm.prealloc();
-            stats.push(("shm_prealloc_bytes".into(), int(ready)));
-            stats.push(("shm_prealloc_hits".into(), int(hits)));
-        }
-        let registry = m.registry();
-        for name in registry.names() {
-            if let Some(l) = registry.get(&name) {
-                stats.push((format!("plugin.{name}"), plugin_stats(l)));
-            }
-        }
-        for c in registry.chain_summaries() {
-            stats.push((format!("chain.{}", c.pattern), chain_stats(&c)));
-        }
-        native::Reply::StatsOk(stats)
-    }
-}
-
-/// A live plugin's `stats` map: its version and capabilities, its counters
-/// (kept per version across reloads) and whether it is disabled.
-fn plugin_stats(l: &Loaded) -> native::Stat {
-    use crate::wire::native::Stat;
-    let d = l.policy.describe();
-    let st = &l.stats;
-    let n = |c: &std::sync::atomic::AtomicU64| Stat::count(c.load(Ordering::Relaxed));
-    let caps: Vec<&str> = d.capabilities.iter().map(|c| list_name(*c)).collect();
-    let mut map = vec![
-        ("version".to_string(), Stat::Str(d.version.clone())),
-        ("capabilities".into(), Stat::strs(&caps)),
-        ("calls".into(), n(&st.calls)),
-        ("entries".into(), n(&st.entries)),
-        ("memo_hits".into(), n(&st.memo_hits)),
-        ("call_ns".into(), n(&st.call_ns)),
-        ("plans".into(), n(&st.plans)),
-        ("faults".into(), n(&st.faults)),
-        ("invalid_plans".into(), n(&st.invalid_plans)),
-        ("fallbacks".into(), n(&st.fallbacks)),
-        ("rejections".into(), n(&st.rejections)),
-        ("disables".into(), n(&st.disables)),
-        ("reenables".into(), n(&st.reenables)),
-        (
-            "disabled".into(),
-            Stat::Bool(st.disabled.load(Ordering::Relaxed)),
-        ),
-    ];
-    if let Some(left) = st.reenable_in() {
-        let ms = u64::try_from(left.as_millis()).unwrap_or(u64::MAX);
-        map.push(("reenable_in_ms".into(), Stat::count(ms)));
-    }
-    Stat::Map(map)
-}
-
-/// A chain's `stats` map: its live policies, settings and missing entries.
-fn chain_stats(c: &ChainSummary) -> native::Stat {
-    use crate::wire::native::Stat;
-    let ms = |d: std::time::Duration| Stat::count(u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
-    let fail = match c.fail {
-        FailStrategy::Fallback => "fallback",
-        FailStrategy::Reject => "reject",
-    };
-    Stat::Map(vec![
-        ("select".into(), Stat::strs(&c.select)),
-        ("pack".into(), Stat::strs(&c.pack)),
-        ("fail".into(), Stat::Str(fail.into())),
-        ("max_faults".into(), Stat::count(c.max_faults)),
-        (
-            "backoff_ms".into(),
-            c.backoff.map_or(Stat::Int(0), |b| ms(b.initial)),
-        ),
-        (
-            "backoff_max_ms".into(),
-            c.backoff.map_or(Stat::Int(0), |b| ms(b.max)),
-        ),
-        ("allow_missing".into(), Stat::Bool(c.allow_missing)),
-        ("missing_select".into(), Stat::strs(&c.missing_select)),
-        ("missing_pack".into(), Stat::strs(&c.missing_pack)),
-    ])
 }
 
 /// Adopts lease `name` for a put. A seal the kernel refuses with `EBUSY`
