@@ -11,7 +11,8 @@
   Plus seed-every-dtype: a PUT with a regular and a jagged field of every
   dtype stowd carries.
 - native_decode: one message of each stowage/1 request and reply kind (and
-  a put with a regular and a nested field of every dtype),
+  a put with a regular and a nested field of every dtype, and the two
+  descriptor channel messages),
   written with `msgpack.packb` (the protocol page says that gives the Rust
   encoder's bytes), as fuzz/corpus/native_decode/seed-NAME.
 
@@ -174,6 +175,10 @@ def native_seeds():
         "put_unit": [env("put", 20, {"global_indexes": [4], "fields": {"x": {
             "kind": "regular", "dtype": "float32", "shape": [1, 2],
             "parts": [{"frame": 1, "offset": 0, "len": 8, "rows": 1}]}}}, unit=3), f32(5, 6)],
+        # The descriptor channel's messages: its framing is this input
+        # format, so each is one frame (its body).
+        "channel_hello": [msgpack.packb({"token": "0123456789abcdef0123456789abcdef"})],
+        "channel_descriptors": [msgpack.packb({"id": 13, "names": ["s0", "s1f", "lease-2"]})],
     }
     # A regular [1, 2] and a nested field of every dtype, all in one frame.
     fields, blob = {}, b""

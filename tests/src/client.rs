@@ -10,6 +10,7 @@ use bytes::Bytes;
 use stowage_host::batch::{Cell, Field};
 use stowage_host::server::UnitEndpoint;
 use stowage_host::transport::{Peer, TransportError};
+use stowage_host::wire::channel;
 use stowage_host::wire::native::{self, WireField};
 use stowage_host::wire::tq;
 use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
@@ -396,8 +397,19 @@ impl FdChannel {
         }
     }
 
-    /// The next message: its body (msgpack) and descriptors (blocking).
-    pub fn recv(&self) -> (Vec<u8>, Vec<std::os::fd::OwnedFd>) {
-        stowage_host::shm::channel::recv_message(&self.sock).expect("a channel message")
+    /// The next message (blocking): the request it answers, and its
+    /// descriptors with the segment names they came under, in order.
+    pub fn recv(&self) -> (u64, Vec<(String, std::os::fd::OwnedFd)>) {
+        let (body, fds) =
+            stowage_host::shm::channel::recv_message(&self.sock).expect("a channel message");
+        let message = channel::Descriptors::decode(&body, &channel::Limits::DEFAULT)
+            .unwrap_or_else(|e| panic!("a bad channel message: {e}"));
+        assert_eq!(
+            message.names.len(),
+            fds.len(),
+            "a channel message's names and descriptors differ in number"
+        );
+        let names = message.names.into_iter().map(str::to_owned);
+        (message.id, names.zip(fds).collect())
     }
 }

@@ -382,7 +382,9 @@ async fn a_lease_is_put_only_by_the_connection_that_took_it() {
         other => panic!("{}", stowage_tests::client::summary(&other)),
     };
     let (_, mut fds) = channel.recv();
-    let leased = std::fs::File::from(fds.pop().expect("the lease's descriptor"));
+    let (name, fd) = fds.pop().expect("the lease's descriptor");
+    assert_eq!(name, segment, "the descriptor came under another name");
+    let leased = std::fs::File::from(fd);
     // The put A means to send: its data frames written into the segment.
     let rows = data::f32_rows(4, 4, 3);
     let frames = native::encode_request(&native::Request {
@@ -453,7 +455,9 @@ async fn lease_fd(
     {
         native::Reply::LeaseOk { segment, .. } => {
             let (_, mut fds) = channel.recv();
-            Ok((segment, fds.pop().expect("the lease's descriptor")))
+            let (name, fd) = fds.pop().expect("the lease's descriptor");
+            assert_eq!(name, segment, "the descriptor came under another name");
+            Ok((segment, fd))
         }
         other => Err(other),
     }

@@ -12,11 +12,15 @@
 //!   and decodes replies.
 //! - [`pickle`]: the tiny pickle subset inside TransferQueue's tensor
 //!   extension types.
+//! - [`channel`]: the same-node descriptor channel's messages (the greeting
+//!   with its token, and each request's segment names), which `stowd`
+//!   sends with descriptors attached.
 //!
 //! Everything here is pure: bytes in, values out, and back. No sockets, no
 //! I/O, no threads.
 
 pub mod batch;
+pub mod channel;
 pub mod indexes;
 pub mod msgpack;
 pub mod native;

@@ -103,7 +103,9 @@ def _pwrite_all(fd: int, pieces: list, offset: int) -> None:
 class Channel:
     """A descriptor channel to `stowd`: a Unix socket on which `stowd` sends,
     for each same-node reply or lease, the descriptors of its segments. Its
-    `token` goes in the `channel` envelope key of those requests."""
+    `token` goes in the `channel` envelope key of those requests. The
+    messages' formats: the protocol page, and their reference implementation
+    `stowage_wire::channel` (wire/src/channel.rs)."""
 
     def __init__(self, path: str, timeout: float) -> None:
         _raise_nofile()

@@ -8,7 +8,7 @@
 //! | module | target | input |
 //! |---|---|---|
 //! | [`tq_decode`] | TransferQueue 0.1.11 request and reply decoders | frames |
-//! | [`native_decode`] | `stowage/1` request and reply decoders | frames |
+//! | [`native_decode`] | `stowage/1` request and reply decoders, the descriptor channel's messages | frames |
 //! | [`plan_validate`] | selection and frame plans, validated and executed | `arbitrary` |
 //! | [`zmtp_frames`] | the ZMTP framer (headers, greeting) and the frame reader | a byte stream |
 //! | [`checkpoint_file`] | unit checkpoint files (both readers, the writer) and manifests | a file |

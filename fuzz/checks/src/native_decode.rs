@@ -1,7 +1,10 @@
 //! `stowage/1`: the native protocol's request and reply decoders, the
-//! envelope's shared-memory keys and the id reader.
+//! envelope's shared-memory keys and the id reader, and the same-node
+//! descriptor channel's messages.
 //!
-//! Input: frames in the [`crate::split_frames`] format.
+//! Input: frames in the [`crate::split_frames`] format, which is also the
+//! descriptor channel's framing (a little-endian `u32` length, then the
+//! body): every frame is tried as a channel message body too.
 //!
 //! Invariants checked (each holds by design):
 //! - decoding never panics, whatever the frames;
@@ -12,10 +15,14 @@
 //! - encoding is stable: encoding the re-decoded value gives the same bytes;
 //! - a refused request gives an `error` reply that encodes under the id
 //!   [`request_id`] reads (0 if none) and decodes to the same code and
-//!   message; its code is one of the protocol's codes.
+//!   message; its code is one of the protocol's codes;
+//! - a decoded channel greeting or descriptor message encodes again, its
+//!   length prefix the length of its body, which decodes to the same
+//!   message and encodes to the same bytes.
 
 use crate::split_frames;
 use bytes::Bytes;
+use stowage_wire::channel::{self, Descriptors, Hello};
 use stowage_wire::native::{
     Limits, Reply, ReplyLayout, code, decode_extras, decode_reply, decode_reply_layout,
     decode_request, encode_reply, encode_request, layout, request_id,
@@ -117,6 +124,43 @@ fn check_layout(frames: &[Bytes], limits: &Limits) {
     }
 }
 
+/// A channel message body, decoded as both kinds of message.
+fn check_channel(body: &[u8], limits: &channel::Limits) {
+    if let Ok(hello) = Hello::decode(body) {
+        let out = hello.encode().expect("a decoded greeting encodes");
+        let back = Hello::decode(channel_body(&out)).expect("a re-encoded greeting decodes");
+        assert_eq!(back, hello);
+        assert_eq!(
+            back.encode().expect("encodes twice"),
+            out,
+            "encoding is not stable"
+        );
+    }
+    if let Ok(message) = Descriptors::decode(body, limits) {
+        let out = message.encode().expect("a decoded channel message encodes");
+        let back = Descriptors::decode(channel_body(&out), limits)
+            .expect("a re-encoded channel message decodes");
+        assert_eq!(back, message);
+        assert_eq!(
+            back.encode().expect("encodes twice"),
+            out,
+            "encoding is not stable"
+        );
+    }
+}
+
+/// The body of an encoded channel message, its length prefix checked.
+fn channel_body(message: &[u8]) -> &[u8] {
+    let (prefix, body) = message.split_at(channel::LEN_BYTES);
+    let len = u32::from_le_bytes(prefix.try_into().expect("4 bytes"));
+    assert_eq!(
+        len as usize,
+        body.len(),
+        "the length prefix is not the body's"
+    );
+    body
+}
+
 /// The target's body: every invariant above, on one input.
 pub fn check(data: &[u8]) {
     let frames = split_frames(data);
@@ -134,5 +178,15 @@ pub fn check(data: &[u8]) {
         }
         check_request(&frames, &limits);
         check_reply(&frames, &limits);
+    }
+    let tight = channel::Limits {
+        max_body_bytes: 4096,
+        max_names: 4,
+        max_name_bytes: 8,
+    };
+    for limits in [channel::Limits::DEFAULT, tight] {
+        for frame in &frames {
+            check_channel(frame, &limits);
+        }
     }
 }

@@ -29,18 +29,21 @@
 //!   elsewhere at any time. Only `[shm] dir` itself is judged, not the
 //!   directories above it (as for any path an operator configures).
 //! - **Opening.** A client asks the native endpoint `channel`, connects to
-//!   the path it gets, and reads the first message, `{"token": "<32 hex>"}`.
-//!   It then names that token in the envelope key `channel` of its
-//!   same-node gets and leases. The token is unguessable, so only the
-//!   process that opened the channel receives what goes over it.
+//!   the path it gets, and reads the first message, the greeting
+//!   `{"token": "<32 hex>"}` ([`Hello`]). It then names that token in the
+//!   envelope key `channel` of its same-node gets and leases. The token is
+//!   unguessable, so only the process that opened the channel receives
+//!   what goes over it.
 //! - **Messages** (`stowd` to client only): a 4-byte little-endian length,
 //!   then that many bytes of msgpack `{"id": <request id>, "names":
-//!   [<segment>, ...]}`, with one descriptor per name, in order, attached
-//!   to the message's bytes (at most [`FDS_PER_SENDMSG`] per `sendmsg`, so
-//!   a message's descriptors may come over several reads; a reader that
-//!   reads exactly one message's bytes at a time gets exactly its
-//!   descriptors). The message for a request is written before its reply
-//!   on the native endpoint.
+//!   [<segment>, ...]}` ([`Descriptors`]), with one descriptor per name, in
+//!   order, attached to the message's bytes (at most [`FDS_PER_SENDMSG`]
+//!   per `sendmsg`, so a message's descriptors may come over several
+//!   reads; a reader that reads exactly one message's bytes at a time gets
+//!   exactly its descriptors). The message for a request is written before
+//!   its reply on the native endpoint. Both messages are encoded and
+//!   decoded in `stowage_wire::channel`, their reference; this module only
+//!   moves their bytes and descriptors.
 //! - **Closing.** A channel ends when the client closes it (or sends
 //!   anything), or when a message cannot be written within the write
 //!   timeout.
@@ -61,6 +64,7 @@ use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::watch;
 
 use super::ShmError;
+use crate::wire::channel::{self as messages, Descriptors, Hello};
 
 /// Most descriptors attached to one `sendmsg` (the kernel's limit,
 /// `SCM_MAX_FD`, is 253).
@@ -307,10 +311,7 @@ impl Channels {
         })?;
         let (mut read, write) = stream.into_split();
         let write = Arc::new(tokio::sync::Mutex::new(write));
-        let mut hello = Vec::new();
-        rmp::encode::write_map_len(&mut hello, 1).expect("vec write");
-        rmp::encode::write_str(&mut hello, "token").expect("vec write");
-        rmp::encode::write_str(&mut hello, &token).expect("vec write");
+        let hello = Hello { token: &token }.encode().map_err(unencodable)?;
         // Open before the greeting goes: the client may name the token in
         // a request the moment it reads it.
         self.open
@@ -351,16 +352,13 @@ impl Channels {
             .get(token)
             .cloned()
             .ok_or_else(|| ShmError::UnknownChannel(token.chars().take(64).collect()))?;
-        let mut body = Vec::with_capacity(16 + names.iter().map(|n| n.len() + 2).sum::<usize>());
-        rmp::encode::write_map_len(&mut body, 2).expect("vec write");
-        rmp::encode::write_str(&mut body, "id").expect("vec write");
-        rmp::encode::write_uint(&mut body, id).expect("vec write");
-        rmp::encode::write_str(&mut body, "names").expect("vec write");
-        rmp::encode::write_array_len(&mut body, names.len() as u32).expect("vec write");
-        for n in names {
-            rmp::encode::write_str(&mut body, n).expect("vec write");
+        let message = Descriptors {
+            id,
+            names: names.to_vec(),
         }
-        let sent = self.write(&writer, &body, fds).await;
+        .encode()
+        .map_err(unencodable)?;
+        let sent = self.write(&writer, &message, fds).await;
         if sent.is_err() {
             // A channel that failed mid-message is out of step: close it.
             self.open
@@ -372,17 +370,14 @@ impl Channels {
         sent
     }
 
-    /// Writes one message (length, body) with `fds` attached, within the
-    /// write timeout.
+    /// Writes one encoded message (length, body) with `fds` attached,
+    /// within the write timeout.
     async fn write(
         &self,
         writer: &tokio::sync::Mutex<OwnedWriteHalf>,
-        body: &[u8],
+        message: &[u8],
         fds: &[BorrowedFd<'_>],
     ) -> Result<(), ShmError> {
-        let mut message = Vec::with_capacity(4 + body.len());
-        message.extend_from_slice(&(body.len() as u32).to_le_bytes());
-        message.extend_from_slice(body);
         let chunks: Vec<&[BorrowedFd<'_>]> = fds.chunks(FDS_PER_SENDMSG).collect();
         if chunks.len() > message.len() {
             return Err(ShmError::Channel(format!(
@@ -419,6 +414,11 @@ impl Channels {
             ))),
         }
     }
+}
+
+/// A message that cannot be encoded (a length above 2^32-1).
+fn unencodable(e: messages::Error) -> ShmError {
+    ShmError::Channel(e.to_string())
 }
 
 /// One `sendmsg` of at least one byte of `bytes` with `fds` attached;
@@ -486,25 +486,24 @@ fn bind_long(path: &Path) -> std::io::Result<UnixListener> {
 pub fn connect(path: &Path) -> std::io::Result<(std::os::unix::net::UnixStream, String)> {
     let sock = via_short_path(path, |p| std::os::unix::net::UnixStream::connect(p))?;
     let (hello, fds) = recv_message(&sock)?;
-    let bad = || std::io::Error::other(format!("bad channel greeting {hello:?}"));
-    let mut r = hello.as_slice();
-    if !fds.is_empty() || rmp::decode::read_map_len(&mut r).map_err(|_| bad())? != 1 {
-        return Err(bad());
+    if !fds.is_empty() {
+        return Err(std::io::Error::other(format!(
+            "bad channel greeting: {} descriptors came with it",
+            fds.len()
+        )));
     }
-    let mut buf = [0u8; 64];
-    let key = rmp::decode::read_str(&mut r, &mut buf).map_err(|_| bad())?;
-    if key != "token" {
-        return Err(bad());
-    }
-    let token = rmp::decode::read_str(&mut r, &mut buf)
-        .map_err(|_| bad())?
+    let token = Hello::decode(&hello)
+        .map_err(|e| std::io::Error::other(format!("bad channel greeting: {e}")))?
+        .token
         .to_owned();
     Ok((sock, token))
 }
 
-/// The client side, blocking: one message of a channel, its body (msgpack)
-/// and its descriptors. Reads exactly the message's bytes, so it gets
-/// exactly its descriptors.
+/// The client side, blocking: one message of a channel, its body (msgpack,
+/// for `stowage_wire::channel` to decode) and its descriptors. Reads
+/// exactly the message's bytes, so it gets exactly its descriptors; a body
+/// longer than `stowage_wire::channel::Limits::DEFAULT` allows is refused
+/// before it is read.
 pub fn recv_message(
     sock: &std::os::unix::net::UnixStream,
 ) -> std::io::Result<(Vec<u8>, Vec<std::os::fd::OwnedFd>)> {
@@ -534,8 +533,13 @@ pub fn recv_message(
         }
         Ok::<_, std::io::Error>(out)
     };
-    let len = u32::from_le_bytes(read_exact(4, &mut fds)?.try_into().expect("4 bytes"));
-    let body = read_exact(len as usize, &mut fds)?;
+    let prefix = read_exact(messages::LEN_BYTES, &mut fds)?;
+    let len = messages::body_len(
+        prefix.try_into().expect("LEN_BYTES bytes"),
+        &messages::Limits::DEFAULT,
+    )
+    .map_err(std::io::Error::other)?;
+    let body = read_exact(len, &mut fds)?;
     Ok((body, fds))
 }
 
