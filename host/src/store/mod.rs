@@ -502,7 +502,7 @@ impl Unit {
         _journaled: &crate::journal::Touch<'_>,
     ) -> Result<(), StoreError> {
         let mut inner = self.lock();
-        let (added, _) = self.check_capacity(&inner, global_indexes, &fields)?;
+        let added = self.check_capacity(&inner, global_indexes, &fields)?;
         if !inner.lost.is_empty() {
             for g in global_indexes {
                 inner.lost.remove(g);
@@ -530,22 +530,29 @@ impl Unit {
             .map(drop)
     }
 
-    /// Capacity: bytes after the put, counting overwritten rows as freed.
-    /// Returns (bytes added, bytes freed).
+    /// Capacity: refuses a put the unit cannot hold, counting the rows it
+    /// overwrites as freed. Returns the bytes the put adds.
     fn check_capacity(
         &self,
         inner: &Inner,
         global_indexes: &[u64],
         fields: &[PutField],
-    ) -> Result<(u64, u64), StoreError> {
+    ) -> Result<u64, StoreError> {
         let added: u64 = fields
             .iter()
             .flat_map(|(_, c)| c.iter())
             .map(Column::byte_len)
             .sum();
         let Some(capacity) = self.capacity else {
-            return Ok((added, 0));
+            return Ok(added);
         };
+        // What the put replaces only matters when the unit would not take
+        // it all on top of what it holds: the common put skips the lookups
+        // (it would make them twice, in `check_put` and `store`, and
+        // `store_field` counts what it frees as it writes).
+        if inner.bytes.saturating_add(added) <= capacity {
+            return Ok(added);
+        }
         let mut freed = 0u64;
         for (name, _) in fields {
             if let Some(index) = inner.fields.get(name.as_str()) {
@@ -565,7 +572,7 @@ impl Unit {
                 capacity,
             });
         }
-        Ok((added, freed))
+        Ok(added)
     }
 
     /// The rows of `fields` at `global_indexes`, field by field, in request

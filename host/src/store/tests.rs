@@ -353,3 +353,34 @@ fn overwriting_many_rows_keeps_counts() {
         }
     );
 }
+
+/// A full unit still takes an overwrite that frees what it adds, and
+/// refuses one row more; `check_put` agrees with `put`, and a refused put
+/// changes nothing.
+#[test]
+fn capacity_counts_overwritten_rows_as_freed() {
+    let unit = Unit::new("u0", Some(10));
+    unit.put(&[1, 2], vec![("a".into(), values(&["xxxx", "yyyy"]))])
+        .unwrap();
+    assert_eq!(unit.stats().bytes, 8);
+    // 8 + 4 > 10 unless row 2's 4 bytes are counted as freed.
+    let over = vec![("a".to_string(), values(&["zzzz"]))];
+    unit.check_put(&[2], &over).unwrap();
+    unit.put(&[2], over).unwrap();
+    assert_eq!(unit.stats().bytes, 8);
+    // Overwriting with more than is freed: 8 - 4 + 6 = 10 still fits.
+    unit.put(&[2], vec![("a".into(), values(&["wwwwww"]))])
+        .unwrap();
+    assert_eq!(unit.stats().bytes, 10);
+    let more = vec![("a".to_string(), values(&["v"]))];
+    assert!(matches!(
+        unit.check_put(&[3], &more),
+        Err(StoreError::Capacity { .. })
+    ));
+    assert!(matches!(
+        unit.put(&[3], more),
+        Err(StoreError::Capacity { .. })
+    ));
+    assert_eq!(got(&unit, &[2], "a"), vec![Cell::Value(s("wwwwww"))]);
+    assert_eq!(unit.stats().bytes, 10);
+}
