@@ -36,7 +36,7 @@ use stowage_wire::native::{
 };
 use stowage_wire::tensor::Dtype;
 
-use crate::ProtocolViolation;
+use crate::error::ProtocolViolation;
 
 /// Frame 0 of a request: `op` with `body` as the client builds it (a put's
 /// fields as descriptors of the data frames it sends), and the same-node
@@ -149,12 +149,12 @@ pub fn encode_request<'py>(
 
 /// A reply's frame 0 -> `{"proto", "op", "id", "body"}` (and the
 /// same-node keys it has), decoded and checked by stowd's decoder with the
-/// client's limits ([`crate::REPLY_LIMITS`]); a get_ok's body is `{"fields": {name: descriptor}}`
+/// client's limits ([`crate::message::REPLY_LIMITS`]); a get_ok's body is `{"fields": {name: descriptor}}`
 /// (see the module doc). ProtocolViolation, with the decoder's reason, for
 /// anything stowage/1 calls invalid.
 #[pyfunction]
 pub fn decode_reply<'py>(py: Python<'py>, frame0: &[u8]) -> PyResult<Bound<'py, PyDict>> {
-    let limits = crate::REPLY_LIMITS;
+    let limits = crate::message::REPLY_LIMITS;
     let frame0 = Bytes::copy_from_slice(frame0);
     let (id, layout) = native::decode_reply_layout(&frame0, &limits).map_err(violation)?;
     let extras = native::decode_extras(&frame0, &limits).map_err(violation)?;

@@ -42,7 +42,7 @@ use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple};
 use stowage_wire::native::{FieldLayout, PartLayout, RowLayout};
 use stowage_wire::tensor::Dtype;
 
-use crate::Held;
+use crate::buffer::Held;
 use crate::indexes::{is_ndarray, read_indexes, read_runs, tensor_numpy};
 
 /// Pieces below this share a copied frame (`_codec.SMALL_PIECE_BYTES`).

@@ -18,7 +18,7 @@ use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBytes, PyDict, PyList, PyRange, PyString, PyTuple};
 use stowage_wire::indexes::{IndexRun, Indexes};
 
-use crate::Held;
+use crate::buffer::Held;
 
 /// Most indexes a `range` with a negative step is read into (beyond, the
 /// general path decides; it names no index twice, so a put of that many

@@ -119,3 +119,31 @@ pub fn release() -> usize {
     pool.bytes = 0;
     bytes
 }
+
+/// With `STOWAGE_HUGE_PAGES=1`, asks for transparent huge pages under a
+/// large fresh buffer (`MADV_HUGEPAGE`); by default it does not.
+///
+/// Why off: on the benchmark machine (a Firecracker VM whose free memory
+/// goes back to the host) a fresh 1 GiB get through the core ran at
+/// 0.10-0.13 GB/s with the hint when the process started after a few idle
+/// seconds, against 1.36-1.69 without: huge pages then come from memory
+/// the host took back and must fault in again. Only back to back, in
+/// memory just freed, did the hint win (2.0-3.8 GB/s against 0.74-1.68),
+/// and there the receive pool ([`pool`]) hands out a resident buffer
+/// anyway (docs/benchmarks.md, "Huge pages for fresh get buffers").
+pub fn huge_pages(buf: &[u8]) {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    if !*ON.get_or_init(|| std::env::var_os("STOWAGE_HUGE_PAGES").is_some_and(|v| v == "1")) {
+        return;
+    }
+    const HUGE: usize = 2 << 20;
+    let start = (buf.as_ptr() as usize).next_multiple_of(HUGE);
+    let end = (buf.as_ptr() as usize + buf.len()) / HUGE * HUGE;
+    if end > start {
+        // SAFETY: the range lies inside `buf`'s allocation; MADV_HUGEPAGE
+        // changes how its pages are backed, never their contents.
+        unsafe {
+            libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE);
+        }
+    }
+}

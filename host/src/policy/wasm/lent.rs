@@ -5,12 +5,13 @@
 //!
 //! `stowage:policy@0.1.0` lends each field as its own `tensor` handle;
 //! 0.2.0 lends all the fields of a call as one `fields` handle
-//! ([`LentFields`]) and passes their layouts as data. Both are written over
-//! [`LentField`]'s methods, which answer plain host types.
+//! ([`LentFields`]) and passes their layouts as data. Both resources are
+//! written over [`LentField`]'s methods, which answer plain host types, in
+//! their version's module (`since_v0_1_0`, `since_v0_2_0`).
 //!
 //! A lent field's dtype is its tensor's own: the wire and the contract share
 //! one `Dtype` (the dtype table of `stowage-plan`), so nothing is converted
-//! here; the generated WIT enums are matched in the parent module.
+//! here; the generated WIT enums are matched in the version modules.
 
 use stowage_plan::Dtype;
 
@@ -165,139 +166,13 @@ pub struct LentFields {
 }
 
 impl LentFields {
-    fn field(&self, n: u32) -> wasmtime::Result<&LentField> {
+    pub(super) fn field(&self, n: u32) -> wasmtime::Result<&LentField> {
         self.fields.get(n as usize).ok_or_else(|| {
             wasmtime::Error::msg(format!(
                 "field number {n} out of range: the call lent {} fields",
                 self.fields.len()
             ))
         })
-    }
-}
-
-/// The 0.1.0 `tensor` resource over [`LentField`]'s methods.
-mod tensor_v1 {
-    use wasmtime::component::Resource;
-
-    use super::super::HostState;
-    use super::super::v1::stowage::policy::types as wt;
-    use super::{LentField, ReadRefused};
-    use crate::policy::FieldKind;
-
-    impl wt::Host for HostState {}
-
-    impl wt::HostTensor for HostState {
-        fn kind(&mut self, h: Resource<LentField>) -> wasmtime::Result<wt::FieldKind> {
-            Ok(match self.table.get(&h)?.kind() {
-                FieldKind::Regular => wt::FieldKind::Regular,
-                FieldKind::Nested => wt::FieldKind::Nested,
-                FieldKind::Values => wt::FieldKind::Values,
-            })
-        }
-
-        fn dtype(&mut self, h: Resource<LentField>) -> wasmtime::Result<wt::Dtype> {
-            super::super::v1_dtype(self.table.get(&h)?.dtype())
-        }
-
-        fn shape(&mut self, h: Resource<LentField>) -> wasmtime::Result<Vec<u64>> {
-            Ok(self.table.get(&h)?.shape())
-        }
-
-        fn strides(&mut self, h: Resource<LentField>) -> wasmtime::Result<Vec<i64>> {
-            Ok(self.table.get(&h)?.strides())
-        }
-
-        fn rows(&mut self, h: Resource<LentField>) -> wasmtime::Result<u64> {
-            Ok(self.table.get(&h)?.field.rows())
-        }
-
-        fn byte_len(&mut self, h: Resource<LentField>) -> wasmtime::Result<u64> {
-            Ok(self.table.get(&h)?.byte_len())
-        }
-
-        fn row_shapes(&mut self, h: Resource<LentField>) -> wasmtime::Result<Vec<Vec<u64>>> {
-            Ok(self.table.get(&h)?.row_shapes())
-        }
-
-        fn row_byte_lens(&mut self, h: Resource<LentField>) -> wasmtime::Result<Vec<u64>> {
-            Ok(self.table.get(&h)?.row_byte_lens())
-        }
-
-        fn read_cap(&mut self, h: Resource<LentField>) -> wasmtime::Result<u64> {
-            Ok(self.table.get(&h)?.read_cap)
-        }
-
-        fn read(
-            &mut self,
-            h: Resource<LentField>,
-            offset: u64,
-            len: u64,
-        ) -> wasmtime::Result<Result<Vec<u8>, wt::ReadError>> {
-            Ok(self
-                .table
-                .get(&h)?
-                .guest_read(offset, len)?
-                .map_err(|e| match e {
-                    ReadRefused::OutOfRange => wt::ReadError::OutOfRange,
-                    ReadRefused::OverCap(cap) => wt::ReadError::OverCap(cap),
-                }))
-        }
-
-        fn drop(&mut self, h: Resource<LentField>) -> wasmtime::Result<()> {
-            // Borrowed handles are never dropped by the guest; the host
-            // deletes the entry itself after the call.
-            let _ = h;
-            Ok(())
-        }
-    }
-}
-
-/// The 0.2.0 `fields` resource over [`LentFields`].
-mod fields_v2 {
-    use wasmtime::component::Resource;
-
-    use super::super::HostState;
-    use super::super::v2::stowage::policy::types as wt;
-    use super::{LentFields, ReadRefused};
-
-    impl wt::Host for HostState {}
-
-    impl wt::HostFields for HostState {
-        fn row_shapes(
-            &mut self,
-            h: Resource<LentFields>,
-            field: u32,
-        ) -> wasmtime::Result<Vec<Vec<u64>>> {
-            Ok(self.table.get(&h)?.field(field)?.row_shapes())
-        }
-
-        fn row_byte_lens(
-            &mut self,
-            h: Resource<LentFields>,
-            field: u32,
-        ) -> wasmtime::Result<Vec<u64>> {
-            Ok(self.table.get(&h)?.field(field)?.row_byte_lens())
-        }
-
-        fn read(
-            &mut self,
-            h: Resource<LentFields>,
-            field: u32,
-            offset: u64,
-            len: u64,
-        ) -> wasmtime::Result<Result<Vec<u8>, wt::ReadError>> {
-            let lent = self.table.get(&h)?.field(field)?;
-            Ok(lent.guest_read(offset, len)?.map_err(|e| match e {
-                ReadRefused::OutOfRange => wt::ReadError::OutOfRange,
-                ReadRefused::OverCap(cap) => wt::ReadError::OverCap(cap),
-            }))
-        }
-
-        fn drop(&mut self, h: Resource<LentFields>) -> wasmtime::Result<()> {
-            // Borrowed: the host deletes the entry itself after the call.
-            let _ = h;
-            Ok(())
-        }
     }
 }
 

@@ -19,14 +19,23 @@
 //! a request's pairs, with the dtypes a policy handles and whether it is
 //! pure (its answers are then memoized, see `memo`).
 //!
+//! Each contract version has its own module, `since_vX_Y_Z` (as Zed's
+//! extension host does): its bindings, the host side of its resource, and
+//! its conversions. An older version's types convert into the latest's,
+//! and only the latest's convert into the host's; this file dispatches over
+//! the versions (`Pre`, `Bindings`), newest first.
+//!
 //! Dtypes: each version's generated `dtype` enum is matched case by case
-//! with the dtype table's [`Dtype`] (`stowage-plan`), never by position; a
-//! test reads both WIT files and checks every case against the table.
+//! with the dtype table's [`Dtype`](stowage_plan::Dtype) (`stowage-plan`),
+//! never by position; a test reads both WIT files and checks every case
+//! against the table.
 //!
 //! | module | what it holds |
 //! |---|---|
 //! | this file | the sandbox: engine, linker, instances, fuel and memory caps, [`WasmPolicy`] |
-//! | `lent` | [`LentField`]: the tensor resource a `select` call lends, its methods, both versions' resource traits |
+//! | `lent` | [`LentField`]: the field a `select` call lends, and its methods |
+//! | `since_v0_2_0` | the latest contract: bindings, the `fields` resource, conversions into host types |
+//! | `since_v0_1_0` | the frozen 0.1.0 contract: bindings, the `tensor` resource, conversions into 0.2.0 types |
 //! | `memo` | [`memo::Memo`]: the answers of pure policies, by layout and positions |
 //! | `contract` | [`check_contract`] before compiling; [`LoadError`], [`ContractError`] |
 //!
@@ -43,11 +52,7 @@ use wasmtime::{Engine, Store, StoreLimits, StoreLimitsBuilder};
 use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
 use wasmtime_wasi::{HostMonotonicClock, HostWallClock, WasiCtx, WasiCtxView, WasiView};
 
-use stowage_plan::Dtype;
-
-use super::{
-    Capability, Description, Fault, FieldKind, Policy, PolicyError, SelectAnswers, SelectRequest,
-};
+use super::{Description, Fault, Policy, PolicyError, SelectAnswers, SelectRequest};
 use crate::batch::Field;
 use crate::plan::{FramePlan, PackLimits, PieceInfo, SelectionPlan};
 
@@ -55,141 +60,14 @@ mod contract;
 mod enter;
 mod lent;
 pub mod memo;
+mod since_v0_1_0;
+mod since_v0_2_0;
+
+use since_v0_2_0 as latest;
 
 pub use contract::{ContractError, LoadError, check_contract};
 pub use enter::{WORKER_FUEL, off_runtime};
 pub use lent::{LentField, field_dtype};
-
-/// `stowage:policy@0.1.0`, frozen.
-mod v1 {
-    wasmtime::component::bindgen!({
-        path: "../wit/since_v0.1.0",
-        world: "policy",
-        imports: { default: trappable },
-        with: { "stowage:policy/types.tensor": super::LentField },
-    });
-}
-
-/// `stowage:policy@0.2.0`.
-mod v2 {
-    wasmtime::component::bindgen!({
-        path: "../wit/since_v0.2.0",
-        world: "policy",
-        imports: { default: trappable },
-        with: { "stowage:policy/types.fields": super::lent::LentFields },
-    });
-}
-
-/// The 0.1.0 case of a dtype; an error (a trap) for the seven it lacks.
-fn v1_dtype(d: Dtype) -> wasmtime::Result<v1::stowage::policy::types::Dtype> {
-    use v1::stowage::policy::types::Dtype as W;
-    Ok(match d {
-        Dtype::Bool => W::Bool,
-        Dtype::Uint8 => W::Uint8,
-        Dtype::Int8 => W::Int8,
-        Dtype::Int16 => W::Int16,
-        Dtype::Uint16 => W::Uint16,
-        Dtype::Int32 => W::Int32,
-        Dtype::Uint32 => W::Uint32,
-        Dtype::Int64 => W::Int64,
-        Dtype::Uint64 => W::Uint64,
-        Dtype::Float16 => W::Float16,
-        Dtype::Bfloat16 => W::Bfloat16,
-        Dtype::Float32 => W::Float32,
-        Dtype::Float64 => W::Float64,
-        Dtype::Complex64 => W::Complex64,
-        Dtype::Complex128 => W::Complex128,
-        // Unreachable while the chain checks `can_describe` first; a trap
-        // (a fault, answered by the built-in) rather than a wrong name.
-        Dtype::Complex32
-        | Dtype::Float8E4m3fn
-        | Dtype::Float8E4m3fnuz
-        | Dtype::Float8E5m2
-        | Dtype::Float8E5m2fnuz
-        | Dtype::Float8E8m0fnu
-        | Dtype::Float4E2m1fnX2 => {
-            return Err(wasmtime::Error::msg(format!(
-                "dtype {d:?} has no name in stowage:policy@0.1.0"
-            )));
-        }
-    })
-}
-
-/// The 0.2.0 case of a dtype (the enum names every dtype).
-fn v2_dtype(d: Dtype) -> v2::stowage::policy::types::Dtype {
-    use v2::stowage::policy::types::Dtype as W;
-    match d {
-        Dtype::Bool => W::Bool,
-        Dtype::Uint8 => W::Uint8,
-        Dtype::Int8 => W::Int8,
-        Dtype::Int16 => W::Int16,
-        Dtype::Uint16 => W::Uint16,
-        Dtype::Int32 => W::Int32,
-        Dtype::Uint32 => W::Uint32,
-        Dtype::Int64 => W::Int64,
-        Dtype::Uint64 => W::Uint64,
-        Dtype::Float16 => W::Float16,
-        Dtype::Bfloat16 => W::Bfloat16,
-        Dtype::Float32 => W::Float32,
-        Dtype::Float64 => W::Float64,
-        Dtype::Complex64 => W::Complex64,
-        Dtype::Complex128 => W::Complex128,
-        Dtype::Complex32 => W::Complex32,
-        Dtype::Float8E4m3fn => W::Float8E4m3fn,
-        Dtype::Float8E4m3fnuz => W::Float8E4m3fnuz,
-        Dtype::Float8E5m2 => W::Float8E5m2,
-        Dtype::Float8E5m2fnuz => W::Float8E5m2fnuz,
-        Dtype::Float8E8m0fnu => W::Float8E8m0fnu,
-        Dtype::Float4E2m1fnX2 => W::Float4E2m1fnX2,
-    }
-}
-
-/// The dtype of a 0.2.0 case (the inverse of [`v2_dtype`]).
-fn from_v2_dtype(d: v2::stowage::policy::types::Dtype) -> Dtype {
-    use v2::stowage::policy::types::Dtype as W;
-    match d {
-        W::Bool => Dtype::Bool,
-        W::Uint8 => Dtype::Uint8,
-        W::Int8 => Dtype::Int8,
-        W::Int16 => Dtype::Int16,
-        W::Uint16 => Dtype::Uint16,
-        W::Int32 => Dtype::Int32,
-        W::Uint32 => Dtype::Uint32,
-        W::Int64 => Dtype::Int64,
-        W::Uint64 => Dtype::Uint64,
-        W::Float16 => Dtype::Float16,
-        W::Bfloat16 => Dtype::Bfloat16,
-        W::Float32 => Dtype::Float32,
-        W::Float64 => Dtype::Float64,
-        W::Complex64 => Dtype::Complex64,
-        W::Complex128 => Dtype::Complex128,
-        W::Complex32 => Dtype::Complex32,
-        W::Float8E4m3fn => Dtype::Float8E4m3fn,
-        W::Float8E4m3fnuz => Dtype::Float8E4m3fnuz,
-        W::Float8E5m2 => Dtype::Float8E5m2,
-        W::Float8E5m2fnuz => Dtype::Float8E5m2fnuz,
-        W::Float8E8m0fnu => Dtype::Float8E8m0fnu,
-        W::Float4E2m1fnX2 => Dtype::Float4E2m1fnX2,
-    }
-}
-
-/// The 0.2.0 layout record of a lent field.
-fn v2_layout(f: &LentField) -> v2::stowage::policy::types::Layout {
-    use v2::stowage::policy::types as w;
-    w::Layout {
-        kind: match f.kind() {
-            FieldKind::Regular => w::FieldKind::Regular,
-            FieldKind::Nested => w::FieldKind::Nested,
-            FieldKind::Values => w::FieldKind::Values,
-        },
-        dtype: v2_dtype(f.dtype()),
-        shape: f.shape(),
-        strides: f.strides(),
-        rows: f.field.rows(),
-        byte_len: f.byte_len(),
-        read_cap: f.read_cap,
-    }
-}
 
 /// Limits applied to every call into a plugin.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -270,14 +148,14 @@ fn fault_of(err: wasmtime::Error) -> Fault {
 
 /// A component's bindings, by the contract version it exports.
 enum Bindings {
-    V1(v1::Policy),
-    V2(v2::Policy),
+    V0_2_0(since_v0_2_0::Policy),
+    V0_1_0(since_v0_1_0::Policy),
 }
 
 /// A linked component, ready to instantiate, by contract version.
 enum Pre {
-    V1(v1::PolicyPre<HostState>),
-    V2(v2::PolicyPre<HostState>),
+    V0_2_0(since_v0_2_0::PolicyPre<HostState>),
+    V0_1_0(since_v0_1_0::PolicyPre<HostState>),
 }
 
 struct Instance {
@@ -324,59 +202,15 @@ pub fn engine() -> wasmtime::Result<Engine> {
 pub fn linker(engine: &Engine) -> wasmtime::Result<Linker<HostState>> {
     let mut linker = Linker::new(engine);
     wasmtime_wasi::p2::add_to_linker_sync(&mut linker)?;
-    v1::Policy::add_to_linker::<HostState, wasmtime::component::HasSelf<HostState>>(
+    since_v0_1_0::Policy::add_to_linker::<HostState, wasmtime::component::HasSelf<HostState>>(
         &mut linker,
         |s| s,
     )?;
-    v2::Policy::add_to_linker::<HostState, wasmtime::component::HasSelf<HostState>>(
+    since_v0_2_0::Policy::add_to_linker::<HostState, wasmtime::component::HasSelf<HostState>>(
         &mut linker,
         |s| s,
     )?;
     Ok(linker)
-}
-
-/// The host's [`Description`] of one version's `description` record:
-/// `$w` is the version's `types` module; `dtypes` and `pure` are what only
-/// 0.2.0 has.
-macro_rules! description_of {
-    ($w:path, $d:expr, $dtypes:expr, $pure:expr) => {{
-        use $w as w;
-        let d = $d;
-        Description {
-            name: d.name,
-            version: d.version,
-            summary: d.summary,
-            capabilities: d
-                .capabilities
-                .into_iter()
-                .map(|c| match c {
-                    w::Capability::Selection => Capability::Selection,
-                    w::Capability::Packing => Capability::Packing,
-                })
-                .collect(),
-            kinds: d
-                .kinds
-                .into_iter()
-                .map(|k| match k {
-                    w::FieldKind::Regular => FieldKind::Regular,
-                    w::FieldKind::Nested => FieldKind::Nested,
-                    w::FieldKind::Values => FieldKind::Values,
-                })
-                .collect(),
-            dtypes: $dtypes,
-            pure: $pure,
-        }
-    }};
-}
-
-fn description_v1(d: v1::stowage::policy::types::Description) -> Description {
-    description_of!(v1::stowage::policy::types, d, vec![], false)
-}
-
-fn description_v2(d: v2::stowage::policy::types::Description) -> Description {
-    let dtypes = d.dtypes.iter().map(|&t| from_v2_dtype(t)).collect();
-    let pure = d.pure;
-    description_of!(v2::stowage::policy::types, d, dtypes, pure)
 }
 
 impl WasmPolicy {
@@ -395,11 +229,11 @@ impl WasmPolicy {
         let instance_pre = linker.instantiate_pre(component).map_err(link)?;
         // The version the component exports decides its bindings; a
         // component exporting neither does not link.
-        let pre = match v2::PolicyPre::new(instance_pre.clone()) {
-            Ok(pre) => Pre::V2(pre),
-            Err(v2_err) => match v1::PolicyPre::new(instance_pre) {
-                Ok(pre) => Pre::V1(pre),
-                Err(_) => return Err(link(v2_err)),
+        let pre = match since_v0_2_0::PolicyPre::new(instance_pre.clone()) {
+            Ok(pre) => Pre::V0_2_0(pre),
+            Err(latest_err) => match since_v0_1_0::PolicyPre::new(instance_pre) {
+                Ok(pre) => Pre::V0_1_0(pre),
+                Err(_) => return Err(link(latest_err)),
             },
         };
         let mut policy = WasmPolicy {
@@ -415,14 +249,14 @@ impl WasmPolicy {
             .call(|inst| {
                 let store = &mut inst.store;
                 match &inst.bindings {
-                    Bindings::V1(b) => b
+                    Bindings::V0_2_0(b) => b
                         .stowage_policy_meta()
                         .call_describe(store)
-                        .map(description_v1),
-                    Bindings::V2(b) => b
+                        .map(latest::description),
+                    Bindings::V0_1_0(b) => b
                         .stowage_policy_meta()
                         .call_describe(store)
-                        .map(description_v2),
+                        .map(|d| latest::description(d.into())),
                 }
             })
             .map_err(|f| LoadError::Describe {
@@ -436,8 +270,8 @@ impl WasmPolicy {
     /// The contract version the component speaks: `0.1.0` or `0.2.0`.
     pub fn contract(&self) -> &'static str {
         match self.pre {
-            Pre::V1(_) => "0.1.0",
-            Pre::V2(_) => "0.2.0",
+            Pre::V0_2_0(_) => since_v0_2_0::VERSION,
+            Pre::V0_1_0(_) => since_v0_1_0::VERSION,
         }
     }
 
@@ -491,8 +325,8 @@ impl WasmPolicy {
             .set_fuel(self.limits.fuel)
             .map_err(|e| Fault::Instantiate(format!("{e:#}")))?;
         let bindings = match &self.pre {
-            Pre::V1(pre) => pre.instantiate(&mut store).map(Bindings::V1),
-            Pre::V2(pre) => pre.instantiate(&mut store).map(Bindings::V2),
+            Pre::V0_2_0(pre) => pre.instantiate(&mut store).map(Bindings::V0_2_0),
+            Pre::V0_1_0(pre) => pre.instantiate(&mut store).map(Bindings::V0_1_0),
         }
         .map_err(|e| match fault_of(e) {
             Fault::Trap(t) => Fault::Instantiate(t),
@@ -555,88 +389,6 @@ impl WasmPolicy {
     }
 }
 
-/// Converts one version's answer types into the host's: `$v` is the
-/// bindgen module of the version.
-macro_rules! answers_of {
-    ($v:ident) => {
-        pub(super) mod $v {
-            use super::super::$v::exports::stowage::policy::{packing as wpack, selection as wsel};
-            use super::super::$v::stowage::policy::types as wtypes;
-            use crate::plan::{self, FramePlan, PackLimits, PieceInfo, SelectionPlan};
-            use crate::policy::PolicyError;
-
-            pub fn policy_error(e: wtypes::PolicyError) -> PolicyError {
-                match e {
-                    wtypes::PolicyError::NotApplicable => PolicyError::NotApplicable,
-                    wtypes::PolicyError::InvalidInput(m) => PolicyError::InvalidInput(m),
-                    wtypes::PolicyError::Failed(m) => PolicyError::Failed(m),
-                }
-            }
-
-            pub fn plan(p: wsel::SelectionPlan) -> SelectionPlan {
-                SelectionPlan {
-                    pieces: p
-                        .pieces
-                        .into_iter()
-                        .map(|piece| match piece {
-                            wsel::Piece::View(v) => plan::Piece::View(plan::RowView {
-                                start: v.start,
-                                step: v.step,
-                                count: v.count,
-                            }),
-                            wsel::Piece::Gather(r) => plan::Piece::Gather(r),
-                            wsel::Piece::RowViews(r) => plan::Piece::RowViews(r),
-                            wsel::Piece::Concat(r) => plan::Piece::Concat(r),
-                        })
-                        .collect(),
-                }
-            }
-
-            pub fn pack_args(
-                pieces: &[PieceInfo],
-                limits: &PackLimits,
-            ) -> (Vec<wpack::PieceInfo>, wpack::PackLimits) {
-                let wpieces = pieces
-                    .iter()
-                    .map(|p| wpack::PieceInfo {
-                        byte_len: p.byte_len,
-                        contiguous: p.contiguous,
-                    })
-                    .collect();
-                let wlimits = wpack::PackLimits {
-                    max_frames: limits.max_frames,
-                    max_frame_bytes: limits.max_frame_bytes,
-                    small_threshold: limits.small_threshold,
-                };
-                (wpieces, wlimits)
-            }
-
-            pub fn frames(
-                answer: Result<wpack::FramePlan, wtypes::PolicyError>,
-            ) -> Result<FramePlan, PolicyError> {
-                answer
-                    .map(|p| FramePlan {
-                        frames: p
-                            .frames
-                            .into_iter()
-                            .map(|f| match f {
-                                wpack::Frame::Single(i) => plan::Frame::Single(i),
-                                wpack::Frame::Coalesced(v) => plan::Frame::Coalesced(v),
-                            })
-                            .collect(),
-                    })
-                    .map_err(policy_error)
-            }
-        }
-    };
-}
-
-/// Answer conversions, per contract version.
-mod convert {
-    answers_of!(v1);
-    answers_of!(v2);
-}
-
 impl WasmPolicy {
     /// Asks the component about `requests` (none memoized): a 0.1.0
     /// component once per request, a 0.2.0 component once for all, on one
@@ -649,7 +401,7 @@ impl WasmPolicy {
         let pure = self.description.pure;
         let mut slot = self.instance.lock().unwrap_or_else(|p| p.into_inner());
         self.entry.run(&mut *slot, |slot| match &self.pre {
-            Pre::V1(_) => {
+            Pre::V0_1_0(_) => {
                 let answers = requests
                     .iter()
                     .map(|r| {
@@ -660,7 +412,7 @@ impl WasmPolicy {
                                 pure,
                             };
                             let handle = inst.store.data_mut().table.push(lent)?;
-                            let Bindings::V1(b) = &inst.bindings else {
+                            let Bindings::V0_1_0(b) = &inst.bindings else {
                                 unreachable!("a 0.1.0 component has 0.1.0 bindings")
                             };
                             let result = b.stowage_policy_selection().call_select(
@@ -672,13 +424,16 @@ impl WasmPolicy {
                             result
                         })
                         .map_err(PolicyError::Fault)
-                        .and_then(|a| a.map(convert::v1::plan).map_err(convert::v1::policy_error))
+                        .and_then(|a| {
+                            a.map(|p| latest::plan(p.into()))
+                                .map_err(|e| latest::policy_error(e.into()))
+                        })
                     })
                     .collect();
                 (answers, requests.len() as u64)
             }
-            Pre::V2(_) => {
-                use v2::exports::stowage::policy::selection as wsel;
+            Pre::V0_2_0(_) => {
+                use latest::exports::stowage::policy::selection as wsel;
                 let answered = self.call_here(slot, |inst| {
                     let read_cap = inst.store.data().read_cap;
                     // Each distinct field once (a field is asked about for
@@ -696,7 +451,7 @@ impl WasmPolicy {
                                     read_cap,
                                     pure,
                                 };
-                                layouts.push(v2_layout(&field));
+                                layouts.push(latest::layout(&field));
                                 lent.push(field);
                                 seen.push(r.field);
                                 seen.len() - 1
@@ -712,7 +467,7 @@ impl WasmPolicy {
                         .data_mut()
                         .table
                         .push(lent::LentFields { fields: lent })?;
-                    let Bindings::V2(b) = &inst.bindings else {
+                    let Bindings::V0_2_0(b) = &inst.bindings else {
                         unreachable!("a 0.2.0 component has 0.2.0 bindings")
                     };
                     let result = b.stowage_policy_selection().call_select(
@@ -727,7 +482,7 @@ impl WasmPolicy {
                 let answers = match answered {
                     Ok(list) if list.len() == requests.len() => list
                         .into_iter()
-                        .map(|a| a.map(convert::v2::plan).map_err(convert::v2::policy_error))
+                        .map(|a| a.map(latest::plan).map_err(latest::policy_error))
                         .collect(),
                     Ok(list) => {
                         // The instance ran to completion; only its answer is
@@ -756,8 +511,8 @@ impl Policy for WasmPolicy {
     /// added after it (float8, complex32, ...): the chain skips it for them.
     fn can_describe(&self, field: &Field) -> bool {
         match self.pre {
-            Pre::V1(_) => lent::v0_1_can_name(field),
-            Pre::V2(_) => true,
+            Pre::V0_2_0(_) => true,
+            Pre::V0_1_0(_) => lent::v0_1_can_name(field),
         }
     }
 
@@ -859,14 +614,15 @@ impl Policy for WasmPolicy {
     fn pack(&self, pieces: &[PieceInfo], limits: &PackLimits) -> Result<FramePlan, PolicyError> {
         self.call(|inst| {
             let store = &mut inst.store;
+            let (p, l) = latest::pack_args(pieces, limits);
             Ok(match &inst.bindings {
-                Bindings::V1(b) => {
-                    let (p, l) = convert::v1::pack_args(pieces, limits);
-                    convert::v1::frames(b.stowage_policy_packing().call_pack(store, &p, l)?)
+                Bindings::V0_2_0(b) => {
+                    latest::frames(b.stowage_policy_packing().call_pack(store, &p, l)?)
                 }
-                Bindings::V2(b) => {
-                    let (p, l) = convert::v2::pack_args(pieces, limits);
-                    convert::v2::frames(b.stowage_policy_packing().call_pack(store, &p, l)?)
+                Bindings::V0_1_0(b) => {
+                    let p: Vec<_> = p.into_iter().map(Into::into).collect();
+                    let answer = b.stowage_policy_packing().call_pack(store, &p, l.into())?;
+                    latest::frames(answer.map(Into::into).map_err(Into::into))
                 }
             })
         })
@@ -919,9 +675,16 @@ mod tests {
             // A generated enum's discriminant is the case's position in
             // the WIT enum.
             let at = |cases: &[&str]| cases.iter().position(|&c| c == row.wit);
-            assert_eq!(Some(super::v2_dtype(d) as usize), at(&v2_cases), "{d}");
-            assert_eq!(super::from_v2_dtype(super::v2_dtype(d)), d);
-            match super::v1_dtype(d) {
+            assert_eq!(
+                Some(super::since_v0_2_0::dtype(d) as usize),
+                at(&v2_cases),
+                "{d}"
+            );
+            assert_eq!(
+                super::since_v0_2_0::from_dtype(super::since_v0_2_0::dtype(d)),
+                d
+            );
+            match super::since_v0_1_0::dtype(d) {
                 Ok(w) => assert_eq!(Some(w as usize), at(&v1_cases), "{d}"),
                 Err(e) => {
                     assert_eq!(row.since, Contract::V0_2_0, "{d}");
@@ -933,7 +696,7 @@ mod tests {
             }
         }
         assert_eq!(
-            super::v1_dtype(Dtype::Float8E4m3fn)
+            super::since_v0_1_0::dtype(Dtype::Float8E4m3fn)
                 .unwrap_err()
                 .to_string(),
             "dtype Float8E4m3fn has no name in stowage:policy@0.1.0"

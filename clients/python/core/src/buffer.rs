@@ -1,0 +1,173 @@
+//! The buffer protocol, both ways: [`Held`], a caller's buffer held
+//! (`PyObject_GetBuffer`) while its bytes move with the GIL released, and
+//! [`Buffer`], bytes handed to Python without a copy, as a read-only
+//! buffer object.
+
+use pyo3::ffi;
+use pyo3::prelude::*;
+use pyo3::types::PyList;
+
+use crate::pool;
+
+/// A caller's buffer held while its bytes are sent with the GIL released:
+/// C-contiguous, of any item type (no format is asked for), neither freed
+/// nor resized until released (on drop).
+pub(crate) struct Held(Box<ffi::Py_buffer>);
+
+impl Held {
+    pub(crate) fn get(obj: &Bound<'_, PyAny>) -> PyResult<Held> {
+        Held::with_flags(obj, ffi::PyBUF_C_CONTIGUOUS)
+    }
+
+    /// The buffer of `obj` as `flags` ask for it (`PyObject_GetBuffer`).
+    pub(crate) fn with_flags(obj: &Bound<'_, PyAny>, flags: std::os::raw::c_int) -> PyResult<Held> {
+        // Boxed: an exporter may point the view's fields into the view
+        // itself, so it must not move.
+        let mut view = Box::new(ffi::Py_buffer::new());
+        // SAFETY: `view` is a valid Py_buffer for the exporter to fill; on
+        // success it is released exactly once, by `drop`.
+        let rc = unsafe { ffi::PyObject_GetBuffer(obj.as_ptr(), &mut *view, flags) };
+        if rc == -1 {
+            return Err(PyErr::fetch(obj.py()));
+        }
+        Ok(Held(view))
+    }
+
+    /// The item format (struct module syntax; "B" when the exporter gave none).
+    pub(crate) fn format(&self) -> &[u8] {
+        if self.0.format.is_null() {
+            return b"B";
+        }
+        // SAFETY: a NUL-terminated string the exporter keeps with the view.
+        unsafe { std::ffi::CStr::from_ptr(self.0.format) }.to_bytes()
+    }
+
+    pub(crate) fn itemsize(&self) -> usize {
+        self.0.itemsize.max(0) as usize
+    }
+
+    /// The shape (none for a 0-d buffer; `[len / itemsize]` when the
+    /// exporter gave none).
+    pub(crate) fn shape(&self) -> Vec<u64> {
+        if self.0.ndim == 0 {
+            return Vec::new();
+        }
+        if self.0.shape.is_null() {
+            return vec![(self.0.len.max(0) as u64) / (self.itemsize().max(1) as u64)];
+        }
+        // SAFETY: `ndim` sizes the exporter keeps with the view.
+        unsafe { std::slice::from_raw_parts(self.0.shape, self.0.ndim.max(0) as usize) }
+            .iter()
+            .map(|&d| d.max(0) as u64)
+            .collect()
+    }
+
+    /// The first axis' stride in bytes (the itemsize when the exporter gave none).
+    pub(crate) fn stride0(&self) -> isize {
+        if self.0.strides.is_null() || self.0.ndim < 1 {
+            return self.itemsize() as isize;
+        }
+        // SAFETY: `ndim` (at least 1) strides the exporter keeps with the view.
+        unsafe { *self.0.strides }
+    }
+
+    pub(crate) fn ndim(&self) -> usize {
+        self.0.ndim.max(0) as usize
+    }
+
+    /// The first byte's address (for strided reads).
+    pub(crate) fn ptr(&self) -> *const u8 {
+        self.0.buf as *const u8
+    }
+
+    pub(crate) fn bytes(&self) -> &[u8] {
+        if self.0.len <= 0 {
+            return &[];
+        }
+        // SAFETY: the exporter keeps `len` contiguous bytes at `buf` until
+        // the view is released, which `self` outlives. (Another thread may
+        // write the array meanwhile; its bytes are only copied out to the
+        // socket, as pyzmq would.)
+        unsafe { std::slice::from_raw_parts(self.0.buf as *const u8, self.0.len as usize) }
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        // SAFETY: a view PyObject_GetBuffer filled, released once, attached
+        // to the interpreter.
+        Python::attach(|_| unsafe { ffi::PyBuffer_Release(&mut *self.0) });
+    }
+}
+
+/// Bytes handed to Python without a copy: a read-only buffer object.
+#[pyclass(module = "stowage._core", frozen)]
+pub(crate) struct Buffer {
+    pub(crate) data: Vec<u8>,
+}
+
+#[pymethods]
+impl Buffer {
+    /// The buffer protocol: a read-only view of the bytes.
+    unsafe fn __getbuffer__(
+        slf: Bound<'_, Self>,
+        view: *mut pyo3::ffi::Py_buffer,
+        flags: std::os::raw::c_int,
+    ) -> PyResult<()> {
+        let (ptr, len) = {
+            let me = slf.get();
+            (me.data.as_ptr(), me.data.len())
+        };
+        // SAFETY: `view` comes from Python's buffer machinery; the bytes
+        // never move or change and live as long as `slf`, which the view
+        // holds a reference to.
+        let rc = unsafe {
+            pyo3::ffi::PyBuffer_FillInfo(
+                view,
+                slf.as_ptr(),
+                ptr as *mut std::os::raw::c_void,
+                len as pyo3::ffi::Py_ssize_t,
+                1,
+                flags,
+            )
+        };
+        if rc == -1 {
+            return Err(PyErr::fetch(slf.py()));
+        }
+        Ok(())
+    }
+
+    unsafe fn __releasebuffer__(&self, _view: *mut pyo3::ffi::Py_buffer) {}
+
+    fn __len__(&self) -> usize {
+        self.data.len()
+    }
+}
+
+impl Drop for Buffer {
+    /// The last array over these bytes is gone: the next get may take them.
+    fn drop(&mut self) {
+        pool::give(std::mem::take(&mut self.data));
+    }
+}
+
+/// Holds the buffers of `frames` (each a buffer, or a list of pieces sent
+/// back to back as one frame) in `held`; how many pieces each frame has.
+pub(crate) fn hold_frames(
+    frames: &[Bound<'_, PyAny>],
+    held: &mut Vec<Held>,
+) -> PyResult<Vec<usize>> {
+    let mut counts = Vec::with_capacity(frames.len());
+    for frame in frames {
+        if let Ok(pieces) = frame.cast::<PyList>() {
+            for piece in pieces.iter() {
+                held.push(Held::get(&piece)?);
+            }
+            counts.push(pieces.len());
+        } else {
+            held.push(Held::get(frame)?);
+            counts.push(1);
+        }
+    }
+    Ok(counts)
+}

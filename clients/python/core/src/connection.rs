@@ -1,0 +1,642 @@
+//! [`Connection`], `_core.Connection`: one DEALER connection to a stowd
+//! native endpoint, made on first use (the ZMTP handshake) and kept between
+//! calls, and its Python methods: `get`, `get_arrays`, `get_into`, `send`,
+//! `send_many`, the fast paths ([`crate::fast`]) and the started calls an
+//! event loop awaits (`start_*`, `reply_ready`, `fileno`, `finish_*`).
+
+use std::net::TcpStream;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use pyo3::buffer::PyBuffer;
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyInt, PyList};
+use stowage_transport::frame;
+use stowage_transport::zmtp;
+use stowage_wire::native::{self, ReplyLayout};
+
+use crate::buffer::{Held, hold_frames};
+use crate::error::Fail;
+use crate::get::{GotTuple, arrays, get, get_reply};
+use crate::get_into::{Target, get_into};
+use crate::message::{Outgoing, REPLY_LIMITS, read_reply, send, send_pipelined, write_message};
+use crate::stream::Stream;
+use crate::{fast, indexes};
+
+/// `tcp://host:port` -> `host:port`.
+fn address(endpoint: &str) -> PyResult<String> {
+    match endpoint.strip_prefix("tcp://") {
+        Some(a) if !a.is_empty() => Ok(a.to_string()),
+        _ => Err(PyValueError::new_err(format!(
+            "the Rust core speaks tcp only, not {endpoint:?}"
+        ))),
+    }
+}
+
+/// One DEALER connection to a stowd native endpoint.
+#[pyclass(module = "stowage._core")]
+pub(crate) struct Connection {
+    address: String,
+    spin: Duration,
+    /// The connection kept between calls (with its read-ahead buffer).
+    tcp: Option<Stream>,
+}
+
+impl Connection {
+    fn connect(&mut self, deadline: Instant) -> Result<Stream, Fail> {
+        if let Some(mut s) = self.tcp.take() {
+            s.deadline = deadline;
+            return Ok(s);
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        let addr = std::net::ToSocketAddrs::to_socket_addrs(&self.address)
+            .map_err(|e| Fail::Io(format!("{}: {e}", self.address)))?
+            .next()
+            .ok_or_else(|| Fail::Io(format!("{}: no address", self.address)))?;
+        let tcp = TcpStream::connect_timeout(&addr, left.max(Duration::from_millis(1)))
+            .map_err(|e| Fail::Io(format!("cannot connect to {}: {e}", self.address)))?;
+        let _ = tcp.set_nodelay(true);
+        let mut s = Stream::new(tcp, deadline, self.spin);
+        s.write_all(&frame::greeting())?;
+        let mut g = [0u8; 64];
+        s.read_exact(&mut g)?;
+        frame::check_greeting(&g)
+            .map_err(|e| Fail::Protocol(zmtp::ZmtpError::from(e).to_string()))?;
+        s.write_all(&frame::ready_command(&[("Socket-Type", b"DEALER")]))?;
+        let h = s.header()?;
+        if !h.command {
+            return Err(Fail::Protocol("expected stowd's READY".into()));
+        }
+        let body = s.small_frame(h.size, frame::MAX_COMMAND, "a command")?;
+        // A name cut short reads as none.
+        let name = frame::split_command(&body).map_or(&[][..], |(name, _)| name);
+        if name != b"READY" {
+            return Err(Fail::Protocol(format!(
+                "expected READY, got {:?}",
+                String::from_utf8_lossy(name)
+            )));
+        }
+        Ok(s)
+    }
+
+    /// A put read, laid out and written ([`fast::plan_put`]), its reply
+    /// left for `put_end`: its rows, or None with nothing sent.
+    fn put_begin(
+        &mut self,
+        py: Python<'_>,
+        id: u64,
+        indexes: &Bound<'_, PyAny>,
+        data: &Bound<'_, PyAny>,
+        deadline: Instant,
+        max_bytes: usize,
+    ) -> PyResult<Option<u64>> {
+        let Some(mut plan) = fast::plan_put(indexes, data, max_bytes)? else {
+            return Ok(None);
+        };
+        let Some((frame0, rows)) = plan.frame0(id) else {
+            plan.release();
+            return Ok(None);
+        };
+        let sent = {
+            let frames = plan.frame_slices();
+            // The arrays stay held (`plan`) while the GIL is released.
+            py.detach(|| self.begin(deadline, &frame0, &frames))
+        };
+        plan.release();
+        sent?;
+        Ok(Some(rows))
+    }
+
+    /// The reply to `put_begin`'s put: the rows when it is a put_ok for all
+    /// of them, else its frames (for the caller to read and word).
+    fn put_end<'py>(
+        &mut self,
+        py: Python<'py>,
+        id: u64,
+        rows: u64,
+        deadline: Instant,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let reply = py.detach(|| self.resume(deadline, read_reply))?;
+        settled(
+            py,
+            id,
+            reply,
+            |r| matches!(r, native::Reply::PutOk { rows: r } if *r == rows),
+            rows,
+        )
+    }
+
+    /// Writes a request (`frame0` and its data `frames`) and keeps the
+    /// connection for the reply, which `resume` reads (see
+    /// `Connection.start_put`). A failed write drops the connection.
+    fn begin(
+        &mut self,
+        deadline: Instant,
+        frame0: &[u8],
+        frames: &[Vec<&[u8]>],
+    ) -> Result<(), Fail> {
+        let mut s = self.connect(deadline)?;
+        write_message(&mut s, frame0, frames)?;
+        self.tcp = Some(s);
+        Ok(())
+    }
+
+    /// Reads the reply to the request `begin` wrote, `read`; as `exchange`,
+    /// the connection is kept only after a reply read to its end.
+    fn resume<T>(
+        &mut self,
+        deadline: Instant,
+        read: impl FnOnce(&mut Stream) -> Result<T, Fail>,
+    ) -> Result<T, Fail> {
+        let mut s = self
+            .tcp
+            .take()
+            .ok_or_else(|| Fail::Io("no request is waiting for its reply".into()))?;
+        s.deadline = deadline;
+        let result = read(&mut s);
+        if result.is_ok() {
+            self.tcp = Some(s);
+        }
+        result
+    }
+
+    /// Runs one request and its reply, `call`, on the connection (made
+    /// first if there is none). The connection is kept only after a reply
+    /// read to its end: a timeout, an I/O error or a broken reply drops it.
+    fn exchange<T>(
+        &mut self,
+        deadline: Instant,
+        call: impl FnOnce(&mut Stream) -> Result<T, Fail>,
+    ) -> Result<T, Fail> {
+        let mut s = self.connect(deadline)?;
+        let result = call(&mut s);
+        if result.is_ok() {
+            self.tcp = Some(s);
+        }
+        result
+    }
+}
+
+/// When a call given `timeout` seconds (negative: none left) must end.
+fn deadline_in(timeout: f64) -> Instant {
+    Instant::now() + Duration::from_secs_f64(timeout.max(0.0))
+}
+
+#[pymethods]
+impl Connection {
+    /// A connection to `endpoint` (made on first use) that awaits each
+    /// reply by polling for up to `spin_us` microseconds before sleeping
+    /// (0: sleep at once; see [`Spin`]).
+    #[new]
+    #[pyo3(signature = (endpoint, spin_us = 0.0))]
+    fn new(endpoint: &str, spin_us: f64) -> PyResult<Self> {
+        if !(spin_us.is_finite() && spin_us >= 0.0) {
+            return Err(PyValueError::new_err(format!(
+                "spin_us must be a finite number >= 0, got {spin_us}"
+            )));
+        }
+        Ok(Connection {
+            address: address(endpoint)?,
+            spin: Duration::from_secs_f64(spin_us.min(1e9) / 1e6),
+            tcp: None,
+        })
+    }
+
+    /// Sends the get request `frame0` and reads the reply's rows straight
+    /// into `targets`: a list of `(field, accepted dtype names, shape,
+    /// writable C-contiguous buffer)`. Returns None when the rows are in
+    /// place, or (the reply's frame 0, why this codec refused it or None)
+    /// when stowd answered otherwise (an error, for the caller to decode). Raises ValueError when the reply
+    /// does not fit the arrays (nothing written), TimeoutError and
+    /// ConnectionError otherwise (the connection is dropped).
+    #[allow(clippy::type_complexity)]
+    fn get_into<'py>(
+        &mut self,
+        py: Python<'py>,
+        frame0: &[u8],
+        targets: Vec<(String, Vec<String>, Vec<u64>, Bound<'py, PyAny>)>,
+        timeout: f64,
+    ) -> PyResult<Option<(Bound<'py, PyBytes>, Option<String>)>> {
+        let mut buffers = Vec::with_capacity(targets.len());
+        let mut plan = Vec::with_capacity(targets.len());
+        for (name, dtypes, shape, obj) in targets {
+            let buf = PyBuffer::<u8>::get(&obj)?;
+            if buf.readonly() || !buf.is_c_contiguous() {
+                return Err(PyValueError::new_err(format!(
+                    "get_into: out[{name:?}] must be writable and C-contiguous"
+                )));
+            }
+            if dtypes.is_empty() {
+                return Err(PyValueError::new_err("no dtype given"));
+            }
+            plan.push(Target {
+                name,
+                dtypes,
+                shape,
+                ptr: buf.buf_ptr() as usize,
+                len: buf.len_bytes(),
+            });
+            buffers.push(buf);
+        }
+        let deadline = deadline_in(timeout);
+        let frame0 = frame0.to_vec();
+        // The buffers stay held (`buffers`) while the GIL is released.
+        let result = py.detach(|| self.exchange(deadline, |s| get_into(s, &frame0, &plan)));
+        drop(buffers);
+        Ok(result?.map(|(head, problem)| (PyBytes::new(py, &head), problem)))
+    }
+
+    /// Sends the get request `frame0` and reads the reply. Returns (frame
+    /// 0, None, why this codec refused it or None) for a reply that is not a
+    /// readable get_ok (an error, for the caller to decode), else (frame 0,
+    /// [(field, Buffer)], None): for each regular or
+    /// nested field, in reply order, its rows back to back in row order in
+    /// one read-only buffer, read straight from the socket (values stay in
+    /// frame 0). Raises TimeoutError and ConnectionError as `get_into`.
+    fn get<'py>(
+        &mut self,
+        py: Python<'py>,
+        frame0: &[u8],
+        timeout: f64,
+    ) -> PyResult<GotTuple<'py>> {
+        let deadline = deadline_in(timeout);
+        let frame0 = frame0.to_vec();
+        let got = py.detach(|| self.exchange(deadline, |s| get(s, &frame0)))?;
+        got.into_tuple(py)
+    }
+
+    /// `get`, for the common reply: if the reply is a get_ok whose every
+    /// field is regular, of a dtype `dtypes` (a dict of dtype name to numpy
+    /// dtype) has, a dict of field name to its read-only numpy array, in
+    /// reply order, each over a buffer of exactly its bytes (no decoding of
+    /// frame 0 into Python objects first); else what `get` returns.
+    fn get_arrays<'py>(
+        &mut self,
+        py: Python<'py>,
+        frame0: &[u8],
+        timeout: f64,
+        dtypes: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let deadline = deadline_in(timeout);
+        let frame0 = frame0.to_vec();
+        let got = py.detach(|| self.exchange(deadline, |s| get(s, &frame0)))?;
+        arrays(py, got, dtypes)
+    }
+
+    /// A get of `indexes` of `fields`, request id `id`, read and written
+    /// here ([`fast`]: a list, tuple, range or 1-d integer buffer of
+    /// indexes; a str or a list or tuple of distinct str), as runs where
+    /// that is shorter unless `ranges` is false (a stowd from before
+    /// ranges): (how many indexes, what `get_arrays` returns); or None,
+    /// with nothing sent, when the arguments are not plainly that (for the
+    /// caller's general path to check and word).
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (id, indexes, fields, timeout, dtypes, ranges = true))]
+    fn get_fast<'py>(
+        &mut self,
+        py: Python<'py>,
+        id: u64,
+        indexes: &Bound<'py, PyAny>,
+        fields: &Bound<'py, PyAny>,
+        timeout: f64,
+        dtypes: &Bound<'py, PyAny>,
+        ranges: bool,
+    ) -> PyResult<Option<(u64, Bound<'py, PyAny>)>> {
+        let Some((n, _, head)) = fast::get_head(indexes, fields, ranges) else {
+            return Ok(None);
+        };
+        // One the codec cannot write goes the general way too.
+        let Ok(frame0) = native::encode_request_head(id, &head) else {
+            return Ok(None);
+        };
+        Ok(Some((n, self.get_arrays(py, &frame0, timeout, dtypes)?)))
+    }
+
+    /// A get_into of `indexes` into `out` (a dict of field name to array),
+    /// request id `id`, read and written here ([`fast`]; `ranges` as for
+    /// `get_fast`): what `get_into` returns (None: the rows are in place),
+    /// or False, with nothing sent, when the arguments are not plainly
+    /// that (for the caller's general path to check and word).
+    #[pyo3(signature = (id, indexes, out, timeout, ranges = true))]
+    fn get_into_fast<'py>(
+        &mut self,
+        py: Python<'py>,
+        id: u64,
+        indexes: &Bound<'py, PyAny>,
+        out: &Bound<'py, PyAny>,
+        timeout: f64,
+        ranges: bool,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let not_here = || Ok(pyo3::types::PyBool::new(py, false).to_owned().into_any());
+        let Ok(out) = out.cast_exact::<pyo3::types::PyDict>() else {
+            return not_here();
+        };
+        if out.is_empty() {
+            return not_here();
+        }
+        let names = pyo3::types::PyList::new(py, out.keys())?;
+        let Some((n, _, head)) = fast::get_head(indexes, names.as_any(), ranges) else {
+            return not_here();
+        };
+        let mut buffers = Vec::with_capacity(out.len());
+        let mut plan = Vec::with_capacity(out.len());
+        for (name, o) in out.iter() {
+            let Some((dtypes, shape, held)) = fast::read_out(&o) else {
+                return not_here();
+            };
+            if shape.first() != Some(&n) {
+                return not_here();
+            }
+            let bytes = held.bytes();
+            plan.push(Target {
+                name: name.extract()?,
+                dtypes,
+                shape,
+                ptr: bytes.as_ptr() as usize,
+                len: bytes.len(),
+            });
+            buffers.push(held);
+        }
+        let Ok(frame0) = native::encode_request_head(id, &head) else {
+            return not_here();
+        };
+        let deadline = deadline_in(timeout);
+        // The buffers stay held (`buffers`) while the GIL is released.
+        let result = py.detach(|| self.exchange(deadline, |s| get_into(s, &frame0, &plan)));
+        drop(buffers);
+        Ok(result?
+            .map(|(head, problem)| (PyBytes::new(py, &head), problem))
+            .into_pyobject(py)?
+            .into_any())
+    }
+
+    /// A put of `indexes` and `data` (a dict of field name to array, list
+    /// of arrays or list of values), request id `id`, read, laid out and
+    /// written here ([`fast`]) as one message of at most `max_bytes`: the
+    /// number of rows stored when stowd answers put_ok for all of them,
+    /// else the reply's frames (for the caller to read: an error); or
+    /// None, with nothing sent, when the arguments are not plainly that
+    /// (for the caller's general path). Raises TimeoutError and
+    /// ConnectionError as `send` (the connection is dropped).
+    fn put_fast<'py>(
+        &mut self,
+        py: Python<'py>,
+        id: u64,
+        indexes: &Bound<'py, PyAny>,
+        data: &Bound<'py, PyAny>,
+        timeout: f64,
+        max_bytes: usize,
+    ) -> PyResult<Option<Bound<'py, PyAny>>> {
+        let deadline = deadline_in(timeout);
+        let Some(rows) = self.put_begin(py, id, indexes, data, deadline, max_bytes)? else {
+            return Ok(None);
+        };
+        self.put_end(py, id, rows, deadline).map(Some)
+    }
+
+    /// A clear of `indexes` (as `get_fast` reads them) and `fields` (None:
+    /// every field), request id `id`: the number of values cleared, else
+    /// the reply's frames (for the caller to read); or None, nothing sent,
+    /// for the general path.
+    #[pyo3(signature = (id, indexes, fields, timeout))]
+    fn clear_fast<'py>(
+        &mut self,
+        py: Python<'py>,
+        id: u64,
+        indexes: &Bound<'py, PyAny>,
+        fields: Option<&Bound<'py, PyAny>>,
+        timeout: f64,
+    ) -> PyResult<Option<Bound<'py, PyAny>>> {
+        let names = match fields {
+            None => None,
+            Some(f) => match fast::read_names(f) {
+                Some(names) => Some(names),
+                None => return Ok(None),
+            },
+        };
+        let Some(read) = indexes::read_indexes(indexes) else {
+            return Ok(None);
+        };
+        let head = native::RequestHead::Other(native::Op::Clear {
+            global_indexes: read.into_vec(),
+            fields: names,
+        });
+        let Ok(frame0) = native::encode_request_head(id, &head) else {
+            return Ok(None);
+        };
+        let deadline = deadline_in(timeout);
+        let reply = py.detach(|| self.exchange(deadline, |s| send(s, &frame0, &[])))?;
+        let mut cleared = 0u64;
+        let got = settled(
+            py,
+            id,
+            reply,
+            |r| match r {
+                native::Reply::ClearOk { cleared: c } => {
+                    cleared = *c;
+                    true
+                }
+                _ => false,
+            },
+            0,
+        )?;
+        if got.is_instance_of::<PyInt>() {
+            return Ok(Some(cleared.into_pyobject(py)?.into_any()));
+        }
+        Ok(Some(got))
+    }
+
+    /// Sends the request `frame0` with its data `frames` and reads the whole
+    /// reply: its frames as bytes, frame 0 first. Each data frame is a
+    /// C-contiguous buffer (an array of any dtype, a memoryview, bytes) or a
+    /// list of them, sent back to back as one frame; their bytes go to the
+    /// socket from where they lie, with the GIL released (nothing is joined).
+    /// Raises TimeoutError and ConnectionError as `get` (the connection is
+    /// dropped).
+    fn send<'py>(
+        &mut self,
+        py: Python<'py>,
+        frame0: &[u8],
+        frames: Vec<Bound<'py, PyAny>>,
+        timeout: f64,
+    ) -> PyResult<Vec<Bound<'py, PyBytes>>> {
+        let mut held = Vec::with_capacity(frames.len());
+        let counts = hold_frames(&frames, &mut held)?;
+        let mut pieces = held.iter().map(Held::bytes);
+        let frames: Vec<Vec<&[u8]>> = counts
+            .iter()
+            .map(|&k| pieces.by_ref().take(k).collect())
+            .collect();
+        let deadline = deadline_in(timeout);
+        // The buffers stay held (`held`) while the GIL is released.
+        let reply = py.detach(|| self.exchange(deadline, |s| send(s, frame0, &frames)));
+        drop(frames);
+        drop(held);
+        Ok(reply?.iter().map(|f| PyBytes::new(py, f)).collect())
+    }
+
+    /// Several requests with their data frames (each a list of `send`'s
+    /// `frames`), sent with two on the wire. Returns `(replies, failure)`:
+    /// the replies in order (all of them, or up to the first error and the
+    /// reply to the one request sent after it), and `None`, or the
+    /// exception `send` would have raised (TimeoutError, ConnectionError,
+    /// ProtocolViolation; the connection dropped) after the replies read
+    /// before it. `timeout` holds for each request as for `send`'s one.
+    #[allow(clippy::type_complexity)]
+    fn send_many<'py>(
+        &mut self,
+        py: Python<'py>,
+        messages: Vec<(Vec<u8>, Vec<Bound<'py, PyAny>>)>,
+        timeout: f64,
+    ) -> PyResult<(Vec<Vec<Bound<'py, PyBytes>>>, Option<Bound<'py, PyAny>>)> {
+        let mut held = Vec::new();
+        let mut shapes = Vec::with_capacity(messages.len());
+        for (_, frames) in &messages {
+            shapes.push(hold_frames(frames, &mut held)?);
+        }
+        let mut pieces = held.iter().map(Held::bytes);
+        let plan: Vec<Outgoing<'_>> = messages
+            .iter()
+            .zip(&shapes)
+            .map(|((frame0, _), counts)| {
+                let frames = counts
+                    .iter()
+                    .map(|&k| pieces.by_ref().take(k).collect())
+                    .collect();
+                (frame0.as_slice(), frames)
+            })
+            .collect();
+        let each = Duration::from_secs_f64(timeout.max(0.0));
+        let deadline = Instant::now() + each;
+        let mut replies = Vec::new();
+        // The buffers stay held (`held`) while the GIL is released.
+        let done =
+            py.detach(|| self.exchange(deadline, |s| send_pipelined(s, &plan, each, &mut replies)));
+        drop(plan);
+        drop(held);
+        let replies = replies
+            .iter()
+            .map(|r| r.iter().map(|f| PyBytes::new(py, f)).collect())
+            .collect();
+        let failure = done.err().map(|f| PyErr::from(f).into_value(py).into_any());
+        Ok((replies, failure.map(|e| e.into_bound(py))))
+    }
+
+    /// The first half of `put_fast`, for an event loop that awaits the
+    /// reply itself: the put read, laid out and written (the connection
+    /// made first if there is none); the rows it carries, or None with
+    /// nothing sent. Then `reply_ready`, `fileno` and `finish_put`.
+    fn start_put(
+        &mut self,
+        py: Python<'_>,
+        id: u64,
+        indexes: &Bound<'_, PyAny>,
+        data: &Bound<'_, PyAny>,
+        timeout: f64,
+        max_bytes: usize,
+    ) -> PyResult<Option<u64>> {
+        let deadline = deadline_in(timeout);
+        self.put_begin(py, id, indexes, data, deadline, max_bytes)
+    }
+
+    /// The second half of `put_fast` (after `start_put` of `rows` rows,
+    /// request id `id`): what `put_fast` returns.
+    fn finish_put<'py>(
+        &mut self,
+        py: Python<'py>,
+        id: u64,
+        rows: u64,
+        timeout: f64,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let deadline = deadline_in(timeout);
+        self.put_end(py, id, rows, deadline)
+    }
+
+    /// The first half of `get_fast`: the request written, how many indexes
+    /// it asks for, or None with nothing sent. Then `finish_get`.
+    #[pyo3(signature = (id, indexes, fields, timeout, ranges = true))]
+    fn start_get(
+        &mut self,
+        py: Python<'_>,
+        id: u64,
+        indexes: &Bound<'_, PyAny>,
+        fields: &Bound<'_, PyAny>,
+        timeout: f64,
+        ranges: bool,
+    ) -> PyResult<Option<u64>> {
+        let Some((n, _, head)) = fast::get_head(indexes, fields, ranges) else {
+            return Ok(None);
+        };
+        let Ok(frame0) = native::encode_request_head(id, &head) else {
+            return Ok(None);
+        };
+        let deadline = deadline_in(timeout);
+        py.detach(|| self.begin(deadline, &frame0, &[]))?;
+        Ok(Some(n))
+    }
+
+    /// The second half of `get_fast`: what `get_arrays` returns.
+    fn finish_get<'py>(
+        &mut self,
+        py: Python<'py>,
+        timeout: f64,
+        dtypes: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let deadline = deadline_in(timeout);
+        let got = py.detach(|| self.resume(deadline, get_reply))?;
+        arrays(py, got, dtypes)
+    }
+
+    /// Whether the connection is made (a call then starts without
+    /// connecting first).
+    #[getter]
+    fn connected(&self) -> bool {
+        self.tcp.is_some()
+    }
+
+    /// The socket's descriptor (None: no connection), for an event loop
+    /// to await the reply to a started call on.
+    fn fileno(&self) -> Option<i32> {
+        self.tcp
+            .as_ref()
+            .map(|s| std::os::fd::AsRawFd::as_raw_fd(&s.tcp))
+    }
+
+    /// Whether the whole reply to a started call has arrived, so that
+    /// `finish_*` reads it without waiting (also true when the connection
+    /// broke, or there is none: `finish_*` then says so).
+    fn reply_ready(&mut self) -> bool {
+        self.tcp.as_mut().is_none_or(Stream::message_waiting)
+    }
+
+    /// Drops the connection (the next call makes a new one).
+    fn close(&mut self) {
+        self.tcp = None;
+    }
+}
+
+/// A reply read whole, for `put_fast` and `clear_fast`: `ok` (an int) when
+/// it is one frame answering request `id` with a reply `expected` takes,
+/// else its frames as bytes for the caller to read and word.
+fn settled<'py>(
+    py: Python<'py>,
+    id: u64,
+    reply: Vec<Vec<u8>>,
+    mut expected: impl FnMut(&native::Reply) -> bool,
+    ok: u64,
+) -> PyResult<Bound<'py, PyAny>> {
+    if reply.len() == 1 {
+        let head = Bytes::copy_from_slice(&reply[0]);
+        if let Ok((rid, ReplyLayout::Other(r))) = native::decode_reply_layout(&head, &REPLY_LIMITS)
+            && rid == id
+            && expected(&r)
+            && native::decode_extras(&head, &REPLY_LIMITS)
+                .is_ok_and(|e| e == native::Extras::default())
+        {
+            return Ok(ok.into_pyobject(py)?.into_any());
+        }
+    }
+    let frames: Vec<Bound<'py, PyBytes>> = reply.iter().map(|f| PyBytes::new(py, f)).collect();
+    Ok(PyList::new(py, frames)?.into_any())
+}

@@ -1,0 +1,173 @@
+//! A reply's data received in place: its frame 0 decoded to a layout
+//! ([`read_head`]), then each data frame's ranges read from the socket
+//! straight to their places ([`read_frames`]: no buffer of a frame's size)
+//! and checked against the frames that came.
+
+use bytes::Bytes;
+use stowage_wire::native::{self, FieldLayout, ReplyLayout, layout};
+
+use crate::error::Fail;
+use crate::message::{REPLY_LIMITS, check_frame_count};
+use crate::stream::Stream;
+
+/// The places of each data frame, by frame number (1-based; a number no
+/// frame has is reported by `check_frames` once the reply is read).
+pub(crate) type Places = std::collections::BTreeMap<u64, Vec<Place>>;
+
+/// Where one range of a data frame goes: `len` bytes at `offset` of the
+/// frame into `dest` (an address in a caller's array).
+#[derive(Clone, Copy)]
+pub(crate) struct Place {
+    pub(crate) offset: u64,
+    pub(crate) len: u64,
+    pub(crate) dest: usize,
+}
+
+/// A reply that is not a readable get_ok: its frame 0, and why this codec
+/// refused it (None: another reply, such as an error).
+pub(crate) type Other = (Vec<u8>, Option<String>);
+
+/// A get_ok's frame 0: its fields' layout, whether data frames follow,
+/// and the frame itself.
+pub(crate) type Head = (Vec<(String, FieldLayout)>, bool, Bytes);
+
+/// Reads a reply's frame 0: a get_ok's layout, or (the rest drained) any
+/// other reply.
+pub(crate) fn read_head(s: &mut Stream) -> Result<Result<Head, Other>, Fail> {
+    let (head, more) = s.head()?;
+    let head = Bytes::from(head);
+    match native::decode_reply_layout(&head, &REPLY_LIMITS) {
+        Ok((_, ReplyLayout::GetOk(fields))) => Ok(Ok((fields, more, head))),
+        // Another reply, or one this codec refuses: the caller decodes
+        // frame 0 and says what it is.
+        other => {
+            drain(s, more)?;
+            Ok(Err((head.to_vec(), other.err().map(|e| e.to_string()))))
+        }
+    }
+}
+
+/// Reads one data frame of `size` bytes into its places (sorted by
+/// offset, each inside the frame), in one pass over the stream with no
+/// buffer of the frame's size: bytes not read yet go from the socket
+/// straight to their place; bytes a place shares with earlier ones (a get
+/// that names an index twice, or runs of rows that overlap) are copied from
+/// where they were read to.
+fn read_ranges(s: &mut Stream, places: &[Place], size: u64) -> Result<(), Fail> {
+    // The disjoint stretches read (or about to be) so far: (frame offset,
+    // len, where).
+    let mut read: Vec<(u64, u64, usize)> = Vec::new();
+    // Stretches that follow on from what was read, not read yet: read
+    // together, by one scattered read, before anything needs their bytes.
+    let mut pending: Vec<(usize, usize)> = Vec::new();
+    let flush = |s: &mut Stream, pending: &mut Vec<(usize, usize)>| {
+        // SAFETY: each pending stretch lies in a caller-owned destination
+        // checked against the layout before any read, and no two overlap.
+        let r = unsafe { s.read_scattered(pending) };
+        pending.clear();
+        r
+    };
+    let mut pos = 0u64;
+    for p in places {
+        let end = p.offset + p.len;
+        // The part already read: copied from each stretch that holds it.
+        let shared_end = end.min(pos);
+        if p.offset < shared_end {
+            flush(s, &mut pending)?;
+            let first = read.partition_point(|r| r.0 + r.1 <= p.offset);
+            for &(at, len, dest) in &read[first..] {
+                if at >= shared_end {
+                    break;
+                }
+                let from = at.max(p.offset);
+                let to = (at + len).min(shared_end);
+                // SAFETY: both ranges lie in caller-owned destinations
+                // checked against the layout before any read; a stretch
+                // read earlier and this place never share bytes (a place
+                // is a distinct row range of a field's destination).
+                unsafe {
+                    std::ptr::copy(
+                        (dest + (from - at) as usize) as *const u8,
+                        (p.dest + (from - p.offset) as usize) as *mut u8,
+                        (to - from) as usize,
+                    );
+                }
+            }
+        }
+        // The part not read yet: from the socket, straight into place.
+        let start = p.offset.max(pos);
+        if start < end {
+            if start > pos {
+                flush(s, &mut pending)?;
+                s.skip(start - pos)?;
+            }
+            let dest = p.dest + (start - p.offset) as usize;
+            pending.push((dest, (end - start) as usize));
+            read.push((start, end - start, dest));
+            pos = end;
+        }
+    }
+    flush(s, &mut pending)?;
+    s.skip(size - pos)
+}
+
+/// Reads the rest of a reply and throws it away.
+fn drain(s: &mut Stream, mut more: bool) -> Result<(), Fail> {
+    while more {
+        let h = s.header()?;
+        s.skip(h.size)?;
+        more = h.more;
+    }
+    Ok(())
+}
+
+/// A layout error in the Python client's words (its suite checks them).
+fn frames_error(e: &stowage_wire::native::Error) -> String {
+    use stowage_wire::native::Error as E;
+    match e.root() {
+        E::FrameOutOfRange { frame, data_frames } => {
+            format!("frame {frame} does not exist (the reply has {data_frames} data frames)")
+        }
+        E::RangeOutsideFrame {
+            frame,
+            offset,
+            len,
+            frame_len,
+        } => format!("range {offset}+{len} lies outside frame {frame} ({frame_len} bytes)"),
+        E::UnusedFrame(i) => format!("reply data frames [{i}] are referenced by no descriptor"),
+        other => other.to_string(),
+    }
+}
+
+/// Reads the data frames of a reply (`more`: frame 0 said more follow),
+/// each range straight to its place, then checks the ranges against the
+/// frames that came.
+pub(crate) fn read_frames(
+    s: &mut Stream,
+    mut more: bool,
+    places: &Places,
+    fields: &[(String, FieldLayout)],
+) -> Result<(), Fail> {
+    // The data frames, each read straight into its places.
+    let mut lens = Vec::new();
+    let mut k = 0usize;
+    while more {
+        let (m, size) = s.frame_header()?;
+        more = m;
+        lens.push(size);
+        check_frame_count(lens.len() + 1)?;
+        let mut mine = places.get(&(k as u64 + 1)).cloned().unwrap_or_default();
+        mine.sort_by_key(|p| p.offset);
+        if mine
+            .iter()
+            .any(|p| p.offset.checked_add(p.len).is_none_or(|e| e > size))
+        {
+            // Reported by check_frames below, after the frame is drained.
+            s.skip(size)?;
+        } else {
+            read_ranges(s, &mine, size)?;
+        }
+        k += 1;
+    }
+    layout::check_frames(fields, &lens).map_err(|e| Fail::Protocol(frames_error(&e)))
+}

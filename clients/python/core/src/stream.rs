@@ -1,0 +1,424 @@
+//! The socket reader and writer: [`Stream`], a deadline-bound TCP stream
+//! with a read-ahead buffer. It reads ZMTP frame headers (parsed in place
+//! by stowd's framer, [`stowage_transport::frame`]) and frame bytes, long
+//! stretches straight from the socket to where they belong, and writes
+//! with `sendmsg` without blocking. What the bytes mean is the callers'
+//! ([`crate::message`], [`crate::receive`]).
+
+use std::io::IoSlice;
+use std::net::TcpStream;
+use std::time::{Duration, Instant};
+
+use stowage_transport::frame::{self, Decoded};
+
+use crate::error::Fail;
+use crate::wait::{Spin, wait};
+
+/// Largest frame 0 accepted (a get_ok's descriptors; stowd's own limit on
+/// a message's frame 0 is the same order).
+pub(crate) const MAX_FRAME0: u64 = 256 << 20;
+
+/// Most slices one `writev` takes (Linux's IOV_MAX): a request is written
+/// in batches of at most this many.
+pub(crate) const IOV_MAX: usize = 1024;
+
+/// Bytes of the read-ahead buffer: a reply's frame headers, frame 0 and
+/// small data frames come out of it, several per `recv`.
+const AHEAD: usize = 64 << 10;
+
+/// A deadline-bound stream. Reads go through a small read-ahead buffer,
+/// filled by a `recv` that does not block (and a `poll` until the deadline
+/// when nothing has come yet), except long stretches (at least half of
+/// it, one place or many that follow on from each other), which go from
+/// the socket straight to where they belong with `MSG_WAITALL`, the
+/// socket's receive timeout set to the time left.
+///
+/// Why: a small get used to cost the client 22 system calls (each read
+/// armed with two `setsockopt` for its timeout, a frame header read a byte
+/// or eight at a time, the socket switched to non-blocking and back around
+/// each send); now it is a `sendmsg`, a `recv` that finds nothing yet, a
+/// `poll` and one `recv` of the whole reply (docs/benchmarks.md, "A 1-row
+/// get"). Bulk reads stay blocking: a non-blocking read loop (`recv` until
+/// `EAGAIN`, then `poll`) took a 1 GiB get_into at 2.45-2.91 GB/s where
+/// the blocking one took 2.83-3.08 (one-off check, alternating).
+pub(crate) struct Stream {
+    pub(crate) tcp: TcpStream,
+    pub(crate) deadline: Instant,
+    spin: Spin,
+    /// Read ahead: bytes `pos..end` are received and not yet taken.
+    ahead: Box<[u8]>,
+    pos: usize,
+    end: usize,
+}
+
+impl Stream {
+    pub(crate) fn new(tcp: TcpStream, deadline: Instant, spin: Duration) -> Stream {
+        Stream {
+            tcp,
+            deadline,
+            spin: Spin::new(spin),
+            ahead: vec![0u8; AHEAD].into_boxed_slice(),
+            pos: 0,
+            end: 0,
+        }
+    }
+
+    /// The time left before the deadline (a timeout once none is).
+    fn left(&self) -> Result<Duration, Fail> {
+        self.deadline
+            .checked_duration_since(Instant::now())
+            .filter(|d| !d.is_zero())
+            .ok_or_else(|| Fail::Timeout("no reply within the timeout".into()))
+    }
+
+    fn io(e: std::io::Error) -> Fail {
+        match e.kind() {
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
+                Fail::Timeout("no reply within the timeout".into())
+            }
+            std::io::ErrorKind::UnexpectedEof => Fail::Io("stowd closed the connection".into()),
+            _ => Fail::Io(e.to_string()),
+        }
+    }
+
+    /// Fills the read-ahead buffer with whatever comes first (waiting in
+    /// `poll` until the deadline if nothing has come yet).
+    fn fill(&mut self) -> Result<(), Fail> {
+        let fd = std::os::fd::AsRawFd::as_raw_fd(&self.tcp);
+        loop {
+            // SAFETY: `ahead` is valid for writes of its length for the call.
+            let n = unsafe {
+                libc::recv(
+                    fd,
+                    self.ahead.as_mut_ptr().cast(),
+                    self.ahead.len(),
+                    libc::MSG_DONTWAIT,
+                )
+            };
+            match n {
+                0 => return Err(Fail::Io("stowd closed the connection".into())),
+                n if n > 0 => {
+                    (self.pos, self.end) = (0, n as usize);
+                    return Ok(());
+                }
+                _ => match std::io::Error::last_os_error() {
+                    e if e.kind() == std::io::ErrorKind::Interrupted => {}
+                    e if e.kind() == std::io::ErrorKind::WouldBlock => {
+                        if !self.spin.wait(fd, self.deadline) {
+                            wait(
+                                &self.tcp,
+                                self.deadline,
+                                libc::POLLIN,
+                                "no reply within the timeout",
+                            )?
+                        }
+                    }
+                    e => return Err(Stream::io(e)),
+                },
+            }
+        }
+    }
+
+    /// One blocking `recvmsg(2)` with `MSG_WAITALL` into `iov`, the receive
+    /// timeout set to the time left: the bytes read (all of them unless
+    /// the deadline came first).
+    fn recv_all(&mut self, iov: &mut [libc::iovec]) -> Result<usize, Fail> {
+        loop {
+            let left = self.left()?;
+            self.tcp.set_read_timeout(Some(left)).map_err(Stream::io)?;
+            // SAFETY: an all-zero msghdr is valid (no name, no control data).
+            let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+            msg.msg_iov = iov.as_mut_ptr();
+            msg.msg_iovlen = iov.len() as _;
+            // SAFETY: every iovec names caller-owned writable bytes, alive
+            // for the call (`read_scattered`'s contract).
+            let n = unsafe {
+                libc::recvmsg(
+                    std::os::fd::AsRawFd::as_raw_fd(&self.tcp),
+                    &mut msg,
+                    libc::MSG_WAITALL,
+                )
+            };
+            match n {
+                0 => return Err(Fail::Io("stowd closed the connection".into())),
+                n if n > 0 => return Ok(n as usize),
+                _ => match std::io::Error::last_os_error() {
+                    // Interrupted, or the receive timeout: the deadline
+                    // decides, above.
+                    e if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::Interrupted | std::io::ErrorKind::WouldBlock
+                    ) => {}
+                    e => return Err(Stream::io(e)),
+                },
+            }
+        }
+    }
+
+    /// Reads the next bytes of the stream into `places`, (address, len)
+    /// pairs filled in order: first from the read-ahead buffer; then, while
+    /// at least half the read-ahead's size is still to come, straight into
+    /// the places, up to [`IOV_MAX`] of them a `recvmsg` (no copy, few
+    /// calls, however small each place); the last few bytes through the
+    /// read-ahead.
+    ///
+    /// # Safety
+    /// Each place must be writable bytes the caller owns, alive and
+    /// touched by nothing else for the call.
+    pub(crate) unsafe fn read_scattered(&mut self, places: &[(usize, usize)]) -> Result<(), Fail> {
+        let (mut i, mut off) = (0usize, 0usize);
+        let mut left: usize = places.iter().map(|p| p.1).sum();
+        while left > 0 {
+            let (dest, len) = places[i];
+            if off == len {
+                (i, off) = (i + 1, 0);
+                continue;
+            }
+            if self.pos < self.end {
+                let k = (self.end - self.pos).min(len - off);
+                // SAFETY: `dest + off .. + k` lies in the place (contract).
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        self.ahead.as_ptr().add(self.pos),
+                        (dest + off) as *mut u8,
+                        k,
+                    );
+                }
+                self.pos += k;
+                off += k;
+                left -= k;
+            } else if left >= AHEAD / 2 {
+                let mut iov: Vec<libc::iovec> = places[i..]
+                    .iter()
+                    .take(IOV_MAX)
+                    .map(|&(d, l)| libc::iovec {
+                        iov_base: d as *mut libc::c_void,
+                        iov_len: l,
+                    })
+                    .collect();
+                iov[0].iov_base = (dest + off) as *mut libc::c_void;
+                iov[0].iov_len = len - off;
+                let mut n = self.recv_all(&mut iov)?;
+                left -= n;
+                // Advance past the bytes read.
+                while n > 0 {
+                    let k = n.min(places[i].1 - off);
+                    off += k;
+                    n -= k;
+                    if off == places[i].1 && n > 0 {
+                        (i, off) = (i + 1, 0);
+                    }
+                }
+            } else {
+                self.fill()?;
+            }
+        }
+        Ok(())
+    }
+
+    pub(crate) fn read_exact(&mut self, buf: &mut [u8]) -> Result<(), Fail> {
+        // SAFETY: `buf` is ours, exclusively, for the call.
+        unsafe { self.read_scattered(&[(buf.as_mut_ptr() as usize, buf.len())]) }
+    }
+
+    pub(crate) fn write_all(&mut self, buf: &[u8]) -> Result<(), Fail> {
+        self.write_all_vectored(&mut [IoSlice::new(buf)])
+    }
+
+    /// Writes every byte of `slices` with `writev`, resuming after partial
+    /// writes: the socket non-blocking meanwhile, waiting in `poll` for
+    /// room (why: the module doc).
+    pub(crate) fn write_all_vectored(
+        &mut self,
+        mut slices: &mut [IoSlice<'_>],
+    ) -> Result<(), Fail> {
+        IoSlice::advance_slices(&mut slices, 0);
+        while !slices.is_empty() {
+            match self.send_vectored(slices) {
+                Ok(0) => return Err(Fail::Io("stowd closed the connection".into())),
+                Ok(n) => IoSlice::advance_slices(&mut slices, n),
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => wait(
+                    &self.tcp,
+                    self.deadline,
+                    libc::POLLOUT,
+                    "could not send within the timeout",
+                )?,
+                Err(e) => return Err(Stream::io(e)),
+            }
+        }
+        Ok(())
+    }
+
+    /// `sendmsg(2)` of `slices` that does not block (`MSG_DONTWAIT`, so the
+    /// socket's own mode is never switched: two `ioctl`s a call fewer) and
+    /// never raises SIGPIPE: the bytes taken, or the error.
+    fn send_vectored(&self, slices: &[IoSlice<'_>]) -> std::io::Result<usize> {
+        // SAFETY: an all-zero msghdr is valid (no name, no control data).
+        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+        // IoSlice is ABI-compatible with iovec on Unix (std guarantees it).
+        msg.msg_iov = slices.as_ptr() as *mut libc::iovec;
+        msg.msg_iovlen = slices.len().min(IOV_MAX) as _;
+        // SAFETY: `msg` points at `slices`, alive and unchanged for the call.
+        let n = unsafe {
+            libc::sendmsg(
+                std::os::fd::AsRawFd::as_raw_fd(&self.tcp),
+                &msg,
+                libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
+            )
+        };
+        if n < 0 {
+            Err(std::io::Error::last_os_error())
+        } else {
+            Ok(n as usize)
+        }
+    }
+
+    /// Reads and throws away `n` bytes.
+    /// (Through the read-ahead buffer: no scratch buffer to clear per call,
+    /// which cost a small get a 64 KiB memset when it skipped nothing.)
+    pub(crate) fn skip(&mut self, mut n: u64) -> Result<(), Fail> {
+        loop {
+            let k = ((self.end - self.pos) as u64).min(n);
+            self.pos += k as usize;
+            n -= k;
+            if n == 0 {
+                return Ok(());
+            }
+            self.fill()?;
+        }
+    }
+
+    /// Whether a whole message has arrived and is waiting to be read
+    /// (in the read-ahead buffer and the socket's), so that reading it
+    /// does not block: its frame headers walked in a peek. True as well
+    /// when the socket is closed or failed (the read then says so); false
+    /// when more than [`PEEK_MAX`] bytes wait (a large reply, for a
+    /// reader that may wait).
+    pub(crate) fn message_waiting(&mut self) -> bool {
+        let fd = std::os::fd::AsRawFd::as_raw_fd(&self.tcp);
+        let mut queued: libc::c_int = 0;
+        // SAFETY: FIONREAD writes one int.
+        if unsafe { libc::ioctl(fd, libc::FIONREAD, &mut queued) } != 0 {
+            return true;
+        }
+        let queued = queued.max(0) as usize;
+        if queued > PEEK_MAX {
+            return false;
+        }
+        let mut bytes = self.ahead[self.pos..self.end].to_vec();
+        if queued > 0 {
+            let at = bytes.len();
+            bytes.resize(at + queued, 0);
+            // SAFETY: `queued` writable bytes at `at`.
+            let n = unsafe {
+                libc::recv(
+                    fd,
+                    bytes.as_mut_ptr().add(at).cast(),
+                    queued,
+                    libc::MSG_DONTWAIT | libc::MSG_PEEK,
+                )
+            };
+            if n <= 0 {
+                return n == 0
+                    || std::io::Error::last_os_error().kind() != std::io::ErrorKind::WouldBlock;
+            }
+            bytes.truncate(at + n as usize);
+        } else {
+            // Nothing queued: a closed socket reads as readable, with 0 bytes.
+            let mut b = 0u8;
+            // SAFETY: a peek of at most one byte into `b`.
+            let n = unsafe {
+                libc::recv(
+                    fd,
+                    (&mut b as *mut u8).cast(),
+                    1,
+                    libc::MSG_DONTWAIT | libc::MSG_PEEK,
+                )
+            };
+            if n == 0
+                || (n < 0
+                    && std::io::Error::last_os_error().kind() != std::io::ErrorKind::WouldBlock)
+            {
+                return true;
+            }
+        }
+        frame::message_complete(&bytes)
+    }
+
+    /// A frame header ([`frame::parse_header`]), parsed in place in the
+    /// read-ahead buffer; one split across two reads is gathered in a
+    /// stack buffer.
+    pub(crate) fn header(&mut self) -> Result<frame::Header, Fail> {
+        loop {
+            match frame::parse_header(&self.ahead[self.pos..self.end]) {
+                Ok(Decoded::Done(h)) => {
+                    self.pos += h.header_len;
+                    return Ok(h);
+                }
+                Ok(Decoded::Needs(_)) if self.pos == self.end => self.fill()?,
+                Ok(Decoded::Needs(_)) => return self.header_split(),
+                Err(e) => return Err(header_fail(e)),
+            }
+        }
+    }
+
+    /// [`Stream::header`] of a header whose first bytes end the read-ahead.
+    fn header_split(&mut self) -> Result<frame::Header, Fail> {
+        let mut b = [0u8; frame::MAX_HEADER];
+        let mut have = 0;
+        loop {
+            match frame::parse_header(&b[..have]) {
+                Ok(Decoded::Done(h)) => return Ok(h),
+                Ok(Decoded::Needs(n)) => {
+                    self.read_exact(&mut b[have..n])?;
+                    have = n;
+                }
+                Err(e) => return Err(header_fail(e)),
+            }
+        }
+    }
+
+    /// A reply's frame header (a command there breaks the protocol): (more,
+    /// size).
+    pub(crate) fn frame_header(&mut self) -> Result<(bool, u64), Fail> {
+        match self.header()? {
+            frame::Header { command: true, .. } => {
+                Err(Fail::Protocol("a command frame inside a reply".into()))
+            }
+            h => Ok((h.more, h.size)),
+        }
+    }
+
+    /// A reply's frame 0 (at most [`MAX_FRAME0`] bytes), and whether data
+    /// frames follow.
+    pub(crate) fn head(&mut self) -> Result<(Vec<u8>, bool), Fail> {
+        let (more, size) = self.frame_header()?;
+        Ok((self.small_frame(size, MAX_FRAME0, "frame 0")?, more))
+    }
+
+    /// A whole frame of at most `max` bytes into a new buffer.
+    pub(crate) fn small_frame(&mut self, size: u64, max: u64, what: &str) -> Result<Vec<u8>, Fail> {
+        if size > max {
+            return Err(Fail::Protocol(format!(
+                "{what} of {size} bytes (at most {max})"
+            )));
+        }
+        let mut out = vec![0u8; size as usize];
+        self.read_exact(&mut out)?;
+        Ok(out)
+    }
+}
+
+/// A frame header the framer refused, in the client's words.
+fn header_fail(e: frame::FrameError) -> Fail {
+    match e {
+        frame::FrameError::ReservedFlags(f) => {
+            Fail::Protocol(format!("reserved frame flags {f:#04x}"))
+        }
+        e => Fail::Protocol(e.to_string()),
+    }
+}
+
+/// Most bytes [`Stream::message_waiting`] peeks at.
+const PEEK_MAX: usize = 4 << 20;

@@ -1,0 +1,237 @@
+//! One client connection of a server: the handshake, then requests read
+//! (the next one while one is handled, no further), handed to the
+//! [`Service`] and answered in order, each reply (and its tail) written
+//! within the write timeout.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use bytes::Bytes;
+use tokio::io::WriteHalf;
+use tokio::sync::watch;
+
+use crate::limits::Limits;
+use crate::message::{Chunk, Message, Tail};
+use crate::pool::ReceivePool;
+use crate::service::{BoxFuture, Caller, Service};
+use crate::socket::BoxStream;
+use crate::zmtp::{self, FrameReader, Incoming, ZmtpError};
+use crate::{frame, table};
+
+/// One client connection: handshake, then request, reply, request, ...,
+/// with the next request read while one is handled.
+#[allow(clippy::too_many_arguments)]
+pub(crate) async fn connection(
+    stream: BoxStream,
+    service: Arc<dyn Service>,
+    limits: Limits,
+    mut shutdown: watch::Receiver<bool>,
+    next_id: Arc<AtomicU32>,
+    pool: Option<Arc<ReceivePool>>,
+    activity: &Arc<table::Activity>,
+    connection: u64,
+) {
+    let (reader, mut writer) = tokio::io::split(stream);
+    let reader = table::Tracked::new(reader, activity.clone());
+    let mut reader = FrameReader::with_pool(reader, pool);
+    let shake = zmtp::handshake(
+        &mut reader,
+        &mut writer,
+        "ROUTER",
+        b"",
+        &["DEALER", "REQ", "ROUTER"],
+    );
+    let peer = match tokio::time::timeout(limits.handshake_timeout, shake).await {
+        Ok(Ok(p)) => p,
+        Ok(Err(e)) => return tracing::debug!(error = %e, "handshake failed"),
+        Err(_) => {
+            return tracing::debug!(timeout = ?limits.handshake_timeout, "handshake timed out");
+        }
+    };
+    let identity = if peer.identity.is_empty() {
+        // As libzmq does: a zero byte then a 32-bit counter.
+        let n = next_id.fetch_add(1, Ordering::Relaxed);
+        let mut id = vec![0u8];
+        id.extend_from_slice(&n.to_be_bytes());
+        Bytes::from(id)
+    } else {
+        peer.identity
+    };
+    let caller = Caller {
+        connection,
+        identity: identity.clone(),
+    };
+    // The next message is read while one is handled (a client may send it
+    // before the reply, as the Python client's puts of several messages
+    // do), never more than one: the reader takes a slot of the channel
+    // before it reads, and the slot is free only once the loop below has
+    // taken the message before. Requests are still handled, and answered,
+    // one at a time and in order.
+    let (ahead, mut incoming_rx) = tokio::sync::mpsc::channel(1);
+    let read_limits = limits.receive;
+    let _reading = AbortOnDrop(tokio::spawn(async move {
+        loop {
+            let Ok(slot) = ahead.reserve().await else {
+                return;
+            };
+            let r = reader.read(&read_limits).await;
+            let last = !matches!(r, Ok(Some(_)));
+            slot.send(r);
+            if last {
+                return;
+            }
+        }
+    }));
+    loop {
+        let incoming = tokio::select! {
+            r = incoming_rx.recv() => r.unwrap_or(Ok(None)),
+            _ = shutdown.changed() => return,
+        };
+        let reply = match incoming {
+            Ok(None) => return,
+            Err(e) => return log_end(&e),
+            Ok(Some(Incoming::Command { name, body })) => {
+                if name == "PING" && reply_pong(&mut writer, &body, &limits).await.is_err() {
+                    return;
+                }
+                continue;
+            }
+            Ok(Some(Incoming::Message(frames))) => {
+                activity.set_busy(true);
+                service.clone().handle(caller.clone(), frames).await
+            }
+            Ok(Some(Incoming::TooLarge { head, reason })) => {
+                activity.set_busy(true);
+                tracing::info!(identity = %String::from_utf8_lossy(&identity), %reason, "request refused unread");
+                service.clone().reject(caller.clone(), head, reason).await
+            }
+        };
+        let Some(reply) = reply.filter(|r| !r.is_empty()) else {
+            activity.set_busy(false);
+            continue;
+        };
+        let mut tail = reply.tail.as_ref().and_then(Tail::take);
+        let mut write = write_within(&mut writer, &limits, &identity, &reply).await;
+        while write.is_ok()
+            && let Some(rx) = tail.as_mut()
+        {
+            match rx.recv().await {
+                Some(Ok(chunk)) => {
+                    let more = !chunk.last;
+                    write = write_within(&mut writer, &limits, &identity, &chunk).await;
+                    if !more {
+                        tail = None;
+                    }
+                }
+                why => {
+                    let why = match why {
+                        Some(Err(why)) => why,
+                        _ => "its sender ended before the last frame".into(),
+                    };
+                    return tracing::warn!(
+                        identity = %String::from_utf8_lossy(&identity),
+                        reason = %why,
+                        "a reply begun could not be finished: connection dropped"
+                    );
+                }
+            }
+        }
+        match write {
+            Ok(()) => activity.set_busy(false),
+            Err(()) => return,
+        }
+    }
+}
+
+/// Something a connection writes: a message's first frames or a tail's
+/// chunk.
+trait Writable: Sync {
+    fn write_to<'a>(
+        &'a self,
+        w: &'a mut WriteHalf<BoxStream>,
+    ) -> BoxFuture<'a, std::io::Result<()>>;
+}
+
+impl Writable for Message {
+    fn write_to<'a>(
+        &'a self,
+        w: &'a mut WriteHalf<BoxStream>,
+    ) -> BoxFuture<'a, std::io::Result<()>> {
+        Box::pin(self.write(w))
+    }
+}
+
+impl Writable for Chunk {
+    fn write_to<'a>(
+        &'a self,
+        w: &'a mut WriteHalf<BoxStream>,
+    ) -> BoxFuture<'a, std::io::Result<()>> {
+        Box::pin(zmtp::write_gathered_more(
+            w,
+            &self.parts,
+            &self.per_frame,
+            !self.last,
+        ))
+    }
+}
+
+/// Writes `what` within the write timeout; `Err` (logged) if the
+/// connection is to be dropped.
+async fn write_within(
+    writer: &mut WriteHalf<BoxStream>,
+    limits: &Limits,
+    identity: &[u8],
+    what: &(dyn Writable + Sync),
+) -> Result<(), ()> {
+    match tokio::time::timeout(limits.write_timeout, what.write_to(writer)).await {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(e)) => {
+            tracing::debug!(error = %e, "reply could not be sent (client gone?)");
+            Err(())
+        }
+        Err(_) => {
+            tracing::warn!(
+                identity = %String::from_utf8_lossy(identity),
+                timeout = ?limits.write_timeout,
+                "client did not read its reply in time: connection dropped"
+            );
+            Err(())
+        }
+    }
+}
+
+/// A task aborted when this is dropped (a connection's reader, when the
+/// connection ends).
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+fn log_end(e: &ZmtpError) {
+    match e {
+        ZmtpError::Closed => tracing::debug!("client closed the connection mid-message"),
+        e => tracing::debug!(error = %e, "connection dropped"),
+    }
+}
+
+/// Answers a ZMTP 3.1 PING with its context.
+async fn reply_pong(
+    writer: &mut WriteHalf<BoxStream>,
+    ping: &[u8],
+    limits: &Limits,
+) -> Result<(), ()> {
+    use tokio::io::AsyncWriteExt;
+    let context = ping.get(2..).unwrap_or(&[]);
+    let pong = frame::command_frame("PONG", &context[..context.len().min(16)]);
+    let write = async {
+        writer.write_all(&pong).await?;
+        writer.flush().await
+    };
+    match tokio::time::timeout(limits.write_timeout, write).await {
+        Ok(Ok(())) => Ok(()),
+        _ => Err(()),
+    }
+}

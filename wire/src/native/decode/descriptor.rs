@@ -1,0 +1,331 @@
+//! Field descriptors (`regular`, `nested`, `values`): read and checked in
+//! themselves (kinds, keys, shapes, part and row lengths against the
+//! dtype, row sums), then resolved against the data frames into a
+//! [`WireField`], tensors as zero-copy slices of the frames.
+
+use std::collections::HashSet;
+
+use bytes::Bytes;
+
+use super::frames::Frames;
+use super::keys::{keyed, limit, need, unknown};
+use crate::batch::Value;
+use crate::msgpack::{NATIVE_MAX_DEPTH as MAX_DEPTH, Reader};
+use crate::native::layout::{FieldLayout, PartLayout as PartDesc, RowLayout as RowDesc};
+use crate::native::{Error, Limits, MAX_DIMS, RegularParts, WireField, dtype_from_name};
+use crate::tensor::{Dtype, Tensor, contiguous_len};
+
+/// A `{name: descriptor}` map (put and get_ok).
+pub(super) fn field_map(
+    r: &mut Reader<'_>,
+    data: &mut Frames<'_>,
+    limits: &Limits,
+) -> Result<Vec<(String, WireField)>, Error> {
+    named_map(r, limits, |r| descriptor(r, data, limits))
+}
+
+/// A map of distinct field names to what `one` reads for each (at most
+/// `max_fields` of them).
+pub(super) fn named_map<'a, T>(
+    r: &mut Reader<'a>,
+    limits: &Limits,
+    mut one: impl FnMut(&mut Reader<'a>) -> Result<T, Error>,
+) -> Result<Vec<(String, T)>, Error> {
+    let n = r.map_len("fields")?;
+    limit("fields", n, limits.max_fields)?;
+    let mut seen = HashSet::with_capacity(n);
+    let mut out = Vec::with_capacity(n);
+    for _ in 0..n {
+        let name = r.str("a field name")?;
+        if !seen.insert(name) {
+            return Err(Error::DuplicateField(name.to_owned()));
+        }
+        let field = one(r).map_err(|e| e.in_field(name))?;
+        out.push((name.to_owned(), field));
+    }
+    Ok(out)
+}
+
+/// A descriptor read and checked in itself: kinds, keys, shapes, part and
+/// row lengths against the dtype, row sums. Not yet resolved against the
+/// data frames.
+pub(super) fn parse_descriptor(
+    r: &mut Reader<'_>,
+    frame0: &Bytes,
+    limits: &Limits,
+) -> Result<FieldLayout, Error> {
+    const MAP: &str = "a descriptor";
+    let (mut kind, mut dtype, mut shape, mut parts, mut rows, mut values) =
+        (None, None, None, None, None, None);
+    keyed(
+        r,
+        MAP,
+        ["kind", "dtype", "shape", "parts", "rows", "values"],
+        |i, r| match i {
+            0 => r.str("kind").map(|v| kind = Some(v)).map_err(Error::from),
+            1 => r
+                .str("dtype")
+                .map_err(Error::from)
+                .and_then(dtype_from_name)
+                .map(|v| dtype = Some(v)),
+            2 => read_shape(r).map(|v| shape = Some(v)),
+            3 => part_list(r, limits).map(|v| parts = Some(v)),
+            4 => row_list(r, limits).map(|v| rows = Some(v)),
+            _ => value_list(r, frame0, limits).map(|v| values = Some(v)),
+        },
+    )?;
+    let kind = need(kind, MAP, "kind")?;
+    let allowed: &[&str] = match kind {
+        "regular" => &["dtype", "shape", "parts"],
+        "nested" => &["dtype", "rows"],
+        "values" => &["values"],
+        other => return Err(Error::UnknownKind(other.to_owned())),
+    };
+    let present = [
+        (dtype.is_some(), "dtype"),
+        (shape.is_some(), "shape"),
+        (parts.is_some(), "parts"),
+        (rows.is_some(), "rows"),
+        (values.is_some(), "values"),
+    ];
+    if let Some((_, key)) = present.iter().find(|(p, key)| *p && !allowed.contains(key)) {
+        return Err(unknown(MAP, key));
+    }
+    match kind {
+        "regular" => {
+            let (dtype, shape, parts) = (
+                need(dtype, MAP, "dtype")?,
+                need(shape, MAP, "shape")?,
+                need(parts, MAP, "parts")?,
+            );
+            check_regular(dtype, &shape, &parts, limits)?;
+            Ok(FieldLayout::Regular {
+                dtype,
+                shape,
+                parts,
+            })
+        }
+        "nested" => {
+            let (dtype, rows) = (need(dtype, MAP, "dtype")?, need(rows, MAP, "rows")?);
+            for row in &rows {
+                check_nested_row(dtype, row)?;
+            }
+            Ok(FieldLayout::Nested { dtype, rows })
+        }
+        _ => Ok(FieldLayout::Values(need(values, MAP, "values")?)),
+    }
+}
+
+fn descriptor(
+    r: &mut Reader<'_>,
+    data: &mut Frames<'_>,
+    limits: &Limits,
+) -> Result<WireField, Error> {
+    match parse_descriptor(r, data.frame0(), limits)? {
+        FieldLayout::Regular {
+            dtype,
+            shape,
+            parts,
+        } => regular(dtype, shape, parts, data),
+        FieldLayout::Nested { dtype, rows } => nested(dtype, rows, data),
+        FieldLayout::Values(values) => Ok(WireField::Values(values)),
+    }
+}
+
+/// The checks of a regular descriptor that need no data frame; returns
+/// the bytes of a row.
+fn check_regular(
+    dtype: Dtype,
+    shape: &[u64],
+    parts: &[PartDesc],
+    limits: &Limits,
+) -> Result<usize, Error> {
+    let Some((&n, row_shape)) = shape.split_first() else {
+        return Err(Error::BadShape {
+            shape: shape.to_vec(),
+            reason: "a regular field needs a row axis",
+        });
+    };
+    if n > limits.max_rows {
+        return Err(Error::TooLarge {
+            what: "rows",
+            value: n,
+            limit: limits.max_rows,
+        });
+    }
+    let row_bytes = contiguous_len(dtype, row_shape).map_err(|_| Error::BadShape {
+        shape: shape.to_vec(),
+        reason: "a row overflows the address space",
+    })?;
+    let mut sum = 0u64;
+    for p in parts {
+        if p.rows == 0 {
+            return Err(Error::EmptyPart);
+        }
+        let expected = u128::from(p.rows) * row_bytes as u128;
+        if expected != u128::from(p.len) {
+            return Err(Error::LengthMismatch {
+                len: p.len,
+                expected,
+            });
+        }
+        sum = match sum.checked_add(p.rows) {
+            Some(s) if s <= n => s,
+            _ => {
+                return Err(Error::RowSum {
+                    parts: sum.saturating_add(p.rows),
+                    rows: n,
+                });
+            }
+        };
+    }
+    if sum != n {
+        return Err(Error::RowSum {
+            parts: sum,
+            rows: n,
+        });
+    }
+    Ok(row_bytes)
+}
+
+/// The checks of a nested row that need no data frame.
+fn check_nested_row(dtype: Dtype, row: &RowDesc) -> Result<(), Error> {
+    let expected = contiguous_len(dtype, &row.shape).map_err(|_| Error::BadShape {
+        shape: row.shape.clone(),
+        reason: "overflows the address space",
+    })?;
+    if expected as u64 != row.len {
+        return Err(Error::LengthMismatch {
+            len: row.len,
+            expected: expected as u128,
+        });
+    }
+    Ok(())
+}
+
+/// A checked regular descriptor resolved against the data frames.
+fn regular(
+    dtype: Dtype,
+    shape: Vec<u64>,
+    parts: Vec<PartDesc>,
+    data: &mut Frames<'_>,
+) -> Result<WireField, Error> {
+    let row_shape = shape[1..].to_vec();
+    let mut out: Vec<(Bytes, u64)> = Vec::with_capacity(parts.len());
+    // (frame, start offset, end offset) of the last part kept, to merge the
+    // next one into it when it follows on directly.
+    let mut last: Option<(u64, u64, u64)> = None;
+    for p in &parts {
+        let bytes = data.slice(p.frame, p.offset, p.len)?;
+        match (last, out.last_mut()) {
+            (Some((frame, start, end)), Some(prev)) if frame == p.frame && end == p.offset => {
+                let end = p.offset + p.len;
+                *prev = (data.slice(frame, start, end - start)?, prev.1 + p.rows);
+                last = Some((frame, start, end));
+            }
+            _ => {
+                out.push((bytes, p.rows));
+                last = Some((p.frame, p.offset, p.offset + p.len));
+            }
+        }
+    }
+    Ok(WireField::Regular(RegularParts::new(
+        dtype, row_shape, out,
+    )?))
+}
+
+/// A checked nested descriptor resolved against the data frames.
+fn nested(dtype: Dtype, rows: Vec<RowDesc>, data: &mut Frames<'_>) -> Result<WireField, Error> {
+    let mut out = Vec::with_capacity(rows.len());
+    for row in rows {
+        let bytes = data.slice(row.frame, row.offset, row.len)?;
+        out.push(Tensor::contiguous(bytes, dtype, row.shape)?);
+    }
+    Ok(WireField::Nested(out))
+}
+
+fn read_shape(r: &mut Reader<'_>) -> Result<Vec<u64>, Error> {
+    let n = r.array_len("shape")?;
+    if n > MAX_DIMS {
+        return Err(Error::TooManyDims(n));
+    }
+    (0..n)
+        .map(|_| r.uint("a dimension").map_err(Error::from))
+        .collect()
+}
+
+fn part_list(r: &mut Reader<'_>, limits: &Limits) -> Result<Vec<PartDesc>, Error> {
+    const MAP: &str = "a part";
+    let n = r.array_len("parts")?;
+    limit("parts", n, limits.max_rows)?;
+    let mut out = Vec::with_capacity(n);
+    for _ in 0..n {
+        const KEYS: [&str; 4] = ["frame", "offset", "len", "rows"];
+        let mut v = [None; 4];
+        keyed(r, MAP, KEYS, |i, r| {
+            r.uint(KEYS[i]).map(|u| v[i] = Some(u)).map_err(Error::from)
+        })?;
+        let [frame, offset, len, rows] = v;
+        let (frame, offset) = (need(frame, MAP, "frame")?, need(offset, MAP, "offset")?);
+        out.push(PartDesc {
+            frame,
+            offset,
+            len: need(len, MAP, "len")?,
+            rows: need(rows, MAP, "rows")?,
+        });
+    }
+    Ok(out)
+}
+
+fn row_list(r: &mut Reader<'_>, limits: &Limits) -> Result<Vec<RowDesc>, Error> {
+    const MAP: &str = "a nested row";
+    let n = r.array_len("rows")?;
+    limit("rows", n, limits.max_rows)?;
+    let mut out = Vec::with_capacity(n);
+    for _ in 0..n {
+        const KEYS: [&str; 4] = ["shape", "frame", "offset", "len"];
+        let (mut shape, mut v) = (None, [None; 4]);
+        keyed(r, MAP, KEYS, |i, r| match i {
+            0 => read_shape(r).map(|s| shape = Some(s)),
+            _ => r.uint(KEYS[i]).map(|u| v[i] = Some(u)).map_err(Error::from),
+        })?;
+        let [_, frame, offset, len] = v;
+        let shape = need(shape, MAP, "shape")?;
+        let (frame, offset, len) = (
+            need(frame, MAP, "frame")?,
+            need(offset, MAP, "offset")?,
+            need(len, MAP, "len")?,
+        );
+        out.push(RowDesc {
+            shape,
+            frame,
+            offset,
+            len,
+        });
+    }
+    Ok(out)
+}
+
+/// `str` -> `Value::Str`, `bin` -> `Value::Bytes` (a slice of frame 0),
+/// anything else -> `Value::Msgpack` (its exact encoding, a slice).
+fn value_list(r: &mut Reader<'_>, frame0: &Bytes, limits: &Limits) -> Result<Vec<Value>, Error> {
+    let n = r.array_len("values")?;
+    limit("values", n, limits.max_rows)?;
+    let mut out = Vec::with_capacity(n);
+    for _ in 0..n {
+        let start = r.pos();
+        out.push(match r.str_or_bin()? {
+            Some((true, range)) => {
+                Value::Str(String::from_utf8(frame0[range].to_vec()).map_err(|_| {
+                    Error::Malformed {
+                        offset: start,
+                        reason: "invalid UTF-8 in a str",
+                    }
+                })?)
+            }
+            Some((false, range)) => Value::Bytes(frame0.slice(range)),
+            None => Value::Msgpack(frame0.slice(r.skip(MAX_DEPTH)?)),
+        });
+    }
+    Ok(out)
+}

@@ -1,0 +1,92 @@
+//! The envelope, `{"proto", "op", "id", "body"}` plus the shared-memory
+//! and peer keys ([`super::extras`] reads those): the message checked
+//! against the limits, the envelope read, the body left to the op's
+//! reader.
+
+use bytes::Bytes;
+
+use super::keys::{need, unknown};
+use crate::msgpack::{NATIVE_MAX_DEPTH as MAX_DEPTH, Reader};
+use crate::native::{Error, Limits, PROTO};
+
+/// Envelope and body nest this much deeper than an opaque value may.
+pub(super) const ENVELOPE_DEPTH: usize = MAX_DEPTH + 8;
+
+/// The `id` key of an envelope, if it can be read.
+pub(in crate::native) fn id(frame0: &[u8]) -> Option<u64> {
+    let mut r = Reader::new(frame0, 0);
+    for _ in 0..r.map_len("the envelope").ok()? {
+        if r.str("a key").ok()? == "id" {
+            return r.uint("id").ok();
+        }
+        r.skip(ENVELOPE_DEPTH).ok()?;
+    }
+    None
+}
+
+/// Checks the message against the limits, reads the envelope (keys in any
+/// order), and returns the id, the op and a reader positioned at the body.
+pub(super) fn envelope<'a>(
+    frames: &'a [Bytes],
+    limits: &Limits,
+) -> Result<(u64, &'a str, Reader<'a>), Error> {
+    const MAP: &str = "the envelope";
+    let frame0 = frames.first().ok_or(Error::NoFrames)?;
+    if frames.len() as u64 > limits.max_frames {
+        return Err(Error::TooLarge {
+            what: "frames",
+            value: frames.len() as u64,
+            limit: limits.max_frames,
+        });
+    }
+    let total = frames
+        .iter()
+        .fold(0u64, |sum, f| sum.saturating_add(f.len() as u64));
+    if total > limits.max_message_bytes {
+        return Err(Error::TooLarge {
+            what: "message bytes",
+            value: total,
+            limit: limits.max_message_bytes,
+        });
+    }
+    let mut r = Reader::new(frame0, 0);
+    let (mut proto, mut op, mut id, mut body, mut stray) = (None, None, None, None, None);
+    for _ in 0..r.map_len(MAP)? {
+        let key = r.str("an envelope key")?;
+        let dup = match key {
+            "proto" => proto.replace(r.str("proto")?).is_some(),
+            "op" => op.replace(r.str("op")?).is_some(),
+            "id" => id.replace(r.uint("id")?).is_some(),
+            "body" => body.replace(r.skip(ENVELOPE_DEPTH)?.start).is_some(),
+            // Shared-memory and peer keys: read by `extras`.
+            "segments" | "same_node" | "channel" | "unit" | "with_versions" | "incarnation"
+            | "versions" => r.skip(ENVELOPE_DEPTH).map(|_| false)?,
+            other => {
+                stray.get_or_insert(other);
+                r.skip(ENVELOPE_DEPTH).map(|_| false)?
+            }
+        };
+        if dup {
+            return Err(Error::DuplicateKey {
+                map: MAP,
+                key: key.to_owned(),
+            });
+        }
+    }
+    if r.remaining() > 0 {
+        return Err(r.malformed("trailing bytes after the envelope").into());
+    }
+    match need(proto, MAP, "proto")? {
+        PROTO => {}
+        other => return Err(Error::UnsupportedProto(other.to_owned())),
+    }
+    if let Some(key) = stray {
+        return Err(unknown(MAP, key));
+    }
+    let (op, id, body) = (
+        need(op, MAP, "op")?,
+        need(id, MAP, "id")?,
+        need(body, MAP, "body")?,
+    );
+    Ok((id, op, Reader::new(frame0, body)))
+}
