@@ -2,6 +2,7 @@
 //!
 //! | module | what it holds |
 //! |---|---|
+//! | [`auth`] | who may talk to the native endpoint: stowd's token (made once, mode 0600) and the ZMTP PLAIN authenticator over it and `[security] tokens` |
 //! | [`cache`] | the node-local read cache of peer units' rows: versions asked, only what changed fetched, one transfer shared by concurrent gets |
 //! | [`checkpoint`] | unit checkpoints on disk (safetensors files): TransferQueue's `SAVE_STORAGE_CHECKPOINT` and `LOAD_STORAGE_CHECKPOINT`, at a unit or the router |
 //! | [`config`] | the TOML configuration (`stowd.example.toml` lists every key) |
@@ -116,6 +117,7 @@
 //!   (`shm::channel`, `SCM_RIGHTS`) before the reply. The client maps them:
 //!   no byte of the rows crosses a socket.
 
+pub mod auth;
 pub mod cache;
 pub mod checkpoint;
 pub mod config;

@@ -36,6 +36,8 @@ pub enum BuildError {
     Checkpoint(String),
     #[error("cannot restore the checkpoint in {dir}: {reason}")]
     Restore { dir: String, reason: String },
+    #[error("[security] token_file: {0}")]
+    Token(String),
 }
 
 /// Everything a running `stowd` holds.
@@ -55,6 +57,10 @@ pub struct Node {
     pub manager: Arc<Manager>,
     /// Same-node segments, if `[shm] enabled`.
     pub segments: Option<Arc<SegmentStore>>,
+    /// stowd's own token, with `[security] auth = "token"`.
+    pub token: Option<String>,
+    /// What a native client must present, with `[security] auth = "token"`.
+    pub auth: Option<Arc<crate::auth::Tokens>>,
 }
 
 impl Node {
@@ -79,6 +85,20 @@ impl Node {
         let (capacity, bound) = config.units.unit_capacity();
         tracing::info!(capacity_per_unit = ?capacity, "unit capacity: {bound}");
         let roots = Arc::new(checkpoint_roots(config)?);
+        let security = &config.security;
+        let token = match security.requires_token() {
+            true => {
+                Some(crate::auth::load_or_make(&security.token_file).map_err(BuildError::Token)?)
+            }
+            false => None,
+        };
+        let auth = token
+            .as_ref()
+            .map(|own| Arc::new(crate::auth::Tokens::new(own, &security.tokens)));
+        let peer_token = match (security.peer_token.as_str(), &token) {
+            ("", own) => own.clone(),
+            (t, _) => Some(t.to_string()),
+        };
 
         // Every local unit records its puts and clears in one journal once a
         // checkpoint is taken (crate::journal).
@@ -121,7 +141,13 @@ impl Node {
                 ))
             })
             .collect();
-        let manager = Arc::new(node_manager(config, pid, &units, registry));
+        let manager = Arc::new(node_manager(
+            config,
+            pid,
+            &units,
+            registry,
+            peer_token.as_deref(),
+        ));
         if let Some(dir) = &config.restore {
             restore(&manager, &roots, dir).await?;
         }
@@ -135,18 +161,22 @@ impl Node {
             unit_managers,
             manager,
             segments,
+            token,
+            auth,
         })
     }
 }
 
 /// The node's manager: the configured units (`[router] units`, or every
 /// local unit) with their peers' and remote units' connections, the read
-/// cache if a peer unit is configured, and `[dedup]`.
+/// cache if a peer unit is configured, and `[dedup]`. Peer units are
+/// connected to with `peer_token` (ZMTP PLAIN) if there is one.
 fn node_manager(
     config: &Config,
     pid: u32,
     units: &[Arc<Unit>],
     registry: Arc<Registry>,
+    peer_token: Option<&str>,
 ) -> Manager {
     let sender = format!(
         "TQ_STORAGE_{pid:08x}_{:08x}",
@@ -174,14 +204,20 @@ fn node_manager(
                             t.receive_pool_bytes,
                             t.receive_pool_idle,
                         );
-                        Target::Peer(Arc::new(PeerUnit::new(
+                        let mut p = PeerUnit::new(
                             u,
                             endpoint,
                             unit,
                             format!("{sender}_to_unit{i}"),
                             config.limits.receive_limits(),
                             pool,
-                        )))
+                        );
+                        if let Some(t) = peer_token {
+                            p.peer = p
+                                .peer
+                                .with_credentials(crate::auth::USERNAME.as_bytes(), t.as_bytes());
+                        }
+                        Target::Peer(Arc::new(p))
                     }
                     None => Target::Remote(Arc::new(Peer::with_limits(
                         u.clone(),

@@ -30,19 +30,41 @@ pub(crate) async fn connection(
     pool: Option<Arc<ReceivePool>>,
     activity: &Arc<table::Activity>,
     connection: u64,
+    peer: Option<std::net::IpAddr>,
 ) {
     let (reader, mut writer) = tokio::io::split(stream);
     let reader = table::Tracked::new(reader, activity.clone());
     let mut reader = FrameReader::with_pool(reader, pool);
-    let shake = zmtp::handshake(
+    let security = match service.authenticator() {
+        Some(auth) => zmtp::Security::PlainServer(auth),
+        None => zmtp::Security::Null,
+    };
+    let shake = zmtp::handshake_with(
         &mut reader,
         &mut writer,
+        security,
         "ROUTER",
         b"",
         &["DEALER", "REQ", "ROUTER"],
     );
+    let shown = || peer.map_or_else(|| "local (ipc)".into(), |p| p.to_string());
     let peer = match tokio::time::timeout(limits.handshake_timeout, shake).await {
-        Ok(Ok(p)) => p,
+        Ok(Ok(p)) => {
+            if let Some(user) = &p.user {
+                tracing::debug!(peer = %shown(), user, "client authenticated");
+            }
+            p
+        }
+        // A peer that closes before its greeting (a probe reading ours) is
+        // no refusal.
+        Ok(Err(e))
+            if matches!(security, zmtp::Security::PlainServer(_))
+                && !matches!(e, ZmtpError::Closed) =>
+        {
+            // The peer's address and why; never a credential (the errors
+            // name none).
+            return tracing::warn!(peer = %shown(), error = %e, "connection refused at the handshake");
+        }
         Ok(Err(e)) => return tracing::debug!(error = %e, "handshake failed"),
         Err(_) => {
             return tracing::debug!(timeout = ?limits.handshake_timeout, "handshake timed out");

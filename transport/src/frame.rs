@@ -1,5 +1,6 @@
 //! ZMTP 3.0 framing without I/O: frame headers, the greeting, command
-//! frames and the NULL mechanism's READY, parsed from byte slices and
+//! frames, and the commands of the NULL and PLAIN security mechanisms
+//! (READY; HELLO, WELCOME, INITIATE; ERROR), parsed from byte slices and
 //! written into buffers.
 //!
 //! Both readers of the protocol stand on this module: [`crate::zmtp`]'s
@@ -21,6 +22,14 @@
 //! value). What a size may be is the caller's policy (per message for
 //! `stowd`, per frame for the client), except a command's, which
 //! [`Header::command_size`] bounds by [`MAX_COMMAND`] for both.
+//!
+//! The greeting names the security mechanism and whether its sender is
+//! the server ([`Greeting`]). NULL (RFC 23) has each side send READY.
+//! PLAIN (RFC 24) has the client send HELLO with a username and password,
+//! the server answer WELCOME (or ERROR), the client send INITIATE with its
+//! properties and the server READY with its own: the credentials go in the
+//! clear, so PLAIN authenticates a peer without costing a byte of the data
+//! frames, and protects nothing from a reader of the wire.
 
 use bytes::{BufMut, Bytes, BytesMut};
 
@@ -74,8 +83,10 @@ pub enum FrameError {
     Signature,
     #[error("ZMTP major version {0} is not supported (3 or later is)")]
     Version(u8),
-    #[error("security mechanism {0:?} is not supported (NULL is)")]
+    #[error("security mechanism {0:?} is not supported (NULL and PLAIN are)")]
     Mechanism(String),
+    #[error("truncated HELLO: a username and a password, each a length byte and its bytes")]
+    Hello,
     #[error("truncated greeting")]
     TruncatedGreeting,
     #[error("truncated READY property")]
@@ -221,14 +232,48 @@ pub fn message_complete(bytes: &[u8]) -> bool {
     }
 }
 
+/// A ZMTP security mechanism.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mechanism {
+    /// RFC 23: no authentication.
+    Null,
+    /// RFC 24: a username and a password, in the clear.
+    Plain,
+}
+
+impl Mechanism {
+    /// The name the greeting carries.
+    pub fn name(self) -> &'static str {
+        match self {
+            Mechanism::Null => "NULL",
+            Mechanism::Plain => "PLAIN",
+        }
+    }
+}
+
+/// What a peer's greeting says.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Greeting {
+    pub mechanism: Mechanism,
+    /// The peer is the mechanism's server (PLAIN; always false for NULL).
+    pub as_server: bool,
+}
+
 /// Our greeting: ZMTP 3.0, NULL, not a server.
 pub fn greeting() -> [u8; GREETING_LEN] {
+    greeting_as(Mechanism::Null, false)
+}
+
+/// Our greeting: ZMTP 3.0, `mechanism`, as its server or not.
+pub fn greeting_as(mechanism: Mechanism, as_server: bool) -> [u8; GREETING_LEN] {
     let mut g = [0u8; GREETING_LEN];
     g[0] = 0xff;
     g[9] = 0x7f;
     g[10] = 3;
     g[11] = 0;
-    g[12..16].copy_from_slice(b"NULL");
+    let name = mechanism.name().as_bytes();
+    g[12..12 + name.len()].copy_from_slice(name);
+    g[32] = u8::from(as_server);
     g
 }
 
@@ -237,7 +282,7 @@ pub fn greeting() -> [u8; GREETING_LEN] {
 /// signature and major version (11 bytes) refuse an old peer, before the
 /// whole greeting ([`GREETING_LEN`] bytes, which such a peer never sends)
 /// is waited for.
-pub fn parse_greeting(bytes: &[u8]) -> Result<Decoded<()>, FrameError> {
+pub fn parse_greeting(bytes: &[u8]) -> Result<Decoded<Greeting>, FrameError> {
     match bytes.len() {
         0 => Ok(Decoded::Needs(1)),
         1..11 if bytes[0] != 0xff => Err(FrameError::Signature),
@@ -246,10 +291,7 @@ pub fn parse_greeting(bytes: &[u8]) -> Result<Decoded<()>, FrameError> {
             check_greeting_start(bytes)?;
             Ok(Decoded::Needs(GREETING_LEN))
         }
-        _ => {
-            check_greeting(&bytes[..GREETING_LEN])?;
-            Ok(Decoded::Done(()))
-        }
+        _ => Ok(Decoded::Done(check_greeting(&bytes[..GREETING_LEN])?)),
     }
 }
 
@@ -264,8 +306,8 @@ fn check_greeting_start(g: &[u8]) -> Result<(), FrameError> {
     Ok(())
 }
 
-/// Checks a peer's whole greeting.
-pub fn check_greeting(g: &[u8]) -> Result<(), FrameError> {
+/// Checks a peer's whole greeting and reads its mechanism.
+pub fn check_greeting(g: &[u8]) -> Result<Greeting, FrameError> {
     if g.len() < GREETING_LEN {
         return Err(FrameError::TruncatedGreeting);
     }
@@ -275,11 +317,25 @@ pub fn check_greeting(g: &[u8]) -> Result<(), FrameError> {
         .iter()
         .position(|&b| b == 0)
         .unwrap_or(mechanism.len());
-    if &mechanism[..name_end] != b"NULL" || mechanism[name_end..].iter().any(|&b| b != 0) {
-        let name = String::from_utf8_lossy(&mechanism[..name_end]).into_owned();
-        return Err(FrameError::Mechanism(name));
+    let known = match &mechanism[..name_end] {
+        b"NULL" => Some(Mechanism::Null),
+        b"PLAIN" => Some(Mechanism::Plain),
+        _ => None,
+    };
+    match known {
+        Some(mechanism) if mechanism_padded(&g[12..32], name_end) => Ok(Greeting {
+            mechanism,
+            as_server: mechanism == Mechanism::Plain && g[32] == 1,
+        }),
+        _ => Err(FrameError::Mechanism(
+            String::from_utf8_lossy(&mechanism[..name_end]).into_owned(),
+        )),
     }
-    Ok(())
+}
+
+/// The mechanism field is its name then only zero bytes.
+fn mechanism_padded(field: &[u8], name_end: usize) -> bool {
+    field[name_end..].iter().all(|&b| b == 0)
 }
 
 /// A command's body split into its name and its data.
@@ -313,9 +369,15 @@ pub fn command_frame(name: &str, data: &[u8]) -> BytesMut {
 
 /// The body of a READY command with `properties`.
 pub fn ready(properties: &[(&str, &[u8])]) -> BytesMut {
+    properties_body("READY", properties)
+}
+
+/// The body of a command `name` whose data is `properties` (READY, and
+/// PLAIN's INITIATE).
+fn properties_body(name: &str, properties: &[(&str, &[u8])]) -> BytesMut {
     let mut body = BytesMut::new();
-    body.put_u8(5);
-    body.put_slice(b"READY");
+    body.put_u8(name.len() as u8);
+    body.put_slice(name.as_bytes());
     for (name, value) in properties {
         body.put_u8(name.len() as u8);
         body.put_slice(name.as_bytes());
@@ -328,6 +390,69 @@ pub fn ready(properties: &[(&str, &[u8])]) -> BytesMut {
 /// A whole READY command frame with `properties`.
 pub fn ready_command(properties: &[(&str, &[u8])]) -> BytesMut {
     command_with_body(&ready(properties))
+}
+
+/// A whole INITIATE command frame (PLAIN's client, after WELCOME) with
+/// `properties`.
+pub fn initiate_command(properties: &[(&str, &[u8])]) -> BytesMut {
+    command_with_body(&properties_body("INITIATE", properties))
+}
+
+/// A whole HELLO command frame (PLAIN's client): `username` and
+/// `password`, each cut to 255 bytes (a length byte each).
+pub fn hello_command(username: &[u8], password: &[u8]) -> BytesMut {
+    let (u, p) = (
+        &username[..username.len().min(255)],
+        &password[..password.len().min(255)],
+    );
+    let mut data = Vec::with_capacity(2 + u.len() + p.len());
+    data.push(u.len() as u8);
+    data.extend_from_slice(u);
+    data.push(p.len() as u8);
+    data.extend_from_slice(p);
+    command_frame("HELLO", &data)
+}
+
+/// The username and password of a HELLO command's data (after the name);
+/// bytes after the password are refused.
+pub fn parse_hello(data: &[u8]) -> Result<(&[u8], &[u8]), FrameError> {
+    let field = |at: usize| -> Result<(&[u8], usize), FrameError> {
+        let n = *data.get(at).ok_or(FrameError::Hello)? as usize;
+        let bytes = data.get(at + 1..at + 1 + n).ok_or(FrameError::Hello)?;
+        Ok((bytes, at + 1 + n))
+    };
+    let (username, at) = field(0)?;
+    let (password, end) = field(at)?;
+    if end != data.len() {
+        return Err(FrameError::Hello);
+    }
+    Ok((username, password))
+}
+
+/// A whole WELCOME command frame (PLAIN's server: the credentials are
+/// taken).
+pub fn welcome_command() -> BytesMut {
+    command_frame("WELCOME", &[])
+}
+
+/// A whole ERROR command frame: `reason`, cut to 255 bytes at a character
+/// boundary.
+pub fn error_command(reason: &str) -> BytesMut {
+    let mut end = reason.len().min(255);
+    while !reason.is_char_boundary(end) {
+        end -= 1;
+    }
+    let mut data = Vec::with_capacity(1 + end);
+    data.push(end as u8);
+    data.extend_from_slice(&reason.as_bytes()[..end]);
+    command_frame("ERROR", &data)
+}
+
+/// The reason of an ERROR command's data (after the name), as text.
+pub fn error_reason(data: &[u8]) -> String {
+    let n = data.first().map_or(0, |&n| n as usize);
+    let reason = data.get(1..1 + n).or(data.get(1..)).unwrap_or_default();
+    String::from_utf8_lossy(reason).into_owned()
 }
 
 /// Parses READY properties from a command's data (after the name).

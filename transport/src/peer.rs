@@ -48,6 +48,9 @@ pub struct Peer {
     slots: Semaphore,
     /// Where large reply frames are received, if set.
     pool: Option<Arc<ReceivePool>>,
+    /// ZMTP PLAIN credentials (username, password) presented at each
+    /// connection's handshake; NULL without.
+    credentials: Option<(Vec<u8>, Vec<u8>)>,
 }
 
 impl std::fmt::Debug for Peer {
@@ -78,7 +81,15 @@ impl Peer {
             idle: std::sync::Mutex::new(Vec::new()),
             slots: Semaphore::new(PEER_CONNECTIONS),
             pool: None,
+            credentials: None,
         }
+    }
+
+    /// The same peer, presenting `username` and `password` (ZMTP PLAIN)
+    /// at each connection's handshake.
+    pub fn with_credentials(mut self, username: &[u8], password: &[u8]) -> Peer {
+        self.credentials = Some((username.to_vec(), password.to_vec()));
+        self
     }
 
     /// The same peer, receiving large reply frames into buffers of `pool`
@@ -111,9 +122,14 @@ impl Peer {
         let identity = format!("{}_{n}", self.identity_prefix);
         let (reader, mut writer) = tokio::io::split(self.open().await?);
         let mut reader = FrameReader::with_pool(reader, self.pool.clone());
-        zmtp::handshake(
+        let security = match &self.credentials {
+            Some((username, password)) => zmtp::Security::PlainClient { username, password },
+            None => zmtp::Security::Null,
+        };
+        zmtp::handshake_with(
             &mut reader,
             &mut writer,
+            security,
             "DEALER",
             identity.as_bytes(),
             &["ROUTER", "REP", "DEALER"],

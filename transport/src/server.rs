@@ -60,7 +60,7 @@ pub async fn serve_with(
             let activity = entry.activity.clone();
             let owner = service.clone();
             tokio::select! {
-                _ = connection(stream, service, limits, shutdown, next_id, pool, &activity, entry.id()) => {}
+                _ = connection(stream, service, limits, shutdown, next_id, pool, &activity, entry.id(), peer) => {}
                 _ = activity.evicted() => {}
                 _ = activity.idle_expired(limits.idle_timeout) => {
                     tracing::debug!(

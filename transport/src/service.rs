@@ -42,6 +42,13 @@ pub trait Service: Send + Sync + 'static {
     fn closed(&self, connection: u64) {
         let _ = connection;
     }
+
+    /// The authenticator a client must satisfy at the handshake (ZMTP
+    /// PLAIN, this side the server), or `None` for NULL: no credentials.
+    /// The default is NULL.
+    fn authenticator(&self) -> Option<&dyn crate::zmtp::Authenticator> {
+        None
+    }
 }
 
 /// Who sent a request.

@@ -1,5 +1,5 @@
-//! ZMTP 3.0 with the NULL mechanism over any tokio byte stream: the frame
-//! reader, the message writers and the greeting and READY handshake. The
+//! ZMTP 3.0 with the NULL and PLAIN mechanisms over any tokio byte stream:
+//! the frame reader, the message writers and the handshake ([`Security`]). The
 //! bytes themselves (headers, greeting, commands) are [`crate::frame`]'s,
 //! parsed in place in the reader's buffer; this module does the I/O.
 //!
@@ -277,12 +277,12 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
 
     /// Reads the peer's greeting ([`frame::parse_greeting`]: a peer that
     /// is not ZMTP 3 is refused before all of it is waited for).
-    pub async fn read_greeting(&mut self) -> Result<(), ZmtpError> {
+    pub async fn read_greeting(&mut self) -> Result<frame::Greeting, ZmtpError> {
         loop {
             match frame::parse_greeting(&self.buf)? {
-                Decoded::Done(()) => {
+                Decoded::Done(g) => {
                     self.buf.advance(frame::GREETING_LEN);
-                    return Ok(());
+                    return Ok(g);
                 }
                 Decoded::Needs(n) => self.need(n).await?,
             }
@@ -495,17 +495,97 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
     }
 }
 
-/// What the peer said in its READY.
+/// What the peer said in its READY (or INITIATE).
 #[derive(Debug, Clone, Default)]
 pub struct PeerInfo {
     /// `Socket-Type`.
     pub socket_type: String,
     /// `Identity` (empty when not sent).
     pub identity: Bytes,
+    /// Under PLAIN, as its server: whom the credentials named, as the
+    /// authenticator said (ZAP's User-Id). Never the password.
+    pub user: Option<String>,
 }
 
-/// The greeting and READY exchange. `accept` lists the peer socket types
-/// we talk to; others get an ERROR command and a closed connection.
+/// Checks a PLAIN client's username and password: the user they name
+/// (for logs), or why they are refused (sent to the client in ERROR).
+pub trait Authenticator: Send + Sync {
+    fn authenticate(&self, username: &[u8], password: &[u8]) -> Result<String, String>;
+}
+
+/// A connection's security mechanism and role.
+#[derive(Clone, Copy)]
+pub enum Security<'a> {
+    /// RFC 23: no credentials either way.
+    Null,
+    /// RFC 24, as the client: present these credentials.
+    PlainClient {
+        username: &'a [u8],
+        password: &'a [u8],
+    },
+    /// RFC 24, as the server: a client must present credentials this
+    /// authenticator takes.
+    PlainServer(&'a dyn Authenticator),
+}
+
+impl Security<'_> {
+    fn mechanism(&self) -> frame::Mechanism {
+        match self {
+            Security::Null => frame::Mechanism::Null,
+            Security::PlainClient { .. } | Security::PlainServer(_) => frame::Mechanism::Plain,
+        }
+    }
+}
+
+/// Why a handshake was refused by the peer or by us: ZMTP error texts
+/// that name the mechanism, never a credential.
+fn mismatch(ours: &Security<'_>, theirs: frame::Greeting) -> String {
+    match (ours, theirs.mechanism) {
+        (Security::PlainServer(_), frame::Mechanism::Null) => {
+            "this endpoint requires credentials (ZMTP PLAIN with stowd's token); the peer \
+             sent none (NULL)"
+                .into()
+        }
+        (Security::PlainClient { .. }, frame::Mechanism::Null) => {
+            "we present credentials (ZMTP PLAIN) but the server takes none (NULL)".into()
+        }
+        (Security::Null, frame::Mechanism::Plain) => {
+            "one side presents credentials (ZMTP PLAIN) and the other takes none (NULL): \
+             the server requires stowd's token, or takes no token"
+                .into()
+        }
+        _ => "the peer is a PLAIN server too: one side must be the client".into(),
+    }
+}
+
+/// Sends ERROR with `reason` (best effort) and returns the error to give.
+async fn refuse<W: AsyncWrite + Unpin + ?Sized>(writer: &mut W, reason: String) -> ZmtpError {
+    let _ = writer.write_all(&frame::error_command(&reason)).await;
+    let _ = writer.flush().await;
+    protocol(reason)
+}
+
+/// Reads the next command; an ERROR becomes the peer's refusal.
+async fn expect_command<R: AsyncRead + Unpin>(
+    reader: &mut FrameReader<R>,
+    want: &str,
+) -> Result<Bytes, ZmtpError> {
+    let (name, body) = reader.read_command().await?;
+    if name == "ERROR" {
+        return Err(protocol(format!(
+            "peer refused the connection: {}",
+            frame::error_reason(&body)
+        )));
+    }
+    if name != want {
+        return Err(protocol(format!("expected {want}, got {name:?}")));
+    }
+    Ok(body)
+}
+
+/// The greeting and READY exchange under NULL. `accept` lists the peer
+/// socket types we talk to; others get an ERROR command and a closed
+/// connection.
 pub async fn handshake<R, W>(
     reader: &mut FrameReader<R>,
     writer: &mut W,
@@ -517,27 +597,96 @@ where
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin + ?Sized,
 {
-    writer.write_all(&frame::greeting()).await?;
+    handshake_with(
+        reader,
+        writer,
+        Security::Null,
+        socket_type,
+        identity,
+        accept,
+    )
+    .await
+}
+
+/// The handshake under `security`: the greeting, then NULL's READY
+/// exchange or PLAIN's HELLO, WELCOME, INITIATE and READY. A peer of
+/// another mechanism or role, wrong credentials or an unaccepted socket
+/// type get an ERROR command (when the peer can read one) and a closed
+/// connection; the error says which, and never carries a credential.
+pub async fn handshake_with<R, W>(
+    reader: &mut FrameReader<R>,
+    writer: &mut W,
+    security: Security<'_>,
+    socket_type: &str,
+    identity: &[u8],
+    accept: &[&str],
+) -> Result<PeerInfo, ZmtpError>
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin + ?Sized,
+{
+    let as_server = matches!(security, Security::PlainServer(_));
+    writer
+        .write_all(&frame::greeting_as(security.mechanism(), as_server))
+        .await?;
     writer.flush().await?;
-    reader.read_greeting().await?;
+    let theirs = reader.read_greeting().await?;
+    // libzmq leaves the as-server byte 0 even as a PLAIN server, so only a
+    // peer that claims to be the server when we are is refused for it.
+    if theirs.mechanism != security.mechanism()
+        || (theirs.as_server && matches!(security, Security::PlainServer(_)))
+    {
+        let reason = mismatch(&security, theirs);
+        // A NULL peer reads commands after the greeting: tell it why.
+        return Err(if theirs.mechanism == frame::Mechanism::Null {
+            refuse(writer, reason).await
+        } else {
+            protocol(reason)
+        });
+    }
     let mut props: Vec<(&str, &[u8])> = vec![("Socket-Type", socket_type.as_bytes())];
     if !identity.is_empty() {
         props.push(("Identity", identity));
     }
-    writer.write_all(&frame::ready_command(&props)).await?;
-    writer.flush().await?;
-    let (name, body) = reader.read_command().await?;
-    if name == "ERROR" {
-        let reason = body
-            .get(1..)
-            .map(|r| String::from_utf8_lossy(r).into_owned())
-            .unwrap_or_default();
-        return Err(protocol(format!("peer refused the connection: {reason}")));
-    }
-    if name != "READY" {
-        return Err(protocol(format!("expected READY, got {name:?}")));
-    }
-    let mut info = PeerInfo::default();
+    let mut user = None;
+    let body = match security {
+        Security::Null => {
+            writer.write_all(&frame::ready_command(&props)).await?;
+            writer.flush().await?;
+            expect_command(reader, "READY").await?
+        }
+        Security::PlainClient { username, password } => {
+            writer
+                .write_all(&frame::hello_command(username, password))
+                .await?;
+            writer.flush().await?;
+            expect_command(reader, "WELCOME").await?;
+            writer.write_all(&frame::initiate_command(&props)).await?;
+            writer.flush().await?;
+            expect_command(reader, "READY").await?
+        }
+        Security::PlainServer(auth) => {
+            let hello = expect_command(reader, "HELLO").await?;
+            let (username, password) = match frame::parse_hello(&hello) {
+                Ok(c) => c,
+                Err(e) => return Err(refuse(writer, e.to_string()).await),
+            };
+            match auth.authenticate(username, password) {
+                Ok(u) => user = Some(u),
+                Err(reason) => return Err(refuse(writer, reason).await),
+            }
+            writer.write_all(&frame::welcome_command()).await?;
+            writer.flush().await?;
+            let body = expect_command(reader, "INITIATE").await?;
+            writer.write_all(&frame::ready_command(&props)).await?;
+            writer.flush().await?;
+            body
+        }
+    };
+    let mut info = PeerInfo {
+        user,
+        ..PeerInfo::default()
+    };
     for (key, value) in frame::ready_properties(&body)? {
         if key.eq_ignore_ascii_case("Socket-Type") {
             info.socket_type = String::from_utf8_lossy(&value).into_owned();
@@ -547,13 +696,7 @@ where
     }
     if !accept.iter().any(|t| *t == info.socket_type) {
         let reason = format!("a {socket_type} does not talk to a {}", info.socket_type);
-        let mut data = vec![reason.len().min(255) as u8];
-        data.extend_from_slice(&reason.as_bytes()[..reason.len().min(255)]);
-        let _ = writer
-            .write_all(&frame::command_frame("ERROR", &data))
-            .await;
-        let _ = writer.flush().await;
-        return Err(protocol(reason));
+        return Err(refuse(writer, reason).await);
     }
     Ok(info)
 }

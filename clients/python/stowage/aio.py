@@ -65,7 +65,7 @@ from typing import Any, Callable, Mapping
 import zmq
 import zmq.asyncio
 
-from . import _codec, _put, _shm
+from . import _auth, _codec, _put, _shm
 from .client import (_CORE_FAILURES, _DIRECT_DTYPES, DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TIMEOUT, _abs_dir, _core, _Ops,
                      _run_get, _run_get_into, _run_send_many)
 from .errors import BadRequest, ProtocolError, StowageError, StowageTimeout, Unsupported, error_from_reply
@@ -89,8 +89,9 @@ class AsyncClient(_Ops):
     def __init__(self, endpoint: str, timeout: float = DEFAULT_TIMEOUT, *,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                  context: zmq.asyncio.Context | None = None,
-                 same_node: bool = False, shm_dir: str | None = None, spin_us: float | None = None) -> None:
-        super().__init__(endpoint, timeout, max_message_bytes, same_node, shm_dir, spin_us)
+                 same_node: bool = False, shm_dir: str | None = None, spin_us: float | None = None,
+                 token: str | None = None) -> None:
+        super().__init__(endpoint, timeout, max_message_bytes, same_node, shm_dir, spin_us, token)
         self._ctx = context or zmq.asyncio.Context.instance()
         self._sock: zmq.asyncio.Socket | None = None
         self._reader: asyncio.Task | None = None
@@ -119,6 +120,8 @@ class AsyncClient(_Ops):
         if self._sock is None:
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
+            if self._zmq_plain:
+                _auth.set_plain(sock, self._token)
             sock.connect(self.endpoint)
             self._sock, self._loop = sock, loop
             self._reader = loop.create_task(self._read(sock))
@@ -446,7 +449,7 @@ class AsyncClient(_Ops):
             raise StowageError("the client is closed")
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        conn = self._loop_idle.pop() if self._loop_idle else _core.Connection(self.endpoint, 0.0)
+        conn = self._loop_idle.pop() if self._loop_idle else _core.Connection(self.endpoint, 0.0, self._token)
         self._loop_busy += 1
         rid = next(self._ids)
         keep = False
@@ -516,7 +519,7 @@ class AsyncClient(_Ops):
             try:
                 core = self._core_idle.pop()
             except IndexError:
-                core = _core.Connection(self.endpoint, self.spin_us)
+                core = _core.Connection(self.endpoint, self.spin_us, self._token)
             try:
                 return run(core, frame0, left)
             finally:

@@ -15,7 +15,7 @@ import zmq
 
 # The Rust core (clients/python/core): stowd's codec for every envelope, and
 # tcp get, get_into and put without copies.
-from . import _codec, _core, _put, _shm, _torch
+from . import _auth, _codec, _core, _put, _shm, _torch
 from .errors import (BadRequest, InternalError, ProtocolError, StowageError, StowageTimeout, Unsupported,
                      error_from_reply)
 
@@ -37,7 +37,8 @@ class _Ops:
     """Request building and reply reading, shared by `Client` and `AsyncClient`."""
 
     def __init__(self, endpoint: str, timeout: float, max_message_bytes: int,
-                 same_node: bool = False, shm_dir: str | None = None, spin_us: float | None = None) -> None:
+                 same_node: bool = False, shm_dir: str | None = None, spin_us: float | None = None,
+                 token: str | None = None) -> None:
         # (`shm_dir` is accepted for older callers and not used: segments come
         # as descriptors over the channel stowd names, not as files.)
         self._segments = _shm.Segments() if same_node else None
@@ -49,6 +50,9 @@ class _Ops:
             raise ValueError(f"max_message_bytes must be a positive int, got {max_message_bytes!r}")
         self.max_message_bytes = max_message_bytes
         self.spin_us = self._check_spin(spin_us)
+        self._token, given = _auth.resolve(token)
+        # pyzmq's sockets present the token only to a server that asks for it.
+        self._zmq_plain = _auth.plain_for_zmq(endpoint, self._token, given)
         self._ids = itertools.count(1)  # id 0 is reserved for replies to unreadable requests
 
     @staticmethod
@@ -482,12 +486,18 @@ class Client(_Ops):
     a small call's round trip on a VM. Each turn yields the CPU, so
     anything else runnable goes first; a wait the spin misses makes the
     connection's next 8 waits sleep at once. `spin_us=0` always sleeps.
+
+    `token` is stowd's token, for a stowd whose native endpoint asks for
+    one (`[security] auth = "token"`); `None` takes `$STOWAGE_TOKEN`, else
+    the token file of this user's stowd (see `stowage._auth`). It is only
+    ever offered to a server that asks for credentials.
     """
 
     def __init__(self, endpoint: str, timeout: float = DEFAULT_TIMEOUT, *,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, context: zmq.Context | None = None,
-                 same_node: bool = False, shm_dir: str | None = None, spin_us: float | None = None) -> None:
-        super().__init__(endpoint, timeout, max_message_bytes, same_node, shm_dir, spin_us)
+                 same_node: bool = False, shm_dir: str | None = None, spin_us: float | None = None,
+                 token: str | None = None) -> None:
+        super().__init__(endpoint, timeout, max_message_bytes, same_node, shm_dir, spin_us, token)
         self._ctx = context or zmq.Context.instance()
         self._lock = threading.Lock()
         self._sock: zmq.Socket | None = self._connect()
@@ -497,6 +507,8 @@ class Client(_Ops):
     def _connect(self) -> zmq.Socket:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        if self._zmq_plain:
+            _auth.set_plain(sock, self._token)
         sock.connect(self.endpoint)
         return sock
 
@@ -734,7 +746,7 @@ class Client(_Ops):
             if self._sock is None:
                 raise StowageError("the client is closed")
             if self._core is None:
-                self._core = _core.Connection(self.endpoint, self.spin_us)
+                self._core = _core.Connection(self.endpoint, self.spin_us, self._token)
             try:
                 return rid, run(self._core, frame0, timeout)
             except _CORE_FAILURES as e:

@@ -138,8 +138,11 @@ fn framer(data: &[u8]) {
         }
     }
     match frame::parse_greeting(data) {
-        Ok(Decoded::Done(())) => {
-            assert!(frame::check_greeting(&data[..frame::GREETING_LEN]).is_ok())
+        Ok(Decoded::Done(g)) => {
+            assert_eq!(frame::check_greeting(&data[..frame::GREETING_LEN]), Ok(g));
+            // Our own greeting for what was read reads back the same.
+            let ours = frame::greeting_as(g.mechanism, g.as_server);
+            assert_eq!(frame::check_greeting(&ours), Ok(g));
         }
         Ok(Decoded::Needs(n)) => assert!(n > data.len() && n <= frame::GREETING_LEN),
         Err(e) => {
@@ -148,6 +151,7 @@ fn framer(data: &[u8]) {
             }
         }
     }
+    plain_commands(data);
     let whole = frame::message_complete(data);
     let first = runtime().block_on(FrameReader::new(data).read(&LIMITS));
     if matches!(
@@ -195,4 +199,20 @@ fn plain(data: &[u8]) {
             }
         }
     });
+}
+
+/// PLAIN's HELLO and ERROR read from any bytes: a HELLO that parses is
+/// written back byte for byte; an ERROR's reason never panics.
+fn plain_commands(data: &[u8]) {
+    if let Ok((username, password)) = frame::parse_hello(data) {
+        let again = frame::hello_command(username, password);
+        let Ok(Decoded::Done(h)) = frame::parse_header(&again) else {
+            panic!("a HELLO frame without its header");
+        };
+        let (name, body) = frame::split_command(&again[h.header_len..]).expect("a command name");
+        assert_eq!(name, b"HELLO");
+        assert_eq!(body, data, "a parsed HELLO written back");
+    }
+    let reason = frame::error_reason(data);
+    assert!(reason.len() <= 3 * data.len());
 }

@@ -382,7 +382,12 @@ async fn serve(config: Config, endpoints_file: Option<PathBuf>) -> anyhow::Resul
             .write(path)
             .with_context(|| format!("writing {}", path.display()))?;
     }
-    println!("{}", serde_json::to_string(&endpoints)?);
+    // Standard output often ends in a log: the token stays in the files.
+    let shown = stowage_host::server::Endpoints {
+        token: None,
+        ..endpoints.clone()
+    };
+    println!("{}", serde_json::to_string(&shown)?);
     let (shutdown, stop) = tokio::sync::watch::channel(false);
     let served = tokio::spawn(stowage_host::server::run(listeners, node, stop));
     tokio::select! {

@@ -29,6 +29,7 @@ pub struct Config {
     pub cache: CacheConfig,
     pub dedup: DedupConfig,
     pub checkpoint: CheckpointConfig,
+    pub security: SecurityConfig,
     /// Policy chains by field-name pattern, first match wins.
     #[serde(rename = "chain")]
     pub chains: Vec<ChainConfig>,
@@ -51,6 +52,7 @@ impl Default for Config {
             cache: CacheConfig::default(),
             dedup: DedupConfig::default(),
             checkpoint: CheckpointConfig::default(),
+            security: SecurityConfig::default(),
             chains: registry::default_chains(),
             restore: None,
         }
@@ -225,33 +227,94 @@ impl Default for CheckpointConfig {
 }
 
 impl CheckpointConfig {
-    /// `checkpoints` in stowd's state directory: `$STATE_DIRECTORY`
-    /// (systemd's `StateDirectory=`), else `$XDG_STATE_HOME/stowd`, else
-    /// `~/.local/state/stowd`; with no home, `/var/lib/stowd` for root and
-    /// `<temp dir>/stowd-<uid>` for others.
+    /// `checkpoints` in stowd's state directory ([`state_dir`]).
     pub fn default_root() -> PathBuf {
-        let var = |k: &str| {
-            std::env::var_os(k)
-                .filter(|v| !v.is_empty())
-                .map(PathBuf::from)
-                .filter(|p| p.is_absolute())
-        };
-        let state = std::env::var("STATE_DIRECTORY")
-            .ok()
-            .and_then(|v| v.split(':').next().map(PathBuf::from))
-            .filter(|p| p.is_absolute())
-            .or_else(|| var("XDG_STATE_HOME").map(|d| d.join("stowd")))
-            .or_else(|| var("HOME").map(|h| h.join(".local/state/stowd")))
-            .unwrap_or_else(|| {
-                let uid = rustix::process::geteuid().as_raw();
-                if uid == 0 {
-                    PathBuf::from("/var/lib/stowd")
-                } else {
-                    std::env::temp_dir().join(format!("stowd-{uid}"))
-                }
-            });
-        state.join("checkpoints")
+        state_dir().join("checkpoints")
     }
+}
+
+/// Who may talk to the native endpoint ([`crate::node`] makes the token).
+#[derive(Clone, Debug, PartialEq, Deserialize, Serialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SecurityConfig {
+    /// `"token"`: a client of the native endpoint, and a peer `stowd`,
+    /// must present a token at the ZMTP handshake (the PLAIN mechanism,
+    /// the token as its password): stowd's own (`token_file`) or one of
+    /// `tokens`. `"none"`: no credentials (ZMTP NULL), anyone who can
+    /// reach the endpoint may read and write every row.
+    pub auth: String,
+    /// stowd's own token: read if the file exists, else made (32 random
+    /// bytes, hex) and written mode 0600. Default: `token` under stowd's
+    /// state directory, where this user's clients look for it.
+    pub token_file: PathBuf,
+    /// More tokens the native endpoint takes (other users', other nodes').
+    pub tokens: Vec<String>,
+    /// The token presented to peer units (`stowage://` in `[router]
+    /// units`). Default (empty): stowd's own.
+    pub peer_token: String,
+}
+
+impl Default for SecurityConfig {
+    fn default() -> Self {
+        SecurityConfig {
+            auth: "none".into(),
+            token_file: state_dir().join("token"),
+            tokens: Vec::new(),
+            peer_token: String::new(),
+        }
+    }
+}
+
+impl SecurityConfig {
+    /// `auth = "token"`.
+    pub fn requires_token(&self) -> bool {
+        self.auth == "token"
+    }
+
+    fn validate(&self) -> Result<(), String> {
+        if !matches!(self.auth.as_str(), "token" | "none") {
+            return Err(format!(
+                "[security] auth = {:?}: \"token\" or \"none\"",
+                self.auth
+            ));
+        }
+        let bad = |t: &str| t.is_empty() || t.len() > 255 || t.chars().any(char::is_whitespace);
+        if self.tokens.iter().any(|t| bad(t))
+            || (!self.peer_token.is_empty() && bad(&self.peer_token))
+        {
+            return Err(
+                "[security] tokens and peer_token: 1 to 255 bytes each, no whitespace".into(),
+            );
+        }
+        Ok(())
+    }
+}
+
+/// stowd's state directory: `$STATE_DIRECTORY` (systemd's
+/// `StateDirectory=`), else `$XDG_STATE_HOME/stowd`, else
+/// `~/.local/state/stowd`; with no home, `/var/lib/stowd` for root and
+/// `<temp dir>/stowd-<uid>` for others.
+pub fn state_dir() -> PathBuf {
+    let var = |k: &str| {
+        std::env::var_os(k)
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+            .filter(|p| p.is_absolute())
+    };
+    std::env::var("STATE_DIRECTORY")
+        .ok()
+        .and_then(|v| v.split(':').next().map(PathBuf::from))
+        .filter(|p| p.is_absolute())
+        .or_else(|| var("XDG_STATE_HOME").map(|d| d.join("stowd")))
+        .or_else(|| var("HOME").map(|h| h.join(".local/state/stowd")))
+        .unwrap_or_else(|| {
+            let uid = rustix::process::geteuid().as_raw();
+            if uid == 0 {
+                PathBuf::from("/var/lib/stowd")
+            } else {
+                std::env::temp_dir().join(format!("stowd-{uid}"))
+            }
+        })
 }
 
 /// Router mode: one TransferQueue endpoint fanning out to units.
@@ -643,6 +706,8 @@ pub enum Invalid {
     Spill(String),
     #[error("{0}")]
     Checkpoint(String),
+    #[error("{0}")]
+    Security(String),
     #[error("router.units: bad local unit {0:?} (local:<i>, i a number)")]
     BadLocalUnit(String),
     #[error("router.units: {unit} but units.local is {local} (local units are local:0 to local:{})", local.saturating_sub(1))]
@@ -732,6 +797,7 @@ impl Config {
             });
         }
         self.units.spill().map_err(Invalid::Spill)?;
+        self.security.validate().map_err(Invalid::Security)?;
         for r in &self.checkpoint.roots {
             if !r.is_absolute() {
                 return Err(Invalid::Checkpoint(format!(

@@ -82,16 +82,27 @@ pub struct Endpoints {
     /// The Prometheus endpoint (`http://host:port/metrics`), if enabled.
     #[serde(default)]
     pub metrics: Option<String>,
+    /// The token the native endpoint takes (ZMTP PLAIN's password), with
+    /// `[security] auth = "token"`: the file is written mode 0600.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token: Option<String>,
 }
 
 impl Endpoints {
-    /// Writes the file atomically (temp file + rename).
+    /// Writes the file atomically (temp file + rename), mode 0600: it may
+    /// hold the token.
     pub fn write(&self, path: &Path) -> std::io::Result<()> {
+        use std::io::Write;
+        use std::os::unix::fs::OpenOptionsExt;
         let tmp = path.with_extension("tmp");
-        std::fs::write(
-            &tmp,
-            serde_json::to_vec_pretty(self).map_err(std::io::Error::other)?,
-        )?;
+        let _ = std::fs::remove_file(&tmp);
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&tmp)?;
+        f.write_all(&serde_json::to_vec_pretty(self).map_err(std::io::Error::other)?)?;
+        drop(f);
         std::fs::rename(tmp, path)
     }
 }
@@ -181,6 +192,30 @@ impl Listeners {
         let native =
             transport::bind(&format!("tcp://{host}:{}", config.server.native_port)).await?;
         tracing::info!(endpoint = %native.1, "native endpoint listening");
+        match &node.auth {
+            Some(_) => {
+                tracing::info!(
+                    token_file = %config.security.token_file.display(),
+                    "native endpoint takes stowd's token or [security] tokens (ZMTP PLAIN)"
+                );
+                if !units.is_empty() || router.is_some() {
+                    tracing::warn!(
+                        units = units.len(),
+                        router = router.is_some(),
+                        host = %host,
+                        "the TransferQueue endpoints take no credentials (TransferQueue's \
+                         clients cannot present any): whoever reaches them can read and write \
+                         their rows, the router's being every unit's; set [units] local = 0 \
+                         with [router] enabled = false to close them"
+                    );
+                }
+            }
+            None => tracing::warn!(
+                endpoint = %native.1,
+                "[security] auth = \"none\": the native endpoint takes no credentials, \
+                 whoever reaches it can read and write every row"
+            ),
+        }
         let obsolete = config.shm.obsolete_keys();
         if !obsolete.is_empty() {
             tracing::warn!(
@@ -254,6 +289,7 @@ impl Listeners {
                 .as_ref()
                 .map(|_| self.config.shm.dir.display().to_string()),
             metrics: self.metrics.as_ref().map(|(_, url)| url.clone()),
+            token: node.token.clone(),
         }
     }
 }
@@ -323,6 +359,7 @@ pub async fn run(listeners: Listeners, node: Node, shutdown: watch::Receiver<boo
         endpoint: native_endpoint,
         offload,
         units: node.unit_managers.clone(),
+        auth: node.auth.clone(),
     });
     tasks.push(tokio::spawn(transport::serve_with(
         native_listener,

@@ -49,6 +49,8 @@ pub(super) struct NativeService {
     /// This stowd's local units' own managers, by number: what a peer's
     /// request names with the envelope's `unit` key.
     pub units: Vec<Arc<Manager>>,
+    /// The tokens a client must present (ZMTP PLAIN), if any.
+    pub auth: Option<Arc<crate::auth::Tokens>>,
 }
 
 /// The rows a request names (0 for stats and leases).
@@ -609,5 +611,11 @@ impl Service for NativeService {
         if let Some((shm, _)) = &self.shm {
             shm.release_connection(connection);
         }
+    }
+
+    fn authenticator(&self) -> Option<&dyn crate::transport::zmtp::Authenticator> {
+        self.auth
+            .as_deref()
+            .map(|a| a as &dyn crate::transport::zmtp::Authenticator)
     }
 }

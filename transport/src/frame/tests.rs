@@ -172,6 +172,11 @@ fn ready_round_trips_its_properties() {
     );
 }
 
+const NULL_CLIENT: Greeting = Greeting {
+    mechanism: Mechanism::Null,
+    as_server: false,
+};
+
 #[test]
 fn greetings_are_parsed_step_by_step() {
     let g = greeting();
@@ -186,11 +191,11 @@ fn greetings_are_parsed_step_by_step() {
             "{cut}"
         );
     }
-    assert_eq!(parse_greeting(&g), Ok(Decoded::Done(())));
+    assert_eq!(parse_greeting(&g), Ok(Decoded::Done(NULL_CLIENT)));
     // What follows the greeting (the READY) is not its concern.
     let mut more = g.to_vec();
     more.extend_from_slice(&ready_command(&[("Socket-Type", b"ROUTER")]));
-    assert_eq!(parse_greeting(&more), Ok(Decoded::Done(())));
+    assert_eq!(parse_greeting(&more), Ok(Decoded::Done(NULL_CLIENT)));
     // Not ZMTP: refused at the first byte; an old version at the 11th.
     assert_eq!(parse_greeting(b"G"), Err(FrameError::Signature));
     let mut old = g;
@@ -203,7 +208,7 @@ fn greetings_are_parsed_step_by_step() {
 }
 
 #[test]
-fn greetings_other_than_zmtp3_null_are_refused() {
+fn greetings_other_than_zmtp3_null_or_plain_are_refused() {
     assert!(check_greeting(&greeting()).is_ok());
     let mut g = greeting();
     g[10] = 2;
@@ -217,8 +222,31 @@ fn greetings_other_than_zmtp3_null_are_refused() {
     g[12..17].copy_from_slice(b"CURVE");
     assert_eq!(
         check_greeting(&g).unwrap_err().to_string(),
-        "security mechanism \"CURVE\" is not supported (NULL is)"
+        "security mechanism \"CURVE\" is not supported (NULL and PLAIN are)"
     );
+    // PLAIN, as server and as client; its name padded with anything but
+    // zeros is not PLAIN.
+    let server = greeting_as(Mechanism::Plain, true);
+    assert_eq!(&server[12..18], b"PLAIN\0");
+    assert_eq!(
+        check_greeting(&server),
+        Ok(Greeting {
+            mechanism: Mechanism::Plain,
+            as_server: true
+        })
+    );
+    assert!(
+        !check_greeting(&greeting_as(Mechanism::Plain, false))
+            .unwrap()
+            .as_server
+    );
+    let mut padded = server;
+    padded[20] = b'X';
+    assert!(check_greeting(&padded).is_err());
+    // NULL has no server: its as-server byte is ignored.
+    let mut null = greeting();
+    null[32] = 1;
+    assert_eq!(check_greeting(&null), Ok(NULL_CLIENT));
     assert_eq!(check_greeting(&[0u8; 64]), Err(FrameError::Signature));
     assert_eq!(
         check_greeting(&greeting()[..63]),
@@ -253,4 +281,59 @@ fn a_message_is_complete_only_once_every_frame_is_there() {
     // So is a header with reserved bits, after a whole frame or not.
     assert!(message_complete(&[0x08]));
     assert!(message_complete(b"\x01\x01a\x10"));
+}
+
+/// The body of the one frame in `f`.
+fn body(f: &[u8]) -> &[u8] {
+    match parse_header(f).unwrap() {
+        Decoded::Done(h) => &f[h.header_len..],
+        Decoded::Needs(_) => panic!("a whole frame"),
+    }
+}
+
+#[test]
+fn plain_commands_round_trip_and_refuse_garbage() {
+    let hello = hello_command(b"stowage", b"s3cret");
+    let (h, rest) = match parse_header(&hello).unwrap() {
+        Decoded::Done(h) => (h, &hello[h.header_len..]),
+        Decoded::Needs(_) => unreachable!(),
+    };
+    assert!(h.command && rest.len() as u64 == h.size);
+    let (name, data) = split_command(rest).unwrap();
+    assert_eq!(name, b"HELLO");
+    assert_eq!(data, b"\x07stowage\x06s3cret");
+    assert_eq!(parse_hello(data), Ok((&b"stowage"[..], &b"s3cret"[..])));
+    assert_eq!(parse_hello(b"\x00\x00"), Ok((&b""[..], &b""[..])));
+    for bad in [&b""[..], b"\x03ab", b"\x01a", b"\x01a\x02b", b"\x01a\x01bc"] {
+        assert_eq!(parse_hello(bad), Err(FrameError::Hello), "{bad:?}");
+    }
+    // Over 255 bytes: cut, so the length byte stays true.
+    let long = hello_command(&[b'u'; 300], &[b'p'; 256]);
+    let (_, data) = split_command(body(&long)).unwrap();
+    let (u, p) = parse_hello(data).unwrap();
+    assert_eq!((u.len(), p.len()), (255, 255));
+    // INITIATE carries properties as READY does.
+    let init = initiate_command(&[("Socket-Type", b"DEALER")]);
+    let (name, props) = split_command(&init[2..]).unwrap();
+    assert_eq!(name, b"INITIATE");
+    let props = ready_properties(props).unwrap();
+    assert_eq!(props[0].0, "Socket-Type");
+    assert_eq!(&props[0].1[..], b"DEALER");
+    assert_eq!(&welcome_command()[..], b"\x04\x08\x07WELCOME");
+}
+
+#[test]
+fn error_reasons_are_cut_at_a_character_and_read_back() {
+    let e = error_command("no");
+    let (name, data) = split_command(&e[2..]).unwrap();
+    assert_eq!((name, error_reason(data).as_str()), (&b"ERROR"[..], "no"));
+    let long = "é".repeat(200);
+    let e = error_command(&long);
+    let (_, data) = split_command(body(&e)).unwrap();
+    let reason = error_reason(data);
+    assert_eq!(reason.len(), 254);
+    assert!(long.starts_with(&reason));
+    // A length byte past the end: what is there.
+    assert_eq!(error_reason(b"\x09abc"), "abc");
+    assert_eq!(error_reason(b""), "");
 }

@@ -41,6 +41,12 @@ pub(crate) struct Connection {
     spin: Duration,
     /// The connection kept between calls (with its read-ahead buffer).
     tcp: Option<Stream>,
+    /// stowd's token, presented at the handshake (ZMTP PLAIN) when stowd
+    /// asks for credentials.
+    token: Option<Vec<u8>>,
+    /// The server took no credentials (NULL) last time: the next
+    /// handshake offers none.
+    server_null: bool,
 }
 
 impl Connection {
@@ -57,27 +63,54 @@ impl Connection {
         let tcp = TcpStream::connect_timeout(&addr, left.max(Duration::from_millis(1)))
             .map_err(|e| Fail::Io(format!("cannot connect to {}: {e}", self.address)))?;
         let _ = tcp.set_nodelay(true);
-        let mut s = Stream::new(tcp, deadline, self.spin);
-        s.write_all(&frame::greeting())?;
+        let s = Stream::new(tcp, deadline, self.spin);
+        let plain = self.token.is_some() && !self.server_null;
+        match self.handshake(s, plain)? {
+            Shaken::Ready(s) => Ok(s),
+            // A server that takes no credentials: never send it the token;
+            // a new connection offers NULL.
+            Shaken::ServerNull => {
+                self.server_null = true;
+                self.connect(deadline)
+            }
+        }
+    }
+
+    /// The ZMTP handshake on a new connection: NULL, or PLAIN with the
+    /// token when `plain`.
+    fn handshake(&self, mut s: Stream, plain: bool) -> Result<Shaken, Fail> {
+        let protocol = |e: frame::FrameError| Fail::Protocol(zmtp::ZmtpError::from(e).to_string());
+        let mechanism = if plain {
+            frame::Mechanism::Plain
+        } else {
+            frame::Mechanism::Null
+        };
+        s.write_all(&frame::greeting_as(mechanism, false))?;
         let mut g = [0u8; 64];
         s.read_exact(&mut g)?;
-        frame::check_greeting(&g)
-            .map_err(|e| Fail::Protocol(zmtp::ZmtpError::from(e).to_string()))?;
-        s.write_all(&frame::ready_command(&[("Socket-Type", b"DEALER")]))?;
-        let h = s.header()?;
-        if !h.command {
-            return Err(Fail::Protocol("expected stowd's READY".into()));
+        let theirs = frame::check_greeting(&g).map_err(protocol)?;
+        match (theirs.mechanism, plain) {
+            (frame::Mechanism::Null, true) => return Ok(Shaken::ServerNull),
+            (frame::Mechanism::Plain, false) => {
+                return Err(Fail::Protocol(
+                    "stowd requires its token (ZMTP PLAIN) and this client has none: pass \
+                     token=..., set STOWAGE_TOKEN, or run as stowd's user (its token file, \
+                     or its endpoints file's \"token\")"
+                        .into(),
+                ));
+            }
+            _ => {}
         }
-        let body = s.small_frame(h.size, frame::MAX_COMMAND, "a command")?;
-        // A name cut short reads as none.
-        let name = frame::split_command(&body).map_or(&[][..], |(name, _)| name);
-        if name != b"READY" {
-            return Err(Fail::Protocol(format!(
-                "expected READY, got {:?}",
-                String::from_utf8_lossy(name)
-            )));
+        let props: [(&str, &[u8]); 1] = [("Socket-Type", b"DEALER")];
+        if let Some(token) = self.token.as_deref().filter(|_| plain) {
+            s.write_all(&frame::hello_command(b"stowage", token))?;
+            command(&mut s, "WELCOME")?;
+            s.write_all(&frame::initiate_command(&props))?;
+        } else {
+            s.write_all(&frame::ready_command(&props))?;
         }
-        Ok(s)
+        command(&mut s, "READY")?;
+        Ok(Shaken::Ready(s))
     }
 
     /// A put read, laid out and written ([`fast::plan_put`]), its reply
@@ -189,8 +222,8 @@ impl Connection {
     /// reply by polling for up to `spin_us` microseconds before sleeping
     /// (0: sleep at once; see [`Spin`]).
     #[new]
-    #[pyo3(signature = (endpoint, spin_us = 0.0))]
-    fn new(endpoint: &str, spin_us: f64) -> PyResult<Self> {
+    #[pyo3(signature = (endpoint, spin_us = 0.0, token = None))]
+    fn new(endpoint: &str, spin_us: f64, token: Option<&str>) -> PyResult<Self> {
         if !(spin_us.is_finite() && spin_us >= 0.0) {
             return Err(PyValueError::new_err(format!(
                 "spin_us must be a finite number >= 0, got {spin_us}"
@@ -200,6 +233,8 @@ impl Connection {
             address: address(endpoint)?,
             spin: Duration::from_secs_f64(spin_us.min(1e9) / 1e6),
             tcp: None,
+            token: token.map(|t| t.as_bytes().to_vec()),
+            server_null: false,
         })
     }
 
@@ -639,4 +674,36 @@ fn settled<'py>(
     }
     let frames: Vec<Bound<'py, PyBytes>> = reply.iter().map(|f| PyBytes::new(py, f)).collect();
     Ok(PyList::new(py, frames)?.into_any())
+}
+
+/// A handshake's outcome.
+enum Shaken {
+    Ready(Stream),
+    /// We offered PLAIN; the server speaks NULL.
+    ServerNull,
+}
+
+/// Reads the next frame as the command `want`; stowd's ERROR is its
+/// refusal, in its own words.
+fn command(s: &mut Stream, want: &str) -> Result<(), Fail> {
+    let h = s.header()?;
+    if !h.command {
+        return Err(Fail::Protocol(format!("expected stowd's {want}")));
+    }
+    let body = s.small_frame(h.size, frame::MAX_COMMAND, "a command")?;
+    // A name cut short reads as none.
+    let (name, data) = frame::split_command(&body).unwrap_or((&[][..], &[][..]));
+    if name == b"ERROR" {
+        return Err(Fail::Protocol(format!(
+            "stowd refused the connection: {}",
+            frame::error_reason(data)
+        )));
+    }
+    if name != want.as_bytes() {
+        return Err(Fail::Protocol(format!(
+            "expected {want}, got {:?}",
+            String::from_utf8_lossy(name)
+        )));
+    }
+    Ok(())
 }
