@@ -182,6 +182,29 @@ impl NativeClient {
         }
     }
 
+    /// A client presenting `token` at the handshake (ZMTP PLAIN), for a
+    /// stowd with `[security] auth = "token"`.
+    pub fn with_token(endpoint: &str, token: &str) -> NativeClient {
+        let mut c = NativeClient::new(endpoint);
+        c.peer = c.peer.with_credentials(b"stowage", token.as_bytes());
+        c
+    }
+
+    /// One request's reply, or why there is none (a refused handshake, a
+    /// timeout), without panicking.
+    pub async fn try_call(&self, op: native::Op) -> Result<native::Reply, String> {
+        let request = native::Request { id: self.id(), op };
+        let frames = native::encode_request(&request).map_err(|e| e.to_string())?;
+        let reply = self
+            .peer
+            .request(frames, self.timeout)
+            .await
+            .map_err(|e| e.to_string())?;
+        native::decode_reply(&reply, &native::Limits::default())
+            .map(|(_, r)| r)
+            .map_err(|e| e.to_string())
+    }
+
     /// A fresh request id.
     pub fn id(&self) -> u64 {
         self.next_id.fetch_add(1, Ordering::Relaxed)

@@ -28,6 +28,7 @@ mod policy;
 mod request_spans;
 mod restore;
 mod same_user;
+mod security;
 mod spill;
 mod startup;
 mod stowd;

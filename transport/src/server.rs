@@ -45,6 +45,11 @@ pub async fn serve_with(
                 continue;
             }
         };
+        if !service.admits(peer) {
+            tracing::debug!(peer = ?peer, "connection from a peer this endpoint does not serve closed");
+            drop(stream);
+            continue;
+        }
         // Refusals and evictions are logged by the table.
         let Ok(entry) = table.admit(peer) else {
             drop(stream);

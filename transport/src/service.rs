@@ -43,6 +43,14 @@ pub trait Service: Send + Sync + 'static {
         let _ = connection;
     }
 
+    /// Whether a connection from `peer` (`None`: a Unix socket) is served
+    /// at all; one that is not is closed before the handshake. The default
+    /// serves every peer.
+    fn admits(&self, peer: Option<std::net::IpAddr>) -> bool {
+        let _ = peer;
+        true
+    }
+
     /// The authenticator a client must satisfy at the handshake (ZMTP
     /// PLAIN, this side the server), or `None` for NULL: no credentials.
     /// The default is NULL.

@@ -252,6 +252,12 @@ pub struct SecurityConfig {
     /// The token presented to peer units (`stowage://` in `[router]
     /// units`). Default (empty): stowd's own.
     pub peer_token: String,
+    /// Who may connect to the TransferQueue unit and router endpoints,
+    /// which take no credentials (TransferQueue's clients cannot present
+    /// any): `"loopback"`, only connections from a loopback address (every
+    /// local user); `"open"`, any host that reaches them (a WARN at start
+    /// when they are bound beyond loopback).
+    pub tq_endpoints: String,
 }
 
 impl Default for SecurityConfig {
@@ -261,6 +267,7 @@ impl Default for SecurityConfig {
             token_file: state_dir().join("token"),
             tokens: Vec::new(),
             peer_token: String::new(),
+            tq_endpoints: "loopback".into(),
         }
     }
 }
@@ -276,6 +283,12 @@ impl SecurityConfig {
             return Err(format!(
                 "[security] auth = {:?}: \"token\" or \"none\"",
                 self.auth
+            ));
+        }
+        if !matches!(self.tq_endpoints.as_str(), "loopback" | "open") {
+            return Err(format!(
+                "[security] tq_endpoints = {:?}: \"loopback\" or \"open\"",
+                self.tq_endpoints
             ));
         }
         let bad = |t: &str| t.is_empty() || t.len() > 255 || t.chars().any(char::is_whitespace);

@@ -189,6 +189,19 @@ impl Listeners {
         } else {
             None
         };
+        if !units.is_empty() || router.is_some() {
+            let reach = match config.security.tq_endpoints.as_str() {
+                "open" => format!("any host that reaches {host}"),
+                _ => "every local user (loopback connections only: [security] tq_endpoints = \"loopback\")".into(),
+            };
+            tracing::warn!(
+                units = units.len(),
+                router = router.is_some(),
+                "the TransferQueue endpoints take no credentials (TransferQueue's clients cannot \
+                 present any): {reach} can read and write their rows, the router's being every \
+                 unit's; [units] local = 0 with [router] enabled = false closes them"
+            );
+        }
         let native =
             transport::bind(&format!("tcp://{host}:{}", config.server.native_port)).await?;
         tracing::info!(endpoint = %native.1, "native endpoint listening");
@@ -198,17 +211,6 @@ impl Listeners {
                     token_file = %config.security.token_file.display(),
                     "native endpoint takes stowd's token or [security] tokens (ZMTP PLAIN)"
                 );
-                if !units.is_empty() || router.is_some() {
-                    tracing::warn!(
-                        units = units.len(),
-                        router = router.is_some(),
-                        host = %host,
-                        "the TransferQueue endpoints take no credentials (TransferQueue's \
-                         clients cannot present any): whoever reaches them can read and write \
-                         their rows, the router's being every unit's; set [units] local = 0 \
-                         with [router] enabled = false to close them"
-                    );
-                }
             }
             None => tracing::warn!(
                 endpoint = %native.1,
@@ -317,6 +319,7 @@ pub async fn run(listeners: Listeners, node: Node, shutdown: watch::Receiver<boo
             offload.clone(),
         )
         .with_roots(node.roots.clone())
+        .loopback_only(config.security.tq_endpoints == "loopback")
     };
     let units = listeners.units.into_iter().zip(&node.unit_managers);
     let endpoints = units.map(|(l, m)| (l, m.clone(), Protocol::Tq)).chain(

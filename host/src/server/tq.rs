@@ -54,6 +54,9 @@ pub(super) struct TqService {
     offload: Arc<Offload>,
     /// Where SAVE and LOAD may write and read (none until set).
     roots: Arc<crate::checkpoint::Roots>,
+    /// Serve only connections from loopback addresses (`[security]
+    /// tq_endpoints = "loopback"`).
+    loopback_only: bool,
 }
 
 /// Request arrivals by op, in first-arrival order (TransferQueue's
@@ -166,7 +169,15 @@ impl TqService {
             limits: tq::Limits::NONE,
             offload: Offload::new(usize::MAX),
             roots: Arc::new(crate::checkpoint::Roots::new(vec![], vec![])),
+            loopback_only: false,
         })
+    }
+
+    /// The same service, serving only connections from loopback addresses.
+    pub(super) fn loopback_only(mut self: Arc<Self>, only: bool) -> Arc<TqService> {
+        let this = Arc::get_mut(&mut self).expect("called right after new");
+        this.loopback_only = only;
+        self
     }
 
     /// The same service writing and reading checkpoints under `roots`.
@@ -356,6 +367,10 @@ impl TqService {
 }
 
 impl Service for TqService {
+    fn admits(&self, peer: Option<std::net::IpAddr>) -> bool {
+        !self.loopback_only || peer.is_none_or(|ip| ip.is_loopback())
+    }
+
     fn handle(
         self: Arc<Self>,
         caller: Caller,

@@ -51,6 +51,9 @@ def stowd_config(spec: Mapping[str, Any], host: str, ports: Mapping[str, int], r
         "router": {"enabled": True, "port": ports["router"], "units": list(router_units or [])},
         "plugins": {"cache_dir": str(cache_dir)},
         "shm": {"enabled": bool(spec["shm"])},
+        # Bound to the node's address for the job's other nodes: their
+        # TransferQueue clients connect from there.
+        "security": {"tq_endpoints": "open"},
     }
     if plugin_dir is not None:
         config["plugins"]["dir"] = str(plugin_dir)

@@ -1,0 +1,182 @@
+//! Who may talk to stowd across hosts, with a network namespace standing
+//! in for another host: the test process reaches a `stowd` in namespace
+//! `n` over a veth (10.79.x.1 here, 10.79.x.2 there), so stowd sees a
+//! connection from a non-loopback address.
+//!
+//! - `[security] auth = "token"`: the native endpoint refuses a client
+//!   without the token or with a wrong one at the handshake, and serves one
+//!   with it (a put and a get of the same rows);
+//! - `[security] tq_endpoints = "loopback"` (the default): a TransferQueue
+//!   unit endpoint bound to every address closes a connection from the
+//!   other host before the handshake; `"open"` serves it.
+//!
+//! Needs root and `ip`; a guard removes the namespace and link.
+
+use std::time::Duration;
+
+use stowage_host::batch::Field;
+use stowage_host::wire::{native, tq};
+use stowage_tests::data::{assert_cells, cells, f32_rows, wire_cells};
+use stowage_tests::{NativeClient, Stowd, temp_dir};
+
+use crate::multihost::ip;
+
+/// Namespace `n` and a veth from here to it; removed on drop.
+struct Host {
+    ns: String,
+    link: String,
+    subnet: u32,
+}
+
+impl Host {
+    fn create() -> Result<Host, String> {
+        if unsafe { libc::geteuid() } != 0 {
+            return Err("not root".into());
+        }
+        if std::process::Command::new("ip").arg("-V").output().is_err() {
+            return Err("`ip` (iproute2) is not installed".into());
+        }
+        static CREATING: std::sync::Mutex<u32> = std::sync::Mutex::new(0);
+        let mut made = CREATING.lock().unwrap_or_else(|p| p.into_inner());
+        *made += 1;
+        let pid = std::process::id();
+        let tag = format!("{:05}", (pid * 4 + *made) % 100_000);
+        let routes = std::process::Command::new("ip")
+            .args(["-4", "route", "show"])
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).to_string())
+            .unwrap_or_default();
+        let subnet = (0..250u32)
+            .map(|k| 10 + (pid + k) % 240)
+            .find(|s| !routes.contains(&format!("10.78.{s}.")))
+            .ok_or("no free 10.78.x.0/24 block")?;
+        let host = Host {
+            ns: format!("stowage-sec-{tag}"),
+            link: format!("sts{tag}h"),
+            subnet,
+        };
+        let inner = format!("sts{tag}n");
+        ip(&["netns", "add", &host.ns])?;
+        ip(&["-n", &host.ns, "link", "set", "lo", "up"])?;
+        ip(&[
+            "link", "add", &host.link, "type", "veth", "peer", "name", &inner,
+        ])?;
+        ip(&["link", "set", &inner, "netns", &host.ns])?;
+        ip(&[
+            "addr",
+            "add",
+            &format!("10.78.{subnet}.1/24"),
+            "dev",
+            &host.link,
+        ])?;
+        ip(&["link", "set", &host.link, "up"])?;
+        let there = format!("10.78.{subnet}.2/24");
+        ip(&["-n", &host.ns, "addr", "add", &there, "dev", &inner])?;
+        ip(&["-n", &host.ns, "link", "set", &inner, "up"])?;
+        Ok(host)
+    }
+
+    fn addr(&self) -> String {
+        format!("10.78.{}.2", self.subnet)
+    }
+}
+
+impl Drop for Host {
+    fn drop(&mut self) {
+        if let Err(e) = ip(&["netns", "del", &self.ns]) {
+            eprintln!("cleanup: {e}");
+        }
+        if std::path::Path::new(&format!("/sys/class/net/{}", self.link)).exists()
+            && let Err(e) = ip(&["link", "del", &self.link])
+        {
+            eprintln!("cleanup: {e}");
+        }
+    }
+}
+
+/// A stowd in the namespace, bound to every address there.
+fn config(token_file: &std::path::Path, tq_endpoints: &str) -> String {
+    format!(
+        "[server]\nhost = \"0.0.0.0\"\n\n[units]\nlocal = 1\n\n[shm]\nenabled = false\n\n\
+         [security]\nauth = \"token\"\ntoken_file = {:?}\ntq_endpoints = {tq_endpoints:?}\n",
+        token_file.display().to_string()
+    )
+}
+
+/// The same endpoint at the namespace's address.
+fn there(endpoint: &str, host: &Host) -> String {
+    let port = endpoint.rsplit(':').next().expect("a port");
+    format!("tcp://{}:{port}", host.addr())
+}
+
+/// A TransferQueue GET_METRICS from here to `endpoint`: its reply, or why
+/// none came.
+async fn tq_metrics(endpoint: &str, unit: &str) -> Result<tq::Reply, String> {
+    let peer = stowage_host::transport::Peer::new(endpoint, "TQ_STORAGE_sec_test");
+    let frames = tq::encode_request("TQ_STORAGE_sec_test", Some(unit), &tq::Request::GetMetrics)
+        .map_err(|e| e.to_string())?;
+    let reply = peer
+        .request(frames, Duration::from_secs(3))
+        .await
+        .map_err(|e| e.to_string())?;
+    tq::decode_reply(&reply)
+        .map(|(_, r)| r)
+        .map_err(|e| e.to_string())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn across_hosts_the_token_is_required_and_tq_endpoints_are_loopback_only() {
+    let host = match Host::create() {
+        Ok(h) => h,
+        Err(why) => panic!("network namespaces are needed for this test: {why}"),
+    };
+    let dir = temp_dir("security-netns");
+    let token_file = dir.join("state").join("token");
+    let s = Stowd::start_in_netns(&host.ns, &config(&token_file, "loopback"));
+    let token = s
+        .endpoints
+        .token
+        .clone()
+        .expect("the endpoints file has the token");
+    assert_eq!(std::fs::read_to_string(&token_file).unwrap().trim(), token);
+    let native = there(s.native(), &host);
+
+    let mut anonymous = NativeClient::new(&native);
+    anonymous.timeout = Duration::from_secs(5);
+    let e = anonymous.try_call(native::Op::Stats).await.unwrap_err();
+    assert!(e.contains("requires stowd's token"), "{e}");
+    let mut wrong = NativeClient::with_token(&native, "not-the-token");
+    wrong.timeout = Duration::from_secs(5);
+    let e = wrong.try_call(native::Op::Stats).await.unwrap_err();
+    assert!(e.contains("wrong or missing token"), "{e}");
+
+    let c = NativeClient::with_token(&native, &token);
+    let a = Field::Regular(f32_rows(3, 4, 9));
+    c.put_ok(&[4, 5, 6], &[("a".into(), a.clone())]).await;
+    let mut got = c.get_ok(&[4, 5, 6], &["a"]).await;
+    assert_cells("across hosts", &wire_cells(got.remove(0).1), &cells(&a));
+
+    // The unit endpoint takes loopback connections only: from here, none.
+    let unit = s.unit(0).clone();
+    let e = tq_metrics(&there(&unit.endpoint, &host), &unit.id)
+        .await
+        .unwrap_err();
+    assert!(
+        e.to_lowercase().contains("clos") || e.contains("timed out"),
+        "{e}"
+    );
+    drop(s);
+
+    // "open": the same request is answered.
+    let s = Stowd::start_in_netns(&host.ns, &config(&token_file, "open"));
+    assert_eq!(
+        s.endpoints.token.as_deref(),
+        Some(token.as_str()),
+        "the same token"
+    );
+    let unit = s.unit(0).clone();
+    let reply = tq_metrics(&there(&unit.endpoint, &host), &unit.id)
+        .await
+        .expect("an open unit endpoint answers another host");
+    assert!(matches!(reply, tq::Reply::Metrics(_)), "{reply:?}");
+}
