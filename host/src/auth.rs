@@ -108,6 +108,33 @@ fn read(path: &Path) -> Result<Option<String>, String> {
     Ok(Some(token.to_string()))
 }
 
+/// The token a client of this user offers (only to a server that asks):
+/// `$STOWAGE_TOKEN`, else the token file of this user's stowd
+/// (`$STOWAGE_TOKEN_FILE`, else the default `[security] token_file`), if
+/// it can be read as a token.
+pub fn client_token() -> Option<String> {
+    if let Some(t) = std::env::var("STOWAGE_TOKEN")
+        .ok()
+        .filter(|t| !t.is_empty())
+    {
+        return Some(t);
+    }
+    let path = std::env::var_os("STOWAGE_TOKEN_FILE")
+        .filter(|p| !p.is_empty())
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| crate::config::SecurityConfig::default().token_file);
+    read(&path).ok().flatten()
+}
+
+/// `peer`, offering this user's token ([`client_token`]) to a server that
+/// asks for one.
+pub fn with_client_token(peer: crate::transport::Peer) -> crate::transport::Peer {
+    match client_token() {
+        Some(t) => peer.with_credentials(USERNAME.as_bytes(), t.as_bytes()),
+        None => peer,
+    }
+}
+
 /// Checks PLAIN credentials against stowd's token and `[security] tokens`.
 pub struct Tokens {
     /// (what the token is called in logs, the token).

@@ -22,7 +22,7 @@ import msgpack
 import numpy as np
 import zmq
 
-from stowage import _codec, _core
+from stowage import _auth, _codec, _core
 
 PROTO = "stowage/1"
 DEFAULT_TIMEOUT_S = 10.0
@@ -163,6 +163,7 @@ class NativeClient:
         self.sock.setsockopt(zmq.RCVTIMEO, int(timeout * 1000))
         self.sock.setsockopt(zmq.SNDTIMEO, int(timeout * 1000))
         self.sock.setsockopt(zmq.LINGER, 0)
+        _auth.offer_token(self.sock, endpoint)
         self.sock.connect(endpoint)
         self._next = itertools.count(1)
 

@@ -172,7 +172,7 @@ def test_stowd_presents_its_peer_token_to_a_libzmq_plain_server(tmp_path, no_amb
 
             t = threading.Thread(target=serve)
             t.start()
-            with stowage.Client(s["native"], timeout=10) as c:
+            with stowage.Client(s["native"], token=s["token"], timeout=10) as c:
                 with pytest.raises(StowageError):
                     c.put([0], {"x": rows(1)})
             t.join()
@@ -197,7 +197,7 @@ def test_a_peer_stowd_needs_a_token_its_peer_takes(tmp_path, no_ambient_token):
                 f'[security]\npeer_token = "{token}"\n'
             )
             with run_stowd(front, config=config, name="front") as s:
-                with stowage.Client(s["native"], timeout=10) as c:
+                with stowage.Client(s["native"], token=s["token"], timeout=10) as c:
                     if ok:
                         c.put([5, 6], {"x": rows(2)})
                         np.testing.assert_array_equal(c.get([6, 5], ["x"])["x"], rows(2)[[1, 0]])

@@ -173,7 +173,20 @@ impl std::fmt::Debug for NativeClient {
 }
 
 impl NativeClient {
+    /// A client offering this user's stowd token to a stowd that asks for
+    /// one ([`stowage_host::auth::client_token`]).
     pub fn new(endpoint: &str) -> NativeClient {
+        let prefix = format!("native_test_{:08x}_{}", std::process::id(), next_client());
+        NativeClient {
+            peer: stowage_host::auth::with_client_token(Peer::new(endpoint, prefix)),
+            next_id: AtomicU64::new(1),
+            timeout: REPLY_TIMEOUT,
+        }
+    }
+
+    /// A client that offers no token (ZMTP NULL), whatever this user's
+    /// stowd's is.
+    pub fn without_token(endpoint: &str) -> NativeClient {
         let prefix = format!("native_test_{:08x}_{}", std::process::id(), next_client());
         NativeClient {
             peer: Peer::new(endpoint, prefix),

@@ -1088,7 +1088,11 @@ pub fn rss_tolerance(m: &Memory) -> u64 {
 /// Config for a `stowd` under load: memory kept for reuse (the receive
 /// pool) goes back after 3 s unused instead of 30 s, so the
 /// after-disconnect reading (12 s) sees whether it really goes back.
-pub const REUSE_CONFIG: &str = "[limits]\nreceive_pool_idle_secs = 3\n";
+/// The run's clients are the zeromq crate's DEALERs, an independent ZMTP
+/// implementation that speaks NULL only: the native endpoint takes them
+/// without a token.
+pub const REUSE_CONFIG: &str =
+    "[limits]\nreceive_pool_idle_secs = 3\n\n[security]\nauth = \"none\"\n";
 
 /// The allowed excess of `after_disconnect` over `baseline`: [`RSS_SLACK`].
 pub fn rss_tolerance_disconnected(_m: &Memory) -> u64 {

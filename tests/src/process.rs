@@ -149,10 +149,19 @@ impl Stowd {
     pub fn start_as(uid: u32, config: &str) -> Stowd {
         let plugins = temp_dir("stowd-as-plugins");
         let cache = temp_dir("stowd-as-cache");
-        for dir in [&plugins, &cache] {
+        let state = temp_dir("stowd-as-state");
+        for dir in [&plugins, &cache, &state] {
             std::os::unix::fs::chown(dir, Some(uid), Some(uid)).expect("chown (needs root)");
         }
-        Stowd::spawn(&[], &plugins, &cache, config, None, &[], Some(uid))
+        // Its token where that user can write it (not in the test's home).
+        let config = match config.contains("[security]") {
+            true => config.to_string(),
+            false => format!(
+                "{config}\n[security]\ntoken_file = {:?}\n",
+                state.join("token").display().to_string()
+            ),
+        };
+        Stowd::spawn(&[], &plugins, &cache, &config, None, &[], Some(uid))
             .unwrap_or_else(|e| panic!("{e}"))
     }
 

@@ -210,9 +210,10 @@ async fn two_thousand_idle_connections_from_one_peer_do_not_keep_another_peer_ou
             "max_connections_per_peer = 0\n",
         ),
     ] {
+        // Raw NULL handshakes: the connection table is under test, not the token.
         let config = format!(
             "[server]\nhost = \"0.0.0.0\"\n\n[units]\nlocal = 1\n\n[router]\nenabled = false\n\n\
-             [shm]\nenabled = false\n\n[limits]\n{limits}"
+             [shm]\nenabled = false\n\n[security]\nauth = \"none\"\n\n[limits]\n{limits}"
         );
         let mut stowd = Stowd::start(&config);
         let port = stowd.native().rsplit(':').next().unwrap().to_string();
@@ -264,7 +265,9 @@ async fn two_thousand_idle_connections_from_one_peer_do_not_keep_another_peer_ou
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_connection_that_sends_nothing_is_closed_after_the_idle_timeout() {
-    let mut stowd = Stowd::start("[limits]\nidle_timeout_secs = 1\n");
+    // A raw NULL handshake: the idle timeout is under test, not the token.
+    let mut stowd =
+        Stowd::start("[security]\nauth = \"none\"\n\n[limits]\nidle_timeout_secs = 1\n");
     let addr = stowd.native().strip_prefix("tcp://").unwrap().to_string();
     let mut quiet = TcpStream::connect(&addr).await.unwrap();
     let (r, mut w) = quiet.split();

@@ -222,9 +222,14 @@ impl Drop for Net {
     }
 }
 
+/// Hosts reach each other's TransferQueue endpoints (the router's remote
+/// units, the load's clients), and the load's clients (the zeromq crate's
+/// DEALERs) speak NULL only.
+const SECURITY: &str = "[security]\nauth = \"none\"\ntq_endpoints = \"open\"\n";
+
 fn unit_config(net: &Net, i: usize) -> String {
     format!(
-        "[server]\nhost = {:?}\n\n[units]\nlocal = 1\nport_base = {UNIT_PORT}\n\n[router]\nenabled = false\n\n[shm]\nenabled = false\n",
+        "[server]\nhost = {:?}\n\n[units]\nlocal = 1\nport_base = {UNIT_PORT}\n\n[router]\nenabled = false\n\n[shm]\nenabled = false\n\n{SECURITY}",
         net.unit_addr(i)
     )
 }
@@ -234,7 +239,7 @@ fn router_config(net: &Net) -> String {
         .map(|i| format!("{:?}", net.unit_endpoint(i)))
         .collect();
     format!(
-        "[server]\nhost = {:?}\n\n[units]\nlocal = 0\n\n[router]\nunits = [{}]\ntimeout_secs = {}\n\n[shm]\nenabled = false\n",
+        "[server]\nhost = {:?}\n\n[units]\nlocal = 0\n\n[router]\nunits = [{}]\ntimeout_secs = {}\n\n[shm]\nenabled = false\n\n{SECURITY}",
         net.router_addr(),
         units.join(", "),
         ROUTER_TIMEOUT.as_secs()

@@ -51,7 +51,13 @@ async fn a_process_of_stowds_user_cannot_open_its_memory() {
     };
     let pid = stowd.pid();
     assert_eq!(uid_of(pid), user);
-    let c = NativeClient::new(stowd.native());
+    // Its token, from its endpoints file (that user's own token file).
+    let token = stowd
+        .endpoints
+        .token
+        .clone()
+        .expect("stowd asks for a token");
+    let c = NativeClient::with_token(stowd.native(), &token);
     let field = Field::Regular(f32_rows(4, 256, 7));
     c.put_ok(&[0, 1, 2, 3], &[("x".into(), field.clone())])
         .await;

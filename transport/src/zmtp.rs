@@ -518,7 +518,9 @@ pub trait Authenticator: Send + Sync {
 pub enum Security<'a> {
     /// RFC 23: no credentials either way.
     Null,
-    /// RFC 24, as the client: present these credentials.
+    /// RFC 24, as the client: present these credentials to a server that
+    /// asks for them (its greeting names PLAIN); to one that takes none
+    /// (NULL), connect without them.
     PlainClient {
         username: &'a [u8],
         password: &'a [u8],
@@ -545,9 +547,6 @@ fn mismatch(ours: &Security<'_>, theirs: frame::Greeting) -> String {
             "this endpoint requires credentials (ZMTP PLAIN with stowd's token); the peer \
              sent none (NULL)"
                 .into()
-        }
-        (Security::PlainClient { .. }, frame::Mechanism::Null) => {
-            "we present credentials (ZMTP PLAIN) but the server takes none (NULL)".into()
         }
         (Security::Null, frame::Mechanism::Plain) => {
             "one side presents credentials (ZMTP PLAIN) and the other takes none (NULL): \
@@ -626,11 +625,31 @@ where
     W: AsyncWrite + Unpin + ?Sized,
 {
     let as_server = matches!(security, Security::PlainServer(_));
-    writer
-        .write_all(&frame::greeting_as(security.mechanism(), as_server))
-        .await?;
-    writer.flush().await?;
-    let theirs = reader.read_greeting().await?;
+    let theirs = if let Security::PlainClient { .. } = security {
+        // A client with credentials offers them only to a server that asks:
+        // the signature and version first (libzmq sends the rest of its
+        // greeting once it has them), the server's greeting read, then our
+        // mechanism, the server's.
+        let ours = frame::greeting_as(frame::Mechanism::Plain, false);
+        writer.write_all(&ours[..11]).await?;
+        writer.flush().await?;
+        let theirs = reader.read_greeting().await?;
+        let rest = frame::greeting_as(theirs.mechanism, false);
+        writer.write_all(&rest[11..]).await?;
+        writer.flush().await?;
+        theirs
+    } else {
+        writer
+            .write_all(&frame::greeting_as(security.mechanism(), as_server))
+            .await?;
+        writer.flush().await?;
+        reader.read_greeting().await?
+    };
+    // Credentials offered to a server that takes none: NULL, without them.
+    let security = match (security, theirs.mechanism) {
+        (Security::PlainClient { .. }, frame::Mechanism::Null) => Security::Null,
+        (s, _) => s,
+    };
     // libzmq leaves the as-server byte 0 even as a PLAIN server, so only a
     // peer that claims to be the server when we are is refused for it.
     if theirs.mechanism != security.mechanism()

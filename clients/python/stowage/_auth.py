@@ -12,7 +12,8 @@ the token given to them (`[security] tokens` lists more).
 The Rust core offers the token only to a server that asks for one (its
 greeting says PLAIN); pyzmq's sockets, which cannot choose at the
 handshake, are told by `server_mechanism`, which reads the server's
-greeting (stowd sends it first) on a connection of its own.
+greeting on a connection of its own before each socket connects (a server
+not reachable yet is taken to ask, as stowd does by default).
 """
 
 from __future__ import annotations
@@ -91,14 +92,22 @@ def server_mechanism(endpoint: str, timeout: float = 2.0) -> str | None:
     return g[12:32].rstrip(b"\0").decode("ascii", "replace")
 
 
-def plain_for_zmq(endpoint: str, token: str | None, given: bool) -> bool:
+def plain_for_zmq(endpoint: str, token: str | None) -> bool:
     """Whether a pyzmq socket to `endpoint` presents `token`: when the
-    server's greeting says PLAIN; if it cannot be read, when the token was
-    given rather than found."""
+    server's greeting says PLAIN, or cannot be read yet (stowd asks for a
+    token by default)."""
     if token is None:
         return False
-    mechanism = server_mechanism(endpoint)
-    return given if mechanism is None else mechanism == "PLAIN"
+    return server_mechanism(endpoint) in (None, "PLAIN")
+
+
+def offer_token(sock, endpoint: str, token: str | None = None) -> None:
+    """Makes a pyzmq socket about to connect to `endpoint` present this
+    user's token (`token`, `$STOWAGE_TOKEN` or the token file) if the
+    server asks for one; otherwise leaves it NULL."""
+    token, _ = resolve(token)
+    if plain_for_zmq(endpoint, token):
+        set_plain(sock, token)
 
 
 def set_plain(sock, token: str) -> None:

@@ -120,8 +120,7 @@ class AsyncClient(_Ops):
         if self._sock is None:
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
-            if self._zmq_plain:
-                _auth.set_plain(sock, self._token)
+            _auth.offer_token(sock, self.endpoint, self._token)
             sock.connect(self.endpoint)
             self._sock, self._loop = sock, loop
             self._reader = loop.create_task(self._read(sock))

@@ -50,9 +50,7 @@ class _Ops:
             raise ValueError(f"max_message_bytes must be a positive int, got {max_message_bytes!r}")
         self.max_message_bytes = max_message_bytes
         self.spin_us = self._check_spin(spin_us)
-        self._token, given = _auth.resolve(token)
-        # pyzmq's sockets present the token only to a server that asks for it.
-        self._zmq_plain = _auth.plain_for_zmq(endpoint, self._token, given)
+        self._token, _ = _auth.resolve(token)
         self._ids = itertools.count(1)  # id 0 is reserved for replies to unreadable requests
 
     @staticmethod
@@ -487,10 +485,10 @@ class Client(_Ops):
     anything else runnable goes first; a wait the spin misses makes the
     connection's next 8 waits sleep at once. `spin_us=0` always sleeps.
 
-    `token` is stowd's token, for a stowd whose native endpoint asks for
-    one (`[security] auth = "token"`); `None` takes `$STOWAGE_TOKEN`, else
-    the token file of this user's stowd (see `stowage._auth`). It is only
-    ever offered to a server that asks for credentials.
+    `token` is stowd's token, which its native endpoint asks for by default
+    (`[security] auth = "token"`); `None` takes `$STOWAGE_TOKEN`, else the
+    token file of this user's stowd (see `stowage._auth`), so stowd's own
+    user needs none. It is only ever offered to a server that asks.
     """
 
     def __init__(self, endpoint: str, timeout: float = DEFAULT_TIMEOUT, *,
@@ -507,8 +505,9 @@ class Client(_Ops):
     def _connect(self) -> zmq.Socket:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        if self._zmq_plain:
-            _auth.set_plain(sock, self._token)
+        # Presents the token only to a server that asks (read anew for every
+        # socket: stowd may have restarted with other settings).
+        _auth.offer_token(sock, self.endpoint, self._token)
         sock.connect(self.endpoint)
         return sock
 

@@ -34,7 +34,7 @@ def counting(client):
 
     client._call, client._core_put = call, core_put
     # A put of one message goes through the core's put_fast.
-    client._core = CoreSpy(_core.Connection(client.endpoint, client.spin_us),
+    client._core = CoreSpy(_core.Connection(client.endpoint, client.spin_us, client._token),
                            lambda op, nbytes, rows: sent.append((op, nbytes, rows)), messages=False)
     return sent
 

@@ -376,7 +376,7 @@ def _core_sends(c) -> list:
     """Records the op of every put message `c` sends through the core
     (`put_fast`'s one, or each of a split put's)."""
     ops = []
-    c._core = CoreSpy(_core.Connection(c.endpoint, c.spin_us), lambda op, nbytes, rows: ops.append(op))
+    c._core = CoreSpy(_core.Connection(c.endpoint, c.spin_us, c._token), lambda op, nbytes, rows: ops.append(op))
     return ops
 
 
@@ -563,16 +563,16 @@ class HostileZmtp:
                 conn, _ = self.sock.accept()
             except TimeoutError:
                 continue
-            threading.Thread(target=self._serve, args=(conn, next(self._connections)), daemon=True).start()
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
-    def _serve(self, conn, number):
+    def _serve(self, conn):
         with conn:
             try:
-                self._exchange(conn, number)
+                self._exchange(conn)
             except (OSError, EOFError):
                 pass  # the client dropped the connection, or never asked
 
-    def _exchange(self, conn, number):
+    def _exchange(self, conn):
         conn.settimeout(10)
         f = conn.makefile("rb")
 
@@ -590,6 +590,9 @@ class HostileZmtp:
         greeting = b"\xff" + bytes(8) + b"\x7f\x03\x00" + b"NULL".ljust(20, b"\0") + bytes(32)
         conn.sendall(greeting)
         read(64)
+        # Numbered once its greeting is whole: a client reading ours to see
+        # whether we ask for a token (and closing) makes no connection.
+        number = next(self._connections)
         conn.sendall(self.frame(b"\x05READY\x0bSocket-Type" + (6).to_bytes(4, "big") + b"ROUTER", command=True))
         frame()  # the client's READY
         if self.reply is None:

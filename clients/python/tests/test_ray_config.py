@@ -97,6 +97,7 @@ def test_launch_config_merges_over_what_launch_sets(config_mod):
         "router": {"enabled": True, "port": 3, "units": ["local:0", "tcp://10.0.0.2:7"]},
         "plugins": {"cache_dir": "/c", "dir": "/p/" + AWKWARD_DIR, "compile": AWKWARD[1]},
         "shm": {"enabled": True, "dir": AWKWARD_DIR},
+        "security": {"tq_endpoints": "open"},
         "limits": {"max_rows": 9},
         "checkpoint": {"roots": ["/n/checkpoint"]},
     }
@@ -144,6 +145,7 @@ def test_a_real_stowd_reads_the_written_config(sray, tmp_path, monkeypatch):
             "router": {"enabled": True, "port": ports["router"], "units": []},
             "plugins": {"cache_dir": str(node.cache_dir), "dir": str(plugins.resolve())},
             "shm": {"enabled": True, "dir": str(shm_dir)},
+            "security": {"tq_endpoints": "open"},
             "limits": {"max_rows": 4096},
             "checkpoint": {"roots": [str(node.checkpoint_dir)]},
         }
@@ -160,3 +162,12 @@ def test_a_real_stowd_reads_the_written_config(sray, tmp_path, monkeypatch):
     finally:
         node.stop()
     assert not node.dir.exists()
+
+
+def test_a_launch_token_is_taken_and_presented_by_every_node(config_mod):
+    spec = {"units_per_node": 1, "capacity_bytes": 0, "shm": False, "cluster_token": "c" * 64}
+    got = config_mod.stowd_config(spec, "10.0.0.1", {"native": 1, "unit_base": 2, "router": 3}, None, None, "/c")
+    assert got["security"] == {"tq_endpoints": "open", "tokens": ["c" * 64], "peer_token": "c" * 64}
+    del spec["cluster_token"]
+    got = config_mod.stowd_config(spec, "10.0.0.1", {"native": 1, "unit_base": 2, "router": 3}, None, None, "/c")
+    assert got["security"] == {"tq_endpoints": "open"}

@@ -232,7 +232,10 @@ fn plugin_list(endpoint: &str) -> anyhow::Result<()> {
         id: 1,
         op: native::Op::Stats,
     })?;
-    let peer = stowage_host::transport::Peer::new(endpoint, "stowd-plugin-list");
+    let peer = stowage_host::auth::with_client_token(stowage_host::transport::Peer::new(
+        endpoint,
+        "stowd-plugin-list",
+    ));
     let reply = rt.block_on(peer.request(frames, std::time::Duration::from_secs(10)))?;
     let (_, reply) = native::decode_reply(&reply, &native::Limits::default())?;
     let native::Reply::StatsOk(stats) = reply else {
@@ -272,7 +275,10 @@ fn checkpoint(args: &CheckpointArgs, restore: bool, journal: bool) -> anyhow::Re
         .enable_all()
         .build()?;
     let frames = native::encode_request(&native::Request { id: 1, op })?;
-    let peer = stowage_host::transport::Peer::new(&args.endpoint, "stowd-checkpoint");
+    let peer = stowage_host::auth::with_client_token(stowage_host::transport::Peer::new(
+        &args.endpoint,
+        "stowd-checkpoint",
+    ));
     let timeout = std::time::Duration::from_secs(args.timeout_secs);
     let reply = rt.block_on(peer.request(frames, timeout))?;
     match native::decode_reply(&reply, &native::Limits::default())?.1 {

@@ -263,7 +263,7 @@ pub struct SecurityConfig {
 impl Default for SecurityConfig {
     fn default() -> Self {
         SecurityConfig {
-            auth: "none".into(),
+            auth: "token".into(),
             token_file: state_dir().join("token"),
             tokens: Vec::new(),
             peer_token: String::new(),

@@ -81,6 +81,13 @@ async fn main() {
             let text = std::fs::read(f).unwrap_or_else(|e| usage(&format!("cannot read {f}: {e}")));
             let e: Endpoints =
                 serde_json::from_slice(&text).unwrap_or_else(|e| usage(&format!("{f}: {e}")));
+            if e.token.is_some() && opts.protocols != Protocols::Tq {
+                usage(&format!(
+                    "{f}: that stowd's native endpoint takes a token ([security] auth = \"token\"), \
+                     and stowload's clients speak ZMTP NULL only: run it with auth = \"none\", \
+                     or --protocols tq"
+                ));
+            }
             (None, e)
         }
         None => {

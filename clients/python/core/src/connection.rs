@@ -44,9 +44,6 @@ pub(crate) struct Connection {
     /// stowd's token, presented at the handshake (ZMTP PLAIN) when stowd
     /// asks for credentials.
     token: Option<Vec<u8>>,
-    /// The server took no credentials (NULL) last time: the next
-    /// handshake offers none.
-    server_null: bool,
 }
 
 impl Connection {
@@ -64,34 +61,23 @@ impl Connection {
             .map_err(|e| Fail::Io(format!("cannot connect to {}: {e}", self.address)))?;
         let _ = tcp.set_nodelay(true);
         let s = Stream::new(tcp, deadline, self.spin);
-        let plain = self.token.is_some() && !self.server_null;
-        match self.handshake(s, plain)? {
-            Shaken::Ready(s) => Ok(s),
-            // A server that takes no credentials: never send it the token;
-            // a new connection offers NULL.
-            Shaken::ServerNull => {
-                self.server_null = true;
-                self.connect(deadline)
-            }
-        }
+        self.handshake(s)
     }
 
-    /// The ZMTP handshake on a new connection: NULL, or PLAIN with the
-    /// token when `plain`.
-    fn handshake(&self, mut s: Stream, plain: bool) -> Result<Shaken, Fail> {
+    /// The ZMTP handshake on a new connection. With a token, it is offered
+    /// only to a server that asks: the signature and version go first
+    /// (libzmq sends the rest of its greeting once it has them), then the
+    /// server's greeting is read and ours finished with its mechanism.
+    fn handshake(&self, mut s: Stream) -> Result<Stream, Fail> {
         let protocol = |e: frame::FrameError| Fail::Protocol(zmtp::ZmtpError::from(e).to_string());
-        let mechanism = if plain {
-            frame::Mechanism::Plain
-        } else {
-            frame::Mechanism::Null
-        };
-        s.write_all(&frame::greeting_as(mechanism, false))?;
+        let first = frame::greeting_as(frame::Mechanism::Null, false);
+        s.write_all(&first[..11])?;
         let mut g = [0u8; 64];
         s.read_exact(&mut g)?;
         let theirs = frame::check_greeting(&g).map_err(protocol)?;
-        match (theirs.mechanism, plain) {
-            (frame::Mechanism::Null, true) => return Ok(Shaken::ServerNull),
-            (frame::Mechanism::Plain, false) => {
+        let plain = theirs.mechanism == frame::Mechanism::Plain;
+        let Some(token) = self.token.as_deref().filter(|_| plain) else {
+            if plain {
                 return Err(Fail::Protocol(
                     "stowd requires its token (ZMTP PLAIN) and this client has none: pass \
                      token=..., set STOWAGE_TOKEN, or run as stowd's user (its token file, \
@@ -99,18 +85,17 @@ impl Connection {
                         .into(),
                 ));
             }
-            _ => {}
-        }
-        let props: [(&str, &[u8]); 1] = [("Socket-Type", b"DEALER")];
-        if let Some(token) = self.token.as_deref().filter(|_| plain) {
-            s.write_all(&frame::hello_command(b"stowage", token))?;
-            command(&mut s, "WELCOME")?;
-            s.write_all(&frame::initiate_command(&props))?;
-        } else {
-            s.write_all(&frame::ready_command(&props))?;
-        }
+            s.write_all(&frame::greeting_as(frame::Mechanism::Null, false)[11..])?;
+            s.write_all(&frame::ready_command(&[("Socket-Type", b"DEALER")]))?;
+            command(&mut s, "READY")?;
+            return Ok(s);
+        };
+        s.write_all(&frame::greeting_as(frame::Mechanism::Plain, false)[11..])?;
+        s.write_all(&frame::hello_command(b"stowage", token))?;
+        command(&mut s, "WELCOME")?;
+        s.write_all(&frame::initiate_command(&[("Socket-Type", b"DEALER")]))?;
         command(&mut s, "READY")?;
-        Ok(Shaken::Ready(s))
+        Ok(s)
     }
 
     /// A put read, laid out and written ([`fast::plan_put`]), its reply
@@ -234,7 +219,6 @@ impl Connection {
             spin: Duration::from_secs_f64(spin_us.min(1e9) / 1e6),
             tcp: None,
             token: token.map(|t| t.as_bytes().to_vec()),
-            server_null: false,
         })
     }
 
@@ -674,13 +658,6 @@ fn settled<'py>(
     }
     let frames: Vec<Bound<'py, PyBytes>> = reply.iter().map(|f| PyBytes::new(py, f)).collect();
     Ok(PyList::new(py, frames)?.into_any())
-}
-
-/// A handshake's outcome.
-enum Shaken {
-    Ready(Stream),
-    /// We offered PLAIN; the server speaks NULL.
-    ServerNull,
 }
 
 /// Reads the next frame as the command `want`; stowd's ERROR is its

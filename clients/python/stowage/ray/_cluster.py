@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import secrets
 import threading
 import socket
 import time
@@ -464,6 +465,9 @@ def launch(
         "config": dict(config or {}),
         "workdir": os.fspath(workdir) if workdir is not None else None,
         "start_timeout": float(timeout),
+        # The launch's token: every node's stowd takes it and presents it to
+        # its peers (each also keeps its own, for its node's clients).
+        "cluster_token": secrets.token_hex(32),
     }
     actors = {}
     for nid in node_ids:

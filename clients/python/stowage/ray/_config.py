@@ -55,6 +55,10 @@ def stowd_config(spec: Mapping[str, Any], host: str, ports: Mapping[str, int], r
         # TransferQueue clients connect from there.
         "security": {"tq_endpoints": "open"},
     }
+    if spec.get("cluster_token"):
+        # Peers across nodes: each stowd takes the launch's token and
+        # presents it (a node's own clients use the node's own token).
+        config["security"].update(tokens=[spec["cluster_token"]], peer_token=spec["cluster_token"])
     if plugin_dir is not None:
         config["plugins"]["dir"] = str(plugin_dir)
     if spec.get("shm_dir"):
