@@ -243,7 +243,7 @@ class Stowd:
     memory: it takes `reuse_bytes` with a warning, for the baselines that
     still read it.)"""
 
-    def __init__(self, binary, tmp, plugins=None, no_pools=False):
+    def __init__(self, binary, tmp, plugins=None, no_pools=False, extra=""):
         os.makedirs(tmp, exist_ok=True)
         cfg = os.path.join(tmp, "stowd.toml")
         self.eps_path = os.path.join(tmp, "stowd.json")
@@ -253,6 +253,7 @@ class Stowd:
             text += f"\n[plugins]\ndir = {json.dumps(os.path.abspath(plugins))}\n"
         if no_pools:
             text += "\n[limits]\nreceive_pool_bytes = 0\n\n[shm]\nreuse_bytes = 0\n"
+        text += extra
         with open(cfg, "w") as f:
             f.write(text)
         self.proc = subprocess.Popen(
@@ -1068,6 +1069,9 @@ def main():
                     help="clients/python of --stowd-base's own checkout: its stowage client talks to it "
                          "(default: this checkout's client talks to both)")
     ap.add_argument("--base-label", default="today", help="name of --stowd-base in the tables (default: today)")
+    ap.add_argument("--base-config", default="", metavar="TOML",
+                    help="tables added to --stowd-base's config, e.g. '[security]\\nauth = \"none\"' with "
+                         "--stowd-base the same binary as --stowd: ZMTP NULL against the default PLAIN, one run")
     ap.add_argument("--no-pools", action="store_true",
                     help="start stowd with [limits] receive_pool_bytes = 0 and [shm] reuse_bytes = 0, so that "
                          "transient memory shows in the peak RSS")
@@ -1158,7 +1162,9 @@ def main():
         stowds = {}
         try:
             for lab, (binary, plugins) in binaries.items():
-                stowds[lab] = Stowd(binary, os.path.join(tmp, f"{w.name}-{lab or 'new'}"), plugins, a.no_pools)
+                extra = "\n" + a.base_config.replace("\\n", "\n") + "\n" if lab and a.base_config else ""
+                stowds[lab] = Stowd(binary, os.path.join(tmp, f"{w.name}-{lab or 'new'}"), plugins, a.no_pools,
+                                    extra)
                 if lab not in plugins_seen:
                     plugins_seen[lab] = stowds[lab].plugins_loaded()
                     print(f"  stowd {lab or 'new'} ({binary}): plugins {', '.join(plugins_seen[lab]) or 'NONE'}"
