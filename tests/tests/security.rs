@@ -184,3 +184,44 @@ async fn across_hosts_the_token_is_required_and_tq_endpoints_are_loopback_only()
     };
     assert!(matches!(reply, tq::Reply::Metrics(_)), "{reply:?}");
 }
+
+/// A free tcp port on this host (bound, then let go).
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("an ephemeral port")
+}
+
+/// `GET /metrics` to `addr` with `auth` as its Authorization header, if
+/// any: the reply's status line.
+fn scrape(addr: &str, auth: Option<&str>) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).expect("connect to /metrics");
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let header = auth.map_or(String::new(), |a| format!("Authorization: {a}\r\n"));
+    write!(s, "GET /metrics HTTP/1.1\r\nHost: x\r\n{header}\r\n").unwrap();
+    let mut out = String::new();
+    let _ = s.read_to_string(&mut out);
+    out.lines().next().unwrap_or_default().to_string()
+}
+
+#[test]
+fn metrics_beyond_loopback_take_only_a_bearer_token() {
+    let port = free_port();
+    let open = format!("[metrics]\nhost = \"0.0.0.0\"\nport = {port}\n");
+    let e = Stowd::try_start(&format!("{open}\n[security]\nauth = \"none\"\n")).unwrap_err();
+    assert!(e.contains("is not a loopback address"), "{e}");
+
+    let dir = temp_dir("security-metrics");
+    let token_file = dir.join("token");
+    let s = Stowd::start(&format!(
+        "{open}\n[security]\ntoken_file = {:?}\n",
+        token_file.display().to_string()
+    ));
+    let token = s.endpoints.token.clone().expect("a token");
+    let addr = format!("127.0.0.1:{port}");
+    assert!(scrape(&addr, None).contains("401"));
+    assert!(scrape(&addr, Some("Bearer not-the-token")).contains("401"));
+    assert!(scrape(&addr, Some(&format!("Bearer {token}"))).contains("200 OK"));
+}

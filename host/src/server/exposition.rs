@@ -34,7 +34,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use http_body_util::Full;
 use hyper::body::Incoming;
-use hyper::header::{ALLOW, CONTENT_TYPE, HeaderValue};
+use hyper::header::{ALLOW, AUTHORIZATION, CONTENT_TYPE, HeaderValue, WWW_AUTHENTICATE};
 use hyper::service::service_fn;
 use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::{TokioIo, TokioTimer};
@@ -492,9 +492,14 @@ fn plugins(t: &mut Families, registry: &Registry) {
 /// Serves the endpoint on a thread of its own (a single-threaded runtime on
 /// a thread of the blocking pool) until shutdown, so that a scrape waits
 /// for no data-path task queued on the main runtime's workers.
+/// Who may scrape: everyone (bound to loopback), or only a request
+/// carrying `Authorization: Bearer <token>` with a token `tokens` takes.
+pub type Bearer = Option<Arc<crate::auth::Tokens>>;
+
 pub fn spawn(
     listener: std::net::TcpListener,
     render: Render,
+    bearer: Bearer,
     shutdown: watch::Receiver<bool>,
 ) -> JoinHandle<()> {
     tokio::task::spawn_blocking(move || {
@@ -510,7 +515,7 @@ pub fn spawn(
                 .set_nonblocking(true)
                 .and_then(|()| TcpListener::from_std(listener));
             match listener {
-                Ok(l) => serve(l, render, shutdown).await,
+                Ok(l) => serve(l, render, bearer, shutdown).await,
                 Err(e) => tracing::error!(error = %e, "metrics endpoint not served"),
             }
         });
@@ -518,7 +523,12 @@ pub fn spawn(
 }
 
 /// Serves the endpoint on `listener` until shutdown.
-pub async fn serve(listener: TcpListener, render: Render, mut shutdown: watch::Receiver<bool>) {
+pub async fn serve(
+    listener: TcpListener,
+    render: Render,
+    bearer: Bearer,
+    mut shutdown: watch::Receiver<bool>,
+) {
     let mut http = hyper::server::conn::http1::Builder::new();
     http.timer(TokioTimer::new())
         .header_read_timeout(REQUEST_TIMEOUT)
@@ -528,9 +538,9 @@ pub async fn serve(listener: TcpListener, render: Render, mut shutdown: watch::R
         tokio::select! {
             accepted = listener.accept() => match accepted {
                 Ok((stream, _)) => {
-                    let render = render.clone();
+                    let (render, bearer) = (render.clone(), bearer.clone());
                     let service = service_fn(move |req| {
-                        let response = respond(&req, &render);
+                        let response = respond(&req, &render, bearer.as_deref());
                         async move { Ok::<_, Infallible>(response) }
                     });
                     let connection = http.serve_connection(TokioIo::new(stream), service);
@@ -550,7 +560,11 @@ pub async fn serve(listener: TcpListener, render: Render, mut shutdown: watch::R
     }
 }
 
-fn respond(req: &Request<Incoming>, render: &Render) -> Response<Full<Bytes>> {
+fn respond(
+    req: &Request<Incoming>,
+    render: &Render,
+    bearer: Option<&crate::auth::Tokens>,
+) -> Response<Full<Bytes>> {
     let text = |status: StatusCode, body: &'static str| {
         let mut r = Response::new(Full::new(Bytes::from_static(body.as_bytes())));
         *r.status_mut() = status;
@@ -563,6 +577,24 @@ fn respond(req: &Request<Incoming>, render: &Render) -> Response<Full<Bytes>> {
         r.headers_mut()
             .insert(ALLOW, HeaderValue::from_static("GET, HEAD"));
         return r;
+    }
+    if let Some(tokens) = bearer {
+        use crate::transport::zmtp::Authenticator;
+        let presented = req
+            .headers()
+            .get(AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .map(str::trim);
+        if presented.is_none_or(|t| tokens.authenticate(b"", t.as_bytes()).is_err()) {
+            let mut r = text(
+                StatusCode::UNAUTHORIZED,
+                "this endpoint takes Authorization: Bearer <stowd's token>\n",
+            );
+            r.headers_mut()
+                .insert(WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+            return r;
+        }
     }
     match req.uri().path() {
         "/metrics" => {

@@ -19,7 +19,7 @@ async fn endpoint(body: &'static str) -> (String, Arc<AtomicU64>, watch::Sender<
         body.to_string()
     });
     let (tx, rx) = watch::channel(false);
-    tokio::spawn(serve(listener, render, rx));
+    tokio::spawn(serve(listener, render, None, rx));
     (addr, renders, tx)
 }
 
@@ -39,6 +39,49 @@ async fn ask(addr: &str, request: &'static [u8]) -> String {
     tokio::task::spawn_blocking(move || exchange(&addr, request))
         .await
         .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_a_bearer_only_a_request_carrying_a_taken_token_is_answered() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let render: Render = Arc::new(|| "a_total 1\n".to_string());
+    let tokens = Arc::new(crate::auth::Tokens::new("own", &["other".into()]));
+    let (_stop, rx) = watch::channel(false);
+    tokio::spawn(serve(listener, render, Some(tokens), rx));
+    for (request, ok) in [
+        (&b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n"[..], false),
+        (
+            b"GET /metrics HTTP/1.1\r\nAuthorization: Bearer wrong\r\n\r\n",
+            false,
+        ),
+        (
+            b"GET /metrics HTTP/1.1\r\nAuthorization: Basic b3du\r\n\r\n",
+            false,
+        ),
+        (
+            b"GET /metrics HTTP/1.1\r\nAuthorization: Bearer own\r\n\r\n",
+            true,
+        ),
+        (
+            b"GET /metrics HTTP/1.1\r\nAuthorization: Bearer other\r\n\r\n",
+            true,
+        ),
+    ] {
+        let got = ask(&addr, request).await;
+        if ok {
+            assert!(
+                got.starts_with("HTTP/1.1 200 OK\r\n") && got.ends_with("a_total 1\n"),
+                "{got}"
+            );
+        } else {
+            assert!(got.starts_with("HTTP/1.1 401 Unauthorized\r\n"), "{got}");
+            assert!(
+                got.contains("www-authenticate: Bearer\r\n") && !got.contains("a_total"),
+                "{got}"
+            );
+        }
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -50,6 +50,11 @@ pub enum StartError {
     Bind(#[from] crate::transport::TransportError),
     #[error(transparent)]
     Shm(#[from] crate::shm::ShmError),
+    #[error(
+        "[metrics] host = {0:?} is not a loopback address: /metrics there takes \
+         `Authorization: Bearer <token>`, which needs [security] auth = \"token\""
+    )]
+    MetricsOpen(String),
     #[error("cannot bind the metrics endpoint {addr}: {source}")]
     Metrics {
         addr: String,
@@ -150,7 +155,7 @@ pub struct Listeners {
     /// The same-node descriptor channel, with `[shm] enabled`.
     channels: Option<(Arc<Channels>, tokio::net::UnixListener)>,
     /// `/metrics`, if `[metrics] port` is set, and its URL.
-    metrics: Option<(std::net::TcpListener, String)>,
+    metrics: Option<(std::net::TcpListener, String, exposition::Bearer)>,
     /// The plugin directory to watch, if `[plugins] watch`.
     watch: Option<std::path::PathBuf>,
     config: Config,
@@ -253,9 +258,16 @@ impl Listeners {
                 .await
                 .and_then(|l| l.into_std())
                 .map_err(err)?;
-            let url = format!("http://{}/metrics", listener.local_addr().map_err(err)?);
-            tracing::info!(endpoint = %url, "metrics endpoint listening");
-            Some((listener, url))
+            let local = listener.local_addr().map_err(err)?;
+            let url = format!("http://{local}/metrics");
+            // Beyond loopback, a scrape must carry the token.
+            let bearer = match (local.ip().is_loopback(), &node.auth) {
+                (true, _) => None,
+                (false, Some(tokens)) => Some(tokens.clone()),
+                (false, None) => return Err(StartError::MetricsOpen(config.metrics.host.clone())),
+            };
+            tracing::info!(endpoint = %url, bearer = bearer.is_some(), "metrics endpoint listening");
+            Some((listener, url, bearer))
         } else {
             None
         };
@@ -290,7 +302,7 @@ impl Listeners {
                 .channels
                 .as_ref()
                 .map(|_| self.config.shm.dir.display().to_string()),
-            metrics: self.metrics.as_ref().map(|(_, url)| url.clone()),
+            metrics: self.metrics.as_ref().map(|(_, url, _)| url.clone()),
             token: node.token.clone(),
         }
     }
@@ -370,14 +382,19 @@ pub async fn run(listeners: Listeners, node: Node, shutdown: watch::Receiver<boo
         transport_limits,
         shutdown.clone(),
     )));
-    if let Some((listener, _)) = listeners.metrics {
+    if let Some((listener, _, bearer)) = listeners.metrics {
         let (m, mg, us) = (
             node.metrics.clone(),
             node.manager.clone(),
             node.units.clone(),
         );
         let render: exposition::Render = Arc::new(move || exposition::render(&m, &mg, &us));
-        tasks.push(exposition::spawn(listener, render, shutdown.clone()));
+        tasks.push(exposition::spawn(
+            listener,
+            render,
+            bearer,
+            shutdown.clone(),
+        ));
     }
     if let Some(dir) = listeners.watch {
         tasks.push(tokio::spawn(crate::reload::run(
