@@ -100,7 +100,7 @@ fn read(path: &Path) -> Result<Option<String>, String> {
     }
     let text = std::fs::read_to_string(path).map_err(|e| format!("{shown}: {e}"))?;
     let token = text.trim();
-    if token.is_empty() || token.len() > 255 || token.chars().any(char::is_whitespace) {
+    if !crate::config::token_ok(token) {
         return Err(format!(
             "{shown}: not a token (1 to 255 bytes, no whitespace)"
         ));

@@ -43,29 +43,29 @@ def default_token_file() -> str | None:
     return None
 
 
-def resolve(token: str | None) -> tuple[str | None, bool]:
-    """The token to present, and whether it was given (an argument or
-    `$STOWAGE_TOKEN`) rather than found in this user's token file."""
+def resolve(token: str | None) -> str | None:
+    """The token to present: `token`, else `$STOWAGE_TOKEN`, else the one in
+    this user's token file (None: none found)."""
     if token is not None:
         if not isinstance(token, str) or not token or len(token.encode()) > 255 or any(c.isspace() for c in token):
             raise ValueError("token must be a non-empty str of at most 255 bytes without whitespace")
-        return token, True
+        return token
     env = os.environ.get("STOWAGE_TOKEN")
     if env:
-        return resolve(env)[0], True
+        return resolve(env)
     path = default_token_file()
     if path is None:
-        return None, False
+        return None
     try:
         st = os.stat(path)
         # stowd's own file: this user's, readable by no one else.
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
-            return None, False
+            return None
         with open(path, encoding="ascii") as f:
             found = f.read().strip()
     except (OSError, UnicodeDecodeError):
-        return None, False
-    return (found or None), False
+        return None
+    return found or None
 
 
 def server_mechanism(endpoint: str, timeout: float = 2.0) -> str | None:
@@ -105,7 +105,7 @@ def offer_token(sock, endpoint: str, token: str | None = None) -> None:
     """Makes a pyzmq socket about to connect to `endpoint` present this
     user's token (`token`, `$STOWAGE_TOKEN` or the token file) if the
     server asks for one; otherwise leaves it NULL."""
-    token, _ = resolve(token)
+    token = resolve(token)
     if plain_for_zmq(endpoint, token):
         set_plain(sock, token)
 

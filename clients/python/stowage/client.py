@@ -50,7 +50,7 @@ class _Ops:
             raise ValueError(f"max_message_bytes must be a positive int, got {max_message_bytes!r}")
         self.max_message_bytes = max_message_bytes
         self.spin_us = self._check_spin(spin_us)
-        self._token, _ = _auth.resolve(token)
+        self._token = _auth.resolve(token)
         self._ids = itertools.count(1)  # id 0 is reserved for replies to unreadable requests
 
     @staticmethod

@@ -291,9 +291,8 @@ impl SecurityConfig {
                 self.tq_endpoints
             ));
         }
-        let bad = |t: &str| t.is_empty() || t.len() > 255 || t.chars().any(char::is_whitespace);
-        if self.tokens.iter().any(|t| bad(t))
-            || (!self.peer_token.is_empty() && bad(&self.peer_token))
+        if !self.tokens.iter().all(|t| token_ok(t))
+            || (!self.peer_token.is_empty() && !token_ok(&self.peer_token))
         {
             return Err(
                 "[security] tokens and peer_token: 1 to 255 bytes each, no whitespace".into(),
@@ -301,6 +300,12 @@ impl SecurityConfig {
         }
         Ok(())
     }
+}
+
+/// A token as stowd takes one: 1 to 255 bytes (PLAIN's password field), no
+/// whitespace.
+pub fn token_ok(t: &str) -> bool {
+    !t.is_empty() && t.len() <= 255 && !t.chars().any(char::is_whitespace)
 }
 
 /// stowd's state directory: `$STATE_DIRECTORY` (systemd's
