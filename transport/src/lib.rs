@@ -55,6 +55,7 @@
 //! and so on. [`zmtp`] uses [`frame`] and [`pool`]; [`frame`] uses nothing
 //! of the crate and nothing of tokio.
 
+pub mod curve;
 pub mod frame;
 pub mod pool;
 pub mod table;
