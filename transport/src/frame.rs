@@ -83,7 +83,7 @@ pub enum FrameError {
     Signature,
     #[error("ZMTP major version {0} is not supported (3 or later is)")]
     Version(u8),
-    #[error("security mechanism {0:?} is not supported (NULL and PLAIN are)")]
+    #[error("security mechanism {0:?} is not supported (NULL, PLAIN and CURVE are)")]
     Mechanism(String),
     #[error("truncated HELLO: a username and a password, each a length byte and its bytes")]
     Hello,
@@ -239,6 +239,8 @@ pub enum Mechanism {
     Null,
     /// RFC 24: a username and a password, in the clear.
     Plain,
+    /// RFC 25/26: CurveZMQ, authenticated and encrypted ([`crate::curve`]).
+    Curve,
 }
 
 impl Mechanism {
@@ -247,6 +249,7 @@ impl Mechanism {
         match self {
             Mechanism::Null => "NULL",
             Mechanism::Plain => "PLAIN",
+            Mechanism::Curve => "CURVE",
         }
     }
 }
@@ -255,7 +258,8 @@ impl Mechanism {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Greeting {
     pub mechanism: Mechanism,
-    /// The peer is the mechanism's server (PLAIN; always false for NULL).
+    /// The peer is the mechanism's server (PLAIN, CURVE; always false for
+    /// NULL).
     pub as_server: bool,
 }
 
@@ -320,12 +324,13 @@ pub fn check_greeting(g: &[u8]) -> Result<Greeting, FrameError> {
     let known = match &mechanism[..name_end] {
         b"NULL" => Some(Mechanism::Null),
         b"PLAIN" => Some(Mechanism::Plain),
+        b"CURVE" => Some(Mechanism::Curve),
         _ => None,
     };
     match known {
         Some(mechanism) if mechanism_padded(&g[12..32], name_end) => Ok(Greeting {
             mechanism,
-            as_server: mechanism == Mechanism::Plain && g[32] == 1,
+            as_server: mechanism != Mechanism::Null && g[32] == 1,
         }),
         _ => Err(FrameError::Mechanism(
             String::from_utf8_lossy(&mechanism[..name_end]).into_owned(),

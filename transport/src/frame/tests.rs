@@ -208,7 +208,7 @@ fn greetings_are_parsed_step_by_step() {
 }
 
 #[test]
-fn greetings_other_than_zmtp3_null_or_plain_are_refused() {
+fn greetings_other_than_zmtp3_null_plain_or_curve_are_refused() {
     assert!(check_greeting(&greeting()).is_ok());
     let mut g = greeting();
     g[10] = 2;
@@ -219,10 +219,18 @@ fn greetings_other_than_zmtp3_null_or_plain_are_refused() {
             .contains("major version 2")
     );
     let mut g = greeting();
-    g[12..17].copy_from_slice(b"CURVE");
+    g[12..18].copy_from_slice(b"GSSAPI");
     assert_eq!(
         check_greeting(&g).unwrap_err().to_string(),
-        "security mechanism \"CURVE\" is not supported (NULL and PLAIN are)"
+        "security mechanism \"GSSAPI\" is not supported (NULL, PLAIN and CURVE are)"
+    );
+    let curve = greeting_as(Mechanism::Curve, true);
+    assert_eq!(
+        check_greeting(&curve),
+        Ok(Greeting {
+            mechanism: Mechanism::Curve,
+            as_server: true
+        })
     );
     // PLAIN, as server and as client; its name padded with anything but
     // zeros is not PLAIN.
