@@ -7,9 +7,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 
 use bytes::Bytes;
-use tokio::io::WriteHalf;
 use tokio::sync::watch;
 
+use crate::curve_io::WriteStream;
 use crate::limits::Limits;
 use crate::message::{Chunk, Message, Tail};
 use crate::pool::ReceivePool;
@@ -34,11 +34,8 @@ pub(crate) async fn connection(
 ) {
     let (reader, mut writer) = tokio::io::split(stream);
     let reader = table::Tracked::new(reader, activity.clone());
-    let mut reader = FrameReader::with_pool(reader, pool);
-    let security = match service.authenticator() {
-        Some(auth) => zmtp::Security::PlainServer(auth),
-        None => zmtp::Security::Null,
-    };
+    let mut reader = FrameReader::new(reader);
+    let security = service.security();
     let shake = zmtp::handshake_with(
         &mut reader,
         &mut writer,
@@ -48,7 +45,7 @@ pub(crate) async fn connection(
         &["DEALER", "REQ", "ROUTER"],
     );
     let shown = || peer.map_or_else(|| "local (ipc)".into(), |p| p.to_string());
-    let peer = match tokio::time::timeout(limits.handshake_timeout, shake).await {
+    let mut peer = match tokio::time::timeout(limits.handshake_timeout, shake).await {
         Ok(Ok(p)) => {
             if let Some(user) = &p.user {
                 tracing::debug!(peer = %shown(), user, "client authenticated");
@@ -58,8 +55,7 @@ pub(crate) async fn connection(
         // A peer that closes before its greeting (a probe reading ours) is
         // no refusal.
         Ok(Err(e))
-            if matches!(security, zmtp::Security::PlainServer(_))
-                && !matches!(e, ZmtpError::Closed) =>
+            if !matches!(security, zmtp::Security::Null) && !matches!(e, ZmtpError::Closed) =>
         {
             // The peer's address and why; never a credential (the errors
             // name none).
@@ -70,6 +66,8 @@ pub(crate) async fn connection(
             return tracing::debug!(timeout = ?limits.handshake_timeout, "handshake timed out");
         }
     };
+    let (mut reader, mut writer) =
+        zmtp::secure(reader, writer, peer.session.take(), pool, &limits.receive);
     let identity = if peer.identity.is_empty() {
         // As libzmq does: a zero byte then a 32-bit counter.
         let n = next_id.fetch_add(1, Ordering::Relaxed);
@@ -168,26 +166,17 @@ pub(crate) async fn connection(
 /// Something a connection writes: a message's first frames or a tail's
 /// chunk.
 trait Writable: Sync {
-    fn write_to<'a>(
-        &'a self,
-        w: &'a mut WriteHalf<BoxStream>,
-    ) -> BoxFuture<'a, std::io::Result<()>>;
+    fn write_to<'a>(&'a self, w: &'a mut WriteStream) -> BoxFuture<'a, std::io::Result<()>>;
 }
 
 impl Writable for Message {
-    fn write_to<'a>(
-        &'a self,
-        w: &'a mut WriteHalf<BoxStream>,
-    ) -> BoxFuture<'a, std::io::Result<()>> {
+    fn write_to<'a>(&'a self, w: &'a mut WriteStream) -> BoxFuture<'a, std::io::Result<()>> {
         Box::pin(self.write(w))
     }
 }
 
 impl Writable for Chunk {
-    fn write_to<'a>(
-        &'a self,
-        w: &'a mut WriteHalf<BoxStream>,
-    ) -> BoxFuture<'a, std::io::Result<()>> {
+    fn write_to<'a>(&'a self, w: &'a mut WriteStream) -> BoxFuture<'a, std::io::Result<()>> {
         Box::pin(zmtp::write_gathered_more(
             w,
             &self.parts,
@@ -200,7 +189,7 @@ impl Writable for Chunk {
 /// Writes `what` within the write timeout; `Err` (logged) if the
 /// connection is to be dropped.
 async fn write_within(
-    writer: &mut WriteHalf<BoxStream>,
+    writer: &mut WriteStream,
     limits: &Limits,
     identity: &[u8],
     what: &(dyn Writable + Sync),
@@ -240,11 +229,7 @@ fn log_end(e: &ZmtpError) {
 }
 
 /// Answers a ZMTP 3.1 PING with its context.
-async fn reply_pong(
-    writer: &mut WriteHalf<BoxStream>,
-    ping: &[u8],
-    limits: &Limits,
-) -> Result<(), ()> {
+async fn reply_pong(writer: &mut WriteStream, ping: &[u8], limits: &Limits) -> Result<(), ()> {
     use tokio::io::AsyncWriteExt;
     let context = ping.get(2..).unwrap_or(&[]);
     let pong = frame::command_frame("PONG", &context[..context.len().min(16)]);

@@ -524,6 +524,12 @@ pub struct Session {
     pub decrypter: Decrypter,
 }
 
+impl std::fmt::Debug for Session {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Session").finish_non_exhaustive()
+    }
+}
+
 impl Session {
     fn new(cipher: SalsaBox, client: bool, next: u64, peer_last: u64) -> Session {
         let cipher = Arc::new(cipher);

@@ -62,6 +62,7 @@ pub mod table;
 pub mod zmtp;
 
 mod connection;
+mod curve_io;
 mod error;
 mod limits;
 mod message;

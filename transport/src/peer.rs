@@ -6,10 +6,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
-use tokio::io::{ReadHalf, WriteHalf};
 use tokio::net::{TcpStream, UnixStream};
 use tokio::sync::Semaphore;
 
+use crate::curve_io::{ReadStream, WriteStream};
 use crate::error::{ConnectError, TransportError};
 use crate::message::Message;
 use crate::pool::ReceivePool;
@@ -27,8 +27,8 @@ pub enum Tapped<'a> {
 
 /// An open DEALER connection.
 struct Conn {
-    reader: FrameReader<ReadHalf<BoxStream>>,
-    writer: WriteHalf<BoxStream>,
+    reader: FrameReader<ReadStream>,
+    writer: WriteStream,
 }
 
 /// Connections a [`Peer`] opens to one unit at most: that many requests
@@ -51,6 +51,9 @@ pub struct Peer {
     /// ZMTP PLAIN credentials (username, password) presented at each
     /// connection's handshake; NULL without.
     credentials: Option<(Vec<u8>, Vec<u8>)>,
+    /// CURVE: our key pair and the server's public key. With credentials
+    /// too, the server's greeting picks which is presented.
+    curve: Option<(crate::curve::Keypair, [u8; crate::curve::KEY_LEN])>,
 }
 
 impl std::fmt::Debug for Peer {
@@ -82,6 +85,7 @@ impl Peer {
             slots: Semaphore::new(PEER_CONNECTIONS),
             pool: None,
             credentials: None,
+            curve: None,
         }
     }
 
@@ -89,6 +93,17 @@ impl Peer {
     /// at each connection's handshake.
     pub fn with_credentials(mut self, username: &[u8], password: &[u8]) -> Peer {
         self.credentials = Some((username.to_vec(), password.to_vec()));
+        self
+    }
+
+    /// The same peer, speaking CURVE with key pair `keys` to a server whose
+    /// public key is `server`.
+    pub fn with_curve(
+        mut self,
+        keys: crate::curve::Keypair,
+        server: [u8; crate::curve::KEY_LEN],
+    ) -> Peer {
+        self.curve = Some((keys, server));
         self
     }
 
@@ -121,12 +136,15 @@ impl Peer {
         let n = self.sequence.fetch_add(1, Ordering::Relaxed);
         let identity = format!("{}_{n}", self.identity_prefix);
         let (reader, mut writer) = tokio::io::split(self.open().await?);
-        let mut reader = FrameReader::with_pool(reader, self.pool.clone());
-        let security = match &self.credentials {
-            Some((username, password)) => zmtp::Security::PlainClient { username, password },
-            None => zmtp::Security::Null,
+        let mut reader = FrameReader::new(reader);
+        let security = zmtp::Security::Client {
+            plain: self
+                .credentials
+                .as_ref()
+                .map(|(u, p)| (u.as_slice(), p.as_slice())),
+            curve: self.curve.as_ref().map(|(k, s)| (k, s)),
         };
-        zmtp::handshake_with(
+        let mut info = zmtp::handshake_with(
             &mut reader,
             &mut writer,
             security,
@@ -135,6 +153,13 @@ impl Peer {
             &["ROUTER", "REP", "DEALER"],
         )
         .await?;
+        let (reader, writer) = zmtp::secure(
+            reader,
+            writer,
+            info.session.take(),
+            self.pool.clone(),
+            &self.limits,
+        );
         Ok(Conn { reader, writer })
     }
 

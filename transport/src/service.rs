@@ -51,11 +51,11 @@ pub trait Service: Send + Sync + 'static {
         true
     }
 
-    /// The authenticator a client must satisfy at the handshake (ZMTP
-    /// PLAIN, this side the server), or `None` for NULL: no credentials.
-    /// The default is NULL.
-    fn authenticator(&self) -> Option<&dyn crate::zmtp::Authenticator> {
-        None
+    /// The mechanism a client must speak at the handshake, this side its
+    /// server: NULL (no credentials, the default), PLAIN with an
+    /// authenticator, or CURVE with a key pair and a key check.
+    fn security(&self) -> crate::zmtp::Security<'_> {
+        crate::zmtp::Security::Null
     }
 }
 

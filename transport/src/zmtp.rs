@@ -1,7 +1,10 @@
-//! ZMTP 3.0 with the NULL and PLAIN mechanisms over any tokio byte stream:
-//! the frame reader, the message writers and the handshake ([`Security`]). The
-//! bytes themselves (headers, greeting, commands) are [`crate::frame`]'s,
-//! parsed in place in the reader's buffer; this module does the I/O.
+//! ZMTP 3.0 with the NULL, PLAIN and CURVE mechanisms over any tokio byte
+//! stream: the frame reader, the message writers and the handshake
+//! ([`Security`]). The bytes themselves (headers, greeting, commands) are
+//! [`crate::frame`]'s and [`crate::curve`]'s, parsed in place in the
+//! reader's buffer; this module does the I/O. After a CURVE handshake the
+//! connection's halves are wrapped in [`crate::curve_io`]'s codecs, and
+//! the reader and writers here run over them unchanged.
 //!
 //! Written for `stowd`'s needs rather than generality:
 //! - every received frame gets its own allocation (a stored row never pins
@@ -26,6 +29,7 @@ use std::time::Duration;
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
+use crate::curve::{self, ClientHandshake, CurveError, ServerHandshake};
 use crate::frame::{self, Decoded, FrameError, Header, put_header};
 use crate::pool::{self, Pages, ReceivePool};
 
@@ -68,6 +72,12 @@ pub enum ZmtpError {
 
 fn protocol(msg: impl Into<String>) -> ZmtpError {
     ZmtpError::Protocol(msg.into())
+}
+
+impl From<CurveError> for ZmtpError {
+    fn from(e: CurveError) -> ZmtpError {
+        protocol(e.to_string())
+    }
 }
 
 impl From<FrameError> for ZmtpError {
@@ -244,6 +254,21 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
         FrameReader {
             inner,
             buf: BytesMut::new(),
+            pool,
+        }
+    }
+
+    /// The stream and the bytes read from it but not yet parsed (read past
+    /// a handshake).
+    pub fn into_parts(self) -> (R, BytesMut) {
+        (self.inner, self.buf)
+    }
+
+    /// A reader over `inner` whose first bytes are `ahead`.
+    pub fn from_parts(inner: R, ahead: BytesMut, pool: Option<Arc<ReceivePool>>) -> Self {
+        FrameReader {
+            inner,
+            buf: ahead,
             pool,
         }
     }
@@ -496,7 +521,7 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
 }
 
 /// What the peer said in its READY (or INITIATE).
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Default)]
 pub struct PeerInfo {
     /// `Socket-Type`.
     pub socket_type: String,
@@ -505,6 +530,42 @@ pub struct PeerInfo {
     /// Under PLAIN, as its server: whom the credentials named, as the
     /// authenticator said (ZAP's User-Id). Never the password.
     pub user: Option<String>,
+    /// Under CURVE: the connection's codecs, for [`secure`].
+    pub session: Option<curve::Session>,
+}
+
+/// A connection's halves after its handshake: as they were under NULL and
+/// PLAIN, wrapped in CURVE's codecs under CURVE (the bytes `reader` read
+/// past the handshake go through them first).
+pub fn secure<R, W>(
+    reader: FrameReader<R>,
+    writer: W,
+    session: Option<curve::Session>,
+    pool: Option<Arc<ReceivePool>>,
+    limits: &Limits,
+) -> (
+    FrameReader<crate::curve_io::ReadStream>,
+    crate::curve_io::WriteStream,
+)
+where
+    R: AsyncRead + Send + Unpin + 'static,
+    W: AsyncWrite + Send + Unpin + 'static,
+{
+    let (inner, ahead) = reader.into_parts();
+    match session {
+        None => (
+            FrameReader::from_parts(Box::new(inner), ahead, pool),
+            Box::new(writer),
+        ),
+        Some(mut s) => {
+            s.decrypter.set_max_frame(limits.max_message_bytes);
+            let r = crate::curve_io::CurveReader::new(inner, s.decrypter, &ahead);
+            (
+                FrameReader::from_parts(Box::new(r), BytesMut::new(), pool),
+                Box::new(crate::curve_io::CurveWriter::new(writer, s.encrypter)),
+            )
+        }
+    }
 }
 
 /// Checks a PLAIN client's username and password: the user they name
@@ -528,6 +589,22 @@ pub enum Security<'a> {
     /// RFC 24, as the server: a client must present credentials this
     /// authenticator takes.
     PlainServer(&'a dyn Authenticator),
+    /// RFC 26, as the client: our key pair, and the server's public key.
+    CurveClient {
+        keys: &'a curve::Keypair,
+        server: &'a [u8; curve::KEY_LEN],
+    },
+    /// As a client: whichever of these the server's greeting asks for
+    /// (NULL when it asks for none).
+    Client {
+        plain: Option<(&'a [u8], &'a [u8])>,
+        curve: Option<(&'a curve::Keypair, &'a [u8; curve::KEY_LEN])>,
+    },
+    /// RFC 26, as the server: our key pair, and who may connect.
+    CurveServer {
+        keys: &'a curve::Keypair,
+        check: &'a dyn curve::KeyCheck,
+    },
 }
 
 impl Security<'_> {
@@ -535,7 +612,18 @@ impl Security<'_> {
         match self {
             Security::Null => frame::Mechanism::Null,
             Security::PlainClient { .. } | Security::PlainServer(_) => frame::Mechanism::Plain,
+            Security::CurveClient { .. } | Security::CurveServer { .. } => frame::Mechanism::Curve,
+            Security::Client { curve: Some(_), .. } => frame::Mechanism::Curve,
+            Security::Client { plain: Some(_), .. } => frame::Mechanism::Plain,
+            Security::Client { .. } => frame::Mechanism::Null,
         }
+    }
+
+    fn is_server(&self) -> bool {
+        matches!(
+            self,
+            Security::PlainServer(_) | Security::CurveServer { .. }
+        )
     }
 }
 
@@ -553,7 +641,28 @@ fn mismatch(ours: &Security<'_>, theirs: frame::Greeting) -> String {
              the server requires stowd's token, or takes no token"
                 .into()
         }
-        _ => "the peer is a PLAIN server too: one side must be the client".into(),
+        (Security::CurveServer { .. }, m) => format!(
+            "this endpoint requires CURVE (an allowed client key and this server's public \
+             key); the peer speaks {}",
+            m.name()
+        ),
+        (_, frame::Mechanism::Curve) => format!(
+            "the server requires CURVE (its public key and an allowed client key); this \
+             peer speaks {}",
+            ours.mechanism().name()
+        ),
+        (Security::CurveClient { .. }, m) => {
+            format!("this peer speaks CURVE; the server speaks {}", m.name())
+        }
+        (_, m) if m == ours.mechanism() => format!(
+            "the peer is a {} server too: one side must be the client",
+            m.name()
+        ),
+        (_, m) => format!(
+            "the peer speaks {}, this side {}",
+            m.name(),
+            ours.mechanism().name()
+        ),
     }
 }
 
@@ -579,6 +688,33 @@ async fn expect_command<R: AsyncRead + Unpin>(
     if name != want {
         return Err(protocol(format!("expected {want}, got {name:?}")));
     }
+    Ok(body)
+}
+
+/// Writes a command frame whose body (name included) is `body`.
+async fn write_command<W: AsyncWrite + Unpin + ?Sized>(
+    writer: &mut W,
+    body: &[u8],
+) -> Result<(), ZmtpError> {
+    let mut out = BytesMut::with_capacity(frame::MAX_HEADER + body.len());
+    Header::command(body.len() as u64).put(&mut out);
+    out.put_slice(body);
+    writer.write_all(&out).await?;
+    writer.flush().await?;
+    Ok(())
+}
+
+/// Reads the next command, `want`, whole (name included), as CURVE's
+/// handshake takes it; an ERROR becomes the peer's refusal.
+async fn expect_body<R: AsyncRead + Unpin>(
+    reader: &mut FrameReader<R>,
+    want: &str,
+) -> Result<Vec<u8>, ZmtpError> {
+    let data = expect_command(reader, want).await?;
+    let mut body = Vec::with_capacity(1 + want.len() + data.len());
+    body.push(want.len() as u8);
+    body.extend_from_slice(want.as_bytes());
+    body.extend_from_slice(&data);
     Ok(body)
 }
 
@@ -608,7 +744,9 @@ where
 }
 
 /// The handshake under `security`: the greeting, then NULL's READY
-/// exchange or PLAIN's HELLO, WELCOME, INITIATE and READY. A peer of
+/// exchange, or PLAIN's or CURVE's HELLO, WELCOME, INITIATE and READY
+/// (under CURVE, [`PeerInfo::session`] then holds the codecs every later
+/// byte goes through: [`secure`]). A peer of
 /// another mechanism or role, wrong credentials or an unaccepted socket
 /// type get an ERROR command (when the peer can read one) and a closed
 /// connection; the error says which, and never carries a credential.
@@ -624,8 +762,12 @@ where
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin + ?Sized,
 {
-    let as_server = matches!(security, Security::PlainServer(_));
-    let theirs = if let Security::PlainClient { .. } = security {
+    let as_server = security.is_server();
+    let adaptive = matches!(
+        security,
+        Security::PlainClient { .. } | Security::CurveClient { .. } | Security::Client { .. }
+    );
+    let theirs = if adaptive {
         // A client with credentials offers them only to a server that asks:
         // the signature and version first (libzmq sends the rest of its
         // greeting once it has them), the server's greeting read, then our
@@ -645,29 +787,39 @@ where
         writer.flush().await?;
         reader.read_greeting().await?
     };
-    // Credentials offered to a server that takes none: NULL, without them.
+    // Credentials offered to a server that takes none: NULL, without them;
+    // a client of both mechanisms speaks the server's.
     let security = match (security, theirs.mechanism) {
         (Security::PlainClient { .. }, frame::Mechanism::Null) => Security::Null,
+        (Security::Client { plain, curve }, m) => match (m, plain, curve) {
+            (frame::Mechanism::Curve, _, Some((keys, server))) => {
+                Security::CurveClient { keys, server }
+            }
+            (frame::Mechanism::Plain, Some((username, password)), _) => {
+                Security::PlainClient { username, password }
+            }
+            (frame::Mechanism::Null, _, _) => Security::Null,
+            // Neither fits: refused below, in the words of what we have.
+            (_, _, Some((keys, server))) => Security::CurveClient { keys, server },
+            (_, Some((username, password)), None) => Security::PlainClient { username, password },
+            (_, None, None) => Security::Null,
+        },
         (s, _) => s,
     };
     // libzmq leaves the as-server byte 0 even as a PLAIN server, so only a
     // peer that claims to be the server when we are is refused for it.
-    if theirs.mechanism != security.mechanism()
-        || (theirs.as_server && matches!(security, Security::PlainServer(_)))
-    {
+    if theirs.mechanism != security.mechanism() || (theirs.as_server && security.is_server()) {
         let reason = mismatch(&security, theirs);
-        // A NULL peer reads commands after the greeting: tell it why.
-        return Err(if theirs.mechanism == frame::Mechanism::Null {
-            refuse(writer, reason).await
-        } else {
-            protocol(reason)
-        });
+        // The peer reads a command after the greeting (READY, HELLO or
+        // WELCOME): an ERROR there tells it why.
+        return Err(refuse(writer, reason).await);
     }
     let mut props: Vec<(&str, &[u8])> = vec![("Socket-Type", socket_type.as_bytes())];
     if !identity.is_empty() {
         props.push(("Identity", identity));
     }
     let mut user = None;
+    let mut session = None;
     let body = match security {
         Security::Null => {
             writer.write_all(&frame::ready_command(&props)).await?;
@@ -684,6 +836,7 @@ where
             writer.flush().await?;
             expect_command(reader, "READY").await?
         }
+        Security::Client { .. } => unreachable!("a client of both mechanisms chose one above"),
         Security::PlainServer(auth) => {
             let hello = expect_command(reader, "HELLO").await?;
             let (username, password) = match frame::parse_hello(&hello) {
@@ -701,9 +854,41 @@ where
             writer.flush().await?;
             body
         }
+        Security::CurveClient { keys, server } => {
+            let mut shake = ClientHandshake::new(keys, server)?;
+            write_command(writer, &shake.hello()).await?;
+            let welcome = expect_body(reader, "WELCOME").await?;
+            let metadata = frame::ready(&props);
+            let initiate = shake.welcome(&welcome, &metadata[1 + 5..])?;
+            write_command(writer, &initiate).await?;
+            let ready = expect_body(reader, "READY").await?;
+            let (metadata, s) = shake.ready(&ready)?;
+            session = Some(s);
+            Bytes::from(metadata)
+        }
+        Security::CurveServer { keys, check } => {
+            let mut shake = ServerHandshake::new(keys)?;
+            let hello = expect_body(reader, "HELLO").await?;
+            match shake.hello(&hello) {
+                Ok(welcome) => write_command(writer, &welcome).await?,
+                Err(e) => return Err(refuse(writer, e.to_string()).await),
+            }
+            let initiate = expect_body(reader, "INITIATE").await?;
+            let initiated = match shake.initiate(&initiate, check) {
+                Ok(i) => i,
+                Err(e) => return Err(refuse(writer, e.to_string()).await),
+            };
+            user = Some(initiated.user);
+            let metadata = frame::ready(&props);
+            let (ready, s) = shake.ready(&metadata[1 + 5..])?;
+            write_command(writer, &ready).await?;
+            session = Some(s);
+            Bytes::from(initiated.metadata)
+        }
     };
     let mut info = PeerInfo {
         user,
+        session,
         ..PeerInfo::default()
     };
     for (key, value) in frame::ready_properties(&body)? {

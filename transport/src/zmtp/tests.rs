@@ -513,3 +513,154 @@ async fn a_garbled_hello_is_refused_with_a_reason() {
     assert!(err(s).contains("wrong credentials"));
     assert_eq!(frame::error_reason(&body), "wrong credentials");
 }
+
+/// Takes one client key.
+struct OneKey([u8; curve::KEY_LEN]);
+
+impl curve::KeyCheck for OneKey {
+    fn check(&self, client: &[u8; curve::KEY_LEN]) -> Result<String, String> {
+        if *client == self.0 {
+            Ok("the one client".into())
+        } else {
+            Err("client key not allowed".into())
+        }
+    }
+}
+
+#[tokio::test]
+async fn curve_connects_names_the_client_and_carries_messages_both_ways_encrypted() {
+    let (ck, sk) = (
+        curve::Keypair::generate().unwrap(),
+        curve::Keypair::generate().unwrap(),
+    );
+    let check = OneKey(*ck.public());
+    let (a, b) = pair().await;
+    let (ar, mut aw) = tokio::io::split(a);
+    let (br, mut bw) = tokio::io::split(b);
+    let (mut ar, mut br) = (FrameReader::new(ar), FrameReader::new(br));
+    let client = Security::Client {
+        plain: Some((b"stowage", b"s3cret")),
+        curve: Some((&ck, sk.public())),
+    };
+    let server = Security::CurveServer {
+        keys: &sk,
+        check: &check,
+    };
+    let c = handshake_with(&mut ar, &mut aw, client, "DEALER", b"me", &["ROUTER"]);
+    let s = handshake_with(&mut br, &mut bw, server, "ROUTER", b"", &["DEALER"]);
+    let (c, s) = tokio::join!(c, s);
+    let (mut c, mut s) = (c.unwrap(), s.unwrap());
+    assert_eq!(s.user.as_deref(), Some("the one client"));
+    assert_eq!(&s.identity[..], b"me");
+    assert_eq!(c.socket_type, "ROUTER");
+    let (mut ar, mut aw) = secure(ar, aw, c.session.take(), None, &Limits::DEFAULT);
+    let (mut br, mut bw) = secure(br, bw, s.session.take(), None, &Limits::DEFAULT);
+    let big = Bytes::from(
+        (0..3_000_000u32)
+            .map(|i| (i % 251) as u8)
+            .collect::<Vec<_>>(),
+    );
+    let msg = vec![Bytes::from_static(b"head"), Bytes::new(), big.clone()];
+    let sent = msg.clone();
+    let writer = tokio::spawn(async move {
+        write_message(&mut aw, &sent).await.unwrap();
+        write_gathered(
+            &mut aw,
+            &[Bytes::from_static(b"ab"), Bytes::from_static(b"cd")],
+            &[2],
+        )
+        .await
+        .unwrap();
+        aw
+    });
+    match br.read(&Limits::DEFAULT).await.unwrap() {
+        Some(Incoming::Message(frames)) => assert_eq!(frames, msg),
+        other => panic!("{other:?}"),
+    }
+    match br.read(&Limits::DEFAULT).await.unwrap() {
+        Some(Incoming::Message(frames)) => assert_eq!(frames, vec![Bytes::from_static(b"abcd")]),
+        other => panic!("{other:?}"),
+    }
+    let _aw = writer.await.unwrap();
+    write_message(&mut bw, &[Bytes::from_static(b"reply")])
+        .await
+        .unwrap();
+    match ar.read(&Limits::DEFAULT).await.unwrap() {
+        Some(Incoming::Message(frames)) => assert_eq!(frames, vec![Bytes::from_static(b"reply")]),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn curve_refuses_a_key_not_allowed_a_wrong_server_key_and_other_mechanisms() {
+    let (ck, sk, other) = (
+        curve::Keypair::generate().unwrap(),
+        curve::Keypair::generate().unwrap(),
+        curve::Keypair::generate().unwrap(),
+    );
+    let check = OneKey(*other.public());
+    // A client key not allowed: refused at INITIATE, both sides say why.
+    let (c, s) = shake(
+        Security::CurveClient {
+            keys: &ck,
+            server: sk.public(),
+        },
+        Security::CurveServer {
+            keys: &sk,
+            check: &check,
+        },
+    )
+    .await;
+    assert!(err(c).contains("client key not allowed"));
+    assert!(err(s).contains("client key not allowed"));
+    // The wrong server key: the server cannot open HELLO.
+    let check = OneKey(*ck.public());
+    let (c, s) = shake(
+        Security::CurveClient {
+            keys: &ck,
+            server: other.public(),
+        },
+        Security::CurveServer {
+            keys: &sk,
+            check: &check,
+        },
+    )
+    .await;
+    assert!(err(c).contains("HELLO did not decrypt"), "client side");
+    assert!(err(s).contains("HELLO did not decrypt"));
+    // A NULL client, and a PLAIN one, are told CURVE is required.
+    let (c, s) = shake(
+        Security::Null,
+        Security::CurveServer {
+            keys: &sk,
+            check: &check,
+        },
+    )
+    .await;
+    assert!(err(c).contains("requires CURVE"));
+    assert!(err(s).contains("requires CURVE"));
+    let (c, s) = shake(
+        Security::PlainClient {
+            username: b"stowage",
+            password: b"s3cret",
+        },
+        Security::CurveServer {
+            keys: &sk,
+            check: &check,
+        },
+    )
+    .await;
+    assert!(err(c).contains("requires CURVE"));
+    assert!(s.is_err());
+    // A CURVE client of a PLAIN server is refused, not downgraded.
+    let (c, s) = shake(
+        Security::CurveClient {
+            keys: &ck,
+            server: sk.public(),
+        },
+        Security::PlainServer(&OneToken),
+    )
+    .await;
+    assert!(err(c).contains("speaks CURVE; the server speaks PLAIN"));
+    assert!(s.is_err());
+}
