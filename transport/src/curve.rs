@@ -572,7 +572,8 @@ struct Sealing {
     left: usize,
 }
 
-/// Plaintext ZMTP frames in, MESSAGE command frames out.
+/// Plaintext ZMTP frames in, MESSAGE frames out (each a single-frame
+/// message whose body is the MESSAGE command, as libzmq frames it).
 pub struct Encrypter {
     cipher: Arc<SalsaBox>,
     prefix: [u8; 16],
@@ -616,7 +617,9 @@ impl Encrypter {
                     let flags = u8::from(h.more) | (u8::from(h.command) << 1);
                     let body = MESSAGE_OVERHEAD + size;
                     let mut out_frame = Vec::with_capacity(MAX_HEADER + body);
-                    Header::command(body as u64).put(&mut out_frame);
+                    // A data frame, as libzmq sends it: MORE and COMMAND are
+                    // inside the box.
+                    Header::message(body as u64, false).put(&mut out_frame);
                     out_frame.extend_from_slice(b"\x07MESSAGE");
                     out_frame.extend_from_slice(&[0u8; 8 + TAG]);
                     let flags_at = out_frame.len();
@@ -662,7 +665,7 @@ struct Opening {
     left: usize,
 }
 
-/// MESSAGE command frames in, plaintext ZMTP frames out.
+/// MESSAGE frames in (data or command frames), plaintext ZMTP frames out.
 pub struct Decrypter {
     cipher: Arc<SalsaBox>,
     prefix: [u8; 16],
@@ -712,8 +715,10 @@ impl Decrypter {
                     let used = h.header_len - self.head_len;
                     wire = &wire[used..];
                     self.head_len = 0;
-                    if !h.command {
-                        return Err(CurveError::NotMessage("a plaintext frame".into()));
+                    if h.more {
+                        // Each MESSAGE is a frame of its own; MORE is in
+                        // its box.
+                        return Err(CurveError::NotMessage("a frame with MORE set".into()));
                     }
                     let limit = self.max_frame.saturating_add(MESSAGE_OVERHEAD as u64);
                     if h.size > limit {
