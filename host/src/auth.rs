@@ -211,6 +211,12 @@ impl Authenticator for Tokens {
     }
 }
 
+/// A file's permission bits.
+#[cfg(test)]
+pub(crate) fn mode_of(path: &Path) -> u32 {
+    std::fs::metadata(path).unwrap().permissions().mode() & 0o777
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -228,16 +234,8 @@ mod tests {
         let t = load_or_make(&path).unwrap();
         assert_eq!(t.len(), 2 * TOKEN_BYTES);
         assert!(t.chars().all(|c| c.is_ascii_hexdigit()));
-        let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
-        assert_eq!(mode, 0o600);
-        assert_eq!(
-            std::fs::metadata(d.join("state"))
-                .unwrap()
-                .permissions()
-                .mode()
-                & 0o777,
-            0o700
-        );
+        assert_eq!(mode_of(&path), 0o600);
+        assert_eq!(mode_of(&d.join("state")), 0o700);
         assert_eq!(
             load_or_make(&path).unwrap(),
             t,

@@ -213,3 +213,20 @@ def fresh_indexes(n: int) -> list[int]:
     assert 0 < n <= 100
     base = next(_blocks) * 100
     return list(range(base, base + n))
+
+
+def first_message(sock, timeout_ms: int = 8000):
+    """Receives on `sock` in a thread, answering nothing (a handshake, and
+    the request after it, are what such a test checks): the started thread
+    and the list the message, if one came in time, is put in."""
+    import threading
+
+    got = []
+
+    def serve():
+        if sock.poll(timeout_ms):
+            got.append(sock.recv_multipart())
+
+    t = threading.Thread(target=serve)
+    t.start()
+    return t, got

@@ -19,7 +19,6 @@ import os
 import stat
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -31,7 +30,7 @@ import zmq.auth.thread
 import stowage
 from stowage._codec import decode_envelope
 from stowage.errors import StowageError
-from stowd_harness import run_stowd
+from stowd_harness import first_message, run_stowd
 
 import native_codec as nc
 
@@ -163,15 +162,7 @@ def test_stowd_presents_its_peer_token_to_a_libzmq_plain_server(tmp_path, no_amb
             f'timeout_secs = 3\n[security]\npeer_token = "{peer_token}"\n'
         )
         with run_stowd(tmp_path, config=config) as s:
-            got = []
-
-            def serve():
-                # Answer nothing: the handshake is what is tested.
-                if router.poll(8000):
-                    got.append(router.recv_multipart())
-
-            t = threading.Thread(target=serve)
-            t.start()
+            t, got = first_message(router)
             with stowage.Client(s["native"], token=s["token"], timeout=10) as c:
                 with pytest.raises(StowageError):
                     c.put([0], {"x": rows(1)})

@@ -11,7 +11,6 @@
   one whose handler does not.
 """
 
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +20,7 @@ import zmq.auth
 import zmq.auth.thread
 
 from stowage._codec import decode_envelope
-from stowd_harness import run_stowd
+from stowd_harness import first_message, run_stowd
 
 import native_codec as nc
 
@@ -124,16 +123,7 @@ def test_stowd_speaks_curve_to_a_libzmq_curve_server_with_keys_pyzmq_made(tmp_pa
         )
         with run_stowd(tmp_path, config=config) as s:
             assert s["curve_server_key"] == zmq.auth.load_certificate(str(curve_dir / "server.key"))[0].decode()
-            got = []
-
-            def serve():
-                # Answer nothing: the handshake, and the request's bytes
-                # after it, are what is tested.
-                if router.poll(8000):
-                    got.append(router.recv_multipart())
-
-            t = threading.Thread(target=serve)
-            t.start()
+            t, got = first_message(router)
             public, secret = zmq.auth.load_certificate(str(curve_dir / "client.key_secret"))
             server_public = zmq.auth.load_certificate(str(curve_dir / "server.key"))[0]
             client = curve_dealer(s["native"], server_public, public, secret)

@@ -43,7 +43,7 @@ use crypto_box::aead::generic_array::GenericArray;
 use crypto_box::{PublicKey, SalsaBox, SecretKey};
 use crypto_secretbox::{KeyInit, XSalsa20Poly1305};
 
-use crate::frame::{self, Decoded, FLAG_COMMAND, FLAG_MORE, Header, MAX_HEADER};
+use crate::frame::{self, Decoded, FLAG_COMMAND, FLAG_MORE, FrameError, Header, MAX_HEADER};
 
 /// Bytes of a key, public or secret.
 pub const KEY_LEN: usize = 32;
@@ -543,17 +543,13 @@ impl Session {
                 cipher: cipher.clone(),
                 prefix: *ours,
                 nonce: next,
-                head: [0; MAX_HEADER],
-                head_len: 0,
-                frame: None,
+                frames: Gather::default(),
             },
             decrypter: Decrypter {
                 cipher,
                 prefix: *theirs,
                 last: peer_last,
-                head: [0; MAX_HEADER],
-                head_len: 0,
-                body: None,
+                frames: Gather::default(),
                 max_frame: u64::MAX,
                 plain: VecDeque::new(),
                 plain_len: 0,
@@ -562,14 +558,63 @@ impl Session {
     }
 }
 
-/// A frame being gathered for sealing: its whole MESSAGE command frame,
-/// with room for the header, name, nonce, tag and flags before the bytes.
-struct Sealing {
-    out: Vec<u8>,
-    /// Where the flags byte is (the box's plaintext starts).
-    flags_at: usize,
-    /// Bytes of the frame still to come.
-    left: usize,
+/// A ZMTP frame stream cut into frames, whatever the cuts: a header parsed
+/// across them, then a body gathered into a buffer the caller chose.
+#[derive(Default)]
+struct Gather {
+    head: [u8; MAX_HEADER],
+    head_len: usize,
+    /// The body being gathered, and how many of its bytes are still to come.
+    body: Option<(Vec<u8>, usize)>,
+}
+
+/// What [`Gather::step`] found.
+enum Step {
+    /// A frame's header: the caller starts its body ([`Gather::start`]).
+    Header(Header),
+    /// A frame's body, whole.
+    Body(Vec<u8>),
+}
+
+impl Gather {
+    /// Takes bytes from the front of `bytes` until a header is parsed or a
+    /// body completes: how many it took, and what it found.
+    fn step(&mut self, bytes: &[u8]) -> Result<(usize, Option<Step>), FrameError> {
+        if let Some((buf, left)) = &mut self.body {
+            let n = (*left).min(bytes.len());
+            buf.extend_from_slice(&bytes[..n]);
+            *left -= n;
+            if *left > 0 {
+                return Ok((n, None));
+            }
+            let (buf, _) = self.body.take().expect("a body");
+            return Ok((n, Some(Step::Body(buf))));
+        }
+        let n = (MAX_HEADER - self.head_len).min(bytes.len());
+        self.head[self.head_len..self.head_len + n].copy_from_slice(&bytes[..n]);
+        match frame::parse_header(&self.head[..self.head_len + n])? {
+            Decoded::Needs(_) => {
+                self.head_len += n;
+                Ok((n, None))
+            }
+            Decoded::Done(h) => {
+                // Of the bytes just copied, those past the header are the
+                // body's.
+                let used = h.header_len - self.head_len;
+                self.head_len = 0;
+                Ok((used, Some(Step::Header(h))))
+            }
+        }
+    }
+
+    /// Gathers the next `len` bytes (at least 1) after what `buf` holds.
+    fn start(&mut self, buf: Vec<u8>, len: usize) {
+        self.body = Some((buf, len));
+    }
+
+    fn mid_frame(&self) -> bool {
+        self.body.is_some() || self.head_len != 0
+    }
 }
 
 /// Plaintext ZMTP frames in, MESSAGE frames out (each a single-frame
@@ -578,61 +623,34 @@ pub struct Encrypter {
     cipher: Arc<SalsaBox>,
     prefix: [u8; 16],
     nonce: u64,
-    head: [u8; MAX_HEADER],
-    head_len: usize,
-    frame: Option<Sealing>,
+    frames: Gather,
 }
+
+/// Where a MESSAGE's flags byte is in its wire frame (a data frame of
+/// [`MAX_HEADER`] bytes of header, then the name, nonce and tag).
+const FLAGS_AT: usize = MAX_HEADER + 8 + 8 + TAG;
 
 impl Encrypter {
     /// Takes all of `plain` (ZMTP frames, cut anywhere); each frame whose
-    /// last byte it holds is pushed to `out` as one MESSAGE command frame.
+    /// last byte it holds is pushed to `out` as one MESSAGE frame.
     pub fn feed(&mut self, mut plain: &[u8], out: &mut VecDeque<Bytes>) -> Result<(), CurveError> {
         while !plain.is_empty() {
-            if let Some(f) = &mut self.frame {
-                let n = f.left.min(plain.len());
-                f.out.extend_from_slice(&plain[..n]);
-                f.left -= n;
-                plain = &plain[n..];
-                if f.left == 0 {
-                    let f = self.frame.take().expect("a frame");
-                    out.push_back(self.seal(f));
-                }
-                continue;
-            }
-            let n = (MAX_HEADER - self.head_len).min(plain.len());
-            self.head[self.head_len..self.head_len + n].copy_from_slice(&plain[..n]);
-            match frame::parse_header(&self.head[..self.head_len + n])? {
-                Decoded::Needs(_) => {
-                    self.head_len += n;
-                    plain = &plain[n..];
-                }
-                Decoded::Done(h) => {
-                    // Of the bytes just copied, those past the header are
-                    // the frame's.
-                    let used = h.header_len - self.head_len;
-                    plain = &plain[used..];
-                    self.head_len = 0;
+            let (n, step) = self.frames.step(plain)?;
+            plain = &plain[n..];
+            match step {
+                None => {}
+                Some(Step::Body(buf)) => out.push_back(self.seal(buf)),
+                Some(Step::Header(h)) => {
                     let size = usize::try_from(h.size)
                         .map_err(|_| CurveError::TooLarge(h.size, usize::MAX as u64))?;
-                    let flags = u8::from(h.more) | (u8::from(h.command) << 1);
-                    let body = MESSAGE_OVERHEAD + size;
-                    let mut out_frame = Vec::with_capacity(MAX_HEADER + body);
-                    // A data frame, as libzmq sends it: MORE and COMMAND are
-                    // inside the box.
-                    Header::message(body as u64, false).put(&mut out_frame);
-                    out_frame.extend_from_slice(b"\x07MESSAGE");
-                    out_frame.extend_from_slice(&[0u8; 8 + TAG]);
-                    let flags_at = out_frame.len();
-                    out_frame.push(flags);
-                    let f = Sealing {
-                        out: out_frame,
-                        flags_at,
-                        left: size,
-                    };
+                    // Room for the longest header, written at seal time.
+                    let mut buf = Vec::with_capacity(FLAGS_AT + 1 + size);
+                    buf.resize(FLAGS_AT, 0);
+                    buf.push(u8::from(h.more) | (u8::from(h.command) << 1));
                     if size == 0 {
-                        out.push_back(self.seal(f));
+                        out.push_back(self.seal(buf));
                     } else {
-                        self.frame = Some(f);
+                        self.frames.start(buf, size);
                     }
                 }
             }
@@ -642,27 +660,30 @@ impl Encrypter {
 
     /// Whether a frame is partly fed.
     pub fn mid_frame(&self) -> bool {
-        self.frame.is_some() || self.head_len != 0
+        self.frames.mid_frame()
     }
 
-    fn seal(&mut self, mut f: Sealing) -> Bytes {
+    /// Seals a gathered frame (`buf`: [`FLAGS_AT`] bytes of room, the flags
+    /// byte, the frame) into its MESSAGE wire frame.
+    fn seal(&mut self, mut buf: Vec<u8>) -> Bytes {
         let short = self.nonce.to_be_bytes();
         self.nonce += 1;
         let tag = self
             .cipher
-            .encrypt_in_place_detached(&nonce(&self.prefix, &short), b"", &mut f.out[f.flags_at..])
+            .encrypt_in_place_detached(&nonce(&self.prefix, &short), b"", &mut buf[FLAGS_AT..])
             .expect("a box of any length seals");
-        let nonce_at = f.flags_at - TAG - 8;
-        f.out[nonce_at..nonce_at + 8].copy_from_slice(&short);
-        f.out[nonce_at + 8..f.flags_at].copy_from_slice(&tag);
-        Bytes::from(f.out)
+        let body = buf.len() - MAX_HEADER;
+        // A data frame, as libzmq sends it: MORE and COMMAND are inside the
+        // box. Its header ends where the body starts.
+        let mut hb = [0u8; MAX_HEADER];
+        let head = Header::message(body as u64, false).encode(&mut hb).len();
+        let at = MAX_HEADER - head;
+        buf[at..MAX_HEADER].copy_from_slice(&hb[..head]);
+        buf[MAX_HEADER..MAX_HEADER + 8].copy_from_slice(b"\x07MESSAGE");
+        buf[MAX_HEADER + 8..MAX_HEADER + 16].copy_from_slice(&short);
+        buf[MAX_HEADER + 16..FLAGS_AT].copy_from_slice(&tag);
+        Bytes::from(buf).slice(at..)
     }
-}
-
-/// A MESSAGE command frame being read: its body.
-struct Opening {
-    body: Vec<u8>,
-    left: usize,
 }
 
 /// MESSAGE frames in (data or command frames), plaintext ZMTP frames out.
@@ -670,9 +691,7 @@ pub struct Decrypter {
     cipher: Arc<SalsaBox>,
     prefix: [u8; 16],
     last: u64,
-    head: [u8; MAX_HEADER],
-    head_len: usize,
-    body: Option<Opening>,
+    frames: Gather,
     max_frame: u64,
     plain: VecDeque<Bytes>,
     plain_len: usize,
@@ -688,33 +707,17 @@ impl Decrypter {
         self.max_frame = max;
     }
 
-    /// Takes all of `wire` (MESSAGE command frames, cut anywhere); each
-    /// frame it completes is opened and its plaintext ZMTP frame kept for
+    /// Takes all of `wire` (MESSAGE frames, cut anywhere); each frame it
+    /// completes is opened and its plaintext ZMTP frame kept for
     /// [`Decrypter::read`].
     pub fn feed(&mut self, mut wire: &[u8]) -> Result<(), CurveError> {
         while !wire.is_empty() {
-            if let Some(o) = &mut self.body {
-                let n = o.left.min(wire.len());
-                o.body.extend_from_slice(&wire[..n]);
-                o.left -= n;
-                wire = &wire[n..];
-                if o.left == 0 {
-                    let o = self.body.take().expect("a body");
-                    self.open(o.body)?;
-                }
-                continue;
-            }
-            let n = (MAX_HEADER - self.head_len).min(wire.len());
-            self.head[self.head_len..self.head_len + n].copy_from_slice(&wire[..n]);
-            match frame::parse_header(&self.head[..self.head_len + n])? {
-                Decoded::Needs(_) => {
-                    self.head_len += n;
-                    wire = &wire[n..];
-                }
-                Decoded::Done(h) => {
-                    let used = h.header_len - self.head_len;
-                    wire = &wire[used..];
-                    self.head_len = 0;
+            let (n, step) = self.frames.step(wire)?;
+            wire = &wire[n..];
+            match step {
+                None => {}
+                Some(Step::Body(body)) => self.open(body)?,
+                Some(Step::Header(h)) => {
                     if h.more {
                         // Each MESSAGE is a frame of its own; MORE is in
                         // its box.
@@ -724,15 +727,12 @@ impl Decrypter {
                     if h.size > limit {
                         return Err(CurveError::TooLarge(h.size, self.max_frame));
                     }
-                    let size = h.size as usize;
-                    let o = Opening {
-                        body: Vec::with_capacity(size.min(FIRST_CHUNK)),
-                        left: size,
-                    };
-                    if size == 0 {
-                        return Err(CurveError::NotMessage("an empty command".into()));
+                    if h.size == 0 {
+                        return Err(CurveError::NotMessage("an empty frame".into()));
                     }
-                    self.body = Some(o);
+                    let size = h.size as usize;
+                    self.frames
+                        .start(Vec::with_capacity(size.min(FIRST_CHUNK)), size);
                 }
             }
         }

@@ -218,11 +218,7 @@ mod tests {
             ("server.key", 0o644),
             ("client.key", 0o644),
         ] {
-            let m = std::fs::metadata(d.join("curve").join(f))
-                .unwrap()
-                .permissions()
-                .mode()
-                & 0o777;
+            let m = super::super::mode_of(&d.join("curve").join(f));
             if mode == 0o600 {
                 assert_eq!(m, 0o600, "{f}");
             } else {
@@ -233,14 +229,7 @@ mod tests {
                 );
             }
         }
-        assert_eq!(
-            std::fs::metadata(d.join("curve"))
-                .unwrap()
-                .permissions()
-                .mode()
-                & 0o777,
-            0o700
-        );
+        assert_eq!(super::super::mode_of(&d.join("curve")), 0o700);
         assert_eq!(
             read_public(&d.join("curve/server.key")).unwrap(),
             *k.server.public()

@@ -30,6 +30,17 @@ fn shake(
     Ok((cs, ss, who, meta))
 }
 
+/// A handshake the server takes: its outcome.
+fn allowed(client: &Keypair, server: &Keypair) -> (Session, Session, Initiated, Vec<u8>) {
+    shake(
+        client,
+        server,
+        server.public(),
+        &Allow(vec![*client.public()]),
+    )
+    .unwrap()
+}
+
 fn plain_frames(frames: &[(&[u8], bool)]) -> Vec<u8> {
     let mut out = Vec::new();
     for (f, more) in frames {
@@ -69,13 +80,7 @@ fn through(
 fn a_handshake_names_the_client_and_frames_go_both_ways() {
     let client = Keypair::generate().unwrap();
     let server = Keypair::generate().unwrap();
-    let (mut cs, mut ss, who, meta) = shake(
-        &client,
-        &server,
-        server.public(),
-        &Allow(vec![*client.public()]),
-    )
-    .unwrap();
+    let (mut cs, mut ss, who, meta) = allowed(&client, &server);
     assert_eq!(who.client, *client.public());
     assert_eq!(who.metadata, b"\x0bSocket-Type\0\0\0\x06DEALER");
     assert_eq!(meta, b"\x0bSocket-Type\0\0\0\x06ROUTER");
@@ -140,13 +145,7 @@ fn a_client_outside_the_allowlist_is_refused_at_initiate() {
 fn a_replayed_or_garbled_message_is_refused() {
     let client = Keypair::generate().unwrap();
     let server = Keypair::generate().unwrap();
-    let (mut cs, mut ss, _, _) = shake(
-        &client,
-        &server,
-        server.public(),
-        &Allow(vec![*client.public()]),
-    )
-    .unwrap();
+    let (mut cs, mut ss, _, _) = allowed(&client, &server);
     let mut wire = VecDeque::new();
     cs.encrypter
         .feed(&plain_frames(&[(b"one", false)]), &mut wire)
@@ -172,37 +171,19 @@ fn a_replayed_or_garbled_message_is_refused() {
 fn a_plaintext_frame_or_a_huge_declared_size_is_refused_before_it_is_read() {
     let client = Keypair::generate().unwrap();
     let server = Keypair::generate().unwrap();
-    let (_, mut ss, _, _) = shake(
-        &client,
-        &server,
-        server.public(),
-        &Allow(vec![*client.public()]),
-    )
-    .unwrap();
+    let (_, mut ss, _, _) = allowed(&client, &server);
     let plain = plain_frames(&[(b"hi", false)]);
     assert!(matches!(
         ss.decrypter.feed(&plain),
         Err(CurveError::Frame(_))
     ));
-    let (_, mut ss, _, _) = shake(
-        &client,
-        &server,
-        server.public(),
-        &Allow(vec![*client.public()]),
-    )
-    .unwrap();
+    let (_, mut ss, _, _) = allowed(&client, &server);
     let more = plain_frames(&[(b"\x07MESSAGE", true)]);
     assert!(matches!(
         ss.decrypter.feed(&more),
         Err(CurveError::NotMessage(_))
     ));
-    let (_, mut ss, _, _) = shake(
-        &client,
-        &server,
-        server.public(),
-        &Allow(vec![*client.public()]),
-    )
-    .unwrap();
+    let (_, mut ss, _, _) = allowed(&client, &server);
     ss.decrypter.set_max_frame(1 << 20);
     let mut huge = Vec::new();
     Header::command(1 << 40).put(&mut huge);
