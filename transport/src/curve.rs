@@ -23,7 +23,10 @@
 //! Every frame afterwards is one MESSAGE: its flags byte carries MORE
 //! (0x01) and COMMAND (0x02, a ZMTP command such as PING), its short nonce
 //! counts up in each direction from 1, and a nonce that does not rise is
-//! refused (a replayed or reordered frame).
+//! refused (a replayed or reordered frame). libzmq 4.3 sends MESSAGE in a
+//! message frame, not a command frame, its MORE flag clear, and drops a
+//! connection whose MESSAGE comes in a command frame: [`Encrypter`] sends
+//! it so, and [`Decrypter`] takes either.
 //!
 //! [`Encrypter`] and [`Decrypter`] are byte-stream codecs: the plaintext
 //! side is ordinary ZMTP framing, so the frame reader and writers of
@@ -616,7 +619,11 @@ impl Encrypter {
                     let flags = u8::from(h.more) | (u8::from(h.command) << 1);
                     let body = MESSAGE_OVERHEAD + size;
                     let mut out_frame = Vec::with_capacity(MAX_HEADER + body);
-                    Header::command(body as u64).put(&mut out_frame);
+                    // As libzmq 4.3 sends it: a message frame, its MORE
+                    // flag clear (the box's flags carry MORE and COMMAND);
+                    // libzmq drops a connection whose MESSAGE is a command
+                    // frame.
+                    Header::message(body as u64, false).put(&mut out_frame);
                     out_frame.extend_from_slice(b"\x07MESSAGE");
                     out_frame.extend_from_slice(&[0u8; 8 + TAG]);
                     let flags_at = out_frame.len();
@@ -712,9 +719,9 @@ impl Decrypter {
                     let used = h.header_len - self.head_len;
                     wire = &wire[used..];
                     self.head_len = 0;
-                    if !h.command {
-                        return Err(CurveError::NotMessage("a plaintext frame".into()));
-                    }
+                    // MESSAGE comes as a message frame (libzmq) or a
+                    // command frame (RFC 25's wording): both are taken, and
+                    // the outer MORE flag is ignored (the box's counts).
                     let limit = self.max_frame.saturating_add(MESSAGE_OVERHEAD as u64);
                     if h.size > limit {
                         return Err(CurveError::TooLarge(h.size, self.max_frame));
@@ -735,7 +742,9 @@ impl Decrypter {
     }
 
     fn open(&mut self, mut body: Vec<u8>) -> Result<(), CurveError> {
-        let (name, _) = frame::split_command(&body)?;
+        let Ok((name, _)) = frame::split_command(&body) else {
+            return Err(CurveError::NotMessage("a frame that is no command".into()));
+        };
         if name == b"ERROR" {
             let (_, data) = frame::split_command(&body)?;
             return Err(CurveError::PeerError(frame::error_reason(data)));
