@@ -130,6 +130,18 @@ def config_a(a, mode, b_eps):
     return cfg
 
 
+# ZMTP security of every stowd (--security): B's native endpoint, each A's,
+# and A's connections to B's (the TransferQueue endpoints are NULL always).
+SECURITY = {"null": {"auth": "none"}, "plain": {"auth": "token"}, "curve": {"auth": "curve"}}
+SECURITY_NAMES = {"null": "NULL", "plain": "PLAIN", "curve": "CURVE"}
+
+
+def with_security(cfg, sec):
+    cfg = dict(cfg)
+    cfg["security"] = {**cfg.get("security", {}), **SECURITY[sec]}
+    return cfg
+
+
 def check_sets(sets):
     for spec in sets:
         who, _, rest = spec.partition(":")
@@ -405,6 +417,9 @@ def main():
                     help="also get the batch with this many clients at once, twice, after each put (a table of "
                          "its own: seconds and, with --netns, bytes on the A-B veth per payload byte)")
     ap.add_argument("--timeout", type=float, default=600, help="client timeout, s")
+    ap.add_argument("--security", default="plain",
+                    help="ZMTP security of every stowd, comma-separated of null, plain (the default), curve: "
+                         "each path runs once per mechanism, repetitions interleaved, in one run")
     ap.add_argument("--stowd", default=os.path.join(ROOT, "target", "release", "stowd"))
     ap.add_argument("--plugins", default=os.path.join(ROOT, "target", "plugins"))
     a = ap.parse_args()
@@ -421,6 +436,17 @@ def main():
     for m in modes:
         if m not in MODES:
             raise SystemExit(f"unknown mode {m!r}: {', '.join(MODES)}")
+    securities = list(dict.fromkeys(x.strip() for x in a.security.split(",") if x.strip()))
+    for sec in securities:
+        if sec not in SECURITY:
+            raise SystemExit(f"unknown --security {sec!r}: {', '.join(SECURITY)}")
+    # One run per (path, mechanism); named by the path alone with one mechanism.
+    run_of = {(m if len(securities) == 1 else f"{m}@{sec}"): (m, sec) for sec in securities for m in modes}
+    names = list(run_of)
+
+    def label(name):
+        m, sec = run_of[name]
+        return MODES[m] + ("" if len(securities) == 1 else f", {SECURITY_NAMES[sec]}")
     cols = int(a.row_kib * 1024) // 4
     rows = int(a.mib * (1 << 20)) // (cols * 4)
     payload_bytes = rows * cols * 4
@@ -457,19 +483,24 @@ def main():
             net = Netns()
         b_host = net.b_addr if net else "127.0.0.1"
         receiver = Receiver(b_host, net.ns if net else None)
-        b = Stowd(a.stowd, apply_sets(config_b(a, b_host), "B", a.set), tmp, "B", net.ns if net else None)
-        stowds["B"] = b
-        for m in modes:
+        bs = {}
+        for sec in securities:
+            bs[sec] = Stowd(a.stowd, apply_sets(with_security(config_b(a, b_host), sec), "B", a.set), tmp,
+                            f"B-{sec}", net.ns if net else None)
+            stowds[f"B-{sec}"] = bs[sec]
+        for name, (m, sec) in run_of.items():
             if m == "direct":
-                status[m] = None
+                status[name] = None
                 continue
             try:
-                stowds[m] = Stowd(a.stowd, apply_sets(config_a(a, m, b.eps), m, a.set), tmp, f"A-{m}")
-                status[m] = None
+                cfg = with_security(config_a(a, m, bs[sec].eps), sec)
+                stowds[name] = Stowd(a.stowd, apply_sets(cfg, m, a.set), tmp, f"A-{m}-{sec}")
+                status[name] = None
             except StartError as e:
-                status[m] = f"not supported by this stowd: {str(e).replace(tmp + '/', '')}"
-        cl_ep = {m: (b if m == "direct" else stowds[m]).eps["native"] for m in modes if status[m] is None}
-        clients = {m: stowage.Client(cl_ep[m], timeout=a.timeout) for m in cl_ep}
+                status[name] = f"not supported by this stowd: {str(e).replace(tmp + '/', '')}"
+        cl_ep = {n: (bs[run_of[n][1]] if run_of[n][0] == "direct" else stowds[n]).eps["native"]
+                 for n in names if status[n] is None}
+        clients = {n: stowage.Client(cl_ep[n], timeout=a.timeout) for n in cl_ep}
 
         def record(row, op, seconds, cpus, rep, link_delta=None):
             gbs = payload_bytes / seconds / 1e9
@@ -485,10 +516,11 @@ def main():
             record("one", "stream", t, c, rep)
             t, c = stream(payload, receiver, relay)
             relay_gbs = record("two", "stream", t, c, rep)
-            for m in modes:
-                if status[m] is not None:
+            for name in names:
+                if status[name] is not None:
                     continue
-                cl, via = clients[m], stowds.get(m)
+                m, sec = run_of[name]
+                cl, via, b = clients[name], stowds.get(name), bs[sec]
 
                 def timed(op, fn):
                     c0 = time.process_time()
@@ -500,8 +532,8 @@ def main():
                     cpus = {"client": time.process_time() - c0, "B": b.cpu() - p0["B"]}
                     if via:
                         cpus["A"] = via.cpu() - p0["A"]
-                    gbs = record(m, op, t, cpus, rep, net.link_bytes() - l0 if net else None)
-                    ratios.setdefault(m, {}).setdefault(op, []).append(gbs / relay_gbs)
+                    gbs = record(name, op, t, cpus, rep, net.link_bytes() - l0 if net else None)
+                    ratios.setdefault(name, {}).setdefault(op, []).append(gbs / relay_gbs)
                     return r
 
                 def get():
@@ -510,7 +542,7 @@ def main():
                     return cl.get(idx, ["x"])["x"]
 
                 def many_readers():
-                    ends = [stowage.Client(cl_ep[m], timeout=a.timeout) for _ in range(a.readers)]
+                    ends = [stowage.Client(cl_ep[name], timeout=a.timeout) for _ in range(a.readers)]
                     try:
                         for phase in ("first", "again"):
                             got = [None] * a.readers
@@ -534,7 +566,7 @@ def main():
                                     raise WrongData("a reader got nothing")
                                 verify(g, rows, cols)
                             del got
-                            readers.setdefault(m, {}).setdefault(phase, []).append((t, moved))
+                            readers.setdefault(name, {}).setdefault(phase, []).append((t, moved))
                     finally:
                         for e in ends:
                             e.close()
@@ -555,13 +587,13 @@ def main():
                             out.fill(-1)
                     cl.clear(idx)
                 except WrongData as e:
-                    status[m] = f"WRONG DATA: {e}"
+                    status[name] = f"WRONG DATA: {e}"
                     failed = True
-                    print(f"{m}, rep {rep + 1}: {status[m]}", file=sys.stderr, flush=True)
+                    print(f"{name}, rep {rep + 1}: {status[name]}", file=sys.stderr, flush=True)
                 except Exception as e:  # a path that fails: reported in its row, exit 1 at the end
-                    status[m] = f"error: {type(e).__name__}: {e}"
+                    status[name] = f"error: {type(e).__name__}: {e}"
                     failed = True
-                    print(f"{m}, rep {rep + 1}: {status[m]}", file=sys.stderr, flush=True)
+                    print(f"{name}, rep {rep + 1}: {status[name]}", file=sys.stderr, flush=True)
             print(f"  rep {rep + 1}/{a.reps} done, load {' '.join(open('/proc/loadavg').read().split()[:3])}",
                   file=sys.stderr, flush=True)
         for cl in clients.values():
@@ -602,38 +634,38 @@ def main():
     ops = ("put", "get", "get again")
     print("\n| path | put GB/s | get GB/s | get again GB/s | put / two hops | get / two hops | get again / two hops |")
     print("|---|---:|---:|---:|---:|---:|---:|")
-    for m in modes:
-        if status[m] is not None and m not in results:
-            print(f"| {MODES[m]} | {status[m]} | | | | | |")
+    for n in names:
+        if status[n] is not None and n not in results:
+            print(f"| {label(n)} | {status[n]} | | | | | |")
             continue
-        r = results.get(m, {})
-        print(f"| {MODES[m]} | " + " | ".join(cell(r.get(op, [])) for op in ops) + " | "
-              + " | ".join(cell(ratios.get(m, {}).get(op, [])) for op in ops) + " |")
-        if status[m] is not None:
-            print(f"|   {status[m]} | | | | | | |")
+        r = results.get(n, {})
+        print(f"| {label(n)} | " + " | ".join(cell(r.get(op, [])) for op in ops) + " | "
+              + " | ".join(cell(ratios.get(n, {}).get(op, [])) for op in ops) + " |")
+        if status[n] is not None:
+            print(f"|   {status[n]} | | | | | | |")
     print("\nCPU seconds per GB of payload (median): client / A / B"
           + ("; bytes on the A-B veth per payload byte" if net else ""))
     print("\n| path | put | get | get again |" + (" veth put | veth get | veth get again |" if net else ""))
     print("|---|---|---|---|" + ("---:|---:|---:|" if net else ""))
-    for m in modes:
-        if m not in cpu:
+    for n in names:
+        if n not in cpu:
             continue
         cells = []
         for op in ops:
-            c = cpu[m].get(op, {})
+            c = cpu[n].get(op, {})
             cells.append(" / ".join(f"{med(c[w]):.2f}" if w in c else "—" for w in ("client", "A", "B")))
-        veth = [cell(link.get(m, {}).get(op, []), "{:.3f}") for op in ops] if net else []
-        print(f"| {MODES[m]} | " + " | ".join(cells + veth) + " |")
+        veth = [cell(link.get(n, {}).get(op, []), "{:.3f}") for op in ops] if net else []
+        print(f"| {label(n)} | " + " | ".join(cells + veth) + " |")
     if readers:
         print(f"\n{a.readers} clients get the whole batch at once, right after the put, then again "
               "(median seconds, first rep in parentheses"
               + ("; bytes on the A-B veth per payload byte)" if net else ")"))
         print("\n| path | first: s | again: s |" + (" first: veth | again: veth |" if net else ""))
         print("|---|---:|---:|" + ("---:|---:|" if net else ""))
-        for m, phases in readers.items():
+        for n, phases in readers.items():
             secs = [cell([t for t, _ in phases.get(p, [])]) for p in ("first", "again")]
             veth = [cell([v for _, v in phases.get(p, [])], "{:.3f}") for p in ("first", "again")] if net else []
-            print(f"| {MODES[m]} | " + " | ".join(secs + veth) + " |")
+            print(f"| {label(n)} | " + " | ".join(secs + veth) + " |")
     if failed:
         raise SystemExit(1)
 

@@ -841,7 +841,7 @@ def report(S, wls, meta, systems):
                      f"{ratio(old, tcp)} | {peak('tq->stowd native')} / {peak('tq->stowd same-node')} / "
                      f"{peak('stowage-tcp')} | {cop('tq->stowd native')} / {cop('stowage-tcp')} |")
         L.append("")
-    if base:
+    for base in [b for b in [base, *meta.get("variants", {})] if b]:
         L.append(f"### New stowd vs {base}")
         L.append("")
         L.append(f"new / {base} of throughput (above 1: new is faster), and each one's stowd CPU per GiB "
@@ -1068,6 +1068,12 @@ def main():
     ap.add_argument("--stowd-base-client", metavar="DIR",
                     help="clients/python of --stowd-base's own checkout: its stowage client talks to it "
                          "(default: this checkout's client talks to both)")
+    ap.add_argument("--variant", action="append", default=[], metavar="LABEL=TOML",
+                    help="the --stowd binary once more, with TOML added to its config, as system@LABEL "
+                         "(repeatable), repetitions alternating with the others; e.g. "
+                         "--variant 'NULL=[security]\\nauth = \"none\"' --variant "
+                         "'CURVE=[security]\\nauth = \"curve\"': ZMTP NULL, PLAIN (the default) and CURVE "
+                         "in one run")
     ap.add_argument("--base-label", default="today", help="name of --stowd-base in the tables (default: today)")
     ap.add_argument("--base-config", default="", metavar="TOML",
                     help="tables added to --stowd-base's config, e.g. '[security]\\nauth = \"none\"' with "
@@ -1141,14 +1147,23 @@ def main():
     tmp = tempfile.mkdtemp(prefix="stowage-suite-")
     label = a.base_label
     kinds = [k for k in ("stowage-tcp", "stowage-shm") if k in systems]
+    variants = {}
+    for v in a.variant:
+        vlabel, sep, toml = v.partition("=")
+        if not sep or not vlabel or vlabel in (label, ""):
+            raise SystemExit(f"--variant {v!r}: want LABEL=TOML, LABEL new and not --base-label")
+        variants[vlabel] = toml.replace("\\n", "\n")
     if a.stowd_base:
         if not os.path.exists(a.stowd_base):
             raise SystemExit(f"--stowd-base {a.stowd_base} missing")
-        systems = [x for s in systems for x in ([s, f"{s}@{label}"] if s in kinds else [s])]
+    others = ([label] if a.stowd_base else []) + list(variants)
+    systems = [x for s in systems for x in ([s] + [f"{s}@{o}" for o in others] if s in kinds else [s])]
     binaries = {"": (a.stowd, a.stowd_plugins)}
     base_client = client_package(a.stowd_base_client) if a.stowd_base_client else None
     if a.stowd_base:
         binaries[label] = (a.stowd_base, a.stowd_base_plugins)
+    for vlabel in variants:
+        binaries[vlabel] = (a.stowd, a.stowd_plugins)
     plugins_seen = {}
     tq = TQ() if any(s.startswith("tq") for s in systems) else None
     for name in wls_names:
@@ -1162,7 +1177,10 @@ def main():
         stowds = {}
         try:
             for lab, (binary, plugins) in binaries.items():
-                extra = "\n" + a.base_config.replace("\\n", "\n") + "\n" if lab and a.base_config else ""
+                if lab in variants:
+                    extra = "\n" + variants[lab] + "\n"
+                else:
+                    extra = "\n" + a.base_config.replace("\\n", "\n") + "\n" if lab and a.base_config else ""
                 stowds[lab] = Stowd(binary, os.path.join(tmp, f"{w.name}-{lab or 'new'}"), plugins, a.no_pools,
                                     extra)
                 if lab not in plugins_seen:
@@ -1173,7 +1191,8 @@ def main():
                         print("  WARNING: no plugins loaded: only the built-in policy answers "
                               "(pass --stowd-plugins / --stowd-base-plugins)", flush=True)
             for kind in kinds:
-                clients = {lab: stowage_client(sd, kind == "stowage-shm", base_client if lab else None)
+                clients = {lab: stowage_client(sd, kind == "stowage-shm",
+                                               base_client if lab and lab not in variants else None)
                            for lab, sd in stowds.items()}
                 try:
                     for rep in range(a.reps):
@@ -1251,6 +1270,7 @@ def main():
                     f"Python {platform.python_version()}",
         "took_s": time.time() - started,
         "systems": systems, "base_label": label if a.stowd_base else None, "no_pools": a.no_pools,
+        "variants": variants,
         "plugins": {lab or "new": p for lab, p in plugins_seen.items()},
         "workloads": [vars(w) for w in wl_meta],
     }

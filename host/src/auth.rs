@@ -18,6 +18,9 @@ use subtle::ConstantTimeEq;
 
 use crate::transport::zmtp::Authenticator;
 
+pub mod curve;
+pub use curve::CurveKeys;
+
 /// The username stowd presents to its peers and its clients present to it.
 pub const USERNAME: &str = "stowage";
 
@@ -37,24 +40,43 @@ pub fn load_or_make(path: &Path) -> Result<String, String> {
         Ok(None) => {}
         Err(e) => return Err(e),
     }
-    if let Some(dir) = path.parent() {
-        std::fs::DirBuilder::new()
-            .recursive(true)
-            .mode(0o700)
-            .create(dir)
-            .map_err(|e| format!("{}: {e}", dir.display()))?;
-    }
+    make_private_dir(path)?;
     let mut bytes = [0u8; TOKEN_BYTES];
     getrandom::fill(&mut bytes).map_err(|e| format!("no randomness for a token: {e}"))?;
     let token: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+    if publish(path, token.as_bytes(), 0o600)? {
+        tracing::info!(file = %shown, "made stowd's token (mode 0600)");
+        Ok(token)
+    } else {
+        read(path)?.ok_or_else(|| format!("{shown}: vanished while it was made"))
+    }
+}
+
+/// Makes `path`'s directory (mode 0700) if it is missing.
+pub(crate) fn make_private_dir(path: &Path) -> Result<(), String> {
+    match path.parent() {
+        Some(dir) => std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(dir)
+            .map_err(|e| format!("{}: {e}", dir.display())),
+        None => Ok(()),
+    }
+}
+
+/// Writes `contents` to `path` whole, mode `mode`, unless a file is
+/// there already: written to a temporary file, then linked into place,
+/// so that two stowds starting at once agree on one. `Ok(false)`: the
+/// other one was first.
+pub(crate) fn publish(path: &Path, contents: &[u8], mode: u32) -> Result<bool, String> {
     let tmp = path.with_extension(format!("tmp.{}", std::process::id()));
     let written = std::fs::OpenOptions::new()
         .write(true)
         .create_new(true)
-        .mode(0o600)
+        .mode(mode)
         .open(&tmp)
         .and_then(|mut f| {
-            f.write_all(token.as_bytes())?;
+            f.write_all(contents)?;
             f.sync_all()
         });
     if let Err(e) = written {
@@ -65,20 +87,31 @@ pub fn load_or_make(path: &Path) -> Result<String, String> {
     let linked = std::fs::hard_link(&tmp, path);
     let _ = std::fs::remove_file(&tmp);
     match linked {
-        Ok(()) => {
-            tracing::info!(file = %shown, "made stowd's token (mode 0600)");
-            Ok(token)
-        }
-        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
-            read(path)?.ok_or_else(|| format!("{shown}: vanished while it was made"))
-        }
-        Err(e) => Err(format!("{shown}: {e}")),
+        Ok(()) => Ok(true),
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(false),
+        Err(e) => Err(format!("{}: {e}", path.display())),
     }
 }
 
 /// The token in `path`, `None` if there is no such file. Refused: a file
 /// of another user, one others may read or write, or an empty one.
 fn read(path: &Path) -> Result<Option<String>, String> {
+    let Some(text) = read_private(path)? else {
+        return Ok(None);
+    };
+    let token = text.trim();
+    if !crate::config::token_ok(token) {
+        return Err(format!(
+            "{}: not a token (1 to 255 bytes, no whitespace)",
+            path.display()
+        ));
+    }
+    Ok(Some(token.to_string()))
+}
+
+/// The text of a secret file, `None` if there is no such file. Refused: a
+/// link, a file of another user, or one others may read or write.
+pub(crate) fn read_private(path: &Path) -> Result<Option<String>, String> {
     let shown = path.display();
     let meta = match std::fs::symlink_metadata(path) {
         Ok(m) => m,
@@ -98,14 +131,9 @@ fn read(path: &Path) -> Result<Option<String>, String> {
             meta.permissions().mode() & 0o777
         ));
     }
-    let text = std::fs::read_to_string(path).map_err(|e| format!("{shown}: {e}"))?;
-    let token = text.trim();
-    if !crate::config::token_ok(token) {
-        return Err(format!(
-            "{shown}: not a token (1 to 255 bytes, no whitespace)"
-        ));
-    }
-    Ok(Some(token.to_string()))
+    std::fs::read_to_string(path)
+        .map(Some)
+        .map_err(|e| format!("{shown}: {e}"))
 }
 
 /// The token a client of this user offers (only to a server that asks):
@@ -127,8 +155,13 @@ pub fn client_token() -> Option<String> {
 }
 
 /// `peer`, offering this user's token ([`client_token`]) to a server that
-/// asks for one.
-pub fn with_client_token(peer: crate::transport::Peer) -> crate::transport::Peer {
+/// asks for one (PLAIN), and this user's stowd's CURVE client key
+/// ([`curve::client_keys`]) to one that asks for CURVE.
+pub fn with_client_credentials(peer: crate::transport::Peer) -> crate::transport::Peer {
+    let peer = match curve::client_keys() {
+        Some((keys, server)) => peer.with_curve(keys, server),
+        None => peer,
+    };
     match client_token() {
         Some(t) => peer.with_credentials(USERNAME.as_bytes(), t.as_bytes()),
         None => peer,

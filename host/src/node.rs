@@ -38,6 +38,8 @@ pub enum BuildError {
     Restore { dir: String, reason: String },
     #[error("[security] token_file: {0}")]
     Token(String),
+    #[error("stowd's CURVE keys: {0}")]
+    Curve(String),
 }
 
 /// Everything a running `stowd` holds.
@@ -59,8 +61,12 @@ pub struct Node {
     pub segments: Option<Arc<SegmentStore>>,
     /// stowd's own token, with `[security] auth = "token"`.
     pub token: Option<String>,
-    /// What a native client must present, with `[security] auth = "token"`.
+    /// The tokens `/metrics` beyond loopback takes, and with `[security]
+    /// auth = "token"` what a native client must present.
     pub auth: Option<Arc<crate::auth::Tokens>>,
+    /// With `[security] auth = "curve"`: stowd's CURVE keys, and the
+    /// client keys the native endpoint takes.
+    pub curve: Option<Arc<crate::auth::CurveKeys>>,
 }
 
 impl Node {
@@ -95,6 +101,12 @@ impl Node {
         let auth = token
             .as_ref()
             .map(|own| Arc::new(crate::auth::Tokens::new(own, &security.tokens)));
+        let curve = match security.curve() {
+            true => Some(Arc::new(
+                crate::auth::CurveKeys::load_or_make(security).map_err(BuildError::Curve)?,
+            )),
+            false => None,
+        };
         let peer_token = match (security.peer_token.as_str(), &token) {
             ("", own) => own.clone(),
             (t, _) => Some(t.to_string()),
@@ -147,6 +159,7 @@ impl Node {
             &units,
             registry,
             peer_token.as_deref(),
+            curve.as_deref(),
         ));
         if let Some(dir) = &config.restore {
             restore(&manager, &roots, dir).await?;
@@ -163,6 +176,7 @@ impl Node {
             segments,
             token,
             auth,
+            curve,
         })
     }
 }
@@ -170,13 +184,15 @@ impl Node {
 /// The node's manager: the configured units (`[router] units`, or every
 /// local unit) with their peers' and remote units' connections, the read
 /// cache if a peer unit is configured, and `[dedup]`. Peer units are
-/// connected to with `peer_token` (ZMTP PLAIN) if there is one.
+/// connected to with `curve` (ZMTP CURVE) if there are keys, else with
+/// `peer_token` (ZMTP PLAIN) if there is one.
 fn node_manager(
     config: &Config,
     pid: u32,
     units: &[Arc<Unit>],
     registry: Arc<Registry>,
     peer_token: Option<&str>,
+    curve: Option<&crate::auth::CurveKeys>,
 ) -> Manager {
     let sender = format!(
         "TQ_STORAGE_{pid:08x}_{:08x}",
@@ -212,7 +228,9 @@ fn node_manager(
                             config.limits.receive_limits(),
                             pool,
                         );
-                        if let Some(t) = peer_token {
+                        if let Some(k) = curve {
+                            p.peer = p.peer.with_curve(k.client.clone(), k.peer_server);
+                        } else if let Some(t) = peer_token {
                             p.peer = p
                                 .peer
                                 .with_credentials(crate::auth::USERNAME.as_bytes(), t.as_bytes());

@@ -178,7 +178,7 @@ impl NativeClient {
     pub fn new(endpoint: &str) -> NativeClient {
         let prefix = format!("native_test_{:08x}_{}", std::process::id(), next_client());
         NativeClient {
-            peer: stowage_host::auth::with_client_token(Peer::new(endpoint, prefix)),
+            peer: stowage_host::auth::with_client_credentials(Peer::new(endpoint, prefix)),
             next_id: AtomicU64::new(1),
             timeout: REPLY_TIMEOUT,
         }
@@ -190,6 +190,21 @@ impl NativeClient {
         let prefix = format!("native_test_{:08x}_{}", std::process::id(), next_client());
         NativeClient {
             peer: Peer::new(endpoint, prefix),
+            next_id: AtomicU64::new(1),
+            timeout: REPLY_TIMEOUT,
+        }
+    }
+
+    /// A client speaking CURVE with key pair `keys` to a server whose
+    /// public key is `server`, for a stowd with `[security] auth = "curve"`.
+    pub fn with_curve(
+        endpoint: &str,
+        keys: stowage_host::transport::curve::Keypair,
+        server: [u8; 32],
+    ) -> NativeClient {
+        let prefix = format!("native_test_{:08x}_{}", std::process::id(), next_client());
+        NativeClient {
+            peer: Peer::new(endpoint, prefix).with_curve(keys, server),
             next_id: AtomicU64::new(1),
             timeout: REPLY_TIMEOUT,
         }

@@ -713,7 +713,7 @@ async fn a_forwarded_reply_that_breaks_closes_the_connection_and_the_router_serv
     let want = expected(&Field::Regular(f32_rows(600, 1024, 1)), &indexes, &indexes);
     for (mode, took_at_least) in [(0u32, 0u64), (1, 1800)] {
         breaking.0.store(mode, std::sync::atomic::Ordering::Relaxed);
-        let raw = stowage_host::auth::with_client_token(stowage_host::transport::Peer::new(
+        let raw = stowage_host::auth::with_client_credentials(stowage_host::transport::Peer::new(
             router.native().to_string(),
             "breaking",
         ));

@@ -7,6 +7,11 @@
 //! - `[security] auth = "token"`: the native endpoint refuses a client
 //!   without the token or with a wrong one at the handshake, and serves one
 //!   with it (a put and a get of the same rows);
+//! - `[security] auth = "curve"`: the native endpoint takes a client with
+//!   stowd's client key and refuses one with a key not allowed, with the
+//!   wrong server key, or speaking NULL or PLAIN; the row put crosses the
+//!   wire only encrypted (a relay records every byte); a router stowd here
+//!   whose units are the namespace stowd's reaches them over CURVE;
 //! - `[security] tq_endpoints = "loopback"` (the default): a TransferQueue
 //!   unit endpoint bound to every address closes a connection from the
 //!   other host before the handshake; `"open"` serves it.
@@ -183,6 +188,143 @@ async fn across_hosts_the_token_is_required_and_tq_endpoints_are_loopback_only()
         ),
     };
     assert!(matches!(reply, tq::Reply::Metrics(_)), "{reply:?}");
+}
+
+/// A tcp relay on 127.0.0.1 to `to`: its address, and every byte it
+/// carried either way.
+async fn recording_relay(to: String) -> (String, std::sync::Arc<std::sync::Mutex<Vec<u8>>>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let record = seen.clone();
+    tokio::spawn(async move {
+        while let Ok((client, _)) = listener.accept().await {
+            let server = tokio::net::TcpStream::connect(&to).await.unwrap();
+            let (cr, cw) = client.into_split();
+            let (sr, sw) = server.into_split();
+            for (mut r, mut w, seen) in [
+                (
+                    Box::new(cr) as Box<dyn tokio::io::AsyncRead + Send + Unpin>,
+                    Box::new(sw) as Box<dyn tokio::io::AsyncWrite + Send + Unpin>,
+                    record.clone(),
+                ),
+                (Box::new(sr), Box::new(cw), record.clone()),
+            ] {
+                tokio::spawn(async move {
+                    let mut buf = vec![0u8; 1 << 16];
+                    while let Ok(n) = r.read(&mut buf).await {
+                        if n == 0 || w.write_all(&buf[..n]).await.is_err() {
+                            break;
+                        }
+                        seen.lock().unwrap().extend_from_slice(&buf[..n]);
+                    }
+                });
+            }
+        }
+    });
+    (format!("tcp://{addr}"), seen)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn across_hosts_curve_takes_only_allowed_keys_and_carries_rows_encrypted() {
+    use stowage_host::auth::curve::{read_pair, read_public};
+    use stowage_host::transport::curve::Keypair;
+    let host = match Host::create() {
+        Ok(h) => h,
+        Err(why) => panic!("network namespaces are needed for this test: {why}"),
+    };
+    let dir = temp_dir("security-curve");
+    let curve_dir = dir.join("curve");
+    let there_config = format!(
+        "[server]\nhost = \"0.0.0.0\"\n\n[units]\nlocal = 2\n\n[router]\nenabled = false\n\n\
+         [shm]\nenabled = false\n\n[security]\nauth = \"curve\"\ncurve_dir = {:?}\n",
+        curve_dir.display().to_string()
+    );
+    let s = Stowd::start_in_netns(&host.ns, &there_config);
+    let server = read_public(&curve_dir.join("server.key")).unwrap();
+    let client = read_pair(&curve_dir.join("client.key_secret"))
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        s.endpoints.curve_server_key.as_deref(),
+        Some(stowage_host::transport::curve::z85_encode(&server).as_str()),
+        "the endpoints file names the server key"
+    );
+    let native = there(s.native(), &host);
+
+    // A key not allowed, the wrong server key, NULL and PLAIN: refused.
+    let stranger = Keypair::generate().unwrap();
+    let refused = [
+        (
+            NativeClient::with_curve(&native, stranger, server),
+            "client key not allowed",
+        ),
+        (
+            NativeClient::with_curve(
+                &native,
+                client.clone(),
+                *Keypair::generate().unwrap().public(),
+            ),
+            "HELLO did not decrypt",
+        ),
+        (NativeClient::without_token(&native), "requires CURVE"),
+        (
+            NativeClient::with_token(&native, "a-token"),
+            "requires CURVE",
+        ),
+    ];
+    for (mut c, why) in refused {
+        c.timeout = Duration::from_secs(5);
+        let e = c.try_call(native::Op::Stats).await.unwrap_err();
+        assert!(e.contains(why), "{why}: {e}");
+    }
+    let log = s.log();
+    assert!(log.contains("connection refused at the handshake"), "{log}");
+    assert!(!log.contains(&stowage_host::transport::curve::z85_encode(
+        &client.secret_bytes()
+    )));
+
+    // Through a relay that records the wire: the rows go and come back
+    // intact, and never in the clear.
+    let (relay, seen) = recording_relay(native.trim_start_matches("tcp://").to_string()).await;
+    let c = NativeClient::with_curve(&relay, client.clone(), server);
+    let a = Field::Regular(f32_rows(2, 2048, 777_000));
+    c.put_ok(&[7, 8], &[("a".into(), a.clone())]).await;
+    let mut got = c.get_ok(&[7, 8], &["a"]).await;
+    assert_cells("over CURVE", &wire_cells(got.remove(0).1), &cells(&a));
+    let wire = seen.lock().unwrap().clone();
+    let clear: Vec<u8> = (0..64u32)
+        .flat_map(|c| ((777_000 + c) as f32).to_le_bytes())
+        .collect();
+    assert!(
+        wire.len() > 2 * 4 * 4096,
+        "the relay carried the rows: {} bytes",
+        wire.len()
+    );
+    assert!(
+        !wire.windows(clear.len()).any(|w| w == clear),
+        "the row crossed the wire in the clear"
+    );
+
+    // A router stowd here whose units are the namespace stowd's, sharing
+    // its curve_dir: it connects to its peer over CURVE.
+    let router = Stowd::start(&format!(
+        "[units]\nlocal = 0\n\n[router]\nunits = [\"stowage://{addr}:{port}/0\", \"stowage://{addr}:{port}/1\"]\n\n\
+         [shm]\nenabled = false\n\n[security]\nauth = \"curve\"\ncurve_dir = {:?}\n",
+        curve_dir.display().to_string(),
+        addr = host.addr(),
+        port = native.rsplit(':').next().unwrap(),
+    ));
+    let via = NativeClient::with_curve(router.native(), client, server);
+    let b = Field::Regular(f32_rows(4, 8, 3));
+    via.put_ok(&[0, 1, 2, 3], &[("b".into(), b.clone())]).await;
+    let mut got = c.get_ok(&[0, 1, 2, 3], &["b"]).await;
+    assert_cells(
+        "put through the router, read at the units",
+        &wire_cells(got.remove(0).1),
+        &cells(&b),
+    );
 }
 
 /// A free tcp port on this host (bound, then let go).

@@ -23,10 +23,7 @@
 //! Every frame afterwards is one MESSAGE: its flags byte carries MORE
 //! (0x01) and COMMAND (0x02, a ZMTP command such as PING), its short nonce
 //! counts up in each direction from 1, and a nonce that does not rise is
-//! refused (a replayed or reordered frame). libzmq 4.3 sends MESSAGE in a
-//! message frame, not a command frame, its MORE flag clear, and drops a
-//! connection whose MESSAGE comes in a command frame: [`Encrypter`] sends
-//! it so, and [`Decrypter`] takes either.
+//! refused (a replayed or reordered frame).
 //!
 //! [`Encrypter`] and [`Decrypter`] are byte-stream codecs: the plaintext
 //! side is ordinary ZMTP framing, so the frame reader and writers of
@@ -575,7 +572,8 @@ struct Sealing {
     left: usize,
 }
 
-/// Plaintext ZMTP frames in, MESSAGE command frames out.
+/// Plaintext ZMTP frames in, MESSAGE frames out (each a single-frame
+/// message whose body is the MESSAGE command, as libzmq frames it).
 pub struct Encrypter {
     cipher: Arc<SalsaBox>,
     prefix: [u8; 16],
@@ -619,10 +617,8 @@ impl Encrypter {
                     let flags = u8::from(h.more) | (u8::from(h.command) << 1);
                     let body = MESSAGE_OVERHEAD + size;
                     let mut out_frame = Vec::with_capacity(MAX_HEADER + body);
-                    // As libzmq 4.3 sends it: a message frame, its MORE
-                    // flag clear (the box's flags carry MORE and COMMAND);
-                    // libzmq drops a connection whose MESSAGE is a command
-                    // frame.
+                    // A data frame, as libzmq sends it: MORE and COMMAND are
+                    // inside the box.
                     Header::message(body as u64, false).put(&mut out_frame);
                     out_frame.extend_from_slice(b"\x07MESSAGE");
                     out_frame.extend_from_slice(&[0u8; 8 + TAG]);
@@ -669,7 +665,7 @@ struct Opening {
     left: usize,
 }
 
-/// MESSAGE command frames in, plaintext ZMTP frames out.
+/// MESSAGE frames in (data or command frames), plaintext ZMTP frames out.
 pub struct Decrypter {
     cipher: Arc<SalsaBox>,
     prefix: [u8; 16],
@@ -719,9 +715,11 @@ impl Decrypter {
                     let used = h.header_len - self.head_len;
                     wire = &wire[used..];
                     self.head_len = 0;
-                    // MESSAGE comes as a message frame (libzmq) or a
-                    // command frame (RFC 25's wording): both are taken, and
-                    // the outer MORE flag is ignored (the box's counts).
+                    if h.more {
+                        // Each MESSAGE is a frame of its own; MORE is in
+                        // its box.
+                        return Err(CurveError::NotMessage("a frame with MORE set".into()));
+                    }
                     let limit = self.max_frame.saturating_add(MESSAGE_OVERHEAD as u64);
                     if h.size > limit {
                         return Err(CurveError::TooLarge(h.size, self.max_frame));
@@ -742,9 +740,7 @@ impl Decrypter {
     }
 
     fn open(&mut self, mut body: Vec<u8>) -> Result<(), CurveError> {
-        let Ok((name, _)) = frame::split_command(&body) else {
-            return Err(CurveError::NotMessage("a frame that is no command".into()));
-        };
+        let (name, _) = frame::split_command(&body)?;
         if name == b"ERROR" {
             let (_, data) = frame::split_command(&body)?;
             return Err(CurveError::PeerError(frame::error_reason(data)));

@@ -232,7 +232,7 @@ fn plugin_list(endpoint: &str) -> anyhow::Result<()> {
         id: 1,
         op: native::Op::Stats,
     })?;
-    let peer = stowage_host::auth::with_client_token(stowage_host::transport::Peer::new(
+    let peer = stowage_host::auth::with_client_credentials(stowage_host::transport::Peer::new(
         endpoint,
         "stowd-plugin-list",
     ));
@@ -275,7 +275,7 @@ fn checkpoint(args: &CheckpointArgs, restore: bool, journal: bool) -> anyhow::Re
         .enable_all()
         .build()?;
     let frames = native::encode_request(&native::Request { id: 1, op })?;
-    let peer = stowage_host::auth::with_client_token(stowage_host::transport::Peer::new(
+    let peer = stowage_host::auth::with_client_credentials(stowage_host::transport::Peer::new(
         &args.endpoint,
         "stowd-checkpoint",
     ));

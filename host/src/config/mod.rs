@@ -241,7 +241,10 @@ pub struct SecurityConfig {
     /// must present a token at the ZMTP handshake (the PLAIN mechanism,
     /// the token as its password): stowd's own (`token_file`) or one of
     /// `tokens`. `"none"`: no credentials (ZMTP NULL), anyone who can
-    /// reach the endpoint may read and write every row.
+    /// reach the endpoint may read and write every row. `"curve"`: the
+    /// native endpoint and peer connections speak CurveZMQ (ZMTP CURVE):
+    /// every byte encrypted, and a client must hold a key stowd accepts
+    /// (its own `client.key` in `curve_dir`, or one of `curve_clients`).
     pub auth: String,
     /// stowd's own token: read if the file exists, else made (32 random
     /// bytes, hex) and written mode 0600. Default: `token` under stowd's
@@ -258,6 +261,19 @@ pub struct SecurityConfig {
     /// local user); `"open"`, any host that reaches them (a WARN at start
     /// when they are bound beyond loopback).
     pub tq_endpoints: String,
+    /// With `auth = "curve"`: where stowd's CURVE keys are, in pyzmq's
+    /// certificate format (`server.key`, `server.key_secret`, `client.key`,
+    /// `client.key_secret`; the secret files mode 0600), made at first
+    /// start when missing. Default: `curve` under stowd's state directory,
+    /// where this user's clients look for them.
+    pub curve_dir: PathBuf,
+    /// More client public keys (Z85, 40 characters) the native endpoint
+    /// takes under CURVE (other users', other nodes').
+    pub curve_clients: Vec<String>,
+    /// The server public key (Z85) of peer units under CURVE. Default
+    /// (empty): stowd's own, as in a cluster whose stowds share one
+    /// `curve_dir` (as `stowage.ray` launches them).
+    pub peer_curve_server_key: String,
 }
 
 impl Default for SecurityConfig {
@@ -268,22 +284,40 @@ impl Default for SecurityConfig {
             tokens: Vec::new(),
             peer_token: String::new(),
             tq_endpoints: "loopback".into(),
+            curve_dir: state_dir().join("curve"),
+            curve_clients: Vec::new(),
+            peer_curve_server_key: String::new(),
         }
     }
 }
 
 impl SecurityConfig {
-    /// `auth = "token"`.
+    /// `auth = "token"` or `"curve"`: stowd has a token (the native
+    /// endpoint's PLAIN password under `"token"`; under both, what a
+    /// `/metrics` scrape beyond loopback presents).
     pub fn requires_token(&self) -> bool {
-        self.auth == "token"
+        matches!(self.auth.as_str(), "token" | "curve")
+    }
+
+    /// `auth = "curve"`.
+    pub fn curve(&self) -> bool {
+        self.auth == "curve"
     }
 
     fn validate(&self) -> Result<(), String> {
-        if !matches!(self.auth.as_str(), "token" | "none") {
+        if !matches!(self.auth.as_str(), "token" | "curve" | "none") {
             return Err(format!(
-                "[security] auth = {:?}: \"token\" or \"none\"",
+                "[security] auth = {:?}: \"token\", \"curve\" or \"none\"",
                 self.auth
             ));
+        }
+        for (i, k) in self.curve_clients.iter().enumerate() {
+            crate::transport::curve::z85_decode(k)
+                .map_err(|e| format!("[security] curve_clients[{i}]: {e}"))?;
+        }
+        if !self.peer_curve_server_key.is_empty() {
+            crate::transport::curve::z85_decode(&self.peer_curve_server_key)
+                .map_err(|e| format!("[security] peer_curve_server_key: {e}"))?;
         }
         if !matches!(self.tq_endpoints.as_str(), "loopback" | "open") {
             return Err(format!(

@@ -91,6 +91,10 @@ pub struct Endpoints {
     /// `[security] auth = "token"`: the file is written mode 0600.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub token: Option<String>,
+    /// The native endpoint's CURVE public key (Z85), with `[security]
+    /// auth = "curve"`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub curve_server_key: Option<String>,
 }
 
 impl Endpoints {
@@ -210,14 +214,22 @@ impl Listeners {
         let native =
             transport::bind(&format!("tcp://{host}:{}", config.server.native_port)).await?;
         tracing::info!(endpoint = %native.1, "native endpoint listening");
-        match &node.auth {
-            Some(_) => {
+        match (&node.curve, &node.auth) {
+            (Some(k), _) => {
+                tracing::info!(
+                    curve_dir = %config.security.curve_dir.display(),
+                    server_key = %k.server_public(),
+                    "native endpoint speaks CURVE: encrypted, and takes stowd's client.key or \
+                     [security] curve_clients"
+                );
+            }
+            (None, Some(_)) => {
                 tracing::info!(
                     token_file = %config.security.token_file.display(),
                     "native endpoint takes stowd's token or [security] tokens (ZMTP PLAIN)"
                 );
             }
-            None => tracing::warn!(
+            (None, None) => tracing::warn!(
                 endpoint = %native.1,
                 "[security] auth = \"none\": the native endpoint takes no credentials, \
                  whoever reaches it can read and write every row"
@@ -304,6 +316,7 @@ impl Listeners {
                 .map(|_| self.config.shm.dir.display().to_string()),
             metrics: self.metrics.as_ref().map(|(_, url, _)| url.clone()),
             token: node.token.clone(),
+            curve_server_key: node.curve.as_ref().map(|k| k.server_public()),
         }
     }
 }
@@ -375,6 +388,7 @@ pub async fn run(listeners: Listeners, node: Node, shutdown: watch::Receiver<boo
         offload,
         units: node.unit_managers.clone(),
         auth: node.auth.clone(),
+        curve: node.curve.clone(),
     });
     tasks.push(tokio::spawn(transport::serve_with(
         native_listener,

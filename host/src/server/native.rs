@@ -51,6 +51,8 @@ pub(super) struct NativeService {
     pub units: Vec<Arc<Manager>>,
     /// The tokens a client must present (ZMTP PLAIN), if any.
     pub auth: Option<Arc<crate::auth::Tokens>>,
+    /// CURVE keys: the handshake is CURVE's (over `auth`) when set.
+    pub curve: Option<Arc<crate::auth::CurveKeys>>,
 }
 
 /// The rows a request names (0 for stats and leases).
@@ -613,9 +615,15 @@ impl Service for NativeService {
         }
     }
 
-    fn authenticator(&self) -> Option<&dyn crate::transport::zmtp::Authenticator> {
-        self.auth
-            .as_deref()
-            .map(|a| a as &dyn crate::transport::zmtp::Authenticator)
+    fn security(&self) -> crate::transport::zmtp::Security<'_> {
+        use crate::transport::zmtp::Security;
+        match (&self.curve, &self.auth) {
+            (Some(k), _) => Security::CurveServer {
+                keys: &k.server,
+                check: &**k,
+            },
+            (None, Some(a)) => Security::PlainServer(&**a),
+            (None, None) => Security::Null,
+        }
     }
 }

@@ -182,6 +182,18 @@ fn a_plaintext_frame_or_a_huge_declared_size_is_refused_before_it_is_read() {
     let plain = plain_frames(&[(b"hi", false)]);
     assert!(matches!(
         ss.decrypter.feed(&plain),
+        Err(CurveError::Frame(_))
+    ));
+    let (_, mut ss, _, _) = shake(
+        &client,
+        &server,
+        server.public(),
+        &Allow(vec![*client.public()]),
+    )
+    .unwrap();
+    let more = plain_frames(&[(b"\x07MESSAGE", true)]);
+    assert!(matches!(
+        ss.decrypter.feed(&more),
         Err(CurveError::NotMessage(_))
     ));
     let (_, mut ss, _, _) = shake(
