@@ -28,6 +28,7 @@ import zmq.auth.thread
 
 import stowage
 from stowage import _auth, _core
+from stowage.errors import ProtocolError
 
 
 class _Allow:
@@ -279,3 +280,74 @@ def test_client_keys_reach_the_core(server, client_keys, no_ambient_curve):
         assert c._curve == keys_for(server, client_keys)
         core = _core.Connection(c.endpoint, c.spin_us, c._token, c._curve)
         assert core.send(b"via the client's keys", [], 10.0) == [b"via the client's keys"]
+
+
+# -- against stowd with [security] auth = "curve"
+
+
+@pytest.fixture
+def curve_stowd(tmp_path, no_ambient_curve, monkeypatch):
+    """A stowd whose native endpoint is a CURVE server, its keys in a
+    directory of the test's; clients find them by $STOWAGE_CURVE_DIR (no
+    token anywhere)."""
+    from stowd_harness import run_stowd
+
+    monkeypatch.delenv("STOWAGE_TOKEN", raising=False)
+    monkeypatch.setenv("STOWAGE_TOKEN_FILE", str(tmp_path / "no-token"))
+    curve_dir = tmp_path / "curve"
+    config = f'[security]\nauth = "curve"\ncurve_dir = "{curve_dir}"\n'
+    with run_stowd(tmp_path / "stowd", config=config) as s:
+        monkeypatch.setenv("STOWAGE_CURVE_DIR", str(curve_dir))
+        yield s
+
+
+@pytest.mark.parametrize("path", ["core", "pyzmq"])
+def test_a_client_puts_and_gets_through_stowd_over_curve(curve_stowd, path, monkeypatch):
+    if path == "pyzmq":
+        monkeypatch.setenv("STOWAGE_PURE_PYTHON", "1")
+    assert _auth.server_mechanism(curve_stowd["native"]) == "CURVE"
+    big = np.arange(3 << 20, dtype=np.float32).reshape(4, -1)  # 12 MiB: the core's bulk paths
+    small = np.arange(32, dtype=np.int64).reshape(4, 8)
+    with stowage.Client(curve_stowd["native"], timeout=30) as c:
+        assert c._curve is not None and c._curve[0] == curve_stowd["curve_server_key"]
+        c.put([0, 1, 2, 3], {"big": big, "small": small})
+        got = c.get([3, 1], ["big", "small"])
+        assert np.array_equal(got["big"], big[[3, 1]]) and np.array_equal(got["small"], small[[3, 1]])
+        out = {"big": np.empty((4, big.shape[1]), np.float32)}
+        c.get_into([0, 1, 2, 3], out)
+        assert np.array_equal(out["big"], big)
+        assert c._sock.getsockopt(zmq.MECHANISM) == zmq.CURVE
+        if path == "core":
+            assert c._core is not None and c._core.connected
+        assert c.stats()["rows"] >= 4
+
+
+def test_an_async_client_puts_and_gets_through_stowd_over_curve(curve_stowd):
+    import asyncio
+
+    from stowage.aio import AsyncClient
+
+    x = np.arange(1 << 19, dtype=np.float32).reshape(2, -1)  # 2 MiB: through the core
+
+    async def run():
+        async with AsyncClient(curve_stowd["native"], timeout=30) as c:
+            await c.put([10, 11], {"x": x, "tag": [b"a", b"b"]})
+            got = await c.get([11, 10], ["x"])
+            assert np.array_equal(got["x"], x[[1, 0]])
+            small = await c.get([10], ["tag"])  # a small call, its reply awaited by the loop
+            assert list(small["tag"]) == [b"a"]
+            return (await c.stats())["rows"]
+
+    assert asyncio.run(run()) >= 2
+
+
+def test_stowd_refuses_a_client_key_it_does_not_allow(curve_stowd):
+    stranger_public, stranger_secret = zmq.curve_keypair()
+    with stowage.Client(curve_stowd["native"], timeout=5, curve_public_key=stranger_public.decode(),
+                        curve_secret_key=stranger_secret.decode()) as c:
+        t = time.monotonic()
+        with pytest.raises(ProtocolError, match="refused the connection.*client key not allowed.*curve_public_key"):
+            c.put([0], {"x": np.zeros((1, 4), np.float32)})
+        assert time.monotonic() - t < 5
+    log = curve_stowd.log_path.read_text(errors="replace")
+    assert "client key not allowed" in log
