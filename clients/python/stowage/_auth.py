@@ -14,6 +14,16 @@ greeting says PLAIN); pyzmq's sockets, which cannot choose at the
 handshake, are told by `server_mechanism`, which reads the server's
 greeting on a connection of its own before each socket connects (a server
 not reachable yet is taken to ask, as stowd does by default).
+
+stowd with `[security] auth = "curve"` speaks CurveZMQ instead: a client
+needs stowd's public key and a key pair stowd allows, all in Z85
+(`curve_keys`). It finds them, in this order: the keys it was given;
+`$STOWAGE_CURVE_SERVER_KEY` and `$STOWAGE_CURVE_DIR`; stowd's curve
+directory (`curve` in stowd's state directory). A directory holds
+certificates as pyzmq writes them: `server.key` (stowd's public key) and
+`client.key_secret` (a key pair stowd always allows), both this user's and
+the secret readable by no one else. Both the core and pyzmq's sockets use
+the keys only with a server whose greeting says CURVE.
 """
 
 from __future__ import annotations
@@ -23,24 +33,114 @@ import socket
 import stat
 
 import zmq
+import zmq.auth
 
 #: The PLAIN username (stowd does not check it).
 USERNAME = b"stowage"
+
+
+def state_dir() -> str | None:
+    """This user's stowd's state directory (None: no home to look in)."""
+    state = os.environ.get("XDG_STATE_HOME")
+    if state and os.path.isabs(state):
+        return os.path.join(state, "stowd")
+    home = os.environ.get("HOME")
+    if home and os.path.isabs(home):
+        return os.path.join(home, ".local", "state", "stowd")
+    if os.geteuid() == 0:
+        return "/var/lib/stowd"
+    return None
 
 
 def default_token_file() -> str | None:
     """Where this user's stowd keeps its token (None: no home to look in)."""
     if os.environ.get("STOWAGE_TOKEN_FILE"):
         return os.environ["STOWAGE_TOKEN_FILE"]
-    state = os.environ.get("XDG_STATE_HOME")
-    if state and os.path.isabs(state):
-        return os.path.join(state, "stowd", "token")
-    home = os.environ.get("HOME")
-    if home and os.path.isabs(home):
-        return os.path.join(home, ".local", "state", "stowd", "token")
-    if os.geteuid() == 0:
-        return "/var/lib/stowd/token"
-    return None
+    state = state_dir()
+    return None if state is None else os.path.join(state, "token")
+
+
+def default_curve_dir() -> str | None:
+    """Where this user's stowd keeps its CURVE certificates (None: no home
+    to look in)."""
+    state = state_dir()
+    return None if state is None else os.path.join(state, "curve")
+
+
+def _z85_key(what: str, key) -> str:
+    if isinstance(key, bytes):
+        key = key.decode("ascii", "replace")
+    if not isinstance(key, str) or len(key.strip()) != 40:
+        raise ValueError(f"{what} must be a CURVE key in Z85 (40 characters)")
+    return key.strip()
+
+
+def _own_file(path: str, secret: bool) -> bool:
+    """Whether `path` is a regular file of this user's (and, for a secret,
+    readable by no one else)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    return stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and not (secret and st.st_mode & 0o077)
+
+
+def _load_public(path: str) -> str | None:
+    """The public key of the certificate `path` (None: not this user's, or
+    not a certificate)."""
+    if not _own_file(path, secret=False):
+        return None
+    try:
+        public, _ = zmq.auth.load_certificate(path)
+    except (OSError, ValueError, zmq.ZMQError):
+        return None
+    return public.decode("ascii") if public else None
+
+
+def _load_pair(path: str) -> tuple[str, str] | None:
+    """(public, secret) of the secret certificate `path` (None: not this
+    user's, readable by others, or not a secret certificate)."""
+    if not _own_file(path, secret=True):
+        return None
+    try:
+        public, secret = zmq.auth.load_certificate(path)
+    except (OSError, ValueError, zmq.ZMQError):
+        return None
+    if not public or not secret:
+        return None
+    return public.decode("ascii"), secret.decode("ascii")
+
+
+def curve_keys(server_key: str | None = None, public_key: str | None = None,
+               secret_key: str | None = None) -> tuple[str, str, str] | None:
+    """(stowd's public key, this client's public key, its secret key) in
+    Z85, for a server that speaks CURVE; None if none are found.
+
+    Keys given win (`public_key` and `secret_key` go together); what is not
+    given comes from `$STOWAGE_CURVE_SERVER_KEY` and the directory
+    `$STOWAGE_CURVE_DIR`, else stowd's curve directory (`server.key`,
+    `client.key_secret`)."""
+    if (public_key is None) != (secret_key is None):
+        raise ValueError("curve_public_key and curve_secret_key go together")
+    if server_key is not None:
+        server_key = _z85_key("curve_server_key", server_key)
+    if public_key is not None:
+        public_key = _z85_key("curve_public_key", public_key)
+        secret_key = _z85_key("curve_secret_key", secret_key)
+    if server_key is None and os.environ.get("STOWAGE_CURVE_SERVER_KEY"):
+        server_key = _z85_key("$STOWAGE_CURVE_SERVER_KEY", os.environ["STOWAGE_CURVE_SERVER_KEY"])
+    if server_key is None or public_key is None:
+        d = os.environ.get("STOWAGE_CURVE_DIR") or default_curve_dir()
+        if d is not None:
+            if server_key is None:
+                server_key = _load_public(os.path.join(d, "server.key"))
+            if public_key is None:
+                pair = _load_pair(os.path.join(d, "client.key_secret"))
+                if pair is not None:
+                    public_key, secret_key = pair
+    if server_key is None or public_key is None:
+        return None
+    return server_key, public_key, secret_key
 
 
 def resolve(token: str | None) -> str | None:
@@ -68,14 +168,33 @@ def resolve(token: str | None) -> str | None:
     return found or None
 
 
+def _dial(endpoint: str, timeout: float) -> socket.socket | None:
+    """A plain socket to a tcp or ipc endpoint (None: another transport)."""
+    if endpoint.startswith("tcp://"):
+        host, _, port = endpoint[len("tcp://"):].rpartition(":")
+        return socket.create_connection((host.strip("[]"), int(port)), timeout=timeout)
+    if endpoint.startswith("ipc://"):
+        path = endpoint[len("ipc://"):]
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            s.settimeout(timeout)
+            s.connect("\0" + path[1:] if path.startswith("@") else path)
+        except BaseException:
+            s.close()
+            raise
+        return s
+    return None
+
+
 def server_mechanism(endpoint: str, timeout: float = 2.0) -> str | None:
-    """The security mechanism a tcp endpoint's greeting names ("NULL",
-    "PLAIN"), or None if it cannot be read (not tcp, not reachable)."""
-    if not endpoint.startswith("tcp://"):
-        return None
-    host, _, port = endpoint[len("tcp://"):].rpartition(":")
+    """The security mechanism a tcp or ipc endpoint's greeting names
+    ("NULL", "PLAIN", "CURVE"), or None if it cannot be read (another
+    transport, not reachable)."""
     try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout) as s:
+        sock = _dial(endpoint, timeout)
+        if sock is None:
+            return None
+        with sock as s:
             # A ZMTP 3 signature and major version: libzmq sends the rest of
             # its greeting only after it has read them (stowd sends it all).
             s.sendall(b"\xff" + b"\0" * 8 + b"\x7f\x03")
@@ -101,13 +220,31 @@ def plain_for_zmq(endpoint: str, token: str | None) -> bool:
     return server_mechanism(endpoint) in (None, "PLAIN")
 
 
-def offer_token(sock, endpoint: str, token: str | None = None) -> None:
-    """Makes a pyzmq socket about to connect to `endpoint` present this
-    user's token (`token`, `$STOWAGE_TOKEN` or the token file) if the
+def offer_token(sock, endpoint: str, token: str | None = None,
+                curve: tuple[str, str, str] | None = None) -> None:
+    """Makes a pyzmq socket about to connect to `endpoint` a CURVE client
+    with the keys `curve` if the server's greeting says CURVE, else present
+    this user's token (`token`, `$STOWAGE_TOKEN` or the token file) if the
     server asks for one; otherwise leaves it NULL."""
     token = resolve(token)
+    if curve is not None:
+        mechanism = server_mechanism(endpoint)
+        if mechanism == "CURVE":
+            set_curve(sock, curve)
+        elif token is not None and mechanism in (None, "PLAIN"):
+            set_plain(sock, token)
+        return
     if plain_for_zmq(endpoint, token):
         set_plain(sock, token)
+
+
+def set_curve(sock, curve: tuple[str, str, str]) -> None:
+    """Makes a pyzmq socket a CURVE client (before it connects): `curve` is
+    (the server's public key, this client's public key, its secret key)."""
+    server, public, secret = curve
+    sock.setsockopt(zmq.CURVE_SERVERKEY, server.encode("ascii"))
+    sock.setsockopt(zmq.CURVE_PUBLICKEY, public.encode("ascii"))
+    sock.setsockopt(zmq.CURVE_SECRETKEY, secret.encode("ascii"))
 
 
 def set_plain(sock, token: str) -> None:

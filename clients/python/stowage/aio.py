@@ -74,7 +74,8 @@ from .errors import BadRequest, ProtocolError, StowageError, StowageTimeout, Uns
 class AsyncClient(_Ops):
     """`async with AsyncClient(endpoint) as c: await c.put(...)`. Use it from one
     event loop at a time (moving to another loop reconnects). `spin_us` is as
-    for `Client`: how long a core call polls for its reply before sleeping."""
+    for `Client`: how long a core call polls for its reply before sleeping.
+    `token` and the `curve_*` keys are as for `Client`."""
 
     #: Most calls through the Rust core one client runs at once, each in a
     #: worker thread on a core connection of its own (more wait their
@@ -90,8 +91,10 @@ class AsyncClient(_Ops):
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                  context: zmq.asyncio.Context | None = None,
                  same_node: bool = False, shm_dir: str | None = None, spin_us: float | None = None,
-                 token: str | None = None) -> None:
-        super().__init__(endpoint, timeout, max_message_bytes, same_node, shm_dir, spin_us, token)
+                 token: str | None = None, curve_server_key: str | None = None,
+                 curve_public_key: str | None = None, curve_secret_key: str | None = None) -> None:
+        super().__init__(endpoint, timeout, max_message_bytes, same_node, shm_dir, spin_us, token,
+                         (curve_server_key, curve_public_key, curve_secret_key))
         self._ctx = context or zmq.asyncio.Context.instance()
         self._sock: zmq.asyncio.Socket | None = None
         self._reader: asyncio.Task | None = None
@@ -120,7 +123,7 @@ class AsyncClient(_Ops):
         if self._sock is None:
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
-            _auth.offer_token(sock, self.endpoint, self._token)
+            _auth.offer_token(sock, self.endpoint, self._token, self._curve)
             sock.connect(self.endpoint)
             self._sock, self._loop = sock, loop
             self._reader = loop.create_task(self._read(sock))
@@ -448,7 +451,7 @@ class AsyncClient(_Ops):
             raise StowageError("the client is closed")
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        conn = self._loop_idle.pop() if self._loop_idle else _core.Connection(self.endpoint, 0.0, self._token)
+        conn = self._loop_idle.pop() if self._loop_idle else _core.Connection(self.endpoint, 0.0, self._token, self._curve)
         self._loop_busy += 1
         rid = next(self._ids)
         keep = False
@@ -518,7 +521,7 @@ class AsyncClient(_Ops):
             try:
                 core = self._core_idle.pop()
             except IndexError:
-                core = _core.Connection(self.endpoint, self.spin_us, self._token)
+                core = _core.Connection(self.endpoint, self.spin_us, self._token, self._curve)
             try:
                 return run(core, frame0, left)
             finally:

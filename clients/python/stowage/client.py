@@ -38,7 +38,8 @@ class _Ops:
 
     def __init__(self, endpoint: str, timeout: float, max_message_bytes: int,
                  same_node: bool = False, shm_dir: str | None = None, spin_us: float | None = None,
-                 token: str | None = None) -> None:
+                 token: str | None = None,
+                 curve: tuple[str | None, str | None, str | None] = (None, None, None)) -> None:
         # (`shm_dir` is accepted for older callers and not used: segments come
         # as descriptors over the channel stowd names, not as files.)
         self._segments = _shm.Segments() if same_node else None
@@ -51,6 +52,7 @@ class _Ops:
         self.max_message_bytes = max_message_bytes
         self.spin_us = self._check_spin(spin_us)
         self._token = _auth.resolve(token)
+        self._curve = _auth.curve_keys(*curve)
         self._ids = itertools.count(1)  # id 0 is reserved for replies to unreadable requests
 
     @staticmethod
@@ -489,13 +491,22 @@ class Client(_Ops):
     (`[security] auth = "token"`); `None` takes `$STOWAGE_TOKEN`, else the
     token file of this user's stowd (see `stowage._auth`), so stowd's own
     user needs none. It is only ever offered to a server that asks.
+
+    `curve_server_key` (stowd's public key), `curve_public_key` and
+    `curve_secret_key` (a key pair stowd allows), in Z85, are for a stowd
+    with `[security] auth = "curve"`; `None` takes `$STOWAGE_CURVE_SERVER_KEY`
+    and `$STOWAGE_CURVE_DIR`, else stowd's curve directory (see
+    `stowage._auth`), so stowd's own user needs none. They are only used
+    with a server whose greeting says CURVE.
     """
 
     def __init__(self, endpoint: str, timeout: float = DEFAULT_TIMEOUT, *,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, context: zmq.Context | None = None,
                  same_node: bool = False, shm_dir: str | None = None, spin_us: float | None = None,
-                 token: str | None = None) -> None:
-        super().__init__(endpoint, timeout, max_message_bytes, same_node, shm_dir, spin_us, token)
+                 token: str | None = None, curve_server_key: str | None = None,
+                 curve_public_key: str | None = None, curve_secret_key: str | None = None) -> None:
+        super().__init__(endpoint, timeout, max_message_bytes, same_node, shm_dir, spin_us, token,
+                         (curve_server_key, curve_public_key, curve_secret_key))
         self._ctx = context or zmq.Context.instance()
         self._lock = threading.Lock()
         self._sock: zmq.Socket | None = self._connect()
@@ -507,7 +518,7 @@ class Client(_Ops):
         sock.setsockopt(zmq.LINGER, 0)
         # Presents the token only to a server that asks (read anew for every
         # socket: stowd may have restarted with other settings).
-        _auth.offer_token(sock, self.endpoint, self._token)
+        _auth.offer_token(sock, self.endpoint, self._token, self._curve)
         sock.connect(self.endpoint)
         return sock
 
@@ -745,7 +756,7 @@ class Client(_Ops):
             if self._sock is None:
                 raise StowageError("the client is closed")
             if self._core is None:
-                self._core = _core.Connection(self.endpoint, self.spin_us, self._token)
+                self._core = _core.Connection(self.endpoint, self.spin_us, self._token, self._curve)
             try:
                 return rid, run(self._core, frame0, timeout)
             except _CORE_FAILURES as e:

@@ -4,6 +4,7 @@
 //! `send_many`, the fast paths ([`crate::fast`]) and the started calls an
 //! event loop awaits (`start_*`, `reply_ready`, `fileno`, `finish_*`).
 
+use std::io::IoSlice;
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
@@ -12,6 +13,7 @@ use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyInt, PyList};
+use stowage_transport::curve::{self, ClientHandshake, Keypair};
 use stowage_transport::frame;
 use stowage_transport::zmtp;
 use stowage_wire::native::{self, ReplyLayout};
@@ -21,7 +23,7 @@ use crate::error::Fail;
 use crate::get::{GotTuple, arrays, get, get_reply};
 use crate::get_into::{Target, get_into};
 use crate::message::{Outgoing, REPLY_LIMITS, read_reply, send, send_pipelined, write_message};
-use crate::stream::Stream;
+use crate::stream::{Stream, curve_fail};
 use crate::{fast, indexes};
 
 /// `tcp://host:port` -> `host:port`.
@@ -44,6 +46,34 @@ pub(crate) struct Connection {
     /// stowd's token, presented at the handshake (ZMTP PLAIN) when stowd
     /// asks for credentials.
     token: Option<Vec<u8>>,
+    /// stowd's public key and this client's key pair, for a stowd whose
+    /// greeting says CURVE.
+    curve: Option<CurveKeys>,
+}
+
+/// The keys of a CURVE client.
+struct CurveKeys {
+    server: [u8; curve::KEY_LEN],
+    client: Keypair,
+}
+
+impl CurveKeys {
+    /// From Z85 text: stowd's public key, this client's public and secret
+    /// keys (the public key checked against the secret one's).
+    fn from_z85(server: &str, public: &str, secret: &str) -> PyResult<CurveKeys> {
+        let key = |what: &str, text: &str| {
+            curve::z85_decode(text).map_err(|e| PyValueError::new_err(format!("{what}: {e}")))
+        };
+        let server = key("curve_server_key", server)?;
+        let public = key("curve_public_key", public)?;
+        let client = Keypair::from_secret(key("curve_secret_key", secret)?);
+        if *client.public() != public {
+            return Err(PyValueError::new_err(
+                "curve_public_key is not the public key of curve_secret_key",
+            ));
+        }
+        Ok(CurveKeys { server, client })
+    }
 }
 
 impl Connection {
@@ -75,6 +105,9 @@ impl Connection {
         let mut g = [0u8; 64];
         s.read_exact(&mut g)?;
         let theirs = frame::check_greeting(&g).map_err(protocol)?;
+        if theirs.mechanism == frame::Mechanism::Curve {
+            return self.curve_handshake(s);
+        }
         let plain = theirs.mechanism == frame::Mechanism::Plain;
         let Some(token) = self.token.as_deref().filter(|_| plain) else {
             if plain {
@@ -95,6 +128,56 @@ impl Connection {
         command(&mut s, "WELCOME")?;
         s.write_all(&frame::initiate_command(&[("Socket-Type", b"DEALER")]))?;
         command(&mut s, "READY")?;
+        Ok(s)
+    }
+
+    /// The rest of the handshake with a stowd whose greeting says CURVE
+    /// (RFC 26): HELLO, WELCOME, INITIATE, READY; then every byte goes
+    /// through the session's codecs.
+    fn curve_handshake(&self, mut s: Stream) -> Result<Stream, Fail> {
+        let Some(keys) = &self.curve else {
+            return Err(Fail::Protocol(
+                "stowd asks for CURVE and this client has no CURVE keys: give \
+                 curve_server_key= (with curve_public_key= and curve_secret_key= of a key \
+                 stowd allows), set STOWAGE_CURVE_SERVER_KEY and STOWAGE_CURVE_DIR, or run \
+                 as stowd's user so its curve directory (server.key, client.key_secret) \
+                 is found"
+                    .into(),
+            ));
+        };
+        s.write_all(&frame::greeting_as(frame::Mechanism::Curve, false)[11..])?;
+        let mut shake = ClientHandshake::new(&keys.client, &keys.server).map_err(curve_fail)?;
+        write_command(&mut s, &shake.hello())?;
+        // A server that cannot open HELLO (libzmq's) closes the connection.
+        let welcome = command_body(&mut s, "WELCOME").map_err(|f| match f {
+            Fail::Io(m) => Fail::Io(format!(
+                "{m} at the CURVE handshake, before WELCOME: is curve_server_key its \
+                 public key?"
+            )),
+            f => f,
+        })?;
+        let props = frame::ready(&[("Socket-Type", b"DEALER")]);
+        // The properties are READY's data: after its name.
+        let initiate = shake
+            .welcome(&welcome, &props[1 + 5..])
+            .map_err(curve_fail)?;
+        write_command(&mut s, &initiate)?;
+        let ready = command_body(&mut s, "READY").map_err(|f| match f {
+            Fail::Io(m) => Fail::Io(format!(
+                "{m} at the CURVE handshake, before READY: this client's key \
+                 (curve_public_key) is not one it allows"
+            )),
+            Fail::Protocol(m) => match m.strip_prefix(REFUSED) {
+                Some(reason) => Fail::Protocol(format!(
+                    "{REFUSED}{reason} (at the CURVE handshake: is this client's key, \
+                     curve_public_key, one it allows?)"
+                )),
+                None => Fail::Protocol(m),
+            },
+            f => f,
+        })?;
+        let (_, session) = shake.ready(&ready).map_err(curve_fail)?;
+        s.secure(session);
         Ok(s)
     }
 
@@ -206,9 +289,17 @@ impl Connection {
     /// A connection to `endpoint` (made on first use) that awaits each
     /// reply by polling for up to `spin_us` microseconds before sleeping
     /// (0: sleep at once; see [`Spin`]).
+    /// `token` is presented to a stowd that asks for it (ZMTP PLAIN);
+    /// `curve`, (stowd's public key, this client's public key, its secret
+    /// key) in Z85, to one whose greeting says CURVE.
     #[new]
-    #[pyo3(signature = (endpoint, spin_us = 0.0, token = None))]
-    fn new(endpoint: &str, spin_us: f64, token: Option<&str>) -> PyResult<Self> {
+    #[pyo3(signature = (endpoint, spin_us = 0.0, token = None, curve = None))]
+    fn new(
+        endpoint: &str,
+        spin_us: f64,
+        token: Option<&str>,
+        curve: Option<(String, String, String)>,
+    ) -> PyResult<Self> {
         if !(spin_us.is_finite() && spin_us >= 0.0) {
             return Err(PyValueError::new_err(format!(
                 "spin_us must be a finite number >= 0, got {spin_us}"
@@ -219,6 +310,9 @@ impl Connection {
             spin: Duration::from_secs_f64(spin_us.min(1e9) / 1e6),
             tcp: None,
             token: token.map(|t| t.as_bytes().to_vec()),
+            curve: curve
+                .map(|(server, public, secret)| CurveKeys::from_z85(&server, &public, &secret))
+                .transpose()?,
         })
     }
 
@@ -660,9 +754,24 @@ fn settled<'py>(
     Ok(PyList::new(py, frames)?.into_any())
 }
 
+/// How stowd's ERROR at the handshake begins, its reason after.
+const REFUSED: &str = "stowd refused the connection: ";
+
 /// Reads the next frame as the command `want`; stowd's ERROR is its
 /// refusal, in its own words.
 fn command(s: &mut Stream, want: &str) -> Result<(), Fail> {
+    command_body(s, want).map(drop)
+}
+
+/// Writes a command frame whose body (name included) is `body`.
+fn write_command(s: &mut Stream, body: &[u8]) -> Result<(), Fail> {
+    let mut head = [0u8; frame::MAX_HEADER];
+    let head = frame::Header::command(body.len() as u64).encode(&mut head);
+    s.write_all_vectored(&mut [IoSlice::new(head), IoSlice::new(body)])
+}
+
+/// [`command`], giving the command's body (name included).
+fn command_body(s: &mut Stream, want: &str) -> Result<Vec<u8>, Fail> {
     let h = s.header()?;
     if !h.command {
         return Err(Fail::Protocol(format!("expected stowd's {want}")));
@@ -672,7 +781,7 @@ fn command(s: &mut Stream, want: &str) -> Result<(), Fail> {
     let (name, data) = frame::split_command(&body).unwrap_or((&[][..], &[][..]));
     if name == b"ERROR" {
         return Err(Fail::Protocol(format!(
-            "stowd refused the connection: {}",
+            "{REFUSED}{}",
             frame::error_reason(data)
         )));
     }
@@ -682,5 +791,5 @@ fn command(s: &mut Stream, want: &str) -> Result<(), Fail> {
             String::from_utf8_lossy(name)
         )));
     }
-    Ok(())
+    Ok(body)
 }

@@ -5,10 +5,13 @@
 //! with `sendmsg` without blocking. What the bytes mean is the callers'
 //! ([`crate::message`], [`crate::receive`]).
 
+use std::collections::VecDeque;
 use std::io::IoSlice;
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
+use bytes::Bytes;
+use stowage_transport::curve::{CurveError, Decrypter, Encrypter, Session};
 use stowage_transport::frame::{self, Decoded};
 
 use crate::error::Fail;
@@ -49,6 +52,10 @@ pub(crate) struct Stream {
     ahead: Box<[u8]>,
     pos: usize,
     end: usize,
+    /// CURVE's codecs once the handshake made them: every byte read or
+    /// written then goes through them (None: NULL or PLAIN, bytes as they
+    /// are on the wire).
+    curve: Option<Box<Curve>>,
 }
 
 impl Stream {
@@ -60,7 +67,26 @@ impl Stream {
             ahead: vec![0u8; AHEAD].into_boxed_slice(),
             pos: 0,
             end: 0,
+            curve: None,
         }
+    }
+
+    /// From here on, the stream's bytes are CURVE's MESSAGE commands,
+    /// sealed and opened by `session` (the bytes already read ahead are the
+    /// first of them).
+    pub(crate) fn secure(&mut self, session: Session) {
+        let mut c = Box::new(Curve {
+            encrypter: session.encrypter,
+            decrypter: session.decrypter,
+            wire: vec![0u8; CURVE_WIRE].into_boxed_slice(),
+            staged: Vec::new(),
+            staged_pos: 0,
+            sealed: VecDeque::new(),
+            broken: None,
+        });
+        c.take_wire(&self.ahead[self.pos..self.end]);
+        (self.pos, self.end) = (0, 0);
+        self.curve = Some(c);
     }
 
     /// The time left before the deadline (a timeout once none is).
@@ -82,41 +108,15 @@ impl Stream {
     }
 
     /// Fills the read-ahead buffer with whatever comes first (waiting in
-    /// `poll` until the deadline if nothing has come yet).
+    /// `poll` until the deadline if nothing has come yet). Called with the
+    /// read-ahead buffer used up.
     fn fill(&mut self) -> Result<(), Fail> {
-        let fd = std::os::fd::AsRawFd::as_raw_fd(&self.tcp);
-        loop {
-            // SAFETY: `ahead` is valid for writes of its length for the call.
-            let n = unsafe {
-                libc::recv(
-                    fd,
-                    self.ahead.as_mut_ptr().cast(),
-                    self.ahead.len(),
-                    libc::MSG_DONTWAIT,
-                )
-            };
-            match n {
-                0 => return Err(Fail::Io("stowd closed the connection".into())),
-                n if n > 0 => {
-                    (self.pos, self.end) = (0, n as usize);
-                    return Ok(());
-                }
-                _ => match std::io::Error::last_os_error() {
-                    e if e.kind() == std::io::ErrorKind::Interrupted => {}
-                    e if e.kind() == std::io::ErrorKind::WouldBlock => {
-                        if !self.spin.wait(fd, self.deadline) {
-                            wait(
-                                &self.tcp,
-                                self.deadline,
-                                libc::POLLIN,
-                                "no reply within the timeout",
-                            )?
-                        }
-                    }
-                    e => return Err(Stream::io(e)),
-                },
-            }
-        }
+        let n = match self.curve.as_deref_mut() {
+            None => recv_some(&self.tcp, &mut self.spin, self.deadline, &mut self.ahead)?,
+            Some(c) => c.read(&self.tcp, &mut self.spin, self.deadline, &mut self.ahead)?,
+        };
+        (self.pos, self.end) = (0, n);
+        Ok(())
     }
 
     /// One blocking `recvmsg(2)` with `MSG_WAITALL` into `iov`, the receive
@@ -187,6 +187,16 @@ impl Stream {
                 self.pos += k;
                 off += k;
                 left -= k;
+            } else if let Some(c) = self.curve.as_deref_mut() {
+                // CURVE: the plaintext, already in memory, goes straight
+                // to its place.
+                // SAFETY: `dest + off .. + len - off` lies in the place
+                // (contract), which nothing else touches for the call.
+                let place =
+                    unsafe { std::slice::from_raw_parts_mut((dest + off) as *mut u8, len - off) };
+                let k = c.read(&self.tcp, &mut self.spin, self.deadline, place)?;
+                off += k;
+                left -= k;
             } else if left >= AHEAD / 2 {
                 let mut iov: Vec<libc::iovec> = places[i..]
                     .iter()
@@ -228,10 +238,51 @@ impl Stream {
     /// Writes every byte of `slices` with `writev`, resuming after partial
     /// writes: the socket non-blocking meanwhile, waiting in `poll` for
     /// room (why: the module doc).
-    pub(crate) fn write_all_vectored(
-        &mut self,
-        mut slices: &mut [IoSlice<'_>],
-    ) -> Result<(), Fail> {
+    pub(crate) fn write_all_vectored(&mut self, slices: &mut [IoSlice<'_>]) -> Result<(), Fail> {
+        if self.curve.is_some() {
+            return self.write_sealed(slices);
+        }
+        self.send_all(slices)
+    }
+
+    /// CURVE's `write_all_vectored`: the plaintext frames sealed into
+    /// MESSAGE commands, written whenever [`CURVE_WIRE`] bytes of them are
+    /// sealed, and at the end (a frame cut off at the end is sealed once
+    /// its last bytes are written).
+    fn write_sealed(&mut self, slices: &[IoSlice<'_>]) -> Result<(), Fail> {
+        let c = self.curve.as_deref_mut().expect("a CURVE stream");
+        let mut sealed = std::mem::take(&mut c.sealed);
+        for s in slices {
+            for piece in s.chunks(CURVE_WIRE) {
+                let c = self.curve.as_deref_mut().expect("a CURVE stream");
+                if let Err(e) = c.encrypter.feed(piece, &mut sealed) {
+                    return Err(curve_fail(e));
+                }
+                if sealed.iter().map(Bytes::len).sum::<usize>() >= CURVE_WIRE {
+                    self.send_sealed(&mut sealed)?;
+                }
+            }
+        }
+        if !sealed.is_empty() {
+            self.send_sealed(&mut sealed)?;
+        }
+        if let Some(c) = self.curve.as_deref_mut() {
+            c.sealed = sealed;
+        }
+        Ok(())
+    }
+
+    /// Writes and forgets the sealed MESSAGE commands `sealed`.
+    fn send_sealed(&mut self, sealed: &mut VecDeque<Bytes>) -> Result<(), Fail> {
+        let mut io: Vec<IoSlice<'_>> = sealed.iter().map(|b| IoSlice::new(b)).collect();
+        let r = self.send_all(&mut io);
+        drop(io);
+        sealed.clear();
+        r
+    }
+
+    /// Writes every byte of `slices` to the socket as they are.
+    fn send_all(&mut self, mut slices: &mut [IoSlice<'_>]) -> Result<(), Fail> {
         IoSlice::advance_slices(&mut slices, 0);
         while !slices.is_empty() {
             match self.send_vectored(slices) {
@@ -296,6 +347,9 @@ impl Stream {
     /// when more than [`PEEK_MAX`] bytes wait (a large reply, for a
     /// reader that may wait).
     pub(crate) fn message_waiting(&mut self) -> bool {
+        if let Some(c) = self.curve.as_deref_mut() {
+            return c.message_waiting(&self.tcp, &self.ahead[self.pos..self.end]);
+        }
         let fd = std::os::fd::AsRawFd::as_raw_fd(&self.tcp);
         let mut queued: libc::c_int = 0;
         // SAFETY: FIONREAD writes one int.
@@ -422,3 +476,174 @@ fn header_fail(e: frame::FrameError) -> Fail {
 
 /// Most bytes [`Stream::message_waiting`] peeks at.
 const PEEK_MAX: usize = 4 << 20;
+
+/// Bytes of CURVE's receive buffer (MESSAGE commands as they come off the
+/// socket), and of sealed commands gathered before a write.
+const CURVE_WIRE: usize = 256 << 10;
+
+/// Receives whatever comes first into `buf` (waiting, spinning first, in
+/// `poll` until the deadline if nothing has come yet): how many bytes.
+fn recv_some(
+    tcp: &TcpStream,
+    spin: &mut Spin,
+    deadline: Instant,
+    buf: &mut [u8],
+) -> Result<usize, Fail> {
+    let fd = std::os::fd::AsRawFd::as_raw_fd(tcp);
+    loop {
+        // SAFETY: `buf` is valid for writes of its length for the call.
+        let n = unsafe { libc::recv(fd, buf.as_mut_ptr().cast(), buf.len(), libc::MSG_DONTWAIT) };
+        match n {
+            0 => return Err(Fail::Io("stowd closed the connection".into())),
+            n if n > 0 => return Ok(n as usize),
+            _ => match std::io::Error::last_os_error() {
+                e if e.kind() == std::io::ErrorKind::Interrupted => {}
+                e if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    if !spin.wait(fd, deadline) {
+                        wait(tcp, deadline, libc::POLLIN, "no reply within the timeout")?
+                    }
+                }
+                e => return Err(Stream::io(e)),
+            },
+        }
+    }
+}
+
+/// A CURVE codec's refusal, in the client's words.
+pub(crate) fn curve_fail(e: CurveError) -> Fail {
+    match e {
+        CurveError::PeerError(reason) => {
+            Fail::Protocol(format!("stowd refused the connection: {reason}"))
+        }
+        e => Fail::Protocol(e.to_string()),
+    }
+}
+
+/// A CURVE connection's state: its codecs, and the plaintext between them
+/// and the stream. The plaintext is read in this order: the stream's
+/// read-ahead, `staged`, the decrypter's.
+struct Curve {
+    encrypter: Encrypter,
+    decrypter: Decrypter,
+    /// Receive buffer for MESSAGE commands.
+    wire: Box<[u8]>,
+    /// Plaintext taken out of the decrypter by `message_waiting`, to walk
+    /// its frame headers: bytes `staged_pos..` are not read yet.
+    staged: Vec<u8>,
+    staged_pos: usize,
+    /// Sealed MESSAGE commands' buffer (kept for its capacity).
+    sealed: VecDeque<Bytes>,
+    /// Why the decrypter refused what came after the plaintext it holds:
+    /// reported once that plaintext is read.
+    broken: Option<String>,
+}
+
+impl Curve {
+    /// Feeds received MESSAGE commands to the decrypter; a refusal is kept
+    /// for after the frames opened before it.
+    fn take_wire(&mut self, wire: &[u8]) {
+        if self.broken.is_none()
+            && let Err(e) = self.decrypter.feed(wire)
+        {
+            self.broken = Some(match curve_fail(e) {
+                Fail::Protocol(m) => m,
+                _ => unreachable!("curve_fail gives protocol failures"),
+            });
+        }
+    }
+
+    /// Reads plaintext into `out` (not empty), receiving and opening
+    /// MESSAGE commands until there is some: how many bytes.
+    fn read(
+        &mut self,
+        tcp: &TcpStream,
+        spin: &mut Spin,
+        deadline: Instant,
+        out: &mut [u8],
+    ) -> Result<usize, Fail> {
+        loop {
+            if self.staged_pos < self.staged.len() {
+                let k = (self.staged.len() - self.staged_pos).min(out.len());
+                out[..k].copy_from_slice(&self.staged[self.staged_pos..self.staged_pos + k]);
+                self.staged_pos += k;
+                if self.staged_pos == self.staged.len() {
+                    self.staged.clear();
+                    self.staged_pos = 0;
+                }
+                return Ok(k);
+            }
+            if self.decrypter.ready() > 0 {
+                return Ok(self.decrypter.read(out));
+            }
+            if let Some(m) = &self.broken {
+                return Err(Fail::Protocol(m.clone()));
+            }
+            let n = recv_some(tcp, spin, deadline, &mut self.wire)?;
+            let wire = std::mem::take(&mut self.wire);
+            self.take_wire(&wire[..n]);
+            self.wire = wire;
+        }
+    }
+
+    /// [`Stream::message_waiting`] for CURVE (`ahead`: the stream's unread
+    /// read-ahead): what has arrived is received without waiting and
+    /// opened, up to [`PEEK_MAX`] bytes of plaintext, then its frame
+    /// headers walked. True also when the socket is closed or failed or a
+    /// frame was refused (the read then says so); false while more than
+    /// [`PEEK_MAX`] bytes of plaintext wait and the socket has more (it is
+    /// then still readable, so an event loop waiting for it wakes).
+    fn message_waiting(&mut self, tcp: &TcpStream, ahead: &[u8]) -> bool {
+        let fd = std::os::fd::AsRawFd::as_raw_fd(tcp);
+        loop {
+            if self.broken.is_some() {
+                return true;
+            }
+            let plain = ahead.len() + self.staged.len() - self.staged_pos + self.decrypter.ready();
+            if plain > PEEK_MAX {
+                let mut queued: libc::c_int = 0;
+                // SAFETY: FIONREAD writes one int.
+                if unsafe { libc::ioctl(fd, libc::FIONREAD, &mut queued) } != 0 {
+                    return true;
+                }
+                if queued > 0 {
+                    return false;
+                }
+                break;
+            }
+            // SAFETY: `wire` is valid for writes of its length for the call.
+            let n = unsafe {
+                libc::recv(
+                    fd,
+                    self.wire.as_mut_ptr().cast(),
+                    self.wire.len(),
+                    libc::MSG_DONTWAIT,
+                )
+            };
+            match n {
+                0 => return true,
+                n if n > 0 => {
+                    let wire = std::mem::take(&mut self.wire);
+                    self.take_wire(&wire[..n as usize]);
+                    self.wire = wire;
+                }
+                _ => match std::io::Error::last_os_error().kind() {
+                    std::io::ErrorKind::Interrupted => {}
+                    std::io::ErrorKind::WouldBlock => break,
+                    _ => return true,
+                },
+            }
+        }
+        // The decrypter's plaintext moves to `staged`, where it can be
+        // walked (it is read from there first).
+        let at = self.staged.len();
+        self.staged.resize(at + self.decrypter.ready(), 0);
+        let n = self.decrypter.read(&mut self.staged[at..]);
+        debug_assert_eq!(at + n, self.staged.len());
+        if ahead.is_empty() {
+            return frame::message_complete(&self.staged[self.staged_pos..]);
+        }
+        let mut bytes = ahead.to_vec();
+        bytes.extend_from_slice(&self.staged[self.staged_pos..]);
+        frame::message_complete(&bytes)
+    }
+}
