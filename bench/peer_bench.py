@@ -444,7 +444,7 @@ def main():
     run_of = {(m if len(securities) == 1 else f"{m}@{sec}"): (m, sec) for sec in securities for m in modes}
     names = list(run_of)
 
-    def label(name):
+    def row_label(name):
         m, sec = run_of[name]
         return MODES[m] + ("" if len(securities) == 1 else f", {SECURITY_NAMES[sec]}")
     cols = int(a.row_kib * 1024) // 4
@@ -636,10 +636,10 @@ def main():
     print("|---|---:|---:|---:|---:|---:|---:|")
     for n in names:
         if status[n] is not None and n not in results:
-            print(f"| {label(n)} | {status[n]} | | | | | |")
+            print(f"| {row_label(n)} | {status[n]} | | | | | |")
             continue
         r = results.get(n, {})
-        print(f"| {label(n)} | " + " | ".join(cell(r.get(op, [])) for op in ops) + " | "
+        print(f"| {row_label(n)} | " + " | ".join(cell(r.get(op, [])) for op in ops) + " | "
               + " | ".join(cell(ratios.get(n, {}).get(op, [])) for op in ops) + " |")
         if status[n] is not None:
             print(f"|   {status[n]} | | | | | | |")
@@ -655,7 +655,7 @@ def main():
             c = cpu[n].get(op, {})
             cells.append(" / ".join(f"{med(c[w]):.2f}" if w in c else "—" for w in ("client", "A", "B")))
         veth = [cell(link.get(n, {}).get(op, []), "{:.3f}") for op in ops] if net else []
-        print(f"| {label(n)} | " + " | ".join(cells + veth) + " |")
+        print(f"| {row_label(n)} | " + " | ".join(cells + veth) + " |")
     if readers:
         print(f"\n{a.readers} clients get the whole batch at once, right after the put, then again "
               "(median seconds, first rep in parentheses"
@@ -665,7 +665,7 @@ def main():
         for n, phases in readers.items():
             secs = [cell([t for t, _ in phases.get(p, [])]) for p in ("first", "again")]
             veth = [cell([v for _, v in phases.get(p, [])], "{:.3f}") for p in ("first", "again")] if net else []
-            print(f"| {label(n)} | " + " | ".join(secs + veth) + " |")
+            print(f"| {row_label(n)} | " + " | ".join(secs + veth) + " |")
     if failed:
         raise SystemExit(1)
 

@@ -183,15 +183,19 @@ fn load_or_make_pair(dir: &Path, name: &str) -> Result<Keypair, String> {
 }
 
 /// The CURVE keys a client of this user presents to a stowd that asks for
-/// CURVE: `client.key_secret`, and the server key in `server.key`, in
-/// `$STOWAGE_CURVE_DIR` or else the default `[security] curve_dir`.
+/// CURVE, found as the Python client finds them: `client.key_secret` in
+/// `$STOWAGE_CURVE_DIR`, else in the default `[security] curve_dir`; the
+/// server key `$STOWAGE_CURVE_SERVER_KEY`, else `server.key` there.
 pub fn client_keys() -> Option<(Keypair, [u8; KEY_LEN])> {
     let dir = std::env::var_os("STOWAGE_CURVE_DIR")
         .filter(|p| !p.is_empty())
         .map(PathBuf::from)
         .unwrap_or_else(|| SecurityConfig::default().curve_dir);
     let client = read_pair(&dir.join("client.key_secret")).ok().flatten()?;
-    let server = read_public(&dir.join("server.key")).ok()?;
+    let server = match std::env::var("STOWAGE_CURVE_SERVER_KEY") {
+        Ok(k) if !k.is_empty() => z85_decode(&k).ok()?,
+        _ => read_public(&dir.join("server.key")).ok()?,
+    };
     Some((client, server))
 }
 
