@@ -173,8 +173,8 @@ impl std::fmt::Debug for NativeClient {
 }
 
 impl NativeClient {
-    /// A client offering this user's stowd token to a stowd that asks for
-    /// one ([`stowage_host::auth::client_token`]).
+    /// A client offering this user's stowd token, or its CURVE key, to a
+    /// stowd that asks for one ([`stowage_host::auth::with_client_credentials`]).
     pub fn new(endpoint: &str) -> NativeClient {
         let prefix = format!("native_test_{:08x}_{}", std::process::id(), next_client());
         NativeClient {
@@ -184,8 +184,8 @@ impl NativeClient {
         }
     }
 
-    /// A client that offers no token (ZMTP NULL), whatever this user's
-    /// stowd's is.
+    /// A client that offers no token and no CURVE key (ZMTP NULL), whatever
+    /// this user's stowd's are.
     pub fn without_token(endpoint: &str) -> NativeClient {
         let prefix = format!("native_test_{:08x}_{}", std::process::id(), next_client());
         NativeClient {
@@ -211,9 +211,10 @@ impl NativeClient {
     }
 
     /// A client presenting `token` at the handshake (ZMTP PLAIN), for a
-    /// stowd with `[security] auth = "token"`.
+    /// stowd with `[security] auth = "token"`, and nothing else (no CURVE
+    /// key of this user's stowd).
     pub fn with_token(endpoint: &str, token: &str) -> NativeClient {
-        let mut c = NativeClient::new(endpoint);
+        let mut c = NativeClient::without_token(endpoint);
         c.peer = c.peer.with_credentials(b"stowage", token.as_bytes());
         c
     }

@@ -17,6 +17,7 @@ use std::path::PathBuf;
 pub mod client;
 pub mod data;
 pub mod load;
+pub mod netns;
 pub mod process;
 pub mod prom;
 

@@ -18,11 +18,10 @@ use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
 
 use stowage_host::transport::zmtp;
+use stowage_tests::netns::{self, Netns};
 use stowage_tests::{NativeClient, Stowd};
 use tokio::io::AsyncReadExt;
 use tokio::net::TcpStream;
-
-use crate::multihost::ip;
 
 /// Connections of the flood.
 const FLOOD: usize = 2000;
@@ -54,6 +53,7 @@ fn raise_open_files(n: u64) {
 /// One network namespace joined to the host namespace by a veth pair:
 /// host side `10.78.b.1/24`, namespace side `10.78.b.2/24`. Removed on drop.
 struct Ns {
+    ns: Netns,
     name: String,
     host_link: String,
     host_addr: String,
@@ -61,46 +61,29 @@ struct Ns {
 
 impl Ns {
     fn create() -> Result<Ns, String> {
-        if std::process::Command::new("ip").arg("-V").output().is_err() {
-            return Err("`ip` (iproute2) is not installed".into());
-        }
-        // SAFETY: geteuid has no preconditions.
-        let euid = unsafe { libc::geteuid() };
-        if euid != 0 {
-            return Err(format!("not root (effective uid {euid})"));
-        }
+        netns::available()?;
+        let _made = netns::creating();
         let pid = std::process::id();
-        let b = pid % 250 + 1;
+        let b = netns::free_subnets("10.78", 1)?;
+        let name = format!("stowage-idle-{pid}");
         let ns = Ns {
-            name: format!("stowage-idle-{pid}"),
+            ns: Netns::add(&name)?,
+            name,
             host_link: format!("stwi{}h", pid % 100_000),
             host_addr: format!("10.78.{b}.1"),
         };
-        let inner = format!("stwi{}n", pid % 100_000);
-        ip(&["netns", "add", &ns.name])?;
-        ip(&["-n", &ns.name, "link", "set", "lo", "up"])?;
-        ip(&[
-            "link",
-            "add",
-            &ns.host_link,
-            "type",
-            "veth",
-            "peer",
-            "name",
-            &inner,
-        ])?;
-        ip(&["link", "set", &inner, "netns", &ns.name])?;
-        ip(&[
-            "addr",
-            "add",
-            &format!("{}/24", ns.host_addr),
-            "dev",
-            &ns.host_link,
-        ])?;
-        ip(&["link", "set", &ns.host_link, "up"])?;
-        let in_addr = format!("10.78.{b}.2/24");
-        ip(&["-n", &ns.name, "addr", "add", &in_addr, "dev", &inner])?;
-        ip(&["-n", &ns.name, "link", "set", &inner, "up"])?;
+        netns::veth(
+            &netns::End {
+                ns: None,
+                name: &ns.host_link,
+                addr: &format!("{}/24", ns.host_addr),
+            },
+            &netns::End {
+                ns: Some(&ns.ns.name),
+                name: &format!("stwi{}n", pid % 100_000),
+                addr: &format!("10.78.{b}.2/24"),
+            },
+        )?;
         Ok(ns)
     }
 
@@ -122,13 +105,7 @@ impl Ns {
 
 impl Drop for Ns {
     fn drop(&mut self) {
-        // Deleting the namespace deletes the veth pair.
-        if let Err(e) = ip(&["netns", "del", &self.name]) {
-            eprintln!("cleanup: {e}");
-        }
-        if std::path::Path::new(&format!("/sys/class/net/{}", self.host_link)).exists() {
-            let _ = ip(&["link", "del", &self.host_link]);
-        }
+        netns::del_link(&self.host_link);
     }
 }
 

@@ -19,35 +19,18 @@
 //! Needs root and `ip` (iproute2). Without them the test says why and
 //! returns.
 
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use stowage_host::batch::Field;
 use stowage_tests::Stowd;
 use stowage_tests::load::{self, DualClient, Outcome, Proto, Target, join_all};
+use stowage_tests::netns::{self, Netns, ip};
 
 /// The router's reply timeout towards its units.
 const ROUTER_TIMEOUT: Duration = Duration::from_secs(3);
 /// The unit hosts' port.
 const UNIT_PORT: u16 = 7100;
 const UNITS: usize = 3;
-
-/// `ip args...`; Err with its stderr.
-pub(crate) fn ip(args: &[&str]) -> Result<(), String> {
-    let out = Command::new("ip")
-        .args(args)
-        .output()
-        .map_err(|e| format!("cannot run ip: {e}"))?;
-    if out.status.success() {
-        Ok(())
-    } else {
-        Err(format!(
-            "ip {}: {}",
-            args.join(" "),
-            String::from_utf8_lossy(&out.stderr).trim()
-        ))
-    }
-}
 
 /// The namespaces and links of one run; removed on drop.
 struct Net {
@@ -59,6 +42,8 @@ struct Net {
     tag: String,
     /// Third octet of the host <-> router subnet; unit i uses `base + 1 + i`.
     base: u8,
+    /// The namespaces made so far, deleted on drop.
+    made: Vec<Netns>,
 }
 
 impl Net {
@@ -87,37 +72,12 @@ impl Net {
 
     /// Creates everything, or says why it cannot.
     fn create() -> Result<Net, String> {
-        if Command::new("ip").arg("-V").output().is_err() {
-            return Err("`ip` (iproute2) is not installed".into());
-        }
-        let euid = std::fs::read_to_string("/proc/self/status")
-            .ok()
-            .and_then(|s| {
-                s.lines()
-                    .find(|l| l.starts_with("Uid:"))
-                    .map(|l| l.split_whitespace().nth(2).unwrap_or("").to_string())
-            });
-        if euid.as_deref() != Some("0") {
-            return Err(format!(
-                "not root (effective uid {})",
-                euid.unwrap_or_else(|| "?".into())
-            ));
-        }
-        let pid = std::process::id();
-        let tag = format!("{:05}", pid % 100_000);
-        // A /24 block per run: five subnets from a third octet derived from
-        // the pid, skipping any already routed on this host.
-        let routes = Command::new("ip")
-            .args(["-4", "route", "show"])
-            .output()
-            .map(|o| o.stdout)
-            .unwrap_or_default();
-        let routes = String::from_utf8_lossy(&routes).to_string();
-        let base = (0..50u32)
-            .map(|k| (((pid + k) % 50) * 5) as u8)
-            .find(|b| (0..=UNITS as u8).all(|i| !routes.contains(&format!("10.77.{}.", b + i))))
-            .ok_or("no free 10.77.x.0/24 block")?;
-        let net = Net {
+        netns::available()?;
+        let _made = netns::creating();
+        let tag = format!("{:05}", std::process::id() % 100_000);
+        // Five subnets: host <-> router, then router <-> each unit host.
+        let base = netns::free_subnets("10.77", UNITS as u8 + 1)?;
+        let mut net = Net {
             router_ns: format!("stowage-mh-{tag}-r"),
             unit_ns: (0..UNITS)
                 .map(|i| format!("stowage-mh-{tag}-u{i}"))
@@ -125,6 +85,7 @@ impl Net {
             host_link: format!("stw{tag}h"),
             tag: tag.clone(),
             base,
+            made: Vec::new(),
         };
         // From here on, drop cleans up whatever was made.
         net.build(&tag)
@@ -132,70 +93,35 @@ impl Net {
         Ok(net)
     }
 
-    fn build(&self, tag: &str) -> Result<(), String> {
-        let r = &self.router_ns;
-        ip(&["netns", "add", r])?;
-        ip(&["-n", r, "link", "set", "lo", "up"])?;
-        // Host <-> router.
-        let router_side = format!("stw{tag}r");
-        ip(&[
-            "link",
-            "add",
-            &self.host_link,
-            "type",
-            "veth",
-            "peer",
-            "name",
-            &router_side,
-        ])?;
-        ip(&["link", "set", &router_side, "netns", r])?;
-        ip(&[
-            "addr",
-            "add",
-            &format!("10.77.{}.1/24", self.base),
-            "dev",
-            &self.host_link,
-        ])?;
-        ip(&["link", "set", &self.host_link, "up"])?;
-        ip(&[
-            "-n",
-            r,
-            "addr",
-            "add",
-            &format!("{}/24", self.router_addr()),
-            "dev",
-            &router_side,
-        ])?;
-        ip(&["-n", r, "link", "set", &router_side, "up"])?;
-        // Router <-> each unit host.
-        for (i, u) in self.unit_ns.iter().enumerate() {
-            ip(&["netns", "add", u])?;
-            ip(&["-n", u, "link", "set", "lo", "up"])?;
-            let (ra, ua) = (format!("stw{tag}a{i}"), format!("stw{tag}u{i}"));
-            ip(&[
-                "-n", r, "link", "add", &ra, "type", "veth", "peer", "name", &ua, "netns", u,
-            ])?;
+    fn build(&mut self, tag: &str) -> Result<(), String> {
+        self.made.push(Netns::add(&self.router_ns)?);
+        netns::veth(
+            &netns::End {
+                ns: None,
+                name: &self.host_link,
+                addr: &format!("10.77.{}.1/24", self.base),
+            },
+            &netns::End {
+                ns: Some(&self.router_ns),
+                name: &format!("stw{tag}r"),
+                addr: &format!("{}/24", self.router_addr()),
+            },
+        )?;
+        for i in 0..UNITS {
+            self.made.push(Netns::add(&self.unit_ns[i])?);
             let subnet = self.base as usize + 1 + i;
-            ip(&[
-                "-n",
-                r,
-                "addr",
-                "add",
-                &format!("10.77.{subnet}.1/24"),
-                "dev",
-                &ra,
-            ])?;
-            ip(&["-n", r, "link", "set", &ra, "up"])?;
-            ip(&[
-                "-n",
-                u,
-                "addr",
-                "add",
-                &format!("{}/24", self.unit_addr(i)),
-                "dev",
-                &ua,
-            ])?;
-            ip(&["-n", u, "link", "set", &ua, "up"])?;
+            netns::veth(
+                &netns::End {
+                    ns: Some(&self.router_ns),
+                    name: &format!("stw{tag}a{i}"),
+                    addr: &format!("10.77.{subnet}.1/24"),
+                },
+                &netns::End {
+                    ns: Some(&self.unit_ns[i]),
+                    name: &format!("stw{tag}u{i}"),
+                    addr: &format!("{}/24", self.unit_addr(i)),
+                },
+            )?;
         }
         Ok(())
     }
@@ -203,22 +129,9 @@ impl Net {
 
 impl Drop for Net {
     fn drop(&mut self) {
-        // Deleting a namespace deletes the veth ends in it, and so their
-        // peers; the host end goes explicitly in case its peer never moved.
-        for ns in std::iter::once(&self.router_ns)
-            .chain(&self.unit_ns)
-            .filter(|n| !n.is_empty())
-        {
-            if let Err(e) = ip(&["netns", "del", ns]) {
-                eprintln!("cleanup: {e}");
-            }
-        }
-        if !self.host_link.is_empty()
-            && std::path::Path::new(&format!("/sys/class/net/{}", self.host_link)).exists()
-            && let Err(e) = ip(&["link", "del", &self.host_link])
-        {
-            eprintln!("cleanup: {e}");
-        }
+        // The namespaces go with `made` (and the veth ends in them, and so
+        // their peers); the host end goes here in case its peer never moved.
+        netns::del_link(&self.host_link);
     }
 }
 

@@ -31,8 +31,8 @@ use stowage_host::wire::native::WireField;
 use stowage_tests::data::{assert_cells, expected, f32_rows, wire_cells};
 use stowage_tests::{NativeClient, Stowd};
 
-use crate::multihost::ip;
 use crate::spill::{Peak, anon_and_shmem};
+use stowage_tests::netns::{self, Netns};
 
 /// B's native port.
 const PEER_PORT: u16 = 7300;
@@ -45,6 +45,8 @@ struct Hosts {
     base: u8,
     /// A's end of the A–B link.
     ab: String,
+    /// The namespaces made so far, deleted on drop.
+    made: Vec<Netns>,
 }
 
 impl Hosts {
@@ -60,35 +62,17 @@ impl Hosts {
     }
 
     fn create() -> Result<Hosts, String> {
-        if unsafe { libc::geteuid() } != 0 {
-            return Err("not root".into());
-        }
-        if std::process::Command::new("ip").arg("-V").output().is_err() {
-            return Err("`ip` (iproute2) is not installed".into());
-        }
-        // The tests of this file run at once in one process: one creates
-        // its hosts at a time, each under its own tag, so that the second
-        // sees the first's routes and takes other subnets.
-        static CREATING: std::sync::Mutex<u32> = std::sync::Mutex::new(0);
-        let mut made = CREATING.lock().unwrap_or_else(|p| p.into_inner());
-        *made += 1;
-        let pid = std::process::id();
-        let tag = format!("{:05}", (pid * 4 + *made) % 100_000);
-        let routes = std::process::Command::new("ip")
-            .args(["-4", "route", "show"])
-            .output()
-            .map(|o| String::from_utf8_lossy(&o.stdout).to_string())
-            .unwrap_or_default();
-        let base = (0..80u32)
-            .map(|k| (((pid + k) % 80) * 3) as u8)
-            .find(|b| (0..3u8).all(|i| !routes.contains(&format!("10.79.{}.", b + i))))
-            .ok_or("no free 10.79.x.0/24 block")?;
+        netns::available()?;
+        let made = netns::creating();
+        let tag = format!("{:05}", (std::process::id() * 4 + *made) % 100_000);
+        let base = netns::free_subnets("10.79", 3)?;
         let mut hosts = Hosts {
             a: format!("stowage-pn-{tag}-a"),
             b: format!("stowage-pn-{tag}-b"),
             links: Vec::new(),
             base,
             ab: format!("stp{tag}ab"),
+            made: Vec::new(),
         };
         hosts
             .build(&tag)
@@ -98,65 +82,40 @@ impl Hosts {
 
     fn build(&mut self, tag: &str) -> Result<(), String> {
         for ns in [&self.a, &self.b] {
-            ip(&["netns", "add", ns])?;
-            ip(&["-n", ns, "link", "set", "lo", "up"])?;
+            self.made.push(Netns::add(ns)?);
         }
         // Host <-> A and host <-> B.
         for (k, ns) in [self.a.clone(), self.b.clone()].iter().enumerate() {
-            let (host_end, ns_end) = (format!("stp{tag}h{k}"), format!("stp{tag}n{k}"));
-            ip(&[
-                "link", "add", &host_end, "type", "veth", "peer", "name", &ns_end,
-            ])?;
+            let host_end = format!("stp{tag}h{k}");
             self.links.push(host_end.clone());
-            ip(&["link", "set", &ns_end, "netns", ns])?;
             let subnet = self.base as usize + k;
-            ip(&[
-                "addr",
-                "add",
-                &format!("10.79.{subnet}.1/24"),
-                "dev",
-                &host_end,
-            ])?;
-            ip(&["link", "set", &host_end, "up"])?;
-            ip(&[
-                "-n",
-                ns,
-                "addr",
-                "add",
-                &format!("10.79.{subnet}.2/24"),
-                "dev",
-                &ns_end,
-            ])?;
-            ip(&["-n", ns, "link", "set", &ns_end, "up"])?;
+            netns::veth(
+                &netns::End {
+                    ns: None,
+                    name: &host_end,
+                    addr: &format!("10.79.{subnet}.1/24"),
+                },
+                &netns::End {
+                    ns: Some(ns),
+                    name: &format!("stp{tag}n{k}"),
+                    addr: &format!("10.79.{subnet}.2/24"),
+                },
+            )?;
         }
         // A <-> B.
-        let ba = format!("stp{tag}ba");
-        ip(&[
-            "-n", &self.a, "link", "add", &self.ab, "type", "veth", "peer", "name", &ba, "netns",
-            &self.b,
-        ])?;
         let subnet = self.base as usize + 2;
-        ip(&[
-            "-n",
-            &self.a,
-            "addr",
-            "add",
-            &format!("10.79.{subnet}.1/24"),
-            "dev",
-            &self.ab,
-        ])?;
-        ip(&["-n", &self.a, "link", "set", &self.ab, "up"])?;
-        ip(&[
-            "-n",
-            &self.b,
-            "addr",
-            "add",
-            &format!("10.79.{subnet}.2/24"),
-            "dev",
-            &ba,
-        ])?;
-        ip(&["-n", &self.b, "link", "set", &ba, "up"])?;
-        Ok(())
+        netns::veth(
+            &netns::End {
+                ns: Some(&self.a),
+                name: &self.ab,
+                addr: &format!("10.79.{subnet}.1/24"),
+            },
+            &netns::End {
+                ns: Some(&self.b),
+                name: &format!("stp{tag}ba"),
+                addr: &format!("10.79.{subnet}.2/24"),
+            },
+        )
     }
 
     /// A's config: no units of its own, B's two as `stowage://` peer units,
@@ -190,17 +149,10 @@ impl Hosts {
 
 impl Drop for Hosts {
     fn drop(&mut self) {
-        for ns in [&self.a, &self.b] {
-            if let Err(e) = ip(&["netns", "del", ns]) {
-                eprintln!("cleanup: {e}");
-            }
-        }
+        // The namespaces go with `made`; host ends whose peer never moved
+        // go here.
         for l in &self.links {
-            if std::path::Path::new(&format!("/sys/class/net/{l}")).exists()
-                && let Err(e) = ip(&["link", "del", l])
-            {
-                eprintln!("cleanup: {e}");
-            }
+            netns::del_link(l);
         }
     }
 }

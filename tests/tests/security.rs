@@ -23,62 +23,39 @@ use std::time::Duration;
 use stowage_host::batch::Field;
 use stowage_host::wire::{native, tq};
 use stowage_tests::data::{assert_cells, cells, f32_rows, wire_cells};
+use stowage_tests::netns::{self, Netns};
 use stowage_tests::{NativeClient, Stowd, temp_dir};
-
-use crate::multihost::ip;
 
 /// Namespace `n` and a veth from here to it; removed on drop.
 struct Host {
-    ns: String,
+    ns: Netns,
     link: String,
-    subnet: u32,
+    subnet: u8,
 }
 
 impl Host {
     fn create() -> Result<Host, String> {
-        if unsafe { libc::geteuid() } != 0 {
-            return Err("not root".into());
-        }
-        if std::process::Command::new("ip").arg("-V").output().is_err() {
-            return Err("`ip` (iproute2) is not installed".into());
-        }
-        static CREATING: std::sync::Mutex<u32> = std::sync::Mutex::new(0);
-        let mut made = CREATING.lock().unwrap_or_else(|p| p.into_inner());
-        *made += 1;
-        let pid = std::process::id();
-        let tag = format!("{:05}", (pid * 4 + *made) % 100_000);
-        let routes = std::process::Command::new("ip")
-            .args(["-4", "route", "show"])
-            .output()
-            .map(|o| String::from_utf8_lossy(&o.stdout).to_string())
-            .unwrap_or_default();
-        let subnet = (0..250u32)
-            .map(|k| 10 + (pid + k) % 240)
-            .find(|s| !routes.contains(&format!("10.76.{s}.")))
-            .ok_or("no free 10.76.x.0/24 block")?;
+        netns::available()?;
+        let made = netns::creating();
+        let tag = format!("{:05}", (std::process::id() * 4 + *made) % 100_000);
+        let subnet = netns::free_subnets("10.76", 1)?;
         let host = Host {
-            ns: format!("stowage-sec-{tag}"),
+            ns: Netns::add(&format!("stowage-sec-{tag}"))?,
             link: format!("sts{tag}h"),
             subnet,
         };
-        let inner = format!("sts{tag}n");
-        ip(&["netns", "add", &host.ns])?;
-        ip(&["-n", &host.ns, "link", "set", "lo", "up"])?;
-        ip(&[
-            "link", "add", &host.link, "type", "veth", "peer", "name", &inner,
-        ])?;
-        ip(&["link", "set", &inner, "netns", &host.ns])?;
-        ip(&[
-            "addr",
-            "add",
-            &format!("10.76.{subnet}.1/24"),
-            "dev",
-            &host.link,
-        ])?;
-        ip(&["link", "set", &host.link, "up"])?;
-        let there = format!("10.76.{subnet}.2/24");
-        ip(&["-n", &host.ns, "addr", "add", &there, "dev", &inner])?;
-        ip(&["-n", &host.ns, "link", "set", &inner, "up"])?;
+        netns::veth(
+            &netns::End {
+                ns: None,
+                name: &host.link,
+                addr: &format!("10.76.{subnet}.1/24"),
+            },
+            &netns::End {
+                ns: Some(&host.ns.name),
+                name: &format!("sts{tag}n"),
+                addr: &format!("10.76.{subnet}.2/24"),
+            },
+        )?;
         Ok(host)
     }
 
@@ -89,14 +66,7 @@ impl Host {
 
 impl Drop for Host {
     fn drop(&mut self) {
-        if let Err(e) = ip(&["netns", "del", &self.ns]) {
-            eprintln!("cleanup: {e}");
-        }
-        if std::path::Path::new(&format!("/sys/class/net/{}", self.link)).exists()
-            && let Err(e) = ip(&["link", "del", &self.link])
-        {
-            eprintln!("cleanup: {e}");
-        }
+        netns::del_link(&self.link);
     }
 }
 
@@ -138,7 +108,7 @@ async fn across_hosts_the_token_is_required_and_tq_endpoints_are_loopback_only()
     };
     let dir = temp_dir("security-netns");
     let token_file = dir.join("state").join("token");
-    let s = Stowd::start_in_netns(&host.ns, &config(&token_file, "loopback"));
+    let s = Stowd::start_in_netns(&host.ns.name, &config(&token_file, "loopback"));
     let token = s
         .endpoints
         .token
@@ -173,7 +143,7 @@ async fn across_hosts_the_token_is_required_and_tq_endpoints_are_loopback_only()
     drop(s);
 
     // "open": the same request is answered.
-    let s = Stowd::start_in_netns(&host.ns, &config(&token_file, "open"));
+    let s = Stowd::start_in_netns(&host.ns.name, &config(&token_file, "open"));
     assert_eq!(
         s.endpoints.token.as_deref(),
         Some(token.as_str()),
@@ -241,7 +211,7 @@ async fn across_hosts_curve_takes_only_allowed_keys_and_carries_rows_encrypted()
          [shm]\nenabled = false\n\n[security]\nauth = \"curve\"\ncurve_dir = {:?}\n",
         curve_dir.display().to_string()
     );
-    let s = Stowd::start_in_netns(&host.ns, &there_config);
+    let s = Stowd::start_in_netns(&host.ns.name, &there_config);
     let server = read_public(&curve_dir.join("server.key")).unwrap();
     let client = read_pair(&curve_dir.join("client.key_secret"))
         .unwrap()

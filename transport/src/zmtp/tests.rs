@@ -664,3 +664,22 @@ async fn curve_refuses_a_key_not_allowed_a_wrong_server_key_and_other_mechanisms
     assert!(err(c).contains("speaks CURVE; the server speaks PLAIN"));
     assert!(s.is_err());
 }
+
+#[tokio::test]
+async fn a_client_without_keys_or_credentials_is_told_curve_is_required() {
+    let sk = curve::Keypair::generate().unwrap();
+    let check = OneKey(*sk.public());
+    let (c, s) = shake(
+        Security::Client {
+            plain: None,
+            curve: None,
+        },
+        Security::CurveServer {
+            keys: &sk,
+            check: &check,
+        },
+    )
+    .await;
+    assert!(err(c).contains("requires CURVE"));
+    assert!(s.is_err());
+}
