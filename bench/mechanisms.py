@@ -25,35 +25,24 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "clients", "python"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np  # noqa: E402
 
+import policy_put  # noqa: E402
 import stowage  # noqa: E402
 
 NAMES = {"none": "NULL", "token": "PLAIN", "curve": "CURVE"}
 
 
 def start(binary, work, auth):
-    os.makedirs(work, exist_ok=True)
-    cfg = os.path.join(work, "stowd.toml")
-    eps = os.path.join(work, "stowd.json")
-    with open(cfg, "w") as f:
-        f.write("[units]\nlocal = 4\n\n[shm]\nenabled = false\n\n[security]\n"
-                f"auth = {json.dumps(auth)}\n")
-    proc = subprocess.Popen([binary, "serve", "--config", cfg, "--endpoints-file", eps],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 120
-    while not os.path.exists(eps):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise SystemExit(f"stowd ({auth}) did not start")
-        time.sleep(0.05)
-    time.sleep(0.1)
-    return proc, json.load(open(eps))
+    """A stowd with 4 units, no plugins, no same-node memory, `auth`."""
+    return policy_put.start(binary, work, None,
+                            extra=f"\n[shm]\nenabled = false\n\n[security]\nauth = {json.dumps(auth)}\n")
 
 
 def cpu(pid):
