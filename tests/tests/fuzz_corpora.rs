@@ -74,7 +74,9 @@ fn every_target_has_a_corpus_test() {
             "native_decode",
             "plan_validate",
             "zmtp_frames",
-            "checkpoint_file"
+            "checkpoint_file",
+            "plain_handshake",
+            "curve_handshake"
         ],
         "add a test below for a new target"
     );
@@ -147,4 +149,59 @@ fn checkpoint_file_seeds_current() {
         ];
         assert_eq!(rows.is_some(), unit.contains(&name), "{name}: {rows:?}");
     }
+}
+
+#[test]
+fn plain_handshake_corpus() {
+    // The seeds (`fuzz/checks/src/plain_handshake.rs`, `seeds`) and what
+    // the runs found.
+    assert!(run("plain_handshake") >= 80);
+}
+
+#[test]
+fn curve_handshake_corpus() {
+    // The seeds (`fuzz/checks/src/curve_handshake.rs`, `seeds`) and what
+    // the runs found.
+    assert!(run("curve_handshake") >= 120);
+}
+
+/// Checks that the committed seeds of `target` are `seeds` (with
+/// `STOWAGE_WRITE_SEEDS=1`: writes them).
+fn seeds_current(target: &str, seeds: Vec<(String, Vec<u8>)>) {
+    let dir = fuzz_dir().join("corpus").join(target);
+    let write = std::env::var_os("STOWAGE_WRITE_SEEDS").is_some();
+    for (name, bytes) in seeds {
+        let path = dir.join(&name);
+        if write {
+            std::fs::create_dir_all(&dir).unwrap();
+            std::fs::write(&path, &bytes).unwrap();
+        }
+        let committed = std::fs::read(&path).unwrap_or_default();
+        assert!(
+            committed == bytes,
+            "{} is not the seed `seeds()` makes (STOWAGE_WRITE_SEEDS=1 rewrites it)",
+            path.display()
+        );
+    }
+}
+
+/// The committed `plain_handshake` seeds are what
+/// `stowage_fuzz_checks::plain_handshake::seeds` makes.
+#[test]
+fn plain_handshake_seeds_current() {
+    let seeds = stowage_fuzz_checks::plain_handshake::seeds()
+        .into_iter()
+        .map(|(name, bytes)| (name.to_string(), bytes))
+        .collect();
+    seeds_current("plain_handshake", seeds);
+}
+
+/// The committed `curve_handshake` seeds are what
+/// `stowage_fuzz_checks::curve_handshake::seeds` makes.
+#[test]
+fn curve_handshake_seeds_current() {
+    seeds_current(
+        "curve_handshake",
+        stowage_fuzz_checks::curve_handshake::seeds(),
+    );
 }

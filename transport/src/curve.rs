@@ -394,7 +394,7 @@ impl ServerHandshake {
         if body.len() != HELLO_LEN {
             return Err(CurveError::Malformed("HELLO"));
         }
-        if data[0] != 1 {
+        if data[0] != 1 || data[1] != 0 {
             return Err(CurveError::Version(data[0], data[1]));
         }
         let client_transient = key(&data[74..106]);

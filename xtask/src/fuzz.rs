@@ -25,6 +25,8 @@ pub const TARGETS: &[&str] = &[
     "plan_validate",
     "zmtp_frames",
     "checkpoint_file",
+    "plain_handshake",
+    "curve_handshake",
 ];
 
 /// Build and run options.

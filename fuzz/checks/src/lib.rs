@@ -12,13 +12,17 @@
 //! | [`plan_validate`] | selection and frame plans, validated and executed | `arbitrary` |
 //! | [`zmtp_frames`] | the ZMTP framer (headers, greeting) and the frame reader | a byte stream |
 //! | [`checkpoint_file`] | unit checkpoint files (both readers, the writer) and manifests | a file |
+//! | [`plain_handshake`] | the server side of the ZMTP PLAIN handshake, sans-IO and the real one | a byte stream |
+//! | [`curve_handshake`] | CurveZMQ: both handshakes fed changed, replayed and garbage messages, the MESSAGE decrypter | a mode byte, its parameters |
 //! | [`frames`] | the multi-frame input format ([`split_frames`], [`join_frames`]) | |
 //!
 //! A check fails by panicking, as libFuzzer expects.
 
 pub mod checkpoint_file;
+pub mod curve_handshake;
 pub mod frames;
 pub mod native_decode;
+pub mod plain_handshake;
 pub mod plan_validate;
 pub mod tq_decode;
 pub mod zmtp_frames;
@@ -36,4 +40,6 @@ pub const TARGETS: &[(&str, Check)] = &[
     ("plan_validate", plan_validate::check),
     ("zmtp_frames", zmtp_frames::check),
     ("checkpoint_file", checkpoint_file::check),
+    ("plain_handshake", plain_handshake::check),
+    ("curve_handshake", curve_handshake::check),
 ];

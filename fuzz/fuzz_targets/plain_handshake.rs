@@ -1,0 +1,6 @@
+//! `plain_handshake`: the body and its invariants are `stowage_fuzz_checks::plain_handshake`
+//! (also run over the committed corpus by the test suite).
+
+#![no_main]
+
+libfuzzer_sys::fuzz_target!(|data: &[u8]| stowage_fuzz_checks::plain_handshake::check(data));
