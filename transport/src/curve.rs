@@ -204,6 +204,18 @@ fn open<A: AeadInPlace>(
     Ok(plain)
 }
 
+/// The box from `ours` to `theirs`, refused if `theirs` is of small order
+/// (the X25519 output all zeros, so the box's key would be known to
+/// anyone), as libsodium, and so libzmq, refuses it.
+fn salsa_box(theirs: &PublicKey, ours: &SecretKey) -> Result<SalsaBox, CurveError> {
+    let shared = curve25519_dalek::montgomery::MontgomeryPoint(*theirs.as_bytes())
+        .mul_clamped(ours.to_bytes());
+    if shared.0 == [0u8; KEY_LEN] {
+        return Err(CurveError::Key("a public key of small order".into()));
+    }
+    Ok(SalsaBox::new(theirs, ours))
+}
+
 fn key(bytes: &[u8]) -> PublicKey {
     let k: [u8; KEY_LEN] = bytes.try_into().expect("32 bytes");
     PublicKey::from(k)
@@ -234,6 +246,8 @@ pub struct ClientHandshake {
     long: Keypair,
     server: PublicKey,
     transient: Keypair,
+    /// `C'` to `S`: HELLO's box and WELCOME's.
+    to_server: SalsaBox,
     nonce: u64,
     /// `C'` to `S'`, once WELCOME is read.
     session: Option<SalsaBox>,
@@ -243,10 +257,13 @@ impl ClientHandshake {
     /// A client with key pair `long` to the server whose public key is
     /// `server`.
     pub fn new(long: &Keypair, server: &[u8; KEY_LEN]) -> Result<ClientHandshake, CurveError> {
+        let server = PublicKey::from(*server);
+        let transient = Keypair::generate()?;
         Ok(ClientHandshake {
             long: long.clone(),
-            server: PublicKey::from(*server),
-            transient: Keypair::generate()?,
+            to_server: salsa_box(&server, &transient.secret)?,
+            server,
+            transient,
             nonce: 1,
             session: None,
         })
@@ -266,9 +283,8 @@ impl ClientHandshake {
         body.extend_from_slice(&[0u8; 72]);
         body.extend_from_slice(&self.transient.public);
         body.extend_from_slice(&short);
-        let b = SalsaBox::new(&self.server, &self.transient.secret);
         seal_to(
-            &b,
+            &self.to_server,
             &nonce(b"CurveZMQHELLO---", &short),
             &[0u8; 64],
             &mut body,
@@ -284,9 +300,8 @@ impl ClientHandshake {
         if body.len() != WELCOME_LEN {
             return Err(CurveError::Malformed("WELCOME"));
         }
-        let b = SalsaBox::new(&self.server, &self.transient.secret);
         let plain = open(
-            &b,
+            &self.to_server,
             &nonce(b"WELCOME-", &data[..16]),
             &data[16..],
             "WELCOME",
@@ -302,7 +317,7 @@ impl ClientHandshake {
         vouched[..KEY_LEN].copy_from_slice(&self.transient.public);
         vouched[KEY_LEN..].copy_from_slice(self.server.as_bytes());
         seal_to(
-            &SalsaBox::new(&server_transient, &self.long.secret),
+            &salsa_box(&server_transient, &self.long.secret)?,
             &nonce(b"VOUCH---", &vouch_nonce),
             &vouched,
             &mut vouch,
@@ -311,7 +326,7 @@ impl ClientHandshake {
         inner.extend_from_slice(&self.long.public);
         inner.extend_from_slice(&vouch);
         inner.extend_from_slice(metadata);
-        let session = SalsaBox::new(&server_transient, &self.transient.secret);
+        let session = salsa_box(&server_transient, &self.transient.secret)?;
         let short = self.next_nonce();
         let mut out = command_body("INITIATE", COOKIE_LEN + 8 + TAG + inner.len());
         out.extend_from_slice(cookie);
@@ -399,7 +414,7 @@ impl ServerHandshake {
         }
         let client_transient = key(&data[74..106]);
         let short = &data[106..114];
-        let b = SalsaBox::new(&client_transient, &self.long.secret);
+        let b = salsa_box(&client_transient, &self.long.secret)?;
         open(
             &b,
             &nonce(b"CurveZMQHELLO---", short),
@@ -465,7 +480,7 @@ impl ServerHandshake {
         if short <= self.client_nonce {
             return Err(CurveError::Replay("INITIATE"));
         }
-        let session = SalsaBox::new(&client_transient, &self.transient.secret);
+        let session = salsa_box(&client_transient, &self.transient.secret)?;
         let inner = open(
             &session,
             &nonce(b"CurveZMQINITIATE", short_bytes),
@@ -476,7 +491,7 @@ impl ServerHandshake {
         let client: [u8; KEY_LEN] = inner[..KEY_LEN].try_into().expect("32 bytes");
         let vouch = &inner[KEY_LEN..KEY_LEN + 96];
         let vouched = open(
-            &SalsaBox::new(&PublicKey::from(client), &self.transient.secret),
+            &salsa_box(&PublicKey::from(client), &self.transient.secret)?,
             &nonce(b"VOUCH---", &vouch[..16]),
             &vouch[16..],
             "INITIATE vouch",
@@ -644,7 +659,11 @@ impl Encrypter {
                     let size = usize::try_from(h.size)
                         .map_err(|_| CurveError::TooLarge(h.size, usize::MAX as u64))?;
                     // Room for the longest header, written at seal time.
-                    let mut buf = Vec::with_capacity(FLAGS_AT + 1 + size);
+                    let capacity = size.checked_add(FLAGS_AT + 1).ok_or(CurveError::TooLarge(
+                        h.size,
+                        (usize::MAX - FLAGS_AT - 1) as u64,
+                    ))?;
+                    let mut buf = Vec::with_capacity(capacity);
                     buf.resize(FLAGS_AT, 0);
                     buf.push(u8::from(h.more) | (u8::from(h.command) << 1));
                     if size == 0 {

@@ -253,3 +253,27 @@ fn z85_keys_round_trip_and_bad_text_is_refused() {
     // A key from its secret is the same pair.
     assert_eq!(Keypair::from_secret(k.secret_bytes()).public(), k.public());
 }
+
+#[test]
+fn keys_of_small_order_are_refused() {
+    let client = Keypair::generate().unwrap();
+    let server = Keypair::generate().unwrap();
+    // u = 0 and u = 1 are of small order: the X25519 output is all zeros
+    // whatever the secret key.
+    for bad in [[0u8; KEY_LEN], {
+        let mut one = [0u8; KEY_LEN];
+        one[0] = 1;
+        one
+    }] {
+        assert!(matches!(
+            ClientHandshake::new(&client, &bad),
+            Err(CurveError::Key(_))
+        ));
+        // A HELLO whose transient key is of small order: refused by the server.
+        let mut c = ClientHandshake::new(&client, server.public()).unwrap();
+        let mut hello = c.hello();
+        hello[80..112].copy_from_slice(&bad);
+        let mut s = ServerHandshake::new(&server).unwrap();
+        assert!(matches!(s.hello(&hello), Err(CurveError::Key(_))));
+    }
+}
