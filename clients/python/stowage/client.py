@@ -299,13 +299,13 @@ class _Ops:
     # how its result reads are here once; `Client._core_call` runs it under
     # the client's lock, `AsyncClient._core_call` in a worker thread.
     def _core_serves(self, targets: dict | None = None) -> bool:
-        """Whether the Rust core carries this put, get or get_into: over tcp,
-        unless STOWAGE_PURE_PYTHON=1 (pyzmq carries them then; the codec is
-        the core's either way) (and, for get_into, into C-contiguous
-        arrays)."""
-        return (self._segments is None and self.endpoint.startswith("tcp://")
-                and os.environ.get("STOWAGE_PURE_PYTHON") != "1"
-                and all(a.flags.c_contiguous for _, a in (targets or {}).values()))
+        """Whether the Rust core carries this put, get or get_into: over tcp
+        or ipc, unless STOWAGE_PURE_PYTHON=1 (pyzmq carries them then; the
+        codec is the core's either way), and not in same-node mode. (`targets`
+        is accepted for older callers: the core fills any get_into array,
+        contiguous or strided.)"""
+        return (self._segments is None and self.endpoint.startswith(("tcp://", "ipc://"))
+                and os.environ.get("STOWAGE_PURE_PYTHON") != "1")
 
     def _core_failure(self, e: Exception, op: str, rid: int, timeout: float) -> StowageError:
         """A core call's failure (one of `_CORE_FAILURES`: the core dropped
@@ -368,13 +368,16 @@ class _Ops:
     @staticmethod
     def _core_plan(targets: dict) -> list:
         """A get_into's arrays as the core takes them: (field, accepted
-        dtypes, shape, the array's bytes)."""
+        dtypes, shape, the array: contiguous or strided, a dtype numpy
+        exports no buffer format for seen as uints of its size)."""
         plan = []
         for name, (dtype, a) in targets.items():
             accepted = [dtype]
             if dtype in _INT_NAMES:  # raw bits fill ints of their size
                 accepted += [b for b in _codec.BITS_DTYPES if _codec.WIRE_DTYPES[b].itemsize == a.dtype.itemsize]
-            plan.append((name, accepted, list(a.shape), a.reshape(-1).view(np.uint8)))
+            if a.dtype.kind not in "biufc":
+                a = a.view(f"u{a.dtype.itemsize}")
+            plan.append((name, accepted, list(a.shape), a))
         return plan
 
     def _core_got_into(self, rid: int, other) -> None:
@@ -770,7 +773,7 @@ class Client(_Ops):
         itemsize, e.g. uint8 for a float8). Every byte is copied once,
         from the received frames straight into `out`. Returns `out`."""
         if self._core_serves():
-            # The usual get_into (numpy arrays or CPU tensors, C-contiguous):
+            # The usual get_into (numpy arrays or CPU tensors, contiguous or strided):
             # read and written by the core (False: not plainly that, nothing
             # sent; the general path below checks and words).
             ranges = self._ranges_ok
