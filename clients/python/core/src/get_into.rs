@@ -26,6 +26,15 @@ use crate::stream::Stream;
 /// through a scratch buffer (see the module doc).
 pub(crate) const VECTORED_RUN: usize = 4 << 10;
 
+/// [`VECTORED_RUN`], or `STOWAGE_VECTORED_RUN` bytes (for benchmarks:
+/// `bench/core_get_into.py --strided` compares the two ways with it).
+fn vectored_run() -> usize {
+    std::env::var("STOWAGE_VECTORED_RUN")
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(VECTORED_RUN)
+}
+
 /// A caller's array, writable: where a field's rows go.
 pub(crate) struct Target {
     pub(crate) name: String,
@@ -207,6 +216,11 @@ pub(crate) fn get_into(
     let mut places = Places::new();
     // Strided arrays read through a scratch buffer: (buffer, layout, array).
     let mut scratch: Vec<(Vec<u8>, &Strided, usize)> = Vec::new();
+    let vectored = if targets.iter().any(|t| t.strided.is_some()) {
+        vectored_run()
+    } else {
+        VECTORED_RUN
+    };
     for t in targets {
         let Some((_, f)) = fields.iter().find(|(n, _)| *n == t.name) else {
             return Err(Fail::Protocol(format!(
@@ -254,7 +268,7 @@ pub(crate) fn get_into(
         let row_bytes = total.checked_div(shape[0]).unwrap_or(0);
         match &t.strided {
             None => place_rows(&mut places, parts, t.ptr, row_bytes),
-            Some(l) if l.run >= VECTORED_RUN => {
+            Some(l) if l.run >= vectored => {
                 // Each run straight into place.
                 let offsets = l.offsets();
                 let per_row = offsets.len() as u64 / shape[0];
