@@ -14,7 +14,7 @@ import numpy as np
 import zmq
 
 # The Rust core (clients/python/core): stowd's codec for every envelope, and
-# tcp get, get_into and put without copies.
+# tcp and ipc get, get_into and put without copies.
 from . import _auth, _codec, _core, _put, _shm, _torch
 from .errors import (BadRequest, InternalError, ProtocolError, StowageError, StowageTimeout, Unsupported,
                      error_from_reply)
@@ -294,7 +294,7 @@ class _Ops:
     def _cleared(body: dict) -> int:
         return body["cleared"]
 
-    # -- through the Rust core (tcp put, get, get_into). What each call runs
+    # -- through the Rust core (tcp and ipc put, get, get_into). What each call runs
     # on a core `Connection` (`_run_get`, `_run_get_into`, `_run_send_many`) and
     # how its result reads are here once; `Client._core_call` runs it under
     # the client's lock, `AsyncClient._core_call` in a worker thread.
@@ -482,7 +482,7 @@ class Client(_Ops):
     opening a new one, which drops anything still queued and ensures a late
     reply is never taken for the answer to a later request.
 
-    Calls over tcp through the Rust core await their reply by polling the
+    Calls through the Rust core (tcp and ipc) await their reply by polling the
     socket for up to `spin_us` microseconds (default 200, or the
     `STOWAGE_SPIN_US` environment variable) before sleeping: a client still
     running when the reply comes is not woken across CPUs, which is most of
@@ -513,7 +513,7 @@ class Client(_Ops):
         self._ctx = context or zmq.Context.instance()
         self._lock = threading.Lock()
         self._sock: zmq.Socket | None = self._connect()
-        # The Rust core's own connection, for tcp get, get_into and put (made on first use).
+        # The Rust core's own connection, for tcp and ipc get, get_into and put (made on first use).
         self._core: Any = None
 
     def _connect(self) -> zmq.Socket:

@@ -10,8 +10,10 @@
 //! `recvmsg` takes up to [`crate::stream::IOV_MAX`] of them); shorter runs
 //! (an inner axis that is strided itself: every element a run) are read
 //! into one scratch buffer of the field's size, then scattered into the
-//! array by one copy. Why the threshold: docs/benchmarks.md, "get_into a
-//! strided array".
+//! array by one copy. Why the threshold: a run a slice, the kernel's
+//! per-slice cost outweighs the copy below about 2 KiB (256 B rows: 1.24
+//! GB/s straight into place, 2.03 through the scratch buffer; 4 KiB rows:
+//! 2.63 against 2.15; docs/benchmarks.md, "get_into a strided array").
 
 use stowage_wire::native::FieldLayout;
 
@@ -24,7 +26,7 @@ use crate::stream::Stream;
 
 /// Shortest run read straight into a strided array; shorter ones go
 /// through a scratch buffer (see the module doc).
-pub(crate) const VECTORED_RUN: usize = 4 << 10;
+pub(crate) const VECTORED_RUN: usize = 2 << 10;
 
 /// [`VECTORED_RUN`], or `STOWAGE_VECTORED_RUN` bytes (for benchmarks:
 /// `bench/core_get_into.py --strided` compares the two ways with it).
