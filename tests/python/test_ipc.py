@@ -27,7 +27,7 @@ import zmq
 import zmq.auth.thread
 
 import stowage
-from stowage import _core
+from stowage import _auth, _core
 from stowage.aio import AsyncClient
 from stowd_harness import fresh_indexes, run_stowd
 
@@ -143,8 +143,10 @@ def test_a_client_over_ipc_equals_the_tcp_path_through_the_core(stowd, relay):
     idx = fresh_indexes(n)
     data = _data(n)
     order = idx[::-1][:10] + idx[:2]  # reversed, two asked twice
+    # The default stowd asks for its token: ZMTP PLAIN, through the relay too.
+    assert _auth.server_mechanism(relay.endpoint) == "PLAIN"
     with stowage.Client(relay.endpoint, timeout=30) as c, stowage.Client(stowd["native"], timeout=30) as t:
-        assert c._core_serves()
+        assert c._core_serves() and c._token is not None
         c._core = _Spy(_core.Connection(relay.endpoint, c.spin_us, c._token, c._curve))
         c.put(idx, data)
         assert c._core.inner.connected and _is_unix(c._core.fileno())
@@ -205,6 +207,7 @@ def test_a_null_stowd_over_ipc(tmp_path, monkeypatch):
     with run_stowd(tmp_path, config='[security]\nauth = "none"\n') as s:
         r = UnixRelay(s["native"])
         try:
+            assert _auth.server_mechanism(r.endpoint) == "NULL"
             with stowage.Client(r.endpoint, timeout=30) as c:
                 x = np.arange(40, dtype=np.float64).reshape(4, 10)
                 c.put([1, 2, 3, 4], {"x": x})

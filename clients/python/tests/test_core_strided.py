@@ -154,3 +154,29 @@ def test_a_strided_torch_tensor_when_torch_is_importable(endpoint, fresh):
             np.testing.assert_array_equal(a.T[::2], x)
             assert not a.T[1::2].any()
         c.clear(idx)
+
+
+def _peak_rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM")
+
+
+def test_long_runs_go_straight_into_place_with_no_buffer_of_the_payloads_size(endpoint, fresh):
+    rows, cols = 4096, 4096  # 64 MiB of float32, 16 KiB rows, into every other row of a bigger array
+    idx = fresh(rows)
+    x = np.ones((rows, cols), np.float32)
+    with stowage.Client(endpoint, timeout=120) as c:
+        c.put(idx, {"x": x})
+        wide = np.zeros((rows, 2, cols), np.float32)
+        wide.fill(0)  # its pages faulted in now
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5\n")
+        base = _peak_rss()
+        c.get_into(idx, {"x": wide[:, 1]})
+        grew = _peak_rss() - base
+        assert (wide[:, 1] == 1).all() and not wide[:, 0].any()
+        assert grew < 16 << 20, f"a row-strided get_into grew by {grew >> 20} MiB for {x.nbytes >> 20} MiB"
+        c.clear(idx)
