@@ -62,8 +62,9 @@ impl Endpoint {
         }
     }
 
-    /// A new connection (the deadline bounds a tcp connect; a Unix
-    /// socket's connect does not wait for the peer).
+    /// A new connection. The deadline bounds a tcp connect; a Unix
+    /// socket's connect returns at once, connected or refused (it
+    /// would wait only for a listener whose backlog is full).
     fn connect(&self, deadline: Instant) -> Result<Socket, Fail> {
         let cannot =
             |e: std::io::Error| Fail::Io(format!("cannot connect to {}: {e}", self.name()));
