@@ -34,9 +34,19 @@ Per row: median GB/s, its ratio to the tcp stream, and the client's peak
 RSS above what it held before the call (VmHWM reset through
 /proc/self/clear_refs), over the payload.
 
+With `--strided`, only get_into into strided arrays instead, for rows of
+256 B to 64 KiB (256 MiB of float32 a row size, times `--scale`): into a
+C-contiguous array; into every other row of a bigger one (each row a run
+of contiguous bytes), read straight into place (one slice a row) and
+through the scratch buffer (the whole field received, then scattered by
+one copy), forced with `STOWAGE_VECTORED_RUN`; into every other element
+(every element a run: the scratch buffer); beside numpy copying the same
+bytes from a contiguous array into each strided one (`out[...] = x`, the
+copy the scratch way adds). Median GB/s of `--reps`.
+
 Run it with the Python that has the package installed with its release
 core (`pip install ./clients/python`):
-usage: /path/to/venv/bin/python bench/core_get_into.py --stowd target/release/stowd [--reps 3]
+usage: /path/to/venv/bin/python bench/core_get_into.py --stowd target/release/stowd [--reps 3] [--strided]
 """
 import argparse
 import asyncio
@@ -99,11 +109,56 @@ def tcp_limit(nbytes: int, reps: int) -> list[float]:
     return out
 
 
+def strided(c, reps: int, scale: float) -> None:
+    """The `--strided` table (see the module doc)."""
+    nbytes = int((256 << 20) * scale)
+    print("| row | target | way | get_into GB/s | numpy copy GB/s |")
+    print("|---:|---|---|---:|---:|")
+    for row_bytes in (256, 1024, 2048, 4096, 16384, 65536):
+        cols, n = row_bytes // 4, nbytes // row_bytes
+        x = np.random.default_rng(0).random((n, cols), dtype=np.float32)
+        idx = list(range(n))
+        c.put(idx, {"x": x})
+        c.put(idx, {"x": x})
+        flat = np.zeros_like(x)
+        rows = np.zeros((n, 2, cols), np.float32)[:, 0]
+        items = np.zeros((n, 2 * cols), np.float32)[:, ::2]
+        for target, way, out, run in [
+            ("contiguous", "straight into place", flat, None),
+            ("every other row", "straight into place", rows, "1"),
+            ("every other row", "scratch, scatter", rows, str(1 << 62)),
+            ("every other element", "scratch, scatter", items, None),
+        ]:
+            if run is None:
+                os.environ.pop("STOWAGE_VECTORED_RUN", None)
+            else:
+                os.environ["STOWAGE_VECTORED_RUN"] = run
+            times = []
+            for _ in range(reps):
+                out[...] = 0
+                t = time.perf_counter()
+                c.get_into(idx, {"x": out})
+                times.append(time.perf_counter() - t)
+                if not np.array_equal(out, x):
+                    raise SystemExit(f"{target}, {way}: rows differ")
+            copies = []
+            for _ in range(reps):
+                t = time.perf_counter()
+                out[...] = x
+                copies.append(time.perf_counter() - t)
+            print(f"| {row_bytes} B | {target} | {way} | {x.nbytes / statistics.median(times) / 1e9:.2f} "
+                  f"| {x.nbytes / statistics.median(copies) / 1e9:.2f} |", flush=True)
+        os.environ.pop("STOWAGE_VECTORED_RUN", None)
+        c.clear(idx)
+        del x, flat, rows, items
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--stowd", default=os.path.join(ROOT, "target", "release", "stowd"))
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--scale", type=float, default=1.0)
+    ap.add_argument("--strided", action="store_true", help="only the strided get_into table (see above)")
     a = ap.parse_args()
     if client_mod._core is None:
         raise SystemExit("this Python's stowage has no Rust core: pip install ./clients/python")
@@ -120,6 +175,11 @@ def main() -> None:
                 raise SystemExit("stowd did not start")
             time.sleep(0.02)
         ep = json.load(open(eps))
+        if a.strided:
+            print(f"release stowd, 4 units, {a.reps} repetitions (median); load average {os.getloadavg()[0]:.2f}\n")
+            with stowage.Client(ep["native"], timeout=600) as c:
+                strided(c, a.reps, a.scale)
+            return
         rows = []
         cases = [(what, int(n * a.scale), cols) for what, n, cols in [("seed", 524288, 1024), ("16 KiB rows", 65536, 4096)]]
         cases = [(f"{what}: float32 [{n}, {cols}], {n * cols * 4 / 2**30:g} GiB", n, cols) for what, n, cols in cases]

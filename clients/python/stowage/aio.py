@@ -6,7 +6,7 @@ opens a new one (lazily, on the next call); the other requests in flight on
 the old socket then fail with `StowageTimeout` as well, since their replies
 can no longer arrive.
 
-Over tcp, `put`, `get` and `get_into` go through the Rust core instead, as
+Over tcp and ipc, `put`, `get` and `get_into` go through the Rust core instead, as
 `Client`'s do (the same conditions, `_Ops._core_serves`; the same request
 building, reply reading and error mapping, `_Ops._core_*`): `get_into`
 reads each field's bytes from the socket straight into the caller's
@@ -104,7 +104,7 @@ class AsyncClient(_Ops):
         self._channel_loop: asyncio.AbstractEventLoop | None = None
         self._channel_lock: asyncio.Lock | None = None
         self._inflight: set[int] = set()
-        # The Rust core (tcp put, get, get_into): its worker threads (made
+        # The Rust core (tcp and ipc put, get, get_into): its worker threads (made
         # on first use) and the connections no call is using.
         self._core_threads: ThreadPoolExecutor | None = None
         self._core_idle: list = []

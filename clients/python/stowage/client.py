@@ -14,7 +14,7 @@ import numpy as np
 import zmq
 
 # The Rust core (clients/python/core): stowd's codec for every envelope, and
-# tcp get, get_into and put without copies.
+# tcp and ipc get, get_into and put without copies.
 from . import _auth, _codec, _core, _put, _shm, _torch
 from .errors import (BadRequest, InternalError, ProtocolError, StowageError, StowageTimeout, Unsupported,
                      error_from_reply)
@@ -294,18 +294,18 @@ class _Ops:
     def _cleared(body: dict) -> int:
         return body["cleared"]
 
-    # -- through the Rust core (tcp put, get, get_into). What each call runs
+    # -- through the Rust core (tcp and ipc put, get, get_into). What each call runs
     # on a core `Connection` (`_run_get`, `_run_get_into`, `_run_send_many`) and
     # how its result reads are here once; `Client._core_call` runs it under
     # the client's lock, `AsyncClient._core_call` in a worker thread.
     def _core_serves(self, targets: dict | None = None) -> bool:
-        """Whether the Rust core carries this put, get or get_into: over tcp,
-        unless STOWAGE_PURE_PYTHON=1 (pyzmq carries them then; the codec is
-        the core's either way) (and, for get_into, into C-contiguous
-        arrays)."""
-        return (self._segments is None and self.endpoint.startswith("tcp://")
-                and os.environ.get("STOWAGE_PURE_PYTHON") != "1"
-                and all(a.flags.c_contiguous for _, a in (targets or {}).values()))
+        """Whether the Rust core carries this put, get or get_into: over tcp
+        or ipc, unless STOWAGE_PURE_PYTHON=1 (pyzmq carries them then; the
+        codec is the core's either way), and not in same-node mode. (`targets`
+        is accepted for older callers: the core fills any get_into array,
+        contiguous or strided.)"""
+        return (self._segments is None and self.endpoint.startswith(("tcp://", "ipc://"))
+                and os.environ.get("STOWAGE_PURE_PYTHON") != "1")
 
     def _core_failure(self, e: Exception, op: str, rid: int, timeout: float) -> StowageError:
         """A core call's failure (one of `_CORE_FAILURES`: the core dropped
@@ -368,13 +368,16 @@ class _Ops:
     @staticmethod
     def _core_plan(targets: dict) -> list:
         """A get_into's arrays as the core takes them: (field, accepted
-        dtypes, shape, the array's bytes)."""
+        dtypes, shape, the array: contiguous or strided, a dtype numpy
+        exports no buffer format for seen as uints of its size)."""
         plan = []
         for name, (dtype, a) in targets.items():
             accepted = [dtype]
             if dtype in _INT_NAMES:  # raw bits fill ints of their size
                 accepted += [b for b in _codec.BITS_DTYPES if _codec.WIRE_DTYPES[b].itemsize == a.dtype.itemsize]
-            plan.append((name, accepted, list(a.shape), a.reshape(-1).view(np.uint8)))
+            if a.dtype.kind not in "biufc":
+                a = a.view(f"u{a.dtype.itemsize}")
+            plan.append((name, accepted, list(a.shape), a))
         return plan
 
     def _core_got_into(self, rid: int, other) -> None:
@@ -479,7 +482,7 @@ class Client(_Ops):
     opening a new one, which drops anything still queued and ensures a late
     reply is never taken for the answer to a later request.
 
-    Calls over tcp through the Rust core await their reply by polling the
+    Calls through the Rust core (tcp and ipc) await their reply by polling the
     socket for up to `spin_us` microseconds (default 200, or the
     `STOWAGE_SPIN_US` environment variable) before sleeping: a client still
     running when the reply comes is not woken across CPUs, which is most of
@@ -510,7 +513,7 @@ class Client(_Ops):
         self._ctx = context or zmq.Context.instance()
         self._lock = threading.Lock()
         self._sock: zmq.Socket | None = self._connect()
-        # The Rust core's own connection, for tcp get, get_into and put (made on first use).
+        # The Rust core's own connection, for tcp and ipc get, get_into and put (made on first use).
         self._core: Any = None
 
     def _connect(self) -> zmq.Socket:
@@ -770,7 +773,7 @@ class Client(_Ops):
         itemsize, e.g. uint8 for a float8). Every byte is copied once,
         from the received frames straight into `out`. Returns `out`."""
         if self._core_serves():
-            # The usual get_into (numpy arrays or CPU tensors, C-contiguous):
+            # The usual get_into (numpy arrays or CPU tensors, contiguous or strided):
             # read and written by the core (False: not plainly that, nothing
             # sent; the general path below checks and words).
             ranges = self._ranges_ok

@@ -71,6 +71,16 @@ impl Held {
         unsafe { *self.0.strides }
     }
 
+    /// Every axis' stride in bytes (None when the exporter gave none: the
+    /// buffer is C-contiguous).
+    pub(crate) fn strides(&self) -> Option<Vec<isize>> {
+        if self.0.strides.is_null() {
+            return None;
+        }
+        // SAFETY: `ndim` strides the exporter keeps with the view.
+        Some(unsafe { std::slice::from_raw_parts(self.0.strides, self.ndim()) }.to_vec())
+    }
+
     pub(crate) fn ndim(&self) -> usize {
         self.0.ndim.max(0) as usize
     }

@@ -6,10 +6,10 @@
 
 use std::io::IoSlice;
 use std::net::TcpStream;
+use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyInt, PyList};
@@ -23,26 +23,87 @@ use crate::error::Fail;
 use crate::get::{GotTuple, arrays, get, get_reply};
 use crate::get_into::{Target, get_into};
 use crate::message::{Outgoing, REPLY_LIMITS, read_reply, send, send_pipelined, write_message};
-use crate::stream::{Stream, curve_fail};
+use crate::stream::{Socket, Stream, curve_fail};
 use crate::{fast, indexes};
 
-/// `tcp://host:port` -> `host:port`.
-fn address(endpoint: &str) -> PyResult<String> {
-    match endpoint.strip_prefix("tcp://") {
-        Some(a) if !a.is_empty() => Ok(a.to_string()),
-        _ => Err(PyValueError::new_err(format!(
-            "the Rust core speaks tcp only, not {endpoint:?}"
-        ))),
+/// Where a [`Connection`] connects: `tcp://host:port`, or `ipc://PATH`
+/// (a Unix stream socket at PATH, as ZeroMQ's ipc transport names it;
+/// `ipc://@NAME` is NAME in Linux's abstract namespace, as for ZeroMQ).
+enum Endpoint {
+    Tcp(String),
+    Ipc(String),
+}
+
+impl Endpoint {
+    fn parse(endpoint: &str) -> PyResult<Endpoint> {
+        let bad = || {
+            PyValueError::new_err(format!(
+                "the Rust core speaks tcp:// and ipc:// only, not {endpoint:?}"
+            ))
+        };
+        if let Some(a) = endpoint.strip_prefix("tcp://") {
+            return if a.is_empty() {
+                Err(bad())
+            } else {
+                Ok(Endpoint::Tcp(a.into()))
+            };
+        }
+        match endpoint.strip_prefix("ipc://") {
+            Some(p) if !p.is_empty() && p != "@" && p != "*" => Ok(Endpoint::Ipc(p.into())),
+            _ => Err(bad()),
+        }
+    }
+
+    /// The endpoint as the user wrote it (for error messages).
+    fn name(&self) -> String {
+        match self {
+            Endpoint::Tcp(a) => format!("tcp://{a}"),
+            Endpoint::Ipc(p) => format!("ipc://{p}"),
+        }
+    }
+
+    /// A new connection. The deadline bounds a tcp connect; a Unix
+    /// socket's connect returns at once, connected or refused (it
+    /// would wait only for a listener whose backlog is full).
+    fn connect(&self, deadline: Instant) -> Result<Socket, Fail> {
+        let cannot =
+            |e: std::io::Error| Fail::Io(format!("cannot connect to {}: {e}", self.name()));
+        match self {
+            Endpoint::Tcp(address) => {
+                let left = deadline.saturating_duration_since(Instant::now());
+                let addr = std::net::ToSocketAddrs::to_socket_addrs(address)
+                    .map_err(|e| Fail::Io(format!("{address}: {e}")))?
+                    .next()
+                    .ok_or_else(|| Fail::Io(format!("{address}: no address")))?;
+                let tcp = TcpStream::connect_timeout(&addr, left.max(Duration::from_millis(1)))
+                    .map_err(cannot)?;
+                let _ = tcp.set_nodelay(true);
+                Ok(Socket::Tcp(tcp))
+            }
+            Endpoint::Ipc(path) => {
+                let unix = match path.strip_prefix('@') {
+                    Some(name) => {
+                        use std::os::linux::net::SocketAddrExt;
+                        let addr = std::os::unix::net::SocketAddr::from_abstract_name(name)
+                            .map_err(cannot)?;
+                        UnixStream::connect_addr(&addr)
+                    }
+                    None => UnixStream::connect(path),
+                }
+                .map_err(cannot)?;
+                Ok(Socket::Unix(unix))
+            }
+        }
     }
 }
 
 /// One DEALER connection to a stowd native endpoint.
 #[pyclass(module = "stowage._core")]
 pub(crate) struct Connection {
-    address: String,
+    endpoint: Endpoint,
     spin: Duration,
     /// The connection kept between calls (with its read-ahead buffer).
-    tcp: Option<Stream>,
+    stream: Option<Stream>,
     /// stowd's token, presented at the handshake (ZMTP PLAIN) when stowd
     /// asks for credentials.
     token: Option<Vec<u8>>,
@@ -78,19 +139,12 @@ impl CurveKeys {
 
 impl Connection {
     fn connect(&mut self, deadline: Instant) -> Result<Stream, Fail> {
-        if let Some(mut s) = self.tcp.take() {
+        if let Some(mut s) = self.stream.take() {
             s.deadline = deadline;
             return Ok(s);
         }
-        let left = deadline.saturating_duration_since(Instant::now());
-        let addr = std::net::ToSocketAddrs::to_socket_addrs(&self.address)
-            .map_err(|e| Fail::Io(format!("{}: {e}", self.address)))?
-            .next()
-            .ok_or_else(|| Fail::Io(format!("{}: no address", self.address)))?;
-        let tcp = TcpStream::connect_timeout(&addr, left.max(Duration::from_millis(1)))
-            .map_err(|e| Fail::Io(format!("cannot connect to {}: {e}", self.address)))?;
-        let _ = tcp.set_nodelay(true);
-        let s = Stream::new(tcp, deadline, self.spin);
+        let sock = self.endpoint.connect(deadline)?;
+        let s = Stream::new(sock, deadline, self.spin);
         self.handshake(s)
     }
 
@@ -239,7 +293,7 @@ impl Connection {
     ) -> Result<(), Fail> {
         let mut s = self.connect(deadline)?;
         write_message(&mut s, frame0, frames)?;
-        self.tcp = Some(s);
+        self.stream = Some(s);
         Ok(())
     }
 
@@ -251,13 +305,13 @@ impl Connection {
         read: impl FnOnce(&mut Stream) -> Result<T, Fail>,
     ) -> Result<T, Fail> {
         let mut s = self
-            .tcp
+            .stream
             .take()
             .ok_or_else(|| Fail::Io("no request is waiting for its reply".into()))?;
         s.deadline = deadline;
         let result = read(&mut s);
         if result.is_ok() {
-            self.tcp = Some(s);
+            self.stream = Some(s);
         }
         result
     }
@@ -273,7 +327,7 @@ impl Connection {
         let mut s = self.connect(deadline)?;
         let result = call(&mut s);
         if result.is_ok() {
-            self.tcp = Some(s);
+            self.stream = Some(s);
         }
         result
     }
@@ -306,9 +360,9 @@ impl Connection {
             )));
         }
         Ok(Connection {
-            address: address(endpoint)?,
+            endpoint: Endpoint::parse(endpoint)?,
             spin: Duration::from_secs_f64(spin_us.min(1e9) / 1e6),
-            tcp: None,
+            stream: None,
             token: token.map(|t| t.as_bytes().to_vec()),
             curve: curve
                 .map(|(server, public, secret)| CurveKeys::from_z85(&server, &public, &secret))
@@ -318,7 +372,7 @@ impl Connection {
 
     /// Sends the get request `frame0` and reads the reply's rows straight
     /// into `targets`: a list of `(field, accepted dtype names, shape,
-    /// writable C-contiguous buffer)`. Returns None when the rows are in
+    /// writable buffer)`, contiguous or strided. Returns None when the rows are in
     /// place, or (the reply's frame 0, why this codec refused it or None)
     /// when stowd answered otherwise (an error, for the caller to decode). Raises ValueError when the reply
     /// does not fit the arrays (nothing written), TimeoutError and
@@ -334,23 +388,17 @@ impl Connection {
         let mut buffers = Vec::with_capacity(targets.len());
         let mut plan = Vec::with_capacity(targets.len());
         for (name, dtypes, shape, obj) in targets {
-            let buf = PyBuffer::<u8>::get(&obj)?;
-            if buf.readonly() || !buf.is_c_contiguous() {
+            let flags = pyo3::ffi::PyBUF_STRIDES | pyo3::ffi::PyBUF_WRITABLE;
+            let Ok(held) = Held::with_flags(&obj, flags) else {
                 return Err(PyValueError::new_err(format!(
-                    "get_into: out[{name:?}] must be writable and C-contiguous"
+                    "get_into: out[{name:?}] must be a writable buffer"
                 )));
-            }
+            };
             if dtypes.is_empty() {
                 return Err(PyValueError::new_err("no dtype given"));
             }
-            plan.push(Target {
-                name,
-                dtypes,
-                shape,
-                ptr: buf.buf_ptr() as usize,
-                len: buf.len_bytes(),
-            });
-            buffers.push(buf);
+            plan.push(Target::new(name, dtypes, shape, &held));
+            buffers.push(held);
         }
         let deadline = deadline_in(timeout);
         let frame0 = frame0.to_vec();
@@ -461,14 +509,7 @@ impl Connection {
             if shape.first() != Some(&n) {
                 return not_here();
             }
-            let bytes = held.bytes();
-            plan.push(Target {
-                name: name.extract()?,
-                dtypes,
-                shape,
-                ptr: bytes.as_ptr() as usize,
-                len: bytes.len(),
-            });
+            plan.push(Target::new(name.extract()?, dtypes, shape, &held));
             buffers.push(held);
         }
         let Ok(frame0) = native::encode_request_head(id, &head) else {
@@ -705,27 +746,27 @@ impl Connection {
     /// connecting first).
     #[getter]
     fn connected(&self) -> bool {
-        self.tcp.is_some()
+        self.stream.is_some()
     }
 
     /// The socket's descriptor (None: no connection), for an event loop
     /// to await the reply to a started call on.
     fn fileno(&self) -> Option<i32> {
-        self.tcp
+        self.stream
             .as_ref()
-            .map(|s| std::os::fd::AsRawFd::as_raw_fd(&s.tcp))
+            .map(|s| std::os::fd::AsRawFd::as_raw_fd(&s.sock))
     }
 
     /// Whether the whole reply to a started call has arrived, so that
     /// `finish_*` reads it without waiting (also true when the connection
     /// broke, or there is none: `finish_*` then says so).
     fn reply_ready(&mut self) -> bool {
-        self.tcp.as_mut().is_none_or(Stream::message_waiting)
+        self.stream.as_mut().is_none_or(Stream::message_waiting)
     }
 
     /// Drops the connection (the next call makes a new one).
     fn close(&mut self) {
-        self.tcp = None;
+        self.stream = None;
     }
 }
 

@@ -136,8 +136,8 @@ fn read_array(obj: &Bound<'_, PyAny>) -> Option<Array> {
 }
 
 /// A get_into's destination: a numpy array (or a CPU torch tensor that
-/// `.numpy()` shares memory with), writable, C-contiguous, of a dtype read
-/// here: (its dtype names accepted from stowd, its shape, its held
+/// `.numpy()` shares memory with), writable, contiguous or strided, of a
+/// dtype read here: (its dtype names accepted from stowd, its shape, its held
 /// buffer). An int array also takes the raw bits of the dtypes numpy has
 /// no type for, of its itemsize (`Client.get_into`).
 pub(crate) fn read_out(obj: &Bound<'_, PyAny>) -> Option<(Vec<String>, Vec<u64>, Held)> {
@@ -148,7 +148,7 @@ pub(crate) fn read_out(obj: &Bound<'_, PyAny>) -> Option<(Vec<String>, Vec<u64>,
         owned = tensor_numpy(obj)?;
         &owned
     };
-    let flags = ffi::PyBUF_C_CONTIGUOUS | ffi::PyBUF_FORMAT | ffi::PyBUF_WRITABLE;
+    let flags = ffi::PyBUF_STRIDES | ffi::PyBUF_FORMAT | ffi::PyBUF_WRITABLE;
     let held = Held::with_flags(obj, flags).ok()?;
     let dtype = dtype_of(held.format(), held.itemsize())?;
     let mut accepted = vec![dtype.name().to_owned()];

@@ -1,5 +1,5 @@
-//! The socket reader and writer: [`Stream`], a deadline-bound TCP stream
-//! with a read-ahead buffer. It reads ZMTP frame headers (parsed in place
+//! The socket reader and writer: [`Stream`], a deadline-bound stream (TCP,
+//! or a Unix stream socket for `ipc://`) with a read-ahead buffer. It reads ZMTP frame headers (parsed in place
 //! by stowd's framer, [`stowage_transport::frame`]) and frame bytes, long
 //! stretches straight from the socket to where they belong, and writes
 //! with `sendmsg` without blocking. What the bytes mean is the callers'
@@ -8,6 +8,8 @@
 use std::collections::VecDeque;
 use std::io::IoSlice;
 use std::net::TcpStream;
+use std::os::fd::{AsRawFd, RawFd};
+use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -29,6 +31,32 @@ pub(crate) const IOV_MAX: usize = 1024;
 /// small data frames come out of it, several per `recv`.
 const AHEAD: usize = 64 << 10;
 
+/// The socket under a [`Stream`]: a `tcp://` endpoint's, or an `ipc://`
+/// one's (a Unix stream socket; ZMTP is the same bytes over either). Every
+/// read and write goes through its descriptor.
+pub(crate) enum Socket {
+    Tcp(TcpStream),
+    Unix(UnixStream),
+}
+
+impl Socket {
+    fn set_read_timeout(&self, d: Option<Duration>) -> std::io::Result<()> {
+        match self {
+            Socket::Tcp(t) => t.set_read_timeout(d),
+            Socket::Unix(u) => u.set_read_timeout(d),
+        }
+    }
+}
+
+impl AsRawFd for Socket {
+    fn as_raw_fd(&self) -> RawFd {
+        match self {
+            Socket::Tcp(t) => t.as_raw_fd(),
+            Socket::Unix(u) => u.as_raw_fd(),
+        }
+    }
+}
+
 /// A deadline-bound stream. Reads go through a small read-ahead buffer,
 /// filled by a `recv` that does not block (and a `poll` until the deadline
 /// when nothing has come yet), except long stretches (at least half of
@@ -45,7 +73,7 @@ const AHEAD: usize = 64 << 10;
 /// `EAGAIN`, then `poll`) took a 1 GiB get_into at 2.45-2.91 GB/s where
 /// the blocking one took 2.83-3.08 (one-off check, alternating).
 pub(crate) struct Stream {
-    pub(crate) tcp: TcpStream,
+    pub(crate) sock: Socket,
     pub(crate) deadline: Instant,
     spin: Spin,
     /// Read ahead: bytes `pos..end` are received and not yet taken.
@@ -59,9 +87,9 @@ pub(crate) struct Stream {
 }
 
 impl Stream {
-    pub(crate) fn new(tcp: TcpStream, deadline: Instant, spin: Duration) -> Stream {
+    pub(crate) fn new(sock: Socket, deadline: Instant, spin: Duration) -> Stream {
         Stream {
-            tcp,
+            sock,
             deadline,
             spin: Spin::new(spin),
             ahead: vec![0u8; AHEAD].into_boxed_slice(),
@@ -112,8 +140,8 @@ impl Stream {
     /// read-ahead buffer used up.
     fn fill(&mut self) -> Result<(), Fail> {
         let n = match self.curve.as_deref_mut() {
-            None => recv_some(&self.tcp, &mut self.spin, self.deadline, &mut self.ahead)?,
-            Some(c) => c.read(&self.tcp, &mut self.spin, self.deadline, &mut self.ahead)?,
+            None => recv_some(&self.sock, &mut self.spin, self.deadline, &mut self.ahead)?,
+            Some(c) => c.read(&self.sock, &mut self.spin, self.deadline, &mut self.ahead)?,
         };
         (self.pos, self.end) = (0, n);
         Ok(())
@@ -125,20 +153,14 @@ impl Stream {
     fn recv_all(&mut self, iov: &mut [libc::iovec]) -> Result<usize, Fail> {
         loop {
             let left = self.left()?;
-            self.tcp.set_read_timeout(Some(left)).map_err(Stream::io)?;
+            self.sock.set_read_timeout(Some(left)).map_err(Stream::io)?;
             // SAFETY: an all-zero msghdr is valid (no name, no control data).
             let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
             msg.msg_iov = iov.as_mut_ptr();
             msg.msg_iovlen = iov.len() as _;
             // SAFETY: every iovec names caller-owned writable bytes, alive
             // for the call (`read_scattered`'s contract).
-            let n = unsafe {
-                libc::recvmsg(
-                    std::os::fd::AsRawFd::as_raw_fd(&self.tcp),
-                    &mut msg,
-                    libc::MSG_WAITALL,
-                )
-            };
+            let n = unsafe { libc::recvmsg(self.sock.as_raw_fd(), &mut msg, libc::MSG_WAITALL) };
             match n {
                 0 => return Err(Fail::Io("stowd closed the connection".into())),
                 n if n > 0 => return Ok(n as usize),
@@ -194,7 +216,7 @@ impl Stream {
                 // (contract), which nothing else touches for the call.
                 let place =
                     unsafe { std::slice::from_raw_parts_mut((dest + off) as *mut u8, len - off) };
-                let k = c.read(&self.tcp, &mut self.spin, self.deadline, place)?;
+                let k = c.read(&self.sock, &mut self.spin, self.deadline, place)?;
                 off += k;
                 left -= k;
             } else if left >= AHEAD / 2 {
@@ -290,7 +312,7 @@ impl Stream {
                 Ok(n) => IoSlice::advance_slices(&mut slices, n),
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => wait(
-                    &self.tcp,
+                    &self.sock,
                     self.deadline,
                     libc::POLLOUT,
                     "could not send within the timeout",
@@ -313,7 +335,7 @@ impl Stream {
         // SAFETY: `msg` points at `slices`, alive and unchanged for the call.
         let n = unsafe {
             libc::sendmsg(
-                std::os::fd::AsRawFd::as_raw_fd(&self.tcp),
+                self.sock.as_raw_fd(),
                 &msg,
                 libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
             )
@@ -348,9 +370,9 @@ impl Stream {
     /// reader that may wait).
     pub(crate) fn message_waiting(&mut self) -> bool {
         if let Some(c) = self.curve.as_deref_mut() {
-            return c.message_waiting(&self.tcp, &self.ahead[self.pos..self.end]);
+            return c.message_waiting(&self.sock, &self.ahead[self.pos..self.end]);
         }
-        let fd = std::os::fd::AsRawFd::as_raw_fd(&self.tcp);
+        let fd = self.sock.as_raw_fd();
         let mut queued: libc::c_int = 0;
         // SAFETY: FIONREAD writes one int.
         if unsafe { libc::ioctl(fd, libc::FIONREAD, &mut queued) } != 0 {
@@ -484,12 +506,12 @@ const CURVE_WIRE: usize = 256 << 10;
 /// Receives whatever comes first into `buf` (waiting, spinning first, in
 /// `poll` until the deadline if nothing has come yet): how many bytes.
 fn recv_some(
-    tcp: &TcpStream,
+    sock: &Socket,
     spin: &mut Spin,
     deadline: Instant,
     buf: &mut [u8],
 ) -> Result<usize, Fail> {
-    let fd = std::os::fd::AsRawFd::as_raw_fd(tcp);
+    let fd = sock.as_raw_fd();
     loop {
         // SAFETY: `buf` is valid for writes of its length for the call.
         let n = unsafe { libc::recv(fd, buf.as_mut_ptr().cast(), buf.len(), libc::MSG_DONTWAIT) };
@@ -500,7 +522,7 @@ fn recv_some(
                 e if e.kind() == std::io::ErrorKind::Interrupted => {}
                 e if e.kind() == std::io::ErrorKind::WouldBlock => {
                     if !spin.wait(fd, deadline) {
-                        wait(tcp, deadline, libc::POLLIN, "no reply within the timeout")?
+                        wait(sock, deadline, libc::POLLIN, "no reply within the timeout")?
                     }
                 }
                 e => return Err(Stream::io(e)),
@@ -556,7 +578,7 @@ impl Curve {
     /// MESSAGE commands until there is some: how many bytes.
     fn read(
         &mut self,
-        tcp: &TcpStream,
+        sock: &Socket,
         spin: &mut Spin,
         deadline: Instant,
         out: &mut [u8],
@@ -578,7 +600,7 @@ impl Curve {
             if let Some(m) = &self.broken {
                 return Err(Fail::Protocol(m.clone()));
             }
-            let n = recv_some(tcp, spin, deadline, &mut self.wire)?;
+            let n = recv_some(sock, spin, deadline, &mut self.wire)?;
             let wire = std::mem::take(&mut self.wire);
             self.take_wire(&wire[..n]);
             self.wire = wire;
@@ -592,8 +614,8 @@ impl Curve {
     /// frame was refused (the read then says so); false while more than
     /// [`PEEK_MAX`] bytes of plaintext wait and the socket has more (it is
     /// then still readable, so an event loop waiting for it wakes).
-    fn message_waiting(&mut self, tcp: &TcpStream, ahead: &[u8]) -> bool {
-        let fd = std::os::fd::AsRawFd::as_raw_fd(tcp);
+    fn message_waiting(&mut self, sock: &Socket, ahead: &[u8]) -> bool {
+        let fd = sock.as_raw_fd();
         loop {
             if self.broken.is_some() {
                 return true;

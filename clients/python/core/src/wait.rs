@@ -1,7 +1,7 @@
 //! Waiting for the socket: [`Spin`], polling for a reply a short while
 //! before sleeping, and [`wait`], a `poll(2)` until the deadline.
 
-use std::net::TcpStream;
+use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
 
 use crate::error::Fail;
@@ -72,7 +72,7 @@ impl Spin {
 /// which the next read or write returns), or the deadline: then a timeout
 /// saying `late`.
 pub(crate) fn wait(
-    tcp: &TcpStream,
+    sock: &impl AsRawFd,
     deadline: Instant,
     events: libc::c_short,
     late: &str,
@@ -84,7 +84,7 @@ pub(crate) fn wait(
     // Rounded up: a wait never ends just short of the deadline to spin.
     let ms = left.as_millis().saturating_add(1).min(i32::MAX as u128) as i32;
     let mut fd = libc::pollfd {
-        fd: std::os::fd::AsRawFd::as_raw_fd(tcp),
+        fd: sock.as_raw_fd(),
         events,
         revents: 0,
     };
