@@ -11,6 +11,7 @@
 //! | [`data`] | deterministic test batches and their expected rows |
 //! | [`load`] | concurrent load with a model of every key: mismatches, rates, latencies, memory |
 //! | [`prom`] | a strict Prometheus text-format parser and an HTTP scrape |
+//! | [`netns`] | network namespaces standing in for other hosts, joined by veth pairs |
 
 use std::path::PathBuf;
 

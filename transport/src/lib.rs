@@ -1,5 +1,5 @@
-//! The ZeroMQ transport: ZMTP 3.0 (NULL security) spoken by `stowd`
-//! itself, over tcp and ipc, with a ROUTER for serving and a DEALER
+//! The ZeroMQ transport: ZMTP 3.0 (NULL, PLAIN and CURVE security) spoken
+//! by `stowd` itself, over tcp and ipc, with a ROUTER for serving and a DEALER
 //! ([`Peer`]) for talking to remote units. Any ZeroMQ 4.x peer (libzmq,
 //! pyzmq, the `zeromq` crate) talks to it.
 //!
@@ -38,7 +38,9 @@
 //! | module | what it holds |
 //! |---|---|
 //! | [`frame`] | ZMTP 3.0 framing without I/O: frame headers parsed from byte slices and written into buffers, the greeting, commands and READY (also the Python client's core's framer) |
-//! | [`zmtp`] | the same over a tokio byte stream: the frame reader, the message writers, the handshake |
+//! | [`zmtp`] | the same over a tokio byte stream: the frame reader, the message writers, the handshake (NULL, PLAIN, CURVE) |
+//! | [`curve`] | CurveZMQ without I/O: keys, both sides of the handshake, the MESSAGE codecs |
+//! | [`curve_io`] | CURVE's codecs over a connection's tokio halves, after its handshake |
 //! | [`pool`] | the bounded pool of resident pages large received frames go into |
 //! | [`table`] | the connection table of one listening socket: caps, eviction, idle timeout |
 //! | [`socket`] | the byte stream (tcp or a unix socket), [`bind`] and its [`Listener`] |
