@@ -35,6 +35,12 @@ only that call's connection, not the requests in flight on the DEALER.
 return, so no thread writes into a caller's array after it; calls still
 queued then fail with "the client was closed".
 
+stats, checkpoint, restore and clear (and same-node's request for its
+descriptor channel) go through the core over tcp and ipc, same-node mode
+too: as small calls (below), or, every in-loop connection busy, in a
+worker thread; their requests written and replies read by the core
+(`_core.Connection.start_call`, `finish_call`, `call`).
+
 Small calls take neither the worker thread nor the DEALER: the hop to a
 worker thread and back cost about 56 µs (an async get of one 4 KiB row
 took 237 µs through the core against 168 µs through pyzmq), and pyzmq's
@@ -250,7 +256,7 @@ class AsyncClient(_Ops):
         if self._segments.channel is not None:  # closed: forget it and its reader
             self._close_channel()
         try:
-            body, _ = await self._call("channel", {}, (), None, "channel_ok")
+            body = await self._ask("channel", {}, None, "channel_ok")
         except Unsupported as e:
             raise self._no_channel(e) from None
         loop = asyncio.get_running_loop()

@@ -309,9 +309,11 @@ class _Ops:
 
     def _core_carries(self) -> bool:
         """Whether the Rust core carries the calls that move no rows (stats,
-        checkpoint, restore, clear): over tcp or ipc, in same-node mode too
-        (their replies never name segments) and whatever
-        STOWAGE_PURE_PYTHON says (which picks the transport of rows only)."""
+        checkpoint, restore, clear, and same-node's `channel` request, which
+        names the channel by a token, not by the connection): over tcp or
+        ipc, in same-node mode too (their replies never name segments), and
+        whatever STOWAGE_PURE_PYTHON says (which picks the transport of rows
+        only)."""
         return self.endpoint.startswith(("tcp://", "ipc://"))
 
     def _core_answer(self, rid: int, got: tuple, expect: str) -> dict:
@@ -571,7 +573,7 @@ class Client(_Ops):
         if not self._channel_needed():
             return
         try:
-            body, _ = self._call("channel", {}, (), None, "channel_ok")
+            body = self._ask("channel", {}, None, "channel_ok")
         except Unsupported as e:
             raise self._no_channel(e) from None
         self._segments.channel = _shm.Channel(self._channel_path(body), self.timeout)
