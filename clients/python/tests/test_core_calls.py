@@ -220,3 +220,34 @@ def test_a_same_node_clients_small_calls_go_through_the_core(shm_endpoint, fresh
             assert await c.clear(idx) == 3
 
     asyncio.run(main())
+
+
+def test_the_same_clients_go_on_after_stowd_restarts(tmp_path):
+    """A core connection stowd closed while it sat idle (stowd restarted on
+    the same endpoint) is not reused: the next call connects anew, as pyzmq
+    reconnects, instead of failing on the closed one."""
+    import socket as pysocket
+    with pysocket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ep = f"tcp://127.0.0.1:{port}"
+    x = np.arange(8, dtype=np.float32).reshape(2, 4)
+    c = stowage.Client(ep, timeout=20)
+    ac = stowage.AsyncClient(ep, timeout=20)
+
+    async def use(life):
+        assert (await ac.stats())["rows"] == 2
+        assert await ac.clear([2, 3]) == 0
+
+    try:
+        for life in range(2):
+            with run_stowd(tmp_path / f"life{life}", config=f"[server]\nnative_port = {port}\n"):
+                assert c.stats()["rows"] == 0
+                c.put([0, 1], {"x": x + life})
+                assert c._core is not None and c._core.connected
+                assert c.stats()["rows"] == 2
+                asyncio.run(use(life))
+                assert c.clear([0, 1]) == 2
+    finally:
+        c.close()
+        ac.close()

@@ -142,8 +142,12 @@ impl CurveKeys {
 impl Connection {
     fn connect(&mut self, deadline: Instant) -> Result<Stream, Fail> {
         if let Some(mut s) = self.stream.take() {
-            s.deadline = deadline;
-            return Ok(s);
+            // A connection stowd closed while it sat idle (it exited or
+            // restarted) is dropped for a new one, as pyzmq reconnects.
+            if !s.peer_closed() {
+                s.deadline = deadline;
+                return Ok(s);
+            }
         }
         let sock = self.endpoint.connect(deadline)?;
         let s = Stream::new(sock, deadline, self.spin);
