@@ -11,7 +11,18 @@
 optional and used only when a torch tensor is passed in or asked for.
 """
 
-from . import _core
+try:
+    from . import _core
+except ImportError as _e:
+    # The Rust core carries every call and writes and reads every envelope:
+    # there is no client without it.
+    raise ImportError(
+        f"stowage cannot import its Rust core, the extension stowage._core (_core.abi3.so in {__path__[0]}): "
+        f"{_e}. The client has no way without it. Install a wheel built by `cargo xtask wheel` "
+        "(`pip install target/wheels/stowage-*.whl`), or, from the repository root, "
+        "`pip install ./clients/python -C stowd=skip` (builds the core; needs Rust); in a source checkout, "
+        "`cargo xtask test` builds a debug core into clients/python/stowage/."
+    ) from _e
 from ._codec import BITS_DTYPES, WIRE_DTYPES, BFloat16Bits, Bits, FrameSource, Packed
 from .aio import AsyncClient
 from .client import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TIMEOUT, Client

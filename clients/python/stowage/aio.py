@@ -35,6 +35,12 @@ only that call's connection, not the requests in flight on the DEALER.
 return, so no thread writes into a caller's array after it; calls still
 queued then fail with "the client was closed".
 
+stats, checkpoint, restore and clear (and same-node's request for its
+descriptor channel) go through the core over tcp and ipc, same-node mode
+too: as small calls (below), or, every in-loop connection busy, in a
+worker thread; their requests written and replies read by the core
+(`_core.Connection.start_call`, `finish_call`, `call`).
+
 Small calls take neither the worker thread nor the DEALER: the hop to a
 worker thread and back cost about 56 µs (an async get of one 4 KiB row
 took 237 µs through the core against 168 µs through pyzmq), and pyzmq's
@@ -250,7 +256,7 @@ class AsyncClient(_Ops):
         if self._segments.channel is not None:  # closed: forget it and its reader
             self._close_channel()
         try:
-            body, _ = await self._call("channel", {}, (), None, "channel_ok")
+            body = await self._ask("channel", {}, None, "channel_ok")
         except Unsupported as e:
             raise self._no_channel(e) from None
         loop = asyncio.get_running_loop()
@@ -433,13 +439,28 @@ class AsyncClient(_Ops):
         sent = (await self._core_call("put", None, timeout, _run_send_many(self._ids, messages)))[1]
         self._core_put_replies(put, messages, sent, t)
 
+    async def _ask(self, op: str, body: dict, timeout, expect: str) -> dict:
+        """See `Client._ask`: through the core, its reply awaited by this
+        event loop (`_in_loop`), or, every such connection busy, in a
+        worker thread (`_core_call`)."""
+        if not self._core_carries():
+            return (await self._call(op, body, (), timeout, expect))[0]
+        if self._loop_idle is not None:
+            got = await self._in_loop(op, timeout, lambda conn, rid, t: conn.start_call(op, rid, body, t),
+                                      lambda conn, rid, _, t: conn.finish_call(rid, t))
+            if got is not None:
+                return self._core_answer(*got, expect)
+        rid, got = await self._core_call(op, None, timeout, lambda core, rid, t: core.call(op, rid, body, t))
+        return self._core_answer(rid, got, expect)
+
     async def _in_loop(self, op: str, timeout, start, finish):
         """A small call on a core connection of its own, its reply awaited
         by this event loop (no worker thread, no DEALER): `start(conn, rid,
         time left)` writes the request (None: not this call's to make,
         nothing sent); once the socket is readable and the whole reply has
         arrived, `finish(conn, rid, what start returned, time left)` reads
-        it without waiting. (rid, what finish returned), or None: started
+        it without waiting (None from `finish`: a reply to another request,
+        dropped; the next is awaited). (rid, what finish returned), or None: started
         nothing, or every in-loop connection is busy (the caller takes
         another way). A reply that arrives in pieces is read in a worker
         thread. Cancelled or timed out, the connection is dropped (its
@@ -463,23 +484,25 @@ class AsyncClient(_Ops):
             if started is None:
                 keep = True
                 return None
-            if not conn.reply_ready():
-                fd = conn.fileno()
-                woken = loop.create_future()
-                loop.add_reader(fd, _wake, woken)
-                timer = loop.call_at(deadline, _wake, woken)
-                try:
-                    await woken
-                finally:
-                    loop.remove_reader(fd)
-                    timer.cancel()
-            left = deadline - loop.time()
-            if left <= 0:
-                raise TimeoutError
-            if conn.reply_ready():
-                got = finish(conn, rid, started, left)
-            else:
-                got = await loop.run_in_executor(self._threads(), finish, conn, rid, started, left)
+            got = None
+            while got is None:  # None: a stray reply, dropped; the next awaited
+                if not conn.reply_ready():
+                    fd = conn.fileno()
+                    woken = loop.create_future()
+                    loop.add_reader(fd, _wake, woken)
+                    timer = loop.call_at(deadline, _wake, woken)
+                    try:
+                        await woken
+                    finally:
+                        loop.remove_reader(fd)
+                        timer.cancel()
+                left = deadline - loop.time()
+                if left <= 0:
+                    raise TimeoutError
+                if conn.reply_ready():
+                    got = finish(conn, rid, started, left)
+                else:
+                    got = await loop.run_in_executor(self._threads(), finish, conn, rid, started, left)
             keep = True
             return rid, got
         except _CORE_FAILURES as e:
@@ -543,24 +566,20 @@ class AsyncClient(_Ops):
 
     async def clear(self, global_indexes, fields=None, *, timeout: float | None = None) -> int:
         """See `Client.clear`."""
-        body, _ = await self._call("clear", self._clear_request(global_indexes, fields), (), timeout, "clear_ok")
-        return self._cleared(body)
+        return self._cleared(await self._ask("clear", self._clear_request(global_indexes, fields), timeout, "clear_ok"))
 
     async def checkpoint(self, dir: str, *, journal: bool = True, timeout: float | None = None) -> dict:
         """See `Client.checkpoint`."""
-        body, _ = await self._call("checkpoint", self._checkpoint_body(dir, journal), (), timeout, "checkpoint_ok")
-        return body
+        return await self._ask("checkpoint", self._checkpoint_body(dir, journal), timeout, "checkpoint_ok")
 
     async def restore(self, dir: str, *, timeout: float | None = None) -> dict:
         """See `Client.restore`."""
-        body, _ = await self._call("restore", {"dir": _abs_dir(dir)}, (), timeout, "restore_ok")
-        return body
+        return await self._ask("restore", {"dir": _abs_dir(dir)}, timeout, "restore_ok")
 
     async def stats(self, *, timeout: float | None = None) -> dict:
         """See `Client.stats` (the same dict of ints, and of dicts per plugin
         and chain)."""
-        body, _ = await self._call("stats", {}, (), timeout, "stats_ok")
-        return body
+        return await self._ask("stats", {}, timeout, "stats_ok")
 
 
 def _wake(fut: asyncio.Future) -> None:

@@ -307,6 +307,28 @@ class _Ops:
         return (self._segments is None and self.endpoint.startswith(("tcp://", "ipc://"))
                 and os.environ.get("STOWAGE_PURE_PYTHON") != "1")
 
+    def _core_carries(self) -> bool:
+        """Whether the Rust core carries the calls that move no rows (stats,
+        checkpoint, restore, clear, and same-node's `channel` request, which
+        names the channel by a token, not by the connection): over tcp or
+        ipc, in same-node mode too (their replies never name segments), and
+        whatever STOWAGE_PURE_PYTHON says (which picks the transport of rows
+        only)."""
+        return self.endpoint.startswith(("tcp://", "ipc://"))
+
+    def _core_answer(self, rid: int, got: tuple, expect: str) -> dict:
+        """The body of a reply the core's `call` read, (frame 0 decoded or
+        why the codec refused it, how many frames), checked as `_call`
+        checks one: an error reply raised as it says."""
+        env, frames = got
+        if type(env) is str:
+            raise ProtocolError(f"malformed reply: {env}", request_id=rid)
+        body = self._reply_body(env, expect, rid)
+        if "segments" in env:
+            raise ProtocolError("the reply carries shared-memory segments, but this call asked for none",
+                                request_id=rid)
+        return body
+
     def _core_failure(self, e: Exception, op: str, rid: int, timeout: float) -> StowageError:
         """A core call's failure (one of `_CORE_FAILURES`: the core dropped
         its connection) in the client's words."""
@@ -551,7 +573,7 @@ class Client(_Ops):
         if not self._channel_needed():
             return
         try:
-            body, _ = self._call("channel", {}, (), None, "channel_ok")
+            body = self._ask("channel", {}, None, "channel_ok")
         except Unsupported as e:
             raise self._no_channel(e) from None
         self._segments.channel = _shm.Channel(self._channel_path(body), self.timeout)
@@ -800,13 +822,20 @@ class Client(_Ops):
     def clear(self, global_indexes, fields=None, *, timeout: float | None = None) -> int:
         """Drops the given fields (all fields if None) of the given indexes;
         returns how many (index, field) values were dropped."""
-        if self._core_serves():
+        if self._core_carries():
             rid, got = self._core_call("clear", None, timeout, lambda core, rid, t: core.clear_fast(
                 rid, global_indexes, fields, t))
             if got is not None:
                 return got if type(got) is int else self._core_refused(rid, got, "clear_ok")
-        body, _ = self._call("clear", self._clear_request(global_indexes, fields), (), timeout, "clear_ok")
-        return self._cleared(body)
+        return self._cleared(self._ask("clear", self._clear_request(global_indexes, fields), timeout, "clear_ok"))
+
+    def _ask(self, op: str, body: dict, timeout, expect: str) -> dict:
+        """A call that moves no rows: through the core (`_core_carries`),
+        request and reply, else through pyzmq; the reply's body."""
+        if not self._core_carries():
+            return self._call(op, body, (), timeout, expect)[0]
+        rid, got = self._core_call(op, None, timeout, lambda core, rid, t: core.call(op, rid, body, t))
+        return self._core_answer(rid, got, expect)
 
     def checkpoint(self, dir: str, *, journal: bool = True, timeout: float | None = None) -> dict:
         """Writes a checkpoint of every row of every unit of this stowd to
@@ -827,16 +856,14 @@ class Client(_Ops):
         since (TransferQueue's checkpoint semantics); restoring one stops
         the journals of earlier journaled checkpoints, which can then no
         longer be restored. A snapshot's directory may be moved."""
-        body, _ = self._call("checkpoint", self._checkpoint_body(dir, journal), (), timeout, "checkpoint_ok")
-        return body
+        return self._ask("checkpoint", self._checkpoint_body(dir, journal), timeout, "checkpoint_ok")
 
     def restore(self, dir: str, *, timeout: float | None = None) -> dict:
         """Replaces every unit's rows with the last checkpoint in `dir`
         (see `checkpoint`). Indexes written or cleared after that checkpoint
         are not restored: a get of one raises `DataLost` until it is put
         again. Returns ``{"dir", "seq", "rows", "lost"}``."""
-        body, _ = self._call("restore", {"dir": _abs_dir(dir)}, (), timeout, "restore_ok")
-        return body
+        return self._ask("restore", {"dir": _abs_dir(dir)}, timeout, "restore_ok")
 
     def stats(self, *, timeout: float | None = None) -> dict:
         """The server's counters, as `docs/protocol-stowage1.md` lists them.
@@ -859,8 +886,7 @@ class Client(_Ops):
              "backoff_max_ms": 300000, "allow_missing": False,
              "missing_select": [], "missing_pack": []}
         """
-        body, _ = self._call("stats", {}, (), timeout, "stats_ok")
-        return body
+        return self._ask("stats", {}, timeout, "stats_ok")
 
 
 def _abs_dir(dir) -> str:

@@ -171,3 +171,40 @@ def test_the_client_works_without_torch(endpoint, fresh):
         print("ok")
     """, endpoint, str(fresh(3)).replace(" ", ""))
     assert out.returncode == 0 and out.stdout.split() == ["ok"], out.stderr[-3000:]
+
+
+def _copy_without_core(tmp_path: Path, core: bytes | None) -> Path:
+    """The package copied into `tmp_path` with no Rust core (`core` None) or
+    with `core` as a `_core.abi3.so` that cannot load."""
+    import shutil
+    dest = tmp_path / "stowage"
+    shutil.copytree(PACKAGE, dest, ignore=shutil.ignore_patterns("_core*.so", "__pycache__", "_bin"))
+    assert not list(dest.glob("_core*"))
+    if core is not None:
+        (dest / "_core.abi3.so").write_bytes(core)
+    return tmp_path
+
+
+@pytest.mark.parametrize("core", [None, b"not a shared object\n" * 256], ids=["missing", "unloadable"])
+def test_import_without_the_core_fails_saying_how_to_get_it(tmp_path, core):
+    """There is no pure-Python client: without its core (missing, or a file
+    that does not load), `import stowage` fails at once, saying how to get
+    one, rather than falling back."""
+    root = _copy_without_core(tmp_path, core)
+    env = dict(os.environ, PYTHONPATH=str(root))
+    env.pop("STOWAGE_PURE_PYTHON", None)
+    r = subprocess.run([sys.executable, "-c", "import stowage"], cwd=root, env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0, r.stdout
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("ImportError: stowage cannot import its Rust core"), r.stderr
+    assert str(root / "stowage") in last, last
+    for how in ("cargo xtask wheel", "pip install ./clients/python -C stowd=skip", "cargo xtask test"):
+        assert how in last, (how, last)
+    if core is not None:
+        assert "_core.abi3.so" in last and "invalid ELF header" in last, last
+    # The same with STOWAGE_PURE_PYTHON=1: it picks a transport, not a client without the core.
+    env["STOWAGE_PURE_PYTHON"] = "1"
+    r = subprocess.run([sys.executable, "-c", "import stowage.client"], cwd=root, env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "stowage cannot import its Rust core" in r.stderr, r.stderr

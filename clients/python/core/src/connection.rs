@@ -1,8 +1,10 @@
 //! [`Connection`], `_core.Connection`: one DEALER connection to a stowd
 //! native endpoint, made on first use (the ZMTP handshake) and kept between
 //! calls, and its Python methods: `get`, `get_arrays`, `get_into`, `send`,
-//! `send_many`, the fast paths ([`crate::fast`]) and the started calls an
-//! event loop awaits (`start_*`, `reply_ready`, `fileno`, `finish_*`).
+//! `send_many`, `call` (a request that moves no rows, written and its
+//! reply read with stowd's codec), the fast paths ([`crate::fast`]) and the
+//! started calls an event loop awaits (`start_*`, `reply_ready`, `fileno`,
+//! `finish_*`).
 
 use std::io::IoSlice;
 use std::net::TcpStream;
@@ -12,19 +14,19 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyInt, PyList};
+use pyo3::types::{PyBytes, PyDict, PyInt, PyList};
 use stowage_transport::curve::{self, ClientHandshake, Keypair};
 use stowage_transport::frame;
 use stowage_transport::zmtp;
 use stowage_wire::native::{self, ReplyLayout};
 
 use crate::buffer::{Held, hold_frames};
-use crate::error::Fail;
+use crate::error::{Fail, ProtocolViolation};
 use crate::get::{GotTuple, arrays, get, get_reply};
 use crate::get_into::{Target, get_into};
 use crate::message::{Outgoing, REPLY_LIMITS, read_reply, send, send_pipelined, write_message};
 use crate::stream::{Socket, Stream, curve_fail};
-use crate::{fast, indexes};
+use crate::{codec, fast, indexes};
 
 /// Where a [`Connection`] connects: `tcp://host:port`, or `ipc://PATH`
 /// (a Unix stream socket at PATH, as ZeroMQ's ipc transport names it;
@@ -140,8 +142,12 @@ impl CurveKeys {
 impl Connection {
     fn connect(&mut self, deadline: Instant) -> Result<Stream, Fail> {
         if let Some(mut s) = self.stream.take() {
-            s.deadline = deadline;
-            return Ok(s);
+            // A connection stowd closed while it sat idle (it exited or
+            // restarted) is dropped for a new one, as pyzmq reconnects.
+            if !s.peer_closed() {
+                s.deadline = deadline;
+                return Ok(s);
+            }
         }
         let sock = self.endpoint.connect(deadline)?;
         let s = Stream::new(sock, deadline, self.spin);
@@ -280,6 +286,22 @@ impl Connection {
             |r| matches!(r, native::Reply::PutOk { rows: r } if *r == rows),
             rows,
         )
+    }
+
+    /// Writes the request `op` with `body` (see `call`) and keeps the
+    /// connection for its reply.
+    fn call_begin(
+        &mut self,
+        py: Python<'_>,
+        op: &str,
+        id: u64,
+        body: &Bound<'_, PyDict>,
+        deadline: Instant,
+    ) -> PyResult<()> {
+        let frame0 = codec::encode_request(py, op, id, body, None)?;
+        let frame0 = frame0.as_bytes().to_vec();
+        py.detach(|| self.begin(deadline, &frame0, &[]))?;
+        Ok(())
     }
 
     /// Writes a request (`frame0` and its data `frames`) and keeps the
@@ -757,6 +779,62 @@ impl Connection {
             .map(|s| std::os::fd::AsRawFd::as_raw_fd(&s.sock))
     }
 
+    /// A request that moves no rows (stats, checkpoint, restore, clear,
+    /// channel): `op` with `body` as `encode_request` takes them, request
+    /// id `id`, written by stowd's codec, and the reply that answers it read
+    /// whole: (its frame 0 as `decode_reply` gives it, or why the codec
+    /// refused it as a str; how many frames the reply has). A reply to
+    /// another request (a peer's stray) is dropped and the next one read;
+    /// an error reply of id 0 (to a request stowd could not read) answers
+    /// it. Raises TimeoutError and ConnectionError as `send` (the
+    /// connection is dropped).
+    fn call<'py>(
+        &mut self,
+        py: Python<'py>,
+        op: &str,
+        id: u64,
+        body: &Bound<'py, PyDict>,
+        timeout: f64,
+    ) -> PyResult<(Bound<'py, PyAny>, usize)> {
+        let deadline = deadline_in(timeout);
+        self.call_begin(py, op, id, body, deadline)?;
+        loop {
+            let reply = py.detach(|| self.resume(deadline, read_reply))?;
+            if let Some(got) = answer(py, id, &reply)? {
+                return Ok(got);
+            }
+        }
+    }
+
+    /// The first half of `call`, for an event loop that awaits the reply
+    /// itself: the request written (the connection made first if there is
+    /// none). Then `reply_ready`, `fileno` and `finish_call`.
+    fn start_call<'py>(
+        &mut self,
+        py: Python<'py>,
+        op: &str,
+        id: u64,
+        body: &Bound<'py, PyDict>,
+        timeout: f64,
+    ) -> PyResult<bool> {
+        self.call_begin(py, op, id, body, deadline_in(timeout))?;
+        Ok(true)
+    }
+
+    /// The second half of `call`: one reply read whole; what `call`
+    /// returns when it answers request `id`, else None (a stray, dropped:
+    /// the caller awaits the next).
+    fn finish_call<'py>(
+        &mut self,
+        py: Python<'py>,
+        id: u64,
+        timeout: f64,
+    ) -> PyResult<Option<(Bound<'py, PyAny>, usize)>> {
+        let deadline = deadline_in(timeout);
+        let reply = py.detach(|| self.resume(deadline, read_reply))?;
+        answer(py, id, &reply)
+    }
+
     /// Whether the whole reply to a started call has arrived, so that
     /// `finish_*` reads it without waiting (also true when the connection
     /// broke, or there is none: `finish_*` then says so).
@@ -793,6 +871,34 @@ fn settled<'py>(
     }
     let frames: Vec<Bound<'py, PyBytes>> = reply.iter().map(|f| PyBytes::new(py, f)).collect();
     Ok(PyList::new(py, frames)?.into_any())
+}
+
+/// A reply read whole, for `call`: (frame 0 decoded, or why the codec
+/// refused it; how many frames) when it answers request `id` (its id, or
+/// an error of id 0; a frame 0 the codec refuses counts as the answer),
+/// else None.
+fn answer<'py>(
+    py: Python<'py>,
+    id: u64,
+    reply: &[Vec<u8>],
+) -> PyResult<Option<(Bound<'py, PyAny>, usize)>> {
+    let env = match codec::decode_reply(py, &reply[0]) {
+        Ok(env) => env,
+        Err(e) if e.is_instance_of::<ProtocolViolation>(py) => {
+            return Ok(Some((e.value(py).str()?.into_any(), reply.len())));
+        }
+        Err(e) => return Err(e),
+    };
+    let field = |key: &str| {
+        env.get_item(key)?
+            .ok_or_else(|| PyValueError::new_err(format!("a decoded reply without {key:?}")))
+    };
+    let rid: u64 = field("id")?.extract()?;
+    let error = field("op")?.extract::<String>()? == "error";
+    if rid == id || (rid == 0 && error) {
+        return Ok(Some((env.into_any(), reply.len())));
+    }
+    Ok(None)
 }
 
 /// How stowd's ERROR at the handshake begins, its reason after.

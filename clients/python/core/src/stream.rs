@@ -368,6 +368,34 @@ impl Stream {
     /// when the socket is closed or failed (the read then says so); false
     /// when more than [`PEEK_MAX`] bytes wait (a large reply, for a
     /// reader that may wait).
+    /// Whether the peer closed the connection (or it broke) while it sat
+    /// idle between calls, with nothing of a message left to read: a kept
+    /// connection to a stowd that exited or restarted. Such a connection is
+    /// not reused: a request written on it would reach no one.
+    pub(crate) fn peer_closed(&self) -> bool {
+        if self.pos != self.end {
+            return false;
+        }
+        let mut b = [0u8; 1];
+        // SAFETY: one writable byte; a peek moves nothing.
+        let n = unsafe {
+            libc::recv(
+                self.sock.as_raw_fd(),
+                b.as_mut_ptr().cast(),
+                1,
+                libc::MSG_PEEK | libc::MSG_DONTWAIT,
+            )
+        };
+        match n {
+            0 => true,
+            n if n > 0 => false,
+            _ => !matches!(
+                std::io::Error::last_os_error().kind(),
+                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted
+            ),
+        }
+    }
+
     pub(crate) fn message_waiting(&mut self) -> bool {
         if let Some(c) = self.curve.as_deref_mut() {
             return c.message_waiting(&self.sock, &self.ahead[self.pos..self.end]);
