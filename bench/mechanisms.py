@@ -11,7 +11,8 @@ that median, and the CPU seconds per GiB of the client and of stowd. The
 plain tcp stream in the same run (one loopback socket to another process)
 is the physical limit the GB/s are read against.
 
-usage: python3 bench/mechanisms.py [--mib 64] [--reps 41] [--stowd target/release/stowd]
+usage: python3 bench/mechanisms.py [--mib 64] [--row-bytes 4096] [--fields 1] [--reps 41]
+       [--stowd target/release/stowd]
        [--mechanisms none,token,curve]
 
 Needs a release stowd and the release core in clients/python/stowage.
@@ -85,17 +86,23 @@ def median_ci(xs, n=2000):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--mib", type=float, default=64)
+    ap.add_argument("--mib", type=float, default=64, help="payload per operation, all fields together")
+    ap.add_argument("--row-bytes", type=int, default=4096, help="bytes of a row of one field (float32)")
+    ap.add_argument("--fields", type=int, default=1, help="fields per put and get")
     ap.add_argument("--reps", type=int, default=41)
     ap.add_argument("--stowd", default=os.path.join(ROOT, "target", "release", "stowd"))
     ap.add_argument("--mechanisms", default="none,token,curve")
     a = ap.parse_args()
     mechs = [m for m in a.mechanisms.split(",") if m]
-    rows = int(a.mib * (1 << 20)) // 4096
-    data = np.arange(rows * 1024, dtype=np.float32).reshape(rows, 1024)
-    nbytes = data.nbytes
+    cols = max(1, a.row_bytes // 4)
+    rows = max(1, int(a.mib * (1 << 20)) // (cols * 4 * a.fields))
+    data = np.arange(rows * cols, dtype=np.float32).reshape(rows, cols)
+    names = [f"f{i}" for i in range(a.fields)]
+    batch = {n: data for n in names}
+    outs = {n: np.empty_like(data) for n in names}
+    nbytes = data.nbytes * a.fields
     idx = range(rows)
-    out = np.empty_like(data)
+    out = outs[names[0]]
     load0 = " ".join(open("/proc/loadavg").read().split()[:3])
     commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
@@ -109,16 +116,16 @@ def main():
                 procs[m], eps = start(a.stowd, os.path.join(tmp, m), m)
                 clients[m] = stowage.Client(eps["native"], timeout=600, max_message_bytes=max(256 << 20, 2 * nbytes))
             for m in mechs:  # warm: every stowd's memory touched once
-                clients[m].put(idx, {"x": data})
-                clients[m].get_into(idx, {"x": out})
+                clients[m].put(idx, batch)
+                clients[m].get_into(idx, outs)
                 clients[m].clear(idx)
             for rep in range(a.reps):
                 stream.append(tcp_stream(nbytes))
                 order = mechs[rep % len(mechs):] + mechs[:rep % len(mechs)]
                 for m in order:
                     c, pid = clients[m], procs[m].pid
-                    for op, fn in (("put", lambda: c.put(idx, {"x": data})),
-                                   ("get", lambda: c.get_into(idx, {"x": out}))):
+                    for op, fn in (("put", lambda: c.put(idx, batch)),
+                                   ("get", lambda: c.get_into(idx, outs))):
                         c0, s0 = time.process_time(), cpu(pid)
                         t0 = time.perf_counter()
                         fn()
@@ -129,7 +136,8 @@ def main():
                     if not np.array_equal(out[:: max(1, rows // 97)], data[:: max(1, rows // 97)]):
                         raise SystemExit(f"{m}: wrong rows read back")
                     c.clear(idx)
-                    out.fill(0)
+                    for o in outs.values():
+                        o.fill(0)
         finally:
             for c in clients.values():
                 c.close()
@@ -137,7 +145,7 @@ def main():
                 p.terminate()
                 p.wait()
     load1 = " ".join(open("/proc/loadavg").read().split()[:3])
-    print(f"\n{a.mib:g} MiB (float32 [{rows}, 1024]) per operation, {a.reps} repetitions, stowd {commit} "
+    print(f"\n{a.mib:g} MiB ({a.fields} x float32 [{rows}, {cols}]) per operation, {a.reps} repetitions, stowd {commit} "
           f"(release), 4 units, tcp on 127.0.0.1; load {load0} before, {load1} after")
     print(f"plain tcp stream in the same run: {statistics.median(stream):.2f} GB/s (median)\n")
     print("| mechanism | put GB/s | get GB/s | put / NULL (95% interval) | get / NULL (95% interval) "
