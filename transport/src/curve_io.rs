@@ -62,6 +62,9 @@ impl<R: AsyncRead + Unpin> AsyncRead for CurveReader<R> {
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
         let this = &mut *self;
+        if buf.remaining() == 0 {
+            return Poll::Ready(Ok(()));
+        }
         loop {
             if this.decrypter.ready() > 0 {
                 let n = this.decrypter.read(buf.initialize_unfilled());
