@@ -230,3 +230,18 @@ def first_message(sock, timeout_ms: int = 8000):
     t = threading.Thread(target=serve)
     t.start()
     return t, got
+
+
+class CallNames:
+    """In front of a client's real Rust core connection (`client._core =
+    CallNames(...)`): records the name of each method called on it in
+    `calls`, and calls it (not a stand-in)."""
+
+    def __init__(self, inner):
+        self.inner, self.calls = inner, []
+
+    def __getattr__(self, name):
+        attr = getattr(self.inner, name)
+        if callable(attr):
+            self.calls.append(name)
+        return attr

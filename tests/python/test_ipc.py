@@ -29,7 +29,7 @@ import zmq.auth.thread
 import stowage
 from stowage import _auth, _core
 from stowage.aio import AsyncClient
-from stowd_harness import fresh_indexes, run_stowd
+from stowd_harness import CallNames, fresh_indexes, run_stowd
 
 
 class UnixRelay:
@@ -125,19 +125,6 @@ def _data(n: int, seed: int = 0) -> dict:
     }
 
 
-class _Spy:
-    """Records the names of the methods called on a client's real core connection."""
-
-    def __init__(self, inner):
-        self.inner, self.calls = inner, []
-
-    def __getattr__(self, name):
-        attr = getattr(self.inner, name)
-        if callable(attr):
-            self.calls.append(name)
-        return attr
-
-
 def test_a_client_over_ipc_equals_the_tcp_path_through_the_core(stowd, relay):
     n = 24
     idx = fresh_indexes(n)
@@ -147,7 +134,7 @@ def test_a_client_over_ipc_equals_the_tcp_path_through_the_core(stowd, relay):
     assert _auth.server_mechanism(relay.endpoint) == "PLAIN"
     with stowage.Client(relay.endpoint, timeout=30) as c, stowage.Client(stowd["native"], timeout=30) as t:
         assert c._core_serves() and c._token is not None
-        c._core = _Spy(_core.Connection(relay.endpoint, c.spin_us, c._token, c._curve))
+        c._core = CallNames(_core.Connection(relay.endpoint, c.spin_us, c._token, c._curve))
         c.put(idx, data)
         assert c._core.inner.connected and _is_unix(c._core.fileno())
         got, want = c.get(order, ["big", "small", "nested", "tag"]), t.get(order, ["big", "small", "nested", "tag"])

@@ -19,7 +19,7 @@ import pytest
 
 import stowage
 from stowage import _core
-from stowd_harness import run_stowd
+from stowd_harness import CallNames, run_stowd
 
 
 @pytest.fixture(scope="module")
@@ -33,19 +33,6 @@ def endpoint(tmp_path_factory):
 def _whatever_pure_python_says(monkeypatch):
     # STOWAGE_PURE_PYTHON picks the transport of rows only.
     monkeypatch.setenv("STOWAGE_PURE_PYTHON", "1")
-
-
-class _Calls:
-    """Records the names of the methods called on a client's real core connection."""
-
-    def __init__(self, inner):
-        self.inner, self.calls = inner, []
-
-    def __getattr__(self, name):
-        attr = getattr(self.inner, name)
-        if callable(attr):
-            self.calls.append(name)
-        return attr
 
 
 def _no_dealer(c) -> None:
@@ -62,7 +49,7 @@ def _no_dealer(c) -> None:
 def test_stats_checkpoint_restore_and_clear_go_through_the_core(endpoint, fresh, tmp_path):
     idx = fresh(6)
     with stowage.Client(endpoint, timeout=30) as c:
-        c._core = spy = _Calls(_core.Connection(endpoint, c.spin_us, c._token, c._curve))
+        c._core = spy = CallNames(_core.Connection(endpoint, c.spin_us, c._token, c._curve))
         c.put(idx, {"x": np.ones((6, 2), np.float32), "t": list("abcdef")})  # pyzmq: STOWAGE_PURE_PYTHON
         assert spy.calls == []
         _no_dealer(c)
@@ -199,7 +186,7 @@ def test_a_same_node_clients_small_calls_go_through_the_core(shm_endpoint, fresh
     idx = fresh(3)
     x = np.arange(12, dtype=np.float32).reshape(3, 4)
     with stowage.Client(shm_endpoint, timeout=30, same_node=True) as c:
-        c._core = spy = _Calls(_core.Connection(shm_endpoint, c.spin_us, c._token, c._curve))
+        c._core = spy = CallNames(_core.Connection(shm_endpoint, c.spin_us, c._token, c._curve))
         c.put(idx, {"x": x})
         assert spy.calls == ["call"]  # the channel
         assert c._segments.channel is not None and not c._segments.channel.closed
