@@ -356,7 +356,7 @@ pub fn split_command(body: &[u8]) -> Result<(&[u8], &[u8]), FrameError> {
 }
 
 /// Encodes a command frame whose body (name included) is `body`.
-fn command_with_body(body: &[u8]) -> BytesMut {
+pub fn command_with_body(body: &[u8]) -> BytesMut {
     let mut out = BytesMut::with_capacity(body.len() + MAX_HEADER);
     Header::command(body.len() as u64).put(&mut out);
     out.put_slice(body);
@@ -383,13 +383,25 @@ fn properties_body(name: &str, properties: &[(&str, &[u8])]) -> BytesMut {
     let mut body = BytesMut::new();
     body.put_u8(name.len() as u8);
     body.put_slice(name.as_bytes());
-    for (name, value) in properties {
-        body.put_u8(name.len() as u8);
-        body.put_slice(name.as_bytes());
-        body.put_u32(value.len() as u32);
-        body.put_slice(value);
-    }
+    put_properties(&mut body, properties);
     body
+}
+
+/// `properties` encoded as READY carries them (CURVE's metadata, which
+/// INITIATE's and READY's boxes hold).
+pub fn properties(properties: &[(&str, &[u8])]) -> BytesMut {
+    let mut out = BytesMut::new();
+    put_properties(&mut out, properties);
+    out
+}
+
+fn put_properties(out: &mut BytesMut, properties: &[(&str, &[u8])]) {
+    for (name, value) in properties {
+        out.put_u8(name.len() as u8);
+        out.put_slice(name.as_bytes());
+        out.put_u32(value.len() as u32);
+        out.put_slice(value);
+    }
 }
 
 /// A whole READY command frame with `properties`.

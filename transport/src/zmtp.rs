@@ -696,10 +696,7 @@ async fn write_command<W: AsyncWrite + Unpin + ?Sized>(
     writer: &mut W,
     body: &[u8],
 ) -> Result<(), ZmtpError> {
-    let mut out = BytesMut::with_capacity(frame::MAX_HEADER + body.len());
-    Header::command(body.len() as u64).put(&mut out);
-    out.put_slice(body);
-    writer.write_all(&out).await?;
+    writer.write_all(&frame::command_with_body(body)).await?;
     writer.flush().await?;
     Ok(())
 }
@@ -858,8 +855,7 @@ where
             let mut shake = ClientHandshake::new(keys, server)?;
             write_command(writer, &shake.hello()).await?;
             let welcome = expect_body(reader, "WELCOME").await?;
-            let metadata = frame::ready(&props);
-            let initiate = shake.welcome(&welcome, &metadata[1 + 5..])?;
+            let initiate = shake.welcome(&welcome, &frame::properties(&props))?;
             write_command(writer, &initiate).await?;
             let ready = expect_body(reader, "READY").await?;
             let (metadata, s) = shake.ready(&ready)?;
@@ -879,8 +875,7 @@ where
                 Err(e) => return Err(refuse(writer, e.to_string()).await),
             };
             user = Some(initiated.user);
-            let metadata = frame::ready(&props);
-            let (ready, s) = shake.ready(&metadata[1 + 5..])?;
+            let (ready, s) = shake.ready(&frame::properties(&props))?;
             write_command(writer, &ready).await?;
             session = Some(s);
             Bytes::from(initiated.metadata)

@@ -216,11 +216,8 @@ impl Connection {
             )),
             f => f,
         })?;
-        let props = frame::ready(&[("Socket-Type", b"DEALER")]);
-        // The properties are READY's data: after its name.
-        let initiate = shake
-            .welcome(&welcome, &props[1 + 5..])
-            .map_err(curve_fail)?;
+        let props = frame::properties(&[("Socket-Type", b"DEALER")]);
+        let initiate = shake.welcome(&welcome, &props).map_err(curve_fail)?;
         write_command(&mut s, &initiate)?;
         let ready = command_body(&mut s, "READY").map_err(|f| match f {
             Fail::Io(m) => Fail::Io(format!(
