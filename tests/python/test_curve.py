@@ -137,7 +137,8 @@ def test_a_reply_already_opened_is_ready_though_the_socket_is_drained(client_key
     try:
         conn = _core.Connection(server.endpoint, 0.0, None, keys_for(server, client_keys))
         assert conn.send(b"warm", [], 10.0) == [b"warm"]
-        rows = conn.start_put(1, [0, 1], {"x": np.arange(8, dtype=np.float32).reshape(2, 4)}, 10.0, 1 << 30)
+        put = _core.Put([0, 1], {"x": np.arange(8, dtype=np.float32).reshape(2, 4)}, 1 << 30)
+        rows = conn.start_put(1, put, 10.0)
         assert rows == 2
         deadline = time.monotonic() + 10
         while not conn.reply_ready():

@@ -21,9 +21,11 @@ pages are the very pages every other reader maps (nothing is copied); a
 write copies only the page it touches, into this process, and the file and
 every other mapping of it never see it.
 
-Puts go through a leased segment: `stowd` sends its writable descriptor,
-`fill` maps it, writes, and unmaps it; `stowd` then seals it, which the
-kernel refuses while any writable mapping of it is left.
+Puts go through a leased segment: `stowd` sends its writable descriptor
+(`leased` keeps it until `pop_leased` hands it to the core's
+`_core.Put.fill`, which writes the put's bytes with `pwritev`, never
+through a mapping, and closes it); `stowd` then seals it, which the kernel
+refuses while any writable mapping of it is left.
 
 Each mapping keeps a descriptor open (Python's mmap holds one), so the
 channel raises this process's soft open-file limit to its hard limit.
@@ -43,8 +45,6 @@ import threading
 import msgpack
 
 from .errors import ProtocolError, StowageError, StowageTimeout
-
-ALIGN = 64  # each range of a filled lease starts at a multiple of this
 
 #: Descriptors one read of the channel can carry (the kernel's SCM_MAX_FD).
 _MAX_FDS = 253
@@ -82,22 +82,6 @@ def _connect(sock: socket.socket, path: str) -> None:
         sock.connect(f"/proc/self/fd/{d}/{os.path.basename(path)}")
     finally:
         os.close(d)
-
-
-#: Buffers one pwritev takes (IOV_MAX on Linux).
-_IOV_MAX = 1024
-
-
-def _pwrite_all(fd: int, pieces: list, offset: int) -> None:
-    """Writes `pieces` back to back at `offset` (pwritev may write less than asked)."""
-    while pieces:
-        n = os.pwritev(fd, pieces[:_IOV_MAX], offset)
-        offset += n
-        while pieces and n >= len(pieces[0]):
-            n -= len(pieces[0])
-            pieces = pieces[1:]
-        if n:
-            pieces = [pieces[0][n:], *pieces[1:]]
 
 
 class Channel:
@@ -341,7 +325,7 @@ class Segments:
             self._maps.clear()
 
     def leased(self, name: str, fds: dict) -> None:
-        """Keeps the writable descriptor of lease `name` for `fill`."""
+        """Keeps the writable descriptor of lease `name` (for `pop_leased`)."""
         fd = fds.pop(name, None)
         _close_all(fds.values())
         if fd is None:
@@ -351,38 +335,13 @@ class Segments:
             os.close(old)
         self._leased[name] = fd
 
-    def fill(self, name: str, size: int, buffers) -> list:
-        """Writes `buffers` (each a buffer, or a list of buffers written back
-        to back as one frame) into the leased segment `name` (of `size`
-        bytes), each at a multiple of ALIGN; returns [[name, offset, len], ...].
-        The descriptor is closed before returning (stowd seals the segment at
-        the put, which the kernel refuses while any writable mapping of it is
-        left; this writes without one)."""
+    def pop_leased(self, name: str) -> int:
+        """The writable descriptor of lease `name` (`leased`), handed over:
+        the caller closes it (`_core.Put.fill` does)."""
         fd = self._leased.pop(name, None)
         if fd is None:
             raise ProtocolError(f"no descriptor for lease {name!r:.100}")
-        # Written with pwritev, not through a mapping: stowd allocated the
-        # pages, so the kernel only copies (no page-table entries to set up,
-        # no mapping left behind to stop the seal).
-        out, at, batch, batch_at, end = [], 0, [], 0, 0
-        try:
-            for b in buffers:
-                at = -(-at // ALIGN) * ALIGN
-                pieces = [memoryview(p).cast("B") for p in b] if isinstance(b, list) else [memoryview(b).cast("B")]
-                n = sum(len(p) for p in pieces)
-                if at != end:
-                    _pwrite_all(fd, batch, batch_at)
-                    batch, batch_at = [], at
-                batch.extend(p for p in pieces if len(p))
-                out.append([name, at, n])
-                at += n
-                end = at
-            _pwrite_all(fd, batch, batch_at)
-        finally:
-            os.close(fd)
-        if at > size:
-            raise ProtocolError(f"{at} bytes do not fit lease {name!r:.100} of {size} bytes")
-        return out
+        return fd
 
     def close(self) -> None:
         """Closes the channel and any lease descriptors not yet filled."""
@@ -408,13 +367,3 @@ class CopyOnWrite:
         """(a writable private view, the file offset of its first byte)
         holding bytes lo..hi of base number `base`."""
         return Segments.private(self._fds[base], lo, hi)
-
-
-def lease_size(buffers) -> int:
-    """Bytes a lease needs to hold `buffers` (each a buffer, or a list of
-    buffers back to back) as `Segments.fill` lays them out."""
-    at = 0
-    for b in buffers:
-        n = sum(memoryview(p).nbytes for p in b) if isinstance(b, list) else memoryview(b).nbytes
-        at = -(-at // ALIGN) * ALIGN + n
-    return at

@@ -5,8 +5,9 @@ fields of a dtype numpy has no type for (`_dtypes.BITS_DTYPES`: bfloat16,
 complex32, float8, float4) with `as_torch=None`).
 
 Every tensor <-> ndarray conversion here shares memory (no copy), except
-`.cpu()` of a tensor on another device and `.contiguous()` of a
-non-contiguous one.
+`.cpu()` of a tensor on another device (and resolving a conjugate or
+negative view); a non-contiguous tensor becomes a strided array, which the
+core's put sends as the blocks it is made of.
 """
 
 from __future__ import annotations
@@ -71,13 +72,12 @@ def _name(dtype) -> str:
 
 
 def to_numpy(t, what: str) -> tuple[str, np.ndarray]:
-    """A tensor -> (stowage/1 dtype name, ndarray sharing its memory). bfloat16
-    becomes its uint16 bit patterns."""
-    torch = _loaded()
+    """A tensor -> (stowage/1 dtype name, ndarray sharing its memory, of its
+    strides). bfloat16 becomes its uint16 bit patterns."""
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
-    t = t.resolve_conj().resolve_neg().contiguous()
+    t = t.resolve_conj().resolve_neg()
     return _as_numpy(t, what)
 
 

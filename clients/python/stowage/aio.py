@@ -20,6 +20,13 @@ that many workers, each call a job; calls beyond that queue for a worker),
 so concurrent tasks still overlap. Neither the pool nor its threads belong
 to an event loop: a client moved to another loop keeps them.
 
+Every put is read, checked and laid out by the core (`_core.Put`), the
+way `Client`'s is; where pyzmq carries it (STOWAGE_PURE_PYTHON=1, same
+node, or every core connection busy) its messages go on the DEALER as
+the core wrote them (`Put.encode`: a large contiguous piece as a buffer
+over the caller's array, shared frames joined), and a same-node put's
+bytes into a lease the core fills (`_put.same_node`).
+
 Cancellation: a call still queued is dropped and touches nothing; a call
 already running in its thread cannot be stopped, and runs on until it
 returns (by its deadline at the latest), its result thrown away. So the
@@ -52,7 +59,7 @@ readability (`loop.add_reader`), and once the whole reply has arrived
 (its frame headers walked in a peek) the core reads it without waiting.
 A reply that arrives in pieces is read in a worker thread; a call that
 finds every such connection busy goes through the DEALER, its request
-written by the core's codec (`_core.encode_put`, `encode_get`);
+written by the core (`_core.Put.encode`, `_core.encode_get`);
 `STOWAGE_ASYNC_IN_LOOP=0` sends every small call that way (the figures:
 docs/benchmarks.md, "Small calls"). A put or get_into from
 `CORE_MIN_BYTES` of payload (the caller's arrays say how many) goes
@@ -73,7 +80,7 @@ import zmq.asyncio
 
 from . import _auth, _codec, _put, _shm
 from .client import (_CORE_FAILURES, _DIRECT_DTYPES, DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TIMEOUT, _abs_dir, _core, _Ops,
-                     _run_get, _run_get_into, _run_send_many)
+                     _run_get, _run_get_into)
 from .errors import BadRequest, ProtocolError, StowageError, StowageTimeout, Unsupported, error_from_reply
 
 
@@ -335,49 +342,66 @@ class AsyncClient(_Ops):
     # -- the calls (see Client for their documentation)
     async def put(self, global_indexes, data: Mapping[str, Any], *, timeout: float | None = None) -> int:
         """See `Client.put` (through the Rust core, a split put's messages go
-        two on the wire, as there)."""
-        if self._core_serves() and self._loop_idle is not None:
-            # The usual small put: read, written and answered by the core on
-            # a connection of its own, its reply awaited by this event loop
-            # (None: not plainly that, or at least CORE_MIN_BYTES, or every
-            # such connection busy; the ways below).
-            limit = min(self.max_message_bytes, self.CORE_MIN_BYTES)
-            got = await self._in_loop("put", timeout, lambda conn, rid, t: conn.start_put(
-                rid, global_indexes, data, t, limit), lambda conn, rid, rows, t: conn.finish_put(rid, rows, t))
-            if got is not None:
-                rid, reply = got
-                return reply if type(reply) is int else self._core_refused(rid, reply, "put_ok")
-        if self._segments is None:
-            # A small put on the DEALER: read and written by the core's codec
-            # in one call (None: not plainly that, or at least
-            # CORE_MIN_BYTES for the core's own connection; the general path
-            # below).
-            limit = min(self.max_message_bytes, self.CORE_MIN_BYTES if self._core_serves() else 1 << 62)
-            rid = next(self._ids)
-            enc = _core.encode_put(rid, global_indexes, data, limit)
-            if enc is not None:
-                frame0, frames, rows = enc
-                try:
-                    body, _ = await self._call_encoded("put", rid, frame0, frames, timeout, "put_ok")
-                    if body != {"rows": rows}:
-                        raise ProtocolError(f"put_ok {body!r} for a message of {rows} rows", request_id=rid)
-                except StowageError as e:
-                    e.rows_stored = 0
-                    raise
-                return rows
-        core = self._core_serves() and _put.payload_bytes(data) >= self.CORE_MIN_BYTES
-        put = _put.Put(global_indexes, data, self.max_message_bytes, self._segments, join=not core)
-        await self._open_channel()
+        two on the wire, as there). The put is read, checked and laid out
+        by the core (`_core.Put`) whichever way it goes."""
+        put = _core.Put(global_indexes, data, self.max_message_bytes, self._segments is not None)
         try:
-            if core:
-                await self._core_put(put, put.plain(), timeout)
-            else:
-                for op, body, frames, expect, extras in put:
-                    put.reply, _ = await self._call(op, body, frames, timeout, expect, extras)
+            if self._segments is not None:
+                return await self._put_same_node(put, timeout)
+            core = self._core_serves()
+            if core and self._loop_idle is not None and put.messages == 1 and put.nbytes < self.CORE_MIN_BYTES:
+                # The usual small put: written and answered by the core on a
+                # connection of its own, its reply awaited by this event loop
+                # (None: every such connection busy; the ways below).
+                got = await self._in_loop("put", timeout, lambda conn, rid, t: conn.start_put(rid, put, t),
+                                          lambda conn, rid, rows, t: conn.finish_put(rid, rows, t))
+                if got is not None:
+                    rid, reply = got
+                    return reply if type(reply) is int else self._core_refused(rid, reply, "put_ok")
+            if core and put.nbytes >= self.CORE_MIN_BYTES:
+                got = (await self._core_call("put", None, timeout, lambda conn, rid, t: conn.put(
+                    rid, self._ids, put, t)))[1]
+                return self._put_result(got, timeout)
+            return await self._dealer_put(put, timeout)
         except StowageError as e:
-            e.rows_stored = put.stored
+            if e.rows_stored is None:
+                e.rows_stored = 0
             raise
-        return put.n
+
+    async def _dealer_put(self, put, timeout, segments=None) -> int:
+        """`put`'s messages on the DEALER, one after the other (with
+        `segments`: the one message of a same-node put naming them, no data
+        frames): the rows stored. A failure says in `rows_stored` how many
+        leading rows the messages before it stored."""
+        stored = 0
+        try:
+            for k in range(put.messages):
+                rid = next(self._ids)
+                frame0, frames = put.encode(k, rid, segments)
+                body, _ = await self._call_encoded("put", rid, frame0, frames, timeout, "put_ok")
+                rows = put.message_rows(k)
+                if body != {"rows": rows}:
+                    raise ProtocolError(f"put_ok {body!r} for a message of {rows} rows", request_id=rid)
+                stored += rows
+        except StowageError as e:
+            e.rows_stored = stored
+            raise
+        return stored
+
+    async def _put_same_node(self, put, timeout) -> int:
+        """A same-node put (`_put.same_node`) on the DEALER."""
+        await self._open_channel()
+        steps = _put.same_node(put, self._segments)
+        reply = None
+        while True:
+            try:
+                op, arg = steps.send(reply)
+            except StopIteration as done:
+                return done.value
+            if op == "lease":
+                reply, _ = await self._call("lease", arg, (), timeout, "lease_ok", self._segments.extras(get=False))
+            else:
+                reply = await self._dealer_put(put, timeout, arg)
 
     async def get(self, global_indexes, fields, *, as_torch: bool | None = None, nested: str = "rows",
                   timeout: float | None = None) -> dict:
@@ -432,12 +456,6 @@ class AsyncClient(_Ops):
         await self._open_channel()
         return await self._ranged(body, lambda b: self._call("get", b, (), timeout, "get_ok", self._get_extras()),
                                   finish)
-
-    async def _core_put(self, put: _put.Put, messages: list, timeout) -> None:
-        """See `Client._core_put` (in a worker thread)."""
-        t = self._call_timeout(timeout)
-        sent = (await self._core_call("put", None, timeout, _run_send_many(self._ids, messages)))[1]
-        self._core_put_replies(put, messages, sent, t)
 
     async def _ask(self, op: str, body: dict, timeout, expect: str) -> dict:
         """See `Client._ask`: through the core, its reply awaited by this

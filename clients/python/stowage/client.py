@@ -295,15 +295,18 @@ class _Ops:
         return body["cleared"]
 
     # -- through the Rust core (tcp and ipc put, get, get_into). What each call runs
-    # on a core `Connection` (`_run_get`, `_run_get_into`, `_run_send_many`) and
+    # on a core `Connection` (`_run_get`, `_run_get_into`, a put's `core.put`) and
     # how its result reads are here once; `Client._core_call` runs it under
     # the client's lock, `AsyncClient._core_call` in a worker thread.
     def _core_serves(self, targets: dict | None = None) -> bool:
-        """Whether the Rust core carries this put, get or get_into: over tcp
-        or ipc, unless STOWAGE_PURE_PYTHON=1 (pyzmq carries them then; the
-        codec is the core's either way), and not in same-node mode. (`targets`
-        is accepted for older callers: the core fills any get_into array,
-        contiguous or strided.)"""
+        """Whether the Rust core's connection carries this get or get_into
+        (and an `AsyncClient`'s put): over tcp or ipc, unless
+        STOWAGE_PURE_PYTHON=1 (pyzmq carries them then; the codec is the
+        core's either way), and not in same-node mode. A `Client`'s puts
+        always go through the core's connection; any put is read and laid
+        out by the core (`_core.Put`). (`targets` is accepted for older
+        callers: the core fills any get_into array, contiguous or
+        strided.)"""
         return (self._segments is None and self.endpoint.startswith(("tcp://", "ipc://"))
                 and os.environ.get("STOWAGE_PURE_PYTHON") != "1")
 
@@ -415,11 +418,6 @@ class _Ops:
         self._reply_frames(env, [head])  # refuses a same-node reply nobody asked for
         raise ProtocolError(f"get_into (id {rid}): {problem}", request_id=rid)
 
-    def _core_sent(self, rid: int, reply: list, expect: str) -> tuple[dict, _codec.FrameSource]:
-        """A put message's reply (the core's frames) as `_call` returns it."""
-        env = _codec.decode_envelope(reply[0])
-        return self._reply_body(env, expect, rid), self._reply_frames(env, reply)
-
     def _core_refused(self, rid: int, reply: list, expect: str):
         """Raises the reply (its frames) the core did not take as the
         success of a fast path: an error reply as it says; anything else
@@ -430,21 +428,32 @@ class _Ops:
         raise ProtocolError(f"{expect} (id {env['id']}, {len(reply)} frames) {body!r:.200} does not answer "
                             f"request {rid} as expected", request_id=rid)
 
-    def _core_put_replies(self, put: _put.Put, messages: list, sent: tuple, timeout: float) -> None:
-        """What `_run_send_many` returned for a put's `messages`: each reply
-        goes to `put` in order, then any failure after them is raised (the
-        core dropped its connection then; a sync client resets its DEALER
-        too, as after any timeout)."""
-        rids, (replies, failure) = sent
-        for rid, reply, (_, _, rows) in zip(rids, replies, messages):
-            body, _ = self._core_sent(rid, reply, "put_ok")
-            put.took(body, rows)
-        if failure is not None:
-            rid = rids[len(replies)] if len(replies) < len(rids) else rids[-1]
-            self._core_dropped()
-            raise self._core_failure(failure, "put", rid, timeout) from None
-        if len(replies) < len(messages):
-            raise ProtocolError(f"{len(replies)} replies to a put of {len(messages)} messages")
+    def _put_result(self, got, timeout) -> int:
+        """What the core's `put` returned: the rows stored; else the reply
+        that was not a put_ok for its message (an error reply raised as it
+        says, anything else as a ProtocolError) or the failure that dropped
+        the core's connection (a sync client resets its DEALER too, as after
+        any timeout), raised with `rows_stored`, the rows of the messages
+        answered before it."""
+        if type(got) is int:
+            return got
+        stored, rid, reply, failure = got
+        try:
+            if failure is not None:
+                self._core_dropped()
+                raise self._core_failure(failure, "put", rid, self._call_timeout(timeout)) from None
+            self._core_refused(rid, reply, "put_ok")
+        except StowageError as e:
+            e.rows_stored = stored
+            raise
+        raise AssertionError("unreachable")  # _core_refused raises
+
+    def _lease_reply(self, rid: int, got: tuple, extras: dict) -> dict:
+        """A lease_ok through the core (`_core_answer`), its descriptor taken
+        from the channel and kept (`Segments.leased`)."""
+        reply = self._core_answer(rid, got, "lease_ok")
+        self._segments.leased(reply["segment"], self._take_fds(rid))
+        return reply
 
     def _core_dropped(self) -> None:
         """After a core call failed in-band (the core's connection is gone)."""
@@ -477,17 +486,6 @@ def _run_get_arrays(core, frame0: bytes, timeout: float):
 
 def _run_get_into(plan: list):
     return lambda core, frame0, timeout: core.get_into(frame0, plan, timeout)
-
-
-def _run_send_many(ids, messages):
-    """`run` for `_core_call` (with no body): `messages` (body, data frames,
-    rows) as put requests of their own ids through `core.send_many`; (the
-    ids, (replies, failure))."""
-    def run(core, _rid, timeout):
-        rids = [next(ids) for _ in messages]
-        frames = [(_codec.envelope("put", rid, body), data) for rid, (body, data, _) in zip(rids, messages)]
-        return rids, core.send_many(frames, timeout)
-    return run
 
 
 def _ms_left(deadline: float) -> int:
@@ -665,38 +663,48 @@ class Client(_Ops):
         before the reply to the one before it arrives (stowd reads it while
         it stores that one), so the message after a failed one may be
         stored too; `rows_stored` does not count it."""
-        core = self._core_serves()
-        if core:
-            # The usual put, one message: read, laid out and sent by the core
-            # (None: not plainly that; the general path below checks and words).
-            try:
-                rid, got = self._core_call("put", None, timeout, lambda c, rid, t: c.put_fast(
-                    rid, global_indexes, data, t, self.max_message_bytes))
-                if got is not None:
-                    return got if type(got) is int else self._core_refused(rid, got, "put_ok")
-            except StowageError as e:
-                e.rows_stored = 0
-                raise
-        put = _put.Put(global_indexes, data, self.max_message_bytes, self._segments, join=not core)
-        self._open_channel()
+        put = _core.Put(global_indexes, data, self.max_message_bytes, self._segments is not None)
         try:
-            if core:
-                self._core_put(put, put.plain(), timeout)
-            else:
-                for op, body, frames, expect, extras in put:
-                    put.reply, _ = self._call(op, body, frames, timeout, expect, extras)
+            if self._segments is None:
+                return self._core_put(put, timeout)
+            self._open_channel()
+            steps = _put.same_node(put, self._segments)
+            reply = None
+            while True:
+                try:
+                    op, arg = steps.send(reply)
+                except StopIteration as done:
+                    return done.value
+                reply = self._core_lease(arg, timeout) if op == "lease" else self._core_put(put, timeout, arg)
         except StowageError as e:
-            e.rows_stored = put.stored
+            if e.rows_stored is None:
+                e.rows_stored = 0
             raise
-        return put.n
 
-    def _core_put(self, put: _put.Put, messages: list, timeout) -> None:
-        """A tcp put through the Rust core, its messages (`put.plain()`) two
-        on the wire (stowd reads the next while it handles one): each reply
-        goes to `put` in order, then any failure after them is raised."""
-        t = self._call_timeout(timeout)
-        sent = self._core_call("put", None, timeout, _run_send_many(self._ids, messages))[1]
-        self._core_put_replies(put, messages, sent, t)
+    def _core_put(self, put, timeout, segments=None) -> int:
+        """`put` (a `_core.Put`) through the Rust core, its messages two on
+        the wire (stowd reads the next while it handles one); with
+        `segments`, the one message of a same-node put naming them."""
+        got = self._core_call("put", None, timeout, lambda core, rid, t: core.put(
+            rid, self._ids, put, t, segments))[1]
+        return self._put_result(got, timeout)
+
+    def _core_lease(self, body: dict, timeout) -> dict:
+        """A lease through the core (same node): its lease_ok body, its
+        descriptor kept (read under the client's lock, as `_call` reads the
+        channel). A stowd that no longer knows the channel (restarted)
+        gets a new one, and the lease is asked again."""
+        for again in (False, True):
+            extras = self._segments.extras(get=False)
+            try:
+                return self._core_call("lease", None, timeout, lambda core, rid, t: self._lease_reply(
+                    rid, core.call("lease", rid, body, t, extras), extras))[1]
+            except BadRequest as e:
+                if again or not self._stale_channel(extras, e):
+                    raise
+            self._segments.close()
+            self._open_channel()
+        raise AssertionError("unreachable")
 
     def get(self, global_indexes, fields, *, as_torch: bool | None = None, nested: str = "rows",
             timeout: float | None = None) -> dict:

@@ -8,32 +8,36 @@ from __future__ import annotations
 class CoreSpy:
     """Stands in front of a client's real Rust core connection (`client._core
     = CoreSpy(...)`) and reports each put message it sends as
-    `record("put", data bytes, rows)`: `put_fast`'s one message (when the
-    core took the put, or failed sending it), and with `messages` each of a
-    split put's (`send_many`). Everything else goes to the connection."""
+    `record("put", data bytes, rows)`: each message of a `_core.Put` given
+    to the connection's `put` (whether or not it then succeeds), and the one
+    `start_put` writes. Everything else goes to the connection."""
 
-    def __init__(self, inner, record, messages: bool = True):
-        self._inner, self._record, self._messages = inner, record, messages
+    def __init__(self, inner, record):
+        self._inner, self._record = inner, record
 
-    def put_fast(self, rid, indexes, data, timeout, max_bytes):
-        from stowage import _put
+    def put(self, rid, ids, put, timeout, segments=None):
+        for k in range(put.messages):
+            self._record("put", 0 if segments else put.message_bytes(k), put.message_rows(k))
+        return self._inner.put(rid, ids, put, timeout, segments)
 
-        try:
-            got = self._inner.put_fast(rid, indexes, data, timeout, max_bytes)
-        except BaseException:
-            got = True
-            raise
-        finally:
-            if got is not None:
-                self._record("put", _put.payload_bytes(data), len(indexes))
+    def start_put(self, rid, put, timeout):
+        got = self._inner.start_put(rid, put, timeout)
+        if got is not None:
+            self._record("put", put.message_bytes(0), put.message_rows(0))
         return got
-
-    def send_many(self, messages, timeout):
-        if self._messages:
-            for _, frames in messages:
-                self._record("put", sum(memoryview(f).nbytes if not isinstance(f, list) else
-                                        sum(memoryview(p).nbytes for p in f) for f in frames), None)
-        return self._inner.send_many(messages, timeout)
 
     def __getattr__(self, name):
         return getattr(self._inner, name)
+
+
+def spy_async(client, record):
+    """The same for an `AsyncClient`, whose calls take connections of their
+    own: a spy in front of each connection a core call (`_core_call`, in a
+    worker thread) or a call its event loop awaits (`_in_loop`) runs on."""
+    def core_call(op, body, timeout, run, inner=client._core_call):
+        return inner(op, body, timeout, lambda conn, rid, t: run(CoreSpy(conn, record), rid, t))
+
+    def in_loop(op, timeout, start, finish, inner=client._in_loop):
+        return inner(op, timeout, lambda conn, rid, t: start(CoreSpy(conn, record), rid, t), finish)
+
+    client._core_call, client._in_loop = core_call, in_loop

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import stowage
-from test_client_big import counting
+from core_spy import spy_async
 
 
 def run(coro):
@@ -67,7 +67,8 @@ def test_async_big_put_is_split(endpoint, fresh):
 
     async def main():
         async with stowage.AsyncClient(endpoint, timeout=30, max_message_bytes=1 << 20) as c:
-            sent = counting(c)  # (its wrappers hand back the coroutines to await)
+            sent = []
+            spy_async(c, lambda *m: sent.append(m))  # (its wrappers hand back the coroutines to await)
             await c.put(idx, {"x": x})
             assert [op for op, _, _ in sent].count("put") >= 4
             assert np.array_equal((await c.get(idx, ["x"]))["x"], x)

@@ -1,5 +1,6 @@
 """The codec on its own: the FrameSource seam (reply bytes from any buffer,
-e.g. a read-only mapping of a shared-memory file), put splitting, dtype names."""
+e.g. a read-only mapping of a shared-memory file), put splitting and
+layout (the core's `_core.Put`), dtype names."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 
 import stowage
-from stowage import _codec
+from stowage import _codec, _core
 
 
 def checked(fields: dict) -> dict:
@@ -19,11 +20,6 @@ def checked(fields: dict) -> dict:
     them) as stowd's decoder hands it to the client."""
     frame0 = msgpack.packb({"proto": "stowage/1", "op": "get_ok", "id": 1, "body": {"fields": fields}})
     return _codec.decode_envelope(frame0)["body"]
-
-
-def sent(m: _codec.PutMessage) -> dict:
-    """The body of a put message as it goes on the wire (frame 0 decoded)."""
-    return msgpack.unpackb(_codec.envelope("put", 1, m.body))["body"]
 
 
 def test_frames_from_a_read_only_file_mapping(tmp_path):
@@ -75,26 +71,40 @@ def test_frame_source_checks_ranges():
         s.finish()
 
 
-def test_split_rows():
-    fields = {"x": _codec.normalize_field("x", np.zeros((10, 100), np.uint8), 10)}
+def _sent(frame0: bytes) -> dict:
+    """The body of a put message as it goes on the wire (frame 0 decoded)."""
+    return msgpack.unpackb(frame0)["body"]
+
+
+def test_a_put_is_split_into_messages_of_whole_rows():
+    x = np.zeros((10, 100), np.uint8)
+    idx = list(range(100, 110))
     # Each row costs 100 bytes + 32 of overhead.
-    assert _codec.split_rows(fields, 10, 10_000) == [(0, 10)]
-    assert _codec.split_rows(fields, 10, 400) == [(0, 3), (3, 6), (6, 9), (9, 10)]
-    assert _codec.split_rows(fields, 10, 1) == [(i, i + 1) for i in range(10)]  # a row too big goes alone
-    msgs = list(_codec.put_messages(list(range(100, 110)), fields, 400))
-    assert [m.body["global_indexes"] for m in msgs][-1] == [109]
-    assert [sent(m)["fields"]["x"]["shape"] for m in msgs] == [[3, 100], [3, 100], [3, 100], [1, 100]]
+    assert _core.Put(idx, {"x": x}, 10_000).messages == 1
+    p = _core.Put(idx, {"x": x}, 400)
+    assert [p.message_rows(k) for k in range(p.messages)] == [3, 3, 3, 1]
+    bodies = [_sent(p.encode(k, k + 1)[0]) for k in range(p.messages)]
+    assert bodies[-1]["global_indexes"] == [109]
+    assert [b["fields"]["x"]["shape"] for b in bodies] == [[3, 100], [3, 100], [3, 100], [1, 100]]
+    p = _core.Put(idx, {"x": x}, 1)  # a row too big goes alone
+    assert [p.message_rows(k) for k in range(p.messages)] == [1] * 10
+    # Values count by their length (non-ASCII text 4 bytes a character, anything else 64).
+    p = _core.Put([1, 2, 3], {"t": ["a" * 100, "é" * 30, 7]}, 16 * 2 * 2 + 100 + 120)
+    assert [p.message_rows(k) for k in range(p.messages)] == [2, 1]
 
 
 def test_small_pieces_share_frames_and_big_ones_go_alone():
     rows = [np.full(3, 1, np.float64), np.full(70_000, 2, np.uint8), np.full(1, 3, np.float64)]
-    f = {"n": _codec.Nested("float64", [rows[0], rows[2]]), "b": _codec.Nested("uint8", [rows[1], rows[1][:5]])}
-    (m,) = _codec.put_messages([1, 2], f, 1 << 30)
-    desc = sent(m)["fields"]
-    assert len(m.frames) == 2  # one shared frame for the small pieces, one for the 70,000-byte row
+    p = _core.Put([1, 2], {"n": [rows[0], rows[2]], "b": [rows[1], rows[1][:5]]}, 1 << 30)
+    frame0, frames = p.encode(0, 1)
+    desc = _sent(frame0)["fields"]
+    assert len(frames) == 2  # one shared frame for the small pieces, one for the 70,000-byte row
     n0, n1 = desc["n"]["rows"]
     assert n0["frame"] == n1["frame"] and n1["offset"] % 8 == 0  # aligned to the itemsize
     assert desc["b"]["rows"][0]["frame"] != n0["frame"] and desc["b"]["rows"][0]["offset"] == 0
+    big = frames[desc["b"]["rows"][0]["frame"] - 1]
+    assert type(big).__name__ == "Frame" and np.shares_memory(np.frombuffer(big, np.uint8), rows[1]), \
+        "a frame of its own is handed over as a view of the caller's array"
 
 
 def test_dtype_names():
@@ -211,21 +221,32 @@ def test_a_segment_named_without_its_descriptor_is_refused(tmp_path):
 
 
 
-def test_a_lease_fill_of_more_pieces_than_one_pwritev_takes(tmp_path):
-    """A frame in 3,000 pieces and a second frame after it: written in
-    several pwritev calls (at most 1,024 buffers each), each frame at a
-    multiple of 64, byte for byte."""
-    from stowage import _shm
-    pieces = [bytes([i % 251]) * (1 + i % 7) for i in range(3000)]
-    tail = b"tail" * 10
-    size = _shm.lease_size([pieces, tail])
+def test_a_lease_fill_of_more_pieces_than_one_pwritev_takes():
+    """A same-node put of 3,000 nested rows of about 600 bytes (two shared
+    frames of some 1,700 pieces each, more than one pwritev takes) and a
+    regular field of a frame of its own: each frame written at a multiple
+    of 64, byte for byte what the socket would carry; the descriptor is
+    closed (stowd could not seal the segment otherwise)."""
+    rows = [np.full(600 + k % 7, k % 251, np.uint8) for k in range(3000)]
+    x = np.arange(3000 * 12, dtype=np.float32).reshape(3000, 12)  # [:, ::2]: 72,000 bytes
+    p = _core.Put(list(range(3000)), {"n": rows, "x": x[:, ::2]}, 1 << 20, same_node=True)
+    assert p.messages == 1
+    _, frames = p.encode(0, 1)
+    lens = [memoryview(f).nbytes for f in frames]
+    assert len(lens) == 3
+    size = p.lease_bytes
     fd = os.memfd_create("lease")
     os.ftruncate(fd, size)
-    segs = _shm.Segments()
-    segs.leased("s1", {"s1": os.dup(fd)})
-    out = segs.fill("s1", size, [pieces, tail])
-    joined = b"".join(pieces)
-    assert out == [["s1", 0, len(joined)], ["s1", -(-len(joined) // 64) * 64, len(tail)]]
-    assert os.pread(fd, len(joined), 0) == joined
-    assert os.pread(fd, len(tail), out[1][1]) == tail
+    handed = os.dup(fd)
+    out = p.fill("s1", handed)
+    at, want = 0, []
+    for n in lens:
+        at = -(-at // 64) * 64
+        want.append(("s1", at, n))
+        at += n
+    assert out == want and at == size
+    for (_, off, n), f in zip(out, frames):
+        assert os.pread(fd, n, off) == bytes(f)
+    with pytest.raises(OSError):
+        os.fstat(handed)
     os.close(fd)

@@ -228,8 +228,10 @@ def test_get_of_one_part_is_zero_copy(endpoint, fresh):
 
 
 def test_put_sends_contiguous_arrays_without_copy(endpoint, fresh):
-    """A C-contiguous array is handed to ZeroMQ as is: the put allocates nothing
-    near its size (a non-contiguous one is made contiguous first, one copy)."""
+    """A C-contiguous array goes to the socket as is, and a strided one as
+    the blocks it is made of (copied item by item into the core's small
+    write buffer as it is written): neither put has numpy copy the field
+    (tracemalloc sees numpy's allocations), and both read back."""
     n = 4096
     idx = fresh(n)
     x = np.ones((n, 4096), np.uint8)  # 16 MiB
@@ -245,5 +247,6 @@ def test_put_sends_contiguous_arrays_without_copy(endpoint, fresh):
         finally:
             tracemalloc.stop()
         assert peak < x.nbytes // 10, f"put allocated {peak} bytes for a {x.nbytes}-byte field"
-        assert peak_strided >= x.nbytes, "the strided input should have been copied once"
+        assert peak_strided < x.nbytes // 10, f"a strided put allocated {peak_strided} bytes"
+        np.testing.assert_array_equal(c.get(idx, ["x"])["x"], strided)
         c.clear(idx)

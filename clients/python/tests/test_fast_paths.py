@@ -1,9 +1,9 @@
-"""The Rust core's fast paths for small calls (`_core.Connection.put_fast`,
-`get_fast`, `clear_fast`, `_core.encode_put`, `_core.read_index_list`):
-every index input kind reads as the general path reads it, every bad one
-is left to the general path (the same errors, nothing sent), and every
-field kind is sent byte for byte as the general path sends it and comes
-back the same, against a real stowd."""
+"""The Rust core's fast paths for small calls (`_core.Connection.get_fast`,
+`clear_fast`, `_core.read_index_list`) and its put (`_core.Put`, every
+put): every index input kind reads as the general path reads it, every
+bad one gets the general path's error (nothing sent), every field kind is
+laid out by the protocol's rules (each descriptor names exactly its
+rows' bytes) and comes back the same, against a real stowd."""
 
 from __future__ import annotations
 
@@ -201,54 +201,112 @@ def _field_kinds(n: int) -> dict:
     return out
 
 
+def _described(frame0: bytes, frames: list) -> dict:
+    """Each field of a put message as its descriptor says: regular fields
+    as the bytes of their one part, nested ones as (shape, bytes) per row,
+    values as they are; and checks the layout rules on the way: a piece
+    of at least 64 KiB is a frame of its own, smaller ones share frames of
+    at most 1 MiB, each at a multiple of its itemsize (at most 16); every
+    frame is named by a descriptor."""
+    body = msgpack.unpackb(frame0)["body"]
+    data = [bytes(memoryview(f).cast("B")) for f in frames]
+    used = set()
+
+    def piece(k, off, ln, itemsize):
+        f = data[k - 1]
+        assert off + ln <= len(f)
+        if ln >= 64 << 10:
+            assert (off, ln) == (0, len(f)), "a large piece is a frame of its own"
+        else:
+            assert len(f) <= 1 << 20 and off % min(max(itemsize, 1), 16) == 0
+        used.add(k)
+        return f[off:off + ln]
+
+    out = {}
+    for name, d in body["fields"].items():
+        if d["kind"] == "values":
+            out[name] = d["values"]
+        elif d["kind"] == "regular":
+            (p,) = d["parts"]
+            assert p["rows"] == d["shape"][0]
+            out[name] = piece(p["frame"], p["offset"], p["len"], np.dtype(_codec.WIRE_DTYPES[d["dtype"]]).itemsize)
+        else:
+            size = _codec.WIRE_DTYPES[d["dtype"]].itemsize
+            out[name] = [(tuple(r["shape"]), piece(r["frame"], r["offset"], r["len"], size)) for r in d["rows"]]
+    assert used == set(range(1, len(frames) + 1)), "a data frame no descriptor names"
+    return out
+
+
+def _wire_bytes(v) -> bytes:
+    return np.ascontiguousarray(v).astype(v.dtype.newbyteorder("<"), copy=False).tobytes()
+
+
 @pytest.mark.parametrize("n", [1, 4, 64])
-def test_a_fast_put_is_the_general_put_byte_for_byte(n):
-    """What `_core.encode_put` writes (the fast put's layout) is exactly
-    what the general path writes: frame 0 and every data frame."""
+def test_every_field_kind_is_laid_out_by_the_rules(n):
+    """What `_core.Put` writes for every field kind, alone and all in one
+    put (and 50 fields of ~24 KiB, across two shared frames): each
+    descriptor names exactly its rows' bytes, by the layout rules."""
     data = _field_kinds(n)
+    data["strided"] = np.arange(n * 12, dtype=np.float64).reshape(n, 12)[:, ::3]
+    data["big_endian"] = np.arange(n * 3, dtype=">i4").reshape(n, 3)
     idx = list(range(1000, 1000 + n))
-    for fields in ([k] for k in data):
-        one = {k: data[k] for k in fields}
-        got = _core.encode_put(7, idx, one, 64 << 20)
-        assert got is not None, fields
-        frame0, frames, rows = got
-        (m,) = list(_codec.put_messages(idx, {k: _codec.normalize_field(k, v, n) for k, v in one.items()},
-                                        64 << 20))
-        assert rows == n
-        assert frame0 == _codec.envelope("put", 7, m.body), fields
-        assert frames == [bytes(memoryview(f).cast("B")) for f in m.frames], fields
-    # All of them in one put, and many small pieces across shared frames.
     many = {f"r{i}": np.full((n, 3000 // n), i, np.float64) for i in range(50)}  # ~24 KiB each: 1.2 MiB
-    for one in (data, many):
-        frame0, frames, rows = _core.encode_put(9, idx, one, 64 << 20)
-        (m,) = list(_codec.put_messages(idx, {k: _codec.normalize_field(k, v, n) for k, v in one.items()},
-                                        64 << 20))
-        assert frame0 == _codec.envelope("put", 9, m.body)
-        assert frames == [bytes(memoryview(f).cast("B")) for f in m.frames]
+    for one in [{k: data[k]} for k in data] + [data, many]:
+        put = _core.Put(idx, one, 64 << 20)
+        assert (put.rows, put.messages) == (n, 1)
+        frame0, frames = put.encode(0, 7)
+        assert msgpack.unpackb(frame0)["id"] == 7 and msgpack.unpackb(frame0)["body"]["global_indexes"] == idx
+        got = _described(frame0, frames)
+        assert list(got) == list(one)
+        for k, v in one.items():
+            if isinstance(v, np.ndarray):
+                assert got[k] == _wire_bytes(v), k
+            elif isinstance(v[0], np.ndarray):
+                assert got[k] == [(r.shape, _wire_bytes(r)) for r in v], k
+            else:
+                assert got[k] == list(v), k
+        if one is many:
+            assert len(frames) == 2, "1.2 MiB of small pieces: two shared frames"
 
 
-def test_what_the_fast_put_leaves_to_the_general_path():
+def test_every_input_kind_is_read_or_refused_with_its_words():
+    """The inputs the fast path once left to Python are the core's now:
+    read as they are (strided, big-endian, bits, values msgpack packs,
+    puts of several messages) or refused with the words the Python client
+    used (nothing sent)."""
     idx = [1, 2]
-    ok = np.zeros((2, 3), np.float32)
-    for data in (
-        {"x": ok.T.copy().T},  # not C-contiguous (a copy is needed)
-        {"x": ok.astype(">f4")},  # big-endian
-        {"x": np.zeros((3, 3), np.float32)},  # rows != indexes
-        {"x": np.float32(1)},  # 0-d
-        {"x": [ok[0], ok[1].astype(np.float64)]},  # nested rows of two dtypes
-        {"x": [ok[0], "a"]},  # arrays and values mixed
-        {"x": [{"a": 1}, {"b": 2}]},  # values msgpack packs, but not plainly
-        {"x": [2**70, 1]},  # an int msgpack cannot pack
-        {"x": stowage.BFloat16Bits(np.zeros((2, 3), np.uint16))},
-        {"x": ok.astype(np.longdouble)},
-        {1: ok},  # a field name that is not a str
-        {},
-        {"x": memoryview(ok)},  # a buffer that is not an array
+    ok = np.arange(6, dtype=np.float32).reshape(2, 3)
+    for data, rows in (
+        ({"x": ok.T.copy().T}, [ok.tobytes()]),  # not C-contiguous: sent as its blocks
+        ({"x": ok.astype(">f4")}, [ok.tobytes()]),  # big-endian: swapped
+        ({"x": stowage.BFloat16Bits(np.arange(6, dtype=np.uint16).reshape(2, 3))},
+         [np.arange(6, dtype=np.uint16).tobytes()]),
+        ({"x": [{"a": 1}, {"b": 2}]}, None),  # values msgpack packs
     ):
-        assert _core.encode_put(1, idx, data, 64 << 20) is None, data
-    assert _core.encode_put(1, [1, 1], {"x": ok}, 64 << 20) is None  # repeated
-    assert _core.encode_put(1, idx, {"x": ok}, 10) is None  # more than one message
-    assert _core.encode_put(1, idx, {"x": ok}, 64 << 20) is not None
+        frame0, frames = _core.Put(idx, data, 64 << 20).encode(0, 1)
+        got = _described(frame0, frames)["x"]
+        if rows is None:
+            assert got == data["x"]
+        else:
+            assert [got] == rows
+    for data, exc, words in (
+        ({"x": np.zeros((3, 3), np.float32)}, ValueError, "field 'x' has 3 rows but 2 global indexes"),
+        ({"x": np.array(1.0)}, ValueError, "needs a row axis"),
+        ({"x": np.float32(1)}, TypeError, "field 'x': expected a numpy array"),
+        ({"x": [ok[0], ok[1].astype(np.float64)]}, ValueError, r"must share one dtype, got \['float32', 'float64'\]"),
+        ({"x": [ok[0], "a"]}, TypeError, "mixes arrays/tensors and plain values"),
+        ({"x": [2**70, 1]}, TypeError, r"field 'x' row 0: cannot send int as a value"),
+        ({"x": ok.astype(np.longdouble)}, TypeError, "has no stowage/1 equivalent"),
+        ({1: ok}, TypeError, "field names must be str"),
+        ({}, ValueError, "empty batch: data has no fields"),
+        ({"x": memoryview(ok)}, TypeError, "expected a numpy array or torch tensor"),
+        ({"x": stowage.Bits(np.zeros((2, 3), np.float32), "float8_e5m2")}, TypeError, "needs a uint8 or int8"),
+    ):
+        with pytest.raises(exc, match=words):
+            _core.Put(idx, data, 64 << 20)
+    with pytest.raises(ValueError, match="duplicate global index 1"):
+        _core.Put([1, 1], {"x": ok}, 64 << 20)
+    assert _core.Put(idx, {"x": ok}, 10).messages == 2  # a row a message
 
 
 def _general(monkeypatch):

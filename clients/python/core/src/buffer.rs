@@ -102,6 +102,14 @@ impl Held {
     }
 }
 
+// SAFETY: a held buffer is neither freed nor moved until it is released,
+// and its bytes are only read: any thread may read them (the point of
+// holding it is to read them with the GIL released), and the release in
+// `drop` attaches to the interpreter first, from whatever thread.
+unsafe impl Send for Held {}
+// SAFETY: as above: `&Held` only reads.
+unsafe impl Sync for Held {}
+
 impl Drop for Held {
     fn drop(&mut self) {
         // SAFETY: a view PyObject_GetBuffer filled, released once, attached

@@ -1,10 +1,10 @@
 //! [`Connection`], `_core.Connection`: one DEALER connection to a stowd
 //! native endpoint, made on first use (the ZMTP handshake) and kept between
-//! calls, and its Python methods: `get`, `get_arrays`, `get_into`, `send`,
-//! `send_many`, `call` (a request that moves no rows, written and its
-//! reply read with stowd's codec), the fast paths ([`crate::fast`]) and the
-//! started calls an event loop awaits (`start_*`, `reply_ready`, `fileno`,
-//! `finish_*`).
+//! calls, and its Python methods: `get`, `get_arrays`, `get_into`, `put`
+//! (a [`Put`]'s messages, from the caller's arrays), `send`, `send_many`,
+//! `call` (a request that moves no rows, written and its reply read with
+//! stowd's codec), the fast paths ([`crate::fast`]) and the started calls
+//! an event loop awaits (`start_*`, `reply_ready`, `fileno`, `finish_*`).
 
 use std::io::IoSlice;
 use std::net::TcpStream;
@@ -24,7 +24,8 @@ use crate::buffer::{Held, hold_frames};
 use crate::error::{Fail, ProtocolViolation};
 use crate::get::{GotTuple, arrays, get, get_reply};
 use crate::get_into::{Target, get_into};
-use crate::message::{Outgoing, REPLY_LIMITS, read_reply, send, send_pipelined, write_message};
+use crate::message::{DataFrames, REPLY_LIMITS, read_reply, send, send_pipelined, write_frames};
+use crate::put::Put;
 use crate::stream::{Socket, Stream, curve_fail};
 use crate::{codec, fast, indexes};
 
@@ -238,35 +239,7 @@ impl Connection {
         Ok(s)
     }
 
-    /// A put read, laid out and written ([`fast::plan_put`]), its reply
-    /// left for `put_end`: its rows, or None with nothing sent.
-    fn put_begin(
-        &mut self,
-        py: Python<'_>,
-        id: u64,
-        indexes: &Bound<'_, PyAny>,
-        data: &Bound<'_, PyAny>,
-        deadline: Instant,
-        max_bytes: usize,
-    ) -> PyResult<Option<u64>> {
-        let Some(mut plan) = fast::plan_put(indexes, data, max_bytes)? else {
-            return Ok(None);
-        };
-        let Some((frame0, rows)) = plan.frame0(id) else {
-            plan.release();
-            return Ok(None);
-        };
-        let sent = {
-            let frames = plan.frame_slices();
-            // The arrays stay held (`plan`) while the GIL is released.
-            py.detach(|| self.begin(deadline, &frame0, &frames))
-        };
-        plan.release();
-        sent?;
-        Ok(Some(rows))
-    }
-
-    /// The reply to `put_begin`'s put: the rows when it is a put_ok for all
+    /// The reply to `start_put`'s put: the rows when it is a put_ok for all
     /// of them, else its frames (for the caller to read and word).
     fn put_end<'py>(
         &mut self,
@@ -293,25 +266,26 @@ impl Connection {
         op: &str,
         id: u64,
         body: &Bound<'_, PyDict>,
+        extras: Option<&Bound<'_, PyDict>>,
         deadline: Instant,
     ) -> PyResult<()> {
-        let frame0 = codec::encode_request(py, op, id, body, None)?;
+        let frame0 = codec::encode_request(py, op, id, body, extras)?;
         let frame0 = frame0.as_bytes().to_vec();
-        py.detach(|| self.begin(deadline, &frame0, &[]))?;
+        py.detach(|| self.begin(deadline, &frame0, NO_FRAMES))?;
         Ok(())
     }
 
     /// Writes a request (`frame0` and its data `frames`) and keeps the
     /// connection for the reply, which `resume` reads (see
     /// `Connection.start_put`). A failed write drops the connection.
-    fn begin(
+    fn begin<F: DataFrames + ?Sized>(
         &mut self,
         deadline: Instant,
         frame0: &[u8],
-        frames: &[Vec<&[u8]>],
+        frames: &F,
     ) -> Result<(), Fail> {
         let mut s = self.connect(deadline)?;
-        write_message(&mut s, frame0, frames)?;
+        write_frames(&mut s, frame0, frames)?;
         self.stream = Some(s);
         Ok(())
     }
@@ -544,28 +518,84 @@ impl Connection {
             .into_any())
     }
 
-    /// A put of `indexes` and `data` (a dict of field name to array, list
-    /// of arrays or list of values), request id `id`, read, laid out and
-    /// written here ([`fast`]) as one message of at most `max_bytes`: the
-    /// number of rows stored when stowd answers put_ok for all of them,
-    /// else the reply's frames (for the caller to read: an error); or
-    /// None, with nothing sent, when the arguments are not plainly that
-    /// (for the caller's general path). Raises TimeoutError and
-    /// ConnectionError as `send` (the connection is dropped).
-    fn put_fast<'py>(
+    /// Sends `put` (a [`Put`]: read, checked and laid out) as put requests
+    /// of id `id` and, for each later message, the next of `ids` (an
+    /// iterator of ints; None for a put of one message), with two on the
+    /// wire (stowd reads the next while it stores one); with `segments`
+    /// (same node: what `Put.fill` wrote into a lease), its one message
+    /// names them, its data frames not sent. Returns the rows stored when
+    /// stowd answered put_ok for every message; else `(rows stored by the
+    /// messages answered so far, the request id of the one that was not,
+    /// its reply's frames as bytes or None, the exception that dropped the
+    /// connection or None)`: the reply to read and word (an error), or the
+    /// TimeoutError, ConnectionError or ProtocolViolation that broke the
+    /// exchange after those replies.
+    #[pyo3(signature = (id, ids, put, timeout, segments = None))]
+    fn put<'py>(
         &mut self,
         py: Python<'py>,
         id: u64,
-        indexes: &Bound<'py, PyAny>,
-        data: &Bound<'py, PyAny>,
+        ids: Option<&Bound<'py, PyAny>>,
+        put: &Bound<'py, Put>,
         timeout: f64,
-        max_bytes: usize,
-    ) -> PyResult<Option<Bound<'py, PyAny>>> {
-        let deadline = deadline_in(timeout);
-        let Some(rows) = self.put_begin(py, id, indexes, data, deadline, max_bytes)? else {
-            return Ok(None);
-        };
-        self.put_end(py, id, rows, deadline).map(Some)
+        segments: Option<Vec<(String, u64, u64)>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let plan = &put.get().plan;
+        let count = plan.message_count();
+        if segments.is_some() && count != 1 {
+            return Err(PyValueError::new_err("a same-node put is one message"));
+        }
+        let mut rids = Vec::with_capacity(count);
+        rids.push(id);
+        for _ in 1..count {
+            let Some(ids) = ids else {
+                return Err(PyValueError::new_err(format!(
+                    "a put of {count} messages needs ids"
+                )));
+            };
+            rids.push(ids.call_method0("__next__")?.extract::<u64>()?);
+        }
+        let each = Duration::from_secs_f64(timeout.max(0.0));
+        let deadline = Instant::now() + each;
+        let mut replies = Vec::new();
+        let segments = segments.as_deref();
+        // The put's arrays stay held (`put`) while the GIL is released.
+        let done = py.detach(|| {
+            self.exchange(deadline, |s| {
+                send_pipelined(
+                    s,
+                    count,
+                    &mut |s, k| {
+                        let m = plan.message(k, rids[k], segments)?;
+                        write_frames(s, &m.frame0, &m)
+                    },
+                    each,
+                    &mut replies,
+                )
+            })
+        });
+        let mut stored = 0u64;
+        for (k, reply) in replies.iter().enumerate() {
+            let rows = plan.message_len(k);
+            if !put_ok(reply, rids[k], rows) {
+                let frames: Vec<Bound<'py, PyBytes>> =
+                    reply.iter().map(|f| PyBytes::new(py, f)).collect();
+                return (stored, rids[k], frames, None::<Bound<'py, PyAny>>)
+                    .into_pyobject(py)
+                    .map(Bound::into_any);
+            }
+            stored += rows;
+        }
+        match done {
+            Ok(()) => Ok(stored.into_pyobject(py)?.into_any()),
+            Err(f) => {
+                let rid = rids[replies.len().min(count - 1)];
+                let failure = PyErr::from(f).into_value(py).into_bound(py).into_any();
+                (stored, rid, None::<Vec<Bound<'py, PyBytes>>>, Some(failure))
+                    .into_pyobject(py)
+                    .map(Bound::into_any)
+            }
+        }
     }
 
     /// A clear of `indexes` (as `get_fast` reads them) and `fields` (None:
@@ -599,7 +629,7 @@ impl Connection {
             return Ok(None);
         };
         let deadline = deadline_in(timeout);
-        let reply = py.detach(|| self.exchange(deadline, |s| send(s, &frame0, &[])))?;
+        let reply = py.detach(|| self.exchange(deadline, |s| send(s, &frame0, NO_FRAMES)))?;
         let mut cleared = 0u64;
         let got = settled(
             py,
@@ -643,7 +673,7 @@ impl Connection {
             .collect();
         let deadline = deadline_in(timeout);
         // The buffers stay held (`held`) while the GIL is released.
-        let reply = py.detach(|| self.exchange(deadline, |s| send(s, frame0, &frames)));
+        let reply = py.detach(|| self.exchange(deadline, |s| send(s, frame0, frames.as_slice())));
         drop(frames);
         drop(held);
         Ok(reply?.iter().map(|f| PyBytes::new(py, f)).collect())
@@ -669,7 +699,7 @@ impl Connection {
             shapes.push(hold_frames(frames, &mut held)?);
         }
         let mut pieces = held.iter().map(Held::bytes);
-        let plan: Vec<Outgoing<'_>> = messages
+        let plan: Vec<(&[u8], Vec<Vec<&[u8]>>)> = messages
             .iter()
             .zip(&shapes)
             .map(|((frame0, _), counts)| {
@@ -684,8 +714,17 @@ impl Connection {
         let deadline = Instant::now() + each;
         let mut replies = Vec::new();
         // The buffers stay held (`held`) while the GIL is released.
-        let done =
-            py.detach(|| self.exchange(deadline, |s| send_pipelined(s, &plan, each, &mut replies)));
+        let done = py.detach(|| {
+            self.exchange(deadline, |s| {
+                send_pipelined(
+                    s,
+                    plan.len(),
+                    &mut |s, k| write_frames(s, plan[k].0, plan[k].1.as_slice()),
+                    each,
+                    &mut replies,
+                )
+            })
+        });
         drop(plan);
         drop(held);
         let replies = replies
@@ -696,25 +735,34 @@ impl Connection {
         Ok((replies, failure.map(|e| e.into_bound(py))))
     }
 
-    /// The first half of `put_fast`, for an event loop that awaits the
-    /// reply itself: the put read, laid out and written (the connection
-    /// made first if there is none); the rows it carries, or None with
-    /// nothing sent. Then `reply_ready`, `fileno` and `finish_put`.
+    /// The first half of `put`, for an event loop that awaits the reply
+    /// itself: a put of one message (`put`, a [`Put`]) written as request
+    /// `id` (the connection made first if there is none); the rows it
+    /// carries, or None with nothing sent when it is more than one
+    /// message. Then `reply_ready`, `fileno` and `finish_put`.
     fn start_put(
         &mut self,
         py: Python<'_>,
         id: u64,
-        indexes: &Bound<'_, PyAny>,
-        data: &Bound<'_, PyAny>,
+        put: &Bound<'_, Put>,
         timeout: f64,
-        max_bytes: usize,
     ) -> PyResult<Option<u64>> {
+        let plan = &put.get().plan;
+        if plan.message_count() != 1 {
+            return Ok(None);
+        }
         let deadline = deadline_in(timeout);
-        self.put_begin(py, id, indexes, data, deadline, max_bytes)
+        // The put's arrays stay held (`put`) while the GIL is released.
+        py.detach(|| -> Result<(), Fail> {
+            let m = plan.message(0, id, None)?;
+            self.begin(deadline, &m.frame0, &m)
+        })?;
+        Ok(Some(plan.message_len(0)))
     }
 
-    /// The second half of `put_fast` (after `start_put` of `rows` rows,
-    /// request id `id`): what `put_fast` returns.
+    /// The second half of a `start_put` of `rows` rows, request id `id`:
+    /// the rows when stowd answered put_ok for all of them, else the
+    /// reply's frames (for the caller to read and word).
     fn finish_put<'py>(
         &mut self,
         py: Python<'py>,
@@ -745,7 +793,7 @@ impl Connection {
             return Ok(None);
         };
         let deadline = deadline_in(timeout);
-        py.detach(|| self.begin(deadline, &frame0, &[]))?;
+        py.detach(|| self.begin(deadline, &frame0, NO_FRAMES))?;
         Ok(Some(n))
     }
 
@@ -777,7 +825,8 @@ impl Connection {
     }
 
     /// A request that moves no rows (stats, checkpoint, restore, clear,
-    /// channel): `op` with `body` as `encode_request` takes them, request
+    /// channel, lease): `op` with `body` (and the envelope keys `extras`:
+    /// a lease's `channel`) as `encode_request` takes them, request
     /// id `id`, written by stowd's codec, and the reply that answers it read
     /// whole: (its frame 0 as `decode_reply` gives it, or why the codec
     /// refused it as a str; how many frames the reply has). A reply to
@@ -785,6 +834,7 @@ impl Connection {
     /// an error reply of id 0 (to a request stowd could not read) answers
     /// it. Raises TimeoutError and ConnectionError as `send` (the
     /// connection is dropped).
+    #[pyo3(signature = (op, id, body, timeout, extras = None))]
     fn call<'py>(
         &mut self,
         py: Python<'py>,
@@ -792,9 +842,10 @@ impl Connection {
         id: u64,
         body: &Bound<'py, PyDict>,
         timeout: f64,
+        extras: Option<&Bound<'py, PyDict>>,
     ) -> PyResult<(Bound<'py, PyAny>, usize)> {
         let deadline = deadline_in(timeout);
-        self.call_begin(py, op, id, body, deadline)?;
+        self.call_begin(py, op, id, body, extras, deadline)?;
         loop {
             let reply = py.detach(|| self.resume(deadline, read_reply))?;
             if let Some(got) = answer(py, id, &reply)? {
@@ -814,7 +865,7 @@ impl Connection {
         body: &Bound<'py, PyDict>,
         timeout: f64,
     ) -> PyResult<bool> {
-        self.call_begin(py, op, id, body, deadline_in(timeout))?;
+        self.call_begin(py, op, id, body, None, deadline_in(timeout))?;
         Ok(true)
     }
 
@@ -845,7 +896,23 @@ impl Connection {
     }
 }
 
-/// A reply read whole, for `put_fast` and `clear_fast`: `ok` (an int) when
+/// No data frames.
+const NO_FRAMES: &[Vec<&[u8]>] = &[];
+
+/// Whether `reply` is one frame answering request `id` with put_ok for
+/// `rows` rows, and nothing else.
+fn put_ok(reply: &[Vec<u8>], id: u64, rows: u64) -> bool {
+    if reply.len() != 1 {
+        return false;
+    }
+    let head = Bytes::copy_from_slice(&reply[0]);
+    matches!(
+        native::decode_reply_layout(&head, &REPLY_LIMITS),
+        Ok((rid, ReplyLayout::Other(native::Reply::PutOk { rows: r }))) if rid == id && r == rows
+    ) && native::decode_extras(&head, &REPLY_LIMITS).is_ok_and(|e| e == native::Extras::default())
+}
+
+/// A reply read whole, for `finish_put` and `clear_fast`: `ok` (an int) when
 /// it is one frame answering request `id` with a reply `expected` takes,
 /// else its frames as bytes for the caller to read and word.
 fn settled<'py>(

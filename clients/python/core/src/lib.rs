@@ -16,10 +16,10 @@
 //!
 //! A put goes the other way without a copy either: pyzmq sends a frame
 //! from one buffer, so the Python client joined the small rows of a put
-//! into shared frames (a copy) before sending.
-//! [`Connection::send`](connection::Connection::send) takes the data frames
-//! as the caller's buffers (a shared frame as the list of its pieces),
-//! holds them, releases the GIL, and writes them with `writev`: frame
+//! into shared frames (a copy) before sending. A put is read and laid out
+//! here, every input kind ([`put`]: `_core.Put`), and
+//! [`Connection::put`](connection::Connection::put) holds the caller's
+//! arrays, releases the GIL, and writes them with `writev`: frame
 //! headers and pieces of up to
 //! [`zmtp::COALESCE`](stowage_transport::zmtp::COALESCE) bytes are copied
 //! into one small buffer (as stowd's own writer,
@@ -44,21 +44,24 @@
 //!
 //! Every envelope the Python client writes or reads, on any transport,
 //! goes through [`codec`]: stowd's codec, with Python objects in and out.
-//! [`fast`] reads a small call's arguments as the user gives them and lays
-//! out its frames; [`indexes`] reads index inputs for both.
+//! [`put`] reads a put's arguments and lays out its messages; [`fast`]
+//! reads a small get's or clear's arguments as the user gives them;
+//! [`indexes`] reads index inputs for all of them.
 //!
 //! Each module uses only modules below it in this table:
 //!
 //! | module | what it holds |
 //! |---|---|
 //! | [`connection`] | `_core.Connection`: the connection, its ZMTP handshake, its Python methods |
-//! | [`fast`] | a small call's arguments read as the user gives them, its frames laid out |
+//! | [`put`] | `_core.Put`: a put's arguments read and checked, its messages laid out, a lease filled |
+//! | [`fast`] | a small get's or clear's arguments read as the user gives them |
 //! | [`codec`] | stowd's codec, with Python objects in and out |
 //! | [`get_into`] | a get into the caller's arrays, each checked before any byte is written |
 //! | [`get`] | a get into one pooled buffer per field, handed out as buffers or numpy arrays |
 //! | [`gather`] | `_core.gather`: a field's parts from several buffers copied into one |
 //! | [`receive`] | a reply's frame 0 as a layout, its data frames read straight into place |
 //! | [`message`] | whole messages: a request written (gathered `writev`), a reply read whole, pipelining |
+//! | [`source`] | a caller's array as the bytes a put sends: strided blocks, big-endian swapped |
 //! | [`stream`] | the socket reader and writer: a deadline-bound stream with a read-ahead buffer |
 //! | [`wait`] | waiting for the socket: a short spin, then `poll` |
 //! | [`indexes`] | index inputs, for `codec` and `fast` |
@@ -83,7 +86,9 @@ mod get_into;
 mod indexes;
 mod message;
 mod pool;
+mod put;
 mod receive;
+mod source;
 mod stream;
 mod wait;
 
@@ -115,7 +120,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<buffer::Buffer>()?;
     m.add_class::<indexes::IndexList>()?;
     m.add_function(wrap_pyfunction!(indexes::read_index_list, m)?)?;
-    m.add_function(wrap_pyfunction!(fast::encode_put, m)?)?;
+    m.add_class::<put::Put>()?;
+    m.add_class::<put::Frame>()?;
     m.add_function(wrap_pyfunction!(fast::encode_get, m)?)?;
     m.add_function(wrap_pyfunction!(release_receive_buffers, m)?)?;
     m.add_function(wrap_pyfunction!(gather::gather, m)?)?;

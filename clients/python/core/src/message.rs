@@ -13,14 +13,57 @@ use stowage_wire::native::{self, Limits};
 use crate::error::Fail;
 use crate::stream::{IOV_MAX, MAX_FRAME0, Stream};
 
-/// A request on its way out: frame headers and pieces of up to
-/// [`zmtp::COALESCE`] bytes are copied into `copied`, larger pieces stay
-/// where they lie; written with `writev` whenever [`IOV_MAX`] slices or
+/// Where a [`Gather`] writes: every byte of the slices given, in order.
+pub(crate) trait Sink {
+    fn write_vectored_all(&mut self, io: &mut [IoSlice<'_>]) -> Result<(), Fail>;
+}
+
+impl Sink for Stream {
+    fn write_vectored_all(&mut self, io: &mut [IoSlice<'_>]) -> Result<(), Fail> {
+        self.write_all_vectored(io)
+    }
+}
+
+/// A request's data frames as [`write_frames`] takes them: how many,
+/// each one's length, and each one's bytes as the slices they lie in.
+pub(crate) trait DataFrames {
+    fn count(&self) -> usize;
+    fn frame_len(&self, k: usize) -> usize;
+    /// Gives frame `k`'s bytes to `f`, in order.
+    fn each<'a>(
+        &'a self,
+        k: usize,
+        f: &mut dyn FnMut(&'a [u8]) -> Result<(), Fail>,
+    ) -> Result<(), Fail>;
+}
+
+/// Data frames given as the caller's buffers: each frame its pieces.
+impl DataFrames for [Vec<&[u8]>] {
+    fn count(&self) -> usize {
+        self.len()
+    }
+
+    fn frame_len(&self, k: usize) -> usize {
+        self[k].iter().map(|p| p.len()).sum()
+    }
+
+    fn each<'a>(
+        &'a self,
+        k: usize,
+        f: &mut dyn FnMut(&'a [u8]) -> Result<(), Fail>,
+    ) -> Result<(), Fail> {
+        self[k].iter().try_for_each(|&p| f(p))
+    }
+}
+
+/// Bytes on their way out: pieces of up to `coalesce` bytes (and frame
+/// headers) are copied into `copied`, larger pieces stay where they lie;
+/// written with one vectored write whenever [`IOV_MAX`] slices or
 /// [`zmtp::WRITE_CHUNK`] copied bytes are gathered, and at the end.
-#[derive(Default)]
-struct Gather<'a> {
+pub(crate) struct Gather<'a> {
     copied: BytesMut,
     slices: Vec<Slice<'a>>,
+    coalesce: usize,
 }
 
 /// One slice of a batch: a range of [`Gather::copied`], or a caller's piece.
@@ -30,7 +73,18 @@ enum Slice<'a> {
 }
 
 impl<'a> Gather<'a> {
-    fn header(&mut self, s: &mut Stream, len: usize, more: bool) -> Result<(), Fail> {
+    /// A gather that copies pieces of up to `coalesce` bytes (a socket's:
+    /// [`zmtp::COALESCE`], as stowd's own writer; a slice per tiny piece
+    /// costs the kernel more than copying it).
+    pub(crate) fn new(coalesce: usize) -> Gather<'a> {
+        Gather {
+            copied: BytesMut::new(),
+            slices: Vec::new(),
+            coalesce,
+        }
+    }
+
+    fn header(&mut self, s: &mut impl Sink, len: usize, more: bool) -> Result<(), Fail> {
         self.room(s)?;
         let start = self.copied.len();
         frame::put_header(&mut self.copied, len, more);
@@ -38,12 +92,12 @@ impl<'a> Gather<'a> {
         Ok(())
     }
 
-    fn piece(&mut self, s: &mut Stream, piece: &'a [u8]) -> Result<(), Fail> {
+    pub(crate) fn piece(&mut self, s: &mut impl Sink, piece: &'a [u8]) -> Result<(), Fail> {
         if piece.is_empty() {
             return Ok(());
         }
         self.room(s)?;
-        if piece.len() <= zmtp::COALESCE {
+        if piece.len() <= self.coalesce {
             let start = self.copied.len();
             self.copied.extend_from_slice(piece);
             self.copied_from(start);
@@ -64,14 +118,18 @@ impl<'a> Gather<'a> {
     }
 
     /// Writes the batch out if it is full.
-    fn room(&mut self, s: &mut Stream) -> Result<(), Fail> {
+    fn room(&mut self, s: &mut impl Sink) -> Result<(), Fail> {
         if self.slices.len() >= IOV_MAX || self.copied.len() >= zmtp::WRITE_CHUNK {
             self.flush(s)?;
         }
         Ok(())
     }
 
-    fn flush(&mut self, s: &mut Stream) -> Result<(), Fail> {
+    /// Writes out what is gathered.
+    pub(crate) fn flush(&mut self, s: &mut impl Sink) -> Result<(), Fail> {
+        if self.slices.is_empty() {
+            return Ok(());
+        }
         let mut io: Vec<IoSlice<'_>> = self
             .slices
             .iter()
@@ -80,7 +138,7 @@ impl<'a> Gather<'a> {
                 Slice::Caller(p) => IoSlice::new(p),
             })
             .collect();
-        s.write_all_vectored(&mut io)?;
+        s.write_vectored_all(&mut io)?;
         self.slices.clear();
         self.copied.clear();
         Ok(())
@@ -89,20 +147,27 @@ impl<'a> Gather<'a> {
 
 /// Sends one message: `frame0`, then the data `frames`, each its pieces
 /// back to back.
-pub(crate) fn write_message<'a>(
+pub(crate) fn write_message(
+    s: &mut Stream,
+    frame0: &[u8],
+    frames: &[Vec<&[u8]>],
+) -> Result<(), Fail> {
+    write_frames(s, frame0, frames)
+}
+
+/// [`write_message`] of data frames of any kind.
+pub(crate) fn write_frames<'a, F: DataFrames + ?Sized>(
     s: &mut Stream,
     frame0: &'a [u8],
-    frames: &[Vec<&'a [u8]>],
+    frames: &'a F,
 ) -> Result<(), Fail> {
-    let mut g = Gather::default();
-    g.header(s, frame0.len(), !frames.is_empty())?;
+    let mut g = Gather::new(zmtp::COALESCE);
+    let count = frames.count();
+    g.header(s, frame0.len(), count > 0)?;
     g.piece(s, frame0)?;
-    for (i, pieces) in frames.iter().enumerate() {
-        let len = pieces.iter().map(|p| p.len()).sum();
-        g.header(s, len, i + 1 < frames.len())?;
-        for &piece in pieces {
-            g.piece(s, piece)?;
-        }
+    for k in 0..count {
+        g.header(s, frames.frame_len(k), k + 1 < count)?;
+        frames.each(k, &mut |piece| g.piece(s, piece))?;
     }
     g.flush(s)
 }
@@ -135,12 +200,12 @@ pub(crate) fn check_frame_count(frames: usize) -> Result<(), Fail> {
 /// frames, frame 0 first. Bounded: frame 0 at most [`MAX_FRAME0`] bytes,
 /// the data frames as many bytes together, and each frame's declared size
 /// checked before anything is allocated for it.
-pub(crate) fn send(
+pub(crate) fn send<F: DataFrames + ?Sized>(
     s: &mut Stream,
     frame0: &[u8],
-    frames: &[Vec<&[u8]>],
+    frames: &F,
 ) -> Result<Vec<Vec<u8>>, Fail> {
-    write_message(s, frame0, frames)?;
+    write_frames(s, frame0, frames)?;
     read_reply(s)
 }
 
@@ -168,33 +233,31 @@ fn is_error(head: &[u8]) -> bool {
     )
 }
 
-/// A request to send: frame 0 and its data frames, each its pieces.
-pub(crate) type Outgoing<'a> = (&'a [u8], Vec<Vec<&'a [u8]>>);
-
-/// Sends `messages` with two on the wire: message `k + 1` is written
-/// before the reply to `k` is read, so that stowd (which reads one message
-/// ahead while it handles one) receives the next while it handles this
-/// one. The replies go to `replies` in order: all of them, or up to the
-/// first error and the reply to the one message already sent after it.
-/// Each step (a message written and the reply before it read) has `each`
-/// to finish, as each message sent alone would.
+/// Sends `count` messages with two on the wire: message `k + 1` is written
+/// (`write(s, k + 1)`, which lays it out then) before the reply to `k` is
+/// read, so that stowd (which reads one message ahead while it handles
+/// one) receives the next while it handles this one. The replies go to
+/// `replies` in order: all of them, or up to the first error and the
+/// reply to the one message already sent after it. Each step (a message
+/// written and the reply before it read) has `each` to finish, as each
+/// message sent alone would.
 pub(crate) fn send_pipelined(
     s: &mut Stream,
-    messages: &[Outgoing<'_>],
+    count: usize,
+    write: &mut dyn FnMut(&mut Stream, usize) -> Result<(), Fail>,
     each: Duration,
     replies: &mut Vec<Vec<Vec<u8>>>,
 ) -> Result<(), Fail> {
     let mut sent = 0;
-    if let Some((frame0, frames)) = messages.first() {
-        write_message(s, frame0, frames)?;
+    if count > 0 {
+        write(s, 0)?;
         sent = 1;
     }
     while replies.len() < sent {
         s.deadline = Instant::now() + each;
         let failed = replies.last().is_some_and(|r| is_error(&r[0]));
-        if !failed && sent < messages.len() {
-            let (frame0, frames) = &messages[sent];
-            write_message(s, frame0, frames)?;
+        if !failed && sent < count {
+            write(s, sent)?;
             sent += 1;
         }
         let reply = read_reply(s)?;
