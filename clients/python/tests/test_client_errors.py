@@ -69,16 +69,46 @@ BAD_PUTS = {
     "scalar_field": ([1], {"x": 3}, TypeError, r"field 'x': expected a numpy array or torch tensor"),
     "bf16_bits_dtype": ([1], {"b": stowage.BFloat16Bits(np.zeros(1, np.float32))}, TypeError,
                         r"BFloat16Bits needs a uint16 or int16"),
+    # ragged: a row that is a list among arrays, rows fewer than indexes
+    "ragged_nested": ([1, 2], {"n": [np.zeros(2), [np.zeros(1)]]}, TypeError, r"field 'n' mixes arrays"),
+    "ragged_rows": ([1, 2, 3], {"n": [np.zeros(2), np.zeros(1)]}, ValueError, r"field 'n' has 2 rows but 3"),
+    "strided_row_count": ([1, 2], {"x": np.zeros((6, 3))[::2]}, ValueError, r"field 'x' has 3 rows but 2"),
+    # mixed dtypes
+    "nested_bits_dtypes": ([1, 2], {"b": stowage.BFloat16Bits([np.zeros(2, np.uint16), np.zeros(2, np.uint8)])},
+                           TypeError, r"field 'b' row 1: BFloat16Bits needs a uint16 or int16 numpy array, "
+                                      r"got ndarray uint8\[2\]"),
+    "nested_byte_orders": ([1, 2], {"n": [np.zeros(2, "<f4"), np.zeros(2, ">f8")]}, ValueError,
+                           r"must share one dtype, got \['float32', 'float64'\]"),
+    "values_late_row": ([1, 2, 3], {"v": ["a", b"b", object()]}, TypeError, r"field 'v' row 2: cannot send object"),
+    # absurd shapes
+    "packed_overflow": ([1, 2], {"p": stowage.Packed(np.arange(3), [(2**62, 2**62), (3,)])}, ValueError,
+                        r"the row shapes hold \d+ elements, values has 3"),
+    "packed_dims": ([1], {"p": stowage.Packed(np.arange(1), [(1,) * 65])}, ValueError, r"more than 64 dimensions"),
+    "packed_not_ints": ([1], {"p": stowage.Packed(np.arange(1), [("a",)])}, ValueError, r"invalid literal"),
+    "packed_rows": ([1, 2, 3], {"p": stowage.Packed(np.arange(3), [(1,), (2,)])}, ValueError,
+                    r"Packed.shapes must list 3 row shapes, got 2"),
 }
 
 
 @pytest.mark.parametrize("case", list(BAD_PUTS), ids=list(BAD_PUTS))
 def test_bad_put_input(silent_endpoint, case):
+    """Each refused at once, with the same words by the sync and asyncio
+    clients and the same-node mode, and nothing sent."""
     ep, router = silent_endpoint
     idx, data, exc, pattern = BAD_PUTS[case]
     with stowage.Client(ep, timeout=5) as c:
         with pytest.raises(exc, match=pattern):
             c.put(idx, data)
+    with stowage.Client(ep, timeout=5, same_node=True) as c:  # (no channel is asked for first)
+        with pytest.raises(exc, match=pattern):
+            c.put(idx, data)
+
+    async def aio():
+        async with stowage.AsyncClient(ep, timeout=5) as c:
+            with pytest.raises(exc, match=pattern):
+                await c.put(idx, data)
+
+    asyncio.run(asyncio.wait_for(aio(), 30))
     assert router.poll(50, 1) == 0, "a refused put sent something"
 
 

@@ -27,7 +27,7 @@
 //! Index inputs are read by [`crate::indexes`]; one it does not plainly
 //! read goes to `_codec.check_indexes`, which words what is wrong with it.
 //!
-//! The layout (the protocol page's "Frame layout"): a piece (a regular
+//! The layout: a piece (a regular
 //! field's rows, a nested row, a packed field's rows) of at least
 //! [`SMALL_PIECE_BYTES`] is a data frame of its own, sent from where it
 //! lies; smaller ones share frames of at most [`COALESCED_FRAME_BYTES`],

@@ -1,0 +1,192 @@
+"""Every put source the core reads as it lies (`_core.Put`), through a real
+stowd: strided arrays of several strides (rows apart, a column slice,
+reversed, transposed, Fortran order, broadcast, blocks large enough to go
+as slices of themselves and single items), big-endian ones, strided
+`Bits` and `Packed` values, as regular and nested fields, each read back
+equal over tcp (the core's writer), same node (the core's fill of a
+lease) and pyzmq (`AsyncClient` with STOWAGE_PURE_PYTHON=1: the frames
+`Put.encode` joins). And a put split over many messages of such sources
+that fails in a later one says how many rows the earlier ones stored."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+import stowage
+from stowage import Packed
+
+N = 12
+
+
+def sources(n: int = N) -> dict:
+    """Fields of n rows whose arrays are not C-contiguous little-endian."""
+    rng = np.random.default_rng(n)
+    wide = rng.standard_normal((n, 3, 40)).astype(np.float32)
+    big = rng.integers(0, 1 << 30, (2 * n, 2, 5000), dtype=np.int32)  # 20,000-byte blocks
+    return {
+        "rows_apart": rng.standard_normal((2 * n, 5))[::2],
+        "column_slice": wide[:, 1, 3:17],
+        "every_other": wide[:, :, ::2],
+        "reversed": np.arange(n * 4, dtype=np.int16).reshape(n, 4)[::-1],
+        "reversed_inner": np.arange(n * 4, dtype=np.int16).reshape(n, 4)[:, ::-1],
+        "transposed": np.arange(n * 7, dtype=np.uint8).reshape(7, n).T,
+        "fortran": np.asfortranarray(rng.standard_normal((n, 6))),
+        "broadcast": np.broadcast_to(np.arange(9, dtype=np.int64), (n, 9)),
+        "big_blocks": big[::2, 1],  # each row a contiguous 20,000-byte block
+        "big_blocks_apart": big[::2],  # rows of 2 blocks, 40,000 bytes apart
+        "big_endian": np.arange(n * 3, dtype=">f8").reshape(n, 3),
+        "big_endian_strided": np.arange(n * 6, dtype=">i4").reshape(n, 6)[:, ::3],
+        "big_endian_complex": (np.arange(n * 2) + 1j * np.arange(n * 2)).astype(">c8").reshape(n, 2),
+        "bits": stowage.BFloat16Bits(np.arange(n * 8, dtype=np.uint16).reshape(n, 8)[:, 1::2]),
+        "nested": [wide[k, :, : k % 5 + 1] for k in range(n)],
+        "nested_big_endian": [np.arange(k, dtype=">u2") for k in range(n)],
+        "packed": Packed(np.arange(3 * n * (n + 1) // 2, dtype=np.float32)[::-1][::3],
+                         [(k,) for k in range(1, n + 1)]),
+        "packed_runs": Packed(np.arange(n * 12, dtype=np.int32).reshape(2 * n, 6)[:, ::2], [(2, 3)] * n),
+        "packed_tails": Packed(np.arange(n * 12, dtype=np.int32)[::2], [(2, 3) if k % 2 else (6,) for k in range(n)]),
+    }
+
+
+def expected(v):
+    """What a get returns for a put of `v`: little-endian values."""
+    if isinstance(v, stowage.Bits):
+        return np.ascontiguousarray(v.data)
+    if isinstance(v, Packed):
+        flat = np.asarray(v.values).reshape(-1)
+        out, at = [], 0
+        for s in v.shapes:
+            k = int(np.prod(s))
+            out.append(flat[at:at + k].reshape(s))
+            at += k
+        return [o.astype(o.dtype.newbyteorder("<")) for o in out]
+    if isinstance(v, list):
+        return [r.astype(r.dtype.newbyteorder("<")) for r in v]
+    return v.astype(v.dtype.newbyteorder("<"))
+
+
+def check(got: dict, data: dict) -> None:
+    bad = []
+    for name, v in data.items():
+        want, g = expected(v), got[name]
+        if isinstance(want, list):
+            if isinstance(g, np.ndarray):  # rows of one shape come back as one array
+                g = list(g)
+            ok = len(g) == len(want) and all(
+                a.shape == b.shape and a.dtype == b.dtype and a.tobytes() == b.tobytes() for a, b in zip(g, want))
+        else:
+            ok = g.shape == want.shape and g.tobytes() == want.tobytes() and (
+                g.dtype == want.dtype or isinstance(v, stowage.Bits))
+        if not ok:
+            bad.append(name)
+    assert not bad, f"fields that did not round-trip: {bad}"
+
+
+def test_the_sources_are_what_they_claim():
+    for name, v in sources().items():
+        a = v.data if isinstance(v, stowage.Bits) else np.asarray(v.values) if isinstance(v, Packed) else v
+        rows = a if isinstance(a, list) else [a]
+        assert any(not r.flags.c_contiguous or r.dtype.byteorder == ">" for r in rows), name
+
+
+@pytest.mark.parametrize("max_message_bytes", [64 << 20, 700], ids=["one-message", "split"])
+def test_strided_sources_round_trip_over_tcp(endpoint, fresh, max_message_bytes):
+    idx = fresh(N)
+    data = sources()
+    with stowage.Client(endpoint, timeout=30, max_message_bytes=max_message_bytes) as c:
+        assert c.put(idx, data) == N
+        check(c.get(idx, list(data), as_torch=False), data)
+        # Each field on its own too (a piece alone in its frame, or shared).
+        for name, v in data.items():
+            c.put(idx, {name: v})
+        check(c.get(idx, list(data), as_torch=False), data)
+        c.clear(idx)
+
+
+def test_strided_sources_round_trip_through_pyzmq(endpoint, fresh, monkeypatch):
+    """The asyncio client over its DEALER: the core's frames, joined where
+    they are not one contiguous piece (`Put.encode`)."""
+    monkeypatch.setenv("STOWAGE_PURE_PYTHON", "1")
+    idx = fresh(N)
+    data = sources()
+    # rows of 80,000 bytes: frames of their own, handed to pyzmq as views of the array
+    data["contiguous_big"] = np.arange(N * 20_000, dtype=np.float32).reshape(N, 20_000)
+
+    async def main():
+        async with stowage.AsyncClient(endpoint, timeout=30, max_message_bytes=2000) as c:
+            assert await c.put(idx, data) == N
+            got = await c.get(idx, list(data), as_torch=False)
+            assert c._sock is not None, "the DEALER carried nothing"
+            await c.clear(idx)
+            return got
+
+    check(asyncio.run(asyncio.wait_for(main(), 60)), data)
+
+
+def test_strided_sources_round_trip_same_node(shm_server, fresh):
+    """Same node: the core writes every source into the leased segment."""
+    idx = fresh(N)
+    data = sources()
+    with stowage.Client(shm_server["native"], same_node=True, timeout=30) as c:
+        assert c.put(idx, data) == N
+        check(c.get(idx, list(data), as_torch=False), data)
+    with stowage.Client(shm_server["native"], timeout=30) as tcp:
+        check(tcp.get(idx, list(data), as_torch=False), data)
+
+    async def put_async():
+        async with stowage.AsyncClient(shm_server["native"], same_node=True, timeout=30) as c:
+            return await c.put(idx, data)
+
+    assert asyncio.run(asyncio.wait_for(put_async(), 60)) == N
+    with stowage.Client(shm_server["native"], same_node=True, timeout=30) as c:
+        check(c.get(idx, list(data), as_torch=False), data)
+        c.clear(idx)
+
+
+@pytest.mark.parametrize("way", ["core", "pyzmq"])
+def test_a_split_put_of_strided_sources_failing_later_counts_the_rows_stored(small_server, fresh, monkeypatch, way):
+    """Units of 4 KiB, rows of 1 KiB alternating between them, two rows a
+    message (1,022 strided bytes and 2 packed a row): the fifth message finds
+    the units full. rows_stored says the
+    8 leading rows the first four stored, and those read back."""
+    if way == "pyzmq":
+        monkeypatch.setenv("STOWAGE_PURE_PYTHON", "1")
+    idx = fresh(10)
+    rows = np.arange(10 * 2044, dtype=np.uint8).reshape(10, 2044)[:, ::2]  # strided: 1022 bytes a row
+    data = {"x": rows, "p": Packed(np.arange(10 * 4, dtype=np.int8)[::2], [(2,)] * 10)}
+
+    async def aput():
+        async with stowage.AsyncClient(small_server["native"], timeout=10, max_message_bytes=2200) as c:
+            await c.put(idx, data)
+
+    with stowage.Client(small_server["native"], timeout=10, max_message_bytes=2200) as c:
+        try:
+            with pytest.raises(stowage.CapacityError) as ei:
+                if way == "core":
+                    c.put(idx, data)
+                else:
+                    asyncio.run(asyncio.wait_for(aput(), 60))
+            assert ei.value.rows_stored == 8
+            got = c.get(idx[:8], ["x", "p"])
+            np.testing.assert_array_equal(got["x"], rows[:8])
+            np.testing.assert_array_equal(np.asarray(got["p"]), np.arange(0, 32, 2, dtype=np.int8).reshape(8, 2))
+            with pytest.raises(stowage.KeyNotFound):
+                c.get(idx[8:9], ["x"])
+        finally:
+            c.clear(idx)
+
+
+@pytest.fixture(scope="module")
+def shm_server(tmp_path_factory):
+    from stowd_harness import run_stowd
+
+    shm_dir = f"/dev/shm/stowage-test-sources-{os.getpid()}"
+    shutil.rmtree(shm_dir, ignore_errors=True)
+    with run_stowd(tmp_path_factory.mktemp("sources"), config=f'[shm]\ndir = "{shm_dir}"\n',
+                   name="stowd-sources") as s:
+        yield s
+    shutil.rmtree(shm_dir, ignore_errors=True)
