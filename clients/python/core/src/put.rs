@@ -226,18 +226,12 @@ impl Plan {
         }
     }
 
-    /// Message `k` laid out, request id `id`; with `segments`, the
-    /// same-node form: its data frames named as those ranges of leased
-    /// segments, none sent.
-    pub(crate) fn message(
-        &self,
-        k: usize,
-        id: u64,
-        segments: Option<&[(String, u64, u64)]>,
-    ) -> Result<Message<'_>, Fail> {
+    /// The data frames of message `k`, and with `describe` its fields'
+    /// descriptors (a lease's size and its fill need only the frames).
+    fn lay_out(&self, k: usize, describe: bool) -> (Frames, Vec<(String, FieldLayout)>) {
         let (a, b) = self.messages[k];
         let mut frames = Frames::default();
-        let mut fields = Vec::with_capacity(self.fields.len());
+        let mut fields = Vec::with_capacity(if describe { self.fields.len() } else { 0 });
         for (name, field) in &self.fields {
             let layout = match field {
                 Field::Regular { dtype, src } => {
@@ -245,6 +239,9 @@ impl Plan {
                     let span = rows_span(*src, s, a, b);
                     let len = self.span_len(span);
                     let (frame, offset) = frames.add(span, len, s.itemsize());
+                    if !describe {
+                        continue;
+                    }
                     let mut shape = Vec::with_capacity(s.shape().len());
                     shape.push((b - a) as u64);
                     shape.extend(s.shape()[1..].iter().map(|&d| d as u64));
@@ -259,51 +256,97 @@ impl Plan {
                         }],
                     }
                 }
-                Field::Nested { dtype, rows } => FieldLayout::Nested {
-                    dtype: *dtype,
-                    rows: match rows {
-                        NestedRows::Each(each) => each[a..b]
-                            .iter()
-                            .map(|(shape, span)| {
-                                let len = self.span_len(*span);
-                                let (frame, offset) =
-                                    frames.add(*span, len, self.src(*span).itemsize());
-                                RowLayout {
-                                    shape: shape.clone(),
-                                    frame,
-                                    offset,
-                                    len: len as u64,
-                                }
-                            })
-                            .collect(),
-                        NestedRows::Runs { src, offsets } => {
-                            let s = &self.sources[*src];
-                            let (lo, hi) = (offsets[a] as usize, offsets[b] as usize);
-                            let span = rows_span(*src, s, lo, hi);
-                            let per = s.row_bytes() as u64;
-                            let (frame, at) = frames.add(span, self.span_len(span), s.itemsize());
-                            let tail: Vec<u64> = s.shape()[1..].iter().map(|&d| d as u64).collect();
-                            (a..b)
-                                .map(|i| {
-                                    let k = offsets[i + 1] - offsets[i];
-                                    let mut shape = Vec::with_capacity(1 + tail.len());
-                                    shape.push(k);
-                                    shape.extend_from_slice(&tail);
-                                    RowLayout {
-                                        shape,
-                                        frame,
-                                        offset: at + (offsets[i] - lo as u64) * per,
-                                        len: k * per,
-                                    }
-                                })
-                                .collect()
+                Field::Nested {
+                    dtype,
+                    rows: NestedRows::Each(each),
+                } => {
+                    let mut rows = Vec::with_capacity(if describe { b - a } else { 0 });
+                    for (shape, span) in &each[a..b] {
+                        let len = self.span_len(*span);
+                        let (frame, offset) = frames.add(*span, len, self.src(*span).itemsize());
+                        if describe {
+                            rows.push(RowLayout {
+                                shape: shape.clone(),
+                                frame,
+                                offset,
+                                len: len as u64,
+                            });
                         }
-                    },
-                },
-                Field::Values { values, .. } => FieldLayout::Values(values[a..b].to_vec()),
+                    }
+                    if !describe {
+                        continue;
+                    }
+                    FieldLayout::Nested {
+                        dtype: *dtype,
+                        rows,
+                    }
+                }
+                Field::Nested {
+                    dtype,
+                    rows: NestedRows::Runs { src, offsets },
+                } => {
+                    let s = &self.sources[*src];
+                    let (lo, hi) = (offsets[a] as usize, offsets[b] as usize);
+                    let span = rows_span(*src, s, lo, hi);
+                    let per = s.row_bytes() as u64;
+                    let (frame, at) = frames.add(span, self.span_len(span), s.itemsize());
+                    if !describe {
+                        continue;
+                    }
+                    let tail: Vec<u64> = s.shape()[1..].iter().map(|&d| d as u64).collect();
+                    let rows = (a..b)
+                        .map(|i| {
+                            let k = offsets[i + 1] - offsets[i];
+                            let mut shape = Vec::with_capacity(1 + tail.len());
+                            shape.push(k);
+                            shape.extend_from_slice(&tail);
+                            RowLayout {
+                                shape,
+                                frame,
+                                offset: at + (offsets[i] - lo as u64) * per,
+                                len: k * per,
+                            }
+                        })
+                        .collect();
+                    FieldLayout::Nested {
+                        dtype: *dtype,
+                        rows,
+                    }
+                }
+                Field::Values { values, .. } => {
+                    if !describe {
+                        continue;
+                    }
+                    FieldLayout::Values(values[a..b].to_vec())
+                }
             };
             fields.push((name.clone(), layout));
         }
+        (frames, fields)
+    }
+
+    /// Message `k`'s data frames alone (no frame 0).
+    fn frames_only(&self, k: usize) -> Message<'_> {
+        let (frames, _) = self.lay_out(k, false);
+        Message {
+            plan: self,
+            frame0: Bytes::new(),
+            frames: frames.frames,
+            lens: frames.lens,
+        }
+    }
+
+    /// Message `k` laid out, request id `id`; with `segments`, the
+    /// same-node form: its data frames named as those ranges of leased
+    /// segments, none sent.
+    pub(crate) fn message(
+        &self,
+        k: usize,
+        id: u64,
+        segments: Option<&[(String, u64, u64)]>,
+    ) -> Result<Message<'_>, Fail> {
+        let (a, b) = self.messages[k];
+        let (frames, fields) = self.lay_out(k, true);
         let head = RequestHead::Put {
             global_indexes: self.indexes[a..b].to_vec(),
             fields,
@@ -518,17 +561,15 @@ impl Put {
     /// The bytes of message `k`'s data frames (padding included).
     fn message_bytes(&self, k: usize) -> PyResult<usize> {
         self.range(k)?;
-        let m = self.plan.message(k, 0, None)?;
-        Ok(m.lens.iter().sum())
+        Ok(self.plan.frames_only(k).lens.iter().sum())
     }
 
     /// The bytes a lease must have for message 0 (the one message of a
     /// same-node put): its data frames, each at a multiple of 64. 0 when
     /// they hold no byte (nothing to lease: they go on the socket).
     #[getter]
-    fn lease_bytes(&self) -> PyResult<u64> {
-        let m = self.plan.message(0, 0, None)?;
-        Ok(m.lease_ranges().1)
+    fn lease_bytes(&self) -> u64 {
+        self.plan.frames_only(0).lease_ranges().1
     }
 
     /// Message `k` as request `id`, for a socket of the caller's (pyzmq):
@@ -586,7 +627,7 @@ impl Put {
         // SAFETY: the caller hands the descriptor over (the lease's, taken
         // from the descriptor channel); it is closed once, here.
         let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-        let m = self.plan.message(0, 0, None)?;
+        let m = self.plan.frames_only(0);
         let (ranges, _) = m.lease_ranges();
         let raw = fd.as_raw_fd();
         py.detach(|| fill(&m, raw, &ranges)).map_err(|f| match f {
