@@ -687,7 +687,7 @@ class Client(_Ops):
         `segments`, the one message of a same-node put naming them."""
         got = self._core_call("put", None, timeout, lambda core, rid, t: core.put(
             rid, self._ids, put, t, segments))[1]
-        return self._put_result(got, timeout)
+        return got if type(got) is int else self._put_result(got, timeout)
 
     def _core_lease(self, body: dict, timeout) -> dict:
         """A lease through the core (same node): its lease_ok body, its

@@ -62,6 +62,52 @@ impl Held {
             .collect()
     }
 
+    /// The exporter's shape as it keeps it with the view, if it gave one
+    /// and no length is negative (none is for an array).
+    pub(crate) fn lengths_slice(&self) -> Option<&[usize]> {
+        if self.0.ndim == 0 {
+            return Some(&[]);
+        }
+        if self.0.shape.is_null() {
+            return None;
+        }
+        // SAFETY: `ndim` sizes the exporter keeps with the view, alive as
+        // long as `self`.
+        let shape = unsafe { std::slice::from_raw_parts(self.0.shape, self.ndim()) };
+        if shape.iter().any(|&d| d < 0) {
+            return None;
+        }
+        // SAFETY: non-negative `Py_ssize_t`s read as `usize`s of the same
+        // size and value.
+        Some(unsafe { std::slice::from_raw_parts(shape.as_ptr().cast::<usize>(), shape.len()) })
+    }
+
+    /// The shape as lengths (as [`Held::shape`] gives it).
+    pub(crate) fn lengths(&self) -> Vec<usize> {
+        if self.0.ndim == 0 {
+            return Vec::new();
+        }
+        if self.0.shape.is_null() {
+            return vec![self.0.len.max(0) as usize / self.itemsize().max(1)];
+        }
+        // SAFETY: `ndim` sizes the exporter keeps with the view.
+        unsafe { std::slice::from_raw_parts(self.0.shape, self.ndim()) }
+            .iter()
+            .map(|&d| d.max(0) as usize)
+            .collect()
+    }
+
+    /// Every axis' stride in bytes, as the exporter keeps them (None: it
+    /// gave none, the buffer is C-contiguous).
+    pub(crate) fn stride_slice(&self) -> Option<&[isize]> {
+        if self.0.strides.is_null() {
+            return None;
+        }
+        // SAFETY: `ndim` strides the exporter keeps with the view, alive
+        // as long as `self`.
+        Some(unsafe { std::slice::from_raw_parts(self.0.strides, self.ndim()) })
+    }
+
     /// The first axis' stride in bytes (the itemsize when the exporter gave none).
     pub(crate) fn stride0(&self) -> isize {
         if self.0.strides.is_null() || self.0.ndim < 1 {

@@ -70,21 +70,21 @@ pub(crate) fn format_dtype(format: &[u8], itemsize: usize) -> Option<(Dtype, usi
         [b'@' | b'=', rest @ ..] => (cfg!(target_endian = "big"), rest),
         rest => (cfg!(target_endian = "big"), rest),
     };
-    let name = match (code, itemsize) {
-        (b"?", 1) => "bool",
-        (b"b", 1) => "int8",
-        (b"B", 1) => "uint8",
-        (b"h", 2) => "int16",
-        (b"H", 2) => "uint16",
-        (b"i", 4) | (b"l", 4) => "int32",
-        (b"I", 4) | (b"L", 4) => "uint32",
-        (b"l" | b"q", 8) => "int64",
-        (b"L" | b"Q", 8) => "uint64",
-        (b"e", 2) => "float16",
-        (b"f", 4) => "float32",
-        (b"d", 8) => "float64",
-        (b"Zf", 8) => "complex64",
-        (b"Zd", 16) => "complex128",
+    let dtype = match (code, itemsize) {
+        (b"?", 1) => Dtype::Bool,
+        (b"b", 1) => Dtype::Int8,
+        (b"B", 1) => Dtype::Uint8,
+        (b"h", 2) => Dtype::Int16,
+        (b"H", 2) => Dtype::Uint16,
+        (b"i", 4) | (b"l", 4) => Dtype::Int32,
+        (b"I", 4) | (b"L", 4) => Dtype::Uint32,
+        (b"l" | b"q", 8) => Dtype::Int64,
+        (b"L" | b"Q", 8) => Dtype::Uint64,
+        (b"e", 2) => Dtype::Float16,
+        (b"f", 4) => Dtype::Float32,
+        (b"d", 8) => Dtype::Float64,
+        (b"Zf", 8) => Dtype::Complex64,
+        (b"Zd", 16) => Dtype::Complex128,
         _ => return None,
     };
     let unit = match (big, code.first()) {
@@ -92,7 +92,7 @@ pub(crate) fn format_dtype(format: &[u8], itemsize: usize) -> Option<(Dtype, usi
         (true, Some(b'Z')) => itemsize / 2,
         (true, _) => itemsize,
     };
-    Some((Dtype::from_name(name)?, unit))
+    Some((dtype, unit))
 }
 
 /// A get_into's destination: a numpy array (or a CPU torch tensor that

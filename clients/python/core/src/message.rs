@@ -25,16 +25,21 @@ impl Sink for Stream {
 }
 
 /// A request's data frames as [`write_frames`] takes them: how many,
-/// each one's length, and each one's bytes as the slices they lie in.
+/// each one's length, and each one's bytes, in order.
 pub(crate) trait DataFrames {
     fn count(&self) -> usize;
     fn frame_len(&self, k: usize) -> usize;
-    /// Gives frame `k`'s bytes to `f`, in order.
-    fn each<'a>(
-        &'a self,
-        k: usize,
-        f: &mut dyn FnMut(&'a [u8]) -> Result<(), Fail>,
-    ) -> Result<(), Fail>;
+    /// Gives frame `k`'s bytes to `out`, in order.
+    fn each<'a>(&'a self, k: usize, out: &mut dyn Out<'a>) -> Result<(), Fail>;
+}
+
+/// Where [`DataFrames::each`] puts a frame's bytes.
+pub(crate) trait Out<'a> {
+    /// Bytes where they lie (alive as long as the frames).
+    fn slice(&mut self, bytes: &'a [u8]) -> Result<(), Fail>;
+    /// `len` bytes that `fill` writes, all of them, into the room it is
+    /// given (a strided array's small blocks, gathered in one pass).
+    fn fill(&mut self, len: usize, fill: &mut dyn FnMut(&mut [u8])) -> Result<(), Fail>;
 }
 
 /// Data frames given as the caller's buffers: each frame its pieces.
@@ -47,12 +52,24 @@ impl DataFrames for [Vec<&[u8]>] {
         self[k].iter().map(|p| p.len()).sum()
     }
 
-    fn each<'a>(
-        &'a self,
-        k: usize,
-        f: &mut dyn FnMut(&'a [u8]) -> Result<(), Fail>,
-    ) -> Result<(), Fail> {
-        self[k].iter().try_for_each(|&p| f(p))
+    fn each<'a>(&'a self, k: usize, out: &mut dyn Out<'a>) -> Result<(), Fail> {
+        self[k].iter().try_for_each(|&p| out.slice(p))
+    }
+}
+
+/// A [`Gather`] writing to a sink, as an [`Out`].
+pub(crate) struct GatherTo<'g, 'a, S: Sink> {
+    pub(crate) g: &'g mut Gather<'a>,
+    pub(crate) s: &'g mut S,
+}
+
+impl<'a, S: Sink> Out<'a> for GatherTo<'_, 'a, S> {
+    fn slice(&mut self, bytes: &'a [u8]) -> Result<(), Fail> {
+        self.g.piece(self.s, bytes)
+    }
+
+    fn fill(&mut self, len: usize, fill: &mut dyn FnMut(&mut [u8])) -> Result<(), Fail> {
+        self.g.fill(self.s, len, fill)
     }
 }
 
@@ -104,6 +121,24 @@ impl<'a> Gather<'a> {
         } else {
             self.slices.push(Slice::Caller(piece));
         }
+        Ok(())
+    }
+
+    /// `len` bytes `fill` writes, copied into the batch (however many).
+    pub(crate) fn fill(
+        &mut self,
+        s: &mut impl Sink,
+        len: usize,
+        fill: &mut dyn FnMut(&mut [u8]),
+    ) -> Result<(), Fail> {
+        if len == 0 {
+            return Ok(());
+        }
+        self.room(s)?;
+        let start = self.copied.len();
+        self.copied.resize(start + len, 0);
+        fill(&mut self.copied[start..]);
+        self.copied_from(start);
         Ok(())
     }
 
@@ -167,7 +202,7 @@ pub(crate) fn write_frames<'a, F: DataFrames + ?Sized>(
     g.piece(s, frame0)?;
     for k in 0..count {
         g.header(s, frames.frame_len(k), k + 1 < count)?;
-        frames.each(k, &mut |piece| g.piece(s, piece))?;
+        frames.each(k, &mut GatherTo { g: &mut g, s })?;
     }
     g.flush(s)
 }

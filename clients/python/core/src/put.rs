@@ -39,6 +39,7 @@
 //! made of ([`crate::source`]): large ones from where they lie, small ones
 //! copied into the writer's buffer as it goes.
 
+use std::borrow::Cow;
 use std::io::IoSlice;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 
@@ -51,6 +52,7 @@ use pyo3::sync::PyOnceLock;
 use pyo3::types::{
     PyByteArray, PyBytes, PyDict, PyInt, PyList, PyMapping, PyMemoryView, PyString, PyTuple,
 };
+use stowage_transport::zmtp;
 use stowage_wire::batch::Value;
 use stowage_wire::native::{self, Extras, FieldLayout, PartLayout, RequestHead, RowLayout};
 use stowage_wire::tensor::Dtype;
@@ -59,7 +61,7 @@ use crate::buffer::Held;
 use crate::error::Fail;
 use crate::fast::format_dtype;
 use crate::indexes::{is_ndarray, read_indexes, tensor_numpy};
-use crate::message::{DataFrames, Gather, Sink};
+use crate::message::{DataFrames, Gather, GatherTo, Out, Sink};
 use crate::source::Source;
 use crate::stream::IOV_MAX;
 
@@ -73,6 +75,11 @@ pub(crate) const LEASE_ALIGN: usize = 64;
 /// Pieces up to this are copied into the write buffer before a `pwritev`
 /// into a lease (larger ones are a slice each).
 const LEASE_COPY: usize = 512;
+/// Blocks of a strided source from this many bytes are written as slices
+/// of it (the writer copies those up to [`zmtp::COALESCE`] into its
+/// buffer); smaller ones (a transposed array's items) are gathered rows
+/// at a time, one load and store a block.
+const MIN_SLICE: usize = 512;
 /// Most dimensions a row's shape may have (stowage/1's bound).
 const MAX_DIMS: usize = native::MAX_DIMS;
 
@@ -122,13 +129,21 @@ enum Field {
 
 /// A put read and laid out (see the module doc).
 pub(crate) struct Plan {
+    /// The indexes (empty once `single` holds them).
     indexes: Vec<u64>,
+    /// How many rows.
+    rows: usize,
+    /// The fields (their names empty once `single` holds them).
     fields: Vec<(String, Field)>,
     sources: Vec<Source>,
     /// The row ranges of the messages.
     messages: Vec<(usize, usize)>,
     /// The bytes of every row of every tensor field.
     nbytes: u64,
+    /// A put of one message (the usual small one): its data frames and
+    /// frame 0's body, laid out once, names and indexes moved in (frame
+    /// 0 is written from them for each request id).
+    single: Option<(Frames, RequestHead)>,
 }
 
 /// One message of a plan: frame 0, and the data frames as pieces of the
@@ -136,12 +151,12 @@ pub(crate) struct Plan {
 pub(crate) struct Message<'p> {
     plan: &'p Plan,
     pub(crate) frame0: Bytes,
-    frames: Vec<Vec<Piece>>,
-    lens: Vec<usize>,
+    frames: Cow<'p, [Vec<Piece>]>,
+    lens: Cow<'p, [usize]>,
 }
 
 /// The data frames of a message being laid out.
-#[derive(Default)]
+#[derive(Default, Clone)]
 struct Frames {
     frames: Vec<Vec<Piece>>,
     lens: Vec<usize>,
@@ -209,30 +224,48 @@ impl Plan {
         }
     }
 
-    /// Gives `span`'s bytes to `f` as the contiguous slices they are.
-    fn span_slices<'s>(
-        &'s self,
-        span: Span,
-        f: &mut dyn FnMut(&'s [u8]) -> Result<(), Fail>,
-    ) -> Result<(), Fail> {
+    /// Gives `span`'s bytes to `out`: as the slices they are, or, for a
+    /// strided source of blocks under [`MIN_SLICE`] bytes, gathered a
+    /// [`zmtp::WRITE_CHUNK`] of rows (at least one) at a time.
+    fn span_out<'s>(&'s self, span: Span, out: &mut dyn Out<'s>) -> Result<(), Fail> {
         match span {
             Span::Bytes { src, off, len } => {
                 if len > 0 {
-                    f(self.sources[src].slice(off, len))?;
+                    out.slice(self.sources[src].slice(off, len))?;
                 }
                 Ok(())
             }
-            Span::Rows { src, a, b } => self.sources[src].blocks(a, b, f),
+            Span::Rows { src, a, b } => {
+                let s = &self.sources[src];
+                if s.block_bytes() >= MIN_SLICE {
+                    return s.blocks(a, b, &mut |block| out.slice(block));
+                }
+                let row = s.row_bytes().max(1);
+                let step = (zmtp::WRITE_CHUNK / row).max(1);
+                let mut r = a;
+                while r < b {
+                    let end = (r + step).min(b);
+                    out.fill((end - r) * row, &mut |buf| s.copy_rows(r, end, buf))?;
+                    r = end;
+                }
+                Ok(())
+            }
         }
     }
 
     /// The data frames of message `k`, and with `describe` its fields'
-    /// descriptors (a lease's size and its fill need only the frames).
-    fn lay_out(&self, k: usize, describe: bool) -> (Frames, Vec<(String, FieldLayout)>) {
+    /// descriptors, field `i` named `name(i)` (a lease's size and its fill
+    /// need only the frames).
+    fn lay_out(
+        &self,
+        k: usize,
+        describe: bool,
+        name: &mut dyn FnMut(usize) -> String,
+    ) -> (Frames, Vec<(String, FieldLayout)>) {
         let (a, b) = self.messages[k];
         let mut frames = Frames::default();
         let mut fields = Vec::with_capacity(if describe { self.fields.len() } else { 0 });
-        for (name, field) in &self.fields {
+        for (i, (_, field)) in self.fields.iter().enumerate() {
             let layout = match field {
                 Field::Regular { dtype, src } => {
                     let s = &self.sources[*src];
@@ -320,19 +353,45 @@ impl Plan {
                     FieldLayout::Values(values[a..b].to_vec())
                 }
             };
-            fields.push((name.clone(), layout));
+            fields.push((name(i), layout));
         }
         (frames, fields)
     }
 
+    /// Lays out a put of one message once, for every request of it.
+    fn lay_out_single(&mut self) {
+        if self.messages.len() != 1 {
+            return;
+        }
+        let mut names: Vec<String> = self
+            .fields
+            .iter_mut()
+            .map(|(n, _)| std::mem::take(n))
+            .collect();
+        let (frames, fields) = self.lay_out(0, true, &mut |i| std::mem::take(&mut names[i]));
+        let head = RequestHead::Put {
+            global_indexes: std::mem::take(&mut self.indexes),
+            fields,
+        };
+        self.single = Some((frames, head));
+    }
+
     /// Message `k`'s data frames alone (no frame 0).
     fn frames_only(&self, k: usize) -> Message<'_> {
-        let (frames, _) = self.lay_out(k, false);
+        if let Some((frames, _)) = &self.single {
+            return Message {
+                plan: self,
+                frame0: Bytes::new(),
+                frames: Cow::Borrowed(&frames.frames),
+                lens: Cow::Borrowed(&frames.lens),
+            };
+        }
+        let (frames, _) = self.lay_out(k, false, &mut |_| String::new());
         Message {
             plan: self,
             frame0: Bytes::new(),
-            frames: frames.frames,
-            lens: frames.lens,
+            frames: Cow::Owned(frames.frames),
+            lens: Cow::Owned(frames.lens),
         }
     }
 
@@ -346,22 +405,30 @@ impl Plan {
         segments: Option<&[(String, u64, u64)]>,
     ) -> Result<Message<'_>, Fail> {
         let (a, b) = self.messages[k];
-        let (frames, fields) = self.lay_out(k, true);
-        let head = RequestHead::Put {
-            global_indexes: self.indexes[a..b].to_vec(),
-            fields,
+        let built;
+        let (frames, head): (Cow<'_, Frames>, &RequestHead) = match &self.single {
+            Some((frames, head)) => (Cow::Borrowed(frames), head),
+            None => {
+                let (frames, fields) = self.lay_out(k, true, &mut |i| self.fields[i].0.clone());
+                built = RequestHead::Put {
+                    global_indexes: self.indexes[a..b].to_vec(),
+                    fields,
+                };
+                (Cow::Owned(frames), &built)
+            }
         };
         let unencodable = |e: native::Error| Fail::Mismatch(format!("put: {e}"));
-        let mut frame0 = native::encode_request_head(id, &head).map_err(unencodable)?;
-        let (frames, lens) = match segments {
-            None => (frames.frames, frames.lens),
-            Some(segments) => {
+        let mut frame0 = native::encode_request_head(id, head).map_err(unencodable)?;
+        let (frames, lens) = match (segments, frames) {
+            (None, Cow::Borrowed(f)) => (Cow::Borrowed(&f.frames[..]), Cow::Borrowed(&f.lens[..])),
+            (None, Cow::Owned(f)) => (Cow::Owned(f.frames), Cow::Owned(f.lens)),
+            (Some(segments), _) => {
                 let extras = Extras {
                     segments: Some(segments.to_vec()),
                     ..Extras::default()
                 };
                 frame0 = native::with_extras(&frame0, &extras).map_err(unencodable)?;
-                (Vec::new(), Vec::new())
+                (Cow::Owned(Vec::new()), Cow::Owned(Vec::new()))
             }
         };
         Ok(Message {
@@ -410,15 +477,11 @@ impl DataFrames for Message<'_> {
         self.lens[k]
     }
 
-    fn each<'a>(
-        &'a self,
-        k: usize,
-        f: &mut dyn FnMut(&'a [u8]) -> Result<(), Fail>,
-    ) -> Result<(), Fail> {
+    fn each<'a>(&'a self, k: usize, out: &mut dyn Out<'a>) -> Result<(), Fail> {
         for piece in &self.frames[k] {
             match *piece {
-                Piece::Zeros(n) => f(&ZEROS[..n])?,
-                Piece::Span(span) => self.plan.span_slices(span, f)?,
+                Piece::Zeros(n) => out.slice(&ZEROS[..n])?,
+                Piece::Span(span) => self.plan.span_out(span, out)?,
             }
         }
         Ok(())
@@ -496,7 +559,13 @@ fn fill(m: &Message<'_>, fd: RawFd, ranges: &[(u64, u64)]) -> Result<(), Fail> {
             g.flush(&mut lease)?;
             lease.at = at;
         }
-        m.each(k, &mut |piece| g.piece(&mut lease, piece))?;
+        m.each(
+            k,
+            &mut GatherTo {
+                g: &mut g,
+                s: &mut lease,
+            },
+        )?;
         end = at + len;
     }
     g.flush(&mut lease)
@@ -537,7 +606,7 @@ impl Put {
     /// How many rows the put stores.
     #[getter]
     fn rows(&self) -> usize {
-        self.plan.indexes.len()
+        self.plan.rows
     }
 
     /// How many messages it is sent as.
@@ -590,7 +659,7 @@ impl Put {
         me.range(k)?;
         let m = me.plan.message(k, id, segments.as_deref())?;
         let mut out = Vec::with_capacity(m.frames.len());
-        for (pieces, &len) in m.frames.iter().zip(&m.lens) {
+        for (pieces, &len) in m.frames.iter().zip(m.lens.iter()) {
             if let [Piece::Span(Span::Bytes { src, off, len })] = pieces.as_slice() {
                 let bytes = me.plan.sources[*src].slice(*off, *len);
                 let frame = Frame {
@@ -603,13 +672,7 @@ impl Put {
             }
             let k = out.len();
             let joined = PyBytes::new_with(py, len, |buf| {
-                let mut at = 0;
-                m.each(k, &mut |piece| {
-                    buf[at..at + piece.len()].copy_from_slice(piece);
-                    at += piece.len();
-                    Ok(())
-                })
-                .map_err(PyErr::from)
+                m.each(k, &mut Join { buf, at: 0 }).map_err(PyErr::from)
             })?;
             out.push(joined.into_any());
         }
@@ -650,6 +713,26 @@ impl Put {
                 self.plan.messages.len()
             ))
         })
+    }
+}
+
+/// A data frame joined into one buffer (for pyzmq), as an [`Out`].
+struct Join<'b> {
+    buf: &'b mut [u8],
+    at: usize,
+}
+
+impl Out<'_> for Join<'_> {
+    fn slice(&mut self, bytes: &[u8]) -> Result<(), Fail> {
+        self.buf[self.at..self.at + bytes.len()].copy_from_slice(bytes);
+        self.at += bytes.len();
+        Ok(())
+    }
+
+    fn fill(&mut self, len: usize, fill: &mut dyn FnMut(&mut [u8])) -> Result<(), Fail> {
+        fill(&mut self.buf[self.at..self.at + len]);
+        self.at += len;
+        Ok(())
     }
 }
 
@@ -860,6 +943,9 @@ impl<'py> Reader<'py> {
         let py = self.py;
         let what = What { name, row: None };
         let h = self.h;
+        if is_ndarray(value) {
+            return self.regular(value, &what, n);
+        }
         if value.is_instance(h.bits.bind(py))? {
             let data = value.getattr("data")?;
             if data.is_instance_of::<PyList>() || data.is_instance_of::<PyTuple>() {
@@ -869,7 +955,7 @@ impl<'py> Reader<'py> {
             }
             return self.regular(value, &what, n);
         }
-        if !is_ndarray(value) && is_tensor(value) && value.getattr("is_nested")?.is_truthy()? {
+        if is_tensor(value) && value.getattr("is_nested")?.is_truthy()? {
             let parts = h.nested_tensor.bind(py).call1((value,))?;
             if let Ok(pair) = parts.cast::<PyTuple>() {
                 let (values, offsets) = (pair.get_item(0)?, pair.get_item(1)?);
@@ -881,7 +967,7 @@ impl<'py> Reader<'py> {
         if value.is_instance(h.packed.bind(py))? {
             return self.packed(&what, value, n);
         }
-        if is_ndarray(value) || value.is_instance(h.ndarray.bind(py))? || is_tensor(value) {
+        if value.is_instance(h.ndarray.bind(py))? || is_tensor(value) {
             return self.regular(value, &what, n);
         }
         let items: Vec<Bound<'py, PyAny>> = if let Ok(list) = value.cast::<PyList>() {
@@ -1232,7 +1318,7 @@ fn read_put(indexes: &Bound<'_, PyAny>, data: &Bound<'_, PyAny>, limit: u64) -> 
     let mut reader = Reader {
         py,
         h,
-        sources: Vec::new(),
+        sources: Vec::with_capacity(items.len()),
     };
     let mut fields = Vec::with_capacity(items.len());
     for (name, value) in &items {
@@ -1248,12 +1334,15 @@ fn read_put(indexes: &Bound<'_, PyAny>, data: &Bound<'_, PyAny>, limit: u64) -> 
     let sources = reader.sources;
     let mut plan = Plan {
         indexes,
+        rows: n,
         fields,
         sources,
         messages: Vec::new(),
         nbytes: 0,
+        single: None,
     };
     plan.split(limit);
+    plan.lay_out_single();
     Ok(plan)
 }
 
@@ -1278,7 +1367,7 @@ impl Plan {
 
     /// The bytes of every tensor field's rows.
     fn tensor_bytes(&self) -> u64 {
-        let n = self.indexes.len();
+        let n = self.rows;
         self.fields
             .iter()
             .map(|(_, f)| match f {
@@ -1299,7 +1388,7 @@ impl Plan {
     /// Splits the rows into messages of at most `limit` bytes each (a row
     /// costlier than that goes alone).
     fn split(&mut self, limit: u64) {
-        let n = self.indexes.len();
+        let n = self.rows;
         self.nbytes = self.tensor_bytes();
         let fixed = 16 * (1 + self.fields.len() as u64);
         let values: u64 = self

@@ -11,7 +11,7 @@ use crate::buffer::Held;
 /// What keeps a [`Source`]'s bytes alive.
 enum Keep {
     /// The caller's buffer, held until the source is dropped.
-    Held(#[allow(dead_code, reason = "held for its Drop")] Held),
+    Held(Held),
     /// A copy of ours (a big-endian array, swapped; or gathered).
     Owned(#[allow(dead_code, reason = "held for its bytes")] Vec<u8>),
 }
@@ -19,14 +19,17 @@ enum Keep {
 /// An array's bytes: element `[i0, i1, ...]` lies at `base + Σ ik *
 /// strides[k]`, `itemsize` bytes of it.
 pub(crate) struct Source {
-    _keep: Keep,
+    keep: Keep,
     /// The address of element `[0, 0, ...]` (an address, so that the
-    /// source is `Send`: the bytes are owned or held by `_keep`).
+    /// source is `Send`: the bytes are owned or held by `keep`).
     base: usize,
     itemsize: usize,
-    shape: Vec<usize>,
-    strides: Vec<isize>,
+    /// The shape, where it is not the held buffer's own (which the
+    /// exporter keeps with the view: nothing to copy for the usual array).
+    own_shape: Option<Vec<usize>>,
     /// Whether the bytes lie C-contiguous: rows `a..b` are then one slice.
+    /// (A source that is not is the caller's buffer, its strides the
+    /// exporter's.)
     contiguous: bool,
 }
 
@@ -37,19 +40,21 @@ impl Source {
     /// each of its two parts).
     pub(crate) fn new(held: Held, swap: usize) -> Source {
         let itemsize = held.itemsize();
-        let shape: Vec<usize> = held.shape().iter().map(|&d| d as usize).collect();
-        let strides = match held.strides() {
-            Some(s) => s,
-            None => c_strides(&shape, itemsize),
+        let own_shape = match held.lengths_slice() {
+            Some(_) => None,
+            None => Some(held.lengths()),
+        };
+        let contiguous = {
+            let shape = own_shape.as_deref().or(held.lengths_slice()).unwrap_or(&[]);
+            held.stride_slice()
+                .is_none_or(|s| is_c_contiguous(shape, s, itemsize))
         };
         let base = held.ptr() as usize;
-        let contiguous = is_c_contiguous(&shape, &strides, itemsize);
         let source = Source {
-            _keep: Keep::Held(held),
+            keep: Keep::Held(held),
             base,
             itemsize,
-            shape,
-            strides,
+            own_shape,
             contiguous,
         };
         if swap > 1 && itemsize > 1 {
@@ -65,13 +70,12 @@ impl Source {
     /// The same elements, C-contiguous in `bytes` (ours), as `shape` (the
     /// same element count; None: this source's).
     fn with_bytes(&self, bytes: Vec<u8>, shape: Option<Vec<usize>>) -> Source {
-        let shape = shape.unwrap_or_else(|| self.shape.clone());
+        let shape = shape.unwrap_or_else(|| self.shape().to_vec());
         Source {
             base: bytes.as_ptr() as usize,
-            _keep: Keep::Owned(bytes),
+            keep: Keep::Owned(bytes),
             itemsize: self.itemsize,
-            strides: c_strides(&shape, self.itemsize),
-            shape,
+            own_shape: Some(shape),
             contiguous: true,
         }
     }
@@ -82,8 +86,7 @@ impl Source {
     pub(crate) fn reshaped(self, shape: Vec<usize>) -> Source {
         if self.contiguous {
             return Source {
-                strides: c_strides(&shape, self.itemsize),
-                shape,
+                own_shape: Some(shape),
                 ..self
             };
         }
@@ -92,7 +95,20 @@ impl Source {
     }
 
     pub(crate) fn shape(&self) -> &[usize] {
-        &self.shape
+        match (&self.own_shape, &self.keep) {
+            (Some(shape), _) => shape,
+            (None, Keep::Held(held)) => held.lengths_slice().unwrap_or(&[]),
+            (None, Keep::Owned(_)) => &[],
+        }
+    }
+
+    /// Each axis' stride in bytes: a source that is not contiguous is the
+    /// caller's buffer, and these are its exporter's.
+    fn strides(&self) -> &[isize] {
+        match &self.keep {
+            Keep::Held(held) => held.stride_slice().unwrap_or(&[]),
+            Keep::Owned(_) => &[],
+        }
     }
 
     pub(crate) fn itemsize(&self) -> usize {
@@ -105,12 +121,12 @@ impl Source {
 
     /// How many elements the array has.
     pub(crate) fn elements(&self) -> usize {
-        self.shape.iter().product()
+        self.shape().iter().product()
     }
 
     /// Bytes of one row (of the first axis; a 0-d array's one item).
     pub(crate) fn row_bytes(&self) -> usize {
-        self.itemsize * self.shape.iter().skip(1).product::<usize>()
+        self.itemsize * self.shape().iter().skip(1).product::<usize>()
     }
 
     /// Bytes of the whole array.
@@ -130,69 +146,67 @@ impl Source {
         unsafe { std::slice::from_raw_parts((self.base + off) as *const u8, len) }
     }
 
-    /// Gives the bytes of rows `a..b` (of the first axis; a 0-d source's
-    /// one item for `0..1`) to `f`, in order, as the contiguous blocks they
-    /// are made of: one slice for a contiguous source, else one per run of
-    /// the innermost axes that lie contiguous (a transposed array's every
-    /// item).
-    pub(crate) fn blocks<'s, E>(
-        &'s self,
-        a: usize,
-        b: usize,
-        f: &mut dyn FnMut(&'s [u8]) -> Result<(), E>,
-    ) -> Result<(), E> {
-        let row = self.row_bytes();
-        if b <= a || row == 0 {
-            return Ok(());
-        }
-        if self.shape.is_empty() {
-            return f(self.slice(0, self.itemsize));
-        }
-        if self.contiguous {
-            return f(self.slice(a * row, (b - a) * row));
-        }
-        // The innermost axes j.. lie contiguous: blocks of `block` bytes.
-        let nd = self.shape.len();
+    /// Bytes of the contiguous blocks a non-contiguous source's rows are
+    /// made of (the innermost axes that lie contiguous), and how many
+    /// leading axes are counted over them.
+    fn run(&self) -> (usize, usize) {
+        let (shape, strides) = (self.shape(), self.strides());
         let mut block = self.itemsize;
-        let mut j = nd;
-        while j > 1 && (self.shape[j - 1] == 1 || self.strides[j - 1] == block as isize) {
-            block *= self.shape[j - 1];
+        let mut j = shape.len();
+        while j > 1 && (shape[j - 1] == 1 || strides[j - 1] == block as isize) {
+            block *= shape[j - 1];
             j -= 1;
         }
-        if j == 1 && (b - a == 1 || self.strides[0] == block as isize) {
+        (block, j)
+    }
+
+    /// Bytes of the contiguous blocks [`Source::blocks`] gives (a whole
+    /// row or more for a contiguous source).
+    pub(crate) fn block_bytes(&self) -> usize {
+        if self.contiguous || self.shape().is_empty() {
+            return self.row_bytes();
+        }
+        self.run().0
+    }
+
+    /// Calls `each(address, count, stride)` for every run of `count` blocks
+    /// `stride` bytes apart that rows `a..b` of a non-contiguous source are
+    /// made of, in order (its blocks are [`Source::run`]'s).
+    fn runs<E>(
+        &self,
+        a: usize,
+        b: usize,
+        each: &mut dyn FnMut(isize, usize, isize) -> Result<(), E>,
+    ) -> Result<(), E> {
+        let (shape, strides) = (self.shape(), self.strides());
+        let (block, j) = self.run();
+        if j == 1 && (b - a == 1 || strides[0] == block as isize) {
             // The rows themselves follow on: one block.
-            let at = self.base.wrapping_add_signed(a as isize * self.strides[0]);
-            // SAFETY: rows a..b lie back to back from `at`, inside the
-            // held buffer.
-            return f(unsafe { std::slice::from_raw_parts(at as *const u8, (b - a) * row) });
+            return each(self.base as isize + a as isize * strides[0], 1, 0);
         }
         // Axes 0..j counted like an odometer, axis 0 from a to b; the last
-        // of them (`j - 1`) in the inner loop.
-        let mut index = vec![0usize; j];
-        index[0] = a;
+        // of them (`j - 1`) is each run.
         let inner = j - 1;
-        let (inner_len, inner_stride) = (self.shape[inner], self.strides[inner]);
+        if inner == 0 {
+            return each(
+                self.base as isize + a as isize * strides[0],
+                b - a,
+                strides[0],
+            );
+        }
+        let mut index = vec![0usize; inner];
+        index[0] = a;
         loop {
             let mut at = self.base as isize;
-            for (k, &i) in index.iter().enumerate().take(inner) {
-                at += i as isize * self.strides[k];
+            for (k, &i) in index.iter().enumerate() {
+                at += i as isize * strides[k];
             }
-            let first = if inner == 0 { index[0] } else { 0 };
-            let last = if inner == 0 { b } else { inner_len };
-            for i in first..last {
-                let p = (at + i as isize * inner_stride) as usize;
-                // SAFETY: every index is inside the shape, so the block
-                // lies inside the held buffer, alive while `self` is.
-                f(unsafe { std::slice::from_raw_parts(p as *const u8, block) })?;
-            }
-            if inner == 0 {
-                return Ok(());
-            }
+            each(at, shape[inner], strides[inner])?;
             // Next index of axes 0..inner.
             let mut k = inner - 1;
             loop {
                 index[k] += 1;
-                let end = if k == 0 { b } else { self.shape[k] };
+                let end = if k == 0 { b } else { shape[k] };
                 if index[k] < end {
                     break;
                 }
@@ -205,27 +219,114 @@ impl Source {
         }
     }
 
-    /// Every byte of the array, C-contiguous, in a new buffer.
-    fn gather(&self) -> Vec<u8> {
-        let mut out = Vec::with_capacity(self.nbytes());
-        let rows = self.shape.first().copied().unwrap_or(1);
-        let _ = self.blocks::<()>(0, rows, &mut |b| {
-            out.extend_from_slice(b);
+    /// Gives the bytes of rows `a..b` (of the first axis; a 0-d source's
+    /// one item for `0..1`) to `f`, in order, as the contiguous blocks they
+    /// are made of: one slice for a contiguous source, else one per run of
+    /// the innermost axes that lie contiguous (a transposed array's every
+    /// item: [`Source::copy_rows`] copies those faster).
+    pub(crate) fn blocks<'s, E>(
+        &'s self,
+        a: usize,
+        b: usize,
+        f: &mut dyn FnMut(&'s [u8]) -> Result<(), E>,
+    ) -> Result<(), E> {
+        let row = self.row_bytes();
+        if b <= a || row == 0 {
+            return Ok(());
+        }
+        if self.shape().is_empty() {
+            return f(self.slice(0, self.itemsize));
+        }
+        if self.contiguous {
+            return f(self.slice(a * row, (b - a) * row));
+        }
+        let (block, _) = self.run();
+        let len = if self.run().1 == 1 && (b - a == 1 || self.strides()[0] == block as isize) {
+            (b - a) * row
+        } else {
+            block
+        };
+        self.runs(a, b, &mut |at, count, stride| {
+            for i in 0..count {
+                let p = (at + i as isize * stride) as usize;
+                // SAFETY: every index is inside the shape, so the block
+                // lies inside the held buffer, alive while `self` is.
+                f(unsafe { std::slice::from_raw_parts(p as *const u8, len) })?;
+            }
+            Ok(())
+        })
+    }
+
+    /// Copies rows `a..b` into `out` (exactly their bytes), C-contiguous:
+    /// block by block, with one load and store per block where a block is
+    /// a machine word or less (a transposed array's items).
+    pub(crate) fn copy_rows(&self, a: usize, b: usize, out: &mut [u8]) {
+        debug_assert_eq!(out.len(), (b - a) * self.row_bytes());
+        if b <= a || out.is_empty() {
+            return;
+        }
+        if self.contiguous || self.shape().is_empty() {
+            let row = self.row_bytes();
+            let from = if self.shape().is_empty() { 0 } else { a * row };
+            out.copy_from_slice(self.slice(from, out.len()));
+            return;
+        }
+        let (block, j) = self.run();
+        let one = j == 1 && (b - a == 1 || self.strides()[0] == block as isize);
+        let block = if one { out.len() } else { block };
+        let mut to = 0usize;
+        let dst = out.as_mut_ptr();
+        let _ = self.runs::<()>(a, b, &mut |at, count, stride| {
+            // SAFETY: each block lies inside the held buffer (the indexes
+            // are inside the shape), and the blocks of rows a..b add up to
+            // `out`'s length, so `to..to + count * block` is inside it.
+            unsafe {
+                let dst = dst.add(to);
+                match block {
+                    1 => copy_blocks::<1>(at, count, stride, dst),
+                    2 => copy_blocks::<2>(at, count, stride, dst),
+                    4 => copy_blocks::<4>(at, count, stride, dst),
+                    8 => copy_blocks::<8>(at, count, stride, dst),
+                    16 => copy_blocks::<16>(at, count, stride, dst),
+                    _ => {
+                        for i in 0..count {
+                            std::ptr::copy_nonoverlapping(
+                                (at + i as isize * stride) as *const u8,
+                                dst.add(i * block),
+                                block,
+                            );
+                        }
+                    }
+                }
+            }
+            to += count * block;
             Ok(())
         });
+    }
+
+    /// Every byte of the array, C-contiguous, in a new buffer.
+    fn gather(&self) -> Vec<u8> {
+        let mut out = vec![0u8; self.nbytes()];
+        let rows = self.shape().first().copied().unwrap_or(1);
+        self.copy_rows(0, rows, &mut out);
         out
     }
 }
 
-/// The strides of a C-contiguous array of `shape`.
-fn c_strides(shape: &[usize], itemsize: usize) -> Vec<isize> {
-    let mut strides = vec![0isize; shape.len()];
-    let mut step = itemsize as isize;
-    for k in (0..shape.len()).rev() {
-        strides[k] = step;
-        step *= shape[k].max(1) as isize;
+/// Copies `count` blocks of `N` bytes, `stride` bytes apart from address
+/// `at`, to `dst` back to back.
+///
+/// # Safety
+/// Every block is readable, `dst` has room for `count * N` bytes, and the
+/// two do not overlap.
+unsafe fn copy_blocks<const N: usize>(at: isize, count: usize, stride: isize, dst: *mut u8) {
+    for i in 0..count {
+        // SAFETY: the caller's contract.
+        unsafe {
+            let v = std::ptr::read_unaligned((at + i as isize * stride) as *const [u8; N]);
+            std::ptr::write_unaligned(dst.add(i * N).cast::<[u8; N]>(), v);
+        }
     }
-    strides
 }
 
 /// Whether `strides` lay `shape` out C-contiguous (axes of one element, or
