@@ -27,17 +27,19 @@
 //! Index inputs are read by [`crate::indexes`]; one it does not plainly
 //! read goes to `_codec.check_indexes`, which words what is wrong with it.
 //!
-//! The layout: a piece (a regular
+//! The layout, the same whichever way the put goes: a piece (a regular
 //! field's rows, a nested row, a packed field's rows) of at least
 //! [`SMALL_PIECE_BYTES`] is a data frame of its own, sent from where it
 //! lies; smaller ones share frames of at most [`COALESCED_FRAME_BYTES`],
-//! each at a multiple of its itemsize (at most 16), copied as the frame is
-//! written. A put whose rows cost more than `max_message_bytes` (each row
-//! 16 bytes per field and one, plus its bytes; a value about its length)
-//! is split into messages of contiguous rows, a row too big for one going
-//! alone. A non-contiguous array is sent as the contiguous blocks it is
-//! made of ([`crate::source`]): large ones from where they lie, small ones
-//! copied into the writer's buffer as it goes.
+//! each at a multiple of its itemsize (at most 16), copied into place as
+//! the frame is written. A put whose rows cost more than
+//! `max_message_bytes` (each row 16 bytes per field and one, plus its
+//! bytes; a value about its length) is split into messages of contiguous
+//! rows, a row too big for one going alone; a same-node put is one message.
+//! A non-contiguous array is sent as the contiguous blocks it is made of
+//! ([`crate::source`]): large ones from where they lie, small ones
+//! gathered into the writer's buffer as it goes. Each data frame of a
+//! same-node put lies at a multiple of [`LEASE_ALIGN`] in its lease.
 
 use std::borrow::Cow;
 use std::io::IoSlice;
@@ -70,7 +72,7 @@ pub(crate) const SMALL_PIECE_BYTES: usize = 64 << 10;
 /// Most bytes in one shared frame.
 pub(crate) const COALESCED_FRAME_BYTES: usize = 1 << 20;
 /// Each data frame of a same-node put starts at a multiple of this in its
-/// lease (the protocol page, "Same-node shared memory").
+/// lease (a cache line: no two frames share one).
 pub(crate) const LEASE_ALIGN: usize = 64;
 /// Pieces up to this are copied into the write buffer before a `pwritev`
 /// into a lease (larger ones are a slice each).
@@ -679,11 +681,11 @@ impl Put {
         Ok((PyBytes::new(py, &m.frame0), out))
     }
 
-    /// Writes message 0's data frames into the leased segment `name`, whose
-    /// writable descriptor `fd` this takes over (and closes, whatever
-    /// happens: stowd seals the segment at the put, which the kernel
-    /// refuses while it is open for writing... through a mapping, which
-    /// `pwritev` never makes). Returns the ranges to name in the put,
+    /// Writes message 0's data frames into the leased segment `name` with
+    /// `pwritev` (never through a mapping: stowd seals the segment at the
+    /// put, which the kernel refuses while a writable mapping of it is
+    /// left), the GIL released. Its writable descriptor `fd` is taken over
+    /// and closed, whatever happens. Returns the ranges to name in the put,
     /// `[(name, offset, len), ...]`, each at a multiple of 64. OSError if
     /// the writes fail.
     fn fill(&self, py: Python<'_>, name: String, fd: RawFd) -> PyResult<Vec<(String, u64, u64)>> {
@@ -812,13 +814,20 @@ fn helpers(py: Python<'_>) -> PyResult<&Helpers> {
     })
 }
 
-/// `torch.Tensor` (or a subclass), if torch is loaded.
+/// `torch.Tensor` (or a subclass), if torch is loaded (never imported
+/// here: a tensor exists only if the caller imported torch).
 fn is_tensor(obj: &Bound<'_, PyAny>) -> bool {
+    static MODULES: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
     let py = obj.py();
-    let Ok(modules) = py.import("sys").and_then(|s| s.getattr("modules")) else {
+    let Ok(modules) = MODULES.get_or_try_init(py, || {
+        py.import("sys")
+            .and_then(|s| s.getattr("modules"))
+            .map(Bound::unbind)
+    }) else {
         return false;
     };
     let Ok(Some(torch)) = modules
+        .bind(py)
         .cast::<PyDict>()
         .map(|m| m.get_item("torch").ok().flatten())
     else {
@@ -840,9 +849,13 @@ fn is_array_like(h: &Helpers, obj: &Bound<'_, PyAny>) -> PyResult<bool> {
         return Ok(true);
     }
     let py = obj.py();
-    if obj.is_exact_instance_of::<PyInt>()
+    if obj.is_none()
+        || obj.is_exact_instance_of::<PyInt>()
         || obj.is_exact_instance_of::<pyo3::types::PyFloat>()
-        || obj.is_none()
+        || obj.is_exact_instance_of::<pyo3::types::PyBool>()
+        || obj.is_exact_instance_of::<PyDict>()
+        || obj.is_exact_instance_of::<PyList>()
+        || obj.is_exact_instance_of::<PyTuple>()
     {
         return Ok(false);
     }
