@@ -42,6 +42,7 @@ use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple};
 use stowage_wire::native::{FieldLayout, PartLayout, RowLayout};
 use stowage_wire::tensor::Dtype;
 
+use crate::assemble::RAW_BITS;
 use crate::buffer::Held;
 use crate::indexes::{is_ndarray, read_indexes, read_runs, tensor_numpy};
 
@@ -163,18 +164,6 @@ pub(crate) fn read_out(obj: &Bound<'_, PyAny>) -> Option<(Vec<String>, Vec<u64>,
     let shape = held.shape();
     Some((accepted, shape, held))
 }
-
-/// The dtypes numpy has no type for, carried as raw bits (`_dtypes.BITS_DTYPES`).
-const RAW_BITS: [&str; 8] = [
-    "bfloat16",
-    "complex32",
-    "float8_e4m3fn",
-    "float8_e4m3fnuz",
-    "float8_e5m2",
-    "float8_e5m2fnuz",
-    "float8_e8m0fnu",
-    "float4_e2m1fn_x2",
-];
 
 /// A piece of a data frame: bytes of a held array, or zeros (alignment).
 #[derive(Clone, Copy)]

@@ -1,0 +1,500 @@
+//! Same-node gets and get_intos (the protocol page, "Same-node shared
+//! memory"): the request names the client's descriptor channel
+//! ([`crate::channel`]); the get_ok comes as `segments`, `[[name, offset,
+//! len], ...]`, each virtual data frame a range of a segment whose
+//! descriptor came over the channel before the reply.
+//!
+//! While it waits for the reply, a get reads the channel as messages
+//! arrive (it polls both), so a long list of descriptors never fills the
+//! channel and stops stowd. Then the segments are mapped
+//! ([`crate::segments`]), every `[name, offset, len]` checked against its
+//! file's size and every descriptor's range against its frame (a bad one
+//! is a protocol violation, and the connection is dropped), and the result
+//! made ([`crate::assemble`]):
+//!
+//! - a regular field whose rows lie back to back in one segment (stowd
+//!   names rows that do as one part), and a packed nested field whose rows
+//!   do, is a view of the segment's shared read-only mapping: two gets of
+//!   the same rows give the same data pointer, and nothing is copied;
+//!   rows spread over several places are gathered into one buffer of the
+//!   receive pool ([`crate::pool`]): a training loop that gets the same
+//!   shape every step copies into pages already resident;
+//! - a nested field's rows are views of the shared mapping;
+//! - fields that become tensors are views of private copy-on-write
+//!   mappings instead (one per segment and get, of the span they use):
+//!   no two tensors of a get share a byte, so a view whose bytes overlap
+//!   another's (a row asked for twice) is copied.
+//!
+//! A same-node get_into copies each field's rows from the mappings into
+//! the caller's arrays, each checked first, as over the socket.
+//!
+//! A reply without `segments` (stowd sends values-only replies so) is read
+//! from the socket as any get's.
+
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use std::sync::Arc;
+
+use stowage_wire::native::{FieldLayout, layout};
+
+use crate::assemble::{Assembled, Base, GetOptions, Made, NOWHERE, Place, row_shapes};
+use crate::channel::{Channel, Fds};
+use crate::error::Fail;
+use crate::get::{Asked, Reply, check_answer, receive};
+use crate::get_into::{Target, check_targets, copy_into, receive_into};
+use crate::message::write_message;
+use crate::pool::{self, huge_pages};
+use crate::receive::{Head, Other, frames_error, read_head, segments};
+use crate::segments::{Mapping, Segments, private};
+use crate::stream::Stream;
+
+/// A same-node client's channel and mappings.
+pub(crate) struct Shm<'a> {
+    pub(crate) channel: &'a Channel,
+    pub(crate) segments: &'a Segments,
+}
+
+/// Forgets a request on the channel when dropped (its descriptors, if
+/// they come after all, are closed).
+struct Expected<'a>(&'a Channel, u64);
+
+impl Drop for Expected<'_> {
+    fn drop(&mut self) {
+        self.0.forget_id(self.1);
+    }
+}
+
+/// Waits until the reply's first bytes are there, reading channel
+/// messages as they arrive (a channel that breaks meanwhile is closed,
+/// and says why once a reply needs it).
+fn await_reply(s: &mut Stream, ch: &Channel) -> Result<(), Fail> {
+    loop {
+        if s.buffered() {
+            return Ok(());
+        }
+        let chan = ch.sock();
+        let mut fds = [
+            libc::pollfd {
+                fd: s.sock.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+            libc::pollfd {
+                fd: chan.as_ref().map_or(-1, |c| c.as_raw_fd()),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+        ];
+        let left = s
+            .deadline
+            .checked_duration_since(std::time::Instant::now())
+            .filter(|d| !d.is_zero())
+            .ok_or_else(|| Fail::Timeout("no reply within the timeout".into()))?;
+        let ms = left.as_millis().saturating_add(1).min(i32::MAX as u128) as i32;
+        // SAFETY: two valid pollfds (a negative fd is skipped), alive for
+        // the call.
+        let n = unsafe { libc::poll(fds.as_mut_ptr(), 2, ms) };
+        if n < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(Fail::Io(e.to_string()));
+        }
+        if fds[1].revents != 0 {
+            // (A failure closed the channel: the reply says what became
+            // of the request, and one that needs descriptors says why
+            // there are none.)
+            let _ = ch.pump_one(s.deadline, true);
+        }
+        if fds[0].revents != 0 {
+            return Ok(());
+        }
+    }
+}
+
+/// Sends a same-node request and reads its reply's frame 0, the channel
+/// read meanwhile.
+fn request(s: &mut Stream, ch: &Channel, frame0: &[u8]) -> Result<Result<Head, Other>, Fail> {
+    write_message(s, frame0, &[])?;
+    await_reply(s, ch)?;
+    read_head(s)
+}
+
+/// The segments of a reply, mapped and checked: each virtual data frame
+/// as (its mapping's number, or `usize::MAX` for the empty frame; offset
+/// in the segment; length), the mappings, and each mapping's descriptor.
+struct Resolved {
+    frames: Vec<(usize, u64, u64)>,
+    maps: Vec<Arc<Mapping>>,
+    fds: Vec<OwnedFd>,
+}
+
+impl Resolved {
+    /// Maps the segments `entries` names (descriptors `fds`), checking
+    /// every entry against its file's size.
+    fn new(entries: Vec<(String, u64, u64)>, fds: Fds, cache: &Segments) -> Result<Resolved, Fail> {
+        let mut fds: std::collections::HashMap<String, OwnedFd> = fds.into_iter().collect();
+        let mut number: std::collections::HashMap<String, usize> = Default::default();
+        let mut r = Resolved {
+            frames: Vec::with_capacity(entries.len()),
+            maps: Vec::new(),
+            fds: Vec::new(),
+        };
+        for (name, offset, len) in entries {
+            if name.is_empty() && offset == 0 && len == 0 {
+                r.frames.push((usize::MAX, 0, 0));
+                continue;
+            }
+            let k = match number.get(&name) {
+                Some(&k) => k,
+                None => {
+                    let Some(fd) = fds.remove(&name) else {
+                        return Err(Fail::Protocol(format!(
+                            "segment {name:?} came without its descriptor"
+                        )));
+                    };
+                    r.maps.push(cache.map(fd.as_fd())?);
+                    r.fds.push(fd);
+                    number.insert(name.clone(), r.maps.len() - 1);
+                    r.maps.len() - 1
+                }
+            };
+            let size = r.maps[k].len() as u64;
+            if offset.checked_add(len).is_none_or(|end| end > size) {
+                return Err(Fail::Protocol(format!(
+                    "range {offset}+{len} lies outside segment {name:?} ({size} bytes)"
+                )));
+            }
+            r.frames.push((k, offset, len));
+        }
+        Ok(r)
+    }
+
+    /// The frames' lengths, for the descriptors' check.
+    fn lens(&self) -> Vec<u64> {
+        self.frames.iter().map(|f| f.2).collect()
+    }
+
+    /// Where bytes `offset..offset + len` of data frame `frame` lie:
+    /// (mapping number, offset in it). Checked against the frames.
+    fn locate(&self, frame: u64, offset: u64) -> (usize, u64) {
+        let (k, at, _) = self.frames[frame as usize - 1];
+        (k, at + offset)
+    }
+
+    /// The bytes of a range of a data frame (checked against the frames).
+    fn bytes(&self, frame: u64, offset: u64, len: u64) -> &[u8] {
+        let (k, at) = self.locate(frame, offset);
+        if len == 0 {
+            return &[];
+        }
+        &self.maps[k].bytes()[at as usize..(at + len) as usize]
+    }
+
+    fn fd(&self, k: usize) -> BorrowedFd<'_> {
+        self.fds[k].as_fd()
+    }
+}
+
+/// Reads a same-node reply's frame 0 and, for a get_ok with segments,
+/// takes its descriptors and maps its segments (`Ok(Ok(...))`); a get_ok
+/// without segments is left to the socket's way (`Ok(Err(Ok(head)))`),
+/// any other reply returned as it is (`Ok(Err(Err(other)))`).
+#[allow(clippy::type_complexity)]
+fn mapped_reply(
+    s: &mut Stream,
+    id: u64,
+    frame0: &[u8],
+    shm: &Shm<'_>,
+) -> Result<Result<(u64, Vec<(String, FieldLayout)>, Resolved), Result<Head, Other>>, Fail> {
+    let head = match request(s, shm.channel, frame0)? {
+        Ok(head) => head,
+        Err(other) => return Ok(Err(Err(other))),
+    };
+    let Some(entries) = segments(&head.3)? else {
+        return Ok(Err(Ok(head)));
+    };
+    let (rid, fields, more, _) = head;
+    if more {
+        return Err(Fail::Protocol(
+            "a reply with segments must have no data frames".into(),
+        ));
+    }
+    if rid != id {
+        return Err(Fail::Protocol(format!(
+            "a get_ok for request {rid}, not {id}"
+        )));
+    }
+    let fds = if entries.iter().any(|e| !e.0.is_empty()) {
+        shm.channel.take_fds(id, s.deadline)?
+    } else {
+        Vec::new()
+    };
+    let r = Resolved::new(entries, fds, shm.segments)?;
+    layout::check_frames(&fields, &r.lens()).map_err(|e| Fail::Protocol(frames_error(&e)))?;
+    Ok(Ok((rid, fields, r)))
+}
+
+/// A same-node get: the request `frame0` (with the envelope keys
+/// `same_node` and `channel`), and its result.
+pub(crate) fn get(
+    s: &mut Stream,
+    frame0: &[u8],
+    asked: &Asked<'_>,
+    opts: &GetOptions,
+    shm: &Shm<'_>,
+) -> Result<Reply, Fail> {
+    shm.channel.expect_id(asked.id);
+    let _forget = Expected(shm.channel, asked.id);
+    match mapped_reply(s, asked.id, frame0, shm)? {
+        Ok((rid, fields, r)) => {
+            check_answer(rid, &fields, asked)?;
+            Ok(Reply::Got(assemble(fields, &r, opts)?))
+        }
+        Err(Ok(head)) => receive(s, head, asked, opts),
+        Err(Err((head, problem))) => Ok(Reply::Other(head, problem)),
+    }
+}
+
+/// A same-node get_into (see [`crate::get_into::get_into`]).
+pub(crate) fn get_into(
+    s: &mut Stream,
+    id: u64,
+    frame0: &[u8],
+    targets: &[Target],
+    shm: &Shm<'_>,
+) -> Result<Option<Other>, Fail> {
+    shm.channel.expect_id(id);
+    let _forget = Expected(shm.channel, id);
+    match mapped_reply(s, id, frame0, shm)? {
+        Ok((_, fields, r)) => {
+            let checked = check_targets(&fields, targets)?;
+            copy_into(targets, &checked, |frame, offset, len| {
+                r.bytes(frame, offset, len)
+            });
+            Ok(None)
+        }
+        Err(Ok((_, fields, more, _))) => receive_into(s, &fields, more, targets).map(|()| None),
+        Err(Err(other)) => Ok(Some(other)),
+    }
+}
+
+/// A view a tensor wants of a private mapping: bytes `at..at + len` of
+/// mapping `map`, for field `field` (row `row`, or the field's one array).
+struct Want {
+    map: usize,
+    at: u64,
+    len: u64,
+    field: usize,
+    row: Option<usize>,
+}
+
+/// Where a field's pieces lie: (mapping number, offset, len), pieces that
+/// follow on directly merged, empty ones left out.
+fn pieces(r: &Resolved, ranges: impl Iterator<Item = (u64, u64, u64)>) -> Vec<(usize, u64, u64)> {
+    let mut out: Vec<(usize, u64, u64)> = Vec::new();
+    for (frame, offset, len) in ranges {
+        if len == 0 {
+            continue;
+        }
+        let (k, at) = r.locate(frame, offset);
+        match out.last_mut() {
+            Some(last) if last.0 == k && last.1 + last.2 == at => last.2 += len,
+            _ => out.push((k, at, len)),
+        }
+    }
+    out
+}
+
+/// One buffer of the receive pool holding `pieces` back to back.
+fn gather(r: &Resolved, pieces: &[(usize, u64, u64)]) -> Vec<u8> {
+    let total: u64 = pieces.iter().map(|p| p.2).sum();
+    let mut out = pool::take(total as usize, huge_pages);
+    let mut to = 0usize;
+    for &(k, at, len) in pieces {
+        let len = len as usize;
+        out[to..to + len].copy_from_slice(&r.maps[k].bytes()[at as usize..at as usize + len]);
+        to += len;
+    }
+    out
+}
+
+/// The result of a get_ok whose frames are `r` (see the module doc).
+fn assemble(
+    fields: Vec<(String, FieldLayout)>,
+    r: &Resolved,
+    opts: &GetOptions,
+) -> Result<Assembled, Fail> {
+    // Bases 0..maps are the shared mappings.
+    let mut bases: Vec<Base> = r.maps.iter().map(|m| Base::Shared(m.clone())).collect();
+    let mut wants: Vec<Want> = Vec::new();
+    let mut out = Vec::with_capacity(fields.len());
+    // One place for the field's bytes: a view of a shared mapping, a view
+    // a tensor wants (filled in below), or a gather.
+    let one = |bases: &mut Vec<Base>,
+               wants: &mut Vec<Want>,
+               ps: Vec<(usize, u64, u64)>,
+               tensor: bool,
+               field: usize| match ps.as_slice() {
+        [] => NOWHERE,
+        &[(map, at, len)] if tensor => {
+            wants.push(Want {
+                map,
+                at,
+                len,
+                field,
+                row: None,
+            });
+            NOWHERE
+        }
+        &[(map, at, _)] => Place {
+            base: map,
+            at: at as usize,
+        },
+        _ => {
+            bases.push(Base::Owned(gather(r, &ps)));
+            Place {
+                base: bases.len() - 1,
+                at: 0,
+            }
+        }
+    };
+    for (i, (name, f)) in fields.into_iter().enumerate() {
+        let made = match &f {
+            FieldLayout::Values(_) => {
+                let FieldLayout::Values(v) = f else {
+                    unreachable!()
+                };
+                out.push((name, None, Made::Values(v)));
+                continue;
+            }
+            FieldLayout::Regular {
+                dtype,
+                shape,
+                parts,
+            } => {
+                let ps = pieces(r, parts.iter().map(|p| (p.frame, p.offset, p.len)));
+                let place = one(&mut bases, &mut wants, ps, opts.tensor(*dtype), i);
+                (*dtype, Made::Array(place, shape.clone()))
+            }
+            FieldLayout::Nested { dtype, rows } if opts.packed() => {
+                let ps = pieces(r, rows.iter().map(|p| (p.frame, p.offset, p.len)));
+                let total: u64 = rows.iter().map(|p| p.len).sum();
+                let place = one(&mut bases, &mut wants, ps, opts.tensor(*dtype), i);
+                let elements = total / dtype.itemsize() as u64;
+                (*dtype, Made::Packed(place, elements, row_shapes(&f)))
+            }
+            FieldLayout::Nested { dtype, rows } => {
+                let tensor = opts.tensor(*dtype);
+                let made = rows
+                    .iter()
+                    .enumerate()
+                    .map(|(j, row)| {
+                        if row.len == 0 {
+                            return (NOWHERE, row.shape.clone());
+                        }
+                        let (map, at) = r.locate(row.frame, row.offset);
+                        if tensor {
+                            wants.push(Want {
+                                map,
+                                at,
+                                len: row.len,
+                                field: i,
+                                row: Some(j),
+                            });
+                            return (NOWHERE, row.shape.clone());
+                        }
+                        let place = Place {
+                            base: map,
+                            at: at as usize,
+                        };
+                        (place, row.shape.clone())
+                    })
+                    .collect();
+                (*dtype, Made::Rows(made))
+            }
+        };
+        out.push((name, Some(made.0), made.1));
+    }
+    if !wants.is_empty() {
+        private_views(r, &mut bases, &mut out, wants)?;
+    }
+    Ok(Assembled { bases, fields: out })
+}
+
+/// Places the views tensors want: over one private copy-on-write mapping
+/// per segment, of the span they use; a view whose bytes overlap an
+/// earlier one's (in address order) is a copy instead, into one buffer of
+/// this get's own.
+fn private_views(
+    r: &Resolved,
+    bases: &mut Vec<Base>,
+    out: &mut [(String, Option<stowage_wire::tensor::Dtype>, Made)],
+    mut wants: Vec<Want>,
+) -> Result<(), Fail> {
+    wants.sort_by_key(|w| (w.map, w.at));
+    let mut copied = vec![false; wants.len()];
+    let mut reach: Option<(usize, u64)> = None;
+    for (i, w) in wants.iter().enumerate() {
+        match reach {
+            Some((map, end)) if map == w.map && w.at < end => {
+                copied[i] = true;
+                reach = Some((map, end.max(w.at + w.len)));
+            }
+            _ => reach = Some((w.map, w.at + w.len)),
+        }
+    }
+    // The copies, back to back in one buffer.
+    let mut places = vec![NOWHERE; wants.len()];
+    let copies: Vec<(usize, u64, u64)> = (wants.iter().zip(&copied))
+        .filter(|(_, c)| **c)
+        .map(|(w, _)| (w.map, w.at, w.len))
+        .collect();
+    if !copies.is_empty() {
+        bases.push(Base::Owned(gather(r, &copies)));
+        let mut at = 0usize;
+        for (i, w) in wants.iter().enumerate() {
+            if copied[i] {
+                places[i] = Place {
+                    base: bases.len() - 1,
+                    at,
+                };
+                at += w.len as usize;
+            }
+        }
+    }
+    // One private mapping per segment, of the span its other views use.
+    let mut i = 0;
+    while i < wants.len() {
+        let map = wants[i].map;
+        let mut j = i;
+        let (mut lo, mut hi) = (u64::MAX, 0u64);
+        while j < wants.len() && wants[j].map == map {
+            if !copied[j] {
+                lo = lo.min(wants[j].at);
+                hi = hi.max(wants[j].at + wants[j].len);
+            }
+            j += 1;
+        }
+        if lo < hi {
+            bases.push(Base::Private(private(r.fd(map), lo, hi)?));
+            for k in i..j {
+                if !copied[k] {
+                    places[k] = Place {
+                        base: bases.len() - 1,
+                        at: (wants[k].at - lo) as usize,
+                    };
+                }
+            }
+        }
+        i = j;
+    }
+    for (w, place) in wants.iter().zip(places) {
+        match (&mut out[w.field].2, w.row) {
+            (Made::Array(p, _), None) | (Made::Packed(p, _, _), None) => *p = place,
+            (Made::Rows(rows), Some(j)) => rows[j].0 = place,
+            _ => unreachable!("a want is for an array or a row"),
+        }
+    }
+    Ok(())
+}
