@@ -72,8 +72,8 @@ import zmq
 import zmq.asyncio
 
 from . import _auth, _codec, _put, _shm
-from .client import (_CORE_FAILURES, _DIRECT_DTYPES, DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TIMEOUT, _abs_dir, _core, _Ops,
-                     _run_get, _run_get_into, _run_send_many)
+from .client import (_CORE_FAILURES, DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TIMEOUT, _abs_dir, _core, _Ops, _run_get,
+                     _run_get_into, _run_send_many)
 from .errors import BadRequest, ProtocolError, StowageError, StowageTimeout, Unsupported, error_from_reply
 
 
@@ -109,7 +109,6 @@ class AsyncClient(_Ops):
         self._closed = False
         self._channel_loop: asyncio.AbstractEventLoop | None = None
         self._channel_lock: asyncio.Lock | None = None
-        self._inflight: set[int] = set()
         # The Rust core (tcp and ipc put, get, get_into): its worker threads (made
         # on first use) and the connections no call is using.
         self._core_threads: ThreadPoolExecutor | None = None
@@ -212,11 +211,6 @@ class AsyncClient(_Ops):
         return self._closed
 
     # -- the descriptor channel (same node)
-    def _fd_wanted(self):
-        # Requests sent whose replies are not yet read to the end (a reply
-        # may be dispatched before its descriptors are taken).
-        return lambda i: i in self._inflight
-
     def _close_channel(self) -> None:
         seg = self._segments
         if seg is None:
@@ -226,18 +220,20 @@ class AsyncClient(_Ops):
             with contextlib.suppress(Exception):
                 loop.remove_reader(ch.fileno())
         self._channel_loop = None
-        seg.close()
+        seg.close_channel()
 
     def _on_channel(self) -> None:
-        """The channel is readable: a message is coming before its reply."""
+        """The channel is readable: a message is coming before its reply
+        (a lease's, for a request on the DEALER; a get's is read by the
+        core's thread that waits for it, unless this reads it first)."""
         ch = self._segments.channel
         if ch is None or ch.closed:
             return
         fd = ch.fileno()
         try:
-            ch.take_early(-1, time.monotonic() + self.timeout, self._fd_wanted())
-        except StowageError:
-            pass  # closed by take_early; the request it was for fails on its own
+            ch.pump(self.timeout)  # (at once when a core thread is reading it)
+        except _CORE_FAILURES:
+            pass  # closed; the request it was for fails on its own
         if ch.closed and self._channel_loop is not None:
             with contextlib.suppress(Exception):
                 self._channel_loop.remove_reader(fd)
@@ -260,7 +256,7 @@ class AsyncClient(_Ops):
         except Unsupported as e:
             raise self._no_channel(e) from None
         loop = asyncio.get_running_loop()
-        ch = await loop.run_in_executor(None, _shm.Channel, self._channel_path(body), self.timeout)
+        ch = await loop.run_in_executor(None, _shm.open_channel, self._channel_path(body), self.timeout)
         self._segments.channel = ch
         self._channel_loop = loop
         loop.add_reader(ch.fileno(), self._on_channel)
@@ -272,7 +268,7 @@ class AsyncClient(_Ops):
         await self.aclose()
 
     async def _call(self, op: str, body: dict, data_frames, timeout, expect: str,
-                    extras: dict | None = None) -> tuple[dict, _codec.FrameSource]:
+                    extras: dict | None = None) -> tuple[dict, list]:
         try:
             return await self._call_once(op, body, data_frames, timeout, expect, extras)
         except BadRequest as e:
@@ -284,37 +280,30 @@ class AsyncClient(_Ops):
         return await self._call_once(op, body, data_frames, timeout, expect, self._with_channel(extras))
 
     async def _call_once(self, op: str, body: dict, data_frames, timeout, expect: str,
-                         extras: dict | None = None) -> tuple[dict, _codec.FrameSource]:
+                         extras: dict | None = None) -> tuple[dict, list]:
         timeout = self._call_timeout(timeout)
         sock = self._socket()
         loop = self._loop
         rid = next(self._ids)
         fut = loop.create_future()
         self._pending[rid] = fut
-        self._inflight.add(rid)
-        try:
-            return await self._exchange(op, sock, loop, rid, fut, body, data_frames, timeout, expect, extras)
-        finally:
-            self._inflight.discard(rid)
+        return await self._exchange(op, sock, loop, rid, fut, body, data_frames, timeout, expect, extras)
 
     async def _call_encoded(self, op: str, rid: int, frame0: bytes, data_frames, timeout,
-                            expect: str) -> tuple[dict, _codec.FrameSource]:
+                            expect: str) -> tuple[dict, list]:
         """`_call_once` of a request the core wrote (`frame0`, of request id `rid`)."""
         timeout = self._call_timeout(timeout)
         sock = self._socket()
         loop = self._loop
         fut = loop.create_future()
         self._pending[rid] = fut
-        self._inflight.add(rid)
-        try:
-            return await self._exchange(op, sock, loop, rid, fut, frame0, data_frames, timeout, expect, None)
-        finally:
-            self._inflight.discard(rid)
+        return await self._exchange(op, sock, loop, rid, fut, frame0, data_frames, timeout, expect, None)
 
     async def _exchange(self, op, sock, loop, rid, fut, body, data_frames, timeout, expect, extras):
         """Sends the request (`body`, or frame 0 itself as bytes) and awaits its reply."""
         msg = [body if type(body) is bytes else _codec.envelope(op, rid, body, extras), *data_frames]
         deadline = loop.time() + timeout
+        self._expect_fds(rid)
         try:
             await asyncio.wait_for(sock.send_multipart(msg, copy=False), timeout)
             del msg
@@ -322,6 +311,8 @@ class AsyncClient(_Ops):
         except StowageError:
             raise  # failed by someone else (a reset, close): not our timeout
         except asyncio.TimeoutError:
+            if self._segments is not None and self._segments.channel is not None:
+                self._segments.channel.forget(rid)
             if self._sock is sock:
                 self._drop(lambda r: StowageTimeout(
                     f"request {r}: the connection to {self.endpoint} was reset because request {rid} timed out",
@@ -330,7 +321,8 @@ class AsyncClient(_Ops):
                                  "the connection was reset", request_id=rid) from None
         finally:
             self._pending.pop(rid, None)
-        return self._reply_body(env, expect, rid), self._reply_frames(env, frames)
+        frames = self._reply_frames(env, frames, rid)
+        return self._reply_body(env, expect, rid), frames
 
     # -- the calls (see Client for their documentation)
     async def put(self, global_indexes, data: Mapping[str, Any], *, timeout: float | None = None) -> int:
@@ -382,42 +374,38 @@ class AsyncClient(_Ops):
     async def get(self, global_indexes, fields, *, as_torch: bool | None = None, nested: str = "rows",
                   timeout: float | None = None) -> dict:
         """See `Client.get`."""
-        if nested == "rows" and not as_torch and self._core_serves() and self._loop_idle is not None:
+        opts = self._get_options(as_torch, nested)
+        if self._segments is None and self._loop_idle is not None:
             # The usual get: through the core, its reply awaited by this
             # event loop (see `put`).
             ranges = self._ranges_ok
             got = await self._in_loop("get", timeout, lambda conn, rid, t: conn.start_get(
-                rid, global_indexes, fields, t, ranges), lambda conn, rid, n, t: (n, conn.finish_get(t, _DIRECT_DTYPES)))
+                rid, global_indexes, fields, t, ranges), lambda conn, rid, n, t: conn.finish_get(t, opts))
             if got is not None:
-                rid, (n, reply) = got
+                rid, reply = got
                 try:
-                    return self._core_got(rid, reply, [fields] if type(fields) is str else list(fields), n, as_torch)
+                    return self._got(rid, reply, as_torch)
                 except BadRequest as e:
                     if not (ranges and "global_indexes must be an array" in str(e)):
                         raise
                     self._ranges_ok = False  # a stowd from before ranges: asked again below, as a list
-        if nested == "rows" and not as_torch and self._segments is None:
-            # A get on the DEALER: its request written by the core's codec
-            # (None: not plainly indexes and distinct names; the general
-            # path below).
-            ranges = self._ranges_ok
-            rid = next(self._ids)
-            enc = _core.encode_get(rid, global_indexes, fields, ranges)
-            if enc is not None and not (enc[0] >= self.CORE_MIN_ROWS and self._core_serves()):
-                n, names, frame0 = enc
-                try:
-                    reply, frames = await self._call_encoded("get", rid, frame0, (), timeout, "get_ok")
-                    return self._get_result(reply, frames, names, n, as_torch)
-                except BadRequest as e:
-                    if not (ranges and "global_indexes must be an array" in str(e)):
-                        raise
-                    self._ranges_ok = False  # a stowd from before ranges: asked again below, as a list
-        n, names, body = self._get_request(global_indexes, fields, as_torch, self._ranges_ok, nested)
-        if n >= self.CORE_MIN_ROWS and self._core_serves():
-            return await self._ranged(body, lambda b: self._core_call("get", b, timeout, _run_get),
-                                      lambda rid, got: self._core_got(rid, got, names, n, as_torch, nested))
-        return await self._get_call(
-            body, timeout, lambda reply, frames: self._get_result(reply, frames, names, n, as_torch, nested))
+        return await self._with_shm(lambda shm: self._get_threaded(global_indexes, fields, as_torch, opts, timeout, shm))
+
+    async def _get_threaded(self, global_indexes, fields, as_torch, opts, timeout, shm) -> dict:
+        """A get through the core in a worker thread (`shm`: same node)."""
+        ranges = self._ranges_ok
+        rid, got = await self._core_call("get", None, timeout, lambda core, rid, t: core.get_fast(
+            rid, global_indexes, fields, t, opts, ranges, shm))
+        if got is not None:
+            try:
+                return self._got(rid, got[1], as_torch)
+            except BadRequest as e:
+                if not (ranges and "global_indexes must be an array" in str(e)):
+                    raise
+                self._ranges_ok = False  # a stowd from before ranges: asked again below, as a list
+        n, names, body = self._get_request(global_indexes, fields, self._ranges_ok)
+        return await self._ranged(body, lambda b: self._core_call("get", b, timeout, _run_get(names, n, opts, shm)),
+                                  lambda rid, got: self._got(rid, got, as_torch))
 
     async def _ranged(self, body: dict, ask, finish):
         """See `Client._ranged` (`ask` is a coroutine function)."""
@@ -427,11 +415,19 @@ class AsyncClient(_Ops):
             body = self._list_fallback(body, e)  # raises `e` unless stowd refused the ranges
         return finish(*await ask(body))
 
-    async def _get_call(self, body: dict, timeout, finish):
-        """See `Client._get_call`."""
+    async def _with_shm(self, run):
+        """See `Client._with_shm` (`run` is a coroutine function)."""
+        if self._segments is None:
+            return await run(None)
         await self._open_channel()
-        return await self._ranged(body, lambda b: self._call("get", b, (), timeout, "get_ok", self._get_extras()),
-                                  finish)
+        try:
+            return await run(self._shm())
+        except BadRequest as e:
+            if "no descriptor channel has token" not in str(e):
+                raise
+        self._close_channel()
+        await self._open_channel()
+        return await run(self._shm())
 
     async def _core_put(self, put: _put.Put, messages: list, timeout) -> None:
         """See `Client._core_put` (in a worker thread)."""
@@ -555,13 +551,11 @@ class AsyncClient(_Ops):
 
     async def get_into(self, global_indexes, out: Mapping[str, Any], *,
                        timeout: float | None = None) -> Mapping[str, Any]:
-        """See `Client.get_into`."""
+        """See `Client.get_into` (through the core, in a worker thread)."""
         n, targets, body = self._get_into_request(global_indexes, out, self._ranges_ok)
-        if sum(a.nbytes for _, a in targets.values()) >= self.CORE_MIN_BYTES and self._core_serves(targets):
-            run = _run_get_into(self._core_plan(targets))
-            await self._ranged(body, lambda b: self._core_call("get", b, timeout, run), self._core_got_into)
-        else:
-            await self._get_call(body, timeout, lambda reply, frames: self._get_into_result(reply, frames, targets, n))
+        plan = self._core_plan(targets)
+        await self._with_shm(lambda shm: self._ranged(
+            body, lambda b: self._core_call("get", b, timeout, _run_get_into(plan, shm)), self._core_got_into))
         return out
 
     async def clear(self, global_indexes, fields=None, *, timeout: float | None = None) -> int:

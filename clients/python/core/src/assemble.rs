@@ -102,6 +102,9 @@ pub(crate) enum Base {
     Shared(Arc<Mapping>),
     /// A private copy-on-write mapping of a segment (writable).
     Private(MmapMut),
+    /// A Python buffer object (a read-only view of a frame received
+    /// elsewhere).
+    Object(Py<PyAny>),
 }
 
 /// An array's place: `at` bytes into base number `base` ([`NOWHERE`]: an
@@ -173,14 +176,6 @@ pub(crate) fn check_request(
         return Err(Fail::Protocol(format!("field '{name}': {bad}")));
     }
     Ok(())
-}
-
-/// The shapes of a nested field's rows.
-pub(crate) fn row_shapes(f: &FieldLayout) -> Vec<Vec<u64>> {
-    match f {
-        FieldLayout::Nested { rows, .. } => rows.iter().map(|r| r.shape.clone()).collect(),
-        _ => Vec::new(),
-    }
 }
 
 impl Assembled {
@@ -263,6 +258,7 @@ impl Assembled {
                     Base::Owned(data) => Bound::new(py, Buffer { data })?.into_any(),
                     Base::Shared(map) => Bound::new(py, SharedPages { map })?.into_any(),
                     Base::Private(map) => Bound::new(py, PrivatePages::new(map))?.into_any(),
+                    Base::Object(obj) => obj.into_bound(py),
                 })
             })
             .collect::<PyResult<Vec<_>>>()?;
@@ -331,4 +327,243 @@ pub(crate) fn ndarray_type(py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {
             Ok::<_, PyErr>(py.import("numpy")?.getattr("ndarray")?.unbind())
         })
         .map(|t| t.bind(py).clone())
+}
+
+/// A get_ok's data frames as they lie in memory: data frame k (from 1) is
+/// bytes `at..at + len` of source number `source` (`usize::MAX`: the
+/// empty frame), each source a buffer: a segment's mapping, or a frame
+/// received whole. Every range was checked against the frames.
+pub(crate) struct InMemory<'a> {
+    pub(crate) frames: Vec<(usize, u64, u64)>,
+    pub(crate) sources: Vec<&'a [u8]>,
+}
+
+/// A view a tensor wants of a private mapping: bytes `at..at + len` of
+/// source `source`, for field number `field` (row `row`, or the field's
+/// one array or `Packed` values).
+pub(crate) struct Want {
+    pub(crate) source: usize,
+    pub(crate) at: u64,
+    pub(crate) len: u64,
+    pub(crate) field: usize,
+    pub(crate) row: Option<usize>,
+}
+
+impl InMemory<'_> {
+    /// The lengths of the frames.
+    pub(crate) fn lens(&self) -> Vec<u64> {
+        self.frames.iter().map(|f| f.2).collect()
+    }
+
+    /// Where byte `offset` of data frame `frame` lies: (source, offset in it).
+    pub(crate) fn locate(&self, frame: u64, offset: u64) -> (usize, u64) {
+        let (k, at, _) = self.frames[frame as usize - 1];
+        (k, at + offset)
+    }
+
+    /// Bytes `offset..offset + len` of data frame `frame`.
+    pub(crate) fn bytes(&self, frame: u64, offset: u64, len: u64) -> &[u8] {
+        if len == 0 {
+            return &[];
+        }
+        let (k, at) = self.locate(frame, offset);
+        &self.sources[k][at as usize..(at + len) as usize]
+    }
+
+    /// Where a field's ranges lie: (source, offset, len), ranges that
+    /// follow on directly merged, empty ones left out.
+    fn pieces(&self, ranges: impl Iterator<Item = (u64, u64, u64)>) -> Vec<(usize, u64, u64)> {
+        let mut out: Vec<(usize, u64, u64)> = Vec::new();
+        for (frame, offset, len) in ranges {
+            if len == 0 {
+                continue;
+            }
+            let (k, at) = self.locate(frame, offset);
+            match out.last_mut() {
+                Some(last) if last.0 == k && last.1 + last.2 == at => last.2 += len,
+                _ => out.push((k, at, len)),
+            }
+        }
+        out
+    }
+
+    /// One buffer of the receive pool holding `pieces` back to back.
+    pub(crate) fn gather(&self, pieces: &[(usize, u64, u64)]) -> Vec<u8> {
+        let total: u64 = pieces.iter().map(|p| p.2).sum();
+        let mut out = crate::pool::take(total as usize, crate::pool::huge_pages);
+        let mut to = 0usize;
+        for &(k, at, len) in pieces {
+            let (at, len) = (at as usize, len as usize);
+            out[to..to + len].copy_from_slice(&self.sources[k][at..at + len]);
+            to += len;
+        }
+        out
+    }
+
+    /// The result of a get_ok whose data frames are these, `bases` one per
+    /// source (a view of source k is a view of base k): a regular field,
+    /// or a packed nested one, whose bytes lie back to back in one source
+    /// is a view of it, else a gather into a buffer of its own; a nested
+    /// field's rows are views. With `private`, the views of fields that
+    /// become tensors are left to the caller (returned as [`Want`]s, their
+    /// places [`NOWHERE`] until then).
+    pub(crate) fn assemble(
+        &self,
+        fields: Vec<(String, FieldLayout)>,
+        mut bases: Vec<Base>,
+        opts: &GetOptions,
+        private: bool,
+    ) -> (Assembled, Vec<Want>) {
+        let mut wants: Vec<Want> = Vec::new();
+        let mut out = Vec::with_capacity(fields.len());
+        // One place for a field's bytes: a view, a view a tensor wants, or
+        // a gather.
+        let one = |bases: &mut Vec<Base>,
+                   wants: &mut Vec<Want>,
+                   ps: Vec<(usize, u64, u64)>,
+                   tensor: bool,
+                   field: usize| match ps.as_slice() {
+            [] => NOWHERE,
+            &[(source, at, len)] if tensor && private => {
+                wants.push(Want {
+                    source,
+                    at,
+                    len,
+                    field,
+                    row: None,
+                });
+                NOWHERE
+            }
+            &[(source, at, _)] => Place {
+                base: source,
+                at: at as usize,
+            },
+            _ => {
+                bases.push(Base::Owned(self.gather(&ps)));
+                Place {
+                    base: bases.len() - 1,
+                    at: 0,
+                }
+            }
+        };
+        for (i, (name, f)) in fields.into_iter().enumerate() {
+            let (dtype, made) = match f {
+                FieldLayout::Values(v) => {
+                    out.push((name, None, Made::Values(v)));
+                    continue;
+                }
+                FieldLayout::Regular {
+                    dtype,
+                    shape,
+                    parts,
+                } => {
+                    let ps = self.pieces(parts.iter().map(|p| (p.frame, p.offset, p.len)));
+                    let place = one(&mut bases, &mut wants, ps, opts.tensor(dtype), i);
+                    (dtype, Made::Array(place, shape))
+                }
+                FieldLayout::Nested { dtype, rows } if opts.packed() => {
+                    let ps = self.pieces(rows.iter().map(|p| (p.frame, p.offset, p.len)));
+                    let total: u64 = rows.iter().map(|p| p.len).sum();
+                    let place = one(&mut bases, &mut wants, ps, opts.tensor(dtype), i);
+                    let elements = total / dtype.itemsize() as u64;
+                    let shapes = rows.into_iter().map(|r| r.shape).collect();
+                    (dtype, Made::Packed(place, elements, shapes))
+                }
+                FieldLayout::Nested { dtype, rows } => {
+                    let tensor = opts.tensor(dtype) && private;
+                    let made = (rows.into_iter().enumerate())
+                        .map(|(j, row)| {
+                            if row.len == 0 {
+                                return (NOWHERE, row.shape);
+                            }
+                            let (source, at) = self.locate(row.frame, row.offset);
+                            if tensor {
+                                wants.push(Want {
+                                    source,
+                                    at,
+                                    len: row.len,
+                                    field: i,
+                                    row: Some(j),
+                                });
+                                return (NOWHERE, row.shape);
+                            }
+                            let place = Place {
+                                base: source,
+                                at: at as usize,
+                            };
+                            (place, row.shape)
+                        })
+                        .collect();
+                    (dtype, Made::Rows(made))
+                }
+            };
+            out.push((name, Some(dtype), made));
+        }
+        (Assembled { bases, fields: out }, wants)
+    }
+}
+
+impl Assembled {
+    /// Puts `place` where `w` wants it.
+    pub(crate) fn place(&mut self, w: &Want, place: Place) {
+        match (&mut self.fields[w.field].2, w.row) {
+            (Made::Array(p, _), None) | (Made::Packed(p, _, _), None) => *p = place,
+            (Made::Rows(rows), Some(j)) => rows[j].0 = place,
+            _ => unreachable!("a want is for an array or a row"),
+        }
+    }
+}
+
+/// `_core.decode_get(frames, opts)`: a get_ok received whole elsewhere
+/// (`frames`: frame 0, then the data frames, each a buffer: bytes, or a
+/// pyzmq frame), decoded and checked by stowd's codec and made as
+/// `Connection.get` makes it: what that returns. An array is a read-only
+/// view of a received frame where its bytes lie in one (the frames'
+/// memory is not copied), else a gather. ProtocolViolation for a get_ok
+/// whose descriptors do not fit its frames.
+#[pyfunction]
+pub(crate) fn decode_get<'py>(
+    py: Python<'py>,
+    frames: Vec<Bound<'py, PyAny>>,
+    opts: &Bound<'py, GetOptions>,
+) -> PyResult<Bound<'py, PyAny>> {
+    use stowage_wire::native::{self, ReplyLayout, layout};
+    let opts = opts.get();
+    let Some((first, data)) = frames.split_first() else {
+        return Err(PyValueError::new_err("a reply has frame 0"));
+    };
+    let head = bytes::Bytes::copy_from_slice(crate::buffer::Held::get(first)?.bytes());
+    let fields = match native::decode_reply_layout(&head, &crate::message::REPLY_LIMITS) {
+        Ok((_, ReplyLayout::GetOk(fields))) => fields,
+        other => {
+            let problem = other.err().map(|e| e.to_string());
+            return (pyo3::types::PyBytes::new(py, &head), problem)
+                .into_pyobject(py)
+                .map(|t| t.into_any());
+        }
+    };
+    let held = data
+        .iter()
+        .map(crate::buffer::Held::get)
+        .collect::<PyResult<Vec<_>>>()?;
+    let mem = InMemory {
+        frames: (0..held.len()).map(|k| (k, 0, held[k].bytes().len() as u64)).collect(),
+        sources: held.iter().map(|h| h.bytes()).collect(),
+    };
+    layout::check_frames(&fields, &mem.lens()).map_err(|e| {
+        crate::error::ProtocolViolation::new_err(crate::receive::frames_error(&e))
+    })?;
+    let bases = data
+        .iter()
+        .map(|f| {
+            let view = pyo3::types::PyMemoryView::from(f)?.call_method0("toreadonly")?;
+            Ok(Base::Object(view.unbind()))
+        })
+        .collect::<PyResult<Vec<_>>>()?;
+    let (made, _) = mem.assemble(fields, bases, opts, false);
+    drop(mem);
+    drop(held);
+    made.into_py(py, opts)?
+        .into_pyobject(py)
+        .map(|t| t.into_any())
 }

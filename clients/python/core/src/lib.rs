@@ -127,6 +127,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<channel::Channel>()?;
     m.add_class::<segments::Segments>()?;
     m.add_class::<assemble::GetOptions>()?;
+    m.add_function(wrap_pyfunction!(assemble::decode_get, m)?)?;
     m.add(
         "ProtocolViolation",
         m.py().get_type::<error::ProtocolViolation>(),

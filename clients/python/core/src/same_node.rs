@@ -31,18 +31,17 @@
 //! A reply without `segments` (stowd sends values-only replies so) is read
 //! from the socket as any get's.
 
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::sync::Arc;
 
 use stowage_wire::native::{FieldLayout, layout};
 
-use crate::assemble::{Assembled, Base, GetOptions, Made, NOWHERE, Place, row_shapes};
+use crate::assemble::{Assembled, Base, GetOptions, InMemory, NOWHERE, Place, Want};
 use crate::channel::{Channel, Fds};
 use crate::error::Fail;
 use crate::get::{Asked, Reply, check_answer, receive};
 use crate::get_into::{Target, check_targets, copy_into, receive_into};
 use crate::message::write_message;
-use crate::pool::{self, huge_pages};
 use crate::receive::{Head, Other, frames_error, read_head, segments};
 use crate::segments::{Mapping, Segments, private};
 use crate::stream::Stream;
@@ -170,29 +169,12 @@ impl Resolved {
         Ok(r)
     }
 
-    /// The frames' lengths, for the descriptors' check.
-    fn lens(&self) -> Vec<u64> {
-        self.frames.iter().map(|f| f.2).collect()
-    }
-
-    /// Where bytes `offset..offset + len` of data frame `frame` lie:
-    /// (mapping number, offset in it). Checked against the frames.
-    fn locate(&self, frame: u64, offset: u64) -> (usize, u64) {
-        let (k, at, _) = self.frames[frame as usize - 1];
-        (k, at + offset)
-    }
-
-    /// The bytes of a range of a data frame (checked against the frames).
-    fn bytes(&self, frame: u64, offset: u64, len: u64) -> &[u8] {
-        let (k, at) = self.locate(frame, offset);
-        if len == 0 {
-            return &[];
+    /// The frames as they lie in the mappings.
+    fn in_memory(&self) -> InMemory<'_> {
+        InMemory {
+            frames: self.frames.clone(),
+            sources: self.maps.iter().map(|m| m.bytes()).collect(),
         }
-        &self.maps[k].bytes()[at as usize..(at + len) as usize]
-    }
-
-    fn fd(&self, k: usize) -> BorrowedFd<'_> {
-        self.fds[k].as_fd()
     }
 }
 
@@ -231,7 +213,7 @@ fn mapped_reply(
         Vec::new()
     };
     let r = Resolved::new(entries, fds, shm.segments)?;
-    layout::check_frames(&fields, &r.lens()).map_err(|e| Fail::Protocol(frames_error(&e)))?;
+    layout::check_frames(&fields, &r.in_memory().lens()).map_err(|e| Fail::Protocol(frames_error(&e)))?;
     Ok(Ok((rid, fields, r)))
 }
 
@@ -269,8 +251,9 @@ pub(crate) fn get_into(
     match mapped_reply(s, id, frame0, shm)? {
         Ok((_, fields, r)) => {
             let checked = check_targets(&fields, targets)?;
+            let mem = r.in_memory();
             copy_into(targets, &checked, |frame, offset, len| {
-                r.bytes(frame, offset, len)
+                mem.bytes(frame, offset, len)
             });
             Ok(None)
         }
@@ -279,147 +262,20 @@ pub(crate) fn get_into(
     }
 }
 
-/// A view a tensor wants of a private mapping: bytes `at..at + len` of
-/// mapping `map`, for field `field` (row `row`, or the field's one array).
-struct Want {
-    map: usize,
-    at: u64,
-    len: u64,
-    field: usize,
-    row: Option<usize>,
-}
-
-/// Where a field's pieces lie: (mapping number, offset, len), pieces that
-/// follow on directly merged, empty ones left out.
-fn pieces(r: &Resolved, ranges: impl Iterator<Item = (u64, u64, u64)>) -> Vec<(usize, u64, u64)> {
-    let mut out: Vec<(usize, u64, u64)> = Vec::new();
-    for (frame, offset, len) in ranges {
-        if len == 0 {
-            continue;
-        }
-        let (k, at) = r.locate(frame, offset);
-        match out.last_mut() {
-            Some(last) if last.0 == k && last.1 + last.2 == at => last.2 += len,
-            _ => out.push((k, at, len)),
-        }
-    }
-    out
-}
-
-/// One buffer of the receive pool holding `pieces` back to back.
-fn gather(r: &Resolved, pieces: &[(usize, u64, u64)]) -> Vec<u8> {
-    let total: u64 = pieces.iter().map(|p| p.2).sum();
-    let mut out = pool::take(total as usize, huge_pages);
-    let mut to = 0usize;
-    for &(k, at, len) in pieces {
-        let len = len as usize;
-        out[to..to + len].copy_from_slice(&r.maps[k].bytes()[at as usize..at as usize + len]);
-        to += len;
-    }
-    out
-}
-
 /// The result of a get_ok whose frames are `r` (see the module doc).
 fn assemble(
     fields: Vec<(String, FieldLayout)>,
     r: &Resolved,
     opts: &GetOptions,
 ) -> Result<Assembled, Fail> {
-    // Bases 0..maps are the shared mappings.
-    let mut bases: Vec<Base> = r.maps.iter().map(|m| Base::Shared(m.clone())).collect();
-    let mut wants: Vec<Want> = Vec::new();
-    let mut out = Vec::with_capacity(fields.len());
-    // One place for the field's bytes: a view of a shared mapping, a view
-    // a tensor wants (filled in below), or a gather.
-    let one = |bases: &mut Vec<Base>,
-               wants: &mut Vec<Want>,
-               ps: Vec<(usize, u64, u64)>,
-               tensor: bool,
-               field: usize| match ps.as_slice() {
-        [] => NOWHERE,
-        &[(map, at, len)] if tensor => {
-            wants.push(Want {
-                map,
-                at,
-                len,
-                field,
-                row: None,
-            });
-            NOWHERE
-        }
-        &[(map, at, _)] => Place {
-            base: map,
-            at: at as usize,
-        },
-        _ => {
-            bases.push(Base::Owned(gather(r, &ps)));
-            Place {
-                base: bases.len() - 1,
-                at: 0,
-            }
-        }
-    };
-    for (i, (name, f)) in fields.into_iter().enumerate() {
-        let made = match &f {
-            FieldLayout::Values(_) => {
-                let FieldLayout::Values(v) = f else {
-                    unreachable!()
-                };
-                out.push((name, None, Made::Values(v)));
-                continue;
-            }
-            FieldLayout::Regular {
-                dtype,
-                shape,
-                parts,
-            } => {
-                let ps = pieces(r, parts.iter().map(|p| (p.frame, p.offset, p.len)));
-                let place = one(&mut bases, &mut wants, ps, opts.tensor(*dtype), i);
-                (*dtype, Made::Array(place, shape.clone()))
-            }
-            FieldLayout::Nested { dtype, rows } if opts.packed() => {
-                let ps = pieces(r, rows.iter().map(|p| (p.frame, p.offset, p.len)));
-                let total: u64 = rows.iter().map(|p| p.len).sum();
-                let place = one(&mut bases, &mut wants, ps, opts.tensor(*dtype), i);
-                let elements = total / dtype.itemsize() as u64;
-                (*dtype, Made::Packed(place, elements, row_shapes(&f)))
-            }
-            FieldLayout::Nested { dtype, rows } => {
-                let tensor = opts.tensor(*dtype);
-                let made = rows
-                    .iter()
-                    .enumerate()
-                    .map(|(j, row)| {
-                        if row.len == 0 {
-                            return (NOWHERE, row.shape.clone());
-                        }
-                        let (map, at) = r.locate(row.frame, row.offset);
-                        if tensor {
-                            wants.push(Want {
-                                map,
-                                at,
-                                len: row.len,
-                                field: i,
-                                row: Some(j),
-                            });
-                            return (NOWHERE, row.shape.clone());
-                        }
-                        let place = Place {
-                            base: map,
-                            at: at as usize,
-                        };
-                        (place, row.shape.clone())
-                    })
-                    .collect();
-                (*dtype, Made::Rows(made))
-            }
-        };
-        out.push((name, Some(made.0), made.1));
-    }
+    let mem = r.in_memory();
+    // Base k is mapping k, shared.
+    let bases = r.maps.iter().map(|m| Base::Shared(m.clone())).collect();
+    let (mut made, wants) = mem.assemble(fields, bases, opts, true);
     if !wants.is_empty() {
-        private_views(r, &mut bases, &mut out, wants)?;
+        private_views(r, &mem, &mut made, wants)?;
     }
-    Ok(Assembled { bases, fields: out })
+    Ok(made)
 }
 
 /// Places the views tensors want: over one private copy-on-write mapping
@@ -428,37 +284,35 @@ fn assemble(
 /// this get's own.
 fn private_views(
     r: &Resolved,
-    bases: &mut Vec<Base>,
-    out: &mut [(String, Option<stowage_wire::tensor::Dtype>, Made)],
+    mem: &InMemory<'_>,
+    made: &mut Assembled,
     mut wants: Vec<Want>,
 ) -> Result<(), Fail> {
-    wants.sort_by_key(|w| (w.map, w.at));
+    wants.sort_by_key(|w| (w.source, w.at));
     let mut copied = vec![false; wants.len()];
     let mut reach: Option<(usize, u64)> = None;
     for (i, w) in wants.iter().enumerate() {
         match reach {
-            Some((map, end)) if map == w.map && w.at < end => {
+            Some((source, end)) if source == w.source && w.at < end => {
                 copied[i] = true;
-                reach = Some((map, end.max(w.at + w.len)));
+                reach = Some((source, end.max(w.at + w.len)));
             }
-            _ => reach = Some((w.map, w.at + w.len)),
+            _ => reach = Some((w.source, w.at + w.len)),
         }
     }
-    // The copies, back to back in one buffer.
     let mut places = vec![NOWHERE; wants.len()];
+    // The copies, back to back in one buffer.
     let copies: Vec<(usize, u64, u64)> = (wants.iter().zip(&copied))
         .filter(|(_, c)| **c)
-        .map(|(w, _)| (w.map, w.at, w.len))
+        .map(|(w, _)| (w.source, w.at, w.len))
         .collect();
     if !copies.is_empty() {
-        bases.push(Base::Owned(gather(r, &copies)));
+        made.bases.push(Base::Owned(mem.gather(&copies)));
+        let base = made.bases.len() - 1;
         let mut at = 0usize;
         for (i, w) in wants.iter().enumerate() {
             if copied[i] {
-                places[i] = Place {
-                    base: bases.len() - 1,
-                    at,
-                };
+                places[i] = Place { base, at };
                 at += w.len as usize;
             }
         }
@@ -466,35 +320,25 @@ fn private_views(
     // One private mapping per segment, of the span its other views use.
     let mut i = 0;
     while i < wants.len() {
-        let map = wants[i].map;
-        let mut j = i;
-        let (mut lo, mut hi) = (u64::MAX, 0u64);
-        while j < wants.len() && wants[j].map == map {
-            if !copied[j] {
-                lo = lo.min(wants[j].at);
-                hi = hi.max(wants[j].at + wants[j].len);
-            }
-            j += 1;
-        }
-        if lo < hi {
-            bases.push(Base::Private(private(r.fd(map), lo, hi)?));
-            for k in i..j {
-                if !copied[k] {
-                    places[k] = Place {
-                        base: bases.len() - 1,
-                        at: (wants[k].at - lo) as usize,
-                    };
-                }
+        let source = wants[i].source;
+        let j = i + wants[i..].iter().take_while(|w| w.source == source).count();
+        let kept = (i..j).filter(|&k| !copied[k]);
+        let lo = kept.clone().map(|k| wants[k].at).min();
+        let hi = kept.clone().map(|k| wants[k].at + wants[k].len).max();
+        if let (Some(lo), Some(hi)) = (lo, hi) {
+            made.bases.push(Base::Private(private(r.fds[source].as_fd(), lo, hi)?));
+            let base = made.bases.len() - 1;
+            for k in kept {
+                places[k] = Place {
+                    base,
+                    at: (wants[k].at - lo) as usize,
+                };
             }
         }
         i = j;
     }
     for (w, place) in wants.iter().zip(places) {
-        match (&mut out[w.field].2, w.row) {
-            (Made::Array(p, _), None) | (Made::Packed(p, _, _), None) => *p = place,
-            (Made::Rows(rows), Some(j)) => rows[j].0 = place,
-            _ => unreachable!("a want is for an array or a row"),
-        }
+        made.place(w, place);
     }
     Ok(())
 }
