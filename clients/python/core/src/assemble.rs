@@ -547,12 +547,13 @@ pub(crate) fn decode_get<'py>(
         .map(crate::buffer::Held::get)
         .collect::<PyResult<Vec<_>>>()?;
     let mem = InMemory {
-        frames: (0..held.len()).map(|k| (k, 0, held[k].bytes().len() as u64)).collect(),
+        frames: (0..held.len())
+            .map(|k| (k, 0, held[k].bytes().len() as u64))
+            .collect(),
         sources: held.iter().map(|h| h.bytes()).collect(),
     };
-    layout::check_frames(&fields, &mem.lens()).map_err(|e| {
-        crate::error::ProtocolViolation::new_err(crate::receive::frames_error(&e))
-    })?;
+    layout::check_frames(&fields, &mem.lens())
+        .map_err(|e| crate::error::ProtocolViolation::new_err(crate::receive::frames_error(&e)))?;
     let bases = data
         .iter()
         .map(|f| {

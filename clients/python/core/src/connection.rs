@@ -530,6 +530,7 @@ impl Connection {
     /// gathered from them. Raises ProtocolViolation for a reply that breaks
     /// the protocol or does not answer the request, TimeoutError and
     /// ConnectionError (the connection is dropped).
+    #[allow(clippy::too_many_arguments)]
     #[pyo3(signature = (frame0, names, n, timeout, opts, shm = None))]
     fn get<'py>(
         &mut self,
@@ -592,6 +593,7 @@ impl Connection {
     /// or False, with nothing sent, when the arguments are not plainly
     /// that (for the caller's general path to check and word). `shm` as
     /// for `get_into`.
+    #[allow(clippy::too_many_arguments)]
     #[pyo3(signature = (id, indexes, out, timeout, ranges = true, shm = None))]
     fn get_into_fast<'py>(
         &mut self,

@@ -111,8 +111,11 @@ fn read_ranges(s: &mut Stream, places: &[Place], size: u64) -> Result<(), Fail> 
     s.skip(size - pos)
 }
 
+/// A same-node reply's `segments`: `[name, offset, len]` per data frame.
+pub(crate) type Entries = Vec<(String, u64, u64)>;
+
 /// The `segments` of a get_ok's frame 0, if it has them.
-pub(crate) fn segments(head: &[u8]) -> Result<Option<Vec<(String, u64, u64)>>, Fail> {
+pub(crate) fn segments(head: &[u8]) -> Result<Option<Entries>, Fail> {
     // (A frame 0 without the bytes of the key `segments` has none: the
     // second decode, a pass over all of frame 0, only when it might.)
     if !head.windows(9).any(|w| w == b"\xa8segments") {

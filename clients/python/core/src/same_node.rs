@@ -42,7 +42,7 @@ use crate::error::Fail;
 use crate::get::{Asked, Reply, check_answer, receive};
 use crate::get_into::{Target, check_targets, copy_into, receive_into};
 use crate::message::write_message;
-use crate::receive::{Head, Other, frames_error, read_head, segments};
+use crate::receive::{Entries, Head, Other, frames_error, read_head, segments};
 use crate::segments::{Mapping, Segments, private};
 use crate::stream::Stream;
 
@@ -131,7 +131,7 @@ struct Resolved {
 impl Resolved {
     /// Maps the segments `entries` names (descriptors `fds`), checking
     /// every entry against its file's size.
-    fn new(entries: Vec<(String, u64, u64)>, fds: Fds, cache: &Segments) -> Result<Resolved, Fail> {
+    fn new(entries: Entries, fds: Fds, cache: &Segments) -> Result<Resolved, Fail> {
         let mut fds: std::collections::HashMap<String, OwnedFd> = fds.into_iter().collect();
         let mut number: std::collections::HashMap<String, usize> = Default::default();
         let mut r = Resolved {
@@ -178,23 +178,26 @@ impl Resolved {
     }
 }
 
+/// A same-node request's reply.
+enum Answer {
+    /// A get_ok with segments: its request id, fields, and the segments
+    /// mapped and checked.
+    Mapped(u64, Vec<(String, FieldLayout)>, Resolved),
+    /// A get_ok without segments, its data frames still on the socket.
+    Plain(Head),
+    /// Any other reply.
+    Other(Other),
+}
+
 /// Reads a same-node reply's frame 0 and, for a get_ok with segments,
-/// takes its descriptors and maps its segments (`Ok(Ok(...))`); a get_ok
-/// without segments is left to the socket's way (`Ok(Err(Ok(head)))`),
-/// any other reply returned as it is (`Ok(Err(Err(other)))`).
-#[allow(clippy::type_complexity)]
-fn mapped_reply(
-    s: &mut Stream,
-    id: u64,
-    frame0: &[u8],
-    shm: &Shm<'_>,
-) -> Result<Result<(u64, Vec<(String, FieldLayout)>, Resolved), Result<Head, Other>>, Fail> {
+/// takes its descriptors and maps its segments.
+fn mapped_reply(s: &mut Stream, id: u64, frame0: &[u8], shm: &Shm<'_>) -> Result<Answer, Fail> {
     let head = match request(s, shm.channel, frame0)? {
         Ok(head) => head,
-        Err(other) => return Ok(Err(Err(other))),
+        Err(other) => return Ok(Answer::Other(other)),
     };
     let Some(entries) = segments(&head.3)? else {
-        return Ok(Err(Ok(head)));
+        return Ok(Answer::Plain(head));
     };
     let (rid, fields, more, _) = head;
     if more {
@@ -213,8 +216,9 @@ fn mapped_reply(
         Vec::new()
     };
     let r = Resolved::new(entries, fds, shm.segments)?;
-    layout::check_frames(&fields, &r.in_memory().lens()).map_err(|e| Fail::Protocol(frames_error(&e)))?;
-    Ok(Ok((rid, fields, r)))
+    layout::check_frames(&fields, &r.in_memory().lens())
+        .map_err(|e| Fail::Protocol(frames_error(&e)))?;
+    Ok(Answer::Mapped(rid, fields, r))
 }
 
 /// A same-node get: the request `frame0` (with the envelope keys
@@ -229,12 +233,12 @@ pub(crate) fn get(
     shm.channel.expect_id(asked.id);
     let _forget = Expected(shm.channel, asked.id);
     match mapped_reply(s, asked.id, frame0, shm)? {
-        Ok((rid, fields, r)) => {
+        Answer::Mapped(rid, fields, r) => {
             check_answer(rid, &fields, asked)?;
             Ok(Reply::Got(assemble(fields, &r, opts)?))
         }
-        Err(Ok(head)) => receive(s, head, asked, opts),
-        Err(Err((head, problem))) => Ok(Reply::Other(head, problem)),
+        Answer::Plain(head) => receive(s, head, asked, opts),
+        Answer::Other((head, problem)) => Ok(Reply::Other(head, problem)),
     }
 }
 
@@ -249,7 +253,7 @@ pub(crate) fn get_into(
     shm.channel.expect_id(id);
     let _forget = Expected(shm.channel, id);
     match mapped_reply(s, id, frame0, shm)? {
-        Ok((_, fields, r)) => {
+        Answer::Mapped(_, fields, r) => {
             let checked = check_targets(&fields, targets)?;
             let mem = r.in_memory();
             copy_into(targets, &checked, |frame, offset, len| {
@@ -257,8 +261,10 @@ pub(crate) fn get_into(
             });
             Ok(None)
         }
-        Err(Ok((_, fields, more, _))) => receive_into(s, &fields, more, targets).map(|()| None),
-        Err(Err(other)) => Ok(Some(other)),
+        Answer::Plain((_, fields, more, _)) => {
+            receive_into(s, &fields, more, targets).map(|()| None)
+        }
+        Answer::Other(other) => Ok(Some(other)),
     }
 }
 
@@ -326,7 +332,8 @@ fn private_views(
         let lo = kept.clone().map(|k| wants[k].at).min();
         let hi = kept.clone().map(|k| wants[k].at + wants[k].len).max();
         if let (Some(lo), Some(hi)) = (lo, hi) {
-            made.bases.push(Base::Private(private(r.fds[source].as_fd(), lo, hi)?));
+            made.bases
+                .push(Base::Private(private(r.fds[source].as_fd(), lo, hi)?));
             let base = made.bases.len() - 1;
             for k in kept {
                 places[k] = Place {
