@@ -6,13 +6,15 @@ opens a new one (lazily, on the next call); the other requests in flight on
 the old socket then fail with `StowageTimeout` as well, since their replies
 can no longer arrive.
 
-Over tcp and ipc, `put`, `get` and `get_into` go through the Rust core instead, as
-`Client`'s do (the same conditions, `_Ops._core_serves`; the same request
-building, reply reading and error mapping, `_Ops._core_*`): `get_into`
-reads each field's bytes from the socket straight into the caller's
-arrays, `get` into one buffer per field, `put` sends from the caller's
-arrays. A core call blocks (with the GIL released while bytes move), so it
-runs in a worker thread and the event loop serves other tasks meanwhile.
+`get` and `get_into` always go through the Rust core, as `Client`'s do
+(same node too: the core reads the descriptor channel and stowd's
+segments), and over tcp and ipc `put` does too (the same conditions,
+`_Ops._core_serves`; the same request building, reply reading and error
+mapping, `_Ops._core_*`): `get_into` reads each field's bytes from the
+socket straight into the caller's arrays, `get` into one buffer per field,
+`put` sends from the caller's arrays. A core call blocks (with the GIL
+released while bytes move), so it runs in a worker thread and the event
+loop serves other tasks meanwhile.
 A core `Connection` serves one call at a time, where the DEALER pipelines
 many: each running call takes a connection of its own from a small pool,
 made on demand, at most `CORE_CONNECTIONS` per client (a thread pool of
@@ -45,18 +47,19 @@ Small calls take neither the worker thread nor the DEALER: the hop to a
 worker thread and back cost about 56 µs (an async get of one 4 KiB row
 took 237 µs through the core against 168 µs through pyzmq), and pyzmq's
 asyncio socket itself most of the rest. A put of less than
-`CORE_MIN_BYTES` and a get go through the core on a connection of their
-own (at most `CORE_CONNECTIONS` at once, `_in_loop`): the core reads the
-arguments and writes the request, this event loop awaits the socket's
-readability (`loop.add_reader`), and once the whole reply has arrived
-(its frame headers walked in a peek) the core reads it without waiting.
-A reply that arrives in pieces is read in a worker thread; a call that
-finds every such connection busy goes through the DEALER, its request
-written by the core's codec (`_core.encode_put`, `encode_get`);
-`STOWAGE_ASYNC_IN_LOOP=0` sends every small call that way (the figures:
-docs/benchmarks.md, "Small calls"). A put or get_into from
-`CORE_MIN_BYTES` of payload (the caller's arrays say how many) goes
-through the core in a worker thread, as described above.
+`CORE_MIN_BYTES` and a get (not same node) go through the core on a
+connection of their own (at most `CORE_CONNECTIONS` at once, `_in_loop`):
+the core reads the arguments and writes the request, this event loop
+awaits the socket's readability (`loop.add_reader`), and once the whole
+reply has arrived (its frame headers walked in a peek) the core reads it
+without waiting. A reply that arrives in pieces is read in a worker
+thread. A put that finds every such connection busy goes through the
+DEALER, its request written by the core's codec (`_core.encode_put`); a
+get goes through the core in a worker thread. `STOWAGE_ASYNC_IN_LOOP=0`
+sends every small call that way (the figures: docs/benchmarks.md, "Small
+calls"). A put from `CORE_MIN_BYTES` of payload (the caller's arrays say
+how many), a get_into, and a same-node get go through the core in a
+worker thread, as described above.
 """
 
 from __future__ import annotations
@@ -88,10 +91,8 @@ class AsyncClient(_Ops):
     #: turn): enough for concurrent tasks to overlap their round trips,
     #: few enough to bound a client's threads and sockets.
     CORE_CONNECTIONS = 4
-    #: Payload from which a put or get_into goes through the core (see the module doc).
+    #: Payload from which a put goes through the core in a worker thread (see the module doc).
     CORE_MIN_BYTES = 1 << 20
-    #: Rows from which a get goes through the core.
-    CORE_MIN_ROWS = 64
 
     def __init__(self, endpoint: str, timeout: float = DEFAULT_TIMEOUT, *,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,

@@ -288,7 +288,7 @@ class _Ops:
         checkpoint, restore, clear, and same-node's `channel` request, which
         names the channel by a token, not by the connection): over tcp or
         ipc, in same-node mode too (their replies never name segments), and
-        whatever STOWAGE_PURE_PYTHON says (which picks the transport of rows
+        whatever STOWAGE_PURE_PYTHON says (which picks the transport of puts
         only)."""
         return self.endpoint.startswith(("tcp://", "ipc://"))
 
@@ -436,9 +436,12 @@ def _ms_left(deadline: float) -> int:
 
 
 class Client(_Ops):
-    """A synchronous stowage/1 client: one ZeroMQ DEALER connected to `stowd`'s
-    native endpoint. Calls are serialized by a lock, so one client may be
-    shared by threads (one request at a time).
+    """A synchronous stowage/1 client of `stowd`'s native endpoint: the Rust
+    core's connection (`_core.Connection`) for every get and get_into (same
+    node too), puts and the calls that move no rows, and a ZeroMQ DEALER
+    for the puts the core does not carry (same node: a lease and its put;
+    `STOWAGE_PURE_PYTHON=1`). Calls are serialized by a lock, so one client
+    may be shared by threads (one request at a time).
 
     Every call waits at most `timeout` seconds (or its own `timeout=`) for
     its reply; then it raises `StowageTimeout` after closing the socket and

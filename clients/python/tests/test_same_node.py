@@ -946,6 +946,11 @@ def test_every_field_kind_reads_the_same_over_tcp_and_same_node(shm_server, fres
         tcp.get_into(pick, out_far)
         for k in regular:
             assert out_near[k].tobytes() == out_far[k].tobytes(), k
+        # A strided target: a column block of a wider array, every other row.
+        wide = np.full((2 * len(pick), 3, 7), -1, np.float32)
+        c.get_into(pick, {"f32": wide[::2, 1]})
+        np.testing.assert_array_equal(wide[::2, 1], far["f32"])
+        assert (wide[1::2] == -1).all() and (wide[::2, [0, 2]] == -1).all()
         c.clear(idx)
 
 

@@ -2,13 +2,14 @@
 ROUTER that answers as stowd does (`channel_ok`, then same-node `get_ok`s
 that name segments) and a descriptor channel of its own that sends memory
 files' descriptors (`SCM_RIGHTS`). Bad segment entries, ranges outside a
-segment or a frame, a channel that closes mid-reply, a channel message
+segment or a frame, a segment not sealed, a channel that closes mid-reply, a channel message
 with more descriptors than names, descriptors for a request nobody waits
 for: each a clear error (ProtocolError, or StowageTimeout), nothing read
 out of bounds, no descriptor left open, and the next call served."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import socket
 import struct
@@ -31,11 +32,15 @@ def message(body: dict) -> bytes:
     return struct.pack("<I", len(raw)) + raw
 
 
-def memfd(data: bytes) -> int:
-    """A memory file holding `data`, as stowd's segments are; its
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL
+
+
+def memfd(data: bytes, seals: int = SEALS) -> int:
+    """A memory file holding `data`, sealed as stowd's segments are; its
     descriptor opened read-only."""
-    fd = os.memfd_create("segment")
+    fd = os.memfd_create("segment", os.MFD_ALLOW_SEALING)
     os.write(fd, data)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
     ro = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY)
     os.close(fd)
     return ro
@@ -203,6 +208,8 @@ BAD = {
                                      r"a segment must be \[name, offset, len\]"),
     "a negative offset": ({"s1"}, [["s1", -1, 8], ["", 0, 0]], fields(), (),
                           r"a segment offset must be a non-negative integer"),
+    "an unsealed segment": ({"s1"}, [["s1", 0, 4096], ["", 0, 0]], fields(), (),
+                            r"a segment that is not sealed against shrinking and writes"),
 }
 
 
@@ -210,11 +217,12 @@ BAD = {
 def test_a_bad_same_node_reply_is_a_protocol_error(peer, case):
     names, segments, fields_, data, error = BAD[case]
     bad = [False]
+    seals = 0 if case == "an unsealed segment" else SEALS
 
     def answer(env, chan):
         if not bad[0]:
             return good(env, chan)
-        send(chan, env["id"], {n: memfd(SEGMENT) for n in names})
+        send(chan, env["id"], {n: memfd(SEGMENT, seals) for n in names})
         return get_ok(env, fields_, segments, *data)
 
     p = peer(answer)

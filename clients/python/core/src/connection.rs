@@ -1,10 +1,11 @@
 //! [`Connection`], `_core.Connection`: one DEALER connection to a stowd
 //! native endpoint, made on first use (the ZMTP handshake) and kept between
-//! calls, and its Python methods: `get`, `get_arrays`, `get_into`, `send`,
-//! `send_many`, `call` (a request that moves no rows, written and its
-//! reply read with stowd's codec), the fast paths ([`crate::fast`]) and the
-//! started calls an event loop awaits (`start_*`, `reply_ready`, `fileno`,
-//! `finish_*`).
+//! calls, and its Python methods: `get` and `get_into` (over the socket,
+//! or with `shm=(channel, segments)` a same-node one, [`crate::same_node`]),
+//! `send`, `send_many`, `call` (a request that moves no rows, written and
+//! its reply read with stowd's codec), the fast paths ([`crate::fast`])
+//! and the started calls an event loop awaits (`start_*`, `reply_ready`,
+//! `fileno`, `finish_*`).
 
 use std::io::IoSlice;
 use std::net::TcpStream;

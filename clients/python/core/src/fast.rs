@@ -451,29 +451,6 @@ pub(crate) fn encode_put<'py>(
     Ok(Some((PyBytes::new(py, &frame0), frames, rows)))
 }
 
-/// A get of `indexes` and `fields` read as `Connection.get_fast` reads
-/// them, for a sender of its own: (how many indexes, the field names,
-/// frame 0); or None for the general path.
-#[pyfunction]
-#[pyo3(signature = (id, indexes, fields, ranges = true))]
-#[allow(clippy::type_complexity)]
-pub(crate) fn encode_get<'py>(
-    py: Python<'py>,
-    id: u64,
-    indexes: &Bound<'py, PyAny>,
-    fields: &Bound<'py, PyAny>,
-    ranges: bool,
-) -> PyResult<Option<(u64, Vec<String>, Bound<'py, PyBytes>)>> {
-    let Some(head) = get_head(indexes, fields, ranges) else {
-        return Ok(None);
-    };
-    let (n, names, head) = head;
-    let Ok(frame0) = stowage_wire::native::encode_request_head(id, &head) else {
-        return Ok(None);
-    };
-    Ok(Some((n, names, PyBytes::new(py, &frame0))))
-}
-
 /// A get's request head, read as the fast paths read it: (how many
 /// indexes, the names, the head).
 pub(crate) fn get_head(

@@ -1,7 +1,9 @@
 //! `stowage._core`: the Rust core of the Python client: a tcp or ipc
 //! `get_into` that receives straight into the caller's arrays, a `get` that
-//! receives each field into one buffer, and a `send` that puts from the
-//! caller's arrays.
+//! receives each field into one buffer and makes its results (every field
+//! kind, [`assemble`]), a `send` that puts from the caller's arrays, and
+//! the same-node mode's gets ([`same_node`]): its descriptor channel
+//! ([`channel`]) and the mappings of stowd's segments ([`segments`]).
 //!
 //! pyzmq receives every frame into memory libzmq allocates (fresh pages,
 //! faulted in at about 1.4 GB/s on the benchmark machine), and the Python
@@ -122,7 +124,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<indexes::IndexList>()?;
     m.add_function(wrap_pyfunction!(indexes::read_index_list, m)?)?;
     m.add_function(wrap_pyfunction!(fast::encode_put, m)?)?;
-    m.add_function(wrap_pyfunction!(fast::encode_get, m)?)?;
     m.add_function(wrap_pyfunction!(release_receive_buffers, m)?)?;
     m.add_class::<channel::Channel>()?;
     m.add_class::<segments::Segments>()?;

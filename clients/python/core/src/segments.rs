@@ -21,8 +21,10 @@
 //! (nothing is copied); a write copies only the page it touches, into this
 //! process, and the file and every other mapping of it never see it.
 //!
-//! A mapping does not keep its descriptor open (the kernel keeps the file
-//! while it is mapped).
+//! Only sealed segments are mapped (`F_SEAL_SHRINK` and `F_SEAL_WRITE`, as
+//! stowd seals every segment a reply names): a file that could shrink under
+//! a mapping would fault on a read. A mapping does not keep its descriptor
+//! open (the kernel keeps the file while it is mapped).
 
 use std::collections::HashMap;
 use std::os::fd::{AsRawFd, BorrowedFd};
@@ -48,8 +50,21 @@ impl Mapping {
     }
 }
 
-/// The file of a descriptor: (device, inode), size.
+/// The file of a descriptor: (device, inode), size; refused unless it is
+/// sealed against shrinking and writes, as stowd seals every segment a
+/// reply names (the trust model): a file that could shrink under a mapping
+/// would fault (SIGBUS) on a read of the pages cut off.
 fn identity(fd: BorrowedFd<'_>) -> Result<((u64, u64), u64), Fail> {
+    use rustix::fs::SealFlags;
+    let sealed = SealFlags::SHRINK | SealFlags::WRITE;
+    match rustix::fs::fcntl_get_seals(fd) {
+        Ok(seals) if seals.contains(sealed) => {}
+        _ => {
+            return Err(Fail::Protocol(
+                "a segment that is not sealed against shrinking and writes".into(),
+            ));
+        }
+    }
     let st = rustix::fs::fstat(fd).map_err(|e| Fail::Io(format!("fstat of a segment: {e}")))?;
     Ok(((st.st_dev, st.st_ino), st.st_size.max(0) as u64))
 }
@@ -77,10 +92,10 @@ impl Segments {
         let map = if size == 0 {
             None
         } else {
-            // SAFETY: a sealed segment's bytes never change (stowd seals
-            // every segment it names in a reply before sending it), and it
-            // is mapped read-only: the bytes behind the slice stay as they
-            // are for as long as the mapping lives.
+            // SAFETY: the segment is sealed against writes and shrinking
+            // (checked above), and mapped read-only: the bytes behind the
+            // slice stay as they are, and there, for as long as the
+            // mapping lives.
             Some(
                 unsafe { MmapOptions::new().len(size).map(fd.as_raw_fd()) }
                     .map_err(|e| Fail::Io(format!("cannot map a segment: {e}")))?,
