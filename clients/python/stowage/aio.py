@@ -212,7 +212,9 @@ class AsyncClient(_Ops):
         return self._closed
 
     # -- the descriptor channel (same node)
-    def _close_channel(self) -> None:
+    def _close_channel(self, leases: bool = True) -> None:
+        """Closes the descriptor channel (and with `leases`, the descriptors
+        of leases not yet filled)."""
         seg = self._segments
         if seg is None:
             return
@@ -221,7 +223,10 @@ class AsyncClient(_Ops):
             with contextlib.suppress(Exception):
                 loop.remove_reader(ch.fileno())
         self._channel_loop = None
-        seg.close_channel()
+        if leases:
+            seg.close()
+        else:
+            seg.close_channel()
 
     def _on_channel(self) -> None:
         """The channel is readable: a message is coming before its reply
@@ -426,7 +431,7 @@ class AsyncClient(_Ops):
         except BadRequest as e:
             if "no descriptor channel has token" not in str(e):
                 raise
-        self._close_channel()
+        self._close_channel(leases=False)
         await self._open_channel()
         return await run(self._shm())
 
