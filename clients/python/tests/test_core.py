@@ -773,7 +773,8 @@ def test_a_reply_of_more_rows_than_the_wire_default_is_read(endpoint, fresh, mon
     """stowd takes 2^24 rows a request by default (operators may raise it),
     more than the codec's own default of 2^20: the client decodes replies by
     what arrived, not by a limit of its own, so a get and a get_into of
-    1,100,000 one-byte rows come back, over the core and over pyzmq."""
+    1,100,000 one-byte rows come back (put through the core, and through
+    pyzmq)."""
     if pure:
         monkeypatch.setenv("STOWAGE_PURE_PYTHON", "1")
     idx = fresh(10**6) + fresh(100_000)
