@@ -71,8 +71,10 @@ class Peer:
                 conn, _ = self.listener.accept()
             except OSError:
                 return
-            conn.sendall(message({"token": TOKEN}))
+            # (Known before the greeting goes: the client names the channel
+            # in a get as soon as it has read it.)
             self.chan, self.channels = conn, self.channels + 1
+            conn.sendall(message({"token": TOKEN}))
 
     def _handle(self, ident, frames):
         env = msgpack.unpackb(frames[0])

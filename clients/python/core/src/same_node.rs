@@ -28,8 +28,8 @@
 //! A same-node get_into copies each field's rows from the mappings into
 //! the caller's arrays, each checked first, as over the socket.
 //!
-//! A reply without `segments` (stowd sends values-only replies so) is read
-//! from the socket as any get's.
+//! A get_ok without `segments` (stowd always names them in a same-node
+//! reply, an empty list if it must) is read from the socket as any get's.
 
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::sync::Arc;
