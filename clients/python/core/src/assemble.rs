@@ -387,7 +387,15 @@ impl InMemory<'_> {
         out
     }
 
-    /// One buffer of the receive pool holding `pieces` back to back.
+    /// One buffer of the receive pool holding `pieces` back to back, in
+    /// one pass (the GIL released by the caller).
+    ///
+    /// Why here: a same-node get of rows scattered over the segments
+    /// (32,768 random 4 KiB rows of 4 units) was gathered by numpy, one
+    /// `take` per segment into a temporary and a masked assignment from it
+    /// (two copies), into a fresh array that numpy asks huge pages for:
+    /// 196-291 ms, and 1.5 s when the huge pages had to come from the host
+    /// (docs/benchmarks.md, "Same-node gathers").
     pub(crate) fn gather(&self, pieces: &[(usize, u64, u64)]) -> Vec<u8> {
         let total: u64 = pieces.iter().map(|p| p.2).sum();
         let mut out = crate::pool::take(total as usize, crate::pool::huge_pages);
