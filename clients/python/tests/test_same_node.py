@@ -7,6 +7,7 @@ rows (issue 14)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import mmap
 import os
@@ -874,6 +875,7 @@ def test_a_reused_gather_buffer_shows_only_the_new_rows(shm_server, fresh):
 
 
 def _every_kind(n: int) -> dict:
+    """Fields of every kind, n rows each."""
     rng = np.random.default_rng(5)
     return {
         "f32": rng.standard_normal((n, 7)).astype(np.float32),
@@ -951,6 +953,20 @@ def test_every_field_kind_reads_the_same_over_tcp_and_same_node(shm_server, fres
         c.get_into(pick, {"f32": wide[::2, 1]})
         np.testing.assert_array_equal(wide[::2, 1], far["f32"])
         assert (wide[1::2] == -1).all() and (wide[::2, [0, 2]] == -1).all()
+
+        # The asyncio client, same node: the same.
+        async def near_async():
+            async with stowage.AsyncClient(shm_server["native"], same_node=True) as ac:
+                out = {k: np.full_like(v, 7) for k, v in out_near.items()}
+                await ac.get_into(pick, out)
+                return await ac.get(pick, names, nested=nested, as_torch=False), out
+
+        got, out = asyncio.run(asyncio.wait_for(near_async(), 60))
+        far = tcp.get(pick, names, nested=nested, as_torch=False)
+        for k in names:
+            _same(got[k], far[k], f"async {k}")
+        for k in regular:
+            assert out[k].tobytes() == out_far[k].tobytes(), f"async {k}"
         c.clear(idx)
 
 
