@@ -50,7 +50,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Mapping
 
-from .client import _CORE_FAILURES, _DIRECT_DTYPES, DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TIMEOUT, Client, _abs_dir, _core, _Ops
+from .client import _CORE_FAILURES, DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TIMEOUT, Client, _abs_dir, _core, _Ops
 from .errors import BadRequest, StowageError, StowageTimeout
 
 
@@ -151,16 +151,17 @@ class AsyncClient(_Ops):
     async def get(self, global_indexes, fields, *, as_torch: bool | None = None, nested: str = "rows",
                   timeout: float | None = None) -> dict:
         """See `Client.get`."""
-        if nested == "rows" and not as_torch and self._loop_carries_rows():
+        if self._loop_carries_rows():
             # The usual get: through the core, its reply awaited by this
             # event loop (see `put`).
+            opts = self._get_options(as_torch, nested)
             ranges = self._ranges_ok
             got = await self._in_loop("get", timeout, lambda conn, rid, t: conn.start_get(
-                rid, global_indexes, fields, t, ranges), lambda conn, rid, n, t: (n, conn.finish_get(t, _DIRECT_DTYPES)))
+                rid, global_indexes, fields, t, ranges), lambda conn, rid, n, t: conn.finish_get(t, opts))
             if got is not None:
-                rid, (n, reply) = got
+                rid, reply = got
                 try:
-                    return self._core_got(rid, reply, [fields] if type(fields) is str else list(fields), n, as_torch)
+                    return self._got(rid, reply, as_torch)
                 except BadRequest as e:
                     if not (ranges and "global_indexes must be an array" in str(e)):
                         raise

@@ -182,7 +182,8 @@ def shm_endpoint(tmp_path_factory):
 
 def test_a_same_node_clients_small_calls_go_through_the_core(shm_endpoint, fresh, tmp_path):
     """Same node: the channel request, stats, checkpoint, restore and clear
-    through the core; rows through the DEALER and shared memory, as before."""
+    through the core, and gets too (their rows in shared memory); a put
+    through the DEALER and a leased segment."""
     idx = fresh(3)
     x = np.arange(12, dtype=np.float32).reshape(3, 4)
     with stowage.Client(shm_endpoint, timeout=30, same_node=True) as c:
@@ -196,7 +197,7 @@ def test_a_same_node_clients_small_calls_go_through_the_core(shm_endpoint, fresh
         assert c.clear(idx) == 3
         assert c.restore(tmp_path / "ck")["lost"] == 0
         np.testing.assert_array_equal(c.get(idx, ["x"])["x"], x)
-        assert spy.calls == ["call", "call", "call", "clear_fast", "call"], spy.calls
+        assert spy.calls == ["call", "get_fast", "call", "call", "clear_fast", "call", "get_fast"], spy.calls
 
     async def main():
         async with stowage.AsyncClient(shm_endpoint, timeout=30, same_node=True) as c:

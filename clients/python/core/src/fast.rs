@@ -42,6 +42,7 @@ use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple};
 use stowage_wire::native::{FieldLayout, PartLayout, RowLayout};
 use stowage_wire::tensor::Dtype;
 
+use crate::assemble::RAW_BITS;
 use crate::buffer::Held;
 use crate::indexes::{is_ndarray, read_indexes, read_runs, tensor_numpy};
 
@@ -163,18 +164,6 @@ pub(crate) fn read_out(obj: &Bound<'_, PyAny>) -> Option<(Vec<String>, Vec<u64>,
     let shape = held.shape();
     Some((accepted, shape, held))
 }
-
-/// The dtypes numpy has no type for, carried as raw bits (`_dtypes.BITS_DTYPES`).
-const RAW_BITS: [&str; 8] = [
-    "bfloat16",
-    "complex32",
-    "float8_e4m3fn",
-    "float8_e4m3fnuz",
-    "float8_e5m2",
-    "float8_e5m2fnuz",
-    "float8_e8m0fnu",
-    "float4_e2m1fn_x2",
-];
 
 /// A piece of a data frame: bytes of a held array, or zeros (alignment).
 #[derive(Clone, Copy)]
@@ -460,29 +449,6 @@ pub(crate) fn encode_put<'py>(
         .collect::<PyResult<Vec<_>>>()?;
     plan.release();
     Ok(Some((PyBytes::new(py, &frame0), frames, rows)))
-}
-
-/// A get of `indexes` and `fields` read as `Connection.get_fast` reads
-/// them, for a sender of its own: (how many indexes, the field names,
-/// frame 0); or None for the general path.
-#[pyfunction]
-#[pyo3(signature = (id, indexes, fields, ranges = true))]
-#[allow(clippy::type_complexity)]
-pub(crate) fn encode_get<'py>(
-    py: Python<'py>,
-    id: u64,
-    indexes: &Bound<'py, PyAny>,
-    fields: &Bound<'py, PyAny>,
-    ranges: bool,
-) -> PyResult<Option<(u64, Vec<String>, Bound<'py, PyBytes>)>> {
-    let Some(head) = get_head(indexes, fields, ranges) else {
-        return Ok(None);
-    };
-    let (n, names, head) = head;
-    let Ok(frame0) = stowage_wire::native::encode_request_head(id, &head) else {
-        return Ok(None);
-    };
-    Ok(Some((n, names, PyBytes::new(py, &frame0))))
 }
 
 /// A get's request head, read as the fast paths read it: (how many
