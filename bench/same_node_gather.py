@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """A same-node get of rows scattered over stowd's segments, gathered into
-one array by the client: through the Rust core (`_core.gather`, the
-client's way since it came) and through numpy (the way before: one
-`take` per segment into a temporary, a masked assignment from it into a
-fresh `np.empty`), alternating in one run.
+one array by the client's Rust core (one pass into a buffer of its receive
+pool). The numpy way it replaced (one `take` per segment into a temporary,
+a masked assignment from it into a fresh `np.empty`), which this script
+once ran alternately, is gone from the client, and so from here.
 
 A release stowd (bundled plugins, 4 units) holds float32 [131072, 1024]
 (512 MiB, 4 KiB rows) put same-node; each get asks for a random quarter
@@ -17,23 +17,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 from policy_put import start  # noqa: E402  (also puts clients/python on the path)
 import numpy as np, stowage
-from stowage import _codec
 w = tempfile.mkdtemp(prefix="stowage-gather-")
 proc, eps = start(os.path.join(ROOT, "target", "release", "stowd"), w, os.path.join(ROOT, "target", "plugins"))
-new_to_numpy = _codec.to_numpy
-def old_to_numpy(f, writable=False):
-    a = new_to_numpy(f, writable=True)
-    if isinstance(a, np.ndarray): a.flags.writeable = False
-    return a
 try:
     a = np.arange(131072, dtype=np.float32)[:, None] * np.ones((1, 1024), np.float32)
     with stowage.Client(eps["native"], timeout=120, same_node=True) as c:
         c.put(range(131072), {"x": a})
         rng = np.random.default_rng(1)
-        res = {"numpy (before)": [], "core gather": []}
+        res = {"core gather": []}
         for r in range(int(sys.argv[1]) if len(sys.argv) > 1 else 12):
             for way in res:
-                _codec.to_numpy = old_to_numpy if way.startswith("numpy") else new_to_numpy
                 idx = rng.permutation(131072)[:32768].tolist()
                 t = time.perf_counter(); g = c.get(idx, ["x"])["x"]; dt = time.perf_counter() - t
                 assert (g[:, 0] == np.array(idx, np.float32)).all() and (g[:, -1] == g[:, 0]).all()

@@ -336,36 +336,19 @@ def client_package(directory):
 
 
 def stowage_client(stowd, same_node, package=None):
-    """A stowage client to `stowd` that notes the shape of each reply: the
-    number of data frames (socket frames, or shared-memory frames listed in
-    the envelope) and of distinct segments, in `c.last_reply`. `package`:
-    another release's client (`client_package`), else this one's."""
+    """A stowage client to `stowd`. `package`: another release's client
+    (`client_package`), else this one's."""
     import stowage
     stowage = package or stowage
     if same_node:
-        c = stowage.Client(stowd.ep["native"], timeout=900, same_node=True, shm_dir=stowd.ep["shm_dir"])
-    else:
-        c = stowage.Client(stowd.ep["native"], timeout=900, max_message_bytes=256 << 20)
-    orig = c._reply_frames
-    c.last_reply = {}
-
-    def counting(env, frames):
-        if "segments" in env:
-            segs = env["segments"]
-            c.last_reply = {"frames": len(segs), "segments": len({x[0] for x in segs if isinstance(x, list) and x})}
-        else:
-            c.last_reply = {"frames": len(frames) - 1, "segments": 0}
-        return orig(env, frames)
-
-    c._reply_frames = counting
-    return c
+        return stowage.Client(stowd.ep["native"], timeout=900, same_node=True, shm_dir=stowd.ep["shm_dir"])
+    return stowage.Client(stowd.ep["native"], timeout=900, max_message_bytes=256 << 20)
 
 
 def stowage_rep(sysname, w, c, stowd, rec):
     """One put, get (checked) and clear. Besides time and memory, records
     from stowd's `stats` before and after each op: bytes it keeps (`bytes`
-    delta), bytes it copied (`copied_bytes` delta), and for the get the
-    reply's frames."""
+    delta) and bytes it copied (`copied_bytes` delta)."""
     idx = list(range(w.n))
     names = list(w.fields)
     pids = [os.getpid(), stowd.pid]
@@ -375,12 +358,11 @@ def stowage_rep(sysname, w, c, stowd, rec):
     rec(sysname, w, "put", t, mem, extra={"kept": s1["bytes"] - s0["bytes"], "same_node": c.same_node,
                                           "copied": s1["copied_bytes"] - s0["copied_bytes"]})
     t, got, mem = measure(lambda: c.get(w.get_arg, names), pids)
-    shape = dict(c.last_reply)
     s2 = c.stats()
     check_stowage(w, got)
     del got
     rec(sysname, w, "get", t, mem, extra={"kept": s2["bytes"] - s1["bytes"], "same_node": c.same_node,
-                                          "copied": s2["copied_bytes"] - s1["copied_bytes"], **shape})
+                                          "copied": s2["copied_bytes"] - s1["copied_bytes"]})
     c.clear(idx)
     if c.same_node:
         c.release_segments()

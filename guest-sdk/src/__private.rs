@@ -143,62 +143,16 @@ impl Field for HostField<'_> {
     }
 }
 
-/// The dtype of a WIT case, matched case by case.
+/// The dtype of a WIT case, matched by name (the dtype table's cases).
 const fn from_wit_dtype(d: wt::Dtype) -> Dtype {
     use wt::Dtype as W;
-    match d {
-        W::Bool => Dtype::Bool,
-        W::Uint8 => Dtype::Uint8,
-        W::Int8 => Dtype::Int8,
-        W::Int16 => Dtype::Int16,
-        W::Uint16 => Dtype::Uint16,
-        W::Int32 => Dtype::Int32,
-        W::Uint32 => Dtype::Uint32,
-        W::Int64 => Dtype::Int64,
-        W::Uint64 => Dtype::Uint64,
-        W::Float16 => Dtype::Float16,
-        W::Bfloat16 => Dtype::Bfloat16,
-        W::Float32 => Dtype::Float32,
-        W::Float64 => Dtype::Float64,
-        W::Complex64 => Dtype::Complex64,
-        W::Complex128 => Dtype::Complex128,
-        W::Complex32 => Dtype::Complex32,
-        W::Float8E4m3fn => Dtype::Float8E4m3fn,
-        W::Float8E4m3fnuz => Dtype::Float8E4m3fnuz,
-        W::Float8E5m2 => Dtype::Float8E5m2,
-        W::Float8E5m2fnuz => Dtype::Float8E5m2fnuz,
-        W::Float8E8m0fnu => Dtype::Float8E8m0fnu,
-        W::Float4E2m1fnX2 => Dtype::Float4E2m1fnX2,
-    }
+    stowage_plan::dtype_cases!(from W, d)
 }
 
 /// The WIT case of a dtype (the inverse of [`from_wit_dtype`]).
 const fn to_wit_dtype(d: Dtype) -> wt::Dtype {
     use wt::Dtype as W;
-    match d {
-        Dtype::Bool => W::Bool,
-        Dtype::Uint8 => W::Uint8,
-        Dtype::Int8 => W::Int8,
-        Dtype::Int16 => W::Int16,
-        Dtype::Uint16 => W::Uint16,
-        Dtype::Int32 => W::Int32,
-        Dtype::Uint32 => W::Uint32,
-        Dtype::Int64 => W::Int64,
-        Dtype::Uint64 => W::Uint64,
-        Dtype::Float16 => W::Float16,
-        Dtype::Bfloat16 => W::Bfloat16,
-        Dtype::Float32 => W::Float32,
-        Dtype::Float64 => W::Float64,
-        Dtype::Complex64 => W::Complex64,
-        Dtype::Complex128 => W::Complex128,
-        Dtype::Complex32 => W::Complex32,
-        Dtype::Float8E4m3fn => W::Float8E4m3fn,
-        Dtype::Float8E4m3fnuz => W::Float8E4m3fnuz,
-        Dtype::Float8E5m2 => W::Float8E5m2,
-        Dtype::Float8E5m2fnuz => W::Float8E5m2fnuz,
-        Dtype::Float8E8m0fnu => W::Float8E8m0fnu,
-        Dtype::Float4E2m1fnX2 => W::Float4E2m1fnX2,
-    }
+    stowage_plan::dtype_cases!(into W, d)
 }
 
 // Checked as a plugin compiles: each dtype's case is the one at its row of

@@ -64,14 +64,20 @@ pub struct DtypeInfo {
     pub aliases: &'static [&'static str],
 }
 
-/// Writes [`Dtype`], [`Dtype::ALL`], [`DTYPES`] and [`Dtype::info`] from
-/// one list of rows.
+/// Writes [`Dtype`], [`Dtype::ALL`], [`DTYPES`] and the exported
+/// [`dtype_cases!`](crate::dtype_cases) from one list of rows, grouped by
+/// the contract version that first names them. (`$d` is a `$` token, for
+/// the metavariables of the macro this one writes.)
 macro_rules! dtype_table {
-    ($(
-        $(#[doc = $doc:literal])*
-        $variant:ident => $name:literal, $wit:literal, $itemsize:literal, $since:ident,
-            [$($alias:literal),*];
-    )+) => {
+    ($d:tt
+    V0_1_0 {$(
+        $(#[doc = $doc1:literal])*
+        $v1:ident => $name1:literal, $wit1:literal, $itemsize1:literal, [$($alias1:literal),*];
+    )+}
+    V0_2_0 {$(
+        $(#[doc = $doc2:literal])*
+        $v2:ident => $name2:literal, $wit2:literal, $itemsize2:literal, [$($alias2:literal),*];
+    )+}) => {
         /// Element type of a tensor; names follow torch (WIT `dtype`).
         ///
         /// Each variant is one row of the dtype table ([`DTYPES`]): read its
@@ -80,76 +86,119 @@ macro_rules! dtype_table {
         /// [`info`](Dtype::info).
         #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
         pub enum Dtype {
-            $( $(#[doc = $doc])* $variant, )+
+            $( $(#[doc = $doc1])* $v1, )+
+            $( $(#[doc = $doc2])* $v2, )+
         }
 
         /// The dtype table: every dtype once, in WIT order (the order of
         /// [`Dtype::ALL`]).
-        pub const DTYPES: &[DtypeInfo; Dtype::ALL.len()] = &[$(
-            DtypeInfo {
-                dtype: Dtype::$variant,
-                name: $name,
-                wit: $wit,
-                itemsize: $itemsize,
-                since: Contract::$since,
-                aliases: &[$($alias),*],
-            },
-        )+];
+        pub const DTYPES: &[DtypeInfo; Dtype::ALL.len()] = &[
+            $( DtypeInfo { dtype: Dtype::$v1, name: $name1, wit: $wit1, itemsize: $itemsize1,
+                           since: Contract::V0_1_0, aliases: &[$($alias1),*] }, )+
+            $( DtypeInfo { dtype: Dtype::$v2, name: $name2, wit: $wit2, itemsize: $itemsize2,
+                           since: Contract::V0_2_0, aliases: &[$($alias2),*] }, )+
+        ];
 
         impl Dtype {
             /// Every dtype, in WIT order.
-            pub const ALL: [Dtype; [$(Dtype::$variant),+].len()] = [$(Dtype::$variant),+];
+            pub const ALL: [Dtype; [$(Dtype::$v1,)+ $(Dtype::$v2),+].len()] = [$(Dtype::$v1,)+ $(Dtype::$v2),+];
+        }
+
+        /// Converts between [`Dtype`] and an enum whose cases have the same
+        /// names: the `dtype` enums that the frozen WIT packages'
+        /// bindings generate, in the host's Wasm runtime and in the guest
+        /// SDK. The cases come from the dtype table, matched by name (never
+        /// by position), so no crate lists them again:
+        ///
+        /// - `dtype_cases!(into W, d)`: the case of `W` for `d: Dtype`
+        ///   (`W` names every dtype: `stowage:policy@0.2.0`'s enum);
+        /// - `dtype_cases!(from W, w)`: the [`Dtype`] of a case of `W`;
+        /// - `dtype_cases!(into_v0_1 W, d, else e)`: the case of 0.1.0's enum,
+        ///   which names the 15 dtypes of that version; `e` (an expression,
+        ///   e.g. an early `return`) for the others;
+        /// - `dtype_cases!(from_v0_1 W, w)`: the [`Dtype`] of a 0.1.0 case.
+        ///
+        /// `W` is an identifier in scope (`use wt::Dtype as W;`).
+        #[macro_export]
+        macro_rules! dtype_cases {
+            (into $d w:ident, $d value:expr) => {
+                match $d value {
+                    $( $crate::Dtype::$v1 => $d w::$v1, )+
+                    $( $crate::Dtype::$v2 => $d w::$v2, )+
+                }
+            };
+            (from $d w:ident, $d value:expr) => {
+                match $d value {
+                    $( $d w::$v1 => $crate::Dtype::$v1, )+
+                    $( $d w::$v2 => $crate::Dtype::$v2, )+
+                }
+            };
+            (into_v0_1 $d w:ident, $d value:expr, else $d other:expr) => {
+                match $d value {
+                    $( $crate::Dtype::$v1 => $d w::$v1, )+
+                    $( $crate::Dtype::$v2 )|+ => $d other,
+                }
+            };
+            (from_v0_1 $d w:ident, $d value:expr) => {
+                match $d value {
+                    $( $d w::$v1 => $crate::Dtype::$v1, )+
+                }
+            };
         }
     };
 }
 
-dtype_table! {
-    /// `torch.bool`, one byte.
-    Bool => "bool", "bool", 1, V0_1_0, [];
-    /// `torch.uint8`.
-    Uint8 => "uint8", "uint8", 1, V0_1_0, [];
-    /// `torch.int8`.
-    Int8 => "int8", "int8", 1, V0_1_0, [];
-    /// `torch.int16`.
-    Int16 => "int16", "int16", 2, V0_1_0, ["short"];
-    /// `torch.uint16`.
-    Uint16 => "uint16", "uint16", 2, V0_1_0, [];
-    /// `torch.int32`.
-    Int32 => "int32", "int32", 4, V0_1_0, ["int"];
-    /// `torch.uint32`.
-    Uint32 => "uint32", "uint32", 4, V0_1_0, [];
-    /// `torch.int64`.
-    Int64 => "int64", "int64", 8, V0_1_0, ["long"];
-    /// `torch.uint64`.
-    Uint64 => "uint64", "uint64", 8, V0_1_0, [];
-    /// `torch.float16`.
-    Float16 => "float16", "float16", 2, V0_1_0, ["half"];
-    /// `torch.bfloat16`.
-    Bfloat16 => "bfloat16", "bfloat16", 2, V0_1_0, [];
-    /// `torch.float32`.
-    Float32 => "float32", "float32", 4, V0_1_0, ["float"];
-    /// `torch.float64`.
-    Float64 => "float64", "float64", 8, V0_1_0, ["double"];
-    /// `torch.complex64`.
-    Complex64 => "complex64", "complex64", 8, V0_1_0, ["cfloat"];
-    /// `torch.complex128`.
-    Complex128 => "complex128", "complex128", 16, V0_1_0, ["cdouble"];
-    /// `torch.complex32`: two float16 (since contract 0.2.0).
-    Complex32 => "complex32", "complex32", 4, V0_2_0, ["chalf"];
-    /// `torch.float8_e4m3fn` (since 0.2.0).
-    Float8E4m3fn => "float8_e4m3fn", "float8-e4m3fn", 1, V0_2_0, [];
-    /// `torch.float8_e4m3fnuz` (since 0.2.0).
-    Float8E4m3fnuz => "float8_e4m3fnuz", "float8-e4m3fnuz", 1, V0_2_0, [];
-    /// `torch.float8_e5m2` (since 0.2.0).
-    Float8E5m2 => "float8_e5m2", "float8-e5m2", 1, V0_2_0, [];
-    /// `torch.float8_e5m2fnuz` (since 0.2.0).
-    Float8E5m2fnuz => "float8_e5m2fnuz", "float8-e5m2fnuz", 1, V0_2_0, [];
-    /// `torch.float8_e8m0fnu`, an 8-bit exponent (MX block scales; since
-    /// 0.2.0).
-    Float8E8m0fnu => "float8_e8m0fnu", "float8-e8m0fnu", 1, V0_2_0, [];
-    /// `torch.float4_e2m1fn_x2`: two 4-bit floats in one byte; the shape
-    /// counts bytes (since 0.2.0).
-    Float4E2m1fnX2 => "float4_e2m1fn_x2", "float4-e2m1fn-x2", 1, V0_2_0, [];
+dtype_table! { $
+    V0_1_0 {
+        /// `torch.bool`, one byte.
+        Bool => "bool", "bool", 1, [];
+        /// `torch.uint8`.
+        Uint8 => "uint8", "uint8", 1, [];
+        /// `torch.int8`.
+        Int8 => "int8", "int8", 1, [];
+        /// `torch.int16`.
+        Int16 => "int16", "int16", 2, ["short"];
+        /// `torch.uint16`.
+        Uint16 => "uint16", "uint16", 2, [];
+        /// `torch.int32`.
+        Int32 => "int32", "int32", 4, ["int"];
+        /// `torch.uint32`.
+        Uint32 => "uint32", "uint32", 4, [];
+        /// `torch.int64`.
+        Int64 => "int64", "int64", 8, ["long"];
+        /// `torch.uint64`.
+        Uint64 => "uint64", "uint64", 8, [];
+        /// `torch.float16`.
+        Float16 => "float16", "float16", 2, ["half"];
+        /// `torch.bfloat16`.
+        Bfloat16 => "bfloat16", "bfloat16", 2, [];
+        /// `torch.float32`.
+        Float32 => "float32", "float32", 4, ["float"];
+        /// `torch.float64`.
+        Float64 => "float64", "float64", 8, ["double"];
+        /// `torch.complex64`.
+        Complex64 => "complex64", "complex64", 8, ["cfloat"];
+        /// `torch.complex128`.
+        Complex128 => "complex128", "complex128", 16, ["cdouble"];
+    }
+    V0_2_0 {
+        /// `torch.complex32`: two float16 (since contract 0.2.0).
+        Complex32 => "complex32", "complex32", 4, ["chalf"];
+        /// `torch.float8_e4m3fn` (since 0.2.0).
+        Float8E4m3fn => "float8_e4m3fn", "float8-e4m3fn", 1, [];
+        /// `torch.float8_e4m3fnuz` (since 0.2.0).
+        Float8E4m3fnuz => "float8_e4m3fnuz", "float8-e4m3fnuz", 1, [];
+        /// `torch.float8_e5m2` (since 0.2.0).
+        Float8E5m2 => "float8_e5m2", "float8-e5m2", 1, [];
+        /// `torch.float8_e5m2fnuz` (since 0.2.0).
+        Float8E5m2fnuz => "float8_e5m2fnuz", "float8-e5m2fnuz", 1, [];
+        /// `torch.float8_e8m0fnu`, an 8-bit exponent (MX block scales; since
+        /// 0.2.0).
+        Float8E8m0fnu => "float8_e8m0fnu", "float8-e8m0fnu", 1, [];
+        /// `torch.float4_e2m1fn_x2`: two 4-bit floats in one byte; the shape
+        /// counts bytes (since 0.2.0).
+        Float4E2m1fnX2 => "float4_e2m1fn_x2", "float4-e2m1fn-x2", 1, [];
+    }
 }
 
 impl Dtype {

@@ -3,8 +3,8 @@
 Frame 0 is written and read by the Python client's Rust core
 (`stowage._core.encode_request` / `decode_reply`: `stowage_wire::native`,
 the codec stowd runs), and a get_ok's descriptors are resolved against the
-data frames by the client's `_codec.decode_get_fields`, so these tests
-carry no copy of the protocol. What is here is test scaffolding: a data
+data frames by the core's `decode_get`, so these tests carry no copy of
+the protocol. What is here is test scaffolding: a data
 frame layout for puts (one frame per regular field and per nested row) and
 a DEALER with timeouts. `hand_envelope` builds frame 0 by hand with msgpack
 for the hostile-input tests, which send what no encoder would write: test
@@ -94,14 +94,47 @@ def stats_frames(id: int) -> list[bytes]:
     return [envelope("stats", id, {})]
 
 
+#: Results as numpy arrays (no torch), nested fields as lists of rows.
+_NUMPY = _core.GetOptions(_codec.WIRE_DTYPES, [], None)
+
+
+def _decoded(frames: list) -> dict:
+    """The fields of a get_ok (`frames`: as received) as the core makes
+    them: read-only views of the frames where a field's bytes lie in one."""
+    out, why = _core.decode_get(frames, _NUMPY)
+    assert type(out) is dict, f"not a readable get_ok: {why}"
+    return out
+
+
 def decode_field(desc: tuple, frames: list) -> Any:
     """A get_ok descriptor (as `decode_reply` gives it) -> ndarray
     (regular), list of ndarrays (nested), or list of values, resolved by
     the client's decoder: zero-copy read-only views of the frames where
     possible."""
-    rows = desc[2][0] if desc[0] == "regular" else len(desc[-1])
-    src = _codec.FrameSource.from_socket(frames)
-    return _codec.to_numpy(_codec._decode_field("the field", desc, rows, src))
+    # Only the frames it names, numbered anew (a get_ok uses every frame).
+    used = sorted({p[0] for p in desc[3]} if desc[0] == "regular" else
+                  {r[1] for r in desc[2]} if desc[0] == "nested" else set())
+    new = {k: i for i, k in enumerate(used, start=1)}
+    if desc[0] == "regular":
+        desc = (*desc[:3], [(new[k], *rest) for k, *rest in desc[3]])
+    elif desc[0] == "nested":
+        desc = (*desc[:2], [(sh, new[k], o, n) for sh, k, o, n in desc[2]])
+    head = envelope_get_ok({"the field": desc})
+    return _decoded([head, *(frames[k] for k in used)])["the field"]
+
+
+def envelope_get_ok(descs: dict) -> bytes:
+    """Frame 0 of a get_ok with these descriptors (in `decode_reply`'s
+    form), built by hand: test data."""
+    def wire(d):
+        if d[0] == "regular":
+            return {"kind": "regular", "dtype": d[1], "shape": list(d[2]),
+                    "parts": [{"frame": k, "offset": o, "len": n, "rows": r} for k, o, n, r in d[3]]}
+        if d[0] == "nested":
+            return {"kind": "nested", "dtype": d[1],
+                    "rows": [{"shape": list(sh), "frame": k, "offset": o, "len": n} for sh, k, o, n in d[2]]}
+        return {"kind": "values", "values": list(d[1])}
+    return hand_envelope("get_ok", 1, {"fields": {name: wire(d) for name, d in descs.items()}})
 
 
 @dataclass
@@ -142,11 +175,7 @@ class NReply:
         """The get_ok's fields as arrays and values; every data frame must be
         used (the client's decoder checks)."""
         self.expect("get_ok")
-        descs = self.body["fields"]
-        first = next(iter(descs.values()))
-        n = first[2][0] if first[0] == "regular" else len(first[-1])
-        got = _codec.decode_get_fields(self.body, list(descs), n, _codec.FrameSource.from_socket(self.frames))
-        return {name: _codec.to_numpy(f) for name, f in got.items()}
+        return _decoded(self.frames)
 
 
 _ids = itertools.count(1)

@@ -260,6 +260,25 @@ def test_keys_come_from_arguments_the_environment_or_stowds_curve_dir(no_ambient
         _auth.curve_keys("not a key")
 
 
+def test_certificates_read_as_pyzmq_reads_them_and_broken_ones_are_not_taken(no_ambient_curve, tmp_path):
+    """The client reads pyzmq's certificate files itself (pyzmq is no
+    dependency of the client): the same keys as `zmq.auth.load_certificate`;
+    a file without keys, with a key of the wrong length, or not text, is
+    not taken."""
+    for _ in range(20):  # Z85 keys hold '=', '#' and other characters a parser may trip on
+        public, secret = zmq.auth.create_certificates(str(tmp_path), "c")
+        os.chmod(secret, 0o600)
+        want = tuple(k.decode() for k in zmq.auth.load_certificate(secret))
+        assert _auth._load_pair(secret) == want
+        assert _auth._load_public(public) == want[0]
+    bad = tmp_path / "bad.key_secret"
+    for text in (b"", b"# only a comment\n", b'curve\n    public-key = "short"\n    secret-key = "short"\n',
+                 bytes(range(256)) * 8):
+        bad.write_bytes(text)
+        os.chmod(bad, 0o600)
+        assert _auth._load_pair(str(bad)) is None and _auth._load_public(str(bad)) is None
+
+
 def test_a_secret_readable_by_others_or_another_users_file_is_not_taken(no_ambient_curve, tmp_path, monkeypatch):
     d = tmp_path / "state" / "stowd" / "curve"
     keys = _certificates(d)

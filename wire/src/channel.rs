@@ -3,7 +3,8 @@
 //! channel") specifies them; this module is their reference
 //! implementation. `stowd` writes them on a Unix stream socket with
 //! descriptors attached (`SCM_RIGHTS`, in `stowage-host`'s `shm::channel`);
-//! the Python client's `stowage/_shm.py` reads the same bytes.
+//! the Python client's Rust core (`clients/python/core`, its `channel`
+//! module) reads them with this decoder.
 //!
 //! Messages go one way only, `stowd` to client. Each is a 4-byte
 //! little-endian body length, then the body: one msgpack map.

@@ -23,7 +23,7 @@ except ImportError as _e:
         "`pip install ./clients/python -C stowd=skip` (builds the core; needs Rust); in a source checkout, "
         "`cargo xtask test` builds a debug core into clients/python/stowage/."
     ) from _e
-from ._codec import BITS_DTYPES, WIRE_DTYPES, BFloat16Bits, Bits, FrameSource, Packed
+from ._codec import BITS_DTYPES, WIRE_DTYPES, BFloat16Bits, Bits, Packed
 from .aio import AsyncClient
 from .client import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TIMEOUT, Client
 from .errors import (
@@ -68,7 +68,6 @@ __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES",
     "DEFAULT_TIMEOUT",
     "DTYPES",
-    "FrameSource",
     "Packed",
     "InternalError",
     "KeyNotFound",

@@ -32,8 +32,6 @@ import os
 import socket
 import stat
 
-import zmq
-import zmq.auth
 
 #: The PLAIN username (stowd does not check it).
 USERNAME = b"stowage"
@@ -85,16 +83,35 @@ def _own_file(path: str, secret: bool) -> bool:
     return stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and not (secret and st.st_mode & 0o077)
 
 
+def _read_certificate(path: str) -> tuple[str | None, str | None]:
+    """(public key, secret key) of a ZeroMQ certificate file as pyzmq and
+    czmq write it (`public-key = "..."` and `secret-key = "..."` lines in
+    its `curve` section; comments start with #); None for a key it lacks."""
+    public = secret = None
+    with open(path, "rb") as f:
+        for line in f.read(1 << 16).splitlines():
+            line = line.strip()
+            if line.startswith(b"#") or b"=" not in line:
+                continue
+            name, value = (x.strip() for x in line.split(b"=", 1))
+            value = value.strip(b" \t'\"").decode("ascii", "replace")
+            if name == b"public-key" and public is None:
+                public = value
+            elif name == b"secret-key" and secret is None:
+                secret = value
+    return public, secret
+
+
 def _load_public(path: str) -> str | None:
     """The public key of the certificate `path` (None: not this user's, or
     not a certificate)."""
     if not _own_file(path, secret=False):
         return None
     try:
-        public, _ = zmq.auth.load_certificate(path)
-    except (OSError, ValueError, zmq.ZMQError):
+        public, _ = _read_certificate(path)
+    except OSError:
         return None
-    return public.decode("ascii") if public else None
+    return public if public and len(public) == 40 else None
 
 
 def _load_pair(path: str) -> tuple[str, str] | None:
@@ -103,12 +120,12 @@ def _load_pair(path: str) -> tuple[str, str] | None:
     if not _own_file(path, secret=True):
         return None
     try:
-        public, secret = zmq.auth.load_certificate(path)
-    except (OSError, ValueError, zmq.ZMQError):
+        public, secret = _read_certificate(path)
+    except OSError:
         return None
-    if not public or not secret:
+    if not public or not secret or len(public) != 40 or len(secret) != 40:
         return None
-    return public.decode("ascii"), secret.decode("ascii")
+    return public, secret
 
 
 def curve_keys(server_key: str | None = None, public_key: str | None = None,
@@ -241,6 +258,8 @@ def offer_token(sock, endpoint: str, token: str | None = None,
 def set_curve(sock, curve: tuple[str, str, str]) -> None:
     """Makes a pyzmq socket a CURVE client (before it connects): `curve` is
     (the server's public key, this client's public key, its secret key)."""
+    import zmq
+
     server, public, secret = curve
     sock.setsockopt(zmq.CURVE_SERVERKEY, server.encode("ascii"))
     sock.setsockopt(zmq.CURVE_PUBLICKEY, public.encode("ascii"))
@@ -250,5 +269,7 @@ def set_curve(sock, curve: tuple[str, str, str]) -> None:
 def set_plain(sock, token: str) -> None:
     """Makes a pyzmq socket a PLAIN client presenting `token` (before it
     connects)."""
+    import zmq
+
     sock.setsockopt(zmq.PLAIN_USERNAME, USERNAME)
     sock.setsockopt(zmq.PLAIN_PASSWORD, token.encode())

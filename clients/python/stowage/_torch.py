@@ -85,8 +85,8 @@ def from_numpy(a: np.ndarray, dtype: str):
     """An ndarray of stowage/1 dtype `dtype` -> a tensor sharing its memory.
     torch has no read-only tensors, so `a`'s memory must be writable even
     where numpy flags `a` read-only: a received frame or a copy of this
-    client's own, or (same node) a private copy-on-write mapping
-    (`_codec.to_private_numpy`), never the read-only mapping other readers
+    client's own, or (same node) a private copy-on-write mapping (the
+    core makes a get's tensor fields so), never the read-only mapping other readers
     share, where a write would kill the process with SIGSEGV. Writing to the
     tensor then changes this get's bytes only: never the server's data,
     another get's tensors or arrays, or another process's."""

@@ -91,41 +91,32 @@ class _Ops:
         if self._segments is not None:
             self._segments.release()
 
-    def _fd_wanted(self):
-        """Which request ids still wait for descriptors (None: only the one taken)."""
-        return None
-
     def _take_fds(self, rid: int) -> dict:
         """{segment name: descriptor} stowd sent for request `rid` on the channel."""
+        return _shm.take(self._segments.channel if self._segments is not None else None, rid, self.timeout)
+
+    def _expect_fds(self, rid: int) -> None:
+        """Before sending request `rid` on the DEALER: keep its descriptors
+        (a lease's) when they come on the channel."""
         ch = self._segments.channel if self._segments is not None else None
-        if ch is None:
-            raise ProtocolError("a same-node reply, but no descriptor channel is open", request_id=rid)
-        return ch.take(rid, time.monotonic() + self.timeout, self._fd_wanted())
+        if ch is not None and not ch.closed:
+            ch.expect(rid)
 
-    def _reply_frames(self, env: dict, frames: list) -> _codec.FrameSource:
-        """The data frames of a reply: socket frames, or, for a same-node reply
-        whose envelope lists `segments`, read-only mappings of stowd's
-        shared-memory segments, whose descriptors came over the channel (kept
-        mapped, so the same rows give the same memory), with private
-        copy-on-write mappings of them on demand (for tensors). A lease_ok's
-        descriptor is kept for the put's `fill`."""
-        if env["op"] == "lease_ok" and self._segments is not None:
-            self._segments.leased(env["body"].get("segment"), self._take_fds(env["id"]))
+    def _reply_frames(self, env: dict, frames: list, rid: int | None = None) -> list:
+        """The frames of a reply through the DEALER (a put's, a lease's, a
+        call's): a lease_ok's descriptor is kept for the put's `fill`; any
+        other reply's descriptors, if some come, are closed. No such call
+        asks for its reply in shared memory (gets go through the core)."""
+        seg = self._segments
+        if seg is not None and seg.channel is not None:
+            if env["op"] == "lease_ok":
+                seg.leased(env["body"].get("segment"), self._take_fds(env["id"]))
+            else:
+                seg.channel.forget(env["id"] if rid is None else rid)
         if "segments" in env:
-            if self._segments is None:
-                raise ProtocolError("the reply carries shared-memory segments, but this client did not ask for "
-                                    "same-node replies", request_id=env["id"])
-            if len(frames) != 1:
-                raise ProtocolError("a reply with segments must have no data frames", request_id=env["id"])
-            segments = env["segments"]
-            named = isinstance(segments, list) and any(isinstance(s, list) and s and s[0] for s in segments)
-            fds = self._take_fds(env["id"]) if named else {}
-            views, bases, where, cow = self._segments.frames(segments, fds)
-            return _codec.FrameSource(views, bases, where, cow)
-        return _codec.FrameSource.from_socket(frames)
-
-    def _get_extras(self) -> dict | None:
-        return self._segments.extras(get=True) if self._segments is not None else None
+            raise ProtocolError("the reply carries shared-memory segments, but this client did not ask for "
+                                "same-node replies", request_id=env["id"])
+        return frames
 
     def _channel_path(self, body: dict) -> str:
         path = body.get("path") if isinstance(body, dict) else None
@@ -179,45 +170,48 @@ class _Ops:
         return dict(body, global_indexes=[g for s, c, k in gi["ranges"] for g in range(s, s + c * k, k)])
 
     @staticmethod
-    def _get_request(global_indexes, fields, as_torch, ranges: bool = True, nested: str = "rows") -> tuple[int, list, dict]:
+    def _get_options(as_torch, nested: str):
+        """The core's `GetOptions` for a get with `as_torch` and `nested`
+        (checked here; torch required for `as_torch=True`)."""
         if as_torch not in (None, True, False):
             raise TypeError(f"get: as_torch must be None, True or False, got {as_torch!r}")
         if nested not in ("rows", "packed"):
             raise ValueError(f"get: nested must be 'rows' or 'packed', got {nested!r}")
         if as_torch:
             _torch.require("get(as_torch=True)")
+        opts = _GET_OPTIONS.get((as_torch, nested))
+        if opts is None:
+            # Tensors: every dtype with as_torch=True; with None, the dtypes
+            # numpy has no type for, if torch is installed (whether the
+            # installed torch has each is seen in `_glue`, which imports it
+            # only when such a field comes).
+            tensors = list(_codec.WIRE_DTYPES) if as_torch else (
+                sorted(_codec.BITS_DTYPES) if as_torch is None and _torch.available() else [])
+            opts = _GET_OPTIONS[(as_torch, nested)] = _core.GetOptions(
+                _codec.WIRE_DTYPES, tensors, _codec.Packed if nested == "packed" else None)
+        return opts
+
+    @staticmethod
+    def _get_request(global_indexes, fields, ranges: bool = True) -> tuple[int, list, dict]:
         n, wire = _codec.get_indexes(global_indexes, "get", ranges)
         names = _codec.check_field_names(fields, "get")
         return n, names, {"global_indexes": wire, "fields": names}
 
-    @staticmethod
-    def _get_result(body: dict, frames, names: list, n: int, as_torch, nested: str = "rows") -> dict:
-        replies = _codec.decode_get_fields(body, names, n, frames)
-        tensors = {name: f for name, f in replies.items() if f.kind != "values" and (
-            as_torch if as_torch is not None else (
-                f.dtype in _codec.BITS_DTYPES and _torch.available() and _torch.torch_dtype(f.dtype) is not None))}
-        packed = {name for name, f in replies.items() if f.kind == "nested"} if nested == "packed" else ()
-        # Same node: tensors over private copy-on-write mappings, never over the
-        # read-only pages shared with other readers (a write there is a SIGSEGV).
-        private = _codec.to_private_numpy({k: f for k, f in tensors.items() if k not in packed}, frames) \
-            if tensors and frames.cow is not None else {}
-        out = {}
-        for name, f in replies.items():
-            if name in packed:
-                v = _codec.to_packed(f, frames, writable=name in tensors)
-                if name in tensors:
-                    v = _torch.from_numpy(v, f.dtype)
-                elif f.dtype in _codec.BITS_DTYPES:
-                    v = _codec.typed_bits(v, f.dtype)
-                out[name] = _codec.Packed(v, [tuple(r[0]) for r in f.row_desc])
-                continue
-            v = private[name] if name in private else _codec.to_numpy(f)
-            if name in tensors:
-                v = _torch.from_numpy_rows(v, f.dtype) if f.kind == "nested" else _torch.from_numpy(v, f.dtype)
-            elif f.dtype in _codec.BITS_DTYPES:
-                v = _codec.typed_bits(v, f.dtype)
-            out[name] = v
-        return out
+    def _got(self, rid: int, got: tuple, as_torch) -> dict:
+        """A get's result from the core (`Connection.get`, `get_fast`'s
+        second item): (results, glue) of a get_ok, made by the core, each
+        field of `glue` (field, dtype) then made a tensor or a typed array
+        here; or (frame 0, why the core's codec refused it) of any other
+        reply, raised as it says (BadRequest: the caller may ask again as
+        a list)."""
+        out, glue = got
+        if type(out) is dict:
+            for name, dtype in glue:
+                out[name] = _glue(out[name], dtype, as_torch)
+            return out
+        env = _codec.decode_envelope(out)
+        self._reply_body(env, "get_ok", rid)
+        raise ProtocolError(f"get (id {rid}): {glue}", request_id=rid)
 
     # -- get_into
     @staticmethod
@@ -245,29 +239,6 @@ class _Ops:
                 raise ValueError(f"{what} has shape {list(a.shape)}, but {n} rows were requested")
             targets[name] = (dtype, a)
         return n, targets, {"global_indexes": wire, "fields": names}
-
-    @staticmethod
-    def _get_into_result(body: dict, frames, targets: dict, n: int) -> None:
-        replies = _codec.decode_get_fields(body, list(targets), n, frames)
-        # Check every field before writing any.
-        for name, f in replies.items():
-            dtype, a = targets[name]
-            what = f"get_into: out[{name!r}]"
-            if f.kind == "values":
-                raise TypeError(f"{what}: field {name!r} holds plain values, not tensors; use get()")
-            if f.kind == "nested":
-                shapes = sorted({tuple(s) for s, _ in f.rows})[:3]
-                raise ValueError(f"{what}: the requested rows of {name!r} have different shapes "
-                                 f"(e.g. {[list(s) for s in shapes]}), so they do not fit one array; use get()")
-            want_ok = dtype == f.dtype or (  # raw bits fill ints of their size
-                f.dtype in _codec.BITS_DTYPES and dtype in _INT_NAMES and _codec.WIRE_DTYPES[dtype].itemsize == f.np_dtype.itemsize)
-            if not want_ok:
-                raise ValueError(f"{what} has dtype {dtype}, but field {name!r} is {f.dtype}")
-            if tuple(a.shape) != tuple(f.shape):
-                raise ValueError(f"{what} has shape {list(a.shape)}, but field {name!r} is {list(f.shape)}")
-        for name, f in replies.items():
-            a = targets[name][1]
-            _codec.copy_into(f, a.view(f.np_dtype) if a.dtype != f.np_dtype else a)
 
     # -- clear, stats
     @staticmethod
@@ -299,23 +270,25 @@ class _Ops:
     # how its result reads are here once; `Client._core_call` runs it under
     # the client's lock, `AsyncClient._core_call` in a worker thread.
     def _core_serves(self, targets: dict | None = None) -> bool:
-        """Whether the Rust core's connection carries this get or get_into
-        (and an `AsyncClient`'s put): over tcp or ipc, unless
-        STOWAGE_PURE_PYTHON=1 (pyzmq carries them then; the codec is the
-        core's either way), and not in same-node mode. A `Client`'s puts
-        always go through the core's connection; any put is read and laid
-        out by the core (`_core.Put`). (`targets` is accepted for older
-        callers: the core fills any get_into array, contiguous or
-        strided.)"""
+        """Whether the Rust core carries this put: over tcp or ipc, unless
+        STOWAGE_PURE_PYTHON=1 (pyzmq carries it then; the codec is the
+        core's either way), and not in same-node mode (a lease and its put
+        go over the DEALER). Gets and get_intos always go through the core
+        (`_core_gets`). (`targets` is accepted for older callers.)"""
         return (self._segments is None and self.endpoint.startswith(("tcp://", "ipc://"))
                 and os.environ.get("STOWAGE_PURE_PYTHON") != "1")
+
+    def _shm(self):
+        """The core's `shm` argument of a get: (channel, mappings) in
+        same-node mode (the channel open), else None."""
+        return self._segments.shm() if self._segments is not None else None
 
     def _core_carries(self) -> bool:
         """Whether the Rust core carries the calls that move no rows (stats,
         checkpoint, restore, clear, and same-node's `channel` request, which
         names the channel by a token, not by the connection): over tcp or
         ipc, in same-node mode too (their replies never name segments), and
-        whatever STOWAGE_PURE_PYTHON says (which picks the transport of rows
+        whatever STOWAGE_PURE_PYTHON says (which picks the transport of puts
         only)."""
         return self.endpoint.startswith(("tcp://", "ipc://"))
 
@@ -336,59 +309,13 @@ class _Ops:
         """A core call's failure (one of `_CORE_FAILURES`: the core dropped
         its connection) in the client's words."""
         if isinstance(e, TimeoutError):
+            if "descriptor" in str(e):
+                return StowageTimeout(f"{op} (id {rid}): {e}; the connection was reset", request_id=rid)
             return StowageTimeout(f"{op} (id {rid}): no reply from {self.endpoint} within {timeout:g} s; "
                                   "the connection was reset", request_id=rid)
         if isinstance(e, _core.ProtocolViolation):
             return ProtocolError(f"{op} (id {rid}): {e}", request_id=rid)
         return InternalError(f"{op} (id {rid}): {e}", request_id=rid)
-
-    def _core_got(self, rid: int, got: tuple | list, names: list, n: int, as_torch, nested: str = "rows") -> dict:
-        """A get's result from the core's (frame 0, [(field, Buffer)] or
-        None, why its codec refused the reply or None), or from its
-        `get_arrays` dict (`_core_arrays`): each regular or nested field's
-        rows were read from the socket into one buffer of their size,
-        allocated once (a regular field's array is a view of it); values
-        come from frame 0. Raises BadRequest as the reply says (the caller
-        may ask again as a list)."""
-        if type(got) is dict:
-            return self._core_arrays(got, names, n)
-        head, bufs, problem = got
-        env = _codec.decode_envelope(head)
-        reply = self._reply_body(env, "get_ok", rid)
-        self._reply_frames(env, [head])  # refuses a same-node reply nobody asked for
-        if bufs is None:
-            raise ProtocolError(f"get (id {rid}): {problem}", request_id=rid)
-        # The descriptors now name the core's buffers: one data frame per
-        # regular or nested field, its rows back to back in row order.
-        descs = reply["fields"]
-        views, by_name = [], dict(bufs)
-        for name, d in descs.items():
-            if name not in by_name:
-                continue
-            buf = memoryview(by_name[name])
-            views.append(buf)
-            k = len(views)
-            if d[0] == "regular":
-                descs[name] = (*d[:3], [(k, 0, len(buf), d[2][0])])
-            else:
-                at = [0, *itertools.accumulate(ln for _, _, _, ln in d[2])]
-                descs[name] = (*d[:2], [(shape, k, at[i], ln) for i, (shape, _, _, ln) in enumerate(d[2])])
-        return self._get_result(reply, _codec.FrameSource(views), names, n, as_torch, nested)
-
-    @staticmethod
-    def _core_arrays(got: dict, names: list, n: int) -> dict:
-        """A get's result from the core's `get_arrays` dict (the reply was a
-        get_ok of regular fields of numpy's dtypes, each a read-only array
-        over a buffer of exactly its bytes, made by the core), checked
-        against the request: the general path's result, without decoding
-        frame 0 into Python objects first (small gets pay that more than
-        their bytes: docs/benchmarks.md, "A 1-row get")."""
-        if list(got) != names:
-            raise ProtocolError(f"get_ok has fields {list(got)}, requested {names}")
-        for name, a in got.items():
-            if a.shape[0] != n:
-                raise ProtocolError(f"field {name!r}: shape {list(a.shape)} does not have {n} rows")
-        return got
 
     @staticmethod
     def _core_plan(targets: dict) -> list:
@@ -415,7 +342,6 @@ class _Ops:
         head, problem = other
         env = _codec.decode_envelope(head)
         self._reply_body(env, "get_ok", rid)
-        self._reply_frames(env, [head])  # refuses a same-node reply nobody asked for
         raise ProtocolError(f"get_into (id {rid}): {problem}", request_id=rid)
 
     def _core_refused(self, rid: int, reply: list, expect: str):
@@ -448,10 +374,18 @@ class _Ops:
             raise
         raise AssertionError("unreachable")  # _core_refused raises
 
-    def _lease_reply(self, rid: int, got: tuple, extras: dict) -> dict:
+    def _lease_reply(self, rid: int, got: tuple) -> dict:
         """A lease_ok through the core (`_core_answer`), its descriptor taken
-        from the channel and kept (`Segments.leased`)."""
-        reply = self._core_answer(rid, got, "lease_ok")
+        from the channel (expected before the lease was sent) and kept
+        (`Segments.leased`); any other reply: the descriptors are no longer
+        expected."""
+        try:
+            reply = self._core_answer(rid, got, "lease_ok")
+        except BaseException:
+            ch = self._segments.channel
+            if ch is not None and not ch.closed:
+                ch.forget(rid)
+            raise
         self._segments.leased(reply["segment"], self._take_fds(rid))
         return reply
 
@@ -466,26 +400,38 @@ _INT_NAMES = frozenset(f"{s}int{n}" for s in ("", "u") for n in (8, 16, 32, 64))
 _CORE_FAILURES = (TimeoutError, _core.ProtocolViolation, ConnectionError)
 
 
-def _run_get(core, frame0: bytes, timeout: float):
-    return core.get(frame0, timeout)
+#: The core's `GetOptions` made so far, by (as_torch, nested).
+_GET_OPTIONS: dict = {}
 
 
-#: The dtypes whose regular fields a get returns as plain numpy arrays
-#: (every wire dtype numpy has a type for), by wire name.
-_DIRECT_DTYPES = {k: v for k, v in _codec.WIRE_DTYPES.items() if k not in _codec.BITS_DTYPES}
-#: For a get whose arrays the core does not make (torch tensors, packed
-#: nested fields): no dtype is made directly.
-_NO_DTYPES: dict = {}
+def _glue(v, dtype: str, as_torch):
+    """A field's result from the core (a numpy array, a list of them, or a
+    `Packed`) of `dtype`, which the core listed for this: a torch tensor
+    (or tensors) when the get asked for them (`as_torch=True`, or None for
+    a dtype numpy has no type for and the installed torch has), else the
+    raw bits as ml_dtypes arrays where ml_dtypes has the dtype."""
+    packed = type(v) is _codec.Packed
+    a = v.values if packed else v
+    rows = type(a) is list
+    if as_torch or (as_torch is None and dtype in _codec.BITS_DTYPES and _torch.available()
+                    and _torch.torch_dtype(dtype) is not None):
+        a = _torch.from_numpy_rows(a, dtype) if rows else _torch.from_numpy(a, dtype)
+    else:
+        # (Read-only as numpy arrays of a get always are; the core made
+        # this one writable for a tensor the installed torch cannot type.)
+        for r in a if rows else [a]:
+            r.flags.writeable = False
+        a = _codec.typed_bits(a, dtype) if dtype in _codec.BITS_DTYPES else a
+    return _codec.Packed(a, v.shapes) if packed else a
 
 
-def _run_get_arrays(core, frame0: bytes, timeout: float):
-    """`core.get`, or for a reply of regular fields of `_DIRECT_DTYPES` a
-    dict of their arrays: `_Ops._core_got` reads both."""
-    return core.get_arrays(frame0, timeout, _DIRECT_DTYPES)
+def _run_get(names: list, n: int, opts, shm):
+    """`run` for `_core_call`: the get (frame 0 given) through `core.get`."""
+    return lambda core, frame0, timeout: core.get(frame0, names, n, timeout, opts, shm)
 
 
-def _run_get_into(plan: list):
-    return lambda core, frame0, timeout: core.get_into(frame0, plan, timeout)
+def _run_get_into(plan: list, shm=None):
+    return lambda core, frame0, timeout: core.get_into(frame0, plan, timeout, shm)
 
 
 def _ms_left(deadline: float) -> int:
@@ -493,9 +439,12 @@ def _ms_left(deadline: float) -> int:
 
 
 class Client(_Ops):
-    """A synchronous stowage/1 client: one ZeroMQ DEALER connected to `stowd`'s
-    native endpoint. Calls are serialized by a lock, so one client may be
-    shared by threads (one request at a time).
+    """A synchronous stowage/1 client of `stowd`'s native endpoint: the Rust
+    core's connection (`_core.Connection`) for every get and get_into (same
+    node too), puts and the calls that move no rows, and a ZeroMQ DEALER
+    for the puts the core does not carry (same node: a lease and its put;
+    `STOWAGE_PURE_PYTHON=1`). Calls are serialized by a lock, so one client
+    may be shared by threads (one request at a time).
 
     Every call waits at most `timeout` seconds (or its own `timeout=`) for
     its reply; then it raises `StowageTimeout` after closing the socket and
@@ -574,7 +523,7 @@ class Client(_Ops):
             body = self._ask("channel", {}, None, "channel_ok")
         except Unsupported as e:
             raise self._no_channel(e) from None
-        self._segments.channel = _shm.Channel(self._channel_path(body), self.timeout)
+        self._segments.channel = _shm.open_channel(self._channel_path(body), self.timeout)
 
     @property
     def closed(self) -> bool:
@@ -587,7 +536,9 @@ class Client(_Ops):
         self.close()
 
     def _call(self, op: str, body: dict, data_frames, timeout, expect: str,
-              extras: dict | None = None) -> tuple[dict, _codec.FrameSource]:
+              extras: dict | None = None) -> tuple[dict, list]:
+        """A request through pyzmq's DEALER (a same-node put and its lease, a
+        put with STOWAGE_PURE_PYTHON=1): (the reply's body, its frames)."""
         try:
             return self._call_once(op, body, data_frames, timeout, expect, extras)
         except BadRequest as e:
@@ -599,7 +550,7 @@ class Client(_Ops):
         return self._call_once(op, body, data_frames, timeout, expect, self._with_channel(extras))
 
     def _call_once(self, op: str, body: dict, data_frames, timeout, expect: str,
-                   extras: dict | None = None) -> tuple[dict, _codec.FrameSource]:
+                   extras: dict | None = None) -> tuple[dict, list]:
         timeout = self._call_timeout(timeout)
         rid = next(self._ids)
         msg = [_codec.envelope(op, rid, body, extras), *data_frames]
@@ -611,27 +562,30 @@ class Client(_Ops):
                 self._reset()
                 raise StowageTimeout(f"{op} (id {rid}): could not send to {self.endpoint} within {timeout:g} s; "
                                      "the connection was reset", request_id=rid)
+            self._expect_fds(rid)
             self._sock.send_multipart(msg, copy=False)
             del msg
             ch = self._segments.channel if self._segments is not None else None
             poller = None
-            if ch is not None and not ch.closed:
+            chan_fd = ch.fileno() if ch is not None else None
+            if chan_fd is not None:
                 # Descriptors come on the channel before the reply: read them
                 # as they come, so a long list never fills the channel.
                 poller = zmq.Poller()
                 poller.register(self._sock, zmq.POLLIN)
-                poller.register(ch.fileno(), zmq.POLLIN)
+                poller.register(chan_fd, zmq.POLLIN)
             while True:
                 if poller is not None:
                     ready = dict(poller.poll(_ms_left(deadline)))
-                    if not ch.closed and ch.fileno() in ready:
-                        fd = ch.fileno()
+                    if chan_fd is not None and chan_fd in ready:
                         try:
-                            ch.take_early(rid, deadline)
-                        except StowageError:
-                            # The channel broke (closed by take_early), e.g. stowd
-                            # restarted: the reply says what became of the request.
-                            poller.unregister(fd)
+                            ch.pump(max(0.0, deadline - time.monotonic()))
+                        except _CORE_FAILURES:
+                            pass  # the channel broke (and closed), e.g. stowd restarted:
+                            # the reply says what became of the request
+                        if ch.closed:
+                            poller.unregister(chan_fd)
+                            chan_fd = None
                     if self._sock not in ready:
                         if time.monotonic() < deadline:
                             continue
@@ -640,6 +594,8 @@ class Client(_Ops):
                     ready = {self._sock: 1} if self._sock.poll(_ms_left(deadline), zmq.POLLIN) else {}
                 if not ready:
                     self._reset()
+                    if ch is not None:
+                        ch.forget(rid)
                     raise StowageTimeout(f"{op} (id {rid}): no reply from {self.endpoint} within {timeout:g} s; "
                                          "the connection was reset", request_id=rid)
                 frames = self._sock.recv_multipart(copy=False)
@@ -647,7 +603,8 @@ class Client(_Ops):
                 # id 0: an error reply to a request the server could not read; with one
                 # request in flight it can only be ours. Any other id is a stale reply: dropped.
                 if env["id"] == rid or (env["id"] == 0 and env["op"] == "error"):
-                    return self._reply_body(env, expect, rid), self._reply_frames(env, frames)
+                    frames = self._reply_frames(env, frames, rid)
+                    return self._reply_body(env, expect, rid), frames
 
     def put(self, global_indexes, data: Mapping[str, Any], *, timeout: float | None = None) -> int:
         """Stores rows. `data` maps field name -> a numpy array or torch tensor
@@ -663,7 +620,13 @@ class Client(_Ops):
         before the reply to the one before it arrives (stowd reads it while
         it stores that one), so the message after a failed one may be
         stored too; `rows_stored` does not count it."""
-        put = _core.Put(global_indexes, data, self.max_message_bytes, self._segments is not None)
+        return self._put(_core.Put(global_indexes, data, self.max_message_bytes, self._segments is not None),
+                         timeout)
+
+    def _put(self, put, timeout) -> int:
+        """Sends `put` (a `_core.Put`, read and checked): over the socket
+        through the core, its messages two on the wire; same node, a lease
+        the core fills and the put naming it (`_put.same_node`)."""
         try:
             if self._segments is None:
                 return self._core_put(put, timeout)
@@ -691,14 +654,16 @@ class Client(_Ops):
 
     def _core_lease(self, body: dict, timeout) -> dict:
         """A lease through the core (same node): its lease_ok body, its
-        descriptor kept (read under the client's lock, as `_call` reads the
-        channel). A stowd that no longer knows the channel (restarted)
-        gets a new one, and the lease is asked again."""
+        descriptor kept. A stowd that no longer knows the channel
+        (restarted) gets a new one, and the lease is asked again."""
         for again in (False, True):
             extras = self._segments.extras(get=False)
+
+            def run(core, rid, t):
+                self._expect_fds(rid)
+                return self._lease_reply(rid, core.call("lease", rid, body, t, extras))
             try:
-                return self._core_call("lease", None, timeout, lambda core, rid, t: self._lease_reply(
-                    rid, core.call("lease", rid, body, t, extras), extras))[1]
+                return self._core_call("lease", None, timeout, run)[1]
             except BadRequest as e:
                 if again or not self._stale_channel(extras, e):
                     raise
@@ -734,33 +699,27 @@ class Client(_Ops):
         elements back to back, and the rows' shapes, with no array per row
         (e.g. for `torch.nested.nested_tensor_from_jagged`); a view of the
         received bytes where they lie back to back, as over tcp."""
-        if self._core_serves() and as_torch in (None, False, True) and nested in ("rows", "packed"):
-            # The usual get: the core reads the indexes and field names and
-            # writes the request itself (None: not plainly indexes and
-            # distinct names, nothing sent; the general path below checks
-            # and words); for numpy arrays of regular fields it makes the
-            # arrays too.
-            if as_torch:
-                _torch.require("get(as_torch=True)")
-            ranges = self._ranges_ok
-            direct = _DIRECT_DTYPES if not as_torch and nested == "rows" else _NO_DTYPES
-            rid, got = self._core_call("get", None, timeout, lambda core, rid, t: core.get_fast(
-                rid, global_indexes, fields, t, direct, ranges))
-            if got is not None:
-                try:
-                    return self._core_got(rid, got[1], [fields] if type(fields) is str else list(fields),
-                                          got[0], as_torch, nested)
-                except BadRequest as e:
-                    if not (ranges and "global_indexes must be an array" in str(e)):
-                        raise
-                    self._ranges_ok = False  # a stowd from before ranges: asked again below, as a list
-        n, names, body = self._get_request(global_indexes, fields, as_torch, self._ranges_ok, nested)
-        if self._core_serves():
-            run = _run_get if as_torch or nested != "rows" else _run_get_arrays
-            return self._ranged(body, lambda b: self._core_call("get", b, timeout, run),
-                                lambda rid, got: self._core_got(rid, got, names, n, as_torch, nested))
-        return self._get_call(body, timeout,
-                              lambda reply, frames: self._get_result(reply, frames, names, n, as_torch, nested))
+        opts = self._get_options(as_torch, nested)
+        return self._with_shm(lambda shm: self._get(global_indexes, fields, as_torch, opts, timeout, shm))
+
+    def _get(self, global_indexes, fields, as_torch, opts, timeout, shm) -> dict:
+        """A get through the core (`shm`: same node)."""
+        # The usual get: the core reads the indexes and field names and
+        # writes the request itself (None: not plainly indexes and distinct
+        # names, nothing sent; the general path below checks and words).
+        ranges = self._ranges_ok
+        rid, got = self._core_call("get", None, timeout, lambda core, rid, t: core.get_fast(
+            rid, global_indexes, fields, t, opts, ranges, shm))
+        if got is not None:
+            try:
+                return self._got(rid, got[1], as_torch)
+            except BadRequest as e:
+                if not (ranges and "global_indexes must be an array" in str(e)):
+                    raise
+                self._ranges_ok = False  # a stowd from before ranges: asked again below, as a list
+        n, names, body = self._get_request(global_indexes, fields, self._ranges_ok)
+        return self._ranged(body, lambda b: self._core_call("get", b, timeout, _run_get(names, n, opts, shm)),
+                            lambda rid, got: self._got(rid, got, as_torch))
 
     def _ranged(self, body: dict, ask, finish):
         """`finish(*ask(body))` of a get, asked again with the indexes as a
@@ -771,10 +730,21 @@ class Client(_Ops):
             body = self._list_fallback(body, e)  # raises `e` unless stowd refused the ranges
         return finish(*ask(body))
 
-    def _get_call(self, body: dict, timeout, finish):
-        """`finish(reply, frames)` of a get through pyzmq."""
+    def _with_shm(self, run):
+        """`run(shm)`, `shm` the core's same-node argument (the descriptor
+        channel opened first) or None; asked again on a new channel if stowd
+        did not know the one named (it restarted, or dropped it)."""
+        if self._segments is None:
+            return run(None)
         self._open_channel()
-        return self._ranged(body, lambda b: self._call("get", b, (), timeout, "get_ok", self._get_extras()), finish)
+        try:
+            return run(self._shm())
+        except BadRequest as e:
+            if "no descriptor channel has token" not in str(e):
+                raise
+        self._segments.close_channel()
+        self._open_channel()
+        return run(self._shm())
 
     def _core_call(self, op: str, body: dict | None, timeout, run) -> tuple[int, Any]:
         """`run(core connection, frame 0 of the request, timeout)` under the
@@ -802,29 +772,29 @@ class Client(_Ops):
         (a dtype of `stowage.BITS_DTYPES` also fills int arrays of its
         itemsize, e.g. uint8 for a float8). Every byte is copied once,
         from the received frames straight into `out`. Returns `out`."""
-        if self._core_serves():
-            # The usual get_into (numpy arrays or CPU tensors, contiguous or strided):
-            # read and written by the core (False: not plainly that, nothing
-            # sent; the general path below checks and words).
-            ranges = self._ranges_ok
-            rid, got = self._core_call("get", None, timeout, lambda core, rid, t: core.get_into_fast(
-                rid, global_indexes, out, t, ranges))
-            if got is not False:
-                try:
-                    self._core_got_into(rid, got)
-                    return out
-                except BadRequest as e:
-                    if not (ranges and "global_indexes must be an array" in str(e)):
-                        raise
-                    self._ranges_ok = False  # a stowd from before ranges: asked again below, as a list
+        return self._with_shm(lambda shm: self._get_into(global_indexes, out, timeout, shm))
+
+    def _get_into(self, global_indexes, out, timeout, shm):
+        """A get_into through the core (`shm`: same node)."""
+        # The usual get_into (numpy arrays or CPU tensors, contiguous or
+        # strided): read and written by the core (False: not plainly that,
+        # nothing sent; the general path below checks and words).
+        ranges = self._ranges_ok
+        rid, got = self._core_call("get", None, timeout, lambda core, rid, t: core.get_into_fast(
+            rid, global_indexes, out, t, ranges, shm))
+        if got is not False:
+            try:
+                self._core_got_into(rid, got)
+                return out
+            except BadRequest as e:
+                if not (ranges and "global_indexes must be an array" in str(e)):
+                    raise
+                self._ranges_ok = False  # a stowd from before ranges: asked again below, as a list
         n, targets, body = self._get_into_request(global_indexes, out, self._ranges_ok)
-        if self._core_serves(targets):
-            # Each field's bytes go from the socket straight into its array
-            # (no buffer of the payload's size, the GIL released meanwhile).
-            run = _run_get_into(self._core_plan(targets))
-            self._ranged(body, lambda b: self._core_call("get", b, timeout, run), self._core_got_into)
-        else:
-            self._get_call(body, timeout, lambda reply, frames: self._get_into_result(reply, frames, targets, n))
+        # Each field's bytes go from the socket (or stowd's segments) straight
+        # into its array (no buffer of the payload's size, the GIL released).
+        run = _run_get_into(self._core_plan(targets), shm)
+        self._ranged(body, lambda b: self._core_call("get", b, timeout, run), self._core_got_into)
         return out
 
     def clear(self, global_indexes, fields=None, *, timeout: float | None = None) -> int:

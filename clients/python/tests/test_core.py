@@ -6,7 +6,8 @@ spread over units, an index asked twice, several fields; a put of every
 dtype and kind, split or not, read back through pyzmq), mismatches are
 refused before anything is written, errors keep their types, a hostile
 reply is bounded, and no buffer of the payload's size is allocated (peak
-RSS), where the pure-Python path (`STOWAGE_PURE_PYTHON=1`) needs one."""
+RSS); `STOWAGE_PURE_PYTHON=1`, which sends puts through pyzmq, changes
+nothing of a get's."""
 
 from __future__ import annotations
 
@@ -87,6 +88,8 @@ def _reset_peak() -> None:
 
 @pytest.mark.parametrize("pure", [False, True])
 def test_get_into_allocates_nothing_the_size_of_the_payload(endpoint, fresh, monkeypatch, pure):
+    """Through the core, whatever STOWAGE_PURE_PYTHON says (it picks the
+    transport of puts only): no buffer of the payload's size."""
     rows, cols = 1024, 64 * 1024  # 256 MiB of float32 in 1,024 rows
     idx = fresh(rows)
     x = np.ones((rows, cols), np.float32)
@@ -104,18 +107,15 @@ def test_get_into_allocates_nothing_the_size_of_the_payload(endpoint, fresh, mon
         assert out[0, 0] == 1 and out[-1, -1] == 1
         c.clear(idx)
     payload = rows * cols * 4
-    if pure:
-        # pyzmq's frames, then the copy: at least half the payload more.
-        assert grew > payload // 2, f"the pure-Python path grew by only {grew / MIB:.0f} MiB"
-    else:
-        assert grew < 64 * MIB, f"get_into through the core grew by {grew / MIB:.0f} MiB for {payload / MIB:.0f} MiB"
+    assert grew < 64 * MIB, f"get_into through the core grew by {grew / MIB:.0f} MiB for {payload / MIB:.0f} MiB"
 
 
 @pytest.mark.parametrize("pure", [False, True])
 def test_get_allocates_the_result_once(endpoint, fresh, monkeypatch, pure):
     """A plain get through the core reads each field into one buffer of its
     size, which the returned array is a view of: the client's peak grows by
-    the payload, once (pyzmq's frames and then the joined array: twice)."""
+    the payload, once (pyzmq's frames and then the joined array took twice),
+    whatever STOWAGE_PURE_PYTHON says (it picks the transport of puts only)."""
     rows, cols = 1024, 64 * 1024  # 256 MiB, spread over the units: several frames
     idx = fresh(rows)
     x = np.arange(rows, dtype=np.float32)[:, None] * np.ones((1, cols), np.float32)
@@ -132,17 +132,14 @@ def test_get_allocates_the_result_once(endpoint, fresh, monkeypatch, pure):
         assert a[5, 7] == 5 and a[-1, -1] == rows - 1 and not a.flags.writeable
         assert [len(r) for r in got["n"][:8]] == [0, 1, 2, 3, 4, 5, 6, 0] and got["t"][0] == "s"
         owner = a
-        while getattr(owner, "base", None) is not None and not isinstance(owner, memoryview):
+        while isinstance(owner, np.ndarray) and owner.base is not None:
             owner = owner.base
-        made_by_core = isinstance(owner, memoryview) and type(owner.obj).__name__ == "Buffer"
-        assert made_by_core == (not pure), f"the array's memory belongs to {owner!r}"
+        owner = owner.obj if isinstance(owner, memoryview) else owner
+        assert type(owner).__name__ == "Buffer", f"the array's memory belongs to {owner!r}"
         del got, a, owner
         c.clear(idx)
     payload = rows * cols * 4
-    if pure:
-        assert grew > 1.5 * payload, f"the pure-Python get grew by only {grew / MIB:.0f} MiB"
-    else:
-        assert grew < payload + 32 * MIB, f"a get through the core grew by {grew / MIB:.0f} MiB for {payload / MIB:.0f} MiB"
+    assert grew < payload + 32 * MIB, f"a get through the core grew by {grew / MIB:.0f} MiB for {payload / MIB:.0f} MiB"
 
 
 def test_a_get_of_plain_lists_is_written_by_the_core(endpoint, fresh):
@@ -775,7 +772,8 @@ def test_a_reply_of_more_rows_than_the_wire_default_is_read(endpoint, fresh, mon
     """stowd takes 2^24 rows a request by default (operators may raise it),
     more than the codec's own default of 2^20: the client decodes replies by
     what arrived, not by a limit of its own, so a get and a get_into of
-    1,100,000 one-byte rows come back, over the core and over pyzmq."""
+    1,100,000 one-byte rows come back (put through the core, and through
+    pyzmq)."""
     if pure:
         monkeypatch.setenv("STOWAGE_PURE_PYTHON", "1")
     idx = fresh(10**6) + fresh(100_000)
@@ -898,27 +896,3 @@ def test_a_bad_spin_is_refused(bad, monkeypatch):
         assert c.spin_us == 30.0
     with pytest.raises(ValueError, match="spin_us"):
         client_mod._core.Connection("tcp://127.0.0.1:1", -1.0)
-
-
-def test_gather_copies_parts_in_order_and_refuses_bad_tables():
-    """`_core.gather`: parts of several buffers copied one after another
-    into one read-only buffer; a part outside its buffer, a buffer number
-    that does not exist, negative numbers, or parts that do not fill the
-    total are refused with ValueError before anything is copied."""
-    core = client_mod._core
-    a = np.arange(64, dtype=np.uint8)
-    b = np.arange(100, 164, dtype=np.uint8)
-    i64 = lambda *v: np.array(v, dtype=np.int64)  # noqa: E731
-    got = core.gather(10, [a, b], i64(1, 0, 1), i64(0, 60, 62), i64(4, 4, 2))
-    assert bytes(got) == bytes([100, 101, 102, 103, 60, 61, 62, 63, 162, 163])
-    view = np.frombuffer(got, np.uint8)
-    assert not view.flags.writeable
-    for bad in [(10, i64(1, 0, 1), i64(0, 61, 62), i64(4, 4, 2)),   # 61 + 4 > 64
-                (10, i64(2, 0, 1), i64(0, 60, 62), i64(4, 4, 2)),   # no buffer 2
-                (10, i64(-1, 0, 1), i64(0, 60, 62), i64(4, 4, 2)),  # negative buffer
-                (10, i64(1, 0, 1), i64(0, -4, 62), i64(4, 4, 2)),   # negative offset
-                (11, i64(1, 0, 1), i64(0, 60, 62), i64(4, 4, 2)),   # 10 bytes, not 11
-                (10, i64(1, 0), i64(0, 60, 62), i64(4, 4, 2))]:     # lists of other lengths
-        with pytest.raises(ValueError, match="gather"):
-            core.gather(bad[0], [a, b], *bad[1:])
-

@@ -1,8 +1,7 @@
-"""`AsyncClient` through the Rust core (issue 17): over tcp its put, get
-and get_into run the core's blocking calls in worker threads, each on a
-core connection of its own. Checked here: every dtype and kind round-trips
-and nothing goes through pyzmq, concurrent tasks overlap and each gets its
-own rows, the event loop keeps running during a 256 MiB transfer, a
+"""`AsyncClient` through the Rust core: small calls on the event loop's
+own core connections, the rest on lanes (sync clients in worker threads),
+each call on a connection of its own. Checked here: every dtype and kind
+round-trips, concurrent tasks overlap and each gets its own rows, the event loop keeps running during a 256 MiB transfer, a
 cancelled call leaves the client usable (and its connection unused until
 it returned), a timeout raises StowageTimeout in the sync client's words
 and the next call is served, and aclose waits for a running call."""
@@ -18,7 +17,6 @@ import numpy as np
 import pytest
 
 import stowage
-from core_spy import spy_async
 from stowage import client as client_mod
 from test_core import _same, every_kind
 
@@ -26,13 +24,10 @@ MIB = 1 << 20
 
 
 @pytest.fixture(autouse=True)
-def _core_on(monkeypatch):
-    """The core serves (a whole-suite run with STOWAGE_PURE_PYTHON=1 too),
-    small calls included (the tests below use small payloads; the size
-    rule has its own test)."""
-    monkeypatch.delenv("STOWAGE_PURE_PYTHON", raising=False)
+def _lanes_on(monkeypatch):
+    """Puts take the lanes whatever their size (the tests below use small
+    payloads; the size rule has its own test)."""
     monkeypatch.setattr(stowage.AsyncClient, "CORE_MIN_BYTES", 0)
-    monkeypatch.setattr(stowage.AsyncClient, "CORE_MIN_ROWS", 0)
 
 
 def run(coro):
@@ -40,24 +35,37 @@ def run(coro):
 
 
 def routes(c) -> list:
-    """Records ("core" or "pyzmq", op) of every request `c` sends (the
-    wrappers hand back the coroutines to await)."""
+    """Records ("loop" or "lane", op) of every call `c` makes: on the
+    event loop's own connections, or on a lane in a worker thread."""
     sent = []
-    for way, name in (("core", "_core_call"), ("pyzmq", "_call"), ("pyzmq", "_call_encoded")):
-        def call(op, *rest, inner=getattr(c, name), way=way):
-            sent.append((way, op))
-            return inner(op, *rest)
 
-        setattr(c, name, call)
+    def on_lane(op, *rest, inner=c._on_lane):
+        sent.append(("lane", op))
+        return inner(op, *rest)
 
     async def in_loop(op, *rest, inner=c._in_loop):
         got = await inner(op, *rest)
         if got is not None:  # (None: the call went another way)
-            sent.append(("core", op))
+            sent.append(("loop", op))
         return got
 
-    c._in_loop = in_loop
+    c._on_lane, c._in_loop = on_lane, in_loop
     return sent
+
+
+def counted_lane(c) -> list:
+    """Puts one lane in `c`'s pool whose put messages are counted: each
+    `_core_put` call appends how many messages it sent."""
+    lane = c._new_lane()
+    messages = []
+
+    def core_put(put, timeout, segments=None, inner=lane._core_put):
+        messages.append(put.messages)
+        return inner(put, timeout, segments)
+
+    lane._core_put = core_put
+    c._core_idle.append(lane)
+    return messages
 
 
 async def until(cond, what: str, within: float = 30.0) -> None:
@@ -72,7 +80,7 @@ async def until(cond, what: str, within: float = 30.0) -> None:
 def test_every_kind_round_trips_through_the_core(endpoint, fresh, max_message_bytes):
     """Every dtype, nested and values, put in one message or many, read
     back by get and (the regular fields) get_into: all through the core,
-    the pyzmq DEALER never opened."""
+    on the loop's connections and the lanes."""
     n = 40
     idx = fresh(n)
     data = every_kind(n)
@@ -84,19 +92,17 @@ def test_every_kind_round_trips_through_the_core(endpoint, fresh, max_message_by
     async def main():
         async with stowage.AsyncClient(endpoint, timeout=30, max_message_bytes=max_message_bytes) as c:
             sent = routes(c)
-            messages = []
-            spy_async(c, lambda op, nbytes, rows: messages.append(rows))
+            messages = counted_lane(c)
             assert await c.put(idx, data) == n
             got = await c.get(order, list(data))
             out = {name: np.empty((len(order), *data[name].shape[1:]), data[name].dtype) for name in regular}
             assert await c.get_into(order, out) is out
-            assert c._sock is None, "pyzmq's DEALER was opened"
             return sent, got, out, messages
 
     sent, got, out, messages = run(main())
     # A split put's messages go in one core call, two on the wire.
-    assert sent == [("core", "put"), ("core", "get"), ("core", "get")], sent
-    assert sum(messages) == n and (len(messages) > 1) == (max_message_bytes == 3000), messages
+    assert sent == [("lane", "put"), ("loop", "get"), ("lane", "get_into")], sent
+    assert len(messages) == 1 and (messages[0] > 1) == (max_message_bytes == 3000), messages
     bad = [name for name in data if not _same(got[name], want[name])]
     bad += [f"get_into {name}" for name in regular if not _same(out[name], want[name])]
     assert not bad, f"fields that did not round-trip: {bad}"
@@ -125,9 +131,10 @@ def test_concurrent_tasks_overlap_and_each_gets_its_own_rows(endpoint, fresh):
                 np.testing.assert_array_equal(got[i]["x"], xs[i][::-1])
                 np.testing.assert_array_equal(outs[i], xs[i])
                 np.testing.assert_array_equal(again[i]["x"], -xs[i])
-            assert all(way == "core" for way, _ in sent), sent
-            connections = len(c._core_idle)
-            assert 1 < connections <= c.CORE_CONNECTIONS, f"{connections} core connections"
+            # Gets on the loop (the rest on lanes once its connections are busy).
+            assert {op for way, op in sent if way == "loop"} == {"get"}, sent
+            lanes = len(c._core_idle)
+            assert 1 < lanes <= c.CORE_CONNECTIONS, f"{lanes} lanes"
             await c.clear([g for block in a + b for g in block])
 
     run(main())
@@ -172,7 +179,7 @@ def test_the_event_loop_runs_during_a_large_transfer(endpoint, fresh):
             timed = {"put": await ticking(c.put(idx, {"x": x})),
                      "get_into": await ticking(c.get_into(idx, {"x": out})),
                      "get": await ticking(c.get(idx, ["x"]))}
-            assert {way for way, _ in sent} == {"core"}
+            assert sent == [("lane", "put"), ("lane", "get_into"), ("loop", "get")], sent
             await c.clear(idx)
             return timed
 
@@ -227,8 +234,8 @@ def test_a_cancelled_call_leaves_the_client_usable(endpoint, fresh, op):
 def test_a_timeout_raises_stowage_timeout_and_the_next_call_is_served(fake_server):
     """A peer that never answers the first request: StowageTimeout within
     the call's timeout, in the sync client's words; a call queued behind it
-    (one worker) past its own timeout fails so without being sent; the next
-    get and put, on a new connection, are served."""
+    (one worker) past its own timeout fails so without being sent, and says
+    so; the next get and put, on a new connection, are served."""
     x = np.arange(2 * 3, dtype=np.float32).reshape(2, 3)
     seen = []
 
@@ -260,14 +267,14 @@ def test_a_timeout_raises_stowage_timeout_and_the_next_call_is_served(fake_serve
             assert 0.4 < took < 5
             pattern = (r"get \(id {}\): no reply from " + srv.endpoint + r" within {} s; the connection was reset")
             assert re.fullmatch(pattern.format(first.request_id, "0.5"), str(first)), str(first)
-            assert re.fullmatch(pattern.format(queued.request_id, "0.2"), str(queued)), str(queued)
+            assert str(queued) == "get: no connection was free within 0.2 s; nothing was sent", str(queued)
             assert seen == ["get"], "the queued call was sent after its deadline"
             np.testing.assert_array_equal((await c.get([1, 2], ["x"]))["x"], x)
             out = np.zeros_like(x)
             await c.get_into([1, 2], {"x": out})
             np.testing.assert_array_equal(out, x)
             assert await c.put([1, 2], {"x": x}) == 2
-            assert {way for way, _ in sent} == {"core"}
+            assert {way for way, _ in sent} == {"lane"}
 
     run(main())
     assert seen == ["get", "get", "get", "put"]
@@ -312,19 +319,16 @@ def test_aclose_waits_for_a_running_call_and_a_new_loop_reuses_the_pool(endpoint
 def test_small_calls_skip_the_thread_hop_and_bulk_ones_take_the_core(endpoint, fresh, monkeypatch, in_loop):
     """The hop to a worker thread costs more than a small call: a put under
     CORE_MIN_BYTES and a get go through the core with their reply awaited
-    by the event loop itself (or, with STOWAGE_ASYNC_IN_LOOP=0, through
-    pyzmq's DEALER), a small get_into through the DEALER; larger puts and
-    get_intos through the core in a worker thread."""
+    by the event loop itself (with STOWAGE_ASYNC_IN_LOOP=0, on a lane);
+    get_intos and larger puts on a lane, in a worker thread."""
     monkeypatch.undo()  # the defaults, not the autouse fixture's zeros
-    monkeypatch.delenv("STOWAGE_PURE_PYTHON", raising=False)
     if not in_loop:
         monkeypatch.setenv("STOWAGE_ASYNC_IN_LOOP", "0")
     idx = fresh(256)
     small = np.ones((4, 16), np.float32)
     big = np.ones((256, 1024), np.float32)  # 1 MiB
     assert big.nbytes >= stowage.AsyncClient.CORE_MIN_BYTES > small.nbytes
-    assert len(idx) >= stowage.AsyncClient.CORE_MIN_ROWS > 4
-    way = "core" if in_loop else "pyzmq"
+    way = "loop" if in_loop else "lane"
 
     async def go():
         async with stowage.AsyncClient(endpoint, timeout=30) as c:
@@ -332,13 +336,13 @@ def test_small_calls_skip_the_thread_hop_and_bulk_ones_take_the_core(endpoint, f
             await c.put(idx[:4], {"s": small})
             np.testing.assert_array_equal((await c.get(idx[:4], ["s"]))["s"], small)
             await c.get_into(idx[:4], {"s": np.empty_like(small)})
-            assert sent == [(way, "put"), (way, "get"), ("pyzmq", "get")], sent
+            assert sent == [(way, "put"), (way, "get"), ("lane", "get_into")], sent
             del sent[:]
             await c.put(idx, {"b": big})
             got = await c.get(idx, ["b"])
             out = np.empty_like(big)
             await c.get_into(idx, {"b": out})
-            assert sent == [("core", "put"), ("core", "get"), ("core", "get")], sent
+            assert sent == [("lane", "put"), (way, "get"), ("lane", "get_into")], sent
             np.testing.assert_array_equal(got["b"], big)
             np.testing.assert_array_equal(out, big)
             await c.clear(idx)
@@ -430,7 +434,7 @@ def test_an_async_split_put_keeps_two_messages_on_the_wire_and_counts_what_was_a
             requests.extend([0, 0, 0])  # answer every message from now on
             assert await c.put([1, 2, 3, 4, 5, 6], {"x": x}) == 6
             assert len(requests) == 6
-            assert sent == [("core", "put")] * 2, sent
+            assert sent == [("lane", "put")] * 2, sent
 
     run(main())
 
@@ -477,7 +481,7 @@ def test_an_in_loop_reply_that_arrives_in_pieces_is_read_whole(monkeypatch):
             assert hops == [3, 4], hops  # connected in a thread; the reply in pieces read in one
             np.testing.assert_array_equal((await c.get([1, 2, 3, 4], ["x"]))["x"], x)
             assert hops == [3, 4], hops  # the whole reply: read on the loop
-            assert sent == [("core", "get"), ("core", "get")], sent
+            assert sent == [("loop", "get"), ("loop", "get")], sent
             assert len(c._loop_idle) == 1
             t = time.monotonic()
             with pytest.raises(stowage.StowageTimeout):

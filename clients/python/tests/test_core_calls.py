@@ -183,8 +183,8 @@ def shm_endpoint(tmp_path_factory):
 
 def test_a_same_node_clients_small_calls_go_through_the_core(shm_endpoint, fresh, tmp_path):
     """Same node: the channel request, stats, checkpoint, restore and clear
-    through the core, and the put too (a lease, then the put naming the
-    segment the core filled); gets through the DEALER and shared memory."""
+    through the core, gets too (their rows in shared memory), and the put
+    (a lease, then the put naming the segment the core filled)."""
     idx = fresh(3)
     x = np.arange(12, dtype=np.float32).reshape(3, 4)
     with stowage.Client(shm_endpoint, timeout=30, same_node=True) as c:
@@ -198,7 +198,8 @@ def test_a_same_node_clients_small_calls_go_through_the_core(shm_endpoint, fresh
         assert c.clear(idx) == 3
         assert c.restore(tmp_path / "ck")["lost"] == 0
         np.testing.assert_array_equal(c.get(idx, ["x"])["x"], x)
-        assert spy.calls == ["call", "call", "put", "call", "call", "clear_fast", "call"], spy.calls
+        assert spy.calls == ["call", "call", "put", "get_fast", "call", "call", "clear_fast", "call", "get_fast"], \
+            spy.calls
 
     async def main():
         async with stowage.AsyncClient(shm_endpoint, timeout=30, same_node=True) as c:

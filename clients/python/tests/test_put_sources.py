@@ -4,9 +4,9 @@ reversed, transposed, Fortran order, broadcast, blocks large enough to go
 as slices of themselves and single items), big-endian ones, strided
 `Bits` and `Packed` values, as regular and nested fields, each read back
 equal over tcp (the core's writer), same node (the core's fill of a
-lease) and pyzmq (`AsyncClient` with STOWAGE_PURE_PYTHON=1: the frames
-`Put.encode` joins). And a put split over many messages of such sources
-that fails in a later one says how many rows the earlier ones stored."""
+lease) and from `AsyncClient` (on its event loop's connection and on a
+lane). And a put split over many messages of such sources that fails in
+a later one says how many rows the earlier ones stored, sync and async."""
 
 from __future__ import annotations
 
@@ -107,24 +107,28 @@ def test_strided_sources_round_trip_over_tcp(endpoint, fresh, max_message_bytes)
         c.clear(idx)
 
 
-def test_strided_sources_round_trip_through_pyzmq(endpoint, fresh, monkeypatch):
-    """The asyncio client over its DEALER: the core's frames, joined where
-    they are not one contiguous piece (`Put.encode`)."""
-    monkeypatch.setenv("STOWAGE_PURE_PYTHON", "1")
+def test_strided_sources_round_trip_through_the_async_client(endpoint, fresh):
+    """`AsyncClient`: a put of one message on the event loop's own
+    connection (`start_put`), a split one on a lane; both read back."""
     idx = fresh(N)
     data = sources()
-    # rows of 80,000 bytes: frames of their own, handed to pyzmq as views of the array
+    # rows of 80,000 bytes: frames of their own
     data["contiguous_big"] = np.arange(N * 20_000, dtype=np.float32).reshape(N, 20_000)
 
     async def main():
+        async with stowage.AsyncClient(endpoint, timeout=30) as c:
+            small = {k: v for k, v in data.items() if k != "contiguous_big"}
+            assert await c.put(idx, small) == N  # one message, under CORE_MIN_BYTES: on the loop
+            got = [await c.get(idx, list(small), as_torch=False)]
         async with stowage.AsyncClient(endpoint, timeout=30, max_message_bytes=2000) as c:
-            assert await c.put(idx, data) == N
-            got = await c.get(idx, list(data), as_torch=False)
-            assert c._sock is not None, "the DEALER carried nothing"
+            assert await c.put(idx, data) == N  # a message a row: on a lane
+            got.append(await c.get(idx, list(data), as_torch=False))
             await c.clear(idx)
-            return got
+        return got
 
-    check(asyncio.run(asyncio.wait_for(main(), 60)), data)
+    small_got, got = asyncio.run(asyncio.wait_for(main(), 60))
+    check(small_got, {k: v for k, v in data.items() if k != "contiguous_big"})
+    check(got, data)
 
 
 def test_strided_sources_round_trip_same_node(shm_server, fresh):
@@ -147,14 +151,12 @@ def test_strided_sources_round_trip_same_node(shm_server, fresh):
         c.clear(idx)
 
 
-@pytest.mark.parametrize("way", ["core", "pyzmq"])
-def test_a_split_put_of_strided_sources_failing_later_counts_the_rows_stored(small_server, fresh, monkeypatch, way):
+@pytest.mark.parametrize("way", ["sync", "async"])
+def test_a_split_put_of_strided_sources_failing_later_counts_the_rows_stored(small_server, fresh, way):
     """Units of 4 KiB, rows of 1 KiB alternating between them, two rows a
     message (1,022 strided bytes and 2 packed a row): the fifth message finds
     the units full. rows_stored says the
     8 leading rows the first four stored, and those read back."""
-    if way == "pyzmq":
-        monkeypatch.setenv("STOWAGE_PURE_PYTHON", "1")
     idx = fresh(10)
     rows = np.arange(10 * 2044, dtype=np.uint8).reshape(10, 2044)[:, ::2]  # strided: 1022 bytes a row
     data = {"x": rows, "p": Packed(np.arange(10 * 4, dtype=np.int8)[::2], [(2,)] * 10)}
@@ -166,7 +168,7 @@ def test_a_split_put_of_strided_sources_failing_later_counts_the_rows_stored(sma
     with stowage.Client(small_server["native"], timeout=10, max_message_bytes=2200) as c:
         try:
             with pytest.raises(stowage.CapacityError) as ei:
-                if way == "core":
+                if way == "sync":
                     c.put(idx, data)
                 else:
                     asyncio.run(asyncio.wait_for(aput(), 60))

@@ -86,6 +86,30 @@ impl From<native::Reply> for Answer {
     }
 }
 
+/// A put through `manager` (the node's, or a unit's own for a peer's
+/// request): its fields decoded, then stored; put_ok or the error reply.
+async fn put(
+    manager: &Manager,
+    global_indexes: Vec<u64>,
+    fields: Vec<(String, native::WireField)>,
+    received: &Received,
+) -> Answer {
+    let mut decoded = Vec::with_capacity(fields.len());
+    for (name, f) in fields {
+        match f.into_field() {
+            Ok(field) => decoded.push((name, field)),
+            Err(e) => return errors::native_decode(&e).into(),
+        }
+    }
+    match manager.put(&global_indexes, decoded, received).await {
+        Ok(()) => native::Reply::PutOk {
+            rows: global_indexes.len() as u64,
+        }
+        .into(),
+        Err(e) => errors::native(&e).into(),
+    }
+}
+
 /// A get_ok of `got` (per field, its rows), or the error that stops it;
 /// `channel` for a same-node reader.
 fn get_answer(got: Vec<(String, Rows)>, channel: Option<String>) -> Answer {
@@ -302,22 +326,7 @@ impl NativeService {
             native::Op::Put {
                 global_indexes,
                 fields,
-            } => {
-                let mut decoded = Vec::with_capacity(fields.len());
-                for (name, f) in fields {
-                    match f.into_field() {
-                        Ok(field) => decoded.push((name, field)),
-                        Err(e) => return errors::native_decode(&e).into(),
-                    }
-                }
-                match m.put(&global_indexes, decoded, received).await {
-                    Ok(()) => native::Reply::PutOk {
-                        rows: global_indexes.len() as u64,
-                    }
-                    .into(),
-                    Err(e) => errors::native(&e).into(),
-                }
-            }
+            } => put(m, global_indexes, fields, received).await,
             native::Op::Get {
                 global_indexes,
                 fields,
@@ -410,22 +419,7 @@ impl NativeService {
             native::Op::Put {
                 global_indexes,
                 fields,
-            } => {
-                let mut put = Vec::with_capacity(fields.len());
-                for (name, f) in fields {
-                    match f.into_field() {
-                        Ok(field) => put.push((name, field)),
-                        Err(e) => return errors::native_decode(&e).into(),
-                    }
-                }
-                match manager.put(&global_indexes, put, received).await {
-                    Ok(()) => native::Reply::PutOk {
-                        rows: global_indexes.len() as u64,
-                    }
-                    .into(),
-                    Err(e) => errors::native(&e).into(),
-                }
-            }
+            } => put(manager, global_indexes, fields, received).await,
             native::Op::Get {
                 global_indexes,
                 fields,

@@ -33,7 +33,7 @@ fn hello_bytes_are_the_documented_ones() {
     let out = Hello { token: "ab" }.encode().unwrap();
     assert_eq!(
         out, b"\x0a\x00\x00\x00\x81\xa5token\xa2ab",
-        "the greeting's bytes changed: Python clients read them (stowage/_shm.py)"
+        "the greeting's bytes changed: the Python client's core reads them"
     );
     assert_eq!(hello(body(&out)).unwrap(), Hello { token: "ab" });
 }
@@ -47,7 +47,7 @@ fn descriptors_bytes_are_the_documented_ones() {
     let out = message.encode().unwrap();
     assert_eq!(
         out, b"\x0f\x00\x00\x00\x82\xa2id\x07\xa5names\x91\xa2s1",
-        "a descriptor message's bytes changed: Python clients read them (stowage/_shm.py)"
+        "a descriptor message's bytes changed: the Python client's core reads them"
     );
     assert_eq!(descriptors(body(&out)).unwrap(), message);
 }

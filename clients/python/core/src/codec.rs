@@ -326,7 +326,7 @@ fn descriptor<'py>(py: Python<'py>, field: &FieldLayout) -> PyResult<Bound<'py, 
     }
 }
 
-fn value<'py>(py: Python<'py>, v: &Value) -> PyResult<Bound<'py, PyAny>> {
+pub(crate) fn value<'py>(py: Python<'py>, v: &Value) -> PyResult<Bound<'py, PyAny>> {
     Ok(match v {
         Value::Str(s) => PyString::new(py, s).into_any(),
         Value::Bytes(b) => PyBytes::new(py, b).into_any(),

@@ -1,10 +1,12 @@
 //! [`Connection`], `_core.Connection`: one DEALER connection to a stowd
 //! native endpoint, made on first use (the ZMTP handshake) and kept between
-//! calls, and its Python methods: `get`, `get_arrays`, `get_into`, `put`
-//! (a [`Put`]'s messages, from the caller's arrays), `send`, `send_many`,
-//! `call` (a request that moves no rows, written and its reply read with
-//! stowd's codec), the fast paths ([`crate::fast`]) and the started calls
-//! an event loop awaits (`start_*`, `reply_ready`, `fileno`, `finish_*`).
+//! calls, and its Python methods: `get` and `get_into` (over the socket,
+//! or with `shm=(channel, segments)` a same-node one, [`crate::same_node`]),
+//! `put` (a [`Put`]'s messages, from the caller's arrays), `send`,
+//! `send_many`, `call` (a request that moves no rows, written and its
+//! reply read with stowd's codec), the fast paths ([`crate::fast`]) and
+//! the started calls an event loop awaits (`start_*`, `reply_ready`,
+//! `fileno`, `finish_*`).
 
 use std::io::IoSlice;
 use std::net::TcpStream;
@@ -20,14 +22,47 @@ use stowage_transport::frame;
 use stowage_transport::zmtp;
 use stowage_wire::native::{self, ReplyLayout};
 
+use crate::assemble::GetOptions;
 use crate::buffer::{Held, hold_frames};
+use crate::channel::Channel;
 use crate::error::{Fail, ProtocolViolation};
-use crate::get::{GotTuple, arrays, get, get_reply};
+use crate::get::{Asked, get, get_reply};
 use crate::get_into::{Target, get_into};
 use crate::message::{DataFrames, REPLY_LIMITS, read_reply, send, send_pipelined, write_frames};
 use crate::put::Put;
+use crate::same_node::{self, Shm};
+use crate::segments::Segments;
 use crate::stream::{Socket, Stream, curve_fail};
 use crate::{codec, fast, indexes};
+
+/// A same-node client's descriptor channel and mappings, as Python passes
+/// them (`shm=(channel, segments)`); None over the socket alone.
+type ShmArg<'py> = Option<(Bound<'py, Channel>, Bound<'py, Segments>)>;
+
+/// The [`Shm`] of a [`ShmArg`].
+fn shm_of<'a>(arg: &'a ShmArg<'_>) -> Option<Shm<'a>> {
+    arg.as_ref().map(|(channel, segments)| Shm {
+        channel: channel.get(),
+        segments: segments.get(),
+    })
+}
+
+/// Frame 0 of a same-node get: `frame0` with the envelope keys `same_node`
+/// and `channel` (None: the codec cannot write it).
+fn same_node_frame0(frame0: &[u8], shm: &Shm<'_>) -> Option<Bytes> {
+    let extras = native::Extras {
+        same_node: true,
+        channel: Some(shm.channel.token().to_owned()),
+        ..native::Extras::default()
+    };
+    native::with_extras(frame0, &extras).ok()
+}
+
+/// The request id frame 0 names.
+fn id_of(frame0: &[u8]) -> PyResult<u64> {
+    native::request_id(&[Bytes::copy_from_slice(frame0)])
+        .ok_or_else(|| PyValueError::new_err("frame 0 without a readable id"))
+}
 
 /// Where a [`Connection`] connects: `tcp://host:port`, or `ipc://PATH`
 /// (a Unix stream socket at PATH, as ZeroMQ's ipc transport names it;
@@ -113,6 +148,8 @@ pub(crate) struct Connection {
     /// stowd's public key and this client's key pair, for a stowd whose
     /// greeting says CURVE.
     curve: Option<CurveKeys>,
+    /// The get `start_get` sent, for `finish_get`: its id, fields, rows.
+    started: Option<(u64, Vec<String>, u64)>,
 }
 
 /// The keys of a CURVE client.
@@ -324,6 +361,57 @@ impl Connection {
         }
         result
     }
+    /// A get (`frame0` written as the socket's, made a same-node one with
+    /// `shm`), its reply read and made into Python objects.
+    fn run_get<'py>(
+        &mut self,
+        py: Python<'py>,
+        frame0: &[u8],
+        asked: &Asked<'_>,
+        opts: &GetOptions,
+        timeout: f64,
+        shm: &ShmArg<'py>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let deadline = deadline_in(timeout);
+        let reply = match shm_of(shm) {
+            None => py.detach(|| self.exchange(deadline, |s| get(s, frame0, asked, opts)))?,
+            Some(shm) => {
+                let frame0 = same_node_frame0(frame0, &shm)
+                    .ok_or_else(|| PyValueError::new_err("cannot add the same-node keys"))?;
+                py.detach(|| {
+                    self.exchange(deadline, |s| same_node::get(s, &frame0, asked, opts, &shm))
+                })?
+            }
+        };
+        reply.into_py(py, opts)
+    }
+
+    /// A get_into (`frame0` written as the socket's, made a same-node one
+    /// with `shm`) into `plan`, the GIL released.
+    fn run_get_into(
+        &mut self,
+        py: Python<'_>,
+        id: u64,
+        frame0: &[u8],
+        plan: &[Target],
+        timeout: f64,
+        shm: &ShmArg<'_>,
+    ) -> Result<Option<crate::receive::Other>, Fail> {
+        let deadline = deadline_in(timeout);
+        // The arrays stay held (the caller's) while the GIL is released.
+        match shm_of(shm) {
+            None => py.detach(|| self.exchange(deadline, |s| get_into(s, frame0, plan))),
+            Some(shm) => {
+                let frame0 = same_node_frame0(frame0, &shm)
+                    .ok_or_else(|| Fail::Protocol("cannot add the same-node keys".into()))?;
+                py.detach(|| {
+                    self.exchange(deadline, |s| {
+                        same_node::get_into(s, id, &frame0, plan, &shm)
+                    })
+                })
+            }
+        }
+    }
 }
 
 /// When a call given `timeout` seconds (negative: none left) must end.
@@ -360,23 +448,29 @@ impl Connection {
             curve: curve
                 .map(|(server, public, secret)| CurveKeys::from_z85(&server, &public, &secret))
                 .transpose()?,
+            started: None,
         })
     }
 
     /// Sends the get request `frame0` and reads the reply's rows straight
     /// into `targets`: a list of `(field, accepted dtype names, shape,
-    /// writable buffer)`, contiguous or strided. Returns None when the rows are in
-    /// place, or (the reply's frame 0, why this codec refused it or None)
-    /// when stowd answered otherwise (an error, for the caller to decode). Raises ValueError when the reply
-    /// does not fit the arrays (nothing written), TimeoutError and
-    /// ConnectionError otherwise (the connection is dropped).
+    /// writable buffer)`, contiguous or strided. Returns None when the rows
+    /// are in place, or (the reply's frame 0, why this codec refused it or
+    /// None) when stowd answered otherwise (an error, for the caller to
+    /// decode). Raises ValueError when the reply does not fit the arrays
+    /// (nothing written), TimeoutError and ConnectionError otherwise (the
+    /// connection is dropped). With `shm=(channel, segments)`, `frame0` is
+    /// a same-node get (its envelope names the channel) and the rows are
+    /// copied from stowd's segments.
     #[allow(clippy::type_complexity)]
+    #[pyo3(signature = (frame0, targets, timeout, shm = None))]
     fn get_into<'py>(
         &mut self,
         py: Python<'py>,
         frame0: &[u8],
         targets: Vec<(String, Vec<String>, Vec<u64>, Bound<'py, PyAny>)>,
         timeout: f64,
+        shm: ShmArg<'py>,
     ) -> PyResult<Option<(Bound<'py, PyBytes>, Option<String>)>> {
         let mut buffers = Vec::with_capacity(targets.len());
         let mut plan = Vec::with_capacity(targets.len());
@@ -393,60 +487,55 @@ impl Connection {
             plan.push(Target::new(name, dtypes, shape, &held));
             buffers.push(held);
         }
-        let deadline = deadline_in(timeout);
-        let frame0 = frame0.to_vec();
-        // The buffers stay held (`buffers`) while the GIL is released.
-        let result = py.detach(|| self.exchange(deadline, |s| get_into(s, &frame0, &plan)));
+        let id = id_of(frame0)?;
+        let result = self.run_get_into(py, id, frame0, &plan, timeout, &shm);
         drop(buffers);
         Ok(result?.map(|(head, problem)| (PyBytes::new(py, &head), problem)))
     }
 
-    /// Sends the get request `frame0` and reads the reply. Returns (frame
-    /// 0, None, why this codec refused it or None) for a reply that is not a
-    /// readable get_ok (an error, for the caller to decode), else (frame 0,
-    /// [(field, Buffer)], None): for each regular or
-    /// nested field, in reply order, its rows back to back in row order in
-    /// one read-only buffer, read straight from the socket (values stay in
-    /// frame 0). Raises TimeoutError and ConnectionError as `get_into`.
+    /// Sends the get request `frame0` (request id read from it), asking for
+    /// `names`, `n` rows, and reads the reply: for a get_ok, `(results,
+    /// glue)`, the results made as `opts` (a `GetOptions`) says: a dict of
+    /// field name to a read-only numpy array (regular), a list of arrays
+    /// (nested) or a `Packed`, or a list of values, in reply order, and the
+    /// `(field, dtype name)` of each field the client's Python glue makes
+    /// a tensor or a typed array of; for any other reply, `(frame 0, why
+    /// this codec refused it or None)`. Over the socket each field's rows
+    /// are read straight into one buffer; with `shm=(channel, segments)`
+    /// (`frame0` a same-node get), they are views of stowd's segments or
+    /// gathered from them. Raises ProtocolViolation for a reply that breaks
+    /// the protocol or does not answer the request, TimeoutError and
+    /// ConnectionError (the connection is dropped).
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (frame0, names, n, timeout, opts, shm = None))]
     fn get<'py>(
         &mut self,
         py: Python<'py>,
         frame0: &[u8],
+        names: Vec<String>,
+        n: u64,
         timeout: f64,
-    ) -> PyResult<GotTuple<'py>> {
-        let deadline = deadline_in(timeout);
-        let frame0 = frame0.to_vec();
-        let got = py.detach(|| self.exchange(deadline, |s| get(s, &frame0)))?;
-        got.into_tuple(py)
-    }
-
-    /// `get`, for the common reply: if the reply is a get_ok whose every
-    /// field is regular, of a dtype `dtypes` (a dict of dtype name to numpy
-    /// dtype) has, a dict of field name to its read-only numpy array, in
-    /// reply order, each over a buffer of exactly its bytes (no decoding of
-    /// frame 0 into Python objects first); else what `get` returns.
-    fn get_arrays<'py>(
-        &mut self,
-        py: Python<'py>,
-        frame0: &[u8],
-        timeout: f64,
-        dtypes: &Bound<'py, PyAny>,
+        opts: &Bound<'py, GetOptions>,
+        shm: ShmArg<'py>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let deadline = deadline_in(timeout);
-        let frame0 = frame0.to_vec();
-        let got = py.detach(|| self.exchange(deadline, |s| get(s, &frame0)))?;
-        arrays(py, got, dtypes)
+        let id = id_of(frame0)?;
+        let asked = Asked {
+            id,
+            names: &names,
+            rows: n,
+        };
+        self.run_get(py, frame0, &asked, opts.get(), timeout, &shm)
     }
 
     /// A get of `indexes` of `fields`, request id `id`, read and written
     /// here ([`fast`]: a list, tuple, range or 1-d integer buffer of
     /// indexes; a str or a list or tuple of distinct str), as runs where
     /// that is shorter unless `ranges` is false (a stowd from before
-    /// ranges): (how many indexes, what `get_arrays` returns); or None,
-    /// with nothing sent, when the arguments are not plainly that (for the
-    /// caller's general path to check and word).
+    /// ranges): (how many indexes, what `get` returns); or None, with
+    /// nothing sent, when the arguments are not plainly that (for the
+    /// caller's general path to check and word). `shm` as for `get`.
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (id, indexes, fields, timeout, dtypes, ranges = true))]
+    #[pyo3(signature = (id, indexes, fields, timeout, opts, ranges = true, shm = None))]
     fn get_fast<'py>(
         &mut self,
         py: Python<'py>,
@@ -454,25 +543,34 @@ impl Connection {
         indexes: &Bound<'py, PyAny>,
         fields: &Bound<'py, PyAny>,
         timeout: f64,
-        dtypes: &Bound<'py, PyAny>,
+        opts: &Bound<'py, GetOptions>,
         ranges: bool,
+        shm: ShmArg<'py>,
     ) -> PyResult<Option<(u64, Bound<'py, PyAny>)>> {
-        let Some((n, _, head)) = fast::get_head(indexes, fields, ranges) else {
+        let Some((n, names, head)) = fast::get_head(indexes, fields, ranges) else {
             return Ok(None);
         };
         // One the codec cannot write goes the general way too.
         let Ok(frame0) = native::encode_request_head(id, &head) else {
             return Ok(None);
         };
-        Ok(Some((n, self.get_arrays(py, &frame0, timeout, dtypes)?)))
+        let asked = Asked {
+            id,
+            names: &names,
+            rows: n,
+        };
+        let got = self.run_get(py, &frame0, &asked, opts.get(), timeout, &shm)?;
+        Ok(Some((n, got)))
     }
 
     /// A get_into of `indexes` into `out` (a dict of field name to array),
     /// request id `id`, read and written here ([`fast`]; `ranges` as for
     /// `get_fast`): what `get_into` returns (None: the rows are in place),
     /// or False, with nothing sent, when the arguments are not plainly
-    /// that (for the caller's general path to check and word).
-    #[pyo3(signature = (id, indexes, out, timeout, ranges = true))]
+    /// that (for the caller's general path to check and word). `shm` as
+    /// for `get_into`.
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (id, indexes, out, timeout, ranges = true, shm = None))]
     fn get_into_fast<'py>(
         &mut self,
         py: Python<'py>,
@@ -481,6 +579,7 @@ impl Connection {
         out: &Bound<'py, PyAny>,
         timeout: f64,
         ranges: bool,
+        shm: ShmArg<'py>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let not_here = || Ok(pyo3::types::PyBool::new(py, false).to_owned().into_any());
         let Ok(out) = out.cast_exact::<pyo3::types::PyDict>() else {
@@ -508,9 +607,7 @@ impl Connection {
         let Ok(frame0) = native::encode_request_head(id, &head) else {
             return not_here();
         };
-        let deadline = deadline_in(timeout);
-        // The buffers stay held (`buffers`) while the GIL is released.
-        let result = py.detach(|| self.exchange(deadline, |s| get_into(s, &frame0, &plan)));
+        let result = self.run_get_into(py, id, &frame0, &plan, timeout, &shm);
         drop(buffers);
         Ok(result?
             .map(|(head, problem)| (PyBytes::new(py, &head), problem))
@@ -774,7 +871,8 @@ impl Connection {
         self.put_end(py, id, rows, deadline)
     }
 
-    /// The first half of `get_fast`: the request written, how many indexes
+    /// The first half of `get_fast` (over the socket), for an event loop
+    /// that awaits the reply itself: the request written, how many indexes
     /// it asks for, or None with nothing sent. Then `finish_get`.
     #[pyo3(signature = (id, indexes, fields, timeout, ranges = true))]
     fn start_get(
@@ -786,27 +884,39 @@ impl Connection {
         timeout: f64,
         ranges: bool,
     ) -> PyResult<Option<u64>> {
-        let Some((n, _, head)) = fast::get_head(indexes, fields, ranges) else {
+        let Some((n, names, head)) = fast::get_head(indexes, fields, ranges) else {
             return Ok(None);
         };
         let Ok(frame0) = native::encode_request_head(id, &head) else {
             return Ok(None);
         };
         let deadline = deadline_in(timeout);
+        self.started = None;
         py.detach(|| self.begin(deadline, &frame0, NO_FRAMES))?;
+        self.started = Some((id, names, n));
         Ok(Some(n))
     }
 
-    /// The second half of `get_fast`: what `get_arrays` returns.
+    /// The second half of `get_fast`: what `get` returns, its result made
+    /// as `opts` says.
     fn finish_get<'py>(
         &mut self,
         py: Python<'py>,
         timeout: f64,
-        dtypes: &Bound<'py, PyAny>,
+        opts: &Bound<'py, GetOptions>,
     ) -> PyResult<Bound<'py, PyAny>> {
+        let Some((id, names, rows)) = self.started.take() else {
+            return Err(Fail::Io("no get is waiting for its reply".into()).into());
+        };
+        let asked = Asked {
+            id,
+            names: &names,
+            rows,
+        };
         let deadline = deadline_in(timeout);
-        let got = py.detach(|| self.resume(deadline, get_reply))?;
-        arrays(py, got, dtypes)
+        let opts = opts.get();
+        let got = py.detach(|| self.resume(deadline, |s| get_reply(s, &asked, opts)))?;
+        got.into_py(py, opts)
     }
 
     /// Whether the connection is made (a call then starts without

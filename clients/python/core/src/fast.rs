@@ -27,9 +27,10 @@
 
 use pyo3::ffi;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyList, PyString, PyTuple};
+use pyo3::types::{PyList, PyString, PyTuple};
 use stowage_wire::tensor::Dtype;
 
+use crate::assemble::RAW_BITS;
 use crate::buffer::Held;
 use crate::indexes::{is_ndarray, read_runs, tensor_numpy};
 
@@ -122,41 +123,6 @@ pub(crate) fn read_out(obj: &Bound<'_, PyAny>) -> Option<(Vec<String>, Vec<u64>,
     }
     let shape = held.shape();
     Some((accepted, shape, held))
-}
-
-/// The dtypes numpy has no type for, carried as raw bits (`_dtypes.BITS_DTYPES`).
-const RAW_BITS: [&str; 8] = [
-    "bfloat16",
-    "complex32",
-    "float8_e4m3fn",
-    "float8_e4m3fnuz",
-    "float8_e5m2",
-    "float8_e5m2fnuz",
-    "float8_e8m0fnu",
-    "float4_e2m1fn_x2",
-];
-
-/// A get of `indexes` and `fields` read as `Connection.get_fast` reads
-/// them, for a sender of its own: (how many indexes, the field names,
-/// frame 0); or None for the general path.
-#[pyfunction]
-#[pyo3(signature = (id, indexes, fields, ranges = true))]
-#[allow(clippy::type_complexity)]
-pub(crate) fn encode_get<'py>(
-    py: Python<'py>,
-    id: u64,
-    indexes: &Bound<'py, PyAny>,
-    fields: &Bound<'py, PyAny>,
-    ranges: bool,
-) -> PyResult<Option<(u64, Vec<String>, Bound<'py, PyBytes>)>> {
-    let Some(head) = get_head(indexes, fields, ranges) else {
-        return Ok(None);
-    };
-    let (n, names, head) = head;
-    let Ok(frame0) = stowage_wire::native::encode_request_head(id, &head) else {
-        return Ok(None);
-    };
-    Ok(Some((n, names, PyBytes::new(py, &frame0))))
 }
 
 /// A get's request head, read as the fast paths read it: (how many

@@ -1,146 +1,113 @@
-//! `Connection.get` and `get_arrays`: a get whose reply goes into one
-//! buffer per field (taken from the receive pool, [`crate::pool`]), handed
-//! to Python as [`Buffer`]s, or as numpy arrays over them.
+//! A get over the socket: each field's rows received into one buffer of
+//! their size (taken from the receive pool, [`crate::pool`]), rows back to
+//! back in row order, then made into the field's result
+//! ([`crate::assemble`]).
 
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyTuple};
-use stowage_wire::native::{self, FieldLayout};
+use pyo3::types::PyBytes;
+use stowage_wire::native::FieldLayout;
 
-use crate::buffer::Buffer;
+use crate::assemble::{Assembled, GetOptions, check_request};
 use crate::error::Fail;
-use crate::message::{REPLY_LIMITS, write_message};
+use crate::message::write_message;
 use crate::pool::{self, huge_pages};
-use crate::receive::{Place, Places, read_frames, read_head};
+use crate::receive::{Head, Place, Places, read_frames, read_head, segments};
 use crate::stream::Stream;
 
-/// A reply read by [`get`]: frame 0, and the fields' buffers.
-pub(crate) struct Gotten {
-    head: Vec<u8>,
-    /// Why this codec refused frame 0, if it did.
-    problem: Option<String>,
-    /// (field, its rows back to back) for each regular or nested field, in
-    /// reply order; None for a reply that is not a get_ok.
-    fields: Option<Vec<(String, Vec<u8>)>>,
-    /// (dtype name, shape) of each field, in reply order, if every field
-    /// is regular (its buffer then holds exactly that array's bytes).
-    regular: Option<Vec<(&'static str, Vec<u64>)>>,
+/// A get's reply: a get_ok's result, or any other reply (frame 0, and why
+/// this codec refused it, if it did), for the caller to decode.
+pub(crate) enum Reply {
+    Got(Assembled),
+    Other(Vec<u8>, Option<String>),
 }
 
-/// What `Connection.get` returns: (frame 0, [(field, Buffer)] or None,
-/// why the codec refused frame 0 or None).
-pub(crate) type GotTuple<'py> = (
-    Bound<'py, PyBytes>,
-    Option<Vec<(String, Bound<'py, Buffer>)>>,
-    Option<String>,
-);
-
-impl Gotten {
-    pub(crate) fn into_tuple(self, py: Python<'_>) -> PyResult<GotTuple<'_>> {
-        let fields = match self.fields {
-            None => None,
-            Some(fields) => Some(
-                fields
-                    .into_iter()
-                    .map(|(name, data)| Ok((name, Bound::new(py, Buffer { data })?)))
-                    .collect::<PyResult<Vec<_>>>()?,
-            ),
-        };
-        Ok((PyBytes::new(py, &self.head), fields, self.problem))
-    }
-}
-
-/// `numpy.ndarray`.
-fn ndarray_type(py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {
-    static NDARRAY: pyo3::sync::PyOnceLock<Py<PyAny>> = pyo3::sync::PyOnceLock::new();
-    NDARRAY
-        .get_or_try_init(py, || {
-            Ok::<_, PyErr>(py.import("numpy")?.getattr("ndarray")?.unbind())
-        })
-        .map(|t| t.bind(py).clone())
-}
-
-/// What `get_arrays` returns for a reply `get` read: for a get_ok whose
-/// every field is regular, of a dtype `dtypes` (a dict of dtype name to
-/// numpy dtype) has, a dict of field name to a read-only numpy array over
-/// its received bytes, in reply order; else `Gotten::into_tuple`.
-pub(crate) fn arrays<'py>(
-    py: Python<'py>,
-    got: Gotten,
-    dtypes: &Bound<'py, PyAny>,
-) -> PyResult<Bound<'py, PyAny>> {
-    // `regular` is only ever set beside the buffers of a get_ok.
-    if let (Some(_), Some(regular)) = (&got.fields, &got.regular) {
-        let mut made = Vec::with_capacity(regular.len());
-        for (dtype, _) in regular {
-            match dtypes.get_item(*dtype) {
-                Ok(dt) => made.push(dt),
-                Err(_) => break,
-            }
-        }
-        if made.len() == regular.len() {
-            // Each array made here (numpy.ndarray over the field's read-only
-            // buffer: read-only itself), one call a field.
-            let ndarray = ndarray_type(py)?;
-            let out = pyo3::types::PyDict::new(py);
-            let fields = got.fields.expect("checked above");
-            for (((name, data), (_, shape)), dt) in fields.into_iter().zip(regular).zip(made) {
-                let shape = PyTuple::new(py, shape)?;
-                let array = if data.is_empty() {
-                    // (an empty buffer is no buffer to numpy: a new empty array, read-only)
-                    let a = ndarray.call1((shape, dt))?;
-                    a.getattr("flags")?.setattr("writeable", false)?;
-                    a
-                } else {
-                    ndarray.call1((shape, dt, Bound::new(py, Buffer { data })?))?
-                };
-                out.set_item(name, array)?;
-            }
-            return Ok(out.into_any());
+impl Reply {
+    /// What the Python client reads: `(dict of results, glue list)` for a
+    /// get_ok (see [`Assembled::into_py`]), else `(frame 0, why the codec
+    /// refused it or None)`.
+    pub(crate) fn into_py<'py>(
+        self,
+        py: Python<'py>,
+        opts: &GetOptions,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        match self {
+            Reply::Got(a) => a.into_py(py, opts)?.into_pyobject(py).map(|t| t.into_any()),
+            Reply::Other(head, problem) => (PyBytes::new(py, &head), problem)
+                .into_pyobject(py)
+                .map(|t| t.into_any()),
         }
     }
-    got.into_tuple(py)?.into_pyobject(py).map(|t| t.into_any())
 }
 
-pub(crate) fn get(s: &mut Stream, frame0: &[u8]) -> Result<Gotten, Fail> {
+/// What a get asked: its request id, the fields, how many rows.
+pub(crate) struct Asked<'a> {
+    pub(crate) id: u64,
+    pub(crate) names: &'a [String],
+    pub(crate) rows: u64,
+}
+
+/// Sends the get `frame0` and reads its reply (see [`get_reply`]).
+pub(crate) fn get(
+    s: &mut Stream,
+    frame0: &[u8],
+    asked: &Asked<'_>,
+    opts: &GetOptions,
+) -> Result<Reply, Fail> {
     write_message(s, frame0, &[])?;
-    get_reply(s)
+    get_reply(s, asked, opts)
 }
 
-/// Reads a get's reply (see [`get`]).
-pub(crate) fn get_reply(s: &mut Stream) -> Result<Gotten, Fail> {
-    let (layouts, more, head) = match read_head(s)? {
-        Ok(got) => got,
-        Err((head, problem)) => {
-            return Ok(Gotten {
-                head,
-                problem,
-                fields: None,
-                regular: None,
-            });
+/// Reads a get's reply.
+pub(crate) fn get_reply(
+    s: &mut Stream,
+    asked: &Asked<'_>,
+    opts: &GetOptions,
+) -> Result<Reply, Fail> {
+    match read_head(s)? {
+        Ok(head) => {
+            if segments(&head.3)?.is_some() {
+                return Err(Fail::Protocol(
+                    "the reply carries shared-memory segments, but this client did not ask for \
+                     same-node replies"
+                        .into(),
+                ));
+            }
+            receive(s, head, asked, opts)
         }
-    };
-    // Only for a plain reply: one that names shared-memory segments goes
-    // to the caller's decoder, which refuses it (this client asked for none).
-    // (A frame 0 without the bytes of the key `segments` has none: the
-    // second decode, a pass over all of frame 0, only when it might.)
-    let plain = !head.windows(9).any(|w| w == b"\xa8segments")
-        || native::decode_extras(&head, &REPLY_LIMITS).is_ok_and(|e| e.segments.is_none());
-    let regular = if plain {
-        layouts
-            .iter()
-            .map(|(_, f)| match f {
-                FieldLayout::Regular { dtype, shape, .. } => Some((dtype.name(), shape.clone())),
-                _ => None,
-            })
-            .collect()
-    } else {
-        None
-    };
+        Err((head, problem)) => Ok(Reply::Other(head, problem)),
+    }
+}
+
+/// Checks a get_ok against the request (its id, fields and rows).
+pub(crate) fn check_answer(
+    id: u64,
+    fields: &[(String, FieldLayout)],
+    asked: &Asked<'_>,
+) -> Result<(), Fail> {
+    if id != asked.id {
+        return Err(Fail::Protocol(format!(
+            "a get_ok for request {id}, not {}",
+            asked.id
+        )));
+    }
+    check_request(fields, asked.names, asked.rows)
+}
+
+/// Receives a get_ok's data frames (frame 0 read: `head`), each field's
+/// rows into a buffer of its own, and makes the result.
+pub(crate) fn receive(
+    s: &mut Stream,
+    head: Head,
+    asked: &Asked<'_>,
+    opts: &GetOptions,
+) -> Result<Reply, Fail> {
+    let (id, layouts, more, _) = head;
+    check_answer(id, &layouts, asked)?;
     // One buffer per field; each range of the reply goes to its place in
     // its field's buffer, rows in row order.
-    let mut buffers: Vec<(String, Vec<u8>)> = Vec::new();
+    let mut buffers: Vec<Vec<u8>> = Vec::new();
     let mut places = Places::new();
-    for (name, f) in &layouts {
+    for (_, f) in &layouts {
         if matches!(f, FieldLayout::Values(_)) {
             continue;
         }
@@ -159,13 +126,8 @@ pub(crate) fn get_reply(s: &mut Stream) -> Result<Gotten, Fail> {
             });
             at += len;
         }
-        buffers.push((name.clone(), buf));
+        buffers.push(buf);
     }
     read_frames(s, more, &places, &layouts)?;
-    Ok(Gotten {
-        head: head.to_vec(),
-        problem: None,
-        fields: Some(buffers),
-        regular,
-    })
+    Ok(Reply::Got(Assembled::from_received(layouts, buffers, opts)))
 }

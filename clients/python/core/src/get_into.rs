@@ -15,13 +15,13 @@
 //! GB/s straight into place, 2.03 through the scratch buffer; 4 KiB rows:
 //! 2.63 against 2.15; docs/benchmarks.md, "get_into a strided array").
 
-use stowage_wire::native::FieldLayout;
+use stowage_wire::native::{FieldLayout, PartLayout};
 
 use crate::buffer::Held;
 use crate::error::Fail;
 use crate::message::write_message;
 use crate::pool;
-use crate::receive::{Head, Other, Place, Places, read_frames, read_head};
+use crate::receive::{Head, Other, Place, Places, read_frames, read_head, segments};
 use crate::stream::Stream;
 
 /// Shortest run read straight into a strided array; shorter ones go
@@ -189,14 +189,6 @@ unsafe fn line<T: Copy>(from: *const u8, to: *mut u8, n: usize, stride: isize) {
     }
 }
 
-/// The dtypes of a regular field as its descriptor names them.
-fn layout_dtype(f: &FieldLayout) -> Option<(&str, &[u64])> {
-    match f {
-        FieldLayout::Regular { dtype, shape, .. } => Some((dtype.name(), shape)),
-        _ => None,
-    }
-}
-
 /// Sends a get and reads its reply's frame 0: the get_ok's layout and
 /// whether data frames follow, or (the rest drained) any other reply.
 fn request(s: &mut Stream, frame0: &[u8]) -> Result<Result<Head, Other>, Fail> {
@@ -204,25 +196,17 @@ fn request(s: &mut Stream, frame0: &[u8]) -> Result<Result<Head, Other>, Fail> {
     read_head(s)
 }
 
-pub(crate) fn get_into(
-    s: &mut Stream,
-    frame0: &[u8],
+/// A target checked against the reply: its field's parts (rows in
+/// order), and the bytes of a row.
+pub(crate) type Checked<'f> = (&'f [PartLayout], u64);
+
+/// Checks every target against its field of the reply (kind, dtype,
+/// shape, bytes), before any byte is written: each one's field's parts.
+pub(crate) fn check_targets<'f>(
+    fields: &'f [(String, FieldLayout)],
     targets: &[Target],
-) -> Result<Option<Other>, Fail> {
-    let (fields, more) = match request(s, frame0)? {
-        Ok((fields, more, _)) => (fields, more),
-        Err(other) => return Ok(Some(other)),
-    };
-    // Every requested field, regular, of an accepted dtype and the array's
-    // shape, before any byte is written.
-    let mut places = Places::new();
-    // Strided arrays read through a scratch buffer: (buffer, layout, array).
-    let mut scratch: Vec<(Vec<u8>, &Strided, usize)> = Vec::new();
-    let vectored = if targets.iter().any(|t| t.strided.is_some()) {
-        vectored_run()
-    } else {
-        VECTORED_RUN
-    };
+) -> Result<Vec<Checked<'f>>, Fail> {
+    let mut out = Vec::with_capacity(targets.len());
     for t in targets {
         let Some((_, f)) = fields.iter().find(|(n, _)| *n == t.name) else {
             return Err(Fail::Protocol(format!(
@@ -233,15 +217,22 @@ pub(crate) fn get_into(
         // Worded as the Python client words them (names as Python's repr).
         let name = format!("'{}'", t.name);
         let what = format!("get_into: out[{name}]");
-        let Some((dtype, shape)) = layout_dtype(f) else {
-            return Err(match f {
-                FieldLayout::Values(_) => Fail::NotTensors(format!(
+        let (dtype, shape, parts) = match f {
+            FieldLayout::Regular {
+                dtype,
+                shape,
+                parts,
+            } => (dtype.name(), shape, parts),
+            FieldLayout::Values(_) => {
+                return Err(Fail::NotTensors(format!(
                     "{what}: field {name} holds plain values, not tensors; use get()"
-                )),
-                _ => Fail::Mismatch(format!(
+                )));
+            }
+            FieldLayout::Nested { .. } => {
+                return Err(Fail::Mismatch(format!(
                     "{what}: the requested rows of {name} have different shapes, so they do not fit one array; use get()"
-                )),
-            });
+                )));
+            }
         };
         if !t.dtypes.iter().any(|d| d == dtype) {
             return Err(Fail::Mismatch(format!(
@@ -249,15 +240,12 @@ pub(crate) fn get_into(
                 t.dtypes[0]
             )));
         }
-        if shape != t.shape.as_slice() {
+        if shape != &t.shape {
             return Err(Fail::Mismatch(format!(
                 "{what} has shape {:?}, but field {name} is {shape:?}",
                 t.shape
             )));
         }
-        let FieldLayout::Regular { parts, .. } = f else {
-            unreachable!("a regular layout")
-        };
         // The array holds exactly the field's bytes (the descriptor's parts
         // were checked against the dtype and rows when decoded).
         let total: u64 = parts.iter().map(|p| p.len).sum();
@@ -267,13 +255,60 @@ pub(crate) fn get_into(
                 t.len
             )));
         }
-        let row_bytes = total.checked_div(shape[0]).unwrap_or(0);
+        out.push((parts.as_slice(), total.checked_div(shape[0]).unwrap_or(0)));
+    }
+    Ok(out)
+}
+
+/// Sends the get `frame0` and reads its reply's rows straight into
+/// `targets`: None when they are in place, else the reply that is not a
+/// get_ok (for the caller to decode).
+pub(crate) fn get_into(
+    s: &mut Stream,
+    frame0: &[u8],
+    targets: &[Target],
+) -> Result<Option<Other>, Fail> {
+    let (fields, more) = match request(s, frame0)? {
+        Ok((_, fields, more, head)) => {
+            if segments(&head)?.is_some() {
+                return Err(Fail::Protocol(
+                    "the reply carries shared-memory segments, but this client did not ask for \
+                     same-node replies"
+                        .into(),
+                ));
+            }
+            (fields, more)
+        }
+        Err(other) => return Ok(Some(other)),
+    };
+    receive_into(s, &fields, more, targets)?;
+    Ok(None)
+}
+
+/// Reads a get_ok's data frames (its frame 0 read: `fields`, `more`)
+/// straight into `targets`, each checked first.
+pub(crate) fn receive_into(
+    s: &mut Stream,
+    fields: &[(String, FieldLayout)],
+    more: bool,
+    targets: &[Target],
+) -> Result<(), Fail> {
+    let checked = check_targets(fields, targets)?;
+    let mut places = Places::new();
+    // Strided arrays read through a scratch buffer: (buffer, layout, array).
+    let mut scratch: Vec<(Vec<u8>, &Strided, usize)> = Vec::new();
+    let vectored = if targets.iter().any(|t| t.strided.is_some()) {
+        vectored_run()
+    } else {
+        VECTORED_RUN
+    };
+    for (t, &(parts, row_bytes)) in targets.iter().zip(&checked) {
         match &t.strided {
             None => place_rows(&mut places, parts, t.ptr, row_bytes),
             Some(l) if l.run >= vectored => {
                 // Each run straight into place.
                 let offsets = l.offsets();
-                let per_row = offsets.len() as u64 / shape[0];
+                let per_row = offsets.len() as u64 / t.shape[0];
                 let mut row = 0u64;
                 for p in parts {
                     let first = (row * per_row) as usize;
@@ -297,7 +332,7 @@ pub(crate) fn get_into(
             }
         }
     }
-    let read = read_frames(s, more, &places, &fields);
+    let read = read_frames(s, more, &places, fields);
     for (buf, l, dest) in scratch {
         if read.is_ok() {
             // SAFETY: `buf` holds the field's bytes, all read; `dest` is
@@ -306,18 +341,48 @@ pub(crate) fn get_into(
         }
         pool::give(buf);
     }
-    read?;
-    Ok(None)
+    read
+}
+
+/// Copies each checked target's rows (`checked`, from [`check_targets`])
+/// into it from memory: `src(frame, offset, len)` is where a part's bytes
+/// lie (checked against the frames already).
+pub(crate) fn copy_into<'a>(
+    targets: &[Target],
+    checked: &[Checked<'_>],
+    src: impl Fn(u64, u64, u64) -> &'a [u8],
+) {
+    for (t, &(parts, row_bytes)) in targets.iter().zip(checked) {
+        let mut scratch = t.strided.as_ref().map(|_| pool::take(t.len, |_| {}));
+        let dest = scratch.as_mut().map_or(t.ptr, |b| b.as_mut_ptr() as usize);
+        let mut row = 0u64;
+        for p in parts {
+            let bytes = src(p.frame, p.offset, p.len);
+            // SAFETY: the parts' rows cover the destination (the array, or
+            // a scratch buffer of its size) exactly once (checked by
+            // `check_targets`), and the source lies in memory of this
+            // call's.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    bytes.as_ptr(),
+                    (dest + (row * row_bytes) as usize) as *mut u8,
+                    bytes.len(),
+                );
+            }
+            row += p.rows;
+        }
+        if let (Some(buf), Some(l)) = (scratch, &t.strided) {
+            // SAFETY: `buf` holds the field's bytes in C order; `t.ptr` is
+            // the caller's array, of layout `l`, held for the call.
+            unsafe { l.scatter(buf.as_ptr(), t.ptr) };
+            pool::give(buf);
+        }
+    }
 }
 
 /// The places of a field's `parts` (rows in order) in a C-contiguous
 /// destination at `base`, `row_bytes` a row.
-fn place_rows(
-    places: &mut Places,
-    parts: &[stowage_wire::native::PartLayout],
-    base: usize,
-    row_bytes: u64,
-) {
+fn place_rows(places: &mut Places, parts: &[PartLayout], base: usize, row_bytes: u64) {
     let mut row = 0u64;
     for p in parts {
         places.entry(p.frame).or_default().push(Place {

@@ -1,7 +1,9 @@
 //! `stowage._core`: the Rust core of the Python client: a tcp or ipc
 //! `get_into` that receives straight into the caller's arrays, a `get` that
-//! receives each field into one buffer, and a `send` that puts from the
-//! caller's arrays.
+//! receives each field into one buffer and makes its results (every field
+//! kind, [`assemble`]), a `send` that puts from the caller's arrays, and
+//! the same-node mode's gets ([`same_node`]): its descriptor channel
+//! ([`channel`]) and the mappings of stowd's segments ([`segments`]).
 //!
 //! pyzmq receives every frame into memory libzmq allocates (fresh pages,
 //! faulted in at about 1.4 GB/s on the benchmark machine), and the Python
@@ -55,10 +57,13 @@
 //! | [`connection`] | `_core.Connection`: the connection, its ZMTP handshake, its Python methods |
 //! | [`put`] | `_core.Put`: a put's arguments read and checked, its messages laid out, a lease filled |
 //! | [`fast`] | a small get's or clear's arguments read as the user gives them |
-//! | [`codec`] | stowd's codec, with Python objects in and out |
+//! | [`same_node`] | same-node get and get_into: the channel read while waiting, segments mapped and checked |
 //! | [`get_into`] | a get into the caller's arrays, each checked before any byte is written |
-//! | [`get`] | a get into one pooled buffer per field, handed out as buffers or numpy arrays |
-//! | [`gather`] | `_core.gather`: a field's parts from several buffers copied into one |
+//! | [`get`] | a get over the socket, each field's rows into one pooled buffer |
+//! | [`assemble`] | a get's result, every field kind, made into Python objects (`_core.GetOptions`) |
+//! | [`codec`] | stowd's codec, with Python objects in and out |
+//! | [`channel`] | `_core.Channel`: the descriptor channel, its messages and their descriptors |
+//! | [`segments`] | `_core.Segments`: mappings of stowd's segments, shared read-only or private |
 //! | [`receive`] | a reply's frame 0 as a layout, its data frames read straight into place |
 //! | [`message`] | whole messages: a request written (gathered `writev`), a reply read whole, pipelining |
 //! | [`source`] | a caller's array as the bytes a put sends: strided blocks, big-endian swapped |
@@ -75,12 +80,13 @@
 
 use pyo3::prelude::*;
 
+mod assemble;
 mod buffer;
+mod channel;
 mod codec;
 mod connection;
 mod error;
 mod fast;
-mod gather;
 mod get;
 mod get_into;
 mod indexes;
@@ -88,6 +94,8 @@ mod message;
 mod pool;
 mod put;
 mod receive;
+mod same_node;
+mod segments;
 mod source;
 mod stream;
 mod wait;
@@ -121,10 +129,11 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<indexes::IndexList>()?;
     m.add_function(wrap_pyfunction!(indexes::read_index_list, m)?)?;
     m.add_class::<put::Put>()?;
-    m.add_class::<put::Frame>()?;
-    m.add_function(wrap_pyfunction!(fast::encode_get, m)?)?;
     m.add_function(wrap_pyfunction!(release_receive_buffers, m)?)?;
-    m.add_function(wrap_pyfunction!(gather::gather, m)?)?;
+    m.add_class::<channel::Channel>()?;
+    m.add_class::<segments::Segments>()?;
+    m.add_class::<assemble::GetOptions>()?;
+    m.add_function(wrap_pyfunction!(assemble::decode_get, m)?)?;
     m.add(
         "ProtocolViolation",
         m.py().get_type::<error::ProtocolViolation>(),

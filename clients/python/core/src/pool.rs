@@ -1,6 +1,7 @@
-//! The buffers a plain `get` receives into, reused: a result's buffer
-//! comes back here when Python lets go of the last array over it, and the
-//! next get of a size it fits takes it, already resident.
+//! The buffers a plain `get` receives into (and a same-node get gathers
+//! scattered rows into), reused: a result's buffer comes back here when
+//! Python lets go of the last array over it, and the next get of a size it
+//! fits takes it, already resident.
 //!
 //! Why: a get into fresh memory is bound by the kernel handing out pages
 //! (zeroing them, and for huge pages compacting memory first), not by the

@@ -2,9 +2,9 @@
 //! client's put exists only here: its arguments checked (the errors that
 //! name a field and what is wrong with it), its rows split into messages,
 //! each message's data frames laid out and frame 0 written, and its bytes
-//! sent from where they lie ([`crate::connection`]'s `put`), handed to a
-//! pyzmq socket (`Put.encode`) or written into a leased shared-memory
-//! segment (`Put.fill`).
+//! sent from where they lie ([`crate::connection`]'s `put`) or written
+//! into a leased shared-memory segment (`Put.fill`); `Put.encode` gives a
+//! message as it goes on the wire.
 //!
 //! What is read (`data` maps field names to one of):
 //! - a numpy array or torch tensor `[n, ...]` of any strides (a regular
@@ -578,8 +578,8 @@ fn fill(m: &Message<'_>, fd: RawFd, ranges: &[(u64, u64)]) -> Result<(), Fail> {
 /// A put read, checked and laid out: `Put(global_indexes, data,
 /// max_message_bytes, same_node=False)` (TypeError or ValueError, with the
 /// field and what is wrong with it, for anything stowage/1 cannot carry).
-/// A connection's `put` sends it; `encode` gives a message to a socket of
-/// the caller's; `fill` writes a same-node put into its lease.
+/// A connection's `put` sends it; `fill` writes a same-node put into its
+/// lease; `encode` gives a message as it goes on the wire.
 #[pyclass(module = "stowage._core", frozen)]
 pub(crate) struct Put {
     pub(crate) plan: Plan,
@@ -643,42 +643,30 @@ impl Put {
         self.plan.frames_only(0).lease_ranges().1
     }
 
-    /// Message `k` as request `id`, for a socket of the caller's (pyzmq):
-    /// (frame 0, its data frames). A data frame that is one contiguous
-    /// piece is a read-only buffer over the caller's array (no copy); any
-    /// other is joined into bytes. With `segments` (what `fill` returned)
-    /// frame 0 names them, and there are no data frames.
+    /// Message `k` as request `id`, as it goes on the wire: (frame 0, its
+    /// data frames, each joined into bytes; a copy, for tests and tools:
+    /// `Connection.put` writes them from where they lie). With `segments`
+    /// (what `fill` returned) frame 0 names them, and there are no data
+    /// frames.
     #[pyo3(signature = (k, id, segments = None))]
     #[allow(clippy::type_complexity)]
     fn encode<'py>(
-        slf: &Bound<'py, Self>,
+        &self,
+        py: Python<'py>,
         k: usize,
         id: u64,
         segments: Option<Vec<(String, u64, u64)>>,
-    ) -> PyResult<(Bound<'py, PyBytes>, Vec<Bound<'py, PyAny>>)> {
-        let py = slf.py();
-        let me = slf.get();
-        me.range(k)?;
-        let m = me.plan.message(k, id, segments.as_deref())?;
-        let mut out = Vec::with_capacity(m.frames.len());
-        for (pieces, &len) in m.frames.iter().zip(m.lens.iter()) {
-            if let [Piece::Span(Span::Bytes { src, off, len })] = pieces.as_slice() {
-                let bytes = me.plan.sources[*src].slice(*off, *len);
-                let frame = Frame {
-                    _put: slf.clone().unbind(),
-                    addr: bytes.as_ptr() as usize,
-                    len: *len,
-                };
-                out.push(Bound::new(py, frame)?.into_any());
-                continue;
-            }
-            let k = out.len();
-            let joined = PyBytes::new_with(py, len, |buf| {
-                m.each(k, &mut Join { buf, at: 0 }).map_err(PyErr::from)
-            })?;
-            out.push(joined.into_any());
-        }
-        Ok((PyBytes::new(py, &m.frame0), out))
+    ) -> PyResult<(Bound<'py, PyBytes>, Vec<Bound<'py, PyBytes>>)> {
+        self.range(k)?;
+        let m = self.plan.message(k, id, segments.as_deref())?;
+        let frames = (0..m.frames.len())
+            .map(|k| {
+                PyBytes::new_with(py, m.lens[k], |buf| {
+                    m.each(k, &mut Join { buf, at: 0 }).map_err(PyErr::from)
+                })
+            })
+            .collect::<PyResult<Vec<_>>>()?;
+        Ok((PyBytes::new(py, &m.frame0), frames))
     }
 
     /// Writes message 0's data frames into the leased segment `name` with
@@ -718,7 +706,7 @@ impl Put {
     }
 }
 
-/// A data frame joined into one buffer (for pyzmq), as an [`Out`].
+/// A data frame joined into one buffer (`Put.encode`), as an [`Out`].
 struct Join<'b> {
     buf: &'b mut [u8],
     at: usize,
@@ -735,50 +723,6 @@ impl Out<'_> for Join<'_> {
         fill(&mut self.buf[self.at..self.at + len]);
         self.at += len;
         Ok(())
-    }
-}
-
-/// A data frame of a [`Put`] handed to pyzmq without a copy: a read-only
-/// buffer over the caller's array, which it keeps held (through the put).
-#[pyclass(module = "stowage._core", frozen)]
-pub(crate) struct Frame {
-    _put: Py<Put>,
-    addr: usize,
-    len: usize,
-}
-
-#[pymethods]
-impl Frame {
-    /// The buffer protocol: a read-only view of the bytes.
-    unsafe fn __getbuffer__(
-        slf: Bound<'_, Self>,
-        view: *mut ffi::Py_buffer,
-        flags: std::os::raw::c_int,
-    ) -> PyResult<()> {
-        let (ptr, len) = (slf.get().addr, slf.get().len);
-        // SAFETY: `view` comes from Python's buffer machinery; the bytes
-        // are a held buffer of the put this frame keeps alive (frozen: its
-        // sources never move), and the view holds a reference to `slf`.
-        let rc = unsafe {
-            ffi::PyBuffer_FillInfo(
-                view,
-                slf.as_ptr(),
-                ptr as *mut std::os::raw::c_void,
-                len as ffi::Py_ssize_t,
-                1,
-                flags,
-            )
-        };
-        if rc == -1 {
-            return Err(PyErr::fetch(slf.py()));
-        }
-        Ok(())
-    }
-
-    unsafe fn __releasebuffer__(&self, _view: *mut ffi::Py_buffer) {}
-
-    fn __len__(&self) -> usize {
-        self.len
     }
 }
 

@@ -27,9 +27,9 @@ pub(crate) struct Place {
 /// refused it (None: another reply, such as an error).
 pub(crate) type Other = (Vec<u8>, Option<String>);
 
-/// A get_ok's frame 0: its fields' layout, whether data frames follow,
-/// and the frame itself.
-pub(crate) type Head = (Vec<(String, FieldLayout)>, bool, Bytes);
+/// A get_ok's frame 0: the request id it answers, its fields' layout,
+/// whether data frames follow, and the frame itself.
+pub(crate) type Head = (u64, Vec<(String, FieldLayout)>, bool, Bytes);
 
 /// Reads a reply's frame 0: a get_ok's layout, or (the rest drained) any
 /// other reply.
@@ -37,7 +37,7 @@ pub(crate) fn read_head(s: &mut Stream) -> Result<Result<Head, Other>, Fail> {
     let (head, more) = s.head()?;
     let head = Bytes::from(head);
     match native::decode_reply_layout(&head, &REPLY_LIMITS) {
-        Ok((_, ReplyLayout::GetOk(fields))) => Ok(Ok((fields, more, head))),
+        Ok((id, ReplyLayout::GetOk(fields))) => Ok(Ok((id, fields, more, head))),
         // Another reply, or one this codec refuses: the caller decodes
         // frame 0 and says what it is.
         other => {
@@ -111,8 +111,23 @@ fn read_ranges(s: &mut Stream, places: &[Place], size: u64) -> Result<(), Fail> 
     s.skip(size - pos)
 }
 
+/// A same-node reply's `segments`: `[name, offset, len]` per data frame.
+pub(crate) type Entries = Vec<(String, u64, u64)>;
+
+/// The `segments` of a get_ok's frame 0, if it has them.
+pub(crate) fn segments(head: &[u8]) -> Result<Option<Entries>, Fail> {
+    // (A frame 0 without the bytes of the key `segments` has none: the
+    // second decode, a pass over all of frame 0, only when it might.)
+    if !head.windows(9).any(|w| w == b"\xa8segments") {
+        return Ok(None);
+    }
+    native::decode_extras(head, &REPLY_LIMITS)
+        .map(|e| e.segments)
+        .map_err(|e| Fail::Protocol(e.to_string()))
+}
+
 /// Reads the rest of a reply and throws it away.
-fn drain(s: &mut Stream, mut more: bool) -> Result<(), Fail> {
+pub(crate) fn drain(s: &mut Stream, mut more: bool) -> Result<(), Fail> {
     while more {
         let h = s.header()?;
         s.skip(h.size)?;
@@ -122,7 +137,7 @@ fn drain(s: &mut Stream, mut more: bool) -> Result<(), Fail> {
 }
 
 /// A layout error in the Python client's words (its suite checks them).
-fn frames_error(e: &stowage_wire::native::Error) -> String {
+pub(crate) fn frames_error(e: &stowage_wire::native::Error) -> String {
     use stowage_wire::native::Error as E;
     match e.root() {
         E::FrameOutOfRange { frame, data_frames } => {

@@ -396,6 +396,16 @@ impl Stream {
         }
     }
 
+    /// Whether bytes of the stream are in memory already (read ahead, or
+    /// opened by CURVE), so that the next read takes them without waiting
+    /// for the socket.
+    pub(crate) fn buffered(&self) -> bool {
+        self.pos < self.end
+            || self.curve.as_deref().is_some_and(|c| {
+                c.staged_pos < c.staged.len() || c.decrypter.ready() > 0 || c.broken.is_some()
+            })
+    }
+
     pub(crate) fn message_waiting(&mut self) -> bool {
         if let Some(c) = self.curve.as_deref_mut() {
             return c.message_waiting(&self.sock, &self.ahead[self.pos..self.end]);

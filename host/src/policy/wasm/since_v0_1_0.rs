@@ -32,36 +32,13 @@ pub(super) const VERSION: &str = "0.1.0";
 /// The 0.1.0 case of a dtype; an error (a trap) for the seven it lacks.
 pub(super) fn dtype(d: Dtype) -> wasmtime::Result<wtypes::Dtype> {
     use wtypes::Dtype as W;
-    Ok(match d {
-        Dtype::Bool => W::Bool,
-        Dtype::Uint8 => W::Uint8,
-        Dtype::Int8 => W::Int8,
-        Dtype::Int16 => W::Int16,
-        Dtype::Uint16 => W::Uint16,
-        Dtype::Int32 => W::Int32,
-        Dtype::Uint32 => W::Uint32,
-        Dtype::Int64 => W::Int64,
-        Dtype::Uint64 => W::Uint64,
-        Dtype::Float16 => W::Float16,
-        Dtype::Bfloat16 => W::Bfloat16,
-        Dtype::Float32 => W::Float32,
-        Dtype::Float64 => W::Float64,
-        Dtype::Complex64 => W::Complex64,
-        Dtype::Complex128 => W::Complex128,
-        // Unreachable while the chain checks `can_describe` first; a trap
-        // (a fault, answered by the built-in) rather than a wrong name.
-        Dtype::Complex32
-        | Dtype::Float8E4m3fn
-        | Dtype::Float8E4m3fnuz
-        | Dtype::Float8E5m2
-        | Dtype::Float8E5m2fnuz
-        | Dtype::Float8E8m0fnu
-        | Dtype::Float4E2m1fnX2 => {
-            return Err(wasmtime::Error::msg(format!(
-                "dtype {d:?} has no name in stowage:policy@0.1.0"
-            )));
-        }
-    })
+    // Unreachable while the chain checks `can_describe` first; a trap (a
+    // fault, answered by the built-in) rather than a wrong name.
+    Ok(stowage_plan::dtype_cases!(into_v0_1 W, d, else {
+        return Err(wasmtime::Error::msg(format!(
+            "dtype {d:?} has no name in stowage:policy@0.1.0"
+        )));
+    }))
 }
 
 impl From<wtypes::FieldKind> for ltypes::FieldKind {

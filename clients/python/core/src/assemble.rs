@@ -1,0 +1,578 @@
+//! A get's result, every field kind, made here for the Python client:
+//! [`Assembled`], where each field's arrays lie (computed with the GIL
+//! released), then made into Python objects ([`Assembled::into_py`]).
+//!
+//! | field | result |
+//! |---|---|
+//! | regular | a numpy array `[n, ...]` |
+//! | nested | a list of n numpy arrays (views of one buffer) |
+//! | nested, packed (`GetOptions.packed`) | `Packed(values, shapes)`: one 1-D array of every row's elements, and the rows' shapes |
+//! | values | a list of n Python values |
+//!
+//! An array's bytes lie in a [`Base`]: a buffer of this client's own (the
+//! field's rows as the core received them, or a gather), handed to Python
+//! as a read-only [`Buffer`]; a segment's shared read-only mapping
+//! ([`SharedPages`]); or a private copy-on-write mapping of one
+//! ([`PrivatePages`], for tensors). numpy arrays over the first two are
+//! read-only: a write raises ValueError.
+//!
+//! The dtypes numpy has no type for (bfloat16, complex32, the float8s,
+//! float4) come as unsigned ints of their itemsize (the `dtypes` table the
+//! client passes says which numpy dtype each wire dtype is); the fields
+//! whose dtype is one of these, or becomes a tensor, are listed beside the
+//! result for the client's Python glue (torch, ml_dtypes).
+
+use std::collections::HashSet;
+use std::sync::Arc;
+
+use memmap2::MmapMut;
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList, PyTuple};
+use stowage_wire::batch::Value;
+use stowage_wire::native::FieldLayout;
+use stowage_wire::tensor::Dtype;
+
+use crate::buffer::Buffer;
+use crate::error::Fail;
+use crate::segments::{Mapping, PrivatePages, SharedPages};
+
+/// The dtypes numpy has no type for, carried as raw bits (`_dtypes.BITS_DTYPES`).
+pub(crate) const RAW_BITS: [&str; 8] = [
+    "bfloat16",
+    "complex32",
+    "float8_e4m3fn",
+    "float8_e4m3fnuz",
+    "float8_e5m2",
+    "float8_e5m2fnuz",
+    "float8_e8m0fnu",
+    "float4_e2m1fn_x2",
+];
+
+/// How a get's result is made (`_core.GetOptions(dtypes, tensors, packed)`):
+/// `dtypes` maps each wire dtype name to its numpy dtype; `tensors` names
+/// the dtypes whose fields become torch tensors (same node: over private
+/// copy-on-write mappings); `packed` is the `Packed` class to make nested
+/// fields as, or None for a list of rows.
+#[pyclass(module = "stowage._core", frozen)]
+pub(crate) struct GetOptions {
+    dtypes: Py<PyDict>,
+    tensors: HashSet<String>,
+    packed: Option<Py<PyAny>>,
+}
+
+#[pymethods]
+impl GetOptions {
+    #[new]
+    fn new(
+        dtypes: Bound<'_, PyDict>,
+        tensors: Vec<String>,
+        packed: Option<Bound<'_, PyAny>>,
+    ) -> GetOptions {
+        GetOptions {
+            dtypes: dtypes.unbind(),
+            tensors: tensors.into_iter().collect(),
+            packed: packed.map(Bound::unbind),
+        }
+    }
+}
+
+impl GetOptions {
+    /// Whether fields of `dtype` become tensors.
+    pub(crate) fn tensor(&self, dtype: Dtype) -> bool {
+        self.tensors.contains(dtype.name())
+    }
+
+    /// Whether nested fields come packed.
+    pub(crate) fn packed(&self) -> bool {
+        self.packed.is_some()
+    }
+
+    /// Whether a field of `dtype` needs the client's Python glue.
+    fn glue(&self, dtype: Dtype) -> bool {
+        self.tensor(dtype) || RAW_BITS.contains(&dtype.name())
+    }
+}
+
+/// Where some of a result's bytes lie.
+pub(crate) enum Base {
+    /// This client's own bytes (read-only to numpy).
+    Owned(Vec<u8>),
+    /// A segment's shared read-only mapping.
+    Shared(Arc<Mapping>),
+    /// A private copy-on-write mapping of a segment (writable).
+    Private(MmapMut),
+    /// A Python buffer object (a read-only view of a frame received
+    /// elsewhere).
+    Object(Py<PyAny>),
+}
+
+/// An array's place: `at` bytes into base number `base` ([`NOWHERE`]: an
+/// array of no bytes, made empty).
+#[derive(Clone, Copy)]
+pub(crate) struct Place {
+    pub(crate) base: usize,
+    pub(crate) at: usize,
+}
+
+/// The place of an array of no bytes.
+pub(crate) const NOWHERE: Place = Place {
+    base: usize::MAX,
+    at: 0,
+};
+
+/// One field's result.
+pub(crate) enum Made {
+    /// An array of `shape`.
+    Array(Place, Vec<u64>),
+    /// One array per row: (place, shape).
+    Rows(Vec<(Place, Vec<u64>)>),
+    /// `Packed`: `elements` elements from the place, and each row's shape.
+    Packed(Place, u64, Vec<Vec<u64>>),
+    Values(Vec<Value>),
+}
+
+/// A get's result before it becomes Python objects: the bases, and each
+/// field's result (its dtype: None for values), in reply order.
+pub(crate) struct Assembled {
+    pub(crate) bases: Vec<Base>,
+    pub(crate) fields: Vec<(String, Option<Dtype>, Made)>,
+}
+
+/// A list of names as Python writes it (the client's words).
+fn py_names<S: AsRef<str>>(names: &[S]) -> String {
+    let items: Vec<String> = names.iter().map(|n| format!("'{}'", n.as_ref())).collect();
+    format!("[{}]", items.join(", "))
+}
+
+/// Checks a get_ok against the request: the fields asked for, in order,
+/// each of `n` rows.
+pub(crate) fn check_request(
+    fields: &[(String, FieldLayout)],
+    names: &[String],
+    n: u64,
+) -> Result<(), Fail> {
+    if fields.len() != names.len() || fields.iter().zip(names).any(|((a, _), b)| a != b) {
+        let got: Vec<&str> = fields.iter().map(|(n, _)| n.as_str()).collect();
+        return Err(Fail::Protocol(format!(
+            "get_ok has fields {}, requested {}",
+            py_names(&got),
+            py_names(names)
+        )));
+    }
+    for (name, f) in fields {
+        let bad = match f {
+            FieldLayout::Regular { shape, .. } if shape[0] != n => {
+                format!("shape {shape:?} does not have {n} rows")
+            }
+            FieldLayout::Nested { rows, .. } if rows.len() as u64 != n => {
+                format!("nested descriptor without {n} rows")
+            }
+            FieldLayout::Values(v) if v.len() as u64 != n => {
+                format!("values descriptor without {n} values")
+            }
+            _ => continue,
+        };
+        return Err(Fail::Protocol(format!("field '{name}': {bad}")));
+    }
+    Ok(())
+}
+
+impl Assembled {
+    /// The result of a reply whose fields' rows were received each into a
+    /// buffer of its own, rows back to back in row order (`buffers`: one
+    /// per regular or nested field, in order).
+    pub(crate) fn from_received(
+        fields: Vec<(String, FieldLayout)>,
+        buffers: Vec<Vec<u8>>,
+        opts: &GetOptions,
+    ) -> Assembled {
+        let mut bases = Vec::with_capacity(buffers.len());
+        let mut buffers = buffers.into_iter();
+        let mut out = Vec::with_capacity(fields.len());
+        for (name, f) in fields {
+            if let FieldLayout::Values(v) = f {
+                out.push((name, None, Made::Values(v)));
+                continue;
+            }
+            let buf = buffers
+                .next()
+                .expect("a buffer per regular or nested field");
+            let place = if buf.is_empty() {
+                NOWHERE
+            } else {
+                bases.push(Base::Owned(buf));
+                Place {
+                    base: bases.len() - 1,
+                    at: 0,
+                }
+            };
+            let made = match f {
+                FieldLayout::Regular { dtype, shape, .. } => (dtype, Made::Array(place, shape)),
+                FieldLayout::Nested { dtype, rows } if opts.packed() => {
+                    let total: u64 = rows.iter().map(|r| r.len).sum();
+                    let shapes = rows.into_iter().map(|r| r.shape).collect();
+                    let elements = total / dtype.itemsize() as u64;
+                    (dtype, Made::Packed(place, elements, shapes))
+                }
+                FieldLayout::Nested { dtype, rows } => {
+                    let mut at = 0usize;
+                    let rows = rows
+                        .into_iter()
+                        .map(|r| {
+                            let p = if r.len == 0 {
+                                NOWHERE
+                            } else {
+                                Place {
+                                    base: place.base,
+                                    at,
+                                }
+                            };
+                            at += r.len as usize;
+                            (p, r.shape)
+                        })
+                        .collect();
+                    (dtype, Made::Rows(rows))
+                }
+                FieldLayout::Values(_) => unreachable!("values are made above"),
+            };
+            out.push((name, Some(made.0), made.1));
+        }
+        Assembled { bases, fields: out }
+    }
+
+    /// The Python result: (a dict of field name to its result, in reply
+    /// order; a list of `(field, dtype name)` of the fields the client's
+    /// glue turns into tensors or typed arrays).
+    pub(crate) fn into_py<'py>(
+        self,
+        py: Python<'py>,
+        opts: &GetOptions,
+    ) -> PyResult<(Bound<'py, PyDict>, Bound<'py, PyList>)> {
+        let ndarray = ndarray_type(py)?;
+        let bases = self
+            .bases
+            .into_iter()
+            .map(|b| {
+                Ok(match b {
+                    Base::Owned(data) => Bound::new(py, Buffer { data })?.into_any(),
+                    Base::Shared(map) => Bound::new(py, SharedPages { map })?.into_any(),
+                    Base::Private(map) => Bound::new(py, PrivatePages::new(map))?.into_any(),
+                    Base::Object(obj) => obj.into_bound(py),
+                })
+            })
+            .collect::<PyResult<Vec<_>>>()?;
+        let out = PyDict::new(py);
+        let glue = PyList::empty(py);
+        let dtypes = opts.dtypes.bind(py);
+        for (name, dtype, made) in self.fields {
+            let Some(dtype) = dtype else {
+                let Made::Values(values) = made else {
+                    unreachable!("a field without a dtype holds values")
+                };
+                let values = values
+                    .iter()
+                    .map(|v| crate::codec::value(py, v))
+                    .collect::<PyResult<Vec<_>>>()?;
+                out.set_item(name, PyList::new(py, values)?)?;
+                continue;
+            };
+            let dt = dtypes.get_item(dtype.name())?.ok_or_else(|| {
+                PyValueError::new_err(format!("no numpy dtype given for {}", dtype.name()))
+            })?;
+            let array = |place: Place, shape: &[u64]| -> PyResult<Bound<'py, PyAny>> {
+                let shape = PyTuple::new(py, shape)?;
+                if place.base == usize::MAX {
+                    // (no bytes: a new empty array, read-only)
+                    let a = ndarray.call1((shape, &dt))?;
+                    a.getattr("flags")?.setattr("writeable", false)?;
+                    return Ok(a);
+                }
+                ndarray.call1((shape, &dt, &bases[place.base], place.at))
+            };
+            let value = match made {
+                Made::Array(place, shape) => array(place, &shape)?,
+                Made::Rows(rows) => {
+                    let rows = rows
+                        .iter()
+                        .map(|(place, shape)| array(*place, shape))
+                        .collect::<PyResult<Vec<_>>>()?;
+                    PyList::new(py, rows)?.into_any()
+                }
+                Made::Packed(place, elements, shapes) => {
+                    let values = array(place, &[elements])?;
+                    let shapes = shapes
+                        .iter()
+                        .map(|s| PyTuple::new(py, s))
+                        .collect::<PyResult<Vec<_>>>()?;
+                    let class = opts.packed.as_ref().expect("packed fields with a class");
+                    class.bind(py).call1((values, PyList::new(py, shapes)?))?
+                }
+                Made::Values(_) => unreachable!("values have no dtype"),
+            };
+            if opts.glue(dtype) {
+                glue.append((&name, dtype.name()))?;
+            }
+            out.set_item(name, value)?;
+        }
+        Ok((out, glue))
+    }
+}
+
+/// `numpy.ndarray`.
+pub(crate) fn ndarray_type(py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {
+    static NDARRAY: pyo3::sync::PyOnceLock<Py<PyAny>> = pyo3::sync::PyOnceLock::new();
+    NDARRAY
+        .get_or_try_init(py, || {
+            Ok::<_, PyErr>(py.import("numpy")?.getattr("ndarray")?.unbind())
+        })
+        .map(|t| t.bind(py).clone())
+}
+
+/// A get_ok's data frames as they lie in memory: data frame k (from 1) is
+/// bytes `at..at + len` of source number `source` (`usize::MAX`: the
+/// empty frame), each source a buffer: a segment's mapping, or a frame
+/// received whole. Every range was checked against the frames.
+pub(crate) struct InMemory<'a> {
+    pub(crate) frames: Vec<(usize, u64, u64)>,
+    pub(crate) sources: Vec<&'a [u8]>,
+}
+
+/// A view a tensor wants of a private mapping: bytes `at..at + len` of
+/// source `source`, for field number `field` (row `row`, or the field's
+/// one array or `Packed` values).
+pub(crate) struct Want {
+    pub(crate) source: usize,
+    pub(crate) at: u64,
+    pub(crate) len: u64,
+    pub(crate) field: usize,
+    pub(crate) row: Option<usize>,
+}
+
+impl InMemory<'_> {
+    /// The lengths of the frames.
+    pub(crate) fn lens(&self) -> Vec<u64> {
+        self.frames.iter().map(|f| f.2).collect()
+    }
+
+    /// Where byte `offset` of data frame `frame` lies: (source, offset in it).
+    pub(crate) fn locate(&self, frame: u64, offset: u64) -> (usize, u64) {
+        let (k, at, _) = self.frames[frame as usize - 1];
+        (k, at + offset)
+    }
+
+    /// Bytes `offset..offset + len` of data frame `frame`.
+    pub(crate) fn bytes(&self, frame: u64, offset: u64, len: u64) -> &[u8] {
+        if len == 0 {
+            return &[];
+        }
+        let (k, at) = self.locate(frame, offset);
+        &self.sources[k][at as usize..(at + len) as usize]
+    }
+
+    /// Where a field's ranges lie: (source, offset, len), ranges that
+    /// follow on directly merged, empty ones left out.
+    fn pieces(&self, ranges: impl Iterator<Item = (u64, u64, u64)>) -> Vec<(usize, u64, u64)> {
+        let mut out: Vec<(usize, u64, u64)> = Vec::new();
+        for (frame, offset, len) in ranges {
+            if len == 0 {
+                continue;
+            }
+            let (k, at) = self.locate(frame, offset);
+            match out.last_mut() {
+                Some(last) if last.0 == k && last.1 + last.2 == at => last.2 += len,
+                _ => out.push((k, at, len)),
+            }
+        }
+        out
+    }
+
+    /// One buffer of the receive pool holding `pieces` back to back, in
+    /// one pass (the GIL released by the caller).
+    ///
+    /// Why here: a same-node get of rows scattered over the segments
+    /// (32,768 random 4 KiB rows of 4 units) was gathered by numpy, one
+    /// `take` per segment into a temporary and a masked assignment from it
+    /// (two copies), into a fresh array that numpy asks huge pages for:
+    /// 196-291 ms, and 1.5 s when the huge pages had to come from the host
+    /// (docs/benchmarks.md, "Same-node gathers").
+    pub(crate) fn gather(&self, pieces: &[(usize, u64, u64)]) -> Vec<u8> {
+        let total: u64 = pieces.iter().map(|p| p.2).sum();
+        let mut out = crate::pool::take(total as usize, crate::pool::huge_pages);
+        let mut to = 0usize;
+        for &(k, at, len) in pieces {
+            let (at, len) = (at as usize, len as usize);
+            out[to..to + len].copy_from_slice(&self.sources[k][at..at + len]);
+            to += len;
+        }
+        out
+    }
+
+    /// The result of a get_ok whose data frames are these, `bases` one per
+    /// source (a view of source k is a view of base k): a regular field,
+    /// or a packed nested one, whose bytes lie back to back in one source
+    /// is a view of it, else a gather into a buffer of its own; a nested
+    /// field's rows are views. With `private`, the views of fields that
+    /// become tensors are left to the caller (returned as [`Want`]s, their
+    /// places [`NOWHERE`] until then).
+    pub(crate) fn assemble(
+        &self,
+        fields: Vec<(String, FieldLayout)>,
+        mut bases: Vec<Base>,
+        opts: &GetOptions,
+        private: bool,
+    ) -> (Assembled, Vec<Want>) {
+        let mut wants: Vec<Want> = Vec::new();
+        let mut out = Vec::with_capacity(fields.len());
+        // One place for a field's bytes: a view, a view a tensor wants, or
+        // a gather.
+        let one = |bases: &mut Vec<Base>,
+                   wants: &mut Vec<Want>,
+                   ps: Vec<(usize, u64, u64)>,
+                   tensor: bool,
+                   field: usize| match ps.as_slice() {
+            [] => NOWHERE,
+            &[(source, at, len)] if tensor && private => {
+                wants.push(Want {
+                    source,
+                    at,
+                    len,
+                    field,
+                    row: None,
+                });
+                NOWHERE
+            }
+            &[(source, at, _)] => Place {
+                base: source,
+                at: at as usize,
+            },
+            _ => {
+                bases.push(Base::Owned(self.gather(&ps)));
+                Place {
+                    base: bases.len() - 1,
+                    at: 0,
+                }
+            }
+        };
+        for (i, (name, f)) in fields.into_iter().enumerate() {
+            let (dtype, made) = match f {
+                FieldLayout::Values(v) => {
+                    out.push((name, None, Made::Values(v)));
+                    continue;
+                }
+                FieldLayout::Regular {
+                    dtype,
+                    shape,
+                    parts,
+                } => {
+                    let ps = self.pieces(parts.iter().map(|p| (p.frame, p.offset, p.len)));
+                    let place = one(&mut bases, &mut wants, ps, opts.tensor(dtype), i);
+                    (dtype, Made::Array(place, shape))
+                }
+                FieldLayout::Nested { dtype, rows } if opts.packed() => {
+                    let ps = self.pieces(rows.iter().map(|p| (p.frame, p.offset, p.len)));
+                    let total: u64 = rows.iter().map(|p| p.len).sum();
+                    let place = one(&mut bases, &mut wants, ps, opts.tensor(dtype), i);
+                    let elements = total / dtype.itemsize() as u64;
+                    let shapes = rows.into_iter().map(|r| r.shape).collect();
+                    (dtype, Made::Packed(place, elements, shapes))
+                }
+                FieldLayout::Nested { dtype, rows } => {
+                    let tensor = opts.tensor(dtype) && private;
+                    let made = (rows.into_iter().enumerate())
+                        .map(|(j, row)| {
+                            if row.len == 0 {
+                                return (NOWHERE, row.shape);
+                            }
+                            let (source, at) = self.locate(row.frame, row.offset);
+                            if tensor {
+                                wants.push(Want {
+                                    source,
+                                    at,
+                                    len: row.len,
+                                    field: i,
+                                    row: Some(j),
+                                });
+                                return (NOWHERE, row.shape);
+                            }
+                            let place = Place {
+                                base: source,
+                                at: at as usize,
+                            };
+                            (place, row.shape)
+                        })
+                        .collect();
+                    (dtype, Made::Rows(made))
+                }
+            };
+            out.push((name, Some(dtype), made));
+        }
+        (Assembled { bases, fields: out }, wants)
+    }
+}
+
+impl Assembled {
+    /// Puts `place` where `w` wants it.
+    pub(crate) fn place(&mut self, w: &Want, place: Place) {
+        match (&mut self.fields[w.field].2, w.row) {
+            (Made::Array(p, _), None) | (Made::Packed(p, _, _), None) => *p = place,
+            (Made::Rows(rows), Some(j)) => rows[j].0 = place,
+            _ => unreachable!("a want is for an array or a row"),
+        }
+    }
+}
+
+/// `_core.decode_get(frames, opts)`: a get_ok received whole elsewhere
+/// (`frames`: frame 0, then the data frames, each a buffer: bytes, or a
+/// pyzmq frame), decoded and checked by stowd's codec and made as
+/// `Connection.get` makes it: what that returns. An array is a read-only
+/// view of a received frame where its bytes lie in one (the frames'
+/// memory is not copied), else a gather. ProtocolViolation for a get_ok
+/// whose descriptors do not fit its frames.
+#[pyfunction]
+pub(crate) fn decode_get<'py>(
+    py: Python<'py>,
+    frames: Vec<Bound<'py, PyAny>>,
+    opts: &Bound<'py, GetOptions>,
+) -> PyResult<Bound<'py, PyAny>> {
+    use stowage_wire::native::{self, ReplyLayout, layout};
+    let opts = opts.get();
+    let Some((first, data)) = frames.split_first() else {
+        return Err(PyValueError::new_err("a reply has frame 0"));
+    };
+    let head = bytes::Bytes::copy_from_slice(crate::buffer::Held::get(first)?.bytes());
+    let fields = match native::decode_reply_layout(&head, &crate::message::REPLY_LIMITS) {
+        Ok((_, ReplyLayout::GetOk(fields))) => fields,
+        other => {
+            let problem = other.err().map(|e| e.to_string());
+            return (pyo3::types::PyBytes::new(py, &head), problem)
+                .into_pyobject(py)
+                .map(|t| t.into_any());
+        }
+    };
+    let held = data
+        .iter()
+        .map(crate::buffer::Held::get)
+        .collect::<PyResult<Vec<_>>>()?;
+    let mem = InMemory {
+        frames: (0..held.len())
+            .map(|k| (k, 0, held[k].bytes().len() as u64))
+            .collect(),
+        sources: held.iter().map(|h| h.bytes()).collect(),
+    };
+    layout::check_frames(&fields, &mem.lens())
+        .map_err(|e| crate::error::ProtocolViolation::new_err(crate::receive::frames_error(&e)))?;
+    let bases = data
+        .iter()
+        .map(|f| {
+            let view = pyo3::types::PyMemoryView::from(f)?.call_method0("toreadonly")?;
+            Ok(Base::Object(view.unbind()))
+        })
+        .collect::<PyResult<Vec<_>>>()?;
+    let (made, _) = mem.assemble(fields, bases, opts, false);
+    drop(mem);
+    drop(held);
+    made.into_py(py, opts)?
+        .into_pyobject(py)
+        .map(|t| t.into_any())
+}
