@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """tcp put, get_into and get through the client's Rust core against the
-pure-Python path and the plain tcp stream (issue 17), all in one run.
+plain tcp stream (issue 17), all in one run. (The pure-Python path it was
+first measured against, pyzmq, carries none of them any more.)
 
 A release stowd with `[units] local = 4` holds each case (put twice over
 tcp: the first overwrite finds stowd's receive pool empty and pays for
@@ -13,22 +14,17 @@ benchmark machine, so no timed put is a first overwrite); then, `--reps` times e
 - put, core: `Client.put` of the whole array again (the rows overwritten;
   messages of the default `max_message_bytes`, each answered before the
   next), the Rust core writing each frame from the array;
-- put, pure Python: the same with `STOWAGE_PURE_PYTHON=1` (pyzmq);
 - get_into, core: `Client.get_into` into a pre-faulted array (the Rust
   core reads each frame straight into it);
-- get_into, pure Python: the same with `STOWAGE_PURE_PYTHON=1` (pyzmq
-  receives the frames, then each field is copied into the array);
-- get, core and pure Python: a plain `Client.get` (the core reads each
+- get, core: a plain `Client.get` (the core reads each
   field into one buffer the returned array is a view of: the buffer of the
   previous get's result, dropped, when one fits); "get, core, no reuse"
   is the same with `STOWAGE_RECEIVE_POOL_BYTES=0` (a fresh buffer each
   time, as before the receive pool);
-- async put, get_into and get, core and pure Python: the same calls of an
-  `AsyncClient` on one event loop (through the core, each runs in one of
-  the client's worker threads; pure Python, pyzmq's asyncio socket);
-- then 2,000 gets and 2,000 puts of one 4 KiB row, each way, and 2,000
-  async gets each way (us per round trip: the async core's includes the
-  hop to its worker thread and back).
+- async put, get_into and get, core: the same calls of an `AsyncClient`
+  on one event loop (each runs in one of the client's worker threads);
+- then 2,000 gets and 2,000 puts of one 4 KiB row, and 2,000 async gets
+  (us per round trip).
 
 Per row: median GB/s, its ratio to the tcp stream, and the client's peak
 RSS above what it held before the call (VmHWM reset through
@@ -197,25 +193,15 @@ def main() -> None:
                 out.fill(0)
                 limit = tcp_limit(payload, a.reps)
                 results = {"tcp stream": [(s, 0) for s in limit]}
-                for label, pure, fn in [
-                    ("put, core", False, lambda: c.put(idx, {"x": x})),
-                    ("put, pure Python", True, lambda: c.put(idx, {"x": x})),
-                    ("get_into, core", False, lambda: c.get_into(idx, {"x": out})),
-                    ("get_into, pure Python", True, lambda: c.get_into(idx, {"x": out})),
-                    ("get, core", False, lambda: c.get(idx, ["x"])),
-                    ("get, core, no reuse", False, lambda: c.get(idx, ["x"])),
-                    ("get, pure Python", True, lambda: c.get(idx, ["x"])),
-                    ("async put, core", False, lambda: arun(ac.put(idx, {"x": x}))),
-                    ("async put, pure Python", True, lambda: arun(ac.put(idx, {"x": x}))),
-                    ("async get_into, core", False, lambda: arun(ac.get_into(idx, {"x": out}))),
-                    ("async get_into, pure Python", True, lambda: arun(ac.get_into(idx, {"x": out}))),
-                    ("async get, core", False, lambda: arun(ac.get(idx, ["x"]))),
-                    ("async get, pure Python", True, lambda: arun(ac.get(idx, ["x"]))),
+                for label, fn in [
+                    ("put, core", lambda: c.put(idx, {"x": x})),
+                    ("get_into, core", lambda: c.get_into(idx, {"x": out})),
+                    ("get, core", lambda: c.get(idx, ["x"])),
+                    ("get, core, no reuse", lambda: c.get(idx, ["x"])),
+                    ("async put, core", lambda: arun(ac.put(idx, {"x": x}))),
+                    ("async get_into, core", lambda: arun(ac.get_into(idx, {"x": out}))),
+                    ("async get, core", lambda: arun(ac.get(idx, ["x"]))),
                 ]:
-                    if pure:
-                        os.environ["STOWAGE_PURE_PYTHON"] = "1"
-                    else:
-                        os.environ.pop("STOWAGE_PURE_PYTHON", None)
                     if "no reuse" in label:
                         os.environ["STOWAGE_RECEIVE_POOL_BYTES"] = "0"
                         stowage.release_receive_buffers()
@@ -225,7 +211,6 @@ def main() -> None:
                         if not np.array_equal(out, x):
                             raise SystemExit(f"{label}: rows differ")
                         out.fill(0)
-                os.environ.pop("STOWAGE_PURE_PYTHON", None)
                 lim = statistics.median(limit)
                 for label, rs in results.items():
                     s = statistics.median(t for t, _ in rs)
@@ -237,23 +222,15 @@ def main() -> None:
             small = {}
             row = {"s": np.ones((1, 1024), np.float32)}
             c.put([10**9], row)
-            for label, pure, fn in [("get, core", False, lambda: c.get([10**9], ["s"])),
-                                    ("get, pure Python", True, lambda: c.get([10**9], ["s"])),
-                                    ("put, core", False, lambda: c.put([10**9], row)),
-                                    ("put, pure Python", True, lambda: c.put([10**9], row)),
-                                    ("async get, core", False, lambda: arun(ac.get([10**9], ["s"]))),
-                                    ("async get, pure Python", True, lambda: arun(ac.get([10**9], ["s"])))]:
-                if pure:
-                    os.environ["STOWAGE_PURE_PYTHON"] = "1"
-                else:
-                    os.environ.pop("STOWAGE_PURE_PYTHON", None)
+            for label, fn in [("get, core", lambda: c.get([10**9], ["s"])),
+                              ("put, core", lambda: c.put([10**9], row)),
+                              ("async get, core", lambda: arun(ac.get([10**9], ["s"])))]:
                 for _ in range(200):
                     fn()
                 t = time.perf_counter()
                 for _ in range(2000):
                     fn()
                 small[label] = (time.perf_counter() - t) / 2000
-            os.environ.pop("STOWAGE_PURE_PYTHON", None)
             c.clear([10**9])
         arun(ac.aclose())
         loop.close()

@@ -29,7 +29,7 @@ Sections (all by default; `--only` picks some):
   system, all threads) over a second pass of --cpu-x times the calls (the
   machine's noise moves CPU time far less than a round trip).
 - 4k: the bench's earlier table: one 4 KiB row got and put through the
-  core (default spin and spin_us=0) and pyzmq (STOWAGE_PURE_PYTHON=1).
+  core (default spin and spin_us=0; pyzmq no longer carries either).
 - policy: the 4-row x 10-field put, bundled plugins against the built-in,
   two stowds at once on the same placement, alternating blocks of 100
   puts (order flipped every block) to cancel drift; puts as in the matrix.
@@ -340,29 +340,22 @@ def async_matrix(endpoint: str, ops, calls: int, cpu_x: int, pid: int, fresh: bo
 
 def measure_4k(endpoint: str, calls: int, cpu_x: int, stowd_pid: int) -> tuple[dict, dict]:
     """({(op, transport): µs} for a get and a put of one 4 KiB row (the
-    core with its default spin, the core with spin_us=0, pyzmq), and
+    core with its default spin, the core with spin_us=0), and
     {(op, transport): (client CPU µs, stowd CPU µs)} per call, from a
     second pass of cpu_x times the calls."""
     row = np.ones((1, 1024), np.float32)
     out, cpu = {}, {}
     with stowage.Client(endpoint, timeout=30) as c, stowage.Client(endpoint, timeout=30, spin_us=0) as asleep:
         c.put(range(16), {"x": np.zeros((16, 1024), np.float32)})
-        try:
-            for transport, client in (("core", c), ("core spin 0", asleep), ("pyzmq", c)):
-                if transport == "pyzmq":
-                    os.environ["STOWAGE_PURE_PYTHON"] = "1"
-                else:
-                    os.environ.pop("STOWAGE_PURE_PYTHON", None)
-                client.get([3], ["x"])  # warm: connections made, plugins instantiated
-                for op, fn in (("get", lambda: client.get([3], ["x"])), ("put", lambda: client.put([5], {"x": row}))):
-                    out[(op, transport)] = median_us(fn, calls)
-                    mine, theirs = time.process_time(), cpu_seconds(stowd_pid)
-                    for _ in range(cpu_x * calls):
-                        fn()
-                    cpu[(op, transport)] = ((time.process_time() - mine) / (cpu_x * calls) * 1e6,
-                                            (cpu_seconds(stowd_pid) - theirs) / (cpu_x * calls) * 1e6)
-        finally:
-            os.environ.pop("STOWAGE_PURE_PYTHON", None)
+        for transport, client in (("core", c), ("core spin 0", asleep)):
+            client.get([3], ["x"])  # warm: connections made, plugins instantiated
+            for op, fn in (("get", lambda: client.get([3], ["x"])), ("put", lambda: client.put([5], {"x": row}))):
+                out[(op, transport)] = median_us(fn, calls)
+                mine, theirs = time.process_time(), cpu_seconds(stowd_pid)
+                for _ in range(cpu_x * calls):
+                    fn()
+                cpu[(op, transport)] = ((time.process_time() - mine) / (cpu_x * calls) * 1e6,
+                                        (cpu_seconds(stowd_pid) - theirs) / (cpu_x * calls) * 1e6)
     return out, cpu
 
 
@@ -663,20 +656,17 @@ def main() -> None:
         keys = list(legacy[0][3])
         print(f"## One 4 KiB row (the earlier table): µs, medians of {a.calls} round trips\n")
         print("| stowd | policy | placement | " + " | ".join(f"{op}, {t}" for op, t in keys)
-              + " | get, core / pyzmq | get, core / tcp ping-pong |")
-        print("|---|---|---|" + "---:|" * (len(keys) + 2))
+              + " | get, core / tcp ping-pong |")
+        print("|---|---|---|" + "---:|" * (len(keys) + 1))
         for label, chain, where, got, _ in legacy:
             print(f"| {label} | {chain} | {where} | " + " | ".join(f"{got[k]:.1f}" for k in keys)
-                  + f" | {got[('get', 'core')] / got[('get', 'pyzmq')]:.2f}"
                   + (f" | {got[('get', 'core')] / floor[where]:.2f} |" if floor else " | |"))
         print(f"\nCPU a call, client + stowd (µs; {a.cpu_x}x the calls):\n")
-        print("| stowd | policy | placement | " + " | ".join(f"{op}, {t}" for op, t in keys) + " | get, core / pyzmq |")
-        print("|---|---|---|" + "---:|" * (len(keys) + 1))
+        print("| stowd | policy | placement | " + " | ".join(f"{op}, {t}" for op, t in keys) + " |")
+        print("|---|---|---|" + "---:|" * len(keys))
         for label, chain, where, _, cpu in legacy:
-            total = {k: sum(v) for k, v in cpu.items()}
             print(f"| {label} | {chain} | {where} | "
-                  + " | ".join(f"{cpu[k][0]:.0f} + {cpu[k][1]:.0f}" for k in keys)
-                  + f" | {total[('get', 'core')] / total[('get', 'pyzmq')]:.2f} |")
+                  + " | ".join(f"{cpu[k][0]:.0f} + {cpu[k][1]:.0f}" for k in keys) + " |")
         print()
 
     if pol:

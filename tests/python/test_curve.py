@@ -321,10 +321,7 @@ def curve_stowd(tmp_path, no_ambient_curve, monkeypatch):
         yield s
 
 
-@pytest.mark.parametrize("path", ["core", "pyzmq"])
-def test_a_client_puts_and_gets_through_stowd_over_curve(curve_stowd, path, monkeypatch):
-    if path == "pyzmq":
-        monkeypatch.setenv("STOWAGE_PURE_PYTHON", "1")
+def test_a_client_puts_and_gets_through_stowd_over_curve(curve_stowd):
     assert _auth.server_mechanism(curve_stowd["native"]) == "CURVE"
     big = np.arange(3 << 20, dtype=np.float32).reshape(4, -1)  # 12 MiB: the core's bulk paths
     small = np.arange(32, dtype=np.int64).reshape(4, 8)
@@ -337,8 +334,7 @@ def test_a_client_puts_and_gets_through_stowd_over_curve(curve_stowd, path, monk
         c.get_into([0, 1, 2, 3], out)
         assert np.array_equal(out["big"], big)
         assert c._sock.getsockopt(zmq.MECHANISM) == zmq.CURVE
-        if path == "core":
-            assert c._core is not None and c._core.connected
+        assert c._core is not None and c._core.connected
         assert c.stats()["rows"] >= 4
 
 

@@ -102,11 +102,6 @@ def relay(stowd):
     r.close()
 
 
-@pytest.fixture(autouse=True)
-def _core_on(monkeypatch):
-    monkeypatch.delenv("STOWAGE_PURE_PYTHON", raising=False)
-
-
 def _is_unix(fd: int) -> bool:
     s = socket.socket(fileno=os.dup(fd))
     try:
@@ -133,7 +128,7 @@ def test_a_client_over_ipc_equals_the_tcp_path_through_the_core(stowd, relay):
     # The default stowd asks for its token: ZMTP PLAIN, through the relay too.
     assert _auth.server_mechanism(relay.endpoint) == "PLAIN"
     with stowage.Client(relay.endpoint, timeout=30) as c, stowage.Client(stowd["native"], timeout=30) as t:
-        assert c._core_serves() and c._token is not None
+        assert c._core_carries() and c._token is not None
         c._core = CallNames(_core.Connection(relay.endpoint, c.spin_us, c._token, c._curve))
         c.put(idx, data)
         assert c._core.inner.connected and _is_unix(c._core.fileno())
@@ -174,7 +169,7 @@ def test_an_async_client_over_ipc_goes_through_the_core(stowd, relay):
 
     async def run():
         async with AsyncClient(relay.endpoint, timeout=30) as c:
-            assert c._core_serves()
+            assert c._core_carries()
             await c.put(idx, data)
             got = await c.get(idx[::-1], ["big", "tag"])
             np.testing.assert_array_equal(got["big"], data["big"][::-1])

@@ -96,15 +96,15 @@ class _Ops:
         return _shm.take(self._segments.channel if self._segments is not None else None, rid, self.timeout)
 
     def _expect_fds(self, rid: int) -> None:
-        """Before sending request `rid` on the DEALER: keep its descriptors
-        (a lease's) when they come on the channel."""
+        """Before sending request `rid` (a lease): keep its descriptors when
+        they come on the channel."""
         ch = self._segments.channel if self._segments is not None else None
         if ch is not None and not ch.closed:
             ch.expect(rid)
 
     def _reply_frames(self, env: dict, frames: list, rid: int | None = None) -> list:
-        """The frames of a reply through the DEALER (a put's, a lease's, a
-        call's): a lease_ok's descriptor is kept for the put's `fill`; any
+        """The frames of a reply through the DEALER (`_call`): a lease_ok's
+        descriptor is kept for a put's `fill`; any
         other reply's descriptors, if some come, are closed. No such call
         asks for its reply in shared memory (gets go through the core)."""
         seg = self._segments
@@ -269,15 +269,6 @@ class _Ops:
     # on a core `Connection` (`_run_get`, `_run_get_into`, a put's `core.put`) and
     # how its result reads are here once; `Client._core_call` runs it under
     # the client's lock, `AsyncClient._core_call` in a worker thread.
-    def _core_serves(self, targets: dict | None = None) -> bool:
-        """Whether the Rust core carries this put: over tcp or ipc, unless
-        STOWAGE_PURE_PYTHON=1 (pyzmq carries it then; the codec is the
-        core's either way), and not in same-node mode (a lease and its put
-        go over the DEALER). Gets and get_intos always go through the core
-        (`_core_gets`). (`targets` is accepted for older callers.)"""
-        return (self._segments is None and self.endpoint.startswith(("tcp://", "ipc://"))
-                and os.environ.get("STOWAGE_PURE_PYTHON") != "1")
-
     def _shm(self):
         """The core's `shm` argument of a get: (channel, mappings) in
         same-node mode (the channel open), else None."""
@@ -287,9 +278,7 @@ class _Ops:
         """Whether the Rust core carries the calls that move no rows (stats,
         checkpoint, restore, clear, and same-node's `channel` request, which
         names the channel by a token, not by the connection): over tcp or
-        ipc, in same-node mode too (their replies never name segments), and
-        whatever STOWAGE_PURE_PYTHON says (which picks the transport of puts
-        only)."""
+        ipc, in same-node mode too (their replies never name segments)."""
         return self.endpoint.startswith(("tcp://", "ipc://"))
 
     def _core_answer(self, rid: int, got: tuple, expect: str) -> dict:
@@ -440,11 +429,11 @@ def _ms_left(deadline: float) -> int:
 
 class Client(_Ops):
     """A synchronous stowage/1 client of `stowd`'s native endpoint: the Rust
-    core's connection (`_core.Connection`) for every get and get_into (same
-    node too), puts and the calls that move no rows, and a ZeroMQ DEALER
-    for the puts the core does not carry (same node: a lease and its put;
-    `STOWAGE_PURE_PYTHON=1`). Calls are serialized by a lock, so one client
-    may be shared by threads (one request at a time).
+    core's connection (`_core.Connection`) for every call (same node too: a
+    put's lease and the put through it included), and a ZeroMQ DEALER that
+    none of them uses any more (`_call`, requests built by hand). Calls are
+    serialized by a lock, so one client may be shared by threads (one
+    request at a time).
 
     Every call waits at most `timeout` seconds (or its own `timeout=`) for
     its reply; then it raises `StowageTimeout` after closing the socket and
@@ -537,8 +526,8 @@ class Client(_Ops):
 
     def _call(self, op: str, body: dict, data_frames, timeout, expect: str,
               extras: dict | None = None) -> tuple[dict, list]:
-        """A request through pyzmq's DEALER (a same-node put and its lease, a
-        put with STOWAGE_PURE_PYTHON=1): (the reply's body, its frames)."""
+        """A request through pyzmq's DEALER (built by hand: no call of the
+        client's goes this way): (the reply's body, its frames)."""
         try:
             return self._call_once(op, body, data_frames, timeout, expect, extras)
         except BadRequest as e:

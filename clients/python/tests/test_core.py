@@ -3,11 +3,10 @@ from the socket straight into the caller's arrays, a `get` into one buffer
 per field, and a `put` sends from the caller's arrays (`Connection.put`).
 Checked here: the core is built and used, rows land byte for byte (rows
 spread over units, an index asked twice, several fields; a put of every
-dtype and kind, split or not, read back through pyzmq), mismatches are
+dtype and kind, split or not, read back), mismatches are
 refused before anything is written, errors keep their types, a hostile
 reply is bounded, and no buffer of the payload's size is allocated (peak
-RSS); `STOWAGE_PURE_PYTHON=1`, which sends puts through pyzmq, changes
-nothing of a get's."""
+RSS)."""
 
 from __future__ import annotations
 
@@ -28,13 +27,6 @@ from stowage import client as client_mod
 from test_client_roundtrip import DTYPES, sample
 
 MIB = 1 << 20
-
-
-@pytest.fixture(autouse=True)
-def _core_on(monkeypatch):
-    """The core serves unless a test turns it off (a whole-suite run with
-    STOWAGE_PURE_PYTHON=1 too)."""
-    monkeypatch.delenv("STOWAGE_PURE_PYTHON", raising=False)
 
 
 def test_the_core_is_built_and_reads_get_into(endpoint, fresh, monkeypatch):
@@ -86,10 +78,8 @@ def _reset_peak() -> None:
         f.write("5\n")
 
 
-@pytest.mark.parametrize("pure", [False, True])
-def test_get_into_allocates_nothing_the_size_of_the_payload(endpoint, fresh, monkeypatch, pure):
-    """Through the core, whatever STOWAGE_PURE_PYTHON says (it picks the
-    transport of puts only): no buffer of the payload's size."""
+def test_get_into_allocates_nothing_the_size_of_the_payload(endpoint, fresh):
+    """Through the core: no buffer of the payload's size."""
     rows, cols = 1024, 64 * 1024  # 256 MiB of float32 in 1,024 rows
     idx = fresh(rows)
     x = np.ones((rows, cols), np.float32)
@@ -98,8 +88,6 @@ def test_get_into_allocates_nothing_the_size_of_the_payload(endpoint, fresh, mon
         del x
         out = np.empty((rows, cols), np.float32)
         out.fill(0)  # its pages faulted in now (np.zeros would fault them during the get)
-        if pure:
-            monkeypatch.setenv("STOWAGE_PURE_PYTHON", "1")
         _reset_peak()
         base = _peak_rss()
         c.get_into(idx, {"x": out})
@@ -110,20 +98,16 @@ def test_get_into_allocates_nothing_the_size_of_the_payload(endpoint, fresh, mon
     assert grew < 64 * MIB, f"get_into through the core grew by {grew / MIB:.0f} MiB for {payload / MIB:.0f} MiB"
 
 
-@pytest.mark.parametrize("pure", [False, True])
-def test_get_allocates_the_result_once(endpoint, fresh, monkeypatch, pure):
+def test_get_allocates_the_result_once(endpoint, fresh):
     """A plain get through the core reads each field into one buffer of its
     size, which the returned array is a view of: the client's peak grows by
-    the payload, once (pyzmq's frames and then the joined array took twice),
-    whatever STOWAGE_PURE_PYTHON says (it picks the transport of puts only)."""
+    the payload, once (pyzmq's frames and then the joined array took twice)."""
     rows, cols = 1024, 64 * 1024  # 256 MiB, spread over the units: several frames
     idx = fresh(rows)
     x = np.arange(rows, dtype=np.float32)[:, None] * np.ones((1, cols), np.float32)
     with stowage.Client(endpoint, timeout=120) as c:
         c.put(idx, {"x": x, "n": [np.arange(k % 7, dtype=np.int16) for k in range(rows)], "t": ["s"] * rows})
         del x
-        if pure:
-            monkeypatch.setenv("STOWAGE_PURE_PYTHON", "1")
         _reset_peak()
         base = _peak_rss()
         got = c.get(idx, ["x", "n", "t"])
@@ -199,7 +183,7 @@ def test_overlapping_and_scattered_ranges_land_right(fake_server):
     """A get_ok whose parts share bytes (runs of rows that overlap, a row
     named twice) and skip bytes, across two frames: the core reads each
     frame once, in order, and every row lands where it belongs, through get
-    and get_into, as through the Python path."""
+    and get_into."""
     import msgpack
 
     rows = np.arange(6 * 2, dtype=np.float32).reshape(6, 2)  # rows A..F, 8 bytes each
@@ -224,17 +208,11 @@ def test_overlapping_and_scattered_ranges_land_right(fake_server):
     srv = fake_server(handler)
     with stowage.Client(srv.endpoint, timeout=5) as c:
         assert client_mod._core is not None
-        for pure in (False, True):
-            if pure:
-                os.environ["STOWAGE_PURE_PYTHON"] = "1"
-            try:
-                got = c.get(list(range(9)), ["x"])["x"]
-                np.testing.assert_array_equal(got, want)
-                out = np.zeros((9, 2), np.float32)
-                c.get_into(list(range(9)), {"x": out})
-                np.testing.assert_array_equal(out, want)
-            finally:
-                os.environ.pop("STOWAGE_PURE_PYTHON", None)
+        got = c.get(list(range(9)), ["x"])["x"]
+        np.testing.assert_array_equal(got, want)
+        out = np.zeros((9, 2), np.float32)
+        c.get_into(list(range(9)), {"x": out})
+        np.testing.assert_array_equal(out, want)
         assert c._core is not None
 
 
@@ -242,8 +220,8 @@ def test_many_small_parts_are_read_together_right(fake_server):
     """Thousands of 64-byte parts over two frames of 256 KiB, mostly back
     to back (read together, straight into place, many a recvmsg), with
     gaps the core skips, rows named twice and parts that overlap what was
-    read before: every row lands where it belongs, through get and get_into
-    over the core as through pyzmq."""
+    read before: every row lands where it belongs, through get and
+    get_into."""
     import msgpack
 
     rng = np.random.default_rng(7)
@@ -270,16 +248,10 @@ def test_many_small_parts_are_read_together_right(fake_server):
 
     srv = fake_server(handler)
     with stowage.Client(srv.endpoint, timeout=10) as c:
-        for pure in (False, True):
-            if pure:
-                os.environ["STOWAGE_PURE_PYTHON"] = "1"
-            try:
-                np.testing.assert_array_equal(c.get(list(range(n)), ["x"])["x"], want)
-                out = np.zeros((n, 16), np.int32)
-                c.get_into(list(range(n)), {"x": out})
-                np.testing.assert_array_equal(out, want)
-            finally:
-                os.environ.pop("STOWAGE_PURE_PYTHON", None)
+        np.testing.assert_array_equal(c.get(list(range(n)), ["x"])["x"], want)
+        out = np.zeros((n, 16), np.int32)
+        c.get_into(list(range(n)), {"x": out})
+        np.testing.assert_array_equal(out, want)
         assert c._core is not None
 
 
@@ -287,8 +259,7 @@ def test_a_regular_reply_that_does_not_answer_the_get_is_refused(fake_server):
     """A get_ok of regular fields (the core's direct path: arrays straight
     off its buffers) that answers another question: more rows than asked,
     the fields in another order, a field nobody asked for. Each is a
-    ProtocolError through the core as through pyzmq; the next get is
-    served."""
+    ProtocolError; the next get is served."""
     import msgpack
 
     def regular(rows):
@@ -316,21 +287,15 @@ def test_a_regular_reply_that_does_not_answer_the_get_is_refused(fake_server):
 
     srv = fake_server(handler)
     with stowage.Client(srv.endpoint, timeout=5) as c:
-        for pure in (False, True):
-            if pure:
-                os.environ["STOWAGE_PURE_PYTHON"] = "1"
-            try:
-                for fields, match in cases:
-                    current["fields"] = fields
-                    if match is None:
-                        got = c.get([4, 5], ["x", "y"])
-                        np.testing.assert_array_equal(got["x"], regular(2)[0])
-                        assert not got["x"].flags.writeable
-                    else:
-                        with pytest.raises(stowage.ProtocolError, match=match):
-                            c.get([4, 5], ["x", "y"])
-            finally:
-                os.environ.pop("STOWAGE_PURE_PYTHON", None)
+        for fields, match in cases:
+            current["fields"] = fields
+            if match is None:
+                got = c.get([4, 5], ["x", "y"])
+                np.testing.assert_array_equal(got["x"], regular(2)[0])
+                assert not got["x"].flags.writeable
+            else:
+                with pytest.raises(stowage.ProtocolError, match=match):
+                    c.get([4, 5], ["x", "y"])
         assert c._core is not None
 
 
@@ -406,11 +371,10 @@ def _same(got, want) -> bool:
 
 
 @pytest.mark.parametrize("max_message_bytes", [256 * MIB, 3000], ids=["one-message", "split"])
-def test_put_through_the_core_round_trips(endpoint, fresh, monkeypatch, max_message_bytes):
+def test_put_through_the_core_round_trips(endpoint, fresh, max_message_bytes):
     """Every dtype, nested rows (empty, scalar, one big enough for a frame of
     its own), values, empty rows and non-contiguous input, put through the
-    core, in one message or split over many; read back through pyzmq (not
-    the core's own reader)."""
+    core, in one message or split over many; read back."""
     n = 40
     idx = fresh(n)
     data = every_kind(n)
@@ -419,14 +383,13 @@ def test_put_through_the_core_round_trips(endpoint, fresh, monkeypatch, max_mess
         assert c.put(idx, data) == n
         assert ops and set(ops) == {"put"}, "the put did not go through the core"
         assert (len(ops) > 1) == (max_message_bytes == 3000), ops
-        monkeypatch.setenv("STOWAGE_PURE_PYTHON", "1")
         got = c.get(idx, list(data))
         bad = [name for name in data if not _same(got[name], list(data[name]) if name == "values" else data[name])]
         assert not bad, f"fields that did not round-trip: {bad}"
         c.clear(idx)
 
 
-def test_a_put_of_more_slices_than_one_writev_takes(endpoint, fresh, monkeypatch):
+def test_a_put_of_more_slices_than_one_writev_takes(endpoint, fresh):
     """3,000 nested rows, every other one above the size the core copies
     into its write buffer (16 KiB): each of those is a slice of its own,
     about 1,500 slices plus the copied runs between them, more than IOV_MAX
@@ -439,7 +402,6 @@ def test_a_put_of_more_slices_than_one_writev_takes(endpoint, fresh, monkeypatch
         ops = _core_sends(c)
         c.put(idx, {"n": rows})
         assert ops == ["put"]
-        monkeypatch.setenv("STOWAGE_PURE_PYTHON", "1")
         got = c.get(idx, ["n"])["n"]
         wrong = [k for k in range(n) if not _same(got[k], rows[k])]
         assert not wrong, f"rows not in place: {wrong[:10]}"
@@ -737,14 +699,11 @@ def test_a_put_the_peer_does_not_read_times_out():
         srv.close()
 
 
-@pytest.mark.parametrize("pure", [False, True])
-def test_put_sends_without_joining(endpoint, fresh, monkeypatch, pure):
+def test_put_sends_without_joining(endpoint, fresh):
     """256 MiB of nested rows of 32 KiB each: small enough that the layout
-    packs them into shared frames, which pyzmq would need joined (a copy
-    of the payload) and the core sends piece by piece from the caller's
-    arrays. A sync client's put goes through the core with
-    STOWAGE_PURE_PYTHON=1 too (it picks the transport of gets): the
-    client's peak RSS grows by little either way."""
+    packs them into shared frames, which pyzmq needed joined (a copy of the
+    payload) and the core sends piece by piece from the caller's arrays:
+    the client's peak RSS grows by little."""
     rows, cols = 8192, 8192  # float32: 32 KiB a row
     idx = fresh(rows)
     data = [np.full(cols, k, np.float32) for k in range(rows)]
@@ -753,29 +712,22 @@ def test_put_sends_without_joining(endpoint, fresh, monkeypatch, pure):
     # 32 bytes of descriptor, two).
     with stowage.Client(endpoint, timeout=120, max_message_bytes=512 * MIB) as c:
         ops = _core_sends(c)
-        if pure:
-            monkeypatch.setenv("STOWAGE_PURE_PYTHON", "1")
         _reset_peak()
         base = _peak_rss()
         assert c.put(idx, {"n": data}) == rows
         grew = _peak_rss() - base
         assert ops == ["put"]
-        monkeypatch.delenv("STOWAGE_PURE_PYTHON", raising=False)
         got = c.get(idx[::4093], ["n"])["n"]
         assert [g[0] for g in got] == list(range(0, rows, 4093)) and all(g.shape == (cols,) for g in got)
         c.clear(idx)
     assert grew < 32 * MIB, f"a put through the core grew by {grew / MIB:.0f} MiB for {payload / MIB:.0f} MiB"
 
 
-@pytest.mark.parametrize("pure", [False, True])
-def test_a_reply_of_more_rows_than_the_wire_default_is_read(endpoint, fresh, monkeypatch, pure):
+def test_a_reply_of_more_rows_than_the_wire_default_is_read(endpoint, fresh):
     """stowd takes 2^24 rows a request by default (operators may raise it),
     more than the codec's own default of 2^20: the client decodes replies by
     what arrived, not by a limit of its own, so a get and a get_into of
-    1,100,000 one-byte rows come back (put through the core, and through
-    pyzmq)."""
-    if pure:
-        monkeypatch.setenv("STOWAGE_PURE_PYTHON", "1")
+    1,100,000 one-byte rows come back."""
     idx = fresh(10**6) + fresh(100_000)
     n = len(idx)
     x = (np.arange(n) % 251).astype(np.uint8).reshape(n, 1)

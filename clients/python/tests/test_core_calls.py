@@ -29,12 +29,6 @@ def endpoint(tmp_path_factory):
         yield s["native"]
 
 
-@pytest.fixture(autouse=True)
-def _whatever_pure_python_says(monkeypatch):
-    # STOWAGE_PURE_PYTHON picks the transport of rows only.
-    monkeypatch.setenv("STOWAGE_PURE_PYTHON", "1")
-
-
 def _no_dealer(c) -> None:
     """Any request on `c`'s DEALER fails the test."""
     def refuse(op, *args, **kwargs):
@@ -50,7 +44,6 @@ def test_stats_checkpoint_restore_and_clear_go_through_the_core(endpoint, fresh,
     idx = fresh(6)
     with stowage.Client(endpoint, timeout=30) as c:
         c._core = spy = CallNames(_core.Connection(endpoint, c.spin_us, c._token, c._curve))
-        # A sync client's put goes through the core whatever STOWAGE_PURE_PYTHON says.
         c.put(idx, {"x": np.ones((6, 2), np.float32), "t": list("abcdef")})
         assert spy.calls == ["put"]
         _no_dealer(c)

@@ -22,11 +22,6 @@ from stowage import _core
 from core_spy import CoreSpy
 
 
-@pytest.fixture(autouse=True)
-def _core_on(monkeypatch):
-    monkeypatch.delenv("STOWAGE_PURE_PYTHON", raising=False)
-
-
 class _Calls(CoreSpy):
     """A CoreSpy that also counts the core's get_into calls (and what they returned)."""
 

@@ -1,6 +1,6 @@
 """Nested fields without an array per row (`stowage.Packed`), through a real
 stowd: puts of values + row shapes, gets with `nested="packed"` over tcp
-(the Rust core), pure Python (pyzmq) and same node; the bytes on the wire
+and same node; the bytes on the wire
 are the same nested field a list of rows gives, so either form reads the
 other's rows."""
 
@@ -35,10 +35,8 @@ def assert_rows(got: list, want: list):
         assert g.dtype == w.dtype and g.shape == w.shape and np.array_equal(g, w)
 
 
-@pytest.fixture(params=["core", "pyzmq"])
-def client(request, endpoint, monkeypatch):
-    if request.param == "pyzmq":
-        monkeypatch.setenv("STOWAGE_PURE_PYTHON", "1")
+@pytest.fixture
+def client(endpoint):
     with stowage.Client(endpoint) as c:
         yield c
 
