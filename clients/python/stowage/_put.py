@@ -1,8 +1,8 @@
-"""A same-node put's requests, sans IO: the one sequence both
-`Client.put` and `AsyncClient.put` drive, so what such a put sends, and in
-what order, exists once. (Everything else about a put, its checks, its
-layout, its split into messages and the bytes it writes, is the Rust
-core's `_core.Put`.)
+"""A same-node put's requests, sans IO: the sequence `Client.put` drives
+(an `AsyncClient`'s same-node put runs on a lane, a `Client`), apart from
+the transport, so what such a put sends, and in what order, is written
+once. (Everything else about a put, its checks, its layout, its split
+into messages and the bytes it writes, is the Rust core's `_core.Put`.)
 
     steps = same_node(put, segments)
     reply = None
