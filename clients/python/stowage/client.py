@@ -102,6 +102,13 @@ class _Ops:
         if ch is not None and not ch.closed:
             ch.expect(rid)
 
+    def _forget_fds(self, rid: int) -> None:
+        """Request `rid` (a lease) failed: its descriptors, if some come,
+        are closed."""
+        ch = self._segments.channel if self._segments is not None else None
+        if ch is not None and not ch.closed:
+            ch.forget(rid)
+
     def _reply_frames(self, env: dict, frames: list, rid: int | None = None) -> list:
         """The frames of a reply through the DEALER (`_call`): a lease_ok's
         descriptor is kept for a put's `fill`; any
@@ -371,9 +378,7 @@ class _Ops:
         try:
             reply = self._core_answer(rid, got, "lease_ok")
         except BaseException:
-            ch = self._segments.channel
-            if ch is not None and not ch.closed:
-                ch.forget(rid)
+            self._forget_fds(rid)
             raise
         self._segments.leased(reply["segment"], self._take_fds(rid))
         return reply
@@ -650,7 +655,12 @@ class Client(_Ops):
 
             def run(core, rid, t):
                 self._expect_fds(rid)
-                return self._lease_reply(rid, core.call("lease", rid, body, t, extras))
+                try:
+                    got = core.call("lease", rid, body, t, extras)
+                except BaseException:
+                    self._forget_fds(rid)
+                    raise
+                return self._lease_reply(rid, got)
             try:
                 return self._core_call("lease", None, timeout, run)[1]
             except BadRequest as e:
