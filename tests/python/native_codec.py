@@ -23,6 +23,7 @@ import numpy as np
 import zmq
 
 from stowage import _auth, _codec, _core
+import stowd_harness
 
 PROTO = "stowage/1"
 DEFAULT_TIMEOUT_S = 10.0
@@ -192,7 +193,7 @@ class NativeClient:
         self.sock.setsockopt(zmq.RCVTIMEO, int(timeout * 1000))
         self.sock.setsockopt(zmq.SNDTIMEO, int(timeout * 1000))
         self.sock.setsockopt(zmq.LINGER, 0)
-        _auth.offer_token(self.sock, endpoint)
+        stowd_harness.offer_token(self.sock, endpoint)
         self.sock.connect(endpoint)
         self._next = itertools.count(1)
 

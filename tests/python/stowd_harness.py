@@ -18,12 +18,14 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 import pytest
+import zmq
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -245,3 +247,98 @@ class CallNames:
         if callable(attr):
             self.calls.append(name)
         return attr
+
+
+# -- pyzmq test peers as clients of stowd: the credentials the client's
+# core offers, set on a pyzmq socket (the client itself needs no pyzmq).
+
+#: The PLAIN username (stowd does not check it).
+USERNAME = b"stowage"
+
+
+def _dial(endpoint: str, timeout: float) -> socket.socket | None:
+    """A plain socket to a tcp or ipc endpoint (None: another transport)."""
+    if endpoint.startswith("tcp://"):
+        host, _, port = endpoint[len("tcp://"):].rpartition(":")
+        return socket.create_connection((host.strip("[]"), int(port)), timeout=timeout)
+    if endpoint.startswith("ipc://"):
+        path = endpoint[len("ipc://"):]
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            s.settimeout(timeout)
+            s.connect("\0" + path[1:] if path.startswith("@") else path)
+        except BaseException:
+            s.close()
+            raise
+        return s
+    return None
+
+
+def server_mechanism(endpoint: str, timeout: float = 2.0) -> str | None:
+    """The security mechanism a tcp or ipc endpoint's greeting names
+    ("NULL", "PLAIN", "CURVE"), or None if it cannot be read (another
+    transport, not reachable)."""
+    try:
+        sock = _dial(endpoint, timeout)
+        if sock is None:
+            return None
+        with sock as s:
+            # A ZMTP 3 signature and major version: libzmq sends the rest of
+            # its greeting only after it has read them (stowd sends it all).
+            s.sendall(b"\xff" + b"\0" * 8 + b"\x7f\x03")
+            g = b""
+            while len(g) < 33:
+                chunk = s.recv(64 - len(g))
+                if not chunk:
+                    return None
+                g += chunk
+    except (OSError, ValueError):
+        return None
+    if g[0] != 0xFF or g[10] < 3:
+        return None
+    return g[12:32].rstrip(b"\0").decode("ascii", "replace")
+
+
+def plain_for_zmq(endpoint: str, token: str | None) -> bool:
+    """Whether a pyzmq socket to `endpoint` presents `token`: when the
+    server's greeting says PLAIN, or cannot be read yet (stowd asks for a
+    token by default)."""
+    if token is None:
+        return False
+    return server_mechanism(endpoint) in (None, "PLAIN")
+
+
+def offer_token(sock, endpoint: str, token: str | None = None,
+                curve: tuple[str, str, str] | None = None) -> None:
+    """Makes a pyzmq socket about to connect to `endpoint` a CURVE client
+    with the keys `curve` if the server's greeting says CURVE, else present
+    this user's token (`token`, `$STOWAGE_TOKEN` or the token file) if the
+    server asks for one; otherwise leaves it NULL."""
+    from stowage import _auth  # (the package under test: put on sys.path by the conftest)
+
+    token = _auth.resolve(token)
+    if curve is not None:
+        mechanism = server_mechanism(endpoint)
+        if mechanism == "CURVE":
+            set_curve(sock, curve)
+        elif token is not None and mechanism in (None, "PLAIN"):
+            set_plain(sock, token)
+        return
+    if plain_for_zmq(endpoint, token):
+        set_plain(sock, token)
+
+
+def set_curve(sock, curve: tuple[str, str, str]) -> None:
+    """Makes a pyzmq socket a CURVE client (before it connects): `curve` is
+    (the server's public key, this client's public key, its secret key)."""
+    server, public, secret = curve
+    sock.setsockopt(zmq.CURVE_SERVERKEY, server.encode("ascii"))
+    sock.setsockopt(zmq.CURVE_PUBLICKEY, public.encode("ascii"))
+    sock.setsockopt(zmq.CURVE_SECRETKEY, secret.encode("ascii"))
+
+
+def set_plain(sock, token: str) -> None:
+    """Makes a pyzmq socket a PLAIN client presenting `token` (before it
+    connects)."""
+    sock.setsockopt(zmq.PLAIN_USERNAME, USERNAME)
+    sock.setsockopt(zmq.PLAIN_PASSWORD, token.encode())

@@ -368,6 +368,7 @@ fn python() -> String {
 
 /// The Python test dependencies: (pip name, module name).
 const PYTHON_DEPS: &[(&str, &str)] = &[
+    // The tests' own ZeroMQ peers (the client itself needs no pyzmq).
     ("pyzmq", "zmq"),
     ("msgpack", "msgpack"),
     ("numpy", "numpy"),

@@ -10,10 +10,7 @@ client run by stowd's own user needs no configuration; another user needs
 the token given to them (`[security] tokens` lists more).
 
 The Rust core offers the token only to a server that asks for one (its
-greeting says PLAIN); pyzmq's sockets, which cannot choose at the
-handshake, are told by `server_mechanism`, which reads the server's
-greeting on a connection of its own before each socket connects (a server
-not reachable yet is taken to ask, as stowd does by default).
+greeting says PLAIN).
 
 stowd with `[security] auth = "curve"` speaks CurveZMQ instead: a client
 needs stowd's public key and a key pair stowd allows, all in Z85
@@ -22,19 +19,14 @@ needs stowd's public key and a key pair stowd allows, all in Z85
 directory (`curve` in stowd's state directory). A directory holds
 certificates as pyzmq writes them: `server.key` (stowd's public key) and
 `client.key_secret` (a key pair stowd always allows), both this user's and
-the secret readable by no one else. Both the core and pyzmq's sockets use
-the keys only with a server whose greeting says CURVE.
+the secret readable by no one else (read here; pyzmq is no dependency).
+The core uses the keys only with a server whose greeting says CURVE.
 """
 
 from __future__ import annotations
 
 import os
-import socket
 import stat
-
-
-#: The PLAIN username (stowd does not check it).
-USERNAME = b"stowage"
 
 
 def state_dir() -> str | None:
@@ -183,93 +175,3 @@ def resolve(token: str | None) -> str | None:
     except (OSError, UnicodeDecodeError):
         return None
     return found or None
-
-
-def _dial(endpoint: str, timeout: float) -> socket.socket | None:
-    """A plain socket to a tcp or ipc endpoint (None: another transport)."""
-    if endpoint.startswith("tcp://"):
-        host, _, port = endpoint[len("tcp://"):].rpartition(":")
-        return socket.create_connection((host.strip("[]"), int(port)), timeout=timeout)
-    if endpoint.startswith("ipc://"):
-        path = endpoint[len("ipc://"):]
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            s.settimeout(timeout)
-            s.connect("\0" + path[1:] if path.startswith("@") else path)
-        except BaseException:
-            s.close()
-            raise
-        return s
-    return None
-
-
-def server_mechanism(endpoint: str, timeout: float = 2.0) -> str | None:
-    """The security mechanism a tcp or ipc endpoint's greeting names
-    ("NULL", "PLAIN", "CURVE"), or None if it cannot be read (another
-    transport, not reachable)."""
-    try:
-        sock = _dial(endpoint, timeout)
-        if sock is None:
-            return None
-        with sock as s:
-            # A ZMTP 3 signature and major version: libzmq sends the rest of
-            # its greeting only after it has read them (stowd sends it all).
-            s.sendall(b"\xff" + b"\0" * 8 + b"\x7f\x03")
-            g = b""
-            while len(g) < 33:
-                chunk = s.recv(64 - len(g))
-                if not chunk:
-                    return None
-                g += chunk
-    except (OSError, ValueError):
-        return None
-    if g[0] != 0xFF or g[10] < 3:
-        return None
-    return g[12:32].rstrip(b"\0").decode("ascii", "replace")
-
-
-def plain_for_zmq(endpoint: str, token: str | None) -> bool:
-    """Whether a pyzmq socket to `endpoint` presents `token`: when the
-    server's greeting says PLAIN, or cannot be read yet (stowd asks for a
-    token by default)."""
-    if token is None:
-        return False
-    return server_mechanism(endpoint) in (None, "PLAIN")
-
-
-def offer_token(sock, endpoint: str, token: str | None = None,
-                curve: tuple[str, str, str] | None = None) -> None:
-    """Makes a pyzmq socket about to connect to `endpoint` a CURVE client
-    with the keys `curve` if the server's greeting says CURVE, else present
-    this user's token (`token`, `$STOWAGE_TOKEN` or the token file) if the
-    server asks for one; otherwise leaves it NULL."""
-    token = resolve(token)
-    if curve is not None:
-        mechanism = server_mechanism(endpoint)
-        if mechanism == "CURVE":
-            set_curve(sock, curve)
-        elif token is not None and mechanism in (None, "PLAIN"):
-            set_plain(sock, token)
-        return
-    if plain_for_zmq(endpoint, token):
-        set_plain(sock, token)
-
-
-def set_curve(sock, curve: tuple[str, str, str]) -> None:
-    """Makes a pyzmq socket a CURVE client (before it connects): `curve` is
-    (the server's public key, this client's public key, its secret key)."""
-    import zmq
-
-    server, public, secret = curve
-    sock.setsockopt(zmq.CURVE_SERVERKEY, server.encode("ascii"))
-    sock.setsockopt(zmq.CURVE_PUBLICKEY, public.encode("ascii"))
-    sock.setsockopt(zmq.CURVE_SECRETKEY, secret.encode("ascii"))
-
-
-def set_plain(sock, token: str) -> None:
-    """Makes a pyzmq socket a PLAIN client presenting `token` (before it
-    connects)."""
-    import zmq
-
-    sock.setsockopt(zmq.PLAIN_USERNAME, USERNAME)
-    sock.setsockopt(zmq.PLAIN_PASSWORD, token.encode())

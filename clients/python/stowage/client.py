@@ -11,7 +11,6 @@ import time
 from typing import Any, Mapping
 
 import numpy as np
-import zmq
 
 # The Rust core (clients/python/core): stowd's codec for every envelope, and
 # tcp and ipc get, get_into and put without copies.
@@ -43,8 +42,10 @@ class _Ops:
         # (`shm_dir` is accepted for older callers and not used: segments come
         # as descriptors over the channel stowd names, not as files.)
         self._segments = _shm.Segments() if same_node else None
-        if not isinstance(endpoint, str) or "://" not in endpoint:
-            raise ValueError(f"endpoint must be a ZeroMQ address like 'tcp://127.0.0.1:5555', got {endpoint!r}")
+        if not isinstance(endpoint, str) or not endpoint.startswith(("tcp://", "ipc://")) or endpoint in (
+                "tcp://", "ipc://"):
+            raise ValueError("endpoint must be a ZeroMQ address over tcp or ipc, like 'tcp://127.0.0.1:5555' or "
+                             f"'ipc:///run/stowd.sock', got {endpoint!r}")
         self.endpoint = endpoint
         self.timeout = self._check_timeout(timeout)
         if not isinstance(max_message_bytes, int) or max_message_bytes <= 0:
@@ -110,7 +111,7 @@ class _Ops:
             ch.forget(rid)
 
     def _reply_frames(self, env: dict, frames: list, rid: int | None = None) -> list:
-        """The frames of a reply through the DEALER (`_call`): a lease_ok's
+        """The frames of a reply to a request built by hand (`_call`): a lease_ok's
         descriptor is kept for a put's `fill`; any
         other reply's descriptors, if some come, are closed. No such call
         asks for its reply in shared memory (gets go through the core)."""
@@ -281,13 +282,6 @@ class _Ops:
         same-node mode (the channel open), else None."""
         return self._segments.shm() if self._segments is not None else None
 
-    def _core_carries(self) -> bool:
-        """Whether the Rust core carries the calls that move no rows (stats,
-        checkpoint, restore, clear, and same-node's `channel` request, which
-        names the channel by a token, not by the connection): over tcp or
-        ipc, in same-node mode too (their replies never name segments)."""
-        return self.endpoint.startswith(("tcp://", "ipc://"))
-
     def _core_answer(self, rid: int, got: tuple, expect: str) -> dict:
         """The body of a reply the core's `call` read, (frame 0 decoded or
         why the codec refused it, how many frames), checked as `_call`
@@ -354,15 +348,13 @@ class _Ops:
         """What the core's `put` returned: the rows stored; else the reply
         that was not a put_ok for its message (an error reply raised as it
         says, anything else as a ProtocolError) or the failure that dropped
-        the core's connection (a sync client resets its DEALER too, as after
-        any timeout), raised with `rows_stored`, the rows of the messages
+        the core's connection, raised with `rows_stored`, the rows of the messages
         answered before it."""
         if type(got) is int:
             return got
         stored, rid, reply, failure = got
         try:
             if failure is not None:
-                self._core_dropped()
                 raise self._core_failure(failure, "put", rid, self._call_timeout(timeout)) from None
             self._core_refused(rid, reply, "put_ok")
         except StowageError as e:
@@ -382,9 +374,6 @@ class _Ops:
             raise
         self._segments.leased(reply["segment"], self._take_fds(rid))
         return reply
-
-    def _core_dropped(self) -> None:
-        """After a core call failed in-band (the core's connection is gone)."""
 
 
 _INT_NAMES = frozenset(f"{s}int{n}" for s in ("", "u") for n in (8, 16, 32, 64))
@@ -428,22 +417,18 @@ def _run_get_into(plan: list, shm=None):
     return lambda core, frame0, timeout: core.get_into(frame0, plan, timeout, shm)
 
 
-def _ms_left(deadline: float) -> int:
-    return max(0, math.ceil((deadline - time.monotonic()) * 1000))
-
-
 class Client(_Ops):
-    """A synchronous stowage/1 client of `stowd`'s native endpoint: the Rust
-    core's connection (`_core.Connection`) for every call (same node too: a
-    put's lease and the put through it included), and a ZeroMQ DEALER that
-    none of them uses any more (`_call`, requests built by hand). Calls are
+    """A synchronous stowage/1 client of `stowd`'s native endpoint: one
+    connection of the Rust core (`_core.Connection`, stowd's ZMTP as a
+    DEALER) carries every call, same node too (a put's lease and the put
+    through it included; the descriptor channel beside it). Calls are
     serialized by a lock, so one client may be shared by threads (one
     request at a time).
 
     Every call waits at most `timeout` seconds (or its own `timeout=`) for
-    its reply; then it raises `StowageTimeout` after closing the socket and
-    opening a new one, which drops anything still queued and ensures a late
-    reply is never taken for the answer to a later request.
+    its reply; then it raises `StowageTimeout` after dropping the
+    connection (the next call connects anew), so a late reply is never
+    taken for the answer to a later request.
 
     Calls through the Rust core (tcp and ipc) await their reply by polling the
     socket for up to `spin_us` microseconds (default 200, or the
@@ -467,42 +452,22 @@ class Client(_Ops):
     """
 
     def __init__(self, endpoint: str, timeout: float = DEFAULT_TIMEOUT, *,
-                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, context: zmq.Context | None = None,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, context: Any = None,
                  same_node: bool = False, shm_dir: str | None = None, spin_us: float | None = None,
                  token: str | None = None, curve_server_key: str | None = None,
                  curve_public_key: str | None = None, curve_secret_key: str | None = None) -> None:
+        # (`context`, once pyzmq's, is accepted for older callers and not used.)
         super().__init__(endpoint, timeout, max_message_bytes, same_node, shm_dir, spin_us, token,
                          (curve_server_key, curve_public_key, curve_secret_key))
-        self._ctx = context or zmq.Context.instance()
         self._lock = threading.Lock()
-        self._sock: zmq.Socket | None = self._connect()
-        # The Rust core's own connection, for tcp and ipc get, get_into and put (made on first use).
+        self._closed = False
+        # The Rust core's connection (made on first use, and anew after one is dropped).
         self._core: Any = None
 
-    def _connect(self) -> zmq.Socket:
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        # Presents the token only to a server that asks (read anew for every
-        # socket: stowd may have restarted with other settings).
-        _auth.offer_token(sock, self.endpoint, self._token, self._curve)
-        sock.connect(self.endpoint)
-        return sock
-
-    def _reset(self) -> None:
-        self._sock.close(linger=0)
-        self._sock = self._connect()
-
-    def _core_dropped(self) -> None:
-        with self._lock:
-            self._reset()
-
     def close(self) -> None:
-        """Closes the socket (pending messages are dropped) and the descriptor
-        channel. Idempotent."""
+        """Closes the connection and the descriptor channel. Idempotent."""
         with self._lock:
-            if self._sock is not None:
-                self._sock.close(linger=0)
-                self._sock = None
+            self._closed = True
             if self._core is not None:
                 self._core.close()
                 self._core = None
@@ -521,7 +486,7 @@ class Client(_Ops):
 
     @property
     def closed(self) -> bool:
-        return self._sock is None
+        return self._closed
 
     def __enter__(self) -> "Client":
         return self
@@ -531,8 +496,9 @@ class Client(_Ops):
 
     def _call(self, op: str, body: dict, data_frames, timeout, expect: str,
               extras: dict | None = None) -> tuple[dict, list]:
-        """A request through pyzmq's DEALER (built by hand: no call of the
-        client's goes this way): (the reply's body, its frames)."""
+        """A request built by hand (no call of the client's goes this way;
+        tests use it), through the core: (the reply's body, []). A
+        lease_ok's descriptor is kept for a put, as a put's own lease keeps it."""
         try:
             return self._call_once(op, body, data_frames, timeout, expect, extras)
         except BadRequest as e:
@@ -545,60 +511,25 @@ class Client(_Ops):
 
     def _call_once(self, op: str, body: dict, data_frames, timeout, expect: str,
                    extras: dict | None = None) -> tuple[dict, list]:
-        timeout = self._call_timeout(timeout)
-        rid = next(self._ids)
-        msg = [_codec.envelope(op, rid, body, extras), *data_frames]
-        with self._lock:
-            if self._sock is None:
-                raise StowageError("the client is closed")
-            deadline = time.monotonic() + timeout
-            if not self._sock.poll(_ms_left(deadline), zmq.POLLOUT):
-                self._reset()
-                raise StowageTimeout(f"{op} (id {rid}): could not send to {self.endpoint} within {timeout:g} s; "
-                                     "the connection was reset", request_id=rid)
+        if data_frames:
+            raise ValueError("a request built by hand carries no data frames")
+        asked = []
+
+        def run(core, rid, t):
+            asked.append(rid)
             self._expect_fds(rid)
-            self._sock.send_multipart(msg, copy=False)
-            del msg
-            ch = self._segments.channel if self._segments is not None else None
-            poller = None
-            chan_fd = ch.fileno() if ch is not None else None
-            if chan_fd is not None:
-                # Descriptors come on the channel before the reply: read them
-                # as they come, so a long list never fills the channel.
-                poller = zmq.Poller()
-                poller.register(self._sock, zmq.POLLIN)
-                poller.register(chan_fd, zmq.POLLIN)
-            while True:
-                if poller is not None:
-                    ready = dict(poller.poll(_ms_left(deadline)))
-                    if chan_fd is not None and chan_fd in ready:
-                        try:
-                            ch.pump(max(0.0, deadline - time.monotonic()))
-                        except _CORE_FAILURES:
-                            pass  # the channel broke (and closed), e.g. stowd restarted:
-                            # the reply says what became of the request
-                        if ch.closed:
-                            poller.unregister(chan_fd)
-                            chan_fd = None
-                    if self._sock not in ready:
-                        if time.monotonic() < deadline:
-                            continue
-                        ready = {}
-                else:
-                    ready = {self._sock: 1} if self._sock.poll(_ms_left(deadline), zmq.POLLIN) else {}
-                if not ready:
-                    self._reset()
-                    if ch is not None:
-                        ch.forget(rid)
-                    raise StowageTimeout(f"{op} (id {rid}): no reply from {self.endpoint} within {timeout:g} s; "
-                                         "the connection was reset", request_id=rid)
-                frames = self._sock.recv_multipart(copy=False)
-                env = _codec.decode_envelope(frames[0].bytes)
-                # id 0: an error reply to a request the server could not read; with one
-                # request in flight it can only be ours. Any other id is a stale reply: dropped.
-                if env["id"] == rid or (env["id"] == 0 and env["op"] == "error"):
-                    frames = self._reply_frames(env, frames, rid)
-                    return self._reply_body(env, expect, rid), frames
+            return core.call(op, rid, body, t, extras)
+
+        try:
+            rid, (env, _) = self._core_call(op, None, timeout, run)
+            if type(env) is str:
+                raise ProtocolError(f"malformed reply: {env}", request_id=rid)
+            frames = self._reply_frames(env, [], rid)
+        except BaseException:
+            if asked:
+                self._forget_fds(asked[0])
+            raise
+        return self._reply_body(env, expect, rid), frames
 
     def put(self, global_indexes, data: Mapping[str, Any], *, timeout: float | None = None) -> int:
         """Stores rows. `data` maps field name -> a numpy array or torch tensor
@@ -749,20 +680,19 @@ class Client(_Ops):
         """`run(core connection, frame 0 of the request, timeout)` under the
         client's lock: (request id, its result); with `body` None, `run`
         gets the request id instead and writes frame 0 itself. A failure
-        that dropped the core's connection resets the DEALER too, as after
-        any timeout, so nothing stale can follow."""
+        drops the core's connection (the next call connects anew), so
+        nothing stale can follow."""
         timeout = self._call_timeout(timeout)
         rid = next(self._ids)
         frame0 = rid if body is None else _codec.envelope(op, rid, body)
         with self._lock:
-            if self._sock is None:
+            if self._closed:
                 raise StowageError("the client is closed")
             if self._core is None:
                 self._core = _core.Connection(self.endpoint, self.spin_us, self._token, self._curve)
             try:
                 return rid, run(self._core, frame0, timeout)
             except _CORE_FAILURES as e:
-                self._reset()
                 raise self._core_failure(e, op, rid, timeout) from None
 
     def get_into(self, global_indexes, out: Mapping[str, Any], *, timeout: float | None = None) -> Mapping[str, Any]:
@@ -799,18 +729,14 @@ class Client(_Ops):
     def clear(self, global_indexes, fields=None, *, timeout: float | None = None) -> int:
         """Drops the given fields (all fields if None) of the given indexes;
         returns how many (index, field) values were dropped."""
-        if self._core_carries():
-            rid, got = self._core_call("clear", None, timeout, lambda core, rid, t: core.clear_fast(
-                rid, global_indexes, fields, t))
-            if got is not None:
-                return got if type(got) is int else self._core_refused(rid, got, "clear_ok")
+        rid, got = self._core_call("clear", None, timeout, lambda core, rid, t: core.clear_fast(
+            rid, global_indexes, fields, t))
+        if got is not None:
+            return got if type(got) is int else self._core_refused(rid, got, "clear_ok")
         return self._cleared(self._ask("clear", self._clear_request(global_indexes, fields), timeout, "clear_ok"))
 
     def _ask(self, op: str, body: dict, timeout, expect: str) -> dict:
-        """A call that moves no rows: through the core (`_core_carries`),
-        request and reply, else through pyzmq; the reply's body."""
-        if not self._core_carries():
-            return self._call(op, body, (), timeout, expect)[0]
+        """A call that moves no rows, through the core: the reply's body."""
         rid, got = self._core_call(op, None, timeout, lambda core, rid, t: core.call(op, rid, body, t))
         return self._core_answer(rid, got, expect)
 

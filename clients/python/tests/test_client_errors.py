@@ -261,19 +261,20 @@ def test_split_put_is_not_atomic_async(small_server, fresh):
     asyncio.run(main())
 
 
-def test_bad_request_from_server(endpoint, monkeypatch):
-    """What the server refuses as malformed arrives as BadRequest (sent through
-    the client's own request path with a frame 0 its encoder would never
-    write: the encoder refuses the misspelled key itself)."""
+def test_bad_request_from_server(endpoint):
+    """What the server refuses as malformed arrives as BadRequest (a frame
+    0 the client's encoder would never write, sent on the client's own
+    connection: the encoder refuses the misspelled key itself)."""
     body = {"global_indexes": [1], "feilds": ["x"]}
     with pytest.raises(TypeError, match="feilds"):
         _codec.envelope("clear", 1, body)
     # (built by hand: test data, not a codec)
-    monkeypatch.setattr(_codec, "envelope", lambda op, rid, body, extras=None: msgpack.packb(
-        {"proto": "stowage/1", "op": op, "id": rid, "body": body}))
+    frame0 = msgpack.packb({"proto": "stowage/1", "op": "clear", "id": 7, "body": body})
     with stowage.Client(endpoint, timeout=10) as c:
+        assert c.stats()["units"] == 2  # connected
+        reply = c._core.send(frame0, [], 10.0)
         with pytest.raises(stowage.BadRequest, match=r"^bad_request: ") as ei:
-            c._call("clear", body, (), None, "clear_ok")
+            c._reply_body(_codec.decode_envelope(reply[0]), "clear_ok", 7)
         assert not isinstance(ei.value, stowage.TooLarge)
         assert c.stats()["units"] == 2
 
@@ -309,13 +310,12 @@ def test_timeout_against_a_silent_peer(silent_endpoint):
     with stowage.Client(ep, timeout=0.3) as c:
         for call in (lambda: c.stats(), lambda: c.get([1], ["x"]), lambda: c.put([1], {"x": np.ones((1, 4))}),
                      lambda: c.clear([1]), lambda: c.get_into([1], {"x": np.ones((1, 4))})):
-            sock = c._sock
             t0 = time.monotonic()
             with pytest.raises(stowage.StowageTimeout, match=r"no reply from .* within 0.3 s; the connection was reset") as ei:
                 call()
             assert 0.25 < time.monotonic() - t0 < 2.0
             assert isinstance(ei.value, TimeoutError) and isinstance(ei.value, stowage.StowageError)
-            assert c._sock is not sock and sock.closed, "the DEALER was not recreated"
+            assert not c._core.connected, "the connection was not dropped"
         # A per-call timeout overrides the client's.
         t0 = time.monotonic()
         with pytest.raises(stowage.StowageTimeout, match="within 0.1 s"):

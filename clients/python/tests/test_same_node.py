@@ -24,6 +24,7 @@ import pytest
 
 import stowage
 from stowage import _auth, _shm
+import stowd_harness
 from stowd_harness import run_stowd
 
 GIB = 1 << 30
@@ -316,7 +317,7 @@ def test_a_same_node_get_names_each_segment_once(shm_server, fresh):
     with stowage.Client(shm_server["native"], same_node=True) as c:
         c.put(idx, {"x": x, "ids": ids})
         sock = zmq.Context.instance().socket(zmq.DEALER)
-        _auth.offer_token(sock, shm_server["native"])
+        stowd_harness.offer_token(sock, shm_server["native"])
         sock.connect(shm_server["native"])
         try:
             sock.send(_codec.envelope("get", 7, {"global_indexes": pick, "fields": ["x", "ids"]},
@@ -705,7 +706,7 @@ def test_a_reader_cannot_change_stored_rows_through_its_descriptor(shm_server, f
         tcp.put(idx, {"x": data})
     ch = open_channel(shm_server)
     sock = zmq.Context.instance().socket(zmq.DEALER)
-    _auth.offer_token(sock, shm_server["native"])
+    stowd_harness.offer_token(sock, shm_server["native"])
     sock.connect(shm_server["native"])
     try:
         sock.send(_codec.envelope("get", 3, {"global_indexes": idx, "fields": ["x"]},
