@@ -146,6 +146,8 @@ pub struct Manager {
     pub dedup_counters: dedup::DedupCounters,
     /// Puts stored as they arrived, with no selection ([`Manager::over_unit`]).
     as_received: bool,
+    /// Every target is a local unit (a get needs no future per unit).
+    all_local: bool,
 }
 
 impl std::fmt::Debug for Manager {
@@ -171,6 +173,7 @@ impl Manager {
         sender_id: String,
     ) -> Manager {
         Manager {
+            all_local: targets.iter().all(|t| matches!(t, Target::Local(_))),
             targets,
             registry: ArcSwap::new(registry),
             limits,
@@ -661,19 +664,9 @@ impl Manager {
             return Err(ManagerError::BadRequest("no fields requested".into()));
         }
         let mut out: Vec<Rows> = fields.iter().map(|_| Rows::default()).collect();
-        // Every unit at once: remote units' transfers overlap.
-        let gets = self
-            .targets
-            .iter()
-            .zip(self.seq_routes(global_indexes))
-            .enumerate()
-            .filter(|(_, (_, seqs))| !seqs.is_empty())
-            .map(|(t, (target, seqs))| {
-                let tap = taps.get(t).and_then(Option::as_ref);
-                self.get_target(target, seqs, fields, tap)
-            });
-        for got in futures_util::future::join_all(gets).await {
-            for (into, rows) in out.iter_mut().zip(got?) {
+        let routes = self.seq_routes(global_indexes);
+        let add = |out: &mut Vec<Rows>, got: Vec<Rows>| {
+            for (into, rows) in out.iter_mut().zip(got) {
                 let base = into.columns.len() as u32;
                 into.columns.extend(rows.columns);
                 into.pieces.extend(rows.pieces.into_iter().map(|p| Piece {
@@ -681,6 +674,32 @@ impl Manager {
                     ..p
                 }));
             }
+        };
+        if self.all_local {
+            // Local units answer at once: no future per unit.
+            for (t, (target, seqs)) in self.targets.iter().zip(routes).enumerate() {
+                if let (Target::Local(unit), false) = (target, seqs.is_empty()) {
+                    if let Some(tap) = taps.get(t).and_then(Option::as_ref) {
+                        tap.send(TapEvent::NotForwarded);
+                    }
+                    add(&mut out, unit.get_seqs(&seqs, fields)?);
+                }
+            }
+            return Ok(fields.iter().cloned().zip(out).collect());
+        }
+        // Every unit at once: remote units' transfers overlap.
+        let gets = self
+            .targets
+            .iter()
+            .zip(routes)
+            .enumerate()
+            .filter(|(_, (_, seqs))| !seqs.is_empty())
+            .map(|(t, (target, seqs))| {
+                let tap = taps.get(t).and_then(Option::as_ref);
+                self.get_target(target, seqs, fields, tap)
+            });
+        for got in futures_util::future::join_all(gets).await {
+            add(&mut out, got?);
         }
         Ok(fields.iter().cloned().zip(out).collect())
     }
@@ -709,13 +728,14 @@ impl Manager {
                 positions.push(s.pos + k * s.pos_step);
             }
         }
+        // Boxed, as in `clear_target`.
         if let Target::Peer(p) = target {
-            return self.get_peer(p, &indexes, &positions, fields, tap).await;
+            return Box::pin(self.get_peer(p, &indexes, &positions, fields, tap)).await;
         }
         let Target::Remote(peer) = target else {
             unreachable!("local and peer units are answered above")
         };
-        let got = self.get_remote(peer, &indexes, fields).await?;
+        let got = Box::pin(self.get_remote(peer, &indexes, fields)).await?;
         let mut rows_of = Vec::with_capacity(got.len());
         for cells in got {
             if cells.len() != positions.len() {
@@ -754,17 +774,17 @@ impl Manager {
         indexes: &[u64],
         fields: Option<&[String]>,
     ) -> Result<u64, ManagerError> {
+        // The exchanges with other processes are boxed: their futures are
+        // large, and a future holding them inline makes every request that
+        // awaits one (a put, a clear, over local units too) that large.
         match target {
             Target::Local(unit) => Ok(unit.clear(indexes, fields)?),
-            Target::Peer(p) => self.clear_peer(p, indexes, fields).await,
+            Target::Peer(p) => Box::pin(self.clear_peer(p, indexes, fields)).await,
             Target::Remote(peer) => {
-                self.exchange(
-                    peer,
-                    &tq::Request::Clear {
-                        global_indexes: indexes.to_vec(),
-                    },
-                )
-                .await?;
+                let request = tq::Request::Clear {
+                    global_indexes: indexes.to_vec(),
+                };
+                Box::pin(self.exchange(peer, &request)).await?;
                 Ok(indexes.len() as u64)
             }
         }

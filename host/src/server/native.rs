@@ -583,7 +583,19 @@ impl Service for NativeService {
         );
         let frame0 = frames.first().map_or(0, Bytes::len);
         let offload = self.offload.clone();
-        let work = async move { self.serve_one(caller.connection, frames).await }.instrument(span);
+        // A small request's future is the one box: the request's own state,
+        // once (see `Offload::inline`).
+        if offload.inline(frame0) {
+            return Box::pin(
+                async move {
+                    Some(self.serve_one(caller.connection, frames).await).filter(|f| !f.is_empty())
+                }
+                .instrument(span),
+            );
+        }
+        let work = Box::pin(
+            async move { self.serve_one(caller.connection, frames).await }.instrument(span),
+        );
         Box::pin(async move { Some(offload.run(frame0, work).await).filter(|f| !f.is_empty()) })
     }
 
