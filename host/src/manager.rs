@@ -32,6 +32,7 @@ use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use bytes::Bytes;
+use smallvec::SmallVec;
 
 use crate::batch::{Cell, Field};
 use crate::config::LimitsConfig;
@@ -158,6 +159,37 @@ impl std::fmt::Debug for Manager {
     }
 }
 
+/// The data counters of one put's selections, added to the manager's
+/// [`DataCounters`] once (a few atomic additions a put, not a few a
+/// (field, unit) pair).
+#[derive(Default)]
+struct Tally {
+    plugin_decisions: u64,
+    builtin_decisions: u64,
+    fallbacks: u64,
+    zero_copy_bytes: u64,
+    copied_bytes: u64,
+    /// The row shape of the last regular column made, for the next one to
+    /// share ([`Column::regular_sharing`]).
+    row_shape: Option<Arc<[u64]>>,
+}
+
+impl Tally {
+    fn add_to(&self, c: &DataCounters) {
+        for (counter, n) in [
+            (&c.plugin_decisions, self.plugin_decisions),
+            (&c.builtin_decisions, self.builtin_decisions),
+            (&c.fallbacks, self.fallbacks),
+            (&c.zero_copy_bytes, self.zero_copy_bytes),
+            (&c.copied_bytes, self.copied_bytes),
+        ] {
+            if n > 0 {
+                counter.fetch_add(n, Ordering::Relaxed);
+            }
+        }
+    }
+}
+
 /// Positions (into the batch) and global indexes that go to one unit.
 struct Route {
     positions: Vec<u64>,
@@ -274,11 +306,16 @@ impl Manager {
 
     fn routes(&self, global_indexes: &[u64]) -> Vec<Route> {
         let n = self.targets.len() as u64;
-        let each = global_indexes.len() / n as usize + 1;
-        let mut routes: Vec<Route> = (0..n)
-            .map(|_| Route {
-                positions: Vec::with_capacity(each),
-                indexes: Vec::with_capacity(each),
+        // Sized exactly: a unit that gets no rows allocates nothing.
+        let mut counts: SmallVec<[usize; 16]> = smallvec::smallvec![0; n as usize];
+        for &g in global_indexes {
+            counts[(g % n) as usize] += 1;
+        }
+        let mut routes: Vec<Route> = counts
+            .iter()
+            .map(|&c| Route {
+                positions: Vec::with_capacity(c),
+                indexes: Vec::with_capacity(c),
             })
             .collect();
         for (pos, &g) in global_indexes.iter().enumerate() {
@@ -318,12 +355,12 @@ impl Manager {
         field: &Field,
         decision: Decision<SelectionPlan>,
         received: &Received,
+        c: &mut Tally,
     ) -> Result<Vec<Column>, ManagerError> {
-        let c = &self.counters;
         match &decision.by {
-            DecidedBy::Plugin(_) => c.plugin_decisions.fetch_add(1, Ordering::Relaxed),
-            DecidedBy::Builtin => c.builtin_decisions.fetch_add(1, Ordering::Relaxed),
-            DecidedBy::Fallback { .. } => c.fallbacks.fetch_add(1, Ordering::Relaxed),
+            DecidedBy::Plugin(_) => c.plugin_decisions += 1,
+            DecidedBy::Builtin => c.builtin_decisions += 1,
+            DecidedBy::Fallback { .. } => c.fallbacks += 1,
         };
         let selected = plan::execute_selection(field, &decision.plan)
             .map_err(|e| ManagerError::Internal(e.to_string()))?;
@@ -333,21 +370,25 @@ impl Manager {
                 Selected::Rows(t) => {
                     let (extent, offset, zero_copy) = received.locate_or_own(t.buffer());
                     let counter = if zero_copy {
-                        &c.zero_copy_bytes
+                        &mut c.zero_copy_bytes
                     } else {
-                        &c.copied_bytes
+                        &mut c.copied_bytes
                     };
-                    counter.fetch_add(t.payload_len() as u64, Ordering::Relaxed);
-                    columns.push(Column::regular(extent, offset, &t));
+                    *counter += t.payload_len() as u64;
+                    columns.push(Column::regular_sharing(
+                        extent,
+                        offset,
+                        &t,
+                        &mut c.row_shape,
+                    ));
                 }
                 Selected::NestedRows(rows) => {
                     let bytes: usize = rows.iter().map(Tensor::payload_len).sum();
-                    c.zero_copy_bytes.fetch_add(bytes as u64, Ordering::Relaxed);
+                    c.zero_copy_bytes += bytes as u64;
                     columns.push(Column::from_field(Field::Nested(rows), received));
                 }
                 Selected::Packed { buffer, rows } => {
-                    c.copied_bytes
-                        .fetch_add(buffer.len() as u64, Ordering::Relaxed);
+                    c.copied_bytes += buffer.len() as u64;
                     // The packed buffer is the rows' one extent.
                     let own = Received::frames(std::slice::from_ref(&buffer));
                     columns.push(Column::from_field(Field::Nested(rows), &own));
@@ -372,55 +413,67 @@ impl Manager {
         received: &Received,
     ) -> Result<Vec<Option<(Vec<u64>, Vec<(String, Vec<Column>)>)>>, ManagerError> {
         let routes = self.routes(global_indexes);
-        let mut groups: Vec<(Option<usize>, Vec<usize>)> = Vec::new();
+        // Fields by selection chain, in order of first appearance.
+        let mut groups: SmallVec<[(Option<usize>, SmallVec<[usize; 8]>); 2]> = SmallVec::new();
         for (f, (name, _)) in fields.iter().enumerate() {
             let at = registry.select_chain_at(name);
             match groups.iter_mut().find(|(a, _)| *a == at) {
                 Some((_, members)) => members.push(f),
-                None => groups.push((at, vec![f])),
+                None => groups.push((at, smallvec::smallvec![f])),
             }
         }
-        // decisions[unit][field]
-        let mut decisions: Vec<Vec<Option<Decision<SelectionPlan>>>> = routes
-            .iter()
-            .map(|_| (0..fields.len()).map(|_| None).collect())
-            .collect();
+        // decisions[unit * fields + field], in one list.
+        let nf = fields.len();
+        let busy = routes.iter().filter(|r| !r.positions.is_empty()).count();
+        let mut decisions: Vec<Option<Decision<SelectionPlan>>> =
+            (0..routes.len() * nf).map(|_| None).collect();
         for (at, members) in &groups {
-            let mut requests = Vec::new();
-            let mut slots = Vec::new();
+            let mut requests = Vec::with_capacity(busy * members.len());
+            let mut slots = Vec::with_capacity(busy * members.len());
             for (u, route) in routes.iter().enumerate() {
                 if route.positions.is_empty() {
                     continue;
                 }
                 for &f in members {
                     requests.push(SelectRequest::new(&fields[f].1, &route.positions));
-                    slots.push((u, f));
+                    slots.push(u * nf + f);
                 }
             }
             if requests.is_empty() {
                 continue;
             }
             let decided = registry.select_chain_of(*at).select_many(&requests)?;
-            for ((u, f), d) in slots.into_iter().zip(decided) {
-                decisions[u][f] = Some(d);
+            for (slot, d) in slots.into_iter().zip(decided) {
+                decisions[slot] = Some(d);
             }
         }
+        let mut tally = Tally::default();
+        let mut decisions = decisions.into_iter();
         let mut per_unit = Vec::with_capacity(routes.len());
-        for (route, decided) in routes.into_iter().zip(decisions) {
-            if route.positions.is_empty() {
-                per_unit.push(None);
-                continue;
+        let build = || -> Result<(), ManagerError> {
+            for route in routes {
+                let decided = decisions.by_ref().take(nf);
+                if route.positions.is_empty() {
+                    decided.for_each(drop);
+                    per_unit.push(None);
+                    continue;
+                }
+                let mut unit_fields = Vec::with_capacity(nf);
+                for ((name, field), d) in fields.iter().zip(decided) {
+                    let d = d.ok_or_else(|| {
+                        ManagerError::Internal(format!("no selection decision for field {name}"))
+                    })?;
+                    let columns = self.execute(field, d, received, &mut tally)?;
+                    unit_fields.push((name.clone(), columns));
+                }
+                per_unit.push(Some((route.indexes, unit_fields)));
             }
-            let mut unit_fields = Vec::with_capacity(fields.len());
-            for ((name, field), d) in fields.iter().zip(decided) {
-                let d = d.ok_or_else(|| {
-                    ManagerError::Internal(format!("no selection decision for field {name}"))
-                })?;
-                unit_fields.push((name.clone(), self.execute(field, d, received)?));
-            }
-            per_unit.push(Some((route.indexes, unit_fields)));
-        }
-        Ok(per_unit)
+            Ok(())
+        };
+        let built = build();
+        // Counted as they were taken, a put that fails here too.
+        tally.add_to(&self.counters);
+        built.map(|()| per_unit)
     }
 
     /// Stores a batch: each global index on its unit, each field's rows

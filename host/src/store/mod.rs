@@ -29,6 +29,8 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
+
+use smallvec::SmallVec;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -221,30 +223,32 @@ impl Inner {
     /// Stores `columns` (their rows, in order) under `(indexes[i], name)`,
     /// as rows of put `generation`; a row already stored there is
     /// released. Returns the bytes released.
+    ///
+    /// `added[i]` counts the fields new at `indexes[i]` (the put's fields
+    /// stored so far); the caller adds them to `present` once, after the
+    /// last field, so a put of many fields makes one `present` update a
+    /// row, not one a (row, field).
     fn store_field(
         &mut self,
         name: &str,
         indexes: &[u64],
         columns_in: Vec<Column>,
         generation: u64,
+        added: &mut [u32],
     ) -> u64 {
-        let name: Arc<str> = match self.fields.get_key_value(name) {
-            Some((k, _)) => k.clone(),
-            None => Arc::from(name),
-        };
         let Inner {
             fields,
-            present,
             columns,
             free,
             keys,
             ..
         } = self;
-        let index = fields.entry(name).or_default();
+        // One lookup of the name (and one more for a field's first row).
+        let index = match fields.get_mut(name) {
+            Some(index) => index,
+            None => fields.entry(Arc::from(name)).or_default(),
+        };
         index.reserve(indexes.len());
-        if present.is_empty() {
-            present.reserve(indexes.len());
-        }
         let mut freed = 0u64;
         let mut next = 0usize;
         for column in columns_in {
@@ -265,13 +269,25 @@ impl Inner {
                     Some(old) => freed += release(columns, free, Loc::unpack(old)),
                     None => {
                         *keys += 1;
-                        present.increment(*g);
+                        added[next + row] += 1;
                     }
                 }
             }
             next += rows;
         }
         freed
+    }
+
+    /// Adds the fields a put made new at each of `indexes` to `present`.
+    fn add_present(&mut self, indexes: &[u64], added: &[u32]) {
+        if self.present.is_empty() {
+            self.present.reserve(indexes.len());
+        }
+        for (&g, &n) in indexes.iter().zip(added) {
+            if n > 0 {
+                self.present.add(g, u64::from(n));
+            }
+        }
     }
 
     /// Removes (g, field) if present: returns its bytes.
@@ -511,9 +527,17 @@ impl Unit {
         let mut freed = 0u64;
         inner.generation += 1;
         let generation = inner.generation;
+        let mut new_fields: SmallVec<[u32; 64]> = smallvec::smallvec![0; global_indexes.len()];
         for (name, columns_in) in fields {
-            freed += inner.store_field(&name, global_indexes, columns_in, generation);
+            freed += inner.store_field(
+                &name,
+                global_indexes,
+                columns_in,
+                generation,
+                &mut new_fields,
+            );
         }
+        inner.add_present(global_indexes, &new_fields);
         inner.bytes = inner.bytes - freed + added;
         self.publish(&inner);
         drop(inner);

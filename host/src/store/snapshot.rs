@@ -258,7 +258,9 @@ impl Unit {
         };
         let generation = new.generation;
         for (name, indexes, columns_in) in r.fields {
-            new.store_field(&name, &indexes, columns_in, generation);
+            let mut added = vec![0u32; indexes.len()];
+            new.store_field(&name, &indexes, columns_in, generation, &mut added);
+            new.add_present(&indexes, &added);
         }
         new.bytes = r.bytes;
         new.lost = std::mem::take(&mut inner.lost);

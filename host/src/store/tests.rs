@@ -354,6 +354,50 @@ fn overwriting_many_rows_keeps_counts() {
     );
 }
 
+/// A put counts each row's new fields once it has stored them all: rows
+/// whose fields are partly new, wholly new or all overwritten come out
+/// with the right counts, and clearing fields one at a time drops a row
+/// exactly when its last field goes.
+#[test]
+fn a_put_of_new_and_old_fields_counts_each_rows_fields() {
+    let unit = Unit::new("u0", None);
+    unit.put(
+        &[1, 2],
+        vec![
+            ("a".into(), values(&["a1", "a2"])),
+            ("b".into(), values(&["b1", "b2"])),
+        ],
+    )
+    .unwrap();
+    // Row 2: b old, c new; row 3: both new; row 1 untouched.
+    unit.put(
+        &[2, 3],
+        vec![
+            ("b".into(), values(&["B2", "b3"])),
+            ("c".into(), values(&["c2", "c3"])),
+        ],
+    )
+    .unwrap();
+    let st = unit.stats();
+    assert_eq!((st.keys, st.rows), (7, 3));
+    // Nothing new at all: the counts stay.
+    unit.put(&[3, 2], vec![("c".into(), values(&["C3", "C2"]))])
+        .unwrap();
+    let st = unit.stats();
+    assert_eq!((st.keys, st.rows), (7, 3));
+    assert_eq!(
+        got(&unit, &[2, 3], "c"),
+        vec![Cell::Value(s("C2")), Cell::Value(s("C3"))]
+    );
+    // Row 2 has a, b and c: it stays until all three are cleared.
+    for (field, rows) in [("a", 3), ("c", 3), ("b", 2)] {
+        assert_eq!(unit.clear(&[2], Some(&[field.to_string()])).unwrap(), 1);
+        assert_eq!(unit.stats().rows, rows, "after clearing {field} of row 2");
+    }
+    assert_eq!(unit.clear(&[1, 3], None).unwrap(), 4);
+    assert_eq!(unit.stats().rows, 0);
+}
+
 /// A full unit still takes an overwrite that frees what it adds, and
 /// refuses one row more; `check_put` agrees with `put`, and a refused put
 /// changes nothing.

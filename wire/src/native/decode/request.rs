@@ -2,14 +2,12 @@
 //! stats, channel, checkpoint, restore, versions), its descriptors
 //! resolved against the data frames, every data frame used.
 
-use std::collections::HashSet;
-
 use bytes::Bytes;
 
 use super::descriptor::field_map;
 use super::envelope::envelope;
 use super::frames::Frames;
-use super::keys::{empty_body, keyed, limit, need, single_str, single_uint, tuple};
+use super::keys::{Seen, empty_body, keyed, limit, need, single_str, single_uint, tuple};
 use crate::indexes::RunsError;
 use crate::msgpack::Reader;
 use crate::native::{Error, IndexRun, Indexes, Limits, Op, Request, WireField};
@@ -182,7 +180,7 @@ fn get_indexes(r: &mut Reader<'_>, limits: &Limits) -> Result<Indexes, Error> {
 fn names(r: &mut Reader<'_>, limits: &Limits) -> Result<Vec<String>, Error> {
     let n = r.array_len("fields")?;
     limit("fields", n, limits.max_fields)?;
-    let mut seen = HashSet::with_capacity(n);
+    let mut seen = Seen::with_capacity(n);
     let mut out = Vec::with_capacity(n);
     for _ in 0..n {
         let name = r.str("a field name")?;
