@@ -43,7 +43,7 @@ use crate::policy::SelectRequest;
 use crate::policy::chain::{ChainError, DecidedBy, Decision};
 use crate::policy::registry::Registry;
 use crate::shm::{SegmentStore, ShmError};
-use crate::store::{Column, Piece, Rows, Seq, StoreError, Unit};
+use crate::store::{Column, Piece, PutField, Rows, Seq, StoreError, Unit};
 use crate::tensor::Tensor;
 use crate::transport::{Peer, TransportError};
 use crate::wire::indexes::Indexes;
@@ -411,7 +411,7 @@ impl Manager {
         global_indexes: &[u64],
         fields: &[(String, Field)],
         received: &Received,
-    ) -> Result<Vec<Option<(Vec<u64>, Vec<(String, Vec<Column>)>)>>, ManagerError> {
+    ) -> Result<Vec<Option<(Vec<u64>, Vec<PutField>)>>, ManagerError> {
         let routes = self.routes(global_indexes);
         // Fields by selection chain, in order of first appearance.
         let mut groups: SmallVec<[(Option<usize>, SmallVec<[usize; 8]>); 2]> = SmallVec::new();
@@ -449,6 +449,8 @@ impl Manager {
         }
         let mut tally = Tally::default();
         let mut decisions = decisions.into_iter();
+        // Each name once, shared by the units.
+        let names: SmallVec<[Arc<str>; 8]> = fields.iter().map(|(n, _)| Arc::from(&**n)).collect();
         let mut per_unit = Vec::with_capacity(routes.len());
         let build = || -> Result<(), ManagerError> {
             for route in routes {
@@ -459,7 +461,7 @@ impl Manager {
                     continue;
                 }
                 let mut unit_fields = Vec::with_capacity(nf);
-                for ((name, field), d) in fields.iter().zip(decided) {
+                for (((_, field), name), d) in fields.iter().zip(&names).zip(decided) {
                     let d = d.ok_or_else(|| {
                         ManagerError::Internal(format!("no selection decision for field {name}"))
                     })?;
@@ -494,7 +496,7 @@ impl Manager {
         if let Some(unit) = self.unit() {
             let columns = fields
                 .into_iter()
-                .map(|(name, f)| (name, vec![Column::from_field(f, received)]))
+                .map(|(name, f)| (name.into(), vec![Column::from_field(f, received)]))
                 .collect();
             return Ok(unit.put(global_indexes, columns)?);
         }
@@ -612,7 +614,7 @@ impl Manager {
     fn dedup_put(
         &self,
         fields: &[(String, Field)],
-        per_unit: &mut [Option<(Vec<u64>, Vec<(String, Vec<Column>)>)>],
+        per_unit: &mut [Option<(Vec<u64>, Vec<PutField>)>],
     ) {
         for (f, (name, _)) in fields.iter().enumerate() {
             if !self

@@ -92,6 +92,12 @@ impl Tensor {
         Tensor::contiguous_shape(bytes, dtype, Shape::from_vec(shape))
     }
 
+    /// [`Tensor::contiguous`] of a borrowed shape (copied inline: no
+    /// allocation up to 4 dimensions).
+    pub fn contiguous_of(bytes: Bytes, dtype: Dtype, shape: &[u64]) -> Result<Tensor, TensorError> {
+        Tensor::contiguous_shape(bytes, dtype, Shape::from_slice(shape))
+    }
+
     /// A C-contiguous tensor of `rows` rows of `row_shape` over `bytes`
     /// (the length must match exactly): [`Tensor::contiguous`] without a
     /// shape to allocate.

@@ -41,7 +41,7 @@ pub struct DedupCounters {
 }
 
 /// Per unit, the fields of its part of a put (`None`: no rows, or remote).
-pub(super) type UnitFields<'a> = Option<&'a mut Vec<(String, Vec<Column>)>>;
+pub(super) type UnitFields<'a> = Option<&'a mut Vec<crate::store::PutField>>;
 
 /// One row to store: its unit, bytes, dtype and shape.
 struct Row<'a> {

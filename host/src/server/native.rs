@@ -168,29 +168,33 @@ impl NativeService {
         let started = Instant::now();
         let mut op = "undecodable";
         let fallback_id = native::request_id(&frames).unwrap_or(0);
+        // The extras, and where the body lies: the request's decode below
+        // steps over it instead of walking it again.
         let extras = match frames.first() {
-            Some(f0) => native::decode_extras(f0, &self.limits),
-            None => Ok(native::Extras::default()),
+            Some(f0) => native::decode_extras_and_body(f0, &self.limits),
+            None => Ok(Default::default()),
         };
         let (id, answer) = match extras {
             Err(e) => (fallback_id, errors::native_decode(&e).into()),
-            Ok(extras) => match self.received(connection, frames, &extras).await {
+            Ok((extras, body)) => match self.received(connection, frames, &extras).await {
                 Err(reply) => (fallback_id, reply.into()),
-                Ok((frames, received)) => match native::decode_request(&frames, &self.limits) {
-                    Ok(req) => {
-                        op = req.op.name();
-                        let span = tracing::Span::current();
-                        span.record("id", req.id)
-                            .record("op", op)
-                            .record("rows", op_rows(&req.op));
-                        (
-                            req.id,
-                            self.answer(req.id, req.op, &extras, &received, connection)
-                                .await,
-                        )
+                Ok((frames, received)) => {
+                    match native::decode_request_at(&frames, &self.limits, &body) {
+                        Ok(req) => {
+                            op = req.op.name();
+                            let span = tracing::Span::current();
+                            span.record("id", req.id)
+                                .record("op", op)
+                                .record("rows", op_rows(&req.op));
+                            (
+                                req.id,
+                                self.answer(req.id, req.op, &extras, &received, connection)
+                                    .await,
+                            )
+                        }
+                        Err(e) => (fallback_id, errors::native_decode(&e).into()),
                     }
-                    Err(e) => (fallback_id, errors::native_decode(&e).into()),
-                },
+                }
             },
         };
         let (encoded, outcome) = match answer {

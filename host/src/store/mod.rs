@@ -230,7 +230,7 @@ impl Inner {
     /// row, not one a (row, field).
     fn store_field(
         &mut self,
-        name: &str,
+        name: Arc<str>,
         indexes: &[u64],
         columns_in: Vec<Column>,
         generation: u64,
@@ -244,9 +244,9 @@ impl Inner {
             ..
         } = self;
         // One lookup of the name (and one more for a field's first row).
-        let index = match fields.get_mut(name) {
+        let index = match fields.get_mut(&*name) {
             Some(index) => index,
-            None => fields.entry(Arc::from(name)).or_default(),
+            None => fields.entry(name).or_default(),
         };
         index.reserve(indexes.len());
         let mut freed = 0u64;
@@ -347,8 +347,10 @@ pub struct UnitStats {
     pub capacity: Option<u64>,
 }
 
-/// The columns of one field of a put, in row order.
-pub type PutField = (String, Vec<Column>);
+/// The columns of one field of a put, in row order, under the field's
+/// name (shared by the units of a put, and kept by a unit that stores a
+/// field for the first time).
+pub type PutField = (Arc<str>, Vec<Column>);
 
 impl Unit {
     /// A unit with an optional capacity in bytes.
@@ -530,7 +532,7 @@ impl Unit {
         let mut new_fields: SmallVec<[u32; 64]> = smallvec::smallvec![0; global_indexes.len()];
         for (name, columns_in) in fields {
             freed += inner.store_field(
-                &name,
+                name,
                 global_indexes,
                 columns_in,
                 generation,
@@ -579,7 +581,7 @@ impl Unit {
         }
         let mut freed = 0u64;
         for (name, _) in fields {
-            if let Some(index) = inner.fields.get(name.as_str()) {
+            if let Some(index) = inner.fields.get(&**name) {
                 freed += global_indexes
                     .iter()
                     .filter_map(|&g| index.get(g))
@@ -649,7 +651,7 @@ impl Unit {
             };
             let mut rows = Rows::default();
             // Column number in the unit -> in `rows`.
-            let mut numbered: HashMap<u32, u32> = HashMap::new();
+            let mut numbered: rows::FewMap<u32, u32> = rows::FewMap::default();
             let mut last: Option<(u32, u32)> = None;
             for seq in seqs {
                 let mut k = 0;
@@ -666,7 +668,7 @@ impl Unit {
                     };
                     let ours = match last {
                         Some((unit_col, ours)) if unit_col == loc.column => ours,
-                        _ => *numbered.entry(loc.column).or_insert_with(|| {
+                        _ => numbered.get_or_insert_with(loc.column, || {
                             rows.columns.push(slot.column.clone());
                             (rows.columns.len() - 1) as u32
                         }),
@@ -839,7 +841,7 @@ fn check_shape(global_indexes: &[u64], fields: &[PutField]) -> Result<(), StoreE
         let rows: u64 = columns.iter().map(Column::rows).sum();
         if rows != global_indexes.len() as u64 {
             return Err(StoreError::RowCount {
-                field: name.clone(),
+                field: name.to_string(),
                 rows,
                 indexes: global_indexes.len(),
             });

@@ -141,7 +141,7 @@ fn puts_are_all_or_nothing() {
 fn check_put_stores_nothing() {
     let unit = Unit::new("u0", Some(4));
     unit.put(&[1], vec![("a".into(), values(&["12"]))]).unwrap();
-    let too_big = [("a".to_string(), values(&["123"]))];
+    let too_big = [("a".into(), values(&["123"]))];
     assert!(matches!(
         unit.check_put(&[2], &too_big),
         Err(StoreError::Capacity { .. })
@@ -408,7 +408,7 @@ fn capacity_counts_overwritten_rows_as_freed() {
         .unwrap();
     assert_eq!(unit.stats().bytes, 8);
     // 8 + 4 > 10 unless row 2's 4 bytes are counted as freed.
-    let over = vec![("a".to_string(), values(&["zzzz"]))];
+    let over = vec![("a".into(), values(&["zzzz"]))];
     unit.check_put(&[2], &over).unwrap();
     unit.put(&[2], over).unwrap();
     assert_eq!(unit.stats().bytes, 8);
@@ -416,7 +416,7 @@ fn capacity_counts_overwritten_rows_as_freed() {
     unit.put(&[2], vec![("a".into(), values(&["wwwwww"]))])
         .unwrap();
     assert_eq!(unit.stats().bytes, 10);
-    let more = vec![("a".to_string(), values(&["v"]))];
+    let more = vec![("a".into(), values(&["v"]))];
     assert!(matches!(
         unit.check_put(&[3], &more),
         Err(StoreError::Capacity { .. })
@@ -427,4 +427,28 @@ fn capacity_counts_overwritten_rows_as_freed() {
     ));
     assert_eq!(got(&unit, &[2], "a"), vec![Cell::Value(s("wwwwww"))]);
     assert_eq!(unit.stats().bytes, 10);
+}
+
+/// The small map of a get's columns and extents answers each key's first
+/// value, and makes it once, across the change from a scan to a hash map.
+#[test]
+fn a_few_map_keeps_first_values_past_its_inline_list() {
+    let mut m: rows::FewMap<u32, u32> = rows::FewMap::default();
+    let mut made = 0u32;
+    for round in 0..3 {
+        for k in (0..40u32).rev() {
+            let v = m.get_or_insert_with(k * 7, || {
+                made += 1;
+                k + 1000 * round
+            });
+            assert_eq!(v, k, "key {} in round {round}", k * 7);
+        }
+    }
+    assert_eq!(made, 40);
+    assert!(matches!(m, rows::FewMap::Many(_)));
+    let mut few: rows::FewMap<u64, u32> = rows::FewMap::default();
+    for k in 0..8u64 {
+        assert_eq!(few.get_or_insert_with(k, || k as u32), k as u32);
+    }
+    assert!(matches!(few, rows::FewMap::Few(_)));
 }

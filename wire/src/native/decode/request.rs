@@ -12,8 +12,14 @@ use crate::indexes::RunsError;
 use crate::msgpack::Reader;
 use crate::native::{Error, IndexRun, Indexes, Limits, Op, Request, WireField};
 
-pub(in crate::native) fn request(frames: &[Bytes], limits: &Limits) -> Result<Request, Error> {
-    let (id, op, mut r) = envelope(frames, limits)?;
+/// The request in `frames`; `body`, if known, is where frame 0's `body`
+/// value lies (see [`envelope`]).
+pub(in crate::native) fn request(
+    frames: &[Bytes],
+    limits: &Limits,
+    body: Option<&std::ops::Range<usize>>,
+) -> Result<Request, Error> {
+    let (id, op, mut r) = envelope(frames, limits, body)?;
     let mut data = Frames::new(frames);
     let op = match op {
         "put" => put(&mut r, &mut data, limits)?,
