@@ -92,6 +92,9 @@ pub(crate) async fn connection(
     // and a task poll more).
     let read_limits = limits.receive;
     let mut reading = std::pin::pin!(Some(read_next(reader, read_limits)));
+    // One wait for shutdown for the connection's life, not one a request
+    // (each joins and leaves the watch's list of waiters under its lock).
+    let mut stop = std::pin::pin!(shutdown.changed());
     // A message read ahead, and the reader then idle until it is taken.
     let mut ahead: Option<Read> = None;
     let mut idle: Option<FrameReader<crate::curve_io::ReadStream>> = None;
@@ -110,7 +113,7 @@ pub(crate) async fn connection(
                 let (reader, incoming) = tokio::select! {
                     biased;
                     r = next => r,
-                    _ = shutdown.changed() => return,
+                    _ = stop.as_mut() => return,
                 };
                 reading
                     .set(matches!(incoming, Ok(Some(_))).then(|| read_next(reader, read_limits)));

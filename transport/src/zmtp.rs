@@ -357,7 +357,11 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
     async fn frame(&mut self, len: usize) -> Result<Bytes, ZmtpError> {
         if len <= SMALL_FRAME {
             self.need(len).await?;
-            return Ok(Bytes::copy_from_slice(&self.buf.split_to(len)));
+            // Copied, then stepped over: no handle of the read buffer made
+            // and dropped per frame (`split_to` shares the buffer first).
+            let frame = Bytes::copy_from_slice(&self.buf[..len]);
+            self.buf.advance(len);
+            return Ok(frame);
         }
         // With a pool, a large frame takes pooled pages, already resident,
         // or else a mapping that grows with the bytes that arrive; either

@@ -298,7 +298,9 @@ impl NativeService {
         connection: u64,
     ) -> Answer {
         if let Some(unit) = extras.unit {
-            return self.answer_unit(unit, op, extras, received).await;
+            // Boxed, like the other rare branches below: a future holding
+            // them inline would make every request's future that large.
+            return Box::pin(self.answer_unit(unit, op, extras, received)).await;
         }
         let m = &self.manager;
         let same_node = extras.same_node;
@@ -355,7 +357,9 @@ impl NativeService {
                     Err(reply) => reply.into(),
                 }
             }
-            native::Op::Lease { bytes } => self.lease(id, bytes, extras, connection).await.into(),
+            native::Op::Lease { bytes } => Box::pin(self.lease(id, bytes, extras, connection))
+                .await
+                .into(),
             native::Op::Channel => match &self.shm {
                 None => errors::shm(&ShmError::Disabled).into(),
                 Some((_, channels)) => native::Reply::ChannelOk {
@@ -372,9 +376,9 @@ impl NativeService {
             },
             native::Op::Stats => self.stats().into(),
             native::Op::Checkpoint { dir, journal } => {
-                self.checkpoint(dir, false, journal).await.into()
+                Box::pin(self.checkpoint(dir, false, journal)).await.into()
             }
-            native::Op::Restore { dir } => self.checkpoint(dir, true, true).await.into(),
+            native::Op::Restore { dir } => Box::pin(self.checkpoint(dir, true, true)).await.into(),
             native::Op::Versions { .. } => errors::native_bad_request(
                 "versions is a peer request: it names a unit (the envelope's unit key)".into(),
             )
