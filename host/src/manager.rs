@@ -40,7 +40,7 @@ use crate::extent::Received;
 use crate::metrics::DataCounters;
 use crate::plan::{self, Selected, SelectionPlan};
 use crate::policy::SelectRequest;
-use crate::policy::chain::{ChainError, DecidedBy, Decision};
+use crate::policy::chain::{ChainError, DecidedBy, Decision, Shared};
 use crate::policy::registry::Registry;
 use crate::shm::{SegmentStore, ShmError};
 use crate::store::{Column, Piece, PutField, Rows, Seq, StoreError, Unit};
@@ -353,7 +353,7 @@ impl Manager {
     fn execute(
         &self,
         field: &Field,
-        decision: Decision<SelectionPlan>,
+        decision: &Decision<SelectionPlan>,
         received: &Received,
         c: &mut Tally,
     ) -> Result<Vec<Column>, ManagerError> {
@@ -425,7 +425,9 @@ impl Manager {
         // decisions[unit * fields + field], in one list.
         let nf = fields.len();
         let busy = routes.iter().filter(|r| !r.positions.is_empty()).count();
-        let mut decisions: Vec<Option<Decision<SelectionPlan>>> =
+        // A decision, or the slot of the one it repeats (the chain's
+        // `Shared::Same`: one plan for the fields of one layout at a unit).
+        let mut decisions: Vec<Option<Result<Decision<SelectionPlan>, usize>>> =
             (0..routes.len() * nf).map(|_| None).collect();
         for (at, members) in &groups {
             let mut requests = Vec::with_capacity(busy * members.len());
@@ -442,27 +444,37 @@ impl Manager {
             if requests.is_empty() {
                 continue;
             }
-            let decided = registry.select_chain_of(*at).select_many(&requests)?;
-            for (slot, d) in slots.into_iter().zip(decided) {
-                decisions[slot] = Some(d);
+            let decided = registry
+                .select_chain_of(*at)
+                .select_many_shared(&requests)?;
+            for (&slot, d) in slots.iter().zip(decided) {
+                decisions[slot] = Some(match d {
+                    Shared::Decided(d) => Ok(d),
+                    Shared::Same(j) => Err(slots[j]),
+                });
             }
         }
+        let decision = |slot: usize| match &decisions[slot] {
+            Some(Ok(d)) => Some(d),
+            Some(Err(at)) => match &decisions[*at] {
+                Some(Ok(d)) => Some(d),
+                _ => None,
+            },
+            None => None,
+        };
         let mut tally = Tally::default();
-        let mut decisions = decisions.into_iter();
         // Each name once, shared by the units.
         let names: SmallVec<[Arc<str>; 8]> = fields.iter().map(|(n, _)| Arc::from(&**n)).collect();
         let mut per_unit = Vec::with_capacity(routes.len());
         let build = || -> Result<(), ManagerError> {
-            for route in routes {
-                let decided = decisions.by_ref().take(nf);
+            for (u, route) in routes.into_iter().enumerate() {
                 if route.positions.is_empty() {
-                    decided.for_each(drop);
                     per_unit.push(None);
                     continue;
                 }
                 let mut unit_fields = Vec::with_capacity(nf);
-                for (((_, field), name), d) in fields.iter().zip(&names).zip(decided) {
-                    let d = d.ok_or_else(|| {
+                for (f, ((_, field), name)) in fields.iter().zip(&names).enumerate() {
+                    let d = decision(u * nf + f).ok_or_else(|| {
                         ManagerError::Internal(format!("no selection decision for field {name}"))
                     })?;
                     let columns = self.execute(field, d, received, &mut tally)?;

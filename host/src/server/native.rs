@@ -167,7 +167,14 @@ impl NativeService {
     async fn serve_one(&self, connection: u64, frames: Vec<Bytes>) -> Message {
         let started = Instant::now();
         let mut op = "undecodable";
-        let fallback_id = native::request_id(&frames).unwrap_or(0);
+        // The id an error reply names when the request cannot be decoded,
+        // read only then (frame 0 is not changed on the way).
+        let head = frames.first().cloned();
+        let fallback_id = || {
+            head.as_ref()
+                .and_then(|f0| native::request_id(std::slice::from_ref(f0)))
+                .unwrap_or(0)
+        };
         // The extras, and where the body lies: the request's decode below
         // steps over it instead of walking it again.
         let extras = match frames.first() {
@@ -175,9 +182,9 @@ impl NativeService {
             None => Ok(Default::default()),
         };
         let (id, answer) = match extras {
-            Err(e) => (fallback_id, errors::native_decode(&e).into()),
+            Err(e) => (fallback_id(), errors::native_decode(&e).into()),
             Ok((extras, body)) => match self.received(connection, frames, &extras).await {
-                Err(reply) => (fallback_id, reply.into()),
+                Err(reply) => (fallback_id(), reply.into()),
                 Ok((frames, received)) => {
                     match native::decode_request_at(&frames, &self.limits, &body) {
                         Ok(req) => {
@@ -192,7 +199,7 @@ impl NativeService {
                                     .await,
                             )
                         }
-                        Err(e) => (fallback_id, errors::native_decode(&e).into()),
+                        Err(e) => (fallback_id(), errors::native_decode(&e).into()),
                     }
                 }
             },
