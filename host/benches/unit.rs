@@ -27,7 +27,7 @@ fn columns(frame: &Bytes) -> Vec<stowage_host::store::PutField> {
     let received = Received::frames(std::slice::from_ref(frame));
     vec![(
         "x".into(),
-        vec![Column::from_field(Field::Regular(t), &received)],
+        vec![Column::from_field(Field::Regular(t), &received)].into(),
     )]
 }
 

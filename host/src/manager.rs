@@ -43,7 +43,7 @@ use crate::policy::SelectRequest;
 use crate::policy::chain::{ChainError, DecidedBy, Decision, Shared};
 use crate::policy::registry::Registry;
 use crate::shm::{SegmentStore, ShmError};
-use crate::store::{Column, Piece, PutField, Rows, Seq, StoreError, Unit};
+use crate::store::{Column, Columns, Piece, PutField, Rows, Seq, StoreError, Unit};
 use crate::tensor::Tensor;
 use crate::transport::{Peer, TransportError};
 use crate::wire::indexes::Indexes;
@@ -356,7 +356,7 @@ impl Manager {
         decision: &Decision<SelectionPlan>,
         received: &Received,
         c: &mut Tally,
-    ) -> Result<Vec<Column>, ManagerError> {
+    ) -> Result<Columns, ManagerError> {
         match &decision.by {
             DecidedBy::Plugin(_) => c.plugin_decisions += 1,
             DecidedBy::Builtin => c.builtin_decisions += 1,
@@ -364,7 +364,7 @@ impl Manager {
         };
         let selected = plan::execute_selection(field, &decision.plan)
             .map_err(|e| ManagerError::Internal(e.to_string()))?;
-        let mut columns = Vec::with_capacity(selected.len());
+        let mut columns = Columns::with_capacity(selected.len());
         for piece in selected {
             match piece {
                 Selected::Rows(t) => {
@@ -508,7 +508,10 @@ impl Manager {
         if let Some(unit) = self.unit() {
             let columns = fields
                 .into_iter()
-                .map(|(name, f)| (name.into(), vec![Column::from_field(f, received)]))
+                .map(|(name, f)| {
+                    let columns: Columns = smallvec::smallvec![Column::from_field(f, received)];
+                    (name.into(), columns)
+                })
                 .collect();
             return Ok(unit.put(global_indexes, columns)?);
         }

@@ -163,7 +163,7 @@ pub(super) fn field(units: &mut [UnitFields<'_>], f: usize, counters: &DedupCoun
         if let Some(fields) = part
             && !rows.is_empty()
         {
-            fields[f].1 = vec![Column::Nested(rows)];
+            fields[f].1 = smallvec::smallvec![Column::Nested(rows)];
         }
     }
     counters

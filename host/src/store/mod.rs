@@ -232,7 +232,7 @@ impl Inner {
         &mut self,
         name: Arc<str>,
         indexes: &[u64],
-        columns_in: Vec<Column>,
+        columns_in: Columns,
         generation: u64,
         added: &mut [u32],
     ) -> u64 {
@@ -350,7 +350,12 @@ pub struct UnitStats {
 /// The columns of one field of a put, in row order, under the field's
 /// name (shared by the units of a put, and kept by a unit that stores a
 /// field for the first time).
-pub type PutField = (Arc<str>, Vec<Column>);
+pub type PutField = (Arc<str>, Columns);
+
+/// The columns of one field of a put: inline for the usual one (a put's
+/// field at a unit is one piece of its frame), so a put of many fields
+/// allocates no list per (field, unit).
+pub type Columns = SmallVec<[Column; 1]>;
 
 impl Unit {
     /// A unit with an optional capacity in bytes.

@@ -217,7 +217,7 @@ impl Unit {
         let mut all: Vec<Vec<u64>> = Vec::with_capacity(rows.len());
         for (field, stored) in rows {
             let mut indexes = Vec::new();
-            let mut columns = Vec::new();
+            let mut columns = super::Columns::new();
             for s in stored {
                 indexes.extend_from_slice(s.indexes());
                 let column = match s {
@@ -290,7 +290,7 @@ impl Unit {
 /// [`Unit::commit`] puts in place of everything the unit holds.
 pub struct Replacement {
     /// Per field: its name, the global index of each row, the columns.
-    fields: Vec<(Arc<str>, Vec<u64>, Vec<Column>)>,
+    fields: Vec<(Arc<str>, Vec<u64>, super::Columns)>,
     bytes: u64,
 }
 

@@ -12,8 +12,8 @@ fn s(v: &str) -> Value {
     Value::Str(v.into())
 }
 
-fn values(v: &[&str]) -> Vec<Column> {
-    vec![Column::Values(v.iter().map(|x| s(x)).collect())]
+fn values(v: &[&str]) -> Columns {
+    smallvec::smallvec![Column::Values(v.iter().map(|x| s(x)).collect())]
 }
 
 fn got(unit: &Unit, g: &[u64], field: &str) -> Vec<Cell> {
@@ -181,7 +181,7 @@ fn clearing_the_last_row_frees_the_extent() {
         &[0, 1, 2, 3],
         vec![(
             "t".into(),
-            vec![Column::from_field(Field::Regular(t), &received)],
+            smallvec::smallvec![Column::from_field(Field::Regular(t), &received)],
         )],
     )
     .unwrap();
@@ -212,7 +212,10 @@ fn rows_put_together_come_back_as_one_run_across_units() {
         let g: Vec<u64> = (0..4).map(|i| u as u64 + 2 * i).collect();
         unit.put(
             &g,
-            vec![("t".into(), vec![Column::regular(extent, offset, &view)])],
+            vec![(
+                "t".into(),
+                smallvec::smallvec![Column::regular(extent, offset, &view)],
+            )],
         )
         .unwrap();
     }
@@ -289,7 +292,7 @@ fn sharing_puts_the_extents_of_a_get_into_one_segment_in_request_order() {
             &g,
             vec![(
                 "t".into(),
-                vec![Column::from_field(Field::Regular(t), &received)],
+                smallvec::smallvec![Column::from_field(Field::Regular(t), &received)],
             )],
         )
         .unwrap();
@@ -325,14 +328,14 @@ fn overwriting_many_rows_keeps_counts() {
     let unit = Unit::new("u0", None);
     let g: Vec<u64> = (0..1000).collect();
     let v: Vec<String> = g.iter().map(|i| i.to_string()).collect();
-    let col = || vec![Column::Values(v.iter().map(|x| s(x)).collect())];
+    let col = || smallvec::smallvec![Column::Values(v.iter().map(|x| s(x)).collect())];
     unit.put(&g, vec![("a".into(), col()), ("b".into(), col())])
         .unwrap();
     unit.put(
         &g[500..],
         vec![(
             "a".into(),
-            vec![Column::Values(g[500..].iter().map(|_| s("z")).collect())],
+            smallvec::smallvec![Column::Values(g[500..].iter().map(|_| s("z")).collect())],
         )],
     )
     .unwrap();
