@@ -22,12 +22,12 @@ fn frame() -> (Bytes, Vec<u64>) {
     (bytes, (0..ROWS).collect())
 }
 
-fn columns(frame: &Bytes) -> Vec<(String, Vec<Column>)> {
+fn columns(frame: &Bytes) -> Vec<stowage_host::store::PutField> {
     let t = Tensor::contiguous(frame.clone(), Dtype::Float32, vec![ROWS, COLS]).expect("shape");
     let received = Received::frames(std::slice::from_ref(frame));
     vec![(
-        "x".to_string(),
-        vec![Column::from_field(Field::Regular(t), &received)],
+        "x".into(),
+        vec![Column::from_field(Field::Regular(t), &received)].into(),
     )]
 }
 

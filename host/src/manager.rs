@@ -32,6 +32,7 @@ use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use bytes::Bytes;
+use smallvec::SmallVec;
 
 use crate::batch::{Cell, Field};
 use crate::config::LimitsConfig;
@@ -39,10 +40,10 @@ use crate::extent::Received;
 use crate::metrics::DataCounters;
 use crate::plan::{self, Selected, SelectionPlan};
 use crate::policy::SelectRequest;
-use crate::policy::chain::{ChainError, DecidedBy, Decision};
+use crate::policy::chain::{ChainError, DecidedBy, Decision, Shared};
 use crate::policy::registry::Registry;
 use crate::shm::{SegmentStore, ShmError};
-use crate::store::{Column, Piece, Rows, Seq, StoreError, Unit};
+use crate::store::{Column, Columns, Piece, PutField, Rows, Seq, StoreError, Unit};
 use crate::tensor::Tensor;
 use crate::transport::{Peer, TransportError};
 use crate::wire::indexes::Indexes;
@@ -146,6 +147,8 @@ pub struct Manager {
     pub dedup_counters: dedup::DedupCounters,
     /// Puts stored as they arrived, with no selection ([`Manager::over_unit`]).
     as_received: bool,
+    /// Every target is a local unit (a get needs no future per unit).
+    all_local: bool,
 }
 
 impl std::fmt::Debug for Manager {
@@ -153,6 +156,37 @@ impl std::fmt::Debug for Manager {
         f.debug_struct("Manager")
             .field("targets", &self.targets)
             .finish()
+    }
+}
+
+/// The data counters of one put's selections, added to the manager's
+/// [`DataCounters`] once (a few atomic additions a put, not a few a
+/// (field, unit) pair).
+#[derive(Default)]
+struct Tally {
+    plugin_decisions: u64,
+    builtin_decisions: u64,
+    fallbacks: u64,
+    zero_copy_bytes: u64,
+    copied_bytes: u64,
+    /// The row shape of the last regular column made, for the next one to
+    /// share ([`Column::regular_sharing`]).
+    row_shape: Option<Arc<[u64]>>,
+}
+
+impl Tally {
+    fn add_to(&self, c: &DataCounters) {
+        for (counter, n) in [
+            (&c.plugin_decisions, self.plugin_decisions),
+            (&c.builtin_decisions, self.builtin_decisions),
+            (&c.fallbacks, self.fallbacks),
+            (&c.zero_copy_bytes, self.zero_copy_bytes),
+            (&c.copied_bytes, self.copied_bytes),
+        ] {
+            if n > 0 {
+                counter.fetch_add(n, Ordering::Relaxed);
+            }
+        }
     }
 }
 
@@ -171,6 +205,7 @@ impl Manager {
         sender_id: String,
     ) -> Manager {
         Manager {
+            all_local: targets.iter().all(|t| matches!(t, Target::Local(_))),
             targets,
             registry: ArcSwap::new(registry),
             limits,
@@ -271,11 +306,16 @@ impl Manager {
 
     fn routes(&self, global_indexes: &[u64]) -> Vec<Route> {
         let n = self.targets.len() as u64;
-        let each = global_indexes.len() / n as usize + 1;
-        let mut routes: Vec<Route> = (0..n)
-            .map(|_| Route {
-                positions: Vec::with_capacity(each),
-                indexes: Vec::with_capacity(each),
+        // Sized exactly: a unit that gets no rows allocates nothing.
+        let mut counts: SmallVec<[usize; 16]> = smallvec::smallvec![0; n as usize];
+        for &g in global_indexes {
+            counts[(g % n) as usize] += 1;
+        }
+        let mut routes: Vec<Route> = counts
+            .iter()
+            .map(|&c| Route {
+                positions: Vec::with_capacity(c),
+                indexes: Vec::with_capacity(c),
             })
             .collect();
         for (pos, &g) in global_indexes.iter().enumerate() {
@@ -313,38 +353,42 @@ impl Manager {
     fn execute(
         &self,
         field: &Field,
-        decision: Decision<SelectionPlan>,
+        decision: &Decision<SelectionPlan>,
         received: &Received,
-    ) -> Result<Vec<Column>, ManagerError> {
-        let c = &self.counters;
+        c: &mut Tally,
+    ) -> Result<Columns, ManagerError> {
         match &decision.by {
-            DecidedBy::Plugin(_) => c.plugin_decisions.fetch_add(1, Ordering::Relaxed),
-            DecidedBy::Builtin => c.builtin_decisions.fetch_add(1, Ordering::Relaxed),
-            DecidedBy::Fallback { .. } => c.fallbacks.fetch_add(1, Ordering::Relaxed),
+            DecidedBy::Plugin(_) => c.plugin_decisions += 1,
+            DecidedBy::Builtin => c.builtin_decisions += 1,
+            DecidedBy::Fallback { .. } => c.fallbacks += 1,
         };
         let selected = plan::execute_selection(field, &decision.plan)
             .map_err(|e| ManagerError::Internal(e.to_string()))?;
-        let mut columns = Vec::with_capacity(selected.len());
+        let mut columns = Columns::with_capacity(selected.len());
         for piece in selected {
             match piece {
                 Selected::Rows(t) => {
                     let (extent, offset, zero_copy) = received.locate_or_own(t.buffer());
                     let counter = if zero_copy {
-                        &c.zero_copy_bytes
+                        &mut c.zero_copy_bytes
                     } else {
-                        &c.copied_bytes
+                        &mut c.copied_bytes
                     };
-                    counter.fetch_add(t.payload_len() as u64, Ordering::Relaxed);
-                    columns.push(Column::regular(extent, offset, &t));
+                    *counter += t.payload_len() as u64;
+                    columns.push(Column::regular_sharing(
+                        extent,
+                        offset,
+                        &t,
+                        &mut c.row_shape,
+                    ));
                 }
                 Selected::NestedRows(rows) => {
                     let bytes: usize = rows.iter().map(Tensor::payload_len).sum();
-                    c.zero_copy_bytes.fetch_add(bytes as u64, Ordering::Relaxed);
+                    c.zero_copy_bytes += bytes as u64;
                     columns.push(Column::from_field(Field::Nested(rows), received));
                 }
                 Selected::Packed { buffer, rows } => {
-                    c.copied_bytes
-                        .fetch_add(buffer.len() as u64, Ordering::Relaxed);
+                    c.copied_bytes += buffer.len() as u64;
                     // The packed buffer is the rows' one extent.
                     let own = Received::frames(std::slice::from_ref(&buffer));
                     columns.push(Column::from_field(Field::Nested(rows), &own));
@@ -367,57 +411,83 @@ impl Manager {
         global_indexes: &[u64],
         fields: &[(String, Field)],
         received: &Received,
-    ) -> Result<Vec<Option<(Vec<u64>, Vec<(String, Vec<Column>)>)>>, ManagerError> {
+    ) -> Result<Vec<Option<(Vec<u64>, Vec<PutField>)>>, ManagerError> {
         let routes = self.routes(global_indexes);
-        let mut groups: Vec<(Option<usize>, Vec<usize>)> = Vec::new();
+        // Fields by selection chain, in order of first appearance.
+        let mut groups: SmallVec<[(Option<usize>, SmallVec<[usize; 8]>); 2]> = SmallVec::new();
         for (f, (name, _)) in fields.iter().enumerate() {
             let at = registry.select_chain_at(name);
             match groups.iter_mut().find(|(a, _)| *a == at) {
                 Some((_, members)) => members.push(f),
-                None => groups.push((at, vec![f])),
+                None => groups.push((at, smallvec::smallvec![f])),
             }
         }
-        // decisions[unit][field]
-        let mut decisions: Vec<Vec<Option<Decision<SelectionPlan>>>> = routes
-            .iter()
-            .map(|_| (0..fields.len()).map(|_| None).collect())
-            .collect();
+        // decisions[unit * fields + field], in one list.
+        let nf = fields.len();
+        let busy = routes.iter().filter(|r| !r.positions.is_empty()).count();
+        // A decision, or the slot of the one it repeats (the chain's
+        // `Shared::Same`: one plan for the fields of one layout at a unit).
+        let mut decisions: Vec<Option<Result<Decision<SelectionPlan>, usize>>> =
+            (0..routes.len() * nf).map(|_| None).collect();
         for (at, members) in &groups {
-            let mut requests = Vec::new();
-            let mut slots = Vec::new();
+            let mut requests = Vec::with_capacity(busy * members.len());
+            let mut slots = Vec::with_capacity(busy * members.len());
             for (u, route) in routes.iter().enumerate() {
                 if route.positions.is_empty() {
                     continue;
                 }
                 for &f in members {
                     requests.push(SelectRequest::new(&fields[f].1, &route.positions));
-                    slots.push((u, f));
+                    slots.push(u * nf + f);
                 }
             }
             if requests.is_empty() {
                 continue;
             }
-            let decided = registry.select_chain_of(*at).select_many(&requests)?;
-            for ((u, f), d) in slots.into_iter().zip(decided) {
-                decisions[u][f] = Some(d);
+            let decided = registry
+                .select_chain_of(*at)
+                .select_many_shared(&requests)?;
+            for (&slot, d) in slots.iter().zip(decided) {
+                decisions[slot] = Some(match d {
+                    Shared::Decided(d) => Ok(d),
+                    Shared::Same(j) => Err(slots[j]),
+                });
             }
         }
+        let decision = |slot: usize| match &decisions[slot] {
+            Some(Ok(d)) => Some(d),
+            Some(Err(at)) => match &decisions[*at] {
+                Some(Ok(d)) => Some(d),
+                _ => None,
+            },
+            None => None,
+        };
+        let mut tally = Tally::default();
+        // Each name once, shared by the units.
+        let names: SmallVec<[Arc<str>; 8]> = fields.iter().map(|(n, _)| Arc::from(&**n)).collect();
         let mut per_unit = Vec::with_capacity(routes.len());
-        for (route, decided) in routes.into_iter().zip(decisions) {
-            if route.positions.is_empty() {
-                per_unit.push(None);
-                continue;
+        let build = || -> Result<(), ManagerError> {
+            for (u, route) in routes.into_iter().enumerate() {
+                if route.positions.is_empty() {
+                    per_unit.push(None);
+                    continue;
+                }
+                let mut unit_fields = Vec::with_capacity(nf);
+                for (f, ((_, field), name)) in fields.iter().zip(&names).enumerate() {
+                    let d = decision(u * nf + f).ok_or_else(|| {
+                        ManagerError::Internal(format!("no selection decision for field {name}"))
+                    })?;
+                    let columns = self.execute(field, d, received, &mut tally)?;
+                    unit_fields.push((name.clone(), columns));
+                }
+                per_unit.push(Some((route.indexes, unit_fields)));
             }
-            let mut unit_fields = Vec::with_capacity(fields.len());
-            for ((name, field), d) in fields.iter().zip(decided) {
-                let d = d.ok_or_else(|| {
-                    ManagerError::Internal(format!("no selection decision for field {name}"))
-                })?;
-                unit_fields.push((name.clone(), self.execute(field, d, received)?));
-            }
-            per_unit.push(Some((route.indexes, unit_fields)));
-        }
-        Ok(per_unit)
+            Ok(())
+        };
+        let built = build();
+        // Counted as they were taken, a put that fails here too.
+        tally.add_to(&self.counters);
+        built.map(|()| per_unit)
     }
 
     /// Stores a batch: each global index on its unit, each field's rows
@@ -438,7 +508,10 @@ impl Manager {
         if let Some(unit) = self.unit() {
             let columns = fields
                 .into_iter()
-                .map(|(name, f)| (name, vec![Column::from_field(f, received)]))
+                .map(|(name, f)| {
+                    let columns: Columns = smallvec::smallvec![Column::from_field(f, received)];
+                    (name.into(), columns)
+                })
                 .collect();
             return Ok(unit.put(global_indexes, columns)?);
         }
@@ -556,7 +629,7 @@ impl Manager {
     fn dedup_put(
         &self,
         fields: &[(String, Field)],
-        per_unit: &mut [Option<(Vec<u64>, Vec<(String, Vec<Column>)>)>],
+        per_unit: &mut [Option<(Vec<u64>, Vec<PutField>)>],
     ) {
         for (f, (name, _)) in fields.iter().enumerate() {
             if !self
@@ -661,19 +734,9 @@ impl Manager {
             return Err(ManagerError::BadRequest("no fields requested".into()));
         }
         let mut out: Vec<Rows> = fields.iter().map(|_| Rows::default()).collect();
-        // Every unit at once: remote units' transfers overlap.
-        let gets = self
-            .targets
-            .iter()
-            .zip(self.seq_routes(global_indexes))
-            .enumerate()
-            .filter(|(_, (_, seqs))| !seqs.is_empty())
-            .map(|(t, (target, seqs))| {
-                let tap = taps.get(t).and_then(Option::as_ref);
-                self.get_target(target, seqs, fields, tap)
-            });
-        for got in futures_util::future::join_all(gets).await {
-            for (into, rows) in out.iter_mut().zip(got?) {
+        let routes = self.seq_routes(global_indexes);
+        let add = |out: &mut Vec<Rows>, got: Vec<Rows>| {
+            for (into, rows) in out.iter_mut().zip(got) {
                 let base = into.columns.len() as u32;
                 into.columns.extend(rows.columns);
                 into.pieces.extend(rows.pieces.into_iter().map(|p| Piece {
@@ -681,6 +744,32 @@ impl Manager {
                     ..p
                 }));
             }
+        };
+        if self.all_local {
+            // Local units answer at once: no future per unit.
+            for (t, (target, seqs)) in self.targets.iter().zip(routes).enumerate() {
+                if let (Target::Local(unit), false) = (target, seqs.is_empty()) {
+                    if let Some(tap) = taps.get(t).and_then(Option::as_ref) {
+                        tap.send(TapEvent::NotForwarded);
+                    }
+                    add(&mut out, unit.get_seqs(&seqs, fields)?);
+                }
+            }
+            return Ok(fields.iter().cloned().zip(out).collect());
+        }
+        // Every unit at once: remote units' transfers overlap.
+        let gets = self
+            .targets
+            .iter()
+            .zip(routes)
+            .enumerate()
+            .filter(|(_, (_, seqs))| !seqs.is_empty())
+            .map(|(t, (target, seqs))| {
+                let tap = taps.get(t).and_then(Option::as_ref);
+                self.get_target(target, seqs, fields, tap)
+            });
+        for got in futures_util::future::join_all(gets).await {
+            add(&mut out, got?);
         }
         Ok(fields.iter().cloned().zip(out).collect())
     }
@@ -709,13 +798,14 @@ impl Manager {
                 positions.push(s.pos + k * s.pos_step);
             }
         }
+        // Boxed, as in `clear_target`.
         if let Target::Peer(p) = target {
-            return self.get_peer(p, &indexes, &positions, fields, tap).await;
+            return Box::pin(self.get_peer(p, &indexes, &positions, fields, tap)).await;
         }
         let Target::Remote(peer) = target else {
             unreachable!("local and peer units are answered above")
         };
-        let got = self.get_remote(peer, &indexes, fields).await?;
+        let got = Box::pin(self.get_remote(peer, &indexes, fields)).await?;
         let mut rows_of = Vec::with_capacity(got.len());
         for cells in got {
             if cells.len() != positions.len() {
@@ -754,17 +844,17 @@ impl Manager {
         indexes: &[u64],
         fields: Option<&[String]>,
     ) -> Result<u64, ManagerError> {
+        // The exchanges with other processes are boxed: their futures are
+        // large, and a future holding them inline makes every request that
+        // awaits one (a put, a clear, over local units too) that large.
         match target {
             Target::Local(unit) => Ok(unit.clear(indexes, fields)?),
-            Target::Peer(p) => self.clear_peer(p, indexes, fields).await,
+            Target::Peer(p) => Box::pin(self.clear_peer(p, indexes, fields)).await,
             Target::Remote(peer) => {
-                self.exchange(
-                    peer,
-                    &tq::Request::Clear {
-                        global_indexes: indexes.to_vec(),
-                    },
-                )
-                .await?;
+                let request = tq::Request::Clear {
+                    global_indexes: indexes.to_vec(),
+                };
+                Box::pin(self.exchange(peer, &request)).await?;
                 Ok(indexes.len() as u64)
             }
         }

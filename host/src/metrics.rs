@@ -125,8 +125,8 @@ pub struct ReloadCounters {
 /// The counters the services keep.
 #[derive(Debug)]
 pub struct Metrics {
-    requests: Mutex<BTreeMap<(Protocol, &'static str, Outcome), u64>>,
-    latency: Mutex<BTreeMap<(Protocol, &'static str), Histogram>>,
+    /// Requests and their latency, under one lock (one lock a request).
+    counts: Mutex<Snapshot>,
     /// Reply frames sent to clients.
     pub reply_frames: AtomicU64,
     pub reloads: ReloadCounters,
@@ -136,8 +136,7 @@ pub struct Metrics {
 impl Default for Metrics {
     fn default() -> Self {
         Metrics {
-            requests: Mutex::default(),
-            latency: Mutex::default(),
+            counts: Mutex::default(),
             reply_frames: AtomicU64::new(0),
             reloads: ReloadCounters::default(),
             started: Instant::now(),
@@ -155,45 +154,36 @@ impl Metrics {
         took: Duration,
         reply_frames: usize,
     ) {
-        *self
-            .requests
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .entry((protocol, op, outcome))
-            .or_default() += 1;
-        self.latency
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
+        let mut counts = self.counts.lock().unwrap_or_else(|p| p.into_inner());
+        *counts.requests.entry((protocol, op, outcome)).or_default() += 1;
+        counts
+            .latency
             .entry((protocol, op))
             .or_default()
             .observe(took.as_secs_f64());
+        drop(counts);
         self.reply_frames
             .fetch_add(reply_frames as u64, Ordering::Relaxed);
     }
 
     /// Requests counted for (protocol, op), any outcome.
     pub fn requests(&self, protocol: Protocol, op: &str) -> u64 {
-        let map = self.requests.lock().unwrap_or_else(|p| p.into_inner());
-        map.iter()
+        let counts = self.counts.lock().unwrap_or_else(|p| p.into_inner());
+        counts
+            .requests
+            .iter()
             .filter(|((p, o, _), _)| *p == protocol && *o == op)
             .map(|(_, n)| n)
             .sum()
     }
 
     /// Requests counted and their latency histograms, in (protocol, op,
-    /// outcome) and (protocol, op) order, read under their locks.
+    /// outcome) and (protocol, op) order, read under their lock.
     pub fn snapshot(&self) -> Snapshot {
-        let requests = self
-            .requests
+        self.counts
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .clone();
-        let latency = self
-            .latency
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone();
-        Snapshot { requests, latency }
+            .clone()
     }
 
     /// Time since these metrics were created (stowd started).

@@ -65,12 +65,16 @@ impl Selected {
     }
 }
 
+/// What a plan selected: inline for the usual plan of one or two pieces
+/// (a put executes one plan per (field, unit)).
+pub type SelectedPieces = smallvec::SmallVec<[Selected; 2]>;
+
 /// Carries out a plan that passed [`validate_selection`] for this field.
 pub fn execute_selection(
     field: &Field,
     plan: &SelectionPlan,
-) -> Result<Vec<Selected>, TensorError> {
-    let mut out = Vec::with_capacity(plan.pieces.len());
+) -> Result<SelectedPieces, TensorError> {
+    let mut out = SelectedPieces::with_capacity(plan.pieces.len());
     for piece in &plan.pieces {
         let sel = match (piece, field) {
             (Piece::View(v), Field::Regular(t)) => {

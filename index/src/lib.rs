@@ -113,9 +113,14 @@ impl IndexMap {
 
     /// Adds one to `g`'s count (0 if absent); returns the new count.
     pub fn increment(&mut self, g: u64) -> u64 {
-        let n = self.map.entry(g).or_insert(0);
-        *n += 1;
-        *n
+        self.add(g, 1)
+    }
+
+    /// Adds `n` to `g`'s count (0 if absent); returns the new count.
+    pub fn add(&mut self, g: u64, n: u64) -> u64 {
+        let count = self.map.entry(g).or_insert(0);
+        *count += n;
+        *count
     }
 
     /// Takes one from `g`'s count, removing `g` at zero; returns the new
@@ -174,6 +179,10 @@ mod tests {
         assert!(m.contains(3));
         assert_eq!(m.decrement(3), Some(0));
         assert!(!m.contains(3));
+        assert_eq!(m.add(4, 3), 3);
+        assert_eq!(m.add(4, 2), 5);
+        assert_eq!(m.increment(4), 6);
+        assert_eq!(m.decrement(4), Some(5));
     }
 
     #[test]

@@ -66,7 +66,7 @@ pub(crate) async fn connection(
             return tracing::debug!(timeout = ?limits.handshake_timeout, "handshake timed out");
         }
     };
-    let (mut reader, mut writer) =
+    let (reader, mut writer) =
         zmtp::secure(reader, writer, peer.session.take(), pool, &limits.receive);
     let identity = if peer.identity.is_empty() {
         // As libzmq does: a zero byte then a 32-bit counter.
@@ -83,83 +83,162 @@ pub(crate) async fn connection(
     };
     // The next message is read while one is handled (a client may send it
     // before the reply, as the Python client's puts of several messages
-    // do), never more than one: the reader takes a slot of the channel
-    // before it reads, and the slot is free only once the loop below has
-    // taken the message before. Requests are still handled, and answered,
-    // one at a time and in order.
-    let (ahead, mut incoming_rx) = tokio::sync::mpsc::channel(1);
+    // do), never more than one: a message read ahead is held until the one
+    // before it is answered, and only then is the next read begun. Requests
+    // are handled, and answered, one at a time and in order. All in this
+    // task: the read ahead is polled alongside the handling and writing of
+    // the request before it, with no second task and no channel between
+    // them (a request's hop through one cost each small call a wake-up
+    // and a task poll more).
     let read_limits = limits.receive;
-    let _reading = AbortOnDrop(tokio::spawn(async move {
-        loop {
-            let Ok(slot) = ahead.reserve().await else {
-                return;
-            };
-            let r = reader.read(&read_limits).await;
-            let last = !matches!(r, Ok(Some(_)));
-            slot.send(r);
-            if last {
-                return;
-            }
-        }
-    }));
+    let mut reading = std::pin::pin!(Some(read_next(reader, read_limits)));
+    // One wait for shutdown for the connection's life, not one a request
+    // (each joins and leaves the watch's list of waiters under its lock).
+    let mut stop = std::pin::pin!(shutdown.changed());
+    // A message read ahead, and the reader then idle until it is taken.
+    let mut ahead: Option<Read> = None;
+    let mut idle: Option<FrameReader<crate::curve_io::ReadStream>> = None;
     loop {
-        let incoming = tokio::select! {
-            r = incoming_rx.recv() => r.unwrap_or(Ok(None)),
-            _ = shutdown.changed() => return,
-        };
-        let reply = match incoming {
-            Ok(None) => return,
-            Err(e) => return log_end(&e),
-            Ok(Some(Incoming::Command { name, body })) => {
-                if name == "PING" && reply_pong(&mut writer, &body, &limits).await.is_err() {
+        let incoming = match ahead.take() {
+            Some(incoming) => {
+                if let Some(reader) = idle.take() {
+                    reading.set(Some(read_next(reader, read_limits)));
+                }
+                incoming
+            }
+            None => {
+                let Some(next) = reading.as_mut().as_pin_mut() else {
                     return;
-                }
-                continue;
-            }
-            Ok(Some(Incoming::Message(frames))) => {
-                activity.set_busy(true);
-                service.clone().handle(caller.clone(), frames).await
-            }
-            Ok(Some(Incoming::TooLarge { head, reason })) => {
-                activity.set_busy(true);
-                tracing::info!(identity = %String::from_utf8_lossy(&identity), %reason, "request refused unread");
-                service.clone().reject(caller.clone(), head, reason).await
+                };
+                let (reader, incoming) = tokio::select! {
+                    biased;
+                    r = next => r,
+                    _ = stop.as_mut() => return,
+                };
+                reading
+                    .set(matches!(incoming, Ok(Some(_))).then(|| read_next(reader, read_limits)));
+                incoming
             }
         };
-        let Some(reply) = reply.filter(|r| !r.is_empty()) else {
-            activity.set_busy(false);
-            continue;
-        };
-        let mut tail = reply.tail.as_ref().and_then(Tail::take);
-        let mut write = write_within(&mut writer, &limits, &identity, &reply).await;
-        while write.is_ok()
-            && let Some(rx) = tail.as_mut()
-        {
-            match rx.recv().await {
-                Some(Ok(chunk)) => {
-                    let more = !chunk.last;
-                    write = write_within(&mut writer, &limits, &identity, &chunk).await;
-                    if !more {
-                        tail = None;
+        let serve = serve_one(
+            incoming,
+            &service,
+            &caller,
+            &mut writer,
+            &limits,
+            activity,
+            &identity,
+        );
+        let mut serve = std::pin::pin!(serve);
+        let flow = loop {
+            let next = match reading.as_mut().as_pin_mut() {
+                Some(next) if ahead.is_none() => next,
+                _ => break serve.as_mut().await,
+            };
+            tokio::select! {
+                biased;
+                flow = serve.as_mut() => break flow,
+                (reader, read) = next => {
+                    if matches!(read, Ok(Some(_))) {
+                        idle = Some(reader);
                     }
-                }
-                why => {
-                    let why = match why {
-                        Some(Err(why)) => why,
-                        _ => "its sender ended before the last frame".into(),
-                    };
-                    return tracing::warn!(
-                        identity = %String::from_utf8_lossy(&identity),
-                        reason = %why,
-                        "a reply begun could not be finished: connection dropped"
-                    );
+                    ahead = Some(read);
+                    reading.set(None);
                 }
             }
+        };
+        if flow.is_break() {
+            return;
         }
-        match write {
-            Ok(()) => activity.set_busy(false),
-            Err(()) => return,
+    }
+}
+
+/// What one read gives: a message, a command, the end of the stream, or
+/// why the connection ends.
+type Read = Result<Option<Incoming>, ZmtpError>;
+
+/// Reads the next message or command of `reader`, handing the reader back
+/// with it.
+async fn read_next<R: tokio::io::AsyncRead + Unpin>(
+    mut reader: FrameReader<R>,
+    limits: zmtp::Limits,
+) -> (FrameReader<R>, Read) {
+    let read = reader.read(&limits).await;
+    (reader, read)
+}
+
+/// Answers one incoming item: a request handed to the service and its
+/// reply (and tail) written, a PING answered. `Break` when the connection
+/// ends (the stream closed or broke, or a reply could not be written).
+async fn serve_one(
+    incoming: Read,
+    service: &Arc<dyn Service>,
+    caller: &Caller,
+    writer: &mut WriteStream,
+    limits: &Limits,
+    activity: &Arc<table::Activity>,
+    identity: &Bytes,
+) -> std::ops::ControlFlow<()> {
+    use std::ops::ControlFlow::{Break, Continue};
+    let reply = match incoming {
+        Ok(None) => return Break(()),
+        Err(e) => {
+            log_end(&e);
+            return Break(());
         }
+        Ok(Some(Incoming::Command { name, body })) => {
+            if name == "PING" && reply_pong(writer, &body, limits).await.is_err() {
+                return Break(());
+            }
+            return Continue(());
+        }
+        Ok(Some(Incoming::Message(frames))) => {
+            activity.set_busy(true);
+            service.clone().handle(caller.clone(), frames).await
+        }
+        Ok(Some(Incoming::TooLarge { head, reason })) => {
+            activity.set_busy(true);
+            tracing::info!(identity = %String::from_utf8_lossy(identity), %reason, "request refused unread");
+            service.clone().reject(caller.clone(), head, reason).await
+        }
+    };
+    let Some(reply) = reply.filter(|r| !r.is_empty()) else {
+        activity.set_busy(false);
+        return Continue(());
+    };
+    let mut tail = reply.tail.as_ref().and_then(Tail::take);
+    let mut write = write_within(writer, limits, identity, &reply).await;
+    while write.is_ok()
+        && let Some(rx) = tail.as_mut()
+    {
+        match rx.recv().await {
+            Some(Ok(chunk)) => {
+                let more = !chunk.last;
+                write = write_within(writer, limits, identity, &chunk).await;
+                if !more {
+                    tail = None;
+                }
+            }
+            why => {
+                let why = match why {
+                    Some(Err(why)) => why,
+                    _ => "its sender ended before the last frame".into(),
+                };
+                tracing::warn!(
+                    identity = %String::from_utf8_lossy(identity),
+                    reason = %why,
+                    "a reply begun could not be finished: connection dropped"
+                );
+                return Break(());
+            }
+        }
+    }
+    match write {
+        Ok(()) => {
+            activity.set_busy(false);
+            Continue(())
+        }
+        Err(()) => Break(()),
     }
 }
 
@@ -208,16 +287,6 @@ async fn write_within(
             );
             Err(())
         }
-    }
-}
-
-/// A task aborted when this is dropped (a connection's reader, when the
-/// connection ends).
-struct AbortOnDrop(tokio::task::JoinHandle<()>);
-
-impl Drop for AbortOnDrop {
-    fn drop(&mut self) {
-        self.0.abort();
     }
 }
 

@@ -27,10 +27,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
+use smallvec::SmallVec;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use crate::curve::{self, ClientHandshake, CurveError, ServerHandshake};
-use crate::frame::{self, Decoded, FrameError, Header, put_header};
+use crate::frame::{self, Decoded, FrameError, Header, MAX_HEADER, put_header};
 use crate::pool::{self, Pages, ReceivePool};
 
 /// Receive limits, checked before any allocation from a declared size.
@@ -123,12 +124,20 @@ pub const COALESCE: usize = 16 << 10;
 pub const WRITE_CHUNK: usize = 256 << 10;
 
 /// Writes one message. Frames above a few KiB go out from their own
-/// buffers (no copy); headers and small frames are coalesced.
+/// buffers (no copy); headers and small frames are coalesced, into a
+/// buffer of the size they take (at most about [`WRITE_CHUNK`]): a reply
+/// of one small frame allocates a few dozen bytes, not a fixed 8 KiB
+/// (which, past glibc's per-thread cache, cost every reply a trip through
+/// the arena's bins).
 pub async fn write_message<W: AsyncWrite + Unpin + ?Sized>(
     w: &mut W,
     frames: &[Bytes],
 ) -> io::Result<()> {
-    let mut buf = BytesMut::with_capacity(8 << 10);
+    let coalesced: usize = frames
+        .iter()
+        .map(|f| MAX_HEADER + if f.len() <= COALESCE { f.len() } else { 0 })
+        .sum();
+    let mut buf = BytesMut::with_capacity(coalesced.min(WRITE_CHUNK + COALESCE + MAX_HEADER));
     for (i, frame) in frames.iter().enumerate() {
         put_header(&mut buf, frame.len(), i + 1 < frames.len());
         if frame.len() <= COALESCE {
@@ -179,9 +188,11 @@ pub async fn write_gathered_more<W: AsyncWrite + Unpin + ?Sized>(
             format!("{total} parts in the frames, {} given", parts.len()),
         ));
     }
-    let mut headers = BytesMut::with_capacity(per_frame.len() * 9);
+    // Inline for the usual reply of a few frames: no allocation but the
+    // headers' buffer.
+    let mut headers = BytesMut::with_capacity(per_frame.len() * MAX_HEADER);
     let mut at = 0usize;
-    let mut spans = Vec::with_capacity(per_frame.len());
+    let mut spans: SmallVec<[std::ops::Range<usize>; 8]> = SmallVec::with_capacity(per_frame.len());
     for (k, &n) in per_frame.iter().enumerate() {
         let len: usize = parts[at..at + n as usize].iter().map(Bytes::len).sum();
         let start = headers.len();
@@ -189,7 +200,8 @@ pub async fn write_gathered_more<W: AsyncWrite + Unpin + ?Sized>(
         spans.push(start..headers.len());
         at += n as usize;
     }
-    let mut slices: Vec<io::IoSlice<'_>> = Vec::with_capacity(parts.len() + per_frame.len());
+    let mut slices: SmallVec<[io::IoSlice<'_>; 16]> =
+        SmallVec::with_capacity(parts.len() + per_frame.len());
     let mut at = 0usize;
     for (k, &n) in per_frame.iter().enumerate() {
         slices.push(io::IoSlice::new(&headers[spans[k].clone()]));
@@ -345,7 +357,11 @@ impl<R: AsyncRead + Unpin> FrameReader<R> {
     async fn frame(&mut self, len: usize) -> Result<Bytes, ZmtpError> {
         if len <= SMALL_FRAME {
             self.need(len).await?;
-            return Ok(Bytes::copy_from_slice(&self.buf.split_to(len)));
+            // Copied, then stepped over: no handle of the read buffer made
+            // and dropped per frame (`split_to` shares the buffer first).
+            let frame = Bytes::copy_from_slice(&self.buf[..len]);
+            self.buf.advance(len);
+            return Ok(frame);
         }
         // With a pool, a large frame takes pooled pages, already resident,
         // or else a mapping that grows with the bytes that arrive; either

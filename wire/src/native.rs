@@ -10,7 +10,7 @@
 //!
 //! | side | decode | encode |
 //! |---|---|---|
-//! | server (`stowd`) | [`decode_request`] (+ [`request_id`] for error replies) | [`encode_reply`], [`encode_reply_with`] |
+//! | server (`stowd`) | [`decode_extras_and_body`] then [`decode_request_at`], or [`decode_request`] (+ [`request_id`] for error replies) | [`encode_reply`], [`encode_reply_with`] |
 //! | Rust client (tests, the router) | [`decode_reply`] | [`encode_request`], [`encode_request_with`] |
 //! | Python client (`stowage._core`) | [`decode_reply_layout`], [`decode_extras`] | [`encode_request_head`], [`with_extras`] |
 //!
@@ -573,7 +573,20 @@ impl FrameLayout {
 /// Decodes a request (server side). On error, reply with
 /// [`Reply::from_error`] under the id from [`request_id`] (0 if none).
 pub fn decode_request(frames: &[Bytes], limits: &Limits) -> Result<Request, Error> {
-    decode::request(frames, limits)
+    decode::request(frames, limits, None)
+}
+
+/// [`decode_request`] of a message whose extras were read with
+/// [`decode_extras_and_body`], which found where frame 0's body lies: the
+/// envelope is read again, its body is not walked twice. The same request
+/// or error as [`decode_request`]; `body` from another frame 0 is ignored.
+pub fn decode_request_at(
+    frames: &[Bytes],
+    limits: &Limits,
+    body: &BodyAt,
+) -> Result<Request, Error> {
+    let at = frames.first().and_then(|f0| body.of(f0));
+    decode::request(frames, limits, at)
 }
 
 /// Decodes a reply's frame 0 alone (client side): the echoed request id
@@ -742,7 +755,29 @@ pub struct Extras {
 /// Reads the shared-memory keys of an envelope (frame 0). Other keys are
 /// left to [`decode_request`] / [`decode_reply`].
 pub fn decode_extras(frame0: &[u8], limits: &Limits) -> Result<Extras, Error> {
-    decode::extras(frame0, limits)
+    decode::extras(frame0, limits).map(|(extras, _)| extras)
+}
+
+/// [`decode_extras`], and where the envelope's body lies in `frame0`, for
+/// [`decode_request_at`].
+pub fn decode_extras_and_body(frame0: &[u8], limits: &Limits) -> Result<(Extras, BodyAt), Error> {
+    let (extras, body) = decode::extras(frame0, limits)?;
+    let frame = (frame0.as_ptr() as usize, frame0.len());
+    Ok((extras, BodyAt(body.map(|b| (frame, b)))))
+}
+
+/// Where the value of an envelope's first `body` key lies in the frame 0
+/// it was read from ([`decode_extras_and_body`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct BodyAt(Option<((usize, usize), std::ops::Range<usize>)>);
+
+impl BodyAt {
+    /// The body's range, if it was found in `frame0` (the same bytes: same
+    /// address and length).
+    fn of(&self, frame0: &[u8]) -> Option<&std::ops::Range<usize>> {
+        let (frame, body) = self.0.as_ref()?;
+        (*frame == (frame0.as_ptr() as usize, frame0.len())).then_some(body)
+    }
 }
 
 /// Frame 0 with a `segments` key added: a copy of `frame0` whose envelope

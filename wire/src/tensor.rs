@@ -11,6 +11,11 @@
 //! stored and served as they came.
 
 use bytes::{Bytes, BytesMut};
+use smallvec::SmallVec;
+
+/// A tensor's shape, inline up to 4 dimensions: views, rows and clones of
+/// a tensor (several per field of every put and get) allocate nothing.
+type Shape = SmallVec<[u64; 4]>;
 
 /// Element type of a tensor: the dtype table's enum, from `stowage-plan`
 /// (one row per dtype: its name on the wire, itemsize, WIT case, aliases).
@@ -65,7 +70,7 @@ pub fn contiguous_len(dtype: Dtype, shape: &[u64]) -> Result<usize, TensorError>
 pub struct Tensor {
     bytes: Bytes,
     dtype: Dtype,
-    shape: Vec<u64>,
+    shape: Shape,
     /// Distance between consecutive rows, in bytes.
     row_stride: usize,
 }
@@ -84,11 +89,36 @@ impl std::fmt::Debug for Tensor {
 impl Tensor {
     /// A C-contiguous tensor over `bytes`; the length must match exactly.
     pub fn contiguous(bytes: Bytes, dtype: Dtype, shape: Vec<u64>) -> Result<Tensor, TensorError> {
+        Tensor::contiguous_shape(bytes, dtype, Shape::from_vec(shape))
+    }
+
+    /// [`Tensor::contiguous`] of a borrowed shape (copied inline: no
+    /// allocation up to 4 dimensions).
+    pub fn contiguous_of(bytes: Bytes, dtype: Dtype, shape: &[u64]) -> Result<Tensor, TensorError> {
+        Tensor::contiguous_shape(bytes, dtype, Shape::from_slice(shape))
+    }
+
+    /// A C-contiguous tensor of `rows` rows of `row_shape` over `bytes`
+    /// (the length must match exactly): [`Tensor::contiguous`] without a
+    /// shape to allocate.
+    pub fn contiguous_rows(
+        bytes: Bytes,
+        dtype: Dtype,
+        rows: u64,
+        row_shape: &[u64],
+    ) -> Result<Tensor, TensorError> {
+        let mut shape = Shape::with_capacity(1 + row_shape.len());
+        shape.push(rows);
+        shape.extend_from_slice(row_shape);
+        Tensor::contiguous_shape(bytes, dtype, shape)
+    }
+
+    fn contiguous_shape(bytes: Bytes, dtype: Dtype, shape: Shape) -> Result<Tensor, TensorError> {
         let expected = contiguous_len(dtype, &shape)?;
         if expected != bytes.len() {
             return Err(TensorError::LengthMismatch {
                 dtype,
-                shape,
+                shape: shape.into_vec(),
                 expected: expected as u128,
                 actual: bytes.len(),
             });
@@ -121,9 +151,10 @@ impl Tensor {
             let bytes = bytes.slice(..len.min(bytes.len()));
             return Tensor::contiguous(bytes, dtype, shape);
         }
+        let shape = Shape::from_vec(shape);
         let mismatch = |expected: u128| TensorError::LengthMismatch {
             dtype,
-            shape: shape.clone(),
+            shape: shape.to_vec(),
             expected,
             actual: bytes.len(),
         };
@@ -200,7 +231,7 @@ impl Tensor {
 
     /// The shape, giving up the tensor.
     pub fn into_shape(self) -> Vec<u64> {
-        self.shape
+        self.shape.into_vec()
     }
 
     /// Bytes spanned by this tensor in its buffer (gaps included).
@@ -239,7 +270,7 @@ impl Tensor {
     /// Row `i` as a tensor of the row's shape (zero copy).
     pub fn row_tensor(&self, i: u64) -> Result<Tensor, TensorError> {
         let bytes = self.row(i)?;
-        Tensor::contiguous(bytes, self.dtype, self.row_shape().to_vec())
+        Tensor::contiguous_shape(bytes, self.dtype, Shape::from_slice(self.row_shape()))
     }
 
     /// Rows `start, start+step, ...` (`count` of them) as a zero-copy view.
@@ -305,7 +336,7 @@ impl Tensor {
         }
         let mut shape = self.shape.clone();
         shape[0] = positions.len() as u64;
-        Tensor::contiguous(out.freeze(), self.dtype, shape)
+        Tensor::contiguous_shape(out.freeze(), self.dtype, shape)
     }
 
     /// The elements as one contiguous buffer: zero copy when already

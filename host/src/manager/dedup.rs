@@ -41,7 +41,7 @@ pub struct DedupCounters {
 }
 
 /// Per unit, the fields of its part of a put (`None`: no rows, or remote).
-pub(super) type UnitFields<'a> = Option<&'a mut Vec<(String, Vec<Column>)>>;
+pub(super) type UnitFields<'a> = Option<&'a mut Vec<crate::store::PutField>>;
 
 /// One row to store: its unit, bytes, dtype and shape.
 struct Row<'a> {
@@ -163,7 +163,7 @@ pub(super) fn field(units: &mut [UnitFields<'_>], f: usize, counters: &DedupCoun
         if let Some(fields) = part
             && !rows.is_empty()
         {
-            fields[f].1 = vec![Column::Nested(rows)];
+            fields[f].1 = smallvec::smallvec![Column::Nested(rows)];
         }
     }
     counters

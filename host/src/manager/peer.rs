@@ -401,7 +401,7 @@ impl Manager {
             let end = (start + per_message).min(n);
             let mut wire = Vec::with_capacity(fields.len());
             for (name, columns) in &fields {
-                wire.push((name.clone(), wire_rows(columns, start, end)?));
+                wire.push((name.to_string(), wire_rows(columns, start, end)?));
             }
             let nested_runs: Vec<Vec<(u64, u64)>> = wire
                 .iter()

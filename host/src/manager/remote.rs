@@ -29,7 +29,12 @@ impl Manager {
     ) -> Result<(), ManagerError> {
         let fields: Vec<(String, Vec<Cell>)> = fields
             .into_iter()
-            .map(|(name, columns)| (name, columns.iter().flat_map(Column::cells).collect()))
+            .map(|(name, columns)| {
+                (
+                    name.to_string(),
+                    columns.iter().flat_map(Column::cells).collect(),
+                )
+            })
             .collect();
         let row_bytes: Vec<u64> = (0..indexes.len())
             .map(|i| fields.iter().map(|(_, c)| c[i].byte_len() as u64).sum())

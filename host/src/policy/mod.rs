@@ -96,11 +96,23 @@ impl<'a> SelectRequest<'a> {
     }
 }
 
+/// One answer of [`Policy::select_many`].
+#[derive(Clone, Debug, PartialEq)]
+pub enum Answer {
+    /// A plan, or why not.
+    Own(Result<SelectionPlan, PolicyError>),
+    /// The same answer as the earlier request at this index of the same
+    /// call, to a request with the same memo key: not a copy (the fields
+    /// of one layout at one unit's positions, which a put asks one after
+    /// the other).
+    Same(usize),
+}
+
 /// What [`Policy::select_many`] answered, and what it cost.
 #[derive(Debug)]
 pub struct SelectAnswers {
     /// One answer per request, in order.
-    pub answers: Vec<Result<SelectionPlan, PolicyError>>,
+    pub answers: Vec<Answer>,
     /// Times the policy was entered (sandbox calls) to answer them.
     pub entries: u64,
     /// Answers taken from the policy's memo, without a call.
@@ -133,7 +145,7 @@ pub trait Policy: Send + Sync {
         SelectAnswers {
             answers: requests
                 .iter()
-                .map(|r| self.select(r.field, r.positions))
+                .map(|r| Answer::Own(self.select(r.field, r.positions)))
                 .collect(),
             entries: requests.len() as u64,
             memo_hits: 0,

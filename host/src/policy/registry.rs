@@ -149,27 +149,34 @@ pub fn default_chains() -> Vec<ChainConfig> {
     }]
 }
 
-/// True if `name` matches the glob `pattern` (`*` and `?`).
+/// True if `name` matches the glob `pattern` (`*` and `?`), character by
+/// character. Allocates nothing: it runs for every field of every request.
 pub fn glob_match(pattern: &str, name: &str) -> bool {
-    let (p, n): (Vec<char>, Vec<char>) = (pattern.chars().collect(), name.chars().collect());
+    // Positions are byte offsets at character boundaries.
+    let at = |s: &str, i: usize| s[i..].chars().next();
     let (mut pi, mut ni, mut star, mut mark) = (0usize, 0usize, None::<usize>, 0usize);
-    while ni < n.len() {
-        if pi < p.len() && (p[pi] == '?' || p[pi] == n[ni]) {
-            pi += 1;
-            ni += 1;
-        } else if pi < p.len() && p[pi] == '*' {
-            star = Some(pi);
-            mark = ni;
-            pi += 1;
-        } else if let Some(s) = star {
-            pi = s + 1;
-            mark += 1;
-            ni = mark;
-        } else {
-            return false;
+    while let Some(n) = at(name, ni) {
+        match at(pattern, pi) {
+            Some(p) if p == '?' || p == n => {
+                pi += p.len_utf8();
+                ni += n.len_utf8();
+            }
+            Some('*') => {
+                star = Some(pi);
+                mark = ni;
+                pi += 1;
+            }
+            _ => match star {
+                Some(s) => {
+                    pi = s + 1;
+                    mark += at(name, mark).map_or(1, char::len_utf8);
+                    ni = mark;
+                }
+                None => return false,
+            },
         }
     }
-    p[pi..].iter().all(|c| *c == '*')
+    pattern[pi..].chars().all(|c| c == '*')
 }
 
 /// What every snapshot of a registry shares: the engine, the linker, the
@@ -501,7 +508,7 @@ impl Registry {
 
     /// The selection chain of a field: the first pattern that matches, else
     /// the built-in alone.
-    pub fn select_chain(&self, field: &str) -> Chain {
+    pub fn select_chain(&self, field: &str) -> &Chain {
         self.select_chain_of(self.select_chain_at(field))
     }
 
@@ -517,20 +524,24 @@ impl Registry {
     /// The selection chain at a position [`select_chain_at`] answered.
     ///
     /// [`select_chain_at`]: Self::select_chain_at
-    pub fn select_chain_of(&self, at: Option<usize>) -> Chain {
+    pub fn select_chain_of(&self, at: Option<usize>) -> &Chain {
         at.and_then(|i| self.select_chains.get(i))
-            .map(|(_, c)| c.clone())
-            .unwrap_or_else(Chain::builtin)
+            .map_or(builtin_chain(), |(_, c)| c)
     }
 
     /// The packing chain of a field.
-    pub fn pack_chain(&self, field: &str) -> Chain {
+    pub fn pack_chain(&self, field: &str) -> &Chain {
         self.pack_chains
             .iter()
             .find(|(p, _)| glob_match(p, field))
-            .map(|(_, c)| c.clone())
-            .unwrap_or_else(Chain::builtin)
+            .map_or(builtin_chain(), |(_, c)| c)
     }
+}
+
+/// The chain of a field no pattern matches: the built-in alone.
+fn builtin_chain() -> &'static Chain {
+    static BUILTIN: std::sync::OnceLock<Chain> = std::sync::OnceLock::new();
+    BUILTIN.get_or_init(Chain::builtin)
 }
 
 #[cfg(test)]
@@ -548,5 +559,18 @@ mod tests {
         assert!(glob_match("*a*b*", "xxaxxbxx"));
         assert!(glob_match("", ""));
         assert!(!glob_match("", "x"));
+        // Characters, not bytes: `?` takes one character of any width.
+        assert!(glob_match("r?sum?", "résumé"));
+        assert!(glob_match("*é", "café"));
+        assert!(glob_match("*_ids*", "ünï_ids_ö"));
+        assert!(!glob_match("??", "é"));
+        assert!(glob_match("?", "é"));
+        assert!(glob_match("*?*", "日本"));
+        assert!(!glob_match("日?本", "日本"));
+        // Backtracking over several stars, and a literal star in the name.
+        assert!(glob_match("a*b*c", "axbxbxc"));
+        assert!(!glob_match("a*b*c", "axbxbx"));
+        assert!(glob_match("a*", "a*"));
+        assert!(glob_match("**", ""));
     }
 }

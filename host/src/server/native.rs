@@ -191,30 +191,41 @@ impl NativeService {
     async fn serve_one(&self, connection: u64, frames: Vec<Bytes>) -> Message {
         let started = Instant::now();
         let mut op = "undecodable";
-        let fallback_id = native::request_id(&frames).unwrap_or(0);
+        // The id an error reply names when the request cannot be decoded,
+        // read only then (frame 0 is not changed on the way).
+        let head = frames.first().cloned();
+        let fallback_id = || {
+            head.as_ref()
+                .and_then(|f0| native::request_id(std::slice::from_ref(f0)))
+                .unwrap_or(0)
+        };
+        // The extras, and where the body lies: the request's decode below
+        // steps over it instead of walking it again.
         let extras = match frames.first() {
-            Some(f0) => native::decode_extras(f0, &self.limits),
-            None => Ok(native::Extras::default()),
+            Some(f0) => native::decode_extras_and_body(f0, &self.limits),
+            None => Ok(Default::default()),
         };
         let (id, answer) = match extras {
-            Err(e) => (fallback_id, errors::native_decode(&e).into()),
-            Ok(extras) => match self.received(connection, frames, &extras).await {
-                Err(reply) => (fallback_id, reply.into()),
-                Ok((frames, received)) => match native::decode_request(&frames, &self.limits) {
-                    Ok(req) => {
-                        op = req.op.name();
-                        let span = tracing::Span::current();
-                        span.record("id", req.id)
-                            .record("op", op)
-                            .record("rows", op_rows(&req.op));
-                        (
-                            req.id,
-                            self.answer(req.id, req.op, &extras, &received, connection)
-                                .await,
-                        )
+            Err(e) => (fallback_id(), errors::native_decode(&e).into()),
+            Ok((extras, body)) => match self.received(connection, frames, &extras).await {
+                Err(reply) => (fallback_id(), reply.into()),
+                Ok((frames, received)) => {
+                    match native::decode_request_at(&frames, &self.limits, &body) {
+                        Ok(req) => {
+                            op = req.op.name();
+                            let span = tracing::Span::current();
+                            span.record("id", req.id)
+                                .record("op", op)
+                                .record("rows", op_rows(&req.op));
+                            (
+                                req.id,
+                                self.answer(req.id, req.op, &extras, &received, connection)
+                                    .await,
+                            )
+                        }
+                        Err(e) => (fallback_id(), errors::native_decode(&e).into()),
                     }
-                    Err(e) => (fallback_id, errors::native_decode(&e).into()),
-                },
+                }
             },
         };
         let (encoded, outcome) = match answer {
@@ -318,7 +329,9 @@ impl NativeService {
         connection: u64,
     ) -> Answer {
         if let Some(unit) = extras.unit {
-            return self.answer_unit(unit, op, extras, received).await;
+            // Boxed, like the other rare branches below: a future holding
+            // them inline would make every request's future that large.
+            return Box::pin(self.answer_unit(unit, op, extras, received)).await;
         }
         let m = &self.manager;
         let same_node = extras.same_node;
@@ -360,7 +373,9 @@ impl NativeService {
                     Err(reply) => reply.into(),
                 }
             }
-            native::Op::Lease { bytes } => self.lease(id, bytes, extras, connection).await.into(),
+            native::Op::Lease { bytes } => Box::pin(self.lease(id, bytes, extras, connection))
+                .await
+                .into(),
             native::Op::Channel => match &self.shm {
                 None => errors::shm(&ShmError::Disabled).into(),
                 Some((_, channels)) => native::Reply::ChannelOk {
@@ -377,9 +392,9 @@ impl NativeService {
             },
             native::Op::Stats => self.stats().into(),
             native::Op::Checkpoint { dir, journal } => {
-                self.checkpoint(dir, false, journal).await.into()
+                Box::pin(self.checkpoint(dir, false, journal)).await.into()
             }
-            native::Op::Restore { dir } => self.checkpoint(dir, true, true).await.into(),
+            native::Op::Restore { dir } => Box::pin(self.checkpoint(dir, true, true)).await.into(),
             native::Op::Versions { .. } => errors::native_bad_request(
                 "versions is a peer request: it names a unit (the envelope's unit key)".into(),
             )
@@ -577,7 +592,19 @@ impl Service for NativeService {
         );
         let frame0 = frames.first().map_or(0, Bytes::len);
         let offload = self.offload.clone();
-        let work = async move { self.serve_one(caller.connection, frames).await }.instrument(span);
+        // A small request's future is the one box: the request's own state,
+        // once (see `Offload::inline`).
+        if offload.inline(frame0) {
+            return Box::pin(
+                async move {
+                    Some(self.serve_one(caller.connection, frames).await).filter(|f| !f.is_empty())
+                }
+                .instrument(span),
+            );
+        }
+        let work = Box::pin(
+            async move { self.serve_one(caller.connection, frames).await }.instrument(span),
+        );
         Box::pin(async move { Some(offload.run(frame0, work).await).filter(|f| !f.is_empty()) })
     }
 

@@ -48,6 +48,15 @@ impl Offload {
         })
     }
 
+    /// Whether a request whose frame 0 holds `frame0_bytes` runs inline
+    /// ([`Offload::run`] awaits it where it is). A caller may then await
+    /// it itself: a future that holds the request's work and `run`'s
+    /// future, which holds it again, is twice its size, and it is moved
+    /// into a box per request.
+    pub fn inline(&self, frame0_bytes: usize) -> bool {
+        frame0_bytes < self.cutoff
+    }
+
     /// Runs `work` inline if `frame0_bytes` is under the cutoff, else on
     /// the blocking pool once a slot is free. A panic in `work` is resumed
     /// here, as it would have been inline.
@@ -56,7 +65,7 @@ impl Offload {
         F: Future<Output = T> + Send + 'static,
         T: Send + 'static,
     {
-        if frame0_bytes < self.cutoff {
+        if self.inline(frame0_bytes) {
             return work.await;
         }
         let permit = self

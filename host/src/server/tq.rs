@@ -384,8 +384,13 @@ impl Service for TqService {
             }
             let frame0 = frames.first().map_or(0, Bytes::len);
             let offload = self.offload.clone();
+            // Awaited here when inline: `run`'s future would hold the
+            // request's state a second time (see `Offload::inline`).
+            if offload.inline(frame0) {
+                return self.serve(frames).await.map(Message::from);
+            }
             offload
-                .run(frame0, self.serve(frames))
+                .run(frame0, Box::pin(self.serve(frames)))
                 .await
                 .map(Message::from)
         })

@@ -46,6 +46,23 @@ impl Column {
     /// A column over the rows of `t` (rows on axis 0), where `t`'s bytes
     /// start `offset` bytes into `extent`.
     pub fn regular(extent: Arc<Extent>, offset: usize, t: &Tensor) -> Column {
+        Column::regular_sharing(extent, offset, t, &mut None)
+    }
+
+    /// [`Column::regular`], its row shape shared with `last` (the row
+    /// shape of the column made before) when they are equal: the columns
+    /// of a put, many fields of one row shape over several units, then
+    /// hold one row shape between them, not one allocation each.
+    pub fn regular_sharing(
+        extent: Arc<Extent>,
+        offset: usize,
+        t: &Tensor,
+        last: &mut Option<Arc<[u64]>>,
+    ) -> Column {
+        let row_shape = match last {
+            Some(shape) if **shape == *t.row_shape() => shape.clone(),
+            _ => last.insert(t.row_shape().into()).clone(),
+        };
         Column::Regular(RegularColumn {
             extent,
             offset,
@@ -53,7 +70,7 @@ impl Column {
             rows: t.rows(),
             row_bytes: t.row_bytes(),
             dtype: t.dtype(),
-            row_shape: t.row_shape().into(),
+            row_shape,
         })
     }
 

@@ -29,6 +29,8 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
+
+use smallvec::SmallVec;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -221,30 +223,32 @@ impl Inner {
     /// Stores `columns` (their rows, in order) under `(indexes[i], name)`,
     /// as rows of put `generation`; a row already stored there is
     /// released. Returns the bytes released.
+    ///
+    /// `added[i]` counts the fields new at `indexes[i]` (the put's fields
+    /// stored so far); the caller adds them to `present` once, after the
+    /// last field, so a put of many fields makes one `present` update a
+    /// row, not one a (row, field).
     fn store_field(
         &mut self,
-        name: &str,
+        name: Arc<str>,
         indexes: &[u64],
-        columns_in: Vec<Column>,
+        columns_in: Columns,
         generation: u64,
+        added: &mut [u32],
     ) -> u64 {
-        let name: Arc<str> = match self.fields.get_key_value(name) {
-            Some((k, _)) => k.clone(),
-            None => Arc::from(name),
-        };
         let Inner {
             fields,
-            present,
             columns,
             free,
             keys,
             ..
         } = self;
-        let index = fields.entry(name).or_default();
+        // One lookup of the name (and one more for a field's first row).
+        let index = match fields.get_mut(&*name) {
+            Some(index) => index,
+            None => fields.entry(name).or_default(),
+        };
         index.reserve(indexes.len());
-        if present.is_empty() {
-            present.reserve(indexes.len());
-        }
         let mut freed = 0u64;
         let mut next = 0usize;
         for column in columns_in {
@@ -265,13 +269,25 @@ impl Inner {
                     Some(old) => freed += release(columns, free, Loc::unpack(old)),
                     None => {
                         *keys += 1;
-                        present.increment(*g);
+                        added[next + row] += 1;
                     }
                 }
             }
             next += rows;
         }
         freed
+    }
+
+    /// Adds the fields a put made new at each of `indexes` to `present`.
+    fn add_present(&mut self, indexes: &[u64], added: &[u32]) {
+        if self.present.is_empty() {
+            self.present.reserve(indexes.len());
+        }
+        for (&g, &n) in indexes.iter().zip(added) {
+            if n > 0 {
+                self.present.add(g, u64::from(n));
+            }
+        }
     }
 
     /// Removes (g, field) if present: returns its bytes.
@@ -331,8 +347,15 @@ pub struct UnitStats {
     pub capacity: Option<u64>,
 }
 
-/// The columns of one field of a put, in row order.
-pub type PutField = (String, Vec<Column>);
+/// The columns of one field of a put, in row order, under the field's
+/// name (shared by the units of a put, and kept by a unit that stores a
+/// field for the first time).
+pub type PutField = (Arc<str>, Columns);
+
+/// The columns of one field of a put: inline for the usual one (a put's
+/// field at a unit is one piece of its frame), so a put of many fields
+/// allocates no list per (field, unit).
+pub type Columns = SmallVec<[Column; 1]>;
 
 impl Unit {
     /// A unit with an optional capacity in bytes.
@@ -511,9 +534,17 @@ impl Unit {
         let mut freed = 0u64;
         inner.generation += 1;
         let generation = inner.generation;
+        let mut new_fields: SmallVec<[u32; 64]> = smallvec::smallvec![0; global_indexes.len()];
         for (name, columns_in) in fields {
-            freed += inner.store_field(&name, global_indexes, columns_in, generation);
+            freed += inner.store_field(
+                name,
+                global_indexes,
+                columns_in,
+                generation,
+                &mut new_fields,
+            );
         }
+        inner.add_present(global_indexes, &new_fields);
         inner.bytes = inner.bytes - freed + added;
         self.publish(&inner);
         drop(inner);
@@ -555,7 +586,7 @@ impl Unit {
         }
         let mut freed = 0u64;
         for (name, _) in fields {
-            if let Some(index) = inner.fields.get(name.as_str()) {
+            if let Some(index) = inner.fields.get(&**name) {
                 freed += global_indexes
                     .iter()
                     .filter_map(|&g| index.get(g))
@@ -625,7 +656,7 @@ impl Unit {
             };
             let mut rows = Rows::default();
             // Column number in the unit -> in `rows`.
-            let mut numbered: HashMap<u32, u32> = HashMap::new();
+            let mut numbered: rows::FewMap<u32, u32> = rows::FewMap::default();
             let mut last: Option<(u32, u32)> = None;
             for seq in seqs {
                 let mut k = 0;
@@ -642,7 +673,7 @@ impl Unit {
                     };
                     let ours = match last {
                         Some((unit_col, ours)) if unit_col == loc.column => ours,
-                        _ => *numbered.entry(loc.column).or_insert_with(|| {
+                        _ => numbered.get_or_insert_with(loc.column, || {
                             rows.columns.push(slot.column.clone());
                             (rows.columns.len() - 1) as u32
                         }),
@@ -815,7 +846,7 @@ fn check_shape(global_indexes: &[u64], fields: &[PutField]) -> Result<(), StoreE
         let rows: u64 = columns.iter().map(Column::rows).sum();
         if rows != global_indexes.len() as u64 {
             return Err(StoreError::RowCount {
-                field: name.clone(),
+                field: name.to_string(),
                 rows,
                 indexes: global_indexes.len(),
             });

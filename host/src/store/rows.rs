@@ -54,7 +54,8 @@ pub enum Run {
         rows: u64,
         row_bytes: usize,
         dtype: Dtype,
-        row_shape: Vec<u64>,
+        /// Shared with the column the rows are in (a regular column's).
+        row_shape: Arc<[u64]>,
     },
     Value(Value),
 }
@@ -195,7 +196,7 @@ impl Rows {
         // Regular pieces of more than one row, by (place, dtype, row shape,
         // row bytes, where position 0 would be): (first position, last
         // position, rows, the pieces).
-        type Key<'a> = (u32, Dtype, &'a [u64], usize, i128);
+        type Key<'a> = (u32, Dtype, &'a Arc<[u64]>, usize, i128);
         let mut groups: HashMap<Key<'_>, (u64, u64, u64, Vec<usize>)> = HashMap::new();
         let mut by_row: Vec<usize> = Vec::new();
         for (i, p) in self.pieces.iter().enumerate() {
@@ -209,7 +210,7 @@ impl Rows {
                         + c.offset
                         + p.row as usize * c.stride) as i128;
                     let origin = at0 - i128::from(p.pos) * c.row_bytes as i128;
-                    let key = (place, c.dtype, &c.row_shape[..], c.row_bytes, origin);
+                    let key = (place, c.dtype, &c.row_shape, c.row_bytes, origin);
                     let last = p.pos_of(u64::from(p.count) - 1);
                     let g = groups
                         .entry(key)
@@ -236,7 +237,7 @@ impl Rows {
                         - places.list[place as usize].offset,
                     row_bytes,
                     dtype,
-                    shape,
+                    shape: Shape::Shared(shape),
                 },
             });
         }
@@ -251,7 +252,7 @@ impl Rows {
                         offset: c.offset + row * c.stride,
                         row_bytes: c.row_bytes,
                         dtype: c.dtype,
-                        shape: &c.row_shape,
+                        shape: Shape::Shared(&c.row_shape),
                     },
                     Column::Nested(rows) => {
                         let n = &rows[row];
@@ -260,7 +261,7 @@ impl Rows {
                             offset: n.offset,
                             row_bytes: n.len,
                             dtype: n.dtype,
-                            shape: &n.shape,
+                            shape: Shape::Own(&n.shape),
                         }
                     }
                     Column::Values(v) => What::Value(&v[row]),
@@ -304,7 +305,7 @@ impl Rows {
                 && base.as_ptr() == place.base.as_ptr()
                 && base.len() == place.base.len()
                 && *o + *rows as usize * *rb == at
-                && row_shape.as_slice() == shape
+                && **row_shape == *shape.dims()
             {
                 *rows += it.rows;
                 continue;
@@ -316,7 +317,7 @@ impl Rows {
                 rows: it.rows,
                 row_bytes,
                 dtype,
-                row_shape: shape.to_vec(),
+                row_shape: shape.shared(),
             });
         }
         runs
@@ -327,17 +328,57 @@ impl Rows {
 #[derive(Default)]
 struct Snapshots {
     list: Vec<Place>,
-    ids: HashMap<u64, u32>,
+    ids: FewMap<u64, u32>,
 }
 
 impl Snapshots {
     /// The number of `e`'s snapshot, taken the first time.
     fn of(&mut self, e: &Arc<Extent>) -> u32 {
         let list = &mut self.list;
-        *self.ids.entry(e.id()).or_insert_with(|| {
+        self.ids.get_or_insert_with(e.id(), || {
             list.push(e.place());
             (list.len() - 1) as u32
         })
+    }
+}
+
+/// A map for the few keys a small get meets (the columns of a field, the
+/// extents of a reply): a scan of an inline list up to [`FewMap::SCAN`]
+/// keys, no allocation; a hash map past that, so a large get stays linear.
+pub(super) enum FewMap<K, V> {
+    Few(smallvec::SmallVec<[(K, V); 8]>),
+    Many(HashMap<K, V>),
+}
+
+impl<K, V> Default for FewMap<K, V> {
+    fn default() -> Self {
+        FewMap::Few(smallvec::SmallVec::new())
+    }
+}
+
+impl<K: Copy + Eq + std::hash::Hash, V: Copy> FewMap<K, V> {
+    /// Most keys kept in the inline list.
+    const SCAN: usize = 8;
+
+    /// The value of `k`, made by `make` (and kept) the first time.
+    pub(super) fn get_or_insert_with(&mut self, k: K, make: impl FnOnce() -> V) -> V {
+        match self {
+            FewMap::Few(few) => {
+                if let Some((_, v)) = few.iter().find(|(key, _)| *key == k) {
+                    return *v;
+                }
+                let v = make();
+                if few.len() < Self::SCAN {
+                    few.push((k, v));
+                } else {
+                    let mut all: HashMap<K, V> = few.drain(..).collect();
+                    all.insert(k, v);
+                    *self = FewMap::Many(all);
+                }
+                v
+            }
+            FewMap::Many(all) => *all.entry(k).or_insert_with(make),
+        }
     }
 }
 
@@ -356,7 +397,31 @@ enum What<'a> {
         offset: usize,
         row_bytes: usize,
         dtype: Dtype,
-        shape: &'a [u64],
+        shape: Shape<'a>,
     },
     Value(&'a Value),
+}
+
+/// The row shape of an [`Item`]'s rows: a regular column's, which a run
+/// shares, or a nested row's own.
+#[derive(Clone, Copy)]
+enum Shape<'a> {
+    Shared(&'a Arc<[u64]>),
+    Own(&'a [u64]),
+}
+
+impl Shape<'_> {
+    fn dims(&self) -> &[u64] {
+        match self {
+            Shape::Shared(s) => s,
+            Shape::Own(s) => s,
+        }
+    }
+
+    fn shared(&self) -> Arc<[u64]> {
+        match self {
+            Shape::Shared(s) => Arc::clone(s),
+            Shape::Own(s) => Arc::from(*s),
+        }
+    }
 }

@@ -217,7 +217,7 @@ impl Unit {
         let mut all: Vec<Vec<u64>> = Vec::with_capacity(rows.len());
         for (field, stored) in rows {
             let mut indexes = Vec::new();
-            let mut columns = Vec::new();
+            let mut columns = super::Columns::new();
             for s in stored {
                 indexes.extend_from_slice(s.indexes());
                 let column = match s {
@@ -235,7 +235,7 @@ impl Unit {
             if let Some(g) = super::duplicate(&indexes) {
                 return Err(StoreError::DuplicateIndex(g));
             }
-            fields.push((field.to_string(), columns));
+            fields.push((Arc::from(&*field), columns));
             all.push(indexes);
         }
         self.admit(&fields)?;
@@ -258,7 +258,9 @@ impl Unit {
         };
         let generation = new.generation;
         for (name, indexes, columns_in) in r.fields {
-            new.store_field(&name, &indexes, columns_in, generation);
+            let mut added = vec![0u32; indexes.len()];
+            new.store_field(name, &indexes, columns_in, generation, &mut added);
+            new.add_present(&indexes, &added);
         }
         new.bytes = r.bytes;
         new.lost = std::mem::take(&mut inner.lost);
@@ -288,7 +290,7 @@ impl Unit {
 /// [`Unit::commit`] puts in place of everything the unit holds.
 pub struct Replacement {
     /// Per field: its name, the global index of each row, the columns.
-    fields: Vec<(String, Vec<u64>, Vec<Column>)>,
+    fields: Vec<(Arc<str>, Vec<u64>, super::Columns)>,
     bytes: u64,
 }
 

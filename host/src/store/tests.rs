@@ -12,8 +12,8 @@ fn s(v: &str) -> Value {
     Value::Str(v.into())
 }
 
-fn values(v: &[&str]) -> Vec<Column> {
-    vec![Column::Values(v.iter().map(|x| s(x)).collect())]
+fn values(v: &[&str]) -> Columns {
+    smallvec::smallvec![Column::Values(v.iter().map(|x| s(x)).collect())]
 }
 
 fn got(unit: &Unit, g: &[u64], field: &str) -> Vec<Cell> {
@@ -141,7 +141,7 @@ fn puts_are_all_or_nothing() {
 fn check_put_stores_nothing() {
     let unit = Unit::new("u0", Some(4));
     unit.put(&[1], vec![("a".into(), values(&["12"]))]).unwrap();
-    let too_big = [("a".to_string(), values(&["123"]))];
+    let too_big = [("a".into(), values(&["123"]))];
     assert!(matches!(
         unit.check_put(&[2], &too_big),
         Err(StoreError::Capacity { .. })
@@ -181,7 +181,7 @@ fn clearing_the_last_row_frees_the_extent() {
         &[0, 1, 2, 3],
         vec![(
             "t".into(),
-            vec![Column::from_field(Field::Regular(t), &received)],
+            smallvec::smallvec![Column::from_field(Field::Regular(t), &received)],
         )],
     )
     .unwrap();
@@ -212,7 +212,10 @@ fn rows_put_together_come_back_as_one_run_across_units() {
         let g: Vec<u64> = (0..4).map(|i| u as u64 + 2 * i).collect();
         unit.put(
             &g,
-            vec![("t".into(), vec![Column::regular(extent, offset, &view)])],
+            vec![(
+                "t".into(),
+                smallvec::smallvec![Column::regular(extent, offset, &view)],
+            )],
         )
         .unwrap();
     }
@@ -289,7 +292,7 @@ fn sharing_puts_the_extents_of_a_get_into_one_segment_in_request_order() {
             &g,
             vec![(
                 "t".into(),
-                vec![Column::from_field(Field::Regular(t), &received)],
+                smallvec::smallvec![Column::from_field(Field::Regular(t), &received)],
             )],
         )
         .unwrap();
@@ -325,14 +328,14 @@ fn overwriting_many_rows_keeps_counts() {
     let unit = Unit::new("u0", None);
     let g: Vec<u64> = (0..1000).collect();
     let v: Vec<String> = g.iter().map(|i| i.to_string()).collect();
-    let col = || vec![Column::Values(v.iter().map(|x| s(x)).collect())];
+    let col = || smallvec::smallvec![Column::Values(v.iter().map(|x| s(x)).collect())];
     unit.put(&g, vec![("a".into(), col()), ("b".into(), col())])
         .unwrap();
     unit.put(
         &g[500..],
         vec![(
             "a".into(),
-            vec![Column::Values(g[500..].iter().map(|_| s("z")).collect())],
+            smallvec::smallvec![Column::Values(g[500..].iter().map(|_| s("z")).collect())],
         )],
     )
     .unwrap();
@@ -354,6 +357,50 @@ fn overwriting_many_rows_keeps_counts() {
     );
 }
 
+/// A put counts each row's new fields once it has stored them all: rows
+/// whose fields are partly new, wholly new or all overwritten come out
+/// with the right counts, and clearing fields one at a time drops a row
+/// exactly when its last field goes.
+#[test]
+fn a_put_of_new_and_old_fields_counts_each_rows_fields() {
+    let unit = Unit::new("u0", None);
+    unit.put(
+        &[1, 2],
+        vec![
+            ("a".into(), values(&["a1", "a2"])),
+            ("b".into(), values(&["b1", "b2"])),
+        ],
+    )
+    .unwrap();
+    // Row 2: b old, c new; row 3: both new; row 1 untouched.
+    unit.put(
+        &[2, 3],
+        vec![
+            ("b".into(), values(&["B2", "b3"])),
+            ("c".into(), values(&["c2", "c3"])),
+        ],
+    )
+    .unwrap();
+    let st = unit.stats();
+    assert_eq!((st.keys, st.rows), (7, 3));
+    // Nothing new at all: the counts stay.
+    unit.put(&[3, 2], vec![("c".into(), values(&["C3", "C2"]))])
+        .unwrap();
+    let st = unit.stats();
+    assert_eq!((st.keys, st.rows), (7, 3));
+    assert_eq!(
+        got(&unit, &[2, 3], "c"),
+        vec![Cell::Value(s("C2")), Cell::Value(s("C3"))]
+    );
+    // Row 2 has a, b and c: it stays until all three are cleared.
+    for (field, rows) in [("a", 3), ("c", 3), ("b", 2)] {
+        assert_eq!(unit.clear(&[2], Some(&[field.to_string()])).unwrap(), 1);
+        assert_eq!(unit.stats().rows, rows, "after clearing {field} of row 2");
+    }
+    assert_eq!(unit.clear(&[1, 3], None).unwrap(), 4);
+    assert_eq!(unit.stats().rows, 0);
+}
+
 /// A full unit still takes an overwrite that frees what it adds, and
 /// refuses one row more; `check_put` agrees with `put`, and a refused put
 /// changes nothing.
@@ -364,7 +411,7 @@ fn capacity_counts_overwritten_rows_as_freed() {
         .unwrap();
     assert_eq!(unit.stats().bytes, 8);
     // 8 + 4 > 10 unless row 2's 4 bytes are counted as freed.
-    let over = vec![("a".to_string(), values(&["zzzz"]))];
+    let over = vec![("a".into(), values(&["zzzz"]))];
     unit.check_put(&[2], &over).unwrap();
     unit.put(&[2], over).unwrap();
     assert_eq!(unit.stats().bytes, 8);
@@ -372,7 +419,7 @@ fn capacity_counts_overwritten_rows_as_freed() {
     unit.put(&[2], vec![("a".into(), values(&["wwwwww"]))])
         .unwrap();
     assert_eq!(unit.stats().bytes, 10);
-    let more = vec![("a".to_string(), values(&["v"]))];
+    let more = vec![("a".into(), values(&["v"]))];
     assert!(matches!(
         unit.check_put(&[3], &more),
         Err(StoreError::Capacity { .. })
@@ -383,4 +430,28 @@ fn capacity_counts_overwritten_rows_as_freed() {
     ));
     assert_eq!(got(&unit, &[2], "a"), vec![Cell::Value(s("wwwwww"))]);
     assert_eq!(unit.stats().bytes, 10);
+}
+
+/// The small map of a get's columns and extents answers each key's first
+/// value, and makes it once, across the change from a scan to a hash map.
+#[test]
+fn a_few_map_keeps_first_values_past_its_inline_list() {
+    let mut m: rows::FewMap<u32, u32> = rows::FewMap::default();
+    let mut made = 0u32;
+    for round in 0..3 {
+        for k in (0..40u32).rev() {
+            let v = m.get_or_insert_with(k * 7, || {
+                made += 1;
+                k + 1000 * round
+            });
+            assert_eq!(v, k, "key {} in round {round}", k * 7);
+        }
+    }
+    assert_eq!(made, 40);
+    assert!(matches!(m, rows::FewMap::Many(_)));
+    let mut few: rows::FewMap<u64, u32> = rows::FewMap::default();
+    for k in 0..8u64 {
+        assert_eq!(few.get_or_insert_with(k, || k as u32), k as u32);
+    }
+    assert!(matches!(few, rows::FewMap::Few(_)));
 }

@@ -12,7 +12,7 @@
 //! | `descriptor` | field descriptors, checked and resolved against the data frames |
 //! | `frames` | the data frames as descriptors slice them, and which were used |
 //! | `stats` | a `stats_ok` body's values |
-//! | `keys` | maps of known keys, required keys, counts against the limits |
+//! | `keys` | maps of known keys, required keys, counts against the limits, distinct names |
 //!
 //! [`Limits`]: super::Limits
 //! [`Extras`]: super::Extras

@@ -240,6 +240,11 @@ impl RegularParts {
                 buf.freeze()
             }
         };
-        Ok(Tensor::contiguous(bytes, self.dtype, self.shape())?)
+        Ok(Tensor::contiguous_rows(
+            bytes,
+            self.dtype,
+            self.rows,
+            &self.row_shape,
+        )?)
     }
 }

@@ -52,7 +52,7 @@ use wasmtime::{Engine, Store, StoreLimits, StoreLimitsBuilder};
 use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
 use wasmtime_wasi::{HostMonotonicClock, HostWallClock, WasiCtx, WasiCtxView, WasiView};
 
-use super::{Description, Fault, Policy, PolicyError, SelectAnswers, SelectRequest};
+use super::{Answer, Description, Fault, Policy, PolicyError, SelectAnswers, SelectRequest};
 use crate::batch::Field;
 use crate::plan::{FramePlan, PackLimits, PieceInfo, SelectionPlan};
 
@@ -520,7 +520,11 @@ impl Policy for WasmPolicy {
         let mut answers = self
             .select_many(&[SelectRequest::new(field, positions)])
             .answers;
-        answers.pop().unwrap_or(Err(PolicyError::NotApplicable))
+        match answers.pop() {
+            Some(Answer::Own(answer)) => answer,
+            // One request: nothing earlier to repeat.
+            Some(Answer::Same(_)) | None => Err(PolicyError::NotApplicable),
+        }
     }
 
     /// Memo hits first (a pure policy), then one call for the rest.
@@ -528,7 +532,7 @@ impl Policy for WasmPolicy {
         if !self.description.pure || !self.memo.enabled() {
             let (answers, entries) = self.ask(requests);
             return SelectAnswers {
-                answers,
+                answers: answers.into_iter().map(Answer::Own).collect(),
                 entries,
                 memo_hits: 0,
             };
@@ -551,33 +555,32 @@ impl Policy for WasmPolicy {
                 .memo_key
                 .or_else(|| keys.get(i).and_then(|k| k.clone()).map(|k| &words[k]))
         };
-        let mut answers: Vec<Result<SelectionPlan, PolicyError>> =
-            Vec::with_capacity(requests.len());
+        let mut answers: Vec<Answer> = Vec::with_capacity(requests.len());
         let mut missed = Vec::new();
         {
             let mut memo = self.memo.lock();
             // The last hit's key and answer: a request with the same key
             // (the fields of one layout at one unit's positions, which a
-            // put asks one after the other) is answered without a lookup.
+            // put asks one after the other) is answered without a lookup,
+            // and without a copy of the answer.
             let mut last: Option<(&[u64], usize)> = None;
             for i in 0..requests.len() {
                 let k = key(i);
                 if let (Some(k), Some((lk, at))) = (k, last)
                     && k == lk
                 {
-                    let hit = answers[at].clone();
-                    answers.push(hit);
+                    answers.push(Answer::Same(at));
                     continue;
                 }
                 match k.and_then(|k| memo.get(k).map(|hit| (k, hit))) {
                     Some((k, hit)) => {
                         last = Some((k, i));
-                        answers.push(hit);
+                        answers.push(Answer::Own(hit));
                     }
                     None => {
                         missed.push(i);
                         // Replaced by the plugin's answer below.
-                        answers.push(Err(PolicyError::NotApplicable));
+                        answers.push(Answer::Own(Err(PolicyError::NotApplicable)));
                     }
                 }
             }
@@ -593,7 +596,7 @@ impl Policy for WasmPolicy {
                 if let Some(k) = key(i) {
                     memo.put(k, &answer);
                 }
-                answers[i] = answer;
+                answers[i] = Answer::Own(answer);
             }
         }
         SelectAnswers {

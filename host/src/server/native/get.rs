@@ -141,7 +141,11 @@ pub(super) fn get_field(rows: &Rows, places: &mut Places) -> Result<GetField, na
                 Run::Value(_) => unreachable!("checked above"),
             })
             .collect();
-        let wire = native::WireField::Regular(native::RegularParts::new(dtype, row_shape, parts)?);
+        let wire = native::WireField::Regular(native::RegularParts::new(
+            dtype,
+            row_shape.to_vec(),
+            parts,
+        )?);
         return Ok(GetField {
             wire,
             nested_runs: Vec::new(),
@@ -165,7 +169,7 @@ pub(super) fn get_field(rows: &Rows, places: &mut Places) -> Result<GetField, na
         for i in 0..*rows as usize {
             let row = bytes.slice(i * row_bytes..(i + 1) * row_bytes);
             tensors.push(
-                Tensor::contiguous(row, *dtype, row_shape.clone())
+                Tensor::contiguous_of(row, *dtype, row_shape)
                     .map_err(|e| native::Error::MixedField(e.to_string()))?,
             );
         }

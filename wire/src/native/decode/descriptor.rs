@@ -3,12 +3,10 @@
 //! dtype, row sums), then resolved against the data frames into a
 //! [`WireField`], tensors as zero-copy slices of the frames.
 
-use std::collections::HashSet;
-
 use bytes::Bytes;
 
 use super::frames::Frames;
-use super::keys::{keyed, limit, need, unknown};
+use super::keys::{Seen, keyed, limit, need, unknown};
 use crate::batch::Value;
 use crate::msgpack::{NATIVE_MAX_DEPTH as MAX_DEPTH, Reader};
 use crate::native::layout::{FieldLayout, PartLayout as PartDesc, RowLayout as RowDesc};
@@ -33,7 +31,7 @@ pub(super) fn named_map<'a, T>(
 ) -> Result<Vec<(String, T)>, Error> {
     let n = r.map_len("fields")?;
     limit("fields", n, limits.max_fields)?;
-    let mut seen = HashSet::with_capacity(n);
+    let mut seen = Seen::with_capacity(n);
     let mut out = Vec::with_capacity(n);
     for _ in 0..n {
         let name = r.str("a field name")?;
@@ -210,7 +208,8 @@ fn regular(
     parts: Vec<PartDesc>,
     data: &mut Frames<'_>,
 ) -> Result<WireField, Error> {
-    let row_shape = shape[1..].to_vec();
+    let mut row_shape = shape;
+    row_shape.remove(0);
     let mut out: Vec<(Bytes, u64)> = Vec::with_capacity(parts.len());
     // (frame, start offset, end offset) of the last part kept, to merge the
     // next one into it when it follows on directly.

@@ -3,6 +3,8 @@
 //! against the limits, the envelope read, the body left to the op's
 //! reader.
 
+use std::ops::Range;
+
 use bytes::Bytes;
 
 use super::keys::{need, unknown};
@@ -26,9 +28,12 @@ pub(in crate::native) fn id(frame0: &[u8]) -> Option<u64> {
 
 /// Checks the message against the limits, reads the envelope (keys in any
 /// order), and returns the id, the op and a reader positioned at the body.
+/// `body`, if known, is where the value of the first `body` key lies in
+/// frame 0 (as [`super::extras`] found it): it is stepped over, not walked.
 pub(super) fn envelope<'a>(
     frames: &'a [Bytes],
     limits: &Limits,
+    body_at: Option<&Range<usize>>,
 ) -> Result<(u64, &'a str, Reader<'a>), Error> {
     const MAP: &str = "the envelope";
     let frame0 = frames.first().ok_or(Error::NoFrames)?;
@@ -57,7 +62,16 @@ pub(super) fn envelope<'a>(
             "proto" => proto.replace(r.str("proto")?).is_some(),
             "op" => op.replace(r.str("op")?).is_some(),
             "id" => id.replace(r.uint("id")?).is_some(),
-            "body" => body.replace(r.skip(ENVELOPE_DEPTH)?.start).is_some(),
+            "body" => {
+                let value = match body_at {
+                    Some(at) if body.is_none() && at.start == r.pos() => {
+                        r.set_pos(at.end);
+                        at.clone()
+                    }
+                    _ => r.skip(ENVELOPE_DEPTH)?,
+                };
+                body.replace(value.start).is_some()
+            }
             // Shared-memory and peer keys: read by `extras`.
             "segments" | "same_node" | "channel" | "unit" | "with_versions" | "incarnation"
             | "versions" => r.skip(ENVELOPE_DEPTH).map(|_| false)?,

@@ -2,6 +2,8 @@
 //! `channel`, `unit`, `same_node`, `with_versions`, `incarnation` and
 //! `versions` (a versions bin, which a `versions_ok` body holds too).
 
+use std::ops::Range;
+
 use super::envelope::ENVELOPE_DEPTH;
 use super::keys::{limit, tuple};
 use crate::msgpack::Reader;
@@ -10,11 +12,17 @@ use crate::native::{Error, Extras, Limits};
 /// Longest `channel` token an envelope may carry.
 const MAX_CHANNEL_TOKEN: usize = 64;
 
-/// The shared-memory keys of an envelope.
-pub(in crate::native) fn extras(frame0: &[u8], limits: &Limits) -> Result<Extras, Error> {
+/// The shared-memory keys of an envelope, and where the value of its
+/// first `body` key lies (skipped here, so that [`super::envelope`] need
+/// not walk it again).
+pub(in crate::native) fn extras(
+    frame0: &[u8],
+    limits: &Limits,
+) -> Result<(Extras, Option<Range<usize>>), Error> {
     const MAP: &str = "the envelope";
     let mut r = Reader::new(frame0, 0);
     let mut out = Extras::default();
+    let mut body = None;
     for _ in 0..r.map_len(MAP)? {
         match r.str("an envelope key")? {
             "segments" => {
@@ -65,12 +73,15 @@ pub(in crate::native) fn extras(frame0: &[u8], limits: &Limits) -> Result<Extras
                     }
                 }
             }
-            _ => {
-                r.skip(ENVELOPE_DEPTH)?;
+            key => {
+                let value = r.skip(ENVELOPE_DEPTH)?;
+                if key == "body" && body.is_none() {
+                    body = Some(value);
+                }
             }
         }
     }
-    Ok(out)
+    Ok((out, body))
 }
 
 /// A `versions` bin: 8 bytes per version, little-endian, at most one per

@@ -1,10 +1,56 @@
 //! Reading maps of known keys, and the small checks every body shares:
 //! each key at most once and none unknown ([`keyed`]), required keys
 //! ([`need`]), fixed-length arrays ([`tuple`]), counts against the limits
-//! ([`limit`]), and the bodies of one key or none.
+//! ([`limit`]), distinct names ([`Seen`]), and the bodies of one key or
+//! none.
+
+use std::collections::HashSet;
 
 use crate::msgpack::Reader;
 use crate::native::Error;
+
+/// The names seen so far in a list or map of distinct names: a scan of
+/// the few a small request has (no allocation), a hash set past
+/// [`Seen::SCAN`], so a check stays linear in the request's size.
+// Large on purpose: it lives on the stack for one map.
+#[allow(clippy::large_enum_variant)]
+pub(super) enum Seen<'a> {
+    Few(smallvec::SmallVec<[&'a str; Seen::SCAN]>),
+    Many(HashSet<&'a str>),
+}
+
+impl<'a> Seen<'a> {
+    /// Most names checked by a scan.
+    const SCAN: usize = 16;
+
+    pub(super) fn with_capacity(n: usize) -> Seen<'a> {
+        if n <= Self::SCAN {
+            Seen::Few(smallvec::SmallVec::new())
+        } else {
+            Seen::Many(HashSet::with_capacity(n))
+        }
+    }
+
+    /// Adds `name`; false if it was seen before.
+    pub(super) fn insert(&mut self, name: &'a str) -> bool {
+        match self {
+            Seen::Few(few) if few.len() < Self::SCAN => {
+                if few.contains(&name) {
+                    return false;
+                }
+                few.push(name);
+                true
+            }
+            Seen::Few(few) => {
+                let mut all: HashSet<&'a str> = few.drain(..).collect();
+                let new = all.insert(name);
+                *self = Seen::Many(all);
+                new
+            }
+            Seen::Many(all) => all.insert(name),
+        }
+    }
+}
 
 /// Reads a map whose keys must be among `keys`, each at most once, in any
 /// order: `read(i, r)` reads the value of `keys[i]`.

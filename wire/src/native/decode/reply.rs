@@ -22,7 +22,7 @@ pub(in crate::native) fn reply_layout(
     limits: &Limits,
 ) -> Result<(u64, ReplyLayout), Error> {
     let frames = std::slice::from_ref(frame0);
-    let (id, op, mut r) = envelope(frames, limits)?;
+    let (id, op, mut r) = envelope(frames, limits, None)?;
     if op != "get_ok" {
         return reply(frames, limits).map(|(id, reply)| (id, ReplyLayout::Other(reply)));
     }
@@ -37,7 +37,7 @@ pub(in crate::native) fn reply_layout(
 }
 
 pub(in crate::native) fn reply(frames: &[Bytes], limits: &Limits) -> Result<(u64, Reply), Error> {
-    let (id, op, mut r) = envelope(frames, limits)?;
+    let (id, op, mut r) = envelope(frames, limits, None)?;
     let mut data = Frames::new(frames);
     let reply = match op {
         "put_ok" => Reply::PutOk {

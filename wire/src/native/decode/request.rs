@@ -2,20 +2,24 @@
 //! stats, channel, checkpoint, restore, versions), its descriptors
 //! resolved against the data frames, every data frame used.
 
-use std::collections::HashSet;
-
 use bytes::Bytes;
 
 use super::descriptor::field_map;
 use super::envelope::envelope;
 use super::frames::Frames;
-use super::keys::{empty_body, keyed, limit, need, single_str, single_uint, tuple};
+use super::keys::{Seen, empty_body, keyed, limit, need, single_str, single_uint, tuple};
 use crate::indexes::RunsError;
 use crate::msgpack::Reader;
 use crate::native::{Error, IndexRun, Indexes, Limits, Op, Request, WireField};
 
-pub(in crate::native) fn request(frames: &[Bytes], limits: &Limits) -> Result<Request, Error> {
-    let (id, op, mut r) = envelope(frames, limits)?;
+/// The request in `frames`; `body`, if known, is where frame 0's `body`
+/// value lies (see [`envelope`]).
+pub(in crate::native) fn request(
+    frames: &[Bytes],
+    limits: &Limits,
+    body: Option<&std::ops::Range<usize>>,
+) -> Result<Request, Error> {
+    let (id, op, mut r) = envelope(frames, limits, body)?;
     let mut data = Frames::new(frames);
     let op = match op {
         "put" => put(&mut r, &mut data, limits)?,
@@ -182,7 +186,7 @@ fn get_indexes(r: &mut Reader<'_>, limits: &Limits) -> Result<Indexes, Error> {
 fn names(r: &mut Reader<'_>, limits: &Limits) -> Result<Vec<String>, Error> {
     let n = r.array_len("fields")?;
     limit("fields", n, limits.max_fields)?;
-    let mut seen = HashSet::with_capacity(n);
+    let mut seen = Seen::with_capacity(n);
     let mut out = Vec::with_capacity(n);
     for _ in 0..n {
         let name = r.str("a field name")?;

@@ -284,6 +284,50 @@ fn duplicate_field_names() {
         decode(&encode_request(&req).unwrap()).unwrap_err(),
         Error::DuplicateField("a".into())
     );
+    // Short lists are checked by a scan, long ones by a hash set: a
+    // repeat is found either way, first or last, and distinct names pass.
+    for n in [2usize, 15, 16, 17, 40] {
+        let distinct: Vec<String> = (0..n).map(|i| format!("fé{i}")).collect();
+        let get = |fields: Vec<String>| Request {
+            id: 1,
+            op: Op::Get {
+                global_indexes: vec![1].into(),
+                fields,
+            },
+        };
+        assert!(decode(&encode_request(&get(distinct.clone())).unwrap()).is_ok());
+        for (at, again) in [(n - 1, 0), (1, 0), (n - 1, n - 2)] {
+            let mut fields = distinct.clone();
+            fields[at] = fields[again].clone();
+            assert_eq!(
+                decode(&encode_request(&get(fields)).unwrap()).unwrap_err(),
+                Error::DuplicateField(distinct[again].clone()),
+                "{n} names, name {at} repeats name {again}"
+            );
+        }
+        let puts = |names: &[String]| Request {
+            id: 1,
+            op: Op::Put {
+                global_indexes: vec![0],
+                fields: names
+                    .iter()
+                    .map(|name| {
+                        (
+                            name.clone(),
+                            WireField::Values(vec![Value::Str("x".into())]),
+                        )
+                    })
+                    .collect(),
+            },
+        };
+        assert!(decode(&encode_request(&puts(&distinct)).unwrap()).is_ok());
+        let mut names = distinct.clone();
+        names[n - 1] = names[0].clone();
+        assert_eq!(
+            decode(&encode_request(&puts(&names)).unwrap()).unwrap_err(),
+            Error::DuplicateField(distinct[0].clone()),
+        );
+    }
 }
 
 #[test]
