@@ -358,5 +358,8 @@ def test_stowd_refuses_a_client_key_it_does_not_allow(curve_stowd):
         with pytest.raises(ProtocolError, match="refused the connection.*client key not allowed.*curve_public_key"):
             c.put([0], {"x": np.zeros((1, 4), np.float32)})
         assert time.monotonic() - t < 5
-    log = curve_stowd.log_path.read_text(errors="replace")
-    assert "client key not allowed" in log
+    # stowd logs the refusal after sending it: wait for the line.
+    deadline = time.monotonic() + 10
+    while "client key not allowed" not in curve_stowd.log_path.read_text(errors="replace"):
+        assert time.monotonic() < deadline, "stowd did not log the refusal"
+        time.sleep(0.02)
