@@ -383,6 +383,16 @@ _INT_NAMES = frozenset(f"{s}int{n}" for s in ("", "u") for n in (8, 16, 32, 64))
 _CORE_FAILURES = (TimeoutError, _core.ProtocolViolation, ConnectionError)
 
 
+def _get_fast(core, rid: int, timeout: float, indexes, fields, opts, ranges: bool, shm):
+    """A get through the core as `_core_call` runs it."""
+    return core.get_fast(rid, indexes, fields, timeout, opts, ranges, shm)
+
+
+def _put_fast(core, rid: int, timeout: float, ids, put, segments):
+    """A put through the core as `_core_call` runs it."""
+    return core.put(rid, ids, put, timeout, segments)
+
+
 #: The core's `GetOptions` made so far, by (as_torch, nested).
 _GET_OPTIONS: dict = {}
 
@@ -573,8 +583,7 @@ class Client(_Ops):
         """`put` (a `_core.Put`) through the Rust core, its messages two on
         the wire (stowd reads the next while it handles one); with
         `segments`, the one message of a same-node put naming them."""
-        got = self._core_call("put", None, timeout, lambda core, rid, t: core.put(
-            rid, self._ids, put, t, segments))[1]
+        got = self._core_call("put", None, timeout, _put_fast, self._ids, put, segments)[1]
         return got if type(got) is int else self._put_result(got, timeout)
 
     def _core_lease(self, body: dict, timeout) -> dict:
@@ -630,6 +639,8 @@ class Client(_Ops):
         (e.g. for `torch.nested.nested_tensor_from_jagged`); a view of the
         received bytes where they lie back to back, as over tcp."""
         opts = self._get_options(as_torch, nested)
+        if self._segments is None:  # (the usual call: no closure, no channel)
+            return self._get(global_indexes, fields, as_torch, opts, timeout, None)
         return self._with_shm(lambda shm: self._get(global_indexes, fields, as_torch, opts, timeout, shm))
 
     def _get(self, global_indexes, fields, as_torch, opts, timeout, shm) -> dict:
@@ -638,11 +649,13 @@ class Client(_Ops):
         # writes the request itself (None: not plainly indexes and distinct
         # names, nothing sent; the general path below checks and words).
         ranges = self._ranges_ok
-        rid, got = self._core_call("get", None, timeout, lambda core, rid, t: core.get_fast(
-            rid, global_indexes, fields, t, opts, ranges, shm))
+        rid, got = self._core_call("get", None, timeout, _get_fast, global_indexes, fields, opts, ranges, shm)
         if got is not None:
+            out, glue = got = got[1]
+            if type(out) is dict and not glue:  # (numpy arrays and lists only: nothing to glue)
+                return out
             try:
-                return self._got(rid, got[1], as_torch)
+                return self._got(rid, got, as_torch)
             except BadRequest as e:
                 if not (ranges and "global_indexes must be an array" in str(e)):
                     raise
@@ -676,10 +689,10 @@ class Client(_Ops):
         self._open_channel()
         return run(self._shm())
 
-    def _core_call(self, op: str, body: dict | None, timeout, run) -> tuple[int, Any]:
-        """`run(core connection, frame 0 of the request, timeout)` under the
-        client's lock: (request id, its result); with `body` None, `run`
-        gets the request id instead and writes frame 0 itself. A failure
+    def _core_call(self, op: str, body: dict | None, timeout, run, *args) -> tuple[int, Any]:
+        """`run(core connection, frame 0 of the request, timeout, *args)`
+        under the client's lock: (request id, its result); with `body` None,
+        `run` gets the request id instead and writes frame 0 itself. A failure
         drops the core's connection (the next call connects anew), so
         nothing stale can follow."""
         timeout = self._call_timeout(timeout)
@@ -691,7 +704,7 @@ class Client(_Ops):
             if self._core is None:
                 self._core = _core.Connection(self.endpoint, self.spin_us, self._token, self._curve)
             try:
-                return rid, run(self._core, frame0, timeout)
+                return rid, run(self._core, frame0, timeout, *args)
             except _CORE_FAILURES as e:
                 raise self._core_failure(e, op, rid, timeout) from None
 
