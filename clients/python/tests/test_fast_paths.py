@@ -407,3 +407,40 @@ def test_the_async_client_sends_small_calls_through_the_core_codec(endpoint, fre
     assert got["strs"] == data["strs"] and got["plain"] == data["plain"]
     for r, w in zip(got["nested"], data["nested"]):
         np.testing.assert_array_equal(r, w)
+
+
+@pytest.mark.parametrize("rows", [3, 1000])  # under and over the bytes a reply's fields share one buffer for
+def test_a_gets_fields_are_aligned_apart_and_outlive_each_other(endpoint, fresh, rows):
+    """A small reply's fields share one receive buffer, a large one's each
+    have their own: either way every array is aligned for its dtype, no two
+    overlap, empty nested rows and zero-width fields read as empty, and an
+    array stays right after the others are dropped."""
+    rng = np.random.default_rng(rows)
+    data = {
+        "u8": rng.integers(0, 255, (rows, 3), dtype=np.uint8),  # 3 bytes a row: odd sizes before the next
+        "f64": rng.standard_normal((rows, 5)),
+        "c128": (rng.standard_normal((rows, 2)) + 1j).astype(np.complex128),
+        "empty": np.zeros((rows, 0), np.float32),
+        "nested": [np.arange(i % 3, dtype=np.int16) for i in range(rows)],  # rows 0, 3, 6, ...: empty
+        "strs": [f"s{i}" for i in range(rows)],
+    }
+    idx = fresh(rows)
+    with stowage.Client(endpoint, timeout=30) as c:
+        c.put(idx, data)
+        got = c.get(idx, list(data))
+        spans = []
+        for k in ("u8", "f64", "c128"):
+            a = got[k]
+            np.testing.assert_array_equal(a, data[k], err_msg=k)
+            assert a.ctypes.data % a.dtype.alignment == 0 and a.flags.aligned, k
+            spans.append((a.ctypes.data, a.ctypes.data + a.nbytes))
+        for r, w in zip(got["nested"], data["nested"]):
+            np.testing.assert_array_equal(r, w)
+            if r.size:
+                spans.append((r.ctypes.data, r.ctypes.data + r.nbytes))
+        assert got["empty"].shape == (rows, 0) and got["strs"] == data["strs"]
+        spans.sort()
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), "two arrays of one get overlap"
+        keep = got["c128"]
+        del got
+        np.testing.assert_array_equal(keep, data["c128"])

@@ -57,15 +57,23 @@ impl FieldLayout {
 
     /// The (frame, offset, len) ranges the field reads.
     pub fn ranges(&self) -> Vec<(u64, u64, u64)> {
-        match self {
-            FieldLayout::Regular { parts, .. } => {
-                parts.iter().map(|p| (p.frame, p.offset, p.len)).collect()
-            }
-            FieldLayout::Nested { rows, .. } => {
-                rows.iter().map(|r| (r.frame, r.offset, r.len)).collect()
-            }
-            FieldLayout::Values(_) => Vec::new(),
-        }
+        self.each_range().collect()
+    }
+
+    /// [`FieldLayout::ranges`], without a list.
+    pub fn each_range(&self) -> impl Iterator<Item = (u64, u64, u64)> + '_ {
+        let (parts, rows) = match self {
+            FieldLayout::Regular { parts, .. } => (&parts[..], &[][..]),
+            FieldLayout::Nested { rows, .. } => (&[][..], &rows[..]),
+            FieldLayout::Values(_) => (&[][..], &[][..]),
+        };
+        (parts.iter().map(|p| (p.frame, p.offset, p.len)))
+            .chain(rows.iter().map(|r| (r.frame, r.offset, r.len)))
+    }
+
+    /// Bytes the field's ranges hold (0 for values), saturating.
+    pub fn bytes(&self) -> u64 {
+        self.each_range().fold(0u64, |n, r| n.saturating_add(r.2))
     }
 }
 

@@ -56,9 +56,12 @@ pub(crate) const RAW_BITS: [&str; 8] = [
 /// fields as, or None for a list of rows.
 #[pyclass(module = "stowage._core", frozen)]
 pub(crate) struct GetOptions {
-    dtypes: Py<PyDict>,
     tensors: HashSet<String>,
     packed: Option<Py<PyAny>>,
+    /// By `Dtype as usize`: the numpy dtype given for it (None: none was),
+    /// and whether it needs the client's glue; looked up once here, not
+    /// by name for every field of every get.
+    by_dtype: Vec<(Option<Py<PyAny>>, bool)>,
 }
 
 #[pymethods]
@@ -68,12 +71,23 @@ impl GetOptions {
         dtypes: Bound<'_, PyDict>,
         tensors: Vec<String>,
         packed: Option<Bound<'_, PyAny>>,
-    ) -> GetOptions {
-        GetOptions {
-            dtypes: dtypes.unbind(),
-            tensors: tensors.into_iter().collect(),
-            packed: packed.map(Bound::unbind),
+    ) -> PyResult<GetOptions> {
+        let tensors: HashSet<String> = tensors.into_iter().collect();
+        let mut by_dtype: Vec<(Option<Py<PyAny>>, bool)> = Vec::new();
+        for d in Dtype::ALL {
+            let i = d as usize;
+            if by_dtype.len() <= i {
+                by_dtype.resize_with(i + 1, || (None, false));
+            }
+            let name = d.name();
+            let glue = tensors.contains(name) || RAW_BITS.contains(&name);
+            by_dtype[i] = (dtypes.get_item(name)?.map(Bound::unbind), glue);
         }
+        Ok(GetOptions {
+            tensors,
+            packed: packed.map(Bound::unbind),
+            by_dtype,
+        })
     }
 }
 
@@ -83,6 +97,17 @@ impl GetOptions {
         self.tensors.contains(dtype.name())
     }
 
+    /// The numpy dtype given for `dtype`.
+    fn numpy<'py>(&self, py: Python<'py>, dtype: Dtype) -> PyResult<&Bound<'py, PyAny>> {
+        match self.by_dtype.get(dtype as usize) {
+            Some((Some(dt), _)) => Ok(dt.bind(py)),
+            _ => Err(PyValueError::new_err(format!(
+                "no numpy dtype given for {}",
+                dtype.name()
+            ))),
+        }
+    }
+
     /// Whether nested fields come packed.
     pub(crate) fn packed(&self) -> bool {
         self.packed.is_some()
@@ -90,7 +115,7 @@ impl GetOptions {
 
     /// Whether a field of `dtype` needs the client's Python glue.
     fn glue(&self, dtype: Dtype) -> bool {
-        self.tensor(dtype) || RAW_BITS.contains(&dtype.name())
+        self.by_dtype.get(dtype as usize).is_some_and(|d| d.1)
     }
 }
 
@@ -185,27 +210,30 @@ impl Assembled {
     pub(crate) fn from_received(
         fields: Vec<(String, FieldLayout)>,
         buffers: Vec<Vec<u8>>,
+        starts: &[(usize, usize)],
         opts: &GetOptions,
     ) -> Assembled {
         let mut bases = Vec::with_capacity(buffers.len());
-        let mut buffers = buffers.into_iter();
+        // Each buffer's base, made when a field with bytes first uses it.
+        let mut based: Vec<Option<usize>> = vec![None; buffers.len()];
+        let mut buffers: Vec<Option<Vec<u8>>> = buffers.into_iter().map(Some).collect();
+        let mut starts = starts.iter();
         let mut out = Vec::with_capacity(fields.len());
         for (name, f) in fields {
             if let FieldLayout::Values(v) = f {
                 out.push((name, None, Made::Values(v)));
                 continue;
             }
-            let buf = buffers
-                .next()
-                .expect("a buffer per regular or nested field");
-            let place = if buf.is_empty() {
+            let &(b, at) = starts.next().expect("a start per regular or nested field");
+            let place = if f.bytes() == 0 {
                 NOWHERE
             } else {
-                bases.push(Base::Owned(buf));
-                Place {
-                    base: bases.len() - 1,
-                    at: 0,
-                }
+                let base = *based[b].get_or_insert_with(|| {
+                    let buf = buffers[b].take().expect("a buffer made a base once");
+                    bases.push(Base::Owned(buf));
+                    bases.len() - 1
+                });
+                Place { base, at }
             };
             let made = match f {
                 FieldLayout::Regular { dtype, shape, .. } => (dtype, Made::Array(place, shape)),
@@ -216,7 +244,7 @@ impl Assembled {
                     (dtype, Made::Packed(place, elements, shapes))
                 }
                 FieldLayout::Nested { dtype, rows } => {
-                    let mut at = 0usize;
+                    let mut at = place.at;
                     let rows = rows
                         .into_iter()
                         .map(|r| {
@@ -264,7 +292,6 @@ impl Assembled {
             .collect::<PyResult<Vec<_>>>()?;
         let out = PyDict::new(py);
         let glue = PyList::empty(py);
-        let dtypes = opts.dtypes.bind(py);
         for (name, dtype, made) in self.fields {
             let Some(dtype) = dtype else {
                 let Made::Values(values) = made else {
@@ -277,9 +304,7 @@ impl Assembled {
                 out.set_item(name, PyList::new(py, values)?)?;
                 continue;
             };
-            let dt = dtypes.get_item(dtype.name())?.ok_or_else(|| {
-                PyValueError::new_err(format!("no numpy dtype given for {}", dtype.name()))
-            })?;
+            let dt = opts.numpy(py, dtype)?;
             let array = |place: Place, shape: &[u64]| -> PyResult<Bound<'py, PyAny>> {
                 let shape = PyTuple::new(py, shape)?;
                 if place.base == usize::MAX {
