@@ -662,6 +662,13 @@ def overhead(mem, extra):
     return mem[1] - kept_in_rss(mem, extra)
 
 
+def trimmed_mean(xs, cut=0.2):
+    """The mean of `xs` without its lowest and highest `cut` of values."""
+    xs = sorted(xs)
+    k = int(len(xs) * cut)
+    return statistics.mean(xs[k:len(xs) - k] or xs)
+
+
 def summarize(results, reps):
     """results: list of dicts -> {(system, workload, op): summary}. Memory
     figures are over the payload; `*_cpu` are CPU seconds per GiB moved;
@@ -676,10 +683,11 @@ def summarize(results, reps):
         t = med(r["t"] for r in rs)
         nb = rs[0]["nbytes"]
         s = {"t": t, "gbs": nb / t / 1e9, "nbytes": nb, "n": len(rs),
-             # over the mean time: a series in two modes (a same-node put
-             # finding a memory file allocated ahead or not) has its median
-             # in whichever mode has one repetition more, its mean does not flip
-             "mean_gbs": nb / statistics.mean(r["t"] for r in rs) / 1e9,
+             # over the trimmed mean time: a series in two modes (a same-node
+             # put finding a memory file allocated ahead or not) has its
+             # median in whichever mode has one repetition more; this does
+             # not flip, and a few stalls do not move it either
+             "mean_gbs": nb / trimmed_mean([r["t"] for r in rs]) / 1e9,
              # the first repetition: nothing freed by an earlier one to reuse
              "first_gbs": nb / rs[0]["t"] / 1e9}
         for role in ("client", "server", "peer"):
@@ -833,9 +841,9 @@ def report(S, wls, meta, systems):
         L.append(f"new / {base} of throughput (above 1: new is faster), and each one's stowd CPU per GiB "
                  "moved, stowd transient memory (peak RSS - RSS before - bytes stowd kept, over the "
                  "payload; see the CPU table) and frames in the get reply, as `new / " + base + "`. "
-                 "`ratio` is of the medians; `of means` of the mean times, which a series in two modes (a "
-                 "same-node put that finds a memory file allocated ahead of it or not) does not flip from "
-                 "one mode to the other as its median can.")
+                 "`ratio` is of the medians; `of means` of the trimmed mean times (the middle 60% of the "
+                 "repetitions), which a series in two modes (a same-node put that finds a memory file "
+                 "allocated ahead of it or not) does not flip from one mode to the other as its median can.")
         L.append("")
         L.append(f"| workload | system | put GB/s new / {base} | ratio | of means | get GB/s new / {base} | "
                  "ratio | of means | stowd CPU s/GiB, put | stowd CPU s/GiB, get | stowd transient, put | "
