@@ -110,12 +110,14 @@ import os
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Iterable
 from urllib.parse import urlsplit
 
+from .aio import AsyncClient
 from .client import Client
 from .errors import KeyNotFound, StowageError
 
@@ -134,7 +136,7 @@ PROTOCOLS = ("stowage", "transferqueue")
 DEFAULT_WAIT_SECS = 60.0
 DEFAULT_TIMEOUT = 300.0
 #: Threads (each with its own stowage client and connection) that carry
-#: puts and gets, so concurrent TransferQueue calls overlap.
+#: the calls made where no event loop runs (the probes at start).
 CLIENT_THREADS = 4
 #: Seconds the same-node probe at start waits for stowd (then: tcp, with a warning).
 PROBE_TIMEOUT = 10.0
@@ -400,10 +402,16 @@ def resolve_native(config: Mapping[str, Any] | None) -> tuple[str, bool, str]:
 
 
 class _Clients:
-    """Threads, each with its own `stowage.Client` (one connection), that
-    carry the backend's calls: a call waits in its event loop while a
-    thread moves the bytes (the Rust core releases the GIL), and
-    concurrent calls overlap."""
+    """What carries the backend's calls. A coroutine's call (`run`) goes
+    through an `AsyncClient` of its event loop's own (one a loop, as
+    TransferQueue keys its own sockets): a small put, get or clear is
+    written and answered on the loop with no thread hop, anything larger
+    moves its bytes in a worker thread while the loop waits (the Rust core
+    releases the GIL), and concurrent calls overlap. Each call had taken a
+    thread hop before: 90 µs of client CPU for a 4-row put against 20
+    through the loop (docs/benchmarks.md, "Small calls"). A call from a
+    thread with no loop running (`call`) runs on a pool of threads, each
+    with its own `stowage.Client`."""
 
     def __init__(self, endpoint: str, same_node: bool, timeout: float):
         self.endpoint, self.same_node, self.timeout = endpoint, same_node, timeout
@@ -412,6 +420,8 @@ class _Clients:
         self._lock = threading.Lock()
         self._closed = False
         self._pool = ThreadPoolExecutor(max_workers=CLIENT_THREADS, thread_name_prefix="stowage-tq")
+        # Each event loop's AsyncClient, closed when its loop is collected.
+        self._loops: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def _client(self):
         c = getattr(self._local, "client", None)
@@ -426,10 +436,18 @@ class _Clients:
         return c
 
     async def run(self, method: str, *args, **kwargs):
-        if self._closed:
-            raise RuntimeError("the Stowage storage manager is closed")
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, lambda: getattr(self._client(), method)(*args, **kwargs))
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the Stowage storage manager is closed")
+            c = self._loops.get(loop)
+            if c is None:
+                c = self._loops[loop] = AsyncClient(self.endpoint, timeout=self.timeout,
+                                                    same_node=self.same_node)
+                # (In a thread of its own: `close` waits for the client's
+                # worker threads, and the collector may run in one of them.)
+                weakref.finalize(loop, lambda c=c: threading.Thread(target=c.close, daemon=True).start())
+        return await getattr(c, method)(*args, **kwargs)
 
     def call(self, method: str, *args, **kwargs):
         """The same, from a thread with no event loop running."""
@@ -439,6 +457,8 @@ class _Clients:
         with self._lock:
             self._closed = True
             made, self._made = self._made, []
+            made += list(self._loops.values())
+            self._loops.clear()
         self._pool.shutdown(wait=True)
         for c in made:
             c.close()
