@@ -214,8 +214,10 @@ class _Ops:
         a list)."""
         out, glue = got
         if type(out) is dict:
-            for name, dtype in glue:
-                out[name] = _glue(out[name], dtype, as_torch)
+            if glue:
+                with _torch.quiet():  # (once for every field)
+                    for name, dtype in glue:
+                        out[name] = _glue(out[name], dtype, as_torch)
             return out
         env = _codec.decode_envelope(out)
         self._reply_body(env, "get_ok", rid)
@@ -408,7 +410,7 @@ def _glue(v, dtype: str, as_torch):
     rows = type(a) is list
     if as_torch or (as_torch is None and dtype in _codec.BITS_DTYPES and _torch.available()
                     and _torch.torch_dtype(dtype) is not None):
-        a = _torch.from_numpy_rows(a, dtype) if rows else _torch.from_numpy(a, dtype)
+        a = _torch.tensors_of(a, dtype) if rows else _torch.tensors_of([a], dtype)[0]
     else:
         # (Read-only as numpy arrays of a get always are; the core made
         # this one writable for a tensor the installed torch cannot type.)
