@@ -1,6 +1,6 @@
 //! The fixed cost of a small put inside `stowd`, below the transport: frame
-//! 0 decoded (`wire::native::decode_request`, with `decode_extras` and
-//! `request_id` as the native service runs them), the fields turned into
+//! 0 decoded (`wire::native::decode_extras_and_body`, `decode_request_at`
+//! and `request_id`, as the native service runs them), the fields turned into
 //! host fields, and `Manager::put` over 4 local units with the default
 //! chain of the bundled plugins (or the built-in alone), at fresh indexes
 //! (cleared every 1,000 puts, outside the timing), as the Python client
@@ -154,10 +154,10 @@ fn main() {
             for frames in all {
                 let f0 = &frames[0];
                 let _id = native::request_id(&frames);
-                let extras = native::decode_extras(f0, &limits).unwrap();
+                let (extras, body) = native::decode_extras_and_body(f0, &limits).unwrap();
                 assert!(extras.segments.is_none());
                 let received = Received::frames(&frames[1..]);
-                let req = native::decode_request(&frames, &limits).unwrap();
+                let req = native::decode_request_at(&frames, &limits, &body).unwrap();
                 let Op::Put {
                     global_indexes,
                     fields,

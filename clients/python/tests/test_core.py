@@ -137,14 +137,25 @@ def test_a_get_of_plain_lists_is_written_by_the_core(endpoint, fresh):
     x = np.arange(4 * 3, dtype=np.int64).reshape(4, 3)
     with stowage.Client(endpoint, timeout=30) as c:
         c.put(idx, {"x": x, "s": ["a", "b", "c", "d"]})
+        # Each get the real core is asked: True through `get_fast` (the core
+        # reads the arguments and writes the request, or declines and sends
+        # nothing), False through `get` (frame 0 written by the general path).
         written_by_core = []
-        inner = c._core_call
+        real = c._core
 
-        def call(op, body, *rest):
-            written_by_core.append(body is None)
-            return inner(op, body, *rest)
+        class Spy:
+            def get_fast(self, *args):
+                written_by_core.append(True)
+                return real.get_fast(*args)
 
-        c._core_call = call
+            def get(self, *args):
+                written_by_core.append(False)
+                return real.get(*args)
+
+            def __getattr__(self, name):
+                return getattr(real, name)
+
+        c._core = Spy()
 
         class Int(int):
             pass

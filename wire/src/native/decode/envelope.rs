@@ -26,15 +26,34 @@ pub(in crate::native) fn id(frame0: &[u8]) -> Option<u64> {
     None
 }
 
+/// Whether the envelope's end is still to be checked once the body is
+/// read: when `body` is its last key (as every encoder here writes it),
+/// the body is not walked twice (once stepped over, once read), and the
+/// body's reader must end where frame 0 does ([`Tail::check`]).
+#[derive(Clone, Copy, Debug)]
+#[must_use]
+pub(super) struct Tail(bool);
+
+impl Tail {
+    /// After the body was read through `r`: no byte may follow it.
+    pub(super) fn check(self, r: &Reader<'_>) -> Result<(), Error> {
+        if self.0 && r.remaining() > 0 {
+            return Err(r.malformed("trailing bytes after the envelope").into());
+        }
+        Ok(())
+    }
+}
+
 /// Checks the message against the limits, reads the envelope (keys in any
-/// order), and returns the id, the op and a reader positioned at the body.
-/// `body`, if known, is where the value of the first `body` key lies in
-/// frame 0 (as [`super::extras`] found it): it is stepped over, not walked.
+/// order), and returns the id, the op, a reader positioned at the body,
+/// and whether the envelope's end is checked yet ([`Tail`]). `body`, if
+/// known, is where the value of the first `body` key lies in frame 0 (as
+/// [`super::extras`] found it): it is stepped over, not walked.
 pub(super) fn envelope<'a>(
     frames: &'a [Bytes],
     limits: &Limits,
     body_at: Option<&Range<usize>>,
-) -> Result<(u64, &'a str, Reader<'a>), Error> {
+) -> Result<(u64, &'a str, Reader<'a>, Tail), Error> {
     const MAP: &str = "the envelope";
     let frame0 = frames.first().ok_or(Error::NoFrames)?;
     if frames.len() as u64 > limits.max_frames {
@@ -56,7 +75,9 @@ pub(super) fn envelope<'a>(
     }
     let mut r = Reader::new(frame0, 0);
     let (mut proto, mut op, mut id, mut body, mut stray) = (None, None, None, None, None);
-    for _ in 0..r.map_len(MAP)? {
+    let mut tail = Tail(false);
+    let n = r.map_len(MAP)?;
+    for k in 0..n {
         let key = r.str("an envelope key")?;
         let dup = match key {
             "proto" => proto.replace(r.str("proto")?).is_some(),
@@ -64,6 +85,14 @@ pub(super) fn envelope<'a>(
             "id" => id.replace(r.uint("id")?).is_some(),
             "body" => {
                 let value = match body_at {
+                    // The last key: the rest of the frame, read once by
+                    // the op's reader, which then checks the end.
+                    _ if body.is_none() && k + 1 == n => {
+                        tail = Tail(true);
+                        let at = r.pos();
+                        r.set_pos(frame0.len());
+                        at..frame0.len()
+                    }
                     Some(at) if body.is_none() && at.start == r.pos() => {
                         r.set_pos(at.end);
                         at.clone()
@@ -102,5 +131,5 @@ pub(super) fn envelope<'a>(
         need(id, MAP, "id")?,
         need(body, MAP, "body")?,
     );
-    Ok((id, op, Reader::new(frame0, body)))
+    Ok((id, op, Reader::new(frame0, body), tail))
 }

@@ -23,8 +23,12 @@ pub(in crate::native) fn extras(
     let mut r = Reader::new(frame0, 0);
     let mut out = Extras::default();
     let mut body = None;
-    for _ in 0..r.map_len(MAP)? {
+    let n = r.map_len(MAP)?;
+    for k in 0..n {
         match r.str("an envelope key")? {
+            // The last key: nothing after it to find, and the envelope's
+            // reader does not walk a last body either.
+            "body" if k + 1 == n => break,
             "segments" => {
                 let n = r.array_len("segments")?;
                 limit("segments", n, limits.max_frames)?;

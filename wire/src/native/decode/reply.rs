@@ -22,7 +22,7 @@ pub(in crate::native) fn reply_layout(
     limits: &Limits,
 ) -> Result<(u64, ReplyLayout), Error> {
     let frames = std::slice::from_ref(frame0);
-    let (id, op, mut r) = envelope(frames, limits, None)?;
+    let (id, op, mut r, tail) = envelope(frames, limits, None)?;
     if op != "get_ok" {
         return reply(frames, limits).map(|(id, reply)| (id, ReplyLayout::Other(reply)));
     }
@@ -31,13 +31,14 @@ pub(in crate::native) fn reply_layout(
     keyed(&mut r, MAP, ["fields"], |_, r| {
         named_map(r, limits, |r| parse_descriptor(r, frame0, limits)).map(|f| fields = Some(f))
     })?;
+    tail.check(&r)?;
     let fields = need(fields, MAP, "fields")?;
     same_rows(&fields, FieldLayout::rows)?;
     Ok((id, ReplyLayout::GetOk(fields)))
 }
 
 pub(in crate::native) fn reply(frames: &[Bytes], limits: &Limits) -> Result<(u64, Reply), Error> {
-    let (id, op, mut r) = envelope(frames, limits, None)?;
+    let (id, op, mut r, tail) = envelope(frames, limits, None)?;
     let mut data = Frames::new(frames);
     let reply = match op {
         "put_ok" => Reply::PutOk {
@@ -159,6 +160,7 @@ pub(in crate::native) fn reply(frames: &[Bytes], limits: &Limits) -> Result<(u64
         }
         other => return Err(Error::UnknownOp(other.to_owned())),
     };
+    tail.check(&r)?;
     data.all_used()?;
     Ok((id, reply))
 }

@@ -19,7 +19,7 @@ pub(in crate::native) fn request(
     limits: &Limits,
     body: Option<&std::ops::Range<usize>>,
 ) -> Result<Request, Error> {
-    let (id, op, mut r) = envelope(frames, limits, body)?;
+    let (id, op, mut r, tail) = envelope(frames, limits, body)?;
     let mut data = Frames::new(frames);
     let op = match op {
         "put" => put(&mut r, &mut data, limits)?,
@@ -80,6 +80,7 @@ pub(in crate::native) fn request(
         }
         other => return Err(Error::UnknownOp(other.to_owned())),
     };
+    tail.check(&r)?;
     data.all_used()?;
     Ok(Request { id, op })
 }
