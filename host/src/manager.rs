@@ -752,7 +752,7 @@ impl Manager {
                     if let Some(tap) = taps.get(t).and_then(Option::as_ref) {
                         tap.send(TapEvent::NotForwarded);
                     }
-                    add(&mut out, unit.get_seqs(&seqs, fields)?);
+                    unit.get_into(&seqs, fields, None, &mut out)?;
                 }
             }
             return Ok(fields.iter().cloned().zip(out).collect());
