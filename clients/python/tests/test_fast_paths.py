@@ -410,6 +410,43 @@ def test_the_async_client_sends_small_calls_through_the_core_codec(endpoint, fre
 
 
 @pytest.mark.parametrize("rows", [3, 1000])  # under and over the bytes a reply's fields share one buffer for
+def test_a_gets_arrays_are_read_only_views_of_the_cores_own_buffer(endpoint, fresh, rows):
+    """The core makes a get's arrays itself (numpy's C API) over the buffer
+    it received them into: every dtype and shape reads back equal, each
+    array's base is that buffer, none is writable (a write raises), each
+    is C-contiguous, and none claims an alignment it lacks (checked on
+    nested rows of odd byte lengths among the others too)."""
+    dtypes = [np.bool_, np.int8, np.uint16, np.float16, np.int32, np.float32, np.int64, np.float64,
+              np.complex64, np.complex128]
+    data = {f"d{i}": (np.arange(rows * 6) % 7).astype(dt).reshape(rows, 2, 3) for i, dt in enumerate(dtypes)}
+    data["odd"] = [np.arange(i % 3 + 1, dtype=np.uint8) for i in range(rows)]
+    data["after"] = [np.arange(i % 4 + 1, dtype=np.float64) for i in range(rows)]
+    idx = fresh(rows)
+    with stowage.Client(endpoint, timeout=30) as c:
+        c.put(idx, data)
+        got = c.get(idx, list(data))
+    arrays = []
+    for k, want in data.items():
+        if type(want) is list:
+            assert len(got[k]) == rows
+            for r, w in zip(got[k], want):
+                np.testing.assert_array_equal(r, w, err_msg=k)
+                assert r.dtype == w.dtype, k
+                arrays.append(r)
+        else:
+            np.testing.assert_array_equal(got[k], want, err_msg=k)
+            assert got[k].dtype == want.dtype and got[k].shape == want.shape, k
+            arrays.append(got[k])
+    for a in arrays:
+        assert type(a.base).__name__ == "Buffer", type(a.base)
+        assert not a.flags.writeable and a.flags.c_contiguous
+        with pytest.raises(ValueError, match="read-only"):
+            a.flat[0] = a.flat[0]
+        if a.flags.aligned:
+            assert a.ctypes.data % a.dtype.alignment == 0, (a.dtype, a.ctypes.data)
+
+
+@pytest.mark.parametrize("rows", [3, 1000])  # under and over the bytes a reply's fields share one buffer for
 def test_a_gets_fields_are_aligned_apart_and_outlive_each_other(endpoint, fresh, rows):
     """A small reply's fields share one receive buffer, a large one's each
     have their own: either way every array is aligned for its dtype, no two

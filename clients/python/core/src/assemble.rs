@@ -81,7 +81,13 @@ impl GetOptions {
             }
             let name = d.name();
             let glue = tensors.contains(name) || RAW_BITS.contains(&name);
-            by_dtype[i] = (dtypes.get_item(name)?.map(Bound::unbind), glue);
+            // As `numpy.dtype` objects: `NumpyApi::array` hands them to
+            // numpy's C API as descriptors.
+            let dt = match dtypes.get_item(name)? {
+                Some(dt) => Some(numpy_dtype(&dt)?.unbind()),
+                None => None,
+            };
+            by_dtype[i] = (dt, glue);
         }
         Ok(GetOptions {
             tensors,
@@ -278,15 +284,30 @@ impl Assembled {
         opts: &GetOptions,
     ) -> PyResult<(Bound<'py, PyDict>, Bound<'py, PyList>)> {
         let ndarray = ndarray_type(py)?;
+        let api = NumpyApi::get(py)?;
+        // Each base, and where its bytes are when this crate owns them
+        // (their address, length, and whether numpy may write them):
+        // arrays of those are made through numpy's C API.
         let bases = self
             .bases
             .into_iter()
             .map(|b| {
                 Ok(match b {
-                    Base::Owned(data) => Bound::new(py, Buffer { data })?.into_any(),
-                    Base::Shared(map) => Bound::new(py, SharedPages { map })?.into_any(),
-                    Base::Private(map) => Bound::new(py, PrivatePages::new(map))?.into_any(),
-                    Base::Object(obj) => obj.into_bound(py),
+                    Base::Owned(data) => {
+                        let raw = (data.as_ptr() as usize, data.len(), false);
+                        (Bound::new(py, Buffer { data })?.into_any(), Some(raw))
+                    }
+                    Base::Shared(map) => {
+                        let bytes = map.bytes();
+                        let raw = (bytes.as_ptr() as usize, bytes.len(), false);
+                        (Bound::new(py, SharedPages { map })?.into_any(), Some(raw))
+                    }
+                    Base::Private(map) => {
+                        let pages = PrivatePages::new(map);
+                        let raw = (pages.ptr(), pages.len(), true);
+                        (Bound::new(py, pages)?.into_any(), Some(raw))
+                    }
+                    Base::Object(obj) => (obj.into_bound(py), None),
                 })
             })
             .collect::<PyResult<Vec<_>>>()?;
@@ -305,15 +326,19 @@ impl Assembled {
                 continue;
             };
             let dt = opts.numpy(py, dtype)?;
-            let array = |place: Place, shape: &[u64]| -> PyResult<Bound<'py, PyAny>> {
-                let shape = PyTuple::new(py, shape)?;
+            let array = |place: Place, dims: &[u64]| -> PyResult<Bound<'py, PyAny>> {
+                let shape = PyTuple::new(py, dims)?;
                 if place.base == usize::MAX {
                     // (no bytes: a new empty array, read-only)
                     let a = ndarray.call1((shape, &dt))?;
                     a.getattr("flags")?.setattr("writeable", false)?;
                     return Ok(a);
                 }
-                ndarray.call1((shape, &dt, &bases[place.base], place.at))
+                let (base, raw) = &bases[place.base];
+                if let (Some(api), Some((ptr, len, writable))) = (api, raw) {
+                    return api.array(py, dt, dims, base, (*ptr, *len, *writable), place.at);
+                }
+                ndarray.call1((shape, &dt, base, place.at))
             };
             let value = match made {
                 Made::Array(place, shape) => array(place, &shape)?,
@@ -341,6 +366,153 @@ impl Assembled {
             out.set_item(name, value)?;
         }
         Ok((out, glue))
+    }
+}
+
+/// `numpy.dtype(obj)`.
+fn numpy_dtype<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+    static DTYPE: pyo3::sync::PyOnceLock<Py<PyAny>> = pyo3::sync::PyOnceLock::new();
+    let py = obj.py();
+    DTYPE
+        .get_or_try_init(py, || {
+            Ok::<_, PyErr>(py.import("numpy")?.getattr("dtype")?.unbind())
+        })?
+        .bind(py)
+        .call1((obj,))
+}
+
+/// The three entries of numpy's C API a get's arrays are made with
+/// (`PyArray_Type`, `PyArray_NewFromDescr`, `PyArray_SetBaseObject`),
+/// from the `_ARRAY_API` capsule as numpy's own `import_array` finds it;
+/// slots 2, 94 and 282, the same in numpy 1.x and 2.x.
+///
+/// Hand-written rather than through the `numpy` crate, whose limited-API
+/// (abi3) support this wheel would depend on. Measured: `numpy.ndarray(shape,
+/// dtype, buffer, offset)`, called through Python as before, cost about
+/// 0.2 µs an array warm (its argument parsing, the buffer protocol on the
+/// base), several an array after a round trip's context switches.
+struct NumpyApi {
+    array_type: *mut pyo3::ffi::PyObject,
+    new_from_descr: NewFromDescr,
+    set_base: SetBase,
+}
+
+type NewFromDescr = unsafe extern "C" fn(
+    *mut pyo3::ffi::PyObject,
+    *mut pyo3::ffi::PyObject,
+    std::os::raw::c_int,
+    *const isize,
+    *const isize,
+    *mut std::os::raw::c_void,
+    std::os::raw::c_int,
+    *mut pyo3::ffi::PyObject,
+) -> *mut pyo3::ffi::PyObject;
+type SetBase =
+    unsafe extern "C" fn(*mut pyo3::ffi::PyObject, *mut pyo3::ffi::PyObject) -> std::os::raw::c_int;
+
+// SAFETY: the pointers are numpy's, fixed for the life of the process
+// (numpy is never unloaded), and used only with the GIL held.
+unsafe impl Send for NumpyApi {}
+unsafe impl Sync for NumpyApi {}
+
+const NPY_ARRAY_C_CONTIGUOUS: std::os::raw::c_int = 0x0001;
+const NPY_ARRAY_ALIGNED: std::os::raw::c_int = 0x0100;
+const NPY_ARRAY_WRITEABLE: std::os::raw::c_int = 0x0400;
+
+impl NumpyApi {
+    /// The API, found once; None if this numpy has no capsule where
+    /// `import_array` looks (arrays are then made through Python).
+    fn get(py: Python<'_>) -> PyResult<Option<&'static NumpyApi>> {
+        static API: pyo3::sync::PyOnceLock<Option<NumpyApi>> = pyo3::sync::PyOnceLock::new();
+        API.get_or_try_init(py, || {
+            let module = py
+                .import("numpy._core._multiarray_umath")
+                .or_else(|_| py.import("numpy.core._multiarray_umath"))?;
+            let Ok(capsule) = module.getattr("_ARRAY_API") else {
+                return Ok(None);
+            };
+            // SAFETY: `_ARRAY_API` is numpy's capsule of its C API table,
+            // an array of pointers, named NULL (as `import_array` reads it).
+            let table =
+                unsafe { pyo3::ffi::PyCapsule_GetPointer(capsule.as_ptr(), std::ptr::null()) }
+                    as *const *mut std::os::raw::c_void;
+            if table.is_null() {
+                return Err(PyErr::fetch(py));
+            }
+            // SAFETY: slots 2, 94 and 282 of that table are these entries.
+            Ok(unsafe {
+                Some(NumpyApi {
+                    array_type: *table.add(2) as *mut pyo3::ffi::PyObject,
+                    new_from_descr: std::mem::transmute::<*mut std::os::raw::c_void, NewFromDescr>(
+                        *table.add(94),
+                    ),
+                    set_base: std::mem::transmute::<*mut std::os::raw::c_void, SetBase>(
+                        *table.add(282),
+                    ),
+                })
+            })
+        })
+        .map(Option::as_ref)
+    }
+
+    /// A C-contiguous array of `dt` (a `numpy.dtype`) and shape `dims`
+    /// over bytes `at..` of `base`, whose bytes lie at `raw` (address,
+    /// length, writable) and stay there while it lives; `base` becomes the
+    /// array's base. Read-only unless `raw` is writable.
+    fn array<'py>(
+        &self,
+        py: Python<'py>,
+        dt: &Bound<'py, PyAny>,
+        dims: &[u64],
+        base: &Bound<'py, PyAny>,
+        raw: (usize, usize, bool),
+        at: usize,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let (ptr, len, writable) = raw;
+        let itemsize: u64 = dt.getattr(pyo3::intern!(py, "itemsize"))?.extract()?;
+        let need = dims
+            .iter()
+            .try_fold(itemsize, |n, &d| n.checked_mul(d))
+            .and_then(|n| n.checked_add(at as u64));
+        if need.is_none_or(|n| n > len as u64) || dims.len() > 64 {
+            return Err(pyo3::exceptions::PyValueError::new_err(format!(
+                "an array of shape {dims:?} at byte {at} does not fit its {len}-byte buffer"
+            )));
+        }
+        let dims: Vec<isize> = dims.iter().map(|&d| d as isize).collect();
+        // (Aligned claimed only where it is to the item's size, which
+        // numpy's alignment of a dtype never exceeds.)
+        let aligned = itemsize > 0 && ((ptr + at) as u64).is_multiple_of(itemsize);
+        let flags = NPY_ARRAY_C_CONTIGUOUS
+            | if aligned { NPY_ARRAY_ALIGNED } else { 0 }
+            | if writable { NPY_ARRAY_WRITEABLE } else { 0 };
+        // SAFETY: the descriptor is a `numpy.dtype` (GetOptions made it
+        // one), whose reference `PyArray_NewFromDescr` steals (hence the
+        // increment); the bytes were checked to hold the array above and
+        // live as long as `base`, which `PyArray_SetBaseObject` makes the
+        // array's (stealing the reference it is given, on failure too).
+        unsafe {
+            pyo3::ffi::Py_IncRef(dt.as_ptr());
+            let a = (self.new_from_descr)(
+                self.array_type,
+                dt.as_ptr(),
+                dims.len() as std::os::raw::c_int,
+                dims.as_ptr(),
+                std::ptr::null(),
+                (ptr + at) as *mut std::os::raw::c_void,
+                flags,
+                std::ptr::null_mut(),
+            );
+            if a.is_null() {
+                return Err(PyErr::fetch(py));
+            }
+            let a = Bound::from_owned_ptr(py, a);
+            pyo3::ffi::Py_IncRef(base.as_ptr());
+            if (self.set_base)(a.as_ptr(), base.as_ptr()) < 0 {
+                return Err(PyErr::fetch(py));
+            }
+            Ok(a)
+        }
     }
 }
 

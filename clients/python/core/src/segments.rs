@@ -218,6 +218,15 @@ impl PrivatePages {
         let ptr = map.as_mut_ptr() as usize;
         PrivatePages { map, ptr }
     }
+
+    /// The first byte's address.
+    pub(crate) fn ptr(&self) -> usize {
+        self.ptr
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.map.len()
+    }
 }
 
 #[pymethods]
