@@ -56,7 +56,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Mapping
 
-from .client import _CORE_FAILURES, DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TIMEOUT, Client, _abs_dir, _core, _Ops
+from .client import _CORE_FAILURES, _USUAL_GET, DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TIMEOUT, Client, _abs_dir, _core, _Ops
 from .errors import BadRequest, StowageError, StowageTimeout
 
 
@@ -165,12 +165,17 @@ class AsyncClient(_Ops):
         if self._loop_carries_rows():
             # The usual get: through the core, its reply awaited by this
             # event loop (see `put`).
-            opts = self._get_options(as_torch, nested)
+            opts = _USUAL_GET[0] if as_torch is None and nested == "rows" else None
+            if opts is None:
+                opts = self._get_options(as_torch, nested)
             ranges = self._ranges_ok
             got = await self._in_loop("get", timeout, lambda conn, rid, t: conn.start_get(
                 rid, global_indexes, fields, t, ranges), lambda conn, rid, n, t: conn.finish_get(t, opts))
             if got is not None:
                 rid, reply = got
+                out, glue = reply
+                if type(out) is dict and not glue:  # (numpy arrays and lists only: nothing to glue)
+                    return out
                 try:
                     return self._got(rid, reply, as_torch)
                 except BadRequest as e:
@@ -226,7 +231,7 @@ class AsyncClient(_Ops):
         reply would be stale)."""
         if not self._loop_idle and self._loop_busy >= self.CORE_CONNECTIONS:
             return None
-        timeout = self._call_timeout(timeout)
+        timeout = self.timeout if timeout is None else self._check_timeout(timeout)
         if self._closed:
             raise StowageError("the client is closed")
         loop = asyncio.get_running_loop()
@@ -244,23 +249,24 @@ class AsyncClient(_Ops):
                 keep = True
                 return None
             got = None
-            if not conn.reply_ready():
-                # stowd on this CPU, woken by the request, answers in this
-                # yield: the reply is then read at once, without the loop's
-                # reader, timer and wake-up (about 25 µs of client CPU a
-                # 10-field put). On another CPU it returns at once.
-                os.sched_yield()
+            # stowd on this CPU, woken by the request, answers in this
+            # yield: the reply is then read at once, without the loop's
+            # reader, timer and wake-up (about 25 µs of client CPU a
+            # 10-field put). On another CPU it returns at once.
+            os.sched_yield()
             while got is None:  # None: a stray reply, dropped; the next awaited
-                if not conn.reply_ready():
-                    fd = conn.fileno()
-                    woken = loop.create_future()
-                    loop.add_reader(fd, _wake, woken)
-                    timer = loop.call_at(deadline, _wake, woken)
-                    try:
-                        await woken
-                    finally:
-                        loop.remove_reader(fd)
-                        timer.cancel()
+                if conn.reply_ready():  # the whole reply is here: read without waiting (it came; no timeout)
+                    got = finish(conn, rid, started, timeout)
+                    continue
+                fd = conn.fileno()
+                woken = loop.create_future()
+                loop.add_reader(fd, _wake, woken)
+                timer = loop.call_at(deadline, _wake, woken)
+                try:
+                    await woken
+                finally:
+                    loop.remove_reader(fd)
+                    timer.cancel()
                 left = deadline - loop.time()
                 if left <= 0:
                     raise TimeoutError
