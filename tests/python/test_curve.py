@@ -139,7 +139,7 @@ def test_a_reply_already_opened_is_ready_though_the_socket_is_drained(client_key
         conn = _core.Connection(server.endpoint, 0.0, None, keys_for(server, client_keys))
         assert conn.send(b"warm", [], 10.0) == [b"warm"]
         put = _core.Put([0, 1], {"x": np.arange(8, dtype=np.float32).reshape(2, 4)}, 1 << 30)
-        rows = conn.start_put(1, put, 10.0)
+        rows = conn.start_put(1, 10.0, put)
         assert rows == 2
         deadline = time.monotonic() + 10
         while not conn.reply_ready():

@@ -59,6 +59,10 @@ from typing import Any, Callable, Mapping
 from .client import _CORE_FAILURES, _USUAL_GET, DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TIMEOUT, Client, _abs_dir, _core, _Ops
 from .errors import BadRequest, StowageError, StowageTimeout
 
+#: The core connection's class: `_in_loop` calls its `start_*` and
+#: `finish_*` methods unbound, with no closure a call.
+_Conn = _core.Connection
+
 
 class AsyncClient(_Ops):
     """`async with AsyncClient(endpoint) as c: await c.put(...)`. Use it from one
@@ -149,8 +153,7 @@ class AsyncClient(_Ops):
             # connection of its own, its reply awaited by this event loop
             # (None: every such connection busy: a lane then).
             try:
-                got = await self._in_loop("put", timeout, lambda conn, rid, t: conn.start_put(rid, put, t),
-                                          lambda conn, rid, rows, t: conn.finish_put(rid, rows, t))
+                got = await self._in_loop("put", timeout, _Conn.start_put, (put,), _Conn.finish_put, ())
                 if got is not None:
                     rid, reply = got
                     return reply if type(reply) is int else self._core_refused(rid, reply, "put_ok")
@@ -169,8 +172,8 @@ class AsyncClient(_Ops):
             if opts is None:
                 opts = self._get_options(as_torch, nested)
             ranges = self._ranges_ok
-            got = await self._in_loop("get", timeout, lambda conn, rid, t: conn.start_get(
-                rid, global_indexes, fields, t, ranges), lambda conn, rid, n, t: conn.finish_get(t, opts))
+            got = await self._in_loop("get", timeout, _Conn.start_get, (global_indexes, fields, ranges),
+                                      _Conn.finish_get, (opts,))
             if got is not None:
                 rid, reply = got
                 out, glue = reply
@@ -211,19 +214,20 @@ class AsyncClient(_Ops):
         """A call that moves no rows: on the event loop (`_in_loop`), or,
         every such connection busy, on a lane."""
         if self._loop_idle is not None:
-            got = await self._in_loop(op, timeout, lambda conn, rid, t: conn.start_call(op, rid, body, t),
-                                      lambda conn, rid, _, t: conn.finish_call(rid, t))
+            got = await self._in_loop(op, timeout, _Conn.start_call, (op, body), _Conn.finish_call, ())
             if got is not None:
                 return self._core_answer(*got, expect)
         return await self._on_lane(op, timeout, lambda c, t: c._ask(op, body, t, expect))
 
-    async def _in_loop(self, op: str, timeout, start, finish):
+    async def _in_loop(self, op: str, timeout, start, start_args: tuple, finish, finish_args: tuple):
         """A small call on a core connection of its own, its reply awaited
         by this event loop (no worker thread, no DEALER): `start(conn, rid,
-        time left)` writes the request (None: not this call's to make,
-        nothing sent); once the socket is readable and the whole reply has
-        arrived, `finish(conn, rid, what start returned, time left)` reads
-        it without waiting (None from `finish`: a reply to another request,
+        time left, *start_args)` writes the request (None: not this call's
+        to make, nothing sent); once the socket is readable and the whole
+        reply has arrived, `finish(conn, rid, what start returned, time
+        left, *finish_args)` reads it without waiting (`start` and
+        `finish` are the core connection's own methods, called as they
+        are: no closure a call; None from `finish`: a reply to another request,
         dropped; the next is awaited). (rid, what finish returned), or None: started
         nothing, or every in-loop connection is busy (the caller takes
         another way). A reply that arrives in pieces is read in a worker
@@ -242,9 +246,9 @@ class AsyncClient(_Ops):
         keep = False
         try:
             if conn.connected:
-                started = start(conn, rid, timeout)
+                started = start(conn, rid, timeout, *start_args)
             else:  # connecting may take a while: not on the loop
-                started = await loop.run_in_executor(self._threads(), start, conn, rid, timeout)
+                started = await loop.run_in_executor(self._threads(), start, conn, rid, timeout, *start_args)
             if started is None:
                 keep = True
                 return None
@@ -256,7 +260,7 @@ class AsyncClient(_Ops):
             os.sched_yield()
             while got is None:  # None: a stray reply, dropped; the next awaited
                 if conn.reply_ready():  # the whole reply is here: read without waiting (it came; no timeout)
-                    got = finish(conn, rid, started, timeout)
+                    got = finish(conn, rid, started, timeout, *finish_args)
                     continue
                 fd = conn.fileno()
                 woken = loop.create_future()
@@ -271,9 +275,9 @@ class AsyncClient(_Ops):
                 if left <= 0:
                     raise TimeoutError
                 if conn.reply_ready():
-                    got = finish(conn, rid, started, left)
+                    got = finish(conn, rid, started, left, *finish_args)
                 else:
-                    got = await loop.run_in_executor(self._threads(), finish, conn, rid, started, left)
+                    got = await loop.run_in_executor(self._threads(), finish, conn, rid, started, left, *finish_args)
             keep = True
             return rid, got
         except _CORE_FAILURES as e:

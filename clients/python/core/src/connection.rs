@@ -837,12 +837,16 @@ impl Connection {
     /// `id` (the connection made first if there is none); the rows it
     /// carries, or None with nothing sent when it is more than one
     /// message. Then `reply_ready`, `fileno` and `finish_put`.
+    ///
+    /// The `start_*` methods take `(id, timeout, ...)` and the `finish_*`
+    /// ones `(id, what start returned, timeout, ...)`, so that the
+    /// `AsyncClient` calls them as they are, with no closure a call.
     fn start_put(
         &mut self,
         py: Python<'_>,
         id: u64,
-        put: &Bound<'_, Put>,
         timeout: f64,
+        put: &Bound<'_, Put>,
     ) -> PyResult<Option<u64>> {
         let plan = &put.get().plan;
         if plan.message_count() != 1 {
@@ -874,14 +878,14 @@ impl Connection {
     /// The first half of `get_fast` (over the socket), for an event loop
     /// that awaits the reply itself: the request written, how many indexes
     /// it asks for, or None with nothing sent. Then `finish_get`.
-    #[pyo3(signature = (id, indexes, fields, timeout, ranges = true))]
+    #[pyo3(signature = (id, timeout, indexes, fields, ranges = true))]
     fn start_get(
         &mut self,
         py: Python<'_>,
         id: u64,
+        timeout: f64,
         indexes: &Bound<'_, PyAny>,
         fields: &Bound<'_, PyAny>,
-        timeout: f64,
         ranges: bool,
     ) -> PyResult<Option<u64>> {
         let Some((n, names, head)) = fast::get_head(indexes, fields, ranges) else {
@@ -898,10 +902,13 @@ impl Connection {
     }
 
     /// The second half of `get_fast`: what `get` returns, its result made
-    /// as `opts` says.
+    /// as `opts` says (`_id` and `_rows` as `start_get` had them: the get
+    /// it started is the one kept here).
     fn finish_get<'py>(
         &mut self,
         py: Python<'py>,
+        _id: u64,
+        _rows: Option<u64>,
         timeout: f64,
         opts: &Bound<'py, GetOptions>,
     ) -> PyResult<Bound<'py, PyAny>> {
@@ -970,10 +977,10 @@ impl Connection {
     fn start_call<'py>(
         &mut self,
         py: Python<'py>,
-        op: &str,
         id: u64,
-        body: &Bound<'py, PyDict>,
         timeout: f64,
+        op: &str,
+        body: &Bound<'py, PyDict>,
     ) -> PyResult<bool> {
         self.call_begin(py, op, id, body, None, deadline_in(timeout))?;
         Ok(true)
@@ -981,11 +988,12 @@ impl Connection {
 
     /// The second half of `call`: one reply read whole; what `call`
     /// returns when it answers request `id`, else None (a stray, dropped:
-    /// the caller awaits the next).
+    /// the caller awaits the next). `_started`: what `start_call` returned.
     fn finish_call<'py>(
         &mut self,
         py: Python<'py>,
         id: u64,
+        _started: bool,
         timeout: f64,
     ) -> PyResult<Option<(Bound<'py, PyAny>, usize)>> {
         let deadline = deadline_in(timeout);
