@@ -12,9 +12,9 @@ core's put sends as the blocks it is made of.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import sys
-import contextlib
 import warnings
 
 import numpy as np

@@ -58,11 +58,14 @@ pub(crate) const RAW_BITS: [&str; 8] = [
 pub(crate) struct GetOptions {
     tensors: HashSet<String>,
     packed: Option<Py<PyAny>>,
-    /// By `Dtype as usize`: the numpy dtype given for it (None: none was),
-    /// and whether it needs the client's glue; looked up once here, not
-    /// by name for every field of every get.
-    by_dtype: Vec<(Option<Py<PyAny>>, bool)>,
+    /// By `Dtype as usize`: the numpy dtype given for it and its itemsize
+    /// (None: none was given), and whether it needs the client's glue;
+    /// looked up once here, not for every field (or row) of every get.
+    by_dtype: Vec<(Option<NumpyDtype>, bool)>,
 }
+
+/// A `numpy.dtype` and its itemsize.
+type NumpyDtype = (Py<PyAny>, u64);
 
 #[pymethods]
 impl GetOptions {
@@ -73,7 +76,7 @@ impl GetOptions {
         packed: Option<Bound<'_, PyAny>>,
     ) -> PyResult<GetOptions> {
         let tensors: HashSet<String> = tensors.into_iter().collect();
-        let mut by_dtype: Vec<(Option<Py<PyAny>>, bool)> = Vec::new();
+        let mut by_dtype: Vec<(Option<NumpyDtype>, bool)> = Vec::new();
         for d in Dtype::ALL {
             let i = d as usize;
             if by_dtype.len() <= i {
@@ -84,7 +87,11 @@ impl GetOptions {
             // As `numpy.dtype` objects: `NumpyApi::array` hands them to
             // numpy's C API as descriptors.
             let dt = match dtypes.get_item(name)? {
-                Some(dt) => Some(numpy_dtype(&dt)?.unbind()),
+                Some(dt) => {
+                    let dt = numpy_dtype(&dt)?;
+                    let itemsize: u64 = dt.getattr("itemsize")?.extract()?;
+                    Some((dt.unbind(), itemsize))
+                }
                 None => None,
             };
             by_dtype[i] = (dt, glue);
@@ -103,10 +110,10 @@ impl GetOptions {
         self.tensors.contains(dtype.name())
     }
 
-    /// The numpy dtype given for `dtype`.
-    fn numpy<'py>(&self, py: Python<'py>, dtype: Dtype) -> PyResult<&Bound<'py, PyAny>> {
+    /// The numpy dtype given for `dtype`, and its itemsize.
+    fn numpy<'py>(&self, py: Python<'py>, dtype: Dtype) -> PyResult<(&Bound<'py, PyAny>, u64)> {
         match self.by_dtype.get(dtype as usize) {
-            Some((Some(dt), _)) => Ok(dt.bind(py)),
+            Some((Some((dt, itemsize)), _)) => Ok((dt.bind(py), *itemsize)),
             _ => Err(PyValueError::new_err(format!(
                 "no numpy dtype given for {}",
                 dtype.name()
@@ -325,7 +332,7 @@ impl Assembled {
                 out.set_item(name, PyList::new(py, values)?)?;
                 continue;
             };
-            let dt = opts.numpy(py, dtype)?;
+            let (dt, itemsize) = opts.numpy(py, dtype)?;
             let array = |place: Place, dims: &[u64]| -> PyResult<Bound<'py, PyAny>> {
                 let shape = PyTuple::new(py, dims)?;
                 if place.base == usize::MAX {
@@ -336,7 +343,14 @@ impl Assembled {
                 }
                 let (base, raw) = &bases[place.base];
                 if let (Some(api), Some((ptr, len, writable))) = (api, raw) {
-                    return api.array(py, dt, dims, base, (*ptr, *len, *writable), place.at);
+                    return api.array(
+                        py,
+                        (dt, itemsize),
+                        dims,
+                        base,
+                        (*ptr, *len, *writable),
+                        place.at,
+                    );
                 }
                 ndarray.call1((shape, &dt, base, place.at))
             };
@@ -455,31 +469,33 @@ impl NumpyApi {
         .map(Option::as_ref)
     }
 
-    /// A C-contiguous array of `dt` (a `numpy.dtype`) and shape `dims`
-    /// over bytes `at..` of `base`, whose bytes lie at `raw` (address,
-    /// length, writable) and stay there while it lives; `base` becomes the
-    /// array's base. Read-only unless `raw` is writable.
+    /// A C-contiguous array of `dt` (a `numpy.dtype`, and its itemsize)
+    /// and shape `dims` over bytes `at..` of `base`, whose bytes lie at
+    /// `raw` (address, length, writable) and stay there while it lives;
+    /// `base` becomes the array's base. Read-only unless `raw` is writable.
     fn array<'py>(
         &self,
         py: Python<'py>,
-        dt: &Bound<'py, PyAny>,
+        (dt, itemsize): (&Bound<'py, PyAny>, u64),
         dims: &[u64],
         base: &Bound<'py, PyAny>,
         raw: (usize, usize, bool),
         at: usize,
     ) -> PyResult<Bound<'py, PyAny>> {
         let (ptr, len, writable) = raw;
-        let itemsize: u64 = dt.getattr(pyo3::intern!(py, "itemsize"))?.extract()?;
         let need = dims
             .iter()
             .try_fold(itemsize, |n, &d| n.checked_mul(d))
             .and_then(|n| n.checked_add(at as u64));
-        if need.is_none_or(|n| n > len as u64) || dims.len() > 64 {
+        let mut shape = [0isize; 64];
+        if need.is_none_or(|n| n > len as u64) || dims.len() > shape.len() {
             return Err(pyo3::exceptions::PyValueError::new_err(format!(
                 "an array of shape {dims:?} at byte {at} does not fit its {len}-byte buffer"
             )));
         }
-        let dims: Vec<isize> = dims.iter().map(|&d| d as isize).collect();
+        for (to, &d) in shape.iter_mut().zip(dims) {
+            *to = d as isize;
+        }
         // (Aligned claimed only where it is to the item's size, which
         // numpy's alignment of a dtype never exceeds.)
         let aligned = itemsize > 0 && ((ptr + at) as u64).is_multiple_of(itemsize);
@@ -497,7 +513,7 @@ impl NumpyApi {
                 self.array_type,
                 dt.as_ptr(),
                 dims.len() as std::os::raw::c_int,
-                dims.as_ptr(),
+                shape.as_ptr(),
                 std::ptr::null(),
                 (ptr + at) as *mut std::os::raw::c_void,
                 flags,
