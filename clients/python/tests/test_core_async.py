@@ -494,3 +494,43 @@ def test_an_in_loop_reply_that_arrives_in_pieces_is_read_whole(monkeypatch):
         assert srv.requests[:2] == [1, 1], "the second get did not reuse the first's connection"
     finally:
         srv.close()
+
+
+def test_reply_ready_is_true_only_for_a_whole_reply_larger_than_the_read_ahead(monkeypatch):
+    """`reply_ready` on a reply of 100 KB, more than the core's 64 KiB
+    read-ahead: once it has all arrived, True, and `finish_get` reads it
+    back equal without waiting; while only 70 KB of it have come (the rest
+    never does), False every time it is asked, with the read-ahead full."""
+    from test_core import HostileZmtp
+
+    monkeypatch.undo()
+    x = np.arange(25_000, dtype=np.float32).reshape(250, 100)
+
+    def reply(k, env):
+        desc = {"kind": "regular", "dtype": "float32", "shape": list(x.shape),
+                "parts": [{"frame": 1, "offset": 0, "len": x.nbytes, "rows": 250}]}
+        head = HostileZmtp.frame(msgpack.packb({"proto": "stowage/1", "op": "get_ok", "id": env["id"],
+                                                "body": {"fields": {"x": desc}}}), more=True)
+        data = HostileZmtp.frame(x.tobytes())
+        if k == 1:
+            return head + data
+        return [head + data[:70_000], None]  # the rest never comes
+
+    srv = HostileZmtp(reply)
+    opts = stowage.Client._get_options(None, "rows")
+    rows = list(range(250))
+    try:
+        conn = client_mod._core.Connection(srv.endpoint, 0.0, None, None)
+        n = conn.start_get(1, 5.0, rows, ["x"])
+        deadline = time.monotonic() + 5
+        while not conn.reply_ready():
+            assert time.monotonic() < deadline, "a whole reply was never ready"
+            time.sleep(0.001)
+        out, glue = conn.finish_get(1, n, 0.001, opts)  # no time to wait: it is all here
+        np.testing.assert_array_equal(out["x"], x)
+        conn.start_get(2, 5.0, rows, ["x"])
+        time.sleep(0.3)
+        assert [conn.reply_ready() for _ in range(3)] == [False] * 3
+        conn.close()
+    finally:
+        srv.close()

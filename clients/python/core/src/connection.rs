@@ -285,7 +285,7 @@ impl Connection {
         rows: u64,
         deadline: Instant,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let reply = py.detach(|| self.resume(deadline, read_reply))?;
+        let reply = self.resume_detached(py, deadline, read_reply)?;
         settled(
             py,
             id,
@@ -344,6 +344,26 @@ impl Connection {
             self.stream = Some(s);
         }
         result
+    }
+
+    /// [`Connection::resume`] with the GIL released, unless the whole reply
+    /// is in the read-ahead already (an event loop's call, after
+    /// `reply_ready`): reading it then takes less than releasing the GIL
+    /// and taking it back.
+    fn resume_detached<T: Send>(
+        &mut self,
+        py: Python<'_>,
+        deadline: Instant,
+        read: impl FnOnce(&mut Stream) -> Result<T, Fail> + Send,
+    ) -> Result<T, Fail> {
+        if self
+            .stream
+            .as_ref()
+            .is_some_and(Stream::whole_message_ahead)
+        {
+            return self.resume(deadline, read);
+        }
+        py.detach(|| self.resume(deadline, read))
     }
 
     /// Runs one request and its reply, `call`, on the connection (made
@@ -922,7 +942,7 @@ impl Connection {
         };
         let deadline = deadline_in(timeout);
         let opts = opts.get();
-        let got = py.detach(|| self.resume(deadline, |s| get_reply(s, &asked, opts)))?;
+        let got = self.resume_detached(py, deadline, |s| get_reply(s, &asked, opts))?;
         got.into_py(py, opts)
     }
 
@@ -964,7 +984,7 @@ impl Connection {
         let deadline = deadline_in(timeout);
         self.call_begin(py, op, id, body, extras, deadline)?;
         loop {
-            let reply = py.detach(|| self.resume(deadline, read_reply))?;
+            let reply = self.resume_detached(py, deadline, read_reply)?;
             if let Some(got) = answer(py, id, &reply)? {
                 return Ok(got);
             }
@@ -997,7 +1017,7 @@ impl Connection {
         timeout: f64,
     ) -> PyResult<Option<(Bound<'py, PyAny>, usize)>> {
         let deadline = deadline_in(timeout);
-        let reply = py.detach(|| self.resume(deadline, read_reply))?;
+        let reply = self.resume_detached(py, deadline, read_reply)?;
         answer(py, id, &reply)
     }
 

@@ -362,12 +362,6 @@ impl Stream {
         }
     }
 
-    /// Whether a whole message has arrived and is waiting to be read
-    /// (in the read-ahead buffer and the socket's), so that reading it
-    /// does not block: its frame headers walked in a peek. True as well
-    /// when the socket is closed or failed (the read then says so); false
-    /// when more than [`PEEK_MAX`] bytes wait (a large reply, for a
-    /// reader that may wait).
     /// Whether the peer closed the connection (or it broke) while it sat
     /// idle between calls, with nothing of a message left to read: a kept
     /// connection to a stowd that exited or restarted. Such a connection is
@@ -406,57 +400,93 @@ impl Stream {
             })
     }
 
+    /// Whether a whole message is in the read-ahead buffer (not CURVE's),
+    /// so that reading it makes no system call.
+    pub(crate) fn whole_message_ahead(&self) -> bool {
+        self.curve.is_none() && frame::message_complete(&self.ahead[self.pos..self.end])
+    }
+
+    /// Whether a whole message has arrived and is waiting to be read, so
+    /// that reading it does not block: what has arrived is moved into the
+    /// read-ahead buffer without waiting and its frame headers walked (past
+    /// the read-ahead's size, the rest is peeked at). True as well when the
+    /// socket is closed or failed (the read then says so); false when more
+    /// than [`PEEK_MAX`] bytes wait (a large reply, for a reader that may
+    /// wait).
     pub(crate) fn message_waiting(&mut self) -> bool {
         if let Some(c) = self.curve.as_deref_mut() {
             return c.message_waiting(&self.sock, &self.ahead[self.pos..self.end]);
         }
+        if frame::message_complete(&self.ahead[self.pos..self.end]) {
+            return true;
+        }
+        // What has arrived is read now, without waiting, into the
+        // read-ahead (moved to its front first), where the reply's read
+        // then takes it: one system call for a small reply, where peeking
+        // (`FIONREAD`, a peek into a buffer of its own, then the read
+        // itself) took three.
+        if self.pos > 0 {
+            self.ahead.copy_within(self.pos..self.end, 0);
+            (self.pos, self.end) = (0, self.end - self.pos);
+        }
         let fd = self.sock.as_raw_fd();
+        let room = &mut self.ahead[self.end..];
+        // A full read-ahead (a reply larger than it) reads nothing here:
+        // the rest is peeked at below.
+        if !room.is_empty() {
+            // SAFETY: `room` is writable for its length for the call.
+            let n =
+                unsafe { libc::recv(fd, room.as_mut_ptr().cast(), room.len(), libc::MSG_DONTWAIT) };
+            match n {
+                // Closed: readable, and the read says so.
+                0 => return true,
+                n if n > 0 => self.end += n as usize,
+                // Nothing more yet (or a signal: the loop's reader wakes
+                // at once if bytes wait); any other error: readable, and
+                // the read says so.
+                _ => {
+                    return !matches!(
+                        std::io::Error::last_os_error().kind(),
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted
+                    );
+                }
+            }
+        }
+        if frame::message_complete(&self.ahead[..self.end]) {
+            return true;
+        }
+        if self.end < self.ahead.len() {
+            // Everything that had arrived is read, and the reply is not
+            // whole: its rest is still to come.
+            return false;
+        }
+        // A reply larger than the read-ahead: the rest is peeked at.
         let mut queued: libc::c_int = 0;
         // SAFETY: FIONREAD writes one int.
         if unsafe { libc::ioctl(fd, libc::FIONREAD, &mut queued) } != 0 {
             return true;
         }
         let queued = queued.max(0) as usize;
-        if queued > PEEK_MAX {
+        if queued == 0 || queued > PEEK_MAX {
             return false;
         }
-        let mut bytes = self.ahead[self.pos..self.end].to_vec();
-        if queued > 0 {
-            let at = bytes.len();
-            bytes.resize(at + queued, 0);
-            // SAFETY: `queued` writable bytes at `at`.
-            let n = unsafe {
-                libc::recv(
-                    fd,
-                    bytes.as_mut_ptr().add(at).cast(),
-                    queued,
-                    libc::MSG_DONTWAIT | libc::MSG_PEEK,
-                )
-            };
-            if n <= 0 {
-                return n == 0
-                    || std::io::Error::last_os_error().kind() != std::io::ErrorKind::WouldBlock;
-            }
-            bytes.truncate(at + n as usize);
-        } else {
-            // Nothing queued: a closed socket reads as readable, with 0 bytes.
-            let mut b = 0u8;
-            // SAFETY: a peek of at most one byte into `b`.
-            let n = unsafe {
-                libc::recv(
-                    fd,
-                    (&mut b as *mut u8).cast(),
-                    1,
-                    libc::MSG_DONTWAIT | libc::MSG_PEEK,
-                )
-            };
-            if n == 0
-                || (n < 0
-                    && std::io::Error::last_os_error().kind() != std::io::ErrorKind::WouldBlock)
-            {
-                return true;
-            }
+        let mut bytes = self.ahead[..self.end].to_vec();
+        let at = bytes.len();
+        bytes.resize(at + queued, 0);
+        // SAFETY: `queued` writable bytes at `at`.
+        let n = unsafe {
+            libc::recv(
+                fd,
+                bytes.as_mut_ptr().add(at).cast(),
+                queued,
+                libc::MSG_DONTWAIT | libc::MSG_PEEK,
+            )
+        };
+        if n <= 0 {
+            return n == 0
+                || std::io::Error::last_os_error().kind() != std::io::ErrorKind::WouldBlock;
         }
+        bytes.truncate(at + n as usize);
         frame::message_complete(&bytes)
     }
 
