@@ -248,6 +248,17 @@ async fn a_small_cache_evicts_and_a_disabled_one_is_not_there() {
     }
     assert!(client.stat("cache_evictions").await >= 4);
     assert!(client.stat("cache_bytes").await <= 300_000);
+    // Every reply written (the last one's buffers dropped just after):
+    // no evicted fetch is held any more.
+    let mut held = client.stat("cache_held_bytes").await;
+    for _ in 0..100 {
+        if held == 0 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        held = client.stat("cache_held_bytes").await;
+    }
+    assert_eq!(held, 0, "bytes still held after every reply was read");
     // Rows cleared (or put) through this stowd leave the cache at once.
     assert!(client.stat("cache_bytes").await > 0);
     client.clear(&a, None).await;

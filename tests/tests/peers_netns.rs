@@ -436,22 +436,24 @@ async fn a_bounded_cache_holds_its_bound_with_rows_in_flight() {
     let grew = peak.saturating_sub(before);
     let mib = |b: u64| b as f64 / (1 << 20) as f64;
     println!(
-        "A's RssAnon + RssShmem: {:.1} MiB before, peak {:.1} MiB (+{:.1} MiB, {:.3}x the bound) with a {bound_mib} MiB cache bound, {row_kib} KiB rows; cache holds {} bytes, {} evictions",
+        "A's RssAnon + RssShmem: {:.1} MiB before, peak {:.1} MiB (+{:.1} MiB, {:.3}x the bound) with a {bound_mib} MiB cache bound, {row_kib} KiB rows; cache holds {} bytes ({} held), {} evictions",
         mib(before),
         mib(peak),
         mib(grew),
         grew as f64 / bound as f64,
         client.stat("cache_bytes").await,
+        client.stat("cache_held_bytes").await,
         client.stat("cache_evictions").await,
     );
     assert!(client.stat("cache_bytes").await as u64 <= bound);
-    // The bound covers the rows kept and the fetches in flight. A reply
-    // still being written to a reader holds its rows, and rows of a fetch
-    // evicted meanwhile stay in memory until it is sent: outside the bound
-    // (see the module doc of `stowage_host::cache`). On a quiet machine A
-    // grows by 1.04-1.05x the bound; once, in a CI run where the readers
-    // drifted apart (60 evictions against 26), by 1.19x. Making room only
-    // when a fetch landed grew it by 1.30x on a quiet machine.
+    // The bound covers the rows kept, the fetches in flight and the rows
+    // of evicted fetches that replies still hold; not the frames of a get
+    // forwarded while they arrived (see the module doc of
+    // `stowage_host::cache`). On a quiet machine A grows by 1.04-1.05x the
+    // bound. Once, in a CI run where the readers drifted apart (60
+    // evictions against 26), by 1.19x, before held rows were counted; the
+    // margin is kept for what is still not counted. Making room only when a
+    // fetch landed grew it by 1.30x on a quiet machine.
     assert!(
         grew as f64 <= 1.25 * bound as f64,
         "A grew by {} MiB reading {} MiB of remote rows through a {bound_mib} MiB cache: more than the bound + 25%",

@@ -12,8 +12,8 @@
 //! that are cached at their current version moves only the versions
 //! ([`crate::cache`]).
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
 
 use bytes::Bytes;
 
@@ -455,7 +455,10 @@ impl Manager {
 
     /// Fetches `indexes` of `fields` from a peer unit: per field, per row,
     /// the column it is in here (the reply's frames, no copy); with the
-    /// rows' versions if `with_versions` (incarnation, field-major).
+    /// rows' versions if `with_versions` (incarnation, field-major), the
+    /// read cache's fetch, whose frames are then tracked (the `Weak`:
+    /// alive while any slice of them is; see `cache::tracked`).
+    #[allow(clippy::type_complexity)]
     pub(crate) async fn fetch_peer(
         &self,
         p: &PeerUnit,
@@ -463,7 +466,14 @@ impl Manager {
         fields: &[String],
         with_versions: bool,
         tap: Option<&FetchTap>,
-    ) -> Result<(Vec<Vec<(Arc<Column>, u32)>>, Option<(u64, Vec<u64>)>), ManagerError> {
+    ) -> Result<
+        (
+            Vec<Vec<(Arc<Column>, u32)>>,
+            Option<(u64, Vec<u64>)>,
+            Weak<()>,
+        ),
+        ManagerError,
+    > {
         let op = native::Op::Get {
             global_indexes: native::Indexes::from_list(indexes),
             fields: fields.to_vec(),
@@ -480,7 +490,15 @@ impl Manager {
         if wire.len() != fields.len() || wire.iter().zip(fields).any(|((n, _), f)| n != f) {
             return Err(bad("the reply's fields are not the ones asked for".into()));
         }
-        let received = Received::frames(got.frames.get(1..).unwrap_or_default());
+        let data = got.frames.get(1..).unwrap_or_default();
+        // The cache's fetches (with versions) through a token, so that it
+        // sees when gets no longer hold their rows (see `cache::tracked`).
+        let (received, alive) = if with_versions {
+            let (frames, alive) = crate::cache::tracked(data);
+            (Received::frames(&frames), alive)
+        } else {
+            (Received::frames(data), Weak::new())
+        };
         let mut out = Vec::with_capacity(wire.len());
         for (_, field) in wire {
             if field.rows() != indexes.len() as u64 {
@@ -497,7 +515,7 @@ impl Manager {
             (true, Some(v)) if v.1.len() == indexes.len() * fields.len() => Some(v),
             (true, _) => return Err(bad("the reply lacks the rows' versions".into())),
         };
-        Ok((out, versions))
+        Ok((out, versions, alive))
     }
 
     /// The versions of `indexes` of `fields` in a peer unit (see
@@ -597,7 +615,13 @@ impl crate::cache::Source for Manager {
         fields: &[String],
         tap: Option<&FetchTap>,
     ) -> Result<crate::cache::PeerRows, ManagerError> {
-        let (rows, versions) = self.fetch_peer(p, indexes, fields, true, tap).await?;
-        Ok((rows, versions.expect("asked with versions")))
+        let (rows, versions, alive) = self.fetch_peer(p, indexes, fields, true, tap).await?;
+        let (incarnation, versions) = versions.expect("asked with versions");
+        Ok(crate::cache::PeerRows {
+            rows,
+            incarnation,
+            versions,
+            alive,
+        })
     }
 }

@@ -314,6 +314,12 @@ pub fn render(metrics: &Metrics, manager: &Manager, units: &[Arc<Unit>]) -> Stri
         );
         t.sample(&[], cache.bytes() as f64);
         t.family(
+            "stowd_cache_held_bytes",
+            GAUGE,
+            "Bytes of fetches no longer kept that replies still hold, counted against the bound.",
+        );
+        t.sample(&[], cache.held_bytes() as f64);
+        t.family(
             "stowd_cache_max_bytes",
             GAUGE,
             "The read cache's bound, bytes ([cache] max_bytes).",

@@ -75,6 +75,7 @@ impl NativeService {
                 push(key, load(v));
             }
             push("cache_bytes", int(cache.bytes()));
+            push("cache_held_bytes", int(cache.held_bytes()));
             push("cache_max_bytes", int(cache.max_bytes()));
         }
         let (d, c, r) = (&m.dedup_counters, &m.counters, &self.metrics.reloads);
