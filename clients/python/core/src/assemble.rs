@@ -334,10 +334,9 @@ impl Assembled {
             };
             let (dt, itemsize) = opts.numpy(py, dtype)?;
             let array = |place: Place, dims: &[u64]| -> PyResult<Bound<'py, PyAny>> {
-                let shape = PyTuple::new(py, dims)?;
                 if place.base == usize::MAX {
                     // (no bytes: a new empty array, read-only)
-                    let a = ndarray.call1((shape, &dt))?;
+                    let a = ndarray.call1((PyTuple::new(py, dims)?, &dt))?;
                     a.getattr("flags")?.setattr("writeable", false)?;
                     return Ok(a);
                 }
@@ -352,7 +351,7 @@ impl Assembled {
                         place.at,
                     );
                 }
-                ndarray.call1((shape, &dt, base, place.at))
+                ndarray.call1((PyTuple::new(py, dims)?, &dt, base, place.at))
             };
             let value = match made {
                 Made::Array(place, shape) => array(place, &shape)?,
