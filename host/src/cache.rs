@@ -56,7 +56,7 @@ use bytes::Bytes;
 use rustc_hash::FxHashMap;
 use tokio::sync::watch;
 
-use crate::store::Column;
+use crate::store::{Column, ColumnRef};
 
 /// Where the cache gets a peer unit's rows and versions: the manager, which
 /// holds the cache. The cache names none of the manager's types, so the
@@ -92,7 +92,7 @@ pub trait Source: Sync {
 }
 
 /// Per row of a field: the column it is in and its row there.
-pub type FieldRows = Vec<(Arc<Column>, u32)>;
+pub type FieldRows = Vec<(ColumnRef, u32)>;
 
 /// What a fetch brought.
 pub struct PeerRows {
@@ -138,7 +138,7 @@ impl AsRef<[u8]> for Tracked {
 }
 
 /// Per field, per row: found yet or not.
-type Slots = Vec<Vec<Option<(Arc<Column>, u32)>>>;
+type Slots = Vec<Vec<Option<(ColumnRef, u32)>>>;
 
 /// Counters of the read cache, as `stats` and `/metrics` show them.
 #[derive(Debug, Default)]
@@ -161,7 +161,7 @@ pub struct CacheCounters {
 struct Entry {
     incarnation: u64,
     version: u64,
-    column: Arc<Column>,
+    column: ColumnRef,
     row: u32,
     /// The fetch that brought it.
     batch: u64,
@@ -868,7 +868,7 @@ mod tests {
             let received = Received::frames(&frames);
             let t = Tensor::contiguous(frames[0].clone(), Dtype::Uint8, vec![n as u64, ROW as u64])
                 .map_err(|e| e.to_string())?;
-            let column = Arc::new(Column::from_field(Field::Regular(t), &received));
+            let column = ColumnRef::new(Column::from_field(Field::Regular(t), &received));
             let rows = fields
                 .iter()
                 .map(|_| (0..n as u32).map(|r| (column.clone(), r)).collect())

@@ -821,7 +821,8 @@ impl Manager {
             }
             let mut rows = Rows::default();
             for (column, (cell, &pos)) in cells.into_iter().zip(&positions).enumerate() {
-                rows.columns.push(Arc::new(Column::from_cell(cell)));
+                rows.columns
+                    .push(crate::store::ColumnRef::new(Column::from_cell(cell)));
                 rows.pieces.push(Piece {
                     pos,
                     pos_step: 1,

@@ -46,8 +46,8 @@ use crate::msgpack;
 #[cfg(test)]
 mod tests;
 
-pub use field::{RegularParts, WireField};
-pub use layout::{FieldLayout, PartLayout, ReplyLayout, RequestHead, RowLayout};
+pub use field::{PartBytes, RegularParts, WireField};
+pub use layout::{Dims, FieldLayout, PartLayout, Parts, ReplyLayout, RequestHead, RowLayout};
 
 /// The value of the envelope's `proto` key.
 pub const PROTO: &str = "stowage/1";

@@ -20,7 +20,7 @@ use bytes::Bytes;
 use crate::extent::Received;
 use crate::plan::{Frame, PackLimits, PieceInfo};
 use crate::policy::registry::Registry;
-use crate::store::{Column, PutField, Rows};
+use crate::store::{Column, ColumnRef, PutField, Rows};
 use crate::transport::{Message, Peer};
 use crate::wire::native;
 
@@ -240,10 +240,10 @@ fn wire_rows(columns: &[Column], start: u64, end: u64) -> Result<native::WireFie
 
 /// Per row of a get_ok field, the column it is in and its row there: the
 /// frames it arrived in are its extents (no copy).
-pub(super) fn reply_rows(field: native::WireField, received: &Received) -> Vec<(Arc<Column>, u32)> {
+pub(super) fn reply_rows(field: native::WireField, received: &Received) -> Vec<(ColumnRef, u32)> {
     let mut out = Vec::with_capacity(field.rows() as usize);
     for column in Column::from_wire(field, received) {
-        let column = Arc::new(column);
+        let column = ColumnRef::new(column);
         out.extend((0..column.rows() as u32).map(|r| (column.clone(), r)));
     }
     out
@@ -468,7 +468,7 @@ impl Manager {
         tap: Option<&FetchTap>,
     ) -> Result<
         (
-            Vec<Vec<(Arc<Column>, u32)>>,
+            Vec<Vec<(ColumnRef, u32)>>,
             Option<(u64, Vec<u64>)>,
             Weak<()>,
         ),
@@ -562,14 +562,16 @@ impl Manager {
 }
 
 /// A field's rows (column, row per index) as [`Rows`] answering `positions`.
-pub(super) fn rows_at(rows: Vec<(Arc<Column>, u32)>, positions: &[u64]) -> Rows {
+pub(super) fn rows_at(rows: Vec<(ColumnRef, u32)>, positions: &[u64]) -> Rows {
     let mut out = Rows::default();
     let mut numbered: rustc_hash::FxHashMap<*const Column, u32> = Default::default();
     for ((column, row), &pos) in rows.into_iter().zip(positions) {
-        let n = *numbered.entry(Arc::as_ptr(&column)).or_insert_with(|| {
-            out.columns.push(column.clone());
-            (out.columns.len() - 1) as u32
-        });
+        let n = *numbered
+            .entry(std::ptr::from_ref::<Column>(&column))
+            .or_insert_with(|| {
+                out.columns.push(column.clone());
+                (out.columns.len() - 1) as u32
+            });
         out.push(crate::store::Piece {
             pos,
             pos_step: 1,

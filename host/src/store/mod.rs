@@ -101,7 +101,7 @@ mod snapshot;
 #[cfg(test)]
 mod tests;
 
-pub use column::{Column, NestedRow, RegularColumn};
+pub use column::{Column, ColumnRef, Group, NestedRow, RegularColumn};
 pub use rows::{Piece, Rows, Run};
 use seqs::ColIndexes;
 pub use seqs::Seq;
@@ -137,7 +137,7 @@ impl Loc {
 /// count), row `r` is where its global index is: a get of rows in put
 /// order follows the column, per run of requested indexes, not per row.
 struct Slot {
-    column: Arc<Column>,
+    column: ColumnRef,
     indexes: ColIndexes,
     live: u64,
     /// The unit's put generation that stored it: the version of its rows
@@ -177,7 +177,7 @@ struct Inner {
 fn add_column(
     columns: &mut Vec<Option<Slot>>,
     free: &mut Vec<u32>,
-    column: Column,
+    column: ColumnRef,
     indexes: &[u64],
     generation: u64,
 ) -> u32 {
@@ -185,7 +185,7 @@ fn add_column(
         generation,
         live: indexes.len() as u64,
         indexes: ColIndexes::new(indexes),
-        column: Arc::new(column),
+        column,
     });
     match free.pop() {
         Some(i) => {
@@ -235,7 +235,7 @@ impl Inner {
         &mut self,
         name: Arc<str>,
         indexes: &[u64],
-        columns_in: Columns,
+        columns_in: impl Iterator<Item = ColumnRef>,
         generation: u64,
         added: &mut [u32],
     ) -> u64 {
@@ -538,7 +538,12 @@ impl Unit {
         inner.generation += 1;
         let generation = inner.generation;
         let mut new_fields: SmallVec<[u32; 64]> = smallvec::smallvec![0; global_indexes.len()];
+        // The put's columns of one extent in one allocation.
+        let mut group = Group::of(fields.iter().flat_map(|(_, c)| c.iter()));
         for (name, columns_in) in fields {
+            let columns_in = columns_in
+                .into_iter()
+                .map(|c| ColumnRef::place(&mut group, c));
             freed += inner.store_field(
                 name,
                 global_indexes,

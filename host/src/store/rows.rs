@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 
-use super::Column;
+use super::{Column, ColumnRef};
 use crate::batch::{Cell, Value};
 use crate::extent::{self, Extent, Place};
 use crate::shm::{SegmentStore, ShmError};
@@ -38,7 +38,7 @@ impl Piece {
 /// that answer every requested position exactly once (in any order).
 #[derive(Clone, Debug, Default)]
 pub struct Rows {
-    pub columns: Vec<Arc<Column>>,
+    pub columns: Vec<ColumnRef>,
     pub pieces: Vec<Piece>,
 }
 

@@ -10,7 +10,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use super::{Column, Inner, Loc, StoreError, Unit};
+use super::{Column, ColumnRef, Group, Inner, Loc, StoreError, Unit};
 use crate::batch::Cell;
 use crate::tensor::Tensor;
 
@@ -259,6 +259,10 @@ impl Unit {
         let generation = new.generation;
         for (name, indexes, columns_in) in r.fields {
             let mut added = vec![0u32; indexes.len()];
+            let mut group = Group::of(columns_in.iter());
+            let columns_in = columns_in
+                .into_iter()
+                .map(|c| ColumnRef::place(&mut group, c));
             new.store_field(name, &indexes, columns_in, generation, &mut added);
             new.add_present(&indexes, &added);
         }

@@ -198,6 +198,75 @@ fn clearing_the_last_row_frees_the_extent() {
 }
 
 #[test]
+fn a_puts_columns_of_one_extent_share_an_allocation_and_free_it_with_their_last_row() {
+    // Fields a and b are views of frame 1, c of frame 2, d plain values:
+    // a and b are stored in one allocation, c and d each on their own.
+    let (frame1, t1) = frame_tensor(8, 2);
+    let (frame2, t2) = frame_tensor(4, 2);
+    let received = Received::frames(&[frame1.clone(), frame2.clone()]);
+    let view = |t: &Tensor, start: u64| {
+        let v = t.rows_view(start, 1, 4).unwrap();
+        let (extent, offset, zero_copy) = received.locate_or_own(v.buffer());
+        assert!(zero_copy);
+        Column::regular(extent, offset, &v)
+    };
+    let g = [10, 11, 12, 13];
+    let unit = Unit::new("u0", None);
+    unit.put(
+        &g,
+        vec![
+            ("a".into(), smallvec::smallvec![view(&t1, 0)]),
+            ("d".into(), values(&["p", "q", "r", "s"])),
+            ("c".into(), smallvec::smallvec![view(&t2, 0)]),
+            ("b".into(), smallvec::smallvec![view(&t1, 4)]),
+        ],
+    )
+    .unwrap();
+    drop(received);
+    let rows = |t: &Tensor, start: u64| -> Vec<Cell> {
+        (start..start + 4)
+            .map(|r| Cell::Tensor(t.row_tensor(r).unwrap()))
+            .collect()
+    };
+    assert_eq!(got(&unit, &g, "a"), rows(&t1, 0));
+    assert_eq!(got(&unit, &g, "b"), rows(&t1, 4));
+    assert_eq!(got(&unit, &g, "c"), rows(&t2, 0));
+    assert_eq!(got(&unit, &g, "d")[3], Cell::Value(s("s")));
+    let column = |f: &str| {
+        unit.get(&g, &[f.into()])
+            .unwrap()
+            .remove(0)
+            .columns
+            .remove(0)
+    };
+    assert!(column("a").shares_allocation_with(&column("b")));
+    assert!(!column("a").shares_allocation_with(&column("c")));
+    assert!(!column("c").shares_allocation_with(&column("d")));
+    // One field of the group overwritten: the other reads the same, and
+    // frame 1 stays pinned by it.
+    unit.put(&g, vec![("a".into(), values(&["1", "2", "3", "4"]))])
+        .unwrap();
+    assert_eq!(got(&unit, &g, "b"), rows(&t1, 4));
+    let c_rows = rows(&t2, 0)[2..].to_vec();
+    // Nothing but the unit holds the frames from here.
+    drop((t1, t2));
+    assert!(!frame1.is_unique());
+    // The group's last row gone: the allocation and frame 1 with it;
+    // frame 2 is still held by c.
+    unit.clear(&g[..2], None).unwrap();
+    assert!(!frame1.is_unique());
+    unit.put(&g[2..], vec![("b".into(), values(&["x", "y"]))])
+        .unwrap();
+    assert!(
+        frame1.is_unique(),
+        "frame 1 is still pinned after the last row of its group went"
+    );
+    assert_eq!(got(&unit, &g[2..], "c"), c_rows);
+    drop(c_rows);
+    assert!(!frame2.is_unique());
+}
+
+#[test]
 fn rows_put_together_come_back_as_one_run_across_units() {
     // One frame of 8 rows, split over two units as strided views (the
     // g % 2 routing), got back in put order: one run, one slice of the

@@ -3,7 +3,9 @@
 
 use bytes::{Bytes, BytesMut};
 
-use super::{Error, MAX_DIMS};
+use smallvec::SmallVec;
+
+use super::{Dims, Error, MAX_DIMS};
 use crate::batch::{Cell, Field, Value};
 use crate::tensor::{Dtype, Tensor, contiguous_len};
 
@@ -84,7 +86,7 @@ impl WireField {
         if !same_shape {
             return Ok(WireField::Nested(tensors));
         }
-        let parts = tensors.iter().map(|t| (t.contiguous_bytes(), 1)).collect();
+        let parts: PartBytes = tensors.iter().map(|t| (t.contiguous_bytes(), 1)).collect();
         Ok(WireField::Regular(RegularParts::new(dtype, shape, parts)?))
     }
 
@@ -117,24 +119,29 @@ impl WireField {
 #[derive(Clone, Debug, PartialEq)]
 pub struct RegularParts {
     dtype: Dtype,
-    row_shape: Vec<u64>,
+    row_shape: Dims,
     row_bytes: usize,
     rows: u64,
-    parts: Vec<(Bytes, u64)>,
+    parts: PartBytes,
 }
 
+/// A regular field's `(bytes, rows)` parts: inline for the usual one.
+pub type PartBytes = SmallVec<[(Bytes, u64); 1]>;
+
 impl RegularParts {
-    /// Checks and builds a regular field from `(bytes, rows)` parts.
+    /// Checks and builds a regular field from `(bytes, rows)` parts (a
+    /// `Vec` or the inline lists).
     pub fn new(
         dtype: Dtype,
-        row_shape: Vec<u64>,
-        parts: Vec<(Bytes, u64)>,
+        row_shape: impl Into<Dims>,
+        parts: impl Into<PartBytes>,
     ) -> Result<RegularParts, Error> {
+        let (row_shape, parts) = (row_shape.into(), parts.into());
         if row_shape.len() >= MAX_DIMS {
             return Err(Error::TooManyDims(row_shape.len() + 1));
         }
         let row_bytes = contiguous_len(dtype, &row_shape).map_err(|_| Error::BadShape {
-            shape: row_shape.clone(),
+            shape: row_shape.to_vec(),
             reason: "a row overflows the address space",
         })?;
         let mut rows = 0u64;
@@ -173,11 +180,11 @@ impl RegularParts {
             });
         }
         let parts = if t.rows() == 0 {
-            Vec::new()
+            PartBytes::new()
         } else {
-            vec![(t.contiguous_bytes(), t.rows())]
+            smallvec::smallvec![(t.contiguous_bytes(), t.rows())]
         };
-        RegularParts::new(t.dtype(), t.row_shape().to_vec(), parts)
+        RegularParts::new(t.dtype(), Dims::from(t.row_shape()), parts)
     }
 
     /// Element type.
@@ -218,10 +225,10 @@ impl RegularParts {
         self.parts.iter().flat_map(move |(bytes, n)| {
             // Cannot fail: the part holds exactly `n * rb` bytes.
             (0..*n as usize).filter_map(move |i| {
-                Tensor::contiguous(
+                Tensor::contiguous_of(
                     bytes.slice(i * rb..(i + 1) * rb),
                     self.dtype,
-                    self.row_shape.clone(),
+                    &self.row_shape,
                 )
                 .ok()
             })

@@ -4,6 +4,8 @@
 //! belong in (the Python client's Rust core does), checking each range
 //! against the frame as it arrives ([`FieldLayout::check_frames`]).
 
+use smallvec::SmallVec;
+
 use crate::batch::Value;
 use crate::tensor::Dtype;
 
@@ -28,6 +30,14 @@ pub struct RowLayout {
     pub len: u64,
 }
 
+/// A regular field's shape `[n, ...row]`: inline up to 4 dimensions, so
+/// decoding a small put's descriptors allocates no shape a field.
+pub type Dims = SmallVec<[u64; 4]>;
+
+/// A regular field's parts: inline for the usual one (every field's rows
+/// in one data frame), no list a field.
+pub type Parts = SmallVec<[PartLayout; 1]>;
+
 /// A field's descriptor, checked in itself (shapes, lengths against the
 /// dtype, row sums, limits) but not against the data frames.
 #[derive(Clone, Debug, PartialEq)]
@@ -35,8 +45,8 @@ pub enum FieldLayout {
     /// `shape[0]` rows; the parts cover them in order.
     Regular {
         dtype: Dtype,
-        shape: Vec<u64>,
-        parts: Vec<PartLayout>,
+        shape: Dims,
+        parts: Parts,
     },
     Nested {
         dtype: Dtype,

@@ -30,7 +30,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyTuple};
 use stowage_wire::batch::Value;
-use stowage_wire::native::FieldLayout;
+use stowage_wire::native::{self, FieldLayout};
 use stowage_wire::tensor::Dtype;
 
 use crate::buffer::Buffer;
@@ -162,7 +162,7 @@ pub(crate) const NOWHERE: Place = Place {
 /// One field's result.
 pub(crate) enum Made {
     /// An array of `shape`.
-    Array(Place, Vec<u64>),
+    Array(Place, native::Dims),
     /// One array per row: (place, shape).
     Rows(Vec<(Place, Vec<u64>)>),
     /// `Packed`: `elements` elements from the place, and each row's shape.

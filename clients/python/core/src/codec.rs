@@ -359,7 +359,7 @@ fn descriptors(fields: &Bound<'_, PyAny>) -> PyResult<Vec<(String, FieldLayout)>
         let field = match (kind.as_str(), d.len()) {
             ("regular", 4) => FieldLayout::Regular {
                 dtype: dtype(&d.get_item(1)?)?,
-                shape: d.get_item(2)?.extract()?,
+                shape: d.get_item(2)?.extract::<Vec<u64>>()?.into(),
                 parts: d
                     .get_item(3)?
                     .extract::<Vec<(u64, u64, u64, u64)>>()?

@@ -240,7 +240,7 @@ pub(crate) fn check_targets<'f>(
                 t.dtypes[0]
             )));
         }
-        if shape != &t.shape {
+        if **shape != *t.shape {
             return Err(Fail::Mismatch(format!(
                 "{what} has shape {:?}, but field {name} is {shape:?}",
                 t.shape

@@ -277,13 +277,13 @@ impl Plan {
                     if !describe {
                         continue;
                     }
-                    let mut shape = Vec::with_capacity(s.shape().len());
+                    let mut shape = native::Dims::with_capacity(s.shape().len());
                     shape.push((b - a) as u64);
                     shape.extend(s.shape()[1..].iter().map(|&d| d as u64));
                     FieldLayout::Regular {
                         dtype: *dtype,
                         shape,
-                        parts: vec![PartLayout {
+                        parts: smallvec::smallvec![PartLayout {
                             frame,
                             offset,
                             len: len as u64,

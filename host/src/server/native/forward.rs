@@ -404,7 +404,7 @@ fn tensor_layout(
     }
     match regular {
         Some(row_shape) => {
-            let mut parts: Vec<PartLayout> = Vec::with_capacity(pieces.len());
+            let mut parts = native::Parts::with_capacity(pieces.len());
             for ((_, count, p), (frame, offset)) in pieces.iter().zip(&landed) {
                 if let Some(last) = parts.last_mut()
                     && last.frame == *frame
@@ -421,7 +421,7 @@ fn tensor_layout(
                     rows: *count,
                 });
             }
-            let mut shape = Vec::with_capacity(row_shape.len() + 1);
+            let mut shape = native::Dims::with_capacity(row_shape.len() + 1);
             shape.push(rows.len() as u64);
             shape.extend_from_slice(row_shape);
             FieldLayout::Regular {

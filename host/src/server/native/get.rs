@@ -134,7 +134,7 @@ pub(super) fn get_field(rows: &Rows, places: &mut Places) -> Result<GetField, na
         }
     }
     if same_shape {
-        let parts = runs
+        let parts: native::PartBytes = runs
             .iter()
             .map(|r| match r {
                 Run::Tensor { rows, .. } => (r.bytes(), *rows),
@@ -143,7 +143,7 @@ pub(super) fn get_field(rows: &Rows, places: &mut Places) -> Result<GetField, na
             .collect();
         let wire = native::WireField::Regular(native::RegularParts::new(
             dtype,
-            row_shape.to_vec(),
+            native::Dims::from(&row_shape[..]),
             parts,
         )?);
         return Ok(GetField {

@@ -9,7 +9,10 @@ use super::frames::Frames;
 use super::keys::{Seen, keyed, limit, need, unknown};
 use crate::batch::Value;
 use crate::msgpack::{NATIVE_MAX_DEPTH as MAX_DEPTH, Reader};
-use crate::native::layout::{FieldLayout, PartLayout as PartDesc, RowLayout as RowDesc};
+use crate::native::field::PartBytes;
+use crate::native::layout::{
+    Dims, FieldLayout, PartLayout as PartDesc, Parts, RowLayout as RowDesc,
+};
 use crate::native::{Error, Limits, MAX_DIMS, RegularParts, WireField, dtype_from_name};
 use crate::tensor::{Dtype, Tensor, contiguous_len};
 
@@ -204,13 +207,13 @@ fn check_nested_row(dtype: Dtype, row: &RowDesc) -> Result<(), Error> {
 /// A checked regular descriptor resolved against the data frames.
 fn regular(
     dtype: Dtype,
-    shape: Vec<u64>,
-    parts: Vec<PartDesc>,
+    shape: Dims,
+    parts: Parts,
     data: &mut Frames<'_>,
 ) -> Result<WireField, Error> {
     let mut row_shape = shape;
     row_shape.remove(0);
-    let mut out: Vec<(Bytes, u64)> = Vec::with_capacity(parts.len());
+    let mut out = PartBytes::with_capacity(parts.len());
     // (frame, start offset, end offset) of the last part kept, to merge the
     // next one into it when it follows on directly.
     let mut last: Option<(u64, u64, u64)> = None;
@@ -243,7 +246,7 @@ fn nested(dtype: Dtype, rows: Vec<RowDesc>, data: &mut Frames<'_>) -> Result<Wir
     Ok(WireField::Nested(out))
 }
 
-fn read_shape(r: &mut Reader<'_>) -> Result<Vec<u64>, Error> {
+fn read_shape(r: &mut Reader<'_>) -> Result<Dims, Error> {
     let n = r.array_len("shape")?;
     if n > MAX_DIMS {
         return Err(Error::TooManyDims(n));
@@ -253,11 +256,11 @@ fn read_shape(r: &mut Reader<'_>) -> Result<Vec<u64>, Error> {
         .collect()
 }
 
-fn part_list(r: &mut Reader<'_>, limits: &Limits) -> Result<Vec<PartDesc>, Error> {
+fn part_list(r: &mut Reader<'_>, limits: &Limits) -> Result<Parts, Error> {
     const MAP: &str = "a part";
     let n = r.array_len("parts")?;
     limit("parts", n, limits.max_rows)?;
-    let mut out = Vec::with_capacity(n);
+    let mut out = Parts::with_capacity(n);
     for _ in 0..n {
         const KEYS: [&str; 4] = ["frame", "offset", "len", "rows"];
         let mut v = [None; 4];
@@ -296,7 +299,7 @@ fn row_list(r: &mut Reader<'_>, limits: &Limits) -> Result<Vec<RowDesc>, Error> 
             need(len, MAP, "len")?,
         );
         out.push(RowDesc {
-            shape,
+            shape: shape.into_vec(),
             frame,
             offset,
             len,

@@ -411,7 +411,7 @@ fn multi_part_regular_round_trips() {
     let a = tensor(Dtype::Float32, &[2, 2], 0);
     let b = tensor(Dtype::Float32, &[1, 2], 50);
     let c = tensor(Dtype::Float32, &[3, 2], 100);
-    let parts = [&a, &b, &c]
+    let parts: Vec<_> = [&a, &b, &c]
         .iter()
         .map(|t| (t.buffer().clone(), t.rows()))
         .collect();
@@ -887,8 +887,8 @@ fn a_request_head_is_the_bytes_of_the_placing_encoder() {
                 "x".into(),
                 FieldLayout::Regular {
                     dtype: Dtype::Float32,
-                    shape: vec![3, 2],
-                    parts: vec![PartLayout {
+                    shape: smallvec::smallvec![3, 2],
+                    parts: smallvec::smallvec![PartLayout {
                         frame: 1,
                         offset: 0,
                         len: 24,
