@@ -13,7 +13,9 @@
 //! column, however many rows, and whoever sends them finds runs by
 //! comparing offsets, not addresses. Overwrite and clear drop a row's
 //! reference to its column; a column with no live row is dropped, and with
-//! it its reference to the extent. Capacity is counted in bytes of the
+//! it its reference to the extent. A put's regular columns that lie in one
+//! extent of a unit are allocated together ([`ColumnRef`]): the
+//! allocation goes with the last of them. Capacity is counted in bytes of the
 //! stored rows. A put is all-or-nothing: it is checked completely
 //! (lengths, duplicates, capacity) before the first row is written, under
 //! the unit's lock.
@@ -21,7 +23,7 @@
 //! | module | what it holds |
 //! |---|---|
 //! | this file | [`Unit`]: the per-field index, capacity, put/get/clear; [`StoreError`] |
-//! | [`column`] | [`Column`]: one put's rows of one field, and back to cells |
+//! | [`column`] | [`Column`]: one put's rows of one field, and back to cells; [`ColumnRef`]: a stored column, in its put's [`Group`] |
 //! | [`rows`] | [`Rows`], [`Piece`] and [`Run`]: what a get answers, grouped for the encoders |
 //! | `seqs` | [`Seq`]: a run of requested indexes at evenly spaced positions; a column's indexes as a run or a list |
 //! | `snapshot` | [`Unit::snapshot`] and [`Unit::replace_with`]: every row at once, for checkpoints |
