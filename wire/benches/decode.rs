@@ -60,6 +60,38 @@ fn native_frames(indexes: u64, fields: Vec<(String, Field)>) -> Vec<Bytes> {
     native::encode_request(&native::Request { id: 1, op }).expect("encodable")
 }
 
+/// A put of `n` regular fields of 4 rows of float32 `[16]`, every field's
+/// rows in data frame 1, as the Python client sends a small put.
+fn small_put_frames(n: usize) -> Vec<Bytes> {
+    let rows = 4u64;
+    let field_bytes = rows as usize * 64;
+    let data = Bytes::from(vec![7u8; n * field_bytes]);
+    let fields = (0..n)
+        .map(|f| {
+            let part = data.slice(f * field_bytes..(f + 1) * field_bytes);
+            let parts = native::RegularParts::new(Dtype::Float32, vec![16], vec![(part, rows)])
+                .expect("parts");
+            (format!("f{f}"), native::WireField::Regular(parts))
+        })
+        .collect();
+    let layout = native::FrameLayout {
+        frames: vec![
+            (0..n)
+                .map(|field| native::RowSlice {
+                    field,
+                    start: 0,
+                    end: rows,
+                })
+                .collect(),
+        ],
+    };
+    let op = native::Op::Put {
+        global_indexes: (0..rows).collect(),
+        fields,
+    };
+    native::encode_request_with(&native::Request { id: 1, op }, &layout).expect("encodable")
+}
+
 fn row(what: &str, count: u64, per: &str, frame0: usize, d: Duration) {
     println!(
         "| {what} | {count} | {:.1} KiB | {:.3} ms | {:.1} ns/{per} |",
@@ -91,6 +123,21 @@ fn main() {
         });
         row(
             "native put, one-row fields",
+            n as u64,
+            "field",
+            f[0].len(),
+            d,
+        );
+    }
+    for n in [1, 10, 32] {
+        let f = small_put_frames(n);
+        let d = best(|| {
+            for _ in 0..1000 {
+                native::decode_request(&f, &native::Limits::DEFAULT).expect("decodes");
+            }
+        }) / 1000;
+        row(
+            "native small put, 4-row float32[16] fields",
             n as u64,
             "field",
             f[0].len(),

@@ -262,8 +262,14 @@ impl<'a> Reader<'a> {
     fn utf8(&mut self, n: usize) -> Result<&'a str, MsgpackError> {
         let start = self.pos;
         let raw = self.take(n)?;
+        Reader::utf8_at(raw, start)
+    }
+
+    /// `raw` (a str's bytes, read from `offset`) as UTF-8, or the error
+    /// [`Reader::str`] gives for it.
+    pub fn utf8_at(raw: &[u8], offset: usize) -> Result<&str, MsgpackError> {
         std::str::from_utf8(raw).map_err(|_| MsgpackError::Malformed {
-            offset: start,
+            offset,
             reason: "invalid UTF-8 in a str",
         })
     }

@@ -64,6 +64,16 @@ impl<'a> Reader<'a> {
         }
     }
 
+    /// A str's bytes, borrowed from the buffer, UTF-8 not checked: for a
+    /// caller that compares them with ASCII names first (a map's keys) and
+    /// checks them ([`Reader::utf8_at`]) only when none matches.
+    pub fn str_bytes(&mut self, what: &'static str) -> Result<&'a [u8], MsgpackError> {
+        match self.str_or_bin_len()? {
+            Some((true, n)) => self.take(n),
+            _ => Err(wrong(what, "a str")),
+        }
+    }
+
     /// A str or bin value: `Some((is_str, byte range))`, or `None` (nothing
     /// consumed) if the next value is something else. UTF-8 is not checked.
     pub fn str_or_bin(&mut self) -> Result<Option<(bool, Range<usize>)>, MsgpackError> {

@@ -107,6 +107,68 @@ fn unknown_and_duplicate_keys_are_refused() {
 }
 
 #[test]
+fn keys_are_read_in_any_order_and_a_key_of_bad_utf8_is_malformed() {
+    // The decoder tries the key after the last one first: keys written in
+    // reverse still decode, to the same request.
+    let reversed = |m: M| match m {
+        M::Map(mut kv) => {
+            kv.reverse();
+            M::Map(kv)
+        }
+        other => other,
+    };
+    let x = M::Map(vec![
+        ("parts", M::Arr(vec![reversed(part(1, 0, 16, 2))])),
+        ("shape", uints(&[2, 2])),
+        ("dtype", M::S("float32")),
+        ("kind", M::S("regular")),
+    ]);
+    let put = reversed(envelope(
+        "put",
+        reversed(M::Map(vec![
+            ("global_indexes", uints(&[0, 1])),
+            ("fields", M::Map(vec![("x", x)])),
+        ])),
+    ));
+    assert_eq!(
+        decode(&frames_with(put, &[16])).unwrap(),
+        decode(&frames_with(hand_put(), &[16])).unwrap()
+    );
+    // A key is compared as bytes; one that matches none is checked as
+    // UTF-8: invalid, a malformed str at its offset; valid, unknown.
+    let good = hand_put().bytes().to_vec();
+    let at = good
+        .windows(6)
+        .position(|w| w == b"\xa5dtype")
+        .expect("the dtype key");
+    let with_key = |key: &[u8]| {
+        let frame0 = [&good[..at + 1], key, &good[at + 6..]].concat();
+        decode(&[Bytes::from(frame0), Bytes::from(vec![0u8; 16])]).unwrap_err()
+    };
+    let err = with_key(b"\xffdtyp");
+    assert!(
+        matches!(
+            err.root(),
+            Error::Malformed {
+                reason: "invalid UTF-8 in a str",
+                offset,
+            } if *offset == at + 1
+        ),
+        "{err}"
+    );
+    let err = with_key("dtyp\u{e9}".as_bytes().split_last().unwrap().1);
+    assert!(
+        matches!(err.root(), Error::Malformed { .. }),
+        "half a character: {err}"
+    );
+    let err = with_key("dtýp".as_bytes());
+    assert!(
+        matches!(err.root(), Error::UnknownKey { key, .. } if key == "dtýp"),
+        "{err}"
+    );
+}
+
+#[test]
 fn wrong_types_are_refused() {
     let cases = [
         (&["id"][..], M::S("1")),
