@@ -214,3 +214,87 @@ async fn a_get_in_put_order_over_four_units_is_one_piece_per_unit_and_one_run() 
     assert_eq!(got[0].1.pieces.len(), 2);
     assert_eq!(got[0].1.runs().len(), 2048);
 }
+
+/// A plan of views made straight into columns (`view_columns`) makes what
+/// the general path (a view tensor a piece, located in the frames) makes:
+/// the same extent, offset, stride, rows, row size, dtype, row shape and
+/// zero-copy count; and leaves to it every plan it does not handle.
+#[test]
+fn views_made_straight_into_columns_equal_the_general_path() {
+    use super::{Tally, view_columns};
+    use crate::plan::{self, Piece, RowView, Selected, SelectionPlan};
+    use crate::store::Column;
+
+    // A field of 8 rows of float32 [2, 3] that starts 16 bytes into its
+    // frame, and a frame the request did not bring.
+    let frame = Bytes::from((0..16 + 8 * 24).map(|i| i as u8).collect::<Vec<u8>>());
+    let received = Received::frames(std::slice::from_ref(&frame));
+    let t = Tensor::contiguous(frame.slice(16..), Dtype::Float32, vec![8, 2, 3]).unwrap();
+    let field = Field::Regular(t.clone());
+    let view = |start, step, count| Piece::View(RowView { start, step, count });
+    let general = |plan: &SelectionPlan| {
+        let mut tally = Tally::default();
+        let columns: Vec<Column> = plan::execute_selection(&field, plan)
+            .unwrap()
+            .into_iter()
+            .map(|piece| {
+                let Selected::Rows(v) = piece else {
+                    panic!("not rows")
+                };
+                let (extent, offset, zero_copy) = received.locate_or_own(v.buffer());
+                assert!(zero_copy);
+                tally.zero_copy_bytes += v.payload_len() as u64;
+                Column::regular_sharing(extent, offset, &v, &mut tally.row_shape)
+            })
+            .collect();
+        (columns, tally.zero_copy_bytes)
+    };
+    let key = |c: &Column| match c {
+        Column::Regular(r) => (
+            Arc::as_ptr(&r.extent),
+            r.offset,
+            r.stride,
+            r.rows,
+            r.row_bytes,
+            r.dtype,
+            r.row_shape.to_vec(),
+        ),
+        _ => panic!("not regular"),
+    };
+    for pieces in [
+        vec![view(0, 1, 8)],
+        vec![view(1, 2, 3), view(0, 4, 2)],
+        vec![view(5, 1, 1)],
+        vec![view(7, 1, 1), view(0, 7, 2)],
+        vec![view(2, 3, 2)],
+    ] {
+        let plan = SelectionPlan::new(pieces.clone());
+        let mut tally = Tally::default();
+        let fast = view_columns(&field, &plan, &received, &mut tally).expect("handled");
+        let (slow, bytes) = general(&plan);
+        assert_eq!(
+            fast.iter().map(key).collect::<Vec<_>>(),
+            slow.iter().map(key).collect::<Vec<_>>(),
+            "{pieces:?}"
+        );
+        assert_eq!(tally.zero_copy_bytes, bytes, "{pieces:?}");
+    }
+    // Left to the general path: a gather, a view past the rows, a field
+    // not in the request's frames, a field of values.
+    let mut tally = Tally::default();
+    for plan in [
+        SelectionPlan::new(vec![view(0, 1, 2), Piece::Gather(vec![3])]),
+        SelectionPlan::new(vec![view(6, 2, 2)]),
+    ] {
+        assert!(view_columns(&field, &plan, &received, &mut tally).is_none());
+    }
+    let elsewhere = Field::Regular(
+        Tensor::contiguous(Bytes::from(vec![0u8; 48]), Dtype::Float32, vec![2, 2, 3]).unwrap(),
+    );
+    let plan = SelectionPlan::new(vec![view(0, 1, 2)]);
+    assert!(view_columns(&elsewhere, &plan, &received, &mut tally).is_none());
+    let values = Field::Values(vec![crate::batch::Value::Str("v".into())]);
+    let plan = SelectionPlan::new(vec![view(0, 1, 1)]);
+    assert!(view_columns(&values, &plan, &received, &mut tally).is_none());
+    assert_eq!(tally.zero_copy_bytes, 0);
+}
