@@ -21,66 +21,6 @@ pub mod checkpoint;
 pub mod dedup;
 mod peer;
 mod remote;
-/// The columns of a plan of views of a regular field whose bytes lie in
-/// the request's frames, made straight from the field: what
-/// [`plan::execute_selection`] and [`Column::regular_sharing`] make of it
-/// (the same extent, offset, stride, rows and counts), without a view
-/// tensor a piece (a slice of the field's bytes made and dropped, its
-/// shape copied) or a search of the frames a piece. `None` for any other
-/// field or plan, and for a view the general path refuses or that has no
-/// rows: the general path handles those.
-fn view_columns(
-    field: &Field,
-    plan: &SelectionPlan,
-    received: &Received,
-    c: &mut Tally,
-) -> Option<Columns> {
-    let Field::Regular(t) = field else {
-        return None;
-    };
-    let rows = t.rows();
-    let fits = |v: &plan::RowView| {
-        v.count > 0
-            && v.step > 0
-            && !t.shape().is_empty()
-            && (v.count - 1)
-                .checked_mul(v.step)
-                .and_then(|x| x.checked_add(v.start))
-                .is_some_and(|last| last < rows)
-    };
-    let mut views = plan.pieces.iter().map(|p| match p {
-        plan::Piece::View(v) => Some(v),
-        _ => None,
-    });
-    if !views.clone().all(|v| v.is_some_and(fits)) || t.buffer().is_empty() {
-        return None;
-    }
-    let (extent, base) = received.locate(t.buffer())?;
-    let (row_bytes, row_stride) = (t.row_bytes(), t.row_stride());
-    let mut columns = Columns::with_capacity(plan.pieces.len());
-    for v in views.by_ref().flatten() {
-        c.zero_copy_bytes += v.count * row_bytes as u64;
-        let row_shape = match &c.row_shape {
-            Some(shape) if **shape == *t.row_shape() => shape.clone(),
-            _ => c.row_shape.insert(t.row_shape().into()).clone(),
-        };
-        columns.push(Column::Regular(crate::store::RegularColumn {
-            extent: extent.clone(),
-            offset: base + v.start as usize * row_stride,
-            stride: if v.count == 1 {
-                row_bytes
-            } else {
-                row_stride * v.step as usize
-            },
-            rows: v.count,
-            row_bytes,
-            dtype: t.dtype(),
-            row_shape,
-        }));
-    }
-    Some(columns)
-}
-
 #[cfg(test)]
 mod tests;
 
@@ -248,6 +188,63 @@ impl Tally {
             }
         }
     }
+}
+
+/// The columns of a plan of views of a regular field whose bytes lie in
+/// the request's frames, made straight from the field: what
+/// [`plan::execute_selection`] and [`Column::regular_sharing`] make of it
+/// (the same extent, offset, stride, rows and counts), without a view
+/// tensor a piece (a slice of the field's bytes made and dropped, its
+/// shape copied) or a search of the frames a piece. `None` for any other
+/// field or plan, and for a view the general path refuses or that has no
+/// rows: the general path handles those.
+fn view_columns(
+    field: &Field,
+    plan: &SelectionPlan,
+    received: &Received,
+    c: &mut Tally,
+) -> Option<Columns> {
+    let Field::Regular(t) = field else {
+        return None;
+    };
+    let rows = t.rows();
+    let fits = |v: &plan::RowView| {
+        v.count > 0
+            && v.step > 0
+            && !t.shape().is_empty()
+            && (v.count - 1)
+                .checked_mul(v.step)
+                .and_then(|x| x.checked_add(v.start))
+                .is_some_and(|last| last < rows)
+    };
+    let views = plan.pieces.iter().map(|p| match p {
+        plan::Piece::View(v) => Some(v),
+        _ => None,
+    });
+    if !views.clone().all(|v| v.is_some_and(fits)) || t.buffer().is_empty() {
+        return None;
+    }
+    let (extent, base) = received.locate(t.buffer())?;
+    let (row_bytes, row_stride) = (t.row_bytes(), t.row_stride());
+    let mut columns = Columns::with_capacity(plan.pieces.len());
+    for v in views.flatten() {
+        c.zero_copy_bytes += v.count * row_bytes as u64;
+        let row_shape = crate::store::shared_row_shape(&mut c.row_shape, t.row_shape());
+        columns.push(Column::Regular(crate::store::RegularColumn {
+            extent: extent.clone(),
+            offset: base + v.start as usize * row_stride,
+            stride: if v.count == 1 {
+                row_bytes
+            } else {
+                row_stride * v.step as usize
+            },
+            rows: v.count,
+            row_bytes,
+            dtype: t.dtype(),
+            row_shape,
+        }));
+    }
+    Some(columns)
 }
 
 /// Positions (into the batch) and global indexes that go to one unit.

@@ -119,6 +119,15 @@ impl AsRef<Column> for ColumnRef {
     }
 }
 
+/// `shape` as a column's row shape: `last`'s (the row shape of the column
+/// made before) when they are equal, else a new one, kept in `last`.
+pub fn shared_row_shape(last: &mut Option<Arc<[u64]>>, shape: &[u64]) -> Arc<[u64]> {
+    match last {
+        Some(kept) if **kept == *shape => kept.clone(),
+        _ => last.insert(shape.into()).clone(),
+    }
+}
+
 /// Rows of a regular field stored from one piece of a put: `rows` rows of
 /// `row_bytes` bytes each, the first at `offset` in the extent, each next
 /// one `stride` bytes further.
@@ -168,10 +177,7 @@ impl Column {
         t: &Tensor,
         last: &mut Option<Arc<[u64]>>,
     ) -> Column {
-        let row_shape = match last {
-            Some(shape) if **shape == *t.row_shape() => shape.clone(),
-            _ => last.insert(t.row_shape().into()).clone(),
-        };
+        let row_shape = shared_row_shape(last, t.row_shape());
         Column::Regular(RegularColumn {
             extent,
             offset,

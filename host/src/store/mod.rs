@@ -103,7 +103,7 @@ mod snapshot;
 #[cfg(test)]
 mod tests;
 
-pub use column::{Column, ColumnRef, Group, NestedRow, RegularColumn};
+pub use column::{Column, ColumnRef, Group, NestedRow, RegularColumn, shared_row_shape};
 pub use rows::{Piece, Rows, Run};
 use seqs::ColIndexes;
 pub use seqs::Seq;

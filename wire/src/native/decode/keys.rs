@@ -19,8 +19,10 @@ use crate::native::Error;
 #[allow(clippy::large_enum_variant)]
 pub(super) enum Seen<'a> {
     Few(smallvec::SmallVec<[&'a str; Seen::SCAN]>),
-    Many(HashSet<&'a str, foldhash::fast::RandomState>),
+    Many(Names<'a>),
 }
+
+type Names<'a> = HashSet<&'a str, foldhash::fast::RandomState>;
 
 impl<'a> Seen<'a> {
     /// Most names checked by a scan.
@@ -45,8 +47,7 @@ impl<'a> Seen<'a> {
                 true
             }
             Seen::Few(few) => {
-                let mut all: HashSet<&'a str, foldhash::fast::RandomState> =
-                    few.drain(..).collect();
+                let mut all: Names<'a> = few.drain(..).collect();
                 let new = all.insert(name);
                 *self = Seen::Many(all);
                 new
