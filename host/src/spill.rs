@@ -443,6 +443,9 @@ impl Spiller {
                 Ok(file) => {
                     if extent.settle(Some(file), &bytes) {
                         moved += extent.len() as u64;
+                        // Its memory goes back to the allocator once the
+                        // last reader lets go: give it back to the OS too.
+                        crate::store::release::note_freed(extent.len() as u64);
                     }
                 }
                 Err(e) => {

@@ -96,7 +96,7 @@ pub struct UnitCounters {
 }
 
 mod column;
-mod release;
+pub(crate) mod release;
 mod rows;
 mod seqs;
 mod snapshot;
