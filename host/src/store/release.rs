@@ -28,9 +28,9 @@
 //! a sixteenth of its units' memory bound), frees that reach it are
 //! trimmed at once, still on this thread.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
 use std::sync::{Condvar, Mutex, OnceLock};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
 use std::time::Instant;
@@ -53,7 +53,11 @@ static TRIMS: AtomicU64 = AtomicU64::new(0);
 /// [`MIN_TRIGGER`]), without waiting for [`QUIET`] or [`MAX_INTERVAL`]; 0
 /// takes the trigger away. One for the process: the last call sets it.
 pub fn trim_past(bytes: u64) {
-    let bytes = if bytes == 0 { 0 } else { bytes.max(MIN_TRIGGER) };
+    let bytes = if bytes == 0 {
+        0
+    } else {
+        bytes.max(MIN_TRIGGER)
+    };
     TRIGGER.store(bytes, Ordering::Relaxed);
 }
 
@@ -110,8 +114,7 @@ fn run() {
             continue;
         }
         let since_free = pending.last_free.map(|t| t.elapsed()).unwrap_or(QUIET);
-        if since_free >= QUIET || last_trim.elapsed() >= MAX_INTERVAL || triggered(pending.bytes)
-        {
+        if since_free >= QUIET || last_trim.elapsed() >= MAX_INTERVAL || triggered(pending.bytes) {
             let bytes = std::mem::take(&mut pending.bytes);
             drop(pending);
             trim(bytes);
