@@ -14,11 +14,12 @@
 //! | [`node`] | what a running `stowd` holds, built from the configuration before any socket is bound: plugins, journal, spiller, units, the node's manager and one per unit, the segment store, a restore |
 //! | [`plan`] | selection and frame plans: the `stowage-plan` types and rules (re-exported), applied to host `Field`s, and execution against host buffers |
 //! | [`policy`] | the `Policy` trait, the built-in, the Wasm runtime (sandbox, lent tensor, contract check), chains (policy spans), the registry and its loading, the compile cache |
+//! | [`release`] | giving memory freed by clears, overwrites and spills back to the OS (`malloc_trim` on its own thread, after a pause, a second, or a sixteenth of the units' bound) |
 //! | [`reload`] | hot reload: the plugin directory watched, plugins checked and swapped in |
 //! | [`server`] | `stowd`'s sockets and services (`Listeners::bind`, `run`): `tq` (unit and router endpoints), `native` (`stowage/1`, with `native::get`, `native::stats`, and `native::forward`: a router's get sent on while the peers' rows arrive), `offload` (large requests decoded and run on a bounded blocking pool), `errors` (the one error → reply mapping), `exposition` (Prometheus text, `/metrics` over hyper); request spans |
 //! | [`shm`] | same-node shared memory (sealed segments, leases, descriptor channels, memory allocated ahead) |
 //! | [`spill`] | spilling the coldest extents to disk when the units' memory runs short, and reading them back |
-//! | [`store`] | storage units: the per-field index, columns, rows and runs, capacity in bytes, memory release |
+//! | [`store`] | storage units: the per-field index, columns, rows and runs, capacity in bytes |
 //! | [`sys`] | the process itself: resident set size, `malloc_trim`, start time; the size of a file system |
 //! | [`tensor`], [`batch`] | re-exported from `stowage-wire`: `Tensor` (immutable bytes + dtype/shape, zero-copy rows and strided views); `Field`, `Value`, `Cell` |
 //! | [`wire`] | re-export of crate `stowage-wire`: the TransferQueue 0.1.11 and `stowage/1` codecs, the pickle subset, one bounded msgpack reader; pure, no I/O |
@@ -129,6 +130,7 @@ pub mod metrics;
 pub mod node;
 pub mod plan;
 pub mod policy;
+pub mod release;
 pub mod reload;
 pub mod server;
 pub mod shm;

@@ -91,10 +91,10 @@ impl Node {
         let (capacity, bound) = config.units.unit_capacity();
         tracing::info!(capacity_per_unit = ?capacity, "unit capacity: {bound}");
         // Freed memory goes back to the OS before it reaches a sixteenth of
-        // the units' bound (crate::store::release).
+        // the units' bound (crate::release).
         if let Some(each) = capacity {
             let units = u64::from(config.units.local.max(1));
-            crate::store::release::trim_past(each.saturating_mul(units) / 16);
+            crate::release::trim_past(each.saturating_mul(units) / 16);
         }
         let roots = Arc::new(checkpoint_roots(config)?);
         let security = &config.security;

@@ -445,7 +445,7 @@ impl Spiller {
                         moved += extent.len() as u64;
                         // Its memory goes back to the allocator once the
                         // last reader lets go: give it back to the OS too.
-                        crate::store::release::note_freed(extent.len() as u64);
+                        crate::release::note_freed(extent.len() as u64);
                     }
                 }
                 Err(e) => {

@@ -27,7 +27,6 @@
 //! | [`rows`] | [`Rows`], [`Piece`] and [`Run`]: what a get answers, grouped for the encoders |
 //! | `seqs` | [`Seq`]: a run of requested indexes at evenly spaced positions; a column's indexes as a run or a list |
 //! | `snapshot` | [`Unit::snapshot`] and [`Unit::replace_with`]: every row at once, for checkpoints |
-//! | `release` | giving freed memory back to the OS (`malloc_trim`) off the request path |
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -96,7 +95,6 @@ pub struct UnitCounters {
 }
 
 mod column;
-pub(crate) mod release;
 mod rows;
 mod seqs;
 mod snapshot;
@@ -558,7 +556,7 @@ impl Unit {
         inner.bytes = inner.bytes - freed + added;
         self.publish(&inner);
         drop(inner);
-        release::note_freed(freed);
+        crate::release::note_freed(freed);
         Ok(())
     }
 
@@ -818,7 +816,7 @@ impl Unit {
         let keys = keys_before - inner.keys;
         self.publish(&inner);
         drop(inner);
-        release::note_freed(bytes);
+        crate::release::note_freed(bytes);
         keys
     }
 

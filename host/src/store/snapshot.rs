@@ -277,7 +277,7 @@ impl Unit {
         drop(inner);
         let freed = old.bytes;
         drop(old);
-        super::release::note_freed(freed);
+        crate::release::note_freed(freed);
     }
 
     /// The global indexes the unit holds any field of, sorted.

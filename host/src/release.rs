@@ -1,4 +1,4 @@
-//! Gives memory freed by clears and overwrites back to the OS.
+//! Gives memory freed by clears, overwrites and spills back to the OS.
 //!
 //! glibc's malloc keeps freed chunks in its arenas (one per thread that
 //! allocated, up to 8 per core) and returns a page to the OS only when the
