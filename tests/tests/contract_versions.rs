@@ -332,6 +332,102 @@ fn a_plugin_disabled_midway_through_an_answer_is_not_asked_the_rest() {
     );
 }
 
+/// (plan, decided by) of each decision.
+fn plans(decided: &[stowage_host::policy::chain::Decision<plan::SelectionPlan>]) -> Vec<String> {
+    decided
+        .iter()
+        .map(|d| format!("{:?} by {:?}", d.plan, d.by))
+        .collect()
+}
+
+/// A put's fields of one layout at one unit's positions repeat the request
+/// before them: a chain of plugins that all memoize asks only the first of
+/// each run. Its decisions and every plugin's counts must be those of the
+/// same requests asked one by one (each unit's positions in a list of its
+/// own per field, so none repeats), cold and from the memo, with faults,
+/// and with a plugin disabled partway through a run.
+#[test]
+fn repeated_requests_are_decided_and_counted_as_if_each_were_asked() {
+    let names = ["single-row", "constant-stride", "gather"];
+    let paths: Vec<_> = names.iter().map(|n| plugin(n)).collect();
+    let (fields, positions) = put_shape(0);
+    // Unit-major, as a put asks: the 10 fields at unit 0's positions, ...
+    let repeating = requests(&fields, &positions);
+    // The same, each request's positions a list of its own.
+    let own: Vec<Vec<u64>> = repeating.iter().map(|r| r.positions.to_vec()).collect();
+    let alone: Vec<SelectRequest<'_>> = repeating
+        .iter()
+        .zip(&own)
+        .map(|(r, p)| SelectRequest::new(r.field, p))
+        .collect();
+    // Some rows irregular (gather), some single (single-row), the rest
+    // constant-stride, and a field of another layout between repeats.
+    let single = [5u64];
+    let irregular = [9u64, 2, 40];
+    let other = regular(64, 8, 3);
+    let mut mixed = repeating.clone();
+    mixed.splice(13..13, [SelectRequest::new(&other, &positions[1])]);
+    mixed.extend((0..3).map(|f| SelectRequest::new(&fields[f], &single)));
+    mixed.extend((0..3).map(|f| SelectRequest::new(&fields[f], &irregular)));
+    let mixed_own: Vec<Vec<u64>> = mixed.iter().map(|r| r.positions.to_vec()).collect();
+    let mixed_alone: Vec<SelectRequest<'_>> = mixed
+        .iter()
+        .zip(&mixed_own)
+        .map(|(r, p)| SelectRequest::new(r.field, p))
+        .collect();
+    let (a, b) = (registry(&paths, 256), registry(&paths, 256));
+    let (ca, cb) = (
+        chain(&a, &names, FailStrategy::Reject, 0),
+        chain(&b, &names, FailStrategy::Reject, 0),
+    );
+    for (round, (x, y)) in [
+        (&repeating, &alone),
+        (&repeating, &alone),
+        (&mixed, &mixed_alone),
+        (&mixed, &mixed_alone),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let (da, db) = (ca.select_many(x).unwrap(), cb.select_many(y).unwrap());
+        assert_eq!(plans(&da), plans(&db), "round {round}");
+        for n in names {
+            assert_eq!(counts(&a, n), counts(&b, n), "{n}, round {round}");
+        }
+        if round == 1 {
+            // The second round came from the memo: every request a hit.
+            assert_eq!(counts(&a, "constant-stride"), [80, 1, 40, 80, 0]);
+        }
+    }
+
+    // A pure plugin that traps: a fault for every request; with
+    // max_faults 3, disabled at the third, inside the first run.
+    for max_faults in [0, 3] {
+        let (a, b) = (
+            registry(&[hostile("pure-read")], 256),
+            registry(&[hostile("pure-read")], 256),
+        );
+        let (ca, cb) = (
+            chain(&a, &["pure-read"], FailStrategy::Fallback, max_faults),
+            chain(&b, &["pure-read"], FailStrategy::Fallback, max_faults),
+        );
+        let (da, db) = (
+            ca.select_many(&repeating).unwrap(),
+            cb.select_many(&alone).unwrap(),
+        );
+        assert_eq!(plans(&da), plans(&db), "max_faults {max_faults}");
+        assert_eq!(counts(&a, "pure-read"), counts(&b, "pure-read"));
+        let faults = if max_faults == 0 { 40 } else { 3 };
+        assert_eq!(counts(&a, "pure-read"), [faults, 1, 0, 0, faults]);
+        assert_eq!(
+            da.iter()
+                .filter(|d| matches!(d.by, DecidedBy::Fallback { .. }))
+                .count() as u64,
+            faults
+        );
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_0_1_0_plugin_passes_plugin_check_and_decides_beside_0_2_0_ones() {
     let dir = stowage_tests::temp_dir("contract-v0-1");

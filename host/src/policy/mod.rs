@@ -117,6 +117,9 @@ pub struct SelectAnswers {
     pub entries: u64,
     /// Answers taken from the policy's memo, without a call.
     pub memo_hits: u64,
+    /// Of a policy that memoizes, the answers (by index, in order) not
+    /// taken from its memo; empty otherwise.
+    pub missed: Vec<usize>,
 }
 
 /// A selection and packing policy.
@@ -149,6 +152,7 @@ pub trait Policy: Send + Sync {
                 .collect(),
             entries: requests.len() as u64,
             memo_hits: 0,
+            missed: Vec::new(),
         }
     }
 

@@ -91,6 +91,18 @@ pub fn encode(field: &Field, positions: &[u64], out: &mut Vec<u64>) -> bool {
     true
 }
 
+/// Whether two fields have the same key parts but the positions: both
+/// regular, of one dtype, shape and first stride ([`encode`] at the same
+/// positions gives both the same key).
+pub fn same_layout(a: &Field, b: &Field) -> bool {
+    match (a, b) {
+        (Field::Regular(a), Field::Regular(b)) => {
+            a.dtype() == b.dtype() && a.first_stride() == b.first_stride() && a.shape() == b.shape()
+        }
+        _ => false,
+    }
+}
+
 /// Row numbers a plan lists (a view counts one).
 fn plan_words(plan: &SelectionPlan) -> usize {
     plan.pieces

@@ -535,6 +535,7 @@ impl Policy for WasmPolicy {
                 answers: answers.into_iter().map(Answer::Own).collect(),
                 entries,
                 memo_hits: 0,
+                missed: Vec::new(),
             };
         }
         // Keys the chain did not encode are encoded here, one after the
@@ -567,7 +568,7 @@ impl Policy for WasmPolicy {
             for i in 0..requests.len() {
                 let k = key(i);
                 if let (Some(k), Some((lk, at))) = (k, last)
-                    && k == lk
+                    && (std::ptr::eq(k, lk) || k == lk)
                 {
                     answers.push(Answer::Same(at));
                     continue;
@@ -603,6 +604,7 @@ impl Policy for WasmPolicy {
             answers,
             entries,
             memo_hits,
+            missed,
         }
     }
 
