@@ -708,7 +708,14 @@ impl Chain {
         // handles, by index and as asked.
         let mut pending: SmallVec<[usize; 64]> = SmallVec::with_capacity(requests.len());
         let mut asked: SmallVec<[SelectRequest<'_>; 64]> = SmallVec::with_capacity(requests.len());
+        // Requests with an outcome: once all have one, the plugins left are
+        // not looked at (a put the first plugin decides whole no longer
+        // walks its requests once for each plugin after it).
+        let mut settled = 0usize;
         for loaded in &self.policies {
+            if settled == requests.len() {
+                break;
+            }
             let d = loaded.policy.describe();
             pending.clear();
             asked.clear();
@@ -826,6 +833,7 @@ impl Chain {
                     }
                     Came::Faulted(reason) => Some(self.on_fault(loaded, reason)?),
                 };
+                settled += usize::from(outcomes[i].is_some());
                 // Then the repeats of request i get its answer, each
                 // counted as if asked: a call, a plan, an invalid plan or a
                 // fault. If a fault disables the plugin, the repeats left
@@ -837,6 +845,7 @@ impl Chain {
                             counted.calls += 1;
                             counted.plans += 1;
                             outcomes[d] = Some(Outcome::Same(*j, &loaded.name));
+                            settled += 1;
                         }
                         Came::Declined(_) => counted.calls += 1,
                         Came::Invalid(_) | Came::Faulted(_)
@@ -850,10 +859,12 @@ impl Chain {
                             st.invalid_plans.fetch_add(1, Ordering::Relaxed);
                             outcomes[d] =
                                 Some(self.on_fault(loaded, &format!("invalid plan: {e}"))?);
+                            settled += 1;
                         }
                         Came::Faulted(reason) => {
                             counted.calls += 1;
                             outcomes[d] = Some(self.on_fault(loaded, reason)?);
+                            settled += 1;
                         }
                     }
                 }
