@@ -64,19 +64,22 @@ fn pickle_of(code: i8, offset: usize, data: &[u8]) -> Result<PValue, Error> {
 }
 
 fn shape_of(v: &PValue, code: i8, offset: usize) -> Result<Vec<u64>, Error> {
-    let dims = v.as_seq().ok_or(Error::BadExt {
-        code,
-        offset,
-        reason: "shape is not a tuple",
-    })?;
+    let Some(dims) = v.as_seq() else {
+        return Err(Error::BadExt {
+            code,
+            offset,
+            reason: "shape is not a tuple",
+        });
+    };
     let ints: Vec<i128> = dims
         .iter()
-        .map(|d| {
-            d.as_int().ok_or(Error::BadExt {
+        .map(|d| match d.as_int() {
+            Some(v) => Ok(v),
+            None => Err(Error::BadExt {
                 code,
                 offset,
                 reason: "shape has a non-int dimension",
-            })
+            }),
         })
         .collect::<Result<_, _>>()?;
     if ints.len() > MAX_RANK {
@@ -109,12 +112,14 @@ fn meta_of(v: &PValue, code: i8, offset: usize) -> Result<(&str, Vec<u64>, i128)
     };
     let [dtype, shape, index] = v
         .as_seq()
-        .ok_or(bad("expected (dtype, shape, frame_index)"))?
+        .ok_or_else(|| bad("expected (dtype, shape, frame_index)"))?
     else {
         return Err(bad("expected (dtype, shape, frame_index)"));
     };
-    let dtype = dtype.as_str().ok_or(bad("dtype is not a str"))?;
-    let index = index.as_int().ok_or(bad("frame_index is not an int"))?;
+    let dtype = dtype.as_str().ok_or_else(|| bad("dtype is not a str"))?;
+    let index = index
+        .as_int()
+        .ok_or_else(|| bad("frame_index is not an int"))?;
     Ok((dtype, shape_of(shape, code, offset)?, index))
 }
 
@@ -175,7 +180,7 @@ impl<'f> Ctx<'f> {
         let metas = v
             .get("tensors")
             .and_then(PValue::as_seq)
-            .ok_or(bad("tensors is not a list"))?;
+            .ok_or_else(|| bad("tensors is not a list"))?;
         metas.iter().map(|m| self.tensor(m, 4, offset)).collect()
     }
 
