@@ -340,6 +340,21 @@ fn plans(decided: &[stowage_host::policy::chain::Decision<plan::SelectionPlan>])
         .collect()
 }
 
+/// A copy of each request's positions.
+fn own_positions(asked: &[SelectRequest<'_>]) -> Vec<Vec<u64>> {
+    asked.iter().map(|r| r.positions.to_vec()).collect()
+}
+
+/// `asked`, each request at its own copy of its positions (from
+/// [`own_positions`]): no request repeats the one before it.
+fn asked_alone<'a>(asked: &[SelectRequest<'a>], own: &'a [Vec<u64>]) -> Vec<SelectRequest<'a>> {
+    asked
+        .iter()
+        .zip(own)
+        .map(|(r, p)| SelectRequest::new(r.field, p))
+        .collect()
+}
+
 /// A put's fields of one layout at one unit's positions repeat the request
 /// before them: a chain of plugins that all memoize asks only the first of
 /// each run. Its decisions and every plugin's counts must be those of the
@@ -354,12 +369,8 @@ fn repeated_requests_are_decided_and_counted_as_if_each_were_asked() {
     // Unit-major, as a put asks: the 10 fields at unit 0's positions, ...
     let repeating = requests(&fields, &positions);
     // The same, each request's positions a list of its own.
-    let own: Vec<Vec<u64>> = repeating.iter().map(|r| r.positions.to_vec()).collect();
-    let alone: Vec<SelectRequest<'_>> = repeating
-        .iter()
-        .zip(&own)
-        .map(|(r, p)| SelectRequest::new(r.field, p))
-        .collect();
+    let own = own_positions(&repeating);
+    let alone = asked_alone(&repeating, &own);
     // Some rows irregular (gather), some single (single-row), the rest
     // constant-stride, and a field of another layout between repeats.
     let single = [5u64];
@@ -369,12 +380,8 @@ fn repeated_requests_are_decided_and_counted_as_if_each_were_asked() {
     mixed.splice(13..13, [SelectRequest::new(&other, &positions[1])]);
     mixed.extend((0..3).map(|f| SelectRequest::new(&fields[f], &single)));
     mixed.extend((0..3).map(|f| SelectRequest::new(&fields[f], &irregular)));
-    let mixed_own: Vec<Vec<u64>> = mixed.iter().map(|r| r.positions.to_vec()).collect();
-    let mixed_alone: Vec<SelectRequest<'_>> = mixed
-        .iter()
-        .zip(&mixed_own)
-        .map(|(r, p)| SelectRequest::new(r.field, p))
-        .collect();
+    let mixed_own = own_positions(&mixed);
+    let mixed_alone = asked_alone(&mixed, &mixed_own);
     let (a, b) = (registry(&paths, 256), registry(&paths, 256));
     let (ca, cb) = (
         chain(&a, &names, FailStrategy::Reject, 0),
