@@ -144,3 +144,38 @@ fn writer_is_poisoned_by_nothing_short() {
     w.nil();
     assert_eq!(w.finish().unwrap(), b"\xa1k\xa1v\xff\xc0");
 }
+
+/// The writer's own short forms write what `rmp`'s encoders write, at and
+/// around every boundary between forms.
+#[test]
+fn short_forms_are_rmps_bytes() {
+    use rmp::encode;
+    for n in (0..40).chain([255, 256, 65_535, 65_536]) {
+        let (mut w, mut want) = (Writer::new(), Vec::new());
+        let s = "é".repeat(n / 2) + &"x".repeat(n % 2);
+        w.map(n);
+        w.array(n);
+        w.str(&s);
+        encode::write_map_len(&mut want, n as u32).unwrap();
+        encode::write_array_len(&mut want, n as u32).unwrap();
+        encode::write_str(&mut want, &s).unwrap();
+        assert_eq!(w.finish().unwrap(), want, "{n}");
+    }
+    for v in [
+        0,
+        1,
+        127,
+        128,
+        255,
+        256,
+        65_535,
+        65_536,
+        u64::from(u32::MAX) + 1,
+        u64::MAX,
+    ] {
+        let (mut w, mut want) = (Writer::new(), Vec::new());
+        w.uint(v);
+        encode::write_uint(&mut want, v).unwrap();
+        assert_eq!(w.finish().unwrap(), want, "{v}");
+    }
+}

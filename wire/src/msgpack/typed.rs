@@ -220,4 +220,66 @@ impl<'a> Reader<'a> {
         self.take(width)?;
         Ok(true)
     }
+
+    // Quiet reads, for a fast path that reads the one encoding it expects
+    // and leaves anything else to the general reads (which make every
+    // error): each returns `None` and consumes nothing when the next
+    // bytes are not what it reads.
+
+    /// Consumes `lit` if the next bytes are exactly it.
+    #[inline]
+    pub fn eat(&mut self, lit: &[u8]) -> Option<()> {
+        let end = self.pos.checked_add(lit.len())?;
+        if self.buf.get(self.pos..end)? == lit {
+            self.pos = end;
+            Some(())
+        } else {
+            None
+        }
+    }
+
+    /// A fixstr's bytes (UTF-8 not checked).
+    #[inline]
+    pub fn fixstr_bytes(&mut self) -> Option<&'a [u8]> {
+        let &b = self.buf.get(self.pos)?;
+        if b & 0xe0 != 0xa0 {
+            return None;
+        }
+        let start = self.pos + 1;
+        let out = self.buf.get(start..start + usize::from(b & 0x1f))?;
+        self.pos = start + out.len();
+        Some(out)
+    }
+
+    /// A fixarray's count.
+    #[inline]
+    pub fn fixarray_len(&mut self) -> Option<usize> {
+        let &b = self.buf.get(self.pos)?;
+        if b & 0xf0 != 0x90 {
+            return None;
+        }
+        self.pos += 1;
+        Some(usize::from(b & 0x0f))
+    }
+
+    /// A non-negative integer written as a positive fixint or uint 8-64.
+    #[inline]
+    pub fn uint_quiet(&mut self) -> Option<u64> {
+        let &b = self.buf.get(self.pos)?;
+        let width = match b {
+            0x00..=0x7f => {
+                self.pos += 1;
+                return Some(u64::from(b));
+            }
+            0xcc => 1,
+            0xcd => 2,
+            0xce => 4,
+            0xcf => 8,
+            _ => return None,
+        };
+        let start = self.pos + 1;
+        let raw = self.buf.get(start..start + width)?;
+        self.pos = start + width;
+        Some(raw.iter().fold(0u64, |acc, &b| (acc << 8) | u64::from(b)))
+    }
 }

@@ -49,23 +49,37 @@ impl Writer {
         n
     }
 
+    // The short forms (fixmap, fixarray, fixstr, positive fixint) are
+    // pushed as bytes: `rmp`'s encoders write a marker and its payload in
+    // separate writes through `std::io::Write`, about 40 instructions a
+    // short str where a push is a few (a put's descriptors are mostly
+    // short keys and small ints). The bytes are the ones `rmp` writes.
+
     /// Map header.
     pub fn map(&mut self, n: usize) {
-        if let Some(n) = self.len32(n, "map") {
+        if n < 16 {
+            self.buf.as_mut_vec().push(0x80 | n as u8);
+        } else if let Some(n) = self.len32(n, "map") {
             let _ = encode::write_map_len(&mut self.buf, n);
         }
     }
 
     /// Array header.
     pub fn array(&mut self, n: usize) {
-        if let Some(n) = self.len32(n, "array") {
+        if n < 16 {
+            self.buf.as_mut_vec().push(0x90 | n as u8);
+        } else if let Some(n) = self.len32(n, "array") {
             let _ = encode::write_array_len(&mut self.buf, n);
         }
     }
 
     /// A str in its shortest form.
     pub fn str(&mut self, s: &str) {
-        if self.len32(s.len(), "str").is_some() {
+        if s.len() < 32 {
+            let buf = self.buf.as_mut_vec();
+            buf.push(0xa0 | s.len() as u8);
+            buf.extend_from_slice(s.as_bytes());
+        } else if self.len32(s.len(), "str").is_some() {
             let _ = encode::write_str(&mut self.buf, s);
         }
     }
@@ -89,6 +103,10 @@ impl Writer {
 
     /// A non-negative int in its shortest form.
     pub fn uint(&mut self, v: u64) {
+        if v < 128 {
+            self.buf.as_mut_vec().push(v as u8);
+            return;
+        }
         let _ = encode::write_uint(&mut self.buf, v);
     }
 

@@ -3,7 +3,7 @@
 
 use bytes::{Bytes, BytesMut};
 
-use super::layout::{FieldLayout, RequestHead};
+use super::layout::{FieldLayout, RequestHead, canonical};
 use super::{Error, Extras, FrameLayout, Indexes, Op, PROTO, Reply, Request, Stat, WireField};
 use crate::batch::Value;
 use crate::msgpack::{NATIVE_MAX_DEPTH as MAX_DEPTH, Reader, Writer};
@@ -614,21 +614,23 @@ fn layout_descriptor(w: &mut Writer, field: &FieldLayout) -> Result<(), Error> {
 
 /// A regular descriptor up to its parts (`parts` of them follow).
 fn regular_head(w: &mut Writer, dtype: Dtype, shape: &[u64], parts: usize) {
-    w.map(4);
-    w.kv_str("kind", "regular");
-    w.kv_str("dtype", dtype.name());
-    w.str("shape");
+    w.raw(canonical::REGULAR);
+    w.str(dtype.name());
+    w.raw(canonical::SHAPE);
     uints(w, shape);
-    w.str("parts");
+    w.raw(canonical::PARTS);
     w.array(parts);
 }
 
 fn part(w: &mut Writer, frame: u64, offset: u64, len: u64, rows: u64) {
-    w.map(4);
-    w.kv_uint("frame", frame);
-    w.kv_uint("offset", offset);
-    w.kv_uint("len", len);
-    w.kv_uint("rows", rows);
+    w.raw(canonical::FRAME);
+    w.uint(frame);
+    w.raw(canonical::OFFSET);
+    w.uint(offset);
+    w.raw(canonical::LEN);
+    w.uint(len);
+    w.raw(canonical::ROWS);
+    w.uint(rows);
 }
 
 /// A nested descriptor up to its rows (`rows` of them follow).

@@ -11,6 +11,23 @@ use crate::tensor::Dtype;
 
 use super::{Error, Op, Reply};
 
+/// The fixed bytes of a regular descriptor as every encoder here writes
+/// it (the encoder writes them, the decoder's fast path matches them): the
+/// keys in this order, as fixstrs; between them the dtype's name (a
+/// fixstr), the shape and the parts (arrays of uints), and each part's
+/// four uints.
+pub(super) mod canonical {
+    /// `{"kind": "regular", "dtype": ` (a map of 4).
+    pub const REGULAR: &[u8] = b"\x84\xa4kind\xa7regular\xa5dtype";
+    pub const SHAPE: &[u8] = b"\xa5shape";
+    pub const PARTS: &[u8] = b"\xa5parts";
+    /// A part: `{"frame": ` (a map of 4).
+    pub const FRAME: &[u8] = b"\x84\xa5frame";
+    pub const OFFSET: &[u8] = b"\xa6offset";
+    pub const LEN: &[u8] = b"\xa3len";
+    pub const ROWS: &[u8] = b"\xa4rows";
+}
+
 /// One part of a regular field: `rows` consecutive rows (in request order)
 /// at `offset..offset + len` of data frame `frame` (1-based).
 #[derive(Clone, Debug, PartialEq, Eq)]
