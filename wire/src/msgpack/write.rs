@@ -55,6 +55,14 @@ impl Writer {
     // short str where a push is a few (a put's descriptors are mostly
     // short keys and small ints). The bytes are the ones `rmp` writes.
 
+    /// An empty writer with room for `n` bytes.
+    pub fn with_capacity(n: usize) -> Self {
+        Writer {
+            buf: ByteBuf::with_capacity(n),
+            too_long: None,
+        }
+    }
+
     /// Map header.
     pub fn map(&mut self, n: usize) {
         if n < 16 {

@@ -247,7 +247,12 @@ fn stat(w: &mut Writer, value: &Stat) {
 }
 
 fn envelope(op: &str, id: u64) -> Writer {
-    let mut w = Writer::new();
+    envelope_with(op, id, 0)
+}
+
+/// [`envelope`] in a writer with room for `body` more bytes.
+fn envelope_with(op: &str, id: u64, body: usize) -> Writer {
+    let mut w = Writer::with_capacity(256 + body);
     w.map(4);
     w.kv_str("proto", PROTO);
     w.kv_str("op", op);
@@ -693,6 +698,24 @@ fn layout_map(w: &mut Writer, fields: &[(String, FieldLayout)]) -> Result<(), Er
     Ok(())
 }
 
+/// About the bytes of a put's body (at most 9 an integer): frame 0 is
+/// written once, into a buffer of its size, where a 32-field put's grew
+/// from 256 bytes by doubling, four reallocations and their copies.
+fn put_head_room(global_indexes: &[u64], fields: &[(String, FieldLayout)]) -> usize {
+    let field = |f: &FieldLayout| match f {
+        FieldLayout::Regular { shape, parts, .. } => 48 + 9 * shape.len() + 44 * parts.len(),
+        FieldLayout::Nested { rows, .. } => {
+            32 + rows.iter().map(|r| 40 + 9 * r.shape.len()).sum::<usize>()
+        }
+        FieldLayout::Values(values) => 24 + 16 * values.len(),
+    };
+    9 * global_indexes.len()
+        + fields
+            .iter()
+            .map(|(name, f)| 5 + name.len() + field(f))
+            .sum::<usize>()
+}
+
 /// Frame 0 of a request whose data frames the sender lays out itself.
 pub(super) fn request_head(id: u64, head: &RequestHead) -> Result<Bytes, Error> {
     match head {
@@ -700,7 +723,7 @@ pub(super) fn request_head(id: u64, head: &RequestHead) -> Result<Bytes, Error> 
             global_indexes,
             fields,
         } => {
-            let mut w = envelope("put", id);
+            let mut w = envelope_with("put", id, put_head_room(global_indexes, fields));
             w.map(2);
             w.str("global_indexes");
             uints(&mut w, global_indexes);
