@@ -36,7 +36,7 @@ use smallvec::SmallVec;
 
 use crate::batch::{Cell, Field};
 use crate::config::LimitsConfig;
-use crate::extent::Received;
+use crate::extent::{Extent, Received};
 use crate::metrics::DataCounters;
 use crate::plan::{self, Selected, SelectionPlan};
 use crate::policy::SelectRequest;
@@ -190,61 +190,85 @@ impl Tally {
     }
 }
 
-/// The columns of a plan of views of a regular field whose bytes lie in
-/// the request's frames, made straight from the field: what
-/// [`plan::execute_selection`] and [`Column::regular_sharing`] make of it
-/// (the same extent, offset, stride, rows and counts), without a view
-/// tensor a piece (a slice of the field's bytes made and dropped, its
-/// shape copied) or a search of the frames a piece. `None` for any other
-/// field or plan, and for a view the general path refuses or that has no
-/// rows: the general path handles those.
-fn view_columns(
-    field: &Field,
-    plan: &SelectionPlan,
-    received: &Received,
-    c: &mut Tally,
-) -> Option<Columns> {
-    let Field::Regular(t) = field else {
-        return None;
-    };
-    let rows = t.rows();
-    let fits = |v: &plan::RowView| {
-        v.count > 0
-            && v.step > 0
-            && !t.shape().is_empty()
-            && (v.count - 1)
-                .checked_mul(v.step)
-                .and_then(|x| x.checked_add(v.start))
-                .is_some_and(|last| last < rows)
-    };
-    let views = plan.pieces.iter().map(|p| match p {
-        plan::Piece::View(v) => Some(v),
-        _ => None,
-    });
-    if !views.clone().all(|v| v.is_some_and(fits)) || t.buffer().is_empty() {
-        return None;
+/// What the columns of views of one regular field share, whichever rows a
+/// unit gets: worked out once a field of a put, where it was once a
+/// (unit, field) pair (a 32-field put over 4 units recomputed each row's
+/// bytes, stride and shape and searched the frames for the field 128
+/// times).
+struct FieldView<'f> {
+    t: &'f Tensor,
+    extent: Arc<Extent>,
+    base: usize,
+    row_bytes: usize,
+    row_stride: usize,
+    row_shape: Arc<[u64]>,
+}
+
+impl<'f> FieldView<'f> {
+    /// `None` for a field whose views the general path makes: not
+    /// regular, no row axis, no bytes, or bytes the request did not bring.
+    fn of(field: &'f Field, received: &Received, last: &mut Option<Arc<[u64]>>) -> Option<Self> {
+        let Field::Regular(t) = field else {
+            return None;
+        };
+        if t.shape().is_empty() || t.buffer().is_empty() {
+            return None;
+        }
+        let (extent, base) = received.locate(t.buffer())?;
+        Some(FieldView {
+            t,
+            extent,
+            base,
+            row_bytes: t.row_bytes(),
+            row_stride: t.row_stride(),
+            row_shape: crate::store::shared_row_shape(last, t.row_shape()),
+        })
     }
-    let (extent, base) = received.locate(t.buffer())?;
-    let (row_bytes, row_stride) = (t.row_bytes(), t.row_stride());
-    let mut columns = Columns::with_capacity(plan.pieces.len());
-    for v in views.flatten() {
-        c.zero_copy_bytes += v.count * row_bytes as u64;
-        let row_shape = crate::store::shared_row_shape(&mut c.row_shape, t.row_shape());
-        columns.push(Column::Regular(crate::store::RegularColumn {
-            extent: extent.clone(),
-            offset: base + v.start as usize * row_stride,
-            stride: if v.count == 1 {
-                row_bytes
-            } else {
-                row_stride * v.step as usize
-            },
-            rows: v.count,
-            row_bytes,
-            dtype: t.dtype(),
-            row_shape,
-        }));
+
+    /// The columns of a plan of views of the field, made straight from
+    /// it: what [`plan::execute_selection`] and
+    /// [`Column::regular_sharing`] make of it (the same extent, offset,
+    /// stride, rows and counts), without a view tensor a piece (a slice of
+    /// the field's bytes made and dropped, its shape copied) or a search
+    /// of the frames a piece. `None` for any other plan, and for a view
+    /// the general path refuses or that has no rows: the general path
+    /// handles those.
+    fn columns(&self, plan: &SelectionPlan, c: &mut Tally) -> Option<Columns> {
+        let rows = self.t.rows();
+        let fits = |v: &plan::RowView| {
+            v.count > 0
+                && v.step > 0
+                && (v.count - 1)
+                    .checked_mul(v.step)
+                    .and_then(|x| x.checked_add(v.start))
+                    .is_some_and(|last| last < rows)
+        };
+        let views = plan.pieces.iter().map(|p| match p {
+            plan::Piece::View(v) => Some(v),
+            _ => None,
+        });
+        if !views.clone().all(|v| v.is_some_and(fits)) {
+            return None;
+        }
+        let mut columns = Columns::with_capacity(plan.pieces.len());
+        for v in views.flatten() {
+            c.zero_copy_bytes += v.count * self.row_bytes as u64;
+            columns.push(Column::Regular(crate::store::RegularColumn {
+                extent: self.extent.clone(),
+                offset: self.base + v.start as usize * self.row_stride,
+                stride: if v.count == 1 {
+                    self.row_bytes
+                } else {
+                    self.row_stride * v.step as usize
+                },
+                rows: v.count,
+                row_bytes: self.row_bytes,
+                dtype: self.t.dtype(),
+                row_shape: self.row_shape.clone(),
+            }));
+        }
+        Some(columns)
     }
-    Some(columns)
 }
 
 /// Positions (into the batch) and global indexes that go to one unit.
@@ -410,6 +434,7 @@ impl Manager {
     fn execute(
         &self,
         field: &Field,
+        view: Option<&FieldView<'_>>,
         decision: &Decision<SelectionPlan>,
         received: &Received,
         c: &mut Tally,
@@ -419,7 +444,7 @@ impl Manager {
             DecidedBy::Builtin => c.builtin_decisions += 1,
             DecidedBy::Fallback { .. } => c.fallbacks += 1,
         };
-        if let Some(columns) = view_columns(field, &decision.plan, received, c) {
+        if let Some(columns) = view.and_then(|v| v.columns(&decision.plan, c)) {
             return Ok(columns);
         }
         let selected = plan::execute_selection(field, &decision.plan)
@@ -523,8 +548,13 @@ impl Manager {
             None => None,
         };
         let mut tally = Tally::default();
-        // Each name once, shared by the units.
+        // Each name once, shared by the units; so is what a field's views
+        // share.
         let names: SmallVec<[Arc<str>; 8]> = fields.iter().map(|(n, _)| Arc::from(&**n)).collect();
+        let views: SmallVec<[Option<FieldView<'_>>; 8]> = fields
+            .iter()
+            .map(|(_, f)| FieldView::of(f, received, &mut tally.row_shape))
+            .collect();
         let mut per_unit = Vec::with_capacity(routes.len());
         let build = || -> Result<(), ManagerError> {
             for (u, route) in routes.into_iter().enumerate() {
@@ -533,11 +563,13 @@ impl Manager {
                     continue;
                 }
                 let mut unit_fields = Vec::with_capacity(nf);
-                for (f, ((_, field), name)) in fields.iter().zip(&names).enumerate() {
+                for (f, (((_, field), name), view)) in
+                    fields.iter().zip(&names).zip(&views).enumerate()
+                {
                     let d = decision(u * nf + f).ok_or_else(|| {
                         ManagerError::Internal(format!("no selection decision for field {name}"))
                     })?;
-                    let columns = self.execute(field, d, received, &mut tally)?;
+                    let columns = self.execute(field, view.as_ref(), d, received, &mut tally)?;
                     unit_fields.push((name.clone(), columns));
                 }
                 per_unit.push(Some((route.indexes, unit_fields)));

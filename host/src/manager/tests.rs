@@ -215,15 +215,24 @@ async fn a_get_in_put_order_over_four_units_is_one_piece_per_unit_and_one_run() 
     assert_eq!(got[0].1.runs().len(), 2048);
 }
 
-/// A plan of views made straight into columns (`view_columns`) makes what
+/// A plan of views made straight into columns (`FieldView`) makes what
 /// the general path (a view tensor a piece, located in the frames) makes:
 /// the same extent, offset, stride, rows, row size, dtype, row shape and
 /// zero-copy count; and leaves to it every plan it does not handle.
 #[test]
 fn views_made_straight_into_columns_equal_the_general_path() {
-    use super::{Tally, view_columns};
+    use super::{FieldView, Tally};
     use crate::plan::{self, Piece, RowView, Selected, SelectionPlan};
     use crate::store::Column;
+
+    fn view_columns(
+        field: &Field,
+        plan: &SelectionPlan,
+        received: &Received,
+        tally: &mut Tally,
+    ) -> Option<crate::store::Columns> {
+        FieldView::of(field, received, &mut tally.row_shape)?.columns(plan, tally)
+    }
 
     // A field of 8 rows of float32 [2, 3] that starts 16 bytes into its
     // frame, and a frame the request did not bring.

@@ -94,7 +94,7 @@ impl WireField {
     /// except that a regular field in several parts is concatenated once.
     pub fn into_field(self) -> Result<Field, Error> {
         Ok(match self {
-            WireField::Regular(p) => Field::Regular(p.to_tensor()?),
+            WireField::Regular(p) => Field::Regular(p.into_tensor()?),
             WireField::Nested(rows) => Field::Nested(rows),
             WireField::Values(values) => Field::Values(values),
         })
@@ -233,6 +233,22 @@ impl RegularParts {
                 .ok()
             })
         })
+    }
+
+    /// [`RegularParts::to_tensor`], giving up the parts: one part's bytes
+    /// are moved, not shared and then dropped (two atomic operations on
+    /// the frame's count a field of every put).
+    pub fn into_tensor(mut self) -> Result<Tensor, Error> {
+        if self.parts.len() != 1 {
+            return self.to_tensor();
+        }
+        let (bytes, _) = self.parts.pop().expect("one part");
+        Ok(Tensor::contiguous_rows(
+            bytes,
+            self.dtype,
+            self.rows,
+            &self.row_shape,
+        )?)
     }
 
     /// The whole field as one tensor: zero copy for one part (or none),
