@@ -18,10 +18,13 @@ the puts.
 `--stowd` may be given more than once (`PATH=LABEL`): each binary then runs
 its three stowds, all side by side in the same alternating blocks, and each
 binary's ratios are against its own built-in (`--no-memo-off` leaves the
-memo-off stowds out).
+memo-off stowds out); with two binaries, the second's median and CPU a put
+are also given over the first's, per kind. `--fields` and `--rows` change
+the put's shape (10 and 4); "stowd CPU us per put" is its process's user +
+system time over the timed puts (its threads' run time, `schedstat`).
 
 usage: python3 bench/policy_put.py --stowd target/release/stowd[=LABEL] [--stowd OTHER=LABEL]
-           --plugins target/plugins [--puts 2000] [--no-memo-off]
+           --plugins target/plugins [--puts 2000] [--no-memo-off] [--fields 10] [--rows 4]
 """
 import argparse
 import json
@@ -67,6 +70,20 @@ def start(binary: str, work: str, plugins: str | None, memo_entries: int | None 
     return proc, json.load(open(eps))
 
 
+def proc_cpu(pid: int) -> float:
+    """Seconds process `pid`'s threads have run so far: the sum of their
+    `schedstat` run times (nanoseconds; `/proc/PID/stat`'s utime and
+    stime count 10 ms ticks, coarser than a block of small puts)."""
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except FileNotFoundError:  # a thread that ended since the listing
+            pass
+    return total / 1e9
+
+
 def plugin_totals(stats: dict) -> tuple[int, int, int, int]:
     """(decisions asked, entries, memo hits, ns) over every plugin."""
     plugins = [v for k, v in stats.items() if k.startswith("plugin.")]
@@ -80,7 +97,10 @@ def main() -> None:
     ap.add_argument("--puts", type=int, default=2000)
     ap.add_argument("--block", type=int, default=100, help="puts per block before switching stowd")
     ap.add_argument("--no-memo-off", action="store_true", help="leave out the stowds with the memo off")
+    ap.add_argument("--fields", type=int, default=10)
+    ap.add_argument("--rows", type=int, default=4)
     a = ap.parse_args()
+    nf, nr = a.fields, a.rows
     binaries = []  # (label, path)
     for spec in a.stowd or [os.path.join(ROOT, "target", "release", "stowd")]:
         path, _, label = spec.partition("=")
@@ -101,37 +121,42 @@ def main() -> None:
             procs[name], ep = start(binary, work_dir, plugins, memo)
             clients[name] = stowage.Client(ep["native"], timeout=30)
             times[name] = []
-        fields = {f"f{i}": np.ones((4, 16), np.float32) for i in range(10)}
+        fields = {f"f{i}": np.ones((nr, 16), np.float32) for i in range(nf)}
         for c in clients.values():  # warm up
             for k in range(50):
-                c.put([4 * k + j for j in range(4)], fields)
+                c.put([nr * k + j for j in range(nr)], fields)
         for name, c in clients.items():
             s = c.stats()
             before[name] = (s.get("policy_ns", 0), *plugin_totals(s))
         base = 1000
         wall = {name: 0.0 for name in systems}
+        # Over the whole timed loop (an idle stowd waits in epoll, at no
+        # CPU).
+        cpu = {name: -proc_cpu(procs[name].pid) for name in systems}
         for block in range(0, a.puts, a.block):
             for name, c in (clients.items() if (block // a.block) % 2 == 0 else reversed(clients.items())):
                 t0 = time.perf_counter()
                 for k in range(block, min(block + a.block, a.puts)):
-                    idx = [base + 4 * k + j for j in range(4)]
+                    idx = [base + nr * k + j for j in range(nr)]
                     t = time.perf_counter()
                     c.put(idx, fields)
                     times[name].append(time.perf_counter() - t)
                 wall[name] += time.perf_counter() - t0
-        print(f"{a.puts} puts of 4 rows x 10 fields of float32 [16] over tcp, 4 units, "
+        for name in systems:
+            cpu[name] += proc_cpu(procs[name].pid)
+        print(f"{a.puts} puts of {nr} rows x {nf} fields of float32 [16] over tcp, 4 units, "
               f"alternating blocks of {a.block}; stowd " + ", ".join(f"{p}" + (f" ({l})" if l else "") for l, p in binaries) + "\n")
-        print("| stowd | median us | p90 us | policy share of put time | policy us per put | decisions per put | "
-              "entries per put | memo hits per put | us per entry |")
-        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+        print("| stowd | median us | p90 us | stowd CPU us per put | policy share of put time | policy us per put | "
+              "decisions per put | entries per put | memo hits per put | us per entry |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for name, c in clients.items():
             ts = sorted(times[name])
             s = c.stats()
             pol = s.get("policy_ns", 0) - before[name][0]
             calls, entries, hits, ns = (x - y for x, y in zip(plugin_totals(s), before[name][1:]))
             per_call = f"{ns / entries / 1e3:.2f}" if entries else "-"
-            print(f"| {name} | {statistics.median(ts) * 1e6:.0f} | {ts[int(len(ts) * 0.9)] * 1e6:.0f} | "
-                  f"{pol / 1e9 / wall[name]:.1%} | {pol / a.puts / 1e3:.2f} | {calls / a.puts:.1f} | "
+            print(f"| {name} | {statistics.median(ts) * 1e6:.1f} | {ts[int(len(ts) * 0.9)] * 1e6:.1f} | "
+                  f"{cpu[name] / a.puts * 1e6:.1f} | {pol / 1e9 / wall[name]:.1%} | {pol / a.puts / 1e3:.2f} | {calls / a.puts:.1f} | "
                   f"{entries / a.puts:.1f} | {hits / a.puts:.1f} | {per_call} |")
         print()
         for label, _ in binaries:
@@ -145,6 +170,13 @@ def main() -> None:
                 p50 = statistics.median(ts) / statistics.median(builtin)
                 p90 = ts[int(len(ts) * 0.9)] / builtin[int(len(builtin) * 0.9)]
                 print(f"{label + ': ' if label else ''}{kind} / built-in: median {p50:.3f}, p90 {p90:.3f}")
+        if len(binaries) == 2:
+            (first, _), (second, _) = binaries
+            for kind in kinds:
+                one, two = (next(n for n, v in systems.items() if v[3] == lab and v[4] == kind) for lab in (first, second))
+                print(f"{kind}: {second} / {first}: median "
+                      f"{statistics.median(times[two]) / statistics.median(times[one]):.3f}, "
+                      f"stowd CPU a put {cpu[two] / cpu[one]:.3f}")
     finally:
         for c in clients.values():
             c.close()
