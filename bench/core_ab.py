@@ -1,0 +1,132 @@
+#!/usr/bin/env python3
+"""Two builds of the Python client side by side, on one stowd, in one run.
+
+A client core's change is measured the way the stowd benches measure
+stowd's: in one run, alternating blocks, so that the machine's drift (these
+VMs run at two speeds, minutes apart) falls on both alike. Each client is a
+process of its own that imports the `stowage` package from its own
+directory (`--client DIR=LABEL`, twice: e.g. a checkout of an older commit
+with its core built in, and this one's `clients/python`); the parent starts
+one release stowd with 4 local units (the built-in policy, or
+`--plugins`), and tells the clients in turn to put a block of `--block`
+puts of `--rows` rows x `--fields` fields of float32 [16] at fresh
+indexes, flipping the order every block. Each client times its calls and
+its own CPU (`time.process_time`, this process's threads); the table gives
+the medians and CPU a put, and the second client's over the first's.
+
+usage: python3 bench/core_ab.py --client OLD/clients/python=old --client clients/python=new
+           --stowd target/release/stowd [--fields 32] [--rows 4] [--puts 3000] [--block 50]
+"""
+import argparse
+import hashlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def child(a: argparse.Namespace) -> None:
+    sys.path.insert(0, a.child)
+    import numpy as np
+    import stowage
+
+    fields = {f"f{i}": np.ones((a.rows, 16), np.float32) for i in range(a.fields)}
+    times, cpu = [], 0.0
+    with stowage.Client(a.endpoint, timeout=60, spin_us=0) as c:
+        for k in range(50):  # warm up
+            c.put([a.base + a.rows * k + j for j in range(a.rows)], fields)
+        k = 50
+        print("ready", flush=True)
+        for line in sys.stdin:
+            if line.strip() != "go":
+                break
+            c0 = time.process_time()
+            for _ in range(a.block):
+                idx = [a.base + a.rows * k + j for j in range(a.rows)]
+                t = time.perf_counter()
+                c.put(idx, fields)
+                times.append(time.perf_counter() - t)
+                k += 1
+            cpu += time.process_time() - c0
+            print("done", flush=True)
+    with open(stowage._core.__file__, "rb") as f:
+        core = hashlib.sha256(f.read()).hexdigest()[:12]
+    print(json.dumps({"times": times, "cpu": cpu, "core": core}), flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--client", action="append", metavar="DIR=LABEL", help="twice")
+    ap.add_argument("--stowd", default=os.path.join(ROOT, "target", "release", "stowd"))
+    ap.add_argument("--plugins", default=None, help="plugin directory (default: the built-in policy)")
+    ap.add_argument("--fields", type=int, default=32)
+    ap.add_argument("--rows", type=int, default=4)
+    ap.add_argument("--puts", type=int, default=3000)
+    ap.add_argument("--block", type=int, default=50)
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--endpoint", help=argparse.SUPPRESS)
+    ap.add_argument("--base", type=int, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.child:
+        return child(a)
+    if not a.client or len(a.client) != 2:
+        raise SystemExit("give --client DIR=LABEL twice")
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    from policy_put import start  # noqa: E402
+
+    clients = [(spec.partition("=")[2] or spec, os.path.abspath(spec.partition("=")[0])) for spec in a.client]
+    work = tempfile.mkdtemp(prefix="stowage-core-ab-")
+    proc, eps = start(a.stowd, work, a.plugins)
+    kids = []
+    try:
+        for k, (label, path) in enumerate(clients):
+            kid = subprocess.Popen(
+                [sys.executable, __file__, "--child", path, "--endpoint", eps["native"], "--base", str((k + 1) << 32),
+                 "--fields", str(a.fields), "--rows", str(a.rows), "--block", str(a.block)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            if kid.stdout.readline().strip() != "ready":
+                raise SystemExit(f"client {label} did not start")
+            kids.append(kid)
+        load = os.getloadavg()
+        blocks = a.puts // a.block
+        for b in range(blocks):
+            for kid in (kids if b % 2 == 0 else kids[::-1]):
+                kid.stdin.write("go\n")
+                kid.stdin.flush()
+                if kid.stdout.readline().strip() != "done":
+                    raise SystemExit("a client stopped")
+        results = []
+        for kid in kids:
+            kid.stdin.write("stop\n")
+            kid.stdin.flush()
+            results.append(json.loads(kid.stdout.readline()))
+            kid.wait(timeout=60)
+    finally:
+        for kid in kids:
+            if kid.poll() is None:
+                kid.kill()
+        proc.terminate()
+        proc.wait(timeout=30)
+    n = blocks * a.block
+    print(f"{n} puts each of {a.rows} rows x {a.fields} fields of float32 [16], blocks of {a.block} alternating; "
+          f"stowd {a.stowd} ({'plugins ' + a.plugins if a.plugins else 'built-in'}); load at start "
+          f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}\n")
+    print("| client | core (sha256) | p50 us | p90 us | client CPU us a put |")
+    print("|---|---|---:|---:|---:|")
+    for (label, _), r in zip(clients, results):
+        ts = sorted(r["times"])
+        print(f"| {label} | {r['core']} | {statistics.median(ts) * 1e6:.1f} | {ts[int(len(ts) * 0.9)] * 1e6:.1f} | "
+              f"{r['cpu'] / n * 1e6:.1f} |")
+    (l1, _), (l2, _) = clients
+    r1, r2 = results
+    print(f"\n{l2} / {l1}: p50 {statistics.median(r2['times']) / statistics.median(r1['times']):.3f}, "
+          f"client CPU {r2['cpu'] / r1['cpu']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
