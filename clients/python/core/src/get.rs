@@ -151,7 +151,7 @@ pub(crate) fn receive(
             off += len as usize;
         }
     }
-    read_frames(s, more, &places, &layouts)?;
+    read_frames(s, more, &mut places, &layouts)?;
     Ok(Reply::Got(Assembled::from_received(
         layouts, buffers, &starts, opts,
     )))

@@ -332,7 +332,7 @@ pub(crate) fn receive_into(
             }
         }
     }
-    let read = read_frames(s, more, &places, fields);
+    let read = read_frames(s, more, &mut places, fields);
     for (buf, l, dest) in scratch {
         if read.is_ok() {
             // SAFETY: `buf` holds the field's bytes, all read; `dest` is
