@@ -120,8 +120,10 @@ pub(crate) type Entries = Vec<(String, u64, u64)>;
 /// The `segments` of a get_ok's frame 0, if it has them.
 pub(crate) fn segments(head: &[u8]) -> Result<Option<Entries>, Fail> {
     // (A frame 0 without the bytes of the key `segments` has none: the
-    // second decode, a pass over all of frame 0, only when it might.)
-    if !head.windows(9).any(|w| w == b"\xa8segments") {
+    // second decode, a pass over all of frame 0, only when it might. The
+    // search is memchr's: a scan by 9-byte windows cost about 9
+    // instructions a byte of frame 0, 8,000 a 10-field get's, callgrind.)
+    if memchr::memmem::find(head, b"\xa8segments").is_none() {
         return Ok(None);
     }
     native::decode_extras(head, &REPLY_LIMITS)
