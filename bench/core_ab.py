@@ -10,12 +10,13 @@ with its core built in, and this one's `clients/python`); the parent starts
 one release stowd with 4 local units (the built-in policy, or
 `--plugins`), and tells the clients in turn to put a block of `--block`
 puts of `--rows` rows x `--fields` fields of float32 [16] at fresh
-indexes, flipping the order every block. Each client times its calls and
+indexes, flipping the order every block (`--op get`: gets of such rows,
+cycling over 64 calls' worth each client put beforehand). Each client times its calls and
 its own CPU (`time.process_time`, this process's threads); the table gives
 the medians and CPU a put, and the second client's over the first's.
 
 usage: python3 bench/core_ab.py --client OLD/clients/python=old --client clients/python=new
-           --stowd target/release/stowd [--fields 32] [--rows 4] [--puts 3000] [--block 50]
+           --stowd target/release/stowd [--op put|get] [--fields 32] [--rows 4] [--puts 3000] [--block 50]
 """
 import argparse
 import hashlib
@@ -36,20 +37,26 @@ def child(a: argparse.Namespace) -> None:
     import stowage
 
     fields = {f"f{i}": np.ones((a.rows, 16), np.float32) for i in range(a.fields)}
+    names = list(fields)
     times, cpu = [], 0.0
     with stowage.Client(a.endpoint, timeout=60, spin_us=0) as c:
-        for k in range(50):  # warm up
+        for k in range(64):  # warm up (and the rows the gets read)
             c.put([a.base + a.rows * k + j for j in range(a.rows)], fields)
-        k = 50
+        k = 64
         print("ready", flush=True)
         for line in sys.stdin:
             if line.strip() != "go":
                 break
             c0 = time.process_time()
             for _ in range(a.block):
-                idx = [a.base + a.rows * k + j for j in range(a.rows)]
-                t = time.perf_counter()
-                c.put(idx, fields)
+                if a.op == "get":
+                    idx = [a.base + a.rows * (k % 64) + j for j in range(a.rows)]
+                    t = time.perf_counter()
+                    c.get(idx, names)
+                else:
+                    idx = [a.base + a.rows * k + j for j in range(a.rows)]
+                    t = time.perf_counter()
+                    c.put(idx, fields)
                 times.append(time.perf_counter() - t)
                 k += 1
             cpu += time.process_time() - c0
@@ -64,6 +71,7 @@ def main() -> None:
     ap.add_argument("--client", action="append", metavar="DIR=LABEL", help="twice")
     ap.add_argument("--stowd", default=os.path.join(ROOT, "target", "release", "stowd"))
     ap.add_argument("--plugins", default=None, help="plugin directory (default: the built-in policy)")
+    ap.add_argument("--op", choices=("put", "get"), default="put")
     ap.add_argument("--fields", type=int, default=32)
     ap.add_argument("--rows", type=int, default=4)
     ap.add_argument("--puts", type=int, default=3000)
@@ -87,7 +95,7 @@ def main() -> None:
         for k, (label, path) in enumerate(clients):
             kid = subprocess.Popen(
                 [sys.executable, __file__, "--child", path, "--endpoint", eps["native"], "--base", str((k + 1) << 32),
-                 "--fields", str(a.fields), "--rows", str(a.rows), "--block", str(a.block)],
+                 "--fields", str(a.fields), "--rows", str(a.rows), "--block", str(a.block), "--op", a.op],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
             if kid.stdout.readline().strip() != "ready":
                 raise SystemExit(f"client {label} did not start")
@@ -113,10 +121,10 @@ def main() -> None:
         proc.terminate()
         proc.wait(timeout=30)
     n = blocks * a.block
-    print(f"{n} puts each of {a.rows} rows x {a.fields} fields of float32 [16], blocks of {a.block} alternating; "
+    print(f"{n} {a.op}s each of {a.rows} rows x {a.fields} fields of float32 [16], blocks of {a.block} alternating; "
           f"stowd {a.stowd} ({'plugins ' + a.plugins if a.plugins else 'built-in'}); load at start "
           f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}\n")
-    print("| client | core (sha256) | p50 us | p90 us | client CPU us a put |")
+    print(f"| client | core (sha256) | p50 us | p90 us | client CPU us a {a.op} |")
     print("|---|---|---:|---:|---:|")
     for (label, _), r in zip(clients, results):
         ts = sorted(r["times"])
