@@ -618,6 +618,27 @@ pub fn encode_request_with(request: &Request, layout: &FrameLayout) -> Result<Ve
     encode::request(request, Some(layout))
 }
 
+/// A get's indexes as [`encode_get_head`] writes them.
+#[derive(Clone, Copy, Debug)]
+pub enum GetIndexes<'a> {
+    /// As [`Op::Get`] writes them: as ranges where that is shorter.
+    Runs(&'a Indexes),
+    /// As the list (as [`RequestHead::GetList`] writes them).
+    List(&'a [u64]),
+}
+
+/// Frame 0 of a get of `fields` at `global_indexes`: the bytes
+/// [`encode_request_head`] writes for the same [`Op::Get`] (or
+/// [`RequestHead::GetList`]), from borrowed names (a client asks with the
+/// names it keeps to check the reply).
+pub fn encode_get_head(
+    id: u64,
+    global_indexes: GetIndexes<'_>,
+    fields: &[String],
+) -> Result<Bytes, Error> {
+    encode::get_head(id, global_indexes, fields)
+}
+
 /// Encodes frame 0 of a request whose data frames the caller sends as it
 /// laid them out (client side; see [`RequestHead`]).
 pub fn encode_request_head(id: u64, head: &RequestHead) -> Result<Bytes, Error> {

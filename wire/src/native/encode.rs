@@ -4,7 +4,9 @@
 use bytes::{Bytes, BytesMut};
 
 use super::layout::{FieldLayout, RequestHead, canonical};
-use super::{Error, Extras, FrameLayout, Indexes, Op, PROTO, Reply, Request, Stat, WireField};
+use super::{
+    Error, Extras, FrameLayout, GetIndexes, Indexes, Op, PROTO, Reply, Request, Stat, WireField,
+};
 use crate::batch::Value;
 use crate::msgpack::{NATIVE_MAX_DEPTH as MAX_DEPTH, Reader, Writer};
 use crate::tensor::Dtype;
@@ -734,15 +736,7 @@ pub(super) fn request_head(id: u64, head: &RequestHead) -> Result<Bytes, Error> 
         RequestHead::GetList {
             global_indexes,
             fields,
-        } => {
-            let mut w = envelope("get", id);
-            w.map(2);
-            w.str("global_indexes");
-            uints(&mut w, global_indexes);
-            w.str("fields");
-            strs(&mut w, fields);
-            Ok(Bytes::from(w.finish()?))
-        }
+        } => get_head(id, GetIndexes::List(global_indexes), fields),
         RequestHead::Other(op) => {
             if let Op::Put { fields, .. } = op
                 && !fields.is_empty()
@@ -754,6 +748,20 @@ pub(super) fn request_head(id: u64, head: &RequestHead) -> Result<Bytes, Error> 
             Ok(op_frames(id, op, None)?.swap_remove(0))
         }
     }
+}
+
+/// Frame 0 of a get (see [`super::encode_get_head`]).
+pub(super) fn get_head(id: u64, ix: GetIndexes<'_>, fields: &[String]) -> Result<Bytes, Error> {
+    let mut w = envelope("get", id);
+    w.map(2);
+    w.str("global_indexes");
+    match ix {
+        GetIndexes::Runs(ix) => get_indexes(&mut w, ix),
+        GetIndexes::List(ix) => uints(&mut w, ix),
+    }
+    w.str("fields");
+    strs(&mut w, fields);
+    Ok(Bytes::from(w.finish()?))
 }
 
 /// Frame 0 plus the keys `extras` sets (`segments`, `same_node`,

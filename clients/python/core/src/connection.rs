@@ -567,11 +567,11 @@ impl Connection {
         ranges: bool,
         shm: ShmArg<'py>,
     ) -> PyResult<Option<(u64, Bound<'py, PyAny>)>> {
-        let Some((n, names, head)) = fast::get_head(indexes, fields, ranges) else {
+        let Some((n, names, ix)) = fast::get_head(indexes, fields, ranges) else {
             return Ok(None);
         };
         // One the codec cannot write goes the general way too.
-        let Ok(frame0) = native::encode_request_head(id, &head) else {
+        let Ok(frame0) = ix.frame0(id, &names) else {
             return Ok(None);
         };
         let asked = Asked {
@@ -609,7 +609,7 @@ impl Connection {
             return not_here();
         }
         let names = pyo3::types::PyList::new(py, out.keys())?;
-        let Some((n, _, head)) = fast::get_head(indexes, names.as_any(), ranges) else {
+        let Some((n, field_names, ix)) = fast::get_head(indexes, names.as_any(), ranges) else {
             return not_here();
         };
         let mut buffers = Vec::with_capacity(out.len());
@@ -624,7 +624,7 @@ impl Connection {
             plan.push(Target::new(name.extract()?, dtypes, shape, &held));
             buffers.push(held);
         }
-        let Ok(frame0) = native::encode_request_head(id, &head) else {
+        let Ok(frame0) = ix.frame0(id, &field_names) else {
             return not_here();
         };
         let result = self.run_get_into(py, id, &frame0, &plan, timeout, &shm);
@@ -908,10 +908,10 @@ impl Connection {
         fields: &Bound<'_, PyAny>,
         ranges: bool,
     ) -> PyResult<Option<u64>> {
-        let Some((n, names, head)) = fast::get_head(indexes, fields, ranges) else {
+        let Some((n, names, ix)) = fast::get_head(indexes, fields, ranges) else {
             return Ok(None);
         };
-        let Ok(frame0) = native::encode_request_head(id, &head) else {
+        let Ok(frame0) = ix.frame0(id, &names) else {
             return Ok(None);
         };
         let deadline = deadline_in(timeout);

@@ -136,27 +136,45 @@ pub(crate) fn read_out(obj: &Bound<'_, PyAny>) -> Option<(Vec<String>, Vec<u64>,
     Some((accepted, shape, held))
 }
 
+/// A get's indexes, as its frame 0 writes them: as ranges where shorter,
+/// or as the list.
+pub(crate) enum GetIx {
+    Runs(stowage_wire::native::Indexes),
+    List(Vec<u64>),
+}
+
+impl GetIx {
+    /// Frame 0 of the get of `names` at these indexes, request `id`. The
+    /// names are the ones the reply is checked against, borrowed: a head
+    /// that owned a copy of them made and freed a string a field.
+    pub(crate) fn frame0(
+        &self,
+        id: u64,
+        names: &[String],
+    ) -> Result<bytes::Bytes, stowage_wire::native::Error> {
+        use stowage_wire::native::{GetIndexes, encode_get_head};
+        let ix = match self {
+            GetIx::Runs(ix) => GetIndexes::Runs(ix),
+            GetIx::List(ix) => GetIndexes::List(ix),
+        };
+        encode_get_head(id, ix, names)
+    }
+}
+
 /// A get's request head, read as the fast paths read it: (how many
-/// indexes, the names, the head).
+/// indexes, the names, the indexes).
 pub(crate) fn get_head(
     indexes: &Bound<'_, PyAny>,
     fields: &Bound<'_, PyAny>,
     ranges: bool,
-) -> Option<(u64, Vec<String>, stowage_wire::native::RequestHead)> {
-    use stowage_wire::native::{Op, RequestHead};
+) -> Option<(u64, Vec<String>, GetIx)> {
     let names = read_names(fields)?;
     let read = read_runs(indexes)?;
     let n = read.len();
-    let head = if ranges {
-        RequestHead::Other(Op::Get {
-            global_indexes: read.into_indexes(),
-            fields: names.clone(),
-        })
+    let ix = if ranges {
+        GetIx::Runs(read.into_indexes())
     } else {
-        RequestHead::GetList {
-            global_indexes: read.into_vec(),
-            fields: names.clone(),
-        }
+        GetIx::List(read.into_vec())
     };
-    Some((n, names, head))
+    Some((n, names, ix))
 }

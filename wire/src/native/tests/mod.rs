@@ -943,6 +943,20 @@ fn a_request_head_is_the_bytes_of_the_placing_encoder() {
     )
     .unwrap();
     assert!(list.len() > same[0].len(), "twenty indexes as a list");
+    // The same two from borrowed names, byte for byte.
+    let (ix, names) = (
+        Indexes::from_list(&(10..30).collect::<Vec<u64>>()),
+        ["x".to_owned()],
+    );
+    assert_eq!(
+        encode_get_head(3, GetIndexes::Runs(&ix), &names).unwrap(),
+        same[0]
+    );
+    let listed: Vec<u64> = (10..30).collect();
+    assert_eq!(
+        encode_get_head(3, GetIndexes::List(&listed), &names).unwrap(),
+        list
+    );
     let Op::Get { global_indexes, .. } = decode(&[list]).unwrap().op else {
         panic!()
     };
