@@ -37,10 +37,13 @@ impl Piece {
 
 /// The rows of one field a get found: the columns they are in, and pieces
 /// that answer every requested position exactly once (in any order).
+/// Inline for the few of a small get (a field over 4 units: 4 of each),
+/// where two lists grown and freed a field were about 900 instructions of
+/// each field of a get (callgrind).
 #[derive(Clone, Debug, Default)]
 pub struct Rows {
-    pub columns: Vec<ColumnRef>,
-    pub pieces: Vec<Piece>,
+    pub columns: SmallVec<[ColumnRef; 4]>,
+    pub pieces: SmallVec<[Piece; 4]>,
 }
 
 /// A run of rows to send: consecutive requested rows that lie back to

@@ -307,6 +307,11 @@ fn strs(w: &mut Writer, values: &[String]) {
     values.iter().for_each(|v| w.str(v));
 }
 
+/// Where a field's runs landed: inline for the one run a field of a
+/// small message has (a list a field was made and freed in every get_ok
+/// reply, about 400 instructions a field, callgrind).
+type Locs = smallvec::SmallVec<[Loc; 1]>;
+
 /// Where a run of rows of one field landed.
 #[derive(Clone, Copy, Debug)]
 struct Loc {
@@ -321,7 +326,7 @@ struct Loc {
 /// by row, covering every row once, adjacent runs of a regular field merged.
 struct Placed {
     frames: Vec<Bytes>,
-    locs: Vec<Vec<Loc>>,
+    locs: Vec<Locs>,
     /// With `gather`: how many of `frames` (parts) make each data frame.
     counts: Option<Vec<u32>>,
 }
@@ -384,7 +389,7 @@ fn place(
             _ => Vec::new(),
         })
         .collect();
-    let mut locs: Vec<Vec<Loc>> = vec![Vec::new(); fields.len()];
+    let mut locs: Vec<Locs> = vec![Locs::new(); fields.len()];
     let mut frames = Vec::with_capacity(layout.frames.len());
     let mut counts: Option<Vec<u32>> = gather.then(|| Vec::with_capacity(layout.frames.len()));
     for (k, slices) in layout.frames.iter().enumerate() {
@@ -392,7 +397,7 @@ fn place(
         let mut chunks: Vec<Bytes> = Vec::with_capacity(slices.len());
         let mut offset = 0u64;
         // Appends a range, first padding the frame to the dtype's itemsize.
-        let mut put = |loc: &mut Vec<Loc>, align: usize, row: u64, rows: u64, chunk: Bytes| {
+        let mut put = |loc: &mut Locs, align: usize, row: u64, rows: u64, chunk: Bytes| {
             let pad = offset.next_multiple_of(align as u64) - offset;
             if pad > 0 {
                 chunks.push(Bytes::from_static(&ZEROS[..pad as usize]));
@@ -523,7 +528,7 @@ fn place(
 
 /// The frames replaced by the buffers that enclose them, each buffer once
 /// (in order of first use), and `locs` pointed at the same bytes there.
-fn enclosed(frames: Vec<Bytes>, locs: &mut [Vec<Loc>], enclose: EncloseFn<'_>) -> Vec<Bytes> {
+fn enclosed(frames: Vec<Bytes>, locs: &mut [Locs], enclose: EncloseFn<'_>) -> Vec<Bytes> {
     let mut out: Vec<Bytes> = Vec::new();
     let mut number: std::collections::HashMap<(usize, usize), u64> =
         std::collections::HashMap::new();
@@ -551,11 +556,7 @@ fn enclosed(frames: Vec<Bytes>, locs: &mut [Vec<Loc>], enclose: EncloseFn<'_>) -
     out
 }
 
-fn field_map(
-    w: &mut Writer,
-    fields: &[(String, WireField)],
-    locs: &[Vec<Loc>],
-) -> Result<(), Error> {
+fn field_map(w: &mut Writer, fields: &[(String, WireField)], locs: &[Locs]) -> Result<(), Error> {
     w.map(fields.len());
     for ((name, field), locs) in fields.iter().zip(locs) {
         w.str(name);
