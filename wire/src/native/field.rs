@@ -243,12 +243,7 @@ impl RegularParts {
             return self.to_tensor();
         }
         let (bytes, _) = self.parts.pop().expect("one part");
-        Ok(Tensor::contiguous_rows(
-            bytes,
-            self.dtype,
-            self.rows,
-            &self.row_shape,
-        )?)
+        self.tensor_of(bytes)
     }
 
     /// The whole field as one tensor: zero copy for one part (or none),
@@ -263,6 +258,11 @@ impl RegularParts {
                 buf.freeze()
             }
         };
+        self.tensor_of(bytes)
+    }
+
+    /// The field's tensor over `bytes` (all its rows, back to back).
+    fn tensor_of(&self, bytes: Bytes) -> Result<Tensor, Error> {
         Ok(Tensor::contiguous_rows(
             bytes,
             self.dtype,
