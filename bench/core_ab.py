@@ -11,12 +11,13 @@ one release stowd with 4 local units (the built-in policy, or
 `--plugins`), and tells the clients in turn to put a block of `--block`
 puts of `--rows` rows x `--fields` fields of float32 [16] at fresh
 indexes, flipping the order every block (`--op get`: gets of such rows,
-cycling over 64 calls' worth each client put beforehand). Each client times its calls and
+cycling over 64 calls' worth each client put beforehand; `--async`:
+through an `AsyncClient`, each call awaited in turn). Each client times its calls and
 its own CPU (`time.process_time`, this process's threads); the table gives
 the medians and CPU a put, and the second client's over the first's.
 
 usage: python3 bench/core_ab.py --client OLD/clients/python=old --client clients/python=new
-           --stowd target/release/stowd [--op put|get] [--fields 32] [--rows 4] [--puts 3000] [--block 50]
+           --stowd target/release/stowd [--op put|get] [--async] [--fields 32] [--rows 4] [--puts 3000] [--block 50]
 """
 import argparse
 import hashlib
@@ -33,6 +34,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def child(a: argparse.Namespace) -> None:
     sys.path.insert(0, a.child)
+    if a.use_async:
+        import asyncio
+
+        return asyncio.run(child_async(a))
     import numpy as np
     import stowage
 
@@ -66,12 +71,48 @@ def child(a: argparse.Namespace) -> None:
     print(json.dumps({"times": times, "cpu": cpu, "core": core}), flush=True)
 
 
+async def child_async(a: argparse.Namespace) -> None:
+    """[`child`] through an `AsyncClient`, each call awaited in turn."""
+    import numpy as np
+    import stowage
+
+    fields = {f"f{i}": np.ones((a.rows, 16), np.float32) for i in range(a.fields)}
+    names = list(fields)
+    times, cpu = [], 0.0
+    async with stowage.AsyncClient(a.endpoint, timeout=60) as c:
+        for k in range(64):
+            await c.put([a.base + a.rows * k + j for j in range(a.rows)], fields)
+        k = 64
+        print("ready", flush=True)
+        for line in sys.stdin:
+            if line.strip() != "go":
+                break
+            c0 = time.process_time()
+            for _ in range(a.block):
+                if a.op == "get":
+                    idx = [a.base + a.rows * (k % 64) + j for j in range(a.rows)]
+                    t = time.perf_counter()
+                    await c.get(idx, names)
+                else:
+                    idx = [a.base + a.rows * k + j for j in range(a.rows)]
+                    t = time.perf_counter()
+                    await c.put(idx, fields)
+                times.append(time.perf_counter() - t)
+                k += 1
+            cpu += time.process_time() - c0
+            print("done", flush=True)
+    with open(stowage._core.__file__, "rb") as f:
+        core = hashlib.sha256(f.read()).hexdigest()[:12]
+    print(json.dumps({"times": times, "cpu": cpu, "core": core}), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--client", action="append", metavar="DIR=LABEL", help="twice")
     ap.add_argument("--stowd", default=os.path.join(ROOT, "target", "release", "stowd"))
     ap.add_argument("--plugins", default=None, help="plugin directory (default: the built-in policy)")
     ap.add_argument("--op", choices=("put", "get"), default="put")
+    ap.add_argument("--async", dest="use_async", action="store_true", help="each client an AsyncClient")
     ap.add_argument("--fields", type=int, default=32)
     ap.add_argument("--rows", type=int, default=4)
     ap.add_argument("--puts", type=int, default=3000)
@@ -95,7 +136,7 @@ def main() -> None:
         for k, (label, path) in enumerate(clients):
             kid = subprocess.Popen(
                 [sys.executable, __file__, "--child", path, "--endpoint", eps["native"], "--base", str((k + 1) << 32),
-                 "--fields", str(a.fields), "--rows", str(a.rows), "--block", str(a.block), "--op", a.op],
+                 "--fields", str(a.fields), "--rows", str(a.rows), "--block", str(a.block), "--op", a.op] + (["--async"] if a.use_async else []),
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
             if kid.stdout.readline().strip() != "ready":
                 raise SystemExit(f"client {label} did not start")
@@ -121,7 +162,7 @@ def main() -> None:
         proc.terminate()
         proc.wait(timeout=30)
     n = blocks * a.block
-    print(f"{n} {a.op}s each of {a.rows} rows x {a.fields} fields of float32 [16], blocks of {a.block} alternating; "
+    print(f"{n} {a.op}s each ({'AsyncClient' if a.use_async else 'Client'}) of {a.rows} rows x {a.fields} fields of float32 [16], blocks of {a.block} alternating; "
           f"stowd {a.stowd} ({'plugins ' + a.plugins if a.plugins else 'built-in'}); load at start "
           f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}\n")
     print(f"| client | core (sha256) | p50 us | p90 us | client CPU us a {a.op} |")
