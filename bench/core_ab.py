@@ -32,78 +32,86 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+class Job:
+    """What a child process does, whichever client it drives: its rows,
+    the arguments of its next call, its blocks (one a "go" line from the
+    parent), and its report."""
+
+    def __init__(self, a: argparse.Namespace):
+        import numpy as np
+
+        self.a = a
+        self.fields = {f"f{i}": np.ones((a.rows, 16), np.float32) for i in range(a.fields)}
+        self.names = list(self.fields)
+        self.k, self.times, self.cpu = 64, [], 0.0
+
+    def rows(self, k: int) -> list:
+        """The indexes of put `k` (0..64: the warm-up, which the gets read)."""
+        return [self.a.base + self.a.rows * k + j for j in range(self.a.rows)]
+
+    def next(self) -> tuple:
+        """The next call's arguments: a get cycles over the warm-up's rows,
+        a put takes fresh ones."""
+        k, self.k = self.k, self.k + 1
+        if self.a.op == "get":
+            return self.rows(k % 64), self.names
+        return self.rows(k), self.fields
+
+    def blocks(self):
+        """Yields once a block the parent asks for, counting its CPU."""
+        print("ready", flush=True)
+        for line in sys.stdin:
+            if line.strip() != "go":
+                break
+            c0 = time.process_time()
+            yield
+            self.cpu += time.process_time() - c0
+            print("done", flush=True)
+
+    def report(self, stowage) -> None:
+        with open(stowage._core.__file__, "rb") as f:
+            core = hashlib.sha256(f.read()).hexdigest()[:12]
+        print(json.dumps({"times": self.times, "cpu": self.cpu, "core": core}), flush=True)
+
+
 def child(a: argparse.Namespace) -> None:
     sys.path.insert(0, a.child)
     if a.use_async:
         import asyncio
 
         return asyncio.run(child_async(a))
-    import numpy as np
     import stowage
 
-    fields = {f"f{i}": np.ones((a.rows, 16), np.float32) for i in range(a.fields)}
-    names = list(fields)
-    times, cpu = [], 0.0
+    job = Job(a)
     with stowage.Client(a.endpoint, timeout=60, spin_us=0) as c:
-        for k in range(64):  # warm up (and the rows the gets read)
-            c.put([a.base + a.rows * k + j for j in range(a.rows)], fields)
-        k = 64
-        print("ready", flush=True)
-        for line in sys.stdin:
-            if line.strip() != "go":
-                break
-            c0 = time.process_time()
+        for k in range(64):
+            c.put(job.rows(k), job.fields)
+        call = c.get if a.op == "get" else c.put
+        for _ in job.blocks():
             for _ in range(a.block):
-                if a.op == "get":
-                    idx = [a.base + a.rows * (k % 64) + j for j in range(a.rows)]
-                    t = time.perf_counter()
-                    c.get(idx, names)
-                else:
-                    idx = [a.base + a.rows * k + j for j in range(a.rows)]
-                    t = time.perf_counter()
-                    c.put(idx, fields)
-                times.append(time.perf_counter() - t)
-                k += 1
-            cpu += time.process_time() - c0
-            print("done", flush=True)
-    with open(stowage._core.__file__, "rb") as f:
-        core = hashlib.sha256(f.read()).hexdigest()[:12]
-    print(json.dumps({"times": times, "cpu": cpu, "core": core}), flush=True)
+                args = job.next()
+                t = time.perf_counter()
+                call(*args)
+                job.times.append(time.perf_counter() - t)
+    job.report(stowage)
 
 
 async def child_async(a: argparse.Namespace) -> None:
     """[`child`] through an `AsyncClient`, each call awaited in turn."""
-    import numpy as np
     import stowage
 
-    fields = {f"f{i}": np.ones((a.rows, 16), np.float32) for i in range(a.fields)}
-    names = list(fields)
-    times, cpu = [], 0.0
+    job = Job(a)
     async with stowage.AsyncClient(a.endpoint, timeout=60) as c:
         for k in range(64):
-            await c.put([a.base + a.rows * k + j for j in range(a.rows)], fields)
-        k = 64
-        print("ready", flush=True)
-        for line in sys.stdin:
-            if line.strip() != "go":
-                break
-            c0 = time.process_time()
+            await c.put(job.rows(k), job.fields)
+        call = c.get if a.op == "get" else c.put
+        for _ in job.blocks():
             for _ in range(a.block):
-                if a.op == "get":
-                    idx = [a.base + a.rows * (k % 64) + j for j in range(a.rows)]
-                    t = time.perf_counter()
-                    await c.get(idx, names)
-                else:
-                    idx = [a.base + a.rows * k + j for j in range(a.rows)]
-                    t = time.perf_counter()
-                    await c.put(idx, fields)
-                times.append(time.perf_counter() - t)
-                k += 1
-            cpu += time.process_time() - c0
-            print("done", flush=True)
-    with open(stowage._core.__file__, "rb") as f:
-        core = hashlib.sha256(f.read()).hexdigest()[:12]
-    print(json.dumps({"times": times, "cpu": cpu, "core": core}), flush=True)
+                args = job.next()
+                t = time.perf_counter()
+                await call(*args)
+                job.times.append(time.perf_counter() - t)
+    job.report(stowage)
 
 
 def main() -> None:

@@ -277,9 +277,12 @@ impl<'a> Reader<'a> {
             0xcf => 8,
             _ => return None,
         };
-        let start = self.pos + 1;
-        let raw = self.buf.get(start..start + width)?;
-        self.pos = start + width;
-        Some(raw.iter().fold(0u64, |acc, &b| (acc << 8) | u64::from(b)))
+        let at = self.pos;
+        self.pos += 1;
+        let v = self.be(width).ok();
+        if v.is_none() {
+            self.pos = at;
+        }
+        v
     }
 }

@@ -34,10 +34,7 @@ impl std::fmt::Display for TooLong {
 impl Writer {
     /// An empty writer.
     pub fn new() -> Self {
-        Writer {
-            buf: ByteBuf::with_capacity(256),
-            too_long: None,
-        }
+        Writer::with_capacity(256)
     }
 
     /// `n` as a msgpack length, or `None` (and the writer poisoned).
