@@ -12,12 +12,22 @@ one release stowd with 4 local units (the built-in policy, or
 puts of `--rows` rows x `--fields` fields of float32 [16] at fresh
 indexes, flipping the order every block (`--op get`: gets of such rows,
 cycling over 64 calls' worth each client put beforehand; `--async`:
-through an `AsyncClient`, each call awaited in turn). Each client times its calls and
+through an `AsyncClient`, each call awaited in turn; `--as-torch`: gets
+of torch tensors, `as_torch=True`, with `--nested`, run with a Python that
+has torch). Each client times its calls and
 its own CPU (`time.process_time`, this process's threads); the table gives
 the medians and CPU a put, and the second client's over the first's.
 
+`stowd` and both clients are pinned to CPU 0 (`--cpu`; `--cpu none`
+leaves them to the scheduler). Unpinned, the scheduler put one client on
+`stowd`'s CPU and the other on the other CPU, and the CPU a call moved
+with where a client ran, not with its build: the same build took 20.4 µs
+of client CPU a 10x4 get in one process and 37.2 in the other, in one run
+(a wake-up across CPUs is charged to the client woken).
+
 usage: python3 bench/core_ab.py --client OLD/clients/python=old --client clients/python=new
-           --stowd target/release/stowd [--op put|get] [--async] [--fields 32] [--rows 4] [--puts 3000] [--block 50]
+           --stowd target/release/stowd [--op put|get] [--async] [--as-torch] [--nested rows|packed]
+           [--fields 32] [--rows 4] [--puts 3000] [--block 50] [--cpu 0|none]
 """
 import argparse
 import hashlib
@@ -30,6 +40,8 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: Calls each client makes, untimed, before the first block.
+WARM_UP = 20
 
 
 class Job:
@@ -57,6 +69,14 @@ class Job:
             return self.rows(k % 64), self.names
         return self.rows(k), self.fields
 
+    def call(self, c):
+        """What a call of client `c` is."""
+        if self.a.op == "put":
+            return c.put
+        if self.a.as_torch:
+            return lambda idx, names: c.get(idx, names, as_torch=True, nested=self.a.nested)
+        return lambda idx, names: c.get(idx, names, nested=self.a.nested)
+
     def blocks(self):
         """Yields once a block the parent asks for, counting its CPU."""
         print("ready", flush=True)
@@ -76,6 +96,8 @@ class Job:
 
 def child(a: argparse.Namespace) -> None:
     sys.path.insert(0, a.child)
+    if a.cpu != "none":
+        os.sched_setaffinity(0, {int(a.cpu)})
     if a.use_async:
         import asyncio
 
@@ -86,7 +108,9 @@ def child(a: argparse.Namespace) -> None:
     with stowage.Client(a.endpoint, timeout=60, spin_us=0) as c:
         for k in range(64):
             c.put(job.rows(k), job.fields)
-        call = c.get if a.op == "get" else c.put
+        call = job.call(c)
+        for _ in range(WARM_UP):  # (the first as_torch get imports torch)
+            call(*job.next())
         for _ in job.blocks():
             for _ in range(a.block):
                 args = job.next()
@@ -104,7 +128,9 @@ async def child_async(a: argparse.Namespace) -> None:
     async with stowage.AsyncClient(a.endpoint, timeout=60) as c:
         for k in range(64):
             await c.put(job.rows(k), job.fields)
-        call = c.get if a.op == "get" else c.put
+        call = job.call(c)
+        for _ in range(WARM_UP):
+            await call(*job.next())
         for _ in job.blocks():
             for _ in range(a.block):
                 args = job.next()
@@ -121,6 +147,9 @@ def main() -> None:
     ap.add_argument("--plugins", default=None, help="plugin directory (default: the built-in policy)")
     ap.add_argument("--op", choices=("put", "get"), default="put")
     ap.add_argument("--async", dest="use_async", action="store_true", help="each client an AsyncClient")
+    ap.add_argument("--as-torch", action="store_true", help="gets of torch tensors (as_torch=True)")
+    ap.add_argument("--nested", choices=("rows", "packed"), default="rows", help="a get's nested=")
+    ap.add_argument("--cpu", default="0", help="the CPU stowd and both clients are pinned to, or none")
     ap.add_argument("--fields", type=int, default=32)
     ap.add_argument("--rows", type=int, default=4)
     ap.add_argument("--puts", type=int, default=3000)
@@ -138,13 +167,14 @@ def main() -> None:
 
     clients = [(spec.partition("=")[2] or spec, os.path.abspath(spec.partition("=")[0])) for spec in a.client]
     work = tempfile.mkdtemp(prefix="stowage-core-ab-")
-    proc, eps = start(a.stowd, work, a.plugins)
+    proc, eps = start(a.stowd, work, a.plugins, cpus=None if a.cpu == "none" else a.cpu)
     kids = []
     try:
         for k, (label, path) in enumerate(clients):
             kid = subprocess.Popen(
                 [sys.executable, __file__, "--child", path, "--endpoint", eps["native"], "--base", str((k + 1) << 32),
-                 "--fields", str(a.fields), "--rows", str(a.rows), "--block", str(a.block), "--op", a.op] + (["--async"] if a.use_async else []),
+                 "--fields", str(a.fields), "--rows", str(a.rows), "--block", str(a.block), "--op", a.op, "--nested", a.nested, "--cpu", a.cpu]
+                + (["--async"] if a.use_async else []) + (["--as-torch"] if a.as_torch else []),
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
             if kid.stdout.readline().strip() != "ready":
                 raise SystemExit(f"client {label} did not start")
@@ -170,8 +200,10 @@ def main() -> None:
         proc.terminate()
         proc.wait(timeout=30)
     n = blocks * a.block
-    print(f"{n} {a.op}s each ({'AsyncClient' if a.use_async else 'Client'}) of {a.rows} rows x {a.fields} fields of float32 [16], blocks of {a.block} alternating; "
-          f"stowd {a.stowd} ({'plugins ' + a.plugins if a.plugins else 'built-in'}); load at start "
+    what = f", as_torch=True, nested={a.nested!r}" if a.as_torch and a.op == "get" else ""
+    print(f"{n} {a.op}s each ({'AsyncClient' if a.use_async else 'Client'}{what}) of {a.rows} rows x {a.fields} fields of float32 [16], blocks of {a.block} alternating; "
+          f"stowd {a.stowd} ({'plugins ' + a.plugins if a.plugins else 'built-in'}); "
+          f"{'not pinned' if a.cpu == 'none' else 'all on CPU ' + a.cpu}; load at start "
           f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}\n")
     print(f"| client | core (sha256) | p50 us | p90 us | client CPU us a {a.op} |")
     print("|---|---|---:|---:|---:|")

@@ -185,18 +185,20 @@ class _Ops:
             raise TypeError(f"get: as_torch must be None, True or False, got {as_torch!r}")
         if nested not in ("rows", "packed"):
             raise ValueError(f"get: nested must be 'rows' or 'packed', got {nested!r}")
-        if as_torch:
-            _torch.require("get(as_torch=True)")
+        torch = _torch.require("get(as_torch=True)") if as_torch else None
         opts = _GET_OPTIONS.get((as_torch, nested))
         if opts is None:
             # Tensors: every dtype with as_torch=True; with None, the dtypes
             # numpy has no type for, if torch is installed (whether the
             # installed torch has each is seen in `_glue`, which imports it
-            # only when such a field comes).
+            # only when such a field comes). With as_torch=True the core
+            # makes the tensors of the dtypes numpy has itself
+            # (`torch.from_numpy`); the rest go through `_glue`.
             tensors = list(_codec.WIRE_DTYPES) if as_torch else (
                 sorted(_codec.BITS_DTYPES) if as_torch is None and _torch.available() else [])
             opts = _GET_OPTIONS[(as_torch, nested)] = _core.GetOptions(
-                _codec.WIRE_DTYPES, tensors, _codec.Packed if nested == "packed" else None)
+                _codec.WIRE_DTYPES, tensors, _codec.Packed if nested == "packed" else None,
+                torch.from_numpy if torch is not None else None)
             if as_torch is None and nested == "rows":
                 _USUAL_GET[0] = opts
         return opts

@@ -184,6 +184,81 @@ def test_as_torch(endpoint, fresh):
         c.clear(idx)
 
 
+class _Made:
+    """What the fake `from_numpy` below makes: the array it was given."""
+
+    def __init__(self, a):
+        self.a = a
+
+
+def _core_get(c, idx, names, opts):
+    """(result, glue) of the core's get with `opts`, over tcp."""
+    rid, got = c._core_call("get", None, 10, lambda core, rid, t: core.get_fast(rid, idx, names, t, opts, True, None))
+    return got[1]
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_tensors_made_by_the_core_equal_the_glued_ones(endpoint, fresh, packed):
+    """Given `from_numpy` (as `get(as_torch=True)` gives torch's), the core
+    makes a tensor field's tensors itself: of the very arrays the glue
+    would get, every field kind (a one-part regular field, a gathered one,
+    nested rows with an empty one, packed), now writable, and lists for the
+    glue only the raw-bits dtypes and values. Checked with a stand-in for
+    torch: writing through the arrays changes neither the store nor
+    another get."""
+    from stowage import _codec, _core
+    idx = fresh(4)
+    x = np.arange(4 * 16, dtype=np.float32).reshape(4, 16)  # one part
+    big = np.arange(4 * 40000, dtype=np.int32).reshape(4, 40000)  # a frame a row: gathered
+    rows = [np.arange(k * 3, dtype=np.int64) for k in range(4)]  # row 0 empty
+    bf = np.arange(8, dtype=np.uint16).reshape(4, 2)
+    names = ["x", "big", "n", "bf", "v"]
+    pk = _codec.Packed if packed else None
+    glued = _core.GetOptions(_codec.WIRE_DTYPES, list(_codec.WIRE_DTYPES), pk)
+    given = []
+
+    def from_numpy(a):
+        given.append(a)
+        return _Made(a)
+
+    direct = _core.GetOptions(_codec.WIRE_DTYPES, list(_codec.WIRE_DTYPES), pk, from_numpy)
+    with stowage.Client(endpoint, timeout=10) as c:
+        c.put(idx, {"x": x, "big": big, "n": rows, "bf": stowage.Bits(bf, "bfloat16"), "v": ["a", 1, None, 2.5]})
+        want, want_glue = _core_get(c, idx, names, glued)
+        got, glue = _core_get(c, idx, names, direct)
+        assert sorted(want_glue) == [("bf", "bfloat16"), ("big", "int32"), ("n", "int64"), ("x", "float32")]
+        assert glue == [("bf", "bfloat16")], "tensors the core made were listed for the glue too"
+        assert got["v"] == want["v"] == ["a", 1, None, 2.5]
+        np.testing.assert_array_equal(got["bf"], want["bf"])
+        assert isinstance(got["x"], _Made) and isinstance(got["big"], _Made)
+        for name in ("x", "big"):
+            assert got[name].a.dtype == want[name].dtype and got[name].a.flags.writeable
+            np.testing.assert_array_equal(got[name].a, want[name])
+        if packed:
+            assert isinstance(got["n"], _codec.Packed) and isinstance(got["n"].values, _Made)
+            assert got["n"].shapes == want["n"].shapes == [(k * 3,) for k in range(4)]
+            np.testing.assert_array_equal(got["n"].values.a, want["n"].values)
+            made = [got["x"].a, got["big"].a, got["n"].values.a]
+        else:
+            assert [type(r) for r in got["n"]] == [_Made] * 4
+            for r, w in zip(got["n"], want["n"]):
+                assert r.a.dtype == w.dtype and r.a.shape == w.shape and np.array_equal(r.a, w)
+            made = [got["x"].a, got["big"].a, *(r.a for r in got["n"])]
+        assert [id(a) for a in given] == [id(a) for a in made], "from_numpy not given each array once"
+        for a in made:
+            assert a.flags.writeable
+            a[...] = 7
+        # The glued result, another get, and the store are untouched.
+        np.testing.assert_array_equal(want["x"], x)
+        again = c.get(idx, ["x", "big", "n"])
+        np.testing.assert_array_equal(again["x"], x)
+        np.testing.assert_array_equal(again["big"], big)
+        assert all(np.array_equal(a, b) for a, b in zip(again["n"], rows))
+        with pytest.raises(TypeError, match="from_numpy must be callable"):
+            _core.GetOptions(_codec.WIRE_DTYPES, [], None, 3)
+        c.clear(idx)
+
+
 def test_results_are_read_only(endpoint, fresh):
     """Every array a get returns is read-only, whether it is a view of a frame
     (one part), a concatenation (several parts) or a nested row."""

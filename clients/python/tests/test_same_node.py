@@ -1028,6 +1028,21 @@ def test_arrays_for_tensors_are_private_copy_on_write_and_never_overlap(shm_serv
         assert np.array_equal(again["x"], x[2:4]), "another get's array changed"
         assert [r.tolist() for r in again["r"]] == [rows[k].tolist() for k in [2, 3]]
         np.testing.assert_array_equal(c.get(idx, ["x"])["x"], x)
+        # The same arrays when the core makes the tensors itself (given
+        # `from_numpy`, as `get(as_torch=True)` gives torch's): handed
+        # over writable, the view over the private mapping, none glued.
+        given = []
+        direct = _core.GetOptions(_codec.WIRE_DTYPES, list(_codec.WIRE_DTYPES), None,
+                                  lambda a: given.append(a) or ("made", len(given) - 1))
+        rid, got = c._core_call("get", None, 10, lambda core, rid, t: core.get_fast(
+            rid, [idx[2], idx[3]], ["x", "r"], t, direct, True, c._shm()))
+        out, glue = got[1]
+        assert glue == [] and out["x"] == ("made", 0) and out["r"] == [("made", 1), ("made", 2)]
+        assert all(a.flags.writeable for a in given)
+        assert _perms(data_ptr(given[0])) == "rw-p", "not a private writable mapping"
+        assert np.array_equal(given[0], x[2:4]) and [r.tolist() for r in given[1:]] == [rows[2].tolist(), rows[3].tolist()]
+        given[0][...] = -5
+        np.testing.assert_array_equal(c.get(idx, ["x"])["x"], x)
     with stowage.Client(shm_server["native"]) as tcp:
         np.testing.assert_array_equal(tcp.get(idx, ["x"])["x"], x)
         tcp.clear(idx)

@@ -21,6 +21,17 @@
 //! client passes says which numpy dtype each wire dtype is); the fields
 //! whose dtype is one of these, or becomes a tensor, are listed beside the
 //! result for the client's Python glue (torch, ml_dtypes).
+//!
+//! Given `torch.from_numpy` (`GetOptions(..., from_numpy)`, as
+//! `get(as_torch=True)` gives it), the core makes a tensor field's tensors
+//! itself, over arrays it makes writable where the bytes are this get's
+//! own (a buffer of this client's, or a private copy-on-write mapping):
+//! no Python glue for the field and no warning for torch to raise about a
+//! read-only array. Why: the glue cost about 3 µs of Python a field, and
+//! silencing torch's warning 2.7 µs a get, against 1 µs for
+//! `torch.from_numpy` itself (docs/benchmarks.md, "Tensors made by the
+//! core"). The raw-bits dtypes and a field over bytes that are not the
+//! get's own (a frame received elsewhere) still go through the glue.
 
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -49,19 +60,34 @@ pub(crate) const RAW_BITS: [&str; 8] = [
     "float4_e2m1fn_x2",
 ];
 
-/// How a get's result is made (`_core.GetOptions(dtypes, tensors, packed)`):
-/// `dtypes` maps each wire dtype name to its numpy dtype; `tensors` names
-/// the dtypes whose fields become torch tensors (same node: over private
-/// copy-on-write mappings); `packed` is the `Packed` class to make nested
-/// fields as, or None for a list of rows.
+/// How a get's result is made (`_core.GetOptions(dtypes, tensors, packed,
+/// from_numpy=None)`): `dtypes` maps each wire dtype name to its numpy
+/// dtype; `tensors` names the dtypes whose fields become torch tensors
+/// (same node: over private copy-on-write mappings); `packed` is the
+/// `Packed` class to make nested fields as, or None for a list of rows;
+/// `from_numpy` (`torch.from_numpy`), if given, makes the tensors of the
+/// `tensors` dtypes that numpy has a type for here (see the module doc).
 #[pyclass(module = "stowage._core", frozen)]
 pub(crate) struct GetOptions {
     tensors: HashSet<String>,
     packed: Option<Py<PyAny>>,
+    from_numpy: Option<Py<PyAny>>,
     /// By `Dtype as usize`: the numpy dtype given for it and its itemsize
-    /// (None: none was given), and whether it needs the client's glue;
-    /// looked up once here, not for every field (or row) of every get.
-    by_dtype: Vec<(Option<NumpyDtype>, bool)>,
+    /// (None: none was given), and how its fields are finished; looked up
+    /// once here, not for every field (or row) of every get.
+    by_dtype: Vec<(Option<NumpyDtype>, Finish)>,
+}
+
+/// What becomes of a field's arrays once made.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Finish {
+    /// Returned as they are.
+    Arrays,
+    /// Listed for the client's Python glue.
+    Glue,
+    /// Made tensors here (`from_numpy`), where their bytes are the get's
+    /// own; else listed for the glue.
+    Tensors,
 }
 
 /// A `numpy.dtype` and its itemsize.
@@ -70,20 +96,35 @@ type NumpyDtype = (Py<PyAny>, u64);
 #[pymethods]
 impl GetOptions {
     #[new]
+    #[pyo3(signature = (dtypes, tensors, packed, from_numpy=None))]
     fn new(
         dtypes: Bound<'_, PyDict>,
         tensors: Vec<String>,
         packed: Option<Bound<'_, PyAny>>,
+        from_numpy: Option<Bound<'_, PyAny>>,
     ) -> PyResult<GetOptions> {
+        if let Some(f) = &from_numpy
+            && !f.is_callable()
+        {
+            return Err(pyo3::exceptions::PyTypeError::new_err(format!(
+                "GetOptions: from_numpy must be callable, got {}",
+                f.get_type().name()?
+            )));
+        }
         let tensors: HashSet<String> = tensors.into_iter().collect();
-        let mut by_dtype: Vec<(Option<NumpyDtype>, bool)> = Vec::new();
+        let mut by_dtype: Vec<(Option<NumpyDtype>, Finish)> = Vec::new();
         for d in Dtype::ALL {
             let i = d as usize;
             if by_dtype.len() <= i {
-                by_dtype.resize_with(i + 1, || (None, false));
+                by_dtype.resize_with(i + 1, || (None, Finish::Arrays));
             }
             let name = d.name();
-            let glue = tensors.contains(name) || RAW_BITS.contains(&name);
+            let raw_bits = RAW_BITS.contains(&name);
+            let glue = match (tensors.contains(name), raw_bits) {
+                (true, false) if from_numpy.is_some() => Finish::Tensors,
+                (true, _) | (_, true) => Finish::Glue,
+                (false, false) => Finish::Arrays,
+            };
             // As `numpy.dtype` objects: `NumpyApi::array` hands them to
             // numpy's C API as descriptors.
             let dt = match dtypes.get_item(name)? {
@@ -99,6 +140,7 @@ impl GetOptions {
         Ok(GetOptions {
             tensors,
             packed: packed.map(Bound::unbind),
+            from_numpy: from_numpy.map(Bound::unbind),
             by_dtype,
         })
     }
@@ -126,9 +168,11 @@ impl GetOptions {
         self.packed.is_some()
     }
 
-    /// Whether a field of `dtype` needs the client's Python glue.
-    fn glue(&self, dtype: Dtype) -> bool {
-        self.by_dtype.get(dtype as usize).is_some_and(|d| d.1)
+    /// What becomes of a field of `dtype` once its arrays are made.
+    fn finish(&self, dtype: Dtype) -> Finish {
+        self.by_dtype
+            .get(dtype as usize)
+            .map_or(Finish::Arrays, |d| d.1)
     }
 }
 
@@ -284,7 +328,8 @@ impl Assembled {
 
     /// The Python result: (a dict of field name to its result, in reply
     /// order; a list of `(field, dtype name)` of the fields the client's
-    /// glue turns into tensors or typed arrays).
+    /// glue turns into tensors or typed arrays: none that became tensors
+    /// here).
     pub(crate) fn into_py<'py>(
         self,
         py: Python<'py>,
@@ -294,7 +339,9 @@ impl Assembled {
         let api = NumpyApi::get(py)?;
         // Each base, and where its bytes are when this crate owns them
         // (their address, length, and whether numpy may write them):
-        // arrays of those are made through numpy's C API.
+        // arrays of those are made through numpy's C API. Beside it,
+        // whether the bytes are this get's own (a buffer of this client's,
+        // or a private copy-on-write mapping): a tensor may write them.
         let bases = self
             .bases
             .into_iter()
@@ -302,22 +349,25 @@ impl Assembled {
                 Ok(match b {
                     Base::Owned(data) => {
                         let raw = (data.as_ptr() as usize, data.len(), false);
-                        (Bound::new(py, Buffer { data })?.into_any(), Some(raw))
+                        (Bound::new(py, Buffer { data })?.into_any(), Some(raw), true)
                     }
                     Base::Shared(map) => {
                         let bytes = map.bytes();
                         let raw = (bytes.as_ptr() as usize, bytes.len(), false);
-                        (Bound::new(py, SharedPages { map })?.into_any(), Some(raw))
+                        let pages = Bound::new(py, SharedPages { map })?;
+                        (pages.into_any(), Some(raw), false)
                     }
                     Base::Private(map) => {
                         let pages = PrivatePages::new(map);
                         let raw = (pages.ptr(), pages.len(), true);
-                        (Bound::new(py, pages)?.into_any(), Some(raw))
+                        (Bound::new(py, pages)?.into_any(), Some(raw), true)
                     }
-                    Base::Object(obj) => (obj.into_bound(py), None),
+                    Base::Object(obj) => (obj.into_bound(py), None, false),
                 })
             })
             .collect::<PyResult<Vec<_>>>()?;
+        let own = |place: &Place| place.base == usize::MAX || bases[place.base].2;
+        let from_numpy = opts.from_numpy.as_ref().map(|f| f.bind(py));
         let out = PyDict::new(py);
         let glue = PyList::empty(py);
         for (name, dtype, made) in self.fields {
@@ -333,25 +383,46 @@ impl Assembled {
                 continue;
             };
             let (dt, itemsize) = opts.numpy(py, dtype)?;
+            // Tensors made here: only over bytes that are the get's own,
+            // and through numpy's C API (which makes them writable).
+            let tensor = match (opts.finish(dtype), from_numpy, api) {
+                (Finish::Tensors, Some(f), Some(_)) => {
+                    let mine = match &made {
+                        Made::Array(place, _) | Made::Packed(place, ..) => own(place),
+                        Made::Rows(rows) => rows.iter().all(|(place, _)| own(place)),
+                        Made::Values(_) => false,
+                    };
+                    mine.then_some(f)
+                }
+                _ => None,
+            };
             let array = |place: Place, dims: &[u64]| -> PyResult<Bound<'py, PyAny>> {
-                if place.base == usize::MAX {
-                    // (no bytes: a new empty array, read-only)
+                let a = if place.base == usize::MAX {
+                    // (no bytes: a new empty array, read-only unless a
+                    // tensor's)
                     let a = ndarray.call1((PyTuple::new(py, dims)?, &dt))?;
-                    a.getattr("flags")?.setattr("writeable", false)?;
-                    return Ok(a);
+                    if tensor.is_none() {
+                        a.getattr("flags")?.setattr("writeable", false)?;
+                    }
+                    a
+                } else {
+                    let (base, raw, _) = &bases[place.base];
+                    match (api, raw) {
+                        (Some(api), Some((ptr, len, writable))) => api.array(
+                            py,
+                            (dt, itemsize),
+                            dims,
+                            base,
+                            (*ptr, *len, *writable || tensor.is_some()),
+                            place.at,
+                        )?,
+                        _ => ndarray.call1((PyTuple::new(py, dims)?, &dt, base, place.at))?,
+                    }
+                };
+                match tensor {
+                    Some(f) => f.call1((a,)),
+                    None => Ok(a),
                 }
-                let (base, raw) = &bases[place.base];
-                if let (Some(api), Some((ptr, len, writable))) = (api, raw) {
-                    return api.array(
-                        py,
-                        (dt, itemsize),
-                        dims,
-                        base,
-                        (*ptr, *len, *writable),
-                        place.at,
-                    );
-                }
-                ndarray.call1((PyTuple::new(py, dims)?, &dt, base, place.at))
             };
             let value = match made {
                 Made::Array(place, shape) => array(place, &shape)?,
@@ -373,7 +444,7 @@ impl Assembled {
                 }
                 Made::Values(_) => unreachable!("values have no dtype"),
             };
-            if opts.glue(dtype) {
+            if tensor.is_none() && opts.finish(dtype) != Finish::Arrays {
                 glue.append((&name, dtype.name()))?;
             }
             out.set_item(name, value)?;
