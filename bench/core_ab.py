@@ -11,7 +11,10 @@ one release stowd with 4 local units (the built-in policy, or
 `--plugins`), and tells the clients in turn to put a block of `--block`
 puts of `--rows` rows x `--fields` fields of float32 [16] at fresh
 indexes, flipping the order every block (`--op get`: gets of such rows,
-cycling over 64 calls' worth each client put beforehand; `--async`:
+cycling over 64 calls' worth each client put beforehand; `--op
+get_data`: such gets as the TransferQueue backend's `get_data` asks and
+finishes them, each field made as SimpleStorage gives it, in a
+TensorDict; `--async`:
 through an `AsyncClient`, each call awaited in turn; `--as-torch`: gets
 of torch tensors, `as_torch=True`, with `--nested`, run with a Python that
 has torch). Each client times its calls and
@@ -26,7 +29,7 @@ of client CPU a 10x4 get in one process and 37.2 in the other, in one run
 (a wake-up across CPUs is charged to the client woken).
 
 usage: python3 bench/core_ab.py --client OLD/clients/python=old --client clients/python=new
-           --stowd target/release/stowd [--op put|get] [--async] [--as-torch] [--nested rows|packed]
+           --stowd target/release/stowd [--op put|get|get_data] [--async] [--as-torch] [--nested rows|packed]
            [--fields 32] [--rows 4] [--puts 3000] [--block 50] [--cpu 0|none]
 """
 import argparse
@@ -65,7 +68,7 @@ class Job:
         """The next call's arguments: a get cycles over the warm-up's rows,
         a put takes fresh ones."""
         k, self.k = self.k, self.k + 1
-        if self.a.op == "get":
+        if self.a.op != "put":
             return self.rows(k % 64), self.names
         return self.rows(k), self.fields
 
@@ -73,9 +76,30 @@ class Job:
         """What a call of client `c` is."""
         if self.a.op == "put":
             return c.put
+        if self.a.op == "get_data":
+            return self.get_data(c)
         if self.a.as_torch:
             return lambda idx, names: c.get(idx, names, as_torch=True, nested=self.a.nested)
         return lambda idx, names: c.get(idx, names, nested=self.a.nested)
+
+    def get_data(self, c):
+        """The TransferQueue backend's `get_data` on client `c`: the get it
+        asks for, then each field as SimpleStorage gives it, in a
+        TensorDict, with that client's own `stowage._tqvalues` (needs torch
+        and TransferQueue)."""
+        from stowage import _tqvalues
+        from tensordict import TensorDict
+
+        n = self.a.rows
+        made = getattr(_tqvalues, "tensordict_of", None) or (lambda f, n: TensorDict(f, batch_size=n))
+
+        def build(got, names):
+            return made({k: _tqvalues.from_wire(got[k], n) for k in names}, n)
+        if self.a.use_async:
+            async def one(idx, names):
+                return build(await c.get(idx, names, as_torch=True, nested="packed"), names)
+            return one
+        return lambda idx, names: build(c.get(idx, names, as_torch=True, nested="packed"), names)
 
     def blocks(self):
         """Yields once a block the parent asks for, counting its CPU."""
@@ -145,7 +169,8 @@ def main() -> None:
     ap.add_argument("--client", action="append", metavar="DIR=LABEL", help="twice")
     ap.add_argument("--stowd", default=os.path.join(ROOT, "target", "release", "stowd"))
     ap.add_argument("--plugins", default=None, help="plugin directory (default: the built-in policy)")
-    ap.add_argument("--op", choices=("put", "get"), default="put")
+    ap.add_argument("--op", choices=("put", "get", "get_data"), default="put",
+                    help="get_data: the TransferQueue backend's get and the TensorDict it makes")
     ap.add_argument("--async", dest="use_async", action="store_true", help="each client an AsyncClient")
     ap.add_argument("--as-torch", action="store_true", help="gets of torch tensors (as_torch=True)")
     ap.add_argument("--nested", choices=("rows", "packed"), default="rows", help="a get's nested=")

@@ -9,6 +9,9 @@ Rows:
   backend's `put_data` / `get_data` await (an `AsyncClient` per event
   loop; the get as the backend asks it, `as_torch=True`,
   `nested="packed"`);
+- `get_data`: the backend's get and what `get_data` makes of it: each
+  field as SimpleStorage gives it (rows of 1 dim or more as a nested
+  jagged tensor) in a TensorDict (a tenth of --calls);
 - `thread hop`: the same call on a `stowage.Client` in a worker thread,
   awaited through `loop.run_in_executor` (what the backend did before);
 - `AsyncClient`, and the sync `Client` (default spin) for the floor.
@@ -35,6 +38,11 @@ from policy_put import ROOT, start  # noqa: E402  (also puts clients/python on t
 
 import stowage  # noqa: E402
 from stowage.transferqueue import _Clients  # noqa: E402
+from stowage import _tqvalues  # noqa: E402  (needs torch and TransferQueue, as the backend does)
+
+# (A client from before `tensordict_of`: the checked constructor it used.)
+tensordict_of = getattr(_tqvalues, "tensordict_of", None) or (
+    lambda fields, n: __import__("tensordict").TensorDict(fields, batch_size=n))
 
 
 def cpu() -> float:
@@ -60,6 +68,14 @@ async def one_shape(ep: str, fields: int, n: int) -> dict:
         out["backend", "put"] = await timed(n, lambda: backend.run("put", idx, data))
         out["backend", "get"] = await timed(n, lambda: backend.run("get", idx, names, as_torch=True,
                                                                    nested="packed"))
+
+        async def get_data():
+            # What `get_data` returns from that: each field as SimpleStorage
+            # gives it (a nested jagged tensor for rows of 1 dim or more)
+            # and the TensorDict around them.
+            got = await backend.run("get", idx, names, as_torch=True, nested="packed")
+            return tensordict_of({k: _tqvalues.from_wire(got[k], 4) for k in names}, 4)
+        out["get_data", "get"] = await timed(max(n // 10, 50), get_data)
     finally:
         backend.close()
     loop = asyncio.get_running_loop()
@@ -99,8 +115,10 @@ def main() -> None:
           f"{os.getloadavg()[0]:.2f} at the end\n")
     print("| way | op | client CPU, 1 field | wall, 1 field | client CPU, 10 fields | wall, 10 fields |")
     print("|---|---|---:|---:|---:|---:|")
-    for way in ("backend", "thread hop", "AsyncClient", "sync Client"):
+    for way in ("backend", "get_data", "thread hop", "AsyncClient", "sync Client"):
         for op in ("put", "get"):
+            if (way, op) not in rows[1]:
+                continue
             (c1, w1), (c10, w10) = rows[1][way, op], rows[10][way, op]
             print(f"| {way} | {op} | {c1:.1f} | {w1:.1f} | {c10:.1f} | {w10:.1f} |")
 

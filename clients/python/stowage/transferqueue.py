@@ -549,7 +549,7 @@ if _TQ_IMPORT_ERROR is None:
                                               nested="packed")
             except KeyNotFound as e:
                 raise StorageKeyNotFoundError(f"[{KEY_NOT_FOUND_MARKER}] stowd at {self.endpoint}: {e}") from e
-            return TensorDict({name: _tqvalues.from_wire(got[name], n) for name in names}, batch_size=n)
+            return _tqvalues.tensordict_of({name: _tqvalues.from_wire(got[name], n) for name in names}, n)
 
         async def clear_data(self, metadata) -> None:
             """Drops every field of `metadata`'s global indexes. As

@@ -189,6 +189,28 @@ def test_a_batch_of_every_kind_at_once(ref, native):
         assert same(field_rows(a[k]), field_rows(b[k])), k
 
 
+def test_tensordict_of_is_the_checked_constructors(native):
+    """The backend's TensorDict of a get, made without TensorDict's checks
+    when every field is a tensor, is the checked constructor's: the same
+    value objects, keys, batch size, device, names and lock state; a field
+    that is not a tensor goes through the checked constructor."""
+    from stowage import _tqvalues
+
+    fields = {"x": torch.ones(N, 3), "v": torch.arange(N),
+              "j": _tqvalues.from_wire(torch.ones(N, 2, 4), N)}
+    fast, checked = _tqvalues.tensordict_of(dict(fields), N), TensorDict(dict(fields), batch_size=N)
+    assert type(fast) is type(checked) and list(fast.keys()) == list(checked.keys())
+    assert all(fast.get(k) is fields[k] and checked.get(k) is fields[k] for k in fields)
+    assert (fast.batch_size, fast.device, fast.names, fast.is_locked) == \
+        (checked.batch_size, checked.device, checked.names, checked.is_locked)
+    mixed = dict(fields, s=NonTensorStack(*[str(i) for i in range(N)]))
+    got = _tqvalues.tensordict_of(dict(mixed), N)
+    want = TensorDict(dict(mixed), batch_size=N)
+    assert type(got.get("s")) is type(want.get("s")) and got.get("s").tolist() == want.get("s").tolist()
+    with pytest.raises(RuntimeError):  # the checked constructor's own error for a wrong row count
+        _tqvalues.tensordict_of(dict(mixed, bad=NonTensorStack(*"ab")), N)
+
+
 def parser(d: dict) -> dict:
     """Turns each text row into a tensor and doubles a regular column, in place."""
     d["text"] = [torch.full((len(t),), float(len(t))) for t in d["text"]]
