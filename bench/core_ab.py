@@ -23,14 +23,15 @@ the medians and CPU a put, and the second client's over the first's.
 
 `stowd` and both clients are pinned to CPU 0 (`--cpu`; `--cpu none`
 leaves them to the scheduler). Unpinned, the scheduler put one client on
-`stowd`'s CPU and the other on the other CPU, and the CPU a call moved
+`stowd`'s CPU and the other on the other CPU (`--cpu 1:0` pins `stowd` to
+CPU 1 and the clients to CPU 0), and the CPU a call moved
 with where a client ran, not with its build: the same build took 20.4 µs
 of client CPU a 10x4 get in one process and 37.2 in the other, in one run
 (a wake-up across CPUs is charged to the client woken).
 
 usage: python3 bench/core_ab.py --client OLD/clients/python=old --client clients/python=new
            --stowd target/release/stowd [--op put|get|get_data] [--async] [--as-torch] [--nested rows|packed]
-           [--fields 32] [--rows 4] [--puts 3000] [--block 50] [--cpu 0|none]
+           [--fields 32] [--rows 4] [--puts 3000] [--block 50] [--cpu 0|1:0|none]
 """
 import argparse
 import hashlib
@@ -121,7 +122,7 @@ class Job:
 def child(a: argparse.Namespace) -> None:
     sys.path.insert(0, a.child)
     if a.cpu != "none":
-        os.sched_setaffinity(0, {int(a.cpu)})
+        os.sched_setaffinity(0, {int(a.cpu.rpartition(":")[2])})
     if a.use_async:
         import asyncio
 
@@ -164,6 +165,13 @@ async def child_async(a: argparse.Namespace) -> None:
     job.report(stowage)
 
 
+def pinned(cpu: str) -> str:
+    if ":" in cpu:
+        s, _, c = cpu.partition(":")
+        return f"stowd on CPU {s}, the clients on CPU {c}"
+    return f"all on CPU {cpu}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--client", action="append", metavar="DIR=LABEL", help="twice")
@@ -174,7 +182,8 @@ def main() -> None:
     ap.add_argument("--async", dest="use_async", action="store_true", help="each client an AsyncClient")
     ap.add_argument("--as-torch", action="store_true", help="gets of torch tensors (as_torch=True)")
     ap.add_argument("--nested", choices=("rows", "packed"), default="rows", help="a get's nested=")
-    ap.add_argument("--cpu", default="0", help="the CPU stowd and both clients are pinned to, or none")
+    ap.add_argument("--cpu", default="0",
+                    help="the CPU stowd and both clients are pinned to, STOWD:CLIENTS (e.g. 1:0) for two, or none")
     ap.add_argument("--fields", type=int, default=32)
     ap.add_argument("--rows", type=int, default=4)
     ap.add_argument("--puts", type=int, default=3000)
@@ -192,7 +201,7 @@ def main() -> None:
 
     clients = [(spec.partition("=")[2] or spec, os.path.abspath(spec.partition("=")[0])) for spec in a.client]
     work = tempfile.mkdtemp(prefix="stowage-core-ab-")
-    proc, eps = start(a.stowd, work, a.plugins, cpus=None if a.cpu == "none" else a.cpu)
+    proc, eps = start(a.stowd, work, a.plugins, cpus=None if a.cpu == "none" else a.cpu.partition(":")[0])
     kids = []
     try:
         for k, (label, path) in enumerate(clients):
@@ -228,7 +237,7 @@ def main() -> None:
     what = f", as_torch=True, nested={a.nested!r}" if a.as_torch and a.op == "get" else ""
     print(f"{n} {a.op}s each ({'AsyncClient' if a.use_async else 'Client'}{what}) of {a.rows} rows x {a.fields} fields of float32 [16], blocks of {a.block} alternating; "
           f"stowd {a.stowd} ({'plugins ' + a.plugins if a.plugins else 'built-in'}); "
-          f"{'not pinned' if a.cpu == 'none' else 'all on CPU ' + a.cpu}; load at start "
+          f"{'not pinned' if a.cpu == 'none' else pinned(a.cpu)}; load at start "
           f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}\n")
     print(f"| client | core (sha256) | p50 us | p90 us | client CPU us a {a.op} |")
     print("|---|---|---:|---:|---:|")

@@ -17,7 +17,13 @@ loop yields its CPU once (`sched_yield`): a `stowd` on the same CPU then
 answers at once, and the reply is read without the loop's machinery.
 This takes no thread hop:
 the hop to a worker thread and back cost about 56 µs a call (docs/benchmarks.md,
-"Small calls"). `STOWAGE_ASYNC_IN_LOOP=0` sends every call the other way.
+"Small calls"). When the reply is not there after the yield and the loop
+has nothing else to run (no handle in CPython's run queue), the core polls
+for it for up to `spin_us` (default 200 µs) with the GIL released, as a
+`Client` does, before the loop awaits the socket: a reply from a `stowd`
+on another CPU is then caught without the loop's sleep and wake-up. A
+spin that misses makes the connection's next 8 calls await at once.
+`STOWAGE_ASYNC_IN_LOOP=0` sends every call the other way.
 Same node, only the calls that move no rows take this way (their replies
 never name segments).
 
@@ -67,7 +73,10 @@ _Conn = _core.Connection
 class AsyncClient(_Ops):
     """`async with AsyncClient(endpoint) as c: await c.put(...)`. Use it from one
     event loop at a time. `spin_us` is as for `Client`: how long a call in
-    a worker thread polls for its reply before sleeping. `token` and the
+    a worker thread polls for its reply before sleeping, and how long a
+    small call on the event loop does when the loop has nothing else to
+    run (then the loop does not run for up to that long; `spin_us=0`
+    always awaits the socket; see the module doc). `token` and the
     `curve_*` keys are as for `Client`. (`context` is accepted for older
     callers and not used: no pyzmq socket is made.)"""
 
@@ -240,7 +249,8 @@ class AsyncClient(_Ops):
             raise StowageError("the client is closed")
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        conn = self._loop_idle.pop() if self._loop_idle else _core.Connection(self.endpoint, 0.0, self._token, self._curve)
+        conn = self._loop_idle.pop() if self._loop_idle else _core.Connection(self.endpoint, self.spin_us, self._token,
+                                                                              self._curve)
         self._loop_busy += 1
         rid = next(self._ids)
         keep = False
@@ -256,10 +266,22 @@ class AsyncClient(_Ops):
             # stowd on this CPU, woken by the request, answers in this
             # yield: the reply is then read at once, without the loop's
             # reader, timer and wake-up (about 25 µs of client CPU a
-            # 10-field put). On another CPU it returns at once.
+            # 10-field put). On another CPU it returns at once; then, if
+            # the loop has nothing else to run (CPython's run queue empty),
+            # the core polls for the reply for up to spin_us before the
+            # loop sleeps: a reply from another CPU caught so costs no
+            # wake-up (docs/benchmarks.md, "The AsyncClient's spin").
             os.sched_yield()
+            # (A cancelled handle stays in the queue until the loop runs
+            # again, which a run of calls answered here never lets it do:
+            # such a handle is not work. None: another loop, e.g. uvloop:
+            # no spin.)
+            ready = getattr(loop, "_ready", None)
+            spin = ready is not None and (not ready or all(h.cancelled() for h in ready))
             while got is None:  # None: a stray reply, dropped; the next awaited
-                if conn.reply_ready():  # the whole reply is here: read without waiting (it came; no timeout)
+                here = conn.reply_ready_spin() if spin else conn.reply_ready()
+                spin = False  # (once a call)
+                if here:  # the whole reply is here: read without waiting (it came; no timeout)
                     got = finish(conn, rid, started, timeout, *finish_args)
                     continue
                 fd = conn.fileno()

@@ -534,3 +534,88 @@ def test_reply_ready_is_true_only_for_a_whole_reply_larger_than_the_read_ahead(m
         conn.close()
     finally:
         srv.close()
+
+
+def test_reply_ready_spin_polls_for_its_window_then_rests(endpoint):
+    """The core's `reply_ready_spin`: true at once for a reply already
+    here, true within its window for one on its way; with none coming,
+    false after the whole window, and then false at once for the next 8
+    calls (a connection whose replies are slow stops spinning), the 9th
+    spinning again. Real stowd; a 150 ms window so the times are plain."""
+    from stowage import _core
+    window = 0.15
+    with stowage.Client(endpoint) as c:
+        token = c._token  # (stowd's, as the client found it)
+    conn = _core.Connection(endpoint, window * 1e6, token)
+    assert conn.reply_ready_spin(), "no connection yet: ready (the finish says why)"
+    for rid in (1, 2):
+        assert conn.start_call(rid, 10.0, "stats", {})
+        assert conn.reply_ready_spin()
+        assert conn.finish_call(rid, True, 10.0) is not None
+    t = time.monotonic()
+    assert not conn.reply_ready_spin()  # nothing asked: nothing comes
+    assert time.monotonic() - t >= window
+    t = time.monotonic()
+    assert not any(conn.reply_ready_spin() for _ in range(8))
+    assert time.monotonic() - t < window, "the calls after a missed spin spun"
+    t = time.monotonic()
+    assert not conn.reply_ready_spin()
+    assert time.monotonic() - t >= window, "the spin did not come back after its rest"
+    assert conn.start_call(3, 10.0, "stats", {})  # (resting again: not caught by a spin, read all the same)
+    assert conn.finish_call(3, True, 10.0) is not None
+    conn.close()
+
+
+def test_an_in_loop_call_spins_only_when_the_loop_has_nothing_else_to_run(fake_server, monkeypatch):
+    """A small call whose reply takes 20 ms: on an idle loop, the core
+    polls for it (within spin_us) and the loop never registers a reader,
+    also with a cancelled handle left in the loop's queue (not work); with
+    another task ready to run, or with spin_us=0, the loop awaits the
+    socket instead. Every call is answered either way."""
+    monkeypatch.undo()  # the defaults: small puts in the loop
+    x = np.arange(2 * 3, dtype=np.float32).reshape(2, 3)
+
+    def handler(ident, frames):
+        env = msgpack.unpackb(frames[0])
+        time.sleep(0.02)
+        return [[msgpack.packb({"proto": "stowage/1", "op": "put_ok", "id": env["id"], "body": {"rows": 2}})]]
+
+    srv = fake_server(handler)
+
+    async def readers(spin_us, busy: bool, cancelled: bool = False) -> int:
+        loop = asyncio.get_running_loop()
+        added = []
+        real = loop.add_reader
+
+        def add_reader(fd, *args):
+            added.append(fd)
+            return real(fd, *args)
+
+        loop.add_reader = add_reader
+        stop = False
+
+        async def spinner():
+            while not stop:
+                await asyncio.sleep(0)
+
+        other = loop.create_task(spinner()) if busy else None
+        if other is not None:
+            await asyncio.sleep(0)  # it runs, and is ready again
+        try:
+            async with stowage.AsyncClient(srv.endpoint, timeout=10, spin_us=spin_us) as c:
+                assert await c.put([1, 2], {"x": x}) == 2  # (connected: the calls below yield nowhere)
+                if cancelled:  # a cancelled handle, left in the loop's queue until the loop runs again
+                    loop.call_soon(lambda: None).cancel()
+                for _ in range(3):
+                    assert await c.put([1, 2], {"x": x}) == 2
+        finally:
+            stop = True
+            if other is not None:
+                await other
+            del loop.add_reader
+        return len(added)
+
+    assert asyncio.run(readers(500_000.0, busy=False)) == 0, "an idle loop's call did not spin"
+    assert asyncio.run(readers(500_000.0, busy=False, cancelled=True)) == 0, "a cancelled handle counted as work"
+    assert asyncio.run(readers(500_000.0, busy=True)) >= 3, "a loop with work to do spun"
+    assert asyncio.run(readers(0.0, busy=False)) == 4, "spin_us=0 spun"

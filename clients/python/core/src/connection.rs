@@ -150,7 +150,13 @@ pub(crate) struct Connection {
     curve: Option<CurveKeys>,
     /// The get `start_get` sent, for `finish_get`: its id, fields, rows.
     started: Option<(u64, Vec<String>, u64)>,
+    /// Calls of [`Connection::reply_ready_spin`] left that do not spin.
+    spin_rest: u32,
 }
+
+/// Calls of [`Connection::reply_ready_spin`] that do not spin after one
+/// whose spin missed the reply.
+const SPIN_REST: u32 = 8;
 
 /// The keys of a CURVE client.
 struct CurveKeys {
@@ -469,6 +475,7 @@ impl Connection {
                 .map(|(server, public, secret)| CurveKeys::from_z85(&server, &public, &secret))
                 .transpose()?,
             started: None,
+            spin_rest: 0,
         })
     }
 
@@ -1026,6 +1033,47 @@ impl Connection {
     /// broke, or there is none: `finish_*` then says so).
     fn reply_ready(&mut self) -> bool {
         self.stream.as_mut().is_none_or(Stream::message_waiting)
+    }
+
+    /// [`Connection::reply_ready`], polled for up to the connection's
+    /// `spin_us` with the GIL released, giving the CPU away each turn
+    /// (as a blocking call's wait spins, [`crate::wait::Spin`]): for an
+    /// event loop with nothing else to run, which would otherwise sleep in
+    /// its selector and pay a wake-up for the reply. A wait the spin
+    /// misses makes the connection's next [`SPIN_REST`] calls answer at
+    /// once, without spinning, so slow replies burn little.
+    fn reply_ready_spin(&mut self, py: Python<'_>) -> bool {
+        let Some(s) = self.stream.as_mut() else {
+            return true;
+        };
+        if s.message_waiting() {
+            return true;
+        }
+        if self.spin.is_zero() {
+            return false;
+        }
+        if self.spin_rest > 0 {
+            self.spin_rest -= 1;
+            return false;
+        }
+        let window = self.spin;
+        let caught = py.detach(|| {
+            let until = Instant::now() + window;
+            loop {
+                // SAFETY: no arguments; gives the CPU to anything runnable.
+                unsafe { libc::sched_yield() };
+                if s.message_waiting() {
+                    return true;
+                }
+                if Instant::now() >= until {
+                    return false;
+                }
+            }
+        });
+        if !caught {
+            self.spin_rest = SPIN_REST;
+        }
+        caught
     }
 
     /// Drops the connection (the next call makes a new one).
