@@ -536,33 +536,62 @@ def test_reply_ready_is_true_only_for_a_whole_reply_larger_than_the_read_ahead(m
         srv.close()
 
 
-def test_reply_ready_spin_polls_for_its_window_then_rests(endpoint):
+def _raw_connection(endpoint: str, spin_us: float):
+    from stowage import _core
+    with stowage.Client(endpoint) as c:
+        token = c._token  # (stowd's, as the client found it)
+    return _core.Connection(endpoint, spin_us, token)
+
+
+def test_reply_ready_spin_polls_for_its_window_then_rests(endpoint, monkeypatch):
     """The core's `reply_ready_spin`: true at once for a reply already
     here, true within its window for one on its way; with none coming,
     false after the whole window, and then false at once for the next 8
     calls (a connection whose replies are slow stops spinning), the 9th
-    spinning again. Real stowd; a 150 ms window so the times are plain."""
-    from stowage import _core
+    spinning again. Real stowd; a 150 ms window so the times are plain
+    (and no turn counts as crowded: see the next test)."""
+    monkeypatch.setenv("STOWAGE_SPIN_CROWDED_US", str(10**7))
     window = 0.15
-    with stowage.Client(endpoint) as c:
-        token = c._token  # (stowd's, as the client found it)
-    conn = _core.Connection(endpoint, window * 1e6, token)
+    conn = _raw_connection(endpoint, window * 1e6)
     assert conn.reply_ready_spin(), "no connection yet: ready (the finish says why)"
     for rid in (1, 2):
         assert conn.start_call(rid, 10.0, "stats", {})
         assert conn.reply_ready_spin()
         assert conn.finish_call(rid, True, 10.0) is not None
+    assert conn.loop_spin_rest == 0
     t = time.monotonic()
     assert not conn.reply_ready_spin()  # nothing asked: nothing comes
     assert time.monotonic() - t >= window
+    assert conn.loop_spin_rest == 8
     t = time.monotonic()
     assert not any(conn.reply_ready_spin() for _ in range(8))
     assert time.monotonic() - t < window, "the calls after a missed spin spun"
+    assert conn.loop_spin_rest == 0
     t = time.monotonic()
     assert not conn.reply_ready_spin()
     assert time.monotonic() - t >= window, "the spin did not come back after its rest"
     assert conn.start_call(3, 10.0, "stats", {})  # (resting again: not caught by a spin, read all the same)
     assert conn.finish_call(3, True, 10.0) is not None
+    conn.close()
+
+
+def test_a_spin_on_a_crowded_cpu_ends_and_backs_off(endpoint, monkeypatch):
+    """A turn of the spin whose `sched_yield` comes back late (another
+    process held the CPU for its time slice; here every turn, with the
+    threshold set to 0 µs) ends the spin at once, and the next 8 calls do
+    not spin; the next crowded spin rests 16, then 32: where spinning
+    costs a time slice a turn, the client sleeps and is woken instead."""
+    monkeypatch.setenv("STOWAGE_SPIN_CROWDED_US", "0")
+    conn = _raw_connection(endpoint, 2e6)  # a 2 s window, never waited out
+    assert conn.start_call(1, 10.0, "stats", {}) and conn.finish_call(1, True, 10.0) is not None
+    for rest in (8, 16, 32):
+        t = time.monotonic()
+        assert not conn.reply_ready_spin()
+        assert time.monotonic() - t < 1.0, "a crowded spin polled on"
+        assert conn.loop_spin_rest == rest
+        assert not any(conn.reply_ready_spin() for _ in range(rest))
+        assert conn.loop_spin_rest == 0
+    assert conn.start_call(2, 10.0, "stats", {}) and conn.finish_call(2, True, 10.0) is not None
     conn.close()
 
 
@@ -619,3 +648,27 @@ def test_an_in_loop_call_spins_only_when_the_loop_has_nothing_else_to_run(fake_s
     assert asyncio.run(readers(500_000.0, busy=False, cancelled=True)) == 0, "a cancelled handle counted as work"
     assert asyncio.run(readers(500_000.0, busy=True)) >= 3, "a loop with work to do spun"
     assert asyncio.run(readers(0.0, busy=False)) == 4, "spin_us=0 spun"
+
+
+def test_a_large_in_loop_reply_ends_the_spin_at_once(endpoint, fresh):
+    """A get whose reply is larger than the core's read-ahead (8 MiB here)
+    ends the spin as soon as its first bytes fill it, and is read in a
+    worker thread: with a 1 s spin_us on an idle loop, every such get is
+    back well within the spin's window (a spin that polled for the whole
+    reply would wait out the window: the reply is larger than what the
+    socket holds unread)."""
+    idx = fresh(4)
+    x = np.arange(4 * (1 << 19), dtype=np.float32).reshape(4, 1 << 19)  # 2 MiB a row
+
+    async def main():
+        async with stowage.AsyncClient(endpoint, timeout=30, spin_us=1_000_000.0) as c:
+            await c.put(idx, {"x": x})
+            for _ in range(3):
+                t = time.monotonic()
+                got = await c.get(idx, ["x"])
+                took = time.monotonic() - t
+                np.testing.assert_array_equal(got["x"], x)
+                assert took < 0.5, f"a large get took {took:.2f} s: it spun through its window"
+            await c.clear(idx)
+
+    run(main())

@@ -33,6 +33,7 @@ use crate::put::Put;
 use crate::same_node::{self, Shm};
 use crate::segments::Segments;
 use crate::stream::{Socket, Stream, curve_fail};
+use crate::wait::{Spin, Turn};
 use crate::{codec, fast, indexes};
 
 /// A same-node client's descriptor channel and mappings, as Python passes
@@ -150,13 +151,9 @@ pub(crate) struct Connection {
     curve: Option<CurveKeys>,
     /// The get `start_get` sent, for `finish_get`: its id, fields, rows.
     started: Option<(u64, Vec<String>, u64)>,
-    /// Calls of [`Connection::reply_ready_spin`] left that do not spin.
-    spin_rest: u32,
+    /// How [`Connection::reply_ready_spin`] polls (its window is `spin`).
+    loop_spin: Spin,
 }
-
-/// Calls of [`Connection::reply_ready_spin`] that do not spin after one
-/// whose spin missed the reply.
-const SPIN_REST: u32 = 8;
 
 /// The keys of a CURVE client.
 struct CurveKeys {
@@ -466,16 +463,17 @@ impl Connection {
                 "spin_us must be a finite number >= 0, got {spin_us}"
             )));
         }
+        let spin = Duration::from_secs_f64(spin_us.min(1e9) / 1e6);
         Ok(Connection {
             endpoint: Endpoint::parse(endpoint)?,
-            spin: Duration::from_secs_f64(spin_us.min(1e9) / 1e6),
+            spin,
             stream: None,
             token: token.map(|t| t.as_bytes().to_vec()),
             curve: curve
                 .map(|(server, public, secret)| CurveKeys::from_z85(&server, &public, &secret))
                 .transpose()?,
             started: None,
-            spin_rest: 0,
+            loop_spin: Spin::new(spin),
         })
     }
 
@@ -1036,12 +1034,13 @@ impl Connection {
     }
 
     /// [`Connection::reply_ready`], polled for up to the connection's
-    /// `spin_us` with the GIL released, giving the CPU away each turn
-    /// (as a blocking call's wait spins, [`crate::wait::Spin`]): for an
-    /// event loop with nothing else to run, which would otherwise sleep in
-    /// its selector and pay a wake-up for the reply. A wait the spin
-    /// misses makes the connection's next [`SPIN_REST`] calls answer at
-    /// once, without spinning, so slow replies burn little.
+    /// `spin_us` with the GIL released, giving the CPU away each turn, as
+    /// a blocking call's wait spins ([`Spin`], its rest after a miss and
+    /// its backing off from a crowded CPU included): for an event loop
+    /// with nothing else to run, which would otherwise sleep in its
+    /// selector and pay a wake-up for the reply. A reply larger than the
+    /// read-ahead ends the spin as soon as it fills it (false): its reader
+    /// waits in a worker thread, not in a poll.
     fn reply_ready_spin(&mut self, py: Python<'_>) -> bool {
         let Some(s) = self.stream.as_mut() else {
             return true;
@@ -1049,31 +1048,29 @@ impl Connection {
         if s.message_waiting() {
             return true;
         }
-        if self.spin.is_zero() {
+        if s.ahead_full() {
             return false;
         }
-        if self.spin_rest > 0 {
-            self.spin_rest -= 1;
-            return false;
-        }
-        let window = self.spin;
-        let caught = py.detach(|| {
-            let until = Instant::now() + window;
-            loop {
-                // SAFETY: no arguments; gives the CPU to anything runnable.
-                unsafe { libc::sched_yield() };
+        let spin = &mut self.loop_spin;
+        py.detach(|| {
+            spin.poll(s.deadline, || {
                 if s.message_waiting() {
-                    return true;
+                    Turn::Ready
+                } else if s.ahead_full() {
+                    Turn::Stop
+                } else {
+                    Turn::NotYet
                 }
-                if Instant::now() >= until {
-                    return false;
-                }
-            }
-        });
-        if !caught {
-            self.spin_rest = SPIN_REST;
-        }
-        caught
+            })
+        })
+    }
+
+    /// How many of the next [`Connection::reply_ready_spin`] calls return
+    /// at once, without spinning (after a spin that missed its reply or
+    /// found the CPU crowded).
+    #[getter]
+    fn loop_spin_rest(&self) -> u32 {
+        self.loop_spin.rest()
     }
 
     /// Drops the connection (the next call makes a new one).

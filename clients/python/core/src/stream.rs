@@ -400,6 +400,13 @@ impl Stream {
             })
     }
 
+    /// Whether the read-ahead buffer is full without holding a whole
+    /// message (not CURVE's): a reply larger than it is arriving, for a
+    /// reader that may wait rather than a poll.
+    pub(crate) fn ahead_full(&self) -> bool {
+        self.curve.is_none() && self.pos == 0 && self.end == self.ahead.len()
+    }
+
     /// Whether a whole message is in the read-ahead buffer (not CURVE's),
     /// so that reading it makes no system call.
     pub(crate) fn whole_message_ahead(&self) -> bool {
