@@ -49,6 +49,7 @@ from ._codec import Packed
 
 try:  # only `stowage.transferqueue` imports this module, when TransferQueue is installed
     import torch
+    from tensordict import TensorDict
     from transfer_queue.metadata import extract_field_schema
     from transfer_queue.storage.managers.simple_storage_manager import AsyncSimpleStorageManager
     from transfer_queue.utils import serial_utils
@@ -168,8 +169,6 @@ def tensordict_of(fields: dict, n: int):
     size, device (None), names and lock state (asserted by the tests).
     Anything else (non-tensor values) goes through the checked
     constructor."""
-    from tensordict import TensorDict
-
     unsafe = getattr(TensorDict, "_new_unsafe", None)
     if unsafe is not None and all(isinstance(v, torch.Tensor) for v in fields.values()):
         return unsafe(fields, batch_size=torch.Size([n]))
