@@ -23,6 +23,9 @@ for it for up to `spin_us` (default 200 µs) with the GIL released, as a
 `Client` does, before the loop awaits the socket: a reply from a `stowd`
 on another CPU is then caught without the loop's sleep and wake-up. A
 spin that misses makes the connection's next 8 calls await at once.
+A call answered without awaiting gives the loop no turn, so every
+`YIELD_EVERY` (16) such calls in a row one yields to the loop once: timers
+and other sockets' tasks run under a stream of small calls.
 `STOWAGE_ASYNC_IN_LOOP=0` sends every call the other way.
 Same node, only the calls that move no rows take this way (their replies
 never name segments).
@@ -65,6 +68,10 @@ from typing import Any, Callable, Mapping
 from .client import _CORE_FAILURES, _USUAL_GET, DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TIMEOUT, Client, _abs_dir, _core, _Ops
 from .errors import BadRequest, StowageError, StowageTimeout
 
+#: Calls in a row answered on the event loop without awaiting, after which
+#: the next one yields to the loop once (`asyncio.sleep(0)`, about 5 µs).
+YIELD_EVERY = 16
+
 #: The core connection's class: `_in_loop` calls its `start_*` and
 #: `finish_*` methods unbound, with no closure a call.
 _Conn = _core.Connection
@@ -104,6 +111,8 @@ class AsyncClient(_Ops):
         # calls, `_in_loop`): idle ones, and how many are in a call.
         self._loop_idle: list | None = [] if os.environ.get("STOWAGE_ASYNC_IN_LOOP", "1") != "0" else None
         self._loop_busy = 0
+        # Calls in a row answered on the loop without awaiting (see `_in_loop`).
+        self._unyielded = 0
 
     def _new_lane(self) -> Client:
         """A synchronous client of this client's settings."""
@@ -255,6 +264,7 @@ class AsyncClient(_Ops):
         rid = next(self._ids)
         keep = False
         try:
+            awaited = not conn.connected
             if conn.connected:
                 started = start(conn, rid, timeout, *start_args)
             else:  # connecting may take a while: not on the loop
@@ -284,6 +294,7 @@ class AsyncClient(_Ops):
                 if here:  # the whole reply is here: read without waiting (it came; no timeout)
                     got = finish(conn, rid, started, timeout, *finish_args)
                     continue
+                awaited = True
                 fd = conn.fileno()
                 woken = loop.create_future()
                 loop.add_reader(fd, _wake, woken)
@@ -301,6 +312,13 @@ class AsyncClient(_Ops):
                 else:
                     got = await loop.run_in_executor(self._threads(), finish, conn, rid, started, left, *finish_args)
             keep = True
+            # A call answered without awaiting gives the loop no turn: every
+            # YIELD_EVERY such calls in a row, it yields once, so that timers
+            # and other sockets' tasks still run under a stream of calls.
+            self._unyielded = 0 if awaited else self._unyielded + 1
+            if self._unyielded >= YIELD_EVERY:
+                self._unyielded = 0
+                await asyncio.sleep(0)
             return rid, got
         except _CORE_FAILURES as e:
             raise self._core_failure(e, op, rid, timeout) from None

@@ -672,3 +672,54 @@ def test_a_large_in_loop_reply_ends_the_spin_at_once(endpoint, fresh):
             await c.clear(idx)
 
     run(main())
+
+
+def test_a_stream_of_in_loop_calls_lets_timers_run(fake_server, monkeypatch):
+    """Small calls answered on the loop without awaiting (here every reply
+    is caught by the spin: a 1 s window, no turn counted as crowded) still
+    give the loop a turn every 16 calls in a row: a task woken by a 1 ms
+    timer runs while another task makes 400 puts back to back, not only
+    after them. (A call that finds the woken ticker ready awaits its reply
+    instead of spinning: at most one such call a tick; without the turns
+    there would be neither ticks nor such calls.)"""
+    monkeypatch.undo()  # the defaults: small puts in the loop
+    monkeypatch.setenv("STOWAGE_SPIN_CROWDED_US", str(10**7))
+    x = np.arange(2 * 3, dtype=np.float32).reshape(2, 3)
+
+    def handler(ident, frames):
+        env = msgpack.unpackb(frames[0])
+        return [[msgpack.packb({"proto": "stowage/1", "op": "put_ok", "id": env["id"], "body": {"rows": 2}})]]
+
+    srv = fake_server(handler)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        added = []
+        real = loop.add_reader
+        loop.add_reader = lambda fd, *args: (added.append(fd), real(fd, *args))[1]
+        async with stowage.AsyncClient(srv.endpoint, timeout=30, spin_us=1e6) as c:
+            assert await c.put([1, 2], {"x": x}) == 2  # (connected)
+            ticks, done = [], False
+
+            async def ticker():
+                while not done:
+                    await asyncio.sleep(0.001)
+                    ticks.append(1)
+
+            task = loop.create_task(ticker())
+            await asyncio.sleep(0.005)  # the ticker now waits on its timer
+            added.clear()
+            before = len(ticks)
+            for _ in range(400):
+                assert await c.put([1, 2], {"x": x}) == 2
+            during = len(ticks) - before
+            done = True
+            await task
+        del loop.add_reader
+        return during, len(added)
+
+    during, readers = run(main())
+    assert during >= 3, f"{during} ticks during 400 calls: the loop got no turn"
+    assert readers <= during + 1, f"{readers} calls awaited their replies for {during} ticks: the spin did not answer"
+
+
