@@ -24,7 +24,7 @@ for it for up to `spin_us` (default 200 µs) with the GIL released, as a
 on another CPU is then caught without the loop's sleep and wake-up. A
 spin that misses makes the connection's next 8 calls await at once.
 A call answered without awaiting gives the loop no turn, so every
-`YIELD_EVERY` (16) such calls in a row one yields to the loop once: timers
+`YIELD_EVERY` (64) such calls in a row one yields to the loop once: timers
 and other sockets' tasks run under a stream of small calls.
 `STOWAGE_ASYNC_IN_LOOP=0` sends every call the other way.
 Same node, only the calls that move no rows take this way (their replies
@@ -69,8 +69,11 @@ from .client import _CORE_FAILURES, _USUAL_GET, DEFAULT_MAX_MESSAGE_BYTES, DEFAU
 from .errors import BadRequest, StowageError, StowageTimeout
 
 #: Calls in a row answered on the event loop without awaiting, after which
-#: the next one yields to the loop once (`asyncio.sleep(0)`, about 5 µs).
-YIELD_EVERY = 16
+#: the next one yields to the loop once (`asyncio.sleep(0)`): a turn every
+#: 1-2 ms of back-to-back small calls. Every 16 cost a one-field call 4-7%
+#: more client CPU on one CPU, every 64 cost 1.5-3.6% (docs/benchmarks.md,
+#: "The AsyncClient's spin").
+YIELD_EVERY = 64
 
 #: The core connection's class: `_in_loop` calls its `start_*` and
 #: `finish_*` methods unbound, with no closure a call.

@@ -677,8 +677,8 @@ def test_a_large_in_loop_reply_ends_the_spin_at_once(endpoint, fresh):
 def test_a_stream_of_in_loop_calls_lets_timers_run(fake_server, monkeypatch):
     """Small calls answered on the loop without awaiting (here every reply
     is caught by the spin: a 1 s window, no turn counted as crowded) still
-    give the loop a turn every 16 calls in a row: a task woken by a 1 ms
-    timer runs while another task makes 400 puts back to back, not only
+    give the loop a turn every 64 calls in a row: a task woken by a 1 ms
+    timer runs while another task makes 1,600 puts back to back, not only
     after them. (A call that finds the woken ticker ready awaits its reply
     instead of spinning: at most one such call a tick; without the turns
     there would be neither ticks nor such calls.)"""
@@ -710,7 +710,7 @@ def test_a_stream_of_in_loop_calls_lets_timers_run(fake_server, monkeypatch):
             await asyncio.sleep(0.005)  # the ticker now waits on its timer
             added.clear()
             before = len(ticks)
-            for _ in range(400):
+            for _ in range(1600):
                 assert await c.put([1, 2], {"x": x}) == 2
             during = len(ticks) - before
             done = True
@@ -719,7 +719,7 @@ def test_a_stream_of_in_loop_calls_lets_timers_run(fake_server, monkeypatch):
         return during, len(added)
 
     during, readers = run(main())
-    assert during >= 3, f"{during} ticks during 400 calls: the loop got no turn"
+    assert during >= 3, f"{during} ticks during 1,600 calls: the loop got no turn"
     assert readers <= during + 1, f"{readers} calls awaited their replies for {during} ticks: the spin did not answer"
 
 
