@@ -12,9 +12,9 @@ one release stowd with 4 local units (the built-in policy, or
 puts of `--rows` rows x `--fields` fields of float32 [16] at fresh
 indexes, flipping the order every block (`--op get`: gets of such rows,
 cycling over 64 calls' worth each client put beforehand; `--op
-get_data`: such gets as the TransferQueue backend's `get_data` asks and
-finishes them, each field made as SimpleStorage gives it, in a
-TensorDict; `--async`:
+get_into`: the same rows into arrays made once; `--op get_data`: such
+gets as the TransferQueue backend's `get_data` asks and finishes them,
+each field made as SimpleStorage gives it, in a TensorDict; `--async`:
 through an `AsyncClient`, each call awaited in turn; `--as-torch`: gets
 of torch tensors, `as_torch=True`, with `--nested`, run with a Python that
 has torch). Each client times its calls and
@@ -30,7 +30,7 @@ of client CPU a 10x4 get in one process and 37.2 in the other, in one run
 (a wake-up across CPUs is charged to the client woken).
 
 usage: python3 bench/core_ab.py --client OLD/clients/python=old --client clients/python=new
-           --stowd target/release/stowd [--op put|get|get_data] [--async] [--as-torch] [--nested rows|packed]
+           --stowd target/release/stowd [--op put|get|get_into|get_data] [--async] [--as-torch] [--nested rows|packed]
            [--fields 32] [--rows 4] [--puts 3000] [--block 50] [--cpu 0|1:0|none]
 """
 import argparse
@@ -79,6 +79,11 @@ class Job:
             return c.put
         if self.a.op == "get_data":
             return self.get_data(c)
+        if self.a.op == "get_into":
+            import numpy as np
+
+            out = {name: np.empty((self.a.rows, 16), np.float32) for name in self.names}
+            return lambda idx, names: c.get_into(idx, out)
         if self.a.as_torch:
             return lambda idx, names: c.get(idx, names, as_torch=True, nested=self.a.nested)
         return lambda idx, names: c.get(idx, names, nested=self.a.nested)
@@ -177,7 +182,7 @@ def main() -> None:
     ap.add_argument("--client", action="append", metavar="DIR=LABEL", help="twice")
     ap.add_argument("--stowd", default=os.path.join(ROOT, "target", "release", "stowd"))
     ap.add_argument("--plugins", default=None, help="plugin directory (default: the built-in policy)")
-    ap.add_argument("--op", choices=("put", "get", "get_data"), default="put",
+    ap.add_argument("--op", choices=("put", "get", "get_into", "get_data"), default="put",
                     help="get_data: the TransferQueue backend's get and the TensorDict it makes")
     ap.add_argument("--async", dest="use_async", action="store_true", help="each client an AsyncClient")
     ap.add_argument("--as-torch", action="store_true", help="gets of torch tensors (as_torch=True)")

@@ -6,7 +6,8 @@ Every put is read, checked and laid out by the core (`_core.Put`) once,
 before either way below is taken.
 
 **Small calls on the event loop** (`_in_loop`): a put of less than
-`CORE_MIN_BYTES` (one message), a get of numpy arrays or lists, and stats, checkpoint,
+`CORE_MIN_BYTES` (one message), a get of numpy arrays or lists, a
+`get_into` of arrays or CPU tensors, and stats, checkpoint,
 restore and clear, over tcp or ipc. The core reads the arguments and
 writes the request on a core connection of the loop's own (at most
 `CORE_CONNECTIONS` at once); the loop awaits the socket's readability
@@ -212,6 +213,22 @@ class AsyncClient(_Ops):
     async def get_into(self, global_indexes, out: Mapping[str, Any], *,
                        timeout: float | None = None) -> Mapping[str, Any]:
         """See `Client.get_into`."""
+        if self._loop_carries_rows():
+            # The usual get_into (a dict of arrays or CPU tensors of those
+            # rows): through the core, its reply awaited by this event loop
+            # and read straight into `out` (a large one in a worker thread).
+            ranges = self._ranges_ok
+            got = await self._in_loop("get_into", timeout, _Conn.start_get_into, (global_indexes, out, ranges),
+                                      _Conn.finish_get_into, ())
+            if got is not None:
+                rid, reply = got
+                try:
+                    self._core_got_into(rid, None if reply is True else reply)
+                    return out
+                except BadRequest as e:
+                    if not (ranges and "global_indexes must be an array" in str(e)):
+                        raise
+                    self._ranges_ok = False  # a stowd from before ranges: a lane asks again, as a list
         return await self._on_lane("get_into", timeout, lambda c, t: c.get_into(global_indexes, out, timeout=t))
 
     async def clear(self, global_indexes, fields=None, *, timeout: float | None = None) -> int:
@@ -330,7 +347,14 @@ class AsyncClient(_Ops):
             if keep and not self._closed:
                 self._loop_idle.append(conn)
             else:
-                conn.close()
+                try:
+                    conn.close()
+                except RuntimeError as e:
+                    # Cancelled while a worker thread reads the reply: the
+                    # connection is that read's until it ends ("Already
+                    # borrowed"), and closes with it, never to be used again.
+                    if "borrowed" not in str(e):
+                        raise
 
     def _threads(self) -> ThreadPoolExecutor:
         if self._core_threads is None:

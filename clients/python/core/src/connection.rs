@@ -27,7 +27,7 @@ use crate::buffer::{Held, hold_frames};
 use crate::channel::Channel;
 use crate::error::{Fail, ProtocolViolation};
 use crate::get::{Asked, get, get_reply};
-use crate::get_into::{Target, get_into};
+use crate::get_into::{Target, get_into, reply_into};
 use crate::message::{DataFrames, REPLY_LIMITS, read_reply, send, send_pipelined, write_frames};
 use crate::put::Put;
 use crate::same_node::{self, Shm};
@@ -153,6 +153,64 @@ pub(crate) struct Connection {
     started: Option<(u64, Vec<String>, u64)>,
     /// How [`Connection::reply_ready_spin`] polls (its window is `spin`).
     loop_spin: Spin,
+    /// The get_into `start_get_into` sent, for `finish_get_into`.
+    started_into: Option<GetInto>,
+}
+
+/// A get_into through the core: its request and where its rows go.
+struct GetInto {
+    frame0: Bytes,
+    /// How many rows it asks for.
+    rows: u64,
+    plan: Vec<Target>,
+    /// The arrays `plan` points into, held (not freed nor resized) until
+    /// this is dropped.
+    buffers: Vec<Held>,
+}
+
+impl GetInto {
+    /// `get_into_fast`'s arguments read (request `id`): None when they are
+    /// not plainly indexes and a dict of arrays of those rows (nothing is
+    /// held then).
+    fn read(
+        id: u64,
+        indexes: &Bound<'_, PyAny>,
+        out: &Bound<'_, PyAny>,
+        ranges: bool,
+    ) -> PyResult<Option<GetInto>> {
+        let py = out.py();
+        let Ok(out) = out.cast_exact::<pyo3::types::PyDict>() else {
+            return Ok(None);
+        };
+        if out.is_empty() {
+            return Ok(None);
+        }
+        let names = pyo3::types::PyList::new(py, out.keys())?;
+        let Some((n, field_names, ix)) = fast::get_head(indexes, names.as_any(), ranges) else {
+            return Ok(None);
+        };
+        let mut buffers = Vec::with_capacity(out.len());
+        let mut plan = Vec::with_capacity(out.len());
+        for (name, o) in out.iter() {
+            let Some((dtypes, shape, held)) = fast::read_out(&o) else {
+                return Ok(None);
+            };
+            if shape.first() != Some(&n) {
+                return Ok(None);
+            }
+            plan.push(Target::new(name.extract()?, dtypes, shape, &held));
+            buffers.push(held);
+        }
+        let Ok(frame0) = ix.frame0(id, &field_names) else {
+            return Ok(None);
+        };
+        Ok(Some(GetInto {
+            frame0,
+            rows: n,
+            plan,
+            buffers,
+        }))
+    }
 }
 
 /// The keys of a CURVE client.
@@ -474,6 +532,7 @@ impl Connection {
                 .transpose()?,
             started: None,
             loop_spin: Spin::new(spin),
+            started_into: None,
         })
     }
 
@@ -607,31 +666,15 @@ impl Connection {
         shm: ShmArg<'py>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let not_here = || Ok(pyo3::types::PyBool::new(py, false).to_owned().into_any());
-        let Ok(out) = out.cast_exact::<pyo3::types::PyDict>() else {
+        let Some(into) = GetInto::read(id, indexes, out, ranges)? else {
             return not_here();
         };
-        if out.is_empty() {
-            return not_here();
-        }
-        let names = pyo3::types::PyList::new(py, out.keys())?;
-        let Some((n, field_names, ix)) = fast::get_head(indexes, names.as_any(), ranges) else {
-            return not_here();
-        };
-        let mut buffers = Vec::with_capacity(out.len());
-        let mut plan = Vec::with_capacity(out.len());
-        for (name, o) in out.iter() {
-            let Some((dtypes, shape, held)) = fast::read_out(&o) else {
-                return not_here();
-            };
-            if shape.first() != Some(&n) {
-                return not_here();
-            }
-            plan.push(Target::new(name.extract()?, dtypes, shape, &held));
-            buffers.push(held);
-        }
-        let Ok(frame0) = ix.frame0(id, &field_names) else {
-            return not_here();
-        };
+        let GetInto {
+            frame0,
+            plan,
+            buffers,
+            ..
+        } = into;
         let result = self.run_get_into(py, id, &frame0, &plan, timeout, &shm);
         drop(buffers);
         Ok(result?
@@ -951,6 +994,58 @@ impl Connection {
         got.into_py(py, opts)
     }
 
+    /// The first half of `get_into_fast` (over the socket), for an event
+    /// loop that awaits the reply itself: the request written, how many
+    /// indexes it asks for, or None with nothing sent (not plainly that:
+    /// the caller's general path checks and words). The arrays of `out`
+    /// stay held until `finish_get_into` (or until the connection is
+    /// closed).
+    #[pyo3(signature = (id, timeout, indexes, out, ranges = true))]
+    fn start_get_into(
+        &mut self,
+        py: Python<'_>,
+        id: u64,
+        timeout: f64,
+        indexes: &Bound<'_, PyAny>,
+        out: &Bound<'_, PyAny>,
+        ranges: bool,
+    ) -> PyResult<Option<u64>> {
+        let Some(into) = GetInto::read(id, indexes, out, ranges)? else {
+            return Ok(None);
+        };
+        let deadline = deadline_in(timeout);
+        self.started_into = None;
+        py.detach(|| self.begin(deadline, &into.frame0, NO_FRAMES))?;
+        let n = into.rows;
+        self.started_into = Some(into);
+        Ok(Some(n))
+    }
+
+    /// The second half: the reply read, a get_ok's rows straight into the
+    /// arrays; True, or (frame 0, why the codec refused it or None) of
+    /// any other reply, as `get_into_fast` gives it.
+    fn finish_get_into<'py>(
+        &mut self,
+        py: Python<'py>,
+        _id: u64,
+        _rows: Option<u64>,
+        timeout: f64,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let Some(into) = self.started_into.take() else {
+            return Err(Fail::Io("no get_into is waiting for its reply".into()).into());
+        };
+        let deadline = deadline_in(timeout);
+        // The arrays stay held (`into.buffers`) while the GIL is released.
+        let result = self.resume_detached(py, deadline, |s| reply_into(s, &into.plan));
+        drop(into);
+        match result? {
+            None => Ok(pyo3::types::PyBool::new(py, true).to_owned().into_any()),
+            Some((head, problem)) => Ok((PyBytes::new(py, &head), problem)
+                .into_pyobject(py)?
+                .into_any()),
+        }
+    }
+
     /// Whether the connection is made (a call then starts without
     /// connecting first).
     #[getter]
@@ -1076,6 +1171,8 @@ impl Connection {
     /// Drops the connection (the next call makes a new one).
     fn close(&mut self) {
         self.stream = None;
+        self.started = None;
+        self.started_into = None;
     }
 }
 

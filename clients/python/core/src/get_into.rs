@@ -21,7 +21,7 @@ use crate::buffer::Held;
 use crate::error::Fail;
 use crate::message::write_message;
 use crate::pool;
-use crate::receive::{Head, Other, Place, Places, read_frames, read_head, segments};
+use crate::receive::{Other, Place, Places, read_frames, read_head, segments};
 use crate::stream::Stream;
 
 /// Shortest run read straight into a strided array; shorter ones go
@@ -189,13 +189,6 @@ unsafe fn line<T: Copy>(from: *const u8, to: *mut u8, n: usize, stride: isize) {
     }
 }
 
-/// Sends a get and reads its reply's frame 0: the get_ok's layout and
-/// whether data frames follow, or (the rest drained) any other reply.
-fn request(s: &mut Stream, frame0: &[u8]) -> Result<Result<Head, Other>, Fail> {
-    write_message(s, frame0, &[])?;
-    read_head(s)
-}
-
 /// A target checked against the reply: its field's parts (rows in
 /// order), and the bytes of a row.
 pub(crate) type Checked<'f> = (&'f [PartLayout], u64);
@@ -268,7 +261,14 @@ pub(crate) fn get_into(
     frame0: &[u8],
     targets: &[Target],
 ) -> Result<Option<Other>, Fail> {
-    let (fields, more) = match request(s, frame0)? {
+    write_message(s, frame0, &[])?;
+    reply_into(s, targets)
+}
+
+/// The reply half of [`get_into`]: its frame 0 read, and the rows of a
+/// get_ok straight into `targets`; None, or any other reply (drained).
+pub(crate) fn reply_into(s: &mut Stream, targets: &[Target]) -> Result<Option<Other>, Fail> {
+    let (fields, more) = match read_head(s)? {
         Ok((_, fields, more, head)) => {
             if segments(&head)?.is_some() {
                 return Err(Fail::Protocol(
