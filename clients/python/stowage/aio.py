@@ -19,7 +19,7 @@ answers at once, and the reply is read without the loop's machinery.
 This takes no thread hop:
 the hop to a worker thread and back cost about 56 µs a call (docs/benchmarks.md,
 "Small calls"). When the reply is not there after the yield and the loop
-has nothing else to run (no handle in CPython's run queue), the core polls
+has nothing else to run (no live handle in CPython's run queue), the core polls
 for it for up to `spin_us` (default 200 µs) with the GIL released, as a
 `Client` does, before the loop awaits the socket: a reply from a `stowd`
 on another CPU is then caught without the loop's sleep and wake-up. A
