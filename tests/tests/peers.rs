@@ -12,6 +12,8 @@
 //!   matches the cached rows (its incarnation differs);
 //! - 8 concurrent gets of the same rows fetch them once;
 //! - a small bound evicts and stays correct; `[cache] enabled = false`;
+//! - a forwarded reply a client does not read counts as held once its
+//!   fetch is evicted;
 //! - requests naming a unit: wrong unit, wrong op, shared memory; a bad
 //!   `stowage://` unit is refused at start.
 
@@ -548,6 +550,92 @@ async fn a_hostile_peers_replies_are_errors_and_the_router_serves_on() {
     }
     stop.send(true).unwrap();
     server.await.unwrap();
+}
+
+/// A get forwarded to a client that does not read its reply: once the
+/// cache has evicted that fetch, the rows the reply still holds count as
+/// held (`cache_held_bytes`), so that the room made for later fetches
+/// covers them too (see the module doc of `stowage_host::cache`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forwarded_reply_still_being_written_counts_as_held() {
+    use stowage_host::transport::zmtp;
+    let port = free_port();
+    let peer = Stowd::start(&format!(
+        "[server]\nnative_port = {port}\n\n[units]\nlocal = 2\n\n[router]\nenabled = false\n\n[shm]\nenabled = false\n\n[security]\nauth = \"none\"\n"
+    ));
+    // Room for one fetch of 6 MiB, not two. A raw NULL handshake below.
+    let bound = 8u64 << 20;
+    let router = Stowd::start(&forwarding_router(
+        port,
+        &format!("[cache]\nmax_bytes = {bound}\n\n[security]\nauth = \"none\"\n"),
+    ));
+    let client = NativeClient::new(router.native());
+    let n = 1536u64; // 6 MiB of 4 KiB rows
+    let (a, b): (Vec<u64>, Vec<u64>) = ((0..n).collect(), (10_000..10_000 + n).collect());
+    let (pa, pb) = (
+        vec![("x".to_string(), Field::Regular(f32_rows(n, 1024, 1)))],
+        vec![("x".to_string(), Field::Regular(f32_rows(n, 1024, 2)))],
+    );
+    client.put_ok(&a, &pa).await;
+    client.put_ok(&b, &pb).await;
+
+    // A client that asks for `a` and never reads.
+    let addr = router.native().strip_prefix("tcp://").unwrap().to_string();
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(4096).unwrap();
+    let mut stalled = socket.connect(addr.parse().unwrap()).await.unwrap();
+    let (r, mut w) = stalled.split();
+    let mut reader = zmtp::FrameReader::new(r);
+    zmtp::handshake(&mut reader, &mut w, "DEALER", b"stalled", &["ROUTER"])
+        .await
+        .unwrap();
+    let request = native::encode_request(&native::Request {
+        id: 1,
+        op: native::Op::Get {
+            global_indexes: native::Indexes::from_list(&a),
+            fields: vec!["x".into()],
+        },
+    })
+    .unwrap();
+    zmtp::write_message(&mut w, &request).await.unwrap();
+    let fetched = 6u64 << 20;
+    let mut waited = 0;
+    while (client.stat("gets_forwarded").await as u64) < 1
+        || (client.stat("cache_fetched_bytes").await as u64) < fetched
+    {
+        assert!(waited < 1000, "the stalled client's get was not forwarded");
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        waited += 1;
+    }
+    // Another client's get of `b` makes room by evicting `a`'s fetch,
+    // which the stalled reply still holds.
+    let got = client.get_ok(&b, &["x"]).await;
+    assert_cells(
+        "b",
+        &wire_cells(got.into_iter().next().unwrap().1),
+        &expected(&pb[0].1, &b, &b),
+    );
+    assert!(client.stat("cache_evictions").await >= 1);
+    let held = client.stat("cache_held_bytes").await as u64;
+    assert!(
+        held >= fetched,
+        "a reply still being written holds {fetched} bytes of an evicted fetch; {held} counted as held"
+    );
+    assert!(client.stat("cache_bytes").await as u64 + held <= bound + fetched);
+    // Once the stalled client goes, nothing is held.
+    drop(reader);
+    drop(stalled);
+    let mut held = held;
+    for _ in 0..200 {
+        if held == 0 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        held = client.stat("cache_held_bytes").await as u64;
+    }
+    assert_eq!(held, 0, "bytes still held after the stalled client went");
+    router.stop();
+    peer.stop();
 }
 
 /// A router with no units of its own: every row of a get is a peer's, so

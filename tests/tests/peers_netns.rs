@@ -451,9 +451,11 @@ async fn a_bounded_cache_holds_its_bound_with_rows_in_flight() {
     // forwarded while they arrived (see the module doc of
     // `stowage_host::cache`). On a quiet machine A grows by 1.04-1.05x the
     // bound. Once, in a CI run where the readers drifted apart (60
-    // evictions against 26), by 1.19x, before held rows were counted; the
-    // margin is kept for what is still not counted. Making room only when a
-    // fetch landed grew it by 1.30x on a quiet machine.
+    // evictions against 26), by 1.19x, before held rows were counted, and
+    // in another (94 evictions) by 1.31x, before the frames of forwarded
+    // replies were counted as held; the margin is kept for what is still
+    // not counted. Making room only when a fetch landed grew it by 1.30x on
+    // a quiet machine.
     assert!(
         grew as f64 <= 1.25 * bound as f64,
         "A grew by {} MiB reading {} MiB of remote rows through a {bound_mib} MiB cache: more than the bound + 25%",

@@ -273,7 +273,7 @@ impl Manager {
         op: native::Op,
         layout: Option<&native::FrameLayout>,
         with_versions: bool,
-        tap: Option<&FetchTap>,
+        tap: Option<(&FetchTap, Option<&Arc<()>>)>,
     ) -> Result<PeerReply, ManagerError> {
         let id = p.ids.fetch_add(1, Ordering::Relaxed);
         let op_name = op.name();
@@ -308,7 +308,7 @@ impl Manager {
         // get answers it as an error instead of beginning a reply.
         let (first, muted) = (AtomicBool::new(true), AtomicBool::new(false));
         let show = |e: crate::transport::Tapped<'_>| {
-            let Some(tap) = tap else { return };
+            let Some((tap, token)) = tap else { return };
             match e {
                 crate::transport::Tapped::Frame(f) => {
                     if first.swap(false, Ordering::Relaxed) {
@@ -322,7 +322,13 @@ impl Manager {
                         }
                     }
                     if !muted.load(Ordering::Relaxed) {
-                        tap.send(TapEvent::Frame(f.clone()));
+                        // Under the fetch's token, so that the read cache
+                        // counts what the forwarding get holds.
+                        let f = match token {
+                            Some(t) => crate::cache::track(f, t),
+                            None => f.clone(),
+                        };
+                        tap.send(TapEvent::Frame(f));
                     }
                 }
                 crate::transport::Tapped::Retry => {
@@ -483,7 +489,13 @@ impl Manager {
             global_indexes: native::Indexes::from_list(indexes),
             fields: fields.to_vec(),
         };
-        let got = self.exchange_peer(p, op, None, with_versions, tap).await?;
+        // The cache's fetches (with versions) hold a token in every slice
+        // of their frames, those shown to `tap` as well, so that the cache
+        // sees when gets no longer hold their rows (see `cache::tracked`).
+        let token = with_versions.then(|| Arc::new(()));
+        let got = self
+            .exchange_peer(p, op, None, with_versions, tap.map(|t| (t, token.as_ref())))
+            .await?;
         let native::Reply::GetOk { fields: wire } = got.reply else {
             return Err(Self::peer_unexpected(p, &got.reply));
         };
@@ -496,13 +508,12 @@ impl Manager {
             return Err(bad("the reply's fields are not the ones asked for".into()));
         }
         let data = got.frames.get(1..).unwrap_or_default();
-        // The cache's fetches (with versions) through a token, so that it
-        // sees when gets no longer hold their rows (see `cache::tracked`).
-        let (received, alive) = if with_versions {
-            let (frames, alive) = crate::cache::tracked(data);
-            (Received::frames(&frames), alive)
-        } else {
-            (Received::frames(data), Weak::new())
+        let (received, alive) = match token {
+            Some(token) => {
+                let (frames, alive) = crate::cache::tracked(data, token);
+                (Received::frames(&frames), alive)
+            }
+            None => (Received::frames(data), Weak::new()),
         };
         let mut out = Vec::with_capacity(wire.len());
         for (_, field) in wire {
