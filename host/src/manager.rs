@@ -955,21 +955,27 @@ impl Manager {
 
     /// [`Manager::get`] for a same-node reader: every extent the rows are in
     /// is in shared memory afterwards (moved there once, see
-    /// [`crate::extent::share_all`]).
+    /// [`crate::extent::share_all`]), unless `small` says the rows are
+    /// better sent over the socket; whether they were shared.
     pub async fn get_shared(
         &self,
         global_indexes: &Indexes,
         fields: &[String],
         shm: &SegmentStore,
-    ) -> Result<Vec<(String, Rows)>, GetSharedError> {
+        small: impl FnOnce(&[(String, Rows)]) -> bool,
+    ) -> Result<(Vec<(String, Rows)>, bool), GetSharedError> {
         let got = self
             .get(global_indexes, fields)
             .await
             .map_err(GetSharedError::Manager)?;
+        if small(&got) {
+            return Ok((got, false));
+        }
+        shm.touch();
         for (_, rows) in &got {
             rows.share(shm).map_err(GetSharedError::Shm)?;
         }
-        Ok(got)
+        Ok((got, true))
     }
 
     /// Drops the given indexes (only `fields`, if given) on every unit that

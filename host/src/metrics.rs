@@ -105,6 +105,9 @@ pub struct DataCounters {
     /// reply failed after the client's began, or the client left): the
     /// client's connection was closed.
     pub gets_forward_dropped: AtomicU64,
+    /// Same-node gets answered over the socket, their rows under
+    /// `[shm] inline_below` bytes.
+    pub same_node_gets_inline: AtomicU64,
 }
 
 /// Hot-reload outcomes.

@@ -155,12 +155,14 @@ def run_stowd(workdir: Path, config: str | None = None, name: str = "stowd", ext
 
 def shm_stowd(tmp_path_factory, tag: str, config: str = ""):
     """Yields a stowd with shared memory in a directory of its own
-    (/dev/shm/stowage-test-<tag>-<pid>, removed after); `config` is added
-    after the `[shm]` table's `dir`, so bare keys there are `[shm]` keys.
+    (/dev/shm/stowage-test-<tag>-<pid>, removed after), every same-node
+    get through segments (`inline_below = 0`: the tests that use it are of
+    the segments); `config` is added after the `[shm]` table's keys, so
+    bare keys there are `[shm]` keys.
     For module- or session-scoped fixtures: `yield from shm_stowd(...)`."""
     shm_dir = f"/dev/shm/stowage-test-{tag}-{os.getpid()}"
     shutil.rmtree(shm_dir, ignore_errors=True)
-    with run_stowd(tmp_path_factory.mktemp(tag), config=f'[shm]\ndir = "{shm_dir}"\n' + config,
+    with run_stowd(tmp_path_factory.mktemp(tag), config=f'[shm]\ndir = "{shm_dir}"\ninline_below = 0\n' + config,
                    name=f"stowd-{tag}") as s:
         assert s["shm_dir"] == shm_dir
         yield s

@@ -169,7 +169,7 @@ def test_odd_replies_through_the_core(fake_server, kind, monkeypatch):
 def shm_endpoint(tmp_path_factory):
     shm_dir = f"/dev/shm/stowage-test-core-calls-{os.getpid()}"
     shutil.rmtree(shm_dir, ignore_errors=True)
-    with run_stowd(tmp_path_factory.mktemp("shm"), config=f'[shm]\ndir = "{shm_dir}"\n', name="stowd-shm") as s:
+    with run_stowd(tmp_path_factory.mktemp("shm"), config=f'[shm]\ndir = "{shm_dir}"\ninline_below = 0\n', name="stowd-shm") as s:
         yield s["native"]
     shutil.rmtree(shm_dir, ignore_errors=True)
 

@@ -188,7 +188,7 @@ def shm_server(tmp_path_factory):
 
     shm_dir = f"/dev/shm/stowage-test-sources-{os.getpid()}"
     shutil.rmtree(shm_dir, ignore_errors=True)
-    with run_stowd(tmp_path_factory.mktemp("sources"), config=f'[shm]\ndir = "{shm_dir}"\n',
+    with run_stowd(tmp_path_factory.mktemp("sources"), config=f'[shm]\ndir = "{shm_dir}"\ninline_below = 0\n',
                    name="stowd-sources") as s:
         yield s
     shutil.rmtree(shm_dir, ignore_errors=True)

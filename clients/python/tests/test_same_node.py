@@ -12,10 +12,12 @@ import json
 import mmap
 import os
 import shutil
+import signal
 import struct
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -44,7 +46,7 @@ def _shm_stowd(tmp_path_factory, tag: str, lease_secs: int):
     """A stowd whose channel directory lives in a directory of its own."""
     shm_dir = f"/dev/shm/stowage-test-{tag}-{os.getpid()}"
     shutil.rmtree(shm_dir, ignore_errors=True)
-    config = f'[shm]\ndir = "{shm_dir}"\nlease_secs = {lease_secs}\n'
+    config = f'[shm]\ndir = "{shm_dir}"\nlease_secs = {lease_secs}\ninline_below = 0\n'
     with run_stowd(tmp_path_factory.mktemp(tag), config=config, name=f"stowd-{tag}") as s:
         assert s["shm_dir"] == shm_dir
         yield s
@@ -86,6 +88,121 @@ def data_ptr(a: np.ndarray) -> int:
 def rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.fixture(scope="module")
+def inline_server(tmp_path_factory):
+    """A stowd that answers same-node gets of under 64 KiB over the socket."""
+    shm_dir = f"/dev/shm/stowage-test-inline-{os.getpid()}"
+    shutil.rmtree(shm_dir, ignore_errors=True)
+    config = f'[shm]\ndir = "{shm_dir}"\ninline_below = 65536\n'
+    with run_stowd(tmp_path_factory.mktemp("inline"), config=config, name="stowd-inline") as s:
+        yield s
+    shutil.rmtree(shm_dir, ignore_errors=True)
+
+
+def test_a_small_same_node_get_comes_over_the_socket_and_a_large_one_through_segments(inline_server, fresh):
+    """Under `[shm] inline_below` bytes a same-node get is answered as any
+    get (no segment made or named, `same_node_gets_inline` counts it); at
+    or over it through segments, shared between gets, as before."""
+    s = inline_server
+    small, edge, large = fresh(4), fresh(1), fresh(64)
+    rows = {
+        "small": (small, {"x": np.arange(4 * 256, dtype=np.float32).reshape(4, 256),  # 4 KiB
+                          "tag": [f"t{i}" for i in range(4)]}),
+        "under": (edge, {"b": np.full((1, 65535), 7, np.uint8)}),  # one byte under
+        "at": (edge, {"c": np.full((1, 65536), 9, np.uint8)}),  # the bound itself
+        "large": (large, {"x": np.arange(64 * 1024, dtype=np.float32).reshape(64, 1024)}),  # 256 KiB
+    }
+    with stowage.Client(s["native"]) as tcp:
+        for idx, data in rows.values():
+            tcp.put(idx, data)
+    with stowage.Client(s["native"], same_node=True) as c:
+        def get(name):
+            idx, data = rows[name]
+            before = (stat(s, "same_node_gets_inline"), live_segments(s))
+            got = c.get(idx, list(data), as_torch=False)
+            for k, v in data.items():
+                if isinstance(v, list):
+                    assert got[k] == v, (name, k)
+                else:
+                    np.testing.assert_array_equal(got[k], v)
+            return got, stat(s, "same_node_gets_inline") - before[0], live_segments(s) - before[1]
+
+        got, inline, made = get("small")
+        assert (inline, made) == (1, 0), "a 4 KiB same-node get went through a segment"
+        with pytest.raises(ValueError):
+            got["x"][0, 0] = 1.0  # read-only, as over the socket and through segments
+        assert get("under")[1:] == (1, 0), "65,535 bytes under a bound of 65,536 went through a segment"
+        _, inline, made = get("at")
+        assert inline == 0 and made == 1, "65,536 bytes at a bound of 65,536 came over the socket"
+        g1, inline, made = get("large")
+        assert inline == 0 and made == 1
+        g2, inline, made = get("large")
+        assert inline == 0 and made == 0
+        assert data_ptr(g1["x"]) == data_ptr(g2["x"]), "two large gets do not share the segment"
+        # get_into takes either reply too.
+        out = {"x": np.zeros((4, 256), np.float32)}
+        before = stat(s, "same_node_gets_inline")
+        c.get_into(small, out)
+        np.testing.assert_array_equal(out["x"], rows["small"][1]["x"])
+        assert stat(s, "same_node_gets_inline") == before + 1
+        out = {"x": np.zeros((64, 1024), np.float32)}
+        c.get_into(large, out)
+        np.testing.assert_array_equal(out["x"], rows["large"][1]["x"])
+        assert stat(s, "same_node_gets_inline") == before + 1
+    with stowage.Client(s["native"]) as tcp:
+        assert tcp.stats()["same_node_gets_inline"] == stat(s, "same_node_gets_inline")
+        for idx, _ in rows.values():
+            tcp.clear(idx)
+
+
+async def _async_gets(endpoint, idx, n):
+    async with stowage.AsyncClient(endpoint, same_node=True) as c:
+        return [await c.get(idx, ["x"], as_torch=False) for _ in range(n)]
+
+
+def test_the_async_client_takes_a_small_same_node_reply_over_the_socket(inline_server, fresh):
+    s = inline_server
+    idx = fresh(4)
+    a = np.arange(4 * 16, dtype=np.float32).reshape(4, 16)
+    with stowage.Client(s["native"]) as tcp:
+        tcp.put(idx, {"x": a})
+    before = stat(s, "same_node_gets_inline")
+    for got in asyncio.run(_async_gets(s["native"], idx, 3)):
+        np.testing.assert_array_equal(got["x"], a)
+    assert stat(s, "same_node_gets_inline") == before + 3
+
+
+@pytest.mark.parametrize("kib", [4, 256], ids=["over-the-socket", "through-segments"])
+def test_a_same_node_reply_is_awaited_by_spinning_then_sleeping(inline_server, fresh, monkeypatch, kib):
+    """A same-node get polls its socket and channel for `spin_us` before
+    it sleeps, as a get over the socket alone does: with stowd stopped for
+    0.2 s, a client with a 5 s spin uses CPU for the wait, one with
+    spin_us=0 almost none; the rows are right either way."""
+    monkeypatch.setenv("STOWAGE_SPIN_CROWDED_US", str(10**7))
+    s = inline_server
+    idx = fresh(kib // 4)
+    a = np.arange(kib * 256, dtype=np.float32).reshape(kib // 4, 1024)
+    with stowage.Client(s["native"]) as tcp:
+        tcp.put(idx, {"x": a})
+
+    def paused_get(c):
+        c.get(idx, ["x"])  # the channel opened, the rows where they will be
+        os.kill(s["pid"], signal.SIGSTOP)
+        threading.Timer(0.2, os.kill, (s["pid"], signal.SIGCONT)).start()
+        t = time.thread_time()
+        got = c.get(idx, ["x"], as_torch=False)
+        cpu = time.thread_time() - t
+        np.testing.assert_array_equal(got["x"], a)
+        return cpu
+
+    with stowage.Client(s["native"], same_node=True, timeout=10, spin_us=0) as c:
+        asleep = paused_get(c)
+    with stowage.Client(s["native"], same_node=True, timeout=10, spin_us=5e6) as c:
+        spinning = paused_get(c)
+    assert asleep < 0.02, asleep
+    assert spinning > 0.05, spinning
 
 
 def test_two_gets_share_memory_and_writes_raise(shm_server, fresh):
@@ -370,7 +487,7 @@ def test_a_client_opens_a_new_channel_when_stowd_restarts(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     shm_dir = f"/dev/shm/stowage-test-restart-{os.getpid()}"
-    config = f'[server]\nnative_port = {port}\n[shm]\ndir = "{shm_dir}"\n'
+    config = f'[server]\nnative_port = {port}\n[shm]\ndir = "{shm_dir}"\ninline_below = 0\n'
     x = np.arange(64, dtype=np.float32).reshape(4, 16)
     c = stowage.Client(f"tcp://127.0.0.1:{port}", same_node=True, timeout=20)
     ac = stowage.AsyncClient(f"tcp://127.0.0.1:{port}", same_node=True, timeout=20)
@@ -811,7 +928,7 @@ def test_a_restarted_stowd_with_the_same_pid_starts_cleanly(tmp_path):
     shm_dir = Path(f"/dev/shm/stowage-restart-{os.getpid()}")  # a socket path has at most 107 bytes
     shutil.rmtree(shm_dir, ignore_errors=True)
     cfg = tmp_path / "stowd.toml"
-    cfg.write_text(f'[server]\nnative_port = 0\n[units]\nlocal = 1\n[shm]\ndir = "{shm_dir}"\n')
+    cfg.write_text(f'[server]\nnative_port = 0\n[units]\nlocal = 1\n[shm]\ndir = "{shm_dir}"\ninline_below = 0\n')
 
     def start(n: int):
         ep = tmp_path / f"ep{n}.json"

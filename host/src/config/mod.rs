@@ -617,6 +617,16 @@ pub struct ShmConfig {
     /// Seconds a file allocated ahead of time may go unused before it is
     /// freed.
     pub prealloc_idle_secs: u64,
+    /// A same-node get whose rows come to fewer bytes than this is
+    /// answered over the socket, as any get, with no segment made or
+    /// named for it (`stowd_same_node_gets_inline_total`); 0: every
+    /// same-node get through segments. Below it a segment's descriptor,
+    /// mapping and checks cost the reader more than the bytes: a 4 KiB get
+    /// took 47-51 µs through a segment and 32-38 µs over the socket, and
+    /// the two met between 64 and 128 KiB, on one CPU and across two
+    /// (`bench/same_node_small.py`; `docs/benchmarks.md`, "Same-node small
+    /// gets").
+    pub inline_below: u64,
     /// No longer used (cleared segments are never reused: a reader may
     /// still map them). Accepted, with a warning, so older configs load.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -657,6 +667,7 @@ impl Default for ShmConfig {
             max_connection_leases: 256,
             prealloc_bytes: 2 << 30,
             prealloc_idle_secs: 30,
+            inline_below: 64 << 10,
             reuse_bytes: None,
             reuse_secs: None,
             reply_hold_ms: None,

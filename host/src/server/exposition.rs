@@ -247,6 +247,12 @@ pub fn render(metrics: &Metrics, manager: &Manager, units: &[Arc<Unit>]) -> Stri
         "Forwarded gets whose reply could not be finished (the peer's reply failed after the client's began, or the client left): the client's connection was closed.",
     );
     t.sample(&[], get(&c.gets_forward_dropped));
+    t.family(
+        "stowd_same_node_gets_inline_total",
+        COUNTER,
+        "Same-node gets answered over the socket, their rows under [shm] inline_below bytes.",
+    );
+    t.sample(&[], get(&c.same_node_gets_inline));
     let remote = manager
         .targets()
         .iter()

@@ -383,6 +383,7 @@ pub async fn run(listeners: Listeners, node: Node, shutdown: watch::Receiver<boo
         },
         pack_limits: config.limits.pack_limits(),
         shm,
+        inline_below: config.shm.inline_below,
         metrics: node.metrics.clone(),
         endpoint: native_endpoint,
         offload,

@@ -41,6 +41,9 @@ pub(super) struct NativeService {
     /// Same-node shared memory, if enabled, and the descriptor channels
     /// its segments go over.
     pub shm: Option<(Arc<SegmentStore>, Arc<Channels>)>,
+    /// `[shm] inline_below`: same-node gets of fewer bytes are answered
+    /// over the socket.
+    pub inline_below: u64,
     pub metrics: Arc<Metrics>,
     /// The endpoint's address, for the request spans.
     pub endpoint: String,
@@ -301,6 +304,19 @@ impl NativeService {
             .map_err(|e| errors::shm(&e))
     }
 
+    /// Whether a same-node get of `got` is answered over the socket: its
+    /// rows come to fewer than `[shm] inline_below` bytes.
+    fn inline(&self, got: &[(String, Rows)]) -> bool {
+        let mut bytes = 0u64;
+        for (_, rows) in got {
+            bytes = bytes.saturating_add(rows.byte_len());
+            if bytes >= self.inline_below {
+                return false;
+            }
+        }
+        true
+    }
+
     /// The channel a same-node `what` names, if it is open.
     fn channel<'a>(
         &self,
@@ -352,6 +368,7 @@ impl NativeService {
                         .forward_get(id, global_indexes, fields, positions)
                         .await;
                 }
+                let mut shared = same_node;
                 let got = match (same_node, &self.shm) {
                     (false, _) => m
                         .get(&global_indexes, &fields)
@@ -360,16 +377,26 @@ impl NativeService {
                     (true, None) => Err(errors::shm(&ShmError::Disabled)),
                     (true, Some((shm, _))) => match self.channel(extras, "get") {
                         Err(reply) => Err(reply),
-                        Ok(_) => {
-                            shm.touch();
-                            m.get_shared(&global_indexes, &fields, shm)
-                                .await
-                                .map_err(|e| errors::native_shared(&e))
-                        }
+                        // Small: over the socket, as any get (no segment
+                        // made, none named; the reader reads either reply).
+                        Ok(_) => match m
+                            .get_shared(&global_indexes, &fields, shm, |g| self.inline(g))
+                            .await
+                        {
+                            Ok((got, true)) => Ok(got),
+                            Ok((got, false)) => {
+                                shared = false;
+                                m.counters
+                                    .same_node_gets_inline
+                                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                                Ok(got)
+                            }
+                            Err(e) => Err(errors::native_shared(&e)),
+                        },
                     },
                 };
                 match got {
-                    Ok(got) => get_answer(got, extras.channel.clone().filter(|_| same_node)),
+                    Ok(got) => get_answer(got, extras.channel.clone().filter(|_| shared)),
                     Err(reply) => reply.into(),
                 }
             }

@@ -126,6 +126,19 @@ impl Rows {
         self.pieces.is_empty()
     }
 
+    /// The rows' bytes (a value's as [`Column::row_len`] counts it).
+    pub fn byte_len(&self) -> u64 {
+        self.pieces
+            .iter()
+            .map(|p| match self.columns[p.column as usize].as_ref() {
+                Column::Regular(c) => c.row_bytes as u64 * u64::from(p.count),
+                other => (p.row..p.row + p.count)
+                    .map(|r| other.row_len(r as usize))
+                    .sum(),
+            })
+            .sum()
+    }
+
     /// Every row as (position, column, row in it), piece by piece.
     fn each_row(&self) -> impl Iterator<Item = (u64, &Column, usize)> + '_ {
         self.pieces.iter().flat_map(move |p| {

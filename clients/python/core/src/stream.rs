@@ -75,7 +75,7 @@ impl AsRawFd for Socket {
 pub(crate) struct Stream {
     pub(crate) sock: Socket,
     pub(crate) deadline: Instant,
-    spin: Spin,
+    pub(crate) spin: Spin,
     /// Read ahead: bytes `pos..end` are received and not yet taken.
     ahead: Box<[u8]>,
     pos: usize,

@@ -83,17 +83,7 @@ impl Spin {
     /// `deadline`: whether it became readable.
     pub(crate) fn wait(&mut self, fd: i32, deadline: Instant) -> bool {
         self.poll(deadline, || {
-            let mut b = 0u8;
-            // SAFETY: a peek of at most one byte into `b`, alive for the call.
-            let n = unsafe {
-                libc::recv(
-                    fd,
-                    (&mut b as *mut u8).cast(),
-                    1,
-                    libc::MSG_DONTWAIT | libc::MSG_PEEK,
-                )
-            };
-            if n >= 0 || std::io::Error::last_os_error().kind() != std::io::ErrorKind::WouldBlock {
+            if readable(fd) {
                 Turn::Ready
             } else {
                 Turn::NotYet
@@ -138,6 +128,22 @@ impl Spin {
             }
         }
     }
+}
+
+/// Whether socket `fd` has bytes to read now (or an error or end of
+/// stream, which the next `recv` reports).
+pub(crate) fn readable(fd: i32) -> bool {
+    let mut b = 0u8;
+    // SAFETY: a peek of at most one byte into `b`, alive for the call.
+    let n = unsafe {
+        libc::recv(
+            fd,
+            (&mut b as *mut u8).cast(),
+            1,
+            libc::MSG_DONTWAIT | libc::MSG_PEEK,
+        )
+    };
+    n >= 0 || std::io::Error::last_os_error().kind() != std::io::ErrorKind::WouldBlock
 }
 
 /// Waits until the socket is ready for `events` (or reports an error,

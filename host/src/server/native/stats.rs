@@ -91,6 +91,7 @@ impl NativeService {
             ("fallbacks", &c.fallbacks),
             ("gets_forwarded", &c.gets_forwarded),
             ("gets_forward_dropped", &c.gets_forward_dropped),
+            ("same_node_gets_inline", &c.same_node_gets_inline),
         ] {
             push(key, load(v));
         }
