@@ -157,6 +157,19 @@ def test_a_small_same_node_get_comes_over_the_socket_and_a_large_one_through_seg
             tcp.clear(idx)
 
 
+def test_with_inline_below_0_every_same_node_get_goes_through_segments(shm_server, fresh):
+    """`inline_below = 0` (this module's shm_server): no get is answered
+    over the socket, not even a one-byte one."""
+    idx = fresh(1)
+    with stowage.Client(shm_server["native"]) as tcp:
+        tcp.put(idx, {"b": np.ones((1, 1), np.uint8)})
+    with stowage.Client(shm_server["native"], same_node=True) as c:
+        before = live_segments(shm_server)
+        np.testing.assert_array_equal(c.get(idx, ["b"])["b"], np.ones((1, 1), np.uint8))
+        assert live_segments(shm_server) == before + 1, "the one-byte row was not moved into a segment"
+    assert stat(shm_server, "same_node_gets_inline") == 0
+
+
 async def _async_gets(endpoint, idx, n):
     async with stowage.AsyncClient(endpoint, same_node=True) as c:
         return [await c.get(idx, ["x"], as_torch=False) for _ in range(n)]

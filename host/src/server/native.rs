@@ -307,6 +307,9 @@ impl NativeService {
     /// Whether a same-node get of `got` is answered over the socket: its
     /// rows come to fewer than `[shm] inline_below` bytes.
     fn inline(&self, got: &[(String, Rows)]) -> bool {
+        if self.inline_below == 0 {
+            return false;
+        }
         let mut bytes = 0u64;
         for (_, rows) in got {
             bytes = bytes.saturating_add(rows.byte_len());
