@@ -371,35 +371,33 @@ impl NativeService {
                         .forward_get(id, global_indexes, fields, positions)
                         .await;
                 }
-                let mut shared = same_node;
+                // The rows, and whether they go as segments.
                 let got = match (same_node, &self.shm) {
                     (false, _) => m
                         .get(&global_indexes, &fields)
                         .await
+                        .map(|got| (got, false))
                         .map_err(|e| errors::native(&e)),
                     (true, None) => Err(errors::shm(&ShmError::Disabled)),
+                    // Small: over the socket, as any get (no segment made,
+                    // none named; the reader reads either reply).
                     (true, Some((shm, _))) => match self.channel(extras, "get") {
                         Err(reply) => Err(reply),
-                        // Small: over the socket, as any get (no segment
-                        // made, none named; the reader reads either reply).
-                        Ok(_) => match m
+                        Ok(_) => m
                             .get_shared(&global_indexes, &fields, shm, |g| self.inline(g))
                             .await
-                        {
-                            Ok((got, true)) => Ok(got),
-                            Ok((got, false)) => {
-                                shared = false;
-                                m.counters
-                                    .same_node_gets_inline
-                                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                                Ok(got)
-                            }
-                            Err(e) => Err(errors::native_shared(&e)),
-                        },
+                            .map_err(|e| errors::native_shared(&e)),
                     },
                 };
                 match got {
-                    Ok(got) => get_answer(got, extras.channel.clone().filter(|_| shared)),
+                    Ok((got, shared)) => {
+                        if same_node && !shared {
+                            m.counters
+                                .same_node_gets_inline
+                                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        }
+                        get_answer(got, extras.channel.clone().filter(|_| shared))
+                    }
                     Err(reply) => reply.into(),
                 }
             }
