@@ -1,10 +1,10 @@
 """A same-node put's requests, sans IO: the sequence `Client.put` drives
-(an `AsyncClient`'s same-node put runs on a lane, a `Client`), apart from
+(an `AsyncClient`'s same-node put that leases runs on a lane, a `Client`), apart from
 the transport, so what such a put sends, and in what order, is written
 once. (Everything else about a put, its checks, its layout, its split
 into messages and the bytes it writes, is the Rust core's `_core.Put`.)
 
-    steps = same_node(put, segments)
+    steps = same_node(put, segments, inline_below)
     reply = None
     while True:
         try:
@@ -23,8 +23,12 @@ leased from stowd (a `lease` request, then `Put.fill` writes the bytes
 with `pwritev`, each data frame at a multiple of 64, and closes the
 descriptor, so that stowd can seal the segment), then the `put` naming the
 ranges it wrote; nothing of the payload crosses the socket. A put whose
-data frames hold no byte at all (only empty rows, or values) has nothing
-to lease: its frames go on the socket.
+data frames hold fewer than `inline_below` bytes (and fit one message of
+the client's `max_message_bytes`) goes on the socket as any put: a lease
+costs a round trip, a descriptor, a segment of a page at least and its
+mapping, where a small put's bytes take a few microseconds to send
+(`Client.SAME_NODE_INLINE_BELOW`). So does a put whose data frames hold
+no byte at all (only empty rows, or values): it has nothing to lease.
 """
 
 from __future__ import annotations
@@ -35,12 +39,12 @@ from typing import Generator
 from .errors import ProtocolError
 
 
-def same_node(put, segments) -> Generator[tuple, object, int]:
+def same_node(put, segments, inline_below: int = 0) -> Generator[tuple, object, int]:
     """The requests of a same-node put of `put` (a `_core.Put` made with
-    `same_node=True`), given the client's `_shm.Segments` (see the module
-    doc)."""
+    `same_node=True`), given the client's `_shm.Segments`; one of fewer
+    than `inline_below` bytes goes on the socket (see the module doc)."""
     size = put.lease_bytes
-    if not size:
+    if not size or (size < inline_below and put.fits_message):
         return (yield "put", None)
     reply = yield "lease", {"bytes": size}
     name = reply["segment"]

@@ -28,8 +28,9 @@ A call answered without awaiting gives the loop no turn, so every
 `YIELD_EVERY` (64) such calls in a row one yields to the loop once: timers
 and other sockets' tasks run under a stream of small calls.
 `STOWAGE_ASYNC_IN_LOOP=0` sends every call the other way.
-Same node, only the calls that move no rows take this way (their replies
-never name segments).
+Same node, the calls that move no rows take this way (their replies
+never name segments), and so does a put under `SAME_NODE_INLINE_BELOW`
+bytes, which goes on the socket as any put (no lease).
 
 **Everything else in a worker thread, on a lane**: a synchronous `Client`
 of this client's settings (endpoint, timeouts, same-node mode, token, keys),
@@ -159,6 +160,12 @@ class AsyncClient(_Ops):
     async def __aexit__(self, *exc) -> None:
         await self.aclose()
 
+    def _on_socket(self, put) -> bool:
+        """Whether a same-node put goes on the socket as any put (see
+        `_put.same_node`): then the event loop may carry it."""
+        size = put.lease_bytes
+        return not size or (size < self.SAME_NODE_INLINE_BELOW and put.fits_message)
+
     def _loop_carries_rows(self) -> bool:
         """Whether puts and gets may take the event loop's own connections
         (not same node: a same-node reply comes with descriptors)."""
@@ -170,7 +177,8 @@ class AsyncClient(_Ops):
         there). The put is read, checked and laid out by the core
         (`_core.Put`) before either way is taken, once."""
         put = _core.Put(global_indexes, data, self.max_message_bytes, self._segments is not None)
-        if self._loop_carries_rows() and put.messages == 1 and put.nbytes < self.CORE_MIN_BYTES:
+        if self._loop_idle is not None and put.messages == 1 and put.nbytes < self.CORE_MIN_BYTES and (
+                self._segments is None or self._on_socket(put)):
             # The usual small put: written and answered by the core on a
             # connection of its own, its reply awaited by this event loop
             # (None: every such connection busy: a lane then).

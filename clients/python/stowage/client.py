@@ -35,6 +35,15 @@ DEFAULT_SPIN_US = 200.0
 class _Ops:
     """Request building and reply reading, shared by `Client` and `AsyncClient`."""
 
+    #: Same node, a put whose rows come to fewer bytes than this goes on the
+    #: socket as any put, not through a segment leased from stowd (0: every
+    #: put that holds a byte leases one). A lease costs a round trip, a
+    #: descriptor and a segment of a page at least: a 4-row put of float32
+    #: [16] took 73 µs that way against 18 µs on the socket, stowd on the
+    #: client's CPU (docs/benchmarks.md, "Same-node small puts"). stowd's
+    #: `[shm] inline_below` (64 KiB by default) answers a small get the same way.
+    SAME_NODE_INLINE_BELOW = 64 << 10
+
     def __init__(self, endpoint: str, timeout: float, max_message_bytes: int,
                  same_node: bool = False, shm_dir: str | None = None, spin_us: float | None = None,
                  token: str | None = None,
@@ -592,15 +601,18 @@ class Client(_Ops):
                 return self._put_result(got, timeout)
             if self._segments is None:
                 return self._core_put(put, timeout)
-            self._open_channel()
-            steps = _put.same_node(put, self._segments)
+            steps = _put.same_node(put, self._segments, self.SAME_NODE_INLINE_BELOW)
             reply = None
             while True:
                 try:
                     op, arg = steps.send(reply)
                 except StopIteration as done:
                     return done.value
-                reply = self._core_lease(arg, timeout) if op == "lease" else self._core_put(put, timeout, arg)
+                if op == "lease":
+                    self._open_channel()
+                    reply = self._core_lease(arg, timeout)
+                else:
+                    reply = self._core_put(put, timeout, arg)
         except StowageError as e:
             if e.rows_stored is None:
                 e.rows_stored = 0

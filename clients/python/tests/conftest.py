@@ -181,3 +181,13 @@ def sray(monkeypatch):
     mod = importlib.import_module("stowage.ray")
     yield mod
     _drop_stowage_ray()
+
+
+@pytest.fixture
+def segment_puts(monkeypatch):
+    """Same node, every put that holds a byte goes through a leased segment
+    (`SAME_NODE_INLINE_BELOW = 0`, for `Client` and `AsyncClient` alike): for
+    tests of the segment path whose rows are small. A client given its own
+    bound (an instance attribute) keeps it."""
+    from stowage.client import _Ops
+    monkeypatch.setattr(_Ops, "SAME_NODE_INLINE_BELOW", 0)

@@ -174,7 +174,7 @@ def shm_endpoint(tmp_path_factory):
     shutil.rmtree(shm_dir, ignore_errors=True)
 
 
-def test_a_same_node_clients_small_calls_go_through_the_core(shm_endpoint, fresh, tmp_path):
+def test_a_same_node_clients_small_calls_go_through_the_core(shm_endpoint, fresh, tmp_path, segment_puts):
     """Same node: the channel request, stats, checkpoint, restore and clear
     through the core, gets too (their rows in shared memory), and the put
     (a lease, then the put naming the segment the core filled)."""

@@ -31,6 +31,10 @@ from stowd_harness import run_stowd
 
 GIB = 1 << 30
 
+# Puts here test the leased segments with small rows: every put that holds
+# a byte leases one (a test of the bound sets its own on its client).
+pytestmark = pytest.mark.usefixtures("segment_puts")
+
 
 def eventually(cond, secs: float = 5.0) -> bool:
     """Polls `cond` until it holds or `secs` pass."""
@@ -168,6 +172,84 @@ def test_with_inline_below_0_every_same_node_get_goes_through_segments(shm_serve
         np.testing.assert_array_equal(c.get(idx, ["b"])["b"], np.ones((1, 1), np.uint8))
         assert live_segments(shm_server) == before + 1, "the one-byte row was not moved into a segment"
     assert stat(shm_server, "same_node_gets_inline") == 0
+
+
+def test_a_small_same_node_put_goes_on_the_socket_and_a_large_one_through_a_lease(shm_server, fresh):
+    """Same node, a put under `SAME_NODE_INLINE_BELOW` bytes goes on the
+    socket as any put: no lease, no segment, no descriptor channel opened;
+    at or over the bound, or too large for one message of the client's
+    `max_message_bytes`, through a leased segment as before. The rows read
+    back equal either way, over tcp and same node."""
+    s = shm_server
+    small, under, at, large = fresh(4), fresh(1), fresh(1), fresh(64)
+    rows = [
+        (small, {"x": np.arange(4 * 256, dtype=np.float32).reshape(4, 256),  # 4 KiB
+                 "tag": [f"t{i}" for i in range(4)]}, False),
+        (under, {"b": np.full((1, 65472), 7, np.uint8)}, False),  # 64 bytes under (frames lie at multiples of 64)
+        (at, {"c": np.full((1, 65536), 9, np.uint8)}, True),  # the bound itself
+        (large, {"x": np.arange(64 * 1024, dtype=np.float32).reshape(64, 1024)}, True),  # 256 KiB
+    ]
+    with stowage.Client(s["native"], same_node=True) as c:
+        c.SAME_NODE_INLINE_BELOW = 65536  # (this module's tests set 0 for every client)
+        for idx, data, leased in rows:
+            before = live_segments(s)
+            assert c.put(idx, data) == len(idx)
+            made = live_segments(s) - before
+            assert made == (1 if leased else 0), (list(data), made)
+            if not leased:
+                assert c._segments.channel is None, "a put on the socket opened the descriptor channel"
+        with stowage.Client(s["native"]) as tcp:
+            for idx, data, _ in rows:
+                for got in (tcp.get(idx, list(data)), c.get(idx, list(data))):
+                    for k, v in data.items():
+                        if isinstance(v, list):
+                            assert got[k] == v, k
+                        else:
+                            np.testing.assert_array_equal(got[k], v)
+    # A small put that would not fit one message of the client's
+    # max_message_bytes still goes through a lease (one message whatever
+    # its size), and is stored whole.
+    idx = fresh(4)
+    x = np.arange(4 * 256, dtype=np.float32).reshape(4, 256)
+    with stowage.Client(s["native"], same_node=True, max_message_bytes=1024) as c:
+        c.SAME_NODE_INLINE_BELOW = 65536
+        before = live_segments(s)
+        assert c.put(idx, {"x": x}) == 4
+        assert live_segments(s) == before + 1
+        np.testing.assert_array_equal(c.get(idx, ["x"])["x"], x)
+    with stowage.Client(s["native"]) as tcp:
+        for i, _, _ in rows:
+            tcp.clear(i)
+        tcp.clear(idx)
+
+
+def test_the_async_client_puts_a_small_same_node_put_on_its_event_loop(shm_server, fresh):
+    """An `AsyncClient`'s same-node put under the bound goes on the socket
+    from the event loop (no lane, no worker thread, no lease); one at or
+    over it on a lane, through a leased segment."""
+    s = shm_server
+    small, large = fresh(4), fresh(64)
+    x = np.arange(4 * 16, dtype=np.float32).reshape(4, 16)
+    big = np.arange(64 * 1024, dtype=np.float32).reshape(64, 1024)
+
+    async def main():
+        async with stowage.AsyncClient(s["native"], same_node=True) as c:
+            c.SAME_NODE_INLINE_BELOW = 65536
+            before = live_segments(s)
+            for _ in range(3):
+                assert await c.put(small, {"x": x}) == 4
+            assert live_segments(s) == before, "a small async same-node put leased a segment"
+            assert c._core_idle == [], "a small put took a lane"  # (its first connect runs in a thread)
+            assert len(c._loop_idle) == 1
+            assert await c.put(large, {"x": big}) == 64
+            assert live_segments(s) == before + 1
+            assert len(c._core_idle) == 1, "a large same-node put did not take a lane"
+    asyncio.run(main())
+    with stowage.Client(s["native"], same_node=True) as c:
+        np.testing.assert_array_equal(c.get(small, ["x"])["x"], x)
+        np.testing.assert_array_equal(c.get(large, ["x"])["x"], big)
+        c.clear(small)
+        c.clear(large)
 
 
 async def _async_gets(endpoint, idx, n):

@@ -142,6 +142,8 @@ pub(crate) struct Plan {
     messages: Vec<(usize, usize)>,
     /// The bytes of every row of every tensor field.
     nbytes: u64,
+    /// What all the rows cost as one message ([`Plan::split`]'s measure).
+    cost: u64,
     /// A put of one message (the usual small one): its data frames and
     /// frame 0's body, laid out once, names and indexes moved in (frame
     /// 0 is written from them for each request id).
@@ -583,6 +585,10 @@ fn fill(m: &Message<'_>, fd: RawFd, ranges: &[(u64, u64)]) -> Result<(), Fail> {
 #[pyclass(module = "stowage._core", frozen)]
 pub(crate) struct Put {
     pub(crate) plan: Plan,
+    /// Whether the rows fit one message of `max_message_bytes` (always
+    /// so once split by it; a same-node put is laid out as one message
+    /// whatever its size).
+    fits_message: bool,
 }
 
 #[pymethods]
@@ -600,9 +606,19 @@ impl Put {
         } else {
             max_message_bytes
         };
+        let plan = read_put(global_indexes, data, limit)?;
         Ok(Put {
-            plan: read_put(global_indexes, data, limit)?,
+            fits_message: plan.cost <= max_message_bytes,
+            plan,
         })
+    }
+
+    /// Whether the put could go on the socket as one message of at most
+    /// `max_message_bytes` (a small same-node put does: see
+    /// `Client.SAME_NODE_INLINE_BELOW`).
+    #[getter]
+    fn fits_message(&self) -> bool {
+        self.fits_message
     }
 
     /// How many rows the put stores.
@@ -1296,6 +1312,7 @@ fn read_put(indexes: &Bound<'_, PyAny>, data: &Bound<'_, PyAny>, limit: u64) -> 
         sources,
         messages: Vec::new(),
         nbytes: 0,
+        cost: 0,
         single: None,
     };
     plan.split(limit);
@@ -1359,6 +1376,7 @@ impl Plan {
         let total = (fixed * n as u64)
             .saturating_add(self.nbytes)
             .saturating_add(values);
+        self.cost = total;
         if total <= limit {
             self.messages = vec![(0, n)];
             return;
