@@ -67,8 +67,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Mapping
 
+from . import _shm
 from .client import _CORE_FAILURES, _USUAL_GET, DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TIMEOUT, Client, _abs_dir, _core, _Ops
-from .errors import BadRequest, StowageError, StowageTimeout
+from .errors import BadRequest, StowageError, StowageTimeout, Unsupported
 
 #: Calls in a row answered on the event loop without awaiting, after which
 #: the next one yields to the loop once (`asyncio.sleep(0)`): a turn every
@@ -116,6 +117,12 @@ class AsyncClient(_Ops):
         # calls, `_in_loop`): idle ones, and how many are in a call.
         self._loop_idle: list | None = [] if os.environ.get("STOWAGE_ASYNC_IN_LOOP", "1") != "0" else None
         self._loop_busy = 0
+        # Same node: the channel being opened for gets on the loop (a
+        # future its other callers await), and the reader that pumps it
+        # while such gets await their replies (`_watch_channel`).
+        self._channel_opening: asyncio.Future | None = None
+        self._channel_watchers = 0
+        self._channel_fd: int | None = None
         # Calls in a row answered on the loop without awaiting (see `_in_loop`).
         self._unyielded = 0
 
@@ -166,10 +173,60 @@ class AsyncClient(_Ops):
         size = put.lease_bytes
         return not size or (size < self.SAME_NODE_INLINE_BELOW and put.fits_message)
 
-    def _loop_carries_rows(self) -> bool:
-        """Whether puts and gets may take the event loop's own connections
-        (not same node: a same-node reply comes with descriptors)."""
-        return self._loop_idle is not None and self._segments is None
+    def _ask_again(self, e: BadRequest, ranges: bool, shm) -> bool:
+        """Whether a get refused on the event loop is asked again on a lane:
+        a stowd from before ranges (the lane asks with a list), or one that
+        no longer knows this client's channel (restarted: the channel is
+        closed, the next get on the loop opens a new one)."""
+        if ranges and "global_indexes must be an array" in str(e):
+            self._ranges_ok = False
+            return True
+        if shm is not None and "no descriptor channel has token" in str(e):
+            self._segments.close_channel()
+            return True
+        return False
+
+    async def _loop_shm(self) -> tuple:
+        """Same node: what the core's gets on the event loop take, (the
+        client's channel, its mappings), the channel opened first if none
+        is (one at a time: a task that finds another opening it waits)."""
+        while self._channel_needed():
+            if self._channel_opening is not None:
+                await self._channel_opening
+                continue
+            done = self._channel_opening = asyncio.get_running_loop().create_future()
+            try:
+                try:
+                    body = await self._ask("channel", {}, None, "channel_ok")
+                except Unsupported as e:
+                    raise self._no_channel(e) from None
+                self._segments.channel = await asyncio.get_running_loop().run_in_executor(
+                    self._threads(), _shm.open_channel, self._channel_path(body), self.timeout)
+            finally:
+                self._channel_opening = None
+                done.set_result(None)
+        return self._segments.shm()
+
+    def _watch_channel(self, loop, ch) -> None:
+        """While a same-node get on the loop awaits its reply, the loop
+        reads the channel as descriptors come (`Channel.pump`), so that a
+        long list of them never stops stowd before it answers; one reader
+        for all such gets (`_unwatch_channel` when each is done)."""
+        if self._channel_watchers == 0:
+            fd = ch.fileno()
+            if fd is None:  # closed: the get's reply says why
+                return
+            loop.add_reader(fd, _pump, loop, ch, fd)
+            self._channel_fd = fd
+        self._channel_watchers += 1
+
+    def _unwatch_channel(self, loop) -> None:
+        if self._channel_watchers == 0:
+            return
+        self._channel_watchers -= 1
+        if self._channel_watchers == 0 and self._channel_fd is not None:
+            loop.remove_reader(self._channel_fd)
+            self._channel_fd = None
 
     # -- the calls (see Client for their documentation)
     async def put(self, global_indexes, data: Mapping[str, Any], *, timeout: float | None = None) -> int:
@@ -195,15 +252,16 @@ class AsyncClient(_Ops):
     async def get(self, global_indexes, fields, *, as_torch: bool | None = None, nested: str = "rows",
                   timeout: float | None = None) -> dict:
         """See `Client.get`."""
-        if self._loop_carries_rows():
+        if self._loop_idle is not None:
             # The usual get: through the core, its reply awaited by this
-            # event loop (see `put`).
+            # event loop (see `put`); same node, naming the client's channel.
             opts = _USUAL_GET[0] if as_torch is None and nested == "rows" else None
             if opts is None:
                 opts = self._get_options(as_torch, nested)
             ranges = self._ranges_ok
-            got = await self._in_loop("get", timeout, _Conn.start_get, (global_indexes, fields, ranges),
-                                      _Conn.finish_get, (opts,))
+            shm = None if self._segments is None else await self._loop_shm()
+            got = await self._in_loop("get", timeout, _Conn.start_get, (global_indexes, fields, ranges, shm),
+                                      _Conn.finish_get, (opts, shm), shm)
             if got is not None:
                 rid, reply = got
                 out, glue = reply
@@ -212,31 +270,30 @@ class AsyncClient(_Ops):
                 try:
                     return self._got(rid, reply, as_torch)
                 except BadRequest as e:
-                    if not (ranges and "global_indexes must be an array" in str(e)):
+                    if not self._ask_again(e, ranges, shm):
                         raise
-                    self._ranges_ok = False  # a stowd from before ranges: a lane asks again, as a list
         return await self._on_lane("get", timeout, lambda c, t: c.get(
             global_indexes, fields, as_torch=as_torch, nested=nested, timeout=t))
 
     async def get_into(self, global_indexes, out: Mapping[str, Any], *,
                        timeout: float | None = None) -> Mapping[str, Any]:
         """See `Client.get_into`."""
-        if self._loop_carries_rows():
+        if self._loop_idle is not None:
             # The usual get_into (a dict of arrays or CPU tensors of those
             # rows): through the core, its reply awaited by this event loop
             # and read straight into `out` (a large one in a worker thread).
             ranges = self._ranges_ok
-            got = await self._in_loop("get_into", timeout, _Conn.start_get_into, (global_indexes, out, ranges),
-                                      _Conn.finish_get_into, ())
+            shm = None if self._segments is None else await self._loop_shm()
+            got = await self._in_loop("get_into", timeout, _Conn.start_get_into, (global_indexes, out, ranges, shm),
+                                      _Conn.finish_get_into, (shm,), shm)
             if got is not None:
                 rid, reply = got
                 try:
                     self._core_got_into(rid, None if reply is True else reply)
                     return out
                 except BadRequest as e:
-                    if not (ranges and "global_indexes must be an array" in str(e)):
+                    if not self._ask_again(e, ranges, shm):
                         raise
-                    self._ranges_ok = False  # a stowd from before ranges: a lane asks again, as a list
         return await self._on_lane("get_into", timeout, lambda c, t: c.get_into(global_indexes, out, timeout=t))
 
     async def clear(self, global_indexes, fields=None, *, timeout: float | None = None) -> int:
@@ -265,7 +322,7 @@ class AsyncClient(_Ops):
                 return self._core_answer(*got, expect)
         return await self._on_lane(op, timeout, lambda c, t: c._ask(op, body, t, expect))
 
-    async def _in_loop(self, op: str, timeout, start, start_args: tuple, finish, finish_args: tuple):
+    async def _in_loop(self, op: str, timeout, start, start_args: tuple, finish, finish_args: tuple, shm=None):
         """A small call on a core connection of its own, its reply awaited
         by this event loop (no worker thread, no DEALER): `start(conn, rid,
         time left, *start_args)` writes the request (None: not this call's
@@ -278,7 +335,13 @@ class AsyncClient(_Ops):
         nothing, or every in-loop connection is busy (the caller takes
         another way). A reply that arrives in pieces is read in a worker
         thread. Cancelled or timed out, the connection is dropped (its
-        reply would be stale)."""
+        reply would be stale).
+
+        With `shm` (channel, mappings), a same-node get: the loop reads the
+        channel while it awaits the reply (`_watch_channel`), reads a reply
+        without segments itself (a small one, stowd's `[shm] inline_below`)
+        and one with segments in a worker thread (its rows may be gathered,
+        a copy), and forgets the request on the channel when done."""
         if not self._loop_idle and self._loop_busy >= self.CORE_CONNECTIONS:
             return None
         timeout = self.timeout if timeout is None else self._check_timeout(timeout)
@@ -319,23 +382,33 @@ class AsyncClient(_Ops):
             while got is None:  # None: a stray reply, dropped; the next awaited
                 here = conn.reply_ready_spin() if spin else conn.reply_ready()
                 spin = False  # (once a call)
-                if here:  # the whole reply is here: read without waiting (it came; no timeout)
+                if here and (shm is None or not conn.reply_names_segments()):
+                    # The whole reply is here: read without waiting (it came; no timeout).
                     got = finish(conn, rid, started, timeout, *finish_args)
+                    continue
+                left = deadline - loop.time()
+                if here:  # a same-node reply naming segments: mapped (and maybe gathered) off the loop
+                    awaited = True
+                    got = await loop.run_in_executor(self._threads(), finish, conn, rid, started, left, *finish_args)
                     continue
                 awaited = True
                 fd = conn.fileno()
                 woken = loop.create_future()
                 loop.add_reader(fd, _wake, woken)
                 timer = loop.call_at(deadline, _wake, woken)
+                if shm is not None:
+                    self._watch_channel(loop, shm[0])
                 try:
                     await woken
                 finally:
                     loop.remove_reader(fd)
                     timer.cancel()
+                    if shm is not None:
+                        self._unwatch_channel(loop)
                 left = deadline - loop.time()
                 if left <= 0:
                     raise TimeoutError
-                if conn.reply_ready():
+                if conn.reply_ready() and (shm is None or not conn.reply_names_segments()):
                     got = finish(conn, rid, started, left, *finish_args)
                 else:
                     got = await loop.run_in_executor(self._threads(), finish, conn, rid, started, left, *finish_args)
@@ -351,6 +424,8 @@ class AsyncClient(_Ops):
         except _CORE_FAILURES as e:
             raise self._core_failure(e, op, rid, timeout) from None
         finally:
+            if shm is not None and not shm[0].closed:
+                shm[0].forget(rid)  # (descriptors that come late are closed)
             self._loop_busy -= 1
             if keep and not self._closed:
                 self._loop_idle.append(conn)
@@ -402,6 +477,27 @@ class AsyncClient(_Ops):
         finally:
             self._ranges_ok = self._ranges_ok and lane._ranges_ok
             self._core_idle.append(lane)
+
+
+#: Most seconds the event loop waits for the rest of a channel message that
+#: has begun to arrive (stowd writes each whole, a few hundred bytes).
+PUMP_WAIT = 1.0
+
+
+def _pump(loop, ch, fd: int) -> None:
+    """The channel is readable: its messages read (descriptors kept for
+    the requests that expect them). A closed or broken channel is no
+    longer watched (a get that needs it says why). A message is sent
+    whole; the rest of one that has begun to arrive is waited for up to
+    `PUMP_WAIT` seconds."""
+    try:
+        while ch.pump(PUMP_WAIT):
+            pass
+        if not ch.closed:
+            return
+    except Exception:  # noqa: BLE001  (the channel closed itself, and says why)
+        pass
+    loop.remove_reader(fd)
 
 
 def _wake(fut: asyncio.Future) -> None:

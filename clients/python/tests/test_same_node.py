@@ -269,6 +269,81 @@ def test_the_async_client_takes_a_small_same_node_reply_over_the_socket(inline_s
     assert stat(s, "same_node_gets_inline") == before + 3
 
 
+def test_the_async_client_gets_same_node_on_its_event_loop(inline_server, fresh):
+    """An `AsyncClient`'s same-node get and get_into run on its event loop
+    (no lane): a small one's reply comes over the socket and is read on
+    the loop; a large one's names segments, read in a worker thread, and
+    two such gets share the client's mapping, as a `Client`'s do."""
+    s = inline_server
+    small, large = fresh(4), fresh(64)
+    x = np.arange(4 * 16, dtype=np.float32).reshape(4, 16)
+    big = np.arange(64 * 1024, dtype=np.float32).reshape(64, 1024)
+    with stowage.Client(s["native"]) as tcp:
+        tcp.put(small, {"x": x})
+        tcp.put(large, {"x": big})
+
+    async def main():
+        async with stowage.AsyncClient(s["native"], same_node=True) as c:
+            before = stat(s, "same_node_gets_inline")
+            np.testing.assert_array_equal((await c.get(small, ["x"]))["x"], x)
+            assert stat(s, "same_node_gets_inline") == before + 1
+            g1 = (await c.get(large, ["x"]))["x"]
+            g2 = (await c.get(large, ["x"]))["x"]
+            np.testing.assert_array_equal(g1, big)
+            assert data_ptr(g1) == data_ptr(g2), "two large gets do not share the mapping"
+            with pytest.raises(ValueError):
+                g1[0, 0] = 1.0
+            out = {"x": np.zeros((4, 16), np.float32)}
+            assert await c.get_into(small, out) is out
+            np.testing.assert_array_equal(out["x"], x)
+            out = {"x": np.zeros((64, 1024), np.float32)}
+            await c.get_into(large, out)
+            np.testing.assert_array_equal(out["x"], big)
+            assert stat(s, "same_node_gets_inline") == before + 2
+            assert c._core_idle == [], "a same-node get took a lane"
+            assert c._segments.channel is not None and c._channel_watchers == 0
+    asyncio.run(main())
+    with stowage.Client(s["native"]) as tcp:
+        tcp.clear(small)
+        tcp.clear(large)
+
+
+def test_async_same_node_gets_on_the_loop_many_segments_and_at_once(shm_server, fresh):
+    """Same-node gets on an `AsyncClient`'s event loop: one whose reply
+    names 2,000 segments (their descriptors read from the channel while
+    the loop awaits the reply), and 4 at once over the client's
+    connections (small and large, their descriptors on one channel): all
+    rows right, no lane taken, and once done the loop no longer watches the
+    channel."""
+    n = 2000
+    idx = fresh(n)
+    with stowage.Client(shm_server["native"], same_node=True) as c:
+        for g in idx:  # one row a put, through a lease (this module's bound is 0): a segment a row
+            c.put([g], {"x": np.full((1, 4), g, np.int64)})
+    want = np.array(idx, np.int64)
+
+    async def main():
+        async with stowage.AsyncClient(shm_server["native"], same_node=True, timeout=20, spin_us=0) as c:
+            got = await c.get(idx, ["x"])
+            np.testing.assert_array_equal(got["x"][:, 0], want)
+            k_at_once = c.CORE_CONNECTIONS  # (more would wait for a lane)
+            parts = [idx[k::k_at_once] if k % 2 else idx[k * 100:k * 100 + 3] for k in range(k_at_once)]
+            many = await asyncio.gather(*(c.get(p, ["x"]) for p in parts))
+            for p, g in zip(parts, many):
+                np.testing.assert_array_equal(g["x"][:, 0], np.array(p, np.int64))
+            assert c._core_idle == [], "a get took a lane"
+            assert c._channel_watchers == 0
+            fd = c._segments.channel.fileno()
+            selector = asyncio.get_running_loop()._selector
+            assert fd not in selector.get_map(), "the loop still watches the channel"
+    try:
+        asyncio.run(main())
+        assert live_segments(shm_server) >= n
+    finally:
+        with stowage.Client(shm_server["native"]) as tcp:
+            tcp.clear(idx)
+
+
 @pytest.mark.parametrize("kib", [4, 256], ids=["over-the-socket", "through-segments"])
 def test_a_same_node_reply_is_awaited_by_spinning_then_sleeping(inline_server, fresh, monkeypatch, kib):
     """A same-node get polls its socket and channel for `spin_us` before

@@ -460,7 +460,9 @@ impl Connection {
                 let frame0 = same_node_frame0(frame0, &shm)
                     .ok_or_else(|| PyValueError::new_err("cannot add the same-node keys"))?;
                 py.detach(|| {
-                    self.exchange(deadline, |s| same_node::get(s, &frame0, asked, opts, &shm))
+                    self.exchange(deadline, |s| {
+                        same_node::get(s, Some(&frame0), asked, opts, &shm)
+                    })
                 })?
             }
         };
@@ -487,12 +489,24 @@ impl Connection {
                     .ok_or_else(|| Fail::Protocol("cannot add the same-node keys".into()))?;
                 py.detach(|| {
                     self.exchange(deadline, |s| {
-                        same_node::get_into(s, id, &frame0, plan, &shm)
+                        same_node::get_into(s, id, Some(&frame0), plan, &shm)
                     })
                 })
             }
         }
     }
+}
+
+/// Frame 0 of a get an event loop starts: `frame0` as it is, or with
+/// `shm` made a same-node one, its request `id` expected on the channel
+/// (None: the codec cannot write it; nothing is expected).
+fn same_node_start(frame0: Bytes, id: u64, shm: &ShmArg<'_>) -> Option<Bytes> {
+    let Some(shm) = shm_of(shm) else {
+        return Some(frame0);
+    };
+    let frame0 = same_node_frame0(&frame0, &shm)?;
+    shm.channel.expect_id(id);
+    Some(frame0)
 }
 
 /// When a call given `timeout` seconds (negative: none left) must end.
@@ -943,10 +957,13 @@ impl Connection {
         self.put_end(py, id, rows, deadline)
     }
 
-    /// The first half of `get_fast` (over the socket), for an event loop
-    /// that awaits the reply itself: the request written, how many indexes
-    /// it asks for, or None with nothing sent. Then `finish_get`.
-    #[pyo3(signature = (id, timeout, indexes, fields, ranges = true))]
+    /// The first half of `get_fast`, for an event loop that awaits the
+    /// reply itself: the request written, how many indexes it asks for, or
+    /// None with nothing sent. Then `finish_get`. With `shm`, a same-node
+    /// get (its descriptors expected on the channel, which the loop reads
+    /// as they come: `Channel.pump`); see `reply_names_segments`.
+    #[pyo3(signature = (id, timeout, indexes, fields, ranges = true, shm = None))]
+    #[allow(clippy::too_many_arguments)]
     fn start_get(
         &mut self,
         py: Python<'_>,
@@ -955,11 +972,15 @@ impl Connection {
         indexes: &Bound<'_, PyAny>,
         fields: &Bound<'_, PyAny>,
         ranges: bool,
+        shm: ShmArg<'_>,
     ) -> PyResult<Option<u64>> {
         let Some((n, names, ix)) = fast::get_head(indexes, fields, ranges) else {
             return Ok(None);
         };
         let Ok(frame0) = ix.frame0(id, &names) else {
+            return Ok(None);
+        };
+        let Some(frame0) = same_node_start(frame0, id, &shm) else {
             return Ok(None);
         };
         let deadline = deadline_in(timeout);
@@ -972,6 +993,7 @@ impl Connection {
     /// The second half of `get_fast`: what `get` returns, its result made
     /// as `opts` says (`_id` and `_rows` as `start_get` had them: the get
     /// it started is the one kept here).
+    #[pyo3(signature = (_id, _rows, timeout, opts, shm = None))]
     fn finish_get<'py>(
         &mut self,
         py: Python<'py>,
@@ -979,6 +1001,7 @@ impl Connection {
         _rows: Option<u64>,
         timeout: f64,
         opts: &Bound<'py, GetOptions>,
+        shm: ShmArg<'py>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let Some((id, names, rows)) = self.started.take() else {
             return Err(Fail::Io("no get is waiting for its reply".into()).into());
@@ -990,7 +1013,12 @@ impl Connection {
         };
         let deadline = deadline_in(timeout);
         let opts = opts.get();
-        let got = self.resume_detached(py, deadline, |s| get_reply(s, &asked, opts))?;
+        let got = match shm_of(&shm) {
+            None => self.resume_detached(py, deadline, |s| get_reply(s, &asked, opts))?,
+            Some(shm) => self.resume_detached(py, deadline, |s| {
+                same_node::get(s, None, &asked, opts, &shm)
+            })?,
+        };
         got.into_py(py, opts)
     }
 
@@ -1000,7 +1028,8 @@ impl Connection {
     /// the caller's general path checks and words). The arrays of `out`
     /// stay held until `finish_get_into` (or until the connection is
     /// closed).
-    #[pyo3(signature = (id, timeout, indexes, out, ranges = true))]
+    #[pyo3(signature = (id, timeout, indexes, out, ranges = true, shm = None))]
+    #[allow(clippy::too_many_arguments)]
     fn start_get_into(
         &mut self,
         py: Python<'_>,
@@ -1009,10 +1038,15 @@ impl Connection {
         indexes: &Bound<'_, PyAny>,
         out: &Bound<'_, PyAny>,
         ranges: bool,
+        shm: ShmArg<'_>,
     ) -> PyResult<Option<u64>> {
-        let Some(into) = GetInto::read(id, indexes, out, ranges)? else {
+        let Some(mut into) = GetInto::read(id, indexes, out, ranges)? else {
             return Ok(None);
         };
+        let Some(frame0) = same_node_start(into.frame0.clone(), id, &shm) else {
+            return Ok(None);
+        };
+        into.frame0 = frame0;
         let deadline = deadline_in(timeout);
         self.started_into = None;
         py.detach(|| self.begin(deadline, &into.frame0, NO_FRAMES))?;
@@ -1024,19 +1058,26 @@ impl Connection {
     /// The second half: the reply read, a get_ok's rows straight into the
     /// arrays; True, or (frame 0, why the codec refused it or None) of
     /// any other reply, as `get_into_fast` gives it.
+    #[pyo3(signature = (id, _rows, timeout, shm = None))]
     fn finish_get_into<'py>(
         &mut self,
         py: Python<'py>,
-        _id: u64,
+        id: u64,
         _rows: Option<u64>,
         timeout: f64,
+        shm: ShmArg<'py>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let Some(into) = self.started_into.take() else {
             return Err(Fail::Io("no get_into is waiting for its reply".into()).into());
         };
         let deadline = deadline_in(timeout);
         // The arrays stay held (`into.buffers`) while the GIL is released.
-        let result = self.resume_detached(py, deadline, |s| reply_into(s, &into.plan));
+        let result = match shm_of(&shm) {
+            None => self.resume_detached(py, deadline, |s| reply_into(s, &into.plan)),
+            Some(shm) => self.resume_detached(py, deadline, |s| {
+                same_node::get_into(s, id, None, &into.plan, &shm)
+            }),
+        };
         drop(into);
         match result? {
             None => Ok(pyo3::types::PyBool::new(py, true).to_owned().into_any()),
@@ -1119,6 +1160,19 @@ impl Connection {
         let deadline = deadline_in(timeout);
         let reply = self.resume_detached(py, deadline, read_reply)?;
         answer(py, id, &reply)
+    }
+
+    /// Whether the reply to a started same-node get may name segments:
+    /// true unless its whole frame 0 is in the read-ahead (see
+    /// `reply_ready`) without the key `segments`. An event loop reads a
+    /// reply that names none itself (stowd's `[shm] inline_below`: a
+    /// small one), and one that does in a worker thread: its rows may be
+    /// gathered into one buffer, a copy the loop should not wait for.
+    fn reply_names_segments(&self) -> bool {
+        self.stream
+            .as_ref()
+            .and_then(Stream::frame0_ahead)
+            .is_none_or(|f0| memchr::memmem::find(f0, b"\xa8segments").is_some())
     }
 
     /// Whether the whole reply to a started call has arrived, so that

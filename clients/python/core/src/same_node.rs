@@ -129,10 +129,17 @@ fn await_reply(s: &mut Stream, ch: &Channel) -> Result<(), Fail> {
     }
 }
 
-/// Sends a same-node request and reads its reply's frame 0, the channel
-/// read meanwhile.
-fn request(s: &mut Stream, ch: &Channel, frame0: &[u8]) -> Result<Result<Head, Other>, Fail> {
-    write_message(s, frame0, &[])?;
+/// Sends a same-node request (`frame0`; None: sent already, by an event
+/// loop's `start_get`) and reads its reply's frame 0, the channel read
+/// meanwhile.
+fn request(
+    s: &mut Stream,
+    ch: &Channel,
+    frame0: Option<&[u8]>,
+) -> Result<Result<Head, Other>, Fail> {
+    if let Some(frame0) = frame0 {
+        write_message(s, frame0, &[])?;
+    }
     await_reply(s, ch)?;
     read_head(s)
 }
@@ -209,7 +216,12 @@ enum Answer {
 
 /// Reads a same-node reply's frame 0 and, for a get_ok with segments,
 /// takes its descriptors and maps its segments.
-fn mapped_reply(s: &mut Stream, id: u64, frame0: &[u8], shm: &Shm<'_>) -> Result<Answer, Fail> {
+fn mapped_reply(
+    s: &mut Stream,
+    id: u64,
+    frame0: Option<&[u8]>,
+    shm: &Shm<'_>,
+) -> Result<Answer, Fail> {
     let head = match request(s, shm.channel, frame0)? {
         Ok(head) => head,
         Err(other) => return Ok(Answer::Other(other)),
@@ -240,10 +252,11 @@ fn mapped_reply(s: &mut Stream, id: u64, frame0: &[u8], shm: &Shm<'_>) -> Result
 }
 
 /// A same-node get: the request `frame0` (with the envelope keys
-/// `same_node` and `channel`), and its result.
+/// `same_node` and `channel`; None: written already, its reply awaited by
+/// an event loop), and its result.
 pub(crate) fn get(
     s: &mut Stream,
-    frame0: &[u8],
+    frame0: Option<&[u8]>,
     asked: &Asked<'_>,
     opts: &GetOptions,
     shm: &Shm<'_>,
@@ -260,11 +273,12 @@ pub(crate) fn get(
     }
 }
 
-/// A same-node get_into (see [`crate::get_into::get_into`]).
+/// A same-node get_into (see [`crate::get_into::get_into`]; `frame0` as
+/// for [`get`]).
 pub(crate) fn get_into(
     s: &mut Stream,
     id: u64,
-    frame0: &[u8],
+    frame0: Option<&[u8]>,
     targets: &[Target],
     shm: &Shm<'_>,
 ) -> Result<Option<Other>, Fail> {

@@ -413,6 +413,22 @@ impl Stream {
         self.curve.is_none() && frame::message_complete(&self.ahead[self.pos..self.end])
     }
 
+    /// Frame 0 of the whole message in the read-ahead buffer (not
+    /// CURVE's), None when there is none.
+    pub(crate) fn frame0_ahead(&self) -> Option<&[u8]> {
+        if !self.whole_message_ahead() {
+            return None;
+        }
+        let bytes = &self.ahead[self.pos..self.end];
+        match frame::parse_header(bytes) {
+            Ok(Decoded::Done(h)) => {
+                let end = (h.header_len as u64).checked_add(h.size)?;
+                bytes.get(h.header_len..usize::try_from(end).ok()?)
+            }
+            _ => None,
+        }
+    }
+
     /// Whether a whole message has arrived and is waiting to be read, so
     /// that reading it does not block: what has arrived is moved into the
     /// read-ahead buffer without waiting and its frame headers walked (past
