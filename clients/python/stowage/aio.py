@@ -28,13 +28,21 @@ A call answered without awaiting gives the loop no turn, so every
 `YIELD_EVERY` (64) such calls in a row one yields to the loop once: timers
 and other sockets' tasks run under a stream of small calls.
 `STOWAGE_ASYNC_IN_LOOP=0` sends every call the other way.
-Same node, the calls that move no rows take this way (their replies
-never name segments), and so does a put under `SAME_NODE_INLINE_BELOW`
-bytes, which goes on the socket as any put (no lease).
+Same node, so do the calls that move no rows, a put under
+`SAME_NODE_INLINE_BELOW` bytes (it goes on the socket as any put, no
+lease), and every get and get_into: the request names the client's
+descriptor channel (opened on the loop once), which the loop reads while
+it awaits the reply (`Channel.pump`), so descriptors never pile up in
+front of stowd; a reply without segments (stowd's `[shm] inline_below`)
+is read on the loop, one that names segments in a worker thread (its rows
+may be gathered, a copy the loop should not wait for). A one-field
+same-node get took 20.4 µs this way and 89.8 µs on a lane, stowd on the
+client's CPU (docs/benchmarks.md, "Same-node small puts, and an
+AsyncClient's same-node calls").
 
 **Everything else in a worker thread, on a lane**: a synchronous `Client`
 of this client's settings (endpoint, timeouts, same-node mode, token, keys),
-so every path, same-node with its descriptor channel included, exists once.
+so every path, a same-node put's lease included, exists once.
 A lane serves one call at a time; each running call takes a lane of its
 own from a small pool, made on demand, at most `CORE_CONNECTIONS` per
 client (a thread pool of that many workers, each call a job; calls beyond

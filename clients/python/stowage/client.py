@@ -39,8 +39,9 @@ class _Ops:
     #: socket as any put, not through a segment leased from stowd (0: every
     #: put that holds a byte leases one). A lease costs a round trip, a
     #: descriptor and a segment of a page at least: a 4-row put of float32
-    #: [16] took 73 µs that way against 18 µs on the socket, stowd on the
-    #: client's CPU (docs/benchmarks.md, "Same-node small puts"). stowd's
+    #: [16] took 79.9 µs that way against 19.2 µs on the socket, stowd on the
+    #: client's CPU (docs/benchmarks.md, "Same-node small puts, and an
+    #: AsyncClient's same-node calls"). stowd's
     #: `[shm] inline_below` (64 KiB by default) answers a small get the same way.
     SAME_NODE_INLINE_BELOW = 64 << 10
 
