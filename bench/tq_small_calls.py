@@ -20,7 +20,12 @@ Needs transferqueue's venv only for torch (the backend's gets ask for
 tensors): `python bench/tq_small_calls.py` with `--tq-python` given, or
 run it under that venv's python. Prints a markdown table.
 
+With --same-node, stowd has shared memory (`[shm]`, its defaults) and
+every client is a same-node one (as the backend's `same_node: auto` makes
+it on stowd's own node).
+
 usage: TQ_VENV/bin/python bench/tq_small_calls.py [--stowd target/release/stowd] [--calls 3000] [--two-cpus]
+           [--same-node]
 """
 import argparse
 import asyncio
@@ -59,11 +64,11 @@ async def timed(n: int, call) -> tuple[float, float]:
     return (cpu() - c) / n * 1e6, (time.perf_counter() - w) / n * 1e6
 
 
-async def one_shape(ep: str, fields: int, n: int) -> dict:
+async def one_shape(ep: str, fields: int, n: int, same: bool = False) -> dict:
     data = {f"f{i}": np.full((4, 16), i, np.float32) for i in range(fields)}
     idx, names = [0, 1, 2, 3], list(data)
     out = {}
-    backend = _Clients(ep, False, 60.0)
+    backend = _Clients(ep, same, 60.0)
     try:
         out["backend", "put"] = await timed(n, lambda: backend.run("put", idx, data))
         out["backend", "get"] = await timed(n, lambda: backend.run("get", idx, names, as_torch=True,
@@ -79,7 +84,7 @@ async def one_shape(ep: str, fields: int, n: int) -> dict:
     finally:
         backend.close()
     loop = asyncio.get_running_loop()
-    with stowage.Client(ep, timeout=60) as c, ThreadPoolExecutor(4) as pool:
+    with stowage.Client(ep, timeout=60, same_node=same) as c, ThreadPoolExecutor(4) as pool:
         out["thread hop", "put"] = await timed(n, lambda: loop.run_in_executor(pool, c.put, idx, data))
         out["thread hop", "get"] = await timed(n, lambda: loop.run_in_executor(
             pool, lambda: c.get(idx, names, as_torch=True, nested="packed")))
@@ -88,7 +93,7 @@ async def one_shape(ep: str, fields: int, n: int) -> dict:
             f()
         out["sync Client", "put"] = await timed(n, lambda: sync(lambda: c.put(idx, data)))
         out["sync Client", "get"] = await timed(n, lambda: sync(lambda: c.get(idx, names)))
-    async with stowage.AsyncClient(ep, timeout=60) as a:
+    async with stowage.AsyncClient(ep, timeout=60, same_node=same) as a:
         out["AsyncClient", "put"] = await timed(n, lambda: a.put(idx, data))
         out["AsyncClient", "get"] = await timed(n, lambda: a.get(idx, names))
     return out
@@ -99,19 +104,21 @@ def main() -> None:
     ap.add_argument("--stowd", default=os.path.join(ROOT, "target", "release", "stowd"))
     ap.add_argument("--calls", type=int, default=3000)
     ap.add_argument("--two-cpus", action="store_true", help="stowd on CPU 1, the client on CPU 0")
+    ap.add_argument("--same-node", action="store_true", help="stowd with [shm], every client same-node")
     a = ap.parse_args()
     os.sched_setaffinity(0, {0})
     load = os.getloadavg()
     with tempfile.TemporaryDirectory() as work:
-        proc, eps = start(a.stowd, work, None, cpus="1" if a.two_cpus else "0")
+        shm = f'\n[shm]\ndir = "{os.path.join(work, "shm")}"\n' if a.same_node else ""
+        proc, eps = start(a.stowd, work, None, cpus="1" if a.two_cpus else "0", extra=shm)
         os.environ.setdefault("STOWAGE_TOKEN", eps.get("token") or "")
         try:
-            rows = {f: asyncio.run(one_shape(eps["native"], f, a.calls)) for f in (1, 10)}
+            rows = {f: asyncio.run(one_shape(eps["native"], f, a.calls, a.same_node)) for f in (1, 10)}
         finally:
             proc.terminate()
             proc.wait()
     print(f"{a.calls} calls each, 4 rows x float32[16] a field, built-in policy, stowd {a.stowd}, "
-          f"{'two CPUs' if a.two_cpus else 'one CPU'}; load average {load[0]:.2f} at the start, "
+          f"{'two CPUs' if a.two_cpus else 'one CPU'}{', same node' if a.same_node else ''}; load average {load[0]:.2f} at the start, "
           f"{os.getloadavg()[0]:.2f} at the end\n")
     print("| way | op | client CPU, 1 field | wall, 1 field | client CPU, 10 fields | wall, 10 fields |")
     print("|---|---|---:|---:|---:|---:|")
