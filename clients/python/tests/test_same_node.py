@@ -345,6 +345,48 @@ def test_async_same_node_gets_on_the_loop_many_segments_and_at_once(shm_server, 
 
 
 @pytest.mark.parametrize("kib", [4, 256], ids=["over-the-socket", "through-segments"])
+def test_a_cancelled_or_timed_out_async_same_node_get_leaves_the_client_working(inline_server, fresh, kib):
+    """With stowd stopped, an `AsyncClient` same-node get on the event loop
+    is cancelled, and another times out (`StowageTimeout`); once stowd
+    runs again the client's next gets are right, the loop no longer
+    watches the channel, and the channel is still the client's."""
+    s = inline_server
+    idx = fresh(kib // 4)
+    a = np.arange(kib * 256, dtype=np.float32).reshape(kib // 4, 1024)
+    with stowage.Client(s["native"]) as tcp:
+        tcp.put(idx, {"x": a})
+
+    async def main():
+        async with stowage.AsyncClient(s["native"], same_node=True, timeout=10, spin_us=0) as c:
+            np.testing.assert_array_equal((await c.get(idx, ["x"]))["x"], a)  # the channel opened
+            channel = c._segments.channel
+            os.kill(s["pid"], signal.SIGSTOP)
+            try:
+                task = asyncio.ensure_future(c.get(idx, ["x"]))
+                await asyncio.sleep(0.1)
+                assert c._channel_watchers == 1, "the waiting get does not watch the channel"
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+                assert c._channel_watchers == 0
+                with pytest.raises(stowage.StowageTimeout):
+                    await c.get(idx, ["x"], timeout=0.2)
+                assert c._channel_watchers == 0
+            finally:
+                os.kill(s["pid"], signal.SIGCONT)
+            for _ in range(3):
+                np.testing.assert_array_equal((await c.get(idx, ["x"]))["x"], a)
+            out = {"x": np.zeros_like(a)}
+            await c.get_into(idx, out)
+            np.testing.assert_array_equal(out["x"], a)
+            assert c._segments.channel is channel and not channel.closed
+            assert c._channel_watchers == 0
+    asyncio.run(main())
+    with stowage.Client(s["native"]) as tcp:
+        tcp.clear(idx)
+
+
+@pytest.mark.parametrize("kib", [4, 256], ids=["over-the-socket", "through-segments"])
 def test_a_same_node_reply_is_awaited_by_spinning_then_sleeping(inline_server, fresh, monkeypatch, kib):
     """A same-node get polls its socket and channel for `spin_us` before
     it sleeps, as a get over the socket alone does: with stowd stopped for

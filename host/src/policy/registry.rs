@@ -152,19 +152,36 @@ pub fn default_chains() -> Vec<ChainConfig> {
 /// True if `name` matches the glob `pattern` (`*` and `?`), character by
 /// character. Allocates nothing: it runs for every field of every request.
 pub fn glob_match(pattern: &str, name: &str) -> bool {
+    // The usual patterns first: `*` (the default chain's) matches every
+    // name, and a pattern without wildcards only itself. The walk below
+    // took about 150 instructions for a 3-character name against `*`, once
+    // per field of every put (callgrind, `small_put` 32x1).
+    if !pattern.is_empty() && pattern.bytes().all(|b| b == b'*') {
+        return true;
+    }
+    if !pattern.bytes().any(|b| b == b'*' || b == b'?') {
+        return pattern == name;
+    }
+    glob_walk(pattern, name)
+}
+
+/// [`glob_match`] by walking both strings, with backtracking to the last
+/// star.
+fn glob_walk(pattern: &str, name: &str) -> bool {
     // Positions are byte offsets at character boundaries.
     let at = |s: &str, i: usize| s[i..].chars().next();
     let (mut pi, mut ni, mut star, mut mark) = (0usize, 0usize, None::<usize>, 0usize);
     while let Some(n) = at(name, ni) {
         match at(pattern, pi) {
-            Some(p) if p == '?' || p == n => {
-                pi += p.len_utf8();
-                ni += n.len_utf8();
-            }
+            // (A star is a wildcard even against a `*` in the name.)
             Some('*') => {
                 star = Some(pi);
                 mark = ni;
                 pi += 1;
+            }
+            Some(p) if p == '?' || p == n => {
+                pi += p.len_utf8();
+                ni += n.len_utf8();
             }
             _ => match star {
                 Some(s) => {
@@ -546,7 +563,7 @@ fn builtin_chain() -> &'static Chain {
 
 #[cfg(test)]
 mod tests {
-    use super::glob_match;
+    use super::{glob_match, glob_walk};
 
     #[test]
     fn globs() {
@@ -572,5 +589,29 @@ mod tests {
         assert!(!glob_match("a*b*c", "axbxbx"));
         assert!(glob_match("a*", "a*"));
         assert!(glob_match("**", ""));
+        // A star stays a wildcard where the name has a `*` too (the walk
+        // once took it for the literal and then had no star to go back to).
+        assert!(glob_walk("*", "**"));
+        assert!(glob_walk("a*", "a**b"));
+        assert!(glob_walk("*b", "*ab"));
+    }
+
+    #[test]
+    fn the_shortcuts_answer_as_the_walk() {
+        let patterns = [
+            "", "*", "**", "***", "f12", "f1", "f12*", "*f12", "?", "f?2", "é", "*é", "ab", "a*b",
+        ];
+        let names = [
+            "", "f", "f1", "f12", "f123", "xf12", "é", "ab", "a*b", "*", "**", "?",
+        ];
+        for p in patterns {
+            for n in names {
+                assert_eq!(
+                    glob_match(p, n),
+                    glob_walk(p, n),
+                    "pattern {p:?}, name {n:?}"
+                );
+            }
+        }
     }
 }
