@@ -252,6 +252,44 @@ def test_the_async_client_puts_a_small_same_node_put_on_its_event_loop(shm_serve
         c.clear(large)
 
 
+def test_a_same_node_client_of_a_stowd_without_shared_memory(tmp_path_factory, fresh):
+    """`[shm] enabled = false`: a same-node client's small put needs no
+    channel and is stored; a get, and a put that would lease, are refused
+    with the error that says why (stowd refused a descriptor channel),
+    from `Client` and `AsyncClient` alike; nothing of the refused put is
+    stored."""
+    small, large = fresh(4), fresh(64)
+    x = np.arange(4 * 16, dtype=np.float32).reshape(4, 16)
+    big = np.zeros((64, 1024), np.float32)  # 256 KiB
+    why = "refused a descriptor channel"
+    with run_stowd(tmp_path_factory.mktemp("no-shm"), config="[shm]\nenabled = false\n", name="stowd-no-shm") as s:
+        with stowage.Client(s["native"], same_node=True) as c:
+            c.SAME_NODE_INLINE_BELOW = 65536
+            assert c.put(small, {"x": x}) == 4
+            with pytest.raises(stowage.StowageError, match=why):
+                c.get(small, ["x"])
+            with pytest.raises(stowage.StowageError, match=why):
+                c.put(large, {"x": big})
+
+        async def main():
+            async with stowage.AsyncClient(s["native"], same_node=True) as c:
+                c.SAME_NODE_INLINE_BELOW = 65536
+                assert await c.put(small, {"y": x}) == 4
+                with pytest.raises(stowage.StowageError, match=why):
+                    await c.get(small, ["y"])
+                with pytest.raises(stowage.StowageError, match=why):
+                    await c.get_into(small, {"y": np.zeros_like(x)})
+                with pytest.raises(stowage.StowageError, match=why):
+                    await c.put(large, {"y": big})
+        asyncio.run(main())
+        with stowage.Client(s["native"]) as tcp:
+            got = tcp.get(small, ["x", "y"])
+            np.testing.assert_array_equal(got["x"], x)
+            np.testing.assert_array_equal(got["y"], x)
+            with pytest.raises(stowage.KeyNotFound):
+                tcp.get(large, ["x"])
+
+
 async def _async_gets(endpoint, idx, n):
     async with stowage.AsyncClient(endpoint, same_node=True) as c:
         return [await c.get(idx, ["x"], as_torch=False) for _ in range(n)]
