@@ -744,10 +744,17 @@ def test_a_client_opens_a_new_channel_when_stowd_restarts(tmp_path):
     try:
         for life in range(2):
             with run_stowd(tmp_path / f"life{life}", config=config):
+                with stowage.Client(f"tcp://127.0.0.1:{port}") as tcp:
+                    tcp.put([8, 9], {"y": x[:2] + life})
+                # A get first: in the second life it names the first one's
+                # channel, which the new stowd refuses; the get is asked
+                # again on a new channel (sync and asyncio alike).
+                np.testing.assert_array_equal(c.get([8, 9], ["y"])["y"], x[:2] + life)
                 c.put([0, 1, 2, 3], {"x": x + life})
                 np.testing.assert_array_equal(c.get([0, 1, 2, 3], ["x"])["x"], x + life)
 
                 async def use():
+                    np.testing.assert_array_equal((await ac.get([8, 9], ["y"]))["y"], x[:2] + life)
                     await ac.put([4, 5, 6, 7], {"x": x - life})
                     return (await ac.get([4, 5, 6, 7], ["x"]))["x"]
 
