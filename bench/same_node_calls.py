@@ -16,10 +16,16 @@ calls (p50 of --calls put+get pairs at fresh indexes, cleared after):
 - `same node`: the defaults (a put under 64 KiB on the socket, an
   `AsyncClient`'s same-node get on its event loop).
 
+Then puts through a lease (128 KiB and 512 KiB, float32 rows of 4 KiB,
+each put's rows cleared after it, outside the timing): a `Client`, an
+`AsyncClient` (the lease and the put from its event loop, under
+`CORE_MIN_BYTES`), and an `AsyncClient` with every call on a lane (as
+before the event loop took them); p50 of --lease-puts puts.
+
 Placements: stowd and the client on CPU 0, then stowd on CPU 1 and the
 client on CPU 0.
 
-usage: python3 bench/same_node_calls.py [--stowd target/release/stowd] [--calls 1500]
+usage: python3 bench/same_node_calls.py [--stowd target/release/stowd] [--calls 1500] [--lease-puts 400]
 """
 import argparse
 import asyncio
@@ -89,6 +95,36 @@ def measure(way, ep, data, base, n):
     return asyncio.run(go())
 
 
+def leased_puts(ep, kib, n):
+    """p50 µs of `n` same-node puts of `kib` KiB (through a lease) three ways."""
+    x = np.ones((kib // 4, 1024), np.float32)
+    idx = list(range(len(x)))
+    out = {}
+    with stowage.Client(ep, same_node=True) as c:
+        ts = []
+        for k in range(n + 20):
+            t = time.perf_counter()
+            c.put(idx, {"x": x})
+            ts.append(time.perf_counter() - t)
+            c.clear(idx)
+        out["sync"] = statistics.median(ts[20:]) * 1e6
+
+    async def go(lanes):
+        async with stowage.AsyncClient(ep, same_node=True) as c:
+            if lanes:
+                c._loop_idle = None
+            ts = []
+            for k in range(n + 20):
+                t = time.perf_counter()
+                await c.put(idx, {"x": x})
+                ts.append(time.perf_counter() - t)
+                await c.clear(idx)
+            return statistics.median(ts[20:]) * 1e6
+    out["async, on a lane"] = asyncio.run(go(True))
+    out["async"] = asyncio.run(go(False))
+    return out
+
+
 def run(placement, cpus, a):
     work = tempfile.mkdtemp(prefix="stowage-sncalls-")
     proc, eps = start(a.stowd, os.path.join(work, "s"), None, cpus=cpus,
@@ -107,6 +143,12 @@ def run(placement, cpus, a):
                 tcp = p50[("sync" if way.startswith("sync") else "async") + " tcp"]
                 put, get = p50[way]
                 print(f"| {nf} | {way} | {put:.1f} | {get:.1f} | {put / tcp[0]:.2f} | {get / tcp[1]:.2f} |")
+        print("\n| KiB a put | sync | async, on a lane | async | async / sync | on a lane / sync |")
+        print("|---:|---:|---:|---:|---:|---:|")
+        for kib in (128, 512):
+            p = leased_puts(eps["native"], kib, a.lease_puts)
+            print(f"| {kib} | {p['sync']:.1f} | {p['async, on a lane']:.1f} | {p['async']:.1f} "
+                  f"| {p['async'] / p['sync']:.2f} | {p['async, on a lane'] / p['sync']:.2f} |")
     finally:
         proc.terminate()
         proc.wait()
@@ -117,6 +159,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--stowd", default=os.path.join(ROOT, "target", "release", "stowd"))
     ap.add_argument("--calls", type=int, default=1500, help="put+get pairs a way (their medians)")
+    ap.add_argument("--lease-puts", type=int, default=400, help="puts through a lease a way and size")
     a = ap.parse_args()
     print(f"# Small same-node calls, p50 µs; load at start {' '.join(open('/proc/loadavg').read().split()[:3])}")
     os.sched_setaffinity(0, {0})

@@ -75,7 +75,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Mapping
 
-from . import _shm
+from . import _put, _shm
 from .client import _CORE_FAILURES, _USUAL_GET, DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TIMEOUT, Client, _abs_dir, _core, _Ops
 from .errors import BadRequest, StowageError, StowageTimeout, Unsupported
 
@@ -255,6 +255,17 @@ class AsyncClient(_Ops):
             except StowageError as e:
                 e.rows_stored = 0
                 raise
+        elif self._loop_idle is not None and put.messages == 1 and put.nbytes < self.CORE_MIN_BYTES:
+            # Same node, through a lease, on the loop (a large one on a lane:
+            # its bytes are written into the segment there).
+            try:
+                got = await self._leased_put(put, timeout)
+                if got is not None:
+                    return got
+            except StowageError as e:
+                if e.rows_stored is None:
+                    e.rows_stored = 0
+                raise
         return await self._on_lane("put", timeout, lambda c, t: c._put(put, t))
 
     async def get(self, global_indexes, fields, *, as_torch: bool | None = None, nested: str = "rows",
@@ -330,7 +341,8 @@ class AsyncClient(_Ops):
                 return self._core_answer(*got, expect)
         return await self._on_lane(op, timeout, lambda c, t: c._ask(op, body, t, expect))
 
-    async def _in_loop(self, op: str, timeout, start, start_args: tuple, finish, finish_args: tuple, shm=None):
+    async def _in_loop(self, op: str, timeout, start, start_args: tuple, finish, finish_args: tuple, shm=None,
+                       conn=None):
         """A small call on a core connection of its own, its reply awaited
         by this event loop (no worker thread, no DEALER): `start(conn, rid,
         time left, *start_args)` writes the request (None: not this call's
@@ -349,17 +361,21 @@ class AsyncClient(_Ops):
         channel while it awaits the reply (`_watch_channel`), reads a reply
         without segments itself (a small one, stowd's `[shm] inline_below`)
         and one with segments in a worker thread (its rows may be gathered,
-        a copy), and forgets the request on the channel when done."""
-        if not self._loop_idle and self._loop_busy >= self.CORE_CONNECTIONS:
+        a copy), and forgets the request on the channel when done.
+
+        With `conn` (one `_take_conn` gave the caller), the call runs on it
+        and the caller gives it back (`_give_conn`): a lease and the put
+        through it go over one connection, as stowd asks."""
+        held = conn is not None
+        if not held and not self._loop_idle and self._loop_busy >= self.CORE_CONNECTIONS:
             return None
         timeout = self.timeout if timeout is None else self._check_timeout(timeout)
         if self._closed:
             raise StowageError("the client is closed")
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        conn = self._loop_idle.pop() if self._loop_idle else _core.Connection(self.endpoint, self.spin_us, self._token,
-                                                                              self._curve)
-        self._loop_busy += 1
+        if not held:
+            conn = self._take_conn()
         rid = next(self._ids)
         keep = False
         try:
@@ -434,18 +450,85 @@ class AsyncClient(_Ops):
         finally:
             if shm is not None and not shm[0].closed:
                 shm[0].forget(rid)  # (descriptors that come late are closed)
-            self._loop_busy -= 1
-            if keep and not self._closed:
-                self._loop_idle.append(conn)
-            else:
+            if not held:
+                self._give_conn(conn, keep)
+
+    def _take_conn(self):
+        """An idle event-loop connection, or a new one; counted as busy until
+        `_give_conn`."""
+        conn = self._loop_idle.pop() if self._loop_idle else _core.Connection(self.endpoint, self.spin_us, self._token,
+                                                                              self._curve)
+        self._loop_busy += 1
+        return conn
+
+    def _give_conn(self, conn, keep: bool) -> None:
+        """Back to the idle ones (`keep`: its last reply was read to its end),
+        or closed."""
+        self._loop_busy -= 1
+        if keep and not self._closed:
+            self._loop_idle.append(conn)
+            return
+        try:
+            conn.close()
+        except RuntimeError as e:
+            # Cancelled while a worker thread reads the reply: the
+            # connection is that read's until it ends ("Already
+            # borrowed"), and closes with it, never to be used again.
+            if "borrowed" not in str(e):
+                raise
+
+    async def _leased_put(self, put, timeout):
+        """A same-node put through a lease on the event loop (one message,
+        under `CORE_MIN_BYTES`): the lease, `Put.fill` writing the rows into
+        the leased segment, and the put naming it, all on one connection
+        (`_put.same_node` says what to send). The rows stored, or None when
+        every loop connection is busy (nothing sent)."""
+        if not self._loop_idle and self._loop_busy >= self.CORE_CONNECTIONS:
+            return None
+        timeout = self.timeout if timeout is None else self._check_timeout(timeout)
+        await self._loop_shm()  # (the channel, for the lease's descriptor)
+        if not self._loop_idle and self._loop_busy >= self.CORE_CONNECTIONS:
+            return None
+        conn = self._take_conn()
+        keep = False
+        try:
+            steps = _put.same_node(put, self._segments, self.SAME_NODE_INLINE_BELOW)
+            reply = None
+            while True:
                 try:
-                    conn.close()
-                except RuntimeError as e:
-                    # Cancelled while a worker thread reads the reply: the
-                    # connection is that read's until it ends ("Already
-                    # borrowed"), and closes with it, never to be used again.
-                    if "borrowed" not in str(e):
-                        raise
+                    step, arg = steps.send(reply)
+                except StopIteration as done:
+                    return done.value
+                keep = False
+                if step == "lease":
+                    reply = await self._loop_lease(conn, arg, timeout)
+                else:
+                    rid, got = await self._in_loop("put", timeout, _Conn.start_put, (put, arg), _Conn.finish_put,
+                                                   (), conn=conn)
+                    reply = got if type(got) is int else self._core_refused(rid, got, "put_ok")
+                keep = True
+        finally:
+            self._give_conn(conn, keep)
+
+    async def _loop_lease(self, conn, body: dict, timeout) -> dict:
+        """A lease on `conn`: its lease_ok body, its descriptor kept
+        (`Segments.leased`) for `Put.fill`. A stowd that no longer knows
+        the channel (restarted) gets a new one, and the lease is asked again."""
+        for again in (False, True):
+            shm = await self._loop_shm()
+            extras = self._segments.extras(get=False)
+            rid, (got, fds) = await self._in_loop("lease", timeout, _start_lease, (shm[0], body, extras),
+                                                  _finish_lease, (shm[0],), shm, conn=conn)
+            try:
+                reply = self._core_answer(rid, got, "lease_ok")
+            except BadRequest as e:
+                if again or not self._stale_channel(extras, e):
+                    raise
+                self._segments.close_channel()
+                continue
+            self._segments.leased(reply["segment"], fds)
+            return reply
+        raise AssertionError("unreachable")
 
     def _threads(self) -> ThreadPoolExecutor:
         if self._core_threads is None:
@@ -485,6 +568,25 @@ class AsyncClient(_Ops):
         finally:
             self._ranges_ok = self._ranges_ok and lane._ranges_ok
             self._core_idle.append(lane)
+
+
+def _start_lease(conn, rid: int, timeout: float, ch, body: dict, extras: dict):
+    """`start` of a lease on the loop: its descriptor expected on the
+    channel `ch` first, then the request written."""
+    ch.expect(rid)
+    return conn.start_call(rid, timeout, "lease", body, extras)
+
+
+def _finish_lease(conn, rid: int, started, timeout: float, ch):
+    """`finish` of a lease on the loop: (the reply as `finish_call` gives
+    it, the descriptors stowd sent for a lease_ok: {name: fd}, else None);
+    None for a stray reply."""
+    got = conn.finish_call(rid, started, timeout)
+    if got is None:
+        return None
+    env = got[0]
+    ok = type(env) is dict and env.get("op") == "lease_ok"
+    return got, (_shm.take(ch, rid, timeout) if ok else None)
 
 
 #: Most seconds the event loop waits for the rest of a channel message that

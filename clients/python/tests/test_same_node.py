@@ -226,11 +226,14 @@ def test_a_small_same_node_put_goes_on_the_socket_and_a_large_one_through_a_leas
 def test_the_async_client_puts_a_small_same_node_put_on_its_event_loop(shm_server, fresh):
     """An `AsyncClient`'s same-node put under the bound goes on the socket
     from the event loop (no lane, no worker thread, no lease); one at or
-    over it on a lane, through a leased segment."""
+    over it, under `CORE_MIN_BYTES`, through a leased segment from the
+    loop too (the lease and the put on one connection); one of
+    `CORE_MIN_BYTES` or more on a lane."""
     s = shm_server
-    small, large = fresh(4), fresh(64)
+    small, large, huge = fresh(4), fresh(64), fresh(512)
     x = np.arange(4 * 16, dtype=np.float32).reshape(4, 16)
-    big = np.arange(64 * 1024, dtype=np.float32).reshape(64, 1024)
+    big = np.arange(64 * 1024, dtype=np.float32).reshape(64, 1024)  # 256 KiB
+    bigger = np.arange(512 * 1024, dtype=np.float32).reshape(512, 1024)  # 2 MiB
 
     async def main():
         async with stowage.AsyncClient(s["native"], same_node=True) as c:
@@ -241,15 +244,23 @@ def test_the_async_client_puts_a_small_same_node_put_on_its_event_loop(shm_serve
             assert live_segments(s) == before, "a small async same-node put leased a segment"
             assert c._core_idle == [], "a small put took a lane"  # (its first connect runs in a thread)
             assert len(c._loop_idle) == 1
-            assert await c.put(large, {"x": big}) == 64
-            assert live_segments(s) == before + 1
-            assert len(c._core_idle) == 1, "a large same-node put did not take a lane"
+            for _ in range(2):
+                assert await c.put(large, {"x": big}) == 64
+            assert live_segments(s) == before + 1  # (the second replaced the first's rows)
+            assert c._core_idle == [], "a 256 KiB same-node put took a lane"
+            assert len(c._loop_idle) == 1, "the lease and its put did not share one connection"
+            assert await c.put(huge, {"x": bigger}) == 512
+            assert live_segments(s) == before + 2
+            assert len(c._core_idle) == 1, "a 2 MiB same-node put did not take a lane"
     asyncio.run(main())
     with stowage.Client(s["native"], same_node=True) as c:
         np.testing.assert_array_equal(c.get(small, ["x"])["x"], x)
         np.testing.assert_array_equal(c.get(large, ["x"])["x"], big)
+        np.testing.assert_array_equal(c.get(huge, ["x"])["x"], bigger)
+        assert c.stats()["shm_leases"] == 0
         c.clear(small)
         c.clear(large)
+        c.clear(huge)
 
 
 def test_a_same_node_client_of_a_stowd_without_shared_memory(tmp_path_factory, fresh):
@@ -288,6 +299,49 @@ def test_a_same_node_client_of_a_stowd_without_shared_memory(tmp_path_factory, f
             np.testing.assert_array_equal(got["y"], x)
             with pytest.raises(stowage.KeyNotFound):
                 tcp.get(large, ["x"])
+
+
+def test_a_refused_lease_refuses_the_put_alike_from_either_client(tmp_path_factory, fresh):
+    """`[shm] max_lease_bytes` of 64 KiB: a 128 KiB same-node put's lease is
+    refused, and so is the put, with the same error from `Client` and from
+    `AsyncClient` (which leases on its event loop), `rows_stored` 0 and
+    nothing stored; both clients go on with a put under the limit."""
+    idx = fresh(32)
+    x = np.ones((32, 1024), np.float32)  # 128 KiB
+    shm_dir = f"/dev/shm/stowage-test-lease-limit-{os.getpid()}"
+    shutil.rmtree(shm_dir, ignore_errors=True)
+    config = f'[shm]\ndir = "{shm_dir}"\nmax_lease_bytes = 65536\n'
+    try:
+        with run_stowd(tmp_path_factory.mktemp("lease-limit"), config=config, name="stowd-lease-limit") as s:
+            with stowage.Client(s["native"], same_node=True) as c:
+                with pytest.raises(stowage.StowageError) as sync_err:
+                    c.put(idx, {"x": x})
+                assert c.put(idx[:8], {"x": x[:8]}) == 8  # 32 KiB: on the socket
+
+            async def main():
+                async with stowage.AsyncClient(s["native"], same_node=True) as c:
+                    with pytest.raises(stowage.StowageError) as async_err:
+                        await c.put(idx, {"y": x})
+                    assert c._core_idle == [], "the refused lease was asked on a lane"
+                    assert await c.put(idx[:8], {"y": x[:8]}) == 8
+                    return async_err.value
+            async_err = asyncio.run(main())
+            assert type(async_err) is type(sync_err.value)
+            assert str(async_err).split(": ", 1)[1].split(" (request")[0] == \
+                str(sync_err.value).split(": ", 1)[1].split(" (request")[0]
+            assert "max_lease_bytes" in str(async_err)
+            assert async_err.rows_stored == 0 and sync_err.value.rows_stored == 0
+            with stowage.Client(s["native"]) as tcp:
+                got = tcp.get(idx[:8], ["x", "y"])
+                np.testing.assert_array_equal(got["x"], x[:8])
+                np.testing.assert_array_equal(got["y"], x[:8])
+                with pytest.raises(stowage.KeyNotFound):
+                    tcp.get(idx[8:], ["x"])
+                with pytest.raises(stowage.KeyNotFound):
+                    tcp.get(idx[8:], ["y"])
+                assert tcp.stats()["shm_leases"] == 0
+    finally:
+        shutil.rmtree(shm_dir, ignore_errors=True)
 
 
 async def _async_gets(endpoint, idx, n):
@@ -742,7 +796,7 @@ def test_a_client_opens_a_new_channel_when_stowd_restarts(tmp_path):
     c = stowage.Client(f"tcp://127.0.0.1:{port}", same_node=True, timeout=20)
     ac = stowage.AsyncClient(f"tcp://127.0.0.1:{port}", same_node=True, timeout=20)
     try:
-        for life in range(2):
+        for life in range(3):
             with run_stowd(tmp_path / f"life{life}", config=config):
                 with stowage.Client(f"tcp://127.0.0.1:{port}") as tcp:
                     tcp.put([8, 9], {"y": x[:2] + life})
@@ -754,7 +808,15 @@ def test_a_client_opens_a_new_channel_when_stowd_restarts(tmp_path):
                 np.testing.assert_array_equal(c.get([0, 1, 2, 3], ["x"])["x"], x + life)
 
                 async def use():
+                    # The asyncio client's first call after a restart: a get
+                    # in the second life, a put through a lease (on its event
+                    # loop) in the third; each asked again on a new channel.
+                    big = np.full((32, 1024), life, np.float32)  # 128 KiB: leased
+                    if life == 2:
+                        await ac.put(list(range(100, 132)), {"z": big})
                     np.testing.assert_array_equal((await ac.get([8, 9], ["y"]))["y"], x[:2] + life)
+                    await ac.put(list(range(100, 132)), {"z": big})
+                    np.testing.assert_array_equal((await ac.get(list(range(100, 132)), ["z"]))["z"], big)
                     await ac.put([4, 5, 6, 7], {"x": x - life})
                     return (await ac.get([4, 5, 6, 7], ["x"]))["x"]
 

@@ -90,7 +90,7 @@ pub enum ShmError {
     UnknownLease(String),
     #[error("lease {0:?} was granted to another connection: only that connection may put it")]
     NotYourLease(String),
-    #[error("lease of {asked} bytes exceeds the {limit}-byte limit")]
+    #[error("lease of {asked} bytes exceeds the {limit}-byte limit ([shm] max_lease_bytes)")]
     TooLarge { asked: u64, limit: u64 },
     #[error(
         "lease of {asked} bytes refused: {outstanding} bytes are leased and not yet put, \

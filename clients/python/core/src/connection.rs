@@ -923,21 +923,27 @@ impl Connection {
     /// The `start_*` methods take `(id, timeout, ...)` and the `finish_*`
     /// ones `(id, what start returned, timeout, ...)`, so that the
     /// `AsyncClient` calls them as they are, with no closure a call.
+    ///
+    /// With `segments` (what `Put.fill` returned for its lease), the put
+    /// names them and carries no data frames (a same-node put).
+    #[pyo3(signature = (id, timeout, put, segments = None))]
     fn start_put(
         &mut self,
         py: Python<'_>,
         id: u64,
         timeout: f64,
         put: &Bound<'_, Put>,
+        segments: Option<Vec<(String, u64, u64)>>,
     ) -> PyResult<Option<u64>> {
         let plan = &put.get().plan;
         if plan.message_count() != 1 {
             return Ok(None);
         }
         let deadline = deadline_in(timeout);
+        let segments = segments.as_deref();
         // The put's arrays stay held (`put`) while the GIL is released.
         py.detach(|| -> Result<(), Fail> {
-            let m = plan.message(0, id, None)?;
+            let m = plan.message(0, id, segments)?;
             self.begin(deadline, &m.frame0, &m)
         })?;
         Ok(Some(plan.message_len(0)))
@@ -1134,7 +1140,9 @@ impl Connection {
 
     /// The first half of `call`, for an event loop that awaits the reply
     /// itself: the request written (the connection made first if there is
-    /// none). Then `reply_ready`, `fileno` and `finish_call`.
+    /// none), with the envelope keys `extras` (a same-node lease names its
+    /// channel). Then `reply_ready`, `fileno` and `finish_call`.
+    #[pyo3(signature = (id, timeout, op, body, extras = None))]
     fn start_call<'py>(
         &mut self,
         py: Python<'py>,
@@ -1142,8 +1150,9 @@ impl Connection {
         timeout: f64,
         op: &str,
         body: &Bound<'py, PyDict>,
+        extras: Option<&Bound<'py, PyDict>>,
     ) -> PyResult<bool> {
-        self.call_begin(py, op, id, body, None, deadline_in(timeout))?;
+        self.call_begin(py, op, id, body, extras, deadline_in(timeout))?;
         Ok(true)
     }
 
