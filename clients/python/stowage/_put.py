@@ -1,5 +1,6 @@
 """A same-node put's requests, sans IO: the sequence `Client.put` drives
-(an `AsyncClient`'s same-node put that leases runs on a lane, a `Client`), apart from
+(and an `AsyncClient` on its event loop, or on a lane for a put of
+`CORE_MIN_BYTES` or more), apart from
 the transport, so what such a put sends, and in what order, is written
 once. (Everything else about a put, its checks, its layout, its split
 into messages and the bytes it writes, is the Rust core's `_core.Put`.)

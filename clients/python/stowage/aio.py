@@ -38,11 +38,15 @@ is read on the loop, one that names segments in a worker thread (its rows
 may be gathered, a copy the loop should not wait for). A one-field
 same-node get took 20.4 µs this way and 89.8 µs on a lane, stowd on the
 client's CPU (docs/benchmarks.md, "Same-node small puts, and an
-AsyncClient's same-node calls").
+AsyncClient's same-node calls"). A same-node put of one message under
+`CORE_MIN_BYTES` that leases (64 KiB or more) runs on the loop too: the
+lease, `Put.fill` writing the rows into the segment, and the put naming
+it, on one connection (stowd takes a lease's put only on the connection
+that leased it), in the steps `_put.same_node` gives.
 
 **Everything else in a worker thread, on a lane**: a synchronous `Client`
 of this client's settings (endpoint, timeouts, same-node mode, token, keys),
-so every path, a same-node put's lease included, exists once.
+so every path exists once.
 A lane serves one call at a time; each running call takes a lane of its
 own from a small pool, made on demand, at most `CORE_CONNECTIONS` per
 client (a thread pool of that many workers, each call a job; calls beyond
