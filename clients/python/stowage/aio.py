@@ -33,9 +33,12 @@ Same node, so do the calls that move no rows, a put under
 lease), and every get and get_into: the request names the client's
 descriptor channel (opened on the loop once), which the loop reads while
 it awaits the reply (`Channel.pump`), so descriptors never pile up in
-front of stowd; a reply without segments (stowd's `[shm] inline_below`)
-is read on the loop, one that names segments in a worker thread (its rows
-may be gathered, a copy the loop should not wait for). A one-field
+front of stowd; the loop reads the reply itself when it names no segments
+(stowd's `[shm] inline_below`), one segment range (views of the mapping,
+nothing to gather) or rows of at most `LOOP_GATHER_MAX` (256 KiB) bytes,
+and a worker thread reads the rest (their rows may be gathered, a copy
+the loop should not wait for): a 4 MiB get of one range took 68-80 µs on
+the loop, where through a worker thread it took 128-139. A one-field
 same-node get took 20.4 µs this way and 89.8 µs on a lane, stowd on the
 client's CPU (docs/benchmarks.md, "Same-node small puts, and an
 AsyncClient's same-node calls"). A same-node put of one message under
@@ -410,12 +413,12 @@ class AsyncClient(_Ops):
             while got is None:  # None: a stray reply, dropped; the next awaited
                 here = conn.reply_ready_spin() if spin else conn.reply_ready()
                 spin = False  # (once a call)
-                if here and (shm is None or not conn.reply_names_segments()):
+                if here and (shm is None or _read_here(conn)):
                     # The whole reply is here: read without waiting (it came; no timeout).
                     got = finish(conn, rid, started, timeout, *finish_args)
                     continue
                 left = deadline - loop.time()
-                if here:  # a same-node reply naming segments: mapped (and maybe gathered) off the loop
+                if here:  # a same-node reply whose rows may be gathered, a copy: off the loop
                     awaited = True
                     got = await loop.run_in_executor(self._threads(), finish, conn, rid, started, left, *finish_args)
                     continue
@@ -436,7 +439,7 @@ class AsyncClient(_Ops):
                 left = deadline - loop.time()
                 if left <= 0:
                     raise TimeoutError
-                if conn.reply_ready() and (shm is None or not conn.reply_names_segments()):
+                if conn.reply_ready() and (shm is None or _read_here(conn)):
                     got = finish(conn, rid, started, left, *finish_args)
                 else:
                     got = await loop.run_in_executor(self._threads(), finish, conn, rid, started, left, *finish_args)
@@ -591,6 +594,24 @@ def _finish_lease(conn, rid: int, started, timeout: float, ch):
     env = got[0]
     ok = type(env) is dict and env.get("op") == "lease_ok"
     return got, (_shm.take(ch, rid, timeout) if ok else None)
+
+
+#: Most bytes of rows a same-node reply naming several segment ranges may
+#: come to and still be read on the event loop: its rows may be gathered
+#: into one buffer, a copy of up to this many bytes (about 25 µs warm),
+#: where the hop to a worker thread and back cost about 80 µs.
+LOOP_GATHER_MAX = 256 << 10
+
+
+def _read_here(conn) -> bool:
+    """Whether the event loop reads a same-node get's reply itself: one
+    without segments (a small get, stowd's `[shm] inline_below`), one of a
+    single segment range (views of the mapping, nothing to gather), or one
+    of at most `LOOP_GATHER_MAX` bytes; else a worker thread does."""
+    if not conn.reply_names_segments():
+        return True
+    seg = conn.reply_segments()
+    return seg is not None and (seg[0] <= 1 or seg[1] <= LOOP_GATHER_MAX)
 
 
 #: Most seconds the event loop waits for the rest of a channel message that

@@ -400,6 +400,43 @@ def test_the_async_client_gets_same_node_on_its_event_loop(inline_server, fresh)
         tcp.clear(large)
 
 
+def test_an_async_same_node_reply_is_read_on_the_loop_unless_it_may_gather_much(shm_server, fresh):
+    """Where an `AsyncClient` reads a same-node reply that names segments:
+    on its event loop when it is one range (views, nothing to gather) or
+    at most `LOOP_GATHER_MAX` bytes; in a worker thread when its rows lie
+    in several ranges and come to more (a gather, a copy). Rows right
+    either way."""
+    from stowage import aio
+    s = shm_server
+    one, two = fresh(128), fresh(128)
+    a = np.arange(128 * 1024, dtype=np.float32).reshape(128, 1024)  # 512 KiB
+    with stowage.Client(s["native"]) as tcp:
+        tcp.put(one, {"x": a})  # one put: one extent, one range
+    with stowage.Client(s["native"], same_node=True) as c:
+        c.put(two[:64], {"x": a[:64]})  # two puts through leases: two segments
+        c.put(two[64:], {"x": a[64:]})
+
+    async def main():
+        async with stowage.AsyncClient(s["native"], same_node=True) as c:
+            await c.get(one[:1], ["x"])  # (connected, the channel open: both run in a thread)
+            real, hops = c._threads, []
+            c._threads = lambda: hops.append(1) or real()
+            np.testing.assert_array_equal((await c.get(one, ["x"]))["x"], a)
+            on_loop_one = len(hops)
+            np.testing.assert_array_equal((await c.get(two[:32], ["x"]))["x"], a[:32])  # 128 KiB, one segment
+            np.testing.assert_array_equal((await c.get(two[48:80], ["x"]))["x"], a[48:80])  # 128 KiB, two
+            on_loop_small = len(hops) - on_loop_one
+            np.testing.assert_array_equal((await c.get(two, ["x"]))["x"], a)  # 512 KiB over two segments
+            return on_loop_one, on_loop_small, len(hops) - on_loop_one - on_loop_small
+    one_hops, small_hops, gather_hops = asyncio.run(main())
+    assert one_hops == 0, "a reply of one range went to a worker thread"
+    assert small_hops == 0, f"replies under {aio.LOOP_GATHER_MAX} bytes went to a worker thread"
+    assert gather_hops == 1, "a 512 KiB reply over two ranges was read on the loop"
+    with stowage.Client(s["native"]) as tcp:
+        tcp.clear(one)
+        tcp.clear(two)
+
+
 def test_async_same_node_gets_on_the_loop_many_segments_and_at_once(shm_server, fresh):
     """Same-node gets on an `AsyncClient`'s event loop: one whose reply
     names 2,000 segments (their descriptors read from the channel while

@@ -1184,6 +1184,28 @@ impl Connection {
             .is_none_or(|f0| memchr::memmem::find(f0, b"\xa8segments").is_some())
     }
 
+    /// What the whole reply waiting in the read-ahead, a same-node get_ok
+    /// that names segments, asks of its reader: (how many segment ranges
+    /// it names, the bytes of the rows its fields read from them); None
+    /// when it names none, is no get_ok this codec reads, or its frame 0 is
+    /// not all there (or is CURVE's). For an event loop to read a reply of
+    /// one range (views, nothing to gather) or of few bytes itself.
+    fn reply_segments(&self) -> Option<(usize, u64)> {
+        let f0 = self.stream.as_ref()?.frame0_ahead()?;
+        let entries = crate::receive::segments(f0).ok()??;
+        // (A copy of frame 0, which the layout's decoder takes as `Bytes`.)
+        let f0 = Bytes::copy_from_slice(f0);
+        let Ok((_, ReplyLayout::GetOk(fields))) = native::decode_reply_layout(&f0, &REPLY_LIMITS)
+        else {
+            return None;
+        };
+        let bytes = fields
+            .iter()
+            .map(|(_, f)| f.bytes())
+            .fold(0u64, u64::saturating_add);
+        Some((entries.len(), bytes))
+    }
+
     /// Whether the whole reply to a started call has arrived, so that
     /// `finish_*` reads it without waiting (also true when the connection
     /// broke, or there is none: `finish_*` then says so).
