@@ -40,13 +40,20 @@ from typing import Generator
 from .errors import ProtocolError
 
 
+def on_socket(put, inline_below: int) -> bool:
+    """Whether a same-node put goes on the socket as any put, no lease
+    (see the module doc)."""
+    size = put.lease_bytes
+    return not size or (size < inline_below and put.fits_message)
+
+
 def same_node(put, segments, inline_below: int = 0) -> Generator[tuple, object, int]:
     """The requests of a same-node put of `put` (a `_core.Put` made with
     `same_node=True`), given the client's `_shm.Segments`; one of fewer
     than `inline_below` bytes goes on the socket (see the module doc)."""
-    size = put.lease_bytes
-    if not size or (size < inline_below and put.fits_message):
+    if on_socket(put, inline_below):
         return (yield "put", None)
+    size = put.lease_bytes
     reply = yield "lease", {"bytes": size}
     name = reply["segment"]
     fd = segments.pop_leased(name)

@@ -182,12 +182,6 @@ class AsyncClient(_Ops):
     async def __aexit__(self, *exc) -> None:
         await self.aclose()
 
-    def _on_socket(self, put) -> bool:
-        """Whether a same-node put goes on the socket as any put (see
-        `_put.same_node`): then the event loop may carry it."""
-        size = put.lease_bytes
-        return not size or (size < self.SAME_NODE_INLINE_BELOW and put.fits_message)
-
     def _ask_again(self, e: BadRequest, ranges: bool, shm) -> bool:
         """Whether a get refused on the event loop is asked again on a lane:
         a stowd from before ranges (the lane asks with a list), or one that
@@ -249,8 +243,8 @@ class AsyncClient(_Ops):
         there). The put is read, checked and laid out by the core
         (`_core.Put`) before either way is taken, once."""
         put = _core.Put(global_indexes, data, self.max_message_bytes, self._segments is not None)
-        if self._loop_idle is not None and put.messages == 1 and put.nbytes < self.CORE_MIN_BYTES and (
-                self._segments is None or self._on_socket(put)):
+        on_loop = self._loop_idle is not None and put.messages == 1 and put.nbytes < self.CORE_MIN_BYTES
+        if on_loop and (self._segments is None or _put.on_socket(put, self.SAME_NODE_INLINE_BELOW)):
             # The usual small put: written and answered by the core on a
             # connection of its own, its reply awaited by this event loop
             # (None: every such connection busy: a lane then).
@@ -262,7 +256,7 @@ class AsyncClient(_Ops):
             except StowageError as e:
                 e.rows_stored = 0
                 raise
-        elif self._loop_idle is not None and put.messages == 1 and put.nbytes < self.CORE_MIN_BYTES:
+        elif on_loop:
             # Same node, through a lease, on the loop (a large one on a lane:
             # its bytes are written into the segment there).
             try:
@@ -365,10 +359,10 @@ class AsyncClient(_Ops):
         reply would be stale).
 
         With `shm` (channel, mappings), a same-node get: the loop reads the
-        channel while it awaits the reply (`_watch_channel`), reads a reply
-        without segments itself (a small one, stowd's `[shm] inline_below`)
-        and one with segments in a worker thread (its rows may be gathered,
-        a copy), and forgets the request on the channel when done.
+        channel while it awaits the reply (`_watch_channel`), reads the
+        reply itself unless its rows may be gathered into more than
+        `LOOP_GATHER_MAX` bytes (`Connection.reply_read_here`; then a worker
+        thread does), and forgets the request on the channel when done.
 
         With `conn` (one `_take_conn` gave the caller), the call runs on it
         and the caller gives it back (`_give_conn`): a lease and the put
@@ -413,7 +407,7 @@ class AsyncClient(_Ops):
             while got is None:  # None: a stray reply, dropped; the next awaited
                 here = conn.reply_ready_spin() if spin else conn.reply_ready()
                 spin = False  # (once a call)
-                if here and (shm is None or _read_here(conn)):
+                if here and (shm is None or conn.reply_read_here(LOOP_GATHER_MAX)):
                     # The whole reply is here: read without waiting (it came; no timeout).
                     got = finish(conn, rid, started, timeout, *finish_args)
                     continue
@@ -439,7 +433,7 @@ class AsyncClient(_Ops):
                 left = deadline - loop.time()
                 if left <= 0:
                     raise TimeoutError
-                if conn.reply_ready() and (shm is None or _read_here(conn)):
+                if conn.reply_ready() and (shm is None or conn.reply_read_here(LOOP_GATHER_MAX)):
                     got = finish(conn, rid, started, left, *finish_args)
                 else:
                     got = await loop.run_in_executor(self._threads(), finish, conn, rid, started, left, *finish_args)
@@ -601,17 +595,6 @@ def _finish_lease(conn, rid: int, started, timeout: float, ch):
 #: into one buffer, a copy of up to this many bytes (about 25 µs warm),
 #: where the hop to a worker thread and back cost about 80 µs.
 LOOP_GATHER_MAX = 256 << 10
-
-
-def _read_here(conn) -> bool:
-    """Whether the event loop reads a same-node get's reply itself: one
-    without segments (a small get, stowd's `[shm] inline_below`), one of a
-    single segment range (views of the mapping, nothing to gather), or one
-    of at most `LOOP_GATHER_MAX` bytes; else a worker thread does."""
-    if not conn.reply_names_segments():
-        return True
-    seg = conn.reply_segments()
-    return seg is not None and (seg[0] <= 1 or seg[1] <= LOOP_GATHER_MAX)
 
 
 #: Most seconds the event loop waits for the rest of a channel message that

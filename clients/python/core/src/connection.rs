@@ -967,7 +967,7 @@ impl Connection {
     /// reply itself: the request written, how many indexes it asks for, or
     /// None with nothing sent. Then `finish_get`. With `shm`, a same-node
     /// get (its descriptors expected on the channel, which the loop reads
-    /// as they come: `Channel.pump`); see `reply_names_segments`.
+    /// as they come: `Channel.pump`); see `reply_read_here`.
     #[pyo3(signature = (id, timeout, indexes, fields, ranges = true, shm = None))]
     #[allow(clippy::too_many_arguments)]
     fn start_get(
@@ -1171,39 +1171,39 @@ impl Connection {
         answer(py, id, &reply)
     }
 
-    /// Whether the reply to a started same-node get may name segments:
-    /// true unless its whole frame 0 is in the read-ahead (see
-    /// `reply_ready`) without the key `segments`. An event loop reads a
-    /// reply that names none itself (stowd's `[shm] inline_below`: a
-    /// small one), and one that does in a worker thread: its rows may be
-    /// gathered into one buffer, a copy the loop should not wait for.
-    fn reply_names_segments(&self) -> bool {
-        self.stream
-            .as_ref()
-            .and_then(Stream::frame0_ahead)
-            .is_none_or(|f0| memchr::memmem::find(f0, b"\xa8segments").is_some())
-    }
-
-    /// What the whole reply waiting in the read-ahead, a same-node get_ok
-    /// that names segments, asks of its reader: (how many segment ranges
-    /// it names, the bytes of the rows its fields read from them); None
-    /// when it names none, is no get_ok this codec reads, or its frame 0 is
-    /// not all there (or is CURVE's). For an event loop to read a reply of
-    /// one range (views, nothing to gather) or of few bytes itself.
-    fn reply_segments(&self) -> Option<(usize, u64)> {
-        let f0 = self.stream.as_ref()?.frame0_ahead()?;
-        let entries = crate::receive::segments(f0).ok()??;
+    /// Whether an event loop reads the reply to a started same-node get
+    /// itself: its whole frame 0 is in the read-ahead (see `reply_ready`;
+    /// not CURVE's) and it names no segments (stowd's `[shm]
+    /// inline_below`: a small get), one segment range (views of the
+    /// mapping, nothing to gather), or ranges whose rows, as its fields
+    /// read them, come to at most `gather_max` bytes. Otherwise a worker
+    /// thread reads it: its rows may be gathered into one buffer, a copy
+    /// the loop should not wait for.
+    fn reply_read_here(&self, gather_max: u64) -> bool {
+        let Some(f0) = self.stream.as_ref().and_then(Stream::frame0_ahead) else {
+            return false;
+        };
+        let entries = match crate::receive::segments(f0) {
+            Ok(None) => return true,
+            Ok(Some(entries)) => entries,
+            Err(_) => return false,
+        };
+        if entries.len() <= 1 {
+            return true;
+        }
+        // The rows' bytes, not the ranges': stowd names whole segments.
         // (A copy of frame 0, which the layout's decoder takes as `Bytes`.)
         let f0 = Bytes::copy_from_slice(f0);
-        let Ok((_, ReplyLayout::GetOk(fields))) = native::decode_reply_layout(&f0, &REPLY_LIMITS)
-        else {
-            return None;
-        };
-        let bytes = fields
-            .iter()
-            .map(|(_, f)| f.bytes())
-            .fold(0u64, u64::saturating_add);
-        Some((entries.len(), bytes))
+        match native::decode_reply_layout(&f0, &REPLY_LIMITS) {
+            Ok((_, ReplyLayout::GetOk(fields))) => {
+                fields
+                    .iter()
+                    .map(|(_, f)| f.bytes())
+                    .fold(0u64, u64::saturating_add)
+                    <= gather_max
+            }
+            _ => false,
+        }
     }
 
     /// Whether the whole reply to a started call has arrived, so that
