@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import sys
 
 import numpy as np
 import pytest
@@ -91,6 +92,58 @@ def test_the_sources_are_what_they_claim():
         a = v.data if isinstance(v, stowage.Bits) else np.asarray(v.values) if isinstance(v, Packed) else v
         rows = a if isinstance(a, list) else [a]
         assert any(not r.flags.c_contiguous or r.dtype.byteorder == ">" for r in rows), name
+
+
+WIRE_DTYPES = ["?", "i1", "u1", "i2", "u2", "i4", "u4", "i8", "u8", "f2", "f4", "f8", "c8", "c16"]
+
+
+def test_numpy_arrays_are_read_from_their_fields_and_round_trip(endpoint, fresh):
+    """An exact numpy array of a dtype the wire has is read from the
+    array's own fields, not through the buffer protocol
+    (`_core.ndarray_direct`: this numpy's layout checked once). Every such
+    dtype in both byte orders, contiguous, strided, reversed, broadcast,
+    rows of one item, read-only, and arrays the fields do not take (more
+    than 8 axes, `long double`, a subclass) read back equal, and a put
+    leaves each array's reference count as it found it."""
+    from stowage import _core
+
+    assert _core.ndarray_direct()
+    rng = np.random.default_rng(7)
+    data = {}
+    for name in WIRE_DTYPES:
+        for order in "<>":
+            base = (rng.integers(0, 100, (N, 6, 4)) + (1j if name.startswith("c") else 0)).astype(order + name)
+            data[f"{order}{name}"] = base
+            data[f"{order}{name}_strided"] = base[:, ::-2, 1]
+    ro = np.arange(N * 3, dtype=np.float32).reshape(N, 3)
+    ro.flags.writeable = False
+    data["read_only"] = ro
+    data["scalar_rows"] = np.arange(N, dtype=np.int64)
+    data["broadcast"] = np.broadcast_to(np.arange(5, dtype=np.uint16), (N, 5))
+    data["many_axes"] = np.arange(N, dtype=np.float32).reshape((N,) + (1,) * 33)
+    data["subclass"] = np.arange(N * 2, dtype=np.float64).reshape(N, 2).view(np.matrix)
+    before = {k: sys.getrefcount(v) for k, v in data.items()}
+    idx = fresh(N)
+    with stowage.Client(endpoint, timeout=30) as c:
+        assert c.put(idx, data) == N
+        after = {k: sys.getrefcount(v) for k, v in data.items()}
+        got = c.get(idx, list(data), as_torch=False)
+        c.clear(idx)
+    assert after == before
+    data["subclass"] = np.asarray(data["subclass"])
+    check(got, data)
+
+
+def test_arrays_the_wire_has_no_dtype_for_are_refused(endpoint, fresh):
+    """A `long double` or an object array (types the fields reader leaves
+    to the buffer protocol) is refused, and nothing is stored."""
+    idx = fresh(2)
+    with stowage.Client(endpoint, timeout=30) as c:
+        keys = c.stats()["keys"]
+        for a in (np.zeros((2, 3), np.longdouble), np.array([[1], ["x"]], dtype=object)):
+            with pytest.raises((TypeError, ValueError)):
+                c.put(idx, {"x": a})
+        assert c.stats()["keys"] == keys
 
 
 @pytest.mark.parametrize("max_message_bytes", [64 << 20, 700], ids=["one-message", "split"])

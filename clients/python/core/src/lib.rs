@@ -100,10 +100,19 @@ mod source;
 mod stream;
 mod wait;
 
+
 /// Frees the buffers kept for reuse by later gets (`pool`); the bytes freed.
 #[pyfunction]
 fn release_receive_buffers() -> usize {
     pool::release()
+}
+
+/// Whether a put reads numpy arrays from their own fields rather than
+/// through the buffer protocol (`buffer::ndarray_layout_ok`: this numpy's
+/// layout checked once).
+#[pyfunction]
+fn ndarray_direct(py: Python<'_>) -> bool {
+    buffer::ndarray_layout_ok(py)
 }
 
 /// The dtype table as `_core.DTYPES` holds it: `(name, itemsize, aliases)`
@@ -130,6 +139,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(indexes::read_index_list, m)?)?;
     m.add_class::<put::Put>()?;
     m.add_function(wrap_pyfunction!(release_receive_buffers, m)?)?;
+    m.add_function(wrap_pyfunction!(ndarray_direct, m)?)?;
     m.add_class::<channel::Channel>()?;
     m.add_class::<segments::Segments>()?;
     m.add_class::<assemble::GetOptions>()?;

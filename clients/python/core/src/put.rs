@@ -877,6 +877,11 @@ impl<'py> Reader<'py> {
             } else {
                 tensor_numpy(obj)
             };
+            if let Some(a) = &direct
+                && let Some((held, dtype, swap)) = Held::of_ndarray(a)
+            {
+                return Ok((dtype, self.push(Source::new(held, swap))));
+            }
             if let Some(a) = direct
                 && let Ok(held) = Held::with_flags(&a, flags)
                 && let Some((dtype, swap)) = format_dtype(held.format(), held.itemsize())
