@@ -204,6 +204,46 @@ struct FieldView<'f> {
     row_shape: Arc<[u64]>,
 }
 
+/// Field names this thread has stored lately, each as one shared
+/// `Arc<str>`: at most this many, then forgotten all at once.
+const NAMES_KEPT: usize = 4096;
+/// Longer names are not kept (each put makes its own): the kept names
+/// take at most `NAMES_KEPT * NAME_KEPT_BYTES` (1 MiB) a thread.
+const NAME_KEPT_BYTES: usize = 256;
+
+thread_local! {
+    static NAMES: std::cell::RefCell<
+        std::collections::HashMap<Arc<str>, (), foldhash::fast::RandomState>,
+    > = std::cell::RefCell::new(Default::default());
+}
+
+/// `name` as an `Arc<str>`, the one this thread made for it before if
+/// any. A put's fields are named again and again (the same batch keys
+/// every step), and each name went to its units as a fresh `Arc<str>`:
+/// an allocation and a free a field of every put, whose blocks, many of
+/// one size at once, overflow glibc's per-thread cache (callgrind, a
+/// 32-field put of one row: about 300 instructions a field). Bounded:
+/// past [`NAMES_KEPT`] names the thread starts over, so a client that
+/// names every field afresh costs a lookup more a field, and the memory of
+/// at most that many names of at most [`NAME_KEPT_BYTES`].
+fn shared_name(name: &str) -> Arc<str> {
+    if name.len() > NAME_KEPT_BYTES {
+        return Arc::from(name);
+    }
+    NAMES.with(|names| {
+        let mut names = names.borrow_mut();
+        if let Some((kept, ())) = names.get_key_value(name) {
+            return kept.clone();
+        }
+        if names.len() >= NAMES_KEPT {
+            names.clear();
+        }
+        let made: Arc<str> = Arc::from(name);
+        names.insert(made.clone(), ());
+        made
+    })
+}
+
 impl<'f> FieldView<'f> {
     /// `None` for a field whose views the general path makes: not
     /// regular, no row axis, no bytes, or bytes the request did not bring.
@@ -550,7 +590,7 @@ impl Manager {
         let mut tally = Tally::default();
         // Each name once, shared by the units; so is what a field's views
         // share.
-        let names: SmallVec<[Arc<str>; 8]> = fields.iter().map(|(n, _)| Arc::from(&**n)).collect();
+        let names: SmallVec<[Arc<str>; 8]> = fields.iter().map(|(n, _)| shared_name(n)).collect();
         let views: SmallVec<[Option<FieldView<'_>>; 8]> = fields
             .iter()
             .map(|(_, f)| FieldView::of(f, received, &mut tally.row_shape))
