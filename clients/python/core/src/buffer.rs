@@ -13,29 +13,7 @@ use stowage_wire::tensor::Dtype;
 /// A caller's buffer held while its bytes are sent with the GIL released:
 /// C-contiguous, of any item type (no format is asked for), neither freed
 /// nor resized until released (on drop).
-///
-/// Boxed: an exporter may point the view's fields into the view itself,
-/// so it must not move; a view filled here from a numpy array's own
-/// fields ([`Held::of_ndarray`]) points at the copy of the array's shape
-/// and strides it holds, and holds a reference to the array and nothing
-/// else to release.
-pub(crate) struct Held(Box<View>);
-
-/// A held view, and room for a direct view's shape and strides in the
-/// same allocation.
-struct View {
-    buffer: ffi::Py_buffer,
-    /// Filled by [`Held::of_ndarray`], not by `PyObject_GetBuffer`.
-    direct: bool,
-    dims: std::mem::MaybeUninit<[isize; 2 * DIRECT_DIMS]>,
-}
-
-impl std::ops::Deref for View {
-    type Target = ffi::Py_buffer;
-    fn deref(&self) -> &ffi::Py_buffer {
-        &self.buffer
-    }
-}
+pub(crate) struct Held(Box<ffi::Py_buffer>);
 
 impl Held {
     pub(crate) fn get(obj: &Bound<'_, PyAny>) -> PyResult<Held> {
@@ -52,15 +30,13 @@ impl Held {
         // instructions a field of a put, where `malloc` takes a few dozen.
         // The pointers are nulled all the same, for an exporter that sets
         // only the fields its flags ask for.
-        let mut view = Box::<View>::new_uninit();
-        let v = view.as_mut_ptr();
-        // SAFETY: `v` is room for a View; `p` for its Py_buffer: its pointer fields are
+        let mut view = Box::<ffi::Py_buffer>::new_uninit();
+        let p = view.as_mut_ptr();
+        // SAFETY: `p` is room for a Py_buffer: its pointer fields are
         // written through raw places (nothing uninitialised is read); the
         // exporter fills the rest; on success the view is released exactly
         // once, by `drop`.
         let rc = unsafe {
-            (&raw mut (*v).direct).write(false);
-            let p = &raw mut (*v).buffer;
             (&raw mut (*p).buf).write(std::ptr::null_mut());
             (&raw mut (*p).obj).write(std::ptr::null_mut());
             (&raw mut (*p).format).write(std::ptr::null_mut());
@@ -73,73 +49,8 @@ impl Held {
         if rc == -1 {
             return Err(PyErr::fetch(obj.py()));
         }
-        // SAFETY: filled by a successful PyObject_GetBuffer (and `direct`
-        // above; `dims` may stay uninitialised).
+        // SAFETY: filled by a successful PyObject_GetBuffer.
         Ok(Held(unsafe { view.assume_init() }))
-    }
-
-    /// An exact `numpy.ndarray` of a dtype the wire has, read from the
-    /// array's own fields rather than through the buffer protocol: (the
-    /// view, its dtype, its byte-swap unit as [`crate::fast::format_dtype`]
-    /// gives it). None for any other array (or a numpy whose layout
-    /// [`ndarray_layout_ok`] did not confirm): the caller then takes the
-    /// buffer protocol.
-    ///
-    /// Why: numpy's `getbuffer` builds the array's format string and
-    /// compares it with the one it cached, each call; with the release,
-    /// about 860 instructions a field of a put, a quarter of the core's
-    /// work on a 32-field put (callgrind). Read here, it is the fields'
-    /// loads and a copy of the shape and strides.
-    pub(crate) fn of_ndarray(obj: &Bound<'_, PyAny>) -> Option<(Held, Dtype, usize)> {
-        if !ndarray_layout_ok(obj.py()) {
-            return None;
-        }
-        // SAFETY: `obj` is an exact numpy.ndarray (the caller checked its
-        // type) with numpy's object layout, confirmed by
-        // `ndarray_layout_ok`; read with the GIL held.
-        let a = unsafe { NdFields::read(obj.as_ptr()) };
-        let (dtype, itemsize, swap) = wire_dtype(a.type_num, a.byteorder)?;
-        if a.nd < 0 || a.nd as usize > DIRECT_DIMS || a.data.is_null() {
-            return None;
-        }
-        let nd = a.nd as usize;
-        let mut view = Box::<View>::new_uninit();
-        let v = view.as_mut_ptr();
-        let mut len = itemsize as isize;
-        // SAFETY: numpy keeps `nd` lengths and `nd` strides at these
-        // pointers while the array lives (it is alive: borrowed by `obj`);
-        // they are copied into the fresh view's `dims` (room for
-        // `2 * DIRECT_DIMS`, `nd` at most `DIRECT_DIMS`), then every field
-        // of the view is written through raw places; the view's reference
-        // to the array is released once, by `drop`.
-        unsafe {
-            let dims = (&raw mut (*v).dims).cast::<isize>();
-            for k in 0..nd {
-                let d = *a.dimensions.add(k);
-                if d < 0 {
-                    return None;
-                }
-                dims.add(k).write(d);
-                dims.add(nd + k).write(*a.strides.add(k));
-                len = len.checked_mul(d)?;
-            }
-            (&raw mut (*v).direct).write(true);
-            let p = &raw mut (*v).buffer;
-            ffi::Py_INCREF(obj.as_ptr());
-            (&raw mut (*p).buf).write(a.data);
-            (&raw mut (*p).obj).write(obj.as_ptr());
-            (&raw mut (*p).len).write(len);
-            (&raw mut (*p).itemsize).write(itemsize as isize);
-            (&raw mut (*p).readonly).write(i32::from(a.flags & NPY_ARRAY_WRITEABLE == 0));
-            (&raw mut (*p).ndim).write(nd as i32);
-            (&raw mut (*p).format).write(format_of(dtype, swap > 1).as_ptr().cast_mut());
-            (&raw mut (*p).shape).write(dims);
-            (&raw mut (*p).strides).write(dims.add(nd));
-            (&raw mut (*p).suboffsets).write(std::ptr::null_mut());
-            (&raw mut (*p).internal).write(std::ptr::null_mut());
-        }
-        // SAFETY: every field written above (the dims this view uses).
-        Some((Held(unsafe { view.assume_init() }), dtype, swap))
     }
 
     /// The item format (struct module syntax; "B" when the exporter gave none).
@@ -267,61 +178,78 @@ unsafe impl Sync for Held {}
 
 impl Drop for Held {
     fn drop(&mut self) {
-        if self.0.direct {
-            // SAFETY: the reference `of_ndarray` took, released once,
-            // attached to the interpreter.
-            Python::attach(|_| unsafe { ffi::Py_DECREF(self.0.obj) });
-            return;
-        }
         // SAFETY: a view PyObject_GetBuffer filled, released once, attached
         // to the interpreter.
-        Python::attach(|_| unsafe { ffi::PyBuffer_Release(&mut self.0.buffer) });
+        Python::attach(|_| unsafe { ffi::PyBuffer_Release(&mut *self.0) });
     }
 }
 
-/// The most axes [`Held::of_ndarray`] reads (more take the buffer
+/// The most axes [`NdArray::read`] takes (more take the buffer
 /// protocol).
-const DIRECT_DIMS: usize = 8;
+pub(crate) const DIRECT_DIMS: usize = 8;
 
-/// A direct view's format, as numpy's buffer protocol gives it for these
-/// dtypes (`<` or `>` and the struct code), so that the view reads the
-/// same either way.
-fn format_of(dtype: Dtype, big: bool) -> &'static std::ffi::CStr {
-    match (dtype, big) {
-        (Dtype::Bool, _) => c"?",
-        (Dtype::Int8, _) => c"b",
-        (Dtype::Uint8, _) => c"B",
-        (Dtype::Int16, false) => c"<h",
-        (Dtype::Int16, true) => c">h",
-        (Dtype::Uint16, false) => c"<H",
-        (Dtype::Uint16, true) => c">H",
-        (Dtype::Int32, false) => c"<i",
-        (Dtype::Int32, true) => c">i",
-        (Dtype::Uint32, false) => c"<I",
-        (Dtype::Uint32, true) => c">I",
-        (Dtype::Int64, false) => c"<q",
-        (Dtype::Int64, true) => c">q",
-        (Dtype::Uint64, false) => c"<Q",
-        (Dtype::Uint64, true) => c">Q",
-        (Dtype::Float16, false) => c"<e",
-        (Dtype::Float16, true) => c">e",
-        (Dtype::Float32, false) => c"<f",
-        (Dtype::Float32, true) => c">f",
-        (Dtype::Float64, false) => c"<d",
-        (Dtype::Float64, true) => c">d",
-        (Dtype::Complex64, false) => c"<Zf",
-        (Dtype::Complex64, true) => c">Zf",
-        (Dtype::Complex128, false) => c"<Zd",
-        (Dtype::Complex128, true) => c">Zd",
-        _ => c"B",
-    }
+/// An exact `numpy.ndarray` of a dtype the wire has, as its own fields
+/// say: where its first item is, its shape and strides, its dtype, item
+/// size and byte-swap unit (as [`crate::fast::format_dtype`] gives it).
+pub(crate) struct NdArray {
+    pub(crate) data: *mut std::ffi::c_void,
+    pub(crate) nd: usize,
+    pub(crate) lengths: [usize; DIRECT_DIMS],
+    pub(crate) strides: [isize; DIRECT_DIMS],
+    pub(crate) itemsize: usize,
+    pub(crate) dtype: Dtype,
+    pub(crate) swap: usize,
 }
 
-const NPY_ARRAY_WRITEABLE: i32 = 0x0400;
+impl NdArray {
+    /// `obj`'s fields, if it is an exact numpy array of a wire dtype with
+    /// at most [`DIRECT_DIMS`] axes and numpy here has the layout
+    /// [`ndarray_layout_ok`] confirmed; None otherwise (the caller then
+    /// takes the buffer protocol, [`Held`]).
+    ///
+    /// Why: numpy's `getbuffer` builds the array's format string and
+    /// compares it with the one it cached, on every call. With the view's
+    /// box and its release, that was about 860 instructions a field of a
+    /// put, a sixth of the core's work on a 32-field put (callgrind).
+    /// Read here, it is the fields' loads and a copy of the shape and
+    /// strides (the array's own may be replaced by an in-place reshape
+    /// while the put runs with the GIL released).
+    pub(crate) fn read(obj: &Bound<'_, PyAny>) -> Option<NdArray> {
+        if !crate::indexes::is_ndarray(obj) || !ndarray_layout_ok(obj.py()) {
+            return None;
+        }
+        // SAFETY: `obj` is an exact numpy.ndarray with numpy's object
+        // layout (`ndarray_layout_ok`), alive (borrowed), read with the GIL
+        // held.
+        let f = unsafe { NdFields::read(obj.as_ptr()) };
+        let (dtype, itemsize, swap) = wire_dtype(f.type_num, f.byteorder)?;
+        if f.nd < 0 || f.nd as usize > DIRECT_DIMS || f.data.is_null() {
+            return None;
+        }
+        let nd = f.nd as usize;
+        let mut a = NdArray {
+            data: f.data,
+            nd,
+            lengths: [0; DIRECT_DIMS],
+            strides: [0; DIRECT_DIMS],
+            itemsize,
+            dtype,
+            swap,
+        };
+        for k in 0..nd {
+            // SAFETY: numpy keeps `nd` lengths and `nd` strides at these
+            // pointers while the array lives.
+            let (d, st) = unsafe { (*f.dimensions.add(k), *f.strides.add(k)) };
+            a.lengths[k] = usize::try_from(d).ok()?;
+            a.strides[k] = st;
+        }
+        Some(a)
+    }
+}
 
 /// The fields of a numpy array (`PyArrayObject_fields`) and of its dtype
 /// (`PyArray_Descr`) read here: their offsets are the same in numpy 1.x
-/// and 2.x (data, nd, dimensions, strides, base, descr, flags after the
+/// and 2.x (data, nd, dimensions, strides, base, descr after the
 /// object head; a descr's byteorder and type_num after its head and type
 /// object), and are checked against the buffer protocol once
 /// ([`ndarray_layout_ok`]).
@@ -330,7 +258,6 @@ struct NdFields {
     nd: i32,
     dimensions: *const isize,
     strides: *const isize,
-    flags: i32,
     type_num: i32,
     byteorder: u8,
 }
@@ -371,7 +298,6 @@ impl NdFields {
                 nd: a.nd,
                 dimensions: a.dimensions,
                 strides: a.strides,
-                flags: a.flags,
                 type_num: d.type_num,
                 byteorder: d.byteorder,
             }
@@ -419,9 +345,8 @@ fn wire_dtype(type_num: i32, byteorder: u8) -> Option<(Dtype, usize, usize)> {
 /// the type numbers [`wire_dtype`] knows: checked once, on a strided
 /// array of every dtype the wire has in both byte orders, read both ways
 /// (fields, buffer protocol). They must agree on the address, the shape,
-/// the strides, the dtype and the byte-swap unit, and the format a direct
-/// view gives must read back as the same dtype. Otherwise every array
-/// takes the buffer protocol.
+/// the strides, the dtype, the item size and the byte-swap unit.
+/// Otherwise every array takes the buffer protocol.
 pub(crate) fn ndarray_layout_ok(py: Python<'_>) -> bool {
     static OK: pyo3::sync::PyOnceLock<bool> = pyo3::sync::PyOnceLock::new();
     *OK.get_or_init(py, || {
@@ -460,9 +385,7 @@ pub(crate) fn ndarray_layout_ok(py: Python<'_>) -> bool {
                         && Some(unsafe { std::slice::from_raw_parts(f.strides, nd) })
                             == held.stride_slice()
                         && (dtype, swap) == theirs
-                        && itemsize == held.itemsize()
-                        && crate::fast::format_dtype(format_of(dtype, swap > 1).to_bytes(), itemsize)
-                            == Some(theirs);
+                        && itemsize == held.itemsize();
                     if !same {
                         return Ok(false);
                     }

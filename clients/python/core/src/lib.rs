@@ -100,7 +100,6 @@ mod source;
 mod stream;
 mod wait;
 
-
 /// Frees the buffers kept for reuse by later gets (`pool`); the bytes freed.
 #[pyfunction]
 fn release_receive_buffers() -> usize {

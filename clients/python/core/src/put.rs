@@ -878,9 +878,9 @@ impl<'py> Reader<'py> {
                 tensor_numpy(obj)
             };
             if let Some(a) = &direct
-                && let Some((held, dtype, swap)) = Held::of_ndarray(a)
+                && let Some((source, dtype)) = Source::of_ndarray(a)
             {
-                return Ok((dtype, self.push(Source::new(held, swap))));
+                return Ok((dtype, self.push(source)));
             }
             if let Some(a) = direct
                 && let Ok(held) = Held::with_flags(&a, flags)

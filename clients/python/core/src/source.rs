@@ -6,7 +6,9 @@
 //! writer's own buffer, and is never copied whole first (as numpy's
 //! `copy(order="C")` did before).
 
-use crate::buffer::Held;
+use pyo3::prelude::*;
+
+use crate::buffer::{DIRECT_DIMS, Held, NdArray};
 
 /// What keeps a [`Source`]'s bytes alive.
 enum Keep {
@@ -14,6 +16,28 @@ enum Keep {
     Held(Held),
     /// A copy of ours (a big-endian array, swapped; or gathered).
     Owned(#[allow(dead_code, reason = "held for its bytes")] Vec<u8>),
+    /// A numpy array read from its own fields ([`Source::of_ndarray`]):
+    /// a reference to it, and its shape and strides as they were read.
+    Array(ArrayKeep),
+}
+
+/// What a [`Keep::Array`] holds.
+struct ArrayKeep {
+    /// Dropped with the interpreter attached (see `Drop`).
+    array: Option<Py<PyAny>>,
+    nd: usize,
+    lengths: [usize; DIRECT_DIMS],
+    strides: [isize; DIRECT_DIMS],
+}
+
+impl Drop for ArrayKeep {
+    fn drop(&mut self) {
+        // Attached, so that the reference is given back now, from whatever
+        // thread, not queued for the next thread that attaches.
+        if let Some(a) = self.array.take() {
+            Python::attach(|_| drop(a));
+        }
+    }
 }
 
 /// An array's bytes: element `[i0, i1, ...]` lies at `base + Σ ik *
@@ -67,6 +91,40 @@ impl Source {
         source
     }
 
+    /// An exact numpy array of a dtype the wire has, read from its own
+    /// fields (`buffer::NdArray`) rather than through the buffer protocol:
+    /// the source and its dtype; None for any other object, which then
+    /// takes [`Held`] (see `NdArray::read` for why).
+    pub(crate) fn of_ndarray(
+        obj: &Bound<'_, PyAny>,
+    ) -> Option<(Source, stowage_wire::tensor::Dtype)> {
+        let a = NdArray::read(obj)?;
+        let mut keep = ArrayKeep {
+            array: Some(obj.clone().unbind()),
+            nd: a.nd,
+            lengths: [0; DIRECT_DIMS],
+            strides: [0; DIRECT_DIMS],
+        };
+        keep.lengths[..a.nd].copy_from_slice(&a.lengths[..a.nd]);
+        keep.strides[..a.nd].copy_from_slice(&a.strides[..a.nd]);
+        let contiguous = is_c_contiguous(&keep.lengths[..a.nd], &keep.strides[..a.nd], a.itemsize);
+        let source = Source {
+            keep: Keep::Array(keep),
+            base: a.data as usize,
+            itemsize: a.itemsize,
+            own_shape: None,
+            contiguous,
+        };
+        if a.swap > 1 && a.itemsize > 1 {
+            let mut bytes = source.gather();
+            for unit in bytes.chunks_exact_mut(a.swap) {
+                unit.reverse();
+            }
+            return Some((source.with_bytes(bytes, None), a.dtype));
+        }
+        Some((source, a.dtype))
+    }
+
     /// The same elements, C-contiguous in `bytes` (ours), as `shape` (the
     /// same element count; None: this source's).
     fn with_bytes(&self, bytes: Vec<u8>, shape: Option<Vec<usize>>) -> Source {
@@ -98,6 +156,7 @@ impl Source {
         match (&self.own_shape, &self.keep) {
             (Some(shape), _) => shape,
             (None, Keep::Held(held)) => held.lengths_slice().unwrap_or(&[]),
+            (None, Keep::Array(a)) => &a.lengths[..a.nd],
             (None, Keep::Owned(_)) => &[],
         }
     }
@@ -107,6 +166,7 @@ impl Source {
     fn strides(&self) -> &[isize] {
         match &self.keep {
             Keep::Held(held) => held.stride_slice().unwrap_or(&[]),
+            Keep::Array(a) => &a.strides[..a.nd],
             Keep::Owned(_) => &[],
         }
     }
