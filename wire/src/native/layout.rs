@@ -18,14 +18,14 @@ use super::{Error, Op, Reply};
 /// four uints.
 pub(super) mod canonical {
     /// `{"kind": "regular", "dtype": ` (a map of 4).
-    pub const REGULAR: &[u8] = b"\x84\xa4kind\xa7regular\xa5dtype";
-    pub const SHAPE: &[u8] = b"\xa5shape";
-    pub const PARTS: &[u8] = b"\xa5parts";
+    pub const REGULAR: &[u8; 20] = b"\x84\xa4kind\xa7regular\xa5dtype";
+    pub const SHAPE: &[u8; 6] = b"\xa5shape";
+    pub const PARTS: &[u8; 6] = b"\xa5parts";
     /// A part: `{"frame": ` (a map of 4).
-    pub const FRAME: &[u8] = b"\x84\xa5frame";
-    pub const OFFSET: &[u8] = b"\xa6offset";
-    pub const LEN: &[u8] = b"\xa3len";
-    pub const ROWS: &[u8] = b"\xa4rows";
+    pub const FRAME: &[u8; 7] = b"\x84\xa5frame";
+    pub const OFFSET: &[u8; 7] = b"\xa6offset";
+    pub const LEN: &[u8; 4] = b"\xa3len";
+    pub const ROWS: &[u8; 5] = b"\xa4rows";
 }
 
 /// One part of a regular field: `rows` consecutive rows (in request order)

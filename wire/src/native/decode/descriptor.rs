@@ -83,7 +83,7 @@ fn canonical_regular(r: &mut Reader<'_>, limits: &Limits) -> Option<(Dtype, Dims
     let start = r.pos();
     let read = |r: &mut Reader<'_>| {
         r.eat(canonical::REGULAR)?;
-        let dtype = Dtype::from_name(std::str::from_utf8(r.fixstr_bytes()?).ok()?)?;
+        let dtype = Dtype::from_name_bytes(r.fixstr_bytes()?)?;
         r.eat(canonical::SHAPE)?;
         // (A fixarray holds at most 15 dims: within `MAX_DIMS`.)
         const _: () = assert!(MAX_DIMS >= 15);
