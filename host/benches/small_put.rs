@@ -65,11 +65,11 @@ fn put_frames(fields: usize, rows: u64, base: u64) -> Vec<Bytes> {
     let row_bytes = (WIDTH * 4) as usize;
     let field_bytes = rows as usize * row_bytes;
     let data = Bytes::from(vec![7u8; fields * field_bytes]);
-    let wire: Vec<(String, WireField)> = (0..fields)
+    let wire: Vec<(std::sync::Arc<str>, WireField)> = (0..fields)
         .map(|f| {
             let part = data.slice(f * field_bytes..(f + 1) * field_bytes);
             let parts = RegularParts::new(Dtype::Float32, vec![WIDTH], vec![(part, rows)]).unwrap();
-            (format!("f{f}"), WireField::Regular(parts))
+            (format!("f{f}").into(), WireField::Regular(parts))
         })
         .collect();
     let layout = native::FrameLayout {

@@ -204,46 +204,6 @@ struct FieldView<'f> {
     row_shape: Arc<[u64]>,
 }
 
-/// Field names this thread has stored lately, each as one shared
-/// `Arc<str>`: at most this many, then forgotten all at once.
-const NAMES_KEPT: usize = 4096;
-/// Longer names are not kept (each put makes its own): the kept names
-/// take at most `NAMES_KEPT * NAME_KEPT_BYTES` (1 MiB) a thread.
-const NAME_KEPT_BYTES: usize = 256;
-
-thread_local! {
-    static NAMES: std::cell::RefCell<
-        std::collections::HashMap<Arc<str>, (), foldhash::fast::RandomState>,
-    > = std::cell::RefCell::new(Default::default());
-}
-
-/// `name` as an `Arc<str>`, the one this thread made for it before if
-/// any. A put's fields are named again and again (the same batch keys
-/// every step), and each name went to its units as a fresh `Arc<str>`:
-/// an allocation and a free a field of every put, whose blocks, many of
-/// one size at once, overflow glibc's per-thread cache (callgrind, a
-/// 32-field put of one row: about 300 instructions a field). Bounded:
-/// past [`NAMES_KEPT`] names the thread starts over, so a client that
-/// names every field afresh costs a lookup more a field, and the memory of
-/// at most that many names of at most [`NAME_KEPT_BYTES`].
-fn shared_name(name: &str) -> Arc<str> {
-    if name.len() > NAME_KEPT_BYTES {
-        return Arc::from(name);
-    }
-    NAMES.with(|names| {
-        let mut names = names.borrow_mut();
-        if let Some((kept, ())) = names.get_key_value(name) {
-            return kept.clone();
-        }
-        if names.len() >= NAMES_KEPT {
-            names.clear();
-        }
-        let made: Arc<str> = Arc::from(name);
-        names.insert(made.clone(), ());
-        made
-    })
-}
-
 impl<'f> FieldView<'f> {
     /// `None` for a field whose views the general path makes: not
     /// regular, no row axis, no bytes, or bytes the request did not bring.
@@ -534,7 +494,7 @@ impl Manager {
         &self,
         registry: &Registry,
         global_indexes: &[u64],
-        fields: &[(String, Field)],
+        fields: &[(Arc<str>, Field)],
         received: &Received,
     ) -> Result<Vec<Option<(Vec<u64>, Vec<PutField>)>>, ManagerError> {
         let routes = self.routes(global_indexes);
@@ -590,7 +550,7 @@ impl Manager {
         let mut tally = Tally::default();
         // Each name once, shared by the units; so is what a field's views
         // share.
-        let names: SmallVec<[Arc<str>; 8]> = fields.iter().map(|(n, _)| shared_name(n)).collect();
+        let names: SmallVec<[Arc<str>; 8]> = fields.iter().map(|(n, _)| n.clone()).collect();
         let views: SmallVec<[Option<FieldView<'_>>; 8]> = fields
             .iter()
             .map(|(_, f)| FieldView::of(f, received, &mut tally.row_shape))
@@ -634,7 +594,7 @@ impl Manager {
     pub async fn put(
         &self,
         global_indexes: &[u64],
-        fields: Vec<(String, Field)>,
+        fields: Vec<(Arc<str>, Field)>,
         received: &Received,
     ) -> Result<(), ManagerError> {
         if let Some(unit) = self.unit() {
@@ -642,7 +602,7 @@ impl Manager {
                 .into_iter()
                 .map(|(name, f)| {
                     let columns: Columns = smallvec::smallvec![Column::from_field(f, received)];
-                    (name.into(), columns)
+                    (name, columns)
                 })
                 .collect();
             return Ok(unit.put(global_indexes, columns)?);
@@ -760,7 +720,7 @@ impl Manager {
     #[allow(clippy::type_complexity)]
     fn dedup_put(
         &self,
-        fields: &[(String, Field)],
+        fields: &[(Arc<str>, Field)],
         per_unit: &mut [Option<(Vec<u64>, Vec<PutField>)>],
     ) {
         for (f, (name, _)) in fields.iter().enumerate() {

@@ -275,7 +275,12 @@ impl NativeClient {
     pub async fn put(&self, global_indexes: &[u64], fields: &[(String, Field)]) -> native::Reply {
         let fields = fields
             .iter()
-            .map(|(n, f)| (n.clone(), WireField::from_field(f).expect("sendable field")))
+            .map(|(n, f)| {
+                (
+                    n.as_str().into(),
+                    WireField::from_field(f).expect("sendable field"),
+                )
+            })
             .collect();
         self.call(native::Op::Put {
             global_indexes: global_indexes.to_vec(),

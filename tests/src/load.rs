@@ -513,7 +513,7 @@ impl DualClient {
                 let mut wire = Vec::with_capacity(fields.len());
                 for (n, f) in &fields {
                     match WireField::from_field(f) {
-                        Ok(w) => wire.push((n.clone(), w)),
+                        Ok(w) => wire.push((n.as_str().into(), w)),
                         Err(e) => return Outcome::Error(format!("cannot encode {n}: {e}")),
                     }
                 }

@@ -190,7 +190,12 @@ async fn a_put_of_100k_fields_is_refused_by_max_fields_everywhere_without_stalli
         global_indexes: vec![100],
         fields: fields
             .iter()
-            .map(|(n, f)| (n.clone(), native::WireField::from_field(f).expect("wire")))
+            .map(|(n, f)| {
+                (
+                    n.as_str().into(),
+                    native::WireField::from_field(f).expect("wire"),
+                )
+            })
             .collect(),
     };
     let (answers, worst, calls) =

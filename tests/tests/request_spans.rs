@@ -82,9 +82,9 @@ async fn debug_log_has_one_span_per_request_with_the_policy_decisions_inside() {
 
     // Native: a put and a get with request ids of our own.
     let client = NativeClient::new(stowd.native());
-    let wire: Vec<(String, native::WireField)> = fields
+    let wire: Vec<(std::sync::Arc<str>, native::WireField)> = fields
         .iter()
-        .map(|(n, f)| (n.clone(), native::WireField::from_field(f).unwrap()))
+        .map(|(n, f)| (n.as_str().into(), native::WireField::from_field(f).unwrap()))
         .collect();
     let put = native::Request {
         id: 770_001,

@@ -931,7 +931,7 @@ impl Fixture {
     fn native_put(&self) -> Vec<Bytes> {
         let fields = victim_fields()
             .into_iter()
-            .map(|(n, f)| (n, WireField::from_field(&f).expect("sendable")))
+            .map(|(n, f)| (n.into(), WireField::from_field(&f).expect("sendable")))
             .collect();
         let op = native::Op::Put {
             global_indexes: VICTIM.to_vec(),

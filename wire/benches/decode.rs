@@ -54,7 +54,12 @@ fn native_frames(indexes: u64, fields: Vec<(String, Field)>) -> Vec<Bytes> {
         global_indexes: (0..indexes).collect(),
         fields: fields
             .iter()
-            .map(|(n, f)| (n.clone(), native::WireField::from_field(f).expect("wire")))
+            .map(|(n, f)| {
+                (
+                    n.as_str().into(),
+                    native::WireField::from_field(f).expect("wire"),
+                )
+            })
             .collect(),
     };
     native::encode_request(&native::Request { id: 1, op }).expect("encodable")
@@ -71,7 +76,7 @@ fn small_put_frames(n: usize) -> Vec<Bytes> {
             let part = data.slice(f * field_bytes..(f + 1) * field_bytes);
             let parts = native::RegularParts::new(Dtype::Float32, vec![16], vec![(part, rows)])
                 .expect("parts");
-            (format!("f{f}"), native::WireField::Regular(parts))
+            (format!("f{f}").into(), native::WireField::Regular(parts))
         })
         .collect();
     let layout = native::FrameLayout {

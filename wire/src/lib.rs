@@ -23,6 +23,7 @@ pub mod batch;
 pub mod channel;
 pub mod indexes;
 pub mod msgpack;
+pub mod names;
 pub mod native;
 pub mod pickle;
 pub mod tensor;

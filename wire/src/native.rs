@@ -33,6 +33,8 @@
 //! consistent layout; the receiver enforces the rest (row counts, empty
 //! batches, duplicate indexes).
 
+use std::sync::Arc;
+
 use bytes::Bytes;
 
 pub use crate::indexes::{IndexRun, Indexes};
@@ -316,7 +318,8 @@ pub enum Op {
     /// Store one row per global index for each field (overwriting).
     Put {
         global_indexes: Vec<u64>,
-        fields: Vec<(String, WireField)>,
+        /// The names shared (`crate::names::shared_name` when decoded).
+        fields: Vec<(Arc<str>, WireField)>,
     },
     /// Fetch the rows of `fields` for `global_indexes`, in that order.
     Get {
@@ -544,7 +547,7 @@ impl FrameLayout {
     /// The zero-copy layout: one frame per part of each regular field and
     /// one per row of each nested field. For a get_ok built from stored
     /// cells that is one frame per tensor row.
-    pub fn one_per_piece(fields: &[(String, WireField)]) -> FrameLayout {
+    pub fn one_per_piece<N>(fields: &[(N, WireField)]) -> FrameLayout {
         let mut frames = Vec::new();
         for (i, (_, field)) in fields.iter().enumerate() {
             let mut push = |start: u64, end: u64| {

@@ -104,10 +104,10 @@ type Pieces<T> = smallvec::SmallVec<[T; 4]>;
 /// to a peer unit): per field, the packing chain groups the
 /// field's pieces (the parts of a regular field, the runs of a nested
 /// one) into frames; frames never mix fields.
-pub fn frame_layout(
+pub fn frame_layout<N: AsRef<str>>(
     registry: &Registry,
     pack_limits: PackLimits,
-    fields: &[(String, native::WireField)],
+    fields: &[(N, native::WireField)],
     nested_runs: &[Vec<(u64, u64)>],
 ) -> native::FrameLayout {
     let mut frames = Vec::with_capacity(fields.len());
@@ -178,7 +178,7 @@ pub fn frame_layout(
                 .unzip(),
             native::WireField::Values(_) => continue,
         };
-        match registry.pack_chain(name).pack(&pieces, &limits) {
+        match registry.pack_chain(name.as_ref()).pack(&pieces, &limits) {
             Ok(d) => frames.extend(d.plan.frames.iter().map(|f| match f {
                 Frame::Single(k) => vec![slices[*k as usize]],
                 Frame::Coalesced(ks) => ks.iter().map(|k| slices[*k as usize]).collect(),
@@ -412,7 +412,7 @@ impl Manager {
             let end = (start + per_message).min(n);
             let mut wire = Vec::with_capacity(fields.len());
             for (name, columns) in &fields {
-                wire.push((name.to_string(), wire_rows(columns, start, end)?));
+                wire.push((name.clone(), wire_rows(columns, start, end)?));
             }
             let nested_runs: Vec<Vec<(u64, u64)>> = wire
                 .iter()

@@ -307,28 +307,3 @@ fn views_made_straight_into_columns_equal_the_general_path() {
     assert!(view_columns(&values, &plan, &received, &mut tally).is_none());
     assert_eq!(tally.zero_copy_bytes, 0);
 }
-
-/// A name put again is the `Arc<str>` made the first time (no allocation a
-/// field); a name over `NAME_KEPT_BYTES` is made afresh each time; past
-/// `NAMES_KEPT` names the thread's table starts over, and names still
-/// come back equal.
-#[test]
-fn field_names_are_shared_within_bounds() {
-    let a = super::shared_name("prompts");
-    let b = super::shared_name("prompts");
-    assert!(Arc::ptr_eq(&a, &b));
-    assert_eq!(&*a, "prompts");
-    let long = "x".repeat(super::NAME_KEPT_BYTES + 1);
-    let (l1, l2) = (super::shared_name(&long), super::shared_name(&long));
-    assert!(!Arc::ptr_eq(&l1, &l2));
-    assert_eq!(&*l1, long.as_str());
-    for i in 0..super::NAMES_KEPT + 10 {
-        assert_eq!(
-            &*super::shared_name(&format!("f{i}")),
-            format!("f{i}").as_str()
-        );
-    }
-    super::NAMES.with(|n| assert!(n.borrow().len() <= super::NAMES_KEPT));
-    let c = super::shared_name("prompts");
-    assert_eq!(&*c, "prompts");
-}

@@ -94,7 +94,7 @@ impl From<native::Reply> for Answer {
 async fn put(
     manager: &Manager,
     global_indexes: Vec<u64>,
-    fields: Vec<(String, native::WireField)>,
+    fields: Vec<(std::sync::Arc<str>, native::WireField)>,
     received: &Received,
 ) -> Answer {
     let mut decoded = Vec::with_capacity(fields.len());

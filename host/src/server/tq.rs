@@ -232,6 +232,11 @@ impl TqService {
                 fields,
             } => {
                 let received = Received::frames(frames.get(1..).unwrap_or_default());
+                // The names shared, as the native decoder shares them.
+                let fields = fields
+                    .into_iter()
+                    .map(|(name, f)| (crate::wire::names::shared_name(&name), f))
+                    .collect();
                 let result = self.manager.put(&global_indexes, fields, &received).await;
                 match result {
                     Ok(()) => tq::Reply::PutData,

@@ -34,7 +34,7 @@ fn op_placed(
     gather: bool,
 ) -> Result<super::Gathered, Error> {
     let mut w = envelope(op.name(), id);
-    let no_fields: &[(String, WireField)] = &[];
+    let no_fields: &[(std::sync::Arc<str>, WireField)] = &[];
     let placed = place(
         if let Op::Put { fields, .. } = op {
             fields
@@ -362,8 +362,8 @@ pub(super) type EncloseFn<'a> = &'a dyn Fn(&Bytes) -> Option<(Bytes, u64)>;
 /// `enclose`, every frame that lies inside a buffer it finds is replaced by
 /// that whole buffer (one frame per buffer, the ranges at their offsets in
 /// it).
-fn place(
-    fields: &[(String, WireField)],
+fn place<N: AsRef<str> + std::fmt::Debug>(
+    fields: &[(N, WireField)],
     layout: Option<&FrameLayout>,
     span: Option<SpanFn<'_>>,
     enclose: Option<EncloseFn<'_>>,
@@ -556,9 +556,14 @@ fn enclosed(frames: Vec<Bytes>, locs: &mut [Locs], enclose: EncloseFn<'_>) -> Ve
     out
 }
 
-fn field_map(w: &mut Writer, fields: &[(String, WireField)], locs: &[Locs]) -> Result<(), Error> {
+fn field_map<N: AsRef<str>>(
+    w: &mut Writer,
+    fields: &[(N, WireField)],
+    locs: &[Locs],
+) -> Result<(), Error> {
     w.map(fields.len());
     for ((name, field), locs) in fields.iter().zip(locs) {
+        let name = name.as_ref();
         w.str(name);
         descriptor(w, field, locs).map_err(|e| e.in_field(name))?;
     }

@@ -3,6 +3,8 @@
 //! dtype, row sums), then resolved against the data frames into a
 //! [`WireField`], tensors as zero-copy slices of the frames.
 
+use std::sync::Arc;
+
 use bytes::Bytes;
 
 use super::frames::Frames;
@@ -16,22 +18,35 @@ use crate::native::layout::{
 use crate::native::{Error, Limits, MAX_DIMS, RegularParts, WireField, dtype_from_name};
 use crate::tensor::{Dtype, Tensor, contiguous_len};
 
-/// A `{name: descriptor}` map (put and get_ok).
+/// A `{name: descriptor}` map (get_ok).
 pub(super) fn field_map(
     r: &mut Reader<'_>,
     data: &mut Frames<'_>,
     limits: &Limits,
 ) -> Result<Vec<(String, WireField)>, Error> {
-    named_map(r, limits, |r| descriptor(r, data, limits))
+    named_map(r, limits, str::to_owned, |r| descriptor(r, data, limits))
 }
 
-/// A map of distinct field names to what `one` reads for each (at most
-/// `max_fields` of them).
-pub(super) fn named_map<'a, T>(
+/// A put's `{name: descriptor}` map: the names shared
+/// ([`crate::names::shared_name`]).
+pub(super) fn put_field_map(
+    r: &mut Reader<'_>,
+    data: &mut Frames<'_>,
+    limits: &Limits,
+) -> Result<Vec<(Arc<str>, WireField)>, Error> {
+    named_map(r, limits, crate::names::shared_name, |r| {
+        descriptor(r, data, limits)
+    })
+}
+
+/// A map of distinct field names (each made by `name_of`) to what `one`
+/// reads for each (at most `max_fields` of them).
+pub(super) fn named_map<'a, N, T>(
     r: &mut Reader<'a>,
     limits: &Limits,
+    name_of: impl Fn(&str) -> N,
     mut one: impl FnMut(&mut Reader<'a>) -> Result<T, Error>,
-) -> Result<Vec<(String, T)>, Error> {
+) -> Result<Vec<(N, T)>, Error> {
     let n = r.map_len("fields")?;
     limit("fields", n, limits.max_fields)?;
     let mut seen = Seen::with_capacity(n);
@@ -42,7 +57,7 @@ pub(super) fn named_map<'a, T>(
             return Err(Error::DuplicateField(name.to_owned()));
         }
         let field = one(r).map_err(|e| e.in_field(name))?;
-        out.push((name.to_owned(), field));
+        out.push((name_of(name), field));
     }
     Ok(out)
 }

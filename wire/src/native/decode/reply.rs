@@ -29,7 +29,10 @@ pub(in crate::native) fn reply_layout(
     const MAP: &str = "a get_ok body";
     let mut fields = None;
     keyed(&mut r, MAP, ["fields"], |_, r| {
-        named_map(r, limits, |r| parse_descriptor(r, frame0, limits)).map(|f| fields = Some(f))
+        named_map(r, limits, str::to_owned, |r| {
+            parse_descriptor(r, frame0, limits)
+        })
+        .map(|f| fields = Some(f))
     })?;
     tail.check(&r)?;
     let fields = need(fields, MAP, "fields")?;

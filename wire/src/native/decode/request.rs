@@ -2,9 +2,11 @@
 //! stats, channel, checkpoint, restore, versions), its descriptors
 //! resolved against the data frames, every data frame used.
 
+use std::sync::Arc;
+
 use bytes::Bytes;
 
-use super::descriptor::field_map;
+use super::descriptor::put_field_map;
 use super::envelope::envelope;
 use super::frames::Frames;
 use super::keys::{Seen, empty_body, keyed, limit, need, single_str, single_uint, tuple};
@@ -90,10 +92,10 @@ fn put(r: &mut Reader<'_>, data: &mut Frames<'_>, limits: &Limits) -> Result<Op,
     let (mut global_indexes, mut fields) = (None, None);
     keyed(r, MAP, ["global_indexes", "fields"], |i, r| match i {
         0 => indexes(r, limits).map(|v| global_indexes = Some(v)),
-        _ => field_map(r, data, limits).map(|v| fields = Some(v)),
+        _ => put_field_map(r, data, limits).map(|v| fields = Some(v)),
     })?;
     let global_indexes: Vec<u64> = need(global_indexes, MAP, "global_indexes")?;
-    let fields: Vec<(String, WireField)> = need(fields, MAP, "fields")?;
+    let fields: Vec<(Arc<str>, WireField)> = need(fields, MAP, "fields")?;
     if global_indexes.is_empty() {
         return Err(Error::EmptyBatch("a put needs at least one global index"));
     }

@@ -375,7 +375,7 @@ fn duplicate_field_names() {
                     .iter()
                     .map(|name| {
                         (
-                            name.clone(),
+                            name.as_str().into(),
                             WireField::Values(vec![Value::Str("x".into())]),
                         )
                     })

@@ -24,7 +24,7 @@ fn within(inner: &[u8], outer: &[u8]) -> bool {
 fn put(global_indexes: Vec<u64>, fields: Vec<(&str, Field)>) -> Request {
     let fields = fields
         .into_iter()
-        .map(|(n, f)| (n.to_owned(), WireField::from_field(&f).unwrap()))
+        .map(|(n, f)| (n.into(), WireField::from_field(&f).unwrap()))
         .collect();
     Request {
         id: 7,
@@ -1202,7 +1202,7 @@ fn gathered_frames_are_the_copied_frames_unjoined() {
         op: Op::Put {
             global_indexes: (0..8).collect(),
             fields: match &reply {
-                Reply::GetOk { fields } => vec![fields[0].clone()],
+                Reply::GetOk { fields } => vec![(fields[0].0.as_str().into(), fields[0].1.clone())],
                 _ => unreachable!(),
             },
         },
