@@ -126,7 +126,10 @@ impl Tensor {
         row_bytes: usize,
     ) -> Tensor {
         debug_assert_eq!(contiguous_len(dtype, row_shape).ok(), Some(row_bytes));
-        debug_assert_eq!(Some(bytes.len() as u128), (rows as u128).checked_mul(row_bytes as u128));
+        debug_assert_eq!(
+            Some(bytes.len() as u128),
+            (rows as u128).checked_mul(row_bytes as u128)
+        );
         let mut shape = Shape::with_capacity(1 + row_shape.len());
         shape.push(rows);
         shape.extend_from_slice(row_shape);

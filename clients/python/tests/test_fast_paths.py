@@ -481,3 +481,48 @@ def test_a_gets_fields_are_aligned_apart_and_outlive_each_other(endpoint, fresh,
         keep = got["c128"]
         del got
         np.testing.assert_array_equal(keep, data["c128"])
+
+
+def test_a_gets_keys_are_made_once_and_stay_right(endpoint, fresh):
+    """A get's dict is keyed by one Python string a field name, made for
+    the first get and reused by the next (the same object), for the sync
+    and the async client alike; names over 256 bytes, and more names than
+    the table keeps (1,024: it starts over), still come back as keys equal
+    to the names asked for, each with its own rows."""
+    idx = fresh(2)
+    long_name = "L" * 300
+    names = [f"k{i}" for i in range(40)] + [long_name]
+    data = {n: np.full((2, 3), i, np.int32) for i, n in enumerate(names)}
+    with stowage.Client(endpoint, timeout=30) as c:
+        c.put(idx, data)
+        first = c.get(idx, names, as_torch=False)
+        second = c.get(idx, names, as_torch=False)
+        assert list(first) == names and list(second) == names
+        k1 = {k: k for k in first}
+        for k in second:
+            if k != long_name:
+                assert k is k1[k], k
+        for i, n in enumerate(names):
+            assert second[n].tolist() == [[i] * 3] * 2
+        # More distinct names than the table keeps: every key still right.
+        many = [f"m{i}" for i in range(1100)]
+        for chunk in range(0, len(many), 100):
+            part = many[chunk:chunk + 100]
+            c.put(idx, {n: np.full((2, 1), j, np.int16) for j, n in enumerate(part)})
+            got = c.get(idx, part, as_torch=False)
+            assert list(got) == part
+            assert all(got[n].tolist() == [[j], [j]] for j, n in enumerate(part))
+        c.clear(idx)
+
+    async def main():
+        async with stowage.AsyncClient(endpoint, timeout=30) as a:
+            await a.put(idx, data)
+            g1 = await a.get(idx, names, as_torch=False)
+            g2 = await a.get(idx, names, as_torch=False)
+            await a.clear(idx)
+            return g1, g2
+
+    g1, g2 = asyncio.run(main())
+    assert list(g1) == names and list(g2) == names
+    k1 = {k: k for k in g1}
+    assert all(k is k1[k] for k in g2 if k != long_name)

@@ -39,7 +39,7 @@ use std::sync::Arc;
 use memmap2::MmapMut;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList, PyTuple};
+use pyo3::types::{PyDict, PyList, PyString, PyTuple};
 use stowage_wire::batch::Value;
 use stowage_wire::native::{self, FieldLayout};
 use stowage_wire::tensor::Dtype;
@@ -76,7 +76,18 @@ pub(crate) struct GetOptions {
     /// (None: none was given), and how its fields are finished; looked up
     /// once here, not for every field (or row) of every get.
     by_dtype: Vec<(Option<NumpyDtype>, Finish)>,
+    /// The result dicts' keys: one Python string a field name, made once
+    /// and hashed once ([`GetOptions::key`]).
+    keys: std::sync::Mutex<KeyTable>,
 }
+
+/// Field names as the Python strings a get's dict is keyed by.
+type KeyTable = std::collections::HashMap<Box<str>, Py<PyString>, foldhash::fast::RandomState>;
+
+/// At most this many keys kept (then the table starts over), each of at
+/// most [`KEY_KEPT_BYTES`]: 256 KiB of names at most.
+const KEYS_KEPT: usize = 1024;
+const KEY_KEPT_BYTES: usize = 256;
 
 /// What becomes of a field's arrays once made.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -142,11 +153,34 @@ impl GetOptions {
             packed: packed.map(Bound::unbind),
             from_numpy: from_numpy.map(Bound::unbind),
             by_dtype,
+            keys: Default::default(),
         })
     }
 }
 
 impl GetOptions {
+    /// `name` as the key of a get's dict: the string made for it before,
+    /// if any. A get's fields are named again and again; a string made
+    /// for each field of each get, hashed as it went into the dict and
+    /// freed with it, was about 700 instructions a field of a 32-field get
+    /// (callgrind). A kept string is a lookup and a reference, its hash
+    /// already known. (Under the GIL, so the lock is never contended.)
+    fn key<'py>(&self, py: Python<'py>, name: &str) -> Bound<'py, PyString> {
+        if name.len() > KEY_KEPT_BYTES {
+            return PyString::new(py, name);
+        }
+        let mut keys = self.keys.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(k) = keys.get(name) {
+            return k.bind(py).clone();
+        }
+        if keys.len() >= KEYS_KEPT {
+            keys.clear();
+        }
+        let k = PyString::new(py, name);
+        keys.insert(name.into(), k.clone().unbind());
+        k
+    }
+
     /// Whether fields of `dtype` become tensors.
     pub(crate) fn tensor(&self, dtype: Dtype) -> bool {
         self.tensors.contains(dtype.name())
@@ -379,7 +413,7 @@ impl Assembled {
                     .iter()
                     .map(|v| crate::codec::value(py, v))
                     .collect::<PyResult<Vec<_>>>()?;
-                out.set_item(name, PyList::new(py, values)?)?;
+                out.set_item(opts.key(py, &name), PyList::new(py, values)?)?;
                 continue;
             };
             let (dt, itemsize) = opts.numpy(py, dtype)?;
@@ -447,7 +481,7 @@ impl Assembled {
             if tensor.is_none() && opts.finish(dtype) != Finish::Arrays {
                 glue.append((&name, dtype.name()))?;
             }
-            out.set_item(name, value)?;
+            out.set_item(opts.key(py, &name), value)?;
         }
         Ok((out, glue))
     }
