@@ -67,6 +67,7 @@
 //! | [`receive`] | a reply's frame 0 as a layout, its data frames read straight into place |
 //! | [`message`] | whole messages: a request written (gathered `writev`), a reply read whole, pipelining |
 //! | [`source`] | a caller's array as the bytes a put sends: strided blocks, big-endian swapped |
+//! | [`ndarray`] | a numpy array read from its own fields, its layout checked once against the buffer protocol |
 //! | [`stream`] | the socket reader and writer: a deadline-bound stream with a read-ahead buffer |
 //! | [`wait`] | waiting for the socket: a short spin, then `poll` |
 //! | [`indexes`] | index inputs, for `codec` and `fast` |
@@ -91,6 +92,7 @@ mod get;
 mod get_into;
 mod indexes;
 mod message;
+mod ndarray;
 mod pool;
 mod put;
 mod receive;
@@ -107,11 +109,11 @@ fn release_receive_buffers() -> usize {
 }
 
 /// Whether a put reads numpy arrays from their own fields rather than
-/// through the buffer protocol (`buffer::ndarray_layout_ok`: this numpy's
+/// through the buffer protocol (`ndarray::ndarray_layout_ok`: this numpy's
 /// layout checked once).
 #[pyfunction]
 fn ndarray_direct(py: Python<'_>) -> bool {
-    buffer::ndarray_layout_ok(py)
+    ndarray::ndarray_layout_ok(py)
 }
 
 /// The dtype table as `_core.DTYPES` holds it: `(name, itemsize, aliases)`

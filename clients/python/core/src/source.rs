@@ -8,7 +8,8 @@
 
 use pyo3::prelude::*;
 
-use crate::buffer::{DIRECT_DIMS, Held, NdArray};
+use crate::buffer::Held;
+use crate::ndarray::{DIRECT_DIMS, NdArray};
 
 /// What keeps a [`Source`]'s bytes alive.
 enum Keep {
@@ -92,7 +93,7 @@ impl Source {
     }
 
     /// An exact numpy array of a dtype the wire has, read from its own
-    /// fields (`buffer::NdArray`) rather than through the buffer protocol:
+    /// fields (`ndarray::NdArray`) rather than through the buffer protocol:
     /// the source and its dtype; None for any other object, which then
     /// takes [`Held`] (see `NdArray::read` for why).
     pub(crate) fn of_ndarray(
