@@ -118,6 +118,8 @@ pub fn frame_layout<N: AsRef<str>>(
         .max(1);
     let mut limits = pack_limits;
     limits.max_frames = (limits.max_frames / tensor_fields as u32).max(1);
+    // Every field's packing decision counted in the policy time at once.
+    let timed = crate::policy::chain::PolicyTime::start();
     for (i, (name, field)) in fields.iter().enumerate() {
         // Inline: a field of a small get is a piece or a few, and two lists
         // made and freed a field were about 500 instructions of each.
@@ -178,7 +180,10 @@ pub fn frame_layout<N: AsRef<str>>(
                 .unzip(),
             native::WireField::Values(_) => continue,
         };
-        match registry.pack_chain(name.as_ref()).pack(&pieces, &limits) {
+        match registry
+            .pack_chain(name.as_ref())
+            .pack_within(&pieces, &limits, &timed)
+        {
             Ok(d) => frames.extend(d.plan.frames.iter().map(|f| match f {
                 Frame::Single(k) => vec![slices[*k as usize]],
                 Frame::Coalesced(ks) => ks.iter().map(|k| slices[*k as usize]).collect(),
