@@ -373,10 +373,11 @@ impl NativeService {
                 }
                 // The rows, and whether they go as segments.
                 let got = match (same_node, &self.shm) {
+                    // The asked names, owned here, go with their rows.
                     (false, _) => m
-                        .get(&global_indexes, &fields)
+                        .get_rows(&global_indexes, &fields)
                         .await
-                        .map(|got| (got, false))
+                        .map(|rows| (fields.into_iter().zip(rows).collect(), false))
                         .map_err(|e| errors::native(&e)),
                     (true, None) => Err(errors::shm(&ShmError::Disabled)),
                     // Small: over the socket, as any get (no segment made,
