@@ -98,7 +98,6 @@ struct ArrayHead {
     strides: *const isize,
     base: *mut ffi::PyObject,
     descr: *const DescrHead,
-    flags: i32,
 }
 
 #[repr(C)]

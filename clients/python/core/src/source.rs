@@ -75,21 +75,28 @@ impl Source {
                 .is_none_or(|s| is_c_contiguous(shape, s, itemsize))
         };
         let base = held.ptr() as usize;
-        let source = Source {
+        Source {
             keep: Keep::Held(held),
             base,
             itemsize,
             own_shape,
             contiguous,
-        };
-        if swap > 1 && itemsize > 1 {
-            let mut bytes = source.gather();
-            for unit in bytes.chunks_exact_mut(swap) {
-                unit.reverse();
-            }
-            return source.with_bytes(bytes, None);
         }
-        source
+        .swapped(swap)
+    }
+
+    /// This source, its items byte-swapped in units of `swap` bytes into
+    /// a copy of ours when `swap > 1` (a big-endian array; a complex one
+    /// swaps each of its two parts); as it is otherwise.
+    fn swapped(self, swap: usize) -> Source {
+        if swap <= 1 || self.itemsize <= 1 {
+            return self;
+        }
+        let mut bytes = self.gather();
+        for unit in bytes.chunks_exact_mut(swap) {
+            unit.reverse();
+        }
+        self.with_bytes(bytes, None)
     }
 
     /// An exact numpy array of a dtype the wire has, read from its own
@@ -100,30 +107,20 @@ impl Source {
         obj: &Bound<'_, PyAny>,
     ) -> Option<(Source, stowage_wire::tensor::Dtype)> {
         let a = NdArray::read(obj)?;
-        let mut keep = ArrayKeep {
-            array: Some(obj.clone().unbind()),
-            nd: a.nd,
-            lengths: [0; DIRECT_DIMS],
-            strides: [0; DIRECT_DIMS],
-        };
-        keep.lengths[..a.nd].copy_from_slice(&a.lengths[..a.nd]);
-        keep.strides[..a.nd].copy_from_slice(&a.strides[..a.nd]);
-        let contiguous = is_c_contiguous(&keep.lengths[..a.nd], &keep.strides[..a.nd], a.itemsize);
+        let contiguous = is_c_contiguous(&a.lengths[..a.nd], &a.strides[..a.nd], a.itemsize);
         let source = Source {
-            keep: Keep::Array(keep),
+            keep: Keep::Array(ArrayKeep {
+                array: Some(obj.clone().unbind()),
+                nd: a.nd,
+                lengths: a.lengths,
+                strides: a.strides,
+            }),
             base: a.data as usize,
             itemsize: a.itemsize,
             own_shape: None,
             contiguous,
         };
-        if a.swap > 1 && a.itemsize > 1 {
-            let mut bytes = source.gather();
-            for unit in bytes.chunks_exact_mut(a.swap) {
-                unit.reverse();
-            }
-            return Some((source.with_bytes(bytes, None), a.dtype));
-        }
-        Some((source, a.dtype))
+        Some((source.swapped(a.swap), a.dtype))
     }
 
     /// The same elements, C-contiguous in `bytes` (ours), as `shape` (the
