@@ -188,23 +188,27 @@ pub async fn write_gathered_more<W: AsyncWrite + Unpin + ?Sized>(
             format!("{total} parts in the frames, {} given", parts.len()),
         ));
     }
-    // Inline for the usual reply of a few frames: no allocation but the
-    // headers' buffer.
+    // Inline for the usual reply of up to a few dozen frames (a 32-field
+    // get is 32): no allocation but the headers' buffer. Each header's
+    // length (at most `MAX_HEADER`) is kept, not its range: they lie back
+    // to back.
     let mut headers = BytesMut::with_capacity(per_frame.len() * MAX_HEADER);
     let mut at = 0usize;
-    let mut spans: SmallVec<[std::ops::Range<usize>; 8]> = SmallVec::with_capacity(per_frame.len());
+    let mut lens: SmallVec<[u8; 64]> = SmallVec::with_capacity(per_frame.len());
     for (k, &n) in per_frame.iter().enumerate() {
         let len: usize = parts[at..at + n as usize].iter().map(Bytes::len).sum();
         let start = headers.len();
         put_header(&mut headers, len, more || k + 1 < per_frame.len());
-        spans.push(start..headers.len());
+        lens.push((headers.len() - start) as u8);
         at += n as usize;
     }
-    let mut slices: SmallVec<[io::IoSlice<'_>; 16]> =
+    let mut slices: SmallVec<[io::IoSlice<'_>; 64]> =
         SmallVec::with_capacity(parts.len() + per_frame.len());
-    let mut at = 0usize;
+    let (mut at, mut h) = (0usize, 0usize);
     for (k, &n) in per_frame.iter().enumerate() {
-        slices.push(io::IoSlice::new(&headers[spans[k].clone()]));
+        let end = h + lens[k] as usize;
+        slices.push(io::IoSlice::new(&headers[h..end]));
+        h = end;
         for part in &parts[at..at + n as usize] {
             if !part.is_empty() {
                 slices.push(io::IoSlice::new(part));

@@ -540,8 +540,12 @@ pub struct RowSlice {
 /// up adjacent, in order, in one frame are described as a single part.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct FrameLayout {
-    pub frames: Vec<Vec<RowSlice>>,
+    pub frames: Vec<FrameSlices>,
 }
+
+/// The slices of one data frame: inline for the usual frame of one slice
+/// (a field's part), so a get's layout makes no list a frame.
+pub type FrameSlices = smallvec::SmallVec<[RowSlice; 1]>;
 
 impl FrameLayout {
     /// The zero-copy layout: one frame per part of each regular field and
@@ -551,7 +555,7 @@ impl FrameLayout {
         let mut frames = Vec::new();
         for (i, (_, field)) in fields.iter().enumerate() {
             let mut push = |start: u64, end: u64| {
-                frames.push(vec![RowSlice {
+                frames.push(smallvec::smallvec![RowSlice {
                     field: i,
                     start,
                     end,

@@ -185,11 +185,11 @@ pub fn frame_layout<N: AsRef<str>>(
             .pack_within(&pieces, &limits, &timed)
         {
             Ok(d) => frames.extend(d.plan.frames.iter().map(|f| match f {
-                Frame::Single(k) => vec![slices[*k as usize]],
+                Frame::Single(k) => smallvec::smallvec![slices[*k as usize]],
                 Frame::Coalesced(ks) => ks.iter().map(|k| slices[*k as usize]).collect(),
             })),
             // No plan within the budget: one frame per piece.
-            Err(_) => frames.extend(slices.into_iter().map(|s| vec![s])),
+            Err(_) => frames.extend(slices.into_iter().map(|s| smallvec::smallvec![s])),
         }
     }
     native::FrameLayout { frames }

@@ -5,7 +5,9 @@
 use std::sync::Arc;
 
 use bytes::Bytes;
+use smallvec::SmallVec;
 
+use super::Columns;
 use crate::batch::{Cell, Field, Value};
 use crate::extent::{Extent, Received};
 use crate::tensor::{Dtype, Tensor};
@@ -42,11 +44,18 @@ impl ColumnRef {
         Arc::ptr_eq(&self.group, &other.group)
     }
 
-    /// `column` as stored: in `group`'s allocation if it belongs there
-    /// (its copy is; this one is dropped), else on its own.
+    /// The next column of the lists [`Group::take`] was given, as
+    /// stored: in `group`'s allocation if it was moved there (`column` is
+    /// then the empty values column left in its place), else on its own.
+    /// Called once for each column of those lists, in their order.
     pub fn place(group: &mut Option<Group>, column: Column) -> ColumnRef {
         match group {
-            Some(g) if g.holds(&column) => {
+            Some(g) => {
+                let k = g.seen;
+                g.seen += 1;
+                if !g.moved.get(k).is_some_and(|&m| m) {
+                    return ColumnRef::new(column);
+                }
                 let at = g.next;
                 g.next += 1;
                 ColumnRef {
@@ -54,54 +63,69 @@ impl ColumnRef {
                     at,
                 }
             }
-            _ => ColumnRef::new(column),
+            None => ColumnRef::new(column),
         }
     }
 }
 
 /// The regular columns of a put at a unit that lie in one extent, in one
-/// allocation ([`ColumnRef`]): copies of them (a regular column's copy
-/// takes two reference counts, no allocation), made at once from an
-/// iterator of known length, so no list is allocated on the way.
+/// allocation ([`ColumnRef`]): moved there from the put's lists, each
+/// left as an empty values column (no allocation) for [`ColumnRef::place`]
+/// to drop. Moved, not copied: a copy took two reference counts a column
+/// and dropping the original two more, atomic operations of about 7 ns
+/// each on these VMs, 4 a (unit, field) pair of every put (see
+/// docs/benchmarks.md, "A column's reference counts").
 pub struct Group {
     columns: Arc<[Column]>,
-    extent: Arc<Extent>,
+    /// Per column of the lists, in order: whether it was moved (none past
+    /// the last one moved).
+    moved: SmallVec<[bool; 64]>,
+    /// Columns placed so far, and moved ones among them.
+    seen: usize,
     next: u32,
 }
 
 impl Group {
-    /// The group of the regular columns of `columns` that lie in the
-    /// extent of the first regular one, if two or more do. Their
-    /// [`ColumnRef::place`] must come in the same order.
-    pub fn of<'a, I>(columns: I) -> Option<Group>
-    where
-        I: Iterator<Item = &'a Column> + Clone,
-    {
-        let extent = columns.clone().find_map(|c| match c {
-            Column::Regular(r) => Some(r.extent.clone()),
-            _ => None,
+    /// Moves the regular columns of `items`' column lists (`columns` of
+    /// each, in order) that lie in the extent of the first regular one
+    /// into a group, if two or more do. Every column of those lists must
+    /// then go through [`ColumnRef::place`], in the same order.
+    pub fn take<T>(items: &mut [T], columns: impl Fn(&mut T) -> &mut Columns) -> Option<Group> {
+        let extent = items.iter_mut().find_map(|t| {
+            columns(t).iter().find_map(|c| match c {
+                Column::Regular(r) => Some(r.extent.clone()),
+                _ => None,
+            })
         })?;
-        let holds =
-            |c: &&Column| matches!(c, Column::Regular(r) if Arc::ptr_eq(&r.extent, &extent));
-        let n = columns.clone().filter(holds).count();
+        let holds = |c: &Column| matches!(c, Column::Regular(r) if Arc::ptr_eq(&r.extent, &extent));
+        let n: usize = items
+            .iter_mut()
+            .map(|t| columns(t).iter().filter(|c| holds(c)).count())
+            .sum();
         if n < 2 {
             return None;
         }
-        let mut members = columns.filter(holds);
+        let mut moved = SmallVec::new();
+        let mut all = items.iter_mut().flat_map(|t| columns(t).iter_mut());
         // `Map<Range, _>` has a trusted length: one allocation.
-        let copies: Arc<[Column]> = (0..n)
-            .map(|_| members.next().expect("counted above").clone())
+        let grouped: Arc<[Column]> = (0..n)
+            .map(|_| {
+                loop {
+                    let c = all.next().expect("counted above");
+                    let m = holds(c);
+                    moved.push(m);
+                    if m {
+                        break std::mem::replace(c, Column::Values(Vec::new()));
+                    }
+                }
+            })
             .collect();
         Some(Group {
-            columns: copies,
-            extent,
+            columns: grouped,
+            moved,
+            seen: 0,
             next: 0,
         })
-    }
-
-    fn holds(&self, c: &Column) -> bool {
-        matches!(c, Column::Regular(r) if Arc::ptr_eq(&r.extent, &self.extent))
-            && (self.next as usize) < self.columns.len()
     }
 }
 

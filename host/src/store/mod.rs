@@ -102,7 +102,7 @@ mod snapshot;
 mod tests;
 
 pub use column::{Column, ColumnRef, Group, NestedRow, RegularColumn, shared_row_shape};
-pub use rows::{Piece, Rows, Run};
+pub use rows::{Piece, Rows, Run, Runs};
 use seqs::ColIndexes;
 pub use seqs::Seq;
 pub use snapshot::{RUN_BYTES, Snapshot, Stored, add_rows};
@@ -539,7 +539,8 @@ impl Unit {
         let generation = inner.generation;
         let mut new_fields: SmallVec<[u32; 64]> = smallvec::smallvec![0; global_indexes.len()];
         // The put's columns of one extent in one allocation.
-        let mut group = Group::of(fields.iter().flat_map(|(_, c)| c.iter()));
+        let mut fields = fields;
+        let mut group = Group::take(&mut fields, |(_, c)| c);
         for (name, columns_in) in fields {
             let columns_in = columns_in
                 .into_iter()

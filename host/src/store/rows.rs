@@ -64,6 +64,10 @@ pub enum Run {
     Value(Value),
 }
 
+/// What [`Rows::runs`] answers: inline for the usual field of a get, whose
+/// rows are one run (a get of 32 fields made and freed a list a field).
+pub type Runs = SmallVec<[Run; 1]>;
+
 impl Run {
     /// The run's bytes: a slice of its base (zero copy).
     pub fn bytes(&self) -> Bytes {
@@ -207,7 +211,7 @@ impl Rows {
     /// an unbroken range of positions is one run, found per piece (a get
     /// in put order over 4 units that each hold every 4th row). Everything
     /// else goes row by row, as before.
-    pub fn runs(&self) -> Vec<Run> {
+    pub fn runs(&self) -> Runs {
         let mut places = Snapshots::default();
         // Inline for the few pieces of a small get's field: a get of 32
         // fields made and freed two lists and a snapshot list a field
@@ -294,7 +298,7 @@ impl Rows {
             }
         }
         items.sort_unstable_by_key(|it| it.pos);
-        let mut runs: Vec<Run> = Vec::with_capacity(items.len());
+        let mut runs = Runs::new();
         for it in items {
             let What::Tensor {
                 place,

@@ -257,9 +257,9 @@ impl Unit {
             ..Inner::default()
         };
         let generation = new.generation;
-        for (name, indexes, columns_in) in r.fields {
+        for (name, indexes, mut columns_in) in r.fields {
             let mut added = vec![0u32; indexes.len()];
-            let mut group = Group::of(columns_in.iter());
+            let mut group = Group::take(std::slice::from_mut(&mut columns_in), |c| c);
             let columns_in = columns_in
                 .into_iter()
                 .map(|c| ColumnRef::place(&mut group, c));

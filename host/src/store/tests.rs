@@ -198,6 +198,57 @@ fn clearing_the_last_row_frees_the_extent() {
 }
 
 #[test]
+fn a_fields_columns_go_to_their_group_in_order_whichever_comes_first() {
+    // Field a is two pieces, rows 0-1 from frame 2 and rows 2-3 from
+    // frame 1; b is frame 1 again, c frame 2 again. Frame 2 is the
+    // first regular column's, so a's first piece and c are moved into one
+    // allocation; a's second piece and b stay on their own. Every row
+    // reads back from where it was put.
+    let (frame1, t1) = frame_tensor(8, 2);
+    let (frame2, t2) = frame_tensor(6, 2);
+    let received = Received::frames(&[frame1.clone(), frame2.clone()]);
+    let view = |t: &Tensor, start: u64, count: u64| {
+        let v = t.rows_view(start, 1, count).unwrap();
+        let (extent, offset, zero_copy) = received.locate_or_own(v.buffer());
+        assert!(zero_copy);
+        Column::regular(extent, offset, &v)
+    };
+    let g = [20, 21, 22, 23];
+    let unit = Unit::new("u0", None);
+    unit.put(
+        &g,
+        vec![
+            (
+                "a".into(),
+                smallvec::smallvec![view(&t2, 0, 2), view(&t1, 6, 2)],
+            ),
+            ("b".into(), smallvec::smallvec![view(&t1, 0, 4)]),
+            ("c".into(), smallvec::smallvec![view(&t2, 2, 4)]),
+        ],
+    )
+    .unwrap();
+    let rows = |t: &Tensor, rows: std::ops::Range<u64>| -> Vec<Cell> {
+        rows.map(|r| Cell::Tensor(t.row_tensor(r).unwrap()))
+            .collect()
+    };
+    let mut a = rows(&t2, 0..2);
+    a.extend(rows(&t1, 6..8));
+    assert_eq!(got(&unit, &g, "a"), a);
+    assert_eq!(got(&unit, &g, "b"), rows(&t1, 0..4));
+    assert_eq!(got(&unit, &g, "c"), rows(&t2, 2..6));
+    let column = |g: &[u64], f: &str| {
+        unit.get(g, &[f.into()])
+            .unwrap()
+            .remove(0)
+            .columns
+            .remove(0)
+    };
+    assert!(column(&g[..2], "a").shares_allocation_with(&column(&g, "c")));
+    assert!(!column(&g[2..], "a").shares_allocation_with(&column(&g, "b")));
+    assert!(!column(&g[..2], "a").shares_allocation_with(&column(&g[2..], "a")));
+}
+
+#[test]
 fn a_puts_columns_of_one_extent_share_an_allocation_and_free_it_with_their_last_row() {
     // Fields a and b are views of frame 1, c of frame 2, d plain values:
     // a and b are stored in one allocation, c and d each on their own.

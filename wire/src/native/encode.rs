@@ -378,7 +378,8 @@ fn place<N: AsRef<str> + std::fmt::Debug>(
         }
     };
     // First row of each part of each regular field.
-    let starts: Vec<Vec<u64>> = fields
+    // Inline for the usual field of a part or two: no list a field.
+    let starts: Vec<smallvec::SmallVec<[u64; 2]>> = fields
         .iter()
         .map(|(_, f)| match f {
             WireField::Regular(p) => p
@@ -386,7 +387,7 @@ fn place<N: AsRef<str> + std::fmt::Debug>(
                 .iter()
                 .scan(0, |row, (_, n)| Some(std::mem::replace(row, *row + n)))
                 .collect(),
-            _ => Vec::new(),
+            _ => smallvec::SmallVec::new(),
         })
         .collect();
     let mut locs: Vec<Locs> = vec![Locs::new(); fields.len()];
@@ -394,7 +395,8 @@ fn place<N: AsRef<str> + std::fmt::Debug>(
     let mut counts: Option<Vec<u32>> = gather.then(|| Vec::with_capacity(layout.frames.len()));
     for (k, slices) in layout.frames.iter().enumerate() {
         let frame = k as u64 + 1;
-        let mut chunks: Vec<Bytes> = Vec::with_capacity(slices.len());
+        let mut chunks: smallvec::SmallVec<[Bytes; 2]> =
+            smallvec::SmallVec::with_capacity(slices.len());
         let mut offset = 0u64;
         // Appends a range, first padding the frame to the dtype's itemsize.
         let mut put = |loc: &mut Locs, align: usize, row: u64, rows: u64, chunk: Bytes| {
@@ -573,7 +575,7 @@ fn field_map<N: AsRef<str>>(
 fn descriptor(w: &mut Writer, field: &WireField, locs: &[Loc]) -> Result<(), Error> {
     match field {
         WireField::Regular(p) => {
-            regular_head(w, p.dtype(), &p.shape(), locs.len());
+            regular_head(w, p.dtype(), &p.shape_dims(), locs.len());
             for l in locs {
                 part(w, l.frame, l.offset, l.len, l.rows);
             }

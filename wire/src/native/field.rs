@@ -209,6 +209,12 @@ impl RegularParts {
 
     /// The full shape `[n, ...row_shape]`.
     pub fn shape(&self) -> Vec<u64> {
+        self.shape_dims().into_vec()
+    }
+
+    /// [`RegularParts::shape`], inline (no allocation up to the
+    /// [`super::Dims`] capacity): what an encoder writes per field.
+    pub fn shape_dims(&self) -> super::Dims {
         std::iter::once(self.rows)
             .chain(self.row_shape.iter().copied())
             .collect()

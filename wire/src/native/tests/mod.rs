@@ -611,9 +611,9 @@ fn a_packing_layout_coalesces_and_keeps_large_rows_zero_copy() {
     // Frame 1: x rows 0..3 then y rows 0..6; frame 2: x row 3 alone; frame 3: x rows 4..6.
     let layout = FrameLayout {
         frames: vec![
-            vec![s(0, 0, 3), s(1, 0, 6)],
-            vec![s(0, 3, 4)],
-            vec![s(0, 4, 6)],
+            smallvec::smallvec![s(0, 0, 3), s(1, 0, 6)],
+            smallvec::smallvec![s(0, 3, 4)],
+            smallvec::smallvec![s(0, 4, 6)],
         ],
     };
     let reply = Reply::GetOk { fields };
@@ -646,7 +646,7 @@ fn coalesced_ranges_are_aligned_to_their_itemsize() {
         WireField::from_field(&Field::Regular(tensor(Dtype::Complex128, &[1, 1], 9))).unwrap();
     let fields = vec![("b".to_owned(), bytes3), ("c".to_owned(), wide)];
     let layout = FrameLayout {
-        frames: vec![vec![
+        frames: vec![smallvec::smallvec![
             RowSlice {
                 field: 0,
                 start: 0,
@@ -711,6 +711,7 @@ fn invalid_layouts_are_refused() {
         (vec![vec![s(0, 2, 2), s(0, 0, 3)]], "empty slice"),
     ];
     for (frames, what) in cases {
+        let frames = frames.into_iter().map(FrameSlices::from_vec).collect();
         let err = encode_reply_with(1, &reply, &FrameLayout { frames }).expect_err(what);
         assert!(matches!(err, Error::Layout(_)), "{what}: {err}");
     }
@@ -1179,7 +1180,10 @@ fn gathered_frames_are_the_copied_frames_unjoined() {
     };
     let slice = |field, start, end| RowSlice { field, start, end };
     let layout = FrameLayout {
-        frames: vec![vec![slice(0, 0, 5)], vec![slice(1, 0, 8), slice(0, 5, 8)]],
+        frames: vec![
+            smallvec::smallvec![slice(0, 0, 5)],
+            smallvec::smallvec![slice(1, 0, 8), slice(0, 5, 8)],
+        ],
     };
     let copied = encode_reply_with(7, &reply, &layout).unwrap();
     let gathered = encode_reply_gathered(7, &reply, &layout, &|_, _| None).unwrap();
@@ -1208,7 +1212,7 @@ fn gathered_frames_are_the_copied_frames_unjoined() {
         },
     };
     let layout = FrameLayout {
-        frames: vec![vec![slice(0, 0, 8)]],
+        frames: vec![smallvec::smallvec![slice(0, 0, 8)]],
     };
     let gathered = encode_request_gathered(&request, &layout).unwrap();
     assert_eq!(
