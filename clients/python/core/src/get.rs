@@ -139,11 +139,13 @@ pub(crate) fn receive(
         }
     }
     let mut places = Places::new();
+    places.reserve(starts.len());
     for (f, &(b, at)) in received().zip(&starts) {
         let base = buffers[b].as_ptr() as usize + at;
         let mut off = 0usize;
         for (frame, offset, len) in f.each_range() {
-            places.entry(frame).or_default().push(Place {
+            places.push(Place {
+                frame,
                 offset,
                 len,
                 dest: base + off,

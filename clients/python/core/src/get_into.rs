@@ -313,9 +313,9 @@ pub(crate) fn receive_into(
                 for p in parts {
                     let first = (row * per_row) as usize;
                     let runs = &offsets[first..first + (p.rows * per_row) as usize];
-                    let list = places.entry(p.frame).or_default();
                     for (k, &at) in runs.iter().enumerate() {
-                        list.push(Place {
+                        places.push(Place {
+                            frame: p.frame,
                             offset: p.offset + (k * l.run) as u64,
                             len: l.run as u64,
                             dest: (t.ptr as isize + at) as usize,
@@ -385,7 +385,8 @@ pub(crate) fn copy_into<'a>(
 fn place_rows(places: &mut Places, parts: &[PartLayout], base: usize, row_bytes: u64) {
     let mut row = 0u64;
     for p in parts {
-        places.entry(p.frame).or_default().push(Place {
+        places.push(Place {
+            frame: p.frame,
             offset: p.offset,
             len: p.len,
             dest: base + (row * row_bytes) as usize,

@@ -11,17 +11,39 @@ use crate::error::Fail;
 use crate::message::{REPLY_LIMITS, check_frame_count};
 use crate::stream::Stream;
 
-/// The places of each data frame, by frame number (1-based; a number no
-/// frame has is reported by `check_frames` once the reply is read). A
-/// frame's places are inline up to two: a small get's reply has a frame a
-/// field, each one range, and a list made, copied and freed a frame was
-/// about 800 instructions of each (callgrind, a 32-field get).
-pub(crate) type Places = std::collections::BTreeMap<u64, smallvec::SmallVec<[Place; 2]>>;
+/// The places of a reply's data frames: where each range of each frame
+/// goes, added in any order, sorted once by (frame, offset) when the
+/// frames are read (a frame number no frame has is reported by
+/// `check_frames` once the reply is read). One list for all: a map by
+/// frame number made a node or a list a frame, and a small get's reply
+/// has a frame a field (a `BTreeMap` of inline lists was about 130
+/// instructions a field of a 32-field get, callgrind).
+#[derive(Default)]
+pub(crate) struct Places {
+    list: Vec<Place>,
+}
 
-/// Where one range of a data frame goes: `len` bytes at `offset` of the
-/// frame into `dest` (an address in a caller's array).
+impl Places {
+    pub(crate) fn new() -> Places {
+        Places::default()
+    }
+
+    /// Room for `n` places more.
+    pub(crate) fn reserve(&mut self, n: usize) {
+        self.list.reserve(n);
+    }
+
+    pub(crate) fn push(&mut self, place: Place) {
+        self.list.push(place);
+    }
+}
+
+/// Where one range of a data frame goes: `len` bytes at `offset` of
+/// frame `frame` (numbered from 1) into `dest` (an address in a caller's
+/// array).
 #[derive(Clone, Copy)]
 pub(crate) struct Place {
+    pub(crate) frame: u64,
     pub(crate) offset: u64,
     pub(crate) len: u64,
     pub(crate) dest: usize,
@@ -172,7 +194,11 @@ pub(crate) fn read_frames(
     places: &mut Places,
     fields: &[(String, FieldLayout)],
 ) -> Result<(), Fail> {
-    // The data frames, each read straight into its places.
+    // The data frames, each read straight into its places: those of
+    // frame k+1 are the next stretch of the sorted list (stable: places
+    // at one offset stay in the order they were added).
+    places.list.sort_by_key(|p| (p.frame, p.offset));
+    let mut rest: &[Place] = &places.list;
     let mut lens = Vec::with_capacity(fields.len() + 1);
     let mut k = 0usize;
     while more {
@@ -180,13 +206,13 @@ pub(crate) fn read_frames(
         more = m;
         lens.push(size);
         check_frame_count(lens.len() + 1)?;
-        let mine: &[Place] = match places.get_mut(&(k as u64 + 1)) {
-            Some(mine) => {
-                mine.sort_by_key(|p| p.offset);
-                mine
-            }
-            None => &[],
-        };
+        let frame = k as u64 + 1;
+        // Places before this frame name frame 0, which is no data frame
+        // (check_frames reports it); skipped here.
+        let from = rest.partition_point(|p| p.frame < frame);
+        let to = rest.partition_point(|p| p.frame <= frame);
+        let mine = &rest[from..to];
+        rest = &rest[to..];
         if mine
             .iter()
             .any(|p| p.offset.checked_add(p.len).is_none_or(|e| e > size))
