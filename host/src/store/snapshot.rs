@@ -263,7 +263,7 @@ impl Unit {
             let columns_in = columns_in
                 .into_iter()
                 .map(|c| ColumnRef::place(&mut group, c));
-            new.store_field(name, &indexes, columns_in, generation, &mut added);
+            new.store_field(&name, &indexes, columns_in, generation, &mut added);
             new.add_present(&indexes, &added);
         }
         new.bytes = r.bytes;
