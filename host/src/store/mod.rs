@@ -195,9 +195,10 @@ fn add_column(
             // as it empties the slot), so there is nothing to drop: the
             // old value is forgotten, and its read goes with it. An
             // assignment reads the old value to drop it, and a free slot
-            // is often a line not in cache (perf: 96% of this function's
-            // time on that read in a 32x4 put); a write goes to the store
-            // buffer.
+            // is often a line not in cache (perf put 96% of this
+            // function's samples on that read in a 32x4 put; without it
+            // the miss is the write's, and stowd's CPU did not move
+            // beyond the noise).
             std::mem::forget(std::mem::replace(at, slot));
             i
         }
@@ -551,11 +552,12 @@ impl Unit {
         let mut fields = fields;
         let mut group = Group::take(&mut fields, |(_, c)| c);
         // The names are lent, and dropped with the list once the lock is
-        // given back: a name's reference count taken and given back here
-        // is an atomic operation, which waits for the stores before it (the
-        // index's and the column table's, often to lines not in cache) to
-        // complete; perf put 86% of this function's time on that one
-        // instruction in a 32x4 put.
+        // given back: no reference count taken and given back a field
+        // under the lock (an atomic operation, which waits for the stores
+        // before it to complete; perf put most of this function's samples
+        // on that instruction in a 32x4 put, though taking it out did not
+        // move stowd's CPU beyond the noise: the stores' cache misses are
+        // paid elsewhere).
         for (name, columns_in) in &mut fields {
             let columns_in = std::mem::take(columns_in)
                 .into_iter()
