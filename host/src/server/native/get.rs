@@ -25,7 +25,9 @@ use crate::wire::native;
 pub(super) struct Places {
     /// (start address, buffer, segment name), sorted by address once filled.
     sorted: Vec<(usize, Bytes, Option<Handle>)>,
-    seen: HashSet<usize>,
+    /// Hashed by foldhash, not SipHash: a reply adds each field's runs'
+    /// buffers, and SipHash was about 150 instructions of each.
+    seen: HashSet<usize, foldhash::fast::RandomState>,
 }
 
 impl Places {
