@@ -103,7 +103,8 @@ type Pieces<T> = smallvec::SmallVec<[T; 4]>;
 /// The frame layout of a `stowage/1` message's fields (a get_ok, or a put
 /// to a peer unit): per field, the packing chain groups the
 /// field's pieces (the parts of a regular field, the runs of a nested
-/// one) into frames; frames never mix fields.
+/// one) into frames; frames never mix fields. `nested_runs[i]`: the runs
+/// of nested field `i` (an entry missing past the list's end: none).
 pub fn frame_layout<N: AsRef<str>>(
     registry: &Registry,
     pack_limits: PackLimits,
@@ -179,7 +180,9 @@ pub fn frame_layout<N: AsRef<str>>(
                         .unzip()
                 }
             }
-            native::WireField::Nested(rows) => nested_runs[i]
+            native::WireField::Nested(rows) => nested_runs
+                .get(i)
+                .map_or(&[][..], Vec::as_slice)
                 .iter()
                 .map(|&(a, b)| {
                     let run = &rows[a as usize..b as usize];

@@ -118,12 +118,17 @@ async fn put(
 fn get_answer(got: Vec<(String, Rows)>, channel: Option<String>) -> Answer {
     let mut places = Places::default();
     let mut out = Vec::with_capacity(got.len());
-    let mut nested_runs = Vec::with_capacity(got.len());
-    for (name, rows) in got {
+    // Per field up to the last nested one (none, no list, for a reply of
+    // regular fields): `frame_layout` reads a missing entry as no runs.
+    let mut nested_runs: Vec<Vec<(u64, u64)>> = Vec::new();
+    for (i, (name, rows)) in got.into_iter().enumerate() {
         match get_field(&rows, &mut places) {
             Ok(f) => {
                 out.push((name, f.wire));
-                nested_runs.push(f.nested_runs);
+                if !f.nested_runs.is_empty() {
+                    nested_runs.resize_with(i, Vec::new);
+                    nested_runs.push(f.nested_runs);
+                }
             }
             Err(e) => return errors::native_decode(&e).into(),
         }

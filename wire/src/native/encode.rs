@@ -264,15 +264,14 @@ fn envelope_with(op: &str, id: u64, body: usize) -> Writer {
 }
 
 /// Frame 0 and the placed data frames (or parts, with their counts).
+/// Frame 0 goes in front of the placed lists, which [`place`] made with
+/// room for it (no second list each).
 fn finish_gathered(w: Writer, placed: Placed) -> Result<super::Gathered, Error> {
-    let mut parts = Vec::with_capacity(placed.frames.len() + 1);
-    parts.push(Bytes::from(w.finish()?));
-    parts.extend(placed.frames);
-    let per_frame = placed.counts.map(|counts| {
-        let mut all = Vec::with_capacity(counts.len() + 1);
-        all.push(1);
-        all.extend(counts);
-        all
+    let mut parts = placed.frames;
+    parts.insert(0, Bytes::from(w.finish()?));
+    let per_frame = placed.counts.map(|mut counts| {
+        counts.insert(0, 1);
+        counts
     });
     Ok(super::Gathered { parts, per_frame })
 }
@@ -391,8 +390,9 @@ fn place<N: AsRef<str> + std::fmt::Debug>(
         })
         .collect();
     let mut locs: Vec<Locs> = vec![Locs::new(); fields.len()];
-    let mut frames = Vec::with_capacity(layout.frames.len());
-    let mut counts: Option<Vec<u32>> = gather.then(|| Vec::with_capacity(layout.frames.len()));
+    // Room for frame 0 in front too ([`finish_gathered`]).
+    let mut frames = Vec::with_capacity(layout.frames.len() + 1);
+    let mut counts: Option<Vec<u32>> = gather.then(|| Vec::with_capacity(layout.frames.len() + 1));
     for (k, slices) in layout.frames.iter().enumerate() {
         let frame = k as u64 + 1;
         let mut chunks: smallvec::SmallVec<[Bytes; 2]> =

@@ -25,15 +25,31 @@ use crate::wire::native;
 pub(super) struct Places {
     /// (start address, buffer, segment name), sorted by address once filled.
     sorted: Vec<(usize, Bytes, Option<Handle>)>,
+    /// The starts in `sorted`, once it holds more than [`Places::SCAN`]
+    /// (a small reply's few are found by a scan, with no set to make).
     /// Hashed by foldhash, not SipHash: a reply adds each field's runs'
     /// buffers, and SipHash was about 150 instructions of each.
     seen: HashSet<usize, foldhash::fast::RandomState>,
 }
 
 impl Places {
+    /// Most places found by a scan of `sorted`.
+    const SCAN: usize = 8;
+
     fn add(&mut self, base: &Bytes, segment: &Option<Handle>) {
         let start = base.as_ptr() as usize;
-        if !base.is_empty() && self.seen.insert(start) {
+        if base.is_empty() {
+            return;
+        }
+        let new = if self.sorted.len() < Self::SCAN {
+            !self.sorted.iter().any(|(s, _, _)| *s == start)
+        } else {
+            if self.seen.is_empty() {
+                self.seen.extend(self.sorted.iter().map(|(s, _, _)| *s));
+            }
+            self.seen.insert(start)
+        };
+        if new {
             self.sorted.push((start, base.clone(), segment.clone()));
         }
     }
