@@ -172,6 +172,15 @@ fn frame_tensor(rows: u64, cols: u64) -> (Bytes, Tensor) {
     (frame, t)
 }
 
+/// Rows `start..start + count` of `t` as a regular column over the
+/// received frame they lie in (zero copy).
+fn view_column(received: &Received, t: &Tensor, start: u64, count: u64) -> Column {
+    let v = t.rows_view(start, 1, count).unwrap();
+    let (extent, offset, zero_copy) = received.locate_or_own(v.buffer());
+    assert!(zero_copy);
+    Column::regular(extent, offset, &v)
+}
+
 #[test]
 fn clearing_the_last_row_frees_the_extent() {
     let (frame, t) = frame_tensor(4, 4);
@@ -207,12 +216,7 @@ fn a_fields_columns_go_to_their_group_in_order_whichever_comes_first() {
     let (frame1, t1) = frame_tensor(8, 2);
     let (frame2, t2) = frame_tensor(6, 2);
     let received = Received::frames(&[frame1.clone(), frame2.clone()]);
-    let view = |t: &Tensor, start: u64, count: u64| {
-        let v = t.rows_view(start, 1, count).unwrap();
-        let (extent, offset, zero_copy) = received.locate_or_own(v.buffer());
-        assert!(zero_copy);
-        Column::regular(extent, offset, &v)
-    };
+    let view = |t: &Tensor, start: u64, count: u64| view_column(&received, t, start, count);
     let g = [20, 21, 22, 23];
     let unit = Unit::new("u0", None);
     unit.put(
@@ -255,12 +259,7 @@ fn a_puts_columns_of_one_extent_share_an_allocation_and_free_it_with_their_last_
     let (frame1, t1) = frame_tensor(8, 2);
     let (frame2, t2) = frame_tensor(4, 2);
     let received = Received::frames(&[frame1.clone(), frame2.clone()]);
-    let view = |t: &Tensor, start: u64| {
-        let v = t.rows_view(start, 1, 4).unwrap();
-        let (extent, offset, zero_copy) = received.locate_or_own(v.buffer());
-        assert!(zero_copy);
-        Column::regular(extent, offset, &v)
-    };
+    let view = |t: &Tensor, start: u64| view_column(&received, t, start, 4);
     let g = [10, 11, 12, 13];
     let unit = Unit::new("u0", None);
     unit.put(
