@@ -74,7 +74,7 @@ impl ColumnRef {
 /// to drop. Moved, not copied: a copy took two reference counts a column
 /// and dropping the original two more, atomic operations of about 7 ns
 /// each on these VMs, 4 a (unit, field) pair of every put (see
-/// docs/benchmarks.md, "A column's reference counts").
+/// docs/benchmarks.md, "A field's cost, a third time").
 pub struct Group {
     columns: Arc<[Column]>,
     /// Per column of the lists, in order: whether it was moved (none past

@@ -189,17 +189,7 @@ fn add_column(
     });
     match free.pop() {
         Some(i) => {
-            let at = &mut columns[i as usize];
-            debug_assert!(at.is_none(), "a free column number holds a column");
-            // A free number's slot is `None` (`release` frees the number
-            // as it empties the slot), so there is nothing to drop: the
-            // old value is forgotten, and its read goes with it. An
-            // assignment reads the old value to drop it, and a free slot
-            // is often a line not in cache (perf put 96% of this
-            // function's samples on that read in a 32x4 put; without it
-            // the miss is the write's, and stowd's CPU did not move
-            // beyond the noise).
-            std::mem::forget(std::mem::replace(at, slot));
+            columns[i as usize] = slot;
             i
         }
         None => {
@@ -534,7 +524,7 @@ impl Unit {
     fn store(
         &self,
         global_indexes: &[u64],
-        fields: Vec<PutField>,
+        mut fields: Vec<PutField>,
         _journaled: &crate::journal::Touch<'_>,
     ) -> Result<(), StoreError> {
         let mut inner = self.lock();
@@ -549,15 +539,10 @@ impl Unit {
         let generation = inner.generation;
         let mut new_fields: SmallVec<[u32; 64]> = smallvec::smallvec![0; global_indexes.len()];
         // The put's columns of one extent in one allocation.
-        let mut fields = fields;
         let mut group = Group::take(&mut fields, |(_, c)| c);
         // The names are lent, and dropped with the list once the lock is
-        // given back: no reference count taken and given back a field
-        // under the lock (an atomic operation, which waits for the stores
-        // before it to complete; perf put most of this function's samples
-        // on that instruction in a 32x4 put, though taking it out did not
-        // move stowd's CPU beyond the noise: the stores' cache misses are
-        // paid elsewhere).
+        // given back (no reference count taken and given back a field
+        // under the lock).
         for (name, columns_in) in &mut fields {
             let columns_in = std::mem::take(columns_in)
                 .into_iter()
