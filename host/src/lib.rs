@@ -19,7 +19,7 @@
 //! | [`server`] | `stowd`'s sockets and services (`Listeners::bind`, `run`): `tq` (unit and router endpoints), `native` (`stowage/1`, with `native::get`, `native::stats`, and `native::forward`: a router's get sent on while the peers' rows arrive), `offload` (large requests decoded and run on a bounded blocking pool), `errors` (the one error → reply mapping), `exposition` (Prometheus text, `/metrics` over hyper); request spans |
 //! | [`shm`] | same-node shared memory (sealed segments, leases, descriptor channels, memory allocated ahead) |
 //! | [`spill`] | spilling the coldest extents to disk when the units' memory runs short, and reading them back |
-//! | [`store`] | storage units: the per-field index, columns, rows and runs, capacity in bytes |
+//! | [`store`] | storage units: row numbers and each field's entries, columns, rows and runs, capacity in bytes |
 //! | [`sys`] | the process itself: resident set size, `malloc_trim`, start time; the size of a file system |
 //! | [`tensor`], [`batch`] | re-exported from `stowage-wire`: `Tensor` (immutable bytes + dtype/shape, zero-copy rows and strided views); `Field`, `Value`, `Cell` |
 //! | [`wire`] | re-export of crate `stowage-wire`: the TransferQueue 0.1.11 and `stowage/1` codecs, the pickle subset, one bounded msgpack reader; pure, no I/O |
@@ -84,8 +84,8 @@
 //!    capacity) under the unit's lock; once a checkpoint exists, [`journal`]
 //!    appends the put's indexes and `fdatasync`s them before anything
 //!    changes. Each (field, piece) becomes one `store::Column` over its
-//!    extent, and each row a few words in the field's index
-//!    (`stowage-index`). With `[units] spill_dir` set, [`spill`] counts the
+//!    extent; each index is numbered once in the unit and each (row,
+//!    field) is a word in the field's pages of entries (`stowage-index`). With `[units] spill_dir` set, [`spill`] counts the
 //!    extents, and writes the coldest to unlinked, mapped files (past the
 //!    threshold in the background, past the bound before the put).
 //!

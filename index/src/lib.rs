@@ -1,6 +1,9 @@
 //! The row index of a storage unit: maps from a global index to a `u64`
 //! (a packed row location, a count, or nothing), with a hasher that keeps
-//! consecutive indexes in consecutive buckets.
+//! consecutive indexes in consecutive buckets; and, built on them, a
+//! unit's row numbers with each field's entries by row number
+//! ([`RowNumbers`], [`FieldIndex`]: one map entry a row, not one a (row,
+//! field); see the `rows` module).
 //!
 //! # Why a crate of its own
 //!
@@ -20,6 +23,9 @@
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
+
+mod rows;
+pub use rows::{EMPTY, FieldIndex, PAGE, RowNumbers};
 
 /// Hashes a global index so that consecutive indexes land in consecutive
 /// buckets (their low 16 bits are kept as they are), while indexes that

@@ -3,9 +3,12 @@
 //! A put stores each (field, piece) it was given as one [`Column`]: a run of
 //! rows that lie in one extent ([`crate::extent`]) at a constant stride (a
 //! regular field), one row each (a nested field, every row its own range of
-//! an extent), or plain values. Per stored row a unit keeps a few words: in
-//! the field's index, global index -> (column, row in it), and a count of
-//! the fields each global index has. No heap allocation per row.
+//! an extent), or plain values. A unit numbers the global indexes it holds
+//! ([`RowNumbers`]: one hash-map entry an index, with a count of its
+//! fields), and each field keeps, by row number, where its row is
+//! ([`FieldIndex`]: (column, row in it), in pages of consecutive numbers).
+//! A put of many fields looks each index up once, not once a field. No
+//! heap allocation per row.
 //!
 //! A get answers, per field, the columns it touched and [`Piece`]s: runs
 //! of consecutive rows of one column answering evenly spaced request
@@ -107,9 +110,9 @@ use seqs::ColIndexes;
 pub use seqs::Seq;
 pub use snapshot::{RUN_BYTES, Snapshot, Stored, add_rows};
 
-/// The row maps ([`IndexMap`]) live in `stowage-index`, which is
-/// optimised even in debug builds (see its crate doc).
-use stowage_index::IndexMap;
+/// The row maps live in `stowage-index`, which is optimised even in debug
+/// builds (see its crate doc).
+use stowage_index::{FieldIndex, RowNumbers};
 
 /// Where a stored row is.
 #[derive(Clone, Copy, Debug)]
@@ -153,13 +156,13 @@ impl Slot {
 
 #[derive(Default)]
 struct Inner {
-    /// Per field: global index -> row. Hashed by foldhash (seeded per
-    /// map, as hashbrown's default), not SipHash: a field name is looked
-    /// up once per field per unit in every put and get (128 times in a
-    /// 32-field call over 4 units).
-    fields: HashMap<Arc<str>, IndexMap, foldhash::fast::RandomState>,
-    /// Per global index: how many fields it has.
-    present: IndexMap,
+    /// Per field: row number -> where the row is. Hashed by foldhash
+    /// (seeded per map, as hashbrown's default), not SipHash: a field name
+    /// is looked up once per field per unit in every put and get (128
+    /// times in a 32-field call over 4 units).
+    fields: HashMap<Arc<str>, FieldIndex, foldhash::fast::RandomState>,
+    /// Global index -> row number, and the fields each number has.
+    rows: RowNumbers,
     /// Columns by number; `None` is a free number (in `free`).
     columns: Vec<Option<Slot>>,
     free: Vec<u32>,
@@ -173,18 +176,19 @@ struct Inner {
     generation: u64,
 }
 
-/// Stores a column (rows for `indexes`) under a free number.
+/// Stores a column (rows for `indexes`, as `col_indexes`) under a free
+/// number.
 fn add_column(
     columns: &mut Vec<Option<Slot>>,
     free: &mut Vec<u32>,
     column: ColumnRef,
-    indexes: &[u64],
+    col_indexes: ColIndexes,
     generation: u64,
 ) -> u32 {
     let slot = Some(Slot {
         generation,
-        live: indexes.len() as u64,
-        indexes: ColIndexes::new(indexes),
+        live: col_indexes.len(),
+        indexes: col_indexes,
         column,
     });
     match free.pop() {
@@ -223,21 +227,31 @@ impl Inner {
             .row_len(loc.row as usize)
     }
 
+    /// Where `(g, field)` is stored, if it is.
+    fn find(&self, index: &FieldIndex, g: u64) -> Option<Loc> {
+        index.get(self.rows.get(g)?).map(Loc::unpack)
+    }
+
     /// Stores `columns` (their rows, in order) under `(indexes[i], name)`,
     /// as rows of put `generation`; a row already stored there is
     /// released. Returns the bytes released.
     ///
-    /// `added[i]` counts the fields new at `indexes[i]` (the put's fields
-    /// stored so far); the caller adds them to `present` once, after the
-    /// last field, so a put of many fields makes one `present` update a
-    /// row, not one a (row, field).
+    /// `nums` are the indexes' row numbers ([`RowNumbers::number`]), and
+    /// `added[i]` counts the fields new at `nums[i]` (the put's fields
+    /// stored so far): the caller adds them to the numbers' counts once,
+    /// after the last field. `whole` is the indexes as a column's
+    /// ([`ColIndexes`]), made by the first field whose column covers them
+    /// all and kept for the next when it is a run.
+    #[allow(clippy::too_many_arguments)]
     fn store_field(
         &mut self,
         name: &Arc<str>,
         indexes: &[u64],
+        nums: &[u32],
         columns_in: impl Iterator<Item = ColumnRef>,
         generation: u64,
         added: &mut [u32],
+        whole: &mut Option<ColIndexes>,
     ) -> u64 {
         let Inner {
             fields,
@@ -251,61 +265,49 @@ impl Inner {
             Some(index) => index,
             None => fields.entry(name.clone()).or_default(),
         };
-        index.reserve(indexes.len());
+        let before = index.len();
         let mut freed = 0u64;
         let mut next = 0usize;
         for column in columns_in {
             let rows = column.rows() as usize;
-            let c = add_column(
-                columns,
-                free,
-                column,
-                &indexes[next..next + rows],
-                generation,
-            );
-            for (row, g) in indexes[next..next + rows].iter().enumerate() {
-                let loc = Loc {
-                    column: c,
-                    row: row as u32,
-                };
-                match index.insert(*g, loc.pack()) {
-                    Some(old) => freed += release(columns, free, Loc::unpack(old)),
-                    None => {
-                        *keys += 1;
-                        added[next + row] += 1;
+            let span = next..next + rows;
+            let col_indexes = if rows == indexes.len() {
+                match whole {
+                    Some(ix @ ColIndexes::Arith { .. }) => ix.clone(),
+                    _ => {
+                        let ix = ColIndexes::new(indexes);
+                        *whole = Some(ix.clone());
+                        ix
                     }
                 }
-            }
+            } else {
+                ColIndexes::new(&indexes[span.clone()])
+            };
+            let c = add_column(columns, free, column, col_indexes, generation);
+            let first = Loc { column: c, row: 0 }.pack();
+            index.set_run(&nums[span.clone()], first, &mut added[span], &mut |old| {
+                freed += release(columns, free, Loc::unpack(old));
+            });
             next += rows;
         }
+        *keys += (index.len() - before) as u64;
         freed
-    }
-
-    /// Adds the fields a put made new at each of `indexes` to `present`.
-    fn add_present(&mut self, indexes: &[u64], added: &[u32]) {
-        if self.present.is_empty() {
-            self.present.reserve(indexes.len());
-        }
-        for (&g, &n) in indexes.iter().zip(added) {
-            if n > 0 {
-                self.present.add(g, u64::from(n));
-            }
-        }
     }
 
     /// Removes (g, field) if present: returns its bytes.
     fn remove(&mut self, field: &str, g: u64) -> Option<u64> {
         let Inner {
             fields,
-            present,
+            rows,
             columns,
             free,
             keys,
             ..
         } = self;
-        let loc = Loc::unpack(fields.get_mut(field)?.remove(g)?);
+        let n = rows.get(g)?;
+        let loc = Loc::unpack(fields.get_mut(field)?.remove(n)?);
         let len = release(columns, free, loc);
-        present.decrement(g);
+        rows.drop_field(n);
         *keys -= 1;
         Some(len)
     }
@@ -398,8 +400,8 @@ impl Unit {
             for seq in seqs {
                 for k in 0..seq.count {
                     let (g, pos) = seq.at(k);
-                    if let Some(v) = index.get(g) {
-                        let slot = inner.columns[Loc::unpack(v).column as usize]
+                    if let Some(loc) = inner.find(index, g) {
+                        let slot = inner.columns[loc.column as usize]
                             .as_ref()
                             .expect("indexed rows point at live columns");
                         out[base + pos as usize] = slot.generation;
@@ -484,7 +486,7 @@ impl Unit {
 
     /// Publishes the sizes of `inner` for [`Unit::stats`] (under the lock).
     fn publish(&self, inner: &Inner) {
-        let values = [inner.keys, inner.present.len() as u64, inner.bytes];
+        let values = [inner.keys, inner.rows.len() as u64, inner.bytes];
         for (slot, v) in self.sizes.iter().zip(values) {
             slot.store(v, Ordering::Relaxed);
         }
@@ -538,6 +540,13 @@ impl Unit {
         inner.generation += 1;
         let generation = inner.generation;
         let mut new_fields: SmallVec<[u32; 64]> = smallvec::smallvec![0; global_indexes.len()];
+        // Each index looked up once, for every field. A put of no field
+        // numbers nothing (a number is only kept while it has a field).
+        let mut nums: SmallVec<[u32; 64]> = smallvec::smallvec![0; global_indexes.len()];
+        if !fields.is_empty() {
+            inner.rows.number(global_indexes, &mut nums);
+        }
+        let mut whole = None;
         // The put's columns of one extent in one allocation.
         let mut group = Group::take(&mut fields, |(_, c)| c);
         // The names are lent, and dropped with the list once the lock is
@@ -550,12 +559,14 @@ impl Unit {
             freed += inner.store_field(
                 name,
                 global_indexes,
+                &nums,
                 columns_in,
                 generation,
                 &mut new_fields,
+                &mut whole,
             );
         }
-        inner.add_present(global_indexes, &new_fields);
+        inner.rows.add_fields(&nums, &new_fields);
         inner.bytes = inner.bytes - freed + added;
         self.publish(&inner);
         drop(inner);
@@ -601,8 +612,8 @@ impl Unit {
             if let Some(index) = inner.fields.get(&**name) {
                 freed += global_indexes
                     .iter()
-                    .filter_map(|&g| index.get(g))
-                    .map(|loc| inner.row_len(Loc::unpack(loc)))
+                    .filter_map(|&g| inner.find(index, g))
+                    .map(|loc| inner.row_len(loc))
                     .sum::<u64>();
             }
         }
@@ -691,7 +702,7 @@ impl Unit {
                 let mut k = 0;
                 while k < seq.count {
                     let (g, pos) = seq.at(k);
-                    let loc = Loc::unpack(index.get(g).ok_or_else(|| missing(g, field))?);
+                    let loc = inner.find(index, g).ok_or_else(|| missing(g, field))?;
                     let slot = inner.columns[loc.column as usize]
                         .as_ref()
                         .expect("indexed rows point at live columns");
@@ -775,26 +786,34 @@ impl Unit {
                 }
             }
             None => {
-                // Field by field, each index's map walked in request order.
+                // Index by index: its fields, until as many are gone as
+                // it had.
                 let Inner {
                     fields,
-                    present,
+                    rows,
                     columns,
                     free,
                     keys,
                     ..
                 } = &mut *inner;
                 let mut gone = 0u64;
-                for index in fields.values_mut() {
-                    for g in global_indexes {
-                        if let Some(loc) = index.remove(*g) {
+                for &g in global_indexes {
+                    let Some(n) = rows.get(g) else {
+                        continue;
+                    };
+                    let mut left = rows.fields_at(n);
+                    for index in fields.values_mut() {
+                        if left == 0 {
+                            break;
+                        }
+                        if let Some(loc) = index.remove(n) {
                             bytes += release(columns, free, Loc::unpack(loc));
                             gone += 1;
+                            left -= 1;
                         }
                     }
-                }
-                for &g in global_indexes {
-                    present.remove(g);
+                    debug_assert_eq!(left, 0, "a row number's count is its fields' entries");
+                    rows.remove(g);
                 }
                 *keys -= gone;
             }
@@ -804,13 +823,13 @@ impl Unit {
         if inner.keys == 0 {
             let Inner {
                 fields,
-                present,
+                rows,
                 columns,
                 free,
                 ..
             } = &mut *inner;
             fields.shrink_to_fit();
-            present.shrink_to(0);
+            rows.clear();
             columns.clear();
             columns.shrink_to(0);
             free.clear();

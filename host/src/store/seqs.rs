@@ -52,6 +52,7 @@ impl Seq {
 /// The global indexes of a column's rows: arithmetic (row `r + 1`'s is
 /// row `r`'s plus `step`: two words for any row count, what a put in index
 /// order stores) or a list.
+#[derive(Clone)]
 pub(super) enum ColIndexes {
     Arith { step: u64, len: u64 },
     List(Box<[u64]>),

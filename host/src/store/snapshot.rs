@@ -141,7 +141,8 @@ impl Unit {
         let mut out: Snapshot = Vec::new();
         for (name, index) in inner.fields.iter().filter(|(_, i)| !i.is_empty()) {
             let mut by_column: HashMap<u32, Vec<(u32, u64)>> = HashMap::new();
-            for (g, packed) in index.iter() {
+            for (n, packed) in index.iter() {
+                let g = inner.rows.index_of(n);
                 let loc = Loc::unpack(packed);
                 by_column.entry(loc.column).or_default().push((loc.row, g));
             }
@@ -259,18 +260,22 @@ impl Unit {
         let generation = new.generation;
         for (name, indexes, mut columns_in) in r.fields {
             let mut added = vec![0u32; indexes.len()];
+            let mut nums = vec![0u32; indexes.len()];
+            new.rows.number(&indexes, &mut nums);
             let mut group = Group::take(std::slice::from_mut(&mut columns_in), |c| c);
             let columns_in = columns_in
                 .into_iter()
                 .map(|c| ColumnRef::place(&mut group, c));
-            new.store_field(&name, &indexes, columns_in, generation, &mut added);
-            new.add_present(&indexes, &added);
+            new.store_field(
+                &name, &indexes, &nums, columns_in, generation, &mut added, &mut None,
+            );
+            new.rows.add_fields(&nums, &added);
         }
         new.bytes = r.bytes;
         new.lost = std::mem::take(&mut inner.lost);
         if !new.lost.is_empty() {
-            let present = &new.present;
-            new.lost.retain(|g, _| !present.contains(*g));
+            let rows = &new.rows;
+            new.lost.retain(|g, _| !rows.contains(*g));
         }
         let old = std::mem::replace(&mut *inner, new);
         self.publish(&inner);
@@ -283,7 +288,7 @@ impl Unit {
     /// The global indexes the unit holds any field of, sorted.
     pub fn indexes(&self) -> Vec<u64> {
         let inner = self.lock();
-        let mut v: Vec<u64> = inner.present.iter().map(|(g, _)| g).collect();
+        let mut v: Vec<u64> = inner.rows.indexes().collect();
         drop(inner);
         v.sort_unstable();
         v

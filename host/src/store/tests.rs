@@ -574,3 +574,120 @@ fn a_few_map_keeps_first_values_past_its_inline_list() {
     }
     assert!(matches!(few, rows::FewMap::Few(_)));
 }
+
+/// The unit against a plain map of (index, field) -> value, over random
+/// puts (new and stored indexes, in order or shuffled, fields split into
+/// pieces), clears of some fields or of all, and gets. Row numbers are
+/// given back and taken again many times, over enough indexes to span
+/// many pages of a field's entries; the sizes and every value must agree
+/// after each step, and again after a snapshot is loaded into a new unit.
+#[test]
+fn random_puts_and_clears_agree_with_a_plain_map() {
+    use std::collections::{BTreeMap, BTreeSet};
+    let unit = Unit::new("u0", None);
+    let mut model: BTreeMap<(u64, String), String> = BTreeMap::new();
+    let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    let mut next = move |n: u64| {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state % n
+    };
+    let names = ["a", "b", "c", "d", "e"];
+    let check = |unit: &Unit, model: &BTreeMap<(u64, String), String>, when: &str| {
+        let rows: BTreeSet<u64> = model.keys().map(|(g, _)| *g).collect();
+        let bytes: u64 = model.values().map(|v| v.len() as u64).sum();
+        let st = unit.stats();
+        assert_eq!(
+            (st.keys, st.rows, st.bytes),
+            (model.len() as u64, rows.len() as u64, bytes),
+            "{when}"
+        );
+        for name in names {
+            let (g, want): (Vec<u64>, Vec<Cell>) = model
+                .iter()
+                .filter(|((_, f), _)| f == name)
+                .map(|((g, _), v)| (*g, Cell::Value(s(v))))
+                .unzip();
+            if !g.is_empty() {
+                assert_eq!(got(unit, &g, name), want, "{when}: field {name}");
+            }
+        }
+    };
+    for step in 0..300 {
+        match next(10) {
+            0..=5 => {
+                let n = 1 + next(150);
+                let (base, stride) = (next(400), 1 + next(3));
+                let mut idx: Vec<u64> = (0..n).map(|i| base + i * stride).collect();
+                if next(3) == 0 {
+                    for i in (1..idx.len()).rev() {
+                        idx.swap(i, next(i as u64 + 1) as usize);
+                    }
+                }
+                let mut chosen: Vec<&str> =
+                    names.iter().copied().filter(|_| next(2) == 0).collect();
+                if chosen.is_empty() {
+                    chosen.push(names[next(5) as usize]);
+                }
+                let mut fields = Vec::new();
+                for name in chosen {
+                    let vals: Vec<String> = idx
+                        .iter()
+                        .map(|g| format!("{name}{step}:{}", "x".repeat((g % 5) as usize)))
+                        .collect();
+                    // One to three pieces.
+                    let len = vals.len() as u64;
+                    let mut cuts = [0, next(len + 1), next(len + 1), len];
+                    cuts.sort_unstable();
+                    let mut columns = Columns::new();
+                    for w in cuts.windows(2).filter(|w| w[1] > w[0]) {
+                        let piece = &vals[w[0] as usize..w[1] as usize];
+                        columns.push(Column::Values(piece.iter().map(|v| s(v)).collect()));
+                    }
+                    for (g, v) in idx.iter().zip(vals) {
+                        model.insert((*g, name.to_string()), v);
+                    }
+                    fields.push((Arc::from(name), columns));
+                }
+                unit.put(&idx, fields).unwrap();
+            }
+            6..=8 => {
+                let idx: Vec<u64> = (0..1 + next(100))
+                    .map(|_| next(900))
+                    .collect::<BTreeSet<_>>()
+                    .into_iter()
+                    .collect();
+                let which: Option<Vec<String>> = (next(2) == 0).then(|| {
+                    names
+                        .iter()
+                        .filter(|_| next(2) == 0)
+                        .map(|n| n.to_string())
+                        .collect()
+                });
+                let before = model.len();
+                model.retain(|(g, f), _| {
+                    !(idx.contains(g) && which.as_ref().is_none_or(|w| w.contains(f)))
+                });
+                let removed = unit.clear(&idx, which.as_deref()).unwrap();
+                assert_eq!(removed, (before - model.len()) as u64, "step {step}: clear");
+            }
+            _ => {
+                // A get of one index too many fails, whatever the rest.
+                let absent = (0..1000).find(|g| !model.contains_key(&(*g, "a".to_string())));
+                if let Some(g) = absent {
+                    let err = unit.get(&[g], &["a".into()]).unwrap_err();
+                    assert!(matches!(err, StoreError::KeyNotFound { index, .. } if index == g));
+                }
+            }
+        }
+        check(&unit, &model, &format!("step {step}"));
+    }
+    let copy = Unit::new("u1", None);
+    copy.replace_with(unit.snapshot(), false).unwrap();
+    check(&copy, &model, "after a snapshot is loaded");
+    let all: Vec<u64> = (0..1000).collect();
+    unit.clear(&all, None).unwrap();
+    model.clear();
+    check(&unit, &model, "after clearing everything");
+}
