@@ -124,8 +124,16 @@ impl RowNumbers {
     /// Takes one field from number `n`; at none left, its index is
     /// forgotten and the number freed. Returns the fields left.
     pub fn drop_field(&mut self, n: u32) -> u32 {
+        self.drop_fields(n, 1)
+    }
+
+    /// Takes `k` fields from number `n` (as [`RowNumbers::drop_field`]).
+    pub fn drop_fields(&mut self, n: u32, k: u32) -> u32 {
+        if k == 0 {
+            return self.fields[n as usize];
+        }
         let left = &mut self.fields[n as usize];
-        *left = left.saturating_sub(1);
+        *left = left.saturating_sub(k);
         let left = *left;
         if left == 0 {
             self.map.remove(self.indexes[n as usize]);
@@ -242,6 +250,34 @@ impl FieldIndex {
         self.len += new;
     }
 
+    /// Removes the entries of `nums` that it has, giving each to `removed`
+    /// with its position in `nums`. One page lookup a run of numbers in
+    /// the same page; a number it has no entry for is passed over.
+    pub fn remove_run(&mut self, nums: &[u32], removed: &mut dyn FnMut(usize, u64)) {
+        let mut i = 0;
+        while i < nums.len() {
+            let (p, _) = split(nums[i]);
+            let Some(page) = self.pages.get_mut(&p) else {
+                while i < nums.len() && split(nums[i]).0 == p {
+                    i += 1;
+                }
+                continue;
+            };
+            while i < nums.len() && split(nums[i]).0 == p {
+                let v = std::mem::replace(&mut page.entries[split(nums[i]).1], EMPTY);
+                if v != EMPTY {
+                    page.len -= 1;
+                    self.len -= 1;
+                    removed(i, v);
+                }
+                i += 1;
+            }
+            if page.len == 0 {
+                self.pages.remove(&p);
+            }
+        }
+    }
+
     /// Removes the entry of `n`; returns it.
     pub fn remove(&mut self, n: u32) -> Option<u64> {
         let (p, o) = split(n);
@@ -287,6 +323,7 @@ mod tests {
         r.add_fields(&again, &[0, 1]);
         assert_eq!(r.len(), 4);
         assert_eq!(r.fields_at(1), 2);
+        assert_eq!(r.drop_fields(1, 0), 2);
         assert_eq!(r.drop_field(1), 1);
         assert!(r.contains(20));
         assert_eq!(r.drop_field(1), 0);
@@ -342,6 +379,29 @@ mod tests {
         }
         assert!(f.is_empty());
         assert!(f.pages.is_empty());
+    }
+
+    #[test]
+    fn a_run_of_numbers_is_removed_page_by_page_whatever_it_lacks() {
+        let mut f = FieldIndex::default();
+        let nums: Vec<u32> = (0..200).collect();
+        f.set_run(&nums, 1000, &mut vec![0; 200], &mut |_| {});
+        // Every other number of 50..150, one twice, one never set, and
+        // numbers in a page the field never had.
+        let gone: Vec<u32> = (50..150).step_by(2).chain([52, 5000, 5001]).collect();
+        let mut seen = Vec::new();
+        f.remove_run(&gone, &mut |i, v| seen.push((i, v)));
+        let want: Vec<(usize, u64)> = (0..50).map(|i| (i, 1050 + 2 * i as u64)).collect();
+        assert_eq!(seen, want);
+        assert_eq!(f.len(), 150);
+        assert_eq!(f.get(52), None);
+        assert_eq!(f.get(53), Some(1053));
+        // The rest, in any order: every page goes back.
+        let rest: Vec<u32> = (0..200).rev().collect();
+        let mut n = 0;
+        f.remove_run(&rest, &mut |_, _| n += 1);
+        assert_eq!(n, 150);
+        assert!(f.is_empty() && f.pages.is_empty());
     }
 
     #[test]

@@ -293,24 +293,6 @@ impl Inner {
         *keys += (index.len() - before) as u64;
         freed
     }
-
-    /// Removes (g, field) if present: returns its bytes.
-    fn remove(&mut self, field: &str, g: u64) -> Option<u64> {
-        let Inner {
-            fields,
-            rows,
-            columns,
-            free,
-            keys,
-            ..
-        } = self;
-        let n = rows.get(g)?;
-        let loc = Loc::unpack(fields.get_mut(field)?.remove(n)?);
-        let len = release(columns, free, loc);
-        rows.drop_field(n);
-        *keys -= 1;
-        Some(len)
-    }
 }
 
 /// One storage unit.
@@ -777,46 +759,62 @@ impl Unit {
         }
         let keys_before = inner.keys;
         let mut bytes = 0u64;
+        let Inner {
+            fields: by_name,
+            rows,
+            columns,
+            free,
+            keys,
+            ..
+        } = &mut *inner;
+        // Each index looked up once; then each field's entries at those
+        // numbers, a page at a time (not one lookup a (row, field)).
+        let nums: SmallVec<[u32; 64]> =
+            global_indexes.iter().filter_map(|&g| rows.get(g)).collect();
+        let mut gone: SmallVec<[u32; 64]> = smallvec::smallvec![0; nums.len()];
+        // (position in nums, entry) per field, in position order.
+        let mut taken: SmallVec<[Vec<(u32, u64)>; 8]> = SmallVec::new();
+        let mut clear = |index: &mut FieldIndex| {
+            let mut list = Vec::new();
+            index.remove_run(&nums, &mut |i, v| list.push((i as u32, v)));
+            if !list.is_empty() {
+                taken.push(list);
+            }
+        };
         match fields {
-            Some(fields) => {
-                for field in fields {
-                    for &g in global_indexes {
-                        bytes += inner.remove(field, g).unwrap_or(0);
+            Some(names) => {
+                for name in names {
+                    if let Some(index) = by_name.get_mut(name.as_str()) {
+                        clear(index);
                     }
                 }
             }
-            None => {
-                // Index by index: its fields, until as many are gone as
-                // it had.
-                let Inner {
-                    fields,
-                    rows,
-                    columns,
-                    free,
-                    keys,
-                    ..
-                } = &mut *inner;
-                let mut gone = 0u64;
-                for &g in global_indexes {
-                    let Some(n) = rows.get(g) else {
-                        continue;
-                    };
-                    let mut left = rows.fields_at(n);
-                    for index in fields.values_mut() {
-                        if left == 0 {
-                            break;
-                        }
-                        if let Some(loc) = index.remove(n) {
-                            bytes += release(columns, free, Loc::unpack(loc));
-                            gone += 1;
-                            left -= 1;
-                        }
-                    }
-                    debug_assert_eq!(left, 0, "a row number's count is its fields' entries");
-                    rows.remove(g);
+            None => by_name.values_mut().for_each(clear),
+        }
+        // The rows' columns released row by row, each row's fields
+        // together, as a put stored them: the column numbers freed go back
+        // in the order a put took them.
+        let mut heads: SmallVec<[usize; 8]> = smallvec::smallvec![0; taken.len()];
+        for (i, gone) in gone.iter_mut().enumerate() {
+            for (list, head) in taken.iter().zip(heads.iter_mut()) {
+                if let Some(&(at, v)) = list.get(*head)
+                    && at as usize == i
+                {
+                    bytes += release(columns, free, Loc::unpack(v));
+                    *gone += 1;
+                    *head += 1;
                 }
-                *keys -= gone;
             }
+        }
+        // An index named twice is cleared at its first place (its second
+        // finds nothing, and takes nothing from the count).
+        for (&n, &k) in nums.iter().zip(&gone) {
+            let left = rows.drop_fields(n, k);
+            debug_assert!(
+                fields.is_some() || left == 0,
+                "a row number's count is its fields' entries"
+            );
+            *keys -= u64::from(k);
         }
         // Forget fields no index has any more.
         inner.fields.retain(|_, index| !index.is_empty());

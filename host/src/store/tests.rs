@@ -658,13 +658,22 @@ fn random_puts_and_clears_agree_with_a_plain_map() {
                     .collect::<BTreeSet<_>>()
                     .into_iter()
                     .collect();
-                let which: Option<Vec<String>> = (next(2) == 0).then(|| {
+                // Sometimes an index twice: cleared once, counted once.
+                let mut idx = idx;
+                if next(3) == 0 {
+                    idx.push(idx[0]);
+                }
+                let mut which: Option<Vec<String>> = (next(2) == 0).then(|| {
                     names
                         .iter()
                         .filter(|_| next(2) == 0)
                         .map(|n| n.to_string())
                         .collect()
                 });
+                // Sometimes a field named twice.
+                if let Some(w) = which.as_mut().filter(|w| !w.is_empty() && next(3) == 0) {
+                    w.push(w[0].clone());
+                }
                 let before = model.len();
                 model.retain(|(g, f), _| {
                     !(idx.contains(g) && which.as_ref().is_none_or(|w| w.contains(f)))
