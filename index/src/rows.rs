@@ -229,16 +229,23 @@ impl FieldIndex {
             first.checked_add(nums.len() as u64).is_some(),
             "entries below EMPTY"
         );
+        let added = &mut added[..nums.len()];
         let mut new = 0usize;
         let mut i = 0;
         while i < nums.len() {
-            let (p, _) = split(nums[i]);
-            let page = self.pages.entry(p).or_insert_with(new_page);
-            while i < nums.len() && split(nums[i]).0 == p {
-                let slot = &mut page.entries[split(nums[i]).1];
-                let old = std::mem::replace(slot, first + i as u64);
+            let p = nums[i] / PAGE as u32;
+            let page = self.pages.entry(u64::from(p)).or_insert_with(new_page);
+            let base = p * PAGE as u32;
+            let mut len = page.len;
+            // The numbers that fall in this page, as they come.
+            while let Some(&n) = nums.get(i) {
+                let o = n.wrapping_sub(base) as usize;
+                if o >= PAGE {
+                    break;
+                }
+                let old = std::mem::replace(&mut page.entries[o], first + i as u64);
                 if old == EMPTY {
-                    page.len += 1;
+                    len += 1;
                     added[i] += 1;
                     new += 1;
                 } else {
@@ -246,6 +253,7 @@ impl FieldIndex {
                 }
                 i += 1;
             }
+            page.len = len;
         }
         self.len += new;
     }
