@@ -88,29 +88,37 @@ impl RowNumbers {
         assert_eq!(gs.len(), out.len(), "one number an index");
         if self.map.is_empty() {
             self.map.reserve(gs.len());
+            self.indexes.reserve(gs.len());
+            self.fields.reserve(gs.len());
         }
+        // One hash of each index, found or added (`entry`, not a lookup
+        // and then an insert).
+        let RowNumbers {
+            map,
+            indexes,
+            fields,
+            free,
+        } = self;
         for (&g, slot) in gs.iter().zip(out.iter_mut()) {
-            if let Some(n) = self.map.get(g) {
-                *slot = n as u32;
-                continue;
-            }
-            let n = match self.free.pop() {
-                Some(n) => {
-                    self.indexes[n as usize] = g;
-                    n
-                }
-                None => {
-                    let n = u32::try_from(self.indexes.len())
-                        .ok()
-                        .filter(|&n| n < u32::MAX)
-                        .expect("a unit holds fewer than u32::MAX indexes");
-                    self.indexes.push(g);
-                    self.fields.push(0);
-                    n
-                }
-            };
-            self.map.insert(g, u64::from(n));
-            *slot = n;
+            let n = *map.map.entry(g).or_insert_with(|| {
+                let n = match free.pop() {
+                    Some(n) => {
+                        indexes[n as usize] = g;
+                        n
+                    }
+                    None => {
+                        let n = u32::try_from(indexes.len())
+                            .ok()
+                            .filter(|&n| n < u32::MAX)
+                            .expect("a unit holds fewer than u32::MAX indexes");
+                        indexes.push(g);
+                        fields.push(0);
+                        n
+                    }
+                };
+                u64::from(n)
+            });
+            *slot = n as u32;
         }
     }
 
@@ -230,6 +238,8 @@ impl FieldIndex {
             "entries below EMPTY"
         );
         let added = &mut added[..nums.len()];
+        // Room for the pages a run of new numbers needs, ahead of time.
+        self.pages.reserve(nums.len() / PAGE + 1);
         let mut new = 0usize;
         let mut i = 0;
         while i < nums.len() {
