@@ -13,7 +13,10 @@ Sections (all by default; `--only` picks some):
 - floors: a plain tcp ping-pong and a pyzmq DEALER<->ROUTER ping-pong
   between this process and a Python echo process, placed the same two
   ways (64 bytes out, 4,200 back: about a 1-row 4 KiB get): the median
-  of --calls (at least 1,000) round trips, µs.
+  of --calls (at least 1,000) round trips, µs. With puts, also the plain
+  tcp ping-pong with a 1-field and a 32-field put's rows out (64 bytes
+  back), for each row count: the 32-vs-1 ratio of the bytes alone, shown
+  under that check.
 - matrix (`put`, `get`): fields {1, 10, 32} x rows {1, 4, 64}, each field
   float32[16] a row, put and got through `stowage.Client` (sync: its Rust
   core, with its default spin and with spin_us=0, the client's own work
@@ -140,11 +143,12 @@ def median_us(fn, calls: int) -> float:
 
 # -- floors ----------------------------------------------------------------
 
-def ping_pong(cpu: int, calls: int) -> float:
+def ping_pong(cpu: int, calls: int, out: int = 64, back: int = 4200) -> float:
     """The floor for a small call: the median round trip of a plain tcp
     exchange on 127.0.0.1 between this process and a Python echo process
-    pinned to `cpu` (64 bytes out, 4,200 back: about a 1-row get's
-    request and reply), µs."""
+    pinned to `cpu` (by default 64 bytes out, 4,200 back: about a 1-row
+    get's request and reply; the echo answers once it has all `out`
+    bytes), µs."""
     ls = socket.create_server(("127.0.0.1", 0))
     pid = os.fork()
     if pid == 0:  # the echo process: gone once this one closes its socket
@@ -152,8 +156,15 @@ def ping_pong(cpu: int, calls: int) -> float:
             os.sched_setaffinity(0, {cpu})
             s, _ = ls.accept()
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            reply = b"r" * 4200
-            while s.recv(65536):
+            reply = b"r" * back
+            inbuf = memoryview(bytearray(max(out, 65536)))
+            while True:
+                got = 0
+                while got < out:
+                    n = s.recv_into(inbuf[got:out])
+                    if n == 0:
+                        os._exit(0)
+                    got += n
                 s.sendall(reply)
         finally:
             os._exit(0)
@@ -161,13 +172,13 @@ def ping_pong(cpu: int, calls: int) -> float:
     ls.close()
     c = socket.create_connection(address)
     c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    buf = memoryview(bytearray(8192))
-    request = b"q" * 64
+    buf = memoryview(bytearray(max(back, 8192)))
+    request = b"q" * out
 
     def once():
         c.sendall(request)
         got = 0
-        while got < 4200:
+        while got < back:
             got += c.recv_into(buf[got:])
 
     for _ in range(200):
@@ -512,12 +523,21 @@ def main() -> None:
     print(f"# plugins: {a.plugins}", flush=True)
     print()
 
-    floor, zfloor = {}, {}
+    floor, zfloor, bfloor = {}, {}, {}
     if "floors" in only or ops:
         for cpu, where in ((0, "same CPU"), (1, "two CPUs")):
             floor[where] = ping_pong(cpu, max(a.calls, 1000))
             zfloor[where] = zmq_ping_pong(cpu, max(a.calls, 1000))
             print(f"  floors, {where}: tcp {floor[where]:.1f} us, pyzmq {zfloor[where]:.1f} us", flush=True)
+        if "put" in ops:
+            # The 32-vs-1 check's bytes alone: a plain tcp ping-pong with a
+            # 1-field and a 32-field put's rows out (64 bytes back).
+            for cpu, where in ((0, "same CPU"), (1, "two CPUs")):
+                for r in ROWS:
+                    for f in (1, max(FIELDS)):
+                        bfloor[(where, f, r)] = ping_pong(cpu, max(a.calls, 1000), out=f * r * WIDTH * 4, back=64)
+                print(f"  put bytes alone, {where}: " + ", ".join(
+                    f"{r} rows {bfloor[(where, max(FIELDS), r)] / bfloor[(where, 1, r)]:.2f}x" for r in ROWS), flush=True)
 
     matrix, legacy, pol, sn = [], [], [], []
     with tempfile.TemporaryDirectory(prefix="stowage-small-calls-") as work:
@@ -650,7 +670,16 @@ def main() -> None:
                         row.append(f"{x:.2f} {mark(x <= FIELDS_X)}")
                         checks.append((f"32 vs 1 field put, {label}, {chain}, {where}, {kind} {r} rows", x <= FIELDS_X))
                     print(f"| {label} | {chain} | {where} | {kind} | " + " | ".join(row) + " |")
+            for where in dict.fromkeys(w for _, _, w, _ in matrix):
+                if (where, 1, ROWS[0]) in bfloor:
+                    print(f"| (the bytes alone) | plain tcp ping-pong | {where} | | " + " | ".join(
+                        f"{bfloor[(where, max(FIELDS), r)] / bfloor[(where, 1, r)]:.2f}" for r in ROWS) + " |")
             print()
+            if bfloor:
+                print(f"The last rows: a plain tcp ping-pong between two Python processes, a {max(FIELDS)}-field "
+                      f"put's rows out against a 1-field put's ({max(FIELDS)} x rows x {WIDTH * 4} bytes against "
+                      "rows x "f"{WIDTH * 4}; 64 bytes back), p50 ratio: what moving the bytes alone costs, "
+                      "no framing, no client, no stowd.\n")
 
     if legacy:
         keys = list(legacy[0][3])
