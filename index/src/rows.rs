@@ -238,8 +238,11 @@ impl FieldIndex {
             "entries below EMPTY"
         );
         let added = &mut added[..nums.len()];
-        // Room for the pages a run of new numbers needs, ahead of time.
-        self.pages.reserve(nums.len() / PAGE + 1);
+        // Room for the pages a long run of new numbers needs, ahead of
+        // time (a short run finds its page or adds one as it goes).
+        if nums.len() > PAGE {
+            self.pages.reserve(nums.len() / PAGE + 1);
+        }
         let mut new = 0usize;
         let mut i = 0;
         while i < nums.len() {
