@@ -16,6 +16,13 @@
 //! one page lookup a page, not one a row. The pages are kept in a map by
 //! page number, not a vector, so a field stored at a few rows of a large
 //! unit costs a page each, not a slot for every row number below them.
+//!
+//! Memory: a row number about 30 bytes (its map entry, its index and its
+//! field count); a (row, field) 8 bytes and a page's share (8.3 in all)
+//! where a field has runs of numbers, and at worst a whole page (about
+//! 530 bytes with its map entry) for a field's one row among 64 numbers.
+//! The per-field maps before took about 32 bytes a (row, field) and 16
+//! more a row, however the rows lay.
 
 use std::collections::HashMap;
 use std::hash::BuildHasherDefault;
