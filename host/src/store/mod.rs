@@ -673,6 +673,13 @@ impl Unit {
                 field: field.to_string(),
             },
         };
+        // The row number of each seq's first index, looked up once for
+        // every field (a seq that follows its column needs no other).
+        let firsts: SmallVec<[Option<u32>; 8]> = if fields.len() > 1 {
+            seqs.iter().map(|s| inner.rows.get(s.at(0).0)).collect()
+        } else {
+            SmallVec::new()
+        };
         for ((f, field), rows) in fields.iter().enumerate().zip(out.iter_mut()) {
             let Some(index) = inner.fields.get(field.as_str()) else {
                 return Err(missing(seqs.first().map_or(0, |s| s.start), field));
@@ -680,11 +687,15 @@ impl Unit {
             // Column number in the unit -> in `rows`.
             let mut numbered: rows::FewMap<u32, u32> = rows::FewMap::default();
             let mut last: Option<(u32, u32)> = None;
-            for seq in seqs {
+            for (q, seq) in seqs.iter().enumerate() {
                 let mut k = 0;
                 while k < seq.count {
                     let (g, pos) = seq.at(k);
-                    let loc = inner.find(index, g).ok_or_else(|| missing(g, field))?;
+                    let found = match firsts.get(q) {
+                        Some(&n) if k == 0 => n.and_then(|n| index.get(n)).map(Loc::unpack),
+                        _ => inner.find(index, g),
+                    };
+                    let loc = found.ok_or_else(|| missing(g, field))?;
                     let slot = inner.columns[loc.column as usize]
                         .as_ref()
                         .expect("indexed rows point at live columns");

@@ -613,6 +613,29 @@ fn random_puts_and_clears_agree_with_a_plain_map() {
                 assert_eq!(got(unit, &g, name), want, "{when}: field {name}");
             }
         }
+        // Every field at once, at the indexes that have them all (in
+        // runs and not), and one index more that lacks one.
+        let all: Vec<String> = names.iter().map(|n| n.to_string()).collect();
+        let full: Vec<u64> = rows
+            .iter()
+            .copied()
+            .filter(|g| all.iter().all(|f| model.contains_key(&(*g, f.clone()))))
+            .collect();
+        if !full.is_empty() {
+            let reply = unit.get(&full, &all).unwrap();
+            for (f, rows) in all.iter().zip(reply) {
+                let want: Vec<Cell> = full
+                    .iter()
+                    .map(|g| Cell::Value(s(&model[&(*g, f.clone())])))
+                    .collect();
+                assert_eq!(rows.cells(), want, "{when}: field {f} of a get of all");
+            }
+        }
+        if let Some(&g) = rows.iter().find(|g| !full.contains(g)) {
+            let mut asked = full.clone();
+            asked.push(g);
+            assert!(unit.get(&asked, &all).is_err(), "{when}: {g} lacks a field");
+        }
     };
     for step in 0..300 {
         match next(10) {
