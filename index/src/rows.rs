@@ -79,11 +79,6 @@ impl RowNumbers {
         self.indexes[n as usize]
     }
 
-    /// Fields stored at number `n`.
-    pub fn fields_at(&self, n: u32) -> u32 {
-        self.fields[n as usize]
-    }
-
     /// Writes the number of each of `gs` into `out` (same length), giving
     /// a new one, with no field yet, to an index that has none. The caller
     /// adds fields to every new number ([`RowNumbers::add_fields`]) before
@@ -137,13 +132,9 @@ impl RowNumbers {
         }
     }
 
-    /// Takes one field from number `n`; at none left, its index is
-    /// forgotten and the number freed. Returns the fields left.
-    pub fn drop_field(&mut self, n: u32) -> u32 {
-        self.drop_fields(n, 1)
-    }
-
-    /// Takes `k` fields from number `n` (as [`RowNumbers::drop_field`]).
+    /// Takes `k` fields from number `n`; at none left, its index is
+    /// forgotten and the number freed. Returns the fields left (`k` of 0
+    /// changes nothing).
     pub fn drop_fields(&mut self, n: u32, k: u32) -> u32 {
         if k == 0 {
             return self.fields[n as usize];
@@ -307,22 +298,6 @@ impl FieldIndex {
         }
     }
 
-    /// Removes the entry of `n`; returns it.
-    pub fn remove(&mut self, n: u32) -> Option<u64> {
-        let (p, o) = split(n);
-        let page = self.pages.get_mut(&p)?;
-        let v = std::mem::replace(&mut page.entries[o], EMPTY);
-        if v == EMPTY {
-            return None;
-        }
-        page.len -= 1;
-        if page.len == 0 {
-            self.pages.remove(&p);
-        }
-        self.len -= 1;
-        Some(v)
-    }
-
     /// Every (row number, entry), in no particular order.
     pub fn iter(&self) -> impl Iterator<Item = (u32, u64)> + '_ {
         self.pages.iter().flat_map(|(&p, page)| {
@@ -351,11 +326,11 @@ mod tests {
         assert_eq!(again, [1, 3]);
         r.add_fields(&again, &[0, 1]);
         assert_eq!(r.len(), 4);
-        assert_eq!(r.fields_at(1), 2);
         assert_eq!(r.drop_fields(1, 0), 2);
-        assert_eq!(r.drop_field(1), 1);
+        assert_eq!(r.drop_fields(1, 0), 2);
+        assert_eq!(r.drop_fields(1, 1), 1);
         assert!(r.contains(20));
-        assert_eq!(r.drop_field(1), 0);
+        assert_eq!(r.drop_fields(1, 1), 0);
         assert!(!r.contains(20));
         assert_eq!(r.remove(10), Some(0));
         assert_eq!(r.remove(10), None);
@@ -364,7 +339,7 @@ mod tests {
         // The freed numbers first (last freed first), then a new one.
         assert_eq!(third, [0, 1, 4]);
         assert_eq!(r.index_of(1), 60);
-        assert_eq!(r.fields_at(0), 0);
+        assert_eq!(r.drop_fields(0, 0), 0);
         let mut all: Vec<u64> = r.indexes().collect();
         all.sort_unstable();
         assert_eq!(all, [30, 40, 50, 60, 70]);
@@ -402,9 +377,14 @@ mod tests {
         assert_eq!(seen[0], (5, 111));
         assert_eq!(seen.last(), Some(&(200_000, 112)));
         // Removing every entry gives every page back.
+        let mut take = |n: u32| {
+            let mut got = None;
+            f.remove_run(&[n], &mut |_, v| got = Some(v));
+            got
+        };
         for (n, v) in seen {
-            assert_eq!(f.remove(n), Some(v));
-            assert_eq!(f.remove(n), None);
+            assert_eq!(take(n), Some(v));
+            assert_eq!(take(n), None);
         }
         assert!(f.is_empty());
         assert!(f.pages.is_empty());

@@ -240,8 +240,8 @@ impl Inner {
     /// `added[i]` counts the fields new at `nums[i]` (the put's fields
     /// stored so far): the caller adds them to the numbers' counts once,
     /// after the last field. `whole` is the indexes as a column's
-    /// ([`ColIndexes`]), made by the first field whose column covers them
-    /// all and kept for the next when it is a run.
+    /// ([`ColIndexes`]) when they are a run, kept by the first field whose
+    /// column covers them all for the next (a list is made for each).
     #[allow(clippy::too_many_arguments)]
     fn store_field(
         &mut self,
@@ -273,10 +273,12 @@ impl Inner {
             let span = next..next + rows;
             let col_indexes = if rows == indexes.len() {
                 match whole {
-                    Some(ix @ ColIndexes::Arith { .. }) => ix.clone(),
-                    _ => {
+                    Some(ix) => ix.clone(),
+                    None => {
                         let ix = ColIndexes::new(indexes);
-                        *whole = Some(ix.clone());
+                        if let ColIndexes::Arith { .. } = ix {
+                            *whole = Some(ix.clone());
+                        }
                         ix
                     }
                 }
