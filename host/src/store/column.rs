@@ -7,14 +7,15 @@ use std::sync::Arc;
 use bytes::Bytes;
 use smallvec::SmallVec;
 
-use super::Columns;
+use super::{Columns, PutField};
 use crate::batch::{Cell, Field, Value};
 use crate::extent::{Extent, Received};
 use crate::tensor::{Dtype, Tensor};
 
 /// A stored column, allocated with the other regular columns one put
-/// stored in the same extent of a unit (`Arc<[Column]>`, one allocation a
-/// unit a put). A 32-field put of 4 rows over 4 units made 128 `Arc`s of
+/// stored in the same extent of a unit: the put's own list of fields when
+/// each is one such column ([`Group::whole`]), else those columns moved
+/// into one list ([`Group::take`]); one allocation a unit a put. A 32-field put of 4 rows over 4 units made 128 `Arc`s of
 /// one column each, the most frequent allocation of a small put in
 /// `stowd`; with the groups it makes 4. Measured (`small_put`,
 /// docs/benchmarks.md): a put's allocations fell 2-3x with this and the
@@ -26,22 +27,46 @@ use crate::tensor::{Dtype, Tensor};
 /// bytes), not its bytes.
 #[derive(Clone, Debug)]
 pub struct ColumnRef {
-    group: Arc<[Column]>,
+    group: Held,
     at: u32,
+}
+
+/// The allocation a stored column is in.
+#[derive(Clone, Debug)]
+enum Held {
+    /// A list of columns ([`Group::take`], or one of its own).
+    Columns(Arc<[Column]>),
+    /// A put's own list of fields at a unit, kept whole when each field
+    /// is one regular column and all lie in one extent ([`Group::whole`]):
+    /// the column is the first (only) one of field `at`.
+    Put(Arc<Vec<PutField>>),
 }
 
 impl ColumnRef {
     /// A column of its own.
     pub fn new(column: Column) -> ColumnRef {
         ColumnRef {
-            group: Arc::new([column]),
+            group: Held::Columns(Arc::new([column])),
             at: 0,
         }
     }
 
     /// Whether `self` and `other` are in one allocation (one [`Group`]).
     pub fn shares_allocation_with(&self, other: &ColumnRef) -> bool {
-        Arc::ptr_eq(&self.group, &other.group)
+        match (&self.group, &other.group) {
+            (Held::Columns(a), Held::Columns(b)) => Arc::ptr_eq(a, b),
+            (Held::Put(a), Held::Put(b)) => Arc::ptr_eq(a, b),
+            _ => false,
+        }
+    }
+
+    /// Field `f`'s column of a put kept whole ([`Group::whole`]).
+    pub fn of_put(put: &Arc<Vec<PutField>>, f: usize) -> ColumnRef {
+        debug_assert_eq!(put[f].1.len(), 1);
+        ColumnRef {
+            group: Held::Put(put.clone()),
+            at: u32::try_from(f).expect("a put's fields are counted in u32"),
+        }
     }
 
     /// The next column of the lists [`Group::take`] was given, as
@@ -59,7 +84,7 @@ impl ColumnRef {
                 let at = g.next;
                 g.next += 1;
                 ColumnRef {
-                    group: g.columns.clone(),
+                    group: Held::Columns(g.columns.clone()),
                     at,
                 }
             }
@@ -86,6 +111,29 @@ pub struct Group {
 }
 
 impl Group {
+    /// Whether a put's fields at a unit can be kept whole as their columns'
+    /// allocation ([`ColumnRef::of_put`]): two or more fields, each one
+    /// regular column, all in one extent (then a field overwritten keeps
+    /// alive no more bytes than the others' rows do, as in [`Group::take`]).
+    /// The usual small put: its frames arrive in one buffer. Kept whole,
+    /// nothing is moved: [`Group::take`] moved each column (about 70 bytes)
+    /// and left a column in its place to drop, about 230 instructions a
+    /// (unit, field) pair of a 32-field put (callgrind).
+    pub fn whole(fields: &[PutField]) -> bool {
+        let mut extent: Option<&Arc<Extent>> = None;
+        fields.len() >= 2
+            && fields.iter().all(|(_, c)| match &c[..] {
+                [Column::Regular(r)] => match extent {
+                    Some(e) => Arc::ptr_eq(e, &r.extent),
+                    None => {
+                        extent = Some(&r.extent);
+                        true
+                    }
+                },
+                _ => false,
+            })
+    }
+
     /// Moves the regular columns of `items`' column lists (`columns` of
     /// each, in order) that lie in the extent of the first regular one
     /// into a group, if two or more do. Every column of those lists must
@@ -133,7 +181,10 @@ impl std::ops::Deref for ColumnRef {
     type Target = Column;
 
     fn deref(&self) -> &Column {
-        &self.group[self.at as usize]
+        match &self.group {
+            Held::Columns(g) => &g[self.at as usize],
+            Held::Put(p) => &p[self.at as usize].1[0],
+        }
     }
 }
 

@@ -531,30 +531,48 @@ impl Unit {
             inner.rows.number(global_indexes, &mut nums);
         }
         let mut whole = None;
-        // The put's columns of one extent in one allocation.
-        let mut group = Group::take(&mut fields, |(_, c)| c);
-        // The names are lent, and dropped with the list once the lock is
-        // given back (no reference count taken and given back a field
-        // under the lock).
-        for (name, columns_in) in &mut fields {
-            let columns_in = std::mem::take(columns_in)
-                .into_iter()
-                .map(|c| ColumnRef::place(&mut group, c));
-            freed += inner.store_field(
-                name,
-                global_indexes,
-                &nums,
-                columns_in,
-                generation,
-                &mut new_fields,
-                &mut whole,
-            );
-        }
+        // The put's columns of one extent in one allocation: the put's own
+        // list when it is one regular column a field, else the columns
+        // moved into one. The names are lent, and dropped with the list
+        // once the lock is given back (no reference count taken and given
+        // back a field under the lock).
+        let kept = if Group::whole(&fields) {
+            let put = Arc::new(fields);
+            for (f, (name, _)) in put.iter().enumerate() {
+                freed += inner.store_field(
+                    name,
+                    global_indexes,
+                    &nums,
+                    std::iter::once(ColumnRef::of_put(&put, f)),
+                    generation,
+                    &mut new_fields,
+                    &mut whole,
+                );
+            }
+            (Some(put), None)
+        } else {
+            let mut group = Group::take(&mut fields, |(_, c)| c);
+            for (name, columns_in) in &mut fields {
+                let columns_in = std::mem::take(columns_in)
+                    .into_iter()
+                    .map(|c| ColumnRef::place(&mut group, c));
+                freed += inner.store_field(
+                    name,
+                    global_indexes,
+                    &nums,
+                    columns_in,
+                    generation,
+                    &mut new_fields,
+                    &mut whole,
+                );
+            }
+            (None, Some(fields))
+        };
         inner.rows.add_fields(&nums, &new_fields);
         inner.bytes = inner.bytes - freed + added;
         self.publish(&inner);
         drop(inner);
-        drop(fields);
+        drop(kept);
         crate::release::note_freed(freed);
         Ok(())
     }

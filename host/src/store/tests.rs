@@ -317,6 +317,78 @@ fn a_puts_columns_of_one_extent_share_an_allocation_and_free_it_with_their_last_
 }
 
 #[test]
+fn a_put_of_one_column_a_field_in_one_extent_is_kept_whole_until_its_last_row_goes() {
+    // Fields a, b and c each one view of frame 1: the put's own list is
+    // their allocation. Overwritten, cleared and got in every order, each
+    // field reads its own rows, and the frame goes with the last of them.
+    let (frame, t) = frame_tensor(12, 2);
+    let received = Received::frames(std::slice::from_ref(&frame));
+    let g = [20, 21, 22, 23];
+    let unit = Unit::new("u0", None);
+    let fields = |names: &[&str]| -> Vec<PutField> {
+        names
+            .iter()
+            .enumerate()
+            .map(|(f, n)| {
+                let c = view_column(&received, &t, 4 * f as u64, 4);
+                ((*n).into(), smallvec::smallvec![c])
+            })
+            .collect()
+    };
+    unit.put(&g, fields(&["a", "b", "c"])).unwrap();
+    drop(received);
+    let rows = |start: u64, r: std::ops::Range<usize>| -> Vec<Cell> {
+        (start..start + 4)
+            .map(|r| Cell::Tensor(t.row_tensor(r).unwrap()))
+            .collect::<Vec<_>>()[r]
+            .to_vec()
+    };
+    assert_eq!(got(&unit, &g, "a"), rows(0, 0..4));
+    assert_eq!(got(&unit, &g, "b"), rows(4, 0..4));
+    assert_eq!(got(&unit, &g, "c"), rows(8, 0..4));
+    assert_eq!(unit.stats().bytes, 3 * 4 * 8);
+    let column = |g: &[u64], f: &str| {
+        unit.get(g, &[f.into()])
+            .unwrap()
+            .remove(0)
+            .columns
+            .remove(0)
+    };
+    assert!(column(&g, "a").shares_allocation_with(&column(&g, "c")));
+    // A field overwritten, another cleared at some rows, the third at all.
+    unit.put(&g[..2], vec![("a".into(), values(&["p", "q"]))])
+        .unwrap();
+    unit.clear(&g[1..3], Some(&["b".to_string()])).unwrap();
+    unit.clear(&g, Some(&["c".to_string()])).unwrap();
+    let expected_a: Vec<Cell> = [Cell::Value(s("p")), Cell::Value(s("q"))]
+        .into_iter()
+        .chain(rows(0, 2..4))
+        .collect();
+    assert_eq!(got(&unit, &g, "a"), expected_a);
+    assert_eq!(
+        got(&unit, &[20, 23], "b"),
+        [rows(4, 0..1), rows(4, 3..4)].concat()
+    );
+    assert!(unit.get(&[21], &["b".to_string()]).is_err());
+    assert!(unit.get(&[20], &["c".to_string()]).is_err());
+    assert_eq!(unit.stats().bytes, 2 + 2 * 8 + 2 * 8);
+    drop((t, expected_a));
+    assert!(!frame.is_unique());
+    unit.clear(&[20, 23], Some(&["b".to_string()])).unwrap();
+    assert!(
+        !frame.is_unique(),
+        "a's rows 22 and 23 still hold the frame"
+    );
+    unit.put(&g[2..], vec![("a".into(), values(&["r", "s"]))])
+        .unwrap();
+    assert!(
+        frame.is_unique(),
+        "the frame is still pinned after the put's last row went"
+    );
+    assert_eq!(unit.stats().bytes, 4);
+}
+
+#[test]
 fn rows_put_together_come_back_as_one_run_across_units() {
     // One frame of 8 rows, split over two units as strided views (the
     // g % 2 routing), got back in put order: one run, one slice of the
@@ -577,7 +649,9 @@ fn a_few_map_keeps_first_values_past_its_inline_list() {
 
 /// The unit against a plain map of (index, field) -> value, over random
 /// puts (new and stored indexes, in order or shuffled, fields split into
-/// pieces), clears of some fields or of all, and gets. Row numbers are
+/// pieces; plain values, or regular rows sliced from one frame, whose
+/// columns are the put's own list or one group), clears of some fields or
+/// of all, and gets. Row numbers are
 /// given back and taken again many times, over enough indexes to span
 /// many pages of a field's entries; the sizes and every value must agree
 /// after each step, and again after a snapshot is loaded into a new unit.
@@ -594,9 +668,29 @@ fn random_puts_and_clears_agree_with_a_plain_map() {
         state % n
     };
     let names = ["a", "b", "c", "d", "e"];
+    // The next number a regular row holds.
+    let mut serial = 0u64;
+    let stored_len = |v: &str| {
+        if v.starts_with('#') {
+            8
+        } else {
+            v.len() as u64
+        }
+    };
+    let cell_of = |v: &str| match v.strip_prefix('#') {
+        Some(n) => Cell::Tensor(
+            Tensor::contiguous(
+                Bytes::copy_from_slice(&n.parse::<u64>().unwrap().to_le_bytes()),
+                Dtype::Uint64,
+                vec![1],
+            )
+            .unwrap(),
+        ),
+        None => Cell::Value(s(v)),
+    };
     let check = |unit: &Unit, model: &BTreeMap<(u64, String), String>, when: &str| {
         let rows: BTreeSet<u64> = model.keys().map(|(g, _)| *g).collect();
-        let bytes: u64 = model.values().map(|v| v.len() as u64).sum();
+        let bytes: u64 = model.values().map(|v| stored_len(v)).sum();
         let st = unit.stats();
         assert_eq!(
             (st.keys, st.rows, st.bytes),
@@ -607,7 +701,7 @@ fn random_puts_and_clears_agree_with_a_plain_map() {
             let (g, want): (Vec<u64>, Vec<Cell>) = model
                 .iter()
                 .filter(|((_, f), _)| f == name)
-                .map(|((g, _), v)| (*g, Cell::Value(s(v))))
+                .map(|((g, _), v)| (*g, cell_of(v)))
                 .unzip();
             if !g.is_empty() {
                 assert_eq!(got(unit, &g, name), want, "{when}: field {name}");
@@ -626,7 +720,7 @@ fn random_puts_and_clears_agree_with_a_plain_map() {
             for (f, rows) in all.iter().zip(reply) {
                 let want: Vec<Cell> = full
                     .iter()
-                    .map(|g| Cell::Value(s(&model[&(*g, f.clone())])))
+                    .map(|g| cell_of(&model[&(*g, f.clone())]))
                     .collect();
                 assert_eq!(rows.cells(), want, "{when}: field {f} of a get of all");
             }
@@ -654,19 +748,45 @@ fn random_puts_and_clears_agree_with_a_plain_map() {
                     chosen.push(names[next(5) as usize]);
                 }
                 let mut fields = Vec::new();
-                for name in chosen {
+                // Half the puts are regular rows (a number each, `#n` in
+                // the model), every field a slice of one frame, as a
+                // request brings them: kept whole when each field is one
+                // piece, the pieces grouped otherwise.
+                let regular = next(2) == 0;
+                let n = idx.len() as u64;
+                let first = serial;
+                serial += n * chosen.len() as u64;
+                let frame: Bytes = (first..serial).flat_map(|v| v.to_le_bytes()).collect();
+                let received = Received::frames(std::slice::from_ref(&frame));
+                for (k, name) in chosen.into_iter().enumerate() {
                     let vals: Vec<String> = idx
                         .iter()
-                        .map(|g| format!("{name}{step}:{}", "x".repeat((g % 5) as usize)))
+                        .enumerate()
+                        .map(|(i, g)| match regular {
+                            true => format!("#{}", first + k as u64 * n + i as u64),
+                            false => format!("{name}{step}:{}", "x".repeat((g % 5) as usize)),
+                        })
                         .collect();
+                    let t = Tensor::contiguous(
+                        frame.slice(k * n as usize * 8..(k + 1) * n as usize * 8),
+                        Dtype::Uint64,
+                        vec![n, 1],
+                    )
+                    .unwrap();
                     // One to three pieces.
                     let len = vals.len() as u64;
                     let mut cuts = [0, next(len + 1), next(len + 1), len];
+                    if next(2) == 0 {
+                        cuts = [0, 0, 0, len];
+                    }
                     cuts.sort_unstable();
                     let mut columns = Columns::new();
                     for w in cuts.windows(2).filter(|w| w[1] > w[0]) {
                         let piece = &vals[w[0] as usize..w[1] as usize];
-                        columns.push(Column::Values(piece.iter().map(|v| s(v)).collect()));
+                        columns.push(match regular {
+                            true => view_column(&received, &t, w[0], w[1] - w[0]),
+                            false => Column::Values(piece.iter().map(|v| s(v)).collect()),
+                        });
                     }
                     for (g, v) in idx.iter().zip(vals) {
                         model.insert((*g, name.to_string()), v);
