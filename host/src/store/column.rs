@@ -13,9 +13,8 @@ use crate::extent::{Extent, Received};
 use crate::tensor::{Dtype, Tensor};
 
 /// A stored column, allocated with the other regular columns one put
-/// stored in the same extent of a unit: the put's own list of fields when
-/// each is one such column ([`Group::whole`]), else those columns moved
-/// into one list ([`Group::take`]); one allocation a unit a put. A 32-field put of 4 rows over 4 units made 128 `Arc`s of
+/// stored in the same extent of a unit (`Arc<[Column]>`, one allocation a
+/// unit a put: [`Group::whole`] or [`Group::take`]). A 32-field put of 4 rows over 4 units made 128 `Arc`s of
 /// one column each, the most frequent allocation of a small put in
 /// `stowd`; with the groups it makes 4. Measured (`small_put`,
 /// docs/benchmarks.md): a put's allocations fell 2-3x with this and the
@@ -27,44 +26,29 @@ use crate::tensor::{Dtype, Tensor};
 /// bytes), not its bytes.
 #[derive(Clone, Debug)]
 pub struct ColumnRef {
-    group: Held,
+    group: Arc<[Column]>,
     at: u32,
-}
-
-/// The allocation a stored column is in.
-#[derive(Clone, Debug)]
-enum Held {
-    /// A list of columns ([`Group::take`], or one of its own).
-    Columns(Arc<[Column]>),
-    /// A put's own list of fields at a unit, kept whole when each field
-    /// is one regular column and all lie in one extent ([`Group::whole`]):
-    /// the column is the first (only) one of field `at`.
-    Put(Arc<Vec<PutField>>),
 }
 
 impl ColumnRef {
     /// A column of its own.
     pub fn new(column: Column) -> ColumnRef {
         ColumnRef {
-            group: Held::Columns(Arc::new([column])),
+            group: Arc::new([column]),
             at: 0,
         }
     }
 
     /// Whether `self` and `other` are in one allocation (one [`Group`]).
     pub fn shares_allocation_with(&self, other: &ColumnRef) -> bool {
-        match (&self.group, &other.group) {
-            (Held::Columns(a), Held::Columns(b)) => Arc::ptr_eq(a, b),
-            (Held::Put(a), Held::Put(b)) => Arc::ptr_eq(a, b),
-            _ => false,
-        }
+        Arc::ptr_eq(&self.group, &other.group)
     }
 
-    /// Field `f`'s column of a put kept whole ([`Group::whole`]).
-    pub fn of_put(put: &Arc<Vec<PutField>>, f: usize) -> ColumnRef {
-        debug_assert_eq!(put[f].1.len(), 1);
+    /// Field `f`'s column of a put's columns taken whole
+    /// ([`Group::whole`]).
+    pub fn of_whole(group: &Arc<[Column]>, f: usize) -> ColumnRef {
         ColumnRef {
-            group: Held::Put(put.clone()),
+            group: group.clone(),
             at: u32::try_from(f).expect("a put's fields are counted in u32"),
         }
     }
@@ -84,7 +68,7 @@ impl ColumnRef {
                 let at = g.next;
                 g.next += 1;
                 ColumnRef {
-                    group: Held::Columns(g.columns.clone()),
+                    group: g.columns.clone(),
                     at,
                 }
             }
@@ -111,17 +95,18 @@ pub struct Group {
 }
 
 impl Group {
-    /// Whether a put's fields at a unit can be kept whole as their columns'
-    /// allocation ([`ColumnRef::of_put`]): two or more fields, each one
-    /// regular column, all in one extent (then a field overwritten keeps
-    /// alive no more bytes than the others' rows do, as in [`Group::take`]).
-    /// The usual small put: its frames arrive in one buffer. Kept whole,
-    /// nothing is moved: [`Group::take`] moved each column (about 70 bytes)
-    /// and left a column in its place to drop, about 230 instructions a
-    /// (unit, field) pair of a 32-field put (callgrind).
-    pub fn whole(fields: &[PutField]) -> bool {
+    /// A put's fields at a unit as one allocation, field `f`'s column at
+    /// `f` ([`ColumnRef::of_whole`]), when there are two or more, each is
+    /// one regular column and all lie in one extent (then a field
+    /// overwritten keeps alive no more bytes than the others' rows do, as
+    /// in [`Group::take`]): the usual small put, whose frames arrive in
+    /// one buffer. Each column is moved out (its field left with none);
+    /// nothing is searched or left behind to drop, where [`Group::take`]
+    /// cost about 230 instructions a (unit, field) pair of a 32-field put
+    /// (callgrind).
+    pub fn whole(fields: &mut [PutField]) -> Option<Arc<[Column]>> {
         let mut extent: Option<&Arc<Extent>> = None;
-        fields.len() >= 2
+        let one = fields.len() >= 2
             && fields.iter().all(|(_, c)| match &c[..] {
                 [Column::Regular(r)] => match extent {
                     Some(e) => Arc::ptr_eq(e, &r.extent),
@@ -131,7 +116,14 @@ impl Group {
                     }
                 },
                 _ => false,
-            })
+            });
+        // `Map<IterMut, _>` has a trusted length: one allocation.
+        one.then(|| {
+            fields
+                .iter_mut()
+                .map(|(_, c)| c.pop().expect("one column a field"))
+                .collect()
+        })
     }
 
     /// Moves the regular columns of `items`' column lists (`columns` of
@@ -181,10 +173,7 @@ impl std::ops::Deref for ColumnRef {
     type Target = Column;
 
     fn deref(&self) -> &Column {
-        match &self.group {
-            Held::Columns(g) => &g[self.at as usize],
-            Held::Put(p) => &p[self.at as usize].1[0],
-        }
+        &self.group[self.at as usize]
     }
 }
 

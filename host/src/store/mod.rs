@@ -531,25 +531,21 @@ impl Unit {
             inner.rows.number(global_indexes, &mut nums);
         }
         let mut whole = None;
-        // The put's columns of one extent in one allocation: the put's own
-        // list when it is one regular column a field, else the columns
-        // moved into one. The names are lent, and dropped with the list
-        // once the lock is given back (no reference count taken and given
-        // back a field under the lock).
-        let kept = if Group::whole(&fields) {
-            let put = Arc::new(fields);
-            for (f, (name, _)) in put.iter().enumerate() {
+        // The put's columns of one extent in one allocation. The names are
+        // lent, and dropped with the list once the lock is given back (no
+        // reference count taken and given back a field under the lock).
+        if let Some(group) = Group::whole(&mut fields) {
+            for (f, (name, _)) in fields.iter().enumerate() {
                 freed += inner.store_field(
                     name,
                     global_indexes,
                     &nums,
-                    std::iter::once(ColumnRef::of_put(&put, f)),
+                    std::iter::once(ColumnRef::of_whole(&group, f)),
                     generation,
                     &mut new_fields,
                     &mut whole,
                 );
             }
-            (Some(put), None)
         } else {
             let mut group = Group::take(&mut fields, |(_, c)| c);
             for (name, columns_in) in &mut fields {
@@ -566,13 +562,12 @@ impl Unit {
                     &mut whole,
                 );
             }
-            (None, Some(fields))
-        };
+        }
         inner.rows.add_fields(&nums, &new_fields);
         inner.bytes = inner.bytes - freed + added;
         self.publish(&inner);
         drop(inner);
-        drop(kept);
+        drop(fields);
         crate::release::note_freed(freed);
         Ok(())
     }

@@ -318,8 +318,8 @@ fn a_puts_columns_of_one_extent_share_an_allocation_and_free_it_with_their_last_
 
 #[test]
 fn a_put_of_one_column_a_field_in_one_extent_is_kept_whole_until_its_last_row_goes() {
-    // Fields a, b and c each one view of frame 1: the put's own list is
-    // their allocation. Overwritten, cleared and got in every order, each
+    // Fields a, b and c each one view of frame 1: taken whole into one
+    // allocation. Overwritten, cleared and got in every order, each
     // field reads its own rows, and the frame goes with the last of them.
     let (frame, t) = frame_tensor(12, 2);
     let received = Received::frames(std::slice::from_ref(&frame));
@@ -650,8 +650,8 @@ fn a_few_map_keeps_first_values_past_its_inline_list() {
 /// The unit against a plain map of (index, field) -> value, over random
 /// puts (new and stored indexes, in order or shuffled, fields split into
 /// pieces; plain values, or regular rows sliced from one frame, whose
-/// columns are the put's own list or one group), clears of some fields or
-/// of all, and gets. Row numbers are
+/// columns are taken whole or grouped), clears of some fields or of all,
+/// and gets. Row numbers are
 /// given back and taken again many times, over enough indexes to span
 /// many pages of a field's entries; the sizes and every value must agree
 /// after each step, and again after a snapshot is loaded into a new unit.
