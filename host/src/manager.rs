@@ -43,7 +43,7 @@ use crate::policy::SelectRequest;
 use crate::policy::chain::{ChainError, DecidedBy, Decision, Shared};
 use crate::policy::registry::Registry;
 use crate::shm::{SegmentStore, ShmError};
-use crate::store::{Column, Columns, Piece, PutField, Rows, Seq, StoreError, Unit};
+use crate::store::{Column, Columns, Piece, PutField, Rows, Seq, ShapeChecked, StoreError, Unit};
 use crate::tensor::Tensor;
 use crate::transport::{Peer, TransportError};
 use crate::wire::indexes::Indexes;
@@ -640,10 +640,14 @@ impl Manager {
         // (196 threads under 64 clients, docs/benchmarks.md).
         let mut per_unit = plan_all()?;
         self.dedup_put(&fields, &mut per_unit);
+        let mut checked: SmallVec<[Option<ShapeChecked>; 8]> = SmallVec::new();
         for (target, part) in self.targets.iter().zip(&per_unit) {
-            if let (Target::Local(unit), Some((indexes, unit_fields))) = (target, part) {
-                unit.check_put(indexes, unit_fields)?;
-            }
+            checked.push(match (target, part) {
+                (Target::Local(unit), Some((indexes, unit_fields))) => {
+                    Some(unit.check_put(indexes, unit_fields)?)
+                }
+                _ => None,
+            });
         }
         // Remote units first, all at once: they are the ones that can fail
         // now (network, their own capacity). If one fails, the rows sent to
@@ -704,9 +708,11 @@ impl Manager {
         };
         let failed = match journal.touch(&local) {
             Ok(journaled) => {
-                for (target, part) in self.targets.iter().zip(per_unit) {
-                    if let (Target::Local(unit), Some((indexes, unit_fields))) = (target, part) {
-                        unit.put_journaled(&indexes, unit_fields, &journaled)?;
+                for ((target, part), checked) in self.targets.iter().zip(per_unit).zip(checked) {
+                    if let (Target::Local(unit), Some((indexes, unit_fields)), Some(checked)) =
+                        (target, part, checked)
+                    {
+                        unit.put_journaled(&indexes, unit_fields, &journaled, checked)?;
                     }
                 }
                 return Ok(());
