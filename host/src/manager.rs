@@ -43,7 +43,7 @@ use crate::policy::SelectRequest;
 use crate::policy::chain::{ChainError, DecidedBy, Decision, Shared};
 use crate::policy::registry::Registry;
 use crate::shm::{SegmentStore, ShmError};
-use crate::store::{Column, Columns, Piece, PutField, Rows, Seq, ShapeChecked, StoreError, Unit};
+use crate::store::{Column, Columns, Piece, PutChecked, PutField, Rows, Seq, StoreError, Unit};
 use crate::tensor::Tensor;
 use crate::transport::{Peer, TransportError};
 use crate::wire::indexes::Indexes;
@@ -640,7 +640,7 @@ impl Manager {
         // (196 threads under 64 clients, docs/benchmarks.md).
         let mut per_unit = plan_all()?;
         self.dedup_put(&fields, &mut per_unit);
-        let mut checked: SmallVec<[Option<ShapeChecked>; 8]> = SmallVec::new();
+        let mut checked: SmallVec<[Option<PutChecked>; 8]> = SmallVec::new();
         for (target, part) in self.targets.iter().zip(&per_unit) {
             checked.push(match (target, part) {
                 (Target::Local(unit), Some((indexes, unit_fields))) => {
