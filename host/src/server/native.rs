@@ -117,12 +117,13 @@ async fn put(
 /// `channel` for a same-node reader.
 fn get_answer(got: Vec<(String, Rows)>, channel: Option<String>) -> Answer {
     let mut places = Places::default();
+    let mut snapshots = crate::store::Snapshots::default();
     let mut out = Vec::with_capacity(got.len());
     // Per field up to the last nested one (none, no list, for a reply of
     // regular fields): `frame_layout` reads a missing entry as no runs.
     let mut nested_runs: Vec<Vec<(u64, u64)>> = Vec::new();
     for (i, (name, rows)) in got.into_iter().enumerate() {
-        match get_field(&rows, &mut places) {
+        match get_field(&rows, &mut places, &mut snapshots) {
             Ok(f) => {
                 out.push((name, f.wire));
                 if !f.nested_runs.is_empty() {

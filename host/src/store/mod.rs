@@ -105,7 +105,7 @@ mod snapshot;
 mod tests;
 
 pub use column::{Column, ColumnRef, Group, NestedRow, RegularColumn, shared_row_shape};
-pub use rows::{Piece, Rows, Run, Runs};
+pub use rows::{Piece, Rows, Run, Runs, Snapshots};
 use seqs::ColIndexes;
 pub use seqs::Seq;
 pub use snapshot::{RUN_BYTES, Snapshot, Stored, add_rows};

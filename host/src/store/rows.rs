@@ -212,7 +212,14 @@ impl Rows {
     /// in put order over 4 units that each hold every 4th row). Everything
     /// else goes row by row, as before.
     pub fn runs(&self) -> Runs {
-        let mut places = Snapshots::default();
+        self.runs_with(&mut Snapshots::default())
+    }
+
+    /// [`Rows::runs`], with the extents' places taken from `places` (and
+    /// kept there): the fields of one get share them, so an extent several
+    /// fields' rows lie in (a put's frame) is looked up once a get, not
+    /// once a field (a lock, a clock read and two reference counts each).
+    pub fn runs_with(&self, places: &mut Snapshots) -> Runs {
         // Inline for the few pieces of a small get's field: a get of 32
         // fields made and freed two lists and a snapshot list a field
         // (about 750 of its 2,070 instructions a field here, callgrind).
@@ -348,14 +355,25 @@ impl Rows {
     }
 }
 
-/// One place snapshot per extent a call of [`Rows::runs`] meets.
+/// One place snapshot per extent the calls of [`Rows::runs_with`] given it
+/// meet: where the extent's bytes were when first met.
 #[derive(Default)]
-struct Snapshots {
+pub struct Snapshots {
     list: SmallVec<[Place; 2]>,
     ids: FewMap<u64, u32>,
 }
 
 impl Snapshots {
+    /// How many extents' places are kept.
+    pub fn len(&self) -> usize {
+        self.list.len()
+    }
+
+    /// Whether none is.
+    pub fn is_empty(&self) -> bool {
+        self.list.is_empty()
+    }
+
     /// The number of `e`'s snapshot, taken the first time.
     fn of(&mut self, e: &Arc<Extent>) -> u32 {
         let list = &mut self.list;

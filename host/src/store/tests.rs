@@ -442,6 +442,64 @@ fn rows_put_together_come_back_as_one_run_across_units() {
 }
 
 #[test]
+fn the_fields_of_a_get_share_their_extents_places() {
+    // Three fields in one frame over two units (the g % 2 routing), one
+    // in another frame: a get of all of them in put order takes each
+    // frame's place once, and every field's runs are what it gets alone.
+    let (frame, t) = frame_tensor(12, 2);
+    let (other, t2) = frame_tensor(4, 2);
+    let received = Received::frames(&[frame.clone(), other.clone()]);
+    let units = [Unit::new("u0", None), Unit::new("u1", None)];
+    for (u, unit) in units.iter().enumerate() {
+        let g: Vec<u64> = (0..2).map(|i| u as u64 + 2 * i).collect();
+        let mut fields: Vec<PutField> = (0..3u64)
+            .map(|f| {
+                let view = t.rows_view(4 * f + u as u64, 2, 2).unwrap();
+                let (extent, offset, zero_copy) = received.locate_or_own(view.buffer());
+                assert!(zero_copy);
+                let c = Column::regular(extent, offset, &view);
+                (format!("f{f}").into(), smallvec::smallvec![c])
+            })
+            .collect();
+        let view = t2.rows_view(u as u64, 2, 2).unwrap();
+        let (extent, offset, _) = received.locate_or_own(view.buffer());
+        let c = Column::regular(extent, offset, &view);
+        fields.push(("o".into(), smallvec::smallvec![c]));
+        unit.put(&g, fields).unwrap();
+    }
+    let names = ["f0", "f1", "f2", "o"];
+    let mut snapshots = Snapshots::default();
+    for name in names {
+        let mut rows = Rows::default();
+        for g in 0..4u64 {
+            rows.append(
+                units[(g % 2) as usize]
+                    .get(&[g], &[name.into()])
+                    .unwrap()
+                    .remove(0),
+            );
+        }
+        let shared = rows.runs_with(&mut snapshots);
+        let alone = rows.runs();
+        assert_eq!(shared.len(), alone.len(), "field {name}");
+        for (a, b) in shared.iter().zip(&alone) {
+            assert_eq!(a.bytes(), b.bytes(), "field {name}");
+            assert_eq!(a.bytes().as_ptr(), b.bytes().as_ptr(), "field {name}");
+        }
+        let want = match name {
+            "o" => &other[..],
+            _ => {
+                let f: usize = name[1..].parse().unwrap();
+                &frame[f * 32..(f + 1) * 32]
+            }
+        };
+        assert_eq!(shared.len(), 1, "field {name}: one run in put order");
+        assert_eq!(&shared[0].bytes()[..], want, "field {name}");
+    }
+    assert_eq!(snapshots.len(), 2, "one place a frame, for all four fields");
+}
+
+#[test]
 fn a_get_in_put_order_sees_an_overwritten_or_cleared_row() {
     let unit = Unit::new("u0", None);
     unit.put(

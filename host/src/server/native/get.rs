@@ -101,8 +101,12 @@ pub(super) struct GetField {
 /// The wire form of a field's rows, zero copy: rows of one dtype and row
 /// shape become a regular field with one part per run; rows of one dtype
 /// and several shapes a nested field; values a values field.
-pub(super) fn get_field(rows: &Rows, places: &mut Places) -> Result<GetField, native::Error> {
-    let runs = rows.runs();
+pub(super) fn get_field(
+    rows: &Rows,
+    places: &mut Places,
+    snapshots: &mut crate::store::Snapshots,
+) -> Result<GetField, native::Error> {
+    let runs = rows.runs_with(snapshots);
     let nothing = || GetField {
         wire: native::WireField::Values(Vec::new()),
         nested_runs: Vec::new(),
