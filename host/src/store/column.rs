@@ -14,12 +14,13 @@ use crate::tensor::{Dtype, Tensor};
 
 /// A stored column, allocated with the other regular columns one put
 /// stored in the same extent of a unit (`Arc<[Column]>`, one allocation a
-/// unit a put: [`Group::whole`] or [`Group::take`]). A 32-field put of 4 rows over 4 units made 128 `Arc`s of
-/// one column each, the most frequent allocation of a small put in
-/// `stowd`; with the groups it makes 4. Measured (`small_put`,
-/// docs/benchmarks.md): a put's allocations fell 2-3x with this and the
-/// wire layout's inline shapes, its time did not move beyond the noise
-/// (glibc's per-thread cache served those `Arc`s cheaply). Columns share
+/// unit a put: [`Group::whole`] or [`Group::take`]). A 32-field put of 4
+/// rows over 4 units made 128 `Arc`s of one column each, the most
+/// frequent allocation of a small put in `stowd`; with the groups it
+/// makes 4. Measured (`small_put`, docs/benchmarks.md): a put's
+/// allocations fell 2-3x with this and the wire layout's inline shapes,
+/// its time did not move beyond the noise (glibc's per-thread cache
+/// served those `Arc`s cheaply). Columns share
 /// a group only when they share the extent, so a group outliving one of
 /// its columns (the rows of one field overwritten) keeps no more memory
 /// alive than the others' rows do: that column's metadata (about 100
