@@ -699,9 +699,10 @@ pub(super) fn get_ok_head(id: u64, fields: &[(String, FieldLayout)]) -> Result<B
 }
 
 /// A map of fields to descriptors from their layouts.
-fn layout_map(w: &mut Writer, fields: &[(String, FieldLayout)]) -> Result<(), Error> {
+fn layout_map<N: AsRef<str>>(w: &mut Writer, fields: &[(N, FieldLayout)]) -> Result<(), Error> {
     w.map(fields.len());
     for (name, field) in fields {
+        let name = name.as_ref();
         w.str(name);
         layout_descriptor(w, field).map_err(|e| e.in_field(name))?;
     }
@@ -711,7 +712,7 @@ fn layout_map(w: &mut Writer, fields: &[(String, FieldLayout)]) -> Result<(), Er
 /// About the bytes of a put's body (at most 9 an integer): frame 0 is
 /// written once, into a buffer of its size, where a 32-field put's grew
 /// from 256 bytes by doubling, four reallocations and their copies.
-fn put_head_room(global_indexes: &[u64], fields: &[(String, FieldLayout)]) -> usize {
+fn put_head_room<N: AsRef<str>>(global_indexes: &[u64], fields: &[(N, FieldLayout)]) -> usize {
     let field = |f: &FieldLayout| match f {
         FieldLayout::Regular { shape, parts, .. } => 48 + 9 * shape.len() + 44 * parts.len(),
         FieldLayout::Nested { rows, .. } => {
@@ -722,7 +723,7 @@ fn put_head_room(global_indexes: &[u64], fields: &[(String, FieldLayout)]) -> us
     9 * global_indexes.len()
         + fields
             .iter()
-            .map(|(name, f)| 5 + name.len() + field(f))
+            .map(|(name, f)| 5 + name.as_ref().len() + field(f))
             .sum::<usize>()
 }
 

@@ -156,7 +156,10 @@ pub enum RequestHead {
     /// frames that follow.
     Put {
         global_indexes: Vec<u64>,
-        fields: Vec<(String, FieldLayout)>,
+        /// The names shared ([`crate::names::shared_name`] where the
+        /// sender reads them again and again): a put's names are not
+        /// allocated and freed a field a request.
+        fields: Vec<(std::sync::Arc<str>, FieldLayout)>,
     },
     /// A get whose indexes are written as a list whatever their runs: for a
     /// `stowd` from before ranges (protocol page, "Versioning").

@@ -348,7 +348,7 @@ fn msgpack<'py>(py: Python<'py>, name: &'static str) -> PyResult<Bound<'py, PyAn
 }
 
 /// A put's `fields` as the client describes them -> layouts.
-fn descriptors(fields: &Bound<'_, PyAny>) -> PyResult<Vec<(String, FieldLayout)>> {
+fn descriptors(fields: &Bound<'_, PyAny>) -> PyResult<Vec<(std::sync::Arc<str>, FieldLayout)>> {
     let fields = fields.cast::<PyDict>()?;
     let mut out = Vec::with_capacity(fields.len());
     for (name, d) in fields.iter() {
@@ -398,7 +398,7 @@ fn descriptors(fields: &Bound<'_, PyAny>) -> PyResult<Vec<(String, FieldLayout)>
             }
             _ => return Err(bad(&format!("not a descriptor: {d}"))),
         };
-        out.push((name, field));
+        out.push((name.into(), field));
     }
     Ok(out)
 }

@@ -44,6 +44,7 @@
 use std::borrow::Cow;
 use std::io::IoSlice;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::Arc;
 
 use bytes::Bytes;
 use pyo3::PyTypeInfo;
@@ -135,8 +136,12 @@ pub(crate) struct Plan {
     indexes: Vec<u64>,
     /// How many rows.
     rows: usize,
-    /// The fields (their names empty once `single` holds them).
-    fields: Vec<(String, Field)>,
+    /// The fields, their names shared ([`stowage_wire::names::shared_name`]:
+    /// a put's names are read again every step, and a `String` a field
+    /// was an allocation and a free a field of every put, whose many
+    /// small frees overflowed glibc's per-thread cache and had the next
+    /// large allocation consolidate them).
+    fields: Vec<(Arc<str>, Field)>,
     sources: Vec<Source>,
     /// The row ranges of the messages.
     messages: Vec<(usize, usize)>,
@@ -264,8 +269,8 @@ impl Plan {
         &self,
         k: usize,
         describe: bool,
-        name: &mut dyn FnMut(usize) -> String,
-    ) -> (Frames, Vec<(String, FieldLayout)>) {
+        name: &mut dyn FnMut(usize) -> Arc<str>,
+    ) -> (Frames, Vec<(Arc<str>, FieldLayout)>) {
         let (a, b) = self.messages[k];
         let mut frames = Frames::default();
         let mut fields = Vec::with_capacity(if describe { self.fields.len() } else { 0 });
@@ -367,12 +372,7 @@ impl Plan {
         if self.messages.len() != 1 {
             return;
         }
-        let mut names: Vec<String> = self
-            .fields
-            .iter_mut()
-            .map(|(n, _)| std::mem::take(n))
-            .collect();
-        let (frames, fields) = self.lay_out(0, true, &mut |i| std::mem::take(&mut names[i]));
+        let (frames, fields) = self.lay_out(0, true, &mut |i| self.fields[i].0.clone());
         let head = RequestHead::Put {
             global_indexes: std::mem::take(&mut self.indexes),
             fields,
@@ -390,7 +390,7 @@ impl Plan {
                 lens: Cow::Borrowed(&frames.lens),
             };
         }
-        let (frames, _) = self.lay_out(k, false, &mut |_| String::new());
+        let (frames, _) = self.lay_out(k, false, &mut |_| Arc::from(""));
         Message {
             plan: self,
             frame0: Bytes::new(),
@@ -1307,7 +1307,7 @@ fn read_put(indexes: &Bound<'_, PyAny>, data: &Bound<'_, PyAny>, limit: u64) -> 
             )));
         };
         let field = reader.field(name, value, n)?;
-        fields.push((s.to_str()?.to_owned(), field));
+        fields.push((stowage_wire::names::shared_name(s.to_str()?), field));
     }
     let sources = reader.sources;
     let mut plan = Plan {
