@@ -20,6 +20,15 @@ fn got(unit: &Unit, g: &[u64], field: &str) -> Vec<Cell> {
     unit.get(g, &[field.to_string()]).unwrap().remove(0).cells()
 }
 
+/// The first column a get of `field` at `g` touched.
+fn first_column(unit: &Unit, g: &[u64], field: &str) -> ColumnRef {
+    unit.get(g, &[field.into()])
+        .unwrap()
+        .remove(0)
+        .columns
+        .remove(0)
+}
+
 #[test]
 fn put_get_overwrite_clear() {
     let unit = Unit::new("u0", None);
@@ -240,13 +249,7 @@ fn a_fields_columns_go_to_their_group_in_order_whichever_comes_first() {
     assert_eq!(got(&unit, &g, "a"), a);
     assert_eq!(got(&unit, &g, "b"), rows(&t1, 0..4));
     assert_eq!(got(&unit, &g, "c"), rows(&t2, 2..6));
-    let column = |g: &[u64], f: &str| {
-        unit.get(g, &[f.into()])
-            .unwrap()
-            .remove(0)
-            .columns
-            .remove(0)
-    };
+    let column = |g: &[u64], f: &str| first_column(&unit, g, f);
     assert!(column(&g[..2], "a").shares_allocation_with(&column(&g, "c")));
     assert!(!column(&g[2..], "a").shares_allocation_with(&column(&g, "b")));
     assert!(!column(&g[..2], "a").shares_allocation_with(&column(&g[2..], "a")));
@@ -282,13 +285,7 @@ fn a_puts_columns_of_one_extent_share_an_allocation_and_free_it_with_their_last_
     assert_eq!(got(&unit, &g, "b"), rows(&t1, 4));
     assert_eq!(got(&unit, &g, "c"), rows(&t2, 0));
     assert_eq!(got(&unit, &g, "d")[3], Cell::Value(s("s")));
-    let column = |f: &str| {
-        unit.get(&g, &[f.into()])
-            .unwrap()
-            .remove(0)
-            .columns
-            .remove(0)
-    };
+    let column = |f: &str| first_column(&unit, &g, f);
     assert!(column("a").shares_allocation_with(&column("b")));
     assert!(!column("a").shares_allocation_with(&column("c")));
     assert!(!column("c").shares_allocation_with(&column("d")));
@@ -347,13 +344,7 @@ fn a_put_of_one_column_a_field_in_one_extent_is_kept_whole_until_its_last_row_go
     assert_eq!(got(&unit, &g, "b"), rows(4, 0..4));
     assert_eq!(got(&unit, &g, "c"), rows(8, 0..4));
     assert_eq!(unit.stats().bytes, 3 * 4 * 8);
-    let column = |g: &[u64], f: &str| {
-        unit.get(g, &[f.into()])
-            .unwrap()
-            .remove(0)
-            .columns
-            .remove(0)
-    };
+    let column = |g: &[u64], f: &str| first_column(&unit, g, f);
     assert!(column(&g, "a").shares_allocation_with(&column(&g, "c")));
     // A field overwritten, another cleared at some rows, the third at all.
     unit.put(&g[..2], vec![("a".into(), values(&["p", "q"]))])
