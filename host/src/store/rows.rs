@@ -218,7 +218,8 @@ impl Rows {
     /// [`Rows::runs`], with the extents' places taken from `places` (and
     /// kept there): the fields of one get share them, so an extent several
     /// fields' rows lie in (a put's frame) is looked up once a get, not
-    /// once a field (a lock, a clock read and two reference counts each).
+    /// once a field (each a lock, the spiller's clock read and two
+    /// reference counts).
     pub fn runs_with(&self, places: &mut Snapshots) -> Runs {
         // Inline for the few pieces of a small get's field: a get of 32
         // fields made and freed two lists and a snapshot list a field
