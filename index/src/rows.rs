@@ -327,7 +327,6 @@ mod tests {
         r.add_fields(&again, &[0, 1]);
         assert_eq!(r.len(), 4);
         assert_eq!(r.drop_fields(1, 0), 2);
-        assert_eq!(r.drop_fields(1, 0), 2);
         assert_eq!(r.drop_fields(1, 1), 1);
         assert!(r.contains(20));
         assert_eq!(r.drop_fields(1, 1), 0);

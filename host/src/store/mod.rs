@@ -934,7 +934,6 @@ fn new_incarnation() -> u64 {
     v.max(1)
 }
 
-/// Checks a put's indexes (at least one, distinct) and row counts.
 /// The bytes of a put's rows.
 fn put_bytes(fields: &[PutField]) -> u64 {
     fields
@@ -944,6 +943,7 @@ fn put_bytes(fields: &[PutField]) -> u64 {
         .sum()
 }
 
+/// Checks a put's indexes (at least one, distinct) and row counts.
 fn check_shape(global_indexes: &[u64], fields: &[PutField]) -> Result<(), StoreError> {
     if global_indexes.is_empty() {
         return Err(StoreError::Empty);
