@@ -48,7 +48,10 @@ Sections (all by default; `--only` picks some):
 Then checks against the targets, as ratio and PASS/FAIL: client CPU per
 call <= 30 µs for 1-10 fields x 1-4 rows (sync with spin_us=0; the default
 spin and async shown too); p50 <= 2x
-the tcp ping-pong on the same placement; a 32-field put <= 2x a 1-field
+the tcp ping-pong on the same placement (each cell against the ping-pong
+timed right before and after its timed pass: the machine's speed moves
+between spells of a few minutes, longer than a section of the run; the
+count against the floors of the run's start is printed too); a 32-field put <= 2x a 1-field
 put (same rows, p50); the bundled 4-row x 10-field put within 5% of the
 built-in (median of the alternating run); same-node get of 524,288 rows:
 list <= 5 ms, numpy <= 2 ms.
@@ -143,51 +146,92 @@ def median_us(fn, calls: int) -> float:
 
 # -- floors ----------------------------------------------------------------
 
-def ping_pong(cpu: int, calls: int, out: int = 64, back: int = 4200) -> float:
-    """The floor for a small call: the median round trip of a plain tcp
-    exchange on 127.0.0.1 between this process and a Python echo process
-    pinned to `cpu` (by default 64 bytes out, 4,200 back: about a 1-row
-    get's request and reply; the echo answers once it has all `out`
-    bytes), µs."""
-    ls = socket.create_server(("127.0.0.1", 0))
-    pid = os.fork()
-    if pid == 0:  # the echo process: gone once this one closes its socket
-        try:
-            os.sched_setaffinity(0, {cpu})
-            s, _ = ls.accept()
-            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            reply = b"r" * back
-            inbuf = memoryview(bytearray(max(out, 65536)))
-            while True:
-                got = 0
-                while got < out:
-                    n = s.recv_into(inbuf[got:out])
-                    if n == 0:
-                        os._exit(0)
-                    got += n
-                s.sendall(reply)
-        finally:
-            os._exit(0)
-    address = ls.getsockname()
-    ls.close()
-    c = socket.create_connection(address)
-    c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    buf = memoryview(bytearray(max(back, 8192)))
-    request = b"q" * out
+class Echo:
+    """A plain tcp exchange on 127.0.0.1 between this process and a Python
+    echo process pinned to `cpu`, kept open: `out` bytes out, `back` bytes
+    back (by default 64 and 4,200: about a 1-row get's request and reply;
+    the echo answers once it has all `out` bytes). `samples(n)` times n
+    round trips, s each."""
 
-    def once():
-        c.sendall(request)
+    # Every echo's socket on this side: an echo forked later closes its
+    # copies, or an echo closed first would never see its peer go.
+    _open: list = []
+
+    def __init__(self, cpu: int, out: int = 64, back: int = 4200):
+        self.out, self.back = out, back
+        ls = socket.create_server(("127.0.0.1", 0))
+        self.pid = os.fork()
+        if self.pid == 0:  # the echo process: gone once this one closes its socket
+            try:
+                for other in Echo._open:
+                    other.close()
+                os.sched_setaffinity(0, {cpu})
+                s, _ = ls.accept()
+                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                reply = b"r" * back
+                inbuf = memoryview(bytearray(max(out, 65536)))
+                while True:
+                    got = 0
+                    while got < out:
+                        n = s.recv_into(inbuf[got:out])
+                        if n == 0:
+                            os._exit(0)
+                        got += n
+                    s.sendall(reply)
+            finally:
+                os._exit(0)
+        address = ls.getsockname()
+        ls.close()
+        self.c = socket.create_connection(address)
+        self.c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        Echo._open.append(self.c)
+        self.buf = memoryview(bytearray(max(back, 8192)))
+        self.request = b"q" * out
+        self.samples(200)  # warm
+
+    def once(self) -> None:
+        self.c.sendall(self.request)
         got = 0
-        while got < back:
-            got += c.recv_into(buf[got:])
+        while got < self.back:
+            got += self.c.recv_into(self.buf[got:])
 
-    for _ in range(200):
-        once()
+    def samples(self, n: int) -> list:
+        ts = []
+        for _ in range(n):
+            t = time.perf_counter()
+            self.once()
+            ts.append(time.perf_counter() - t)
+        return ts
+
+    def close(self) -> None:
+        Echo._open.remove(self.c)
+        self.c.close()
+        os.waitpid(self.pid, 0)
+
+
+def ping_pong(cpu: int, calls: int, out: int = 64, back: int = 4200) -> float:
+    """The floor for a small call: the median round trip of an [`Echo`]
+    exchange with an echo pinned to `cpu`, µs."""
+    e = Echo(cpu, out, back)
     try:
-        return median_us(once, calls)
+        return statistics.median(e.samples(calls)) * 1e6
     finally:
-        c.close()
-        os.waitpid(pid, 0)
+        e.close()
+
+
+# Round trips of the tcp ping-pong timed right before and right after each
+# cell's timed pass: the cell's own floor, so that its p50 is compared with
+# the machine as it was then (on these VMs a round trip's cost moves by 2-3x
+# between spells of a few minutes, longer than one section of the run).
+ADJACENT_FLOOR_CALLS = 200
+
+
+def adjacent_floor(echo: "Echo | None", before: list) -> float | None:
+    """The median of `before` and as many round trips timed now, µs (None
+    without an echo)."""
+    if echo is None:
+        return None
+    return statistics.median(before + echo.samples(ADJACENT_FLOOR_CALLS)) * 1e6
 
 
 ZMQ_ECHO = r"""
@@ -286,9 +330,11 @@ class Indexes:
         return [list(range(b + k * r, b + (k + 1) * r)) for k in range(n)], range(b, b + n * r)
 
 
-def sync_matrix(endpoint: str, ops, calls: int, cpu_x: int, pid: int, fresh: bool, spin_us=None) -> dict:
-    """{(op, fields, rows): (p50 µs, client CPU µs a call, stowd CPU µs a call)};
-    `spin_us` as for `stowage.Client` (None: its default)."""
+def sync_matrix(endpoint: str, ops, calls: int, cpu_x: int, pid: int, fresh: bool, spin_us=None,
+                echo: "Echo | None" = None) -> dict:
+    """{(op, fields, rows): (p50 µs, client CPU µs a call, stowd CPU µs a
+    call, the tcp ping-pong's µs around the timed pass (`echo`'s; None
+    without))}; `spin_us` as for `stowage.Client` (None: its default)."""
     out, ix = {}, Indexes(fresh, 100_000_000 if spin_us is None else 150_000_000)
     with stowage.Client(endpoint, timeout=60, spin_us=spin_us) as c:
         for op, f, r, window, arg in cells(ops):
@@ -297,12 +343,15 @@ def sync_matrix(endpoint: str, ops, calls: int, cpu_x: int, pid: int, fresh: boo
             for step, n in enumerate((50, calls, cpu_x * calls)):  # warm-up, timed pass, CPU pass
                 idx, used = ix.make(op, r, window, n)
                 ts = []
+                if step == 1:
+                    before = echo.samples(ADJACENT_FLOOR_CALLS) if echo else []
                 mine, theirs = time.process_time(), cpu_seconds(pid)
                 if step == 1:
                     for i in idx:
                         t = time.perf_counter()
                         call(i, arg)
                         ts.append(time.perf_counter() - t)
+                    floor = adjacent_floor(echo, before)
                 else:
                     for i in idx:
                         call(i, arg)
@@ -312,11 +361,12 @@ def sync_matrix(endpoint: str, ops, calls: int, cpu_x: int, pid: int, fresh: boo
                     res.append(statistics.median(ts) * 1e6)
                 if used is not None:
                     c.clear(used)
-            out[(op, f, r)] = tuple(res)
+            out[(op, f, r)] = (*res, floor)
     return out
 
 
-def async_matrix(endpoint: str, ops, calls: int, cpu_x: int, pid: int, fresh: bool) -> dict:
+def async_matrix(endpoint: str, ops, calls: int, cpu_x: int, pid: int, fresh: bool,
+                 echo: "Echo | None" = None) -> dict:
     """As `sync_matrix`, through AsyncClient: one task, calls back to back."""
     async def run() -> dict:
         out, ix = {}, Indexes(fresh, 500_000_000)
@@ -327,12 +377,15 @@ def async_matrix(endpoint: str, ops, calls: int, cpu_x: int, pid: int, fresh: bo
                 for step, n in enumerate((50, calls, cpu_x * calls)):
                     idx, used = ix.make(op, r, window, n)
                     ts = []
+                    if step == 1:
+                        before = echo.samples(ADJACENT_FLOOR_CALLS) if echo else []
                     mine, theirs = time.process_time(), cpu_seconds(pid)
                     if step == 1:
                         for i in idx:
                             t = time.perf_counter()
                             await call(i, arg)
                             ts.append(time.perf_counter() - t)
+                        floor = adjacent_floor(echo, before)
                     else:
                         for i in idx:
                             await call(i, arg)
@@ -342,7 +395,7 @@ def async_matrix(endpoint: str, ops, calls: int, cpu_x: int, pid: int, fresh: bo
                         res.append(statistics.median(ts) * 1e6)
                     if used is not None:
                         await c.clear(used)
-                out[(op, f, r)] = tuple(res)
+                out[(op, f, r)] = (*res, floor)
         return out
     return asyncio.run(run())
 
@@ -540,6 +593,8 @@ def main() -> None:
                     f"{r} rows {bfloor[(where, max(FIELDS), r)] / bfloor[(where, 1, r)]:.2f}x" for r in ROWS), flush=True)
 
     matrix, legacy, pol, sn = [], [], [], []
+    # The cells' own floors (see `ADJACENT_FLOOR_CALLS`): an echo a placement, kept for the run.
+    echos = {where: Echo(int(cpus)) for cpus, where in PLACEMENTS} if ops else {}
     with tempfile.TemporaryDirectory(prefix="stowage-small-calls-") as work:
         for k, spec in enumerate(a.stowd):
             binary, _, label = spec.partition("=")
@@ -556,13 +611,15 @@ def main() -> None:
                         if "get" in ops:
                             with stowage.Client(eps["native"], timeout=60) as c:
                                 seed_gets(c)
+                        echo = echos[where]
                         if "sync" in kinds:
-                            got["sync"] = sync_matrix(eps["native"], ops, a.calls, a.cpu_x, proc.pid, fresh)
+                            got["sync"] = sync_matrix(eps["native"], ops, a.calls, a.cpu_x, proc.pid, fresh, echo=echo)
                             # The client's own work, without the wait it spins through.
                             got["sync spin 0"] = sync_matrix(eps["native"], ops, a.calls, a.cpu_x, proc.pid, fresh,
-                                                             spin_us=0)
+                                                             spin_us=0, echo=echo)
                         if "async" in kinds:
-                            got["async"] = async_matrix(eps["native"], ops, a.calls, a.cpu_x, proc.pid, fresh)
+                            got["async"] = async_matrix(eps["native"], ops, a.calls, a.cpu_x, proc.pid, fresh,
+                                                        echo=echo)
                         if got:
                             matrix.append((label, chain, where, got))
                         if "4k" in only:
@@ -592,6 +649,8 @@ def main() -> None:
                 print(f"  same node, {label or binary}: put {got['put (s)']:.2f} s, " + ", ".join(
                     f"{w} {statistics.median(v):.2f} ms" for w, v in got.items() if w != "put (s)"), flush=True)
 
+    for e in echos.values():
+        e.close()
     checks = []  # (check, PASS/FAIL)
     print()
     if floor:
@@ -643,20 +702,31 @@ def main() -> None:
         print()
 
         print(f"### Check: p50 <= {FLOOR_X:.0f}x the tcp ping-pong on the same placement\n")
-        print("p50 / tcp ping-pong (PASS/FAIL at <= 2), every cell; columns fields x rows.\n")
+        print(f"p50 / tcp ping-pong (PASS/FAIL at <= 2), every cell; columns fields x rows. Each cell against "
+              f"its own floor: the median of {ADJACENT_FLOOR_CALLS} ping-pong round trips timed right before "
+              f"its timed pass and {ADJACENT_FLOOR_CALLS} right after (the last column: the lowest and highest "
+              "of a row's floors, µs).\n")
         cols = [(f, r) for f in FIELDS for r in ROWS]
-        print("| stowd | policy | placement | client | op | " + " | ".join(f"{f}x{r}" for f, r in cols) + " |")
-        print("|---|---|---|---|---|" + "---|" * len(cols))
+        print("| stowd | policy | placement | client | op | " + " | ".join(f"{f}x{r}" for f, r in cols)
+              + " | floors |")
+        print("|---|---|---|---|---|" + "---|" * len(cols) + "---|")
+        at_start = 0
         for label, chain, where, got in matrix:
             for kind, cellv in got.items():
                 for op in ops:
-                    row = []
+                    row, floors = [], []
                     for f, r in cols:
-                        x = cellv[(op, f, r)][0] / floor[where]
+                        p50, own = cellv[(op, f, r)][0], cellv[(op, f, r)][3]
+                        floors.append(own)
+                        x = p50 / own
+                        at_start += p50 / floor[where] <= FLOOR_X
                         row.append(f"{x:.2f} {mark(x <= FLOOR_X)}")
                         checks.append((f"p50 vs tcp, {label}, {chain}, {where}, {kind} {op} {f}x{r}", x <= FLOOR_X))
-                    print(f"| {label} | {chain} | {where} | {kind} | {op} | " + " | ".join(row) + " |")
-        print()
+                    print(f"| {label} | {chain} | {where} | {kind} | {op} | " + " | ".join(row)
+                          + f" | {min(floors):.1f}-{max(floors):.1f} |")
+        cells_n = sum(len(got) * len(ops) * len(cols) for _, _, _, got in matrix)
+        print(f"\nAgainst the floors measured once at the run's start (the Floors table) instead: {at_start} of "
+              f"{cells_n} cells at or under {FLOOR_X:.0f}x.\n")
 
         if "put" in ops:
             print(f"### Check: a {max(FIELDS)}-field put <= {FIELDS_X:.0f}x a 1-field put (same rows, p50)\n")
