@@ -205,6 +205,40 @@ def test_a_same_node_clients_small_calls_go_through_the_core(shm_endpoint, fresh
     asyncio.run(main())
 
 
+def test_a_call_right_after_stowd_dies_fails_as_a_lost_connection_and_the_client_goes_on(tmp_path):
+    """A kept connection is reused without asking whether stowd closed it
+    when its last reply came less than a millisecond before (back-to-back
+    calls skip that system call). A call made at once after stowd was sent
+    SIGKILL, right after a reply, then fails with the client's error for a
+    lost connection (not a timeout): whether it wrote on the connection the
+    dying stowd held or closed, or asked and found no stowd. Once a stowd
+    listens again on the endpoint, the same client reconnects."""
+    import signal
+    import socket as pysocket
+    import time
+    with pysocket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ep = f"tcp://127.0.0.1:{port}"
+    x = np.arange(8, dtype=np.float32).reshape(2, 4)
+    c = stowage.Client(ep, timeout=10, spin_us=0)
+    try:
+        for life in range(4):
+            with run_stowd(tmp_path / f"life{life}", config=f"[server]\nnative_port = {port}\n") as server:
+                c.put([0, 1], {"x": x + life})
+                np.testing.assert_array_equal(c.get([0, 1], ["x"])["x"], x + life)
+                server.proc.stowage_killed = True  # the harness's mark of a death on purpose
+                t = time.monotonic()
+                os.kill(server.proc.pid, signal.SIGKILL)
+                with pytest.raises(stowage.errors.StowageError) as e:
+                    c.stats()
+                assert time.monotonic() - t < 5
+                assert not isinstance(e.value, stowage.errors.StowageTimeout), e.value
+                server.proc.wait(timeout=10)
+    finally:
+        c.close()
+
+
 def test_the_same_clients_go_on_after_stowd_restarts(tmp_path):
     """A core connection stowd closed while it sat idle (stowd restarted on
     the same endpoint) is not reused: the next call connects anew, as pyzmq

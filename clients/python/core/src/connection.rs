@@ -243,7 +243,7 @@ impl Connection {
         if let Some(mut s) = self.stream.take() {
             // A connection stowd closed while it sat idle (it exited or
             // restarted) is dropped for a new one, as pyzmq reconnects.
-            if !s.peer_closed() {
+            if !s.may_be_closed() {
                 s.deadline = deadline;
                 return Ok(s);
             }
@@ -402,6 +402,7 @@ impl Connection {
         s.deadline = deadline;
         let result = read(&mut s);
         if result.is_ok() {
+            s.replied = Some(Instant::now());
             self.stream = Some(s);
         }
         result
@@ -438,6 +439,7 @@ impl Connection {
         let mut s = self.connect(deadline)?;
         let result = call(&mut s);
         if result.is_ok() {
+            s.replied = Some(Instant::now());
             self.stream = Some(s);
         }
         result
