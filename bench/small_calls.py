@@ -611,7 +611,7 @@ def main() -> None:
                         if "get" in ops:
                             with stowage.Client(eps["native"], timeout=60) as c:
                                 seed_gets(c)
-                        echo = echos[where]
+                        echo = echos.get(where)
                         if "sync" in kinds:
                             got["sync"] = sync_matrix(eps["native"], ops, a.calls, a.cpu_x, proc.pid, fresh, echo=echo)
                             # The client's own work, without the wait it spins through.
