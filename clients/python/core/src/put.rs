@@ -263,18 +263,13 @@ impl Plan {
     }
 
     /// The data frames of message `k`, and with `describe` its fields'
-    /// descriptors, field `i` named `name(i)` (a lease's size and its fill
+    /// descriptors under their (shared) names (a lease's size and its fill
     /// need only the frames).
-    fn lay_out(
-        &self,
-        k: usize,
-        describe: bool,
-        name: &mut dyn FnMut(usize) -> Arc<str>,
-    ) -> (Frames, Vec<(Arc<str>, FieldLayout)>) {
+    fn lay_out(&self, k: usize, describe: bool) -> (Frames, Vec<(Arc<str>, FieldLayout)>) {
         let (a, b) = self.messages[k];
         let mut frames = Frames::default();
         let mut fields = Vec::with_capacity(if describe { self.fields.len() } else { 0 });
-        for (i, (_, field)) in self.fields.iter().enumerate() {
+        for (name, field) in &self.fields {
             let layout = match field {
                 Field::Regular { dtype, src } => {
                     let s = &self.sources[*src];
@@ -362,7 +357,7 @@ impl Plan {
                     FieldLayout::Values(values[a..b].to_vec())
                 }
             };
-            fields.push((name(i), layout));
+            fields.push((name.clone(), layout));
         }
         (frames, fields)
     }
@@ -372,7 +367,7 @@ impl Plan {
         if self.messages.len() != 1 {
             return;
         }
-        let (frames, fields) = self.lay_out(0, true, &mut |i| self.fields[i].0.clone());
+        let (frames, fields) = self.lay_out(0, true);
         let head = RequestHead::Put {
             global_indexes: std::mem::take(&mut self.indexes),
             fields,
@@ -390,7 +385,7 @@ impl Plan {
                 lens: Cow::Borrowed(&frames.lens),
             };
         }
-        let (frames, _) = self.lay_out(k, false, &mut |_| Arc::from(""));
+        let (frames, _) = self.lay_out(k, false);
         Message {
             plan: self,
             frame0: Bytes::new(),
@@ -413,7 +408,7 @@ impl Plan {
         let (frames, head): (Cow<'_, Frames>, &RequestHead) = match &self.single {
             Some((frames, head)) => (Cow::Borrowed(frames), head),
             None => {
-                let (frames, fields) = self.lay_out(k, true, &mut |i| self.fields[i].0.clone());
+                let (frames, fields) = self.lay_out(k, true);
                 built = RequestHead::Put {
                     global_indexes: self.indexes[a..b].to_vec(),
                     fields,

@@ -369,13 +369,13 @@ impl Stream {
     /// Whether a kept connection may have been closed by stowd while it
     /// sat idle: [`Stream::peer_closed`], asked only after a pause of
     /// [`RECHECK_AFTER`] since the last reply. Back-to-back calls skip the
-    /// peek, a system call each (350 ns alone on these VMs; a one-field
-    /// put's and get's p50 0.993x and 0.995x, client CPU 0.987x and 0.985x,
-    /// `bench/core_ab.py`, one CPU, 6,000 calls): within that pause no restarted stowd
-    /// can be listening yet, and stowd evicts the connection idle the
-    /// longest, so one that just answered is the last it would close. The
-    /// peek never made the reuse race-free either: stowd may close a
-    /// connection between the peek and the request.
+    /// peek, a system call each (350 ns alone on these VMs; client CPU of
+    /// one-field calls 0.96-0.99x, `bench/core_ab.py`, one CPU): within
+    /// that pause no restarted stowd can be listening yet, and stowd
+    /// evicts the connection idle the longest, so one that just answered
+    /// is the last it would close. The peek never made the reuse
+    /// race-free either: stowd may close a connection between the peek
+    /// and the request.
     pub(crate) fn may_be_closed(&self) -> bool {
         self.replied.is_none_or(|t| t.elapsed() >= RECHECK_AFTER) && self.peer_closed()
     }
