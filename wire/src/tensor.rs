@@ -198,20 +198,24 @@ impl Tensor {
         })
     }
 
+    #[inline]
     pub fn dtype(&self) -> Dtype {
         self.dtype
     }
 
+    #[inline]
     pub fn shape(&self) -> &[u64] {
         &self.shape
     }
 
     /// Number of rows (the size of axis 0); 1 for a scalar.
+    #[inline]
     pub fn rows(&self) -> u64 {
         self.shape.first().copied().unwrap_or(1)
     }
 
     /// Shape of one row.
+    #[inline]
     pub fn row_shape(&self) -> &[u64] {
         self.shape.get(1..).unwrap_or(&[])
     }
@@ -228,8 +232,22 @@ impl Tensor {
     /// The first of [`strides`](Self::strides), without building the
     /// others (which follow from the shape: the rows themselves are C
     /// contiguous).
+    #[inline]
     pub fn first_stride(&self) -> i64 {
         self.row_stride as i64 / self.dtype.itemsize() as i64
+    }
+
+    /// Whether `other` has this tensor's dtype, shape and first stride
+    /// (what a selection policy is told of a field besides its rows). A
+    /// put asks it of each field at each unit: inlined, and the shapes
+    /// compared without a call to `memcmp` (a shape is a few dimensions).
+    #[inline]
+    pub fn same_layout(&self, other: &Tensor) -> bool {
+        let (a, b) = (self.shape(), other.shape());
+        self.dtype == other.dtype
+            && a.len() == b.len()
+            && a.iter().zip(b).all(|(x, y)| x == y)
+            && (self.row_stride == other.row_stride || self.first_stride() == other.first_stride())
     }
 
     /// Strides in elements, as torch reports them.
@@ -263,6 +281,7 @@ impl Tensor {
     }
 
     /// Bytes spanned by this tensor in its buffer (gaps included).
+    #[inline]
     pub fn byte_len(&self) -> usize {
         self.bytes.len()
     }
@@ -279,6 +298,7 @@ impl Tensor {
 
     /// The underlying buffer (for a strided view: from the first byte of the
     /// first row to the last byte of the last row).
+    #[inline]
     pub fn buffer(&self) -> &Bytes {
         &self.bytes
     }

@@ -361,29 +361,32 @@ impl Drop for Counted<'_> {
 /// 4 units asks each plugin 4 requests, not 40: with the bundled chain,
 /// the chain's own work was about 16,000 instructions a put more than
 /// the built-in's (callgrind, `small_put`), for 40 answers from memos.
-struct Repeats {
-    /// The first of each request's run (itself for a first); empty while
-    /// no request repeats.
-    first: SmallVec<[u32; 64]>,
+///
+/// Both lists are slices of one buffer the chain call holds (on the stack
+/// for up to 64 requests), indexed directly: through `SmallVec` each
+/// access checked whether the list had spilled, about 2,400 instructions
+/// of a 10 x 4 put.
+struct Repeats<'a> {
+    /// The first of each request's run (itself for a first); empty when
+    /// no request may repeat.
+    first: &'a mut [u32],
     /// For a first, how many requests after it repeat it.
-    count: SmallVec<[u32; 64]>,
+    count: &'a mut [u32],
 }
 
-impl Repeats {
-    fn none() -> Repeats {
-        Repeats {
-            first: SmallVec::new(),
-            count: SmallVec::new(),
-        }
+impl<'a> Repeats<'a> {
+    /// Repeats for `n` requests in `buf` (none repeating yet), or none at
+    /// all (`n` = 0: no request may repeat).
+    fn new(buf: &'a mut SmallVec<[u32; 128]>, n: usize) -> Self {
+        buf.clear();
+        buf.extend(0..n as u32);
+        buf.extend(std::iter::repeat_n(0, n));
+        let (first, count) = buf.as_mut_slice().split_at_mut(n);
+        Repeats { first, count }
     }
 
     /// Request `i` (> 0) repeats request `i - 1`.
     fn repeat(&mut self, i: usize) {
-        while self.first.len() <= i {
-            let n = self.first.len() as u32;
-            self.first.push(n);
-            self.count.push(0);
-        }
         let f = self.first[i - 1];
         self.first[i] = f;
         self.count[f as usize] += 1;
@@ -678,8 +681,12 @@ impl Chain {
         // 64 pairs: a small put's decisions (10 fields on 4 units: 40)
         // allocate nothing here but the list returned. With 8 inline, the
         // four lists of 40 went to the heap on every put.
-        let mut outcomes: SmallVec<[Option<Outcome<SelectionPlan>>; 64]> =
-            (0..requests.len()).map(|_| None).collect();
+        // Filled in place: collected into, the list was returned by value,
+        // a copy of all its inline slots.
+        let mut outcomes: SmallVec<[Option<Outcome<SelectionPlan>>; 64]> = SmallVec::new();
+        outcomes.resize_with(requests.len(), || None);
+        // Indexed as a slice (see `Repeats`), as are the lists below.
+        let outcomes = outcomes.as_mut_slice();
         // Each request's memo key, encoded once for every pure plugin of
         // the chain (none if no plugin memoizes), into this thread's
         // reused buffer.
@@ -687,22 +694,25 @@ impl Chain {
         let mut keys: SmallVec<[Option<std::ops::Range<usize>>; 64]> = SmallVec::new();
         // Repeats (see `Repeats`): only when every plugin of the chain
         // memoizes, so each would answer a repeat as the request before.
-        let mut repeats = Repeats::none();
-        if self.policies.iter().any(|l| l.policy.memoizes()) {
-            let all_memoize = self.policies.iter().all(|l| l.policy.memoizes());
-            keys.reserve(requests.len());
+        let memoizing = self.policies.iter().any(|l| l.policy.memoizes());
+        let all_memoize = memoizing && self.policies.iter().all(|l| l.policy.memoizes());
+        let mut runs: SmallVec<[u32; 128]> = SmallVec::new();
+        let mut repeats = Repeats::new(&mut runs, if all_memoize { requests.len() } else { 0 });
+        if memoizing {
+            keys.resize(requests.len(), None);
+            let slots = keys.as_mut_slice();
             for (i, r) in requests.iter().enumerate() {
                 // The next field of one layout at the same unit's positions
                 // (how a put asks) has the key of the one before.
-                if let Some(prev) = i.checked_sub(1).map(|j| &requests[j])
+                if i > 0
+                    && let prev = &requests[i - 1]
                     && prev.memo_key.is_none()
                     && r.memo_key.is_none()
                     && std::ptr::eq(prev.positions, r.positions)
+                    && let Some(k) = slots[i - 1].clone()
                     && super::wasm::memo::same_layout(prev.field, r.field)
-                    && let Some(Some(k)) = keys.last()
                 {
-                    let k = k.clone();
-                    keys.push(Some(k));
+                    slots[i] = Some(k);
                     if all_memoize {
                         repeats.repeat(i);
                     }
@@ -710,16 +720,22 @@ impl Chain {
                 }
                 let start = scratch.0.len();
                 let encoded = super::wasm::memo::encode(r.field, r.positions, &mut scratch.0);
-                keys.push(encoded.then_some(start..scratch.0.len()));
+                slots[i] = encoded.then_some(start..scratch.0.len());
             }
         }
         let words = &scratch.0;
+        let keys = keys.as_slice();
         let key_of =
             |i: usize| -> Option<&[u64]> { keys.get(i).and_then(|k| k.clone()).map(|k| &words[k]) };
         // Reused for each plugin: the requests still undecided that it
         // handles, by index and as asked.
-        let mut pending: SmallVec<[usize; 64]> = SmallVec::with_capacity(requests.len());
-        let mut asked: SmallVec<[SelectRequest<'_>; 64]> = SmallVec::with_capacity(requests.len());
+        // Made empty and reserved in place: `with_capacity` returned each
+        // by value, a copy of its inline slots (three such copies were
+        // about 560 instructions of a 10 x 4 put).
+        let mut pending: SmallVec<[usize; 64]> = SmallVec::new();
+        pending.reserve(requests.len());
+        let mut asked: SmallVec<[SelectRequest<'_>; 64]> = SmallVec::new();
+        asked.reserve(requests.len());
         // Requests with an outcome: once all have one, the plugins left are
         // not looked at (a put the first plugin decides whole no longer
         // walks its requests once for each plugin after it).
@@ -793,7 +809,8 @@ impl Chain {
             let mut counted = Counted::new(st);
             // What each answer came to, for an answer that repeats it
             // (`Answer::Same`): the same outcome, counted the same.
-            let mut came: SmallVec<[Came; 64]> = SmallVec::with_capacity(pending.len());
+            let mut came: SmallVec<[Came; 64]> = SmallVec::new();
+            came.reserve(pending.len());
             for (&i, answer) in pending.iter().zip(answered.answers) {
                 // A plugin disabled by a fault earlier in this answer is
                 // not asked again: its remaining answers are dropped, and
@@ -848,32 +865,39 @@ impl Chain {
                 settled += usize::from(outcomes[i].is_some());
                 // Then the repeats of request i get its answer, each
                 // counted as if asked: a call, a plan, an invalid plan or a
-                // fault. If a fault disables the plugin, the repeats left
-                // go on down the chain each on its own, as they would have
-                // had the plugin been asked about each.
-                for d in repeats.of(i) {
-                    match &c {
-                        Came::Plan(j) => {
-                            counted.calls += 1;
-                            counted.plans += 1;
-                            outcomes[d] = Some(Outcome::Same(*j, &loaded.name));
-                            settled += 1;
-                        }
-                        Came::Declined(_) => counted.calls += 1,
-                        Came::Invalid(_) | Came::Faulted(_)
-                            if st.disabled.load(Ordering::Relaxed) =>
-                        {
-                            repeats.release(i, d);
-                            break;
-                        }
-                        Came::Invalid(e) => {
+                // fault. A plan or a decline is counted for the whole run
+                // at once, and a planned run's repeats are left without an
+                // outcome: each takes its first's plan when the decisions
+                // are made below. If a fault disables the plugin, the
+                // repeats left go on down the chain each on its own, as
+                // they would have had the plugin been asked about each.
+                match &c {
+                    Came::Plan(_) => {
+                        let n = repeats.count(i);
+                        counted.calls += u64::from(n);
+                        counted.plans += u64::from(n);
+                        settled += n as usize;
+                    }
+                    Came::Declined(_) => counted.calls += u64::from(repeats.count(i)),
+                    Came::Invalid(e) => {
+                        let why = format!("invalid plan: {e}");
+                        for d in repeats.of(i) {
+                            if st.disabled.load(Ordering::Relaxed) {
+                                repeats.release(i, d);
+                                break;
+                            }
                             counted.calls += 1;
                             st.invalid_plans.fetch_add(1, Ordering::Relaxed);
-                            outcomes[d] =
-                                Some(self.on_fault(loaded, &format!("invalid plan: {e}"))?);
+                            outcomes[d] = Some(self.on_fault(loaded, &why)?);
                             settled += 1;
                         }
-                        Came::Faulted(reason) => {
+                    }
+                    Came::Faulted(reason) => {
+                        for d in repeats.of(i) {
+                            if st.disabled.load(Ordering::Relaxed) {
+                                repeats.release(i, d);
+                                break;
+                            }
                             counted.calls += 1;
                             outcomes[d] = Some(self.on_fault(loaded, reason)?);
                             settled += 1;
@@ -888,8 +912,26 @@ impl Chain {
         // of field at the same positions (one unit's, shared by the fields
         // asked about for it) gets its plan, which depends on nothing else.
         let mut last_builtin: Option<usize> = None;
-        for (i, (r, outcome)) in requests.iter().zip(outcomes).enumerate() {
-            let outcome = outcome.unwrap_or(Outcome::Builtin);
+        // The plan the repeats of the current run take when its first got
+        // one (they have no outcome of their own, see above): the request
+        // that holds it, and the plugin that gave it.
+        let mut run: Option<(usize, &Arc<str>)> = None;
+        // Taken in place: moving the list into an iterator copied all of
+        // its inline slots (about 2.5 KiB) whatever the count.
+        for (i, (r, slot)) in requests.iter().zip(outcomes.iter_mut()).enumerate() {
+            let repeat = repeats.is_repeat(i);
+            let outcome = match (slot.take(), run) {
+                (Some(o), _) => o,
+                (None, Some((j, name))) if repeat => Outcome::Same(j, name),
+                (None, _) => Outcome::Builtin,
+            };
+            if !repeat {
+                run = match &outcome {
+                    Outcome::Plan(_, name) => Some((i, *name)),
+                    Outcome::Same(j, name) => Some((*j, *name)),
+                    Outcome::Fallback(..) | Outcome::Builtin => None,
+                };
+            }
             outcome.record(&span, |name| self.version_of(name));
             let by = match outcome {
                 Outcome::Plan(plan, name) => {

@@ -96,9 +96,7 @@ pub fn encode(field: &Field, positions: &[u64], out: &mut Vec<u64>) -> bool {
 /// positions gives both the same key).
 pub fn same_layout(a: &Field, b: &Field) -> bool {
     match (a, b) {
-        (Field::Regular(a), Field::Regular(b)) => {
-            a.dtype() == b.dtype() && a.first_stride() == b.first_stride() && a.shape() == b.shape()
-        }
+        (Field::Regular(a), Field::Regular(b)) => a.same_layout(b),
         _ => false,
     }
 }
