@@ -747,8 +747,13 @@ impl Chain {
             let d = loaded.policy.describe();
             pending.clear();
             asked.clear();
-            for (i, r) in requests.iter().enumerate() {
-                if outcomes[i].is_some() || repeats.is_repeat(i) {
+            // Run by run: a repeat goes with its first (a released one is
+            // a first of its own, with no repeats).
+            let mut next = 0;
+            while let Some(r) = requests.get(next) {
+                let i = next;
+                next = i + 1 + repeats.count(i) as usize;
+                if outcomes[i].is_some() {
                     continue;
                 }
                 match Self::skip(loaded.policy.as_ref(), r.field, kind_of(r.field)) {
