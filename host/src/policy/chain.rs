@@ -1037,6 +1037,10 @@ mod tests {
     struct Scripted {
         description: super::super::Description,
         answers: Vec<Answer>,
+        /// Says it memoizes (so the chain asks a run's first only).
+        memoizes: bool,
+        /// Requests asked in all.
+        asked: std::sync::atomic::AtomicUsize,
     }
 
     impl Policy for Scripted {
@@ -1047,6 +1051,7 @@ mod tests {
             unreachable!("asked through select_many")
         }
         fn select_many(&self, requests: &[SelectRequest<'_>]) -> super::super::SelectAnswers {
+            self.asked.fetch_add(requests.len(), Ordering::Relaxed);
             super::super::SelectAnswers {
                 answers: self.answers[..requests.len()].to_vec(),
                 entries: 0,
@@ -1057,6 +1062,9 @@ mod tests {
         fn pack(&self, _: &[PieceInfo], _: &PackLimits) -> Result<FramePlan, PolicyError> {
             Err(PolicyError::NotApplicable)
         }
+        fn memoizes(&self) -> bool {
+            self.memoizes
+        }
     }
 
     fn scripted(
@@ -1064,14 +1072,28 @@ mod tests {
         fail: FailStrategy,
         max_faults: u64,
     ) -> (Chain, Arc<PluginStats>) {
-        let policy = Scripted {
+        let (chain, stats, _) = scripted_as(answers, fail, max_faults, false);
+        (chain, stats)
+    }
+
+    /// [`scripted`], memoizing or not, with the policy itself (to count
+    /// the requests it was asked).
+    fn scripted_as(
+        answers: Vec<Answer>,
+        fail: FailStrategy,
+        max_faults: u64,
+        memoizes: bool,
+    ) -> (Chain, Arc<PluginStats>, Arc<Scripted>) {
+        let policy = Arc::new(Scripted {
             description: super::super::Description::new("scripted", "1.0.0", "test")
                 .selects(&[FieldKind::Regular]),
             answers,
-        };
-        let loaded = Loaded::new(Arc::new(policy));
+            memoizes,
+            asked: Default::default(),
+        });
+        let loaded = Loaded::new(policy.clone());
         let stats = loaded.stats.clone();
-        (Chain::new(vec![loaded], fail, max_faults), stats)
+        (Chain::new(vec![loaded], fail, max_faults), stats, policy)
     }
 
     fn field(rows: u64) -> Field {
@@ -1152,6 +1174,84 @@ mod tests {
             Err(ChainError::Rejected { .. })
         ));
         assert_eq!(counts(&stats), [1, 0, 1, 1]);
+    }
+
+    /// A memoizing plugin is asked only the first of a run of requests of
+    /// one layout at the same positions; each repeat takes its answer and
+    /// is counted as if asked. The decisions and counts are those of a
+    /// plugin that does not memoize, asked about every request: a plan, a
+    /// decline, an invalid plan each time it is given, and one disabled
+    /// partway through the run.
+    #[test]
+    fn a_runs_repeats_are_decided_and_counted_as_if_each_were_asked() {
+        let (a, b, c, d) = (field(4), field(4), field(4), field(4));
+        let at = [1u64];
+        let requests = [
+            SelectRequest::new(&a, &at),
+            SelectRequest::new(&b, &at),
+            SelectRequest::new(&c, &at),
+            SelectRequest::new(&d, &at),
+        ];
+        let fallback = DecidedBy::Fallback {
+            plugin: "scripted".into(),
+        };
+        let plugin = DecidedBy::Plugin("scripted".into());
+        // (first answer, max faults, decisions, counts)
+        let cases = [
+            (Ok(view(1)), 0, vec![plugin; 4], [4, 4, 0, 0]),
+            (
+                Err(PolicyError::NotApplicable),
+                0,
+                vec![DecidedBy::Builtin; 4],
+                [4, 0, 0, 0],
+            ),
+            (Ok(view(3)), 0, vec![fallback.clone(); 4], [4, 0, 4, 4]),
+            (
+                Ok(view(3)),
+                3,
+                vec![
+                    fallback.clone(),
+                    fallback.clone(),
+                    fallback,
+                    DecidedBy::Builtin,
+                ],
+                [3, 0, 3, 3],
+            ),
+        ];
+        for (first, max_faults, by, want) in cases {
+            let said = format!("{first:?}, max_faults {max_faults}");
+            let alone: Vec<Answer> = (0..4).map(|_| Answer::Own(first.clone())).collect();
+            let (each, each_stats, each_policy) =
+                scripted_as(alone, FailStrategy::Fallback, max_faults, false);
+            let (memo, memo_stats, memo_policy) = scripted_as(
+                vec![Answer::Own(first.clone())],
+                FailStrategy::Fallback,
+                max_faults,
+                true,
+            );
+            let got = expanded(&memo, &requests);
+            assert_eq!(got, expanded(&each, &requests), "{said}");
+            assert_eq!(
+                got.iter().map(|g| g.1.clone()).collect::<Vec<_>>(),
+                by,
+                "{said}"
+            );
+            assert_eq!(counts(&memo_stats), want, "{said}");
+            assert_eq!(counts(&each_stats), want, "{said}");
+            assert_eq!(memo_policy.asked.load(Ordering::Relaxed), 1, "{said}");
+            assert!(each_policy.asked.load(Ordering::Relaxed) >= 3, "{said}");
+            // The repeats of a planned run share its first's plan.
+            let shared = memo.select_many_shared(&requests).unwrap();
+            if first.is_ok() && max_faults == 0 && want[1] > 0 {
+                assert!(
+                    matches!(
+                        shared[1..],
+                        [Shared::Same(0), Shared::Same(0), Shared::Same(0)]
+                    ),
+                    "{shared:?}"
+                );
+            }
+        }
     }
 
     #[test]
