@@ -58,9 +58,10 @@
 //!
 //! Under 0.2.0 the host enters a plugin once per put for all its (field,
 //! unit) pairs; the SDK calls [`Policy::select`] for each. A policy whose
-//! `select` decides from the layout and the positions alone should say so
-//! with [`Description::pure`]: the host then memoizes its answers, and a
-//! call to [`Field::read`] traps.
+//! `select` decides from the layout and the positions alone, and whose
+//! `pack` from the pieces' sizes and the limits alone, should say so with
+//! [`Description::pure`]: the host then memoizes its answers (both
+//! `select`'s and `pack`'s), and a call to [`Field::read`] traps.
 //!
 //! Build the plugin crate (`crate-type = ["cdylib", "rlib"]`) with
 //! `cargo build --target wasm32-wasip2 --release`: the `.wasm` it produces is

@@ -168,8 +168,10 @@ impl Description {
 
     /// Declares the policy pure: `select` decides from the field's layout
     /// and the positions alone and never calls `read` (a `read` then
-    /// traps), so the host may answer a request it has seen before from
-    /// memory, without a call.
+    /// traps), and `pack` from the pieces' sizes and the limits alone, so
+    /// the host may answer a request it has seen before from memory,
+    /// without a call. A policy that keeps state between calls (one that
+    /// varies its answer to the same input) must not say so.
     pub fn pure(mut self) -> Self {
         self.pure = true;
         self

@@ -538,3 +538,83 @@ fn a_field_number_the_call_did_not_lend_traps() {
         other => panic!("expected a rejection, got {other:?}"),
     }
 }
+
+/// A pure packing plugin (the bundled `coalesce`) answers a call it has
+/// answered before from its memo: the same limits and pieces (a get of
+/// many fields of one layout packs each field the same way) get the same
+/// plan, counted as a call, a plan and a memo hit, not an entry. Other
+/// limits, another length or a piece that is not contiguous enter it again;
+/// a call of more than 64 pieces is never memoized; with `memo_entries = 0`
+/// every call enters it. Every answer equals a memo-less chain's.
+#[test]
+fn a_pure_packing_plugin_answers_a_call_it_has_answered_from_its_memo() {
+    use stowage_host::plan::{PackLimits, PieceInfo};
+    let paths = [plugin("coalesce")];
+    let (reg, reg_off) = (registry(&paths, 256), registry(&paths, 0));
+    let (pack, pack_off) = (
+        chain(&reg, &["coalesce"], FailStrategy::Reject, 0),
+        chain(&reg_off, &["coalesce"], FailStrategy::Reject, 0),
+    );
+    let limits = PackLimits {
+        max_frames: 64,
+        max_frame_bytes: 1 << 20,
+        small_threshold: 0,
+    };
+    let four = vec![PieceInfo::contiguous(64); 4];
+    let mut strided = four.clone();
+    strided[2].contiguous = false;
+    let mut longer = four.clone();
+    longer[3].byte_len = 128 << 10;
+    let tight = PackLimits {
+        max_frame_bytes: 128,
+        ..limits
+    };
+    let cases = [
+        (&four, limits),
+        (&four, tight),
+        (&strided, limits),
+        (&longer, limits),
+    ];
+    for (i, (pieces, limits)) in cases.iter().enumerate() {
+        let want = pack_off.pack(pieces, limits).unwrap();
+        for round in 0..3u64 {
+            let got = pack.pack(pieces, limits).unwrap();
+            assert_eq!((&got.plan, &got.by), (&want.plan, &want.by), "case {i}");
+            let (i, round) = (i as u64, round);
+            // Each case entered once, on its first round.
+            assert_eq!(
+                counts(&reg, "coalesce"),
+                [
+                    3 * i + round + 1,
+                    i + 1,
+                    2 * i + round,
+                    3 * i + round + 1,
+                    0
+                ],
+                "case {i}, round {round}"
+            );
+        }
+    }
+    // The cases are told apart: four plans, not all one.
+    let plans: Vec<_> = cases
+        .iter()
+        .map(|(p, l)| pack.pack(p, l).unwrap().plan)
+        .collect();
+    assert_ne!(plans[0], plans[1]);
+    assert_ne!(plans[0], plans[3]);
+    // Over 64 pieces: entered every time.
+    let before = counts(&reg, "coalesce");
+    let many = vec![PieceInfo::contiguous(64); 65];
+    for _ in 0..2 {
+        assert_eq!(
+            pack.pack(&many, &limits).unwrap().plan,
+            pack_off.pack(&many, &limits).unwrap().plan
+        );
+    }
+    let after = counts(&reg, "coalesce");
+    assert_eq!([after[1] - before[1], after[2] - before[2]], [2, 0]);
+    // Memo off: every call of the off chain entered it.
+    let off = counts(&reg_off, "coalesce");
+    assert_eq!(off[1], off[0]);
+    assert_eq!(off[2], 0);
+}

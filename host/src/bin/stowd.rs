@@ -215,7 +215,7 @@ fn plugin_bench(
         let memoized = load_plugin(file, None, cache_dir, Some(4096))?;
         let _ = conformance::run_with(&memoized, conformance::Stop::Never);
         println!(
-            "\nwith a memo of 4096 entries, filled by one round (regular fields are memoized; {} held):",
+            "\nwith a memo of 4096 entries, filled by one round (selections of regular fields and packings of up to 64 pieces are memoized; {} held):",
             memoized.memo_len()
         );
         print!("{}", conformance::bench_table(&run(&memoized)));

@@ -556,9 +556,11 @@ impl Chain {
 
     /// Asks each policy in turn until one answers a valid plan (packing;
     /// selection asks a whole request at once, [`Chain::select_many`]).
+    /// `call` answers, and whether it entered the policy (false: from its
+    /// memo, counted as a memo hit and not timed).
     fn ask<P>(
         &self,
-        call: impl Fn(&dyn Policy) -> Result<P, PolicyError>,
+        call: impl Fn(&dyn Policy) -> (Result<P, PolicyError>, bool),
         check: impl Fn(&P) -> Result<(), PlanError>,
     ) -> Result<Outcome<'_, P>, ChainError> {
         for loaded in &self.policies {
@@ -572,14 +574,18 @@ impl Chain {
                 Some(false) => {}
             }
             loaded.stats.calls.fetch_add(1, Ordering::Relaxed);
-            loaded.stats.entries.fetch_add(1, Ordering::Relaxed);
             let d = loaded.policy.describe();
             let _plugin =
                 tracing::debug_span!("plugin", plugin = %d.name, version = %d.version).entered();
             let started = Instant::now();
-            let answer = call(loaded.policy.as_ref());
-            let took = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
-            loaded.stats.call_ns.fetch_add(took, Ordering::Relaxed);
+            let (answer, entered) = call(loaded.policy.as_ref());
+            if entered {
+                let took = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
+                loaded.stats.call_ns.fetch_add(took, Ordering::Relaxed);
+                loaded.stats.entries.fetch_add(1, Ordering::Relaxed);
+            } else {
+                loaded.stats.memo_hits.fetch_add(1, Ordering::Relaxed);
+            }
             match answer {
                 Ok(plan) => match check(&plan) {
                     Ok(()) => {
@@ -1004,7 +1010,7 @@ impl Chain {
             tracing::debug_span!("policy", chain = "pack", decided_by = tracing::field::Empty)
                 .entered();
         let outcome = self.ask(
-            |p| p.pack(pieces, limits),
+            |p| p.pack_answer(pieces, limits),
             |plan| plan::validate_frames(pieces, limits, plan),
         )?;
         outcome.record(&span, |name| self.version_of(name));

@@ -159,6 +159,16 @@ pub trait Policy: Send + Sync {
     /// Groups pieces into frames.
     fn pack(&self, pieces: &[PieceInfo], limits: &PackLimits) -> Result<FramePlan, PolicyError>;
 
+    /// [`Policy::pack`], and whether the policy was entered to answer:
+    /// false for an answer from a memo. The default enters it every time.
+    fn pack_answer(
+        &self,
+        pieces: &[PieceInfo],
+        limits: &PackLimits,
+    ) -> (Result<FramePlan, PolicyError>, bool) {
+        (self.pack(pieces, limits), true)
+    }
+
     /// True if the policy answers from a memo keyed by
     /// `wasm::memo::encode`: the chain then encodes each request's key once
     /// for all such policies.

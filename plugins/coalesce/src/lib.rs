@@ -40,6 +40,9 @@ impl Policy for Coalesce {
             "small pieces share copied frames, large pieces go zero-copy, within the frame budget",
         )
         .packs()
+        // Its plan follows from the sizes and limits alone: the host
+        // memoizes it.
+        .pure()
     }
 
     fn pack(pieces: &[PieceInfo], limits: &PackLimits) -> Result<FramePlan, PolicyError> {

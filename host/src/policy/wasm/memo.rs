@@ -38,11 +38,13 @@ use std::sync::Mutex;
 use rustc_hash::FxBuildHasher;
 
 use crate::batch::Field;
-use crate::plan::{Piece, SelectionPlan};
+use crate::plan::{Frame, FramePlan, PackLimits, Piece, PieceInfo, SelectionPlan};
 use crate::policy::PolicyError;
 
 /// Longest position list kept in a key (constant strides have no limit).
 pub const MAX_KEY_POSITIONS: usize = 64;
+/// Most pieces a memoized `pack` call may have.
+pub const MAX_KEY_PIECES: usize = 64;
 /// Largest plan kept, in row numbers listed by its pieces.
 pub const MAX_PLAN_WORDS: usize = 64;
 /// Entries before the memo is emptied, by default.
@@ -112,11 +114,56 @@ fn plan_words(plan: &SelectionPlan) -> usize {
         .sum()
 }
 
+/// An answer a pure policy may have kept for it: a selection answer
+/// ([`SelectAnswer`]) or a packing one ([`PackAnswer`]).
+pub trait Kept: Clone {
+    /// True if the answer is worth keeping: a plan or a decline (never a
+    /// fault or `failed`), and small.
+    fn keep(&self) -> bool;
+}
+
+/// A `select` answer, as memoized.
+pub type SelectAnswer = Result<SelectionPlan, PolicyError>;
+/// A `pack` answer, as memoized.
+pub type PackAnswer = Result<FramePlan, PolicyError>;
+
+/// A kept decline or a fault, as [`Kept::keep`] sees it.
+fn keeps_error(e: &PolicyError) -> bool {
+    match e {
+        PolicyError::NotApplicable | PolicyError::InvalidInput(_) => true,
+        PolicyError::Failed(_) | PolicyError::Fault(_) => false,
+    }
+}
+
+impl Kept for SelectAnswer {
+    fn keep(&self) -> bool {
+        match self {
+            Ok(plan) => plan_words(plan) <= MAX_PLAN_WORDS,
+            Err(e) => keeps_error(e),
+        }
+    }
+}
+
+impl Kept for PackAnswer {
+    fn keep(&self) -> bool {
+        match self {
+            Ok(plan) => {
+                let words = plan.frames.iter().map(|f| match f {
+                    Frame::Single(_) => 1,
+                    Frame::Coalesced(p) => p.len(),
+                });
+                words.sum::<usize>() <= MAX_PLAN_WORDS
+            }
+            Err(e) => keeps_error(e),
+        }
+    }
+}
+
 /// An answer a pure policy gave, by its encoded key.
-type Answers = HashMap<Box<[u64]>, Result<SelectionPlan, PolicyError>, FxBuildHasher>;
+type Answers<A> = HashMap<Box<[u64]>, A, FxBuildHasher>;
 
 /// The memo, locked for a run of lookups or insertions.
-pub struct Locked<'a>(std::sync::MutexGuard<'a, Generations>, usize);
+pub struct Locked<'a, A = SelectAnswer>(std::sync::MutexGuard<'a, Generations<A>>, usize);
 
 /// The answers, in two generations: new answers go to `current`; when it
 /// holds half the capacity it becomes `previous` (the older generation is
@@ -125,15 +172,24 @@ pub struct Locked<'a>(std::sync::MutexGuard<'a, Generations>, usize);
 /// still answered, however many keys pass through in all (emptying one map
 /// at capacity answered nothing once the keys in use outgrew it: 0 hits in
 /// `stowd plugin bench`, whose suite has more cases than the default).
-#[derive(Debug, Default)]
-pub struct Generations {
-    current: Answers,
-    previous: Answers,
+#[derive(Debug)]
+pub struct Generations<A> {
+    current: Answers<A>,
+    previous: Answers<A>,
 }
 
-impl Locked<'_> {
+impl<A> Default for Generations<A> {
+    fn default() -> Self {
+        Generations {
+            current: HashMap::default(),
+            previous: HashMap::default(),
+        }
+    }
+}
+
+impl<A: Kept> Locked<'_, A> {
     /// The answer given before for `key`, if any.
-    pub fn get(&mut self, key: &[u64]) -> Option<Result<SelectionPlan, PolicyError>> {
+    pub fn get(&mut self, key: &[u64]) -> Option<A> {
         if let Some(hit) = self.0.current.get(key) {
             return Some(hit.clone());
         }
@@ -142,7 +198,7 @@ impl Locked<'_> {
         Some(hit)
     }
 
-    fn insert(&mut self, key: Box<[u64]>, answer: Result<SelectionPlan, PolicyError>) {
+    fn insert(&mut self, key: Box<[u64]>, answer: A) {
         let half = self.1.div_ceil(2);
         let g = &mut *self.0;
         if g.current.len() >= half {
@@ -152,13 +208,8 @@ impl Locked<'_> {
     }
 
     /// Keeps `answer` for `key` if it is a plan or a decline, and small.
-    pub fn put(&mut self, key: &[u64], answer: &Result<SelectionPlan, PolicyError>) {
-        let keep = match answer {
-            Ok(plan) => plan_words(plan) <= MAX_PLAN_WORDS,
-            Err(PolicyError::NotApplicable | PolicyError::InvalidInput(_)) => true,
-            Err(PolicyError::Failed(_) | PolicyError::Fault(_)) => false,
-        };
-        if !keep || self.1 == 0 {
+    pub fn put(&mut self, key: &[u64], answer: &A) {
+        if !answer.keep() || self.1 == 0 {
             return;
         }
         self.insert(key.into(), answer.clone());
@@ -166,17 +217,23 @@ impl Locked<'_> {
 }
 
 /// The answers a pure policy gave, by key.
-#[derive(Debug, Default)]
-pub struct Memo {
-    map: Mutex<Generations>,
+#[derive(Debug)]
+pub struct Memo<A = SelectAnswer> {
+    map: Mutex<Generations<A>>,
     capacity: usize,
 }
 
-impl Memo {
+impl<A> Default for Memo<A> {
+    fn default() -> Self {
+        Memo::new(0)
+    }
+}
+
+impl<A> Memo<A> {
     /// A memo of at most `capacity` answers (0: keeps nothing).
-    pub fn new(capacity: usize) -> Memo {
+    pub fn new(capacity: usize) -> Memo<A> {
         Memo {
-            map: Mutex::default(),
+            map: Mutex::new(Generations::default()),
             capacity,
         }
     }
@@ -187,21 +244,11 @@ impl Memo {
     }
 
     /// Locks the memo for a run of lookups or insertions (one request's).
-    pub fn lock(&self) -> Locked<'_> {
+    pub fn lock(&self) -> Locked<'_, A> {
         Locked(
             self.map.lock().unwrap_or_else(|p| p.into_inner()),
             self.capacity,
         )
-    }
-
-    /// The answer given before for `key`, if any.
-    pub fn get(&self, key: &[u64]) -> Option<Result<SelectionPlan, PolicyError>> {
-        self.lock().get(key)
-    }
-
-    /// Keeps `answer` for `key` if it is a plan or a decline, and small.
-    pub fn put(&self, key: &[u64], answer: &Result<SelectionPlan, PolicyError>) {
-        self.lock().put(key, answer)
     }
 
     /// Entries held.
@@ -219,6 +266,41 @@ impl Memo {
     pub fn clear(&self) {
         *self.map.lock().unwrap_or_else(|p| p.into_inner()) = Generations::default();
     }
+}
+
+impl<A: Kept> Memo<A> {
+    /// The answer given before for `key`, if any.
+    pub fn get(&self, key: &[u64]) -> Option<A> {
+        self.lock().get(key)
+    }
+
+    /// Keeps `answer` for `key` if it is a plan or a decline, and small.
+    pub fn put(&self, key: &[u64], answer: &A) {
+        self.lock().put(key, answer)
+    }
+}
+
+/// Appends the key of a `pack` call to `out` and returns true, or returns
+/// false (leaving `out` as it was) when it has more than
+/// [`MAX_KEY_PIECES`] pieces (then it is not memoized). The key is all a
+/// packing policy sees: the limits, then each piece's length and whether
+/// it is contiguous, so two calls share a key only if they are the same
+/// call.
+pub fn encode_pack(pieces: &[PieceInfo], limits: &PackLimits, out: &mut Vec<u64>) -> bool {
+    if pieces.len() > MAX_KEY_PIECES {
+        return false;
+    }
+    out.reserve(4 + 2 * pieces.len());
+    out.extend_from_slice(&[
+        u64::from(limits.max_frames),
+        limits.max_frame_bytes,
+        limits.small_threshold,
+        pieces.len() as u64,
+    ]);
+    for p in pieces {
+        out.extend_from_slice(&[p.byte_len, u64::from(p.contiguous)]);
+    }
+    true
 }
 
 #[cfg(test)]
@@ -295,7 +377,7 @@ mod tests {
         assert!(memo.len() <= DEFAULT_ENTRIES);
         // Keys in use stay answered while ten times the capacity of other
         // keys passes through.
-        let memo = Memo::new(64);
+        let memo: Memo = Memo::new(64);
         let hot: Vec<Vec<u64>> = (0..8).map(key).collect();
         for k in &hot {
             memo.put(k, &Err(PolicyError::NotApplicable));
@@ -311,8 +393,73 @@ mod tests {
         assert!(memo.get(&key(1000)).is_none());
         memo.clear();
         assert!(memo.is_empty());
-        let off = Memo::new(0);
+        let off: Memo = Memo::new(0);
         off.put(&key(1), &Err(PolicyError::NotApplicable));
         assert!(!off.enabled() && off.is_empty());
+    }
+
+    /// A pack key holds the limits and every piece's length and
+    /// contiguity; more than `MAX_KEY_PIECES` pieces give none. Only small
+    /// plans and declines are kept.
+    #[test]
+    fn a_pack_key_loses_nothing_and_only_small_answers_are_kept() {
+        let limits = PackLimits {
+            max_frames: 8,
+            max_frame_bytes: 1 << 20,
+            small_threshold: 0,
+        };
+        let key = |pieces: &[PieceInfo], limits: &PackLimits| {
+            let mut out = vec![];
+            encode_pack(pieces, limits, &mut out).then_some(out)
+        };
+        let four = vec![PieceInfo::contiguous(64); 4];
+        let k = key(&four, &limits).unwrap();
+        assert_eq!(key(&four, &limits), Some(k.clone()));
+        let mut other = four.clone();
+        other[1].contiguous = false;
+        assert_ne!(key(&other, &limits), Some(k.clone()));
+        other = four.clone();
+        other[3].byte_len = 65;
+        assert_ne!(key(&other, &limits), Some(k.clone()));
+        assert_ne!(key(&four[..3], &limits), Some(k.clone()));
+        for changed in [
+            PackLimits {
+                max_frames: 9,
+                ..limits
+            },
+            PackLimits {
+                max_frame_bytes: 1,
+                ..limits
+            },
+            PackLimits {
+                small_threshold: 1,
+                ..limits
+            },
+        ] {
+            assert_ne!(key(&four, &changed), Some(k.clone()));
+        }
+        assert!(key(&vec![PieceInfo::contiguous(1); MAX_KEY_PIECES], &limits).is_some());
+        assert_eq!(
+            key(&vec![PieceInfo::contiguous(1); MAX_KEY_PIECES + 1], &limits),
+            None
+        );
+
+        let memo: Memo<PackAnswer> = Memo::new(4);
+        let small = FramePlan::one_per_piece(4);
+        memo.put(&k, &Ok(small.clone()));
+        assert_eq!(memo.get(&k), Some(Ok(small)));
+        let big = FramePlan::one_per_piece(MAX_PLAN_WORDS + 1);
+        let faults = [
+            Err(PolicyError::Failed("no".into())),
+            Err(PolicyError::Fault(crate::policy::Fault::Timeout)),
+            Ok(big),
+        ];
+        for (i, answer) in faults.iter().enumerate() {
+            let other = [i as u64];
+            memo.put(&other, answer);
+            assert_eq!(memo.get(&other), None, "{answer:?}");
+        }
+        memo.put(&[9], &Err(PolicyError::NotApplicable));
+        assert_eq!(memo.get(&[9]), Some(Err(PolicyError::NotApplicable)));
     }
 }
