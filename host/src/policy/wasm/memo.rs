@@ -31,6 +31,14 @@
 //! Only plans and `not-applicable` / `invalid-input` answers are kept:
 //! faults and `failed` are never memoized, and the chain validates a
 //! memoized plan again like any other.
+//!
+//! A pure policy's `pack` answers have a memo of their own, of the same
+//! capacity ([`Memo`] is generic over the answer): a packing policy sees
+//! only the limits and each piece's length and contiguity, and that is the
+//! key ([`encode_pack`]), for calls of at most [`MAX_KEY_PIECES`] pieces; a
+//! plan of more than [`MAX_PLAN_WORDS`] piece indexes is not kept. So it
+//! holds at most about `entries * ((4 + 2 * MAX_KEY_PIECES +
+//! MAX_PLAN_WORDS) * 8 + 200)` bytes (450 KiB at the default).
 
 use std::collections::HashMap;
 use std::sync::Mutex;
