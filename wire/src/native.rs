@@ -638,10 +638,10 @@ pub enum GetIndexes<'a> {
 /// [`encode_request_head`] writes for the same [`Op::Get`] (or
 /// [`RequestHead::GetList`]), from borrowed names (a client asks with the
 /// names it keeps to check the reply).
-pub fn encode_get_head(
+pub fn encode_get_head<S: AsRef<str>>(
     id: u64,
     global_indexes: GetIndexes<'_>,
-    fields: &[String],
+    fields: &[S],
 ) -> Result<Bytes, Error> {
     encode::get_head(id, global_indexes, fields)
 }
@@ -706,7 +706,10 @@ pub fn encode_reply_gathered(
 /// itself, `fields` saying where each field's rows lie in them (a router
 /// forwarding a peer unit's rows while they arrive): what
 /// [`decode_reply_layout`] reads back.
-pub fn encode_get_ok_head(id: u64, fields: &[(String, FieldLayout)]) -> Result<Bytes, Error> {
+pub fn encode_get_ok_head<N: AsRef<str>>(
+    id: u64,
+    fields: &[(N, FieldLayout)],
+) -> Result<Bytes, Error> {
     encode::get_ok_head(id, fields)
 }
 

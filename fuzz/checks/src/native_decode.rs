@@ -102,7 +102,7 @@ fn check_layout(frames: &[Bytes], limits: &Limits) {
             layout::check_frames(l, &lens).expect("a decoded get_ok's layout fits its frames");
             assert_eq!(fields.len(), l.len());
             for ((n1, f), (n2, fl)) in fields.iter().zip(l) {
-                assert_eq!((n1, f.rows()), (n2, fl.rows()));
+                assert_eq!((n1.as_str(), f.rows()), (&**n2, fl.rows()));
             }
         }
         (Ok(_), Ok((_, ReplyLayout::GetOk(_)))) => panic!("a get_ok layout for another reply"),

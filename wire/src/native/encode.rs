@@ -301,9 +301,9 @@ fn get_indexes(w: &mut Writer, ix: &Indexes) {
     }
 }
 
-fn strs(w: &mut Writer, values: &[String]) {
+fn strs<S: AsRef<str>>(w: &mut Writer, values: &[S]) {
     w.array(values.len());
-    values.iter().for_each(|v| w.str(v));
+    values.iter().for_each(|v| w.str(v.as_ref()));
 }
 
 /// Where a field's runs landed: inline for the one run a field of a
@@ -690,7 +690,10 @@ fn values_descriptor(w: &mut Writer, values: &[Value]) -> Result<(), Error> {
 }
 
 /// Frame 0 of a get_ok whose data frames the sender lays out itself.
-pub(super) fn get_ok_head(id: u64, fields: &[(String, FieldLayout)]) -> Result<Bytes, Error> {
+pub(super) fn get_ok_head<N: AsRef<str>>(
+    id: u64,
+    fields: &[(N, FieldLayout)],
+) -> Result<Bytes, Error> {
     let mut w = envelope("get_ok", id);
     w.map(1);
     w.str("fields");
@@ -760,7 +763,11 @@ pub(super) fn request_head(id: u64, head: &RequestHead) -> Result<Bytes, Error> 
 }
 
 /// Frame 0 of a get (see [`super::encode_get_head`]).
-pub(super) fn get_head(id: u64, ix: GetIndexes<'_>, fields: &[String]) -> Result<Bytes, Error> {
+pub(super) fn get_head<S: AsRef<str>>(
+    id: u64,
+    ix: GetIndexes<'_>,
+    fields: &[S],
+) -> Result<Bytes, Error> {
     let mut w = envelope("get", id);
     w.map(2);
     w.str("global_indexes");

@@ -107,12 +107,15 @@ impl FieldLayout {
 /// Checks the ranges of `fields` against the lengths of the data frames
 /// that arrived (`frame_lens[i]` is data frame `i + 1`): every range inside
 /// its frame, every frame used, as [`super::decode_reply`] checks them.
-pub fn check_frames(fields: &[(String, FieldLayout)], frame_lens: &[u64]) -> Result<(), Error> {
+pub fn check_frames<N: AsRef<str>>(
+    fields: &[(N, FieldLayout)],
+    frame_lens: &[u64],
+) -> Result<(), Error> {
     let mut used = vec![false; frame_lens.len()];
     for (name, f) in fields {
         for (frame, offset, len) in f.ranges() {
             let in_field = |e: Error| Error::InField {
-                field: name.clone(),
+                field: name.as_ref().to_owned(),
                 inner: Box::new(e),
             };
             if frame == 0 || frame > frame_lens.len() as u64 {
@@ -140,9 +143,13 @@ pub fn check_frames(fields: &[(String, FieldLayout)], frame_lens: &[u64]) -> Res
 }
 
 /// A reply from frame 0: a `get_ok`'s layout, or any other reply whole.
+/// A `get_ok`'s field names are this thread's shared names
+/// ([`crate::names::shared_name`]): a get's fields are named again and
+/// again, and a `String` a field of every reply was an allocation and a
+/// free each (past glibc's per-thread cache for a get of many fields).
 #[derive(Clone, Debug, PartialEq)]
 pub enum ReplyLayout {
-    GetOk(Vec<(String, FieldLayout)>),
+    GetOk(Vec<(std::sync::Arc<str>, FieldLayout)>),
     Other(Reply),
 }
 

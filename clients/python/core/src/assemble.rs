@@ -252,7 +252,7 @@ pub(crate) enum Made {
 /// field's result (its dtype: None for values), in reply order.
 pub(crate) struct Assembled {
     pub(crate) bases: Vec<Base>,
-    pub(crate) fields: Vec<(String, Option<Dtype>, Made)>,
+    pub(crate) fields: Vec<(Arc<str>, Option<Dtype>, Made)>,
 }
 
 /// A list of names as Python writes it (the client's words).
@@ -264,12 +264,12 @@ fn py_names<S: AsRef<str>>(names: &[S]) -> String {
 /// Checks a get_ok against the request: the fields asked for, in order,
 /// each of `n` rows.
 pub(crate) fn check_request(
-    fields: &[(String, FieldLayout)],
-    names: &[String],
+    fields: &[(Arc<str>, FieldLayout)],
+    names: &[Arc<str>],
     n: u64,
 ) -> Result<(), Fail> {
-    if fields.len() != names.len() || fields.iter().zip(names).any(|((a, _), b)| a != b) {
-        let got: Vec<&str> = fields.iter().map(|(n, _)| n.as_str()).collect();
+    if fields.len() != names.len() || fields.iter().zip(names).any(|((a, _), b)| **a != **b) {
+        let got: Vec<&str> = fields.iter().map(|(n, _)| &**n).collect();
         return Err(Fail::Protocol(format!(
             "get_ok has fields {}, requested {}",
             py_names(&got),
@@ -299,7 +299,7 @@ impl Assembled {
     /// buffer of its own, rows back to back in row order (`buffers`: one
     /// per regular or nested field, in order).
     pub(crate) fn from_received(
-        fields: Vec<(String, FieldLayout)>,
+        fields: Vec<(Arc<str>, FieldLayout)>,
         buffers: Vec<Vec<u8>>,
         starts: &[(usize, usize)],
         opts: &GetOptions,
@@ -479,7 +479,7 @@ impl Assembled {
                 Made::Values(_) => unreachable!("values have no dtype"),
             };
             if tensor.is_none() && opts.finish(dtype) != Finish::Arrays {
-                glue.append((&name, dtype.name()))?;
+                glue.append((&*name, dtype.name()))?;
             }
             out.set_item(opts.key(py, &name), value)?;
         }
@@ -734,7 +734,7 @@ impl InMemory<'_> {
     /// places [`NOWHERE`] until then).
     pub(crate) fn assemble(
         &self,
-        fields: Vec<(String, FieldLayout)>,
+        fields: Vec<(Arc<str>, FieldLayout)>,
         mut bases: Vec<Base>,
         opts: &GetOptions,
         private: bool,

@@ -165,7 +165,7 @@ pub fn decode_reply<'py>(py: Python<'py>, frame0: &[u8]) -> PyResult<Bound<'py, 
         ReplyLayout::GetOk(fields) => {
             let descs = PyDict::new(py);
             for (name, field) in &fields {
-                descs.set_item(name, descriptor(py, field)?)?;
+                descs.set_item(&**name, descriptor(py, field)?)?;
             }
             body.set_item("fields", descs)?;
             "get_ok"

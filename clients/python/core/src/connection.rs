@@ -11,6 +11,7 @@
 use std::io::IoSlice;
 use std::net::TcpStream;
 use std::os::unix::net::UnixStream;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -150,7 +151,7 @@ pub(crate) struct Connection {
     /// greeting says CURVE.
     curve: Option<CurveKeys>,
     /// The get `start_get` sent, for `finish_get`: its id, fields, rows.
-    started: Option<(u64, Vec<String>, u64)>,
+    started: Option<(u64, Vec<Arc<str>>, u64)>,
     /// How [`Connection::reply_ready_spin`] polls (its window is `spin`).
     loop_spin: Spin,
     /// The get_into `start_get_into` sent, for `finish_get_into`.
@@ -619,6 +620,10 @@ impl Connection {
         shm: ShmArg<'py>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let id = id_of(frame0)?;
+        let names: Vec<Arc<str>> = names
+            .iter()
+            .map(|n| stowage_wire::names::shared_name(n))
+            .collect();
         let asked = Asked {
             id,
             names: &names,
@@ -804,7 +809,7 @@ impl Connection {
         };
         let head = native::RequestHead::Other(native::Op::Clear {
             global_indexes: read.into_vec(),
-            fields: names,
+            fields: names.map(|names| names.iter().map(|n| n.to_string()).collect()),
         });
         let Ok(frame0) = native::encode_request_head(id, &head) else {
             return Ok(None);

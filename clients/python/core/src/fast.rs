@@ -25,9 +25,12 @@
 //! (numpy arrays or CPU torch tensors `.numpy()` shares memory with,
 //! writable, any strides, of a dtype numpy has, little-endian).
 
+use std::sync::Arc;
+
 use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PyString, PyTuple};
+use stowage_wire::names::shared_name;
 use stowage_wire::tensor::Dtype;
 
 use crate::assemble::RAW_BITS;
@@ -39,9 +42,9 @@ const SCAN_NAMES: usize = 16;
 
 /// Field names as a get or clear takes them: a `str`, or a non-empty list
 /// or tuple of distinct `str`s.
-pub(crate) fn read_names(obj: &Bound<'_, PyAny>) -> Option<Vec<String>> {
+pub(crate) fn read_names(obj: &Bound<'_, PyAny>) -> Option<Vec<Arc<str>>> {
     if let Ok(s) = obj.cast_exact::<PyString>() {
-        return Some(vec![s.to_str().ok()?.to_owned()]);
+        return Some(vec![shared_name(s.to_str().ok()?)]);
     }
     let items: Vec<Bound<'_, PyAny>> = if let Ok(list) = obj.cast_exact::<PyList>() {
         list.iter().collect()
@@ -53,7 +56,10 @@ pub(crate) fn read_names(obj: &Bound<'_, PyAny>) -> Option<Vec<String>> {
     if items.is_empty() {
         return None;
     }
-    let mut names: Vec<String> = Vec::with_capacity(items.len());
+    // This thread's shared names (`shared_name`): a get names the same
+    // fields again and again, and a `String` a name was an allocation and
+    // a free a field of every get.
+    let mut names: Vec<Arc<str>> = Vec::with_capacity(items.len());
     // Repeats found by a scan of the few names a small call asks for, by a
     // set past that: a scan of 32 names compared about 280 pairs a call.
     // foldhash, not SipHash: SipHash's setup and rounds were about 500
@@ -68,12 +74,12 @@ pub(crate) fn read_names(obj: &Bound<'_, PyAny>) -> Option<Vec<String>> {
         let s = item.cast_exact::<PyString>().ok()?.to_str().ok()?;
         let repeat = match &mut seen {
             Some(seen) => !seen.insert(s),
-            None => names.iter().any(|n| n == s),
+            None => names.iter().any(|n| **n == *s),
         };
         if repeat {
             return None;
         }
-        names.push(s.to_owned());
+        names.push(shared_name(s));
     }
     Some(names)
 }
@@ -156,7 +162,7 @@ impl GetIx {
     pub(crate) fn frame0(
         &self,
         id: u64,
-        names: &[String],
+        names: &[Arc<str>],
     ) -> Result<bytes::Bytes, stowage_wire::native::Error> {
         use stowage_wire::native::{GetIndexes, encode_get_head};
         let ix = match self {
@@ -173,7 +179,7 @@ pub(crate) fn get_head(
     indexes: &Bound<'_, PyAny>,
     fields: &Bound<'_, PyAny>,
     ranges: bool,
-) -> Option<(u64, Vec<String>, GetIx)> {
+) -> Option<(u64, Vec<Arc<str>>, GetIx)> {
     let names = read_names(fields)?;
     let read = read_runs(indexes)?;
     let n = read.len();

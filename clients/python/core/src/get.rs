@@ -5,6 +5,7 @@
 
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
+use std::sync::Arc;
 use stowage_wire::native::FieldLayout;
 
 use crate::assemble::{Assembled, GetOptions, check_request};
@@ -42,7 +43,7 @@ impl Reply {
 /// What a get asked: its request id, the fields, how many rows.
 pub(crate) struct Asked<'a> {
     pub(crate) id: u64,
-    pub(crate) names: &'a [String],
+    pub(crate) names: &'a [Arc<str>],
     pub(crate) rows: u64,
 }
 
@@ -81,7 +82,7 @@ pub(crate) fn get_reply(
 /// Checks a get_ok against the request (its id, fields and rows).
 pub(crate) fn check_answer(
     id: u64,
-    fields: &[(String, FieldLayout)],
+    fields: &[(Arc<str>, FieldLayout)],
     asked: &Asked<'_>,
 ) -> Result<(), Fail> {
     if id != asked.id {

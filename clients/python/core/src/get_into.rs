@@ -15,6 +15,7 @@
 //! GB/s straight into place, 2.03 through the scratch buffer; 4 KiB rows:
 //! 2.63 against 2.15; docs/benchmarks.md, "get_into a strided array").
 
+use std::sync::Arc;
 use stowage_wire::native::{FieldLayout, PartLayout};
 
 use crate::buffer::Held;
@@ -196,12 +197,12 @@ pub(crate) type Checked<'f> = (&'f [PartLayout], u64);
 /// Checks every target against its field of the reply (kind, dtype,
 /// shape, bytes), before any byte is written: each one's field's parts.
 pub(crate) fn check_targets<'f>(
-    fields: &'f [(String, FieldLayout)],
+    fields: &'f [(Arc<str>, FieldLayout)],
     targets: &[Target],
 ) -> Result<Vec<Checked<'f>>, Fail> {
     let mut out = Vec::with_capacity(targets.len());
     for t in targets {
-        let Some((_, f)) = fields.iter().find(|(n, _)| *n == t.name) else {
+        let Some((_, f)) = fields.iter().find(|(n, _)| **n == *t.name) else {
             return Err(Fail::Protocol(format!(
                 "the reply has no field {:?}",
                 t.name
@@ -289,7 +290,7 @@ pub(crate) fn reply_into(s: &mut Stream, targets: &[Target]) -> Result<Option<Ot
 /// straight into `targets`, each checked first.
 pub(crate) fn receive_into(
     s: &mut Stream,
-    fields: &[(String, FieldLayout)],
+    fields: &[(Arc<str>, FieldLayout)],
     more: bool,
     targets: &[Target],
 ) -> Result<(), Fail> {

@@ -5,6 +5,7 @@
 
 use bytes::Bytes;
 use smallvec::SmallVec;
+use std::sync::Arc;
 use stowage_wire::native::{self, FieldLayout, ReplyLayout, layout};
 
 use crate::error::Fail;
@@ -55,7 +56,7 @@ pub(crate) type Other = (Vec<u8>, Option<String>);
 
 /// A get_ok's frame 0: the request id it answers, its fields' layout,
 /// whether data frames follow, and the frame itself.
-pub(crate) type Head = (u64, Vec<(String, FieldLayout)>, bool, Bytes);
+pub(crate) type Head = (u64, Vec<(Arc<str>, FieldLayout)>, bool, Bytes);
 
 /// Reads a reply's frame 0: a get_ok's layout, or (the rest drained) any
 /// other reply.
@@ -192,7 +193,7 @@ pub(crate) fn read_frames(
     s: &mut Stream,
     mut more: bool,
     places: &mut Places,
-    fields: &[(String, FieldLayout)],
+    fields: &[(Arc<str>, FieldLayout)],
 ) -> Result<(), Fail> {
     // The data frames, each read straight into its places: those of
     // frame k+1 are the next stretch of the sorted list (stable: places

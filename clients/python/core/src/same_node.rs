@@ -207,7 +207,7 @@ impl Resolved {
 enum Answer {
     /// A get_ok with segments: its request id, fields, and the segments
     /// mapped and checked.
-    Mapped(u64, Vec<(String, FieldLayout)>, Resolved),
+    Mapped(u64, Vec<(Arc<str>, FieldLayout)>, Resolved),
     /// A get_ok without segments, its data frames still on the socket.
     Plain(Head),
     /// Any other reply.
@@ -302,7 +302,7 @@ pub(crate) fn get_into(
 
 /// The result of a get_ok whose frames are `r` (see the module doc).
 fn assemble(
-    fields: Vec<(String, FieldLayout)>,
+    fields: Vec<(Arc<str>, FieldLayout)>,
     r: &Resolved,
     opts: &GetOptions,
 ) -> Result<Assembled, Fail> {

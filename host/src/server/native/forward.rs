@@ -58,7 +58,7 @@ struct Source {
     /// Its data frames so far (data frame `j` is `frames[j - 1]`).
     frames: Vec<Bytes>,
     /// Per field: its frame 0's layout.
-    layout: Vec<(String, FieldLayout)>,
+    layout: Vec<(std::sync::Arc<str>, FieldLayout)>,
 }
 
 impl Source {
@@ -153,7 +153,7 @@ impl NativeService {
                 Some(l)
                     if l.len() == fields.len()
                         && l.iter().zip(&fields).all(|((name, f), want)| {
-                            name == want && f.rows() == s.positions.len() as u64
+                            **name == **want && f.rows() == s.positions.len() as u64
                         }) =>
                 {
                     s.layout = l

@@ -29,7 +29,7 @@ pub(in crate::native) fn reply_layout(
     const MAP: &str = "a get_ok body";
     let mut fields = None;
     keyed(&mut r, MAP, ["fields"], |_, r| {
-        named_map(r, limits, str::to_owned, |r| {
+        named_map(r, limits, crate::names::shared_name, |r| {
             parse_descriptor(r, frame0, limits)
         })
         .map(|f| fields = Some(f))
@@ -169,7 +169,7 @@ pub(in crate::native) fn reply(frames: &[Bytes], limits: &Limits) -> Result<(u64
 }
 
 /// Every field of a get_ok has the same number of rows as the first.
-fn same_rows<T>(fields: &[(String, T)], rows: impl Fn(&T) -> u64) -> Result<(), Error> {
+fn same_rows<N: AsRef<str>, T>(fields: &[(N, T)], rows: impl Fn(&T) -> u64) -> Result<(), Error> {
     if let Some((_, first)) = fields.first() {
         let expected = rows(first);
         if let Some((name, f)) = fields.iter().find(|(_, f)| rows(f) != expected) {
@@ -177,7 +177,7 @@ fn same_rows<T>(fields: &[(String, T)], rows: impl Fn(&T) -> u64) -> Result<(), 
                 rows: rows(f),
                 expected,
             }
-            .in_field(name));
+            .in_field(name.as_ref()));
         }
     }
     Ok(())
