@@ -617,4 +617,30 @@ fn a_pure_packing_plugin_answers_a_call_it_has_answered_from_its_memo() {
     let off = counts(&reg_off, "coalesce");
     assert_eq!(off[1], off[0]);
     assert_eq!(off[2], 0);
+
+    // The next field of a get asking the same: the decision before, again,
+    // counted as the memo hit it would have been (a call, a hit, a plan).
+    let timed = stowage_host::policy::chain::PolicyTime::start();
+    for (pieces, limits) in &cases {
+        let first = pack.pack(pieces, limits).unwrap();
+        let before = counts(&reg, "coalesce");
+        let again = pack.pack_repeat(pieces, limits, &timed, &first).unwrap();
+        assert_eq!((&again.plan, &again.by), (&first.plan, &first.by));
+        let after = counts(&reg, "coalesce");
+        let d: Vec<u64> = (0..5).map(|k| after[k] - before[k]).collect();
+        assert_eq!(d, [1, 0, 1, 1, 0]);
+    }
+    // Where asking would enter the plugin, it is asked: memo off, or more
+    // pieces than a memo keeps.
+    let first = pack_off.pack(&four, &limits).unwrap();
+    let before = counts(&reg_off, "coalesce");
+    pack_off
+        .pack_repeat(&four, &limits, &timed, &first)
+        .unwrap();
+    assert_eq!(counts(&reg_off, "coalesce")[1], before[1] + 1);
+    let first = pack.pack(&many, &limits).unwrap();
+    let before = counts(&reg, "coalesce");
+    let again = pack.pack_repeat(&many, &limits, &timed, &first).unwrap();
+    assert_eq!(again.plan, first.plan);
+    assert_eq!(counts(&reg, "coalesce")[1], before[1] + 1);
 }

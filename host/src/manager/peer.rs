@@ -18,7 +18,8 @@ use std::sync::{Arc, Weak};
 use bytes::Bytes;
 
 use crate::extent::Received;
-use crate::plan::{Frame, PackLimits, PieceInfo};
+use crate::plan::{Frame, FramePlan, PackLimits, PieceInfo};
+use crate::policy::chain::{Chain, Decision};
 use crate::policy::registry::Registry;
 use crate::store::{Column, ColumnRef, PutField, Rows};
 use crate::transport::{Message, Peer};
@@ -121,6 +122,7 @@ pub fn frame_layout<N: AsRef<str>>(
     limits.max_frames = (limits.max_frames / tensor_fields as u32).max(1);
     // Every field's packing decision counted in the policy time at once.
     let timed = crate::policy::chain::PolicyTime::start();
+    let mut last: Option<(&Chain, Pieces<PieceInfo>, Decision<FramePlan>)> = None;
     for (i, (name, field)) in fields.iter().enumerate() {
         // Inline: a field of a small get is a piece or a few, and two lists
         // made and freed a field were about 500 instructions of each.
@@ -202,16 +204,28 @@ pub fn frame_layout<N: AsRef<str>>(
                 .unzip(),
             native::WireField::Values(_) => continue,
         };
-        match registry
-            .pack_chain(name.as_ref())
-            .pack_within(&pieces, &limits, &timed)
-        {
-            Ok(d) => frames.extend(d.plan.frames.iter().map(|f| match f {
-                Frame::Single(k) => smallvec::smallvec![slices[*k as usize]],
-                Frame::Coalesced(ks) => ks.iter().map(|k| slices[*k as usize]).collect(),
-            })),
+        let chain = registry.pack_chain(name.as_ref());
+        // The field before's decision, when this field asks the same chain
+        // the same thing (`Chain::pack_repeat`).
+        let decided = match &last {
+            Some((c, p, d)) if std::ptr::eq(*c, chain) && *p == pieces => {
+                chain.pack_repeat(&pieces, &limits, &timed, d)
+            }
+            _ => chain.pack_within(&pieces, &limits, &timed),
+        };
+        match decided {
+            Ok(d) => {
+                frames.extend(d.plan.frames.iter().map(|f| match f {
+                    Frame::Single(k) => smallvec::smallvec![slices[*k as usize]],
+                    Frame::Coalesced(ks) => ks.iter().map(|k| slices[*k as usize]).collect(),
+                }));
+                last = Some((chain, pieces, d));
+            }
             // No plan within the budget: one frame per piece.
-            Err(_) => frames.extend(slices.into_iter().map(|s| smallvec::smallvec![s])),
+            Err(_) => {
+                frames.extend(slices.into_iter().map(|s| smallvec::smallvec![s]));
+                last = None;
+            }
         }
     }
     native::FrameLayout { frames }

@@ -176,6 +176,12 @@ pub trait Policy: Send + Sync {
         false
     }
 
+    /// True if [`Policy::pack_answer`] answers a call it answered before
+    /// from a memo, without entering the policy.
+    fn memoizes_pack(&self) -> bool {
+        false
+    }
+
     /// Drops any state kept between calls (a sandbox instance), so the next
     /// call starts fresh. Called when a disabled plugin is re-enabled.
     fn reset(&self) {}

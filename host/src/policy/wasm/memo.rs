@@ -155,16 +155,20 @@ impl Kept for SelectAnswer {
 impl Kept for PackAnswer {
     fn keep(&self) -> bool {
         match self {
-            Ok(plan) => {
-                let words = plan.frames.iter().map(|f| match f {
-                    Frame::Single(_) => 1,
-                    Frame::Coalesced(p) => p.len(),
-                });
-                words.sum::<usize>() <= MAX_PLAN_WORDS
-            }
+            Ok(plan) => keeps_frame_plan(plan),
             Err(e) => keeps_error(e),
         }
     }
+}
+
+/// Whether a pack memo keeps `plan`: at most [`MAX_PLAN_WORDS`] piece
+/// indexes.
+pub fn keeps_frame_plan(plan: &FramePlan) -> bool {
+    let words = plan.frames.iter().map(|f| match f {
+        Frame::Single(_) => 1,
+        Frame::Coalesced(p) => p.len(),
+    });
+    words.sum::<usize>() <= MAX_PLAN_WORDS
 }
 
 /// An answer a pure policy gave, by its encoded key.

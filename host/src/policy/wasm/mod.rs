@@ -618,6 +618,10 @@ impl Policy for WasmPolicy {
         self.description.pure && self.memo.enabled()
     }
 
+    fn memoizes_pack(&self) -> bool {
+        self.description.pure && self.pack_memo.enabled()
+    }
+
     fn reset(&self) {
         *self.instance.lock().unwrap_or_else(|p| p.into_inner()) = None;
     }
