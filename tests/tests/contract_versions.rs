@@ -644,3 +644,63 @@ fn a_pure_packing_plugin_answers_a_call_it_has_answered_from_its_memo() {
     assert_eq!(again.plan, first.plan);
     assert_eq!(counts(&reg, "coalesce")[1], before[1] + 1);
 }
+
+/// A plugin that says it is pure and packs the same call differently each
+/// time (`pure-varying-pack`: one frame per piece, then all in one frame,
+/// then an invalid plan, in turn). With the memo, a call it has answered
+/// gets that first answer again, without entering it; an answer is
+/// validated on every hit, so the invalid one, memoized, is a fault each
+/// time it comes back and the built-in's plan goes out instead. Without
+/// the memo every call enters it and its answers vary, the invalid one a
+/// fault too.
+#[test]
+fn a_pure_packing_plugin_that_varies_is_answered_from_its_memo_and_validated_each_time() {
+    use stowage_host::plan::{FramePlan, PackLimits, PieceInfo};
+    let path = hostile("pure-varying-pack");
+    let limits = PackLimits {
+        max_frames: 64,
+        max_frame_bytes: 1 << 20,
+        small_threshold: 0,
+    };
+    let pieces = |n: usize| vec![PieceInfo::contiguous(64); n];
+    let plugin = || DecidedBy::Plugin("pure-varying-pack".into());
+    let fallback = || DecidedBy::Fallback {
+        plugin: "pure-varying-pack".into(),
+    };
+    let one_per_piece = FramePlan::one_per_piece(4);
+    let coalesced = |n: u32| FramePlan::new(vec![plan::Frame::Coalesced((0..n).collect())]);
+
+    // Memo off: the answers vary, and the invalid one falls back.
+    let reg = registry(std::slice::from_ref(&path), 0);
+    let c = chain(&reg, &["pure-varying-pack"], FailStrategy::Fallback, 0);
+    let got: Vec<_> = (0..3)
+        .map(|_| c.pack(&pieces(4), &limits).unwrap())
+        .collect();
+    assert_eq!((&got[0].plan, &got[0].by), (&one_per_piece, &plugin()));
+    assert_eq!((&got[1].plan, &got[1].by), (&coalesced(4), &plugin()));
+    assert_eq!(got[2].by, fallback());
+    assert_eq!(counts(&reg, "pure-varying-pack"), [3, 3, 0, 2, 1]);
+
+    // Memo on: a call answered before gets its first answer again.
+    let reg = registry(std::slice::from_ref(&path), 256);
+    let c = chain(&reg, &["pure-varying-pack"], FailStrategy::Fallback, 0);
+    for _ in 0..4 {
+        let d = c.pack(&pieces(4), &limits).unwrap();
+        assert_eq!((&d.plan, &d.by), (&one_per_piece, &plugin()));
+    }
+    assert_eq!(counts(&reg, "pure-varying-pack"), [4, 1, 3, 4, 0]);
+    // Two other calls enter it: its second answer (valid) and its third
+    // (invalid, kept by the memo all the same).
+    let d = c.pack(&pieces(2), &limits).unwrap();
+    assert_eq!((&d.plan, &d.by), (&coalesced(2), &plugin()));
+    let d = c.pack(&pieces(3), &limits).unwrap();
+    assert_eq!(d.by, fallback());
+    // The invalid answer, from the memo, is a fault again each time; the
+    // valid ones stay as they were.
+    for _ in 0..3 {
+        assert_eq!(c.pack(&pieces(3), &limits).unwrap().by, fallback());
+        let d = c.pack(&pieces(2), &limits).unwrap();
+        assert_eq!((&d.plan, &d.by), (&coalesced(2), &plugin()));
+    }
+    assert_eq!(counts(&reg, "pure-varying-pack"), [12, 3, 9, 8, 4]);
+}
