@@ -882,37 +882,34 @@ impl Chain {
                 // are made below. If a fault disables the plugin, the
                 // repeats left go on down the chain each on its own, as
                 // they would have had the plugin been asked about each.
-                match &c {
+                // (why, whether an invalid plan) of a faulting answer.
+                let fault = match &c {
                     Came::Plan(_) => {
                         let n = repeats.count(i);
                         counted.calls += u64::from(n);
                         counted.plans += u64::from(n);
                         settled += n as usize;
+                        None
                     }
-                    Came::Declined(_) => counted.calls += u64::from(repeats.count(i)),
-                    Came::Invalid(e) => {
-                        let why = format!("invalid plan: {e}");
-                        for d in repeats.of(i) {
-                            if st.disabled.load(Ordering::Relaxed) {
-                                repeats.release(i, d);
-                                break;
-                            }
-                            counted.calls += 1;
+                    Came::Declined(_) => {
+                        counted.calls += u64::from(repeats.count(i));
+                        None
+                    }
+                    Came::Invalid(e) => Some((format!("invalid plan: {e}"), true)),
+                    Came::Faulted(reason) => Some((reason.clone(), false)),
+                };
+                if let Some((why, invalid)) = fault {
+                    for d in repeats.of(i) {
+                        if st.disabled.load(Ordering::Relaxed) {
+                            repeats.release(i, d);
+                            break;
+                        }
+                        counted.calls += 1;
+                        if invalid {
                             st.invalid_plans.fetch_add(1, Ordering::Relaxed);
-                            outcomes[d] = Some(self.on_fault(loaded, &why)?);
-                            settled += 1;
                         }
-                    }
-                    Came::Faulted(reason) => {
-                        for d in repeats.of(i) {
-                            if st.disabled.load(Ordering::Relaxed) {
-                                repeats.release(i, d);
-                                break;
-                            }
-                            counted.calls += 1;
-                            outcomes[d] = Some(self.on_fault(loaded, reason)?);
-                            settled += 1;
-                        }
+                        outcomes[d] = Some(self.on_fault(loaded, &why)?);
+                        settled += 1;
                     }
                 }
                 came.push(c);
