@@ -42,6 +42,7 @@ use crate::plan::{self, Selected, SelectionPlan};
 use crate::policy::SelectRequest;
 use crate::policy::chain::{ChainError, DecidedBy, Decision, Shared};
 use crate::policy::registry::Registry;
+use crate::policy::replay::Shape;
 use crate::shm::{SegmentStore, ShmError};
 use crate::store::{Column, Columns, Piece, PutChecked, PutField, Rows, Seq, StoreError, Unit};
 use crate::tensor::Tensor;
@@ -507,16 +508,23 @@ impl Manager {
                 None => groups.push((at, smallvec::smallvec![f])),
             }
         }
-        // decisions[unit * fields + field], in one list.
+        // decisions[unit * fields + field], in one list: the group's
+        // decisions and the one taken for it (the chain's `Shared::Same`,
+        // one plan for the fields of one layout at a unit, resolved).
         let nf = fields.len();
-        let busy = routes.iter().filter(|r| !r.positions.is_empty()).count();
-        // A decision, or the slot of the one it repeats (the chain's
-        // `Shared::Same`: one plan for the fields of one layout at a unit).
-        let mut decisions: Vec<Option<Result<Decision<SelectionPlan>, usize>>> =
-            (0..routes.len() * nf).map(|_| None).collect();
+        let busy: SmallVec<[&[u64]; 8]> = routes
+            .iter()
+            .filter(|r| !r.positions.is_empty())
+            .map(|r| r.positions.as_slice())
+            .collect();
+        let mut decided: SmallVec<[Arc<[Shared]>; 2]> = SmallVec::new();
+        let mut decisions: Vec<Option<(u32, u32)>> = vec![None; routes.len() * nf];
         for (at, members) in &groups {
-            let mut requests = Vec::with_capacity(busy * members.len());
-            let mut slots = Vec::with_capacity(busy * members.len());
+            if busy.is_empty() {
+                break;
+            }
+            let mut requests = Vec::with_capacity(busy.len() * members.len());
+            let mut slots = Vec::with_capacity(busy.len() * members.len());
             for (u, route) in routes.iter().enumerate() {
                 if route.positions.is_empty() {
                     continue;
@@ -526,24 +534,30 @@ impl Manager {
                     slots.push(u * nf + f);
                 }
             }
-            if requests.is_empty() {
-                continue;
+            let chain = registry.select_chain_of(*at);
+            // The requests are the group's fields at each busy unit, in
+            // that order: their shape, for a put shaped like the last.
+            let shape = Shape::grid(
+                &chain.policies,
+                members.iter().map(|&f| &fields[f].1),
+                busy.iter().copied(),
+            );
+            let group = chain.select_many_shared(&requests, shape)?;
+            let g = decided.len() as u32;
+            for (k, (&slot, d)) in slots.iter().zip(group.iter()).enumerate() {
+                let of = match d {
+                    Shared::Decided(_) => k,
+                    Shared::Same(j) => *j,
+                };
+                decisions[slot] = Some((g, of as u32));
             }
-            let decided = registry
-                .select_chain_of(*at)
-                .select_many_shared(&requests)?;
-            for (&slot, d) in slots.iter().zip(decided) {
-                decisions[slot] = Some(match d {
-                    Shared::Decided(d) => Ok(d),
-                    Shared::Same(j) => Err(slots[j]),
-                });
-            }
+            decided.push(group);
         }
-        let decision = |slot: usize| match &decisions[slot] {
-            Some(Ok(d)) => Some(d),
-            Some(Err(at)) => match &decisions[*at] {
-                Some(Ok(d)) => Some(d),
-                _ => None,
+        drop(busy);
+        let decision = |slot: usize| match decisions[slot] {
+            Some((g, k)) => match &decided[g as usize][k as usize] {
+                Shared::Decided(d) => Some(d),
+                Shared::Same(_) => None,
             },
             None => None,
         };

@@ -14,8 +14,9 @@ use bytes::Bytes;
 use stowage_host::batch::Field;
 use stowage_host::plan;
 use stowage_host::policy::SelectRequest;
-use stowage_host::policy::chain::{Chain, ChainError, DecidedBy, FailStrategy, Loaded};
+use stowage_host::policy::chain::{Chain, ChainError, DecidedBy, FailStrategy, Loaded, Shared};
 use stowage_host::policy::registry::Registry;
+use stowage_host::policy::replay::Shape;
 use stowage_host::policy::wasm::SandboxLimits;
 use stowage_host::tensor::{Dtype, Tensor};
 use stowage_tests::client::stat;
@@ -433,6 +434,197 @@ fn repeated_requests_are_decided_and_counted_as_if_each_were_asked() {
             faults
         );
     }
+}
+
+/// The plans and deciders of a put's selection of `fields` at each unit's
+/// `positions`, asked as `stowd` asks: the grid's requests with their shape
+/// (`shaped`), or with none.
+fn select_grid(
+    chain: &Chain,
+    fields: &[Field],
+    positions: &[Vec<u64>],
+    shaped: bool,
+) -> Vec<(String, DecidedBy)> {
+    let asked = requests(fields, positions);
+    let shape = shaped
+        .then(|| {
+            Shape::grid(
+                &chain.policies,
+                fields.iter(),
+                positions.iter().map(|p| p.as_slice()),
+            )
+        })
+        .flatten();
+    let shared = chain.select_many_shared(&asked, shape).unwrap();
+    (0..shared.len())
+        .map(|i| match &shared[i] {
+            Shared::Decided(d) => (format!("{:?}", d.plan), d.by.clone()),
+            Shared::Same(j) => match &shared[*j] {
+                Shared::Decided(d) => (format!("{:?}", d.plan), d.by.clone()),
+                Shared::Same(_) => panic!("request {i} repeats a repeat"),
+            },
+        })
+        .collect()
+}
+
+#[test]
+fn a_put_shaped_like_the_last_takes_its_decisions_counted_as_if_asked() {
+    let names = ["single-row", "constant-stride", "gather"];
+    let paths: Vec<_> = names.iter().map(|n| plugin(n)).collect();
+    let (a, b) = (registry(&paths, 256), registry(&paths, 256));
+    let (ca, cb) = (
+        chain(&a, &names, FailStrategy::Fallback, 0),
+        chain(&b, &names, FailStrategy::Fallback, 0),
+    );
+    let (fields, positions) = put_shape(0);
+    // Other data of the same layout: the same shape.
+    let (same_layout, _) = put_shape(7);
+    let wider: Vec<Field> = (0..10).map(|f| regular(64, 8, f)).collect();
+    let shifted: Vec<Vec<u64>> = positions
+        .iter()
+        .map(|p| p.iter().map(|i| i + 1).collect())
+        .collect();
+    let irregular: Vec<Vec<u64>> = vec![vec![9, 2, 40], vec![5], vec![1, 3, 5, 7]];
+    // (fields, positions, replayed: whether the shaped chain takes the
+    // kept call's decisions). A call that entered a plugin is not kept
+    // (the first of each shape); the one after it is, the next replays.
+    type Round<'a> = (&'a [Field], &'a [Vec<u64>], bool);
+    let rounds: [Round<'_>; 11] = [
+        (&fields, &positions, false),
+        (&fields, &positions, false),
+        (&same_layout, &positions, true),
+        (&fields, &positions, true),
+        (&wider, &positions, false),
+        (&wider, &positions, false),
+        (&fields, &positions, false),
+        (&fields, &shifted, false),
+        (&fields, &shifted, false),
+        (&fields, &irregular, false),
+        (&fields, &irregular, false),
+    ];
+    let mut replays = 0;
+    for (round, (f, p, replayed)) in rounds.into_iter().enumerate() {
+        let (da, db) = (select_grid(&ca, f, p, true), select_grid(&cb, f, p, false));
+        assert_eq!(da, db, "round {round}");
+        for n in names {
+            assert_eq!(counts(&a, n), counts(&b, n), "{n}, round {round}");
+        }
+        replays += u64::from(replayed);
+        assert_eq!(ca.replays(), replays, "round {round}");
+    }
+    assert_eq!(cb.replays(), 0);
+    // Irregular positions kept too (gather and single-row decide them).
+    select_grid(&ca, &fields, &irregular, true);
+    select_grid(&cb, &fields, &irregular, false);
+    assert_eq!(ca.replays(), replays + 1);
+
+    // A plugin disabled since the kept call is not asked: no replay, and
+    // it is not counted.
+    for reg in [&a, &b] {
+        reg.get("single-row")
+            .unwrap()
+            .stats
+            .disabled
+            .store(true, Ordering::Relaxed);
+    }
+    let before = counts(&a, "single-row");
+    let (da, db) = (
+        select_grid(&ca, &fields, &irregular, true),
+        select_grid(&cb, &fields, &irregular, false),
+    );
+    assert_eq!(da, db);
+    assert_eq!(ca.replays(), replays + 1);
+    assert_eq!(counts(&a, "single-row"), before);
+    for n in names {
+        assert_eq!(counts(&a, n), counts(&b, n), "{n}, disabled");
+    }
+    // Enabled again: the kept call (made with it enabled) is replayed.
+    for reg in [&a, &b] {
+        reg.get("single-row")
+            .unwrap()
+            .stats
+            .disabled
+            .store(false, Ordering::Relaxed);
+    }
+    assert_eq!(
+        select_grid(&ca, &fields, &irregular, true),
+        select_grid(&cb, &fields, &irregular, false)
+    );
+    assert_eq!(ca.replays(), replays + 2);
+    for n in names {
+        assert_eq!(counts(&a, n), counts(&b, n), "{n}, enabled again");
+    }
+
+    // A plugin that faults on every call: never kept, each call's faults
+    // counted.
+    let (a, b) = (
+        registry(&[hostile("pure-read"), plugin("constant-stride")], 256),
+        registry(&[hostile("pure-read"), plugin("constant-stride")], 256),
+    );
+    let names = ["pure-read", "constant-stride"];
+    let (ca, cb) = (
+        chain(&a, &names, FailStrategy::Fallback, 0),
+        chain(&b, &names, FailStrategy::Fallback, 0),
+    );
+    for round in 0..3 {
+        assert_eq!(
+            select_grid(&ca, &fields, &positions, true),
+            select_grid(&cb, &fields, &positions, false),
+            "round {round}"
+        );
+        for n in names {
+            assert_eq!(counts(&a, n), counts(&b, n), "{n}, round {round}");
+        }
+    }
+    assert_eq!(counts(&a, "pure-read")[4], 120);
+    assert_eq!(ca.replays(), 0);
+
+    // A plugin without a memo: always asked.
+    let a = registry(&[plugin("constant-stride")], 0);
+    let ca = chain(&a, &["constant-stride"], FailStrategy::Fallback, 0);
+    for _ in 0..3 {
+        select_grid(&ca, &fields, &positions, true);
+    }
+    assert_eq!(counts(&a, "constant-stride"), [120, 3, 0, 120, 0]);
+    assert_eq!(ca.replays(), 0);
+
+    // With plugins, a nested field has no shape (a memo keys regular
+    // fields only); the built-in alone decides it by its positions, and
+    // replays it.
+    let row = |n: u64| {
+        Tensor::contiguous(
+            Bytes::from(vec![0u8; n as usize * 4]),
+            Dtype::Float32,
+            vec![n],
+        )
+        .unwrap()
+    };
+    let nested = vec![Field::Nested((0..64).map(|r| row(1 + r % 3)).collect())];
+    assert!(
+        Shape::grid(
+            &chain(&a, &["constant-stride"], FailStrategy::Fallback, 0).policies,
+            nested.iter(),
+            positions.iter().map(|p| p.as_slice())
+        )
+        .is_none()
+    );
+    let builtin = Chain::builtin();
+    let expected: Vec<_> = requests(&nested, &positions)
+        .iter()
+        .map(|r| {
+            (
+                format!(
+                    "{:?}",
+                    stowage_host::policy::builtin::Builtin::plan(r.field, r.positions).unwrap()
+                ),
+                DecidedBy::Builtin,
+            )
+        })
+        .collect();
+    for _ in 0..3 {
+        assert_eq!(select_grid(&builtin, &nested, &positions, true), expected);
+    }
+    assert_eq!(builtin.replays(), 2);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -55,6 +55,7 @@ use std::time::{Duration, Instant};
 use smallvec::SmallVec;
 
 use super::builtin::Builtin;
+use super::replay::{Counts, Last, Shape};
 use super::{Answer, FieldKind, Policy, PolicyError, SelectRequest};
 use crate::batch::Field;
 use crate::plan::{self, FramePlan, PackLimits, PieceInfo, PlanError, SelectionPlan};
@@ -252,6 +253,9 @@ pub struct Chain {
     pub max_faults: u64,
     /// When a disabled plugin is called again (None: after a reload only).
     pub backoff: Option<Backoff>,
+    /// The last selection call that only read memos, for a call shaped
+    /// like it ([`super::replay`]).
+    last: Last,
 }
 
 /// What the policies of a chain answered.
@@ -475,6 +479,7 @@ impl Chain {
             fail,
             max_faults,
             backoff: None,
+            last: Last::default(),
         }
     }
 
@@ -482,6 +487,12 @@ impl Chain {
     pub fn with_backoff(mut self, backoff: Option<Backoff>) -> Chain {
         self.backoff = backoff;
         self
+    }
+
+    /// Selection calls answered with the decisions of a kept call shaped
+    /// like them ([`super::replay`]), since this chain was made.
+    pub fn replays(&self) -> u64 {
+        self.last.replays()
     }
 
     /// A chain of the built-in alone.
@@ -647,12 +658,12 @@ impl Chain {
         &self,
         requests: &[SelectRequest<'_>],
     ) -> Result<Vec<Decision<SelectionPlan>>, ChainError> {
-        let shared = self.select_many_shared(requests)?;
+        let shared = self.select_many_shared(requests, None)?;
         let mut out: Vec<Decision<SelectionPlan>> = Vec::with_capacity(shared.len());
-        for d in shared {
+        for d in shared.iter() {
             let d = match d {
-                Shared::Decided(d) => d,
-                Shared::Same(j) => out[j].clone(),
+                Shared::Decided(d) => d.clone(),
+                Shared::Same(j) => out[*j].clone(),
             };
             out.push(d);
         }
@@ -664,10 +675,16 @@ impl Chain {
     /// fields of one layout that a put asks about per unit hold one plan
     /// between them. The policies are asked, and counted, exactly as for
     /// `select_many`.
+    ///
+    /// `shape`, the requests' [`Shape`] as the caller laid them out (a
+    /// put's fields by its units), lets a call shaped like the last one
+    /// that only read memos take that one's decisions, counted as asking
+    /// would have ([`super::replay`]); `None` always asks.
     pub fn select_many_shared(
         &self,
         requests: &[SelectRequest<'_>],
-    ) -> Result<Vec<Shared>, ChainError> {
+        shape: Option<Shape>,
+    ) -> Result<Arc<[Shared]>, ChainError> {
         if requests.iter().any(|r| r.positions.is_empty()) {
             return Err(ChainError::EmptyPositions);
         }
@@ -683,6 +700,22 @@ impl Chain {
             decided_by = tracing::field::Empty
         )
         .entered();
+        // A call shaped like the last one kept takes its decisions again
+        // (see `super::replay`); one traced at DEBUG asks, so its log is
+        // whole.
+        if let Some(s) = &shape
+            && span.is_disabled()
+            && let Some(decided) = self.last.replay(&self.policies, s)
+        {
+            return Ok(decided);
+        }
+        // Whether this call may be kept for the next (only memos read, no
+        // fault, no plugin disabled or re-enabled), and each plugin's counts.
+        let mut keep = shape.is_some();
+        let mut counts: SmallVec<[Counts; 4]> = SmallVec::new();
+        if keep {
+            counts.resize(self.policies.len(), Counts::default());
+        }
         // Inline (on the stack, about 8 KiB in all) for a request of up to
         // 64 pairs: a small put's decisions (10 fields on 4 units: 40)
         // allocate nothing here but the list returned. With 8 inline, the
@@ -746,7 +779,7 @@ impl Chain {
         // not looked at (a put the first plugin decides whole no longer
         // walks its requests once for each plugin after it).
         let mut settled = 0usize;
-        for loaded in &self.policies {
+        for (k, loaded) in self.policies.iter().enumerate() {
             if settled == requests.len() {
                 break;
             }
@@ -779,8 +812,12 @@ impl Chain {
                 continue;
             }
             match loaded.stats.callable() {
-                None => continue,
+                None => {
+                    keep = false;
+                    continue;
+                }
                 Some(true) => {
+                    keep = false;
                     tracing::info!(plugin = %d.name, version = %d.version, "plugin re-enabled after its backoff");
                     loaded.policy.reset();
                 }
@@ -799,6 +836,7 @@ impl Chain {
             }
             if answered.entries > 0 {
                 st.entries.fetch_add(answered.entries, Ordering::Relaxed);
+                keep = false;
             }
             // A repeat of an answer from the memo is one more hit (`missed`
             // is in order: one walk).
@@ -899,6 +937,7 @@ impl Chain {
                     Came::Faulted(reason) => Some((reason.clone(), false)),
                 };
                 if let Some((why, invalid)) = fault {
+                    keep = false;
                     for d in repeats.of(i) {
                         if st.disabled.load(Ordering::Relaxed) {
                             repeats.release(i, d);
@@ -913,6 +952,13 @@ impl Chain {
                     }
                 }
                 came.push(c);
+            }
+            if let Some(c) = counts.get_mut(k) {
+                *c = Counts {
+                    calls: counted.calls,
+                    plans: counted.plans,
+                    memo_hits,
+                };
             }
         }
         let mut decided = Vec::with_capacity(requests.len());
@@ -971,6 +1017,10 @@ impl Chain {
                 Builtin::plan(r.field, r.positions).map_err(|_| ChainError::EmptyPositions)?;
             decided.push(Shared::Decided(Decision { plan, by }));
             last_builtin = Some(i);
+        }
+        let decided: Arc<[Shared]> = decided.into();
+        if keep && let Some(shape) = shape {
+            self.last.keep(&self.policies, shape, &decided, counts);
         }
         Ok(decided)
     }
@@ -1196,7 +1246,7 @@ mod tests {
         ];
         let answers = vec![Answer::Own(Ok(view(2))), Answer::Same(0), Answer::Same(1)];
         let (chain, stats) = scripted(answers, FailStrategy::Fallback, 0);
-        let shared = chain.select_many_shared(&requests).unwrap();
+        let shared = chain.select_many_shared(&requests, None).unwrap();
         assert!(matches!(shared[0], Shared::Decided(_)));
         assert!(
             matches!(shared[1..], [Shared::Same(0), Shared::Same(0)]),
@@ -1303,7 +1353,7 @@ mod tests {
             assert_eq!(memo_policy.asked.load(Ordering::Relaxed), 1, "{said}");
             assert!(each_policy.asked.load(Ordering::Relaxed) >= 3, "{said}");
             // The repeats of a planned run share its first's plan.
-            let shared = memo.select_many_shared(&requests).unwrap();
+            let shared = memo.select_many_shared(&requests, None).unwrap();
             if first.is_ok() && max_faults == 0 && want[1] > 0 {
                 assert!(
                     matches!(
@@ -1336,7 +1386,7 @@ mod tests {
             Answer::Own(Err(PolicyError::NotApplicable)),
         ];
         let (chain, stats) = scripted(answers, FailStrategy::Fallback, 0);
-        let shared = chain.select_many_shared(&requests).unwrap();
+        let shared = chain.select_many_shared(&requests, None).unwrap();
         // [1] repeats [0] (one unit's positions); [2] is other positions
         // with the same values: decided again, as is the nested [3] and
         // [4], which follows it.

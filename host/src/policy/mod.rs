@@ -4,13 +4,16 @@
 //! implementations exist: [`builtin::Builtin`], native and always correct,
 //! and [`wasm::WasmPolicy`], a sandboxed component loaded from a `.wasm`
 //! file. [`chain::Chain`] asks policies in order, validates what they answer
-//! and falls back to the built-in on any fault; [`registry::Registry`] loads
-//! a plugin directory and builds chains per field-name pattern.
+//! and falls back to the built-in on any fault (a call shaped like its last,
+//! when that one only read memos, takes its decisions again:
+//! [`replay`]); [`registry::Registry`] loads a plugin directory and builds
+//! chains per field-name pattern.
 
 pub mod builtin;
 pub mod cache;
 pub mod chain;
 pub mod registry;
+pub mod replay;
 pub mod wasm;
 
 use crate::batch::Field;

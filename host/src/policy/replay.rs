@@ -1,0 +1,216 @@
+//! A selection call shaped like its chain's last: the same decisions again,
+//! without asking.
+//!
+//! A job's small puts come one after the other with the same fields, rows
+//! and units: each asks the selection chain the same requests, field
+//! layouts and unit positions alike, and the chain answers the same. With
+//! the bundled plugins every answer already came from the plugins' memos,
+//! yet the chain's walk of them (a memo key a run, a lookup, a plan copied
+//! and validated, the bookkeeping of 40 requests) was about 12,500
+//! instructions of a 10-field, 4-row put in `stowd`, twice the built-in's
+//! 6,100 (callgrind, `docs/benchmarks.md`, "A put shaped like the last").
+//!
+//! So a chain keeps its last call's [`Shape`] and decisions, when asking
+//! could only have read memos:
+//! - the caller gave the call's shape (a put's fields by its units, each
+//!   unit's positions at most [`MAX_POSITIONS`]);
+//! - every plugin of the chain memoizes, and with plugins every field is
+//!   regular (a memo keys regular fields only; the built-in alone decides
+//!   any kind by its positions);
+//! - in that call no plugin was entered (every answer came from a memo),
+//!   none faulted or answered an invalid plan, none was disabled or
+//!   re-enabled.
+//!
+//! A call of the same shape on the same policies, none of them disabled
+//! since, takes those decisions again. A pure plugin answers a key as it
+//! did (the memo rests on that), and a plan's validity depends only on the
+//! layout and positions, so these are the decisions asking would give.
+//! Each plugin is counted as asking would have counted it: the calls it
+//! answered, the memo hits and the plans it gave. A call traced at
+//! DEBUG (the `policy` span enabled) always asks, so its log is whole.
+
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
+
+use smallvec::SmallVec;
+
+use super::FieldKind;
+use super::chain::{Loaded, Shared};
+use crate::batch::Field;
+
+/// Positions of one request at most, for its call to be kept or replayed
+/// (a small call's; a large one's decisions cost little next to its rows).
+pub const MAX_POSITIONS: usize = 64;
+
+/// Words of a call's shape at most (32 KiB): a call over it is not kept.
+pub const MAX_WORDS: usize = 4096;
+
+/// A call's requests as words. A put asks about each of its fields (of one
+/// chain) at each unit that gets rows, unit by unit: a grid of fields by
+/// units' positions. Its shape is each field's kind and layout, then each
+/// unit's positions: a put of 10 fields on 4 units is 14 entries, not 40.
+/// Two calls of equal shapes ask the same requests (the same layouts at
+/// the same positions, a unit's fields sharing its positions) and so get
+/// the same decisions from the same chain.
+pub struct Shape(Vec<u64>);
+
+thread_local! {
+    /// This thread's shape buffer, reused from call to call.
+    static WORDS: std::cell::Cell<Vec<u64>> = const { std::cell::Cell::new(Vec::new()) };
+}
+
+impl Shape {
+    /// The shape of the requests `fields` x `units` (each unit's fields in
+    /// `fields`' order, unit after unit) for a chain of `policies`, or
+    /// `None` if such a call is neither kept nor replayed (see the module
+    /// doc).
+    pub fn grid<'a>(
+        policies: &[Loaded],
+        fields: impl ExactSizeIterator<Item = &'a Field>,
+        units: impl ExactSizeIterator<Item = &'a [u64]>,
+    ) -> Option<Shape> {
+        if !policies.iter().all(|l| l.policy.memoizes()) {
+            return None;
+        }
+        let regular_only = !policies.is_empty();
+        let mut w = Shape(WORDS.take());
+        w.0.clear();
+        w.0.extend([fields.len() as u64, units.len() as u64]);
+        for field in fields {
+            match field {
+                Field::Regular(t) => {
+                    let shape = t.shape();
+                    w.0.extend([
+                        FieldKind::Regular as u64,
+                        t.dtype() as u64,
+                        t.first_stride() as u64,
+                        shape.len() as u64,
+                    ]);
+                    w.0.extend_from_slice(shape);
+                }
+                Field::Nested(_) | Field::Values(_) if regular_only => return None,
+                Field::Nested(_) => w.0.push(FieldKind::Nested as u64),
+                Field::Values(_) => w.0.push(FieldKind::Values as u64),
+            }
+        }
+        for positions in units {
+            if positions.len() > MAX_POSITIONS {
+                return None;
+            }
+            w.0.push(positions.len() as u64);
+            w.0.extend_from_slice(positions);
+        }
+        (w.0.len() <= MAX_WORDS).then_some(w)
+    }
+}
+
+impl Drop for Shape {
+    fn drop(&mut self) {
+        if self.0.capacity() <= MAX_WORDS * 2 {
+            WORDS.set(std::mem::take(&mut self.0));
+        }
+    }
+}
+
+/// What one plugin was counted for a kept call (no entries: every
+/// answer from its memo).
+#[derive(Clone, Copy, Default, Debug)]
+pub struct Counts {
+    pub calls: u64,
+    pub plans: u64,
+    pub memo_hits: u64,
+}
+
+/// A kept call: the chain's policies then, the call's shape, its
+/// decisions and each plugin's counts.
+struct Kept {
+    /// Each policy and its counters, by address.
+    policies: SmallVec<[(usize, usize); 4]>,
+    shape: Shape,
+    decided: Arc<[Shared]>,
+    counts: SmallVec<[Counts; 4]>,
+}
+
+/// A chain's last kept call, and how many calls took its decisions. A
+/// chain's clone starts with none (its policies may be changed).
+#[derive(Default)]
+pub struct Last {
+    kept: Mutex<Option<Kept>>,
+    replays: AtomicU64,
+}
+
+impl Clone for Last {
+    fn clone(&self) -> Self {
+        Last::default()
+    }
+}
+
+impl std::fmt::Debug for Last {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Last")
+    }
+}
+
+fn identity(policies: &[Loaded]) -> impl Iterator<Item = (usize, usize)> + '_ {
+    policies.iter().map(|l| {
+        (
+            Arc::as_ptr(&l.policy) as *const () as usize,
+            Arc::as_ptr(&l.stats) as usize,
+        )
+    })
+}
+
+impl Last {
+    /// The kept call's decisions if `shape` is its shape on the same
+    /// policies, none disabled: each plugin counted as asking would have.
+    /// `None` (ask) otherwise, or while another call holds the kept one.
+    pub fn replay(&self, policies: &[Loaded], shape: &Shape) -> Option<Arc<[Shared]>> {
+        let kept = self.kept.try_lock().ok()?;
+        let kept = kept.as_ref()?;
+        if kept.shape.0 != shape.0
+            || kept.policies.len() != policies.len()
+            || !identity(policies).eq(kept.policies.iter().copied())
+            || policies.iter().any(|l| l.stats.disabled.load(Relaxed))
+        {
+            return None;
+        }
+        for (l, c) in policies.iter().zip(&kept.counts) {
+            for (stat, n) in [
+                (&l.stats.calls, c.calls),
+                (&l.stats.plans, c.plans),
+                (&l.stats.memo_hits, c.memo_hits),
+            ] {
+                if n > 0 {
+                    stat.fetch_add(n, Relaxed);
+                }
+            }
+        }
+        self.replays.fetch_add(1, Relaxed);
+        Some(kept.decided.clone())
+    }
+
+    /// Calls that took a kept call's decisions.
+    pub fn replays(&self) -> u64 {
+        self.replays.load(Relaxed)
+    }
+
+    /// Keeps a call that only read memos (see the module doc): its shape,
+    /// decisions and each policy's counts, in the chain's order.
+    pub fn keep(
+        &self,
+        policies: &[Loaded],
+        shape: Shape,
+        decided: &Arc<[Shared]>,
+        counts: SmallVec<[Counts; 4]>,
+    ) {
+        let Ok(mut kept) = self.kept.try_lock() else {
+            return;
+        };
+        *kept = Some(Kept {
+            policies: identity(policies).collect(),
+            shape,
+            decided: decided.clone(),
+            counts,
+        });
+    }
+}
