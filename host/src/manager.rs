@@ -517,7 +517,7 @@ impl Manager {
             .filter(|r| !r.positions.is_empty())
             .map(|r| r.positions.as_slice())
             .collect();
-        let mut decided: SmallVec<[Arc<[Shared]>; 2]> = SmallVec::new();
+        let mut decided: SmallVec<[Arc<Vec<Shared>>; 2]> = SmallVec::new();
         let mut decisions: Vec<Option<(u32, u32)>> = vec![None; routes.len() * nf];
         for (at, members) in &groups {
             if busy.is_empty() {
@@ -537,11 +537,16 @@ impl Manager {
             let chain = registry.select_chain_of(*at);
             // The requests are the group's fields at each busy unit, in
             // that order: their shape, for a put shaped like the last.
-            let shape = Shape::grid(
-                &chain.policies,
-                members.iter().map(|&f| &fields[f].1),
-                busy.iter().copied(),
-            );
+            let shape = chain
+                .wants_shape()
+                .then(|| {
+                    Shape::grid(
+                        &chain.policies,
+                        members.iter().map(|&f| &fields[f].1),
+                        busy.iter().copied(),
+                    )
+                })
+                .flatten();
             let group = chain.select_many_shared(&requests, shape)?;
             let g = decided.len() as u32;
             for (k, (&slot, d)) in slots.iter().zip(group.iter()).enumerate() {

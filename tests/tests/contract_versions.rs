@@ -480,14 +480,16 @@ fn a_put_shaped_like_the_last_takes_its_decisions_counted_as_if_asked() {
     // Other data of the same layout: the same shape.
     let (same_layout, _) = put_shape(7);
     let wider: Vec<Field> = (0..10).map(|f| regular(64, 8, f)).collect();
+    // Within the 64 rows: unit 3's last position wraps to 0.
     let shifted: Vec<Vec<u64>> = positions
         .iter()
-        .map(|p| p.iter().map(|i| i + 1).collect())
+        .map(|p| p.iter().map(|i| (i + 1) % 64).collect())
         .collect();
     let irregular: Vec<Vec<u64>> = vec![vec![9, 2, 40], vec![5], vec![1, 3, 5, 7]];
-    // (fields, positions, replayed: whether the shaped chain takes the
-    // kept call's decisions). A call that entered a plugin is not kept
-    // (the first of each shape); the one after it is, the next replays.
+    // (fields, positions, replayed: whether the shaped chain takes a kept
+    // call's decisions). A call that entered a plugin is not kept (the
+    // first of each shape); the one after it is, the next replays. The
+    // chain keeps 4 shapes, the latest used first.
     type Round<'a> = (&'a [Field], &'a [Vec<u64>], bool);
     let rounds: [Round<'_>; 11] = [
         (&fields, &positions, false),
@@ -496,7 +498,7 @@ fn a_put_shaped_like_the_last_takes_its_decisions_counted_as_if_asked() {
         (&fields, &positions, true),
         (&wider, &positions, false),
         (&wider, &positions, false),
-        (&fields, &positions, false),
+        (&fields, &positions, true),
         (&fields, &shifted, false),
         (&fields, &shifted, false),
         (&fields, &irregular, false),
@@ -553,6 +555,32 @@ fn a_put_shaped_like_the_last_takes_its_decisions_counted_as_if_asked() {
     assert_eq!(ca.replays(), replays + 2);
     for n in names {
         assert_eq!(counts(&a, n), counts(&b, n), "{n}, enabled again");
+    }
+    // Kept, the latest used first: irregular, shifted, 10 fields at
+    // positions, wider. Wider is replayed (and now first); a fifth shape
+    // kept pushes out the one used longest ago (10 fields at positions),
+    // kept again it pushes out the next (shifted).
+    let narrow: Vec<Field> = (0..10).map(|f| regular(64, 4, f)).collect();
+    let rounds: [Round<'_>; 6] = [
+        (&wider, &positions, true),
+        (&narrow, &positions, false),
+        (&narrow, &positions, false),
+        (&fields, &positions, false),
+        (&fields, &positions, true),
+        (&fields, &shifted, false),
+    ];
+    replays += 2;
+    for (round, (f, p, replayed)) in rounds.into_iter().enumerate() {
+        assert_eq!(
+            select_grid(&ca, f, p, true),
+            select_grid(&cb, f, p, false),
+            "round {round}"
+        );
+        for n in names {
+            assert_eq!(counts(&a, n), counts(&b, n), "{n}, round {round}");
+        }
+        replays += u64::from(replayed);
+        assert_eq!(ca.replays(), replays, "kept 4, round {round}");
     }
 
     // A plugin that faults on every call: never kept, each call's faults

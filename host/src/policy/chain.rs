@@ -253,8 +253,8 @@ pub struct Chain {
     pub max_faults: u64,
     /// When a disabled plugin is called again (None: after a reload only).
     pub backoff: Option<Backoff>,
-    /// The last selection call that only read memos, for a call shaped
-    /// like it ([`super::replay`]).
+    /// The last selection calls that only read memos, for a call shaped
+    /// like one of them ([`super::replay`]).
     last: Last,
 }
 
@@ -495,6 +495,13 @@ impl Chain {
         self.last.replays()
     }
 
+    /// Whether a caller should give its next selection call's [`Shape`]
+    /// (see [`super::replay::Last::wants_shape`]): computing it costs
+    /// about as much as a replay saves when no kept shape comes again.
+    pub fn wants_shape(&self) -> bool {
+        self.last.wants_shape()
+    }
+
     /// A chain of the built-in alone.
     pub fn builtin() -> Chain {
         Chain::new(vec![], FailStrategy::Fallback, 0)
@@ -684,7 +691,7 @@ impl Chain {
         &self,
         requests: &[SelectRequest<'_>],
         shape: Option<Shape>,
-    ) -> Result<Arc<[Shared]>, ChainError> {
+    ) -> Result<Arc<Vec<Shared>>, ChainError> {
         if requests.iter().any(|r| r.positions.is_empty()) {
             return Err(ChainError::EmptyPositions);
         }
@@ -1018,7 +1025,7 @@ impl Chain {
             decided.push(Shared::Decided(Decision { plan, by }));
             last_builtin = Some(i);
         }
-        let decided: Arc<[Shared]> = decided.into();
+        let decided = Arc::new(decided);
         if keep && let Some(shape) = shape {
             self.last.keep(&self.policies, shape, &decided, counts);
         }
@@ -1364,6 +1371,41 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn a_chain_whose_calls_do_not_repeat_is_given_one_shape_in_eight() {
+        use super::super::replay::SAMPLE;
+        let chain = Chain::builtin();
+        let (a, b) = (field(8), field(4));
+        let at: [&[u64]; 2] = [&[0, 2], &[1, 3]];
+        let call = |f: &Field| {
+            let requests: Vec<_> = at.iter().map(|p| SelectRequest::new(f, p)).collect();
+            let shape = chain
+                .wants_shape()
+                .then(|| Shape::grid(&chain.policies, [f].into_iter(), at.into_iter()))
+                .flatten();
+            chain.select_many_shared(&requests, shape).unwrap();
+        };
+        // Calls of two shapes in turn, each kept and replayed.
+        for _ in 0..4 {
+            call(&a);
+            call(&b);
+        }
+        assert_eq!(chain.replays(), 6);
+        // Calls that never repeat a kept shape: after SAMPLE of them, one
+        // in SAMPLE is given its shape.
+        let given: Vec<bool> = (0..4 * SAMPLE).map(|_| chain.wants_shape()).collect();
+        assert!(given[..SAMPLE as usize].iter().all(|&g| g));
+        assert_eq!(given.iter().filter(|&&g| g).count() as u32, SAMPLE + 3);
+        // A kept shape comes back: the sampled call replays it, and every
+        // call is given its shape again.
+        while !chain.wants_shape() {}
+        let requests: Vec<_> = at.iter().map(|p| SelectRequest::new(&a, p)).collect();
+        let shape = Shape::grid(&chain.policies, [&a].into_iter(), at.into_iter());
+        chain.select_many_shared(&requests, shape).unwrap();
+        assert_eq!(chain.replays(), 7);
+        assert!((0..SAMPLE).all(|_| chain.wants_shape()));
     }
 
     #[test]

@@ -10,8 +10,9 @@
 //! instructions of a 10-field, 4-row put in `stowd`, twice the built-in's
 //! 6,100 (callgrind, `docs/benchmarks.md`, "A put shaped like the last").
 //!
-//! So a chain keeps its last call's [`Shape`] and decisions, when asking
-//! could only have read memos:
+//! So a chain keeps its last calls' [`Shape`]s and decisions (up to
+//! [`KEPT_CALLS`], the latest first), each when asking could only have
+//! read memos:
 //! - the caller gave the call's shape (a put's fields by its units, each
 //!   unit's positions at most [`MAX_POSITIONS`]);
 //! - every plugin of the chain memoizes, and with plugins every field is
@@ -21,15 +22,15 @@
 //!   none faulted or answered an invalid plan, none was disabled or
 //!   re-enabled.
 //!
-//! A call of the same shape on the same policies, none of them disabled
-//! since, takes those decisions again. A pure plugin answers a key as it
+//! A call of a kept shape on the same policies, none of them disabled
+//! now, takes those decisions again. A pure plugin answers a key as it
 //! did (the memo rests on that), and a plan's validity depends only on the
 //! layout and positions, so these are the decisions asking would give.
 //! Each plugin is counted as asking would have counted it: the calls it
 //! answered, the memo hits and the plans it gave. A call traced at
 //! DEBUG (the `policy` span enabled) always asks, so its log is whole.
 
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 
 use smallvec::SmallVec;
@@ -75,11 +76,16 @@ impl Shape {
         let regular_only = !policies.is_empty();
         let mut w = Shape(WORDS.take());
         w.0.clear();
+        // A field is 4 words and its dimensions, a unit a word and its
+        // positions: room for the usual 2-dimensional field and 16
+        // positions a unit, so the words are written without growing.
+        w.0.reserve(2 + 6 * fields.len() + 17 * units.len());
         w.0.extend([fields.len() as u64, units.len() as u64]);
         for field in fields {
             match field {
                 Field::Regular(t) => {
                     let shape = t.shape();
+                    // The layout a memo keys: dtype, first stride, shape.
                     w.0.extend([
                         FieldKind::Regular as u64,
                         t.dtype() as u64,
@@ -127,16 +133,27 @@ struct Kept {
     /// Each policy and its counters, by address.
     policies: SmallVec<[(usize, usize); 4]>,
     shape: Shape,
-    decided: Arc<[Shared]>,
+    decided: Arc<Vec<Shared>>,
     counts: SmallVec<[Counts; 4]>,
 }
 
-/// A chain's last kept call, and how many calls took its decisions. A
-/// chain's clone starts with none (its policies may be changed).
+/// Calls a chain keeps: a job that puts a few kinds of batch in turn (the
+/// prompts, then the responses, then the rewards) replays each.
+pub const KEPT_CALLS: usize = 4;
+
+/// After this many calls without a replay, one call in this many is given
+/// its shape ([`Last::wants_shape`]).
+pub const SAMPLE: u32 = 8;
+
+/// A chain's last kept calls, the latest first, and how many calls took
+/// their decisions. A chain's clone starts with none (its policies may be
+/// changed).
 #[derive(Default)]
 pub struct Last {
-    kept: Mutex<Option<Kept>>,
+    kept: Mutex<SmallVec<[Kept; KEPT_CALLS]>>,
     replays: AtomicU64,
+    /// Calls since the last replay (see [`Last::wants_shape`]).
+    since: AtomicU32,
 }
 
 impl Clone for Last {
@@ -161,14 +178,18 @@ fn identity(policies: &[Loaded]) -> impl Iterator<Item = (usize, usize)> + '_ {
 }
 
 impl Last {
-    /// The kept call's decisions if `shape` is its shape on the same
+    /// The decisions of the kept call of this `shape` on the same
     /// policies, none disabled: each plugin counted as asking would have.
-    /// `None` (ask) otherwise, or while another call holds the kept one.
-    pub fn replay(&self, policies: &[Loaded], shape: &Shape) -> Option<Arc<[Shared]>> {
-        let kept = self.kept.try_lock().ok()?;
-        let kept = kept.as_ref()?;
-        if kept.shape.0 != shape.0
-            || kept.policies.len() != policies.len()
+    /// `None` (ask) otherwise, or while another call holds the kept ones.
+    pub fn replay(&self, policies: &[Loaded], shape: &Shape) -> Option<Arc<Vec<Shared>>> {
+        let mut all = self.kept.try_lock().ok()?;
+        let at = all.iter().position(|k| k.shape.0 == shape.0)?;
+        if at > 0 {
+            // The latest first: a call replayed goes to the front.
+            all[..=at].rotate_right(1);
+        }
+        let kept = &all[0];
+        if kept.policies.len() != policies.len()
             || !identity(policies).eq(kept.policies.iter().copied())
             || policies.iter().any(|l| l.stats.disabled.load(Relaxed))
         {
@@ -186,7 +207,23 @@ impl Last {
             }
         }
         self.replays.fetch_add(1, Relaxed);
+        self.since.store(0, Relaxed);
         Some(kept.decided.clone())
+    }
+
+    /// Whether the next call should be given its shape: yes for the first
+    /// [`SAMPLE`] calls after a replay, then for one call in [`SAMPLE`].
+    /// A job whose puts never repeat a shape (each of another length, or
+    /// more kinds in turn than are kept) would otherwise pay for every
+    /// shape and keep (about 2,000 instructions of a 10-field, 4-row put);
+    /// one that settles into a kept shape is replayed again within
+    /// 2 x [`SAMPLE`] calls.
+    pub fn wants_shape(&self) -> bool {
+        let n = self.since.fetch_add(1, Relaxed);
+        if n == u32::MAX {
+            self.since.store(SAMPLE, Relaxed);
+        }
+        n < SAMPLE || n.is_multiple_of(SAMPLE)
     }
 
     /// Calls that took a kept call's decisions.
@@ -200,17 +237,24 @@ impl Last {
         &self,
         policies: &[Loaded],
         shape: Shape,
-        decided: &Arc<[Shared]>,
+        decided: &Arc<Vec<Shared>>,
         counts: SmallVec<[Counts; 4]>,
     ) {
-        let Ok(mut kept) = self.kept.try_lock() else {
+        let Ok(mut all) = self.kept.try_lock() else {
             return;
         };
-        *kept = Some(Kept {
-            policies: identity(policies).collect(),
-            shape,
-            decided: decided.clone(),
-            counts,
-        });
+        // A shape kept once: an older call of it (whose plugins' answers a
+        // reload or a disable and re-enable may since have changed) goes.
+        all.retain(|k| k.shape.0 != shape.0);
+        all.truncate(KEPT_CALLS - 1);
+        all.insert(
+            0,
+            Kept {
+                policies: identity(policies).collect(),
+                shape,
+                decided: decided.clone(),
+                counts,
+            },
+        );
     }
 }
