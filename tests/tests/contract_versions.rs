@@ -504,58 +504,40 @@ fn a_put_shaped_like_the_last_takes_its_decisions_counted_as_if_asked() {
         (&fields, &irregular, false),
         (&fields, &irregular, false),
     ];
+    // Each round asked of both chains: the same decisions and counts, and
+    // the shaped chain's replays as the round says.
     let mut replays = 0;
-    for (round, (f, p, replayed)) in rounds.into_iter().enumerate() {
-        let (da, db) = (select_grid(&ca, f, p, true), select_grid(&cb, f, p, false));
-        assert_eq!(da, db, "round {round}");
-        for n in names {
-            assert_eq!(counts(&a, n), counts(&b, n), "{n}, round {round}");
+    let mut play = |rounds: &[Round<'_>], what: &str| {
+        for (round, &(f, p, replayed)) in rounds.iter().enumerate() {
+            let (da, db) = (select_grid(&ca, f, p, true), select_grid(&cb, f, p, false));
+            assert_eq!(da, db, "{what}, round {round}");
+            for n in names {
+                assert_eq!(counts(&a, n), counts(&b, n), "{n}, {what}, round {round}");
+            }
+            replays += u64::from(replayed);
+            assert_eq!(ca.replays(), replays, "{what}, round {round}");
         }
-        replays += u64::from(replayed);
-        assert_eq!(ca.replays(), replays, "round {round}");
-    }
-    assert_eq!(cb.replays(), 0);
+    };
+    play(&rounds, "first");
     // Irregular positions kept too (gather and single-row decide them).
-    select_grid(&ca, &fields, &irregular, true);
-    select_grid(&cb, &fields, &irregular, false);
-    assert_eq!(ca.replays(), replays + 1);
+    play(&[(&fields, &irregular, true)], "irregular");
 
     // A plugin disabled since the kept call is not asked: no replay, and
-    // it is not counted.
-    for reg in [&a, &b] {
-        reg.get("single-row")
-            .unwrap()
-            .stats
-            .disabled
-            .store(true, Ordering::Relaxed);
-    }
+    // it is not counted. Enabled again, the kept call (made with it
+    // enabled) is replayed.
+    let single_row = |disabled: bool| {
+        for reg in [&a, &b] {
+            let stats = &reg.get("single-row").unwrap().stats;
+            stats.disabled.store(disabled, Ordering::Relaxed);
+        }
+    };
+    single_row(true);
     let before = counts(&a, "single-row");
-    let (da, db) = (
-        select_grid(&ca, &fields, &irregular, true),
-        select_grid(&cb, &fields, &irregular, false),
-    );
-    assert_eq!(da, db);
-    assert_eq!(ca.replays(), replays + 1);
+    play(&[(&fields, &irregular, false)], "disabled");
     assert_eq!(counts(&a, "single-row"), before);
-    for n in names {
-        assert_eq!(counts(&a, n), counts(&b, n), "{n}, disabled");
-    }
-    // Enabled again: the kept call (made with it enabled) is replayed.
-    for reg in [&a, &b] {
-        reg.get("single-row")
-            .unwrap()
-            .stats
-            .disabled
-            .store(false, Ordering::Relaxed);
-    }
-    assert_eq!(
-        select_grid(&ca, &fields, &irregular, true),
-        select_grid(&cb, &fields, &irregular, false)
-    );
-    assert_eq!(ca.replays(), replays + 2);
-    for n in names {
-        assert_eq!(counts(&a, n), counts(&b, n), "{n}, enabled again");
-    }
+    single_row(false);
+    play(&[(&fields, &irregular, true)], "enabled again");
+
     // Kept, the latest used first: irregular, shifted, 10 fields at
     // positions, wider. Wider is replayed (and now first); a fifth shape
     // kept pushes out the one used longest ago (10 fields at positions),
@@ -569,19 +551,8 @@ fn a_put_shaped_like_the_last_takes_its_decisions_counted_as_if_asked() {
         (&fields, &positions, true),
         (&fields, &shifted, false),
     ];
-    replays += 2;
-    for (round, (f, p, replayed)) in rounds.into_iter().enumerate() {
-        assert_eq!(
-            select_grid(&ca, f, p, true),
-            select_grid(&cb, f, p, false),
-            "round {round}"
-        );
-        for n in names {
-            assert_eq!(counts(&a, n), counts(&b, n), "{n}, round {round}");
-        }
-        replays += u64::from(replayed);
-        assert_eq!(ca.replays(), replays, "kept 4, round {round}");
-    }
+    play(&rounds, "kept 4");
+    assert_eq!(cb.replays(), 0);
 
     // A plugin that faults on every call: never kept, each call's faults
     // counted.
