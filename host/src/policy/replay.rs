@@ -1,12 +1,12 @@
-//! A selection call shaped like its chain's last: the same decisions again,
-//! without asking.
+//! A selection call shaped like one of its chain's last: the same
+//! decisions again, without asking.
 //!
 //! A job's small puts come one after the other with the same fields, rows
 //! and units: each asks the selection chain the same requests, field
 //! layouts and unit positions alike, and the chain answers the same. With
 //! the bundled plugins every answer already came from the plugins' memos,
 //! yet the chain's walk of them (a memo key a run, a lookup, a plan copied
-//! and validated, the bookkeeping of 40 requests) was about 12,500
+//! and validated, the bookkeeping of 40 requests) was about 12,600
 //! instructions of a 10-field, 4-row put in `stowd`, twice the built-in's
 //! 6,100 (callgrind, `docs/benchmarks.md`, "A put shaped like the last").
 //!
@@ -29,6 +29,10 @@
 //! Each plugin is counted as asking would have counted it: the calls it
 //! answered, the memo hits and the plans it gave. A call traced at
 //! DEBUG (the `policy` span enabled) always asks, so its log is whole.
+//!
+//! Making a call's shape costs about as much as a replay saves when no
+//! kept shape comes back: after [`SAMPLE`] calls without a replay, only
+//! one call in [`SAMPLE`] is given its shape ([`Last::wants_shape`]).
 
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
