@@ -42,7 +42,6 @@ use crate::plan::{self, Selected, SelectionPlan};
 use crate::policy::SelectRequest;
 use crate::policy::chain::{ChainError, DecidedBy, Decision, Shared};
 use crate::policy::registry::Registry;
-use crate::policy::replay::Shape;
 use crate::shm::{SegmentStore, ShmError};
 use crate::store::{Column, Columns, Piece, PutChecked, PutField, Rows, Seq, StoreError, Unit};
 use crate::tensor::Tensor;
@@ -537,16 +536,7 @@ impl Manager {
             let chain = registry.select_chain_of(*at);
             // The requests are the group's fields at each busy unit, in
             // that order: their shape, for a put shaped like the last.
-            let shape = chain
-                .wants_shape()
-                .then(|| {
-                    Shape::grid(
-                        &chain.policies,
-                        members.iter().map(|&f| &fields[f].1),
-                        busy.iter().copied(),
-                    )
-                })
-                .flatten();
+            let shape = chain.shape_of(members.iter().map(|&f| &fields[f].1), busy.iter().copied());
             let group = chain.select_many_shared(&requests, shape)?;
             let g = decided.len() as u32;
             for (k, (&slot, d)) in slots.iter().zip(group.iter()).enumerate() {

@@ -502,6 +502,19 @@ impl Chain {
         self.last.wants_shape()
     }
 
+    /// The [`Shape`] of a call asking about `fields` at each of `units`
+    /// (each unit's fields in `fields`' order), when this chain wants one
+    /// ([`Chain::wants_shape`]) and such a call can be kept.
+    pub fn shape_of<'a>(
+        &self,
+        fields: impl ExactSizeIterator<Item = &'a Field>,
+        units: impl ExactSizeIterator<Item = &'a [u64]>,
+    ) -> Option<Shape> {
+        self.wants_shape()
+            .then(|| Shape::grid(&self.policies, fields, units))
+            .flatten()
+    }
+
     /// A chain of the built-in alone.
     pub fn builtin() -> Chain {
         Chain::new(vec![], FailStrategy::Fallback, 0)
@@ -684,9 +697,10 @@ impl Chain {
     /// `select_many`.
     ///
     /// `shape`, the requests' [`Shape`] as the caller laid them out (a
-    /// put's fields by its units), lets a call shaped like the last one
-    /// that only read memos take that one's decisions, counted as asking
-    /// would have ([`super::replay`]); `None` always asks.
+    /// put's fields by its units, [`Chain::shape_of`]), lets a call shaped
+    /// like one of the last that only read memos take that one's
+    /// decisions, counted as asking would have ([`super::replay`]); `None`
+    /// always asks.
     pub fn select_many_shared(
         &self,
         requests: &[SelectRequest<'_>],
@@ -707,7 +721,7 @@ impl Chain {
             decided_by = tracing::field::Empty
         )
         .entered();
-        // A call shaped like the last one kept takes its decisions again
+        // A call shaped like one kept takes its decisions again
         // (see `super::replay`); one traced at DEBUG asks, so its log is
         // whole.
         if let Some(s) = &shape
