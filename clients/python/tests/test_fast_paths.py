@@ -84,6 +84,43 @@ def test_runs_found_while_reading_give_back_every_index():
             assert read.runs <= len(parts)
 
 
+def test_lists_read_ahead_give_every_index_and_turn_away_a_bad_one_anywhere(fake_server):
+    """A list or tuple is read some items ahead of the one converted (its
+    objects prefetched): every length around that distance reads whole,
+    ints made out of order too, and a bad item at any place, the first
+    and last of each block included, turns the core away (None) so that
+    the general path words the error."""
+    rng = np.random.default_rng(11)
+    for n in (1, 2, 15, 16, 17, 31, 32, 33, 47, 48, 49, 64, 65, 1000):
+        values = [int(v) for v in rng.integers(0, 2**62, n)]
+        # The same values as int objects made in shuffled order.
+        order = rng.permutation(n)
+        made = [None] * n
+        for i in order:
+            made[i] = values[i] + 1 - 1
+        for kind, g in (("list", values), ("tuple", tuple(values)), ("made shuffled", made)):
+            read = _core.read_index_list(g)
+            assert read is not None and read.tolist() == values and len(read) == n, (n, kind)
+            distinct = _core.read_index_list(g, True)
+            assert distinct is not None and distinct.tolist() == values, (n, kind)
+        for at in sorted({0, 1, 14, 15, 16, 17, 31, 32, 33, n // 2, n - 2, n - 1} & set(range(n))):
+            for bad in (-1, 2**64, 2.0, "7", None, True):
+                g = list(values)
+                g[at] = bad
+                assert _core.read_index_list(g) is None, (n, at, bad)
+                assert _core.read_index_list(tuple(g), True) is None, (n, at, bad)
+    srv = fake_server(lambda ident, frames: [])
+    with stowage.Client(srv.endpoint, timeout=10) as c:
+        g = list(range(100))
+        g[33] = -5
+        with pytest.raises(ValueError, match="global index -5 is out of range"):
+            c.get(g, ["x"])
+        g[33] = 3.5
+        with pytest.raises(TypeError, match="global indexes must be ints, got 3.5"):
+            c.put(g, {"x": np.zeros((100, 4), np.float32)})
+    assert srv.requests == []
+
+
 def test_ranges_read_without_listing_them():
     assert _core.read_index_list(range(10, 10**15, 3)).runs == 1
     assert len(_core.read_index_list(range(10, 10**15, 3))) == len(range(10, 10**15, 3))

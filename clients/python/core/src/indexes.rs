@@ -252,8 +252,22 @@ fn read_with<S: Sink>(obj: &Bound<'_, PyAny>, mut sink: S) -> Option<(Option<Rea
     (sink.len() > 0).then_some((None, sink))
 }
 
+/// Items a list or tuple is read ahead by: each block's items are taken
+/// and their objects prefetched before the first is read.
+const AHEAD: usize = 16;
+
 /// The items of a list or tuple of `len` items into `sink`, if every one
 /// is exactly an `int` in range.
+///
+/// Read a block of [`AHEAD`] items at a time: the block's item pointers
+/// are taken first, each object prefetched, then each is read. The list
+/// holds pointers; the `int`s they point to lie wherever they were made.
+/// Made in order (`list(range(n))`) they lie one after the other and the
+/// hardware prefetcher finds them; made out of order, or among other
+/// objects, each read waits for memory. 524,288 indexes allocated in
+/// shuffled order, then sorted: 25 ms read one by one, as Python's own
+/// `sum` takes 22 ms over them (docs/benchmarks.md, "Index lists read
+/// ahead").
 ///
 /// # Safety
 /// `seq` is a list (with `PyList_GetItem`) or a tuple (with
@@ -265,13 +279,34 @@ unsafe fn ints<S: Sink>(
     sink: &mut S,
 ) -> Option<()> {
     sink.reserve(len);
-    // SAFETY: the caller's contract; each item is borrowed for the loop turn.
+    // The next AHEAD items, taken and prefetched: item i + AHEAD is asked
+    // for as item i is read, so each is prefetched AHEAD reads ahead.
+    let mut ring = [std::ptr::null_mut::<ffi::PyObject>(); AHEAD];
+    // SAFETY: the caller's contract. Each item is borrowed from when it is
+    // taken until it is read: nothing here runs Python code (an exact
+    // `int` converts without `__index__`), so nothing can change the
+    // sequence meanwhile.
     unsafe {
+        let take = |i: usize| {
+            let item = get(seq, i as ffi::Py_ssize_t);
+            if item.is_null() {
+                ffi::PyErr_Clear();
+            } else {
+                prefetch(item);
+            }
+            item
+        };
+        for (i, slot) in ring.iter_mut().enumerate().take(len) {
+            *slot = take(i);
+        }
         let int_type = std::ptr::addr_of_mut!(ffi::PyLong_Type);
         for i in 0..len {
-            let item = get(seq, i as ffi::Py_ssize_t);
+            let slot = &mut ring[i % AHEAD];
+            let item = *slot;
+            if i + AHEAD < len {
+                *slot = take(i + AHEAD);
+            }
             if item.is_null() || ffi::Py_TYPE(item) != int_type {
-                ffi::PyErr_Clear();
                 return None;
             }
             let v = ffi::PyLong_AsUnsignedLongLong(item);
@@ -283,6 +318,24 @@ unsafe fn ints<S: Sink>(
         }
     }
     Some(())
+}
+
+/// Asks for the cache line at `p` ahead of its read (a hint: nothing is
+/// read, and no address faults).
+#[inline(always)]
+fn prefetch<T>(p: *const T) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: a prefetch reads nothing and cannot fault, whatever `p`.
+    unsafe {
+        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p.cast());
+    }
+    #[cfg(target_arch = "aarch64")]
+    // SAFETY: as above (`prfm` is a hint).
+    unsafe {
+        std::arch::asm!("prfm pldl1keep, [{0}]", in(reg) p, options(nostack, readonly, preserves_flags));
+    }
+    #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
+    let _ = p;
 }
 
 /// A `range`: its one run if its step is positive, else its indexes into
