@@ -41,9 +41,12 @@ Sections (all by default; `--only` picks some):
   [--same-node-width] a row; the default 1024 is the issue's seed case,
   float32 [524288, 1024], 2 GiB; the get is a mapping either way, and 1
   gives the same times with a cheaper put); a same-node get of all of
-  them with the indexes given as range(n), as a numpy int64 array and as
-  a Python list (each made before the timing), alternating: the median of
-  --same-node-reps after one uncounted round, ms.
+  them with the indexes given as range(n), as a numpy int64 array, as
+  a Python list, and as a list of ints made out of order (each made
+  before the timing; the last: the same values, their int objects made
+  in shuffled order, so they do not lie in memory one after the other
+  as list(range(n))'s do; no target, shown beside), alternating: the
+  median of --same-node-reps after one uncounted round, ms.
 
 Then checks against the targets, as ratio and PASS/FAIL: client CPU per
 call <= 30 µs for 1-10 fields x 1-4 rows (sync with spin_us=0; the default
@@ -467,13 +470,27 @@ def policy_pair(binary: str, work: str, plugins: str, cpus: str, puts: int, fres
 
 # -- same node ----------------------------------------------------------------
 
+SAME_NODE_WAYS = ("range", "numpy int64", "list", "list made out of order")
+
+
+def made_out_of_order(n: int) -> list:
+    """[0, n) as a list whose int objects were made in a shuffled order:
+    each lies wherever the allocator put it then, not after the one
+    before it (as a list gathered from many places holds them)."""
+    order = np.random.default_rng(n).permutation(n).tolist()
+    out = [0] * n
+    for i in order:
+        out[i] = i + 1 - 1  # a new int object (beyond the small-int cache)
+    return out
+
+
 def same_node(binary: str, work: str, plugins: str, n: int, width: int, reps: int) -> dict:
     """{way: [ms]} for a same-node get of all `n` rows, the indexes as
     range(n), a numpy int64 array and a list; plus the put's seconds."""
     shm_dir = f"/dev/shm/stowage-small-calls-{os.getpid()}"
     shutil.rmtree(shm_dir, ignore_errors=True)
     proc, eps = start(binary, work, plugins, cpus="1", extra=f'\n[shm]\ndir = "{shm_dir}"\n')
-    res = {"range": [], "numpy int64": [], "list": []}
+    res = {way: [] for way in SAME_NODE_WAYS}
     try:
         with stowage.Client(eps["native"], timeout=300, same_node=True) as c:
             if not c.same_node:
@@ -483,10 +500,10 @@ def same_node(binary: str, work: str, plugins: str, n: int, width: int, reps: in
             c.put(range(n), {"x": a})
             put_s = time.perf_counter() - t
             ways = {"range": lambda: range(n), "numpy int64": lambda: np.arange(n, dtype=np.int64),
-                    "list": lambda: list(range(n))}
+                    "list": lambda: list(range(n)), "list made out of order": lambda: made_out_of_order(n)}
             for rep in range(reps + 1):  # the first round warms, uncounted
                 names = list(ways)
-                names = names[rep % 3:] + names[:rep % 3]
+                names = names[rep % len(names):] + names[:rep % len(names)]
                 for way in names:
                     idx = ways[way]()  # made outside the timing: the caller has it already
                     t = time.perf_counter()
@@ -787,7 +804,7 @@ def main() -> None:
               f"ms, over {a.same_node_reps} rounds after one warm-up\n")
         print("| stowd | put of all (s) | indexes as | p50 | min | max | target | check |\n|---|---:|---|---:|---:|---:|---:|---|")
         for label, got in sn:
-            for way in ("range", "numpy int64", "list"):
+            for way in SAME_NODE_WAYS:
                 v = got[way]
                 p50 = statistics.median(v)
                 tgt = SAME_NODE_TARGET_MS.get(way)
