@@ -324,6 +324,36 @@ def test_timeout_against_a_silent_peer(silent_endpoint):
     assert router.poll(100, 1), "the requests never reached the peer"
 
 
+def test_a_client_that_does_not_spin_ends_each_call_at_its_own_deadline(fake_server):
+    """With spin_us=0 a reply is slept for in one blocking receive, bounded
+    by the socket's receive timeout, which is set again only when the time
+    left differs from it. On one kept connection, calls answered after a
+    delay each end at their own deadline: a short one after a long one
+    times out in its time (not the one set before), a long one after a
+    short one waits for its reply."""
+    delays = []
+
+    def handler(ident, frames):
+        time.sleep(delays.pop(0))
+        return [_reply(frames[0], "stats_ok", {"who": "late"})]
+
+    srv = fake_server(handler)
+    with stowage.Client(srv.endpoint, timeout=2.0, spin_us=0) as c:
+        # (the server's delay, the call's timeout, whether it is answered, bounds of its time)
+        for delay, timeout, answered, low, high in ((0.01, 2.0, True, 0.0, 1.0), (0.4, 0.1, False, 0.08, 0.3),
+                                                    (0.01, 2.0, True, 0.0, 1.0), (0.3, 1.0, True, 0.25, 0.9),
+                                                    (0.3, 0.1, False, 0.08, 0.25)):
+            delays.append(delay)
+            t0 = time.monotonic()
+            if answered:
+                assert c.stats(timeout=timeout)["who"] == "late"
+            else:
+                with pytest.raises(stowage.StowageTimeout, match=f"within {timeout} s"):
+                    c.stats(timeout=timeout)
+                time.sleep(delay)  # (the late reply comes to the dropped connection)
+            assert low <= time.monotonic() - t0 - (0 if answered else delay) < high, (delay, timeout)
+
+
 def _reply(req_frame0: bytes, op: str, body: dict, id_delta: int = 0) -> list:
     env = msgpack.unpackb(req_frame0)
     return [msgpack.packb({"proto": "stowage/1", "op": op, "id": env["id"] + id_delta, "body": body})]

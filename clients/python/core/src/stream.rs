@@ -58,20 +58,23 @@ impl AsRawFd for Socket {
 }
 
 /// A deadline-bound stream. Reads go through a small read-ahead buffer,
-/// filled by a `recv` that does not block (and a `poll` until the deadline
-/// when nothing has come yet), except long stretches (at least half of
-/// it, one place or many that follow on from each other), which go from
-/// the socket straight to where they belong with `MSG_WAITALL`, the
-/// socket's receive timeout set to the time left.
+/// filled by one blocking `recv` (the socket's receive timeout the time
+/// left, [`Stream::arm`]) when the client does not spin for the reply, or
+/// by a `recv` that does not block, a spin, then a `poll` until the
+/// deadline when it does; except long stretches (at least half of it, one
+/// place or many that follow on from each other), which go from the
+/// socket straight to where they belong with `MSG_WAITALL`.
 ///
 /// Why: a small get used to cost the client 22 system calls (each read
 /// armed with two `setsockopt` for its timeout, a frame header read a byte
 /// or eight at a time, the socket switched to non-blocking and back around
-/// each send); now it is a `sendmsg`, a `recv` that finds nothing yet, a
-/// `poll` and one `recv` of the whole reply (docs/benchmarks.md, "A 1-row
-/// get"). Bulk reads stay blocking: a non-blocking read loop (`recv` until
-/// `EAGAIN`, then `poll`) took a 1 GiB get_into at 2.45-2.91 GB/s where
-/// the blocking one took 2.83-3.08 (one-off check, alternating).
+/// each send); then a `sendmsg`, a `recv` that finds nothing yet, a `poll`
+/// and one `recv` of the whole reply (docs/benchmarks.md, "A 1-row get");
+/// now, not spinning, a `sendmsg` and one `recv` (0.88 fewer system calls
+/// a 1-row get on one CPU, "Sleeping in the receive"). Bulk reads stay
+/// blocking: a non-blocking read loop (`recv` until `EAGAIN`, then `poll`)
+/// took a 1 GiB get_into at 2.45-2.91 GB/s where the blocking one took
+/// 2.83-3.08 (one-off check, alternating).
 pub(crate) struct Stream {
     pub(crate) sock: Socket,
     pub(crate) deadline: Instant,
@@ -87,6 +90,9 @@ pub(crate) struct Stream {
     /// When the last reply on this connection was read to its end (None
     /// before the first): see [`Stream::may_be_closed`].
     pub(crate) replied: Option<Instant>,
+    /// The receive timeout set on the socket (`SO_RCVTIMEO`), None before
+    /// the first: see [`Stream::arm`].
+    armed: Option<Duration>,
 }
 
 impl Stream {
@@ -100,6 +106,7 @@ impl Stream {
             end: 0,
             curve: None,
             replied: None,
+            armed: None,
         }
     }
 
@@ -129,6 +136,49 @@ impl Stream {
             .ok_or_else(|| Fail::Timeout("no reply within the timeout".into()))
     }
 
+    /// Sets the socket's receive timeout to the time left, unless the one
+    /// set is within [`ARM_SLACK`] of it: a blocking read then ends by the
+    /// deadline (at most that much after it), and a call made right after
+    /// the last one (its deadline a few µs later, the same timeout) sets
+    /// nothing. A timeout set shorter than the time left only wakes a read
+    /// early, which then sets it again.
+    fn arm(&mut self) -> Result<(), Fail> {
+        let left = self.left()?;
+        let near = |set: Duration| set <= left + ARM_SLACK && set + ARM_SLACK >= left;
+        if !self.armed.is_some_and(near) {
+            self.sock.set_read_timeout(Some(left)).map_err(Stream::io)?;
+            self.armed = Some(left);
+        }
+        Ok(())
+    }
+
+    /// One blocking `recv` into the read-ahead buffer, within the deadline:
+    /// how many bytes. A reply not come yet is slept for in the `recv`
+    /// itself, not in a `recv` that finds nothing, a `poll` and a second
+    /// `recv`.
+    fn recv_blocking(&mut self) -> Result<usize, Fail> {
+        loop {
+            self.arm()?;
+            let buf = &mut self.ahead;
+            // SAFETY: `buf` is valid for writes of its length for the call.
+            let n =
+                unsafe { libc::recv(self.sock.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), 0) };
+            match n {
+                0 => return Err(Fail::Io("stowd closed the connection".into())),
+                n if n > 0 => return Ok(n as usize),
+                _ => match std::io::Error::last_os_error() {
+                    // Interrupted, or the receive timeout: the deadline
+                    // decides, in `arm`.
+                    e if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::Interrupted | std::io::ErrorKind::WouldBlock
+                    ) => {}
+                    e => return Err(Stream::io(e)),
+                },
+            }
+        }
+    }
+
     fn io(e: std::io::Error) -> Fail {
         match e.kind() {
             std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
@@ -144,6 +194,9 @@ impl Stream {
     /// read-ahead buffer used up.
     fn fill(&mut self) -> Result<(), Fail> {
         let n = match self.curve.as_deref_mut() {
+            // Not spinning (`spin_us=0`, or resting after a missed spin):
+            // the reply is slept for in one blocking `recv`.
+            None if self.spin.sleeps() => self.recv_blocking()?,
             None => recv_some(&self.sock, &mut self.spin, self.deadline, &mut self.ahead)?,
             Some(c) => c.read(&self.sock, &mut self.spin, self.deadline, &mut self.ahead)?,
         };
@@ -156,8 +209,7 @@ impl Stream {
     /// the deadline came first).
     fn recv_all(&mut self, iov: &mut [libc::iovec]) -> Result<usize, Fail> {
         loop {
-            let left = self.left()?;
-            self.sock.set_read_timeout(Some(left)).map_err(Stream::io)?;
+            self.arm()?;
             // SAFETY: an all-zero msghdr is valid (no name, no control data).
             let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
             msg.msg_iov = iov.as_mut_ptr();
@@ -611,6 +663,11 @@ const PEEK_MAX: usize = 4 << 20;
 /// How long after its last reply a kept connection is reused without
 /// asking whether stowd closed it ([`Stream::may_be_closed`]).
 pub(crate) const RECHECK_AFTER: Duration = Duration::from_millis(1);
+
+/// How far the socket's receive timeout may be from the time left before
+/// it is set again ([`Stream::arm`]): a blocking read may end this much
+/// after the deadline.
+const ARM_SLACK: Duration = Duration::from_millis(1);
 
 /// Bytes of CURVE's receive buffer (MESSAGE commands as they come off the
 /// socket), and of sealed commands gathered before a write.

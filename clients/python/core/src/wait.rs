@@ -17,7 +17,8 @@ use crate::error::Fail;
 /// (docs/benchmarks.md, "Spinning for the reply"). Each turn of the spin gives the
 /// CPU away (`sched_yield`), so on a shared CPU stowd, or anything else
 /// runnable, goes first. A wait the spin did not catch makes the next
-/// waits on this connection sleep at once ([`Spin::REST`] of them), so a
+/// receives on this connection sleep at once ([`Spin::REST`] of them,
+/// [`Spin::sleeps`]; a sync client's in one blocking `recv`), so a
 /// connection whose replies come slowly (large gets, a busy stowd) burns
 /// little.
 ///
@@ -71,6 +72,20 @@ impl Spin {
             backoff: Spin::REST,
             crowded,
         }
+    }
+
+    /// Whether the next receive sleeps without spinning (no window, or a
+    /// rest after a missed spin): then it counts as one of the rest's
+    /// waits, whether or not the reply had come.
+    pub(crate) fn sleeps(&mut self) -> bool {
+        if self.window.is_zero() {
+            return true;
+        }
+        if self.rest > 0 {
+            self.rest -= 1;
+            return true;
+        }
+        false
     }
 
     /// Waits left that return at once, without spinning.
