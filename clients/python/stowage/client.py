@@ -369,6 +369,14 @@ class _Ops:
         if type(got) is int:
             return got
         stored, rid, reply, failure = got
+        if failure is not None and not isinstance(failure, _CORE_FAILURES):
+            # What a signal handler raised while the put waited
+            # (KeyboardInterrupt on Ctrl-C): raised as it is.
+            try:
+                failure.rows_stored = stored
+            except AttributeError:
+                pass
+            raise failure
         try:
             if failure is not None:
                 raise self._core_failure(failure, "put", rid, self._call_timeout(timeout)) from None

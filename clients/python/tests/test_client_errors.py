@@ -4,6 +4,9 @@ mapped to its exception, timeouts, stale and malformed replies."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import threading
 import time
 
 import msgpack
@@ -352,6 +355,47 @@ def test_a_client_that_does_not_spin_ends_each_call_at_its_own_deadline(fake_ser
                     c.stats(timeout=timeout)
                 time.sleep(delay)  # (the late reply comes to the dropped connection)
             assert low <= time.monotonic() - t0 - (0 if answered else delay) < high, (delay, timeout)
+
+
+class _Signalled(Exception):
+    pass
+
+
+@pytest.mark.parametrize("spin_us", [0, None])
+def test_a_signal_handlers_exception_stops_a_call_waiting_for_its_reply(silent_endpoint, spin_us):
+    """A signal that comes while a sync call waits for its reply runs
+    Python's handler at once, and what the handler raises (KeyboardInterrupt
+    on Ctrl-C; here an exception of the test's own) ends the call, long
+    before its timeout: sleeping in the receive (spin_us=0) and in the poll
+    after a spin. The client goes on serving calls (the connection the
+    interrupted call used is dropped)."""
+    ep, router = silent_endpoint
+
+    def handler(signum, frame):
+        raise _Signalled()
+
+    old = signal.signal(signal.SIGUSR1, handler)
+    try:
+        with stowage.Client(ep, timeout=20, spin_us=spin_us) as c:
+            calls = {"get": lambda: c.get([1], ["x"]), "put": lambda: c.put([1], {"x": np.ones((1, 4))}),
+                     "stats": lambda: c.stats(), "clear": lambda: c.clear([1])}
+            for name, call in calls.items():
+                timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGUSR1))
+                t0 = time.monotonic()
+                timer.start()
+                with pytest.raises(_Signalled):
+                    call()
+                took = time.monotonic() - t0
+                timer.join()
+                assert 0.25 < took < 5, (name, took)
+            # Still serving: the next call waits out its own timeout.
+            t0 = time.monotonic()
+            with pytest.raises(stowage.StowageTimeout, match="within 0.2 s"):
+                c.stats(timeout=0.2)
+            assert time.monotonic() - t0 < 2
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+    assert router.poll(100, 1), "the requests never reached the peer"
 
 
 def _reply(req_frame0: bytes, op: str, body: dict, id_delta: int = 0) -> list:

@@ -174,6 +174,7 @@ fn words(f: &Fail) -> &str {
     match f {
         Fail::Timeout(m) | Fail::Io(m) | Fail::Protocol(m) | Fail::Mismatch(m) => m,
         Fail::NotTensors(m) => m,
+        Fail::Signal(_) => "a signal handler raised while it was read",
     }
 }
 

@@ -113,6 +113,7 @@ fn await_reply(s: &mut Stream, ch: &Channel) -> Result<(), Fail> {
         if n < 0 {
             let e = std::io::Error::last_os_error();
             if e.kind() == std::io::ErrorKind::Interrupted {
+                crate::error::interrupted()?;
                 continue;
             }
             return Err(Fail::Io(e.to_string()));

@@ -16,7 +16,7 @@ use bytes::Bytes;
 use stowage_transport::curve::{CurveError, Decrypter, Encrypter, Session};
 use stowage_transport::frame::{self, Decoded};
 
-use crate::error::Fail;
+use crate::error::{Fail, interrupted};
 use crate::wait::{Spin, wait};
 
 /// Largest frame 0 accepted (a get_ok's descriptors; stowd's own limit on
@@ -167,12 +167,9 @@ impl Stream {
                 0 => return Err(Fail::Io("stowd closed the connection".into())),
                 n if n > 0 => return Ok(n as usize),
                 _ => match std::io::Error::last_os_error() {
-                    // Interrupted, or the receive timeout: the deadline
-                    // decides, in `arm`.
-                    e if matches!(
-                        e.kind(),
-                        std::io::ErrorKind::Interrupted | std::io::ErrorKind::WouldBlock
-                    ) => {}
+                    e if e.kind() == std::io::ErrorKind::Interrupted => interrupted()?,
+                    // The receive timeout: the deadline decides, in `arm`.
+                    e if e.kind() == std::io::ErrorKind::WouldBlock => {}
                     e => return Err(Stream::io(e)),
                 },
             }
@@ -221,12 +218,9 @@ impl Stream {
                 0 => return Err(Fail::Io("stowd closed the connection".into())),
                 n if n > 0 => return Ok(n as usize),
                 _ => match std::io::Error::last_os_error() {
-                    // Interrupted, or the receive timeout: the deadline
-                    // decides, above.
-                    e if matches!(
-                        e.kind(),
-                        std::io::ErrorKind::Interrupted | std::io::ErrorKind::WouldBlock
-                    ) => {}
+                    e if e.kind() == std::io::ErrorKind::Interrupted => interrupted()?,
+                    // The receive timeout: the deadline decides, above.
+                    e if e.kind() == std::io::ErrorKind::WouldBlock => {}
                     e => return Err(Stream::io(e)),
                 },
             }
@@ -366,7 +360,7 @@ impl Stream {
             match self.send_vectored(slices) {
                 Ok(0) => return Err(Fail::Io("stowd closed the connection".into())),
                 Ok(n) => IoSlice::advance_slices(&mut slices, n),
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => interrupted()?,
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => wait(
                     &self.sock,
                     self.deadline,
@@ -689,7 +683,7 @@ fn recv_some(
             0 => return Err(Fail::Io("stowd closed the connection".into())),
             n if n > 0 => return Ok(n as usize),
             _ => match std::io::Error::last_os_error() {
-                e if e.kind() == std::io::ErrorKind::Interrupted => {}
+                e if e.kind() == std::io::ErrorKind::Interrupted => interrupted()?,
                 e if e.kind() == std::io::ErrorKind::WouldBlock => {
                     if !spin.wait(fd, deadline) {
                         wait(sock, deadline, libc::POLLIN, "no reply within the timeout")?

@@ -185,7 +185,7 @@ pub(crate) fn wait(
     match unsafe { libc::poll(&mut fd, 1, ms) } {
         0 => Err(Fail::Timeout(late.into())),
         -1 => match std::io::Error::last_os_error() {
-            e if e.kind() == std::io::ErrorKind::Interrupted => Ok(()),
+            e if e.kind() == std::io::ErrorKind::Interrupted => crate::error::interrupted(),
             e => Err(Fail::Io(e.to_string())),
         },
         _ => Ok(()),
