@@ -157,23 +157,13 @@ impl Stream {
     /// itself, not in a `recv` that finds nothing, a `poll` and a second
     /// `recv`.
     fn recv_blocking(&mut self) -> Result<usize, Fail> {
-        loop {
-            self.arm()?;
-            let buf = &mut self.ahead;
-            // SAFETY: `buf` is valid for writes of its length for the call.
-            let n =
-                unsafe { libc::recv(self.sock.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), 0) };
-            match n {
-                0 => return Err(Fail::Io("stowd closed the connection".into())),
-                n if n > 0 => return Ok(n as usize),
-                _ => match std::io::Error::last_os_error() {
-                    e if e.kind() == std::io::ErrorKind::Interrupted => interrupted()?,
-                    // The receive timeout: the deadline decides, in `arm`.
-                    e if e.kind() == std::io::ErrorKind::WouldBlock => {}
-                    e => return Err(Stream::io(e)),
-                },
-            }
-        }
+        let mut iov = [libc::iovec {
+            iov_base: self.ahead.as_mut_ptr().cast(),
+            iov_len: self.ahead.len(),
+        }];
+        // SAFETY: the read-ahead buffer is the stream's own, alive and
+        // touched by nothing else while it is read into.
+        unsafe { self.recv_within(&mut iov, 0) }
     }
 
     fn io(e: std::io::Error) -> Fail {
@@ -186,8 +176,9 @@ impl Stream {
         }
     }
 
-    /// Fills the read-ahead buffer with whatever comes first (waiting in
-    /// `poll` until the deadline if nothing has come yet). Called with the
+    /// Fills the read-ahead buffer with whatever comes first (waiting until
+    /// the deadline if nothing has come yet: in one blocking `recv`, or a
+    /// spin then `poll`, as [`Spin::sleeps`] says). Called with the
     /// read-ahead buffer used up.
     fn fill(&mut self) -> Result<(), Fail> {
         let n = match self.curve.as_deref_mut() {
@@ -201,25 +192,44 @@ impl Stream {
         Ok(())
     }
 
-    /// One blocking `recvmsg(2)` with `MSG_WAITALL` into `iov`, the receive
-    /// timeout set to the time left: the bytes read (all of them unless
-    /// the deadline came first).
-    fn recv_all(&mut self, iov: &mut [libc::iovec]) -> Result<usize, Fail> {
+    /// One blocking `recvmsg(2)` with `MSG_WAITALL` into `iov`, within the
+    /// deadline: the bytes read (all of them unless the deadline came
+    /// first).
+    ///
+    /// # Safety
+    /// As [`Stream::recv_within`].
+    unsafe fn recv_all(&mut self, iov: &mut [libc::iovec]) -> Result<usize, Fail> {
+        // SAFETY: the caller's contract.
+        unsafe { self.recv_within(iov, libc::MSG_WAITALL) }
+    }
+
+    /// One blocking `recvmsg(2)` into `iov` with `flags`, the socket's
+    /// receive timeout armed ([`Stream::arm`]) and the wait going on
+    /// through the receive timeout and signals (whose handlers run,
+    /// [`interrupted`]) until the deadline: the bytes read.
+    ///
+    /// # Safety
+    /// Every iovec names writable bytes the caller owns, alive and touched
+    /// by nothing else for the call.
+    unsafe fn recv_within(
+        &mut self,
+        iov: &mut [libc::iovec],
+        flags: libc::c_int,
+    ) -> Result<usize, Fail> {
         loop {
             self.arm()?;
             // SAFETY: an all-zero msghdr is valid (no name, no control data).
             let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
             msg.msg_iov = iov.as_mut_ptr();
             msg.msg_iovlen = iov.len() as _;
-            // SAFETY: every iovec names caller-owned writable bytes, alive
-            // for the call (`read_scattered`'s contract).
-            let n = unsafe { libc::recvmsg(self.sock.as_raw_fd(), &mut msg, libc::MSG_WAITALL) };
+            // SAFETY: the caller's contract on `iov`.
+            let n = unsafe { libc::recvmsg(self.sock.as_raw_fd(), &mut msg, flags) };
             match n {
                 0 => return Err(Fail::Io("stowd closed the connection".into())),
                 n if n > 0 => return Ok(n as usize),
                 _ => match std::io::Error::last_os_error() {
                     e if e.kind() == std::io::ErrorKind::Interrupted => interrupted()?,
-                    // The receive timeout: the deadline decides, above.
+                    // The receive timeout: the deadline decides, in `arm`.
                     e if e.kind() == std::io::ErrorKind::WouldBlock => {}
                     e => return Err(Stream::io(e)),
                 },
@@ -280,7 +290,9 @@ impl Stream {
                     .collect();
                 iov[0].iov_base = (dest + off) as *mut libc::c_void;
                 iov[0].iov_len = len - off;
-                let mut n = self.recv_all(&mut iov)?;
+                // SAFETY: each iovec lies in a place (contract), which
+                // nothing else touches for the call.
+                let mut n = unsafe { self.recv_all(&mut iov) }?;
                 left -= n;
                 // Advance past the bytes read.
                 while n > 0 {
