@@ -265,9 +265,9 @@ const AHEAD: usize = 16;
 /// were made. Made in order (`list(range(n))`) they lie one after the
 /// other and the hardware prefetcher finds them; made out of order, or
 /// among other objects, each read one by one waits for memory: 524,288
-/// such ints took 22-23 ms, as Python's own `sum` takes 18-19 ms over
-/// them, and 7.7-9.0 ms read [`AHEAD`] items ahead (in order, 2.9-3.2 ms
-/// either way; "Index lists read ahead" in docs/benchmarks.md).
+/// such ints took 21-23 ms, as Python's own `sum` takes 18-19 ms over
+/// them, and 7.7-11.6 ms read [`AHEAD`] items ahead (in order, 3.0-3.3
+/// ms either way; "Index lists read ahead" in docs/benchmarks.md).
 ///
 /// # Safety
 /// `seq` is a list (with `PyList_GetItem`) or a tuple (with
