@@ -1519,3 +1519,56 @@ def test_arrays_for_tensors_are_private_copy_on_write_and_never_overlap(shm_serv
     with stowage.Client(shm_server["native"]) as tcp:
         np.testing.assert_array_equal(tcp.get(idx, ["x"])["x"], x)
         tcp.clear(idx)
+
+
+class _Signalled(Exception):
+    pass
+
+
+@pytest.mark.parametrize("spin_us", [0, None])
+def test_a_signal_stops_a_waiting_same_node_get_and_the_client_and_store_stay_whole(inline_server, fresh,
+                                                                                 spin_us):
+    """A signal whose handler raises (KeyboardInterrupt on Ctrl-C; here an
+    exception of the test's own) while a same-node get waits for a stopped
+    stowd ends the get with it, long before its timeout, for a get through
+    segments and one answered over the socket. stowd continued, the same
+    client gets the rows right, puts same-node, and the store reads back
+    whole over tcp."""
+    s = inline_server
+    idx, small = fresh(64), fresh(4)
+    a = np.arange(64 * 1024, dtype=np.float32).reshape(64, 1024)  # 256 KiB: through segments
+    b = np.arange(4 * 16, dtype=np.float32).reshape(4, 16)  # 256 bytes: over the socket
+    with stowage.Client(s["native"]) as tcp:
+        tcp.put(idx, {"x": a})
+        tcp.put(small, {"y": b})
+
+    def handler(signum, frame):
+        raise _Signalled()
+
+    old = signal.signal(signal.SIGUSR1, handler)
+    try:
+        with stowage.Client(s["native"], same_node=True, timeout=20, spin_us=spin_us) as c:
+            np.testing.assert_array_equal(c.get(idx, ["x"])["x"], a)  # the channel open
+            for rows, field, want in ((idx, "x", a), (small, "y", b)):
+                os.kill(s["pid"], signal.SIGSTOP)
+                timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGUSR1))
+                t0 = time.monotonic()
+                timer.start()
+                try:
+                    with pytest.raises(_Signalled):
+                        c.get(rows, [field])
+                    took = time.monotonic() - t0
+                finally:
+                    timer.join()
+                    os.kill(s["pid"], signal.SIGCONT)
+                assert 0.25 < took < 5, (field, took)
+                np.testing.assert_array_equal(c.get(rows, [field])[field], want)
+            c.put(idx, {"z": a + 1})
+            np.testing.assert_array_equal(c.get(idx, ["z"])["z"], a + 1)
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+    with stowage.Client(s["native"]) as tcp:
+        got = tcp.get(idx, ["x", "z"])
+        np.testing.assert_array_equal(got["x"], a)
+        np.testing.assert_array_equal(got["z"], a + 1)
+        np.testing.assert_array_equal(tcp.get(small, ["y"])["y"], b)
