@@ -71,7 +71,7 @@ impl AsRawFd for Socket {
 /// each send); then a `sendmsg`, a `recv` that finds nothing yet, a `poll`
 /// and one `recv` of the whole reply (docs/benchmarks.md, "A 1-row get");
 /// now, not spinning, a `sendmsg` and one `recv` (0.88 fewer system calls
-/// a 1-row get on one CPU, "Sleeping in the receive"). Bulk reads stay
+/// a 1-row get on one CPU, "A reply slept for in one receive"). Bulk reads stay
 /// blocking: a non-blocking read loop (`recv` until `EAGAIN`, then `poll`)
 /// took a 1 GiB get_into at 2.45-2.91 GB/s where the blocking one took
 /// 2.83-3.08 (one-off check, alternating).
@@ -192,17 +192,6 @@ impl Stream {
         Ok(())
     }
 
-    /// One blocking `recvmsg(2)` with `MSG_WAITALL` into `iov`, within the
-    /// deadline: the bytes read (all of them unless the deadline came
-    /// first).
-    ///
-    /// # Safety
-    /// As [`Stream::recv_within`].
-    unsafe fn recv_all(&mut self, iov: &mut [libc::iovec]) -> Result<usize, Fail> {
-        // SAFETY: the caller's contract.
-        unsafe { self.recv_within(iov, libc::MSG_WAITALL) }
-    }
-
     /// One blocking `recvmsg(2)` into `iov` with `flags`, the socket's
     /// receive timeout armed ([`Stream::arm`]) and the wait going on
     /// through the receive timeout and signals (whose handlers run,
@@ -292,7 +281,7 @@ impl Stream {
                 iov[0].iov_len = len - off;
                 // SAFETY: each iovec lies in a place (contract), which
                 // nothing else touches for the call.
-                let mut n = unsafe { self.recv_all(&mut iov) }?;
+                let mut n = unsafe { self.recv_within(&mut iov, libc::MSG_WAITALL) }?;
                 left -= n;
                 // Advance past the bytes read.
                 while n > 0 {
