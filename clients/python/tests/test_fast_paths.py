@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import array
 import asyncio
+import sys
 import types
 
 import msgpack
@@ -91,7 +92,7 @@ def test_lists_read_ahead_give_every_index_and_turn_away_a_bad_one_anywhere(fake
     and last of each block included, turns the core away (None) so that
     the general path words the error."""
     rng = np.random.default_rng(11)
-    for n in (1, 2, 15, 16, 17, 31, 32, 33, 47, 48, 49, 64, 65, 1000):
+    for n in (1, 2, 15, 16, 17, 31, 32, 33, 47, 48, 49, 64, 65, 255, 256, 257, 1000):
         values = [int(v) for v in rng.integers(0, 2**62, n)]
         # The same values as int objects made in shuffled order.
         order = rng.permutation(n)
@@ -103,7 +104,8 @@ def test_lists_read_ahead_give_every_index_and_turn_away_a_bad_one_anywhere(fake
             assert read is not None and read.tolist() == values and len(read) == n, (n, kind)
             distinct = _core.read_index_list(g, True)
             assert distinct is not None and distinct.tolist() == values, (n, kind)
-        for at in sorted({0, 1, 14, 15, 16, 17, 31, 32, 33, n // 2, n - 2, n - 1} & set(range(n))):
+        edges = {0, 1, 14, 15, 16, 17, 31, 32, 33, 255, 256, 257, 511, 512, n // 2, n - 2, n - 1}
+        for at in sorted(edges & set(range(n))):
             for bad in (-1, 2**64, 2.0, "7", None, True):
                 g = list(values)
                 g[at] = bad
@@ -119,6 +121,36 @@ def test_lists_read_ahead_give_every_index_and_turn_away_a_bad_one_anywhere(fake
         with pytest.raises(TypeError, match="global indexes must be ints, got 3.5"):
             c.put(g, {"x": np.zeros((100, 4), np.float32)})
     assert srv.requests == []
+
+
+def test_ints_read_from_their_objects_give_the_c_apis_values_at_every_digit_count():
+    """The core reads an int's value from its digits (30 bits each) where
+    it confirmed the interpreter's layout: every value either side of a
+    digit count's edge reads as Python has it, in lists and tuples and
+    among other values; a negative one of any digit count, one of 2^64 or
+    more, and an int subclass turn the core away (None). On this CPython
+    the layouts are confirmed (else the core reads through the C API,
+    slower)."""
+    assert _core.index_layouts() == {"sequences": True, "int": "tag" if sys.version_info >= (3, 12) else "size"}
+    edges = [0, 1, 2, 7]
+    for bits in (30, 31, 32, 60, 62, 63, 64):
+        edges += [2**bits - 2, 2**bits - 1] + ([2**bits, 2**bits + 1] if bits < 64 else [])
+    rng = np.random.default_rng(5)
+    for n in (1, 3, 40, 300):
+        for _ in range(4):
+            values = [edges[i] for i in rng.integers(0, len(edges), n)]
+            for g in (values, tuple(values), [v + 1 - 1 for v in values]):
+                read = _core.read_index_list(g)
+                assert read is not None and read.tolist() == values, (n, type(g))
+    class Int(int):
+        pass
+    for bad in (-1, -(2**30), -(2**30) - 1, -(2**60), -(2**63), -(2**64) + 1, -(2**64), 2**64, 2**64 + 1,
+                2**90, 2**200, Int(5), False):
+        for at in (0, 17, 299):
+            g = [int(v) for v in rng.integers(0, 2**40, 300)]
+            g[at] = bad
+            assert _core.read_index_list(g) is None, (bad, at)
+            assert _core.read_index_list(tuple(g), True) is None, (bad, at)
 
 
 def test_ranges_read_without_listing_them():

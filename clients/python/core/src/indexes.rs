@@ -227,12 +227,10 @@ impl Sink for RunBuilder {
 /// Reads `obj` into `sink`; a positive-step `range` is returned as a run
 /// instead (never listed). None if `obj` is not plainly indexes, or empty.
 fn read_with<S: Sink>(obj: &Bound<'_, PyAny>, mut sink: S) -> Option<(Option<Read>, S)> {
-    let ok = if let Ok(list) = obj.cast_exact::<PyList>() {
-        // SAFETY: a list, read under the GIL (which nothing here releases).
-        unsafe { ints(obj.as_ptr(), list.len(), ffi::PyList_GetItem, &mut sink) }
-    } else if let Ok(tuple) = obj.cast_exact::<PyTuple>() {
-        // SAFETY: a tuple, as above.
-        unsafe { ints(obj.as_ptr(), tuple.len(), ffi::PyTuple_GetItem, &mut sink) }
+    let ok = if obj.cast_exact::<PyList>().is_ok() || obj.cast_exact::<PyTuple>().is_ok() {
+        // SAFETY: an exact list or tuple, read under the GIL (which nothing
+        // here releases).
+        unsafe { read_sequence(obj, &mut sink) }
     } else if let Ok(range) = obj.cast_exact::<PyRange>() {
         match read_range(range, &mut sink)? {
             Some(run) => return Some((Some(Read::Run(run)), sink)),
@@ -252,72 +250,298 @@ fn read_with<S: Sink>(obj: &Bound<'_, PyAny>, mut sink: S) -> Option<(Option<Rea
     (sink.len() > 0).then_some((None, sink))
 }
 
-/// Items a list or tuple is read ahead by: item `i + AHEAD` is taken and
-/// its object prefetched as item `i` is read. Over a list of 524,288 ints
-/// made out of order, 8 to 24 ahead took 7.6-11.6 ms, no distance among
-/// them ahead of the others beyond this machine's noise; 32 took 13.2-18.6.
+/// Items a list or tuple is read ahead by: item `i + AHEAD`'s object is
+/// prefetched as item `i` is read. Over a list of 524,288 ints made out
+/// of order, 8 to 24 ahead took 7.6-11.6 ms, no distance among them ahead
+/// of the others beyond this machine's noise; 32 took 13.2-18.6.
 const AHEAD: usize = 16;
 
-/// The items of a list or tuple of `len` items into `sink`, if every one
-/// is exactly an `int` in range.
+/// Indexes a list or tuple's ints are read into before they go to the
+/// sink together ([`Sink::extend_from`]: a run's continuation is then one
+/// tight scan).
+const CHUNK: usize = 256;
+
+/// The items of an exact list or tuple into `sink`, if every one is
+/// exactly an `int` in range.
 ///
-/// The list holds pointers; the `int`s they point to lie wherever they
-/// were made. Made in order (`list(range(n))`) they lie one after the
-/// other and the hardware prefetcher finds them; made out of order, or
-/// among other objects, each read one by one waits for memory: 524,288
-/// such ints took 21-23 ms, as Python's own `sum` takes 18-19 ms over
-/// them, and 7.7-11.6 ms read [`AHEAD`] items ahead (in order, 3.0-3.3
-/// ms either way; "Index lists read ahead" in docs/benchmarks.md).
+/// The sequence holds pointers; the `int`s they point to lie wherever
+/// they were made. Made in order (`list(range(n))`) they lie one after
+/// the other and the hardware prefetcher finds them; made out of order,
+/// or among other objects, each read one by one waits for memory:
+/// 524,288 such ints took 21-23 ms, as Python's own `sum` takes 18-19 ms
+/// over them, and 7.7-11.6 ms read [`AHEAD`] items ahead.
+///
+/// The items and the ints' values are read from the objects themselves
+/// where this interpreter's layouts were confirmed ([`Layouts`]), the
+/// items as one slice and each value from its digits: with a call of
+/// `PyList_GetItem` and of `PyLong_AsUnsignedLongLong` an item, 524,288
+/// ints made in order took 3.0-3.8 ms, more than Python's `sum` over them
+/// (2.9) ("Index lists read ahead" and "Index lists read from the
+/// objects" in docs/benchmarks.md).
 ///
 /// # Safety
-/// `seq` is a list (with `PyList_GetItem`) or a tuple (with
-/// `PyTuple_GetItem`) of at least `len` items; the GIL is held.
-unsafe fn ints<S: Sink>(
-    seq: *mut ffi::PyObject,
-    len: usize,
-    get: unsafe extern "C" fn(*mut ffi::PyObject, ffi::Py_ssize_t) -> *mut ffi::PyObject,
-    sink: &mut S,
-) -> Option<()> {
-    sink.reserve(len);
-    // The next AHEAD items, taken and prefetched: item i + AHEAD is asked
-    // for as item i is read, so each is prefetched AHEAD reads ahead.
-    let mut ring = [std::ptr::null_mut::<ffi::PyObject>(); AHEAD];
-    // SAFETY: the caller's contract. Each item is borrowed from when it is
-    // taken until it is read: nothing here runs Python code (an exact
-    // `int` converts without `__index__`), so nothing can change the
-    // sequence meanwhile.
+/// `seq` is an exact list or tuple; the GIL is held, and stays held.
+unsafe fn read_sequence<S: Sink>(seq: &Bound<'_, PyAny>, sink: &mut S) -> Option<()> {
+    let layouts = Layouts::get(seq.py());
+    // SAFETY: the caller's contract; the items are borrowed while this
+    // runs, and nothing here runs Python code (an exact `int` converts
+    // without `__index__`), so nothing can change the sequence meanwhile.
     unsafe {
-        let take = |i: usize| {
-            let item = get(seq, i as ffi::Py_ssize_t);
-            if item.is_null() {
-                ffi::PyErr_Clear();
-            } else {
-                prefetch(item);
+        let taken;
+        let items: &[*mut ffi::PyObject] = match layouts.items(seq.as_ptr()) {
+            Some(items) => items,
+            None => {
+                taken = seq
+                    .try_iter()
+                    .ok()?
+                    .map(|item| item.map(|i| i.as_ptr()))
+                    .collect::<PyResult<Vec<_>>>()
+                    .ok()?;
+                &taken
             }
-            item
         };
-        for (i, slot) in ring.iter_mut().enumerate().take(len) {
-            *slot = take(i);
-        }
+        sink.reserve(items.len());
         let int_type = std::ptr::addr_of_mut!(ffi::PyLong_Type);
-        for i in 0..len {
-            let slot = &mut ring[i % AHEAD];
-            let item = *slot;
-            if i + AHEAD < len {
-                *slot = take(i + AHEAD);
+        let mut buf = [0u64; CHUNK];
+        for (c, chunk) in items.chunks(CHUNK).enumerate() {
+            let base = c * CHUNK;
+            for (k, &item) in chunk.iter().enumerate() {
+                if let Some(&ahead) = items.get(base + k + AHEAD) {
+                    prefetch(ahead);
+                }
+                if ffi::Py_TYPE(item) != int_type {
+                    return None;
+                }
+                buf[k] = layouts.int.value(item)?;
             }
-            if item.is_null() || ffi::Py_TYPE(item) != int_type {
-                return None;
-            }
-            let v = ffi::PyLong_AsUnsignedLongLong(item);
-            if v == u64::MAX && !ffi::PyErr_Occurred().is_null() {
-                ffi::PyErr_Clear();
-                return None;
-            }
-            sink.push(v);
+            sink.extend_from(&buf[..chunk.len()]);
         }
     }
     Some(())
+}
+
+/// How this interpreter lays out a list's and a tuple's items and an
+/// `int`'s value, as far as [`read_sequence`] reads them directly:
+/// confirmed once against the C API on sample objects ([`Layouts::get`]);
+/// what is not confirmed is read through the C API.
+struct Layouts {
+    /// Lists keep a pointer to their items after the object's variable
+    /// head (`ob_item`), tuples keep them inline there.
+    sequences: bool,
+    int: IntLayout,
+}
+
+/// Where an exact `int`'s value is, after the object's head: a word,
+/// then 30-bit digits, least significant first.
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum IntLayout {
+    /// CPython up to 3.11: the word is the signed count of digits.
+    Size,
+    /// CPython 3.12 on: the word is the count of digits shifted up by 3,
+    /// with the sign in its low two bits (0 positive, 1 zero, 2
+    /// negative).
+    Tag,
+    /// Neither confirmed: `PyLong_AsUnsignedLongLong`.
+    Api,
+}
+
+/// Bytes of an object's head (`ob_refcnt`, `ob_type`).
+const HEAD: usize = std::mem::size_of::<ffi::PyObject>();
+/// Bytes of a variable object's head (`ob_size` after the object's).
+const VAR_HEAD: usize = std::mem::size_of::<ffi::PyVarObject>();
+
+impl IntLayout {
+    /// The value of the exact `int` at `item` in `0..2^64`; None if it is
+    /// negative or 2^64 or more.
+    ///
+    /// # Safety
+    /// `item` is an exact `int`, alive; the GIL is held.
+    #[inline(always)]
+    unsafe fn value(self, item: *mut ffi::PyObject) -> Option<u64> {
+        // SAFETY: an int object holds the word and at least one digit
+        // after its head (a zero too), and `n` digits when the word says
+        // `n`; only counts of 1 and 2 are read here.
+        unsafe {
+            let word = item.cast::<u8>().add(HEAD).cast::<isize>().read();
+            let digits = item.cast::<u8>().add(VAR_HEAD).cast::<u32>();
+            let (negative, count) = match self {
+                IntLayout::Size => (word < 0, word.unsigned_abs()),
+                IntLayout::Tag => (word & 3 == 2, (word as usize) >> 3),
+                IntLayout::Api => return api_value(item),
+            };
+            match (negative, count) {
+                (true, _) => None,
+                (false, 0) => Some(0),
+                (false, 1) => Some(u64::from(digits.read())),
+                (false, 2) => {
+                    Some(u64::from(digits.read()) | u64::from(digits.add(1).read()) << 30)
+                }
+                (false, _) => api_value(item),
+            }
+        }
+    }
+}
+
+/// An exact `int`'s value through the C API, if in `0..2^64`.
+///
+/// # Safety
+/// `item` is an `int`, alive; the GIL is held.
+unsafe fn api_value(item: *mut ffi::PyObject) -> Option<u64> {
+    // SAFETY: the caller's contract.
+    unsafe {
+        let v = ffi::PyLong_AsUnsignedLongLong(item);
+        if v == u64::MAX && !ffi::PyErr_Occurred().is_null() {
+            ffi::PyErr_Clear();
+            return None;
+        }
+        Some(v)
+    }
+}
+
+impl Layouts {
+    /// This interpreter's, confirmed on first use.
+    fn get(py: Python<'_>) -> &'static Layouts {
+        static LAYOUTS: PyOnceLock<Layouts> = PyOnceLock::new();
+        LAYOUTS.get_or_init(py, || {
+            let sequences = sequences_ok(py).unwrap_or(false);
+            let guess = if py.version_info() >= (3, 12) {
+                IntLayout::Tag
+            } else {
+                IntLayout::Size
+            };
+            let int = if int_layout_ok(py, guess).unwrap_or(false) {
+                guess
+            } else {
+                IntLayout::Api
+            };
+            Layouts { sequences, int }
+        })
+    }
+
+    /// The items of the exact list or tuple `seq`, if their layout was
+    /// confirmed.
+    ///
+    /// # Safety
+    /// `seq` is an exact list or tuple, alive and unchanged while the
+    /// slice is used; the GIL is held.
+    unsafe fn items<'a>(&self, seq: *mut ffi::PyObject) -> Option<&'a [*mut ffi::PyObject]> {
+        if !self.sequences {
+            return None;
+        }
+        // SAFETY: the layout confirmed by `sequences_ok`: the count in
+        // the variable head, then the items (a list's through a pointer,
+        // null when empty).
+        unsafe {
+            let len = usize::try_from(ffi::Py_SIZE(seq)).ok()?;
+            let at = seq.cast::<u8>().add(VAR_HEAD);
+            let items = if ffi::PyList_CheckExact(seq) != 0 {
+                at.cast::<*mut *mut ffi::PyObject>().read()
+            } else {
+                at.cast::<*mut ffi::PyObject>()
+            };
+            if len == 0 {
+                return Some(&[]);
+            }
+            Some(std::slice::from_raw_parts(items, len))
+        }
+    }
+}
+
+/// How the core reads a list's or tuple's items and ints here, as
+/// confirmed on first use: `{"sequences": bool, "int": "size" | "tag" |
+/// "api"}` (`sequences` false and `"api"`: through the C API). For tests
+/// and for the curious: a layout not confirmed costs speed, not results.
+#[pyfunction]
+pub(crate) fn index_layouts(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
+    let layouts = Layouts::get(py);
+    let d = PyDict::new(py);
+    d.set_item("sequences", layouts.sequences)?;
+    let int = match layouts.int {
+        IntLayout::Size => "size",
+        IntLayout::Tag => "tag",
+        IntLayout::Api => "api",
+    };
+    d.set_item("int", int)?;
+    Ok(d)
+}
+
+/// Whether a list's and a tuple's items are where [`Layouts::items`]
+/// reads them, as `PyList_GetItem` and `PyTuple_GetItem` find them, on a
+/// list and a tuple of 3 items.
+fn sequences_ok(py: Python<'_>) -> PyResult<bool> {
+    let objs = [
+        py.None(),
+        7u32.into_pyobject(py)?.into_any().unbind(),
+        PyString::new(py, "x").into_any().unbind(),
+    ];
+    let list = PyList::new(py, &objs)?;
+    let tuple = PyTuple::new(py, &objs)?;
+    let layouts = Layouts {
+        sequences: true,
+        int: IntLayout::Api,
+    };
+    for (seq, get) in [
+        (
+            list.as_any(),
+            ffi::PyList_GetItem as unsafe extern "C" fn(_, _) -> _,
+        ),
+        (tuple.as_any(), ffi::PyTuple_GetItem),
+    ] {
+        // SAFETY: an exact list or tuple made here, alive, under the GIL;
+        // the check reads at most its count of pointers where the layout
+        // says they are, and compares them with the C API's.
+        let same = unsafe {
+            let Some(items) = layouts.items(seq.as_ptr()) else {
+                return Ok(false);
+            };
+            items.len() == 3 && (0..3).all(|i| items[i] == get(seq.as_ptr(), i as ffi::Py_ssize_t))
+        };
+        if !same {
+            return Ok(false);
+        }
+    }
+    Ok(true)
+}
+
+/// Whether `layout` reads the values the C API gives, on ints either side
+/// of every digit count it reads, and turns away negative ones and ones
+/// of 2^64 or more.
+fn int_layout_ok(py: Python<'_>, layout: IntLayout) -> PyResult<bool> {
+    let int = py.get_type::<pyo3::types::PyInt>();
+    for v in [
+        0u64,
+        1,
+        7,
+        (1 << 30) - 1,
+        1 << 30,
+        (1 << 31) + 5,
+        (1 << 60) - 1,
+        1 << 60,
+        (1 << 62) + 3,
+        1 << 63,
+        u64::MAX,
+    ] {
+        let obj = v.into_pyobject(py)?;
+        // SAFETY: an exact int made here, alive, under the GIL.
+        if unsafe { layout.value(obj.as_ptr()) } != Some(v) {
+            return Ok(false);
+        }
+    }
+    for text in [
+        "-1",
+        "-1073741824",
+        "-4611686018427387904",
+        "-18446744073709551615",
+        "18446744073709551616",
+        "1237940039285380274899124224",
+    ] {
+        let obj = int.call1((text,))?;
+        // SAFETY: as above.
+        if unsafe { layout.value(obj.as_ptr()) }.is_some() {
+            return Ok(false);
+        }
+    }
+    Ok(true)
 }
 
 /// Asks for the cache line at `p` ahead of its read (a hint: nothing is

@@ -138,6 +138,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<buffer::Buffer>()?;
     m.add_class::<indexes::IndexList>()?;
     m.add_function(wrap_pyfunction!(indexes::read_index_list, m)?)?;
+    m.add_function(wrap_pyfunction!(indexes::index_layouts, m)?)?;
     m.add_class::<put::Put>()?;
     m.add_function(wrap_pyfunction!(release_receive_buffers, m)?)?;
     m.add_function(wrap_pyfunction!(ndarray_direct, m)?)?;
