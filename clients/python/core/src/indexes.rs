@@ -252,8 +252,9 @@ fn read_with<S: Sink>(obj: &Bound<'_, PyAny>, mut sink: S) -> Option<(Option<Rea
 
 /// Items a list or tuple is read ahead by: item `i + AHEAD`'s object is
 /// prefetched as item `i` is read. Over a list of 524,288 ints made out
-/// of order, 8 to 24 ahead took 7.6-11.6 ms, no distance among them ahead
-/// of the others beyond this machine's noise; 32 took 13.2-18.6.
+/// of order, read through the C API, 8 to 24 ahead took 7.6-11.6 ms, no
+/// distance among them ahead of the others beyond this machine's noise;
+/// 32 took 13.2-18.6.
 const AHEAD: usize = 16;
 
 /// Indexes a list or tuple's ints are read into before they go to the
@@ -269,15 +270,16 @@ const CHUNK: usize = 256;
 /// the other and the hardware prefetcher finds them; made out of order,
 /// or among other objects, each read one by one waits for memory:
 /// 524,288 such ints took 21-23 ms, as Python's own `sum` takes 18-19 ms
-/// over them, and 7.7-11.6 ms read [`AHEAD`] items ahead.
+/// over them, and 7.7-11.6 ms read [`AHEAD`] items ahead (5.3-6.1 ms read
+/// from the objects, below).
 ///
 /// The items and the ints' values are read from the objects themselves
 /// where this interpreter's layouts were confirmed ([`Layouts`]), the
-/// items as one slice and each value from its digits: with a call of
+/// items as one slice and each value from its digits. With a call of
 /// `PyList_GetItem` and of `PyLong_AsUnsignedLongLong` an item, 524,288
-/// ints made in order took 3.0-3.8 ms, more than Python's `sum` over them
-/// (2.9) ("Index lists read ahead" and "Index lists read from the
-/// objects" in docs/benchmarks.md).
+/// ints made in order took 3.3-5.3 ms, no less than Python's `sum` over
+/// them (2.9-4.9 ms in the same runs); read from the objects, 1.7-2.5 ms
+/// ("Index lists read from the objects" in docs/benchmarks.md).
 ///
 /// # Safety
 /// `seq` is an exact list or tuple; the GIL is held, and stays held.
