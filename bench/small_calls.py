@@ -13,7 +13,8 @@ Sections (all by default; `--only` picks some):
 - floors: a plain tcp ping-pong and a pyzmq DEALER<->ROUTER ping-pong
   between this process and a Python echo process, placed the same two
   ways (64 bytes out, 4,200 back: about a 1-row 4 KiB get): the median
-  of --calls (at least 1,000) round trips, µs. With puts, also the plain
+  of --calls (at least 1,000) round trips, µs, and the plain ping-pong's
+  client's CPU a round trip (shown under the client CPU check). With puts, also the plain
   tcp ping-pong with a 1-field and a 32-field put's rows out (64 bytes
   back), for each row count: the 32-vs-1 ratio of the bytes alone, shown
   under that check.
@@ -215,9 +216,18 @@ class Echo:
 def ping_pong(cpu: int, calls: int, out: int = 64, back: int = 4200) -> float:
     """The floor for a small call: the median round trip of an [`Echo`]
     exchange with an echo pinned to `cpu`, µs."""
+    return ping_pong_cpu(cpu, calls, out, back)[0]
+
+
+def ping_pong_cpu(cpu: int, calls: int, out: int = 64, back: int = 4200) -> tuple:
+    """As [`ping_pong`], and this side's CPU a round trip (user + system,
+    µs): what a bare Python socket client spends on the exchange, the floor
+    under the client CPU check."""
     e = Echo(cpu, out, back)
     try:
-        return statistics.median(e.samples(calls)) * 1e6
+        mine = time.process_time()
+        ts = e.samples(calls)
+        return statistics.median(ts) * 1e6, (time.process_time() - mine) / calls * 1e6
     finally:
         e.close()
 
@@ -593,12 +603,13 @@ def main() -> None:
     print(f"# plugins: {a.plugins}", flush=True)
     print()
 
-    floor, zfloor, bfloor = {}, {}, {}
+    floor, floor_cpu, zfloor, bfloor = {}, {}, {}, {}
     if "floors" in only or ops:
         for cpu, where in ((0, "same CPU"), (1, "two CPUs")):
-            floor[where] = ping_pong(cpu, max(a.calls, 1000))
+            floor[where], floor_cpu[where] = ping_pong_cpu(cpu, max(a.calls, 1000))
             zfloor[where] = zmq_ping_pong(cpu, max(a.calls, 1000))
-            print(f"  floors, {where}: tcp {floor[where]:.1f} us, pyzmq {zfloor[where]:.1f} us", flush=True)
+            print(f"  floors, {where}: tcp {floor[where]:.1f} us (its client's CPU {floor_cpu[where]:.1f} us a call), "
+                  f"pyzmq {zfloor[where]:.1f} us", flush=True)
         if "put" in ops:
             # The 32-vs-1 check's bytes alone: a plain tcp ping-pong with a
             # 1-field and a 32-field put's rows out (64 bytes back).
@@ -672,10 +683,13 @@ def main() -> None:
     print()
     if floor:
         print("## Floors (µs, medians of", max(a.calls, 1000), "round trips; 64 bytes out, 4,200 back)\n")
-        print("| placement | tcp ping-pong, plain Python | pyzmq DEALER<->ROUTER | pyzmq / tcp |\n|---|---:|---:|---:|")
+        print("| placement | tcp ping-pong, plain Python | its client's CPU a call | pyzmq DEALER<->ROUTER | pyzmq / tcp |"
+              "\n|---|---:|---:|---:|---:|")
         for where in floor:
-            print(f"| {where} | {floor[where]:.1f} | {zfloor[where]:.1f} | {zfloor[where] / floor[where]:.2f} |")
-        print()
+            print(f"| {where} | {floor[where]:.1f} | {floor_cpu[where]:.1f} | {zfloor[where]:.1f} | "
+                  f"{zfloor[where] / floor[where]:.2f} |")
+        print("\nIts client's CPU: user + system of this process over the round trips, a bare Python socket "
+              "client's (`sendall`, `recv_into`).\n")
 
     if matrix:
         print(f"## Small calls: fields x rows, float32[{WIDTH}] a field a row\n")
@@ -703,6 +717,11 @@ def main() -> None:
         print(f"### Check: client CPU a call <= {CPU_TARGET_US:.0f} µs, 1-10 fields x 1-4 rows\n")
         print("µs (ratio to the target) PASS/FAIL; checked: the sync client's own work (`sync spin 0`); the "
               "default spin and async shown too.\n")
+        if floor_cpu:
+            print("The bare tcp ping-pong's client took " + ", ".join(
+                f"{floor_cpu[w]:.1f} µs a call on {w}" for w in floor_cpu)
+                  + " in this run (the Floors table): what the exchange alone costs a Python process, its system "
+                    "calls and wake-ups included.\n")
         print("| stowd | policy | placement | client | op | " + " | ".join(f"{f} field{'s' if f > 1 else ''} x {r} row{'s' if r > 1 else ''}" for f, r in SMALL) + " |")
         print("|---|---|---|---|---|" + "---|" * len(SMALL))
         for label, chain, where, got in matrix:
