@@ -111,7 +111,9 @@ pub fn check_frames<N: AsRef<str>>(
     fields: &[(N, FieldLayout)],
     frame_lens: &[u64],
 ) -> Result<(), Error> {
-    let mut used = vec![false; frame_lens.len()];
+    // Inline for up to 64 data frames: `vec![false; n]` is a zeroed
+    // allocation, which glibc serves past its per-thread cache.
+    let mut used: smallvec::SmallVec<[bool; 64]> = smallvec::smallvec![false; frame_lens.len()];
     for (name, f) in fields {
         for (frame, offset, len) in f.ranges() {
             let in_field = |e: Error| Error::InField {

@@ -306,7 +306,9 @@ impl Assembled {
     ) -> Assembled {
         let mut bases = Vec::with_capacity(buffers.len());
         // Each buffer's base, made when a field with bytes first uses it.
-        let mut based: Vec<Option<usize>> = vec![None; buffers.len()];
+        // (Not `vec![None; n]`: a zeroed allocation, past glibc's per-thread
+        // cache.)
+        let mut based: Vec<Option<usize>> = std::iter::repeat_n(None, buffers.len()).collect();
         let mut buffers: Vec<Option<Vec<u8>>> = buffers.into_iter().map(Some).collect();
         let mut starts = starts.iter();
         let mut out = Vec::with_capacity(fields.len());

@@ -91,7 +91,17 @@ pub fn take(len: usize, fresh: impl FnOnce(&[u8])) -> Vec<u8> {
             return buf;
         }
     }
-    let buf = vec![0u8; len];
+    let buf = if len >= MIN_POOLED {
+        // Zeroed by calloc: fresh pages from the kernel, not written here.
+        vec![0u8; len]
+    } else {
+        // A small one from glibc's per-thread cache, then zeroed (a zeroed
+        // allocation is served past that cache).
+        #[expect(clippy::slow_vector_initialization, reason = "not a zeroed allocation")]
+        let mut buf = Vec::with_capacity(len);
+        buf.resize(len, 0u8);
+        buf
+    };
     fresh(&buf);
     buf
 }

@@ -636,7 +636,11 @@ impl Stream {
                 "{what} of {size} bytes (at most {max})"
             )));
         }
-        let mut out = vec![0u8; size as usize];
+        // Allocated, then zeroed: `vec![0; n]` asks for a zeroed allocation,
+        // which glibc serves past its per-thread cache (a frame 0 every call).
+        #[expect(clippy::slow_vector_initialization, reason = "not a zeroed allocation")]
+        let mut out = Vec::with_capacity(size as usize);
+        out.resize(size as usize, 0u8);
         self.read_exact(&mut out)?;
         Ok(out)
     }
