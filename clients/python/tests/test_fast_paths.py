@@ -153,6 +153,57 @@ def test_ints_read_from_their_objects_give_the_c_apis_values_at_every_digit_coun
             assert _core.read_index_list(tuple(g), True) is None, (bad, at)
 
 
+INDEX_CASES = r"""
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from stowage import _core
+class Int(int):
+    pass
+edges = [0, 1, 2**30 - 1, 2**30, 2**60 - 1, 2**60, 2**63, 2**64 - 1]
+cases = [list(range(n)) for n in (1, 255, 256, 257, 600)]
+cases += [edges * 40, tuple(edges * 40), [v + 1 - 1 for v in reversed(edges * 40)]]
+for bad in (-1, -(2**60), 2**64, 2**90, 2.0, "7", None, True, Int(3)):
+    for at in (0, 255, 256, 319):
+        g = edges * 40
+        g[at] = bad
+        cases += [g, tuple(g)]
+out = []
+for g in cases:
+    for distinct in (False, True):
+        r = _core.read_index_list(g, distinct)
+        out.append(None if r is None else r.tolist())
+print(json.dumps({"layouts": _core.index_layouts(), "reads": out}))
+"""
+
+
+def test_index_lists_read_through_the_c_api_give_the_same_as_read_from_the_objects():
+    """Where the core cannot confirm the interpreter's layouts it reads
+    every item and int through the C API (forced here with
+    STOWAGE_INDEX_LAYOUTS=api): every list and tuple reads the same either
+    way, edge values and bad items at chunk edges included."""
+    import json
+    import os
+    import subprocess
+    pkg = os.path.dirname(os.path.dirname(stowage.__file__))
+    runs = {}
+    for mode in ("api", ""):
+        env = dict(os.environ, STOWAGE_INDEX_LAYOUTS=mode)
+        done = subprocess.run([sys.executable, "-c", INDEX_CASES, pkg], env=env, capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        runs[mode] = json.loads(done.stdout)
+    assert runs["api"]["layouts"] == {"sequences": False, "int": "api"}
+    assert runs[""]["layouts"]["sequences"] is True and runs[""]["layouts"]["int"] != "api"
+    assert runs["api"]["reads"] == runs[""]["reads"]
+    reads = runs["api"]["reads"]
+    assert reads[0] == [0] and reads[8] == list(range(600)) and reads[9] == list(range(600))
+    # The edge values repeat: read as given, turned away when asked distinct.
+    assert reads[10] == reads[12] and reads[10][:8] == [0, 1, 2**30 - 1, 2**30, 2**60 - 1, 2**60, 2**63, 2**64 - 1]
+    assert reads[11] is None and reads[13] is None and reads[15] is None
+    # Every bad item turned away, both ways.
+    assert all(r is None for r in reads[16:]) and len(reads[16:]) == 9 * 4 * 2 * 2
+
+
 def test_ranges_read_without_listing_them():
     assert _core.read_index_list(range(10, 10**15, 3)).runs == 1
     assert len(_core.read_index_list(range(10, 10**15, 3))) == len(range(10, 10**15, 3))

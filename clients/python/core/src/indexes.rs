@@ -401,10 +401,19 @@ unsafe fn api_value(item: *mut ffi::PyObject) -> Option<u64> {
 }
 
 impl Layouts {
-    /// This interpreter's, confirmed on first use.
+    /// This interpreter's, confirmed on first use. With
+    /// `STOWAGE_INDEX_LAYOUTS=api` in the environment then, none is used:
+    /// everything is read through the C API (for tests of that path, and
+    /// to rule this reader out).
     fn get(py: Python<'_>) -> &'static Layouts {
         static LAYOUTS: PyOnceLock<Layouts> = PyOnceLock::new();
         LAYOUTS.get_or_init(py, || {
+            if std::env::var_os("STOWAGE_INDEX_LAYOUTS").is_some_and(|v| v == "api") {
+                return Layouts {
+                    sequences: false,
+                    int: IntLayout::Api,
+                };
+            }
             let sequences = sequences_ok(py).unwrap_or(false);
             let guess = if py.version_info() >= (3, 12) {
                 IntLayout::Tag
