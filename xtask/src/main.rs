@@ -533,10 +533,18 @@ fn test(args: &[String]) -> Result<()> {
     sh(&cargo(), &["build", "--workspace", "--all-targets"], &envs)?;
     install_core(&target_dir(&root).join("debug"))?;
     sh(&cargo(), &["test", "--workspace"], &envs)?;
-    // Last, and untimed: pytest's summary ends the output.
+    // Last, and untimed: pytest's summary ends the output, after its 15
+    // slowest steps (where CI's time goes).
     sh_timed(
         &python(),
-        &["-m", "pytest", "tests/python", "clients/python/tests", "-q"],
+        &[
+            "-m",
+            "pytest",
+            "tests/python",
+            "clients/python/tests",
+            "-q",
+            "--durations=15",
+        ],
         &envs,
         false,
     )
