@@ -212,6 +212,28 @@ def _stop(proc: subprocess.Popen, name: str, log_path: Path, endpoints_path: Pat
 _blocks = itertools.count(10)
 
 
+def pause(pid: int, timeout: float = 10.0) -> None:
+    """Stops process `pid` (SIGSTOP) and returns once every one of its
+    threads is stopped. `kill` returns before that on a loaded machine, and
+    a thread not yet stopped still answers: with both CPUs busy, stowd
+    answered 14 gets of 40 sent right after its SIGSTOP."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    while True:
+        states = []
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+            except FileNotFoundError:  # (a thread that ended meanwhile)
+                continue
+            states.append(stat.rsplit(")", 1)[1].split()[0])
+        if states and all(state in "Tt" for state in states):
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"process {pid} not stopped within {timeout} s: thread states {states}")
+        time.sleep(0.001)
+
+
 def fresh_indexes(n: int) -> list[int]:
     """n consecutive global indexes nobody else uses (n <= 100 per call)."""
     assert 0 < n <= 100

@@ -489,7 +489,7 @@ def test_a_cancelled_or_timed_out_async_same_node_get_leaves_the_client_working(
         async with stowage.AsyncClient(s["native"], same_node=True, timeout=10, spin_us=0) as c:
             np.testing.assert_array_equal((await c.get(idx, ["x"]))["x"], a)  # the channel opened
             channel = c._segments.channel
-            os.kill(s["pid"], signal.SIGSTOP)
+            stowd_harness.pause(s["pid"])
             try:
                 task = asyncio.ensure_future(c.get(idx, ["x"]))
                 await asyncio.sleep(0.1)
@@ -530,7 +530,7 @@ def test_a_same_node_reply_is_awaited_by_spinning_then_sleeping(inline_server, f
 
     def paused_get(c):
         c.get(idx, ["x"])  # the channel opened, the rows where they will be
-        os.kill(s["pid"], signal.SIGSTOP)
+        stowd_harness.pause(s["pid"])
         threading.Timer(0.2, os.kill, (s["pid"], signal.SIGCONT)).start()
         t = time.thread_time()
         got = c.get(idx, ["x"], as_torch=False)
@@ -1550,7 +1550,7 @@ def test_a_signal_stops_a_waiting_same_node_get_and_the_client_and_store_stay_wh
         with stowage.Client(s["native"], same_node=True, timeout=20, spin_us=spin_us) as c:
             np.testing.assert_array_equal(c.get(idx, ["x"])["x"], a)  # the channel open
             for rows, field, want in ((idx, "x", a), (small, "y", b)):
-                os.kill(s["pid"], signal.SIGSTOP)
+                stowd_harness.pause(s["pid"])
                 timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGUSR1))
                 t0 = time.monotonic()
                 timer.start()
