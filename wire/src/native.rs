@@ -12,7 +12,7 @@
 //! |---|---|---|
 //! | server (`stowd`) | [`decode_extras_and_body`] then [`decode_request_at`], or [`decode_request`] (+ [`request_id`] for error replies) | [`encode_reply`], [`encode_reply_with`] |
 //! | Rust client (tests, the router) | [`decode_reply`] | [`encode_request`], [`encode_request_with`] |
-//! | Python client (`stowage._core`) | [`decode_reply_layout`], [`decode_extras`] | [`encode_request_head`], [`with_extras`] |
+//! | Python client (`stowage._core`) | [`decode_reply_layout_memo`] (a get's reply), [`decode_reply_layout`], [`decode_extras`] | [`encode_request_head`], [`with_extras`] |
 //!
 //! Fields travel as a [`WireField`]: a regular tensor as [`RegularParts`]
 //! (its rows in one or more contiguous byte ranges), a nested tensor as one
@@ -49,7 +49,9 @@ use crate::msgpack;
 mod tests;
 
 pub use field::{PartBytes, RegularParts, WireField};
-pub use layout::{Dims, FieldLayout, PartLayout, Parts, ReplyLayout, RequestHead, RowLayout};
+pub use layout::{
+    Dims, FieldLayout, LayoutMemo, PartLayout, Parts, ReplyLayout, RequestHead, RowLayout,
+};
 
 /// The value of the envelope's `proto` key.
 pub const PROTO: &str = "stowage/1";
@@ -601,6 +603,18 @@ pub fn decode_request_at(
 /// still to come ([`layout`]); any other reply whole.
 pub fn decode_reply_layout(frame0: &Bytes, limits: &Limits) -> Result<(u64, ReplyLayout), Error> {
     decode::reply_layout(frame0, limits)
+}
+
+/// [`decode_reply_layout`] for a receiver that gets replies of the same
+/// shape again and again (a trainer asking for its micro-batch): a get_ok
+/// whose body is byte for byte the one `memo` kept gives the memo's fields,
+/// not read again ([`LayoutMemo`]).
+pub fn decode_reply_layout_memo(
+    frame0: &Bytes,
+    limits: &Limits,
+    memo: &mut LayoutMemo,
+) -> Result<(u64, ReplyLayout), Error> {
+    decode::reply_layout_memo(frame0, limits, Some(memo))
 }
 
 /// Decodes a reply (client side): the echoed request id and the reply.

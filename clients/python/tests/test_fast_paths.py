@@ -646,3 +646,44 @@ def test_a_gets_keys_are_made_once_and_stay_right(endpoint, fresh):
     assert list(g1) == names and list(g2) == names
     k1 = {k: k for k in g1}
     assert all(k is k1[k] for k in g2 if k != long_name)
+
+
+def test_gets_of_one_connection_follow_every_change_of_a_fields_layout(endpoint, fresh):
+    """The core keeps the last get_ok's layout and takes it again for a
+    reply whose descriptors are the same bytes. Gets on one connection of
+    the same field name, stored again between them with other values, then
+    another dtype, shape, row kind, and back: every get has the rows and
+    the dtype and shape stored last, through get and get_into alike."""
+    idx = fresh(4)
+    rng = np.random.default_rng(7)
+    a = rng.random((4, 16), dtype=np.float32)
+    stored = [
+        a,
+        a + 1,  # the same layout, other bytes
+        rng.integers(0, 1 << 40, (4, 16), dtype=np.int64),
+        rng.random((4, 8), dtype=np.float32),
+        rng.integers(-9, 9, (4, 16), dtype=np.int32),
+        rng.integers(0, 255, (4, 64), dtype=np.uint8),  # (a descriptor as long as the last)
+        rng.random((4, 16), dtype=np.float32).astype(">f4"),
+        [np.arange(n, dtype=np.int16) for n in (3, 0, 5, 1)],
+        ["a", b"b", 3, None],
+        a,
+    ]
+    with stowage.Client(endpoint, timeout=30) as c:
+        for k, x in enumerate(stored):
+            c.put(idx, {"x": x, "y": np.full((4, 2), k, np.uint8)})
+            for _ in range(2):
+                got = c.get(idx, ["x", "y"], as_torch=False)
+                assert got["y"].tolist() == [[k, k]] * 4, k
+                if isinstance(x, np.ndarray):
+                    native = x.dtype.newbyteorder("=")  # (stored in the machine's order)
+                    assert got["x"].dtype == native and got["x"].shape == x.shape, k
+                    np.testing.assert_array_equal(got["x"], x)
+                    into = {"x": np.empty(x.shape, native), "y": np.empty((4, 2), np.uint8)}
+                    c.get_into(idx, into)
+                    np.testing.assert_array_equal(into["x"], x)
+                elif isinstance(x[0], np.ndarray):
+                    assert [r.tolist() for r in got["x"]] == [r.tolist() for r in x], k
+                else:
+                    assert got["x"] == x, k
+        c.clear(idx)

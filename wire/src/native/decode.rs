@@ -28,5 +28,5 @@ mod stats;
 
 pub(super) use envelope::id;
 pub(super) use extras::extras;
-pub(super) use reply::{reply, reply_layout};
+pub(super) use reply::{reply, reply_layout, reply_layout_memo};
 pub(super) use request::request;

@@ -9,7 +9,7 @@ use smallvec::SmallVec;
 use crate::batch::Value;
 use crate::tensor::Dtype;
 
-use super::{Error, Op, Reply};
+use super::{Error, Limits, Op, Reply};
 
 /// The fixed bytes of a regular descriptor as every encoder here writes
 /// it (the encoder writes them, the decoder's fast path matches them): the
@@ -141,6 +141,75 @@ pub fn check_frames<N: AsRef<str>>(
     match used.iter().position(|u| !u) {
         Some(i) => Err(Error::UnusedFrame(i + 1)),
         None => Ok(()),
+    }
+}
+
+/// The last get_ok body a receiver decoded with
+/// [`super::decode_reply_layout_memo`], and its fields: a body byte for
+/// byte the same, under the same limits, gives the same fields (reading a
+/// body depends on nothing else), so they are cloned instead of read again.
+/// Only bodies of regular fields are kept (their descriptors say where the
+/// rows lie, which is the same from one micro-batch to the next; nested
+/// fields and values differ with the rows), up to
+/// [`LayoutMemo::MAX_BODY`] bytes.
+///
+/// Why: reading a field's descriptor (its name, dtype, shape and parts,
+/// each checked) took about 1,100 instructions in the client, a quarter of
+/// what a 10-field get's core spends a field (docs/benchmarks.md, "A get's
+/// layout from the last").
+#[derive(Debug, Default)]
+pub struct LayoutMemo {
+    body: Vec<u8>,
+    limits: Option<Limits>,
+    fields: Vec<(std::sync::Arc<str>, FieldLayout)>,
+    /// Bodies answered from the memo, for tests and benchmarks.
+    hits: u64,
+}
+
+impl LayoutMemo {
+    /// The largest body kept (a get of 32 regular fields' body is about
+    /// 1.5 KiB).
+    pub const MAX_BODY: usize = 16 << 10;
+
+    /// The kept fields, if `body` (under `limits`) is the kept body.
+    pub(super) fn get(
+        &mut self,
+        body: &[u8],
+        limits: &Limits,
+    ) -> Option<Vec<(std::sync::Arc<str>, FieldLayout)>> {
+        if self.limits.as_ref() != Some(limits) || self.body != body {
+            return None;
+        }
+        self.hits += 1;
+        Some(self.fields.clone())
+    }
+
+    /// Keeps `body`, read under `limits` into `fields`, for the next
+    /// (replacing what was kept), if it is small and every field regular;
+    /// else forgets what was kept.
+    pub(super) fn keep(
+        &mut self,
+        body: &[u8],
+        limits: &Limits,
+        fields: &[(std::sync::Arc<str>, FieldLayout)],
+    ) {
+        let regular = fields
+            .iter()
+            .all(|(_, f)| matches!(f, FieldLayout::Regular { .. }));
+        self.body.clear();
+        self.fields.clear();
+        if !regular || body.len() > Self::MAX_BODY {
+            self.limits = None;
+            return;
+        }
+        self.body.extend_from_slice(body);
+        self.fields.extend_from_slice(fields);
+        self.limits = Some(*limits);
+    }
+
+    /// How many bodies were answered from the memo.
+    pub fn hits(&self) -> u64 {
+        self.hits
     }
 }
 

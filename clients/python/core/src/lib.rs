@@ -11,7 +11,9 @@
 //! peak of twice the payload. Here the reply is read from the socket by
 //! this crate: frame 0 is decoded by stowd's own codec
 //! ([`stowage_wire::native::decode_reply_layout`]: where each field's rows
-//! lie in the data frames still to come), and each data frame's bytes are
+//! lie in the data frames still to come; a get_ok whose descriptors are the
+//! last one's bytes takes the last layout again,
+//! [`stowage_wire::native::decode_reply_layout_memo`]), and each data frame's bytes are
 //! read from the socket straight into the rows they belong to, in the
 //! caller's arrays. Nothing the size of the payload is allocated; the GIL
 //! is released while bytes move.

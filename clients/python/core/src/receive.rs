@@ -63,7 +63,7 @@ pub(crate) type Head = (u64, Vec<(Arc<str>, FieldLayout)>, bool, Bytes);
 pub(crate) fn read_head(s: &mut Stream) -> Result<Result<Head, Other>, Fail> {
     let (head, more) = s.head()?;
     let head = Bytes::from(head);
-    match native::decode_reply_layout(&head, &REPLY_LIMITS) {
+    match native::decode_reply_layout_memo(&head, &REPLY_LIMITS, &mut s.layouts) {
         Ok((id, ReplyLayout::GetOk(fields))) => Ok(Ok((id, fields, more, head))),
         // Another reply, or one this codec refuses: the caller decodes
         // frame 0 and says what it is.

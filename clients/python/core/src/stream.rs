@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use stowage_transport::curve::{CurveError, Decrypter, Encrypter, Session};
 use stowage_transport::frame::{self, Decoded};
+use stowage_wire::native::LayoutMemo;
 
 use crate::error::{Fail, interrupted};
 use crate::wait::{Spin, wait};
@@ -93,6 +94,10 @@ pub(crate) struct Stream {
     /// The receive timeout set on the socket (`SO_RCVTIMEO`), None before
     /// the first: see [`Stream::arm`].
     armed: Option<Duration>,
+    /// The last get_ok's body and its fields' layout: a get of the same
+    /// fields and shape as the last is answered by the same body, whose
+    /// layout is then not read again ([`crate::receive::read_head`]).
+    pub(crate) layouts: LayoutMemo,
 }
 
 impl Stream {
@@ -107,6 +112,7 @@ impl Stream {
             curve: None,
             replied: None,
             armed: None,
+            layouts: LayoutMemo::default(),
         }
     }
 

@@ -35,6 +35,12 @@ pub(in crate::native) fn id(frame0: &[u8]) -> Option<u64> {
 pub(super) struct Tail(bool);
 
 impl Tail {
+    /// Whether the body is the envelope's last key: then it runs to the
+    /// end of frame 0.
+    pub(super) fn body_last(self) -> bool {
+        self.0
+    }
+
     /// After the body was read through `r`: no byte may follow it.
     pub(super) fn check(self, r: &Reader<'_>) -> Result<(), Error> {
         if self.0 && r.remaining() > 0 {

@@ -10,7 +10,7 @@ use super::extras::versions_bin;
 use super::frames::Frames;
 use super::keys::{keyed, limit, need, single_uint};
 use super::stats::stat_entries;
-use crate::native::layout::{FieldLayout, ReplyLayout};
+use crate::native::layout::{FieldLayout, LayoutMemo, ReplyLayout};
 use crate::native::{Error, Limits, Reply, STATS_MAX_DEPTH, WireField};
 
 /// A reply's frame 0 alone: a `get_ok`'s descriptors, checked in
@@ -21,10 +21,32 @@ pub(in crate::native) fn reply_layout(
     frame0: &Bytes,
     limits: &Limits,
 ) -> Result<(u64, ReplyLayout), Error> {
+    reply_layout_memo(frame0, limits, None)
+}
+
+/// [`reply_layout`], a get_ok's body first compared with the one `memo`
+/// holds: the same bytes give the same fields, which are cloned from the
+/// memo instead of read again. A get_ok of regular fields only, whose body
+/// is the envelope's last key and at most [`LayoutMemo::MAX_BODY`] bytes,
+/// is kept for the next.
+pub(in crate::native) fn reply_layout_memo(
+    frame0: &Bytes,
+    limits: &Limits,
+    mut memo: Option<&mut LayoutMemo>,
+) -> Result<(u64, ReplyLayout), Error> {
     let frames = std::slice::from_ref(frame0);
     let (id, op, mut r, tail) = envelope(frames, limits, None)?;
     if op != "get_ok" {
         return reply(frames, limits).map(|(id, reply)| (id, ReplyLayout::Other(reply)));
+    }
+    // The body's bytes, when it runs to the end of frame 0.
+    let body = tail
+        .body_last()
+        .then(|| &frame0[frame0.len() - r.remaining()..]);
+    if let (Some(memo), Some(body)) = (memo.as_deref_mut(), body)
+        && let Some(fields) = memo.get(body, limits)
+    {
+        return Ok((id, ReplyLayout::GetOk(fields)));
     }
     const MAP: &str = "a get_ok body";
     let mut fields = None;
@@ -37,6 +59,9 @@ pub(in crate::native) fn reply_layout(
     tail.check(&r)?;
     let fields = need(fields, MAP, "fields")?;
     same_rows(&fields, FieldLayout::rows)?;
+    if let (Some(memo), Some(body)) = (memo, body) {
+        memo.keep(body, limits, &fields);
+    }
     Ok((id, ReplyLayout::GetOk(fields)))
 }
 

@@ -1230,3 +1230,137 @@ fn gathered_frames_are_the_copied_frames_unjoined() {
         sent[0].1.clone().into_cells()
     );
 }
+
+/// A regular field: name, dtype, shape, and the first byte of its rows.
+type RegularSpec<'a> = (&'a str, Dtype, &'a [u64], u8);
+
+/// A get_ok of regular fields as stowd writes it, request id `id`.
+fn regular_get_ok(id: u64, fields: &[RegularSpec<'_>]) -> Vec<Bytes> {
+    let fields = fields
+        .iter()
+        .map(|&(name, dtype, shape, seed)| {
+            let t = tensor(dtype, shape, seed);
+            let rows: Vec<Cell> = (0..shape[0])
+                .map(|i| Cell::Tensor(t.row_tensor(i).unwrap()))
+                .collect();
+            (name.to_owned(), WireField::from_cells(rows).unwrap())
+        })
+        .collect();
+    encode_reply(id, &Reply::GetOk { fields }).unwrap()
+}
+
+#[test]
+fn a_get_ok_layout_from_the_memo_is_the_layout_read_afresh() {
+    let limits = Limits::default();
+    let mut memo = LayoutMemo::default();
+    let fresh = |f0: &Bytes| decode_reply_layout(f0, &limits).unwrap();
+    let shape: &[RegularSpec<'_>] = &[
+        ("a", Dtype::Float32, &[4, 16], 0),
+        ("b", Dtype::Int64, &[4], 9),
+    ];
+    // The first is read and kept; the next of the same shape (another id,
+    // other bytes in the rows) comes from the memo, and is what a fresh
+    // read gives, its own id included.
+    let first = regular_get_ok(1, shape);
+    assert_eq!(
+        decode_reply_layout_memo(&first[0], &limits, &mut memo).unwrap(),
+        fresh(&first[0])
+    );
+    assert_eq!(memo.hits(), 0);
+    let second = regular_get_ok(2, &[shape[0], ("b", Dtype::Int64, &[4], 77)]);
+    let got = decode_reply_layout_memo(&second[0], &limits, &mut memo).unwrap();
+    assert_eq!(memo.hits(), 1);
+    assert_eq!(got, fresh(&second[0]));
+    assert_eq!(got.0, 2);
+    // A body that differs anywhere is read afresh: a dtype, a shape, a
+    // name, a field more or fewer.
+    let others: [&[RegularSpec<'_>]; 5] = [
+        &[shape[0], ("b", Dtype::Uint64, &[4], 9)],
+        &[shape[0], ("b", Dtype::Int64, &[4, 2], 9)],
+        &[shape[0], ("c", Dtype::Int64, &[4], 9)],
+        &[shape[0]],
+        &[shape[0], shape[1], ("c", Dtype::Int8, &[4, 2], 1)],
+    ];
+    for (k, other) in others.into_iter().enumerate() {
+        let f = regular_get_ok(10 + k as u64, other);
+        let hits = memo.hits();
+        let got = decode_reply_layout_memo(&f[0], &limits, &mut memo).unwrap();
+        assert_eq!(memo.hits(), hits, "case {k}");
+        assert_eq!(got, fresh(&f[0]), "case {k}");
+        // ... and kept: the same again comes from the memo.
+        let again = decode_reply_layout_memo(&f[0], &limits, &mut memo).unwrap();
+        assert_eq!((memo.hits(), &again), (hits + 1, &got), "case {k}");
+    }
+    // Other limits: read afresh, under those limits (one field too many).
+    let f = regular_get_ok(20, shape);
+    decode_reply_layout_memo(&f[0], &limits, &mut memo).unwrap();
+    let tight = Limits {
+        max_fields: 1,
+        ..limits
+    };
+    let hits = memo.hits();
+    assert!(decode_reply_layout_memo(&f[0], &tight, &mut memo).is_err());
+    assert_eq!(memo.hits(), hits);
+    // A body with a nested field or values is not kept (its rows' shapes
+    // and values change from one get to the next).
+    let nested: Vec<Cell> = [2u64, 5]
+        .iter()
+        .map(|&n| Cell::Tensor(tensor(Dtype::Uint8, &[n], 1)))
+        .collect();
+    for field in [
+        WireField::from_cells(nested).unwrap(),
+        WireField::Values(vec![Value::Str("x".into()); 2]),
+    ] {
+        let f = encode_reply(
+            30,
+            &Reply::GetOk {
+                fields: vec![("n".to_owned(), field)],
+            },
+        )
+        .unwrap();
+        for _ in 0..2 {
+            let got = decode_reply_layout_memo(&f[0], &limits, &mut memo).unwrap();
+            assert_eq!(got, fresh(&f[0]));
+        }
+        assert_eq!(memo.hits(), hits);
+    }
+    // Neither is a body over the most kept.
+    let long = "l".repeat(LayoutMemo::MAX_BODY);
+    let f = regular_get_ok(40, &[(&long, Dtype::Uint8, &[1], 0)]);
+    for _ in 0..2 {
+        assert_eq!(
+            decode_reply_layout_memo(&f[0], &limits, &mut memo).unwrap(),
+            fresh(&f[0])
+        );
+    }
+    assert_eq!(memo.hits(), hits);
+    // A reply that is not a get_ok leaves the memo as it was; a malformed
+    // body is refused as a fresh read refuses it, and kept nothing.
+    let f = regular_get_ok(50, shape);
+    decode_reply_layout_memo(&f[0], &limits, &mut memo).unwrap();
+    let err = encode_reply(
+        51,
+        &Reply::Error {
+            code: "bad_request".into(),
+            message: "no".into(),
+        },
+    )
+    .unwrap();
+    assert!(matches!(
+        decode_reply_layout_memo(&err[0], &limits, &mut memo)
+            .unwrap()
+            .1,
+        ReplyLayout::Other(Reply::Error { .. })
+    ));
+    let mut cut = f[0].to_vec();
+    cut.truncate(cut.len() - 3);
+    let cut = Bytes::from(cut);
+    assert_eq!(
+        decode_reply_layout_memo(&cut, &limits, &mut memo)
+            .unwrap_err()
+            .to_string(),
+        decode_reply_layout(&cut, &limits).unwrap_err().to_string()
+    );
+    decode_reply_layout_memo(&f[0], &limits, &mut memo).unwrap();
+    assert_eq!(memo.hits(), hits + 1);
+}
