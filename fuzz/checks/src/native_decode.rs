@@ -24,8 +24,8 @@ use crate::split_frames;
 use bytes::Bytes;
 use stowage_wire::channel::{self, Descriptors, Hello};
 use stowage_wire::native::{
-    Limits, Reply, ReplyLayout, code, decode_extras, decode_reply, decode_reply_layout,
-    decode_request, encode_reply, encode_request, layout, request_id,
+    LayoutMemo, Limits, Reply, ReplyLayout, code, decode_extras, decode_reply, decode_reply_layout,
+    decode_reply_layout_memo, decode_request, encode_reply, encode_request, layout, request_id,
 };
 
 /// Reply equality where a float stat may be NaN: `Debug` prints NaN as
@@ -95,6 +95,23 @@ fn check_layout(frames: &[Bytes], limits: &Limits) {
     let Some(frame0) = frames.first() else { return };
     let whole = decode_reply(frames, limits);
     let layout = decode_reply_layout(frame0, limits);
+    // Through a memo that the inputs checked before on this thread left,
+    // twice (the second read may come from it): the fresh read's answer
+    // both times. (Compared as printed: a NaN among a field's values is
+    // not equal to itself.)
+    thread_local! {
+        static MEMO: std::cell::RefCell<LayoutMemo> = std::cell::RefCell::default();
+    }
+    MEMO.with_borrow_mut(|memo| {
+        for _ in 0..2 {
+            let memoized = decode_reply_layout_memo(frame0, limits, memo);
+            assert_eq!(
+                format!("{memoized:?}"),
+                format!("{layout:?}"),
+                "a layout through the memo is not the fresh read's"
+            );
+        }
+    });
     let lens: Vec<u64> = frames[1..].iter().map(|f| f.len() as u64).collect();
     match (&whole, &layout) {
         (Ok((id, Reply::GetOk { fields })), Ok((lid, ReplyLayout::GetOk(l)))) => {
