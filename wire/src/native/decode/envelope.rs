@@ -84,12 +84,22 @@ pub(super) fn envelope<'a>(
     let mut tail = Tail(false);
     let n = r.map_len(MAP)?;
     for k in 0..n {
-        let key = r.str("an envelope key")?;
+        // Keys compared as bytes, UTF-8 checked only for one that matches
+        // none (as `keys::keyed` does): six validations a message were a
+        // thirtieth of a small get's instructions in `stowd`.
+        let key = r.str_bytes("an envelope key")?;
         let dup = match key {
-            "proto" => proto.replace(r.str("proto")?).is_some(),
-            "op" => op.replace(r.str("op")?).is_some(),
-            "id" => id.replace(r.uint("id")?).is_some(),
-            "body" => {
+            b"proto" => {
+                let at = r.pos();
+                let value = match r.str_bytes("proto")? {
+                    v if v == PROTO.as_bytes() => PROTO,
+                    v => Reader::utf8_at(v, at + (r.pos() - at - v.len()))?,
+                };
+                proto.replace(value).is_some()
+            }
+            b"op" => op.replace(r.str("op")?).is_some(),
+            b"id" => id.replace(r.uint("id")?).is_some(),
+            b"body" => {
                 let value = match body_at {
                     // The last key: the rest of the frame, read once by
                     // the op's reader, which then checks the end.
@@ -108,9 +118,10 @@ pub(super) fn envelope<'a>(
                 body.replace(value.start).is_some()
             }
             // Shared-memory and peer keys: read by `extras`.
-            "segments" | "same_node" | "channel" | "unit" | "with_versions" | "incarnation"
-            | "versions" => r.skip(ENVELOPE_DEPTH).map(|_| false)?,
+            b"segments" | b"same_node" | b"channel" | b"unit" | b"with_versions"
+            | b"incarnation" | b"versions" => r.skip(ENVELOPE_DEPTH).map(|_| false)?,
             other => {
+                let other = Reader::utf8_at(other, r.pos() - other.len())?;
                 stray.get_or_insert(other);
                 r.skip(ENVELOPE_DEPTH).map(|_| false)?
             }
@@ -118,7 +129,8 @@ pub(super) fn envelope<'a>(
         if dup {
             return Err(Error::DuplicateKey {
                 map: MAP,
-                key: key.to_owned(),
+                // A known key: ASCII.
+                key: String::from_utf8_lossy(key).into_owned(),
             });
         }
     }

@@ -25,11 +25,12 @@ pub(in crate::native) fn extras(
     let mut body = None;
     let n = r.map_len(MAP)?;
     for k in 0..n {
-        match r.str("an envelope key")? {
+        // Keys compared as bytes, as in `super::envelope`.
+        match r.str_bytes("an envelope key")? {
             // The last key: nothing after it to find, and the envelope's
             // reader does not walk a last body either.
-            "body" if k + 1 == n => break,
-            "segments" => {
+            b"body" if k + 1 == n => break,
+            b"segments" => {
                 let n = r.array_len("segments")?;
                 limit("segments", n, limits.max_frames)?;
                 let mut segs = Vec::with_capacity(n);
@@ -40,7 +41,7 @@ pub(in crate::native) fn extras(
                 }
                 out.segments = Some(segs);
             }
-            "channel" => {
+            b"channel" => {
                 let token = r.str("channel")?;
                 if token.is_empty() || token.len() > MAX_CHANNEL_TOKEN {
                     return Err(Error::WrongType {
@@ -50,23 +51,23 @@ pub(in crate::native) fn extras(
                 }
                 out.channel = Some(token.to_owned());
             }
-            "unit" => out.unit = Some(r.uint("unit")?),
-            "with_versions" => {
+            b"unit" => out.unit = Some(r.uint("unit")?),
+            b"with_versions" => {
                 out.with_versions = r.bool_value()?.ok_or(Error::WrongType {
                     key: "with_versions",
                     expected: "a bool",
                 })?
             }
-            "incarnation" => {
+            b"incarnation" => {
                 let incarnation = r.uint("incarnation")?;
                 let versions = out.versions.get_or_insert((0, Vec::new()));
                 versions.0 = incarnation;
             }
-            "versions" => {
+            b"versions" => {
                 let v = versions_bin(&mut r, limits)?;
                 out.versions.get_or_insert((0, Vec::new())).1 = v;
             }
-            "same_node" => {
+            b"same_node" => {
                 out.same_node = match r.bool_value()? {
                     Some(b) => b,
                     None => {
@@ -78,8 +79,13 @@ pub(in crate::native) fn extras(
                 }
             }
             key => {
+                // The envelope's own keys are ASCII; any other is checked
+                // as `Reader::str` would have.
+                if !matches!(key, b"body" | b"proto" | b"op" | b"id") {
+                    Reader::utf8_at(key, r.pos() - key.len())?;
+                }
                 let value = r.skip(ENVELOPE_DEPTH)?;
-                if key == "body" && body.is_none() {
+                if key == b"body" && body.is_none() {
                     body = Some(value);
                 }
             }

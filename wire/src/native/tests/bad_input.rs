@@ -803,3 +803,63 @@ fn a_channel_token_must_be_a_short_string() {
     .expect_err("a channel body with a key");
     assert_eq!(err.code(), code::BAD_REQUEST, "{err}");
 }
+
+/// The envelope's keys, and its `proto`, are compared as bytes: one that
+/// matches none is checked as UTF-8 then, with the errors a str read
+/// gives (a malformed str at its offset; else an unknown key, or another
+/// protocol), in `decode_request` and `decode_extras` alike.
+#[test]
+fn envelope_keys_and_proto_compared_as_bytes_are_checked_when_unknown() {
+    let good = frames_with(hand_put(), &[16]);
+    let f0 = good[0].to_vec();
+    let splice = |find: &[u8], with: &[u8]| -> Vec<Bytes> {
+        let at = f0
+            .windows(find.len())
+            .position(|w| w == find)
+            .expect("in frame 0");
+        let frame0 = [&f0[..at], with, &f0[at + find.len()..]].concat();
+        vec![Bytes::from(frame0), good[1].clone()]
+    };
+    let offset_of = |find: &[u8]| f0.windows(find.len()).position(|w| w == find).unwrap() + 1;
+    let utf8 = |err: &Error, at: usize| {
+        matches!(
+            err.root(),
+            Error::Malformed { reason: "invalid UTF-8 in a str", offset } if *offset == at
+        )
+    };
+    // A key: invalid UTF-8, valid but unknown, and the known one.
+    let bad_key = splice(b"\xa5proto", b"\xa5\xffroto");
+    let err = decode(&bad_key).unwrap_err();
+    assert!(utf8(&err, offset_of(b"\xa5proto")), "{err}");
+    let err = decode_extras(&bad_key[0], &Limits::default()).unwrap_err();
+    assert!(utf8(&err, offset_of(b"\xa5proto")), "extras: {err}");
+    let err = decode(&splice(b"\xa5proto", b"\xa5prot\xc3")).unwrap_err();
+    assert!(
+        utf8(&err, offset_of(b"\xa5proto")),
+        "half a character: {err}"
+    );
+    let unknown = frames_with(hand_put().set(&["zzý"], Some(M::U(0))), &[16]);
+    let err = decode(&unknown).unwrap_err();
+    assert!(
+        matches!(&err, Error::UnknownKey { key, .. } if key == "zzý"),
+        "{err}"
+    );
+    assert_eq!(err.code(), code::BAD_REQUEST, "{err}");
+    assert!(decode_extras(&good[0], &Limits::default()).is_ok());
+    // The proto: invalid UTF-8, another protocol, the same length.
+    let value = f0
+        .windows(10)
+        .position(|w| w == b"\xa9stowage/1")
+        .expect("proto value")
+        + 1;
+    let err = decode(&splice(b"\xa9stowage/1", b"\xa9stowage\xff1")).unwrap_err();
+    assert!(utf8(&err, value), "{err}");
+    let err = decode(&splice(b"\xa9stowage/1", b"\xa9stowage/2")).unwrap_err();
+    assert_eq!(err, Error::UnsupportedProto("stowage/2".into()));
+    // A duplicate key is named as it was written.
+    let err = decode(&splice(b"\xa5proto", b"\xa2op")).unwrap_err();
+    assert!(
+        matches!(&err, Error::DuplicateKey { key, .. } if key == "op"),
+        "{err}"
+    );
+}
