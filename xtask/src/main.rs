@@ -85,7 +85,7 @@ const COMMANDS: &[Cmd] = &[
     ),
     (
         "wheel",
-        "wheel [--debug] [--out DIR]       build the plugins and stowd (release) and, with maturin, a manylinux stowage wheel holding them (target/wheels)",
+        "wheel [--debug] [--out DIR]       build the plugins and stowd (release; --debug: the dev profile, as `xtask test` builds the workspace) and, with maturin, a manylinux stowage wheel holding them (target/wheels)",
         wheel::wheel,
     ),
 ];
