@@ -267,7 +267,7 @@ class AsyncClient(_Ops):
                 if e.rows_stored is None:
                     e.rows_stored = 0
                 raise
-        return await self._on_lane("put", timeout, lambda c, t: c._put(put, t))
+        return await self._on_lane("put", timeout, _lane_put(put))
 
     async def get(self, global_indexes, fields, *, as_torch: bool | None = None, nested: str = "rows",
                   timeout: float | None = None) -> dict:
@@ -292,8 +292,7 @@ class AsyncClient(_Ops):
                 except BadRequest as e:
                     if not self._ask_again(e, ranges, shm):
                         raise
-        return await self._on_lane("get", timeout, lambda c, t: c.get(
-            global_indexes, fields, as_torch=as_torch, nested=nested, timeout=t))
+        return await self._on_lane("get", timeout, _lane_get(global_indexes, fields, as_torch, nested))
 
     async def get_into(self, global_indexes, out: Mapping[str, Any], *,
                        timeout: float | None = None) -> Mapping[str, Any]:
@@ -314,7 +313,7 @@ class AsyncClient(_Ops):
                 except BadRequest as e:
                     if not self._ask_again(e, ranges, shm):
                         raise
-        return await self._on_lane("get_into", timeout, lambda c, t: c.get_into(global_indexes, out, timeout=t))
+        return await self._on_lane("get_into", timeout, _lane_get_into(global_indexes, out))
 
     async def clear(self, global_indexes, fields=None, *, timeout: float | None = None) -> int:
         """See `Client.clear`."""
@@ -340,7 +339,7 @@ class AsyncClient(_Ops):
             got = await self._in_loop(op, timeout, _Conn.start_call, (op, body), _Conn.finish_call, ())
             if got is not None:
                 return self._core_answer(*got, expect)
-        return await self._on_lane(op, timeout, lambda c, t: c._ask(op, body, t, expect))
+        return await self._on_lane(op, timeout, _lane_ask(op, body, expect))
 
     async def _in_loop(self, op: str, timeout, start, start_args: tuple, finish, finish_args: tuple, shm=None,
                        conn=None):
@@ -569,6 +568,25 @@ class AsyncClient(_Ops):
         finally:
             self._ranges_ok = self._ranges_ok and lane._ranges_ok
             self._core_idle.append(lane)
+
+
+# The lane calls, made here and not as lambdas in the calls themselves: a
+# name a lambda takes is a cell in its function's every call, whichever
+# branch runs (see `Client.get`).
+def _lane_put(put):
+    return lambda c, t: c._put(put, t)
+
+
+def _lane_get(global_indexes, fields, as_torch, nested):
+    return lambda c, t: c.get(global_indexes, fields, as_torch=as_torch, nested=nested, timeout=t)
+
+
+def _lane_get_into(global_indexes, out):
+    return lambda c, t: c.get_into(global_indexes, out, timeout=t)
+
+
+def _lane_ask(op, body, expect):
+    return lambda c, t: c._ask(op, body, t, expect)
 
 
 def _start_lease(conn, rid: int, timeout: float, ch, body: dict, extras: dict):

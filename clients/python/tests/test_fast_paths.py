@@ -509,6 +509,18 @@ def test_a_fast_put_answered_wrongly_is_a_protocol_error(fake_server):
             c.put([1, 2], {"x": np.zeros((2, 2), np.float32)})
 
 
+def test_the_small_calls_make_no_closure_cells():
+    """A name that a lambda anywhere in a function takes is a cell, made and
+    freed on each call whichever branch runs: the calls a small call goes
+    through keep their lambdas in helpers of their own."""
+    from stowage import aio, client
+    hot = [client.Client.get, client.Client.put, client.Client.get_into, client.Client._get_into,
+           client.Client.clear, client.Client._ask, client.Client._core_call,
+           aio.AsyncClient.get, aio.AsyncClient.put, aio.AsyncClient.get_into, aio.AsyncClient.clear,
+           aio.AsyncClient._ask, aio.AsyncClient._in_loop]
+    assert {f.__qualname__: f.__code__.co_cellvars for f in hot if f.__code__.co_cellvars} == {}
+
+
 def test_a_put_ok_written_another_way_is_read_and_taken(fake_server):
     """The client takes a put_ok in stowd's own bytes without reading it;
     one written another way (keys in another order, rows as a wider int)
