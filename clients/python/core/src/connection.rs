@@ -348,8 +348,10 @@ impl Connection {
         deadline: Instant,
     ) -> PyResult<Bound<'py, PyAny>> {
         let reply = self.resume_detached(py, deadline, read_reply)?;
-        let ok = exact_reply(id, &native::Reply::PutOk { rows });
-        if reply.len() == 1 && ok.as_deref() == Some(reply[0].as_slice()) {
+        if is_exact(
+            &reply,
+            exact_reply(id, &native::Reply::PutOk { rows }).as_ref(),
+        ) {
             return Ok(rows.into_pyobject(py)?.into_any());
         }
         settled(
@@ -780,8 +782,7 @@ impl Connection {
         let mut stored = 0u64;
         for (k, reply) in replies.iter().enumerate() {
             let rows = plan.message_len(k);
-            let exact = reply.len() == 1 && oks[k].as_deref() == Some(reply[0].as_slice());
-            if !exact && !put_ok(reply, rids[k], rows) {
+            if !is_exact(reply, oks[k].as_ref()) && !put_ok(reply, rids[k], rows) {
                 let frames: Vec<Bound<'py, PyBytes>> =
                     reply.iter().map(|f| PyBytes::new(py, f)).collect();
                 return (stored, rids[k], frames, None::<Bound<'py, PyAny>>)
@@ -1300,6 +1301,11 @@ fn exact_reply(id: u64, reply: &native::Reply) -> Option<Bytes> {
         Ok(mut frames) if frames.len() == 1 => frames.pop(),
         _ => None,
     }
+}
+
+/// Whether `reply` is the one frame `exact` ([`exact_reply`]).
+fn is_exact(reply: &[Vec<u8>], exact: Option<&Bytes>) -> bool {
+    matches!((reply, exact), ([head], Some(e)) if head[..] == e[..])
 }
 
 /// Whether `reply` is one frame answering request `id` with put_ok for

@@ -90,10 +90,9 @@ pub(super) fn envelope<'a>(
         let key = r.str_bytes("an envelope key")?;
         let dup = match key {
             b"proto" => {
-                let at = r.pos();
                 let value = match r.str_bytes("proto")? {
                     v if v == PROTO.as_bytes() => PROTO,
-                    v => Reader::utf8_at(v, at + (r.pos() - at - v.len()))?,
+                    v => Reader::utf8_at(v, r.pos() - v.len())?,
                 };
                 proto.replace(value).is_some()
             }
