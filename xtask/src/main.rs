@@ -27,14 +27,16 @@
 //! - `contract`: only the released-contract check.
 //! - `cycles`: only the module-cycle check (`cycles.rs`), which `test`
 //!   runs first too.
-//! - `wheel [--debug] [--out DIR]`: the `stowage` wheel with stowd and the
-//!   plugins inside, built by maturin (`wheel.rs`).
+//! - `wheel [--debug] [--no-pgo] [--out DIR]`: the `stowage` wheel with
+//!   stowd and the plugins inside, built by maturin (`wheel.rs`), stowd and
+//!   the client's core guided by a profile (`pgo.rs`).
 //! - `fuzz [TARGET] [--time SECS] [--sanitizer NAME]`: runs the cargo-fuzz
 //!   targets in `fuzz/` (installs nightly and cargo-fuzz if missing).
 //!
 //! To add a command: write `fn name(args: &[String]) -> Result<()>` and add
 //! a line to [`COMMANDS`].
 
+mod pgo;
 mod wheel;
 
 mod contract;
@@ -85,7 +87,7 @@ const COMMANDS: &[Cmd] = &[
     ),
     (
         "wheel",
-        "wheel [--debug] [--out DIR]       build the plugins and stowd (release; --debug: the dev profile, as `xtask test` builds the workspace) and, with maturin, a manylinux stowage wheel holding them (target/wheels)",
+        "wheel [--debug] [--no-pgo] [--out DIR]  build the plugins and stowd (release, profile-guided; --no-pgo: without the training run; --debug: the dev profile, as `xtask test` builds the workspace) and, with maturin, a manylinux stowage wheel holding them (target/wheels)",
         wheel::wheel,
     ),
 ];

@@ -1,15 +1,18 @@
-//! `cargo xtask wheel [--debug] [--out DIR]`: the Python package `stowage`
+//! `cargo xtask wheel [--debug] [--no-pgo] [--out DIR]`: the Python package `stowage`
 //! as a manylinux wheel with `stowd` inside, for `pip install` on every
 //! node of a cluster (`stowage.ray` runs the packaged binary by default,
 //! and the wheel puts a `stowd` command on PATH).
 //!
-//! Builds the plugins (`target/plugins`) and `stowd` (release; `--debug`:
-//! the dev profile, as `cargo xtask test` builds the workspace), stages
+//! Builds the plugins (`target/plugins`) and `stowd` (release, guided by
+//! a profile of a training run, see `pgo.rs`; `--no-pgo`: a plain release
+//! build; `--debug`: the dev profile, as `cargo xtask test` builds the
+//! workspace), stages
 //! them into the package's tree as `clients/python/stowage/_bin/stowd`
 //! and `clients/python/stowage/plugins/*.wasm` (both ignored by git;
 //! `<binary dir>/../plugins` is where stowd finds its bundled plugins, so
 //! the installed binary works on its defaults), and runs `maturin build`, which compiles the client's Rust
-//! core (`stowage._core`, abi3), takes every file of the package, the
+//! core (`stowage._core`, abi3; with the same profile unless `--no-pgo`
+//! or `--debug`), takes every file of the package, the
 //! staged ones included, and writes
 //! `DIR/stowage-<version>-cp311-abi3-manylinux_2_<N>_<arch>.whl` (default
 //! `DIR`: `target/wheels`). The staged files are removed afterwards.
@@ -26,22 +29,27 @@
 //! and `PACKAGE_DIR/plugins`), for the package's PEP 517 backend
 //! (`clients/python/_build/stowage_build.py`), which then calls maturin
 //! itself: `pip install ./clients/python` and a build from the sdist give
-//! the same wheel.
+//! the same wheel, built without a profile (`--stage` never runs the
+//! training: it would double a source install's build time).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use super::{Result, cargo, ensure_wasm_target, plugins, python, sh, target_dir, workspace_root};
+use super::{
+    Result, cargo, ensure_wasm_target, pgo, plugins, python, sh, target_dir, workspace_root,
+};
 
 pub fn wheel(args: &[String]) -> Result<()> {
     let root = workspace_root();
     let mut out = target_dir(&root).join("wheels");
     let mut debug = false;
+    let mut profile = true;
     let mut stage: Option<PathBuf> = None;
     let mut it = args.iter();
     while let Some(arg) = it.next() {
         match arg.as_str() {
             "--debug" => debug = true,
+            "--no-pgo" => profile = false,
             "--out" => out = PathBuf::from(it.next().ok_or("--out needs a directory")?),
             s if s.starts_with("--out=") => out = PathBuf::from(&s["--out=".len()..]),
             "--stage" => {
@@ -65,11 +73,19 @@ pub fn wheel(args: &[String]) -> Result<()> {
     } else {
         &["build", "-p", "stowage-host", "--bin", "stowd", "--release"]
     };
-    sh(&cargo(), build, &[])?;
-    let stowd = target_dir(&root)
-        .join(if debug { "debug" } else { "release" })
-        .join("stowd");
     let plugin_dir = target_dir(&root).join("plugins");
+    let guided = if profile && !debug && stage.is_none() {
+        Some(pgo::build(&root, &plugin_dir)?)
+    } else {
+        sh(&cargo(), build, &[])?;
+        None
+    };
+    let stowd = match &guided {
+        Some(g) => g.stowd.clone(),
+        None => target_dir(&root)
+            .join(if debug { "debug" } else { "release" })
+            .join("stowd"),
+    };
 
     if let Some(package) = stage {
         return Staged::put(&package, &stowd, &plugin_dir).map(Staged::keep);
@@ -88,6 +104,12 @@ pub fn wheel(args: &[String]) -> Result<()> {
         .arg(&out);
     if !debug {
         cmd.arg("--release");
+    }
+    if let Some(g) = &guided {
+        // The core with the same profile, built where the optimized
+        // stowd was (the same flags: its dependencies are reused).
+        cmd.args(["--target", &g.host]);
+        cmd.envs(g.env.iter().map(|(k, v)| (*k, v)));
     }
     eprintln!("xtask: (in {}) {cmd:?}", package.display());
     let started = std::time::Instant::now();
