@@ -60,7 +60,10 @@ pub fn build(root: &Path, plugin_dir: &Path) -> Result<Built> {
             .map_err(|e| format!("cannot clear {}: {e}", raw.display()))?;
     }
     let generate = dir.join("generate");
-    let base = std::env::var_os("RUSTFLAGS").unwrap_or_default();
+    let base = caller_flags(
+        std::env::var_os("CARGO_ENCODED_RUSTFLAGS"),
+        std::env::var_os("RUSTFLAGS"),
+    );
 
     // 1. Instrumented builds, each writing its own profile directory.
     let raw_stowd = raw.join("stowd");
@@ -139,7 +142,7 @@ pub fn build(root: &Path, plugin_dir: &Path) -> Result<Built> {
     Ok(Built {
         stowd: optimized.join(&host).join("release").join("stowd"),
         env: vec![
-            ("RUSTFLAGS", flags),
+            ("CARGO_ENCODED_RUSTFLAGS", flags),
             ("CARGO_TARGET_DIR", optimized.into_os_string()),
         ],
         host,
@@ -147,7 +150,8 @@ pub fn build(root: &Path, plugin_dir: &Path) -> Result<Built> {
 }
 
 /// `cargo build --release --target HOST` of `what` into `target_dir`
-/// with `RUSTFLAGS` set to `flags`.
+/// with `flags` (`CARGO_ENCODED_RUSTFLAGS`, which cargo takes before
+/// `RUSTFLAGS`: a path with a space in it stays one flag).
 fn build_for(host: &str, target_dir: &Path, flags: &OsString, what: &[&str]) -> Result<()> {
     let mut args = vec!["build", "--release", "--target", host];
     args.extend_from_slice(what);
@@ -155,17 +159,31 @@ fn build_for(host: &str, target_dir: &Path, flags: &OsString, what: &[&str]) -> 
         &cargo(),
         &args,
         &[
-            ("RUSTFLAGS", flags.as_os_str()),
+            ("CARGO_ENCODED_RUSTFLAGS", flags.as_os_str()),
             ("CARGO_TARGET_DIR", target_dir.as_os_str()),
         ],
     )
 }
 
-/// `base` (the caller's `RUSTFLAGS`, kept) with `flag` + `path` after it.
+/// The caller's own flags, kept under the profile's, in cargo's encoded
+/// form (separated by 0x1f): `CARGO_ENCODED_RUSTFLAGS` as it is, else
+/// `RUSTFLAGS` split at whitespace (as cargo splits it).
+fn caller_flags(encoded: Option<OsString>, plain: Option<OsString>) -> OsString {
+    match (encoded, plain) {
+        (Some(e), _) if !e.is_empty() => e,
+        (_, Some(p)) => {
+            let p = p.to_string_lossy().into_owned();
+            p.split_whitespace().collect::<Vec<_>>().join("\x1f").into()
+        }
+        _ => OsString::new(),
+    }
+}
+
+/// `base` (the caller's flags, encoded) with `flag` + `path` after it.
 fn rustflags(base: &OsString, flag: &str, path: &Path) -> OsString {
     let mut out = base.clone();
     if !out.is_empty() {
-        out.push(" ");
+        out.push("\x1f");
     }
     out.push(flag);
     out.push(path.as_os_str());
@@ -299,15 +317,22 @@ mod tests {
 
     #[test]
     fn the_callers_rustflags_are_kept_before_the_profile() {
-        let p = Path::new("/t/pgo/raw/stowd");
+        let p = Path::new("/t/my pgo/raw/stowd");
         assert_eq!(
             rustflags(&OsString::new(), "-Cprofile-generate=", p),
-            OsString::from("-Cprofile-generate=/t/pgo/raw/stowd")
+            OsString::from("-Cprofile-generate=/t/my pgo/raw/stowd")
         );
+        let plain = caller_flags(None, Some("  -Ctarget-cpu=native   -g ".into()));
+        assert_eq!(plain, OsString::from("-Ctarget-cpu=native\x1f-g"));
         assert_eq!(
-            rustflags(&OsString::from("-Ctarget-cpu=native"), "-Cprofile-use=", p),
-            OsString::from("-Ctarget-cpu=native -Cprofile-use=/t/pgo/raw/stowd")
+            rustflags(&plain, "-Cprofile-use=", p),
+            OsString::from("-Ctarget-cpu=native\x1f-g\x1f-Cprofile-use=/t/my pgo/raw/stowd")
         );
+        // cargo takes the encoded form first; so does the build.
+        let encoded = caller_flags(Some("-Ca=b c\x1f-g".into()), Some("-O".into()));
+        assert_eq!(encoded, OsString::from("-Ca=b c\x1f-g"));
+        assert_eq!(caller_flags(Some(OsString::new()), None), OsString::new());
+        assert_eq!(caller_flags(None, None), OsString::new());
     }
 
     #[test]
