@@ -50,16 +50,25 @@ def start(binary: str, work: str, plugins: str | None, extra: str = ""):
     eps = os.path.join(work, "stowd.json")
     with open(cfg, "w") as f:
         f.write(f"[units]\nlocal = 4\n\n[plugins]\ndir = {json.dumps(plugins)}\n{extra}")
-    proc = subprocess.Popen([binary, "serve", "--config", cfg, "--endpoints-file", eps],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    # Its log to a file, not a pipe nobody reads while it serves.
+    log = os.path.join(work, "stowd.log")
+    with open(log, "wb") as err:
+        proc = subprocess.Popen([binary, "serve", "--config", cfg, "--endpoints-file", eps],
+                                stdout=subprocess.DEVNULL, stderr=err)
+    proc.log = log
     deadline = time.monotonic() + 120
     while not os.path.exists(eps):
         if proc.poll() is not None or time.monotonic() > deadline:
-            err = proc.stderr.read().decode(errors="replace") if proc.poll() is not None else ""
             proc.kill()
-            raise SystemExit(f"stowd did not start ({binary}): {err[-2000:]}")
+            proc.wait()
+            raise SystemExit(f"stowd did not start ({binary}): {tail(log)}")
         time.sleep(0.05)
     return proc, json.load(open(eps))
+
+
+def tail(path: str) -> str:
+    with open(path, "rb") as f:
+        return f.read()[-2000:].decode(errors="replace")
 
 
 def stop(proc) -> None:
@@ -69,9 +78,10 @@ def stop(proc) -> None:
         rc = proc.wait(timeout=60)
     except subprocess.TimeoutExpired:
         proc.kill()
+        proc.wait()
         raise SystemExit("stowd did not stop within 60 s of SIGTERM: no profile written")
     if rc != 0:
-        raise SystemExit(f"stowd exited {rc} on SIGTERM: {proc.stderr.read().decode(errors='replace')[-2000:]}")
+        raise SystemExit(f"stowd exited {rc} on SIGTERM: {tail(proc.log)}")
 
 
 def batch(fields: int, rows: int, width: int = 16, seed: int = 0) -> dict:

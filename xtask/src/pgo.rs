@@ -5,8 +5,8 @@
 //! call from cold caches, and LLVM lays out and inlines that code better
 //! when it knows which paths run. Measured on the development VM (2 CPUs,
 //! both builds fat-LTO, `docs/benchmarks.md`, "Profile-guided builds"):
-//! `stowd`'s CPU per call 0.77-0.92x of the plain build's on small puts
-//! and gets, the client process's 0.88-0.92x. rustc's own
+//! `stowd`'s CPU per call 0.78-0.87x of the plain build's on small puts
+//! and gets, the client process's 0.88-0.94x. rustc's own
 //! `-Cprofile-generate` / `-Cprofile-use` and the toolchain's
 //! `llvm-profdata` (rustup's `llvm-tools` component) do the work; nothing
 //! here is hand-written instrumentation.
