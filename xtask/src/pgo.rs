@@ -100,7 +100,7 @@ pub fn build(root: &Path, plugin_dir: &Path) -> Result<Built> {
         "--plugins".into(),
         plugin_dir.into(),
         "--client-dir".into(),
-        train.clone().into(),
+        train.into(),
     ];
     eprintln!("xtask: {py} {args:?}");
     let status = Command::new(&py)
@@ -120,15 +120,14 @@ pub fn build(root: &Path, plugin_dir: &Path) -> Result<Built> {
     let mut profiles = profiles_in(&raw_stowd, "stowd")?;
     profiles.extend(profiles_in(&raw_core, "the client's core")?);
     let merged = dir.join("stowage.profdata");
-    let mut merge: Vec<OsString> = vec!["merge".into(), "-o".into(), merged.clone().into()];
-    merge.extend(profiles.into_iter().map(OsString::from));
-    let tool = profdata_tool.to_string_lossy().into_owned();
-    let merge: Vec<String> = merge
-        .iter()
-        .map(|a| a.to_string_lossy().into_owned())
-        .collect();
+    let mut merge = vec![
+        "merge".to_string(),
+        "-o".into(),
+        merged.display().to_string(),
+    ];
+    merge.extend(profiles.iter().map(|p| p.display().to_string()));
     let merge: Vec<&str> = merge.iter().map(String::as_str).collect();
-    sh(&tool, &merge, &[])?;
+    sh(&profdata_tool.display().to_string(), &merge, &[])?;
 
     // 5. The optimized stowd; the core's flags for maturin.
     let optimized = dir.join("use");
