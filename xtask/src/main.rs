@@ -522,12 +522,16 @@ fn test(args: &[String]) -> Result<()> {
     let plugin_dir = target_dir(&root).join("plugins");
     let stowd = target_dir(&root).join("debug").join("stowd");
     let driver = clippy_driver()?;
-    let envs: [(&str, &std::ffi::OsStr); 4] = [
+    let mut envs: Vec<(&str, &std::ffi::OsStr)> = vec![
         ("STOWAGE_PLUGIN_DIR", plugin_dir.as_os_str()),
         ("STOWD_BIN", stowd.as_os_str()),
         ("RUSTC_WORKSPACE_WRAPPER", driver.as_os_str()),
         ("CLIPPY_ARGS", std::ffi::OsStr::new(LINT)),
     ];
+    // As maturin builds the core, so that the wheel test's maturin build
+    // reuses this build's PyO3 (wheel::maturin_env).
+    let pyo3 = wheel::maturin_env(&python()).unwrap_or_default();
+    envs.extend(pyo3.iter().map(|(k, v)| (*k, v.as_os_str())));
     // One cargo build for `stowd` (and the other binaries), every test
     // binary and the benches, so cargo schedules them all together, linted
     // by clippy on the way; `cargo test` (same environment, so nothing is

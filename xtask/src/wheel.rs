@@ -32,6 +32,7 @@
 //! the same wheel, built without a profile (`--stage` never runs the
 //! training: it would double a source install's build time).
 
+use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -247,9 +248,54 @@ fn ensure_maturin() -> Result<()> {
     sh(&py, &["-m", "pip", "install", "-q", "maturin>=1.9,<2"], &[])
 }
 
+/// The environment `maturin build` gives cargo for the client's core
+/// (maturin 1.x sets these four for a PyO3 abi3 module, `maturin build
+/// -vv` shows them), for `cargo xtask test`'s own builds.
+///
+/// PyO3's build script reruns when one of them changes, and with it
+/// `pyo3` and everything above it. The wheel test's `maturin build`
+/// compiled PyO3 a second time after the suite's build had compiled it
+/// without them, and the next suite build a third time. With them set
+/// alike, maturin finds the suite's artifacts fresh.
+///
+/// `None` when `python` cannot be run (the build goes on without them;
+/// only the reuse is lost).
+pub fn maturin_env(python: &str) -> Option<Vec<(&'static str, OsString)>> {
+    let out = Command::new(python)
+        .args([
+            "-c",
+            "import sys; print(sys.executable); print(sys.implementation.name, *sys.version_info[:2], 64 if sys.maxsize > 2**32 else 32)",
+        ])
+        .output()
+        .ok()?;
+    if !out.status.success() {
+        return None;
+    }
+    let text = String::from_utf8(out.stdout).ok()?;
+    let (exe, sig) = parse_interpreter(&text)?;
+    Some(vec![
+        ("PYO3_BUILD_EXTENSION_MODULE", "1".into()),
+        ("PYO3_ENVIRONMENT_SIGNATURE", sig.into()),
+        ("PYO3_PYTHON", exe.clone().into()),
+        ("PYTHON_SYS_EXECUTABLE", exe.into()),
+    ])
+}
+
+/// (executable, `cpython-3.11-64bit`) from the probe's two lines.
+fn parse_interpreter(text: &str) -> Option<(String, String)> {
+    let mut lines = text.lines();
+    let exe = lines.next()?.trim();
+    let mut parts = lines.next()?.split_whitespace();
+    let (name, major, minor, bits) = (parts.next()?, parts.next()?, parts.next()?, parts.next()?);
+    if exe.is_empty() || parts.next().is_some() {
+        return None;
+    }
+    Some((exe.to_string(), format!("{name}-{major}.{minor}-{bits}bit")))
+}
+
 #[cfg(test)]
 mod tests {
-    use super::glibc_minor;
+    use super::{glibc_minor, parse_interpreter};
 
     #[test]
     fn glibc_minor_is_the_highest_version_named() {
@@ -257,5 +303,16 @@ mod tests {
         assert_eq!(glibc_minor(table), Some(34));
         assert_eq!(glibc_minor(b"\0GLIBC_PRIVATE\0GCC_3.0\0"), None);
         assert_eq!(glibc_minor(b""), None);
+    }
+
+    #[test]
+    fn the_interpreter_probe_gives_maturins_signature() {
+        assert_eq!(
+            parse_interpreter("/usr/bin/python3\ncpython 3 11 64\n"),
+            Some(("/usr/bin/python3".into(), "cpython-3.11-64bit".into()))
+        );
+        assert_eq!(parse_interpreter("/usr/bin/python3\n"), None);
+        assert_eq!(parse_interpreter("\ncpython 3 11 64\n"), None);
+        assert_eq!(parse_interpreter("/p\ncpython 3 11 64 extra\n"), None);
     }
 }
