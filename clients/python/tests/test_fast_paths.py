@@ -233,6 +233,10 @@ BAD_INDEXES = [
     ([1, 2.5], TypeError, "global indexes must be ints, got 2.5"),
     ([1, "2"], TypeError, "global indexes must be ints, got '2'"),
     ((1, None), TypeError, "global indexes must be ints, got None"),
+    # A list of bools is a mask, not the indexes 0 and 1.
+    ([True, False, True], TypeError, r"global indexes must be ints, got True \(a bool: for a mask"),
+    ((3, False), TypeError, r"global indexes must be ints, got False \(a bool"),
+    ([np.bool_(True)], TypeError, r"global indexes must be ints, got np.True_ \(a bool"),
     (np.asarray([1.0, 2.0]), TypeError, "must be a 1-d integer array"),
     (np.asarray([True, False]), TypeError, "must be a 1-d integer array"),
     (np.zeros((2, 2), np.int64), TypeError, "must be a 1-d integer array"),
