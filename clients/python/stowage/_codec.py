@@ -170,7 +170,7 @@ def check_indexes(global_indexes: Any, what: str, *, unique: bool, allow_empty: 
     fast = _checked_fast(global_indexes, unique)
     if fast is not None:
         return fast
-    if isinstance(global_indexes, (str, bytes)) or not isinstance(global_indexes, Iterable):
+    if isinstance(global_indexes, (str, bytes, bytearray)) or not isinstance(global_indexes, Iterable):
         raise TypeError(f"{what}: global_indexes must be a sequence of non-negative ints, got "
                         f"{type(global_indexes).__name__}")
     if isinstance(global_indexes, np.ndarray):

@@ -186,7 +186,8 @@ def test_a_get_of_plain_lists_is_written_by_the_core(endpoint, fresh):
             assert written_by_core == [True], written_by_core
         written_by_core.clear()
         with pytest.raises(stowage.KeyNotFound):
-            c.get([True], ["never_put_anywhere"])  # index 1, a field nobody puts: the general path
+            # Index 1 as a numpy int (not an exact int: the general path), a field nobody puts.
+            c.get([np.int64(1)], ["never_put_anywhere"])
         assert written_by_core == [True, False], written_by_core
         with pytest.raises(stowage.KeyNotFound):
             c.get([idx[3] + 1000], ["x"])

@@ -242,6 +242,7 @@ BAD_INDEXES = [
     (np.zeros((2, 2), np.int64), TypeError, "must be a 1-d integer array"),
     (np.int64(5), TypeError, "global_indexes must be a sequence of non-negative ints"),
     (b"\x01\x02", TypeError, "global_indexes must be a sequence of non-negative ints, got bytes"),
+    (bytearray(b"\x01\x02"), TypeError, "global_indexes must be a sequence of non-negative ints, got bytearray"),
     ("12", TypeError, "global_indexes must be a sequence of non-negative ints, got str"),
     (7, TypeError, "global_indexes must be a sequence of non-negative ints, got int"),
     ([], ValueError, "empty batch"),

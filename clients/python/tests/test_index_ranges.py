@@ -159,4 +159,8 @@ def test_long_index_lists_are_checked_as_short_ones_are(what, unique):
     for g, err, words in bad:
         with pytest.raises(err, match=words):
             _codec.check_indexes(g, what, unique=unique)
-    assert _codec.check_indexes([True] * 1 + list(range(2, 100)), what, unique=unique)[0] == 1
+    # An int that is not exactly `int` takes the general path, and is read as its value.
+    assert _codec.check_indexes([np.int16(1)] + list(range(2, 100)), what, unique=unique)[0] == 1
+    # A bool is refused there, though Python counts it an int: a list of them is a mask.
+    with pytest.raises(TypeError, match="got True \\(a bool"):
+        _codec.check_indexes([True] + list(range(2, 100)), what, unique=unique)
