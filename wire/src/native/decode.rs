@@ -18,6 +18,8 @@
 //! [`Extras`]: super::Extras
 
 mod descriptor;
+#[cfg(test)]
+pub(super) use descriptor::last_put_hits;
 mod envelope;
 mod extras;
 mod frames;

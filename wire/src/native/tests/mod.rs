@@ -971,6 +971,7 @@ fn a_request_head_is_the_bytes_of_the_placing_encoder() {
 
 mod bad_input;
 mod body_at;
+mod last_put;
 mod ranges;
 
 #[test]
