@@ -155,3 +155,84 @@ fn a_map_with_plain_values_or_nested_rows_is_not_kept() {
         "x's map is kept past a's, which is not kept"
     );
 }
+
+/// Frame 0 of a put of `fields`' layouts, written on this thread and on a
+/// thread that has written none: the two must be the same bytes.
+fn head_both_ways(indexes: Vec<u64>, fields: Vec<(std::sync::Arc<str>, FieldLayout)>) -> Bytes {
+    let head = RequestHead::Put {
+        global_indexes: indexes,
+        fields,
+    };
+    let here = encode_request_head(3, &head).unwrap();
+    let first = std::thread::spawn(move || encode_request_head(3, &head).unwrap())
+        .join()
+        .unwrap();
+    assert_eq!(here, first);
+    here
+}
+
+fn regular_layout(dtype: Dtype, shape: &[u64], frame: u64, offset: u64) -> FieldLayout {
+    let row: u64 = shape[1..].iter().product::<u64>() * dtype.itemsize() as u64;
+    FieldLayout::Regular {
+        dtype,
+        shape: shape.iter().copied().collect(),
+        parts: smallvec::smallvec![PartLayout {
+            frame,
+            offset,
+            len: row * shape[0],
+            rows: shape[0],
+        }],
+    }
+}
+
+#[test]
+fn a_put_head_like_the_last_is_written_as_a_first_write_would() {
+    let name = |s: &str| crate::names::shared_name(s);
+    let fields = |n: u64, second: &str| {
+        vec![
+            (name("x"), regular_layout(Dtype::Float32, &[n, 4], 1, 0)),
+            (name(second), regular_layout(Dtype::Int64, &[n], 1, 16 * n)),
+        ]
+    };
+    let a = head_both_ways(vec![1, 2], fields(2, "y"));
+    // The same fields, other indexes: frame 0 differs only there.
+    let b = head_both_ways(vec![7, 9], fields(2, "y"));
+    assert_ne!(a, b);
+    let decoded = |f: Bytes| {
+        let mut frames = vec![f];
+        frames.push(Bytes::from(vec![0u8; 64]));
+        decode_request(&frames, &Limits::default()).unwrap()
+    };
+    let (ra, rb) = (decoded(a), decoded(b));
+    assert_eq!(fields_of(&ra).len(), 2);
+    assert_eq!(
+        fields_of(&ra)
+            .iter()
+            .map(|(n, f)| (n.clone(), f.rows()))
+            .collect::<Vec<_>>(),
+        fields_of(&rb)
+            .iter()
+            .map(|(n, f)| (n.clone(), f.rows()))
+            .collect::<Vec<_>>()
+    );
+    // Another name, another row count, another order: each written anew.
+    head_both_ways(vec![7, 9], fields(2, "z"));
+    head_both_ways(vec![7, 9, 10], fields(3, "z"));
+    let mut swapped = fields(3, "z");
+    swapped.reverse();
+    head_both_ways(vec![7, 9, 10], swapped);
+    // A nested field beside a regular one is written, not kept.
+    let nested = FieldLayout::Nested {
+        dtype: Dtype::Uint8,
+        rows: vec![RowLayout {
+            shape: vec![2],
+            frame: 1,
+            offset: 0,
+            len: 2,
+        }],
+    };
+    let mut mixed = fields(1, "z");
+    mixed.push((name("n"), nested));
+    head_both_ways(vec![5], mixed.clone());
+    head_both_ways(vec![5], mixed);
+}
