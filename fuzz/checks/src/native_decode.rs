@@ -8,6 +8,8 @@
 //!
 //! Invariants checked (each holds by design):
 //! - decoding never panics, whatever the frames;
+//! - a request decodes the same read twice on one thread (the second
+//!   read takes the put's fields map the first kept) and on a new thread;
 //! - a decoded request (reply) encodes again with the zero-copy layout, and
 //!   decoding that gives the same request (reply) and the same id;
 //!   (re-decoded under the default limits: the zero-copy layout may use
@@ -37,8 +39,29 @@ fn same_reply(a: &Reply, b: &Reply) {
     }
 }
 
+/// A request's decode as text: what it decoded to, or its error.
+fn decoded(r: &Result<stowage_wire::native::Request, stowage_wire::native::Error>) -> String {
+    match r {
+        Ok(req) => format!("{req:?}"),
+        Err(e) => format!("error: {e}"),
+    }
+}
+
 fn check_request(frames: &[Bytes], limits: &Limits) {
-    let req = match decode_request(frames, limits) {
+    let first = decode_request(frames, limits);
+    // A put's fields map is kept a thread (the decoder's `LastPut`): read
+    // again here, it comes from what this read kept; on a thread that has
+    // read nothing, from the bytes. All three agree.
+    let again = decode_request(frames, limits);
+    assert_eq!(decoded(&first), decoded(&again), "a second read differs");
+    let fresh = std::thread::scope(|s| s.spawn(|| decode_request(frames, limits)).join())
+        .expect("a first read on a new thread panicked");
+    assert_eq!(
+        decoded(&first),
+        decoded(&fresh),
+        "a first read on a new thread differs"
+    );
+    let req = match first {
         Ok(req) => req,
         Err(err) => {
             let reply = Reply::from_error(&err);
