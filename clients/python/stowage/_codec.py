@@ -160,7 +160,7 @@ def _checked_fast(g: Any, unique: bool) -> list[int] | None:
 
 
 def _int_index(g: Any) -> int:
-    if isinstance(g, bool):
+    if isinstance(g, (bool, np.bool_)):
         raise TypeError("a bool")
     return operator.index(g)
 

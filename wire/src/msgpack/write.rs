@@ -150,6 +150,22 @@ impl Writer {
         self.uint(v);
     }
 
+    /// How many bytes are written so far.
+    pub fn len(&self) -> usize {
+        self.buf.as_slice().len()
+    }
+
+    /// Whether nothing is written yet.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The bytes written from offset `start` on (a [`Writer::len`] taken
+    /// before).
+    pub fn written_since(&self, start: usize) -> &[u8] {
+        &self.buf.as_slice()[start..]
+    }
+
     /// The bytes written, or the first length that could not be written.
     pub fn finish(self) -> Result<Vec<u8>, TooLong> {
         match self.too_long {

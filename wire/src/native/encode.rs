@@ -741,14 +741,15 @@ fn put_layout_map(
     if copied {
         return Ok(());
     }
-    let mut map = Writer::with_capacity(put_head_room(&[], fields));
-    layout_map(&mut map, fields)?;
-    let bytes = map.finish()?;
-    w.raw(&bytes);
+    let start = w.len();
+    layout_map(w, fields)?;
+    // (A length too long to write makes the map longer than this: such a
+    // map, which the writer refuses, is never kept.)
+    let bytes = w.written_since(start);
     if bytes.len() <= LastPutHead::MAX_BYTES {
         LAST_PUT_HEAD.set(Some(LastPutHead {
             fields: fields.to_vec(),
-            bytes,
+            bytes: bytes.to_vec(),
         }));
     }
     Ok(())
